@@ -1,0 +1,28 @@
+//! The planning core of Lazarus: every decision the controller makes, as pure functions.
+//!
+//! * [`allocation`] — how many replicas each expert gets (paper §4.1, Eq. 1);
+//! * [`placement`] — where the replicas go (MRO of Theorem 1 and our `lazarus` strategy);
+//! * [`recovery`] — the probability that a plan survives k node failures;
+//! * [`reconfig`] — which live node becomes which plan node and who sends what (§4.3);
+//! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1).
+//!
+//! No I/O, no clock, no threads: the same inputs give the same plan on every machine.
+
+pub mod allocation;
+pub mod dispatch;
+mod error;
+pub mod nodeset;
+pub mod placement;
+pub mod reconfig;
+pub mod recovery;
+mod rng;
+
+pub use allocation::{allocate, ReplicaAllocation};
+pub use dispatch::{DispatchSchedule, TokenCounts};
+pub use error::PlanError;
+pub use placement::{place, ClusterShape, Placement, Strategy};
+pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
+pub use recovery::{recovery_curve, recovery_probability, RecoveryEstimate, RecoveryMethod};
+
+/// Index of an expert within one MoE layer, 0-based in input order.
+pub type ExpertId = usize;

@@ -1,0 +1,587 @@
+//! Fault-tolerant replica placement (paper §4.1, Theorem 1) and the baselines.
+//!
+//! Failures are at node level, so a plan is computed for N nodes of G·c slots each and then each
+//! node's replicas are spread over its GPUs ([`Placement::gpu`]). A node may hold several replicas
+//! of one expert: that GPU then processes that many shares of the expert's tokens.
+//!
+//! Strategies:
+//! * `mro` — the paper's maximum-rank-overlap plan, exactly as Theorem 1 describes it.
+//! * `spread` — round-robin: replica k of the ascending replica list goes to node k mod N.
+//! * `compact` — fill node after node: every expert on as few nodes as possible.
+//! * `lazarus` — ours. MRO is optimal whenever its node groups fit (Σ_i r_rep_i ≤ N), and there
+//!   it is returned unchanged. When the last group must be truncated MRO can lose (e.g. replicas
+//!   [2,3,3,4], N=4, c=3: 2/3 vs an optimum of 5/6 with two nodes alive), so we evaluate every
+//!   MRO-style grouping exactly and, on clusters small enough for exact evaluation to be cheap,
+//!   improve the best one by local search over replica swaps. The result never does worse than
+//!   MRO for any number of failures.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::PlanError;
+use crate::nodeset::NodeSet;
+use crate::recovery::{self, SurvivalCurve};
+use crate::rng::SplitMix64;
+use crate::ExpertId;
+
+/// N nodes × G GPUs per node × c replica slots per GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterShape {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+    pub slots_per_gpu: usize,
+}
+
+impl ClusterShape {
+    pub fn new(nodes: usize, gpus_per_node: usize, slots_per_gpu: usize) -> Result<Self, PlanError> {
+        if nodes == 0 {
+            return Err(PlanError::invalid("nodes", nodes, "at least one node is needed"));
+        }
+        if gpus_per_node == 0 {
+            return Err(PlanError::invalid("gpus-per-node", gpus_per_node, "at least one GPU per node is needed"));
+        }
+        if slots_per_gpu == 0 {
+            return Err(PlanError::invalid("slots", slots_per_gpu, "each GPU needs at least one replica slot"));
+        }
+        if nodes
+            .checked_mul(gpus_per_node)
+            .and_then(|x| x.checked_mul(slots_per_gpu))
+            .is_none_or(|x| x > 1 << 32)
+        {
+            return Err(PlanError::invalid(
+                "nodes",
+                nodes,
+                format!("nodes x gpus-per-node ({gpus_per_node}) x slots ({slots_per_gpu}) is too large"),
+            ));
+        }
+        Ok(ClusterShape {
+            nodes,
+            gpus_per_node,
+            slots_per_gpu,
+        })
+    }
+
+    /// G·c: replicas one node holds.
+    pub fn slots_per_node(&self) -> usize {
+        self.gpus_per_node * self.slots_per_gpu
+    }
+
+    /// N·G·c: replicas the whole cluster holds.
+    pub fn total_slots(&self) -> usize {
+        self.nodes * self.slots_per_node()
+    }
+
+    /// N·G: worker ranks, rank = node·G + gpu.
+    pub fn ranks(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    #[default]
+    Lazarus,
+    Mro,
+    Spread,
+    Compact,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 4] = [Strategy::Lazarus, Strategy::Mro, Strategy::Spread, Strategy::Compact];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Lazarus => "lazarus",
+            Strategy::Mro => "mro",
+            Strategy::Spread => "spread",
+            Strategy::Compact => "compact",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| PlanError::invalid("strategy", s, "expected one of lazarus, mro, spread, compact"))
+    }
+}
+
+/// Where every replica of one layer lives. `nodes[n]` lists the G·c expert ids on node n, GPU
+/// by GPU: entries `[g·c, (g+1)·c)` are GPU g's slots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    shape: ClusterShape,
+    experts: usize,
+    nodes: Vec<Vec<ExpertId>>,
+}
+
+impl Placement {
+    /// Validate a plan given as per-node expert lists (e.g. read from a file).
+    pub fn from_nodes(shape: ClusterShape, experts: usize, nodes: Vec<Vec<ExpertId>>) -> Result<Self, PlanError> {
+        if nodes.len() != shape.nodes {
+            return Err(PlanError::Length {
+                field: "placement",
+                got: nodes.len(),
+                expected: shape.nodes,
+            });
+        }
+        let mut seen = vec![false; experts];
+        for (n, node) in nodes.iter().enumerate() {
+            if node.len() != shape.slots_per_node() {
+                return Err(PlanError::invalid(
+                    "placement",
+                    format!("node {n} with {} entries", node.len()),
+                    format!("every node must list exactly gpus-per-node x slots = {} entries", shape.slots_per_node()),
+                ));
+            }
+            for &e in node {
+                if e >= experts {
+                    return Err(PlanError::invalid(
+                        "placement",
+                        format!("expert {e} on node {n}"),
+                        format!("expert ids must be below {experts}"),
+                    ));
+                }
+                seen[e] = true;
+            }
+        }
+        if let Some(e) = seen.iter().position(|&s| !s) {
+            return Err(PlanError::invalid("placement", format!("expert {e}"), "has no replica on any node"));
+        }
+        Ok(Placement { shape, experts, nodes })
+    }
+
+    pub fn shape(&self) -> ClusterShape {
+        self.shape
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Per-node expert lists, GPU-major within a node.
+    pub fn nodes(&self) -> &[Vec<ExpertId>] {
+        &self.nodes
+    }
+
+    /// The c expert ids in GPU `gpu` of node `node`.
+    pub fn gpu(&self, node: usize, gpu: usize) -> &[ExpertId] {
+        let c = self.shape.slots_per_gpu;
+        &self.nodes[node][gpu * c..(gpu + 1) * c]
+    }
+
+    /// r_e: replicas of each expert.
+    pub fn replica_counts(&self) -> Vec<usize> {
+        let mut r = vec![0; self.experts];
+        self.nodes.iter().flatten().for_each(|&e| r[e] += 1);
+        r
+    }
+
+    /// R[e][rank]: replicas of expert e on worker rank (node·G + gpu) — Algorithm 1's input.
+    pub fn rank_replicas(&self) -> Vec<Vec<u32>> {
+        let g = self.shape.gpus_per_node;
+        let mut r = vec![vec![0u32; self.shape.ranks()]; self.experts];
+        for n in 0..self.shape.nodes {
+            for gpu in 0..g {
+                for &e in self.gpu(n, gpu) {
+                    r[e][n * g + gpu] += 1;
+                }
+            }
+        }
+        r
+    }
+
+    /// S_e: the set of nodes holding at least one replica of each expert.
+    pub fn holders(&self) -> Vec<NodeSet> {
+        holder_sets(&self.nodes, self.experts)
+    }
+}
+
+pub(crate) fn holder_sets(nodes: &[Vec<ExpertId>], experts: usize) -> Vec<NodeSet> {
+    let mut sets = vec![NodeSet::empty(nodes.len()); experts];
+    for (n, node) in nodes.iter().enumerate() {
+        for &e in node {
+            sets[e].insert(n);
+        }
+    }
+    sets
+}
+
+/// Place `replicas[e]` replicas of each expert on the cluster with the given strategy.
+///
+/// `loads` (tokens per expert, optional) only steers how a node's replicas are spread over its
+/// GPUs: each replica is expected to receive `t_e / r_e` tokens and GPUs are balanced on that.
+pub fn place(
+    replicas: &[usize],
+    shape: ClusterShape,
+    strategy: Strategy,
+    loads: Option<&[f64]>,
+) -> Result<Placement, PlanError> {
+    validate_replicas(replicas, shape)?;
+    if let Some(l) = loads {
+        if l.len() != replicas.len() {
+            return Err(PlanError::Length {
+                field: "loads",
+                got: l.len(),
+                expected: replicas.len(),
+            });
+        }
+    }
+    let s = shape.slots_per_node();
+    let n = shape.nodes;
+    let nodes = match strategy {
+        Strategy::Mro => mro_nodes(replicas, n, s, GroupLayout::PartialLast),
+        Strategy::Spread => sequential_nodes(replicas, n, s, |k| k % n),
+        Strategy::Compact => sequential_nodes(replicas, n, s, |k| k / s),
+        Strategy::Lazarus => lazarus_nodes(replicas, n, s),
+    };
+    let nodes = balance_gpus(nodes, replicas, shape, loads);
+    Ok(Placement {
+        shape,
+        experts: replicas.len(),
+        nodes,
+    })
+}
+
+pub(crate) fn validate_replicas(replicas: &[usize], shape: ClusterShape) -> Result<(), PlanError> {
+    if replicas.is_empty() {
+        return Err(PlanError::invalid("replicas", "[]", "at least one expert is needed"));
+    }
+    if let Some(e) = replicas.iter().position(|&r| r == 0) {
+        return Err(PlanError::invalid(
+            "replicas",
+            format!("0 (expert {e})"),
+            "every expert needs at least one replica",
+        ));
+    }
+    let sum: usize = replicas.iter().sum();
+    if sum != shape.total_slots() {
+        return Err(PlanError::SlotMismatch {
+            sum,
+            slots: shape.total_slots(),
+        });
+    }
+    Ok(())
+}
+
+/// Experts in ascending replica order, ties by id (the order Theorem 1 assumes).
+fn ascending(replicas: &[usize]) -> Vec<ExpertId> {
+    let mut order: Vec<ExpertId> = (0..replicas.len()).collect();
+    order.sort_by_key(|&e| (replicas[e], e));
+    order
+}
+
+/// Replica k of the ascending replica list goes to node `node_of(k)`.
+fn sequential_nodes(replicas: &[usize], n: usize, s: usize, node_of: impl Fn(usize) -> usize) -> Vec<Vec<ExpertId>> {
+    let mut nodes = vec![Vec::with_capacity(s); n];
+    let list = ascending(replicas)
+        .into_iter()
+        .flat_map(|e| std::iter::repeat_n(e, replicas[e]));
+    for (k, e) in list.enumerate() {
+        nodes[node_of(k)].push(e);
+    }
+    nodes
+}
+
+/// Where the group with fewer than G·c experts (if E is not a multiple of G·c) goes in the
+/// ascending expert order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GroupLayout {
+    /// Theorem 1: consecutive groups of G·c from the least replicated; the remainder is last.
+    PartialLast,
+    /// The partial group is the `i`-th group.
+    PartialAt(usize),
+}
+
+fn groups(order: &[ExpertId], s: usize, layout: GroupLayout) -> Vec<&[ExpertId]> {
+    let partial = order.len() % s;
+    let count = order.len().div_ceil(s);
+    let at = match layout {
+        GroupLayout::PartialLast => count - 1,
+        GroupLayout::PartialAt(i) => i.min(count - 1),
+    };
+    let mut out = Vec::with_capacity(count);
+    let mut start = 0;
+    for g in 0..count {
+        let len = if partial != 0 && g == at { partial } else { s };
+        out.push(&order[start..start + len]);
+        start += len;
+    }
+    out
+}
+
+/// Σ_i r_rep_i > N: the node groups of MRO do not fit and the last one is cut short.
+pub(crate) fn mro_truncates(replicas: &[usize], n: usize, s: usize) -> bool {
+    let order = ascending(replicas);
+    let need: usize = groups(&order, s, GroupLayout::PartialLast)
+        .iter()
+        .map(|g| replicas[g[0]])
+        .sum();
+    need > n
+}
+
+/// The MRO plan (Theorem 1): group i occupies r_{rep_i} consecutive nodes (the last group only
+/// what is left), each holding one replica of every expert of the group; the replicas left over
+/// are spread over the vacant slots.
+fn mro_nodes(replicas: &[usize], n: usize, s: usize, layout: GroupLayout) -> Vec<Vec<ExpertId>> {
+    let order = ascending(replicas);
+    let mut nodes: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(s); n];
+    let mut left = replicas.to_vec();
+    let mut next = 0;
+    for group in groups(&order, s, layout) {
+        let span = replicas[group[0]].min(n - next);
+        for node in &mut nodes[next..next + span] {
+            for &e in group {
+                node.push(e);
+                left[e] -= 1;
+            }
+        }
+        next += span;
+    }
+    fill_vacancies(&mut nodes, s, &order, &mut left);
+    nodes
+}
+
+/// "For the vacant slots, we uniformly place the experts that still have replicas left": walk
+/// the nodes round-robin, preferring a node that does not hold the expert yet.
+fn fill_vacancies(nodes: &mut [Vec<ExpertId>], s: usize, order: &[ExpertId], left: &mut [usize]) {
+    let n = nodes.len();
+    let mut cursor = 0;
+    for &e in order {
+        while left[e] > 0 {
+            let free = |node: &Vec<ExpertId>| node.len() < s;
+            let pick = (0..n)
+                .map(|k| (cursor + k) % n)
+                .find(|&i| free(&nodes[i]) && !nodes[i].contains(&e))
+                .or_else(|| (0..n).map(|k| (cursor + k) % n).find(|&i| free(&nodes[i])));
+            let Some(i) = pick else { return };
+            nodes[i].push(e);
+            left[e] -= 1;
+            cursor = (i + 1) % n;
+        }
+    }
+}
+
+/// Lexicographic comparison of survival curves: fewer failures first (they are the likely
+/// ones), i.e. compare P(recover | N−1 alive), then N−2, …
+fn better(a: &[f64], b: &[f64]) -> bool {
+    for r in (0..a.len()).rev() {
+        if a[r] > b[r] + 1e-12 {
+            return true;
+        }
+        if a[r] < b[r] - 1e-12 {
+            return false;
+        }
+    }
+    false
+}
+
+fn dominates(a: &[f64], b: &[f64]) -> bool {
+    a.iter().zip(b).all(|(x, y)| *x >= *y - 1e-12)
+}
+
+/// Clusters up to this many nodes (and node-slots) get the local-search improvement: exact
+/// evaluation enumerates all 2^N alive sets, which is cheap up to here.
+const SEARCH_MAX_NODES: usize = 12;
+const SEARCH_MAX_SLOTS: usize = 128;
+
+fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
+    let mro = mro_nodes(replicas, n, s, GroupLayout::PartialLast);
+    if !mro_truncates(replicas, n, s) {
+        return mro;
+    }
+    let experts = replicas.len();
+    let curve = |nodes: &Vec<Vec<ExpertId>>| -> SurvivalCurve {
+        recovery::survival_curve(n, &holder_sets(nodes, experts))
+    };
+    let mro_curve = curve(&mro);
+    let mut best = (mro.clone(), mro_curve.clone());
+    // Every placement of the partial group is an MRO-style candidate with a closed form.
+    let count = experts.div_ceil(s);
+    for at in 0..count {
+        let cand = mro_nodes(replicas, n, s, GroupLayout::PartialAt(at));
+        let c = curve(&cand);
+        if c.exact && dominates(&c.alive, &mro_curve.alive) && better(&c.alive, &best.1.alive) {
+            best = (cand, c);
+        }
+    }
+    if n <= SEARCH_MAX_NODES && n * s <= SEARCH_MAX_SLOTS {
+        let mut starts = vec![best.0.clone(), mro.clone()];
+        starts.push(sequential_nodes(replicas, n, s, |k| k % n));
+        let mut rng = SplitMix64::new(0x1a2a_7a05 ^ (n as u64) << 32 ^ s as u64);
+        for _ in 0..4 {
+            starts.push(random_nodes(replicas, s, &mut rng));
+        }
+        let mro_counts = SmallEval::new(n, experts).counts(&mro);
+        let mut best_counts = SmallEval::new(n, experts).counts(&best.0);
+        for start in starts {
+            let (cand, counts) = local_search(start, n, s, experts);
+            if counts_dominate(&counts, &mro_counts) && counts_better(&counts, &best_counts) {
+                best_counts = counts;
+                best.0 = cand;
+            }
+        }
+    }
+    best.0
+}
+
+fn random_nodes(replicas: &[usize], s: usize, rng: &mut SplitMix64) -> Vec<Vec<ExpertId>> {
+    let mut list: Vec<ExpertId> = (0..replicas.len())
+        .flat_map(|e| std::iter::repeat_n(e, replicas[e]))
+        .collect();
+    for i in (1..list.len()).rev() {
+        list.swap(i, rng.below(i + 1));
+    }
+    list.chunks(s).map(|c| c.to_vec()).collect()
+}
+
+/// Exact hit counts for small clusters: for every alive count R, how many R-subsets of nodes
+/// hold a replica of every expert. Enumerates all 2^N alive sets against the minimal holder sets.
+struct SmallEval {
+    n: usize,
+    experts: usize,
+}
+
+impl SmallEval {
+    fn new(n: usize, experts: usize) -> Self {
+        debug_assert!(n <= 20);
+        SmallEval { n, experts }
+    }
+
+    fn counts(&self, nodes: &[Vec<ExpertId>]) -> Vec<u64> {
+        let mut masks = vec![0u32; self.experts];
+        for (i, node) in nodes.iter().enumerate() {
+            for &e in node {
+                masks[e] |= 1 << i;
+            }
+        }
+        let minimal = minimal_masks(masks);
+        let mut counts = vec![0u64; self.n + 1];
+        for alive in 0u32..(1u32 << self.n) {
+            if minimal.iter().all(|&m| m & alive != 0) {
+                counts[alive.count_ones() as usize] += 1;
+            }
+        }
+        counts
+    }
+}
+
+/// Drop duplicate holder sets and supersets: only the minimal sets decide recovery.
+fn minimal_masks(mut masks: Vec<u32>) -> Vec<u32> {
+    masks.sort_by_key(|m| (m.count_ones(), *m));
+    masks.dedup();
+    let mut out: Vec<u32> = Vec::with_capacity(masks.len());
+    for m in masks {
+        if !out.iter().any(|&k| k & m == k) {
+            out.push(m);
+        }
+    }
+    out
+}
+
+fn counts_better(a: &[u64], b: &[u64]) -> bool {
+    for r in (0..a.len()).rev() {
+        if a[r] != b[r] {
+            return a[r] > b[r];
+        }
+    }
+    false
+}
+
+fn counts_dominate(a: &[u64], b: &[u64]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x >= y)
+}
+
+/// First-improvement hill climbing over swaps of two replicas of different experts on different
+/// nodes, with exact evaluation. Deterministic.
+fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, experts: usize) -> (Vec<Vec<ExpertId>>, Vec<u64>) {
+    let eval = SmallEval::new(n, experts);
+    let mut counts = eval.counts(&nodes);
+    let mut improved = true;
+    while improved {
+        improved = false;
+        'scan: for a in 0..n {
+            for b in (a + 1)..n {
+                for i in 0..s {
+                    for j in 0..s {
+                        let (x, y) = (nodes[a][i], nodes[b][j]);
+                        if x == y || nodes[a][..i].contains(&x) || nodes[b][..j].contains(&y) {
+                            continue;
+                        }
+                        nodes[a][i] = y;
+                        nodes[b][j] = x;
+                        let c = eval.counts(&nodes);
+                        if counts_better(&c, &counts) {
+                            counts = c;
+                            improved = true;
+                            break 'scan;
+                        }
+                        nodes[a][i] = x;
+                        nodes[b][j] = y;
+                    }
+                }
+            }
+        }
+    }
+    (nodes, counts)
+}
+
+/// Spread each node's replicas over its G GPUs so that expected tokens per GPU are balanced:
+/// longest-processing-time first on the per-replica load t_e / r_e, preferring a GPU that
+/// already holds the expert on ties (one physical copy then serves both replicas).
+fn balance_gpus(
+    nodes: Vec<Vec<ExpertId>>,
+    replicas: &[usize],
+    shape: ClusterShape,
+    loads: Option<&[f64]>,
+) -> Vec<Vec<ExpertId>> {
+    let g = shape.gpus_per_node;
+    let c = shape.slots_per_gpu;
+    let weight = |e: ExpertId| match loads {
+        Some(l) => l[e] / replicas[e] as f64,
+        None => 1.0,
+    };
+    nodes
+        .into_iter()
+        .map(|mut node| {
+            if g == 1 {
+                node.sort_unstable();
+                return node;
+            }
+            node.sort_by(|&a, &b| weight(b).total_cmp(&weight(a)).then(a.cmp(&b)));
+            let mut gpus: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(c); g];
+            let mut load = vec![0.0f64; g];
+            for e in node {
+                let pick = (0..g)
+                    .filter(|&k| gpus[k].len() < c)
+                    .min_by(|&a, &b| {
+                        load[a]
+                            .total_cmp(&load[b])
+                            .then(gpus[b].contains(&e).cmp(&gpus[a].contains(&e)))
+                            .then(a.cmp(&b))
+                    })
+                    .expect("a node has exactly G·c entries");
+                gpus[pick].push(e);
+                load[pick] += weight(e);
+            }
+            gpus.into_iter()
+                .flat_map(|mut gpu| {
+                    gpu.sort_unstable();
+                    gpu
+                })
+                .collect()
+        })
+        .collect()
+}

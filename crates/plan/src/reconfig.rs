@@ -1,0 +1,250 @@
+//! Reconfiguration after a failure, a join or a rebalance (paper §4.3).
+//!
+//! A new plan names abstract plan nodes 0..N'. Which live physical node becomes which plan node
+//! decides how much expert state (weights and optimizer moments) must move: a node only fetches
+//! the experts it is newly assigned. The paper maps nodes greedily; we solve the assignment
+//! exactly (Hungarian algorithm, O(N³), fine to ~1,000 nodes) and fall back to the greedy above
+//! that. Each missing (layer, expert, node) is then fetched from a live old holder, choosing the
+//! holder that has been asked for the fewest bytes so far, most constrained fetches first, so
+//! the transfer time is spread over all holders.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::PlanError;
+use crate::placement::Placement;
+use crate::ExpertId;
+
+/// What one live physical node holds before the change: for each layer, the experts it has a
+/// replica of. A node that just joined holds nothing (empty `experts`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeState {
+    pub node: u64,
+    pub experts: Vec<Vec<ExpertId>>,
+}
+
+/// One expert state copied between nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateTransfer {
+    pub layer: usize,
+    pub expert: ExpertId,
+    pub from: u64,
+    pub to: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconfigurationPlan {
+    /// `plan_to_node[q]` = the physical node that takes plan node q.
+    pub plan_to_node: Vec<u64>,
+    pub transfers: Vec<StateTransfer>,
+    /// (layer, expert) pairs with no live holder: these need a snapshot or a checkpoint.
+    pub lost: Vec<(usize, ExpertId)>,
+    /// Bytes each holder sends.
+    pub bytes_per_sender: BTreeMap<u64, u64>,
+}
+
+impl ReconfigurationPlan {
+    pub fn total_bytes(&self) -> u64 {
+        self.transfers.iter().map(|t| t.bytes).sum()
+    }
+}
+
+/// Above this many nodes the O(N³) exact assignment gives way to the paper's greedy mapping.
+const EXACT_MAPPING_MAX_NODES: usize = 1024;
+
+/// Map `live` nodes onto the nodes of the new per-layer plans and schedule the state transfers.
+/// `expert_bytes[layer]` is the size of one expert's state in that layer.
+pub fn plan_reconfiguration(
+    live: &[NodeState],
+    new_layers: &[Placement],
+    expert_bytes: &[u64],
+) -> Result<ReconfigurationPlan, PlanError> {
+    let layers = new_layers.len();
+    if expert_bytes.len() != layers {
+        return Err(PlanError::Length {
+            field: "expert_bytes",
+            got: expert_bytes.len(),
+            expected: layers,
+        });
+    }
+    let n = live.len();
+    for p in new_layers {
+        if p.shape().nodes != n {
+            return Err(PlanError::Length {
+                field: "plan nodes",
+                got: p.shape().nodes,
+                expected: n,
+            });
+        }
+    }
+    let mut ids = BTreeSet::new();
+    for s in live {
+        if !ids.insert(s.node) {
+            return Err(PlanError::invalid("node", s.node, "listed twice among live nodes"));
+        }
+        if !s.experts.is_empty() && s.experts.len() != layers {
+            return Err(PlanError::Length {
+                field: "node experts (layers)",
+                got: s.experts.len(),
+                expected: layers,
+            });
+        }
+    }
+    // held[p][layer] and wanted[q][layer]: sets of experts.
+    let held: Vec<Vec<BTreeSet<ExpertId>>> = live
+        .iter()
+        .map(|s| (0..layers).map(|l| s.experts.get(l).map(|v| v.iter().copied().collect()).unwrap_or_default()).collect())
+        .collect();
+    let wanted: Vec<Vec<BTreeSet<ExpertId>>> = (0..n)
+        .map(|q| new_layers.iter().map(|p| p.nodes()[q].iter().copied().collect()).collect())
+        .collect();
+    let cost: Vec<Vec<i64>> = (0..n)
+        .map(|p| {
+            (0..n)
+                .map(|q| {
+                    (0..layers)
+                        .map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * expert_bytes[l]) as i64)
+                        .sum()
+                })
+                .collect()
+        })
+        .collect();
+    let node_to_plan = if n <= EXACT_MAPPING_MAX_NODES {
+        min_cost_assignment(&cost)
+    } else {
+        greedy_assignment(&cost)
+    };
+    let mut plan_to_node = vec![0u64; n];
+    for (p, &q) in node_to_plan.iter().enumerate() {
+        plan_to_node[q] = live[p].node;
+    }
+
+    // Every fetch and its candidate holders.
+    struct Fetch {
+        layer: usize,
+        expert: ExpertId,
+        to: usize,
+        holders: Vec<usize>,
+    }
+    let mut fetches = Vec::new();
+    let mut lost = BTreeSet::new();
+    for (p, &q) in node_to_plan.iter().enumerate() {
+        for l in 0..layers {
+            for &e in wanted[q][l].difference(&held[p][l]) {
+                let holders: Vec<usize> = (0..n).filter(|&h| held[h][l].contains(&e)).collect();
+                if holders.is_empty() {
+                    lost.insert((l, e));
+                } else {
+                    fetches.push(Fetch {
+                        layer: l,
+                        expert: e,
+                        to: p,
+                        holders,
+                    });
+                }
+            }
+        }
+    }
+    fetches.sort_by_key(|f| (f.holders.len(), std::cmp::Reverse(expert_bytes[f.layer]), f.layer, f.expert, f.to));
+    let mut sent = vec![0u64; n];
+    let mut transfers = Vec::with_capacity(fetches.len());
+    for f in fetches {
+        let from = *f
+            .holders
+            .iter()
+            .min_by_key(|&&h| (sent[h], h))
+            .expect("non-empty holders");
+        sent[from] += expert_bytes[f.layer];
+        transfers.push(StateTransfer {
+            layer: f.layer,
+            expert: f.expert,
+            from: live[from].node,
+            to: live[f.to].node,
+            bytes: expert_bytes[f.layer],
+        });
+    }
+    transfers.sort_by_key(|t| (t.layer, t.expert, t.to));
+    let bytes_per_sender = (0..n).filter(|&h| sent[h] > 0).map(|h| (live[h].node, sent[h])).collect();
+    Ok(ReconfigurationPlan {
+        plan_to_node,
+        transfers,
+        lost: lost.into_iter().collect(),
+        bytes_per_sender,
+    })
+}
+
+/// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
+/// potentials). Returns `col[row]`.
+pub(crate) fn min_cost_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
+    let n = cost.len();
+    const INF: i64 = i64::MAX / 4;
+    let mut u = vec![0i64; n + 1];
+    let mut v = vec![0i64; n + 1];
+    let mut p = vec![0usize; n + 1]; // p[col] = row (1-based), 0 = free
+    let mut way = vec![0usize; n + 1];
+    for i in 1..=n {
+        p[0] = i;
+        let mut j0 = 0;
+        let mut minv = vec![INF; n + 1];
+        let mut used = vec![false; n + 1];
+        loop {
+            used[j0] = true;
+            let i0 = p[j0];
+            let mut delta = INF;
+            let mut j1 = 0;
+            for j in 1..=n {
+                if !used[j] {
+                    let cur = cost[i0 - 1][j - 1] - u[i0] - v[j];
+                    if cur < minv[j] {
+                        minv[j] = cur;
+                        way[j] = j0;
+                    }
+                    if minv[j] < delta {
+                        delta = minv[j];
+                        j1 = j;
+                    }
+                }
+            }
+            for j in 0..=n {
+                if used[j] {
+                    u[p[j]] += delta;
+                    v[j] -= delta;
+                } else {
+                    minv[j] -= delta;
+                }
+            }
+            j0 = j1;
+            if p[j0] == 0 {
+                break;
+            }
+        }
+        loop {
+            let j1 = way[j0];
+            p[j0] = p[j1];
+            j0 = j1;
+            if j0 == 0 {
+                break;
+            }
+        }
+    }
+    let mut col = vec![0usize; n];
+    for j in 1..=n {
+        col[p[j] - 1] = j - 1;
+    }
+    col
+}
+
+/// The paper's greedy: repeatedly take the cheapest (node, plan node) pair still free.
+pub(crate) fn greedy_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
+    let n = cost.len();
+    let mut col = vec![usize::MAX; n];
+    let mut taken = vec![false; n];
+    for (row, c) in col.iter_mut().enumerate() {
+        let best = (0..n).filter(|&q| !taken[q]).min_by_key(|&q| (cost[row][q], q)).expect("free column");
+        taken[best] = true;
+        *c = best;
+    }
+    col
+}
