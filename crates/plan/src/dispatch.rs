@@ -329,3 +329,104 @@ fn round_transport(x: &[u64], p: &[u64], s: u64) -> Vec<u64> {
     }
     m
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn check_invariants(t: &[Vec<u64>], r: &[Vec<u32>], d: &DispatchSchedule) -> Result<(), TestCaseError> {
+        let dense = d.dense();
+        let ranks = t[0].len();
+        for e in 0..t.len() {
+            let te: u64 = t[e].iter().sum();
+            let re: u64 = r[e].iter().map(|&x| x as u64).sum();
+            let cap = apportion(te, &r[e]);
+            for src in 0..ranks {
+                // Conservation: every token routed on src is sent somewhere exactly once.
+                prop_assert_eq!(dense[e][src].iter().sum::<u64>(), t[e][src]);
+                // Local capacity first.
+                prop_assert_eq!(dense[e][src][src], t[e][src].min(cap[src]));
+            }
+            for dst in 0..ranks {
+                let got: u64 = (0..ranks).map(|s| dense[e][s][dst]).sum();
+                // Each rank processes exactly its capacity, within one token of R·t/r.
+                prop_assert_eq!(got, cap[dst]);
+                let ideal = te as f64 * r[e][dst] as f64 / re.max(1) as f64;
+                prop_assert!((got as f64 - ideal).abs() < 1.0);
+                if r[e][dst] == 0 {
+                    prop_assert_eq!(got, 0);
+                }
+            }
+            // Off-diagonal entries within one token of the proportional ideal of line 10.
+            let excess: Vec<u64> = (0..ranks).map(|j| t[e][j] - dense[e][j][j]).collect();
+            let resid: Vec<u64> = (0..ranks).map(|j| cap[j] - dense[e][j][j]).collect();
+            let total: u64 = excess.iter().sum();
+            for src in 0..ranks {
+                for dst in 0..ranks {
+                    if src == dst || total == 0 {
+                        continue;
+                    }
+                    let ideal = excess[src] as f64 * resid[dst] as f64 / total as f64;
+                    prop_assert!((dense[e][src][dst] as f64 - ideal).abs() < 1.0,
+                        "e={} {}->{}: {} vs ideal {}", e, src, dst, dense[e][src][dst], ideal);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn two_replicas_on_one_rank_get_two_shares() {
+        // Expert 0: 3 replicas, two on rank 1. 90 tokens all routed on rank 0.
+        let t = vec![vec![90, 0, 0]];
+        let r = vec![vec![1, 2, 0]];
+        let d = DispatchSchedule::compute(&t, &r).unwrap();
+        assert_eq!(d.get(0, 0, 0), 30);
+        assert_eq!(d.get(0, 0, 1), 60);
+        assert_eq!(d.processed_per_rank(), vec![30, 60, 0]);
+        assert_eq!(d.send_counts(0), vec![30, 60, 0]);
+        assert_eq!(d.recv_counts(1), vec![60, 0, 0]);
+    }
+
+    #[test]
+    fn tokens_without_a_replica_are_an_error() {
+        let err = DispatchSchedule::compute(&[vec![1, 0]], &[vec![0, 0]]).unwrap_err().to_string();
+        assert!(err.contains("expert 0"), "{err}");
+        assert!(DispatchSchedule::compute(&[vec![1, 0]], &[vec![1]]).is_err());
+        assert!(DispatchSchedule::compute(&[vec![1, 0]], &[]).is_err());
+    }
+
+    #[test]
+    fn apportion_is_exact_and_within_one() {
+        assert_eq!(apportion(10, &[1, 1, 1]), vec![4, 3, 3]);
+        assert_eq!(apportion(0, &[1, 2]), vec![0, 0]);
+        assert_eq!(apportion(7, &[0, 3, 0, 4]), vec![0, 3, 0, 4]);
+    }
+
+    proptest! {
+        #[test]
+        fn schedule_invariants(
+            ranks in 1usize..9,
+            experts in 1usize..7,
+            seed in any::<u64>(),
+        ) {
+            let mut rng = crate::rng::SplitMix64::new(seed);
+            let t: Vec<Vec<u64>> = (0..experts)
+                .map(|_| (0..ranks).map(|_| if rng.below(4) == 0 { 0 } else { rng.below(500) as u64 }).collect())
+                .collect();
+            let r: Vec<Vec<u32>> = (0..experts)
+                .map(|_| {
+                    let mut v: Vec<u32> = (0..ranks).map(|_| if rng.below(2) == 0 { 0 } else { rng.below(3) as u32 }).collect();
+                    let k = rng.below(ranks);
+                    v[k] = v[k].max(1);
+                    v
+                })
+                .collect();
+            let d = DispatchSchedule::compute(&t, &r).unwrap();
+            check_invariants(&t, &r, &d)?;
+            // A pure function: any rank recomputing it gets the same matrix.
+            prop_assert_eq!(DispatchSchedule::compute(&t, &r).unwrap(), d);
+        }
+    }
+}

@@ -585,3 +585,117 @@ fn balance_gpus(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use super::Strategy;
+    use crate::recovery::recovery_curve;
+    use proptest::prelude::{any, prop_assert, prop_assert_eq, proptest, ProptestConfig};
+
+    fn random_replicas(rng: &mut SplitMix64, experts: usize, total: usize) -> Vec<usize> {
+        let mut r = vec![1usize; experts];
+        for _ in experts..total {
+            // Skewed: later experts are more likely to get extra replicas.
+            let e = rng.below(experts).max(rng.below(experts));
+            r[e] += 1;
+        }
+        r
+    }
+
+    #[test]
+    fn mro_builds_the_theorem_1_groups() {
+        // Figure 4: 4 experts, 5 nodes x 4 slots, replicas [2,5,6,7]; E ≤ c so one group on the
+        // first 2 nodes, leftovers spread.
+        let shape = ClusterShape::new(5, 1, 4).unwrap();
+        let p = place(&[2, 5, 6, 7], shape, Strategy::Mro, None).unwrap();
+        assert_eq!(p.nodes()[0], vec![0, 1, 2, 3]);
+        assert_eq!(p.nodes()[1], vec![0, 1, 2, 3]);
+        assert!(p.nodes()[2..].iter().all(|n| !n.contains(&0)));
+    }
+
+    #[test]
+    fn strategy_names_round_trip_and_unknown_is_an_error() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+        }
+        let err = "best".parse::<Strategy>().unwrap_err().to_string();
+        assert!(err.contains("strategy") && err.contains("best"), "{err}");
+    }
+
+    #[test]
+    fn bad_shapes_and_replicas_are_rejected() {
+        assert!(ClusterShape::new(0, 1, 1).unwrap_err().to_string().contains("nodes"));
+        assert!(ClusterShape::new(1, 1, 0).unwrap_err().to_string().contains("slots"));
+        let shape = ClusterShape::new(2, 1, 2).unwrap();
+        assert_eq!(
+            place(&[1, 2], shape, Strategy::Lazarus, None).unwrap_err(),
+            PlanError::SlotMismatch { sum: 3, slots: 4 }
+        );
+        assert!(place(&[0, 4], shape, Strategy::Mro, None).unwrap_err().to_string().contains("expert 0"));
+        assert!(Placement::from_nodes(shape, 2, vec![vec![0, 0], vec![0, 0]]).unwrap_err().to_string().contains("expert 1"));
+        assert!(Placement::from_nodes(shape, 2, vec![vec![0, 1], vec![0]]).is_err());
+        assert!(Placement::from_nodes(shape, 2, vec![vec![0, 1], vec![0, 7]]).is_err());
+    }
+
+    #[test]
+    fn gpus_are_balanced_on_expected_tokens() {
+        // One node, 2 GPUs x 2 slots; expert 0 is hot.
+        let shape = ClusterShape::new(1, 2, 2).unwrap();
+        let loads = [100.0, 10.0, 10.0, 10.0];
+        let p = place(&[1, 1, 1, 1], shape, Strategy::Compact, Some(&loads)).unwrap();
+        let gpu_load = |g: usize| p.gpu(0, g).iter().map(|&e| loads[e]).sum::<f64>();
+        // Two slots per GPU: the best split is {hot, cold} vs {cold, cold}.
+        assert_eq!((gpu_load(0) - gpu_load(1)).abs(), 90.0);
+        assert!(p.gpu(0, 0).contains(&0) != p.gpu(0, 1).contains(&0));
+        let r = p.rank_replicas();
+        assert_eq!(r.len(), 4);
+        assert_eq!(r.iter().map(|v| v.iter().sum::<u32>()).sum::<u32>(), 4);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn every_strategy_fills_every_slot(
+            n in 1usize..12, g in 1usize..4, c in 1usize..4, seed in any::<u64>(),
+        ) {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            let mut rng = SplitMix64::new(seed);
+            let experts = 1 + rng.below(shape.total_slots());
+            let r = random_replicas(&mut rng, experts, shape.total_slots());
+            let loads: Vec<f64> = (0..experts).map(|_| rng.below(1000) as f64).collect();
+            for strategy in Strategy::ALL {
+                let p = place(&r, shape, strategy, Some(&loads)).unwrap();
+                prop_assert_eq!(p.nodes().len(), n);
+                prop_assert!(p.nodes().iter().all(|node| node.len() == g * c));
+                prop_assert_eq!(p.replica_counts(), r.clone());
+                // Valid by the same checks a user-supplied plan goes through.
+                prop_assert!(Placement::from_nodes(shape, experts, p.nodes().to_vec()).is_ok());
+                // Each GPU's expected tokens within one replica's weight of every other GPU's
+                // on the same node (LPT guarantee).
+                let w = |e: usize| loads[e] / r[e] as f64;
+                for node in 0..n {
+                    let per: Vec<f64> = (0..g).map(|k| p.gpu(node, k).iter().map(|&e| w(e)).sum()).collect();
+                    let maxw = p.nodes()[node].iter().map(|&e| w(e)).fold(0.0, f64::max);
+                    let spread = per.iter().cloned().fold(f64::MIN, f64::max) - per.iter().cloned().fold(f64::MAX, f64::min);
+                    prop_assert!(spread <= maxw + 1e-9, "node {}: {:?}", node, per);
+                }
+            }
+        }
+
+        #[test]
+        fn lazarus_never_below_mro(n in 2usize..16, s in 2usize..7, seed in any::<u64>()) {
+            let shape = ClusterShape::new(n, 1, s).unwrap();
+            let mut rng = SplitMix64::new(seed);
+            let experts = 2 + rng.below(n * s - 1);
+            let r = random_replicas(&mut rng, experts, n * s);
+            let ours = recovery_curve(&place(&r, shape, Strategy::Lazarus, None).unwrap());
+            let mro = recovery_curve(&place(&r, shape, Strategy::Mro, None).unwrap());
+            for (a, b) in ours.iter().zip(&mro) {
+                if a.method == crate::RecoveryMethod::Exact && b.method == crate::RecoveryMethod::Exact {
+                    prop_assert!(a.probability >= b.probability - 1e-12, "r={:?} k={}: {} < {}", r, a.failed, a.probability, b.probability);
+                }
+            }
+        }
+    }
+}

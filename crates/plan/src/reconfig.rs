@@ -248,3 +248,129 @@ pub(crate) fn greedy_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
     }
     col
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{place, ClusterShape, Strategy};
+    use crate::rng::SplitMix64;
+    use proptest::prelude::*;
+
+    fn brute_min(cost: &[Vec<i64>]) -> i64 {
+        fn rec(cost: &[Vec<i64>], row: usize, used: &mut Vec<bool>) -> i64 {
+            if row == cost.len() {
+                return 0;
+            }
+            let mut best = i64::MAX;
+            for q in 0..cost.len() {
+                if !used[q] {
+                    used[q] = true;
+                    best = best.min(cost[row][q] + rec(cost, row + 1, used));
+                    used[q] = false;
+                }
+            }
+            best
+        }
+        rec(cost, 0, &mut vec![false; cost.len()])
+    }
+
+    fn assignment_cost(cost: &[Vec<i64>], col: &[usize]) -> i64 {
+        col.iter().enumerate().map(|(r, &c)| cost[r][c]).sum()
+    }
+
+    #[test]
+    fn surviving_nodes_keep_their_experts_after_one_failure() {
+        // 5 nodes, one layer; node 7 (old plan node 2) dies. The survivors are mapped so that
+        // only the experts the new plan adds must move, and every transfer is from a holder.
+        let shape = ClusterShape::new(5, 1, 4).unwrap();
+        let old = place(&[2, 5, 6, 7], shape, Strategy::Lazarus, None).unwrap();
+        let ids = [5u64, 6, 7, 8, 9];
+        let live: Vec<NodeState> = (0..5)
+            .filter(|&i| i != 2)
+            .map(|i| NodeState { node: ids[i], experts: vec![old.nodes()[i].clone()] })
+            .collect();
+        let new_shape = ClusterShape::new(4, 1, 4).unwrap();
+        let new = place(&[2, 4, 5, 5], new_shape, Strategy::Lazarus, None).unwrap();
+        let plan = plan_reconfiguration(&live, std::slice::from_ref(&new), &[1000]).unwrap();
+        let mut mapped = plan.plan_to_node.clone();
+        mapped.sort();
+        assert_eq!(mapped, vec![5, 6, 8, 9]);
+        assert!(plan.lost.is_empty());
+        for t in &plan.transfers {
+            let from = live.iter().find(|s| s.node == t.from).unwrap();
+            let to = live.iter().find(|s| s.node == t.to).unwrap();
+            assert!(from.experts[0].contains(&t.expert));
+            assert!(!to.experts[0].contains(&t.expert));
+        }
+        // After the transfers every node holds what its plan node needs.
+        for (q, &node) in plan.plan_to_node.iter().enumerate() {
+            let state = live.iter().find(|s| s.node == node).unwrap();
+            for e in &new.nodes()[q] {
+                let fetched = plan.transfers.iter().any(|t| t.to == node && t.expert == *e);
+                assert!(state.experts[0].contains(e) || fetched);
+            }
+        }
+    }
+
+    #[test]
+    fn identical_plan_moves_nothing() {
+        let shape = ClusterShape::new(4, 1, 3).unwrap();
+        let p = place(&[2, 3, 3, 4], shape, Strategy::Lazarus, None).unwrap();
+        // Physical nodes listed in reverse so the identity mapping has to be found.
+        let live: Vec<NodeState> = (0..4).rev().map(|i| NodeState { node: 100 + i as u64, experts: vec![p.nodes()[i].clone()] }).collect();
+        let plan = plan_reconfiguration(&live, std::slice::from_ref(&p), &[1]).unwrap();
+        assert!(plan.transfers.is_empty(), "{plan:?}");
+        for (q, &node) in plan.plan_to_node.iter().enumerate() {
+            let mut have = p.nodes()[(node - 100) as usize].clone();
+            let mut want = p.nodes()[q].clone();
+            have.sort();
+            want.sort();
+            assert_eq!(have, want);
+        }
+    }
+
+    #[test]
+    fn lost_experts_are_reported_and_bad_input_rejected() {
+        let shape = ClusterShape::new(2, 1, 2).unwrap();
+        let p = place(&[2, 2], shape, Strategy::Compact, None).unwrap();
+        // Only a fresh node and a node that held expert 1 are alive: expert 0 is lost.
+        let live = vec![
+            NodeState { node: 1, experts: vec![vec![1, 1]] },
+            NodeState { node: 2, experts: vec![] },
+        ];
+        let plan = plan_reconfiguration(&live, std::slice::from_ref(&p), &[10]).unwrap();
+        assert_eq!(plan.lost, vec![(0, 0)]);
+        let dup = vec![live[0].clone(), live[0].clone()];
+        assert!(plan_reconfiguration(&dup, std::slice::from_ref(&p), &[10]).unwrap_err().to_string().contains("twice"));
+        assert!(plan_reconfiguration(&live, std::slice::from_ref(&p), &[]).is_err());
+        assert!(plan_reconfiguration(&live[..1], std::slice::from_ref(&p), &[10]).is_err());
+    }
+
+    #[test]
+    fn fetches_are_spread_over_holders() {
+        // Four survivors each hold expert 0; four fresh nodes each need it: one each.
+        let shape = ClusterShape::new(8, 1, 1).unwrap();
+        let p = Placement::from_nodes(shape, 1, vec![vec![0]; 8]).unwrap();
+        let live: Vec<NodeState> = (0..8)
+            .map(|i| NodeState { node: i, experts: if i < 4 { vec![vec![0]] } else { vec![] } })
+            .collect();
+        let plan = plan_reconfiguration(&live, std::slice::from_ref(&p), &[64]).unwrap();
+        assert_eq!(plan.transfers.len(), 4);
+        assert_eq!(plan.bytes_per_sender.values().copied().collect::<Vec<_>>(), vec![64; 4]);
+        assert_eq!(plan.total_bytes(), 256);
+    }
+
+    proptest! {
+        #[test]
+        fn assignment_is_one_to_one_and_optimal(n in 1usize..7, seed in any::<u64>()) {
+            let mut rng = SplitMix64::new(seed);
+            let cost: Vec<Vec<i64>> = (0..n).map(|_| (0..n).map(|_| rng.below(20) as i64).collect()).collect();
+            let col = min_cost_assignment(&cost);
+            let mut seen = col.clone();
+            seen.sort();
+            prop_assert_eq!(seen, (0..n).collect::<Vec<_>>());
+            prop_assert_eq!(assignment_cost(&cost, &col), brute_min(&cost));
+            prop_assert!(assignment_cost(&cost, &greedy_assignment(&cost)) >= brute_min(&cost));
+        }
+    }
+}

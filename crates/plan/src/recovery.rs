@@ -193,50 +193,60 @@ fn count_component(sets: &[&NodeSet]) -> Option<Component> {
         return Some(Component { size: u, hit });
     }
     if u <= ENUMERATE_MAX_NODES {
-        let local = |s: &NodeSet| -> u32 {
-            nodes
-                .iter()
-                .enumerate()
-                .filter(|(_, &node)| s.contains(node))
-                .fold(0u32, |m, (i, _)| m | (1 << i))
-        };
-        let masks: Vec<u32> = sets.iter().map(|s| local(s)).collect();
-        let mut counts = vec![0u64; u + 1];
-        for alive in 0u32..(1u32 << u) {
-            if masks.iter().all(|&m| m & alive != 0) {
-                counts[alive.count_ones() as usize] += 1;
-            }
-        }
-        let binom = binomial_row_i128(u);
-        let hit = (0..=u).map(|a| counts[a] as f64 / binom[a] as f64).collect();
-        return Some(Component { size: u, hit });
+        return Some(enumerate_component(sets, &nodes));
     }
     if sets.len() <= INCLUSION_EXCLUSION_MAX_SETS && u <= INCLUSION_EXCLUSION_MAX_NODES {
-        // fail(a) = Σ_{∅≠T} (−1)^{|T|+1} C(u − |∪T|, a); group the terms by |∪T|.
-        let f = sets.len();
-        let mut coef = vec![0i128; u + 1];
-        let mut unions: Vec<NodeSet> = Vec::with_capacity(1 << f);
-        let mut none = union.clone();
-        none.clear();
-        unions.push(none);
-        for t in 1usize..(1 << f) {
-            let low = t.trailing_zeros() as usize;
-            let mut un = unions[t & (t - 1)].clone();
-            un.union_with(sets[low]);
-            let sign = if t.count_ones() % 2 == 1 { 1 } else { -1 };
-            coef[un.len()] += sign;
-            unions.push(un);
-        }
-        let table: Vec<Vec<i128>> = (0..=u).map(binomial_row_i128).collect();
-        let hit = (0..=u)
-            .map(|a| {
-                let fail: i128 = (0..=u).filter(|&w| u - w >= a).map(|w| coef[w] * table[u - w][a]).sum();
-                1.0 - fail as f64 / table[u][a] as f64
-            })
-            .collect();
-        return Some(Component { size: u, hit });
+        return Some(inclusion_exclusion_component(sets, &union, u));
     }
     None
+}
+
+/// Count, for each a, the a-subsets of the component's nodes that hit every set (u ≤ 20).
+fn enumerate_component(sets: &[&NodeSet], nodes: &[usize]) -> Component {
+    let u = nodes.len();
+    let local = |s: &NodeSet| -> u32 {
+        nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, &node)| s.contains(node))
+            .fold(0u32, |m, (i, _)| m | (1 << i))
+    };
+    let masks: Vec<u32> = sets.iter().map(|s| local(s)).collect();
+    let mut counts = vec![0u64; u + 1];
+    for alive in 0u32..(1u32 << u) {
+        if masks.iter().all(|&m| m & alive != 0) {
+            counts[alive.count_ones() as usize] += 1;
+        }
+    }
+    let binom = binomial_row_i128(u);
+    let hit = (0..=u).map(|a| counts[a] as f64 / binom[a] as f64).collect();
+    Component { size: u, hit }
+}
+
+/// fail(a) = Σ_{∅≠T} (−1)^{|T|+1} C(u − |∪T|, a), terms grouped by |∪T|, in exact integers.
+fn inclusion_exclusion_component(sets: &[&NodeSet], union: &NodeSet, u: usize) -> Component {
+    let f = sets.len();
+    let mut coef = vec![0i128; u + 1];
+    let mut unions: Vec<NodeSet> = Vec::with_capacity(1 << f);
+    let mut none = union.clone();
+    none.clear();
+    unions.push(none);
+    for t in 1usize..(1 << f) {
+        let low = t.trailing_zeros() as usize;
+        let mut un = unions[t & (t - 1)].clone();
+        un.union_with(sets[low]);
+        let sign = if t.count_ones() % 2 == 1 { 1 } else { -1 };
+        coef[un.len()] += sign;
+        unions.push(un);
+    }
+    let table: Vec<Vec<i128>> = (0..=u).map(binomial_row_i128).collect();
+    let hit = (0..=u)
+        .map(|a| {
+            let fail: i128 = (0..=u).filter(|&w| u - w >= a).map(|w| coef[w] * table[u - w][a]).sum();
+            1.0 - fail as f64 / table[u][a] as f64
+        })
+        .collect();
+    Component { size: u, hit }
 }
 
 fn binomial_row_i128(n: usize) -> Vec<i128> {
@@ -299,10 +309,14 @@ fn combine(n: usize, comps: &[Component], only: Option<usize>) -> Vec<f64> {
 /// Monte Carlo estimate with a Wilson 95% interval; values that are certain (no alive node, or
 /// more alive nodes than any expert can miss) are exact.
 fn monte_carlo(n: usize, minimal: &[NodeSet], only: Option<usize>) -> SurvivalCurve {
+    monte_carlo_seeded(n, minimal, only, 0x5eed_1a2a ^ n as u64)
+}
+
+fn monte_carlo_seeded(n: usize, minimal: &[NodeSet], only: Option<usize>, seed: u64) -> SurvivalCurve {
     let smallest = minimal.iter().map(NodeSet::len).min().unwrap_or(0);
     let mut alive = vec![0.0; n + 1];
     let mut ci95 = vec![None; n + 1];
-    let mut rng = SplitMix64::new(0x5eed_1a2a ^ n as u64);
+    let mut rng = SplitMix64::new(seed);
     let mut order: Vec<usize> = (0..n).collect();
     let mut set = NodeSet::empty(n);
     for r in 0..=n {
@@ -349,4 +363,156 @@ fn wilson(successes: usize, trials: usize) -> (f64, f64, f64) {
     let centre = (p + z * z / (2.0 * nt)) / denom;
     let half = z * (p * (1.0 - p) / nt + z * z / (4.0 * nt * nt)).sqrt() / denom;
     (p, (centre - half).max(0.0), (centre + half).min(1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{place, ClusterShape, Placement, Strategy};
+    use proptest::prelude::*;
+
+    fn set(n: usize, nodes: &[usize]) -> NodeSet {
+        let mut s = NodeSet::empty(n);
+        nodes.iter().for_each(|&i| s.insert(i));
+        s
+    }
+
+    /// Brute force over all alive subsets (N ≤ 16).
+    fn brute(n: usize, sets: &[NodeSet]) -> Vec<f64> {
+        let mut hit = vec![0u64; n + 1];
+        let mut all = vec![0u64; n + 1];
+        for alive in 0u32..(1 << n) {
+            let k = alive.count_ones() as usize;
+            all[k] += 1;
+            if sets.iter().all(|s| s.iter().any(|i| alive & (1 << i) != 0)) {
+                hit[k] += 1;
+            }
+        }
+        hit.iter().zip(&all).map(|(h, a)| *h as f64 / *a as f64).collect()
+    }
+
+    /// 1 − C(N−L, R)/C(N, R) as a stable product.
+    fn miss(n: usize, l: usize, r: usize) -> f64 {
+        if l > n - r {
+            return 0.0;
+        }
+        (0..l).map(|i| (n - r - i) as f64 / (n - i) as f64).product()
+    }
+
+    #[test]
+    fn paper_figure_4_mro_recovers_seven_in_ten() {
+        let shape = ClusterShape::new(5, 1, 4).unwrap();
+        let p = place(&[2, 5, 6, 7], shape, Strategy::Mro, None).unwrap();
+        let e = recovery_probability(&p, 3).unwrap();
+        assert!((e.probability - 0.7).abs() < 1e-12, "{e:?}");
+        assert_eq!(e.method, RecoveryMethod::Exact);
+    }
+
+    #[test]
+    fn failing_every_node_or_more_than_all() {
+        let shape = ClusterShape::new(5, 1, 4).unwrap();
+        let p = place(&[2, 5, 6, 7], shape, Strategy::Mro, None).unwrap();
+        assert_eq!(recovery_probability(&p, 5).unwrap().probability, 0.0);
+        let err = recovery_probability(&p, 6).unwrap_err().to_string();
+        assert!(err.contains("failed") && err.contains('6'), "{err}");
+        let curve = recovery_curve(&p);
+        assert_eq!(curve.len(), 5);
+        assert_eq!(curve[0].probability, 1.0);
+    }
+
+    #[test]
+    fn closed_form_is_stable_at_ten_thousand_nodes() {
+        let n = 10_000;
+        // Two disjoint segments of 3 and 5 nodes: P = 1 − q3 − q5 + q8.
+        let sets = [set(n, &[0, 1, 2]), set(n, &[10, 11, 12, 13, 14]), set(n, &(0..20).collect::<Vec<_>>())];
+        for r in [1, 2, 7, 100, 5_000, 9_990, 9_999] {
+            let comps = exact_components(&minimal_sets(&sets)).unwrap();
+            let got = combine(n, &comps, Some(r))[r];
+            let want = 1.0 - miss(n, 3, r) - miss(n, 5, r) + miss(n, 8, r);
+            assert!((got - want).abs() <= 1e-9 * want.max(1e-300) + 1e-15, "r={r}: {got} vs {want}");
+            let full = combine(n, &comps, None)[r];
+            assert!((full - got).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn inclusion_exclusion_agrees_with_enumeration() {
+        let n = 18;
+        let sets = [set(n, &[0, 1, 2, 3]), set(n, &[3, 4, 5, 6, 7]), set(n, &[7, 8, 0, 9]), set(n, &[9, 10, 11, 12, 2])];
+        let refs: Vec<&NodeSet> = sets.iter().collect();
+        let mut union = sets[0].clone();
+        sets.iter().for_each(|s| union.union_with(s));
+        let nodes: Vec<usize> = union.iter().collect();
+        let a = enumerate_component(&refs, &nodes);
+        let b = inclusion_exclusion_component(&refs, &union, nodes.len());
+        for (x, y) in a.hit.iter().zip(&b.hit) {
+            assert!((x - y).abs() < 1e-12, "{:?} vs {:?}", a.hit, b.hit);
+        }
+    }
+
+    #[test]
+    fn monte_carlo_intervals_cover_the_exact_value() {
+        let n = 14;
+        let sets: Vec<NodeSet> = (0..7).map(|i| set(n, &[2 * i, (2 * i + 3) % n, (2 * i + 5) % n])).collect();
+        let exact = brute(n, &sets);
+        let mc = monte_carlo(n, &minimal_sets(&sets), None);
+        let mut misses = 0;
+        for seed in 0..200u64 {
+            let m = monte_carlo_seeded(n, &minimal_sets(&sets), Some(11), seed);
+            let [lo, hi] = m.ci95[11].unwrap();
+            if !(lo <= exact[11] && exact[11] <= hi) { misses += 1; }
+        }
+        // 95% intervals: about 10 of 200 miss; a biased sampler would miss far more often.
+        assert!(misses <= 25, "coverage too low: {misses}/200 intervals miss the exact value");
+        for r in 0..=n {
+            match mc.ci95[r] {
+                Some([lo, hi]) => {
+                    let slack = hi - lo;
+                    assert!(lo - slack <= exact[r] && exact[r] <= hi + slack, "r={r}: {} far from [{lo}, {hi}]", exact[r]);
+                }
+                None => assert_eq!(mc.alive[r], exact[r]),
+            }
+        }
+    }
+
+    #[test]
+    fn large_irregular_plans_say_monte_carlo() {
+        // A ring: expert e on nodes e−1 and e. One component of 40 nodes and 40 sets, too large
+        // to count exactly.
+        let shape = ClusterShape::new(40, 1, 2).unwrap();
+        let nodes = (0..40).map(|i| vec![i, (i + 1) % 40]).collect();
+        let p = Placement::from_nodes(shape, 40, nodes).unwrap();
+        let e = recovery_probability(&p, 10).unwrap();
+        assert_eq!(e.method, RecoveryMethod::MonteCarlo);
+        let [lo, hi] = e.ci95.unwrap();
+        assert!(lo <= e.probability && e.probability <= hi && hi - lo < 0.05);
+        // One failure never loses an expert with two replicas on two nodes: exact 1.
+        let one = recovery_probability(&p, 1).unwrap();
+        assert_eq!((one.probability, one.method), (1.0, RecoveryMethod::Exact));
+    }
+
+    proptest! {
+        #[test]
+        fn evaluator_matches_brute_force(n in 2usize..10, s in 1usize..4, seed in any::<u64>()) {
+            let experts = (n * s).min(2 + (seed % 7) as usize);
+            let mut rng = SplitMix64::new(seed);
+            // Random placement with every expert present.
+            let mut list: Vec<usize> = (0..experts).collect();
+            while list.len() < n * s { list.push(rng.below(experts)); }
+            for i in (1..list.len()).rev() { list.swap(i, rng.below(i + 1)); }
+            let nodes: Vec<Vec<usize>> = list.chunks(s).map(|c| c.to_vec()).collect();
+            let shape = ClusterShape::new(n, 1, s).unwrap();
+            let p = Placement::from_nodes(shape, experts, nodes).unwrap();
+            let want = brute(n, &p.holders());
+            let got = survival_curve(n, &p.holders());
+            prop_assert!(got.exact);
+            for r in 0..=n {
+                prop_assert!((got.alive[r] - want[r]).abs() < 1e-12, "r={} {} vs {}", r, got.alive[r], want[r]);
+            }
+            for k in 0..n {
+                let e = recovery_probability(&p, k).unwrap();
+                prop_assert!((e.probability - want[n - k]).abs() < 1e-12);
+            }
+        }
+    }
 }
