@@ -421,13 +421,17 @@ fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
         let mut starts = vec![best.0.clone(), mro.clone()];
         starts.push(sequential_nodes(replicas, n, s, |k| k % n));
         let mut rng = SplitMix64::new(0x1a2a_7a05 ^ (n as u64) << 32 ^ s as u64);
-        for _ in 0..4 {
+        // Random restarts are what makes tiny instances reliably optimal; on larger ones each
+        // costs more and helps less.
+        let restarts = if n * s <= 24 { 4 } else { 2 };
+        for _ in 0..restarts {
             starts.push(random_nodes(replicas, s, &mut rng));
         }
-        let mro_counts = SmallEval::new(n, experts).counts(&mro);
-        let mut best_counts = SmallEval::new(n, experts).counts(&best.0);
+        let eval = SmallEval::new(n, experts);
+        let mro_counts = eval.counts(&mro);
+        let mut best_counts = eval.counts(&best.0);
         for start in starts {
-            let (cand, counts) = local_search(start, n, s, experts);
+            let (cand, counts) = local_search(start, n, s, &eval);
             if counts_dominate(&counts, &mro_counts) && counts_better(&counts, &best_counts) {
                 best_counts = counts;
                 best.0 = cand;
@@ -448,33 +452,60 @@ fn random_nodes(replicas: &[usize], s: usize, rng: &mut SplitMix64) -> Vec<Vec<E
 }
 
 /// Exact hit counts for small clusters: for every alive count R, how many R-subsets of nodes
-/// hold a replica of every expert. Enumerates all 2^N alive sets against the minimal holder sets.
+/// hold a replica of every expert. Enumerates the 2^N alive sets level by level, most alive
+/// first, so a candidate that loses at a high level (few failures) is rejected after looking at
+/// a handful of sets.
 struct SmallEval {
     n: usize,
     experts: usize,
+    /// Alive sets grouped by size.
+    levels: Vec<Vec<u32>>,
 }
 
 impl SmallEval {
     fn new(n: usize, experts: usize) -> Self {
         debug_assert!(n <= 20);
-        SmallEval { n, experts }
+        let mut levels = vec![Vec::new(); n + 1];
+        for alive in 0u32..(1u32 << n) {
+            levels[alive.count_ones() as usize].push(alive);
+        }
+        SmallEval { n, experts, levels }
     }
 
-    fn counts(&self, nodes: &[Vec<ExpertId>]) -> Vec<u64> {
+    fn minimal(&self, nodes: &[Vec<ExpertId>]) -> Vec<u32> {
         let mut masks = vec![0u32; self.experts];
         for (i, node) in nodes.iter().enumerate() {
             for &e in node {
                 masks[e] |= 1 << i;
             }
         }
-        let minimal = minimal_masks(masks);
+        minimal_masks(masks)
+    }
+
+    fn level(&self, minimal: &[u32], r: usize) -> u64 {
+        self.levels[r].iter().filter(|&&alive| minimal.iter().all(|&m| m & alive != 0)).count() as u64
+    }
+
+    fn counts(&self, nodes: &[Vec<ExpertId>]) -> Vec<u64> {
+        let minimal = self.minimal(nodes);
+        (0..=self.n).map(|r| self.level(&minimal, r)).collect()
+    }
+
+    /// The counts of `nodes` if they beat `current` lexicographically (fewest failures first).
+    fn improves(&self, nodes: &[Vec<ExpertId>], current: &[u64]) -> Option<Vec<u64>> {
+        let minimal = self.minimal(nodes);
         let mut counts = vec![0u64; self.n + 1];
-        for alive in 0u32..(1u32 << self.n) {
-            if minimal.iter().all(|&m| m & alive != 0) {
-                counts[alive.count_ones() as usize] += 1;
+        let mut better = false;
+        for r in (0..=self.n).rev() {
+            counts[r] = self.level(&minimal, r);
+            if !better {
+                if counts[r] < current[r] {
+                    return None;
+                }
+                better = counts[r] > current[r];
             }
         }
-        counts
+        better.then_some(counts)
     }
 }
 
@@ -506,8 +537,7 @@ fn counts_dominate(a: &[u64], b: &[u64]) -> bool {
 
 /// First-improvement hill climbing over swaps of two replicas of different experts on different
 /// nodes, with exact evaluation. Deterministic.
-fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, experts: usize) -> (Vec<Vec<ExpertId>>, Vec<u64>) {
-    let eval = SmallEval::new(n, experts);
+fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallEval) -> (Vec<Vec<ExpertId>>, Vec<u64>) {
     let mut counts = eval.counts(&nodes);
     let mut improved = true;
     while improved {
@@ -522,8 +552,7 @@ fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, experts: usiz
                         }
                         nodes[a][i] = y;
                         nodes[b][j] = x;
-                        let c = eval.counts(&nodes);
-                        if counts_better(&c, &counts) {
+                        if let Some(c) = eval.improves(&nodes, &counts) {
                             counts = c;
                             improved = true;
                             break 'scan;

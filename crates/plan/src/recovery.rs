@@ -87,7 +87,7 @@ pub fn recovery_probability(placement: &Placement, failed: usize) -> Result<Reco
     }
     let sets = placement.holders();
     let minimal = minimal_sets(&sets);
-    let curve = match exact_components(&minimal) {
+    let mut curve = match exact_components(&minimal) {
         Some(comps) => SurvivalCurve {
             alive: combine(n, &comps, Some(n - failed)),
             exact: true,
@@ -95,6 +95,7 @@ pub fn recovery_probability(placement: &Placement, failed: usize) -> Result<Reco
         },
         None => monte_carlo(n, &minimal, Some(n - failed)),
     };
+    settle_certain(&mut curve, n, &minimal);
     Ok(estimate(&curve, n, failed))
 }
 
@@ -116,13 +117,31 @@ fn estimate(curve: &SurvivalCurve, n: usize, failed: usize) -> RecoveryEstimate 
 /// The full survival curve of a plan given by its expert holder sets.
 pub(crate) fn survival_curve(n: usize, sets: &[NodeSet]) -> SurvivalCurve {
     let minimal = minimal_sets(sets);
-    match exact_components(&minimal) {
+    let mut curve = match exact_components(&minimal) {
         Some(comps) => SurvivalCurve {
             alive: combine(n, &comps, None),
             exact: true,
             ci95: vec![None; n + 1],
         },
         None => monte_carlo(n, &minimal, None),
+    };
+    settle_certain(&mut curve, n, &minimal);
+    curve
+}
+
+/// Values known without computing: with more alive nodes than the smallest holder set can
+/// miss, recovery is certain; with none alive it is impossible. Set them exactly so that
+/// floating-point sums do not report 0.9999999999999998.
+fn settle_certain(curve: &mut SurvivalCurve, n: usize, minimal: &[NodeSet]) {
+    let smallest = minimal.iter().map(NodeSet::len).min().unwrap_or(n + 1);
+    for r in 0..=n {
+        if r + smallest > n {
+            curve.alive[r] = 1.0;
+            curve.ci95[r] = None;
+        } else if r == 0 {
+            curve.alive[r] = 0.0;
+            curve.ci95[r] = None;
+        }
     }
 }
 

@@ -1,0 +1,129 @@
+//! The `lazarus plan` / `lazarus prob` interface that scripts depend on, run as a real process.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn lazarus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
+}
+
+fn json(args: &[&str]) -> Value {
+    let out = lazarus(args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("valid JSON")
+}
+
+/// Runs a command that must fail and returns its error message.
+fn fails(args: &[&str]) -> String {
+    let out = lazarus(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lazarus-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn plan_json_has_the_documented_shape() {
+    let v = json(&["plan", "--loads", "10,20,30,40", "--nodes", "5", "--slots", "4", "--json"]);
+    assert_eq!(v["strategy"], "lazarus");
+    let replicas: Vec<u64> = v["replicas"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(replicas, vec![2, 4, 6, 8]);
+    let placement = v["placement"].as_array().unwrap();
+    assert_eq!(placement.len(), 5);
+    assert!(placement.iter().all(|n| n.as_array().unwrap().len() == 4));
+    let recovery = v["recovery"].as_array().unwrap();
+    assert_eq!(recovery.len(), 5);
+    for (k, r) in recovery.iter().enumerate() {
+        assert_eq!(r["failed"], k as u64);
+        assert_eq!(r["method"], "exact");
+        let p = r["probability"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&p));
+    }
+    assert_eq!(recovery[0]["probability"], 1.0);
+    assert_eq!(recovery[1]["probability"], 1.0);
+}
+
+#[test]
+fn prob_reproduces_figure_4() {
+    let v = json(&["prob", "--replicas", "2,5,6,7", "--nodes", "5", "--slots", "4", "--failed", "3", "--strategy", "mro", "--json"]);
+    assert!((v["probability"].as_f64().unwrap() - 0.7).abs() < 1e-12);
+    assert_eq!(v["method"], "exact");
+}
+
+#[test]
+fn placement_file_round_trip() {
+    let v = json(&["plan", "--replicas", "2,3,3,4", "--nodes", "4", "--slots", "3", "--json"]);
+    let file = temp_file("placement.json", &v["placement"].to_string());
+    let p = json(&["prob", "--placement-file", file.to_str().unwrap(), "--failed", "2", "--json"]);
+    // The lazarus plan beats MRO's 2/3 on DESIGN.md's truncated example.
+    assert!((p["probability"].as_f64().unwrap() - 5.0 / 6.0).abs() < 1e-12, "{p}");
+    let mro = json(&["prob", "--replicas", "2,3,3,4", "--nodes", "4", "--slots", "3", "--failed", "2", "--strategy", "mro", "--json"]);
+    assert!((mro["probability"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);
+}
+
+#[test]
+fn loads_file_plans_every_layer() {
+    let file = temp_file("loads.json", "[[10, 20, 30, 40], [40, 30, 20, 10], [1, 1, 1, 1]]");
+    let v = json(&["plan", "--loads-file", file.to_str().unwrap(), "--nodes", "5", "--slots", "4", "--json"]);
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 3);
+    assert_eq!(layers[1]["replicas"], serde_json::json!([8, 6, 4, 2]));
+    assert_eq!(layers[2]["replicas"], serde_json::json!([5, 5, 5, 5]));
+}
+
+#[test]
+fn demo_runs_and_human_output_shows_the_plan() {
+    let out = lazarus(&["plan", "--demo"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("node map") && text.contains("recovery probability by strategy"), "{text}");
+    let out = lazarus(&["plan", "--loads", "1,2,3", "--nodes", "3", "--gpus-per-node", "2", "--slots", "2"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("node   0: ["));
+}
+
+#[test]
+fn malformed_input_names_the_field_and_value() {
+    let base = ["plan", "--nodes", "5", "--slots", "4"];
+    let with = |extra: &[&str]| -> Vec<String> { base.iter().chain(extra).map(|s| s.to_string()).collect() };
+    let run = |args: Vec<String>| fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let e = run(with(&["--loads", "10,abc,30"]));
+    assert!(e.contains("--loads") && e.contains("abc"), "{e}");
+    let e = run(with(&["--loads", "10,-5,30"]));
+    assert!(e.contains("loads") && e.contains("-5"), "{e}");
+    let e = run(with(&["--loads", "10,NaN,30"]));
+    assert!(e.contains("loads") && e.contains("NaN"), "{e}");
+    let e = run(with(&["--loads", "1,2", "--strategy", "best"]));
+    assert!(e.contains("strategy") && e.contains("best"), "{e}");
+    let e = run(with(&["--replicas", "2,5,6"]));
+    assert!(e.contains("replicas sum to 13") && e.contains("20"), "{e}");
+    let e = fails(&["plan", "--loads", "1,2", "--nodes", "5", "--slots", "0"]);
+    assert!(e.contains("slots") && e.contains('0'), "{e}");
+    let e = fails(&["plan", "--loads", "1,2,3,4,5,6", "--nodes", "1", "--slots", "4"]);
+    assert!(e.contains("cannot host") && e.contains('6'), "{e}");
+    let e = fails(&["prob", "--replicas", "2,5,6,7", "--nodes", "5", "--slots", "4", "--failed", "6"]);
+    assert!(e.contains("failed") && e.contains('6'), "{e}");
+    let e = fails(&["plan", "--nodes", "5", "--slots", "4"]);
+    assert!(e.contains("--loads"), "{e}");
+
+    let bad = temp_file("bad.json", "[[1, 2], [3,");
+    let e = fails(&["plan", "--loads-file", bad.to_str().unwrap(), "--nodes", "2", "--slots", "2"]);
+    assert!(e.contains("loads-file") && e.contains("bad.json"), "{e}");
+    let neg = temp_file("neg.json", "[[1, 2], [3, -4]]");
+    let e = fails(&["plan", "--loads-file", neg.to_str().unwrap(), "--nodes", "2", "--slots", "2"]);
+    assert!(e.contains("layer 1") && e.contains("-4"), "{e}");
+    let short = temp_file("short.json", "[[0, 1, 2], [0, 1]]");
+    let e = fails(&["prob", "--placement-file", short.to_str().unwrap(), "--failed", "1"]);
+    assert!(e.contains("node 1") && e.contains("2 entries"), "{e}");
+    let missing = temp_file("missing.json", "[[0, 2], [0, 2]]");
+    let e = fails(&["prob", "--placement-file", missing.to_str().unwrap(), "--failed", "1"]);
+    assert!(e.contains("expert 1"), "{e}");
+}
