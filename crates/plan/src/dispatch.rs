@@ -80,7 +80,7 @@ impl DispatchSchedule {
                 ));
             }
         }
-        let mut routes = Vec::new();
+        let mut routes = Vec::with_capacity(experts * ranks * 2);
         let mut start = Vec::with_capacity(experts + 1);
         let mut scratch = Scratch::default();
         for e in 0..experts {
@@ -155,35 +155,56 @@ impl DispatchSchedule {
 
 /// Largest-remainder apportionment of `total` over weights `w` (ties to the lower index).
 pub fn apportion(total: u64, w: &[u32]) -> Vec<u64> {
-    let sum: u64 = w.iter().map(|&x| x as u64).sum();
-    if sum == 0 {
-        return vec![0; w.len()];
-    }
-    let mut out: Vec<u64> = w.iter().map(|&x| ((total as u128 * x as u128) / sum as u128) as u64).collect();
-    let mut left = total - out.iter().sum::<u64>();
-    if left > 0 {
-        let mut idx: Vec<usize> = (0..w.len()).collect();
-        let rem = |j: usize| (total as u128 * w[j] as u128) % sum as u128;
-        idx.sort_by(|&a, &b| rem(b).cmp(&rem(a)).then(a.cmp(&b)));
-        for j in idx {
-            if left == 0 {
-                break;
-            }
-            if rem(j) > 0 {
-                out[j] += 1;
-                left -= 1;
-            }
-        }
-    }
+    let mut out = vec![0; w.len()];
+    apportion_into(total, w, &mut Vec::new(), &mut out);
     out
 }
 
+/// [`apportion`] into `out`, using `rems` as scratch; only ranks with a replica are touched.
+fn apportion_into(total: u64, w: &[u32], rems: &mut Vec<(u64, usize)>, out: &mut [u64]) {
+    out.iter_mut().for_each(|x| *x = 0);
+    let sum: u64 = w.iter().map(|&x| x as u64).sum();
+    if sum == 0 {
+        return;
+    }
+    rems.clear();
+    let mut given = 0u64;
+    for (j, &x) in w.iter().enumerate() {
+        if x == 0 {
+            continue;
+        }
+        let prod = total as u128 * x as u128;
+        let q = (prod / sum as u128) as u64;
+        out[j] = q;
+        given += q;
+        let rem = (prod % sum as u128) as u64;
+        if rem > 0 {
+            rems.push((rem, j));
+        }
+    }
+    let left = (total - given) as usize;
+    if left > 0 {
+        // Largest remainder first; equal remainders to the lower rank.
+        rems.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(_, j) in rems.iter().take(left) {
+            out[j] += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) static AUGMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 #[derive(Default)]
 struct Scratch {
+    cap: Vec<u64>,
+    local: Vec<u64>,
+    rems: Vec<(u64, usize)>,
     senders: Vec<usize>,
     receivers: Vec<usize>,
     excess: Vec<u64>,
     residual: Vec<u64>,
+    transport: Transport,
 }
 
 fn expert_routes(e: u32, t: &[u64], r: &[u32], sc: &mut Scratch, out: &mut Vec<Route>) {
@@ -191,143 +212,216 @@ fn expert_routes(e: u32, t: &[u64], r: &[u32], sc: &mut Scratch, out: &mut Vec<R
     if total == 0 {
         return;
     }
-    let cap = apportion(total, r);
+    sc.cap.resize(t.len(), 0);
+    apportion_into(total, r, &mut sc.rems, &mut sc.cap);
     sc.senders.clear();
     sc.receivers.clear();
     sc.excess.clear();
     sc.residual.clear();
-    let first = out.len();
+    sc.local.clear();
     for j in 0..t.len() {
-        let local = t[j].min(cap[j]);
-        if local > 0 {
-            out.push(Route {
-                expert: e,
-                src: j as u32,
-                dst: j as u32,
-                tokens: local,
-            });
-        }
+        let local = t[j].min(sc.cap[j]);
+        sc.local.push(local);
         if t[j] > local {
             sc.senders.push(j);
             sc.excess.push(t[j] - local);
-        } else if cap[j] > local {
+        } else if sc.cap[j] > local {
             sc.receivers.push(j);
-            sc.residual.push(cap[j] - local);
+            sc.residual.push(sc.cap[j] - local);
         }
     }
     let moved: u64 = sc.excess.iter().sum();
     if moved > 0 {
-        let m = round_transport(&sc.excess, &sc.residual, moved);
-        for (a, &src) in sc.senders.iter().enumerate() {
+        sc.transport.round(&sc.excess, &sc.residual, moved);
+    }
+    // Emit in (src, dst) order: senders and receivers are disjoint, so a sender's row is its
+    // local entry merged into its transfers, which are in ascending receiver order.
+    let nb = sc.receivers.len();
+    let mut next_sender = 0;
+    for src in 0..t.len() {
+        let row = (next_sender < sc.senders.len() && sc.senders[next_sender] == src).then(|| {
+            next_sender += 1;
+            next_sender - 1
+        });
+        let mut local_done = sc.local[src] == 0;
+        let mut push = |dst: usize, tokens: u64| {
+            out.push(Route {
+                expert: e,
+                src: src as u32,
+                dst: dst as u32,
+                tokens,
+            })
+        };
+        if let Some(a) = row {
             for (b, &dst) in sc.receivers.iter().enumerate() {
-                let tokens = m[a * sc.receivers.len() + b];
+                if !local_done && dst > src {
+                    push(src, sc.local[src]);
+                    local_done = true;
+                }
+                let tokens = sc.transport.m[a * nb + b];
                 if tokens > 0 {
-                    out.push(Route {
-                        expert: e,
-                        src: src as u32,
-                        dst: dst as u32,
-                        tokens,
-                    });
+                    push(dst, tokens);
                 }
             }
         }
+        if !local_done {
+            push(src, sc.local[src]);
+        }
     }
-    out[first..].sort_unstable_by_key(|r| (r.src, r.dst));
 }
 
-/// Round the matrix x_ab = X_a·P_b/S (S = ΣX = ΣP) to integers within 1 of x, keeping every row
-/// sum X_a and column sum P_b. Returns the matrix row-major.
-fn round_transport(x: &[u64], p: &[u64], s: u64) -> Vec<u64> {
-    let (na, nb) = (x.len(), p.len());
-    let mut m = vec![0u64; na * nb];
-    let mut frac = vec![0u64; na * nb];
-    let mut row_left = x.to_vec();
-    let mut col_left = p.to_vec();
-    for a in 0..na {
-        for b in 0..nb {
-            let prod = x[a] as u128 * p[b] as u128;
-            let q = (prod / s as u128) as u64;
-            m[a * nb + b] = q;
-            frac[a * nb + b] = (prod % s as u128) as u64;
-            row_left[a] -= q;
-            col_left[b] -= q;
-        }
-    }
-    if row_left.iter().all(|&v| v == 0) {
-        return m;
-    }
-    // Greedy: each row takes its units on the cells with the largest fractional parts whose
-    // column still needs units.
-    let mut bump = vec![false; na * nb];
-    let mut cols: Vec<usize> = Vec::with_capacity(nb);
-    for a in 0..na {
-        cols.clear();
-        cols.extend((0..nb).filter(|&b| frac[a * nb + b] > 0));
-        cols.sort_by(|&u, &v| frac[a * nb + v].cmp(&frac[a * nb + u]).then(u.cmp(&v)));
-        for &b in &cols {
-            if row_left[a] == 0 {
-                break;
-            }
-            if col_left[b] > 0 {
-                bump[a * nb + b] = true;
-                row_left[a] -= 1;
-                col_left[b] -= 1;
-            }
-        }
-    }
-    // Augmenting paths for rows the greedy left short: row → (unbumped fractional cell) → column
-    // → (bumped cell) → row … until a column with units left is reached.
-    for a0 in 0..na {
-        while row_left[a0] > 0 {
-            let mut prev_col: Vec<Option<usize>> = vec![None; nb]; // column -> row that reached it
-            let mut prev_row: Vec<Option<usize>> = vec![None; na]; // row -> column it came from
-            let mut seen_row = vec![false; na];
-            seen_row[a0] = true;
-            let mut queue = std::collections::VecDeque::from([a0]);
-            let mut end = None;
-            'bfs: while let Some(a) = queue.pop_front() {
-                for b in 0..nb {
-                    if frac[a * nb + b] == 0 || bump[a * nb + b] || prev_col[b].is_some() {
-                        continue;
-                    }
-                    prev_col[b] = Some(a);
-                    if col_left[b] > 0 {
-                        end = Some(b);
-                        break 'bfs;
-                    }
-                    for a2 in 0..na {
-                        if bump[a2 * nb + b] && !seen_row[a2] {
-                            seen_row[a2] = true;
-                            prev_row[a2] = Some(b);
-                            queue.push_back(a2);
-                        }
-                    }
+/// Rounds the matrix x_ab = X_a·P_b/S (S = ΣX = ΣP) to integers within 1 of x, keeping every
+/// row sum X_a and column sum P_b. Buffers are reused across experts.
+#[derive(Default)]
+struct Transport {
+    /// The result, row-major (senders × receivers).
+    m: Vec<u64>,
+    frac: Vec<u64>,
+    bump: Vec<bool>,
+    row_left: Vec<u64>,
+    col_left: Vec<u64>,
+    rows: Vec<usize>,
+    cols: Vec<usize>,
+}
+
+impl Transport {
+    fn round(&mut self, x: &[u64], p: &[u64], s: u64) {
+        let (na, nb) = (x.len(), p.len());
+        self.m.clear();
+        self.m.resize(na * nb, 0);
+        self.frac.clear();
+        self.frac.resize(na * nb, 0);
+        self.row_left.clear();
+        self.row_left.extend_from_slice(x);
+        self.col_left.clear();
+        self.col_left.extend_from_slice(p);
+        // Integer division is the hot spot; below 2^52 a float estimate off by at most one,
+        // corrected with the exact remainder, gives the same quotient far faster.
+        let inv = 1.0 / s as f64;
+        let div = |prod: u64| -> (u64, u64) {
+            if prod < (1 << 52) {
+                let mut q = (prod as f64 * inv) as i64 as u64;
+                let mut rem = prod as i64 - (q * s) as i64;
+                if rem < 0 {
+                    q -= 1;
+                    rem += s as i64;
+                } else if rem >= s as i64 {
+                    q += 1;
+                    rem -= s as i64;
                 }
+                (q, rem as u64)
+            } else {
+                (prod / s, prod % s)
             }
-            let Some(mut b) = end else {
-                unreachable!("a fractional transport plan always has an integral rounding")
-            };
-            col_left[b] -= 1;
-            loop {
-                let a = prev_col[b].expect("path");
-                bump[a * nb + b] = true;
-                match prev_row[a] {
-                    Some(b_prev) => {
-                        bump[a * nb + b_prev] = false;
-                        b = b_prev;
-                    }
+        };
+        for a in 0..na {
+            for b in 0..nb {
+                let (q, rem) = match x[a].checked_mul(p[b]) {
+                    Some(prod) => div(prod),
                     None => {
-                        row_left[a] -= 1;
-                        break;
+                        let prod = x[a] as u128 * p[b] as u128;
+                        ((prod / s as u128) as u64, (prod % s as u128) as u64)
+                    }
+                };
+                self.m[a * nb + b] = q;
+                self.frac[a * nb + b] = rem;
+                self.row_left[a] -= q;
+                self.col_left[b] -= q;
+            }
+        }
+        if self.row_left.iter().all(|&v| v == 0) {
+            return;
+        }
+        self.bump.clear();
+        self.bump.resize(na * nb, false);
+        // Ryser's construction: rows with the most units first, each taking the columns that
+        // still need the most units (then the larger fraction). With every cell available this
+        // always succeeds (Gale–Ryser); cells whose ideal is already an integer are not
+        // available, and the rare row left short is completed by an augmenting path.
+        self.rows.clear();
+        self.rows.extend((0..na).filter(|&a| self.row_left[a] > 0));
+        self.rows.sort_unstable_by(|&u, &v| self.row_left[v].cmp(&self.row_left[u]).then(u.cmp(&v)));
+        for i in 0..self.rows.len() {
+            let a = self.rows[i];
+            let frac = &self.frac[a * nb..(a + 1) * nb];
+            let col_left = &self.col_left;
+            self.cols.clear();
+            self.cols.extend((0..nb).filter(|&b| frac[b] > 0 && col_left[b] > 0));
+            let want = self.row_left[a] as usize;
+            let by_need = |u: &usize, v: &usize| {
+                col_left[*v].cmp(&col_left[*u]).then(frac[*v].cmp(&frac[*u])).then(u.cmp(v))
+            };
+            if want < self.cols.len() {
+                self.cols.select_nth_unstable_by(want, by_need);
+                self.cols.truncate(want);
+            }
+            for &b in &self.cols {
+                self.bump[a * nb + b] = true;
+                self.row_left[a] -= 1;
+                self.col_left[b] -= 1;
+            }
+        }
+        for a0 in 0..na {
+            while self.row_left[a0] > 0 {
+                self.augment(a0, na, nb);
+            }
+        }
+        for (v, &up) in self.m.iter_mut().zip(&self.bump) {
+            *v += up as u64;
+        }
+    }
+
+    /// One augmenting path for row `a0` the greedy left short: row → (unbumped fractional
+    /// cell) → column → (bumped cell) → row … until a column with units left is reached.
+    fn augment(&mut self, a0: usize, na: usize, nb: usize) {
+        #[cfg(test)]
+        AUGMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut prev_col: Vec<Option<usize>> = vec![None; nb];
+        let mut prev_row: Vec<Option<usize>> = vec![None; na];
+        let mut seen_row = vec![false; na];
+        seen_row[a0] = true;
+        let mut queue = std::collections::VecDeque::from([a0]);
+        let mut end = None;
+        'bfs: while let Some(a) = queue.pop_front() {
+            for b in 0..nb {
+                if self.frac[a * nb + b] == 0 || self.bump[a * nb + b] || prev_col[b].is_some() {
+                    continue;
+                }
+                prev_col[b] = Some(a);
+                if self.col_left[b] > 0 {
+                    end = Some(b);
+                    break 'bfs;
+                }
+                for a2 in 0..na {
+                    if self.bump[a2 * nb + b] && !seen_row[a2] {
+                        seen_row[a2] = true;
+                        prev_row[a2] = Some(b);
+                        queue.push_back(a2);
                     }
                 }
             }
         }
+        // The fractional matrix is a feasible flow, so an integral rounding always exists and
+        // an augmenting path is always found.
+        let Some(mut b) = end else {
+            unreachable!("transport rounding: no augmenting path")
+        };
+        self.col_left[b] -= 1;
+        loop {
+            let Some(a) = prev_col[b] else { unreachable!("broken augmenting path") };
+            self.bump[a * nb + b] = true;
+            match prev_row[a] {
+                Some(b_prev) => {
+                    self.bump[a * nb + b_prev] = false;
+                    b = b_prev;
+                }
+                None => {
+                    self.row_left[a] -= 1;
+                    break;
+                }
+            }
+        }
     }
-    for (v, &up) in m.iter_mut().zip(&bump) {
-        *v += up as u64;
-    }
-    m
 }
 
 #[cfg(test)]
@@ -402,6 +496,25 @@ mod tests {
         assert_eq!(apportion(10, &[1, 1, 1]), vec![4, 3, 3]);
         assert_eq!(apportion(0, &[1, 2]), vec![0, 0]);
         assert_eq!(apportion(7, &[0, 3, 0, 4]), vec![0, 3, 0, 4]);
+    }
+
+    /// Small counts leave cells whose ideal is an integer, where Ryser's greedy can get stuck;
+    /// make sure the augmenting-path repair runs and still yields a valid schedule.
+    #[test]
+    fn augmenting_repair_is_exercised() {
+        let before = AUGMENTS.load(std::sync::atomic::Ordering::Relaxed);
+        let mut rng = crate::rng::SplitMix64::new(7);
+        for _ in 0..20_000 {
+            let ranks = 3 + rng.below(5);
+            let t = vec![(0..ranks).map(|_| rng.below(7) as u64).collect::<Vec<_>>()];
+            let r = vec![(0..ranks).map(|_| rng.below(3) as u32).collect::<Vec<_>>()];
+            if r[0].iter().all(|&x| x == 0) {
+                continue;
+            }
+            let d = DispatchSchedule::compute(&t, &r).unwrap();
+            check_invariants(&t, &r, &d).unwrap();
+        }
+        assert!(AUGMENTS.load(std::sync::atomic::Ordering::Relaxed) > before, "repair path never taken");
     }
 
     proptest! {

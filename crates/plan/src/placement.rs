@@ -339,37 +339,52 @@ fn mro_nodes(replicas: &[usize], n: usize, s: usize, layout: GroupLayout) -> Vec
     let order = ascending(replicas);
     let mut nodes: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(s); n];
     let mut left = replicas.to_vec();
+    let mut holds = vec![NodeSet::empty(n); replicas.len()];
     let mut next = 0;
     for group in groups(&order, s, layout) {
         let span = replicas[group[0]].min(n - next);
-        for node in &mut nodes[next..next + span] {
+        for (i, node) in nodes.iter_mut().enumerate().skip(next).take(span) {
             for &e in group {
                 node.push(e);
+                holds[e].insert(i);
                 left[e] -= 1;
             }
         }
         next += span;
     }
-    fill_vacancies(&mut nodes, s, &order, &mut left);
+    fill_vacancies(&mut nodes, s, &order, &mut left, &mut holds);
     nodes
 }
 
 /// "For the vacant slots, we uniformly place the experts that still have replicas left": walk
-/// the nodes round-robin, preferring a node that does not hold the expert yet.
-fn fill_vacancies(nodes: &mut [Vec<ExpertId>], s: usize, order: &[ExpertId], left: &mut [usize]) {
+/// the nodes round-robin, first over nodes that do not hold the expert yet, then over any node
+/// with a free slot. `holds[e]` is kept up to date.
+fn fill_vacancies(nodes: &mut [Vec<ExpertId>], s: usize, order: &[ExpertId], left: &mut [usize], holds: &mut [NodeSet]) {
     let n = nodes.len();
     let mut cursor = 0;
     for &e in order {
-        while left[e] > 0 {
-            let free = |node: &Vec<ExpertId>| node.len() < s;
-            let pick = (0..n)
-                .map(|k| (cursor + k) % n)
-                .find(|&i| free(&nodes[i]) && !nodes[i].contains(&e))
-                .or_else(|| (0..n).map(|k| (cursor + k) % n).find(|&i| free(&nodes[i])));
-            let Some(i) = pick else { return };
-            nodes[i].push(e);
-            left[e] -= 1;
-            cursor = (i + 1) % n;
+        for prefer_new in [true, false] {
+            loop {
+                let mut placed = false;
+                let start = cursor;
+                for k in 0..n {
+                    if left[e] == 0 {
+                        break;
+                    }
+                    let i = (start + k) % n;
+                    if nodes[i].len() < s && !(prefer_new && holds[e].contains(i)) {
+                        nodes[i].push(e);
+                        holds[e].insert(i);
+                        left[e] -= 1;
+                        placed = true;
+                        cursor = (i + 1) % n;
+                    }
+                }
+                // One sweep covers every node that lacks the expert; duplicates may need more.
+                if prefer_new || left[e] == 0 || !placed {
+                    break;
+                }
+            }
         }
     }
 }
@@ -589,21 +604,30 @@ fn balance_gpus(
                 node.sort_unstable();
                 return node;
             }
-            node.sort_by(|&a, &b| weight(b).total_cmp(&weight(a)).then(a.cmp(&b)));
+            let mut keyed: Vec<(f64, ExpertId)> = node.iter().map(|&e| (weight(e), e)).collect();
+            keyed.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             let mut gpus: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(c); g];
             let mut load = vec![0.0f64; g];
-            for e in node {
-                let pick = (0..g)
-                    .filter(|&k| gpus[k].len() < c)
-                    .min_by(|&a, &b| {
-                        load[a]
-                            .total_cmp(&load[b])
-                            .then(gpus[b].contains(&e).cmp(&gpus[a].contains(&e)))
-                            .then(a.cmp(&b))
-                    })
-                    .expect("a node has exactly G·c entries");
+            for (w, e) in keyed {
+                let mut pick = usize::MAX;
+                let mut pick_has = false;
+                for k in 0..g {
+                    if gpus[k].len() == c {
+                        continue;
+                    }
+                    // Ties on load go to a GPU that already holds the expert.
+                    let better = if pick == usize::MAX || load[k] < load[pick] {
+                        true
+                    } else {
+                        load[k] == load[pick] && !pick_has && gpus[k].contains(&e)
+                    };
+                    if better {
+                        pick = k;
+                        pick_has = gpus[k].contains(&e);
+                    }
+                }
                 gpus[pick].push(e);
-                load[pick] += weight(e);
+                load[pick] += w;
             }
             gpus.into_iter()
                 .flat_map(|mut gpu| {

@@ -308,14 +308,23 @@ fn combine(n: usize, comps: &[Component], only: Option<usize>) -> Vec<f64> {
         };
         let mut next = vec![0.0f64; total + 1];
         for (k, slot) in next.iter_mut().enumerate().take(hi + 1).skip(lo) {
-            let base = ln_c(total, k);
-            let mut sum = 0.0;
-            for a in k.saturating_sub(m)..=u.min(k) {
-                let (pk, q) = (p[k - a], comp.hit[a]);
-                if pk == 0.0 || q == 0.0 {
-                    continue;
-                }
-                sum += pk * q * (ln_c(u, a) + ln_c(m, k - a) - base).exp();
+            // Hypergeometric weights h(a) = C(u,a)·C(m,k−a)/C(m+u,k): one exp at the mode (the
+            // largest term, so it never underflows), then the ratio recurrence both ways.
+            let a_lo = k.saturating_sub(m);
+            let a_hi = u.min(k);
+            let mode = (((k + 1) * (u + 1)) / (total + 2)).clamp(a_lo, a_hi);
+            let h_mode = (ln_c(u, mode) + ln_c(m, k - mode) - ln_c(total, k)).exp();
+            let term = |a: usize, h: f64| p[k - a] * comp.hit[a] * h;
+            let mut sum = term(mode, h_mode);
+            let mut h = h_mode;
+            for a in mode..a_hi {
+                h *= ((u - a) * (k - a)) as f64 / ((a + 1) * (m + a + 1 - k)) as f64;
+                sum += term(a + 1, h);
+            }
+            h = h_mode;
+            for a in (a_lo + 1..=mode).rev() {
+                h *= (a * (m + a - k)) as f64 / ((u - a + 1) * (k - a + 1)) as f64;
+                sum += term(a - 1, h);
             }
             *slot = sum.min(1.0);
         }
