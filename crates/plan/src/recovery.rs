@@ -520,6 +520,26 @@ mod tests {
     }
 
     proptest! {
+        /// MRO plans reduce to disjoint segments: the closed form, checked against enumeration.
+        #[test]
+        fn mro_closed_form_matches_enumeration(n in 2usize..13, s in 1usize..5, seed in any::<u64>()) {
+            let mut rng = SplitMix64::new(seed);
+            let experts = 1 + rng.below(n * s);
+            let mut r = vec![1usize; experts];
+            for _ in experts..n * s { r[rng.below(experts)] += 1; }
+            let shape = ClusterShape::new(n, 1, s).unwrap();
+            let p = place(&r, shape, Strategy::Mro, None).unwrap();
+            let minimal = minimal_sets(&p.holders());
+            let truncated = crate::placement::mro_truncates(&r, n, s);
+            let disjoint = minimal.iter().enumerate().all(|(i, a)| minimal[i + 1..].iter().all(|b| !a.intersects(b)));
+            prop_assert!(disjoint || truncated, "untruncated MRO must be segment-shaped: r={:?}", r);
+            let want = brute(n, &p.holders());
+            let got = survival_curve(n, &p.holders());
+            for k in 0..=n {
+                prop_assert!((got.alive[k] - want[k]).abs() < 1e-12);
+            }
+        }
+
         #[test]
         fn evaluator_matches_brute_force(n in 2usize..10, s in 1usize..4, seed in any::<u64>()) {
             let experts = (n * s).min(2 + (seed % 7) as usize);
