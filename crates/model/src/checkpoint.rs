@@ -1,0 +1,144 @@
+//! Checkpoints: weights and optimizer state as safetensors (loadable by PyTorch / Hugging Face
+//! tools) plus a JSON manifest (step, data cursor, configuration, per-tensor optimizer steps).
+//!
+//! A checkpoint is written into a temporary directory, every file fsynced, the directory renamed
+//! to `step-XXXXXXXX`, and only then the `latest` pointer replaced (write, fsync, rename), so a
+//! crash at any moment leaves the previous checkpoint intact and `latest` pointing at a
+//! complete one.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+pub const FORMAT_VERSION: u32 = 1;
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const LATEST_FILE: &str = "latest";
+
+/// Everything a checkpoint holds besides tensors. `extra` is the trainer's own state (config,
+/// cursor, …) as JSON, so this module does not depend on it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub step: u64,
+    /// Parameter names in model order.
+    pub params: Vec<String>,
+    /// AdamW step count of each parameter, same order.
+    pub optimizer_steps: Vec<u64>,
+    pub extra: serde_json::Value,
+}
+
+pub struct CheckpointData {
+    pub manifest: Manifest,
+    pub weights: HashMap<String, Tensor>,
+    /// `m/{name}` and `v/{name}` moments.
+    pub optimizer: HashMap<String, Tensor>,
+    pub path: PathBuf,
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(|e| ModelError::io(path, e))?;
+    f.write_all(bytes).map_err(|e| ModelError::io(path, e))?;
+    f.sync_all().map_err(|e| ModelError::io(path, e))
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    File::open(path).and_then(|d| d.sync_all()).map_err(|e| ModelError::io(path, e))
+}
+
+fn serialize(tensors: &[(String, Tensor)], path: &Path) -> Result<Vec<u8>> {
+    let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    safetensors::serialize(sorted, None).map_err(|e| ModelError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// Write a checkpoint under `dir` and point `dir/latest` at it. Returns its directory.
+pub fn save(
+    dir: &Path,
+    manifest: &Manifest,
+    weights: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let name = format!("step-{:08}", manifest.step);
+    let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    write_synced(&tmp.join(MODEL_FILE), &serialize(weights, &tmp)?)?;
+    write_synced(&tmp.join(OPTIMIZER_FILE), &serialize(optimizer, &tmp)?)?;
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| ModelError::Checkpoint {
+        path: tmp.clone(),
+        reason: e.to_string(),
+    })?;
+    write_synced(&tmp.join(MANIFEST_FILE), &json)?;
+    sync_dir(&tmp)?;
+    let target = dir.join(&name);
+    if target.exists() {
+        // Re-saving the same step (e.g. after a resume): the new one replaces it.
+        std::fs::remove_dir_all(&target).map_err(|e| ModelError::io(&target, e))?;
+    }
+    std::fs::rename(&tmp, &target).map_err(|e| ModelError::io(&target, e))?;
+    sync_dir(dir)?;
+    let latest_tmp = dir.join(format!(".{LATEST_FILE}.tmp-{}", std::process::id()));
+    write_synced(&latest_tmp, name.as_bytes())?;
+    std::fs::rename(&latest_tmp, dir.join(LATEST_FILE)).map_err(|e| ModelError::io(dir.join(LATEST_FILE), e))?;
+    sync_dir(dir)?;
+    Ok(target)
+}
+
+/// The checkpoint `dir/latest` points at, or `dir` itself if it is a checkpoint directory.
+pub fn resolve(dir: &Path) -> Result<PathBuf> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    let latest = dir.join(LATEST_FILE);
+    let name = std::fs::read_to_string(&latest).map_err(|e| ModelError::io(&latest, e))?;
+    let name = name.trim();
+    if name.is_empty() || name.contains('/') || name.contains("..") {
+        return Err(ModelError::Checkpoint {
+            path: latest,
+            reason: format!("does not name a checkpoint: {name:?}"),
+        });
+    }
+    Ok(dir.join(name))
+}
+
+pub fn load(dir: &Path, device: &Device) -> Result<CheckpointData> {
+    let path = resolve(dir)?;
+    let bad = |reason: String| ModelError::Checkpoint {
+        path: path.clone(),
+        reason,
+    };
+    let text = std::fs::read(path.join(MANIFEST_FILE)).map_err(|e| ModelError::io(path.join(MANIFEST_FILE), e))?;
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
+    if manifest.format_version != FORMAT_VERSION {
+        return Err(bad(format!("format version {} (this build reads {FORMAT_VERSION})", manifest.format_version)));
+    }
+    if manifest.params.len() != manifest.optimizer_steps.len() {
+        return Err(bad("manifest: params and optimizer_steps differ in length".into()));
+    }
+    let read = |file: &str| -> Result<HashMap<String, Tensor>> {
+        let bytes = std::fs::read(path.join(file)).map_err(|e| ModelError::io(path.join(file), e))?;
+        candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| bad(format!("{file}: {e}")))
+    };
+    let weights = read(MODEL_FILE)?;
+    let optimizer = read(OPTIMIZER_FILE)?;
+    Ok(CheckpointData {
+        manifest,
+        weights,
+        optimizer,
+        path,
+    })
+}

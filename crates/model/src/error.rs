@@ -1,0 +1,46 @@
+//! Errors of the model crate. Configuration and data errors name the field and the value.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("invalid {field}: {value} ({reason})")]
+    Config {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("{path}: {reason}")]
+    Data { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl ModelError {
+    pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
+        ModelError::Config {
+            field,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

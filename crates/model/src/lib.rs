@@ -1,0 +1,22 @@
+//! The trainable model of Lazarus: a GPT-style decoder with Mixture-of-Experts feed-forwards on
+//! candle, an AdamW whose state is visible per tensor, data loading, checkpoints and the
+//! single-process trainer.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+mod error;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod rng;
+pub mod routing;
+pub mod trainer;
+
+pub use config::ModelConfig;
+pub use data::{ByteTokenizer, Cursor, DataSource, Sampler, TokenWidth};
+pub use error::{ModelError, Result};
+pub use model::{ForwardOutput, MoeModel, MoeStats};
+pub use optim::{AdamW, AdamWConfig, LrSchedule};
+pub use params::ParamStore;
+pub use trainer::{RoutingTrace, StepReport, TrainConfig, Trainer};

@@ -1,0 +1,508 @@
+//! GPT-style decoder with Mixture-of-Experts feed-forwards (paper §2.1, Switch/GShard-style
+//! routing), on candle.
+//!
+//! Every expert's tensors are separate parameters named
+//! `blocks.{b}.moe.experts.{e}.{fc1,fc2}.{w,b}`, addressable by (MoE layer, expert) through
+//! [`MoeModel::expert_param_names`], so a later stage can move one expert between processes.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::params::{Init, ParamStore};
+use crate::routing::{assign_from_loads, top_k};
+
+struct Linear {
+    w: Var,
+    b: Var,
+}
+
+impl Linear {
+    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, din: usize, dout: usize, std: f64) -> Result<Self> {
+        let w = ps.add(format!("{name}.w"), init.normal(&[din, dout], std)?)?;
+        let b = ps.add(format!("{name}.b"), init.constant(&[dout], 0.0)?)?;
+        Ok(Linear { w, b })
+    }
+
+    /// x: [N, din] → [N, dout].
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+    }
+}
+
+struct Norm {
+    w: Var,
+    b: Var,
+}
+
+impl Norm {
+    fn new(ps: &mut ParamStore, init: &Init, name: &str, d: usize) -> Result<Self> {
+        let w = ps.add(format!("{name}.w"), init.constant(&[d], 1.0)?)?;
+        let b = ps.add(format!("{name}.b"), init.constant(&[d], 0.0)?)?;
+        Ok(Norm { w, b })
+    }
+
+    /// LayerNorm over the last dimension, from differentiable primitives.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let xn = xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+        Ok(xn.broadcast_mul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+    }
+}
+
+/// Linear–GELU–Linear. One expert, or the dense FFN of a non-MoE block.
+pub struct Ffn {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Ffn {
+    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, cfg: &ModelConfig) -> Result<Self> {
+        let out_std = cfg.init_std / (2.0 * cfg.n_layers as f64).sqrt();
+        Ok(Ffn {
+            fc1: Linear::new(ps, init, &format!("{name}.fc1"), cfg.d_model, cfg.d_ff, cfg.init_std)?,
+            fc2: Linear::new(ps, init, &format!("{name}.fc2"), cfg.d_ff, cfg.d_model, out_std)?,
+        })
+    }
+
+    /// x: [n, d_model] → [n, d_model].
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward(x)?.gelu()?)
+    }
+}
+
+struct Attention {
+    qkv: Linear,
+    out: Linear,
+    heads: usize,
+}
+
+impl Attention {
+    /// x: [B, T, d] with a causal mask [T, T] (0 on and below the diagonal, −1e9 above).
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let dh = d / self.heads;
+        let qkv = self.qkv.forward(&x.reshape((b * t, d))?)?;
+        let qkv = qkv.reshape((b, t, 3, self.heads, dh))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * (1.0 / (dh as f64).sqrt()))?;
+        let att = softmax_last(&scores.broadcast_add(mask)?)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b * t, d))?;
+        Ok(self.out.forward(&y)?.reshape((b, t, d))?)
+    }
+}
+
+/// Router plus experts of one MoE layer.
+pub struct MoeLayer {
+    gate: Var,
+    pub experts: Vec<Ffn>,
+    top_k: usize,
+    capacity_factor: Option<f64>,
+}
+
+/// What one MoE layer did in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeStats {
+    /// Tokens routed to each expert (top-k assignments, before any capacity drop).
+    pub load: Vec<u64>,
+    /// Assignments dropped by the capacity factor.
+    pub dropped: u64,
+    /// The k experts of each token, token-major (n·k ids).
+    pub choices: Vec<u32>,
+}
+
+impl MoeLayer {
+    /// h: [N, d] → ([N, d], aux loss scalar, stats). `forced` replaces the router's choices with
+    /// assignments matching the given per-expert loads (trace-driven routing).
+    fn forward(&self, h: &Tensor, forced: Option<&[f64]>) -> Result<(Tensor, Tensor, MoeStats)> {
+        let (n, _d) = h.dims2()?;
+        let e_count = self.experts.len();
+        let k = self.top_k;
+        let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
+        let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
+        let choices: Vec<usize> = match forced {
+            Some(loads) => assign_from_loads(loads, n, k)?,
+            None => host.iter().flat_map(|row| top_k(row, k)).collect(),
+        };
+        let idx = Tensor::from_vec(choices.iter().map(|&c| c as u32).collect::<Vec<_>>(), (n, k), h.device())?;
+        let mut w = probs.gather(&idx, 1)?;
+        if k > 1 {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        let w = w.flatten_all()?;
+
+        let mut load = vec![0u64; e_count];
+        choices.iter().for_each(|&c| load[c] += 1);
+        let capacity = self
+            .capacity_factor
+            .map(|cf| ((cf * (n * k) as f64 / e_count as f64).ceil() as usize).max(1));
+        // Assignments per expert, in token order; beyond capacity they are dropped (the
+        // residual connection carries those tokens).
+        let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); e_count];
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); e_count];
+        let mut dropped = 0u64;
+        for (slot, &e) in choices.iter().enumerate() {
+            if capacity.is_some_and(|c| tokens[e].len() >= c) {
+                dropped += 1;
+                continue;
+            }
+            tokens[e].push((slot / k) as u32);
+            slots[e].push(slot as u32);
+        }
+        let mut outs = Vec::with_capacity(e_count);
+        let mut all_tokens: Vec<u32> = Vec::with_capacity(n * k);
+        for e in 0..e_count {
+            if tokens[e].is_empty() {
+                continue;
+            }
+            let len = tokens[e].len();
+            let t_idx = Tensor::from_vec(tokens[e].clone(), len, h.device())?;
+            let s_idx = Tensor::from_vec(slots[e].clone(), len, h.device())?;
+            let y = self.experts[e].forward(&h.index_select(&t_idx, 0)?)?;
+            let we = w.index_select(&s_idx, 0)?.unsqueeze(1)?;
+            outs.push(y.broadcast_mul(&we)?);
+            all_tokens.extend_from_slice(&tokens[e]);
+        }
+        let mut out = h.zeros_like()?;
+        if !outs.is_empty() {
+            let count = all_tokens.len();
+            let idx = Tensor::from_vec(all_tokens, count, h.device())?;
+            out = out.index_add(&idx, &Tensor::cat(&outs, 0)?, 0)?;
+        }
+        // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
+        // P_e the mean router probability (differentiable).
+        let f: Vec<f64> = load.iter().map(|&c| c as f64 / (n * k) as f64).collect();
+        let f = Tensor::from_vec(f, e_count, h.device())?.to_dtype(h.dtype())?;
+        let aux = ((probs.mean(0)? * f)?.sum_all()? * e_count as f64)?;
+        let choices = choices.into_iter().map(|c| c as u32).collect();
+        Ok((out, aux, MoeStats { load, dropped, choices }))
+    }
+}
+
+enum FeedForward {
+    Dense(Ffn),
+    Moe(MoeLayer),
+}
+
+struct Block {
+    ln1: Norm,
+    attn: Attention,
+    ln2: Norm,
+    ff: FeedForward,
+}
+
+/// The result of one forward pass.
+pub struct ForwardOutput {
+    /// Mean next-token cross-entropy (nats).
+    pub ce_loss: Tensor,
+    /// Mean over MoE layers of the load-balancing loss.
+    pub aux_loss: Tensor,
+    /// ce_loss + aux_loss_coef · aux_loss: what backward is called on.
+    pub loss: Tensor,
+    /// Per MoE layer.
+    pub moe: Vec<MoeStats>,
+}
+
+pub struct MoeModel {
+    config: ModelConfig,
+    params: ParamStore,
+    tok_emb: Var,
+    pos_emb: Var,
+    blocks: Vec<Block>,
+    ln_f: Norm,
+    head: Var,
+    /// Block index of each MoE layer.
+    moe_blocks: Vec<usize>,
+    device: Device,
+    dtype: DType,
+}
+
+impl MoeModel {
+    /// Build a model with weights drawn from `seed`.
+    pub fn new(config: &ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        config.validate()?;
+        let cfg = config.clone();
+        let mut ps = ParamStore::default();
+        let mut init = Init::new(seed, dtype, device.clone());
+        let std = cfg.init_std;
+        let out_std = std / (2.0 * cfg.n_layers as f64).sqrt();
+        let tok_emb = ps.add("tok_emb".into(), init.normal(&[cfg.vocab_size, cfg.d_model], std)?)?;
+        let pos_emb = ps.add("pos_emb".into(), init.normal(&[cfg.max_seq_len, cfg.d_model], std)?)?;
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        let mut moe_blocks = Vec::new();
+        for b in 0..cfg.n_layers {
+            let p = format!("blocks.{b}");
+            let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), cfg.d_model)?;
+            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), cfg.d_model, 3 * cfg.d_model, std)?;
+            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), cfg.d_model, cfg.d_model, out_std)?;
+            let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), cfg.d_model)?;
+            let ff = if cfg.is_moe(b) {
+                moe_blocks.push(b);
+                let gate = ps.add(format!("{p}.moe.gate.w"), init.normal(&[cfg.d_model, cfg.n_experts], std)?)?;
+                let experts = (0..cfg.n_experts)
+                    .map(|e| Ffn::new(&mut ps, &mut init, &format!("{p}.moe.experts.{e}"), &cfg))
+                    .collect::<Result<Vec<_>>>()?;
+                FeedForward::Moe(MoeLayer {
+                    gate,
+                    experts,
+                    top_k: cfg.top_k,
+                    capacity_factor: cfg.capacity_factor,
+                })
+            } else {
+                FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg)?)
+            };
+            blocks.push(Block {
+                ln1,
+                attn: Attention {
+                    qkv,
+                    out,
+                    heads: cfg.n_heads,
+                },
+                ln2,
+                ff,
+            });
+        }
+        let ln_f = Norm::new(&mut ps, &init, "ln_f", cfg.d_model)?;
+        let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
+        Ok(MoeModel {
+            config: cfg,
+            params: ps,
+            tok_emb,
+            pos_emb,
+            blocks,
+            ln_f,
+            head,
+            moe_blocks,
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Names of the tensors of expert `expert` in MoE layer `layer` (0-based over MoE layers).
+    pub fn expert_param_names(&self, layer: usize, expert: usize) -> Vec<String> {
+        let b = self.moe_blocks[layer];
+        ["fc1.w", "fc1.b", "fc2.w", "fc2.b"]
+            .iter()
+            .map(|s| format!("blocks.{b}.moe.experts.{expert}.{s}"))
+            .collect()
+    }
+
+    /// Forward pass on `tokens` [B, T] with next-token `targets` [B, T] (u32).
+    /// `forced_loads[l]`, when given, replaces MoE layer l's router choices (trace routing).
+    pub fn forward(&self, tokens: &Tensor, targets: &Tensor, forced_loads: Option<&[Vec<f64>]>) -> Result<ForwardOutput> {
+        let (b, t) = tokens.dims2()?;
+        let cfg = &self.config;
+        if t > cfg.max_seq_len {
+            return Err(ModelError::config(
+                "seq_len",
+                t,
+                format!("longer than the model's max_seq_len ({})", cfg.max_seq_len),
+            ));
+        }
+        let d = cfg.d_model;
+        let flat = tokens.flatten_all()?;
+        let mut x = self
+            .tok_emb
+            .as_tensor()
+            .index_select(&flat, 0)?
+            .reshape((b, t, d))?
+            .broadcast_add(&self.pos_emb.as_tensor().narrow(0, 0, t)?)?;
+        let mask = causal_mask(t, self.dtype, &self.device)?;
+        let mut aux_total: Option<Tensor> = None;
+        let mut moe = Vec::new();
+        let mut moe_index = 0;
+        for block in &self.blocks {
+            x = (&x + block.attn.forward(&block.ln1.forward(&x)?, &mask)?)?;
+            let h = block.ln2.forward(&x)?.reshape((b * t, d))?;
+            let y = match &block.ff {
+                FeedForward::Dense(f) => f.forward(&h)?,
+                FeedForward::Moe(m) => {
+                    let forced = forced_loads.and_then(|f| f.get(moe_index)).map(Vec::as_slice);
+                    let (y, aux, stats) = m.forward(&h, forced)?;
+                    aux_total = Some(match aux_total {
+                        Some(a) => (a + aux)?,
+                        None => aux,
+                    });
+                    moe.push(stats);
+                    moe_index += 1;
+                    y
+                }
+            };
+            x = (x + y.reshape((b, t, d))?)?;
+        }
+        let x = self.ln_f.forward(&x)?.reshape((b * t, d))?;
+        let logits = x.matmul(self.head.as_tensor())?;
+        let ce_loss = cross_entropy(&logits, &targets.flatten_all()?)?;
+        let aux_loss = match aux_total {
+            Some(a) => (a / moe.len() as f64)?,
+            None => Tensor::zeros((), self.dtype, &self.device)?,
+        };
+        let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
+        Ok(ForwardOutput {
+            ce_loss,
+            aux_loss,
+            loss,
+            moe,
+        })
+    }
+}
+
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let data: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+    Ok(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
+}
+
+/// Softmax over the last dimension; the max is a constant shift, so it is detached.
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Mean cross-entropy of logits [N, V] against targets [N] (u32).
+fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
+    Ok((lse - picked)?.mean_all()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 11,
+            d_model: 8,
+            n_layers: 2,
+            n_heads: 2,
+            max_seq_len: 6,
+            n_experts: 4,
+            top_k: 2,
+            d_ff: 8,
+            moe_every: 2,
+            aux_loss_coef: 0.1,
+            capacity_factor: None,
+            init_std: 0.3,
+        }
+    }
+
+    fn batch(cfg: &ModelConfig, b: usize, t: usize, seed: u64) -> (Tensor, Tensor) {
+        let mut rng = SplitMix64::new(seed);
+        let mut draw = |n| (0..n).map(|_| rng.below(cfg.vocab_size) as u32).collect::<Vec<_>>();
+        let x = Tensor::from_vec(draw(b * t), (b, t), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec(draw(b * t), (b, t), &Device::Cpu).unwrap();
+        (x, y)
+    }
+
+    fn loss(m: &MoeModel, x: &Tensor, y: &Tensor) -> f64 {
+        m.forward(x, y, None).unwrap().loss.to_scalar::<f64>().unwrap()
+    }
+
+    /// Central finite differences against autograd on every tensor of a tiny full model (MoE
+    /// and dense blocks, attention, norms, embeddings, router with the aux loss), in f64.
+    #[test]
+    fn gradients_match_finite_differences() {
+        let cfg = tiny();
+        let m = MoeModel::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
+        let (x, y) = batch(&cfg, 2, 5, 9);
+        let out = m.forward(&x, &y, None).unwrap();
+        let grads = out.loss.backward().unwrap();
+        let mut rng = SplitMix64::new(1);
+        let mut checked = 0;
+        for (name, var) in m.params().iter() {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                // Only an expert that received no token may have no gradient.
+                assert!(name.contains("experts"), "{name} has no gradient");
+                continue;
+            };
+            let g: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
+            let base: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            for _ in 0..3 {
+                let i = rng.below(base.len());
+                let h = 1e-5;
+                let mut p = base.clone();
+                p[i] += h;
+                var.set(&Tensor::from_vec(p.clone(), var.shape(), &Device::Cpu).unwrap()).unwrap();
+                let up = loss(&m, &x, &y);
+                p[i] -= 2.0 * h;
+                var.set(&Tensor::from_vec(p, var.shape(), &Device::Cpu).unwrap()).unwrap();
+                let down = loss(&m, &x, &y);
+                var.set(&Tensor::from_vec(base.clone(), var.shape(), &Device::Cpu).unwrap()).unwrap();
+                let numeric = (up - down) / (2.0 * h);
+                let tol = 1e-6 + 1e-4 * numeric.abs().max(g[i].abs());
+                assert!((numeric - g[i]).abs() < tol, "{name}[{i}]: autograd {} vs numeric {numeric}", g[i]);
+                checked += 1;
+            }
+        }
+        assert!(checked > 50, "{checked}");
+    }
+
+    #[test]
+    fn top2_sends_each_token_to_two_distinct_experts() {
+        let cfg = ModelConfig { moe_every: 1, ..tiny() };
+        let m = MoeModel::new(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+        let (x, y) = batch(&cfg, 3, 6, 4);
+        let out = m.forward(&x, &y, None).unwrap();
+        assert_eq!(out.moe.len(), 2);
+        for stats in &out.moe {
+            assert_eq!(stats.choices.len(), 18 * 2);
+            for pair in stats.choices.chunks(2) {
+                assert_ne!(pair[0], pair[1]);
+            }
+            assert_eq!(stats.load.iter().sum::<u64>(), 36);
+        }
+    }
+
+    #[test]
+    fn capacity_factor_drops_overflow_and_trace_routing_forces_loads() {
+        let cfg = ModelConfig { capacity_factor: Some(0.5), ..tiny() };
+        let m = MoeModel::new(&cfg, 5, DType::F32, &Device::Cpu).unwrap();
+        let (x, y) = batch(&cfg, 4, 6, 2);
+        let out = m.forward(&x, &y, None).unwrap();
+        // capacity = ceil(0.5 · 48 / 4) = 6 per expert, 48 assignments → ≥ 24 dropped.
+        assert!(out.moe[0].dropped >= 24, "{:?}", out.moe[0]);
+        let m = MoeModel::new(&tiny(), 5, DType::F32, &Device::Cpu).unwrap();
+        let forced = vec![vec![1.0, 1.0, 2.0, 4.0]];
+        let out = m.forward(&x, &y, Some(&forced)).unwrap();
+        assert_eq!(out.moe[0].load, vec![6, 6, 12, 24]);
+    }
+
+    #[test]
+    fn expert_tensors_are_addressable() {
+        let m = MoeModel::new(&ModelConfig { moe_every: 2, n_layers: 4, ..tiny() }, 1, DType::F32, &Device::Cpu).unwrap();
+        let names = m.expert_param_names(1, 3);
+        assert_eq!(names[0], "blocks.2.moe.experts.3.fc1.w");
+        assert!(names.iter().all(|n| m.params().get(n).is_some()));
+        let per_expert: usize = names.iter().map(|n| m.params().get(n).unwrap().elem_count()).sum();
+        assert_eq!(per_expert, m.config().expert_params());
+    }
+
+    #[test]
+    fn default_model_is_5_to_20_million_parameters() {
+        let m = MoeModel::new(&ModelConfig::default(), 0, DType::F32, &Device::Cpu).unwrap();
+        let n = m.params().num_elements();
+        assert!((5_000_000..=20_000_000).contains(&n), "{n}");
+    }
+}

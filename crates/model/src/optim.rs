@@ -1,0 +1,200 @@
+//! AdamW with explicit, inspectable state per tensor (m, v, step), gradient-norm clipping and a
+//! warm-up + cosine learning-rate schedule. The state of one expert's tensors can be taken out
+//! and put back, which is what moving an expert between processes needs.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+use crate::params::ParamStore;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// Moments and step count of one tensor.
+#[derive(Debug, Clone)]
+pub struct TensorState {
+    pub m: Tensor,
+    pub v: Tensor,
+    /// Updates applied to this tensor (an expert that received no tokens skips a step).
+    pub step: u64,
+}
+
+pub struct AdamW {
+    pub config: AdamWConfig,
+    /// Aligned with the model's [`ParamStore`] order.
+    state: Vec<TensorState>,
+    /// Whether weight decay applies (matrices yes; biases, norms no).
+    decay: Vec<bool>,
+}
+
+impl AdamW {
+    pub fn new(config: AdamWConfig, params: &ParamStore) -> Result<Self> {
+        let mut state = Vec::with_capacity(params.len());
+        let mut decay = Vec::with_capacity(params.len());
+        for (name, var) in params.iter() {
+            let zeros = var.as_tensor().zeros_like()?;
+            state.push(TensorState {
+                m: zeros.clone(),
+                v: zeros,
+                step: 0,
+            });
+            decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
+        }
+        Ok(AdamW { config, state, decay })
+    }
+
+    pub fn state(&self) -> &[TensorState] {
+        &self.state
+    }
+
+    /// Replace the state of the tensor at `index` (e.g. after fetching an expert from a peer).
+    pub fn set_state(&mut self, index: usize, s: TensorState) -> Result<()> {
+        let cur = &self.state[index];
+        if cur.m.shape() != s.m.shape() || cur.v.shape() != s.v.shape() {
+            return Err(ModelError::config(
+                "optimizer state",
+                format!("{:?}", s.m.shape()),
+                format!("expected {:?}", cur.m.shape()),
+            ));
+        }
+        self.state[index] = s;
+        Ok(())
+    }
+
+    /// One update with learning rate `lr`. Gradients are multiplied by `grad_scale` first (for
+    /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
+    pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
+        let c = &self.config;
+        for (i, var) in params.vars().iter().enumerate() {
+            let Some(g) = grads.get(var.as_tensor()) else { continue };
+            let g = if grad_scale != 1.0 { (g * grad_scale)? } else { g.clone() };
+            let s = &mut self.state[i];
+            s.step += 1;
+            s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+            s.v = ((&s.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            let bc1 = 1.0 - c.beta1.powi(s.step as i32);
+            let bc2 = 1.0 - c.beta2.powi(s.step as i32);
+            let m_hat = (&s.m / bc1)?;
+            let v_hat = (&s.v / bc2)?;
+            let update = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
+            let p = var.as_tensor();
+            let decayed = if self.decay[i] && c.weight_decay > 0.0 {
+                (p * (1.0 - lr * c.weight_decay))?
+            } else {
+                p.clone()
+            };
+            var.set(&(decayed - (update * lr)?)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Global L2 norm of all gradients of `params`.
+pub fn grad_norm(params: &ParamStore, grads: &GradStore) -> Result<f64> {
+    let mut sum = 0.0f64;
+    for var in params.vars() {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            sum += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        }
+    }
+    Ok(sum.sqrt())
+}
+
+/// Scale that clips a gradient of norm `norm` to at most `max_norm` (1 when it is already
+/// smaller or clipping is off).
+pub fn clip_scale(norm: f64, max_norm: Option<f64>) -> f64 {
+    match max_norm {
+        Some(m) if norm > m && norm > 0.0 => m / norm,
+        _ => 1.0,
+    }
+}
+
+/// Linear warm-up to `peak` over `warmup` steps, then cosine decay to `min` at `total`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    pub peak: f64,
+    pub min: f64,
+    pub warmup: u64,
+    pub total: u64,
+}
+
+impl LrSchedule {
+    pub fn at(&self, step: u64) -> f64 {
+        if step < self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.total.saturating_sub(self.warmup).max(1);
+        let progress = ((step - self.warmup) as f64 / span as f64).min(1.0);
+        self.min + 0.5 * (self.peak - self.min) * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+/// The optimizer state of the named tensors, as (name → m, v) tensors and steps, e.g. to send
+/// one expert's state to a peer or to write a checkpoint.
+pub fn export_state(
+    params: &ParamStore,
+    opt: &AdamW,
+    names: &[String],
+) -> Result<(HashMap<String, Tensor>, HashMap<String, u64>)> {
+    let mut tensors = HashMap::new();
+    let mut steps = HashMap::new();
+    for name in names {
+        let i = params
+            .position(name)
+            .ok_or_else(|| ModelError::config("parameter", name, "no such tensor"))?;
+        let s = &opt.state()[i];
+        tensors.insert(format!("m/{name}"), s.m.clone());
+        tensors.insert(format!("v/{name}"), s.v.clone());
+        steps.insert(name.clone(), s.step);
+    }
+    Ok((tensors, steps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays() {
+        let s = LrSchedule {
+            peak: 1e-3,
+            min: 1e-4,
+            warmup: 10,
+            total: 110,
+        };
+        assert!((s.at(0) - 1e-4).abs() < 1e-12);
+        assert!((s.at(9) - 1e-3).abs() < 1e-12);
+        assert!((s.at(10) - 1e-3).abs() < 1e-12);
+        assert!((s.at(60) - 5.5e-4).abs() < 1e-9);
+        assert!((s.at(110) - 1e-4).abs() < 1e-12);
+        assert!((s.at(500) - 1e-4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn clipping_scale() {
+        assert_eq!(clip_scale(0.5, Some(1.0)), 1.0);
+        assert_eq!(clip_scale(4.0, Some(1.0)), 0.25);
+        assert_eq!(clip_scale(4.0, None), 1.0);
+    }
+}

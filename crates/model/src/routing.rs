@@ -1,0 +1,87 @@
+//! Router decisions that are not differentiable: top-k selection and trace-driven assignment.
+
+use crate::error::{ModelError, Result};
+
+/// Indices of the k largest values (ties to the lower index), largest first.
+pub fn top_k(row: &[f64], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Trace-driven routing (as in the paper's experiments): assign `n` tokens k experts each so
+/// that the number of assignments of each expert follows `loads` (apportioned by largest
+/// remainder, at most `n` per expert so no token gets an expert twice). Returns n·k expert ids,
+/// token-major.
+pub fn assign_from_loads(loads: &[f64], n: usize, k: usize) -> Result<Vec<usize>> {
+    let e = loads.len();
+    if e < k {
+        return Err(ModelError::config("routing trace", format!("{e} experts"), format!("fewer than top_k = {k}")));
+    }
+    if let Some((i, l)) = loads.iter().enumerate().find(|(_, l)| !l.is_finite() || **l < 0.0) {
+        return Err(ModelError::config("routing trace", format!("{l} (expert {i})"), "loads must be finite and ≥ 0"));
+    }
+    let total: f64 = loads.iter().sum();
+    let slots = n * k;
+    let weights: Vec<f64> = if total > 0.0 { loads.to_vec() } else { vec![1.0; e] };
+    let sum: f64 = weights.iter().sum();
+    let mut count: Vec<usize> = weights.iter().map(|w| ((w / sum) * slots as f64).floor() as usize).collect();
+    let mut order: Vec<usize> = (0..e).collect();
+    order.sort_by(|&a, &b| {
+        let ra = (weights[a] / sum) * slots as f64 - count[a] as f64;
+        let rb = (weights[b] / sum) * slots as f64 - count[b] as f64;
+        rb.total_cmp(&ra).then(a.cmp(&b))
+    });
+    let mut left = slots - count.iter().sum::<usize>();
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        count[i] += 1;
+        left -= 1;
+    }
+    // Cap at n per expert; move the excess to experts with room, most loaded first.
+    let mut excess: usize = count.iter().map(|&c| c.saturating_sub(n)).sum();
+    count.iter_mut().for_each(|c| *c = (*c).min(n));
+    for &i in &order {
+        let room = n - count[i];
+        let take = room.min(excess);
+        count[i] += take;
+        excess -= take;
+    }
+    // Slots sorted by expert; token t takes slots t, t+n, …: distinct experts since each expert
+    // has at most n consecutive slots.
+    let list: Vec<usize> = (0..e).flat_map(|i| std::iter::repeat_n(i, count[i])).collect();
+    Ok((0..n).flat_map(|t| (0..k).map(move |j| t + j * n)).map(|s| list[s]).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_picks_distinct_largest() {
+        assert_eq!(top_k(&[0.1, 0.5, 0.2, 0.5], 2), vec![1, 3]);
+        assert_eq!(top_k(&[0.9, 0.05, 0.05], 1), vec![0]);
+    }
+
+    #[test]
+    fn forced_assignment_follows_loads_with_distinct_experts() {
+        let a = assign_from_loads(&[1.0, 1.0, 2.0, 4.0], 16, 2).unwrap();
+        assert_eq!(a.len(), 32);
+        let mut count = [0; 4];
+        a.iter().for_each(|&e| count[e] += 1);
+        assert_eq!(count, [4, 4, 8, 16]);
+        for t in 0..16 {
+            assert_ne!(a[2 * t], a[2 * t + 1]);
+        }
+        // An expert wanting more than one slot per token is capped at n.
+        let a = assign_from_loads(&[0.0, 0.0, 100.0], 10, 2).unwrap();
+        for t in 0..10 {
+            assert_ne!(a[2 * t], a[2 * t + 1]);
+        }
+        assert!(assign_from_loads(&[1.0, f64::NAN], 4, 1).is_err());
+        assert!(assign_from_loads(&[1.0], 4, 2).is_err());
+    }
+}

@@ -1,0 +1,336 @@
+//! The single-process trainer: sampler → forward → backward → clip → AdamW, with checkpoints
+//! that resume bit-exactly.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, Manifest};
+use crate::config::ModelConfig;
+use crate::data::{Cursor, DataSource, Sampler};
+use crate::error::{ModelError, Result};
+use crate::model::MoeModel;
+use crate::optim::{clip_scale, grad_norm, AdamW, AdamWConfig, LrSchedule, TensorState};
+
+/// Everything a training run is configured by (also the TOML `--config` file's shape).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub optimizer: AdamWConfig,
+    /// Total optimizer steps.
+    pub steps: u64,
+    /// Sequences per step (the constant global batch).
+    pub batch_size: usize,
+    pub seq_len: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Clip the global gradient norm to this (None = no clipping).
+    pub grad_clip: Option<f64>,
+    /// Seed of the weights and of the sampling order.
+    pub seed: u64,
+    pub data: DataSource,
+    /// JSON per-layer expert loads replacing the router's choices (see [`RoutingTrace`]).
+    pub routing_trace: Option<PathBuf>,
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save every this many steps (0 = only at the end, when a directory is set).
+    pub checkpoint_every: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: ModelConfig::default(),
+            optimizer: AdamWConfig::default(),
+            steps: 300,
+            batch_size: 16,
+            seq_len: 128,
+            lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_steps: 20,
+            grad_clip: Some(1.0),
+            seed: 0,
+            data: DataSource::Synthetic { seed: 0, bytes: 2_000_000 },
+            routing_trace: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        if self.steps == 0 {
+            return Err(ModelError::config("steps", 0, "must be at least 1"));
+        }
+        if self.batch_size == 0 {
+            return Err(ModelError::config("batch_size", 0, "must be at least 1"));
+        }
+        if self.seq_len == 0 || self.seq_len > self.model.max_seq_len {
+            return Err(ModelError::config(
+                "seq_len",
+                self.seq_len,
+                format!("must be between 1 and the model's max_seq_len ({})", self.model.max_seq_len),
+            ));
+        }
+        if !self.lr.is_finite() || self.lr <= 0.0 {
+            return Err(ModelError::config("lr", self.lr, "must be finite and > 0"));
+        }
+        if !self.min_lr.is_finite() || self.min_lr < 0.0 || self.min_lr > self.lr {
+            return Err(ModelError::config("min_lr", self.min_lr, format!("must be between 0 and lr ({})", self.lr)));
+        }
+        if let Some(c) = self.grad_clip {
+            if !c.is_finite() || c <= 0.0 {
+                return Err(ModelError::config("grad_clip", c, "must be finite and > 0"));
+            }
+        }
+        let o = &self.optimizer;
+        for (field, v) in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(ModelError::config(field, v, "must be in [0, 1)"));
+            }
+        }
+        if !o.eps.is_finite() || o.eps <= 0.0 {
+            return Err(ModelError::config("optimizer.eps", o.eps, "must be finite and > 0"));
+        }
+        if !o.weight_decay.is_finite() || o.weight_decay < 0.0 {
+            return Err(ModelError::config("optimizer.weight_decay", o.weight_decay, "must be finite and ≥ 0"));
+        }
+        if self.model.vocab_size < 256 && matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. }) {
+            return Err(ModelError::config(
+                "model.vocab_size",
+                self.model.vocab_size,
+                "byte-tokenized data needs a vocabulary of at least 256",
+            ));
+        }
+        Ok(())
+    }
+
+    fn schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak: self.lr,
+            min: self.min_lr,
+            warmup: self.warmup_steps,
+            total: self.steps,
+        }
+    }
+}
+
+/// Per-layer expert loads that replace the router's choices, as the paper did for reproducible
+/// experiments. File: a JSON array of per-MoE-layer load arrays (used every step), or an array
+/// of those (step s uses entry s mod len).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingTrace {
+    steps: Vec<Vec<Vec<f64>>>,
+}
+
+impl RoutingTrace {
+    pub fn load(path: &Path, moe_layers: usize, experts: usize) -> Result<Self> {
+        let bad = |reason: String| ModelError::Data {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let steps: Vec<Vec<Vec<f64>>> = if value.pointer("/0/0/0").is_some() {
+            serde_json::from_value(value).map_err(|e| bad(format!("expected [[[loads]]]: {e}")))?
+        } else {
+            vec![serde_json::from_value(value).map_err(|e| bad(format!("expected [[loads per expert] per layer]: {e}")))?]
+        };
+        if steps.is_empty() {
+            return Err(bad("holds no steps".into()));
+        }
+        for (s, layers) in steps.iter().enumerate() {
+            if layers.len() != moe_layers {
+                return Err(bad(format!("step {s} has {} layers, the model has {moe_layers} MoE layers", layers.len())));
+            }
+            for (l, loads) in layers.iter().enumerate() {
+                if loads.len() != experts {
+                    return Err(bad(format!("step {s} layer {l} has {} loads, the model has {experts} experts", loads.len())));
+                }
+                if let Some(x) = loads.iter().find(|x| !x.is_finite() || **x < 0.0) {
+                    return Err(bad(format!("step {s} layer {l}: load {x} is not finite and ≥ 0")));
+                }
+            }
+        }
+        Ok(RoutingTrace { steps })
+    }
+
+    pub fn at(&self, step: u64) -> &[Vec<f64>] {
+        &self.steps[(step % self.steps.len() as u64) as usize]
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepReport {
+    /// Steps completed, this one included.
+    pub step: u64,
+    /// Cross-entropy (nats per token).
+    pub loss: f64,
+    pub aux_loss: f64,
+    pub tokens: u64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Tokens routed to each expert, per MoE layer.
+    pub expert_load: Vec<Vec<u64>>,
+    pub dropped: u64,
+}
+
+/// State saved in the manifest besides tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct TrainerState {
+    config: TrainConfig,
+    cursor: Cursor,
+}
+
+pub struct Trainer {
+    pub config: TrainConfig,
+    pub model: MoeModel,
+    pub optimizer: AdamW,
+    pub sampler: Sampler,
+    /// Steps completed.
+    pub step: u64,
+    trace: Option<RoutingTrace>,
+    unigram_entropy: f64,
+}
+
+impl Trainer {
+    /// A fresh run.
+    pub fn new(config: TrainConfig) -> Result<Self> {
+        Self::build(config, Cursor::default())
+    }
+
+    fn build(config: TrainConfig, cursor: Cursor) -> Result<Self> {
+        config.validate()?;
+        let device = Device::Cpu;
+        let tokens = config.data.load(config.model.vocab_size)?;
+        let unigram_entropy = crate::data::unigram_entropy(&tokens);
+        let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
+        let model = MoeModel::new(&config.model, config.seed, DType::F32, &device)?;
+        let optimizer = AdamW::new(config.optimizer.clone(), model.params())?;
+        let trace = match &config.routing_trace {
+            Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),
+            None => None,
+        };
+        Ok(Trainer {
+            config,
+            model,
+            optimizer,
+            sampler,
+            step: 0,
+            trace,
+            unigram_entropy,
+        })
+    }
+
+    /// Entropy of the training data's token frequencies (nats): the loss to beat.
+    pub fn unigram_entropy(&self) -> f64 {
+        self.unigram_entropy
+    }
+
+    pub fn done(&self) -> bool {
+        self.step >= self.config.steps
+    }
+
+    pub fn step(&mut self) -> Result<StepReport> {
+        let (b, t) = (self.config.batch_size, self.config.seq_len);
+        let batch = self.sampler.next_batch(b);
+        let device = self.model.device().clone();
+        let inputs = Tensor::from_vec(batch.inputs, (b, t), &device)?;
+        let targets = Tensor::from_vec(batch.targets, (b, t), &device)?;
+        let forced = self.trace.as_ref().map(|tr| tr.at(self.step));
+        let out = self.model.forward(&inputs, &targets, forced)?;
+        let grads = out.loss.backward()?;
+        let norm = grad_norm(self.model.params(), &grads)?;
+        let lr = self.config.schedule().at(self.step);
+        self.optimizer
+            .step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
+        self.step += 1;
+        let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+        Ok(StepReport {
+            step: self.step,
+            loss: scalar(&out.ce_loss)?,
+            aux_loss: scalar(&out.aux_loss)?,
+            tokens: (b * t) as u64,
+            lr,
+            grad_norm: norm,
+            expert_load: out.moe.iter().map(|m| m.load.clone()).collect(),
+            dropped: out.moe.iter().map(|m| m.dropped).sum(),
+        })
+    }
+
+    /// Write a checkpoint to `dir` (see [`checkpoint::save`]).
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
+        let params = self.model.params();
+        let weights: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
+        let mut moments = Vec::with_capacity(2 * params.len());
+        for (name, s) in params.names().iter().zip(self.optimizer.state()) {
+            moments.push((format!("m/{name}"), s.m.clone()));
+            moments.push((format!("v/{name}"), s.v.clone()));
+        }
+        let extra = serde_json::to_value(TrainerState {
+            config: self.config.clone(),
+            cursor: self.sampler.cursor(),
+        })
+        .map_err(|e| ModelError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let manifest = Manifest {
+            format_version: checkpoint::FORMAT_VERSION,
+            step: self.step,
+            params: params.names().to_vec(),
+            optimizer_steps: self.optimizer.state().iter().map(|s| s.step).collect(),
+            extra,
+        };
+        checkpoint::save(dir, &manifest, &weights, &moments)
+    }
+
+    /// Continue a run from the checkpoint in `dir` (or `dir/latest`). `steps`, when given,
+    /// replaces the total step count; everything else comes from the checkpoint.
+    pub fn resume(dir: &Path, steps: Option<u64>) -> Result<Self> {
+        let ck = checkpoint::load(dir, &Device::Cpu)?;
+        let path = ck.path.clone();
+        let bad = |reason: String| ModelError::Checkpoint {
+            path: path.clone(),
+            reason,
+        };
+        let state: TrainerState =
+            serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
+        let mut config = state.config;
+        if let Some(s) = steps {
+            config.steps = s;
+        }
+        config.checkpoint_dir = Some(dir.to_path_buf());
+        let mut trainer = Self::build(config, state.cursor)?;
+        let params = trainer.model.params().clone();
+        if ck.manifest.params != params.names() {
+            return Err(bad("parameter names differ from the model this configuration builds".into()));
+        }
+        for (i, (name, var)) in params.iter().enumerate() {
+            let get = |map: &std::collections::HashMap<String, Tensor>, key: &str| -> Result<Tensor> {
+                let t = map.get(key).ok_or_else(|| bad(format!("missing tensor {key}")))?;
+                if t.shape() != var.shape() {
+                    return Err(bad(format!("{key} has shape {:?}, expected {:?}", t.shape(), var.shape())));
+                }
+                Ok(t.to_dtype(var.dtype())?)
+            };
+            var.set(&get(&ck.weights, name)?)?;
+            trainer.optimizer.set_state(
+                i,
+                TensorState {
+                    m: get(&ck.optimizer, &format!("m/{name}"))?,
+                    v: get(&ck.optimizer, &format!("v/{name}"))?,
+                    step: ck.manifest.optimizer_steps[i],
+                },
+            )?;
+        }
+        trainer.step = ck.manifest.step;
+        Ok(trainer)
+    }
+}
