@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod planning;
+mod training;
 
 #[derive(Parser)]
 #[command(name = "lazarus", version, about = "Resilient and elastic training of Mixture-of-Experts models")]
@@ -19,6 +20,9 @@ enum Command {
     Plan(planning::PlanArgs),
     /// Probability that a plan recovers with a given number of failed nodes.
     Prob(planning::ProbArgs),
+    /// Train the MoE model (single process; with no arguments, the default model on the
+    /// built-in synthetic corpus).
+    Train(Box<training::TrainArgs>),
 }
 
 fn main() -> ExitCode {
@@ -26,6 +30,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),
+        Command::Train(args) => training::run_train(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

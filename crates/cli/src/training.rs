@@ -1,0 +1,309 @@
+//! `lazarus train`: the single-process trainer with a progress bar, a summary and a JSON log.
+
+use std::fs::OpenOptions;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use lazarus_model::{DataSource, StepReport, TokenWidth, TrainConfig, Trainer};
+use serde::Serialize;
+
+#[derive(Args, Debug, Default)]
+pub struct TrainArgs {
+    /// TOML file with any of the settings below (flags override it).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Total optimizer steps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Sequences per step (the constant global batch).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    min_lr: Option<f64>,
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// Clip the global gradient norm ("off" disables).
+    #[arg(long)]
+    grad_clip: Option<String>,
+    #[arg(long)]
+    d_model: Option<usize>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Experts per MoE layer.
+    #[arg(long)]
+    experts: Option<usize>,
+    /// Experts per token (1 or 2).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Hidden width of each expert.
+    #[arg(long)]
+    d_ff: Option<usize>,
+    /// An MoE layer every this many blocks (1 = every block).
+    #[arg(long)]
+    moe_every: Option<usize>,
+    #[arg(long)]
+    aux_loss_coef: Option<f64>,
+    /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
+    #[arg(long)]
+    capacity_factor: Option<String>,
+    /// Seed of the weights and the sampling order.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// "synthetic" (built-in corpus), a UTF-8 text file, or token shards (comma-separated .bin).
+    #[arg(long)]
+    data: Option<String>,
+    /// Format of --data files: text, u16 or u32.
+    #[arg(long)]
+    data_format: Option<String>,
+    /// Size of the synthetic corpus in bytes.
+    #[arg(long)]
+    synthetic_bytes: Option<usize>,
+    /// Replace the router's choices with per-layer loads from this JSON file.
+    #[arg(long, value_name = "FILE")]
+    routing_trace: Option<PathBuf>,
+    /// Directory for checkpoints (written at the end and every --checkpoint-every steps).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<PathBuf>,
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Continue from the latest checkpoint in --checkpoint-dir.
+    #[arg(long)]
+    resume: bool,
+    /// Append one JSON object per step to this file.
+    #[arg(long, value_name = "FILE")]
+    json_log: Option<PathBuf>,
+    /// No progress bar or per-step lines, only the summary.
+    #[arg(long)]
+    quiet: bool,
+}
+
+fn off_or<T: std::str::FromStr>(field: &str, value: &str) -> Result<Option<T>> {
+    if value == "off" || value == "none" {
+        return Ok(None);
+    }
+    value
+        .parse::<T>()
+        .map(Some)
+        .map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a number or 'off')"))
+}
+
+/// The configuration: defaults, then the TOML file, then flags.
+pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
+    let mut c = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("--config: cannot read {}", path.display()))?;
+            toml::from_str::<TrainConfig>(&text).with_context(|| format!("--config {}", path.display()))?
+        }
+        None => TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($($flag:ident => $($field:ident).+),* $(,)?) => {
+            $(if let Some(v) = args.$flag.clone() { c.$($field).+ = v; })*
+        };
+    }
+    set!(steps => steps, batch_size => batch_size, seq_len => seq_len, lr => lr, min_lr => min_lr,
+         warmup_steps => warmup_steps, d_model => model.d_model, layers => model.n_layers,
+         heads => model.n_heads, experts => model.n_experts, top_k => model.top_k, d_ff => model.d_ff,
+         moe_every => model.moe_every, aux_loss_coef => model.aux_loss_coef, seed => seed,
+         checkpoint_every => checkpoint_every);
+    if let Some(v) = &args.grad_clip {
+        c.grad_clip = off_or("grad-clip", v)?;
+    }
+    if let Some(v) = &args.capacity_factor {
+        c.model.capacity_factor = off_or("capacity-factor", v)?;
+    }
+    if let Some(p) = &args.routing_trace {
+        c.routing_trace = Some(p.clone());
+    }
+    if let Some(p) = &args.checkpoint_dir {
+        c.checkpoint_dir = Some(p.clone());
+    }
+    if let Some(seq) = args.seq_len {
+        c.model.max_seq_len = c.model.max_seq_len.max(seq);
+    }
+    match (args.data.as_deref(), args.data_format.as_deref()) {
+        (None | Some("synthetic"), fmt) => {
+            if fmt.is_some_and(|f| f != "text") && args.data.is_some() {
+                bail!("invalid --data-format: {} (the synthetic corpus is text)", fmt.unwrap_or_default());
+            }
+            if let Some(bytes) = args.synthetic_bytes {
+                let seed = match c.data {
+                    DataSource::Synthetic { seed, .. } => seed,
+                    _ => 0,
+                };
+                c.data = DataSource::Synthetic { seed, bytes };
+            }
+        }
+        (Some(path), fmt) => {
+            let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
+            c.data = match fmt.unwrap_or("text") {
+                "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
+                "text" => bail!("invalid --data: '{path}' (a text source is one file)"),
+                "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
+                "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
+                other => bail!("invalid --data-format: '{other}' (expected text, u16 or u32)"),
+            };
+        }
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+#[derive(Serialize)]
+struct LogLine<'a> {
+    step: u64,
+    loss: f64,
+    aux_loss: f64,
+    tokens: u64,
+    tokens_per_s: f64,
+    expert_load: &'a [Vec<u64>],
+}
+
+pub fn run_train(args: &TrainArgs) -> Result<()> {
+    let mut trainer = if args.resume {
+        let config = build_config(args)?;
+        let Some(dir) = config.checkpoint_dir.clone() else {
+            bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
+        };
+        let t = Trainer::resume(&dir, args.steps).with_context(|| format!("resuming from {}", dir.display()))?;
+        eprintln!("resumed from {} at step {}", dir.display(), t.step);
+        t
+    } else {
+        Trainer::new(build_config(args)?)?
+    };
+    let cfg = trainer.config.clone();
+    if trainer.done() {
+        bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
+    }
+    let params = trainer.model.params().num_elements();
+    let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
+    eprintln!(
+        "lazarus train: {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        params as f64 / 1e6,
+        expert_params as f64 / 1e6,
+        cfg.model.n_experts,
+        cfg.model.moe_layers(),
+        cfg.model.top_k,
+        cfg.data.describe(),
+        cfg.steps,
+        cfg.batch_size,
+        cfg.seq_len
+    );
+    let mut log = match &args.json_log {
+        Some(p) => Some(BufWriter::new(
+            OpenOptions::new()
+                .create(true)
+                .append(args.resume)
+                .write(true)
+                .truncate(!args.resume)
+                .open(p)
+                .with_context(|| format!("--json-log: cannot open {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let terminal = std::io::stderr().is_terminal() && !args.quiet;
+    let bar = if terminal {
+        let b = ProgressBar::new(cfg.steps);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.set_position(trainer.step);
+        Some(b)
+    } else {
+        None
+    };
+    let every = (cfg.steps / 20).max(1);
+    let start = Instant::now();
+    let first_step = trainer.step;
+    let mut tokens = 0u64;
+    let mut recent: Vec<f64> = Vec::new();
+    let mut first_loss = None;
+    let mut last: Option<StepReport> = None;
+    while !trainer.done() {
+        let t0 = Instant::now();
+        let r = trainer.step()?;
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = r.tokens as f64 / dt.max(1e-9);
+        tokens += r.tokens;
+        first_loss.get_or_insert(r.loss);
+        recent.push(r.loss);
+        if recent.len() > 20 {
+            recent.remove(0);
+        }
+        if let Some(w) = log.as_mut() {
+            let line = LogLine {
+                step: r.step,
+                loss: r.loss,
+                aux_loss: r.aux_loss,
+                tokens: r.tokens,
+                tokens_per_s: tps,
+                expert_load: &r.expert_load,
+            };
+            serde_json::to_writer(&mut *w, &line)?;
+            w.write_all(b"\n")?;
+            w.flush()?;
+        }
+        let msg = format!("loss {:.4}  aux {:.3}  lr {:.2e}  {:.0} tok/s", r.loss, r.aux_loss, r.lr, tps);
+        match &bar {
+            Some(b) => {
+                b.set_position(r.step);
+                b.set_message(msg);
+            }
+            None if !args.quiet && (r.step % every == 0 || r.step == cfg.steps) => {
+                eprintln!("step {:>6}/{}  {msg}", r.step, cfg.steps);
+            }
+            None => {}
+        }
+        if let Some(dir) = &cfg.checkpoint_dir {
+            if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
+                trainer.save_checkpoint(dir)?;
+            }
+        }
+        last = Some(r);
+    }
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    let saved = match &cfg.checkpoint_dir {
+        Some(dir) => Some(trainer.save_checkpoint(dir)?),
+        None => None,
+    };
+    let wall = start.elapsed().as_secs_f64();
+    let final_loss = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
+    println!("\nsummary");
+    println!("  steps           {} (this run {})", trainer.step, trainer.step - first_step);
+    println!("  tokens          {tokens} in {wall:.1} s = {:.0} tokens/s", tokens as f64 / wall.max(1e-9));
+    println!(
+        "  loss            {:.4} -> {:.4} (mean of last {}; unigram entropy of the data {:.4} nats)",
+        first_loss.unwrap_or(f64::NAN),
+        final_loss,
+        recent.len(),
+        trainer.unigram_entropy()
+    );
+    if let Some(r) = &last {
+        for (l, load) in r.expert_load.iter().enumerate() {
+            let total: u64 = load.iter().sum();
+            let shares: Vec<String> = load.iter().map(|&x| format!("{:.0}%", 100.0 * x as f64 / total.max(1) as f64)).collect();
+            println!("  expert load L{l:<2}  {}", shares.join(" "));
+        }
+        if r.dropped > 0 {
+            println!("  dropped         {} assignments in the last step (capacity factor)", r.dropped);
+        }
+    }
+    if let Some(p) = saved {
+        println!("  checkpoint      {}", p.display());
+    }
+    Ok(())
+}
