@@ -25,7 +25,21 @@ enum Command {
     Train(Box<training::TrainArgs>),
 }
 
+/// Training allocates and frees multi-megabyte tensors every step. glibc serves those with
+/// mmap and hands them back at once, so every step pays the kernel to zero fresh pages again;
+/// keeping them in the heap made the default training run ~25% faster here.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator thresholds; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),

@@ -7,6 +7,7 @@ pub mod config;
 pub mod data;
 mod error;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod params;
 pub mod rng;

@@ -69,7 +69,7 @@ impl Ffn {
 
     /// x: [n, d_model] → [n, d_model].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.fc1.forward(x)?.gelu()?)
+        self.fc2.forward(&crate::ops::gelu(&self.fc1.forward(x)?)?)
     }
 }
 

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
@@ -31,7 +31,7 @@ impl Default for AdamWConfig {
     }
 }
 
-/// Moments and step count of one tensor.
+/// Moments and step count of one tensor, as tensors (for export, checkpoints and transfer).
 #[derive(Debug, Clone)]
 pub struct TensorState {
     pub m: Tensor,
@@ -40,11 +40,21 @@ pub struct TensorState {
     pub step: u64,
 }
 
+/// Moments kept on the host in f32, updated in one fused pass per tensor (candle's elementwise
+/// ops would allocate a dozen full-size temporaries per tensor per step).
+#[derive(Debug, Clone)]
+struct Moments {
+    m: Vec<f32>,
+    v: Vec<f32>,
+    step: u64,
+    shape: candle_core::Shape,
+}
+
 pub struct AdamW {
     pub config: AdamWConfig,
     /// Aligned with the model's [`ParamStore`] order.
-    state: Vec<TensorState>,
-    /// Whether weight decay applies (matrices yes; biases, norms no).
+    state: Vec<Moments>,
+    /// Whether weight decay applies (matrices yes; biases, norms, embeddings no).
     decay: Vec<bool>,
 }
 
@@ -53,58 +63,89 @@ impl AdamW {
         let mut state = Vec::with_capacity(params.len());
         let mut decay = Vec::with_capacity(params.len());
         for (name, var) in params.iter() {
-            let zeros = var.as_tensor().zeros_like()?;
-            state.push(TensorState {
-                m: zeros.clone(),
-                v: zeros,
+            let n = var.elem_count();
+            state.push(Moments {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
                 step: 0,
+                shape: var.shape().clone(),
             });
             decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
         }
         Ok(AdamW { config, state, decay })
     }
 
-    pub fn state(&self) -> &[TensorState] {
-        &self.state
+    pub fn len(&self) -> usize {
+        self.state.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.state.is_empty()
+    }
+
+    /// The state of the tensor at `index`, as tensors.
+    pub fn state(&self, index: usize) -> Result<TensorState> {
+        let s = &self.state[index];
+        let dev = candle_core::Device::Cpu;
+        Ok(TensorState {
+            m: Tensor::from_slice(&s.m, s.shape.clone(), &dev)?,
+            v: Tensor::from_slice(&s.v, s.shape.clone(), &dev)?,
+            step: s.step,
+        })
+    }
+
+    /// Update counts of every tensor, in parameter order.
+    pub fn steps(&self) -> Vec<u64> {
+        self.state.iter().map(|s| s.step).collect()
     }
 
     /// Replace the state of the tensor at `index` (e.g. after fetching an expert from a peer).
     pub fn set_state(&mut self, index: usize, s: TensorState) -> Result<()> {
-        let cur = &self.state[index];
-        if cur.m.shape() != s.m.shape() || cur.v.shape() != s.v.shape() {
-            return Err(ModelError::config(
-                "optimizer state",
-                format!("{:?}", s.m.shape()),
-                format!("expected {:?}", cur.m.shape()),
-            ));
+        let cur = &mut self.state[index];
+        for t in [&s.m, &s.v] {
+            if t.shape() != &cur.shape {
+                return Err(ModelError::config(
+                    "optimizer state",
+                    format!("{:?}", t.shape()),
+                    format!("expected {:?}", cur.shape),
+                ));
+            }
         }
-        self.state[index] = s;
+        let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        cur.m = host(&s.m)?;
+        cur.v = host(&s.v)?;
+        cur.step = s.step;
         Ok(())
     }
 
     /// One update with learning rate `lr`. Gradients are multiplied by `grad_scale` first (for
     /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
-        let c = &self.config;
+        let c = self.config.clone();
         for (i, var) in params.vars().iter().enumerate() {
             let Some(g) = grads.get(var.as_tensor()) else { continue };
-            let g = if grad_scale != 1.0 { (g * grad_scale)? } else { g.clone() };
+            let dtype = var.dtype();
+            let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut p = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             let s = &mut self.state[i];
             s.step += 1;
-            s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-            s.v = ((&s.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
             let bc1 = 1.0 - c.beta1.powi(s.step as i32);
             let bc2 = 1.0 - c.beta2.powi(s.step as i32);
-            let m_hat = (&s.m / bc1)?;
-            let v_hat = (&s.v / bc2)?;
-            let update = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
-            let p = var.as_tensor();
-            let decayed = if self.decay[i] && c.weight_decay > 0.0 {
-                (p * (1.0 - lr * c.weight_decay))?
-            } else {
-                p.clone()
-            };
-            var.set(&(decayed - (update * lr)?)?)?;
+            let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+            let scale = grad_scale as f32;
+            let step_size = (lr / bc1) as f32;
+            let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
+            let eps = c.eps as f32;
+            let keep = if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
+            for (((p, &g), m), v) in p.iter_mut().zip(&g).zip(s.m.iter_mut()).zip(s.v.iter_mut()) {
+                let g = g * scale;
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+                // p ← p·(1 − lr·wd) − lr · m̂ / (√v̂ + ε)
+                *p = *p * keep - step_size * *m / ((*v).sqrt() * inv_bc2_sqrt + eps);
+            }
+            let new = Tensor::from_vec(p, s.shape.clone(), var.device())?.to_dtype(dtype)?;
+            var.set(&new)?;
         }
         Ok(())
     }
@@ -163,9 +204,9 @@ pub fn export_state(
         let i = params
             .position(name)
             .ok_or_else(|| ModelError::config("parameter", name, "no such tensor"))?;
-        let s = &opt.state()[i];
-        tensors.insert(format!("m/{name}"), s.m.clone());
-        tensors.insert(format!("v/{name}"), s.v.clone());
+        let s = opt.state(i)?;
+        tensors.insert(format!("m/{name}"), s.m);
+        tensors.insert(format!("v/{name}"), s.v);
         steps.insert(name.clone(), s.step);
     }
     Ok((tensors, steps))

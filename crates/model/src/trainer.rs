@@ -269,9 +269,10 @@ impl Trainer {
         let params = self.model.params();
         let weights: Vec<(String, Tensor)> = params.iter().map(|(n, v)| (n.to_string(), v.as_tensor().clone())).collect();
         let mut moments = Vec::with_capacity(2 * params.len());
-        for (name, s) in params.names().iter().zip(self.optimizer.state()) {
-            moments.push((format!("m/{name}"), s.m.clone()));
-            moments.push((format!("v/{name}"), s.v.clone()));
+        for (i, name) in params.names().iter().enumerate() {
+            let s = self.optimizer.state(i)?;
+            moments.push((format!("m/{name}"), s.m));
+            moments.push((format!("v/{name}"), s.v));
         }
         let extra = serde_json::to_value(TrainerState {
             config: self.config.clone(),
@@ -285,7 +286,7 @@ impl Trainer {
             format_version: checkpoint::FORMAT_VERSION,
             step: self.step,
             params: params.names().to_vec(),
-            optimizer_steps: self.optimizer.state().iter().map(|s| s.step).collect(),
+            optimizer_steps: self.optimizer.steps(),
             extra,
         };
         checkpoint::save(dir, &manifest, &weights, &moments)
