@@ -15,6 +15,12 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+enum BenchCommand {
+    /// Forward+backward throughput of the model, expert-FFN share, GFLOP/s vs plain matmul.
+    Train(training::BenchTrainArgs),
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Allocate expert replicas, place them on the cluster and show how likely it survives failures.
     Plan(planning::PlanArgs),
@@ -23,6 +29,9 @@ enum Command {
     /// Train the MoE model (single process; with no arguments, the default model on the
     /// built-in synthetic corpus).
     Train(Box<training::TrainArgs>),
+    /// Benchmarks with machine-readable reports.
+    #[command(subcommand)]
+    Bench(BenchCommand),
 }
 
 /// Training allocates and frees multi-megabyte tensors every step. glibc serves those with
@@ -45,6 +54,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),
         Command::Train(args) => training::run_train(&args),
+        Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -25,14 +25,14 @@ pub struct TrainArgs {
     #[arg(long)]
     seq_len: Option<usize>,
     /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     lr: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     min_lr: Option<f64>,
     #[arg(long)]
     warmup_steps: Option<u64>,
     /// Clip the global gradient norm ("off" disables).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     grad_clip: Option<String>,
     #[arg(long)]
     d_model: Option<usize>,
@@ -52,10 +52,10 @@ pub struct TrainArgs {
     /// An MoE layer every this many blocks (1 = every block).
     #[arg(long)]
     moe_every: Option<usize>,
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     aux_loss_coef: Option<f64>,
     /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     capacity_factor: Option<String>,
     /// Seed of the weights and the sampling order.
     #[arg(long)]
@@ -304,6 +304,37 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     }
     if let Some(p) = saved {
         println!("  checkpoint      {}", p.display());
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct BenchTrainArgs {
+    /// Model and batch settings, as for `lazarus train` (defaults: the default model, 16 x 128).
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Measured forward+backward passes (after 2 warm-up steps).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
+    if args.iters == 0 {
+        bail!("invalid --iters: 0 (must be at least 1)");
+    }
+    let config = build_config(&args.train)?;
+    let r = lazarus_model::bench::train_benchmark(&config, 2, args.iters)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("model            {:.2}M parameters, batch {} x {} tokens, {} iterations", r.parameters as f64 / 1e6, r.batch_size, r.seq_len, r.iterations);
+        println!("forward+backward {:.0} tokens/s ({:.3} s per step)", r.tokens_per_s, r.step_s);
+        println!("expert FFNs      {:.3} s per step = {:.0}% of forward+backward", r.expert_ffn_s, 100.0 * r.expert_share);
+        println!("achieved         {:.1} GFLOP/s (matmul FLOPs {:.2e} per step)", r.model_gflops, r.flops_per_step);
+        println!("plain matmul     {:.1} GFLOP/s on the same shapes", r.matmul_gflops);
+        println!("ratio            {:.2} (goal >= 0.5)", r.ratio);
     }
     Ok(())
 }

@@ -1,0 +1,119 @@
+//! `lazarus train` as a real process: JSON log format, checkpoint + resume, config errors.
+
+use std::process::{Command, Output};
+
+fn lazarus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lazarus-train-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const TINY: [&str; 16] = [
+    "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",
+    "--batch-size", "2", "--synthetic-bytes", "20000",
+];
+
+#[test]
+fn json_log_checkpoint_and_resume() {
+    let d = dir("resume");
+    let log = d.join("log.jsonl");
+    let ck = d.join("ck");
+    let mut args = vec!["train", "--steps", "3", "--json-log", log.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
+    args.extend(TINY);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("summary") && stdout.contains("unigram entropy") && stdout.contains("checkpoint"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"], i as u64 + 1);
+        assert!(l["loss"].as_f64().unwrap() > 0.0);
+        assert!(l["aux_loss"].as_f64().is_some());
+        assert_eq!(l["tokens"], 32);
+        assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0);
+        let load = l["expert_load"].as_array().unwrap();
+        assert_eq!(load.len(), 2);
+        let total: u64 = load[0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
+        assert_eq!(total, 64, "top-2 over 32 tokens");
+    }
+    // Resume to step 5: the log grows by two lines and continues the step count.
+    let out = lazarus(&["train", "--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resumed"));
+    let steps: Vec<u64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5]);
+    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "step-00000005");
+}
+
+#[test]
+fn toml_config_is_read_and_flags_override_it() {
+    let d = dir("toml");
+    let cfg = d.join("run.toml");
+    std::fs::write(
+        &cfg,
+        "steps = 2\nbatch_size = 2\nseq_len = 16\n[model]\nd_model = 32\nn_layers = 1\nn_heads = 2\nn_experts = 4\nd_ff = 32\ntop_k = 1\n[data]\nkind = \"synthetic\"\nseed = 1\nbytes = 20000\n",
+    )
+    .unwrap();
+    let log = d.join("log.jsonl");
+    let out = lazarus(&["train", "--config", cfg.to_str().unwrap(), "--steps", "1", "--json-log", log.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.lines().count(), 1);
+    let v: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let total: u64 = v["expert_load"][0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
+    assert_eq!(total, 32, "top-1 from the config file");
+}
+
+#[test]
+fn bad_settings_are_named() {
+    let d = dir("bad");
+    let cases: [(&[&str], &str); 6] = [
+        (&["--top-k", "3"], "top_k"),
+        (&["--heads", "3"], "n_heads"),
+        (&["--lr", "-1"], "lr"),
+        (&["--data-format", "u8", "--data", "x.bin"], "data-format"),
+        (&["--grad-clip", "abc"], "grad-clip"),
+        (&["--steps", "0"], "steps"),
+    ];
+    for (extra, field) in cases {
+        let mut args = vec!["train"];
+        args.extend(extra);
+        // The tiny model's flags, minus those this case sets itself.
+        for pair in TINY.chunks(2) {
+            if !extra.contains(&pair[0]) {
+                args.extend(pair);
+            }
+        }
+        let out = lazarus(&args);
+        assert!(!out.status.success(), "{extra:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{extra:?}: {err}");
+    }
+    let cfg = d.join("bad.toml");
+    std::fs::write(&cfg, "[model]\nexperts = 8\n").unwrap();
+    let out = lazarus(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("experts") && err.contains("bad.toml"), "{err}");
+    let out = lazarus(&["train", "--resume"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--checkpoint-dir"));
+    let missing = d.join("nope.txt");
+    let mut args = vec!["train", "--data", missing.to_str().unwrap()];
+    args.extend(TINY);
+    let out = lazarus(&args);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nope.txt"));
+}
