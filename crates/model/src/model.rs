@@ -42,13 +42,9 @@ impl Norm {
         Ok(Norm { w, b })
     }
 
-    /// LayerNorm over the last dimension, from differentiable primitives.
+    /// LayerNorm over the last dimension (fused kernel, see [`crate::ops`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xn = xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
-        Ok(xn.broadcast_mul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+        Ok(crate::ops::layer_norm(x, self.w.as_tensor(), self.b.as_tensor(), 1e-5)?)
     }
 }
 
@@ -370,11 +366,9 @@ fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
 }
 
-/// Softmax over the last dimension; the max is a constant shift, so it is detached.
+/// Softmax over the last dimension (fused kernel, see [`crate::ops`]).
 pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+    Ok(crate::ops::softmax_last(x)?)
 }
 
 /// Mean cross-entropy of logits [N, V] against targets [N] (u32).

@@ -119,3 +119,243 @@ mod tests {
         assert!(diff < 1e-5, "{diff}");
     }
 }
+
+/// Run `f(rows_in, rows_out)` over row blocks of length `width`, on all cores when large.
+fn rows_parallel(input: &[f64], width: usize, f: impl Fn(&[f64], &mut [f64]) + Sync) -> Vec<f64> {
+    let mut out = vec![0.0; input.len()];
+    let rows = input.len() / width.max(1);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if input.len() < 1 << 15 || threads == 1 || rows < 2 {
+        f(input, &mut out);
+        return out;
+    }
+    let chunk = rows.div_ceil(threads) * width;
+    std::thread::scope(|s| {
+        for (o, i) in out.chunks_mut(chunk).zip(input.chunks(chunk)) {
+            let f = &f;
+            s.spawn(move || f(i, o));
+        }
+    });
+    out
+}
+
+fn host(t: &Tensor) -> candle_core::Result<Vec<f64>> {
+    t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()
+}
+
+fn storage_f64(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f64>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fused op: input must be contiguous")
+    };
+    Ok(match storage {
+        CpuStorage::F32(v) => v[start..end].iter().map(|&x| x as f64).collect(),
+        CpuStorage::F64(v) => v[start..end].to_vec(),
+        _ => candle_core::bail!("fused op: only f32 and f64 are supported"),
+    })
+}
+
+fn storage_like(storage: &CpuStorage, data: Vec<f64>) -> CpuStorage {
+    match storage {
+        CpuStorage::F32(_) => CpuStorage::F32(data.into_iter().map(|x| x as f32).collect()),
+        _ => CpuStorage::F64(data),
+    }
+}
+
+fn tensor_like(like: &Tensor, data: Vec<f64>, shape: &Shape) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(data, shape, like.device())?.to_dtype(like.dtype())
+}
+
+/// Softmax over the last dimension in one pass per row; backward
+/// dx = s ⊙ (g − Σ g·s) in one pass.
+struct SoftmaxLast;
+
+impl CustomOp1 for SoftmaxLast {
+    fn name(&self) -> &'static str {
+        "lazarus-softmax-last"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = storage_f64(storage, layout)?;
+        let width = layout.shape().dims().last().copied().unwrap_or(1);
+        let out = rows_parallel(&x, width, |input, out| {
+            for (row, o) in input.chunks(width).zip(out.chunks_mut(width)) {
+                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let mut sum = 0.0;
+                for (o, &v) in o.iter_mut().zip(row) {
+                    *o = (v - max).exp();
+                    sum += *o;
+                }
+                o.iter_mut().for_each(|o| *o /= sum);
+            }
+        });
+        Ok((storage_like(storage, out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let width = res.dims().last().copied().unwrap_or(1);
+        let s = host(res)?;
+        let g = host(grad)?;
+        let mut packed = Vec::with_capacity(2 * s.len());
+        for (sr, gr) in s.chunks(width).zip(g.chunks(width)) {
+            packed.extend_from_slice(sr);
+            packed.extend_from_slice(gr);
+        }
+        let dx = rows_parallel(&packed, 2 * width, |input, out| {
+            for (row, o) in input.chunks(2 * width).zip(out.chunks_mut(2 * width)) {
+                let (s, g) = row.split_at(width);
+                let dot: f64 = s.iter().zip(g).map(|(a, b)| a * b).sum();
+                for j in 0..width {
+                    o[j] = s[j] * (g[j] - dot);
+                }
+            }
+        });
+        let dx: Vec<f64> = dx.chunks(2 * width).flat_map(|r| r[..width].to_vec()).collect();
+        Ok(Some(tensor_like(res, dx, res.shape())?))
+    }
+}
+
+/// Softmax over the last dimension, differentiable.
+pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1(SoftmaxLast)
+}
+
+/// LayerNorm over the last dimension with weight and bias, fused: one pass forward, one pass
+/// backward for x, w and b together.
+struct LayerNorm {
+    eps: f64,
+}
+
+impl candle_core::CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "lazarus-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = storage_f64(s1, l1)?;
+        let w = storage_f64(s2, l2)?;
+        let b = storage_f64(s3, l3)?;
+        let width = w.len();
+        let eps = self.eps;
+        let out = rows_parallel(&x, width, |input, out| {
+            for (row, o) in input.chunks(width).zip(out.chunks_mut(width)) {
+                let mean = row.iter().sum::<f64>() / width as f64;
+                let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / width as f64;
+                let rstd = 1.0 / (var + eps).sqrt();
+                for j in 0..width {
+                    o[j] = (row[j] - mean) * rstd * w[j] + b[j];
+                }
+            }
+        });
+        Ok((storage_like(s1, out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let width = w.elem_count();
+        let xs = host(x)?;
+        let ws = host(w)?;
+        let gs = host(grad)?;
+        let mut dx = vec![0.0; xs.len()];
+        let mut dw = vec![0.0; width];
+        let mut db = vec![0.0; width];
+        let mut xhat = vec![0.0; width];
+        let mut dxhat = vec![0.0; width];
+        for ((row, g), d) in xs.chunks(width).zip(gs.chunks(width)).zip(dx.chunks_mut(width)) {
+            let mean = row.iter().sum::<f64>() / width as f64;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / width as f64;
+            let rstd = 1.0 / (var + self.eps).sqrt();
+            let (mut m1, mut m2) = (0.0, 0.0);
+            for j in 0..width {
+                xhat[j] = (row[j] - mean) * rstd;
+                dxhat[j] = g[j] * ws[j];
+                dw[j] += g[j] * xhat[j];
+                db[j] += g[j];
+                m1 += dxhat[j];
+                m2 += dxhat[j] * xhat[j];
+            }
+            m1 /= width as f64;
+            m2 /= width as f64;
+            for j in 0..width {
+                d[j] = rstd * (dxhat[j] - m1 - xhat[j] * m2);
+            }
+        }
+        Ok((
+            Some(tensor_like(x, dx, x.shape())?),
+            Some(tensor_like(w, dw, w.shape())?),
+            Some(tensor_like(w, db, w.shape())?),
+        ))
+    }
+}
+
+/// LayerNorm(x)·w + b over the last dimension, differentiable in x, w and b.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op3(w, b, LayerNorm { eps })
+}
+
+#[cfg(test)]
+mod fused_tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    fn data(n: usize, seed: u64) -> Vec<f64> {
+        let mut r = crate::rng::SplitMix64::new(seed);
+        (0..n).map(|_| r.normal()).collect()
+    }
+
+    #[test]
+    fn softmax_matches_composite_with_gradient() {
+        let x = Var::from_vec(data(6 * 70, 1), (6, 70), &Device::Cpu).unwrap();
+        let probe = Tensor::from_vec(data(6 * 70, 2), (6, 70), &Device::Cpu).unwrap();
+        let ours = softmax_last(x.as_tensor()).unwrap();
+        let e = x.as_tensor().exp().unwrap();
+        let theirs = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
+        assert!(max_diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < 1e-12);
+    }
+
+    #[test]
+    fn layer_norm_matches_composite_with_gradients() {
+        let x = Var::from_vec(data(5 * 40, 3), (5, 40), &Device::Cpu).unwrap();
+        let w = Var::from_vec(data(40, 4), 40, &Device::Cpu).unwrap();
+        let b = Var::from_vec(data(40, 5), 40, &Device::Cpu).unwrap();
+        let probe = Tensor::from_vec(data(5 * 40, 6), (5, 40), &Device::Cpu).unwrap();
+        let ours = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+        let xt = x.as_tensor();
+        let mean = xt.mean_keepdim(D::Minus1).unwrap();
+        let xc = xt.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let theirs = xc
+            .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+            .unwrap()
+            .broadcast_mul(w.as_tensor())
+            .unwrap()
+            .broadcast_add(b.as_tensor())
+            .unwrap();
+        assert!(max_diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w, &b] {
+            assert!(max_diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
+}
