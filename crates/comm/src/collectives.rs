@@ -1,0 +1,234 @@
+//! Collectives over a [`Group`] of ranks, built on [`Transport`] send/recv. Every member must
+//! call the same collectives on the same group in the same order; each call takes a fresh tag
+//! from the group's sequence so messages of different calls can never be confused.
+
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+use crate::Transport;
+
+/// An ordered set of ranks (the whole world, or e.g. the ranks holding one expert).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    members: Vec<usize>,
+    id: u32,
+    seq: u32,
+}
+
+impl Group {
+    /// Members in ascending order, without duplicates.
+    pub fn new(mut members: Vec<usize>) -> Result<Self, CommError> {
+        members.sort_unstable();
+        members.dedup();
+        if members.is_empty() {
+            return Err(CommError::invalid("group", "no members"));
+        }
+        // FNV-1a of the member list: the same group gets the same id on every rank.
+        let mut h: u32 = 0x811c_9dc5;
+        for &m in &members {
+            for b in (m as u64).to_le_bytes() {
+                h = (h ^ b as u32).wrapping_mul(0x0100_0193);
+            }
+        }
+        Ok(Group { members, id: h, seq: 0 })
+    }
+
+    pub fn world(n: usize) -> Self {
+        Group::new((0..n.max(1)).collect()).expect("non-empty")
+    }
+
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    fn position(&self, rank: usize) -> Result<usize, CommError> {
+        self.members
+            .iter()
+            .position(|&m| m == rank)
+            .ok_or_else(|| CommError::invalid("group", format!("rank {rank} is not a member of {:?}", self.members)))
+    }
+
+    fn next_tag(&mut self) -> u64 {
+        self.seq = self.seq.wrapping_add(1);
+        ((self.id as u64) << 32) | self.seq as u64
+    }
+}
+
+/// Every member's `data`, in member order.
+pub fn all_gather(t: &mut dyn Transport, g: &mut Group, data: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+    let deadline = Instant::now() + timeout;
+    let tag = g.next_tag();
+    let me = t.rank();
+    g.position(me)?;
+    for &p in &g.members {
+        if p != me {
+            t.send(p, tag, data, deadline)?;
+        }
+    }
+    g.members
+        .iter()
+        .map(|&p| if p == me { Ok(data.to_vec()) } else { t.recv(p, tag, deadline) })
+        .collect()
+}
+
+/// All-to-all with arbitrary per-peer sizes (no padding): `sends[i]` goes to member i; returns
+/// what each member sent to this rank.
+pub fn all_to_all_v(t: &mut dyn Transport, g: &mut Group, sends: &[Vec<u8>], timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
+    if sends.len() != g.len() {
+        return Err(CommError::invalid("sends", format!("{} buffers for a group of {}", sends.len(), g.len())));
+    }
+    let deadline = Instant::now() + timeout;
+    let tag = g.next_tag();
+    let me = t.rank();
+    let my = g.position(me)?;
+    for (i, &p) in g.members.iter().enumerate() {
+        if p != me {
+            t.send(p, tag, &sends[i], deadline)?;
+        }
+    }
+    g.members
+        .iter()
+        .map(|&p| if p == me { Ok(sends[my].clone()) } else { t.recv(p, tag, deadline) })
+        .collect()
+}
+
+/// `data` from member `root` (an index into the group) to every member.
+pub fn broadcast(t: &mut dyn Transport, g: &mut Group, root: usize, data: &[u8], timeout: Duration) -> Result<Vec<u8>, CommError> {
+    let deadline = Instant::now() + timeout;
+    let tag = g.next_tag();
+    let me = t.rank();
+    g.position(me)?;
+    let Some(&root_rank) = g.members.get(root) else {
+        return Err(CommError::invalid("root", format!("{root} (group of {})", g.len())));
+    };
+    if me == root_rank {
+        for &p in &g.members {
+            if p != me {
+                t.send(p, tag, data, deadline)?;
+            }
+        }
+        Ok(data.to_vec())
+    } else {
+        t.recv(root_rank, tag, deadline)
+    }
+}
+
+/// Returns once every member has reached it.
+pub fn barrier(t: &mut dyn Transport, g: &mut Group, timeout: Duration) -> Result<(), CommError> {
+    all_gather(t, g, &[], timeout).map(|_| ())
+}
+
+/// Buffers up to this size are all-reduced by gathering everything (lowest latency); larger
+/// ones by a ring (reduce-scatter + all-gather, bandwidth-optimal).
+pub const RING_THRESHOLD_BYTES: usize = 256 << 10;
+
+/// Element-wise sum over the group, in place. Every member ends with bit-identical values
+/// (each element is reduced in one fixed order, then copied).
+pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32], timeout: Duration) -> Result<(), CommError> {
+    let m = g.len();
+    if m == 1 {
+        g.position(t.rank())?;
+        return Ok(());
+    }
+    if buf.len() * 4 <= RING_THRESHOLD_BYTES || buf.len() < m {
+        let all = all_gather(t, g, &f32_to_bytes(buf), timeout)?;
+        let parts: Vec<Vec<f32>> = all.iter().map(|b| bytes_to_f32(b)).collect::<Result<_, _>>()?;
+        for p in &parts {
+            if p.len() != buf.len() {
+                return Err(CommError::Protocol {
+                    peer: usize::MAX,
+                    reason: format!("all-reduce length {} vs {}", p.len(), buf.len()),
+                });
+            }
+        }
+        for (i, x) in buf.iter_mut().enumerate() {
+            *x = parts.iter().fold(0.0f32, |acc, p| acc + p[i]);
+        }
+        return Ok(());
+    }
+    let deadline = Instant::now() + timeout;
+    let me = t.rank();
+    let pos = g.position(me)?;
+    let next = g.members[(pos + 1) % m];
+    let prev = g.members[(pos + m - 1) % m];
+    let bounds: Vec<(usize, usize)> = (0..m).map(|c| (c * buf.len() / m, (c + 1) * buf.len() / m)).collect();
+    // Reduce-scatter: after m−1 steps member `pos` holds the full sum of chunk (pos+1) mod m.
+    for step in 0..m - 1 {
+        let tag = g.next_tag();
+        let send_c = (pos + m - step) % m;
+        let recv_c = (pos + m - step - 1) % m;
+        let (s0, s1) = bounds[send_c];
+        t.send(next, tag, &f32_to_bytes(&buf[s0..s1]), deadline)?;
+        let got = bytes_to_f32(&t.recv(prev, tag, deadline)?)?;
+        let (r0, r1) = bounds[recv_c];
+        if got.len() != r1 - r0 {
+            return Err(CommError::Protocol {
+                peer: prev,
+                reason: format!("ring chunk of {} values, expected {}", got.len(), r1 - r0),
+            });
+        }
+        buf[r0..r1].iter_mut().zip(&got).for_each(|(a, b)| *a += b);
+    }
+    // All-gather the reduced chunks around the ring.
+    for step in 0..m - 1 {
+        let tag = g.next_tag();
+        let send_c = (pos + 1 + m - step) % m;
+        let recv_c = (pos + m - step) % m;
+        let (s0, s1) = bounds[send_c];
+        t.send(next, tag, &f32_to_bytes(&buf[s0..s1]), deadline)?;
+        let got = bytes_to_f32(&t.recv(prev, tag, deadline)?)?;
+        let (r0, r1) = bounds[recv_c];
+        if got.len() != r1 - r0 {
+            return Err(CommError::Protocol {
+                peer: prev,
+                reason: format!("ring chunk of {} values, expected {}", got.len(), r1 - r0),
+            });
+        }
+        buf[r0..r1].copy_from_slice(&got);
+    }
+    Ok(())
+}
+
+/// Send a named buffer (e.g. one expert tensor) to `peer`.
+pub fn send_named(t: &mut dyn Transport, peer: usize, tag: u64, name: &str, data: &[u8], timeout: Duration) -> Result<(), CommError> {
+    let mut payload = Vec::with_capacity(4 + name.len() + data.len());
+    payload.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    payload.extend_from_slice(name.as_bytes());
+    payload.extend_from_slice(data);
+    t.send(peer, tag, &payload, Instant::now() + timeout)
+}
+
+/// Receive a named buffer from `peer`: (name, data).
+pub fn recv_named(t: &mut dyn Transport, peer: usize, tag: u64, timeout: Duration) -> Result<(String, Vec<u8>), CommError> {
+    let payload = t.recv(peer, tag, Instant::now() + timeout)?;
+    let bad = |reason: &str| CommError::Protocol {
+        peer,
+        reason: reason.to_string(),
+    };
+    let len = u32::from_le_bytes(payload.get(..4).ok_or_else(|| bad("named buffer shorter than its header"))?.try_into().expect("4")) as usize;
+    let name = payload.get(4..4 + len).ok_or_else(|| bad("name runs past the buffer"))?;
+    let name = String::from_utf8(name.to_vec()).map_err(|_| bad("name is not UTF-8"))?;
+    Ok((name, payload[4 + len..].to_vec()))
+}
+
+pub fn f32_to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn bytes_to_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
+    if b.len() % 4 != 0 {
+        return Err(CommError::Protocol {
+            peer: usize::MAX,
+            reason: format!("{} bytes is not a whole number of f32 values", b.len()),
+        });
+    }
+    Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}

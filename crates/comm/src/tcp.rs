@@ -1,0 +1,433 @@
+//! TCP transport: one connection per pair of ranks, length-prefixed frames stamped with the
+//! plan epoch. A reader thread per connection moves frames into one shared inbox, so a send
+//! never blocks on a peer that is itself sending (no all-to-all deadlock), and a closed
+//! connection is noticed at once whichever peer the caller is waiting for.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+use crate::Transport;
+
+const MAGIC: u32 = 0x4c5a_5231; // "LZR1"
+const HELLO: u32 = 0x4c5a_4831; // "LZH1"
+/// Header: magic u32, epoch u64, tag u64, length u64.
+const HEADER: usize = 28;
+/// Largest frame accepted from a peer; anything larger is a protocol error, not an allocation.
+pub const MAX_FRAME: u64 = 4 << 30;
+/// Tag of the abort frame: "peer X is lost, abandon the step".
+const ABORT_TAG: u64 = u64::MAX;
+/// Tag of the goodbye frame: the peer is closing on purpose, its EOF is not a failure.
+const BYE_TAG: u64 = u64::MAX - 1;
+
+enum Event {
+    Frame { from: usize, epoch: u64, tag: u64, payload: Vec<u8> },
+    Closed { from: usize, reason: String },
+}
+
+pub struct TcpTransport {
+    rank: usize,
+    world: usize,
+    epoch: u64,
+    streams: Vec<Option<TcpStream>>,
+    inbox: Receiver<Event>,
+    /// Frames that arrived from a peer before they were asked for.
+    pending: Vec<VecDeque<(u64, Vec<u8>)>>,
+    /// Why each peer is gone, once it is.
+    lost: Vec<Option<String>>,
+    /// Peers that said goodbye: their EOF ends the connection without failing the step.
+    left: Vec<bool>,
+    /// The first loss seen (or reported by an abort frame): every later call fails with it.
+    failed: Option<CommError>,
+}
+
+/// How ranks find each other: rank r listens on `addrs[r]`.
+pub struct Rendezvous {
+    pub rank: usize,
+    pub addrs: Vec<SocketAddr>,
+    pub epoch: u64,
+    pub timeout: Duration,
+}
+
+fn write_header(buf: &mut Vec<u8>, magic: u32, epoch: u64, tag: u64, len: u64) {
+    buf.extend_from_slice(&magic.to_le_bytes());
+    buf.extend_from_slice(&epoch.to_le_bytes());
+    buf.extend_from_slice(&tag.to_le_bytes());
+    buf.extend_from_slice(&len.to_le_bytes());
+}
+
+fn parse_header(h: &[u8; HEADER]) -> (u32, u64, u64, u64) {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+    (u32_at(0), u64_at(4), u64_at(12), u64_at(20))
+}
+
+fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
+    let closed = |reason: String| Event::Closed { from, reason };
+    loop {
+        let mut h = [0u8; HEADER];
+        if let Err(e) = stream.read_exact(&mut h) {
+            let reason = if e.kind() == ErrorKind::UnexpectedEof { "connection closed".to_string() } else { e.to_string() };
+            let _ = tx.send(closed(reason));
+            return;
+        }
+        let (magic, epoch, tag, len) = parse_header(&h);
+        if magic != MAGIC {
+            let _ = tx.send(closed(format!("bad frame magic {magic:#x}")));
+            return;
+        }
+        if len > MAX_FRAME {
+            let _ = tx.send(closed(format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit")));
+            return;
+        }
+        let mut payload = vec![0u8; len as usize];
+        if let Err(e) = stream.read_exact(&mut payload) {
+            let _ = tx.send(closed(format!("connection lost mid-frame: {e}")));
+            return;
+        }
+        if tx.send(Event::Frame { from, epoch, tag, payload }).is_err() {
+            return; // transport dropped
+        }
+    }
+}
+
+impl TcpTransport {
+    /// Connect rank `r.rank` to every other rank: connect to lower ranks, accept higher ones,
+    /// exchanging a hello that carries rank and epoch. `listener` must be bound to
+    /// `r.addrs[r.rank]`.
+    pub fn connect(listener: TcpListener, r: Rendezvous) -> Result<Self, CommError> {
+        let world = r.addrs.len();
+        if r.rank >= world {
+            return Err(CommError::invalid("rank", format!("{} (world size {world})", r.rank)));
+        }
+        let deadline = Instant::now() + r.timeout;
+        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let hello = |stream: &mut TcpStream| -> std::io::Result<()> {
+            let mut b = Vec::with_capacity(HEADER);
+            write_header(&mut b, HELLO, r.epoch, r.rank as u64, 0);
+            stream.write_all(&b)
+        };
+        for peer in 0..r.rank {
+            let stream = loop {
+                match TcpStream::connect_timeout(&r.addrs[peer], Duration::from_millis(200)) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() < deadline => {
+                        let _ = e;
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(CommError::Rendezvous(format!("rank {} cannot reach rank {peer} at {}: {e}", r.rank, r.addrs[peer]))),
+                }
+            };
+            let mut stream = stream;
+            stream.set_nodelay(true).ok();
+            hello(&mut stream).map_err(|e| CommError::Rendezvous(format!("hello to rank {peer}: {e}")))?;
+            streams[peer] = Some(stream);
+        }
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
+        let mut waiting = world - r.rank - 1;
+        while waiting > 0 {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false).ok();
+                    s.set_nodelay(true).ok();
+                    s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).ok();
+                    let mut h = [0u8; HEADER];
+                    s.read_exact(&mut h).map_err(|e| CommError::Rendezvous(format!("hello: {e}")))?;
+                    let (magic, epoch, peer, _) = parse_header(&h);
+                    let peer = peer as usize;
+                    if magic != HELLO || peer <= r.rank || peer >= world || streams[peer].is_some() {
+                        return Err(CommError::Rendezvous(format!("unexpected hello (magic {magic:#x}, rank {peer})")));
+                    }
+                    if epoch != r.epoch {
+                        return Err(CommError::StaleEpoch {
+                            peer,
+                            got: epoch,
+                            current: r.epoch,
+                        });
+                    }
+                    s.set_read_timeout(None).ok();
+                    streams[peer] = Some(s);
+                    waiting -= 1;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(CommError::Rendezvous(format!("rank {}: {waiting} higher rank(s) never connected", r.rank)));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(CommError::Rendezvous(format!("accept: {e}"))),
+            }
+        }
+        let (tx, inbox) = mpsc::channel();
+        for (peer, s) in streams.iter().enumerate() {
+            if let Some(s) = s {
+                let read = s.try_clone().map_err(|e| CommError::Rendezvous(format!("clone: {e}")))?;
+                let tx = tx.clone();
+                std::thread::Builder::new()
+                    .name(format!("lazarus-comm-rx-{peer}"))
+                    .spawn(move || reader(read, peer, tx))
+                    .map_err(|e| CommError::Rendezvous(format!("reader thread: {e}")))?;
+            }
+        }
+        Ok(TcpTransport {
+            rank: r.rank,
+            world,
+            epoch: r.epoch,
+            streams,
+            inbox,
+            pending: (0..world).map(|_| VecDeque::new()).collect(),
+            lost: vec![None; world],
+            left: vec![false; world],
+            failed: None,
+        })
+    }
+
+    /// `n` connected ranks on loopback in this process (tests, benchmarks).
+    pub fn local_group(n: usize, epoch: u64) -> Result<Vec<TcpTransport>, CommError> {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<Result<_, _>>()
+            .map_err(|e| CommError::Rendezvous(e.to_string()))?;
+        let addrs: Vec<SocketAddr> = listeners
+            .iter()
+            .map(|l| l.local_addr())
+            .collect::<Result<_, _>>()
+            .map_err(|e| CommError::Rendezvous(e.to_string()))?;
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    TcpTransport::connect(
+                        l,
+                        Rendezvous {
+                            rank,
+                            addrs,
+                            epoch,
+                            timeout: Duration::from_secs(10),
+                        },
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| CommError::Rendezvous("rendezvous thread panicked".into()))?)
+            .collect()
+    }
+
+    /// Record a lost peer, tell everyone else, and return the error every call now gets.
+    fn lose(&mut self, peer: usize, reason: String) -> CommError {
+        self.lost[peer] = Some(reason.clone());
+        let err = CommError::PeerLost { peer, reason };
+        if self.failed.is_none() {
+            self.failed = Some(err.clone());
+            let mut frame = Vec::with_capacity(HEADER + 8);
+            write_header(&mut frame, MAGIC, self.epoch, ABORT_TAG, 8);
+            frame.extend_from_slice(&(peer as u64).to_le_bytes());
+            for (p, s) in self.streams.iter_mut().enumerate() {
+                if let (Some(s), None) = (s, &self.lost[p]) {
+                    s.set_write_timeout(Some(Duration::from_millis(200))).ok();
+                    let _ = s.write_all(&frame);
+                }
+            }
+        }
+        err
+    }
+
+    /// Process whatever has already arrived without waiting: data frames are queued, abort and
+    /// close events become the transport's failure. Returns that failure, if any.
+    fn drain_control(&mut self) -> Option<CommError> {
+        while let Ok(ev) = self.inbox.try_recv() {
+            match ev {
+                Event::Frame { from, tag, .. } if tag == BYE_TAG => self.left[from] = true,
+                Event::Frame { from, tag, payload, .. } if tag == ABORT_TAG => {
+                    let lost = payload
+                        .get(..8)
+                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+                        .unwrap_or(from);
+                    let err = CommError::PeerLost {
+                        peer: lost,
+                        reason: format!("reported by rank {from}"),
+                    };
+                    self.failed.get_or_insert(err);
+                }
+                Event::Frame { from, tag, payload, .. } => self.pending[from].push_back((tag, payload)),
+                Event::Closed { from, reason } => {
+                    if self.left[from] {
+                        self.lost[from] = Some("peer left".into());
+                    } else if self.failed.is_none() {
+                        self.lose(from, reason);
+                    }
+                }
+            }
+        }
+        self.failed.clone()
+    }
+
+    /// Leave cleanly: say goodbye to every peer, then close. Peers that still wait for a
+    /// message from this rank get `PeerLost`; the others carry on.
+    pub fn shutdown(&mut self) {
+        let mut frame = Vec::with_capacity(HEADER);
+        write_header(&mut frame, MAGIC, self.epoch, BYE_TAG, 0);
+        for s in self.streams.iter_mut().flatten() {
+            s.set_write_timeout(Some(Duration::from_millis(200))).ok();
+            let _ = s.write_all(&frame);
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Drop every connection without a goodbye, as a crash would.
+    pub fn abort_connections(&mut self) {
+        for s in self.streams.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn send(&mut self, peer: usize, tag: u64, payload: &[u8], deadline: Instant) -> Result<(), CommError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if peer >= self.world {
+            return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
+        }
+        if peer == self.rank {
+            self.pending[peer].push_back((tag, payload.to_vec()));
+            return Ok(());
+        }
+        if let Some(reason) = &self.lost[peer] {
+            return Err(CommError::PeerLost { peer, reason: reason.clone() });
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(CommError::Timeout { peer, what: "send".into() });
+        }
+        let Some(stream) = self.streams[peer].as_mut() else {
+            return Err(CommError::PeerLost { peer, reason: "no connection".into() });
+        };
+        stream.set_write_timeout(Some(remaining)).ok();
+        let mut header = Vec::with_capacity(HEADER);
+        write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
+        let result = stream.write_all(&header).and_then(|_| stream.write_all(payload));
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                Err(CommError::Timeout { peer, what: "send".into() })
+            }
+            Err(e) => {
+                // A broken pipe is often the echo of an earlier loss that another peer already
+                // reported: prefer that root cause if its abort frame is waiting.
+                if let Some(err) = self.drain_control() {
+                    return Err(err);
+                }
+                Err(self.lose(peer, e.to_string()))
+            }
+        }
+    }
+
+    fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if peer >= self.world {
+            return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
+        }
+        loop {
+            if let Some((t, payload)) = self.pending[peer].pop_front() {
+                if t != tag {
+                    return Err(CommError::Protocol {
+                        peer,
+                        reason: format!("expected tag {tag:#x}, got {t:#x}"),
+                    });
+                }
+                return Ok(payload);
+            }
+            if peer == self.rank {
+                return Err(CommError::Protocol {
+                    peer,
+                    reason: "receive from self with nothing sent".into(),
+                });
+            }
+            if let Some(reason) = &self.lost[peer] {
+                return Err(CommError::PeerLost { peer, reason: reason.clone() });
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match self.inbox.recv_timeout(remaining) {
+                Ok(Event::Frame { from, epoch, tag: t, payload }) => {
+                    if t == BYE_TAG {
+                        self.left[from] = true;
+                        continue;
+                    }
+                    if t == ABORT_TAG {
+                        let lost = payload
+                            .get(..8)
+                            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+                            .unwrap_or(from);
+                        let err = CommError::PeerLost {
+                            peer: lost,
+                            reason: format!("reported by rank {from}"),
+                        };
+                        self.failed = Some(err.clone());
+                        return Err(err);
+                    }
+                    if epoch < self.epoch {
+                        return Err(CommError::StaleEpoch {
+                            peer: from,
+                            got: epoch,
+                            current: self.epoch,
+                        });
+                    }
+                    if epoch > self.epoch {
+                        return Err(CommError::Protocol {
+                            peer: from,
+                            reason: format!("frame from newer epoch {epoch} (ours is {})", self.epoch),
+                        });
+                    }
+                    self.pending[from].push_back((t, payload));
+                }
+                Ok(Event::Closed { from, reason }) => {
+                    if self.left[from] {
+                        self.lost[from] = Some("peer left".into());
+                        continue;
+                    }
+                    return Err(self.lose(from, reason));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(CommError::Timeout {
+                        peer,
+                        what: format!("message with tag {tag:#x}"),
+                    })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(self.lose(peer, "all connections closed".into()));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Collectives over real loopback TCP connections, one thread per rank.
+
+use std::time::{Duration, Instant};
+
+use lazarus_comm::{
+    all_gather, all_reduce_sum_f32, all_to_all_v, barrier, broadcast, recv_named, send_named, CommError, Group, LocalTransport,
+    TcpTransport, Transport, RING_THRESHOLD_BYTES,
+};
+
+const T: Duration = Duration::from_secs(10);
+
+/// Run `f(rank, transport)` on every rank of a loopback group, in threads; results by rank.
+fn on_group<R: Send + 'static>(n: usize, f: impl Fn(usize, &mut TcpTransport) -> R + Send + Sync + Clone + 'static) -> Vec<R> {
+    let group = TcpTransport::local_group(n, 1).unwrap();
+    let handles: Vec<_> = group
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut t)| {
+            let f = f.clone();
+            std::thread::spawn(move || f(r, &mut t))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn all_gather_and_broadcast_and_barrier() {
+    let out = on_group(4, |r, t| {
+        let mut g = Group::world(4);
+        let all = all_gather(t, &mut g, format!("rank{r}").as_bytes(), T).unwrap();
+        let b = broadcast(t, &mut g, 2, if r == 2 { b"hello" } else { b"" }, T).unwrap();
+        barrier(t, &mut g, T).unwrap();
+        (all, b)
+    });
+    for (all, b) in out {
+        assert_eq!(all, vec![b"rank0".to_vec(), b"rank1".to_vec(), b"rank2".to_vec(), b"rank3".to_vec()]);
+        assert_eq!(b, b"hello");
+    }
+}
+
+#[test]
+fn all_to_all_v_with_uneven_and_empty_buffers() {
+    let out = on_group(3, |r, t| {
+        let mut g = Group::world(3);
+        // Rank r sends r·10 + j bytes of value r to rank j; nothing to itself when r = j = 0.
+        let sends: Vec<Vec<u8>> = (0..3).map(|j| vec![r as u8; r * 10 + j]).collect();
+        all_to_all_v(t, &mut g, &sends, T).unwrap()
+    });
+    for (j, got) in out.iter().enumerate() {
+        for (r, buf) in got.iter().enumerate() {
+            assert_eq!(buf.len(), r * 10 + j, "from {r} to {j}");
+            assert!(buf.iter().all(|&b| b == r as u8));
+        }
+    }
+}
+
+#[test]
+fn all_reduce_small_and_ring_agree_and_are_identical_everywhere() {
+    for len in [7usize, RING_THRESHOLD_BYTES / 4 * 3 + 5] {
+        let out = on_group(4, move |r, t| {
+            let mut g = Group::world(4);
+            let mut buf: Vec<f32> = (0..len).map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.01).collect();
+            all_reduce_sum_f32(t, &mut g, &mut buf, T).unwrap();
+            buf
+        });
+        for i in (0..len).step_by(997) {
+            let want: f32 = (0..4).map(|r| ((i * 7 + r * 13) % 101) as f32 * 0.01).sum();
+            assert!((out[0][i] - want).abs() < 1e-5, "len {len} i {i}: {} vs {want}", out[0][i]);
+        }
+        for o in &out[1..] {
+            assert!(o.iter().zip(&out[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "ranks disagree");
+        }
+    }
+}
+
+#[test]
+fn sub_groups_run_independently() {
+    let out = on_group(4, |r, t| {
+        // {0, 2} and {1, 3} each reduce their own values; then the world barrier.
+        let mut g = Group::new(if r % 2 == 0 { vec![0, 2] } else { vec![1, 3] }).unwrap();
+        let mut buf = vec![r as f32; 3];
+        all_reduce_sum_f32(t, &mut g, &mut buf, T).unwrap();
+        let mut w = Group::world(4);
+        barrier(t, &mut w, T).unwrap();
+        buf[0]
+    });
+    assert_eq!(out, vec![2.0, 4.0, 2.0, 4.0]);
+}
+
+#[test]
+fn named_buffers_round_trip() {
+    let out = on_group(2, |r, t| {
+        if r == 0 {
+            send_named(t, 1, 42, "blocks.0.moe.experts.3.fc1.w", &[1, 2, 3], T).unwrap();
+            None
+        } else {
+            Some(recv_named(t, 0, 42, T).unwrap())
+        }
+    });
+    assert_eq!(out[1], Some(("blocks.0.moe.experts.3.fc1.w".to_string(), vec![1, 2, 3])));
+}
+
+#[test]
+fn timeouts_are_reported_not_hung() {
+    let out = on_group(2, |r, t| {
+        if r == 0 {
+            let start = Instant::now();
+            let e = t.recv(1, 7, Instant::now() + Duration::from_millis(300)).unwrap_err();
+            (Some(e), start.elapsed())
+        } else {
+            std::thread::sleep(Duration::from_millis(600));
+            (None, Duration::ZERO)
+        }
+    });
+    let (e, took) = &out[0];
+    assert!(matches!(e, Some(CommError::Timeout { peer: 1, .. })), "{e:?}");
+    assert!(*took < Duration::from_secs(2));
+}
+
+#[test]
+fn a_dropped_peer_is_peer_lost_for_everyone() {
+    let out = on_group(3, |r, t| {
+        let mut g = Group::world(3);
+        barrier(t, &mut g, T).unwrap();
+        if r == 1 {
+            // Let the others finish the barrier, then vanish as a crash would.
+            std::thread::sleep(Duration::from_millis(200));
+            t.abort_connections();
+            return None;
+        }
+        let start = Instant::now();
+        let mut buf = vec![1.0f32; 4];
+        let e = all_reduce_sum_f32(t, &mut g, &mut buf, T).unwrap_err();
+        Some((e, start.elapsed()))
+    });
+    for (r, o) in out.iter().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        let (e, took) = o.as_ref().unwrap();
+        assert!(matches!(e, CommError::PeerLost { peer: 1, .. }), "rank {r}: {e:?}");
+        assert!(*took < Duration::from_secs(2), "rank {r} took {took:?}");
+    }
+}
+
+#[test]
+fn a_peer_that_leaves_cleanly_only_fails_those_waiting_for_it() {
+    let out = on_group(3, |r, t| {
+        let mut g = Group::world(3);
+        barrier(t, &mut g, T).unwrap();
+        match r {
+            0 => {
+                t.shutdown();
+                None
+            }
+            // Rank 1 and 2 keep talking to each other.
+            _ => {
+                let mut pair = Group::new(vec![1, 2]).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                let mut buf = vec![1.0f32; 2];
+                all_reduce_sum_f32(t, &mut pair, &mut buf, T).unwrap();
+                let e = t.recv(0, 1, Instant::now() + T).unwrap_err();
+                Some((buf[0], e))
+            }
+        }
+    });
+    for o in out.into_iter().flatten() {
+        assert_eq!(o.0, 2.0);
+        assert!(matches!(o.1, CommError::PeerLost { peer: 0, .. }), "{:?}", o.1);
+    }
+}
+
+#[test]
+fn stale_epochs_are_rejected_at_rendezvous() {
+    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let a = addrs.clone();
+    let h = std::thread::spawn(move || {
+        TcpTransport::connect(l1, lazarus_comm::Rendezvous { rank: 1, addrs: a, epoch: 4, timeout: Duration::from_secs(5) })
+    });
+    let r0 = TcpTransport::connect(l0, lazarus_comm::Rendezvous { rank: 0, addrs, epoch: 5, timeout: Duration::from_secs(5) });
+    assert!(matches!(r0, Err(CommError::StaleEpoch { peer: 1, got: 4, current: 5 })), "{:?}", r0.err());
+    drop(h.join());
+}
+
+#[test]
+fn one_rank_transport_runs_the_same_collectives() {
+    let mut t = LocalTransport::new(3);
+    let mut g = Group::world(1);
+    let mut buf = vec![1.5f32, 2.5];
+    all_reduce_sum_f32(&mut t, &mut g, &mut buf, T).unwrap();
+    assert_eq!(buf, vec![1.5, 2.5]);
+    let got = all_to_all_v(&mut t, &mut g, &[vec![9, 9]], T).unwrap();
+    assert_eq!(got, vec![vec![9, 9]]);
+    assert!(all_to_all_v(&mut t, &mut g, &[vec![], vec![]], T).is_err());
+}
