@@ -18,6 +18,30 @@ const DEMO_LOADS: [f64; 16] = [
 const DEMO_NODES: usize = 10;
 const DEMO_SLOTS: usize = 6;
 
+/// The cluster shape, shared by `plan` and `prob`.
+#[derive(Args, Debug)]
+pub struct ClusterArgs {
+    /// Number of nodes N.
+    #[arg(long, allow_hyphen_values = true)]
+    nodes: Option<String>,
+    /// GPUs per node G.
+    #[arg(long, default_value = "1", allow_hyphen_values = true)]
+    gpus_per_node: String,
+    /// Replica slots per GPU c.
+    #[arg(long, allow_hyphen_values = true)]
+    slots: Option<String>,
+}
+
+impl ClusterArgs {
+    fn shape(&self) -> Result<ClusterShape> {
+        Ok(ClusterShape::new(
+            required("nodes", &self.nodes)?,
+            parse_count("gpus-per-node", &self.gpus_per_node)?,
+            required("slots", &self.slots)?,
+        )?)
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// Tokens routed to each expert, comma-separated (expert ids are 0-based in this order).
@@ -33,15 +57,8 @@ pub struct PlanArgs {
     /// all strategies.
     #[arg(long)]
     demo: bool,
-    /// Number of nodes N.
-    #[arg(long, allow_hyphen_values = true)]
-    nodes: Option<String>,
-    /// GPUs per node G.
-    #[arg(long, default_value = "1", allow_hyphen_values = true)]
-    gpus_per_node: String,
-    /// Replica slots per GPU c.
-    #[arg(long, allow_hyphen_values = true)]
-    slots: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Fault-tolerance floor f: every expert gets at least this many replicas (lowered when the
     /// slots cannot hold f per expert).
     #[arg(long, default_value = "2", allow_hyphen_values = true)]
@@ -62,15 +79,8 @@ pub struct ProbArgs {
     /// JSON file with a plan: an array with one array of expert ids per node.
     #[arg(long, value_name = "FILE")]
     placement_file: Option<PathBuf>,
-    /// Number of nodes N.
-    #[arg(long, allow_hyphen_values = true)]
-    nodes: Option<String>,
-    /// GPUs per node G.
-    #[arg(long, default_value = "1", allow_hyphen_values = true)]
-    gpus_per_node: String,
-    /// Replica slots per GPU c.
-    #[arg(long, allow_hyphen_values = true)]
-    slots: Option<String>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Number of failed nodes.
     #[arg(long, allow_hyphen_values = true)]
     failed: String,
@@ -167,11 +177,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
     if args.demo {
         return run_demo(args.json);
     }
-    let shape = ClusterShape::new(
-        required("nodes", &args.nodes)?,
-        parse_count("gpus-per-node", &args.gpus_per_node)?,
-        required("slots", &args.slots)?,
-    )?;
+    let shape = args.cluster.shape()?;
     let floor = parse_count("min-replicas", &args.min_replicas)?;
     let strategy = parse_strategy(&args.strategy)?;
     if let Some(path) = &args.loads_file {
@@ -334,7 +340,7 @@ fn print_strategy_table(reports: &[(LayerReport, Placement)], nodes: usize) {
 
 pub fn run_prob(args: &ProbArgs) -> Result<()> {
     let failed = parse_count("failed", &args.failed)?;
-    let gpus = parse_count("gpus-per-node", &args.gpus_per_node)?;
+    let gpus = parse_count("gpus-per-node", &args.cluster.gpus_per_node)?;
     let placement = if let Some(path) = &args.placement_file {
         let nodes: Vec<Vec<usize>> = read_json("placement-file", path)?;
         let Some(first) = nodes.first() else {
@@ -344,13 +350,13 @@ pub fn run_prob(args: &ProbArgs) -> Result<()> {
         if gpus == 0 || per_node % gpus != 0 || per_node == 0 {
             bail!("invalid --placement-file: node 0 lists {per_node} entries, not a positive multiple of --gpus-per-node {gpus}");
         }
-        if let Some(n) = &args.nodes {
+        if let Some(n) = &args.cluster.nodes {
             let n = parse_count("nodes", n)?;
             if n != nodes.len() {
                 bail!("invalid --nodes: {n} (the placement file lists {} nodes)", nodes.len());
             }
         }
-        if let Some(c) = &args.slots {
+        if let Some(c) = &args.cluster.slots {
             let c = parse_count("slots", c)?;
             if c * gpus != per_node {
                 bail!("invalid --slots: {c} (the placement file has {per_node} entries per node with {gpus} GPU(s) per node)");
@@ -364,7 +370,7 @@ pub fn run_prob(args: &ProbArgs) -> Result<()> {
             bail!("one of --replicas or --placement-file is required");
         };
         let replicas = parse_list::<usize>("replicas", replicas, "non-negative integers")?;
-        let shape = ClusterShape::new(required("nodes", &args.nodes)?, gpus, required("slots", &args.slots)?)?;
+        let shape = args.cluster.shape()?;
         place(&replicas, shape, parse_strategy(&args.strategy)?, None)?
     };
     let estimate = recovery_probability(&placement, failed)?;

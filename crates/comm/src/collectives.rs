@@ -161,10 +161,9 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
     let prev = g.members[(pos + m - 1) % m];
     let bounds: Vec<(usize, usize)> = (0..m).map(|c| (c * buf.len() / m, (c + 1) * buf.len() / m)).collect();
     // Reduce-scatter: after m−1 steps member `pos` holds the full sum of chunk (pos+1) mod m.
-    for step in 0..m - 1 {
+    // Pass chunk `send_c` to the next member and receive chunk `recv_c` from the previous one.
+    let exchange = |t: &mut dyn Transport, g: &mut Group, buf: &[f32], send_c: usize, recv_c: usize| {
         let tag = g.next_tag();
-        let send_c = (pos + m - step) % m;
-        let recv_c = (pos + m - step - 1) % m;
         let (s0, s1) = bounds[send_c];
         t.send(next, tag, &f32_to_bytes(&buf[s0..s1]), deadline)?;
         let got = bytes_to_f32(&t.recv(prev, tag, deadline)?)?;
@@ -175,24 +174,16 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
                 reason: format!("ring chunk of {} values, expected {}", got.len(), r1 - r0),
             });
         }
-        buf[r0..r1].iter_mut().zip(&got).for_each(|(a, b)| *a += b);
+        Ok((r0, got))
+    };
+    for step in 0..m - 1 {
+        let (r0, got) = exchange(t, g, buf, (pos + m - step) % m, (pos + m - step - 1) % m)?;
+        buf[r0..r0 + got.len()].iter_mut().zip(&got).for_each(|(a, b)| *a += b);
     }
     // All-gather the reduced chunks around the ring.
     for step in 0..m - 1 {
-        let tag = g.next_tag();
-        let send_c = (pos + 1 + m - step) % m;
-        let recv_c = (pos + m - step) % m;
-        let (s0, s1) = bounds[send_c];
-        t.send(next, tag, &f32_to_bytes(&buf[s0..s1]), deadline)?;
-        let got = bytes_to_f32(&t.recv(prev, tag, deadline)?)?;
-        let (r0, r1) = bounds[recv_c];
-        if got.len() != r1 - r0 {
-            return Err(CommError::Protocol {
-                peer: prev,
-                reason: format!("ring chunk of {} values, expected {}", got.len(), r1 - r0),
-            });
-        }
-        buf[r0..r1].copy_from_slice(&got);
+        let (r0, got) = exchange(t, g, buf, (pos + 1 + m - step) % m, (pos + m - step) % m)?;
+        buf[r0..r0 + got.len()].copy_from_slice(&got);
     }
     Ok(())
 }

@@ -65,6 +65,19 @@ fn parse_header(h: &[u8; HEADER]) -> (u32, u64, u64, u64) {
     (u32_at(0), u64_at(4), u64_at(12), u64_at(20))
 }
 
+/// The loss an abort frame from `from` reports (its payload names the lost rank).
+fn abort_error(from: usize, payload: &[u8]) -> CommError {
+    let lost = payload
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map(|b| u64::from_le_bytes(b) as usize)
+        .unwrap_or(from);
+    CommError::PeerLost {
+        peer: lost,
+        reason: format!("reported by rank {from}"),
+    }
+}
+
 fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
     let closed = |reason: String| Event::Closed { from, reason };
     loop {
@@ -248,15 +261,7 @@ impl TcpTransport {
             match ev {
                 Event::Frame { from, tag, .. } if tag == BYE_TAG => self.left[from] = true,
                 Event::Frame { from, tag, payload, .. } if tag == ABORT_TAG => {
-                    let lost = payload
-                        .get(..8)
-                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-                        .unwrap_or(from);
-                    let err = CommError::PeerLost {
-                        peer: lost,
-                        reason: format!("reported by rank {from}"),
-                    };
-                    self.failed.get_or_insert(err);
+                    self.failed.get_or_insert(abort_error(from, &payload));
                 }
                 Event::Frame { from, tag, payload, .. } => self.pending[from].push_back((tag, payload)),
                 Event::Closed { from, reason } => {
@@ -385,14 +390,7 @@ impl Transport for TcpTransport {
                         continue;
                     }
                     if t == ABORT_TAG {
-                        let lost = payload
-                            .get(..8)
-                            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-                            .unwrap_or(from);
-                        let err = CommError::PeerLost {
-                            peer: lost,
-                            reason: format!("reported by rank {from}"),
-                        };
+                        let err = abort_error(from, &payload);
                         self.failed = Some(err.clone());
                         return Err(err);
                     }

@@ -192,6 +192,79 @@ fn apportion_into(total: u64, w: &[u32], rems: &mut Vec<(u64, usize)>, out: &mut
     }
 }
 
+/// One rank's side of the padding-free all-to-all (Algorithm 1, lines 11–16): which of its
+/// token slots go to which rank, and how the buffers it receives are laid out. Derived from the
+/// shared [`DispatchSchedule`] alone, so senders and receivers agree without more messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankLayout {
+    /// `send[dst]`: this rank's token slots (index into its routed assignments, token-major
+    /// `token·k + j`) sent to `dst`, grouped by expert in ascending order, token order within an
+    /// expert. `send[me]` are the slots processed locally.
+    pub send: Vec<Vec<u32>>,
+    /// `send_experts[dst][i]`: the expert of `send[dst][i]`.
+    pub send_experts: Vec<Vec<u32>>,
+    /// `recv[src][e]`: how many slots of expert e arrive from `src` — consecutive, in ascending
+    /// expert order, within the buffer from `src`.
+    pub recv: Vec<Vec<u64>>,
+}
+
+impl RankLayout {
+    /// Lay out rank `me`'s slots. `choices[i]` is the expert of slot i (token-major, k per
+    /// token), exactly the assignments counted in the schedule's T[·][me].
+    pub fn new(schedule: &DispatchSchedule, me: usize, choices: &[u32]) -> Result<Self, PlanError> {
+        let (experts, ranks) = (schedule.experts(), schedule.ranks());
+        if me >= ranks {
+            return Err(PlanError::invalid("rank", me, format!("the schedule has {ranks} ranks")));
+        }
+        // Slots of each expert, in token order.
+        let mut by_expert: Vec<Vec<u32>> = vec![Vec::new(); experts];
+        for (slot, &e) in choices.iter().enumerate() {
+            let e = e as usize;
+            if e >= experts {
+                return Err(PlanError::invalid("choices", e, format!("expert ids must be below {experts}")));
+            }
+            by_expert[e].push(slot as u32);
+        }
+        let mut send = vec![Vec::new(); ranks];
+        let mut send_experts = vec![Vec::new(); ranks];
+        let mut recv = vec![vec![0u64; experts]; ranks];
+        for (e, slots) in by_expert.iter().enumerate() {
+            let mut next = 0usize;
+            let mut sent = 0u64;
+            for r in schedule.routes(e) {
+                let (src, dst) = (r.src as usize, r.dst as usize);
+                if dst == me {
+                    recv[src][e] += r.tokens;
+                }
+                if src != me {
+                    continue;
+                }
+                // Line 16: the next D[e][me][dst] slots of e, in rank order of dst.
+                let n = r.tokens as usize;
+                let Some(chunk) = slots.get(next..next + n) else {
+                    return Err(PlanError::invalid(
+                        "choices",
+                        format!("{} slots of expert {e}", slots.len()),
+                        "fewer than the schedule dispatches from this rank",
+                    ));
+                };
+                send[dst].extend_from_slice(chunk);
+                send_experts[dst].extend(std::iter::repeat_n(e as u32, n));
+                next += n;
+                sent += r.tokens;
+            }
+            if sent as usize != slots.len() {
+                return Err(PlanError::invalid(
+                    "choices",
+                    format!("{} slots of expert {e}", slots.len()),
+                    format!("the schedule dispatches {sent} from rank {me}"),
+                ));
+            }
+        }
+        Ok(RankLayout { send, send_experts, recv })
+    }
+}
+
 #[cfg(test)]
 pub(crate) static AUGMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -481,6 +554,66 @@ mod tests {
         assert_eq!(d.processed_per_rank(), vec![30, 60, 0]);
         assert_eq!(d.send_counts(0), vec![30, 60, 0]);
         assert_eq!(d.recv_counts(1), vec![60, 0, 0]);
+    }
+
+    /// Simulate every rank: lay out, "send", let each receiver tag rows with (expert, rank),
+    /// send back, and check every slot got its own expert processed on a rank holding it.
+    #[test]
+    fn rank_layouts_round_trip_every_slot() {
+        let mut rng = crate::rng::SplitMix64::new(5);
+        for _ in 0..200 {
+            let ranks = 1 + rng.below(5);
+            let experts = 1 + rng.below(6);
+            let r: Vec<Vec<u32>> = (0..experts)
+                .map(|_| {
+                    let mut v: Vec<u32> = (0..ranks).map(|_| rng.below(3) as u32).collect();
+                    let k = rng.below(ranks);
+                    v[k] = v[k].max(1);
+                    v
+                })
+                .collect();
+            let choices: Vec<Vec<u32>> = (0..ranks).map(|_| (0..rng.below(40)).map(|_| rng.below(experts) as u32).collect()).collect();
+            let mut t = vec![vec![0u64; ranks]; experts];
+            for (rank, c) in choices.iter().enumerate() {
+                c.iter().for_each(|&e| t[e as usize][rank] += 1);
+            }
+            let d = DispatchSchedule::compute(&t, &r).unwrap();
+            let layouts: Vec<RankLayout> = (0..ranks).map(|me| RankLayout::new(&d, me, &choices[me]).unwrap()).collect();
+            // What each receiver gets from each sender: (expert of each row).
+            let mut result: Vec<Vec<Option<(u32, usize)>>> = choices.iter().map(|c| vec![None; c.len()]).collect();
+            for dst in 0..ranks {
+                for src in 0..ranks {
+                    let rows = &layouts[src].send_experts[dst];
+                    // The receiver's view of the layout matches what the sender packed.
+                    let expected: Vec<u32> = (0..experts)
+                        .flat_map(|e| std::iter::repeat_n(e as u32, layouts[dst].recv[src][e] as usize))
+                        .collect();
+                    assert_eq!(rows, &expected);
+                    for (i, &e) in rows.iter().enumerate() {
+                        assert!(r[e as usize][dst] > 0, "expert {e} sent to rank {dst} without a replica");
+                        let slot = layouts[src].send[dst][i] as usize;
+                        assert!(result[src][slot].is_none(), "slot sent twice");
+                        result[src][slot] = Some((e, dst));
+                    }
+                }
+            }
+            for (rank, c) in choices.iter().enumerate() {
+                for (slot, &e) in c.iter().enumerate() {
+                    assert_eq!(result[rank][slot].map(|x| x.0), Some(e), "rank {rank} slot {slot}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rank_layout_rejects_choices_that_disagree_with_the_schedule() {
+        let d = DispatchSchedule::compute(&[vec![2, 0]], &[vec![1, 1]]).unwrap();
+        assert!(RankLayout::new(&d, 0, &[0]).is_err());
+        assert!(RankLayout::new(&d, 0, &[0, 0, 0]).is_err());
+        assert!(RankLayout::new(&d, 0, &[0, 5]).is_err());
+        assert!(RankLayout::new(&d, 2, &[0, 0]).is_err());
+        let ok = RankLayout::new(&d, 0, &[0, 0]).unwrap();
+        assert_eq!(ok.send, vec![vec![0], vec![1]]);
     }
 
     #[test]

@@ -15,10 +15,10 @@ pub mod nodeset;
 pub mod placement;
 pub mod reconfig;
 pub mod recovery;
-mod rng;
+pub mod rng;
 
 pub use allocation::{allocate, ReplicaAllocation};
-pub use dispatch::{DispatchSchedule, TokenCounts};
+pub use dispatch::{DispatchSchedule, RankLayout, TokenCounts};
 pub use error::PlanError;
 pub use placement::{place, ClusterShape, Placement, Strategy};
 pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
