@@ -16,8 +16,9 @@ const MAGIC: u32 = 0x4c5a_5231; // "LZR1"
 const HELLO: u32 = 0x4c5a_4831; // "LZH1"
 /// Header: magic u32, epoch u64, tag u64, length u64.
 const HEADER: usize = 28;
-/// Largest frame accepted from a peer; anything larger is a protocol error, not an allocation.
-pub const MAX_FRAME: u64 = 4 << 30;
+/// Largest frame accepted from or sent to a peer (an expert's weights and moments are far
+/// smaller); a larger header is a protocol error, never an allocation.
+pub const MAX_FRAME: u64 = 1 << 30;
 /// Tag of the abort frame: "peer X is lost, abandon the step".
 const ABORT_TAG: u64 = u64::MAX;
 /// Tag of the goodbye frame: the peer is closing on purpose, its EOF is not a failure.
@@ -65,13 +66,15 @@ fn parse_header(h: &[u8; HEADER]) -> (u32, u64, u64, u64) {
     (u32_at(0), u64_at(4), u64_at(12), u64_at(20))
 }
 
-/// The loss an abort frame from `from` reports (its payload names the lost rank).
-fn abort_error(from: usize, payload: &[u8]) -> CommError {
+/// The loss an abort frame from `from` reports (its payload names the lost rank; a rank that
+/// does not exist is read as the sender itself).
+fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
     let lost = payload
         .get(..8)
         .and_then(|b| b.try_into().ok())
-        .map(|b| u64::from_le_bytes(b) as usize)
-        .unwrap_or(from);
+        .map(|b| u64::from_le_bytes(b))
+        .filter(|&r| r < world as u64)
+        .map_or(from, |r| r as usize);
     CommError::PeerLost {
         peer: lost,
         reason: format!("reported by rank {from}"),
@@ -96,10 +99,18 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
             let _ = tx.send(closed(format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit")));
             return;
         }
-        let mut payload = vec![0u8; len as usize];
-        if let Err(e) = stream.read_exact(&mut payload) {
-            let _ = tx.send(closed(format!("connection lost mid-frame: {e}")));
-            return;
+        // Grow the buffer as bytes arrive, so a lying header cannot make us allocate up front.
+        let mut payload = Vec::with_capacity((len as usize).min(1 << 20));
+        match (&mut stream).take(len).read_to_end(&mut payload) {
+            Ok(n) if n as u64 == len => {}
+            Ok(_) => {
+                let _ = tx.send(closed("connection closed mid-frame".into()));
+                return;
+            }
+            Err(e) => {
+                let _ = tx.send(closed(format!("connection lost mid-frame: {e}")));
+                return;
+            }
         }
         if tx.send(Event::Frame { from, epoch, tag, payload }).is_err() {
             return; // transport dropped
@@ -143,33 +154,38 @@ impl TcpTransport {
             .set_nonblocking(true)
             .map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
         let mut waiting = world - r.rank - 1;
+        // Connections that are not a fresh rank of this epoch (a leftover process of an older
+        // plan, a duplicate, a stray client) are dropped and the wait goes on.
+        let mut rejected: Vec<String> = Vec::new();
         while waiting > 0 {
             match listener.accept() {
-                Ok((mut s, _)) => {
+                Ok((mut s, from)) => {
                     s.set_nonblocking(false).ok();
                     s.set_nodelay(true).ok();
-                    s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).ok();
+                    let hello_wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(2));
+                    s.set_read_timeout(Some(hello_wait.max(Duration::from_millis(1)))).ok();
                     let mut h = [0u8; HEADER];
-                    s.read_exact(&mut h).map_err(|e| CommError::Rendezvous(format!("hello: {e}")))?;
+                    if let Err(e) = s.read_exact(&mut h) {
+                        rejected.push(format!("{from}: no hello ({e})"));
+                        continue;
+                    }
                     let (magic, epoch, peer, _) = parse_header(&h);
-                    let peer = peer as usize;
-                    if magic != HELLO || peer <= r.rank || peer >= world || streams[peer].is_some() {
-                        return Err(CommError::Rendezvous(format!("unexpected hello (magic {magic:#x}, rank {peer})")));
+                    if magic != HELLO || peer <= r.rank as u64 || peer >= world as u64 || streams[peer as usize].is_some() {
+                        rejected.push(format!("{from}: unexpected hello (magic {magic:#x}, rank {peer})"));
+                        continue;
                     }
                     if epoch != r.epoch {
-                        return Err(CommError::StaleEpoch {
-                            peer,
-                            got: epoch,
-                            current: r.epoch,
-                        });
+                        rejected.push(format!("{from}: rank {peer} at epoch {epoch}, current epoch {}", r.epoch));
+                        continue;
                     }
                     s.set_read_timeout(None).ok();
-                    streams[peer] = Some(s);
+                    streams[peer as usize] = Some(s);
                     waiting -= 1;
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        return Err(CommError::Rendezvous(format!("rank {}: {waiting} higher rank(s) never connected", r.rank)));
+                        let why = if rejected.is_empty() { String::new() } else { format!("; rejected: {}", rejected.join("; ")) };
+                        return Err(CommError::Rendezvous(format!("rank {}: {waiting} higher rank(s) never connected{why}", r.rank)));
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
@@ -238,6 +254,9 @@ impl TcpTransport {
     /// Record a lost peer, tell everyone else, and return the error every call now gets.
     fn lose(&mut self, peer: usize, reason: String) -> CommError {
         self.lost[peer] = Some(reason.clone());
+        if let Some(s) = &self.streams[peer] {
+            let _ = s.shutdown(Shutdown::Both);
+        }
         let err = CommError::PeerLost { peer, reason };
         if self.failed.is_none() {
             self.failed = Some(err.clone());
@@ -261,7 +280,7 @@ impl TcpTransport {
             match ev {
                 Event::Frame { from, tag, .. } if tag == BYE_TAG => self.left[from] = true,
                 Event::Frame { from, tag, payload, .. } if tag == ABORT_TAG => {
-                    self.failed.get_or_insert(abort_error(from, &payload));
+                    self.failed.get_or_insert(abort_error(from, &payload, self.world));
                 }
                 Event::Frame { from, tag, payload, .. } => self.pending[from].push_back((tag, payload)),
                 Event::Closed { from, reason } => {
@@ -279,6 +298,9 @@ impl TcpTransport {
     /// Leave cleanly: say goodbye to every peer, then close. Peers that still wait for a
     /// message from this rank get `PeerLost`; the others carry on.
     pub fn shutdown(&mut self) {
+        if self.failed.is_none() {
+            self.failed = Some(CommError::invalid("transport", "already shut down"));
+        }
         let mut frame = Vec::with_capacity(HEADER);
         write_header(&mut frame, MAGIC, self.epoch, BYE_TAG, 0);
         for s in self.streams.iter_mut().flatten() {
@@ -316,11 +338,44 @@ impl Transport for TcpTransport {
     }
 
     fn send(&mut self, peer: usize, tag: u64, payload: &[u8], deadline: Instant) -> Result<(), CommError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
         if peer >= self.world {
             return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
+        }
+        if tag >= BYE_TAG {
+            return Err(CommError::invalid("tag", format!("{tag:#x} is reserved for control frames")));
+        }
+        if payload.len() as u64 > MAX_FRAME {
+            return Err(CommError::invalid("payload", format!("{} bytes exceeds the {MAX_FRAME}-byte frame limit", payload.len())));
+        }
+        let result = self.send_frame(peer, tag, payload, deadline);
+        self.fail_on(result)
+    }
+
+    fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        if peer >= self.world {
+            return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
+        }
+        let result = self.recv_frame(peer, tag, deadline);
+        self.fail_on(result)
+    }
+}
+
+impl TcpTransport {
+    /// Any error but a bad argument leaves the transport unusable: frames of an abandoned call
+    /// may still be in flight, and the step is abandoned everywhere anyway (the runtime builds a
+    /// new transport for the next epoch).
+    fn fail_on<T>(&mut self, result: Result<T, CommError>) -> Result<T, CommError> {
+        if let Err(e) = &result {
+            if !matches!(e, CommError::Invalid { .. }) && self.failed.is_none() {
+                self.failed = Some(e.clone());
+            }
+        }
+        result
+    }
+
+    fn send_frame(&mut self, peer: usize, tag: u64, payload: &[u8], deadline: Instant) -> Result<(), CommError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
         }
         if peer == self.rank {
             self.pending[peer].push_back((tag, payload.to_vec()));
@@ -340,28 +395,29 @@ impl Transport for TcpTransport {
         let mut header = Vec::with_capacity(HEADER);
         write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
         let result = stream.write_all(&header).and_then(|_| stream.write_all(payload));
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                Err(CommError::Timeout { peer, what: "send".into() })
+        let Err(e) = result else { return Ok(()) };
+        // A frame cut short leaves the byte stream unusable: the connection is closed either way.
+        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            self.lost[peer] = Some("send timed out mid-frame".into());
+            if let Some(s) = &self.streams[peer] {
+                let _ = s.shutdown(Shutdown::Both);
             }
-            Err(e) => {
-                // A broken pipe is often the echo of an earlier loss that another peer already
-                // reported: prefer that root cause if its abort frame is waiting.
-                if let Some(err) = self.drain_control() {
-                    return Err(err);
-                }
-                Err(self.lose(peer, e.to_string()))
-            }
+            return Err(CommError::Timeout { peer, what: "send".into() });
         }
+        // A broken pipe is often the echo of an earlier loss that another peer already reported
+        // (prefer that root cause), or of a peer that left cleanly (only this call fails).
+        if let Some(err) = self.drain_control() {
+            return Err(err);
+        }
+        if self.left[peer] {
+            return Err(CommError::PeerLost { peer, reason: "peer left".into() });
+        }
+        Err(self.lose(peer, e.to_string()))
     }
 
-    fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
+    fn recv_frame(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
-        }
-        if peer >= self.world {
-            return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
         }
         loop {
             if let Some((t, payload)) = self.pending[peer].pop_front() {
@@ -390,7 +446,7 @@ impl Transport for TcpTransport {
                         continue;
                     }
                     if t == ABORT_TAG {
-                        let err = abort_error(from, &payload);
+                        let err = abort_error(from, &payload, self.world);
                         self.failed = Some(err.clone());
                         return Err(err);
                     }

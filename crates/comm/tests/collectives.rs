@@ -170,18 +170,42 @@ fn a_peer_that_leaves_cleanly_only_fails_those_waiting_for_it() {
     }
 }
 
+/// A rank of an older epoch cannot join: its connection is dropped and the rendezvous reports it.
 #[test]
 fn stale_epochs_are_rejected_at_rendezvous() {
     let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
     let a = addrs.clone();
-    let h = std::thread::spawn(move || {
+    let stale = std::thread::spawn(move || {
         TcpTransport::connect(l1, lazarus_comm::Rendezvous { rank: 1, addrs: a, epoch: 4, timeout: Duration::from_secs(5) })
     });
-    let r0 = TcpTransport::connect(l0, lazarus_comm::Rendezvous { rank: 0, addrs, epoch: 5, timeout: Duration::from_secs(5) });
-    assert!(matches!(r0, Err(CommError::StaleEpoch { peer: 1, got: 4, current: 5 })), "{:?}", r0.err());
-    drop(h.join());
+    let r0 = TcpTransport::connect(l0, lazarus_comm::Rendezvous { rank: 0, addrs, epoch: 5, timeout: Duration::from_secs(1) });
+    match r0 {
+        Err(CommError::Rendezvous(msg)) => assert!(msg.contains("epoch 4") && msg.contains("current epoch 5"), "{msg}"),
+        other => panic!("expected a rendezvous error, got {:?}", other.err()),
+    }
+    // The stale rank's connection was closed: its first receive fails instead of hanging.
+    if let Ok(mut t) = stale.join().unwrap() {
+        let e = t.recv(0, 1, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, CommError::PeerLost { .. }), "{e:?}");
+    }
+}
+
+#[test]
+fn bad_sends_are_invalid_not_fatal() {
+    let out = on_group(2, |r, t| {
+        if r == 0 {
+            let e = t.send(1, u64::MAX, b"x", Instant::now() + T).unwrap_err();
+            assert!(matches!(e, CommError::Invalid { field: "tag", .. }), "{e:?}");
+            let e = t.send(5, 1, b"x", Instant::now() + T).unwrap_err();
+            assert!(matches!(e, CommError::Invalid { field: "peer", .. }), "{e:?}");
+        }
+        // The transport still works after rejected arguments.
+        let mut g = Group::world(2);
+        barrier(t, &mut g, T).is_ok()
+    });
+    assert_eq!(out, vec![true, true]);
 }
 
 #[test]

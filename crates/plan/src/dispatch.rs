@@ -72,6 +72,9 @@ impl DispatchSchedule {
                     expected: ranks,
                 });
             }
+            if t.iter().try_fold(0u64, |acc, &x| acc.checked_add(x)).is_none_or(|total| total > u64::MAX / 2) {
+                return Err(PlanError::invalid("tokens", format!("expert {e}"), "token counts overflow"));
+            }
             if r.iter().all(|&x| x == 0) && t.iter().any(|&x| x > 0) {
                 return Err(PlanError::invalid(
                     "replicas",
