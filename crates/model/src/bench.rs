@@ -87,8 +87,7 @@ pub fn train_benchmark(config: &TrainConfig, warmup: usize, iterations: usize) -
             let xin = Var::from_tensor(&random(&[n, d], &mut rng, &device)?)?;
             let start = Instant::now();
             for _ in 0..iterations {
-                let hid = crate::ops::gelu(&xin.as_tensor().matmul(&p(0))?.broadcast_add(&p(1))?)?;
-                let y = hid.matmul(&p(2))?.broadcast_add(&p(3))?;
+                let y = crate::ops::expert_ffn(xin.as_tensor(), &p(0), &p(1), &p(2), &p(3))?;
                 let g = y.sum_all()?.backward()?;
                 drop(g);
             }

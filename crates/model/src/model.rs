@@ -63,9 +63,15 @@ impl Ffn {
         })
     }
 
-    /// x: [n, d_model] → [n, d_model].
+    /// x: [n, d_model] → [n, d_model] (one fused autograd node, see [`crate::ops::expert_ffn`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&crate::ops::gelu(&self.fc1.forward(x)?)?)
+        Ok(crate::ops::expert_ffn(
+            x,
+            self.fc1.w.as_tensor(),
+            self.fc1.b.as_tensor(),
+            self.fc2.w.as_tensor(),
+            self.fc2.b.as_tensor(),
+        )?)
     }
 }
 

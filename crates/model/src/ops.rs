@@ -359,3 +359,187 @@ mod fused_tests {
         }
     }
 }
+
+/// One expert's FFN, y = GELU(x·W1 + b1)·W2 + b2, as a single autograd node: forward and
+/// backward are row-major GEMMs on the raw buffers plus one fused elementwise pass, instead of a
+/// dozen candle nodes that each allocate, zero-fill and accumulate activation-sized gradients.
+/// Weights come packed with their bias as the last row: W1b = [W1; b1] (d+1 × f),
+/// W2b = [W2; b2] (f+1 × d). The hidden activations are recomputed in backward (one extra GEMM)
+/// rather than kept.
+struct ExpertFfn;
+
+/// dst (m×n, row-major) = [dst +] A·B, with A (m×k) and B (k×n) given as (pointer, row stride,
+/// column stride) so transposed views cost nothing.
+///
+/// # Safety
+/// The pointers must cover the described matrices, and `dst` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rm<T: 'static + Copy>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    accumulate: bool,
+    a: (*const T, isize, isize),
+    b: (*const T, isize, isize),
+    one: T,
+) {
+    gemm::gemm(
+        m, n, k, dst, 1, n as isize, accumulate, a.0, a.2, a.1, b.0, b.2, b.1, one, one, false, false, false,
+        gemm::Parallelism::Rayon(0),
+    );
+}
+
+macro_rules! expert_ffn_impl {
+    ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
+        /// Returns (h pre-activation, a = gelu(h), y).
+        fn $fwd(x: &[$t], w1b: &[$t], w2b: &[$t], n: usize, d: usize, f: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let mut h: Vec<$t> = Vec::with_capacity(n * f);
+            for _ in 0..n {
+                h.extend_from_slice(&w1b[d * f..(d + 1) * f]);
+            }
+            // SAFETY: x is n×d, w1b holds d×f then the bias row, h is n×f; no aliasing.
+            unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1b.as_ptr(), f as isize, 1), 1.0) };
+            let a: Vec<$t> = h.iter().map(|&v| $gelu(v)).collect();
+            let mut y: Vec<$t> = Vec::with_capacity(n * d);
+            for _ in 0..n {
+                y.extend_from_slice(&w2b[f * d..(f + 1) * d]);
+            }
+            // SAFETY: a is n×f, w2b holds f×d then the bias row, y is n×d.
+            unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2b.as_ptr(), d as isize, 1), 1.0) };
+            (h, a, y)
+        }
+
+        /// Gradients (x, W1b, W2b) from the output gradient g (n×d).
+        fn $bwd(x: &[$t], w1b: &[$t], w2b: &[$t], g: &[$t], n: usize, d: usize, f: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let (h, a, _) = $fwd(x, w1b, w2b, n, d, f);
+            // dW2b = [aᵀ·g ; Σ_rows g]
+            let mut gw2b: Vec<$t> = vec![0.0; (f + 1) * d];
+            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is the first f×d.
+            unsafe { gemm_rm(f, d, n, gw2b.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
+            for row in g.chunks(d) {
+                gw2b[f * d..].iter_mut().zip(row).for_each(|(s, v)| *s += v);
+            }
+            // gh = (g·W2ᵀ) ⊙ gelu'(h)
+            let mut gh: Vec<$t> = vec![0.0; n * f];
+            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f rows.
+            unsafe { gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0) };
+            gh.iter_mut().zip(&h).for_each(|(v, &hv)| *v *= $gelu_grad(hv));
+            // dW1b = [xᵀ·gh ; Σ_rows gh]
+            let mut gw1b: Vec<$t> = vec![0.0; (d + 1) * f];
+            // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
+            unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
+            for row in gh.chunks(f) {
+                gw1b[d * f..].iter_mut().zip(row).for_each(|(s, v)| *s += v);
+            }
+            // dx = gh·W1ᵀ
+            let mut gx: Vec<$t> = vec![0.0; n * d];
+            // SAFETY: gh is n×f, W1ᵀ is f×d over w1b's first d rows.
+            unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1b.as_ptr(), 1, f as isize), 1.0) };
+            (gx, gw1b, gw2b)
+        }
+    };
+}
+
+expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_f32, gelu_grad_f32);
+expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_f64, gelu_grad_f64);
+
+fn contiguous_slice<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("expert ffn: inputs must be contiguous")
+    };
+    Ok(&v[start..end])
+}
+
+impl candle_core::CustomOp3 for ExpertFfn {
+    fn name(&self) -> &'static str {
+        "lazarus-expert-ffn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, d) = l1.shape().dims2()?;
+        let (d1, f) = l2.shape().dims2()?;
+        if d1 != d + 1 || l3.shape().dims2()? != (f + 1, d) {
+            candle_core::bail!("expert ffn: shapes {:?} {:?} {:?} do not match", l1.shape(), l2.shape(), l3.shape());
+        }
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => CpuStorage::F32(
+                ffn_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, n, d, f).2,
+            ),
+            (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => CpuStorage::F64(
+                ffn_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, n, d, f).2,
+            ),
+            _ => candle_core::bail!("expert ffn: f32 or f64 inputs of one dtype"),
+        };
+        Ok((out, Shape::from((n, d))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w1b: &Tensor,
+        w2b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, d) = x.dims2()?;
+        let f = w1b.dim(1)?;
+        let dev = x.device();
+        let (gx, g1, g2) = match x.dtype() {
+            candle_core::DType::F32 => {
+                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                let (gx, g1, g2) = ffn_bwd_f32(&v(x)?, &v(w1b)?, &v(w2b)?, &v(grad)?, n, d, f);
+                (Tensor::from_vec(gx, (n, d), dev)?, Tensor::from_vec(g1, (d + 1, f), dev)?, Tensor::from_vec(g2, (f + 1, d), dev)?)
+            }
+            _ => {
+                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
+                let (gx, g1, g2) = ffn_bwd_f64(&v(x)?, &v(w1b)?, &v(w2b)?, &v(grad)?, n, d, f);
+                (Tensor::from_vec(gx, (n, d), dev)?, Tensor::from_vec(g1, (d + 1, f), dev)?, Tensor::from_vec(g2, (f + 1, d), dev)?)
+            }
+        };
+        Ok((Some(gx), Some(g1), Some(g2)))
+    }
+}
+
+/// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
+/// all five.
+pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    let w1b = Tensor::cat(&[w1, &b1.unsqueeze(0)?], 0)?;
+    let w2b = Tensor::cat(&[w2, &b2.unsqueeze(0)?], 0)?;
+    x.contiguous()?.apply_op3(&w1b, &w2b, ExpertFfn)
+}
+
+#[cfg(test)]
+mod ffn_tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn fused_expert_ffn_matches_composite_with_gradients() {
+        let mut r = crate::rng::SplitMix64::new(9);
+        let mut var = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            Var::from_vec((0..n).map(|_| r.normal() * 0.5).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
+        };
+        let (x, w1, b1, w2, b2) = (var(&[7, 5]), var(&[5, 6]), var(&[6]), var(&[6, 5]), var(&[5]));
+        let probe = var(&[7, 5]);
+        let ours = expert_ffn(x.as_tensor(), w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()).unwrap();
+        let h = x.as_tensor().matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap();
+        let theirs = gelu(&h).unwrap().matmul(w2.as_tensor()).unwrap().broadcast_add(b2.as_tensor()).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        assert!(diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w1, &b1, &w2, &b2] {
+            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
+}
