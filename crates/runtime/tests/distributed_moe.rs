@@ -1,0 +1,165 @@
+//! A distributed MoE layer on 1–4 ranks (loopback TCP, one thread per rank) with uneven replica
+//! placements computes the same outputs and gradients as the single-process layer.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
+use lazarus_model::ops::{expert_ffn, softmax_last};
+use lazarus_model::rng::SplitMix64;
+use lazarus_model::routing::top_k;
+use lazarus_runtime::{DistributedMoe, ExpertWeights};
+
+const D: usize = 8;
+const F: usize = 12;
+const E: usize = 4;
+const K: usize = 2;
+const N: usize = 30;
+
+struct Weights {
+    gate: Vec<f32>,
+    experts: Vec<[Vec<f32>; 4]>,
+    h: Vec<f32>,
+    probe: Vec<f32>,
+}
+
+fn weights() -> Weights {
+    let mut r = SplitMix64::new(21);
+    let mut v = |n: usize, s: f64| (0..n).map(|_| (r.normal() * s) as f32).collect::<Vec<f32>>();
+    Weights {
+        gate: v(D * E, 0.8),
+        experts: (0..E).map(|_| [v(D * F, 0.4), v(F, 0.1), v(F * D, 0.4), v(D, 0.1)]).collect(),
+        h: v(N * D, 1.0),
+        probe: v(N * D, 1.0),
+    }
+}
+
+fn var(data: &[f32], shape: &[usize]) -> Var {
+    Var::from_tensor(&Tensor::from_vec(data.to_vec(), shape, &Device::Cpu).unwrap()).unwrap()
+}
+
+fn expert_vars(w: &[Vec<f32>; 4]) -> ExpertWeights {
+    ExpertWeights { w1: var(&w[0], &[D, F]), b1: var(&w[1], &[F]), w2: var(&w[2], &[F, D]), b2: var(&w[3], &[D]) }
+}
+
+/// (output [N·D], dh [N·D], gate grad, expert grads) of the single-process layer.
+fn reference(w: &Weights) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<[Vec<f32>; 4]>) {
+    let h = var(&w.h, &[N, D]);
+    let gate = var(&w.gate, &[D, E]);
+    let experts: Vec<ExpertWeights> = w.experts.iter().map(expert_vars).collect();
+    let probs = softmax_last(&h.as_tensor().matmul(gate.as_tensor()).unwrap()).unwrap();
+    let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+    let choices: Vec<u32> = host.iter().flat_map(|row| top_k(row, K)).map(|c| c as u32).collect();
+    let mut slots = Tensor::zeros((N * K, D), DType::F32, &Device::Cpu).unwrap();
+    for e in 0..E {
+        let idx: Vec<u32> = (0..N * K).filter(|&s| choices[s] as usize == e).map(|s| s as u32).collect();
+        if idx.is_empty() {
+            continue;
+        }
+        let toks: Vec<u32> = idx.iter().map(|&s| s / K as u32).collect();
+        let rows = h.as_tensor().index_select(&Tensor::new(toks.as_slice(), &Device::Cpu).unwrap(), 0).unwrap();
+        let ex = &experts[e];
+        let y = expert_ffn(&rows, ex.w1.as_tensor(), ex.b1.as_tensor(), ex.w2.as_tensor(), ex.b2.as_tensor()).unwrap();
+        slots = slots.index_add(&Tensor::new(idx.as_slice(), &Device::Cpu).unwrap(), &y, 0).unwrap();
+    }
+    let idx = Tensor::from_vec(choices, (N, K), &Device::Cpu).unwrap();
+    let wt = probs.gather(&idx, 1).unwrap();
+    let wt = wt.broadcast_div(&wt.sum_keepdim(1).unwrap()).unwrap();
+    let out = slots.reshape((N, K, D)).unwrap().broadcast_mul(&wt.unsqueeze(2).unwrap()).unwrap().sum(1).unwrap();
+    let probe = Tensor::from_vec(w.probe.clone(), (N, D), &Device::Cpu).unwrap();
+    let grads = (&out * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let eg = experts
+        .iter()
+        .map(|ex| {
+            let g = |v: &Var| grads.get(v.as_tensor()).map(flat).unwrap_or_else(|| vec![0.0; v.elem_count()]);
+            [g(&ex.w1), g(&ex.b1), g(&ex.w2), g(&ex.b2)]
+        })
+        .collect();
+    (flat(&out), flat(grads.get(h.as_tensor()).unwrap()), flat(grads.get(gate.as_tensor()).unwrap()), eg)
+}
+
+fn close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-5 + 1e-4 * y.abs(), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+/// Runs rank `rank` of `ranks` and checks it against the reference.
+fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights) {
+    let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
+    let lo = rank * N / ranks;
+    let hi = (rank + 1) * N / ranks;
+    let mut experts = BTreeMap::new();
+    for (e, r) in replicas.iter().enumerate() {
+        if r[rank] > 0 {
+            experts.insert(e, expert_vars(&w.experts[e]));
+        }
+    }
+    let moe = DistributedMoe {
+        gate: var(&w.gate, &[D, E]),
+        experts,
+        replicas: replicas.to_vec(),
+        top_k: K,
+        timeout: Duration::from_secs(20),
+    };
+    let mut world = Group::world(ranks);
+    let h = var(&w.h[lo * D..hi * D], &[hi - lo, D]);
+    let fwd = moe.forward(t, &mut world, h.as_tensor()).unwrap();
+    close(&fwd.output.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &out_ref[lo * D..hi * D], "output");
+    let probe = Tensor::from_vec(w.probe[lo * D..hi * D].to_vec(), (hi - lo, D), &Device::Cpu).unwrap();
+    let grads = moe.backward(t, &mut world, &fwd, &probe).unwrap();
+    let router_dh = grads.router.get(h.as_tensor()).unwrap();
+    let dh = (&grads.h_through_experts + router_dh).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    close(&dh, &dh_ref[lo * D..hi * D], "dh");
+    close(&grads.gate.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &gate_ref, "gate grad");
+    for (e, g) in &grads.experts {
+        for (i, t) in g.iter().enumerate() {
+            close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &experts_ref[*e][i], &format!("expert {e} grad {i}"));
+        }
+    }
+}
+
+fn check(ranks: usize, replicas: Vec<Vec<u32>>) {
+    let w = std::sync::Arc::new(weights());
+    if ranks == 1 {
+        let mut t = LocalTransport::new(1);
+        run_rank(0, 1, &mut t, &replicas, &w);
+        return;
+    }
+    let group = TcpTransport::local_group(ranks, 1).unwrap();
+    let handles: Vec<_> = group
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut t)| {
+            let (w, replicas) = (w.clone(), replicas.clone());
+            std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w))
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("rank failed");
+    }
+}
+
+#[test]
+fn one_rank_matches_the_reference() {
+    check(1, vec![vec![1]; E]);
+}
+
+#[test]
+fn two_ranks_with_a_hot_expert_replicated() {
+    // Expert 3 has three replicas (two on rank 1), the others one each.
+    check(2, vec![vec![1, 0], vec![0, 1], vec![1, 0], vec![1, 2]]);
+}
+
+#[test]
+fn three_ranks_uneven() {
+    check(3, vec![vec![1, 0, 1], vec![0, 2, 0], vec![1, 1, 0], vec![0, 0, 1]]);
+}
+
+#[test]
+fn four_ranks_every_expert_everywhere_unevenly() {
+    check(4, vec![vec![1, 1, 0, 1], vec![0, 1, 1, 1], vec![2, 0, 1, 0], vec![1, 1, 1, 3]]);
+}
