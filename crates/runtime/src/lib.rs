@@ -12,4 +12,4 @@ mod error;
 mod moe;
 
 pub use error::RuntimeError;
-pub use moe::{DistributedMoe, ExpertWeights, MoeForward, MoeGrads};
+pub use moe::{DispatchMode, DistributedMoe, ExpertWeights, MoeForward, MoeGrads};

@@ -26,6 +26,92 @@ impl ExpertWeights {
     }
 }
 
+/// How tokens travel to the experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchMode {
+    /// Lazarus: any replica may serve a token, shares follow the replica counts, and the
+    /// all-to-all carries exactly the rows that move (no padding).
+    Flexible,
+    /// The static expert-parallel baseline (DeepSpeed-MoE): one replica per expert, and every
+    /// buffer padded to `experts on the receiver × C` rows, C the largest number of tokens any
+    /// rank routes to one expert (dropless).
+    StaticPadded,
+}
+
+/// Row positions inside the all-to-all buffers, shared by the four exchanges of a step.
+#[derive(Debug, Clone)]
+struct Packing {
+    /// Row, in the buffer to `dst`, of each entry of `layout.send[dst]`.
+    send_rows: Vec<Vec<usize>>,
+    /// Rows in the buffer to each rank (padding included).
+    send_len: Vec<usize>,
+    /// (first row, rows) of each expert's block in the buffer from each rank.
+    recv_blocks: Vec<Vec<(usize, usize)>>,
+    recv_len: Vec<usize>,
+}
+
+impl Packing {
+    fn new(layout: &RankLayout, mode: DispatchMode, replicas: &[Vec<u32>], tokens: &[Vec<u64>], me: usize) -> Result<Self, RuntimeError> {
+        let ranks = layout.send.len();
+        let experts = replicas.len();
+        match mode {
+            DispatchMode::Flexible => {
+                let send_rows = layout.send.iter().map(|v| (0..v.len()).collect()).collect();
+                let send_len = layout.send.iter().map(Vec::len).collect();
+                let mut recv_blocks = vec![vec![(0, 0); experts]; ranks];
+                let mut recv_len = vec![0; ranks];
+                for src in 0..ranks {
+                    for e in 0..experts {
+                        let c = layout.recv[src][e] as usize;
+                        recv_blocks[src][e] = (recv_len[src], c);
+                        recv_len[src] += c;
+                    }
+                }
+                Ok(Packing { send_rows, send_len, recv_blocks, recv_len })
+            }
+            DispatchMode::StaticPadded => {
+                if let Some(e) = replicas.iter().position(|r| r.iter().sum::<u32>() != 1) {
+                    return Err(RuntimeError::Invalid {
+                        field: "placement",
+                        reason: format!("static expert parallelism needs exactly one replica per expert (expert {e})"),
+                    });
+                }
+                let cap = tokens.iter().flatten().copied().max().unwrap_or(0) as usize;
+                let held = |rank: usize| -> Vec<usize> { (0..experts).filter(|&e| replicas[e][rank] > 0).collect() };
+                let mut send_rows = Vec::with_capacity(ranks);
+                let mut send_len = Vec::with_capacity(ranks);
+                for dst in 0..ranks {
+                    let theirs = held(dst);
+                    let mut seen = vec![0usize; experts];
+                    let rows = layout.send_experts[dst]
+                        .iter()
+                        .map(|&e| {
+                            let e = e as usize;
+                            let block = theirs.iter().position(|&x| x == e).unwrap_or(0);
+                            seen[e] += 1;
+                            block * cap + seen[e] - 1
+                        })
+                        .collect();
+                    send_rows.push(rows);
+                    send_len.push(theirs.len() * cap);
+                }
+                let mine = held(me);
+                let recv_blocks = (0..ranks)
+                    .map(|src| {
+                        (0..experts)
+                            .map(|e| match mine.iter().position(|&x| x == e) {
+                                Some(b) => (b * cap, layout.recv[src][e] as usize),
+                                None => (0, 0),
+                            })
+                            .collect()
+                    })
+                    .collect();
+                Ok(Packing { send_rows, send_len, recv_blocks, recv_len: vec![mine.len() * cap; ranks] })
+            }
+        }
+    }
+}
+
 /// This rank's part of an MoE layer: the replicated router and the experts placed here.
 pub struct DistributedMoe {
     pub gate: Var,
@@ -35,6 +121,7 @@ pub struct DistributedMoe {
     pub replicas: Vec<Vec<u32>>,
     pub top_k: usize,
     pub timeout: Duration,
+    pub mode: DispatchMode,
 }
 
 /// What the forward pass keeps for backward.
@@ -44,16 +131,52 @@ pub struct MoeForward {
     /// Tokens routed to each expert from this rank.
     pub local_load: Vec<u64>,
     layout: RankLayout,
+    packing: Packing,
+    /// Bytes this rank sent to other ranks in the forward all-to-alls.
+    pub wire_bytes: u64,
     /// Input to the combine segment: expert outputs of this rank's slots [n·k, d].
     slots_in: Var,
-    /// Per local expert: (leaf input, output, rows per source rank in arrival order).
-    expert_segments: Vec<(usize, Var, Tensor, Vec<usize>)>,
+    /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
+    expert_segments: Vec<(usize, Var, Tensor, Vec<(usize, usize)>)>,
     n: usize,
     d: usize,
 }
 
-fn rows_bytes(rows: &[f32]) -> Vec<u8> {
-    f32_to_bytes(rows)
+/// Buffers for each destination: `rows(dst, i)` is the row of entry i, placed at
+/// `at[dst][i]`; `len[dst]` rows in all (the rest is padding).
+fn pack<'a>(at: &[Vec<usize>], len: &[usize], d: usize, rows: impl Fn(usize, usize) -> &'a [f32]) -> Vec<Vec<u8>> {
+    at.iter()
+        .enumerate()
+        .map(|(dst, positions)| {
+            let mut buf = vec![0f32; len[dst] * d];
+            for (i, &r) in positions.iter().enumerate() {
+                buf[r * d..(r + 1) * d].copy_from_slice(rows(dst, i));
+            }
+            f32_to_bytes(&buf)
+        })
+        .collect()
+}
+
+/// Decode buffers and check each holds the expected number of rows.
+fn unpack(bytes: &[Vec<u8>], len: &[usize], d: usize, what: &'static str) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    bytes
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let v = bytes_to_f32(b)?;
+            if v.len() != len[r] * d {
+                return Err(RuntimeError::Invalid {
+                    field: what,
+                    reason: format!("rank {r} sent {} values, expected {}", v.len(), len[r] * d),
+                });
+            }
+            Ok(v)
+        })
+        .collect()
+}
+
+fn wire(bufs: &[Vec<u8>], me: usize) -> u64 {
+    bufs.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, b)| b.len() as u64).sum()
 }
 
 impl DistributedMoe {
@@ -91,29 +214,22 @@ impl DistributedMoe {
         }
         let schedule = DispatchSchedule::compute(&tokens, &self.replicas)?;
         let layout = RankLayout::new(&schedule, me, &choices)?;
-        // Dispatch: rows of h for each slot, in the layout's order.
+        let packing = Packing::new(&layout, self.mode, &self.replicas, &tokens, me)?;
+        // Dispatch: the row of h of every slot, at its place in the buffer.
         let h_host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let sends: Vec<Vec<u8>> = layout
-            .send
-            .iter()
-            .map(|slots| {
-                let mut rows = Vec::with_capacity(slots.len() * d);
-                for &s in slots {
-                    let tok = s as usize / k;
-                    rows.extend_from_slice(&h_host[tok * d..(tok + 1) * d]);
-                }
-                rows_bytes(&rows)
-            })
-            .collect();
+        let sends = pack(&packing.send_rows, &packing.send_len, d, |dst, i| {
+            let tok = layout.send[dst][i] as usize / k;
+            &h_host[tok * d..(tok + 1) * d]
+        });
+        let mut wire_bytes = wire(&sends, me);
         let received = all_to_all_v(t, world, &sends, self.timeout)?;
-        // Expert segments: per local expert, its rows from every source in rank order.
-        let recv_rows: Vec<Vec<f32>> = received.iter().map(|b| bytes_to_f32(b)).collect::<Result<_, _>>()?;
-        let mut offsets = vec![0usize; ranks]; // row cursor into each source buffer
+        let recv_rows = unpack(&received, &packing.recv_len, d, "dispatched tokens")?;
+        // Expert segments: per local expert, its block from every source in rank order.
         let mut segments = Vec::new();
-        let mut outputs_by_src: Vec<Vec<f32>> = (0..ranks).map(|src| vec![0f32; recv_rows[src].len()]).collect();
+        let mut outputs_by_src: Vec<Vec<f32>> = packing.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
         for e in 0..e_count {
-            let counts: Vec<usize> = (0..ranks).map(|src| layout.recv[src][e] as usize).collect();
-            let total: usize = counts.iter().sum();
+            let blocks: Vec<(usize, usize)> = (0..ranks).map(|src| packing.recv_blocks[src][e]).collect();
+            let total: usize = blocks.iter().map(|b| b.1).sum();
             if total == 0 {
                 continue;
             }
@@ -124,37 +240,29 @@ impl DistributedMoe {
                 });
             };
             let mut x = Vec::with_capacity(total * d);
-            for src in 0..ranks {
-                let (o, c) = (offsets[src], counts[src]);
+            for (src, &(o, c)) in blocks.iter().enumerate() {
                 x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
             let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), &Device::Cpu)?)?;
             let y = expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
             let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
             let mut row = 0;
-            for src in 0..ranks {
-                let (o, c) = (offsets[src], counts[src]);
+            for (src, &(o, c)) in blocks.iter().enumerate() {
                 outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_host[row * d..(row + c) * d]);
                 row += c;
-                offsets[src] += c;
             }
-            segments.push((e, x, y, counts));
+            segments.push((e, x, y, blocks));
         }
-        // Return expert outputs to the ranks the tokens came from.
-        let back: Vec<Vec<u8>> = outputs_by_src.iter().map(|v| rows_bytes(v)).collect();
+        // Return expert outputs to the ranks the tokens came from (same buffers, reversed).
+        let back: Vec<Vec<u8>> = outputs_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        wire_bytes += wire(&back, me);
         let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = unpack(&results, &packing.send_len, d, "expert results")?;
         let mut slots = vec![0f32; n * k * d];
-        for (dst, bytes) in results.iter().enumerate() {
-            let rows = bytes_to_f32(bytes)?;
-            if rows.len() != layout.send[dst].len() * d {
-                return Err(RuntimeError::Invalid {
-                    field: "expert results",
-                    reason: format!("rank {dst} returned {} values, expected {}", rows.len(), layout.send[dst].len() * d),
-                });
-            }
+        for (dst, rows) in results.iter().enumerate() {
             for (i, &s) in layout.send[dst].iter().enumerate() {
-                let s = s as usize;
-                slots[s * d..(s + 1) * d].copy_from_slice(&rows[i * d..(i + 1) * d]);
+                let (s, r) = (s as usize, packing.send_rows[dst][i]);
+                slots[s * d..(s + 1) * d].copy_from_slice(&rows[r * d..(r + 1) * d]);
             }
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
@@ -169,6 +277,8 @@ impl DistributedMoe {
             output,
             local_load,
             layout,
+            packing,
+            wire_bytes,
             slots_in,
             expert_segments: segments,
             n,
@@ -199,31 +309,23 @@ impl DistributedMoe {
             .map(|g| g.flatten_all().and_then(|g| g.to_vec1()))
             .transpose()?
             .unwrap_or_else(|| vec![0.0; n * k * d]);
-        // Send slot gradients to where each slot was processed (same layout as dispatch).
-        let sends: Vec<Vec<u8>> = fwd
-            .layout
-            .send
-            .iter()
-            .map(|slots| {
-                let mut rows = Vec::with_capacity(slots.len() * d);
-                for &s in slots {
-                    let s = s as usize;
-                    rows.extend_from_slice(&d_slots[s * d..(s + 1) * d]);
-                }
-                rows_bytes(&rows)
-            })
-            .collect();
+        // Send slot gradients to where each slot was processed (same buffers as dispatch).
+        let me = t.rank();
+        let p = &fwd.packing;
+        let sends = pack(&p.send_rows, &p.send_len, d, |dst, i| {
+            let s = fwd.layout.send[dst][i] as usize;
+            &d_slots[s * d..(s + 1) * d]
+        });
+        let mut wire_bytes = wire(&sends, me);
         let received = all_to_all_v(t, world, &sends, self.timeout)?;
-        let recv_rows: Vec<Vec<f32>> = received.iter().map(|b| bytes_to_f32(b)).collect::<Result<_, _>>()?;
+        let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
         // Expert segments backward, in the same order as forward.
-        let mut offsets = vec![0usize; ranks];
-        let mut dx_by_src: Vec<Vec<f32>> = recv_rows.iter().map(|r| vec![0f32; r.len()]).collect();
+        let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
         let mut expert_grads: BTreeMap<usize, [Tensor; 4]> = BTreeMap::new();
-        for (e, x, y, counts) in &fwd.expert_segments {
-            let total: usize = counts.iter().sum();
+        for (e, x, y, blocks) in &fwd.expert_segments {
+            let total: usize = blocks.iter().map(|b| b.1).sum();
             let mut gy = Vec::with_capacity(total * d);
-            for src in 0..ranks {
-                let (o, c) = (offsets[src], counts[src]);
+            for (src, &(o, c)) in blocks.iter().enumerate() {
                 gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
             let gy = Tensor::from_vec(gy, (total, d), &Device::Cpu)?;
@@ -235,22 +337,21 @@ impl DistributedMoe {
             expert_grads.insert(*e, [get(&weights.w1)?, get(&weights.b1)?, get(&weights.w2)?, get(&weights.b2)?]);
             let dx: Vec<f32> = get(x)?.flatten_all()?.to_vec1()?;
             let mut row = 0;
-            for src in 0..ranks {
-                let (o, c) = (offsets[src], counts[src]);
+            for (src, &(o, c)) in blocks.iter().enumerate() {
                 dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx[row * d..(row + c) * d]);
                 row += c;
-                offsets[src] += c;
             }
         }
         // Input gradients back to the token's rank, accumulated per token.
-        let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| rows_bytes(v)).collect();
+        let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        wire_bytes += wire(&back, me);
         let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = unpack(&results, &p.send_len, d, "input gradients")?;
         let mut dh = vec![0f32; n * d];
-        for (dst, bytes) in results.iter().enumerate() {
-            let rows = bytes_to_f32(bytes)?;
+        for (dst, rows) in results.iter().enumerate() {
             for (i, &s) in fwd.layout.send[dst].iter().enumerate() {
-                let tok = s as usize / k;
-                dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[i * d..(i + 1) * d]).for_each(|(a, b)| *a += b);
+                let (tok, r) = (s as usize / k, p.send_rows[dst][i]);
+                dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
             }
         }
         // Gradient synchronisation: each expert over its holders, the gate over the world.
@@ -293,6 +394,7 @@ impl DistributedMoe {
             gate: Tensor::from_vec(gate, self.gate.shape(), &Device::Cpu)?,
             h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?,
             router,
+            wire_bytes,
         })
     }
 }
@@ -307,4 +409,7 @@ pub struct MoeGrads {
     pub h_through_experts: Tensor,
     /// The GradStore of the combine/router segment on this rank.
     pub router: candle_core::backprop::GradStore,
+    /// Bytes this rank sent to other ranks in the backward all-to-alls (gradient all-reduces
+    /// not included).
+    pub wire_bytes: u64,
 }

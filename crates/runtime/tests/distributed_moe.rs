@@ -9,7 +9,7 @@ use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
 use lazarus_model::ops::{expert_ffn, softmax_last};
 use lazarus_model::rng::SplitMix64;
 use lazarus_model::routing::top_k;
-use lazarus_runtime::{DistributedMoe, ExpertWeights};
+use lazarus_runtime::{DispatchMode, DistributedMoe, ExpertWeights};
 
 const D: usize = 8;
 const F: usize = 12;
@@ -87,8 +87,8 @@ fn close(a: &[f32], b: &[f32], what: &str) {
     }
 }
 
-/// Runs rank `rank` of `ranks` and checks it against the reference.
-fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights) {
+/// Runs rank `rank` of `ranks`, checks it against the reference, returns its forward wire bytes.
+fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode) -> u64 {
     let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
     let lo = rank * N / ranks;
     let hi = (rank + 1) * N / ranks;
@@ -104,6 +104,7 @@ fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u3
         replicas: replicas.to_vec(),
         top_k: K,
         timeout: Duration::from_secs(20),
+        mode,
     };
     let mut world = Group::world(ranks);
     let h = var(&w.h[lo * D..hi * D], &[hi - lo, D]);
@@ -120,14 +121,21 @@ fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u3
             close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &experts_ref[*e][i], &format!("expert {e} grad {i}"));
         }
     }
+    // Backward moves exactly as many bytes as forward (same buffers, same sizes).
+    assert_eq!(fwd.wire_bytes, grads.wire_bytes);
+    fwd.wire_bytes
 }
 
-fn check(ranks: usize, replicas: Vec<Vec<u32>>) {
+/// Total forward wire bytes over all ranks.
+fn check(ranks: usize, replicas: Vec<Vec<u32>>) -> u64 {
+    check_mode(ranks, replicas, DispatchMode::Flexible)
+}
+
+fn check_mode(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> u64 {
     let w = std::sync::Arc::new(weights());
     if ranks == 1 {
         let mut t = LocalTransport::new(1);
-        run_rank(0, 1, &mut t, &replicas, &w);
-        return;
+        return run_rank(0, 1, &mut t, &replicas, &w, mode);
     }
     let group = TcpTransport::local_group(ranks, 1).unwrap();
     let handles: Vec<_> = group
@@ -135,17 +143,57 @@ fn check(ranks: usize, replicas: Vec<Vec<u32>>) {
         .enumerate()
         .map(|(rank, mut t)| {
             let (w, replicas) = (w.clone(), replicas.clone());
-            std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w))
+            std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w, mode))
         })
         .collect();
-    for h in handles {
-        h.join().expect("rank failed");
-    }
+    handles.into_iter().map(|h| h.join().expect("rank failed")).sum()
 }
 
 #[test]
 fn one_rank_matches_the_reference() {
-    check(1, vec![vec![1]; E]);
+    assert_eq!(check(1, vec![vec![1]; E]), 0, "nothing crosses the wire with one rank");
+}
+
+/// The static expert-parallel baseline computes the same layer, but pads every buffer; the
+/// flexible dispatcher sends exactly the rows whose expert lives elsewhere.
+#[test]
+fn static_padded_baseline_is_equivalent_and_sends_more() {
+    let one_each: Vec<Vec<u32>> = (0..E).map(|e| (0..4).map(|r| u32::from(r == e)).collect()).collect();
+    let flexible = check_mode(4, one_each.clone(), DispatchMode::Flexible);
+    let padded = check_mode(4, one_each, DispatchMode::StaticPadded);
+    // Minimum: every slot whose expert is on another rank, there and back, d f32 values each.
+    let w = weights();
+    let h = Tensor::from_vec(w.h.clone(), (N, D), &Device::Cpu).unwrap();
+    let gate = Tensor::from_vec(w.gate.clone(), (D, E), &Device::Cpu).unwrap();
+    let probs: Vec<Vec<f64>> = softmax_last(&h.matmul(&gate).unwrap()).unwrap().to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+    let remote: usize = probs
+        .iter()
+        .enumerate()
+        .map(|(tok, row)| {
+            // The rank holding token `tok` under the contiguous split of run_rank.
+            let rank = (0..4).rev().find(|&r| r * N / 4 <= tok).unwrap();
+            top_k(row, K).into_iter().filter(|&e| e != rank).count()
+        })
+        .sum();
+    assert_eq!(flexible, (2 * remote * D * 4) as u64);
+    assert!(padded > flexible, "padded {padded} vs flexible {flexible}");
+}
+
+#[test]
+fn static_mode_rejects_replicated_experts() {
+    let w = weights();
+    let mut t = LocalTransport::new(1);
+    let moe = DistributedMoe {
+        gate: var(&w.gate, &[D, E]),
+        experts: (0..E).map(|e| (e, expert_vars(&w.experts[e]))).collect(),
+        replicas: vec![vec![2]; E],
+        top_k: K,
+        timeout: Duration::from_secs(5),
+        mode: DispatchMode::StaticPadded,
+    };
+    let h = var(&w.h, &[N, D]);
+    let err = moe.forward(&mut t, &mut Group::world(1), h.as_tensor()).err().expect("must fail").to_string();
+    assert!(err.contains("one replica"), "{err}");
 }
 
 #[test]
