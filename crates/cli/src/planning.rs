@@ -192,14 +192,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
             reports.push((report, placement));
         }
         if args.json {
-            #[derive(Serialize)]
-            struct Layers<'a> {
-                layers: Vec<&'a LayerReport>,
-            }
-            let out = Layers {
-                layers: reports.iter().map(|(r, _)| r).collect(),
-            };
-            println!("{}", serde_json::to_string(&out)?);
+            print_layers_json(&reports)?;
         } else {
             for (i, (report, placement)) in reports.iter().enumerate() {
                 println!("== layer {i} ==");
@@ -220,6 +213,19 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
     } else {
         print!("{}", human_report(&report, &placement, floor));
     }
+    Ok(())
+}
+
+/// `{"layers": [...]}`: the multi-layer JSON shape of `--loads-file` (and of the demo).
+fn print_layers_json(reports: &[(LayerReport, Placement)]) -> Result<()> {
+    #[derive(Serialize)]
+    struct Layers<'a> {
+        layers: Vec<&'a LayerReport>,
+    }
+    let out = Layers {
+        layers: reports.iter().map(|(r, _)| r).collect(),
+    };
+    println!("{}", serde_json::to_string(&out)?);
     Ok(())
 }
 
@@ -282,15 +288,7 @@ fn run_demo(json: bool) -> Result<()> {
         reports.push(plan_layer(Some(&DEMO_LOADS), None, shape, floor, strategy)?);
     }
     if json {
-        #[derive(Serialize)]
-        struct Demo<'a> {
-            layers: Vec<&'a LayerReport>,
-        }
-        let out = Demo {
-            layers: reports.iter().map(|(r, _)| r).collect(),
-        };
-        println!("{}", serde_json::to_string(&out)?);
-        return Ok(());
+        return print_layers_json(&reports);
     }
     println!("Lazarus planning demo: one MoE layer of {} experts with skewed loads on the paper's testbed", DEMO_LOADS.len());
     println!("({DEMO_NODES} nodes x 1 GPU x {DEMO_SLOTS} replica slots), floor {floor}.\n");

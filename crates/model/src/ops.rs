@@ -390,6 +390,13 @@ unsafe fn gemm_rm<T: 'static + Copy>(
     );
 }
 
+/// `acc[j] += Σ_rows m[row][j]` for a row-major matrix with `acc.len()` columns (a bias gradient).
+fn add_row_sums<T: Copy + std::ops::AddAssign>(acc: &mut [T], m: &[T]) {
+    for row in m.chunks(acc.len()) {
+        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+    }
+}
+
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
         /// Returns (h pre-activation, a = gelu(h), y).
@@ -417,9 +424,7 @@ macro_rules! expert_ffn_impl {
             let mut gw2b: Vec<$t> = vec![0.0; (f + 1) * d];
             // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is the first f×d.
             unsafe { gemm_rm(f, d, n, gw2b.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
-            for row in g.chunks(d) {
-                gw2b[f * d..].iter_mut().zip(row).for_each(|(s, v)| *s += v);
-            }
+            add_row_sums(&mut gw2b[f * d..], g);
             // gh = (g·W2ᵀ) ⊙ gelu'(h)
             let mut gh: Vec<$t> = vec![0.0; n * f];
             // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f rows.
@@ -429,9 +434,7 @@ macro_rules! expert_ffn_impl {
             let mut gw1b: Vec<$t> = vec![0.0; (d + 1) * f];
             // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
             unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
-            for row in gh.chunks(f) {
-                gw1b[d * f..].iter_mut().zip(row).for_each(|(s, v)| *s += v);
-            }
+            add_row_sums(&mut gw1b[d * f..], &gh);
             // dx = gh·W1ᵀ
             let mut gx: Vec<$t> = vec![0.0; n * d];
             // SAFETY: gh is n×f, W1ᵀ is f×d over w1b's first d rows.
