@@ -24,9 +24,9 @@ impl Linear {
         Ok(Linear { w, b })
     }
 
-    /// x: [N, din] → [N, dout].
+    /// x: [N, din] → [N, dout] (fused kernel, see [`crate::ops::linear`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.matmul(self.w.as_tensor())?.broadcast_add(self.b.as_tensor())?)
+        Ok(crate::ops::linear(x, self.w.as_tensor(), self.b.as_tensor())?)
     }
 }
 
@@ -82,16 +82,11 @@ struct Attention {
 }
 
 impl Attention {
-    /// x: [B, T, d] with a causal mask [T, T] (0 on and below the diagonal, −1e9 above).
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// x: [B, T, d] → [B, T, d], causal (fused kernel, see [`crate::ops::causal_attention`]).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let dh = d / self.heads;
-        let qkv = self.qkv.forward(&x.reshape((b * t, d))?)?;
-        let qkv = qkv.reshape((b, t, 3, self.heads, dh))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
-        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-        let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * (1.0 / (dh as f64).sqrt()))?;
-        let att = softmax_last(&scores.broadcast_add(mask)?)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b * t, d))?;
+        let qkv = self.qkv.forward(&x.reshape((b * t, d))?)?.reshape((b, t, 3 * d))?;
+        let y = crate::ops::causal_attention(&qkv, self.heads)?.reshape((b * t, d))?;
         Ok(self.out.forward(&y)?.reshape((b, t, d))?)
     }
 }
@@ -153,25 +148,24 @@ impl MoeLayer {
             tokens[e].push((slot / k) as u32);
             slots[e].push(slot as u32);
         }
-        let mut outs = Vec::with_capacity(e_count);
-        let mut all_tokens: Vec<u32> = Vec::with_capacity(n * k);
-        for e in 0..e_count {
-            if tokens[e].is_empty() {
-                continue;
-            }
-            let len = tokens[e].len();
-            let t_idx = Tensor::from_vec(tokens[e].clone(), len, h.device())?;
-            let s_idx = Tensor::from_vec(slots[e].clone(), len, h.device())?;
-            let y = self.experts[e].forward(&h.index_select(&t_idx, 0)?)?;
-            let we = w.index_select(&s_idx, 0)?.unsqueeze(1)?;
-            outs.push(y.broadcast_mul(&we)?);
-            all_tokens.extend_from_slice(&tokens[e]);
-        }
+        // Every expert in one node over the rows grouped by expert, then weighted and scattered
+        // back onto the token rows.
+        let counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
+        let all_tokens: Vec<u32> = tokens.concat();
+        let all_slots: Vec<u32> = slots.concat();
         let mut out = h.zeros_like()?;
-        if !outs.is_empty() {
+        if !all_tokens.is_empty() {
             let count = all_tokens.len();
-            let idx = Tensor::from_vec(all_tokens, count, h.device())?;
-            out = out.index_add(&idx, &Tensor::cat(&outs, 0)?, 0)?;
+            let t_idx = Tensor::from_vec(all_tokens, count, h.device())?;
+            let s_idx = Tensor::from_vec(all_slots, count, h.device())?;
+            let weights: Vec<[&Tensor; 4]> = self
+                .experts
+                .iter()
+                .map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()])
+                .collect();
+            let y = crate::ops::grouped_expert_ffn(&h.index_select(&t_idx, 0)?, &weights, &counts)?;
+            let we = w.index_select(&s_idx, 0)?.unsqueeze(1)?;
+            out = out.index_add(&t_idx, &y.broadcast_mul(&we)?, 0)?;
         }
         // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
         // P_e the mean router probability (differentiable).
@@ -327,12 +321,11 @@ impl MoeModel {
             .index_select(&flat, 0)?
             .reshape((b, t, d))?
             .broadcast_add(&self.pos_emb.as_tensor().narrow(0, 0, t)?)?;
-        let mask = causal_mask(t, self.dtype, &self.device)?;
         let mut aux_total: Option<Tensor> = None;
         let mut moe = Vec::new();
         let mut moe_index = 0;
         for block in &self.blocks {
-            x = (&x + block.attn.forward(&block.ln1.forward(&x)?, &mask)?)?;
+            x = (&x + block.attn.forward(&block.ln1.forward(&x)?)?)?;
             let h = block.ln2.forward(&x)?.reshape((b * t, d))?;
             let y = match &block.ff {
                 FeedForward::Dense(f) => f.forward(&h)?,
@@ -365,11 +358,6 @@ impl MoeModel {
             moe,
         })
     }
-}
-
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
-    Ok(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
 }
 
 /// Softmax over the last dimension (fused kernel, see [`crate::ops`]).
