@@ -301,50 +301,106 @@ impl MoeModel {
             .collect()
     }
 
-    /// Forward pass on `tokens` [B, T] with next-token `targets` [B, T] (u32).
-    /// `forced_loads[l]`, when given, replaces MoE layer l's router choices (trace routing).
-    pub fn forward(&self, tokens: &Tensor, targets: &Tensor, forced_loads: Option<&[Vec<f64>]>) -> Result<ForwardOutput> {
+    /// Token + position embeddings: tokens [B, T] (u32) → x [B, T, d].
+    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        let cfg = &self.config;
-        if t > cfg.max_seq_len {
+        if t > self.config.max_seq_len {
             return Err(ModelError::config(
                 "seq_len",
                 t,
-                format!("longer than the model's max_seq_len ({})", cfg.max_seq_len),
+                format!("longer than the model's max_seq_len ({})", self.config.max_seq_len),
             ));
         }
-        let d = cfg.d_model;
-        let flat = tokens.flatten_all()?;
-        let mut x = self
+        let d = self.config.d_model;
+        Ok(self
             .tok_emb
             .as_tensor()
-            .index_select(&flat, 0)?
+            .index_select(&tokens.flatten_all()?, 0)?
             .reshape((b, t, d))?
-            .broadcast_add(&self.pos_emb.as_tensor().narrow(0, 0, t)?)?;
+            .broadcast_add(&self.pos_emb.as_tensor().narrow(0, 0, t)?)?)
+    }
+
+    /// The attention half of block `block`: x [B, T, d] → (x + attn(ln1(x)), ln2 of that as
+    /// [B·T, d]) — the residual stream and the feed-forward's input.
+    pub fn block_attention(&self, block: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t, d) = x.dims3()?;
+        let blk = self.block(block)?;
+        let x = (x + blk.attn.forward(&blk.ln1.forward(x)?)?)?;
+        let h = blk.ln2.forward(&x)?.reshape((b * t, d))?;
+        Ok((x, h))
+    }
+
+    /// The dense feed-forward of a non-MoE block on h [N, d] (None for an MoE block).
+    pub fn block_dense_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
+        match &self.block(block)?.ff {
+            FeedForward::Dense(f) => Ok(Some(f.forward(h)?)),
+            FeedForward::Moe(_) => Ok(None),
+        }
+    }
+
+    /// Router weight [d, E] of MoE layer `layer` (0-based over MoE layers).
+    pub fn gate(&self, layer: usize) -> Result<&Var> {
+        match self.moe_blocks.get(layer).map(|&b| &self.blocks[b].ff) {
+            Some(FeedForward::Moe(m)) => Ok(&m.gate),
+            _ => Err(ModelError::config("moe layer", layer, format!("the model has {} MoE layers", self.moe_blocks.len()))),
+        }
+    }
+
+    /// The four tensors (W1, b1, W2, b2) of one expert of MoE layer `layer`.
+    pub fn expert_vars(&self, layer: usize, expert: usize) -> Result<[Var; 4]> {
+        match self.moe_blocks.get(layer).map(|&b| &self.blocks[b].ff) {
+            Some(FeedForward::Moe(m)) => match m.experts.get(expert) {
+                Some(f) => Ok([f.fc1.w.clone(), f.fc1.b.clone(), f.fc2.w.clone(), f.fc2.b.clone()]),
+                None => Err(ModelError::config("expert", expert, format!("the layer has {} experts", m.experts.len()))),
+            },
+            _ => Err(ModelError::config("moe layer", layer, format!("the model has {} MoE layers", self.moe_blocks.len()))),
+        }
+    }
+
+    /// Block index of each MoE layer.
+    pub fn moe_blocks(&self) -> &[usize] {
+        &self.moe_blocks
+    }
+
+    /// Final norm and head: x [B, T, d] → logits [B·T, V].
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        Ok(self.ln_f.forward(x)?.reshape((b * t, d))?.matmul(self.head.as_tensor())?)
+    }
+
+    fn block(&self, block: usize) -> Result<&Block> {
+        self.blocks
+            .get(block)
+            .ok_or_else(|| ModelError::config("block", block, format!("the model has {} blocks", self.blocks.len())))
+    }
+
+    /// Forward pass over tokens [B, T] with next-token targets [B, T]. `forced_loads` (per MoE
+    /// layer, per expert) replaces the router's choices (trace-driven routing).
+    pub fn forward(&self, tokens: &Tensor, targets: &Tensor, forced_loads: Option<&[Vec<f64>]>) -> Result<ForwardOutput> {
+        let (b, t) = tokens.dims2()?;
+        let cfg = &self.config;
+        let d = cfg.d_model;
+        let mut x = self.embed(tokens)?;
         let mut aux_total: Option<Tensor> = None;
         let mut moe = Vec::new();
-        let mut moe_index = 0;
-        for block in &self.blocks {
-            x = (&x + block.attn.forward(&block.ln1.forward(&x)?)?)?;
-            let h = block.ln2.forward(&x)?.reshape((b * t, d))?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let (x_mid, h) = self.block_attention(i, &x)?;
             let y = match &block.ff {
                 FeedForward::Dense(f) => f.forward(&h)?,
                 FeedForward::Moe(m) => {
-                    let forced = forced_loads.and_then(|f| f.get(moe_index)).map(Vec::as_slice);
+                    let forced = forced_loads.and_then(|f| f.get(moe.len())).map(Vec::as_slice);
                     let (y, aux, stats) = m.forward(&h, forced)?;
                     aux_total = Some(match aux_total {
                         Some(a) => (a + aux)?,
                         None => aux,
                     });
                     moe.push(stats);
-                    moe_index += 1;
                     y
                 }
             };
-            x = (x + y.reshape((b, t, d))?)?;
+            x = (x_mid + y.reshape((b, t, d))?)?;
         }
-        let x = self.ln_f.forward(&x)?.reshape((b * t, d))?;
-        let logits = x.matmul(self.head.as_tensor())?;
+        let logits = self.logits(&x)?;
         let ce_loss = cross_entropy(&logits, &targets.flatten_all()?)?;
         let aux_loss = match aux_total {
             Some(a) => (a / moe.len() as f64)?,
@@ -366,7 +422,7 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Mean cross-entropy of logits [N, V] against targets [N] (u32).
-fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;

@@ -121,11 +121,31 @@ impl AdamW {
     /// One update with learning rate `lr`. Gradients are multiplied by `grad_scale` first (for
     /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
+        let host = params
+            .vars()
+            .iter()
+            .map(|var| grads.get(var.as_tensor()).map(|g| g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.step_host(params, &host, lr, grad_scale)
+    }
+
+    /// [`AdamW::step`] with gradients as host vectors aligned with `params` (None: no update),
+    /// e.g. after they were summed over the ranks of a distributed step.
+    pub fn step_host(&mut self, params: &ParamStore, grads: &[Option<Vec<f32>>], lr: f64, grad_scale: f64) -> Result<()> {
+        if grads.len() != params.len() {
+            return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
+        }
         let c = self.config.clone();
-        for (i, var) in params.vars().iter().enumerate() {
-            let Some(g) = grads.get(var.as_tensor()) else { continue };
+        for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            if g.len() != var.elem_count() {
+                return Err(ModelError::config(
+                    "gradient",
+                    &params.names()[i],
+                    format!("has {} values, the tensor {}", g.len(), var.elem_count()),
+                ));
+            }
             let dtype = var.dtype();
-            let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             let mut p = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             let s = &mut self.state[i];
             s.step += 1;
@@ -137,7 +157,7 @@ impl AdamW {
             let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
             let eps = c.eps as f32;
             let keep = if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
-            for (((p, &g), m), v) in p.iter_mut().zip(&g).zip(s.m.iter_mut()).zip(s.v.iter_mut()) {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(s.m.iter_mut()).zip(s.v.iter_mut()) {
                 let g = g * scale;
                 *m = b1 * *m + (1.0 - b1) * g;
                 *v = b2 * *v + (1.0 - b2) * g * g;

@@ -8,6 +8,8 @@ pub enum RuntimeError {
     Plan(#[from] lazarus_plan::PlanError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Model(#[from] lazarus_model::ModelError),
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
 }

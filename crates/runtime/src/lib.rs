@@ -10,6 +10,8 @@
 
 mod error;
 mod moe;
+mod worker;
 
 pub use error::RuntimeError;
-pub use moe::{DispatchMode, DistributedMoe, ExpertWeights, MoeForward, MoeGrads};
+pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads};
+pub use worker::{batch_share, static_ep_placement, validate_placement, LayerPlacement, Worker, WorkerOptions, WorkerStepReport};

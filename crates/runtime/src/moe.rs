@@ -130,6 +130,14 @@ pub struct MoeForward {
     pub output: Tensor,
     /// Tokens routed to each expert from this rank.
     pub local_load: Vec<u64>,
+    /// Tokens routed to each expert from all ranks (the load monitor's input).
+    pub global_load: Vec<u64>,
+    /// This rank's share of the Switch load-balancing loss, E · Σ_e f_e · Σ_{local t} P_e(t) / N
+    /// with f_e the global assignment share and N the global token count: summed over the ranks
+    /// it is the single-process layer's aux loss. In h's graph.
+    pub aux: Tensor,
+    /// Normalised combine weight of each of this rank's slots (token-major, n·k).
+    combine: Vec<f32>,
     layout: RankLayout,
     packing: Packing,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
@@ -273,9 +281,20 @@ impl DistributedMoe {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
         }
         let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
+        let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        // Load-balancing loss share (see the field's doc).
+        let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
+        let assignments: u64 = global_load.iter().sum();
+        let global_tokens = (assignments / k as u64).max(1) as f64;
+        let f: Vec<f32> = global_load.iter().map(|&c| c as f32 / assignments.max(1) as f32).collect();
+        let f = Tensor::from_vec(f, e_count, h.device())?.to_dtype(probs.dtype())?;
+        let aux = ((probs.sum(0)? * f)?.sum_all()? * (e_count as f64 / global_tokens))?;
         Ok(MoeForward {
             output,
             local_load,
+            global_load,
+            aux,
+            combine,
             layout,
             packing,
             wire_bytes,
@@ -299,8 +318,6 @@ impl DistributedMoe {
         grad_output: &Tensor,
     ) -> Result<MoeGrads, RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
-        let ranks = t.world();
-        let e_count = self.experts_count();
         // Combine segment backward: gradients for the slots input, the router (gate) and h.
         let seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
         let router = seeded.backward()?;
@@ -309,6 +326,52 @@ impl DistributedMoe {
             .map(|g| g.flatten_all().and_then(|g| g.to_vec1()))
             .transpose()?
             .unwrap_or_else(|| vec![0.0; n * k * d]);
+        let experts = self.backward_from_slots(t, world, fwd, &d_slots)?;
+        let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_vec1()?,
+            None => vec![0.0; self.gate.elem_count()],
+        };
+        all_reduce_sum_f32(t, world, &mut gate, self.timeout)?;
+        Ok(MoeGrads {
+            experts: experts.experts,
+            gate: Tensor::from_vec(gate, self.gate.shape(), &Device::Cpu)?,
+            h_through_experts: experts.h_through_experts,
+            router,
+            wire_bytes: experts.wire_bytes,
+        })
+    }
+
+    /// The expert path of backward alone, for a caller that runs the router/combine backward
+    /// inside its own graph: `grad_output` is d(loss)/d(output) [n·d], the slot gradients are
+    /// w[t, j] · grad_output[t] (the combine is linear in the slots).
+    pub fn expert_backward(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        grad_output: &[f32],
+    ) -> Result<ExpertGrads, RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        if grad_output.len() != n * d {
+            return Err(RuntimeError::Invalid {
+                field: "grad_output",
+                reason: format!("{} values for {n} tokens × {d}", grad_output.len()),
+            });
+        }
+        let mut d_slots = vec![0f32; n * k * d];
+        for (slot, out) in d_slots.chunks_mut(d).enumerate() {
+            let (w, g) = (fwd.combine[slot], &grad_output[(slot / k) * d..(slot / k + 1) * d]);
+            out.iter_mut().zip(g).for_each(|(o, &g)| *o = w * g);
+        }
+        self.backward_from_slots(t, world, fwd, &d_slots)
+    }
+
+    /// Slot gradients → experts (on their holders) → input gradients back on the token's rank;
+    /// expert gradients summed over each expert's holders.
+    fn backward_from_slots(&self, t: &mut dyn Transport, world: &mut Group, fwd: &MoeForward, d_slots: &[f32]) -> Result<ExpertGrads, RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        let ranks = t.world();
+        let e_count = self.experts_count();
         // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let me = t.rank();
         let p = &fwd.packing;
@@ -384,19 +447,22 @@ impl DistributedMoe {
             }
             synced.insert(e, out);
         }
-        let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
-            Some(g) => g.flatten_all()?.to_vec1()?,
-            None => vec![0.0; self.gate.elem_count()],
-        };
-        all_reduce_sum_f32(t, world, &mut gate, self.timeout)?;
-        Ok(MoeGrads {
+        Ok(ExpertGrads {
             experts: synced,
-            gate: Tensor::from_vec(gate, self.gate.shape(), &Device::Cpu)?,
             h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?,
-            router,
             wire_bytes,
         })
     }
+}
+
+/// The expert path's gradients on one rank.
+pub struct ExpertGrads {
+    /// Local experts: [w1, b1, w2, b2] summed over the expert's holders.
+    pub experts: BTreeMap<usize, Vec<Tensor>>,
+    /// d loss / d h through the experts [n, d].
+    pub h_through_experts: Tensor,
+    /// Bytes this rank sent to other ranks in the backward all-to-alls.
+    pub wire_bytes: u64,
 }
 
 /// Gradients of one distributed MoE layer on one rank.
