@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod planning;
 mod training;
+mod workers;
 
 #[derive(Parser)]
 #[command(name = "lazarus", version, about = "Resilient and elastic training of Mixture-of-Experts models")]
@@ -26,12 +27,15 @@ enum Command {
     Plan(planning::PlanArgs),
     /// Probability that a plan recovers with a given number of failed nodes.
     Prob(planning::ProbArgs),
-    /// Train the MoE model (single process; with no arguments, the default model on the
-    /// built-in synthetic corpus).
+    /// Train the MoE model (one process, or `--workers N` local worker processes; with no
+    /// arguments, the default model on the built-in synthetic corpus).
     Train(Box<training::TrainArgs>),
     /// Benchmarks with machine-readable reports.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// One rank of `train --workers N` (started by it; reads its spec on stdin).
+    #[command(hide = true)]
+    Worker,
 }
 
 /// Training allocates and frees multi-megabyte tensors every step. glibc serves those with
@@ -55,6 +59,7 @@ fn main() -> ExitCode {
         Command::Prob(args) => planning::run_prob(&args),
         Command::Train(args) => training::run_train(&args),
         Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
+        Command::Worker => workers::run_worker(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

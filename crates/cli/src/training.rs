@@ -18,7 +18,7 @@ pub struct TrainArgs {
     config: Option<PathBuf>,
     /// Total optimizer steps.
     #[arg(long)]
-    steps: Option<u64>,
+    pub(crate) steps: Option<u64>,
     /// Sequences per step (the constant global batch).
     #[arg(long)]
     batch_size: Option<usize>,
@@ -79,13 +79,35 @@ pub struct TrainArgs {
     checkpoint_every: Option<u64>,
     /// Continue from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
-    resume: bool,
+    pub(crate) resume: bool,
     /// Append one JSON object per step to this file.
     #[arg(long, value_name = "FILE")]
     json_log: Option<PathBuf>,
     /// No progress bar or per-step lines, only the summary.
     #[arg(long)]
-    quiet: bool,
+    pub quiet: bool,
+    /// Train with this many local worker processes (data + expert parallel over loopback TCP)
+    /// instead of one process.
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// With --workers: expert placement from this file (the JSON of `lazarus plan --json`,
+    /// one node per worker); default: planned from loads measured over the first steps.
+    #[arg(long, value_name = "FILE")]
+    pub placement_file: Option<PathBuf>,
+    /// With --workers: expert replica slots per worker for the measured-load plan (default:
+    /// enough for two replicas of every expert).
+    #[arg(long)]
+    pub slots_per_worker: Option<usize>,
+    /// With --workers: steps whose router loads plan the placement (forward only, before training).
+    #[arg(long, default_value_t = 3)]
+    pub profile_steps: usize,
+    /// With --workers: the static expert-parallel baseline of DeepSpeed-MoE (experts split evenly
+    /// over the workers, one replica each, all-to-all buffers padded to the largest load).
+    #[arg(long)]
+    pub static_ep: bool,
+    /// With --workers: deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub comm_timeout: f64,
 }
 
 fn off_or<T: std::str::FromStr>(field: &str, value: &str) -> Result<Option<T>> {
@@ -171,6 +193,9 @@ struct LogLine<'a> {
 }
 
 pub fn run_train(args: &TrainArgs) -> Result<()> {
+    if args.workers.is_some() {
+        return crate::workers::run_train_workers(args);
+    }
     let mut trainer = if args.resume {
         let config = build_config(args)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
@@ -186,10 +211,33 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     if trainer.done() {
         bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
     }
+    print_banner(&trainer, "single process");
+    let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    while !trainer.done() {
+        let t0 = Instant::now();
+        let r = trainer.step()?;
+        reporter.step(&r, t0.elapsed().as_secs_f64())?;
+        if let Some(dir) = &cfg.checkpoint_dir {
+            if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
+                trainer.save_checkpoint(dir)?;
+            }
+        }
+    }
+    let saved = match &cfg.checkpoint_dir {
+        Some(dir) => Some(trainer.save_checkpoint(dir)?),
+        None => None,
+    };
+    reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref());
+    Ok(())
+}
+
+/// The first line of a run: model size, data and schedule.
+pub fn print_banner(trainer: &Trainer, how: &str) {
+    let cfg = &trainer.config;
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
     eprintln!(
-        "lazarus train: {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        "lazarus train ({how}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
         params as f64 / 1e6,
         expert_params as f64 / 1e6,
         cfg.model.n_experts,
@@ -200,49 +248,74 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         cfg.batch_size,
         cfg.seq_len
     );
-    let mut log = match &args.json_log {
-        Some(p) => Some(BufWriter::new(
-            OpenOptions::new()
-                .create(true)
-                .append(args.resume)
-                .write(true)
-                .truncate(!args.resume)
-                .open(p)
-                .with_context(|| format!("--json-log: cannot open {}", p.display()))?,
-        )),
-        None => None,
-    };
-    let terminal = std::io::stderr().is_terminal() && !args.quiet;
-    let bar = if terminal {
-        let b = ProgressBar::new(cfg.steps);
-        b.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        b.set_position(trainer.step);
-        Some(b)
-    } else {
-        None
-    };
-    let every = (cfg.steps / 20).max(1);
-    let start = Instant::now();
-    let first_step = trainer.step;
-    let mut tokens = 0u64;
-    let mut recent: Vec<f64> = Vec::new();
-    let mut first_loss = None;
-    let mut last: Option<StepReport> = None;
-    while !trainer.done() {
-        let t0 = Instant::now();
-        let r = trainer.step()?;
-        let dt = t0.elapsed().as_secs_f64();
-        let tps = r.tokens as f64 / dt.max(1e-9);
-        tokens += r.tokens;
-        first_loss.get_or_insert(r.loss);
-        recent.push(r.loss);
-        if recent.len() > 20 {
-            recent.remove(0);
+}
+
+/// Progress bar (or plain lines), `--json-log` and the end summary, fed one step report at a
+/// time — the same for one process and for N workers.
+pub struct Reporter {
+    log: Option<BufWriter<std::fs::File>>,
+    bar: Option<ProgressBar>,
+    quiet: bool,
+    total_steps: u64,
+    every: u64,
+    start: Instant,
+    first_step: u64,
+    tokens: u64,
+    recent: Vec<f64>,
+    first_loss: Option<f64>,
+    last: Option<StepReport>,
+}
+
+impl Reporter {
+    pub fn new(args: &TrainArgs, cfg: &TrainConfig, first_step: u64) -> Result<Self> {
+        let log = match &args.json_log {
+            Some(p) => Some(BufWriter::new(
+                OpenOptions::new()
+                    .create(true)
+                    .append(args.resume)
+                    .write(true)
+                    .truncate(!args.resume)
+                    .open(p)
+                    .with_context(|| format!("--json-log: cannot open {}", p.display()))?,
+            )),
+            None => None,
+        };
+        let bar = if std::io::stderr().is_terminal() && !args.quiet {
+            let b = ProgressBar::new(cfg.steps);
+            b.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b.set_position(first_step);
+            Some(b)
+        } else {
+            None
+        };
+        Ok(Reporter {
+            log,
+            bar,
+            quiet: args.quiet,
+            total_steps: cfg.steps,
+            every: (cfg.steps / 20).max(1),
+            start: Instant::now(),
+            first_step,
+            tokens: 0,
+            recent: Vec::new(),
+            first_loss: None,
+            last: None,
+        })
+    }
+
+    /// One finished step that took `seconds`.
+    pub fn step(&mut self, r: &StepReport, seconds: f64) -> Result<()> {
+        let tps = r.tokens as f64 / seconds.max(1e-9);
+        self.tokens += r.tokens;
+        self.first_loss.get_or_insert(r.loss);
+        self.recent.push(r.loss);
+        if self.recent.len() > 20 {
+            self.recent.remove(0);
         }
-        if let Some(w) = log.as_mut() {
+        if let Some(w) = self.log.as_mut() {
             let line = LogLine {
                 step: r.step,
                 loss: r.loss,
@@ -256,56 +329,57 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
             w.flush()?;
         }
         let msg = format!("loss {:.4}  aux {:.3}  lr {:.2e}  {:.0} tok/s", r.loss, r.aux_loss, r.lr, tps);
-        match &bar {
+        match &self.bar {
             Some(b) => {
                 b.set_position(r.step);
                 b.set_message(msg);
             }
-            None if !args.quiet && (r.step % every == 0 || r.step == cfg.steps) => {
-                eprintln!("step {:>6}/{}  {msg}", r.step, cfg.steps);
+            None if !self.quiet && (r.step % self.every == 0 || r.step == self.total_steps) => {
+                eprintln!("step {:>6}/{}  {msg}", r.step, self.total_steps);
             }
             None => {}
         }
-        if let Some(dir) = &cfg.checkpoint_dir {
-            if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
-                trainer.save_checkpoint(dir)?;
+        self.last = Some(r.clone());
+        Ok(())
+    }
+
+    /// Stop the bar (before printing anything else).
+    pub fn pause(&self) {
+        if let Some(b) = &self.bar {
+            b.abandon();
+        }
+    }
+
+    pub fn finish(&self, step: u64, unigram_entropy: f64, checkpoint: Option<&std::path::Path>) {
+        if let Some(b) = &self.bar {
+            b.finish();
+        }
+        let wall = self.start.elapsed().as_secs_f64();
+        let final_loss = self.recent.iter().sum::<f64>() / self.recent.len().max(1) as f64;
+        println!("\nsummary");
+        println!("  steps           {} (this run {})", step, step - self.first_step);
+        println!("  tokens          {} in {wall:.1} s = {:.0} tokens/s", self.tokens, self.tokens as f64 / wall.max(1e-9));
+        println!(
+            "  loss            {:.4} -> {:.4} (mean of last {}; unigram entropy of the data {:.4} nats)",
+            self.first_loss.unwrap_or(f64::NAN),
+            final_loss,
+            self.recent.len(),
+            unigram_entropy
+        );
+        if let Some(r) = &self.last {
+            for (l, load) in r.expert_load.iter().enumerate() {
+                let total: u64 = load.iter().sum();
+                let shares: Vec<String> = load.iter().map(|&x| format!("{:.0}%", 100.0 * x as f64 / total.max(1) as f64)).collect();
+                println!("  expert load L{l:<2}  {}", shares.join(" "));
+            }
+            if r.dropped > 0 {
+                println!("  dropped         {} assignments in the last step (capacity factor)", r.dropped);
             }
         }
-        last = Some(r);
-    }
-    if let Some(b) = &bar {
-        b.finish();
-    }
-    let saved = match &cfg.checkpoint_dir {
-        Some(dir) => Some(trainer.save_checkpoint(dir)?),
-        None => None,
-    };
-    let wall = start.elapsed().as_secs_f64();
-    let final_loss = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
-    println!("\nsummary");
-    println!("  steps           {} (this run {})", trainer.step, trainer.step - first_step);
-    println!("  tokens          {tokens} in {wall:.1} s = {:.0} tokens/s", tokens as f64 / wall.max(1e-9));
-    println!(
-        "  loss            {:.4} -> {:.4} (mean of last {}; unigram entropy of the data {:.4} nats)",
-        first_loss.unwrap_or(f64::NAN),
-        final_loss,
-        recent.len(),
-        trainer.unigram_entropy()
-    );
-    if let Some(r) = &last {
-        for (l, load) in r.expert_load.iter().enumerate() {
-            let total: u64 = load.iter().sum();
-            let shares: Vec<String> = load.iter().map(|&x| format!("{:.0}%", 100.0 * x as f64 / total.max(1) as f64)).collect();
-            println!("  expert load L{l:<2}  {}", shares.join(" "));
-        }
-        if r.dropped > 0 {
-            println!("  dropped         {} assignments in the last step (capacity factor)", r.dropped);
+        if let Some(p) = checkpoint {
+            println!("  checkpoint      {}", p.display());
         }
     }
-    if let Some(p) = saved {
-        println!("  checkpoint      {}", p.display());
-    }
-    Ok(())
 }
 
 #[derive(Args, Debug)]

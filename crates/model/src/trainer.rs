@@ -166,7 +166,7 @@ impl RoutingTrace {
 }
 
 /// What one step did.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
     /// Steps completed, this one included.
     pub step: u64,

@@ -14,4 +14,4 @@ mod worker;
 
 pub use error::RuntimeError;
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads};
-pub use worker::{batch_share, static_ep_placement, validate_placement, LayerPlacement, Worker, WorkerOptions, WorkerStepReport};
+pub use worker::{batch_share, static_ep_placement, validate_placement, validate_worker_config, LayerPlacement, Worker, WorkerOptions, WorkerStepReport};

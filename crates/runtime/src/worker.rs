@@ -94,6 +94,33 @@ pub fn validate_placement(placement: &LayerPlacement, moe_layers: usize, experts
     Ok(())
 }
 
+/// What multi-worker training cannot run: fewer sequences than workers, a capacity factor (the
+/// distributed step is dropless), trace-driven routing.
+pub fn validate_worker_config(config: &TrainConfig, world: usize) -> Result<(), RuntimeError> {
+    if world == 0 {
+        return Err(RuntimeError::Invalid { field: "workers", reason: "0 (need at least 1)".into() });
+    }
+    if config.batch_size < world {
+        return Err(RuntimeError::Invalid {
+            field: "batch_size",
+            reason: format!("{} sequences cannot be split over {world} workers", config.batch_size),
+        });
+    }
+    if let Some(cf) = config.model.capacity_factor {
+        return Err(RuntimeError::Invalid {
+            field: "model.capacity_factor",
+            reason: format!("{cf}: multi-worker training is dropless; leave it unset"),
+        });
+    }
+    if config.routing_trace.is_some() {
+        return Err(RuntimeError::Invalid {
+            field: "routing_trace",
+            reason: "trace-driven routing is single-process only".into(),
+        });
+    }
+    Ok(())
+}
+
 /// The static expert-parallel placement of DeepSpeed-MoE: experts split into `world` contiguous,
 /// equal-as-possible blocks, one replica each.
 pub fn static_ep_placement(moe_layers: usize, experts: usize, world: usize) -> LayerPlacement {
@@ -121,27 +148,10 @@ pub struct Worker {
 impl Worker {
     /// A worker for rank `rank` of `world`, fresh (`resume` None) or from a checkpoint directory.
     pub fn new(config: TrainConfig, options: WorkerOptions, rank: usize, world: usize, resume: Option<&Path>) -> Result<Self, RuntimeError> {
-        if world == 0 || rank >= world {
+        if rank >= world {
             return Err(RuntimeError::Invalid { field: "rank", reason: format!("rank {rank} of a world of {world}") });
         }
-        if config.batch_size < world {
-            return Err(RuntimeError::Invalid {
-                field: "batch_size",
-                reason: format!("{} sequences cannot be split over {world} workers", config.batch_size),
-            });
-        }
-        if let Some(cf) = config.model.capacity_factor {
-            return Err(RuntimeError::Invalid {
-                field: "model.capacity_factor",
-                reason: format!("{cf}: multi-worker training is dropless; leave it unset"),
-            });
-        }
-        if config.routing_trace.is_some() {
-            return Err(RuntimeError::Invalid {
-                field: "routing_trace",
-                reason: "trace-driven routing is single-process only".into(),
-            });
-        }
+        validate_worker_config(&config, world)?;
         let trainer = match resume {
             Some(dir) => Trainer::resume(dir, Some(config.steps))?,
             None => Trainer::new(config)?,

@@ -1,0 +1,453 @@
+//! `lazarus train --workers N`: N local worker processes (hidden subcommand `lazarus worker`)
+//! training one model over loopback TCP with the flexible dispatcher, and this process as
+//! their launcher: it plans the expert placement, starts the workers, tells them each other's
+//! addresses, and turns rank 0's step reports into the same progress bar, `--json-log` and
+//! summary as the single-process trainer. There is no controller yet: a worker that dies ends
+//! the run (the survivors stop with `PeerLost`), and the launcher says which one and how.
+//!
+//! Launcher ↔ worker protocol, one JSON object per line: the launcher writes a [`WorkerSpec`] to
+//! the worker's stdin; the worker binds an ephemeral loopback port and answers
+//! `{"event":"listening","addr":…}`; the launcher writes `{"addrs":[…]}` with every rank's
+//! address; then the worker reports [`WorkerEvent`]s on stdout until `done` or `failed`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::Tensor;
+use lazarus_comm::{CommError, Group, Rendezvous, TcpTransport};
+use lazarus_model::{StepReport, TrainConfig, Trainer};
+use lazarus_plan::{allocate, place, ClusterShape, Strategy};
+use lazarus_runtime::{static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::training::{build_config, print_banner, Reporter, TrainArgs};
+
+/// Everything a worker process needs, sent on its stdin.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    pub rank: usize,
+    pub world: usize,
+    pub epoch: u64,
+    pub config: TrainConfig,
+    pub placement: LayerPlacement,
+    pub static_ep: bool,
+    pub timeout_s: f64,
+    /// Resume from the latest checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Addrs {
+    addrs: Vec<String>,
+}
+
+/// What a worker reports on stdout.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum WorkerEvent {
+    Listening { addr: String },
+    /// Connected to every peer and built its model.
+    Ready { pid: u32 },
+    /// A finished step (rank 0 only): the global report, its wall time and this rank's wire bytes.
+    Step { report: StepReport, seconds: f64, wire_bytes: u64 },
+    Done { checkpoint: Option<PathBuf> },
+    /// The worker stopped: `kind` is "peer_lost", "timeout", "config" or "error".
+    Failed { kind: String, message: String },
+}
+
+fn emit(event: &WorkerEvent) {
+    let mut out = std::io::stdout().lock();
+    // A launcher that went away cannot be told anything; the worker ends at its next collective.
+    let _ = serde_json::to_writer(&mut out, event);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+fn read_line<T: serde::de::DeserializeOwned>(input: &mut impl BufRead, what: &str) -> Result<T> {
+    let mut line = String::new();
+    if input.read_line(&mut line)? == 0 {
+        bail!("the launcher closed stdin before sending the {what}");
+    }
+    serde_json::from_str(line.trim()).with_context(|| format!("bad {what} from the launcher"))
+}
+
+fn failure_kind(e: &anyhow::Error) -> &'static str {
+    for cause in e.chain() {
+        let comm = match cause.downcast_ref::<RuntimeError>() {
+            Some(RuntimeError::Comm(c)) => Some(c),
+            _ => cause.downcast_ref::<CommError>(),
+        };
+        match comm {
+            Some(CommError::PeerLost { .. }) => return "peer_lost",
+            Some(CommError::Timeout { .. }) => return "timeout",
+            Some(_) => return "comm",
+            None => {}
+        }
+        if matches!(cause.downcast_ref::<RuntimeError>(), Some(RuntimeError::Invalid { .. } | RuntimeError::Model(_))) {
+            return "config";
+        }
+    }
+    "error"
+}
+
+/// The hidden `lazarus worker` subcommand: one rank of a `train --workers` run.
+/// Its errors go to the launcher as a `failed` event (and the exit code), not to stderr.
+pub fn run_worker() -> Result<()> {
+    let mut stdin = BufReader::new(std::io::stdin());
+    match worker_main(&mut stdin) {
+        Ok(checkpoint) => {
+            emit(&WorkerEvent::Done { checkpoint });
+            Ok(())
+        }
+        Err(e) => {
+            emit(&WorkerEvent::Failed { kind: failure_kind(&e).into(), message: format!("{e:#}") });
+            std::process::exit(1)
+        }
+    }
+}
+
+fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
+    let spec: WorkerSpec = read_line(stdin, "worker spec")?;
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?;
+    emit(&WorkerEvent::Listening { addr: listener.local_addr()?.to_string() });
+    let addrs: Addrs = read_line(stdin, "address list")?;
+    let addrs: Vec<SocketAddr> = addrs
+        .addrs
+        .iter()
+        .map(|a| a.parse().map_err(|_| anyhow!("invalid peer address {a:?}")))
+        .collect::<Result<_>>()?;
+    let timeout = Duration::from_secs_f64(spec.timeout_s);
+    let mut t = TcpTransport::connect(listener, Rendezvous { rank: spec.rank, addrs, epoch: spec.epoch, timeout })?;
+    let mut group = Group::world(spec.world);
+    let mode = if spec.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
+    let options = WorkerOptions { placement: spec.placement, mode, timeout };
+    let mut worker = Worker::new(spec.config.clone(), options, spec.rank, spec.world, spec.resume.as_deref())?;
+    emit(&WorkerEvent::Ready { pid: std::process::id() });
+    let cfg = spec.config;
+    while !worker.done() {
+        let t0 = Instant::now();
+        let r = worker.step(&mut t, &mut group)?;
+        if spec.rank == 0 {
+            emit(&WorkerEvent::Step { report: r.report.clone(), seconds: t0.elapsed().as_secs_f64(), wire_bytes: r.wire_bytes });
+        }
+        if let Some(dir) = &cfg.checkpoint_dir {
+            if cfg.checkpoint_every > 0 && r.report.step % cfg.checkpoint_every == 0 && !worker.done() {
+                worker.save_checkpoint(&mut t, &mut group, dir)?;
+            }
+        }
+    }
+    let saved = match &cfg.checkpoint_dir {
+        Some(dir) => worker.save_checkpoint(&mut t, &mut group, dir)?,
+        None => None,
+    };
+    t.shutdown();
+    Ok(saved)
+}
+
+/// Replica counts per worker from `lazarus plan --json` output (`{"layers":[{"placement":
+/// [[expert ids] per node]}]}`), one node per worker.
+fn read_placement_file(path: &Path, world: usize) -> Result<LayerPlacement> {
+    #[derive(Deserialize)]
+    struct Layer {
+        placement: Vec<Vec<usize>>,
+    }
+    #[derive(Deserialize)]
+    struct File {
+        layers: Vec<Layer>,
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--placement-file: cannot read {}", path.display()))?;
+    let file: File = serde_json::from_str(&text)
+        .with_context(|| format!("--placement-file {}: expected the JSON of `lazarus plan --json` ({{\"layers\":[{{\"placement\":[[expert ids] per node]}}]}})", path.display()))?;
+    let mut layers = Vec::with_capacity(file.layers.len());
+    for (l, layer) in file.layers.iter().enumerate() {
+        if layer.placement.len() != world {
+            bail!("--placement-file: layer {l} places experts on {} nodes, but --workers is {world}", layer.placement.len());
+        }
+        let experts = layer.placement.iter().flatten().max().map_or(0, |m| m + 1);
+        let mut r = vec![vec![0u32; world]; experts];
+        for (node, ids) in layer.placement.iter().enumerate() {
+            for &e in ids {
+                r[e][node] += 1;
+            }
+        }
+        layers.push(r);
+    }
+    Ok(layers)
+}
+
+/// Router loads of the current model over the next `steps` global batches (forward only, on a
+/// copy of the trainer so the workers' data order is untouched), summed per MoE layer.
+fn measure_loads(trainer: &mut Trainer, steps: usize) -> Result<Vec<Vec<f64>>> {
+    let cfg = trainer.config.clone();
+    let mut loads = vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()];
+    for _ in 0..steps {
+        let batch = trainer.sampler.next_batch(cfg.batch_size);
+        let device = trainer.model.device().clone();
+        let x = Tensor::from_vec(batch.inputs, (cfg.batch_size, cfg.seq_len), &device)?;
+        let y = Tensor::from_vec(batch.targets, (cfg.batch_size, cfg.seq_len), &device)?;
+        let out = trainer.model.forward(&x, &y, None)?;
+        for (acc, stats) in loads.iter_mut().zip(&out.moe) {
+            acc.iter_mut().zip(&stats.load).for_each(|(a, &c)| *a += c as f64);
+        }
+    }
+    Ok(loads)
+}
+
+/// Allocation (Eq. 1) and placement per MoE layer from measured loads, one node per worker.
+fn plan_from_loads(loads: &[Vec<f64>], world: usize, slots: usize) -> Result<LayerPlacement> {
+    let shape = ClusterShape::new(world, 1, slots)?;
+    let floor = if world > 1 { 2 } else { 1 };
+    loads
+        .iter()
+        .map(|l| {
+            let a = allocate(l, shape.total_slots(), floor)?;
+            let p = place(&a.replicas, shape, Strategy::Lazarus, Some(l))?;
+            Ok(p.rank_replicas())
+        })
+        .collect()
+}
+
+struct Running {
+    rank: usize,
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+/// The launcher side of `lazarus train --workers N`.
+pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
+    let world = args.workers.unwrap_or(1);
+    if world == 0 || world > 64 {
+        bail!("invalid --workers: {world} (expected 1 to 64)");
+    }
+    if !args.comm_timeout.is_finite() || args.comm_timeout <= 0.0 {
+        bail!("invalid --comm-timeout: {} (expected seconds > 0)", args.comm_timeout);
+    }
+    let (mut trainer, resume) = if args.resume {
+        let config = build_config(args)?;
+        let Some(dir) = config.checkpoint_dir.clone() else {
+            bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
+        };
+        let t = Trainer::resume(&dir, args.steps).with_context(|| format!("resuming from {}", dir.display()))?;
+        eprintln!("resuming from {} at step {}", dir.display(), t.step);
+        (t, Some(dir))
+    } else {
+        (Trainer::new(build_config(args)?)?, None)
+    };
+    let cfg = trainer.config.clone();
+    if trainer.done() {
+        bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
+    }
+    validate_worker_config(&cfg, world)?;
+    let (moe_layers, experts) = (cfg.model.moe_layers(), cfg.model.n_experts);
+    let placement = if args.static_ep {
+        if args.placement_file.is_some() {
+            bail!("--static-ep places experts itself; drop --placement-file");
+        }
+        static_ep_placement(moe_layers, experts, world)
+    } else if let Some(path) = &args.placement_file {
+        read_placement_file(path, world)?
+    } else {
+        if args.profile_steps == 0 {
+            bail!("invalid --profile-steps: 0 (the measured-load plan needs at least 1; or give --placement-file)");
+        }
+        let slots = args.slots_per_worker.unwrap_or_else(|| (2 * experts).div_ceil(world).max(1));
+        if slots * world < experts {
+            bail!("invalid --slots-per-worker: {slots} x {world} workers < {experts} experts");
+        }
+        let loads = measure_loads(&mut trainer, args.profile_steps)?;
+        plan_from_loads(&loads, world, slots)?
+    };
+    let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
+    validate_placement(&placement, moe_layers, experts, world, mode).context("--placement-file")?;
+    print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
+    for (l, layer) in placement.iter().enumerate() {
+        let per_worker: Vec<String> = (0..world)
+            .map(|r| {
+                let held: Vec<String> = layer.iter().enumerate().filter(|(_, row)| row[r] > 0).map(|(e, row)| if row[r] > 1 { format!("{e}x{}", row[r]) } else { e.to_string() }).collect();
+                format!("w{r}[{}]", held.join(","))
+            })
+            .collect();
+        eprintln!("placement L{l}: {}", per_worker.join(" "));
+    }
+
+    let exe = std::env::current_exe().context("locating the lazarus binary")?;
+    let mut workers: Vec<Running> = Vec::with_capacity(world);
+    let (tx, rx) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
+    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
+    for rank in 0..world {
+        let mut child = Command::new(&exe)
+            .arg("worker")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting worker {rank}"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker {rank}: no stdout"))?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                match serde_json::from_str::<WorkerEvent>(&line) {
+                    Ok(ev) => {
+                        if tx.send((rank, Some(ev))).is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => eprintln!("worker {rank}: {line}"),
+                }
+            }
+            let _ = tx.send((rank, None));
+        });
+        let mut stdin = child.stdin.take();
+        let spec = WorkerSpec {
+            rank,
+            world,
+            epoch,
+            config: cfg.clone(),
+            placement: placement.clone(),
+            static_ep: args.static_ep,
+            timeout_s: args.comm_timeout,
+            resume: resume.clone(),
+        };
+        if let Some(s) = stdin.as_mut() {
+            writeln!(s, "{}", serde_json::to_string(&spec)?).with_context(|| format!("writing to worker {rank}"))?;
+        }
+        workers.push(Running { rank, child, stdin });
+    }
+    drop(tx);
+    let result = supervise(&mut workers, &rx, args, &cfg, trainer.step, trainer.unigram_entropy());
+    if result.is_err() {
+        // Nothing may outlive a failed run.
+        for w in &mut workers {
+            let _ = w.child.kill();
+        }
+    }
+    for w in &mut workers {
+        let _ = w.child.wait();
+    }
+    result
+}
+
+/// Drive the rendezvous, relay progress, and on the first failure wait (bounded) for the
+/// survivors to notice and report how they stopped.
+fn supervise(
+    workers: &mut [Running],
+    rx: &mpsc::Receiver<(usize, Option<WorkerEvent>)>,
+    args: &TrainArgs,
+    cfg: &TrainConfig,
+    first_step: u64,
+    unigram_entropy: f64,
+) -> Result<()> {
+    let world = workers.len();
+    let start_deadline = Duration::from_secs_f64(args.comm_timeout.max(10.0) + 60.0);
+    let mut addrs: Vec<Option<String>> = vec![None; world];
+    let mut finished: Vec<Option<Result<Option<PathBuf>, String>>> = (0..world).map(|_| None).collect();
+    let mut ready = 0;
+    let mut reporter: Option<Reporter> = None;
+    let mut failed_at: Option<Instant> = None;
+    let mut first_failure: Option<String> = None;
+    loop {
+        if finished.iter().all(Option::is_some) {
+            break;
+        }
+        let wait = match failed_at {
+            // Survivors get the collective deadline plus a margin to notice on their own.
+            Some(t) => (Duration::from_secs_f64(args.comm_timeout + 5.0)).saturating_sub(t.elapsed()),
+            None => start_deadline,
+        };
+        let (rank, event) = match rx.recv_timeout(wait) {
+            Ok(x) => x,
+            Err(_) if failed_at.is_some() => break,
+            Err(_) if ready < world => bail!("workers did not all start within {} s", start_deadline.as_secs()),
+            Err(_) => continue,
+        };
+        match event {
+            Some(WorkerEvent::Listening { addr }) => {
+                addrs[rank] = Some(addr);
+                if addrs.iter().all(Option::is_some) {
+                    let list = Addrs { addrs: addrs.iter().flatten().cloned().collect() };
+                    let line = serde_json::to_string(&list)?;
+                    for w in workers.iter_mut() {
+                        if let Some(s) = w.stdin.as_mut() {
+                            writeln!(s, "{line}").with_context(|| format!("writing to worker {}", w.rank))?;
+                        }
+                        w.stdin = None; // close: the worker reads nothing more
+                    }
+                }
+            }
+            Some(WorkerEvent::Ready { pid }) => {
+                eprintln!("worker {rank}: pid {pid} ready");
+                ready += 1;
+                if ready == world {
+                    reporter = Some(Reporter::new(args, cfg, first_step)?);
+                }
+            }
+            Some(WorkerEvent::Step { report, seconds, .. }) => {
+                if let Some(r) = reporter.as_mut() {
+                    r.step(&report, seconds)?;
+                }
+            }
+            Some(WorkerEvent::Done { checkpoint }) => finished[rank] = Some(Ok(checkpoint)),
+            Some(WorkerEvent::Failed { kind, message }) => {
+                if let Some(r) = &reporter {
+                    r.pause();
+                }
+                let since = failed_at.map(|t| format!(" ({} ms after the first failure)", t.elapsed().as_millis())).unwrap_or_default();
+                eprintln!("worker {rank}: stopped: {kind}: {message}{since}");
+                first_failure.get_or_insert_with(|| format!("worker {rank}: {kind}: {message}"));
+                failed_at.get_or_insert_with(Instant::now);
+                finished[rank] = Some(Err(kind));
+            }
+            None => {
+                // Stdout closed: the process ended. Without a final event it was killed or crashed.
+                if finished[rank].is_none() {
+                    if let Some(r) = &reporter {
+                        r.pause();
+                    }
+                    let status = workers[rank].child.wait().map(|s| describe_exit(&s)).unwrap_or_else(|e| e.to_string());
+                    eprintln!("worker {rank}: died ({status})");
+                    first_failure.get_or_insert_with(|| format!("worker {rank} died ({status})"));
+                    failed_at.get_or_insert_with(Instant::now);
+                    finished[rank] = Some(Err("died".into()));
+                }
+            }
+        }
+    }
+    if let Some(f) = first_failure {
+        let stopped: Vec<String> = finished
+            .iter()
+            .enumerate()
+            .map(|(r, f)| match f {
+                Some(Ok(_)) => format!("{r}: finished"),
+                Some(Err(k)) => format!("{r}: {k}"),
+                None => format!("{r}: no answer (killed)"),
+            })
+            .collect();
+        bail!("training stopped: {f}; workers {}", stopped.join(", "));
+    }
+    let checkpoint = finished.first().and_then(|f| f.as_ref()).and_then(|f| f.as_ref().ok()).cloned().flatten();
+    match &reporter {
+        Some(r) => r.finish(cfg.steps, unigram_entropy, checkpoint.as_deref()),
+        None => bail!("the workers finished without starting"),
+    }
+    Ok(())
+}
+
+fn describe_exit(status: &std::process::ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("killed by signal {sig}");
+        }
+    }
+    match status.code() {
+        Some(c) => format!("exit code {c}"),
+        None => "unknown exit".into(),
+    }
+}

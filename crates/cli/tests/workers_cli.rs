@@ -1,0 +1,181 @@
+//! `lazarus train --workers N` with real worker processes on loopback: the same losses as one
+//! process, placement files, checkpoints that resume, and a worker killed with SIGKILL mid-step
+//! — every other worker stops with `PeerLost` within 2 s, nothing hangs or panics.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn lazarus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lazarus-workers-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+const TINY: [&str; 16] = [
+    "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",
+    "--batch-size", "5", "--synthetic-bytes", "20000",
+];
+
+fn losses(path: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn run(extra: &[&str], log: &std::path::Path) -> Output {
+    let mut args = vec!["train", "--steps", "6", "--json-log", log.to_str().unwrap()];
+    args.extend(TINY);
+    args.extend(extra);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
+    let d = dir("match");
+    let single = losses(&{
+        let p = d.join("single.jsonl");
+        run(&[], &p);
+        p
+    });
+    assert_eq!(single.len(), 6);
+    // Measured-load plan on 3 workers, with a checkpoint at the end.
+    let ck = d.join("ck");
+    let log3 = d.join("w3.jsonl");
+    let out = run(&["--workers", "3", "--checkpoint-dir", ck.to_str().unwrap()], &log3);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("3 workers, lazarus dispatch") && stderr.contains("placement L1:"), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("checkpoint"), "the summary names the checkpoint");
+    // A placement file straight from `lazarus plan --json` (one node per worker), 2 workers.
+    let loads = d.join("loads.json");
+    std::fs::write(&loads, "[[40, 10, 10, 10], [10, 10, 10, 40]]").unwrap();
+    let plan = lazarus(&["plan", "--loads-file", loads.to_str().unwrap(), "--nodes", "2", "--slots", "3", "--min-replicas", "1", "--json"]);
+    assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
+    let placement = d.join("placement.json");
+    std::fs::write(&placement, &plan.stdout).unwrap();
+    let log2 = d.join("w2.jsonl");
+    run(&["--workers", "2", "--placement-file", placement.to_str().unwrap()], &log2);
+    // Static expert parallelism on 2 workers.
+    let log_ep = d.join("ep.jsonl");
+    run(&["--workers", "2", "--static-ep"], &log_ep);
+    for (name, path) in [("3 workers", &log3), ("placement file", &log2), ("static EP", &log_ep)] {
+        let l = losses(path);
+        assert_eq!(l.len(), single.len(), "{name}");
+        for (s, (a, b)) in l.iter().zip(&single).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * b, "{name}: step {} loss {a} vs {b}", s + 1);
+        }
+    }
+    // The workers' checkpoint resumes in one process and continues like an uninterrupted run.
+    let log_more = d.join("more.jsonl");
+    let mut args = vec!["train", "--resume", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log_more.to_str().unwrap()];
+    args.extend(TINY);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let long = d.join("long.jsonl");
+    let mut args = vec!["train", "--steps", "8", "--json-log", long.to_str().unwrap()];
+    args.extend(TINY);
+    assert!(lazarus(&args).status.success());
+    let (more, long) = (losses(&log_more), losses(&long));
+    assert_eq!(more.len(), 2);
+    for (a, b) in more.iter().zip(&long[6..]) {
+        assert!((a - b).abs() <= 1e-4 * b, "resumed {a} vs uninterrupted {b}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_worker_settings_are_named() {
+    let d = dir("bad");
+    let log = d.join("x.jsonl");
+    let bad = d.join("bad.json");
+    std::fs::write(&bad, r#"{"layers": [{"placement": [[0, 1], [2, 3]]}]}"#).unwrap();
+    for (extra, expect) in [
+        (vec!["--workers", "0"], "--workers"),
+        (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "3"),
+        (vec!["--workers", "2", "--placement-file", bad.to_str().unwrap()], "MoE layers"),
+        (vec!["--workers", "9"], "batch_size"),
+        (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
+    ] {
+        let mut args = vec!["train", "--steps", "2", "--json-log", log.to_str().unwrap()];
+        args.extend(TINY);
+        args.extend(&extra);
+        let out = lazarus(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} should fail");
+        assert!(stderr.contains(expect) && !stderr.contains("panicked"), "{extra:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() {
+    let d = dir("kill");
+    let log = d.join("log.jsonl");
+    let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", log.to_str().unwrap(), "--comm-timeout", "30"];
+    args.extend(TINY);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<(Instant, String)>();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), line));
+        }
+    });
+    // The workers' pids, then a few finished steps.
+    let mut pids = [0i32; 3];
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.contains(&0) {
+        let (_, line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
+        if let Some(rest) = line.strip_prefix("worker ") {
+            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
+                let rank: usize = rank.parse().unwrap();
+                pids[rank] = pid.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        }
+        seen.push(line);
+    }
+    while std::fs::read_to_string(&log).map_or(0, |s| s.lines().count()) < 3 {
+        assert!(Instant::now() < deadline, "no steps: {seen:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: sending a signal to a process this test started.
+    let killed_at = Instant::now();
+    assert_eq!(unsafe { libc::kill(pids[1], libc::SIGKILL) }, 0);
+    let mut stopped = Vec::new();
+    let mut lines = Vec::new();
+    while let Ok((at, line)) = rx.recv_timeout(Duration::from_secs(60)) {
+        for rank in [0usize, 2] {
+            if line.starts_with(&format!("worker {rank}: stopped: peer_lost")) {
+                stopped.push((rank, at.duration_since(killed_at)));
+            }
+        }
+        lines.push(line);
+    }
+    let status = child.wait().unwrap();
+    let text = lines.join("\n");
+    assert!(!status.success(), "the run must fail: {text}");
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(text.contains("worker 1: died (killed by signal 9)"), "{text}");
+    assert_eq!(stopped.len(), 2, "both survivors report PeerLost: {text}");
+    for (rank, after) in &stopped {
+        eprintln!("worker {rank}: PeerLost reported {} ms after the kill", after.as_millis());
+        assert!(*after < Duration::from_secs(2), "worker {rank} took {after:?}: {text}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
