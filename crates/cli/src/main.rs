@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod moe_bench;
 mod planning;
 mod training;
 mod workers;
@@ -19,6 +20,9 @@ struct Cli {
 enum BenchCommand {
     /// Forward+backward throughput of the model, expert-FFN share, GFLOP/s vs plain matmul.
     Train(training::BenchTrainArgs),
+    /// One MoE layer over worker processes with skewed routing: Lazarus vs static expert
+    /// parallelism, tokens/s and wire bytes.
+    MoeLayer(moe_bench::MoeLayerBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -36,6 +40,9 @@ enum Command {
     /// One rank of `train --workers N` (started by it; reads its spec on stdin).
     #[command(hide = true)]
     Worker,
+    /// One rank of `bench moe-layer` (started by it; reads its spec on stdin).
+    #[command(hide = true)]
+    BenchWorker,
 }
 
 /// Training allocates and frees multi-megabyte tensors every step. glibc serves those with
@@ -59,7 +66,9 @@ fn main() -> ExitCode {
         Command::Prob(args) => planning::run_prob(&args),
         Command::Train(args) => training::run_train(&args),
         Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
+        Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Worker => workers::run_worker(),
+        Command::BenchWorker => workers::run_bench_worker(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -22,21 +22,30 @@ use candle_core::Tensor;
 use lazarus_comm::{CommError, Group, Rendezvous, TcpTransport};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
 use lazarus_plan::{allocate, place, ClusterShape, Strategy};
+use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
 use lazarus_runtime::{static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::training::{build_config, print_banner, Reporter, TrainArgs};
 
-/// Everything a worker process needs, sent on its stdin.
+/// What every worker process is sent on its stdin: its rank in the job, and the job.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct WorkerSpec {
+pub struct WorkerSpec<J> {
     pub rank: usize,
     pub world: usize,
+    /// Transport epoch of the job (stale connections from another run are refused).
     pub epoch: u64,
+    /// Deadline of every collective, seconds.
+    pub timeout_s: f64,
+    pub job: J,
+}
+
+/// A `train --workers` rank's job.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TrainJob {
     pub config: TrainConfig,
     pub placement: LayerPlacement,
     pub static_ep: bool,
-    pub timeout_s: f64,
     /// Resume from the latest checkpoint in this directory.
     pub resume: Option<PathBuf>,
 }
@@ -56,6 +65,8 @@ pub enum WorkerEvent {
     /// A finished step (rank 0 only): the global report, its wall time and this rank's wire bytes.
     Step { report: StepReport, seconds: f64, wire_bytes: u64 },
     Done { checkpoint: Option<PathBuf> },
+    /// A benchmark's results (rank 0 only).
+    BenchResults { results: Vec<lazarus_runtime::bench::BenchResult> },
     /// The worker stopped: `kind` is "peer_lost", "timeout", "config" or "error".
     Failed { kind: String, message: String },
 }
@@ -99,20 +110,13 @@ fn failure_kind(e: &anyhow::Error) -> &'static str {
 /// Its errors go to the launcher as a `failed` event (and the exit code), not to stderr.
 pub fn run_worker() -> Result<()> {
     let mut stdin = BufReader::new(std::io::stdin());
-    match worker_main(&mut stdin) {
-        Ok(checkpoint) => {
-            emit(&WorkerEvent::Done { checkpoint });
-            Ok(())
-        }
-        Err(e) => {
-            emit(&WorkerEvent::Failed { kind: failure_kind(&e).into(), message: format!("{e:#}") });
-            std::process::exit(1)
-        }
-    }
+    finish_worker(worker_main(&mut stdin).map(|checkpoint| WorkerEvent::Done { checkpoint }))
 }
 
-fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
-    let spec: WorkerSpec = read_line(stdin, "worker spec")?;
+/// The child side of a launch: read the spec, listen, tell the launcher, learn every rank's
+/// address and connect to all of them.
+fn join<J: serde::de::DeserializeOwned>(stdin: &mut impl BufRead) -> Result<(WorkerSpec<J>, TcpTransport)> {
+    let spec: WorkerSpec<J> = read_line(stdin, "worker spec")?;
     let listener = TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?;
     emit(&WorkerEvent::Listening { addr: listener.local_addr()?.to_string() });
     let addrs: Addrs = read_line(stdin, "address list")?;
@@ -122,13 +126,46 @@ fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
         .map(|a| a.parse().map_err(|_| anyhow!("invalid peer address {a:?}")))
         .collect::<Result<_>>()?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
-    let mut t = TcpTransport::connect(listener, Rendezvous { rank: spec.rank, addrs, epoch: spec.epoch, timeout })?;
+    let t = TcpTransport::connect(listener, Rendezvous { rank: spec.rank, addrs, epoch: spec.epoch, timeout })?;
+    Ok((spec, t))
+}
+
+/// Report a worker's outcome to the launcher; errors leave through the exit code.
+fn finish_worker(result: Result<WorkerEvent>) -> Result<()> {
+    match result {
+        Ok(event) => {
+            emit(&event);
+            Ok(())
+        }
+        Err(e) => {
+            emit(&WorkerEvent::Failed { kind: failure_kind(&e).into(), message: format!("{e:#}") });
+            std::process::exit(1)
+        }
+    }
+}
+
+/// The hidden `lazarus bench-worker` subcommand: one rank of `bench moe-layer`.
+pub fn run_bench_worker() -> Result<()> {
+    let mut stdin = BufReader::new(std::io::stdin());
+    finish_worker((|| {
+        let (spec, mut t): (WorkerSpec<MoeLayerBenchSpec>, _) = join(&mut stdin)?;
+        emit(&WorkerEvent::Ready { pid: std::process::id() });
+        let results = run_moe_layer_bench(&mut t, &mut Group::world(spec.world), &spec.job)?;
+        t.shutdown();
+        Ok(if spec.rank == 0 { WorkerEvent::BenchResults { results } } else { WorkerEvent::Done { checkpoint: None } })
+    })())
+}
+
+fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
+    let (spec, mut t): (WorkerSpec<TrainJob>, _) = join(stdin)?;
+    let timeout = Duration::from_secs_f64(spec.timeout_s);
     let mut group = Group::world(spec.world);
-    let mode = if spec.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
-    let options = WorkerOptions { placement: spec.placement, mode, timeout };
-    let mut worker = Worker::new(spec.config.clone(), options, spec.rank, spec.world, spec.resume.as_deref())?;
+    let job = spec.job;
+    let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
+    let options = WorkerOptions { placement: job.placement, mode, timeout };
+    let mut worker = Worker::new(job.config.clone(), options, spec.rank, spec.world, job.resume.as_deref())?;
     emit(&WorkerEvent::Ready { pid: std::process::id() });
-    let cfg = spec.config;
+    let cfg = job.config;
     while !worker.done() {
         let t0 = Instant::now();
         let r = worker.step(&mut t, &mut group)?;
@@ -212,10 +249,123 @@ fn plan_from_loads(loads: &[Vec<f64>], world: usize, slots: usize) -> Result<Lay
         .collect()
 }
 
-struct Running {
+pub struct Running {
     rank: usize,
     child: Child,
     stdin: Option<ChildStdin>,
+}
+
+type Events = mpsc::Receiver<(usize, Option<WorkerEvent>)>;
+
+impl Running {
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+    }
+
+    pub fn wait(&mut self) {
+        let _ = self.child.wait();
+    }
+}
+
+/// Start `world` copies of this binary's hidden `subcommand`, send each its [`WorkerSpec`], wait
+/// for every rank's listening address and send all of them the list. With `cores_per_worker`,
+/// worker r is pinned to cores [r·C, (r+1)·C) and its thread pools sized to C, as a GPU would be
+/// its own. On any failure the started workers are killed.
+pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, cores_per_worker: Option<usize>) -> Result<(Vec<Running>, Events)> {
+    let exe = std::env::current_exe().context("locating the lazarus binary")?;
+    if let Some(c) = cores_per_worker {
+        let have = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if c == 0 || c * world > have {
+            bail!("invalid --cores-per-worker: {c} x {world} workers needs {} cores, this machine has {have}", c * world);
+        }
+    }
+    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
+    let mut workers: Vec<Running> = Vec::with_capacity(world);
+    let (tx, rx) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
+    let started = (|| -> Result<()> {
+        for rank in 0..world {
+            let mut cmd = Command::new(&exe);
+            cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+            if let Some(c) = cores_per_worker {
+                cmd.env("RAYON_NUM_THREADS", c.to_string());
+                pin(&mut cmd, rank * c..(rank + 1) * c);
+            }
+            let mut child = cmd.spawn().with_context(|| format!("starting worker {rank}"))?;
+            let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker {rank}: no stdout"))?;
+            let mut stdin = child.stdin.take();
+            workers.push(Running { rank, child, stdin: None });
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    match serde_json::from_str::<WorkerEvent>(&line) {
+                        Ok(ev) => {
+                            if tx.send((rank, Some(ev))).is_err() {
+                                return;
+                            }
+                        }
+                        Err(_) => eprintln!("worker {rank}: {line}"),
+                    }
+                }
+                let _ = tx.send((rank, None));
+            });
+            let spec = WorkerSpec { rank, world, epoch, timeout_s, job };
+            if let Some(s) = stdin.as_mut() {
+                writeln!(s, "{}", serde_json::to_string(&spec)?).with_context(|| format!("writing to worker {rank}"))?;
+            }
+            workers[rank].stdin = stdin;
+        }
+        let mut addrs: Vec<Option<String>> = vec![None; world];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while addrs.iter().any(Option::is_none) {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok((rank, Some(WorkerEvent::Listening { addr }))) => addrs[rank] = Some(addr),
+                Ok((rank, Some(WorkerEvent::Failed { kind, message }))) => bail!("worker {rank}: {kind}: {message}"),
+                Ok((rank, _)) => bail!("worker {rank} ended before it was listening"),
+                Err(_) => bail!("workers did not all start listening within 60 s"),
+            }
+        }
+        let line = serde_json::to_string(&Addrs { addrs: addrs.into_iter().flatten().collect() })?;
+        for w in workers.iter_mut() {
+            if let Some(s) = w.stdin.as_mut() {
+                writeln!(s, "{line}").with_context(|| format!("writing to worker {}", w.rank))?;
+            }
+            w.stdin = None; // close: the worker reads nothing more
+        }
+        Ok(())
+    })();
+    if let Err(e) = started {
+        for w in &mut workers {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+        return Err(e);
+    }
+    Ok((workers, rx))
+}
+
+/// Restrict the child to `cores` (Linux; elsewhere only the thread-pool size applies).
+fn pin(cmd: &mut Command, cores: std::ops::Range<usize>) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec the closure only builds a CPU set on the stack and calls
+        // sched_setaffinity, both async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for c in cores.clone() {
+                    libc::CPU_SET(c, &mut set);
+                }
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (cmd, cores);
 }
 
 /// The launcher side of `lazarus train --workers N`.
@@ -275,51 +425,8 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         eprintln!("placement L{l}: {}", per_worker.join(" "));
     }
 
-    let exe = std::env::current_exe().context("locating the lazarus binary")?;
-    let mut workers: Vec<Running> = Vec::with_capacity(world);
-    let (tx, rx) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
-    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
-    for rank in 0..world {
-        let mut child = Command::new(&exe)
-            .arg("worker")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("starting worker {rank}"))?;
-        let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker {rank}: no stdout"))?;
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                match serde_json::from_str::<WorkerEvent>(&line) {
-                    Ok(ev) => {
-                        if tx.send((rank, Some(ev))).is_err() {
-                            return;
-                        }
-                    }
-                    Err(_) => eprintln!("worker {rank}: {line}"),
-                }
-            }
-            let _ = tx.send((rank, None));
-        });
-        let mut stdin = child.stdin.take();
-        let spec = WorkerSpec {
-            rank,
-            world,
-            epoch,
-            config: cfg.clone(),
-            placement: placement.clone(),
-            static_ep: args.static_ep,
-            timeout_s: args.comm_timeout,
-            resume: resume.clone(),
-        };
-        if let Some(s) = stdin.as_mut() {
-            writeln!(s, "{}", serde_json::to_string(&spec)?).with_context(|| format!("writing to worker {rank}"))?;
-        }
-        workers.push(Running { rank, child, stdin });
-    }
-    drop(tx);
+    let job = TrainJob { config: cfg.clone(), placement, static_ep: args.static_ep, resume };
+    let (mut workers, rx) = launch("worker", world, args.comm_timeout, &job, None)?;
     let result = supervise(&mut workers, &rx, args, &cfg, trainer.step, trainer.unigram_entropy());
     if result.is_err() {
         // Nothing may outlive a failed run.
@@ -337,7 +444,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
 /// survivors to notice and report how they stopped.
 fn supervise(
     workers: &mut [Running],
-    rx: &mpsc::Receiver<(usize, Option<WorkerEvent>)>,
+    rx: &Events,
     args: &TrainArgs,
     cfg: &TrainConfig,
     first_step: u64,
@@ -345,7 +452,6 @@ fn supervise(
 ) -> Result<()> {
     let world = workers.len();
     let start_deadline = Duration::from_secs_f64(args.comm_timeout.max(10.0) + 60.0);
-    let mut addrs: Vec<Option<String>> = vec![None; world];
     let mut finished: Vec<Option<Result<Option<PathBuf>, String>>> = (0..world).map(|_| None).collect();
     let mut ready = 0;
     let mut reporter: Option<Reporter> = None;
@@ -367,19 +473,6 @@ fn supervise(
             Err(_) => continue,
         };
         match event {
-            Some(WorkerEvent::Listening { addr }) => {
-                addrs[rank] = Some(addr);
-                if addrs.iter().all(Option::is_some) {
-                    let list = Addrs { addrs: addrs.iter().flatten().cloned().collect() };
-                    let line = serde_json::to_string(&list)?;
-                    for w in workers.iter_mut() {
-                        if let Some(s) = w.stdin.as_mut() {
-                            writeln!(s, "{line}").with_context(|| format!("writing to worker {}", w.rank))?;
-                        }
-                        w.stdin = None; // close: the worker reads nothing more
-                    }
-                }
-            }
             Some(WorkerEvent::Ready { pid }) => {
                 eprintln!("worker {rank}: pid {pid} ready");
                 ready += 1;
@@ -393,6 +486,7 @@ fn supervise(
                 }
             }
             Some(WorkerEvent::Done { checkpoint }) => finished[rank] = Some(Ok(checkpoint)),
+            Some(WorkerEvent::Listening { .. } | WorkerEvent::BenchResults { .. }) => {}
             Some(WorkerEvent::Failed { kind, message }) => {
                 if let Some(r) = &reporter {
                     r.pause();

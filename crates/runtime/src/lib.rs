@@ -8,6 +8,7 @@
 //! that holds it, each with fresh leaf inputs. Backward seeds every segment with the gradient
 //! that arrives over the network.
 
+pub mod bench;
 mod error;
 mod moe;
 mod worker;

@@ -138,6 +138,9 @@ pub struct MoeForward {
     pub aux: Tensor,
     /// Normalised combine weight of each of this rank's slots (token-major, n·k).
     combine: Vec<f32>,
+    /// Token rows this rank dispatched to other ranks (padding excluded): the payload any
+    /// dispatcher must move for this assignment, once per exchange.
+    pub rows_sent: u64,
     layout: RankLayout,
     packing: Packing,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
@@ -194,6 +197,13 @@ impl DistributedMoe {
 
     /// Forward for this rank's tokens `h` [n, d] (a tensor that may carry autograd history).
     pub fn forward(&self, t: &mut dyn Transport, world: &mut Group, h: &Tensor) -> Result<MoeForward, RuntimeError> {
+        self.forward_routed(t, world, h, None)
+    }
+
+    /// [`DistributedMoe::forward`] with the router's top-k choices replaced by `choices`
+    /// (token-major, n·k expert ids; the combine still weights by the router's probabilities):
+    /// trace-driven routing, as the paper's ablations use to fix expert loads.
+    pub fn forward_routed(&self, t: &mut dyn Transport, world: &mut Group, h: &Tensor, choices: Option<&[u32]>) -> Result<MoeForward, RuntimeError> {
         let (n, d) = h.dims2()?;
         let e_count = self.experts_count();
         let k = self.top_k;
@@ -202,7 +212,18 @@ impl DistributedMoe {
         // Router segment (stays in h's graph).
         let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
         let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
-        let choices: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect();
+        let choices: Vec<u32> = match choices {
+            Some(c) => {
+                if c.len() != n * k || c.iter().any(|&e| e as usize >= e_count) {
+                    return Err(RuntimeError::Invalid {
+                        field: "choices",
+                        reason: format!("{} choices for {n} tokens × top-{k} over {e_count} experts (or an id out of range)", c.len()),
+                    });
+                }
+                c.to_vec()
+            }
+            None => host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect(),
+        };
         let mut local_load = vec![0u64; e_count];
         choices.iter().for_each(|&c| local_load[c as usize] += 1);
         // All-gather T[e][rank].
@@ -295,6 +316,7 @@ impl DistributedMoe {
             global_load,
             aux,
             combine,
+            rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
             layout,
             packing,
             wire_bytes,
@@ -417,35 +439,49 @@ impl DistributedMoe {
                 dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
             }
         }
-        // Gradient synchronisation: each expert over its holders, the gate over the world.
-        let mut synced = BTreeMap::new();
+        // Gradient synchronisation: each expert over its holders. Experts with the same holder
+        // set share one all-reduce (one bucket); buckets run in the order of their holder sets,
+        // the same on every rank, so overlapping groups cannot wait on each other in a cycle.
+        let me = t.rank();
+        let mut buckets: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
         for e in 0..e_count {
             let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
-            if !holders.contains(&t.rank()) {
-                continue;
+            if holders.contains(&me) {
+                buckets.entry(holders).or_default().push(e);
             }
-            let weights = &self.experts[&e];
-            let grads = match expert_grads.remove(&e) {
-                Some(g) => g,
-                None => {
-                    let z = |v: &Var| v.as_tensor().zeros_like();
-                    [z(&weights.w1)?, z(&weights.b1)?, z(&weights.w2)?, z(&weights.b2)?]
-                }
-            };
+        }
+        let mut synced = BTreeMap::new();
+        for (holders, experts) in buckets {
             let mut flat: Vec<f32> = Vec::new();
-            for g in &grads {
-                flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+            let mut parts: Vec<(usize, Vec<candle_core::Shape>)> = Vec::with_capacity(experts.len());
+            for &e in &experts {
+                let weights = &self.experts[&e];
+                let grads = match expert_grads.remove(&e) {
+                    Some(g) => g,
+                    None => {
+                        let z = |v: &Var| v.as_tensor().zeros_like();
+                        [z(&weights.w1)?, z(&weights.b1)?, z(&weights.w2)?, z(&weights.b2)?]
+                    }
+                };
+                for g in &grads {
+                    flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+                }
+                parts.push((e, weights.vars().iter().map(|v| v.shape().clone()).collect()));
             }
-            let mut group = Group::new(holders)?;
-            all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
+            if holders.len() > 1 {
+                let mut group = Group::new(holders)?;
+                all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
+            }
             let mut at = 0;
-            let mut out = Vec::with_capacity(4);
-            for (g, v) in grads.iter().zip(weights.vars()) {
-                let len = g.elem_count();
-                out.push(Tensor::from_vec(flat[at..at + len].to_vec(), v.shape(), &Device::Cpu)?);
-                at += len;
+            for (e, shapes) in parts {
+                let mut out = Vec::with_capacity(4);
+                for shape in shapes {
+                    let len = shape.elem_count();
+                    out.push(Tensor::from_vec(flat[at..at + len].to_vec(), shape, &Device::Cpu)?);
+                    at += len;
+                }
+                synced.insert(e, out);
             }
-            synced.insert(e, out);
         }
         Ok(ExpertGrads {
             experts: synced,

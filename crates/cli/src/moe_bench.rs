@@ -1,0 +1,203 @@
+//! `lazarus bench moe-layer`: one MoE layer over N worker processes with fixed skewed routing,
+//! Lazarus (replicas from the loads, padding-free dispatch) against static expert parallelism
+//! (one replica per expert, padded all-to-all), as in the paper's Fig. 10a.
+
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use lazarus_runtime::bench::{BenchCase, BenchResult, BenchSystem, MoeLayerBenchSpec};
+use serde::Serialize;
+
+use crate::workers::{launch, WorkerEvent};
+
+#[derive(Args, Debug)]
+pub struct MoeLayerBenchArgs {
+    /// Worker processes (one rank each).
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    #[arg(long, default_value_t = 1024)]
+    d_model: usize,
+    /// Hidden width of each expert.
+    #[arg(long, default_value_t = 2048)]
+    d_ff: usize,
+    #[arg(long, default_value_t = 8)]
+    experts: usize,
+    /// Tokens per worker per step (top-1 routing).
+    #[arg(long, default_value_t = 512)]
+    tokens: usize,
+    /// Expert replica slots per worker for the Lazarus plan (default: 2 × experts / workers).
+    #[arg(long)]
+    slots: Option<usize>,
+    /// Hot-expert load ratios: the hot expert receives k× the mean expert load (1 ≤ k ≤ experts;
+    /// the others share the rest equally).
+    #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
+    ratios: Vec<f64>,
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured steps per case (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+    /// Pin worker r to cores [r·C, (r+1)·C) with C threads, like one GPU per worker; without it
+    /// the workers share every core, which hides load imbalance (an idle rank's core goes to a
+    /// busy one).
+    #[arg(long)]
+    cores_per_worker: Option<usize>,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    comm_timeout: f64,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    results: &'a [BenchResult],
+    workers: usize,
+    d_model: usize,
+    d_ff: usize,
+    experts: usize,
+    tokens_per_worker: usize,
+    cores_per_worker: Option<usize>,
+    /// (max − min) / max of Lazarus tokens/s across the ratios.
+    lazarus_spread: f64,
+    /// Lazarus tokens/s over static EP tokens/s, per ratio.
+    speedup: Vec<(f64, f64)>,
+}
+
+pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
+    let bad = |field: &str, v: String, why: &str| -> Result<()> { bail!("invalid --{field}: {v} ({why})") };
+    if args.workers == 0 || args.workers > 64 {
+        bad("workers", args.workers.to_string(), "expected 1 to 64")?;
+    }
+    if args.experts < args.workers {
+        bad("experts", args.experts.to_string(), "static expert parallelism needs at least one expert per worker")?;
+    }
+    for (field, v) in [("d-model", args.d_model), ("d-ff", args.d_ff), ("tokens", args.tokens), ("iters", args.iters)] {
+        if v == 0 {
+            bad(field, v.to_string(), "must be at least 1")?;
+        }
+    }
+    if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > args.experts as f64) {
+        bad("ratios", r.to_string(), &format!("each must be between 1 and the number of experts ({})", args.experts))?;
+    }
+    if !args.comm_timeout.is_finite() || args.comm_timeout <= 0.0 {
+        bad("comm-timeout", args.comm_timeout.to_string(), "expected seconds > 0")?;
+    }
+    let slots = args.slots.unwrap_or_else(|| (2 * args.experts).div_ceil(args.workers));
+    if slots * args.workers < args.experts {
+        bad("slots", slots.to_string(), "slots × workers must cover every expert")?;
+    }
+    let cases: Vec<BenchCase> = args
+        .ratios
+        .iter()
+        .flat_map(|&ratio| [BenchCase { system: BenchSystem::Lazarus, ratio }, BenchCase { system: BenchSystem::StaticEp, ratio }])
+        .collect();
+    let spec = MoeLayerBenchSpec {
+        d_model: args.d_model,
+        d_ff: args.d_ff,
+        experts: args.experts,
+        tokens: args.tokens,
+        slots,
+        warmup: args.warmup,
+        iters: args.iters,
+        seed: 7,
+        cases,
+        timeout_s: args.comm_timeout,
+    };
+    if !args.json {
+        eprintln!(
+            "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts, {} tokens per worker, ratios {:?}",
+            args.workers,
+            args.cores_per_worker.map(|c| format!(" pinned to {c} cores each")).unwrap_or_default(),
+            args.d_model,
+            args.d_ff,
+            args.experts,
+            args.tokens,
+            args.ratios
+        );
+    }
+    let (mut workers, rx) = launch("bench-worker", args.workers, args.comm_timeout, &spec, args.cores_per_worker)?;
+    let mut results: Option<Vec<BenchResult>> = None;
+    let mut ended = 0;
+    let mut answered = vec![false; args.workers];
+    let mut failure: Option<String> = None;
+    let wait = Duration::from_secs_f64(args.comm_timeout * (spec.cases.len() * (args.warmup + args.iters)) as f64 + 60.0);
+    while ended < args.workers {
+        match rx.recv_timeout(wait) {
+            Ok((0, Some(WorkerEvent::BenchResults { results: r }))) => {
+                results = Some(r);
+                answered[0] = true;
+                ended += 1;
+            }
+            Ok((rank, Some(WorkerEvent::Done { .. }))) => {
+                answered[rank] = true;
+                ended += 1;
+            }
+            Ok((rank, Some(WorkerEvent::Failed { kind, message }))) => {
+                failure.get_or_insert(format!("worker {rank}: {kind}: {message}"));
+            }
+            Ok((rank, None)) if !answered[rank] => {
+                failure.get_or_insert(format!("worker {rank} ended without a result"));
+            }
+            Ok(_) => {}
+            Err(_) => {
+                failure.get_or_insert("the workers stopped answering".into());
+                break;
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+    }
+    for w in &mut workers {
+        if failure.is_some() {
+            w.kill();
+        }
+        w.wait();
+    }
+    if let Some(f) = failure {
+        bail!("bench moe-layer failed: {f}");
+    }
+    let Some(results) = results else { bail!("bench moe-layer: rank 0 sent no results") };
+    let lz: Vec<f64> = results.iter().filter(|r| r.system == BenchSystem::Lazarus).map(|r| r.tokens_per_s).collect();
+    let (lo, hi) = lz.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    let spread = if hi > 0.0 { (hi - lo) / hi } else { f64::NAN };
+    let speedup: Vec<(f64, f64)> = args
+        .ratios
+        .iter()
+        .map(|&k| {
+            let get = |s: BenchSystem| results.iter().find(|r| r.system == s && r.ratio == k).map_or(f64::NAN, |r| r.tokens_per_s);
+            (k, get(BenchSystem::Lazarus) / get(BenchSystem::StaticEp))
+        })
+        .collect();
+    if args.json {
+        let report = Report {
+            results: &results,
+            workers: args.workers,
+            d_model: args.d_model,
+            d_ff: args.d_ff,
+            experts: args.experts,
+            tokens_per_worker: args.tokens,
+            cores_per_worker: args.cores_per_worker,
+            lazarus_spread: spread,
+            speedup,
+        };
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!("{:<10} {:>6} {:>12} {:>10} {:>11}  replicas", "system", "ratio", "tokens/s", "step s", "wire ratio");
+    for r in &results {
+        let system = match r.system {
+            BenchSystem::Lazarus => "lazarus",
+            BenchSystem::StaticEp => "static-ep",
+        };
+        let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();
+        println!("{system:<10} {:>6} {:>12.0} {:>10.3} {:>11.2}  [{}]", r.ratio, r.tokens_per_s, r.step_s, r.wire_bytes_ratio, reps.join(","));
+    }
+    println!("lazarus tokens/s spread across ratios: {:.1}%", 100.0 * spread);
+    for (k, s) in &speedup {
+        println!("lazarus / static-ep at {k}:1: {s:.2}x");
+    }
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! The MoE-layer benchmark behind `lazarus bench moe-layer` (paper §6.5, Fig. 10a): one MoE
+//! layer over the ranks, routing fixed so that one expert receives `ratio`× the tokens of each
+//! other expert, timed forward+backward for the Lazarus dispatcher (replicas from the loads) and
+//! for static expert parallelism (one replica per expert, padded buffers). This module is the
+//! per-rank part; the launcher starts the processes.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor, Var};
+use lazarus_comm::{all_gather, barrier, Group, Transport};
+use lazarus_model::rng::SplitMix64;
+use lazarus_plan::{allocate, place, ClusterShape, Strategy};
+use serde::{Deserialize, Serialize};
+
+use crate::error::RuntimeError;
+use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights};
+use crate::worker::static_ep_placement;
+
+/// Which system a case runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BenchSystem {
+    Lazarus,
+    StaticEp,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchCase {
+    pub system: BenchSystem,
+    /// The hot expert receives `ratio`× the mean expert load.
+    pub ratio: f64,
+}
+
+/// The layer and the workload, the same on every rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MoeLayerBenchSpec {
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub experts: usize,
+    /// Tokens per rank per step.
+    pub tokens: usize,
+    /// Expert replica slots per rank for the Lazarus plan.
+    pub slots: usize,
+    pub warmup: usize,
+    pub iters: usize,
+    pub seed: u64,
+    pub cases: Vec<BenchCase>,
+    pub timeout_s: f64,
+}
+
+/// One case's outcome, the same on every rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchResult {
+    pub system: BenchSystem,
+    pub ratio: f64,
+    /// Forward+backward tokens (all ranks) per second, median over iterations.
+    pub tokens_per_s: f64,
+    /// Bytes sent in the four all-to-alls of a step over the bytes of the rows that had to move.
+    pub wire_bytes_ratio: f64,
+    /// Median step seconds.
+    pub step_s: f64,
+    /// Replicas per expert of the plan that ran.
+    pub replicas: Vec<u32>,
+}
+
+/// Per-expert loads in units of the mean with expert 0 hot: it receives `ratio`× the mean, the
+/// others share the rest equally (at ratio = experts every token goes to expert 0).
+pub fn skewed_loads(experts: usize, ratio: f64) -> Vec<f64> {
+    let rest = if experts > 1 { ((experts as f64 - ratio) / (experts as f64 - 1.0)).max(0.0) } else { 0.0 };
+    (0..experts).map(|e| if e == 0 { ratio } else { rest }).collect()
+}
+
+/// R[e][rank] for a case: Lazarus allocates replicas from the loads (Eq. 1, floor 1) and places
+/// them; static EP splits experts evenly, one replica each.
+pub fn bench_placement(system: BenchSystem, loads: &[f64], world: usize, slots: usize) -> Result<Vec<Vec<u32>>, RuntimeError> {
+    match system {
+        BenchSystem::StaticEp => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
+        BenchSystem::Lazarus => {
+            let shape = ClusterShape::new(world, 1, slots)?;
+            let a = allocate(loads, shape.total_slots(), 1)?;
+            Ok(place(&a.replicas, shape, Strategy::Lazarus, Some(loads))?.rank_replicas())
+        }
+    }
+}
+
+/// Token-major expert choices (top-1) for `n` tokens matching `loads` exactly up to rounding,
+/// in a seeded order.
+fn routed_choices(loads: &[f64], n: usize, seed: u64) -> Result<Vec<u32>, RuntimeError> {
+    let mut c: Vec<u32> = lazarus_model::routing::assign_from_loads(loads, n, 1)?.into_iter().map(|e| e as u32).collect();
+    let mut rng = SplitMix64::new(seed);
+    for i in (1..c.len()).rev() {
+        c.swap(i, rng.below(i + 1));
+    }
+    Ok(c)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Run every case of `spec` on this rank; every rank must call it together.
+pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeLayerBenchSpec) -> Result<Vec<BenchResult>, RuntimeError> {
+    let (d, f, e_count, n) = (spec.d_model, spec.d_ff, spec.experts, spec.tokens);
+    let (rank, ranks) = (t.rank(), t.world());
+    let timeout = Duration::from_secs_f64(spec.timeout_s);
+    let dev = Device::Cpu;
+    let mut rng = SplitMix64::new(spec.seed);
+    let mut tensor = |shape: &[usize], std: f64| -> Result<Tensor, RuntimeError> {
+        let len: usize = shape.iter().product();
+        Ok(Tensor::from_vec((0..len).map(|_| (rng.normal() * std) as f32).collect::<Vec<f32>>(), shape, &dev)?)
+    };
+    // Same weights everywhere (same seed); each rank keeps the experts it holds in a case.
+    let gate = Var::from_tensor(&tensor(&[d, e_count], 0.02)?)?;
+    let all_experts: Vec<ExpertWeights> = (0..e_count)
+        .map(|_| {
+            Ok(ExpertWeights {
+                w1: Var::from_tensor(&tensor(&[d, f], 0.02)?)?,
+                b1: Var::from_tensor(&tensor(&[f], 0.0)?)?,
+                w2: Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
+                b2: Var::from_tensor(&tensor(&[d], 0.0)?)?,
+            })
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let mut local = SplitMix64::new(spec.seed ^ (rank as u64 + 1) * 0x9e37_79b9);
+    let h_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32).collect();
+    let g_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32 * 1e-3).collect();
+    let h = Tensor::from_vec(h_data, (n, d), &dev)?;
+    let grad = Tensor::from_vec(g_data, (n, d), &dev)?;
+
+    let mut results = Vec::with_capacity(spec.cases.len());
+    for case in &spec.cases {
+        let loads = skewed_loads(e_count, case.ratio);
+        let replicas = bench_placement(case.system, &loads, ranks, spec.slots)?;
+        let experts: BTreeMap<usize, ExpertWeights> =
+            (0..e_count).filter(|&e| replicas[e][rank] > 0).map(|e| (e, all_experts[e].clone())).collect();
+        let layer = DistributedMoe {
+            gate: gate.clone(),
+            experts,
+            replicas: replicas.clone(),
+            top_k: 1,
+            timeout,
+            mode: match case.system {
+                BenchSystem::Lazarus => DispatchMode::Flexible,
+                BenchSystem::StaticEp => DispatchMode::StaticPadded,
+            },
+        };
+        let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
+        let (mut times, mut wire, mut needed) = (Vec::new(), 0u64, 0u64);
+        for it in 0..spec.warmup + spec.iters {
+            barrier(t, world, timeout)?;
+            let start = Instant::now();
+            let fwd = layer.forward_routed(t, world, &h, Some(&choices))?;
+            let grads = layer.backward(t, world, &fwd, &grad)?;
+            let elapsed = start.elapsed().as_secs_f64();
+            if it >= spec.warmup {
+                times.push(elapsed);
+                wire += fwd.wire_bytes + grads.wire_bytes;
+                needed += 4 * fwd.rows_sent * d as u64 * 4;
+            }
+        }
+        // Step time is the slowest rank's; bytes are summed over ranks.
+        let mine: Vec<u8> = [median(&mut times).to_le_bytes(), (wire as f64).to_le_bytes(), (needed as f64).to_le_bytes()].concat();
+        let all = all_gather(t, world, &mine, timeout)?;
+        let mut step_s = 0.0f64;
+        let (mut wire_all, mut needed_all) = (0.0, 0.0);
+        for (r, b) in all.iter().enumerate() {
+            if b.len() != 24 {
+                return Err(RuntimeError::Invalid { field: "bench result", reason: format!("rank {r} sent {} bytes", b.len()) });
+            }
+            let at = |i: usize| f64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+            step_s = step_s.max(at(0));
+            wire_all += at(1);
+            needed_all += at(2);
+        }
+        results.push(BenchResult {
+            system: case.system,
+            ratio: case.ratio,
+            tokens_per_s: (ranks * n) as f64 / step_s,
+            wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
+            step_s,
+            replicas: replicas.iter().map(|r| r.iter().sum()).collect(),
+        });
+    }
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lazarus_gives_the_hot_expert_more_replicas_and_static_ep_one_each() {
+        let loads = skewed_loads(8, 4.0);
+        let lz = bench_placement(BenchSystem::Lazarus, &loads, 4, 4).unwrap();
+        let counts: Vec<u32> = lz.iter().map(|r| r.iter().sum()).collect();
+        assert_eq!(counts.iter().sum::<u32>(), 16);
+        assert!(counts[0] > counts[1], "{counts:?}");
+        let ep = bench_placement(BenchSystem::StaticEp, &loads, 4, 4).unwrap();
+        assert!(ep.iter().all(|r| r.iter().sum::<u32>() == 1));
+    }
+
+    #[test]
+    fn routed_choices_follow_the_loads() {
+        let c = routed_choices(&skewed_loads(8, 4.0), 1600, 1).unwrap();
+        assert_eq!(c.iter().filter(|&&e| e == 0).count(), 800, "4x the mean of 200");
+        for e in 1..8 {
+            let n = c.iter().filter(|&&x| x == e).count();
+            assert!((114..=115).contains(&n), "expert {e}: {n}, the other 800 shared evenly");
+        }
+        let all = routed_choices(&skewed_loads(8, 8.0), 100, 1).unwrap();
+        assert!(all.iter().all(|&e| e == 0), "8x the mean of 8 experts is every token");
+    }
+}
