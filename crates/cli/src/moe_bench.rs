@@ -91,7 +91,9 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     let cases: Vec<BenchCase> = args
         .ratios
         .iter()
-        .flat_map(|&ratio| [BenchCase { system: BenchSystem::Lazarus, ratio }, BenchCase { system: BenchSystem::StaticEp, ratio }])
+        .flat_map(|&ratio| {
+            [BenchSystem::Lazarus, BenchSystem::LazarusPerReplica, BenchSystem::StaticEp].map(|system| BenchCase { system, ratio })
+        })
         .collect();
     let spec = MoeLayerBenchSpec {
         d_model: args.d_model,
@@ -190,6 +192,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     for r in &results {
         let system = match r.system {
             BenchSystem::Lazarus => "lazarus",
+            BenchSystem::LazarusPerReplica => "per-replica",
             BenchSystem::StaticEp => "static-ep",
         };
         let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();

@@ -161,7 +161,7 @@ fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let mut group = Group::world(spec.world);
     let job = spec.job;
-    let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
+    let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
     let options = WorkerOptions { placement: job.placement, mode, timeout };
     let mut worker = Worker::new(job.config.clone(), options, spec.rank, spec.world, job.resume.as_deref())?;
     emit(&WorkerEvent::Ready { pid: std::process::id() });
@@ -412,7 +412,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         let loads = measure_loads(&mut trainer, args.profile_steps)?;
         plan_from_loads(&loads, world, slots)?
     };
-    let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Flexible };
+    let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
     validate_placement(&placement, moe_layers, experts, world, mode).context("--placement-file")?;
     print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
     for (l, layer) in placement.iter().enumerate() {

@@ -46,8 +46,22 @@ pub struct DispatchSchedule {
 }
 
 impl DispatchSchedule {
-    /// Compute D from the all-gathered token counts and the replica counts R[e][rank].
+    /// Compute D from the all-gathered token counts and the replica counts R[e][rank]
+    /// (Algorithm 1: every replica of an expert takes an equal share of its tokens).
     pub fn compute(tokens: &[Vec<u64>], replicas: &[Vec<u32>]) -> Result<Self, PlanError> {
+        Self::build(tokens, replicas, false)
+    }
+
+    /// Like [`DispatchSchedule::compute`], but an expert's tokens are shared over its holders so
+    /// that the ranks' *total* loads are as even as the holder sets allow (see
+    /// [`balanced_capacities`]), instead of equally per replica. With integer replica counts on
+    /// few slots, per-replica shares leave a rank holding 3 of 9 replicas of a hot expert with
+    /// 1.33× the mean work; this removes that. Everything after the capacities is Algorithm 1.
+    pub fn compute_balanced(tokens: &[Vec<u64>], replicas: &[Vec<u32>]) -> Result<Self, PlanError> {
+        Self::build(tokens, replicas, true)
+    }
+
+    fn build(tokens: &[Vec<u64>], replicas: &[Vec<u32>], balanced: bool) -> Result<Self, PlanError> {
         let experts = tokens.len();
         if replicas.len() != experts {
             return Err(PlanError::Length {
@@ -86,9 +100,19 @@ impl DispatchSchedule {
         let mut routes = Vec::with_capacity(experts * ranks * 2);
         let mut start = Vec::with_capacity(experts + 1);
         let mut scratch = Scratch::default();
+        let caps = if balanced { Some(balanced_capacities(tokens, replicas)) } else { None };
         for e in 0..experts {
             start.push(routes.len());
-            expert_routes(e as u32, &tokens[e], &replicas[e], &mut scratch, &mut routes);
+            let total: u64 = tokens[e].iter().sum();
+            scratch.cap.resize(ranks, 0);
+            match &caps {
+                Some(c) => scratch.cap.copy_from_slice(&c[e]),
+                None => {
+                    let Scratch { rems, cap, .. } = &mut scratch;
+                    apportion_into(total, &replicas[e], rems, cap);
+                }
+            }
+            expert_routes(e as u32, &tokens[e], &mut scratch, &mut routes);
         }
         start.push(routes.len());
         Ok(DispatchSchedule {
@@ -154,6 +178,59 @@ impl DispatchSchedule {
         }
         d
     }
+}
+
+/// Capacities C[e][rank] (tokens of expert e that rank processes) with Σ_rank C[e] = Σ T[e],
+/// C[e][j] = 0 where e has no replica on j, and the ranks' totals Σ_e C[e][j] as even as the
+/// holder sets allow. Starts from the per-replica apportionment, then repeatedly moves half the
+/// gap from an expert's most loaded holder to its least loaded one; every move lowers Σ_j L_j²,
+/// so it ends, and it stops after a bounded number of passes. Deterministic in its inputs, so
+/// every rank computes the same capacities without talking.
+pub fn balanced_capacities(tokens: &[Vec<u64>], replicas: &[Vec<u32>]) -> Vec<Vec<u64>> {
+    let ranks = tokens.first().map_or(0, Vec::len);
+    let mut rems = Vec::new();
+    let mut caps: Vec<Vec<u64>> = tokens
+        .iter()
+        .zip(replicas)
+        .map(|(t, r)| {
+            let mut c = vec![0; ranks];
+            apportion_into(t.iter().sum(), r, &mut rems, &mut c);
+            c
+        })
+        .collect();
+    let mut load = vec![0u64; ranks];
+    for c in &caps {
+        load.iter_mut().zip(c).for_each(|(l, &x)| *l += x);
+    }
+    let holders: Vec<Vec<usize>> = replicas.iter().map(|r| (0..ranks).filter(|&j| r[j] > 0).collect()).collect();
+    for _pass in 0..64 {
+        let mut moved = false;
+        for (e, hs) in holders.iter().enumerate() {
+            if hs.len() < 2 {
+                continue;
+            }
+            loop {
+                // Most loaded holder that still has tokens of e, least loaded holder (lowest rank on ties).
+                let hi = hs.iter().copied().filter(|&j| caps[e][j] > 0).max_by(|&a, &b| load[a].cmp(&load[b]).then(b.cmp(&a)));
+                let lo = hs.iter().copied().min_by(|&a, &b| load[a].cmp(&load[b]).then(a.cmp(&b)));
+                let (Some(hi), Some(lo)) = (hi, lo) else { break };
+                let gap = load[hi].saturating_sub(load[lo]);
+                if gap < 2 {
+                    break;
+                }
+                let delta = (gap / 2).min(caps[e][hi]);
+                caps[e][hi] -= delta;
+                caps[e][lo] += delta;
+                load[hi] -= delta;
+                load[lo] += delta;
+                moved = true;
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    caps
 }
 
 /// Largest-remainder apportionment of `total` over weights `w` (ties to the lower index).
@@ -283,13 +360,12 @@ struct Scratch {
     transport: Transport,
 }
 
-fn expert_routes(e: u32, t: &[u64], r: &[u32], sc: &mut Scratch, out: &mut Vec<Route>) {
+/// Routes of expert `e` given its capacities `sc.cap` (summing to its tokens).
+fn expert_routes(e: u32, t: &[u64], sc: &mut Scratch, out: &mut Vec<Route>) {
     let total: u64 = t.iter().sum();
     if total == 0 {
         return;
     }
-    sc.cap.resize(t.len(), 0);
-    apportion_into(total, r, &mut sc.rems, &mut sc.cap);
     sc.senders.clear();
     sc.receivers.clear();
     sc.excess.clear();
@@ -675,7 +751,46 @@ mod tests {
             let d = DispatchSchedule::compute(&t, &r).unwrap();
             check_invariants(&t, &r, &d)?;
             // A pure function: any rank recomputing it gets the same matrix.
-            prop_assert_eq!(DispatchSchedule::compute(&t, &r).unwrap(), d);
+            prop_assert_eq!(DispatchSchedule::compute(&t, &r).unwrap(), d.clone());
+
+            // The rank-balanced variant: tokens conserved, only holders process, local first
+            // under its own capacities, and no rank busier than under per-replica shares.
+            let b = DispatchSchedule::compute_balanced(&t, &r).unwrap();
+            prop_assert_eq!(DispatchSchedule::compute_balanced(&t, &r).unwrap(), b.clone());
+            let caps = balanced_capacities(&t, &r);
+            let dense = b.dense();
+            for e in 0..experts {
+                prop_assert_eq!(caps[e].iter().sum::<u64>(), t[e].iter().sum::<u64>());
+                for src in 0..ranks {
+                    prop_assert_eq!(dense[e][src].iter().sum::<u64>(), t[e][src]);
+                    prop_assert_eq!(dense[e][src][src], t[e][src].min(caps[e][src]));
+                }
+                for dst in 0..ranks {
+                    let got: u64 = (0..ranks).map(|s| dense[e][s][dst]).sum();
+                    prop_assert_eq!(got, caps[e][dst]);
+                    if r[e][dst] == 0 {
+                        prop_assert_eq!(got, 0);
+                    }
+                }
+            }
+            let max = |v: Vec<u64>| v.into_iter().max().unwrap_or(0);
+            prop_assert!(max(b.processed_per_rank()) <= max(d.processed_per_rank()));
         }
+    }
+
+    #[test]
+    fn balancing_evens_out_a_hot_expert_spread_three_two_two_two() {
+        // 9 replicas of expert 0 over 4 ranks (3, 2, 2, 2), 900 tokens from each rank.
+        let t = vec![vec![900u64; 4]];
+        let r = vec![vec![3u32, 2, 2, 2]];
+        let per_replica = DispatchSchedule::compute(&t, &r).unwrap().processed_per_rank();
+        assert_eq!(per_replica, vec![1200, 800, 800, 800]);
+        let balanced = DispatchSchedule::compute_balanced(&t, &r).unwrap().processed_per_rank();
+        assert_eq!(balanced, vec![900, 900, 900, 900]);
+        // Holder sets limit it: expert 1 lives only on rank 0, so rank 0 gives away all of 0.
+        let t = vec![vec![100u64, 100], vec![300, 0]];
+        let r = vec![vec![1u32, 1], vec![1, 0]];
+        let caps = balanced_capacities(&t, &r);
+        assert_eq!(caps, vec![vec![0, 200], vec![300, 0]]);
     }
 }

@@ -21,7 +21,10 @@ use crate::worker::static_ep_placement;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BenchSystem {
+    /// Replicas from the loads, rank-balanced padding-free dispatch.
     Lazarus,
+    /// The same replicas with the paper's per-replica shares (Algorithm 1 as published).
+    LazarusPerReplica,
     StaticEp,
 }
 
@@ -77,7 +80,7 @@ pub fn skewed_loads(experts: usize, ratio: f64) -> Vec<f64> {
 pub fn bench_placement(system: BenchSystem, loads: &[f64], world: usize, slots: usize) -> Result<Vec<Vec<u32>>, RuntimeError> {
     match system {
         BenchSystem::StaticEp => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
-        BenchSystem::Lazarus => {
+        BenchSystem::Lazarus | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
             let a = allocate(loads, shape.total_slots(), 1)?;
             Ok(place(&a.replicas, shape, Strategy::Lazarus, Some(loads))?.rank_replicas())
@@ -143,7 +146,8 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             top_k: 1,
             timeout,
             mode: match case.system {
-                BenchSystem::Lazarus => DispatchMode::Flexible,
+                BenchSystem::Lazarus => DispatchMode::Balanced,
+                BenchSystem::LazarusPerReplica => DispatchMode::Flexible,
                 BenchSystem::StaticEp => DispatchMode::StaticPadded,
             },
         };

@@ -29,9 +29,12 @@ impl ExpertWeights {
 /// How tokens travel to the experts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DispatchMode {
-    /// Lazarus: any replica may serve a token, shares follow the replica counts, and the
-    /// all-to-all carries exactly the rows that move (no padding).
+    /// Lazarus (Algorithm 1): any replica may serve a token, shares follow the replica counts,
+    /// and the all-to-all carries exactly the rows that move (no padding).
     Flexible,
+    /// As `Flexible`, but an expert's tokens are shared over its holders so that the ranks'
+    /// total loads are even ([`lazarus_plan::DispatchSchedule::compute_balanced`]).
+    Balanced,
     /// The static expert-parallel baseline (DeepSpeed-MoE): one replica per expert, and every
     /// buffer padded to `experts on the receiver × C` rows, C the largest number of tokens any
     /// rank routes to one expert (dropless).
@@ -55,7 +58,7 @@ impl Packing {
         let ranks = layout.send.len();
         let experts = replicas.len();
         match mode {
-            DispatchMode::Flexible => {
+            DispatchMode::Flexible | DispatchMode::Balanced => {
                 let send_rows = layout.send.iter().map(|v| (0..v.len()).collect()).collect();
                 let send_len = layout.send.iter().map(Vec::len).collect();
                 let mut recv_blocks = vec![vec![(0, 0); experts]; ranks];
@@ -241,7 +244,10 @@ impl DistributedMoe {
                 tokens[e][rank] = u64::from_le_bytes(c.try_into().expect("8 bytes"));
             }
         }
-        let schedule = DispatchSchedule::compute(&tokens, &self.replicas)?;
+        let schedule = match self.mode {
+            DispatchMode::Balanced => DispatchSchedule::compute_balanced(&tokens, &self.replicas)?,
+            _ => DispatchSchedule::compute(&tokens, &self.replicas)?,
+        };
         let layout = RankLayout::new(&schedule, me, &choices)?;
         let packing = Packing::new(&layout, self.mode, &self.replicas, &tokens, me)?;
         // Dispatch: the row of h of every slot, at its place in the buffer.

@@ -162,6 +162,8 @@ fn one_to_four_workers_reproduce_the_single_process_trainer() {
         let run = distributed(world, uneven(world, layers, 4), DispatchMode::Flexible, None);
         assert_matches(&run, &reference, &format!("{world} workers"));
     }
+    let run = distributed(3, uneven(3, layers, 4), DispatchMode::Balanced, None);
+    assert_matches(&run, &reference, "3 workers, rank-balanced dispatch");
 }
 
 #[test]
