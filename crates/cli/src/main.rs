@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod moe_bench;
 mod planning;
+mod simulate;
 mod training;
 mod workers;
 
@@ -34,6 +35,8 @@ enum Command {
     /// Train the MoE model (one process, or `--workers N` local worker processes; with no
     /// arguments, the default model on the built-in synthetic corpus).
     Train(Box<training::TrainArgs>),
+    /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
+    Sim(Box<simulate::SimArgs>),
     /// Benchmarks with machine-readable reports.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -67,6 +70,7 @@ fn main() -> ExitCode {
         Command::Train(args) => training::run_train(&args),
         Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
+        Command::Sim(args) => simulate::run_sim(&args),
         Command::Worker => workers::run_worker(),
         Command::BenchWorker => workers::run_bench_worker(),
     };

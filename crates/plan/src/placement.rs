@@ -597,46 +597,48 @@ fn balance_gpus(
         Some(l) => l[e] / replicas[e] as f64,
         None => 1.0,
     };
-    nodes
-        .into_iter()
-        .map(|mut node| {
-            if g == 1 {
-                node.sort_unstable();
-                return node;
-            }
-            let mut keyed: Vec<(f64, ExpertId)> = node.iter().map(|&e| (weight(e), e)).collect();
-            keyed.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            let mut gpus: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(c); g];
-            let mut load = vec![0.0f64; g];
-            for (w, e) in keyed {
-                let mut pick = usize::MAX;
-                let mut pick_has = false;
-                for k in 0..g {
-                    if gpus[k].len() == c {
-                        continue;
-                    }
-                    // Ties on load go to a GPU that already holds the expert.
-                    let better = if pick == usize::MAX || load[k] < load[pick] {
-                        true
-                    } else {
-                        load[k] == load[pick] && !pick_has && gpus[k].contains(&e)
-                    };
-                    if better {
-                        pick = k;
-                        pick_has = gpus[k].contains(&e);
-                    }
+    // Scratch reused across nodes: planning runs per layer on every reconfiguration and
+    // rebalance, so per-node allocations add up (a simulated day at 1K GPUs is ~40k layer plans).
+    let mut nodes = nodes;
+    let mut keyed: Vec<(f64, ExpertId)> = Vec::new();
+    let mut flat: Vec<ExpertId> = vec![0; g * c];
+    let mut fill = vec![0usize; g];
+    let mut load = vec![0.0f64; g];
+    for node in nodes.iter_mut() {
+        if g == 1 {
+            node.sort_unstable();
+            continue;
+        }
+        keyed.clear();
+        keyed.extend(node.iter().map(|&e| (weight(e), e)));
+        keyed.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        fill.iter_mut().for_each(|x| *x = 0);
+        load.iter_mut().for_each(|x| *x = 0.0);
+        for &(w, e) in &keyed {
+            // The least-loaded GPU with a free slot; on ties the first that already holds the
+            // expert, else the first.
+            let min = (0..g).filter(|&k| fill[k] < c).map(|k| load[k]).fold(f64::INFINITY, f64::min);
+            let mut pick = usize::MAX;
+            for k in (0..g).filter(|&k| fill[k] < c && load[k] == min) {
+                if pick == usize::MAX {
+                    pick = k;
                 }
-                gpus[pick].push(e);
-                load[pick] += w;
+                if flat[k * c..k * c + fill[k]].contains(&e) {
+                    pick = k;
+                    break;
+                }
             }
-            gpus.into_iter()
-                .flat_map(|mut gpu| {
-                    gpu.sort_unstable();
-                    gpu
-                })
-                .collect()
-        })
-        .collect()
+            flat[pick * c + fill[pick]] = e;
+            fill[pick] += 1;
+            load[pick] += w;
+        }
+        for gpu in flat.chunks_mut(c) {
+            gpu.sort_unstable();
+        }
+        node.clear();
+        node.extend_from_slice(&flat);
+    }
+    nodes
 }
 
 #[cfg(test)]

@@ -1,0 +1,296 @@
+//! `lazarus sim`: replay a failure/spot trace (or a generated failure pattern) against Lazarus
+//! and the DeepSpeed-MoE baselines in the discrete-event simulator.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lazarus_sim::{parse_duration_ms, simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace};
+use serde::Serialize;
+
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    /// Node trace in Bamboo's format (`ms_offset,add|remove,node_name` per line).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Node availability series (`seconds,count` per line).
+    #[arg(long, value_name = "FILE")]
+    availability: Option<PathBuf>,
+    /// Generated: one random node fails every DUR (e.g. 5m) down to --floor nodes.
+    #[arg(long, value_name = "DUR")]
+    fail_every: Option<String>,
+    /// Generated: K random nodes fail together at time T, written K@T (e.g. 4@10m).
+    #[arg(long, value_name = "K@T")]
+    fail_at_once: Option<String>,
+    /// Generated: every node fails after an exponential time with this mean, and returns
+    /// after --repair.
+    #[arg(long, value_name = "DUR")]
+    poisson_mtbf: Option<String>,
+    #[arg(long, value_name = "DUR", default_value = "10m")]
+    repair: String,
+    /// Nodes at the start of a generated pattern.
+    #[arg(long, default_value_t = 10)]
+    nodes: usize,
+    /// --fail-every stops at this many nodes (default: half of --nodes).
+    #[arg(long)]
+    floor: Option<usize>,
+    #[arg(long, default_value = "gpt-s")]
+    model: String,
+    /// Override the model's MoE layers (e.g. 58 for a DeepSeek-V3-like shape).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Override the model's experts per layer.
+    #[arg(long)]
+    experts: Option<usize>,
+    #[arg(long, default_value = "all")]
+    policy: String,
+    /// Use at most this many nodes; extra live nodes are spares.
+    #[arg(long, default_value_t = 10)]
+    max_nodes: usize,
+    #[arg(long)]
+    gpus_per_node: Option<usize>,
+    #[arg(long)]
+    slots_per_gpu: Option<usize>,
+    /// Replay only [A, B) of the trace, e.g. 0:80m.
+    #[arg(long, value_name = "A:B")]
+    window: Option<String>,
+    /// Simulated time (default: the window, else 30m).
+    #[arg(long, value_name = "DUR")]
+    duration: Option<String>,
+    /// Joined nodes are used after this wait.
+    #[arg(long, value_name = "DUR")]
+    scale_up_wait: Option<String>,
+    #[arg(long)]
+    checkpoint_every_ds: Option<u64>,
+    #[arg(long)]
+    checkpoint_every_ft: Option<u64>,
+    #[arg(long)]
+    checkpoint_every_lazarus: Option<u64>,
+    #[arg(long)]
+    rebalance_every: Option<u64>,
+    #[arg(long)]
+    min_replicas: Option<usize>,
+    /// Expert loads per epoch from a routing-trace JSON (default: seeded skew that drifts).
+    #[arg(long, value_name = "FILE")]
+    loads_trace: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
+    /// Write an SVG of throughput and trained samples over time.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+}
+
+fn dur(field: &str, s: &str) -> Result<u64> {
+    parse_duration_ms(s).with_context(|| format!("--{field}"))
+}
+
+fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
+    let sources = [args.trace.is_some(), args.availability.is_some(), args.fail_every.is_some(), args.fail_at_once.is_some(), args.poisson_mtbf.is_some()];
+    match sources.iter().filter(|&&b| b).count() {
+        0 => bail!("give one of --trace, --availability, --fail-every, --fail-at-once or --poisson-mtbf"),
+        1 => {}
+        _ => bail!("give only one of --trace, --availability, --fail-every, --fail-at-once and --poisson-mtbf"),
+    }
+    if args.nodes == 0 {
+        bail!("invalid --nodes: 0 (must be ≥ 1)");
+    }
+    let window = match &args.window {
+        Some(w) => {
+            let Some((a, b)) = w.split_once(':') else { bail!("invalid --window: {w:?} (expected A:B, e.g. 0:80m)") };
+            let (a, b) = (dur("window", a)?, dur("window", b)?);
+            if b <= a {
+                bail!("invalid --window: {w:?} (the end must be after the start)");
+            }
+            Some((a, b))
+        }
+        None => None,
+    };
+    let default_ms = window.map_or(30 * 60_000, |(a, b)| b - a);
+    let duration_ms = match &args.duration {
+        Some(d) => dur("duration", d)?,
+        None => default_ms,
+    };
+    if duration_ms == 0 {
+        bail!("invalid --duration: 0");
+    }
+    let mut trace = if let Some(p) = &args.trace {
+        let text = std::fs::read_to_string(p).with_context(|| format!("--trace: cannot read {}", p.display()))?;
+        Trace::parse_bamboo(&text, &p.display().to_string())?
+    } else if let Some(p) = &args.availability {
+        let text = std::fs::read_to_string(p).with_context(|| format!("--availability: cannot read {}", p.display()))?;
+        Trace::parse_availability(&text, &p.display().to_string())?
+    } else if let Some(e) = &args.fail_every {
+        let every = dur("fail-every", e)?;
+        if every == 0 {
+            bail!("invalid --fail-every: {e} (must be > 0)");
+        }
+        Trace::fail_every(args.nodes, every, args.floor.unwrap_or(args.nodes / 2), args.seed)
+    } else if let Some(k) = &args.fail_at_once {
+        let Some((k, t)) = k.split_once('@') else { bail!("invalid --fail-at-once: {k:?} (expected K@T, e.g. 4@10m)") };
+        let k: usize = k.parse().map_err(|_| anyhow::anyhow!("invalid --fail-at-once: count {k:?}"))?;
+        Trace::fail_at_once(args.nodes, k, dur("fail-at-once", t)?, args.seed)
+    } else {
+        let mtbf = dur("poisson-mtbf", args.poisson_mtbf.as_deref().unwrap_or_default())?;
+        if mtbf == 0 {
+            bail!("invalid --poisson-mtbf: 0 (must be > 0)");
+        }
+        Trace::poisson(args.nodes, mtbf as f64, dur("repair", &args.repair)?, duration_ms, args.seed)
+    };
+    if let Some((a, b)) = window {
+        trace = trace.window(a, b);
+    }
+    let mut model = ModelSpec::preset(&args.model)?;
+    if let Some(l) = args.layers {
+        model.layers = l;
+    }
+    if let Some(e) = args.experts {
+        model.experts = e;
+    }
+    let mut cost = CostModel::default();
+    if let Some(g) = args.gpus_per_node {
+        cost.gpus_per_node = g;
+    }
+    if let Some(c) = args.slots_per_gpu {
+        cost.slots_per_gpu = c;
+    }
+    if let Some(w) = &args.scale_up_wait {
+        cost.scale_up_wait_s = dur("scale-up-wait", w)? as f64 / 1000.0;
+    }
+    if let Some(k) = args.checkpoint_every_ds {
+        cost.checkpoint_every_ds = k;
+    }
+    if let Some(k) = args.checkpoint_every_ft {
+        cost.checkpoint_every_ds_ft = k;
+    }
+    if let Some(k) = args.checkpoint_every_lazarus {
+        cost.checkpoint_every_lazarus = k;
+    }
+    if let Some(k) = args.rebalance_every {
+        cost.rebalance_every = k;
+    }
+    if let Some(f) = args.min_replicas {
+        cost.min_replicas = f;
+    }
+    let loads = match &args.loads_trace {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("--loads-trace: cannot read {}", p.display()))?;
+            LoadModel::from_trace_json(&text, model.layers, model.experts)?
+        }
+        None => LoadModel::Skewed { seed: args.seed, skew: 1.0, drift: 0.3 },
+    };
+    let policies = match args.policy.as_str() {
+        "all" => vec![Policy::Lazarus, Policy::Ds, Policy::DsFt],
+        "lazarus" => vec![Policy::Lazarus],
+        "ds" => vec![Policy::Ds],
+        "ds-ft" => vec![Policy::DsFt],
+        other => bail!("invalid --policy: {other:?} (expected lazarus, ds, ds-ft or all)"),
+    };
+    Ok((Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0 }, policies))
+}
+
+#[derive(Serialize)]
+struct PolicyJson<'a> {
+    policy: &'static str,
+    trained_samples: f64,
+    avg_samples_per_s: f64,
+    steps: u64,
+    restarts: u64,
+    reconfigurations: u64,
+    rebalances: u64,
+    checkpoints: u64,
+    breakdown: &'a lazarus_sim::Breakdown,
+    nodes_in_use: &'a [(f64, usize)],
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    policies: Vec<PolicyJson<'a>>,
+    model: &'a ModelSpec,
+    cost: &'a CostModel,
+    duration_s: f64,
+    trace_events: usize,
+    /// Seconds the simulation itself took.
+    sim_wall_s: f64,
+}
+
+pub fn run_sim(args: &SimArgs) -> Result<()> {
+    let (scenario, policies) = build(args)?;
+    let start = Instant::now();
+    let reports: Vec<PolicyReport> = policies.iter().map(|&p| simulate(&scenario, p)).collect::<Result<_, _>>()?;
+    let sim_wall_s = start.elapsed().as_secs_f64();
+    if let Some(path) = &args.plot {
+        let title = format!("{} on {} nodes max, {:.0} min", scenario.model.name, scenario.max_nodes, scenario.duration_s / 60.0);
+        std::fs::write(path, lazarus_sim::svg::render(&reports, scenario.duration_s, &title)).with_context(|| format!("--plot: cannot write {}", path.display()))?;
+    }
+    if args.json {
+        let report = Report {
+            policies: reports
+                .iter()
+                .map(|r| PolicyJson {
+                    policy: r.policy.name(),
+                    trained_samples: r.trained_samples,
+                    avg_samples_per_s: r.avg_samples_per_s,
+                    steps: r.steps,
+                    restarts: r.restarts,
+                    reconfigurations: r.reconfigurations,
+                    rebalances: r.rebalances,
+                    checkpoints: r.checkpoints,
+                    breakdown: &r.breakdown,
+                    nodes_in_use: &r.nodes_in_use,
+                })
+                .collect(),
+            model: &scenario.model,
+            cost: &scenario.cost,
+            duration_s: scenario.duration_s,
+            trace_events: scenario.trace.events.len(),
+            sim_wall_s,
+        };
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} ({} layers x {} experts), {:.0} min, at most {} nodes, {} trace events; simulated in {:.2} s",
+        scenario.model.name,
+        scenario.model.layers,
+        scenario.model.experts,
+        scenario.duration_s / 60.0,
+        scenario.max_nodes,
+        scenario.trace.events.len(),
+        sim_wall_s
+    );
+    println!(
+        "{:<8} {:>12} {:>9} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "policy", "samples", "samples/s", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
+    );
+    let pct = |x: f64| format!("{:.0}%", 100.0 * x / scenario.duration_s);
+    for r in &reports {
+        let b = &r.breakdown;
+        println!(
+            "{:<8} {:>12.0} {:>9.2} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+            r.policy.name(),
+            r.trained_samples,
+            r.avg_samples_per_s,
+            r.restarts,
+            r.reconfigurations,
+            pct(b.compute_s),
+            pct(b.checkpoint_s),
+            pct(b.restart_s),
+            pct(b.lost_work_s),
+            pct(b.reconfig_s),
+            pct(b.rebalance_s),
+            pct(b.idle_s)
+        );
+    }
+    let get = |p: Policy| reports.iter().find(|r| r.policy == p).map(|r| r.trained_samples);
+    if let Some(l) = get(Policy::Lazarus) {
+        for p in [Policy::Ds, Policy::DsFt] {
+            if let Some(x) = get(p) {
+                println!("lazarus / {}: {:.2}x samples", p.name(), l / x.max(1e-9));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! `lazarus sim` as a real process: JSON shape, the plot, and clear errors for bad traces.
+
+use std::process::{Command, Output};
+
+fn lazarus(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
+}
+
+fn dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lazarus-sim-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
+    let d = dir("json");
+    let svg = d.join("out.svg");
+    let out = lazarus(&["sim", "--fail-every", "5m", "--model", "gpt-l", "--duration", "30m", "--json", "--plot", svg.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let policies = v["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies.iter().map(|p| p["policy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["lazarus", "ds", "ds-ft"]);
+    for p in policies {
+        for key in ["trained_samples", "avg_samples_per_s", "restarts", "reconfigurations"] {
+            assert!(p[key].is_number(), "{key} in {p}");
+        }
+        let b = &p["breakdown"];
+        let total: f64 = ["compute_s", "checkpoint_s", "restart_s", "lost_work_s", "reconfig_s", "rebalance_s", "idle_s"]
+            .iter()
+            .map(|k| b[k].as_f64().unwrap())
+            .sum();
+        assert!((total - 1800.0).abs() < 1e-3, "{}: {total}", p["policy"]);
+    }
+    assert_eq!(policies[0]["restarts"], 0, "single failures never cost Lazarus a restart");
+    assert!(policies[0]["trained_samples"].as_f64().unwrap() > policies[1]["trained_samples"].as_f64().unwrap());
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 6, "two panels x three policies");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_traces_and_flags_are_named() {
+    let d = dir("bad");
+    let trace = d.join("t.csv");
+    std::fs::write(&trace, "0,add,a\n0,add,b\n60000,explode,a\n").unwrap();
+    let out = lazarus(&["sim", "--trace", trace.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 3") && err.contains("explode"), "{err}");
+    for (args, expect) in [
+        (vec!["sim"], "--fail-every"),
+        (vec!["sim", "--fail-every", "5m", "--model", "gpt-xxl"], "gpt-xxl"),
+        (vec!["sim", "--fail-every", "soon"], "--fail-every"),
+        (vec!["sim", "--fail-every", "5m", "--window", "80m:10m"], "--window"),
+        (vec!["sim", "--fail-every", "5m", "--policy", "magic"], "--policy"),
+        (vec!["sim", "--fail-every", "5m", "--poisson-mtbf", "1h"], "only one"),
+    ] {
+        let out = lazarus(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(expect) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn replays_the_p3_spot_trace_when_present() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/traces/p3-trace.csv");
+    if !std::path::Path::new(path).exists() {
+        eprintln!("skipping: {path} is absent");
+        return;
+    }
+    let out = lazarus(&["sim", "--trace", path, "--window", "0:80m", "--max-nodes", "10", "--model", "gpt-l", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let samples = |i: usize| v["policies"][i]["trained_samples"].as_f64().unwrap();
+    assert!(samples(0) > samples(2) && samples(2) > samples(1), "lazarus > ds-ft > ds on the spot trace");
+}

@@ -1,0 +1,164 @@
+//! The cost model: every time the simulator charges comes from a parameter here, with defaults
+//! from the paper's testbed (§6.1): 10 single-GPU nodes with 6 expert slots each, 100 Gbps
+//! network, checkpoints to NFS over 10 Gbps, reconfiguration 20–40 s of which 10–20 s is the
+//! NCCL time-out, per-GPU batch 4 × 1024 tokens, checkpoints every 50 (DS) / 250 (DS-FT,
+//! Lazarus) steps, rebalancing every 200 steps.
+
+use serde::Serialize;
+
+use crate::error::SimError;
+
+/// A model of Table 1, plus the two numbers the paper gives only in prose (expert state size)
+/// and the ones it does not give at all (step time, expert share), which are our assumptions.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSpec {
+    pub name: String,
+    pub layers: usize,
+    pub d_model: usize,
+    pub experts: usize,
+    pub params: f64,
+    /// Weights + optimizer state of one expert of one layer, bytes (§6.3: 63 MB GPT-S, 112 MB GPT-L).
+    pub expert_state_bytes: f64,
+    /// Seconds per step when every GPU has the same expert load (assumed: 0.5 s GPT-S,
+    /// 0.75 s GPT-M/L, consistent with the 2,926 and 1,996 steps in 30 min of Fig. 6).
+    pub balanced_step_s: f64,
+    /// Share of a balanced step spent in expert FFNs (assumed 0.5); the rest does not depend on
+    /// the expert load.
+    pub expert_fraction: f64,
+}
+
+impl ModelSpec {
+    pub fn preset(name: &str) -> Result<Self, SimError> {
+        let (layers, d_model, experts, params, state_mb, step) = match name {
+            "gpt-s" => (12, 768, 8, 521e6, 63.0, 0.5),
+            "gpt-m" => (12, 1024, 12, 1.3e9, 112.0, 0.75),
+            "gpt-l" => (12, 1024, 16, 1.7e9, 112.0, 0.75),
+            other => return Err(SimError::invalid("model", other, "expected gpt-s, gpt-m or gpt-l")),
+        };
+        Ok(ModelSpec {
+            name: name.to_string(),
+            layers,
+            d_model,
+            experts,
+            params,
+            expert_state_bytes: state_mb * 1e6,
+            balanced_step_s: step,
+            expert_fraction: 0.5,
+        })
+    }
+
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.layers == 0 || self.experts == 0 {
+            return Err(SimError::invalid("model", format!("{} layers × {} experts", self.layers, self.experts), "both must be ≥ 1"));
+        }
+        for (field, v) in [("model.params", self.params), ("model.expert_state_bytes", self.expert_state_bytes), ("model.balanced_step_s", self.balanced_step_s)] {
+            if !v.is_finite() || v <= 0.0 {
+                return Err(SimError::invalid(field, v, "must be finite and > 0"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.expert_fraction) {
+            return Err(SimError::invalid("model.expert_fraction", self.expert_fraction, "must be in [0, 1]"));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostModel {
+    pub gpus_per_node: usize,
+    pub slots_per_gpu: usize,
+    /// Sequences per GPU per step (the paper keeps the per-GPU batch, so throughput follows the
+    /// number of GPUs in use).
+    pub samples_per_gpu: usize,
+    pub network_gbps: f64,
+    pub storage_gbps: f64,
+    /// Bytes of checkpointed state per parameter (fp16 weights + fp32 master + two moments).
+    pub bytes_per_param: f64,
+    /// Waiting for the collective time-out after a failure (paper: 10–20 s).
+    pub failure_timeout_s: f64,
+    /// Rebuilding communication groups for a new configuration (paper: 5–15 s).
+    pub group_rebuild_s: f64,
+    /// Relaunching every process and initialising, before the checkpoint is read.
+    pub restart_s: f64,
+    /// Fixed cost of a periodic rebalance besides its state transfers (lazy, at a step
+    /// boundary: no time-out to wait for).
+    pub rebalance_s: f64,
+    pub checkpoint_every_ds: u64,
+    pub checkpoint_every_ds_ft: u64,
+    pub checkpoint_every_lazarus: u64,
+    pub rebalance_every: u64,
+    /// Joined nodes are used only after this wait, to batch joins (§6.4: 2 minutes).
+    pub scale_up_wait_s: f64,
+    /// Lazarus's fault-tolerance floor f (replicas per expert), lowered when slots run short.
+    pub min_replicas: usize,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            gpus_per_node: 1,
+            slots_per_gpu: 6,
+            samples_per_gpu: 4,
+            network_gbps: 100.0,
+            storage_gbps: 10.0,
+            bytes_per_param: 16.0,
+            failure_timeout_s: 15.0,
+            group_rebuild_s: 10.0,
+            restart_s: 60.0,
+            rebalance_s: 2.0,
+            checkpoint_every_ds: 50,
+            checkpoint_every_ds_ft: 250,
+            checkpoint_every_lazarus: 250,
+            rebalance_every: 200,
+            scale_up_wait_s: 120.0,
+            min_replicas: 2,
+        }
+    }
+}
+
+impl CostModel {
+    pub fn validate(&self) -> Result<(), SimError> {
+        for (field, v) in [("gpus_per_node", self.gpus_per_node), ("slots_per_gpu", self.slots_per_gpu), ("samples_per_gpu", self.samples_per_gpu)] {
+            if v == 0 {
+                return Err(SimError::invalid(field, v, "must be ≥ 1"));
+            }
+        }
+        for (field, v) in [("network_gbps", self.network_gbps), ("storage_gbps", self.storage_gbps), ("bytes_per_param", self.bytes_per_param)] {
+            if !v.is_finite() || v <= 0.0 {
+                return Err(SimError::invalid(field, v, "must be finite and > 0"));
+            }
+        }
+        for (field, v) in [
+            ("failure_timeout_s", self.failure_timeout_s),
+            ("group_rebuild_s", self.group_rebuild_s),
+            ("restart_s", self.restart_s),
+            ("rebalance_s", self.rebalance_s),
+            ("scale_up_wait_s", self.scale_up_wait_s),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(SimError::invalid(field, v, "must be finite and ≥ 0"));
+            }
+        }
+        for (field, v) in [
+            ("checkpoint_every_ds", self.checkpoint_every_ds),
+            ("checkpoint_every_ds_ft", self.checkpoint_every_ds_ft),
+            ("checkpoint_every_lazarus", self.checkpoint_every_lazarus),
+            ("rebalance_every", self.rebalance_every),
+        ] {
+            if v == 0 {
+                return Err(SimError::invalid(field, v, "must be ≥ 1 step"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Seconds to write (or read) the whole model state to (from) remote storage.
+    pub fn checkpoint_s(&self, model: &ModelSpec) -> f64 {
+        model.params * self.bytes_per_param * 8.0 / (self.storage_gbps * 1e9)
+    }
+
+    /// Seconds to move `bytes` over one node's network link.
+    pub fn transfer_s(&self, bytes: f64) -> f64 {
+        bytes * 8.0 / (self.network_gbps * 1e9)
+    }
+}
