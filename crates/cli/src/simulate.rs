@@ -71,6 +71,9 @@ pub struct SimArgs {
     rebalance_every: Option<u64>,
     #[arg(long)]
     min_replicas: Option<usize>,
+    /// Seconds to relaunch and initialise after a failure, before reading the checkpoint.
+    #[arg(long)]
+    restart_s: Option<f64>,
     /// Expert loads per epoch from a routing-trace JSON (default: seeded skew that drifts).
     #[arg(long, value_name = "FILE")]
     loads_trace: Option<PathBuf>,
@@ -173,6 +176,9 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
     }
     if let Some(f) = args.min_replicas {
         cost.min_replicas = f;
+    }
+    if let Some(r) = args.restart_s {
+        cost.restart_s = r;
     }
     let loads = match &args.loads_trace {
         Some(p) => {
