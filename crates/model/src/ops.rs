@@ -440,16 +440,12 @@ mod fused_tests {
     }
 }
 
-/// One expert's FFN, y = GELU(x·W1 + b1)·W2 + b2, as a single autograd node: forward and
-/// backward are row-major GEMMs on the raw buffers plus one fused elementwise pass, instead of a
-/// dozen candle nodes that each allocate, zero-fill and accumulate activation-sized gradients.
-/// Weights come packed with their bias as the last row: W1b = [W1; b1] (d+1 × f),
-/// W2b = [W2; b2] (f+1 × d). The forward keeps its pre-activation and activation (n×f each) in
-/// the node for the backward, which recomputes them only if they are gone.
-#[derive(Default)]
-struct ExpertFfn {
-    saved: std::sync::Mutex<Option<Saved>>,
-}
+// One expert's FFN, y = GELU(x·W1 + b1)·W2 + b2, as GEMMs on the raw buffers plus one fused
+// elementwise pass, instead of a dozen candle nodes that each allocate, zero-fill and accumulate
+// activation-sized gradients. Weights come packed with their bias as the last row:
+// W1b = [W1; b1] (d+1 × f), W2b = [W2; b2] (f+1 × d). The forward keeps its pre-activation and
+// activation (n×f each) for the backward, which recomputes them only if they are gone. The
+// autograd node is `GroupedExpertFfn` (one expert is a group of one).
 
 /// Hidden pre-activation h and activation gelu(h) of one forward.
 enum Saved {
@@ -581,84 +577,10 @@ fn contiguous_slice<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T
     Ok(&v[start..end])
 }
 
-impl candle_core::CustomOp3 for ExpertFfn {
-    fn name(&self) -> &'static str {
-        "lazarus-expert-ffn"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (n, d) = l1.shape().dims2()?;
-        let (d1, f) = l2.shape().dims2()?;
-        if d1 != d + 1 || l3.shape().dims2()? != (f + 1, d) {
-            candle_core::bail!("expert ffn: shapes {:?} {:?} {:?} do not match", l1.shape(), l2.shape(), l3.shape());
-        }
-        let (out, saved) = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => {
-                let (h, a, y) = ffn_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, n, d, f);
-                (CpuStorage::F32(y), Saved::F32(h, a))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => {
-                let (h, a, y) = ffn_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, n, d, f);
-                (CpuStorage::F64(y), Saved::F64(h, a))
-            }
-            _ => candle_core::bail!("expert ffn: f32 or f64 inputs of one dtype"),
-        };
-        if let Ok(mut slot) = self.saved.lock() {
-            *slot = Some(saved);
-        }
-        Ok((out, Shape::from((n, d))))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w1b: &Tensor,
-        w2b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, d) = x.dims2()?;
-        let f = w1b.dim(1)?;
-        let dev = x.device();
-        let saved = self.saved.lock().ok().and_then(|mut s| s.take());
-        let (gx, g1, g2) = match x.dtype() {
-            candle_core::DType::F32 => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
-                let saved = match saved {
-                    Some(Saved::F32(h, a)) => Some((h, a)),
-                    _ => None,
-                };
-                let (gx, g1, g2) = ffn_bwd_f32(&v(x)?, &v(w1b)?, &v(w2b)?, &v(grad)?, n, d, f, saved);
-                (Tensor::from_vec(gx, (n, d), dev)?, Tensor::from_vec(g1, (d + 1, f), dev)?, Tensor::from_vec(g2, (f + 1, d), dev)?)
-            }
-            _ => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
-                let saved = match saved {
-                    Some(Saved::F64(h, a)) if x.dtype() == candle_core::DType::F64 => Some((h, a)),
-                    _ => None,
-                };
-                let (gx, g1, g2) = ffn_bwd_f64(&v(x)?, &v(w1b)?, &v(w2b)?, &v(grad)?, n, d, f, saved);
-                (Tensor::from_vec(gx, (n, d), dev)?, Tensor::from_vec(g1, (d + 1, f), dev)?, Tensor::from_vec(g2, (f + 1, d), dev)?)
-            }
-        };
-        Ok((Some(gx), Some(g1), Some(g2)))
-    }
-}
-
 /// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
 /// all five.
 pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
-    let w1b = Tensor::cat(&[w1, &b1.unsqueeze(0)?], 0)?;
-    let w2b = Tensor::cat(&[w2, &b2.unsqueeze(0)?], 0)?;
-    x.contiguous()?.apply_op3(&w1b, &w2b, ExpertFfn::default())
+    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
 }
 
 #[cfg(test)]
@@ -1202,7 +1124,7 @@ mod grouped_tests {
     use candle_core::{Device, Var};
 
     #[test]
-    fn grouped_experts_match_one_node_per_expert_with_gradients() {
+    fn grouped_experts_match_the_composite_per_expert_with_gradients() {
         let (d, f) = (5, 6);
         let counts = [3usize, 0, 4, 1];
         let mut r = crate::rng::SplitMix64::new(17);
@@ -1221,7 +1143,8 @@ mod grouped_tests {
         for (e, &n) in counts.iter().enumerate() {
             if n > 0 {
                 let w = &refs[e];
-                parts.push(expert_ffn(&x.as_tensor().narrow(0, row, n).unwrap(), w[0], w[1], w[2], w[3]).unwrap());
+                let h = x.as_tensor().narrow(0, row, n).unwrap().matmul(w[0]).unwrap().broadcast_add(w[1]).unwrap();
+                parts.push(gelu(&h).unwrap().matmul(w[2]).unwrap().broadcast_add(w[3]).unwrap());
             }
             row += n;
         }

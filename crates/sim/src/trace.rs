@@ -38,13 +38,7 @@ impl Trace {
         let mut events = Vec::new();
         let mut present = BTreeSet::new();
         let mut last = 0u64;
-        for (i, raw) in text.lines().enumerate() {
-            let line = i + 1;
-            let s = raw.trim();
-            if s.is_empty() || s.starts_with('#') {
-                continue;
-            }
-            let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        for (line, s, parts) in data_lines(text) {
             if parts.len() != 3 {
                 return Err(bad(line, format!("expected ms_offset,add|remove,node_name, got {s:?}")));
             }
@@ -83,13 +77,7 @@ impl Trace {
         let mut present: Vec<String> = Vec::new();
         let mut next_id = 0usize;
         let mut last = 0.0f64;
-        for (i, raw) in text.lines().enumerate() {
-            let line = i + 1;
-            let s = raw.trim();
-            if s.is_empty() || s.starts_with('#') {
-                continue;
-            }
-            let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        for (line, s, parts) in data_lines(text) {
             if parts.len() != 2 {
                 return Err(bad(line, format!("expected seconds,count, got {s:?}")));
             }
@@ -195,6 +183,15 @@ impl Trace {
     pub fn end_ms(&self) -> u64 {
         self.events.last().map_or(0, |e| e.ms)
     }
+}
+
+/// (1-based line number, trimmed line, comma-separated fields) of every line that is neither
+/// blank nor a `#` comment.
+fn data_lines(text: &str) -> impl Iterator<Item = (usize, &str, Vec<&str>)> {
+    text.lines().enumerate().filter_map(|(i, raw)| {
+        let s = raw.trim();
+        (!s.is_empty() && !s.starts_with('#')).then(|| (i + 1, s, s.split(',').map(str::trim).collect()))
+    })
 }
 
 fn initial(nodes: usize) -> Vec<TraceEvent> {
