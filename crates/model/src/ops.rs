@@ -386,6 +386,26 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
 }
 
+/// Shared helpers of this file's tests.
+#[cfg(test)]
+mod testing {
+    use candle_core::{Device, Tensor, Var};
+
+    /// Seeded f64 variables of any shape with entries ~ N(0, scale²).
+    pub fn vars(seed: u64, scale: f64) -> impl FnMut(&[usize]) -> Var {
+        let mut r = crate::rng::SplitMix64::new(seed);
+        move |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            Var::from_vec((0..n).map(|_| r.normal() * scale).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
+        }
+    }
+
+    /// Largest absolute elementwise difference.
+    pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    }
+}
+
 #[cfg(test)]
 mod fused_tests {
     use super::*;
@@ -586,21 +606,16 @@ pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor
 #[cfg(test)]
 mod ffn_tests {
     use super::*;
-    use candle_core::{Device, Var};
 
     #[test]
     fn fused_expert_ffn_matches_composite_with_gradients() {
-        let mut r = crate::rng::SplitMix64::new(9);
-        let mut var = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            Var::from_vec((0..n).map(|_| r.normal() * 0.5).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-        };
+        let mut var = testing::vars(9, 0.5);
         let (x, w1, b1, w2, b2) = (var(&[7, 5]), var(&[5, 6]), var(&[6]), var(&[6, 5]), var(&[5]));
         let probe = var(&[7, 5]);
         let ours = expert_ffn(x.as_tensor(), w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()).unwrap();
         let h = x.as_tensor().matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap();
         let theirs = gelu(&h).unwrap().matmul(w2.as_tensor()).unwrap().broadcast_add(b2.as_tensor()).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        let diff = testing::max_diff;
         assert!(diff(&ours, &theirs) < 1e-12);
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
@@ -785,17 +800,13 @@ pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tenso
 #[cfg(test)]
 mod attention_tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::Device;
 
     #[test]
     fn fused_attention_matches_composite_with_gradient() {
         let (b, t, d, heads) = (2, 7, 12, 3);
         let dh = d / heads;
-        let mut r = crate::rng::SplitMix64::new(21);
-        let mut var = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            Var::from_vec((0..n).map(|_| r.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-        };
+        let mut var = testing::vars(21, 1.0);
         let qkv = var(&[b, t, 3 * d]);
         let probe = var(&[b, t, d]);
         let ours = causal_attention(qkv.as_tensor(), heads).unwrap();
@@ -808,7 +819,7 @@ mod attention_tests {
         let e = scores.broadcast_add(&mask).unwrap().exp().unwrap();
         let att = e.broadcast_div(&e.sum_keepdim(candle_core::D::Minus1).unwrap()).unwrap();
         let theirs = att.matmul(&v).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((b, t, d)).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        let diff = testing::max_diff;
         assert!(diff(&ours, &theirs) < 1e-12, "forward differs by {}", diff(&ours, &theirs));
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
@@ -932,19 +943,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor>
 #[cfg(test)]
 mod linear_tests {
     use super::*;
-    use candle_core::{Device, Var};
 
     #[test]
     fn fused_linear_matches_composite_with_gradients() {
-        let mut r = crate::rng::SplitMix64::new(5);
-        let mut var = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            Var::from_vec((0..n).map(|_| r.normal()).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-        };
+        let mut var = testing::vars(5, 1.0);
         let (x, w, b, probe) = (var(&[9, 4]), var(&[4, 6]), var(&[6]), var(&[9, 6]));
         let ours = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
         let theirs = x.as_tensor().matmul(w.as_tensor()).unwrap().broadcast_add(b.as_tensor()).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        let diff = testing::max_diff;
         assert!(diff(&ours, &theirs) < 1e-12);
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
@@ -1121,17 +1127,13 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
 #[cfg(test)]
 mod grouped_tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::Var;
 
     #[test]
     fn grouped_experts_match_the_composite_per_expert_with_gradients() {
         let (d, f) = (5, 6);
         let counts = [3usize, 0, 4, 1];
-        let mut r = crate::rng::SplitMix64::new(17);
-        let mut var = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            Var::from_vec((0..n).map(|_| r.normal() * 0.5).collect::<Vec<f64>>(), shape, &Device::Cpu).unwrap()
-        };
+        let mut var = testing::vars(17, 0.5);
         let rows: usize = counts.iter().sum();
         let x = var(&[rows, d]);
         let probe = var(&[rows, d]);
@@ -1149,7 +1151,7 @@ mod grouped_tests {
             row += n;
         }
         let theirs = Tensor::cat(&parts, 0).unwrap();
-        let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        let diff = testing::max_diff;
         assert!(diff(&ours, &theirs) < 1e-12);
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
