@@ -188,7 +188,7 @@ fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
 
 /// Replica counts per worker from `lazarus plan --json` output (`{"layers":[{"placement":
 /// [[expert ids] per node]}]}`), one node per worker.
-fn read_placement_file(path: &Path, world: usize) -> Result<LayerPlacement> {
+fn read_placement_file(path: &Path, world: usize, n_experts: usize) -> Result<LayerPlacement> {
     #[derive(Deserialize)]
     struct Layer {
         placement: Vec<Vec<usize>>,
@@ -205,8 +205,10 @@ fn read_placement_file(path: &Path, world: usize) -> Result<LayerPlacement> {
         if layer.placement.len() != world {
             bail!("--placement-file: layer {l} places experts on {} nodes, but --workers is {world}", layer.placement.len());
         }
-        let experts = layer.placement.iter().flatten().max().map_or(0, |m| m + 1);
-        let mut r = vec![vec![0u32; world]; experts];
+        if let Some(e) = layer.placement.iter().flatten().find(|&&e| e >= n_experts) {
+            bail!("--placement-file: layer {l} places expert {e}, but the model has {n_experts} experts");
+        }
+        let mut r = vec![vec![0u32; world]; n_experts];
         for (node, ids) in layer.placement.iter().enumerate() {
             for &e in ids {
                 r[e][node] += 1;
@@ -400,7 +402,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         }
         static_ep_placement(moe_layers, experts, world)
     } else if let Some(path) = &args.placement_file {
-        read_placement_file(path, world)?
+        read_placement_file(path, world, experts)?
     } else {
         if args.profile_steps == 0 {
             bail!("invalid --profile-steps: 0 (the measured-load plan needs at least 1; or give --placement-file)");
@@ -455,6 +457,8 @@ fn supervise(
     let mut finished: Vec<Option<Result<Option<PathBuf>, String>>> = (0..world).map(|_| None).collect();
     let mut ready = 0;
     let mut reporter: Option<Reporter> = None;
+    // Rank 0 may report steps before every other rank's `ready` has been read.
+    let mut early: Vec<(StepReport, f64)> = Vec::new();
     let mut failed_at: Option<Instant> = None;
     let mut first_failure: Option<String> = None;
     loop {
@@ -477,14 +481,17 @@ fn supervise(
                 eprintln!("worker {rank}: pid {pid} ready");
                 ready += 1;
                 if ready == world {
-                    reporter = Some(Reporter::new(args, cfg, first_step)?);
+                    let mut r = Reporter::new(args, cfg, first_step)?;
+                    for (report, seconds) in early.drain(..) {
+                        r.step(&report, seconds)?;
+                    }
+                    reporter = Some(r);
                 }
             }
-            Some(WorkerEvent::Step { report, seconds, .. }) => {
-                if let Some(r) = reporter.as_mut() {
-                    r.step(&report, seconds)?;
-                }
-            }
+            Some(WorkerEvent::Step { report, seconds, .. }) => match reporter.as_mut() {
+                Some(r) => r.step(&report, seconds)?,
+                None => early.push((report, seconds)),
+            },
             Some(WorkerEvent::Done { checkpoint }) => finished[rank] = Some(Ok(checkpoint)),
             Some(WorkerEvent::Listening { .. } | WorkerEvent::BenchResults { .. }) => {}
             Some(WorkerEvent::Failed { kind, message }) => {

@@ -97,6 +97,10 @@ impl DispatchSchedule {
                 ));
             }
         }
+        // Rank loads add up over experts (balancing, per-rank totals): bound the grand total too.
+        if tokens.iter().flatten().try_fold(0u64, |acc, &x| acc.checked_add(x)).is_none_or(|total| total > u64::MAX / 2) {
+            return Err(PlanError::invalid("tokens", "all experts", "token counts overflow"));
+        }
         let mut routes = Vec::with_capacity(experts * ranks * 2);
         let mut start = Vec::with_capacity(experts + 1);
         let mut scratch = Scratch::default();

@@ -238,6 +238,9 @@ pub fn place(
                 expected: replicas.len(),
             });
         }
+        if let Some((e, x)) = l.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
+            return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
+        }
     }
     let s = shape.slots_per_node();
     let n = shape.nodes;

@@ -311,6 +311,7 @@ impl DistributedMoe {
         let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         // Load-balancing loss share (see the field's doc).
         let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
+        // Cannot overflow: the dispatch schedule above bounds the grand total.
         let assignments: u64 = global_load.iter().sum();
         let global_tokens = (assignments / k as u64).max(1) as f64;
         let f: Vec<f32> = global_load.iter().map(|&c| c as f32 / assignments.max(1) as f32).collect();

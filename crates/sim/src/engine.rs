@@ -139,7 +139,7 @@ struct Run<'a> {
     ckpt_samples: f64,
     compute_since_ckpt: f64,
     busy: Option<(Busy, f64)>,
-    /// A checkpoint due at the same step as a rebalance, taken after it.
+    /// A checkpoint due at the same step as a rebalance or scale-up, taken after it.
     pending_checkpoint: bool,
     b: Breakdown,
     restarts: u64,
@@ -257,20 +257,33 @@ pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, Sim
         // Joiners are taken at the first step boundary after they are ready.
         let t_scale_boundary = if t_scale.is_finite() {
             let wait = (t_scale - run.now).max(0.0) + run.partial_s;
-            run.now + (wait / step_s).ceil().max(1.0) * step_s - run.partial_s
+            run.now + (wait / step_s).ceil() * step_s - run.partial_s
         } else {
             f64::INFINITY
         };
         let t = t_event.min(end).min(t_boundary).min(t_scale_boundary);
         run.train_until(t, step_s);
-        if t == t_event && t_event <= t_boundary && t_event <= t_scale_boundary {
+        // At a checkpoint/rebalance boundary: joiners due by now are taken first (their
+        // reconfiguration replans anyway) and the checkpoint follows it; otherwise the boundary's
+        // own work. Events at the same instant are then taken by the busy branch at zero
+        // elapsed time.
+        if t == t_boundary {
+            if t_scale_boundary <= t_boundary {
+                run.pending_checkpoint = run.policy != Policy::Ds && run.step % run.checkpoint_every() == 0;
+                run.scale_up()?;
+                if run.busy.is_none() {
+                    run.pending_checkpoint = false;
+                    run.at_boundary()?;
+                }
+            } else {
+                run.at_boundary()?;
+            }
+        } else if t == t_event && t_event <= t_scale_boundary {
             let v = groups[gi].1.clone();
             gi += 1;
             run.apply_events(&v)?;
-        } else if t == t_scale_boundary && t_scale_boundary <= t_boundary {
+        } else if t == t_scale_boundary {
             run.scale_up()?;
-        } else if t == t_boundary {
-            run.at_boundary()?;
         }
     }
     // A step still running at the end never finished.
@@ -531,7 +544,7 @@ impl Run<'_> {
                 self.ckpt_samples = self.samples;
                 self.compute_since_ckpt = 0.0;
             }
-            Busy::Rebalance if self.pending_checkpoint => {
+            Busy::Rebalance | Busy::Reconfig if self.pending_checkpoint => {
                 self.pending_checkpoint = false;
                 self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
             }
@@ -950,6 +963,43 @@ mod tests {
         assert!(r[0].trained_samples > r[2].trained_samples);
         assert_eq!(r[0].nodes_in_use.first().map(|x| x.1), Some(10));
         assert!(r[1].restarts >= 5, "ds restarts on every failure");
+    }
+
+    #[test]
+    fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
+        // Checkpoint after every step, so the step boundary where a joiner is taken is always
+        // also a checkpoint boundary. One node fails at 30 s (the checkpoint in flight is lost)
+        // and the run ends during a checkpoint; a spare joins at 40 s. Every other step must
+        // have its checkpoint, the scale-up's included.
+        let mut text = String::new();
+        for n in 0..10 {
+            text.push_str(&format!("0,add,n{n}\n"));
+        }
+        text.push_str("30000,remove,n3\n40000,add,spare\n");
+        let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 2.0);
+        s.cost.checkpoint_every_lazarus = 1;
+        s.cost.scale_up_wait_s = 0.0;
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert_eq!(r.reconfigurations, 2, "the failure and the scale-up");
+        assert!(r.checkpoints + 2 >= r.steps, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+
+        // Exact timing: 0.5 s steps (no imbalance), near-free checkpoints every 4 steps, no
+        // rebalance. A spare joins at 3.7 s, so it is taken at the 4.0 s boundary — step 8, a
+        // checkpoint step. That checkpoint must follow the scale-up: one per 4 steps, exactly.
+        let mut text = String::new();
+        for n in 0..4 {
+            text.push_str(&format!("0,add,n{n}\n"));
+        }
+        text.push_str("3700,add,spare\n");
+        let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 0.5);
+        s.model.expert_fraction = 0.0;
+        s.model.params = 1e3;
+        s.cost.checkpoint_every_lazarus = 4;
+        s.cost.rebalance_every = 1_000_000;
+        s.cost.scale_up_wait_s = 0.0;
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert_eq!(r.reconfigurations, 1);
+        assert_eq!(r.checkpoints, r.steps / 4, "{} checkpoints for {} steps", r.checkpoints, r.steps);
     }
 
     #[test]
