@@ -99,10 +99,13 @@ fn bad_worker_settings_are_named() {
     let log = d.join("x.jsonl");
     let bad = d.join("bad.json");
     std::fs::write(&bad, r#"{"layers": [{"placement": [[0, 1], [2, 3]]}]}"#).unwrap();
+    let huge = d.join("huge.json");
+    std::fs::write(&huge, r#"{"layers": [{"placement": [[18446744073709551615], [0]]}, {"placement": [[0], [1]]}]}"#).unwrap();
     for (extra, expect) in [
         (vec!["--workers", "0"], "--workers"),
         (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "3"),
         (vec!["--workers", "2", "--placement-file", bad.to_str().unwrap()], "MoE layers"),
+        (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "the model has 4 experts"),
         (vec!["--workers", "9"], "batch_size"),
         (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
     ] {

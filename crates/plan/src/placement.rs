@@ -673,6 +673,15 @@ mod tests {
     }
 
     #[test]
+    fn non_finite_or_negative_loads_are_an_error() {
+        let shape = ClusterShape::new(1, 2, 2).unwrap();
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            let e = place(&[2, 2], shape, Strategy::Compact, Some(&[1.0, bad])).unwrap_err().to_string();
+            assert!(e.contains("expert 1"), "{e}");
+        }
+    }
+
+    #[test]
     fn strategy_names_round_trip_and_unknown_is_an_error() {
         for s in Strategy::ALL {
             assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
