@@ -61,9 +61,28 @@ fn tune_allocator() {
     }
 }
 
+/// Commands that only print let a closed pipe end them quietly (`lazarus sim | head`), as Unix
+/// tools do; Rust ignores SIGPIPE and `println!` would panic. Commands that talk to worker
+/// processes or sockets keep ignoring it, so a dead peer is an error they report, not a kill.
+fn quiet_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
     tune_allocator();
     let cli = Cli::parse();
+    let printing_only = match &cli.command {
+        Command::Plan(_) | Command::Prob(_) | Command::Sim(_) | Command::Bench(BenchCommand::Train(_)) => true,
+        Command::Train(args) => !args.uses_workers(),
+        _ => false,
+    };
+    if printing_only {
+        quiet_on_closed_pipe();
+    }
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),

@@ -120,6 +120,13 @@ fn off_or<T: std::str::FromStr>(field: &str, value: &str) -> Result<Option<T>> {
         .map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a number or 'off')"))
 }
 
+impl TrainArgs {
+    /// Whether this run starts worker processes.
+    pub fn uses_workers(&self) -> bool {
+        self.workers.is_some()
+    }
+}
+
 /// The configuration: defaults, then the TOML file, then flags.
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     let mut c = match &args.config {
