@@ -139,7 +139,13 @@ fn rows_parallel(input: &[f64], width: usize, f: impl Fn(&[f64], &mut [f64]) + S
     out
 }
 
-fn host(t: &Tensor) -> candle_core::Result<Vec<f64>> {
+/// A tensor's elements, flattened, as f32 (for fused kernels' backward on f32 tensors).
+fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// A tensor's elements, flattened, as f64 (any float dtype).
+fn host_f64(t: &Tensor) -> candle_core::Result<Vec<f64>> {
     t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()
 }
 
@@ -193,8 +199,8 @@ impl CustomOp1 for SoftmaxLast {
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let width = res.dims().last().copied().unwrap_or(1);
-        let s = host(res)?;
-        let g = host(grad)?;
+        let s = host_f64(res)?;
+        let g = host_f64(grad)?;
         let mut packed = Vec::with_capacity(2 * s.len());
         for (sr, gr) in s.chunks(width).zip(g.chunks(width)) {
             packed.extend_from_slice(sr);
@@ -363,12 +369,12 @@ impl candle_core::CustomOp3 for LayerNorm {
         let dev = x.device();
         let (dx, dw, db) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                let v = host_f32;
                 let (dx, dw, db) = layer_norm_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, self.eps);
                 (Tensor::from_vec(dx, x.shape(), dev)?, Tensor::from_vec(dw, w.shape(), dev)?, Tensor::from_vec(db, w.shape(), dev)?)
             }
             _ => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
+                let v = host_f64;
                 let (dx, dw, db) = layer_norm_bwd_f64(&v(x)?, &v(w)?, &v(grad)?, self.eps);
                 (
                     Tensor::from_vec(dx, x.shape(), dev)?.to_dtype(x.dtype())?,
@@ -778,11 +784,11 @@ impl CustomOp1 for CausalAttention {
         let d = d3 / 3;
         let dqkv = match arg.dtype() {
             candle_core::DType::F32 => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                let v = host_f32;
                 Tensor::from_vec(attention_bwd_f32(&v(arg)?, &v(grad)?, b, t, d, self.heads), (b, t, d3), arg.device())?
             }
             _ => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
+                let v = host_f64;
                 let g = attention_bwd_f64(&v(arg)?, &v(grad)?, b, t, d, self.heads);
                 Tensor::from_vec(g, (b, t, d3), arg.device())?.to_dtype(arg.dtype())?
             }
@@ -921,12 +927,12 @@ impl candle_core::CustomOp3 for LinearOp {
         let dev = x.device();
         let (gx, gw, gb) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                let v = host_f32;
                 let (gx, gw, gb) = linear_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, n, din, dout);
                 (Tensor::from_vec(gx, (n, din), dev)?, Tensor::from_vec(gw, (din, dout), dev)?, Tensor::from_vec(gb, dout, dev)?)
             }
             _ => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
+                let v = host_f64;
                 let (gx, gw, gb) = linear_bwd_f64(&v(x)?, &v(w)?, &v(grad)?, n, din, dout);
                 (Tensor::from_vec(gx, (n, din), dev)?, Tensor::from_vec(gw, (din, dout), dev)?, Tensor::from_vec(gb, dout, dev)?)
             }
@@ -1092,12 +1098,12 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         let saved = self.saved.lock().ok().and_then(|mut s| s.take());
         let (gx, g1, g2) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_vec1::<f32>());
+                let v = host_f32;
                 let (gx, g1, g2) = grouped_bwd_f32(&v(x)?, &v(w1s)?, &v(w2s)?, &v(grad)?, &self.counts, d, f, saved);
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
             _ => {
-                let v = |t: &Tensor| t.flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F64)).and_then(|t| t.to_vec1::<f64>());
+                let v = host_f64;
                 let saved = saved.filter(|_| x.dtype() == candle_core::DType::F64);
                 let (gx, g1, g2) = grouped_bwd_f64(&v(x)?, &v(w1s)?, &v(w2s)?, &v(grad)?, &self.counts, d, f, saved);
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
