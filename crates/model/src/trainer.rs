@@ -135,28 +135,7 @@ impl RoutingTrace {
             reason,
         };
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let steps: Vec<Vec<Vec<f64>>> = if value.pointer("/0/0/0").is_some() {
-            serde_json::from_value(value).map_err(|e| bad(format!("expected [[[loads]]]: {e}")))?
-        } else {
-            vec![serde_json::from_value(value).map_err(|e| bad(format!("expected [[loads per expert] per layer]: {e}")))?]
-        };
-        if steps.is_empty() {
-            return Err(bad("holds no steps".into()));
-        }
-        for (s, layers) in steps.iter().enumerate() {
-            if layers.len() != moe_layers {
-                return Err(bad(format!("step {s} has {} layers, the model has {moe_layers} MoE layers", layers.len())));
-            }
-            for (l, loads) in layers.iter().enumerate() {
-                if loads.len() != experts {
-                    return Err(bad(format!("step {s} layer {l} has {} loads, the model has {experts} experts", loads.len())));
-                }
-                if let Some(x) = loads.iter().find(|x| !x.is_finite() || **x < 0.0) {
-                    return Err(bad(format!("step {s} layer {l}: load {x} is not finite and ≥ 0")));
-                }
-            }
-        }
+        let steps = lazarus_plan::parse_load_trace(&text, moe_layers, experts).map_err(|e| bad(e.to_string()))?;
         Ok(RoutingTrace { steps })
     }
 

@@ -11,6 +11,7 @@
 pub mod allocation;
 pub mod dispatch;
 mod error;
+pub mod load_trace;
 pub mod nodeset;
 pub mod placement;
 pub mod reconfig;
@@ -20,6 +21,7 @@ pub mod rng;
 pub use allocation::{allocate, ReplicaAllocation};
 pub use dispatch::{DispatchSchedule, RankLayout, TokenCounts};
 pub use error::PlanError;
+pub use load_trace::parse_load_trace;
 pub use placement::{place, ClusterShape, Placement, Strategy};
 pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
 pub use recovery::{recovery_curve, recovery_probability, RecoveryEstimate, RecoveryMethod};

@@ -24,30 +24,7 @@ impl Default for LoadModel {
 impl LoadModel {
     /// Read a routing trace: `[[loads per expert] per layer]` (one epoch) or a list of those.
     pub fn from_trace_json(text: &str, layers: usize, experts: usize) -> Result<Self, SimError> {
-        let bad = |reason: String| SimError::invalid("loads trace", "file", reason);
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let epochs: Vec<Vec<Vec<f64>>> = if v.pointer("/0/0/0").is_some() {
-            serde_json::from_value(v).map_err(|e| bad(format!("expected [[[loads]]]: {e}")))?
-        } else {
-            vec![serde_json::from_value(v).map_err(|e| bad(format!("expected [[loads per expert] per layer]: {e}")))?]
-        };
-        if epochs.is_empty() {
-            return Err(bad("holds no epochs".into()));
-        }
-        for (k, ls) in epochs.iter().enumerate() {
-            if ls.len() != layers {
-                return Err(bad(format!("epoch {k} has {} layers, the model has {layers}", ls.len())));
-            }
-            for (l, row) in ls.iter().enumerate() {
-                if row.len() != experts {
-                    return Err(bad(format!("epoch {k} layer {l} has {} loads, the model has {experts} experts", row.len())));
-                }
-                if let Some(x) = row.iter().find(|x| !x.is_finite() || **x < 0.0) {
-                    return Err(bad(format!("epoch {k} layer {l}: load {x} is not finite and ≥ 0")));
-                }
-            }
-        }
-        Ok(LoadModel::Trace(epochs))
+        Ok(LoadModel::Trace(lazarus_plan::parse_load_trace(text, layers, experts)?))
     }
 
     /// Loads of every layer in epoch `epoch` (normalised to sum 1 per layer).
