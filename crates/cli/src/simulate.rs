@@ -74,7 +74,8 @@ pub struct SimArgs {
     /// Seconds to relaunch and initialise after a failure, before reading the checkpoint.
     #[arg(long)]
     restart_s: Option<f64>,
-    /// Expert loads per epoch from a routing-trace JSON (default: seeded skew that drifts).
+    /// Expert loads per rebalance epoch from a routing trace: JSON [[loads per expert] per
+    /// layer], a list of those, or a `lazarus train --json-log` (default: seeded drifting skew).
     #[arg(long, value_name = "FILE")]
     loads_trace: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]

@@ -57,6 +57,18 @@ fn json_log_checkpoint_and_resume() {
         .collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "step-00000005");
+    // The log is a routing trace the simulator replays (its layers and experts must match).
+    let n_experts = lines[0]["expert_load"][0].as_array().unwrap().len().to_string();
+    let trace = ["sim", "--fail-every", "5m", "--duration", "20m", "--layers", "2", "--experts", &n_experts, "--loads-trace", log.to_str().unwrap(), "--json"];
+    let out = lazarus(&trace);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["policies"].as_array().unwrap().len(), 3);
+    let mut wrong = trace.to_vec();
+    wrong[8] = "3";
+    let out = lazarus(&wrong);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("3 experts"), "{err}");
 }
 
 #[test]

@@ -674,16 +674,24 @@ impl Run<'_> {
         let new = self.lazarus_plan(n, self.plan_epoch())?;
         let layers = new.len();
         let bytes = self.s.model.expert_state_bytes;
-        // What each of the nodes holds now.
-        let held: Vec<Vec<Vec<usize>>> = nodes
+        // Where each of the nodes sits in the current plan (None: it holds nothing).
+        let old: &[Placement] = match &self.config {
+            Some(Config::Lazarus(old)) => old,
+            _ => &[],
+        };
+        let old_index: Vec<Option<usize>> = nodes
             .iter()
-            .map(|name| match (&self.config, self.used.iter().position(|u| u == name)) {
-                (Some(Config::Lazarus(old)), Some(i)) => old.iter().map(|p| p.nodes()[i].clone()).collect(),
-                _ => Vec::new(),
-            })
+            .map(|name| self.used.iter().position(|u| u == name).filter(|_| !old.is_empty()))
             .collect();
         let (order, transfer_s) = if n * layers <= 4096 {
-            let live: Vec<NodeState> = held.iter().enumerate().map(|(i, e)| NodeState { node: i as u64, experts: e.clone() }).collect();
+            let live: Vec<NodeState> = old_index
+                .iter()
+                .enumerate()
+                .map(|(i, o)| NodeState {
+                    node: i as u64,
+                    experts: o.map(|o| old.iter().map(|p| p.nodes()[o].clone()).collect()).unwrap_or_default(),
+                })
+                .collect();
             let rp = plan_reconfiguration(&live, &new, &vec![bytes as u64; layers])?;
             let mut sent: BTreeMap<u64, f64> = BTreeMap::new();
             let mut recv: BTreeMap<u64, f64> = BTreeMap::new();
@@ -698,16 +706,20 @@ impl Run<'_> {
             // Large clusters: keep each node on its own index and count what it lacks (the exact
             // assignment is O(N³) per event).
             let mut worst = 0.0f64;
-            let mut have = vec![false; self.s.model.experts];
-            for (i, h) in held.iter().enumerate() {
+            // have[e] == stamp: the node holds expert e in the layer being looked at.
+            let mut have = vec![0u32; self.s.model.experts];
+            let mut stamp = 0u32;
+            for (i, o) in old_index.iter().enumerate() {
                 let mut need = 0usize;
                 for (l, p) in new.iter().enumerate() {
-                    have.iter_mut().for_each(|x| *x = false);
-                    h.get(l).into_iter().flatten().for_each(|&e| have[e] = true);
+                    stamp += 1;
+                    if let (Some(o), Some(was)) = (o, old.get(l)) {
+                        was.nodes()[*o].iter().for_each(|&e| have[e] = stamp);
+                    }
                     for &e in &p.nodes()[i] {
-                        if !have[e] {
+                        if have[e] != stamp {
                             need += 1;
-                            have[e] = true;
+                            have[e] = stamp;
                         }
                     }
                 }
