@@ -269,16 +269,85 @@ impl Running {
     }
 }
 
+/// How much of the machine each worker gets, so that a worker stands for one accelerator of
+/// its own: by default workers share every core (an idle rank's core then goes to a busy one,
+/// which hides load imbalance).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Confinement {
+    Shared,
+    /// Worker r pinned to cores [r·C, (r+1)·C), thread pools sized to C.
+    Cores(usize),
+    /// Each worker in its own Linux cgroup capped at this many CPUs (CFS bandwidth, 10 ms
+    /// period), for machines with fewer cores than workers; needs write access to the cgroup
+    /// cpu controller (v1 `/sys/fs/cgroup/cpu` or v2 `/sys/fs/cgroup`).
+    CpuQuota(f64),
+}
+
+/// Per-worker cgroups created for [`Confinement::CpuQuota`]; removed when dropped (once the
+/// workers have exited; a cgroup with live processes cannot be removed).
+pub struct QuotaGroups {
+    dirs: Vec<PathBuf>,
+}
+
+impl Drop for QuotaGroups {
+    fn drop(&mut self) {
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+impl QuotaGroups {
+    fn create(world: usize, cpus: f64) -> Result<Self> {
+        const PERIOD_US: u64 = 10_000;
+        let quota = (cpus * PERIOD_US as f64).round() as u64;
+        let v1 = Path::new("/sys/fs/cgroup/cpu");
+        let (base, v2) = if v1.join("cpu.cfs_quota_us").exists() {
+            (v1.to_path_buf(), false)
+        } else if std::fs::read_to_string("/sys/fs/cgroup/cgroup.subtree_control").is_ok_and(|c| c.split_whitespace().any(|x| x == "cpu")) {
+            (PathBuf::from("/sys/fs/cgroup"), true)
+        } else {
+            bail!("invalid --cpus-per-worker: no writable cgroup cpu controller (cgroup v1 /sys/fs/cgroup/cpu or v2 with cpu in /sys/fs/cgroup/cgroup.subtree_control)");
+        };
+        let mut groups = QuotaGroups { dirs: Vec::with_capacity(world) };
+        for rank in 0..world {
+            let dir = base.join(format!("lazarus-{}-{rank}", std::process::id()));
+            std::fs::create_dir_all(&dir).with_context(|| format!("--cpus-per-worker: cannot create cgroup {}", dir.display()))?;
+            groups.dirs.push(dir.clone());
+            let write = |file: &str, value: String| {
+                std::fs::write(dir.join(file), &value).with_context(|| format!("--cpus-per-worker: cannot write {value:?} to {}", dir.join(file).display()))
+            };
+            if v2 {
+                write("cpu.max", format!("{quota} {PERIOD_US}"))?;
+            } else {
+                write("cpu.cfs_period_us", PERIOD_US.to_string())?;
+                write("cpu.cfs_quota_us", quota.to_string())?;
+            }
+        }
+        Ok(groups)
+    }
+}
+
 /// Start `world` copies of this binary's hidden `subcommand`, send each its [`WorkerSpec`], wait
-/// for every rank's listening address and send all of them the list. With `cores_per_worker`,
-/// worker r is pinned to cores [r·C, (r+1)·C) and its thread pools sized to C, as a GPU would be
-/// its own. On any failure the started workers are killed.
-pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, cores_per_worker: Option<usize>) -> Result<(Vec<Running>, Events)> {
+/// for every rank's listening address and send all of them the list, each worker confined as
+/// `confine` says. On any failure the started workers are killed. Keep the returned
+/// [`QuotaGroups`] until the workers have exited.
+pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, confine: Confinement) -> Result<(Vec<Running>, Events, Option<QuotaGroups>)> {
     let exe = std::env::current_exe().context("locating the lazarus binary")?;
-    if let Some(c) = cores_per_worker {
-        let have = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if c == 0 || c * world > have {
-            bail!("invalid --cores-per-worker: {c} x {world} workers needs {} cores, this machine has {have}", c * world);
+    let mut quota_groups = None;
+    match confine {
+        Confinement::Shared => {}
+        Confinement::Cores(c) => {
+            let have = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if c == 0 || c * world > have {
+                bail!("invalid --cores-per-worker: {c} x {world} workers needs {} cores, this machine has {have}", c * world);
+            }
+        }
+        Confinement::CpuQuota(f) => {
+            if !f.is_finite() || f < 0.01 {
+                bail!("invalid --cpus-per-worker: {f} (expected a number of CPUs ≥ 0.01)");
+            }
+            quota_groups = Some(QuotaGroups::create(world, f)?);
         }
     }
     let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
@@ -288,9 +357,18 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
         for rank in 0..world {
             let mut cmd = Command::new(&exe);
             cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-            if let Some(c) = cores_per_worker {
-                cmd.env("RAYON_NUM_THREADS", c.to_string());
-                pin(&mut cmd, rank * c..(rank + 1) * c);
+            match confine {
+                Confinement::Shared => {}
+                Confinement::Cores(c) => {
+                    cmd.env("RAYON_NUM_THREADS", c.to_string());
+                    pin(&mut cmd, rank * c..(rank + 1) * c);
+                }
+                Confinement::CpuQuota(f) => {
+                    cmd.env("RAYON_NUM_THREADS", (f.ceil() as usize).max(1).to_string());
+                    if let Some(g) = &quota_groups {
+                        join_cgroup(&mut cmd, &g.dirs[rank].join("cgroup.procs"))?;
+                    }
+                }
             }
             let mut child = cmd.spawn().with_context(|| format!("starting worker {rank}"))?;
             let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker {rank}: no stdout"))?;
@@ -343,7 +421,38 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
         }
         return Err(e);
     }
-    Ok((workers, rx))
+    Ok((workers, rx, quota_groups))
+}
+
+/// Move the child into the cgroup whose `cgroup.procs` is `procs` before it runs any code.
+fn join_cgroup(cmd: &mut Command, procs: &Path) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::CommandExt;
+        let path = std::ffi::CString::new(procs.as_os_str().as_bytes()).context("cgroup path")?;
+        // SAFETY: between fork and exec the closure only calls open, write and close on a path
+        // built before the fork — all async-signal-safe. Writing "0" moves the calling process.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let ok = libc::write(fd, b"0".as_ptr().cast(), 1) == 1;
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                if ok {
+                    Ok(())
+                } else {
+                    Err(err)
+                }
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (cmd, procs);
+    Ok(())
 }
 
 /// Restrict the child to `cores` (Linux; elsewhere only the thread-pool size applies).
@@ -428,7 +537,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     }
 
     let job = TrainJob { config: cfg.clone(), placement, static_ep: args.static_ep, resume };
-    let (mut workers, rx) = launch("worker", world, args.comm_timeout, &job, None)?;
+    let (mut workers, rx, _quota) = launch("worker", world, args.comm_timeout, &job, Confinement::Shared)?;
     let result = supervise(&mut workers, &rx, args, &cfg, trainer.step, trainer.unigram_entropy());
     if result.is_err() {
         // Nothing may outlive a failed run.

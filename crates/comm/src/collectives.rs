@@ -139,7 +139,7 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
         return Ok(());
     }
     if buf.len() * 4 <= RING_THRESHOLD_BYTES || buf.len() < m {
-        let all = all_gather(t, g, &f32_to_bytes(buf), timeout)?;
+        let all = all_gather(t, g, &f32_wire(buf), timeout)?;
         let parts: Vec<Vec<f32>> = all.iter().map(|b| bytes_to_f32(b)).collect::<Result<_, _>>()?;
         for p in &parts {
             if p.len() != buf.len() {
@@ -162,28 +162,27 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
     let bounds: Vec<(usize, usize)> = (0..m).map(|c| (c * buf.len() / m, (c + 1) * buf.len() / m)).collect();
     // Reduce-scatter: after m−1 steps member `pos` holds the full sum of chunk (pos+1) mod m.
     // Pass chunk `send_c` to the next member and receive chunk `recv_c` from the previous one.
-    let exchange = |t: &mut dyn Transport, g: &mut Group, buf: &[f32], send_c: usize, recv_c: usize| {
+    let exchange = |t: &mut dyn Transport, g: &mut Group, buf: &mut [f32], send_c: usize, recv_c: usize, add: bool| {
         let tag = g.next_tag();
         let (s0, s1) = bounds[send_c];
-        t.send(next, tag, &f32_to_bytes(&buf[s0..s1]), deadline)?;
-        let got = bytes_to_f32(&t.recv(prev, tag, deadline)?)?;
+        t.send(next, tag, &f32_wire(&buf[s0..s1]), deadline)?;
+        let got = t.recv(prev, tag, deadline)?;
         let (r0, r1) = bounds[recv_c];
-        if got.len() != r1 - r0 {
+        if whole_f32s(&got)? != r1 - r0 {
             return Err(CommError::Protocol {
                 peer: prev,
-                reason: format!("ring chunk of {} values, expected {}", got.len(), r1 - r0),
+                reason: format!("ring chunk of {} bytes, expected {} values", got.len(), r1 - r0),
             });
         }
-        Ok((r0, got))
+        apply_f32(&mut buf[r0..r1], &got, add);
+        Ok::<(), CommError>(())
     };
     for step in 0..m - 1 {
-        let (r0, got) = exchange(t, g, buf, (pos + m - step) % m, (pos + m - step - 1) % m)?;
-        buf[r0..r0 + got.len()].iter_mut().zip(&got).for_each(|(a, b)| *a += b);
+        exchange(t, g, buf, (pos + m - step) % m, (pos + m - step - 1) % m, true)?;
     }
     // All-gather the reduced chunks around the ring.
     for step in 0..m - 1 {
-        let (r0, got) = exchange(t, g, buf, (pos + 1 + m - step) % m, (pos + m - step) % m)?;
-        buf[r0..r0 + got.len()].copy_from_slice(&got);
+        exchange(t, g, buf, (pos + 1 + m - step) % m, (pos + m - step) % m, false)?;
     }
     Ok(())
 }
@@ -210,16 +209,42 @@ pub fn recv_named(t: &mut dyn Transport, peer: usize, tag: u64, timeout: Duratio
     Ok((name, payload[4 + len..].to_vec()))
 }
 
+/// The wire form of f32 values (little-endian).
 pub fn f32_to_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    f32_wire(v).into_owned()
 }
 
-pub fn bytes_to_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
+/// `v` as wire bytes: a view without copying on little-endian machines.
+pub fn f32_wire(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+fn whole_f32s(b: &[u8]) -> Result<usize, CommError> {
     if b.len() % 4 != 0 {
         return Err(CommError::Protocol {
             peer: usize::MAX,
             reason: format!("{} bytes is not a whole number of f32 values", b.len()),
         });
     }
-    Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    Ok(b.len() / 4)
+}
+
+pub fn bytes_to_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
+    let mut out = vec![0f32; whole_f32s(b)?];
+    out.iter_mut().zip(b.chunks_exact(4)).for_each(|(o, c)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    Ok(out)
+}
+
+/// `out[i] += value i of b` (or `=` when `add` is false), straight from the wire bytes.
+fn apply_f32(out: &mut [f32], b: &[u8], add: bool) {
+    let vals = b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    if add {
+        out.iter_mut().zip(vals).for_each(|(o, v)| *o += v);
+    } else {
+        out.iter_mut().zip(vals).for_each(|(o, v)| *o = v);
+    }
 }

@@ -14,7 +14,7 @@ mod error;
 mod tcp;
 
 pub use collectives::{Group, RING_THRESHOLD_BYTES, 
-    all_gather, all_reduce_sum_f32, all_to_all_v, barrier, broadcast, bytes_to_f32, f32_to_bytes, recv_named, send_named,
+    all_gather, all_reduce_sum_f32, all_to_all_v, barrier, broadcast, bytes_to_f32, f32_to_bytes, f32_wire, recv_named, send_named,
 };
 pub use error::CommError;
 pub use tcp::{Rendezvous, TcpTransport};

@@ -99,8 +99,10 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
             let _ = tx.send(closed(format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit")));
             return;
         }
-        // Grow the buffer as bytes arrive, so a lying header cannot make us allocate up front.
-        let mut payload = Vec::with_capacity((len as usize).min(1 << 20));
+        // Reserve up to 64 MiB from the header (a tensor-sized frame then lands without
+        // regrowing); beyond that grow as bytes arrive, so a lying header cannot make us
+        // allocate up to the frame limit.
+        let mut payload = Vec::with_capacity((len as usize).min(64 << 20));
         match (&mut stream).take(len).read_to_end(&mut payload) {
             Ok(n) if n as u64 == len => {}
             Ok(_) => {

@@ -25,7 +25,10 @@ pub enum BenchSystem {
     Lazarus,
     /// The same replicas with the paper's per-replica shares (Algorithm 1 as published).
     LazarusPerReplica,
+    /// DeepSpeed-MoE: one replica per expert, padded buffers, padding rows computed.
     StaticEp,
+    /// Static EP that skips computing the padding rows (stronger than DeepSpeed).
+    StaticEpSkipPadding,
 }
 
 /// One measured configuration.
@@ -66,6 +69,9 @@ pub struct BenchResult {
     pub step_s: f64,
     /// Replicas per expert of the plan that ran.
     pub replicas: Vec<u32>,
+    /// Rows the experts computed in one forward, over all ranks (padding included where the
+    /// system computes it); the routed rows are `tokens × ranks`.
+    pub expert_rows: u64,
 }
 
 /// Per-expert loads in units of the mean with expert 0 hot: it receives `ratio`× the mean, the
@@ -79,7 +85,7 @@ pub fn skewed_loads(experts: usize, ratio: f64) -> Vec<f64> {
 /// them; static EP splits experts evenly, one replica each.
 pub fn bench_placement(system: BenchSystem, loads: &[f64], world: usize, slots: usize) -> Result<Vec<Vec<u32>>, RuntimeError> {
     match system {
-        BenchSystem::StaticEp => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
+        BenchSystem::StaticEp | BenchSystem::StaticEpSkipPadding => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
         BenchSystem::Lazarus | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
             let a = allocate(loads, shape.total_slots(), 1)?;
@@ -149,10 +155,11 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
                 BenchSystem::Lazarus => DispatchMode::Balanced,
                 BenchSystem::LazarusPerReplica => DispatchMode::Flexible,
                 BenchSystem::StaticEp => DispatchMode::StaticPadded,
+                BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
             },
         };
         let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
-        let (mut times, mut wire, mut needed) = (Vec::new(), 0u64, 0u64);
+        let (mut times, mut wire, mut needed, mut rows) = (Vec::new(), 0u64, 0u64, 0u64);
         for it in 0..spec.warmup + spec.iters {
             barrier(t, world, timeout)?;
             let start = Instant::now();
@@ -163,21 +170,24 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
                 times.push(elapsed);
                 wire += fwd.wire_bytes + grads.wire_bytes;
                 needed += 4 * fwd.rows_sent * d as u64 * 4;
+                rows = fwd.expert_rows;
             }
         }
         // Step time is the slowest rank's; bytes are summed over ranks.
-        let mine: Vec<u8> = [median(&mut times).to_le_bytes(), (wire as f64).to_le_bytes(), (needed as f64).to_le_bytes()].concat();
+        let mine: Vec<u8> =
+            [median(&mut times).to_le_bytes(), (wire as f64).to_le_bytes(), (needed as f64).to_le_bytes(), (rows as f64).to_le_bytes()].concat();
         let all = all_gather(t, world, &mine, timeout)?;
         let mut step_s = 0.0f64;
-        let (mut wire_all, mut needed_all) = (0.0, 0.0);
+        let (mut wire_all, mut needed_all, mut rows_all) = (0.0, 0.0, 0.0);
         for (r, b) in all.iter().enumerate() {
-            if b.len() != 24 {
+            if b.len() != 32 {
                 return Err(RuntimeError::Invalid { field: "bench result", reason: format!("rank {r} sent {} bytes", b.len()) });
             }
             let at = |i: usize| f64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
             step_s = step_s.max(at(0));
             wire_all += at(1);
             needed_all += at(2);
+            rows_all += at(3);
         }
         results.push(BenchResult {
             system: case.system,
@@ -186,6 +196,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
             step_s,
             replicas: replicas.iter().map(|r| r.iter().sum()).collect(),
+            expert_rows: rows_all as u64,
         });
     }
     Ok(results)

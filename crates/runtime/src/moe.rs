@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
-use lazarus_comm::{all_gather, all_reduce_sum_f32, all_to_all_v, bytes_to_f32, f32_to_bytes, Group, Transport};
+use lazarus_comm::{all_gather, all_reduce_sum_f32, all_to_all_v, bytes_to_f32, f32_to_bytes, f32_wire, Group, Transport};
 use lazarus_model::ops::{expert_ffn, softmax_last};
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
@@ -37,8 +37,20 @@ pub enum DispatchMode {
     Balanced,
     /// The static expert-parallel baseline (DeepSpeed-MoE): one replica per expert, and every
     /// buffer padded to `experts on the receiver × C` rows, C the largest number of tokens any
-    /// rank routes to one expert (dropless).
+    /// rank routes to one expert (dropless). As in DeepSpeed, whose experts run on the whole
+    /// `[ranks · C, d]` capacity buffer they receive, the padding rows are computed too (they
+    /// get zero gradients, so results are unchanged).
     StaticPadded,
+    /// As `StaticPadded` on the wire, but experts compute only the real rows: a stronger
+    /// baseline than DeepSpeed (what a dropless grouped-GEMM implementation would do).
+    StaticSkipPadding,
+}
+
+impl DispatchMode {
+    /// One replica per expert, buffers padded to the largest load.
+    pub fn is_static(self) -> bool {
+        matches!(self, DispatchMode::StaticPadded | DispatchMode::StaticSkipPadding)
+    }
 }
 
 /// Row positions inside the all-to-all buffers, shared by the four exchanges of a step.
@@ -72,7 +84,7 @@ impl Packing {
                 }
                 Ok(Packing { send_rows, send_len, recv_blocks, recv_len })
             }
-            DispatchMode::StaticPadded => {
+            DispatchMode::StaticPadded | DispatchMode::StaticSkipPadding => {
                 if let Some(e) = replicas.iter().position(|r| r.iter().sum::<u32>() != 1) {
                     return Err(RuntimeError::Invalid {
                         field: "placement",
@@ -103,6 +115,7 @@ impl Packing {
                     .map(|src| {
                         (0..experts)
                             .map(|e| match mine.iter().position(|&x| x == e) {
+                                Some(b) if mode == DispatchMode::StaticPadded => (b * cap, cap),
                                 Some(b) => (b * cap, layout.recv[src][e] as usize),
                                 None => (0, 0),
                             })
@@ -148,6 +161,8 @@ pub struct MoeForward {
     packing: Packing,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
     pub wire_bytes: u64,
+    /// Rows this rank's experts computed (padding included when the mode computes it).
+    pub expert_rows: u64,
     /// Input to the combine segment: expert outputs of this rank's slots [n·k, d].
     slots_in: Var,
     /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
@@ -159,14 +174,15 @@ pub struct MoeForward {
 /// Buffers for each destination: `rows(dst, i)` is the row of entry i, placed at
 /// `at[dst][i]`; `len[dst]` rows in all (the rest is padding).
 fn pack<'a>(at: &[Vec<usize>], len: &[usize], d: usize, rows: impl Fn(usize, usize) -> &'a [f32]) -> Vec<Vec<u8>> {
+    let row_bytes = d * 4;
     at.iter()
         .enumerate()
         .map(|(dst, positions)| {
-            let mut buf = vec![0f32; len[dst] * d];
+            let mut buf = vec![0u8; len[dst] * row_bytes];
             for (i, &r) in positions.iter().enumerate() {
-                buf[r * d..(r + 1) * d].copy_from_slice(rows(dst, i));
+                buf[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&f32_wire(rows(dst, i)));
             }
-            f32_to_bytes(&buf)
+            buf
         })
         .collect()
 }
@@ -327,6 +343,7 @@ impl DistributedMoe {
             layout,
             packing,
             wire_bytes,
+            expert_rows: segments.iter().map(|s| s.3.iter().map(|b| b.1 as u64).sum::<u64>()).sum(),
             slots_in,
             expert_segments: segments,
             n,
@@ -397,6 +414,11 @@ impl DistributedMoe {
 
     /// Slot gradients → experts (on their holders) → input gradients back on the token's rank;
     /// expert gradients summed over each expert's holders.
+    ///
+    /// The experts' backward runs on a helper thread in the order of their all-reduce buckets
+    /// while this thread all-reduces each bucket as soon as its gradients are ready, so the
+    /// replicas' gradient traffic overlaps the remaining experts' compute instead of following
+    /// it (static EP, one replica per expert, has no such traffic to hide).
     fn backward_from_slots(&self, t: &mut dyn Transport, world: &mut Group, fwd: &MoeForward, d_slots: &[f32]) -> Result<ExpertGrads, RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
         let ranks = t.world();
@@ -411,29 +433,94 @@ impl DistributedMoe {
         let mut wire_bytes = wire(&sends, me);
         let received = all_to_all_v(t, world, &sends, self.timeout)?;
         let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
-        // Expert segments backward, in the same order as forward.
-        let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
-        let mut expert_grads: BTreeMap<usize, [Tensor; 4]> = BTreeMap::new();
-        for (e, x, y, blocks) in &fwd.expert_segments {
-            let total: usize = blocks.iter().map(|b| b.1).sum();
-            let mut gy = Vec::with_capacity(total * d);
-            for (src, &(o, c)) in blocks.iter().enumerate() {
-                gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
-            }
-            let gy = Tensor::from_vec(gy, (total, d), &Device::Cpu)?;
-            let grads = (y * gy)?.sum_all()?.backward()?;
-            let weights = &self.experts[e];
-            let get = |v: &Var| -> Result<Tensor, RuntimeError> {
-                Ok(grads.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok)?)
-            };
-            expert_grads.insert(*e, [get(&weights.w1)?, get(&weights.b1)?, get(&weights.w2)?, get(&weights.b2)?]);
-            let dx: Vec<f32> = get(x)?.flatten_all()?.to_vec1()?;
-            let mut row = 0;
-            for (src, &(o, c)) in blocks.iter().enumerate() {
-                dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx[row * d..(row + c) * d]);
-                row += c;
+        // Gradient synchronisation: each expert over its holders. Experts with the same holder
+        // set share one all-reduce (one bucket); buckets run in the order of their holder sets,
+        // the same on every rank, so overlapping groups cannot wait on each other in a cycle.
+        let mut buckets: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        for e in 0..e_count {
+            let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
+            if holders.contains(&me) {
+                if !self.experts.contains_key(&e) {
+                    return Err(RuntimeError::Invalid {
+                        field: "placement",
+                        reason: format!("rank {me} holds expert {e} but has no weights for it"),
+                    });
+                }
+                buckets.entry(holders).or_default().push(e);
             }
         }
+        let order: Vec<usize> = buckets.values().flatten().copied().collect();
+        let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
+        let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<f32>), RuntimeError>>();
+        // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
+        // expert so the error is reported without computing the rest.
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let compute = |tx: std::sync::mpsc::Sender<Result<(usize, Vec<f32>), RuntimeError>>| -> Vec<Vec<f32>> {
+            let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+            for &e in &order {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let weights = &self.experts[&e];
+                let result = match segment_of.get(&e) {
+                    Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &recv_rows, d, &mut dx_by_src),
+                    None => Ok(weights.vars().iter().flat_map(|v| vec![0f32; v.elem_count()]).collect()),
+                };
+                let failed = result.is_err();
+                if tx.send(result.map(|g| (e, g))).is_err() || failed {
+                    break;
+                }
+            }
+            dx_by_src
+        };
+        let mut synced = BTreeMap::new();
+        let dx_by_src = std::thread::scope(|scope| -> Result<Vec<Vec<f32>>, RuntimeError> {
+            let worker = scope.spawn(move || compute(tx));
+            let synced_all = (|| -> Result<(), RuntimeError> {
+                let mut arrived: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+                for (holders, experts) in &buckets {
+                    while experts.iter().any(|e| !arrived.contains_key(e)) {
+                        let (e, g) = rx.recv().map_err(|_| RuntimeError::Invalid {
+                            field: "expert backward",
+                            reason: "the compute thread stopped early".into(),
+                        })??;
+                        arrived.insert(e, g);
+                    }
+                    let mut flat: Vec<f32> = Vec::new();
+                    for e in experts {
+                        let g = arrived.remove(e).expect("arrived above");
+                        if flat.is_empty() {
+                            flat = g;
+                        } else {
+                            flat.extend_from_slice(&g);
+                        }
+                    }
+                    if holders.len() > 1 {
+                        let mut group = Group::new(holders.clone())?;
+                        all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
+                    }
+                    // One tensor for the bucket; each parameter is a view into it (no copy).
+                    let all = Tensor::from_vec(flat, self.bucket_len(experts), &Device::Cpu)?;
+                    let mut at = 0;
+                    for e in experts {
+                        let mut out = Vec::with_capacity(4);
+                        for v in self.experts[e].vars() {
+                            let len = v.elem_count();
+                            out.push(all.narrow(0, at, len)?.reshape(v.shape())?);
+                            at += len;
+                        }
+                        synced.insert(*e, out);
+                    }
+                }
+                Ok(())
+            })();
+            if synced_all.is_err() {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            let dx = worker.join();
+            synced_all?;
+            dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
+        })?;
         // Input gradients back to the token's rank, accumulated per token.
         let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
         wire_bytes += wire(&back, me);
@@ -446,56 +533,67 @@ impl DistributedMoe {
                 dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
             }
         }
-        // Gradient synchronisation: each expert over its holders. Experts with the same holder
-        // set share one all-reduce (one bucket); buckets run in the order of their holder sets,
-        // the same on every rank, so overlapping groups cannot wait on each other in a cycle.
-        let me = t.rank();
-        let mut buckets: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
-        for e in 0..e_count {
-            let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
-            if holders.contains(&me) {
-                buckets.entry(holders).or_default().push(e);
-            }
-        }
-        let mut synced = BTreeMap::new();
-        for (holders, experts) in buckets {
-            let mut flat: Vec<f32> = Vec::new();
-            let mut parts: Vec<(usize, Vec<candle_core::Shape>)> = Vec::with_capacity(experts.len());
-            for &e in &experts {
-                let weights = &self.experts[&e];
-                let grads = match expert_grads.remove(&e) {
-                    Some(g) => g,
-                    None => {
-                        let z = |v: &Var| v.as_tensor().zeros_like();
-                        [z(&weights.w1)?, z(&weights.b1)?, z(&weights.w2)?, z(&weights.b2)?]
-                    }
-                };
-                for g in &grads {
-                    flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
-                }
-                parts.push((e, weights.vars().iter().map(|v| v.shape().clone()).collect()));
-            }
-            if holders.len() > 1 {
-                let mut group = Group::new(holders)?;
-                all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
-            }
-            let mut at = 0;
-            for (e, shapes) in parts {
-                let mut out = Vec::with_capacity(4);
-                for shape in shapes {
-                    let len = shape.elem_count();
-                    out.push(Tensor::from_vec(flat[at..at + len].to_vec(), shape, &Device::Cpu)?);
-                    at += len;
-                }
-                synced.insert(e, out);
-            }
-        }
         Ok(ExpertGrads {
             experts: synced,
             h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?,
             wire_bytes,
         })
     }
+
+    /// Parameters of the experts of one bucket, in order.
+    fn bucket_len(&self, experts: &[usize]) -> usize {
+        experts.iter().map(|e| self.experts[e].vars().iter().map(|v| v.elem_count()).sum::<usize>()).sum()
+    }
+
+    /// One expert's backward on its rows: its [w1, b1, w2, b2] gradients flattened into one
+    /// buffer, and d(loss)/d(input) rows written into `dx_by_src` at the rows they came from.
+    fn expert_segment_backward(
+        &self,
+        segment: &(usize, Var, Tensor, Vec<(usize, usize)>),
+        recv_rows: &[Vec<f32>],
+        d: usize,
+        dx_by_src: &mut [Vec<f32>],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let (e, x, y, blocks) = segment;
+        let total: usize = blocks.iter().map(|b| b.1).sum();
+        let mut gy = Vec::with_capacity(total * d);
+        for (src, &(o, c)) in blocks.iter().enumerate() {
+            gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+        }
+        let gy = Tensor::from_vec(gy, (total, d), &Device::Cpu)?;
+        let grads = (y * gy)?.sum_all()?.backward()?;
+        let weights = &self.experts[e];
+        let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());
+        for v in weights.vars() {
+            match grads.get(v.as_tensor()) {
+                Some(g) => extend_host(&mut flat, g)?,
+                None => flat.resize(flat.len() + v.elem_count(), 0.0),
+            }
+        }
+        let dx: Vec<f32> = match grads.get(x.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_vec1()?,
+            None => vec![0.0; total * d],
+        };
+        let mut row = 0;
+        for (src, &(o, c)) in blocks.iter().enumerate() {
+            dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx[row * d..(row + c) * d]);
+            row += c;
+        }
+        Ok(flat)
+    }
+}
+
+/// Append a tensor's f32 elements to `out`, straight from its storage when it is contiguous.
+fn extend_host(out: &mut Vec<f32>, t: &Tensor) -> Result<(), RuntimeError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            out.extend_from_slice(&v[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
 }
 
 /// The expert path's gradients on one rank.

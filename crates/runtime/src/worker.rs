@@ -86,7 +86,7 @@ pub fn validate_placement(placement: &LayerPlacement, moe_layers: usize, experts
             if total == 0 {
                 return Err(bad(format!("layer {l} expert {e} has no replica")));
             }
-            if mode == DispatchMode::StaticPadded && total != 1 {
+            if mode.is_static() && total != 1 {
                 return Err(bad(format!("layer {l} expert {e} has {total} replicas; static expert parallelism needs exactly 1")));
             }
         }

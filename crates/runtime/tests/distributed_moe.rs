@@ -88,7 +88,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 /// Runs rank `rank` of `ranks`, checks it against the reference, returns its forward wire bytes.
-fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode) -> u64 {
+fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode) -> (u64, u64) {
     let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
     let lo = rank * N / ranks;
     let hi = (rank + 1) * N / ranks;
@@ -123,7 +123,7 @@ fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u3
     }
     // Backward moves exactly as many bytes as forward (same buffers, same sizes).
     assert_eq!(fwd.wire_bytes, grads.wire_bytes);
-    fwd.wire_bytes
+    (fwd.wire_bytes, fwd.expert_rows)
 }
 
 /// Total forward wire bytes over all ranks.
@@ -132,6 +132,11 @@ fn check(ranks: usize, replicas: Vec<Vec<u32>>) -> u64 {
 }
 
 fn check_mode(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> u64 {
+    check_mode_rows(ranks, replicas, mode).0
+}
+
+/// (forward wire bytes, rows computed by experts), summed over the ranks.
+fn check_mode_rows(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> (u64, u64) {
     let w = std::sync::Arc::new(weights());
     if ranks == 1 {
         let mut t = LocalTransport::new(1);
@@ -146,7 +151,7 @@ fn check_mode(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> u64 
             std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w, mode))
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank failed")).sum()
+    handles.into_iter().map(|h| h.join().expect("rank failed")).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 #[test]
@@ -160,7 +165,13 @@ fn one_rank_matches_the_reference() {
 fn static_padded_baseline_is_equivalent_and_sends_more() {
     let one_each: Vec<Vec<u32>> = (0..E).map(|e| (0..4).map(|r| u32::from(r == e)).collect()).collect();
     let flexible = check_mode(4, one_each.clone(), DispatchMode::Flexible);
-    let padded = check_mode(4, one_each, DispatchMode::StaticPadded);
+    let (padded, padded_rows) = check_mode_rows(4, one_each.clone(), DispatchMode::StaticPadded);
+    let (skip, skip_rows) = check_mode_rows(4, one_each, DispatchMode::StaticSkipPadding);
+    assert_eq!(skip, padded, "computing the padding or not, the same rows travel");
+    // Skipping padding computes each routed slot once; DeepSpeed's way computes the capacity
+    // buffer: every expert × every source rank × C rows.
+    assert_eq!(skip_rows, (N * K) as u64);
+    assert!(padded_rows > skip_rows && padded_rows % (E as u64 * 4) == 0, "{padded_rows} vs {skip_rows}");
     // Minimum: every slot whose expert is on another rank, there and back, d f32 values each.
     let w = weights();
     let h = Tensor::from_vec(w.h.clone(), (N, D), &Device::Cpu).unwrap();
