@@ -357,6 +357,53 @@ impl MoeModel {
         }
     }
 
+    /// Whether expert `expert` of MoE layer `layer` has its weights in this process (a worker
+    /// keeps only the experts placed on it; see [`MoeModel::set_expert`]).
+    pub fn expert_resident(&self, layer: usize, expert: usize) -> Result<bool> {
+        Ok(self.expert_vars(layer, expert)?[0].elem_count() > 0)
+    }
+
+    /// Give expert `expert` of MoE layer `layer` the weights `[W1, b1, W2, b2]` (shapes checked
+    /// against the config), or release them (`None`: each tensor becomes an empty placeholder,
+    /// freeing its memory). The parameter list keeps its names and order, so optimizer state and
+    /// checkpoints stay aligned; a released expert cannot run and must be given weights again
+    /// before it is saved.
+    pub fn set_expert(&mut self, layer: usize, expert: usize, weights: Option<[Tensor; 4]>) -> Result<()> {
+        let (d, f) = (self.config.d_model, self.config.d_ff);
+        let names = self.expert_param_names(layer, expert);
+        let indices: Vec<usize> = names
+            .iter()
+            .map(|n| self.params.position(n).ok_or_else(|| ModelError::config("expert tensor", n, "is not a parameter of the model")))
+            .collect::<Result<_>>()?;
+        let vars: Vec<Var> = match weights {
+            Some(ws) => {
+                let shapes: [&[usize]; 4] = [&[d, f], &[f], &[f, d], &[d]];
+                ws.iter()
+                    .zip(shapes)
+                    .zip(&names)
+                    .map(|((t, shape), name)| {
+                        if t.dims() != shape {
+                            return Err(ModelError::config("expert tensor", format!("{name} {:?}", t.dims()), format!("expected {shape:?}")));
+                        }
+                        Ok(Var::from_tensor(&t.to_dtype(self.dtype)?.to_device(&self.device)?)?)
+                    })
+                    .collect::<Result<_>>()?
+            }
+            None => (0..4).map(|_| Ok(Var::from_tensor(&Tensor::zeros(0, self.dtype, &self.device)?)?)).collect::<Result<_>>()?,
+        };
+        let b = self.moe_blocks[layer];
+        let FeedForward::Moe(m) = &mut self.blocks[b].ff else {
+            return Err(ModelError::config("moe layer", layer, "is not an MoE layer"));
+        };
+        let x = &mut m.experts[expert];
+        let [w1, b1, w2, b2]: [Var; 4] = vars.try_into().map_err(|_| ModelError::config("expert", expert, "needs 4 tensors"))?;
+        for (i, v) in indices.iter().zip([&w1, &b1, &w2, &b2]) {
+            self.params.replace(*i, v.clone());
+        }
+        (x.fc1.w, x.fc1.b, x.fc2.w, x.fc2.b) = (w1, b1, w2, b2);
+        Ok(())
+    }
+
     /// Block index of each MoE layer.
     pub fn moe_blocks(&self) -> &[usize] {
         &self.moe_blocks

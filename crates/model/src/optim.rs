@@ -86,6 +86,9 @@ impl AdamW {
     /// The state of the tensor at `index`, as tensors.
     pub fn state(&self, index: usize) -> Result<TensorState> {
         let s = &self.state[index];
+        if !self.resident(index) {
+            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
+        }
         let dev = candle_core::Device::Cpu;
         Ok(TensorState {
             m: Tensor::from_slice(&s.m, s.shape.clone(), &dev)?,
@@ -97,6 +100,20 @@ impl AdamW {
     /// Update counts of every tensor, in parameter order.
     pub fn steps(&self) -> Vec<u64> {
         self.state.iter().map(|s| s.step).collect()
+    }
+
+    /// Drop the moments of the tensor at `index` (its parameter was released, see
+    /// [`crate::MoeModel::set_expert`]); [`AdamW::set_state`] gives them back.
+    pub fn release(&mut self, index: usize) {
+        let s = &mut self.state[index];
+        s.m = Vec::new();
+        s.v = Vec::new();
+    }
+
+    /// Whether the tensor at `index` has its moments (not released).
+    pub fn resident(&self, index: usize) -> bool {
+        let s = &self.state[index];
+        s.m.len() == s.shape.elem_count()
     }
 
     /// Replace the state of the tensor at `index` (e.g. after fetching an expert from a peer).

@@ -25,6 +25,11 @@ impl ParamStore {
         Ok(var)
     }
 
+    /// Put `var` in place of the tensor at `index` (same name, new storage).
+    pub(crate) fn replace(&mut self, index: usize, var: Var) {
+        self.vars[index] = var;
+    }
+
     pub fn len(&self) -> usize {
         self.names.len()
     }

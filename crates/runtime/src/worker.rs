@@ -185,7 +185,38 @@ impl Worker {
                 mode: options.mode,
             });
         }
-        Ok(Worker { trainer, rank, world, layers, kinds, placement: options.placement, timeout: options.timeout })
+        let mut worker = Worker { trainer, rank, world, layers, kinds, placement: options.placement, timeout: options.timeout };
+        worker.release_remote_experts()?;
+        Ok(worker)
+    }
+
+    /// Free the weights and optimizer moments of every expert not placed on this rank: a
+    /// worker keeps one physical copy of the experts it holds and nothing of the others.
+    fn release_remote_experts(&mut self) -> Result<(), RuntimeError> {
+        for l in 0..self.placement.len() {
+            for e in 0..self.placement[l].len() {
+                if self.placement[l][e][self.rank] > 0 || !self.trainer.model.expert_resident(l, e)? {
+                    continue;
+                }
+                self.trainer.model.set_expert(l, e, None)?;
+                for name in self.trainer.model.expert_param_names(l, e) {
+                    let i = self.position(&name)?;
+                    self.trainer.optimizer.release(i);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Scalars of expert weights (and, as many again twice, optimizer moments) this worker
+    /// keeps in memory.
+    pub fn resident_expert_elements(&self) -> usize {
+        self.kinds
+            .iter()
+            .zip(self.trainer.model.params().vars())
+            .filter(|(k, _)| matches!(k, ParamKind::Expert { .. }))
+            .map(|(_, v)| v.elem_count())
+            .sum()
     }
 
     pub fn rank(&self) -> usize {
@@ -387,26 +418,44 @@ impl Worker {
                         field: "checkpoint",
                         reason: format!("rank {first} sent a bad step list {header:?}"),
                     })?;
+                    // Rank 0 does not hold this expert: take it in for the write (released again
+                    // below).
+                    let (d, f) = (self.trainer.model.config().d_model, self.trainer.model.config().d_ff);
+                    let shapes: [Vec<usize>; 4] = [vec![d, f], vec![f], vec![f, d], vec![d]];
+                    let need: usize = shapes.iter().map(|s| 3 * s.iter().product::<usize>()).sum();
+                    if buf.len() != need || steps.len() != names.len() {
+                        return Err(RuntimeError::Invalid {
+                            field: "checkpoint",
+                            reason: format!("rank {first} sent {} values and {} steps for layer {l} expert {e}, expected {need} and {}", buf.len(), steps.len(), names.len()),
+                        });
+                    }
+                    let device = self.trainer.model.device().clone();
                     let mut at = 0;
-                    for (k, name) in names.iter().enumerate() {
-                        let i = self.position(name)?;
-                        let var = self.trainer.model.params().vars()[i].clone();
-                        let n = var.elem_count();
-                        if buf.len() < at + 3 * n || steps.len() != names.len() {
-                            return Err(RuntimeError::Invalid {
-                                field: "checkpoint",
-                                reason: format!("rank {first} sent {} values for layer {l} expert {e}", buf.len()),
-                            });
-                        }
-                        let part = |o: usize| Tensor::from_vec(buf[at + o * n..at + (o + 1) * n].to_vec(), var.shape(), var.device());
-                        var.set(&part(0)?)?;
-                        self.trainer.optimizer.set_state(i, TensorState { m: part(1)?, v: part(2)?, step: steps[k] })?;
+                    let mut weights = Vec::with_capacity(4);
+                    let mut states = Vec::with_capacity(4);
+                    for (k, shape) in shapes.iter().enumerate() {
+                        let n: usize = shape.iter().product();
+                        let part = |o: usize| Tensor::from_vec(buf[at + o * n..at + (o + 1) * n].to_vec(), shape.as_slice(), &device);
+                        weights.push(part(0)?);
+                        states.push(TensorState { m: part(1)?, v: part(2)?, step: steps[k] });
                         at += 3 * n;
+                    }
+                    let weights: [Tensor; 4] = weights.try_into().map_err(|_| RuntimeError::Invalid { field: "checkpoint", reason: "4 tensors".into() })?;
+                    self.trainer.model.set_expert(l, e, Some(weights))?;
+                    for (name, state) in names.iter().zip(states) {
+                        let i = self.position(name)?;
+                        self.trainer.optimizer.set_state(i, state)?;
                     }
                 }
             }
         }
-        let path = if self.rank == 0 { Some(self.trainer.save_checkpoint(dir)?) } else { None };
+        let path = if self.rank == 0 {
+            let path = self.trainer.save_checkpoint(dir)?;
+            self.release_remote_experts()?;
+            Some(path)
+        } else {
+            None
+        };
         lazarus_comm::barrier(t, world, self.timeout)?;
         Ok(path)
     }

@@ -82,13 +82,21 @@ fn single() -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
 fn held(worker: &Worker, placement: &LayerPlacement, rank: usize) -> BTreeMap<String, Vec<f32>> {
     let model = &worker.trainer.model;
     let mut expert_names = BTreeMap::new();
+    let mut local_elements = 0;
     for (l, layer) in placement.iter().enumerate() {
         for (e, row) in layer.iter().enumerate() {
+            // A worker keeps the experts placed on it and nothing of the others (also after
+            // writing a checkpoint, for which rank 0 takes every expert in).
+            assert_eq!(model.expert_resident(l, e).unwrap(), row[rank] > 0, "rank {rank} layer {l} expert {e}");
             for n in model.expert_param_names(l, e) {
-                expert_names.insert(n, row[rank] > 0);
+                expert_names.insert(n.clone(), row[rank] > 0);
+                if row[rank] > 0 {
+                    local_elements += model.params().get(&n).unwrap().elem_count();
+                }
             }
         }
     }
+    assert_eq!(worker.resident_expert_elements(), local_elements);
     model
         .params()
         .iter()
