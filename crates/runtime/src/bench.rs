@@ -139,7 +139,18 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
     let h = Tensor::from_vec(h_data, (n, d), &dev)?;
     let grad = Tensor::from_vec(g_data, (n, d), &dev)?;
 
-    let mut results = Vec::with_capacity(spec.cases.len());
+    // Every case is set up first, then the steps are interleaved (step k of every case in turn):
+    // a slow spell of a shared machine then hits every case alike instead of one of them.
+    struct Case {
+        layer: DistributedMoe,
+        choices: Vec<u32>,
+        replicas: Vec<Vec<u32>>,
+        times: Vec<f64>,
+        wire: u64,
+        needed: u64,
+        rows: u64,
+    }
+    let mut cases = Vec::with_capacity(spec.cases.len());
     for case in &spec.cases {
         let loads = skewed_loads(e_count, case.ratio);
         let replicas = bench_placement(case.system, &loads, ranks, spec.slots)?;
@@ -159,23 +170,28 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             },
         };
         let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
-        let (mut times, mut wire, mut needed, mut rows) = (Vec::new(), 0u64, 0u64, 0u64);
-        for it in 0..spec.warmup + spec.iters {
+        cases.push(Case { layer, choices, replicas, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
+    }
+    for it in 0..spec.warmup + spec.iters {
+        for c in cases.iter_mut() {
             barrier(t, world, timeout)?;
             let start = Instant::now();
-            let fwd = layer.forward_routed(t, world, &h, Some(&choices))?;
-            let grads = layer.backward(t, world, &fwd, &grad)?;
+            let fwd = c.layer.forward_routed(t, world, &h, Some(&c.choices))?;
+            let grads = c.layer.backward(t, world, &fwd, &grad)?;
             let elapsed = start.elapsed().as_secs_f64();
             if it >= spec.warmup {
-                times.push(elapsed);
-                wire += fwd.wire_bytes + grads.wire_bytes;
-                needed += 4 * fwd.rows_sent * d as u64 * 4;
-                rows = fwd.expert_rows;
+                c.times.push(elapsed);
+                c.wire += fwd.wire_bytes + grads.wire_bytes;
+                c.needed += 4 * fwd.rows_sent * d as u64 * 4;
+                c.rows = fwd.expert_rows;
             }
         }
+    }
+    let mut results = Vec::with_capacity(spec.cases.len());
+    for (case, c) in spec.cases.iter().zip(cases.iter_mut()) {
         // Step time is the slowest rank's; bytes are summed over ranks.
-        let mine: Vec<u8> =
-            [median(&mut times).to_le_bytes(), (wire as f64).to_le_bytes(), (needed as f64).to_le_bytes(), (rows as f64).to_le_bytes()].concat();
+        let mine: Vec<u8> = [median(&mut c.times).to_le_bytes(), (c.wire as f64).to_le_bytes(), (c.needed as f64).to_le_bytes(), (c.rows as f64).to_le_bytes()]
+            .concat();
         let all = all_gather(t, world, &mine, timeout)?;
         let mut step_s = 0.0f64;
         let (mut wire_all, mut needed_all, mut rows_all) = (0.0, 0.0, 0.0);
@@ -195,7 +211,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             tokens_per_s: (ranks * n) as f64 / step_s,
             wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
             step_s,
-            replicas: replicas.iter().map(|r| r.iter().sum()).collect(),
+            replicas: c.replicas.iter().map(|r| r.iter().sum()).collect(),
             expert_rows: rows_all as u64,
         });
     }
