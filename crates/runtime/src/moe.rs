@@ -464,7 +464,7 @@ impl DistributedMoe {
                 let weights = &self.experts[&e];
                 let result = match segment_of.get(&e) {
                     Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &recv_rows, d, &mut dx_by_src),
-                    None => Ok(weights.vars().iter().flat_map(|v| vec![0f32; v.elem_count()]).collect()),
+                    None => Ok(vec![0f32; weights.vars().iter().map(|v| v.elem_count()).sum()]),
                 };
                 let failed = result.is_err();
                 if tx.send(result.map(|g| (e, g))).is_err() || failed {
