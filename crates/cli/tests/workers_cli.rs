@@ -210,4 +210,11 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
     }
     let bad = lazarus(&["bench", "moe-layer", "--ratios", "9"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--ratios"));
+    for args in [["--cpus-per-worker", "0"], ["--cpus-per-worker", "nan"]] {
+        let bad = lazarus(&["bench", "moe-layer", "--tokens", "8", args[0], args[1]]);
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success() && err.contains("--cpus-per-worker"), "{args:?}: {err}");
+    }
+    let both = lazarus(&["bench", "moe-layer", "--cores-per-worker", "1", "--cpus-per-worker", "0.5"]);
+    assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
 }
