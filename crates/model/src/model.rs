@@ -363,13 +363,18 @@ impl MoeModel {
         Ok(self.expert_vars(layer, expert)?[0].elem_count() > 0)
     }
 
+    /// Shapes of an expert's [W1, b1, W2, b2] in this model.
+    pub fn expert_shapes(&self) -> [Vec<usize>; 4] {
+        let (d, f) = (self.config.d_model, self.config.d_ff);
+        [vec![d, f], vec![f], vec![f, d], vec![d]]
+    }
+
     /// Give expert `expert` of MoE layer `layer` the weights `[W1, b1, W2, b2]` (shapes checked
     /// against the config), or release them (`None`: each tensor becomes an empty placeholder,
     /// freeing its memory). The parameter list keeps its names and order, so optimizer state and
     /// checkpoints stay aligned; a released expert cannot run and must be given weights again
     /// before it is saved.
     pub fn set_expert(&mut self, layer: usize, expert: usize, weights: Option<[Tensor; 4]>) -> Result<()> {
-        let (d, f) = (self.config.d_model, self.config.d_ff);
         let names = self.expert_param_names(layer, expert);
         let indices: Vec<usize> = names
             .iter()
@@ -377,12 +382,12 @@ impl MoeModel {
             .collect::<Result<_>>()?;
         let vars: Vec<Var> = match weights {
             Some(ws) => {
-                let shapes: [&[usize]; 4] = [&[d, f], &[f], &[f, d], &[d]];
+                let shapes = self.expert_shapes();
                 ws.iter()
                     .zip(shapes)
                     .zip(&names)
                     .map(|((t, shape), name)| {
-                        if t.dims() != shape {
+                        if t.dims() != shape.as_slice() {
                             return Err(ModelError::config("expert tensor", format!("{name} {:?}", t.dims()), format!("expected {shape:?}")));
                         }
                         Ok(Var::from_tensor(&t.to_dtype(self.dtype)?.to_device(&self.device)?)?)

@@ -420,8 +420,7 @@ impl Worker {
                     })?;
                     // Rank 0 does not hold this expert: take it in for the write (released again
                     // below).
-                    let (d, f) = (self.trainer.model.config().d_model, self.trainer.model.config().d_ff);
-                    let shapes: [Vec<usize>; 4] = [vec![d, f], vec![f], vec![f, d], vec![d]];
+                    let shapes = self.trainer.model.expert_shapes();
                     let need: usize = shapes.iter().map(|s| 3 * s.iter().product::<usize>()).sum();
                     if buf.len() != need || steps.len() != names.len() {
                         return Err(RuntimeError::Invalid {
