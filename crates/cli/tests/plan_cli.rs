@@ -1,12 +1,10 @@
 //! The `lazarus plan` / `lazarus prob` interface that scripts depend on, run as a real process.
 
-use std::process::{Command, Output};
+mod common;
+
+use common::lazarus;
 
 use serde_json::Value;
-
-fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
-}
 
 fn json(args: &[&str]) -> Value {
     let out = lazarus(args);

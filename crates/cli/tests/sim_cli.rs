@@ -1,17 +1,8 @@
 //! `lazarus sim` as a real process: JSON shape, the plot, and clear errors for bad traces.
 
-use std::process::{Command, Output};
+mod common;
 
-fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
-}
-
-fn dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lazarus-sim-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{dir, lazarus};
 
 #[test]
 fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {

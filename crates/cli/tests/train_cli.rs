@@ -1,17 +1,8 @@
 //! `lazarus train` as a real process: JSON log format, checkpoint + resume, config errors.
 
-use std::process::{Command, Output};
+mod common;
 
-fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
-}
-
-fn dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lazarus-train-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{dir, lazarus};
 
 const TINY: [&str; 16] = [
     "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",

@@ -2,21 +2,14 @@
 //! process, placement files, checkpoints that resume, and a worker killed with SIGKILL mid-step
 //! — every other worker stops with `PeerLost` within 2 s, nothing hangs or panics.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
-}
-
-fn dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("lazarus-workers-cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::{dir, lazarus};
 
 const TINY: [&str; 16] = [
     "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",
