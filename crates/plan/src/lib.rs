@@ -2,6 +2,7 @@
 //!
 //! * [`allocation`] — how many replicas each expert gets (paper §4.1, Eq. 1);
 //! * [`placement`] — where the replicas go (MRO of Theorem 1 and our `lazarus` strategy);
+//! * [`balance`] — how evenly the balanced dispatcher can load the nodes of a placement;
 //! * [`recovery`] — the probability that a plan survives k node failures;
 //! * [`reconfig`] — which live node becomes which plan node and who sends what (§4.3);
 //! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1).
@@ -9,6 +10,7 @@
 //! No I/O, no clock, no threads: the same inputs give the same plan on every machine.
 
 pub mod allocation;
+pub mod balance;
 pub mod dispatch;
 mod error;
 pub mod load_trace;
@@ -19,10 +21,11 @@ pub mod recovery;
 pub mod rng;
 
 pub use allocation::{allocate, ReplicaAllocation};
+pub use balance::{min_max_load, LoadBalance};
 pub use dispatch::{DispatchSchedule, RankLayout, TokenCounts};
 pub use error::PlanError;
 pub use load_trace::parse_load_trace;
-pub use placement::{place, ClusterShape, Placement, Strategy};
+pub use placement::{place, place_balanced, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE};
 pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
 pub use recovery::{recovery_curve, recovery_probability, RecoveryEstimate, RecoveryMethod};
 

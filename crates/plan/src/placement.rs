@@ -182,6 +182,19 @@ impl Placement {
         &self.nodes[node][gpu * c..(gpu + 1) * c]
     }
 
+    /// λ* per GPU under the balanced dispatcher for these loads ([`crate::balance`]): how much
+    /// longer than perfectly balanced the experts' step takes on this plan.
+    pub fn load_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
+        let c = self.shape.slots_per_gpu;
+        let mut holders = vec![Vec::new(); self.experts];
+        for (n, node) in self.nodes.iter().enumerate() {
+            for (k, &e) in node.iter().enumerate() {
+                holders[e].push(n * self.shape.gpus_per_node + k / c);
+            }
+        }
+        crate::balance::min_max_load(&holders, loads, self.shape.ranks())
+    }
+
     /// r_e: replicas of each expert.
     pub fn replica_counts(&self) -> Vec<usize> {
         let mut r = vec![0; self.experts];
@@ -231,21 +244,12 @@ pub fn place(
 ) -> Result<Placement, PlanError> {
     validate_replicas(replicas, shape)?;
     if let Some(l) = loads {
-        if l.len() != replicas.len() {
-            return Err(PlanError::Length {
-                field: "loads",
-                got: l.len(),
-                expected: replicas.len(),
-            });
-        }
-        if let Some((e, x)) = l.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
-            return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
-        }
+        validate_loads(l, replicas.len())?;
     }
     let s = shape.slots_per_node();
     let n = shape.nodes;
     let nodes = match strategy {
-        Strategy::Mro => mro_nodes(replicas, n, s, GroupLayout::PartialLast),
+        Strategy::Mro => mro_nodes(replicas, n, s, s, GroupLayout::PartialLast),
         Strategy::Spread => sequential_nodes(replicas, n, s, |k| k % n),
         Strategy::Compact => sequential_nodes(replicas, n, s, |k| k / s),
         Strategy::Lazarus => lazarus_nodes(replicas, n, s),
@@ -256,6 +260,168 @@ pub fn place(
         experts: replicas.len(),
         nodes,
     })
+}
+
+fn validate_loads(loads: &[f64], experts: usize) -> Result<(), PlanError> {
+    if loads.len() != experts {
+        return Err(PlanError::Length {
+            field: "loads",
+            got: loads.len(),
+            expected: experts,
+        });
+    }
+    if let Some((e, x)) = loads.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
+        return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
+    }
+    Ok(())
+}
+
+/// The default throughput guard of [`place_balanced`]: fault tolerance may cost at most 5% of
+/// the experts' compute rate.
+pub const DEFAULT_MAX_IMBALANCE: f64 = 1.05;
+
+/// The `lazarus` strategy with a throughput guard, for the balanced dispatcher: the most
+/// fault-tolerant placement among those on which no node needs more than `max_imbalance` times
+/// its mean share of tokens (λ*, [`crate::balance`]).
+///
+/// Why: MRO packs the least replicated experts onto as few nodes as possible (Theorem 1). Under
+/// skew those are experts at the fault-tolerance floor with almost no tokens, so their nodes
+/// idle and the rest of the cluster does their share: with 8 experts on 4 nodes of 4 slots and
+/// all tokens on one expert, the optimal placement idles one node of four (1.33× the balanced
+/// step). Keeping `h` slots per node back for the leftover (hot) replicas restores the balance
+/// at some cost in recovery probability; we take the smallest cost that meets the guard. When
+/// the fault-tolerant optimum already meets it, it is returned unchanged; when nothing we try
+/// meets it, the most balanced candidate wins.
+///
+/// The guard is evaluated per node (failure domain); the node's replicas are then spread over
+/// its GPUs as in [`place`].
+pub fn place_balanced(
+    replicas: &[usize],
+    shape: ClusterShape,
+    loads: &[f64],
+    max_imbalance: f64,
+) -> Result<Placement, PlanError> {
+    validate_replicas(replicas, shape)?;
+    validate_loads(loads, replicas.len())?;
+    if !max_imbalance.is_finite() || max_imbalance < 1.0 {
+        return Err(PlanError::invalid(
+            "max_imbalance",
+            max_imbalance,
+            "must be a finite ratio ≥ 1 (busiest node's tokens over the mean)",
+        ));
+    }
+    let nodes = guarded_nodes(replicas, shape.nodes, shape.slots_per_node(), loads, max_imbalance);
+    let nodes = balance_gpus(nodes, replicas, shape, Some(loads));
+    Ok(Placement {
+        shape,
+        experts: replicas.len(),
+        nodes,
+    })
+}
+
+/// λ* / mean over nodes for node lists (see [`crate::balance`]).
+fn node_imbalance(nodes: &[Vec<ExpertId>], loads: &[f64]) -> f64 {
+    let mut holders = vec![Vec::new(); loads.len()];
+    for (i, node) in nodes.iter().enumerate() {
+        for &e in node {
+            holders[e].push(i);
+        }
+    }
+    // Inputs are validated and every expert is placed, so this cannot fail.
+    crate::balance::min_max_load(&holders, loads, nodes.len()).map_or(f64::INFINITY, |b| b.imbalance())
+}
+
+fn guarded_nodes(replicas: &[usize], n: usize, s: usize, loads: &[f64], max_imbalance: f64) -> Vec<Vec<ExpertId>> {
+    let limit = max_imbalance * (1.0 + 1e-9);
+    let optimum = lazarus_nodes(replicas, n, s);
+    if node_imbalance(&optimum, loads) <= limit {
+        return optimum;
+    }
+    let experts = replicas.len();
+    // Candidates: the fault-tolerant optimum, then MRO with h = 1 … s−1 slots per node kept for
+    // the leftover replicas (groups of s − h experts).
+    let mut cands = vec![optimum];
+    cands.extend((1..s).map(|h| mro_nodes(replicas, n, s, s - h, GroupLayout::PartialLast)));
+    if n <= SEARCH_MAX_NODES && n * s <= SEARCH_MAX_SLOTS {
+        let eval = SmallEval::new(n, experts);
+        let mut starts = cands.clone();
+        starts.push(sequential_nodes(replicas, n, s, |k| k % n));
+        let mut rng = SplitMix64::new(0xba1a_2ced ^ (n as u64) << 32 ^ s as u64);
+        let restarts = if n * s <= 24 { 4 } else { 2 };
+        for _ in 0..restarts {
+            starts.push(random_nodes(replicas, s, &mut rng));
+        }
+        cands = starts
+            .into_iter()
+            .map(|start| guarded_local_search(start, n, s, &eval, loads, limit))
+            .collect();
+    }
+    let scored: Vec<(f64, SurvivalCurve, Vec<Vec<ExpertId>>)> = cands
+        .into_iter()
+        .map(|c| (node_imbalance(&c, loads), recovery::survival_curve(n, &holder_sets(&c, experts)), c))
+        .collect();
+    let key = |x: &(f64, SurvivalCurve, Vec<Vec<ExpertId>>)| x.0.max(limit);
+    let mut best = 0;
+    for i in 1..scored.len() {
+        let (a, b) = (&scored[i], &scored[best]);
+        let (ka, kb) = (key(a), key(b));
+        if ka < kb - 1e-12 || (ka <= kb + 1e-12 && better(&a.1.alive, &b.1.alive)) {
+            best = i;
+        }
+    }
+    scored.into_iter().nth(best).map(|x| x.2).unwrap_or_default()
+}
+
+/// [`local_search`] under the guard: while the plan is above `limit`, a swap is taken if it
+/// lowers the imbalance; once within it, if it improves recovery and stays within it.
+fn guarded_local_search(
+    mut nodes: Vec<Vec<ExpertId>>,
+    n: usize,
+    s: usize,
+    eval: &SmallEval,
+    loads: &[f64],
+    limit: f64,
+) -> Vec<Vec<ExpertId>> {
+    let mut counts = eval.counts(&nodes);
+    let mut imbalance = node_imbalance(&nodes, loads);
+    let mut improved = true;
+    while improved {
+        improved = false;
+        'scan: for a in 0..n {
+            for b in (a + 1)..n {
+                for i in 0..s {
+                    for j in 0..s {
+                        let (x, y) = (nodes[a][i], nodes[b][j]);
+                        if x == y || nodes[a][..i].contains(&x) || nodes[b][..j].contains(&y) {
+                            continue;
+                        }
+                        nodes[a][i] = y;
+                        nodes[b][j] = x;
+                        if imbalance > limit {
+                            let next = node_imbalance(&nodes, loads);
+                            if next < imbalance - 1e-12 {
+                                imbalance = next;
+                                counts = eval.counts(&nodes);
+                                improved = true;
+                                break 'scan;
+                            }
+                        } else if let Some(c) = eval.improves(&nodes, &counts) {
+                            let next = node_imbalance(&nodes, loads);
+                            if next <= limit {
+                                imbalance = next;
+                                counts = c;
+                                improved = true;
+                                break 'scan;
+                            }
+                        }
+                        nodes[a][i] = x;
+                        nodes[b][j] = y;
+                    }
+                }
+            }
+        }
+    }
+    nodes
 }
 
 pub(crate) fn validate_replicas(replicas: &[usize], shape: ClusterShape) -> Result<(), PlanError> {
@@ -338,13 +504,16 @@ pub(crate) fn mro_truncates(replicas: &[usize], n: usize, s: usize) -> bool {
 /// The MRO plan (Theorem 1): group i occupies r_{rep_i} consecutive nodes (the last group only
 /// what is left), each holding one replica of every expert of the group; the replicas left over
 /// are spread over the vacant slots.
-fn mro_nodes(replicas: &[usize], n: usize, s: usize, layout: GroupLayout) -> Vec<Vec<ExpertId>> {
+///
+/// `group` ≤ s is the group size: Theorem 1 uses s; smaller groups leave s − group slots of
+/// every grouped node to the leftover replicas ([`place_balanced`]).
+fn mro_nodes(replicas: &[usize], n: usize, s: usize, group: usize, layout: GroupLayout) -> Vec<Vec<ExpertId>> {
     let order = ascending(replicas);
     let mut nodes: Vec<Vec<ExpertId>> = vec![Vec::with_capacity(s); n];
     let mut left = replicas.to_vec();
     let mut holds = vec![NodeSet::empty(n); replicas.len()];
     let mut next = 0;
-    for group in groups(&order, s, layout) {
+    for group in groups(&order, group, layout) {
         let span = replicas[group[0]].min(n - next);
         for (i, node) in nodes.iter_mut().enumerate().skip(next).take(span) {
             for &e in group {
@@ -416,7 +585,7 @@ const SEARCH_MAX_NODES: usize = 12;
 const SEARCH_MAX_SLOTS: usize = 128;
 
 fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
-    let mro = mro_nodes(replicas, n, s, GroupLayout::PartialLast);
+    let mro = mro_nodes(replicas, n, s, s, GroupLayout::PartialLast);
     if !mro_truncates(replicas, n, s) {
         return mro;
     }
@@ -429,7 +598,7 @@ fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
     // Every placement of the partial group is an MRO-style candidate with a closed form.
     let count = experts.div_ceil(s);
     for at in 0..count {
-        let cand = mro_nodes(replicas, n, s, GroupLayout::PartialAt(at));
+        let cand = mro_nodes(replicas, n, s, s, GroupLayout::PartialAt(at));
         let c = curve(&cand);
         if c.exact && dominates(&c.alive, &mro_curve.alive) && better(&c.alive, &best.1.alive) {
             best = (cand, c);
@@ -735,6 +904,53 @@ mod tests {
         let r = p.rank_replicas();
         assert_eq!(r.len(), 4);
         assert_eq!(r.iter().map(|v| v.iter().sum::<u32>()).sum::<u32>(), 4);
+    }
+
+    #[test]
+    fn the_guard_gives_every_worker_a_hot_replica_at_8_to_1() {
+        // The bench's shape: 4 workers x 4 slots, every token on expert 0.
+        let shape = ClusterShape::new(4, 1, 4).unwrap();
+        let loads = [8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let r = [9, 1, 1, 1, 1, 1, 1, 1];
+        let plain = place(&r, shape, Strategy::Lazarus, Some(&loads)).unwrap();
+        assert!((plain.load_balance(&loads).unwrap().imbalance() - 4.0 / 3.0).abs() < 1e-9);
+        let ours = place_balanced(&r, shape, &loads, DEFAULT_MAX_IMBALANCE).unwrap();
+        assert!(ours.nodes().iter().all(|n| n.contains(&0)), "{:?}", ours.nodes());
+        assert!((ours.load_balance(&loads).unwrap().imbalance() - 1.0).abs() < 1e-9);
+        // The price: one survivable single failure of four instead of two.
+        let p1 = |p: &Placement| recovery_curve(p)[1].probability;
+        assert!((p1(&plain) - 0.5).abs() < 1e-12 && (p1(&ours) - 0.25).abs() < 1e-12);
+        // A loose guard keeps the fault-tolerant optimum.
+        assert_eq!(place_balanced(&r, shape, &loads, 1.5).unwrap(), plain);
+        for bad in [0.99, f64::NAN, f64::INFINITY] {
+            let e = place_balanced(&r, shape, &loads, bad).unwrap_err().to_string();
+            assert!(e.contains("max_imbalance"), "{e}");
+        }
+        assert!(place_balanced(&r, shape, &loads[..3], 1.05).unwrap_err().to_string().contains("loads"));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn the_guard_never_unbalances_and_keeps_what_already_meets_it(
+            n in 1usize..40, g in 1usize..3, c in 1usize..6, seed in any::<u64>(),
+        ) {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            let mut rng = SplitMix64::new(seed);
+            let experts = 1 + rng.below(shape.total_slots().min(64));
+            // Skewed loads with some cold experts, allocated by Eq. 1 with floor 1.
+            let loads: Vec<f64> = (0..experts).map(|_| if rng.below(3) == 0 { 0.0 } else { (rng.below(1000) * rng.below(8)) as f64 }).collect();
+            let r = crate::allocate(&loads, shape.total_slots(), 1).unwrap().replicas;
+            let plain = place(&r, shape, Strategy::Lazarus, Some(&loads)).unwrap();
+            let ours = place_balanced(&r, shape, &loads, DEFAULT_MAX_IMBALANCE).unwrap();
+            prop_assert_eq!(ours.replica_counts(), r.clone());
+            prop_assert!(Placement::from_nodes(shape, experts, ours.nodes().to_vec()).is_ok());
+            let (a, b) = (node_imbalance(ours.nodes(), &loads), node_imbalance(plain.nodes(), &loads));
+            prop_assert!(a <= b + 1e-9, "guarded {} > plain {}", a, b);
+            if b <= DEFAULT_MAX_IMBALANCE {
+                prop_assert_eq!(&ours, &plain);
+            }
+        }
     }
 
     proptest! {
