@@ -48,6 +48,11 @@ pub struct MoeLayerBenchArgs {
     /// time is not lent to a busy one. Needs write access to the cgroup cpu controller.
     #[arg(long)]
     cpus_per_worker: Option<f64>,
+    /// Throughput guard of the Lazarus plan: the most fault-tolerant placement on which no
+    /// worker needs more than this many times its mean share of tokens; `inf`: the most
+    /// fault-tolerant placement, however unbalanced.
+    #[arg(long, default_value_t = lazarus_plan::DEFAULT_MAX_IMBALANCE)]
+    max_imbalance: f64,
     /// Deadline of every collective, in seconds.
     #[arg(long, default_value_t = 120.0)]
     comm_timeout: f64,
@@ -65,6 +70,8 @@ struct Report<'a> {
     tokens_per_worker: usize,
     cores_per_worker: Option<usize>,
     cpus_per_worker: Option<f64>,
+    /// The Lazarus plan's throughput guard (null: none).
+    max_imbalance: Option<f64>,
     /// (max − min) / max of Lazarus tokens/s across the ratios.
     lazarus_spread: f64,
     /// Lazarus tokens/s over static EP tokens/s, per ratio.
@@ -93,6 +100,10 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     if !args.comm_timeout.is_finite() || args.comm_timeout <= 0.0 {
         bad("comm-timeout", args.comm_timeout.to_string(), "expected seconds > 0")?;
     }
+    if args.max_imbalance.is_nan() || args.max_imbalance < 1.0 {
+        bad("max-imbalance", args.max_imbalance.to_string(), "expected a ratio ≥ 1, or inf for no guard")?;
+    }
+    let max_imbalance = args.max_imbalance.is_finite().then_some(args.max_imbalance);
     let slots = args.slots.unwrap_or_else(|| (2 * args.experts).div_ceil(args.workers));
     if slots * args.workers < args.experts {
         bad("slots", slots.to_string(), "slots × workers must cover every expert")?;
@@ -110,6 +121,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         experts: args.experts,
         tokens: args.tokens,
         slots,
+        max_imbalance,
         warmup: args.warmup,
         iters: args.iters,
         seed: 7,
@@ -204,6 +216,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             tokens_per_worker: args.tokens,
             cores_per_worker: args.cores_per_worker,
             cpus_per_worker: args.cpus_per_worker,
+            max_imbalance,
             lazarus_spread: spread,
             speedup,
             speedup_vs_skip_padding,
@@ -211,7 +224,10 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
-    println!("{:<10} {:>6} {:>12} {:>10} {:>11}  replicas", "system", "ratio", "tokens/s", "step s", "wire ratio");
+    println!(
+        "{:<10} {:>6} {:>12} {:>10} {:>11} {:>10} {:>10}  replicas",
+        "system", "ratio", "tokens/s", "step s", "wire ratio", "imbalance", "P(1 fail)"
+    );
     for r in &results {
         let system = match r.system {
             BenchSystem::Lazarus => "lazarus",
@@ -220,7 +236,16 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             BenchSystem::StaticEpSkipPadding => "static-skip",
         };
         let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();
-        println!("{system:<10} {:>6} {:>12.0} {:>10.3} {:>11.2}  [{}]", r.ratio, r.tokens_per_s, r.step_s, r.wire_bytes_ratio, reps.join(","));
+        println!(
+            "{system:<10} {:>6} {:>12.0} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
+            r.ratio,
+            r.tokens_per_s,
+            r.step_s,
+            r.wire_bytes_ratio,
+            r.imbalance,
+            r.survives_one_failure,
+            reps.join(",")
+        );
     }
     println!("lazarus tokens/s spread across ratios: {:.1}%", 100.0 * spread);
     for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding) {

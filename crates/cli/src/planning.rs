@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_plan::{
-    allocate, place, recovery_curve, recovery_probability, ClusterShape, Placement, RecoveryEstimate, Strategy,
+    allocate, place, place_balanced, recovery_curve, recovery_probability, ClusterShape, Placement, RecoveryEstimate, Strategy,
 };
 use serde::Serialize;
 
@@ -66,6 +66,11 @@ pub struct PlanArgs {
     /// Placement strategy: lazarus, mro, spread or compact.
     #[arg(long, default_value = "lazarus")]
     strategy: String,
+    /// With loads and --strategy lazarus: plan as the trainer does, the most fault-tolerant
+    /// placement on which no node needs more than this many times its mean share of tokens
+    /// under the balanced dispatcher (`lazarus train --workers` uses 1.05).
+    #[arg(long, allow_hyphen_values = true)]
+    max_imbalance: Option<String>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -140,6 +145,9 @@ struct LayerReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     applied_floor: Option<usize>,
     placement: Vec<Vec<usize>>,
+    /// With loads: the busiest GPU's least possible tokens over the mean (balanced dispatcher).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    imbalance: Option<f64>,
     recovery: Vec<RecoveryEstimate>,
 }
 
@@ -149,6 +157,7 @@ fn plan_layer(
     shape: ClusterShape,
     floor: usize,
     strategy: Strategy,
+    max_imbalance: Option<f64>,
 ) -> Result<(LayerReport, Placement)> {
     let (replicas, applied_floor) = match (loads, replicas) {
         (_, Some(r)) => (r.to_vec(), None),
@@ -158,7 +167,12 @@ fn plan_layer(
         }
         (None, None) => bail!("one of --loads, --replicas, --loads-file or --demo is required"),
     };
-    let placement = place(&replicas, shape, strategy, loads)?;
+    let placement = match (strategy, loads, max_imbalance) {
+        (Strategy::Lazarus, Some(l), Some(m)) => place_balanced(&replicas, shape, l, m)?,
+        (_, _, Some(_)) => bail!("--max-imbalance needs --loads (or --loads-file) and --strategy lazarus"),
+        _ => place(&replicas, shape, strategy, loads)?,
+    };
+    let imbalance = loads.map(|l| placement.load_balance(l)).transpose()?.map(|b| b.imbalance());
     let recovery = recovery_curve(&placement);
     Ok((
         LayerReport {
@@ -167,6 +181,7 @@ fn plan_layer(
             replicas,
             applied_floor,
             placement: placement.nodes().to_vec(),
+            imbalance,
             recovery,
         },
         placement,
@@ -180,6 +195,13 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
     let shape = args.cluster.shape()?;
     let floor = parse_count("min-replicas", &args.min_replicas)?;
     let strategy = parse_strategy(&args.strategy)?;
+    let max_imbalance = match args.max_imbalance.as_deref() {
+        None => None,
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 1.0 => Some(x),
+            _ => bail!("invalid --max-imbalance: '{v}' (expected a finite ratio ≥ 1)"),
+        },
+    };
     if let Some(path) = &args.loads_file {
         let layers: Vec<Vec<f64>> = read_json("loads-file", path)?;
         if layers.is_empty() {
@@ -188,7 +210,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         let mut reports = Vec::with_capacity(layers.len());
         for (i, loads) in layers.iter().enumerate() {
             let (report, placement) =
-                plan_layer(Some(loads), None, shape, floor, strategy).with_context(|| format!("--loads-file layer {i}"))?;
+                plan_layer(Some(loads), None, shape, floor, strategy, max_imbalance).with_context(|| format!("--loads-file layer {i}"))?;
             reports.push((report, placement));
         }
         if args.json {
@@ -207,7 +229,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         .as_deref()
         .map(|s| parse_list::<usize>("replicas", s, "non-negative integers"))
         .transpose()?;
-    let (report, placement) = plan_layer(loads.as_deref(), replicas.as_deref(), shape, floor, strategy)?;
+    let (report, placement) = plan_layer(loads.as_deref(), replicas.as_deref(), shape, floor, strategy, max_imbalance)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -271,6 +293,12 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
             .collect();
         let _ = writeln!(out, "  node {n:>3}: {}", gpus.join(" "));
     }
+    if let Some(imb) = report.imbalance {
+        let _ = writeln!(
+            out,
+            "\nbusiest GPU: {imb:.3}x its mean share of tokens at best (balanced dispatcher; 1.000 = no GPU idles)"
+        );
+    }
     let _ = writeln!(out, "\nrecovery probability (uniformly random node failures):");
     let _ = writeln!(out, "  failed  probability  method");
     for r in &report.recovery {
@@ -285,7 +313,7 @@ fn run_demo(json: bool) -> Result<()> {
     let floor = 2;
     let mut reports = Vec::new();
     for strategy in Strategy::ALL {
-        reports.push(plan_layer(Some(&DEMO_LOADS), None, shape, floor, strategy)?);
+        reports.push(plan_layer(Some(&DEMO_LOADS), None, shape, floor, strategy, None)?);
     }
     if json {
         return print_layers_json(&reports);
@@ -301,7 +329,7 @@ fn run_demo(json: bool) -> Result<()> {
     let shape = ClusterShape::new(TRUNCATED_NODES, 1, TRUNCATED_SLOTS)?;
     let mut truncated = Vec::new();
     for strategy in Strategy::ALL {
-        truncated.push(plan_layer(Some(&TRUNCATED_LOADS), None, shape, floor, strategy)?);
+        truncated.push(plan_layer(Some(&TRUNCATED_LOADS), None, shape, floor, strategy, None)?);
     }
     println!(
         "\nA truncated case: {} experts with loads {:?} on {TRUNCATED_NODES} nodes x {TRUNCATED_SLOTS} slots \

@@ -98,6 +98,11 @@ pub struct TrainArgs {
     /// enough for two replicas of every expert).
     #[arg(long)]
     pub slots_per_worker: Option<usize>,
+    /// With --workers: throughput guard of the measured-load plan — the most fault-tolerant
+    /// placement on which no worker needs more than this many times its mean share of tokens;
+    /// `inf`: the most fault-tolerant placement, however unbalanced.
+    #[arg(long, default_value_t = lazarus_plan::DEFAULT_MAX_IMBALANCE)]
+    pub max_imbalance: f64,
     /// With --workers: steps whose router loads plan the placement (forward only, before training).
     #[arg(long, default_value_t = 3)]
     pub profile_steps: usize,

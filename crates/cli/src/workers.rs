@@ -21,7 +21,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use lazarus_comm::{CommError, Group, Rendezvous, TcpTransport};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
-use lazarus_plan::{allocate, place, ClusterShape, Strategy};
+use lazarus_plan::{allocate, place, place_balanced, ClusterShape, Strategy};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
 use lazarus_runtime::{static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions};
 use serde::{Deserialize, Serialize};
@@ -238,14 +238,17 @@ fn measure_loads(trainer: &mut Trainer, steps: usize) -> Result<Vec<Vec<f64>>> {
 }
 
 /// Allocation (Eq. 1) and placement per MoE layer from measured loads, one node per worker.
-fn plan_from_loads(loads: &[Vec<f64>], world: usize, slots: usize) -> Result<LayerPlacement> {
+fn plan_from_loads(loads: &[Vec<f64>], world: usize, slots: usize, max_imbalance: Option<f64>) -> Result<LayerPlacement> {
     let shape = ClusterShape::new(world, 1, slots)?;
     let floor = if world > 1 { 2 } else { 1 };
     loads
         .iter()
         .map(|l| {
             let a = allocate(l, shape.total_slots(), floor)?;
-            let p = place(&a.replicas, shape, Strategy::Lazarus, Some(l))?;
+            let p = match max_imbalance {
+                Some(m) => place_balanced(&a.replicas, shape, l, m)?,
+                None => place(&a.replicas, shape, Strategy::Lazarus, Some(l))?,
+            };
             Ok(p.rank_replicas())
         })
         .collect()
@@ -520,8 +523,11 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         if slots * world < experts {
             bail!("invalid --slots-per-worker: {slots} x {world} workers < {experts} experts");
         }
+        if args.max_imbalance.is_nan() || args.max_imbalance < 1.0 {
+            bail!("invalid --max-imbalance: {} (expected a ratio ≥ 1, or inf for no guard)", args.max_imbalance);
+        }
         let loads = measure_loads(&mut trainer, args.profile_steps)?;
-        plan_from_loads(&loads, world, slots)?
+        plan_from_loads(&loads, world, slots, args.max_imbalance.is_finite().then_some(args.max_imbalance))?
     };
     let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
     validate_placement(&placement, moe_layers, experts, world, mode).context("--placement-file")?;

@@ -125,3 +125,23 @@ fn malformed_input_names_the_field_and_value() {
     let e = fails(&["prob", "--placement-file", missing.to_str().unwrap(), "--failed", "1"]);
     assert!(e.contains("expert 1"), "{e}");
 }
+
+#[test]
+fn max_imbalance_trades_recovery_for_a_busy_worker_and_reports_both() {
+    let base = ["plan", "--loads", "8,0,0,0,0,0,0,0", "--nodes", "4", "--slots", "4", "--min-replicas", "1", "--json"];
+    let plain = json(&base);
+    let mut args = base.to_vec();
+    args.extend(["--max-imbalance", "1.05"]);
+    let guarded = json(&args);
+    let p1 = |v: &Value| v["recovery"][1]["probability"].as_f64().unwrap();
+    let imb = |v: &Value| v["imbalance"].as_f64().unwrap();
+    assert!((imb(&plain) - 4.0 / 3.0).abs() < 1e-9 && (p1(&plain) - 0.5).abs() < 1e-9, "{plain}");
+    assert!((imb(&guarded) - 1.0).abs() < 1e-9 && (p1(&guarded) - 0.25).abs() < 1e-9, "{guarded}");
+    for node in guarded["placement"].as_array().unwrap() {
+        assert!(node.as_array().unwrap().contains(&Value::from(0)), "every worker holds the hot expert: {guarded}");
+    }
+    let e = fails(&["plan", "--loads", "1,2", "--nodes", "2", "--slots", "1", "--max-imbalance", "0.7"]);
+    assert!(e.contains("--max-imbalance") && e.contains("0.7"), "{e}");
+    let e = fails(&["plan", "--replicas", "1,1", "--nodes", "2", "--slots", "1", "--max-imbalance", "1.1"]);
+    assert!(e.contains("--loads"), "{e}");
+}

@@ -101,6 +101,8 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "the model has 4 experts"),
         (vec!["--workers", "9"], "batch_size"),
         (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
+        (vec!["--workers", "2", "--max-imbalance", "0.9"], "--max-imbalance"),
+        (vec!["--workers", "2", "--max-imbalance", "nan"], "--max-imbalance"),
     ] {
         let mut args = vec!["train", "--steps", "2", "--json-log", log.to_str().unwrap()];
         args.extend(TINY);
@@ -193,6 +195,17 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
             ("static-ep" | "static-ep-skip-padding", 4) => assert!(wire > 2.0, "a 4x hot expert pads every buffer: {wire}"),
             other => panic!("unexpected {other:?}"),
         }
+        // The plan's predicted balance and fault tolerance are reported with it: at 4:1 the
+        // guarded Lazarus plan idles nobody; static EP's single replicas survive no failure.
+        let (imbalance, survives) = (r["imbalance"].as_f64().unwrap(), r["survives_one_failure"].as_f64().unwrap());
+        match (system, ratio as u32) {
+            ("lazarus", _) => assert!(imbalance <= 1.05 + 1e-9, "guarded: {imbalance}"),
+            // Worker 0 holds the hot expert (half the tokens) and one cold one (1/14): 16/7 × the mean.
+            ("static-ep" | "static-ep-skip-padding", 4) => {
+                assert!(survives == 0.0 && (imbalance - 16.0 / 7.0).abs() < 1e-9, "{survives} {imbalance}")
+            }
+            _ => {}
+        }
         let rows = r["expert_rows"].as_u64().unwrap();
         match (system, ratio as u32) {
             // DeepSpeed's experts run on the whole capacity buffer: 8 experts x 4 sources x C,
@@ -201,8 +214,11 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
             _ => assert_eq!(rows, routed, "{system} at {ratio}: every routed row once"),
         }
     }
+    assert_eq!(v["max_imbalance"].as_f64(), Some(1.05));
     let bad = lazarus(&["bench", "moe-layer", "--ratios", "9"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--ratios"));
+    let bad = lazarus(&["bench", "moe-layer", "--max-imbalance", "0.5"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--max-imbalance"));
     for args in [["--cpus-per-worker", "0"], ["--cpus-per-worker", "nan"]] {
         let bad = lazarus(&["bench", "moe-layer", "--tokens", "8", args[0], args[1]]);
         let err = String::from_utf8_lossy(&bad.stderr);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use lazarus_comm::{all_gather, barrier, Group, Transport};
 use lazarus_model::rng::SplitMix64;
-use lazarus_plan::{allocate, place, ClusterShape, Strategy};
+use lazarus_plan::{allocate, min_max_load, place, place_balanced, ClusterShape, Strategy};
 use serde::{Deserialize, Serialize};
 
 use crate::error::RuntimeError;
@@ -49,6 +49,9 @@ pub struct MoeLayerBenchSpec {
     pub tokens: usize,
     /// Expert replica slots per rank for the Lazarus plan.
     pub slots: usize,
+    /// Throughput guard of the Lazarus (balanced) plan ([`place_balanced`]); `None`: the most
+    /// fault-tolerant placement whatever its balance.
+    pub max_imbalance: Option<f64>,
     pub warmup: usize,
     pub iters: usize,
     pub seed: u64,
@@ -69,6 +72,10 @@ pub struct BenchResult {
     pub step_s: f64,
     /// Replicas per expert of the plan that ran.
     pub replicas: Vec<u32>,
+    /// The plan's λ*/mean: the busiest rank's least possible tokens over the mean.
+    pub imbalance: f64,
+    /// Share of single-rank failures after which every expert still has a replica.
+    pub survives_one_failure: f64,
     /// Rows the experts computed in one forward, over all ranks (padding included where the
     /// system computes it); the routed rows are `tokens × ranks`.
     pub expert_rows: u64,
@@ -82,16 +89,36 @@ pub fn skewed_loads(experts: usize, ratio: f64) -> Vec<f64> {
 }
 
 /// R[e][rank] for a case: Lazarus allocates replicas from the loads (Eq. 1, floor 1) and places
-/// them; static EP splits experts evenly, one replica each.
-pub fn bench_placement(system: BenchSystem, loads: &[f64], world: usize, slots: usize) -> Result<Vec<Vec<u32>>, RuntimeError> {
+/// them (the balanced dispatcher's plan under the throughput guard `max_imbalance`, the
+/// per-replica one without it, since its shares are fixed by the replica counts); static EP
+/// splits experts evenly, one replica each.
+pub fn bench_placement(
+    system: BenchSystem,
+    loads: &[f64],
+    world: usize,
+    slots: usize,
+    max_imbalance: Option<f64>,
+) -> Result<Vec<Vec<u32>>, RuntimeError> {
     match system {
         BenchSystem::StaticEp | BenchSystem::StaticEpSkipPadding => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
         BenchSystem::Lazarus | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
             let a = allocate(loads, shape.total_slots(), 1)?;
-            Ok(place(&a.replicas, shape, Strategy::Lazarus, Some(loads))?.rank_replicas())
+            let p = match (system, max_imbalance) {
+                (BenchSystem::Lazarus, Some(m)) => place_balanced(&a.replicas, shape, loads, m)?,
+                _ => place(&a.replicas, shape, Strategy::Lazarus, Some(loads))?,
+            };
+            Ok(p.rank_replicas())
         }
     }
+}
+
+/// (λ*/mean, share of single-rank failures every expert survives) of R[e][rank].
+pub fn plan_quality(replicas: &[Vec<u32>], loads: &[f64], world: usize) -> Result<(f64, f64), RuntimeError> {
+    let holders: Vec<Vec<usize>> = replicas.iter().map(|r| (0..world).filter(|&k| r[k] > 0).collect()).collect();
+    let imbalance = min_max_load(&holders, loads, world)?.imbalance();
+    let survivable = (0..world).filter(|&k| holders.iter().all(|h| h.iter().any(|&j| j != k))).count();
+    Ok((imbalance, survivable as f64 / world as f64))
 }
 
 /// Token-major expert choices (top-1) for `n` tokens matching `loads` exactly up to rounding,
@@ -153,7 +180,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
     let mut cases = Vec::with_capacity(spec.cases.len());
     for case in &spec.cases {
         let loads = skewed_loads(e_count, case.ratio);
-        let replicas = bench_placement(case.system, &loads, ranks, spec.slots)?;
+        let replicas = bench_placement(case.system, &loads, ranks, spec.slots, spec.max_imbalance)?;
         let experts: BTreeMap<usize, ExpertWeights> =
             (0..e_count).filter(|&e| replicas[e][rank] > 0).map(|e| (e, all_experts[e].clone())).collect();
         let layer = DistributedMoe {
@@ -205,7 +232,11 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             needed_all += at(2);
             rows_all += at(3);
         }
+        let loads = skewed_loads(e_count, case.ratio);
+        let (imbalance, survives_one_failure) = plan_quality(&c.replicas, &loads, ranks)?;
         results.push(BenchResult {
+            imbalance,
+            survives_one_failure,
             system: case.system,
             ratio: case.ratio,
             tokens_per_s: (ranks * n) as f64 / step_s,
@@ -225,12 +256,25 @@ mod tests {
     #[test]
     fn lazarus_gives_the_hot_expert_more_replicas_and_static_ep_one_each() {
         let loads = skewed_loads(8, 4.0);
-        let lz = bench_placement(BenchSystem::Lazarus, &loads, 4, 4).unwrap();
+        let lz = bench_placement(BenchSystem::Lazarus, &loads, 4, 4, None).unwrap();
         let counts: Vec<u32> = lz.iter().map(|r| r.iter().sum()).collect();
         assert_eq!(counts.iter().sum::<u32>(), 16);
         assert!(counts[0] > counts[1], "{counts:?}");
-        let ep = bench_placement(BenchSystem::StaticEp, &loads, 4, 4).unwrap();
+        let ep = bench_placement(BenchSystem::StaticEp, &loads, 4, 4, None).unwrap();
         assert!(ep.iter().all(|r| r.iter().sum::<u32>() == 1));
+        assert_eq!(plan_quality(&ep, &loads, 4).unwrap().1, 0.0, "one replica each: no failure is survivable");
+    }
+
+    #[test]
+    fn the_guard_trades_a_survivable_failure_for_no_idle_worker_at_8_to_1() {
+        let loads = skewed_loads(8, 8.0);
+        let ft = bench_placement(BenchSystem::Lazarus, &loads, 4, 4, None).unwrap();
+        let guarded = bench_placement(BenchSystem::Lazarus, &loads, 4, 4, Some(1.05)).unwrap();
+        let (a, b) = (plan_quality(&ft, &loads, 4).unwrap(), plan_quality(&guarded, &loads, 4).unwrap());
+        assert!((a.0 - 4.0 / 3.0).abs() < 1e-9 && a.1 == 0.5, "{a:?}");
+        assert!((b.0 - 1.0).abs() < 1e-9 && b.1 == 0.25, "{b:?}");
+        // The per-replica dispatcher cannot use the guard's freedom, so it keeps the optimum.
+        assert_eq!(bench_placement(BenchSystem::LazarusPerReplica, &loads, 4, 4, Some(1.05)).unwrap(), ft);
     }
 
     #[test]
