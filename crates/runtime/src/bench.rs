@@ -14,7 +14,7 @@ use lazarus_plan::{allocate, min_max_load, place, place_balanced, ClusterShape, 
 use serde::{Deserialize, Serialize};
 
 use crate::error::RuntimeError;
-use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights};
+use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 use crate::worker::static_ep_placement;
 
 /// Which system a case runs.
@@ -113,10 +113,24 @@ pub fn bench_placement(
     }
 }
 
-/// (λ*/mean, share of single-rank failures every expert survives) of R[e][rank].
-pub fn plan_quality(replicas: &[Vec<u32>], loads: &[f64], world: usize) -> Result<(f64, f64), RuntimeError> {
+/// (busiest rank's tokens over the mean, share of single-rank failures every expert survives)
+/// of R[e][rank] under `system`'s dispatcher: the per-replica shares of Algorithm 1 are fixed by
+/// the replica counts; every other system's is λ*, the least the placement allows (one
+/// replica each for static EP, so also what it gets).
+pub fn plan_quality(system: BenchSystem, replicas: &[Vec<u32>], loads: &[f64], world: usize) -> Result<(f64, f64), RuntimeError> {
     let holders: Vec<Vec<usize>> = replicas.iter().map(|r| (0..world).filter(|&k| r[k] > 0).collect()).collect();
-    let imbalance = min_max_load(&holders, loads, world)?.imbalance();
+    let imbalance = match system {
+        BenchSystem::LazarusPerReplica => {
+            let total: f64 = loads.iter().sum();
+            let busiest = (0..world)
+                .map(|k| {
+                    replicas.iter().zip(loads).map(|(r, t)| t * r[k] as f64 / r.iter().sum::<u32>().max(1) as f64).sum::<f64>()
+                })
+                .fold(0.0, f64::max);
+            if total > 0.0 { (busiest * world as f64 / total).max(1.0) } else { 1.0 }
+        }
+        _ => min_max_load(&holders, loads, world)?.imbalance(),
+    };
     let survivable = (0..world).filter(|&k| holders.iter().all(|h| h.iter().any(|&j| j != k))).count();
     Ok((imbalance, survivable as f64 / world as f64))
 }
@@ -195,6 +209,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
                 BenchSystem::StaticEp => DispatchMode::StaticPadded,
                 BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
             },
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
         };
         let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
         cases.push(Case { layer, choices, replicas, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
@@ -233,7 +248,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             rows_all += at(3);
         }
         let loads = skewed_loads(e_count, case.ratio);
-        let (imbalance, survives_one_failure) = plan_quality(&c.replicas, &loads, ranks)?;
+        let (imbalance, survives_one_failure) = plan_quality(case.system, &c.replicas, &loads, ranks)?;
         results.push(BenchResult {
             imbalance,
             survives_one_failure,
@@ -262,7 +277,7 @@ mod tests {
         assert!(counts[0] > counts[1], "{counts:?}");
         let ep = bench_placement(BenchSystem::StaticEp, &loads, 4, 4, None).unwrap();
         assert!(ep.iter().all(|r| r.iter().sum::<u32>() == 1));
-        assert_eq!(plan_quality(&ep, &loads, 4).unwrap().1, 0.0, "one replica each: no failure is survivable");
+        assert_eq!(plan_quality(BenchSystem::StaticEp, &ep, &loads, 4).unwrap().1, 0.0, "one replica each: no failure is survivable");
     }
 
     #[test]
@@ -270,11 +285,15 @@ mod tests {
         let loads = skewed_loads(8, 8.0);
         let ft = bench_placement(BenchSystem::Lazarus, &loads, 4, 4, None).unwrap();
         let guarded = bench_placement(BenchSystem::Lazarus, &loads, 4, 4, Some(1.05)).unwrap();
-        let (a, b) = (plan_quality(&ft, &loads, 4).unwrap(), plan_quality(&guarded, &loads, 4).unwrap());
+        let quality = |r: &[Vec<u32>]| plan_quality(BenchSystem::Lazarus, r, &loads, 4).unwrap();
+        let (a, b) = (quality(&ft), quality(&guarded));
         assert!((a.0 - 4.0 / 3.0).abs() < 1e-9 && a.1 == 0.5, "{a:?}");
         assert!((b.0 - 1.0).abs() < 1e-9 && b.1 == 0.25, "{b:?}");
         // The per-replica dispatcher cannot use the guard's freedom, so it keeps the optimum.
         assert_eq!(bench_placement(BenchSystem::LazarusPerReplica, &loads, 4, 4, Some(1.05)).unwrap(), ft);
+        // Per-replica shares: 9 equal shares of every token, four on each of workers 2 and 3.
+        let (imb, _) = plan_quality(BenchSystem::LazarusPerReplica, &ft, &loads, 4).unwrap();
+        assert!((imb - 16.0 / 9.0).abs() < 1e-9, "{imb}");
     }
 
     #[test]

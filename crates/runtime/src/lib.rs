@@ -14,5 +14,5 @@ mod moe;
 mod worker;
 
 pub use error::RuntimeError;
-pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads};
+pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
 pub use worker::{batch_share, static_ep_placement, validate_placement, validate_worker_config, LayerPlacement, Worker, WorkerOptions, WorkerStepReport};

@@ -12,6 +12,10 @@ use lazarus_plan::{DispatchSchedule, RankLayout};
 use crate::error::RuntimeError;
 
 /// One physical copy of an expert (f32).
+/// Default largest replica-gradient all-reduce bucket (bytes), as PyTorch DDP's: buckets are
+/// what lets the all-reduce overlap the experts' backward; a bucket never splits an expert.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
 #[derive(Debug, Clone)]
 pub struct ExpertWeights {
     pub w1: Var,
@@ -138,6 +142,8 @@ pub struct DistributedMoe {
     pub top_k: usize,
     pub timeout: Duration,
     pub mode: DispatchMode,
+    /// Largest replica-gradient all-reduce bucket ([`DEFAULT_BUCKET_BYTES`]).
+    pub bucket_bytes: usize,
 }
 
 /// What the forward pass keeps for backward.
@@ -434,9 +440,12 @@ impl DistributedMoe {
         let received = all_to_all_v(t, world, &sends, self.timeout)?;
         let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
-        // set share one all-reduce (one bucket); buckets run in the order of their holder sets,
-        // the same on every rank, so overlapping groups cannot wait on each other in a cycle.
-        let mut buckets: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
+        // all-reduce overlaps the next one's backward (a single bucket would leave the whole
+        // all-reduce exposed: at 1:1 every expert of a worker has the same holders). Buckets run
+        // in the order of their holder sets and then of expert ids, the same on every rank, so
+        // overlapping groups cannot wait on each other in a cycle.
+        let mut by_holders: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
         for e in 0..e_count {
             let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
             if holders.contains(&me) {
@@ -446,10 +455,21 @@ impl DistributedMoe {
                         reason: format!("rank {me} holds expert {e} but has no weights for it"),
                     });
                 }
-                buckets.entry(holders).or_default().push(e);
+                by_holders.entry(holders).or_default().push(e);
             }
         }
-        let order: Vec<usize> = buckets.values().flatten().copied().collect();
+        let mut buckets: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+        for (holders, experts) in by_holders {
+            let mut current: Vec<usize> = Vec::new();
+            for e in experts {
+                if !current.is_empty() && 4 * (self.bucket_len(&current) + self.bucket_len(&[e])) > self.bucket_bytes {
+                    buckets.push((holders.clone(), std::mem::take(&mut current)));
+                }
+                current.push(e);
+            }
+            buckets.push((holders, current));
+        }
+        let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
         let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
         let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<f32>), RuntimeError>>();
         // Set when this thread fails (e.g. a peer is lost): the helper stops after its current

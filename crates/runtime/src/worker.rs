@@ -24,7 +24,7 @@ use lazarus_model::optim::{clip_scale, TensorState};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
 
 use crate::error::RuntimeError;
-use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, MoeForward};
+use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, MoeForward, DEFAULT_BUCKET_BYTES};
 
 /// Replica counts R[e][rank] of every MoE layer: `layers[l][e][rank]`.
 pub type LayerPlacement = Vec<Vec<Vec<u32>>>;
@@ -183,6 +183,7 @@ impl Worker {
                 top_k: mc.top_k,
                 timeout: options.timeout,
                 mode: options.mode,
+                bucket_bytes: DEFAULT_BUCKET_BYTES,
             });
         }
         let mut worker = Worker { trainer, rank, world, layers, kinds, placement: options.placement, timeout: options.timeout };

@@ -9,7 +9,7 @@ use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
 use lazarus_model::ops::{expert_ffn, softmax_last};
 use lazarus_model::rng::SplitMix64;
 use lazarus_model::routing::top_k;
-use lazarus_runtime::{DispatchMode, DistributedMoe, ExpertWeights};
+use lazarus_runtime::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 
 const D: usize = 8;
 const F: usize = 12;
@@ -88,7 +88,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 /// Runs rank `rank` of `ranks`, checks it against the reference, returns its forward wire bytes.
-fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode) -> (u64, u64) {
+fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode, bucket_bytes: usize) -> (u64, u64) {
     let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
     let lo = rank * N / ranks;
     let hi = (rank + 1) * N / ranks;
@@ -105,6 +105,7 @@ fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u3
         top_k: K,
         timeout: Duration::from_secs(20),
         mode,
+        bucket_bytes,
     };
     let mut world = Group::world(ranks);
     let h = var(&w.h[lo * D..hi * D], &[hi - lo, D]);
@@ -135,12 +136,16 @@ fn check_mode(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> u64 
     check_mode_rows(ranks, replicas, mode).0
 }
 
-/// (forward wire bytes, rows computed by experts), summed over the ranks.
 fn check_mode_rows(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) -> (u64, u64) {
+    check_buckets(ranks, replicas, mode, DEFAULT_BUCKET_BYTES)
+}
+
+/// (forward wire bytes, rows computed by experts), summed over the ranks.
+fn check_buckets(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode, bucket_bytes: usize) -> (u64, u64) {
     let w = std::sync::Arc::new(weights());
     if ranks == 1 {
         let mut t = LocalTransport::new(1);
-        return run_rank(0, 1, &mut t, &replicas, &w, mode);
+        return run_rank(0, 1, &mut t, &replicas, &w, mode, bucket_bytes);
     }
     let group = TcpTransport::local_group(ranks, 1).unwrap();
     let handles: Vec<_> = group
@@ -148,7 +153,7 @@ fn check_mode_rows(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode) ->
         .enumerate()
         .map(|(rank, mut t)| {
             let (w, replicas) = (w.clone(), replicas.clone());
-            std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w, mode))
+            std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w, mode, bucket_bytes))
         })
         .collect();
     handles.into_iter().map(|h| h.join().expect("rank failed")).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
@@ -201,6 +206,7 @@ fn static_mode_rejects_replicated_experts() {
         top_k: K,
         timeout: Duration::from_secs(5),
         mode: DispatchMode::StaticPadded,
+        bucket_bytes: DEFAULT_BUCKET_BYTES,
     };
     let h = var(&w.h, &[N, D]);
     let err = moe.forward(&mut t, &mut Group::world(1), h.as_tensor()).err().expect("must fail").to_string();
@@ -221,4 +227,14 @@ fn three_ranks_uneven() {
 #[test]
 fn four_ranks_every_expert_everywhere_unevenly() {
     check(4, vec![vec![1, 1, 0, 1], vec![0, 1, 1, 1], vec![2, 0, 1, 0], vec![1, 1, 1, 3]]);
+}
+
+#[test]
+fn one_expert_per_bucket_matches_too() {
+    // Every expert on ranks 0 and 1, three on rank 2: each holder set has several experts, so
+    // a 1-byte cap splits every bucket into single experts all-reduced one after another while
+    // the next is computed. Same gradients as one bucket per holder set.
+    let replicas = vec![vec![1, 1, 1], vec![1, 1, 0], vec![1, 1, 1], vec![1, 1, 1]];
+    check_buckets(3, replicas.clone(), DispatchMode::Balanced, 1);
+    check_buckets(3, replicas, DispatchMode::Flexible, DEFAULT_BUCKET_BYTES);
 }
