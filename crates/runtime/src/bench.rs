@@ -23,6 +23,9 @@ use crate::worker::static_ep_placement;
 pub enum BenchSystem {
     /// Replicas from the loads, rank-balanced padding-free dispatch.
     Lazarus,
+    /// As `Lazarus` but placed for fault tolerance alone (no throughput guard): what the guard
+    /// buys, side by side.
+    LazarusUnguarded,
     /// The same replicas with the paper's per-replica shares (Algorithm 1 as published).
     LazarusPerReplica,
     /// DeepSpeed-MoE: one replica per expert, padded buffers, padding rows computed.
@@ -101,7 +104,7 @@ pub fn bench_placement(
 ) -> Result<Vec<Vec<u32>>, RuntimeError> {
     match system {
         BenchSystem::StaticEp | BenchSystem::StaticEpSkipPadding => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
-        BenchSystem::Lazarus | BenchSystem::LazarusPerReplica => {
+        BenchSystem::Lazarus | BenchSystem::LazarusUnguarded | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
             let a = allocate(loads, shape.total_slots(), 1)?;
             let p = match (system, max_imbalance) {
@@ -204,7 +207,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             top_k: 1,
             timeout,
             mode: match case.system {
-                BenchSystem::Lazarus => DispatchMode::Balanced,
+                BenchSystem::Lazarus | BenchSystem::LazarusUnguarded => DispatchMode::Balanced,
                 BenchSystem::LazarusPerReplica => DispatchMode::Flexible,
                 BenchSystem::StaticEp => DispatchMode::StaticPadded,
                 BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
