@@ -241,7 +241,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<10} {:>6} {:>12} {:>10} {:>11} {:>10} {:>10}  replicas",
+        "{:<11} {:>6} {:>12} {:>10} {:>11} {:>10} {:>10}  replicas",
         "system", "ratio", "tokens/s", "step s", "wire ratio", "imbalance", "P(1 fail)"
     );
     for r in &results {
@@ -254,7 +254,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         };
         let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();
         println!(
-            "{system:<10} {:>6} {:>12.0} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
+            "{system:<11} {:>6} {:>12.0} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
             r.ratio,
             r.tokens_per_s,
             r.step_s,
