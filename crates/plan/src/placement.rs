@@ -375,7 +375,7 @@ fn guarded_nodes(replicas: &[usize], n: usize, s: usize, loads: &[f64], max_imba
 /// [`local_search`] under the guard: while the plan is above `limit`, a swap is taken if it
 /// lowers the imbalance; once within it, if it improves recovery and stays within it.
 fn guarded_local_search(
-    mut nodes: Vec<Vec<ExpertId>>,
+    nodes: Vec<Vec<ExpertId>>,
     n: usize,
     s: usize,
     eval: &SmallEval,
@@ -384,44 +384,24 @@ fn guarded_local_search(
 ) -> Vec<Vec<ExpertId>> {
     let mut counts = eval.counts(&nodes);
     let mut imbalance = node_imbalance(&nodes, loads);
-    let mut improved = true;
-    while improved {
-        improved = false;
-        'scan: for a in 0..n {
-            for b in (a + 1)..n {
-                for i in 0..s {
-                    for j in 0..s {
-                        let (x, y) = (nodes[a][i], nodes[b][j]);
-                        if x == y || nodes[a][..i].contains(&x) || nodes[b][..j].contains(&y) {
-                            continue;
-                        }
-                        nodes[a][i] = y;
-                        nodes[b][j] = x;
-                        if imbalance > limit {
-                            let next = node_imbalance(&nodes, loads);
-                            if next < imbalance - 1e-12 {
-                                imbalance = next;
-                                counts = eval.counts(&nodes);
-                                improved = true;
-                                break 'scan;
-                            }
-                        } else if let Some(c) = eval.improves(&nodes, &counts) {
-                            let next = node_imbalance(&nodes, loads);
-                            if next <= limit {
-                                imbalance = next;
-                                counts = c;
-                                improved = true;
-                                break 'scan;
-                            }
-                        }
-                        nodes[a][i] = x;
-                        nodes[b][j] = y;
-                    }
-                }
+    hill_climb(nodes, n, s, |cand| {
+        if imbalance > limit {
+            let next = node_imbalance(cand, loads);
+            if next < imbalance - 1e-12 {
+                imbalance = next;
+                counts = eval.counts(cand);
+                return true;
+            }
+        } else if let Some(c) = eval.improves(cand, &counts) {
+            let next = node_imbalance(cand, loads);
+            if next <= limit {
+                imbalance = next;
+                counts = c;
+                return true;
             }
         }
-    }
-    nodes
+        false
+    })
 }
 
 pub(crate) fn validate_replicas(replicas: &[usize], shape: ClusterShape) -> Result<(), PlanError> {
@@ -722,10 +702,23 @@ fn counts_dominate(a: &[u64], b: &[u64]) -> bool {
     a.iter().zip(b).all(|(x, y)| x >= y)
 }
 
-/// First-improvement hill climbing over swaps of two replicas of different experts on different
-/// nodes, with exact evaluation. Deterministic.
-fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallEval) -> (Vec<Vec<ExpertId>>, Vec<u64>) {
+/// Hill climbing with exact evaluation (see [`hill_climb`]); returns the plan and its counts.
+fn local_search(nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallEval) -> (Vec<Vec<ExpertId>>, Vec<u64>) {
     let mut counts = eval.counts(&nodes);
+    let nodes = hill_climb(nodes, n, s, |cand| match eval.improves(cand, &counts) {
+        Some(c) => {
+            counts = c;
+            true
+        }
+        None => false,
+    });
+    (nodes, counts)
+}
+
+/// First-improvement hill climbing over swaps of two replicas of different experts on different
+/// nodes: `improves` is asked about each swapped plan (and keeps its own notion of the current
+/// best); the first swap it accepts is kept and the scan restarts. Deterministic.
+fn hill_climb(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, mut improves: impl FnMut(&[Vec<ExpertId>]) -> bool) -> Vec<Vec<ExpertId>> {
     let mut improved = true;
     while improved {
         improved = false;
@@ -739,8 +732,7 @@ fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallE
                         }
                         nodes[a][i] = y;
                         nodes[b][j] = x;
-                        if let Some(c) = eval.improves(&nodes, &counts) {
-                            counts = c;
+                        if improves(&nodes) {
                             improved = true;
                             break 'scan;
                         }
@@ -751,7 +743,7 @@ fn local_search(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallE
             }
         }
     }
-    (nodes, counts)
+    nodes
 }
 
 /// Spread each node's replicas over its G GPUs so that expected tokens per GPU are balanced:
