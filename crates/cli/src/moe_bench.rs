@@ -102,10 +102,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     if !args.comm_timeout.is_finite() || args.comm_timeout <= 0.0 {
         bad("comm-timeout", args.comm_timeout.to_string(), "expected seconds > 0")?;
     }
-    if args.max_imbalance.is_nan() || args.max_imbalance < 1.0 {
-        bad("max-imbalance", args.max_imbalance.to_string(), "expected a ratio ≥ 1, or inf for no guard")?;
-    }
-    let max_imbalance = args.max_imbalance.is_finite().then_some(args.max_imbalance);
+    let max_imbalance = crate::planning::throughput_guard(args.max_imbalance)?;
     let slots = args.slots.unwrap_or_else(|| (2 * args.experts).div_ceil(args.workers));
     if slots * args.workers < args.experts {
         bad("slots", slots.to_string(), "slots × workers must cover every expert")?;

@@ -126,6 +126,15 @@ fn parse_list<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Res
         .collect()
 }
 
+/// `--max-imbalance` of `train --workers` and `bench moe-layer`: a ratio ≥ 1, or `inf` for no
+/// throughput guard (`None`: the most fault-tolerant placement).
+pub fn throughput_guard(value: f64) -> Result<Option<f64>> {
+    if value.is_nan() || value < 1.0 {
+        bail!("invalid --max-imbalance: {value} (expected a ratio ≥ 1, or inf for no guard)");
+    }
+    Ok(value.is_finite().then_some(value))
+}
+
 fn parse_strategy(value: &str) -> Result<Strategy> {
     Ok(value.parse::<Strategy>()?)
 }

@@ -523,11 +523,9 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         if slots * world < experts {
             bail!("invalid --slots-per-worker: {slots} x {world} workers < {experts} experts");
         }
-        if args.max_imbalance.is_nan() || args.max_imbalance < 1.0 {
-            bail!("invalid --max-imbalance: {} (expected a ratio ≥ 1, or inf for no guard)", args.max_imbalance);
-        }
+        let guard = crate::planning::throughput_guard(args.max_imbalance)?;
         let loads = measure_loads(&mut trainer, args.profile_steps)?;
-        plan_from_loads(&loads, world, slots, args.max_imbalance.is_finite().then_some(args.max_imbalance))?
+        plan_from_loads(&loads, world, slots, guard)?
     };
     let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
     validate_placement(&placement, moe_layers, experts, world, mode).context("--placement-file")?;

@@ -189,6 +189,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
         layer: DistributedMoe,
         choices: Vec<u32>,
         replicas: Vec<Vec<u32>>,
+        loads: Vec<f64>,
         times: Vec<f64>,
         wire: u64,
         needed: u64,
@@ -215,7 +216,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             bucket_bytes: DEFAULT_BUCKET_BYTES,
         };
         let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
-        cases.push(Case { layer, choices, replicas, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
+        cases.push(Case { layer, choices, replicas, loads, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
     }
     for it in 0..spec.warmup + spec.iters {
         for c in cases.iter_mut() {
@@ -250,8 +251,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             needed_all += at(2);
             rows_all += at(3);
         }
-        let loads = skewed_loads(e_count, case.ratio);
-        let (imbalance, survives_one_failure) = plan_quality(case.system, &c.replicas, &loads, ranks)?;
+        let (imbalance, survives_one_failure) = plan_quality(case.system, &c.replicas, &c.loads, ranks)?;
         results.push(BenchResult {
             imbalance,
             survives_one_failure,

@@ -460,12 +460,15 @@ impl DistributedMoe {
         }
         let mut buckets: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
         for (holders, experts) in by_holders {
-            let mut current: Vec<usize> = Vec::new();
+            let (mut current, mut bytes): (Vec<usize>, usize) = (Vec::new(), 0);
             for e in experts {
-                if !current.is_empty() && 4 * (self.bucket_len(&current) + self.bucket_len(&[e])) > self.bucket_bytes {
+                let size = 4 * self.bucket_len(&[e]);
+                if !current.is_empty() && bytes + size > self.bucket_bytes {
                     buckets.push((holders.clone(), std::mem::take(&mut current)));
+                    bytes = 0;
                 }
                 current.push(e);
+                bytes += size;
             }
             buckets.push((holders, current));
         }
