@@ -33,9 +33,14 @@ pub struct MoeLayerBenchArgs {
     /// the others share the rest equally).
     #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
     ratios: Vec<f64>,
+    /// Systems to run (lazarus, lazarus-unguarded, lazarus-per-replica, static-ep,
+    /// static-ep-skip-padding): fewer systems, more iterations in the same time.
+    #[arg(long, value_delimiter = ',', value_parser = parse_system,
+          default_value = "lazarus,lazarus-unguarded,lazarus-per-replica,static-ep,static-ep-skip-padding")]
+    systems: Vec<BenchSystem>,
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Measured steps per case (the median is reported).
+    /// Measured steps per case (the median step is reported, with the quartiles).
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Pin worker r to cores [r·C, (r+1)·C) with C threads, like one GPU per worker; without it
@@ -60,6 +65,21 @@ pub struct MoeLayerBenchArgs {
     json: bool,
 }
 
+const SYSTEMS: [(&str, BenchSystem); 5] = [
+    ("lazarus", BenchSystem::Lazarus),
+    ("lazarus-unguarded", BenchSystem::LazarusUnguarded),
+    ("lazarus-per-replica", BenchSystem::LazarusPerReplica),
+    ("static-ep", BenchSystem::StaticEp),
+    ("static-ep-skip-padding", BenchSystem::StaticEpSkipPadding),
+];
+
+fn parse_system(s: &str) -> Result<BenchSystem, String> {
+    SYSTEMS.iter().find(|(name, _)| *name == s).map(|x| x.1).ok_or_else(|| {
+        let names: Vec<&str> = SYSTEMS.iter().map(|x| x.0).collect();
+        format!("unknown system {s:?} (expected one of {})", names.join(", "))
+    })
+}
+
 #[derive(Serialize)]
 struct Report<'a> {
     results: &'a [BenchResult],
@@ -72,10 +92,13 @@ struct Report<'a> {
     cpus_per_worker: Option<f64>,
     /// The Lazarus plan's throughput guard (null: none).
     max_imbalance: Option<f64>,
-    /// (max − min) / max of Lazarus tokens/s across the ratios.
+    /// (max − min) / max of Lazarus tokens/s across the ratios (null when not run).
     lazarus_spread: f64,
     /// The same for the plan without the throughput guard.
     lazarus_unguarded_spread: f64,
+    /// The largest (q3 − q1) / median of tokens/s over the Lazarus cases: a spread below this
+    /// is within the run's noise.
+    lazarus_noise: f64,
     /// Lazarus tokens/s over static EP tokens/s, per ratio.
     /// (ratio, lazarus / static-ep): against DeepSpeed-MoE's way (padding computed).
     speedup: Vec<(f64, f64)>,
@@ -107,19 +130,16 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     if slots * args.workers < args.experts {
         bad("slots", slots.to_string(), "slots × workers must cover every expert")?;
     }
+    let mut systems: Vec<BenchSystem> = Vec::new();
+    for s in &args.systems {
+        if !systems.contains(s) {
+            systems.push(*s);
+        }
+    }
     let cases: Vec<BenchCase> = args
         .ratios
         .iter()
-        .flat_map(|&ratio| {
-            [
-                BenchSystem::Lazarus,
-                BenchSystem::LazarusUnguarded,
-                BenchSystem::LazarusPerReplica,
-                BenchSystem::StaticEp,
-                BenchSystem::StaticEpSkipPadding,
-            ]
-            .map(|system| BenchCase { system, ratio })
-        })
+        .flat_map(|&ratio| systems.iter().map(move |&system| BenchCase { system, ratio }))
         .collect();
     let spec = MoeLayerBenchSpec {
         d_model: args.d_model,
@@ -207,6 +227,11 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     };
     let spread = spread_of(BenchSystem::Lazarus);
     let unguarded_spread = spread_of(BenchSystem::LazarusUnguarded);
+    let noise = results
+        .iter()
+        .filter(|r| r.system == BenchSystem::Lazarus)
+        .map(|r| (r.tokens_per_s_quartiles.1 - r.tokens_per_s_quartiles.0) / r.tokens_per_s)
+        .fold(f64::NAN, f64::max);
     let ratio_to = |base: BenchSystem| -> Vec<(f64, f64)> {
         args.ratios
             .iter()
@@ -231,6 +256,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             max_imbalance,
             lazarus_spread: spread,
             lazarus_unguarded_spread: unguarded_spread,
+            lazarus_noise: noise,
             speedup,
             speedup_vs_skip_padding,
         };
@@ -238,8 +264,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<11} {:>6} {:>12} {:>10} {:>11} {:>10} {:>10}  replicas",
-        "system", "ratio", "tokens/s", "step s", "wire ratio", "imbalance", "P(1 fail)"
+        "{:<11} {:>6} {:>12} {:>15} {:>10} {:>11} {:>10} {:>10}  replicas",
+        "system", "ratio", "tokens/s", "quartiles", "step s", "wire ratio", "imbalance", "P(1 fail)"
     );
     for r in &results {
         let system = match r.system {
@@ -251,9 +277,10 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         };
         let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();
         println!(
-            "{system:<11} {:>6} {:>12.0} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
+            "{system:<11} {:>6} {:>12.0} {:>15} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
             r.ratio,
             r.tokens_per_s,
+            format!("{:.0}–{:.0}", r.tokens_per_s_quartiles.0, r.tokens_per_s_quartiles.1),
             r.step_s,
             r.wire_bytes_ratio,
             r.imbalance,
@@ -261,13 +288,15 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             reps.join(",")
         );
     }
+    let shown = |x: f64, unit: &str| if x.is_finite() { format!("{x:.2}{unit}") } else { "not run".into() };
     println!(
-        "lazarus tokens/s spread across ratios: {:.1}% (without the throughput guard: {:.1}%)",
-        100.0 * spread,
-        100.0 * unguarded_spread
+        "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); noise (widest quartile band / median): {}",
+        shown(100.0 * spread, "%"),
+        shown(100.0 * unguarded_spread, "%"),
+        shown(100.0 * noise, "%")
     );
-    for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding) {
-        println!("lazarus / static-ep at {k}:1: {s:.2}x (vs static EP skipping padding rows: {skip:.2}x)");
+    for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite()) {
+        println!("lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));
     }
     Ok(())
 }

@@ -217,6 +217,22 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
         }
     }
     assert_eq!(v["max_imbalance"].as_f64(), Some(1.05));
+    // One system, more steps: the median step comes with its quartiles and the run's noise.
+    let out = lazarus(&["bench", "moe-layer", "--d-model", "32", "--d-ff", "64", "--tokens", "64", "--iters", "4", "--ratios", "1,4", "--systems", "lazarus,lazarus", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2, "lazarus once per ratio: {results:?}");
+    for r in results {
+        assert_eq!(r["system"], "lazarus");
+        let (lo, mid, hi) = (r["tokens_per_s_quartiles"][0].as_f64().unwrap(), r["tokens_per_s"].as_f64().unwrap(), r["tokens_per_s_quartiles"][1].as_f64().unwrap());
+        assert!(0.0 < lo && lo <= mid && mid <= hi, "{lo} {mid} {hi}");
+    }
+    assert!(v["lazarus_noise"].as_f64().is_some_and(|x| x >= 0.0), "{}", v["lazarus_noise"]);
+    assert!(v["speedup"][0][1].is_null(), "no static EP run, no speedup: {}", v["speedup"]);
+    let bad = lazarus(&["bench", "moe-layer", "--systems", "lazarus,deepspeed"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("--systems") && err.contains("deepspeed"), "{err}");
     let bad = lazarus(&["bench", "moe-layer", "--ratios", "9"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--ratios"));
     let bad = lazarus(&["bench", "moe-layer", "--max-imbalance", "0.5"]);

@@ -67,11 +67,15 @@ pub struct MoeLayerBenchSpec {
 pub struct BenchResult {
     pub system: BenchSystem,
     pub ratio: f64,
-    /// Forward+backward tokens (all ranks) per second, median over iterations.
+    /// Forward+backward tokens (all ranks) per second at the median step time (a step lasts
+    /// as long as its slowest rank).
     pub tokens_per_s: f64,
+    /// Tokens/s at the slower and the faster quartile of the step times: the run's noise, to
+    /// read a spread against (on a shared machine it can exceed the differences measured).
+    pub tokens_per_s_quartiles: (f64, f64),
     /// Bytes sent in the four all-to-alls of a step over the bytes of the rows that had to move.
     pub wire_bytes_ratio: f64,
-    /// Median step seconds.
+    /// Median step seconds (per iteration, the slowest rank's).
     pub step_s: f64,
     /// Replicas per expert of the plan that ran.
     pub replicas: Vec<u32>,
@@ -149,9 +153,16 @@ fn routed_choices(loads: &[f64], n: usize, seed: u64) -> Result<Vec<u32>, Runtim
     Ok(c)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+/// The q-quantile (0 ≤ q ≤ 1) of `v` by linear interpolation between order statistics.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let at = q * (s.len() - 1) as f64;
+    let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+    s[lo] + (s[hi] - s[lo]) * (at - lo as f64)
 }
 
 /// Run every case of `spec` on this rank; every rank must call it together.
@@ -235,29 +246,36 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
     }
     let mut results = Vec::with_capacity(spec.cases.len());
     for (case, c) in spec.cases.iter().zip(cases.iter_mut()) {
-        // Step time is the slowest rank's; bytes are summed over ranks.
-        let mine: Vec<u8> = [median(&mut c.times).to_le_bytes(), (c.wire as f64).to_le_bytes(), (c.needed as f64).to_le_bytes(), (c.rows as f64).to_le_bytes()]
-            .concat();
+        // A step lasts as long as its slowest rank (every step starts at a barrier); bytes are
+        // summed over ranks.
+        let iters = c.times.len();
+        let mut mine: Vec<u8> = [(c.wire as f64), (c.needed as f64), (c.rows as f64)].iter().flat_map(|x| x.to_le_bytes()).collect();
+        mine.extend(c.times.iter().flat_map(|x| x.to_le_bytes()));
         let all = all_gather(t, world, &mine, timeout)?;
-        let mut step_s = 0.0f64;
+        let mut steps = vec![0.0f64; iters];
         let (mut wire_all, mut needed_all, mut rows_all) = (0.0, 0.0, 0.0);
         for (r, b) in all.iter().enumerate() {
-            if b.len() != 32 {
-                return Err(RuntimeError::Invalid { field: "bench result", reason: format!("rank {r} sent {} bytes", b.len()) });
+            if b.len() != 8 * (3 + iters) {
+                return Err(RuntimeError::Invalid { field: "bench result", reason: format!("rank {r} sent {} bytes, expected {}", b.len(), 8 * (3 + iters)) });
             }
             let at = |i: usize| f64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-            step_s = step_s.max(at(0));
-            wire_all += at(1);
-            needed_all += at(2);
-            rows_all += at(3);
+            wire_all += at(0);
+            needed_all += at(1);
+            rows_all += at(2);
+            for (i, s) in steps.iter_mut().enumerate() {
+                *s = s.max(at(3 + i));
+            }
         }
+        let step_s = quantile(&steps, 0.5);
+        let tokens = (ranks * n) as f64;
         let (imbalance, survives_one_failure) = plan_quality(case.system, &c.replicas, &c.loads, ranks)?;
         results.push(BenchResult {
             imbalance,
             survives_one_failure,
             system: case.system,
             ratio: case.ratio,
-            tokens_per_s: (ranks * n) as f64 / step_s,
+            tokens_per_s: tokens / step_s,
+            tokens_per_s_quartiles: (tokens / quantile(&steps, 0.75), tokens / quantile(&steps, 0.25)),
             wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
             step_s,
             replicas: c.replicas.iter().map(|r| r.iter().sum()).collect(),
@@ -297,6 +315,16 @@ mod tests {
         // Per-replica shares: 9 equal shares of every token, four on each of workers 2 and 3.
         let (imb, _) = plan_quality(BenchSystem::LazarusPerReplica, &ft, &loads, 4).unwrap();
         assert!((imb - 16.0 / 9.0).abs() < 1e-9, "{imb}");
+    }
+
+    #[test]
+    fn quantiles_interpolate_between_order_statistics() {
+        let v = [4.0, 1.0, 3.0, 2.0, 5.0];
+        assert_eq!(quantile(&v, 0.5), 3.0);
+        assert_eq!(quantile(&v, 0.25), 2.0);
+        assert_eq!(quantile(&[1.0, 2.0], 0.5), 1.5, "even count: between the middle two");
+        assert_eq!(quantile(&[7.0], 0.75), 7.0);
+        assert!(quantile(&[], 0.5).is_nan());
     }
 
     #[test]
