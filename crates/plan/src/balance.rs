@@ -81,6 +81,28 @@ pub fn min_max_load(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> Resul
     Ok(LoadBalance { bottleneck: lambda, mean })
 }
 
+/// What stands between a placement and a lower λ: the tokens that cannot be placed when every
+/// bin takes at most `lambda`, and the min cut's bins and experts (the union of the sets X with
+/// t(X) > λ·|N(X)|; empty when nothing overflows). Inputs as for [`min_max_load`], already
+/// validated by the caller.
+pub(crate) fn overflow(holders: &[Vec<usize>], loads: &[f64], bins: usize, lambda: f64) -> Overflow {
+    let mut net = FlowNet::new(holders, loads, bins);
+    let (flow, _, _) = net.max_flow(lambda);
+    let experts = holders.len();
+    Overflow {
+        tokens: (loads.iter().sum::<f64>() - flow).max(0.0),
+        bins: (0..bins).map(|b| net.reached[1 + experts + b]).collect(),
+        experts: (0..experts).map(|e| net.reached[1 + e]).collect(),
+    }
+}
+
+/// See [`overflow`].
+pub(crate) struct Overflow {
+    pub tokens: f64,
+    pub bins: Vec<bool>,
+    pub experts: Vec<bool>,
+}
+
 /// Source → expert (t_e) → bin (unbounded) → sink (λ), Dinic's algorithm on f64 capacities.
 struct FlowNet {
     /// Vertex ids: 0 source, 1..=E experts, E+1..=E+B bins, E+B+1 sink.
@@ -93,6 +115,8 @@ struct FlowNet {
     experts: usize,
     bins: usize,
     loads: Vec<f64>,
+    /// After [`FlowNet::max_flow`]: the vertices the source still reaches (the min cut's side).
+    reached: Vec<bool>,
 }
 
 const EPS: f64 = 1e-12;
@@ -110,6 +134,7 @@ impl FlowNet {
             experts,
             bins,
             loads: loads.to_vec(),
+            reached: Vec::new(),
         };
         for (e, h) in holders.iter().enumerate() {
             net.edge(0, 1 + e, loads[e]);
@@ -176,6 +201,7 @@ impl FlowNet {
             }
         }
         // `level` now marks what the source still reaches: the min cut's source side.
+        self.reached = level.iter().map(|&l| l != usize::MAX).collect();
         let cut_load: f64 = (0..self.experts).filter(|&e| level[1 + e] != usize::MAX).map(|e| self.loads[e]).sum();
         let cut_bins = (0..self.bins).filter(|&b| level[1 + self.experts + b] != usize::MAX).count();
         (flow, cut_load, cut_bins)

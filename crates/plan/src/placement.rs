@@ -185,14 +185,7 @@ impl Placement {
     /// λ* per GPU under the balanced dispatcher for these loads ([`crate::balance`]): how much
     /// longer than perfectly balanced the experts' step takes on this plan.
     pub fn load_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
-        let c = self.shape.slots_per_gpu;
-        let mut holders = vec![Vec::new(); self.experts];
-        for (n, node) in self.nodes.iter().enumerate() {
-            for (k, &e) in node.iter().enumerate() {
-                holders[e].push(n * self.shape.gpus_per_node + k / c);
-            }
-        }
-        crate::balance::min_max_load(&holders, loads, self.shape.ranks())
+        crate::balance::min_max_load(&gpu_holders(&self.nodes, self.shape, self.experts), loads, self.shape.ranks())
     }
 
     /// r_e: replicas of each expert.
@@ -294,7 +287,8 @@ pub const DEFAULT_MAX_IMBALANCE: f64 = 1.05;
 /// meets it, the most balanced candidate wins.
 ///
 /// The guard is evaluated per node (failure domain); the node's replicas are then spread over
-/// its GPUs as in [`place`].
+/// its GPUs as in [`place`] and the spread refined for the balanced dispatcher
+/// ([`refine_gpus`]), which changes no node's experts and so no recovery probability.
 pub fn place_balanced(
     replicas: &[usize],
     shape: ClusterShape,
@@ -312,6 +306,7 @@ pub fn place_balanced(
     }
     let nodes = guarded_nodes(replicas, shape.nodes, shape.slots_per_node(), loads, max_imbalance);
     let nodes = balance_gpus(nodes, replicas, shape, Some(loads));
+    let nodes = refine_gpus(nodes, shape, loads);
     Ok(Placement {
         shape,
         experts: replicas.len(),
@@ -746,6 +741,119 @@ fn hill_climb(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, mut improves: i
     nodes
 }
 
+/// One replica of an expert moves from GPU `from` to GPU `to` in its holder list.
+fn move_replica(holders: &mut Vec<usize>, from: usize, to: usize) {
+    if let Some(i) = holders.iter().position(|&h| h == from) {
+        holders[i] = to;
+    }
+}
+
+/// GPU index of every replica, per expert.
+fn gpu_holders(nodes: &[Vec<ExpertId>], shape: ClusterShape, experts: usize) -> Vec<Vec<usize>> {
+    let c = shape.slots_per_gpu;
+    let mut holders = vec![Vec::new(); experts];
+    for (n, node) in nodes.iter().enumerate() {
+        for (k, &e) in node.iter().enumerate() {
+            holders[e].push(n * shape.gpus_per_node + k / c);
+        }
+    }
+    holders
+}
+
+/// Most candidate swaps evaluated (one max-flow each) per accepted swap and in all: the
+/// refinement is a bounded improvement on [`balance_gpus`], never a search without end.
+const REFINE_TRIES_PER_MOVE: usize = 64;
+const REFINE_TRIES_PER_GPU: usize = 16;
+
+/// Swaps of two replicas between GPUs of one node, taken while they lower the per-GPU λ*
+/// ([`crate::balance`]) — a node keeps its experts, so every recovery probability is unchanged.
+///
+/// Why: [`balance_gpus`] spreads a node's replicas by their per-replica shares t_e/r_e, but the
+/// balanced dispatcher sends an expert's tokens wherever there is room, and what limits the
+/// busiest GPU is a min cut: experts X whose holder GPUs N(X) cannot absorb t(X) at λ (at 1K GPUs
+/// two of four layers met the guard per node but were 1.06–1.09× per GPU). Moving a replica of X
+/// off a GPU that keeps another X replica onto a GPU of the same node outside N(X) grows N(X) by
+/// one GPU. A swap is taken when it lowers the tokens that overflow at just below the current λ*
+/// (one max-flow); when none overflow, λ* itself has dropped and the next round aims lower.
+fn refine_gpus(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShape, loads: &[f64]) -> Vec<Vec<ExpertId>> {
+    let (g, c, bins) = (shape.gpus_per_node, shape.slots_per_gpu, shape.ranks());
+    let total: f64 = loads.iter().sum();
+    if g < 2 || total <= 0.0 {
+        return nodes;
+    }
+    let experts = loads.len();
+    let mean = total / bins as f64;
+    let lambda_of = |nodes: &[Vec<ExpertId>]| {
+        crate::balance::min_max_load(&gpu_holders(nodes, shape, experts), loads, bins).map_or(f64::INFINITY, |b| b.bottleneck)
+    };
+    let mut lambda = lambda_of(&nodes);
+    let mut budget = REFINE_TRIES_PER_GPU * bins;
+    while lambda > mean * (1.0 + 1e-9) && budget > 0 {
+        // Just below λ* the tight sets overflow by at least λ·1e-6 (one GPU's worth); the
+        // tolerance is far below that and far above the flow's rounding.
+        let target = lambda * (1.0 - 1e-6);
+        let tol = 1e-9 * lambda;
+        let cut = crate::balance::overflow(&gpu_holders(&nodes, shape, experts), loads, bins, target);
+        if cut.tokens <= tol {
+            let next = lambda_of(&nodes);
+            if next >= lambda * (1.0 - 1e-9) {
+                break;
+            }
+            lambda = next;
+            continue;
+        }
+        let holders = gpu_holders(&nodes, shape, experts);
+        let mut moved = None;
+        let mut tries = 0;
+        'search: for (ni, node) in nodes.iter().enumerate() {
+            let gpu = |k: usize| ni * g + k;
+            for a in (0..g).filter(|&a| cut.bins[gpu(a)]) {
+                let slots_a = &node[a * c..(a + 1) * c];
+                if slots_a.iter().filter(|&&e| cut.experts[e]).count() < 2 {
+                    continue;
+                }
+                // Replicas of X leave GPU a, a twice-held one first (a keeps that expert),
+                // then the heaviest; the lightest replicas of GPU b (none of X: b is outside
+                // N(X)) take their place.
+                let mut from: Vec<usize> = (a * c..(a + 1) * c).filter(|&i| cut.experts[node[i]]).collect();
+                let twice = |i: usize| slots_a.iter().filter(|&&e| e == node[i]).count() > 1;
+                from.sort_by(|&i, &j| twice(j).cmp(&twice(i)).then(loads[node[j]].total_cmp(&loads[node[i]])).then(i.cmp(&j)));
+                from.dedup_by_key(|i| node[*i]);
+                for b in (0..g).filter(|&b| !cut.bins[gpu(b)]) {
+                    let mut to: Vec<usize> = (b * c..(b + 1) * c).collect();
+                    to.sort_by(|&i, &j| loads[node[i]].total_cmp(&loads[node[j]]).then(i.cmp(&j)));
+                    to.dedup_by_key(|i| node[*i]);
+                    for &f in &from {
+                        for &t in &to {
+                            if tries >= REFINE_TRIES_PER_MOVE || budget == 0 {
+                                break 'search;
+                            }
+                            tries += 1;
+                            budget -= 1;
+                            let mut trial = holders.clone();
+                            let (x, y) = (node[f], node[t]);
+                            move_replica(&mut trial[x], gpu(a), gpu(b));
+                            move_replica(&mut trial[y], gpu(b), gpu(a));
+                            if crate::balance::overflow(&trial, loads, bins, target).tokens < cut.tokens - tol {
+                                let mut cand = node.clone();
+                                cand.swap(f, t);
+                                moved = Some((ni, cand));
+                                break 'search;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let Some((ni, mut cand)) = moved else { break };
+        for gpu in cand.chunks_mut(c) {
+            gpu.sort_unstable();
+        }
+        nodes[ni] = cand;
+    }
+    nodes
+}
+
 /// Spread each node's replicas over its G GPUs so that expected tokens per GPU are balanced:
 /// longest-processing-time first on the per-replica load t_e / r_e, preferring a GPU that
 /// already holds the expert on ties (one physical copy then serves both replicas).
@@ -898,6 +1006,18 @@ mod tests {
         assert_eq!(r.iter().map(|v| v.iter().sum::<u32>()).sum::<u32>(), 4);
     }
 
+    /// Each node's experts, sorted: what failures see of a placement.
+    fn node_multisets(p: &Placement) -> Vec<Vec<ExpertId>> {
+        p.nodes()
+            .iter()
+            .map(|n| {
+                let mut n = n.clone();
+                n.sort_unstable();
+                n
+            })
+            .collect()
+    }
+
     #[test]
     fn the_guard_gives_every_worker_a_hot_replica_at_8_to_1() {
         // The bench's shape: 4 workers x 4 slots, every token on expert 0.
@@ -921,6 +1041,86 @@ mod tests {
         assert!(place_balanced(&r, shape, &loads[..3], 1.05).unwrap_err().to_string().contains("loads"));
     }
 
+    /// Every way to split one node's slots over its GPUs (as sorted GPU lists; repeats kept).
+    fn arrangements(node: &[ExpertId], g: usize, c: usize) -> Vec<Vec<ExpertId>> {
+        let mut out: Vec<Vec<ExpertId>> = Vec::new();
+        let mut perm: Vec<ExpertId> = node.to_vec();
+        perm.sort_unstable();
+        // Heap's algorithm over slot orders; canonical form: each GPU sorted, GPUs sorted.
+        let k = perm.len();
+        let mut stack = vec![0usize; k];
+        let mut push = |p: &[ExpertId]| {
+            let mut gpus: Vec<Vec<ExpertId>> = p.chunks(c).map(|x| { let mut x = x.to_vec(); x.sort_unstable(); x }).collect();
+            gpus.sort();
+            let flat: Vec<ExpertId> = gpus.concat();
+            if !out.contains(&flat) {
+                out.push(flat);
+            }
+        };
+        push(&perm);
+        let mut i = 0;
+        while i < k {
+            if stack[i] < i {
+                if i % 2 == 0 { perm.swap(0, i) } else { perm.swap(stack[i], i) }
+                push(&perm);
+                stack[i] += 1;
+                i = 0;
+            } else {
+                stack[i] = 0;
+                i += 1;
+            }
+        }
+        assert!(out.iter().all(|x| x.len() == g * c));
+        out
+    }
+
+    #[test]
+    fn refined_gpus_against_every_arrangement_of_small_nodes() {
+        // Oracle: every within-node arrangement of the guarded plan's nodes, the least per-GPU λ*.
+        let (mut cases, mut lpt_best, mut refined_best, mut improved) = (0, 0, 0, 0);
+        let mut rng = SplitMix64::new(11);
+        for (n, g, c) in [(2, 2, 2), (3, 2, 2), (2, 2, 3), (2, 3, 2), (3, 3, 2)] {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            for _ in 0..40 {
+                let experts = 2 + rng.below(shape.total_slots() - 1);
+                let loads: Vec<f64> = (0..experts).map(|_| if rng.below(3) == 0 { 0.0 } else { (1 + rng.below(100) * (1 + rng.below(8))) as f64 }).collect();
+                let Ok(alloc) = crate::allocate(&loads, shape.total_slots(), 1) else { continue };
+                let r = alloc.replicas;
+                let nodes = guarded_nodes(&r, n, shape.slots_per_node(), &loads, DEFAULT_MAX_IMBALANCE);
+                let lpt = balance_gpus(nodes.clone(), &r, shape, Some(&loads));
+                let refined = place_balanced(&r, shape, &loads, DEFAULT_MAX_IMBALANCE).unwrap().nodes().to_vec();
+                let lambda = |nodes: &[Vec<ExpertId>]| crate::balance::min_max_load(&gpu_holders(nodes, shape, experts), &loads, shape.ranks()).unwrap().bottleneck;
+                let per_node: Vec<Vec<Vec<ExpertId>>> = nodes.iter().map(|x| arrangements(x, g, c)).collect();
+                let mut best = f64::INFINITY;
+                let mut pick = vec![0usize; n];
+                loop {
+                    let cand: Vec<Vec<ExpertId>> = (0..n).map(|i| per_node[i][pick[i]].clone()).collect();
+                    best = best.min(lambda(&cand));
+                    let mut i = 0;
+                    while i < n && pick[i] + 1 == per_node[i].len() {
+                        pick[i] = 0;
+                        i += 1;
+                    }
+                    if i == n {
+                        break;
+                    }
+                    pick[i] += 1;
+                }
+                let (l, f) = (lambda(&lpt), lambda(&refined));
+                assert!(f <= l * (1.0 + 1e-9) && f >= best * (1.0 - 1e-9), "{l} {f} {best}");
+                cases += 1;
+                lpt_best += (l <= best * (1.0 + 1e-9)) as usize;
+                refined_best += (f <= best * (1.0 + 1e-9)) as usize;
+                improved += (f < l * (1.0 - 1e-9)) as usize;
+            }
+        }
+        // Measured: 200 instances, LPT optimal in 165, refined in 199, better than LPT in 35.
+        eprintln!("{cases} instances: LPT optimal in {lpt_best}, refined optimal in {refined_best}, refined better than LPT in {improved}");
+        assert!(cases >= 150, "{cases}");
+        assert!(refined_best * 100 >= cases * 97, "refined optimal in only {refined_best} of {cases}");
+        assert!(improved * 10 >= cases, "LPT was already optimal almost everywhere ({improved} of {cases} improved): the oracle has no teeth");
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         #[test]
@@ -940,8 +1140,27 @@ mod tests {
             let (a, b) = (node_imbalance(ours.nodes(), &loads), node_imbalance(plain.nodes(), &loads));
             prop_assert!(a <= b + 1e-9, "guarded {} > plain {}", a, b);
             if b <= DEFAULT_MAX_IMBALANCE {
-                prop_assert_eq!(&ours, &plain);
+                // The same nodes; within them the GPUs may be refined for the flow.
+                prop_assert_eq!(node_multisets(&ours), node_multisets(&plain));
             }
+        }
+
+        #[test]
+        fn refining_the_gpus_keeps_every_node_and_never_unbalances_a_gpu(
+            n in 1usize..24, g in 2usize..5, c in 1usize..4, seed in any::<u64>(),
+        ) {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            let mut rng = SplitMix64::new(seed);
+            let experts = 1 + rng.below(shape.total_slots().min(48));
+            let loads: Vec<f64> = (0..experts).map(|_| if rng.below(3) == 0 { 0.0 } else { (rng.below(1000) * (1 + rng.below(8))) as f64 }).collect();
+            let r = crate::allocate(&loads, shape.total_slots(), 1).unwrap().replicas;
+            let spread = balance_gpus(lazarus_nodes(&r, n, shape.slots_per_node()), &r, shape, Some(&loads));
+            let refined = refine_gpus(spread.clone(), shape, &loads);
+            let multisets = |nodes: &[Vec<ExpertId>]| nodes.iter().map(|x| { let mut x = x.clone(); x.sort_unstable(); x }).collect::<Vec<_>>();
+            prop_assert_eq!(multisets(&refined), multisets(&spread));
+            let lambda = |nodes: &[Vec<ExpertId>]| crate::balance::min_max_load(&gpu_holders(nodes, shape, experts), &loads, shape.ranks()).unwrap().bottleneck;
+            let (before, after) = (lambda(&spread), lambda(&refined));
+            prop_assert!(after <= before * (1.0 + 1e-9), "refined {} > spread {}", after, before);
         }
     }
 
