@@ -96,9 +96,9 @@ struct Report<'a> {
     lazarus_spread: f64,
     /// The same for the plan without the throughput guard.
     lazarus_unguarded_spread: f64,
-    /// The largest (q3 − q1) / median of tokens/s over the Lazarus cases: a spread below this
-    /// is within the run's noise.
-    lazarus_noise: f64,
+    /// The widest 95% confidence interval of a Lazarus case's median tokens/s, over that median:
+    /// how precisely the run pins the figures the spread is computed from.
+    lazarus_ci95_width: f64,
     /// Lazarus tokens/s over static EP tokens/s, per ratio.
     /// (ratio, lazarus / static-ep): against DeepSpeed-MoE's way (padding computed).
     speedup: Vec<(f64, f64)>,
@@ -118,6 +118,9 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         if v == 0 {
             bad(field, v.to_string(), "must be at least 1")?;
         }
+    }
+    if args.iters > 1000 {
+        bad("iters", args.iters.to_string(), "at most 1000 measured steps per case")?;
     }
     if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > args.experts as f64) {
         bad("ratios", r.to_string(), &format!("each must be between 1 and the number of experts ({})", args.experts))?;
@@ -227,10 +230,10 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     };
     let spread = spread_of(BenchSystem::Lazarus);
     let unguarded_spread = spread_of(BenchSystem::LazarusUnguarded);
-    let noise = results
+    let ci95_width = results
         .iter()
         .filter(|r| r.system == BenchSystem::Lazarus)
-        .map(|r| (r.tokens_per_s_quartiles.1 - r.tokens_per_s_quartiles.0) / r.tokens_per_s)
+        .map(|r| (r.tokens_per_s_ci95.1 - r.tokens_per_s_ci95.0) / r.tokens_per_s)
         .fold(f64::NAN, f64::max);
     let ratio_to = |base: BenchSystem| -> Vec<(f64, f64)> {
         args.ratios
@@ -256,7 +259,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             max_imbalance,
             lazarus_spread: spread,
             lazarus_unguarded_spread: unguarded_spread,
-            lazarus_noise: noise,
+            lazarus_ci95_width: ci95_width,
             speedup,
             speedup_vs_skip_padding,
         };
@@ -265,7 +268,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     }
     println!(
         "{:<11} {:>6} {:>12} {:>15} {:>10} {:>11} {:>10} {:>10}  replicas",
-        "system", "ratio", "tokens/s", "quartiles", "step s", "wire ratio", "imbalance", "P(1 fail)"
+        "system", "ratio", "tokens/s", "95% CI", "step s", "wire ratio", "imbalance", "P(1 fail)"
     );
     for r in &results {
         let system = match r.system {
@@ -280,7 +283,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             "{system:<11} {:>6} {:>12.0} {:>15} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
             r.ratio,
             r.tokens_per_s,
-            format!("{:.0}–{:.0}", r.tokens_per_s_quartiles.0, r.tokens_per_s_quartiles.1),
+            format!("{:.0}–{:.0}", r.tokens_per_s_ci95.0, r.tokens_per_s_ci95.1),
             r.step_s,
             r.wire_bytes_ratio,
             r.imbalance,
@@ -290,10 +293,10 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     }
     let shown = |x: f64, unit: &str| if x.is_finite() { format!("{x:.2}{unit}") } else { "not run".into() };
     println!(
-        "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); noise (widest quartile band / median): {}",
+        "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); widest 95% CI of a lazarus median: {}",
         shown(100.0 * spread, "%"),
         shown(100.0 * unguarded_spread, "%"),
-        shown(100.0 * noise, "%")
+        shown(100.0 * ci95_width, "%")
     );
     for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite()) {
         println!("lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));

@@ -227,9 +227,14 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
         assert_eq!(r["system"], "lazarus");
         let (lo, mid, hi) = (r["tokens_per_s_quartiles"][0].as_f64().unwrap(), r["tokens_per_s"].as_f64().unwrap(), r["tokens_per_s_quartiles"][1].as_f64().unwrap());
         assert!(0.0 < lo && lo <= mid && mid <= hi, "{lo} {mid} {hi}");
+        // Four steps: the interval of the median is their range, around the quartiles.
+        let (clo, chi) = (r["tokens_per_s_ci95"][0].as_f64().unwrap(), r["tokens_per_s_ci95"][1].as_f64().unwrap());
+        assert!(clo <= lo && hi <= chi, "{clo} {lo} {hi} {chi}");
     }
-    assert!(v["lazarus_noise"].as_f64().is_some_and(|x| x >= 0.0), "{}", v["lazarus_noise"]);
+    assert!(v["lazarus_ci95_width"].as_f64().is_some_and(|x| x >= 0.0), "{}", v["lazarus_ci95_width"]);
     assert!(v["speedup"][0][1].is_null(), "no static EP run, no speedup: {}", v["speedup"]);
+    let bad = lazarus(&["bench", "moe-layer", "--iters", "1001"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--iters"));
     let bad = lazarus(&["bench", "moe-layer", "--systems", "lazarus,deepspeed"]);
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(!bad.status.success() && err.contains("--systems") && err.contains("deepspeed"), "{err}");

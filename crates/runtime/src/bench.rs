@@ -73,6 +73,9 @@ pub struct BenchResult {
     /// Tokens/s at the slower and the faster quartile of the step times: the run's noise, to
     /// read a spread against (on a shared machine it can exceed the differences measured).
     pub tokens_per_s_quartiles: (f64, f64),
+    /// A distribution-free 95% confidence interval of the median tokens/s (order statistics of
+    /// the steps, [`median_ci95`]): how precisely this case's figure is known.
+    pub tokens_per_s_ci95: (f64, f64),
     /// Bytes sent in the four all-to-alls of a step over the bytes of the rows that had to move.
     pub wire_bytes_ratio: f64,
     /// Median step seconds (per iteration, the slowest rank's).
@@ -151,6 +154,32 @@ fn routed_choices(loads: &[f64], n: usize, seed: u64) -> Result<Vec<u32>, Runtim
         c.swap(i, rng.below(i + 1));
     }
     Ok(c)
+}
+
+/// The order statistics bounding a 95% confidence interval of the median of `v`, without
+/// assuming a distribution: the j-th smallest and j-th largest with the largest j such that
+/// P(Binomial(n, ½) < j) ≤ 2.5% (n = 25: the 8th and 18th). Below 6 values even the range
+/// covers less than 95%; it is returned all the same.
+fn median_ci95(v: &[f64]) -> (f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN);
+    }
+    // P(B < j) for B ~ Binomial(n, ½), summed term by term in f64 (n is a step count).
+    let mut j = 1;
+    let (mut below, mut term) = (0.0f64, 0.5f64.powi(n as i32));
+    for k in 0..n {
+        below += term;
+        if below > 0.025 {
+            break;
+        }
+        j = k + 1;
+        term *= (n - k) as f64 / (k + 1) as f64;
+    }
+    let j = j.min(n.div_ceil(2));
+    (s[j - 1], s[n - j])
 }
 
 /// The q-quantile (0 ≤ q ≤ 1) of `v` by linear interpolation between order statistics.
@@ -276,6 +305,10 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             ratio: case.ratio,
             tokens_per_s: tokens / step_s,
             tokens_per_s_quartiles: (tokens / quantile(&steps, 0.75), tokens / quantile(&steps, 0.25)),
+            tokens_per_s_ci95: {
+                let (fast, slow) = median_ci95(&steps);
+                (tokens / slow, tokens / fast)
+            },
             wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
             step_s,
             replicas: c.replicas.iter().map(|r| r.iter().sum()).collect(),
@@ -315,6 +348,16 @@ mod tests {
         // Per-replica shares: 9 equal shares of every token, four on each of workers 2 and 3.
         let (imb, _) = plan_quality(BenchSystem::LazarusPerReplica, &ft, &loads, 4).unwrap();
         assert!((imb - 16.0 / 9.0).abs() < 1e-9, "{imb}");
+    }
+
+    #[test]
+    fn the_median_interval_uses_binomial_order_statistics() {
+        let v: Vec<f64> = (1..=25).map(f64::from).collect();
+        assert_eq!(median_ci95(&v), (8.0, 18.0), "n = 25: the 8th and 18th");
+        let v: Vec<f64> = (1..=10).rev().map(f64::from).collect();
+        assert_eq!(median_ci95(&v), (2.0, 9.0), "n = 10: the 2nd and 9th (P(B < 2) = 1.1%)");
+        assert_eq!(median_ci95(&[3.0, 1.0, 2.0]), (1.0, 3.0), "too few steps: the range");
+        assert_eq!(median_ci95(&[4.0]), (4.0, 4.0));
     }
 
     #[test]
