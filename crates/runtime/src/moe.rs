@@ -442,9 +442,9 @@ impl DistributedMoe {
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
         // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
         // all-reduce overlaps the next one's backward (a single bucket would leave the whole
-        // all-reduce exposed: at 1:1 every expert of a worker has the same holders). Buckets run
-        // in the order of their holder sets and then of expert ids, the same on every rank, so
-        // overlapping groups cannot wait on each other in a cycle.
+        // all-reduce exposed: at 1:1 every expert of a worker has the same holders). Shared
+        // buckets run in the order of their holder sets and then of expert ids, the same on
+        // every rank, so overlapping groups cannot wait on each other in a cycle.
         let mut by_holders: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
         for e in 0..e_count {
             let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
@@ -472,6 +472,10 @@ impl DistributedMoe {
             }
             buckets.push((holders, current));
         }
+        // Experts held here alone need no all-reduce: computed last, they overlap the last
+        // shared bucket's all-reduce instead of leaving it exposed. (Moving buckets that send
+        // nothing keeps the shared ones in the same order on every rank.)
+        buckets.sort_by_key(|b| b.0.len() == 1);
         let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
         let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
         let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<f32>), RuntimeError>>();
