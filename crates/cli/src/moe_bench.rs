@@ -40,8 +40,10 @@ pub struct MoeLayerBenchArgs {
     systems: Vec<BenchSystem>,
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Measured steps per case (the median step is reported, with the quartiles).
-    #[arg(long, default_value_t = 3)]
+    /// Measured steps per case (the median step is reported, with its 95% confidence interval
+    /// and the quartiles). 11 gives an interval between the 2nd and 10th fastest; on a noisy
+    /// machine use more.
+    #[arg(long, default_value_t = 11)]
     iters: usize,
     /// Pin worker r to cores [r·C, (r+1)·C) with C threads, like one GPU per worker; without it
     /// the workers share every core, which hides load imbalance (an idle rank's core goes to a
