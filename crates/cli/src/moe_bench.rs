@@ -45,9 +45,10 @@ pub struct MoeLayerBenchArgs {
     /// machine use more.
     #[arg(long, default_value_t = 11)]
     iters: usize,
-    /// Pin worker r to cores [r·C, (r+1)·C) with C threads, like one GPU per worker; without it
-    /// the workers share every core, which hides load imbalance (an idle rank's core goes to a
-    /// busy one).
+    /// Pin worker r to cores [r·C, (r+1)·C) with C threads, like one GPU per worker. Default:
+    /// cores / workers when there are at least as many cores as workers; with fewer, the workers
+    /// share every core, which hides load imbalance (an idle rank's core goes to a busy one),
+    /// and a warning says so.
     #[arg(long, conflicts_with = "cpus_per_worker")]
     cores_per_worker: Option<usize>,
     /// Cap each worker at this many CPUs (a Linux cgroup per worker, e.g. 0.5 for 4 workers on
@@ -159,14 +160,34 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         cases,
         timeout_s: args.comm_timeout,
     };
+    // Without a flag, each worker gets cores of its own when the machine has enough (an
+    // accelerator each, as the comparison needs); otherwise they share, and the user is told.
+    let have = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores_per_worker = match (args.cores_per_worker, args.cpus_per_worker) {
+        (None, None) if have >= args.workers => Some(have / args.workers),
+        (c, _) => c,
+    };
+    let confine = match (cores_per_worker, args.cpus_per_worker) {
+        (Some(c), _) => Confinement::Cores(c),
+        (None, Some(f)) => Confinement::CpuQuota(f),
+        (None, None) => Confinement::Shared,
+    };
+    if matches!(confine, Confinement::Shared) {
+        eprintln!(
+            "warning: {} workers share {have} cores, so an idle worker's CPU goes to a busy one and load imbalance costs \
+             nothing: the comparison is not meaningful. Cap each worker with --cpus-per-worker (e.g. {:.2}) instead.",
+            args.workers,
+            0.5 * have as f64 / args.workers as f64
+        );
+    }
     if !args.json {
         eprintln!(
             "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts, {} tokens per worker, ratios {:?}",
             args.workers,
-            match (args.cores_per_worker, args.cpus_per_worker) {
+            match (cores_per_worker, args.cpus_per_worker) {
                 (Some(c), _) => format!(" pinned to {c} cores each"),
                 (None, Some(f)) => format!(" capped at {f} CPUs each"),
-                _ => String::new(),
+                _ => " sharing the cores".to_string(),
             },
             args.d_model,
             args.d_ff,
@@ -175,11 +196,6 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             args.ratios
         );
     }
-    let confine = match (args.cores_per_worker, args.cpus_per_worker) {
-        (Some(c), _) => Confinement::Cores(c),
-        (None, Some(f)) => Confinement::CpuQuota(f),
-        (None, None) => Confinement::Shared,
-    };
     let (mut workers, rx, _quota) = launch("bench-worker", args.workers, args.comm_timeout, &spec, confine)?;
     let mut results: Option<Vec<BenchResult>> = None;
     let mut ended = 0;
@@ -256,7 +272,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             d_ff: args.d_ff,
             experts: args.experts,
             tokens_per_worker: args.tokens,
-            cores_per_worker: args.cores_per_worker,
+            cores_per_worker,
             cpus_per_worker: args.cpus_per_worker,
             max_imbalance,
             lazarus_spread: spread,
