@@ -162,7 +162,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     };
     // Without a flag, each worker gets cores of its own when the machine has enough (an
     // accelerator each, as the comparison needs); otherwise they share, and the user is told.
-    let have = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let have = crate::workers::allowed_cpus().len();
     let cores_per_worker = match (args.cores_per_worker, args.cpus_per_worker) {
         (None, None) if have >= args.workers => Some(have / args.workers),
         (c, _) => c,

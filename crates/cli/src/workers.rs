@@ -341,9 +341,9 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
     match confine {
         Confinement::Shared => {}
         Confinement::Cores(c) => {
-            let have = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let have = allowed_cpus().len();
             if c == 0 || c * world > have {
-                bail!("invalid --cores-per-worker: {c} x {world} workers needs {} cores, this machine has {have}", c * world);
+                bail!("invalid --cores-per-worker: {c} x {world} workers needs {} cores, this process may use {have}", c * world);
             }
         }
         Confinement::CpuQuota(f) => {
@@ -364,7 +364,7 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
                 Confinement::Shared => {}
                 Confinement::Cores(c) => {
                     cmd.env("RAYON_NUM_THREADS", c.to_string());
-                    pin(&mut cmd, rank * c..(rank + 1) * c);
+                    pin(&mut cmd, allowed_cpus()[rank * c..(rank + 1) * c].to_vec());
                 }
                 Confinement::CpuQuota(f) => {
                     cmd.env("RAYON_NUM_THREADS", (f.ceil() as usize).max(1).to_string());
@@ -458,8 +458,27 @@ fn join_cgroup(cmd: &mut Command, procs: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The CPU ids this process may run on, ascending (its affinity mask: a container or `taskset`
+/// may allow CPUs 8–15 only); elsewhere than Linux, 0..available_parallelism.
+pub fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sched_getaffinity writes at most size_of::<cpu_set_t>() bytes into `set`.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+                let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+                if !cpus.is_empty() {
+                    return cpus;
+                }
+            }
+        }
+    }
+    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
+}
+
 /// Restrict the child to `cores` (Linux; elsewhere only the thread-pool size applies).
-fn pin(cmd: &mut Command, cores: std::ops::Range<usize>) {
+fn pin(cmd: &mut Command, cores: Vec<usize>) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
@@ -468,7 +487,7 @@ fn pin(cmd: &mut Command, cores: std::ops::Range<usize>) {
         unsafe {
             cmd.pre_exec(move || {
                 let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for c in cores.clone() {
+                for &c in &cores {
                     libc::CPU_SET(c, &mut set);
                 }
                 if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {

@@ -167,16 +167,17 @@ fn median_ci95(v: &[f64]) -> (f64, f64) {
     if n == 0 {
         return (f64::NAN, f64::NAN);
     }
-    // P(B < j) for B ~ Binomial(n, ½), summed term by term in f64 (n is a step count).
+    // P(B < j) for B ~ Binomial(n, ½), summed term by term; terms kept as logarithms so that
+    // 2^-n does not underflow for long runs.
     let mut j = 1;
-    let (mut below, mut term) = (0.0f64, 0.5f64.powi(n as i32));
+    let (mut below, mut ln_term) = (0.0f64, n as f64 * 0.5f64.ln());
     for k in 0..n {
-        below += term;
+        below += ln_term.exp();
         if below > 0.025 {
             break;
         }
         j = k + 1;
-        term *= (n - k) as f64 / (k + 1) as f64;
+        ln_term += ((n - k) as f64 / (k + 1) as f64).ln();
     }
     let j = j.min(n.div_ceil(2));
     (s[j - 1], s[n - j])
@@ -358,6 +359,11 @@ mod tests {
         assert_eq!(median_ci95(&v), (2.0, 9.0), "n = 10: the 2nd and 9th (P(B < 2) = 1.1%)");
         assert_eq!(median_ci95(&[3.0, 1.0, 2.0]), (1.0, 3.0), "too few steps: the range");
         assert_eq!(median_ci95(&[4.0]), (4.0, 4.0));
+        // Long runs: 2^-2000 underflows, its logarithm does not. Normal approximation:
+        // j ≈ n/2 − 1.96·√n/2 = 956.2 for n = 2000, so the 956th or so.
+        let v: Vec<f64> = (1..=2000).map(f64::from).collect();
+        let (lo, hi) = median_ci95(&v);
+        assert!((950.0..=960.0).contains(&lo) && hi == 2001.0 - lo, "{lo} {hi}");
     }
 
     #[test]
