@@ -806,14 +806,11 @@ fn refine_gpus(nodes: Vec<Vec<ExpertId>>, shape: ClusterShape, loads: &[f64]) ->
     }
 }
 
+/// The swaps of [`refine_gpus`], for G ≥ 2 and some tokens.
 fn refine_gpu_swaps(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShape, loads: &[f64]) -> Vec<Vec<ExpertId>> {
     let (g, c, bins) = (shape.gpus_per_node, shape.slots_per_gpu, shape.ranks());
-    let total: f64 = loads.iter().sum();
-    if g < 2 || total <= 0.0 {
-        return nodes;
-    }
     let experts = loads.len();
-    let mean = total / bins as f64;
+    let mean = loads.iter().sum::<f64>() / bins as f64;
     let lambda_of = |nodes: &[Vec<ExpertId>]| gpu_lambda(nodes, shape, loads);
     let mut lambda = lambda_of(&nodes);
     let mut budget = REFINE_TRIES_PER_GPU * bins;
