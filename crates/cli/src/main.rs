@@ -20,18 +20,18 @@ struct Cli {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Forward+backward throughput of the model, expert-FFN share, GFLOP/s vs plain matmul.
-    Train(training::BenchTrainArgs),
+    Train(Box<training::BenchTrainArgs>),
     /// One MoE layer over worker processes with skewed routing: Lazarus vs static expert
     /// parallelism, tokens/s and wire bytes.
-    MoeLayer(moe_bench::MoeLayerBenchArgs),
+    MoeLayer(Box<moe_bench::MoeLayerBenchArgs>),
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Allocate expert replicas, place them on the cluster and show how likely it survives failures.
-    Plan(planning::PlanArgs),
+    Plan(Box<planning::PlanArgs>),
     /// Probability that a plan recovers with a given number of failed nodes.
-    Prob(planning::ProbArgs),
+    Prob(Box<planning::ProbArgs>),
     /// Train the MoE model (one process, or `--workers N` local worker processes; with no
     /// arguments, the default model on the built-in synthetic corpus).
     Train(Box<training::TrainArgs>),

@@ -142,11 +142,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             systems.push(*s);
         }
     }
-    let cases: Vec<BenchCase> = args
-        .ratios
-        .iter()
-        .flat_map(|&ratio| systems.iter().map(move |&system| BenchCase { system, ratio }))
-        .collect();
+    let cases: Vec<BenchCase> =
+        args.ratios.iter().flat_map(|&ratio| systems.iter().map(move |&system| BenchCase { system, ratio })).collect();
     let spec = MoeLayerBenchSpec {
         d_model: args.d_model,
         d_ff: args.d_ff,
@@ -244,7 +241,11 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             .iter()
             .filter(|r| r.system == system)
             .fold((f64::INFINITY, 0.0f64), |(a, b), r| (a.min(r.tokens_per_s), b.max(r.tokens_per_s)));
-        if hi > 0.0 { (hi - lo) / hi } else { f64::NAN }
+        if hi > 0.0 {
+            (hi - lo) / hi
+        } else {
+            f64::NAN
+        }
     };
     let spread = spread_of(BenchSystem::Lazarus);
     let unguarded_spread = spread_of(BenchSystem::LazarusUnguarded);
@@ -316,7 +317,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         shown(100.0 * unguarded_spread, "%"),
         shown(100.0 * ci95_width, "%")
     );
-    for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite()) {
+    for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite())
+    {
         println!("lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));
     }
     Ok(())

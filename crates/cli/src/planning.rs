@@ -12,9 +12,8 @@ use serde::Serialize;
 
 /// The embedded default of `lazarus plan --demo`: the paper's testbed (10 single-GPU nodes, 6
 /// replica slots per GPU) and one layer of 16 experts with skewed, measured-looking loads.
-const DEMO_LOADS: [f64; 16] = [
-    3120.0, 1480.0, 910.0, 860.0, 640.0, 610.0, 420.0, 390.0, 370.0, 240.0, 210.0, 160.0, 150.0, 90.0, 60.0, 40.0,
-];
+const DEMO_LOADS: [f64; 16] =
+    [3120.0, 1480.0, 910.0, 860.0, 640.0, 610.0, 420.0, 390.0, 370.0, 240.0, 210.0, 160.0, 150.0, 90.0, 60.0, 40.0];
 const DEMO_NODES: usize = 10;
 const DEMO_SLOTS: usize = 6;
 
@@ -98,10 +97,7 @@ pub struct ProbArgs {
 }
 
 fn parse_count(field: &str, value: &str) -> Result<usize> {
-    value
-        .trim()
-        .parse::<usize>()
-        .map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a non-negative integer)"))
+    value.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a non-negative integer)"))
 }
 
 fn required(field: &str, value: &Option<String>) -> Result<usize> {
@@ -119,9 +115,7 @@ fn parse_list<T: std::str::FromStr>(field: &str, value: &str, what: &str) -> Res
         .split(',')
         .enumerate()
         .map(|(i, s)| {
-            s.trim()
-                .parse::<T>()
-                .map_err(|_| anyhow::anyhow!("invalid --{field}: '{}' at position {i} (expected {what})", s.trim()))
+            s.trim().parse::<T>().map_err(|_| anyhow::anyhow!("invalid --{field}: '{}' at position {i} (expected {what})", s.trim()))
         })
         .collect()
 }
@@ -233,11 +227,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         return Ok(());
     }
     let loads = args.loads.as_deref().map(|s| parse_list::<f64>("loads", s, "numbers")).transpose()?;
-    let replicas = args
-        .replicas
-        .as_deref()
-        .map(|s| parse_list::<usize>("replicas", s, "non-negative integers"))
-        .transpose()?;
+    let replicas = args.replicas.as_deref().map(|s| parse_list::<usize>("replicas", s, "non-negative integers")).transpose()?;
     let (report, placement) = plan_layer(loads.as_deref(), replicas.as_deref(), shape, floor, strategy, max_imbalance)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -253,9 +243,7 @@ fn print_layers_json(reports: &[(LayerReport, Placement)]) -> Result<()> {
     struct Layers<'a> {
         layers: Vec<&'a LayerReport>,
     }
-    let out = Layers {
-        layers: reports.iter().map(|(r, _)| r).collect(),
-    };
+    let out = Layers { layers: reports.iter().map(|(r, _)| r).collect() };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
 }
@@ -274,7 +262,8 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
     );
     if let Some(applied) = report.applied_floor {
         if applied != floor {
-            let _ = writeln!(out, "fault-tolerance floor lowered from {floor} to {applied}: the slots cannot hold {floor} replicas per expert");
+            let _ =
+                writeln!(out, "fault-tolerance floor lowered from {floor} to {applied}: the slots cannot hold {floor} replicas per expert");
         } else {
             let _ = writeln!(out, "fault-tolerance floor {applied}: fewer than {applied} failed nodes always recover");
         }
@@ -284,10 +273,7 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
     let holders = placement.holders();
     for (e, &r) in report.replicas.iter().enumerate() {
         let (load, share) = match &report.loads {
-            Some(l) => (
-                format!("{:>10.1}", l[e]),
-                format!("{:>6.1}%", if total_load > 0.0 { 100.0 * l[e] / total_load } else { 0.0 }),
-            ),
+            Some(l) => (format!("{:>10.1}", l[e]), format!("{:>6.1}%", if total_load > 0.0 { 100.0 * l[e] / total_load } else { 0.0 })),
             None => (format!("{:>10}", "-"), format!("{:>7}", "-")),
         };
         let _ = writeln!(out, "{e:>6} {load} {share} {r:>9} {:>6}", holders[e].len());
@@ -303,10 +289,7 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
         let _ = writeln!(out, "  node {n:>3}: {}", gpus.join(" "));
     }
     if let Some(imb) = report.imbalance {
-        let _ = writeln!(
-            out,
-            "\nbusiest GPU: {imb:.3}x its mean share of tokens at best (balanced dispatcher; 1.000 = no GPU idles)"
-        );
+        let _ = writeln!(out, "\nbusiest GPU: {imb:.3}x its mean share of tokens at best (balanced dispatcher; 1.000 = no GPU idles)");
     }
     let _ = writeln!(out, "\nrecovery probability (uniformly random node failures):");
     let _ = writeln!(out, "  failed  probability  method");
@@ -417,11 +400,7 @@ pub fn run_prob(args: &ProbArgs) -> Result<()> {
             #[serde(skip_serializing_if = "Option::is_none")]
             ci95: Option<[f64; 2]>,
         }
-        let out = Out {
-            probability: estimate.probability,
-            method: estimate.method.name(),
-            ci95: estimate.ci95,
-        };
+        let out = Out { probability: estimate.probability, method: estimate.method.name(), ci95: estimate.ci95 };
         println!("{}", serde_json::to_string(&out)?);
     } else {
         let ci = estimate.ci95.map(|[lo, hi]| format!(", 95% CI {lo:.4}-{hi:.4}")).unwrap_or_default();

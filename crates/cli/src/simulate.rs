@@ -92,7 +92,13 @@ fn dur(field: &str, s: &str) -> Result<u64> {
 }
 
 fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
-    let sources = [args.trace.is_some(), args.availability.is_some(), args.fail_every.is_some(), args.fail_at_once.is_some(), args.poisson_mtbf.is_some()];
+    let sources = [
+        args.trace.is_some(),
+        args.availability.is_some(),
+        args.fail_every.is_some(),
+        args.fail_at_once.is_some(),
+        args.poisson_mtbf.is_some(),
+    ];
     match sources.iter().filter(|&&b| b).count() {
         0 => bail!("give one of --trace, --availability, --fail-every, --fail-at-once or --poisson-mtbf"),
         1 => {}
@@ -230,7 +236,8 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     let sim_wall_s = start.elapsed().as_secs_f64();
     if let Some(path) = &args.plot {
         let title = format!("{} on {} nodes max, {:.0} min", scenario.model.name, scenario.max_nodes, scenario.duration_s / 60.0);
-        std::fs::write(path, lazarus_sim::svg::render(&reports, scenario.duration_s, &title)).with_context(|| format!("--plot: cannot write {}", path.display()))?;
+        std::fs::write(path, lazarus_sim::svg::render(&reports, scenario.duration_s, &title))
+            .with_context(|| format!("--plot: cannot write {}", path.display()))?;
     }
     if args.json {
         let report = Report {

@@ -119,10 +119,7 @@ fn off_or<T: std::str::FromStr>(field: &str, value: &str) -> Result<Option<T>> {
     if value == "off" || value == "none" {
         return Ok(None);
     }
-    value
-        .parse::<T>()
-        .map(Some)
-        .map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a number or 'off')"))
+    value.parse::<T>().map(Some).map_err(|_| anyhow::anyhow!("invalid --{field}: '{value}' (expected a number or 'off')"))
 }
 
 impl TrainArgs {
@@ -346,7 +343,7 @@ impl Reporter {
                 b.set_position(r.step);
                 b.set_message(msg);
             }
-            None if !self.quiet && (r.step % self.every == 0 || r.step == self.total_steps) => {
+            None if !self.quiet && (r.step.is_multiple_of(self.every) || r.step == self.total_steps) => {
                 eprintln!("step {:>6}/{}  {msg}", r.step, self.total_steps);
             }
             None => {}
@@ -415,7 +412,13 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("model            {:.2}M parameters, batch {} x {} tokens, {} iterations", r.parameters as f64 / 1e6, r.batch_size, r.seq_len, r.iterations);
+        println!(
+            "model            {:.2}M parameters, batch {} x {} tokens, {} iterations",
+            r.parameters as f64 / 1e6,
+            r.batch_size,
+            r.seq_len,
+            r.iterations
+        );
         println!("forward+backward {:.0} tokens/s ({:.3} s per step)", r.tokens_per_s, r.step_s);
         println!("expert FFNs      {:.3} s per step = {:.0}% of forward+backward", r.expert_ffn_s, 100.0 * r.expert_share);
         println!("achieved         {:.1} GFLOP/s (matmul FLOPs {:.2e} per step)", r.model_gflops, r.flops_per_step);

@@ -23,7 +23,9 @@ use lazarus_comm::{CommError, Group, Rendezvous, TcpTransport};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
 use lazarus_plan::{allocate, place, place_balanced, ClusterShape, Strategy};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
-use lazarus_runtime::{static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions};
+use lazarus_runtime::{
+    static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::training::{build_config, print_banner, Reporter, TrainArgs};
@@ -59,16 +61,31 @@ struct Addrs {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum WorkerEvent {
-    Listening { addr: String },
+    Listening {
+        addr: String,
+    },
     /// Connected to every peer and built its model.
-    Ready { pid: u32 },
+    Ready {
+        pid: u32,
+    },
     /// A finished step (rank 0 only): the global report, its wall time and this rank's wire bytes.
-    Step { report: StepReport, seconds: f64, wire_bytes: u64 },
-    Done { checkpoint: Option<PathBuf> },
+    Step {
+        report: StepReport,
+        seconds: f64,
+        wire_bytes: u64,
+    },
+    Done {
+        checkpoint: Option<PathBuf>,
+    },
     /// A benchmark's results (rank 0 only).
-    BenchResults { results: Vec<lazarus_runtime::bench::BenchResult> },
+    BenchResults {
+        results: Vec<lazarus_runtime::bench::BenchResult>,
+    },
     /// The worker stopped: `kind` is "peer_lost", "timeout", "config" or "error".
-    Failed { kind: String, message: String },
+    Failed {
+        kind: String,
+        message: String,
+    },
 }
 
 fn emit(event: &WorkerEvent) {
@@ -120,11 +137,8 @@ fn join<J: serde::de::DeserializeOwned>(stdin: &mut impl BufRead) -> Result<(Wor
     let listener = TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?;
     emit(&WorkerEvent::Listening { addr: listener.local_addr()?.to_string() });
     let addrs: Addrs = read_line(stdin, "address list")?;
-    let addrs: Vec<SocketAddr> = addrs
-        .addrs
-        .iter()
-        .map(|a| a.parse().map_err(|_| anyhow!("invalid peer address {a:?}")))
-        .collect::<Result<_>>()?;
+    let addrs: Vec<SocketAddr> =
+        addrs.addrs.iter().map(|a| a.parse().map_err(|_| anyhow!("invalid peer address {a:?}"))).collect::<Result<_>>()?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let t = TcpTransport::connect(listener, Rendezvous { rank: spec.rank, addrs, epoch: spec.epoch, timeout })?;
     Ok((spec, t))
@@ -198,8 +212,12 @@ fn read_placement_file(path: &Path, world: usize, n_experts: usize) -> Result<La
         layers: Vec<Layer>,
     }
     let text = std::fs::read_to_string(path).with_context(|| format!("--placement-file: cannot read {}", path.display()))?;
-    let file: File = serde_json::from_str(&text)
-        .with_context(|| format!("--placement-file {}: expected the JSON of `lazarus plan --json` ({{\"layers\":[{{\"placement\":[[expert ids] per node]}}]}})", path.display()))?;
+    let file: File = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--placement-file {}: expected the JSON of `lazarus plan --json` ({{\"layers\":[{{\"placement\":[[expert ids] per node]}}]}})",
+            path.display()
+        )
+    })?;
     let mut layers = Vec::with_capacity(file.layers.len());
     for (l, layer) in file.layers.iter().enumerate() {
         if layer.placement.len() != world {
@@ -318,7 +336,8 @@ impl QuotaGroups {
             std::fs::create_dir_all(&dir).with_context(|| format!("--cpus-per-worker: cannot create cgroup {}", dir.display()))?;
             groups.dirs.push(dir.clone());
             let write = |file: &str, value: String| {
-                std::fs::write(dir.join(file), &value).with_context(|| format!("--cpus-per-worker: cannot write {value:?} to {}", dir.join(file).display()))
+                std::fs::write(dir.join(file), &value)
+                    .with_context(|| format!("--cpus-per-worker: cannot write {value:?} to {}", dir.join(file).display()))
             };
             if v2 {
                 write("cpu.max", format!("{quota} {PERIOD_US}"))?;
@@ -335,7 +354,13 @@ impl QuotaGroups {
 /// for every rank's listening address and send all of them the list, each worker confined as
 /// `confine` says. On any failure the started workers are killed. Keep the returned
 /// [`QuotaGroups`] until the workers have exited.
-pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, confine: Confinement) -> Result<(Vec<Running>, Events, Option<QuotaGroups>)> {
+pub fn launch<J: Serialize>(
+    subcommand: &str,
+    world: usize,
+    timeout_s: f64,
+    job: &J,
+    confine: Confinement,
+) -> Result<(Vec<Running>, Events, Option<QuotaGroups>)> {
     let exe = std::env::current_exe().context("locating the lazarus binary")?;
     let mut quota_groups = None;
     match confine {
@@ -552,7 +577,12 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     for (l, layer) in placement.iter().enumerate() {
         let per_worker: Vec<String> = (0..world)
             .map(|r| {
-                let held: Vec<String> = layer.iter().enumerate().filter(|(_, row)| row[r] > 0).map(|(e, row)| if row[r] > 1 { format!("{e}x{}", row[r]) } else { e.to_string() }).collect();
+                let held: Vec<String> = layer
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, row)| row[r] > 0)
+                    .map(|(e, row)| if row[r] > 1 { format!("{e}x{}", row[r]) } else { e.to_string() })
+                    .collect();
                 format!("w{r}[{}]", held.join(","))
             })
             .collect();

@@ -5,8 +5,22 @@ mod common;
 use common::{dir, lazarus};
 
 const TINY: [&str; 16] = [
-    "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",
-    "--batch-size", "2", "--synthetic-bytes", "20000",
+    "--d-model",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--experts",
+    "4",
+    "--d-ff",
+    "32",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--synthetic-bytes",
+    "20000",
 ];
 
 #[test]
@@ -20,11 +34,7 @@ fn json_log_checkpoint_and_resume() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("summary") && stdout.contains("unigram entropy") && stdout.contains("checkpoint"), "{stdout}");
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3);
     for (i, l) in lines.iter().enumerate() {
         assert_eq!(l["step"], i as u64 + 1);
@@ -38,7 +48,8 @@ fn json_log_checkpoint_and_resume() {
         assert_eq!(total, 64, "top-2 over 32 tokens");
     }
     // Resume to step 5: the log grows by two lines and continues the step count.
-    let out = lazarus(&["train", "--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log.to_str().unwrap()]);
+    let out =
+        lazarus(&["train", "--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resumed"));
     let steps: Vec<u64> = std::fs::read_to_string(&log)
@@ -50,7 +61,20 @@ fn json_log_checkpoint_and_resume() {
     assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "step-00000005");
     // The log is a routing trace the simulator replays (its layers and experts must match).
     let n_experts = lines[0]["expert_load"][0].as_array().unwrap().len().to_string();
-    let trace = ["sim", "--fail-every", "5m", "--duration", "20m", "--layers", "2", "--experts", &n_experts, "--loads-trace", log.to_str().unwrap(), "--json"];
+    let trace = [
+        "sim",
+        "--fail-every",
+        "5m",
+        "--duration",
+        "20m",
+        "--layers",
+        "2",
+        "--experts",
+        &n_experts,
+        "--loads-trace",
+        log.to_str().unwrap(),
+        "--json",
+    ];
     let out = lazarus(&trace);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -12,8 +12,22 @@ use std::time::{Duration, Instant};
 use common::{dir, lazarus};
 
 const TINY: [&str; 16] = [
-    "--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--d-ff", "32", "--seq-len", "16",
-    "--batch-size", "5", "--synthetic-bytes", "20000",
+    "--d-model",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--experts",
+    "4",
+    "--d-ff",
+    "32",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "5",
+    "--synthetic-bytes",
+    "20000",
 ];
 
 fn losses(path: &std::path::Path) -> Vec<f64> {
@@ -70,7 +84,8 @@ fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
     }
     // The workers' checkpoint resumes in one process and continues like an uninterrupted run.
     let log_more = d.join("more.jsonl");
-    let mut args = vec!["train", "--resume", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log_more.to_str().unwrap()];
+    let mut args =
+        vec!["train", "--resume", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log_more.to_str().unwrap()];
     args.extend(TINY);
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -121,12 +136,7 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
     let log = d.join("log.jsonl");
     let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", log.to_str().unwrap(), "--comm-timeout", "30"];
     args.extend(TINY);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let (tx, rx) = mpsc::channel::<(Instant, String)>();
     let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {
@@ -180,7 +190,8 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
 
 #[test]
 fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
-    let out = lazarus(&["bench", "moe-layer", "--d-model", "32", "--d-ff", "64", "--tokens", "64", "--iters", "1", "--ratios", "1,4", "--json"]);
+    let out =
+        lazarus(&["bench", "moe-layer", "--d-model", "32", "--d-ff", "64", "--tokens", "64", "--iters", "1", "--ratios", "1,4", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let results = v["results"].as_array().unwrap();
@@ -190,7 +201,9 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
         let (system, ratio, wire) = (r["system"].as_str().unwrap(), r["ratio"].as_f64().unwrap(), r["wire_bytes_ratio"].as_f64().unwrap());
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
         match (system, ratio as u32) {
-            ("lazarus" | "lazarus-unguarded" | "lazarus-per-replica", _) => assert!((wire - 1.0).abs() < 1e-9, "lazarus sends no padding: {wire}"),
+            ("lazarus" | "lazarus-unguarded" | "lazarus-per-replica", _) => {
+                assert!((wire - 1.0).abs() < 1e-9, "lazarus sends no padding: {wire}")
+            }
             ("static-ep" | "static-ep-skip-padding", 1) => assert!((wire - 1.0).abs() < 1e-9, "balanced loads need no padding: {wire}"),
             ("static-ep" | "static-ep-skip-padding", 4) => assert!(wire > 2.0, "a 4x hot expert pads every buffer: {wire}"),
             other => panic!("unexpected {other:?}"),
@@ -218,14 +231,34 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
     }
     assert_eq!(v["max_imbalance"].as_f64(), Some(1.05));
     // One system, more steps: the median step comes with its quartiles and the run's noise.
-    let out = lazarus(&["bench", "moe-layer", "--d-model", "32", "--d-ff", "64", "--tokens", "64", "--iters", "4", "--ratios", "1,4", "--systems", "lazarus,lazarus", "--json"]);
+    let out = lazarus(&[
+        "bench",
+        "moe-layer",
+        "--d-model",
+        "32",
+        "--d-ff",
+        "64",
+        "--tokens",
+        "64",
+        "--iters",
+        "4",
+        "--ratios",
+        "1,4",
+        "--systems",
+        "lazarus,lazarus",
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let results = v["results"].as_array().unwrap();
     assert_eq!(results.len(), 2, "lazarus once per ratio: {results:?}");
     for r in results {
         assert_eq!(r["system"], "lazarus");
-        let (lo, mid, hi) = (r["tokens_per_s_quartiles"][0].as_f64().unwrap(), r["tokens_per_s"].as_f64().unwrap(), r["tokens_per_s_quartiles"][1].as_f64().unwrap());
+        let (lo, mid, hi) = (
+            r["tokens_per_s_quartiles"][0].as_f64().unwrap(),
+            r["tokens_per_s"].as_f64().unwrap(),
+            r["tokens_per_s_quartiles"][1].as_f64().unwrap(),
+        );
         assert!(0.0 < lo && lo <= mid && mid <= hi, "{lo} {mid} {hi}");
         // Four steps: the interval of the median is their range, around the quartiles.
         let (clo, chi) = (r["tokens_per_s_ci95"][0].as_f64().unwrap(), r["tokens_per_s_ci95"][1].as_f64().unwrap());

@@ -73,10 +73,7 @@ pub fn all_gather(t: &mut dyn Transport, g: &mut Group, data: &[u8], timeout: Du
             t.send(p, tag, data, deadline)?;
         }
     }
-    g.members
-        .iter()
-        .map(|&p| if p == me { Ok(data.to_vec()) } else { t.recv(p, tag, deadline) })
-        .collect()
+    g.members.iter().map(|&p| if p == me { Ok(data.to_vec()) } else { t.recv(p, tag, deadline) }).collect()
 }
 
 /// All-to-all with arbitrary per-peer sizes (no padding): `sends[i]` goes to member i; returns
@@ -94,10 +91,7 @@ pub fn all_to_all_v(t: &mut dyn Transport, g: &mut Group, sends: &[Vec<u8>], tim
             t.send(p, tag, &sends[i], deadline)?;
         }
     }
-    g.members
-        .iter()
-        .map(|&p| if p == me { Ok(sends[my].clone()) } else { t.recv(p, tag, deadline) })
-        .collect()
+    g.members.iter().map(|&p| if p == me { Ok(sends[my].clone()) } else { t.recv(p, tag, deadline) }).collect()
 }
 
 /// `data` from member `root` (an index into the group) to every member.
@@ -143,10 +137,7 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
         let parts: Vec<Vec<f32>> = all.iter().map(|b| bytes_to_f32(b)).collect::<Result<_, _>>()?;
         for p in &parts {
             if p.len() != buf.len() {
-                return Err(CommError::Protocol {
-                    peer: usize::MAX,
-                    reason: format!("all-reduce length {} vs {}", p.len(), buf.len()),
-                });
+                return Err(CommError::Protocol { peer: usize::MAX, reason: format!("all-reduce length {} vs {}", p.len(), buf.len()) });
             }
         }
         for (i, x) in buf.iter_mut().enumerate() {
@@ -199,11 +190,9 @@ pub fn send_named(t: &mut dyn Transport, peer: usize, tag: u64, name: &str, data
 /// Receive a named buffer from `peer`: (name, data).
 pub fn recv_named(t: &mut dyn Transport, peer: usize, tag: u64, timeout: Duration) -> Result<(String, Vec<u8>), CommError> {
     let payload = t.recv(peer, tag, Instant::now() + timeout)?;
-    let bad = |reason: &str| CommError::Protocol {
-        peer,
-        reason: reason.to_string(),
-    };
-    let len = u32::from_le_bytes(payload.get(..4).ok_or_else(|| bad("named buffer shorter than its header"))?.try_into().expect("4")) as usize;
+    let bad = |reason: &str| CommError::Protocol { peer, reason: reason.to_string() };
+    let len =
+        u32::from_le_bytes(payload.get(..4).ok_or_else(|| bad("named buffer shorter than its header"))?.try_into().expect("4")) as usize;
     let name = payload.get(4..4 + len).ok_or_else(|| bad("name runs past the buffer"))?;
     let name = String::from_utf8(name.to_vec()).map_err(|_| bad("name is not UTF-8"))?;
     Ok((name, payload[4 + len..].to_vec()))
@@ -224,11 +213,8 @@ pub fn f32_wire(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 }
 
 fn whole_f32s(b: &[u8]) -> Result<usize, CommError> {
-    if b.len() % 4 != 0 {
-        return Err(CommError::Protocol {
-            peer: usize::MAX,
-            reason: format!("{} bytes is not a whole number of f32 values", b.len()),
-        });
+    if !b.len().is_multiple_of(4) {
+        return Err(CommError::Protocol { peer: usize::MAX, reason: format!("{} bytes is not a whole number of f32 values", b.len()) });
     }
     Ok(b.len() / 4)
 }

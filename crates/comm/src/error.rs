@@ -26,9 +26,6 @@ pub enum CommError {
 
 impl CommError {
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
-        CommError::Invalid {
-            field,
-            reason: reason.into(),
-        }
+        CommError::Invalid { field, reason: reason.into() }
     }
 }

@@ -13,8 +13,9 @@ mod collectives;
 mod error;
 mod tcp;
 
-pub use collectives::{Group, RING_THRESHOLD_BYTES, 
-    all_gather, all_reduce_sum_f32, all_to_all_v, barrier, broadcast, bytes_to_f32, f32_to_bytes, f32_wire, recv_named, send_named,
+pub use collectives::{
+    all_gather, all_reduce_sum_f32, all_to_all_v, barrier, broadcast, bytes_to_f32, f32_to_bytes, f32_wire, recv_named, send_named, Group,
+    RING_THRESHOLD_BYTES,
 };
 pub use error::CommError;
 pub use tcp::{Rendezvous, TcpTransport};
@@ -42,10 +43,7 @@ pub struct LocalTransport {
 
 impl LocalTransport {
     pub fn new(epoch: u64) -> Self {
-        LocalTransport {
-            epoch,
-            queue: Default::default(),
-        }
+        LocalTransport { epoch, queue: Default::default() }
     }
 }
 
@@ -72,14 +70,8 @@ impl Transport for LocalTransport {
         }
         match self.queue.pop_front() {
             Some((t, p)) if t == tag => Ok(p),
-            Some((t, _)) => Err(CommError::Protocol {
-                peer,
-                reason: format!("expected tag {tag:#x}, got {t:#x}"),
-            }),
-            None => Err(CommError::Protocol {
-                peer,
-                reason: "receive from self with nothing sent".into(),
-            }),
+            Some((t, _)) => Err(CommError::Protocol { peer, reason: format!("expected tag {tag:#x}, got {t:#x}") }),
+            None => Err(CommError::Protocol { peer, reason: "receive from self with nothing sent".into() }),
         }
     }
 }

@@ -69,16 +69,9 @@ fn parse_header(h: &[u8; HEADER]) -> (u32, u64, u64, u64) {
 /// The loss an abort frame from `from` reports (its payload names the lost rank; a rank that
 /// does not exist is read as the sender itself).
 fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
-    let lost = payload
-        .get(..8)
-        .and_then(|b| b.try_into().ok())
-        .map(|b| u64::from_le_bytes(b))
-        .filter(|&r| r < world as u64)
-        .map_or(from, |r| r as usize);
-    CommError::PeerLost {
-        peer: lost,
-        reason: format!("reported by rank {from}"),
-    }
+    let lost =
+        payload.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).filter(|&r| r < world as u64).map_or(from, |r| r as usize);
+    CommError::PeerLost { peer: lost, reason: format!("reported by rank {from}") }
 }
 
 fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
@@ -144,7 +137,9 @@ impl TcpTransport {
                         let _ = e;
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    Err(e) => return Err(CommError::Rendezvous(format!("rank {} cannot reach rank {peer} at {}: {e}", r.rank, r.addrs[peer]))),
+                    Err(e) => {
+                        return Err(CommError::Rendezvous(format!("rank {} cannot reach rank {peer} at {}: {e}", r.rank, r.addrs[peer])))
+                    }
                 }
             };
             let mut stream = stream;
@@ -152,9 +147,7 @@ impl TcpTransport {
             hello(&mut stream).map_err(|e| CommError::Rendezvous(format!("hello to rank {peer}: {e}")))?;
             streams[peer] = Some(stream);
         }
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
+        listener.set_nonblocking(true).map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
         let mut waiting = world - r.rank - 1;
         // Connections that are not a fresh rank of this epoch (a leftover process of an older
         // plan, a duplicate, a stray client) are dropped and the wait goes on.
@@ -220,37 +213,19 @@ impl TcpTransport {
 
     /// `n` connected ranks on loopback in this process (tests, benchmarks).
     pub fn local_group(n: usize, epoch: u64) -> Result<Vec<TcpTransport>, CommError> {
-        let listeners: Vec<TcpListener> = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<_, _>>()
-            .map_err(|e| CommError::Rendezvous(e.to_string()))?;
-        let addrs: Vec<SocketAddr> = listeners
-            .iter()
-            .map(|l| l.local_addr())
-            .collect::<Result<_, _>>()
-            .map_err(|e| CommError::Rendezvous(e.to_string()))?;
+        let listeners: Vec<TcpListener> =
+            (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>().map_err(|e| CommError::Rendezvous(e.to_string()))?;
+        let addrs: Vec<SocketAddr> =
+            listeners.iter().map(|l| l.local_addr()).collect::<Result<_, _>>().map_err(|e| CommError::Rendezvous(e.to_string()))?;
         let handles: Vec<_> = listeners
             .into_iter()
             .enumerate()
             .map(|(rank, l)| {
                 let addrs = addrs.clone();
-                std::thread::spawn(move || {
-                    TcpTransport::connect(
-                        l,
-                        Rendezvous {
-                            rank,
-                            addrs,
-                            epoch,
-                            timeout: Duration::from_secs(10),
-                        },
-                    )
-                })
+                std::thread::spawn(move || TcpTransport::connect(l, Rendezvous { rank, addrs, epoch, timeout: Duration::from_secs(10) }))
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| CommError::Rendezvous("rendezvous thread panicked".into()))?)
-            .collect()
+        handles.into_iter().map(|h| h.join().map_err(|_| CommError::Rendezvous("rendezvous thread panicked".into()))?).collect()
     }
 
     /// Record a lost peer, tell everyone else, and return the error every call now gets.
@@ -424,18 +399,12 @@ impl TcpTransport {
         loop {
             if let Some((t, payload)) = self.pending[peer].pop_front() {
                 if t != tag {
-                    return Err(CommError::Protocol {
-                        peer,
-                        reason: format!("expected tag {tag:#x}, got {t:#x}"),
-                    });
+                    return Err(CommError::Protocol { peer, reason: format!("expected tag {tag:#x}, got {t:#x}") });
                 }
                 return Ok(payload);
             }
             if peer == self.rank {
-                return Err(CommError::Protocol {
-                    peer,
-                    reason: "receive from self with nothing sent".into(),
-                });
+                return Err(CommError::Protocol { peer, reason: "receive from self with nothing sent".into() });
             }
             if let Some(reason) = &self.lost[peer] {
                 return Err(CommError::PeerLost { peer, reason: reason.clone() });
@@ -453,11 +422,7 @@ impl TcpTransport {
                         return Err(err);
                     }
                     if epoch < self.epoch {
-                        return Err(CommError::StaleEpoch {
-                            peer: from,
-                            got: epoch,
-                            current: self.epoch,
-                        });
+                        return Err(CommError::StaleEpoch { peer: from, got: epoch, current: self.epoch });
                     }
                     if epoch > self.epoch {
                         return Err(CommError::Protocol {
@@ -474,12 +439,7 @@ impl TcpTransport {
                     }
                     return Err(self.lose(from, reason));
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(CommError::Timeout {
-                        peer,
-                        what: format!("message with tag {tag:#x}"),
-                    })
-                }
+                Err(RecvTimeoutError::Timeout) => return Err(CommError::Timeout { peer, what: format!("message with tag {tag:#x}") }),
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(self.lose(peer, "all connections closed".into()));
                 }

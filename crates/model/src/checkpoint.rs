@@ -56,19 +56,11 @@ fn sync_dir(path: &Path) -> Result<()> {
 fn serialize(tensors: &[(String, Tensor)], path: &Path) -> Result<Vec<u8>> {
     let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     sorted.sort_by(|a, b| a.0.cmp(b.0));
-    safetensors::serialize(sorted, None).map_err(|e| ModelError::Checkpoint {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
+    safetensors::serialize(sorted, None).map_err(|e| ModelError::Checkpoint { path: path.to_path_buf(), reason: e.to_string() })
 }
 
 /// Write a checkpoint under `dir` and point `dir/latest` at it. Returns its directory.
-pub fn save(
-    dir: &Path,
-    manifest: &Manifest,
-    weights: &[(String, Tensor)],
-    optimizer: &[(String, Tensor)],
-) -> Result<PathBuf> {
+pub fn save(dir: &Path, manifest: &Manifest, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)]) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let name = format!("step-{:08}", manifest.step);
     let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
@@ -78,10 +70,7 @@ pub fn save(
     std::fs::create_dir(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
     write_synced(&tmp.join(MODEL_FILE), &serialize(weights, &tmp)?)?;
     write_synced(&tmp.join(OPTIMIZER_FILE), &serialize(optimizer, &tmp)?)?;
-    let json = serde_json::to_vec_pretty(manifest).map_err(|e| ModelError::Checkpoint {
-        path: tmp.clone(),
-        reason: e.to_string(),
-    })?;
+    let json = serde_json::to_vec_pretty(manifest).map_err(|e| ModelError::Checkpoint { path: tmp.clone(), reason: e.to_string() })?;
     write_synced(&tmp.join(MANIFEST_FILE), &json)?;
     sync_dir(&tmp)?;
     let target = dir.join(&name);
@@ -107,20 +96,14 @@ pub fn resolve(dir: &Path) -> Result<PathBuf> {
     let name = std::fs::read_to_string(&latest).map_err(|e| ModelError::io(&latest, e))?;
     let name = name.trim();
     if name.is_empty() || name.contains('/') || name.contains("..") {
-        return Err(ModelError::Checkpoint {
-            path: latest,
-            reason: format!("does not name a checkpoint: {name:?}"),
-        });
+        return Err(ModelError::Checkpoint { path: latest, reason: format!("does not name a checkpoint: {name:?}") });
     }
     Ok(dir.join(name))
 }
 
 pub fn load(dir: &Path, device: &Device) -> Result<CheckpointData> {
     let path = resolve(dir)?;
-    let bad = |reason: String| ModelError::Checkpoint {
-        path: path.clone(),
-        reason,
-    };
+    let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
     let text = std::fs::read(path.join(MANIFEST_FILE)).map_err(|e| ModelError::io(path.join(MANIFEST_FILE), e))?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
     if manifest.format_version != FORMAT_VERSION {
@@ -135,10 +118,5 @@ pub fn load(dir: &Path, device: &Device) -> Result<CheckpointData> {
     };
     let weights = read(MODEL_FILE)?;
     let optimizer = read(OPTIMIZER_FILE)?;
-    Ok(CheckpointData {
-        manifest,
-        weights,
-        optimizer,
-        path,
-    })
+    Ok(CheckpointData { manifest, weights, optimizer, path })
 }

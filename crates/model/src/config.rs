@@ -70,22 +70,14 @@ impl ModelConfig {
                 return Err(ModelError::config(field, v, "must be at least 1"));
             }
         }
-        if self.d_model % self.n_heads != 0 {
-            return Err(ModelError::config(
-                "n_heads",
-                self.n_heads,
-                format!("must divide d_model ({})", self.d_model),
-            ));
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(ModelError::config("n_heads", self.n_heads, format!("must divide d_model ({})", self.d_model)));
         }
         if !(1..=2).contains(&self.top_k) {
             return Err(ModelError::config("top_k", self.top_k, "must be 1 or 2"));
         }
         if self.top_k > self.n_experts {
-            return Err(ModelError::config(
-                "top_k",
-                self.top_k,
-                format!("cannot exceed n_experts ({})", self.n_experts),
-            ));
+            return Err(ModelError::config("top_k", self.top_k, format!("cannot exceed n_experts ({})", self.n_experts)));
         }
         if !self.aux_loss_coef.is_finite() || self.aux_loss_coef < 0.0 {
             return Err(ModelError::config("aux_loss_coef", self.aux_loss_coef, "must be finite and ≥ 0"));
@@ -103,7 +95,7 @@ impl ModelConfig {
 
     /// Whether block `i` has an MoE feed-forward.
     pub fn is_moe(&self, block: usize) -> bool {
-        block % self.moe_every == 0
+        block.is_multiple_of(self.moe_every)
     }
 
     /// Number of MoE layers.

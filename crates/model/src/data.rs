@@ -117,8 +117,8 @@ pub fn unigram_entropy(tokens: &[u32]) -> f64 {
 /// skewed — the situation Lazarus is built for.
 pub fn synthetic_corpus(seed: u64, bytes: usize) -> String {
     const WORDS: [&str; 24] = [
-        "the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "quickly", "slowly", "big", "small",
-        "red", "blue", "and", "while", "house", "river", "saw", "found", "old", "new",
+        "the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "quickly", "slowly", "big", "small", "red", "blue", "and",
+        "while", "house", "river", "saw", "found", "old", "new",
     ];
     const KEYS: [&str; 8] = ["port", "host", "name", "retries", "timeout", "mode", "level", "path"];
     const MOTIFS: [&str; 4] = ["GATTACA", "CCGGTT", "TATAAT", "ACGTACGT"];
@@ -211,14 +211,7 @@ impl Sampler {
                 format!("the data has only {} tokens; need at least seq_len + 1", tokens.len()),
             ));
         }
-        let mut s = Sampler {
-            tokens,
-            seq_len,
-            seed,
-            cursor,
-            epoch: u64::MAX,
-            order: Vec::new(),
-        };
+        let mut s = Sampler { tokens, seq_len, seed, cursor, epoch: u64::MAX, order: Vec::new() };
         s.prepare_epoch();
         Ok(s)
     }

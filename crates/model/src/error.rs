@@ -7,11 +7,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ModelError {
     #[error("invalid {field}: {value} ({reason})")]
-    Config {
-        field: &'static str,
-        value: String,
-        reason: String,
-    },
+    Config { field: &'static str, value: String, reason: String },
     #[error("{path}: {reason}")]
     Data { path: PathBuf, reason: String },
     #[error("{path}: {source}")]
@@ -28,18 +24,11 @@ pub enum ModelError {
 
 impl ModelError {
     pub(crate) fn config(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
-        ModelError::Config {
-            field,
-            value: value.to_string(),
-            reason: reason.into(),
-        }
+        ModelError::Config { field, value: value.to_string(), reason: reason.into() }
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ModelError::Io {
-            path: path.into(),
-            source,
-        }
+        ModelError::Io { path: path.into(), source }
     }
 }
 

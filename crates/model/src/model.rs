@@ -65,13 +65,7 @@ impl Ffn {
 
     /// x: [n, d_model] → [n, d_model] (one fused autograd node, see [`crate::ops::expert_ffn`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(crate::ops::expert_ffn(
-            x,
-            self.fc1.w.as_tensor(),
-            self.fc1.b.as_tensor(),
-            self.fc2.w.as_tensor(),
-            self.fc2.b.as_tensor(),
-        )?)
+        Ok(crate::ops::expert_ffn(x, self.fc1.w.as_tensor(), self.fc1.b.as_tensor(), self.fc2.w.as_tensor(), self.fc2.b.as_tensor())?)
     }
 }
 
@@ -132,9 +126,7 @@ impl MoeLayer {
 
         let mut load = vec![0u64; e_count];
         choices.iter().for_each(|&c| load[c] += 1);
-        let capacity = self
-            .capacity_factor
-            .map(|cf| ((cf * (n * k) as f64 / e_count as f64).ceil() as usize).max(1));
+        let capacity = self.capacity_factor.map(|cf| ((cf * (n * k) as f64 / e_count as f64).ceil() as usize).max(1));
         // Assignments per expert, in token order; beyond capacity they are dropped (the
         // residual connection carries those tokens).
         let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); e_count];
@@ -158,11 +150,8 @@ impl MoeLayer {
             let count = all_tokens.len();
             let t_idx = Tensor::from_vec(all_tokens, count, h.device())?;
             let s_idx = Tensor::from_vec(all_slots, count, h.device())?;
-            let weights: Vec<[&Tensor; 4]> = self
-                .experts
-                .iter()
-                .map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()])
-                .collect();
+            let weights: Vec<[&Tensor; 4]> =
+                self.experts.iter().map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()]).collect();
             let y = crate::ops::grouped_expert_ffn(&h.index_select(&t_idx, 0)?, &weights, &counts)?;
             let we = w.index_select(&s_idx, 0)?.unsqueeze(1)?;
             out = out.index_add(&t_idx, &y.broadcast_mul(&we)?, 0)?;
@@ -240,40 +229,15 @@ impl MoeModel {
                 let experts = (0..cfg.n_experts)
                     .map(|e| Ffn::new(&mut ps, &mut init, &format!("{p}.moe.experts.{e}"), &cfg))
                     .collect::<Result<Vec<_>>>()?;
-                FeedForward::Moe(MoeLayer {
-                    gate,
-                    experts,
-                    top_k: cfg.top_k,
-                    capacity_factor: cfg.capacity_factor,
-                })
+                FeedForward::Moe(MoeLayer { gate, experts, top_k: cfg.top_k, capacity_factor: cfg.capacity_factor })
             } else {
                 FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg)?)
             };
-            blocks.push(Block {
-                ln1,
-                attn: Attention {
-                    qkv,
-                    out,
-                    heads: cfg.n_heads,
-                },
-                ln2,
-                ff,
-            });
+            blocks.push(Block { ln1, attn: Attention { qkv, out, heads: cfg.n_heads }, ln2, ff });
         }
         let ln_f = Norm::new(&mut ps, &init, "ln_f", cfg.d_model)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
-        Ok(MoeModel {
-            config: cfg,
-            params: ps,
-            tok_emb,
-            pos_emb,
-            blocks,
-            ln_f,
-            head,
-            moe_blocks,
-            device: device.clone(),
-            dtype,
-        })
+        Ok(MoeModel { config: cfg, params: ps, tok_emb, pos_emb, blocks, ln_f, head, moe_blocks, device: device.clone(), dtype })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -295,21 +259,14 @@ impl MoeModel {
     /// Names of the tensors of expert `expert` in MoE layer `layer` (0-based over MoE layers).
     pub fn expert_param_names(&self, layer: usize, expert: usize) -> Vec<String> {
         let b = self.moe_blocks[layer];
-        ["fc1.w", "fc1.b", "fc2.w", "fc2.b"]
-            .iter()
-            .map(|s| format!("blocks.{b}.moe.experts.{expert}.{s}"))
-            .collect()
+        ["fc1.w", "fc1.b", "fc2.w", "fc2.b"].iter().map(|s| format!("blocks.{b}.moe.experts.{expert}.{s}")).collect()
     }
 
     /// Token + position embeddings: tokens [B, T] (u32) → x [B, T, d].
     pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         if t > self.config.max_seq_len {
-            return Err(ModelError::config(
-                "seq_len",
-                t,
-                format!("longer than the model's max_seq_len ({})", self.config.max_seq_len),
-            ));
+            return Err(ModelError::config("seq_len", t, format!("longer than the model's max_seq_len ({})", self.config.max_seq_len)));
         }
         let d = self.config.d_model;
         Ok(self
@@ -388,7 +345,11 @@ impl MoeModel {
                     .zip(&names)
                     .map(|((t, shape), name)| {
                         if t.dims() != shape.as_slice() {
-                            return Err(ModelError::config("expert tensor", format!("{name} {:?}", t.dims()), format!("expected {shape:?}")));
+                            return Err(ModelError::config(
+                                "expert tensor",
+                                format!("{name} {:?}", t.dims()),
+                                format!("expected {shape:?}"),
+                            ));
                         }
                         Ok(Var::from_tensor(&t.to_dtype(self.dtype)?.to_device(&self.device)?)?)
                     })
@@ -421,9 +382,7 @@ impl MoeModel {
     }
 
     fn block(&self, block: usize) -> Result<&Block> {
-        self.blocks
-            .get(block)
-            .ok_or_else(|| ModelError::config("block", block, format!("the model has {} blocks", self.blocks.len())))
+        self.blocks.get(block).ok_or_else(|| ModelError::config("block", block, format!("the model has {} blocks", self.blocks.len())))
     }
 
     /// Forward pass over tokens [B, T] with next-token targets [B, T]. `forced_loads` (per MoE
@@ -459,12 +418,7 @@ impl MoeModel {
             None => Tensor::zeros((), self.dtype, &self.device)?,
         };
         let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
-        Ok(ForwardOutput {
-            ce_loss,
-            aux_loss,
-            loss,
-            moe,
-        })
+        Ok(ForwardOutput { ce_loss, aux_loss, loss, moe })
     }
 }
 

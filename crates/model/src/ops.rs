@@ -53,10 +53,13 @@ fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(T) -> T
     out
 }
 
-fn apply(storage: &CpuStorage, layout: &Layout, f32_fn: fn(f32) -> f32, f64_fn: fn(f64) -> f64) -> candle_core::Result<(CpuStorage, Shape)> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("gelu: input must be contiguous")
-    };
+fn apply(
+    storage: &CpuStorage,
+    layout: &Layout,
+    f32_fn: fn(f32) -> f32,
+    f64_fn: fn(f64) -> f64,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let Some((start, end)) = layout.contiguous_offsets() else { candle_core::bail!("gelu: input must be contiguous") };
     let out = match storage {
         CpuStorage::F32(v) => CpuStorage::F32(map_parallel(&v[start..end], f32_fn)),
         CpuStorage::F64(v) => CpuStorage::F64(map_parallel(&v[start..end], f64_fn)),
@@ -150,9 +153,7 @@ fn host_f64(t: &Tensor) -> candle_core::Result<Vec<f64>> {
 }
 
 fn storage_f64(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f64>> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("fused op: input must be contiguous")
-    };
+    let Some((start, end)) = layout.contiguous_offsets() else { candle_core::bail!("fused op: input must be contiguous") };
     Ok(match storage {
         CpuStorage::F32(v) => v[start..end].iter().map(|&x| x as f64).collect(),
         CpuStorage::F64(v) => v[start..end].to_vec(),
@@ -341,18 +342,12 @@ impl candle_core::CustomOp3 for LayerNorm {
             candle_core::bail!("layer norm: weight {:?} / bias {:?} do not match input {:?}", l2.shape(), l3.shape(), l1.shape());
         }
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(layer_norm_fwd_f32(
-                contiguous_slice(x, l1)?,
-                contiguous_slice(w, l2)?,
-                contiguous_slice(b, l3)?,
-                self.eps,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => CpuStorage::F64(layer_norm_fwd_f64(
-                contiguous_slice(x, l1)?,
-                contiguous_slice(w, l2)?,
-                contiguous_slice(b, l3)?,
-                self.eps,
-            )),
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(layer_norm_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, self.eps))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(layer_norm_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, self.eps))
+            }
             _ => candle_core::bail!("layer norm: f32 or f64 inputs of one dtype"),
         };
         Ok((out, l1.shape().clone()))
@@ -597,9 +592,7 @@ expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_f32, gelu_grad_f32);
 expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_f64, gelu_grad_f64);
 
 fn contiguous_slice<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("expert ffn: inputs must be contiguous")
-    };
+    let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("expert ffn: inputs must be contiguous") };
     Ok(&v[start..end])
 }
 
@@ -697,6 +690,7 @@ macro_rules! attention_impl {
             let out = SharedMut(y.as_mut_ptr());
             let src = qkv.as_ptr() as usize;
             for_each_parallel(b * heads, |job| {
+                #[allow(clippy::redundant_locals)] // capture the whole Send wrapper, not its raw pointer field
                 let out = out;
                 let (bi, hi) = (job / heads, job % heads);
                 let q = (src as *const $t).wrapping_add(bi * t * 3 * d + hi * dh);
@@ -707,7 +701,17 @@ macro_rules! attention_impl {
                 unsafe {
                     $probs(&mut p, q, k, t, dh, 3 * d as isize, scale);
                     let dst = out.0.wrapping_add(bi * t * d + hi * dh);
-                    gemm_strided(t, dh, t, (dst, d as isize), false, (p.as_ptr(), t as isize, 1), (v, 3 * d as isize, 1), (1.0, 1.0), gemm::Parallelism::None);
+                    gemm_strided(
+                        t,
+                        dh,
+                        t,
+                        (dst, d as isize),
+                        false,
+                        (p.as_ptr(), t as isize, 1),
+                        (v, 3 * d as isize, 1),
+                        (1.0, 1.0),
+                        gemm::Parallelism::None,
+                    );
                 }
             });
             y
@@ -722,6 +726,7 @@ macro_rules! attention_impl {
             let (src, gsrc) = (qkv.as_ptr() as usize, g.as_ptr() as usize);
             let rs = 3 * d as isize;
             for_each_parallel(b * heads, |job| {
+                #[allow(clippy::redundant_locals)] // capture the whole Send wrapper, not its raw pointer field
                 let out = out;
                 let (bi, hi) = (job / heads, job % heads);
                 let base = bi * t * 3 * d + hi * dh;
@@ -736,9 +741,29 @@ macro_rules! attention_impl {
                 unsafe {
                     $probs(&mut p, q, k, t, dh, rs, scale);
                     // dV = Pᵀ·dY
-                    gemm_strided(t, dh, t, (dv, rs), false, (p.as_ptr(), 1, t as isize), (gy, d as isize, 1), (1.0, 1.0), gemm::Parallelism::None);
+                    gemm_strided(
+                        t,
+                        dh,
+                        t,
+                        (dv, rs),
+                        false,
+                        (p.as_ptr(), 1, t as isize),
+                        (gy, d as isize, 1),
+                        (1.0, 1.0),
+                        gemm::Parallelism::None,
+                    );
                     // dP = dY·Vᵀ
-                    gemm_strided(t, t, dh, (dp.as_mut_ptr(), t as isize), false, (gy, d as isize, 1), (v, 1, rs), (1.0, 1.0), gemm::Parallelism::None);
+                    gemm_strided(
+                        t,
+                        t,
+                        dh,
+                        (dp.as_mut_ptr(), t as isize),
+                        false,
+                        (gy, d as isize, 1),
+                        (v, 1, rs),
+                        (1.0, 1.0),
+                        gemm::Parallelism::None,
+                    );
                 }
                 // dS = P ⊙ (dP − Σ_j dP·P) · scale (zero where masked, as P is)
                 for (pr, dr) in p.chunks(t).zip(dp.chunks_mut(t)) {
@@ -893,22 +918,12 @@ impl candle_core::CustomOp3 for LinearOp {
             candle_core::bail!("linear: shapes {:?} {:?} {:?} do not match", l1.shape(), l2.shape(), l3.shape());
         }
         let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(linear_fwd_f32(
-                contiguous_slice(x, l1)?,
-                contiguous_slice(w, l2)?,
-                contiguous_slice(b, l3)?,
-                n,
-                din,
-                dout,
-            )),
-            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => CpuStorage::F64(linear_fwd_f64(
-                contiguous_slice(x, l1)?,
-                contiguous_slice(w, l2)?,
-                contiguous_slice(b, l3)?,
-                n,
-                din,
-                dout,
-            )),
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(linear_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, n, din, dout))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(linear_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, n, din, dout))
+            }
             _ => candle_core::bail!("linear: f32 or f64 inputs of one dtype"),
         };
         Ok((out, Shape::from((n, dout))))
@@ -1069,11 +1084,13 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         }
         let (out, saved) = match (s1, s2, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => {
-                let (y, saved) = grouped_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
+                let (y, saved) =
+                    grouped_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
                 (CpuStorage::F32(y), saved)
             }
             (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => {
-                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
+                let (y, saved) =
+                    grouped_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
                 (CpuStorage::F64(y), saved)
             }
             _ => candle_core::bail!("grouped expert ffn: f32 or f64 inputs of one dtype"),
@@ -1144,7 +1161,8 @@ mod grouped_tests {
         let x = var(&[rows, d]);
         let probe = var(&[rows, d]);
         let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f]), var(&[f]), var(&[f, d]), var(&[d])]).collect();
-        let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
+        let refs: Vec<[&Tensor; 4]> =
+            weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
         let ours = grouped_expert_ffn(x.as_tensor(), &refs, &counts).unwrap();
         let mut parts = Vec::new();
         let mut row = 0;

@@ -22,12 +22,7 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
+        AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
     }
 }
 
@@ -64,12 +59,7 @@ impl AdamW {
         let mut decay = Vec::with_capacity(params.len());
         for (name, var) in params.iter() {
             let n = var.elem_count();
-            state.push(Moments {
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-                step: 0,
-                shape: var.shape().clone(),
-            });
+            state.push(Moments { m: vec![0.0; n], v: vec![0.0; n], step: 0, shape: var.shape().clone() });
             decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
         }
         Ok(AdamW { config, state, decay })
@@ -121,11 +111,7 @@ impl AdamW {
         let cur = &mut self.state[index];
         for t in [&s.m, &s.v] {
             if t.shape() != &cur.shape {
-                return Err(ModelError::config(
-                    "optimizer state",
-                    format!("{:?}", t.shape()),
-                    format!("expected {:?}", cur.shape),
-                ));
+                return Err(ModelError::config("optimizer state", format!("{:?}", t.shape()), format!("expected {:?}", cur.shape)));
             }
         }
         let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
@@ -230,17 +216,11 @@ impl LrSchedule {
 
 /// The optimizer state of the named tensors, as (name → m, v) tensors and steps, e.g. to send
 /// one expert's state to a peer or to write a checkpoint.
-pub fn export_state(
-    params: &ParamStore,
-    opt: &AdamW,
-    names: &[String],
-) -> Result<(HashMap<String, Tensor>, HashMap<String, u64>)> {
+pub fn export_state(params: &ParamStore, opt: &AdamW, names: &[String]) -> Result<(HashMap<String, Tensor>, HashMap<String, u64>)> {
     let mut tensors = HashMap::new();
     let mut steps = HashMap::new();
     for name in names {
-        let i = params
-            .position(name)
-            .ok_or_else(|| ModelError::config("parameter", name, "no such tensor"))?;
+        let i = params.position(name).ok_or_else(|| ModelError::config("parameter", name, "no such tensor"))?;
         let s = opt.state(i)?;
         tensors.insert(format!("m/{name}"), s.m);
         tensors.insert(format!("v/{name}"), s.v);
@@ -255,12 +235,7 @@ mod tests {
 
     #[test]
     fn schedule_warms_up_then_decays() {
-        let s = LrSchedule {
-            peak: 1e-3,
-            min: 1e-4,
-            warmup: 10,
-            total: 110,
-        };
+        let s = LrSchedule { peak: 1e-3, min: 1e-4, warmup: 10, total: 110 };
         assert!((s.at(0) - 1e-4).abs() < 1e-12);
         assert!((s.at(9) - 1e-3).abs() < 1e-12);
         assert!((s.at(10) - 1e-3).abs() < 1e-12);

@@ -74,11 +74,7 @@ pub(crate) struct Init {
 
 impl Init {
     pub fn new(seed: u64, dtype: DType, device: Device) -> Self {
-        Init {
-            rng: SplitMix64::new(seed),
-            dtype,
-            device,
-        }
+        Init { rng: SplitMix64::new(seed), dtype, device }
     }
 
     pub fn normal(&mut self, shape: &[usize], std: f64) -> Result<Tensor> {

@@ -111,12 +111,7 @@ impl TrainConfig {
     }
 
     fn schedule(&self) -> LrSchedule {
-        LrSchedule {
-            peak: self.lr,
-            min: self.min_lr,
-            warmup: self.warmup_steps,
-            total: self.steps,
-        }
+        LrSchedule { peak: self.lr, min: self.min_lr, warmup: self.warmup_steps, total: self.steps }
     }
 }
 
@@ -130,10 +125,7 @@ pub struct RoutingTrace {
 
 impl RoutingTrace {
     pub fn load(path: &Path, moe_layers: usize, experts: usize) -> Result<Self> {
-        let bad = |reason: String| ModelError::Data {
-            path: path.to_path_buf(),
-            reason,
-        };
+        let bad = |reason: String| ModelError::Data { path: path.to_path_buf(), reason };
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
         let steps = lazarus_plan::parse_load_trace(&text, moe_layers, experts).map_err(|e| bad(e.to_string()))?;
         Ok(RoutingTrace { steps })
@@ -196,15 +188,7 @@ impl Trainer {
             Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),
             None => None,
         };
-        Ok(Trainer {
-            config,
-            model,
-            optimizer,
-            sampler,
-            step: 0,
-            trace,
-            unigram_entropy,
-        })
+        Ok(Trainer { config, model, optimizer, sampler, step: 0, trace, unigram_entropy })
     }
 
     /// Entropy of the training data's token frequencies (nats): the loss to beat.
@@ -227,8 +211,7 @@ impl Trainer {
         let grads = out.loss.backward()?;
         let norm = grad_norm(self.model.params(), &grads)?;
         let lr = self.config.schedule().at(self.step);
-        self.optimizer
-            .step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
+        self.optimizer.step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
         self.step += 1;
         let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
         Ok(StepReport {
@@ -253,14 +236,8 @@ impl Trainer {
             moments.push((format!("m/{name}"), s.m));
             moments.push((format!("v/{name}"), s.v));
         }
-        let extra = serde_json::to_value(TrainerState {
-            config: self.config.clone(),
-            cursor: self.sampler.cursor(),
-        })
-        .map_err(|e| ModelError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let extra = serde_json::to_value(TrainerState { config: self.config.clone(), cursor: self.sampler.cursor() })
+            .map_err(|e| ModelError::Checkpoint { path: dir.to_path_buf(), reason: e.to_string() })?;
         let manifest = Manifest {
             format_version: checkpoint::FORMAT_VERSION,
             step: self.step,
@@ -276,12 +253,8 @@ impl Trainer {
     pub fn resume(dir: &Path, steps: Option<u64>) -> Result<Self> {
         let ck = checkpoint::load(dir, &Device::Cpu)?;
         let path = ck.path.clone();
-        let bad = |reason: String| ModelError::Checkpoint {
-            path: path.clone(),
-            reason,
-        };
-        let state: TrainerState =
-            serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
+        let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
+        let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
         let mut config = state.config;
         if let Some(s) = steps {
             config.steps = s;

@@ -4,15 +4,7 @@ use lazarus_model::{DataSource, ModelConfig, TrainConfig, Trainer};
 
 fn small() -> TrainConfig {
     TrainConfig {
-        model: ModelConfig {
-            d_model: 64,
-            n_layers: 2,
-            n_heads: 2,
-            max_seq_len: 32,
-            n_experts: 4,
-            d_ff: 128,
-            ..ModelConfig::default()
-        },
+        model: ModelConfig { d_model: 64, n_layers: 2, n_heads: 2, max_seq_len: 32, n_experts: 4, d_ff: 128, ..ModelConfig::default() },
         steps: 10,
         batch_size: 4,
         seq_len: 32,

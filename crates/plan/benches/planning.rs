@@ -55,13 +55,8 @@ fn bench_dispatch(c: &mut Criterion) {
     let replicas = placement.rank_replicas();
     let mut rng = Lcg(99);
     // Each rank routes 8192 token-slots (4096 tokens, top-2) with its own noisy view of the loads.
-    let tokens: Vec<Vec<u64>> = loads
-        .iter()
-        .map(|&l| (0..64).map(|_| (l / 64.0 * (0.5 + rng.next())).round() as u64).collect())
-        .collect();
-    c.bench_function("dispatch/64x256", |b| {
-        b.iter(|| DispatchSchedule::compute(black_box(&tokens), black_box(&replicas)).unwrap())
-    });
+    let tokens: Vec<Vec<u64>> = loads.iter().map(|&l| (0..64).map(|_| (l / 64.0 * (0.5 + rng.next())).round() as u64).collect()).collect();
+    c.bench_function("dispatch/64x256", |b| b.iter(|| DispatchSchedule::compute(black_box(&tokens), black_box(&replicas)).unwrap()));
 }
 
 criterion_group! {

@@ -34,18 +34,11 @@ pub fn allocate(loads: &[f64], total_slots: usize, min_replicas: usize) -> Resul
     }
     for (e, &t) in loads.iter().enumerate() {
         if !t.is_finite() || t < 0.0 {
-            return Err(PlanError::invalid(
-                "loads",
-                format!("{t} (expert {e})"),
-                "loads must be finite and non-negative",
-            ));
+            return Err(PlanError::invalid("loads", format!("{t} (expert {e})"), "loads must be finite and non-negative"));
         }
     }
     if total_slots < experts {
-        return Err(PlanError::CannotHost {
-            experts,
-            slots: total_slots,
-        });
+        return Err(PlanError::CannotHost { experts, slots: total_slots });
     }
     let floor = min_replicas.max(1).min(total_slots / experts);
 
@@ -63,10 +56,9 @@ pub fn allocate(loads: &[f64], total_slots: usize, min_replicas: usize) -> Resul
         let left_after = experts - pos - 1;
         let share = if integral {
             let t = loads[e] as u128;
-            if suffix_int == 0 {
-                remaining / (left_after + 1)
-            } else {
-                (t * remaining as u128 / suffix_int) as usize
+            match (t * remaining as u128).checked_div(suffix_int) {
+                Some(share) => share as usize,
+                None => remaining / (left_after + 1),
             }
         } else if suffix_load <= 0.0 {
             remaining / (left_after + 1)
@@ -85,11 +77,7 @@ pub fn allocate(loads: &[f64], total_slots: usize, min_replicas: usize) -> Resul
         }
     }
     debug_assert_eq!(replicas.iter().sum::<usize>(), total_slots);
-    Ok(ReplicaAllocation {
-        replicas,
-        requested_floor: min_replicas,
-        applied_floor: floor,
-    })
+    Ok(ReplicaAllocation { replicas, requested_floor: min_replicas, applied_floor: floor })
 }
 
 /// floor(t / suffix · remaining) for real-valued loads, multiplying first and snapping values

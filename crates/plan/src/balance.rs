@@ -39,11 +39,7 @@ impl LoadBalance {
 /// they change nothing: one bin's capacity is shared by all its replicas).
 pub fn min_max_load(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> Result<LoadBalance, PlanError> {
     if holders.len() != loads.len() {
-        return Err(PlanError::Length {
-            field: "loads",
-            got: loads.len(),
-            expected: holders.len(),
-        });
+        return Err(PlanError::Length { field: "loads", got: loads.len(), expected: holders.len() });
     }
     if bins == 0 {
         return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));

@@ -64,37 +64,21 @@ impl DispatchSchedule {
     fn build(tokens: &[Vec<u64>], replicas: &[Vec<u32>], balanced: bool) -> Result<Self, PlanError> {
         let experts = tokens.len();
         if replicas.len() != experts {
-            return Err(PlanError::Length {
-                field: "replicas",
-                got: replicas.len(),
-                expected: experts,
-            });
+            return Err(PlanError::Length { field: "replicas", got: replicas.len(), expected: experts });
         }
         let ranks = tokens.first().map_or(0, Vec::len);
         for (e, (t, r)) in tokens.iter().zip(replicas).enumerate() {
             if t.len() != ranks {
-                return Err(PlanError::Length {
-                    field: "tokens",
-                    got: t.len(),
-                    expected: ranks,
-                });
+                return Err(PlanError::Length { field: "tokens", got: t.len(), expected: ranks });
             }
             if r.len() != ranks {
-                return Err(PlanError::Length {
-                    field: "replicas",
-                    got: r.len(),
-                    expected: ranks,
-                });
+                return Err(PlanError::Length { field: "replicas", got: r.len(), expected: ranks });
             }
             if t.iter().try_fold(0u64, |acc, &x| acc.checked_add(x)).is_none_or(|total| total > u64::MAX / 2) {
                 return Err(PlanError::invalid("tokens", format!("expert {e}"), "token counts overflow"));
             }
             if r.iter().all(|&x| x == 0) && t.iter().any(|&x| x > 0) {
-                return Err(PlanError::invalid(
-                    "replicas",
-                    format!("expert {e}"),
-                    "tokens are routed to an expert that has no replica",
-                ));
+                return Err(PlanError::invalid("replicas", format!("expert {e}"), "tokens are routed to an expert that has no replica"));
             }
         }
         // Rank loads add up over experts (balancing, per-rank totals): bound the grand total too.
@@ -119,12 +103,7 @@ impl DispatchSchedule {
             expert_routes(e as u32, &tokens[e], &mut scratch, &mut routes);
         }
         start.push(routes.len());
-        Ok(DispatchSchedule {
-            experts,
-            ranks,
-            routes,
-            start,
-        })
+        Ok(DispatchSchedule { experts, ranks, routes, start })
     }
 
     pub fn experts(&self) -> usize {
@@ -147,10 +126,7 @@ impl DispatchSchedule {
 
     /// D[e][src][dst].
     pub fn get(&self, expert: usize, src: usize, dst: usize) -> u64 {
-        self.routes(expert)
-            .iter()
-            .find(|r| r.src as usize == src && r.dst as usize == dst)
-            .map_or(0, |r| r.tokens)
+        self.routes(expert).iter().find(|r| r.src as usize == src && r.dst as usize == dst).map_or(0, |r| r.tokens)
     }
 
     /// s_j of Algorithm 1 for sender `src`: tokens it sends to each rank (itself included).
@@ -400,14 +376,7 @@ fn expert_routes(e: u32, t: &[u64], sc: &mut Scratch, out: &mut Vec<Route>) {
             next_sender - 1
         });
         let mut local_done = sc.local[src] == 0;
-        let mut push = |dst: usize, tokens: u64| {
-            out.push(Route {
-                expert: e,
-                src: src as u32,
-                dst: dst as u32,
-                tokens,
-            })
-        };
+        let mut push = |dst: usize, tokens: u64| out.push(Route { expert: e, src: src as u32, dst: dst as u32, tokens });
         if let Some(a) = row {
             for (b, &dst) in sc.receivers.iter().enumerate() {
                 if !local_done && dst > src {
@@ -504,9 +473,7 @@ impl Transport {
             self.cols.clear();
             self.cols.extend((0..nb).filter(|&b| frac[b] > 0 && col_left[b] > 0));
             let want = self.row_left[a] as usize;
-            let by_need = |u: &usize, v: &usize| {
-                col_left[*v].cmp(&col_left[*u]).then(frac[*v].cmp(&frac[*u])).then(u.cmp(v))
-            };
+            let by_need = |u: &usize, v: &usize| col_left[*v].cmp(&col_left[*u]).then(frac[*v].cmp(&frac[*u])).then(u.cmp(v));
             if want < self.cols.len() {
                 self.cols.select_nth_unstable_by(want, by_need);
                 self.cols.truncate(want);
@@ -559,9 +526,7 @@ impl Transport {
         }
         // The fractional matrix is a feasible flow, so an integral rounding always exists and
         // an augmenting path is always found.
-        let Some(mut b) = end else {
-            unreachable!("transport rounding: no augmenting path")
-        };
+        let Some(mut b) = end else { unreachable!("transport rounding: no augmenting path") };
         self.col_left[b] -= 1;
         loop {
             let Some(a) = prev_col[b] else { unreachable!("broken augmenting path") };
@@ -618,8 +583,15 @@ mod tests {
                         continue;
                     }
                     let ideal = excess[src] as f64 * resid[dst] as f64 / total as f64;
-                    prop_assert!((dense[e][src][dst] as f64 - ideal).abs() < 1.0,
-                        "e={} {}->{}: {} vs ideal {}", e, src, dst, dense[e][src][dst], ideal);
+                    prop_assert!(
+                        (dense[e][src][dst] as f64 - ideal).abs() < 1.0,
+                        "e={} {}->{}: {} vs ideal {}",
+                        e,
+                        src,
+                        dst,
+                        dense[e][src][dst],
+                        ideal
+                    );
                 }
             }
         }
@@ -668,9 +640,8 @@ mod tests {
                 for src in 0..ranks {
                     let rows = &layouts[src].send_experts[dst];
                     // The receiver's view of the layout matches what the sender packed.
-                    let expected: Vec<u32> = (0..experts)
-                        .flat_map(|e| std::iter::repeat_n(e as u32, layouts[dst].recv[src][e] as usize))
-                        .collect();
+                    let expected: Vec<u32> =
+                        (0..experts).flat_map(|e| std::iter::repeat_n(e as u32, layouts[dst].recv[src][e] as usize)).collect();
                     assert_eq!(rows, &expected);
                     for (i, &e) in rows.iter().enumerate() {
                         assert!(r[e as usize][dst] > 0, "expert {e} sent to rank {dst} without a replica");

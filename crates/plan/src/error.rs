@@ -7,11 +7,7 @@ use thiserror::Error;
 pub enum PlanError {
     /// A numeric input is out of its allowed range.
     #[error("invalid {field}: {value} ({reason})")]
-    Invalid {
-        field: &'static str,
-        value: String,
-        reason: String,
-    },
+    Invalid { field: &'static str, value: String, reason: String },
     /// Fewer replica slots than experts: some expert would have no replica at all.
     #[error(
         "cannot host the layer: {experts} experts need at least {experts} replica slots, \
@@ -23,19 +19,11 @@ pub enum PlanError {
     SlotMismatch { sum: usize, slots: usize },
     /// Inputs of two different lengths that must agree.
     #[error("{field} has length {got}, expected {expected}")]
-    Length {
-        field: &'static str,
-        got: usize,
-        expected: usize,
-    },
+    Length { field: &'static str, got: usize, expected: usize },
 }
 
 impl PlanError {
     pub(crate) fn invalid(field: &'static str, value: impl ToString, reason: impl Into<String>) -> Self {
-        PlanError::Invalid {
-            field,
-            value: value.to_string(),
-            reason: reason.into(),
-        }
+        PlanError::Invalid { field, value: value.to_string(), reason: reason.into() }
     }
 }

@@ -12,8 +12,7 @@ pub fn parse_load_trace(text: &str, layers: usize, experts: usize) -> Result<Vec
     let entries: Vec<Vec<Vec<f64>>> = if text.trim_start().starts_with('{') {
         let mut entries = Vec::new();
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let v: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| bad(format!("line {}: not valid JSON: {e}", i + 1)))?;
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(format!("line {}: not valid JSON: {e}", i + 1)))?;
             let load = v.get("expert_load").ok_or_else(|| bad(format!("line {}: no \"expert_load\" field", i + 1)))?;
             entries.push(
                 serde_json::from_value(load.clone())

@@ -7,9 +7,7 @@ pub struct NodeSet {
 
 impl NodeSet {
     pub fn empty(nodes: usize) -> Self {
-        NodeSet {
-            words: vec![0; nodes.div_ceil(64)],
-        }
+        NodeSet { words: vec![0; nodes.div_ceil(64)] }
     }
 
     pub fn insert(&mut self, node: usize) {
@@ -17,9 +15,7 @@ impl NodeSet {
     }
 
     pub fn contains(&self, node: usize) -> bool {
-        self.words
-            .get(node / 64)
-            .is_some_and(|w| w & (1u64 << (node % 64)) != 0)
+        self.words.get(node / 64).is_some_and(|w| w & (1u64 << (node % 64)) != 0)
     }
 
     pub fn len(&self) -> usize {

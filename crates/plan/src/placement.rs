@@ -45,22 +45,14 @@ impl ClusterShape {
         if slots_per_gpu == 0 {
             return Err(PlanError::invalid("slots", slots_per_gpu, "each GPU needs at least one replica slot"));
         }
-        if nodes
-            .checked_mul(gpus_per_node)
-            .and_then(|x| x.checked_mul(slots_per_gpu))
-            .is_none_or(|x| x > 1 << 32)
-        {
+        if nodes.checked_mul(gpus_per_node).and_then(|x| x.checked_mul(slots_per_gpu)).is_none_or(|x| x > 1 << 32) {
             return Err(PlanError::invalid(
                 "nodes",
                 nodes,
                 format!("nodes x gpus-per-node ({gpus_per_node}) x slots ({slots_per_gpu}) is too large"),
             ));
         }
-        Ok(ClusterShape {
-            nodes,
-            gpus_per_node,
-            slots_per_gpu,
-        })
+        Ok(ClusterShape { nodes, gpus_per_node, slots_per_gpu })
     }
 
     /// G·c: replicas one node holds.
@@ -131,11 +123,7 @@ impl Placement {
     /// Validate a plan given as per-node expert lists (e.g. read from a file).
     pub fn from_nodes(shape: ClusterShape, experts: usize, nodes: Vec<Vec<ExpertId>>) -> Result<Self, PlanError> {
         if nodes.len() != shape.nodes {
-            return Err(PlanError::Length {
-                field: "placement",
-                got: nodes.len(),
-                expected: shape.nodes,
-            });
+            return Err(PlanError::Length { field: "placement", got: nodes.len(), expected: shape.nodes });
         }
         let mut seen = vec![false; experts];
         for (n, node) in nodes.iter().enumerate() {
@@ -229,12 +217,7 @@ pub(crate) fn holder_sets(nodes: &[Vec<ExpertId>], experts: usize) -> Vec<NodeSe
 ///
 /// `loads` (tokens per expert, optional) only steers how a node's replicas are spread over its
 /// GPUs: each replica is expected to receive `t_e / r_e` tokens and GPUs are balanced on that.
-pub fn place(
-    replicas: &[usize],
-    shape: ClusterShape,
-    strategy: Strategy,
-    loads: Option<&[f64]>,
-) -> Result<Placement, PlanError> {
+pub fn place(replicas: &[usize], shape: ClusterShape, strategy: Strategy, loads: Option<&[f64]>) -> Result<Placement, PlanError> {
     validate_replicas(replicas, shape)?;
     if let Some(l) = loads {
         validate_loads(l, replicas.len())?;
@@ -248,20 +231,12 @@ pub fn place(
         Strategy::Lazarus => lazarus_nodes(replicas, n, s),
     };
     let nodes = balance_gpus(nodes, replicas, shape, loads);
-    Ok(Placement {
-        shape,
-        experts: replicas.len(),
-        nodes,
-    })
+    Ok(Placement { shape, experts: replicas.len(), nodes })
 }
 
 fn validate_loads(loads: &[f64], experts: usize) -> Result<(), PlanError> {
     if loads.len() != experts {
-        return Err(PlanError::Length {
-            field: "loads",
-            got: loads.len(),
-            expected: experts,
-        });
+        return Err(PlanError::Length { field: "loads", got: loads.len(), expected: experts });
     }
     if let Some((e, x)) = loads.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
         return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
@@ -289,29 +264,16 @@ pub const DEFAULT_MAX_IMBALANCE: f64 = 1.05;
 /// The guard is evaluated per node (failure domain); the node's replicas are then spread over
 /// its GPUs as in [`place`] and the spread refined for the balanced dispatcher
 /// ([`refine_gpus`]), which changes no node's experts and so no recovery probability.
-pub fn place_balanced(
-    replicas: &[usize],
-    shape: ClusterShape,
-    loads: &[f64],
-    max_imbalance: f64,
-) -> Result<Placement, PlanError> {
+pub fn place_balanced(replicas: &[usize], shape: ClusterShape, loads: &[f64], max_imbalance: f64) -> Result<Placement, PlanError> {
     validate_replicas(replicas, shape)?;
     validate_loads(loads, replicas.len())?;
     if !max_imbalance.is_finite() || max_imbalance < 1.0 {
-        return Err(PlanError::invalid(
-            "max_imbalance",
-            max_imbalance,
-            "must be a finite ratio ≥ 1 (busiest node's tokens over the mean)",
-        ));
+        return Err(PlanError::invalid("max_imbalance", max_imbalance, "must be a finite ratio ≥ 1 (busiest node's tokens over the mean)"));
     }
     let nodes = guarded_nodes(replicas, shape.nodes, shape.slots_per_node(), loads, max_imbalance);
     let nodes = balance_gpus(nodes, replicas, shape, Some(loads));
     let nodes = refine_gpus(nodes, shape, loads);
-    Ok(Placement {
-        shape,
-        experts: replicas.len(),
-        nodes,
-    })
+    Ok(Placement { shape, experts: replicas.len(), nodes })
 }
 
 /// λ* / mean over nodes for node lists (see [`crate::balance`]).
@@ -349,10 +311,7 @@ fn guarded_nodes(replicas: &[usize], n: usize, s: usize, loads: &[f64], max_imba
         for _ in 0..restarts {
             starts.push(random_nodes(replicas, s, &mut rng));
         }
-        cands = starts
-            .into_iter()
-            .map(|start| guarded_local_search(start, n, s, &eval, loads, limit))
-            .collect();
+        cands = starts.into_iter().map(|start| guarded_local_search(start, n, s, &eval, loads, limit)).collect();
     }
     // The least imbalance (capped at the guard: within it, all are equal) first; among the
     // candidates that reach it, the best recovery, compared point by point on demand. Past
@@ -379,14 +338,7 @@ fn guarded_nodes(replicas: &[usize], n: usize, s: usize, loads: &[f64], max_imba
 
 /// [`local_search`] under the guard: while the plan is above `limit`, a swap is taken if it
 /// lowers the imbalance; once within it, if it improves recovery and stays within it.
-fn guarded_local_search(
-    nodes: Vec<Vec<ExpertId>>,
-    n: usize,
-    s: usize,
-    eval: &SmallEval,
-    loads: &[f64],
-    limit: f64,
-) -> Vec<Vec<ExpertId>> {
+fn guarded_local_search(nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, eval: &SmallEval, loads: &[f64], limit: f64) -> Vec<Vec<ExpertId>> {
     let mut counts = eval.counts(&nodes);
     let mut imbalance = node_imbalance(&nodes, loads);
     hill_climb(nodes, n, s, |cand| {
@@ -414,18 +366,11 @@ pub(crate) fn validate_replicas(replicas: &[usize], shape: ClusterShape) -> Resu
         return Err(PlanError::invalid("replicas", "[]", "at least one expert is needed"));
     }
     if let Some(e) = replicas.iter().position(|&r| r == 0) {
-        return Err(PlanError::invalid(
-            "replicas",
-            format!("0 (expert {e})"),
-            "every expert needs at least one replica",
-        ));
+        return Err(PlanError::invalid("replicas", format!("0 (expert {e})"), "every expert needs at least one replica"));
     }
     let sum: usize = replicas.iter().sum();
     if sum != shape.total_slots() {
-        return Err(PlanError::SlotMismatch {
-            sum,
-            slots: shape.total_slots(),
-        });
+        return Err(PlanError::SlotMismatch { sum, slots: shape.total_slots() });
     }
     Ok(())
 }
@@ -440,9 +385,7 @@ fn ascending(replicas: &[usize]) -> Vec<ExpertId> {
 /// Replica k of the ascending replica list goes to node `node_of(k)`.
 fn sequential_nodes(replicas: &[usize], n: usize, s: usize, node_of: impl Fn(usize) -> usize) -> Vec<Vec<ExpertId>> {
     let mut nodes = vec![Vec::with_capacity(s); n];
-    let list = ascending(replicas)
-        .into_iter()
-        .flat_map(|e| std::iter::repeat_n(e, replicas[e]));
+    let list = ascending(replicas).into_iter().flat_map(|e| std::iter::repeat_n(e, replicas[e]));
     for (k, e) in list.enumerate() {
         nodes[node_of(k)].push(e);
     }
@@ -479,10 +422,7 @@ fn groups(order: &[ExpertId], s: usize, layout: GroupLayout) -> Vec<&[ExpertId]>
 /// Σ_i r_rep_i > N: the node groups of MRO do not fit and the last one is cut short.
 pub(crate) fn mro_truncates(replicas: &[usize], n: usize, s: usize) -> bool {
     let order = ascending(replicas);
-    let need: usize = groups(&order, s, GroupLayout::PartialLast)
-        .iter()
-        .map(|g| replicas[g[0]])
-        .sum();
+    let need: usize = groups(&order, s, GroupLayout::PartialLast).iter().map(|g| replicas[g[0]]).sum();
     need > n
 }
 
@@ -575,9 +515,7 @@ fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
         return mro;
     }
     let experts = replicas.len();
-    let curve = |nodes: &Vec<Vec<ExpertId>>| -> SurvivalCurve {
-        recovery::survival_curve(n, &holder_sets(nodes, experts))
-    };
+    let curve = |nodes: &Vec<Vec<ExpertId>>| -> SurvivalCurve { recovery::survival_curve(n, &holder_sets(nodes, experts)) };
     let mro_curve = curve(&mro);
     let mut best = (mro.clone(), mro_curve.clone());
     // Every placement of the partial group is an MRO-style candidate with a closed form.
@@ -614,9 +552,7 @@ fn lazarus_nodes(replicas: &[usize], n: usize, s: usize) -> Vec<Vec<ExpertId>> {
 }
 
 fn random_nodes(replicas: &[usize], s: usize, rng: &mut SplitMix64) -> Vec<Vec<ExpertId>> {
-    let mut list: Vec<ExpertId> = (0..replicas.len())
-        .flat_map(|e| std::iter::repeat_n(e, replicas[e]))
-        .collect();
+    let mut list: Vec<ExpertId> = (0..replicas.len()).flat_map(|e| std::iter::repeat_n(e, replicas[e])).collect();
     for i in (1..list.len()).rev() {
         list.swap(i, rng.below(i + 1));
     }
@@ -687,7 +623,7 @@ fn minimal_masks(mut masks: Vec<u32>) -> Vec<u32> {
     masks.dedup();
     let mut out: Vec<u32> = Vec::with_capacity(masks.len());
     for m in masks {
-        if !out.iter().any(|&k| k & m == k) {
+        if !out.iter().any(|&k| k & !m == 0) {
             out.push(m);
         }
     }
@@ -752,7 +688,7 @@ fn hill_climb(mut nodes: Vec<Vec<ExpertId>>, n: usize, s: usize, mut improves: i
 }
 
 /// One replica of an expert moves from GPU `from` to GPU `to` in its holder list.
-fn move_replica(holders: &mut Vec<usize>, from: usize, to: usize) {
+fn move_replica(holders: &mut [usize], from: usize, to: usize) {
     if let Some(i) = holders.iter().position(|&h| h == from) {
         holders[i] = to;
     }
@@ -844,7 +780,9 @@ fn refine_gpu_swaps(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShape, loads: &
                 let mut from: Vec<usize> = (a * c..(a + 1) * c).filter(|&i| cut.experts[node[i]]).collect();
                 let twice = |i: usize| slots_a.iter().filter(|&&e| e == node[i]).count() > 1;
                 // Ties broken on the expert, so that dedup sees an expert's replicas together.
-                from.sort_by(|&i, &j| twice(j).cmp(&twice(i)).then(loads[node[j]].total_cmp(&loads[node[i]])).then(node[i].cmp(&node[j])).then(i.cmp(&j)));
+                from.sort_by(|&i, &j| {
+                    twice(j).cmp(&twice(i)).then(loads[node[j]].total_cmp(&loads[node[i]])).then(node[i].cmp(&node[j])).then(i.cmp(&j))
+                });
                 from.dedup_by_key(|i| node[*i]);
                 for b in (0..g).filter(|&b| !cut.bins[gpu(b)]) {
                     let mut to: Vec<usize> = (b * c..(b + 1) * c).collect();
@@ -884,12 +822,7 @@ fn refine_gpu_swaps(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShape, loads: &
 /// Spread each node's replicas over its G GPUs so that expected tokens per GPU are balanced:
 /// longest-processing-time first on the per-replica load t_e / r_e, preferring a GPU that
 /// already holds the expert on ties (one physical copy then serves both replicas).
-fn balance_gpus(
-    nodes: Vec<Vec<ExpertId>>,
-    replicas: &[usize],
-    shape: ClusterShape,
-    loads: Option<&[f64]>,
-) -> Vec<Vec<ExpertId>> {
+fn balance_gpus(nodes: Vec<Vec<ExpertId>>, replicas: &[usize], shape: ClusterShape, loads: Option<&[f64]>) -> Vec<Vec<ExpertId>> {
     let g = shape.gpus_per_node;
     let c = shape.slots_per_gpu;
     let weight = |e: ExpertId| match loads {
@@ -959,8 +892,8 @@ fn balance_gpus(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use super::Strategy;
+    use super::*;
     use crate::recovery::recovery_curve;
     use proptest::prelude::{any, prop_assert, prop_assert_eq, proptest, ProptestConfig};
 
@@ -1008,10 +941,7 @@ mod tests {
         assert!(ClusterShape::new(0, 1, 1).unwrap_err().to_string().contains("nodes"));
         assert!(ClusterShape::new(1, 1, 0).unwrap_err().to_string().contains("slots"));
         let shape = ClusterShape::new(2, 1, 2).unwrap();
-        assert_eq!(
-            place(&[1, 2], shape, Strategy::Lazarus, None).unwrap_err(),
-            PlanError::SlotMismatch { sum: 3, slots: 4 }
-        );
+        assert_eq!(place(&[1, 2], shape, Strategy::Lazarus, None).unwrap_err(), PlanError::SlotMismatch { sum: 3, slots: 4 });
         assert!(place(&[0, 4], shape, Strategy::Mro, None).unwrap_err().to_string().contains("expert 0"));
         assert!(Placement::from_nodes(shape, 2, vec![vec![0, 0], vec![0, 0]]).unwrap_err().to_string().contains("expert 1"));
         assert!(Placement::from_nodes(shape, 2, vec![vec![0, 1], vec![0]]).is_err());
@@ -1077,7 +1007,14 @@ mod tests {
         let k = perm.len();
         let mut stack = vec![0usize; k];
         let mut push = |p: &[ExpertId]| {
-            let mut gpus: Vec<Vec<ExpertId>> = p.chunks(c).map(|x| { let mut x = x.to_vec(); x.sort_unstable(); x }).collect();
+            let mut gpus: Vec<Vec<ExpertId>> = p
+                .chunks(c)
+                .map(|x| {
+                    let mut x = x.to_vec();
+                    x.sort_unstable();
+                    x
+                })
+                .collect();
             gpus.sort();
             let flat: Vec<ExpertId> = gpus.concat();
             if !out.contains(&flat) {
@@ -1088,7 +1025,11 @@ mod tests {
         let mut i = 0;
         while i < k {
             if stack[i] < i {
-                if i % 2 == 0 { perm.swap(0, i) } else { perm.swap(stack[i], i) }
+                if i % 2 == 0 {
+                    perm.swap(0, i)
+                } else {
+                    perm.swap(stack[i], i)
+                }
                 push(&perm);
                 stack[i] += 1;
                 i = 0;
@@ -1110,7 +1051,8 @@ mod tests {
             let shape = ClusterShape::new(n, g, c).unwrap();
             for _ in 0..40 {
                 let experts = 2 + rng.below(shape.total_slots() - 1);
-                let loads: Vec<f64> = (0..experts).map(|_| if rng.below(3) == 0 { 0.0 } else { (1 + rng.below(100) * (1 + rng.below(8))) as f64 }).collect();
+                let loads: Vec<f64> =
+                    (0..experts).map(|_| if rng.below(3) == 0 { 0.0 } else { (1 + rng.below(100) * (1 + rng.below(8))) as f64 }).collect();
                 let Ok(alloc) = crate::allocate(&loads, shape.total_slots(), 1) else { continue };
                 let r = alloc.replicas;
                 let nodes = guarded_nodes(&r, n, shape.slots_per_node(), &loads, DEFAULT_MAX_IMBALANCE);
@@ -1145,7 +1087,10 @@ mod tests {
         eprintln!("{cases} instances: LPT optimal in {lpt_best}, refined optimal in {refined_best}, refined better than LPT in {improved}");
         assert!(cases >= 150, "{cases}");
         assert!(refined_best * 100 >= cases * 97, "refined optimal in only {refined_best} of {cases}");
-        assert!(improved * 10 >= cases, "LPT was already optimal almost everywhere ({improved} of {cases} improved): the oracle has no teeth");
+        assert!(
+            improved * 10 >= cases,
+            "LPT was already optimal almost everywhere ({improved} of {cases} improved): the oracle has no teeth"
+        );
     }
 
     proptest! {

@@ -56,27 +56,15 @@ const EXACT_MAPPING_MAX_NODES: usize = 1024;
 
 /// Map `live` nodes onto the nodes of the new per-layer plans and schedule the state transfers.
 /// `expert_bytes[layer]` is the size of one expert's state in that layer.
-pub fn plan_reconfiguration(
-    live: &[NodeState],
-    new_layers: &[Placement],
-    expert_bytes: &[u64],
-) -> Result<ReconfigurationPlan, PlanError> {
+pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64]) -> Result<ReconfigurationPlan, PlanError> {
     let layers = new_layers.len();
     if expert_bytes.len() != layers {
-        return Err(PlanError::Length {
-            field: "expert_bytes",
-            got: expert_bytes.len(),
-            expected: layers,
-        });
+        return Err(PlanError::Length { field: "expert_bytes", got: expert_bytes.len(), expected: layers });
     }
     let n = live.len();
     for p in new_layers {
         if p.shape().nodes != n {
-            return Err(PlanError::Length {
-                field: "plan nodes",
-                got: p.shape().nodes,
-                expected: n,
-            });
+            return Err(PlanError::Length { field: "plan nodes", got: p.shape().nodes, expected: n });
         }
     }
     let mut ids = BTreeSet::new();
@@ -85,11 +73,7 @@ pub fn plan_reconfiguration(
             return Err(PlanError::invalid("node", s.node, "listed twice among live nodes"));
         }
         if !s.experts.is_empty() && s.experts.len() != layers {
-            return Err(PlanError::Length {
-                field: "node experts (layers)",
-                got: s.experts.len(),
-                expected: layers,
-            });
+            return Err(PlanError::Length { field: "node experts (layers)", got: s.experts.len(), expected: layers });
         }
     }
     // held[p][layer] and wanted[q][layer]: sets of experts.
@@ -97,25 +81,16 @@ pub fn plan_reconfiguration(
         .iter()
         .map(|s| (0..layers).map(|l| s.experts.get(l).map(|v| v.iter().copied().collect()).unwrap_or_default()).collect())
         .collect();
-    let wanted: Vec<Vec<BTreeSet<ExpertId>>> = (0..n)
-        .map(|q| new_layers.iter().map(|p| p.nodes()[q].iter().copied().collect()).collect())
-        .collect();
+    let wanted: Vec<Vec<BTreeSet<ExpertId>>> =
+        (0..n).map(|q| new_layers.iter().map(|p| p.nodes()[q].iter().copied().collect()).collect()).collect();
     let cost: Vec<Vec<i64>> = (0..n)
         .map(|p| {
             (0..n)
-                .map(|q| {
-                    (0..layers)
-                        .map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * expert_bytes[l]) as i64)
-                        .sum()
-                })
+                .map(|q| (0..layers).map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * expert_bytes[l]) as i64).sum())
                 .collect()
         })
         .collect();
-    let node_to_plan = if n <= EXACT_MAPPING_MAX_NODES {
-        min_cost_assignment(&cost)
-    } else {
-        greedy_assignment(&cost)
-    };
+    let node_to_plan = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
     let mut plan_to_node = vec![0u64; n];
     for (p, &q) in node_to_plan.iter().enumerate() {
         plan_to_node[q] = live[p].node;
@@ -137,12 +112,7 @@ pub fn plan_reconfiguration(
                 if holders.is_empty() {
                     lost.insert((l, e));
                 } else {
-                    fetches.push(Fetch {
-                        layer: l,
-                        expert: e,
-                        to: p,
-                        holders,
-                    });
+                    fetches.push(Fetch { layer: l, expert: e, to: p, holders });
                 }
             }
         }
@@ -151,11 +121,7 @@ pub fn plan_reconfiguration(
     let mut sent = vec![0u64; n];
     let mut transfers = Vec::with_capacity(fetches.len());
     for f in fetches {
-        let from = *f
-            .holders
-            .iter()
-            .min_by_key(|&&h| (sent[h], h))
-            .expect("non-empty holders");
+        let from = *f.holders.iter().min_by_key(|&&h| (sent[h], h)).expect("non-empty holders");
         sent[from] += expert_bytes[f.layer];
         transfers.push(StateTransfer {
             layer: f.layer,
@@ -167,12 +133,7 @@ pub fn plan_reconfiguration(
     }
     transfers.sort_by_key(|t| (t.layer, t.expert, t.to));
     let bytes_per_sender = (0..n).filter(|&h| sent[h] > 0).map(|h| (live[h].node, sent[h])).collect();
-    Ok(ReconfigurationPlan {
-        plan_to_node,
-        transfers,
-        lost: lost.into_iter().collect(),
-        bytes_per_sender,
-    })
+    Ok(ReconfigurationPlan { plan_to_node, transfers, lost: lost.into_iter().collect(), bytes_per_sender })
 }
 
 /// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
@@ -285,10 +246,8 @@ mod tests {
         let shape = ClusterShape::new(5, 1, 4).unwrap();
         let old = place(&[2, 5, 6, 7], shape, Strategy::Lazarus, None).unwrap();
         let ids = [5u64, 6, 7, 8, 9];
-        let live: Vec<NodeState> = (0..5)
-            .filter(|&i| i != 2)
-            .map(|i| NodeState { node: ids[i], experts: vec![old.nodes()[i].clone()] })
-            .collect();
+        let live: Vec<NodeState> =
+            (0..5).filter(|&i| i != 2).map(|i| NodeState { node: ids[i], experts: vec![old.nodes()[i].clone()] }).collect();
         let new_shape = ClusterShape::new(4, 1, 4).unwrap();
         let new = place(&[2, 4, 5, 5], new_shape, Strategy::Lazarus, None).unwrap();
         let plan = plan_reconfiguration(&live, std::slice::from_ref(&new), &[1000]).unwrap();
@@ -334,10 +293,7 @@ mod tests {
         let shape = ClusterShape::new(2, 1, 2).unwrap();
         let p = place(&[2, 2], shape, Strategy::Compact, None).unwrap();
         // Only a fresh node and a node that held expert 1 are alive: expert 0 is lost.
-        let live = vec![
-            NodeState { node: 1, experts: vec![vec![1, 1]] },
-            NodeState { node: 2, experts: vec![] },
-        ];
+        let live = vec![NodeState { node: 1, experts: vec![vec![1, 1]] }, NodeState { node: 2, experts: vec![] }];
         let plan = plan_reconfiguration(&live, std::slice::from_ref(&p), &[10]).unwrap();
         assert_eq!(plan.lost, vec![(0, 0)]);
         let dup = vec![live[0].clone(), live[0].clone()];
@@ -351,9 +307,7 @@ mod tests {
         // Four survivors each hold expert 0; four fresh nodes each need it: one each.
         let shape = ClusterShape::new(8, 1, 1).unwrap();
         let p = Placement::from_nodes(shape, 1, vec![vec![0]; 8]).unwrap();
-        let live: Vec<NodeState> = (0..8)
-            .map(|i| NodeState { node: i, experts: if i < 4 { vec![vec![0]] } else { vec![] } })
-            .collect();
+        let live: Vec<NodeState> = (0..8).map(|i| NodeState { node: i, experts: if i < 4 { vec![vec![0]] } else { vec![] } }).collect();
         let plan = plan_reconfiguration(&live, std::slice::from_ref(&p), &[64]).unwrap();
         assert_eq!(plan.transfers.len(), 4);
         assert_eq!(plan.bytes_per_sender.values().copied().collect::<Vec<_>>(), vec![64; 4]);

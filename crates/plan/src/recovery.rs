@@ -79,20 +79,12 @@ pub fn recovery_curve(placement: &Placement) -> Vec<RecoveryEstimate> {
 pub fn recovery_probability(placement: &Placement, failed: usize) -> Result<RecoveryEstimate, PlanError> {
     let n = placement.shape().nodes;
     if failed > n {
-        return Err(PlanError::invalid(
-            "failed",
-            failed,
-            format!("cannot fail more nodes than the {n} the plan has"),
-        ));
+        return Err(PlanError::invalid("failed", failed, format!("cannot fail more nodes than the {n} the plan has")));
     }
     let sets = placement.holders();
     let minimal = minimal_sets(&sets);
     let mut curve = match exact_components(&minimal) {
-        Some(comps) => SurvivalCurve {
-            alive: combine(n, &comps, Some(n - failed)),
-            exact: true,
-            ci95: vec![None; n + 1],
-        },
+        Some(comps) => SurvivalCurve { alive: combine(n, &comps, Some(n - failed)), exact: true, ci95: vec![None; n + 1] },
         None => monte_carlo(n, &minimal, Some(n - failed)),
     };
     settle_certain(&mut curve, n, &minimal);
@@ -105,11 +97,7 @@ fn estimate(curve: &SurvivalCurve, n: usize, failed: usize) -> RecoveryEstimate 
     RecoveryEstimate {
         failed,
         probability: curve.alive[r],
-        method: if ci95.is_some() {
-            RecoveryMethod::MonteCarlo
-        } else {
-            RecoveryMethod::Exact
-        },
+        method: if ci95.is_some() { RecoveryMethod::MonteCarlo } else { RecoveryMethod::Exact },
         ci95,
     }
 }
@@ -118,11 +106,7 @@ fn estimate(curve: &SurvivalCurve, n: usize, failed: usize) -> RecoveryEstimate 
 pub(crate) fn survival_curve(n: usize, sets: &[NodeSet]) -> SurvivalCurve {
     let minimal = minimal_sets(sets);
     let mut curve = match exact_components(&minimal) {
-        Some(comps) => SurvivalCurve {
-            alive: combine(n, &comps, None),
-            exact: true,
-            ci95: vec![None; n + 1],
-        },
+        Some(comps) => SurvivalCurve { alive: combine(n, &comps, None), exact: true, ci95: vec![None; n + 1] },
         None => monte_carlo(n, &minimal, None),
     };
     settle_certain(&mut curve, n, &minimal);
@@ -278,13 +262,8 @@ fn count_component(sets: &[&NodeSet]) -> Option<Component> {
 /// Count, for each a, the a-subsets of the component's nodes that hit every set (u ≤ 20).
 fn enumerate_component(sets: &[&NodeSet], nodes: &[usize]) -> Component {
     let u = nodes.len();
-    let local = |s: &NodeSet| -> u32 {
-        nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, &node)| s.contains(node))
-            .fold(0u32, |m, (i, _)| m | (1 << i))
-    };
+    let local =
+        |s: &NodeSet| -> u32 { nodes.iter().enumerate().filter(|(_, &node)| s.contains(node)).fold(0u32, |m, (i, _)| m | (1 << i)) };
     let masks: Vec<u32> = sets.iter().map(|s| local(s)).collect();
     let mut counts = vec![0u64; u + 1];
     for alive in 0u32..(1u32 << u) {
@@ -346,10 +325,7 @@ fn combine(n: usize, comps: &[Component], only: Option<usize>) -> Vec<f64> {
     let lf = ln_factorials(n);
     let ln_c = |a: usize, b: usize| lf[a] - lf[b] - lf[a - b];
     let used: usize = comps.iter().map(|c| c.size).sum();
-    let free = Component {
-        size: n - used,
-        hit: vec![1.0; n - used + 1],
-    };
+    let free = Component { size: n - used, hit: vec![1.0; n - used + 1] };
     // p[k] = P(a uniformly random k-subset of the first m processed nodes hits every
     // processed component).
     let mut p = vec![1.0f64];
@@ -431,11 +407,7 @@ fn monte_carlo_seeded(n: usize, minimal: &[NodeSet], only: Option<usize>, seed: 
         alive[r] = p;
         ci95[r] = Some([lo, hi]);
     }
-    SurvivalCurve {
-        alive,
-        exact: false,
-        ci95,
-    }
+    SurvivalCurve { alive, exact: false, ci95 }
 }
 
 fn wilson(successes: usize, trials: usize) -> (f64, f64, f64) {
@@ -538,9 +510,8 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         for _ in 0..30 {
             let n = 4 + rng.below(7);
-            let sets: Vec<NodeSet> = (0..1 + rng.below(6))
-                .map(|_| set(n, &(0..1 + rng.below(3)).map(|_| rng.below(n)).collect::<Vec<_>>()))
-                .collect();
+            let sets: Vec<NodeSet> =
+                (0..1 + rng.below(6)).map(|_| set(n, &(0..1 + rng.below(3)).map(|_| rng.below(n)).collect::<Vec<_>>())).collect();
             let full = survival_curve(n, &sets);
             let mut lazy = LazyCurve::new(n, &sets);
             for r in (0..=n).rev() {
@@ -549,9 +520,8 @@ mod tests {
         }
         // On one n, `better` orders plans as comparing the full curves from the top would.
         let n = 8;
-        let plans: Vec<Vec<NodeSet>> = (0..12)
-            .map(|_| (0..4).map(|_| set(n, &(0..1 + rng.below(3)).map(|_| rng.below(n)).collect::<Vec<_>>())).collect())
-            .collect();
+        let plans: Vec<Vec<NodeSet>> =
+            (0..12).map(|_| (0..4).map(|_| set(n, &(0..1 + rng.below(3)).map(|_| rng.below(n)).collect::<Vec<_>>())).collect()).collect();
         for a in &plans {
             for b in &plans {
                 let (fa, fb) = (survival_curve(n, a).alive, survival_curve(n, b).alive);
@@ -579,7 +549,9 @@ mod tests {
         for seed in 0..200u64 {
             let m = monte_carlo_seeded(n, &minimal_sets(&sets), Some(11), seed);
             let [lo, hi] = m.ci95[11].unwrap();
-            if !(lo <= exact[11] && exact[11] <= hi) { misses += 1; }
+            if !(lo <= exact[11] && exact[11] <= hi) {
+                misses += 1;
+            }
         }
         // 95% intervals: about 10 of 200 miss; a biased sampler would miss far more often.
         assert!(misses <= 25, "coverage too low: {misses}/200 intervals miss the exact value");

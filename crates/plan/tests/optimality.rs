@@ -41,7 +41,14 @@ fn for_each_placement(replicas: &[usize], n: usize, s: usize, visit: &mut dyn Fn
     }
     let mut all = Vec::new();
     multisets(experts, s, 0, &mut Vec::new(), &mut all);
-    fn rec(all: &[Vec<usize>], start: usize, n: usize, left: &mut [usize], nodes: &mut Vec<Vec<usize>>, visit: &mut dyn FnMut(&[Vec<usize>])) {
+    fn rec(
+        all: &[Vec<usize>],
+        start: usize,
+        n: usize,
+        left: &mut [usize],
+        nodes: &mut Vec<Vec<usize>>,
+        visit: &mut dyn FnMut(&[Vec<usize>]),
+    ) {
         if nodes.len() == n {
             visit(nodes);
             return;
@@ -238,7 +245,8 @@ fn balanced_placement_matches_the_constrained_exhaustive_optimum() {
                     None => {
                         infeasible += 1;
                         if ours_imb > least + 1e-9 {
-                            failures.push(format!("r={r:?} N={n} G={g} c={c}: nothing within {limit}, ours {ours_imb:.4} vs least {least:.4}"));
+                            failures
+                                .push(format!("r={r:?} N={n} G={g} c={c}: nothing within {limit}, ours {ours_imb:.4} vs least {least:.4}"));
                         }
                     }
                     Some(best) => {

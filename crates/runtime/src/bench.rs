@@ -133,11 +133,13 @@ pub fn plan_quality(system: BenchSystem, replicas: &[Vec<u32>], loads: &[f64], w
         BenchSystem::LazarusPerReplica => {
             let total: f64 = loads.iter().sum();
             let busiest = (0..world)
-                .map(|k| {
-                    replicas.iter().zip(loads).map(|(r, t)| t * r[k] as f64 / r.iter().sum::<u32>().max(1) as f64).sum::<f64>()
-                })
+                .map(|k| replicas.iter().zip(loads).map(|(r, t)| t * r[k] as f64 / r.iter().sum::<u32>().max(1) as f64).sum::<f64>())
                 .fold(0.0, f64::max);
-            if total > 0.0 { (busiest * world as f64 / total).max(1.0) } else { 1.0 }
+            if total > 0.0 {
+                (busiest * world as f64 / total).max(1.0)
+            } else {
+                1.0
+            }
         }
         _ => min_max_load(&holders, loads, world)?.imbalance(),
     };
@@ -218,7 +220,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             })
         })
         .collect::<Result<_, RuntimeError>>()?;
-    let mut local = SplitMix64::new(spec.seed ^ (rank as u64 + 1) * 0x9e37_79b9);
+    let mut local = SplitMix64::new(spec.seed ^ ((rank as u64 + 1) * 0x9e37_79b9));
     let h_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32).collect();
     let g_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32 * 1e-3).collect();
     let h = Tensor::from_vec(h_data, (n, d), &dev)?;
@@ -286,7 +288,10 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
         let (mut wire_all, mut needed_all, mut rows_all) = (0.0, 0.0, 0.0);
         for (r, b) in all.iter().enumerate() {
             if b.len() != 8 * (3 + iters) {
-                return Err(RuntimeError::Invalid { field: "bench result", reason: format!("rank {r} sent {} bytes, expected {}", b.len(), 8 * (3 + iters)) });
+                return Err(RuntimeError::Invalid {
+                    field: "bench result",
+                    reason: format!("rank {r} sent {} bytes, expected {}", b.len(), 8 * (3 + iters)),
+                });
             }
             let at = |i: usize| f64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
             wire_all += at(0);

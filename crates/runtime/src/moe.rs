@@ -172,10 +172,14 @@ pub struct MoeForward {
     /// Input to the combine segment: expert outputs of this rank's slots [n·k, d].
     slots_in: Var,
     /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
-    expert_segments: Vec<(usize, Var, Tensor, Vec<(usize, usize)>)>,
+    expert_segments: Vec<ExpertSegment>,
     n: usize,
     d: usize,
 }
+
+/// One local expert's forward: (expert, leaf input, output, its (first row, rows) block from
+/// each rank).
+type ExpertSegment = (usize, Var, Tensor, Vec<(usize, usize)>);
 
 /// Buffers for each destination: `rows(dst, i)` is the row of entry i, placed at
 /// `at[dst][i]`; `len[dst]` rows in all (the rest is padding).
@@ -228,7 +232,13 @@ impl DistributedMoe {
     /// [`DistributedMoe::forward`] with the router's top-k choices replaced by `choices`
     /// (token-major, n·k expert ids; the combine still weights by the router's probabilities):
     /// trace-driven routing, as the paper's ablations use to fix expert loads.
-    pub fn forward_routed(&self, t: &mut dyn Transport, world: &mut Group, h: &Tensor, choices: Option<&[u32]>) -> Result<MoeForward, RuntimeError> {
+    pub fn forward_routed(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        h: &Tensor,
+        choices: Option<&[u32]>,
+    ) -> Result<MoeForward, RuntimeError> {
         let (n, d) = h.dims2()?;
         let e_count = self.experts_count();
         let k = self.top_k;
@@ -301,7 +311,8 @@ impl DistributedMoe {
                 x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
             let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), &Device::Cpu)?)?;
-            let y = expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
+            let y =
+                expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
             let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
             let mut row = 0;
             for (src, &(o, c)) in blocks.iter().enumerate() {
@@ -425,7 +436,13 @@ impl DistributedMoe {
     /// while this thread all-reduces each bucket as soon as its gradients are ready, so the
     /// replicas' gradient traffic overlaps the remaining experts' compute instead of following
     /// it (static EP, one replica per expert, has no such traffic to hide).
-    fn backward_from_slots(&self, t: &mut dyn Transport, world: &mut Group, fwd: &MoeForward, d_slots: &[f32]) -> Result<ExpertGrads, RuntimeError> {
+    fn backward_from_slots(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        d_slots: &[f32],
+    ) -> Result<ExpertGrads, RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
         let ranks = t.world();
         let e_count = self.experts_count();
@@ -560,11 +577,7 @@ impl DistributedMoe {
                 dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
             }
         }
-        Ok(ExpertGrads {
-            experts: synced,
-            h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?,
-            wire_bytes,
-        })
+        Ok(ExpertGrads { experts: synced, h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?, wire_bytes })
     }
 
     /// Parameters of the experts of one bucket, in order.

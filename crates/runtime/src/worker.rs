@@ -69,7 +69,13 @@ pub fn batch_share(batch: usize, world: usize, rank: usize) -> (usize, usize) {
 
 /// Check a placement against the model and the world: one entry per MoE layer, expert and rank,
 /// every expert held somewhere; static expert parallelism needs exactly one replica per expert.
-pub fn validate_placement(placement: &LayerPlacement, moe_layers: usize, experts: usize, world: usize, mode: DispatchMode) -> Result<(), RuntimeError> {
+pub fn validate_placement(
+    placement: &LayerPlacement,
+    moe_layers: usize,
+    experts: usize,
+    world: usize,
+    mode: DispatchMode,
+) -> Result<(), RuntimeError> {
     let bad = |reason: String| RuntimeError::Invalid { field: "placement", reason };
     if placement.len() != moe_layers {
         return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", placement.len())));
@@ -113,10 +119,7 @@ pub fn validate_worker_config(config: &TrainConfig, world: usize) -> Result<(), 
         });
     }
     if config.routing_trace.is_some() {
-        return Err(RuntimeError::Invalid {
-            field: "routing_trace",
-            reason: "trace-driven routing is single-process only".into(),
-        });
+        return Err(RuntimeError::Invalid { field: "routing_trace", reason: "trace-driven routing is single-process only".into() });
     }
     Ok(())
 }
@@ -147,7 +150,13 @@ pub struct Worker {
 
 impl Worker {
     /// A worker for rank `rank` of `world`, fresh (`resume` None) or from a checkpoint directory.
-    pub fn new(config: TrainConfig, options: WorkerOptions, rank: usize, world: usize, resume: Option<&Path>) -> Result<Self, RuntimeError> {
+    pub fn new(
+        config: TrainConfig,
+        options: WorkerOptions,
+        rank: usize,
+        world: usize,
+        resume: Option<&Path>,
+    ) -> Result<Self, RuntimeError> {
         if rank >= world {
             return Err(RuntimeError::Invalid { field: "rank", reason: format!("rank {rank} of a world of {world}") });
         }
@@ -165,10 +174,10 @@ impl Worker {
             let mut experts = BTreeMap::new();
             for (e, row) in replicas.iter().enumerate() {
                 for (part, name) in model.expert_param_names(l, e).iter().enumerate() {
-                    let i = model.params().position(name).ok_or_else(|| RuntimeError::Invalid {
-                        field: "model",
-                        reason: format!("no tensor {name}"),
-                    })?;
+                    let i = model
+                        .params()
+                        .position(name)
+                        .ok_or_else(|| RuntimeError::Invalid { field: "model", reason: format!("no tensor {name}") })?;
                     kinds[i] = ParamKind::Expert { layer: l, expert: e, part };
                 }
                 if row[rank] > 0 {
@@ -361,13 +370,8 @@ impl Worker {
             }
         }
         let norm = (shared_sq + expert_sq).sqrt();
-        let lr = lazarus_model::LrSchedule {
-            peak: cfg.lr,
-            min: cfg.min_lr,
-            warmup: cfg.warmup_steps,
-            total: cfg.steps,
-        }
-        .at(self.trainer.step);
+        let lr =
+            lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(self.trainer.step);
         self.trainer.optimizer.step_host(&params, &host, lr, clip_scale(norm, cfg.grad_clip))?;
         self.trainer.step += 1;
         let expert_load = segments.iter().filter_map(|s| s.moe.as_ref().map(|(_, f)| f.global_load.clone())).collect();
@@ -415,9 +419,8 @@ impl Worker {
                 } else if self.rank == 0 {
                     let (header, bytes) = recv_named(t, first, tag, self.timeout)?;
                     let buf = bytes_to_f32(&bytes)?;
-                    let steps: Vec<u64> = header.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| RuntimeError::Invalid {
-                        field: "checkpoint",
-                        reason: format!("rank {first} sent a bad step list {header:?}"),
+                    let steps: Vec<u64> = header.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| {
+                        RuntimeError::Invalid { field: "checkpoint", reason: format!("rank {first} sent a bad step list {header:?}") }
                     })?;
                     // Rank 0 does not hold this expert: take it in for the write (released again
                     // below).
@@ -426,7 +429,12 @@ impl Worker {
                     if buf.len() != need || steps.len() != names.len() {
                         return Err(RuntimeError::Invalid {
                             field: "checkpoint",
-                            reason: format!("rank {first} sent {} values and {} steps for layer {l} expert {e}, expected {need} and {}", buf.len(), steps.len(), names.len()),
+                            reason: format!(
+                                "rank {first} sent {} values and {} steps for layer {l} expert {e}, expected {need} and {}",
+                                buf.len(),
+                                steps.len(),
+                                names.len()
+                            ),
                         });
                     }
                     let device = self.trainer.model.device().clone();
@@ -440,7 +448,8 @@ impl Worker {
                         states.push(TensorState { m: part(1)?, v: part(2)?, step: steps[k] });
                         at += 3 * n;
                     }
-                    let weights: [Tensor; 4] = weights.try_into().map_err(|_| RuntimeError::Invalid { field: "checkpoint", reason: "4 tensors".into() })?;
+                    let weights: [Tensor; 4] =
+                        weights.try_into().map_err(|_| RuntimeError::Invalid { field: "checkpoint", reason: "4 tensors".into() })?;
                     self.trainer.model.set_expert(l, e, Some(weights))?;
                     for (name, state) in names.iter().zip(states) {
                         let i = self.position(name)?;
@@ -461,10 +470,11 @@ impl Worker {
     }
 
     fn position(&self, name: &str) -> Result<usize, RuntimeError> {
-        self.trainer.model.params().position(name).ok_or_else(|| RuntimeError::Invalid {
-            field: "model",
-            reason: format!("no tensor {name}"),
-        })
+        self.trainer
+            .model
+            .params()
+            .position(name)
+            .ok_or_else(|| RuntimeError::Invalid { field: "model", reason: format!("no tensor {name}") })
     }
 }
 

@@ -44,7 +44,9 @@ fn expert_vars(w: &[Vec<f32>; 4]) -> ExpertWeights {
 }
 
 /// (output [N·D], dh [N·D], gate grad, expert grads) of the single-process layer.
-fn reference(w: &Weights) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<[Vec<f32>; 4]>) {
+type Reference = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<[Vec<f32>; 4]>);
+
+fn reference(w: &Weights) -> Reference {
     let h = var(&w.h, &[N, D]);
     let gate = var(&w.gate, &[D, E]);
     let experts: Vec<ExpertWeights> = w.experts.iter().map(expert_vars).collect();
@@ -88,7 +90,15 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 }
 
 /// Runs rank `rank` of `ranks`, checks it against the reference, returns its forward wire bytes.
-fn run_rank(rank: usize, ranks: usize, t: &mut dyn Transport, replicas: &[Vec<u32>], w: &Weights, mode: DispatchMode, bucket_bytes: usize) -> (u64, u64) {
+fn run_rank(
+    rank: usize,
+    ranks: usize,
+    t: &mut dyn Transport,
+    replicas: &[Vec<u32>],
+    w: &Weights,
+    mode: DispatchMode,
+    bucket_bytes: usize,
+) -> (u64, u64) {
     let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
     let lo = rank * N / ranks;
     let hi = (rank + 1) * N / ranks;

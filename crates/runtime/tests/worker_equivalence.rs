@@ -70,12 +70,8 @@ struct Run {
 fn single() -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
     let mut t = Trainer::new(config()).unwrap();
     let losses = (0..STEPS).map(|_| t.step().unwrap().loss).collect();
-    let params = t
-        .model
-        .params()
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect();
+    let params =
+        t.model.params().iter().map(|(n, v)| (n.to_string(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
     (losses, params)
 }
 

@@ -51,7 +51,11 @@ impl ModelSpec {
         if self.layers == 0 || self.experts == 0 {
             return Err(SimError::invalid("model", format!("{} layers × {} experts", self.layers, self.experts), "both must be ≥ 1"));
         }
-        for (field, v) in [("model.params", self.params), ("model.expert_state_bytes", self.expert_state_bytes), ("model.balanced_step_s", self.balanced_step_s)] {
+        for (field, v) in [
+            ("model.params", self.params),
+            ("model.expert_state_bytes", self.expert_state_bytes),
+            ("model.balanced_step_s", self.balanced_step_s),
+        ] {
             if !v.is_finite() || v <= 0.0 {
                 return Err(SimError::invalid(field, v, "must be finite and > 0"));
             }
@@ -118,12 +122,16 @@ impl Default for CostModel {
 
 impl CostModel {
     pub fn validate(&self) -> Result<(), SimError> {
-        for (field, v) in [("gpus_per_node", self.gpus_per_node), ("slots_per_gpu", self.slots_per_gpu), ("samples_per_gpu", self.samples_per_gpu)] {
+        for (field, v) in
+            [("gpus_per_node", self.gpus_per_node), ("slots_per_gpu", self.slots_per_gpu), ("samples_per_gpu", self.samples_per_gpu)]
+        {
             if v == 0 {
                 return Err(SimError::invalid(field, v, "must be ≥ 1"));
             }
         }
-        for (field, v) in [("network_gbps", self.network_gbps), ("storage_gbps", self.storage_gbps), ("bytes_per_param", self.bytes_per_param)] {
+        for (field, v) in
+            [("network_gbps", self.network_gbps), ("storage_gbps", self.storage_gbps), ("bytes_per_param", self.bytes_per_param)]
+        {
             if !v.is_finite() || v <= 0.0 {
                 return Err(SimError::invalid(field, v, "must be finite and > 0"));
             }

@@ -269,7 +269,7 @@ pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, Sim
         // elapsed time.
         if t == t_boundary {
             if t_scale_boundary <= t_boundary {
-                run.pending_checkpoint = run.policy != Policy::Ds && run.step % run.checkpoint_every() == 0;
+                run.pending_checkpoint = run.policy != Policy::Ds && run.step.is_multiple_of(run.checkpoint_every());
                 run.scale_up()?;
                 if run.busy.is_none() {
                     run.pending_checkpoint = false;
@@ -332,7 +332,8 @@ impl Run<'_> {
     /// When waiting joiners would let the policy use more nodes (∞ if never).
     fn scale_up_time(&self) -> f64 {
         let in_use = self.used.len();
-        let mut ready: Vec<f64> = self.alive.iter().filter(|(n, _)| !self.used.contains(n) && !self.retired.contains(n)).map(|(_, r)| *r).collect();
+        let mut ready: Vec<f64> =
+            self.alive.iter().filter(|(n, _)| !self.used.contains(n) && !self.retired.contains(n)).map(|(_, r)| *r).collect();
         ready.sort_by(f64::total_cmp);
         for (k, &r) in ready.iter().enumerate() {
             let count = (in_use + k + 1).min(self.s.max_nodes);
@@ -510,15 +511,15 @@ impl Run<'_> {
 
     fn at_boundary(&mut self) -> Result<(), SimError> {
         let ck = self.checkpoint_every();
-        if self.policy == Policy::Lazarus && self.step % self.cost().rebalance_every == 0 {
+        if self.policy == Policy::Lazarus && self.step.is_multiple_of(self.cost().rebalance_every) {
             self.rebalance()?;
-            if self.step % ck == 0 {
+            if self.step.is_multiple_of(ck) {
                 // Checkpoint right after the rebalance: both are due at this step.
                 self.pending_checkpoint = true;
             }
             return Ok(());
         }
-        if self.step % ck == 0 {
+        if self.step.is_multiple_of(ck) {
             self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
         }
         Ok(())
@@ -616,9 +617,9 @@ impl Run<'_> {
         match self.policy {
             Policy::Lazarus => {
                 let recoverable = match &self.config {
-                    Some(Config::Lazarus(placements)) if !survivors.is_empty() => placements.iter().all(|p| {
-                        p.holders().iter().all(|h| h.iter().any(|i| !failed.contains(&self.used[i])))
-                    }),
+                    Some(Config::Lazarus(placements)) if !survivors.is_empty() => {
+                        placements.iter().all(|p| p.holders().iter().all(|h| h.iter().any(|i| !failed.contains(&self.used[i]))))
+                    }
                     _ => false,
                 };
                 if recoverable {
@@ -679,10 +680,8 @@ impl Run<'_> {
             Some(Config::Lazarus(old)) => old,
             _ => &[],
         };
-        let old_index: Vec<Option<usize>> = nodes
-            .iter()
-            .map(|name| self.used.iter().position(|u| u == name).filter(|_| !old.is_empty()))
-            .collect();
+        let old_index: Vec<Option<usize>> =
+            nodes.iter().map(|name| self.used.iter().position(|u| u == name).filter(|_| !old.is_empty())).collect();
         let (order, transfer_s) = if n * layers <= 4096 {
             let live: Vec<NodeState> = old_index
                 .iter()
@@ -929,7 +928,13 @@ mod tests {
         for s in &cases {
             for r in all(s) {
                 let total = r.breakdown.total();
-                assert!((total - s.duration_s).abs() < 1e-6 * s.duration_s, "{:?}: {total} vs {} ({:?})", r.policy, s.duration_s, r.breakdown);
+                assert!(
+                    (total - s.duration_s).abs() < 1e-6 * s.duration_s,
+                    "{:?}: {total} vs {} ({:?})",
+                    r.policy,
+                    s.duration_s,
+                    r.breakdown
+                );
                 assert!(r.breakdown.compute_s >= -1e-6 && r.breakdown.lost_work_s >= 0.0);
                 assert!(r.trained_samples >= 0.0);
             }
@@ -960,7 +965,7 @@ mod tests {
             let r = simulate(&scenario(model, Trace::fail_every(10, 300_000, 5, 6), 30.0), Policy::Lazarus).unwrap();
             assert_eq!(r.restarts, 0, "{model}");
             assert_eq!(r.reconfigurations, 5, "{model}");
-            assert_eq!(r.breakdown.lost_work_s > 0.0, true, "interrupted steps are lost work");
+            assert!(r.breakdown.lost_work_s > 0.0, "interrupted steps are lost work");
         }
         // Nine of ten nodes at once: some expert loses every replica, so it must restart.
         let r = simulate(&scenario("gpt-l", Trace::fail_at_once(10, 9, 600_000, 1), 20.0), Policy::Lazarus).unwrap();

@@ -33,6 +33,9 @@ impl LoadModel {
     }
 }
 
+/// One layer's generator state in the drifting walk: its rng and log-popularity per expert.
+type LayerWalk = (SplitMix64, Vec<f64>);
+
 /// Sequential access to a [`LoadModel`]: the drifting generator is a random walk, so moving
 /// forward one epoch costs one step of it rather than a replay from epoch 0.
 #[derive(Debug, Clone)]
@@ -41,7 +44,7 @@ pub struct LoadCursor {
     layers: usize,
     experts: usize,
     /// (epoch, per-layer rng and log-popularity) of the walk.
-    walk: Option<(u64, Vec<(SplitMix64, Vec<f64>)>)>,
+    walk: Option<(u64, Vec<LayerWalk>)>,
     /// The last few epochs served.
     cache: Vec<(u64, Vec<Vec<f64>>)>,
 }

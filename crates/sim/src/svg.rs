@@ -20,8 +20,8 @@ pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String 
     let _ = writeln!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
     let _ = writeln!(out, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
     let _ = writeln!(out, r#"<text x="{left}" y="22" font-size="15">{}</text>"#, escape(title));
-    let panels: [(&str, fn(&crate::engine::SeriesPoint) -> f64); 2] =
-        [("throughput (samples/s)", |p| p.samples_per_s), ("trained samples", |p| p.cumulative_samples)];
+    type Metric = fn(&crate::engine::SeriesPoint) -> f64;
+    let panels: [(&str, Metric); 2] = [("throughput (samples/s)", |p| p.samples_per_s), ("trained samples", |p| p.cumulative_samples)];
     // Failures marked once, in both panels, from the first report (all replay the same trace).
     let failures: Vec<f64> = reports.first().map(|r| r.failures_s.clone()).unwrap_or_default();
     for (k, (label, value)) in panels.iter().enumerate() {
@@ -35,7 +35,8 @@ pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String 
             let _ = writeln!(out, r##"<text x="{}" y="{}" text-anchor="end" fill="#444">{:.0}</text>"##, left - 4.0, y(v) + 4.0, v);
         }
         for &f in &failures {
-            let _ = writeln!(out, r##"<line x1="{0}" x2="{0}" y1="{y0}" y2="{1}" stroke="#bbb" stroke-dasharray="3,3"/>"##, x(f), y0 + panel);
+            let _ =
+                writeln!(out, r##"<line x1="{0}" x2="{0}" y1="{y0}" y2="{1}" stroke="#bbb" stroke-dasharray="3,3"/>"##, x(f), y0 + panel);
         }
         for (r, color) in reports.iter().zip(COLORS.iter().cycle()) {
             let pts: Vec<String> = std::iter::once((0.0, 0.0))
@@ -56,7 +57,12 @@ pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String 
         let _ = writeln!(out, r#"<rect x="{lx}" y="{}" width="14" height="4" fill="{color}"/>"#, ly - 5.0);
         let _ = writeln!(out, r#"<text x="{}" y="{ly}">{} ({:.0} samples)</text>"#, lx + 20.0, r.policy.name(), r.trained_samples);
     }
-    let _ = writeln!(out, r##"<text x="{}" y="{}" fill="#888" text-anchor="end">dashed: failures of nodes in use</text>"##, w - right, h - 14.0);
+    let _ = writeln!(
+        out,
+        r##"<text x="{}" y="{}" fill="#888" text-anchor="end">dashed: failures of nodes in use</text>"##,
+        w - right,
+        h - 14.0
+    );
     out.push_str("</svg>\n");
     out
 }

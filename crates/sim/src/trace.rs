@@ -259,7 +259,8 @@ mod tests {
         // 50 nodes × 1 h / (10 min + 1 min repair) ≈ 270 failures.
         assert!((180..360).contains(&fails), "{fails}");
         // Replays cleanly through the strict parser's rules.
-        let text: String = t.events.iter().map(|e| format!("{},{},{}\n", e.ms, if e.change == Change::Add { "add" } else { "remove" }, e.node)).collect();
+        let text: String =
+            t.events.iter().map(|e| format!("{},{},{}\n", e.ms, if e.change == Change::Add { "add" } else { "remove" }, e.node)).collect();
         Trace::parse_bamboo(&text, "gen").unwrap();
     }
 
@@ -267,10 +268,10 @@ mod tests {
     fn window_starts_with_the_nodes_present() {
         let t = Trace::parse_bamboo("0,add,a\n0,add,b\n100,remove,a\n200,add,c\n300,remove,b\n", "t").unwrap();
         let w = t.window(150, 250);
-        assert_eq!(w.events, vec![
-            TraceEvent { ms: 0, change: Change::Add, node: "b".into() },
-            TraceEvent { ms: 50, change: Change::Add, node: "c".into() },
-        ]);
+        assert_eq!(
+            w.events,
+            vec![TraceEvent { ms: 0, change: Change::Add, node: "b".into() }, TraceEvent { ms: 50, change: Change::Add, node: "c".into() },]
+        );
         assert_eq!(parse_duration_ms("5m").unwrap(), 300_000);
         assert_eq!(parse_duration_ms("1500ms").unwrap(), 1500);
         assert!(parse_duration_ms("five").is_err());
