@@ -25,9 +25,11 @@ pub use balance::{min_max_load, LoadBalance};
 pub use dispatch::{DispatchSchedule, RankLayout, TokenCounts};
 pub use error::PlanError;
 pub use load_trace::parse_load_trace;
-pub use placement::{place, place_balanced, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE};
+pub use placement::{
+    place, place_balanced, recovery_curve, recovery_probability, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE,
+};
 pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
-pub use recovery::{recovery_curve, recovery_probability, RecoveryEstimate, RecoveryMethod};
+pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 
 /// Index of an expert within one MoE layer, 0-based in input order.
 pub type ExpertId = usize;

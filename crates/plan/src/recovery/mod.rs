@@ -21,8 +21,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
 use crate::nodeset::NodeSet;
-use crate::placement::Placement;
 use crate::rng::SplitMix64;
+
+mod small;
+pub(crate) use small::{counts_better, counts_dominate, SmallEval};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -68,21 +70,21 @@ pub(crate) struct SurvivalCurve {
     pub ci95: Vec<Option<[f64; 2]>>,
 }
 
-/// Recovery probability of `placement` for every number of failed nodes k = 0..N−1.
-pub fn recovery_curve(placement: &Placement) -> Vec<RecoveryEstimate> {
-    let n = placement.shape().nodes;
-    let curve = survival_curve(n, &placement.holders());
+/// Recovery probability of a plan of `n` nodes whose experts are held by the node sets `sets`,
+/// for every number of failed nodes k = 0..N−1. (A whole model's sets — every layer's experts
+/// together — give the probability that the model recovers.)
+pub fn curve_of_sets(n: usize, sets: &[NodeSet]) -> Vec<RecoveryEstimate> {
+    let curve = survival_curve(n, sets);
     (0..n).map(|k| estimate(&curve, n, k)).collect()
 }
 
-/// Recovery probability of `placement` with `failed` nodes down (0 ≤ failed ≤ N).
-pub fn recovery_probability(placement: &Placement, failed: usize) -> Result<RecoveryEstimate, PlanError> {
-    let n = placement.shape().nodes;
+/// Recovery probability of a plan of `n` nodes with holder sets `sets` and `failed` nodes down
+/// (0 ≤ failed ≤ N).
+pub fn probability_of_sets(n: usize, sets: &[NodeSet], failed: usize) -> Result<RecoveryEstimate, PlanError> {
     if failed > n {
         return Err(PlanError::invalid("failed", failed, format!("cannot fail more nodes than the {n} the plan has")));
     }
-    let sets = placement.holders();
-    let minimal = minimal_sets(&sets);
+    let minimal = minimal_sets(sets);
     let mut curve = match exact_components(&minimal) {
         Some(comps) => SurvivalCurve { alive: combine(n, &comps, Some(n - failed)), exact: true, ci95: vec![None; n + 1] },
         None => monte_carlo(n, &minimal, Some(n - failed)),
@@ -423,7 +425,7 @@ fn wilson(successes: usize, trials: usize) -> (f64, f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::placement::{place, ClusterShape, Placement, Strategy};
+    use crate::placement::{place, recovery_curve, recovery_probability, ClusterShape, Placement, Strategy};
     use proptest::prelude::*;
 
     fn set(n: usize, nodes: &[usize]) -> NodeSet {
