@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod io;
 mod moe_bench;
 mod planning;
 mod simulate;

@@ -1,14 +1,17 @@
 //! `lazarus plan` and `lazarus prob`: the planning core on the command line.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_plan::{
-    allocate, place, place_balanced, recovery_curve, recovery_probability, ClusterShape, Placement, RecoveryEstimate, Strategy,
+    place, plan_layer, probability_of_sets, recovery_curve, recovery_probability, ClusterShape, ModelPlan, Placement, PlanFile,
+    PlanFileLayer, PlanPolicy, Strategy, PLAN_FORMAT,
 };
 use serde::Serialize;
+
+use crate::io::{print, println, read_json, read_text, MAX_JSON_BYTES};
 
 /// The embedded default of `lazarus plan --demo`: the paper's testbed (10 single-GPU nodes, 6
 /// replica slots per GPU) and one layer of 16 experts with skewed, measured-looking loads.
@@ -80,9 +83,13 @@ pub struct ProbArgs {
     /// Replica counts per expert, placed with --strategy.
     #[arg(long, allow_hyphen_values = true, conflicts_with = "placement_file")]
     replicas: Option<String>,
-    /// JSON file with a plan: an array with one array of expert ids per node.
+    /// A plan file (the JSON of `lazarus plan --json`); with several layers, the probability
+    /// that the whole model recovers (every layer at once) unless --layer picks one.
     #[arg(long, value_name = "FILE")]
     placement_file: Option<PathBuf>,
+    /// With --placement-file: the probability of this layer alone (0-based).
+    #[arg(long, requires = "placement_file", allow_hyphen_values = true)]
+    layer: Option<String>,
     #[command(flatten)]
     cluster: ClusterArgs,
     /// Number of failed nodes.
@@ -133,62 +140,55 @@ fn parse_strategy(value: &str) -> Result<Strategy> {
     Ok(value.parse::<Strategy>()?)
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(field: &str, path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("--{field}: cannot read {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("--{field}: {} is not valid", path.display()))
+/// One planned layer as it goes into the plan file, with the fields that report how it was made.
+fn layer_entry(loads: Option<&[f64]>, placement: &Placement, strategy: Strategy, applied_floor: Option<usize>) -> Result<PlanFileLayer> {
+    let mut entry = PlanFileLayer::of(placement);
+    entry.strategy = Some(strategy);
+    entry.loads = loads.map(<[f64]>::to_vec);
+    entry.replicas = Some(placement.replica_counts());
+    entry.applied_floor = applied_floor;
+    entry.imbalance = loads.map(|l| placement.load_balance(l)).transpose()?.map(|b| b.imbalance());
+    entry.recovery = Some(recovery_curve(placement));
+    Ok(entry)
 }
 
-/// One planned layer, in the JSON shape scripts depend on.
-#[derive(Serialize)]
-struct LayerReport {
-    strategy: Strategy,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    loads: Option<Vec<f64>>,
-    replicas: Vec<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    applied_floor: Option<usize>,
-    placement: Vec<Vec<usize>>,
-    /// With loads: the busiest GPU's least possible tokens over the mean (balanced dispatcher).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    imbalance: Option<f64>,
-    recovery: Vec<RecoveryEstimate>,
-}
-
-fn plan_layer(
+/// Plan one layer from loads (allocation, then placement, by the scheduler) or place the given
+/// replicas with the strategy.
+fn plan_one(
     loads: Option<&[f64]>,
     replicas: Option<&[usize]>,
     shape: ClusterShape,
-    floor: usize,
-    strategy: Strategy,
-    max_imbalance: Option<f64>,
-) -> Result<(LayerReport, Placement)> {
-    let (replicas, applied_floor) = match (loads, replicas) {
-        (_, Some(r)) => (r.to_vec(), None),
+    policy: &PlanPolicy,
+) -> Result<(PlanFileLayer, Placement)> {
+    match (loads, replicas) {
+        (_, Some(r)) => {
+            if policy.max_imbalance.is_some() {
+                bail!("--max-imbalance needs --loads (or --loads-file) and --strategy lazarus");
+            }
+            let p = place(r, shape, policy.strategy, loads)?;
+            Ok((layer_entry(loads, &p, policy.strategy, None)?, p))
+        }
         (Some(l), None) => {
-            let a = allocate(l, shape.total_slots(), floor)?;
-            (a.replicas, Some(a.applied_floor))
+            if policy.max_imbalance.is_some() && policy.strategy != Strategy::Lazarus {
+                bail!("--max-imbalance needs --loads (or --loads-file) and --strategy lazarus");
+            }
+            let planned = plan_layer(l, shape, policy)?;
+            Ok((layer_entry(Some(l), &planned.placement, policy.strategy, Some(planned.allocation.applied_floor))?, planned.placement))
         }
         (None, None) => bail!("one of --loads, --replicas, --loads-file or --demo is required"),
-    };
-    let placement = match (strategy, loads, max_imbalance) {
-        (Strategy::Lazarus, Some(l), Some(m)) => place_balanced(&replicas, shape, l, m)?,
-        (_, _, Some(_)) => bail!("--max-imbalance needs --loads (or --loads-file) and --strategy lazarus"),
-        _ => place(&replicas, shape, strategy, loads)?,
-    };
-    let imbalance = loads.map(|l| placement.load_balance(l)).transpose()?.map(|b| b.imbalance());
-    let recovery = recovery_curve(&placement);
-    Ok((
-        LayerReport {
-            strategy,
-            loads: loads.map(<[f64]>::to_vec),
-            replicas,
-            applied_floor,
-            placement: placement.nodes().to_vec(),
-            imbalance,
-            recovery,
-        },
-        placement,
-    ))
+    }
+}
+
+/// The plan file of planned layers; with several, the whole model's recovery too.
+fn plan_file(layers: Vec<(PlanFileLayer, Placement)>) -> Result<(PlanFile, ModelPlan)> {
+    let (entries, placements): (Vec<PlanFileLayer>, Vec<Placement>) = layers.into_iter().unzip();
+    let plan = ModelPlan::new(0, placements)?;
+    let mut file = plan.to_file();
+    file.layers = entries;
+    if plan.layers().len() > 1 {
+        file.model_recovery = Some(plan.recovery_curve());
+    }
+    Ok((file, plan))
 }
 
 pub fn run_plan(args: &PlanArgs) -> Result<()> {
@@ -205,56 +205,51 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
             _ => bail!("invalid --max-imbalance: '{v}' (expected a finite ratio ≥ 1)"),
         },
     };
-    if let Some(path) = &args.loads_file {
-        let layers: Vec<Vec<f64>> = read_json("loads-file", path)?;
-        if layers.is_empty() {
+    let policy = PlanPolicy { floor, strategy, max_imbalance };
+    let layers = if let Some(path) = &args.loads_file {
+        let loads: Vec<Vec<f64>> = read_json("loads-file", path)?;
+        if loads.is_empty() {
             bail!("invalid --loads-file: {} holds no layers (expected an array of per-layer load arrays)", path.display());
         }
-        let mut reports = Vec::with_capacity(layers.len());
-        for (i, loads) in layers.iter().enumerate() {
-            let (report, placement) =
-                plan_layer(Some(loads), None, shape, floor, strategy, max_imbalance).with_context(|| format!("--loads-file layer {i}"))?;
-            reports.push((report, placement));
+        let mut layers = Vec::with_capacity(loads.len());
+        for (i, l) in loads.iter().enumerate() {
+            layers.push(plan_one(Some(l), None, shape, &policy).with_context(|| format!("--loads-file layer {i}"))?);
         }
-        if args.json {
-            print_layers_json(&reports)?;
-        } else {
-            for (i, (report, placement)) in reports.iter().enumerate() {
-                println!("== layer {i} ==");
-                print!("{}", human_report(report, placement, floor));
-            }
-        }
-        return Ok(());
-    }
-    let loads = args.loads.as_deref().map(|s| parse_list::<f64>("loads", s, "numbers")).transpose()?;
-    let replicas = args.replicas.as_deref().map(|s| parse_list::<usize>("replicas", s, "non-negative integers")).transpose()?;
-    let (report, placement) = plan_layer(loads.as_deref(), replicas.as_deref(), shape, floor, strategy, max_imbalance)?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        layers
     } else {
-        print!("{}", human_report(&report, &placement, floor));
+        let loads = args.loads.as_deref().map(|s| parse_list::<f64>("loads", s, "numbers")).transpose()?;
+        let replicas = args.replicas.as_deref().map(|s| parse_list::<usize>("replicas", s, "non-negative integers")).transpose()?;
+        vec![plan_one(loads.as_deref(), replicas.as_deref(), shape, &policy)?]
+    };
+    let (file, plan) = plan_file(layers)?;
+    if args.json {
+        return println(&serde_json::to_string(&file)?);
     }
-    Ok(())
+    let mut out = String::new();
+    let many = file.layers.len() > 1;
+    for (i, (entry, placement)) in file.layers.iter().zip(plan.layers()).enumerate() {
+        if many {
+            let _ = writeln!(out, "== layer {i} ==");
+        }
+        out.push_str(&human_report(entry, placement, floor));
+    }
+    if let Some(curve) = &file.model_recovery {
+        let _ = writeln!(out, "\nwhole model ({} layers at once): recovery probability", file.layers.len());
+        let _ = writeln!(out, "  failed  probability  method");
+        for r in curve {
+            let _ = writeln!(out, "  {:>6}  {:>11.6}  {}", r.failed, r.probability, r.method.name());
+        }
+    }
+    print(&out)
 }
 
-/// `{"layers": [...]}`: the multi-layer JSON shape of `--loads-file` (and of the demo).
-fn print_layers_json(reports: &[(LayerReport, Placement)]) -> Result<()> {
-    #[derive(Serialize)]
-    struct Layers<'a> {
-        layers: Vec<&'a LayerReport>,
-    }
-    let out = Layers { layers: reports.iter().map(|(r, _)| r).collect() };
-    println!("{}", serde_json::to_string(&out)?);
-    Ok(())
-}
-
-fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> String {
+fn human_report(report: &PlanFileLayer, placement: &Placement, floor: usize) -> String {
     let shape = placement.shape();
     let mut out = String::new();
     let _ = writeln!(
         out,
         "strategy {} on {} nodes x {} GPU(s) x {} slots = {} replica slots",
-        report.strategy,
+        report.strategy.unwrap_or_default(),
         shape.nodes,
         shape.gpus_per_node,
         shape.slots_per_gpu,
@@ -271,7 +266,7 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
     let total_load: f64 = report.loads.as_ref().map_or(0.0, |l| l.iter().sum());
     let _ = writeln!(out, "\nexpert        load   share  replicas  nodes");
     let holders = placement.holders();
-    for (e, &r) in report.replicas.iter().enumerate() {
+    for (e, r) in placement.replica_counts().into_iter().enumerate() {
         let (load, share) = match &report.loads {
             Some(l) => (format!("{:>10.1}", l[e]), format!("{:>6.1}%", if total_load > 0.0 { 100.0 * l[e] / total_load } else { 0.0 })),
             None => (format!("{:>10}", "-"), format!("{:>7}", "-")),
@@ -293,46 +288,58 @@ fn human_report(report: &LayerReport, placement: &Placement, floor: usize) -> St
     }
     let _ = writeln!(out, "\nrecovery probability (uniformly random node failures):");
     let _ = writeln!(out, "  failed  probability  method");
-    for r in &report.recovery {
+    for r in report.recovery.iter().flatten() {
         let ci = r.ci95.map(|[lo, hi]| format!(" (95% CI {lo:.4}-{hi:.4})")).unwrap_or_default();
         let _ = writeln!(out, "  {:>6}  {:>11.6}  {}{ci}", r.failed, r.probability, r.method.name());
     }
     out
 }
 
+/// Each strategy on one layer's loads, with the same allocation.
+fn every_strategy(loads: &[f64], shape: ClusterShape, floor: usize) -> Result<Vec<(PlanFileLayer, Placement)>> {
+    Strategy::ALL
+        .into_iter()
+        .map(|strategy| plan_one(Some(loads), None, shape, &PlanPolicy { floor, strategy, max_imbalance: None }))
+        .collect()
+}
+
 fn run_demo(json: bool) -> Result<()> {
     let shape = ClusterShape::new(DEMO_NODES, 1, DEMO_SLOTS)?;
     let floor = 2;
-    let mut reports = Vec::new();
-    for strategy in Strategy::ALL {
-        reports.push(plan_layer(Some(&DEMO_LOADS), None, shape, floor, strategy, None)?);
-    }
+    let reports = every_strategy(&DEMO_LOADS, shape, floor)?;
     if json {
-        return print_layers_json(&reports);
+        #[derive(Serialize)]
+        struct Demo<'a> {
+            format: &'a str,
+            shape: ClusterShape,
+            experts: usize,
+            /// One entry per strategy, all on the same loads and allocation.
+            strategies: Vec<&'a PlanFileLayer>,
+        }
+        let demo = Demo { format: PLAN_FORMAT, shape, experts: DEMO_LOADS.len(), strategies: reports.iter().map(|r| &r.0).collect() };
+        return println(&serde_json::to_string(&demo)?);
     }
-    println!("Lazarus planning demo: one MoE layer of {} experts with skewed loads on the paper's testbed", DEMO_LOADS.len());
-    println!("({DEMO_NODES} nodes x 1 GPU x {DEMO_SLOTS} replica slots), floor {floor}.\n");
+    let mut out = String::new();
+    let _ = writeln!(out, "Lazarus planning demo: one MoE layer of {} experts with skewed loads on the paper's testbed", DEMO_LOADS.len());
+    let _ = writeln!(out, "({DEMO_NODES} nodes x 1 GPU x {DEMO_SLOTS} replica slots), floor {floor}.\n");
     let (report, placement) = &reports[0];
-    print!("{}", human_report(report, placement, floor));
-    print_strategy_table(&reports, DEMO_NODES);
+    out.push_str(&human_report(report, placement, floor));
+    strategy_table(&mut out, &reports, DEMO_NODES);
 
     // Where the paper's MRO is not optimal: the last group of experts does not fit on the nodes
     // left (Σ r_rep > N) and has to be truncated.
     let shape = ClusterShape::new(TRUNCATED_NODES, 1, TRUNCATED_SLOTS)?;
-    let mut truncated = Vec::new();
-    for strategy in Strategy::ALL {
-        truncated.push(plan_layer(Some(&TRUNCATED_LOADS), None, shape, floor, strategy, None)?);
-    }
-    println!(
-        "\nA truncated case: {} experts with loads {:?} on {TRUNCATED_NODES} nodes x {TRUNCATED_SLOTS} slots \
-         (replicas {:?}).",
+    let truncated = every_strategy(&TRUNCATED_LOADS, shape, floor)?;
+    let _ = writeln!(
+        out,
+        "\nA truncated case: {} experts with loads {:?} on {TRUNCATED_NODES} nodes x {TRUNCATED_SLOTS} slots (replicas {:?}).",
         TRUNCATED_LOADS.len(),
         TRUNCATED_LOADS,
-        truncated[0].0.replicas
+        truncated[0].1.replica_counts()
     );
-    println!("MRO's last group is cut short; the lazarus plan recovers more often:");
-    print_strategy_table(&truncated, TRUNCATED_NODES);
-    Ok(())
+    let _ = writeln!(out, "MRO's last group is cut short; the lazarus plan recovers more often:");
+    strategy_table(&mut out, &truncated, TRUNCATED_NODES);
+    print(&out)
 }
 
 /// A layer on which MRO is not optimal (found by the exhaustive oracle's kind of search).
@@ -340,58 +347,65 @@ const TRUNCATED_LOADS: [f64; 7] = [167.0, 147.0, 113.0, 535.0, 100.0, 179.0, 671
 const TRUNCATED_NODES: usize = 6;
 const TRUNCATED_SLOTS: usize = 3;
 
-fn print_strategy_table(reports: &[(LayerReport, Placement)], nodes: usize) {
-    println!("\nrecovery probability by strategy (same replicas):");
+fn strategy_table(out: &mut String, reports: &[(PlanFileLayer, Placement)], nodes: usize) {
+    let _ = writeln!(out, "\nrecovery probability by strategy (same replicas):");
     let mut header = String::from("  failed");
     for (r, _) in reports {
-        let _ = write!(header, " {:>9}", r.strategy.name());
+        let _ = write!(header, " {:>9}", r.strategy.unwrap_or_default().name());
     }
-    println!("{header}");
+    let _ = writeln!(out, "{header}");
     for k in 0..nodes {
         let mut line = format!("  {k:>6}");
         for (r, _) in reports {
-            let _ = write!(line, " {:>9.4}", r.recovery[k].probability);
+            let p = r.recovery.as_ref().and_then(|c| c.get(k)).map_or(f64::NAN, |e| e.probability);
+            let _ = write!(line, " {:>9.4}", p);
         }
-        println!("{line}");
+        let _ = writeln!(out, "{line}");
     }
 }
 
 pub fn run_prob(args: &ProbArgs) -> Result<()> {
     let failed = parse_count("failed", &args.failed)?;
-    let gpus = parse_count("gpus-per-node", &args.cluster.gpus_per_node)?;
-    let placement = if let Some(path) = &args.placement_file {
-        let nodes: Vec<Vec<usize>> = read_json("placement-file", path)?;
-        let Some(first) = nodes.first() else {
-            bail!("invalid --placement-file: {} lists no nodes", path.display());
-        };
-        let per_node = first.len();
-        if gpus == 0 || per_node % gpus != 0 || per_node == 0 {
-            bail!("invalid --placement-file: node 0 lists {per_node} entries, not a positive multiple of --gpus-per-node {gpus}");
-        }
-        if let Some(n) = &args.cluster.nodes {
-            let n = parse_count("nodes", n)?;
-            if n != nodes.len() {
-                bail!("invalid --nodes: {n} (the placement file lists {} nodes)", nodes.len());
+    let (nodes, estimate, what) = if let Some(path) = &args.placement_file {
+        let text = read_text("placement-file", path, MAX_JSON_BYTES)?;
+        let plan = ModelPlan::from_json(&text).with_context(|| format!("invalid --placement-file {}", path.display()))?;
+        let shape = plan.shape();
+        let given = [("nodes", &args.cluster.nodes, shape.nodes), ("slots", &args.cluster.slots, shape.slots_per_gpu)];
+        for (flag, value, have) in given {
+            if let Some(v) = value {
+                let v = parse_count(flag, v)?;
+                if v != have {
+                    bail!("invalid --{flag}: {v} (the plan in {} has {have})", path.display());
+                }
             }
         }
-        if let Some(c) = &args.cluster.slots {
-            let c = parse_count("slots", c)?;
-            if c * gpus != per_node {
-                bail!("invalid --slots: {c} (the placement file has {per_node} entries per node with {gpus} GPU(s) per node)");
+        let gpus = parse_count("gpus-per-node", &args.cluster.gpus_per_node)?;
+        if gpus != 1 && gpus != shape.gpus_per_node {
+            bail!("invalid --gpus-per-node: {gpus} (the plan in {} has {})", path.display(), shape.gpus_per_node);
+        }
+        match &args.layer {
+            Some(l) => {
+                let l = parse_count("layer", l)?;
+                let Some(p) = plan.layers().get(l) else {
+                    bail!("invalid --layer: {l} (the plan has {} layers)", plan.layers().len());
+                };
+                (shape.nodes, recovery_probability(p, failed)?, format!("layer {l}"))
+            }
+            None => {
+                let what =
+                    if plan.layers().len() > 1 { format!("the whole model ({} layers)", plan.layers().len()) } else { "the plan".into() };
+                (shape.nodes, probability_of_sets(shape.nodes, &plan.holder_sets(), failed)?, what)
             }
         }
-        let experts = nodes.iter().flatten().copied().max().map_or(0, |m| m + 1);
-        let shape = ClusterShape::new(nodes.len(), gpus, per_node / gpus)?;
-        Placement::from_nodes(shape, experts, nodes).with_context(|| format!("--placement-file {}", path.display()))?
     } else {
         let Some(replicas) = &args.replicas else {
             bail!("one of --replicas or --placement-file is required");
         };
         let replicas = parse_list::<usize>("replicas", replicas, "non-negative integers")?;
         let shape = args.cluster.shape()?;
-        place(&replicas, shape, parse_strategy(&args.strategy)?, None)?
+        let placement = place(&replicas, shape, parse_strategy(&args.strategy)?, None)?;
+        (shape.nodes, recovery_probability(&placement, failed)?, "the plan".to_string())
     };
-    let estimate = recovery_probability(&placement, failed)?;
     if args.json {
         #[derive(Serialize)]
         struct Out {
@@ -401,15 +415,12 @@ pub fn run_prob(args: &ProbArgs) -> Result<()> {
             ci95: Option<[f64; 2]>,
         }
         let out = Out { probability: estimate.probability, method: estimate.method.name(), ci95: estimate.ci95 };
-        println!("{}", serde_json::to_string(&out)?);
-    } else {
-        let ci = estimate.ci95.map(|[lo, hi]| format!(", 95% CI {lo:.4}-{hi:.4}")).unwrap_or_default();
-        println!(
-            "recovery probability with {failed} of {} nodes failed: {:.6} ({}{ci})",
-            placement.shape().nodes,
-            estimate.probability,
-            estimate.method.name()
-        );
+        return println(&serde_json::to_string(&out)?);
     }
-    Ok(())
+    let ci = estimate.ci95.map(|[lo, hi]| format!(", 95% CI {lo:.4}-{hi:.4}")).unwrap_or_default();
+    println(&format!(
+        "recovery probability of {what} with {failed} of {nodes} nodes failed: {:.6} ({}{ci})",
+        estimate.probability,
+        estimate.method.name()
+    ))
 }

@@ -21,11 +21,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Tensor;
 use lazarus_comm::{CommError, Group, Rendezvous, TcpTransport};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
-use lazarus_plan::{allocate, place, place_balanced, ClusterShape, Strategy};
+use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
-use lazarus_runtime::{
-    static_ep_placement, validate_placement, validate_worker_config, DispatchMode, LayerPlacement, RuntimeError, Worker, WorkerOptions,
-};
+use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode, RuntimeError, Worker, WorkerOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::training::{build_config, print_banner, Reporter, TrainArgs};
@@ -46,7 +44,7 @@ pub struct WorkerSpec<J> {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct TrainJob {
     pub config: TrainConfig,
-    pub placement: LayerPlacement,
+    pub plan: ReplicaMap,
     pub static_ep: bool,
     /// Resume from the latest checkpoint in this directory.
     pub resume: Option<PathBuf>,
@@ -176,7 +174,7 @@ fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
     let mut group = Group::world(spec.world);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
-    let options = WorkerOptions { placement: job.placement, mode, timeout };
+    let options = WorkerOptions { plan: job.plan, mode, timeout };
     let mut worker = Worker::new(job.config.clone(), options, spec.rank, spec.world, job.resume.as_deref())?;
     emit(&WorkerEvent::Ready { pid: std::process::id() });
     let cfg = job.config;
@@ -200,41 +198,21 @@ fn worker_main(stdin: &mut impl BufRead) -> Result<Option<PathBuf>> {
     Ok(saved)
 }
 
-/// Replica counts per worker from `lazarus plan --json` output (`{"layers":[{"placement":
-/// [[expert ids] per node]}]}`), one node per worker.
-fn read_placement_file(path: &Path, world: usize, n_experts: usize) -> Result<LayerPlacement> {
-    #[derive(Deserialize)]
-    struct Layer {
-        placement: Vec<Vec<usize>>,
+/// A plan file (`lazarus plan --json`) for a job of `world` workers (one rank per GPU slot of
+/// the plan: nodes × GPUs per node).
+fn read_placement_file(path: &Path, world: usize) -> Result<ModelPlan> {
+    let text = crate::io::read_text("placement-file", path, crate::io::MAX_JSON_BYTES)?;
+    let plan = ModelPlan::from_json(&text).with_context(|| format!("invalid --placement-file {}", path.display()))?;
+    if plan.shape().ranks() != world {
+        bail!(
+            "invalid --placement-file: {} plans {} ranks ({} nodes x {} GPUs), but --workers is {world}",
+            path.display(),
+            plan.shape().ranks(),
+            plan.shape().nodes,
+            plan.shape().gpus_per_node
+        );
     }
-    #[derive(Deserialize)]
-    struct File {
-        layers: Vec<Layer>,
-    }
-    let text = std::fs::read_to_string(path).with_context(|| format!("--placement-file: cannot read {}", path.display()))?;
-    let file: File = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "--placement-file {}: expected the JSON of `lazarus plan --json` ({{\"layers\":[{{\"placement\":[[expert ids] per node]}}]}})",
-            path.display()
-        )
-    })?;
-    let mut layers = Vec::with_capacity(file.layers.len());
-    for (l, layer) in file.layers.iter().enumerate() {
-        if layer.placement.len() != world {
-            bail!("--placement-file: layer {l} places experts on {} nodes, but --workers is {world}", layer.placement.len());
-        }
-        if let Some(e) = layer.placement.iter().flatten().find(|&&e| e >= n_experts) {
-            bail!("--placement-file: layer {l} places expert {e}, but the model has {n_experts} experts");
-        }
-        let mut r = vec![vec![0u32; world]; n_experts];
-        for (node, ids) in layer.placement.iter().enumerate() {
-            for &e in ids {
-                r[e][node] += 1;
-            }
-        }
-        layers.push(r);
-    }
-    Ok(layers)
+    Ok(plan)
 }
 
 /// Router loads of the current model over the next `steps` global batches (forward only, on a
@@ -253,23 +231,6 @@ fn measure_loads(trainer: &mut Trainer, steps: usize) -> Result<Vec<Vec<f64>>> {
         }
     }
     Ok(loads)
-}
-
-/// Allocation (Eq. 1) and placement per MoE layer from measured loads, one node per worker.
-fn plan_from_loads(loads: &[Vec<f64>], world: usize, slots: usize, max_imbalance: Option<f64>) -> Result<LayerPlacement> {
-    let shape = ClusterShape::new(world, 1, slots)?;
-    let floor = if world > 1 { 2 } else { 1 };
-    loads
-        .iter()
-        .map(|l| {
-            let a = allocate(l, shape.total_slots(), floor)?;
-            let p = match max_imbalance {
-                Some(m) => place_balanced(&a.replicas, shape, l, m)?,
-                None => place(&a.replicas, shape, Strategy::Lazarus, Some(l))?,
-            };
-            Ok(p.rank_replicas())
-        })
-        .collect()
 }
 
 pub struct Running {
@@ -552,13 +513,13 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     }
     validate_worker_config(&cfg, world)?;
     let (moe_layers, experts) = (cfg.model.moe_layers(), cfg.model.n_experts);
-    let placement = if args.static_ep {
+    let plan = if args.static_ep {
         if args.placement_file.is_some() {
             bail!("--static-ep places experts itself; drop --placement-file");
         }
-        static_ep_placement(moe_layers, experts, world)
+        ReplicaMap::static_ep(0, moe_layers, experts, world)?
     } else if let Some(path) = &args.placement_file {
-        read_placement_file(path, world, experts)?
+        read_placement_file(path, world)?.replica_map()
     } else {
         if args.profile_steps == 0 {
             bail!("invalid --profile-steps: 0 (the measured-load plan needs at least 1; or give --placement-file)");
@@ -569,12 +530,13 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         }
         let guard = crate::planning::throughput_guard(args.max_imbalance)?;
         let loads = measure_loads(&mut trainer, args.profile_steps)?;
-        plan_from_loads(&loads, world, slots, guard)?
+        let shape = ClusterShape::new(world, 1, slots)?;
+        plan_model(&loads, shape, &PlanPolicy::trainer(world, guard), None)?.replica_map()
     };
     let mode = if args.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
-    validate_placement(&placement, moe_layers, experts, world, mode).context("--placement-file")?;
+    check_plan(&plan, moe_layers, experts, world, mode).context("--placement-file")?;
     print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
-    for (l, layer) in placement.iter().enumerate() {
+    for (l, layer) in plan.layers().iter().enumerate() {
         let per_worker: Vec<String> = (0..world)
             .map(|r| {
                 let held: Vec<String> = layer
@@ -589,7 +551,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         eprintln!("placement L{l}: {}", per_worker.join(" "));
     }
 
-    let job = TrainJob { config: cfg.clone(), placement, static_ep: args.static_ep, resume };
+    let job = TrainJob { config: cfg.clone(), plan, static_ep: args.static_ep, resume };
     let (mut workers, rx, _quota) = launch("worker", world, args.comm_timeout, &job, Confinement::Shared)?;
     let result = supervise(&mut workers, &rx, args, &cfg, trainer.step, trainer.unigram_entropy());
     if result.is_err() {

@@ -29,7 +29,13 @@ fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
 
 #[test]
 fn plan_json_has_the_documented_shape() {
-    let v = json(&["plan", "--loads", "10,20,30,40", "--nodes", "5", "--slots", "4", "--json"]);
+    let file = json(&["plan", "--loads", "10,20,30,40", "--nodes", "5", "--slots", "4", "--json"]);
+    assert_eq!(file["format"], "lazarus-plan/1");
+    assert_eq!(file["epoch"], 0);
+    assert_eq!(file["experts"], 4);
+    assert_eq!(file["shape"], serde_json::json!({"nodes": 5, "gpus_per_node": 1, "slots_per_gpu": 4}));
+    assert_eq!(file["layers"].as_array().unwrap().len(), 1);
+    let v = &file["layers"][0];
     assert_eq!(v["strategy"], "lazarus");
     let replicas: Vec<u64> = v["replicas"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
     assert_eq!(replicas, vec![2, 4, 6, 8]);
@@ -58,7 +64,7 @@ fn prob_reproduces_figure_4() {
 #[test]
 fn placement_file_round_trip() {
     let v = json(&["plan", "--replicas", "2,3,3,4", "--nodes", "4", "--slots", "3", "--json"]);
-    let file = temp_file("placement.json", &v["placement"].to_string());
+    let file = temp_file("placement.json", &v.to_string());
     let p = json(&["prob", "--placement-file", file.to_str().unwrap(), "--failed", "2", "--json"]);
     // The lazarus plan beats MRO's 2/3 on DESIGN.md's truncated example.
     assert!((p["probability"].as_f64().unwrap() - 5.0 / 6.0).abs() < 1e-12, "{p}");
@@ -74,6 +80,25 @@ fn loads_file_plans_every_layer() {
     assert_eq!(layers.len(), 3);
     assert_eq!(layers[1]["replicas"], serde_json::json!([8, 6, 4, 2]));
     assert_eq!(layers[2]["replicas"], serde_json::json!([5, 5, 5, 5]));
+    // The whole model survives k failures only if every layer does: never more likely than any
+    // one layer, and `prob` on the file agrees with the curve `plan` reported.
+    let model = v["model_recovery"].as_array().unwrap();
+    assert_eq!(model.len(), 5);
+    for (k, m) in model.iter().enumerate() {
+        let p = m["probability"].as_f64().unwrap();
+        for l in layers {
+            assert!(p <= l["recovery"][k]["probability"].as_f64().unwrap() + 1e-12);
+        }
+    }
+    let path = temp_file("three-layers.json", &v.to_string());
+    let whole = json(&["prob", "--placement-file", path.to_str().unwrap(), "--failed", "2", "--json"]);
+    assert_eq!(whole["probability"], model[2]["probability"]);
+    let one = json(&["prob", "--placement-file", path.to_str().unwrap(), "--failed", "2", "--layer", "1", "--json"]);
+    assert_eq!(one["probability"], layers[1]["recovery"][2]["probability"]);
+    let e = fails(&["prob", "--placement-file", path.to_str().unwrap(), "--failed", "2", "--layer", "3"]);
+    assert!(e.contains("--layer") && e.contains("3 layers"), "{e}");
+    let e = fails(&["prob", "--placement-file", path.to_str().unwrap(), "--failed", "2", "--nodes", "4"]);
+    assert!(e.contains("--nodes") && e.contains("has 5"), "{e}");
 }
 
 #[test]
@@ -118,12 +143,20 @@ fn malformed_input_names_the_field_and_value() {
     let neg = temp_file("neg.json", "[[1, 2], [3, -4]]");
     let e = fails(&["plan", "--loads-file", neg.to_str().unwrap(), "--nodes", "2", "--slots", "2"]);
     assert!(e.contains("layer 1") && e.contains("-4"), "{e}");
-    let short = temp_file("short.json", "[[0, 1, 2], [0, 1]]");
+    let plan = |nodes: &str| {
+        format!(
+            r#"{{"format":"lazarus-plan/1","epoch":0,"shape":{{"nodes":2,"gpus_per_node":1,"slots_per_gpu":3}},"experts":3,"layers":[{{"placement":{nodes}}}]}}"#
+        )
+    };
+    let short = temp_file("short.json", &plan("[[0, 1, 2], [0, 1]]"));
     let e = fails(&["prob", "--placement-file", short.to_str().unwrap(), "--failed", "1"]);
     assert!(e.contains("node 1") && e.contains("2 entries"), "{e}");
-    let missing = temp_file("missing.json", "[[0, 2], [0, 2]]");
+    let missing = temp_file("missing.json", &plan("[[0, 2, 2], [0, 2, 0]]"));
     let e = fails(&["prob", "--placement-file", missing.to_str().unwrap(), "--failed", "1"]);
     assert!(e.contains("expert 1"), "{e}");
+    let bare = temp_file("bare.json", "[[0, 1, 2], [0, 1, 2]]");
+    let e = fails(&["prob", "--placement-file", bare.to_str().unwrap(), "--failed", "1"]);
+    assert!(e.contains("placement-file") && e.contains("lazarus plan --json"), "{e}");
 }
 
 #[test]
@@ -133,6 +166,7 @@ fn max_imbalance_trades_recovery_for_a_busy_worker_and_reports_both() {
     let mut args = base.to_vec();
     args.extend(["--max-imbalance", "1.05"]);
     let guarded = json(&args);
+    let (plain, guarded) = (plain["layers"][0].clone(), guarded["layers"][0].clone());
     let p1 = |v: &Value| v["recovery"][1]["probability"].as_f64().unwrap();
     let imb = |v: &Value| v["imbalance"].as_f64().unwrap();
     assert!((imb(&plain) - 4.0 / 3.0).abs() < 1e-9 && (p1(&plain) - 0.5).abs() < 1e-9, "{plain}");

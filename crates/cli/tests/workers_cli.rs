@@ -106,14 +106,26 @@ fn bad_worker_settings_are_named() {
     let d = dir("bad");
     let log = d.join("x.jsonl");
     let bad = d.join("bad.json");
-    std::fs::write(&bad, r#"{"layers": [{"placement": [[0, 1], [2, 3]]}]}"#).unwrap();
+    let plan = |experts: usize, layers: &str| {
+        format!(
+            r#"{{"format":"lazarus-plan/1","epoch":0,"shape":{{"nodes":2,"gpus_per_node":1,"slots_per_gpu":3}},"experts":{experts},"layers":[{layers}]}}"#
+        )
+    };
+    std::fs::write(&bad, plan(4, r#"{"placement": [[0, 1, 2], [2, 3, 0]]}"#)).unwrap();
     let huge = d.join("huge.json");
-    std::fs::write(&huge, r#"{"layers": [{"placement": [[18446744073709551615], [0]]}, {"placement": [[0], [1]]}]}"#).unwrap();
+    std::fs::write(&huge, plan(4, r#"{"placement": [[18446744073709551615, 0, 1], [0, 2, 3]]}"#)).unwrap();
+    let five = d.join("five.json");
+    let layer = r#"{"placement": [[0, 1, 2], [2, 3, 4]]}"#;
+    std::fs::write(&five, plan(5, &[layer; 2].join(","))).unwrap();
+    let bare = d.join("bare.json");
+    std::fs::write(&bare, "[[0, 1, 2], [2, 3, 0]]").unwrap();
     for (extra, expect) in [
         (vec!["--workers", "0"], "--workers"),
-        (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "3"),
+        (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "plans 2 ranks"),
         (vec!["--workers", "2", "--placement-file", bad.to_str().unwrap()], "MoE layers"),
-        (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "the model has 4 experts"),
+        (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "expert 18446744073709551615"),
+        (vec!["--workers", "2", "--placement-file", five.to_str().unwrap()], "the model has 4"),
+        (vec!["--workers", "2", "--placement-file", bare.to_str().unwrap()], "lazarus plan --json"),
         (vec!["--workers", "9"], "batch_size"),
         (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
         (vec!["--workers", "2", "--max-imbalance", "0.9"], "--max-imbalance"),

@@ -5,9 +5,12 @@
 //! * [`balance`] — how evenly the balanced dispatcher can load the nodes of a placement;
 //! * [`recovery`] — the probability that a plan survives k node failures;
 //! * [`reconfig`] — which live node becomes which plan node and who sends what (§4.3);
-//! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1).
+//! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1);
+//! * [`scheduler`] — the one scheduler (allocate, then place, every layer) and the plan of a
+//!   whole model with its file format.
 //!
-//! No I/O, no clock, no threads: the same inputs give the same plan on every machine.
+//! No I/O, no clock: the same inputs give the same plan on every machine (the scheduler plans
+//! layers on several threads, with the same result).
 
 pub mod allocation;
 pub mod balance;
@@ -19,6 +22,7 @@ pub mod placement;
 pub mod reconfig;
 pub mod recovery;
 pub mod rng;
+pub mod scheduler;
 
 pub use allocation::{allocate, ReplicaAllocation};
 pub use balance::{min_max_load, LoadBalance};
@@ -30,6 +34,7 @@ pub use placement::{
 };
 pub use reconfig::{plan_reconfiguration, NodeState, ReconfigurationPlan, StateTransfer};
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
+pub use scheduler::{plan_layer, plan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT};
 
 /// Index of an expert within one MoE layer, 0-based in input order.
 pub type ExpertId = usize;

@@ -10,12 +10,11 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use lazarus_comm::{all_gather, barrier, Group, Transport};
 use lazarus_model::rng::SplitMix64;
-use lazarus_plan::{allocate, min_max_load, place, place_balanced, ClusterShape, Strategy};
+use lazarus_plan::{min_max_load, plan_model, ClusterShape, PlanPolicy, ReplicaMap, Strategy};
 use serde::{Deserialize, Serialize};
 
 use crate::error::RuntimeError;
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
-use crate::worker::static_ep_placement;
 
 /// Which system a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,18 +108,16 @@ pub fn bench_placement(
     slots: usize,
     max_imbalance: Option<f64>,
 ) -> Result<Vec<Vec<u32>>, RuntimeError> {
-    match system {
-        BenchSystem::StaticEp | BenchSystem::StaticEpSkipPadding => Ok(static_ep_placement(1, loads.len(), world).remove(0)),
+    let map = match system {
+        BenchSystem::StaticEp | BenchSystem::StaticEpSkipPadding => ReplicaMap::static_ep(0, 1, loads.len(), world)?,
         BenchSystem::Lazarus | BenchSystem::LazarusUnguarded | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
-            let a = allocate(loads, shape.total_slots(), 1)?;
-            let p = match (system, max_imbalance) {
-                (BenchSystem::Lazarus, Some(m)) => place_balanced(&a.replicas, shape, loads, m)?,
-                _ => place(&a.replicas, shape, Strategy::Lazarus, Some(loads))?,
-            };
-            Ok(p.rank_replicas())
+            let guard = if system == BenchSystem::Lazarus { max_imbalance } else { None };
+            let policy = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: guard };
+            plan_model(&[loads.to_vec()], shape, &policy, None)?.replica_map()
         }
-    }
+    };
+    Ok(map.layer(0).to_vec())
 }
 
 /// (busiest rank's tokens over the mean, share of single-rank failures every expert survives)

@@ -15,6 +15,4 @@ mod worker;
 
 pub use error::RuntimeError;
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
-pub use worker::{
-    batch_share, static_ep_placement, validate_placement, validate_worker_config, LayerPlacement, Worker, WorkerOptions, WorkerStepReport,
-};
+pub use worker::{batch_share, check_plan, validate_worker_config, Worker, WorkerOptions, WorkerStepReport};

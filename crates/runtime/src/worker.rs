@@ -22,12 +22,10 @@ use lazarus_comm::{all_reduce_sum_f32, bytes_to_f32, f32_to_bytes, recv_named, s
 use lazarus_model::model::cross_entropy;
 use lazarus_model::optim::{clip_scale, TensorState};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
+use lazarus_plan::ReplicaMap;
 
 use crate::error::RuntimeError;
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, MoeForward, DEFAULT_BUCKET_BYTES};
-
-/// Replica counts R[e][rank] of every MoE layer: `layers[l][e][rank]`.
-pub type LayerPlacement = Vec<Vec<Vec<u32>>>;
 
 /// Tag space for checkpoint gathering (clear of the collectives' tags).
 const CHECKPOINT_TAG: u64 = 0x4c5a_0000_0000_0000;
@@ -35,7 +33,9 @@ const CHECKPOINT_TAG: u64 = 0x4c5a_0000_0000_0000;
 /// What a worker needs beyond the training configuration.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
-    pub placement: LayerPlacement,
+    /// Replicas of every expert on every rank, per MoE layer (from a [`lazarus_plan::ModelPlan`]
+    /// or static expert parallelism).
+    pub plan: ReplicaMap,
     pub mode: DispatchMode,
     /// Deadline of every collective.
     pub timeout: Duration,
@@ -67,35 +67,21 @@ pub fn batch_share(batch: usize, world: usize, rank: usize) -> (usize, usize) {
     (lo, lo + base + usize::from(rank < extra))
 }
 
-/// Check a placement against the model and the world: one entry per MoE layer, expert and rank,
-/// every expert held somewhere; static expert parallelism needs exactly one replica per expert.
-pub fn validate_placement(
-    placement: &LayerPlacement,
-    moe_layers: usize,
-    experts: usize,
-    world: usize,
-    mode: DispatchMode,
-) -> Result<(), RuntimeError> {
+/// Check a plan against the model and the world: one layer per MoE layer, the model's experts,
+/// one rank per worker; static expert parallelism needs exactly one replica per expert.
+pub fn check_plan(plan: &ReplicaMap, moe_layers: usize, experts: usize, world: usize, mode: DispatchMode) -> Result<(), RuntimeError> {
     let bad = |reason: String| RuntimeError::Invalid { field: "placement", reason };
-    if placement.len() != moe_layers {
-        return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", placement.len())));
+    if plan.layers().len() != moe_layers {
+        return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", plan.layers().len())));
     }
-    for (l, layer) in placement.iter().enumerate() {
-        if layer.len() != experts {
-            return Err(bad(format!("layer {l} has {} experts, the model has {experts}", layer.len())));
-        }
-        for (e, row) in layer.iter().enumerate() {
-            if row.len() != world {
-                return Err(bad(format!("layer {l} expert {e} has {} ranks, the job has {world} workers", row.len())));
-            }
-            let total: u32 = row.iter().sum();
-            if total == 0 {
-                return Err(bad(format!("layer {l} expert {e} has no replica")));
-            }
-            if mode.is_static() && total != 1 {
-                return Err(bad(format!("layer {l} expert {e} has {total} replicas; static expert parallelism needs exactly 1")));
-            }
-        }
+    if plan.experts() != experts {
+        return Err(bad(format!("{} experts per layer, the model has {experts}", plan.experts())));
+    }
+    if plan.ranks() != world {
+        return Err(bad(format!("the plan is for {} ranks, the job has {world} workers", plan.ranks())));
+    }
+    if mode.is_static() && !plan.one_replica_each() {
+        return Err(bad("static expert parallelism needs exactly 1 replica of every expert".into()));
     }
     Ok(())
 }
@@ -124,18 +110,6 @@ pub fn validate_worker_config(config: &TrainConfig, world: usize) -> Result<(), 
     Ok(())
 }
 
-/// The static expert-parallel placement of DeepSpeed-MoE: experts split into `world` contiguous,
-/// equal-as-possible blocks, one replica each.
-pub fn static_ep_placement(moe_layers: usize, experts: usize, world: usize) -> LayerPlacement {
-    let layer: Vec<Vec<u32>> = (0..experts)
-        .map(|e| {
-            let owner = e * world / experts;
-            (0..world).map(|r| u32::from(r == owner)).collect()
-        })
-        .collect();
-    vec![layer; moe_layers]
-}
-
 pub struct Worker {
     /// The model, optimizer, sampler and step count (the same object the single-process trainer
     /// uses, so checkpoints are interchangeable).
@@ -144,7 +118,7 @@ pub struct Worker {
     world: usize,
     layers: Vec<DistributedMoe>,
     kinds: Vec<ParamKind>,
-    placement: LayerPlacement,
+    plan: ReplicaMap,
     timeout: Duration,
 }
 
@@ -166,11 +140,11 @@ impl Worker {
             None => Trainer::new(config)?,
         };
         let mc = trainer.model.config().clone();
-        validate_placement(&options.placement, mc.moe_layers(), mc.n_experts, world, options.mode)?;
+        check_plan(&options.plan, mc.moe_layers(), mc.n_experts, world, options.mode)?;
         let model = &trainer.model;
         let mut kinds = vec![ParamKind::Shared; model.params().len()];
         let mut layers = Vec::with_capacity(mc.moe_layers());
-        for (l, replicas) in options.placement.iter().enumerate() {
+        for (l, replicas) in options.plan.layers().iter().enumerate() {
             let mut experts = BTreeMap::new();
             for (e, row) in replicas.iter().enumerate() {
                 for (part, name) in model.expert_param_names(l, e).iter().enumerate() {
@@ -195,7 +169,7 @@ impl Worker {
                 bucket_bytes: DEFAULT_BUCKET_BYTES,
             });
         }
-        let mut worker = Worker { trainer, rank, world, layers, kinds, placement: options.placement, timeout: options.timeout };
+        let mut worker = Worker { trainer, rank, world, layers, kinds, plan: options.plan, timeout: options.timeout };
         worker.release_remote_experts()?;
         Ok(worker)
     }
@@ -203,9 +177,9 @@ impl Worker {
     /// Free the weights and optimizer moments of every expert not placed on this rank: a
     /// worker keeps one physical copy of the experts it holds and nothing of the others.
     fn release_remote_experts(&mut self) -> Result<(), RuntimeError> {
-        for l in 0..self.placement.len() {
-            for e in 0..self.placement[l].len() {
-                if self.placement[l][e][self.rank] > 0 || !self.trainer.model.expert_resident(l, e)? {
+        for l in 0..self.plan.layers().len() {
+            for e in 0..self.plan.experts() {
+                if self.plan.replicas_on(l, e, self.rank) > 0 || !self.trainer.model.expert_resident(l, e)? {
                     continue;
                 }
                 self.trainer.model.set_expert(l, e, None)?;
@@ -342,7 +316,7 @@ impl Worker {
         // Each expert's squared gradient norm once over the job: every holder adds 1/holders.
         let mut expert_sq = 0.0f64;
         for ((l, e), gs) in &expert_grads {
-            let holders = self.placement[*l][*e].iter().filter(|&&r| r > 0).count() as f64;
+            let holders = self.plan.holders(*l, *e).len() as f64;
             for g in gs {
                 let v: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
                 expert_sq += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / holders;
@@ -394,10 +368,10 @@ impl Worker {
     /// first holder of every expert sends its weights and optimizer state to rank 0, which
     /// writes. Every rank must call it together. Returns the path on rank 0.
     pub fn save_checkpoint(&mut self, t: &mut dyn Transport, world: &mut Group, dir: &Path) -> Result<Option<PathBuf>, RuntimeError> {
-        let experts = self.placement.first().map_or(0, Vec::len);
-        for l in 0..self.placement.len() {
+        let experts = self.plan.experts();
+        for l in 0..self.plan.layers().len() {
             for e in 0..experts {
-                let Some(first) = self.placement[l][e].iter().position(|&r| r > 0) else { continue };
+                let Some(&first) = self.plan.holders(l, e).first() else { continue };
                 if first == 0 {
                     continue;
                 }
@@ -499,22 +473,14 @@ mod tests {
     }
 
     #[test]
-    fn static_ep_gives_one_replica_per_expert_evenly() {
-        let p = static_ep_placement(2, 8, 3);
-        validate_placement(&p, 2, 8, 3, DispatchMode::StaticPadded).unwrap();
-        let per_rank: Vec<u32> = (0..3).map(|r| p[0].iter().map(|row| row[r]).sum()).collect();
-        assert_eq!(per_rank.iter().sum::<u32>(), 8);
-        assert!(per_rank.iter().all(|&c| (2..=3).contains(&c)), "{per_rank:?}");
-    }
-
-    #[test]
-    fn bad_placements_name_the_problem() {
-        let mut p = static_ep_placement(1, 4, 2);
-        assert!(validate_placement(&p, 2, 4, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("MoE layers"));
-        p[0][1] = vec![0, 0];
-        assert!(validate_placement(&p, 1, 4, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("expert 1 has no replica"));
-        p[0][1] = vec![1, 1];
-        assert!(validate_placement(&p, 1, 4, 2, DispatchMode::StaticPadded).unwrap_err().to_string().contains("exactly 1"));
-        validate_placement(&p, 1, 4, 2, DispatchMode::Flexible).unwrap();
+    fn plans_that_do_not_fit_the_model_or_the_mode_name_the_problem() {
+        let p = ReplicaMap::static_ep(0, 1, 4, 2).unwrap();
+        assert!(check_plan(&p, 2, 4, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("MoE layers"));
+        assert!(check_plan(&p, 1, 5, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("experts"));
+        assert!(check_plan(&p, 1, 4, 3, DispatchMode::Flexible).unwrap_err().to_string().contains("3 workers"));
+        check_plan(&p, 1, 4, 2, DispatchMode::StaticPadded).unwrap();
+        let twice = ReplicaMap::new(0, vec![vec![vec![1, 1], vec![1, 0], vec![0, 1], vec![0, 1]]]).unwrap();
+        assert!(check_plan(&twice, 1, 4, 2, DispatchMode::StaticPadded).unwrap_err().to_string().contains("exactly 1"));
+        check_plan(&twice, 1, 4, 2, DispatchMode::Flexible).unwrap();
     }
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
 use lazarus_model::{DataSource, ModelConfig, TrainConfig, Trainer};
-use lazarus_runtime::{static_ep_placement, DispatchMode, LayerPlacement, Worker, WorkerOptions};
+use lazarus_plan::ReplicaMap;
+use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
 
 const STEPS: u64 = 20;
 
@@ -43,8 +44,8 @@ fn config() -> TrainConfig {
 
 /// Uneven replicas: expert 0 gets an extra replica on rank 0 (two copies there when alone), the
 /// others rotate over the ranks, shifted per layer.
-fn uneven(world: usize, layers: usize, experts: usize) -> LayerPlacement {
-    (0..layers)
+fn uneven(world: usize, layers: usize, experts: usize) -> ReplicaMap {
+    let layers = (0..layers)
         .map(|l| {
             (0..experts)
                 .map(|e| {
@@ -58,7 +59,8 @@ fn uneven(world: usize, layers: usize, experts: usize) -> LayerPlacement {
                 })
                 .collect()
         })
-        .collect()
+        .collect();
+    ReplicaMap::new(0, layers).unwrap()
 }
 
 struct Run {
@@ -75,11 +77,11 @@ fn single() -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
     (losses, params)
 }
 
-fn held(worker: &Worker, placement: &LayerPlacement, rank: usize) -> BTreeMap<String, Vec<f32>> {
+fn held(worker: &Worker, placement: &ReplicaMap, rank: usize) -> BTreeMap<String, Vec<f32>> {
     let model = &worker.trainer.model;
     let mut expert_names = BTreeMap::new();
     let mut local_elements = 0;
-    for (l, layer) in placement.iter().enumerate() {
+    for (l, layer) in placement.layers().iter().enumerate() {
         for (e, row) in layer.iter().enumerate() {
             // A worker keeps the experts placed on it and nothing of the others (also after
             // writing a checkpoint, for which rank 0 takes every expert in).
@@ -101,8 +103,8 @@ fn held(worker: &Worker, placement: &LayerPlacement, rank: usize) -> BTreeMap<St
         .collect()
 }
 
-fn distributed(world: usize, placement: LayerPlacement, mode: DispatchMode, checkpoint: Option<std::path::PathBuf>) -> Run {
-    let options = WorkerOptions { placement: placement.clone(), mode, timeout: Duration::from_secs(30) };
+fn distributed(world: usize, placement: ReplicaMap, mode: DispatchMode, checkpoint: Option<std::path::PathBuf>) -> Run {
+    let options = WorkerOptions { plan: placement.clone(), mode, timeout: Duration::from_secs(30) };
     let transports: Vec<Box<dyn Transport>> = if world == 1 {
         vec![Box::new(LocalTransport::new(0))]
     } else {
@@ -173,7 +175,7 @@ fn one_to_four_workers_reproduce_the_single_process_trainer() {
 #[test]
 fn static_expert_parallel_baseline_reproduces_it_too() {
     let reference = single();
-    let run = distributed(2, static_ep_placement(config().model.moe_layers(), 4, 2), DispatchMode::StaticPadded, None);
+    let run = distributed(2, ReplicaMap::static_ep(0, config().model.moe_layers(), 4, 2).unwrap(), DispatchMode::StaticPadded, None);
     assert_matches(&run, &reference, "static EP on 2 workers");
 }
 

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use lazarus_plan::{allocate, place, plan_reconfiguration, ClusterShape, NodeState, Placement, Strategy};
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, Placement, PlanPolicy};
 use serde::Serialize;
 
 use crate::cost::{CostModel, ModelSpec};
@@ -108,8 +108,8 @@ pub struct PolicyReport {
 
 #[derive(Debug, Clone)]
 enum Config {
-    /// Per-layer placements over `used` (plan node i = used[i]).
-    Lazarus(Vec<Placement>),
+    /// The plan of every layer over `used` (plan node i = used[i]).
+    Lazarus(ModelPlan),
     /// Static expert parallelism: groups of `ep_nodes` nodes, node i holds block i % ep_nodes.
     Ep { ep_nodes: usize, experts_per_node: usize },
 }
@@ -381,45 +381,18 @@ impl Run<'_> {
         self.loads.borrow_mut().at(epoch)
     }
 
-    /// Lazarus's plan for `n` nodes from the loads of `epoch` (Eq. 1 allocation with floor f,
-    /// lowered when slots run short; fault-tolerant placement).
-    fn lazarus_plan(&self, n: usize, epoch: u64) -> Result<Vec<Placement>, SimError> {
+    /// Lazarus's plan for `n` nodes from the loads of `epoch`: the scheduler every other part
+    /// of Lazarus uses (Eq. 1 allocation with floor f, lowered when slots run short;
+    /// fault-tolerant placement, unguarded — the simulator models Algorithm 1's per-replica
+    /// shares). Layers whose allocation is unchanged keep their placement.
+    fn lazarus_plan(&self, n: usize, epoch: u64) -> Result<ModelPlan, SimError> {
         let c = self.cost();
         let shape = ClusterShape::new(n, c.gpus_per_node, c.slots_per_gpu)?;
-        let loads = self.loads(epoch);
-        let floor = c.min_replicas;
-        // A layer whose allocation is unchanged on the same cluster keeps its placement (no
-        // transfers, nothing to recompute).
-        let current: Vec<Option<&Placement>> = match &self.config {
-            Some(Config::Lazarus(ps)) if ps.len() == loads.len() => ps.iter().map(|p| (p.shape() == shape).then_some(p)).collect(),
-            _ => vec![None; loads.len()],
+        let previous = match &self.config {
+            Some(Config::Lazarus(p)) => Some(p),
+            _ => None,
         };
-        let jobs: Vec<(&Vec<f64>, Option<&Placement>)> = loads.iter().zip(current).collect();
-        let plan = |&(l, cur): &(&Vec<f64>, Option<&Placement>)| -> Result<Placement, SimError> {
-            let a = allocate(l, shape.total_slots(), floor)?;
-            if let Some(p) = cur {
-                if p.replica_counts() == a.replicas {
-                    return Ok(p.clone());
-                }
-            }
-            Ok(place(&a.replicas, shape, Strategy::Lazarus, Some(l))?)
-        };
-        let loads = jobs;
-        // Layers are planned independently (§4.1), so they go to all cores.
-        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(loads.len());
-        if threads <= 1 || loads.len() * n < 256 {
-            return loads.iter().map(plan).collect();
-        }
-        let chunk = loads.len().div_ceil(threads);
-        let parts: Vec<Result<Vec<Placement>, SimError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = loads.chunks(chunk).map(|part| s.spawn(move || part.iter().map(plan).collect())).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-        });
-        let mut out = Vec::with_capacity(loads.len());
-        for p in parts {
-            out.extend(p?);
-        }
-        Ok(out)
+        Ok(plan_model(&self.loads(epoch), shape, &PlanPolicy::unguarded(c.min_replicas), previous)?)
     }
 
     /// Seconds per step: the balanced step stretched by the most loaded GPU of each layer
@@ -435,8 +408,8 @@ impl Run<'_> {
         let g = self.cost().gpus_per_node;
         let mut imbalance = 0.0;
         match self.config.as_ref() {
-            Some(Config::Lazarus(placements)) => {
-                for (p, l) in placements.iter().zip(&loads) {
+            Some(Config::Lazarus(plan)) => {
+                for (p, l) in plan.layers().iter().zip(&loads) {
                     let r = p.replica_counts();
                     let mut worst = 0.0f64;
                     for node in 0..p.shape().nodes {
@@ -617,8 +590,9 @@ impl Run<'_> {
         match self.policy {
             Policy::Lazarus => {
                 let recoverable = match &self.config {
-                    Some(Config::Lazarus(placements)) if !survivors.is_empty() => {
-                        placements.iter().all(|p| p.holders().iter().all(|h| h.iter().any(|i| !failed.contains(&self.used[i]))))
+                    Some(Config::Lazarus(plan)) if !survivors.is_empty() => {
+                        let failed_nodes: Vec<usize> = (0..self.used.len()).filter(|&i| failed.contains(&self.used[i])).collect();
+                        plan.survives(&failed_nodes)
                     }
                     _ => false,
                 };
@@ -673,11 +647,11 @@ impl Run<'_> {
     fn reconfigure_lazarus(&mut self, nodes: Vec<String>, kind: Busy, after_failure: bool) -> Result<(), SimError> {
         let n = nodes.len();
         let new = self.lazarus_plan(n, self.plan_epoch())?;
-        let layers = new.len();
+        let layers = new.layers().len();
         let bytes = self.s.model.expert_state_bytes;
         // Where each of the nodes sits in the current plan (None: it holds nothing).
         let old: &[Placement] = match &self.config {
-            Some(Config::Lazarus(old)) => old,
+            Some(Config::Lazarus(old)) => old.layers(),
             _ => &[],
         };
         let old_index: Vec<Option<usize>> =
@@ -691,7 +665,7 @@ impl Run<'_> {
                     experts: o.map(|o| old.iter().map(|p| p.nodes()[o].clone()).collect()).unwrap_or_default(),
                 })
                 .collect();
-            let rp = plan_reconfiguration(&live, &new, &vec![bytes as u64; layers])?;
+            let rp = plan_reconfiguration(&live, new.layers(), &vec![bytes as u64; layers])?;
             let mut sent: BTreeMap<u64, f64> = BTreeMap::new();
             let mut recv: BTreeMap<u64, f64> = BTreeMap::new();
             for t in &rp.transfers {
@@ -710,7 +684,7 @@ impl Run<'_> {
             let mut stamp = 0u32;
             for (i, o) in old_index.iter().enumerate() {
                 let mut need = 0usize;
-                for (l, p) in new.iter().enumerate() {
+                for (l, p) in new.layers().iter().enumerate() {
                     stamp += 1;
                     if let (Some(o), Some(was)) = (o, old.get(l)) {
                         was.nodes()[*o].iter().for_each(|&e| have[e] = stamp);

@@ -46,6 +46,12 @@ use mro::sequential_nodes;
 use mro::{mro_nodes, GroupLayout};
 use search::lazarus_nodes;
 
+/// Largest cluster the planning core takes: every plan, recovery curve and reconfiguration is
+/// then computed in bounded time and memory (DESIGN.md: N up to 10^4).
+pub const MAX_NODES: usize = 10_000;
+/// Largest number of replica slots N·G·c (4 Mi: 10^4 nodes of 8 GPUs with 52 slots each).
+pub const MAX_SLOTS: usize = 1 << 22;
+
 /// N nodes × G GPUs per node × c replica slots per GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClusterShape {
@@ -65,11 +71,14 @@ impl ClusterShape {
         if slots_per_gpu == 0 {
             return Err(PlanError::invalid("slots", slots_per_gpu, "each GPU needs at least one replica slot"));
         }
-        if nodes.checked_mul(gpus_per_node).and_then(|x| x.checked_mul(slots_per_gpu)).is_none_or(|x| x > 1 << 32) {
+        if nodes > MAX_NODES {
+            return Err(PlanError::invalid("nodes", nodes, format!("at most {MAX_NODES} nodes are supported")));
+        }
+        if nodes.checked_mul(gpus_per_node).and_then(|x| x.checked_mul(slots_per_gpu)).is_none_or(|x| x > MAX_SLOTS) {
             return Err(PlanError::invalid(
-                "nodes",
-                nodes,
-                format!("nodes x gpus-per-node ({gpus_per_node}) x slots ({slots_per_gpu}) is too large"),
+                "slots",
+                format!("{nodes} nodes x {gpus_per_node} GPUs x {slots_per_gpu} slots"),
+                format!("at most {MAX_SLOTS} replica slots in all are supported"),
             ));
         }
         Ok(ClusterShape { nodes, gpus_per_node, slots_per_gpu })
@@ -145,15 +154,19 @@ impl Placement {
         if nodes.len() != shape.nodes {
             return Err(PlanError::Length { field: "placement", got: nodes.len(), expected: shape.nodes });
         }
+        // Sizes first: `experts` comes from the caller (or a file), the entries are what is there.
+        if let Some((n, node)) = nodes.iter().enumerate().find(|(_, node)| node.len() != shape.slots_per_node()) {
+            return Err(PlanError::invalid(
+                "placement",
+                format!("node {n} with {} entries", node.len()),
+                format!("every node must list exactly gpus-per-node x slots = {} entries", shape.slots_per_node()),
+            ));
+        }
+        if experts > shape.total_slots() {
+            return Err(PlanError::CannotHost { experts, slots: shape.total_slots() });
+        }
         let mut seen = vec![false; experts];
         for (n, node) in nodes.iter().enumerate() {
-            if node.len() != shape.slots_per_node() {
-                return Err(PlanError::invalid(
-                    "placement",
-                    format!("node {n} with {} entries", node.len()),
-                    format!("every node must list exactly gpus-per-node x slots = {} entries", shape.slots_per_node()),
-                ));
-            }
             for &e in node {
                 if e >= experts {
                     return Err(PlanError::invalid(

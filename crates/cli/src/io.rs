@@ -1,0 +1,40 @@
+//! Reading what the user names and writing what the user asked for, with errors that name the
+//! flag and the file, and bounds on everything read (a path to `/dev/zero` is an error, not an
+//! endless read).
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// Largest JSON input (plans, loads, routing and load traces) read from a file.
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+
+/// The text of `path`, given with `--{flag}`, at most `max` bytes.
+pub fn read_text(flag: &str, path: &Path, max: u64) -> Result<String> {
+    let file = std::fs::File::open(path).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
+    if bytes.len() as u64 > max {
+        bail!("invalid --{flag}: {} is larger than {} MiB", path.display(), max >> 20);
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("invalid --{flag}: {} is not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()))
+}
+
+/// JSON of type `T` from `path`, given with `--{flag}`.
+pub fn read_json<T: serde::de::DeserializeOwned>(flag: &str, path: &Path) -> Result<T> {
+    let text = read_text(flag, path, MAX_JSON_BYTES)?;
+    serde_json::from_str(&text).with_context(|| format!("invalid --{flag}: {} is not valid", path.display()))
+}
+
+/// Write `text` to stdout; a full disk or a closed pipe is an error naming stdout, not a panic.
+pub fn print(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|_| out.flush()).context("cannot write to stdout")
+}
+
+/// [`print`] with a newline.
+pub fn println(text: &str) -> Result<()> {
+    print(&format!("{text}\n"))
+}

@@ -1,0 +1,157 @@
+//! The one scheduler: allocate (Eq. 1), then place, for every MoE layer — from measured loads
+//! and the previous plan (paper §4.1, §4.3).
+//!
+//! `lazarus plan`, `lazarus train --workers`, the benchmarks, the simulator and the controller
+//! all call [`plan_model`] (or [`plan_layer`] for one layer); nothing else allocates and places.
+//! What differs between them is a [`PlanPolicy`] value, not code.
+//!
+//! Files: this one holds the policy and the planning functions; `model_plan` the plan of a whole
+//! model ([`ModelPlan`], with the survival check) and the runtime's view of it ([`ReplicaMap`]);
+//! `file` the one JSON format of a plan.
+
+mod file;
+mod model_plan;
+#[cfg(test)]
+mod tests;
+
+pub use file::{PlanFile, PlanFileLayer, PLAN_FORMAT};
+pub use model_plan::{ModelPlan, ReplicaMap};
+
+use crate::allocation::{allocate, ReplicaAllocation};
+use crate::error::PlanError;
+use crate::placement::{place, place_balanced, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE};
+
+/// How the scheduler plans a layer: the fault-tolerance floor, the placement strategy and the
+/// throughput guard. One value per use, chosen by the caller: the trainer's and the
+/// controller's is [`PlanPolicy::trainer`], the paper's simulator runs the unguarded one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanPolicy {
+    /// Fault-tolerance floor f: every expert gets at least this many replicas (allocation lowers
+    /// it to ⌊N·G·c / E⌋ when the slots cannot hold f per expert).
+    pub floor: usize,
+    pub strategy: Strategy,
+    /// The throughput guard of [`place_balanced`]: the most fault-tolerant placement on which
+    /// no node needs more than this many times its mean share of tokens under the balanced
+    /// dispatcher. `None`: no guard. Only with [`Strategy::Lazarus`].
+    pub max_imbalance: Option<f64>,
+}
+
+impl PlanPolicy {
+    /// The paper's plan: floor `floor`, the `lazarus` strategy, no throughput guard (the
+    /// simulator models Algorithm 1's per-replica shares, under which the guard buys nothing).
+    pub fn unguarded(floor: usize) -> Self {
+        PlanPolicy { floor, strategy: Strategy::Lazarus, max_imbalance: None }
+    }
+
+    /// What `train --workers` and the controller plan with on `nodes` nodes: floor 2 (1 on a
+    /// single node, where a second replica protects nothing), the `lazarus` strategy, and the
+    /// throughput guard `max_imbalance` (the default is [`DEFAULT_MAX_IMBALANCE`]).
+    pub fn trainer(nodes: usize, max_imbalance: Option<f64>) -> Self {
+        PlanPolicy { floor: if nodes > 1 { 2 } else { 1 }, strategy: Strategy::Lazarus, max_imbalance }
+    }
+
+    /// The trainer's policy with the default guard.
+    pub fn trainer_default(nodes: usize) -> Self {
+        Self::trainer(nodes, Some(DEFAULT_MAX_IMBALANCE))
+    }
+
+    /// A guard is a finite ratio ≥ 1 and needs the `lazarus` strategy.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if let Some(m) = self.max_imbalance {
+            if !m.is_finite() || m < 1.0 {
+                return Err(PlanError::invalid("max_imbalance", m, "must be a finite ratio ≥ 1 (busiest node's tokens over the mean)"));
+            }
+            if self.strategy != Strategy::Lazarus {
+                return Err(PlanError::invalid(
+                    "max_imbalance",
+                    m,
+                    format!("the throughput guard needs the lazarus strategy, not {}", self.strategy),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One layer planned from its loads: the allocation (with the floor that was applied) and the
+/// placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerPlan {
+    pub allocation: ReplicaAllocation,
+    pub placement: Placement,
+}
+
+/// Allocate (Eq. 1) and place one layer from its loads.
+pub fn plan_layer(loads: &[f64], shape: ClusterShape, policy: &PlanPolicy) -> Result<LayerPlan, PlanError> {
+    plan_layer_after(loads, shape, policy, None)
+}
+
+/// [`plan_layer`], keeping `previous` when the new allocation gives every expert as many
+/// replicas as it has there, on the same cluster, and (with a guard) it still meets the guard
+/// under the new loads: the placement then need not change, so no state moves.
+fn plan_layer_after(loads: &[f64], shape: ClusterShape, policy: &PlanPolicy, previous: Option<&Placement>) -> Result<LayerPlan, PlanError> {
+    policy.validate()?;
+    let allocation = allocate(loads, shape.total_slots(), policy.floor)?;
+    if let Some(p) = previous {
+        if p.shape() == shape && p.replica_counts() == allocation.replicas {
+            let within_guard = match policy.max_imbalance {
+                None => true,
+                Some(m) => p.load_balance(loads)?.imbalance() <= m * (1.0 + 1e-9),
+            };
+            if within_guard {
+                return Ok(LayerPlan { allocation, placement: p.clone() });
+            }
+        }
+    }
+    let placement = match policy.max_imbalance {
+        Some(m) => place_balanced(&allocation.replicas, shape, loads, m)?,
+        None => place(&allocation.replicas, shape, policy.strategy, Some(loads))?,
+    };
+    Ok(LayerPlan { allocation, placement })
+}
+
+/// Below this many (layers × nodes) the layers are planned on the calling thread.
+const PARALLEL_MIN_WORK: usize = 256;
+
+/// Plan every MoE layer of a model on `shape` from `loads[layer][expert]`, under `policy`.
+///
+/// With a `previous` plan (the one running now), each layer whose allocation is unchanged on
+/// the same cluster keeps its placement (see [`plan_layer`]), and the new plan's epoch is the
+/// previous one's plus one; without, the epoch is 0. Layers are independent (§4.1), so large
+/// models are planned on all cores; the result does not depend on how many there are.
+pub fn plan_model(
+    loads: &[Vec<f64>],
+    shape: ClusterShape,
+    policy: &PlanPolicy,
+    previous: Option<&ModelPlan>,
+) -> Result<ModelPlan, PlanError> {
+    policy.validate()?;
+    let Some(first) = loads.first() else {
+        return Err(PlanError::invalid("loads", "[]", "at least one MoE layer is needed"));
+    };
+    if let Some((l, layer)) = loads.iter().enumerate().find(|(_, x)| x.len() != first.len()) {
+        return Err(PlanError::invalid("loads", format!("layer {l} with {} experts", layer.len()), format!("layer 0 has {}", first.len())));
+    }
+    let previous_layers: Vec<Option<&Placement>> = match previous {
+        Some(p) if p.layers().len() == loads.len() => p.layers().iter().map(Some).collect(),
+        _ => vec![None; loads.len()],
+    };
+    let jobs: Vec<(&Vec<f64>, Option<&Placement>)> = loads.iter().zip(previous_layers).collect();
+    let plan = |&(l, prev): &(&Vec<f64>, Option<&Placement>)| plan_layer_after(l, shape, policy, prev).map(|p| p.placement);
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(jobs.len());
+    let layers: Vec<Placement> = if threads <= 1 || jobs.len() * shape.nodes < PARALLEL_MIN_WORK {
+        jobs.iter().map(plan).collect::<Result<_, _>>()?
+    } else {
+        let chunk = jobs.len().div_ceil(threads);
+        let parts: Vec<Result<Vec<Placement>, PlanError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = jobs.chunks(chunk).map(|part| s.spawn(move || part.iter().map(plan).collect())).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        });
+        let mut out = Vec::with_capacity(jobs.len());
+        for p in parts {
+            out.extend(p?);
+        }
+        out
+    };
+    ModelPlan::new(previous.map_or(0, |p| p.epoch() + 1), layers)
+}

@@ -1,0 +1,223 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::placement::recovery_curve;
+use crate::placement::Strategy;
+use crate::rng::SplitMix64;
+
+fn skewed_loads(rng: &mut SplitMix64, experts: usize) -> Vec<f64> {
+    (0..experts).map(|_| if rng.below(4) == 0 { 0.0 } else { (1 + rng.below(1000) * (1 + rng.below(8))) as f64 }).collect()
+}
+
+#[test]
+fn a_model_plan_is_its_layers_planned_one_by_one() {
+    let mut rng = SplitMix64::new(3);
+    let shape = ClusterShape::new(6, 2, 3).unwrap();
+    let loads: Vec<Vec<f64>> = (0..5).map(|_| skewed_loads(&mut rng, 9)).collect();
+    for policy in
+        [PlanPolicy::unguarded(2), PlanPolicy::trainer_default(6), PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: None }]
+    {
+        let plan = plan_model(&loads, shape, &policy, None).unwrap();
+        assert_eq!(plan.epoch(), 0);
+        assert_eq!(plan.layers().len(), 5);
+        for (l, p) in plan.layers().iter().enumerate() {
+            let one = plan_layer(&loads[l], shape, &policy).unwrap();
+            assert_eq!(p, &one.placement, "layer {l} under {policy:?}");
+            assert_eq!(p.replica_counts(), one.allocation.replicas);
+        }
+    }
+}
+
+#[test]
+fn an_unchanged_allocation_keeps_its_placement_and_the_epoch_advances() {
+    let shape = ClusterShape::new(4, 1, 4).unwrap();
+    let loads = vec![vec![10.0, 20.0, 30.0, 40.0, 5.0, 5.0, 5.0, 5.0]];
+    let policy = PlanPolicy::unguarded(1);
+    let fresh = plan_model(&loads, shape, &policy, None).unwrap();
+    // A previous plan with the same replica counts but another arrangement (round-robin).
+    let spread = place(&fresh.layers()[0].replica_counts(), shape, Strategy::Spread, Some(&loads[0])).unwrap();
+    assert_ne!(spread, fresh.layers()[0], "the test needs two different placements");
+    let previous = ModelPlan::new(7, vec![spread.clone()]).unwrap();
+    let next = plan_model(&loads, shape, &policy, Some(&previous)).unwrap();
+    assert_eq!(next.epoch(), 8);
+    assert_eq!(next.layers()[0], spread, "no replica needs to move, so none does");
+    // Other loads, another allocation: planned afresh.
+    let moved = vec![vec![40.0, 30.0, 20.0, 10.0, 5.0, 5.0, 5.0, 90.0]];
+    let next = plan_model(&moved, shape, &policy, Some(&previous)).unwrap();
+    assert_eq!(next.layers()[0], plan_layer(&moved[0], shape, &policy).unwrap().placement);
+    // On another cluster shape the previous plan cannot be kept.
+    let bigger = ClusterShape::new(5, 1, 4).unwrap();
+    let next = plan_model(&loads, bigger, &policy, Some(&previous)).unwrap();
+    assert_eq!(next.shape(), bigger);
+}
+
+#[test]
+fn a_kept_placement_must_still_meet_the_guard() {
+    // Every token on expert 0, 9 replicas of it over 4 nodes of 4 slots: the unguarded plan
+    // idles a node (λ*/mean 4/3), the guarded one does not.
+    let shape = ClusterShape::new(4, 1, 4).unwrap();
+    let loads = vec![vec![8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]];
+    let unguarded = plan_model(&loads, shape, &PlanPolicy::unguarded(1), None).unwrap();
+    assert!(unguarded.layers()[0].load_balance(&loads[0]).unwrap().imbalance() > 1.3);
+    let guarded = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(1.05) };
+    let next = plan_model(&loads, shape, &guarded, Some(&unguarded)).unwrap();
+    assert_eq!(next.layers()[0].replica_counts(), unguarded.layers()[0].replica_counts());
+    assert_ne!(next.layers()[0], unguarded.layers()[0]);
+    assert!(next.layers()[0].load_balance(&loads[0]).unwrap().imbalance() <= 1.05);
+}
+
+#[test]
+fn bad_policies_and_loads_name_the_problem() {
+    let shape = ClusterShape::new(2, 1, 2).unwrap();
+    let mro_guarded = PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: Some(1.05) };
+    let e = plan_model(&[vec![1.0, 2.0]], shape, &mro_guarded, None).unwrap_err().to_string();
+    assert!(e.contains("max_imbalance") && e.contains("mro"), "{e}");
+    let loose = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(0.5) };
+    assert!(plan_model(&[vec![1.0, 2.0]], shape, &loose, None).unwrap_err().to_string().contains("max_imbalance"));
+    let e = plan_model(&[], shape, &PlanPolicy::unguarded(1), None).unwrap_err().to_string();
+    assert!(e.contains("loads"), "{e}");
+    let e = plan_model(&[vec![1.0, 2.0], vec![1.0]], shape, &PlanPolicy::unguarded(1), None).unwrap_err().to_string();
+    assert!(e.contains("layer 1 with 1 experts"), "{e}");
+    let e = plan_model(&[vec![1.0, f64::NAN]], shape, &PlanPolicy::unguarded(1), None).unwrap_err().to_string();
+    assert!(e.contains("NaN (expert 1)"), "{e}");
+}
+
+/// Every subset of `n` nodes, as lists.
+fn subsets(n: usize) -> impl Iterator<Item = Vec<usize>> {
+    (0u32..(1 << n)).map(move |m| (0..n).filter(|&i| m & (1 << i) != 0).collect())
+}
+
+#[test]
+fn survival_is_every_expert_keeping_a_live_holder_and_matches_the_model_curve() {
+    let mut rng = SplitMix64::new(17);
+    for _ in 0..30 {
+        let n = 2 + rng.below(5);
+        let shape = ClusterShape::new(n, 1, 1 + rng.below(3)).unwrap();
+        let experts = 1 + rng.below(shape.total_slots());
+        let loads: Vec<Vec<f64>> = (0..1 + rng.below(3)).map(|_| skewed_loads(&mut rng, experts)).collect();
+        let plan = plan_model(&loads, shape, &PlanPolicy::unguarded(1 + rng.below(2)), None).unwrap();
+        let mut survivors = vec![0usize; n + 1];
+        for failed in subsets(n) {
+            // Oracle: straight from the node lists.
+            let alive_holds =
+                |l: usize, e: usize| plan.layers()[l].nodes().iter().enumerate().any(|(i, node)| !failed.contains(&i) && node.contains(&e));
+            let want = (0..plan.layers().len()).all(|l| (0..experts).all(|e| alive_holds(l, e)));
+            assert_eq!(plan.survives(&failed), want, "{:?} failed of {:?}", failed, plan.layers());
+            assert_eq!(plan.lost_experts(&failed).is_empty(), want);
+            for (l, e) in plan.lost_experts(&failed) {
+                assert!(!alive_holds(l, e));
+            }
+            survivors[failed.len()] += usize::from(want);
+        }
+        // The whole model's recovery curve counts exactly these subsets.
+        let curve = plan.recovery_curve();
+        let binom = |k: usize| (0..k).fold(1.0, |acc, i| acc * (n - i) as f64 / (i + 1) as f64);
+        for (k, est) in curve.iter().enumerate() {
+            assert!(
+                (est.probability - survivors[k] as f64 / binom(k)).abs() < 1e-9,
+                "k={k}: {} vs {}/{}",
+                est.probability,
+                survivors[k],
+                binom(k)
+            );
+        }
+        // A one-layer model's curve is its layer's.
+        if plan.layers().len() == 1 {
+            assert_eq!(curve, recovery_curve(&plan.layers()[0]));
+        }
+    }
+}
+
+#[test]
+fn the_replica_map_counts_replicas_per_rank() {
+    let shape = ClusterShape::new(3, 2, 2).unwrap();
+    let plan = plan_model(&[vec![5.0, 1.0, 1.0, 9.0, 2.0]], shape, &PlanPolicy::unguarded(2), None).unwrap().with_epoch(4);
+    let map = plan.replica_map();
+    assert_eq!((map.epoch(), map.ranks(), map.experts()), (4, 6, 5));
+    assert_eq!(map.layer(0), plan.layers()[0].rank_replicas().as_slice());
+    let total: u32 = map.layer(0).iter().flatten().sum();
+    assert_eq!(total as usize, shape.total_slots());
+    for e in 0..5 {
+        assert_eq!(map.holders(0, e), (0..6).filter(|&r| map.replicas_on(0, e, r) > 0).collect::<Vec<_>>());
+    }
+    let st = ReplicaMap::static_ep(0, 2, 8, 3).unwrap();
+    assert!(st.one_replica_each());
+    let per_rank: Vec<u32> = (0..3).map(|r| st.layer(0).iter().map(|row| row[r]).sum()).collect();
+    assert!(per_rank.iter().all(|&c| (2..=3).contains(&c)), "{per_rank:?}");
+    assert!(!map.one_replica_each());
+}
+
+#[test]
+fn replica_maps_are_validated_however_they_are_made() {
+    let e = ReplicaMap::new(0, vec![vec![vec![1, 0], vec![0, 0]]]).unwrap_err().to_string();
+    assert!(e.contains("layer 0 expert 1") && e.contains("no replica"), "{e}");
+    let e = ReplicaMap::new(0, vec![vec![vec![1, 0]], vec![vec![1, 0], vec![0, 1]]]).unwrap_err().to_string();
+    assert!(e.contains("layer 1 with 2 experts"), "{e}");
+    assert!(ReplicaMap::new(0, vec![]).is_err());
+    assert!(ReplicaMap::static_ep(0, 1, 4, 0).is_err());
+    // Deserializing runs the same checks (the map travels to worker processes).
+    let e = serde_json::from_str::<ReplicaMap>(r#"{"epoch":1,"layers":[[[1,0],[0,0]]]}"#).unwrap_err().to_string();
+    assert!(e.contains("no replica"), "{e}");
+    let ok: ReplicaMap = serde_json::from_str(r#"{"epoch":1,"layers":[[[1,0],[0,2]]]}"#).unwrap();
+    assert_eq!(ok.ranks(), 2);
+    let back: ReplicaMap = serde_json::from_str(&serde_json::to_string(&ok).unwrap()).unwrap();
+    assert_eq!(back, ok);
+}
+
+#[test]
+fn plan_files_round_trip_and_bad_ones_name_the_problem() {
+    let shape = ClusterShape::new(4, 1, 3).unwrap();
+    let plan = plan_model(&[vec![3.0, 1.0, 4.0, 1.0, 5.0], vec![9.0, 2.0, 6.0, 5.0, 3.0]], shape, &PlanPolicy::unguarded(2), None).unwrap();
+    let text = plan.to_json();
+    assert_eq!(ModelPlan::from_json(&text).unwrap(), plan);
+    let mut file = plan.to_file();
+    file.layers[0].replicas = Some(plan.layers()[0].replica_counts());
+    file.layers[0].strategy = Some(Strategy::Lazarus);
+    file.layers[0].recovery = Some(recovery_curve(&plan.layers()[0]));
+    assert_eq!(ModelPlan::from_json(&serde_json::to_string(&file).unwrap()).unwrap(), plan, "report fields are accepted");
+
+    let err = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        f(&mut v);
+        ModelPlan::from_json(&v.to_string()).unwrap_err().to_string()
+    };
+    let e = err(&|v| v["format"] = "lazarus-plan/9".into());
+    assert!(e.contains("format") && e.contains("lazarus-plan/9"), "{e}");
+    let e = err(&|v| v["layers"][1]["placement"][2][0] = 99999999999u64.into());
+    assert!(e.contains("layer 1") && e.contains("expert 99999999999"), "{e}");
+    let e = err(&|v| v["layers"][0]["replicas"] = serde_json::json!([1, 1, 1, 1, 1]));
+    assert!(e.contains("layer 0") && e.contains("replicas"), "{e}");
+    let e = err(&|v| v["experts"] = 4000000000u64.into());
+    assert!(e.contains("experts") && e.contains("4000000000"), "{e}");
+    let e = err(&|v| v["shape"]["slots_per_gpu"] = 0.into());
+    assert!(e.contains("slots"), "{e}");
+    let e = err(&|v| v["shape"]["nodes"] = 100000000.into());
+    assert!(e.contains("nodes") && e.contains("100000000"), "{e}");
+    let e = err(&|v| v["layers"] = serde_json::json!([]));
+    assert!(e.contains("at least one MoE layer"), "{e}");
+    let e = err(&|v| v["layers"][0]["colour"] = "red".into());
+    assert!(e.contains("colour"), "{e}");
+    // Not a plan file at all: the old bare placement array.
+    let e = ModelPlan::from_json("[[0,1],[1,0]]").unwrap_err().to_string();
+    assert!(e.contains("plan file") && e.contains("lazarus plan --json"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    /// A damaged plan file is an error or a valid plan, never a panic or a huge allocation.
+    #[test]
+    fn damaged_plan_files_never_panic(cut in 0usize..400, pos in 0usize..400, byte in any::<u8>()) {
+        let shape = ClusterShape::new(3, 1, 2).unwrap();
+        let plan = plan_model(&[vec![1.0, 2.0, 3.0]], shape, &PlanPolicy::unguarded(2), None).unwrap();
+        let mut text = plan.to_json().into_bytes();
+        if pos < text.len() {
+            text[pos] = byte;
+        }
+        text.truncate(cut.max(1).min(text.len()));
+        if let Ok(s) = std::str::from_utf8(&text) {
+            if let Ok(p) = ModelPlan::from_json(s) {
+                prop_assert!(p.layers().iter().all(|l| Placement::from_nodes(l.shape(), l.experts(), l.nodes().to_vec()).is_ok()));
+            }
+        }
+    }
+}
