@@ -58,7 +58,7 @@ impl Group {
 
     fn next_tag(&mut self) -> u64 {
         self.seq = self.seq.wrapping_add(1);
-        ((self.id as u64) << 32) | self.seq as u64
+        crate::tags::collective(self.id, self.seq)
     }
 }
 

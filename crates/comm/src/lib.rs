@@ -11,6 +11,7 @@
 
 mod collectives;
 mod error;
+pub mod tags;
 mod tcp;
 
 pub use collectives::{
@@ -32,6 +33,12 @@ pub trait Transport: Send {
     /// The next message from `peer`; it must carry `tag` (collectives run in the same order on
     /// every rank, so per-peer order is enough).
     fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError>;
+    /// The peers this transport knows to be gone — its own connections that failed and losses
+    /// other ranks reported — ascending. What a survivor tells the controller after a step
+    /// failed. A transport that cannot lose peers has none.
+    fn lost_peers(&mut self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// A one-rank transport: the single-process case runs exactly the same code as N processes.

@@ -19,10 +19,7 @@ const HEADER: usize = 28;
 /// Largest frame accepted from or sent to a peer (an expert's weights and moments are far
 /// smaller); a larger header is a protocol error, never an allocation.
 pub const MAX_FRAME: u64 = 1 << 30;
-/// Tag of the abort frame: "peer X is lost, abandon the step".
-const ABORT_TAG: u64 = u64::MAX;
-/// Tag of the goodbye frame: the peer is closing on purpose, its EOF is not a failure.
-const BYE_TAG: u64 = u64::MAX - 1;
+use crate::tags::{ABORT as ABORT_TAG, BYE as BYE_TAG};
 
 enum Event {
     Frame { from: usize, epoch: u64, tag: u64, payload: Vec<u8> },
@@ -43,6 +40,8 @@ pub struct TcpTransport {
     left: Vec<bool>,
     /// The first loss seen (or reported by an abort frame): every later call fails with it.
     failed: Option<CommError>,
+    /// Peers another rank reported lost in an abort frame.
+    reported: Vec<bool>,
 }
 
 /// How ranks find each other: rank r listens on `addrs[r]`.
@@ -208,6 +207,7 @@ impl TcpTransport {
             lost: vec![None; world],
             left: vec![false; world],
             failed: None,
+            reported: vec![false; world],
         })
     }
 
@@ -257,7 +257,8 @@ impl TcpTransport {
             match ev {
                 Event::Frame { from, tag, .. } if tag == BYE_TAG => self.left[from] = true,
                 Event::Frame { from, tag, payload, .. } if tag == ABORT_TAG => {
-                    self.failed.get_or_insert(abort_error(from, &payload, self.world));
+                    let err = self.note_abort(from, &payload);
+                    self.failed.get_or_insert(err);
                 }
                 Event::Frame { from, tag, payload, .. } => self.pending[from].push_back((tag, payload)),
                 Event::Closed { from, reason } => {
@@ -270,6 +271,15 @@ impl TcpTransport {
             }
         }
         self.failed.clone()
+    }
+
+    /// An abort frame from `from`: remember whom it reports lost.
+    fn note_abort(&mut self, from: usize, payload: &[u8]) -> CommError {
+        let err = abort_error(from, payload, self.world);
+        if let CommError::PeerLost { peer, .. } = &err {
+            self.reported[*peer] = true;
+        }
+        err
     }
 
     /// Leave cleanly: say goodbye to every peer, then close. Peers that still wait for a
@@ -318,7 +328,7 @@ impl Transport for TcpTransport {
         if peer >= self.world {
             return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
         }
-        if tag >= BYE_TAG {
+        if crate::tags::is_control(tag) {
             return Err(CommError::invalid("tag", format!("{tag:#x} is reserved for control frames")));
         }
         if payload.len() as u64 > MAX_FRAME {
@@ -334,6 +344,11 @@ impl Transport for TcpTransport {
         }
         let result = self.recv_frame(peer, tag, deadline);
         self.fail_on(result)
+    }
+
+    fn lost_peers(&mut self) -> Vec<usize> {
+        self.drain_control();
+        (0..self.world).filter(|&p| p != self.rank && ((self.lost[p].is_some() && !self.left[p]) || self.reported[p])).collect()
     }
 }
 
@@ -417,7 +432,7 @@ impl TcpTransport {
                         continue;
                     }
                     if t == ABORT_TAG {
-                        let err = abort_error(from, &payload, self.world);
+                        let err = self.note_abort(from, &payload);
                         self.failed = Some(err.clone());
                         return Err(err);
                     }

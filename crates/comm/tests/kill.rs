@@ -1,5 +1,6 @@
 //! Real processes on loopback: four ranks run all-reduces in a loop; one is killed with SIGKILL
-//! mid-collective; every survivor must return `PeerLost` within 2 s — no hang, no panic.
+//! mid-collective; every survivor must return `PeerLost` within 2 s — no hang, no panic — and
+//! name rank 2, and only rank 2, among its lost peers.
 //!
 //! The peers are this test binary itself, started with `LAZARUS_COMM_PEER=1` to run
 //! [`peer_process`] (a no-op in a normal test run).
@@ -40,7 +41,8 @@ fn peer_process() {
                     CommError::Timeout { .. } => "Timeout",
                     _ => "Other",
                 };
-                println!("ERR {kind} {e}");
+                use lazarus_comm::Transport;
+                println!("ERR {kind} {e} LOST {:?}", t.lost_peers());
                 std::io::stdout().flush().unwrap();
                 return;
             }
@@ -119,6 +121,8 @@ fn sigkill_mid_collective_gives_peer_lost_within_two_seconds() {
         }
         let (line, after) = o.as_ref().unwrap_or_else(|| panic!("rank {rank} never reported an error"));
         assert!(line.starts_with("ERR PeerLost"), "rank {rank}: {line}");
+        // What a survivor would tell the controller: rank 2, and nobody else, is gone.
+        assert!(line.ends_with("LOST [2]"), "rank {rank}: {line}");
         assert!(*after < Duration::from_secs(2), "rank {rank} took {after:?}");
         eprintln!("rank {rank}: {line} after {after:?}");
     }

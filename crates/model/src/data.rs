@@ -230,8 +230,12 @@ impl Sampler {
     }
 
     fn prepare_epoch(&mut self) {
+        self.prepare_epoch_of(self.cursor.windows / self.windows_per_epoch());
+    }
+
+    /// Make `order` the permutation of epoch `epoch`.
+    fn prepare_epoch_of(&mut self, epoch: u64) {
         let per = self.windows_per_epoch();
-        let epoch = self.cursor.windows / per;
         if epoch == self.epoch {
             return;
         }
@@ -244,8 +248,18 @@ impl Sampler {
         self.epoch = epoch;
     }
 
-    /// The next `batch` windows.
+    /// The next `batch` windows, and the cursor moves past them.
     pub fn next_batch(&mut self, batch: usize) -> Batch {
+        let out = self.peek_batch(batch);
+        self.advance(batch);
+        out
+    }
+
+    /// The next `batch` windows without moving the cursor: a distributed step reads its batch
+    /// here and moves the cursor only when it commits ([`Sampler::advance`]), so an abandoned
+    /// step leaves the data position untouched and its re-run reads the same batch. (Only the
+    /// cached permutation of the epoch may change, and that is a function of the cursor.)
+    pub fn peek_batch(&mut self, batch: usize) -> Batch {
         let mut out = Batch {
             batch,
             seq_len: self.seq_len,
@@ -253,17 +267,22 @@ impl Sampler {
             targets: Vec::with_capacity(batch * self.seq_len),
             windows: Vec::with_capacity(batch),
         };
-        for _ in 0..batch {
-            self.prepare_epoch();
-            let per = self.windows_per_epoch();
-            let w = self.order[(self.cursor.windows % per) as usize] as usize;
+        let per = self.windows_per_epoch();
+        for k in 0..batch as u64 {
+            let index = self.cursor.windows + k;
+            self.prepare_epoch_of(index / per);
+            let w = self.order[(index % per) as usize] as usize;
             let start = w * self.seq_len;
             out.inputs.extend_from_slice(&self.tokens[start..start + self.seq_len]);
             out.targets.extend_from_slice(&self.tokens[start + 1..start + self.seq_len + 1]);
-            out.windows.push(self.cursor.windows);
-            self.cursor.windows += 1;
+            out.windows.push(index);
         }
         out
+    }
+
+    /// Move the cursor past `batch` windows (a committed step).
+    pub fn advance(&mut self, batch: usize) {
+        self.cursor.windows += batch as u64;
     }
 }
 
@@ -282,6 +301,23 @@ mod tests {
         }
         let h = unigram_entropy(&ByteTokenizer::encode(&a));
         assert!(h > 2.0 && h < 5.0, "{h}");
+    }
+
+    #[test]
+    fn a_peeked_batch_moves_nothing_until_advanced() {
+        let tokens: Vec<u32> = (0..1000).map(|i| i % 256).collect();
+        let mut plain = Sampler::new(tokens.clone(), 10, 7, Cursor::default()).unwrap();
+        let mut peeking = Sampler::new(tokens, 10, 7, Cursor::default()).unwrap();
+        // 13 batches of 7 windows cross the 99-window epochs, one batch straddling a boundary.
+        for _ in 0..30 {
+            let before = peeking.cursor();
+            let a = peeking.peek_batch(7);
+            assert_eq!(peeking.cursor(), before, "a peek moves no cursor");
+            assert_eq!(peeking.peek_batch(7), a, "a re-run reads the same batch");
+            peeking.advance(7);
+            assert_eq!(plain.next_batch(7), a);
+            assert_eq!(peeking.cursor(), plain.cursor());
+        }
     }
 
     #[test]

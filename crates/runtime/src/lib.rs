@@ -1,18 +1,23 @@
-//! The Lazarus worker runtime. This first piece is one MoE layer distributed over ranks with the
-//! flexible token dispatcher (paper §4.2): route, all-gather the per-expert token counts,
-//! compute the shared dispatch schedule, send each token slot to a replica with a padding-free
-//! all-to-all, run the local experts, send results back and combine; backward mirrors it.
+//! The Lazarus worker runtime (paper §4.2): one rank of a data- and expert-parallel job.
 //!
-//! Autograd cannot see across an all-to-all, so the layer is a chain of *segments* (DESIGN.md,
-//! "Runtime step mechanics"): router + combine on the token's rank, and each expert on the rank
-//! that holds it, each with fresh leaf inputs. Backward seeds every segment with the gradient
-//! that arrives over the network.
+//! * [`DistributedMoe`] — one MoE layer over the ranks with the flexible token dispatcher: route,
+//!   all-gather the per-expert token counts, compute the shared dispatch schedule, send each
+//!   token slot to a replica with a padding-free all-to-all, run the local experts, send results
+//!   back and combine; backward mirrors it. Autograd cannot see across an all-to-all, so the
+//!   layer is a chain of *segments* (DESIGN.md, "Runtime step mechanics").
+//! * [`Worker`] — the full training step over every layer, computed and then committed (a step
+//!   that fails is dropped whole), checkpoints in the single-process format, and an expert's
+//!   state in and out ([`ExpertState`], the one wire form of an expert's weights and optimizer
+//!   state).
+//! * [`bench`] — the per-rank part of `lazarus bench moe-layer`.
 
 pub mod bench;
 mod error;
+mod expert_state;
 mod moe;
 mod worker;
 
 pub use error::RuntimeError;
+pub use expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
-pub use worker::{batch_share, check_plan, validate_worker_config, Worker, WorkerOptions, WorkerStepReport};
+pub use worker::{batch_share, check_plan, validate_worker_config, PendingStep, Worker, WorkerOptions, WorkerStepReport};

@@ -1,0 +1,174 @@
+//! One expert's full training state — weights W1, b1, W2, b2 and each tensor's AdamW m, v and
+//! step count — and its one wire form. The checkpoint gather sends it to rank 0; state transfers
+//! after a reconfiguration and snapshots send the same bytes.
+//!
+//! Wire form (little-endian): magic `LZX1` (u32), MoE layer (u32), expert (u32), then per tensor
+//! its rank (u32), its dimensions (u64 each) and its AdamW step (u64); then per tensor its
+//! weight, m and v as f32. A decoder is told the shapes it expects and checks every size before
+//! it allocates, so a peer cannot make it allocate more than one expert.
+
+use crate::error::RuntimeError;
+
+const MAGIC: u32 = 0x4c5a_5831; // "LZX1"
+/// Tensors of an expert: W1 [d, f], b1 [f], W2 [f, d], b2 [d].
+pub const EXPERT_TENSORS: usize = 4;
+
+/// One tensor of an expert with its optimizer state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorTrainState {
+    pub shape: Vec<usize>,
+    pub weight: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// AdamW updates applied to this tensor.
+    pub step: u64,
+}
+
+/// Everything needed to train expert `expert` of MoE layer `layer` on another rank as if it had
+/// always been there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertState {
+    pub layer: usize,
+    pub expert: usize,
+    pub tensors: [TensorTrainState; EXPERT_TENSORS],
+}
+
+fn bad(reason: String) -> RuntimeError {
+    RuntimeError::Invalid { field: "expert state", reason }
+}
+
+impl ExpertState {
+    /// Bytes of the wire form of an expert with these tensor shapes.
+    pub fn encoded_len(shapes: &[Vec<usize>; EXPERT_TENSORS]) -> usize {
+        12 + shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum::<usize>()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|i| self.tensors[i].shape.clone());
+        let mut out = Vec::with_capacity(Self::encoded_len(&shapes));
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&(self.layer as u32).to_le_bytes());
+        out.extend_from_slice(&(self.expert as u32).to_le_bytes());
+        for t in &self.tensors {
+            out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+            for &d in &t.shape {
+                out.extend_from_slice(&(d as u64).to_le_bytes());
+            }
+            out.extend_from_slice(&t.step.to_le_bytes());
+        }
+        for t in &self.tensors {
+            for part in [&t.weight, &t.m, &t.v] {
+                out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    /// Decode the state of expert (`layer`, `expert`) whose tensors must have `shapes`.
+    pub fn decode(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS]) -> Result<Self, RuntimeError> {
+        let want = Self::encoded_len(shapes);
+        if bytes.len() != want {
+            return Err(bad(format!("layer {layer} expert {expert}: {} bytes, expected {want}", bytes.len())));
+        }
+        let mut at = 0usize;
+        let mut u32_at = || {
+            let v = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+            at += 4;
+            v
+        };
+        let (magic, l, e) = (u32_at(), u32_at(), u32_at());
+        if magic != MAGIC {
+            return Err(bad(format!("bad magic {magic:#x}")));
+        }
+        if (l as usize, e as usize) != (layer, expert) {
+            return Err(bad(format!("carries layer {l} expert {e}, expected layer {layer} expert {expert}")));
+        }
+        let mut steps = [0u64; EXPERT_TENSORS];
+        for (k, shape) in shapes.iter().enumerate() {
+            let rank = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+            at += 4;
+            // The length matched, so a rank that differs would also misplace what follows.
+            if rank != shape.len() {
+                return Err(bad(format!("tensor {k} has rank {rank}, expected {}", shape.len())));
+            }
+            for (i, &d) in shape.iter().enumerate() {
+                let got = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+                at += 8;
+                if got != d as u64 {
+                    return Err(bad(format!("tensor {k} dimension {i} is {got}, expected {d}")));
+                }
+            }
+            steps[k] = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+            at += 8;
+        }
+        let mut floats = |n: usize| -> Vec<f32> {
+            let v = bytes[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            at += 4 * n;
+            v
+        };
+        let tensors = std::array::from_fn(|k| {
+            let n = shapes[k].iter().product();
+            let (weight, m, v) = (floats(n), floats(n), floats(n));
+            TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
+        });
+        Ok(ExpertState { layer, expert, tensors })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ExpertState {
+        let shapes = [vec![3, 2], vec![2], vec![2, 3], vec![3]];
+        let mut x = 0.0f32;
+        let mut next = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x += 0.25;
+                    x
+                })
+                .collect()
+        };
+        let tensors = std::array::from_fn(|k| {
+            let n = shapes[k].iter().product();
+            TensorTrainState { shape: shapes[k].clone(), weight: next(n), m: next(n), v: next(n), step: 7 + k as u64 }
+        });
+        ExpertState { layer: 2, expert: 5, tensors }
+    }
+
+    #[test]
+    fn round_trips_and_checks_what_it_reads() {
+        let s = sample();
+        let shapes: [Vec<usize>; 4] = std::array::from_fn(|k| s.tensors[k].shape.clone());
+        let bytes = s.encode();
+        assert_eq!(bytes.len(), ExpertState::encoded_len(&shapes));
+        assert_eq!(ExpertState::decode(&bytes, 2, 5, &shapes).unwrap(), s);
+        let e = ExpertState::decode(&bytes, 2, 6, &shapes).unwrap_err().to_string();
+        assert!(e.contains("layer 2 expert 5"), "{e}");
+        let e = ExpertState::decode(&bytes[..bytes.len() - 4], 2, 5, &shapes).unwrap_err().to_string();
+        assert!(e.contains("expected"), "{e}");
+        let mut other = shapes.clone();
+        other[0] = vec![2, 3];
+        let e = ExpertState::decode(&bytes, 2, 5, &other).unwrap_err().to_string();
+        assert!(e.contains("tensor 0 dimension 0 is 3, expected 2"), "{e}");
+        let mut corrupt = bytes.clone();
+        corrupt[0] ^= 1;
+        assert!(ExpertState::decode(&corrupt, 2, 5, &shapes).unwrap_err().to_string().contains("magic"));
+    }
+
+    #[test]
+    fn damaged_bytes_are_an_error_never_a_panic() {
+        let s = sample();
+        let shapes: [Vec<usize>; 4] = std::array::from_fn(|k| s.tensors[k].shape.clone());
+        let bytes = s.encode();
+        for i in 0..bytes.len() {
+            for flip in [1u8, 0x80, 0xff] {
+                let mut b = bytes.clone();
+                b[i] ^= flip;
+                let _ = ExpertState::decode(&b, 2, 5, &shapes);
+            }
+            let _ = ExpertState::decode(&bytes[..i], 2, 5, &shapes);
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! One training worker: a rank of a data- and expert-parallel job (paper §4.2).
+//!
+//! Every worker builds the model from the same seed and reads the same global batch; it computes
+//! on its deterministic share of the batch's sequences. A step is a chain of segments (DESIGN.md,
+//! "Runtime step mechanics"): one per transformer block, cut at the block's input, plus the
+//! head. An MoE block's experts run through [`DistributedMoe`] (dispatch over the padding-free
+//! all-to-all, experts on their holders, combine). Backward walks the segments in reverse; in an
+//! MoE block the expert path's input gradient arrives over the network first, then one backward
+//! of the segment takes the gradient from the block's output, the expert path and the
+//! load-balancing loss together. Non-expert gradients are summed over all ranks, each expert's
+//! over its holders, and every rank applies the same AdamW update, so replicas stay identical.
+//!
+//! Losses are scaled by (local tokens / global tokens), so the sum over ranks is exactly the
+//! single-process loss of the whole batch and the summed gradients are its gradients.
+//!
+//! Files: this one builds a worker and moves expert states in and out of it; `step` computes and
+//! commits a step (a step that fails is dropped whole); `checkpoint` writes a checkpoint.
+
+mod checkpoint;
+mod step;
+
+pub use step::PendingStep;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use candle_core::{DType, Tensor};
+use lazarus_model::optim::TensorState;
+use lazarus_model::{StepReport, TrainConfig, Trainer};
+use lazarus_plan::ReplicaMap;
+
+use crate::error::RuntimeError;
+use crate::expert_state::{ExpertState, TensorTrainState};
+use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
+
+/// What a worker needs beyond the training configuration.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Replicas of every expert on every rank, per MoE layer (from a [`lazarus_plan::ModelPlan`]
+    /// or static expert parallelism).
+    pub plan: ReplicaMap,
+    pub mode: DispatchMode,
+    /// Deadline of every collective.
+    pub timeout: Duration,
+}
+
+/// Where a parameter lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ParamKind {
+    /// Replicated on every rank; gradient summed over all ranks.
+    Shared,
+    /// Tensor `part` (W1, b1, W2, b2) of expert `expert` of MoE layer `layer`.
+    Expert { layer: usize, expert: usize, part: usize },
+}
+
+/// One step's outcome on a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerStepReport {
+    /// Same fields as the single-process trainer's report; losses and loads are global.
+    pub report: StepReport,
+    /// Bytes this rank sent in the dispatch/combine all-to-alls of this step.
+    pub wire_bytes: u64,
+}
+
+/// Sequences [lo, hi) of a global batch of `batch` sequences that rank `rank` of `world` takes:
+/// an even split, the first `batch % world` ranks taking one more.
+pub fn batch_share(batch: usize, world: usize, rank: usize) -> (usize, usize) {
+    let (base, extra) = (batch / world, batch % world);
+    let lo = rank * base + rank.min(extra);
+    (lo, lo + base + usize::from(rank < extra))
+}
+
+/// Check a plan against the model and the world: one layer per MoE layer, the model's experts,
+/// one rank per worker; static expert parallelism needs exactly one replica per expert.
+pub fn check_plan(plan: &ReplicaMap, moe_layers: usize, experts: usize, world: usize, mode: DispatchMode) -> Result<(), RuntimeError> {
+    let bad = |reason: String| RuntimeError::Invalid { field: "placement", reason };
+    if plan.layers().len() != moe_layers {
+        return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", plan.layers().len())));
+    }
+    if plan.experts() != experts {
+        return Err(bad(format!("{} experts per layer, the model has {experts}", plan.experts())));
+    }
+    if plan.ranks() != world {
+        return Err(bad(format!("the plan is for {} ranks, the job has {world} workers", plan.ranks())));
+    }
+    if mode.is_static() && !plan.one_replica_each() {
+        return Err(bad("static expert parallelism needs exactly 1 replica of every expert".into()));
+    }
+    Ok(())
+}
+
+/// What multi-worker training cannot run: fewer sequences than workers, a capacity factor (the
+/// distributed step is dropless), trace-driven routing.
+pub fn validate_worker_config(config: &TrainConfig, world: usize) -> Result<(), RuntimeError> {
+    if world == 0 {
+        return Err(RuntimeError::Invalid { field: "workers", reason: "0 (need at least 1)".into() });
+    }
+    if config.batch_size < world {
+        return Err(RuntimeError::Invalid {
+            field: "batch_size",
+            reason: format!("{} sequences cannot be split over {world} workers", config.batch_size),
+        });
+    }
+    if let Some(cf) = config.model.capacity_factor {
+        return Err(RuntimeError::Invalid {
+            field: "model.capacity_factor",
+            reason: format!("{cf}: multi-worker training is dropless; leave it unset"),
+        });
+    }
+    if config.routing_trace.is_some() {
+        return Err(RuntimeError::Invalid { field: "routing_trace", reason: "trace-driven routing is single-process only".into() });
+    }
+    Ok(())
+}
+
+pub struct Worker {
+    /// The model, optimizer, sampler and step count (the same object the single-process trainer
+    /// uses, so checkpoints are interchangeable).
+    pub trainer: Trainer,
+    rank: usize,
+    world: usize,
+    layers: Vec<DistributedMoe>,
+    kinds: Vec<ParamKind>,
+    plan: ReplicaMap,
+    timeout: Duration,
+    /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
+    held: Option<PendingStep>,
+}
+
+impl Worker {
+    /// A worker for rank `rank` of `world`, fresh (`resume` None) or from a checkpoint directory.
+    pub fn new(
+        config: TrainConfig,
+        options: WorkerOptions,
+        rank: usize,
+        world: usize,
+        resume: Option<&Path>,
+    ) -> Result<Self, RuntimeError> {
+        if rank >= world {
+            return Err(RuntimeError::Invalid { field: "rank", reason: format!("rank {rank} of a world of {world}") });
+        }
+        validate_worker_config(&config, world)?;
+        let trainer = match resume {
+            Some(dir) => Trainer::resume(dir, Some(config.steps))?,
+            None => Trainer::new(config)?,
+        };
+        let mc = trainer.model.config().clone();
+        check_plan(&options.plan, mc.moe_layers(), mc.n_experts, world, options.mode)?;
+        let model = &trainer.model;
+        let mut kinds = vec![ParamKind::Shared; model.params().len()];
+        let mut layers = Vec::with_capacity(mc.moe_layers());
+        for (l, replicas) in options.plan.layers().iter().enumerate() {
+            let mut experts = BTreeMap::new();
+            for (e, row) in replicas.iter().enumerate() {
+                for (part, name) in model.expert_param_names(l, e).iter().enumerate() {
+                    let i = model
+                        .params()
+                        .position(name)
+                        .ok_or_else(|| RuntimeError::Invalid { field: "model", reason: format!("no tensor {name}") })?;
+                    kinds[i] = ParamKind::Expert { layer: l, expert: e, part };
+                }
+                if row[rank] > 0 {
+                    let [w1, b1, w2, b2] = model.expert_vars(l, e)?;
+                    experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
+                }
+            }
+            layers.push(DistributedMoe {
+                gate: model.gate(l)?.clone(),
+                experts,
+                replicas: replicas.clone(),
+                top_k: mc.top_k,
+                timeout: options.timeout,
+                mode: options.mode,
+                bucket_bytes: DEFAULT_BUCKET_BYTES,
+            });
+        }
+        let mut worker = Worker { trainer, rank, world, layers, kinds, plan: options.plan, timeout: options.timeout, held: None };
+        worker.release_remote_experts()?;
+        Ok(worker)
+    }
+
+    /// Free the weights and optimizer moments of every expert not placed on this rank: a
+    /// worker keeps one physical copy of the experts it holds and nothing of the others.
+    fn release_remote_experts(&mut self) -> Result<(), RuntimeError> {
+        for l in 0..self.plan.layers().len() {
+            for e in 0..self.plan.experts() {
+                if self.plan.replicas_on(l, e, self.rank) > 0 || !self.trainer.model.expert_resident(l, e)? {
+                    continue;
+                }
+                self.trainer.model.set_expert(l, e, None)?;
+                for name in self.trainer.model.expert_param_names(l, e) {
+                    let i = self.position(&name)?;
+                    self.trainer.optimizer.release(i);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Scalars of expert weights (and, as many again twice, optimizer moments) this worker
+    /// keeps in memory.
+    pub fn resident_expert_elements(&self) -> usize {
+        self.kinds
+            .iter()
+            .zip(self.trainer.model.params().vars())
+            .filter(|(k, _)| matches!(k, ParamKind::Expert { .. }))
+            .map(|(_, v)| v.elem_count())
+            .sum()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The plan this worker runs.
+    pub fn plan(&self) -> &ReplicaMap {
+        &self.plan
+    }
+
+    /// Steps completed (committed).
+    pub fn steps_done(&self) -> u64 {
+        self.trainer.step
+    }
+
+    /// The full training state of expert `expert` of MoE layer `layer` (weights and AdamW
+    /// moments and steps), which this worker must hold.
+    pub fn export_expert(&self, layer: usize, expert: usize) -> Result<ExpertState, RuntimeError> {
+        let model = &self.trainer.model;
+        if !model.expert_resident(layer, expert)? {
+            return Err(RuntimeError::Invalid {
+                field: "expert",
+                reason: format!("layer {layer} expert {expert} is not held by rank {}", self.rank),
+            });
+        }
+        let names = model.expert_param_names(layer, expert);
+        let mut tensors = Vec::with_capacity(names.len());
+        for name in &names {
+            let i = self.position(name)?;
+            let var = &model.params().vars()[i];
+            let s = self.trainer.optimizer.state(i)?;
+            let host = |t: &Tensor| -> Result<Vec<f32>, RuntimeError> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+            tensors.push(TensorTrainState {
+                shape: var.dims().to_vec(),
+                weight: host(var.as_tensor())?,
+                m: host(&s.m)?,
+                v: host(&s.v)?,
+                step: s.step,
+            });
+        }
+        let tensors = tensors.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })?;
+        Ok(ExpertState { layer, expert, tensors })
+    }
+
+    /// Take in an expert's full training state (weights and optimizer state), replacing what
+    /// this worker had of it.
+    pub fn install_expert(&mut self, state: &ExpertState) -> Result<(), RuntimeError> {
+        let (l, e) = (state.layer, state.expert);
+        let device = self.trainer.model.device().clone();
+        let shapes = self.trainer.model.expert_shapes();
+        let mut weights = Vec::with_capacity(4);
+        for (t, shape) in state.tensors.iter().zip(&shapes) {
+            if &t.shape != shape {
+                return Err(RuntimeError::Invalid {
+                    field: "expert state",
+                    reason: format!("layer {l} expert {e}: shape {:?}, expected {shape:?}", t.shape),
+                });
+            }
+            weights.push(Tensor::from_slice(&t.weight, shape.as_slice(), &device)?);
+        }
+        let weights: [Tensor; 4] =
+            weights.try_into().map_err(|_| RuntimeError::Invalid { field: "expert state", reason: "4 tensors".into() })?;
+        self.trainer.model.set_expert(l, e, Some(weights))?;
+        for (name, t) in self.trainer.model.expert_param_names(l, e).iter().zip(&state.tensors) {
+            let i = self.position(name)?;
+            let m = Tensor::from_slice(&t.m, t.shape.as_slice(), &device)?;
+            let v = Tensor::from_slice(&t.v, t.shape.as_slice(), &device)?;
+            self.trainer.optimizer.set_state(i, TensorState { m, v, step: t.step })?;
+        }
+        // The layer computes with the model's tensors: point it at the new ones if it runs them.
+        if self.plan.replicas_on(l, e, self.rank) > 0 {
+            let [w1, b1, w2, b2] = self.trainer.model.expert_vars(l, e)?;
+            self.layers[l].experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
+        }
+        Ok(())
+    }
+
+    pub fn done(&self) -> bool {
+        self.trainer.done()
+    }
+
+    fn position(&self, name: &str) -> Result<usize, RuntimeError> {
+        self.trainer
+            .model
+            .params()
+            .position(name)
+            .ok_or_else(|| RuntimeError::Invalid { field: "model", reason: format!("no tensor {name}") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_shares_cover_the_batch_once() {
+        for batch in 1..20 {
+            for world in 1..=batch {
+                let mut next = 0;
+                for r in 0..world {
+                    let (lo, hi) = batch_share(batch, world, r);
+                    assert_eq!(lo, next);
+                    assert!(hi - lo >= batch / world && hi - lo <= batch.div_ceil(world));
+                    next = hi;
+                }
+                assert_eq!(next, batch);
+            }
+        }
+    }
+
+    #[test]
+    fn plans_that_do_not_fit_the_model_or_the_mode_name_the_problem() {
+        let p = ReplicaMap::static_ep(0, 1, 4, 2).unwrap();
+        assert!(check_plan(&p, 2, 4, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("MoE layers"));
+        assert!(check_plan(&p, 1, 5, 2, DispatchMode::Flexible).unwrap_err().to_string().contains("experts"));
+        assert!(check_plan(&p, 1, 4, 3, DispatchMode::Flexible).unwrap_err().to_string().contains("3 workers"));
+        check_plan(&p, 1, 4, 2, DispatchMode::StaticPadded).unwrap();
+        let twice = ReplicaMap::new(0, vec![vec![vec![1, 1], vec![1, 0], vec![0, 1], vec![0, 1]]]).unwrap();
+        assert!(check_plan(&twice, 1, 4, 2, DispatchMode::StaticPadded).unwrap_err().to_string().contains("exactly 1"));
+        check_plan(&twice, 1, 4, 2, DispatchMode::Flexible).unwrap();
+    }
+}

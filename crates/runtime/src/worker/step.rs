@@ -1,0 +1,258 @@
+//! A training step in two halves: [`Worker::compute`] runs every collective of the step and
+//! returns a [`PendingStep`]; [`Worker::commit`] applies it. Nothing that outlives a step —
+//! parameters, optimizer state, data cursor, step counter — changes before the commit, so a step
+//! that fails anywhere (a peer lost mid-dispatch, mid-backward, mid-all-reduce) is dropped and
+//! re-run on the same global batch with the same result (DESIGN.md, "No partial step").
+//!
+//! Between the halves [`Worker::step`] takes a commit vote (a barrier over every rank): a rank
+//! commits only once every rank has finished computing. A failure during the vote can leave some
+//! survivors committed and others not; those hold their complete pending step
+//! ([`Worker::held_step`]), and since every rank that reached the vote holds the same summed
+//! gradients, committing it later ([`Worker::commit_held`]) gives the same state — the
+//! controller resolves the step by the furthest survivor.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor, Var};
+use lazarus_comm::{all_reduce_sum_f32, barrier, Group, Transport};
+use lazarus_model::model::cross_entropy;
+use lazarus_model::optim::clip_scale;
+use lazarus_model::StepReport;
+
+use super::{batch_share, ParamKind, Worker, WorkerStepReport};
+use crate::error::RuntimeError;
+use crate::moe::MoeForward;
+
+/// A step computed on every rank but not applied: the global loss and loads, and the gradients
+/// summed over the ranks that share each tensor.
+#[derive(Debug, Clone)]
+pub struct PendingStep {
+    /// The step counter this step was computed at (it completes step `at + 1`).
+    at: u64,
+    /// Summed gradients in parameter order (None: no update for that tensor).
+    grads: Vec<Option<Vec<f32>>>,
+    lr: f64,
+    grad_scale: f64,
+    /// Windows of the global batch: the data cursor moves past them on commit.
+    batch: usize,
+    report: WorkerStepReport,
+}
+
+impl PendingStep {
+    /// The step this would complete.
+    pub fn step(&self) -> u64 {
+        self.at + 1
+    }
+}
+
+impl Worker {
+    /// Compute the next step over the global batch — forward, backward, every gradient
+    /// collective — without changing anything that outlives the step. Every rank must call it
+    /// together; on error nothing has changed and the step can be re-run on a new transport.
+    pub fn compute(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<PendingStep, RuntimeError> {
+        let cfg = self.trainer.config.clone();
+        let (b, tl) = (cfg.batch_size, cfg.seq_len);
+        let batch = self.trainer.sampler.peek_batch(b);
+        let (lo, hi) = batch_share(b, self.world, self.rank);
+        let rows = hi - lo;
+        let model = &self.trainer.model;
+        let device = model.device().clone();
+        let d = model.config().d_model;
+        let inputs = Tensor::from_vec(batch.inputs[lo * tl..hi * tl].to_vec(), (rows, tl), &device)?;
+        let targets = Tensor::from_vec(batch.targets[lo * tl..hi * tl].to_vec(), rows * tl, &device)?;
+        let local_share = (rows * tl) as f64 / (b * tl) as f64;
+
+        // Forward, one segment per block; each later segment starts at a fresh leaf.
+        struct Segment {
+            input: Option<Var>,
+            output: Tensor,
+            h: Tensor,
+            moe: Option<(usize, MoeForward)>,
+        }
+        let mut segments: Vec<Segment> = Vec::with_capacity(model.config().n_layers);
+        let mut x = model.embed(&inputs)?;
+        let mut input: Option<Var> = None;
+        let mut wire_bytes = 0u64;
+        let mut moe_index = 0;
+        for block in 0..model.config().n_layers {
+            let (x_mid, h) = model.block_attention(block, &x)?;
+            let (y, moe) = match model.block_dense_ffn(block, &h)? {
+                Some(y) => (y, None),
+                None => {
+                    let f = self.layers[moe_index].forward(t, world, &h)?;
+                    wire_bytes += f.wire_bytes;
+                    moe_index += 1;
+                    (f.output.clone(), Some((moe_index - 1, f)))
+                }
+            };
+            let output = (x_mid + y.reshape((rows, tl, d))?)?;
+            let leaf = Var::from_tensor(&output.detach())?;
+            segments.push(Segment { input: input.take(), output, h, moe });
+            x = leaf.as_tensor().clone();
+            input = Some(leaf);
+        }
+        let logits = model.logits(&x)?;
+        let ce_local = (cross_entropy(&logits, &targets)? * local_share)?;
+
+        // Backward: the head, then the blocks in reverse.
+        let params = model.params().clone();
+        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
+        let take_shared = |store: &candle_core::backprop::GradStore, grads: &mut Vec<Option<Tensor>>| {
+            for (i, var) in params.vars().iter().enumerate() {
+                if self.kinds[i] == ParamKind::Shared {
+                    if let Some(g) = store.get(var.as_tensor()) {
+                        grads[i] = Some(g.clone());
+                    }
+                }
+            }
+        };
+        let store = ce_local.backward()?;
+        take_shared(&store, &mut grads);
+        let leaf_grad = |store: &candle_core::backprop::GradStore, v: &Var| -> Result<Tensor, RuntimeError> {
+            Ok(store.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok)?)
+        };
+        let Some(last) = input.as_ref() else {
+            return Err(RuntimeError::Invalid { field: "model", reason: "has no blocks".into() });
+        };
+        let mut g = leaf_grad(&store, last)?;
+        let moe_layers = self.layers.len().max(1) as f64;
+        let aux_coef = model.config().aux_loss_coef / moe_layers;
+        let mut aux_local = 0.0f64;
+        let mut expert_grads: BTreeMap<(usize, usize), Vec<Tensor>> = BTreeMap::new();
+        for seg in segments.iter().rev() {
+            let mut seed = (&seg.output * &g)?.sum_all()?;
+            if let Some((l, f)) = &seg.moe {
+                let g_host: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let eg = self.layers[*l].expert_backward(t, world, f, &g_host)?;
+                wire_bytes += eg.wire_bytes;
+                seed = (seed + (&seg.h * &eg.h_through_experts)?.sum_all()?)?;
+                seed = (seed + (&f.aux * aux_coef)?)?;
+                aux_local += f.aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                for (e, gs) in eg.experts {
+                    expert_grads.insert((*l, e), gs);
+                }
+            }
+            let store = seed.backward()?;
+            take_shared(&store, &mut grads);
+            if let Some(v) = &seg.input {
+                g = leaf_grad(&store, v)?;
+            }
+        }
+
+        // Sum the replicated parameters' gradients (and the loss terms) over all ranks.
+        let mut flat: Vec<f32> = Vec::new();
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for (i, var) in params.vars().iter().enumerate() {
+            if self.kinds[i] != ParamKind::Shared {
+                continue;
+            }
+            let start = flat.len();
+            match &grads[i] {
+                Some(g) => flat.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+                None => flat.resize(start + var.elem_count(), 0.0),
+            }
+            spans.push((i, start));
+        }
+        // Each expert's squared gradient norm once over the job: every holder adds 1/holders.
+        let mut expert_sq = 0.0f64;
+        for ((l, e), gs) in &expert_grads {
+            let holders = self.plan.holders(*l, *e).len() as f64;
+            for g in gs {
+                let v: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                expert_sq += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / holders;
+            }
+        }
+        let ce_value = ce_local.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let extras = flat.len();
+        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32]);
+        all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
+        let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
+        flat.truncate(extras);
+
+        let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
+        let mut shared_sq = 0.0f64;
+        for (i, start) in spans {
+            let v = flat[start..start + params.vars()[i].elem_count()].to_vec();
+            shared_sq += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            host[i] = Some(v);
+        }
+        for (i, kind) in self.kinds.iter().enumerate() {
+            if let ParamKind::Expert { layer, expert, part } = *kind {
+                if let Some(gs) = expert_grads.get(&(layer, expert)) {
+                    host[i] = Some(gs[part].flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+                }
+            }
+        }
+        let norm = (shared_sq + expert_sq).sqrt();
+        let at = self.trainer.step;
+        let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(at);
+        let expert_load = segments.iter().filter_map(|s| s.moe.as_ref().map(|(_, f)| f.global_load.clone())).collect();
+        let report = StepReport {
+            step: at + 1,
+            loss,
+            aux_loss: aux_sum / moe_layers,
+            tokens: (b * tl) as u64,
+            lr,
+            grad_norm: norm,
+            expert_load,
+            dropped: 0,
+        };
+        Ok(PendingStep {
+            at,
+            grads: host,
+            lr,
+            grad_scale: clip_scale(norm, cfg.grad_clip),
+            batch: b,
+            report: WorkerStepReport { report, wire_bytes },
+        })
+    }
+
+    /// Apply a computed step: AdamW on every tensor with a gradient, the data cursor past the
+    /// batch, the step counter up by one. Local: no collective.
+    pub fn commit(&mut self, pending: PendingStep) -> Result<WorkerStepReport, RuntimeError> {
+        if pending.at != self.trainer.step {
+            return Err(RuntimeError::Invalid {
+                field: "pending step",
+                reason: format!("computed at step {}, the worker is at step {}", pending.at, self.trainer.step),
+            });
+        }
+        let params = self.trainer.model.params().clone();
+        self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
+        self.trainer.sampler.advance(pending.batch);
+        self.trainer.step += 1;
+        self.held = None;
+        Ok(pending.report)
+    }
+
+    /// One training step over the global batch: compute, the commit vote, commit. Every rank
+    /// must call it together. On error nothing has changed; if the error came in the vote, the
+    /// computed step is held ([`Worker::held_step`]) for the controller to commit or drop.
+    pub fn step(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<WorkerStepReport, RuntimeError> {
+        self.held = None;
+        let pending = self.compute(t, world)?;
+        if let Err(e) = barrier(t, world, self.timeout) {
+            self.held = Some(pending);
+            return Err(e.into());
+        }
+        self.commit(pending)
+    }
+
+    /// The step a computed-but-uncommitted step would complete, if one is held after a failed
+    /// commit vote.
+    pub fn held_step(&self) -> Option<u64> {
+        self.held.as_ref().map(PendingStep::step)
+    }
+
+    /// Commit the held step (some rank is known to have committed it).
+    pub fn commit_held(&mut self) -> Result<Option<WorkerStepReport>, RuntimeError> {
+        match self.held.take() {
+            Some(p) => self.commit(p).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Forget the held step (no rank committed it; it will be re-run).
+    pub fn drop_held(&mut self) {
+        self.held = None;
+    }
+}
