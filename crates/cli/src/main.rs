@@ -76,8 +76,29 @@ fn quiet_on_closed_pipe() {
     }
 }
 
+/// A worker's exit code (0 done, 1 failed and said why, 3 its launcher went away).
+fn worker_exit(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+/// Logs and progress lines go to stderr through `tracing`, as plain lines (no time, level or
+/// target: the human output of the commands); `LAZARUS_LOG` filters them (e.g. `warn`, `debug`).
+fn init_logging() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .without_time()
+        .with_level(false)
+        .with_target(false)
+        .try_init();
+}
+
 fn main() -> ExitCode {
     tune_allocator();
+    init_logging();
     let cli = Cli::parse();
     let printing_only = match &cli.command {
         Command::Plan(_) | Command::Prob(_) | Command::Sim(_) | Command::Bench(BenchCommand::Train(_)) => true,
@@ -90,12 +111,13 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),
+        Command::Train(args) if args.uses_workers() => workers::run_train_workers(&args),
         Command::Train(args) => training::run_train(&args),
         Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Sim(args) => simulate::run_sim(&args),
-        Command::Worker => workers::run_worker(),
-        Command::BenchWorker => workers::run_bench_worker(),
+        Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
+        Command::BenchWorker => return worker_exit(lazarus_control::worker_process::run_bench_worker()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

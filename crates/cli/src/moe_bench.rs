@@ -2,14 +2,14 @@
 //! Lazarus (replicas from the loads, padding-free dispatch) against static expert parallelism
 //! (one replica per expert, padded all-to-all), as in the paper's Fig. 10a.
 
-use std::time::Duration;
+use std::fmt::Write as _;
 
 use anyhow::{bail, Result};
 use clap::Args;
 use lazarus_runtime::bench::{BenchCase, BenchResult, BenchSystem, MoeLayerBenchSpec};
 use serde::Serialize;
 
-use crate::workers::{launch, Confinement, WorkerEvent};
+use lazarus_control::Confinement;
 
 #[derive(Args, Debug)]
 pub struct MoeLayerBenchArgs {
@@ -159,7 +159,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     };
     // Without a flag, each worker gets cores of its own when the machine has enough (an
     // accelerator each, as the comparison needs); otherwise they share, and the user is told.
-    let have = crate::workers::allowed_cpus().len();
+    let have = lazarus_control::allowed_cpus().len();
     let cores_per_worker = match (args.cores_per_worker, args.cpus_per_worker) {
         (None, None) if have >= args.workers => Some(have / args.workers),
         (c, _) => c,
@@ -170,7 +170,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         (None, None) => Confinement::Shared,
     };
     if matches!(confine, Confinement::Shared) {
-        eprintln!(
+        tracing::warn!(
             "warning: {} workers share {have} cores, so an idle worker's CPU goes to a busy one and load imbalance costs \
              nothing: the comparison is not meaningful. Cap each worker with --cpus-per-worker (e.g. {:.2}) instead.",
             args.workers,
@@ -178,7 +178,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         );
     }
     if !args.json {
-        eprintln!(
+        tracing::info!(
             "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts, {} tokens per worker, ratios {:?}",
             args.workers,
             match (cores_per_worker, args.cpus_per_worker) {
@@ -193,49 +193,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             args.ratios
         );
     }
-    let (mut workers, rx, _quota) = launch("bench-worker", args.workers, args.comm_timeout, &spec, confine)?;
-    let mut results: Option<Vec<BenchResult>> = None;
-    let mut ended = 0;
-    let mut answered = vec![false; args.workers];
-    let mut failure: Option<String> = None;
-    let wait = Duration::from_secs_f64(args.comm_timeout * (spec.cases.len() * (args.warmup + args.iters)) as f64 + 60.0);
-    while ended < args.workers {
-        match rx.recv_timeout(wait) {
-            Ok((0, Some(WorkerEvent::BenchResults { results: r }))) => {
-                results = Some(r);
-                answered[0] = true;
-                ended += 1;
-            }
-            Ok((rank, Some(WorkerEvent::Done { .. }))) => {
-                answered[rank] = true;
-                ended += 1;
-            }
-            Ok((rank, Some(WorkerEvent::Failed { kind, message }))) => {
-                failure.get_or_insert(format!("worker {rank}: {kind}: {message}"));
-            }
-            Ok((rank, None)) if !answered[rank] => {
-                failure.get_or_insert(format!("worker {rank} ended without a result"));
-            }
-            Ok(_) => {}
-            Err(_) => {
-                failure.get_or_insert("the workers stopped answering".into());
-                break;
-            }
-        }
-        if failure.is_some() {
-            break;
-        }
-    }
-    for w in &mut workers {
-        if failure.is_some() {
-            w.kill();
-        }
-        w.wait();
-    }
-    if let Some(f) = failure {
-        bail!("bench moe-layer failed: {f}");
-    }
-    let Some(results) = results else { bail!("bench moe-layer: rank 0 sent no results") };
+    let results = lazarus_control::bench::run_moe_layer_bench(&spec, args.workers, confine, |_| Ok(()))?;
     let spread_of = |system: BenchSystem| -> f64 {
         let (lo, hi) = results
             .iter()
@@ -282,10 +240,11 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             speedup,
             speedup_vs_skip_padding,
         };
-        println!("{}", serde_json::to_string(&report)?);
-        return Ok(());
+        return crate::io::println(&serde_json::to_string(&report)?);
     }
-    println!(
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
         "{:<11} {:>6} {:>12} {:>15} {:>10} {:>11} {:>10} {:>10}  replicas",
         "system", "ratio", "tokens/s", "95% CI", "step s", "wire ratio", "imbalance", "P(1 fail)"
     );
@@ -298,7 +257,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             BenchSystem::StaticEpSkipPadding => "static-skip",
         };
         let reps: Vec<String> = r.replicas.iter().map(u32::to_string).collect();
-        println!(
+        let _ = writeln!(
+            out,
             "{system:<11} {:>6} {:>12.0} {:>15} {:>10.3} {:>11.2} {:>10.3} {:>10.2}  [{}]",
             r.ratio,
             r.tokens_per_s,
@@ -311,7 +271,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         );
     }
     let shown = |x: f64, unit: &str| if x.is_finite() { format!("{x:.2}{unit}") } else { "not run".into() };
-    println!(
+    let _ = writeln!(
+        out,
         "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); widest 95% CI of a lazarus median: {}",
         shown(100.0 * spread, "%"),
         shown(100.0 * unguarded_spread, "%"),
@@ -319,7 +280,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     );
     for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite())
     {
-        println!("lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));
+        let _ =
+            writeln!(out, "lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));
     }
-    Ok(())
+    crate::io::print(&out)
 }

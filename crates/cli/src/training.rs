@@ -1,5 +1,6 @@
 //! `lazarus train`: the single-process trainer with a progress bar, a summary and a JSON log.
 
+use std::fmt::Write as _;
 use std::fs::OpenOptions;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
@@ -103,9 +104,10 @@ pub struct TrainArgs {
     /// `inf`: the most fault-tolerant placement, however unbalanced.
     #[arg(long, default_value_t = lazarus_plan::DEFAULT_MAX_IMBALANCE)]
     pub max_imbalance: f64,
-    /// With --workers: steps whose router loads plan the placement (forward only, before training).
-    #[arg(long, default_value_t = 3)]
-    pub profile_steps: usize,
+    /// With --workers: steps whose router loads plan the placement (forward only, before
+    /// training; default 3, or the steps to train when fewer).
+    #[arg(long)]
+    pub profile_steps: Option<usize>,
     /// With --workers: the static expert-parallel baseline of DeepSpeed-MoE (experts split evenly
     /// over the workers, one replica each, all-to-all buffers padded to the largest load).
     #[arg(long)]
@@ -202,16 +204,13 @@ struct LogLine<'a> {
 }
 
 pub fn run_train(args: &TrainArgs) -> Result<()> {
-    if args.workers.is_some() {
-        return crate::workers::run_train_workers(args);
-    }
     let mut trainer = if args.resume {
         let config = build_config(args)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
         };
         let t = Trainer::resume(&dir, args.steps).with_context(|| format!("resuming from {}", dir.display()))?;
-        eprintln!("resumed from {} at step {}", dir.display(), t.step);
+        tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {
         Trainer::new(build_config(args)?)?
@@ -236,8 +235,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         Some(dir) => Some(trainer.save_checkpoint(dir)?),
         None => None,
     };
-    reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref());
-    Ok(())
+    reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
 }
 
 /// The first line of a run: model size, data and schedule.
@@ -245,7 +243,7 @@ pub fn print_banner(trainer: &Trainer, how: &str) {
     let cfg = &trainer.config;
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
-    eprintln!(
+    tracing::info!(
         "lazarus train ({how}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
         params as f64 / 1e6,
         expert_params as f64 / 1e6,
@@ -262,7 +260,8 @@ pub fn print_banner(trainer: &Trainer, how: &str) {
 /// Progress bar (or plain lines), `--json-log` and the end summary, fed one step report at a
 /// time — the same for one process and for N workers.
 pub struct Reporter {
-    log: Option<BufWriter<std::fs::File>>,
+    /// The `--json-log` file and its path (for errors).
+    log: Option<(PathBuf, BufWriter<std::fs::File>)>,
     bar: Option<ProgressBar>,
     quiet: bool,
     total_steps: u64,
@@ -278,15 +277,19 @@ pub struct Reporter {
 impl Reporter {
     pub fn new(args: &TrainArgs, cfg: &TrainConfig, first_step: u64) -> Result<Self> {
         let log = match &args.json_log {
-            Some(p) => Some(BufWriter::new(
-                OpenOptions::new()
+            Some(p) => {
+                if p.is_dir() {
+                    bail!("invalid --json-log: {} is a directory", p.display());
+                }
+                let file = OpenOptions::new()
                     .create(true)
                     .append(args.resume)
                     .write(true)
                     .truncate(!args.resume)
                     .open(p)
-                    .with_context(|| format!("--json-log: cannot open {}", p.display()))?,
-            )),
+                    .with_context(|| format!("--json-log: cannot open {}", p.display()))?;
+                Some((p.clone(), BufWriter::new(file)))
+            }
             None => None,
         };
         let bar = if std::io::stderr().is_terminal() && !args.quiet {
@@ -324,7 +327,7 @@ impl Reporter {
         if self.recent.len() > 20 {
             self.recent.remove(0);
         }
-        if let Some(w) = self.log.as_mut() {
+        if let Some((path, w)) = self.log.as_mut() {
             let line = LogLine {
                 step: r.step,
                 loss: r.loss,
@@ -333,9 +336,11 @@ impl Reporter {
                 tokens_per_s: tps,
                 expert_load: &r.expert_load,
             };
-            serde_json::to_writer(&mut *w, &line)?;
-            w.write_all(b"\n")?;
-            w.flush()?;
+            serde_json::to_writer(&mut *w, &line)
+                .map_err(std::io::Error::from)
+                .and_then(|_| w.write_all(b"\n"))
+                .and_then(|_| w.flush())
+                .with_context(|| format!("--json-log: cannot write to {}", path.display()))?;
         }
         let msg = format!("loss {:.4}  aux {:.3}  lr {:.2e}  {:.0} tok/s", r.loss, r.aux_loss, r.lr, tps);
         match &self.bar {
@@ -344,12 +349,17 @@ impl Reporter {
                 b.set_message(msg);
             }
             None if !self.quiet && (r.step.is_multiple_of(self.every) || r.step == self.total_steps) => {
-                eprintln!("step {:>6}/{}  {msg}", r.step, self.total_steps);
+                tracing::info!("step {:>6}/{}  {msg}", r.step, self.total_steps);
             }
             None => {}
         }
         self.last = Some(r.clone());
         Ok(())
+    }
+
+    /// Measure throughput from now (the workers are ready: start-up is not training).
+    pub fn restart_clock(&mut self) {
+        self.start = Instant::now();
     }
 
     /// Stop the bar (before printing anything else).
@@ -359,16 +369,19 @@ impl Reporter {
         }
     }
 
-    pub fn finish(&self, step: u64, unigram_entropy: f64, checkpoint: Option<&std::path::Path>) {
+    /// The end summary, on stdout.
+    pub fn finish(&self, step: u64, unigram_entropy: f64, checkpoint: Option<&std::path::Path>) -> Result<()> {
         if let Some(b) = &self.bar {
             b.finish();
         }
         let wall = self.start.elapsed().as_secs_f64();
         let final_loss = self.recent.iter().sum::<f64>() / self.recent.len().max(1) as f64;
-        println!("\nsummary");
-        println!("  steps           {} (this run {})", step, step - self.first_step);
-        println!("  tokens          {} in {wall:.1} s = {:.0} tokens/s", self.tokens, self.tokens as f64 / wall.max(1e-9));
-        println!(
+        let mut out = String::new();
+        let _ = writeln!(out, "\nsummary");
+        let _ = writeln!(out, "  steps           {} (this run {})", step, step - self.first_step);
+        let _ = writeln!(out, "  tokens          {} in {wall:.1} s = {:.0} tokens/s", self.tokens, self.tokens as f64 / wall.max(1e-9));
+        let _ = writeln!(
+            out,
             "  loss            {:.4} -> {:.4} (mean of last {}; unigram entropy of the data {:.4} nats)",
             self.first_loss.unwrap_or(f64::NAN),
             final_loss,
@@ -379,15 +392,16 @@ impl Reporter {
             for (l, load) in r.expert_load.iter().enumerate() {
                 let total: u64 = load.iter().sum();
                 let shares: Vec<String> = load.iter().map(|&x| format!("{:.0}%", 100.0 * x as f64 / total.max(1) as f64)).collect();
-                println!("  expert load L{l:<2}  {}", shares.join(" "));
+                let _ = writeln!(out, "  expert load L{l:<2}  {}", shares.join(" "));
             }
             if r.dropped > 0 {
-                println!("  dropped         {} assignments in the last step (capacity factor)", r.dropped);
+                let _ = writeln!(out, "  dropped         {} assignments in the last step (capacity factor)", r.dropped);
             }
         }
         if let Some(p) = checkpoint {
-            println!("  checkpoint      {}", p.display());
+            let _ = writeln!(out, "  checkpoint      {}", p.display());
         }
+        crate::io::print(&out)
     }
 }
 
@@ -410,20 +424,23 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     let config = build_config(&args.train)?;
     let r = lazarus_model::bench::train_benchmark(&config, 2, args.iters)?;
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
+        crate::io::println(&serde_json::to_string(&r)?)?;
     } else {
-        println!(
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
             "model            {:.2}M parameters, batch {} x {} tokens, {} iterations",
             r.parameters as f64 / 1e6,
             r.batch_size,
             r.seq_len,
             r.iterations
         );
-        println!("forward+backward {:.0} tokens/s ({:.3} s per step)", r.tokens_per_s, r.step_s);
-        println!("expert FFNs      {:.3} s per step = {:.0}% of forward+backward", r.expert_ffn_s, 100.0 * r.expert_share);
-        println!("achieved         {:.1} GFLOP/s (matmul FLOPs {:.2e} per step)", r.model_gflops, r.flops_per_step);
-        println!("plain matmul     {:.1} GFLOP/s on the same shapes", r.matmul_gflops);
-        println!("ratio            {:.2} (goal >= 0.5)", r.ratio);
+        let _ = writeln!(out, "forward+backward {:.0} tokens/s ({:.3} s per step)", r.tokens_per_s, r.step_s);
+        let _ = writeln!(out, "expert FFNs      {:.3} s per step = {:.0}% of forward+backward", r.expert_ffn_s, 100.0 * r.expert_share);
+        let _ = writeln!(out, "achieved         {:.1} GFLOP/s (matmul FLOPs {:.2e} per step)", r.model_gflops, r.flops_per_step);
+        let _ = writeln!(out, "plain matmul     {:.1} GFLOP/s on the same shapes", r.matmul_gflops);
+        let _ = writeln!(out, "ratio            {:.2} (goal >= 0.5)", r.ratio);
+        crate::io::print(&out)?;
     }
     Ok(())
 }

@@ -121,7 +121,7 @@ fn bad_worker_settings_are_named() {
     std::fs::write(&bare, "[[0, 1, 2], [2, 3, 0]]").unwrap();
     for (extra, expect) in [
         (vec!["--workers", "0"], "--workers"),
-        (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "plans 2 ranks"),
+        (vec!["--workers", "3", "--placement-file", bad.to_str().unwrap()], "the plan has 2 ranks"),
         (vec!["--workers", "2", "--placement-file", bad.to_str().unwrap()], "MoE layers"),
         (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "expert 18446744073709551615"),
         (vec!["--workers", "2", "--placement-file", five.to_str().unwrap()], "the model has 4"),
@@ -294,4 +294,113 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
     }
     let both = lazarus(&["bench", "moe-layer", "--cores-per-worker", "1", "--cpus-per-worker", "0.5"]);
     assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
+}
+
+/// Start `train --workers 2` on the tiny model with `extra` flags; returns the launcher, its
+/// stderr lines as they come, and the workers' pids once both are ready.
+fn start_workers(extra: &[&str]) -> (std::process::Child, mpsc::Receiver<String>, Vec<i32>) {
+    let mut args = vec!["train", "--workers", "2"];
+    args.extend(TINY);
+    args.extend(extra);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let (tx, rx) = mpsc::channel::<String>();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut pids = vec![0i32; 2];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.contains(&0) {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
+        if let Some(rest) = line.strip_prefix("worker ") {
+            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
+                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        }
+    }
+    (child, rx, pids)
+}
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).is_some_and(|state| state != "Z" && state != "X")
+        }
+        Err(_) => false,
+    }
+}
+
+fn lines_in(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |s| s.lines().count())
+}
+
+#[test]
+fn workers_die_with_their_launcher_whatever_signal_kills_it() {
+    for (signal, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let d = dir(&format!("orphans-{name}"));
+        let (log, ck) = (d.join("log.jsonl"), d.join("ck"));
+        let (log_s, ck_s) = (log.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+        let (mut launcher, _lines, pids) =
+            start_workers(&["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "2"]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while lines_in(&log) < 3 {
+            assert!(Instant::now() < deadline, "{name}: no steps");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // SAFETY: a signal to a process this test started.
+        assert_eq!(unsafe { libc::kill(launcher.id() as i32, signal) }, 0);
+        let _ = launcher.wait();
+        let killed = Instant::now();
+        while pids.iter().any(|&p| alive(p)) {
+            assert!(killed.elapsed() < Duration::from_secs(5), "{name}: workers {pids:?} outlived their launcher");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("{name}: the workers were gone {} ms after the launcher", killed.elapsed().as_millis());
+        // Nothing trains or writes checkpoints on.
+        let listing = |dir: &std::path::Path| -> Vec<String> {
+            let mut v: Vec<String> = std::fs::read_dir(dir)
+                .map(|r| r.map_while(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+                .unwrap_or_default();
+            v.sort();
+            v
+        };
+        let before = listing(&ck);
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(listing(&ck), before, "{name}: checkpoints written after the launcher died");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+#[test]
+fn a_paused_launcher_does_not_stop_training() {
+    // Before: rank 0 blocked writing its step reports to the paused launcher's full pipe, and
+    // rank 1 timed out after --comm-timeout. Paused for 10 s here, the workers go on (about
+    // 40 tiny steps a second: several pipes full of reports), and every report arrives after.
+    let d = dir("paused");
+    let log = d.join("log.jsonl");
+    let log_s = log.to_str().unwrap().to_string();
+    let (mut launcher, lines, _pids) = start_workers(&["--steps", "600", "--comm-timeout", "2", "--json-log", &log_s]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while lines_in(&log) < 5 {
+        assert!(Instant::now() < deadline, "no steps");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = launcher.id() as i32;
+    // SAFETY: signals to a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    std::thread::sleep(Duration::from_secs(10));
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let status = launcher.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "the run must finish: {}", text.join("\n"));
+    let steps: Vec<u64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=600).collect::<Vec<u64>>(), "every step reported once, in order");
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -226,6 +226,26 @@ impl Trainer {
         })
     }
 
+    /// Tokens the router sends to each expert of each MoE layer over the next `steps` global
+    /// batches (forward only; the data cursor does not move): the loads a plan is made from
+    /// before training starts.
+    pub fn measure_loads(&mut self, steps: usize) -> Result<Vec<Vec<f64>>> {
+        let (b, t) = (self.config.batch_size, self.config.seq_len);
+        let mut loads = vec![vec![0.0; self.config.model.n_experts]; self.config.model.moe_layers()];
+        let batches = self.sampler.peek_batch(b * steps);
+        let device = self.model.device().clone();
+        for k in 0..steps {
+            let window = k * b * t..(k + 1) * b * t;
+            let x = Tensor::from_vec(batches.inputs[window.clone()].to_vec(), (b, t), &device)?;
+            let y = Tensor::from_vec(batches.targets[window].to_vec(), (b, t), &device)?;
+            let out = self.model.forward(&x, &y, None)?;
+            for (acc, stats) in loads.iter_mut().zip(&out.moe) {
+                acc.iter_mut().zip(&stats.load).for_each(|(a, &c)| *a += c as f64);
+            }
+        }
+        Ok(loads)
+    }
+
     /// Write a checkpoint to `dir` (see [`checkpoint::save`]).
     pub fn save_checkpoint(&self, dir: &Path) -> Result<PathBuf> {
         let params = self.model.params();

@@ -62,7 +62,7 @@ pub struct MoeLayerBenchSpec {
 }
 
 /// One case's outcome, the same on every rank.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchResult {
     pub system: BenchSystem,
     pub ratio: f64,

@@ -1,0 +1,269 @@
+//! The local launcher: start N worker processes (hidden subcommands of this binary), and the
+//! supervision loop — the one shell around [`Supervisor`] that training and the benchmarks both
+//! run.
+//!
+//! Workers never outlive the launcher: each is started with `PR_SET_PDEATHSIG = SIGKILL` (Linux;
+//! killing the launcher by any signal kills them), and the launcher holds their stdin open, so
+//! its end of file tells a worker the launcher is gone on any system. Progress never blocks
+//! training: a reader thread per worker drains its stdout at once, and the worker's own writes
+//! go through a queue ([`crate::worker_process`]).
+
+mod confine;
+
+pub use confine::{allowed_cpus, Confinement, QuotaGroups};
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::ControlError;
+use crate::protocol::{Addrs, WorkerEvent, WorkerSpec};
+use crate::supervisor::{Action, Input, Outcome, Supervisor};
+
+/// One started worker process.
+struct Running {
+    rank: usize,
+    child: Child,
+    /// Held open for the whole run: its closing tells the worker the launcher is gone.
+    stdin: Option<ChildStdin>,
+}
+
+/// The worker processes of one job and their reports.
+pub struct Job {
+    workers: Vec<Running>,
+    events: Receiver<(usize, Option<WorkerEvent>)>,
+    /// Kept until the workers have exited (then the cgroups can be removed).
+    _quota: Option<QuotaGroups>,
+}
+
+/// Start `world` copies of this binary's hidden `subcommand`, each confined as `confine` says,
+/// and send each its [`WorkerSpec`] (with `job`). The rest of the start — addresses, readiness —
+/// is the supervisor's ([`supervise`]). On any failure the started workers are killed.
+pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, confine: Confinement) -> Result<Job, ControlError> {
+    let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
+    let mut quota = None;
+    match confine {
+        Confinement::Shared => {}
+        Confinement::Cores(c) => {
+            let have = allowed_cpus().len();
+            if c == 0 || c.saturating_mul(world) > have {
+                return Err(ControlError::invalid(
+                    "--cores-per-worker",
+                    format!("{c} x {world} workers needs {} cores, this process may use {have}", c.saturating_mul(world)),
+                ));
+            }
+        }
+        Confinement::CpuQuota(f) => {
+            if !f.is_finite() || !(0.01..=1024.0).contains(&f) {
+                return Err(ControlError::invalid("--cpus-per-worker", format!("{f} (expected a number of CPUs between 0.01 and 1024)")));
+            }
+            quota = Some(QuotaGroups::create(world, f)?);
+        }
+    }
+    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
+    let (tx, events) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
+    let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None };
+    for rank in 0..world {
+        let mut cmd = Command::new(&exe);
+        cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        die_with_parent(&mut cmd);
+        match confine {
+            Confinement::Shared => {}
+            Confinement::Cores(c) => {
+                cmd.env("RAYON_NUM_THREADS", c.to_string());
+                confine::pin(&mut cmd, allowed_cpus()[rank * c..(rank + 1) * c].to_vec());
+            }
+            Confinement::CpuQuota(f) => {
+                cmd.env("RAYON_NUM_THREADS", (f.ceil() as usize).max(1).to_string());
+                if let Some(g) = &quota {
+                    confine::join_cgroup(&mut cmd, &g.dirs[rank].join("cgroup.procs"))?;
+                }
+            }
+        }
+        let started = cmd.spawn().map_err(|e| ControlError::io(format!("starting worker {rank}"), e));
+        let mut child = match started {
+            Ok(c) => c,
+            Err(e) => {
+                processes.kill_all();
+                return Err(e);
+            }
+        };
+        let stdout = child.stdout.take();
+        let stdin = child.stdin.take();
+        processes.workers.push(Running { rank, child, stdin });
+        if let Some(stdout) = stdout {
+            let tx = tx.clone();
+            std::thread::Builder::new()
+                .name(format!("lazarus-worker-{rank}-out"))
+                .spawn(move || read_events(rank, stdout, tx))
+                .map_err(|e| ControlError::io("starting a reader thread", e))?;
+        }
+        let spec = WorkerSpec { rank, world, epoch, timeout_s, job };
+        let line = serde_json::to_string(&spec)?;
+        if let Err(e) = processes.write_line(rank, &line) {
+            processes.kill_all();
+            return Err(e);
+        }
+    }
+    processes._quota = quota;
+    Ok(processes)
+}
+
+/// Forward a worker's reports; a line that is not a report is passed on as a log line.
+fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<(usize, Option<WorkerEvent>)>) {
+    for line in BufReader::new(stdout).lines() {
+        let Ok(line) = line else { break };
+        match serde_json::from_str::<WorkerEvent>(&line) {
+            Ok(ev) => {
+                if tx.send((rank, Some(ev))).is_err() {
+                    return;
+                }
+            }
+            Err(_) => tracing::warn!("worker {rank}: {line}"),
+        }
+    }
+    let _ = tx.send((rank, None));
+}
+
+/// Linux: the child gets SIGKILL when the thread that started it ends (the launcher's main
+/// thread: the launcher's death by any signal); if the launcher died before that was set, the
+/// child exits at once.
+fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: getpid before the fork; between fork and exec only prctl, getppid and _exit,
+        // all async-signal-safe.
+        let parent = unsafe { libc::getpid() };
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+impl Job {
+    fn write_line(&mut self, rank: usize, line: &str) -> Result<(), ControlError> {
+        let Some(stdin) = self.workers.get_mut(rank).and_then(|w| w.stdin.as_mut()) else { return Ok(()) };
+        writeln!(stdin, "{line}").and_then(|_| stdin.flush()).map_err(|e| ControlError::io(format!("writing to worker {rank}"), e))
+    }
+
+    /// Kill every worker still running.
+    pub fn kill_all(&mut self) {
+        for w in &mut self.workers {
+            let _ = w.child.kill();
+        }
+    }
+
+    /// Reap every worker, then close its stdin (closing first would tell a worker that is still
+    /// flushing its last report that the launcher is gone).
+    fn wait_all(&mut self) {
+        for w in &mut self.workers {
+            let _ = w.child.wait();
+            w.stdin = None;
+        }
+    }
+
+    /// How worker `rank` ended, once its stdout has closed (waits up to 2 s for the exit).
+    fn exit_status(&mut self, rank: usize) -> String {
+        let Some(w) = self.workers.get_mut(rank) else { return "unknown".into() };
+        let until = Instant::now() + Duration::from_secs(2);
+        loop {
+            match w.child.try_wait() {
+                Ok(Some(status)) => return describe_exit(&status),
+                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+                Ok(None) => return "closed its output".into(),
+                Err(e) => return e.to_string(),
+            }
+        }
+    }
+
+    /// Process ids of the workers, in rank order.
+    pub fn pids(&self) -> Vec<u32> {
+        self.workers.iter().map(|w| w.child.id()).collect()
+    }
+}
+
+impl Drop for Job {
+    /// Nothing outlives a job that is dropped, whatever the reason.
+    fn drop(&mut self) {
+        self.kill_all();
+        self.wait_all();
+    }
+}
+
+/// Run `job` under `supervisor` until it ends: reports go in, actions come out — addresses are
+/// sent to the workers here, everything else is handed to `observe` (progress, messages) before
+/// the next report is read. At the end every worker is reaped; on a failure, or when `observe`
+/// fails, the survivors are killed first.
+pub fn supervise(
+    job: &mut Job,
+    supervisor: &mut Supervisor,
+    mut observe: impl FnMut(&Action) -> Result<(), ControlError>,
+) -> Result<Outcome, ControlError> {
+    loop {
+        let wait = supervisor.deadline().map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now()));
+        let input = match job.events.recv_timeout(wait) {
+            Ok((rank, Some(ev))) => Input::Event(rank, ev),
+            Ok((rank, None)) => Input::Exited(rank, job.exit_status(rank)),
+            Err(RecvTimeoutError::Timeout) => Input::Tick,
+            // Every reader has ended, so every process has: their exits are already in.
+            Err(RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(wait.min(Duration::from_millis(50)));
+                Input::Tick
+            }
+        };
+        for action in supervisor.on(Instant::now(), input) {
+            match &action {
+                Action::SendAddresses(addrs) => {
+                    let line = serde_json::to_string(&Addrs { addrs: addrs.clone() })?;
+                    for rank in 0..job.workers.len() {
+                        // A worker that cannot be written to has died: its exit comes next.
+                        let _ = job.write_line(job.workers[rank].rank, &line);
+                    }
+                }
+                Action::Finish(outcome) => {
+                    if !matches!(outcome, Outcome::Completed { .. }) {
+                        job.kill_all();
+                    }
+                    job.wait_all();
+                    observe(&action)?;
+                    return Ok(outcome.clone());
+                }
+                _ => {}
+            }
+            if let Err(e) = observe(&action) {
+                job.kill_all();
+                job.wait_all();
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// "exit code N" or "killed by signal N".
+pub fn describe_exit(status: &std::process::ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("killed by signal {sig}");
+        }
+    }
+    match status.code() {
+        Some(c) => format!("exit code {c}"),
+        None => "unknown exit".into(),
+    }
+}

@@ -1,0 +1,26 @@
+//! The control plane of Lazarus (DESIGN.md, "The system at a glance").
+//!
+//! * [`supervisor`] — the supervision of a job's worker processes as a pure state machine
+//!   over events: every decision is a function of (state, input, now), tested without
+//!   processes or clocks;
+//! * [`launcher`] — starts worker processes that never outlive it, and the one supervision loop
+//!   around the state machine, for training and benchmarks alike;
+//! * [`protocol`] — what launcher and workers say to each other, with failure kinds as values;
+//! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
+//! * [`train`] and [`bench`] — `lazarus train --workers N` and `lazarus bench moe-layer`.
+//!
+//! The controller, per-node agents and live recovery build on these next.
+
+pub mod bench;
+mod error;
+pub mod launcher;
+pub mod protocol;
+pub mod supervisor;
+pub mod train;
+pub mod worker_process;
+
+pub use error::ControlError;
+pub use launcher::{allowed_cpus, Confinement};
+pub use protocol::{FailureKind, TrainJob, WorkerEvent};
+pub use supervisor::{Action, Outcome, RankEnd, Supervisor};
+pub use train::{plan_job, run_training, PlanSource};

@@ -1,0 +1,155 @@
+//! What the launcher and its worker processes say to each other: one JSON object per line.
+//!
+//! The launcher writes a [`WorkerSpec`] to the worker's stdin; the worker binds an ephemeral
+//! loopback port and answers [`WorkerEvent::Listening`]; the launcher writes [`Addrs`] with every
+//! rank's address; the worker connects to every peer, answers [`WorkerEvent::Ready`] and then
+//! reports on stdout until [`WorkerEvent::Done`] or [`WorkerEvent::Failed`]. The launcher keeps
+//! the worker's stdin open for the whole run: its end of file means the launcher is gone, and
+//! the worker stops (see [`crate::worker_process`]).
+
+use std::path::PathBuf;
+
+use lazarus_comm::CommError;
+use lazarus_model::{StepReport, TrainConfig};
+use lazarus_plan::ReplicaMap;
+use lazarus_runtime::bench::BenchResult;
+use lazarus_runtime::RuntimeError;
+use serde::{Deserialize, Serialize};
+
+/// What every worker process is sent on its stdin: its rank in the job, and the job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerSpec<J> {
+    pub rank: usize,
+    pub world: usize,
+    /// Transport epoch of the job (stale connections from another run are refused).
+    pub epoch: u64,
+    /// Deadline of every collective, seconds.
+    pub timeout_s: f64,
+    pub job: J,
+}
+
+/// A `train --workers` rank's job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainJob {
+    pub config: TrainConfig,
+    pub plan: ReplicaMap,
+    pub static_ep: bool,
+    /// Resume from the latest checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+}
+
+/// Every rank's listening address, in rank order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Addrs {
+    pub addrs: Vec<String>,
+}
+
+/// Why a worker stopped, as it reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// A peer's connection dropped: the worker itself is healthy.
+    PeerLost,
+    /// A peer did not answer within the collective deadline.
+    Timeout,
+    /// Another communication failure (protocol, stale epoch, rendezvous).
+    Comm,
+    /// The job cannot run as configured (placement, model, data).
+    Config,
+    /// Anything else.
+    Error,
+}
+
+impl FailureKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureKind::PeerLost => "peer_lost",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Comm => "comm",
+            FailureKind::Config => "config",
+            FailureKind::Error => "error",
+        }
+    }
+
+    /// The kind of a runtime error.
+    pub fn of_runtime(e: &RuntimeError) -> Self {
+        match e {
+            RuntimeError::Comm(c) => Self::of_comm(c),
+            RuntimeError::Invalid { .. } | RuntimeError::Model(_) | RuntimeError::Plan(_) => FailureKind::Config,
+            RuntimeError::Candle(_) => FailureKind::Error,
+        }
+    }
+
+    pub fn of_comm(e: &CommError) -> Self {
+        match e {
+            CommError::PeerLost { .. } => FailureKind::PeerLost,
+            CommError::Timeout { .. } => FailureKind::Timeout,
+            _ => FailureKind::Comm,
+        }
+    }
+}
+
+impl std::fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a worker reports on stdout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum WorkerEvent {
+    Listening {
+        addr: String,
+    },
+    /// Connected to every peer and built its model.
+    Ready {
+        pid: u32,
+    },
+    /// A finished step (rank 0 only): the global report, its wall time and this rank's wire
+    /// bytes. `dropped` counts step reports before this one that were not sent because the
+    /// launcher was not reading (progress never blocks training).
+    Step {
+        report: StepReport,
+        seconds: f64,
+        wire_bytes: u64,
+        #[serde(default)]
+        dropped: u64,
+    },
+    Done {
+        checkpoint: Option<PathBuf>,
+    },
+    /// A benchmark's results (rank 0 only).
+    BenchResults {
+        results: Vec<BenchResult>,
+    },
+    /// The worker stopped.
+    Failed {
+        kind: FailureKind,
+        message: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_one_json_object_with_an_event_tag() {
+        let e = WorkerEvent::Failed { kind: FailureKind::PeerLost, message: "peer 1 lost".into() };
+        let line = serde_json::to_string(&e).unwrap();
+        assert_eq!(line, r#"{"event":"failed","kind":"peer_lost","message":"peer 1 lost"}"#);
+        assert!(matches!(serde_json::from_str(&line).unwrap(), WorkerEvent::Failed { kind: FailureKind::PeerLost, .. }));
+        assert!(serde_json::from_str::<WorkerEvent>(r#"{"event":"failed","kind":"meltdown","message":""}"#).is_err());
+    }
+
+    #[test]
+    fn failure_kinds_of_errors() {
+        let lost = CommError::PeerLost { peer: 2, reason: "gone".into() };
+        assert_eq!(FailureKind::of_runtime(&RuntimeError::Comm(lost)), FailureKind::PeerLost);
+        let late = CommError::Timeout { peer: 2, what: "x".into() };
+        assert_eq!(FailureKind::of_comm(&late), FailureKind::Timeout);
+        let bad = RuntimeError::Invalid { field: "placement", reason: "x".into() };
+        assert_eq!(FailureKind::of_runtime(&bad), FailureKind::Config);
+    }
+}
