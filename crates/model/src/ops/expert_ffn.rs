@@ -1,0 +1,114 @@
+//! One expert's FFN, y = GELU(x·W1 + b1)·W2 + b2, as GEMMs on the raw buffers plus one fused
+//! elementwise pass, instead of a dozen candle nodes that each allocate, zero-fill and accumulate
+//! activation-sized gradients.
+//!
+//! Weights come packed with their bias as the last row: W1b = [W1; b1] (d+1 × f),
+//! W2b = [W2; b2] (f+1 × d). The forward keeps its pre-activation and activation (n×f each) for
+//! the backward, which recomputes them only if they are gone. The autograd node is
+//! `GroupedExpertFfn` (one expert is a group of one, see [`super::grouped_ffn`]); this file holds
+//! the per-expert forward and backward it runs.
+
+use super::gelu::{gelu_f32, gelu_f64, gelu_grad_f32, gelu_grad_f64};
+use super::gemm::gemm_rm;
+use super::grouped_ffn::grouped_expert_ffn;
+use super::host::add_row_sums;
+use super::parallel::map_parallel;
+use candle_core::Tensor;
+
+macro_rules! expert_ffn_impl {
+    ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
+        /// Returns (h pre-activation, a = gelu(h), y).
+        pub(super) fn $fwd(x: &[$t], w1b: &[$t], w2b: &[$t], n: usize, d: usize, f: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let mut h: Vec<$t> = Vec::with_capacity(n * f);
+            for _ in 0..n {
+                h.extend_from_slice(&w1b[d * f..(d + 1) * f]);
+            }
+            // SAFETY: x is n×d, w1b holds d×f then the bias row, h is n×f; no aliasing.
+            unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1b.as_ptr(), f as isize, 1), 1.0) };
+            let a: Vec<$t> = map_parallel(&h, $gelu);
+            let mut y: Vec<$t> = Vec::with_capacity(n * d);
+            for _ in 0..n {
+                y.extend_from_slice(&w2b[f * d..(f + 1) * d]);
+            }
+            // SAFETY: a is n×f, w2b holds f×d then the bias row, y is n×d.
+            unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2b.as_ptr(), d as isize, 1), 1.0) };
+            (h, a, y)
+        }
+
+        /// Gradients (x, W1b, W2b) from the output gradient g (n×d).
+        /// `saved` is (h, a) from the forward when still at hand.
+        #[allow(clippy::too_many_arguments)]
+        pub(super) fn $bwd(
+            x: &[$t],
+            w1b: &[$t],
+            w2b: &[$t],
+            g: &[$t],
+            n: usize,
+            d: usize,
+            f: usize,
+            saved: Option<(Vec<$t>, Vec<$t>)>,
+        ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let (h, a) = match saved {
+                Some((h, a)) if h.len() == n * f && a.len() == n * f => (h, a),
+                _ => {
+                    let (h, a, _) = $fwd(x, w1b, w2b, n, d, f);
+                    (h, a)
+                }
+            };
+            // dW2b = [aᵀ·g ; Σ_rows g]
+            let mut gw2b: Vec<$t> = vec![0.0; (f + 1) * d];
+            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is the first f×d.
+            unsafe { gemm_rm(f, d, n, gw2b.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
+            add_row_sums(&mut gw2b[f * d..], g);
+            // gh = (g·W2ᵀ) ⊙ gelu'(h)
+            let mut gh: Vec<$t> = vec![0.0; n * f];
+            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f rows.
+            unsafe { gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0) };
+            let dgelu = map_parallel(&h, $gelu_grad);
+            gh.iter_mut().zip(&dgelu).for_each(|(v, &dv)| *v *= dv);
+            // dW1b = [xᵀ·gh ; Σ_rows gh]
+            let mut gw1b: Vec<$t> = vec![0.0; (d + 1) * f];
+            // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
+            unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
+            add_row_sums(&mut gw1b[d * f..], &gh);
+            // dx = gh·W1ᵀ
+            let mut gx: Vec<$t> = vec![0.0; n * d];
+            // SAFETY: gh is n×f, W1ᵀ is f×d over w1b's first d rows.
+            unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1b.as_ptr(), 1, f as isize), 1.0) };
+            (gx, gw1b, gw2b)
+        }
+    };
+}
+
+expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_f32, gelu_grad_f32);
+expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_f64, gelu_grad_f64);
+
+/// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
+/// all five.
+pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::gelu::gelu;
+    use super::super::testing;
+    use super::*;
+
+    #[test]
+    fn fused_expert_ffn_matches_composite_with_gradients() {
+        let mut var = testing::vars(9, 0.5);
+        let (x, w1, b1, w2, b2) = (var(&[7, 5]), var(&[5, 6]), var(&[6]), var(&[6, 5]), var(&[5]));
+        let probe = var(&[7, 5]);
+        let ours = expert_ffn(x.as_tensor(), w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()).unwrap();
+        let h = x.as_tensor().matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap();
+        let theirs = gelu(&h).unwrap().matmul(w2.as_tensor()).unwrap().broadcast_add(b2.as_tensor()).unwrap();
+        let diff = testing::max_diff;
+        assert!(diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w1, &b1, &w2, &b2] {
+            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
+}

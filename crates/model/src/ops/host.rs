@@ -1,0 +1,50 @@
+//! Host buffers in and out of the fused kernels: candle storage and tensors to flat slices and
+//! vectors (the kernels work on contiguous row-major buffers), and back.
+
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+/// A tensor's elements, flattened, as f32 (for fused kernels' backward on f32 tensors).
+pub(super) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// A tensor's elements, flattened, as f64 (any float dtype).
+pub(super) fn host_f64(t: &Tensor) -> candle_core::Result<Vec<f64>> {
+    t.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()
+}
+
+/// A contiguous f32 or f64 storage's elements as f64.
+pub(super) fn storage_f64(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f64>> {
+    let Some((start, end)) = layout.contiguous_offsets() else { candle_core::bail!("fused op: input must be contiguous") };
+    Ok(match storage {
+        CpuStorage::F32(v) => v[start..end].iter().map(|&x| x as f64).collect(),
+        CpuStorage::F64(v) => v[start..end].to_vec(),
+        _ => candle_core::bail!("fused op: only f32 and f64 are supported"),
+    })
+}
+
+/// f64 results as a storage of `storage`'s dtype (f32, else f64).
+pub(super) fn storage_like(storage: &CpuStorage, data: Vec<f64>) -> CpuStorage {
+    match storage {
+        CpuStorage::F32(_) => CpuStorage::F32(data.into_iter().map(|x| x as f32).collect()),
+        _ => CpuStorage::F64(data),
+    }
+}
+
+/// f64 results as a tensor of `like`'s device and dtype.
+pub(super) fn tensor_like(like: &Tensor, data: Vec<f64>, shape: &Shape) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(data, shape, like.device())?.to_dtype(like.dtype())
+}
+
+/// The elements a contiguous layout covers.
+pub(super) fn contiguous_slice<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("expert ffn: inputs must be contiguous") };
+    Ok(&v[start..end])
+}
+
+/// `acc[j] += Σ_rows m[row][j]` for a row-major matrix with `acc.len()` columns (a bias gradient).
+pub(super) fn add_row_sums<T: Copy + std::ops::AddAssign>(acc: &mut [T], m: &[T]) {
+    for row in m.chunks(acc.len()) {
+        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+    }
+}

@@ -1,0 +1,188 @@
+//! LayerNorm over the last dimension with weight and bias, (x − mean)/√(var + eps)·w + b, fused:
+//! one pass forward, and one pass backward for x, w and b together, instead of candle's mean,
+//! subtract, square, mean, sqrt, divide, multiply and add nodes and their backward. Each dtype
+//! runs in its own type with the row statistics accumulated in f64; rows are split over the
+//! cores, and the weight and bias gradients are summed per part, then over the parts in order.
+
+use super::host::{contiguous_slice, host_f32, host_f64};
+use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+/// The autograd node of [`layer_norm`]: inputs x, w, b.
+struct LayerNorm {
+    eps: f64,
+}
+
+macro_rules! layer_norm_impl {
+    ($fwd:ident, $bwd:ident, $t:ty) => {
+        fn $fwd(x: &[$t], w: &[$t], b: &[$t], eps: f64) -> Vec<$t> {
+            let width = w.len();
+            let mut y: Vec<$t> = vec![0.0; x.len()];
+            let part = part_len(x.len() / width, width, ROWWISE_MIN);
+            run_parallel(x.chunks(part).zip(y.chunks_mut(part)).collect(), |(xs, ys)| {
+                for (row, o) in xs.chunks(width).zip(ys.chunks_mut(width)) {
+                    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+                    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+                    let rstd = 1.0 / (var + eps).sqrt();
+                    let (mean, rstd) = (mean as $t, rstd as $t);
+                    for j in 0..width {
+                        o[j] = (row[j] - mean) * rstd * w[j] + b[j];
+                    }
+                }
+            });
+            y
+        }
+
+        /// (dx, dw, db) from g.
+        fn $bwd(x: &[$t], w: &[$t], g: &[$t], eps: f64) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let width = w.len();
+            let mut dx: Vec<$t> = vec![0.0; x.len()];
+            let part = part_len(x.len() / width, width, ROWWISE_MIN);
+            let parts = x.chunks(part).zip(g.chunks(part)).zip(dx.chunks_mut(part)).collect();
+            let partials: Vec<(Vec<f64>, Vec<f64>)> = run_parallel(parts, |((xs, gs), dxs)| {
+                let mut dw = vec![0.0f64; width];
+                let mut db = vec![0.0f64; width];
+                let mut xhat = vec![0.0f64; width];
+                let mut dxhat = vec![0.0f64; width];
+                for ((row, gr), d) in xs.chunks(width).zip(gs.chunks(width)).zip(dxs.chunks_mut(width)) {
+                    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
+                    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
+                    let rstd = 1.0 / (var + eps).sqrt();
+                    let (mut m1, mut m2) = (0.0, 0.0);
+                    for j in 0..width {
+                        let gj = gr[j] as f64;
+                        xhat[j] = (row[j] as f64 - mean) * rstd;
+                        dxhat[j] = gj * w[j] as f64;
+                        dw[j] += gj * xhat[j];
+                        db[j] += gj;
+                        m1 += dxhat[j];
+                        m2 += dxhat[j] * xhat[j];
+                    }
+                    m1 /= width as f64;
+                    m2 /= width as f64;
+                    for j in 0..width {
+                        d[j] = (rstd * (dxhat[j] - m1 - xhat[j] * m2)) as $t;
+                    }
+                }
+                (dw, db)
+            });
+            let mut dw = vec![0.0f64; width];
+            let mut db = vec![0.0f64; width];
+            for (pw, pb) in partials {
+                dw.iter_mut().zip(&pw).for_each(|(a, b)| *a += b);
+                db.iter_mut().zip(&pb).for_each(|(a, b)| *a += b);
+            }
+            (dx, dw.into_iter().map(|v| v as $t).collect(), db.into_iter().map(|v| v as $t).collect())
+        }
+    };
+}
+
+layer_norm_impl!(layer_norm_fwd_f32, layer_norm_bwd_f32, f32);
+layer_norm_impl!(layer_norm_fwd_f64, layer_norm_bwd_f64, f64);
+
+impl candle_core::CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "lazarus-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let width = l1.shape().dims().last().copied().unwrap_or(1);
+        if l2.shape().elem_count() != width || l3.shape().elem_count() != width {
+            candle_core::bail!("layer norm: weight {:?} / bias {:?} do not match input {:?}", l2.shape(), l3.shape(), l1.shape());
+        }
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(layer_norm_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, self.eps))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(layer_norm_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, self.eps))
+            }
+            _ => candle_core::bail!("layer norm: f32 or f64 inputs of one dtype"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dev = x.device();
+        let (dx, dw, db) = match x.dtype() {
+            candle_core::DType::F32 => {
+                let v = host_f32;
+                let (dx, dw, db) = layer_norm_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, self.eps);
+                (Tensor::from_vec(dx, x.shape(), dev)?, Tensor::from_vec(dw, w.shape(), dev)?, Tensor::from_vec(db, w.shape(), dev)?)
+            }
+            _ => {
+                let v = host_f64;
+                let (dx, dw, db) = layer_norm_bwd_f64(&v(x)?, &v(w)?, &v(grad)?, self.eps);
+                (
+                    Tensor::from_vec(dx, x.shape(), dev)?.to_dtype(x.dtype())?,
+                    Tensor::from_vec(dw, w.shape(), dev)?.to_dtype(x.dtype())?,
+                    Tensor::from_vec(db, w.shape(), dev)?.to_dtype(x.dtype())?,
+                )
+            }
+        };
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// LayerNorm(x)·w + b over the last dimension, differentiable in x, w and b.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{data, max_diff};
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    /// The composite reference: mean, centre, variance, divide by √(var + eps), scale, shift.
+    fn composite(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Tensor {
+        let mean = x.mean_keepdim(D::Minus1).unwrap();
+        let xc = x.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        xc.broadcast_div(&(var + eps).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(w).unwrap().broadcast_add(b).unwrap()
+    }
+
+    /// Ours against the composite at `rows`×`width`, forward and the gradients of x, w and b.
+    fn check(rows: usize, width: usize, seed: u64) {
+        let x = Var::from_vec(data(rows * width, seed), (rows, width), &Device::Cpu).unwrap();
+        let w = Var::from_vec(data(width, seed + 1), width, &Device::Cpu).unwrap();
+        let b = Var::from_vec(data(width, seed + 2), width, &Device::Cpu).unwrap();
+        let probe = Tensor::from_vec(data(rows * width, seed + 3), (rows, width), &Device::Cpu).unwrap();
+        let ours = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+        let theirs = composite(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5);
+        assert!(max_diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w, &b] {
+            assert!(max_diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
+
+    #[test]
+    fn layer_norm_matches_composite_with_gradients() {
+        check(5, 40, 3);
+    }
+
+    /// Large enough (≥ 2^15 elements, an odd row count) for the rows, and so the weight and bias
+    /// gradient sums, to be split over the cores.
+    #[test]
+    fn layer_norm_split_over_cores_matches_composite_with_gradients() {
+        check(301, 129, 7);
+    }
+}

@@ -1,0 +1,125 @@
+//! A linear layer, x·W + b, as one autograd node: the bias is written as the GEMM's initial
+//! value, and backward is two GEMMs plus one row sum, instead of candle's matmul and
+//! broadcast-add nodes whose backward reduces the [N, dout] gradient over a strided axis and
+//! zero-fills extra buffers.
+
+use super::gemm::gemm_rm;
+use super::host::{add_row_sums, contiguous_slice, host_f32, host_f64};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+/// The autograd node of [`linear`]: inputs x, W, b.
+struct LinearOp;
+
+macro_rules! linear_impl {
+    ($fwd:ident, $bwd:ident, $t:ty) => {
+        fn $fwd(x: &[$t], w: &[$t], b: &[$t], n: usize, din: usize, dout: usize) -> Vec<$t> {
+            let mut y: Vec<$t> = Vec::with_capacity(n * dout);
+            for _ in 0..n {
+                y.extend_from_slice(b);
+            }
+            // SAFETY: x is n×din, w is din×dout, y is n×dout; no aliasing.
+            unsafe { gemm_rm(n, dout, din, y.as_mut_ptr(), true, (x.as_ptr(), din as isize, 1), (w.as_ptr(), dout as isize, 1), 1.0) };
+            y
+        }
+
+        /// (dx, dW, db) from g (n×dout).
+        fn $bwd(x: &[$t], w: &[$t], g: &[$t], n: usize, din: usize, dout: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let mut gx: Vec<$t> = vec![0.0; n * din];
+            // SAFETY: g is n×dout, Wᵀ is dout×din (row stride 1, column stride dout).
+            unsafe { gemm_rm(n, din, dout, gx.as_mut_ptr(), false, (g.as_ptr(), dout as isize, 1), (w.as_ptr(), 1, dout as isize), 1.0) };
+            let mut gw: Vec<$t> = vec![0.0; din * dout];
+            // SAFETY: xᵀ is din×n (row stride 1, column stride din), g is n×dout.
+            unsafe { gemm_rm(din, dout, n, gw.as_mut_ptr(), false, (x.as_ptr(), 1, din as isize), (g.as_ptr(), dout as isize, 1), 1.0) };
+            let mut gb: Vec<$t> = vec![0.0; dout];
+            add_row_sums(&mut gb, g);
+            (gx, gw, gb)
+        }
+    };
+}
+
+linear_impl!(linear_fwd_f32, linear_bwd_f32, f32);
+linear_impl!(linear_fwd_f64, linear_bwd_f64, f64);
+
+impl candle_core::CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "lazarus-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (n, din) = l1.shape().dims2()?;
+        let (din2, dout) = l2.shape().dims2()?;
+        if din2 != din || l3.shape().dims1()? != dout {
+            candle_core::bail!("linear: shapes {:?} {:?} {:?} do not match", l1.shape(), l2.shape(), l3.shape());
+        }
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(linear_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, n, din, dout))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(linear_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w, l2)?, contiguous_slice(b, l3)?, n, din, dout))
+            }
+            _ => candle_core::bail!("linear: f32 or f64 inputs of one dtype"),
+        };
+        Ok((out, Shape::from((n, dout))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, din) = x.dims2()?;
+        let dout = w.dim(1)?;
+        let dev = x.device();
+        let (gx, gw, gb) = match x.dtype() {
+            candle_core::DType::F32 => {
+                let v = host_f32;
+                let (gx, gw, gb) = linear_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, n, din, dout);
+                (Tensor::from_vec(gx, (n, din), dev)?, Tensor::from_vec(gw, (din, dout), dev)?, Tensor::from_vec(gb, dout, dev)?)
+            }
+            _ => {
+                let v = host_f64;
+                let (gx, gw, gb) = linear_bwd_f64(&v(x)?, &v(w)?, &v(grad)?, n, din, dout);
+                (Tensor::from_vec(gx, (n, din), dev)?, Tensor::from_vec(gw, (din, dout), dev)?, Tensor::from_vec(gb, dout, dev)?)
+            }
+        };
+        Ok((Some(gx), Some(gw), Some(gb)))
+    }
+}
+
+/// x [N, din] · W [din, dout] + b [dout], differentiable in all three.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearOp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing;
+    use super::*;
+
+    #[test]
+    fn fused_linear_matches_composite_with_gradients() {
+        let mut var = testing::vars(5, 1.0);
+        let (x, w, b, probe) = (var(&[9, 4]), var(&[4, 6]), var(&[6]), var(&[9, 6]));
+        let ours = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
+        let theirs = x.as_tensor().matmul(w.as_tensor()).unwrap().broadcast_add(b.as_tensor()).unwrap();
+        let diff = testing::max_diff;
+        assert!(diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&x, &w, &b] {
+            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
+}

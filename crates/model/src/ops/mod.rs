@@ -1,0 +1,43 @@
+//! Fused CPU kernels, each a candle custom op with its own backward.
+//!
+//! candle's composite versions of these layers are chains of small ops, each allocating a
+//! full-size temporary (and its backward allocating, zero-filling and accumulating more); on CPU
+//! that costs more than the arithmetic. Each kernel here does the forward and the backward in a
+//! pass or two over host buffers (GEMMs through the `gemm` crate where there are matrix products),
+//! spread over the cores by the one helper in `parallel.rs`. Every kernel has an f32 and an f64
+//! path (the softmax computes both in f64); other dtypes are an error, and the public functions
+//! make their inputs contiguous first.
+//!
+//! Each file holds one kernel beside its tests. The tests compare the kernel's forward and
+//! gradients against a *composite reference* built from candle's own ops, differentiated by
+//! candle's autograd — the test oracle — at f64 with tight tolerances; the model's tests
+//! check the whole model's gradients against finite differences as well.
+//!
+//! - [`gelu()`]: GELU (tanh form), elementwise.
+//! - [`softmax_last`]: softmax over the last dimension.
+//! - [`layer_norm()`]: LayerNorm with weight and bias over the last dimension.
+//! - [`linear()`]: x·W + b.
+//! - [`causal_attention`]: causal multi-head self-attention over a packed QKV projection.
+//! - [`expert_ffn()`]: one expert's GELU FFN, computed by the grouped node below.
+//! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node.
+
+mod attention;
+mod expert_ffn;
+mod gelu;
+mod gemm;
+mod grouped_ffn;
+mod host;
+mod layer_norm;
+mod linear;
+mod parallel;
+mod softmax;
+#[cfg(test)]
+mod testing;
+
+pub use attention::causal_attention;
+pub use expert_ffn::expert_ffn;
+pub use gelu::gelu;
+pub use grouped_ffn::grouped_expert_ffn;
+pub use layer_norm::layer_norm;
+pub use linear::linear;
+pub use softmax::softmax_last;

@@ -1,0 +1,149 @@
+//! The one place that decides how a kernel's work is spread over the cores.
+//!
+//! [`run_parallel`] is the only primitive: it runs a job on every work item over scoped threads,
+//! one thread per core (never more threads than items), item i on thread i mod T, and returns
+//! the results in item order; with a single thread it runs on the caller's thread. The kernels
+//! use the thin helpers on top of it:
+//! - [`for_each_parallel`] for indexed jobs (attention's (batch, head) pairs),
+//! - [`map_parallel`] for elementwise passes (GELU and its derivative),
+//! - [`rows_parallel`] for passes over independent rows (softmax),
+//! - [`part_len`] + [`run_parallel`] where each part returns a result (layer norm's weight
+//!   gradients, summed over the parts in part order).
+//!
+//! Where parts return partial sums (layer norm), the part sizes fix the summation order: the
+//! results depend on the number of cores, and changing [`part_len`] or the thresholds changes
+//! the numerics.
+
+/// Cores to spread a kernel over: `std::thread::available_parallelism()` (1 when unknown).
+/// `RAYON_NUM_THREADS` is not read here; it sizes only the rayon pool that the GEMMs run on.
+pub(super) fn threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Elementwise passes over fewer elements run on the calling thread.
+pub(super) const ELEMENTWISE_MIN: usize = 1 << 16;
+
+/// Row-wise passes over fewer elements run on the calling thread.
+pub(super) const ROWWISE_MIN: usize = 1 << 15;
+
+/// Elements per part when `rows` rows of `width` elements are cut into contiguous parts of whole
+/// rows, one part per core: ⌈rows / cores⌉ rows each, or a single part holding every row when
+/// there are fewer than `min_len` elements or one core.
+pub(super) fn part_len(rows: usize, width: usize, min_len: usize) -> usize {
+    let threads = threads();
+    let rows_per_part = if rows * width < min_len || threads == 1 { rows.max(1) } else { rows.div_ceil(threads).max(1) };
+    rows_per_part * width
+}
+
+/// Run `job` on every item of `work` over min(cores, items) scoped threads, item i on thread
+/// i mod T (on the calling thread when T ≤ 1); the results come back in item order. A panic in
+/// a job is resumed on the caller.
+pub(super) fn run_parallel<W: Send, R: Send>(work: Vec<W>, job: impl Fn(W) -> R + Sync) -> Vec<R> {
+    let count = work.len();
+    let threads = threads().min(count);
+    if threads <= 1 {
+        return work.into_iter().map(job).collect();
+    }
+    let mut lanes: Vec<Vec<W>> = (0..threads).map(|_| Vec::with_capacity(count.div_ceil(threads))).collect();
+    for (i, w) in work.into_iter().enumerate() {
+        lanes[i % threads].push(w);
+    }
+    let done: Vec<Vec<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = lanes
+            .into_iter()
+            .map(|lane| {
+                let job = &job;
+                s.spawn(move || lane.into_iter().map(job).collect::<Vec<R>>())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let mut lanes: Vec<_> = done.into_iter().map(Vec::into_iter).collect();
+    (0..count).map(|i| lanes[i % threads].next().expect("each lane holds its items")).collect()
+}
+
+/// Run `job(i)` for i in 0..count over the cores, `i` interleaved across threads.
+pub(super) fn for_each_parallel(count: usize, job: impl Fn(usize) + Sync) {
+    run_parallel((0..count).collect(), job);
+}
+
+/// Apply `f` to every element, on all cores when the slice has at least [`ELEMENTWISE_MIN`]
+/// elements.
+pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(T) -> T + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); input.len()];
+    let part = part_len(input.len(), 1, ELEMENTWISE_MIN);
+    run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(x)));
+    out
+}
+
+/// Run `f(rows_in, rows_out)` over blocks of whole rows of length `width`, on all cores when the
+/// slice has at least [`ROWWISE_MIN`] elements.
+pub(super) fn rows_parallel<T: Copy + Send + Sync + Default>(input: &[T], width: usize, f: impl Fn(&[T], &mut [T]) + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); input.len()];
+    let part = part_len(input.len() / width.max(1), width, ROWWISE_MIN);
+    run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| f(i, o));
+    out
+}
+
+/// A raw pointer that may cross into the scoped worker threads, for jobs that each write a
+/// disjoint set of elements of one buffer (attention: one (batch, head) block each).
+#[derive(Clone, Copy)]
+pub(super) struct SharedMut<T>(pub(super) *mut T);
+// SAFETY: only used for disjoint writes, see the call sites.
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn every_item_runs_once_and_results_keep_item_order() {
+        for count in [0, 1, 2, 3, 7, 64] {
+            let calls = AtomicUsize::new(0);
+            let out = run_parallel((0..count).collect(), |i: usize| {
+                calls.fetch_add(1, Ordering::Relaxed);
+                i * i
+            });
+            assert_eq!(out, (0..count).map(|i| i * i).collect::<Vec<_>>());
+            assert_eq!(calls.load(Ordering::Relaxed), count);
+            let seen: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+            for_each_parallel(count, |i| {
+                seen[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(seen.iter().all(|s| s.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn parts_are_whole_rows_one_per_core_above_the_threshold() {
+        let cores = threads();
+        assert_eq!(part_len(10, 3, 1 << 15), 30, "small: one part");
+        assert_eq!(part_len(0, 3, 1 << 15), 3, "empty: one (empty) part");
+        let (rows, width) = (1001usize, 64);
+        let expected = if cores == 1 { rows } else { rows.div_ceil(cores) };
+        assert_eq!(part_len(rows, width, 1 << 15), expected * width);
+    }
+
+    #[test]
+    fn split_passes_equal_the_serial_pass() {
+        let input: Vec<f64> = (0..(ELEMENTWISE_MIN + 13)).map(|i| (i as f64).sin()).collect();
+        let mapped = map_parallel(&input, |x| 2.0 * x + 1.0);
+        assert!(mapped.iter().zip(&input).all(|(&m, &x)| m == 2.0 * x + 1.0));
+        let width = 97;
+        let rows = &input[..(ROWWISE_MIN / width + 5) * width];
+        let cumulative = |i: &[f64], o: &mut [f64]| {
+            for (r, o) in i.chunks(width).zip(o.chunks_mut(width)) {
+                let mut acc = 0.0;
+                for (o, &v) in o.iter_mut().zip(r) {
+                    acc += v;
+                    *o = acc;
+                }
+            }
+        };
+        let mut serial = vec![0.0; rows.len()];
+        cumulative(rows, &mut serial);
+        assert_eq!(rows_parallel(rows, width, cumulative), serial);
+    }
+}

@@ -1,0 +1,101 @@
+//! Softmax over the last dimension: s = exp(x − max) / Σ exp(x − max) per row in one pass, and
+//! backward dx = s ⊙ (g − Σ g·s) in one pass, rows split over the cores, instead of candle's
+//! exp, sum and broadcast-divide nodes. Unlike the other kernels it has no per-dtype path: f32
+//! inputs are computed in f64 and rounded back.
+
+use super::host::{host_f64, storage_f64, storage_like, tensor_like};
+use super::parallel::rows_parallel;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+/// Softmax over the last dimension in one pass per row; backward
+/// dx = s ⊙ (g − Σ g·s) in one pass.
+struct SoftmaxLast;
+
+impl CustomOp1 for SoftmaxLast {
+    fn name(&self) -> &'static str {
+        "lazarus-softmax-last"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = storage_f64(storage, layout)?;
+        let width = layout.shape().dims().last().copied().unwrap_or(1);
+        let out = rows_parallel(&x, width, |input, out| {
+            for (row, o) in input.chunks(width).zip(out.chunks_mut(width)) {
+                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let mut sum = 0.0;
+                for (o, &v) in o.iter_mut().zip(row) {
+                    *o = (v - max).exp();
+                    sum += *o;
+                }
+                o.iter_mut().for_each(|o| *o /= sum);
+            }
+        });
+        Ok((storage_like(storage, out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let width = res.dims().last().copied().unwrap_or(1);
+        let s = host_f64(res)?;
+        let g = host_f64(grad)?;
+        let mut packed = Vec::with_capacity(2 * s.len());
+        for (sr, gr) in s.chunks(width).zip(g.chunks(width)) {
+            packed.extend_from_slice(sr);
+            packed.extend_from_slice(gr);
+        }
+        let dx = rows_parallel(&packed, 2 * width, |input, out| {
+            for (row, o) in input.chunks(2 * width).zip(out.chunks_mut(2 * width)) {
+                let (s, g) = row.split_at(width);
+                let dot: f64 = s.iter().zip(g).map(|(a, b)| a * b).sum();
+                for j in 0..width {
+                    o[j] = s[j] * (g[j] - dot);
+                }
+            }
+        });
+        let dx: Vec<f64> = dx.chunks(2 * width).flat_map(|r| r[..width].to_vec()).collect();
+        Ok(Some(tensor_like(res, dx, res.shape())?))
+    }
+}
+
+/// Softmax over the last dimension, differentiable.
+pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1(SoftmaxLast)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{data, max_diff};
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    /// The composite reference: exp, sum over the last dimension, broadcast divide.
+    fn composite(x: &Tensor) -> Tensor {
+        let e = x.exp().unwrap();
+        e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn softmax_matches_composite_with_gradient() {
+        let x = Var::from_vec(data(6 * 70, 1), (6, 70), &Device::Cpu).unwrap();
+        let probe = Tensor::from_vec(data(6 * 70, 2), (6, 70), &Device::Cpu).unwrap();
+        let ours = softmax_last(x.as_tensor()).unwrap();
+        let theirs = composite(x.as_tensor());
+        assert!(max_diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < 1e-12);
+    }
+
+    /// Large enough (≥ 2^15 elements, an odd row count) for the rows to be split over the cores.
+    #[test]
+    fn softmax_split_over_cores_matches_composite_with_gradient() {
+        let (rows, width) = (301, 129);
+        let x = Var::from_vec(data(rows * width, 3), (rows, width), &Device::Cpu).unwrap();
+        let probe = Tensor::from_vec(data(rows * width, 4), (rows, width), &Device::Cpu).unwrap();
+        let ours = softmax_last(x.as_tensor()).unwrap();
+        let theirs = composite(x.as_tensor());
+        assert!(max_diff(&ours, &theirs) < 1e-12);
+        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < 1e-12);
+    }
+}
