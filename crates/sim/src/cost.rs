@@ -8,6 +8,25 @@ use serde::Serialize;
 
 use crate::error::SimError;
 
+/// Most MoE layers a simulated model may have.
+pub const MAX_LAYERS: usize = 4096;
+/// Most experts per layer.
+pub const MAX_EXPERTS: usize = 65_536;
+/// Most layers × experts (4 Mi): every plan, load epoch and transfer count of the simulation is
+/// then bounded.
+pub const MAX_LAYER_EXPERTS: usize = 1 << 22;
+/// Shortest balanced step time (1 ms), so that a run of bounded duration has a bounded number
+/// of steps.
+pub const MIN_STEP_S: f64 = 1e-3;
+/// Largest state of one expert of one layer (1 TB): byte counts of whole reconfigurations then
+/// fit 64-bit integers.
+pub const MAX_EXPERT_STATE_BYTES: f64 = 1e12;
+/// Most GPUs per node × slots per GPU ([`lazarus_plan::placement::MAX_SLOTS`]): with at most
+/// `MAX_NODES` nodes, every slot count fits a `usize`.
+pub const MAX_NODE_SLOTS: usize = lazarus_plan::placement::MAX_SLOTS;
+/// Most samples per GPU per step.
+pub const MAX_SAMPLES_PER_GPU: usize = 1 << 20;
+
 /// A model of Table 1, plus the two numbers the paper gives only in prose (expert state size)
 /// and the ones it does not give at all (step time, expert share), which are our assumptions.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -51,6 +70,19 @@ impl ModelSpec {
         if self.layers == 0 || self.experts == 0 {
             return Err(SimError::invalid("model", format!("{} layers × {} experts", self.layers, self.experts), "both must be ≥ 1"));
         }
+        if self.layers > MAX_LAYERS {
+            return Err(SimError::invalid("model.layers", self.layers, format!("at most {MAX_LAYERS} MoE layers are supported")));
+        }
+        if self.experts > MAX_EXPERTS {
+            return Err(SimError::invalid("model.experts", self.experts, format!("at most {MAX_EXPERTS} experts per layer are supported")));
+        }
+        if self.layers * self.experts > MAX_LAYER_EXPERTS {
+            return Err(SimError::invalid(
+                "model",
+                format!("{} layers × {} experts", self.layers, self.experts),
+                format!("at most {MAX_LAYER_EXPERTS} experts in all layers together are supported"),
+            ));
+        }
         for (field, v) in [
             ("model.params", self.params),
             ("model.expert_state_bytes", self.expert_state_bytes),
@@ -59,6 +91,16 @@ impl ModelSpec {
             if !v.is_finite() || v <= 0.0 {
                 return Err(SimError::invalid(field, v, "must be finite and > 0"));
             }
+        }
+        if self.expert_state_bytes > MAX_EXPERT_STATE_BYTES {
+            return Err(SimError::invalid(
+                "model.expert_state_bytes",
+                self.expert_state_bytes,
+                format!("at most {MAX_EXPERT_STATE_BYTES:e} bytes per expert are supported"),
+            ));
+        }
+        if self.balanced_step_s < MIN_STEP_S {
+            return Err(SimError::invalid("model.balanced_step_s", self.balanced_step_s, format!("must be ≥ {MIN_STEP_S} s")));
         }
         if !(0.0..=1.0).contains(&self.expert_fraction) {
             return Err(SimError::invalid("model.expert_fraction", self.expert_fraction, "must be in [0, 1]"));
@@ -129,6 +171,16 @@ impl CostModel {
                 return Err(SimError::invalid(field, v, "must be ≥ 1"));
             }
         }
+        if self.gpus_per_node.saturating_mul(self.slots_per_gpu) > MAX_NODE_SLOTS {
+            return Err(SimError::invalid(
+                "gpus_per_node × slots_per_gpu",
+                format!("{} × {}", self.gpus_per_node, self.slots_per_gpu),
+                format!("at most {MAX_NODE_SLOTS} replica slots per node are supported"),
+            ));
+        }
+        if self.samples_per_gpu > MAX_SAMPLES_PER_GPU {
+            return Err(SimError::invalid("samples_per_gpu", self.samples_per_gpu, format!("at most {MAX_SAMPLES_PER_GPU}")));
+        }
         for (field, v) in
             [("network_gbps", self.network_gbps), ("storage_gbps", self.storage_gbps), ("bytes_per_param", self.bytes_per_param)]
         {
@@ -168,5 +220,44 @@ impl CostModel {
     /// Seconds to move `bytes` over one node's network link.
     pub fn transfer_s(&self, bytes: f64) -> f64 {
         bytes * 8.0 / (self.network_gbps * 1e9)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model_err(f: impl FnOnce(&mut ModelSpec)) -> String {
+        let mut m = ModelSpec::preset("gpt-s").unwrap();
+        f(&mut m);
+        m.validate().unwrap_err().to_string()
+    }
+
+    fn cost_err(f: impl FnOnce(&mut CostModel)) -> String {
+        let mut c = CostModel::default();
+        f(&mut c);
+        c.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn model_shapes_are_bounded() {
+        assert_eq!(model_err(|m| m.layers = 100_000_000), "invalid model.layers: 100000000 (at most 4096 MoE layers are supported)");
+        assert_eq!(model_err(|m| m.experts = 70_000), "invalid model.experts: 70000 (at most 65536 experts per layer are supported)");
+        let e = model_err(|m| (m.layers, m.experts) = (4096, 2048));
+        assert!(e.contains("4096 layers × 2048 experts") && e.contains("4194304"), "{e}");
+        let mut m = ModelSpec::preset("gpt-s").unwrap();
+        (m.layers, m.experts) = (64, 65_536);
+        m.validate().unwrap();
+        assert!(model_err(|m| m.balanced_step_s = 1e-9).contains("model.balanced_step_s"));
+        assert!(model_err(|m| m.expert_state_bytes = 1e20).contains("model.expert_state_bytes"));
+        assert!(model_err(|m| m.expert_fraction = f64::NAN).contains("model.expert_fraction"));
+    }
+
+    #[test]
+    fn node_slots_and_batches_are_bounded() {
+        let e = cost_err(|c| (c.gpus_per_node, c.slots_per_gpu) = (usize::MAX, 2));
+        assert!(e.contains("gpus_per_node × slots_per_gpu") && e.contains(&usize::MAX.to_string()), "{e}");
+        assert!(cost_err(|c| c.samples_per_gpu = usize::MAX).contains("samples_per_gpu"));
+        CostModel { gpus_per_node: 8, slots_per_gpu: 52, ..CostModel::default() }.validate().unwrap();
     }
 }

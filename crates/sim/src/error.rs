@@ -5,6 +5,13 @@ pub enum SimError {
     /// A trace file line that does not parse; `line` is 1-based.
     #[error("{source_name} line {line}: {reason}")]
     Trace { source_name: String, line: usize, reason: String },
+    /// A trace file with no events at all: there is nothing to simulate.
+    #[error("{source_name}: the trace holds no events")]
+    EmptyTrace { source_name: String },
+    /// A routing-trace (expert loads) file that does not parse or does not fit the model;
+    /// `reason` says where (line, entry, layer).
+    #[error("routing trace: {reason}")]
+    LoadTrace { reason: String },
     #[error("invalid {field}: {value} ({reason})")]
     Invalid { field: &'static str, value: String, reason: String },
     #[error(transparent)]

@@ -5,6 +5,9 @@ use lazarus_plan::rng::SplitMix64;
 
 use crate::error::SimError;
 
+/// Largest skew or drift of the generator: its log-popularities stay finite over any run.
+pub const MAX_SKEW: f64 = 1e3;
+
 /// Loads per layer per expert for each "epoch" of `rebalance_every` steps.
 #[derive(Debug, Clone)]
 pub enum LoadModel {
@@ -22,9 +25,51 @@ impl Default for LoadModel {
 }
 
 impl LoadModel {
-    /// Read a routing trace: `[[loads per expert] per layer]` (one epoch) or a list of those.
+    /// Read a routing trace: `[[loads per expert] per layer]` (one epoch), a list of those, or
+    /// a `train --json-log` (one JSON object with `expert_load` per line). An error says what is
+    /// wrong and where (line, entry and layer index) but not which file: the caller names it.
     pub fn from_trace_json(text: &str, layers: usize, experts: usize) -> Result<Self, SimError> {
-        Ok(LoadModel::Trace(lazarus_plan::parse_load_trace(text, layers, experts)?))
+        match lazarus_plan::parse_load_trace(text, layers, experts) {
+            Ok(epochs) => Ok(LoadModel::Trace(epochs)),
+            Err(lazarus_plan::PlanError::Invalid { reason, .. }) => Err(SimError::LoadTrace { reason }),
+            Err(e) => Err(SimError::LoadTrace { reason: e.to_string() }),
+        }
+    }
+
+    /// Check the model against a model shape: a trace needs at least one entry, each of
+    /// `layers` layers of `experts` finite, non-negative loads; the generator's skew and drift
+    /// must be finite, ≥ 0 and at most [`MAX_SKEW`].
+    pub fn validate(&self, layers: usize, experts: usize) -> Result<(), SimError> {
+        match self {
+            LoadModel::Skewed { skew, drift, .. } => {
+                for (field, v) in [("loads.skew", *skew), ("loads.drift", *drift)] {
+                    if !v.is_finite() || !(0.0..=MAX_SKEW).contains(&v) {
+                        return Err(SimError::invalid(field, v, format!("must be finite, ≥ 0 and ≤ {MAX_SKEW}")));
+                    }
+                }
+            }
+            LoadModel::Trace(epochs) => {
+                if epochs.is_empty() {
+                    return Err(SimError::LoadTrace { reason: "holds no entries".into() });
+                }
+                for (k, entry) in epochs.iter().enumerate() {
+                    if entry.len() != layers {
+                        let reason = format!("entry {k} has {} layers, the model has {layers} MoE layers", entry.len());
+                        return Err(SimError::LoadTrace { reason });
+                    }
+                    for (l, loads) in entry.iter().enumerate() {
+                        if loads.len() != experts {
+                            let reason = format!("entry {k} layer {l} has {} loads, the model has {experts} experts", loads.len());
+                            return Err(SimError::LoadTrace { reason });
+                        }
+                        if let Some(x) = loads.iter().find(|x| !x.is_finite() || **x < 0.0) {
+                            return Err(SimError::LoadTrace { reason: format!("entry {k} layer {l}: load {x} is not finite and ≥ 0") });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Loads of every layer in epoch `epoch` (normalised to sum 1 per layer).
@@ -139,5 +184,37 @@ mod tests {
         assert!(e.contains("1 layers"), "{e}");
         let e = LoadModel::from_trace_json("[[1,-2],[3,4]]", 2, 2).unwrap_err().to_string();
         assert!(e.contains("-2"), "{e}");
+    }
+
+    #[test]
+    fn trace_errors_say_what_and_where() {
+        for (text, expect) in [
+            ("[[1,2],[3]]", "routing trace: entry 0 layer 1 has 1 loads, the model has 2 experts"),
+            ("[[[1,2],[3,4]],[[1,2]]]", "routing trace: entry 1 has 1 layers, the model has 2 MoE layers"),
+            ("[[1,2],[3,-4]]", "routing trace: entry 0 layer 1: load -4 is not finite and ≥ 0"),
+            ("[]", "routing trace: "),
+            ("{\"expert_load\": [[1,2],[3,4]]}\n{\"step\": 3}\n", "routing trace: line 2: no \"expert_load\" field"),
+            ("[[1,2],", "routing trace: not valid JSON"),
+        ] {
+            let e = LoadModel::from_trace_json(text, 2, 2).unwrap_err().to_string();
+            assert!(e.starts_with(expect), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn load_models_are_checked_against_the_model() {
+        LoadModel::default().validate(3, 8).unwrap();
+        let m = LoadModel::from_trace_json("[[1,2],[3,4]]", 2, 2).unwrap();
+        m.validate(2, 2).unwrap();
+        let e = m.validate(2, 3).unwrap_err().to_string();
+        assert!(e.contains("entry 0 layer 0 has 2 loads, the model has 3 experts"), "{e}");
+        assert!(m.validate(3, 2).unwrap_err().to_string().contains("entry 0 has 2 layers"));
+        assert!(LoadModel::Trace(vec![]).validate(2, 2).unwrap_err().to_string().contains("no entries"));
+        let nan = LoadModel::Trace(vec![vec![vec![1.0, f64::NAN]]]);
+        assert!(nan.validate(1, 2).unwrap_err().to_string().contains("load NaN"));
+        for (skew, drift, field) in [(f64::NAN, 0.3, "loads.skew"), (1.0, 1e300, "loads.drift"), (-1.0, 0.3, "loads.skew")] {
+            let e = LoadModel::Skewed { seed: 0, skew, drift }.validate(2, 2).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
     }
 }

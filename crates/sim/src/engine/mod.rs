@@ -1,0 +1,891 @@
+//! The discrete-event simulation of one training job under one policy.
+//!
+//! Time advances from event to event: trace changes (node failures and joins), step boundaries
+//! where a checkpoint or a rebalance is due, the end of a busy period (checkpoint, restart,
+//! reconfiguration, rebalance), and the moment waiting joiners may be used. Between events the
+//! job trains at a constant step time, so steps are counted, not simulated one by one.
+//!
+//! Every second of wall time lands in exactly one bucket of [`Breakdown`]; steps that a restart
+//! rolls back move from `compute_s` to `lost_work_s`, as does the partial step a failure
+//! interrupts.
+//!
+//! This module holds what every policy shares: the event loop, membership, training progress,
+//! checkpoints, restarts and the time accounting. What a policy decides — which nodes it can use,
+//! its configuration, when it checkpoints and rebalances, what it does on a failure or a join,
+//! how its configuration stretches a step — is the trait `FailurePolicy` in `policy/`, one file per policy.
+
+mod policy;
+
+use std::collections::HashSet;
+
+use serde::Serialize;
+
+use crate::cost::{CostModel, ModelSpec};
+use crate::error::SimError;
+use crate::loads::{LoadCursor, LoadModel};
+use crate::trace::{Change, Trace, MAX_NODES};
+pub use policy::Policy;
+use policy::{Ds, DsFt, FailurePolicy, Lazarus};
+
+/// One simulated job: cluster history, model, costs, loads.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub trace: Trace,
+    pub model: ModelSpec,
+    pub cost: CostModel,
+    pub loads: LoadModel,
+    /// At most this many nodes are used (extra live nodes wait as spares).
+    pub max_nodes: usize,
+    pub duration_s: f64,
+}
+
+impl Scenario {
+    /// Everything [`simulate`] needs bounded: the model, the costs, the loads against the model,
+    /// the trace ([`Trace::validate`]), `max_nodes` (1 to [`MAX_NODES`]) and the duration (> 0,
+    /// at most [`MAX_DURATION_S`]). The per-policy work bound ([`MAX_BOUNDARIES`]) is checked by
+    /// `simulate`.
+    pub fn validate(&self) -> Result<(), SimError> {
+        self.model.validate()?;
+        self.cost.validate()?;
+        self.loads.validate(self.model.layers, self.model.experts)?;
+        if self.max_nodes == 0 || self.max_nodes > MAX_NODES {
+            return Err(SimError::invalid("max_nodes", self.max_nodes, format!("must be 1 to {MAX_NODES}")));
+        }
+        if !self.duration_s.is_finite() || self.duration_s <= 0.0 {
+            return Err(SimError::invalid("duration", self.duration_s, "must be > 0 s"));
+        }
+        if self.duration_s > MAX_DURATION_S {
+            return Err(SimError::invalid("duration", format!("{} s", self.duration_s), format!("at most {MAX_DURATION_S} s (30 days)")));
+        }
+        self.trace.validate()
+    }
+
+    /// Refuse a run whose checkpoint intervals and load epochs (and, with the drifting load
+    /// generator, the loads it draws) exceed the bounds; `checkpoint_every` is the policy's.
+    fn check_work(&self, checkpoint_every: u64) -> Result<(), SimError> {
+        // Steps only ever take at least the balanced step time.
+        let steps = self.duration_s / self.model.balanced_step_s;
+        let epochs = steps / self.cost.rebalance_every as f64;
+        let boundaries = steps / checkpoint_every as f64 + epochs;
+        if boundaries > MAX_BOUNDARIES {
+            return Err(SimError::invalid(
+                "duration",
+                format!("{} s", self.duration_s),
+                format!(
+                    "with {} s steps, checkpoints every {checkpoint_every} steps and load epochs every {} (rebalance_every) the run \
+                     crosses up to {boundaries:.0} step boundaries, at most {MAX_BOUNDARIES:.0} are simulated: shorten the run or \
+                     checkpoint and rebalance less often",
+                    self.model.balanced_step_s, self.cost.rebalance_every
+                ),
+            ));
+        }
+        let draws = epochs * (self.model.layers * self.model.experts) as f64;
+        if matches!(self.loads, LoadModel::Skewed { .. }) && draws > MAX_LOAD_DRAWS {
+            return Err(SimError::invalid(
+                "duration",
+                format!("{} s", self.duration_s),
+                format!(
+                    "{epochs:.0} load epochs (rebalance_every {}) of {} layers × {} experts draw {draws:.0} loads, at most \
+                     {MAX_LOAD_DRAWS:.0}: shorten the run or rebalance less often",
+                    self.cost.rebalance_every, self.model.layers, self.model.experts
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where the wall time went. The fields add up to the simulated duration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// Steps that count (not rolled back).
+    pub compute_s: f64,
+    pub checkpoint_s: f64,
+    /// Relaunch and checkpoint loading (and the failure time-out before it).
+    pub restart_s: f64,
+    /// Steps later rolled back by a restart, and steps a failure interrupted.
+    pub lost_work_s: f64,
+    /// Failure time-out, group rebuild and state transfers of reconfigurations and scale-ups.
+    pub reconfig_s: f64,
+    pub rebalance_s: f64,
+    /// No usable configuration (too few nodes).
+    pub idle_s: f64,
+}
+
+impl Breakdown {
+    pub fn total(&self) -> f64 {
+        self.compute_s + self.checkpoint_s + self.restart_s + self.lost_work_s + self.reconfig_s + self.rebalance_s + self.idle_s
+    }
+}
+
+/// One point of the throughput / progress curves.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeriesPoint {
+    pub t_s: f64,
+    pub samples_per_s: f64,
+    pub cumulative_samples: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    pub policy: Policy,
+    pub trained_samples: f64,
+    pub avg_samples_per_s: f64,
+    pub steps: u64,
+    pub restarts: u64,
+    pub reconfigurations: u64,
+    pub rebalances: u64,
+    pub checkpoints: u64,
+    pub breakdown: Breakdown,
+    /// Binned curves for plots.
+    pub series: Vec<SeriesPoint>,
+    /// Times (s) at which nodes in use failed.
+    pub failures_s: Vec<f64>,
+    /// (time s, nodes in use) at every configuration change (0 = none usable).
+    pub nodes_in_use: Vec<(f64, usize)>,
+}
+
+/// What the job is doing instead of training; each kind is charged to its own bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Busy {
+    Checkpoint,
+    Restart,
+    Reconfig,
+    Rebalance,
+}
+
+/// The state of one simulated job under policy `P`.
+struct Run<'a, P: FailurePolicy> {
+    s: &'a Scenario,
+    /// The policy's name, for the report.
+    policy: Policy,
+    /// The policy's decisions.
+    p: &'a P,
+    now: f64,
+    /// Live nodes in join order, with the time each may first be used.
+    alive: Vec<(String, f64)>,
+    used: Vec<String>,
+    /// The policy's configuration over `used`; None while too few nodes are usable.
+    config: Option<P::Config>,
+    /// Step time of the current configuration and load epoch.
+    step_s: Option<(u64, f64)>,
+    step: u64,
+    partial_s: f64,
+    samples: f64,
+    ckpt_step: u64,
+    ckpt_samples: f64,
+    compute_since_ckpt: f64,
+    busy: Option<(Busy, f64)>,
+    /// A checkpoint due at the same step as a rebalance or scale-up, taken after it.
+    pending_checkpoint: bool,
+    b: Breakdown,
+    restarts: u64,
+    reconfigurations: u64,
+    rebalances: u64,
+    checkpoints: u64,
+    /// (t0, t1, samples completed) of every training stretch, for the curves.
+    stretches: Vec<(f64, f64, f64)>,
+    /// (t, samples rolled back).
+    rollbacks: Vec<(f64, f64)>,
+    failures: Vec<f64>,
+    nodes_in_use: Vec<(f64, usize)>,
+    /// Live nodes the policy dropped and will not take back until a restart (DS-FT after a
+    /// failure: §6.2, "it does not use previously dropped nodes").
+    retired: Vec<String>,
+    loads: std::cell::RefCell<LoadCursor>,
+}
+
+/// Longest simulated duration: 30 days.
+pub const MAX_DURATION_S: f64 = 30.0 * 86_400.0;
+/// Most step boundaries one run may cross where work is due or the loads change: checkpoint
+/// intervals plus load epochs (`rebalance_every` steps), counted at the balanced step time.
+pub const MAX_BOUNDARIES: f64 = 1e7;
+/// Most values (load epochs × layers × experts) the drifting load generator may draw in a run.
+pub const MAX_LOAD_DRAWS: f64 = (1u64 << 34) as f64;
+
+/// Simulate `scenario` under `policy`.
+pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, SimError> {
+    scenario.validate()?;
+    match policy {
+        Policy::Lazarus => Run::new(scenario, policy, &Lazarus).drive(),
+        Policy::Ds => Run::new(scenario, policy, &Ds::new(scenario)).drive(),
+        Policy::DsFt => Run::new(scenario, policy, &DsFt::new(scenario)).drive(),
+    }
+}
+
+impl<'a, P: FailurePolicy> Run<'a, P> {
+    fn new(s: &'a Scenario, policy: Policy, p: &'a P) -> Self {
+        Run {
+            s,
+            policy,
+            p,
+            now: 0.0,
+            alive: Vec::new(),
+            used: Vec::new(),
+            config: None,
+            step_s: None,
+            step: 0,
+            partial_s: 0.0,
+            samples: 0.0,
+            ckpt_step: 0,
+            ckpt_samples: 0.0,
+            compute_since_ckpt: 0.0,
+            busy: None,
+            pending_checkpoint: false,
+            b: Breakdown::default(),
+            restarts: 0,
+            reconfigurations: 0,
+            rebalances: 0,
+            checkpoints: 0,
+            stretches: Vec::new(),
+            rollbacks: Vec::new(),
+            failures: Vec::new(),
+            nodes_in_use: Vec::new(),
+            retired: Vec::new(),
+            loads: std::cell::RefCell::new(LoadCursor::new(s.loads.clone(), s.model.layers, s.model.experts)),
+        }
+    }
+
+    /// The event loop, from time 0 to the scenario's duration.
+    fn drive(mut self) -> Result<PolicyReport, SimError> {
+        let scenario = self.s;
+        scenario.check_work(self.checkpoint_every())?;
+        let run = &mut self;
+        // Group trace events by time.
+        let mut groups: Vec<(f64, Vec<(Change, String)>)> = Vec::new();
+        for ev in &scenario.trace.events {
+            let t = ev.ms as f64 / 1000.0;
+            if t >= scenario.duration_s {
+                break;
+            }
+            match groups.last_mut() {
+                Some((gt, v)) if *gt == t => v.push((ev.change, ev.node.clone())),
+                _ => groups.push((t, vec![(ev.change, ev.node.clone())])),
+            }
+        }
+        let mut gi = 0;
+        // The nodes present at the start form the first configuration, free of charge.
+        if let Some((t, v)) = groups.first() {
+            if *t == 0.0 {
+                for (c, n) in v {
+                    run.membership(*c, n, true);
+                }
+                gi = 1;
+            }
+        }
+        run.start_fresh()?;
+        let end = scenario.duration_s;
+        while run.now < end {
+            let t_event = groups.get(gi).map_or(f64::INFINITY, |g| g.0);
+            if let Some((kind, until)) = run.busy {
+                let t = until.min(t_event).min(end);
+                run.charge(kind, t - run.now);
+                run.now = t;
+                if t >= until && until <= t_event {
+                    run.busy = None;
+                    run.finish_busy(kind);
+                } else if t == t_event {
+                    let v = groups[gi].1.clone();
+                    gi += 1;
+                    run.apply_events(&v)?;
+                }
+                continue;
+            }
+            let t_scale = run.scale_up_time();
+            if run.config.is_none() {
+                let t = t_event.min(end).min(t_scale);
+                run.b.idle_s += t - run.now;
+                run.now = t;
+                if t == t_event {
+                    let v = groups[gi].1.clone();
+                    gi += 1;
+                    run.apply_events(&v)?;
+                } else if t == t_scale {
+                    run.start_fresh_after_idle()?;
+                }
+                continue;
+            }
+            // Training: run to the next step boundary that matters, or the next event.
+            let step_s = run.step_time()?;
+            let to_boundary = run.steps_to_boundary();
+            let t_boundary = run.now + to_boundary as f64 * step_s - run.partial_s;
+            // Joiners are taken at the first step boundary after they are ready.
+            let t_scale_boundary = if t_scale.is_finite() {
+                let wait = (t_scale - run.now).max(0.0) + run.partial_s;
+                run.now + (wait / step_s).ceil() * step_s - run.partial_s
+            } else {
+                f64::INFINITY
+            };
+            let t = t_event.min(end).min(t_boundary).min(t_scale_boundary);
+            run.train_until(t, step_s);
+            // At a checkpoint/rebalance boundary: joiners due by now are taken first (their
+            // reconfiguration replans anyway) and the checkpoint follows it; otherwise the
+            // boundary's own work. Events at the same instant are then taken by the busy branch
+            // at zero elapsed time.
+            if t == t_boundary {
+                if t_scale_boundary <= t_boundary {
+                    // A scale-up that relaunches from a checkpoint of its own clears this again.
+                    run.pending_checkpoint = run.step.is_multiple_of(run.checkpoint_every());
+                    run.scale_up()?;
+                    if run.busy.is_none() {
+                        run.pending_checkpoint = false;
+                        run.at_boundary()?;
+                    }
+                } else {
+                    run.at_boundary()?;
+                }
+            } else if t == t_event && t_event <= t_scale_boundary {
+                let v = groups[gi].1.clone();
+                gi += 1;
+                run.apply_events(&v)?;
+            } else if t == t_scale_boundary {
+                run.scale_up()?;
+            }
+        }
+        // A step still running at the end never finished.
+        run.b.lost_work_s += run.partial_s;
+        run.partial_s = 0.0;
+        Ok(run.report())
+    }
+
+    fn cost(&self) -> &'a CostModel {
+        &self.s.cost
+    }
+
+    fn charge(&mut self, kind: Busy, dt: f64) {
+        match kind {
+            Busy::Checkpoint => self.b.checkpoint_s += dt,
+            Busy::Restart => self.b.restart_s += dt,
+            Busy::Reconfig => self.b.reconfig_s += dt,
+            Busy::Rebalance => self.b.rebalance_s += dt,
+        }
+    }
+
+    fn membership(&mut self, change: Change, node: &str, initial: bool) {
+        match change {
+            Change::Add => {
+                let ready = if initial { 0.0 } else { self.now + self.cost().scale_up_wait_s };
+                self.alive.push((node.to_string(), ready));
+            }
+            Change::Remove => {
+                self.alive.retain(|(n, _)| n != node);
+                self.retired.retain(|n| n != node);
+            }
+        }
+    }
+
+    /// Live nodes that may be used now, in join order, up to the cap.
+    fn usable(&self) -> Vec<String> {
+        self.alive
+            .iter()
+            .filter(|(n, ready)| *ready <= self.now && !self.retired.contains(n))
+            .map(|(n, _)| n.clone())
+            .take(self.s.max_nodes)
+            .collect()
+    }
+
+    /// `nodes` followed by the usable nodes not among them, up to the cap.
+    fn with_joiners(&self, mut nodes: Vec<String>) -> Vec<String> {
+        let mut have: HashSet<String> = nodes.iter().cloned().collect();
+        for n in self.usable() {
+            if nodes.len() < self.s.max_nodes && have.insert(n.clone()) {
+                nodes.push(n);
+            }
+        }
+        nodes
+    }
+
+    /// When waiting joiners would let the policy use more nodes (∞ if never).
+    fn scale_up_time(&self) -> f64 {
+        let in_use = self.used.len();
+        let taken: HashSet<&str> = self.used.iter().chain(&self.retired).map(String::as_str).collect();
+        let mut ready: Vec<f64> = self.alive.iter().filter(|(n, _)| !taken.contains(n.as_str())).map(|(_, r)| *r).collect();
+        ready.sort_by(f64::total_cmp);
+        for (k, &r) in ready.iter().enumerate() {
+            let count = (in_use + k + 1).min(self.s.max_nodes);
+            if self.nodes_usable(count) > in_use {
+                return r.max(self.now);
+            }
+        }
+        f64::INFINITY
+    }
+
+    /// How many of `n` nodes the policy can use.
+    fn nodes_usable(&self, n: usize) -> usize {
+        self.p.nodes_usable(self.s, n)
+    }
+
+    fn checkpoint_every(&self) -> u64 {
+        self.p.checkpoint_every(self.cost())
+    }
+
+    fn epoch(&self) -> u64 {
+        self.step / self.cost().rebalance_every
+    }
+
+    /// The plan epoch: loads measured over the last finished epoch (the first at the start).
+    fn plan_epoch(&self) -> u64 {
+        self.epoch().saturating_sub(1)
+    }
+
+    fn loads(&self, epoch: u64) -> Vec<Vec<f64>> {
+        self.loads.borrow_mut().at(epoch)
+    }
+
+    /// Seconds per step: the balanced step stretched by the policy's imbalance of its
+    /// configuration under the current epoch's loads.
+    fn step_time(&mut self) -> Result<f64, SimError> {
+        let epoch = self.epoch();
+        if let Some((e, s)) = self.step_s {
+            if e == epoch {
+                return Ok(s);
+            }
+        }
+        let loads = self.loads(epoch);
+        let imbalance = match self.config.as_ref() {
+            Some(config) => self.p.imbalance(self.cost(), config, &loads),
+            None => return Ok(f64::INFINITY),
+        };
+        let m = &self.s.model;
+        let s = m.balanced_step_s * ((1.0 - m.expert_fraction) + m.expert_fraction * imbalance.max(1.0));
+        self.step_s = Some((epoch, s));
+        Ok(s)
+    }
+
+    fn samples_per_step(&self) -> f64 {
+        (self.used.len() * self.cost().gpus_per_node * self.cost().samples_per_gpu) as f64
+    }
+
+    /// Whole steps until the next checkpoint or rebalance.
+    fn steps_to_boundary(&self) -> u64 {
+        let k = self.checkpoint_every();
+        let mut next = (self.step / k + 1) * k;
+        if let Some(r) = self.p.rebalance_every(self.cost()) {
+            next = next.min((self.step / r + 1) * r);
+        }
+        next - self.step
+    }
+
+    fn train_until(&mut self, t: f64, step_s: f64) {
+        let dt = (t - self.now).max(0.0);
+        let total = self.partial_s + dt;
+        let mut k = (total / step_s).floor();
+        // Landing exactly on a boundary must count the step despite rounding.
+        if (total / step_s - (k + 1.0)).abs() < 1e-9 {
+            k += 1.0;
+        }
+        let kept = k * step_s;
+        self.partial_s = (total - kept).max(0.0);
+        let gained = k * self.samples_per_step();
+        self.step += k as u64;
+        self.samples += gained;
+        self.b.compute_s += kept;
+        self.compute_since_ckpt += kept;
+        if dt > 0.0 {
+            self.stretches.push((self.now, t, gained));
+        }
+        self.now = t;
+    }
+
+    fn at_boundary(&mut self) -> Result<(), SimError> {
+        let ck = self.checkpoint_every();
+        if let Some(r) = self.p.rebalance_every(self.cost()) {
+            if self.step.is_multiple_of(r) {
+                let p = self.p;
+                p.rebalance(self)?;
+                if self.step.is_multiple_of(ck) {
+                    // Checkpoint right after the rebalance: both are due at this step.
+                    self.pending_checkpoint = true;
+                }
+                return Ok(());
+            }
+        }
+        if self.step.is_multiple_of(ck) {
+            self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+        }
+        Ok(())
+    }
+
+    fn begin(&mut self, kind: Busy, seconds: f64) {
+        self.busy = Some((kind, self.now + seconds));
+        self.note_nodes();
+    }
+
+    fn note_nodes(&mut self) {
+        let n = if self.config.is_some() { self.used.len() } else { 0 };
+        if self.nodes_in_use.last().map(|x| x.1) != Some(n) {
+            self.nodes_in_use.push((self.now, n));
+        }
+    }
+
+    fn finish_busy(&mut self, kind: Busy) {
+        match kind {
+            Busy::Checkpoint => {
+                self.checkpoints += 1;
+                self.ckpt_step = self.step;
+                self.ckpt_samples = self.samples;
+                self.compute_since_ckpt = 0.0;
+            }
+            Busy::Rebalance | Busy::Reconfig if self.pending_checkpoint => {
+                self.pending_checkpoint = false;
+                self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+            }
+            _ => {}
+        }
+    }
+
+    /// A fresh configuration on the usable nodes (job start or restart); None if too few.
+    fn fresh_config(&mut self) -> Result<(), SimError> {
+        let usable = self.usable();
+        let n = self.nodes_usable(usable.len());
+        self.step_s = None;
+        if n == 0 {
+            self.config = None;
+            self.used.clear();
+            self.note_nodes();
+            return Ok(());
+        }
+        self.used = usable[..n].to_vec();
+        self.config = Some(self.p.fresh_config(self, n)?);
+        self.note_nodes();
+        Ok(())
+    }
+
+    fn start_fresh(&mut self) -> Result<(), SimError> {
+        self.fresh_config()
+    }
+
+    /// Nodes came back after a stretch without a usable configuration: relaunch from the
+    /// checkpoint (the restart that rolled back was already counted).
+    fn start_fresh_after_idle(&mut self) -> Result<(), SimError> {
+        self.fresh_config()?;
+        if self.config.is_some() {
+            let c = self.cost();
+            let t = c.restart_s + c.checkpoint_s(&self.s.model);
+            self.begin(Busy::Restart, t);
+        }
+        Ok(())
+    }
+
+    fn apply_events(&mut self, events: &[(Change, String)]) -> Result<(), SimError> {
+        let mut failed = Vec::new();
+        for (c, n) in events {
+            if *c == Change::Remove && self.used.contains(n) {
+                failed.push(n.clone());
+            }
+            self.membership(*c, n, false);
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        self.failures.push(self.now);
+        // The step in flight is abandoned everywhere; a checkpoint being written never completes.
+        self.b.lost_work_s += self.partial_s;
+        self.partial_s = 0.0;
+        self.busy = None;
+        self.pending_checkpoint = false;
+        let survivors: Vec<String> = self.used.iter().filter(|n| !failed.contains(n)).cloned().collect();
+        let p = self.p;
+        p.on_failure(self, &failed, survivors)
+    }
+
+    /// Roll back to the last checkpoint and relaunch on the usable nodes.
+    fn restart(&mut self) -> Result<(), SimError> {
+        self.b.lost_work_s += self.compute_since_ckpt;
+        self.b.compute_s -= self.compute_since_ckpt;
+        self.compute_since_ckpt = 0.0;
+        self.rollbacks.push((self.now, self.samples - self.ckpt_samples));
+        self.step = self.ckpt_step;
+        self.samples = self.ckpt_samples;
+        self.restarts += 1;
+        self.retired.clear();
+        self.fresh_config()?;
+        if self.config.is_some() {
+            let c = self.cost();
+            let t = c.failure_timeout_s + c.restart_s + c.checkpoint_s(&self.s.model);
+            self.begin(Busy::Restart, t);
+        }
+        Ok(())
+    }
+
+    /// Move to `config` over `used` without a restart: a reconfiguration (`Busy::Reconfig`) or a
+    /// rebalance (`Busy::Rebalance`) taking `seconds`.
+    fn switch(&mut self, used: Vec<String>, config: P::Config, kind: Busy, seconds: f64) {
+        self.used = used;
+        self.config = Some(config);
+        self.step_s = None;
+        match kind {
+            Busy::Rebalance => self.rebalances += 1,
+            _ => self.reconfigurations += 1,
+        }
+        self.begin(kind, seconds);
+    }
+
+    /// Save a checkpoint at the current step and relaunch with `config` over `used`, taking
+    /// `seconds`: nothing is rolled back, and that save is the checkpoint due at this step.
+    fn relaunch_with_checkpoint(&mut self, used: Vec<String>, config: P::Config, seconds: f64) {
+        self.ckpt_step = self.step;
+        self.ckpt_samples = self.samples;
+        self.compute_since_ckpt = 0.0;
+        self.checkpoints += 1;
+        self.restarts += 1;
+        self.pending_checkpoint = false;
+        self.used = used;
+        self.config = Some(config);
+        self.step_s = None;
+        self.begin(Busy::Restart, seconds);
+    }
+
+    /// Take waiting joiners at a step boundary.
+    fn scale_up(&mut self) -> Result<(), SimError> {
+        let mut nodes = self.with_joiners(self.used.clone());
+        let usable = self.nodes_usable(nodes.len());
+        if usable <= self.used.len() {
+            return Ok(());
+        }
+        nodes.truncate(usable);
+        let p = self.p;
+        p.scale_up(self, nodes)
+    }
+
+    fn report(&self) -> PolicyReport {
+        let d = self.s.duration_s;
+        let bins = 300usize;
+        let width = d / bins as f64;
+        let mut gross = vec![0.0f64; bins];
+        for &(t0, t1, gained) in &self.stretches {
+            if t1 <= t0 || gained == 0.0 {
+                continue;
+            }
+            let rate = gained / (t1 - t0);
+            let (b0, b1) = ((t0 / width) as usize, ((t1 / width).ceil() as usize).min(bins));
+            for (b, g) in gross.iter_mut().enumerate().take(b1).skip(b0) {
+                let (lo, hi) = (b as f64 * width, (b + 1) as f64 * width);
+                let overlap = t1.min(hi) - t0.max(lo);
+                if overlap > 0.0 {
+                    *g += rate * overlap;
+                }
+            }
+        }
+        let mut series = Vec::with_capacity(bins);
+        let (mut cum, mut rb) = (0.0, 0usize);
+        for (b, g) in gross.iter().enumerate() {
+            let t = (b + 1) as f64 * width;
+            cum += g;
+            while rb < self.rollbacks.len() && self.rollbacks[rb].0 <= t {
+                cum -= self.rollbacks[rb].1;
+                rb += 1;
+            }
+            series.push(SeriesPoint { t_s: t, samples_per_s: g / width, cumulative_samples: cum.max(0.0) });
+        }
+        PolicyReport {
+            policy: self.policy,
+            trained_samples: self.samples,
+            avg_samples_per_s: self.samples / d,
+            steps: self.step,
+            restarts: self.restarts,
+            reconfigurations: self.reconfigurations,
+            rebalances: self.rebalances,
+            checkpoints: self.checkpoints,
+            breakdown: self.b.clone(),
+            series,
+            failures_s: self.failures.clone(),
+            nodes_in_use: self.nodes_in_use.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
+        Scenario {
+            trace,
+            model: ModelSpec::preset(model).unwrap(),
+            cost: CostModel::default(),
+            loads: LoadModel::default(),
+            max_nodes: 10,
+            duration_s: minutes * 60.0,
+        }
+    }
+
+    fn all(s: &Scenario) -> Vec<PolicyReport> {
+        [Policy::Lazarus, Policy::Ds, Policy::DsFt].iter().map(|&p| simulate(s, p).unwrap()).collect()
+    }
+
+    fn p3() -> Option<Trace> {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/traces/p3-trace.csv");
+        match std::fs::read_to_string(path) {
+            Ok(text) => Some(Trace::parse_bamboo(&text, "p3-trace.csv").unwrap()),
+            Err(_) => {
+                eprintln!("skipping the P3 spot trace: {path} is absent");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn the_breakdown_adds_up_to_the_wall_time() {
+        let mut cases = vec![
+            scenario("gpt-s", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0),
+            scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0),
+            scenario("gpt-m", Trace::fail_at_once(10, 4, 600_000, 2).unwrap(), 30.0),
+            scenario("gpt-l", Trace::poisson(10, 1_200_000.0, 300_000, 7_200_000, 3).unwrap(), 120.0),
+        ];
+        if let Some(t) = p3() {
+            cases.push(scenario("gpt-l", t.window(0, 4_800_000), 80.0));
+        }
+        for s in &cases {
+            for r in all(s) {
+                let total = r.breakdown.total();
+                assert!(
+                    (total - s.duration_s).abs() < 1e-6 * s.duration_s,
+                    "{:?}: {total} vs {} ({:?})",
+                    r.policy,
+                    s.duration_s,
+                    r.breakdown
+                );
+                assert!(r.breakdown.compute_s >= -1e-6 && r.breakdown.lost_work_s >= 0.0);
+                assert!(r.trained_samples >= 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn ds_only_ever_trains_on_a_multiple_of_its_ep_size() {
+        // GPT-L: 16 experts, 4 per GPU → EP groups of 4 nodes.
+        let mut traces = vec![Trace::fail_every(10, 300_000, 5, 4).unwrap(), Trace::poisson(10, 900_000.0, 300_000, 5_400_000, 5).unwrap()];
+        if let Some(t) = p3() {
+            traces.push(t.window(0, 4_800_000));
+        }
+        for t in traces {
+            for p in [Policy::Ds, Policy::DsFt] {
+                let r = simulate(&scenario("gpt-l", t.clone(), 90.0), p).unwrap();
+                assert!(r.nodes_in_use.iter().all(|&(_, n)| n % 4 == 0), "{p:?}: {:?}", r.nodes_in_use);
+                assert!(r.nodes_in_use.iter().any(|&(_, n)| n == 8), "{p:?} uses 8 of 10 nodes at the start");
+            }
+        }
+    }
+
+    #[test]
+    fn lazarus_never_restarts_while_every_expert_keeps_a_replica() {
+        // One failure at a time down to half the nodes, with a floor of 2 replicas: never a
+        // lost expert, so never a restart; every failure is a reconfiguration.
+        for model in ["gpt-s", "gpt-m", "gpt-l"] {
+            let r = simulate(&scenario(model, Trace::fail_every(10, 300_000, 5, 6).unwrap(), 30.0), Policy::Lazarus).unwrap();
+            assert_eq!(r.restarts, 0, "{model}");
+            assert_eq!(r.reconfigurations, 5, "{model}");
+            assert!(r.breakdown.lost_work_s > 0.0, "interrupted steps are lost work");
+        }
+        // Nine of ten nodes at once: some expert loses every replica, so it must restart.
+        let r = simulate(&scenario("gpt-l", Trace::fail_at_once(10, 9, 600_000, 1).unwrap(), 20.0), Policy::Lazarus).unwrap();
+        assert_eq!(r.restarts, 1);
+    }
+
+    #[test]
+    fn lazarus_beats_ds_under_frequent_failures_and_uses_every_node() {
+        let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+        let r = all(&s);
+        assert!(r[0].trained_samples > 2.0 * r[1].trained_samples, "lazarus {} vs ds {}", r[0].trained_samples, r[1].trained_samples);
+        assert!(r[0].trained_samples > r[2].trained_samples);
+        assert_eq!(r[0].nodes_in_use.first().map(|x| x.1), Some(10));
+        assert!(r[1].restarts >= 5, "ds restarts on every failure");
+    }
+
+    #[test]
+    fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
+        // Checkpoint after every step, so the step boundary where a joiner is taken is always
+        // also a checkpoint boundary. One node fails at 30 s (the checkpoint in flight is lost)
+        // and the run ends during a checkpoint; a spare joins at 40 s. Every other step must
+        // have its checkpoint, the scale-up's included.
+        let mut text = String::new();
+        for n in 0..10 {
+            text.push_str(&format!("0,add,n{n}\n"));
+        }
+        text.push_str("30000,remove,n3\n40000,add,spare\n");
+        let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 2.0);
+        s.cost.checkpoint_every_lazarus = 1;
+        s.cost.scale_up_wait_s = 0.0;
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert_eq!(r.reconfigurations, 2, "the failure and the scale-up");
+        assert!(r.checkpoints + 2 >= r.steps, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+
+        // Exact timing: 0.5 s steps (no imbalance), near-free checkpoints every 4 steps, no
+        // rebalance. A spare joins at 3.7 s, so it is taken at the 4.0 s boundary — step 8, a
+        // checkpoint step. That checkpoint must follow the scale-up: one per 4 steps, exactly.
+        let mut text = String::new();
+        for n in 0..4 {
+            text.push_str(&format!("0,add,n{n}\n"));
+        }
+        text.push_str("3700,add,spare\n");
+        let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 0.5);
+        s.model.expert_fraction = 0.0;
+        s.model.params = 1e3;
+        s.cost.checkpoint_every_lazarus = 4;
+        s.cost.rebalance_every = 1_000_000;
+        s.cost.scale_up_wait_s = 0.0;
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert_eq!(r.reconfigurations, 1);
+        assert_eq!(r.checkpoints, r.steps / 4, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+    }
+
+    #[test]
+    fn bad_scenarios_are_rejected() {
+        let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+        s.max_nodes = 0;
+        assert!(simulate(&s, Policy::Lazarus).unwrap_err().to_string().contains("max_nodes"));
+        assert!(ModelSpec::preset("gpt-xl").unwrap_err().to_string().contains("gpt-xl"));
+        let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+        s.cost.storage_gbps = 0.0;
+        assert!(simulate(&s, Policy::Ds).unwrap_err().to_string().contains("storage_gbps"));
+    }
+
+    fn sim_err(f: impl FnOnce(&mut Scenario), policy: Policy) -> String {
+        let mut s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+        f(&mut s);
+        simulate(&s, policy).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn scenarios_are_bounded() {
+        assert_eq!(sim_err(|s| s.max_nodes = 10_000_001, Policy::Lazarus), "invalid max_nodes: 10000001 (must be 1 to 10000)");
+        let e = sim_err(|s| s.duration_s = 1e14 * 3600.0, Policy::Ds);
+        assert!(e.starts_with("invalid duration: ") && e.contains("30 days"), "{e}");
+        assert!(sim_err(|s| s.duration_s = f64::INFINITY, Policy::Ds).contains("must be > 0 s"));
+        assert!(sim_err(|s| s.model.layers = 100_000_000, Policy::DsFt).contains("model.layers"));
+        // A trace built by hand is held to what the parsers guarantee.
+        assert!(sim_err(|s| s.trace = Trace::default(), Policy::Lazarus).contains("the trace holds no events"));
+        let e = sim_err(|s| s.trace.events.swap(0, 10), Policy::Lazarus);
+        assert!(e.contains("event 0 (300000 ms, Remove") && e.contains("removed while absent"), "{e}");
+        // Loads that do not fit the model (a trace indexed past its end used to panic).
+        let e = sim_err(|s| s.loads = LoadModel::Trace(vec![vec![vec![1.0; 16]; 2]]), Policy::Lazarus);
+        assert!(e.contains("routing trace: entry 0 has 2 layers"), "{e}");
+        assert!(sim_err(|s| s.loads = LoadModel::Trace(vec![]), Policy::Ds).contains("no entries"));
+    }
+
+    #[test]
+    fn runs_with_too_many_boundaries_are_refused() {
+        // A month of 1 ms steps, checkpointing every step: 2.6·10^9 boundaries.
+        let month = |s: &mut Scenario| {
+            s.duration_s = MAX_DURATION_S;
+            s.model.balanced_step_s = 1e-3;
+            s.cost.checkpoint_every_ds = 1;
+        };
+        let e = sim_err(month, Policy::Ds);
+        assert!(e.contains("step boundaries") && e.contains("checkpoints every 1 steps"), "{e}");
+        // A month at the defaults is fine for the bound (DS: ~130 000 boundaries); the loads of a
+        // huge model re-drawn every 4 steps are not.
+        let mut s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 0.0);
+        s.duration_s = MAX_DURATION_S;
+        s.check_work(s.cost.checkpoint_every_ds).unwrap();
+        let e = sim_err(
+            |s| {
+                s.duration_s = MAX_DURATION_S;
+                (s.model.layers, s.model.experts, s.cost.rebalance_every) = (4096, 1024, 4);
+            },
+            Policy::Ds,
+        );
+        assert!(e.contains("load epochs") && e.contains("4096 layers × 1024 experts"), "{e}");
+    }
+}
