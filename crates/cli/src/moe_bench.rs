@@ -128,9 +128,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > args.experts as f64) {
         bad("ratios", r.to_string(), &format!("each must be between 1 and the number of experts ({})", args.experts))?;
     }
-    if !args.comm_timeout.is_finite() || args.comm_timeout <= 0.0 {
-        bad("comm-timeout", args.comm_timeout.to_string(), "expected seconds > 0")?;
-    }
+    lazarus_control::launcher::check_comm_timeout(args.comm_timeout)?;
     let max_imbalance = crate::planning::throughput_guard(args.max_imbalance)?;
     let slots = args.slots.unwrap_or_else(|| (2 * args.experts).div_ceil(args.workers));
     if slots * args.workers < args.experts {

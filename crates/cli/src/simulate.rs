@@ -1,6 +1,7 @@
 //! `lazarus sim`: replay a failure/spot trace (or a generated failure pattern) against Lazarus
 //! and the DeepSpeed-MoE baselines in the discrete-event simulator.
 
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -127,27 +128,27 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         bail!("invalid --duration: 0");
     }
     let mut trace = if let Some(p) = &args.trace {
-        let text = std::fs::read_to_string(p).with_context(|| format!("--trace: cannot read {}", p.display()))?;
+        let text = crate::io::read_text("trace", p, crate::io::MAX_JSON_BYTES)?;
         Trace::parse_bamboo(&text, &p.display().to_string())?
     } else if let Some(p) = &args.availability {
-        let text = std::fs::read_to_string(p).with_context(|| format!("--availability: cannot read {}", p.display()))?;
+        let text = crate::io::read_text("availability", p, crate::io::MAX_JSON_BYTES)?;
         Trace::parse_availability(&text, &p.display().to_string())?
     } else if let Some(e) = &args.fail_every {
         let every = dur("fail-every", e)?;
         if every == 0 {
             bail!("invalid --fail-every: {e} (must be > 0)");
         }
-        Trace::fail_every(args.nodes, every, args.floor.unwrap_or(args.nodes / 2), args.seed)
+        Trace::fail_every(args.nodes, every, args.floor.unwrap_or(args.nodes / 2), args.seed)?
     } else if let Some(k) = &args.fail_at_once {
         let Some((k, t)) = k.split_once('@') else { bail!("invalid --fail-at-once: {k:?} (expected K@T, e.g. 4@10m)") };
         let k: usize = k.parse().map_err(|_| anyhow::anyhow!("invalid --fail-at-once: count {k:?}"))?;
-        Trace::fail_at_once(args.nodes, k, dur("fail-at-once", t)?, args.seed)
+        Trace::fail_at_once(args.nodes, k, dur("fail-at-once", t)?, args.seed)?
     } else {
         let mtbf = dur("poisson-mtbf", args.poisson_mtbf.as_deref().unwrap_or_default())?;
         if mtbf == 0 {
             bail!("invalid --poisson-mtbf: 0 (must be > 0)");
         }
-        Trace::poisson(args.nodes, mtbf as f64, dur("repair", &args.repair)?, duration_ms, args.seed)
+        Trace::poisson(args.nodes, mtbf as f64, dur("repair", &args.repair)?, duration_ms, args.seed)?
     };
     if let Some((a, b)) = window {
         trace = trace.window(a, b);
@@ -189,8 +190,9 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
     }
     let loads = match &args.loads_trace {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("--loads-trace: cannot read {}", p.display()))?;
-            LoadModel::from_trace_json(&text, model.layers, model.experts)?
+            let text = crate::io::read_text("loads-trace", p, crate::io::MAX_JSON_BYTES)?;
+            LoadModel::from_trace_json(&text, model.layers, model.experts)
+                .with_context(|| format!("invalid --loads-trace {}", p.display()))?
         }
         None => LoadModel::Skewed { seed: args.seed, skew: 1.0, drift: 0.3 },
     };
@@ -262,10 +264,11 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             trace_events: scenario.trace.events.len(),
             sim_wall_s,
         };
-        println!("{}", serde_json::to_string(&report)?);
-        return Ok(());
+        return crate::io::println(&serde_json::to_string(&report)?);
     }
-    println!(
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
         "{} ({} layers x {} experts), {:.0} min, at most {} nodes, {} trace events; simulated in {:.2} s",
         scenario.model.name,
         scenario.model.layers,
@@ -275,14 +278,16 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         scenario.trace.events.len(),
         sim_wall_s
     );
-    println!(
+    let _ = writeln!(
+        out,
         "{:<8} {:>12} {:>9} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
         "policy", "samples", "samples/s", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
     );
     let pct = |x: f64| format!("{:.0}%", 100.0 * x / scenario.duration_s);
     for r in &reports {
         let b = &r.breakdown;
-        println!(
+        let _ = writeln!(
+            out,
             "{:<8} {:>12.0} {:>9.2} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
             r.policy.name(),
             r.trained_samples,
@@ -302,9 +307,9 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     if let Some(l) = get(Policy::Lazarus) {
         for p in [Policy::Ds, Policy::DsFt] {
             if let Some(x) = get(p) {
-                println!("lazarus / {}: {:.2}x samples", p.name(), l / x.max(1e-9));
+                let _ = writeln!(out, "lazarus / {}: {:.2}x samples", p.name(), l / x.max(1e-9));
             }
         }
     }
-    Ok(())
+    crate::io::print(&out)
 }

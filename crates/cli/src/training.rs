@@ -102,8 +102,9 @@ pub struct TrainArgs {
     /// With --workers: throughput guard of the measured-load plan — the most fault-tolerant
     /// placement on which no worker needs more than this many times its mean share of tokens;
     /// `inf`: the most fault-tolerant placement, however unbalanced.
-    #[arg(long, default_value_t = lazarus_plan::DEFAULT_MAX_IMBALANCE)]
-    pub max_imbalance: f64,
+    /// (default 1.05)
+    #[arg(long)]
+    pub max_imbalance: Option<f64>,
     /// With --workers: steps whose router loads plan the placement (forward only, before
     /// training; default 3, or the steps to train when fewer).
     #[arg(long)]
@@ -112,10 +113,13 @@ pub struct TrainArgs {
     /// over the workers, one replica each, all-to-all buffers padded to the largest load).
     #[arg(long)]
     pub static_ep: bool,
-    /// With --workers: deadline of every collective, in seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub comm_timeout: f64,
+    /// With --workers: deadline of every collective, in seconds (default 30).
+    #[arg(long)]
+    pub comm_timeout: Option<f64>,
 }
+
+/// Default deadline of every collective of `train --workers`, seconds.
+pub const DEFAULT_COMM_TIMEOUT_S: f64 = 30.0;
 
 fn off_or<T: std::str::FromStr>(field: &str, value: &str) -> Result<Option<T>> {
     if value == "off" || value == "none" {
@@ -129,17 +133,154 @@ impl TrainArgs {
     pub fn uses_workers(&self) -> bool {
         self.workers.is_some()
     }
+
+    /// Flags that only mean something with `--workers`, by name, when given.
+    fn worker_flags(&self) -> Vec<&'static str> {
+        let given: [(&'static str, bool); 7] = [
+            ("--placement-file", self.placement_file.is_some()),
+            ("--slots-per-worker", self.slots_per_worker.is_some()),
+            ("--max-imbalance", self.max_imbalance.is_some()),
+            ("--profile-steps", self.profile_steps.is_some()),
+            ("--static-ep", self.static_ep),
+            ("--comm-timeout", self.comm_timeout.is_some()),
+            ("--workers", self.workers.is_some()),
+        ];
+        given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
+    }
+
+    /// No flag is silently ignored: refuse the combinations that would ignore one.
+    pub fn check_combinations(&self) -> Result<()> {
+        if !self.uses_workers() {
+            if let Some(f) = self.worker_flags().first() {
+                bail!("{f} needs --workers N (it configures multi-worker training)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The settings where `a` differs from `b` (the keys of `a`, dotted), as `key = a (the
+/// checkpoint has b)`, leaving out `steps` and `checkpoint_dir` (a resumed run may change those).
+fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    fn differ(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        match (a.as_object(), b.as_object()) {
+            (Some(x), Some(y)) => {
+                for (k, va) in x {
+                    if prefix.is_empty() && (k == "steps" || k == "checkpoint_dir") {
+                        continue;
+                    }
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    match y.get(k) {
+                        Some(vb) => differ(&key, va, vb, out),
+                        None => out.push(key),
+                    }
+                }
+            }
+            _ if a != b => out.push(format!("{prefix} = {a} (the checkpoint has {b})")),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    differ("", a, b, &mut out);
+    out
+}
+
+/// The total steps of a resumed run: `--steps`, else the `--config` file's `steps` if it sets
+/// them, else the checkpoint's.
+pub fn resume_steps(args: &TrainArgs) -> Result<Option<u64>> {
+    if args.steps.is_some() {
+        return Ok(args.steps);
+    }
+    let Some(path) = &args.config else { return Ok(None) };
+    let said: toml::Value =
+        toml::from_str(&crate::io::read_text("config", path, 1 << 20)?).with_context(|| format!("invalid --config {}", path.display()))?;
+    match said.get("steps") {
+        Some(v) => Ok(Some(
+            v.as_integer()
+                .and_then(|x| u64::try_from(x).ok())
+                .ok_or_else(|| anyhow::anyhow!("invalid --config {}: steps = {v}", path.display()))?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// With `--resume`, a `--config` may only say what the checkpoint says (it is read for its
+/// `checkpoint_dir`, and `steps` may raise the total): any other setting would be ignored.
+pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<()> {
+    // Flags may repeat the run's settings, not change them.
+    let mut flagged = resumed.clone();
+    apply_flags(args, &mut flagged)?;
+    let changed = differences(&serde_json::to_value(&flagged)?, &serde_json::to_value(resumed)?);
+    if !changed.is_empty() {
+        bail!("--resume continues the checkpoint's run with its own settings; the flags would change {}", changed.join(", "));
+    }
+    let Some(path) = &args.config else { return Ok(()) };
+    let text = crate::io::read_text("config", path, 1 << 20)?;
+    toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    // Only what the file itself says (its missing keys are defaults, not settings).
+    let said: toml::Value = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    let (a, b) = (serde_json::to_value(&said)?, serde_json::to_value(resumed)?);
+    let diffs = differences(&a, &b);
+    if !diffs.is_empty() {
+        bail!(
+            "--resume continues the checkpoint's run with its own settings; --config {} would change {}",
+            path.display(),
+            diffs.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Refuse a configuration this machine cannot hold (`copies`: processes that each build the
+/// whole model), before anything is allocated.
+pub fn check_fits(cfg: &TrainConfig, copies: u128) -> Result<()> {
+    let need = cfg.memory_estimate().saturating_mul(copies);
+    if let Some(have) = lazarus_control::launcher::physical_memory() {
+        if need > have as u128 {
+            let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+            bail!(
+                "this run needs about {:.1} GiB ({} parameters{}, activations, data) and this machine has {:.1} GiB: lower --experts, --d-model, --d-ff, --layers, --batch-size or --seq-len",
+                gib(need),
+                cfg.model.parameter_count(),
+                if copies > 1 { format!(", in {copies} processes") } else { String::new() },
+                gib(have as u128)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `--checkpoint-dir`: a directory (created if missing) before training starts, not a file found
+/// out at the first save.
+fn check_checkpoint_dir(cfg: &TrainConfig) -> Result<()> {
+    if cfg.checkpoint_every > 0 && cfg.checkpoint_dir.is_none() {
+        bail!("--checkpoint-every needs --checkpoint-dir (or checkpoint_dir in --config)");
+    }
+    if let Some(dir) = &cfg.checkpoint_dir {
+        if dir.exists() && !dir.is_dir() {
+            bail!("invalid --checkpoint-dir: {} is not a directory", dir.display());
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// The configuration: defaults, then the TOML file, then flags.
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     let mut c = match &args.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("--config: cannot read {}", path.display()))?;
-            toml::from_str::<TrainConfig>(&text).with_context(|| format!("--config {}", path.display()))?
+            let text = crate::io::read_text("config", path, 1 << 20)?;
+            toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?
         }
         None => TrainConfig::default(),
     };
+    apply_flags(args, &mut c)?;
+    c.validate()?;
+    Ok(c)
+}
+
+/// The settings flags on top of `c` (defaults or a `--config` file, or a resumed run's).
+fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     macro_rules! set {
         ($($flag:ident => $($field:ident).+),* $(,)?) => {
             $(if let Some(v) = args.$flag.clone() { c.$($field).+ = v; })*
@@ -166,14 +307,20 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
         c.model.max_seq_len = c.model.max_seq_len.max(seq);
     }
     match (args.data.as_deref(), args.data_format.as_deref()) {
+        (None, Some(f)) => bail!("--data-format {f} needs --data FILE"),
         (None | Some("synthetic"), fmt) => {
-            if fmt.is_some_and(|f| f != "text") && args.data.is_some() {
+            if fmt.is_some_and(|f| f != "text") {
                 bail!("invalid --data-format: {} (the synthetic corpus is text)", fmt.unwrap_or_default());
             }
+            if args.data.is_some() && !matches!(c.data, DataSource::Synthetic { .. }) {
+                c.data = TrainConfig::default().data;
+            }
             if let Some(bytes) = args.synthetic_bytes {
-                let seed = match c.data {
-                    DataSource::Synthetic { seed, .. } => seed,
-                    _ => 0,
+                let DataSource::Synthetic { seed, .. } = c.data else {
+                    bail!(
+                        "--synthetic-bytes sizes the synthetic corpus, but the data is {} (from --config); drop one of them",
+                        c.data.describe()
+                    );
                 };
                 c.data = DataSource::Synthetic { seed, bytes };
             }
@@ -189,8 +336,26 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
             };
         }
     }
-    c.validate()?;
-    Ok(c)
+    if args.synthetic_bytes.is_some() && args.data.as_deref().is_some_and(|d| d != "synthetic") {
+        bail!(
+            "--synthetic-bytes sizes the synthetic corpus; --data {} reads a file instead: drop one of them",
+            args.data.as_deref().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// The configuration of a run that starts now: flags checked for combinations that would ignore
+/// one, the checkpoint directory usable, the whole thing small enough for this machine with
+/// `copies` processes holding the model.
+pub fn setup_run(args: &TrainArgs, copies: u128) -> Result<TrainConfig> {
+    args.check_combinations()?;
+    let cfg = build_config(args)?;
+    check_checkpoint_dir(&cfg)?;
+    if !args.resume {
+        check_fits(&cfg, copies)?;
+    }
+    Ok(cfg)
 }
 
 #[derive(Serialize)]
@@ -205,15 +370,16 @@ struct LogLine<'a> {
 
 pub fn run_train(args: &TrainArgs) -> Result<()> {
     let mut trainer = if args.resume {
-        let config = build_config(args)?;
+        let config = setup_run(args, 1)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
         };
-        let t = Trainer::resume(&dir, args.steps).with_context(|| format!("resuming from {}", dir.display()))?;
+        let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
+        check_resumed_config(args, &t.config)?;
         tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {
-        Trainer::new(build_config(args)?)?
+        Trainer::new(setup_run(args, 1)?)?
     };
     let cfg = trainer.config.clone();
     if trainer.done() {
@@ -443,4 +609,43 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
         crate::io::print(&out)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const CONFIG: &str = "steps = 500\nlr = 0.002\nbatch_size = 8\n[model]\nn_experts = 8\ntop_k = 2\ncapacity_factor = 1.25\n[data]\nkind = \"synthetic\"\nseed = 3\nbytes = 100000\n";
+
+    #[test]
+    fn the_sample_config_parses() {
+        let c: TrainConfig = toml::from_str(CONFIG).unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.steps, c.model.capacity_factor), (500, Some(1.25)));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        /// A damaged `--config` is an error or a valid configuration, never a panic; what
+        /// validates has every size within the model's limits.
+        #[test]
+        fn damaged_configs_never_panic(edits in proptest::collection::vec((0usize..200, any::<u8>()), 1..6), cut in 0usize..200) {
+            let mut text = CONFIG.as_bytes().to_vec();
+            for (pos, byte) in edits {
+                if pos < text.len() {
+                    text[pos] = byte;
+                }
+            }
+            text.truncate(cut.max(1).min(text.len()));
+            if let Ok(s) = std::str::from_utf8(&text) {
+                if let Ok(c) = toml::from_str::<TrainConfig>(s) {
+                    if c.validate().is_ok() {
+                        prop_assert!(c.model.parameter_count() < 1u128 << 64);
+                    }
+                }
+            }
+        }
+    }
 }

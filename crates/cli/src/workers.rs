@@ -8,7 +8,7 @@ use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
 use crate::io::{read_text, MAX_JSON_BYTES};
-use crate::training::{build_config, print_banner, Reporter, TrainArgs};
+use crate::training::{print_banner, setup_run, Reporter, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 
 /// Steps profiled for the measured-load plan when `--profile-steps` is not given (fewer when
 /// the run is shorter).
@@ -31,23 +31,31 @@ fn plan_source(args: &TrainArgs, steps_left: u64) -> Result<PlanSource> {
         Some(p) => p,
         None => DEFAULT_PROFILE_STEPS.min(steps_left.max(1) as usize),
     };
-    let max_imbalance = crate::planning::throughput_guard(args.max_imbalance)?;
+    let max_imbalance = crate::planning::throughput_guard(args.max_imbalance.unwrap_or(lazarus_plan::DEFAULT_MAX_IMBALANCE))?;
     Ok(PlanSource::Measured { profile_steps, slots_per_worker: args.slots_per_worker, max_imbalance })
 }
 
 /// The launcher side of `lazarus train --workers N`.
 pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let world = args.workers.unwrap_or(1);
+    let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
+    if world == 0 || world > lazarus_control::train::MAX_WORKERS {
+        bail!("invalid --workers: {world} (expected 1 to {})", lazarus_control::train::MAX_WORKERS);
+    }
+    // The launcher builds the model once to plan, and every worker builds it whole before it
+    // releases the experts it does not hold.
+    let copies = 1 + world as u128;
     let (mut trainer, resume) = if args.resume {
-        let config = build_config(args)?;
+        let config = setup_run(args, copies)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
         };
-        let t = Trainer::resume(&dir, args.steps).with_context(|| format!("resuming from {}", dir.display()))?;
+        let t = Trainer::resume(&dir, crate::training::resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
+        crate::training::check_resumed_config(args, &t.config)?;
         tracing::info!("resuming from {} at step {}", dir.display(), t.step);
         (t, Some(dir))
     } else {
-        (Trainer::new(build_config(args)?)?, None)
+        (Trainer::new(setup_run(args, copies)?)?, None)
     };
     let cfg = trainer.config.clone();
     if trainer.done() {
@@ -74,7 +82,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
     let job = TrainJob { config: cfg.clone(), plan, static_ep: args.static_ep, resume };
     let mut report_error: Option<anyhow::Error> = None;
-    let outcome = run_training(&job, world, args.comm_timeout, |action| {
+    let outcome = run_training(&job, world, comm_timeout, |action| {
         let shown = match action {
             Action::Ready { rank, pid } => {
                 tracing::info!("worker {rank}: pid {pid} ready");

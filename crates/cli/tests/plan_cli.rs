@@ -179,3 +179,26 @@ fn max_imbalance_trades_recovery_for_a_busy_worker_and_reports_both() {
     let e = fails(&["plan", "--replicas", "1,1", "--nodes", "2", "--slots", "1", "--max-imbalance", "1.1"]);
     assert!(e.contains("--loads"), "{e}");
 }
+
+#[test]
+fn sizes_beyond_the_planning_core_and_a_full_stdout_are_errors() {
+    let e = fails(&["plan", "--loads", "1,2", "--nodes", "2", "--slots", "100000000"]);
+    assert!(e.contains("slots") && e.contains("at most"), "{e}");
+    let e = fails(&["plan", "--loads", "1,2", "--nodes", "100000", "--slots", "2"]);
+    assert!(e.contains("nodes") && e.contains("100000"), "{e}");
+    // Equal loads whose sum overflows get equal replicas.
+    let v = json(&["plan", "--loads", "1e308,1e308,30,40", "--nodes", "5", "--slots", "4", "--json"]);
+    let r = &v["layers"][0]["replicas"];
+    assert_eq!(r[0], r[1], "{v}");
+    // Output that cannot be written is an error naming stdout, not a panic.
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
+    if let Ok(full) = full {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"))
+            .args(["plan", "--loads", "1,2", "--nodes", "2", "--slots", "2", "--json"])
+            .stdout(full)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("stdout") && !err.contains("panicked"), "{err}");
+    }
+}

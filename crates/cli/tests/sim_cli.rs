@@ -40,6 +40,10 @@ fn bad_traces_and_flags_are_named() {
     let out = lazarus(&["sim", "--trace", trace.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("line 3") && err.contains("explode"), "{err}");
+    let empty = d.join("empty.csv");
+    std::fs::write(&empty, "# nothing\n").unwrap();
+    let bad_loads = d.join("bad-loads.json");
+    std::fs::write(&bad_loads, "[[1, 2]]").unwrap();
     for (args, expect) in [
         (vec!["sim"], "--fail-every"),
         (vec!["sim", "--fail-every", "5m", "--model", "gpt-xxl"], "gpt-xxl"),
@@ -47,6 +51,14 @@ fn bad_traces_and_flags_are_named() {
         (vec!["sim", "--fail-every", "5m", "--window", "80m:10m"], "--window"),
         (vec!["sim", "--fail-every", "5m", "--policy", "magic"], "--policy"),
         (vec!["sim", "--fail-every", "5m", "--poisson-mtbf", "1h"], "only one"),
+        // Sizes and durations beyond any bound are errors, not runs without end.
+        (vec!["sim", "--fail-every", "5m", "--duration", "1e14h"], "1e14h"),
+        (vec!["sim", "--fail-every", "5m", "--nodes", "10000000"], "10000000"),
+        (vec!["sim", "--fail-every", "5m", "--layers", "100000000"], "100000000"),
+        (vec!["sim", "--fail-every", "5m", "--duration", "10000h"], "30 days"),
+        (vec!["sim", "--trace", "/dev/zero"], "--trace"),
+        (vec!["sim", "--trace", empty.to_str().unwrap()], "no events"),
+        (vec!["sim", "--fail-every", "5m", "--loads-trace", bad_loads.to_str().unwrap()], "bad-loads.json"),
     ] {
         let out = lazarus(&args);
         let err = String::from_utf8_lossy(&out.stderr);

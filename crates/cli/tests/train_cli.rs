@@ -144,3 +144,96 @@ fn bad_settings_are_named() {
     let out = lazarus(&args);
     assert!(String::from_utf8_lossy(&out.stderr).contains("nope.txt"));
 }
+
+/// Runs a `lazarus train` that must fail; its stderr.
+fn train_fails(args: &[&str]) -> String {
+    let mut all = vec!["train"];
+    all.extend(args);
+    let out = lazarus(&all);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} should fail: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    err
+}
+
+#[test]
+fn no_flag_is_silently_ignored_and_bad_sizes_are_named_before_allocation() {
+    let d = common::dir("ignored");
+    let text_cfg = d.join("text.toml");
+    let corpus = d.join("corpus.txt");
+    std::fs::write(&corpus, "hello world ".repeat(100)).unwrap();
+    std::fs::write(&text_cfg, format!("[data]\nkind = \"text\"\npath = {:?}\n", corpus.to_str().unwrap())).unwrap();
+    let a_file = d.join("a-file");
+    std::fs::write(&a_file, "x").unwrap();
+    for (args, expect) in [
+        (vec!["--static-ep"], "--static-ep needs --workers"),
+        (vec!["--comm-timeout", "5"], "--comm-timeout needs --workers"),
+        (vec!["--max-imbalance", "1.2"], "--max-imbalance needs --workers"),
+        (vec!["--config", text_cfg.to_str().unwrap(), "--synthetic-bytes", "5000"], "--synthetic-bytes"),
+        (vec!["--data", corpus.to_str().unwrap(), "--synthetic-bytes", "5000"], "--synthetic-bytes"),
+        (vec!["--data-format", "u16"], "--data-format u16 needs --data"),
+        (vec!["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (vec!["--checkpoint-dir", a_file.to_str().unwrap()], "is not a directory"),
+        (vec!["--experts", "100000000"], "n_experts"),
+        (vec!["--d-model", "16384", "--heads", "1", "--d-ff", "131072"], "GiB"),
+        (vec!["--synthetic-bytes", "100000000000"], "data.bytes"),
+        (vec!["--data", "/dev/zero"], "not a regular file"),
+        (vec!["--workers", "2", "--comm-timeout", "1e30"], "--comm-timeout"),
+        (vec!["--workers", "2", "--profile-steps", "100000000000"], "--profile-steps"),
+    ] {
+        let e = train_fails(&args);
+        assert!(e.contains(expect), "{args:?}: {e}");
+    }
+    // A log that cannot be written is named at the first step.
+    let e = train_fails(&[
+        "--steps",
+        "2",
+        "--json-log",
+        "/dev/full",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--experts",
+        "2",
+        "--d-ff",
+        "16",
+        "--seq-len",
+        "8",
+        "--batch-size",
+        "2",
+        "--synthetic-bytes",
+        "3000",
+    ]);
+    assert!(e.contains("--json-log") && e.contains("/dev/full"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn resuming_with_a_config_that_says_otherwise_is_an_error() {
+    let d = common::dir("resume-config");
+    let ck = d.join("ck");
+    let mut args = vec!["train", "--steps", "2", "--checkpoint-dir", ck.to_str().unwrap()];
+    args.extend(TINY);
+    assert!(lazarus(&args).status.success());
+    // A config that only names the directory (and raises the steps) is fine…
+    let same = d.join("same.toml");
+    std::fs::write(&same, format!("steps = 3\ncheckpoint_dir = {:?}\n", ck.to_str().unwrap())).unwrap();
+    let out = lazarus(&["train", "--resume", "--config", same.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // …one that changes the model is not.
+    let other = d.join("other.toml");
+    std::fs::write(&other, format!("steps = 4\ncheckpoint_dir = {:?}\n[model]\nd_model = 64\n", ck.to_str().unwrap())).unwrap();
+    let e = train_fails(&["--resume", "--config", other.to_str().unwrap()]);
+    assert!(e.contains("model.d_model = 64") && e.contains("the checkpoint has 32"), "{e}");
+    // Flags may repeat the run's settings (the same command line with --resume), not change them.
+    let mut again = vec!["train", "--resume", "--steps", "4", "--checkpoint-dir", ck.to_str().unwrap()];
+    again.extend(TINY);
+    let out = lazarus(&again);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let e = train_fails(&["--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--lr", "0.1"]);
+    assert!(e.contains("lr = 0.1") && e.contains("the checkpoint has 0.002"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}

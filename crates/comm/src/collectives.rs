@@ -2,7 +2,7 @@
 //! call the same collectives on the same group in the same order; each call takes a fresh tag
 //! from the group's sequence so messages of different calls can never be confused.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::CommError;
 use crate::Transport;
@@ -64,7 +64,7 @@ impl Group {
 
 /// Every member's `data`, in member order.
 pub fn all_gather(t: &mut dyn Transport, g: &mut Group, data: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>, CommError> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_after(timeout);
     let tag = g.next_tag();
     let me = t.rank();
     g.position(me)?;
@@ -82,7 +82,7 @@ pub fn all_to_all_v(t: &mut dyn Transport, g: &mut Group, sends: &[Vec<u8>], tim
     if sends.len() != g.len() {
         return Err(CommError::invalid("sends", format!("{} buffers for a group of {}", sends.len(), g.len())));
     }
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_after(timeout);
     let tag = g.next_tag();
     let me = t.rank();
     let my = g.position(me)?;
@@ -96,7 +96,7 @@ pub fn all_to_all_v(t: &mut dyn Transport, g: &mut Group, sends: &[Vec<u8>], tim
 
 /// `data` from member `root` (an index into the group) to every member.
 pub fn broadcast(t: &mut dyn Transport, g: &mut Group, root: usize, data: &[u8], timeout: Duration) -> Result<Vec<u8>, CommError> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_after(timeout);
     let tag = g.next_tag();
     let me = t.rank();
     g.position(me)?;
@@ -145,7 +145,7 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
         }
         return Ok(());
     }
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_after(timeout);
     let me = t.rank();
     let pos = g.position(me)?;
     let next = g.members[(pos + 1) % m];
@@ -184,12 +184,12 @@ pub fn send_named(t: &mut dyn Transport, peer: usize, tag: u64, name: &str, data
     payload.extend_from_slice(&(name.len() as u32).to_le_bytes());
     payload.extend_from_slice(name.as_bytes());
     payload.extend_from_slice(data);
-    t.send(peer, tag, &payload, Instant::now() + timeout)
+    t.send(peer, tag, &payload, crate::deadline_after(timeout))
 }
 
 /// Receive a named buffer from `peer`: (name, data).
 pub fn recv_named(t: &mut dyn Transport, peer: usize, tag: u64, timeout: Duration) -> Result<(String, Vec<u8>), CommError> {
-    let payload = t.recv(peer, tag, Instant::now() + timeout)?;
+    let payload = t.recv(peer, tag, crate::deadline_after(timeout))?;
     let bad = |reason: &str| CommError::Protocol { peer, reason: reason.to_string() };
     let len =
         u32::from_le_bytes(payload.get(..4).ok_or_else(|| bad("named buffer shorter than its header"))?.try_into().expect("4")) as usize;

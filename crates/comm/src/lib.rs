@@ -23,6 +23,13 @@ pub use tcp::{Rendezvous, TcpTransport};
 
 use std::time::Instant;
 
+/// The instant `timeout` from now; a timeout too long to represent (years) means "no deadline
+/// worth speaking of" rather than an overflow panic.
+pub fn deadline_after(timeout: std::time::Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(std::time::Duration::from_secs(100 * 365 * 86_400))).unwrap_or(now)
+}
+
 /// Point-to-point messaging between the ranks of one plan epoch.
 pub trait Transport: Send {
     fn rank(&self) -> usize;

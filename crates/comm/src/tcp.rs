@@ -121,7 +121,7 @@ impl TcpTransport {
         if r.rank >= world {
             return Err(CommError::invalid("rank", format!("{} (world size {world})", r.rank)));
         }
-        let deadline = Instant::now() + r.timeout;
+        let deadline = crate::deadline_after(r.timeout);
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let hello = |stream: &mut TcpStream| -> std::io::Result<()> {
             let mut b = Vec::with_capacity(HEADER);

@@ -219,3 +219,24 @@ fn one_rank_transport_runs_the_same_collectives() {
     assert_eq!(got, vec![vec![9, 9]]);
     assert!(all_to_all_v(&mut t, &mut g, &[vec![], vec![]], T).is_err());
 }
+
+#[test]
+fn a_deadline_beyond_what_a_clock_can_hold_is_no_panic() {
+    // `--comm-timeout 1e19` once overflowed `Instant + Duration`.
+    let mut t = LocalTransport::new(0);
+    let mut g = Group::world(1);
+    let mut buf = vec![1.0f32];
+    all_reduce_sum_f32(&mut t, &mut g, &mut buf, std::time::Duration::MAX).unwrap();
+    barrier(&mut t, &mut g, std::time::Duration::MAX).unwrap();
+    let ts = TcpTransport::local_group(2, 0).unwrap();
+    let handles: Vec<_> = ts
+        .into_iter()
+        .map(|mut t| {
+            std::thread::spawn(move || {
+                let mut g = Group::world(2);
+                barrier(&mut t, &mut g, std::time::Duration::MAX).unwrap();
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+}

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use lazarus_runtime::bench::{BenchResult, MoeLayerBenchSpec};
 
 use crate::error::ControlError;
-use crate::launcher::{launch, supervise, Confinement};
+use crate::launcher::{check_comm_timeout, launch, supervise, Confinement};
 use crate::supervisor::{Action, Outcome, Supervisor};
 
 /// Run `spec` on `world` worker processes confined as `confine` says; rank 0's results.
@@ -15,6 +15,7 @@ pub fn run_moe_layer_bench(
     confine: Confinement,
     observe: impl FnMut(&Action) -> Result<(), ControlError>,
 ) -> Result<Vec<BenchResult>, ControlError> {
+    check_comm_timeout(spec.timeout_s)?;
     let mut processes = launch("bench-worker", world, spec.timeout_s, spec, confine)?;
     let start_within = Duration::from_secs_f64(spec.timeout_s.max(10.0) + 60.0);
     let grace = Duration::from_secs_f64(spec.timeout_s + 5.0);

@@ -8,7 +8,7 @@ use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
 use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
 
 use crate::error::ControlError;
-use crate::launcher::{launch, supervise, Confinement};
+use crate::launcher::{check_comm_timeout, launch, supervise, Confinement};
 use crate::protocol::TrainJob;
 use crate::supervisor::{Action, Outcome, Supervisor};
 
@@ -101,9 +101,7 @@ pub fn run_training(
     comm_timeout_s: f64,
     observe: impl FnMut(&Action) -> Result<(), ControlError>,
 ) -> Result<Outcome, ControlError> {
-    if !comm_timeout_s.is_finite() || comm_timeout_s <= 0.0 || comm_timeout_s > 86_400.0 {
-        return Err(ControlError::invalid("--comm-timeout", format!("{comm_timeout_s} (expected seconds, more than 0 and at most 86400)")));
-    }
+    let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
     let mut processes = launch("worker", world, comm_timeout_s, job, Confinement::Shared)?;
     let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
     // Survivors get the collective deadline plus a margin to notice a failure on their own.

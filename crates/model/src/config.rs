@@ -53,8 +53,30 @@ impl Default for ModelConfig {
     }
 }
 
+/// The largest value each dimension may take: far beyond any model this trains on one machine,
+/// small enough that the products below cannot overflow, so a typo (`--experts 100000000`) is an
+/// error before anything is allocated. What the machine can hold is checked against
+/// [`crate::TrainConfig::memory_estimate`].
+const LIMITS: [(&str, usize); 8] = [
+    ("vocab_size", 1 << 24),
+    ("d_model", 1 << 16),
+    ("n_layers", 1 << 10),
+    ("n_heads", 1 << 10),
+    ("max_seq_len", 1 << 20),
+    ("n_experts", 1 << 16),
+    ("d_ff", 1 << 18),
+    ("moe_every", 1 << 10),
+];
+
 impl ModelConfig {
     pub fn validate(&self) -> Result<()> {
+        let values =
+            [self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.max_seq_len, self.n_experts, self.d_ff, self.moe_every];
+        for ((field, max), v) in LIMITS.into_iter().zip(values) {
+            if v > max {
+                return Err(ModelError::config(field, v, format!("must be at most {max}")));
+            }
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("d_model", self.d_model),
@@ -106,5 +128,16 @@ impl ModelConfig {
     /// Parameters one expert has (fc1 + fc2 with biases).
     pub fn expert_params(&self) -> usize {
         2 * self.d_model * self.d_ff + self.d_ff + self.d_model
+    }
+
+    /// Every parameter of the model, counted from the shape without building it (within
+    /// [`ModelConfig::validate`]'s limits this cannot overflow).
+    pub fn parameter_count(&self) -> u128 {
+        let (v, d, f, e) = (self.vocab_size as u128, self.d_model as u128, self.d_ff as u128, self.n_experts as u128);
+        let ffn = 2 * d * f + f + d;
+        let moe = self.moe_layers() as u128;
+        let dense = self.n_layers as u128 - moe;
+        let per_block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d;
+        v * d + self.max_seq_len as u128 * d + self.n_layers as u128 * per_block + moe * (d * e + e * ffn) + dense * ffn + 2 * d + d * v
     }
 }

@@ -48,9 +48,18 @@ impl DataSource {
     /// Load all tokens, checking each is below `vocab`.
     pub fn load(&self, vocab: usize) -> Result<Vec<u32>> {
         let tokens = match self {
-            DataSource::Synthetic { seed, bytes } => synthetic_corpus(*seed, *bytes).into_bytes().into_iter().map(u32::from).collect(),
+            DataSource::Synthetic { seed, bytes } => {
+                if *bytes > MAX_SYNTHETIC_BYTES {
+                    return Err(ModelError::config(
+                        "data.bytes",
+                        bytes,
+                        format!("the synthetic corpus holds at most {MAX_SYNTHETIC_BYTES} bytes"),
+                    ));
+                }
+                synthetic_corpus(*seed, *bytes).into_bytes().into_iter().map(u32::from).collect()
+            }
             DataSource::Text { path } => {
-                let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+                let bytes = read_bounded(path, MAX_DATA_BYTES)?;
                 let text = String::from_utf8(bytes).map_err(|e| ModelError::Data {
                     path: path.clone(),
                     reason: format!("not valid UTF-8 at byte {}", e.utf8_error().valid_up_to()),
@@ -85,8 +94,38 @@ impl DataSource {
     }
 }
 
+/// Largest synthetic corpus (bytes; 4 bytes of tokens each in memory).
+pub const MAX_SYNTHETIC_BYTES: usize = 1 << 30;
+/// Largest data file read (text or one token shard).
+pub const MAX_DATA_BYTES: u64 = 16 << 30;
+
+/// The bytes of the regular file `path`, at most `max` of them: a device (`/dev/zero`), a pipe
+/// or a directory is an error naming the path, not an endless or failed read.
+pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(ModelError::Data { path: path.to_path_buf(), reason: "is not a regular file".into() });
+    }
+    if meta.len() > max {
+        return Err(ModelError::Data {
+            path: path.to_path_buf(),
+            reason: format!("{} bytes is more than the {max} this reads", meta.len()),
+        });
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?, max + 1),
+        &mut bytes,
+    )
+    .map_err(|e| ModelError::io(path, e))?;
+    if bytes.len() as u64 > max {
+        return Err(ModelError::Data { path: path.to_path_buf(), reason: format!("grew past the {max} bytes this reads") });
+    }
+    Ok(bytes)
+}
+
 fn read_shard(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
-    let bytes = std::fs::read(path).map_err(|e| ModelError::io(path, e))?;
+    let bytes = read_bounded(path, MAX_DATA_BYTES)?;
     let w = match width {
         TokenWidth::U16 => 2,
         TokenWidth::U32 => 4,

@@ -555,4 +555,36 @@ mod tests {
         let n = m.params().num_elements();
         assert!((5_000_000..=20_000_000).contains(&n), "{n}");
     }
+
+    #[test]
+    fn the_parameter_count_from_the_shape_is_the_models() {
+        let small = ModelConfig {
+            vocab_size: 300,
+            d_model: 12,
+            n_layers: 5,
+            n_heads: 3,
+            max_seq_len: 9,
+            n_experts: 3,
+            d_ff: 7,
+            ..ModelConfig::default()
+        };
+        for cfg in
+            [ModelConfig::default(), small.clone(), ModelConfig { moe_every: 2, ..small.clone() }, ModelConfig { moe_every: 9, ..small }]
+        {
+            let m = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+            assert_eq!(cfg.parameter_count(), m.params().num_elements() as u128, "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn shapes_beyond_any_machine_are_errors_before_allocation() {
+        for (cfg, field) in [
+            (ModelConfig { n_experts: 100_000_000, ..ModelConfig::default() }, "n_experts"),
+            (ModelConfig { d_model: 1 << 20, n_heads: 1, ..ModelConfig::default() }, "d_model"),
+            (ModelConfig { vocab_size: usize::MAX, ..ModelConfig::default() }, "vocab_size"),
+        ] {
+            let e = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).err().unwrap().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+    }
 }

@@ -67,8 +67,8 @@ impl TrainConfig {
         if self.steps == 0 {
             return Err(ModelError::config("steps", 0, "must be at least 1"));
         }
-        if self.batch_size == 0 {
-            return Err(ModelError::config("batch_size", 0, "must be at least 1"));
+        if self.batch_size == 0 || self.batch_size > 1 << 20 {
+            return Err(ModelError::config("batch_size", self.batch_size, "must be between 1 and 1048576"));
         }
         if self.seq_len == 0 || self.seq_len > self.model.max_seq_len {
             return Err(ModelError::config(
@@ -100,6 +100,15 @@ impl TrainConfig {
         if !o.weight_decay.is_finite() || o.weight_decay < 0.0 {
             return Err(ModelError::config("optimizer.weight_decay", o.weight_decay, "must be finite and ≥ 0"));
         }
+        if let DataSource::Synthetic { bytes, .. } = self.data {
+            if bytes > crate::data::MAX_SYNTHETIC_BYTES {
+                return Err(ModelError::config(
+                    "data.bytes",
+                    bytes,
+                    format!("the synthetic corpus holds at most {} bytes", crate::data::MAX_SYNTHETIC_BYTES),
+                ));
+            }
+        }
         if self.model.vocab_size < 256 && matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. }) {
             return Err(ModelError::config(
                 "model.vocab_size",
@@ -108,6 +117,25 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+
+    /// About how many bytes one process training this configuration needs: parameters with
+    /// their gradients and AdamW moments (f32), the activations a step keeps for backward, and
+    /// the tokens of the data. An estimate to refuse what cannot fit before allocating it, not
+    /// an accounting.
+    pub fn memory_estimate(&self) -> u128 {
+        let m = &self.model;
+        let params = m.parameter_count() * 4 * 4;
+        let tokens = (self.batch_size * self.seq_len) as u128;
+        let (d, f, v) = (m.d_model as u128, m.d_ff as u128, m.vocab_size as u128);
+        let per_block = 12 * d + m.top_k as u128 * 3 * f;
+        let activations = tokens * (m.n_layers as u128 * per_block + 3 * v) * 4;
+        let data = match &self.data {
+            DataSource::Synthetic { bytes, .. } => *bytes as u128 * 5,
+            DataSource::Text { path } => std::fs::metadata(path).map_or(0, |x| x.len() as u128 * 5),
+            DataSource::Shards { paths, .. } => paths.iter().map(|p| std::fs::metadata(p).map_or(0, |x| x.len() as u128 * 2)).sum(),
+        };
+        params + activations + data
     }
 
     fn schedule(&self) -> LrSchedule {
@@ -126,7 +154,8 @@ pub struct RoutingTrace {
 impl RoutingTrace {
     pub fn load(path: &Path, moe_layers: usize, experts: usize) -> Result<Self> {
         let bad = |reason: String| ModelError::Data { path: path.to_path_buf(), reason };
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let bytes = crate::data::read_bounded(path, 64 << 20)?;
+        let text = String::from_utf8(bytes).map_err(|e| bad(format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to())))?;
         let steps = lazarus_plan::parse_load_trace(&text, moe_layers, experts).map_err(|e| bad(e.to_string()))?;
         Ok(RoutingTrace { steps })
     }

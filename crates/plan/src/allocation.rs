@@ -47,6 +47,17 @@ pub fn allocate(loads: &[f64], total_slots: usize, min_replicas: usize) -> Resul
     order.sort_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(a.cmp(&b)));
 
     let integral = loads.iter().all(|&t| t.fract() == 0.0 && t <= (1u64 << 53) as f64);
+    // Shares are scale-free; loads so large that their sum or t·slots overflows (1e308) are
+    // divided by the largest first, or equal loads would get unequal replicas.
+    let max = loads.iter().copied().fold(0.0f64, f64::max);
+    let overflows = !loads.iter().sum::<f64>().is_finite() || !(max * total_slots as f64).is_finite();
+    let scaled: Vec<f64>;
+    let loads: &[f64] = if !integral && overflows {
+        scaled = loads.iter().map(|&t| t / max).collect();
+        &scaled
+    } else {
+        loads
+    };
     let mut replicas = vec![0usize; experts];
     let mut remaining = total_slots;
     let mut suffix_load: f64 = loads.iter().sum();
@@ -96,6 +107,40 @@ fn proportional_floor(t: f64, suffix: f64, remaining: usize) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn loads_whose_sum_overflows_are_shares_like_any_others() {
+        // `plan --loads 1e308,1e308,30,40` once gave the two equal loads unequal replicas.
+        let a = allocate(&[1e308, 1e308, 30.0, 40.0], 20, 2).unwrap();
+        assert_eq!(a.replicas[0], a.replicas[1], "{:?}", a.replicas);
+        assert_eq!(a.replicas.iter().sum::<usize>(), 20);
+        assert_eq!(
+            allocate(&[1e308, 1e308, 1e307, 1e307], 12, 1).unwrap().replicas,
+            allocate(&[10.0, 10.0, 1.0, 1.0], 12, 1).unwrap().replicas
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn allocation_does_not_depend_on_the_unit_of_the_loads(loads in proptest::collection::vec(0u32..1000, 1..12), extra in 0usize..20, exp in 0i32..300) {
+            let loads: Vec<f64> = loads.iter().map(|&x| x as f64 + 0.5).collect();
+            let slots = loads.len() + extra;
+            let scale = 10f64.powi(exp);
+            let big: Vec<f64> = loads.iter().map(|&x| x * scale).collect();
+            prop_assume!(big.iter().all(|x| x.is_finite()));
+            let (a, b) = (allocate(&loads, slots, 1).unwrap(), allocate(&big, slots, 1).unwrap());
+            prop_assert_eq!(b.replicas.iter().sum::<usize>(), slots);
+            // Equal loads get equal replicas (within the one the ascending sweep may add).
+            for i in 0..loads.len() {
+                for j in 0..loads.len() {
+                    if big[i] == big[j] {
+                        prop_assert!(b.replicas[i].abs_diff(b.replicas[j]) <= 1, "{:?} -> {:?}", big, b.replicas);
+                    }
+                }
+            }
+            let _ = a;
+        }
+    }
 
     #[test]
     fn proportional_to_load() {

@@ -81,3 +81,37 @@ mod tests {
         assert!(e.contains("3 loads"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::parse_load_trace;
+
+    const GOOD: &str = "[[[1, 2, 3], [4, 5, 6]], [[0, 0, 1], [2.5, 1e3, 7]]]";
+    const LOG: &str = "{\"step\":1,\"expert_load\":[[1,2,3],[4,5,6]]}\n{\"step\":2,\"expert_load\":[[3,2,1],[6,5,4]]}\n";
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        /// Damaged traces (both forms) are an error or a well-formed trace, never a panic.
+        #[test]
+        fn damaged_traces_never_panic(log in any::<bool>(), edits in proptest::collection::vec((0usize..120, any::<u8>()), 1..5), cut in 0usize..120) {
+            let mut text = if log { LOG } else { GOOD }.as_bytes().to_vec();
+            for (pos, byte) in edits {
+                if pos < text.len() {
+                    text[pos] = byte;
+                }
+            }
+            text.truncate(cut.max(1).min(text.len()));
+            if let Ok(s) = std::str::from_utf8(&text) {
+                if let Ok(t) = parse_load_trace(s, 2, 3) {
+                    prop_assert!(!t.is_empty());
+                    for entry in &t {
+                        prop_assert_eq!(entry.len(), 2);
+                        prop_assert!(entry.iter().all(|l| l.len() == 3 && l.iter().all(|x| x.is_finite() && *x >= 0.0)));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -143,3 +143,16 @@ pub(crate) fn pin(cmd: &mut Command, cores: Vec<usize>) {
     #[cfg(not(target_os = "linux"))]
     let _ = (cmd, cores);
 }
+
+/// Physical memory of this machine in bytes (Linux and other Unixes with `_SC_PHYS_PAGES`).
+pub fn physical_memory() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf only reads system configuration.
+        let (pages, size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+        if pages > 0 && size > 0 {
+            return Some(pages as u64 * size as u64);
+        }
+    }
+    None
+}

@@ -10,9 +10,9 @@
 
 mod confine;
 
-pub use confine::{allowed_cpus, Confinement, QuotaGroups};
+pub use confine::{allowed_cpus, physical_memory, Confinement, QuotaGroups};
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -112,20 +112,60 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
     Ok(processes)
 }
 
+/// Longest report line read from a worker (a step report is a few hundred bytes; bench results
+/// a few kilobytes); a longer line is skipped with a warning, never buffered whole.
+const MAX_REPORT_LINE: usize = 1 << 20;
+
 /// Forward a worker's reports; a line that is not a report is passed on as a log line.
 fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<(usize, Option<WorkerEvent>)>) {
-    for line in BufReader::new(stdout).lines() {
-        let Ok(line) = line else { break };
-        match serde_json::from_str::<WorkerEvent>(&line) {
+    let mut reader = BufReader::new(stdout);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match (&mut reader).take(MAX_REPORT_LINE as u64 + 1).read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        if line.len() > MAX_REPORT_LINE {
+            tracing::warn!("worker {rank}: a report line longer than {MAX_REPORT_LINE} bytes was skipped");
+            // Skip the rest of it.
+            let mut rest = Vec::new();
+            while !line.ends_with(b"\n") && !rest.ends_with(b"\n") {
+                rest.clear();
+                match (&mut reader).take(MAX_REPORT_LINE as u64).read_until(b'\n', &mut rest) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+            continue;
+        }
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim_end();
+        match serde_json::from_str::<WorkerEvent>(text) {
             Ok(ev) => {
                 if tx.send((rank, Some(ev))).is_err() {
                     return;
                 }
             }
-            Err(_) => tracing::warn!("worker {rank}: {line}"),
+            Err(_) if !text.is_empty() => tracing::warn!("worker {rank}: {text}"),
+            Err(_) => {}
         }
     }
     let _ = tx.send((rank, None));
+}
+
+/// Longest collective deadline a job may set: a day. Beyond it a stuck peer is not "slow".
+pub const MAX_COMM_TIMEOUT_S: f64 = 86_400.0;
+
+/// `--comm-timeout` in seconds: more than 0, at most [`MAX_COMM_TIMEOUT_S`].
+pub fn check_comm_timeout(secs: f64) -> Result<f64, ControlError> {
+    if !secs.is_finite() || secs <= 0.0 || secs > MAX_COMM_TIMEOUT_S {
+        return Err(ControlError::invalid(
+            "--comm-timeout",
+            format!("{secs} (expected seconds, more than 0 and at most {MAX_COMM_TIMEOUT_S})"),
+        ));
+    }
+    Ok(secs)
 }
 
 /// Linux: the child gets SIGKILL when the thread that started it ends (the launcher's main

@@ -38,7 +38,9 @@ pub(super) fn tensor_like(like: &Tensor, data: Vec<f64>, shape: &Shape) -> candl
 
 /// The elements a contiguous layout covers.
 pub(super) fn contiguous_slice<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
-    let Some((start, end)) = l.contiguous_offsets() else { candle_core::bail!("expert ffn: inputs must be contiguous") };
+    let Some((start, end)) = l.contiguous_offsets() else {
+        candle_core::bail!("fused op: inputs must be contiguous (call .contiguous() first)")
+    };
     Ok(&v[start..end])
 }
 
