@@ -9,8 +9,9 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -30,16 +31,20 @@ const MAX_LINE: u64 = 64 << 20;
 
 /// Reports to the launcher, never blocking a step on a slow reader.
 pub struct EventSink {
-    tx: Option<SyncSender<WorkerEvent>>,
+    tx: Option<Sender<WorkerEvent>>,
     writer: Option<JoinHandle<()>>,
+    /// Reports queued and not yet written (the writer counts them down).
+    queued: Arc<AtomicUsize>,
     /// Step reports dropped since the last one that went out.
     dropped: Mutex<u64>,
 }
 
 impl EventSink {
-    /// A writer thread that owns stdout.
+    /// A writer thread that owns stdout. (The queue grows as it fills: nothing is reserved.)
     pub fn start() -> Self {
-        let (tx, rx) = mpsc::sync_channel::<WorkerEvent>(QUEUE);
+        let (tx, rx) = mpsc::channel::<WorkerEvent>();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let count = queued.clone();
         let writer = std::thread::Builder::new()
             .name("lazarus-events".into())
             .spawn(move || {
@@ -50,27 +55,32 @@ impl EventSink {
                     let _ = serde_json::to_writer(&mut out, &ev);
                     let _ = out.write_all(b"\n");
                     let _ = out.flush();
+                    count.fetch_sub(1, Ordering::Relaxed);
                 }
             })
             .ok();
-        EventSink { tx: Some(tx), writer, dropped: Mutex::new(0) }
+        EventSink { tx: Some(tx), writer, queued, dropped: Mutex::new(0) }
     }
 
-    /// A report that must arrive: waits for room in the queue (never for the reader itself).
+    /// A report that must arrive (a handful per run: listening, ready, done or failed).
     pub fn send(&self, ev: WorkerEvent) {
         if let Some(tx) = &self.tx {
+            self.queued.fetch_add(1, Ordering::Relaxed);
             let _ = tx.send(ev);
         }
     }
 
-    /// A step report: dropped, and counted in the next one, when the queue is full.
+    /// A step report: dropped, and counted in the next one, when [`QUEUE`] reports wait unread.
     pub fn step(&self, report: lazarus_model::StepReport, seconds: f64, wire_bytes: u64) {
         let Some(tx) = &self.tx else { return };
         let mut dropped = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
-        match tx.try_send(WorkerEvent::Step { report, seconds, wire_bytes, dropped: *dropped }) {
-            Ok(()) => *dropped = 0,
-            Err(TrySendError::Full(_)) => *dropped += 1,
-            Err(TrySendError::Disconnected(_)) => {}
+        if self.queued.load(Ordering::Relaxed) >= QUEUE {
+            *dropped += 1;
+            return;
+        }
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        if tx.send(WorkerEvent::Step { report, seconds, wire_bytes, dropped: *dropped }).is_ok() {
+            *dropped = 0;
         }
     }
 
