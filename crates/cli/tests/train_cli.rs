@@ -4,24 +4,10 @@ mod common;
 
 use common::{dir, lazarus};
 
-const TINY: [&str; 16] = [
-    "--d-model",
-    "32",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--experts",
-    "4",
-    "--d-ff",
-    "32",
-    "--seq-len",
-    "16",
-    "--batch-size",
-    "2",
-    "--synthetic-bytes",
-    "20000",
-];
+/// The tiny model of these tests.
+fn tiny() -> [&'static str; 16] {
+    common::tiny_model("2")
+}
 
 #[test]
 fn json_log_checkpoint_and_resume() {
@@ -29,7 +15,7 @@ fn json_log_checkpoint_and_resume() {
     let log = d.join("log.jsonl");
     let ck = d.join("ck");
     let mut args = vec!["train", "--steps", "3", "--json-log", log.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -120,7 +106,7 @@ fn bad_settings_are_named() {
         let mut args = vec!["train"];
         args.extend(extra);
         // The tiny model's flags, minus those this case sets itself.
-        for pair in TINY.chunks(2) {
+        for pair in tiny().chunks(2) {
             if !extra.contains(&pair[0]) {
                 args.extend(pair);
             }
@@ -140,7 +126,7 @@ fn bad_settings_are_named() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--checkpoint-dir"));
     let missing = d.join("nope.txt");
     let mut args = vec!["train", "--data", missing.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     let out = lazarus(&args);
     assert!(String::from_utf8_lossy(&out.stderr).contains("nope.txt"));
 }
@@ -216,7 +202,7 @@ fn resuming_with_a_config_that_says_otherwise_is_an_error() {
     let d = common::dir("resume-config");
     let ck = d.join("ck");
     let mut args = vec!["train", "--steps", "2", "--checkpoint-dir", ck.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     assert!(lazarus(&args).status.success());
     // A config that only names the directory (and raises the steps) is fine…
     let same = d.join("same.toml");
@@ -230,7 +216,7 @@ fn resuming_with_a_config_that_says_otherwise_is_an_error() {
     assert!(e.contains("model.d_model = 64") && e.contains("the checkpoint has 32"), "{e}");
     // Flags may repeat the run's settings (the same command line with --resume), not change them.
     let mut again = vec!["train", "--resume", "--steps", "4", "--checkpoint-dir", ck.to_str().unwrap()];
-    again.extend(TINY);
+    again.extend(tiny());
     let out = lazarus(&again);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let e = train_fails(&["--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--lr", "0.1"]);

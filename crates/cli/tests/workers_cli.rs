@@ -11,24 +11,10 @@ use std::time::{Duration, Instant};
 
 use common::{dir, lazarus};
 
-const TINY: [&str; 16] = [
-    "--d-model",
-    "32",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--experts",
-    "4",
-    "--d-ff",
-    "32",
-    "--seq-len",
-    "16",
-    "--batch-size",
-    "5",
-    "--synthetic-bytes",
-    "20000",
-];
+/// The tiny model of these tests.
+fn tiny() -> [&'static str; 16] {
+    common::tiny_model("5")
+}
 
 fn losses(path: &std::path::Path) -> Vec<f64> {
     std::fs::read_to_string(path)
@@ -40,7 +26,7 @@ fn losses(path: &std::path::Path) -> Vec<f64> {
 
 fn run(extra: &[&str], log: &std::path::Path) -> Output {
     let mut args = vec!["train", "--steps", "6", "--json-log", log.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     args.extend(extra);
     let out = lazarus(&args);
     assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -86,12 +72,12 @@ fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
     let log_more = d.join("more.jsonl");
     let mut args =
         vec!["train", "--resume", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log_more.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let long = d.join("long.jsonl");
     let mut args = vec!["train", "--steps", "8", "--json-log", long.to_str().unwrap()];
-    args.extend(TINY);
+    args.extend(tiny());
     assert!(lazarus(&args).status.success());
     let (more, long) = (losses(&log_more), losses(&long));
     assert_eq!(more.len(), 2);
@@ -132,7 +118,7 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "2", "--max-imbalance", "nan"], "--max-imbalance"),
     ] {
         let mut args = vec!["train", "--steps", "2", "--json-log", log.to_str().unwrap()];
-        args.extend(TINY);
+        args.extend(tiny());
         args.extend(&extra);
         let out = lazarus(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -147,7 +133,7 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
     let d = dir("kill");
     let log = d.join("log.jsonl");
     let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", log.to_str().unwrap(), "--comm-timeout", "30"];
-    args.extend(TINY);
+    args.extend(tiny());
     let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let (tx, rx) = mpsc::channel::<(Instant, String)>();
     let stderr = child.stderr.take().unwrap();
@@ -300,7 +286,7 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
 /// stderr lines as they come, and the workers' pids once both are ready.
 fn start_workers(extra: &[&str]) -> (std::process::Child, mpsc::Receiver<String>, Vec<i32>) {
     let mut args = vec!["train", "--workers", "2"];
-    args.extend(TINY);
+    args.extend(tiny());
     args.extend(extra);
     let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let (tx, rx) = mpsc::channel::<String>();

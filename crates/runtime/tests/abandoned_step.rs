@@ -4,11 +4,13 @@
 //! step counter bit-identical to before the step. Re-running the step on a new transport (the
 //! next epoch) must then give exactly, bit for bit, what an uninterrupted run gives.
 
+mod common;
+
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use lazarus_comm::{CommError, Group, TcpTransport, Transport};
-use lazarus_model::{DataSource, ModelConfig, TrainConfig};
+use lazarus_model::TrainConfig;
 use lazarus_plan::ReplicaMap;
 use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
 
@@ -18,31 +20,7 @@ const STEPS: u64 = 5;
 const FAIL_AT: u64 = 2;
 
 fn config() -> TrainConfig {
-    TrainConfig {
-        model: ModelConfig {
-            vocab_size: 256,
-            d_model: 32,
-            n_layers: 2,
-            n_heads: 4,
-            max_seq_len: 16,
-            n_experts: 4,
-            top_k: 2,
-            d_ff: 48,
-            moe_every: 1,
-            aux_loss_coef: 0.01,
-            capacity_factor: None,
-            init_std: 0.05,
-        },
-        steps: STEPS,
-        batch_size: 6,
-        seq_len: 16,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 2,
-        seed: 9,
-        data: DataSource::Synthetic { seed: 4, bytes: 30_000 },
-        ..TrainConfig::default()
-    }
+    common::tiny_config(2, STEPS, 6, 9, (4, 30_000))
 }
 
 /// Expert e on ranks e and e+1 (mod 3), expert 0 twice on rank 0.

@@ -4,42 +4,20 @@
 //! parameters within 1e-4; a checkpoint the workers write resumes in the single-process trainer
 //! with the same parameters.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
-use lazarus_model::{DataSource, ModelConfig, TrainConfig, Trainer};
+use lazarus_model::{TrainConfig, Trainer};
 use lazarus_plan::ReplicaMap;
 use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
 
 const STEPS: u64 = 20;
 
 fn config() -> TrainConfig {
-    TrainConfig {
-        model: ModelConfig {
-            vocab_size: 256,
-            d_model: 32,
-            n_layers: 3,
-            n_heads: 4,
-            max_seq_len: 16,
-            n_experts: 4,
-            top_k: 2,
-            d_ff: 48,
-            moe_every: 1,
-            aux_loss_coef: 0.01,
-            capacity_factor: None,
-            init_std: 0.05,
-        },
-        steps: STEPS,
-        batch_size: 7,
-        seq_len: 16,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 4,
-        seed: 5,
-        data: DataSource::Synthetic { seed: 3, bytes: 40_000 },
-        ..TrainConfig::default()
-    }
+    common::tiny_config(3, STEPS, 7, 5, (3, 40_000))
 }
 
 /// Uneven replicas: expert 0 gets an extra replica on rank 0 (two copies there when alone), the

@@ -15,3 +15,27 @@ pub fn dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Flags of a model small enough for tests (2 blocks of d_model 32, 4 experts of d_ff 32,
+/// 16-token sequences, a 20 kB synthetic corpus) with `batch` sequences a step.
+#[allow(dead_code)] // not every test file trains
+pub fn tiny_model(batch: &'static str) -> [&'static str; 16] {
+    [
+        "--d-model",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--experts",
+        "4",
+        "--d-ff",
+        "32",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        batch,
+        "--synthetic-bytes",
+        "20000",
+    ]
+}
