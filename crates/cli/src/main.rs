@@ -8,8 +8,7 @@ mod io;
 mod moe_bench;
 mod planning;
 mod simulate;
-mod training;
-mod workers;
+mod train;
 
 #[derive(Parser)]
 #[command(name = "lazarus", version, about = "Resilient and elastic training of Mixture-of-Experts models")]
@@ -21,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Forward+backward throughput of the model, expert-FFN share, GFLOP/s vs plain matmul.
-    Train(Box<training::BenchTrainArgs>),
+    Train(Box<train::bench::BenchTrainArgs>),
     /// One MoE layer over worker processes with skewed routing: Lazarus vs static expert
     /// parallelism, tokens/s and wire bytes.
     MoeLayer(Box<moe_bench::MoeLayerBenchArgs>),
@@ -35,7 +34,7 @@ enum Command {
     Prob(Box<planning::ProbArgs>),
     /// Train the MoE model (one process, or `--workers N` local worker processes; with no
     /// arguments, the default model on the built-in synthetic corpus).
-    Train(Box<training::TrainArgs>),
+    Train(Box<train::TrainArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
     Sim(Box<simulate::SimArgs>),
     /// Benchmarks with machine-readable reports.
@@ -111,9 +110,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),
-        Command::Train(args) if args.uses_workers() => workers::run_train_workers(&args),
-        Command::Train(args) => training::run_train(&args),
-        Command::Bench(BenchCommand::Train(args)) => training::run_bench_train(&args),
+        Command::Train(args) if args.uses_workers() => train::workers::run_train_workers(&args),
+        Command::Train(args) => train::run_train(&args),
+        Command::Bench(BenchCommand::Train(args)) => train::bench::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),

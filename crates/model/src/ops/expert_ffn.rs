@@ -10,10 +10,8 @@
 
 use super::gelu::{gelu_f32, gelu_f64, gelu_grad_f32, gelu_grad_f64};
 use super::gemm::gemm_rm;
-use super::grouped_ffn::grouped_expert_ffn;
 use super::host::add_row_sums;
 use super::parallel::map_parallel;
-use candle_core::Tensor;
 
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
@@ -83,17 +81,11 @@ macro_rules! expert_ffn_impl {
 expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_f32, gelu_grad_f32);
 expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_f64, gelu_grad_f64);
 
-/// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
-/// all five.
-pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
-    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::gelu::gelu;
+    use super::super::grouped_ffn::expert_ffn;
     use super::super::testing;
-    use super::*;
 
     #[test]
     fn fused_expert_ffn_matches_composite_with_gradients() {

@@ -166,6 +166,12 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
     }
 }
 
+/// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
+/// all five: one expert is a group of one.
+pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
+}
+
 /// Every expert of a layer over rows grouped by expert: x [R, d] with `counts[e]` rows for expert
 /// e (in expert order, Σ counts = R); `experts[e]` = (W1 [d, f], b1 [f], W2 [f, d], b2 [d]).
 /// Returns [R, d], each row through its own expert; differentiable in x and every weight.

@@ -35,9 +35,8 @@ mod softmax;
 mod testing;
 
 pub use attention::causal_attention;
-pub use expert_ffn::expert_ffn;
 pub use gelu::gelu;
-pub use grouped_ffn::grouped_expert_ffn;
+pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
 pub use softmax::softmax_last;

@@ -7,8 +7,9 @@ use lazarus_control::{plan_job, run_training, Action, ControlError, Outcome, Pla
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
+use super::args::{check_resumed_config, resume_steps, setup_run, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
+use super::report::{print_banner, Reporter};
 use crate::io::{read_text, MAX_JSON_BYTES};
-use crate::training::{print_banner, setup_run, Reporter, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 
 /// Steps profiled for the measured-load plan when `--profile-steps` is not given (fewer when
 /// the run is shorter).
@@ -50,8 +51,8 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
         };
-        let t = Trainer::resume(&dir, crate::training::resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
-        crate::training::check_resumed_config(args, &t.config)?;
+        let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
+        check_resumed_config(args, &t.config)?;
         tracing::info!("resuming from {} at step {}", dir.display(), t.step);
         (t, Some(dir))
     } else {

@@ -1,0 +1,53 @@
+//! `lazarus train`: the single-process trainer (here) and `--workers N` ([`workers`]), with one
+//! set of flags ([`args`]) and one way of showing a run ([`report`]); `lazarus bench train`
+//! ([`bench`]).
+
+pub mod args;
+pub mod bench;
+pub mod report;
+pub mod workers;
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use lazarus_model::Trainer;
+
+use args::{check_resumed_config, resume_steps};
+pub use args::{setup_run, TrainArgs};
+use report::{print_banner, Reporter};
+
+pub fn run_train(args: &TrainArgs) -> Result<()> {
+    let mut trainer = if args.resume {
+        let config = setup_run(args, 1)?;
+        let Some(dir) = config.checkpoint_dir.clone() else {
+            bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
+        };
+        let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
+        check_resumed_config(args, &t.config)?;
+        tracing::info!("resumed from {} at step {}", dir.display(), t.step);
+        t
+    } else {
+        Trainer::new(setup_run(args, 1)?)?
+    };
+    let cfg = trainer.config.clone();
+    if trainer.done() {
+        bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
+    }
+    print_banner(&trainer, "single process");
+    let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    while !trainer.done() {
+        let t0 = Instant::now();
+        let r = trainer.step()?;
+        reporter.step(&r, t0.elapsed().as_secs_f64())?;
+        if let Some(dir) = &cfg.checkpoint_dir {
+            if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
+                trainer.save_checkpoint(dir)?;
+            }
+        }
+    }
+    let saved = match &cfg.checkpoint_dir {
+        Some(dir) => Some(trainer.save_checkpoint(dir)?),
+        None => None,
+    };
+    reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
+}

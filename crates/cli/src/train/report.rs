@@ -1,0 +1,192 @@
+//! What a training run shows: the banner, the progress bar or plain lines, the `--json-log`
+//! lines and the end summary — the same for one process and for N workers.
+
+use std::fmt::Write as _;
+use std::fs::OpenOptions;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use lazarus_model::{StepReport, TrainConfig, Trainer};
+use serde::Serialize;
+
+use super::args::TrainArgs;
+
+#[derive(Serialize)]
+struct LogLine<'a> {
+    step: u64,
+    loss: f64,
+    aux_loss: f64,
+    tokens: u64,
+    tokens_per_s: f64,
+    expert_load: &'a [Vec<u64>],
+}
+
+/// The first line of a run: model size, data and schedule.
+pub fn print_banner(trainer: &Trainer, how: &str) {
+    let cfg = &trainer.config;
+    let params = trainer.model.params().num_elements();
+    let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
+    tracing::info!(
+        "lazarus train ({how}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        params as f64 / 1e6,
+        expert_params as f64 / 1e6,
+        cfg.model.n_experts,
+        cfg.model.moe_layers(),
+        cfg.model.top_k,
+        cfg.data.describe(),
+        cfg.steps,
+        cfg.batch_size,
+        cfg.seq_len
+    );
+}
+
+/// Progress bar (or plain lines), `--json-log` and the end summary, fed one step report at a
+/// time — the same for one process and for N workers.
+pub struct Reporter {
+    /// The `--json-log` file and its path (for errors).
+    log: Option<(PathBuf, BufWriter<std::fs::File>)>,
+    bar: Option<ProgressBar>,
+    quiet: bool,
+    total_steps: u64,
+    every: u64,
+    start: Instant,
+    first_step: u64,
+    tokens: u64,
+    recent: Vec<f64>,
+    first_loss: Option<f64>,
+    last: Option<StepReport>,
+}
+
+impl Reporter {
+    pub fn new(args: &TrainArgs, cfg: &TrainConfig, first_step: u64) -> Result<Self> {
+        let log = match &args.json_log {
+            Some(p) => {
+                if p.is_dir() {
+                    bail!("invalid --json-log: {} is a directory", p.display());
+                }
+                let file = OpenOptions::new()
+                    .create(true)
+                    .append(args.resume)
+                    .write(true)
+                    .truncate(!args.resume)
+                    .open(p)
+                    .with_context(|| format!("--json-log: cannot open {}", p.display()))?;
+                Some((p.clone(), BufWriter::new(file)))
+            }
+            None => None,
+        };
+        let bar = if std::io::stderr().is_terminal() && !args.quiet {
+            let b = ProgressBar::new(cfg.steps);
+            b.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b.set_position(first_step);
+            Some(b)
+        } else {
+            None
+        };
+        Ok(Reporter {
+            log,
+            bar,
+            quiet: args.quiet,
+            total_steps: cfg.steps,
+            every: (cfg.steps / 20).max(1),
+            start: Instant::now(),
+            first_step,
+            tokens: 0,
+            recent: Vec::new(),
+            first_loss: None,
+            last: None,
+        })
+    }
+
+    /// One finished step that took `seconds`.
+    pub fn step(&mut self, r: &StepReport, seconds: f64) -> Result<()> {
+        let tps = r.tokens as f64 / seconds.max(1e-9);
+        self.tokens += r.tokens;
+        self.first_loss.get_or_insert(r.loss);
+        self.recent.push(r.loss);
+        if self.recent.len() > 20 {
+            self.recent.remove(0);
+        }
+        if let Some((path, w)) = self.log.as_mut() {
+            let line = LogLine {
+                step: r.step,
+                loss: r.loss,
+                aux_loss: r.aux_loss,
+                tokens: r.tokens,
+                tokens_per_s: tps,
+                expert_load: &r.expert_load,
+            };
+            serde_json::to_writer(&mut *w, &line)
+                .map_err(std::io::Error::from)
+                .and_then(|_| w.write_all(b"\n"))
+                .and_then(|_| w.flush())
+                .with_context(|| format!("--json-log: cannot write to {}", path.display()))?;
+        }
+        let msg = format!("loss {:.4}  aux {:.3}  lr {:.2e}  {:.0} tok/s", r.loss, r.aux_loss, r.lr, tps);
+        match &self.bar {
+            Some(b) => {
+                b.set_position(r.step);
+                b.set_message(msg);
+            }
+            None if !self.quiet && (r.step.is_multiple_of(self.every) || r.step == self.total_steps) => {
+                tracing::info!("step {:>6}/{}  {msg}", r.step, self.total_steps);
+            }
+            None => {}
+        }
+        self.last = Some(r.clone());
+        Ok(())
+    }
+
+    /// Measure throughput from now (the workers are ready: start-up is not training).
+    pub fn restart_clock(&mut self) {
+        self.start = Instant::now();
+    }
+
+    /// Stop the bar (before printing anything else).
+    pub fn pause(&self) {
+        if let Some(b) = &self.bar {
+            b.abandon();
+        }
+    }
+
+    /// The end summary, on stdout.
+    pub fn finish(&self, step: u64, unigram_entropy: f64, checkpoint: Option<&std::path::Path>) -> Result<()> {
+        if let Some(b) = &self.bar {
+            b.finish();
+        }
+        let wall = self.start.elapsed().as_secs_f64();
+        let final_loss = self.recent.iter().sum::<f64>() / self.recent.len().max(1) as f64;
+        let mut out = String::new();
+        let _ = writeln!(out, "\nsummary");
+        let _ = writeln!(out, "  steps           {} (this run {})", step, step - self.first_step);
+        let _ = writeln!(out, "  tokens          {} in {wall:.1} s = {:.0} tokens/s", self.tokens, self.tokens as f64 / wall.max(1e-9));
+        let _ = writeln!(
+            out,
+            "  loss            {:.4} -> {:.4} (mean of last {}; unigram entropy of the data {:.4} nats)",
+            self.first_loss.unwrap_or(f64::NAN),
+            final_loss,
+            self.recent.len(),
+            unigram_entropy
+        );
+        if let Some(r) = &self.last {
+            for (l, load) in r.expert_load.iter().enumerate() {
+                let total: u64 = load.iter().sum();
+                let shares: Vec<String> = load.iter().map(|&x| format!("{:.0}%", 100.0 * x as f64 / total.max(1) as f64)).collect();
+                let _ = writeln!(out, "  expert load L{l:<2}  {}", shares.join(" "));
+            }
+            if r.dropped > 0 {
+                let _ = writeln!(out, "  dropped         {} assignments in the last step (capacity factor)", r.dropped);
+            }
+        }
+        if let Some(p) = checkpoint {
+            let _ = writeln!(out, "  checkpoint      {}", p.display());
+        }
+        crate::io::print(&out)
+    }
+}
