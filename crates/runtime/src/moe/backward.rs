@@ -1,0 +1,281 @@
+//! The backward pass of a distributed MoE layer: slot gradients to the expert holders, each
+//! expert's backward, input gradients home, and each expert's gradient summed over its holders
+//! in buckets that overlap the experts' backward.
+
+use std::collections::BTreeMap;
+
+use candle_core::{Device, Tensor, Var};
+use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
+
+use super::packing::{pack, unpack, wire};
+use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
+use crate::error::RuntimeError;
+
+impl DistributedMoe {
+    /// Backward given d(loss)/d(output) for this rank's tokens. Returns the gradient with
+    /// respect to `h` that flows through the experts (the router path's share reaches `h` and
+    /// the gate through `router_grads`, the GradStore of `(output·grad).sum()` on this rank).
+    /// Expert gradients are summed over each expert's holders and the gate gradient over the
+    /// world, so every replica ends with the same full gradient.
+    pub fn backward(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        grad_output: &Tensor,
+    ) -> Result<MoeGrads, RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        // Combine segment backward: gradients for the slots input, the router (gate) and h.
+        let seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
+        let router = seeded.backward()?;
+        let d_slots: Vec<f32> = router
+            .get(fwd.slots_in.as_tensor())
+            .map(|g| g.flatten_all().and_then(|g| g.to_vec1()))
+            .transpose()?
+            .unwrap_or_else(|| vec![0.0; n * k * d]);
+        let experts = self.backward_from_slots(t, world, fwd, &d_slots)?;
+        let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_vec1()?,
+            None => vec![0.0; self.gate.elem_count()],
+        };
+        all_reduce_sum_f32(t, world, &mut gate, self.timeout)?;
+        Ok(MoeGrads {
+            experts: experts.experts,
+            gate: Tensor::from_vec(gate, self.gate.shape(), &Device::Cpu)?,
+            h_through_experts: experts.h_through_experts,
+            router,
+            wire_bytes: experts.wire_bytes,
+        })
+    }
+
+    /// The expert path of backward alone, for a caller that runs the router/combine backward
+    /// inside its own graph: `grad_output` is d(loss)/d(output) [n·d], the slot gradients are
+    /// w[t, j] · grad_output[t] (the combine is linear in the slots).
+    pub fn expert_backward(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        grad_output: &[f32],
+    ) -> Result<ExpertGrads, RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        if grad_output.len() != n * d {
+            return Err(RuntimeError::Invalid {
+                field: "grad_output",
+                reason: format!("{} values for {n} tokens × {d}", grad_output.len()),
+            });
+        }
+        let mut d_slots = vec![0f32; n * k * d];
+        for (slot, out) in d_slots.chunks_mut(d).enumerate() {
+            let (w, g) = (fwd.combine[slot], &grad_output[(slot / k) * d..(slot / k + 1) * d]);
+            out.iter_mut().zip(g).for_each(|(o, &g)| *o = w * g);
+        }
+        self.backward_from_slots(t, world, fwd, &d_slots)
+    }
+
+    /// Slot gradients → experts (on their holders) → input gradients back on the token's rank;
+    /// expert gradients summed over each expert's holders.
+    ///
+    /// The experts' backward runs on a helper thread in the order of their all-reduce buckets
+    /// while this thread all-reduces each bucket as soon as its gradients are ready, so the
+    /// replicas' gradient traffic overlaps the remaining experts' compute instead of following
+    /// it (static EP, one replica per expert, has no such traffic to hide).
+    fn backward_from_slots(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        d_slots: &[f32],
+    ) -> Result<ExpertGrads, RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        let ranks = t.world();
+        let e_count = self.experts_count();
+        // Send slot gradients to where each slot was processed (same buffers as dispatch).
+        let me = t.rank();
+        let p = &fwd.packing;
+        let sends = pack(&p.send_rows, &p.send_len, d, |dst, i| {
+            let s = fwd.layout.send[dst][i] as usize;
+            &d_slots[s * d..(s + 1) * d]
+        });
+        let mut wire_bytes = wire(&sends, me);
+        let received = all_to_all_v(t, world, &sends, self.timeout)?;
+        let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
+        // Gradient synchronisation: each expert over its holders. Experts with the same holder
+        // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
+        // all-reduce overlaps the next one's backward (a single bucket would leave the whole
+        // all-reduce exposed: at 1:1 every expert of a worker has the same holders). Shared
+        // buckets run in the order of their holder sets and then of expert ids, the same on
+        // every rank, so overlapping groups cannot wait on each other in a cycle.
+        let mut by_holders: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        for e in 0..e_count {
+            let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
+            if holders.contains(&me) {
+                if !self.experts.contains_key(&e) {
+                    return Err(RuntimeError::Invalid {
+                        field: "placement",
+                        reason: format!("rank {me} holds expert {e} but has no weights for it"),
+                    });
+                }
+                by_holders.entry(holders).or_default().push(e);
+            }
+        }
+        let mut buckets: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+        for (holders, experts) in by_holders {
+            let (mut current, mut bytes): (Vec<usize>, usize) = (Vec::new(), 0);
+            for e in experts {
+                let size = 4 * self.bucket_len(&[e]);
+                if !current.is_empty() && bytes + size > self.bucket_bytes {
+                    buckets.push((holders.clone(), std::mem::take(&mut current)));
+                    bytes = 0;
+                }
+                current.push(e);
+                bytes += size;
+            }
+            buckets.push((holders, current));
+        }
+        // Experts held here alone need no all-reduce: computed last, they overlap the last
+        // shared bucket's all-reduce instead of leaving it exposed. (Moving buckets that send
+        // nothing keeps the shared ones in the same order on every rank.)
+        buckets.sort_by_key(|b| b.0.len() == 1);
+        let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
+        let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
+        let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<f32>), RuntimeError>>();
+        // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
+        // expert so the error is reported without computing the rest.
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let compute = |tx: std::sync::mpsc::Sender<Result<(usize, Vec<f32>), RuntimeError>>| -> Vec<Vec<f32>> {
+            let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+            for &e in &order {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let weights = &self.experts[&e];
+                let result = match segment_of.get(&e) {
+                    Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &recv_rows, d, &mut dx_by_src),
+                    None => Ok(vec![0f32; weights.vars().iter().map(|v| v.elem_count()).sum()]),
+                };
+                let failed = result.is_err();
+                if tx.send(result.map(|g| (e, g))).is_err() || failed {
+                    break;
+                }
+            }
+            dx_by_src
+        };
+        let mut synced = BTreeMap::new();
+        let dx_by_src = std::thread::scope(|scope| -> Result<Vec<Vec<f32>>, RuntimeError> {
+            let worker = scope.spawn(move || compute(tx));
+            let synced_all = (|| -> Result<(), RuntimeError> {
+                let mut arrived: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+                for (holders, experts) in &buckets {
+                    while experts.iter().any(|e| !arrived.contains_key(e)) {
+                        let (e, g) = rx.recv().map_err(|_| RuntimeError::Invalid {
+                            field: "expert backward",
+                            reason: "the compute thread stopped early".into(),
+                        })??;
+                        arrived.insert(e, g);
+                    }
+                    let mut flat: Vec<f32> = Vec::new();
+                    for e in experts {
+                        let g = arrived.remove(e).expect("arrived above");
+                        if flat.is_empty() {
+                            flat = g;
+                        } else {
+                            flat.extend_from_slice(&g);
+                        }
+                    }
+                    if holders.len() > 1 {
+                        let mut group = Group::new(holders.clone())?;
+                        all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
+                    }
+                    // One tensor for the bucket; each parameter is a view into it (no copy).
+                    let all = Tensor::from_vec(flat, self.bucket_len(experts), &Device::Cpu)?;
+                    let mut at = 0;
+                    for e in experts {
+                        let mut out = Vec::with_capacity(4);
+                        for v in self.experts[e].vars() {
+                            let len = v.elem_count();
+                            out.push(all.narrow(0, at, len)?.reshape(v.shape())?);
+                            at += len;
+                        }
+                        synced.insert(*e, out);
+                    }
+                }
+                Ok(())
+            })();
+            if synced_all.is_err() {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            let dx = worker.join();
+            synced_all?;
+            dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
+        })?;
+        // Input gradients back to the token's rank, accumulated per token.
+        let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        wire_bytes += wire(&back, me);
+        let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = unpack(&results, &p.send_len, d, "input gradients")?;
+        let mut dh = vec![0f32; n * d];
+        for (dst, rows) in results.iter().enumerate() {
+            for (i, &s) in fwd.layout.send[dst].iter().enumerate() {
+                let (tok, r) = (s as usize / k, p.send_rows[dst][i]);
+                dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
+            }
+        }
+        Ok(ExpertGrads { experts: synced, h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?, wire_bytes })
+    }
+
+    /// Parameters of the experts of one bucket, in order.
+    fn bucket_len(&self, experts: &[usize]) -> usize {
+        experts.iter().map(|e| self.experts[e].vars().iter().map(|v| v.elem_count()).sum::<usize>()).sum()
+    }
+
+    /// One expert's backward on its rows: its [w1, b1, w2, b2] gradients flattened into one
+    /// buffer, and d(loss)/d(input) rows written into `dx_by_src` at the rows they came from.
+    fn expert_segment_backward(
+        &self,
+        segment: &(usize, Var, Tensor, Vec<(usize, usize)>),
+        recv_rows: &[Vec<f32>],
+        d: usize,
+        dx_by_src: &mut [Vec<f32>],
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let (e, x, y, blocks) = segment;
+        let total: usize = blocks.iter().map(|b| b.1).sum();
+        let mut gy = Vec::with_capacity(total * d);
+        for (src, &(o, c)) in blocks.iter().enumerate() {
+            gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+        }
+        let gy = Tensor::from_vec(gy, (total, d), &Device::Cpu)?;
+        let grads = (y * gy)?.sum_all()?.backward()?;
+        let weights = &self.experts[e];
+        let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());
+        for v in weights.vars() {
+            match grads.get(v.as_tensor()) {
+                Some(g) => extend_host(&mut flat, g)?,
+                None => flat.resize(flat.len() + v.elem_count(), 0.0),
+            }
+        }
+        let dx: Vec<f32> = match grads.get(x.as_tensor()) {
+            Some(g) => g.flatten_all()?.to_vec1()?,
+            None => vec![0.0; total * d],
+        };
+        let mut row = 0;
+        for (src, &(o, c)) in blocks.iter().enumerate() {
+            dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx[row * d..(row + c) * d]);
+            row += c;
+        }
+        Ok(flat)
+    }
+}
+
+/// Append a tensor's f32 elements to `out`, straight from its storage when it is contiguous.
+fn extend_host(out: &mut Vec<f32>, t: &Tensor) -> Result<(), RuntimeError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            out.extend_from_slice(&v[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
+}

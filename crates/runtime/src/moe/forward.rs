@@ -1,0 +1,161 @@
+//! The forward pass of a distributed MoE layer.
+
+use candle_core::{DType, Device, Tensor, Var};
+use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
+use lazarus_model::ops::{expert_ffn, softmax_last};
+use lazarus_model::routing::top_k;
+use lazarus_plan::{DispatchSchedule, RankLayout};
+
+use super::packing::{pack, unpack, wire, Packing};
+use super::{DispatchMode, DistributedMoe, MoeForward};
+use crate::error::RuntimeError;
+
+impl DistributedMoe {
+    pub(super) fn experts_count(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// Forward for this rank's tokens `h` [n, d] (a tensor that may carry autograd history).
+    pub fn forward(&self, t: &mut dyn Transport, world: &mut Group, h: &Tensor) -> Result<MoeForward, RuntimeError> {
+        self.forward_routed(t, world, h, None)
+    }
+
+    /// [`DistributedMoe::forward`] with the router's top-k choices replaced by `choices`
+    /// (token-major, n·k expert ids; the combine still weights by the router's probabilities):
+    /// trace-driven routing, as the paper's ablations use to fix expert loads.
+    pub fn forward_routed(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        h: &Tensor,
+        choices: Option<&[u32]>,
+    ) -> Result<MoeForward, RuntimeError> {
+        let (n, d) = h.dims2()?;
+        let e_count = self.experts_count();
+        let k = self.top_k;
+        let ranks = t.world();
+        let me = t.rank();
+        // Router segment (stays in h's graph).
+        let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
+        let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
+        let choices: Vec<u32> = match choices {
+            Some(c) => {
+                if c.len() != n * k || c.iter().any(|&e| e as usize >= e_count) {
+                    return Err(RuntimeError::Invalid {
+                        field: "choices",
+                        reason: format!("{} choices for {n} tokens × top-{k} over {e_count} experts (or an id out of range)", c.len()),
+                    });
+                }
+                c.to_vec()
+            }
+            None => host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect(),
+        };
+        let mut local_load = vec![0u64; e_count];
+        choices.iter().for_each(|&c| local_load[c as usize] += 1);
+        // All-gather T[e][rank].
+        let mine: Vec<u8> = local_load.iter().flat_map(|c| c.to_le_bytes()).collect();
+        let gathered = all_gather(t, world, &mine, self.timeout)?;
+        let mut tokens = vec![vec![0u64; ranks]; e_count];
+        for (rank, bytes) in gathered.iter().enumerate() {
+            if bytes.len() != 8 * e_count {
+                return Err(RuntimeError::Invalid {
+                    field: "token counts",
+                    reason: format!("rank {rank} sent {} bytes, expected {}", bytes.len(), 8 * e_count),
+                });
+            }
+            for (e, c) in bytes.chunks_exact(8).enumerate() {
+                tokens[e][rank] = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            }
+        }
+        let schedule = match self.mode {
+            DispatchMode::Balanced => DispatchSchedule::compute_balanced(&tokens, &self.replicas)?,
+            _ => DispatchSchedule::compute(&tokens, &self.replicas)?,
+        };
+        let layout = RankLayout::new(&schedule, me, &choices)?;
+        let packing = Packing::new(&layout, self.mode, &self.replicas, &tokens, me)?;
+        // Dispatch: the row of h of every slot, at its place in the buffer.
+        let h_host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let sends = pack(&packing.send_rows, &packing.send_len, d, |dst, i| {
+            let tok = layout.send[dst][i] as usize / k;
+            &h_host[tok * d..(tok + 1) * d]
+        });
+        let mut wire_bytes = wire(&sends, me);
+        let received = all_to_all_v(t, world, &sends, self.timeout)?;
+        let recv_rows = unpack(&received, &packing.recv_len, d, "dispatched tokens")?;
+        // Expert segments: per local expert, its block from every source in rank order.
+        let mut segments = Vec::new();
+        let mut outputs_by_src: Vec<Vec<f32>> = packing.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        for e in 0..e_count {
+            let blocks: Vec<(usize, usize)> = (0..ranks).map(|src| packing.recv_blocks[src][e]).collect();
+            let total: usize = blocks.iter().map(|b| b.1).sum();
+            if total == 0 {
+                continue;
+            }
+            let Some(weights) = self.experts.get(&e) else {
+                return Err(RuntimeError::Invalid {
+                    field: "placement",
+                    reason: format!("rank {me} received tokens for expert {e} it does not hold"),
+                });
+            };
+            let mut x = Vec::with_capacity(total * d);
+            for (src, &(o, c)) in blocks.iter().enumerate() {
+                x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+            }
+            let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), &Device::Cpu)?)?;
+            let y =
+                expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
+            let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
+            let mut row = 0;
+            for (src, &(o, c)) in blocks.iter().enumerate() {
+                outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_host[row * d..(row + c) * d]);
+                row += c;
+            }
+            segments.push((e, x, y, blocks));
+        }
+        // Return expert outputs to the ranks the tokens came from (same buffers, reversed).
+        let back: Vec<Vec<u8>> = outputs_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        wire_bytes += wire(&back, me);
+        let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = unpack(&results, &packing.send_len, d, "expert results")?;
+        let mut slots = vec![0f32; n * k * d];
+        for (dst, rows) in results.iter().enumerate() {
+            for (i, &s) in layout.send[dst].iter().enumerate() {
+                let (s, r) = (s as usize, packing.send_rows[dst][i]);
+                slots[s * d..(s + 1) * d].copy_from_slice(&rows[r * d..(r + 1) * d]);
+            }
+        }
+        // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
+        let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), &Device::Cpu)?)?;
+        let idx = Tensor::from_vec(choices.clone(), (n, k), &Device::Cpu)?;
+        let mut w = probs.gather(&idx, 1)?;
+        if k > 1 {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
+        let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        // Load-balancing loss share (see the field's doc).
+        let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
+        // Cannot overflow: the dispatch schedule above bounds the grand total.
+        let assignments: u64 = global_load.iter().sum();
+        let global_tokens = (assignments / k as u64).max(1) as f64;
+        let f: Vec<f32> = global_load.iter().map(|&c| c as f32 / assignments.max(1) as f32).collect();
+        let f = Tensor::from_vec(f, e_count, h.device())?.to_dtype(probs.dtype())?;
+        let aux = ((probs.sum(0)? * f)?.sum_all()? * (e_count as f64 / global_tokens))?;
+        Ok(MoeForward {
+            output,
+            local_load,
+            global_load,
+            aux,
+            combine,
+            rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
+            layout,
+            packing,
+            wire_bytes,
+            expert_rows: segments.iter().map(|s| s.3.iter().map(|b| b.1 as u64).sum::<u64>()).sum(),
+            slots_in,
+            expert_segments: segments,
+            n,
+            d,
+        })
+    }
+}

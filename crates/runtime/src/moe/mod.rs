@@ -1,0 +1,142 @@
+//! One MoE layer across ranks (paper §4.2): route, all-gather the per-expert token counts,
+//! compute the shared dispatch schedule, send every token slot's row to a replica with a
+//! padding-free all-to-all, run the local experts, send results back and combine; backward
+//! mirrors it and sums each expert's gradient over its holders.
+//!
+//! Files: this one holds the types; `packing` lays rows out in the all-to-all buffers;
+//! `forward` and `backward` are the two passes.
+
+mod backward;
+mod forward;
+mod packing;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{Tensor, Var};
+use lazarus_plan::RankLayout;
+
+use packing::Packing;
+
+/// One physical copy of an expert (f32).
+/// Default largest replica-gradient all-reduce bucket (bytes), as PyTorch DDP's: buckets are
+/// what lets the all-reduce overlap the experts' backward; a bucket never splits an expert.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    pub w1: Var,
+    pub b1: Var,
+    pub w2: Var,
+    pub b2: Var,
+}
+
+impl ExpertWeights {
+    fn vars(&self) -> [&Var; 4] {
+        [&self.w1, &self.b1, &self.w2, &self.b2]
+    }
+}
+
+/// How tokens travel to the experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchMode {
+    /// Lazarus (Algorithm 1): any replica may serve a token, shares follow the replica counts,
+    /// and the all-to-all carries exactly the rows that move (no padding).
+    Flexible,
+    /// As `Flexible`, but an expert's tokens are shared over its holders so that the ranks'
+    /// total loads are even ([`lazarus_plan::DispatchSchedule::compute_balanced`]).
+    Balanced,
+    /// The static expert-parallel baseline (DeepSpeed-MoE): one replica per expert, and every
+    /// buffer padded to `experts on the receiver × C` rows, C the largest number of tokens any
+    /// rank routes to one expert (dropless). As in DeepSpeed, whose experts run on the whole
+    /// `[ranks · C, d]` capacity buffer they receive, the padding rows are computed too (they
+    /// get zero gradients, so results are unchanged).
+    StaticPadded,
+    /// As `StaticPadded` on the wire, but experts compute only the real rows: a stronger
+    /// baseline than DeepSpeed (what a dropless grouped-GEMM implementation would do).
+    StaticSkipPadding,
+}
+
+impl DispatchMode {
+    /// One replica per expert, buffers padded to the largest load.
+    pub fn is_static(self) -> bool {
+        matches!(self, DispatchMode::StaticPadded | DispatchMode::StaticSkipPadding)
+    }
+}
+
+/// Row positions inside the all-to-all buffers, shared by the four exchanges of a step.
+#[derive(Debug, Clone)]
+
+/// This rank's part of an MoE layer: the replicated router and the experts placed here.
+pub struct DistributedMoe {
+    pub gate: Var,
+    /// Experts with at least one replica on this rank.
+    pub experts: BTreeMap<usize, ExpertWeights>,
+    /// R[e][rank] of the current placement.
+    pub replicas: Vec<Vec<u32>>,
+    pub top_k: usize,
+    pub timeout: Duration,
+    pub mode: DispatchMode,
+    /// Largest replica-gradient all-reduce bucket ([`DEFAULT_BUCKET_BYTES`]).
+    pub bucket_bytes: usize,
+}
+
+/// What the forward pass keeps for backward.
+pub struct MoeForward {
+    /// The layer output for this rank's tokens [n, d].
+    pub output: Tensor,
+    /// Tokens routed to each expert from this rank.
+    pub local_load: Vec<u64>,
+    /// Tokens routed to each expert from all ranks (the load monitor's input).
+    pub global_load: Vec<u64>,
+    /// This rank's share of the Switch load-balancing loss, E · Σ_e f_e · Σ_{local t} P_e(t) / N
+    /// with f_e the global assignment share and N the global token count: summed over the ranks
+    /// it is the single-process layer's aux loss. In h's graph.
+    pub aux: Tensor,
+    /// Normalised combine weight of each of this rank's slots (token-major, n·k).
+    combine: Vec<f32>,
+    /// Token rows this rank dispatched to other ranks (padding excluded): the payload any
+    /// dispatcher must move for this assignment, once per exchange.
+    pub rows_sent: u64,
+    layout: RankLayout,
+    packing: Packing,
+    /// Bytes this rank sent to other ranks in the forward all-to-alls.
+    pub wire_bytes: u64,
+    /// Rows this rank's experts computed (padding included when the mode computes it).
+    pub expert_rows: u64,
+    /// Input to the combine segment: expert outputs of this rank's slots [n·k, d].
+    slots_in: Var,
+    /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
+    expert_segments: Vec<ExpertSegment>,
+    n: usize,
+    d: usize,
+}
+
+/// One local expert's forward: (expert, leaf input, output, its (first row, rows) block from
+/// each rank).
+type ExpertSegment = (usize, Var, Tensor, Vec<(usize, usize)>);
+
+/// The expert path's gradients on one rank.
+pub struct ExpertGrads {
+    /// Local experts: [w1, b1, w2, b2] summed over the expert's holders.
+    pub experts: BTreeMap<usize, Vec<Tensor>>,
+    /// d loss / d h through the experts [n, d].
+    pub h_through_experts: Tensor,
+    /// Bytes this rank sent to other ranks in the backward all-to-alls.
+    pub wire_bytes: u64,
+}
+
+/// Gradients of one distributed MoE layer on one rank.
+pub struct MoeGrads {
+    /// Local experts: [w1, b1, w2, b2] summed over the expert's holders.
+    pub experts: BTreeMap<usize, Vec<Tensor>>,
+    /// The gate gradient summed over all ranks.
+    pub gate: Tensor,
+    /// d loss / d h through the experts (add the router path from `router`).
+    pub h_through_experts: Tensor,
+    /// The GradStore of the combine/router segment on this rank.
+    pub router: candle_core::backprop::GradStore,
+    /// Bytes this rank sent to other ranks in the backward all-to-alls (gradient all-reduces
+    /// not included).
+    pub wire_bytes: u64,
+}
