@@ -7,8 +7,8 @@ pub enum ControlError {
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
     /// An operating-system call failed.
-    #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    #[error("{what}: {error}")]
+    Io { what: String, error: std::io::Error },
     /// The worker processes could not be started.
     #[error("{0}")]
     Launch(String),
@@ -30,6 +30,6 @@ impl ControlError {
     }
 
     pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
-        ControlError::Io { what: what.into(), source }
+        ControlError::Io { what: what.into(), error: source }
     }
 }

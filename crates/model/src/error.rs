@@ -10,12 +10,9 @@ pub enum ModelError {
     Config { field: &'static str, value: String, reason: String },
     #[error("{path}: {reason}")]
     Data { path: PathBuf, reason: String },
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The I/O error is part of the message, not a separate cause, so it is said once.)
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
     #[error(transparent)]
@@ -28,7 +25,7 @@ impl ModelError {
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ModelError::Io { path: path.into(), source }
+        ModelError::Io { path: path.into(), error: source }
     }
 }
 

@@ -247,7 +247,7 @@ pub fn check_fits(cfg: &TrainConfig, copies: u128) -> Result<()> {
 
 /// `--checkpoint-dir`: a directory (created if missing) before training starts, not a file found
 /// out at the first save.
-fn check_checkpoint_dir(cfg: &TrainConfig) -> Result<()> {
+fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool) -> Result<()> {
     if cfg.checkpoint_every > 0 && cfg.checkpoint_dir.is_none() {
         bail!("--checkpoint-every needs --checkpoint-dir (or checkpoint_dir in --config)");
     }
@@ -255,7 +255,13 @@ fn check_checkpoint_dir(cfg: &TrainConfig) -> Result<()> {
         if dir.exists() && !dir.is_dir() {
             bail!("invalid --checkpoint-dir: {} is not a directory", dir.display());
         }
-        std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
+        if resume {
+            if !dir.is_dir() {
+                bail!("--resume: {} does not exist (no checkpoint to continue)", dir.display());
+            }
+        } else {
+            std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
+        }
     }
     Ok(())
 }
@@ -346,7 +352,7 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
 pub fn setup_run(args: &TrainArgs, copies: u128) -> Result<TrainConfig> {
     args.check_combinations()?;
     let cfg = build_config(args)?;
-    check_checkpoint_dir(&cfg)?;
+    check_checkpoint_dir(&cfg, args.resume)?;
     if !args.resume {
         check_fits(&cfg, copies)?;
     }
