@@ -14,11 +14,14 @@
 //! single-process loss of the whole batch and the summed gradients are its gradients.
 //!
 //! Files: this one builds a worker and moves expert states in and out of it; `step` computes and
-//! commits a step (a step that fails is dropped whole); `checkpoint` writes a checkpoint.
+//! commits a step (a step that fails is dropped whole); `reconfigure` moves the worker to a new
+//! plan among the survivors of a failure; `checkpoint` writes a checkpoint.
 
 mod checkpoint;
+mod reconfigure;
 mod step;
 
+pub use reconfigure::{ExpertTransfer, Reconfiguration, ReconfigureReport};
 pub use step::PendingStep;
 
 use std::collections::BTreeMap;
@@ -123,9 +126,42 @@ pub struct Worker {
     layers: Vec<DistributedMoe>,
     kinds: Vec<ParamKind>,
     plan: ReplicaMap,
+    mode: DispatchMode,
     timeout: Duration,
     /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
     held: Option<PendingStep>,
+}
+
+/// This rank's part of every MoE layer under `plan`: the router and the experts placed here.
+fn build_layers(
+    trainer: &Trainer,
+    plan: &ReplicaMap,
+    rank: usize,
+    mode: DispatchMode,
+    timeout: Duration,
+) -> Result<Vec<DistributedMoe>, RuntimeError> {
+    let model = &trainer.model;
+    let mc = model.config();
+    let mut layers = Vec::with_capacity(mc.moe_layers());
+    for (l, replicas) in plan.layers().iter().enumerate() {
+        let mut experts = BTreeMap::new();
+        for (e, row) in replicas.iter().enumerate() {
+            if row[rank] > 0 {
+                let [w1, b1, w2, b2] = model.expert_vars(l, e)?;
+                experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
+            }
+        }
+        layers.push(DistributedMoe {
+            gate: model.gate(l)?.clone(),
+            experts,
+            replicas: replicas.clone(),
+            top_k: mc.top_k,
+            timeout,
+            mode,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        });
+    }
+    Ok(layers)
 }
 
 impl Worker {
@@ -149,10 +185,8 @@ impl Worker {
         check_plan(&options.plan, mc.moe_layers(), mc.n_experts, world, options.mode)?;
         let model = &trainer.model;
         let mut kinds = vec![ParamKind::Shared; model.params().len()];
-        let mut layers = Vec::with_capacity(mc.moe_layers());
-        for (l, replicas) in options.plan.layers().iter().enumerate() {
-            let mut experts = BTreeMap::new();
-            for (e, row) in replicas.iter().enumerate() {
+        for l in 0..mc.moe_layers() {
+            for e in 0..mc.n_experts {
                 for (part, name) in model.expert_param_names(l, e).iter().enumerate() {
                     let i = model
                         .params()
@@ -160,22 +194,11 @@ impl Worker {
                         .ok_or_else(|| RuntimeError::Invalid { field: "model", reason: format!("no tensor {name}") })?;
                     kinds[i] = ParamKind::Expert { layer: l, expert: e, part };
                 }
-                if row[rank] > 0 {
-                    let [w1, b1, w2, b2] = model.expert_vars(l, e)?;
-                    experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
-                }
             }
-            layers.push(DistributedMoe {
-                gate: model.gate(l)?.clone(),
-                experts,
-                replicas: replicas.clone(),
-                top_k: mc.top_k,
-                timeout: options.timeout,
-                mode: options.mode,
-                bucket_bytes: DEFAULT_BUCKET_BYTES,
-            });
         }
-        let mut worker = Worker { trainer, rank, world, layers, kinds, plan: options.plan, timeout: options.timeout, held: None };
+        let layers = build_layers(&trainer, &options.plan, rank, options.mode, options.timeout)?;
+        let mut worker =
+            Worker { trainer, rank, world, layers, kinds, plan: options.plan, mode: options.mode, timeout: options.timeout, held: None };
         worker.release_remote_experts()?;
         Ok(worker)
     }

@@ -1,0 +1,127 @@
+//! Moving a worker to a new plan after a failure (paper §4.3, DESIGN.md "Control flow of a
+//! failure"): the survivors renumber into a new world at a new epoch, each fetches the expert
+//! states (weights **and** AdamW m, v, step) its new placement needs from a surviving holder,
+//! frees the experts it no longer holds, and the same step is run again over the new world —
+//! same global batch, split over fewer ranks.
+
+use lazarus_comm::tags::{expert_transfer, TransferKind};
+use lazarus_comm::{barrier, deadline_after, Group, Transport};
+use lazarus_plan::ReplicaMap;
+use serde::{Deserialize, Serialize};
+
+use super::{build_layers, check_plan, Worker};
+use crate::error::RuntimeError;
+use crate::expert_state::ExpertState;
+
+/// One expert state copied from a surviving holder to a rank that newly holds it; ranks are the
+/// new world's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertTransfer {
+    pub layer: usize,
+    pub expert: usize,
+    pub from: usize,
+    pub to: usize,
+}
+
+/// Everything a surviving worker is told to move to the new plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reconfiguration {
+    /// The new plan epoch (the new transport's).
+    pub epoch: u64,
+    /// This worker's rank in the new world.
+    pub rank: usize,
+    pub world: usize,
+    pub plan: ReplicaMap,
+    /// Every transfer of the reconfiguration (each rank does its own part).
+    pub transfers: Vec<ExpertTransfer>,
+}
+
+/// What a reconfiguration moved on this rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconfigureReport {
+    pub experts_sent: usize,
+    pub experts_received: usize,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+}
+
+impl Worker {
+    /// Move to `r` over `t`, the new epoch's transport (rank and world as `r` says), `world` its
+    /// group of every rank. Every
+    /// surviving rank must call it together, all at the same committed step (a held step is
+    /// committed or dropped first). A rank sends every state it is the source of, then receives
+    /// what it fetches; then each rank keeps exactly the experts the new plan gives it.
+    pub fn reconfigure(
+        &mut self,
+        r: &Reconfiguration,
+        t: &mut dyn Transport,
+        world: &mut Group,
+    ) -> Result<ReconfigureReport, RuntimeError> {
+        let bad = |reason: String| RuntimeError::Invalid { field: "reconfiguration", reason };
+        if self.held.is_some() {
+            return Err(bad("a held step must be committed or dropped first".into()));
+        }
+        if (t.rank(), t.world(), t.epoch()) != (r.rank, r.world, r.epoch) {
+            return Err(bad(format!(
+                "the transport is rank {} of {} at epoch {}, the reconfiguration rank {} of {} at epoch {}",
+                t.rank(),
+                t.world(),
+                t.epoch(),
+                r.rank,
+                r.world,
+                r.epoch
+            )));
+        }
+        let mc = self.trainer.model.config().clone();
+        check_plan(&r.plan, mc.moe_layers(), mc.n_experts, r.world, self.mode)?;
+        for x in &r.transfers {
+            if x.layer >= mc.moe_layers() || x.expert >= mc.n_experts || x.from >= r.world || x.to >= r.world || x.from == x.to {
+                return Err(bad(format!(
+                    "transfer {x:?} does not fit {} layers x {} experts over {} ranks",
+                    mc.moe_layers(),
+                    mc.n_experts,
+                    r.world
+                )));
+            }
+            if r.plan.replicas_on(x.layer, x.expert, x.to) == 0 {
+                return Err(bad(format!("transfer {x:?} sends layer {} expert {} to a rank the plan does not give it", x.layer, x.expert)));
+            }
+        }
+        let mut transfers = r.transfers.clone();
+        transfers.sort_by_key(|x| (x.layer, x.expert, x.to));
+        let timeout = self.timeout;
+        let deadline = || deadline_after(timeout);
+        let mut report = ReconfigureReport::default();
+        // Sends first: the transport never blocks a send on a peer that is sending too.
+        for x in transfers.iter().filter(|x| x.from == r.rank) {
+            let bytes = self.export_expert(x.layer, x.expert)?.encode();
+            t.send(x.to, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, &bytes, deadline())?;
+            report.experts_sent += 1;
+            report.bytes_sent += bytes.len() as u64;
+        }
+        let shapes = self.trainer.model.expert_shapes();
+        for x in transfers.iter().filter(|x| x.to == r.rank) {
+            let bytes = t.recv(x.from, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, deadline())?;
+            let state = ExpertState::decode(&bytes, x.layer, x.expert, &shapes)
+                .map_err(|e| bad(format!("rank {} sent layer {} expert {}: {e}", x.from, x.layer, x.expert)))?;
+            self.install_expert(&state)?;
+            report.experts_received += 1;
+            report.bytes_received += bytes.len() as u64;
+        }
+        // Every expert the new plan places here must be here now.
+        for l in 0..mc.moe_layers() {
+            for e in 0..mc.n_experts {
+                if r.plan.replicas_on(l, e, r.rank) > 0 && !self.trainer.model.expert_resident(l, e)? {
+                    return Err(bad(format!("rank {} is given layer {l} expert {e} but neither holds it nor fetches it", r.rank)));
+                }
+            }
+        }
+        self.plan = r.plan.clone();
+        self.rank = r.rank;
+        self.world = r.world;
+        self.release_remote_experts()?;
+        self.layers = build_layers(&self.trainer, &self.plan, self.rank, self.mode, self.timeout)?;
+        barrier(t, world, self.timeout)?;
+        Ok(report)
+    }
+}
