@@ -1,5 +1,7 @@
 //! The control plane of Lazarus (DESIGN.md, "The system at a glance").
 //!
+//! * [`controller`] — the controller's decisions (membership, leases, epochs, the load monitor,
+//!   recovery from lost nodes) as a pure function of (state, event, now);
 //! * [`supervisor`] — the supervision of a job's worker processes as a pure state machine
 //!   over events: every decision is a function of (state, input, now), tested without
 //!   processes or clocks;
@@ -12,6 +14,7 @@
 //! The controller, per-node agents and live recovery build on these next.
 
 pub mod bench;
+pub mod controller;
 mod error;
 pub mod launcher;
 pub mod protocol;

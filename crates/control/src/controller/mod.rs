@@ -1,0 +1,405 @@
+//! The controller's decisions as a pure function: [`Controller::decide`]`(now, event) ->
+//! Vec<Command>`, tested without sockets or clocks (the way torchft's lighthouse computes a
+//! quorum). The shell around it — the launcher today, agents over the network next — carries
+//! events in and commands out.
+//!
+//! What it keeps (paper §3, §4.3; DESIGN.md "Control flow of a failure"):
+//! * **membership**: the nodes of the job (one worker each, for now), when each was last heard
+//!   from, and each one's plan epoch; a node whose worker exits, or that misses its lease, is
+//!   lost (and a hung one is killed);
+//! * **the plan epoch**: every plan and rendezvous is stamped; a report from an older epoch than
+//!   the node's is stale and ignored;
+//! * **the load monitor**: the expert loads of every finished step since the plan was made;
+//! * **recovery**: after a loss, every survivor says where it stopped (steps committed, and the
+//!   step it holds if the commit vote failed); once all have, the furthest committed step is the
+//!   step everyone commits to, and the survivors move to a new plan from the one scheduler
+//!   (`plan_model`) with the state transfers of `plan_reconfiguration` — or, if an expert lost
+//!   every replica, everyone rolls back to the last checkpoint; if the survivors cannot hold one
+//!   replica of every expert, the job stops with the reason.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy};
+use lazarus_runtime::ExpertTransfer;
+use serde::{Deserialize, Serialize};
+
+/// A node of the job (today: one worker process).
+pub type NodeId = u64;
+
+/// How many recent events the controller remembers (for status reports).
+const RECENT_EVENTS: usize = 64;
+
+/// What the controller needs to know of the job to plan it.
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    pub layers: usize,
+    pub experts: usize,
+    /// Expert replica slots of one node (G·c).
+    pub slots_per_node: usize,
+    pub policy: PlanPolicy,
+    /// Bytes of one expert's training state (weights and AdamW moments): what a transfer moves.
+    pub expert_bytes: u64,
+    /// A node not heard from for this long is lost.
+    pub lease: Duration,
+}
+
+/// Where a survivor stopped when its step failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopReport {
+    /// Steps committed.
+    pub steps_done: u64,
+    /// The step it computed but could not commit (its commit vote failed), if any.
+    pub held: Option<u64>,
+}
+
+/// What the controller is told.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The node is alive (its agent's or worker's heartbeat).
+    Heartbeat { node: NodeId },
+    /// The node's worker exited.
+    Exited { node: NodeId, status: String },
+    /// The node is listening for the rendezvous of `epoch` at `addr`.
+    Listening { node: NodeId, epoch: u64, addr: String },
+    /// The node finished moving to `epoch`'s plan (connected, transfers done): it trains.
+    Ready { node: NodeId, epoch: u64 },
+    /// The node's step failed at `epoch`; where it stopped.
+    StepFailed { node: NodeId, epoch: u64, report: StopReport },
+    /// A step finished at `epoch` (rank 0's report): the load monitor takes its expert loads.
+    StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>> },
+    /// A checkpoint of `step` was written.
+    Checkpointed { step: u64 },
+    /// Time passed.
+    Tick,
+}
+
+/// The transfers and renumbering of a move to a new plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Move {
+    pub epoch: u64,
+    /// The node of each rank of the new world.
+    pub ranks: Vec<NodeId>,
+    /// Replicas of each expert on each rank.
+    pub plan: lazarus_plan::ReplicaMap,
+    /// Every survivor commits up to this step (one behind commits its held step; one at it drops
+    /// what it holds).
+    pub commit_to: u64,
+    pub transfers: Vec<ExpertTransfer>,
+}
+
+/// What the shell must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// The node missed its lease: make sure nothing of it runs on (a hung worker is killed).
+    Kill { node: NodeId, reason: String },
+    /// Survivors move to a new plan without losing state.
+    Reconfigure(Move),
+    /// An expert lost every replica: every survivor reloads the checkpoint of step `to_step`
+    /// (`None`: the job's initial state) under the move's plan, without transfers.
+    Rollback { to: Move, to_step: Option<u64> },
+    /// Send the rendezvous addresses of `epoch`, in rank order, to its ranks.
+    Addresses { epoch: u64, addrs: Vec<String> },
+    /// Every rank of `epoch` is ready: training runs.
+    Resume { epoch: u64 },
+    /// The job cannot go on.
+    Stop { reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Phase {
+    /// Waiting for every rank of the epoch to listen, then to be ready.
+    Rendezvous {
+        addrs: BTreeMap<NodeId, String>,
+        ready: BTreeSet<NodeId>,
+    },
+    Running,
+    /// After a loss: waiting for every survivor to say where it stopped.
+    Collecting {
+        reports: BTreeMap<NodeId, StopReport>,
+    },
+    Stopped,
+}
+
+/// The controller of one job.
+#[derive(Debug, Clone)]
+pub struct Controller {
+    spec: JobSpec,
+    epoch: u64,
+    plan: ModelPlan,
+    /// The node of each rank of the current plan.
+    ranks: Vec<NodeId>,
+    alive: BTreeSet<NodeId>,
+    last_seen: BTreeMap<NodeId, Instant>,
+    /// The epoch each node was last told to be in.
+    node_epoch: BTreeMap<NodeId, u64>,
+    phase: Phase,
+    /// Σ expert loads per layer since the plan was made (the load monitor).
+    loads: Vec<Vec<f64>>,
+    checkpoint: Option<u64>,
+    last_step: u64,
+    recent: VecDeque<String>,
+}
+
+impl Controller {
+    /// A job starting at epoch 0 on `nodes` (rank i = nodes[i]) under `plan`.
+    pub fn new(spec: JobSpec, plan: ModelPlan, nodes: Vec<NodeId>, now: Instant) -> Self {
+        let alive: BTreeSet<NodeId> = nodes.iter().copied().collect();
+        Controller {
+            loads: vec![vec![0.0; spec.experts]; spec.layers],
+            spec,
+            epoch: plan.epoch(),
+            ranks: nodes.clone(),
+            last_seen: nodes.iter().map(|&n| (n, now)).collect(),
+            node_epoch: nodes.iter().map(|&n| (n, plan.epoch())).collect(),
+            plan,
+            alive,
+            phase: Phase::Rendezvous { addrs: BTreeMap::new(), ready: BTreeSet::new() },
+            checkpoint: None,
+            last_step: 0,
+            recent: VecDeque::new(),
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn plan(&self) -> &ModelPlan {
+        &self.plan
+    }
+
+    /// The node of each rank of the current epoch.
+    pub fn ranks(&self) -> &[NodeId] {
+        &self.ranks
+    }
+
+    pub fn alive(&self) -> &BTreeSet<NodeId> {
+        &self.alive
+    }
+
+    /// Whether the job has stopped.
+    pub fn stopped(&self) -> bool {
+        self.phase == Phase::Stopped
+    }
+
+    /// Whether every rank of the epoch trains.
+    pub fn running(&self) -> bool {
+        self.phase == Phase::Running
+    }
+
+    /// The most recent events, oldest first.
+    pub fn recent(&self) -> impl Iterator<Item = &String> {
+        self.recent.iter()
+    }
+
+    /// When the next lease runs out, if no heartbeat comes first.
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.stopped() {
+            return None;
+        }
+        self.alive.iter().filter_map(|n| self.last_seen.get(n)).min().map(|&t| t + self.spec.lease)
+    }
+
+    fn note(&mut self, what: String) {
+        if self.recent.len() == RECENT_EVENTS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(what);
+    }
+
+    /// Take one event; returns what to do, in order.
+    pub fn decide(&mut self, now: Instant, event: Event) -> Vec<Command> {
+        let mut out = Vec::new();
+        if self.stopped() {
+            return out;
+        }
+        match event {
+            Event::Heartbeat { node } => {
+                if self.alive.contains(&node) {
+                    self.last_seen.insert(node, now);
+                }
+            }
+            Event::Tick => {
+                let late: Vec<NodeId> =
+                    self.alive.iter().copied().filter(|n| self.last_seen.get(n).is_some_and(|&t| now >= t + self.spec.lease)).collect();
+                for node in late {
+                    let reason = format!("no heartbeat for {} ms", self.spec.lease.as_millis());
+                    out.push(Command::Kill { node, reason: reason.clone() });
+                    self.lose(node, &reason);
+                }
+            }
+            Event::Exited { node, status } => {
+                if self.alive.contains(&node) {
+                    self.lose(node, &format!("exited ({status})"));
+                }
+            }
+            Event::Listening { node, epoch, addr } => {
+                self.last_seen.insert(node, now);
+                if let Phase::Rendezvous { addrs, .. } = &mut self.phase {
+                    if epoch == self.epoch && self.ranks.contains(&node) {
+                        addrs.insert(node, addr);
+                        if self.ranks.iter().all(|n| addrs.contains_key(n)) {
+                            let list = self.ranks.iter().map(|n| addrs[n].clone()).collect();
+                            out.push(Command::Addresses { epoch, addrs: list });
+                        }
+                    }
+                }
+            }
+            Event::Ready { node, epoch } => {
+                self.last_seen.insert(node, now);
+                if let Phase::Rendezvous { ready, .. } = &mut self.phase {
+                    if epoch == self.epoch && self.ranks.contains(&node) {
+                        ready.insert(node);
+                        if self.ranks.iter().all(|n| ready.contains(n)) {
+                            self.phase = Phase::Running;
+                            out.push(Command::Resume { epoch });
+                        }
+                    }
+                }
+            }
+            Event::StepFailed { node, epoch, report } => {
+                self.last_seen.insert(node, now);
+                let current = self.node_epoch.get(&node).copied();
+                if self.alive.contains(&node) && current == Some(epoch) {
+                    if !matches!(self.phase, Phase::Collecting { .. }) {
+                        self.note(format!("epoch {epoch}: node {node} stopped at step {}", report.steps_done));
+                        self.phase = Phase::Collecting { reports: BTreeMap::new() };
+                    }
+                    if let Phase::Collecting { reports } = &mut self.phase {
+                        reports.insert(node, report);
+                    }
+                }
+            }
+            Event::StepDone { epoch, step, loads } => {
+                if epoch == self.epoch && loads.len() == self.loads.len() {
+                    for (acc, l) in self.loads.iter_mut().zip(&loads) {
+                        if l.len() == acc.len() {
+                            acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
+                        }
+                    }
+                    self.last_step = self.last_step.max(step);
+                }
+            }
+            Event::Checkpointed { step } => self.checkpoint = Some(step),
+        }
+        self.try_recover(&mut out);
+        out
+    }
+
+    /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
+    fn lose(&mut self, node: NodeId, why: &str) {
+        self.alive.remove(&node);
+        self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
+        if !matches!(self.phase, Phase::Collecting { .. }) {
+            self.phase = Phase::Collecting { reports: BTreeMap::new() };
+        }
+        if let Phase::Collecting { reports } = &mut self.phase {
+            reports.remove(&node);
+        }
+    }
+
+    /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
+    fn try_recover(&mut self, out: &mut Vec<Command>) {
+        let Phase::Collecting { reports } = &self.phase else { return };
+        if self.alive.iter().any(|n| !reports.contains_key(n)) {
+            return;
+        }
+        let reports = reports.clone();
+        let survivors: Vec<NodeId> = self.alive.iter().copied().collect();
+        if survivors.is_empty() {
+            return self.stop("every node is lost".into(), out);
+        }
+        let slots = survivors.len() * self.spec.slots_per_node;
+        if slots < self.spec.experts {
+            let reason = format!(
+                "the {} surviving nodes have {slots} expert slots, fewer than the {} experts of a layer",
+                survivors.len(),
+                self.spec.experts
+            );
+            return self.stop(reason, out);
+        }
+        let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
+        let consistent = reports.values().all(|r| r.steps_done == furthest || (r.steps_done + 1 == furthest && r.held == Some(furthest)));
+        let dead: Vec<usize> = (0..self.ranks.len()).filter(|&i| !self.alive.contains(&self.ranks[i])).collect();
+        let epoch = self.epoch + 1;
+        let shape = match ClusterShape::new(survivors.len(), 1, self.spec.slots_per_node) {
+            Ok(s) => s,
+            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+        };
+        let loads = self.plan_loads();
+        let survives = consistent && self.plan.survives(&dead);
+        let previous = self.plan.clone().with_epoch(self.epoch);
+        let new = match plan_model(&loads, shape, &self.spec.policy, Some(&previous)) {
+            Ok(p) => p.with_epoch(epoch),
+            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+        };
+        if survives {
+            let live: Vec<NodeState> = survivors
+                .iter()
+                .map(|n| {
+                    let i = self.ranks.iter().position(|r| r == n).expect("a survivor has a rank");
+                    NodeState { node: *n, experts: self.plan.layers().iter().map(|p| p.nodes()[i].clone()).collect() }
+                })
+                .collect();
+            match plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
+                Ok(rp) if rp.lost.is_empty() => {
+                    let rank_of = |node: u64| rp.plan_to_node.iter().position(|&p| p == node).expect("every survivor takes a plan node");
+                    let transfers = rp
+                        .transfers
+                        .iter()
+                        .map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: rank_of(t.from), to: rank_of(t.to) })
+                        .collect();
+                    let m = Move { epoch, ranks: rp.plan_to_node.clone(), plan: new.replica_map(), commit_to: furthest, transfers };
+                    self.note(format!(
+                        "epoch {epoch}: reconfigure to {} nodes at step {furthest}, {} expert transfers",
+                        survivors.len(),
+                        m.transfers.len()
+                    ));
+                    self.adopt(new, m.ranks.clone());
+                    out.push(Command::Reconfigure(m));
+                    return;
+                }
+                _ => {}
+            }
+        }
+        let to_step = self.checkpoint;
+        let m = Move { epoch, ranks: survivors.clone(), plan: new.replica_map(), commit_to: furthest, transfers: Vec::new() };
+        self.note(format!(
+            "epoch {epoch}: an expert lost every replica; roll back to {}",
+            to_step.map_or("the start".into(), |s| format!("step {s}"))
+        ));
+        self.adopt(new, survivors);
+        out.push(Command::Rollback { to: m, to_step });
+    }
+
+    /// Loads to plan from: those measured since the plan was made, or even loads before any.
+    fn plan_loads(&self) -> Vec<Vec<f64>> {
+        if self.loads.iter().flatten().any(|&x| x > 0.0) {
+            self.loads.clone()
+        } else {
+            vec![vec![1.0; self.spec.experts]; self.spec.layers]
+        }
+    }
+
+    /// The new plan is the epoch's: a rendezvous of its ranks follows.
+    fn adopt(&mut self, plan: ModelPlan, ranks: Vec<NodeId>) {
+        self.epoch = plan.epoch();
+        for n in &ranks {
+            self.node_epoch.insert(*n, self.epoch);
+        }
+        self.plan = plan;
+        self.ranks = ranks;
+        self.loads = vec![vec![0.0; self.spec.experts]; self.spec.layers];
+        self.phase = Phase::Rendezvous { addrs: BTreeMap::new(), ready: BTreeSet::new() };
+    }
+
+    fn stop(&mut self, reason: String, out: &mut Vec<Command>) {
+        self.note(format!("stopped: {reason}"));
+        self.phase = Phase::Stopped;
+        out.push(Command::Stop { reason });
+    }
+}

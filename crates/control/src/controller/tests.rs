@@ -1,0 +1,192 @@
+use proptest::prelude::*;
+
+use super::*;
+
+const SEC: Duration = Duration::from_secs(1);
+
+fn spec(experts: usize, slots: usize) -> JobSpec {
+    JobSpec { layers: 2, experts, slots_per_node: slots, policy: PlanPolicy::trainer(4, None), expert_bytes: 1000, lease: SEC }
+}
+
+/// A running job of `n` nodes (ids 10, 11, …) with `experts` experts and `slots` slots a node.
+fn running(n: usize, experts: usize, slots: usize, t0: Instant) -> Controller {
+    let loads = vec![(0..experts).map(|e| (e + 1) as f64).collect::<Vec<_>>(); 2];
+    let plan = plan_model(&loads, ClusterShape::new(n, 1, slots).unwrap(), &PlanPolicy::trainer(n, None), None).unwrap();
+    let nodes: Vec<NodeId> = (0..n as u64).map(|i| 10 + i).collect();
+    let mut c = Controller::new(spec(experts, slots), plan, nodes.clone(), t0);
+    for (i, &n) in nodes.iter().enumerate() {
+        c.decide(t0, Event::Listening { node: n, epoch: 0, addr: format!("a{i}") });
+    }
+    for &n in &nodes {
+        c.decide(t0, Event::Ready { node: n, epoch: 0 });
+    }
+    assert!(c.running());
+    c
+}
+
+#[test]
+fn the_rendezvous_sends_addresses_in_rank_order_then_resumes() {
+    let t0 = Instant::now();
+    let loads = vec![vec![1.0, 2.0, 3.0, 4.0]; 2];
+    let plan = plan_model(&loads, ClusterShape::new(3, 1, 3).unwrap(), &PlanPolicy::trainer(3, None), None).unwrap();
+    let mut c = Controller::new(spec(4, 3), plan, vec![7, 5, 9], t0);
+    assert!(c.decide(t0, Event::Listening { node: 9, epoch: 0, addr: "c".into() }).is_empty());
+    assert!(c.decide(t0, Event::Listening { node: 7, epoch: 1, addr: "x".into() }).is_empty(), "another epoch's rendezvous");
+    assert!(c.decide(t0, Event::Listening { node: 7, epoch: 0, addr: "a".into() }).is_empty());
+    let out = c.decide(t0, Event::Listening { node: 5, epoch: 0, addr: "b".into() });
+    assert_eq!(out, vec![Command::Addresses { epoch: 0, addrs: vec!["a".into(), "b".into(), "c".into()] }]);
+    c.decide(t0, Event::Ready { node: 7, epoch: 0 });
+    c.decide(t0, Event::Ready { node: 9, epoch: 0 });
+    assert_eq!(c.decide(t0, Event::Ready { node: 5, epoch: 0 }), vec![Command::Resume { epoch: 0 }]);
+    assert!(c.running());
+}
+
+#[test]
+fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
+    let t0 = Instant::now();
+    let mut c = running(4, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2] });
+    assert!(c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }).is_empty());
+    // Survivors report: two failed computing step 6, one got past the vote's start and holds it.
+    let r = |steps_done, held| StopReport { steps_done, held };
+    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(5, Some(6)) }).is_empty());
+    assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(6, None) }).is_empty());
+    let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(5, Some(6)) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((m.epoch, m.commit_to), (1, 6));
+    let mut ranks = m.ranks.clone();
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![10, 11, 13]);
+    assert_eq!(m.plan.ranks(), 3);
+    // Every transfer goes to a rank that now holds the expert from one that held it before.
+    let old = running(4, 4, 3, t0);
+    for t in &m.transfers {
+        assert!(m.plan.replicas_on(t.layer, t.expert, t.to) > 0);
+        let from_node = m.ranks[t.from];
+        let old_rank = old.ranks().iter().position(|&n| n == from_node).unwrap();
+        assert!(old.plan().replica_map().replicas_on(t.layer, t.expert, old_rank) > 0, "{t:?}");
+    }
+    assert_eq!(c.epoch(), 1);
+    // A report from the old epoch is stale now.
+    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(5, None) }).is_empty());
+    assert!(!c.running());
+    // The new epoch's rendezvous, then training again.
+    for (i, &n) in m.ranks.iter().enumerate() {
+        c.decide(t0, Event::Listening { node: n, epoch: 1, addr: format!("b{i}") });
+    }
+    for &n in &m.ranks {
+        c.decide(t0, Event::Ready { node: n, epoch: 1 });
+    }
+    assert!(c.running());
+}
+
+#[test]
+fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    assert_eq!(c.deadline(), Some(t0 + SEC));
+    c.decide(t0 + SEC / 2, Event::Heartbeat { node: 10 });
+    c.decide(t0 + SEC / 2, Event::Heartbeat { node: 11 });
+    assert!(c.decide(t0 + SEC / 2, Event::Tick).is_empty());
+    let out = c.decide(t0 + SEC, Event::Tick);
+    assert!(matches!(&out[..], [Command::Kill { node: 12, .. }]), "{out:?}");
+    assert!(!c.alive().contains(&12));
+    // A heartbeat from a lost node does not bring it back.
+    c.decide(t0 + SEC, Event::Heartbeat { node: 12 });
+    assert!(!c.alive().contains(&12));
+}
+
+#[test]
+fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
+    let t0 = Instant::now();
+    let mut c = running(4, 4, 2, t0);
+    c.decide(t0, Event::Checkpointed { step: 4 });
+    // Find two nodes whose loss takes every replica of some expert.
+    let holders = c.plan().layers()[0].holders();
+    let pair: Vec<usize> = holders.iter().find(|h| h.len() == 2).map(|h| h.iter().collect()).expect("an expert on exactly two nodes");
+    let (a, b) = (c.ranks()[pair[0]], c.ranks()[pair[1]]);
+    c.decide(t0, Event::Exited { node: a, status: "x".into() });
+    c.decide(t0, Event::Exited { node: b, status: "x".into() });
+    let mut out = Vec::new();
+    for n in c.alive().clone() {
+        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None } });
+    }
+    let [Command::Rollback { to, to_step }] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(*to_step, Some(4));
+    assert!(to.transfers.is_empty());
+    assert_eq!(to.plan.ranks(), 2);
+}
+
+#[test]
+fn too_few_slots_for_every_expert_stops_with_the_reason() {
+    let t0 = Instant::now();
+    let mut c = running(2, 4, 2, t0);
+    c.decide(t0, Event::Exited { node: 11, status: "x".into() });
+    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None } });
+    let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
+    assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
+    assert!(c.stopped());
+    assert!(c.decide(t0, Event::Tick).is_empty());
+}
+
+/// One random event for a job of nodes 10..10+n.
+fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
+    let node = 10..10 + n;
+    prop_oneof![
+        (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Heartbeat { node })),
+        (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Exited { node, status: "killed".into() })),
+        (0u64..3, node.clone(), 0u64..4, 0u64..4)
+            .prop_map(|(dt, node, epoch, i)| (dt, Event::Listening { node, epoch, addr: format!("a{i}") })),
+        (0u64..3, node.clone(), 0u64..4).prop_map(|(dt, node, epoch)| (dt, Event::Ready { node, epoch })),
+        (0u64..3, node, 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
+            (dt, Event::StepFailed { node, epoch, report: StopReport { steps_done, held: held.then_some(steps_done + 1) } })
+        }),
+        (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (dt, Event::StepDone { epoch, step, loads: vec![vec![1, 2, 3, 4]; 2] })),
+        (0u64..3, 0u64..20).prop_map(|(dt, step)| (dt, Event::Checkpointed { step })),
+        (0u64..3).prop_map(|dt| (dt, Event::Tick)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// Over any sequence of deaths, heartbeats, stale and out-of-order reports: epochs only grow;
+    /// no move or rollback names a node that is lost; every plan hosts every expert (its replica
+    /// map validates and has one rank per named node); once stopped, nothing more happens.
+    #[test]
+    fn the_decision_core_keeps_its_invariants(n in 2usize..6, slots in 2usize..4, events in proptest::collection::vec(arb_event(6), 1..60)) {
+        let t0 = Instant::now();
+        let mut c = running(n, 4, slots, t0);
+        let mut now = t0;
+        let mut epoch = c.epoch();
+        for (dt, ev) in events {
+            now += SEC * dt as u32 / 2;
+            let out = c.decide(now, ev);
+            prop_assert!(c.epoch() >= epoch);
+            epoch = c.epoch();
+            for cmd in &out {
+                match cmd {
+                    Command::Reconfigure(m) | Command::Rollback { to: m, .. } => {
+                        prop_assert!(m.ranks.iter().all(|r| c.alive().contains(r)), "{:?} names a lost node", m.ranks);
+                        prop_assert_eq!(m.plan.ranks(), m.ranks.len());
+                        prop_assert!(lazarus_plan::ReplicaMap::new(m.epoch, m.plan.layers().to_vec()).is_ok());
+                        prop_assert_eq!(m.epoch, c.epoch());
+                        for t in &m.transfers {
+                            prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
+                        }
+                    }
+                    Command::Addresses { epoch, addrs } => {
+                        prop_assert_eq!(*epoch, c.epoch());
+                        prop_assert_eq!(addrs.len(), c.ranks().len());
+                    }
+                    Command::Stop { .. } => prop_assert!(c.stopped()),
+                    Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
+                    Command::Resume { .. } => prop_assert!(c.running()),
+                }
+            }
+            if c.stopped() {
+                prop_assert!(c.decide(now, Event::Tick).is_empty());
+                break;
+            }
+        }
+    }
+}
