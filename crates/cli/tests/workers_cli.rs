@@ -132,7 +132,19 @@ fn bad_worker_settings_are_named() {
 fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() {
     let d = dir("kill");
     let log = d.join("log.jsonl");
-    let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", log.to_str().unwrap(), "--comm-timeout", "30"];
+    let mut args = vec![
+        "train",
+        "--workers",
+        "3",
+        "--steps",
+        "100000",
+        "--json-log",
+        log.to_str().unwrap(),
+        "--comm-timeout",
+        "30",
+        "--recovery",
+        "off",
+    ];
     args.extend(tiny());
     let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let (tx, rx) = mpsc::channel::<(Instant, String)>();

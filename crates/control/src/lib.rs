@@ -26,4 +26,4 @@ pub use error::ControlError;
 pub use launcher::{allowed_cpus, Confinement};
 pub use protocol::{FailureKind, TrainJob, WorkerEvent};
 pub use supervisor::{Action, Outcome, RankEnd, Supervisor};
-pub use train::{plan_job, run_training, PlanSource};
+pub use train::{plan_job, run_training, JobPlan, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};

@@ -1,11 +1,15 @@
 //! What the launcher and its worker processes say to each other: one JSON object per line.
 //!
 //! The launcher writes a [`WorkerSpec`] to the worker's stdin; the worker binds an ephemeral
-//! loopback port and answers [`WorkerEvent::Listening`]; the launcher writes [`Addrs`] with every
-//! rank's address; the worker connects to every peer, answers [`WorkerEvent::Ready`] and then
-//! reports on stdout until [`WorkerEvent::Done`] or [`WorkerEvent::Failed`]. The launcher keeps
-//! the worker's stdin open for the whole run: its end of file means the launcher is gone, and
-//! the worker stops (see [`crate::worker_process`]).
+//! loopback port and answers [`WorkerEvent::Listening`]; the launcher sends
+//! [`LauncherMessage::Addrs`] with every rank's address; the worker connects to every peer,
+//! answers [`WorkerEvent::Ready`] and then reports on stdout until [`WorkerEvent::Done`] or
+//! [`WorkerEvent::Failed`], with a [`WorkerEvent::Heartbeat`] every so often. When a step fails
+//! the worker says where it stopped ([`WorkerEvent::StepFailed`]) and waits: the launcher tells
+//! it to move to a new plan ([`LauncherMessage::Reconfigure`]), to roll back
+//! ([`LauncherMessage::Rollback`]) or to stop, and a new rendezvous at the new epoch follows. The
+//! launcher keeps the worker's stdin open for the whole run: its end of file means the launcher
+//! is gone, and the worker stops (see [`crate::worker_process`]).
 
 use std::path::PathBuf;
 
@@ -13,7 +17,7 @@ use lazarus_comm::CommError;
 use lazarus_model::{StepReport, TrainConfig};
 use lazarus_plan::ReplicaMap;
 use lazarus_runtime::bench::BenchResult;
-use lazarus_runtime::RuntimeError;
+use lazarus_runtime::{Reconfiguration, RuntimeError};
 use serde::{Deserialize, Serialize};
 
 /// What every worker process is sent on its stdin: its rank in the job, and the job.
@@ -36,12 +40,36 @@ pub struct TrainJob {
     pub static_ep: bool,
     /// Resume from the latest checkpoint in this directory.
     pub resume: Option<PathBuf>,
+    /// Seconds between heartbeats (0: none).
+    #[serde(default)]
+    pub heartbeat_s: f64,
 }
 
-/// Every rank's listening address, in rank order.
+/// What the launcher tells a worker after its spec.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Addrs {
-    pub addrs: Vec<String>,
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum LauncherMessage {
+    /// Every rank's listening address for the rendezvous of `epoch`, in rank order.
+    Addrs { epoch: u64, addrs: Vec<String> },
+    /// Move to a new plan without losing state: commit up to `commit_to`, rendezvous at the
+    /// epoch, fetch and send expert states, go on.
+    Reconfigure { commit_to: u64, to: Reconfiguration },
+    /// Reload the checkpoint of `to_step` (None: start afresh) under the new plan, rendezvous at
+    /// its epoch, go on.
+    Rollback { to_step: Option<u64>, to: Reconfiguration },
+    /// Stop now.
+    Stop { reason: String },
+}
+
+/// What moving to a new plan took on one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct MoveStats {
+    /// Seconds to rendezvous at the new epoch (bind, exchange addresses, connect).
+    pub rebuild_s: f64,
+    /// Seconds to send and receive the expert states.
+    pub transfer_s: f64,
+    /// Bytes of expert state this worker received.
+    pub bytes_received: u64,
 }
 
 /// Why a worker stopped, as it reports it.
@@ -99,12 +127,35 @@ impl std::fmt::Display for FailureKind {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum WorkerEvent {
+    /// Listening for the rendezvous of `epoch`.
     Listening {
         addr: String,
+        #[serde(default)]
+        epoch: u64,
     },
-    /// Connected to every peer and built its model.
+    /// Connected to every peer of `epoch` and ready to train (after a reconfiguration: the
+    /// transfers done, with what they took).
     Ready {
         pid: u32,
+        #[serde(default)]
+        epoch: u64,
+        #[serde(default)]
+        moved: Option<MoveStats>,
+    },
+    /// Alive (sent every so often, whatever the worker is doing).
+    Heartbeat,
+    /// A step failed at `epoch`: where this worker stopped. It waits for the launcher.
+    StepFailed {
+        epoch: u64,
+        steps_done: u64,
+        held: Option<u64>,
+        kind: FailureKind,
+        message: String,
+    },
+    /// Rank 0 wrote a checkpoint of `step`.
+    Checkpointed {
+        step: u64,
+        path: PathBuf,
     },
     /// A finished step (rank 0 only): the global report, its wall time and this rank's wire
     /// bytes. `dropped` counts step reports before this one that were not sent because the

@@ -1,16 +1,20 @@
 //! The launcher side of `lazarus train --workers N`: plan the job, start the workers, supervise
 //! them; what to show the user is the caller's (every [`Action`] is handed to it).
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use lazarus_model::Trainer;
+use lazarus_model::{StepReport, Trainer};
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
-use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
+use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode, Reconfiguration};
+use serde::Serialize;
 
+use crate::controller::{Command, Controller, Event, JobSpec, StopReport};
 use crate::error::ControlError;
-use crate::launcher::{check_comm_timeout, launch, supervise, Confinement};
-use crate::protocol::TrainJob;
-use crate::supervisor::{Action, Outcome, Supervisor};
+use crate::launcher::{check_comm_timeout, fresh_epoch, launch, supervise, Confinement};
+use crate::protocol::{LauncherMessage, MoveStats, TrainJob, WorkerEvent};
+use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
 
 /// Most worker processes of one local job.
 pub const MAX_WORKERS: usize = 64;
@@ -43,9 +47,17 @@ impl PlanSource {
     }
 }
 
-/// The replica map `world` workers train `trainer`'s model with. `trainer` is the launcher's copy
-/// of the job (fresh or resumed); profiling reads its next batches without moving its cursor.
-pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Result<ReplicaMap, ControlError> {
+/// The plan of a job: the replica map its workers run, and the placement it came from (what the
+/// controller re-plans from after a failure; none for static expert parallelism).
+#[derive(Debug, Clone)]
+pub struct JobPlan {
+    pub map: ReplicaMap,
+    pub placement: Option<ModelPlan>,
+}
+
+/// The plan `world` workers train `trainer`'s model with. `trainer` is the launcher's copy of the
+/// job (fresh or resumed); profiling reads its next batches without moving its cursor.
+pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Result<JobPlan, ControlError> {
     if world == 0 || world > MAX_WORKERS {
         return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
     }
@@ -53,7 +65,7 @@ pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Res
     validate_worker_config(&cfg, world)?;
     let (layers, experts) = (cfg.model.moe_layers(), cfg.model.n_experts);
     let plan = match source {
-        PlanSource::StaticEp => ReplicaMap::static_ep(0, layers, experts, world)?,
+        PlanSource::StaticEp => JobPlan { map: ReplicaMap::static_ep(0, layers, experts, world)?, placement: None },
         PlanSource::File(plan) => {
             if plan.shape().ranks() != world {
                 return Err(ControlError::invalid(
@@ -66,7 +78,7 @@ pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Res
                     ),
                 ));
             }
-            plan.replica_map()
+            JobPlan { map: plan.replica_map(), placement: Some(plan.clone()) }
         }
         PlanSource::Measured { profile_steps, slots_per_worker, max_imbalance } => {
             let steps_left = cfg.steps.saturating_sub(trainer.step);
@@ -85,27 +97,420 @@ pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Res
             }
             let shape = ClusterShape::new(world, 1, slots).map_err(|e| ControlError::invalid("--slots-per-worker", e.to_string()))?;
             let loads = trainer.measure_loads(*profile_steps)?;
-            plan_model(&loads, shape, &PlanPolicy::trainer(world, *max_imbalance), None)?.replica_map()
+            let plan = plan_model(&loads, shape, &PlanPolicy::trainer(world, *max_imbalance), None)?;
+            JobPlan { map: plan.replica_map(), placement: Some(plan) }
         }
     };
-    check_plan(&plan, layers, experts, world, source.dispatch_mode())?;
+    check_plan(&plan.map, layers, experts, world, source.dispatch_mode())?;
     Ok(plan)
 }
 
-/// Start `world` worker processes on `job` and supervise them to the end; every [`Action`] goes
-/// to `observe` as it happens (progress, readiness, failures). Collectives time out after
-/// `comm_timeout_s`.
+/// How failures are handled: found out by heartbeats within `lease`, then recovered from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Recovery {
+    /// A worker not heard from for this long is lost (and killed, if it is only hung).
+    pub lease: Duration,
+    /// How often workers say they are alive.
+    pub heartbeat: Duration,
+}
+
+impl Default for Recovery {
+    /// A 1 s lease, heartbeats every 200 ms: a hung worker is found out within a second.
+    fn default() -> Self {
+        Recovery { lease: Duration::from_millis(1000), heartbeat: Duration::from_millis(200) }
+    }
+}
+
+/// One reconfiguration, as the `--json-log` records it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReconfigurationRecord {
+    pub event: &'static str,
+    /// The job's epoch after it: 1 after the first reconfiguration, 2 after the second, …
+    pub epoch: u64,
+    /// `reconfigure` (no state lost) or `rollback` (to the last checkpoint, or the start).
+    pub cause: String,
+    /// The workers lost (their original ranks).
+    pub lost: Vec<u64>,
+    /// The step training went on from (steps committed).
+    pub step: u64,
+    /// From the first sign of the failure until every survivor said where it stopped.
+    pub detect_s: f64,
+    /// Computing the new plan, the node mapping and the transfers.
+    pub plan_s: f64,
+    /// The slowest worker's state transfers.
+    pub transfer_s: f64,
+    pub transfer_bytes: u64,
+    /// The slowest worker's rendezvous at the new epoch (the transport rebuilt).
+    pub rebuild_s: f64,
+    /// From the first sign of the failure to the next completed step.
+    pub recovery_s: f64,
+    /// Workers after it.
+    pub workers: usize,
+}
+
+/// What a training job shows its user, as it happens.
+#[derive(Debug, Clone)]
+pub enum TrainEvent {
+    Ready {
+        rank: usize,
+        pid: u32,
+    },
+    /// Every worker is ready: training runs.
+    Started,
+    Step {
+        report: StepReport,
+        seconds: f64,
+        dropped: u64,
+    },
+    /// A worker is lost (its original rank).
+    Lost {
+        worker: usize,
+        why: String,
+    },
+    Checkpointed {
+        step: u64,
+        path: PathBuf,
+    },
+    /// Training went on after a failure.
+    Reconfigured(ReconfigurationRecord),
+}
+
+/// How a training job ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainOutcome {
+    Completed {
+        checkpoint: Option<PathBuf>,
+    },
+    /// The job could not go on: why, and how each worker ended (original ranks).
+    Failed {
+        reason: String,
+        workers: Vec<String>,
+    },
+}
+
+/// Start `world` worker processes on `job` and run them to the end; every [`TrainEvent`] goes
+/// to `observe` as it happens. With `recovery` (and a plan the controller can re-plan: one
+/// worker per node), a lost worker does not end the run: the controller moves the survivors
+/// to a new plan (or rolls them back to the last checkpoint) and training goes on. Without it,
+/// the first failure ends the run. Collectives time out after `comm_timeout_s`.
 pub fn run_training(
+    job: &TrainJob,
+    plan: Option<&ModelPlan>,
+    world: usize,
+    comm_timeout_s: f64,
+    recovery: Option<Recovery>,
+    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
+) -> Result<TrainOutcome, ControlError> {
+    let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
+    let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
+    let recoverable = match (plan, recovery) {
+        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == 1 && p.shape().ranks() == world => Some((p, r)),
+        _ => None,
+    };
+    let Some((plan, recovery)) = recoverable else {
+        return run_without_recovery(job, world, comm_timeout_s, start_within, observe);
+    };
+    let mut job = job.clone();
+    job.heartbeat_s = recovery.heartbeat.as_secs_f64();
+    let epoch = fresh_epoch();
+    let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
+    let cfg = &job.config;
+    let spec = JobSpec {
+        layers: cfg.model.moe_layers(),
+        experts: cfg.model.n_experts,
+        slots_per_node: plan.shape().slots_per_node(),
+        policy: PlanPolicy::trainer(world, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
+        expert_bytes: (cfg.model.expert_params() * 12) as u64,
+        lease: recovery.lease,
+    };
+    let begun = Instant::now();
+    let first_epoch = epoch;
+    let mut ctl = Controller::new(spec, plan.clone().with_epoch(epoch), (0..world as u64).collect(), begun);
+    let mut shell =
+        Shell { started: false, done: BTreeMap::new(), recovering: None, first_error: None, ranks: (0..world as u64).collect() };
+    let result = (|| loop {
+        let now = Instant::now();
+        if !shell.started && now >= begun + start_within {
+            return Ok(TrainOutcome::Failed {
+                reason: format!("the workers did not all start within {} s", start_within.as_secs()),
+                workers: vec![],
+            });
+        }
+        let mut wait = ctl.deadline().map_or(Duration::from_secs(1), |d| d.saturating_duration_since(now)).min(Duration::from_secs(1));
+        if wait.is_zero() {
+            wait = Duration::from_millis(1);
+        }
+        let event = match processes.next_event(wait) {
+            None => Event::Tick,
+            Some((rank, None)) => {
+                let status = processes.exit_status(rank);
+                if shell.done.contains_key(&rank) {
+                    continue;
+                }
+                observe(TrainEvent::Lost { worker: rank, why: format!("died ({status})") })?;
+                shell.failure_seen();
+                Event::Exited { node: rank as u64, status }
+            }
+            Some((rank, Some(ev))) => match shell.translate(rank, ev, &ctl, &mut observe)? {
+                Some(e) => e,
+                None => {
+                    if let Some(out) = shell.finished(&ctl) {
+                        return Ok(out);
+                    }
+                    continue;
+                }
+            },
+        };
+        let decided = Instant::now();
+        let commands = ctl.decide(decided, event);
+        let plan_s = decided.elapsed().as_secs_f64();
+        for command in commands {
+            match command {
+                Command::Kill { node, reason } => {
+                    processes.kill(node as usize);
+                    observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
+                    shell.failure_seen();
+                }
+                Command::Addresses { epoch, addrs } => {
+                    let line = serde_json::to_string(&LauncherMessage::Addrs { epoch, addrs })?;
+                    for &node in ctl.ranks() {
+                        let _ = processes.write_line(node as usize, &line);
+                    }
+                }
+                Command::Resume { epoch } => {
+                    if epoch == first_epoch {
+                        shell.started = true;
+                        observe(TrainEvent::Started)?;
+                    } else if let Some(r) = &mut shell.recovering {
+                        r.resumed = true;
+                    }
+                }
+                Command::Reconfigure(m) => {
+                    shell.begin_move(&m, "reconfigure", plan_s, first_epoch);
+                    for (rank, &node) in m.ranks.iter().enumerate() {
+                        let to = Reconfiguration {
+                            epoch: m.epoch,
+                            rank,
+                            world: m.ranks.len(),
+                            plan: m.plan.clone(),
+                            transfers: m.transfers.clone(),
+                        };
+                        let line = serde_json::to_string(&LauncherMessage::Reconfigure { commit_to: m.commit_to, to })?;
+                        let _ = processes.write_line(node as usize, &line);
+                    }
+                }
+                Command::Rollback { to: m, to_step } => {
+                    shell.begin_move(&m, "rollback", plan_s, first_epoch);
+                    if let Some(r) = &mut shell.recovering {
+                        r.step = to_step.unwrap_or(0);
+                    }
+                    for (rank, &node) in m.ranks.iter().enumerate() {
+                        let to =
+                            Reconfiguration { epoch: m.epoch, rank, world: m.ranks.len(), plan: m.plan.clone(), transfers: Vec::new() };
+                        let line = serde_json::to_string(&LauncherMessage::Rollback { to_step, to })?;
+                        let _ = processes.write_line(node as usize, &line);
+                    }
+                }
+                Command::Stop { reason } => {
+                    let reason = match &shell.first_error {
+                        Some(first) => format!("{reason} (first failure: {first})"),
+                        None => reason,
+                    };
+                    let workers: Vec<String> = (0..world)
+                        .map(|r| if ctl.alive().contains(&(r as u64)) { format!("{r}: alive") } else { format!("{r}: lost") })
+                        .collect();
+                    return Ok(TrainOutcome::Failed { reason, workers });
+                }
+            }
+        }
+    })();
+    match &result {
+        Ok(TrainOutcome::Completed { .. }) => processes.reap(),
+        _ => {
+            processes.kill_all();
+            processes.reap();
+        }
+    }
+    result
+}
+
+/// A reconfiguration in progress, for its record.
+struct Recovering {
+    started: Instant,
+    cause: &'static str,
+    epoch: u64,
+    lost: Vec<u64>,
+    step: u64,
+    detect_s: f64,
+    plan_s: f64,
+    moved: Vec<MoveStats>,
+    resumed: bool,
+    workers: usize,
+}
+
+/// The launcher's side of the bookkeeping the controller does not do: what to show, and when
+/// every worker is done.
+struct Shell {
+    started: bool,
+    /// Workers that finished, with rank 0's checkpoint.
+    done: BTreeMap<usize, Option<PathBuf>>,
+    recovering: Option<Recovering>,
+    first_error: Option<String>,
+    /// The node of each rank of the current epoch.
+    ranks: Vec<u64>,
+}
+
+impl Shell {
+    /// The first sign of a failure starts the clock of its record.
+    fn failure_seen(&mut self) {
+        if self.recovering.is_none() {
+            self.recovering = Some(Recovering {
+                started: Instant::now(),
+                cause: "",
+                epoch: 0,
+                lost: Vec::new(),
+                step: 0,
+                detect_s: 0.0,
+                plan_s: 0.0,
+                moved: Vec::new(),
+                resumed: false,
+                workers: 0,
+            });
+        }
+    }
+
+    fn begin_move(&mut self, m: &crate::controller::Move, cause: &'static str, plan_s: f64, first_epoch: u64) {
+        self.failure_seen();
+        if let Some(r) = &mut self.recovering {
+            r.cause = cause;
+            r.epoch = m.epoch - first_epoch;
+            r.step = m.commit_to;
+            r.detect_s = r.started.elapsed().as_secs_f64() - plan_s;
+            r.plan_s = plan_s;
+            r.workers = m.ranks.len();
+            r.lost = self.ranks.iter().copied().filter(|n| !m.ranks.contains(n)).collect();
+            r.moved.clear();
+            r.resumed = false;
+        }
+        self.ranks = m.ranks.clone();
+    }
+
+    /// A worker's report as the controller's event (None: nothing for the controller).
+    fn translate(
+        &mut self,
+        rank: usize,
+        ev: WorkerEvent,
+        ctl: &Controller,
+        observe: &mut impl FnMut(TrainEvent) -> Result<(), ControlError>,
+    ) -> Result<Option<Event>, ControlError> {
+        let node = rank as u64;
+        Ok(Some(match ev {
+            WorkerEvent::Listening { addr, epoch } => Event::Listening { node, epoch, addr },
+            WorkerEvent::Ready { pid, epoch, moved } => {
+                if moved.is_none() {
+                    observe(TrainEvent::Ready { rank, pid })?;
+                }
+                if let (Some(r), Some(m)) = (&mut self.recovering, moved) {
+                    r.moved.push(m);
+                }
+                Event::Ready { node, epoch }
+            }
+            WorkerEvent::Heartbeat => Event::Heartbeat { node },
+            WorkerEvent::Step { report, seconds, dropped, .. } => {
+                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone() };
+                if let Some(r) = self.recovering.take_if(|r| r.resumed) {
+                    let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
+                    observe(TrainEvent::Reconfigured(ReconfigurationRecord {
+                        event: "reconfiguration",
+                        epoch: r.epoch,
+                        cause: r.cause.into(),
+                        lost: r.lost.clone(),
+                        step: r.step,
+                        detect_s: r.detect_s,
+                        plan_s: r.plan_s,
+                        transfer_s: max(|m| m.transfer_s),
+                        transfer_bytes: r.moved.iter().map(|m| m.bytes_received).sum(),
+                        rebuild_s: max(|m| m.rebuild_s),
+                        recovery_s: r.started.elapsed().as_secs_f64(),
+                        workers: r.workers,
+                    }))?;
+                }
+                observe(TrainEvent::Step { report, seconds, dropped })?;
+                event
+            }
+            WorkerEvent::StepFailed { epoch, steps_done, held, message, .. } => {
+                self.failure_seen();
+                self.first_error.get_or_insert(format!("worker {rank}: {message}"));
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held } }
+            }
+            WorkerEvent::Checkpointed { step, path } => {
+                observe(TrainEvent::Checkpointed { step, path })?;
+                Event::Checkpointed { step }
+            }
+            WorkerEvent::Done { checkpoint } => {
+                self.done.insert(rank, checkpoint);
+                return Ok(None);
+            }
+            WorkerEvent::Failed { kind, message } => {
+                self.first_error.get_or_insert(format!("worker {rank}: {kind}: {message}"));
+                observe(TrainEvent::Lost { worker: rank, why: format!("{kind}: {message}") })?;
+                self.failure_seen();
+                self.done.remove(&rank);
+                Event::Exited { node, status: format!("{kind}: {message}") }
+            }
+            WorkerEvent::BenchResults { .. } => return Ok(None),
+        }))
+    }
+
+    /// Every live worker done: the job is.
+    fn finished(&self, ctl: &Controller) -> Option<TrainOutcome> {
+        if ctl.ranks().iter().all(|n| self.done.contains_key(&(*n as usize))) {
+            let rank0 = ctl.ranks().first().map(|&n| n as usize);
+            let checkpoint = rank0.and_then(|r| self.done.get(&r).cloned()).flatten();
+            return Some(TrainOutcome::Completed { checkpoint });
+        }
+        None
+    }
+}
+
+/// The first failure ends the run (static expert parallelism, or recovery off).
+fn run_without_recovery(
     job: &TrainJob,
     world: usize,
     comm_timeout_s: f64,
-    observe: impl FnMut(&Action) -> Result<(), ControlError>,
-) -> Result<Outcome, ControlError> {
-    let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
-    let mut processes = launch("worker", world, comm_timeout_s, job, Confinement::Shared)?;
-    let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
+    start_within: Duration,
+    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
+) -> Result<TrainOutcome, ControlError> {
+    let mut processes = launch("worker", world, comm_timeout_s, job, Confinement::Shared, fresh_epoch())?;
     // Survivors get the collective deadline plus a margin to notice a failure on their own.
     let grace = Duration::from_secs_f64(comm_timeout_s + 5.0);
     let mut supervisor = Supervisor::new(world, Instant::now(), start_within, grace);
-    supervise(&mut processes, &mut supervisor, observe)
+    let outcome = supervise(&mut processes, &mut supervisor, |action| match action {
+        Action::Ready { rank, pid } => observe(TrainEvent::Ready { rank: *rank, pid: *pid }),
+        Action::Started => observe(TrainEvent::Started),
+        Action::Step { report, seconds, dropped, .. } => {
+            observe(TrainEvent::Step { report: report.clone(), seconds: *seconds, dropped: *dropped })
+        }
+        Action::RankStopped { rank, end, after } => {
+            let since = after.map(|t| format!(" ({} ms after the first failure)", t.as_millis())).unwrap_or_default();
+            let why = match end {
+                RankEnd::Failed { kind, message } => format!("stopped: {kind}: {message}{since}"),
+                RankEnd::Died { status } => format!("died ({status}){since}"),
+                other => format!("{}{since}", other.short()),
+            };
+            observe(TrainEvent::Lost { worker: *rank, why })
+        }
+        Action::SendAddresses(_) | Action::Finish(_) => Ok(()),
+    })?;
+    Ok(match outcome {
+        Outcome::Completed { checkpoint, .. } => TrainOutcome::Completed { checkpoint },
+        Outcome::Failed { first: (rank, end), ranks } => TrainOutcome::Failed {
+            reason: end.describe(rank),
+            workers: ranks.iter().enumerate().map(|(r, e)| format!("{r}: {}", e.short())).collect(),
+        },
+        Outcome::StartTimeout { ready, world, waited } => TrainOutcome::Failed {
+            reason: format!("workers did not all start: {ready} of {world} ready after {} s", waited.as_secs()),
+            workers: vec![],
+        },
+    })
 }

@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
 
 use crate::error::ControlError;
-use crate::protocol::{Addrs, FailureKind, TrainJob, WorkerEvent, WorkerSpec};
+use crate::protocol::{FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
 
 /// Reports queued while the launcher is not reading: 64 Ki (a few MB of step reports, hours of
 /// fast steps) before step reports are dropped.
@@ -29,10 +29,11 @@ const QUEUE: usize = 1 << 16;
 /// Longest line the launcher may send (a spec holds the whole training configuration).
 const MAX_LINE: u64 = 64 << 20;
 
-/// Reports to the launcher, never blocking a step on a slow reader.
+/// Reports to the launcher, never blocking a step on a slow reader. Shared by the training
+/// thread and the heartbeat thread.
 pub struct EventSink {
-    tx: Option<Sender<WorkerEvent>>,
-    writer: Option<JoinHandle<()>>,
+    tx: Mutex<Option<Sender<WorkerEvent>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
     /// Reports queued and not yet written (the writer counts them down).
     queued: Arc<AtomicUsize>,
     /// Step reports dropped since the last one that went out.
@@ -59,12 +60,12 @@ impl EventSink {
                 }
             })
             .ok();
-        EventSink { tx: Some(tx), writer, queued, dropped: Mutex::new(0) }
+        EventSink { tx: Mutex::new(Some(tx)), writer: Mutex::new(writer), queued, dropped: Mutex::new(0) }
     }
 
-    /// A report that must arrive (a handful per run: listening, ready, done or failed).
+    /// A report that must arrive (listening, ready, heartbeats, a failed step, done).
     pub fn send(&self, ev: WorkerEvent) {
-        if let Some(tx) = &self.tx {
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             self.queued.fetch_add(1, Ordering::Relaxed);
             let _ = tx.send(ev);
         }
@@ -72,7 +73,8 @@ impl EventSink {
 
     /// A step report: dropped, and counted in the next one, when [`QUEUE`] reports wait unread.
     pub fn step(&self, report: lazarus_model::StepReport, seconds: f64, wire_bytes: u64) {
-        let Some(tx) = &self.tx else { return };
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(tx) = tx.as_ref() else { return };
         let mut dropped = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
         if self.queued.load(Ordering::Relaxed) >= QUEUE {
             *dropped += 1;
@@ -84,10 +86,10 @@ impl EventSink {
         }
     }
 
-    /// Let everything queued go out (waits for the writer).
-    pub fn finish(mut self) {
-        self.tx = None;
-        if let Some(w) = self.writer.take() {
+    /// Let everything queued go out (waits for the writer); nothing is sent after.
+    pub fn finish(&self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(w) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = w.join();
         }
     }
@@ -102,41 +104,86 @@ fn read_line<T: DeserializeOwned>(input: &mut impl BufRead, what: &str) -> Resul
     serde_json::from_str(line.trim()).map_err(|e| ControlError::invalid("worker spec", format!("bad {what} from the launcher: {e}")))
 }
 
-/// The child side of a launch: read the spec, listen, tell the launcher, learn every rank's
-/// address, connect to all of them; from then on, stdin closing means the launcher is gone and
-/// this process exits.
-fn join<J: DeserializeOwned>(sink: &EventSink) -> Result<(WorkerSpec<J>, TcpTransport), ControlError> {
-    let mut stdin = BufReader::new(std::io::stdin());
-    let spec: WorkerSpec<J> = read_line(&mut stdin, "worker spec")?;
-    if spec.rank >= spec.world || !spec.timeout_s.is_finite() || spec.timeout_s <= 0.0 || spec.timeout_s > 1e6 {
-        return Err(ControlError::invalid("worker spec", format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s)));
+/// What the launcher says after the spec, read on a thread of its own: stdin closing means the
+/// launcher is gone, and this process exits at once.
+struct Inbox {
+    rx: Receiver<LauncherMessage>,
+}
+
+impl Inbox {
+    fn start(mut stdin: BufReader<std::io::Stdin>, rank: usize) -> Result<Self, ControlError> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("lazarus-launcher-watch".into())
+            .spawn(move || loop {
+                match read_line::<LauncherMessage>(&mut stdin, "launcher message") {
+                    Ok(m) => {
+                        if tx.send(m).is_err() {
+                            return;
+                        }
+                    }
+                    Err(ControlError::Launch(_)) => {
+                        tracing::error!("worker {rank}: the launcher is gone (its pipe closed); stopping");
+                        std::process::exit(3);
+                    }
+                    Err(e) => tracing::warn!("worker {rank}: {e}"),
+                }
+            })
+            .map_err(|e| ControlError::io("starting the launcher watch", e))?;
+        Ok(Inbox { rx })
     }
+
+    /// The next message, waiting at most `timeout`.
+    fn next(&self, timeout: Duration) -> Result<LauncherMessage, ControlError> {
+        self.rx.recv_timeout(timeout).map_err(|_| ControlError::Launch(format!("no word from the launcher within {} s", timeout.as_secs())))
+    }
+}
+
+/// Bind, say where, wait for every rank's address at `epoch`, connect to all of them.
+fn rendezvous(
+    sink: &EventSink,
+    inbox: &Inbox,
+    rank: usize,
+    world: usize,
+    epoch: u64,
+    timeout: Duration,
+) -> Result<TcpTransport, ControlError> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| ControlError::io("binding a loopback port", e))?;
     let addr = listener.local_addr().map_err(|e| ControlError::io("reading the bound address", e))?;
-    sink.send(WorkerEvent::Listening { addr: addr.to_string() });
-    let addrs: Addrs = read_line(&mut stdin, "address list")?;
-    if addrs.addrs.len() != spec.world {
-        return Err(ControlError::invalid("address list", format!("{} addresses for a world of {}", addrs.addrs.len(), spec.world)));
+    sink.send(WorkerEvent::Listening { addr: addr.to_string(), epoch });
+    let addrs = loop {
+        match inbox.next(timeout + Duration::from_secs(60))? {
+            LauncherMessage::Addrs { epoch: e, addrs } if e == epoch => break addrs,
+            LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
+            LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
+            other => return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}"))),
+        }
+    };
+    if addrs.len() != world {
+        return Err(ControlError::invalid("address list", format!("{} addresses for a world of {world}", addrs.len())));
     }
     let addrs: Vec<SocketAddr> = addrs
-        .addrs
         .iter()
         .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
         .collect::<Result<_, _>>()?;
-    let rank = spec.rank;
-    std::thread::Builder::new()
-        .name("lazarus-launcher-watch".into())
-        .spawn(move || {
-            let mut rest = Vec::new();
-            let _ = stdin.read_to_end(&mut rest);
-            tracing::error!("worker {rank}: the launcher is gone (its pipe closed); stopping");
-            std::process::exit(3);
-        })
-        .map_err(|e| ControlError::io("starting the launcher watch", e))?;
-    let timeout = Duration::from_secs_f64(spec.timeout_s);
-    let t = TcpTransport::connect(listener, Rendezvous { rank: spec.rank, addrs, epoch: spec.epoch, timeout })
-        .map_err(|e| ControlError::Runtime(e.into()))?;
-    Ok((spec, t))
+    TcpTransport::connect(listener, Rendezvous { rank, addrs, epoch, timeout }).map_err(|e| ControlError::Runtime(e.into()))
+}
+
+/// The child side of a launch: read the spec, start listening to the launcher, rendezvous at the
+/// spec's epoch.
+fn join<J: DeserializeOwned>(
+    sink: &EventSink,
+    on_spec: impl FnOnce(&WorkerSpec<J>),
+) -> Result<(WorkerSpec<J>, Inbox, TcpTransport), ControlError> {
+    let mut stdin = BufReader::new(std::io::stdin());
+    let spec: WorkerSpec<J> = read_line(&mut stdin, "worker spec")?;
+    on_spec(&spec);
+    if spec.rank >= spec.world || !spec.timeout_s.is_finite() || spec.timeout_s <= 0.0 || spec.timeout_s > 1e6 {
+        return Err(ControlError::invalid("worker spec", format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s)));
+    }
+    let inbox = Inbox::start(stdin, spec.rank)?;
+    let t = rendezvous(sink, &inbox, spec.rank, spec.world, spec.epoch, Duration::from_secs_f64(spec.timeout_s))?;
+    Ok((spec, inbox, t))
 }
 
 /// The kind of failure a worker reports for `e`.
@@ -148,8 +195,14 @@ fn failure_kind(e: &ControlError) -> FailureKind {
     }
 }
 
+/// Whether a failed step can be recovered from: its cause is another rank (lost, late or out of
+/// step), not this one.
+fn recoverable(e: &lazarus_runtime::RuntimeError) -> bool {
+    matches!(FailureKind::of_runtime(e), FailureKind::PeerLost | FailureKind::Timeout | FailureKind::Comm)
+}
+
 /// Report how the worker ended and return its exit code (0: done).
-fn finish(sink: EventSink, result: Result<WorkerEvent, ControlError>) -> i32 {
+fn finish(sink: &EventSink, result: Result<WorkerEvent, ControlError>) -> i32 {
     let code = match result {
         Ok(ev) => {
             sink.send(ev);
@@ -167,50 +220,150 @@ fn finish(sink: EventSink, result: Result<WorkerEvent, ControlError>) -> i32 {
 /// The hidden `lazarus worker` subcommand: one rank of `train --workers N`. Returns the exit
 /// code; its errors go to the launcher as a `failed` report.
 pub fn run_train_worker() -> i32 {
-    let sink = EventSink::start();
+    let sink = Arc::new(EventSink::start());
     let result = train_worker(&sink).map(|checkpoint| WorkerEvent::Done { checkpoint });
-    finish(sink, result)
+    finish(&sink, result)
 }
 
-fn train_worker(sink: &EventSink) -> Result<Option<PathBuf>, ControlError> {
-    let (spec, mut t): (WorkerSpec<TrainJob>, _) = join(sink)?;
+/// Heartbeats to the launcher every `every`, from a thread of their own: a worker stopped or
+/// hung (SIGSTOP) falls silent and is found out within its lease.
+fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
+    let sink = sink.clone();
+    let _ = std::thread::Builder::new().name("lazarus-heartbeat".into()).spawn(move || loop {
+        std::thread::sleep(every);
+        sink.send(WorkerEvent::Heartbeat);
+    });
+}
+
+fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> {
+    // Heartbeats from the moment the spec is read: building the model can take seconds.
+    let (spec, inbox, t): (WorkerSpec<TrainJob>, _, _) = join(sink, |spec: &WorkerSpec<TrainJob>| {
+        let h = spec.job.heartbeat_s;
+        if h > 0.0 && h.is_finite() {
+            start_heartbeats(sink, Duration::from_secs_f64(h.max(0.01)));
+        }
+    })?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
-    let mut group = Group::world(spec.world);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
-    let options = WorkerOptions { plan: job.plan, mode, timeout };
-    let mut worker = Worker::new(job.config.clone(), options, spec.rank, spec.world, job.resume.as_deref())?;
-    sink.send(WorkerEvent::Ready { pid: std::process::id() });
-    let cfg = job.config;
+    let mut worker = Worker::new(
+        job.config.clone(),
+        WorkerOptions { plan: job.plan.clone(), mode, timeout },
+        spec.rank,
+        spec.world,
+        job.resume.as_deref(),
+    )?;
+    let mut t = t;
+    let mut epoch = spec.epoch;
+    let mut group = Group::world(spec.world);
+    sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
+    let cfg = job.config.clone();
+    loop {
+        let outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink);
+        let e = match outcome {
+            Ok(saved) => {
+                t.shutdown();
+                return Ok(saved);
+            }
+            Err(e) => e,
+        };
+        if !recoverable(&e) || job.static_ep {
+            return Err(e.into());
+        }
+        sink.send(WorkerEvent::StepFailed {
+            epoch,
+            steps_done: worker.steps_done(),
+            held: worker.held_step(),
+            kind: FailureKind::of_runtime(&e),
+            message: e.to_string(),
+        });
+        t.abort_connections();
+        // Wait for the launcher's decision.
+        let (to, rollback) = loop {
+            match inbox.next(Duration::from_secs(3600))? {
+                LauncherMessage::Reconfigure { commit_to, to } => {
+                    if worker.steps_done() < commit_to {
+                        worker.commit_held()?;
+                    } else {
+                        worker.drop_held();
+                    }
+                    if worker.steps_done() != commit_to {
+                        return Err(ControlError::invalid(
+                            "reconfiguration",
+                            format!("commit to step {commit_to}, this worker is at {}", worker.steps_done()),
+                        ));
+                    }
+                    break (to, None);
+                }
+                LauncherMessage::Rollback { to_step, to } => break (to, Some(to_step)),
+                LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
+                LauncherMessage::Addrs { .. } => continue, // a rendezvous that was given up
+            }
+        };
+        let started = Instant::now();
+        if let Some(to_step) = rollback {
+            let resume = to_step.and(cfg.checkpoint_dir.clone());
+            let options = WorkerOptions { plan: to.plan.clone(), mode, timeout };
+            worker = Worker::new(cfg.clone(), options, to.rank, to.world, resume.as_deref())?;
+        }
+        t = rendezvous(sink, &inbox, to.rank, to.world, to.epoch, timeout)?;
+        group = Group::world(to.world);
+        let rebuilt = Instant::now();
+        let moved = if rollback.is_none() { worker.reconfigure(&to, &mut t, &mut group)? } else { Default::default() };
+        epoch = to.epoch;
+        let stats = MoveStats {
+            rebuild_s: (rebuilt - started).as_secs_f64(),
+            transfer_s: rebuilt.elapsed().as_secs_f64(),
+            bytes_received: moved.bytes_received,
+        };
+        sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: Some(stats) });
+    }
+}
+
+/// Steps until the run is done, reporting each (rank 0) and writing checkpoints as configured;
+/// the final checkpoint too. Returns its path (rank 0).
+fn train_until_done(
+    worker: &mut Worker,
+    t: &mut TcpTransport,
+    group: &mut Group,
+    cfg: &lazarus_model::TrainConfig,
+    sink: &EventSink,
+) -> Result<Option<PathBuf>, lazarus_runtime::RuntimeError> {
     while !worker.done() {
         let t0 = Instant::now();
-        let r = worker.step(&mut t, &mut group)?;
-        if spec.rank == 0 {
+        let r = worker.step(t, group)?;
+        if worker.rank() == 0 {
             sink.step(r.report.clone(), t0.elapsed().as_secs_f64(), r.wire_bytes);
         }
         if let Some(dir) = &cfg.checkpoint_dir {
             if cfg.checkpoint_every > 0 && r.report.step.is_multiple_of(cfg.checkpoint_every) && !worker.done() {
-                worker.save_checkpoint(&mut t, &mut group, dir)?;
+                if let Some(path) = worker.save_checkpoint(t, group, dir)? {
+                    sink.send(WorkerEvent::Checkpointed { step: r.report.step, path });
+                }
             }
         }
     }
-    let saved = match &cfg.checkpoint_dir {
-        Some(dir) => worker.save_checkpoint(&mut t, &mut group, dir)?,
-        None => None,
-    };
-    t.shutdown();
-    Ok(saved)
+    match &cfg.checkpoint_dir {
+        Some(dir) => {
+            let saved = worker.save_checkpoint(t, group, dir)?;
+            if let Some(path) = &saved {
+                sink.send(WorkerEvent::Checkpointed { step: worker.steps_done(), path: path.clone() });
+            }
+            Ok(saved)
+        }
+        None => Ok(None),
+    }
 }
 
 /// The hidden `lazarus bench-worker` subcommand: one rank of `bench moe-layer`.
 pub fn run_bench_worker() -> i32 {
     let sink = EventSink::start();
     let result = (|| {
-        let (spec, mut t): (WorkerSpec<MoeLayerBenchSpec>, _) = join(&sink)?;
-        sink.send(WorkerEvent::Ready { pid: std::process::id() });
+        let (spec, _inbox, mut t): (WorkerSpec<MoeLayerBenchSpec>, _, _) = join(&sink, |_| {})?;
+        sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch: spec.epoch, moved: None });
         let results = run_moe_layer_bench(&mut t, &mut Group::world(spec.world), &spec.job)?;
         t.shutdown();
         Ok(if spec.rank == 0 { WorkerEvent::BenchResults { results } } else { WorkerEvent::Done { checkpoint: None } })
     })();
-    finish(sink, result)
+    finish(&sink, result)
 }

@@ -111,6 +111,25 @@ pub struct TrainArgs {
     /// With --workers: deadline of every collective, in seconds (default 30).
     #[arg(long)]
     pub comm_timeout: Option<f64>,
+    /// With --workers: recover from lost workers and go on training (default on; off: the
+    /// first failure ends the run).
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub recovery: Option<bool>,
+    /// With --workers: a worker not heard from for this many seconds is lost (and killed if it
+    /// only hangs); default 1.
+    #[arg(long, value_name = "SECONDS")]
+    pub lease: Option<f64>,
+    /// With --workers: seconds between a worker's heartbeats (default 0.2, below the lease).
+    #[arg(long, value_name = "SECONDS")]
+    pub heartbeat: Option<f64>,
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("{other:?} (expected on or off)")),
+    }
 }
 
 /// Default deadline of every collective of `train --workers`, seconds.
@@ -131,7 +150,10 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 7] = [
+        let given: [(&'static str, bool); 10] = [
+            ("--recovery", self.recovery.is_some()),
+            ("--lease", self.lease.is_some()),
+            ("--heartbeat", self.heartbeat.is_some()),
             ("--placement-file", self.placement_file.is_some()),
             ("--slots-per-worker", self.slots_per_worker.is_some()),
             ("--max-imbalance", self.max_imbalance.is_some()),

@@ -143,6 +143,18 @@ impl Reporter {
         Ok(())
     }
 
+    /// One more JSON object in the `--json-log`, beside the step lines (a reconfiguration).
+    pub fn record(&mut self, value: &impl Serialize) -> Result<()> {
+        if let Some((path, w)) = self.log.as_mut() {
+            serde_json::to_writer(&mut *w, value)
+                .map_err(std::io::Error::from)
+                .and_then(|_| w.write_all(b"\n"))
+                .and_then(|_| w.flush())
+                .with_context(|| format!("--json-log: cannot write to {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     /// Measure throughput from now (the workers are ready: start-up is not training).
     pub fn restart_clock(&mut self) {
         self.start = Instant::now();

@@ -3,7 +3,7 @@
 //! bar, `--json-log` lines and summary, plus what each worker did.
 
 use anyhow::{bail, Context, Result};
-use lazarus_control::{plan_job, run_training, Action, ControlError, Outcome, PlanSource, RankEnd, TrainJob};
+use lazarus_control::{plan_job, run_training, ControlError, PlanSource, Recovery, TrainEvent, TrainJob, TrainOutcome};
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
@@ -65,7 +65,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let source = plan_source(args, cfg.steps - trainer.step)?;
     let plan = plan_job(&mut trainer, world, &source)?;
     print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
-    for (l, layer) in plan.layers().iter().enumerate() {
+    for (l, layer) in plan.map.layers().iter().enumerate() {
         let per_worker: Vec<String> = (0..world)
             .map(|r| {
                 let held: Vec<String> = layer
@@ -79,38 +79,63 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             .collect();
         tracing::info!("placement L{l}: {}", per_worker.join(" "));
     }
+    let recovery = recovery(args)?;
+    if recovery.is_some() && (args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node > 1)) {
+        tracing::info!(
+            "recovery: off ({})",
+            if args.static_ep {
+                "static expert parallelism restarts on failures, as DeepSpeed-MoE does"
+            } else {
+                "plans with several GPUs per node are not re-planned yet"
+            }
+        );
+    }
     // The log file is opened (and checked) before any worker starts.
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
-    let job = TrainJob { config: cfg.clone(), plan, static_ep: args.static_ep, resume };
+    let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0 };
     let mut report_error: Option<anyhow::Error> = None;
-    let outcome = run_training(&job, world, comm_timeout, |action| {
-        let shown = match action {
-            Action::Ready { rank, pid } => {
+    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, |event| {
+        let shown = match event {
+            TrainEvent::Ready { rank, pid } => {
                 tracing::info!("worker {rank}: pid {pid} ready");
                 Ok(())
             }
-            Action::Started => {
+            TrainEvent::Started => {
                 reporter.restart_clock();
                 Ok(())
             }
-            Action::Step { report, seconds, dropped, .. } => {
-                if *dropped > 0 {
+            TrainEvent::Step { report, seconds, dropped } => {
+                if dropped > 0 {
                     reporter.pause();
                     tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
                 }
-                reporter.step(report, *seconds)
+                reporter.step(&report, seconds)
             }
-            Action::RankStopped { rank, end, after } => {
+            TrainEvent::Lost { worker, why } => {
                 reporter.pause();
-                let since = after.map(|t| format!(" ({} ms after the first failure)", t.as_millis())).unwrap_or_default();
-                match end {
-                    RankEnd::Failed { kind, message } => tracing::warn!("worker {rank}: stopped: {kind}: {message}{since}"),
-                    RankEnd::Died { status } => tracing::warn!("worker {rank}: died ({status}){since}"),
-                    _ => {}
-                }
+                tracing::warn!("worker {worker}: {why}");
                 Ok(())
             }
-            Action::SendAddresses(_) | Action::Finish(_) => Ok(()),
+            TrainEvent::Checkpointed { .. } => Ok(()),
+            TrainEvent::Reconfigured(r) => {
+                reporter.pause();
+                let lost: Vec<String> = r.lost.iter().map(|w| w.to_string()).collect();
+                tracing::info!(
+                    "{}: epoch {}, worker(s) {} lost, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
+                    if r.cause == "rollback" { "rolled back" } else { "reconfigured" },
+                    r.epoch,
+                    lost.join(","),
+                    r.workers,
+                    r.step,
+                    r.detect_s,
+                    r.plan_s,
+                    r.rebuild_s,
+                    r.transfer_s,
+                    r.transfer_bytes as f64 / 1e6,
+                    r.recovery_s
+                );
+                reporter.record(&r)
+            }
         };
         shown.map_err(|e| {
             let message = format!("{e:#}");
@@ -122,13 +147,35 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         return Err(e);
     }
     match outcome? {
-        Outcome::Completed { checkpoint, .. } => reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref()),
-        Outcome::Failed { first: (rank, end), ranks } => {
-            let stopped: Vec<String> = ranks.iter().enumerate().map(|(r, e)| format!("{r}: {}", e.short())).collect();
-            bail!("training stopped: {}; workers {}", end.describe(rank), stopped.join(", "))
-        }
-        Outcome::StartTimeout { ready, world, waited } => {
-            bail!("workers did not all start: {ready} of {world} ready after {} s", waited.as_secs())
+        TrainOutcome::Completed { checkpoint } => reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref()),
+        TrainOutcome::Failed { reason, workers } => {
+            if workers.is_empty() {
+                bail!("training stopped: {reason}")
+            }
+            bail!("training stopped: {reason}; workers {}", workers.join(", "))
         }
     }
+}
+
+/// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.
+fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
+    if !args.recovery.unwrap_or(true) {
+        return Ok(None);
+    }
+    let mut r = Recovery::default();
+    if let Some(l) = args.lease {
+        if !l.is_finite() || !(0.05..=600.0).contains(&l) {
+            bail!("invalid --lease: {l} (expected seconds between 0.05 and 600)");
+        }
+        r.lease = std::time::Duration::from_secs_f64(l);
+    }
+    if let Some(h) = args.heartbeat {
+        if !h.is_finite() || h <= 0.0 || h >= r.lease.as_secs_f64() {
+            bail!("invalid --heartbeat: {h} (expected seconds, more than 0 and less than the lease, {} s)", r.lease.as_secs_f64());
+        }
+        r.heartbeat = std::time::Duration::from_secs_f64(h);
+    } else if r.heartbeat >= r.lease {
+        r.heartbeat = r.lease / 5;
+    }
+    Ok(Some(r))
 }

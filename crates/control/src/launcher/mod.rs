@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::ControlError;
-use crate::protocol::{Addrs, WorkerEvent, WorkerSpec};
+use crate::protocol::{LauncherMessage, WorkerEvent, WorkerSpec};
 use crate::supervisor::{Action, Input, Outcome, Supervisor};
 
 /// One started worker process.
@@ -37,12 +37,21 @@ pub struct Job {
     events: Receiver<(usize, Option<WorkerEvent>)>,
     /// Kept until the workers have exited (then the cgroups can be removed).
     _quota: Option<QuotaGroups>,
+    /// The epoch the workers were started at.
+    epoch: u64,
 }
 
 /// Start `world` copies of this binary's hidden `subcommand`, each confined as `confine` says,
-/// and send each its [`WorkerSpec`] (with `job`). The rest of the start — addresses, readiness —
+/// and send each its [`WorkerSpec`] (with `job`, at `epoch`). The rest of the start — addresses, readiness —
 /// is the supervisor's ([`supervise`]). On any failure the started workers are killed.
-pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job: &J, confine: Confinement) -> Result<Job, ControlError> {
+pub fn launch<J: Serialize>(
+    subcommand: &str,
+    world: usize,
+    timeout_s: f64,
+    job: &J,
+    confine: Confinement,
+    epoch: u64,
+) -> Result<Job, ControlError> {
     let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
     let mut quota = None;
     match confine {
@@ -63,9 +72,8 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
             quota = Some(QuotaGroups::create(world, f)?);
         }
     }
-    let epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_secs());
     let (tx, events) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
-    let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None };
+    let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None, epoch };
     for rank in 0..world {
         let mut cmd = Command::new(&exe);
         cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
@@ -115,6 +123,13 @@ pub fn launch<J: Serialize>(subcommand: &str, world: usize, timeout_s: f64, job:
 /// Longest report line read from a worker (a step report is a few hundred bytes; bench results
 /// a few kilobytes); a longer line is skipped with a warning, never buffered whole.
 const MAX_REPORT_LINE: usize = 1 << 20;
+
+/// The first epoch of a new job: the clock in milliseconds, so that a leftover process of an
+/// earlier job is refused at the rendezvous, and the epochs of a job (this, then one more per
+/// reconfiguration) never meet another job's.
+pub fn fresh_epoch() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
+}
 
 /// Forward a worker's reports; a line that is not a report is passed on as a log line.
 fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<(usize, Option<WorkerEvent>)>) {
@@ -195,9 +210,33 @@ fn die_with_parent(cmd: &mut Command) {
 }
 
 impl Job {
-    fn write_line(&mut self, rank: usize, line: &str) -> Result<(), ControlError> {
+    pub(crate) fn write_line(&mut self, rank: usize, line: &str) -> Result<(), ControlError> {
         let Some(stdin) = self.workers.get_mut(rank).and_then(|w| w.stdin.as_mut()) else { return Ok(()) };
         writeln!(stdin, "{line}").and_then(|_| stdin.flush()).map_err(|e| ControlError::io(format!("writing to worker {rank}"), e))
+    }
+
+    /// Kill worker `rank` (a hung one: it is found out by its silence).
+    pub fn kill(&mut self, rank: usize) {
+        if let Some(w) = self.workers.get_mut(rank) {
+            let _ = w.child.kill();
+        }
+    }
+
+    /// The next report of any worker, waiting at most `wait` (None: nothing came).
+    pub(crate) fn next_event(&self, wait: Duration) -> Option<(usize, Option<WorkerEvent>)> {
+        match self.events.recv_timeout(wait) {
+            Ok(x) => Some(x),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(wait.min(Duration::from_millis(50)));
+                None
+            }
+        }
+    }
+
+    /// Reap every worker (after they finished or were killed).
+    pub(crate) fn reap(&mut self) {
+        self.wait_all();
     }
 
     /// Kill every worker still running.
@@ -217,7 +256,7 @@ impl Job {
     }
 
     /// How worker `rank` ended, once its stdout has closed (waits up to 2 s for the exit).
-    fn exit_status(&mut self, rank: usize) -> String {
+    pub(crate) fn exit_status(&mut self, rank: usize) -> String {
         let Some(w) = self.workers.get_mut(rank) else { return "unknown".into() };
         let until = Instant::now() + Duration::from_secs(2);
         loop {
@@ -268,7 +307,7 @@ pub fn supervise(
         for action in supervisor.on(Instant::now(), input) {
             match &action {
                 Action::SendAddresses(addrs) => {
-                    let line = serde_json::to_string(&Addrs { addrs: addrs.clone() })?;
+                    let line = serde_json::to_string(&LauncherMessage::Addrs { epoch: job.epoch, addrs: addrs.clone() })?;
                     for rank in 0..job.workers.len() {
                         // A worker that cannot be written to has died: its exit comes next.
                         let _ = job.write_line(job.workers[rank].rank, &line);

@@ -186,7 +186,7 @@ impl Supervisor {
 
     fn event(&mut self, now: Instant, rank: usize, event: WorkerEvent, out: &mut Vec<Action>) {
         match event {
-            WorkerEvent::Listening { addr } => {
+            WorkerEvent::Listening { addr, .. } => {
                 if self.ranks[rank] == Rank::Starting {
                     self.ranks[rank] = Rank::Listening(addr);
                 }
@@ -196,7 +196,7 @@ impl Supervisor {
                     out.push(Action::SendAddresses(addrs));
                 }
             }
-            WorkerEvent::Ready { pid } => {
+            WorkerEvent::Ready { pid, .. } => {
                 if !matches!(self.ranks[rank], Rank::Ended(_)) {
                     self.ranks[rank] = Rank::Ready;
                     out.push(Action::Ready { rank, pid });
@@ -221,6 +221,9 @@ impl Supervisor {
                 self.end(now, rank, RankEnd::Finished { checkpoint: None }, out);
             }
             WorkerEvent::Failed { kind, message } => self.end(now, rank, RankEnd::Failed { kind, message }, out),
+            // A job without recovery: a failed step is the worker's end.
+            WorkerEvent::StepFailed { kind, message, .. } => self.end(now, rank, RankEnd::Failed { kind, message }, out),
+            WorkerEvent::Heartbeat | WorkerEvent::Checkpointed { .. } => {}
         }
     }
 

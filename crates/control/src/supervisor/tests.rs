@@ -18,10 +18,10 @@ const SEC: Duration = Duration::from_secs(1);
 fn started(world: usize, t0: Instant) -> Supervisor {
     let mut s = Supervisor::new(world, t0, 60 * SEC, 5 * SEC);
     for r in 0..world {
-        s.on(t0, ev(r, WorkerEvent::Listening { addr: format!("127.0.0.1:{}", 1000 + r) }));
+        s.on(t0, ev(r, WorkerEvent::Listening { addr: format!("127.0.0.1:{}", 1000 + r), epoch: 0 }));
     }
     for r in 0..world {
-        s.on(t0, ev(r, WorkerEvent::Ready { pid: 100 + r as u32 }));
+        s.on(t0, ev(r, WorkerEvent::Ready { pid: 100 + r as u32, epoch: 0, moved: None }));
     }
     s
 }
@@ -31,16 +31,16 @@ fn addresses_go_out_once_every_rank_listens_and_steps_wait_for_every_rank_to_be_
     let t0 = Instant::now();
     let mut s = Supervisor::new(3, t0, 60 * SEC, 5 * SEC);
     assert_eq!(s.deadline(), Some(t0 + 60 * SEC));
-    assert!(s.on(t0, ev(1, WorkerEvent::Listening { addr: "b".into() })).is_empty());
-    assert!(s.on(t0, ev(0, WorkerEvent::Listening { addr: "a".into() })).is_empty());
-    let a = s.on(t0, ev(2, WorkerEvent::Listening { addr: "c".into() }));
+    assert!(s.on(t0, ev(1, WorkerEvent::Listening { addr: "b".into(), epoch: 0 })).is_empty());
+    assert!(s.on(t0, ev(0, WorkerEvent::Listening { addr: "a".into(), epoch: 0 })).is_empty());
+    let a = s.on(t0, ev(2, WorkerEvent::Listening { addr: "c".into(), epoch: 0 }));
     assert_eq!(a, vec![Action::SendAddresses(vec!["a".into(), "b".into(), "c".into()])]);
-    assert_eq!(s.on(t0, ev(0, WorkerEvent::Ready { pid: 7 })), vec![Action::Ready { rank: 0, pid: 7 }]);
-    assert_eq!(s.on(t0, ev(1, WorkerEvent::Ready { pid: 8 })), vec![Action::Ready { rank: 1, pid: 8 }]);
+    assert_eq!(s.on(t0, ev(0, WorkerEvent::Ready { pid: 7, epoch: 0, moved: None })), vec![Action::Ready { rank: 0, pid: 7 }]);
+    assert_eq!(s.on(t0, ev(1, WorkerEvent::Ready { pid: 8, epoch: 0, moved: None })), vec![Action::Ready { rank: 1, pid: 8 }]);
     // Rank 0 steps before rank 2 reports ready: held back, then released in order.
     assert!(s.on(t0, ev(0, step_event(1))).is_empty());
     assert!(s.on(t0, ev(0, step_event(2))).is_empty());
-    let a = s.on(t0, ev(2, WorkerEvent::Ready { pid: 9 }));
+    let a = s.on(t0, ev(2, WorkerEvent::Ready { pid: 9, epoch: 0, moved: None }));
     assert_eq!(a.len(), 4);
     assert_eq!(a[0], Action::Ready { rank: 2, pid: 9 });
     assert_eq!(a[1], Action::Started);
@@ -97,7 +97,7 @@ fn a_silent_survivor_is_given_up_on_at_the_end_of_the_grace() {
 fn a_job_that_never_starts_times_out_and_a_failure_before_start_is_a_failure() {
     let t0 = Instant::now();
     let mut s = Supervisor::new(2, t0, 60 * SEC, 5 * SEC);
-    s.on(t0, ev(0, WorkerEvent::Listening { addr: "a".into() }));
+    s.on(t0, ev(0, WorkerEvent::Listening { addr: "a".into(), epoch: 0 }));
     assert!(s.on(t0 + 59 * SEC, Input::Tick).is_empty());
     assert_eq!(s.on(t0 + 60 * SEC, Input::Tick), vec![Action::Finish(Outcome::StartTimeout { ready: 0, world: 2, waited: 60 * SEC })]);
     let mut s = Supervisor::new(2, t0, 60 * SEC, 5 * SEC);
