@@ -35,11 +35,22 @@ fn log(path: &Path) -> (Vec<(u64, f64)>, Vec<Value>) {
 
 /// Start `train --workers N`; returns it, its stderr lines and the workers' pids once ready.
 fn start(n: usize, extra: &[&str]) -> (Child, mpsc::Receiver<String>, Vec<i32>) {
+    start_with_faults(n, extra, "")
+}
+
+/// The same, with the fault-injection hook `LAZARUS_FAULT` set for the workers.
+fn start_with_faults(n: usize, extra: &[&str], faults: &str) -> (Child, mpsc::Receiver<String>, Vec<i32>) {
     let workers = n.to_string();
     let mut args = vec!["train", "--workers", workers.as_str()];
     args.extend(tiny());
     args.extend(extra);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus"))
+        .args(&args)
+        .env("LAZARUS_FAULT", faults)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let (tx, rx) = mpsc::channel();
     let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {
@@ -75,12 +86,42 @@ fn signal(pid: i32, sig: i32) {
 
 /// The same run in one process: the losses to match.
 fn uninterrupted(steps: &str, d: &Path) -> Vec<f64> {
+    uninterrupted_with_cursor(steps, d).0
+}
+
+/// The same run in one process: its losses, and the data cursor of its final checkpoint.
+fn uninterrupted_with_cursor(steps: &str, d: &Path) -> (Vec<f64>, Value) {
     let path = d.join("reference.jsonl");
-    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap()];
+    let ck = d.join("reference-ck");
+    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
     args.extend(tiny());
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    log(&path).0.into_iter().map(|(_, l)| l).collect()
+    (log(&path).0.into_iter().map(|(_, l)| l).collect(), cursor(&ck))
+}
+
+/// The data cursor of the newest checkpoint in `ck`: where the next batch starts.
+fn cursor(ck: &Path) -> Value {
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(ck.join(latest.trim()).join("manifest.json")).unwrap()).unwrap();
+    manifest["extra"]["cursor"].clone()
+}
+
+/// Run a job to its end and collect its stderr.
+fn finish(mut child: Child, lines: mpsc::Receiver<String>) -> Vec<String> {
+    let status = child.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    text
+}
+
+/// The final checkpoint in `ck` resumes in the single-process trainer.
+fn resumes_in_one_process(ck: &Path, steps: &str, d: &Path) {
+    let more = d.join("more.jsonl");
+    let out =
+        lazarus(&["train", "--resume", "--steps", steps, "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", more.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(log(&more).0.len(), 2);
 }
 
 fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
@@ -140,5 +181,139 @@ fn a_hung_worker_is_found_out_within_the_lease_and_training_goes_on() {
     assert_eq!(r["lost"], serde_json::json!([1]));
     // Found out by its silence, long before the 60 s collective deadline.
     assert!(r["recovery_s"].as_f64().unwrap() < 5.0 && stopped_at.elapsed() < Duration::from_secs(50), "{r}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Workers killed at chosen phases (the fault-injection hook: SIGKILL to itself) — one in the
+/// forward pass of step 8, another just before the gradient all-reduce of step 16, with room
+/// for every expert on two workers of each plan: the run completes on two workers with the uninterrupted losses, the same data consumed, and a
+/// final checkpoint the single-process trainer resumes.
+#[test]
+fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
+    let d = dir("recover-phases");
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let (want, want_cursor) = uninterrupted_with_cursor("24", &d);
+    let (child, lines, _) = start_with_faults(
+        4,
+        &["--steps", "24", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--slots-per-worker", "4"],
+        "1:forward:8,3:all_reduce:16",
+    );
+    let text = finish(child, lines);
+    let (steps, reconf) = log(&path);
+    assert_same_losses(&steps, &want, "4 workers, kills in forward and all-reduce");
+    let lost: Vec<(Value, Value, Value)> = reconf.iter().map(|r| (r["lost"].clone(), r["step"].clone(), r["workers"].clone())).collect();
+    assert_eq!(
+        lost,
+        vec![
+            (serde_json::json!([1]), serde_json::json!(7), serde_json::json!(3)),
+            (serde_json::json!([3]), serde_json::json!(15), serde_json::json!(2))
+        ],
+        "{}",
+        text.join("\n")
+    );
+    assert_eq!(cursor(&ck), want_cursor, "the same data consumed, nothing lost or repeated");
+    resumes_in_one_process(&ck, "26", &d);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A worker killed while the survivors of an earlier failure move to their new plan — during
+/// its rendezvous (the others are told to give it up) or during the state transfers — the
+/// move is planned again from what the survivors hold, and training goes on.
+#[test]
+fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
+    for phase in ["transfer", "rendezvous"] {
+        let d = dir(&format!("recover-{phase}"));
+        let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+        let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+        let (want, want_cursor) = uninterrupted_with_cursor("20", &d);
+        // Worker 1 dies at the commit vote of step 8 (every survivor holds step 8 and drops it);
+        // worker 2 dies in the move that follows, at 7 steps committed.
+        let faults = format!("1:vote:8,2:{phase}:7");
+        let (child, lines, _) = start_with_faults(4, &["--steps", "20", "--json-log", &log_s, "--checkpoint-dir", &ck_s], &faults);
+        let text = finish(child, lines);
+        let (steps, reconf) = log(&path);
+        assert_same_losses(&steps, &want, phase);
+        assert_eq!(reconf.len(), 1, "{phase}: one recovery: {reconf:?}");
+        let r = &reconf[0];
+        let got = (r["lost"].clone(), r["epoch"].as_u64(), r["workers"].as_u64(), r["cause"].as_str());
+        assert_eq!(got, (serde_json::json!([1, 2]), Some(2), Some(2), Some("reconfigure")), "{phase}: {}", text.join("\n"));
+        // Nobody waited for a collective deadline (30 s): the move was called off at once.
+        assert!(r["recovery_s"].as_f64().unwrap() < 5.0, "{phase}: {r}");
+        assert_eq!(cursor(&ck), want_cursor, "{phase}");
+        resumes_in_one_process(&ck, "22", &d);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// The workers of `placement L0: w0[..] w1[..] …` that hold exactly the same experts: killing
+/// both loses every replica of those experts.
+fn twin_holders(text: &[String]) -> (usize, usize) {
+    let line = text.iter().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
+    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
+    for a in 0..sets.len() {
+        for b in a + 1..sets.len() {
+            if sets[a] == sets[b] {
+                return (a, b);
+            }
+        }
+    }
+    panic!("no two workers hold the same experts: {line}");
+}
+
+/// Both holders of an expert killed at once: every survivor rolls back to the last checkpoint
+/// on its own, and the losses from there equal a run resumed from that checkpoint by hand;
+/// the `--json-log` is cut back so every step appears once.
+#[test]
+fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
+    let d = dir("recover-rollback");
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    // Find the twins of this job's placement (the plan is deterministic).
+    let mut probe = vec!["train", "--workers", "4", "--steps", "1"];
+    probe.extend(tiny());
+    let out = lazarus(&probe);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = twin_holders(&String::from_utf8_lossy(&out.stderr).lines().map(String::from).collect::<Vec<_>>());
+    let faults = format!("{a}:vote:13,{b}:vote:13");
+    let args = ["--steps", "20", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5"];
+    let (child, lines, _) = start_with_faults(4, &args, &faults);
+    let text = finish(child, lines);
+    let (steps, reconf) = log(&path);
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    let r = &reconf[0];
+    assert_eq!(
+        (r["cause"].as_str(), r["step"].as_u64(), r["lost"].clone()),
+        (Some("rollback"), Some(10), serde_json::json!([a, b])),
+        "{}",
+        text.join("\n")
+    );
+    assert!(text.iter().any(|l| l.starts_with("rolled back: epoch 1")), "{}", text.join("\n"));
+    // By hand: the checkpoint of step 10, resumed in one process to step 20.
+    let by_hand = d.join("by-hand");
+    std::fs::create_dir_all(&by_hand).unwrap();
+    let status = Command::new("cp").arg("-r").arg(ck.join("step-00000010")).arg(&by_hand).status().unwrap();
+    assert!(status.success());
+    std::fs::write(by_hand.join("latest"), "step-00000010").unwrap();
+    let hand_log = d.join("hand.jsonl");
+    let out = lazarus(&[
+        "train",
+        "--resume",
+        "--steps",
+        "20",
+        "--checkpoint-dir",
+        by_hand.to_str().unwrap(),
+        "--json-log",
+        hand_log.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let hand: Vec<(u64, f64)> = log(&hand_log).0;
+    assert_eq!(hand.first().map(|h| h.0), Some(11));
+    let numbers: Vec<u64> = steps.iter().map(|s| s.0).collect();
+    assert_eq!(numbers, (1..=20).collect::<Vec<_>>(), "every step logged once after the rollback");
+    for ((s, got), (_, want)) in steps[10..].iter().zip(&hand) {
+        assert!((got - want).abs() <= 1e-4 * want.abs(), "step {s}: {got} after the rollback, {want} resumed by hand");
+    }
+    assert_eq!(cursor(&ck), cursor(&by_hand));
     let _ = std::fs::remove_dir_all(&d);
 }

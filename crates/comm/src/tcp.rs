@@ -6,7 +6,9 @@
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
@@ -50,7 +52,31 @@ pub struct Rendezvous {
     pub addrs: Vec<SocketAddr>,
     pub epoch: u64,
     pub timeout: Duration,
+    /// The job's secret: a hello without it is refused, so no other process on the host can
+    /// take a rank.
+    pub secret: u128,
+    /// Set from outside to give the rendezvous up at once (a peer was lost before it connected).
+    pub cancel: Option<Arc<AtomicBool>>,
 }
+
+impl Rendezvous {
+    /// A rendezvous with no secret (0) that cannot be cancelled: tests and benchmarks in one process.
+    pub fn new(rank: usize, addrs: Vec<SocketAddr>, epoch: u64, timeout: Duration) -> Self {
+        Rendezvous { rank, addrs, epoch, timeout, secret: 0, cancel: None }
+    }
+
+    fn cancelled(&self) -> Result<(), CommError> {
+        match &self.cancel {
+            Some(c) if c.load(Ordering::Relaxed) => {
+                Err(CommError::Rendezvous(format!("rank {}: the rendezvous of epoch {} was called off", self.rank, self.epoch)))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The bytes of a hello after its header: the job secret.
+const HELLO_BODY: u64 = 16;
 
 fn write_header(buf: &mut Vec<u8>, magic: u32, epoch: u64, tag: u64, len: u64) {
     buf.extend_from_slice(&magic.to_le_bytes());
@@ -124,8 +150,9 @@ impl TcpTransport {
         let deadline = crate::deadline_after(r.timeout);
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let hello = |stream: &mut TcpStream| -> std::io::Result<()> {
-            let mut b = Vec::with_capacity(HEADER);
-            write_header(&mut b, HELLO, r.epoch, r.rank as u64, 0);
+            let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
+            write_header(&mut b, HELLO, r.epoch, r.rank as u64, HELLO_BODY);
+            b.extend_from_slice(&r.secret.to_le_bytes());
             stream.write_all(&b)
         };
         for peer in 0..r.rank {
@@ -134,6 +161,7 @@ impl TcpTransport {
                     Ok(s) => break s,
                     Err(e) if Instant::now() < deadline => {
                         let _ = e;
+                        r.cancelled()?;
                         std::thread::sleep(Duration::from_millis(20));
                     }
                     Err(e) => {
@@ -163,9 +191,23 @@ impl TcpTransport {
                         rejected.push(format!("{from}: no hello ({e})"));
                         continue;
                     }
-                    let (magic, epoch, peer, _) = parse_header(&h);
-                    if magic != HELLO || peer <= r.rank as u64 || peer >= world as u64 || streams[peer as usize].is_some() {
-                        rejected.push(format!("{from}: unexpected hello (magic {magic:#x}, rank {peer})"));
+                    let (magic, epoch, peer, len) = parse_header(&h);
+                    if magic != HELLO
+                        || len != HELLO_BODY
+                        || peer <= r.rank as u64
+                        || peer >= world as u64
+                        || streams[peer as usize].is_some()
+                    {
+                        rejected.push(format!("{from}: unexpected hello (magic {magic:#x}, rank {peer}, {len} bytes)"));
+                        continue;
+                    }
+                    let mut secret = [0u8; HELLO_BODY as usize];
+                    if let Err(e) = s.read_exact(&mut secret) {
+                        rejected.push(format!("{from}: hello cut short ({e})"));
+                        continue;
+                    }
+                    if u128::from_le_bytes(secret) != r.secret {
+                        rejected.push(format!("{from}: rank {peer} without the job's secret"));
                         continue;
                     }
                     if epoch != r.epoch {
@@ -177,6 +219,7 @@ impl TcpTransport {
                     waiting -= 1;
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    r.cancelled()?;
                     if Instant::now() >= deadline {
                         let why = if rejected.is_empty() { String::new() } else { format!("; rejected: {}", rejected.join("; ")) };
                         return Err(CommError::Rendezvous(format!("rank {}: {waiting} higher rank(s) never connected{why}", r.rank)));
@@ -222,7 +265,7 @@ impl TcpTransport {
             .enumerate()
             .map(|(rank, l)| {
                 let addrs = addrs.clone();
-                std::thread::spawn(move || TcpTransport::connect(l, Rendezvous { rank, addrs, epoch, timeout: Duration::from_secs(10) }))
+                std::thread::spawn(move || TcpTransport::connect(l, Rendezvous::new(rank, addrs, epoch, Duration::from_secs(10))))
             })
             .collect();
         handles.into_iter().map(|h| h.join().map_err(|_| CommError::Rendezvous("rendezvous thread panicked".into()))?).collect()

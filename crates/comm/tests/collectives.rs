@@ -177,10 +177,8 @@ fn stale_epochs_are_rejected_at_rendezvous() {
     let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
     let a = addrs.clone();
-    let stale = std::thread::spawn(move || {
-        TcpTransport::connect(l1, lazarus_comm::Rendezvous { rank: 1, addrs: a, epoch: 4, timeout: Duration::from_secs(5) })
-    });
-    let r0 = TcpTransport::connect(l0, lazarus_comm::Rendezvous { rank: 0, addrs, epoch: 5, timeout: Duration::from_secs(1) });
+    let stale = std::thread::spawn(move || TcpTransport::connect(l1, lazarus_comm::Rendezvous::new(1, a, 4, Duration::from_secs(5))));
+    let r0 = TcpTransport::connect(l0, lazarus_comm::Rendezvous::new(0, addrs, 5, Duration::from_secs(1)));
     match r0 {
         Err(CommError::Rendezvous(msg)) => assert!(msg.contains("epoch 4") && msg.contains("current epoch 5"), "{msg}"),
         other => panic!("expected a rendezvous error, got {:?}", other.err()),
@@ -239,4 +237,63 @@ fn a_deadline_beyond_what_a_clock_can_hold_is_no_panic() {
         })
         .collect();
     handles.into_iter().for_each(|h| h.join().unwrap());
+}
+
+/// A process without the job's secret cannot take a rank: its hello is refused, the rendezvous
+/// goes on and the real rank joins; without the real one it fails, naming the refused hello.
+#[test]
+fn a_hello_without_the_job_secret_is_refused() {
+    let secret = 0x5eed_u128 << 64 | 42;
+    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let with = |rank, secret| {
+        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 3, Duration::from_secs(3));
+        r.secret = secret;
+        r
+    };
+    // An intruder that knows the protocol, the rank and the epoch, but not the secret.
+    let (impostor, real) = (with(1, 7), with(1, secret));
+    let spare = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let intruder = std::thread::spawn(move || TcpTransport::connect(spare, impostor));
+    let r0 = TcpTransport::connect(l0, with(0, secret));
+    match r0 {
+        Err(CommError::Rendezvous(msg)) => assert!(msg.contains("without the job's secret"), "{msg}"),
+        other => panic!("the intruder must not be taken as rank 1: {:?}", other.map(|_| ())),
+    }
+    let _ = intruder.join();
+    // With the real rank 1 the same rendezvous completes.
+    let l0 = std::net::TcpListener::bind(addrs[0]).unwrap();
+    let one = std::thread::spawn(move || TcpTransport::connect(l1, real));
+    assert!(TcpTransport::connect(l0, with(0, secret)).is_ok());
+    assert!(one.join().unwrap().is_ok());
+}
+
+/// A rendezvous waiting for a rank that will never come is given up as soon as it is called
+/// off, not at its deadline.
+#[test]
+fn a_cancelled_rendezvous_returns_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dead = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    for rank in [0, 1] {
+        // Rank 0 waits to accept a rank 1 that never comes; rank 1 tries to reach a rank 0
+        // that is not there.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut addrs = vec![dead(), dead()];
+        addrs[rank] = listener.local_addr().unwrap();
+        let cancel = std::sync::Arc::new(AtomicBool::new(false));
+        let mut r = lazarus_comm::Rendezvous::new(rank, addrs, 1, Duration::from_secs(60));
+        r.cancel = Some(cancel.clone());
+        let start = Instant::now();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            cancel.store(true, Ordering::Relaxed);
+        });
+        let got = TcpTransport::connect(listener, r);
+        assert!(matches!(&got, Err(CommError::Rendezvous(m)) if m.contains("called off")), "rank {rank}: {:?}", got.map(|_| ()));
+        assert!(start.elapsed() < Duration::from_secs(5), "rank {rank}: {:?}", start.elapsed());
+    }
 }

@@ -27,17 +27,13 @@ fn feed(bytes: &[u8]) -> (Result<Vec<u8>, lazarus_comm::CommError>, Duration) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let rank0 = std::thread::spawn(move || {
-        let mut t = TcpTransport::connect(
-            listener,
-            Rendezvous { rank: 0, addrs: vec![addr, addr], epoch: EPOCH, timeout: Duration::from_secs(10) },
-        )
-        .unwrap();
+        let mut t = TcpTransport::connect(listener, Rendezvous::new(0, vec![addr, addr], EPOCH, Duration::from_secs(10))).unwrap();
         let start = Instant::now();
         let got = t.recv(1, 7, Instant::now() + Duration::from_secs(5));
         (got, start.elapsed())
     });
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&header(0x4c5a_4831, EPOCH, 1, 0)).unwrap();
+    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
     let _ = s.write_all(bytes);
     let _ = s.shutdown(std::net::Shutdown::Both);
     rank0.join().expect("rank 0 must not panic")

@@ -26,7 +26,7 @@ fn peer_process() {
     std::io::stdin().read_line(&mut line).unwrap();
     let addrs: Vec<SocketAddr> = line.trim().split(',').map(|a| a.parse().unwrap()).collect();
     let world = addrs.len();
-    let mut t = TcpTransport::connect(listener, Rendezvous { rank, addrs, epoch: 1, timeout: Duration::from_secs(20) }).unwrap();
+    let mut t = TcpTransport::connect(listener, Rendezvous::new(rank, addrs, 1, Duration::from_secs(20))).unwrap();
     let mut g = Group::world(world);
     let mut buf = vec![1.0f32; 1 << 20];
     for step in 0.. {

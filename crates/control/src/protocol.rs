@@ -29,7 +29,31 @@ pub struct WorkerSpec<J> {
     pub epoch: u64,
     /// Deadline of every collective, seconds.
     pub timeout_s: f64,
+    /// The job's secret, 32 hex digits: every hello of the rendezvous carries it (sent on
+    /// stdin, never on a command line).
+    pub secret: String,
     pub job: J,
+}
+
+/// A fresh random job secret (from the kernel's random source).
+pub fn fresh_secret() -> Result<u128, std::io::Error> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(u128::from_le_bytes(b))
+}
+
+/// A secret as it travels in a spec.
+pub fn secret_hex(secret: u128) -> String {
+    format!("{secret:032x}")
+}
+
+/// A spec's secret, checked.
+pub fn parse_secret(hex: &str) -> Option<u128> {
+    if hex.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(hex, 16).ok()
 }
 
 /// A `train --workers` rank's job.
@@ -57,6 +81,9 @@ pub enum LauncherMessage {
     /// Reload the checkpoint of `to_step` (None: start afresh) under the new plan, rendezvous at
     /// its epoch, go on.
     Rollback { to_step: Option<u64>, to: Reconfiguration },
+    /// Give up the rendezvous of `epoch` (a rank of it was lost before it connected) and say
+    /// where you stopped.
+    Abandon { epoch: u64 },
     /// Stop now.
     Stop { reason: String },
 }
@@ -149,6 +176,8 @@ pub enum WorkerEvent {
         epoch: u64,
         steps_done: u64,
         held: Option<u64>,
+        /// The experts resident on this worker, per layer (what it can give a survivor).
+        holds: Vec<Vec<usize>>,
         kind: FailureKind,
         message: String,
     },
@@ -202,5 +231,15 @@ mod tests {
         assert_eq!(FailureKind::of_comm(&late), FailureKind::Timeout);
         let bad = RuntimeError::Invalid { field: "placement", reason: "x".into() };
         assert_eq!(FailureKind::of_runtime(&bad), FailureKind::Config);
+    }
+
+    #[test]
+    fn secrets_travel_as_32_hex_digits() {
+        let s = fresh_secret().unwrap();
+        assert_eq!(parse_secret(&secret_hex(s)), Some(s));
+        assert_ne!(fresh_secret().unwrap(), s);
+        for bad in ["", "00", &"g".repeat(32), &"0".repeat(33)] {
+            assert_eq!(parse_secret(bad), None, "{bad}");
+        }
     }
 }

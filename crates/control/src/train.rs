@@ -271,6 +271,12 @@ pub fn run_training(
                     observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
                     shell.failure_seen();
                 }
+                Command::Abandon { epoch, nodes } => {
+                    let line = serde_json::to_string(&LauncherMessage::Abandon { epoch })?;
+                    for node in nodes {
+                        let _ = processes.write_line(node as usize, &line);
+                    }
+                }
                 Command::Addresses { epoch, addrs } => {
                     let line = serde_json::to_string(&LauncherMessage::Addrs { epoch, addrs })?;
                     for &node in ctl.ranks() {
@@ -388,7 +394,14 @@ impl Shell {
             r.detect_s = r.started.elapsed().as_secs_f64() - plan_s;
             r.plan_s = plan_s;
             r.workers = m.ranks.len();
-            r.lost = self.ranks.iter().copied().filter(|n| !m.ranks.contains(n)).collect();
+            // A move that failed half-way and the one after it are one recovery: its record
+            // names every worker lost on the way.
+            for n in self.ranks.iter().copied().filter(|n| !m.ranks.contains(n)) {
+                if !r.lost.contains(&n) {
+                    r.lost.push(n);
+                }
+            }
+            r.lost.sort_unstable();
             r.moved.clear();
             r.resumed = false;
         }
@@ -438,10 +451,10 @@ impl Shell {
                 observe(TrainEvent::Step { report, seconds, dropped })?;
                 event
             }
-            WorkerEvent::StepFailed { epoch, steps_done, held, message, .. } => {
+            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, .. } => {
                 self.failure_seen();
                 self.first_error.get_or_insert(format!("worker {rank}: {message}"));
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held } }
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds } }
             }
             WorkerEvent::Checkpointed { step, path } => {
                 observe(TrainEvent::Checkpointed { step, path })?;

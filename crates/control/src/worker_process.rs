@@ -9,7 +9,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use lazarus_comm::{Group, Rendezvous, TcpTransport};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
-use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
+use lazarus_runtime::{DispatchMode, FaultHook, FaultPoint, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
 
 use crate::error::ControlError;
-use crate::protocol::{FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
+use crate::protocol::{parse_secret, FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
 
 /// Reports queued while the launcher is not reading: 64 Ki (a few MB of step reports, hours of
 /// fast steps) before step reports are dropped.
@@ -105,19 +105,34 @@ fn read_line<T: DeserializeOwned>(input: &mut impl BufRead, what: &str) -> Resul
 }
 
 /// What the launcher says after the spec, read on a thread of its own: stdin closing means the
-/// launcher is gone, and this process exits at once.
+/// launcher is gone, and this process exits at once. An [`LauncherMessage::Abandon`] also calls
+/// off a rendezvous of its epoch that is connecting right now.
+/// The rendezvous being connected, if any: its epoch and the flag that calls it off.
+type Connecting = Arc<Mutex<Option<(u64, Arc<AtomicBool>)>>>;
+
 struct Inbox {
     rx: Receiver<LauncherMessage>,
+    /// The rendezvous in progress: its epoch and the flag that calls it off.
+    connecting: Connecting,
 }
 
 impl Inbox {
     fn start(mut stdin: BufReader<std::io::Stdin>, rank: usize) -> Result<Self, ControlError> {
         let (tx, rx) = mpsc::channel();
+        let connecting: Connecting = Arc::new(Mutex::new(None));
+        let calls = connecting.clone();
         std::thread::Builder::new()
             .name("lazarus-launcher-watch".into())
             .spawn(move || loop {
                 match read_line::<LauncherMessage>(&mut stdin, "launcher message") {
                     Ok(m) => {
+                        if let LauncherMessage::Abandon { epoch } = &m {
+                            if let Some((e, flag)) = calls.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                                if e == epoch {
+                                    flag.store(true, Ordering::Relaxed);
+                                }
+                            }
+                        }
                         if tx.send(m).is_err() {
                             return;
                         }
@@ -130,7 +145,7 @@ impl Inbox {
                 }
             })
             .map_err(|e| ControlError::io("starting the launcher watch", e))?;
-        Ok(Inbox { rx })
+        Ok(Inbox { rx, connecting })
     }
 
     /// The next message, waiting at most `timeout`.
@@ -139,7 +154,15 @@ impl Inbox {
     }
 }
 
-/// Bind, say where, wait for every rank's address at `epoch`, connect to all of them.
+/// The error of a rendezvous that was called off: a peer's, so recoverable.
+fn called_off(epoch: u64) -> ControlError {
+    ControlError::Runtime(lazarus_runtime::RuntimeError::Comm(lazarus_comm::CommError::Rendezvous(format!(
+        "the rendezvous of epoch {epoch} was called off (a rank of it was lost)"
+    ))))
+}
+
+/// Bind, say where, wait for every rank's address at `epoch`, connect to all of them (with the
+/// job's secret). An [`LauncherMessage::Abandon`] of the epoch ends it at any point.
 fn rendezvous(
     sink: &EventSink,
     inbox: &Inbox,
@@ -147,26 +170,38 @@ fn rendezvous(
     world: usize,
     epoch: u64,
     timeout: Duration,
+    secret: u128,
 ) -> Result<TcpTransport, ControlError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| ControlError::io("binding a loopback port", e))?;
-    let addr = listener.local_addr().map_err(|e| ControlError::io("reading the bound address", e))?;
-    sink.send(WorkerEvent::Listening { addr: addr.to_string(), epoch });
-    let addrs = loop {
-        match inbox.next(timeout + Duration::from_secs(60))? {
-            LauncherMessage::Addrs { epoch: e, addrs } if e == epoch => break addrs,
-            LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
-            LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
-            other => return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}"))),
+    let cancel = Arc::new(AtomicBool::new(false));
+    *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, cancel.clone()));
+    let result = (|| {
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| ControlError::io("binding a loopback port", e))?;
+        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the bound address", e))?;
+        sink.send(WorkerEvent::Listening { addr: addr.to_string(), epoch });
+        let addrs = loop {
+            match inbox.next(timeout + Duration::from_secs(60))? {
+                LauncherMessage::Addrs { epoch: e, addrs } if e == epoch => break addrs,
+                LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
+                LauncherMessage::Abandon { epoch: e } if e == epoch => return Err(called_off(epoch)),
+                LauncherMessage::Abandon { .. } => continue,
+                LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
+                other => {
+                    return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
+                }
+            }
+        };
+        if addrs.len() != world {
+            return Err(ControlError::invalid("address list", format!("{} addresses for a world of {world}", addrs.len())));
         }
-    };
-    if addrs.len() != world {
-        return Err(ControlError::invalid("address list", format!("{} addresses for a world of {world}", addrs.len())));
-    }
-    let addrs: Vec<SocketAddr> = addrs
-        .iter()
-        .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
-        .collect::<Result<_, _>>()?;
-    TcpTransport::connect(listener, Rendezvous { rank, addrs, epoch, timeout }).map_err(|e| ControlError::Runtime(e.into()))
+        let addrs: Vec<SocketAddr> = addrs
+            .iter()
+            .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
+            .collect::<Result<_, _>>()?;
+        let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()) };
+        TcpTransport::connect(listener, r).map_err(|e| ControlError::Runtime(e.into()))
+    })();
+    *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    result
 }
 
 /// The child side of a launch: read the spec, start listening to the launcher, rendezvous at the
@@ -181,8 +216,9 @@ fn join<J: DeserializeOwned>(
     if spec.rank >= spec.world || !spec.timeout_s.is_finite() || spec.timeout_s <= 0.0 || spec.timeout_s > 1e6 {
         return Err(ControlError::invalid("worker spec", format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s)));
     }
+    let secret = parse_secret(&spec.secret).ok_or_else(|| ControlError::invalid("worker spec", "the job secret is not 32 hex digits"))?;
     let inbox = Inbox::start(stdin, spec.rank)?;
-    let t = rendezvous(sink, &inbox, spec.rank, spec.world, spec.epoch, Duration::from_secs_f64(spec.timeout_s))?;
+    let t = rendezvous(sink, &inbox, spec.rank, spec.world, spec.epoch, Duration::from_secs_f64(spec.timeout_s), secret)?;
     Ok((spec, inbox, t))
 }
 
@@ -195,10 +231,10 @@ fn failure_kind(e: &ControlError) -> FailureKind {
     }
 }
 
-/// Whether a failed step can be recovered from: its cause is another rank (lost, late or out of
-/// step), not this one.
-fn recoverable(e: &lazarus_runtime::RuntimeError) -> bool {
-    matches!(FailureKind::of_runtime(e), FailureKind::PeerLost | FailureKind::Timeout | FailureKind::Comm)
+/// Whether a failed step or move can be recovered from: its cause is another rank (lost, late
+/// or out of step), not this one.
+fn recoverable(e: &ControlError) -> bool {
+    matches!(e, ControlError::Runtime(r) if matches!(FailureKind::of_runtime(r), FailureKind::PeerLost | FailureKind::Timeout | FailureKind::Comm))
 }
 
 /// Report how the worker ended and return its exit code (0: done).
@@ -235,6 +271,50 @@ fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
     });
 }
 
+/// The fault-injection hook `LAZARUS_FAULT` asks for on this worker (original rank `rank`):
+/// `RANK:PHASE:STEP[,…]` with PHASE one of `forward`, `all_reduce`, `vote` (a step's phases, at
+/// step STEP), `transfer` or `rendezvous` (the state transfers, or the rendezvous, of a move at
+/// STEP committed steps). The worker
+/// kills itself with SIGKILL there — a real death at a chosen phase, for tests.
+fn fault_hook(rank: usize) -> Result<Option<FaultHook>, ControlError> {
+    let Ok(spec) = std::env::var("LAZARUS_FAULT") else { return Ok(None) };
+    let mut mine: Vec<(FaultPoint, u64)> = Vec::new();
+    for item in spec.split(',').filter(|s| !s.is_empty()) {
+        let bad = || {
+            ControlError::invalid(
+                "LAZARUS_FAULT",
+                format!("{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous)"),
+            )
+        };
+        let parts: Vec<&str> = item.split(':').collect();
+        let [r, phase, step] = parts[..] else { return Err(bad()) };
+        let point = match phase {
+            "forward" => FaultPoint::Forward,
+            "all_reduce" => FaultPoint::AllReduce,
+            "vote" => FaultPoint::Vote,
+            "transfer" => FaultPoint::Transfer,
+            "rendezvous" => FaultPoint::Rendezvous,
+            _ => return Err(bad()),
+        };
+        let (r, step): (usize, u64) = (r.parse().map_err(|_| bad())?, step.parse().map_err(|_| bad())?);
+        if r == rank {
+            mine.push((point, step));
+        }
+    }
+    if mine.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Arc::new(move |point: FaultPoint, step: u64| {
+        if mine.contains(&(point, step)) {
+            tracing::warn!("worker {rank}: LAZARUS_FAULT: killing this worker at {point:?} of step {step}");
+            // SAFETY: a signal to this very process.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+        }
+    })))
+}
+
 fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> {
     // Heartbeats from the moment the spec is read: building the model can take seconds.
     let (spec, inbox, t): (WorkerSpec<TrainJob>, _, _) = join(sink, |spec: &WorkerSpec<TrainJob>| {
@@ -243,6 +323,8 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
             start_heartbeats(sink, Duration::from_secs_f64(h.max(0.01)));
         }
     })?;
+    let secret = parse_secret(&spec.secret).unwrap_or_default();
+    let fault = fault_hook(spec.rank)?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
@@ -253,32 +335,34 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
         spec.world,
         job.resume.as_deref(),
     )?;
+    worker.set_fault_hook(fault.clone());
     let mut t = t;
     let mut epoch = spec.epoch;
     let mut group = Group::world(spec.world);
     sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
     let cfg = job.config.clone();
+    let mut outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink).map_err(ControlError::from);
     loop {
-        let outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink);
-        let e = match outcome {
+        let failure = match outcome {
             Ok(saved) => {
                 t.shutdown();
                 return Ok(saved);
             }
             Err(e) => e,
         };
-        if !recoverable(&e) || job.static_ep {
-            return Err(e.into());
+        if !recoverable(&failure) || job.static_ep {
+            return Err(failure);
         }
+        // Say where this worker stopped, with what it holds, and wait for the decision.
         sink.send(WorkerEvent::StepFailed {
             epoch,
             steps_done: worker.steps_done(),
             held: worker.held_step(),
-            kind: FailureKind::of_runtime(&e),
-            message: e.to_string(),
+            holds: worker.resident_experts()?,
+            kind: failure_kind(&failure),
+            message: failure.to_string(),
         });
         t.abort_connections();
-        // Wait for the launcher's decision.
         let (to, rollback) = loop {
             match inbox.next(Duration::from_secs(3600))? {
                 LauncherMessage::Reconfigure { commit_to, to } => {
@@ -297,26 +381,53 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
                 }
                 LauncherMessage::Rollback { to_step, to } => break (to, Some(to_step)),
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
-                LauncherMessage::Addrs { .. } => continue, // a rendezvous that was given up
+                // A rendezvous given up, or one called off: nothing to do while waiting.
+                LauncherMessage::Addrs { .. } | LauncherMessage::Abandon { .. } => continue,
             }
         };
+        // From here on this worker is in the new epoch, whether the move completes or not.
+        epoch = to.epoch;
         let started = Instant::now();
         if let Some(to_step) = rollback {
-            let resume = to_step.and(cfg.checkpoint_dir.clone());
+            // The checkpoint of exactly that step (not whatever is newest), or the job's start.
+            let from = match (to_step, &cfg.checkpoint_dir) {
+                (Some(s), Some(dir)) => Some(dir.join(format!("step-{s:08}"))),
+                _ => job.resume.clone(),
+            };
             let options = WorkerOptions { plan: to.plan.clone(), mode, timeout };
-            worker = Worker::new(cfg.clone(), options, to.rank, to.world, resume.as_deref())?;
+            worker = Worker::new(cfg.clone(), options, to.rank, to.world, from.as_deref())?;
+            worker.set_fault_hook(fault.clone());
         }
-        t = rendezvous(sink, &inbox, to.rank, to.world, to.epoch, timeout)?;
+        if let Some(f) = &fault {
+            f(FaultPoint::Rendezvous, worker.steps_done());
+        }
+        t = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, timeout, secret) {
+            Ok(t) => t,
+            Err(e) => {
+                outcome = Err(e);
+                continue;
+            }
+        };
         group = Group::world(to.world);
         let rebuilt = Instant::now();
-        let moved = if rollback.is_none() { worker.reconfigure(&to, &mut t, &mut group)? } else { Default::default() };
-        epoch = to.epoch;
+        let moved = if rollback.is_none() {
+            match worker.reconfigure(&to, &mut t, &mut group) {
+                Ok(m) => m,
+                Err(e) => {
+                    outcome = Err(e.into());
+                    continue;
+                }
+            }
+        } else {
+            Default::default()
+        };
         let stats = MoveStats {
             rebuild_s: (rebuilt - started).as_secs_f64(),
             transfer_s: rebuilt.elapsed().as_secs_f64(),
             bytes_received: moved.bytes_received,
         };
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: Some(stats) });
+        outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink).map_err(ControlError::from);
     }
 }
 

@@ -21,6 +21,6 @@ pub use error::RuntimeError;
 pub use expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
 pub use worker::{
-    batch_share, check_plan, validate_worker_config, ExpertTransfer, PendingStep, Reconfiguration, ReconfigureReport, Worker,
-    WorkerOptions, WorkerStepReport,
+    batch_share, check_plan, validate_worker_config, ExpertTransfer, FaultHook, FaultPoint, PendingStep, Reconfiguration,
+    ReconfigureReport, Worker, WorkerOptions, WorkerStepReport,
 };

@@ -155,6 +155,31 @@ impl Reporter {
         Ok(())
     }
 
+    /// Training went back to the checkpoint of `step` (a rollback): cut the `--json-log` back
+    /// to it, so that every step number appears once, with the loss of the history the model
+    /// has now. Other lines (reconfigurations) stay.
+    pub fn rewind(&mut self, step: u64) -> Result<()> {
+        let Some((path, w)) = self.log.as_mut() else { return Ok(()) };
+        w.flush().with_context(|| format!("--json-log: cannot write to {}", path.display()))?;
+        let text = std::fs::read_to_string(&*path).with_context(|| format!("--json-log: cannot read {}", path.display()))?;
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+                v.get("event").is_some() || v.get("step").and_then(|s| s.as_u64()).is_none_or(|s| s <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let tmp = path.with_extension("rewind.tmp");
+        std::fs::write(&tmp, kept)
+            .and_then(|_| std::fs::rename(&tmp, &*path))
+            .with_context(|| format!("--json-log: cannot rewrite {}", path.display()))?;
+        let file = OpenOptions::new().append(true).open(&*path).with_context(|| format!("--json-log: cannot open {}", path.display()))?;
+        *w = BufWriter::new(file);
+        self.recent.clear();
+        Ok(())
+    }
+
     /// Measure throughput from now (the workers are ready: start-up is not training).
     pub fn restart_clock(&mut self) {
         self.start = Instant::now();

@@ -134,7 +134,11 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                     r.transfer_bytes as f64 / 1e6,
                     r.recovery_s
                 );
-                reporter.record(&r)
+                if r.cause == "rollback" {
+                    reporter.rewind(r.step).and_then(|_| reporter.record(&r))
+                } else {
+                    reporter.record(&r)
+                }
             }
         };
         shown.map_err(|e| {

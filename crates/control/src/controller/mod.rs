@@ -47,13 +47,17 @@ pub struct JobSpec {
     pub lease: Duration,
 }
 
-/// Where a survivor stopped when its step failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Where a survivor stopped when its step (or its move to a new plan) failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StopReport {
     /// Steps committed.
     pub steps_done: u64,
     /// The step it computed but could not commit (its commit vote failed), if any.
     pub held: Option<u64>,
+    /// The experts resident on it, per layer. After a move that failed half-way this is not
+    /// what any plan says (its old experts and those it received), so recovery plans from what
+    /// the survivors say they hold.
+    pub holds: Vec<Vec<usize>>,
 }
 
 /// What the controller is told.
@@ -103,6 +107,9 @@ pub enum Command {
     Rollback { to: Move, to_step: Option<u64> },
     /// Send the rendezvous addresses of `epoch`, in rank order, to its ranks.
     Addresses { epoch: u64, addrs: Vec<String> },
+    /// A rank of `epoch` was lost during its rendezvous or move: tell the survivors (`nodes`)
+    /// to give it up and say where they stopped.
+    Abandon { epoch: u64, nodes: Vec<NodeId> },
     /// Every rank of `epoch` is ready: training runs.
     Resume { epoch: u64 },
     /// The job cannot go on.
@@ -191,6 +198,12 @@ impl Controller {
         self.phase == Phase::Running
     }
 
+    /// The experts the current plan places on `node`, per layer (None: not a rank of it).
+    pub fn planned_holdings(&self, node: NodeId) -> Option<Vec<Vec<usize>>> {
+        let i = self.ranks.iter().position(|&n| n == node)?;
+        Some(self.plan.layers().iter().map(|p| p.nodes()[i].clone()).collect())
+    }
+
     /// The most recent events, oldest first.
     pub fn recent(&self) -> impl Iterator<Item = &String> {
         self.recent.iter()
@@ -217,6 +230,7 @@ impl Controller {
         if self.stopped() {
             return out;
         }
+        let was_rendezvous = matches!(self.phase, Phase::Rendezvous { .. });
         match event {
             Event::Heartbeat { node } => {
                 if self.alive.contains(&node) {
@@ -269,6 +283,7 @@ impl Controller {
                         self.note(format!("epoch {epoch}: node {node} stopped at step {}", report.steps_done));
                         self.phase = Phase::Collecting { reports: BTreeMap::new() };
                     }
+                    let report = self.sanitized(report);
                     if let Phase::Collecting { reports } = &mut self.phase {
                         reports.insert(node, report);
                     }
@@ -286,8 +301,25 @@ impl Controller {
             }
             Event::Checkpointed { step } => self.checkpoint = Some(step),
         }
+        if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
+            // Survivors may be waiting for addresses that will never come, or connecting to
+            // a rank that is gone: call the rendezvous off.
+            out.push(Command::Abandon { epoch: self.epoch, nodes: self.alive.iter().copied().collect() });
+        }
         self.try_recover(&mut out);
         out
+    }
+
+    /// A report's holdings as far as they fit the job (a peer's word is checked: experts out of
+    /// range, and layers beyond the job's, are dropped; a missing layer holds nothing).
+    fn sanitized(&self, mut report: StopReport) -> StopReport {
+        report.holds.resize(self.spec.layers, Vec::new());
+        for l in &mut report.holds {
+            l.retain(|&e| e < self.spec.experts);
+            l.sort_unstable();
+            l.dedup();
+        }
+        report
     }
 
     /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
@@ -324,27 +356,23 @@ impl Controller {
         }
         let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
         let consistent = reports.values().all(|r| r.steps_done == furthest || (r.steps_done + 1 == furthest && r.held == Some(furthest)));
-        let dead: Vec<usize> = (0..self.ranks.len()).filter(|&i| !self.alive.contains(&self.ranks[i])).collect();
         let epoch = self.epoch + 1;
         let shape = match ClusterShape::new(survivors.len(), 1, self.spec.slots_per_node) {
             Ok(s) => s,
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
         let loads = self.plan_loads();
-        let survives = consistent && self.plan.survives(&dead);
+        // Every expert still has a replica on some survivor (by what they say they hold).
+        let covered =
+            (0..self.spec.layers).all(|l| (0..self.spec.experts).all(|e| survivors.iter().any(|n| reports[n].holds[l].contains(&e))));
+        let survives = consistent && covered;
         let previous = self.plan.clone().with_epoch(self.epoch);
         let new = match plan_model(&loads, shape, &self.spec.policy, Some(&previous)) {
             Ok(p) => p.with_epoch(epoch),
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
         if survives {
-            let live: Vec<NodeState> = survivors
-                .iter()
-                .map(|n| {
-                    let i = self.ranks.iter().position(|r| r == n).expect("a survivor has a rank");
-                    NodeState { node: *n, experts: self.plan.layers().iter().map(|p| p.nodes()[i].clone()).collect() }
-                })
-                .collect();
+            let live: Vec<NodeState> = survivors.iter().map(|n| NodeState { node: *n, experts: reports[n].holds.clone() }).collect();
             match plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
                 Ok(rp) if rp.lost.is_empty() => {
                     let rank_of = |node: u64| rp.plan_to_node.iter().position(|&p| p == node).expect("every survivor takes a plan node");

@@ -48,10 +48,10 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2] });
     assert!(c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }).is_empty());
     // Survivors report: two failed computing step 6, one got past the vote's start and holds it.
-    let r = |steps_done, held| StopReport { steps_done, held };
-    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(5, Some(6)) }).is_empty());
-    assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(6, None) }).is_empty());
-    let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(5, Some(6)) });
+    let r = |c: &Controller, node, steps_done, held| StopReport { steps_done, held, holds: c.planned_holdings(node).unwrap() };
+    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 5, Some(6)) }).is_empty());
+    assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 6, None) }).is_empty());
+    let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(&c, 13, 5, Some(6)) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
     assert_eq!((m.epoch, m.commit_to), (1, 6));
     let mut ranks = m.ranks.clone();
@@ -68,7 +68,8 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     }
     assert_eq!(c.epoch(), 1);
     // A report from the old epoch is stale now.
-    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(5, None) }).is_empty());
+    let stale = StopReport { steps_done: 5, held: None, holds: vec![] };
+    assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: stale }).is_empty());
     assert!(!c.running());
     // The new epoch's rendezvous, then training again.
     for (i, &n) in m.ranks.iter().enumerate() {
@@ -109,7 +110,8 @@ fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
     c.decide(t0, Event::Exited { node: b, status: "x".into() });
     let mut out = Vec::new();
     for n in c.alive().clone() {
-        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None } });
+        let holds = c.planned_holdings(n).unwrap();
+        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None, holds } });
     }
     let [Command::Rollback { to, to_step }] = &out[..] else { panic!("{out:?}") };
     assert_eq!(*to_step, Some(4));
@@ -122,11 +124,60 @@ fn too_few_slots_for_every_expert_stops_with_the_reason() {
     let t0 = Instant::now();
     let mut c = running(2, 4, 2, t0);
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
-    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None } });
+    let holds = c.planned_holdings(10).unwrap();
+    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds } });
     let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
     assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
     assert!(c.stopped());
     assert!(c.decide(t0, Event::Tick).is_empty());
+}
+
+/// A rank lost in the middle of a move: the survivors are told to give the rendezvous up, say
+/// where they stopped with what they hold (their old experts and what they received before
+/// the loss), and the next move plans from that, not from a plan nobody finished moving to.
+#[test]
+fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors_hold() {
+    let t0 = Instant::now();
+    let mut c = running(4, 4, 3, t0);
+    let before: BTreeMap<NodeId, Vec<Vec<usize>>> = c.ranks().iter().map(|&n| (n, c.planned_holdings(n).unwrap())).collect();
+    c.decide(t0, Event::Exited { node: 13, status: "x".into() });
+    let mut out = Vec::new();
+    for n in [10, 11, 12] {
+        out = c.decide(
+            t0,
+            Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 3, held: None, holds: before[&n].clone() } },
+        );
+    }
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(m.epoch, 1);
+    // Two of the survivors listen; then the third dies before it does.
+    c.decide(t0, Event::Listening { node: 10, epoch: 1, addr: "a".into() });
+    c.decide(t0, Event::Listening { node: 11, epoch: 1, addr: "b".into() });
+    let out = c.decide(t0, Event::Exited { node: 12, status: "x".into() });
+    assert_eq!(out, vec![Command::Abandon { epoch: 1, nodes: vec![10, 11] }]);
+    // Node 12's experts are gone unless 10 or 11 hold them: say 10 received everything it was
+    // to fetch (it holds every expert), 11 nothing new.
+    let all = vec![(0..4).collect::<Vec<usize>>(); 2];
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: all } });
+    let out = c
+        .decide(t0, Event::StepFailed { node: 11, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: before[&11].clone() } });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("with node 10 holding every expert nothing is lost: {out:?}") };
+    assert_eq!((m.epoch, m.ranks.len(), m.commit_to), (2, 2, 3));
+    for t in &m.transfers {
+        assert_eq!(m.ranks[t.from], 10, "only node 10 can give what 11 lacks: {t:?}");
+    }
+}
+
+/// A survivor's report is a peer's word: holdings out of range are dropped, not trusted.
+#[test]
+fn holdings_that_do_not_fit_the_job_are_not_trusted() {
+    let t0 = Instant::now();
+    let mut c = running(2, 4, 4, t0);
+    c.decide(t0, Event::Exited { node: 11, status: "x".into() });
+    // Node 10 claims experts 4..1000 and a third layer: it holds none of what the job has.
+    let holds = vec![(4..1000).collect(), vec![usize::MAX], vec![0, 1, 2, 3]];
+    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 2, held: None, holds } });
+    assert!(matches!(&out[..], [Command::Rollback { .. }]), "{out:?}");
 }
 
 /// One random event for a job of nodes 10..10+n.
@@ -139,7 +190,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
             .prop_map(|(dt, node, epoch, i)| (dt, Event::Listening { node, epoch, addr: format!("a{i}") })),
         (0u64..3, node.clone(), 0u64..4).prop_map(|(dt, node, epoch)| (dt, Event::Ready { node, epoch })),
         (0u64..3, node, 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
-            (dt, Event::StepFailed { node, epoch, report: StopReport { steps_done, held: held.then_some(steps_done + 1) } })
+            (dt, Event::StepFailed { node, epoch, report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![] } })
         }),
         (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (dt, Event::StepDone { epoch, step, loads: vec![vec![1, 2, 3, 4]; 2] })),
         (0u64..3, 0u64..20).prop_map(|(dt, step)| (dt, Event::Checkpointed { step })),
@@ -160,6 +211,14 @@ proptest! {
         let mut epoch = c.epoch();
         for (dt, ev) in events {
             now += SEC * dt as u32 / 2;
+            // A survivor reports what its plan gave it (or, if it has no rank now, nothing).
+            let ev = match ev {
+                Event::StepFailed { node, epoch, mut report } => {
+                    report.holds = c.planned_holdings(node).unwrap_or_default();
+                    Event::StepFailed { node, epoch, report }
+                }
+                ev => ev,
+            };
             let out = c.decide(now, ev);
             prop_assert!(c.epoch() >= epoch);
             epoch = c.epoch();
@@ -173,6 +232,10 @@ proptest! {
                         for t in &m.transfers {
                             prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
                         }
+                    }
+                    Command::Abandon { epoch, nodes } => {
+                        prop_assert_eq!(*epoch, c.epoch());
+                        prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));
                     }
                     Command::Addresses { epoch, addrs } => {
                         prop_assert_eq!(*epoch, c.epoch());

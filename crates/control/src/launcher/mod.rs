@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::ControlError;
-use crate::protocol::{LauncherMessage, WorkerEvent, WorkerSpec};
+use crate::protocol::{fresh_secret, secret_hex, LauncherMessage, WorkerEvent, WorkerSpec};
 use crate::supervisor::{Action, Input, Outcome, Supervisor};
 
 /// One started worker process.
@@ -72,6 +72,8 @@ pub fn launch<J: Serialize>(
             quota = Some(QuotaGroups::create(world, f)?);
         }
     }
+    // One secret per job: only the processes started here can take a rank at its rendezvous.
+    let secret = secret_hex(fresh_secret().map_err(|e| ControlError::io("drawing the job secret from /dev/urandom", e))?);
     let (tx, events) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
     let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None, epoch };
     for rank in 0..world {
@@ -109,7 +111,7 @@ pub fn launch<J: Serialize>(
                 .spawn(move || read_events(rank, stdout, tx))
                 .map_err(|e| ControlError::io("starting a reader thread", e))?;
         }
-        let spec = WorkerSpec { rank, world, epoch, timeout_s, job };
+        let spec = WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), job };
         let line = serde_json::to_string(&spec)?;
         if let Err(e) = processes.write_line(rank, &line) {
             processes.kill_all();

@@ -48,6 +48,26 @@ pub struct WorkerOptions {
     pub timeout: Duration,
 }
 
+/// Places in a step or a move where a fault-injection hook is called, so that a test can make
+/// a worker die in exactly that phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// After the first MoE layer's forward (its all-to-alls done, the rest of the step not).
+    Forward,
+    /// Just before the gradient all-reduce.
+    AllReduce,
+    /// Between computing a step and its commit vote.
+    Vote,
+    /// In a reconfiguration, after this rank's sends and before its receives.
+    Transfer,
+    /// Before the rendezvous of a move to a new plan (called by the process around the worker).
+    Rendezvous,
+}
+
+/// Called at every [`FaultPoint`] with the step being computed (for a transfer: the steps
+/// committed).
+pub type FaultHook = std::sync::Arc<dyn Fn(FaultPoint, u64) + Send + Sync>;
+
 /// Where a parameter lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ParamKind {
@@ -130,6 +150,7 @@ pub struct Worker {
     timeout: Duration,
     /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
     held: Option<PendingStep>,
+    fault: Option<FaultHook>,
 }
 
 /// This rank's part of every MoE layer under `plan`: the router and the experts placed here.
@@ -197,8 +218,18 @@ impl Worker {
             }
         }
         let layers = build_layers(&trainer, &options.plan, rank, options.mode, options.timeout)?;
-        let mut worker =
-            Worker { trainer, rank, world, layers, kinds, plan: options.plan, mode: options.mode, timeout: options.timeout, held: None };
+        let mut worker = Worker {
+            trainer,
+            rank,
+            world,
+            layers,
+            kinds,
+            plan: options.plan,
+            mode: options.mode,
+            timeout: options.timeout,
+            held: None,
+            fault: None,
+        };
         worker.release_remote_experts()?;
         Ok(worker)
     }
@@ -219,6 +250,34 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// Call `hook` at every [`FaultPoint`] (fault injection for tests).
+    pub fn set_fault_hook(&mut self, hook: Option<FaultHook>) {
+        self.fault = hook;
+    }
+
+    pub(crate) fn fault_point(&self, point: FaultPoint, step: u64) {
+        if let Some(f) = &self.fault {
+            f(point, step);
+        }
+    }
+
+    /// The experts resident on this worker, per MoE layer: those its plan places here, and
+    /// after a reconfiguration that failed before its switch, also those it had received.
+    pub fn resident_experts(&self) -> Result<Vec<Vec<usize>>, RuntimeError> {
+        let mc = self.trainer.model.config();
+        let mut out = Vec::with_capacity(mc.moe_layers());
+        for l in 0..mc.moe_layers() {
+            let mut here = Vec::new();
+            for e in 0..mc.n_experts {
+                if self.trainer.model.expert_resident(l, e)? {
+                    here.push(e);
+                }
+            }
+            out.push(here);
+        }
+        Ok(out)
     }
 
     /// Scalars of expert weights (and, as many again twice, optimizer moments) this worker

@@ -9,7 +9,7 @@ use lazarus_comm::{barrier, deadline_after, Group, Transport};
 use lazarus_plan::ReplicaMap;
 use serde::{Deserialize, Serialize};
 
-use super::{build_layers, check_plan, Worker};
+use super::{build_layers, check_plan, FaultPoint, Worker};
 use crate::error::RuntimeError;
 use crate::expert_state::ExpertState;
 
@@ -99,6 +99,7 @@ impl Worker {
             report.experts_sent += 1;
             report.bytes_sent += bytes.len() as u64;
         }
+        self.fault_point(FaultPoint::Transfer, self.trainer.step);
         let shapes = self.trainer.model.expert_shapes();
         for x in transfers.iter().filter(|x| x.to == r.rank) {
             let bytes = t.recv(x.from, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, deadline())?;
@@ -116,12 +117,15 @@ impl Worker {
                 }
             }
         }
+        // Every rank has what it needs; only then does anyone let go of what it held. A rank
+        // lost before this point leaves every survivor on its old plan, holding all it held
+        // and what it received ([`Worker::resident_experts`]) — a state the next move starts from.
+        barrier(t, world, self.timeout)?;
         self.plan = r.plan.clone();
         self.rank = r.rank;
         self.world = r.world;
         self.release_remote_experts()?;
         self.layers = build_layers(&self.trainer, &self.plan, self.rank, self.mode, self.timeout)?;
-        barrier(t, world, self.timeout)?;
         Ok(report)
     }
 }

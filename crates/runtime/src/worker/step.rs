@@ -19,7 +19,7 @@ use lazarus_model::model::cross_entropy;
 use lazarus_model::optim::clip_scale;
 use lazarus_model::StepReport;
 
-use super::{batch_share, ParamKind, Worker, WorkerStepReport};
+use super::{batch_share, FaultPoint, ParamKind, Worker, WorkerStepReport};
 use crate::error::RuntimeError;
 use crate::moe::MoeForward;
 
@@ -80,6 +80,9 @@ impl Worker {
                 Some(y) => (y, None),
                 None => {
                     let f = self.layers[moe_index].forward(t, world, &h)?;
+                    if moe_index == 0 {
+                        self.fault_point(FaultPoint::Forward, self.trainer.step + 1);
+                    }
                     wire_bytes += f.wire_bytes;
                     moe_index += 1;
                     (f.output.clone(), Some((moe_index - 1, f)))
@@ -165,6 +168,7 @@ impl Worker {
         let ce_value = ce_local.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let extras = flat.len();
         flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32]);
+        self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         flat.truncate(extras);
@@ -230,6 +234,7 @@ impl Worker {
     pub fn step(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<WorkerStepReport, RuntimeError> {
         self.held = None;
         let pending = self.compute(t, world)?;
+        self.fault_point(FaultPoint::Vote, pending.step());
         if let Err(e) = barrier(t, world, self.timeout) {
             self.held = Some(pending);
             return Err(e.into());
