@@ -24,6 +24,8 @@ enum BenchCommand {
     /// One MoE layer over worker processes with skewed routing: Lazarus vs static expert
     /// parallelism, tokens/s and wire bytes.
     MoeLayer(Box<moe_bench::MoeLayerBenchArgs>),
+    /// Live recovery: kill a worker at random steps and phases, time kill -> next completed step.
+    Recovery(Box<train::recovery_bench::RecoveryBenchArgs>),
 }
 
 #[derive(Subcommand)]
@@ -114,6 +116,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run_train(&args),
         Command::Bench(BenchCommand::Train(args)) => train::bench::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
+        Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
         Command::BenchWorker => return worker_exit(lazarus_control::worker_process::run_bench_worker()),

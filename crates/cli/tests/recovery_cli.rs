@@ -317,3 +317,34 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     assert_eq!(cursor(&ck), cursor(&by_hand));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `lazarus bench recovery --json`: five kills, one in each phase (forward, all-reduce, vote,
+/// SIGKILL and SIGSTOP from outside), every one recovered, with its breakdown; a hang costs
+/// about the lease, a death far less.
+#[test]
+fn bench_recovery_reports_every_kill_with_its_breakdown() {
+    let mut args = vec!["bench", "recovery", "--kills", "5", "--lease", "0.5", "--json"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["workers"].as_u64(), r["recovered"].as_u64()), (Some(4), Some(5)), "{r}");
+    let kills = r["kills"].as_array().unwrap();
+    let mut phases: Vec<&str> = kills.iter().map(|k| k["kill"]["phase"].as_str().unwrap()).collect();
+    phases.sort_unstable();
+    assert_eq!(phases, ["all_reduce", "forward", "hang", "outside", "vote"]);
+    for k in kills {
+        let rec = &k["record"];
+        let total = rec["recovery_s"].as_f64().unwrap();
+        let parts = ["detect_s", "plan_s", "rebuild_s", "transfer_s"].map(|f| rec[f].as_f64().unwrap());
+        assert!(parts.iter().all(|&p| p >= 0.0) && parts.iter().sum::<f64>() <= total + 1e-6, "{k}");
+        if k["kill"]["phase"] == "hang" {
+            assert!((0.45..5.0).contains(&total), "a hang is found by the 0.5 s lease: {k}");
+        }
+    }
+    assert!(r["recovery_s_median"].as_f64().unwrap() < 2.0 && r["step_s_median"].as_f64().unwrap() > 0.0, "{r}");
+    let bad = lazarus(&["bench", "recovery", "--kills", "0"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--kills"));
+    let bad = lazarus(&["bench", "recovery", "--json-log", "x"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--json-log"));
+}

@@ -9,15 +9,16 @@
 //!   around the state machine, for training and benchmarks alike;
 //! * [`protocol`] — what launcher and workers say to each other, with failure kinds as values;
 //! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
-//! * [`train`] and [`bench`] — `lazarus train --workers N` and `lazarus bench moe-layer`.
-//!
-//! The controller, per-node agents and live recovery build on these next.
+//! * [`train`] — `lazarus train --workers N`: the controller's shell around the worker
+//!   processes, live recovery included;
+//! * [`bench`] and [`recovery_bench`] — `lazarus bench moe-layer` and `lazarus bench recovery`.
 
 pub mod bench;
 pub mod controller;
 mod error;
 pub mod launcher;
 pub mod protocol;
+pub mod recovery_bench;
 pub mod supervisor;
 pub mod train;
 pub mod worker_process;

@@ -67,6 +67,10 @@ pub struct TrainJob {
     /// Seconds between heartbeats (0: none).
     #[serde(default)]
     pub heartbeat_s: f64,
+    /// Fault injection, as `LAZARUS_FAULT` takes it (empty: that variable, if set). For tests
+    /// and `lazarus bench recovery`.
+    #[serde(default)]
+    pub faults: String,
 }
 
 /// What the launcher tells a worker after its spec.

@@ -114,6 +114,33 @@ pub struct Recovery {
     pub heartbeat: Duration,
 }
 
+impl Recovery {
+    /// From `--lease` and `--heartbeat` seconds (None: the default), checked: a lease of 0.05 to
+    /// 600 s, heartbeats more often than the lease (default: a fifth of it when the default
+    /// 200 ms would not be).
+    pub fn from_flags(lease_s: Option<f64>, heartbeat_s: Option<f64>) -> Result<Self, ControlError> {
+        let mut r = Recovery::default();
+        if let Some(l) = lease_s {
+            if !l.is_finite() || !(0.05..=600.0).contains(&l) {
+                return Err(ControlError::invalid("--lease", format!("{l} (expected seconds between 0.05 and 600)")));
+            }
+            r.lease = Duration::from_secs_f64(l);
+        }
+        if let Some(h) = heartbeat_s {
+            if !h.is_finite() || h <= 0.0 || h >= r.lease.as_secs_f64() {
+                return Err(ControlError::invalid(
+                    "--heartbeat",
+                    format!("{h} (expected seconds, more than 0 and less than the lease, {} s)", r.lease.as_secs_f64()),
+                ));
+            }
+            r.heartbeat = Duration::from_secs_f64(h);
+        } else if r.heartbeat >= r.lease {
+            r.heartbeat = r.lease / 5;
+        }
+        Ok(r)
+    }
+}
+
 impl Default for Recovery {
     /// A 1 s lease, heartbeats every 200 ms: a hung worker is found out within a second.
     fn default() -> Self {
@@ -236,7 +263,7 @@ pub fn run_training(
                 workers: vec![],
             });
         }
-        let mut wait = ctl.deadline().map_or(Duration::from_secs(1), |d| d.saturating_duration_since(now)).min(Duration::from_secs(1));
+        let mut wait = ctl.next_wake(now).saturating_duration_since(now);
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
@@ -269,7 +296,9 @@ pub fn run_training(
                 Command::Kill { node, reason } => {
                     processes.kill(node as usize);
                     observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
-                    shell.failure_seen();
+                    // A silent node failed when it was last heard from, a lease ago: the
+                    // record counts the wait for the lease as detection.
+                    shell.failure_seen_at(ctl.last_heard(node).unwrap_or(decided));
                 }
                 Command::Abandon { epoch, nodes } => {
                     let line = serde_json::to_string(&LauncherMessage::Abandon { epoch })?;
@@ -369,9 +398,16 @@ struct Shell {
 impl Shell {
     /// The first sign of a failure starts the clock of its record.
     fn failure_seen(&mut self) {
-        if self.recovering.is_none() {
+        self.failure_seen_at(Instant::now());
+    }
+
+    /// A failure that began at `at` (earlier than now, for a node found out by its silence).
+    fn failure_seen_at(&mut self, at: Instant) {
+        if let Some(r) = &mut self.recovering {
+            r.started = r.started.min(at);
+        } else {
             self.recovering = Some(Recovering {
-                started: Instant::now(),
+                started: at,
                 cause: "",
                 epoch: 0,
                 lost: Vec::new(),

@@ -276,8 +276,14 @@ fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
 /// step STEP), `transfer` or `rendezvous` (the state transfers, or the rendezvous, of a move at
 /// STEP committed steps). The worker
 /// kills itself with SIGKILL there — a real death at a chosen phase, for tests.
-fn fault_hook(rank: usize) -> Result<Option<FaultHook>, ControlError> {
-    let Ok(spec) = std::env::var("LAZARUS_FAULT") else { return Ok(None) };
+fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlError> {
+    let spec = match from_job {
+        "" => match std::env::var("LAZARUS_FAULT") {
+            Ok(s) => s,
+            Err(_) => return Ok(None),
+        },
+        s => s.to_string(),
+    };
     let mut mine: Vec<(FaultPoint, u64)> = Vec::new();
     for item in spec.split(',').filter(|s| !s.is_empty()) {
         let bad = || {
@@ -324,7 +330,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
         }
     })?;
     let secret = parse_secret(&spec.secret).unwrap_or_default();
-    let fault = fault_hook(spec.rank)?;
+    let fault = fault_hook(spec.rank, &spec.job.faults)?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };

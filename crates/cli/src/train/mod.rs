@@ -1,9 +1,10 @@
 //! `lazarus train`: the single-process trainer (here) and `--workers N` ([`workers`]), with one
 //! set of flags ([`args`]) and one way of showing a run ([`report`]); `lazarus bench train`
-//! ([`bench`]).
+//! ([`bench`]) and `lazarus bench recovery` ([`recovery_bench`]).
 
 pub mod args;
 pub mod bench;
+pub mod recovery_bench;
 pub mod report;
 pub mod workers;
 

@@ -92,7 +92,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     }
     // The log file is opened (and checked) before any worker starts.
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
-    let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0 };
+    let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0, faults: String::new() };
     let mut report_error: Option<anyhow::Error> = None;
     let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, |event| {
         let shown = match event {
@@ -166,20 +166,6 @@ fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
     if !args.recovery.unwrap_or(true) {
         return Ok(None);
     }
-    let mut r = Recovery::default();
-    if let Some(l) = args.lease {
-        if !l.is_finite() || !(0.05..=600.0).contains(&l) {
-            bail!("invalid --lease: {l} (expected seconds between 0.05 and 600)");
-        }
-        r.lease = std::time::Duration::from_secs_f64(l);
-    }
-    if let Some(h) = args.heartbeat {
-        if !h.is_finite() || h <= 0.0 || h >= r.lease.as_secs_f64() {
-            bail!("invalid --heartbeat: {h} (expected seconds, more than 0 and less than the lease, {} s)", r.lease.as_secs_f64());
-        }
-        r.heartbeat = std::time::Duration::from_secs_f64(h);
-    } else if r.heartbeat >= r.lease {
-        r.heartbeat = r.lease / 5;
-    }
+    let r = Recovery::from_flags(args.lease, args.heartbeat)?;
     Ok(Some(r))
 }

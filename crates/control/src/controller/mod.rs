@@ -149,6 +149,8 @@ pub struct Controller {
     checkpoint: Option<u64>,
     last_step: u64,
     recent: VecDeque<String>,
+    /// When `decide` last ran (a longer gap than half a lease is a stall of the controller).
+    last_decision: Option<Instant>,
 }
 
 impl Controller {
@@ -168,6 +170,7 @@ impl Controller {
             checkpoint: None,
             last_step: 0,
             recent: VecDeque::new(),
+            last_decision: None,
         }
     }
 
@@ -209,12 +212,25 @@ impl Controller {
         self.recent.iter()
     }
 
+    /// When `node` was last heard from (for a node lost by its lease: when it fell silent).
+    pub fn last_heard(&self, node: NodeId) -> Option<Instant> {
+        self.last_seen.get(&node).copied()
+    }
+
     /// When the next lease runs out, if no heartbeat comes first.
     pub fn deadline(&self) -> Option<Instant> {
         if self.stopped() {
             return None;
         }
         self.alive.iter().filter_map(|n| self.last_seen.get(n)).min().map(|&t| t + self.spec.lease)
+    }
+
+    /// When the shell must call [`Controller::decide`] next (with a `Tick` if nothing else
+    /// came): the next lease's end, and at least every quarter lease — so that a longer gap
+    /// between two decisions means the controller itself was stalled (see `decide`).
+    pub fn next_wake(&self, now: Instant) -> Instant {
+        let cadence = now + self.spec.lease / 4;
+        self.deadline().map_or(cadence, |d| d.min(cadence))
     }
 
     fn note(&mut self, what: String) {
@@ -230,6 +246,19 @@ impl Controller {
         if self.stopped() {
             return out;
         }
+        // A controller that was not running (paused, descheduled, its host asleep) for more
+        // than half a lease heard nothing in that time and cannot tell who fell silent: every
+        // node's silence is counted from where it stood when the stall began.
+        if let Some(prev) = self.last_decision {
+            let gap = now.saturating_duration_since(prev);
+            if gap > self.spec.lease / 2 {
+                self.note(format!("the controller was stalled for {} ms: leases extended by as much", gap.as_millis()));
+                for t in self.last_seen.values_mut() {
+                    *t += gap;
+                }
+            }
+        }
+        self.last_decision = Some(self.last_decision.map_or(now, |p| p.max(now)));
         let was_rendezvous = matches!(self.phase, Phase::Rendezvous { .. });
         match event {
             Event::Heartbeat { node } => {
@@ -237,15 +266,7 @@ impl Controller {
                     self.last_seen.insert(node, now);
                 }
             }
-            Event::Tick => {
-                let late: Vec<NodeId> =
-                    self.alive.iter().copied().filter(|n| self.last_seen.get(n).is_some_and(|&t| now >= t + self.spec.lease)).collect();
-                for node in late {
-                    let reason = format!("no heartbeat for {} ms", self.spec.lease.as_millis());
-                    out.push(Command::Kill { node, reason: reason.clone() });
-                    self.lose(node, &reason);
-                }
-            }
+            Event::Tick => {}
             Event::Exited { node, status } => {
                 if self.alive.contains(&node) {
                     self.lose(node, &format!("exited ({status})"));
@@ -300,6 +321,15 @@ impl Controller {
                 }
             }
             Event::Checkpointed { step } => self.checkpoint = Some(step),
+        }
+        // Leases are checked whatever the event: a stream of heartbeats from the healthy nodes
+        // must not hide the one that fell silent.
+        let late: Vec<NodeId> =
+            self.alive.iter().copied().filter(|n| self.last_seen.get(n).is_some_and(|&t| now >= t + self.spec.lease)).collect();
+        for node in late {
+            let reason = format!("no heartbeat for {} ms", self.spec.lease.as_millis());
+            out.push(Command::Kill { node, reason: reason.clone() });
+            self.lose(node, &reason);
         }
         if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
             // Survivors may be waiting for addresses that will never come, or connecting to

@@ -97,6 +97,38 @@ fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
     assert!(!c.alive().contains(&12));
 }
 
+/// Heartbeats from healthy nodes do not hide a silent one: leases are checked on every event.
+#[test]
+fn a_silent_node_is_found_even_while_others_keep_talking() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    let mut killed = Vec::new();
+    for i in 1..=8u32 {
+        let now = t0 + SEC * i / 4;
+        killed.extend(c.decide(now, Event::Heartbeat { node: 10 + (i % 2) as u64 }));
+    }
+    assert!(matches!(&killed[..], [Command::Kill { node: 12, .. }]), "{killed:?}");
+}
+
+/// A controller that was itself stalled (its process paused for 10 s) heard nobody in that
+/// time: it does not take every node for lost, it gives them their lease again; a node that
+/// stays silent after is still found.
+#[test]
+fn a_stalled_controller_extends_the_leases_instead_of_losing_every_node() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    let back = t0 + 10 * SEC;
+    assert!(c.decide(back, Event::Tick).is_empty(), "nobody is lost for the controller's own stall");
+    assert_eq!(c.alive().len(), 3);
+    let mut out = Vec::new();
+    for i in 1..=4u32 {
+        let now = back + SEC * i / 4;
+        out.extend(c.decide(now, Event::Heartbeat { node: 10 }));
+        out.extend(c.decide(now, Event::Heartbeat { node: 11 }));
+    }
+    assert!(matches!(&out[..], [Command::Kill { node: 12, .. }]), "{out:?}");
+}
+
 #[test]
 fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
     let t0 = Instant::now();
