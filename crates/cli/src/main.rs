@@ -8,6 +8,7 @@ mod io;
 mod moe_bench;
 mod planning;
 mod simulate;
+mod status;
 mod train;
 
 #[derive(Parser)]
@@ -42,6 +43,8 @@ enum Command {
     /// Benchmarks with machine-readable reports.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// What the controller of a running job knows: members, epoch, plan, recent events.
+    Status(Box<status::StatusArgs>),
     /// One rank of `train --workers N` (started by it; reads its spec on stdin).
     #[command(hide = true)]
     Worker,
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
         Command::Sim(args) => simulate::run_sim(&args),
+        Command::Status(args) => status::run_status(&args),
         Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
         Command::BenchWorker => return worker_exit(lazarus_control::worker_process::run_bench_worker()),
     };

@@ -348,3 +348,77 @@ fn bench_recovery_reports_every_kill_with_its_breakdown() {
     let bad = lazarus(&["bench", "recovery", "--json-log", "x"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--json-log"));
 }
+
+/// `lazarus status --controller ADDR` asks the running job's controller over gRPC: every
+/// member alive at epoch 0, then after a kill the lost one, epoch 1 and what happened.
+#[test]
+fn status_shows_members_epoch_plan_and_recent_events() {
+    let d = dir("recover-status");
+    let path = d.join("log.jsonl");
+    let log_s = path.to_str().unwrap().to_string();
+    let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", &log_s];
+    args.extend(tiny());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut addr = None;
+    let mut pids = [0i32; 3];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while addr.is_none() || pids.contains(&0) {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the job starts");
+        if let Some(a) = line.strip_prefix("controller status: lazarus status --controller ") {
+            addr = Some(a.to_string());
+        }
+        if let Some(rest) = line.strip_prefix("worker ") {
+            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
+                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        }
+    }
+    let addr = addr.unwrap();
+    wait_for_steps(&path, 5);
+    let ask = || {
+        let out = lazarus(&["status", "--controller", &addr, "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let s = ask();
+    assert_eq!((s["epoch"].as_u64(), s["phase"].as_str()), (Some(0), Some("running")), "{s}");
+    assert_eq!(s["members"].as_array().unwrap().iter().filter(|m| m["alive"] == true).count(), 3, "{s}");
+    assert_eq!(s["plan"]["format"], "lazarus-plan/1", "{s}");
+    signal(pids[1], libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let s = loop {
+        let s = ask();
+        if s["epoch"].as_u64() == Some(1) && s["phase"] == "running" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no reconfiguration seen: {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let lost: Vec<u64> =
+        s["members"].as_array().unwrap().iter().filter(|m| m["alive"] == false).map(|m| m["node"].as_u64().unwrap()).collect();
+    assert_eq!(lost, vec![1], "{s}");
+    assert!(s["recent"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("node 1 lost")), "{s}");
+    // The human form names the same.
+    let out = lazarus(&["status", "--controller", &addr]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 alive of 3") && text.contains("lost"), "{text}");
+    signal(child.id() as i32, libc::SIGKILL);
+    let _ = child.wait();
+    // Nobody there: a clear error, not a hang.
+    let out = lazarus(&["status", "--controller", &addr, "--timeout", "2"]);
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cannot reach the controller"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = lazarus(&["status", "--controller", "nowhere"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--controller"));
+    let _ = std::fs::remove_dir_all(&d);
+}

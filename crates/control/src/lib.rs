@@ -11,6 +11,7 @@
 //! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
 //! * [`train`] — `lazarus train --workers N`: the controller's shell around the worker
 //!   processes, live recovery included;
+//! * [`status`] — the gRPC status service of a running controller (`lazarus status`);
 //! * [`bench`] and [`recovery_bench`] — `lazarus bench moe-layer` and `lazarus bench recovery`.
 
 pub mod bench;
@@ -19,6 +20,7 @@ mod error;
 pub mod launcher;
 pub mod protocol;
 pub mod recovery_bench;
+pub mod status;
 pub mod supervisor;
 pub mod train;
 pub mod worker_process;

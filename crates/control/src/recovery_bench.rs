@@ -187,7 +187,7 @@ pub fn run_recovery_bench(
         let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: false, resume: None, heartbeat_s: 0.0, faults };
         let mut pids: BTreeMap<usize, u32> = BTreeMap::new();
         let mut record = None;
-        let outcome = run_training(&job, plan.placement.as_ref(), spec.workers, spec.comm_timeout_s, Some(spec.recovery), |event| {
+        let outcome = run_training(&job, plan.placement.as_ref(), spec.workers, spec.comm_timeout_s, Some(spec.recovery), None, |event| {
             match event {
                 TrainEvent::Ready { rank, pid } => {
                     pids.insert(rank, pid);

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lazarus_model::{StepReport, Trainer};
@@ -14,6 +15,7 @@ use crate::controller::{Command, Controller, Event, JobSpec, StopReport};
 use crate::error::ControlError;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, supervise, Confinement};
 use crate::protocol::{LauncherMessage, MoveStats, TrainJob, WorkerEvent};
+use crate::status::{snapshot, SharedStatus, StatusServer};
 use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
 
 /// Most worker processes of one local job.
@@ -200,6 +202,10 @@ pub enum TrainEvent {
     },
     /// Training went on after a failure.
     Reconfigured(ReconfigurationRecord),
+    /// The controller's status service listens here (`lazarus status --controller ADDR`).
+    Serving {
+        addr: std::net::SocketAddr,
+    },
 }
 
 /// How a training job ended.
@@ -226,6 +232,7 @@ pub fn run_training(
     world: usize,
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
+    status_listen: Option<std::net::SocketAddr>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
@@ -253,6 +260,17 @@ pub fn run_training(
     let begun = Instant::now();
     let first_epoch = epoch;
     let mut ctl = Controller::new(spec, plan.clone().with_epoch(epoch), (0..world as u64).collect(), begun);
+    let job_id = format!("job-{first_epoch}");
+    let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, first_epoch, &plan_json.1)));
+    let _server = match status_listen {
+        Some(addr) => {
+            let server = StatusServer::start(addr, shared.clone())?;
+            observe(TrainEvent::Serving { addr: server.addr() })?;
+            Some(server)
+        }
+        None => None,
+    };
     let mut shell =
         Shell { started: false, done: BTreeMap::new(), recovering: None, first_error: None, ranks: (0..world as u64).collect() };
     let result = (|| loop {
@@ -291,6 +309,10 @@ pub fn run_training(
         let decided = Instant::now();
         let commands = ctl.decide(decided, event);
         let plan_s = decided.elapsed().as_secs_f64();
+        if plan_json.0 != ctl.epoch() {
+            plan_json = (ctl.epoch(), ctl.plan().to_json());
+        }
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, &job_id, first_epoch, &plan_json.1);
         for command in commands {
             match command {
                 Command::Kill { node, reason } => {

@@ -122,6 +122,10 @@ pub struct TrainArgs {
     /// With --workers: seconds between a worker's heartbeats (default 0.2, below the lease).
     #[arg(long, value_name = "SECONDS")]
     pub heartbeat: Option<f64>,
+    /// With --workers and recovery: where the controller answers `lazarus status` (default
+    /// 127.0.0.1:0, any free loopback port; "off": nowhere).
+    #[arg(long, value_name = "ADDR|off")]
+    pub status_listen: Option<String>,
 }
 
 fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -150,8 +154,9 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 10] = [
+        let given: [(&'static str, bool); 11] = [
             ("--recovery", self.recovery.is_some()),
+            ("--status-listen", self.status_listen.is_some()),
             ("--lease", self.lease.is_some()),
             ("--heartbeat", self.heartbeat.is_some()),
             ("--placement-file", self.placement_file.is_some()),

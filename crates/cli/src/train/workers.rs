@@ -80,7 +80,8 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         tracing::info!("placement L{l}: {}", per_worker.join(" "));
     }
     let recovery = recovery(args)?;
-    if recovery.is_some() && (args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node > 1)) {
+    let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node > 1);
+    if recovery.is_some() && unrecoverable {
         tracing::info!(
             "recovery: off ({})",
             if args.static_ep {
@@ -94,7 +95,19 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
     let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0, faults: String::new() };
     let mut report_error: Option<anyhow::Error> = None;
-    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, |event| {
+    let status_listen = match (recovery.is_some() && !unrecoverable, args.status_listen.as_deref()) {
+        (_, Some("off")) => None,
+        (false, Some(_)) => bail!("--status-listen needs live recovery (the controller serves the status)"),
+        (false, None) => None,
+        (true, given) => {
+            let addr = given.unwrap_or("127.0.0.1:0");
+            Some(
+                addr.parse::<std::net::SocketAddr>()
+                    .map_err(|_| anyhow::anyhow!("invalid --status-listen: {addr:?} (expected host:port or off)"))?,
+            )
+        }
+    };
+    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, status_listen, |event| {
         let shown = match event {
             TrainEvent::Ready { rank, pid } => {
                 tracing::info!("worker {rank}: pid {pid} ready");
@@ -117,6 +130,10 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                 Ok(())
             }
             TrainEvent::Checkpointed { .. } => Ok(()),
+            TrainEvent::Serving { addr } => {
+                tracing::info!("controller status: lazarus status --controller {addr}");
+                Ok(())
+            }
             TrainEvent::Reconfigured(r) => {
                 reporter.pause();
                 let lost: Vec<String> = r.lost.iter().map(|w| w.to_string()).collect();

@@ -212,6 +212,41 @@ impl Controller {
         self.recent.iter()
     }
 
+    /// The phase of the job: `rendezvous`, `running`, `collecting` (a loss is being recovered
+    /// from) or `stopped`.
+    pub fn phase_name(&self) -> &'static str {
+        match self.phase {
+            Phase::Rendezvous { .. } => "rendezvous",
+            Phase::Running => "running",
+            Phase::Collecting { .. } => "collecting",
+            Phase::Stopped => "stopped",
+        }
+    }
+
+    /// Every node the job has had, alive or lost.
+    pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.last_seen.keys().copied()
+    }
+
+    /// The epoch `node` was last told to be in.
+    pub fn node_epoch(&self, node: NodeId) -> Option<u64> {
+        self.node_epoch.get(&node).copied()
+    }
+
+    /// The last step a worker reported done.
+    pub fn last_step(&self) -> u64 {
+        self.last_step
+    }
+
+    /// The step of the last checkpoint written, if any.
+    pub fn checkpoint(&self) -> Option<u64> {
+        self.checkpoint
+    }
+
+    pub fn lease(&self) -> Duration {
+        self.spec.lease
+    }
+
     /// When `node` was last heard from (for a node lost by its lease: when it fell silent).
     pub fn last_heard(&self, node: NodeId) -> Option<Instant> {
         self.last_seen.get(&node).copied()

@@ -1,0 +1,66 @@
+//! `lazarus status --controller ADDR [--json]`: what the controller of a running job knows.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use lazarus_control::status::query;
+use lazarus_plan::ModelPlan;
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    /// The controller's status address (printed by `lazarus train --workers N`).
+    #[arg(long, value_name = "HOST:PORT")]
+    controller: String,
+    /// Seconds to wait for an answer.
+    #[arg(long, default_value_t = 5.0)]
+    timeout: f64,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_status(args: &StatusArgs) -> Result<()> {
+    if !args.timeout.is_finite() || !(0.01..=600.0).contains(&args.timeout) {
+        bail!("invalid --timeout: {} (expected seconds between 0.01 and 600)", args.timeout);
+    }
+    let s = query(&args.controller, Duration::from_secs_f64(args.timeout))?;
+    if args.json {
+        let members: Vec<serde_json::Value> = s
+            .members
+            .iter()
+            .map(|m| serde_json::json!({"node": m.node, "alive": m.alive, "rank": m.rank, "silent_s": m.silent_s, "epoch": m.epoch}))
+            .collect();
+        let plan: serde_json::Value = serde_json::from_str(&s.plan_json).unwrap_or(serde_json::Value::Null);
+        let v = serde_json::json!({
+            "job_id": s.job_id, "epoch": s.epoch, "phase": s.phase, "step": s.step, "members": members,
+            "plan": plan, "recent": s.recent, "last_checkpoint": s.last_checkpoint, "lease_s": s.lease_s,
+            "reconfigurations": s.reconfigurations,
+        });
+        return crate::io::println(&v.to_string());
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "job        {} (epoch {}, {} reconfiguration(s))", s.job_id, s.epoch, s.reconfigurations);
+    let _ = writeln!(out, "phase      {} at step {}", s.phase, s.step);
+    let _ = writeln!(out, "checkpoint {}", s.last_checkpoint.map_or("none yet".to_string(), |c| format!("step {c}")));
+    let alive = s.members.iter().filter(|m| m.alive).count();
+    let _ = writeln!(out, "members    {alive} alive of {} (lease {} s)", s.members.len(), s.lease_s);
+    for m in &s.members {
+        let rank = m.rank.map_or("-".to_string(), |r| r.to_string());
+        let state = if m.alive { format!("alive, heard {:.2} s ago", m.silent_s) } else { "lost".to_string() };
+        let _ = writeln!(out, "  worker {:>3}  rank {:>3}  epoch {:>3}  {state}", m.node, rank, m.epoch);
+    }
+    if let Ok(plan) = ModelPlan::from_json(&s.plan_json) {
+        for (l, layer) in plan.layers().iter().enumerate() {
+            let nodes: Vec<String> = layer.nodes().iter().enumerate().map(|(n, e)| format!("r{n}{e:?}")).collect();
+            let _ = writeln!(out, "plan L{l:<3}  {}", nodes.join(" "));
+        }
+    }
+    if !s.recent.is_empty() {
+        let _ = writeln!(out, "recent");
+        for e in &s.recent {
+            let _ = writeln!(out, "  {e}");
+        }
+    }
+    crate::io::print(&out)
+}

@@ -1,0 +1,7 @@
+//! Generates the gRPC control protocol from `proto/` with a pure-Rust protobuf compiler
+//! (protox): no `protoc` needed, nothing downloaded at build time.
+fn main() {
+    println!("cargo:rerun-if-changed=proto/lazarus_control.proto");
+    let fds = protox::compile(["proto/lazarus_control.proto"], ["proto"]).expect("the control protocol compiles");
+    tonic_prost_build::configure().compile_fds(fds).expect("the control protocol's Rust code is generated");
+}

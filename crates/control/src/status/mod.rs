@@ -1,0 +1,148 @@
+//! `lazarus status`: what the controller of a running job knows — membership, epoch, plan,
+//! recent events — served over gRPC (`proto/lazarus_control.proto`, `tonic`). The controller's
+//! loop publishes a [`snapshot`] after each decision; the server only hands out the latest.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::controller::Controller;
+use crate::error::ControlError;
+
+/// The generated protocol.
+pub mod proto {
+    tonic::include_proto!("lazarus.control.v1");
+}
+
+use proto::control_server::{Control, ControlServer};
+use proto::{Member, StatusReply, StatusRequest};
+
+/// The latest status, shared by the controller's loop (writer) and the server (reader).
+pub type SharedStatus = Arc<Mutex<StatusReply>>;
+
+/// What `ctl` knows at `now`, for job `job_id` that started at epoch `first_epoch`; its plan
+/// as `plan_json` (the caller keeps it from one epoch to the next: it changes only with one).
+pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan_json: &str) -> StatusReply {
+    let members = ctl
+        .nodes()
+        .map(|node| Member {
+            node,
+            alive: ctl.alive().contains(&node),
+            rank: ctl.ranks().iter().position(|&n| n == node).map(|r| r as u64),
+            silent_s: ctl.last_heard(node).map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
+            epoch: ctl.node_epoch(node).map_or(0, |e| e.saturating_sub(first_epoch)),
+        })
+        .collect();
+    StatusReply {
+        job_id: job_id.to_string(),
+        epoch: ctl.epoch().saturating_sub(first_epoch),
+        phase: ctl.phase_name().to_string(),
+        step: ctl.last_step(),
+        members,
+        plan_json: plan_json.to_string(),
+        recent: ctl.recent().cloned().collect(),
+        last_checkpoint: ctl.checkpoint(),
+        lease_s: ctl.lease().as_secs_f64(),
+        reconfigurations: ctl.epoch().saturating_sub(first_epoch),
+    }
+}
+
+struct Service {
+    status: SharedStatus,
+}
+
+#[tonic::async_trait]
+impl Control for Service {
+    async fn status(&self, _request: tonic::Request<StatusRequest>) -> Result<tonic::Response<StatusReply>, tonic::Status> {
+        let reply = self.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(tonic::Response::new(reply))
+    }
+}
+
+/// The status service of a running controller; stops when dropped.
+pub struct StatusServer {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StatusServer {
+    /// Serve `status` on `listen` (port 0: any free port) from a thread of its own.
+    pub fn start(listen: SocketAddr, status: SharedStatus) -> Result<Self, ControlError> {
+        let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("--status-listen: binding {listen}"), e))?;
+        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
+        listener.set_nonblocking(true).map_err(|e| ControlError::io("the status listener", e))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("lazarus-status")
+            .enable_all()
+            .build()
+            .map_err(|e| ControlError::io("starting the status server's runtime", e))?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("lazarus-status".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => return tracing::warn!("status server: {e}"),
+                    };
+                    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                    let served = tonic::transport::Server::builder()
+                        .add_service(ControlServer::new(Service { status }))
+                        .serve_with_incoming_shutdown(incoming, async {
+                            let _ = stopped.await;
+                        })
+                        .await;
+                    if let Err(e) = served {
+                        tracing::warn!("status server: {e}");
+                    }
+                });
+            })
+            .map_err(|e| ControlError::io("starting the status server", e))?;
+        Ok(StatusServer { addr, stop: Some(stop), thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StatusServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Ask the controller at `addr` (`host:port`) for its status, waiting at most `timeout`.
+pub fn query(addr: &str, timeout: Duration) -> Result<StatusReply, ControlError> {
+    let parsed: SocketAddr =
+        addr.parse().map_err(|_| ControlError::invalid("--controller", format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| ControlError::io("starting a runtime", e))?;
+    runtime.block_on(async move {
+        let asked = async {
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{parsed}"))
+                .map_err(|e| ControlError::invalid("--controller", e.to_string()))?
+                .connect_timeout(timeout)
+                .timeout(timeout);
+            let channel =
+                endpoint.connect().await.map_err(|e| ControlError::Launch(format!("cannot reach the controller at {parsed}: {e}")))?;
+            let mut client = proto::control_client::ControlClient::new(channel);
+            let reply = client
+                .status(StatusRequest {})
+                .await
+                .map_err(|e| ControlError::Launch(format!("the controller at {parsed} did not answer: {}", e.message())))?;
+            Ok(reply.into_inner())
+        };
+        tokio::time::timeout(timeout, asked)
+            .await
+            .map_err(|_| ControlError::Launch(format!("no answer from {parsed} within {} s", timeout.as_secs_f64())))?
+    })
+}
