@@ -5,13 +5,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{dir, lazarus};
+use common::{dir, lazarus, spawn_lazarus, worker_pids};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
@@ -44,30 +43,8 @@ fn start_with_faults(n: usize, extra: &[&str], faults: &str) -> (Child, mpsc::Re
     let mut args = vec!["train", "--workers", workers.as_str()];
     args.extend(tiny());
     args.extend(extra);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus"))
-        .args(&args)
-        .env("LAZARUS_FAULT", faults)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel();
-    let stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut pids = vec![0i32; n];
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while pids.contains(&0) {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
-        if let Some(rest) = line.strip_prefix("worker ") {
-            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
-                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        }
-    }
+    let (child, rx) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults)]);
+    let pids = worker_pids(&rx, n, |_| {});
     (child, rx, pids)
 }
 
@@ -358,28 +335,13 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     let log_s = path.to_str().unwrap().to_string();
     let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", &log_s];
     args.extend(tiny());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (mut child, rx) = spawn_lazarus(&args, &[]);
     let mut addr = None;
-    let mut pids = [0i32; 3];
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while addr.is_none() || pids.contains(&0) {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the job starts");
+    let pids = worker_pids(&rx, 3, |line| {
         if let Some(a) = line.strip_prefix("controller status: lazarus status --controller ") {
             addr = Some(a.to_string());
         }
-        if let Some(rest) = line.strip_prefix("worker ") {
-            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
-                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        }
-    }
+    });
     let addr = addr.unwrap();
     wait_for_steps(&path, 5);
     let ask = || {

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{dir, lazarus};
+use common::{dir, lazarus, spawn_lazarus, worker_pids};
 
 /// The tiny model of these tests.
 fn tiny() -> [&'static str; 16] {
@@ -300,24 +300,8 @@ fn start_workers(extra: &[&str]) -> (std::process::Child, mpsc::Receiver<String>
     let mut args = vec!["train", "--workers", "2"];
     args.extend(tiny());
     args.extend(extra);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    let stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut pids = vec![0i32; 2];
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while pids.contains(&0) {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
-        if let Some(rest) = line.strip_prefix("worker ") {
-            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
-                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        }
-    }
+    let (child, rx) = spawn_lazarus(&args, &[]);
+    let pids = worker_pids(&rx, 2, |_| {});
     (child, rx, pids)
 }
 

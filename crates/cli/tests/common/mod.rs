@@ -39,3 +39,45 @@ pub fn tiny_model(batch: &'static str) -> [&'static str; 16] {
         "20000",
     ]
 }
+
+/// Start `lazarus train --workers N …` (`args`, with `env` set); returns it and its stderr
+/// lines as they come (stdout is piped too: the summary is small).
+#[allow(dead_code)] // only the tests of worker processes start them
+pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// Read `lines` until each of `n` workers has said `worker R: pid P ready`; their pids by rank.
+/// Every line read is also handed to `seen`.
+#[allow(dead_code)] // only the tests of worker processes start them
+pub fn worker_pids(lines: &std::sync::mpsc::Receiver<String>, n: usize, mut seen: impl FnMut(&str)) -> Vec<i32> {
+    use std::time::{Duration, Instant};
+    let mut pids = vec![0i32; n];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.contains(&0) {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
+        if let Some(rest) = line.strip_prefix("worker ") {
+            if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
+                pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        }
+        seen(&line);
+    }
+    pids
+}
