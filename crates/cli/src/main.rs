@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod agent;
 mod io;
 mod moe_bench;
 mod planning;
@@ -45,6 +46,11 @@ enum Command {
     Bench(BenchCommand),
     /// What the controller of a running job knows: members, epoch, plan, recent events.
     Status(Box<status::StatusArgs>),
+    /// The controller of a job run by node agents on several hosts: takes the train flags
+    /// (with --workers N), waits for agents to bring N workers, then trains and recovers.
+    Controller(Box<train::workers::ControllerArgs>),
+    /// One node of a job: attaches to its controller, runs this node's workers (one per GPU).
+    Agent(Box<agent::AgentArgs>),
     /// One rank of `train --workers N` (started by it; reads its spec on stdin).
     #[command(hide = true)]
     Worker,
@@ -122,6 +128,8 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Status(args) => status::run_status(&args),
+        Command::Controller(args) => train::workers::run_controller(&args),
+        Command::Agent(args) => agent::run_agent_cli(&args),
         Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
         Command::BenchWorker => return worker_exit(lazarus_control::worker_process::run_bench_worker()),
     };

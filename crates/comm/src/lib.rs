@@ -19,7 +19,7 @@ pub use collectives::{
     RING_THRESHOLD_BYTES,
 };
 pub use error::CommError;
-pub use tcp::{Rendezvous, TcpTransport};
+pub use tcp::{Fence, Rendezvous, TcpTransport};
 
 use std::time::Instant;
 

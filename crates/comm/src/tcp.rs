@@ -340,9 +340,38 @@ impl TcpTransport {
         }
     }
 
+    /// A handle that cuts this transport's connections to chosen peers from another thread
+    /// (see [`Fence`]).
+    pub fn fence(&self) -> Fence {
+        Fence { epoch: self.epoch, streams: self.streams.iter().map(|s| s.as_ref().and_then(|s| s.try_clone().ok())).collect() }
+    }
+
     /// Drop every connection without a goodbye, as a crash would.
     pub fn abort_connections(&mut self) {
         for s in self.streams.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Cuts a transport's connections to peers the controller gave up (lost by their lease: hung,
+/// or cut off by a partition). A peer that is silent but connected would otherwise hold every
+/// collective until its deadline; once cut, whatever waits on it fails at once with
+/// [`CommError::PeerLost`], and the step is abandoned.
+pub struct Fence {
+    epoch: u64,
+    streams: Vec<Option<TcpStream>>,
+}
+
+impl Fence {
+    /// The epoch of the transport it cuts.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Cut the connection to `rank` (nothing if there is none).
+    pub fn cut(&self, rank: usize) {
+        if let Some(Some(s)) = self.streams.get(rank) {
             let _ = s.shutdown(Shutdown::Both);
         }
     }

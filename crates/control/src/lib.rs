@@ -11,12 +11,18 @@
 //! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
 //! * [`train`] — `lazarus train --workers N`: the controller's shell around the worker
 //!   processes, live recovery included;
-//! * [`status`] — the gRPC status service of a running controller (`lazarus status`);
+//! * [`status`] — the gRPC service of a running controller (`lazarus status`, and the agents'
+//!   sessions);
+//! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
+//! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
 //! * [`bench`] and [`recovery_bench`] — `lazarus bench moe-layer` and `lazarus bench recovery`.
 
+pub mod agent;
 pub mod bench;
 pub mod controller;
 mod error;
+pub mod fleet;
+pub mod hub;
 pub mod launcher;
 pub mod protocol;
 pub mod recovery_bench;
@@ -29,4 +35,6 @@ pub use error::ControlError;
 pub use launcher::{allowed_cpus, Confinement};
 pub use protocol::{FailureKind, TrainJob, WorkerEvent};
 pub use supervisor::{Action, Outcome, RankEnd, Supervisor};
-pub use train::{plan_job, run_training, JobPlan, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
+pub use train::{
+    plan_job, run_training, AgentsSpec, Hosts, JobPlan, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome,
+};

@@ -32,6 +32,10 @@ pub struct WorkerSpec<J> {
     /// The job's secret, 32 hex digits: every hello of the rendezvous carries it (sent on
     /// stdin, never on a command line).
     pub secret: String,
+    /// The address to listen on for peers (default 127.0.0.1: every rank on this host). An
+    /// agent sets its host's address, so that ranks on other hosts can reach it.
+    #[serde(default)]
+    pub bind: Option<String>,
     pub job: J,
 }
 
@@ -88,8 +92,25 @@ pub enum LauncherMessage {
     /// Give up the rendezvous of `epoch` (a rank of it was lost before it connected) and say
     /// where you stopped.
     Abandon { epoch: u64 },
+    /// The controller gave up these ranks of `epoch` (lost by their lease: hung or cut off):
+    /// cut the connections to them, so that a step waiting on them fails now, not at its
+    /// deadline.
+    Fence { epoch: u64, ranks: Vec<usize> },
     /// Stop now.
     Stop { reason: String },
+}
+
+impl LauncherMessage {
+    /// The plan epoch a message belongs to (None: any).
+    pub fn epoch(&self) -> Option<u64> {
+        match self {
+            LauncherMessage::Addrs { epoch, .. } | LauncherMessage::Abandon { epoch } | LauncherMessage::Fence { epoch, .. } => {
+                Some(*epoch)
+            }
+            LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
+            LauncherMessage::Stop { .. } => None,
+        }
+    }
 }
 
 /// What moving to a new plan took on one worker.

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use crate::error::ControlError;
 use crate::protocol::TrainJob;
-use crate::train::{plan_job, run_training, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
+use crate::train::{plan_job, run_training, Hosts, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
 
 /// Most kills one benchmark makes (one run each).
 pub const MAX_KILLS: usize = 100;
@@ -187,29 +187,37 @@ pub fn run_recovery_bench(
         let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: false, resume: None, heartbeat_s: 0.0, faults };
         let mut pids: BTreeMap<usize, u32> = BTreeMap::new();
         let mut record = None;
-        let outcome = run_training(&job, plan.placement.as_ref(), spec.workers, spec.comm_timeout_s, Some(spec.recovery), None, |event| {
-            match event {
-                TrainEvent::Ready { rank, pid } => {
-                    pids.insert(rank, pid);
-                }
-                TrainEvent::Step { report, seconds, .. } => {
-                    if let (Some(sig), true) = (kill.phase.signal(), report.step + 1 == kill.step) {
-                        if let Some(&pid) = pids.get(&kill.worker) {
-                            // SAFETY: a signal to a worker process this job started.
-                            unsafe {
-                                libc::kill(pid as i32, sig);
+        let outcome = run_training(
+            &job,
+            plan.placement.as_ref(),
+            spec.workers,
+            spec.comm_timeout_s,
+            Some(spec.recovery),
+            &Hosts::Local { status_listen: None },
+            |event| {
+                match event {
+                    TrainEvent::Ready { rank, pid } => {
+                        pids.insert(rank, pid);
+                    }
+                    TrainEvent::Step { report, seconds, .. } => {
+                        if let (Some(sig), true) = (kill.phase.signal(), report.step + 1 == kill.step) {
+                            if let Some(&pid) = pids.get(&kill.worker) {
+                                // SAFETY: a signal to a worker process this job started.
+                                unsafe {
+                                    libc::kill(pid as i32, sig);
+                                }
                             }
                         }
+                        if report.step > 1 && report.step != kill.step && report.step != kill.step + 1 {
+                            step_s.push(seconds);
+                        }
                     }
-                    if report.step > 1 && report.step != kill.step && report.step != kill.step + 1 {
-                        step_s.push(seconds);
-                    }
+                    TrainEvent::Reconfigured(r) => record = Some(r),
+                    _ => {}
                 }
-                TrainEvent::Reconfigured(r) => record = Some(r),
-                _ => {}
-            }
-            Ok(())
-        });
+                Ok(())
+            },
+        );
         let error = match outcome {
             Ok(TrainOutcome::Completed { .. }) => None,
             Ok(TrainOutcome::Failed { reason, .. }) => Some(reason),

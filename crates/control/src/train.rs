@@ -2,6 +2,7 @@
 //! them; what to show the user is the caller's (every [`Action`] is handed to it).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,8 +14,10 @@ use serde::Serialize;
 
 use crate::controller::{Command, Controller, Event, JobSpec, StopReport};
 use crate::error::ControlError;
-use crate::launcher::{check_comm_timeout, fresh_epoch, launch, supervise, Confinement};
-use crate::protocol::{LauncherMessage, MoveStats, TrainJob, WorkerEvent};
+use crate::fleet::Fleet;
+use crate::hub::AgentHub;
+use crate::launcher::{check_comm_timeout, die_with_parent, fresh_epoch, launch, supervise, Confinement};
+use crate::protocol::{secret_hex, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
 use crate::status::{snapshot, SharedStatus, StatusServer};
 use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
 
@@ -202,9 +205,19 @@ pub enum TrainEvent {
     },
     /// Training went on after a failure.
     Reconfigured(ReconfigurationRecord),
-    /// The controller's status service listens here (`lazarus status --controller ADDR`).
+    /// The controller's gRPC service listens here (`lazarus status --controller ADDR`, and
+    /// `lazarus agent --controller ADDR` when the job is run by agents).
     Serving {
-        addr: std::net::SocketAddr,
+        addr: SocketAddr,
+    },
+    /// An agent attached: its number, host and workers, and the workers attached so far.
+    AgentJoined {
+        agent: u64,
+        host: String,
+        gpus: usize,
+        pid: u32,
+        attached: usize,
+        world: usize,
     },
 }
 
@@ -221,18 +234,44 @@ pub enum TrainOutcome {
     },
 }
 
-/// Start `world` worker processes on `job` and run them to the end; every [`TrainEvent`] goes
-/// to `observe` as it happens. With `recovery` (and a plan the controller can re-plan: one
-/// worker per node), a lost worker does not end the run: the controller moves the survivors
-/// to a new plan (or rolls them back to the last checkpoint) and training goes on. Without it,
-/// the first failure ends the run. Collectives time out after `comm_timeout_s`.
+/// Where a job's workers run.
+#[derive(Debug, Clone)]
+pub enum Hosts {
+    /// Started by this process (the launcher is every worker's agent); the controller's status
+    /// is served at `status_listen`, if given.
+    Local { status_listen: Option<SocketAddr> },
+    /// Started by node agents attached to the controller's gRPC service.
+    Agents(AgentsSpec),
+}
+
+/// A job run by node agents (`lazarus agent`), one per node with its workers.
+#[derive(Debug, Clone)]
+pub struct AgentsSpec {
+    /// Where the controller serves agents and `lazarus status`.
+    pub listen: SocketAddr,
+    /// The job's secret: every agent's hello and every rendezvous hello carries it.
+    pub secret: u128,
+    /// Agents to start on this host, on loopback, `gpus_per_node` workers each (the
+    /// `train --workers N --gpus-per-node G` case); 0: agents of other hosts attach.
+    pub local_agents: usize,
+    pub gpus_per_node: usize,
+    /// How long to wait for agents to bring every worker.
+    pub wait: Duration,
+}
+
+/// Start `world` worker processes on `job` (here, or through node agents as `hosts` says) and
+/// run them to the end; every [`TrainEvent`] goes to `observe` as it happens. With `recovery`
+/// (and a plan the controller can re-plan: one rank per plan node), a lost worker does not end
+/// the run: the controller moves the survivors to a new plan (or rolls them back to the last
+/// checkpoint) and training goes on. Without it, the first failure ends the run (local workers
+/// only). Collectives time out after `comm_timeout_s`.
 pub fn run_training(
     job: &TrainJob,
     plan: Option<&ModelPlan>,
     world: usize,
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
-    status_listen: Option<std::net::SocketAddr>,
+    hosts: &Hosts,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
@@ -242,12 +281,17 @@ pub fn run_training(
         _ => None,
     };
     let Some((plan, recovery)) = recoverable else {
+        if let Hosts::Agents(_) = hosts {
+            return Err(ControlError::invalid(
+                "--recovery",
+                "node agents run jobs with live recovery only (not --recovery off, --static-ep, or a plan with several GPUs per node)",
+            ));
+        }
         return run_without_recovery(job, world, comm_timeout_s, start_within, observe);
     };
     let mut job = job.clone();
     job.heartbeat_s = recovery.heartbeat.as_secs_f64();
     let epoch = fresh_epoch();
-    let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
     let cfg = &job.config;
     let spec = JobSpec {
         layers: cfg.model.moe_layers(),
@@ -257,23 +301,128 @@ pub fn run_training(
         expert_bytes: (cfg.model.expert_params() * 12) as u64,
         lease: recovery.lease,
     };
-    let begun = Instant::now();
     let first_epoch = epoch;
-    let mut ctl = Controller::new(spec, plan.clone().with_epoch(epoch), (0..world as u64).collect(), begun);
     let job_id = format!("job-{first_epoch}");
-    let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
-    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, first_epoch, &plan_json.1)));
-    let _server = match status_listen {
-        Some(addr) => {
-            let server = StatusServer::start(addr, shared.clone())?;
-            observe(TrainEvent::Serving { addr: server.addr() })?;
-            Some(server)
+    let begun = Instant::now();
+    let ctl = Controller::new(spec.clone(), plan.clone().with_epoch(epoch), (0..world as u64).collect(), begun);
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, first_epoch, &ctl.plan().to_json())));
+    match hosts {
+        Hosts::Local { status_listen } => {
+            let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
+            let _server = match status_listen {
+                Some(addr) => {
+                    let server = StatusServer::start(*addr, shared.clone(), None)?;
+                    observe(TrainEvent::Serving { addr: server.addr() })?;
+                    Some(server)
+                }
+                None => None,
+            };
+            drive(&mut processes, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
         }
-        None => None,
-    };
+        Hosts::Agents(a) => {
+            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, epoch, recovery.lease, recovery.heartbeat);
+            let server = StatusServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
+            let addr = server.addr();
+            observe(TrainEvent::Serving { addr })?;
+            let mut agents = if a.local_agents > 0 { Some(start_local_agents(a, addr)?) } else { None };
+            let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
+                observe(TrainEvent::AgentJoined {
+                    agent: info.agent,
+                    host: info.host.clone(),
+                    gpus: info.gpus,
+                    pid: info.pid,
+                    attached,
+                    world,
+                })
+            });
+            let run = attached.and_then(|_| {
+                let secret = secret_hex(a.secret);
+                let mut fleet = hub.start(inputs, |rank, host| {
+                    let spec = WorkerSpec {
+                        rank,
+                        world,
+                        epoch,
+                        timeout_s: comm_timeout_s,
+                        secret: secret.clone(),
+                        bind: Some(host.to_string()),
+                        job: &job,
+                    };
+                    Ok(serde_json::to_string(&spec)?)
+                })?;
+                drive(&mut fleet, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
+            });
+            if let Some(agents) = &mut agents {
+                // Agents end with their part in the job; they are killed if they do not.
+                agents.reap_within(Duration::from_secs(40));
+            }
+            run
+        }
+    }
+}
+
+/// Agent processes started on this host (`train --workers N --gpus-per-node G`).
+struct LocalAgents {
+    children: Vec<std::process::Child>,
+}
+
+impl LocalAgents {
+    fn reap_within(&mut self, within: Duration) {
+        let until = Instant::now() + within;
+        for c in &mut self.children {
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for LocalAgents {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn start_local_agents(a: &AgentsSpec, controller: SocketAddr) -> Result<LocalAgents, ControlError> {
+    let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
+    let mut agents = LocalAgents { children: Vec::with_capacity(a.local_agents) };
+    for i in 0..a.local_agents {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["agent", "--controller", &controller.to_string(), "--gpus", &a.gpus_per_node.to_string()])
+            .env("LAZARUS_SECRET", secret_hex(a.secret))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit());
+        die_with_parent(&mut cmd);
+        agents.children.push(cmd.spawn().map_err(|e| ControlError::io(format!("starting agent {i}"), e))?);
+    }
+    Ok(agents)
+}
+
+/// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
+/// job completes or stops. On anything but completion every worker left is killed.
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    fleet: &mut dyn Fleet,
+    spec: JobSpec,
+    plan: ModelPlan,
+    world: usize,
+    first_epoch: u64,
+    job_id: &str,
+    start_within: Duration,
+    shared: SharedStatus,
+    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
+) -> Result<TrainOutcome, ControlError> {
+    let begun = Instant::now();
+    let mut ctl = Controller::new(spec, plan, (0..world as u64).collect(), begun);
+    let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
     let mut shell =
         Shell { started: false, done: BTreeMap::new(), recovering: None, first_error: None, ranks: (0..world as u64).collect() };
-    let result = (|| loop {
+    let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
         if !shell.started && now >= begun + start_within {
             return Ok(TrainOutcome::Failed {
@@ -285,11 +434,11 @@ pub fn run_training(
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
-        let event = match processes.next_event(wait) {
+        let event = match fleet.next_event(wait) {
             None => Event::Tick,
             Some((rank, None)) => {
-                let status = processes.exit_status(rank);
-                if shell.done.contains_key(&rank) {
+                let status = fleet.exit_status(rank);
+                if shell.done.contains_key(&rank) || !ctl.alive().contains(&(rank as u64)) {
                     continue;
                 }
                 observe(TrainEvent::Lost { worker: rank, why: format!("died ({status})") })?;
@@ -312,26 +461,31 @@ pub fn run_training(
         if plan_json.0 != ctl.epoch() {
             plan_json = (ctl.epoch(), ctl.plan().to_json());
         }
-        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, &job_id, first_epoch, &plan_json.1);
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
         for command in commands {
             match command {
                 Command::Kill { node, reason } => {
-                    processes.kill(node as usize);
+                    fleet.kill(node as usize, &reason);
                     observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
                     // A silent node failed when it was last heard from, a lease ago: the
                     // record counts the wait for the lease as detection.
                     shell.failure_seen_at(ctl.last_heard(node).unwrap_or(decided));
                 }
-                Command::Abandon { epoch, nodes } => {
-                    let line = serde_json::to_string(&LauncherMessage::Abandon { epoch })?;
+                Command::Fence { epoch, ranks, nodes } => {
+                    let m = LauncherMessage::Fence { epoch, ranks };
                     for node in nodes {
-                        let _ = processes.write_line(node as usize, &line);
+                        let _ = fleet.send(node as usize, &m);
+                    }
+                }
+                Command::Abandon { epoch, nodes } => {
+                    for node in nodes {
+                        let _ = fleet.send(node as usize, &LauncherMessage::Abandon { epoch });
                     }
                 }
                 Command::Addresses { epoch, addrs } => {
-                    let line = serde_json::to_string(&LauncherMessage::Addrs { epoch, addrs })?;
+                    let m = LauncherMessage::Addrs { epoch, addrs };
                     for &node in ctl.ranks() {
-                        let _ = processes.write_line(node as usize, &line);
+                        let _ = fleet.send(node as usize, &m);
                     }
                 }
                 Command::Resume { epoch } => {
@@ -352,8 +506,7 @@ pub fn run_training(
                             plan: m.plan.clone(),
                             transfers: m.transfers.clone(),
                         };
-                        let line = serde_json::to_string(&LauncherMessage::Reconfigure { commit_to: m.commit_to, to })?;
-                        let _ = processes.write_line(node as usize, &line);
+                        let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
                 }
                 Command::Rollback { to: m, to_step } => {
@@ -364,8 +517,7 @@ pub fn run_training(
                     for (rank, &node) in m.ranks.iter().enumerate() {
                         let to =
                             Reconfiguration { epoch: m.epoch, rank, world: m.ranks.len(), plan: m.plan.clone(), transfers: Vec::new() };
-                        let line = serde_json::to_string(&LauncherMessage::Rollback { to_step, to })?;
-                        let _ = processes.write_line(node as usize, &line);
+                        let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
                 }
                 Command::Stop { reason } => {
@@ -382,10 +534,14 @@ pub fn run_training(
         }
     })();
     match &result {
-        Ok(TrainOutcome::Completed { .. }) => processes.reap(),
-        _ => {
-            processes.kill_all();
-            processes.reap();
+        Ok(TrainOutcome::Completed { .. }) => fleet.finish(),
+        Ok(TrainOutcome::Failed { reason, .. }) => {
+            fleet.kill_all(reason);
+            fleet.finish();
+        }
+        Err(e) => {
+            fleet.kill_all(&e.to_string());
+            fleet.finish();
         }
     }
     result

@@ -7,7 +7,7 @@
 //! that stops reading — paused, or busy — never blocks a step; everything else waits for room.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lazarus_comm::{Group, Rendezvous, TcpTransport};
+use lazarus_comm::{Fence, Group, Rendezvous, TcpTransport};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
 use lazarus_runtime::{DispatchMode, FaultHook, FaultPoint, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
@@ -114,6 +114,8 @@ struct Inbox {
     rx: Receiver<LauncherMessage>,
     /// The rendezvous in progress: its epoch and the flag that calls it off.
     connecting: Connecting,
+    /// What cuts the current transport's connections to ranks the controller gave up.
+    fence: Arc<Mutex<Option<Fence>>>,
 }
 
 impl Inbox {
@@ -121,10 +123,20 @@ impl Inbox {
         let (tx, rx) = mpsc::channel();
         let connecting: Connecting = Arc::new(Mutex::new(None));
         let calls = connecting.clone();
+        let fence: Arc<Mutex<Option<Fence>>> = Arc::new(Mutex::new(None));
+        let fences = fence.clone();
         std::thread::Builder::new()
             .name("lazarus-launcher-watch".into())
             .spawn(move || loop {
                 match read_line::<LauncherMessage>(&mut stdin, "launcher message") {
+                    Ok(LauncherMessage::Fence { epoch, ranks }) => {
+                        // Handled here, at once: the training thread may be blocked on them.
+                        if let Some(f) = fences.lock().unwrap_or_else(|e| e.into_inner()).as_ref().filter(|f| f.epoch() == epoch) {
+                            for r in ranks {
+                                f.cut(r);
+                            }
+                        }
+                    }
                     Ok(m) => {
                         if let LauncherMessage::Abandon { epoch } = &m {
                             if let Some((e, flag)) = calls.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
@@ -145,7 +157,7 @@ impl Inbox {
                 }
             })
             .map_err(|e| ControlError::io("starting the launcher watch", e))?;
-        Ok(Inbox { rx, connecting })
+        Ok(Inbox { rx, connecting, fence })
     }
 
     /// The next message, waiting at most `timeout`.
@@ -161,21 +173,23 @@ fn called_off(epoch: u64) -> ControlError {
     ))))
 }
 
-/// Bind, say where, wait for every rank's address at `epoch`, connect to all of them (with the
-/// job's secret). An [`LauncherMessage::Abandon`] of the epoch ends it at any point.
-fn rendezvous(
-    sink: &EventSink,
-    inbox: &Inbox,
-    rank: usize,
-    world: usize,
-    epoch: u64,
+/// What every rendezvous of a job shares: the collective deadline, the job's secret, and the
+/// address to listen on.
+#[derive(Clone, Copy)]
+struct Net {
     timeout: Duration,
     secret: u128,
-) -> Result<TcpTransport, ControlError> {
+    bind: IpAddr,
+}
+
+/// Bind, say where, wait for every rank's address at `epoch`, connect to all of them (with the
+/// job's secret). An [`LauncherMessage::Abandon`] of the epoch ends it at any point.
+fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch: u64, net: Net) -> Result<TcpTransport, ControlError> {
+    let Net { timeout, secret, bind } = net;
     let cancel = Arc::new(AtomicBool::new(false));
     *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, cancel.clone()));
     let result = (|| {
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| ControlError::io("binding a loopback port", e))?;
+        let listener = TcpListener::bind((bind, 0)).map_err(|e| ControlError::io(format!("binding a port on {bind}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the bound address", e))?;
         sink.send(WorkerEvent::Listening { addr: addr.to_string(), epoch });
         let addrs = loop {
@@ -198,7 +212,9 @@ fn rendezvous(
             .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
             .collect::<Result<_, _>>()?;
         let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()) };
-        TcpTransport::connect(listener, r).map_err(|e| ControlError::Runtime(e.into()))
+        let t = TcpTransport::connect(listener, r).map_err(|e| ControlError::Runtime(e.into()))?;
+        *inbox.fence.lock().unwrap_or_else(|e| e.into_inner()) = Some(t.fence());
+        Ok(t)
     })();
     *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = None;
     result
@@ -217,9 +233,25 @@ fn join<J: DeserializeOwned>(
         return Err(ControlError::invalid("worker spec", format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s)));
     }
     let secret = parse_secret(&spec.secret).ok_or_else(|| ControlError::invalid("worker spec", "the job secret is not 32 hex digits"))?;
+    let bind = bind_ip(spec.bind.as_deref())?;
     let inbox = Inbox::start(stdin, spec.rank)?;
-    let t = rendezvous(sink, &inbox, spec.rank, spec.world, spec.epoch, Duration::from_secs_f64(spec.timeout_s), secret)?;
+    let t = rendezvous(
+        sink,
+        &inbox,
+        spec.rank,
+        spec.world,
+        spec.epoch,
+        Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind },
+    )?;
     Ok((spec, inbox, t))
+}
+
+/// The address a worker listens on for its peers: its spec's, or loopback.
+fn bind_ip(bind: Option<&str>) -> Result<IpAddr, ControlError> {
+    match bind {
+        None => Ok(IpAddr::from([127, 0, 0, 1])),
+        Some(b) => b.parse().map_err(|_| ControlError::invalid("worker spec", format!("bind address {b:?} is not an IP address"))),
+    }
 }
 
 /// The kind of failure a worker reports for `e`.
@@ -330,6 +362,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
         }
     })?;
     let secret = parse_secret(&spec.secret).unwrap_or_default();
+    let bind = bind_ip(spec.bind.as_deref())?;
     let fault = fault_hook(spec.rank, &spec.job.faults)?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let job = spec.job;
@@ -388,7 +421,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
                 LauncherMessage::Rollback { to_step, to } => break (to, Some(to_step)),
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.
-                LauncherMessage::Addrs { .. } | LauncherMessage::Abandon { .. } => continue,
+                LauncherMessage::Addrs { .. } | LauncherMessage::Abandon { .. } | LauncherMessage::Fence { .. } => continue,
             }
         };
         // From here on this worker is in the new epoch, whether the move completes or not.
@@ -407,7 +440,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
         if let Some(f) = &fault {
             f(FaultPoint::Rendezvous, worker.steps_done());
         }
-        t = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, timeout, secret) {
+        t = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind }) {
             Ok(t) => t,
             Err(e) => {
                 outcome = Err(e);

@@ -126,6 +126,11 @@ pub struct TrainArgs {
     /// 127.0.0.1:0, any free loopback port; "off": nowhere).
     #[arg(long, value_name = "ADDR|off")]
     pub status_listen: Option<String>,
+    /// With --workers: run the workers through N/G node agents (`lazarus agent` processes on
+    /// loopback, G workers each) attached to the embedded controller over gRPC; an agent's
+    /// death takes its G workers with it, as a node's would.
+    #[arg(long, value_name = "G")]
+    pub gpus_per_node: Option<usize>,
 }
 
 fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -154,7 +159,8 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 11] = [
+        let given: [(&'static str, bool); 12] = [
+            ("--gpus-per-node", self.gpus_per_node.is_some()),
             ("--recovery", self.recovery.is_some()),
             ("--status-listen", self.status_listen.is_some()),
             ("--lease", self.lease.is_some()),

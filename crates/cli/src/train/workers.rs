@@ -3,7 +3,11 @@
 //! bar, `--json-log` lines and summary, plus what each worker did.
 
 use anyhow::{bail, Context, Result};
-use lazarus_control::{plan_job, run_training, ControlError, PlanSource, Recovery, TrainEvent, TrainJob, TrainOutcome};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lazarus_control::{plan_job, run_training, AgentsSpec, ControlError, Hosts, PlanSource, Recovery, TrainEvent, TrainJob, TrainOutcome};
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
@@ -36,8 +40,105 @@ fn plan_source(args: &TrainArgs, steps_left: u64) -> Result<PlanSource> {
     Ok(PlanSource::Measured { profile_steps, slots_per_worker: args.slots_per_worker, max_imbalance })
 }
 
+/// `lazarus controller`: the controller of a job whose workers node agents of other hosts run.
+#[derive(clap::Args, Debug)]
+pub struct ControllerArgs {
+    /// Where agents attach and `lazarus status` asks (host:port; port 0: any free port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: String,
+    /// The job's secret, 32 hex digits: read from this file, or written to it (mode 0600) when
+    /// it does not exist. Agents take the same file (or LAZARUS_SECRET). Default: a fresh
+    /// secret, printed with the command that starts an agent.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Seconds to wait for agents to bring every worker (default 600).
+    #[arg(long, value_name = "SECONDS")]
+    pub wait_agents: Option<f64>,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// Most seconds `lazarus controller --wait-agents` may wait.
+const MAX_WAIT_AGENTS_S: f64 = 86_400.0;
+
+/// How long the embedded controller of `train --gpus-per-node` waits for its local agents.
+const LOCAL_AGENTS_WITHIN: Duration = Duration::from_secs(60);
+
+/// The job's secret from `path` (32 hex digits), or a fresh one written there (mode 0600).
+pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => lazarus_control::protocol::parse_secret(text.trim())
+            .ok_or_else(|| anyhow::anyhow!("invalid --secret-file {}: expected 32 hex digits", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
+            let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            let mut options = std::fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+            let mut f = options.open(path).with_context(|| format!("creating --secret-file {}", path.display()))?;
+            use std::io::Write;
+            writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
+            Ok(secret)
+        }
+        Err(e) => Err(e).with_context(|| format!("reading --secret-file {}", path.display())),
+    }
+}
+
+/// `lazarus controller --listen ADDR --workers N …`.
+pub fn run_controller(args: &ControllerArgs) -> Result<()> {
+    if args.train.workers.is_none() {
+        bail!("lazarus controller needs --workers N (the job's workers, over all agents)");
+    }
+    if args.train.gpus_per_node.is_some() {
+        bail!("--gpus-per-node is for train's local agents; each agent says its own (lazarus agent --gpus G)");
+    }
+    if args.train.status_listen.is_some() {
+        bail!("--status-listen: the controller answers lazarus status at --listen");
+    }
+    let listen: SocketAddr =
+        args.listen.parse().map_err(|_| anyhow::anyhow!("invalid --listen: {:?} (expected host:port, e.g. 0.0.0.0:7070)", args.listen))?;
+    let wait = args.wait_agents.unwrap_or(600.0);
+    if !wait.is_finite() || wait <= 0.0 || wait > MAX_WAIT_AGENTS_S {
+        bail!("invalid --wait-agents: {wait} (expected seconds, more than 0 and at most {MAX_WAIT_AGENTS_S})");
+    }
+    let (secret, agent_command) = match &args.secret_file {
+        Some(path) => {
+            (secret_from_file(path, true)?, format!("lazarus agent --controller {{addr}} --gpus G --secret-file {}", path.display()))
+        }
+        None => {
+            let s = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_control::protocol::secret_hex(s)))
+        }
+    };
+    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: 0, wait: Duration::from_secs_f64(wait) });
+    run_job(&args.train, hosts, Some(agent_command))
+}
+
 /// The launcher side of `lazarus train --workers N`.
 pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
+    let world = args.workers.unwrap_or(1);
+    let hosts = match args.gpus_per_node {
+        None => Hosts::Local { status_listen: None },
+        Some(g) => {
+            if g == 0 || !world.is_multiple_of(g) {
+                bail!("invalid --gpus-per-node: {g} (expected a divisor of --workers {world})");
+            }
+            let listen = match args.status_listen.as_deref() {
+                Some("off") => bail!("--status-listen off: the local agents attach to the controller there (give an address)"),
+                given => given.unwrap_or("127.0.0.1:0"),
+            };
+            let listen: SocketAddr =
+                listen.parse().map_err(|_| anyhow::anyhow!("invalid --status-listen: {listen:?} (expected host:port or off)"))?;
+            let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            Hosts::Agents(AgentsSpec { listen, secret, local_agents: world / g, gpus_per_node: g, wait: LOCAL_AGENTS_WITHIN })
+        }
+    };
+    run_job(args, hosts, None)
+}
+
+/// A job of `--workers N` run where `hosts` says; `agent_command` is how to start an agent of
+/// another host (`{addr}`: the controller's address), shown once the controller listens.
+fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) -> Result<()> {
     let world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
     if world == 0 || world > lazarus_control::train::MAX_WORKERS {
@@ -95,19 +196,24 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
     let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0, faults: String::new() };
     let mut report_error: Option<anyhow::Error> = None;
-    let status_listen = match (recovery.is_some() && !unrecoverable, args.status_listen.as_deref()) {
-        (_, Some("off")) => None,
-        (false, Some(_)) => bail!("--status-listen needs live recovery (the controller serves the status)"),
-        (false, None) => None,
-        (true, given) => {
-            let addr = given.unwrap_or("127.0.0.1:0");
-            Some(
-                addr.parse::<std::net::SocketAddr>()
-                    .map_err(|_| anyhow::anyhow!("invalid --status-listen: {addr:?} (expected host:port or off)"))?,
-            )
-        }
-    };
-    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, status_listen, |event| {
+    if let Hosts::Local { status_listen } = &mut hosts {
+        *status_listen = match (recovery.is_some() && !unrecoverable, args.status_listen.as_deref()) {
+            (_, Some("off")) => None,
+            (false, Some(_)) => bail!("--status-listen needs live recovery (the controller serves the status)"),
+            (false, None) => None,
+            (true, given) => {
+                let addr = given.unwrap_or("127.0.0.1:0");
+                Some(
+                    addr.parse::<SocketAddr>()
+                        .map_err(|_| anyhow::anyhow!("invalid --status-listen: {addr:?} (expected host:port or off)"))?,
+                )
+            }
+        };
+    } else if recovery.is_none() || unrecoverable {
+        bail!("node agents run jobs with live recovery only: drop --recovery off / --static-ep, or a plan with several GPUs per node");
+    }
+    let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
+    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, |event| {
         let shown = match event {
             TrainEvent::Ready { rank, pid } => {
                 tracing::info!("worker {rank}: pid {pid} ready");
@@ -131,7 +237,17 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             }
             TrainEvent::Checkpointed { .. } => Ok(()),
             TrainEvent::Serving { addr } => {
+                if remote {
+                    tracing::info!("controller listening on {addr}: waiting for agents to bring {world} workers");
+                    if let Some(command) = &agent_command {
+                        tracing::info!("start each node's agent with: {}", command.replace("{addr}", &addr.to_string()));
+                    }
+                }
                 tracing::info!("controller status: lazarus status --controller {addr}");
+                Ok(())
+            }
+            TrainEvent::AgentJoined { agent, host, gpus, pid, attached, world } => {
+                tracing::info!("agent {agent} attached from {host} (pid {pid}): {gpus} workers, {attached} of {world}");
                 Ok(())
             }
             TrainEvent::Reconfigured(r) => {

@@ -110,6 +110,10 @@ pub enum Command {
     /// A rank of `epoch` was lost during its rendezvous or move: tell the survivors (`nodes`)
     /// to give it up and say where they stopped.
     Abandon { epoch: u64, nodes: Vec<NodeId> },
+    /// Ranks of `epoch` were lost: tell the survivors (`nodes`) to cut their connections to
+    /// them, so that a step waiting on a rank that is silent but connected (hung, or cut off by
+    /// a partition) fails now instead of at its deadline.
+    Fence { epoch: u64, ranks: Vec<usize>, nodes: Vec<NodeId> },
     /// Every rank of `epoch` is ready: training runs.
     Resume { epoch: u64 },
     /// The job cannot go on.
@@ -295,6 +299,7 @@ impl Controller {
         }
         self.last_decision = Some(self.last_decision.map_or(now, |p| p.max(now)));
         let was_rendezvous = matches!(self.phase, Phase::Rendezvous { .. });
+        let alive_before = self.alive.clone();
         match event {
             Event::Heartbeat { node } => {
                 if self.alive.contains(&node) {
@@ -365,6 +370,16 @@ impl Controller {
             let reason = format!("no heartbeat for {} ms", self.spec.lease.as_millis());
             out.push(Command::Kill { node, reason: reason.clone() });
             self.lose(node, &reason);
+        }
+        // Ranks of a running epoch lost now are fenced off by the survivors (a rendezvous is
+        // called off instead, below).
+        let lost_ranks: Vec<usize> =
+            (0..self.ranks.len()).filter(|&r| alive_before.contains(&self.ranks[r]) && !self.alive.contains(&self.ranks[r])).collect();
+        if !was_rendezvous && !lost_ranks.is_empty() {
+            let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.alive.contains(n)).collect();
+            if !nodes.is_empty() {
+                out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
+            }
         }
         if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
             // Survivors may be waiting for addresses that will never come, or connecting to

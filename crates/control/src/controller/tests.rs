@@ -46,7 +46,11 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     let t0 = Instant::now();
     let mut c = running(4, 4, 3, t0);
     c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2] });
-    assert!(c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }).is_empty());
+    // The survivors are told to cut their connections to it (rank 2 of epoch 0).
+    assert_eq!(
+        c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }),
+        vec![Command::Fence { epoch: 0, ranks: vec![2], nodes: vec![10, 11, 13] }]
+    );
     // Survivors report: two failed computing step 6, one got past the vote's start and holds it.
     let r = |c: &Controller, node, steps_done, held| StopReport { steps_done, held, holds: c.planned_holdings(node).unwrap() };
     assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 5, Some(6)) }).is_empty());
@@ -90,7 +94,12 @@ fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
     c.decide(t0 + SEC / 2, Event::Heartbeat { node: 11 });
     assert!(c.decide(t0 + SEC / 2, Event::Tick).is_empty());
     let out = c.decide(t0 + SEC, Event::Tick);
-    assert!(matches!(&out[..], [Command::Kill { node: 12, .. }]), "{out:?}");
+    // Killed, and fenced off by the survivors: a hung rank must not hold their step until its
+    // collective deadline.
+    assert!(
+        matches!(&out[..], [Command::Kill { node: 12, .. }, Command::Fence { ranks, nodes, .. }] if ranks == &[2] && nodes == &[10, 11]),
+        "{out:?}"
+    );
     assert!(!c.alive().contains(&12));
     // A heartbeat from a lost node does not bring it back.
     c.decide(t0 + SEC, Event::Heartbeat { node: 12 });
@@ -107,7 +116,7 @@ fn a_silent_node_is_found_even_while_others_keep_talking() {
         let now = t0 + SEC * i / 4;
         killed.extend(c.decide(now, Event::Heartbeat { node: 10 + (i % 2) as u64 }));
     }
-    assert!(matches!(&killed[..], [Command::Kill { node: 12, .. }]), "{killed:?}");
+    assert!(matches!(&killed[..], [Command::Kill { node: 12, .. }, Command::Fence { .. }]), "{killed:?}");
 }
 
 /// A controller that was itself stalled (its process paused for 10 s) heard nobody in that
@@ -126,7 +135,7 @@ fn a_stalled_controller_extends_the_leases_instead_of_losing_every_node() {
         out.extend(c.decide(now, Event::Heartbeat { node: 10 }));
         out.extend(c.decide(now, Event::Heartbeat { node: 11 }));
     }
-    assert!(matches!(&out[..], [Command::Kill { node: 12, .. }]), "{out:?}");
+    assert!(matches!(&out[..], [Command::Kill { node: 12, .. }, Command::Fence { .. }]), "{out:?}");
 }
 
 #[test]
@@ -264,6 +273,10 @@ proptest! {
                         for t in &m.transfers {
                             prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
                         }
+                    }
+                    Command::Fence { epoch, ranks, nodes } => {
+                        prop_assert!(*epoch <= c.epoch() && !ranks.is_empty());
+                        prop_assert!(nodes.iter().all(|n| c.alive().contains(n)), "a fence told to a lost node: {:?}", nodes);
                     }
                     Command::Abandon { epoch, nodes } => {
                         prop_assert_eq!(*epoch, c.epoch());

@@ -52,6 +52,19 @@ pub fn launch<J: Serialize>(
     confine: Confinement,
     epoch: u64,
 ) -> Result<Job, ControlError> {
+    // One secret per job: only the processes started here can take a rank at its rendezvous.
+    let secret = secret_hex(fresh_secret().map_err(|e| ControlError::io("drawing the job secret from /dev/urandom", e))?);
+    let specs = (0..world)
+        .map(|rank| serde_json::to_string(&WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), bind: None, job }))
+        .collect::<Result<Vec<_>, _>>()?;
+    start_processes(subcommand, &specs, confine, epoch)
+}
+
+/// Start one copy of this binary's hidden `subcommand` per spec line (process i gets
+/// `specs[i]` on its stdin and is "rank" i of the returned [`Job`]), each confined as `confine`
+/// says. An agent starts its node's workers with this, the launcher every worker of a job.
+pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confinement, epoch: u64) -> Result<Job, ControlError> {
+    let world = specs.len();
     let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
     let mut quota = None;
     match confine {
@@ -72,11 +85,9 @@ pub fn launch<J: Serialize>(
             quota = Some(QuotaGroups::create(world, f)?);
         }
     }
-    // One secret per job: only the processes started here can take a rank at its rendezvous.
-    let secret = secret_hex(fresh_secret().map_err(|e| ControlError::io("drawing the job secret from /dev/urandom", e))?);
     let (tx, events) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
     let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None, epoch };
-    for rank in 0..world {
+    for (rank, spec) in specs.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         die_with_parent(&mut cmd);
@@ -111,9 +122,7 @@ pub fn launch<J: Serialize>(
                 .spawn(move || read_events(rank, stdout, tx))
                 .map_err(|e| ControlError::io("starting a reader thread", e))?;
         }
-        let spec = WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), job };
-        let line = serde_json::to_string(&spec)?;
-        if let Err(e) = processes.write_line(rank, &line) {
+        if let Err(e) = processes.write_line(rank, spec) {
             processes.kill_all();
             return Err(e);
         }
@@ -188,7 +197,7 @@ pub fn check_comm_timeout(secs: f64) -> Result<f64, ControlError> {
 /// Linux: the child gets SIGKILL when the thread that started it ends (the launcher's main
 /// thread: the launcher's death by any signal); if the launcher died before that was set, the
 /// child exits at once.
-fn die_with_parent(cmd: &mut Command) {
+pub(crate) fn die_with_parent(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::controller::Controller;
 use crate::error::ControlError;
+use crate::hub::{AgentHub, AgentStream};
 
 /// The generated protocol.
 pub mod proto {
@@ -17,6 +18,9 @@ pub mod proto {
 
 use proto::control_server::{Control, ControlServer};
 use proto::{Member, StatusReply, StatusRequest};
+
+/// How long a stopping server waits for open sessions to end.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 /// The latest status, shared by the controller's loop (writer) and the server (reader).
 pub type SharedStatus = Arc<Mutex<StatusReply>>;
@@ -50,6 +54,7 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
 
 struct Service {
     status: SharedStatus,
+    hub: Option<Arc<AgentHub>>,
 }
 
 #[tonic::async_trait]
@@ -58,28 +63,47 @@ impl Control for Service {
         let reply = self.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
         Ok(tonic::Response::new(reply))
     }
+
+    type AttachStream = AgentStream;
+
+    async fn attach(
+        &self,
+        request: tonic::Request<tonic::Streaming<proto::AgentMessage>>,
+    ) -> Result<tonic::Response<Self::AttachStream>, tonic::Status> {
+        let Some(hub) = &self.hub else {
+            return Err(tonic::Status::failed_precondition(
+                "this controller starts its workers itself (train --workers without --gpus-per-node): it takes no agents",
+            ));
+        };
+        let peer = request.remote_addr();
+        let stream = hub.clone().attach(peer, request.into_inner()).await?;
+        Ok(tonic::Response::new(stream))
+    }
 }
 
-/// The status service of a running controller; stops when dropped.
+/// The gRPC service of a running controller (status, and the agents' sessions when it has a
+/// hub); stops when dropped.
 pub struct StatusServer {
     addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl StatusServer {
-    /// Serve `status` on `listen` (port 0: any free port) from a thread of its own.
-    pub fn start(listen: SocketAddr, status: SharedStatus) -> Result<Self, ControlError> {
-        let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("--status-listen: binding {listen}"), e))?;
+    /// Serve `status` (and `hub`'s agents) on `listen` (port 0: any free port) from a thread
+    /// of its own.
+    pub fn start(listen: SocketAddr, status: SharedStatus, hub: Option<Arc<AgentHub>>) -> Result<Self, ControlError> {
+        let flag = if hub.is_some() { "--listen" } else { "--status-listen" };
+        let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
         listener.set_nonblocking(true).map_err(|e| ControlError::io("the status listener", e))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("lazarus-status")
+            .worker_threads(2)
+            .thread_name("lazarus-control")
             .enable_all()
             .build()
             .map_err(|e| ControlError::io("starting the status server's runtime", e))?;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
         let thread = std::thread::Builder::new()
             .name("lazarus-status".into())
             .spawn(move || {
@@ -89,12 +113,21 @@ impl StatusServer {
                         Err(e) => return tracing::warn!("status server: {e}"),
                     };
                     let incoming = tonic::transport::server::TcpIncoming::from(listener);
-                    let served = tonic::transport::Server::builder()
-                        .add_service(ControlServer::new(Service { status }))
-                        .serve_with_incoming_shutdown(incoming, async {
-                            let _ = stopped.await;
-                        })
-                        .await;
+                    let (mut graceful, mut hard) = (stopped.clone(), stopped);
+                    let serve = tonic::transport::Server::builder()
+                        .add_service(ControlServer::new(Service { status, hub }))
+                        .serve_with_incoming_shutdown(incoming, async move {
+                            let _ = graceful.wait_for(|&s| s).await;
+                        });
+                    // A session that cannot end (an agent cut off by a partition) must not hold
+                    // the controller's exit: once told to stop, the server gets a second.
+                    let served = tokio::select! {
+                        r = serve => r,
+                        _ = async move {
+                            let _ = hard.wait_for(|&s| s).await;
+                            tokio::time::sleep(STOP_GRACE).await;
+                        } => Ok(()),
+                    };
                     if let Err(e) = served {
                         tracing::warn!("status server: {e}");
                     }
@@ -112,7 +145,7 @@ impl StatusServer {
 impl Drop for StatusServer {
     fn drop(&mut self) {
         if let Some(s) = self.stop.take() {
-            let _ = s.send(());
+            let _ = s.send(true);
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();

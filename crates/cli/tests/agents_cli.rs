@@ -1,0 +1,378 @@
+//! Node agents with real processes: `train --workers N --gpus-per-node G` starts N/G agents on
+//! loopback, and `lazarus controller` + `lazarus agent` run a job over gRPC as they would on
+//! several hosts. An agent killed from outside takes its workers with it and training goes on
+//! on the other nodes; a controller that is gone stops every node's workers cleanly; an agent
+//! without the job's secret is refused; and, where network namespaces can be made, a node cut
+//! off by a partition is lost by its lease while its agent stops its own workers.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{dir, lazarus, spawn_lazarus};
+use serde_json::Value;
+
+fn tiny() -> [&'static str; 16] {
+    common::tiny_model("8")
+}
+
+/// The step lines and the reconfiguration lines of a `--json-log`.
+fn log(path: &Path) -> (Vec<(u64, f64)>, Vec<Value>) {
+    let mut steps = Vec::new();
+    let mut reconf = Vec::new();
+    for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if v["event"] == "reconfiguration" {
+            reconf.push(v);
+        } else {
+            steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
+        }
+    }
+    (steps, reconf)
+}
+
+fn wait_for_steps(path: &Path, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(path).map_or(0, |s| s.lines().count()) < n {
+        assert!(Instant::now() < deadline, "no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: a signal to a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie has exited: only its parent's wait is missing.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| !r.trim_start().starts_with('Z')))
+}
+
+/// The processes `pid` started.
+fn children(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
+fn all_gone(pids: &[i32], within: Duration) -> bool {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if pids.iter().all(|&p| !alive(p)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// The same run in one process: its losses.
+fn uninterrupted(steps: &str, d: &Path) -> Vec<f64> {
+    let path = d.join("reference.jsonl");
+    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap()];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    log(&path).0.into_iter().map(|(_, l)| l).collect()
+}
+
+fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
+    let numbers: Vec<u64> = got.iter().map(|(s, _)| *s).collect();
+    assert_eq!(numbers, (1..=want.len() as u64).collect::<Vec<_>>(), "{what}: every step logged exactly once");
+    for ((s, a), b) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{what}: step {s} loss {a} vs uninterrupted {b}");
+    }
+}
+
+/// Read `lines` until `want` agents have attached (`agent A attached from H (pid P)`); their
+/// pids in order of arrival. Every line read is kept in `seen`.
+fn agent_pids(lines: &mpsc::Receiver<String>, want: usize, seen: &mut Vec<String>) -> Vec<i32> {
+    let mut pids = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.len() < want {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agents attach");
+        if line.contains(" attached from ") {
+            pids.push(line.split("(pid ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap());
+        }
+        seen.push(line);
+    }
+    pids
+}
+
+#[test]
+fn an_agent_killed_with_its_workers_does_not_stop_training() {
+    let d = dir("agents-kill");
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let want = uninterrupted("60", &d);
+    let mut args = vec!["train", "--workers", "4", "--gpus-per-node", "2"];
+    args.extend(tiny());
+    args.extend(["--steps", "60", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5"]);
+    let (mut child, lines) = spawn_lazarus(&args, &[]);
+    let mut text = Vec::new();
+    let agents = agent_pids(&lines, 2, &mut text);
+    wait_for_steps(&path, 10);
+    let workers = children(agents[1]);
+    assert_eq!(workers.len(), 2, "an agent runs its node's two workers");
+    signal(agents[1], libc::SIGKILL);
+    assert!(all_gone(&workers, Duration::from_secs(5)), "the workers of a killed agent die with it");
+    let status = child.wait().unwrap();
+    text.extend(lines.try_iter());
+    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    let (steps, reconf) = log(&path);
+    assert_same_losses(&steps, &want, "2 agents of 2 workers, one agent killed");
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    assert_eq!(reconf[0]["workers"].as_u64(), Some(2), "{}", reconf[0]);
+    assert_eq!(reconf[0]["lost"].as_array().map(Vec::len), Some(2), "both workers of the node: {}", reconf[0]);
+    assert!(text.iter().any(|l| l.contains("its agent") && l.contains("is gone")), "{}", text.join("\n"));
+    // The final checkpoint resumes in one process.
+    let more = d.join("more.jsonl");
+    let out = lazarus(&["train", "--resume", "--steps", "62", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(log(&more).0.len(), 2);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `lazarus controller --listen` and its printed address.
+fn start_controller(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String) {
+    let (child, lines) = match netns {
+        None => {
+            let mut all = vec!["controller"];
+            all.extend(args);
+            spawn_lazarus(&all, &[])
+        }
+        Some(ns) => spawn_in(ns, "controller", args, &[]),
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the controller listens");
+        if let Some(rest) = line.strip_prefix("controller listening on ") {
+            let addr = rest.split(':').take(2).collect::<Vec<_>>().join(":");
+            return (child, lines, addr);
+        }
+    }
+}
+
+/// `lazarus SUBCOMMAND args` in network namespace `ns`, with its stderr lines.
+fn spawn_in(ns: &str, subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_lazarus"), subcommand])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// `lazarus agent --controller ADDR --gpus G` with the secret file, its stderr lines.
+fn start_agent(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>) -> (Child, mpsc::Receiver<String>) {
+    let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap()];
+    match netns {
+        None => {
+            let mut all = vec!["agent"];
+            all.extend(args);
+            spawn_lazarus(&all, &[])
+        }
+        Some(ns) => spawn_in(ns, "agent", &args, &[]),
+    }
+}
+
+/// Wait for a child to exit (at most `within`); its exit status and the lines it wrote.
+fn exit_within(child: &mut Child, lines: &mpsc::Receiver<String>, within: Duration) -> (Option<std::process::ExitStatus>, Vec<String>) {
+    let until = Instant::now() + within;
+    let mut text = Vec::new();
+    loop {
+        text.extend(lines.try_iter());
+        if let Some(s) = child.try_wait().unwrap() {
+            std::thread::sleep(Duration::from_millis(50));
+            text.extend(lines.try_iter());
+            return (Some(s), text);
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return (None, text);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
+    let d = dir("agents-controller");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4"];
+    args.extend(tiny());
+    args.extend(["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5", "--lease", "0.5"]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    // The secret file is the controller's, readable by its owner only.
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777, 0o600);
+    // An agent without the job's secret is refused, with the reason.
+    let wrong = d.join("wrong");
+    std::fs::write(&wrong, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let (mut stranger, stranger_lines) = start_agent(&addr, "2", &wrong, None);
+    let (status, text) = exit_within(&mut stranger, &stranger_lines, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("refused this agent") && l.contains("wrong job secret")), "{}", text.join("\n"));
+    // Two agents of two workers each bring the job's four.
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "2", &secret, None)).collect();
+    wait_for_steps(&path, 12);
+    // The status service answers at the same address.
+    let out = lazarus(&["status", "--controller", &addr, "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let st: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(st["members"].as_array().map(Vec::len), Some(4), "{st}");
+    // A fifth worker finds no room.
+    let (mut extra, extra_lines) = start_agent(&addr, "1", &secret, None);
+    let (status, text) = exit_within(&mut extra, &extra_lines, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| !s.success()) && text.iter().any(|l| l.contains("refused")), "{}", text.join("\n"));
+    // The controller dies: every node stops its workers within about a lease, and says why.
+    let workers: Vec<i32> = agents.iter().flat_map(|(c, _)| children(c.id() as i32)).collect();
+    assert_eq!(workers.len(), 4);
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(20));
+        assert!(status.is_some_and(|s| !s.success()), "an agent stops when its controller is gone: {}", text.join("\n"));
+        assert!(text.iter().any(|l| l.contains("agent stopped")), "{}", text.join("\n"));
+    }
+    assert!(all_gone(&workers, Duration::from_secs(5)), "no worker outlives its agent");
+    // Nothing saved is lost: the latest checkpoint resumes in one process.
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+    let more = d.join("more.jsonl");
+    let to = (step + 2).to_string();
+    let out = lazarus(&["train", "--resume", "--steps", &to, "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Network namespaces made for one test (a "switch" with a bridge, and one namespace per host
+/// wired to it by a veth pair); removed when dropped.
+struct Hosts {
+    names: Vec<String>,
+    switch: String,
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+impl Hosts {
+    /// Hosts 10.231.0.1, .2, … named `lz{tag}{i}`; None where namespaces cannot be made here
+    /// (not root, no `ip`).
+    fn new(tag: &str, n: usize) -> Option<Self> {
+        let switch = format!("lz{tag}s");
+        let mut hosts = Hosts { names: Vec::new(), switch: switch.clone() };
+        if !ip(&["netns", "add", &switch]) {
+            return None;
+        }
+        let ok = ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]) && ip(&["-n", &switch, "link", "set", "br0", "up"]);
+        if !ok {
+            return None;
+        }
+        for i in 0..n {
+            let name = format!("lz{tag}{i}");
+            if !ip(&["netns", "add", &name]) {
+                return None;
+            }
+            hosts.names.push(name.clone());
+            let (veth, port) = (format!("lz{tag}v{i}"), format!("lz{tag}p{i}"));
+            let addr = format!("10.231.0.{}/24", i + 1);
+            let ok = ip(&["link", "add", &veth, "type", "veth", "peer", "name", &port])
+                && ip(&["link", "set", &veth, "netns", &name])
+                && ip(&["link", "set", &port, "netns", &switch])
+                && ip(&["-n", &switch, "link", "set", &port, "master", "br0"])
+                && ip(&["-n", &switch, "link", "set", &port, "up"])
+                && ip(&["-n", &name, "addr", "add", &addr, "dev", &veth])
+                && ip(&["-n", &name, "link", "set", &veth, "up"])
+                && ip(&["-n", &name, "link", "set", "lo", "up"]);
+            if !ok {
+                return None;
+            }
+        }
+        Some(hosts)
+    }
+
+    /// Cut host `i` off the switch (both directions).
+    fn partition(&self, tag: &str, i: usize) {
+        assert!(ip(&["-n", &self.switch, "link", "set", &format!("lz{tag}p{i}"), "down"]));
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for n in self.names.iter().chain([&self.switch]) {
+            ip(&["netns", "del", n]);
+        }
+    }
+}
+
+/// Three hosts as network namespaces: the controller on one, an agent of two workers on each of
+/// the others. The third host is cut off by a partition mid-run: the controller loses its
+/// workers by their lease (the survivors are told to cut their connections to them, so their
+/// step fails at once instead of at the 30 s collective deadline) and training goes on on the
+/// second host; the cut-off agent hears nothing from the controller for a lease and stops its
+/// workers.
+#[test]
+fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers() {
+    let tag = format!("{}", std::process::id() % 100_000);
+    let Some(hosts) = Hosts::new(&tag, 3) else {
+        eprintln!("skipped: network namespaces cannot be made here (needs root and iproute2)");
+        return;
+    };
+    let d = dir("agents-partition");
+    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
+    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let want = uninterrupted("60", &d);
+    let mut args = vec!["--listen", "10.231.0.1:7070", "--secret-file", &secret_s, "--workers", "4", "--lease", "0.5"];
+    args.extend(tiny());
+    args.extend(["--steps", "60", "--json-log", &log_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, Some(&hosts.names[0]));
+    assert_eq!(addr, "10.231.0.1:7070");
+    let mut kept = start_agent(&addr, "2", &secret, Some(&hosts.names[1]));
+    let mut cut = start_agent(&addr, "2", &secret, Some(&hosts.names[2]));
+    wait_for_steps(&path, 10);
+    // The agent runs under `ip netns exec`, which execs it: the pid is the agent's.
+    let cut_workers = children(cut.0.id() as i32);
+    assert_eq!(cut_workers.len(), 2);
+    let cut_at = Instant::now();
+    hosts.partition(&tag, 2);
+    let (status, text) = exit_within(&mut cut.0, &cut.1, Duration::from_secs(20));
+    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("the controller was silent")), "{}", text.join("\n"));
+    assert!(cut_at.elapsed() < Duration::from_secs(10), "the cut-off agent stops within about a lease");
+    assert!(all_gone(&cut_workers, Duration::from_secs(5)), "its workers stop with it");
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "training goes on on the other host: {}", text.join("\n"));
+    let (steps, reconf) = log(&path);
+    assert_same_losses(&steps, &want, "a host cut off");
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    assert_eq!(reconf[0]["lost"], serde_json::json!([2, 3]), "{}", reconf[0]);
+    let recovery_s = reconf[0]["recovery_s"].as_f64().unwrap();
+    assert!(recovery_s < 10.0, "found out by the lease and fenced, not at the 30 s deadline: {recovery_s} s");
+    let (status, text) = exit_within(&mut kept.0, &kept.1, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let _ = std::fs::remove_dir_all(&d);
+}

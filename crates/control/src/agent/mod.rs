@@ -1,0 +1,343 @@
+//! `lazarus agent`: one per node. It attaches to the controller (`Control.Attach`, with the
+//! job's secret), starts the workers the controller gives it — one per GPU slot — relays their
+//! reports up and the controller's messages down, heartbeats, and watches the controller:
+//!
+//! * its workers never outlive it (each dies with it: `PR_SET_PDEATHSIG`, and its stdin closes);
+//! * a worker's exit is reported at once (the controller re-plans without waiting for a lease);
+//! * a controller silent for longer than its lease — gone, hung or cut off — stops this node's
+//!   workers cleanly (they abandon the step in flight; checkpoints are written atomically, so
+//!   nothing on disk is left inconsistent) and the agent exits with the reason;
+//! * messages of another job, or stamped with an epoch older than the one a worker was last
+//!   given, are dropped.
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::ControlError;
+use crate::launcher::{start_processes, Confinement, Job};
+use crate::protocol::{secret_hex, WorkerEvent};
+use crate::status::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
+use crate::train::MAX_WORKERS;
+
+/// How an agent is started.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// The controller's `host:port`.
+    pub controller: String,
+    /// Worker slots (GPUs) of this node.
+    pub gpus: usize,
+    /// The address this node's workers listen on (None: the one this host reaches the
+    /// controller from).
+    pub host: Option<IpAddr>,
+    pub secret: u128,
+    /// How long to keep trying to reach the controller.
+    pub connect_within: Duration,
+}
+
+/// How an agent's part in the job ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentEnd {
+    /// The job completed; its workers finished.
+    Completed,
+    /// Stopped before the end: why (the controller lost, the job stopped, this node given up).
+    Stopped(String),
+}
+
+/// What the agent learns from its session with the controller.
+enum Inbound {
+    Message(ControllerMessage),
+    Ended(String),
+}
+
+/// Every worker of a node runs `lazarus worker`: the same hidden subcommand the local launcher
+/// starts.
+const WORKER_SUBCOMMAND: &str = "worker";
+
+/// How long a completed job's workers get to exit after the controller says it is over.
+const FINISH_WITHIN: Duration = Duration::from_secs(30);
+
+/// The address of this host that packets to `controller` leave from (no packet is sent).
+fn local_address_towards(controller: SocketAddr) -> Result<IpAddr, ControlError> {
+    let any: SocketAddr =
+        if controller.is_ipv4() { "0.0.0.0:0".parse().expect("an address") } else { "[::]:0".parse().expect("an address") };
+    let probe = UdpSocket::bind(any).map_err(|e| ControlError::io("finding this host's address", e))?;
+    probe.connect(controller).map_err(|e| ControlError::io(format!("finding a route to the controller at {controller}"), e))?;
+    Ok(probe.local_addr().map_err(|e| ControlError::io("finding this host's address", e))?.ip())
+}
+
+/// Run one agent until its part in the job ends. `on_start(ranks)` is told the workers' ranks
+/// once they are started.
+pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result<(), ControlError>) -> Result<AgentEnd, ControlError> {
+    if opts.gpus == 0 || opts.gpus > MAX_WORKERS {
+        return Err(ControlError::invalid("--gpus", format!("{} (expected 1 to {MAX_WORKERS})", opts.gpus)));
+    }
+    let controller: SocketAddr =
+        opts.controller.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
+            ControlError::invalid("--controller", format!("{:?} (expected host:port, e.g. 10.0.0.1:7070)", opts.controller))
+        })?;
+    let host = match opts.host {
+        Some(h) => h,
+        None => local_address_towards(controller)?,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("lazarus-agent")
+        .enable_all()
+        .build()
+        .map_err(|e| ControlError::io("starting the agent's runtime", e))?;
+    let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
+    let hello =
+        proto::AgentHello { secret: secret_hex(opts.secret), gpus: opts.gpus as u32, host: host.to_string(), pid: std::process::id() };
+    let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
+    let connect_within = opts.connect_within;
+    let mut inbound = runtime.block_on(async move {
+        let deadline = tokio::time::Instant::now() + connect_within;
+        let channel = loop {
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{controller}"))
+                .map_err(|e| ControlError::invalid("--controller", e.to_string()))?
+                .connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true);
+            match endpoint.connect().await {
+                Ok(c) => break c,
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(ControlError::Launch(format!(
+                        "cannot reach the controller at {controller} within {} s: {e}",
+                        connect_within.as_secs_f64()
+                    )))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        let mut client = proto::control_client::ControlClient::new(channel);
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
+        let reply = client
+            .attach(stream)
+            .await
+            .map_err(|e| ControlError::Launch(format!("the controller at {controller} refused this agent: {}", e.message())))?;
+        Ok::<_, ControlError>(reply.into_inner())
+    })?;
+    // The controller's messages, read on the runtime and handed to the agent's loop.
+    let (tx, rx) = mpsc::channel::<Inbound>();
+    runtime.spawn(async move {
+        loop {
+            let next = match inbound.message().await {
+                Ok(Some(m)) => Inbound::Message(m),
+                Ok(None) => Inbound::Ended(format!("the controller at {controller} ended the session")),
+                Err(e) => Inbound::Ended(format!("lost the controller at {controller} ({})", e.message())),
+            };
+            let ended = matches!(next, Inbound::Ended(_));
+            if tx.send(next).is_err() || ended {
+                return;
+            }
+        }
+    });
+    let welcome = match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Inbound::Message(ControllerMessage { job_id, body: Some(controller_message::Body::Welcome(w)), .. })) => (job_id, w),
+        Ok(Inbound::Ended(why)) => return Err(ControlError::Launch(format!("the controller at {controller} refused this agent: {why}"))),
+        _ => return Err(ControlError::Launch(format!("no welcome from the controller at {controller} within 30 s"))),
+    };
+    let (job_id, w) = welcome;
+    let lease = checked_seconds(w.lease_s, "lease")?;
+    let heartbeat = checked_seconds(w.heartbeat_s, "heartbeat")?;
+    tracing::info!("agent {}: attached to job {job_id} at {controller} with {} workers listening on {host}", w.agent, opts.gpus);
+    let beats = out.clone();
+    let beat_job = job_id.clone();
+    runtime.spawn(async move {
+        let mut every = tokio::time::interval(heartbeat);
+        loop {
+            every.tick().await;
+            let m =
+                AgentMessage { job_id: beat_job.clone(), epoch: 0, body: Some(agent_message::Body::Heartbeat(proto::AgentHeartbeat {})) };
+            if beats.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    let mut node = Node {
+        job_id,
+        out,
+        gpus: opts.gpus,
+        workers: None,
+        slot_epoch: vec![0; opts.gpus],
+        done: vec![false; opts.gpus],
+        exited: vec![false; opts.gpus],
+    };
+    let end = node.serve(&rx, lease, &mut on_start);
+    // The workers go with the agent's part in the job, whatever ended it.
+    if let Some(mut job) = node.workers.take() {
+        job.kill_all();
+        job.reap();
+    }
+    drop(node);
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    end
+}
+
+fn checked_seconds(s: f64, what: &str) -> Result<Duration, ControlError> {
+    if !s.is_finite() || !(0.001..=3600.0).contains(&s) {
+        return Err(ControlError::Launch(format!("the controller's welcome has a {what} of {s} s")));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// The agent's node: its workers and what it relays.
+struct Node {
+    job_id: String,
+    out: UnboundedSender<AgentMessage>,
+    gpus: usize,
+    workers: Option<Job>,
+    /// The epoch each worker was last given.
+    slot_epoch: Vec<u64>,
+    done: Vec<bool>,
+    exited: Vec<bool>,
+}
+
+impl Node {
+    fn up(&self, epoch: u64, body: agent_message::Body) {
+        let _ = self.out.send(AgentMessage { job_id: self.job_id.clone(), epoch, body: Some(body) });
+    }
+
+    /// Relay until the job ends for this node.
+    fn serve(
+        &mut self,
+        rx: &mpsc::Receiver<Inbound>,
+        lease: Duration,
+        on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
+    ) -> Result<AgentEnd, ControlError> {
+        let mut last_heard = Instant::now();
+        loop {
+            self.relay_workers();
+            let wait = if self.workers.is_some() { Duration::from_millis(2) } else { Duration::from_millis(50) };
+            match rx.recv_timeout(wait) {
+                Ok(Inbound::Message(m)) => {
+                    if m.job_id != self.job_id {
+                        tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);
+                        continue;
+                    }
+                    last_heard = Instant::now();
+                    if let Some(end) = self.take(m, on_start)? {
+                        return Ok(end);
+                    }
+                }
+                Ok(Inbound::Ended(why)) => {
+                    self.relay_workers();
+                    if self.workers.is_some() && self.done.iter().all(|&d| d) {
+                        return Ok(AgentEnd::Completed);
+                    }
+                    return Ok(AgentEnd::Stopped(why));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Ok(AgentEnd::Stopped("the session with the controller ended".into())),
+            }
+            let silent = last_heard.elapsed();
+            if silent > lease {
+                return Ok(AgentEnd::Stopped(format!(
+                    "the controller was silent for {:.1} s (lease {:.1} s): this node's workers are stopped",
+                    silent.as_secs_f64(),
+                    lease.as_secs_f64()
+                )));
+            }
+        }
+    }
+
+    /// Pass on every report and exit of the workers.
+    fn relay_workers(&mut self) {
+        let Some(job) = self.workers.as_mut() else { return };
+        let mut ups = Vec::new();
+        while let Some((slot, event)) = job.next_event(Duration::ZERO) {
+            match event {
+                Some(ev) => {
+                    if matches!(ev, WorkerEvent::Done { .. }) {
+                        self.done[slot] = true;
+                    }
+                    match serde_json::to_string(&ev) {
+                        Ok(json) => {
+                            ups.push((self.slot_epoch[slot], agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json })))
+                        }
+                        Err(e) => tracing::warn!("agent: worker {slot}: {e}"),
+                    }
+                }
+                None => {
+                    self.exited[slot] = true;
+                    let status = job.exit_status(slot);
+                    ups.push((self.slot_epoch[slot], agent_message::Body::Exited(proto::WorkerExited { slot: slot as u32, status })));
+                }
+            }
+        }
+        for (epoch, body) in ups {
+            self.up(epoch, body);
+        }
+    }
+
+    /// One message of the controller; Some: this node's part in the job is over.
+    fn take(
+        &mut self,
+        m: ControllerMessage,
+        on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
+    ) -> Result<Option<AgentEnd>, ControlError> {
+        let Some(body) = m.body else { return Ok(None) };
+        match body {
+            controller_message::Body::Welcome(_) | controller_message::Body::Ping(_) => {}
+            controller_message::Body::Start(s) => {
+                if self.workers.is_some() {
+                    tracing::warn!("agent: a second start of the workers: dropped");
+                    return Ok(None);
+                }
+                if s.specs.len() != self.gpus {
+                    return Err(ControlError::Launch(format!(
+                        "the controller sent {} worker specs for {} slots",
+                        s.specs.len(),
+                        self.gpus
+                    )));
+                }
+                let ranks: Vec<u32> = s
+                    .specs
+                    .iter()
+                    .map(|spec| {
+                        serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
+                    })
+                    .collect();
+                self.workers = Some(start_processes(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, m.epoch)?);
+                self.slot_epoch = vec![m.epoch; self.gpus];
+                on_start(&ranks)?;
+            }
+            controller_message::Body::Input(i) => {
+                let slot = i.slot as usize;
+                let Some(job) = self.workers.as_mut().filter(|_| slot < self.gpus) else { return Ok(None) };
+                if m.epoch < self.slot_epoch[slot] {
+                    tracing::debug!("agent: a stale message for worker {slot} (epoch {} < {}): dropped", m.epoch, self.slot_epoch[slot]);
+                    return Ok(None);
+                }
+                self.slot_epoch[slot] = m.epoch;
+                // A worker that cannot be written to has exited: its exit is reported.
+                let _ = job.write_line(slot, &i.line);
+            }
+            controller_message::Body::Kill(k) => {
+                let slot = k.slot as usize;
+                if let Some(job) = self.workers.as_mut().filter(|_| slot < self.gpus) {
+                    tracing::warn!("agent: worker {slot} killed by the controller: {}", k.reason);
+                    job.kill(slot);
+                }
+            }
+            controller_message::Body::Shutdown(s) => {
+                if !s.completed {
+                    return Ok(Some(AgentEnd::Stopped(format!("the controller stopped the job: {}", s.reason))));
+                }
+                let until = Instant::now() + FINISH_WITHIN;
+                while self.workers.is_some() && !self.exited.iter().all(|&x| x) && Instant::now() < until {
+                    self.relay_workers();
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                return Ok(Some(if self.done.iter().all(|&d| d) {
+                    AgentEnd::Completed
+                } else {
+                    AgentEnd::Stopped(format!("the job ended ({}) before this node's workers finished", s.reason))
+                }));
+            }
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,513 @@
+//! The controller's side of its node agents (DESIGN.md, "The system at a glance"): agents attach
+//! over gRPC (`Control.Attach`, a stream each way), proving they know the job's secret; once the
+//! job's workers are all spoken for, each agent is sent the specs of its workers, and from then
+//! on the hub relays — workers' reports in, the controller's messages out — as a [`Fleet`] the
+//! controller's loop drives exactly like the processes it starts itself.
+//!
+//! What arrives is checked before the loop sees it: the job id of every message, the slot of
+//! every report, the report itself (the worker protocol's JSON), and its epoch — a report from an
+//! older epoch than the one the controller last gave that worker is stale and dropped
+//! ([`stale`]). An agent whose stream ends, or that sends another job's messages, is gone, and
+//! every worker of it with it.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::Status;
+
+use crate::error::ControlError;
+use crate::fleet::Fleet;
+use crate::protocol::{parse_secret, LauncherMessage, WorkerEvent};
+use crate::status::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
+use crate::train::MAX_WORKERS;
+
+/// How long an agent has to say hello once connected.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+
+/// The stream of a controller's messages to one agent.
+pub type AgentStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<ControllerMessage, Status>> + Send>>;
+
+/// Whether a report stamped with `stamped` is stale for a worker the controller has since moved
+/// to `current`: step reports and the rendezvous of an older epoch are; heartbeats, exits,
+/// checkpoints and the end of a worker are news whatever their epoch.
+pub fn stale(stamped: u64, current: u64, event: &WorkerEvent) -> bool {
+    stamped < current
+        && matches!(
+            event,
+            WorkerEvent::Step { .. } | WorkerEvent::Listening { .. } | WorkerEvent::Ready { .. } | WorkerEvent::StepFailed { .. }
+        )
+}
+
+/// Whether two secrets are equal, in time that does not depend on where they differ.
+fn same_secret(a: u128, b: u128) -> bool {
+    let d = a.to_le_bytes().iter().zip(b.to_le_bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    d == 0
+}
+
+/// What the hub hands the controller's loop.
+#[derive(Debug)]
+pub(crate) enum HubInput {
+    Joined { agent: u64 },
+    Report { agent: u64, slot: usize, event: WorkerEvent },
+    Exited { agent: u64, slot: usize, status: String },
+    Gone { agent: u64, why: String },
+}
+
+/// One attached agent.
+struct Link {
+    gpus: usize,
+    host: String,
+    pid: u32,
+    tx: UnboundedSender<Result<ControllerMessage, Status>>,
+    last_heard: Instant,
+    /// Its first worker's rank, once the job started.
+    first_rank: Option<usize>,
+    gone: Option<String>,
+}
+
+#[derive(Default)]
+struct HubState {
+    agents: BTreeMap<u64, Link>,
+    next_agent: u64,
+    started: bool,
+    /// The epoch the controller last gave each rank (reports stamped older are stale).
+    rank_epoch: Vec<u64>,
+    /// The newest epoch of the job.
+    epoch: u64,
+}
+
+/// A description of an attached agent, for the user.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentInfo {
+    pub agent: u64,
+    pub gpus: usize,
+    pub host: String,
+    pub pid: u32,
+}
+
+/// The controller's registry of agents and the relay between them and its loop.
+pub struct AgentHub {
+    job_id: String,
+    secret: u128,
+    world: usize,
+    lease: Duration,
+    heartbeat: Duration,
+    state: Mutex<HubState>,
+    inputs: Mutex<Sender<HubInput>>,
+}
+
+impl AgentHub {
+    /// A hub for job `job_id` of `world` workers at `epoch`; agents must know `secret`. The
+    /// receiver is the controller loop's end.
+    pub(crate) fn new(
+        job_id: String,
+        secret: u128,
+        world: usize,
+        epoch: u64,
+        lease: Duration,
+        heartbeat: Duration,
+    ) -> (Arc<Self>, Receiver<HubInput>) {
+        let (tx, rx) = mpsc::channel();
+        let state = HubState { rank_epoch: vec![epoch; world], epoch, ..HubState::default() };
+        let hub = AgentHub { job_id, secret, world, lease, heartbeat, state: Mutex::new(state), inputs: Mutex::new(tx) };
+        (Arc::new(hub), rx)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, HubState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn input(&self, x: HubInput) {
+        let _ = self.inputs.lock().unwrap_or_else(|e| e.into_inner()).send(x);
+    }
+
+    fn message(&self, epoch: u64, body: controller_message::Body) -> ControllerMessage {
+        ControllerMessage { job_id: self.job_id.clone(), epoch, body: Some(body) }
+    }
+
+    /// Take an agent's hello: its secret, its size, room for it. Returns its number.
+    fn admit(&self, hello: &AgentHello, tx: UnboundedSender<Result<ControllerMessage, Status>>) -> Result<u64, Status> {
+        let given = parse_secret(&hello.secret).unwrap_or_default();
+        if !same_secret(given, self.secret) || parse_secret(&hello.secret).is_none() {
+            return Err(Status::permission_denied("wrong job secret (give the controller's with --secret-file or LAZARUS_SECRET)"));
+        }
+        let gpus = hello.gpus as usize;
+        if gpus == 0 || gpus > MAX_WORKERS {
+            return Err(Status::invalid_argument(format!("gpus: {gpus} (expected 1 to {MAX_WORKERS})")));
+        }
+        if hello.host.parse::<IpAddr>().is_err() {
+            return Err(Status::invalid_argument(format!("host: {:?} is not an IP address", hello.host)));
+        }
+        let mut st = self.state();
+        if st.started {
+            return Err(Status::failed_precondition(
+                "the job has started with all its workers; nodes cannot join a running job yet (elastic scale-up is to come)",
+            ));
+        }
+        let taken: usize = st.agents.values().filter(|a| a.gone.is_none()).map(|a| a.gpus).sum();
+        if taken + gpus > self.world {
+            return Err(Status::resource_exhausted(format!(
+                "the job has room for {} more workers, this agent brings {gpus}",
+                self.world - taken
+            )));
+        }
+        let agent = st.next_agent;
+        st.next_agent += 1;
+        let now = Instant::now();
+        st.agents.insert(agent, Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: None, gone: None });
+        Ok(agent)
+    }
+
+    /// The agent's session after its hello: relay what it says until its stream ends.
+    async fn relay(self: Arc<Self>, agent: u64, mut inbound: tonic::Streaming<AgentMessage>) {
+        let why = loop {
+            let msg = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => break "its stream ended".to_string(),
+                Err(e) => break format!("its stream failed: {}", e.message()),
+            };
+            if msg.job_id != self.job_id {
+                break format!("it sent a message of job {:?} (this is {:?})", msg.job_id, self.job_id);
+            }
+            if let Some(x) = self.take(agent, msg) {
+                self.input(x);
+            }
+        };
+        self.drop_agent(agent, &why);
+    }
+
+    /// One message of an attached agent, checked: what the loop must hear of it, if anything.
+    fn take(&self, agent: u64, msg: AgentMessage) -> Option<HubInput> {
+        let mut st = self.state();
+        let started = st.started;
+        let link = st.agents.get_mut(&agent)?;
+        link.last_heard = Instant::now();
+        let (gpus, first) = (link.gpus, link.first_rank);
+        let slot_rank = |slot: u32| -> Option<usize> {
+            let slot = slot as usize;
+            (started && slot < gpus).then(|| first.map(|f| f + slot)).flatten()
+        };
+        match msg.body? {
+            agent_message::Body::Hello(_) | agent_message::Body::Heartbeat(_) => None,
+            agent_message::Body::Report(r) => {
+                let rank = slot_rank(r.slot)?;
+                let event = match serde_json::from_str::<WorkerEvent>(&r.json) {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        tracing::warn!("agent {agent}: a report of worker {rank} that is not one ({e}): dropped");
+                        return None;
+                    }
+                };
+                if stale(msg.epoch, st.rank_epoch[rank], &event) {
+                    tracing::debug!("agent {agent}: a stale report of worker {rank} (epoch {}): dropped", msg.epoch);
+                    return None;
+                }
+                Some(HubInput::Report { agent, slot: r.slot as usize, event })
+            }
+            agent_message::Body::Exited(x) => {
+                slot_rank(x.slot)?;
+                Some(HubInput::Exited { agent, slot: x.slot as usize, status: x.status })
+            }
+        }
+    }
+
+    /// The agent is gone (its stream ended, or the controller gave it up).
+    fn drop_agent(&self, agent: u64, why: &str) {
+        let mut st = self.state();
+        if let Some(link) = st.agents.get_mut(&agent) {
+            if link.gone.is_none() {
+                link.gone = Some(why.to_string());
+                let _ = link.tx.send(Err(Status::aborted(format!("agent {agent} given up: {why}"))));
+                drop(st);
+                self.input(HubInput::Gone { agent, why: why.to_string() });
+            }
+        }
+    }
+
+    /// Send `body` to `agent`, stamped with `epoch`.
+    fn send_to(&self, agent: u64, epoch: u64, body: controller_message::Body) {
+        let st = self.state();
+        if let Some(link) = st.agents.get(&agent).filter(|l| l.gone.is_none()) {
+            let _ = link.tx.send(Ok(self.message(epoch, body)));
+        }
+    }
+
+    /// Pings to `agent` every heartbeat while it is attached (its watch on the controller).
+    async fn ping(self: Arc<Self>, agent: u64) {
+        let mut every = tokio::time::interval(self.heartbeat);
+        loop {
+            every.tick().await;
+            let st = self.state();
+            let Some(link) = st.agents.get(&agent).filter(|l| l.gone.is_none()) else { return };
+            if link.tx.send(Ok(self.message(st.epoch, controller_message::Body::Ping(proto::Ping {})))).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The gRPC `Attach` call: hello, welcome, then the relay (on tasks of the server's runtime).
+    pub(crate) async fn attach(
+        self: Arc<Self>,
+        peer: Option<std::net::SocketAddr>,
+        mut inbound: tonic::Streaming<AgentMessage>,
+    ) -> Result<AgentStream, Status> {
+        let from = peer.map_or("an unknown address".to_string(), |p| p.to_string());
+        let first = tokio::time::timeout(HELLO_WITHIN, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded(format!("no hello within {} s", HELLO_WITHIN.as_secs())))??;
+        let hello = match first.and_then(|m| m.body) {
+            Some(agent_message::Body::Hello(h)) => h,
+            _ => return Err(Status::invalid_argument("an agent's first message must be its hello")),
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let agent = match self.admit(&hello, tx.clone()) {
+            Ok(a) => a,
+            Err(status) => {
+                tracing::warn!("refused an agent from {from}: {}", status.message());
+                return Err(status);
+            }
+        };
+        let welcome = proto::Welcome { agent, lease_s: self.lease.as_secs_f64(), heartbeat_s: self.heartbeat.as_secs_f64() };
+        let epoch = self.state().epoch;
+        let _ = tx.send(Ok(self.message(epoch, controller_message::Body::Welcome(welcome))));
+        tokio::spawn(self.clone().relay(agent, inbound));
+        tokio::spawn(self.clone().ping(agent));
+        self.input(HubInput::Joined { agent });
+        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+    }
+
+    /// The agents attached and not gone, in order of arrival.
+    pub fn agents(&self) -> Vec<AgentInfo> {
+        self.state()
+            .agents
+            .iter()
+            .filter(|(_, l)| l.gone.is_none())
+            .map(|(&agent, l)| AgentInfo { agent, gpus: l.gpus, host: l.host.clone(), pid: l.pid })
+            .collect()
+    }
+
+    /// Workers the attached agents bring.
+    fn attached_workers(&self) -> usize {
+        self.state().agents.values().filter(|l| l.gone.is_none()).map(|l| l.gpus).sum()
+    }
+
+    /// Wait until agents bring every worker of the job (those silent for a lease are given up),
+    /// telling `on_join` of each as it comes, at most until `deadline`.
+    pub(crate) fn wait_for_agents(
+        &self,
+        inputs: &Receiver<HubInput>,
+        deadline: Instant,
+        mut on_join: impl FnMut(&AgentInfo, usize, usize) -> Result<(), ControlError>,
+    ) -> Result<(), ControlError> {
+        let mut shown = 0;
+        loop {
+            let attached = self.attached_workers();
+            if attached == self.world {
+                // Tell of the agents whose arrival is still queued.
+                while let Ok(x) = inputs.try_recv() {
+                    if let HubInput::Joined { agent } = x {
+                        if let Some(info) = self.agents().into_iter().find(|a| a.agent == agent) {
+                            shown += info.gpus;
+                            on_join(&info, shown, self.world)?;
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ControlError::Launch(format!(
+                    "agents brought {attached} of the job's {} workers in time (attached: {})",
+                    self.world,
+                    self.agents().iter().map(|a| format!("agent {} at {} with {}", a.agent, a.host, a.gpus)).collect::<Vec<_>>().join(", ")
+                )));
+            }
+            let silent: Vec<u64> = self
+                .state()
+                .agents
+                .iter()
+                .filter(|(_, l)| l.gone.is_none() && now.duration_since(l.last_heard) > self.lease)
+                .map(|(&a, _)| a)
+                .collect();
+            for a in silent {
+                self.drop_agent(a, &format!("silent for over {} ms before the job started", self.lease.as_millis()));
+            }
+            match inputs.recv_timeout((deadline - now).min(self.heartbeat)) {
+                Ok(HubInput::Joined { agent }) => {
+                    if let Some(info) = self.agents().into_iter().find(|a| a.agent == agent) {
+                        shown += info.gpus;
+                        on_join(&info, shown, self.world)?;
+                    }
+                }
+                Ok(HubInput::Gone { agent, why }) => {
+                    tracing::warn!("agent {agent} left before the job started: {why}");
+                    shown = self.attached_workers();
+                }
+                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(ControlError::Launch("the agent hub stopped".into())),
+            }
+        }
+    }
+
+    /// Number the attached agents' workers (in order of arrival) and send each agent the specs
+    /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        inputs: Receiver<HubInput>,
+        spec: impl Fn(usize, &str) -> Result<String, ControlError>,
+    ) -> Result<RemoteFleet, ControlError> {
+        let mut owners = Vec::with_capacity(self.world);
+        let mut sends = Vec::new();
+        {
+            let mut st = self.state();
+            st.started = true;
+            let epoch = st.epoch;
+            let mut next = 0;
+            for (&agent, link) in st.agents.iter_mut().filter(|(_, l)| l.gone.is_none()) {
+                link.first_rank = Some(next);
+                let specs = (next..next + link.gpus).map(|r| spec(r, &link.host)).collect::<Result<Vec<_>, _>>()?;
+                for slot in 0..link.gpus {
+                    owners.push((agent, slot));
+                }
+                next += link.gpus;
+                sends.push((agent, epoch, specs));
+            }
+            if next != self.world {
+                return Err(ControlError::Launch(format!("agents bring {next} workers, the job has {}", self.world)));
+            }
+        }
+        for (agent, epoch, specs) in sends {
+            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
+        }
+        Ok(RemoteFleet { hub: self.clone(), inputs, owners, pending: VecDeque::new(), exits: BTreeMap::new(), killed: Default::default() })
+    }
+
+    /// Give up every agent (the job is over): `completed` lets their workers finish.
+    fn shutdown(&self, reason: &str, completed: bool) {
+        let agents: Vec<u64> = self.state().agents.keys().copied().collect();
+        let epoch = self.state().epoch;
+        for a in agents {
+            self.send_to(a, epoch, controller_message::Body::Shutdown(proto::Shutdown { reason: reason.into(), completed }));
+            let mut st = self.state();
+            if let Some(link) = st.agents.get_mut(&a) {
+                link.gone.get_or_insert_with(|| reason.to_string());
+            }
+        }
+    }
+}
+
+/// The workers of a job started by agents: the controller's loop drives them through this.
+pub struct RemoteFleet {
+    hub: Arc<AgentHub>,
+    inputs: Receiver<HubInput>,
+    /// The agent and slot of each rank.
+    owners: Vec<(u64, usize)>,
+    /// Exits not yet handed out (every worker of an agent that is gone).
+    pending: VecDeque<(usize, Option<WorkerEvent>)>,
+    exits: BTreeMap<usize, String>,
+    /// Ranks the controller had killed.
+    killed: std::collections::BTreeSet<usize>,
+}
+
+impl RemoteFleet {
+    fn rank_of(&self, agent: u64, slot: usize) -> Option<usize> {
+        self.owners.iter().position(|&o| o == (agent, slot))
+    }
+
+    /// The agents and their workers' ranks, for the user.
+    pub fn ranks_of(&self, agent: u64) -> Vec<usize> {
+        (0..self.owners.len()).filter(|&r| self.owners[r].0 == agent).collect()
+    }
+}
+
+impl Fleet for RemoteFleet {
+    fn next_event(&mut self, wait: Duration) -> Option<(usize, Option<WorkerEvent>)> {
+        if let Some(x) = self.pending.pop_front() {
+            return Some(x);
+        }
+        let until = Instant::now() + wait;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let input = match self.inputs.recv_timeout(left) {
+                Ok(x) => x,
+                Err(RecvTimeoutError::Timeout) => return None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(left.min(Duration::from_millis(50)));
+                    return None;
+                }
+            };
+            match input {
+                HubInput::Report { agent, slot, event } => {
+                    if let Some(rank) = self.rank_of(agent, slot) {
+                        return Some((rank, Some(event)));
+                    }
+                }
+                HubInput::Exited { agent, slot, status } => {
+                    if let Some(rank) = self.rank_of(agent, slot) {
+                        if self.exits.insert(rank, status).is_none() {
+                            return Some((rank, None));
+                        }
+                    }
+                }
+                HubInput::Gone { agent, why } => {
+                    for rank in self.ranks_of(agent) {
+                        if let std::collections::btree_map::Entry::Vacant(e) = self.exits.entry(rank) {
+                            e.insert(format!("its agent {agent} is gone: {why}"));
+                            self.pending.push_back((rank, None));
+                        }
+                    }
+                    if let Some(x) = self.pending.pop_front() {
+                        return Some(x);
+                    }
+                }
+                HubInput::Joined { .. } => {}
+            }
+        }
+    }
+
+    fn exit_status(&mut self, rank: usize) -> String {
+        self.exits.get(&rank).cloned().unwrap_or_else(|| "unknown".into())
+    }
+
+    fn send(&mut self, rank: usize, message: &LauncherMessage) -> Result<(), ControlError> {
+        let Some(&(agent, slot)) = self.owners.get(rank) else { return Ok(()) };
+        let epoch = {
+            let mut st = self.hub.state();
+            if let Some(e) = message.epoch() {
+                st.rank_epoch[rank] = st.rank_epoch[rank].max(e);
+                st.epoch = st.epoch.max(e);
+            }
+            st.rank_epoch[rank]
+        };
+        let line = serde_json::to_string(message)?;
+        self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slot: slot as u32, line }));
+        Ok(())
+    }
+
+    fn kill(&mut self, rank: usize, reason: &str) {
+        let Some(&(agent, slot)) = self.owners.get(rank) else { return };
+        let epoch = self.hub.state().epoch;
+        self.hub.send_to(agent, epoch, controller_message::Body::Kill(proto::KillWorker { slot: slot as u32, reason: reason.into() }));
+        // An agent none of whose workers is left is given up: its stream ends, and it stops.
+        self.killed.insert(rank);
+        if self.ranks_of(agent).iter().all(|r| self.killed.contains(r) || self.exits.contains_key(r)) {
+            self.hub.drop_agent(agent, &format!("every worker of it is lost ({reason})"));
+        }
+    }
+
+    fn kill_all(&mut self, reason: &str) {
+        self.hub.shutdown(reason, false);
+    }
+
+    fn finish(&mut self) {
+        self.hub.shutdown("the job is over", true);
+    }
+}

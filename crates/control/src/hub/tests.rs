@@ -1,0 +1,113 @@
+use super::*;
+use crate::protocol::secret_hex;
+
+const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
+
+fn hub(world: usize) -> (Arc<AgentHub>, Receiver<HubInput>) {
+    AgentHub::new("job-7".into(), SECRET, world, 100, Duration::from_secs(1), Duration::from_millis(200))
+}
+
+fn hello(secret: u128, gpus: u32, host: &str) -> AgentHello {
+    AgentHello { secret: secret_hex(secret), gpus, host: host.into(), pid: 1 }
+}
+
+fn link() -> UnboundedSender<Result<ControllerMessage, Status>> {
+    tokio::sync::mpsc::unbounded_channel().0
+}
+
+fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
+    let json = serde_json::to_string(ev).unwrap();
+    AgentMessage { job_id: "job-7".into(), epoch, body: Some(agent_message::Body::Report(proto::WorkerReport { slot, json })) }
+}
+
+#[test]
+fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
+    let (h, _rx) = hub(4);
+    let wrong = h.admit(&hello(SECRET ^ 1, 2, "10.0.0.2"), link()).unwrap_err();
+    assert_eq!(wrong.code(), tonic::Code::PermissionDenied);
+    let garbled = AgentHello { secret: "xyz".into(), ..hello(SECRET, 2, "10.0.0.2") };
+    assert_eq!(h.admit(&garbled, link()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let none = h.admit(&hello(SECRET, 0, "10.0.0.2"), link()).unwrap_err();
+    assert!(none.code() == tonic::Code::InvalidArgument && none.message().contains("gpus: 0"), "{none:?}");
+    let host = h.admit(&hello(SECRET, 2, "node-a"), link()).unwrap_err();
+    assert!(host.code() == tonic::Code::InvalidArgument && host.message().contains("node-a"), "{host:?}");
+    assert_eq!(h.admit(&hello(SECRET, 3, "10.0.0.2"), link()).unwrap(), 0);
+    let full = h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap_err();
+    assert!(full.code() == tonic::Code::ResourceExhausted && full.message().contains("room for 1 more"), "{full:?}");
+    assert_eq!(h.admit(&hello(SECRET, 1, "10.0.0.3"), link()).unwrap(), 1);
+    assert_eq!(h.attached_workers(), 4);
+}
+
+#[test]
+fn a_started_job_takes_no_more_agents_and_numbers_workers_by_arrival() {
+    let (h, rx) = hub(3);
+    h.admit(&hello(SECRET, 1, "10.0.0.2"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
+    let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}"))).unwrap();
+    assert_eq!(fleet.ranks_of(0), vec![0]);
+    assert_eq!(fleet.ranks_of(1), vec![1, 2]);
+    let late = h.admit(&hello(SECRET, 1, "10.0.0.4"), link()).unwrap_err();
+    assert_eq!(late.code(), tonic::Code::FailedPrecondition);
+}
+
+#[test]
+fn reports_are_checked_before_the_controller_sees_them() {
+    let (h, rx) = hub(2);
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
+    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
+    let beat = WorkerEvent::Heartbeat;
+    // A slot the agent does not have, and a line that is not a report: dropped.
+    assert!(h.take(0, report(100, 2, &beat)).is_none());
+    let mut junk = report(100, 0, &beat);
+    if let Some(agent_message::Body::Report(r)) = &mut junk.body {
+        r.json = "{\"event\":\"meltdown\"}".into();
+    }
+    assert!(h.take(0, junk).is_none());
+    assert!(matches!(h.take(0, report(100, 1, &beat)), Some(HubInput::Report { slot: 1, .. })));
+    // Once the controller moved rank 1 to epoch 101, its reports of epoch 100 are stale —
+    // except news that holds whatever the epoch.
+    fleet.send(1, &LauncherMessage::Abandon { epoch: 101 }).unwrap();
+    let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };
+    assert!(h.take(0, report(100, 1, &ready)).is_none());
+    assert!(h.take(0, report(101, 1, &ready)).is_some());
+    assert!(h.take(0, report(100, 1, &beat)).is_some());
+    // Rank 0 was not moved: its epoch-100 reports stand.
+    assert!(h.take(0, report(100, 0, &ready)).is_some());
+}
+
+#[test]
+fn staleness_is_about_reports_bound_to_an_epoch() {
+    let step_failed = WorkerEvent::StepFailed {
+        epoch: 3,
+        steps_done: 1,
+        held: None,
+        holds: vec![],
+        kind: crate::protocol::FailureKind::PeerLost,
+        message: String::new(),
+    };
+    assert!(stale(3, 4, &step_failed));
+    assert!(!stale(4, 4, &step_failed));
+    assert!(!stale(3, 4, &WorkerEvent::Heartbeat));
+    assert!(!stale(3, 4, &WorkerEvent::Done { checkpoint: None }));
+    assert!(stale(3, 4, &WorkerEvent::Listening { addr: "1.2.3.4:5".into(), epoch: 3 }));
+}
+
+#[test]
+fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
+    let (h, rx) = hub(4);
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
+    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
+    h.drop_agent(1, "its stream ended");
+    let mut exits: Vec<usize> = (0..2)
+        .filter_map(|_| fleet.next_event(Duration::from_millis(200)))
+        .map(|(r, ev)| {
+            assert!(ev.is_none());
+            r
+        })
+        .collect();
+    exits.sort_unstable();
+    assert_eq!(exits, vec![2, 3]);
+    assert!(fleet.exit_status(2).contains("agent 1 is gone: its stream ended"));
+    assert!(fleet.next_event(Duration::from_millis(20)).is_none(), "each exit once");
+}
