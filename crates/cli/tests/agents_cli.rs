@@ -132,6 +132,8 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     assert_eq!(reconf[0]["workers"].as_u64(), Some(2), "{}", reconf[0]);
     assert_eq!(reconf[0]["lost"].as_array().map(Vec::len), Some(2), "both workers of the node: {}", reconf[0]);
+    // The placement put every expert on both nodes: nothing is lost, nothing rolls back.
+    assert_eq!(reconf[0]["cause"], "reconfigure", "{}", reconf[0]);
     assert!(text.iter().any(|l| l.contains("its agent") && l.contains("is gone")), "{}", text.join("\n"));
     // The final checkpoint resumes in one process.
     let more = d.join("more.jsonl");
@@ -220,7 +222,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
     let (log_s, ck_s, secret_s) =
         (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
-    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4"];
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2"];
     args.extend(tiny());
     args.extend(["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5", "--lease", "0.5"]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
@@ -242,10 +244,13 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let st: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["members"].as_array().map(Vec::len), Some(4), "{st}");
-    // A fifth worker finds no room.
-    let (mut extra, extra_lines) = start_agent(&addr, "1", &secret, None);
-    let (status, text) = exit_within(&mut extra, &extra_lines, Duration::from_secs(30));
-    assert!(status.is_some_and(|s| !s.success()) && text.iter().any(|l| l.contains("refused")), "{}", text.join("\n"));
+    // A running job takes no third node (joins are to come), and one of another size is not
+    // one of its nodes.
+    for (gpus, why) in [("2", "has started"), ("1", "nodes have 2 each")] {
+        let (mut extra, extra_lines) = start_agent(&addr, gpus, &secret, None);
+        let (status, text) = exit_within(&mut extra, &extra_lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| !s.success()) && text.iter().any(|l| l.contains(why)), "{}", text.join("\n"));
+    }
     // The controller dies: every node stops its workers within about a lease, and says why.
     let workers: Vec<i32> = agents.iter().flat_map(|(c, _)| children(c.id() as i32)).collect();
     assert_eq!(workers.len(), 4);
@@ -346,7 +351,8 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
     let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
     let want = uninterrupted("60", &d);
-    let mut args = vec!["--listen", "10.231.0.1:7070", "--secret-file", &secret_s, "--workers", "4", "--lease", "0.5"];
+    let mut args =
+        vec!["--listen", "10.231.0.1:7070", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2", "--lease", "0.5"];
     args.extend(tiny());
     args.extend(["--steps", "60", "--json-log", &log_s]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, Some(&hosts.names[0]));
@@ -370,6 +376,7 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     assert_same_losses(&steps, &want, "a host cut off");
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     assert_eq!(reconf[0]["lost"], serde_json::json!([2, 3]), "{}", reconf[0]);
+    assert_eq!(reconf[0]["cause"], "reconfigure", "expert states fetched from the other host: {}", reconf[0]);
     let recovery_s = reconf[0]["recovery_s"].as_f64().unwrap();
     assert!(recovery_s < 10.0, "found out by the lease and fenced, not at the 30 s deadline: {recovery_s} s");
     let (status, text) = exit_within(&mut kept.0, &kept.1, Duration::from_secs(30));

@@ -60,12 +60,17 @@ pub struct JobPlan {
     pub placement: Option<ModelPlan>,
 }
 
-/// The plan `world` workers train `trainer`'s model with. `trainer` is the launcher's copy of the
-/// job (fresh or resumed); profiling reads its next batches without moving its cursor.
-pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Result<JobPlan, ControlError> {
+/// The plan `world` workers, `gpus_per_node` to a node, train `trainer`'s model with. `trainer`
+/// is the launcher's copy of the job (fresh or resumed); profiling reads its next batches without
+/// moving its cursor.
+pub fn plan_job(trainer: &mut Trainer, world: usize, gpus_per_node: usize, source: &PlanSource) -> Result<JobPlan, ControlError> {
     if world == 0 || world > MAX_WORKERS {
         return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
     }
+    if gpus_per_node == 0 || !world.is_multiple_of(gpus_per_node) {
+        return Err(ControlError::invalid("--gpus-per-node", format!("{gpus_per_node} (expected a divisor of --workers {world})")));
+    }
+    let nodes = world / gpus_per_node;
     let cfg = trainer.config.clone();
     validate_worker_config(&cfg, world)?;
     let (layers, experts) = (cfg.model.moe_layers(), cfg.model.n_experts);
@@ -100,9 +105,10 @@ pub fn plan_job(trainer: &mut Trainer, world: usize, source: &PlanSource) -> Res
             if slots.saturating_mul(world) < experts {
                 return Err(ControlError::invalid("--slots-per-worker", format!("{slots} x {world} workers < {experts} experts")));
             }
-            let shape = ClusterShape::new(world, 1, slots).map_err(|e| ControlError::invalid("--slots-per-worker", e.to_string()))?;
+            let shape =
+                ClusterShape::new(nodes, gpus_per_node, slots).map_err(|e| ControlError::invalid("--slots-per-worker", e.to_string()))?;
             let loads = trainer.measure_loads(*profile_steps)?;
-            let plan = plan_model(&loads, shape, &PlanPolicy::trainer(world, *max_imbalance), None)?;
+            let plan = plan_model(&loads, shape, &PlanPolicy::trainer(nodes, *max_imbalance), None)?;
             JobPlan { map: plan.replica_map(), placement: Some(plan) }
         }
     };
@@ -251,9 +257,10 @@ pub struct AgentsSpec {
     pub listen: SocketAddr,
     /// The job's secret: every agent's hello and every rendezvous hello carries it.
     pub secret: u128,
-    /// Agents to start on this host, on loopback, `gpus_per_node` workers each (the
-    /// `train --workers N --gpus-per-node G` case); 0: agents of other hosts attach.
+    /// Agents to start on this host, on loopback (the `train --workers N --gpus-per-node G`
+    /// case); 0: agents of other hosts attach.
     pub local_agents: usize,
+    /// Workers of every agent (its node's GPUs): a node is the unit of failure.
     pub gpus_per_node: usize,
     /// How long to wait for agents to bring every worker.
     pub wait: Duration,
@@ -276,15 +283,20 @@ pub fn run_training(
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
     let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
+    // The controller re-plans whole nodes of G workers: the plan's nodes must be the hosts'.
+    let g = match hosts {
+        Hosts::Local { .. } => 1,
+        Hosts::Agents(a) => a.gpus_per_node,
+    };
     let recoverable = match (plan, recovery) {
-        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == 1 && p.shape().ranks() == world => Some((p, r)),
+        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == g && p.shape().ranks() == world => Some((p, r)),
         _ => None,
     };
     let Some((plan, recovery)) = recoverable else {
         if let Hosts::Agents(_) = hosts {
             return Err(ControlError::invalid(
                 "--recovery",
-                "node agents run jobs with live recovery only (not --recovery off, --static-ep, or a plan with several GPUs per node)",
+                "node agents run jobs with live recovery only (not --recovery off or --static-ep, and a plan with as many GPUs per node as the agents)",
             ));
         }
         return run_without_recovery(job, world, comm_timeout_s, start_within, observe);
@@ -297,7 +309,8 @@ pub fn run_training(
         layers: cfg.model.moe_layers(),
         experts: cfg.model.n_experts,
         slots_per_node: plan.shape().slots_per_node(),
-        policy: PlanPolicy::trainer(world, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
+        gpus_per_node: g,
+        policy: PlanPolicy::trainer(world / g, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
         expert_bytes: (cfg.model.expert_params() * 12) as u64,
         lease: recovery.lease,
     };
@@ -320,7 +333,7 @@ pub fn run_training(
             drive(&mut processes, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
         }
         Hosts::Agents(a) => {
-            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, epoch, recovery.lease, recovery.heartbeat);
+            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, g, epoch, recovery.lease, recovery.heartbeat);
             let server = StatusServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
             let addr = server.addr();
             observe(TrainEvent::Serving { addr })?;

@@ -127,8 +127,9 @@ pub struct TrainArgs {
     #[arg(long, value_name = "ADDR|off")]
     pub status_listen: Option<String>,
     /// With --workers: run the workers through N/G node agents (`lazarus agent` processes on
-    /// loopback, G workers each) attached to the embedded controller over gRPC; an agent's
-    /// death takes its G workers with it, as a node's would.
+    /// loopback, G workers each) attached to the embedded controller over gRPC; a node of G
+    /// workers is the unit of failure and of placement. (`lazarus controller`: the GPUs every
+    /// agent brings, default 1.)
     #[arg(long, value_name = "G")]
     pub gpus_per_node: Option<usize>,
 }

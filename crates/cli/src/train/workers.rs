@@ -89,9 +89,6 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     if args.train.workers.is_none() {
         bail!("lazarus controller needs --workers N (the job's workers, over all agents)");
     }
-    if args.train.gpus_per_node.is_some() {
-        bail!("--gpus-per-node is for train's local agents; each agent says its own (lazarus agent --gpus G)");
-    }
     if args.train.status_listen.is_some() {
         bail!("--status-listen: the controller answers lazarus status at --listen");
     }
@@ -110,7 +107,13 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
             (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_control::protocol::secret_hex(s)))
         }
     };
-    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: 0, wait: Duration::from_secs_f64(wait) });
+    let world = args.train.workers.unwrap_or(1);
+    let g = args.train.gpus_per_node.unwrap_or(1);
+    if g == 0 || !world.is_multiple_of(g) {
+        bail!("invalid --gpus-per-node: {g} (expected a divisor of --workers {world}; every agent brings that many)");
+    }
+    let wait = Duration::from_secs_f64(wait);
+    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait });
     run_job(&args.train, hosts, Some(agent_command))
 }
 
@@ -164,7 +167,11 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
         bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
     }
     let source = plan_source(args, cfg.steps - trainer.step)?;
-    let plan = plan_job(&mut trainer, world, &source)?;
+    let g = match &hosts {
+        Hosts::Agents(a) => a.gpus_per_node,
+        Hosts::Local { .. } => 1,
+    };
+    let plan = plan_job(&mut trainer, world, g, &source)?;
     print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
     for (l, layer) in plan.map.layers().iter().enumerate() {
         let per_worker: Vec<String> = (0..world)
@@ -181,14 +188,14 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
         tracing::info!("placement L{l}: {}", per_worker.join(" "));
     }
     let recovery = recovery(args)?;
-    let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node > 1);
+    let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node != g);
     if recovery.is_some() && unrecoverable {
         tracing::info!(
             "recovery: off ({})",
             if args.static_ep {
                 "static expert parallelism restarts on failures, as DeepSpeed-MoE does"
             } else {
-                "plans with several GPUs per node are not re-planned yet"
+                "the plan's GPUs per node are not the hosts' (--gpus-per-node)"
             }
         );
     }
@@ -240,7 +247,8 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 if remote {
                     tracing::info!("controller listening on {addr}: waiting for agents to bring {world} workers");
                     if let Some(command) = &agent_command {
-                        tracing::info!("start each node's agent with: {}", command.replace("{addr}", &addr.to_string()));
+                        let command = command.replace("{addr}", &addr.to_string()).replace("--gpus G", &format!("--gpus {g}"));
+                        tracing::info!("start each node's agent with: {command}");
                     }
                 }
                 tracing::info!("controller status: lazarus status --controller {addr}");

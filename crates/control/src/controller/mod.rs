@@ -19,6 +19,7 @@
 
 #[cfg(test)]
 mod tests;
+mod transfers;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant};
 use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy};
 use lazarus_runtime::ExpertTransfer;
 use serde::{Deserialize, Serialize};
+use transfers::rank_transfers;
 
 /// A node of the job (today: one worker process).
 pub type NodeId = u64;
@@ -40,6 +42,10 @@ pub struct JobSpec {
     pub experts: usize,
     /// Expert replica slots of one node (G·c).
     pub slots_per_node: usize,
+    /// Workers (GPUs) of one node, G: the nodes given to [`Controller::new`] are workers, G
+    /// consecutive ones a node. A node is the unit of failure: when one of its workers is lost,
+    /// the others are given up with it, and plans place replicas across nodes.
+    pub gpus_per_node: usize,
     pub policy: PlanPolicy,
     /// Bytes of one expert's training state (weights and AdamW moments): what a transfer moves.
     pub expert_bytes: u64,
@@ -155,11 +161,15 @@ pub struct Controller {
     recent: VecDeque<String>,
     /// When `decide` last ran (a longer gap than half a lease is a stall of the controller).
     last_decision: Option<Instant>,
+    /// The node of each worker (its position among the first workers, divided by G).
+    node_of: BTreeMap<NodeId, u64>,
 }
 
 impl Controller {
     /// A job starting at epoch 0 on `nodes` (rank i = nodes[i]) under `plan`.
     pub fn new(spec: JobSpec, plan: ModelPlan, nodes: Vec<NodeId>, now: Instant) -> Self {
+        let g = spec.gpus_per_node.max(1);
+        let node_of = nodes.iter().enumerate().map(|(i, &n)| (n, (i / g) as u64)).collect();
         let alive: BTreeSet<NodeId> = nodes.iter().copied().collect();
         Controller {
             loads: vec![vec![0.0; spec.experts]; spec.layers],
@@ -175,6 +185,7 @@ impl Controller {
             last_step: 0,
             recent: VecDeque::new(),
             last_decision: None,
+            node_of,
         }
     }
 
@@ -205,10 +216,16 @@ impl Controller {
         self.phase == Phase::Running
     }
 
-    /// The experts the current plan places on `node`, per layer (None: not a rank of it).
+    /// The experts the current plan places on worker `node`, per layer (None: not a rank of it).
     pub fn planned_holdings(&self, node: NodeId) -> Option<Vec<Vec<usize>>> {
         let i = self.ranks.iter().position(|&n| n == node)?;
-        Some(self.plan.layers().iter().map(|p| p.nodes()[i].clone()).collect())
+        let map = self.plan.replica_map();
+        Some(map.layers().iter().map(|l| (0..l.len()).filter(|&e| l[e][i] > 0).collect()).collect())
+    }
+
+    /// The node worker `worker` belongs to.
+    fn node(&self, worker: NodeId) -> u64 {
+        self.node_of.get(&worker).copied().unwrap_or(u64::MAX)
     }
 
     /// The most recent events, oldest first.
@@ -371,6 +388,19 @@ impl Controller {
             out.push(Command::Kill { node, reason: reason.clone() });
             self.lose(node, &reason);
         }
+        // A node is the unit of failure: the other workers of a node that lost one are given up
+        // with it (and killed), so that plans always have whole nodes.
+        if self.spec.gpus_per_node > 1 {
+            let lost_now: Vec<NodeId> = alive_before.iter().copied().filter(|n| !self.alive.contains(n)).collect();
+            for lost in lost_now {
+                let siblings: Vec<NodeId> = self.alive.iter().copied().filter(|&w| self.node(w) == self.node(lost)).collect();
+                for w in siblings {
+                    let reason = format!("worker {lost} of its node was lost");
+                    out.push(Command::Kill { node: w, reason: reason.clone() });
+                    self.lose(w, &reason);
+                }
+            }
+        }
         // Ranks of a running epoch lost now are fenced off by the survivors (a rendezvous is
         // called off instead, below).
         let lost_ranks: Vec<usize> =
@@ -425,7 +455,8 @@ impl Controller {
         if survivors.is_empty() {
             return self.stop("every node is lost".into(), out);
         }
-        let slots = survivors.len() * self.spec.slots_per_node;
+        let g = self.spec.gpus_per_node.max(1);
+        let slots = survivors.len() * (self.spec.slots_per_node / g);
         if slots < self.spec.experts {
             let reason = format!(
                 "the {} surviving nodes have {slots} expert slots, fewer than the {} experts of a layer",
@@ -437,7 +468,15 @@ impl Controller {
         let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
         let consistent = reports.values().all(|r| r.steps_done == furthest || (r.steps_done + 1 == furthest && r.held == Some(furthest)));
         let epoch = self.epoch + 1;
-        let shape = match ClusterShape::new(survivors.len(), 1, self.spec.slots_per_node) {
+        // The surviving nodes, each with its workers (whole nodes: see `decide`).
+        let mut nodes: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
+        for &w in &survivors {
+            nodes.entry(self.node(w)).or_default().push(w);
+        }
+        if nodes.values().any(|ws| ws.len() != g) {
+            return self.stop(format!("a node has lost some of its {g} workers but not all (cannot plan partial nodes)"), out);
+        }
+        let shape = match ClusterShape::new(nodes.len(), g, self.spec.slots_per_node / g) {
             Ok(s) => s,
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
@@ -452,35 +491,49 @@ impl Controller {
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
         if survives {
-            let live: Vec<NodeState> = survivors.iter().map(|n| NodeState { node: *n, experts: reports[n].holds.clone() }).collect();
-            match plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
-                Ok(rp) if rp.lost.is_empty() => {
-                    let rank_of = |node: u64| rp.plan_to_node.iter().position(|&p| p == node).expect("every survivor takes a plan node");
-                    let transfers = rp
-                        .transfers
-                        .iter()
-                        .map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: rank_of(t.from), to: rank_of(t.to) })
-                        .collect();
-                    let m = Move { epoch, ranks: rp.plan_to_node.clone(), plan: new.replica_map(), commit_to: furthest, transfers };
+            let live: Vec<NodeState> = nodes
+                .iter()
+                .map(|(&node, ws)| {
+                    let mut experts = vec![Vec::new(); self.spec.layers];
+                    for w in ws {
+                        for (l, held) in reports[w].holds.iter().enumerate() {
+                            experts[l].extend(held.iter().copied());
+                        }
+                    }
+                    for l in &mut experts {
+                        l.sort_unstable();
+                        l.dedup();
+                    }
+                    NodeState { node, experts }
+                })
+                .collect();
+            if let Ok(rp) = plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
+                // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q.
+                let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| nodes[n].iter().copied()).collect();
+                let holds: BTreeMap<NodeId, Vec<Vec<usize>>> = reports.iter().map(|(&w, r)| (w, r.holds.clone())).collect();
+                let map = new.replica_map();
+                let moved = rank_transfers(&ranks, |w| self.node(w), &map, &holds, &rp.transfers);
+                if let (true, Some(transfers)) = (rp.lost.is_empty(), moved) {
+                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers };
                     self.note(format!(
                         "epoch {epoch}: reconfigure to {} nodes at step {furthest}, {} expert transfers",
-                        survivors.len(),
+                        nodes.len(),
                         m.transfers.len()
                     ));
                     self.adopt(new, m.ranks.clone());
                     out.push(Command::Reconfigure(m));
                     return;
                 }
-                _ => {}
             }
         }
         let to_step = self.checkpoint;
-        let m = Move { epoch, ranks: survivors.clone(), plan: new.replica_map(), commit_to: furthest, transfers: Vec::new() };
+        let ranks: Vec<NodeId> = nodes.values().flatten().copied().collect();
+        let m = Move { epoch, ranks: ranks.clone(), plan: new.replica_map(), commit_to: furthest, transfers: Vec::new() };
         self.note(format!(
             "epoch {epoch}: an expert lost every replica; roll back to {}",
             to_step.map_or("the start".into(), |s| format!("step {s}"))
         ));
-        self.adopt(new, survivors);
+        self.adopt(new, ranks);
         out.push(Command::Rollback { to: m, to_step });
     }
 

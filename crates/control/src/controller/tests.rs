@@ -5,7 +5,15 @@ use super::*;
 const SEC: Duration = Duration::from_secs(1);
 
 fn spec(experts: usize, slots: usize) -> JobSpec {
-    JobSpec { layers: 2, experts, slots_per_node: slots, policy: PlanPolicy::trainer(4, None), expert_bytes: 1000, lease: SEC }
+    JobSpec {
+        layers: 2,
+        experts,
+        slots_per_node: slots,
+        gpus_per_node: 1,
+        policy: PlanPolicy::trainer(4, None),
+        expert_bytes: 1000,
+        lease: SEC,
+    }
 }
 
 /// A running job of `n` nodes (ids 10, 11, …) with `experts` experts and `slots` slots a node.
@@ -294,6 +302,56 @@ proptest! {
             if c.stopped() {
                 prop_assert!(c.decide(now, Event::Tick).is_empty());
                 break;
+            }
+        }
+    }
+}
+
+/// Nodes of two workers each (GPUs): a worker lost takes the other worker of its node with it,
+/// the survivors are fenced off from both, and the new plan places whole nodes — after its
+/// transfers every rank holds exactly what the new plan gives it.
+#[test]
+fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
+    let t0 = Instant::now();
+    let loads = vec![vec![4.0, 3.0, 2.0, 1.0]; 2];
+    let plan = plan_model(&loads, ClusterShape::new(3, 2, 2).unwrap(), &PlanPolicy::trainer(3, None), None).unwrap();
+    let spec = JobSpec { gpus_per_node: 2, slots_per_node: 4, policy: PlanPolicy::trainer(3, None), ..spec(4, 4) };
+    let workers: Vec<NodeId> = (10..16).collect();
+    let mut c = Controller::new(spec, plan, workers.clone(), t0);
+    for (i, &w) in workers.iter().enumerate() {
+        c.decide(t0, Event::Listening { node: w, epoch: 0, addr: format!("a{i}") });
+    }
+    for &w in &workers {
+        c.decide(t0, Event::Ready { node: w, epoch: 0 });
+    }
+    assert!(c.running());
+    let out = c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() });
+    assert!(
+        matches!(&out[..], [Command::Kill { node: 13, .. }, Command::Fence { ranks, nodes, .. }] if ranks == &[2, 3] && nodes == &[10, 11, 14, 15]),
+        "{out:?}"
+    );
+    let before: BTreeMap<NodeId, Vec<Vec<usize>>> = [10, 11, 14, 15].iter().map(|&w| (w, c.planned_holdings(w).unwrap())).collect();
+    let mut out = Vec::new();
+    for &w in &[10, 11, 14, 15] {
+        let report = StopReport { steps_done: 4, held: None, holds: before[&w].clone() };
+        out = c.decide(t0, Event::StepFailed { node: w, epoch: 0, report });
+    }
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("every expert had a replica on another node: {out:?}") };
+    assert_eq!(c.plan().shape().gpus_per_node, 2);
+    assert_eq!(m.plan.ranks(), 4);
+    // Ranks 2q and 2q+1 are the two workers of one node.
+    for q in 0..2 {
+        assert_eq!(m.ranks[2 * q] / 2, m.ranks[2 * q + 1] / 2, "{:?}", m.ranks);
+    }
+    let mut held: Vec<Vec<Vec<usize>>> = m.ranks.iter().map(|w| before[w].clone()).collect();
+    for t in &m.transfers {
+        assert!(held[t.from][t.layer].contains(&t.expert), "{t:?} from a rank without it");
+        held[t.to][t.layer].push(t.expert);
+    }
+    for (r, h) in held.iter().enumerate() {
+        for (l, layer) in m.plan.layers().iter().enumerate() {
+            for (e, row) in layer.iter().enumerate() {
+                assert!(row[r] == 0 || h[l].contains(&e), "rank {r} lacks expert {e} of layer {l} after the move");
             }
         }
     }

@@ -98,6 +98,8 @@ pub struct AgentHub {
     job_id: String,
     secret: u128,
     world: usize,
+    /// Workers every agent must bring (the job's GPUs per node).
+    gpus_per_node: usize,
     lease: Duration,
     heartbeat: Duration,
     state: Mutex<HubState>,
@@ -105,19 +107,20 @@ pub struct AgentHub {
 }
 
 impl AgentHub {
-    /// A hub for job `job_id` of `world` workers at `epoch`; agents must know `secret`. The
-    /// receiver is the controller loop's end.
+    /// A hub for job `job_id` of `world` workers, `gpus_per_node` to an agent, at `epoch`;
+    /// agents must know `secret`. The receiver is the controller loop's end.
     pub(crate) fn new(
         job_id: String,
         secret: u128,
         world: usize,
+        gpus_per_node: usize,
         epoch: u64,
         lease: Duration,
         heartbeat: Duration,
     ) -> (Arc<Self>, Receiver<HubInput>) {
         let (tx, rx) = mpsc::channel();
         let state = HubState { rank_epoch: vec![epoch; world], epoch, ..HubState::default() };
-        let hub = AgentHub { job_id, secret, world, lease, heartbeat, state: Mutex::new(state), inputs: Mutex::new(tx) };
+        let hub = AgentHub { job_id, secret, world, gpus_per_node, lease, heartbeat, state: Mutex::new(state), inputs: Mutex::new(tx) };
         (Arc::new(hub), rx)
     }
 
@@ -142,6 +145,12 @@ impl AgentHub {
         let gpus = hello.gpus as usize;
         if gpus == 0 || gpus > MAX_WORKERS {
             return Err(Status::invalid_argument(format!("gpus: {gpus} (expected 1 to {MAX_WORKERS})")));
+        }
+        if gpus != self.gpus_per_node {
+            return Err(Status::invalid_argument(format!(
+                "gpus: {gpus} (this job's nodes have {} each: lazarus controller --gpus-per-node)",
+                self.gpus_per_node
+            )));
         }
         if hello.host.parse::<IpAddr>().is_err() {
             return Err(Status::invalid_argument(format!("host: {:?} is not an IP address", hello.host)));

@@ -3,8 +3,8 @@ use crate::protocol::secret_hex;
 
 const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 
-fn hub(world: usize) -> (Arc<AgentHub>, Receiver<HubInput>) {
-    AgentHub::new("job-7".into(), SECRET, world, 100, Duration::from_secs(1), Duration::from_millis(200))
+fn hub(world: usize, g: usize) -> (Arc<AgentHub>, Receiver<HubInput>) {
+    AgentHub::new("job-7".into(), SECRET, world, g, 100, Duration::from_secs(1), Duration::from_millis(200))
 }
 
 fn hello(secret: u128, gpus: u32, host: &str) -> AgentHello {
@@ -22,7 +22,7 @@ fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
 
 #[test]
 fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
-    let (h, _rx) = hub(4);
+    let (h, _rx) = hub(6, 2);
     let wrong = h.admit(&hello(SECRET ^ 1, 2, "10.0.0.2"), link()).unwrap_err();
     assert_eq!(wrong.code(), tonic::Code::PermissionDenied);
     let garbled = AgentHello { secret: "xyz".into(), ..hello(SECRET, 2, "10.0.0.2") };
@@ -31,28 +31,32 @@ fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
     assert!(none.code() == tonic::Code::InvalidArgument && none.message().contains("gpus: 0"), "{none:?}");
     let host = h.admit(&hello(SECRET, 2, "node-a"), link()).unwrap_err();
     assert!(host.code() == tonic::Code::InvalidArgument && host.message().contains("node-a"), "{host:?}");
-    assert_eq!(h.admit(&hello(SECRET, 3, "10.0.0.2"), link()).unwrap(), 0);
-    let full = h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap_err();
-    assert!(full.code() == tonic::Code::ResourceExhausted && full.message().contains("room for 1 more"), "{full:?}");
-    assert_eq!(h.admit(&hello(SECRET, 1, "10.0.0.3"), link()).unwrap(), 1);
-    assert_eq!(h.attached_workers(), 4);
+    // Every node of a job has its GPUs per node.
+    let odd = h.admit(&hello(SECRET, 3, "10.0.0.2"), link()).unwrap_err();
+    assert!(odd.code() == tonic::Code::InvalidArgument && odd.message().contains("have 2 each"), "{odd:?}");
+    for (i, host) in ["10.0.0.2", "10.0.0.3", "10.0.0.4"].into_iter().enumerate() {
+        assert_eq!(h.admit(&hello(SECRET, 2, host), link()).unwrap(), i as u64);
+    }
+    let full = h.admit(&hello(SECRET, 2, "10.0.0.5"), link()).unwrap_err();
+    assert!(full.code() == tonic::Code::ResourceExhausted && full.message().contains("room for 0 more"), "{full:?}");
+    assert_eq!(h.attached_workers(), 6);
 }
 
 #[test]
 fn a_started_job_takes_no_more_agents_and_numbers_workers_by_arrival() {
-    let (h, rx) = hub(3);
-    h.admit(&hello(SECRET, 1, "10.0.0.2"), link()).unwrap();
+    let (h, rx) = hub(4, 2);
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
     let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}"))).unwrap();
-    assert_eq!(fleet.ranks_of(0), vec![0]);
-    assert_eq!(fleet.ranks_of(1), vec![1, 2]);
-    let late = h.admit(&hello(SECRET, 1, "10.0.0.4"), link()).unwrap_err();
+    assert_eq!(fleet.ranks_of(0), vec![0, 1]);
+    assert_eq!(fleet.ranks_of(1), vec![2, 3]);
+    let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), link()).unwrap_err();
     assert_eq!(late.code(), tonic::Code::FailedPrecondition);
 }
 
 #[test]
 fn reports_are_checked_before_the_controller_sees_them() {
-    let (h, rx) = hub(2);
+    let (h, rx) = hub(2, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
     let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
     let beat = WorkerEvent::Heartbeat;
@@ -94,7 +98,7 @@ fn staleness_is_about_reports_bound_to_an_epoch() {
 
 #[test]
 fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
-    let (h, rx) = hub(4);
+    let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
     let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
