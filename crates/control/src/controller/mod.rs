@@ -19,15 +19,13 @@
 
 #[cfg(test)]
 mod tests;
-mod transfers;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy};
+use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, PlanPolicy};
 use lazarus_runtime::ExpertTransfer;
 use serde::{Deserialize, Serialize};
-use transfers::rank_transfers;
 
 /// A node of the job (today: one worker process).
 pub type NodeId = u64;
@@ -458,8 +456,13 @@ impl Controller {
         let g = self.spec.gpus_per_node.max(1);
         let slots = survivors.len() * (self.spec.slots_per_node / g);
         if slots < self.spec.experts {
+            // What a user resumes from (with more nodes) once this job stops.
+            let resume = match self.checkpoint {
+                Some(step) => format!("the last checkpoint is of step {step}"),
+                None => "no checkpoint was written (--checkpoint-dir, --checkpoint-every)".to_string(),
+            };
             let reason = format!(
-                "the {} surviving nodes have {slots} expert slots, fewer than the {} experts of a layer",
+                "the {} surviving workers have {slots} expert slots, fewer than the {} experts of a layer; {resume}",
                 survivors.len(),
                 self.spec.experts
             );
@@ -510,9 +513,12 @@ impl Controller {
             if let Ok(rp) = plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
                 // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q.
                 let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| nodes[n].iter().copied()).collect();
-                let holds: BTreeMap<NodeId, Vec<Vec<usize>>> = reports.iter().map(|(&w, r)| (w, r.holds.clone())).collect();
+                let rank_node: Vec<u64> = ranks.iter().map(|&w| self.node(w)).collect();
+                let rank_holds: Vec<Vec<Vec<usize>>> = ranks.iter().map(|w| reports[w].holds.clone()).collect();
                 let map = new.replica_map();
-                let moved = rank_transfers(&ranks, |w| self.node(w), &map, &holds, &rp.transfers);
+                let moved = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers).map(|ts| {
+                    ts.into_iter().map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to }).collect::<Vec<_>>()
+                });
                 if let (true, Some(transfers)) = (rp.lost.is_empty(), moved) {
                     let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers };
                     self.note(format!(

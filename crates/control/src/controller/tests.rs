@@ -172,11 +172,13 @@ fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
 fn too_few_slots_for_every_expert_stops_with_the_reason() {
     let t0 = Instant::now();
     let mut c = running(2, 4, 2, t0);
+    c.decide(t0, Event::Checkpointed { step: 1 });
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
     let holds = c.planned_holdings(10).unwrap();
     let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds } });
     let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
     assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
+    assert!(reason.contains("the last checkpoint is of step 1"), "the user is told what to resume from: {reason}");
     assert!(c.stopped());
     assert!(c.decide(t0, Event::Tick).is_empty());
 }

@@ -8,6 +8,10 @@
 //! holder that has been asked for the fewest bytes so far, most constrained fetches first, so
 //! the transfer time is spread over all holders.
 
+mod ranks;
+
+pub use ranks::{rank_transfers, RankTransfer};
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,108 @@
+//! The transfers of a reconfiguration, rank by rank. [`super::plan_reconfiguration`] maps the
+//! live *nodes* onto the new plan's nodes and chooses, for every expert a node must newly hold,
+//! the node that sends it (spreading the sends). A node of G GPUs then has one more question:
+//! which of its ranks sends, and which receives — and an expert already on the node but on
+//! another GPU than the new plan's is a copy inside the node. With one GPU per node these are
+//! exactly `plan_reconfiguration`'s transfers.
+
+use serde::{Deserialize, Serialize};
+
+use super::StateTransfer;
+use crate::scheduler::ReplicaMap;
+use crate::ExpertId;
+
+/// One expert state copied from one rank of the new plan to another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankTransfer {
+    pub layer: usize,
+    pub expert: ExpertId,
+    pub from: usize,
+    pub to: usize,
+}
+
+/// Every expert rank `r` of `map` must hold and does not (`rank_holds[r]`: what the worker that
+/// takes rank r holds now, per layer) comes from: a rank of the same node (`rank_node[r]`)
+/// holding it, or else a rank holding it on the node `node_transfers` names as its sender to
+/// this node, or else any holder — the least busy sender first, ties to the lowest rank. None if
+/// some expert has no holder at all (or the inputs do not have one entry per rank of `map`).
+pub fn rank_transfers(
+    rank_node: &[u64],
+    rank_holds: &[Vec<Vec<ExpertId>>],
+    map: &ReplicaMap,
+    node_transfers: &[StateTransfer],
+) -> Option<Vec<RankTransfer>> {
+    let ranks = map.ranks();
+    if rank_node.len() != ranks || rank_holds.len() != ranks {
+        return None;
+    }
+    let holds_it = |r: usize, l: usize, e: ExpertId| rank_holds[r].get(l).is_some_and(|x| x.contains(&e));
+    let mut sends = vec![0usize; ranks];
+    let mut out = Vec::new();
+    for (l, layer) in map.layers().iter().enumerate() {
+        for (e, row) in layer.iter().enumerate() {
+            for (r, &count) in row.iter().enumerate() {
+                if count == 0 || holds_it(r, l, e) {
+                    continue;
+                }
+                let here = rank_node[r];
+                let sender_node = node_transfers.iter().find(|t| t.layer == l && t.expert == e && t.to == here).map(|t| t.from);
+                let holders: Vec<usize> = (0..ranks).filter(|&s| s != r && holds_it(s, l, e)).collect();
+                let pick = |want: &dyn Fn(usize) -> bool| holders.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
+                let from = pick(&|s| rank_node[s] == here)
+                    .or_else(|| sender_node.and_then(|n| pick(&|s| rank_node[s] == n)))
+                    .or_else(|| pick(&|_| true))?;
+                sends[from] += 1;
+                out.push(RankTransfer { layer: l, expert: e, from, to: r });
+            }
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(rows: Vec<Vec<u32>>) -> ReplicaMap {
+        ReplicaMap::new(1, vec![rows]).unwrap()
+    }
+
+    #[test]
+    fn an_expert_on_another_gpu_of_the_node_is_copied_inside_it() {
+        // Two nodes of two ranks (nodes 1 | 2). Expert 0 must be on rank 1, which lacks it;
+        // rank 0 on the same node and rank 2 both hold it.
+        let nodes = [1, 1, 2, 2];
+        let holds = vec![vec![vec![0]], vec![vec![1]], vec![vec![0]], vec![vec![1]]];
+        let m = map(vec![vec![1, 1, 1, 0], vec![0, 1, 0, 1]]);
+        let t = rank_transfers(&nodes, &holds, &m, &[]).unwrap();
+        assert_eq!(t, vec![RankTransfer { layer: 0, expert: 0, from: 0, to: 1 }]);
+    }
+
+    #[test]
+    fn across_nodes_the_chosen_sender_node_sends_and_sends_are_spread() {
+        // Node 3 (rank 3) needs experts 0 and 1; node 1 holds both on two ranks, node 2 holds
+        // expert 1; the node-level plan says node 2 sends expert 1.
+        let nodes = [1, 1, 2, 3];
+        let holds = vec![vec![vec![0, 1]], vec![vec![0, 1]], vec![vec![1]], vec![vec![]]];
+        let m = map(vec![vec![1, 1, 0, 1], vec![1, 1, 1, 1]]);
+        let node_level = [StateTransfer { layer: 0, expert: 1, from: 2, to: 3, bytes: 1 }];
+        let t = rank_transfers(&nodes, &holds, &m, &node_level).unwrap();
+        assert_eq!(t, vec![RankTransfer { layer: 0, expert: 0, from: 0, to: 3 }, RankTransfer { layer: 0, expert: 1, from: 2, to: 3 }]);
+        // An expert nobody holds: no move. Inputs of the wrong length: none either.
+        let m = map(vec![vec![1, 0, 0, 0], vec![1, 0, 0, 0], vec![0, 0, 0, 1]]);
+        assert!(rank_transfers(&nodes, &holds, &m, &[]).is_none());
+        assert!(rank_transfers(&nodes[..3], &holds, &m, &[]).is_none());
+    }
+
+    #[test]
+    fn with_one_gpu_per_node_the_node_level_senders_are_kept() {
+        // Three single-rank nodes 10, 11, 12; expert 0 held by 10 and 11; the node plan says
+        // 11 sends it to 12.
+        let nodes = [10, 11, 12];
+        let holds = vec![vec![vec![0]], vec![vec![0]], vec![vec![]]];
+        let m = map(vec![vec![1, 1, 1]]);
+        let node_level = [StateTransfer { layer: 0, expert: 0, from: 11, to: 12, bytes: 1 }];
+        let t = rank_transfers(&nodes, &holds, &m, &node_level).unwrap();
+        assert_eq!(t, vec![RankTransfer { layer: 0, expert: 0, from: 1, to: 2 }]);
+    }
+}
