@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ControlError;
-use crate::launcher::{start_processes, Confinement, Job};
+use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::protocol::{secret_hex, WorkerEvent};
 use crate::status::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::train::MAX_WORKERS;
@@ -46,10 +46,12 @@ pub enum AgentEnd {
     Stopped(String),
 }
 
-/// What the agent learns from its session with the controller.
+/// What the agent waits on: its session with the controller, and its workers' reports.
 enum Inbound {
     Message(ControllerMessage),
     Ended(String),
+    /// A worker's report, or its end (`None`).
+    Worker(usize, Option<WorkerEvent>),
 }
 
 /// Every worker of a node runs `lazarus worker`: the same hidden subcommand the local launcher
@@ -82,12 +84,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         Some(h) => h,
         None => local_address_towards(controller)?,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("lazarus-agent")
-        .enable_all()
-        .build()
-        .map_err(|e| ControlError::io("starting the agent's runtime", e))?;
+    let runtime = crate::status::runtime(1, "lazarus-agent")?;
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
     let hello =
         proto::AgentHello { secret: secret_hex(opts.secret), gpus: opts.gpus as u32, host: host.to_string(), pid: std::process::id() };
@@ -121,6 +118,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     })?;
     // The controller's messages, read on the runtime and handed to the agent's loop.
     let (tx, rx) = mpsc::channel::<Inbound>();
+    let tx_workers = tx.clone();
     runtime.spawn(async move {
         loop {
             let next = match inbound.message().await {
@@ -161,6 +159,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         out,
         gpus: opts.gpus,
         workers: None,
+        reports: tx_workers,
         slot_epoch: vec![0; opts.gpus],
         done: vec![false; opts.gpus],
         exited: vec![false; opts.gpus],
@@ -189,6 +188,8 @@ struct Node {
     out: UnboundedSender<AgentMessage>,
     gpus: usize,
     workers: Option<Job>,
+    /// Where the workers' reports go (the agent's one queue).
+    reports: mpsc::Sender<Inbound>,
     /// The epoch each worker was last given.
     slot_epoch: Vec<u64>,
     done: Vec<bool>,
@@ -208,24 +209,41 @@ impl Node {
         on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
     ) -> Result<AgentEnd, ControlError> {
         let mut last_heard = Instant::now();
+        // Once the controller says the job completed: until when the workers may take to exit.
+        let mut finishing: Option<(Instant, String)> = None;
         loop {
-            self.relay_workers();
-            let wait = if self.workers.is_some() { Duration::from_millis(2) } else { Duration::from_millis(50) };
-            match rx.recv_timeout(wait) {
+            if let Some((until, reason)) = &finishing {
+                if self.workers.is_none() || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
+                    return Ok(if self.done.iter().all(|&d| d) {
+                        AgentEnd::Completed
+                    } else {
+                        AgentEnd::Stopped(format!("the job ended ({reason}) before this node's workers finished"))
+                    });
+                }
+            }
+            let deadline = match &finishing {
+                Some((until, _)) => *until,
+                None => last_heard + lease,
+            };
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))) {
+                Ok(Inbound::Worker(slot, event)) => self.relay(slot, event),
                 Ok(Inbound::Message(m)) => {
                     if m.job_id != self.job_id {
                         tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);
                         continue;
                     }
                     last_heard = Instant::now();
-                    if let Some(end) = self.take(m, on_start)? {
-                        return Ok(end);
+                    match self.take(m, on_start)? {
+                        Some(Ok(end)) => return Ok(end),
+                        Some(Err(reason)) => finishing = Some((Instant::now() + FINISH_WITHIN, reason)),
+                        None => {}
                     }
                 }
                 Ok(Inbound::Ended(why)) => {
-                    self.relay_workers();
-                    if self.workers.is_some() && self.done.iter().all(|&d| d) {
-                        return Ok(AgentEnd::Completed);
+                    if finishing.is_some() || (self.workers.is_some() && self.done.iter().all(|&d| d)) {
+                        // Let the workers' last reports and exits go the same way as after a shutdown.
+                        finishing.get_or_insert((Instant::now() + FINISH_WITHIN, why));
+                        continue;
                     }
                     return Ok(AgentEnd::Stopped(why));
                 }
@@ -233,7 +251,7 @@ impl Node {
                 Err(RecvTimeoutError::Disconnected) => return Ok(AgentEnd::Stopped("the session with the controller ended".into())),
             }
             let silent = last_heard.elapsed();
-            if silent > lease {
+            if finishing.is_none() && silent > lease {
                 return Ok(AgentEnd::Stopped(format!(
                     "the controller was silent for {:.1} s (lease {:.1} s): this node's workers are stopped",
                     silent.as_secs_f64(),
@@ -243,41 +261,34 @@ impl Node {
         }
     }
 
-    /// Pass on every report and exit of the workers.
-    fn relay_workers(&mut self) {
+    /// Pass on one report (or the exit) of worker `slot`.
+    fn relay(&mut self, slot: usize, event: Option<WorkerEvent>) {
         let Some(job) = self.workers.as_mut() else { return };
-        let mut ups = Vec::new();
-        while let Some((slot, event)) = job.next_event(Duration::ZERO) {
-            match event {
-                Some(ev) => {
-                    if matches!(ev, WorkerEvent::Done { .. }) {
-                        self.done[slot] = true;
-                    }
-                    match serde_json::to_string(&ev) {
-                        Ok(json) => {
-                            ups.push((self.slot_epoch[slot], agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json })))
-                        }
-                        Err(e) => tracing::warn!("agent: worker {slot}: {e}"),
-                    }
+        let body = match event {
+            Some(ev) => {
+                if matches!(ev, WorkerEvent::Done { .. }) {
+                    self.done[slot] = true;
                 }
-                None => {
-                    self.exited[slot] = true;
-                    let status = job.exit_status(slot);
-                    ups.push((self.slot_epoch[slot], agent_message::Body::Exited(proto::WorkerExited { slot: slot as u32, status })));
+                match serde_json::to_string(&ev) {
+                    Ok(json) => agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json }),
+                    Err(e) => return tracing::warn!("agent: worker {slot}: {e}"),
                 }
             }
-        }
-        for (epoch, body) in ups {
-            self.up(epoch, body);
-        }
+            None => {
+                self.exited[slot] = true;
+                agent_message::Body::Exited(proto::WorkerExited { slot: slot as u32, status: job.exit_status(slot) })
+            }
+        };
+        self.up(self.slot_epoch[slot], body);
     }
 
-    /// One message of the controller; Some: this node's part in the job is over.
+    /// One message of the controller. Some(Ok): this node's part in the job is over; Some(Err):
+    /// the job completed (why), the workers are finishing.
     fn take(
         &mut self,
         m: ControllerMessage,
         on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
-    ) -> Result<Option<AgentEnd>, ControlError> {
+    ) -> Result<Option<Result<AgentEnd, String>>, ControlError> {
         let Some(body) = m.body else { return Ok(None) };
         match body {
             controller_message::Body::Welcome(_) | controller_message::Body::Ping(_) => {}
@@ -300,7 +311,9 @@ impl Node {
                         serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
                     })
                     .collect();
-                self.workers = Some(start_processes(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, m.epoch)?);
+                let reports = self.reports.clone();
+                self.workers =
+                    Some(start_processes_reporting(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, m.epoch, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 on_start(&ranks)?;
             }
@@ -324,18 +337,9 @@ impl Node {
             }
             controller_message::Body::Shutdown(s) => {
                 if !s.completed {
-                    return Ok(Some(AgentEnd::Stopped(format!("the controller stopped the job: {}", s.reason))));
+                    return Ok(Some(Ok(AgentEnd::Stopped(format!("the controller stopped the job: {}", s.reason)))));
                 }
-                let until = Instant::now() + FINISH_WITHIN;
-                while self.workers.is_some() && !self.exited.iter().all(|&x| x) && Instant::now() < until {
-                    self.relay_workers();
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                return Ok(Some(if self.done.iter().all(|&d| d) {
-                    AgentEnd::Completed
-                } else {
-                    AgentEnd::Stopped(format!("the job ended ({}) before this node's workers finished", s.reason))
-                }));
+                return Ok(Some(Err(s.reason)));
             }
         }
         Ok(None)

@@ -317,16 +317,22 @@ impl AgentHub {
         mut on_join: impl FnMut(&AgentInfo, usize, usize) -> Result<(), ControlError>,
     ) -> Result<(), ControlError> {
         let mut shown = 0;
+        let mut joined = |agent: u64, shown: &mut usize| -> Result<(), ControlError> {
+            match self.agents().into_iter().find(|a| a.agent == agent) {
+                Some(info) => {
+                    *shown += info.gpus;
+                    on_join(&info, *shown, self.world)
+                }
+                None => Ok(()),
+            }
+        };
         loop {
             let attached = self.attached_workers();
             if attached == self.world {
                 // Tell of the agents whose arrival is still queued.
                 while let Ok(x) = inputs.try_recv() {
                     if let HubInput::Joined { agent } = x {
-                        if let Some(info) = self.agents().into_iter().find(|a| a.agent == agent) {
-                            shown += info.gpus;
-                            on_join(&info, shown, self.world)?;
-                        }
+                        joined(agent, &mut shown)?;
                     }
                 }
                 return Ok(());
@@ -350,12 +356,7 @@ impl AgentHub {
                 self.drop_agent(a, &format!("silent for over {} ms before the job started", self.lease.as_millis()));
             }
             match inputs.recv_timeout((deadline - now).min(self.heartbeat)) {
-                Ok(HubInput::Joined { agent }) => {
-                    if let Some(info) = self.agents().into_iter().find(|a| a.agent == agent) {
-                        shown += info.gpus;
-                        on_join(&info, shown, self.world)?;
-                    }
-                }
+                Ok(HubInput::Joined { agent }) => joined(agent, &mut shown)?,
                 Ok(HubInput::Gone { agent, why }) => {
                     tracing::warn!("agent {agent} left before the job started: {why}");
                     shown = self.attached_workers();

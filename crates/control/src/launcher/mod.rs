@@ -62,8 +62,35 @@ pub fn launch<J: Serialize>(
 
 /// Start one copy of this binary's hidden `subcommand` per spec line (process i gets
 /// `specs[i]` on its stdin and is "rank" i of the returned [`Job`]), each confined as `confine`
-/// says. An agent starts its node's workers with this, the launcher every worker of a job.
+/// says; their reports queue in the job ([`Job::next_event`]).
 pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confinement, epoch: u64) -> Result<Job, ControlError> {
+    let (tx, events) = mpsc::channel();
+    spawn_processes(subcommand, specs, confine, epoch, events, tx, |rank, ev| (rank, ev))
+}
+
+/// The same, with every report sent to `to` as `wrap(rank, report)` (`None`: the process
+/// ended) instead of the job's queue: an agent waits on its workers and its controller at once.
+pub(crate) fn start_processes_reporting<T: Send + 'static>(
+    subcommand: &str,
+    specs: &[String],
+    confine: Confinement,
+    epoch: u64,
+    to: mpsc::Sender<T>,
+    wrap: fn(usize, Option<WorkerEvent>) -> T,
+) -> Result<Job, ControlError> {
+    let (_, nothing) = mpsc::channel();
+    spawn_processes(subcommand, specs, confine, epoch, nothing, to, wrap)
+}
+
+fn spawn_processes<T: Send + 'static>(
+    subcommand: &str,
+    specs: &[String],
+    confine: Confinement,
+    epoch: u64,
+    events: Receiver<(usize, Option<WorkerEvent>)>,
+    tx: mpsc::Sender<T>,
+    wrap: fn(usize, Option<WorkerEvent>) -> T,
+) -> Result<Job, ControlError> {
     let world = specs.len();
     let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
     let mut quota = None;
@@ -85,7 +112,6 @@ pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confi
             quota = Some(QuotaGroups::create(world, f)?);
         }
     }
-    let (tx, events) = mpsc::channel::<(usize, Option<WorkerEvent>)>();
     let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None, epoch };
     for (rank, spec) in specs.iter().enumerate() {
         let mut cmd = Command::new(&exe);
@@ -119,7 +145,7 @@ pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confi
             let tx = tx.clone();
             std::thread::Builder::new()
                 .name(format!("lazarus-worker-{rank}-out"))
-                .spawn(move || read_events(rank, stdout, tx))
+                .spawn(move || read_events(rank, stdout, |r, ev| tx.send(wrap(r, ev)).is_ok()))
                 .map_err(|e| ControlError::io("starting a reader thread", e))?;
         }
         if let Err(e) = processes.write_line(rank, spec) {
@@ -142,8 +168,9 @@ pub fn fresh_epoch() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_millis() as u64)
 }
 
-/// Forward a worker's reports; a line that is not a report is passed on as a log line.
-fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<(usize, Option<WorkerEvent>)>) {
+/// Forward a worker's reports to `send` (until it returns false), then its end (`None`); a line
+/// that is not a report is passed on as a log line.
+fn read_events(rank: usize, stdout: std::process::ChildStdout, send: impl Fn(usize, Option<WorkerEvent>) -> bool) {
     let mut reader = BufReader::new(stdout);
     let mut line = Vec::new();
     loop {
@@ -169,7 +196,7 @@ fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<
         let text = text.trim_end();
         match serde_json::from_str::<WorkerEvent>(text) {
             Ok(ev) => {
-                if tx.send((rank, Some(ev))).is_err() {
+                if !send(rank, Some(ev)) {
                     return;
                 }
             }
@@ -177,7 +204,7 @@ fn read_events(rank: usize, stdout: std::process::ChildStdout, tx: mpsc::Sender<
             Err(_) => {}
         }
     }
-    let _ = tx.send((rank, None));
+    send(rank, None);
 }
 
 /// Longest collective deadline a job may set: a day. Beyond it a stuck peer is not "slow".

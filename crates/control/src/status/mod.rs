@@ -81,6 +81,16 @@ impl Control for Service {
     }
 }
 
+/// A runtime of `threads` threads named `name`, for the gRPC server and the agent's client.
+pub(crate) fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime, ControlError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .map_err(|e| ControlError::io(format!("starting the {name} runtime"), e))
+}
+
 /// The gRPC service of a running controller (status, and the agents' sessions when it has a
 /// hub); stops when dropped.
 pub struct StatusServer {
@@ -97,12 +107,7 @@ impl StatusServer {
         let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
         listener.set_nonblocking(true).map_err(|e| ControlError::io("the status listener", e))?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("lazarus-control")
-            .enable_all()
-            .build()
-            .map_err(|e| ControlError::io("starting the status server's runtime", e))?;
+        let runtime = runtime(2, "lazarus-control")?;
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let thread = std::thread::Builder::new()
             .name("lazarus-status".into())
