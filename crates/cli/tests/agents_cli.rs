@@ -13,45 +13,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{dir, lazarus, spawn_lazarus};
+use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait_for_steps};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
     common::tiny_model("8")
-}
-
-/// The step lines and the reconfiguration lines of a `--json-log`.
-fn log(path: &Path) -> (Vec<(u64, f64)>, Vec<Value>) {
-    let mut steps = Vec::new();
-    let mut reconf = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
-        let v: Value = serde_json::from_str(line).unwrap();
-        if v["event"] == "reconfiguration" {
-            reconf.push(v);
-        } else {
-            steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
-        }
-    }
-    (steps, reconf)
-}
-
-fn wait_for_steps(path: &Path, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(path).map_or(0, |s| s.lines().count()) < n {
-        assert!(Instant::now() < deadline, "no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: a signal to a process this test started.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
-}
-
-fn alive(pid: i32) -> bool {
-    // A zombie has exited: only its parent's wait is missing.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| !r.trim_start().starts_with('Z')))
 }
 
 /// The processes `pid` started.
@@ -72,24 +38,6 @@ fn all_gone(pids: &[i32], within: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     false
-}
-
-/// The same run in one process: its losses.
-fn uninterrupted(steps: &str, d: &Path) -> Vec<f64> {
-    let path = d.join("reference.jsonl");
-    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap()];
-    args.extend(tiny());
-    let out = lazarus(&args);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    log(&path).0.into_iter().map(|(_, l)| l).collect()
-}
-
-fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
-    let numbers: Vec<u64> = got.iter().map(|(s, _)| *s).collect();
-    assert_eq!(numbers, (1..=want.len() as u64).collect::<Vec<_>>(), "{what}: every step logged exactly once");
-    for ((s, a), b) in got.iter().zip(want) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "{what}: step {s} loss {a} vs uninterrupted {b}");
-    }
 }
 
 /// Read `lines` until `want` agents have attached (`agent A attached from H (pid P)`); their

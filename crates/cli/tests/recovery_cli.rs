@@ -10,26 +10,14 @@ use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{dir, lazarus, spawn_lazarus, worker_pids};
+use common::{
+    assert_same_losses, cursor, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, uninterrupted_with_cursor, wait_for_steps,
+    worker_pids,
+};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
     common::tiny_model("8")
-}
-
-/// The step lines and the reconfiguration lines of a `--json-log`.
-fn log(path: &Path) -> (Vec<(u64, f64)>, Vec<Value>) {
-    let mut steps = Vec::new();
-    let mut reconf = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap().lines() {
-        let v: Value = serde_json::from_str(line).unwrap();
-        if v["event"] == "reconfiguration" {
-            reconf.push(v);
-        } else {
-            steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
-        }
-    }
-    (steps, reconf)
 }
 
 /// Start `train --workers N`; returns it, its stderr lines and the workers' pids once ready.
@@ -48,42 +36,6 @@ fn start_with_faults(n: usize, extra: &[&str], faults: &str) -> (Child, mpsc::Re
     (child, rx, pids)
 }
 
-fn wait_for_steps(path: &Path, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(path).map_or(0, |s| s.lines().count()) < n {
-        assert!(Instant::now() < deadline, "no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: a signal to a process this test started.
-    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
-}
-
-/// The same run in one process: the losses to match.
-fn uninterrupted(steps: &str, d: &Path) -> Vec<f64> {
-    uninterrupted_with_cursor(steps, d).0
-}
-
-/// The same run in one process: its losses, and the data cursor of its final checkpoint.
-fn uninterrupted_with_cursor(steps: &str, d: &Path) -> (Vec<f64>, Value) {
-    let path = d.join("reference.jsonl");
-    let ck = d.join("reference-ck");
-    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
-    args.extend(tiny());
-    let out = lazarus(&args);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    (log(&path).0.into_iter().map(|(_, l)| l).collect(), cursor(&ck))
-}
-
-/// The data cursor of the newest checkpoint in `ck`: where the next batch starts.
-fn cursor(ck: &Path) -> Value {
-    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
-    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(ck.join(latest.trim()).join("manifest.json")).unwrap()).unwrap();
-    manifest["extra"]["cursor"].clone()
-}
-
 /// Run a job to its end and collect its stderr.
 fn finish(mut child: Child, lines: mpsc::Receiver<String>) -> Vec<String> {
     let status = child.wait().unwrap();
@@ -99,14 +51,6 @@ fn resumes_in_one_process(ck: &Path, steps: &str, d: &Path) {
         lazarus(&["train", "--resume", "--steps", steps, "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", more.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(log(&more).0.len(), 2);
-}
-
-fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
-    let numbers: Vec<u64> = got.iter().map(|(s, _)| *s).collect();
-    assert_eq!(numbers, (1..=want.len() as u64).collect::<Vec<_>>(), "{what}: every step logged exactly once");
-    for ((s, a), b) in got.iter().zip(want) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "{what}: step {s} loss {a} vs uninterrupted {b}");
-    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{dir, lazarus, spawn_lazarus, worker_pids};
+use common::{alive, dir, lazarus, spawn_lazarus, worker_pids};
 
 /// The tiny model of these tests.
 fn tiny() -> [&'static str; 16] {
@@ -303,16 +303,6 @@ fn start_workers(extra: &[&str]) -> (std::process::Child, mpsc::Receiver<String>
     let (child, rx) = spawn_lazarus(&args, &[]);
     let pids = worker_pids(&rx, 2, |_| {});
     (child, rx, pids)
-}
-
-/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
-fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).is_some_and(|state| state != "Z" && state != "X")
-        }
-        Err(_) => false,
-    }
 }
 
 fn lines_in(path: &std::path::Path) -> usize {

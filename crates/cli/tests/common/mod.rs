@@ -88,3 +88,85 @@ pub fn worker_pids(lines: &std::sync::mpsc::Receiver<String>, n: usize, mut seen
     }
     pids
 }
+
+/// The step lines (step, loss) and the reconfiguration lines of a `--json-log`.
+#[allow(dead_code)] // only the tests of worker processes read logs this way
+pub fn log(path: &std::path::Path) -> (Vec<(u64, f64)>, Vec<serde_json::Value>) {
+    let mut steps = Vec::new();
+    let mut reconf = Vec::new();
+    for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if v["event"] == "reconfiguration" {
+            reconf.push(v);
+        } else {
+            steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
+        }
+    }
+    (steps, reconf)
+}
+
+/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` lines.
+#[allow(dead_code)]
+pub fn wait_for_steps(path: &std::path::Path, n: usize) {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(path).map_or(0, |s| s.lines().count()) < n {
+        assert!(Instant::now() < deadline, "no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Send `sig` to `pid`.
+#[allow(dead_code)]
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: a signal to a process this test started.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+}
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
+#[allow(dead_code)]
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().next()).is_some_and(|state| state != "Z" && state != "X")
+        }
+        Err(_) => false,
+    }
+}
+
+/// The same run (the tiny model, batch 8) in one process: its losses.
+#[allow(dead_code)]
+pub fn uninterrupted(steps: &str, d: &std::path::Path) -> Vec<f64> {
+    uninterrupted_with_cursor(steps, d).0
+}
+
+/// The same run in one process: its losses, and the data cursor of its final checkpoint.
+#[allow(dead_code)]
+pub fn uninterrupted_with_cursor(steps: &str, d: &std::path::Path) -> (Vec<f64>, serde_json::Value) {
+    let path = d.join("reference.jsonl");
+    let ck = d.join("reference-ck");
+    let mut args = vec!["train", "--steps", steps, "--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
+    args.extend(tiny_model("8"));
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    (log(&path).0.into_iter().map(|(_, l)| l).collect(), cursor(&ck))
+}
+
+/// The data cursor of the newest checkpoint in `ck`: where the next batch starts.
+#[allow(dead_code)]
+pub fn cursor(ck: &std::path::Path) -> serde_json::Value {
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join(latest.trim()).join("manifest.json")).unwrap()).unwrap();
+    manifest["extra"]["cursor"].clone()
+}
+
+/// Every step logged exactly once, each loss within 1e-4 (relative) of the uninterrupted run's.
+#[allow(dead_code)]
+pub fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
+    let numbers: Vec<u64> = got.iter().map(|(s, _)| *s).collect();
+    assert_eq!(numbers, (1..=want.len() as u64).collect::<Vec<_>>(), "{what}: every step logged exactly once");
+    for ((s, a), b) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{what}: step {s} loss {a} vs uninterrupted {b}");
+    }
+}
