@@ -1,0 +1,314 @@
+//! The controller's loop of a job with live recovery: worker reports in through a [`Fleet`],
+//! [`Controller::decide`] on each, its commands out; and the shell's own bookkeeping (what to
+//! show the user, the record of each reconfiguration, when every worker is done).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use lazarus_plan::ModelPlan;
+use lazarus_runtime::Reconfiguration;
+
+use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
+use crate::controller::{Command, Controller, Event, JobSpec, StopReport};
+use crate::error::ControlError;
+use crate::fleet::Fleet;
+use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
+use crate::status::{snapshot, SharedStatus};
+
+/// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
+/// job completes or stops. On anything but completion every worker left is killed.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn drive(
+    fleet: &mut dyn Fleet,
+    spec: JobSpec,
+    plan: ModelPlan,
+    world: usize,
+    first_epoch: u64,
+    job_id: &str,
+    start_within: Duration,
+    shared: SharedStatus,
+    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
+) -> Result<TrainOutcome, ControlError> {
+    let begun = Instant::now();
+    let mut ctl = Controller::new(spec, plan, (0..world as u64).collect(), begun);
+    let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
+    let mut shell =
+        Shell { started: false, done: BTreeMap::new(), recovering: None, first_error: None, ranks: (0..world as u64).collect() };
+    let result: Result<TrainOutcome, ControlError> = (|| loop {
+        let now = Instant::now();
+        if !shell.started && now >= begun + start_within {
+            return Ok(TrainOutcome::Failed {
+                reason: format!("the workers did not all start within {} s", start_within.as_secs()),
+                workers: vec![],
+            });
+        }
+        let mut wait = ctl.next_wake(now).saturating_duration_since(now);
+        if wait.is_zero() {
+            wait = Duration::from_millis(1);
+        }
+        let event = match fleet.next_event(wait) {
+            None => Event::Tick,
+            Some((rank, None)) => {
+                let status = fleet.exit_status(rank);
+                if shell.done.contains_key(&rank) || !ctl.alive().contains(&(rank as u64)) {
+                    continue;
+                }
+                observe(TrainEvent::Lost { worker: rank, why: format!("died ({status})") })?;
+                shell.failure_seen();
+                Event::Exited { node: rank as u64, status }
+            }
+            Some((rank, Some(ev))) => match shell.translate(rank, ev, &ctl, &mut observe)? {
+                Some(e) => e,
+                None => {
+                    if let Some(out) = shell.finished(&ctl) {
+                        return Ok(out);
+                    }
+                    continue;
+                }
+            },
+        };
+        let decided = Instant::now();
+        let commands = ctl.decide(decided, event);
+        let plan_s = decided.elapsed().as_secs_f64();
+        if plan_json.0 != ctl.epoch() {
+            plan_json = (ctl.epoch(), ctl.plan().to_json());
+        }
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
+        for command in commands {
+            match command {
+                Command::Kill { node, reason } => {
+                    fleet.kill(node as usize, &reason);
+                    observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
+                    // A silent node failed when it was last heard from, a lease ago: the
+                    // record counts the wait for the lease as detection.
+                    shell.failure_seen_at(ctl.last_heard(node).unwrap_or(decided));
+                }
+                Command::Fence { epoch, ranks, nodes } => {
+                    let m = LauncherMessage::Fence { epoch, ranks };
+                    for node in nodes {
+                        let _ = fleet.send(node as usize, &m);
+                    }
+                }
+                Command::Abandon { epoch, nodes } => {
+                    for node in nodes {
+                        let _ = fleet.send(node as usize, &LauncherMessage::Abandon { epoch });
+                    }
+                }
+                Command::Addresses { epoch, addrs } => {
+                    let m = LauncherMessage::Addrs { epoch, addrs };
+                    for &node in ctl.ranks() {
+                        let _ = fleet.send(node as usize, &m);
+                    }
+                }
+                Command::Resume { epoch } => {
+                    if epoch == first_epoch {
+                        shell.started = true;
+                        observe(TrainEvent::Started)?;
+                    } else if let Some(r) = &mut shell.recovering {
+                        r.resumed = true;
+                    }
+                }
+                Command::Reconfigure(m) => {
+                    shell.begin_move(&m, "reconfigure", plan_s, first_epoch);
+                    for (rank, &node) in m.ranks.iter().enumerate() {
+                        let to = Reconfiguration {
+                            epoch: m.epoch,
+                            rank,
+                            world: m.ranks.len(),
+                            plan: m.plan.clone(),
+                            transfers: m.transfers.clone(),
+                        };
+                        let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
+                    }
+                }
+                Command::Rollback { to: m, to_step } => {
+                    shell.begin_move(&m, "rollback", plan_s, first_epoch);
+                    if let Some(r) = &mut shell.recovering {
+                        r.step = to_step.unwrap_or(0);
+                    }
+                    for (rank, &node) in m.ranks.iter().enumerate() {
+                        let to =
+                            Reconfiguration { epoch: m.epoch, rank, world: m.ranks.len(), plan: m.plan.clone(), transfers: Vec::new() };
+                        let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
+                    }
+                }
+                Command::Stop { reason } => {
+                    let reason = match &shell.first_error {
+                        Some(first) => format!("{reason} (first failure: {first})"),
+                        None => reason,
+                    };
+                    let workers: Vec<String> = (0..world)
+                        .map(|r| if ctl.alive().contains(&(r as u64)) { format!("{r}: alive") } else { format!("{r}: lost") })
+                        .collect();
+                    return Ok(TrainOutcome::Failed { reason, workers });
+                }
+            }
+        }
+    })();
+    match &result {
+        Ok(TrainOutcome::Completed { .. }) => fleet.finish(),
+        Ok(TrainOutcome::Failed { reason, .. }) => {
+            fleet.kill_all(reason);
+            fleet.finish();
+        }
+        Err(e) => {
+            fleet.kill_all(&e.to_string());
+            fleet.finish();
+        }
+    }
+    result
+}
+
+/// A reconfiguration in progress, for its record.
+struct Recovering {
+    started: Instant,
+    cause: &'static str,
+    epoch: u64,
+    lost: Vec<u64>,
+    step: u64,
+    detect_s: f64,
+    plan_s: f64,
+    moved: Vec<MoveStats>,
+    resumed: bool,
+    workers: usize,
+}
+
+/// The launcher's side of the bookkeeping the controller does not do: what to show, and when
+/// every worker is done.
+struct Shell {
+    started: bool,
+    /// Workers that finished, with rank 0's checkpoint.
+    done: BTreeMap<usize, Option<PathBuf>>,
+    recovering: Option<Recovering>,
+    first_error: Option<String>,
+    /// The node of each rank of the current epoch.
+    ranks: Vec<u64>,
+}
+
+impl Shell {
+    /// The first sign of a failure starts the clock of its record.
+    fn failure_seen(&mut self) {
+        self.failure_seen_at(Instant::now());
+    }
+
+    /// A failure that began at `at` (earlier than now, for a node found out by its silence).
+    fn failure_seen_at(&mut self, at: Instant) {
+        if let Some(r) = &mut self.recovering {
+            r.started = r.started.min(at);
+        } else {
+            self.recovering = Some(Recovering {
+                started: at,
+                cause: "",
+                epoch: 0,
+                lost: Vec::new(),
+                step: 0,
+                detect_s: 0.0,
+                plan_s: 0.0,
+                moved: Vec::new(),
+                resumed: false,
+                workers: 0,
+            });
+        }
+    }
+
+    fn begin_move(&mut self, m: &crate::controller::Move, cause: &'static str, plan_s: f64, first_epoch: u64) {
+        self.failure_seen();
+        if let Some(r) = &mut self.recovering {
+            r.cause = cause;
+            r.epoch = m.epoch - first_epoch;
+            r.step = m.commit_to;
+            r.detect_s = r.started.elapsed().as_secs_f64() - plan_s;
+            r.plan_s = plan_s;
+            r.workers = m.ranks.len();
+            // A move that failed half-way and the one after it are one recovery: its record
+            // names every worker lost on the way.
+            for n in self.ranks.iter().copied().filter(|n| !m.ranks.contains(n)) {
+                if !r.lost.contains(&n) {
+                    r.lost.push(n);
+                }
+            }
+            r.lost.sort_unstable();
+            r.moved.clear();
+            r.resumed = false;
+        }
+        self.ranks = m.ranks.clone();
+    }
+
+    /// A worker's report as the controller's event (None: nothing for the controller).
+    fn translate(
+        &mut self,
+        rank: usize,
+        ev: WorkerEvent,
+        ctl: &Controller,
+        observe: &mut impl FnMut(TrainEvent) -> Result<(), ControlError>,
+    ) -> Result<Option<Event>, ControlError> {
+        let node = rank as u64;
+        Ok(Some(match ev {
+            WorkerEvent::Listening { addr, epoch } => Event::Listening { node, epoch, addr },
+            WorkerEvent::Ready { pid, epoch, moved } => {
+                if moved.is_none() {
+                    observe(TrainEvent::Ready { rank, pid })?;
+                }
+                if let (Some(r), Some(m)) = (&mut self.recovering, moved) {
+                    r.moved.push(m);
+                }
+                Event::Ready { node, epoch }
+            }
+            WorkerEvent::Heartbeat => Event::Heartbeat { node },
+            WorkerEvent::Step { report, seconds, dropped, .. } => {
+                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone() };
+                if let Some(r) = self.recovering.take_if(|r| r.resumed) {
+                    let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
+                    observe(TrainEvent::Reconfigured(ReconfigurationRecord {
+                        event: "reconfiguration",
+                        epoch: r.epoch,
+                        cause: r.cause.into(),
+                        lost: r.lost.clone(),
+                        step: r.step,
+                        detect_s: r.detect_s,
+                        plan_s: r.plan_s,
+                        transfer_s: max(|m| m.transfer_s),
+                        transfer_bytes: r.moved.iter().map(|m| m.bytes_received).sum(),
+                        rebuild_s: max(|m| m.rebuild_s),
+                        recovery_s: r.started.elapsed().as_secs_f64(),
+                        workers: r.workers,
+                    }))?;
+                }
+                observe(TrainEvent::Step { report, seconds, dropped })?;
+                event
+            }
+            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, .. } => {
+                self.failure_seen();
+                self.first_error.get_or_insert(format!("worker {rank}: {message}"));
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds } }
+            }
+            WorkerEvent::Checkpointed { step, path } => {
+                observe(TrainEvent::Checkpointed { step, path })?;
+                Event::Checkpointed { step }
+            }
+            WorkerEvent::Done { checkpoint } => {
+                self.done.insert(rank, checkpoint);
+                return Ok(None);
+            }
+            WorkerEvent::Failed { kind, message } => {
+                self.first_error.get_or_insert(format!("worker {rank}: {kind}: {message}"));
+                observe(TrainEvent::Lost { worker: rank, why: format!("{kind}: {message}") })?;
+                self.failure_seen();
+                self.done.remove(&rank);
+                Event::Exited { node, status: format!("{kind}: {message}") }
+            }
+            WorkerEvent::BenchResults { .. } => return Ok(None),
+        }))
+    }
+
+    /// Every live worker done: the job is.
+    fn finished(&self, ctl: &Controller) -> Option<TrainOutcome> {
+        if ctl.ranks().iter().all(|n| self.done.contains_key(&(*n as usize))) {
+            let rank0 = ctl.ranks().first().map(|&n| n as usize);
+            let checkpoint = rank0.and_then(|r| self.done.get(&r).cloned()).flatten();
+            return Some(TrainOutcome::Completed { checkpoint });
+        }
+        None
+    }
+}
