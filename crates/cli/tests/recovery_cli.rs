@@ -239,6 +239,49 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Too few survivors for one replica of every expert (2 workers of 2 slots, 4 experts, one
+/// killed): the run stops at once with a clear reason naming the last checkpoint and the
+/// command to go on from it — and that command goes on from it.
+#[test]
+fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
+    let d = dir("recover-too-few");
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let args = ["--steps", "5000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "4", "--slots-per-worker", "2"];
+    let (mut child, lines, pids) = start(2, &args);
+    wait_for_steps(&path, 6);
+    signal(pids[1], libc::SIGKILL);
+    let begun = Instant::now();
+    let status = child.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    let all = text.join("\n");
+    assert!(!status.success(), "a job that cannot go on fails: {all}");
+    assert!(begun.elapsed() < Duration::from_secs(30), "it stops at once, it does not hang");
+    assert!(all.contains("the 1 surviving workers have 2 expert slots, fewer than the 4 experts of a layer"), "{all}");
+    let want = format!("--checkpoint-dir {ck_s} --resume");
+    assert!(all.contains(&want), "the reason says how to go on: {all}");
+    let step: u64 = all
+        .split("the last checkpoint is of step ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("names the step: {all}"));
+    assert!(step >= 4 && step % 4 == 0, "{all}");
+    // Nothing after it was saved as if consistent: `latest` is that checkpoint.
+    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap().trim(), format!("step-{step:08}"));
+    // The command it names goes on from there, on two workers again.
+    let more = d.join("more.jsonl");
+    let steps = (step + 3).to_string();
+    let mut again = vec!["train", "--workers", "2", "--slots-per-worker", "2", "--checkpoint-dir", &ck_s, "--resume", "--steps", &steps];
+    let more_s = more.to_str().unwrap();
+    again.extend(["--json-log", more_s]);
+    let out = lazarus(&again);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let numbers: Vec<u64> = log(&more).0.iter().map(|s| s.0).collect();
+    assert_eq!(numbers, vec![step + 1, step + 2, step + 3]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lazarus bench recovery --json`: five kills, one in each phase (forward, all-reduce, vote,
 /// SIGKILL and SIGSTOP from outside), every one recovered, with its breakdown; a hang costs
 /// about the lease, a death far less.

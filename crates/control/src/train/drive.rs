@@ -33,8 +33,14 @@ pub(super) fn drive(
     let begun = Instant::now();
     let mut ctl = Controller::new(spec, plan, (0..world as u64).collect(), begun);
     let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
-    let mut shell =
-        Shell { started: false, done: BTreeMap::new(), recovering: None, first_error: None, ranks: (0..world as u64).collect() };
+    let mut shell = Shell {
+        started: false,
+        done: BTreeMap::new(),
+        recovering: None,
+        first_error: None,
+        ranks: (0..world as u64).collect(),
+        last_checkpoint: None,
+    };
     let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
         if !shell.started && now >= begun + start_within {
@@ -134,10 +140,17 @@ pub(super) fn drive(
                     }
                 }
                 Command::Stop { reason } => {
-                    let reason = match &shell.first_error {
+                    let mut reason = match &shell.first_error {
                         Some(first) => format!("{reason} (first failure: {first})"),
                         None => reason,
                     };
+                    // Where to go on from: the user's next command, not only a step number.
+                    if let Some(dir) = shell.last_checkpoint.as_ref().and_then(|p| p.parent()) {
+                        reason.push_str(&format!(
+                            "; to go on from it, start the job again on enough workers with --checkpoint-dir {} --resume",
+                            dir.display()
+                        ));
+                    }
                     let workers: Vec<String> = (0..world)
                         .map(|r| if ctl.alive().contains(&(r as u64)) { format!("{r}: alive") } else { format!("{r}: lost") })
                         .collect();
@@ -184,6 +197,8 @@ struct Shell {
     first_error: Option<String>,
     /// The node of each rank of the current epoch.
     ranks: Vec<u64>,
+    /// The newest checkpoint written, for a stop to name.
+    last_checkpoint: Option<PathBuf>,
 }
 
 impl Shell {
@@ -284,6 +299,7 @@ impl Shell {
                 Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds } }
             }
             WorkerEvent::Checkpointed { step, path } => {
+                self.last_checkpoint = Some(path.clone());
                 observe(TrainEvent::Checkpointed { step, path })?;
                 Event::Checkpointed { step }
             }
