@@ -266,7 +266,7 @@ fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
         .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("names the step: {all}"));
-    assert!(step >= 4 && step % 4 == 0, "{all}");
+    assert!(step >= 4 && step.is_multiple_of(4), "{all}");
     // Nothing after it was saved as if consistent: `latest` is that checkpoint.
     assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap().trim(), format!("step-{step:08}"));
     // The command it names goes on from there, on two workers again.
