@@ -22,6 +22,9 @@ pub enum TransferKind {
     StateTransfer = 2,
     /// An expert's state copied into another node's memory (the snapshot tier).
     Snapshot = 3,
+    /// The replicated (non-expert) training state sent to a worker that joins a running job
+    /// (layer and expert 0: one such message between two ranks per move).
+    SharedState = 4,
 }
 
 /// Tag of the `seq`-th collective of the group with id `group` (31 bits are used).
@@ -60,7 +63,7 @@ mod tests {
     fn the_ranges_are_disjoint() {
         let c = collective(u32::MAX, u32::MAX);
         assert!(c < 1 << 63 && !is_control(c));
-        for kind in [TransferKind::Checkpoint, TransferKind::StateTransfer, TransferKind::Snapshot] {
+        for kind in [TransferKind::Checkpoint, TransferKind::StateTransfer, TransferKind::Snapshot, TransferKind::SharedState] {
             let lo = expert_transfer(kind, 0, 0).unwrap();
             let hi = expert_transfer(kind, (1 << 24) - 1, u32::MAX as usize).unwrap();
             assert!(lo >= 1 << 63 && !is_control(hi) && hi >> 56 == lo >> 56);

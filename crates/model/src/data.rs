@@ -319,6 +319,12 @@ impl Sampler {
         out
     }
 
+    /// Put the cursor at `cursor` (a worker that joins a running job takes its peers').
+    pub fn seek(&mut self, cursor: Cursor) {
+        self.cursor = cursor;
+        self.prepare_epoch();
+    }
+
     /// Move the cursor past `batch` windows (a committed step).
     pub fn advance(&mut self, batch: usize) {
         self.cursor.windows += batch as u64;

@@ -15,12 +15,14 @@ pub mod bench;
 mod error;
 mod expert_state;
 mod moe;
+mod shared_state;
 mod worker;
 
 pub use error::RuntimeError;
 pub use expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
+pub use shared_state::SharedState;
 pub use worker::{
-    batch_share, check_plan, validate_worker_config, ExpertTransfer, FaultHook, FaultPoint, PendingStep, Reconfiguration,
-    ReconfigureReport, Worker, WorkerOptions, WorkerStepReport,
+    batch_share, check_plan, pause_signal, validate_worker_config, ExpertTransfer, FaultHook, FaultPoint, PauseSignal, PendingStep,
+    Reconfiguration, ReconfigureReport, Worker, WorkerOptions, WorkerStepReport,
 };

@@ -36,6 +36,7 @@ use lazarus_plan::ReplicaMap;
 use crate::error::RuntimeError;
 use crate::expert_state::{ExpertState, TensorTrainState};
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
+use crate::shared_state::SharedState;
 
 /// What a worker needs beyond the training configuration.
 #[derive(Debug, Clone)]
@@ -84,6 +85,9 @@ pub struct WorkerStepReport {
     pub report: StepReport,
     /// Bytes this rank sent in the dispatch/combine all-to-alls of this step.
     pub wire_bytes: u64,
+    /// Some rank was asked to pause (the same on every rank): stop after this step, between
+    /// steps, and wait for the controller's move.
+    pub pause: bool,
 }
 
 /// Sequences [lo, hi) of a global batch of `batch` sequences that rank `rank` of `world` takes:
@@ -151,6 +155,18 @@ pub struct Worker {
     /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
     held: Option<PendingStep>,
     fault: Option<FaultHook>,
+    /// The epoch at which the controller asked the job to pause at a step boundary (a join, a
+    /// rebalance): see [`Worker::set_pause_signal`].
+    pause: Option<PauseSignal>,
+}
+
+/// Set (by another thread) to the epoch at which the controller asks every rank to stop after
+/// the current step; `u64::MAX`: no request.
+pub type PauseSignal = std::sync::Arc<std::sync::atomic::AtomicU64>;
+
+/// A pause signal with no request.
+pub fn pause_signal() -> PauseSignal {
+    std::sync::Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX))
 }
 
 /// This rank's part of every MoE layer under `plan`: the router and the experts placed here.
@@ -229,9 +245,102 @@ impl Worker {
             timeout: options.timeout,
             held: None,
             fault: None,
+            pause: None,
         };
         worker.release_remote_experts()?;
         Ok(worker)
+    }
+
+    /// A worker waiting to join a running job: the model built (for its shapes), holding no
+    /// expert and nothing of the job's progress yet. A move that names it among its joiners
+    /// ([`Reconfiguration::joining`]) gives it the replicated state and its experts.
+    pub fn standby(config: TrainConfig, mode: DispatchMode, timeout: Duration) -> Result<Self, RuntimeError> {
+        let mc = config.model.clone();
+        let solo = ReplicaMap::new(0, vec![vec![vec![1]; mc.n_experts]; mc.moe_layers()])?;
+        let mut worker = Worker::new(config, WorkerOptions { plan: solo, mode, timeout }, 0, 1, None)?;
+        for l in 0..mc.moe_layers() {
+            for e in 0..mc.n_experts {
+                worker.trainer.model.set_expert(l, e, None)?;
+                for name in worker.trainer.model.expert_param_names(l, e) {
+                    let i = worker.position(&name)?;
+                    worker.trainer.optimizer.release(i);
+                }
+            }
+        }
+        for layer in &mut worker.layers {
+            layer.experts.clear();
+        }
+        Ok(worker)
+    }
+
+    /// Let `signal` ask this worker to pause: a step computed at the transport epoch it holds
+    /// carries the request in its gradient all-reduce, so every rank learns of it in the same
+    /// step and all stop after committing that step ([`WorkerStepReport::pause`]).
+    pub fn set_pause_signal(&mut self, signal: Option<PauseSignal>) {
+        self.pause = signal;
+    }
+
+    /// Whether a pause is asked for at `epoch`.
+    fn pause_asked(&self, epoch: u64) -> bool {
+        self.pause.as_ref().is_some_and(|p| p.load(std::sync::atomic::Ordering::Relaxed) == epoch)
+    }
+
+    /// The replicated training state: every non-expert tensor with its optimizer state, the
+    /// step counter and the data cursor.
+    pub fn export_shared(&self) -> Result<SharedState, RuntimeError> {
+        let model = &self.trainer.model;
+        let mut tensors = Vec::new();
+        for (i, var) in model.params().vars().iter().enumerate() {
+            if self.kinds[i] != ParamKind::Shared {
+                continue;
+            }
+            let s = self.trainer.optimizer.state(i)?;
+            let host = |t: &Tensor| -> Result<Vec<f32>, RuntimeError> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+            tensors.push(TensorTrainState {
+                shape: var.dims().to_vec(),
+                weight: host(var.as_tensor())?,
+                m: host(&s.m)?,
+                v: host(&s.v)?,
+                step: s.step,
+            });
+        }
+        Ok(SharedState { step: self.trainer.step, cursor: self.trainer.sampler.cursor().windows, tensors })
+    }
+
+    /// The shapes of the replicated tensors, in parameter order (what [`SharedState::decode`]
+    /// checks a peer's bytes against).
+    pub fn shared_shapes(&self) -> Vec<Vec<usize>> {
+        let vars = self.trainer.model.params().vars();
+        (0..vars.len()).filter(|&i| self.kinds[i] == ParamKind::Shared).map(|i| vars[i].dims().to_vec()).collect()
+    }
+
+    /// Take in a peer's replicated state (a worker joining a running job).
+    pub fn install_shared(&mut self, state: &SharedState) -> Result<(), RuntimeError> {
+        let shared: Vec<usize> = (0..self.kinds.len()).filter(|&i| self.kinds[i] == ParamKind::Shared).collect();
+        if shared.len() != state.tensors.len() {
+            return Err(RuntimeError::Invalid {
+                field: "shared state",
+                reason: format!("{} tensors, the model has {}", state.tensors.len(), shared.len()),
+            });
+        }
+        let device = self.trainer.model.device().clone();
+        let vars = self.trainer.model.params().vars().to_vec();
+        for (&i, t) in shared.iter().zip(&state.tensors) {
+            if vars[i].dims() != t.shape.as_slice() {
+                return Err(RuntimeError::Invalid {
+                    field: "shared state",
+                    reason: format!("tensor {i}: shape {:?}, expected {:?}", t.shape, vars[i].dims()),
+                });
+            }
+            vars[i].set(&Tensor::from_slice(&t.weight, t.shape.as_slice(), &device)?)?;
+            let m = Tensor::from_slice(&t.m, t.shape.as_slice(), &device)?;
+            let v = Tensor::from_slice(&t.v, t.shape.as_slice(), &device)?;
+            self.trainer.optimizer.set_state(i, TensorState { m, v, step: t.step })?;
+        }
+        self.trainer.step = state.step;
+        self.trainer.sampler.seek(lazarus_model::data::Cursor { windows: state.cursor });
+        self.held = None;
+        Ok(())
     }
 
     /// Free the weights and optimizer moments of every expert not placed on this rank: a

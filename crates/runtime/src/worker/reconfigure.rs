@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::{build_layers, check_plan, FaultPoint, Worker};
 use crate::error::RuntimeError;
 use crate::expert_state::ExpertState;
+use crate::shared_state::SharedState;
 
 /// One expert state copied from a surviving holder to a rank that newly holds it; ranks are the
 /// new world's.
@@ -34,6 +35,21 @@ pub struct Reconfiguration {
     pub plan: ReplicaMap,
     /// Every transfer of the reconfiguration (each rank does its own part).
     pub transfers: Vec<ExpertTransfer>,
+    /// Ranks of the new world that join the job now (they hold nothing of it yet): each takes
+    /// the replicated state ([`crate::SharedState`]) from one of the other ranks, the `i`-th
+    /// joiner from the `i mod n`-th of those `n`, spreading the copies over them.
+    #[serde(default)]
+    pub joining: Vec<usize>,
+}
+
+impl Reconfiguration {
+    /// The rank that sends joiner `rank` the replicated state (None: `rank` does not join, or
+    /// nobody can send it).
+    pub fn shared_source(&self, rank: usize) -> Option<usize> {
+        let i = self.joining.iter().position(|&j| j == rank)?;
+        let sources: Vec<usize> = (0..self.world).filter(|r| !self.joining.contains(r)).collect();
+        (!sources.is_empty()).then(|| sources[i % sources.len()])
+    }
 }
 
 /// What a reconfiguration moved on this rank.
@@ -87,12 +103,30 @@ impl Worker {
                 return Err(bad(format!("transfer {x:?} sends layer {} expert {} to a rank the plan does not give it", x.layer, x.expert)));
             }
         }
+        for &j in &r.joining {
+            if j >= r.world || r.shared_source(j).is_none() {
+                return Err(bad(format!("joiner {j} of a world of {} has no rank to take the job's state from", r.world)));
+            }
+        }
+        if r.transfers.iter().any(|x| r.joining.contains(&x.from)) {
+            return Err(bad("a joining rank cannot be the source of a transfer".into()));
+        }
         let mut transfers = r.transfers.clone();
         transfers.sort_by_key(|x| (x.layer, x.expert, x.to));
         let timeout = self.timeout;
         let deadline = || deadline_after(timeout);
         let mut report = ReconfigureReport::default();
-        // Sends first: the transport never blocks a send on a peer that is sending too.
+        // Sends first: the transport never blocks a send on a peer that is sending too. The
+        // replicated state to the joiners this rank serves, then expert states.
+        let shared_tag = expert_transfer(TransferKind::SharedState, 0, 0)?;
+        let served: Vec<usize> = r.joining.iter().copied().filter(|&j| r.shared_source(j) == Some(r.rank)).collect();
+        if !served.is_empty() {
+            let bytes = self.export_shared()?.encode();
+            for j in served {
+                t.send(j, shared_tag, &bytes, deadline())?;
+                report.bytes_sent += bytes.len() as u64;
+            }
+        }
         for x in transfers.iter().filter(|x| x.from == r.rank) {
             let bytes = self.export_expert(x.layer, x.expert)?.encode();
             t.send(x.to, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, &bytes, deadline())?;
@@ -100,6 +134,12 @@ impl Worker {
             report.bytes_sent += bytes.len() as u64;
         }
         self.fault_point(FaultPoint::Transfer, self.trainer.step);
+        if let Some(from) = r.shared_source(r.rank) {
+            let bytes = t.recv(from, shared_tag, deadline())?;
+            let state = SharedState::decode(&bytes, &self.shared_shapes()).map_err(|e| bad(format!("rank {from} sent: {e}")))?;
+            self.install_shared(&state)?;
+            report.bytes_received += bytes.len() as u64;
+        }
         let shapes = self.trainer.model.expert_shapes();
         for x in transfers.iter().filter(|x| x.to == r.rank) {
             let bytes = t.recv(x.from, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, deadline())?;

@@ -1,0 +1,166 @@
+//! The replicated part of a worker's training state — every non-expert tensor with its AdamW
+//! m, v and step, the step counter and the data cursor — and its one wire form. A worker that
+//! joins a running job (paper §4.3, scale-up) takes it from a peer, then the expert states its
+//! placement gives it ([`crate::ExpertState`]), and trains on as if it had always been there.
+//!
+//! Wire form (little-endian): magic `LZD1` (u32), steps committed (u64), data cursor in windows
+//! (u64), tensor count (u32), then per tensor its rank (u32), its dimensions (u64 each) and its
+//! AdamW step (u64); then per tensor its weight, m and v as f32. A decoder is told the shapes
+//! it expects (its own model's) and checks the length before it reads anything, so a peer
+//! cannot make it allocate more than one model's replicated state.
+
+use crate::error::RuntimeError;
+use crate::expert_state::TensorTrainState;
+
+const MAGIC: u32 = 0x4c5a_4431; // "LZD1"
+
+/// The replicated training state of a job at a committed step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedState {
+    /// Steps committed.
+    pub step: u64,
+    /// Windows of data consumed.
+    pub cursor: u64,
+    /// Every non-expert tensor, in parameter order.
+    pub tensors: Vec<TensorTrainState>,
+}
+
+fn bad(reason: String) -> RuntimeError {
+    RuntimeError::Invalid { field: "shared state", reason }
+}
+
+impl SharedState {
+    /// Bytes of the wire form for tensors of these shapes.
+    pub fn encoded_len(shapes: &[Vec<usize>]) -> usize {
+        24 + shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum::<usize>()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let shapes: Vec<Vec<usize>> = self.tensors.iter().map(|t| t.shape.clone()).collect();
+        let mut out = Vec::with_capacity(Self::encoded_len(&shapes));
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&self.step.to_le_bytes());
+        out.extend_from_slice(&self.cursor.to_le_bytes());
+        out.extend_from_slice(&(self.tensors.len() as u32).to_le_bytes());
+        for t in &self.tensors {
+            out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+            for &d in &t.shape {
+                out.extend_from_slice(&(d as u64).to_le_bytes());
+            }
+            out.extend_from_slice(&t.step.to_le_bytes());
+        }
+        for t in &self.tensors {
+            for part in [&t.weight, &t.m, &t.v] {
+                out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    /// Decode a state whose tensors must have `shapes`.
+    pub fn decode(bytes: &[u8], shapes: &[Vec<usize>]) -> Result<Self, RuntimeError> {
+        let want = Self::encoded_len(shapes);
+        if bytes.len() != want {
+            return Err(bad(format!("{} bytes, expected {want}", bytes.len())));
+        }
+        let mut at = 0usize;
+        let mut take = |n: usize| {
+            let s = &bytes[at..at + n];
+            at += n;
+            s
+        };
+        let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+        let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+        let magic = u32_of(take(4));
+        if magic != MAGIC {
+            return Err(bad(format!("bad magic {magic:#x}")));
+        }
+        let (step, cursor) = (u64_of(take(8)), u64_of(take(8)));
+        let count = u32_of(take(4)) as usize;
+        if count != shapes.len() {
+            return Err(bad(format!("{count} tensors, expected {}", shapes.len())));
+        }
+        let mut steps = Vec::with_capacity(count);
+        for (k, shape) in shapes.iter().enumerate() {
+            let rank = u32_of(take(4)) as usize;
+            if rank != shape.len() {
+                return Err(bad(format!("tensor {k} has rank {rank}, expected {}", shape.len())));
+            }
+            for (i, &d) in shape.iter().enumerate() {
+                let got = u64_of(take(8));
+                if got != d as u64 {
+                    return Err(bad(format!("tensor {k} dimension {i} is {got}, expected {d}")));
+                }
+            }
+            steps.push(u64_of(take(8)));
+        }
+        let mut tensors = Vec::with_capacity(count);
+        for (shape, step) in shapes.iter().zip(steps) {
+            let n: usize = shape.iter().product();
+            let mut floats = || -> Vec<f32> { take(4 * n).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
+            let (weight, m, v) = (floats(), floats(), floats());
+            tensors.push(TensorTrainState { shape: shape.clone(), weight, m, v, step });
+        }
+        Ok(SharedState { step, cursor, tensors })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> SharedState {
+        let shapes = [vec![4, 2], vec![2], vec![]];
+        let mut x = 0.0f32;
+        let tensors = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let n: usize = s.iter().product();
+                let mut next = || {
+                    (0..n)
+                        .map(|_| {
+                            x += 0.5;
+                            x
+                        })
+                        .collect::<Vec<f32>>()
+                };
+                TensorTrainState { shape: s.clone(), weight: next(), m: next(), v: next(), step: 3 + k as u64 }
+            })
+            .collect();
+        SharedState { step: 11, cursor: 88, tensors }
+    }
+
+    #[test]
+    fn round_trips_and_checks_what_it_reads() {
+        let s = sample();
+        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
+        let bytes = s.encode();
+        assert_eq!(bytes.len(), SharedState::encoded_len(&shapes));
+        assert_eq!(SharedState::decode(&bytes, &shapes).unwrap(), s);
+        let e = SharedState::decode(&bytes[..bytes.len() - 4], &shapes).unwrap_err().to_string();
+        assert!(e.contains("expected"), "{e}");
+        let mut other = shapes.clone();
+        other[0] = vec![2, 4];
+        let e = SharedState::decode(&bytes, &other).unwrap_err().to_string();
+        assert!(e.contains("tensor 0 dimension 0 is 4, expected 2"), "{e}");
+        let mut corrupt = bytes.clone();
+        corrupt[0] ^= 1;
+        assert!(SharedState::decode(&corrupt, &shapes).unwrap_err().to_string().contains("magic"));
+    }
+
+    #[test]
+    fn damaged_bytes_are_an_error_never_a_panic() {
+        let s = sample();
+        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
+        let bytes = s.encode();
+        for i in 0..bytes.len() {
+            for flip in [1u8, 0x80, 0xff] {
+                let mut b = bytes.clone();
+                b[i] ^= flip;
+                let _ = SharedState::decode(&b, &shapes);
+            }
+            let _ = SharedState::decode(&bytes[..i], &shapes);
+        }
+    }
+}
