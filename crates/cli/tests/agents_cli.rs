@@ -192,9 +192,9 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let st: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["members"].as_array().map(Vec::len), Some(4), "{st}");
-    // A running job takes no third node (joins are to come), and one of another size is not
+    // A running job at its most workers takes no third node, and one of another size is not
     // one of its nodes.
-    for (gpus, why) in [("2", "has started"), ("1", "nodes have 2 each")] {
+    for (gpus, why) in [("2", "--max-workers"), ("1", "nodes have 2 each")] {
         let (mut extra, extra_lines) = start_agent(&addr, gpus, &secret, None);
         let (status, text) = exit_within(&mut extra, &extra_lines, Duration::from_secs(30));
         assert!(status.is_some_and(|s| !s.success()) && text.iter().any(|l| l.contains(why)), "{}", text.join("\n"));
@@ -218,6 +218,67 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let to = (step + 2).to_string();
     let out = lazarus(&["train", "--resume", "--steps", &to, "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` reconfiguration records.
+fn wait_for_records(path: &Path, n: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, records) = log(path);
+        if records.len() >= n {
+            return records;
+        }
+        assert!(Instant::now() < deadline, "no reconfiguration {n} in time: {records:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Elastic scale-up: a job started on one node of two workers takes in a second node that
+/// attaches while it runs (after --join-wait, at a step boundary), loses its first node to a
+/// SIGKILL, and takes in a third — every step once, the losses of an uninterrupted run, the
+/// same data consumed, and a final checkpoint the single-process trainer resumes.
+#[test]
+fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
+    let d = dir("agents-join");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    // Under 500 steps: beyond that, float summation order alone (1 vs 2 workers, no failure)
+    // grows the tiny model's 1e-7 loss differences past 1e-4 — training is chaotic.
+    let steps = "360";
+    let (want, want_cursor) = common::uninterrupted_with_cursor(steps, &d);
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "2"];
+    args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5"]);
+    args.extend(tiny());
+    args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let mut first = start_agent(&addr, "2", &secret, None);
+    wait_for_steps(&path, 20);
+    let _second = start_agent(&addr, "2", &secret, None);
+    let joined = wait_for_records(&path, 1);
+    assert_eq!((joined[0]["cause"].as_str(), joined[0]["workers"].as_u64()), (Some("join"), Some(4)), "{}", joined[0]);
+    assert_eq!(joined[0]["joined"], serde_json::json!([2, 3]));
+    assert!(joined[0]["transfer_bytes"].as_u64().unwrap() > 0, "the newcomers are sent the job's state");
+    signal(first.0.id() as i32, libc::SIGKILL);
+    let _ = first.0.wait();
+    let lost = wait_for_records(&path, 2);
+    assert_eq!((lost[1]["cause"].as_str(), lost[1]["workers"].as_u64()), (Some("reconfigure"), Some(2)), "{}", lost[1]);
+    assert_eq!(lost[1]["lost"], serde_json::json!([0, 1]));
+    let _third = start_agent(&addr, "2", &secret, None);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
+    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    let (steps_seen, records) = log(&path);
+    assert_eq!(records.len(), 3, "{records:?}");
+    assert_eq!((records[2]["cause"].as_str(), records[2]["workers"].as_u64()), (Some("join"), Some(4)), "{}", records[2]);
+    assert_eq!(records[2]["joined"], serde_json::json!([4, 5]));
+    assert!(text.iter().any(|l| l.starts_with("joined: epoch 3, worker(s) 4,5 taken in")), "{}", text.join("\n"));
+    assert_same_losses(&steps_seen, &want, "joins, a node lost, a node joining again");
+    assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data, none lost or repeated");
+    let more = d.join("more.jsonl");
+    let out = lazarus(&["train", "--resume", "--steps", "362", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(log(&more).0.len(), 2);
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -23,6 +23,11 @@ pub trait Fleet {
     fn kill_all(&mut self, reason: &str);
     /// The job is over (completed, or after `kill_all`): wait for every worker to end.
     fn finish(&mut self);
+    /// Workers of a node that joined the running job (their ids new), started and standing
+    /// by, if any came since the last call.
+    fn joined(&mut self) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 impl Fleet for Job {

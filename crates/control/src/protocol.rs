@@ -75,6 +75,11 @@ pub struct TrainJob {
     /// and `lazarus bench recovery`.
     #[serde(default)]
     pub faults: String,
+    /// The worker joins a running job: it holds nothing, trains nothing and waits for the
+    /// controller's move that takes it in (its spec's rank is its worker id; the move gives it
+    /// its rank in the job).
+    #[serde(default)]
+    pub standby: bool,
 }
 
 /// What the launcher tells a worker after its spec.
@@ -96,6 +101,9 @@ pub enum LauncherMessage {
     /// cut the connections to them, so that a step waiting on them fails now, not at its
     /// deadline.
     Fence { epoch: u64, ranks: Vec<usize> },
+    /// Stop after the step in progress at `epoch` (every rank stops after the same one) and
+    /// say where you stopped: a planned move follows (workers joining).
+    Pause { epoch: u64 },
     /// Stop now.
     Stop { reason: String },
 }
@@ -104,9 +112,10 @@ impl LauncherMessage {
     /// The plan epoch a message belongs to (None: any).
     pub fn epoch(&self) -> Option<u64> {
         match self {
-            LauncherMessage::Addrs { epoch, .. } | LauncherMessage::Abandon { epoch } | LauncherMessage::Fence { epoch, .. } => {
-                Some(*epoch)
-            }
+            LauncherMessage::Addrs { epoch, .. }
+            | LauncherMessage::Abandon { epoch }
+            | LauncherMessage::Fence { epoch, .. }
+            | LauncherMessage::Pause { epoch } => Some(*epoch),
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
             LauncherMessage::Stop { .. } => None,
         }
@@ -205,6 +214,13 @@ pub enum WorkerEvent {
         holds: Vec<Vec<usize>>,
         kind: FailureKind,
         message: String,
+    },
+    /// Paused at `epoch` as the controller asked, between steps: where this worker stopped.
+    /// It waits for the launcher.
+    Paused {
+        epoch: u64,
+        steps_done: u64,
+        holds: Vec<Vec<usize>>,
     },
     /// Rank 0 wrote a checkpoint of `step`.
     Checkpointed {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use lazarus_comm::{Fence, Group, Rendezvous, TcpTransport};
 use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
-use lazarus_runtime::{DispatchMode, FaultHook, FaultPoint, Worker, WorkerOptions};
+use lazarus_runtime::{pause_signal, DispatchMode, FaultHook, FaultPoint, PauseSignal, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
 
 use crate::error::ControlError;
@@ -116,6 +116,8 @@ struct Inbox {
     connecting: Connecting,
     /// What cuts the current transport's connections to ranks the controller gave up.
     fence: Arc<Mutex<Option<Fence>>>,
+    /// Set to the epoch at which the controller asks this worker to pause between steps.
+    pause: PauseSignal,
 }
 
 impl Inbox {
@@ -125,6 +127,8 @@ impl Inbox {
         let calls = connecting.clone();
         let fence: Arc<Mutex<Option<Fence>>> = Arc::new(Mutex::new(None));
         let fences = fence.clone();
+        let pause = pause_signal();
+        let pauses = pause.clone();
         std::thread::Builder::new()
             .name("lazarus-launcher-watch".into())
             .spawn(move || loop {
@@ -136,6 +140,10 @@ impl Inbox {
                                 f.cut(r);
                             }
                         }
+                    }
+                    Ok(LauncherMessage::Pause { epoch }) => {
+                        // Read by the training thread at its next gradient all-reduce.
+                        pauses.store(epoch, Ordering::Relaxed);
                     }
                     Ok(m) => {
                         if let LauncherMessage::Abandon { epoch } = &m {
@@ -157,7 +165,7 @@ impl Inbox {
                 }
             })
             .map_err(|e| ControlError::io("starting the launcher watch", e))?;
-        Ok(Inbox { rx, connecting, fence })
+        Ok(Inbox { rx, connecting, fence, pause })
     }
 
     /// The next message, waiting at most `timeout`.
@@ -197,7 +205,7 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
                 LauncherMessage::Addrs { epoch: e, addrs } if e == epoch => break addrs,
                 LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
                 LauncherMessage::Abandon { epoch: e } if e == epoch => return Err(called_off(epoch)),
-                LauncherMessage::Abandon { .. } => continue,
+                LauncherMessage::Abandon { .. } | LauncherMessage::Pause { .. } => continue,
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 other => {
                     return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
@@ -226,6 +234,17 @@ fn join<J: DeserializeOwned>(
     sink: &EventSink,
     on_spec: impl FnOnce(&WorkerSpec<J>),
 ) -> Result<(WorkerSpec<J>, Inbox, TcpTransport), ControlError> {
+    let (spec, inbox, t) = join_unless(sink, on_spec, |_| false)?;
+    let t = t.ok_or_else(|| ControlError::Launch("no rendezvous".into()))?;
+    Ok((spec, inbox, t))
+}
+
+/// [`join`], without the rendezvous when `standing_by(spec)`.
+fn join_unless<J: DeserializeOwned>(
+    sink: &EventSink,
+    on_spec: impl FnOnce(&WorkerSpec<J>),
+    standing_by: impl FnOnce(&WorkerSpec<J>) -> bool,
+) -> Result<(WorkerSpec<J>, Inbox, Option<TcpTransport>), ControlError> {
     let mut stdin = BufReader::new(std::io::stdin());
     let spec: WorkerSpec<J> = read_line(&mut stdin, "worker spec")?;
     on_spec(&spec);
@@ -235,6 +254,9 @@ fn join<J: DeserializeOwned>(
     let secret = parse_secret(&spec.secret).ok_or_else(|| ControlError::invalid("worker spec", "the job secret is not 32 hex digits"))?;
     let bind = bind_ip(spec.bind.as_deref())?;
     let inbox = Inbox::start(stdin, spec.rank)?;
+    if standing_by(&spec) {
+        return Ok((spec, inbox, None));
+    }
     let t = rendezvous(
         sink,
         &inbox,
@@ -243,7 +265,7 @@ fn join<J: DeserializeOwned>(
         spec.epoch,
         Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind },
     )?;
-    Ok((spec, inbox, t))
+    Ok((spec, inbox, Some(t)))
 }
 
 /// The address a worker listens on for its peers: its spec's, or loopback.
@@ -353,58 +375,104 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
     })))
 }
 
+/// How a run of steps ended without an error.
+enum Ended {
+    /// The job is done (rank 0: its final checkpoint).
+    Done(Option<PathBuf>),
+    /// Every rank stopped after the same step, as the controller asked.
+    Paused,
+    /// A worker that joins: it has not trained yet.
+    StandingBy,
+}
+
 fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> {
     // Heartbeats from the moment the spec is read: building the model can take seconds.
-    let (spec, inbox, t): (WorkerSpec<TrainJob>, _, _) = join(sink, |spec: &WorkerSpec<TrainJob>| {
-        let h = spec.job.heartbeat_s;
-        if h > 0.0 && h.is_finite() {
-            start_heartbeats(sink, Duration::from_secs_f64(h.max(0.01)));
-        }
-    })?;
+    let (spec, inbox, t): (WorkerSpec<TrainJob>, _, _) = join_unless(
+        sink,
+        |spec: &WorkerSpec<TrainJob>| {
+            let h = spec.job.heartbeat_s;
+            if h > 0.0 && h.is_finite() {
+                start_heartbeats(sink, Duration::from_secs_f64(h.max(0.01)));
+            }
+        },
+        |spec| spec.job.standby,
+    )?;
     let secret = parse_secret(&spec.secret).unwrap_or_default();
     let bind = bind_ip(spec.bind.as_deref())?;
     let fault = fault_hook(spec.rank, &spec.job.faults)?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
-    let mut worker = Worker::new(
-        job.config.clone(),
-        WorkerOptions { plan: job.plan.clone(), mode, timeout },
-        spec.rank,
-        spec.world,
-        job.resume.as_deref(),
-    )?;
+    let mut worker = if job.standby {
+        Worker::standby(job.config.clone(), mode, timeout)?
+    } else {
+        Worker::new(
+            job.config.clone(),
+            WorkerOptions { plan: job.plan.clone(), mode, timeout },
+            spec.rank,
+            spec.world,
+            job.resume.as_deref(),
+        )?
+    };
     worker.set_fault_hook(fault.clone());
+    worker.set_pause_signal(Some(inbox.pause.clone()));
     let mut t = t;
     let mut epoch = spec.epoch;
     let mut group = Group::world(spec.world);
-    sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
     let cfg = job.config.clone();
-    let mut outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink).map_err(ControlError::from);
+    let mut outcome = match t.as_mut() {
+        Some(t) => {
+            sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
+            train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from)
+        }
+        None => Ok(Ended::StandingBy),
+    };
     loop {
-        let failure = match outcome {
-            Ok(saved) => {
-                t.shutdown();
+        let joining = match outcome {
+            Ok(Ended::Done(saved)) => {
+                if let Some(t) = t.as_mut() {
+                    t.shutdown();
+                }
                 return Ok(saved);
             }
-            Err(e) => e,
+            Ok(Ended::Paused) => {
+                // Every rank stopped after this step: a goodbye, not a failure, to the peers.
+                if let Some(t) = t.as_mut() {
+                    t.shutdown();
+                }
+                sink.send(WorkerEvent::Paused { epoch, steps_done: worker.steps_done(), holds: worker.resident_experts()? });
+                false
+            }
+            Ok(Ended::StandingBy) => true,
+            Err(failure) => {
+                if !recoverable(&failure) || job.static_ep {
+                    return Err(failure);
+                }
+                // Say where this worker stopped, with what it holds, and wait for the decision.
+                sink.send(WorkerEvent::StepFailed {
+                    epoch,
+                    steps_done: worker.steps_done(),
+                    held: worker.held_step(),
+                    holds: worker.resident_experts()?,
+                    kind: failure_kind(&failure),
+                    message: failure.to_string(),
+                });
+                if let Some(t) = t.as_mut() {
+                    t.abort_connections();
+                }
+                false
+            }
         };
-        if !recoverable(&failure) || job.static_ep {
-            return Err(failure);
-        }
-        // Say where this worker stopped, with what it holds, and wait for the decision.
-        sink.send(WorkerEvent::StepFailed {
-            epoch,
-            steps_done: worker.steps_done(),
-            held: worker.held_step(),
-            holds: worker.resident_experts()?,
-            kind: failure_kind(&failure),
-            message: failure.to_string(),
-        });
-        t.abort_connections();
         let (to, rollback) = loop {
             match inbox.next(Duration::from_secs(3600))? {
                 LauncherMessage::Reconfigure { commit_to, to } => {
+                    if to.joining.contains(&to.rank) {
+                        // It takes the job's state in the move; nothing of its own to commit.
+                        break (to, None);
+                    }
+                    if joining {
+                        return Err(ControlError::invalid("reconfiguration", "a worker standing by is not among the joiners of the move"));
+                    }
                     if worker.steps_done() < commit_to {
                         worker.commit_held()?;
                     } else {
@@ -421,7 +489,10 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
                 LauncherMessage::Rollback { to_step, to } => break (to, Some(to_step)),
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.
-                LauncherMessage::Addrs { .. } | LauncherMessage::Abandon { .. } | LauncherMessage::Fence { .. } => continue,
+                LauncherMessage::Addrs { .. }
+                | LauncherMessage::Abandon { .. }
+                | LauncherMessage::Fence { .. }
+                | LauncherMessage::Pause { .. } => continue,
             }
         };
         // From here on this worker is in the new epoch, whether the move completes or not.
@@ -436,21 +507,23 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
             let options = WorkerOptions { plan: to.plan.clone(), mode, timeout };
             worker = Worker::new(cfg.clone(), options, to.rank, to.world, from.as_deref())?;
             worker.set_fault_hook(fault.clone());
+            worker.set_pause_signal(Some(inbox.pause.clone()));
         }
         if let Some(f) = &fault {
             f(FaultPoint::Rendezvous, worker.steps_done());
         }
-        t = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind }) {
-            Ok(t) => t,
+        let fresh = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind }) {
+            Ok(fresh) => fresh,
             Err(e) => {
                 outcome = Err(e);
                 continue;
             }
         };
+        let t = t.insert(fresh);
         group = Group::world(to.world);
         let rebuilt = Instant::now();
         let moved = if rollback.is_none() {
-            match worker.reconfigure(&to, &mut t, &mut group) {
+            match worker.reconfigure(&to, t, &mut group) {
                 Ok(m) => m,
                 Err(e) => {
                     outcome = Err(e.into());
@@ -466,19 +539,20 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
             bytes_received: moved.bytes_received,
         };
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: Some(stats) });
-        outcome = train_until_done(&mut worker, &mut t, &mut group, &cfg, sink).map_err(ControlError::from);
+        outcome = train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from);
     }
 }
 
 /// Steps until the run is done, reporting each (rank 0) and writing checkpoints as configured;
-/// the final checkpoint too. Returns its path (rank 0).
+/// the final checkpoint too (its path on rank 0) — or until every rank stops after the same
+/// step because the controller asked for a pause.
 fn train_until_done(
     worker: &mut Worker,
     t: &mut TcpTransport,
     group: &mut Group,
     cfg: &lazarus_model::TrainConfig,
     sink: &EventSink,
-) -> Result<Option<PathBuf>, lazarus_runtime::RuntimeError> {
+) -> Result<Ended, lazarus_runtime::RuntimeError> {
     while !worker.done() {
         let t0 = Instant::now();
         let r = worker.step(t, group)?;
@@ -492,6 +566,9 @@ fn train_until_done(
                 }
             }
         }
+        if r.pause && !worker.done() {
+            return Ok(Ended::Paused);
+        }
     }
     match &cfg.checkpoint_dir {
         Some(dir) => {
@@ -499,9 +576,9 @@ fn train_until_done(
             if let Some(path) = &saved {
                 sink.send(WorkerEvent::Checkpointed { step: worker.steps_done(), path: path.clone() });
             }
-            Ok(saved)
+            Ok(Ended::Done(saved))
         }
-        None => Ok(None),
+        None => Ok(Ended::Done(None)),
     }
 }
 

@@ -54,6 +54,14 @@ pub struct ControllerArgs {
     /// Seconds to wait for agents to bring every worker (default 600).
     #[arg(long, value_name = "SECONDS")]
     pub wait_agents: Option<f64>,
+    /// Most workers at once (default: --workers). Agents that attach to the running job are
+    /// taken in while there is room: a node that comes back, or more capacity.
+    #[arg(long, value_name = "N")]
+    pub max_workers: Option<usize>,
+    /// Seconds a node that joins the running job waits to be taken in, so that several
+    /// arrivals share one move (default 120, as in the paper; a failure takes it in at once).
+    #[arg(long, value_name = "SECONDS")]
+    pub join_wait: Option<f64>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -113,7 +121,17 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         bail!("invalid --gpus-per-node: {g} (expected a divisor of --workers {world}; every agent brings that many)");
     }
     let wait = Duration::from_secs_f64(wait);
-    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait });
+    let max_workers = args.max_workers.unwrap_or(world);
+    let most = lazarus_control::train::MAX_WORKERS;
+    if max_workers < world || max_workers > most || !max_workers.is_multiple_of(g) {
+        bail!("invalid --max-workers: {max_workers} (expected from --workers {world} to {most}, a multiple of --gpus-per-node {g})");
+    }
+    let join_wait = args.join_wait.unwrap_or(lazarus_control::train::DEFAULT_JOIN_WAIT.as_secs_f64());
+    if !join_wait.is_finite() || !(0.0..=MAX_WAIT_AGENTS_S).contains(&join_wait) {
+        bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
+    }
+    let join_wait = Duration::from_secs_f64(join_wait);
+    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait, max_workers, join_wait });
     run_job(&args.train, hosts, Some(agent_command))
 }
 
@@ -133,7 +151,15 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             let listen: SocketAddr =
                 listen.parse().map_err(|_| anyhow::anyhow!("invalid --status-listen: {listen:?} (expected host:port or off)"))?;
             let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
-            Hosts::Agents(AgentsSpec { listen, secret, local_agents: world / g, gpus_per_node: g, wait: LOCAL_AGENTS_WITHIN })
+            Hosts::Agents(AgentsSpec {
+                listen,
+                secret,
+                local_agents: world / g,
+                gpus_per_node: g,
+                wait: LOCAL_AGENTS_WITHIN,
+                max_workers: world,
+                join_wait: lazarus_control::train::DEFAULT_JOIN_WAIT,
+            })
         }
     };
     run_job(args, hosts, None)
@@ -163,6 +189,11 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
         (Trainer::new(setup_run(args, copies)?)?, None)
     };
     let cfg = trainer.config.clone();
+    if let Hosts::Agents(a) = &hosts {
+        if a.max_workers > cfg.batch_size {
+            bail!("invalid --max-workers: {} (a batch of {} sequences cannot be split over more workers)", a.max_workers, cfg.batch_size);
+        }
+    }
     if trainer.done() {
         bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
     }
@@ -201,7 +232,15 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
     }
     // The log file is opened (and checked) before any worker starts.
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
-    let job = TrainJob { config: cfg.clone(), plan: plan.map, static_ep: args.static_ep, resume, heartbeat_s: 0.0, faults: String::new() };
+    let job = TrainJob {
+        config: cfg.clone(),
+        plan: plan.map,
+        static_ep: args.static_ep,
+        resume,
+        heartbeat_s: 0.0,
+        faults: String::new(),
+        standby: false,
+    };
     let mut report_error: Option<anyhow::Error> = None;
     if let Hosts::Local { status_listen } = &mut hosts {
         *status_listen = match (recovery.is_some() && !unrecoverable, args.status_listen.as_deref()) {
@@ -254,18 +293,32 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 tracing::info!("controller status: lazarus status --controller {addr}");
                 Ok(())
             }
+            TrainEvent::WorkersJoined { workers } => {
+                reporter.pause();
+                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+                tracing::info!("workers {} joined: standing by to be taken in at a step boundary", ids.join(","));
+                Ok(())
+            }
             TrainEvent::AgentJoined { agent, host, gpus, pid, attached, world } => {
                 tracing::info!("agent {agent} attached from {host} (pid {pid}): {gpus} workers, {attached} of {world}");
                 Ok(())
             }
             TrainEvent::Reconfigured(r) => {
                 reporter.pause();
-                let lost: Vec<String> = r.lost.iter().map(|w| w.to_string()).collect();
+                let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
+                let who = match (r.lost.is_empty(), r.joined.is_empty()) {
+                    (false, true) => format!("worker(s) {} lost", list(&r.lost)),
+                    (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
+                    _ => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
+                };
                 tracing::info!(
-                    "{}: epoch {}, worker(s) {} lost, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
-                    if r.cause == "rollback" { "rolled back" } else { "reconfigured" },
+                    "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
+                    match r.cause.as_str() {
+                        "rollback" => "rolled back",
+                        "join" => "joined",
+                        _ => "reconfigured",
+                    },
                     r.epoch,
-                    lost.join(","),
                     r.workers,
                     r.step,
                     r.detect_s,

@@ -49,6 +49,10 @@ pub struct JobSpec {
     pub expert_bytes: u64,
     /// A node not heard from for this long is lost.
     pub lease: Duration,
+    /// How long workers that join a running job wait before they are taken in (at a step
+    /// boundary), so that several arrivals share one move (paper §4.3: 2 minutes). A recovery
+    /// from a failure takes in every worker waiting at once.
+    pub join_wait: Duration,
 }
 
 /// Where a survivor stopped when its step (or its move to a new plan) failed.
@@ -81,6 +85,8 @@ pub enum Event {
     StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>> },
     /// A checkpoint of `step` was written.
     Checkpointed { step: u64 },
+    /// A new node's workers (their ids never used before) started and wait to be taken in.
+    Joined { workers: Vec<NodeId> },
     /// Time passed.
     Tick,
 }
@@ -97,6 +103,31 @@ pub struct Move {
     /// what it holds).
     pub commit_to: u64,
     pub transfers: Vec<ExpertTransfer>,
+    /// Ranks of the new world that join the job with it (they take the replicated state from
+    /// the others).
+    pub joining: Vec<usize>,
+    /// Why the job moves.
+    pub cause: MoveCause,
+}
+
+/// Why the job moves to a new plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveCause {
+    /// Workers were lost; the survivors go on (and any waiting to join come in).
+    Failure,
+    /// Workers waiting to join are taken in at a step boundary.
+    Join,
+}
+
+impl MoveCause {
+    /// The cause as a `reconfiguration` record names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoveCause::Failure => "reconfigure",
+            MoveCause::Join => "join",
+        }
+    }
 }
 
 /// What the shell must do.
@@ -120,6 +151,9 @@ pub enum Command {
     Fence { epoch: u64, ranks: Vec<usize>, nodes: Vec<NodeId> },
     /// Every rank of `epoch` is ready: training runs.
     Resume { epoch: u64 },
+    /// Ask the ranks of `epoch` (`nodes`) to stop after the current step and say where they
+    /// stopped: a planned move (workers joining) follows.
+    Pause { epoch: u64, nodes: Vec<NodeId> },
     /// The job cannot go on.
     Stop { reason: String },
 }
@@ -161,6 +195,11 @@ pub struct Controller {
     last_decision: Option<Instant>,
     /// The node of each worker (its position among the first workers, divided by G).
     node_of: BTreeMap<NodeId, u64>,
+    /// Workers that joined and wait to be taken in, with when they joined.
+    standby: BTreeMap<NodeId, Instant>,
+    /// Why the job is collecting where its ranks stopped: `Some` for a move it asked for
+    /// (a pause), `None` for a failure.
+    planned: Option<MoveCause>,
 }
 
 impl Controller {
@@ -184,7 +223,19 @@ impl Controller {
             recent: VecDeque::new(),
             last_decision: None,
             node_of,
+            standby: BTreeMap::new(),
+            planned: None,
         }
+    }
+
+    /// Workers that joined and wait to be taken in.
+    pub fn standby(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.standby.keys().copied()
+    }
+
+    /// When the workers waiting to join are due to be taken in (None: none wait).
+    fn join_due(&self) -> Option<Instant> {
+        self.standby.values().min().map(|&t| t + self.spec.join_wait)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -276,7 +327,7 @@ impl Controller {
         if self.stopped() {
             return None;
         }
-        self.alive.iter().filter_map(|n| self.last_seen.get(n)).min().map(|&t| t + self.spec.lease)
+        self.alive.iter().chain(self.standby.keys()).filter_map(|n| self.last_seen.get(n)).min().map(|&t| t + self.spec.lease)
     }
 
     /// When the shell must call [`Controller::decide`] next (with a `Tick` if nothing else
@@ -284,7 +335,8 @@ impl Controller {
     /// between two decisions means the controller itself was stalled (see `decide`).
     pub fn next_wake(&self, now: Instant) -> Instant {
         let cadence = now + self.spec.lease / 4;
-        self.deadline().map_or(cadence, |d| d.min(cadence))
+        let due = self.join_due().filter(|_| self.running()).map_or(cadence, |j| j.min(cadence));
+        self.deadline().map_or(due, |d| d.min(due))
     }
 
     fn note(&mut self, what: String) {
@@ -317,7 +369,7 @@ impl Controller {
         let alive_before = self.alive.clone();
         match event {
             Event::Heartbeat { node } => {
-                if self.alive.contains(&node) {
+                if self.alive.contains(&node) || self.standby.contains_key(&node) {
                     self.last_seen.insert(node, now);
                 }
             }
@@ -325,6 +377,21 @@ impl Controller {
             Event::Exited { node, status } => {
                 if self.alive.contains(&node) {
                     self.lose(node, &format!("exited ({status})"));
+                } else if self.standby.contains_key(&node) {
+                    self.give_up_standby(node, &format!("exited ({status})"), &mut out);
+                }
+            }
+            Event::Joined { workers } => {
+                let fresh: Vec<NodeId> = workers.into_iter().filter(|w| !self.last_seen.contains_key(w)).collect();
+                if !fresh.is_empty() {
+                    let node = self.node_of.values().max().map_or(0, |&n| n + 1);
+                    for &w in &fresh {
+                        self.node_of.insert(w, node);
+                        self.last_seen.insert(w, now);
+                        self.node_epoch.insert(w, self.epoch);
+                        self.standby.insert(w, now);
+                    }
+                    self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.epoch));
                 }
             }
             Event::Listening { node, epoch, addr } => {
@@ -386,6 +453,15 @@ impl Controller {
             out.push(Command::Kill { node, reason: reason.clone() });
             self.lose(node, &reason);
         }
+        let late: Vec<NodeId> =
+            self.standby.keys().copied().filter(|n| self.last_seen.get(n).is_some_and(|&t| now >= t + self.spec.lease)).collect();
+        for node in late {
+            if self.standby.contains_key(&node) {
+                let reason = format!("no heartbeat for {} ms", self.spec.lease.as_millis());
+                out.push(Command::Kill { node, reason: reason.clone() });
+                self.give_up_standby(node, &reason, &mut out);
+            }
+        }
         // A node is the unit of failure: the other workers of a node that lost one are given up
         // with it (and killed), so that plans always have whole nodes.
         if self.spec.gpus_per_node > 1 {
@@ -414,8 +490,28 @@ impl Controller {
             // a rank that is gone: call the rendezvous off.
             out.push(Command::Abandon { epoch: self.epoch, nodes: self.alive.iter().copied().collect() });
         }
+        // Workers waiting to join are taken in at a step boundary once their wait is over.
+        if self.running() && self.join_due().is_some_and(|due| now >= due) {
+            let nodes: Vec<NodeId> = self.ranks.clone();
+            self.note(format!("epoch {}: pause to take in workers {:?}", self.epoch, self.standby.keys().collect::<Vec<_>>()));
+            self.phase = Phase::Collecting { reports: BTreeMap::new() };
+            self.planned = Some(MoveCause::Join);
+            out.push(Command::Pause { epoch: self.epoch, nodes });
+        }
         self.try_recover(&mut out);
         out
+    }
+
+    /// A worker waiting to join is gone: it and the other workers of its node are given up.
+    fn give_up_standby(&mut self, worker: NodeId, why: &str, out: &mut Vec<Command>) {
+        let node = self.node(worker);
+        self.standby.remove(&worker);
+        self.note(format!("epoch {}: worker {worker} waiting to join lost: {why}", self.epoch));
+        let siblings: Vec<NodeId> = self.standby.keys().copied().filter(|&w| self.node(w) == node).collect();
+        for w in siblings {
+            self.standby.remove(&w);
+            out.push(Command::Kill { node: w, reason: format!("worker {worker} of its node was lost") });
+        }
     }
 
     /// A report's holdings as far as they fit the job (a peer's word is checked: experts out of
@@ -433,6 +529,7 @@ impl Controller {
     /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
     fn lose(&mut self, node: NodeId, why: &str) {
         self.alive.remove(&node);
+        self.planned = None;
         self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
         if !matches!(self.phase, Phase::Collecting { .. }) {
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
@@ -448,13 +545,21 @@ impl Controller {
         if self.alive.iter().any(|n| !reports.contains_key(n)) {
             return;
         }
-        let reports = reports.clone();
+        let mut reports = reports.clone();
         let survivors: Vec<NodeId> = self.alive.iter().copied().collect();
         if survivors.is_empty() {
             return self.stop("every node is lost".into(), out);
         }
+        let cause = self.planned.take().unwrap_or(MoveCause::Failure);
+        // Workers waiting to join come in with this move: they hold nothing yet.
+        let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
+        let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
+        for &w in &joiners {
+            reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers] });
+        }
+        let members: Vec<NodeId> = survivors.iter().chain(&joiners).copied().collect();
         let g = self.spec.gpus_per_node.max(1);
-        let slots = survivors.len() * (self.spec.slots_per_node / g);
+        let slots = members.len() * (self.spec.slots_per_node / g);
         if slots < self.spec.experts {
             // What a user resumes from (with more nodes) once this job stops.
             let resume = match self.checkpoint {
@@ -463,17 +568,16 @@ impl Controller {
             };
             let reason = format!(
                 "the {} surviving workers have {slots} expert slots, fewer than the {} experts of a layer; {resume}",
-                survivors.len(),
+                members.len(),
                 self.spec.experts
             );
             return self.stop(reason, out);
         }
-        let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
         let consistent = reports.values().all(|r| r.steps_done == furthest || (r.steps_done + 1 == furthest && r.held == Some(furthest)));
         let epoch = self.epoch + 1;
         // The surviving nodes, each with its workers (whole nodes: see `decide`).
         let mut nodes: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
-        for &w in &survivors {
+        for &w in &members {
             nodes.entry(self.node(w)).or_default().push(w);
         }
         if nodes.values().any(|ws| ws.len() != g) {
@@ -520,9 +624,11 @@ impl Controller {
                     ts.into_iter().map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to }).collect::<Vec<_>>()
                 });
                 if let (true, Some(transfers)) = (rp.lost.is_empty(), moved) {
-                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers };
+                    let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
+                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers, joining, cause };
                     self.note(format!(
-                        "epoch {epoch}: reconfigure to {} nodes at step {furthest}, {} expert transfers",
+                        "epoch {epoch}: {} to {} nodes at step {furthest}, {} expert transfers",
+                        cause.name(),
                         nodes.len(),
                         m.transfers.len()
                     ));
@@ -534,7 +640,15 @@ impl Controller {
         }
         let to_step = self.checkpoint;
         let ranks: Vec<NodeId> = nodes.values().flatten().copied().collect();
-        let m = Move { epoch, ranks: ranks.clone(), plan: new.replica_map(), commit_to: furthest, transfers: Vec::new() };
+        let m = Move {
+            epoch,
+            ranks: ranks.clone(),
+            plan: new.replica_map(),
+            commit_to: furthest,
+            transfers: Vec::new(),
+            joining: Vec::new(),
+            cause: MoveCause::Failure,
+        };
         self.note(format!(
             "epoch {epoch}: an expert lost every replica; roll back to {}",
             to_step.map_or("the start".into(), |s| format!("step {s}"))
@@ -555,6 +669,11 @@ impl Controller {
     /// The new plan is the epoch's: a rendezvous of its ranks follows.
     fn adopt(&mut self, plan: ModelPlan, ranks: Vec<NodeId>) {
         self.epoch = plan.epoch();
+        for n in &ranks {
+            if self.standby.remove(n).is_some() {
+                self.alive.insert(*n);
+            }
+        }
         for n in &ranks {
             self.node_epoch.insert(*n, self.epoch);
         }

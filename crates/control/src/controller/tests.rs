@@ -13,6 +13,7 @@ fn spec(experts: usize, slots: usize) -> JobSpec {
         policy: PlanPolicy::trainer(4, None),
         expert_bytes: 1000,
         lease: SEC,
+        join_wait: 2 * SEC,
     }
 }
 
@@ -91,6 +92,82 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
         c.decide(t0, Event::Ready { node: n, epoch: 1 });
     }
     assert!(c.running());
+}
+
+/// Heartbeats of every member at `t`; what they made the controller do.
+fn beat(c: &mut Controller, t: Instant) -> Vec<Command> {
+    let members: Vec<NodeId> = c.alive().iter().copied().chain(c.standby()).collect();
+    members.into_iter().flat_map(|n| c.decide(t, Event::Heartbeat { node: n })).collect()
+}
+
+#[test]
+fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state() {
+    let t0 = Instant::now();
+    let mut c = running(2, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2] });
+    assert!(c.decide(t0, Event::Joined { workers: vec![20] }).is_empty(), "taken in only after its wait");
+    assert_eq!(c.standby().collect::<Vec<_>>(), vec![20]);
+    // Before the wait is over: nothing; heartbeats keep everyone (the joiner too) alive.
+    assert!(beat(&mut c, t0 + SEC).is_empty());
+    assert!(c.decide(t0 + SEC, Event::Tick).is_empty());
+    assert!(c.next_wake(t0 + SEC) <= t0 + 2 * SEC);
+    let out = beat(&mut c, t0 + 2 * SEC);
+    assert_eq!(out, vec![Command::Pause { epoch: 0, nodes: vec![10, 11] }], "once");
+    // Both ranks stop after the same step and say so; the move takes the joiner in.
+    let r = |c: &Controller, node| StopReport { steps_done: 6, held: None, holds: c.planned_holdings(node).unwrap() };
+    let t = t0 + 2 * SEC;
+    assert!(c.decide(t, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) }).is_empty());
+    let out = c.decide(t, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((m.epoch, m.commit_to, m.cause, m.ranks.len()), (1, 6, MoveCause::Join, 3));
+    let joiner = m.ranks.iter().position(|&n| n == 20).unwrap();
+    assert_eq!(m.joining, vec![joiner]);
+    assert!(m.transfers.iter().any(|x| x.to == joiner), "the joiner is given experts");
+    assert!(m.transfers.iter().all(|x| x.from != joiner), "and is no source");
+    for l in 0..2 {
+        for e in 0..4 {
+            assert!((0..3).any(|q| m.plan.replicas_on(l, e, q) > 0), "every expert placed");
+        }
+    }
+    assert!(c.alive().contains(&20) && c.standby().next().is_none());
+}
+
+#[test]
+fn a_joiner_that_falls_silent_is_given_up_without_disturbing_the_job() {
+    let t0 = Instant::now();
+    let mut c = running(2, 4, 3, t0);
+    c.decide(t0, Event::Joined { workers: vec![20] });
+    c.decide(t0 + SEC / 2, Event::Heartbeat { node: 10 });
+    c.decide(t0 + SEC / 2, Event::Heartbeat { node: 11 });
+    let out = c.decide(t0 + SEC, Event::Tick);
+    assert!(matches!(&out[..], [Command::Kill { node: 20, .. }]), "{out:?}");
+    assert!(c.running() && c.standby().next().is_none());
+    assert_eq!(c.epoch(), 0);
+    // A joiner that exits is given up too, and a second report of it changes nothing.
+    c.decide(t0 + SEC, Event::Joined { workers: vec![21] });
+    assert!(c.decide(t0 + SEC, Event::Exited { node: 21, status: "exit 1".into() }).is_empty());
+    assert!(c.decide(t0 + SEC, Event::Exited { node: 21, status: "exit 1".into() }).is_empty());
+    assert!(c.running() && c.standby().next().is_none());
+    // An id already used is not a new worker.
+    c.decide(t0 + SEC, Event::Joined { workers: vec![10] });
+    assert!(c.standby().next().is_none());
+}
+
+#[test]
+fn a_failure_takes_the_waiting_joiners_in_at_once() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    c.decide(t0, Event::Joined { workers: vec![20] });
+    c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
+    let r = |c: &Controller, node| StopReport { steps_done: 3, held: None, holds: c.planned_holdings(node).unwrap() };
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
+    let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(m.cause, MoveCause::Failure);
+    let mut ranks = m.ranks.clone();
+    ranks.sort_unstable();
+    assert_eq!(ranks, vec![10, 11, 20], "the joiner takes the lost worker's place");
+    assert_eq!(m.joining, vec![m.ranks.iter().position(|&n| n == 20).unwrap()]);
 }
 
 #[test]
@@ -233,8 +310,10 @@ fn holdings_that_do_not_fit_the_job_are_not_trusted() {
 
 /// One random event for a job of nodes 10..10+n.
 fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
-    let node = 10..10 + n;
+    // Ids past the first workers are those of joiners (some reuse an id already taken).
+    let node = 10..10 + n + 4;
     prop_oneof![
+        (0u64..3, 14u64..20).prop_map(|(dt, w)| (dt, Event::Joined { workers: vec![w] })),
         (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Heartbeat { node })),
         (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Exited { node, status: "killed".into() })),
         (0u64..3, node.clone(), 0u64..4, 0u64..4)
@@ -251,7 +330,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
-    /// Over any sequence of deaths, heartbeats, stale and out-of-order reports: epochs only grow;
+    /// Over any sequence of deaths, joins, heartbeats, stale and out-of-order reports: epochs only grow;
     /// no move or rollback names a node that is lost; every plan hosts every expert (its replica
     /// map validates and has one rank per named node); once stopped, nothing more happens.
     #[test]
@@ -271,6 +350,7 @@ proptest! {
                 ev => ev,
             };
             let out = c.decide(now, ev);
+            prop_assert!(c.standby().all(|w| !c.alive().contains(&w)), "a worker both stands by and is a member");
             prop_assert!(c.epoch() >= epoch);
             epoch = c.epoch();
             for cmd in &out {
@@ -280,6 +360,9 @@ proptest! {
                         prop_assert_eq!(m.plan.ranks(), m.ranks.len());
                         prop_assert!(lazarus_plan::ReplicaMap::new(m.epoch, m.plan.layers().to_vec()).is_ok());
                         prop_assert_eq!(m.epoch, c.epoch());
+                        // Joiners hold nothing: they are never a transfer's source.
+                        prop_assert!(m.transfers.iter().all(|t| !m.joining.contains(&t.from)));
+                        prop_assert!(m.joining.iter().all(|&r| r < m.ranks.len()));
                         for t in &m.transfers {
                             prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
                         }
@@ -299,6 +382,10 @@ proptest! {
                     Command::Stop { .. } => prop_assert!(c.stopped()),
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
+                    Command::Pause { epoch, nodes } => {
+                        prop_assert_eq!(*epoch, c.epoch());
+                        prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));
+                    }
                 }
             }
             if c.stopped() {

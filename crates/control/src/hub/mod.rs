@@ -42,7 +42,11 @@ pub fn stale(stamped: u64, current: u64, event: &WorkerEvent) -> bool {
     stamped < current
         && matches!(
             event,
-            WorkerEvent::Step { .. } | WorkerEvent::Listening { .. } | WorkerEvent::Ready { .. } | WorkerEvent::StepFailed { .. }
+            WorkerEvent::Step { .. }
+                | WorkerEvent::Listening { .. }
+                | WorkerEvent::Ready { .. }
+                | WorkerEvent::StepFailed { .. }
+                | WorkerEvent::Paused { .. }
         )
 }
 
@@ -100,6 +104,9 @@ pub struct AgentHub {
     world: usize,
     /// Workers every agent must bring (the job's GPUs per node).
     gpus_per_node: usize,
+    /// Most workers of the job at once: agents that attach once it has started are taken in
+    /// (elastic scale-up) while there is room.
+    max_workers: usize,
     lease: Duration,
     heartbeat: Duration,
     state: Mutex<HubState>,
@@ -109,18 +116,31 @@ pub struct AgentHub {
 impl AgentHub {
     /// A hub for job `job_id` of `world` workers, `gpus_per_node` to an agent, at `epoch`;
     /// agents must know `secret`. The receiver is the controller loop's end.
+    #[allow(clippy::too_many_arguments)] // the job's identity, size and timing, each its own
     pub(crate) fn new(
         job_id: String,
         secret: u128,
         world: usize,
         gpus_per_node: usize,
+        max_workers: usize,
         epoch: u64,
         lease: Duration,
         heartbeat: Duration,
     ) -> (Arc<Self>, Receiver<HubInput>) {
         let (tx, rx) = mpsc::channel();
         let state = HubState { rank_epoch: vec![epoch; world], epoch, ..HubState::default() };
-        let hub = AgentHub { job_id, secret, world, gpus_per_node, lease, heartbeat, state: Mutex::new(state), inputs: Mutex::new(tx) };
+        let max_workers = max_workers.max(world);
+        let hub = AgentHub {
+            job_id,
+            secret,
+            world,
+            gpus_per_node,
+            max_workers,
+            lease,
+            heartbeat,
+            state: Mutex::new(state),
+            inputs: Mutex::new(tx),
+        };
         (Arc::new(hub), rx)
     }
 
@@ -156,16 +176,15 @@ impl AgentHub {
             return Err(Status::invalid_argument(format!("host: {:?} is not an IP address", hello.host)));
         }
         let mut st = self.state();
-        if st.started {
-            return Err(Status::failed_precondition(
-                "the job has started with all its workers; nodes cannot join a running job yet (elastic scale-up is to come)",
-            ));
-        }
+        // Before the start the job takes the workers it starts with; after it, up to its most
+        // (--max-workers): an agent that comes later joins the running job.
+        let room = if st.started { self.max_workers } else { self.world };
         let taken: usize = st.agents.values().filter(|a| a.gone.is_none()).map(|a| a.gpus).sum();
-        if taken + gpus > self.world {
+        if taken + gpus > room {
+            let more = if st.started { " (lazarus controller --max-workers raises that)" } else { "" };
             return Err(Status::resource_exhausted(format!(
-                "the job has room for {} more workers, this agent brings {gpus}",
-                self.world - taken
+                "the job has room for {} more workers{more}, this agent brings {gpus}",
+                room.saturating_sub(taken)
             )));
         }
         let agent = st.next_agent;
@@ -373,6 +392,7 @@ impl AgentHub {
         self: &Arc<Self>,
         inputs: Receiver<HubInput>,
         spec: impl Fn(usize, &str) -> Result<String, ControlError>,
+        joiner: JoinerSpec,
     ) -> Result<RemoteFleet, ControlError> {
         let mut owners = Vec::with_capacity(self.world);
         let mut sends = Vec::new();
@@ -397,7 +417,35 @@ impl AgentHub {
         for (agent, epoch, specs) in sends {
             self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
         }
-        Ok(RemoteFleet { hub: self.clone(), inputs, owners, pending: VecDeque::new(), exits: BTreeMap::new(), killed: Default::default() })
+        Ok(RemoteFleet {
+            hub: self.clone(),
+            inputs,
+            owners,
+            pending: VecDeque::new(),
+            exits: BTreeMap::new(),
+            killed: Default::default(),
+            joiner,
+            joined: VecDeque::new(),
+        })
+    }
+
+    /// Number the workers of `agent`, which attached after the start, from `first` on; returns
+    /// its workers and host (None: it is gone, or has its ranks already).
+    fn assign(&self, agent: u64, first: usize) -> Option<(usize, String)> {
+        let mut st = self.state();
+        let epoch = st.epoch;
+        let link = st.agents.get_mut(&agent).filter(|l| l.gone.is_none() && l.first_rank.is_none())?;
+        link.first_rank = Some(first);
+        let (gpus, host) = (link.gpus, link.host.clone());
+        if st.rank_epoch.len() < first + gpus {
+            st.rank_epoch.resize(first + gpus, epoch);
+        }
+        Some((gpus, host))
+    }
+
+    /// The job's newest epoch.
+    fn epoch(&self) -> u64 {
+        self.state().epoch
     }
 
     /// Give up every agent (the job is over): `completed` lets their workers finish.
@@ -414,6 +462,9 @@ impl AgentHub {
     }
 }
 
+/// The spec line of a worker that joins the running job: `(worker id, host, epoch)`.
+pub(crate) type JoinerSpec = Box<dyn Fn(usize, &str, u64) -> Result<String, ControlError> + Send>;
+
 /// The workers of a job started by agents: the controller's loop drives them through this.
 pub struct RemoteFleet {
     hub: Arc<AgentHub>,
@@ -425,11 +476,34 @@ pub struct RemoteFleet {
     exits: BTreeMap<usize, String>,
     /// Ranks the controller had killed.
     killed: std::collections::BTreeSet<usize>,
+    /// How to start a worker that joins.
+    joiner: JoinerSpec,
+    /// Workers started for agents that joined, one node's at a time, not yet told of.
+    joined: VecDeque<Vec<usize>>,
 }
 
 impl RemoteFleet {
     fn rank_of(&self, agent: u64, slot: usize) -> Option<usize> {
         self.owners.iter().position(|&o| o == (agent, slot))
+    }
+
+    /// An agent attached to the running job: number its workers after every worker so far and
+    /// start them standing by (the controller takes them in at a step boundary).
+    fn take_in(&mut self, agent: u64) {
+        let first = self.owners.len();
+        let Some((gpus, host)) = self.hub.assign(agent, first) else { return };
+        let epoch = self.hub.epoch();
+        let specs: Result<Vec<String>, ControlError> = (first..first + gpus).map(|id| (self.joiner)(id, &host, epoch)).collect();
+        match specs {
+            Ok(specs) => {
+                for slot in 0..gpus {
+                    self.owners.push((agent, slot));
+                }
+                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
+                self.joined.push_back((first..first + gpus).collect());
+            }
+            Err(e) => self.hub.drop_agent(agent, &format!("its workers' specs could not be made: {e}")),
+        }
     }
 
     /// The agents and their workers' ranks, for the user.
@@ -478,7 +552,7 @@ impl Fleet for RemoteFleet {
                         return Some(x);
                     }
                 }
-                HubInput::Joined { .. } => {}
+                HubInput::Joined { agent } => self.take_in(agent),
             }
         }
     }
@@ -519,5 +593,9 @@ impl Fleet for RemoteFleet {
 
     fn finish(&mut self) {
         self.hub.shutdown("the job is over", true);
+    }
+
+    fn joined(&mut self) -> Option<Vec<usize>> {
+        self.joined.pop_front()
     }
 }

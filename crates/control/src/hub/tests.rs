@@ -4,7 +4,16 @@ use crate::protocol::secret_hex;
 const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 
 fn hub(world: usize, g: usize) -> (Arc<AgentHub>, Receiver<HubInput>) {
-    AgentHub::new("job-7".into(), SECRET, world, g, 100, Duration::from_secs(1), Duration::from_millis(200))
+    elastic_hub(world, g, world)
+}
+
+fn elastic_hub(world: usize, g: usize, max_workers: usize) -> (Arc<AgentHub>, Receiver<HubInput>) {
+    AgentHub::new("job-7".into(), SECRET, world, g, max_workers, 100, Duration::from_secs(1), Duration::from_millis(200))
+}
+
+/// Joiners' spec lines name their worker id and host.
+fn joiner() -> JoinerSpec {
+    Box::new(|id, host, epoch| Ok(format!("standby {id}@{host} epoch {epoch}")))
 }
 
 fn hello(secret: u128, gpus: u32, host: &str) -> AgentHello {
@@ -43,22 +52,43 @@ fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
 }
 
 #[test]
-fn a_started_job_takes_no_more_agents_and_numbers_workers_by_arrival() {
+fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by_arrival() {
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
-    let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}"))).unwrap();
+    let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
     assert_eq!(fleet.ranks_of(0), vec![0, 1]);
     assert_eq!(fleet.ranks_of(1), vec![2, 3]);
     let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), link()).unwrap_err();
-    assert_eq!(late.code(), tonic::Code::FailedPrecondition);
+    assert!(late.code() == tonic::Code::ResourceExhausted && late.message().contains("--max-workers"), "{late:?}");
+}
+
+#[test]
+fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs() {
+    let (h, rx) = elastic_hub(2, 2, 4);
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
+    let mut fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
+    // Room for one more node of 2 after the start, not two.
+    let (tx, mut from_controller) = tokio::sync::mpsc::unbounded_channel();
+    let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), tx).unwrap();
+    assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.8"), link()).unwrap_err().code(), tonic::Code::ResourceExhausted);
+    h.input(HubInput::Joined { agent });
+    assert!(fleet.next_event(Duration::from_millis(50)).is_none());
+    assert_eq!(fleet.joined(), Some(vec![2, 3]));
+    assert_eq!(fleet.joined(), None, "told once");
+    assert_eq!(fleet.ranks_of(agent), vec![2, 3]);
+    let Ok(Ok(m)) = from_controller.try_recv() else { panic!("the agent is sent its workers' specs") };
+    let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
+    assert_eq!(start.specs, vec!["standby 2@10.0.0.9 epoch 100", "standby 3@10.0.0.9 epoch 100"]);
+    // Its workers' reports reach the loop under their ids.
+    assert!(matches!(h.take(agent, report(100, 1, &WorkerEvent::Heartbeat)), Some(HubInput::Report { slot: 1, .. })));
 }
 
 #[test]
 fn reports_are_checked_before_the_controller_sees_them() {
     let (h, rx) = hub(2, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
-    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
+    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     let beat = WorkerEvent::Heartbeat;
     // A slot the agent does not have, and a line that is not a report: dropped.
     assert!(h.take(0, report(100, 2, &beat)).is_none());
@@ -101,7 +131,7 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
-    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string())).unwrap();
+    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     h.drop_agent(1, "its stream ended");
     let mut exits: Vec<usize> = (0..2)
         .filter_map(|_| fleet.next_event(Duration::from_millis(200)))

@@ -223,6 +223,11 @@ impl Supervisor {
             WorkerEvent::Failed { kind, message } => self.end(now, rank, RankEnd::Failed { kind, message }, out),
             // A job without recovery: a failed step is the worker's end.
             WorkerEvent::StepFailed { kind, message, .. } => self.end(now, rank, RankEnd::Failed { kind, message }, out),
+            // Nobody asks a job without recovery to pause; a worker that says so anyway is done
+            // with the job.
+            WorkerEvent::Paused { .. } => {
+                self.end(now, rank, RankEnd::Failed { kind: FailureKind::Error, message: "paused, unasked".into() }, out)
+            }
             WorkerEvent::Heartbeat | WorkerEvent::Checkpointed { .. } => {}
         }
     }

@@ -53,18 +53,27 @@ pub(super) fn drive(
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
-        let event = match fleet.next_event(wait) {
-            None => Event::Tick,
-            Some((rank, None)) => {
+        let next = match fleet.joined() {
+            Some(workers) => Err(workers),
+            None => Ok(fleet.next_event(wait)),
+        };
+        let event = match next {
+            Err(workers) => {
+                observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
+                Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
+            }
+            Ok(None) => Event::Tick,
+            Ok(Some((rank, None))) => {
                 let status = fleet.exit_status(rank);
-                if shell.done.contains_key(&rank) || !ctl.alive().contains(&(rank as u64)) {
+                let member = ctl.alive().contains(&(rank as u64)) || ctl.standby().any(|w| w == rank as u64);
+                if shell.done.contains_key(&rank) || !member {
                     continue;
                 }
                 observe(TrainEvent::Lost { worker: rank, why: format!("died ({status})") })?;
                 shell.failure_seen();
                 Event::Exited { node: rank as u64, status }
             }
-            Some((rank, Some(ev))) => match shell.translate(rank, ev, &ctl, &mut observe)? {
+            Ok(Some((rank, Some(ev)))) => match shell.translate(rank, ev, &ctl, &mut observe)? {
                 Some(e) => e,
                 None => {
                     if let Some(out) = shell.finished(&ctl) {
@@ -115,8 +124,15 @@ pub(super) fn drive(
                         r.resumed = true;
                     }
                 }
+                Command::Pause { epoch, nodes } => {
+                    // The clock of the move's record starts at the request.
+                    shell.failure_seen();
+                    for node in nodes {
+                        let _ = fleet.send(node as usize, &LauncherMessage::Pause { epoch });
+                    }
+                }
                 Command::Reconfigure(m) => {
-                    shell.begin_move(&m, "reconfigure", plan_s, first_epoch);
+                    shell.begin_move(&m, m.cause.name(), plan_s, first_epoch);
                     for (rank, &node) in m.ranks.iter().enumerate() {
                         let to = Reconfiguration {
                             epoch: m.epoch,
@@ -124,6 +140,7 @@ pub(super) fn drive(
                             world: m.ranks.len(),
                             plan: m.plan.clone(),
                             transfers: m.transfers.clone(),
+                            joining: m.joining.clone(),
                         };
                         let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
@@ -134,8 +151,14 @@ pub(super) fn drive(
                         r.step = to_step.unwrap_or(0);
                     }
                     for (rank, &node) in m.ranks.iter().enumerate() {
-                        let to =
-                            Reconfiguration { epoch: m.epoch, rank, world: m.ranks.len(), plan: m.plan.clone(), transfers: Vec::new() };
+                        let to = Reconfiguration {
+                            epoch: m.epoch,
+                            rank,
+                            world: m.ranks.len(),
+                            plan: m.plan.clone(),
+                            transfers: Vec::new(),
+                            joining: Vec::new(),
+                        };
                         let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
                 }
@@ -179,6 +202,7 @@ struct Recovering {
     cause: &'static str,
     epoch: u64,
     lost: Vec<u64>,
+    joined: Vec<u64>,
     step: u64,
     detect_s: f64,
     plan_s: f64,
@@ -217,6 +241,7 @@ impl Shell {
                 cause: "",
                 epoch: 0,
                 lost: Vec::new(),
+                joined: Vec::new(),
                 step: 0,
                 detect_s: 0.0,
                 plan_s: 0.0,
@@ -244,6 +269,12 @@ impl Shell {
                 }
             }
             r.lost.sort_unstable();
+            for n in m.ranks.iter().copied().filter(|n| !self.ranks.contains(n)) {
+                if !r.joined.contains(&n) {
+                    r.joined.push(n);
+                }
+            }
+            r.joined.sort_unstable();
             r.moved.clear();
             r.resumed = false;
         }
@@ -280,6 +311,7 @@ impl Shell {
                         epoch: r.epoch,
                         cause: r.cause.into(),
                         lost: r.lost.clone(),
+                        joined: r.joined.clone(),
                         step: r.step,
                         detect_s: r.detect_s,
                         plan_s: r.plan_s,
@@ -292,6 +324,9 @@ impl Shell {
                 }
                 observe(TrainEvent::Step { report, seconds, dropped })?;
                 event
+            }
+            WorkerEvent::Paused { epoch, steps_done, holds } => {
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds } }
             }
             WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, .. } => {
                 self.failure_seen();

@@ -27,6 +27,9 @@ use local_agents::start_local_agents;
 
 /// Most worker processes of one local job.
 pub const MAX_WORKERS: usize = 64;
+/// How long workers that join a running job wait to be taken in, by default (the paper's 2
+/// minutes, §4.3: arrivals within it share one move).
+pub const DEFAULT_JOIN_WAIT: Duration = Duration::from_secs(120);
 /// Most steps profiled for the measured-load plan (forward passes before training starts).
 pub const MAX_PROFILE_STEPS: usize = 1000;
 
@@ -169,10 +172,13 @@ pub struct ReconfigurationRecord {
     pub event: &'static str,
     /// The job's epoch after it: 1 after the first reconfiguration, 2 after the second, …
     pub epoch: u64,
-    /// `reconfigure` (no state lost) or `rollback` (to the last checkpoint, or the start).
+    /// `reconfigure` (workers lost, no state lost), `rollback` (to the last checkpoint, or the
+    /// start) or `join` (workers taken in at a step boundary).
     pub cause: String,
     /// The workers lost (their original ranks).
     pub lost: Vec<u64>,
+    /// The workers taken in (their ids: after the first workers, in order of arrival).
+    pub joined: Vec<u64>,
     /// The step training went on from (steps committed).
     pub step: u64,
     /// From the first sign of the failure until every survivor said where it stopped.
@@ -213,8 +219,12 @@ pub enum TrainEvent {
         step: u64,
         path: PathBuf,
     },
-    /// Training went on after a failure.
+    /// Training went on after a failure, or with workers taken in.
     Reconfigured(ReconfigurationRecord),
+    /// A node's workers (their ids) joined the running job and stand by to be taken in.
+    WorkersJoined {
+        workers: Vec<usize>,
+    },
     /// The controller's gRPC service listens here (`lazarus status --controller ADDR`, and
     /// `lazarus agent --controller ADDR` when the job is run by agents).
     Serving {
@@ -268,6 +278,11 @@ pub struct AgentsSpec {
     pub gpus_per_node: usize,
     /// How long to wait for agents to bring every worker.
     pub wait: Duration,
+    /// Most workers at once: agents that attach to the running job are taken in while there
+    /// is room (at least the workers it starts with).
+    pub max_workers: usize,
+    /// How long workers that join wait to be taken in (arrivals within it share one move).
+    pub join_wait: Duration,
 }
 
 /// Start `world` worker processes on `job` (here, or through node agents as `hosts` says) and
@@ -317,6 +332,10 @@ pub fn run_training(
         policy: PlanPolicy::trainer(world / g, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
         expert_bytes: (cfg.model.expert_params() * 12) as u64,
         lease: recovery.lease,
+        join_wait: match hosts {
+            Hosts::Agents(a) => a.join_wait,
+            Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
+        },
     };
     let first_epoch = epoch;
     let job_id = format!("job-{first_epoch}");
@@ -337,7 +356,7 @@ pub fn run_training(
             drive(&mut processes, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
         }
         Hosts::Agents(a) => {
-            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, g, epoch, recovery.lease, recovery.heartbeat);
+            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, recovery.lease, recovery.heartbeat);
             let server = StatusServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
             let addr = server.addr();
             observe(TrainEvent::Serving { addr })?;
@@ -354,18 +373,38 @@ pub fn run_training(
             });
             let run = attached.and_then(|_| {
                 let secret = secret_hex(a.secret);
-                let mut fleet = hub.start(inputs, |rank, host| {
+                // A worker that joins later stands by (its spec's rank is its worker id).
+                let mut standby = job.clone();
+                standby.standby = true;
+                let joiner_secret = secret.clone();
+                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| {
                     let spec = WorkerSpec {
-                        rank,
-                        world,
+                        rank: id,
+                        world: id + 1,
                         epoch,
                         timeout_s: comm_timeout_s,
-                        secret: secret.clone(),
+                        secret: joiner_secret.clone(),
                         bind: Some(host.to_string()),
-                        job: &job,
+                        job: &standby,
                     };
                     Ok(serde_json::to_string(&spec)?)
-                })?;
+                });
+                let mut fleet = hub.start(
+                    inputs,
+                    |rank, host| {
+                        let spec = WorkerSpec {
+                            rank,
+                            world,
+                            epoch,
+                            timeout_s: comm_timeout_s,
+                            secret: secret.clone(),
+                            bind: Some(host.to_string()),
+                            job: &job,
+                        };
+                        Ok(serde_json::to_string(&spec)?)
+                    },
+                    joiner,
+                )?;
                 drive(&mut fleet, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
             });
             if let Some(agents) = &mut agents {
