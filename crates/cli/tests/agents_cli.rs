@@ -249,7 +249,7 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     let steps = "360";
     let (want, want_cursor) = common::uninterrupted_with_cursor(steps, &d);
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "2"];
-    args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5"]);
+    args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5", "--rebalance-every", "0"]);
     args.extend(tiny());
     args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);

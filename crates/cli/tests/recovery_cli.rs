@@ -282,6 +282,59 @@ fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Rebalancing from the load monitor: a job planned unbalanced on purpose (`--max-imbalance inf`
+/// packs experts, §4.1) weighs a plan from the measured loads every 50 steps, applies the first
+/// (its predicted gain repays its move), skips what would not pay, and trains on with the losses
+/// and data of an uninterrupted run; every decision is a `rebalance` line in the log.
+#[test]
+fn a_rebalance_that_repays_its_move_is_applied_at_a_step_boundary_and_changes_no_loss() {
+    let d = dir("recover-rebalance");
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let (want, want_cursor) = uninterrupted_with_cursor("150", &d);
+    let args = [
+        "--steps",
+        "150",
+        "--json-log",
+        &log_s,
+        "--checkpoint-dir",
+        &ck_s,
+        "--slots-per-worker",
+        "2",
+        "--max-imbalance",
+        "inf",
+        "--rebalance-every",
+        "50",
+    ];
+    let (child, lines, _) = start(3, &args);
+    let text = finish(child, lines);
+    let decisions: Vec<Value> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["event"] == "rebalance")
+        .collect();
+    let (seen, records) = log(&path);
+    // Weighed at step 50; the job pauses after the step in flight when the request came, and
+    // the next is weighed 50 steps after that move (at 150 the job ends: nothing to repay).
+    let moved_at = records[0]["step"].as_u64().unwrap();
+    assert!((50..=53).contains(&moved_at), "{}", records[0]);
+    let steps: Vec<u64> = decisions.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![50, moved_at + 50], "{decisions:?}");
+    let first = &decisions[0];
+    assert_eq!(first["decision"], "apply", "{first}");
+    assert!(first["imbalance_after"].as_f64() < first["imbalance_before"].as_f64(), "{first}");
+    assert!(first["gain_s"].as_f64() > first["cost_s"].as_f64(), "{first}");
+    let applied = decisions.iter().filter(|v| v["decision"] == "apply").count();
+    assert_eq!(records.len(), applied, "one move per rebalance applied: {records:?}");
+    assert_eq!(records[0]["cause"], "rebalance", "{}", records[0]);
+    assert_eq!(records[0]["lost"], serde_json::json!([]));
+    assert!(text.iter().any(|l| l.starts_with("rebalance at step 50: apply")), "{}", text.join("\n"));
+    assert_same_losses(&seen, &want, "3 workers rebalanced");
+    assert_eq!(cursor(&ck), want_cursor, "the same windows of data");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lazarus bench recovery --json`: five kills, one in each phase (forward, all-reduce, vote,
 /// SIGKILL and SIGSTOP from outside), every one recovered, with its breakdown; a hang costs
 /// about the lease, a death far less.
@@ -320,7 +373,7 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     let d = dir("recover-status");
     let path = d.join("log.jsonl");
     let log_s = path.to_str().unwrap().to_string();
-    let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", &log_s];
+    let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", &log_s, "--rebalance-every", "0"];
     args.extend(tiny());
     let (mut child, rx) = spawn_lazarus(&args, &[]);
     let mut addr = None;

@@ -354,7 +354,8 @@ fn a_paused_launcher_does_not_stop_training() {
     let d = dir("paused");
     let log = d.join("log.jsonl");
     let log_s = log.to_str().unwrap().to_string();
-    let (mut launcher, lines, _pids) = start_workers(&["--steps", "600", "--comm-timeout", "2", "--json-log", &log_s]);
+    let (mut launcher, lines, _pids) =
+        start_workers(&["--steps", "600", "--comm-timeout", "2", "--json-log", &log_s, "--rebalance-every", "0"]);
     let deadline = Instant::now() + Duration::from_secs(60);
     while lines_in(&log) < 5 {
         assert!(Instant::now() < deadline, "no steps");

@@ -122,6 +122,11 @@ pub struct TrainArgs {
     /// With --workers: seconds between a worker's heartbeats (default 0.2, below the lease).
     #[arg(long, value_name = "SECONDS")]
     pub heartbeat: Option<f64>,
+    /// With --workers and recovery: every this many steps the controller weighs a new plan
+    /// from the expert loads measured since the last one and applies it, at a step boundary,
+    /// when its predicted gain repays its move (default 200; 0: never).
+    #[arg(long, value_name = "STEPS")]
+    pub rebalance_every: Option<u64>,
     /// With --workers and recovery: where the controller answers `lazarus status` (default
     /// 127.0.0.1:0, any free loopback port; "off": nowhere).
     #[arg(long, value_name = "ADDR|off")]
@@ -160,7 +165,8 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 12] = [
+        let given: [(&'static str, bool); 13] = [
+            ("--rebalance-every", self.rebalance_every.is_some()),
             ("--gpus-per-node", self.gpus_per_node.is_some()),
             ("--recovery", self.recovery.is_some()),
             ("--status-listen", self.status_listen.is_some()),

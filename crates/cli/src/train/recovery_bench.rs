@@ -56,7 +56,8 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         kills: args.kills,
         steps: config.steps,
         seed: args.kill_seed,
-        recovery: Recovery::from_flags(t.lease, t.heartbeat)?,
+        // Every move in the benchmark is a recovery from a kill: no rebalance.
+        recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(t.lease, t.heartbeat)? },
         comm_timeout_s: lazarus_control::launcher::check_comm_timeout(t.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
     };
     tracing::info!(

@@ -293,6 +293,22 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 tracing::info!("controller status: lazarus status --controller {addr}");
                 Ok(())
             }
+            TrainEvent::Rebalance(d) => {
+                reporter.pause();
+                tracing::info!(
+                    "rebalance at step {}: {} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
+                    d.step,
+                    d.decision,
+                    d.imbalance_before,
+                    d.imbalance_after,
+                    d.transfers,
+                    d.transfer_bytes as f64 / 1e6,
+                    d.gain_s,
+                    d.horizon_steps,
+                    d.cost_s
+                );
+                reporter.record(&d)
+            }
             TrainEvent::WorkersJoined { workers } => {
                 reporter.pause();
                 let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
@@ -309,13 +325,15 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 let who = match (r.lost.is_empty(), r.joined.is_empty()) {
                     (false, true) => format!("worker(s) {} lost", list(&r.lost)),
                     (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
-                    _ => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
+                    (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
+                    (true, true) => "the same workers".to_string(),
                 };
                 tracing::info!(
                     "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
                     match r.cause.as_str() {
                         "rollback" => "rolled back",
                         "join" => "joined",
+                        "rebalance" => "rebalanced",
                         _ => "reconfigured",
                     },
                     r.epoch,
@@ -358,8 +376,14 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
 /// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.
 fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
     if !args.recovery.unwrap_or(true) {
+        if args.rebalance_every.is_some() {
+            bail!("--rebalance-every needs live recovery (the controller moves the job): drop --recovery off");
+        }
         return Ok(None);
     }
-    let r = Recovery::from_flags(args.lease, args.heartbeat)?;
+    let mut r = Recovery::from_flags(args.lease, args.heartbeat)?;
+    if let Some(k) = args.rebalance_every {
+        r.rebalance_every = k;
+    }
     Ok(Some(r))
 }

@@ -98,6 +98,8 @@ pub fn log(path: &std::path::Path) -> (Vec<(u64, f64)>, Vec<serde_json::Value>) 
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         if v["event"] == "reconfiguration" {
             reconf.push(v);
+        } else if v["event"].is_string() {
+            continue; // another record (a rebalance weighed)
         } else {
             steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
         }

@@ -17,8 +17,11 @@
 //!   every replica, everyone rolls back to the last checkpoint; if the survivors cannot hold one
 //!   replica of every expert, the job stops with the reason.
 
+mod rebalance;
 #[cfg(test)]
 mod tests;
+
+pub use rebalance::{RebalanceCase, RebalanceDecision};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -53,7 +56,27 @@ pub struct JobSpec {
     /// boundary), so that several arrivals share one move (paper §4.3: 2 minutes). A recovery
     /// from a failure takes in every worker waiting at once.
     pub join_wait: Duration,
+    /// Every this many steps the controller weighs a new plan from the loads measured since the
+    /// last one and applies it at a step boundary if it repays its move (0: never).
+    pub rebalance_every: u64,
+    /// The step the job ends at: a rebalance must repay its move before then.
+    pub total_steps: u64,
 }
+
+/// What a finished move cost, measured: the controller's estimate of what the next will.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoveCost {
+    pub bytes: u64,
+    /// The slowest worker's transfers.
+    pub transfer_s: f64,
+    /// The slowest rendezvous.
+    pub rebuild_s: f64,
+}
+
+/// Before any move was measured: 1 GB/s, and 50 ms for the pause and rendezvous (loopback-like;
+/// the first measured move replaces both).
+const DEFAULT_SECONDS_PER_BYTE: f64 = 1e-9;
+const DEFAULT_MOVE_FIXED_S: f64 = 0.05;
 
 /// Where a survivor stopped when its step (or its move to a new plan) failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,8 +104,9 @@ pub enum Event {
     Ready { node: NodeId, epoch: u64 },
     /// The node's step failed at `epoch`; where it stopped.
     StepFailed { node: NodeId, epoch: u64, report: StopReport },
-    /// A step finished at `epoch` (rank 0's report): the load monitor takes its expert loads.
-    StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>> },
+    /// A step finished at `epoch` (rank 0's report) in `seconds`: the load monitor takes its
+    /// expert loads. The first step after a move also brings what that move cost.
+    StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>>, seconds: f64, moved: Option<MoveCost> },
     /// A checkpoint of `step` was written.
     Checkpointed { step: u64 },
     /// A new node's workers (their ids never used before) started and wait to be taken in.
@@ -118,6 +142,8 @@ pub enum MoveCause {
     Failure,
     /// Workers waiting to join are taken in at a step boundary.
     Join,
+    /// A new plan from the measured loads, applied at a step boundary.
+    Rebalance,
 }
 
 impl MoveCause {
@@ -126,6 +152,7 @@ impl MoveCause {
         match self {
             MoveCause::Failure => "reconfigure",
             MoveCause::Join => "join",
+            MoveCause::Rebalance => "rebalance",
         }
     }
 }
@@ -156,6 +183,8 @@ pub enum Command {
     Pause { epoch: u64, nodes: Vec<NodeId> },
     /// The job cannot go on.
     Stop { reason: String },
+    /// A rebalance was weighed (applied: a `Pause` follows).
+    Rebalance(RebalanceDecision),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -200,6 +229,12 @@ pub struct Controller {
     /// Why the job is collecting where its ranks stopped: `Some` for a move it asked for
     /// (a pause), `None` for a failure.
     planned: Option<MoveCause>,
+    /// Steps done since the plan was made, and their seconds (the measured step time).
+    steps_since_plan: u64,
+    step_seconds: f64,
+    /// The cost of moving, from the last measured move.
+    seconds_per_byte: f64,
+    move_fixed_s: f64,
 }
 
 impl Controller {
@@ -225,6 +260,10 @@ impl Controller {
             node_of,
             standby: BTreeMap::new(),
             planned: None,
+            steps_since_plan: 0,
+            step_seconds: 0.0,
+            seconds_per_byte: DEFAULT_SECONDS_PER_BYTE,
+            move_fixed_s: DEFAULT_MOVE_FIXED_S,
         }
     }
 
@@ -432,7 +471,7 @@ impl Controller {
                     }
                 }
             }
-            Event::StepDone { epoch, step, loads } => {
+            Event::StepDone { epoch, step, loads, seconds, moved } => {
                 if epoch == self.epoch && loads.len() == self.loads.len() {
                     for (acc, l) in self.loads.iter_mut().zip(&loads) {
                         if l.len() == acc.len() {
@@ -440,6 +479,16 @@ impl Controller {
                         }
                     }
                     self.last_step = self.last_step.max(step);
+                    if seconds.is_finite() && seconds >= 0.0 {
+                        self.steps_since_plan += 1;
+                        self.step_seconds += seconds;
+                    }
+                }
+                if let Some(m) = moved.filter(|m| m.bytes > 0 && m.transfer_s.is_finite() && m.transfer_s > 0.0) {
+                    self.seconds_per_byte = m.transfer_s / m.bytes as f64;
+                    if m.rebuild_s.is_finite() && m.rebuild_s >= 0.0 {
+                        self.move_fixed_s = m.rebuild_s;
+                    }
                 }
             }
             Event::Checkpointed { step } => self.checkpoint = Some(step),
@@ -490,6 +539,27 @@ impl Controller {
             // a rank that is gone: call the rendezvous off.
             out.push(Command::Abandon { epoch: self.epoch, nodes: self.alive.iter().copied().collect() });
         }
+        // Every `rebalance_every` steps: weigh a plan from the measured loads (not while
+        // workers wait to join: their move re-plans anyway).
+        let every = self.spec.rebalance_every;
+        if self.running() && every > 0 && self.steps_since_plan >= every && self.standby.is_empty() {
+            let weighed = self.weigh_rebalance();
+            self.steps_since_plan = 0;
+            self.step_seconds = 0.0;
+            if let Some(d) = weighed {
+                let apply = d.decision == "apply";
+                self.note(format!(
+                    "epoch {}: rebalance at step {}: {} (gain {:.2} s, cost {:.2} s over {} steps)",
+                    self.epoch, d.step, d.decision, d.gain_s, d.cost_s, d.horizon_steps
+                ));
+                out.push(Command::Rebalance(d));
+                if apply {
+                    self.phase = Phase::Collecting { reports: BTreeMap::new() };
+                    self.planned = Some(MoveCause::Rebalance);
+                    out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
+                }
+            }
+        }
         // Workers waiting to join are taken in at a step boundary once their wait is over.
         if self.running() && self.join_due().is_some_and(|due| now >= due) {
             let nodes: Vec<NodeId> = self.ranks.clone();
@@ -500,6 +570,49 @@ impl Controller {
         }
         self.try_recover(&mut out);
         out
+    }
+
+    /// The plan the measured loads call for on the current nodes, against the current one: what
+    /// it would gain and what its move would cost (None: no loads measured, or nothing to plan).
+    fn weigh_rebalance(&self) -> Option<RebalanceDecision> {
+        if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
+            return None;
+        }
+        let candidate = plan_model(&self.loads, self.plan.shape(), &self.spec.policy, Some(&self.plan)).ok()?;
+        let balance = |p: &ModelPlan| -> Option<(f64, f64)> {
+            let mut sum = (0.0, 0.0);
+            for (placement, loads) in p.layers().iter().zip(&self.loads) {
+                let b = placement.load_balance(loads).ok()?;
+                sum = (sum.0 + b.bottleneck, sum.1 + b.imbalance());
+            }
+            Some((sum.0, sum.1 / p.layers().len().max(1) as f64))
+        };
+        let (before, imbalance_before) = balance(&self.plan)?;
+        let (after, imbalance_after) = balance(&candidate)?;
+        // What each node holds now (its workers' experts), in plan-node order.
+        let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
+        for &w in &self.ranks {
+            let entry = held.entry(self.node(w)).or_insert_with(|| vec![Vec::new(); self.spec.layers]);
+            for (l, experts) in self.planned_holdings(w)?.into_iter().enumerate() {
+                entry[l].extend(experts);
+            }
+        }
+        let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
+        let rp = plan_reconfiguration(&live, candidate.layers(), &vec![self.spec.expert_bytes; self.spec.layers]).ok()?;
+        let case = RebalanceCase {
+            step_s: self.step_seconds / self.steps_since_plan as f64,
+            // The gain counts until the next rebalance is weighed, or the job ends.
+            horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
+            bottleneck_before: before,
+            bottleneck_after: after,
+            imbalance_before,
+            imbalance_after,
+            transfers: rp.transfers.len(),
+            bytes: rp.total_bytes(),
+            seconds_per_byte: self.seconds_per_byte,
+            fixed_s: self.move_fixed_s,
+        };
+        Some(case.decide(self.last_step))
     }
 
     /// A worker waiting to join is gone: it and the other workers of its node are given up.
@@ -680,6 +793,8 @@ impl Controller {
         self.plan = plan;
         self.ranks = ranks;
         self.loads = vec![vec![0.0; self.spec.experts]; self.spec.layers];
+        self.steps_since_plan = 0;
+        self.step_seconds = 0.0;
         self.phase = Phase::Rendezvous { addrs: BTreeMap::new(), ready: BTreeSet::new() };
     }
 

@@ -14,6 +14,8 @@ fn spec(experts: usize, slots: usize) -> JobSpec {
         expert_bytes: 1000,
         lease: SEC,
         join_wait: 2 * SEC,
+        rebalance_every: 0,
+        total_steps: 1000,
     }
 }
 
@@ -54,7 +56,7 @@ fn the_rendezvous_sends_addresses_in_rank_order_then_resumes() {
 fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     let t0 = Instant::now();
     let mut c = running(4, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2] });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     // The survivors are told to cut their connections to it (rank 2 of epoch 0).
     assert_eq!(
         c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }),
@@ -104,7 +106,7 @@ fn beat(c: &mut Controller, t: Instant) -> Vec<Command> {
 fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state() {
     let t0 = Instant::now();
     let mut c = running(2, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2] });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2], seconds: 0.1, moved: None });
     assert!(c.decide(t0, Event::Joined { workers: vec![20] }).is_empty(), "taken in only after its wait");
     assert_eq!(c.standby().collect::<Vec<_>>(), vec![20]);
     // Before the wait is over: nothing; heartbeats keep everyone (the joiner too) alive.
@@ -168,6 +170,48 @@ fn a_failure_takes_the_waiting_joiners_in_at_once() {
     ranks.sort_unstable();
     assert_eq!(ranks, vec![10, 11, 20], "the joiner takes the lost worker's place");
     assert_eq!(m.joining, vec![m.ranks.iter().position(|&n| n == 20).unwrap()]);
+}
+
+/// A running job of 3 nodes planned for loads 1..4 that rebalances every 4 steps; `seconds` a
+/// step and loads that made expert 0 the hottest by far.
+fn drifted(seconds: f64, t0: Instant) -> (Controller, Vec<Command>) {
+    let mut c = running(3, 4, 2, t0);
+    c.spec.rebalance_every = 4;
+    let mut out = Vec::new();
+    for step in 1..=4 {
+        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, loads: vec![vec![97, 1, 1, 1]; 2], seconds, moved: None }));
+    }
+    (c, out)
+}
+
+#[test]
+fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_plan() {
+    let t0 = Instant::now();
+    let (mut c, out) = drifted(2.0, t0);
+    let [Command::Rebalance(d), Command::Pause { epoch: 0, nodes }] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((d.decision, d.step, d.horizon_steps), ("apply", 4, 4), "{d:?}");
+    assert!(d.imbalance_after < d.imbalance_before && d.gain_s > d.cost_s && d.transfers > 0, "{d:?}");
+    assert_eq!(nodes, &vec![10, 11, 12]);
+    let r = |c: &Controller, node| StopReport { steps_done: 4, held: None, holds: c.planned_holdings(node).unwrap() };
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((m.cause, m.commit_to, m.ranks.len(), m.transfers.len()), (MoveCause::Rebalance, 4, 3, d.transfers));
+    // The hot expert has more replicas than before.
+    let hot = |p: &lazarus_plan::ReplicaMap| (0..p.ranks()).map(|q| p.replicas_on(0, 0, q)).sum::<u32>();
+    assert!(hot(&m.plan) > hot(&running(3, 4, 2, t0).plan().replica_map()));
+}
+
+#[test]
+fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
+    let t0 = Instant::now();
+    // Steps of a microsecond: no plan saves enough in 4 steps to pay for moving experts.
+    let (c, out) = drifted(1e-6, t0);
+    let [Command::Rebalance(d)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(d.decision, "skip", "{d:?}");
+    assert!(d.gain_s < d.cost_s);
+    assert!(c.running() && c.epoch() == 0);
 }
 
 #[test]
@@ -322,7 +366,10 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
         (0u64..3, node, 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
             (dt, Event::StepFailed { node, epoch, report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![] } })
         }),
-        (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (dt, Event::StepDone { epoch, step, loads: vec![vec![1, 2, 3, 4]; 2] })),
+        (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (
+            dt,
+            Event::StepDone { epoch, step, loads: vec![vec![1 + 20 * (step % 2), 2, 3, 4]; 2], seconds: 10.0, moved: None }
+        )),
         (0u64..3, 0u64..20).prop_map(|(dt, step)| (dt, Event::Checkpointed { step })),
         (0u64..3).prop_map(|dt| (dt, Event::Tick)),
     ]
@@ -334,9 +381,15 @@ proptest! {
     /// no move or rollback names a node that is lost; every plan hosts every expert (its replica
     /// map validates and has one rank per named node); once stopped, nothing more happens.
     #[test]
-    fn the_decision_core_keeps_its_invariants(n in 2usize..6, slots in 2usize..4, events in proptest::collection::vec(arb_event(6), 1..60)) {
+    fn the_decision_core_keeps_its_invariants(
+        n in 2usize..6,
+        slots in 2usize..4,
+        rebalance_every in prop_oneof![Just(0u64), Just(2u64)],
+        events in proptest::collection::vec(arb_event(6), 1..60),
+    ) {
         let t0 = Instant::now();
         let mut c = running(n, 4, slots, t0);
+        c.spec.rebalance_every = rebalance_every;
         let mut now = t0;
         let mut epoch = c.epoch();
         for (dt, ev) in events {
@@ -382,6 +435,7 @@ proptest! {
                     Command::Stop { .. } => prop_assert!(c.stopped()),
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
+                    Command::Rebalance(d) => prop_assert!(d.decision == "apply" || d.decision == "skip"),
                     Command::Pause { epoch, nodes } => {
                         prop_assert_eq!(*epoch, c.epoch());
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));

@@ -10,7 +10,7 @@ use lazarus_plan::ModelPlan;
 use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-use crate::controller::{Command, Controller, Event, JobSpec, StopReport};
+use crate::controller::{Command, Controller, Event, JobSpec, MoveCost, StopReport};
 use crate::error::ControlError;
 use crate::fleet::Fleet;
 use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
@@ -124,6 +124,7 @@ pub(super) fn drive(
                         r.resumed = true;
                     }
                 }
+                Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.
                     shell.failure_seen();
@@ -303,7 +304,7 @@ impl Shell {
             }
             WorkerEvent::Heartbeat => Event::Heartbeat { node },
             WorkerEvent::Step { report, seconds, dropped, .. } => {
-                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone() };
+                let mut moved = None;
                 if let Some(r) = self.recovering.take_if(|r| r.resumed) {
                     let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
                     observe(TrainEvent::Reconfigured(ReconfigurationRecord {
@@ -321,7 +322,13 @@ impl Shell {
                         recovery_s: r.started.elapsed().as_secs_f64(),
                         workers: r.workers,
                     }))?;
+                    moved = Some(MoveCost {
+                        bytes: r.moved.iter().map(|m| m.bytes_received).sum(),
+                        transfer_s: max(|m| m.transfer_s),
+                        rebuild_s: max(|m| m.rebuild_s),
+                    });
                 }
+                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone(), seconds, moved };
                 observe(TrainEvent::Step { report, seconds, dropped })?;
                 event
             }

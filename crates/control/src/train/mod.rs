@@ -30,6 +30,8 @@ pub const MAX_WORKERS: usize = 64;
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
 pub const DEFAULT_JOIN_WAIT: Duration = Duration::from_secs(120);
+/// Steps between two rebalances weighed, by default (paper §4.3 re-plans periodically).
+pub const DEFAULT_REBALANCE_EVERY: u64 = 200;
 /// Most steps profiled for the measured-load plan (forward passes before training starts).
 pub const MAX_PROFILE_STEPS: usize = 1000;
 
@@ -130,6 +132,8 @@ pub struct Recovery {
     pub lease: Duration,
     /// How often workers say they are alive.
     pub heartbeat: Duration,
+    /// Weigh a rebalance from the measured loads every this many steps (0: never).
+    pub rebalance_every: u64,
 }
 
 impl Recovery {
@@ -160,9 +164,10 @@ impl Recovery {
 }
 
 impl Default for Recovery {
-    /// A 1 s lease, heartbeats every 200 ms: a hung worker is found out within a second.
+    /// A 1 s lease, heartbeats every 200 ms: a hung worker is found out within a second; a
+    /// rebalance weighed every 200 steps.
     fn default() -> Self {
-        Recovery { lease: Duration::from_millis(1000), heartbeat: Duration::from_millis(200) }
+        Recovery { lease: Duration::from_millis(1000), heartbeat: Duration::from_millis(200), rebalance_every: DEFAULT_REBALANCE_EVERY }
     }
 }
 
@@ -221,6 +226,8 @@ pub enum TrainEvent {
     },
     /// Training went on after a failure, or with workers taken in.
     Reconfigured(ReconfigurationRecord),
+    /// The controller weighed a rebalance (applied: a `rebalance` reconfiguration follows).
+    Rebalance(crate::controller::RebalanceDecision),
     /// A node's workers (their ids) joined the running job and stand by to be taken in.
     WorkersJoined {
         workers: Vec<usize>,
@@ -336,6 +343,8 @@ pub fn run_training(
             Hosts::Agents(a) => a.join_wait,
             Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
         },
+        rebalance_every: recovery.rebalance_every,
+        total_steps: cfg.steps,
     };
     let first_epoch = epoch;
     let job_id = format!("job-{first_epoch}");
