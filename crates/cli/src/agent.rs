@@ -58,6 +58,10 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
             tracing::info!("agent: the job completed");
             Ok(())
         }
+        AgentEnd::Drained => {
+            tracing::info!("agent: drained — the job moved off this node, its workers handed over their state and left");
+            Ok(())
+        }
         AgentEnd::Stopped(why) => bail!("agent stopped: {why}"),
     }
 }

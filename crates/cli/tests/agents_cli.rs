@@ -93,6 +93,12 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
 
 /// `lazarus controller --listen` and its printed address.
 fn start_controller(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String) {
+    let (child, lines, addr, _) = start_controller_keeping(args, netns);
+    (child, lines, addr)
+}
+
+/// The same, with the lines it printed before it listened (the placement).
+fn start_controller_keeping(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String, Vec<String>) {
     let (child, lines) = match netns {
         None => {
             let mut all = vec!["controller"];
@@ -102,12 +108,14 @@ fn start_controller(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receive
         Some(ns) => spawn_in(ns, "controller", args, &[]),
     };
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
     loop {
         let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the controller listens");
         if let Some(rest) = line.strip_prefix("controller listening on ") {
             let addr = rest.split(':').take(2).collect::<Vec<_>>().join(":");
-            return (child, lines, addr);
+            return (child, lines, addr, seen);
         }
+        seen.push(line);
     }
 }
 
@@ -279,6 +287,68 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     let out = lazarus(&["train", "--resume", "--steps", "362", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(log(&more).0.len(), 2);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The experts of MoE layer `layer` each worker holds, from the `placement L0: w0[1,3] w1[2x2]`
+/// lines a job prints.
+fn placement(lines: &[String], layer: usize) -> Vec<Vec<usize>> {
+    let prefix = format!("placement L{layer}: ");
+    let line = lines.iter().find_map(|l| l.strip_prefix(&prefix)).expect("the placement is printed");
+    line.split_whitespace()
+        .map(|w| {
+            let inner = w.split('[').nth(1).unwrap().trim_end_matches(']');
+            inner.split(',').filter(|x| !x.is_empty()).map(|x| x.split('x').next().unwrap().parse().unwrap()).collect()
+        })
+        .collect()
+}
+
+/// A preemption notice: SIGTERM to the agent of a node that holds the only replica of an
+/// expert. Its worker finishes the step in flight, the job moves off it — that expert's state
+/// handed to a node that stays — and it leaves; no step is lost, nothing rolls back, the losses
+/// and data are an uninterrupted run's, and the agent exits 0 saying it was drained.
+#[test]
+fn a_node_that_gives_notice_hands_over_its_last_replicas_before_it_leaves() {
+    let d = dir("agents-drain");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let (want, want_cursor) = common::uninterrupted_with_cursor("300", &d);
+    // Three nodes of one worker with two slots each for four experts: some expert has one
+    // replica only.
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "3", "--slots-per-worker", "2"];
+    args.extend(["--lease", "0.5", "--rebalance-every", "0"]);
+    args.extend(tiny());
+    args.extend(["--steps", "300", "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
+    let (mut controller, ctl_lines, addr, printed) = start_controller_keeping(&args, None);
+    let held = placement(&printed, 0);
+    let unique = |w: usize| held[w].iter().any(|e| (0..held.len()).filter(|&o| held[o].contains(e)).count() == 1);
+    let victim = (0..held.len()).find(|&w| unique(w)).expect("some worker holds an expert alone");
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = Vec::new();
+    let mut text = Vec::new();
+    // One at a time, so that worker w is the w-th agent's.
+    for _ in 0..3 {
+        agents.push(start_agent(&addr, "1", &secret, None));
+        agent_pids(&ctl_lines, 1, &mut text);
+    }
+    wait_for_steps(&path, 20);
+    signal(agents[victim].0.id() as i32, libc::SIGTERM);
+    let (drained, drained_lines) = &mut agents[victim];
+    let (status, agent_text) = exit_within(drained, drained_lines, Duration::from_secs(60));
+    assert!(status.is_some_and(|s| s.success()), "the drained agent exits 0: {}", agent_text.join("\n"));
+    assert!(agent_text.iter().any(|l| l.contains("agent: drained")), "{}", agent_text.join("\n"));
+    let (status, more_text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
+    text.extend(more_text);
+    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    let (steps, records) = log(&path);
+    assert_eq!(records.len(), 1, "one move, no rollback: {records:?}");
+    let r = &records[0];
+    assert_eq!((r["cause"].as_str(), r["workers"].as_u64()), (Some("drain"), Some(2)), "{r}");
+    assert_eq!(r["lost"], serde_json::json!([victim]));
+    assert!(r["transfer_bytes"].as_u64().unwrap() > 0, "its last replicas were handed over: {r}");
+    assert!(text.iter().any(|l| l.contains(&format!("workers {victim} leave on notice"))), "{}", text.join("\n"));
+    assert_same_losses(&steps, &want, "a node drained on notice");
+    assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data");
     let _ = std::fs::remove_dir_all(&d);
 }
 

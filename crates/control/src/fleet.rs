@@ -28,6 +28,11 @@ pub trait Fleet {
     fn joined(&mut self) -> Option<Vec<usize>> {
         None
     }
+    /// Workers whose node gave notice that it leaves soon, with the reason, if any did since
+    /// the last call.
+    fn leaving(&mut self) -> Option<(Vec<usize>, String)> {
+        None
+    }
 }
 
 impl Fleet for Job {

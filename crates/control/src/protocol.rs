@@ -215,6 +215,9 @@ pub enum WorkerEvent {
         kind: FailureKind,
         message: String,
     },
+    /// This worker left the job after the move that drained its node (it held nothing any
+    /// more); it exits.
+    Left,
     /// Paused at `epoch` as the controller asked, between steps: where this worker stopped.
     /// It waits for the launcher.
     Paused {

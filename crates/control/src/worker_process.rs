@@ -311,7 +311,7 @@ fn finish(sink: &EventSink, result: Result<WorkerEvent, ControlError>) -> i32 {
 /// code; its errors go to the launcher as a `failed` report.
 pub fn run_train_worker() -> i32 {
     let sink = Arc::new(EventSink::start());
-    let result = train_worker(&sink).map(|checkpoint| WorkerEvent::Done { checkpoint });
+    let result = train_worker(&sink);
     finish(&sink, result)
 }
 
@@ -385,7 +385,9 @@ enum Ended {
     StandingBy,
 }
 
-fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> {
+/// A training worker's life; its last report: `Done` (with rank 0's final checkpoint), or `Left`
+/// (its node was drained).
+fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     // Heartbeats from the moment the spec is read: building the model can take seconds.
     let (spec, inbox, t): (WorkerSpec<TrainJob>, _, _) = join_unless(
         sink,
@@ -433,7 +435,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
                 if let Some(t) = t.as_mut() {
                     t.shutdown();
                 }
-                return Ok(saved);
+                return Ok(WorkerEvent::Done { checkpoint: saved });
             }
             Ok(Ended::Paused) => {
                 // Every rank stopped after this step: a goodbye, not a failure, to the peers.
@@ -539,7 +541,13 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<Option<PathBuf>, ControlError> 
             bytes_received: moved.bytes_received,
         };
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: Some(stats) });
-        outcome = train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from);
+        if to.leaving.contains(&to.rank) {
+            // Drained: what only this node held went to the others in the move.
+            t.shutdown();
+            return Ok(WorkerEvent::Left);
+        }
+        outcome =
+            if to.hold { Ok(Ended::Paused) } else { train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from) };
     }
 }
 

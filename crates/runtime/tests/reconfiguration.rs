@@ -65,8 +65,16 @@ fn survivors_of_a_dead_worker_go_on_with_the_same_mathematics() {
         .map(|(rank, t)| {
             let options = WorkerOptions { plan: old.replica_map(), mode: DispatchMode::Balanced, timeout: Duration::from_secs(20) };
             let next = new_rank.iter().find(|(o, _)| *o == rank).map(|&(_, q)| {
-                let r =
-                    Reconfiguration { epoch: 1, rank: q, world: 2, plan: new.replica_map(), transfers: transfers.clone(), joining: vec![] };
+                let r = Reconfiguration {
+                    epoch: 1,
+                    rank: q,
+                    world: 2,
+                    plan: new.replica_map(),
+                    transfers: transfers.clone(),
+                    joining: vec![],
+                    leaving: vec![],
+                    hold: false,
+                };
                 (r, spares[q].take().unwrap())
             });
             std::thread::spawn(move || {

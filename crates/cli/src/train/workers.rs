@@ -309,6 +309,12 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 );
                 reporter.record(&d)
             }
+            TrainEvent::Leaving { workers, reason } => {
+                reporter.pause();
+                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+                tracing::info!("workers {} leave on notice ({reason}): moving the job off them at the next step boundary", ids.join(","));
+                Ok(())
+            }
             TrainEvent::WorkersJoined { workers } => {
                 reporter.pause();
                 let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
@@ -323,6 +329,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                 reporter.pause();
                 let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
                 let who = match (r.lost.is_empty(), r.joined.is_empty()) {
+                    (false, true) if r.cause == "drain" => format!("worker(s) {} left", list(&r.lost)),
                     (false, true) => format!("worker(s) {} lost", list(&r.lost)),
                     (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
                     (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
@@ -334,6 +341,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
                         "rollback" => "rolled back",
                         "join" => "joined",
                         "rebalance" => "rebalanced",
+                        "drain" => "drained",
                         _ => "reconfigured",
                     },
                     r.epoch,

@@ -8,7 +8,11 @@
 //!   workers cleanly (they abandon the step in flight; checkpoints are written atomically, so
 //!   nothing on disk is left inconsistent) and the agent exits with the reason;
 //! * messages of another job, or stamped with an epoch older than the one a worker was last
-//!   given, are dropped.
+//!   given, are dropped;
+//! * SIGTERM is a preemption notice (paper §3: a spot node is told before it is taken): the
+//!   agent tells the controller its node leaves, the controller moves the job off it — its
+//!   workers finish the step in flight and hand over what only they hold — and the workers leave;
+//!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -44,6 +48,9 @@ pub enum AgentEnd {
     Completed,
     /// Stopped before the end: why (the controller lost, the job stopped, this node given up).
     Stopped(String),
+    /// This node gave notice and the job moved off it: its workers handed over their state and
+    /// left.
+    Drained,
 }
 
 /// What the agent waits on: its session with the controller, and its workers' reports.
@@ -52,6 +59,44 @@ enum Inbound {
     Ended(String),
     /// A worker's report, or its end (`None`).
     Worker(usize, Option<WorkerEvent>),
+    /// SIGTERM: the node leaves soon.
+    Terminate,
+}
+
+/// How long a node that gave notice waits for the controller to move the job off it.
+pub const DRAIN_WITHIN: Duration = Duration::from_secs(60);
+
+/// SIGTERMs received (set by the handler: an atomic store is all it does).
+static TERMINATE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+extern "C" fn on_terminate(_: libc::c_int) {
+    TERMINATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Turn SIGTERM into [`Inbound::Terminate`] on `tx` (a watcher thread polls what the handler
+/// counted: nothing but an atomic store runs in the handler).
+fn watch_terminate(tx: mpsc::Sender<Inbound>) -> Result<(), ControlError> {
+    // SAFETY: the handler only does an atomic add, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_terminate as *const () as libc::sighandler_t);
+    }
+    std::thread::Builder::new()
+        .name("lazarus-agent-sigterm".into())
+        .spawn(move || {
+            let mut seen = 0;
+            loop {
+                std::thread::sleep(Duration::from_millis(20));
+                let now = TERMINATE.load(std::sync::atomic::Ordering::Relaxed);
+                while seen < now {
+                    seen += 1;
+                    if tx.send(Inbound::Terminate).is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| ControlError::io("starting the SIGTERM watch", e))
 }
 
 /// Every worker of a node runs `lazarus worker`: the same hidden subcommand the local launcher
@@ -119,6 +164,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     // The controller's messages, read on the runtime and handed to the agent's loop.
     let (tx, rx) = mpsc::channel::<Inbound>();
     let tx_workers = tx.clone();
+    watch_terminate(tx.clone())?;
     runtime.spawn(async move {
         loop {
             let next = match inbound.message().await {
@@ -211,7 +257,20 @@ impl Node {
         let mut last_heard = Instant::now();
         // Once the controller says the job completed: until when the workers may take to exit.
         let mut finishing: Option<(Instant, String)> = None;
+        // Once this node gave notice: until when it waits for the job to move off it.
+        let mut draining: Option<Instant> = None;
         loop {
+            if let Some(until) = draining {
+                if self.workers.is_none() || self.exited.iter().all(|&x| x) {
+                    return Ok(AgentEnd::Drained);
+                }
+                if Instant::now() >= until {
+                    return Ok(AgentEnd::Stopped(format!(
+                        "the job did not move off this node within {} s of its notice: its workers are stopped",
+                        DRAIN_WITHIN.as_secs()
+                    )));
+                }
+            }
             if let Some((until, reason)) = &finishing {
                 if self.workers.is_none() || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
                     return Ok(if self.done.iter().all(|&d| d) {
@@ -221,12 +280,23 @@ impl Node {
                     });
                 }
             }
-            let deadline = match &finishing {
-                Some((until, _)) => *until,
-                None => last_heard + lease,
+            let deadline = match (&finishing, draining) {
+                (Some((until, _)), _) => *until,
+                (None, Some(until)) => until.min(last_heard + lease),
+                (None, None) => last_heard + lease,
             };
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))) {
                 Ok(Inbound::Worker(slot, event)) => self.relay(slot, event),
+                Ok(Inbound::Terminate) => {
+                    if draining.is_some() || self.workers.is_none() {
+                        return Ok(AgentEnd::Stopped("SIGTERM".into()));
+                    }
+                    tracing::warn!(
+                        "agent: SIGTERM: this node leaves; asking the controller to move the job off it (a second SIGTERM stops at once)"
+                    );
+                    self.up(0, agent_message::Body::Leaving(proto::Leaving { reason: "SIGTERM (a preemption notice)".into() }));
+                    draining = Some(Instant::now() + DRAIN_WITHIN);
+                }
                 Ok(Inbound::Message(m)) => {
                     if m.job_id != self.job_id {
                         tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);

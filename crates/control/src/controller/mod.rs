@@ -111,6 +111,8 @@ pub enum Event {
     Checkpointed { step: u64 },
     /// A new node's workers (their ids never used before) started and wait to be taken in.
     Joined { workers: Vec<NodeId> },
+    /// These workers' node leaves soon (a preemption notice): move the job off it first.
+    Drain { workers: Vec<NodeId>, reason: String },
     /// Time passed.
     Tick,
 }
@@ -130,6 +132,12 @@ pub struct Move {
     /// Ranks of the new world that join the job with it (they take the replicated state from
     /// the others).
     pub joining: Vec<usize>,
+    /// Ranks of the new world that only send what they alone hold, then leave (a drained node);
+    /// the plan gives them nothing.
+    pub leaving: Vec<usize>,
+    /// Train nothing after the move: the controller moves the job again at once (without the
+    /// leaving ranks).
+    pub hold: bool,
     /// Why the job moves.
     pub cause: MoveCause,
 }
@@ -144,6 +152,8 @@ pub enum MoveCause {
     Join,
     /// A new plan from the measured loads, applied at a step boundary.
     Rebalance,
+    /// A node leaves on notice: its experts are handed over before it goes.
+    Drain,
 }
 
 impl MoveCause {
@@ -153,6 +163,7 @@ impl MoveCause {
             MoveCause::Failure => "reconfigure",
             MoveCause::Join => "join",
             MoveCause::Rebalance => "rebalance",
+            MoveCause::Drain => "drain",
         }
     }
 }
@@ -235,6 +246,8 @@ pub struct Controller {
     /// The cost of moving, from the last measured move.
     seconds_per_byte: f64,
     move_fixed_s: f64,
+    /// Workers whose node leaves on notice, until they are gone.
+    draining: BTreeSet<NodeId>,
 }
 
 impl Controller {
@@ -264,7 +277,14 @@ impl Controller {
             step_seconds: 0.0,
             seconds_per_byte: DEFAULT_SECONDS_PER_BYTE,
             move_fixed_s: DEFAULT_MOVE_FIXED_S,
+            draining: BTreeSet::new(),
         }
+    }
+
+    /// Whether `worker` has a rank of the current epoch beyond the plan's: a drained worker
+    /// that sent what it alone held and now leaves.
+    fn is_leaver(&self, worker: NodeId) -> bool {
+        self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= self.plan.shape().ranks())
     }
 
     /// Workers that joined and wait to be taken in.
@@ -308,7 +328,8 @@ impl Controller {
     pub fn planned_holdings(&self, node: NodeId) -> Option<Vec<Vec<usize>>> {
         let i = self.ranks.iter().position(|&n| n == node)?;
         let map = self.plan.replica_map();
-        Some(map.layers().iter().map(|l| (0..l.len()).filter(|&e| l[e][i] > 0).collect()).collect())
+        // A leaving rank (beyond the plan's) is given nothing.
+        Some(map.layers().iter().map(|l| (0..l.len()).filter(|&e| l[e].get(i).is_some_and(|&x| x > 0)).collect()).collect())
     }
 
     /// The node worker `worker` belongs to.
@@ -405,7 +426,7 @@ impl Controller {
         }
         self.last_decision = Some(self.last_decision.map_or(now, |p| p.max(now)));
         let was_rendezvous = matches!(self.phase, Phase::Rendezvous { .. });
-        let alive_before = self.alive.clone();
+        let mut alive_before = self.alive.clone();
         match event {
             Event::Heartbeat { node } => {
                 if self.alive.contains(&node) || self.standby.contains_key(&node) {
@@ -414,10 +435,31 @@ impl Controller {
             }
             Event::Tick => {}
             Event::Exited { node, status } => {
-                if self.alive.contains(&node) {
+                if self.alive.contains(&node) && self.is_leaver(node) {
+                    // Expected: a drained worker leaves once its move is done (nothing to fence).
+                    self.alive.remove(&node);
+                    alive_before.remove(&node);
+                    self.draining.remove(&node);
+                    self.planned = Some(MoveCause::Drain);
+                    self.note(format!("epoch {}: worker {node} left (drained)", self.epoch));
+                    // The others hold after the move and say so; a rendezvous still finishing
+                    // counted this one's Ready already.
+                    if self.running() {
+                        self.phase = Phase::Collecting { reports: BTreeMap::new() };
+                    }
+                } else if self.alive.contains(&node) {
                     self.lose(node, &format!("exited ({status})"));
                 } else if self.standby.contains_key(&node) {
                     self.give_up_standby(node, &format!("exited ({status})"), &mut out);
+                }
+            }
+            Event::Drain { workers, reason } => {
+                // The whole node of each worker named, as far as it is in the job.
+                let nodes: BTreeSet<u64> = workers.iter().filter(|w| self.alive.contains(w)).map(|&w| self.node(w)).collect();
+                let all: Vec<NodeId> = self.alive.iter().copied().filter(|&w| nodes.contains(&self.node(w))).collect();
+                if !all.is_empty() {
+                    self.note(format!("epoch {}: workers {all:?} leave on notice ({reason})", self.epoch));
+                    self.draining.extend(all);
                 }
             }
             Event::Joined { workers } => {
@@ -539,6 +581,14 @@ impl Controller {
             // a rank that is gone: call the rendezvous off.
             out.push(Command::Abandon { epoch: self.epoch, nodes: self.alive.iter().copied().collect() });
         }
+        // A node that leaves on notice: every rank stops after the step in flight and the job
+        // moves off it (before the joiners' wait or a rebalance: it cannot wait).
+        if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
+            self.note(format!("epoch {}: pause to move off workers {:?}", self.epoch, self.draining));
+            self.phase = Phase::Collecting { reports: BTreeMap::new() };
+            self.planned = Some(MoveCause::Drain);
+            out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
+        }
         // Every `rebalance_every` steps: weigh a plan from the measured loads (not while
         // workers wait to join: their move re-plans anyway).
         let every = self.spec.rebalance_every;
@@ -642,6 +692,7 @@ impl Controller {
     /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
     fn lose(&mut self, node: NodeId, why: &str) {
         self.alive.remove(&node);
+        self.draining.remove(&node);
         self.planned = None;
         self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
         if !matches!(self.phase, Phase::Collecting { .. }) {
@@ -670,7 +721,11 @@ impl Controller {
         for &w in &joiners {
             reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers] });
         }
-        let members: Vec<NodeId> = survivors.iter().chain(&joiners).copied().collect();
+        // Workers of a node leaving on notice send what only they hold, then go: the plan is
+        // for the others.
+        let leavers: Vec<NodeId> =
+            if cause == MoveCause::Drain { survivors.iter().copied().filter(|w| self.draining.contains(w)).collect() } else { Vec::new() };
+        let members: Vec<NodeId> = survivors.iter().chain(&joiners).copied().filter(|w| !leavers.contains(w)).collect();
         let g = self.spec.gpus_per_node.max(1);
         let slots = members.len() * (self.spec.slots_per_node / g);
         if slots < self.spec.experts {
@@ -706,7 +761,10 @@ impl Controller {
             (0..self.spec.layers).all(|l| (0..self.spec.experts).all(|e| survivors.iter().any(|n| reports[n].holds[l].contains(&e))));
         let survives = consistent && covered;
         let previous = self.plan.clone().with_epoch(self.epoch);
-        let new = match plan_model(&loads, shape, &self.spec.policy, Some(&previous)) {
+        // The second half of a drain keeps the plan its first half moved the job to.
+        let in_place = cause == MoveCause::Drain && leavers.is_empty() && joiners.is_empty() && previous.shape() == shape;
+        let planned = if in_place { Ok(previous.clone()) } else { plan_model(&loads, shape, &self.spec.policy, Some(&previous)) };
+        let new = match planned {
             Ok(p) => p.with_epoch(epoch),
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
@@ -728,17 +786,22 @@ impl Controller {
                 })
                 .collect();
             if let Ok(rp) = plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]) {
-                // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q.
-                let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| nodes[n].iter().copied()).collect();
+                // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q;
+                // the leaving workers come after, with nothing of the plan.
+                let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| nodes[n].iter().copied()).chain(leavers.clone()).collect();
                 let rank_node: Vec<u64> = ranks.iter().map(|&w| self.node(w)).collect();
                 let rank_holds: Vec<Vec<Vec<usize>>> = ranks.iter().map(|w| reports[w].holds.clone()).collect();
-                let map = new.replica_map();
+                let map = with_empty_ranks(&new.replica_map(), leavers.len());
+                // Experts only the leavers hold are sent by them (rank_transfers takes any holder).
+                let lost_for_good = rp.lost.iter().any(|&(l, e)| !leavers.iter().any(|w| reports[w].holds[l].contains(&e)));
                 let moved = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers).map(|ts| {
                     ts.into_iter().map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to }).collect::<Vec<_>>()
                 });
-                if let (true, Some(transfers)) = (rp.lost.is_empty(), moved) {
+                if let (false, Some(transfers)) = (lost_for_good, moved) {
                     let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
-                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers, joining, cause };
+                    let leaving: Vec<usize> = (ranks.len() - leavers.len()..ranks.len()).collect();
+                    let hold = !leaving.is_empty();
+                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers, joining, leaving, hold, cause };
                     self.note(format!(
                         "epoch {epoch}: {} to {} nodes at step {furthest}, {} expert transfers",
                         cause.name(),
@@ -760,6 +823,8 @@ impl Controller {
             commit_to: furthest,
             transfers: Vec::new(),
             joining: Vec::new(),
+            leaving: Vec::new(),
+            hold: false,
             cause: MoveCause::Failure,
         };
         self.note(format!(
@@ -803,4 +868,17 @@ impl Controller {
         self.phase = Phase::Stopped;
         out.push(Command::Stop { reason });
     }
+}
+
+/// `map` with `extra` ranks after its own that hold nothing (the leaving ranks of a drain).
+fn with_empty_ranks(map: &lazarus_plan::ReplicaMap, extra: usize) -> lazarus_plan::ReplicaMap {
+    if extra == 0 {
+        return map.clone();
+    }
+    let layers: Vec<Vec<Vec<u32>>> = map
+        .layers()
+        .iter()
+        .map(|l| l.iter().map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)).collect()).collect())
+        .collect();
+    lazarus_plan::ReplicaMap::new(map.epoch(), layers).expect("the same experts and replicas, more ranks")
 }

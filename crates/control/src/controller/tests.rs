@@ -215,6 +215,51 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
 }
 
 #[test]
+fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 2, t0);
+    let old = c.plan().replica_map();
+    assert_eq!(
+        c.decide(t0, Event::Drain { workers: vec![11], reason: "SIGTERM".into() }),
+        vec![Command::Pause { epoch: 0, nodes: vec![10, 11, 12] }]
+    );
+    let r =
+        |c: &Controller, node, epoch_steps| StopReport { steps_done: epoch_steps, held: None, holds: c.planned_holdings(node).unwrap() };
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 7) });
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 7) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, 7) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    // The leaver is the last rank, given nothing, and sends what only it held.
+    assert_eq!((m.cause, m.hold, m.leaving.clone(), m.ranks[2]), (MoveCause::Drain, true, vec![2], 11));
+    for l in 0..2 {
+        for e in 0..4 {
+            assert_eq!(m.plan.replicas_on(l, e, 2), 0);
+            let only_leaver = old.replicas_on(l, e, 1) > 0 && old.replicas_on(l, e, 0) == 0 && old.replicas_on(l, e, 2) == 0;
+            if only_leaver {
+                assert!(m.transfers.iter().any(|t| t.layer == l && t.expert == e && t.from == 2), "layer {l} expert {e}: {m:?}");
+            }
+        }
+    }
+    // The move completes; the leaver goes — expected: no kill, no fence, no lost state.
+    for (i, &n) in m.ranks.iter().enumerate() {
+        c.decide(t0, Event::Listening { node: n, epoch: 1, addr: format!("b{i}") });
+    }
+    for &n in &m.ranks {
+        c.decide(t0, Event::Ready { node: n, epoch: 1 });
+    }
+    assert!(c.decide(t0, Event::Exited { node: 11, status: "left".into() }).is_empty());
+    // The others held after the move: they say so, and the job moves again, in place.
+    let first = m.ranks[0];
+    c.decide(t0, Event::StepFailed { node: first, epoch: 1, report: r(&c, first, 7) });
+    let second = m.ranks[1];
+    let out = c.decide(t0, Event::StepFailed { node: second, epoch: 1, report: r(&c, second, 7) });
+    let [Command::Reconfigure(m2)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((m2.cause, m2.hold, m2.commit_to, m2.ranks.len()), (MoveCause::Drain, false, 7, 2));
+    assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
+    assert!(!c.alive().contains(&11));
+}
+
+#[test]
 fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 3, t0);
@@ -358,6 +403,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
     let node = 10..10 + n + 4;
     prop_oneof![
         (0u64..3, 14u64..20).prop_map(|(dt, w)| (dt, Event::Joined { workers: vec![w] })),
+        (0u64..3, 10u64..16).prop_map(|(dt, w)| (dt, Event::Drain { workers: vec![w], reason: "notice".into() })),
         (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Heartbeat { node })),
         (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Exited { node, status: "killed".into() })),
         (0u64..3, node.clone(), 0u64..4, 0u64..4)
@@ -410,6 +456,7 @@ proptest! {
                 match cmd {
                     Command::Reconfigure(m) | Command::Rollback { to: m, .. } => {
                         prop_assert!(m.ranks.iter().all(|r| c.alive().contains(r)), "{:?} names a lost node", m.ranks);
+                        prop_assert!(m.leaving.iter().all(|&r| r < m.ranks.len()));
                         prop_assert_eq!(m.plan.ranks(), m.ranks.len());
                         prop_assert!(lazarus_plan::ReplicaMap::new(m.epoch, m.plan.layers().to_vec()).is_ok());
                         prop_assert_eq!(m.epoch, c.epoch());

@@ -59,10 +59,28 @@ fn same_secret(a: u128, b: u128) -> bool {
 /// What the hub hands the controller's loop.
 #[derive(Debug)]
 pub(crate) enum HubInput {
-    Joined { agent: u64 },
-    Report { agent: u64, slot: usize, event: WorkerEvent },
-    Exited { agent: u64, slot: usize, status: String },
-    Gone { agent: u64, why: String },
+    Joined {
+        agent: u64,
+    },
+    Report {
+        agent: u64,
+        slot: usize,
+        event: WorkerEvent,
+    },
+    Exited {
+        agent: u64,
+        slot: usize,
+        status: String,
+    },
+    Gone {
+        agent: u64,
+        why: String,
+    },
+    /// The agent's node leaves soon (a preemption notice).
+    Leaving {
+        agent: u64,
+        reason: String,
+    },
 }
 
 /// One attached agent.
@@ -239,6 +257,13 @@ impl AgentHub {
                     return None;
                 }
                 Some(HubInput::Report { agent, slot: r.slot as usize, event })
+            }
+            agent_message::Body::Leaving(l) => {
+                if !started {
+                    return None;
+                }
+                let reason: String = l.reason.chars().take(200).collect();
+                Some(HubInput::Leaving { agent, reason })
             }
             agent_message::Body::Exited(x) => {
                 slot_rank(x.slot)?;
@@ -426,6 +451,7 @@ impl AgentHub {
             killed: Default::default(),
             joiner,
             joined: VecDeque::new(),
+            leaving: VecDeque::new(),
         })
     }
 
@@ -480,6 +506,8 @@ pub struct RemoteFleet {
     joiner: JoinerSpec,
     /// Workers started for agents that joined, one node's at a time, not yet told of.
     joined: VecDeque<Vec<usize>>,
+    /// Nodes that gave notice, not yet told of: their workers and why.
+    leaving: VecDeque<(Vec<usize>, String)>,
 }
 
 impl RemoteFleet {
@@ -553,6 +581,13 @@ impl Fleet for RemoteFleet {
                     }
                 }
                 HubInput::Joined { agent } => self.take_in(agent),
+                HubInput::Leaving { agent, reason } => {
+                    let ranks = self.ranks_of(agent);
+                    if !ranks.is_empty() {
+                        self.leaving.push_back((ranks, format!("agent {agent}: {reason}")));
+                        return None;
+                    }
+                }
             }
         }
     }
@@ -597,5 +632,9 @@ impl Fleet for RemoteFleet {
 
     fn joined(&mut self) -> Option<Vec<usize>> {
         self.joined.pop_front()
+    }
+
+    fn leaving(&mut self) -> Option<(Vec<usize>, String)> {
+        self.leaving.pop_front()
     }
 }

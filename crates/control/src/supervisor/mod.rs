@@ -225,7 +225,7 @@ impl Supervisor {
             WorkerEvent::StepFailed { kind, message, .. } => self.end(now, rank, RankEnd::Failed { kind, message }, out),
             // Nobody asks a job without recovery to pause; a worker that says so anyway is done
             // with the job.
-            WorkerEvent::Paused { .. } => {
+            WorkerEvent::Paused { .. } | WorkerEvent::Left => {
                 self.end(now, rank, RankEnd::Failed { kind: FailureKind::Error, message: "paused, unasked".into() }, out)
             }
             WorkerEvent::Heartbeat | WorkerEvent::Checkpointed { .. } => {}

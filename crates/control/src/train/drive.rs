@@ -53,14 +53,19 @@ pub(super) fn drive(
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
-        let next = match fleet.joined() {
-            Some(workers) => Err(workers),
-            None => Ok(fleet.next_event(wait)),
+        let next = match (fleet.joined(), fleet.leaving()) {
+            (Some(workers), _) => Err(Ok(workers)),
+            (None, Some(leaving)) => Err(Err(leaving)),
+            (None, None) => Ok(fleet.next_event(wait)),
         };
         let event = match next {
-            Err(workers) => {
+            Err(Ok(workers)) => {
                 observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
                 Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
+            }
+            Err(Err((workers, reason))) => {
+                observe(TrainEvent::Leaving { workers: workers.clone(), reason: reason.clone() })?;
+                Event::Drain { workers: workers.into_iter().map(|w| w as u64).collect(), reason }
             }
             Ok(None) => Event::Tick,
             Ok(Some((rank, None))) => {
@@ -142,6 +147,8 @@ pub(super) fn drive(
                             plan: m.plan.clone(),
                             transfers: m.transfers.clone(),
                             joining: m.joining.clone(),
+                            leaving: m.leaving.clone(),
+                            hold: m.hold,
                         };
                         let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
@@ -159,6 +166,8 @@ pub(super) fn drive(
                             plan: m.plan.clone(),
                             transfers: Vec::new(),
                             joining: Vec::new(),
+                            leaving: Vec::new(),
+                            hold: false,
                         };
                         let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
@@ -208,6 +217,8 @@ struct Recovering {
     detect_s: f64,
     plan_s: f64,
     moved: Vec<MoveStats>,
+    /// The last move held after it (a drain's first half): its stats count in the next.
+    keep_moved: bool,
     resumed: bool,
     workers: usize,
 }
@@ -247,6 +258,7 @@ impl Shell {
                 detect_s: 0.0,
                 plan_s: 0.0,
                 moved: Vec::new(),
+                keep_moved: false,
                 resumed: false,
                 workers: 0,
             });
@@ -276,7 +288,12 @@ impl Shell {
                 }
             }
             r.joined.sort_unstable();
-            r.moved.clear();
+            // A move that failed half-way tells nothing; the first half of a drain (a move that
+            // holds after it) is part of this one's cost.
+            if !r.keep_moved {
+                r.moved.clear();
+            }
+            r.keep_moved = m.hold;
             r.resumed = false;
         }
         self.ranks = m.ranks.clone();
@@ -331,6 +348,10 @@ impl Shell {
                 let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone(), seconds, moved };
                 observe(TrainEvent::Step { report, seconds, dropped })?;
                 event
+            }
+            WorkerEvent::Left => {
+                observe(TrainEvent::Lost { worker: rank, why: "left the job (its node was drained)".into() })?;
+                Event::Exited { node, status: "left the job (its node was drained)".into() }
             }
             WorkerEvent::Paused { epoch, steps_done, holds } => {
                 Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds } }

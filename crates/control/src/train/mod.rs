@@ -228,6 +228,11 @@ pub enum TrainEvent {
     Reconfigured(ReconfigurationRecord),
     /// The controller weighed a rebalance (applied: a `rebalance` reconfiguration follows).
     Rebalance(crate::controller::RebalanceDecision),
+    /// A node gave notice that it leaves soon: its workers (ids) and why.
+    Leaving {
+        workers: Vec<usize>,
+        reason: String,
+    },
     /// A node's workers (their ids) joined the running job and stand by to be taken in.
     WorkersJoined {
         workers: Vec<usize>,

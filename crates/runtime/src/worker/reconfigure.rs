@@ -40,6 +40,14 @@ pub struct Reconfiguration {
     /// joiner from the `i mod n`-th of those `n`, spreading the copies over them.
     #[serde(default)]
     pub joining: Vec<usize>,
+    /// Ranks that leave the job after this move (a node drained before it is taken away): they
+    /// send what only they hold and hold nothing of the plan (its rows are 0 for them).
+    #[serde(default)]
+    pub leaving: Vec<usize>,
+    /// After the move, train nothing and say where you stopped: the controller moves the job
+    /// again (without the leaving ranks) at once.
+    #[serde(default)]
+    pub hold: bool,
 }
 
 impl Reconfiguration {
