@@ -352,6 +352,33 @@ fn a_node_that_gives_notice_hands_over_its_last_replicas_before_it_leaves() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A failure trace replayed on local agents (`train --workers 4 --gpus-per-node 2 --replay`): a
+/// node is killed and another comes, on the trace's (scaled) schedule; the job reconfigures,
+/// takes the newcomer in after the scaled wait, and trains on with the uninterrupted losses.
+#[test]
+fn a_replayed_trace_kills_and_starts_local_agents_on_schedule() {
+    let d = dir("agents-replay");
+    let (path, trace) = (d.join("log.jsonl"), d.join("trace.csv"));
+    std::fs::write(&trace, "# ms,change,node\n0,add,a\n0,add,b\n60000,remove,b\n90000,add,c\n").unwrap();
+    let log_s = path.to_str().unwrap().to_string();
+    let want = uninterrupted("360", &d);
+    let mut args = vec!["train", "--workers", "4", "--gpus-per-node", "2", "--replay", trace.to_str().unwrap()];
+    // Trace times x 0.01: b goes at 0.6 s, c comes at 0.9 s and waits 1.2 s (2 minutes x 0.01).
+    args.extend(["--replay-scale", "0.01", "--rebalance-every", "0", "--steps", "360", "--json-log", &log_s]);
+    args.extend(tiny());
+    let (mut child, lines) = spawn_lazarus(&args, &[]);
+    let (status, text) = exit_within(&mut child, &lines, Duration::from_secs(300));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("node b goes: its agent killed (SIGKILL)")), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("node c comes")), "{}", text.join("\n"));
+    let (steps, records) = log(&path);
+    let causes: Vec<&str> = records.iter().map(|r| r["cause"].as_str().unwrap()).collect();
+    assert_eq!(causes, vec!["reconfigure", "join"], "{records:?}");
+    assert_eq!((records[0]["workers"].as_u64(), records[1]["workers"].as_u64()), (Some(2), Some(4)));
+    assert_same_losses(&steps, &want, "a replayed trace");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Network namespaces made for one test (a "switch" with a bridge, and one namespace per host
 /// wired to it by a veth pair); removed when dropped.
 struct Hosts {

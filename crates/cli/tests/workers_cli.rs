@@ -103,6 +103,8 @@ fn bad_worker_settings_are_named() {
     let five = d.join("five.json");
     let layer = r#"{"placement": [[0, 1, 2], [2, 3, 4]]}"#;
     std::fs::write(&five, plan(5, &[layer; 2].join(","))).unwrap();
+    let trace3 = d.join("three.csv");
+    std::fs::write(&trace3, "0,add,a\n0,add,b\n0,add,c\n").unwrap();
     let bare = d.join("bare.json");
     std::fs::write(&bare, "[[0, 1, 2], [2, 3, 0]]").unwrap();
     for (extra, expect) in [
@@ -116,6 +118,13 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
         (vec!["--workers", "2", "--max-imbalance", "0.9"], "--max-imbalance"),
         (vec!["--workers", "2", "--max-imbalance", "nan"], "--max-imbalance"),
+        (vec!["--workers", "2", "--replay", "fail-every:1s"], "--replay needs --gpus-per-node"),
+        (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", "fail-every:soon"], "invalid --replay"),
+        (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", "poisson:1s"], "poisson:MTBF:REPAIR:DURATION"),
+        (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", "fail-every:1s", "--replay-scale", "0"], "--replay-scale"),
+        (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", trace3.to_str().unwrap()], "starts with 3 nodes"),
+        (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", "/nonexistent/trace.csv"], "trace"),
+        (vec!["--workers", "2", "--recovery", "off", "--rebalance-every", "5"], "--rebalance-every needs live recovery"),
     ] {
         let mut args = vec!["train", "--steps", "2", "--json-log", log.to_str().unwrap()];
         args.extend(tiny());

@@ -36,5 +36,6 @@ pub use launcher::{allowed_cpus, Confinement};
 pub use protocol::{FailureKind, TrainJob, WorkerEvent};
 pub use supervisor::{Action, Outcome, RankEnd, Supervisor};
 pub use train::{
-    plan_job, run_training, AgentsSpec, Hosts, JobPlan, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome,
+    plan_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord, Recovery, TrainEvent,
+    TrainOutcome,
 };

@@ -127,6 +127,20 @@ pub struct TrainArgs {
     /// when its predicted gain repays its move (default 200; 0: never).
     #[arg(long, value_name = "STEPS")]
     pub rebalance_every: Option<u64>,
+    /// With --gpus-per-node: replay node failures and arrivals on the local agents — a trace in
+    /// Bamboo's format (`ms,add|remove,node` lines), or a generator: `fail-every:EVERY[:SEED]`
+    /// (one node fails every EVERY until half remain), `poisson:MTBF:REPAIR:DURATION[:SEED]`
+    /// (each node fails after an exponential time, comes back REPAIR later). Nodes present at
+    /// the start must be --workers / --gpus-per-node.
+    #[arg(long, value_name = "FILE|GENERATOR")]
+    pub replay: Option<String>,
+    /// With --replay: multiply the trace's times by this (e.g. 0.01: an hour in 36 s); the
+    /// paper's 2-minute wait before joiners are taken in is scaled alike (default 1).
+    #[arg(long, value_name = "FACTOR")]
+    pub replay_scale: Option<f64>,
+    /// With --replay: a node that goes is given notice (SIGTERM: drained) instead of killed.
+    #[arg(long)]
+    pub replay_notice: bool,
     /// With --workers and recovery: where the controller answers `lazarus status` (default
     /// 127.0.0.1:0, any free loopback port; "off": nowhere).
     #[arg(long, value_name = "ADDR|off")]
@@ -165,8 +179,11 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 13] = [
+        let given: [(&'static str, bool); 16] = [
             ("--rebalance-every", self.rebalance_every.is_some()),
+            ("--replay", self.replay.is_some()),
+            ("--replay-scale", self.replay_scale.is_some()),
+            ("--replay-notice", self.replay_notice),
             ("--gpus-per-node", self.gpus_per_node.is_some()),
             ("--recovery", self.recovery.is_some()),
             ("--status-listen", self.status_listen.is_some()),

@@ -7,7 +7,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use lazarus_control::{plan_job, run_training, AgentsSpec, ControlError, Hosts, PlanSource, Recovery, TrainEvent, TrainJob, TrainOutcome};
+use lazarus_control::{
+    plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainEvent, TrainJob,
+    TrainOutcome,
+};
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
@@ -97,6 +100,9 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     if args.train.workers.is_none() {
         bail!("lazarus controller needs --workers N (the job's workers, over all agents)");
     }
+    if args.train.replay.is_some() || args.train.replay_scale.is_some() || args.train.replay_notice {
+        bail!("--replay kills and starts local agents: use lazarus train --workers N --gpus-per-node G --replay …");
+    }
     if args.train.status_listen.is_some() {
         bail!("--status-listen: the controller answers lazarus status at --listen");
     }
@@ -131,13 +137,62 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
     }
     let join_wait = Duration::from_secs_f64(join_wait);
-    let hosts = Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait, max_workers, join_wait });
+    let hosts =
+        Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait, max_workers, join_wait, schedule: None });
     run_job(&args.train, hosts, Some(agent_command))
+}
+
+/// The node schedule `--replay SOURCE` describes for `nodes` local agents, its times multiplied
+/// by `--replay-scale`; with the most nodes present at once, and the scale.
+fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -> Result<(NodeSchedule, usize, f64)> {
+    use lazarus_sim::{parse_duration_ms, Change, Trace};
+    let scale = scale.unwrap_or(1.0);
+    if !scale.is_finite() || scale <= 0.0 || scale > 1e6 {
+        bail!("invalid --replay-scale: {scale} (expected a factor above 0, at most 1e6)");
+    }
+    let parts: Vec<&str> = source.split(':').collect();
+    let bad = |why: &str| anyhow::anyhow!("invalid --replay: {source:?} ({why})");
+    let seed = |i: usize| -> Result<u64> { parts.get(i).map_or(Ok(0), |s| s.parse().map_err(|_| bad("the seed is not an integer"))) };
+    let ms = |i: usize| -> Result<u64> { parse_duration_ms(parts.get(i).copied().unwrap_or_default()).map_err(|e| bad(&e.to_string())) };
+    let trace = match parts[0] {
+        "fail-every" if (2..=3).contains(&parts.len()) => Trace::fail_every(nodes, ms(1)?, nodes / 2, seed(2)?)?,
+        "poisson" if (4..=5).contains(&parts.len()) => Trace::poisson(nodes, ms(1)? as f64, ms(2)?, ms(3)?, seed(4)?)?,
+        "fail-every" => return Err(bad("expected fail-every:EVERY[:SEED], e.g. fail-every:30s")),
+        "poisson" => return Err(bad("expected poisson:MTBF:REPAIR:DURATION[:SEED], e.g. poisson:20s:5s:2m")),
+        _ => {
+            let text = crate::io::read_text("replay trace", std::path::Path::new(source), crate::io::MAX_JSON_BYTES)?;
+            Trace::parse_bamboo(&text, source)?
+        }
+    };
+    let initial: Vec<String> = trace.events.iter().take_while(|e| e.ms == 0 && e.change == Change::Add).map(|e| e.node.clone()).collect();
+    if initial.len() != nodes {
+        bail!(
+            "invalid --replay: the trace starts with {} nodes, but --workers / --gpus-per-node is {nodes} (one local agent a node)",
+            initial.len()
+        );
+    }
+    let mut present = initial.len();
+    let mut most = present;
+    let changes: Vec<NodeChange> = trace.events[initial.len()..]
+        .iter()
+        .map(|e| {
+            present = if e.change == Change::Add { present + 1 } else { present.saturating_sub(1) };
+            most = most.max(present);
+            NodeChange { at: Duration::from_secs_f64(e.ms as f64 / 1000.0 * scale), node: e.node.clone(), add: e.change == Change::Add }
+        })
+        .collect();
+    if most > lazarus_control::train::MAX_WORKERS {
+        bail!("invalid --replay: {most} nodes at once (at most {} workers)", lazarus_control::train::MAX_WORKERS);
+    }
+    Ok((NodeSchedule { initial, changes, notice }, most, scale))
 }
 
 /// The launcher side of `lazarus train --workers N`.
 pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     let world = args.workers.unwrap_or(1);
+    if args.gpus_per_node.is_none() && (args.replay.is_some() || args.replay_scale.is_some() || args.replay_notice) {
+        bail!("--replay needs --gpus-per-node G: nodes come and go as local agents");
+    }
     let hosts = match args.gpus_per_node {
         None => Hosts::Local { status_listen: None },
         Some(g) => {
@@ -151,14 +206,23 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             let listen: SocketAddr =
                 listen.parse().map_err(|_| anyhow::anyhow!("invalid --status-listen: {listen:?} (expected host:port or off)"))?;
             let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            let nodes = world / g;
+            let (schedule, most_nodes, scale) = match &args.replay {
+                Some(source) => {
+                    let (s, most, scale) = node_schedule(source, nodes, args.replay_scale, args.replay_notice)?;
+                    (Some(s), most, scale)
+                }
+                None => (None, nodes, 1.0),
+            };
             Hosts::Agents(AgentsSpec {
                 listen,
                 secret,
-                local_agents: world / g,
+                local_agents: nodes,
                 gpus_per_node: g,
                 wait: LOCAL_AGENTS_WITHIN,
-                max_workers: world,
-                join_wait: lazarus_control::train::DEFAULT_JOIN_WAIT,
+                max_workers: most_nodes * g,
+                join_wait: lazarus_control::train::DEFAULT_JOIN_WAIT.mul_f64(scale),
+                schedule,
             })
         }
     };

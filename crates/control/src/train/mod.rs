@@ -23,7 +23,8 @@ use crate::protocol::{secret_hex, TrainJob, WorkerSpec};
 use crate::status::{snapshot, SharedStatus, StatusServer};
 use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
 use drive::drive;
-use local_agents::start_local_agents;
+use local_agents::{replay, start_local_agents};
+pub use local_agents::{NodeChange, NodeSchedule};
 
 /// Most worker processes of one local job.
 pub const MAX_WORKERS: usize = 64;
@@ -295,6 +296,8 @@ pub struct AgentsSpec {
     pub max_workers: usize,
     /// How long workers that join wait to be taken in (arrivals within it share one move).
     pub join_wait: Duration,
+    /// With local agents: nodes to kill and start on schedule (a failure trace replayed).
+    pub schedule: Option<NodeSchedule>,
 }
 
 /// Start `world` worker processes on `job` (here, or through node agents as `hosts` says) and
@@ -374,7 +377,7 @@ pub fn run_training(
             let server = StatusServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
             let addr = server.addr();
             observe(TrainEvent::Serving { addr })?;
-            let mut agents = if a.local_agents > 0 { Some(start_local_agents(a, addr)?) } else { None };
+            let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
                 observe(TrainEvent::AgentJoined {
                     agent: info.agent,
@@ -419,11 +422,23 @@ pub fn run_training(
                     },
                     joiner,
                 )?;
-                drive(&mut fleet, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
+                // The schedule's clock starts with the workers.
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let replaying = match (&agents, &a.schedule) {
+                    (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
+                    _ => None,
+                };
+                let run =
+                    drive(&mut fleet, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe);
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                if let Some(r) = replaying {
+                    let _ = r.join();
+                }
+                run
             });
-            if let Some(agents) = &mut agents {
+            if let Some(agents) = &agents {
                 // Agents end with their part in the job; they are killed if they do not.
-                agents.reap_within(Duration::from_secs(40));
+                agents.lock().unwrap_or_else(|e| e.into_inner()).reap_within(Duration::from_secs(40));
             }
             run
         }
