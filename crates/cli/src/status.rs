@@ -29,7 +29,7 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
         let members: Vec<serde_json::Value> = s
             .members
             .iter()
-            .map(|m| serde_json::json!({"node": m.node, "alive": m.alive, "rank": m.rank, "silent_s": m.silent_s, "epoch": m.epoch}))
+            .map(|m| serde_json::json!({"node": m.node, "alive": m.alive, "state": m.state, "rank": m.rank, "silent_s": m.silent_s, "epoch": m.epoch}))
             .collect();
         let plan: serde_json::Value = serde_json::from_str(&s.plan_json).unwrap_or(serde_json::Value::Null);
         let v = serde_json::json!({
@@ -47,7 +47,12 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
     let _ = writeln!(out, "members    {alive} alive of {} (lease {} s)", s.members.len(), s.lease_s);
     for m in &s.members {
         let rank = m.rank.map_or("-".to_string(), |r| r.to_string());
-        let state = if m.alive { format!("alive, heard {:.2} s ago", m.silent_s) } else { "lost".to_string() };
+        let state = match m.state.as_str() {
+            "lost" | "" if !m.alive => "lost".to_string(),
+            "standby" => format!("standing by to join, heard {:.2} s ago", m.silent_s),
+            "leaving" => format!("leaving on notice, heard {:.2} s ago", m.silent_s),
+            _ => format!("alive, heard {:.2} s ago", m.silent_s),
+        };
         let _ = writeln!(out, "  worker {:>3}  rank {:>3}  epoch {:>3}  {state}", m.node, rank, m.epoch);
     }
     if let Ok(plan) = ModelPlan::from_json(&s.plan_json) {

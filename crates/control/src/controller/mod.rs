@@ -287,6 +287,20 @@ impl Controller {
         self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= self.plan.shape().ranks())
     }
 
+    /// What `worker` is to the job: `member`, `standby` (waits to be taken in), `leaving` (its
+    /// node gave notice) or `lost`.
+    pub fn member_state(&self, worker: NodeId) -> &'static str {
+        if self.standby.contains_key(&worker) {
+            "standby"
+        } else if !self.alive.contains(&worker) {
+            "lost"
+        } else if self.draining.contains(&worker) {
+            "leaving"
+        } else {
+            "member"
+        }
+    }
+
     /// Workers that joined and wait to be taken in.
     pub fn standby(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.standby.keys().copied()

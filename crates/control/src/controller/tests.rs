@@ -109,6 +109,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2], seconds: 0.1, moved: None });
     assert!(c.decide(t0, Event::Joined { workers: vec![20] }).is_empty(), "taken in only after its wait");
     assert_eq!(c.standby().collect::<Vec<_>>(), vec![20]);
+    assert_eq!((c.member_state(20), c.member_state(10)), ("standby", "member"));
     // Before the wait is over: nothing; heartbeats keep everyone (the joiner too) alive.
     assert!(beat(&mut c, t0 + SEC).is_empty());
     assert!(c.decide(t0 + SEC, Event::Tick).is_empty());
@@ -132,6 +133,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
         }
     }
     assert!(c.alive().contains(&20) && c.standby().next().is_none());
+    assert_eq!(c.member_state(20), "member");
 }
 
 #[test]
@@ -223,6 +225,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
         c.decide(t0, Event::Drain { workers: vec![11], reason: "SIGTERM".into() }),
         vec![Command::Pause { epoch: 0, nodes: vec![10, 11, 12] }]
     );
+    assert_eq!(c.member_state(11), "leaving");
     let r =
         |c: &Controller, node, epoch_steps| StopReport { steps_done: epoch_steps, held: None, holds: c.planned_holdings(node).unwrap() };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 7) });
@@ -257,6 +260,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     assert_eq!((m2.cause, m2.hold, m2.commit_to, m2.ranks.len()), (MoveCause::Drain, false, 7, 2));
     assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
     assert!(!c.alive().contains(&11));
+    assert_eq!(c.member_state(11), "lost");
 }
 
 #[test]
