@@ -725,13 +725,22 @@ impl Controller {
         }
         let mut reports = reports.clone();
         let survivors: Vec<NodeId> = self.alive.iter().copied().collect();
-        if survivors.is_empty() {
+        // With every node lost, workers waiting to join still carry the job on: from the last
+        // checkpoint (a rollback below: no expert survives).
+        if survivors.is_empty() && self.standby.is_empty() {
             return self.stop("every node is lost".into(), out);
         }
         let cause = self.planned.take().unwrap_or(MoveCause::Failure);
         // Workers waiting to join come in with this move: they hold nothing yet.
         let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
-        let furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
+        let mut furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
+        // Rank 0 reported (and the log has) a step every survivor computed but none committed:
+        // their vote failed after rank 0 got through it, so it is done — committed everywhere
+        // now, or it would be run and logged twice.
+        let next = furthest + 1;
+        if self.last_step == next && reports.values().all(|r| r.steps_done == next || r.held == Some(next)) {
+            furthest = next;
+        }
         for &w in &joiners {
             reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers] });
         }
@@ -829,6 +838,8 @@ impl Controller {
             }
         }
         let to_step = self.checkpoint;
+        // The steps after it are undone (the log is cut back to it as well).
+        self.last_step = to_step.unwrap_or(0);
         let ranks: Vec<NodeId> = nodes.values().flatten().copied().collect();
         let m = Move {
             epoch,

@@ -137,6 +137,26 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
 }
 
 #[test]
+fn when_every_node_is_lost_the_workers_waiting_to_join_carry_the_job_on_from_the_checkpoint() {
+    let t0 = Instant::now();
+    // Nodes of 4 slots: one can hold every expert.
+    let mut c = running(2, 4, 4, t0);
+    c.decide(t0, Event::Checkpointed { step: 25 });
+    c.decide(t0, Event::Joined { workers: vec![20] });
+    c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
+    let out = c.decide(t0, Event::Exited { node: 11, status: "killed".into() });
+    let rollback = out.iter().find_map(|cmd| if let Command::Rollback { to, to_step } = cmd { Some((to, *to_step)) } else { None });
+    let (to, to_step) = rollback.unwrap_or_else(|| panic!("{out:?}"));
+    assert_eq!((to.ranks.clone(), to_step), (vec![20], Some(25)));
+    assert!(!c.stopped() && c.alive().contains(&20));
+    // With nobody waiting, it stops.
+    let mut c = running(2, 4, 3, t0);
+    c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
+    let out = c.decide(t0, Event::Exited { node: 11, status: "killed".into() });
+    assert!(matches!(out.last(), Some(Command::Stop { reason }) if reason.contains("every node is lost")), "{out:?}");
+}
+
+#[test]
 fn a_joiner_that_falls_silent_is_given_up_without_disturbing_the_job() {
     let t0 = Instant::now();
     let mut c = running(2, 4, 3, t0);
@@ -261,6 +281,30 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
     assert!(!c.alive().contains(&11));
     assert_eq!(c.member_state(11), "lost");
+}
+
+/// Rank 0 got through the commit vote of step 6 (and reported it: the log has it), then died;
+/// the others' vote failed, so they hold step 6 uncommitted. It is done: they commit it, and
+/// nothing runs (or is logged) twice.
+#[test]
+fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 6, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
+    let r = |c: &Controller, node| StopReport { steps_done: 5, held: Some(6), holds: c.planned_holdings(node).unwrap() };
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(m.commit_to, 6);
+    // Without rank 0's report the step is re-run (nobody has logged it).
+    let mut c = running(3, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
+    let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(m.commit_to, 5);
 }
 
 #[test]
