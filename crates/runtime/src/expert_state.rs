@@ -49,18 +49,7 @@ impl ExpertState {
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&(self.layer as u32).to_le_bytes());
         out.extend_from_slice(&(self.expert as u32).to_le_bytes());
-        for t in &self.tensors {
-            out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
-            for &d in &t.shape {
-                out.extend_from_slice(&(d as u64).to_le_bytes());
-            }
-            out.extend_from_slice(&t.step.to_le_bytes());
-        }
-        for t in &self.tensors {
-            for part in [&t.weight, &t.m, &t.v] {
-                out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
-            }
-        }
+        put_tensors(&mut out, &self.tensors);
         out
     }
 
@@ -112,6 +101,23 @@ impl ExpertState {
             TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
         });
         Ok(ExpertState { layer, expert, tensors })
+    }
+}
+
+/// Tensors as both wire forms end: per tensor its rank, dimensions and AdamW step, then per
+/// tensor its weight, m and v.
+pub(crate) fn put_tensors(out: &mut Vec<u8>, tensors: &[TensorTrainState]) {
+    for t in tensors {
+        out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+        for &d in &t.shape {
+            out.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&t.step.to_le_bytes());
+    }
+    for t in tensors {
+        for part in [&t.weight, &t.m, &t.v] {
+            out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+        }
     }
 }
 

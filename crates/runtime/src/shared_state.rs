@@ -10,7 +10,7 @@
 //! cannot make it allocate more than one model's replicated state.
 
 use crate::error::RuntimeError;
-use crate::expert_state::TensorTrainState;
+use crate::expert_state::{put_tensors, TensorTrainState};
 
 const MAGIC: u32 = 0x4c5a_4431; // "LZD1"
 
@@ -42,18 +42,7 @@ impl SharedState {
         out.extend_from_slice(&self.step.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
         out.extend_from_slice(&(self.tensors.len() as u32).to_le_bytes());
-        for t in &self.tensors {
-            out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
-            for &d in &t.shape {
-                out.extend_from_slice(&(d as u64).to_le_bytes());
-            }
-            out.extend_from_slice(&t.step.to_le_bytes());
-        }
-        for t in &self.tensors {
-            for part in [&t.weight, &t.m, &t.v] {
-                out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
-            }
-        }
+        put_tensors(&mut out, &self.tensors);
         out
     }
 

@@ -599,9 +599,7 @@ impl Controller {
         // moves off it (before the joiners' wait or a rebalance: it cannot wait).
         if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
             self.note(format!("epoch {}: pause to move off workers {:?}", self.epoch, self.draining));
-            self.phase = Phase::Collecting { reports: BTreeMap::new() };
-            self.planned = Some(MoveCause::Drain);
-            out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
+            self.pause(MoveCause::Drain, &mut out);
         }
         // Every `rebalance_every` steps: weigh a plan from the measured loads (not while
         // workers wait to join: their move re-plans anyway).
@@ -618,22 +616,25 @@ impl Controller {
                 ));
                 out.push(Command::Rebalance(d));
                 if apply {
-                    self.phase = Phase::Collecting { reports: BTreeMap::new() };
-                    self.planned = Some(MoveCause::Rebalance);
-                    out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
+                    self.pause(MoveCause::Rebalance, &mut out);
                 }
             }
         }
         // Workers waiting to join are taken in at a step boundary once their wait is over.
         if self.running() && self.join_due().is_some_and(|due| now >= due) {
-            let nodes: Vec<NodeId> = self.ranks.clone();
             self.note(format!("epoch {}: pause to take in workers {:?}", self.epoch, self.standby.keys().collect::<Vec<_>>()));
-            self.phase = Phase::Collecting { reports: BTreeMap::new() };
-            self.planned = Some(MoveCause::Join);
-            out.push(Command::Pause { epoch: self.epoch, nodes });
+            self.pause(MoveCause::Join, &mut out);
         }
         self.try_recover(&mut out);
         out
+    }
+
+    /// Ask every rank to stop after the step in flight and say where it stopped: a move for
+    /// `cause` follows once all have (a loss on the way makes it a failure's).
+    fn pause(&mut self, cause: MoveCause, out: &mut Vec<Command>) {
+        self.phase = Phase::Collecting { reports: BTreeMap::new() };
+        self.planned = Some(cause);
+        out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
     }
 
     /// The plan the measured loads call for on the current nodes, against the current one: what

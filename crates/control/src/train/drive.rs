@@ -140,16 +140,7 @@ pub(super) fn drive(
                 Command::Reconfigure(m) => {
                     shell.begin_move(&m, m.cause.name(), plan_s, first_epoch);
                     for (rank, &node) in m.ranks.iter().enumerate() {
-                        let to = Reconfiguration {
-                            epoch: m.epoch,
-                            rank,
-                            world: m.ranks.len(),
-                            plan: m.plan.clone(),
-                            transfers: m.transfers.clone(),
-                            joining: m.joining.clone(),
-                            leaving: m.leaving.clone(),
-                            hold: m.hold,
-                        };
+                        let to = rank_move(&m, rank);
                         let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
                 }
@@ -159,16 +150,8 @@ pub(super) fn drive(
                         r.step = to_step.unwrap_or(0);
                     }
                     for (rank, &node) in m.ranks.iter().enumerate() {
-                        let to = Reconfiguration {
-                            epoch: m.epoch,
-                            rank,
-                            world: m.ranks.len(),
-                            plan: m.plan.clone(),
-                            transfers: Vec::new(),
-                            joining: Vec::new(),
-                            leaving: Vec::new(),
-                            hold: false,
-                        };
+                        // The controller's rollback moves carry no transfers, joiners or leavers.
+                        let to = rank_move(&m, rank);
                         let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
                 }
@@ -204,6 +187,20 @@ pub(super) fn drive(
         }
     }
     result
+}
+
+/// What rank `rank` of move `m` is told.
+fn rank_move(m: &crate::controller::Move, rank: usize) -> Reconfiguration {
+    Reconfiguration {
+        epoch: m.epoch,
+        rank,
+        world: m.ranks.len(),
+        plan: m.plan.clone(),
+        transfers: m.transfers.clone(),
+        joining: m.joining.clone(),
+        leaving: m.leaving.clone(),
+        hold: m.hold,
+    }
 }
 
 /// A reconfiguration in progress, for its record.

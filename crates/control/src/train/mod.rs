@@ -393,35 +393,14 @@ pub fn run_training(
                 // A worker that joins later stands by (its spec's rank is its worker id).
                 let mut standby = job.clone();
                 standby.standby = true;
+                let line = move |rank: usize, world: usize, epoch: u64, host: &str, secret: &str, job: &TrainJob| {
+                    let bind = Some(host.to_string());
+                    let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: secret.to_string(), bind, job };
+                    Ok::<_, ControlError>(serde_json::to_string(&spec)?)
+                };
                 let joiner_secret = secret.clone();
-                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| {
-                    let spec = WorkerSpec {
-                        rank: id,
-                        world: id + 1,
-                        epoch,
-                        timeout_s: comm_timeout_s,
-                        secret: joiner_secret.clone(),
-                        bind: Some(host.to_string()),
-                        job: &standby,
-                    };
-                    Ok(serde_json::to_string(&spec)?)
-                });
-                let mut fleet = hub.start(
-                    inputs,
-                    |rank, host| {
-                        let spec = WorkerSpec {
-                            rank,
-                            world,
-                            epoch,
-                            timeout_s: comm_timeout_s,
-                            secret: secret.clone(),
-                            bind: Some(host.to_string()),
-                            job: &job,
-                        };
-                        Ok(serde_json::to_string(&spec)?)
-                    },
-                    joiner,
-                )?;
+                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host, &joiner_secret, &standby));
+                let mut fleet = hub.start(inputs, |rank, host| line(rank, world, epoch, host, &secret, &job), joiner)?;
                 // The schedule's clock starts with the workers.
                 let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let replaying = match (&agents, &a.schedule) {

@@ -290,19 +290,10 @@ impl Worker {
     pub fn export_shared(&self) -> Result<SharedState, RuntimeError> {
         let model = &self.trainer.model;
         let mut tensors = Vec::new();
-        for (i, var) in model.params().vars().iter().enumerate() {
-            if self.kinds[i] != ParamKind::Shared {
-                continue;
+        for i in 0..model.params().len() {
+            if self.kinds[i] == ParamKind::Shared {
+                tensors.push(self.tensor_state(i)?);
             }
-            let s = self.trainer.optimizer.state(i)?;
-            let host = |t: &Tensor| -> Result<Vec<f32>, RuntimeError> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-            tensors.push(TensorTrainState {
-                shape: var.dims().to_vec(),
-                weight: host(var.as_tensor())?,
-                m: host(&s.m)?,
-                v: host(&s.v)?,
-                step: s.step,
-            });
         }
         Ok(SharedState { step: self.trainer.step, cursor: self.trainer.sampler.cursor().windows, tensors })
     }
@@ -427,17 +418,7 @@ impl Worker {
         let names = model.expert_param_names(layer, expert);
         let mut tensors = Vec::with_capacity(names.len());
         for name in &names {
-            let i = self.position(name)?;
-            let var = &model.params().vars()[i];
-            let s = self.trainer.optimizer.state(i)?;
-            let host = |t: &Tensor| -> Result<Vec<f32>, RuntimeError> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-            tensors.push(TensorTrainState {
-                shape: var.dims().to_vec(),
-                weight: host(var.as_tensor())?,
-                m: host(&s.m)?,
-                v: host(&s.v)?,
-                step: s.step,
-            });
+            tensors.push(self.tensor_state(self.position(name)?)?);
         }
         let tensors = tensors.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })?;
         Ok(ExpertState { layer, expert, tensors })
@@ -478,6 +459,15 @@ impl Worker {
 
     pub fn done(&self) -> bool {
         self.trainer.done()
+    }
+
+    /// The parameter at `index` with its AdamW state, on the host (what travels in an
+    /// [`ExpertState`] or a [`SharedState`]).
+    fn tensor_state(&self, index: usize) -> Result<TensorTrainState, RuntimeError> {
+        let var = &self.trainer.model.params().vars()[index];
+        let s = self.trainer.optimizer.state(index)?;
+        let host = |t: &Tensor| -> Result<Vec<f32>, RuntimeError> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+        Ok(TensorTrainState { shape: var.dims().to_vec(), weight: host(var.as_tensor())?, m: host(&s.m)?, v: host(&s.v)?, step: s.step })
     }
 
     fn position(&self, name: &str) -> Result<usize, RuntimeError> {
