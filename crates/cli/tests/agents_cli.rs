@@ -7,26 +7,17 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::hosts::{children, exit_within, start_agent, start_controller, start_controller_keeping, Hosts};
 use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait_for_steps};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
     common::tiny_model("8")
-}
-
-/// The processes `pid` started.
-fn children(pid: i32) -> Vec<i32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|p| p.parse().unwrap())
-        .collect()
 }
 
 fn all_gone(pids: &[i32], within: Duration) -> bool {
@@ -89,87 +80,6 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(log(&more).0.len(), 2);
     let _ = std::fs::remove_dir_all(&d);
-}
-
-/// `lazarus controller --listen` and its printed address.
-fn start_controller(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String) {
-    let (child, lines, addr, _) = start_controller_keeping(args, netns);
-    (child, lines, addr)
-}
-
-/// The same, with the lines it printed before it listened (the placement).
-fn start_controller_keeping(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String, Vec<String>) {
-    let (child, lines) = match netns {
-        None => {
-            let mut all = vec!["controller"];
-            all.extend(args);
-            spawn_lazarus(&all, &[])
-        }
-        Some(ns) => spawn_in(ns, "controller", args, &[]),
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    loop {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the controller listens");
-        if let Some(rest) = line.strip_prefix("controller listening on ") {
-            let addr = rest.split(':').take(2).collect::<Vec<_>>().join(":");
-            return (child, lines, addr, seen);
-        }
-        seen.push(line);
-    }
-}
-
-/// `lazarus SUBCOMMAND args` in network namespace `ns`, with its stderr lines.
-fn spawn_in(ns: &str, subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_lazarus"), subcommand])
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel();
-    let stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    (child, rx)
-}
-
-/// `lazarus agent --controller ADDR --gpus G` with the secret file, its stderr lines.
-fn start_agent(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>) -> (Child, mpsc::Receiver<String>) {
-    let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap()];
-    match netns {
-        None => {
-            let mut all = vec!["agent"];
-            all.extend(args);
-            spawn_lazarus(&all, &[])
-        }
-        Some(ns) => spawn_in(ns, "agent", &args, &[]),
-    }
-}
-
-/// Wait for a child to exit (at most `within`); its exit status and the lines it wrote.
-fn exit_within(child: &mut Child, lines: &mpsc::Receiver<String>, within: Duration) -> (Option<std::process::ExitStatus>, Vec<String>) {
-    let until = Instant::now() + within;
-    let mut text = Vec::new();
-    loop {
-        text.extend(lines.try_iter());
-        if let Some(s) = child.try_wait().unwrap() {
-            std::thread::sleep(Duration::from_millis(50));
-            text.extend(lines.try_iter());
-            return (Some(s), text);
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (None, text);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -379,67 +289,6 @@ fn a_replayed_trace_kills_and_starts_local_agents_on_schedule() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Network namespaces made for one test (a "switch" with a bridge, and one namespace per host
-/// wired to it by a veth pair); removed when dropped.
-struct Hosts {
-    names: Vec<String>,
-    switch: String,
-}
-
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip").args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-}
-
-impl Hosts {
-    /// Hosts 10.231.0.1, .2, … named `lz{tag}{i}`; None where namespaces cannot be made here
-    /// (not root, no `ip`).
-    fn new(tag: &str, n: usize) -> Option<Self> {
-        let switch = format!("lz{tag}s");
-        let mut hosts = Hosts { names: Vec::new(), switch: switch.clone() };
-        if !ip(&["netns", "add", &switch]) {
-            return None;
-        }
-        let ok = ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]) && ip(&["-n", &switch, "link", "set", "br0", "up"]);
-        if !ok {
-            return None;
-        }
-        for i in 0..n {
-            let name = format!("lz{tag}{i}");
-            if !ip(&["netns", "add", &name]) {
-                return None;
-            }
-            hosts.names.push(name.clone());
-            let (veth, port) = (format!("lz{tag}v{i}"), format!("lz{tag}p{i}"));
-            let addr = format!("10.231.0.{}/24", i + 1);
-            let ok = ip(&["link", "add", &veth, "type", "veth", "peer", "name", &port])
-                && ip(&["link", "set", &veth, "netns", &name])
-                && ip(&["link", "set", &port, "netns", &switch])
-                && ip(&["-n", &switch, "link", "set", &port, "master", "br0"])
-                && ip(&["-n", &switch, "link", "set", &port, "up"])
-                && ip(&["-n", &name, "addr", "add", &addr, "dev", &veth])
-                && ip(&["-n", &name, "link", "set", &veth, "up"])
-                && ip(&["-n", &name, "link", "set", "lo", "up"]);
-            if !ok {
-                return None;
-            }
-        }
-        Some(hosts)
-    }
-
-    /// Cut host `i` off the switch (both directions).
-    fn partition(&self, tag: &str, i: usize) {
-        assert!(ip(&["-n", &self.switch, "link", "set", &format!("lz{tag}p{i}"), "down"]));
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for n in self.names.iter().chain([&self.switch]) {
-            ip(&["netns", "del", n]);
-        }
-    }
-}
-
 /// Three hosts as network namespaces: the controller on one, an agent of two workers on each of
 /// the others. The third host is cut off by a partition mid-run: the controller loses its
 /// workers by their lease (the survivors are told to cut their connections to them, so their
@@ -470,7 +319,7 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     let cut_workers = children(cut.0.id() as i32);
     assert_eq!(cut_workers.len(), 2);
     let cut_at = Instant::now();
-    hosts.partition(&tag, 2);
+    hosts.partition(2);
     let (status, text) = exit_within(&mut cut.0, &cut.1, Duration::from_secs(20));
     assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
     assert!(text.iter().any(|l| l.contains("the controller was silent")), "{}", text.join("\n"));

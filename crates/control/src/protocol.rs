@@ -214,6 +214,9 @@ pub enum WorkerEvent {
         holds: Vec<Vec<usize>>,
         kind: FailureKind,
         message: String,
+        /// The global report of its last committed step (`steps_done`), if it has it.
+        #[serde(default)]
+        last: Option<CommittedStep>,
     },
     /// This worker left the job after the move that drained its node (it held nothing any
     /// more); it exits.
@@ -252,6 +255,15 @@ pub enum WorkerEvent {
         kind: FailureKind,
         message: String,
     },
+}
+
+/// A committed step's global report (every rank has the all-reduced loss and loads) and its
+/// seconds, as a survivor keeps it: the log gets it from a survivor when rank 0 committed the
+/// step but was lost before its report got out.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommittedStep {
+    pub report: StepReport,
+    pub seconds: f64,
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use lazarus_runtime::{pause_signal, DispatchMode, FaultHook, FaultPoint, PauseSi
 use serde::de::DeserializeOwned;
 
 use crate::error::ControlError;
-use crate::protocol::{parse_secret, FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
+use crate::protocol::{parse_secret, CommittedStep, FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
 
 /// Reports queued while the launcher is not reading: 64 Ki (a few MB of step reports, hours of
 /// fast steps) before step reports are dropped.
@@ -458,6 +458,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     holds: worker.resident_experts()?,
                     kind: failure_kind(&failure),
                     message: failure.to_string(),
+                    last: worker.last_committed().map(|(report, seconds)| CommittedStep { report: report.clone(), seconds: *seconds }),
                 });
                 if let Some(t) = t.as_mut() {
                     t.abort_connections();

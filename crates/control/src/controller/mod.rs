@@ -30,6 +30,8 @@ use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShap
 use lazarus_runtime::ExpertTransfer;
 use serde::{Deserialize, Serialize};
 
+use crate::protocol::CommittedStep;
+
 /// A node of the job (today: one worker process).
 pub type NodeId = u64;
 
@@ -79,7 +81,7 @@ const DEFAULT_SECONDS_PER_BYTE: f64 = 1e-9;
 const DEFAULT_MOVE_FIXED_S: f64 = 0.05;
 
 /// Where a survivor stopped when its step (or its move to a new plan) failed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StopReport {
     /// Steps committed.
     pub steps_done: u64,
@@ -89,6 +91,9 @@ pub struct StopReport {
     /// what any plan says (its old experts and those it received), so recovery plans from what
     /// the survivors say they hold.
     pub holds: Vec<Vec<usize>>,
+    /// The global report of its last committed step, if it has it.
+    #[serde(default)]
+    pub last: Option<CommittedStep>,
 }
 
 /// What the controller is told.
@@ -196,6 +201,9 @@ pub enum Command {
     Stop { reason: String },
     /// A rebalance was weighed (applied: a `Pause` follows).
     Rebalance(RebalanceDecision),
+    /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report
+    /// got out), from a survivor's copy: log it, so that every committed step is logged once.
+    LogStep(CommittedStep),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -742,8 +750,20 @@ impl Controller {
         if self.last_step == next && reports.values().all(|r| r.steps_done == next || r.held == Some(next)) {
             furthest = next;
         }
+        // The other way round: survivors committed a step rank 0 never reported (it was lost
+        // after the vote, before its report got out). One of them has its global report.
+        if furthest == self.last_step + 1 {
+            let copy = reports
+                .values()
+                .filter_map(|r| r.last.as_ref())
+                .find(|c| c.report.step == furthest && c.report.loss.is_finite() && c.seconds.is_finite() && c.seconds >= 0.0);
+            if let Some(c) = copy {
+                out.push(Command::LogStep(c.clone()));
+                self.last_step = furthest;
+            }
+        }
         for &w in &joiners {
-            reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers] });
+            reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers], last: None });
         }
         // Workers of a node leaving on notice send what only they hold, then go: the plan is
         // for the others.

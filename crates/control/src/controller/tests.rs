@@ -63,7 +63,7 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
         vec![Command::Fence { epoch: 0, ranks: vec![2], nodes: vec![10, 11, 13] }]
     );
     // Survivors report: two failed computing step 6, one got past the vote's start and holds it.
-    let r = |c: &Controller, node, steps_done, held| StopReport { steps_done, held, holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node, steps_done, held| StopReport { steps_done, held, holds: c.planned_holdings(node).unwrap(), last: None };
     assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 5, Some(6)) }).is_empty());
     assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 6, None) }).is_empty());
     let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(&c, 13, 5, Some(6)) });
@@ -83,7 +83,7 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     }
     assert_eq!(c.epoch(), 1);
     // A report from the old epoch is stale now.
-    let stale = StopReport { steps_done: 5, held: None, holds: vec![] };
+    let stale = StopReport { steps_done: 5, held: None, holds: vec![], last: None };
     assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: stale }).is_empty());
     assert!(!c.running());
     // The new epoch's rendezvous, then training again.
@@ -117,7 +117,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     let out = beat(&mut c, t0 + 2 * SEC);
     assert_eq!(out, vec![Command::Pause { epoch: 0, nodes: vec![10, 11] }], "once");
     // Both ranks stop after the same step and say so; the move takes the joiner in.
-    let r = |c: &Controller, node| StopReport { steps_done: 6, held: None, holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node| StopReport { steps_done: 6, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
     let t = t0 + 2 * SEC;
     assert!(c.decide(t, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) }).is_empty());
     let out = c.decide(t, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
@@ -183,7 +183,7 @@ fn a_failure_takes_the_waiting_joiners_in_at_once() {
     let mut c = running(3, 4, 3, t0);
     c.decide(t0, Event::Joined { workers: vec![20] });
     c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport { steps_done: 3, held: None, holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node| StopReport { steps_done: 3, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -214,7 +214,7 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     assert_eq!((d.decision, d.step, d.horizon_steps), ("apply", 4, 4), "{d:?}");
     assert!(d.imbalance_after < d.imbalance_before && d.gain_s > d.cost_s && d.transfers > 0, "{d:?}");
     assert_eq!(nodes, &vec![10, 11, 12]);
-    let r = |c: &Controller, node| StopReport { steps_done: 4, held: None, holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node| StopReport { steps_done: 4, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -246,8 +246,12 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
         vec![Command::Pause { epoch: 0, nodes: vec![10, 11, 12] }]
     );
     assert_eq!(c.member_state(11), "leaving");
-    let r =
-        |c: &Controller, node, epoch_steps| StopReport { steps_done: epoch_steps, held: None, holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node, epoch_steps| StopReport {
+        steps_done: epoch_steps,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+    };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 7) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 7) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, 7) });
@@ -292,7 +296,7 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     let mut c = running(3, 4, 3, t0);
     c.decide(t0, Event::StepDone { epoch: 0, step: 6, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport { steps_done: 5, held: Some(6), holds: c.planned_holdings(node).unwrap() };
+    let r = |c: &Controller, node| StopReport { steps_done: 5, held: Some(6), holds: c.planned_holdings(node).unwrap(), last: None };
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -305,6 +309,47 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
     assert_eq!(m.commit_to, 5);
+}
+
+/// Found by the soak: rank 0 stopped (SIGSTOP, a partition) after the commit vote of step 6,
+/// before its report got out; the others committed step 6. It is done, and the log must have
+/// it: the controller logs a survivor's copy of its report, once, before the move.
+#[test]
+fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their_copy() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
+    let report = lazarus_model::StepReport {
+        step: 6,
+        loss: 2.5,
+        aux_loss: 1.0,
+        tokens: 64,
+        lr: 1e-3,
+        grad_norm: 0.5,
+        expert_load: vec![vec![16; 4]; 2],
+        dropped: 0,
+    };
+    let copy = Some(CommittedStep { report: report.clone(), seconds: 0.02 });
+    let r = |c: &Controller, node, last: Option<CommittedStep>| StopReport {
+        steps_done: 6,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last,
+    };
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, copy.clone()) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, copy.clone()) });
+    let [Command::LogStep(logged), Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!((&logged.report, m.commit_to, c.last_step()), (&report, 6, 6));
+    // A copy of another step, or none: nothing logged (the step re-runs, or is logged already).
+    let mut c = running(3, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
+    let stale = Some(CommittedStep { report: lazarus_model::StepReport { step: 4, ..report }, seconds: 0.02 });
+    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, stale) });
+    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, None) });
+    assert!(matches!(&out[..], [Command::Reconfigure(_)]), "{out:?}");
+    assert_eq!(c.last_step(), 5);
 }
 
 #[test]
@@ -374,7 +419,7 @@ fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
     let mut out = Vec::new();
     for n in c.alive().clone() {
         let holds = c.planned_holdings(n).unwrap();
-        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None, holds } });
+        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None, holds, last: None } });
     }
     let [Command::Rollback { to, to_step }] = &out[..] else { panic!("{out:?}") };
     assert_eq!(*to_step, Some(4));
@@ -389,7 +434,7 @@ fn too_few_slots_for_every_expert_stops_with_the_reason() {
     c.decide(t0, Event::Checkpointed { step: 1 });
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
     let holds = c.planned_holdings(10).unwrap();
-    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds } });
+    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds, last: None } });
     let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
     assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
     assert!(reason.contains("the last checkpoint is of step 1"), "the user is told what to resume from: {reason}");
@@ -410,7 +455,11 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
     for n in [10, 11, 12] {
         out = c.decide(
             t0,
-            Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 3, held: None, holds: before[&n].clone() } },
+            Event::StepFailed {
+                node: n,
+                epoch: 0,
+                report: StopReport { steps_done: 3, held: None, holds: before[&n].clone(), last: None },
+            },
         );
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -423,9 +472,11 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
     // Node 12's experts are gone unless 10 or 11 hold them: say 10 received everything it was
     // to fetch (it holds every expert), 11 nothing new.
     let all = vec![(0..4).collect::<Vec<usize>>(); 2];
-    c.decide(t0, Event::StepFailed { node: 10, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: all } });
-    let out = c
-        .decide(t0, Event::StepFailed { node: 11, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: before[&11].clone() } });
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: all, last: None } });
+    let out = c.decide(
+        t0,
+        Event::StepFailed { node: 11, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: before[&11].clone(), last: None } },
+    );
     let [Command::Reconfigure(m)] = &out[..] else { panic!("with node 10 holding every expert nothing is lost: {out:?}") };
     assert_eq!((m.epoch, m.ranks.len(), m.commit_to), (2, 2, 3));
     for t in &m.transfers {
@@ -441,7 +492,7 @@ fn holdings_that_do_not_fit_the_job_are_not_trusted() {
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
     // Node 10 claims experts 4..1000 and a third layer: it holds none of what the job has.
     let holds = vec![(4..1000).collect(), vec![usize::MAX], vec![0, 1, 2, 3]];
-    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 2, held: None, holds } });
+    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 2, held: None, holds, last: None } });
     assert!(matches!(&out[..], [Command::Rollback { .. }]), "{out:?}");
 }
 
@@ -458,7 +509,14 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
             .prop_map(|(dt, node, epoch, i)| (dt, Event::Listening { node, epoch, addr: format!("a{i}") })),
         (0u64..3, node.clone(), 0u64..4).prop_map(|(dt, node, epoch)| (dt, Event::Ready { node, epoch })),
         (0u64..3, node, 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
-            (dt, Event::StepFailed { node, epoch, report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![] } })
+            (
+                dt,
+                Event::StepFailed {
+                    node,
+                    epoch,
+                    report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![], last: None },
+                },
+            )
         }),
         (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (
             dt,
@@ -531,6 +589,7 @@ proptest! {
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
                     Command::Rebalance(d) => prop_assert!(d.decision == "apply" || d.decision == "skip"),
+                    Command::LogStep(s) => prop_assert_eq!(s.report.step, c.last_step()),
                     Command::Pause { epoch, nodes } => {
                         prop_assert_eq!(*epoch, c.epoch());
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));
@@ -571,7 +630,7 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
     let before: BTreeMap<NodeId, Vec<Vec<usize>>> = [10, 11, 14, 15].iter().map(|&w| (w, c.planned_holdings(w).unwrap())).collect();
     let mut out = Vec::new();
     for &w in &[10, 11, 14, 15] {
-        let report = StopReport { steps_done: 4, held: None, holds: before[&w].clone() };
+        let report = StopReport { steps_done: 4, held: None, holds: before[&w].clone(), last: None };
         out = c.decide(t0, Event::StepFailed { node: w, epoch: 0, report });
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("every expert had a replica on another node: {out:?}") };

@@ -93,6 +93,8 @@ struct Link {
     /// Its first worker's rank, once the job started.
     first_rank: Option<usize>,
     gone: Option<String>,
+    /// Messages it sent after it was given up (refused).
+    refused: u64,
 }
 
 #[derive(Default)]
@@ -208,7 +210,10 @@ impl AgentHub {
         let agent = st.next_agent;
         st.next_agent += 1;
         let now = Instant::now();
-        st.agents.insert(agent, Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: None, gone: None });
+        st.agents.insert(
+            agent,
+            Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: None, gone: None, refused: 0 },
+        );
         Ok(agent)
     }
 
@@ -235,6 +240,15 @@ impl AgentHub {
         let mut st = self.state();
         let started = st.started;
         let link = st.agents.get_mut(&agent)?;
+        if let Some(why) = &link.gone {
+            // Given up (lost by its lease, say, behind a partition that has since healed): its
+            // workers are no longer the job's, whatever epoch their reports carry.
+            if link.refused == 0 {
+                tracing::warn!("agent {agent}: heard from after it was given up ({why}): its messages are refused");
+            }
+            link.refused += 1;
+            return None;
+        }
         link.last_heard = Instant::now();
         let (gpus, first) = (link.gpus, link.first_rank);
         let slot_rank = |slot: u32| -> Option<usize> {

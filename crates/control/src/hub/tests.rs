@@ -118,6 +118,7 @@ fn staleness_is_about_reports_bound_to_an_epoch() {
         holds: vec![],
         kind: crate::protocol::FailureKind::PeerLost,
         message: String::new(),
+        last: None,
     };
     assert!(stale(3, 4, &step_failed));
     assert!(!stale(4, 4, &step_failed));
@@ -144,4 +145,17 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     assert_eq!(exits, vec![2, 3]);
     assert!(fleet.exit_status(2).contains("agent 1 is gone: its stream ended"));
     assert!(fleet.next_event(Duration::from_millis(20)).is_none(), "each exit once");
+    // Heard from again (a partition healed): its reports, even of the current epoch, and its
+    // exits are refused — its workers are no longer the job's.
+    let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };
+    assert!(h.take(1, report(100, 0, &ready)).is_none());
+    let exited = AgentMessage {
+        job_id: "job-7".into(),
+        epoch: 100,
+        body: Some(agent_message::Body::Exited(proto::WorkerExited { slot: 1, status: "killed".into() })),
+    };
+    assert!(h.take(1, exited).is_none());
+    assert_eq!(h.state().agents[&1].refused, 2);
+    // The other agent's stand.
+    assert!(h.take(0, report(100, 0, &ready)).is_some());
 }

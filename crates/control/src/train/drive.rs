@@ -130,6 +130,7 @@ pub(super) fn drive(
                     }
                 }
                 Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
+                Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0 })?,
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.
                     shell.failure_seen();
@@ -351,12 +352,12 @@ impl Shell {
                 Event::Exited { node, status: "left the job (its node was drained)".into() }
             }
             WorkerEvent::Paused { epoch, steps_done, holds } => {
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds } }
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds, last: None } }
             }
-            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, .. } => {
+            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, .. } => {
                 self.failure_seen();
                 self.first_error.get_or_insert(format!("worker {rank}: {message}"));
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds } }
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds, last } }
             }
             WorkerEvent::Checkpointed { step, path } => {
                 self.last_checkpoint = Some(path.clone());

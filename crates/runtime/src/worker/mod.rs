@@ -154,6 +154,10 @@ pub struct Worker {
     timeout: Duration,
     /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
     held: Option<PendingStep>,
+    /// The global report of the last step it committed, and the seconds from its compute to
+    /// its commit: every rank has the all-reduced loss, so a survivor can give the controller
+    /// the report of a step that rank 0 committed but never got out.
+    last_committed: Option<(StepReport, f64)>,
     fault: Option<FaultHook>,
     /// The epoch at which the controller asked the job to pause at a step boundary (a join, a
     /// rebalance): see [`Worker::set_pause_signal`].
@@ -244,6 +248,7 @@ impl Worker {
             mode: options.mode,
             timeout: options.timeout,
             held: None,
+            last_committed: None,
             fault: None,
             pause: None,
         };
@@ -403,6 +408,12 @@ impl Worker {
     /// Steps completed (committed).
     pub fn steps_done(&self) -> u64 {
         self.trainer.step
+    }
+
+    /// The global report of the last step this worker committed, with its seconds (compute to
+    /// commit); None before its first commit or after a rollback or move that changed its step.
+    pub fn last_committed(&self) -> Option<&(StepReport, f64)> {
+        self.last_committed.as_ref().filter(|(r, _)| r.step == self.trainer.step)
     }
 
     /// The full training state of expert `expert` of MoE layer `layer` (weights and AdamW

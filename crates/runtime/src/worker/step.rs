@@ -36,6 +36,8 @@ pub struct PendingStep {
     /// Windows of the global batch: the data cursor moves past them on commit.
     batch: usize,
     report: WorkerStepReport,
+    /// When its compute began (the step's seconds, on commit).
+    started: std::time::Instant,
 }
 
 impl PendingStep {
@@ -50,6 +52,7 @@ impl Worker {
     /// collective — without changing anything that outlives the step. Every rank must call it
     /// together; on error nothing has changed and the step can be re-run on a new transport.
     pub fn compute(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<PendingStep, RuntimeError> {
+        let started = std::time::Instant::now();
         let cfg = self.trainer.config.clone();
         let (b, tl) = (cfg.batch_size, cfg.seq_len);
         let batch = self.trainer.sampler.peek_batch(b);
@@ -212,6 +215,7 @@ impl Worker {
             grad_scale: clip_scale(norm, cfg.grad_clip),
             batch: b,
             report: WorkerStepReport { report, wire_bytes, pause },
+            started,
         })
     }
 
@@ -229,6 +233,7 @@ impl Worker {
         self.trainer.sampler.advance(pending.batch);
         self.trainer.step += 1;
         self.held = None;
+        self.last_committed = Some((pending.report.report.clone(), pending.started.elapsed().as_secs_f64()));
         Ok(pending.report)
     }
 

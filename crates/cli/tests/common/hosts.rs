@@ -1,0 +1,174 @@
+//! Jobs of `lazarus controller` + `lazarus agent` processes, on loopback or on hosts made of
+//! network namespaces (a "switch" namespace with a bridge, one namespace per host wired to it by
+//! a veth pair), whose links a test can take down and bring back.
+#![allow(dead_code)] // each test file uses part of it
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::spawn_lazarus;
+
+/// The processes `pid` started, from any of its threads (a thread of `train --replay` starts
+/// local agents too).
+pub fn children(pid: i32) -> Vec<i32> {
+    let tasks: Vec<std::path::PathBuf> =
+        std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    tasks
+        .iter()
+        .flat_map(|t| {
+            std::fs::read_to_string(t.join("children")).unwrap_or_default().split_whitespace().map(String::from).collect::<Vec<_>>()
+        })
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// `lazarus controller --listen` and its printed address.
+pub fn start_controller(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String) {
+    let (child, lines, addr, _) = start_controller_keeping(args, netns);
+    (child, lines, addr)
+}
+
+/// The same, with the lines it printed before it listened (the placement).
+pub fn start_controller_keeping(args: &[&str], netns: Option<&str>) -> (Child, mpsc::Receiver<String>, String, Vec<String>) {
+    let (child, lines) = match netns {
+        None => {
+            let mut all = vec!["controller"];
+            all.extend(args);
+            spawn_lazarus(&all, &[])
+        }
+        Some(ns) => spawn_in(ns, "controller", args, &[]),
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    loop {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the controller listens");
+        if let Some(rest) = line.strip_prefix("controller listening on ") {
+            let addr = rest.split(':').take(2).collect::<Vec<_>>().join(":");
+            return (child, lines, addr, seen);
+        }
+        seen.push(line);
+    }
+}
+
+/// `lazarus SUBCOMMAND args` in network namespace `ns`, with its stderr lines. `ip netns exec`
+/// execs it: the child's pid is the command's.
+pub fn spawn_in(ns: &str, subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, env!("CARGO_BIN_EXE_lazarus"), subcommand])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// `lazarus agent --controller ADDR --gpus G` with the secret file, its stderr lines.
+pub fn start_agent(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>) -> (Child, mpsc::Receiver<String>) {
+    let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap()];
+    match netns {
+        None => {
+            let mut all = vec!["agent"];
+            all.extend(args);
+            spawn_lazarus(&all, &[])
+        }
+        Some(ns) => spawn_in(ns, "agent", &args, &[]),
+    }
+}
+
+/// Wait for a child to exit (at most `within`); its exit status and the lines it wrote.
+pub fn exit_within(child: &mut Child, lines: &mpsc::Receiver<String>, within: Duration) -> (Option<std::process::ExitStatus>, Vec<String>) {
+    let until = Instant::now() + within;
+    let mut text = Vec::new();
+    loop {
+        text.extend(lines.try_iter());
+        if let Some(s) = child.try_wait().unwrap() {
+            std::thread::sleep(Duration::from_millis(50));
+            text.extend(lines.try_iter());
+            return (Some(s), text);
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return (None, text);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Network namespaces made for one test; removed when dropped.
+pub struct Hosts {
+    pub names: Vec<String>,
+    switch: String,
+    tag: String,
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+impl Hosts {
+    /// Hosts 10.231.0.1, .2, … named `lz{tag}{i}`; None where namespaces cannot be made here
+    /// (not root, no `ip`).
+    pub fn new(tag: &str, n: usize) -> Option<Self> {
+        let switch = format!("lz{tag}s");
+        let mut hosts = Hosts { names: Vec::new(), switch: switch.clone(), tag: tag.to_string() };
+        if !ip(&["netns", "add", &switch]) {
+            return None;
+        }
+        let ok = ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]) && ip(&["-n", &switch, "link", "set", "br0", "up"]);
+        if !ok {
+            return None;
+        }
+        for i in 0..n {
+            let name = format!("lz{tag}{i}");
+            if !ip(&["netns", "add", &name]) {
+                return None;
+            }
+            hosts.names.push(name.clone());
+            let (veth, port) = (format!("lz{tag}v{i}"), format!("lz{tag}p{i}"));
+            let addr = format!("10.231.0.{}/24", i + 1);
+            let ok = ip(&["link", "add", &veth, "type", "veth", "peer", "name", &port])
+                && ip(&["link", "set", &veth, "netns", &name])
+                && ip(&["link", "set", &port, "netns", &switch])
+                && ip(&["-n", &switch, "link", "set", &port, "master", "br0"])
+                && ip(&["-n", &switch, "link", "set", &port, "up"])
+                && ip(&["-n", &name, "addr", "add", &addr, "dev", &veth])
+                && ip(&["-n", &name, "link", "set", &veth, "up"])
+                && ip(&["-n", &name, "link", "set", "lo", "up"]);
+            if !ok {
+                return None;
+            }
+        }
+        Some(hosts)
+    }
+
+    /// Cut host `i` off the switch (both directions).
+    pub fn partition(&self, i: usize) {
+        assert!(ip(&["-n", &self.switch, "link", "set", &format!("lz{}p{i}", self.tag), "down"]));
+    }
+
+    /// Wire host `i` to the switch again.
+    pub fn heal(&self, i: usize) {
+        assert!(ip(&["-n", &self.switch, "link", "set", &format!("lz{}p{i}", self.tag), "up"]));
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for n in self.names.iter().chain([&self.switch]) {
+            ip(&["netns", "del", n]);
+        }
+    }
+}

@@ -1,0 +1,585 @@
+//! A soak of many faults (issue 14): a job of `lazarus controller` and up to three `lazarus
+//! agent`s of two workers each — every one on a host of its own (a network namespace) where
+//! namespaces can be made, on loopback otherwise. A fault injector picks, at random times and
+//! phases, among: a worker SIGKILLed; workers of two nodes SIGKILLed at once or a moment apart
+//! (the second often during the move after the first); every node holding some expert
+//! SIGKILLed at once (the job rolls back to its last checkpoint); an agent SIGKILLed; a worker
+//! SIGSTOPped (found by its lease); a preemption notice (SIGTERM to an agent); a newcomer killed
+//! before it was taken in; and a host's link taken down and brought back after 0.2–3 s (a lease
+//! is 0.5 s: sometimes the node is lost and its agent stops itself, and what it sends once the
+//! link is back is refused; sometimes the link is back first and the job just waits). Hosts
+//! whose agent is gone get a new one after a while, which joins the running job. Faults are
+//! chosen from `lazarus status --json` (members, standbys, the plan) so that the job keeps
+//! workers to carry on: a surviving node, or a newcomer standing by.
+//!
+//! The run must finish with no hang, every step logged once, the data cursor of an
+//! uninterrupted run and its per-step losses within 1e-4 relative (a rollback resumes
+//! bit-exactly from a checkpoint, so its steps meet the same bar). It reports the time each kind
+//! of fault cost. `--lr 5e-5`: training is chaotic enough that float summation order alone
+//! (another worker count, no fault at all) moves the tiny model's losses past 1e-4 — after ~500
+//! steps at the default lr, and at step 865 of 6 workers at 1e-4 (1.6e-4); at 5e-5, 6 workers
+//! stay within 9e-7 of one process over 1,000 steps while the loss falls from 5.56 to 4.37.
+//!
+//! The short soak runs in CI. The full one (≥ 50 faults) takes minutes:
+//! `cargo test --release -p lazarus-cli --test soak_cli -- --ignored --nocapture`
+//! (`LAZARUS_SOAK_FAULTS`, `LAZARUS_SOAK_STEPS` and `LAZARUS_SOAK_SEED` change it).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::process::Child;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use common::hosts::{children, start_agent, start_controller, Hosts};
+use common::{alive, assert_same_losses, cursor, dir, lazarus, log, signal, tiny_model};
+use serde_json::Value;
+
+const LR: &str = "5e-5";
+const MIN_LR: &str = "5e-6";
+/// Hosts for agents (each runs at most one agent of two workers; the job has room for three).
+const AGENT_HOSTS: usize = 3;
+const GPUS: usize = 2;
+/// How long the job may make no progress after a fault before the soak calls it a hang.
+const HANG: Duration = Duration::from_secs(120);
+
+/// A small deterministic generator (the soak's choices follow from its seed).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n.max(1) as u64) as usize
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below((to - from) as usize) as u64)
+    }
+}
+
+/// The step lines and moves of a growing `--json-log`, read as they come (a rollback rewrites
+/// the file: a new inode, read again from the start).
+struct LogTail {
+    path: PathBuf,
+    inode: u64,
+    offset: u64,
+    partial: String,
+    /// The highest step logged now.
+    step: u64,
+    /// The moves of the job (reconfiguration records), with when the soak saw each.
+    moves: Vec<(Instant, Value)>,
+}
+
+impl LogTail {
+    fn new(path: PathBuf) -> Self {
+        LogTail { path, inode: 0, offset: 0, partial: String::new(), step: 0, moves: Vec::new() }
+    }
+
+    fn poll(&mut self) -> u64 {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = std::fs::File::open(&self.path) else { return self.step };
+        let Ok(meta) = f.metadata() else { return self.step };
+        if meta.ino() != self.inode || meta.len() < self.offset {
+            (self.inode, self.offset, self.step) = (meta.ino(), 0, 0);
+            self.partial.clear();
+        }
+        let mut more = String::new();
+        if f.seek(SeekFrom::Start(self.offset)).and_then(|_| f.read_to_string(&mut more)).is_err() {
+            return self.step;
+        }
+        self.offset += more.len() as u64;
+        self.partial.push_str(&more);
+        while let Some(end) = self.partial.find('\n') {
+            let line: String = self.partial.drain(..=end).collect();
+            let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+            if let Some(s) = v.get("step").and_then(Value::as_u64).filter(|_| v.get("event").is_none()) {
+                self.step = self.step.max(s);
+            } else if v["event"] == "reconfiguration" && !self.moves.iter().any(|(_, m)| m == &v) {
+                // (A rewritten log repeats the records before it: each is kept once.)
+                self.moves.push((Instant::now(), v));
+            }
+        }
+        self.step
+    }
+}
+
+/// An agent the soak started.
+struct Agent {
+    child: Child,
+    lines: Receiver<String>,
+    /// Its workers' ids, once the controller started them.
+    workers: Vec<u64>,
+}
+
+impl Agent {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn read(&mut self) {
+        for line in self.lines.try_iter() {
+            if let Some(rest) = line.split("started workers (ranks ").nth(1) {
+                self.workers = rest.trim_end_matches(')').split(", ").filter_map(|r| r.parse().ok()).collect();
+            }
+        }
+    }
+
+    /// Its worker processes still running and not stopped by the soak.
+    fn worker_pids(&self, stopped: &[i32]) -> Vec<i32> {
+        children(self.pid()).into_iter().filter(|&p| alive(p) && !stopped.contains(&p)).collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fault {
+    WorkerKill,
+    TwoNodesKill,
+    HoldersKill,
+    AgentKill,
+    WorkerStop,
+    Notice,
+    NewcomerKill,
+    Partition,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::WorkerKill => "a worker SIGKILLed",
+            Fault::TwoNodesKill => "workers of two nodes SIGKILLed, 0-300 ms apart",
+            Fault::HoldersKill => "every holder of an expert SIGKILLed at once",
+            Fault::AgentKill => "an agent SIGKILLed",
+            Fault::WorkerStop => "a worker SIGSTOPped",
+            Fault::Notice => "a notice (SIGTERM to an agent)",
+            Fault::NewcomerKill => "a newcomer SIGKILLed before it was taken in",
+            Fault::Partition => "a host's link down for 0.2-3 s",
+        }
+    }
+}
+
+/// One fault made: when, at which step, and when the job had logged two more steps.
+struct Made {
+    fault: Fault,
+    at: Instant,
+    step: u64,
+}
+
+/// What the controller says of the job now.
+struct View {
+    /// Agent hosts whose every worker is a member, and those whose workers stand by.
+    members: Vec<usize>,
+    standby: Vec<usize>,
+    /// For each layer and expert, the agent hosts holding a replica.
+    holders: Vec<Vec<BTreeSet<usize>>>,
+}
+
+struct Soak {
+    rng: Rng,
+    hosts: Option<Hosts>,
+    addr: String,
+    secret: PathBuf,
+    agents: Vec<Option<Agent>>,
+    /// When each agent host may get a new agent (its last one ended), and when its link comes back.
+    free_at: Vec<Option<Instant>>,
+    heal_at: Vec<Option<Instant>>,
+    stopped: Vec<i32>,
+    started_again: usize,
+}
+
+impl Soak {
+    fn netns(&self, host: usize) -> Option<&str> {
+        self.hosts.as_ref().map(|h| h.names[host + 1].as_str())
+    }
+
+    fn start_agent(&mut self, host: usize) {
+        let (child, lines) = start_agent(&self.addr, &GPUS.to_string(), &self.secret, self.netns(host));
+        self.agents[host] = Some(Agent { child, lines, workers: Vec::new() });
+        self.free_at[host] = None;
+    }
+
+    /// Links to bring back, agents that ended, hosts to give a new agent.
+    fn tend(&mut self) {
+        let now = Instant::now();
+        for host in 0..AGENT_HOSTS {
+            if self.heal_at[host].is_some_and(|t| t <= now) {
+                self.hosts.as_ref().unwrap().heal(host + 1);
+                self.heal_at[host] = None;
+            }
+            if let Some(a) = self.agents[host].as_mut() {
+                a.read();
+                if let Ok(Some(_)) = a.child.try_wait() {
+                    self.agents[host] = None;
+                    self.free_at[host] = Some(now + self.rng.millis(300, 2000));
+                }
+            }
+            if self.agents[host].is_none() && self.heal_at[host].is_none() && self.free_at[host].is_some_and(|t| t <= now) {
+                self.start_agent(host);
+                self.started_again += 1;
+            }
+        }
+    }
+
+    /// `lazarus status --json`, from the controller's host.
+    fn status(&self) -> Option<Value> {
+        let args = ["status", "--controller", &self.addr, "--json", "--timeout", "2"];
+        let out = match self.hosts.as_ref() {
+            Some(h) => std::process::Command::new("ip")
+                .args(["netns", "exec", &h.names[0], env!("CARGO_BIN_EXE_lazarus")])
+                .args(args)
+                .output()
+                .ok()?,
+            None => lazarus(&args),
+        };
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    fn view(&mut self) -> Option<View> {
+        let v = self.status()?;
+        if v["phase"] != "running" {
+            return None;
+        }
+        // Each worker's state and rank.
+        let mut state: BTreeMap<u64, (String, Option<u64>)> = BTreeMap::new();
+        for m in v["members"].as_array()? {
+            state.insert(m["node"].as_u64()?, (m["state"].as_str()?.to_string(), m["rank"].as_u64()));
+        }
+        let mut view = View { members: Vec::new(), standby: Vec::new(), holders: Vec::new() };
+        // The agent host of each rank.
+        let mut host_of_rank: BTreeMap<u64, usize> = BTreeMap::new();
+        for (host, a) in self.agents.iter_mut().enumerate() {
+            let Some(a) = a.as_mut() else { continue };
+            a.read();
+            if a.workers.is_empty() || self.heal_at[host].is_some() {
+                continue;
+            }
+            let of = |s: &str| a.workers.iter().all(|w| state.get(w).is_some_and(|x| x.0 == s));
+            if of("member") {
+                view.members.push(host);
+                for w in &a.workers {
+                    host_of_rank.insert(state[w].1?, host);
+                }
+            } else if of("standby") {
+                view.standby.push(host);
+            }
+        }
+        // The plan file: layer → placement by node (in rank order, G ranks each) → its experts.
+        let experts = v["plan"]["experts"].as_u64()? as usize;
+        for layer in v["plan"]["layers"].as_array()? {
+            let mut holders = vec![BTreeSet::new(); experts];
+            for (n, experts) in layer["placement"].as_array()?.iter().enumerate() {
+                let host = *host_of_rank.get(&((n * GPUS) as u64))?;
+                for e in experts.as_array()? {
+                    holders.get_mut(e.as_u64()? as usize)?.insert(host);
+                }
+            }
+            view.holders.push(holders);
+        }
+        Some(view)
+    }
+
+    fn kill_a_worker(&mut self, host: usize) -> bool {
+        let a = self.agents[host].as_ref().unwrap();
+        let pids = a.worker_pids(&self.stopped);
+        if pids.is_empty() {
+            return false;
+        }
+        signal(pids[self.rng.below(pids.len())], libc::SIGKILL);
+        true
+    }
+
+    /// Make one fault of a kind the job can carry on from now; which, if any.
+    fn fault(&mut self) -> Option<Fault> {
+        let View { members, standby, holders } = self.view()?;
+        // Sets of nodes holding every replica of some expert that the job can lose: a node
+        // stays, or a newcomer stands by to carry the job on from the last checkpoint.
+        let mut sets: Vec<Vec<usize>> = holders
+            .iter()
+            .flatten()
+            .filter(|s| s.len() < members.len() || !standby.is_empty())
+            .map(|s| s.iter().copied().collect())
+            .collect();
+        sets.sort();
+        sets.dedup();
+        if members.len() < 2 && sets.is_empty() {
+            return None;
+        }
+        let mut kinds = Vec::new();
+        if members.len() >= 2 {
+            kinds.extend([Fault::WorkerKill, Fault::WorkerKill, Fault::AgentKill, Fault::AgentKill, Fault::WorkerStop, Fault::Notice]);
+            if self.hosts.is_some() {
+                kinds.push(Fault::Partition);
+            }
+        }
+        if members.len() >= 3 {
+            kinds.push(Fault::TwoNodesKill);
+        }
+        if !sets.is_empty() {
+            kinds.push(Fault::HoldersKill);
+        }
+        if !standby.is_empty() {
+            kinds.push(Fault::NewcomerKill);
+        }
+        let kind = kinds[self.rng.below(kinds.len())];
+        let host = members[self.rng.below(members.len())];
+        let made = match kind {
+            Fault::WorkerKill => self.kill_a_worker(host),
+            Fault::TwoNodesKill => {
+                let other = members.iter().copied().filter(|&h| h != host).nth(self.rng.below(members.len() - 1)).unwrap();
+                let gap = self.rng.millis(0, 300);
+                self.kill_a_worker(host) && {
+                    std::thread::sleep(gap);
+                    self.kill_a_worker(other)
+                }
+            }
+            Fault::HoldersKill => {
+                let set = sets[self.rng.below(sets.len())].clone();
+                // Every one of them, at once (no short cut on a failed kill).
+                let killed: Vec<bool> = set.into_iter().map(|h| self.kill_a_worker(h)).collect();
+                killed.iter().all(|&k| k)
+            }
+            Fault::AgentKill => {
+                signal(self.agents[host].as_ref().unwrap().pid(), libc::SIGKILL);
+                true
+            }
+            Fault::WorkerStop => {
+                let pids = self.agents[host].as_ref().unwrap().worker_pids(&self.stopped);
+                let w = pids.get(self.rng.below(pids.len().max(1))).copied();
+                w.inspect(|&w| {
+                    signal(w, libc::SIGSTOP);
+                    self.stopped.push(w);
+                })
+                .is_some()
+            }
+            Fault::Notice => {
+                signal(self.agents[host].as_ref().unwrap().pid(), libc::SIGTERM);
+                true
+            }
+            Fault::NewcomerKill => {
+                signal(self.agents[standby[self.rng.below(standby.len())]].as_ref().unwrap().pid(), libc::SIGKILL);
+                true
+            }
+            Fault::Partition => {
+                self.hosts.as_ref().unwrap().partition(host + 1);
+                self.heal_at[host] = Some(Instant::now() + self.rng.millis(200, 3000));
+                true
+            }
+        };
+        made.then_some(kind)
+    }
+}
+
+/// What one soak found, for its report and assertions.
+struct Outcome {
+    made: Vec<Made>,
+    started_again: usize,
+    wall: Duration,
+    steps: Vec<(u64, f64)>,
+    /// The job's moves, with when the soak saw each.
+    moves: Vec<(Instant, Value)>,
+    step_s: f64,
+    refused: usize,
+    controller: Vec<String>,
+}
+
+/// Run a soak of `faults` faults over a job of `steps` steps (it ends earlier if the job does).
+fn soak(tag: &str, faults: usize, steps: &str, seed: u64) -> Outcome {
+    let d = dir(tag);
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let hosts = Hosts::new(&format!("{}{}", &tag[5..7], std::process::id() % 10_000), 1 + AGENT_HOSTS);
+    if hosts.is_none() {
+        eprintln!("soak: network namespaces cannot be made here (needs root and iproute2): all on loopback, no partitions");
+    }
+    // The uninterrupted run.
+    let reference = d.join("reference.jsonl");
+    let ref_ck = d.join("reference-ck");
+    let mut args = vec!["train", "--steps", steps, "--lr", LR, "--min-lr", MIN_LR, "--json-log", reference.to_str().unwrap()];
+    args.extend(["--checkpoint-dir", ref_ck.to_str().unwrap()]);
+    args.extend(tiny_model("12"));
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want: Vec<f64> = log(&reference).0.into_iter().map(|(_, l)| l).collect();
+
+    let listen = if hosts.is_some() { "10.231.0.1:7070" } else { "127.0.0.1:0" };
+    let (log_s, ck_s, secret_s) = (path.to_str().unwrap(), ck.to_str().unwrap(), secret.to_str().unwrap());
+    let mut args = vec!["--listen", listen, "--secret-file", secret_s, "--workers", "4", "--gpus-per-node", "2"];
+    args.extend(["--max-workers", "6", "--join-wait", "1", "--lease", "0.5", "--slots-per-worker", "2"]);
+    args.extend(["--lr", LR, "--min-lr", MIN_LR, "--steps", steps, "--json-log", log_s]);
+    args.extend(["--checkpoint-dir", ck_s, "--checkpoint-every", "25", "--rebalance-every", "100"]);
+    args.extend(tiny_model("12"));
+    let (mut controller, ctl_lines, addr) = start_controller(&args, hosts.as_ref().map(|h| h.names[0].as_str()));
+    let begun = Instant::now();
+    let mut s = Soak {
+        rng: Rng(seed),
+        hosts,
+        addr,
+        secret,
+        agents: (0..AGENT_HOSTS).map(|_| None).collect(),
+        free_at: vec![None; AGENT_HOSTS],
+        heal_at: vec![None; AGENT_HOSTS],
+        stopped: Vec::new(),
+        started_again: 0,
+    };
+    s.start_agent(0);
+    s.start_agent(1);
+    let mut tail = LogTail::new(path.clone());
+    let mut controller_text: Vec<String> = Vec::new();
+    let running = |c: &mut Child| matches!(c.try_wait(), Ok(None));
+    // The first steps; then a third agent comes (and joins).
+    while tail.poll() < 10 {
+        assert!(running(&mut controller) && begun.elapsed() < HANG, "the job starts");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.free_at[2] = Some(Instant::now());
+    let mut made: Vec<Made> = Vec::new();
+    while made.len() < faults && running(&mut controller) {
+        let until = Instant::now() + s.rng.millis(200, 1500);
+        while Instant::now() < until {
+            s.tend();
+            tail.poll();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        controller_text.extend(ctl_lines.try_iter());
+        let Some(fault) = s.fault() else { continue };
+        let (at, step) = (Instant::now(), tail.poll());
+        // Wait for the job to log two more steps (a rollback's re-run ones included).
+        while running(&mut controller) && tail.poll() < step + 2 {
+            s.tend();
+            if at.elapsed() > HANG {
+                controller_text.extend(ctl_lines.try_iter());
+                let _ = controller.kill();
+                panic!("the job hangs after {} at step {step}:\n{}", fault.name(), controller_text.join("\n"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        made.push(Made { fault, at, step });
+    }
+    // Let the job finish: links healed, no new faults.
+    let status = loop {
+        s.tend();
+        tail.poll();
+        controller_text.extend(ctl_lines.try_iter());
+        if let Some(st) = controller.try_wait().unwrap() {
+            break st;
+        }
+        assert!(begun.elapsed() < Duration::from_secs(1800), "the soak does not finish:\n{}", controller_text.join("\n"));
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let wall = begun.elapsed();
+    std::thread::sleep(Duration::from_millis(100));
+    tail.poll();
+    controller_text.extend(ctl_lines.try_iter());
+    for w in &s.stopped {
+        // SAFETY: a signal to a process this test stopped (gone already, most likely).
+        unsafe {
+            libc::kill(*w, libc::SIGKILL);
+        }
+    }
+    for a in s.agents.iter_mut().flatten() {
+        let _ = a.child.wait();
+    }
+    assert!(status.success(), "the soak's job finishes:\n{}", controller_text.join("\n"));
+    let (steps_logged, _) = log(&path);
+    assert_same_losses(&steps_logged, &want, "the soak");
+    assert_eq!(cursor(&ck), cursor(&ref_ck), "the same windows of data");
+    // The median step time of the run, from its step lines.
+    let mut step_times: Vec<f64> = std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| Some(v["tokens"].as_f64()? / v["tokens_per_s"].as_f64()?))
+        .collect();
+    step_times.sort_by(f64::total_cmp);
+    let step_s = step_times[step_times.len() / 2];
+    let refused = controller_text.iter().filter(|l| l.contains("its messages are refused")).count();
+    let _ = std::fs::remove_dir_all(&d);
+    Outcome {
+        made,
+        started_again: s.started_again,
+        wall,
+        steps: steps_logged,
+        moves: tail.moves,
+        step_s,
+        refused,
+        controller: controller_text,
+    }
+}
+
+/// The soak's report: faults by kind with the moves they caused and the time each cost; joins.
+fn report(o: &Outcome) {
+    eprintln!(
+        "soak: {} faults in {:.0} s, {} steps (median {:.1} ms a step), {} agents started again, {} given-up agents heard from again (refused)",
+        o.made.len(),
+        o.wall.as_secs_f64(),
+        o.steps.len(),
+        o.step_s * 1e3,
+        o.started_again,
+        o.refused
+    );
+    // Each move the job made for a fault is the soak's last fault before it was seen; joins
+    // and rebalances are moves of their own.
+    let mut by_kind: BTreeMap<Fault, (usize, BTreeMap<String, usize>, f64)> = BTreeMap::new();
+    let mut other: BTreeMap<String, (usize, f64, u64)> = BTreeMap::new();
+    for m in &o.made {
+        by_kind.entry(m.fault).or_default().0 += 1;
+    }
+    for (seen, r) in &o.moves {
+        let cause = r["cause"].as_str().unwrap_or("?").to_string();
+        let recovery_s = r["recovery_s"].as_f64().unwrap_or(0.0);
+        let fault = o.made.iter().rev().find(|m| m.at <= *seen);
+        match fault {
+            Some(m) if cause != "join" && cause != "rebalance" => {
+                let e = by_kind.entry(m.fault).or_default();
+                *e.1.entry(cause.clone()).or_default() += 1;
+                // A rollback also re-runs the steps since its checkpoint.
+                let redone = if cause == "rollback" { m.step.saturating_sub(r["step"].as_u64().unwrap_or(m.step)) } else { 0 };
+                e.2 += recovery_s + redone as f64 * o.step_s;
+            }
+            _ => {
+                let e = other.entry(cause).or_default();
+                e.0 += 1;
+                e.1 += recovery_s;
+                e.2 += r["transfer_bytes"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    eprintln!(
+        "soak: time lost to each kind of fault (failure → next completed step of each move it caused, plus the steps a rollback re-ran):"
+    );
+    for (kind, (n, moves, lost)) in by_kind {
+        let moves: Vec<String> = moves.iter().map(|(c, k)| format!("{k} {c}")).collect();
+        let moves = if moves.is_empty() { "no move".to_string() } else { moves.join(", ") };
+        eprintln!("soak:   {n:>3} × {:<46} {lost:>7.2} s in all  ({moves})", kind.name());
+    }
+    for (cause, (n, s, bytes)) in other {
+        eprintln!("soak:   {n:>3} × {cause:<46} {s:>7.2} s in all  ({:.1} MB moved)", bytes as f64 / 1e6);
+    }
+}
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// The short soak, in CI: a dozen faults over 1,000 steps.
+#[test]
+fn a_short_soak_of_kills_stops_partitions_and_rejoins_loses_nothing() {
+    let o = soak("soak-short", 12, "1000", 7);
+    report(&o);
+    assert!(o.made.len() >= 8, "the soak made its faults: {}\n{}", o.made.len(), o.controller.join("\n"));
+    assert!(o.moves.iter().any(|(_, r)| r["cause"] == "join"), "agents rejoined: {:?}", o.moves);
+}
+
+#[test]
+#[ignore = "minutes long: run by hand (see the file's note)"]
+fn a_soak_of_fifty_faults_loses_nothing() {
+    let faults = env_or("LAZARUS_SOAK_FAULTS", 50);
+    let steps = env_or("LAZARUS_SOAK_STEPS", "6000".to_string());
+    let o = soak("soak-full", faults, &steps, env_or("LAZARUS_SOAK_SEED", 1));
+    report(&o);
+    assert!(o.made.len() >= faults, "the job ended before the soak made its {faults} faults: {}", o.made.len());
+    assert!(o.moves.iter().any(|(_, r)| r["cause"] == "rollback"), "every holder of an expert lost at least once: {:?}", o.moves);
+}
