@@ -286,6 +286,15 @@ fn a_replayed_trace_kills_and_starts_local_agents_on_schedule() {
     assert_eq!(causes, vec!["reconfigure", "join"], "{records:?}");
     assert_eq!((records[0]["workers"].as_u64(), records[1]["workers"].as_u64()), (Some(2), Some(4)));
     assert_same_losses(&steps, &want, "a replayed trace");
+    // The same trace through the simulator, calibrated to the run: side by side.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let sim: Value =
+        text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).find(|v| v["event"] == "replay_vs_sim").expect("a comparison");
+    assert_eq!(sim["measured_samples"].as_f64(), Some(360.0 * 8.0), "{sim}");
+    assert_eq!((sim["measured_reconfigurations"].as_u64(), sim["measured_joins"].as_u64()), (Some(1), Some(1)), "{sim}");
+    let ratio = sim["ratio"].as_f64().unwrap();
+    assert!(ratio > 0.5 && ratio < 1.5, "predicted / measured samples {ratio}: {sim}");
+    assert!(sim["predicted_reconfigurations"].as_u64().unwrap() >= 1, "the simulator saw the failure: {sim}");
     let _ = std::fs::remove_dir_all(&d);
 }
 

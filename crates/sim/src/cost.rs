@@ -116,6 +116,9 @@ pub struct CostModel {
     /// Sequences per GPU per step (the paper keeps the per-GPU batch, so throughput follows the
     /// number of GPUs in use).
     pub samples_per_gpu: usize,
+    /// Sequences per step whatever the GPUs in use (`lazarus train` keeps its global batch);
+    /// None: `samples_per_gpu` per GPU, the paper's way.
+    pub global_batch: Option<usize>,
     pub network_gbps: f64,
     pub storage_gbps: f64,
     /// Bytes of checkpointed state per parameter (fp16 weights + fp32 master + two moments).
@@ -145,6 +148,7 @@ impl Default for CostModel {
             gpus_per_node: 1,
             slots_per_gpu: 6,
             samples_per_gpu: 4,
+            global_batch: None,
             network_gbps: 100.0,
             storage_gbps: 10.0,
             bytes_per_param: 16.0,
@@ -180,6 +184,9 @@ impl CostModel {
         }
         if self.samples_per_gpu > MAX_SAMPLES_PER_GPU {
             return Err(SimError::invalid("samples_per_gpu", self.samples_per_gpu, format!("at most {MAX_SAMPLES_PER_GPU}")));
+        }
+        if let Some(b) = self.global_batch.filter(|&b| b == 0 || b > MAX_SAMPLES_PER_GPU) {
+            return Err(SimError::invalid("global_batch", b, format!("must be 1 to {MAX_SAMPLES_PER_GPU}")));
         }
         for (field, v) in
             [("network_gbps", self.network_gbps), ("storage_gbps", self.storage_gbps), ("bytes_per_param", self.bytes_per_param)]

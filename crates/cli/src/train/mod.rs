@@ -5,6 +5,7 @@
 pub mod args;
 pub mod bench;
 pub mod recovery_bench;
+pub mod replay_sim;
 pub mod report;
 pub mod workers;
 

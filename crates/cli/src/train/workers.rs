@@ -15,6 +15,7 @@ use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
 use super::args::{check_resumed_config, resume_steps, setup_run, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
+use super::replay_sim::{self, RunFigures, RunShape};
 use super::report::{print_banner, Reporter};
 use crate::io::{read_text, MAX_JSON_BYTES};
 
@@ -139,12 +140,12 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     let join_wait = Duration::from_secs_f64(join_wait);
     let hosts =
         Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait, max_workers, join_wait, schedule: None });
-    run_job(&args.train, hosts, Some(agent_command))
+    run_job(&args.train, hosts, Some(agent_command), None)
 }
 
 /// The node schedule `--replay SOURCE` describes for `nodes` local agents, its times multiplied
-/// by `--replay-scale`; with the most nodes present at once, and the scale.
-fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -> Result<(NodeSchedule, usize, f64)> {
+/// by `--replay-scale`; with the most nodes present at once, the scale and the trace.
+fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -> Result<(NodeSchedule, usize, f64, lazarus_sim::Trace)> {
     use lazarus_sim::{parse_duration_ms, Change, Trace};
     let scale = scale.unwrap_or(1.0);
     if !scale.is_finite() || scale <= 0.0 || scale > 1e6 {
@@ -184,7 +185,7 @@ fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -
     if most > lazarus_control::train::MAX_WORKERS {
         bail!("invalid --replay: {most} nodes at once (at most {} workers)", lazarus_control::train::MAX_WORKERS);
     }
-    Ok((NodeSchedule { initial, changes, notice }, most, scale))
+    Ok((NodeSchedule { initial, changes, notice }, most, scale, trace))
 }
 
 /// The launcher side of `lazarus train --workers N`.
@@ -193,6 +194,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     if args.gpus_per_node.is_none() && (args.replay.is_some() || args.replay_scale.is_some() || args.replay_notice) {
         bail!("--replay needs --gpus-per-node G: nodes come and go as local agents");
     }
+    let mut replayed = None;
     let hosts = match args.gpus_per_node {
         None => Hosts::Local { status_listen: None },
         Some(g) => {
@@ -209,7 +211,16 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             let nodes = world / g;
             let (schedule, most_nodes, scale) = match &args.replay {
                 Some(source) => {
-                    let (s, most, scale) = node_schedule(source, nodes, args.replay_scale, args.replay_notice)?;
+                    let (s, most, scale, trace) = node_schedule(source, nodes, args.replay_scale, args.replay_notice)?;
+                    replayed = Some(RunShape {
+                        trace,
+                        scale,
+                        gpus_per_node: g,
+                        slots_per_gpu: 0,
+                        most_nodes: most,
+                        join_wait_s: lazarus_control::train::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
+                        rebalance_every: 0,
+                    });
                     (Some(s), most, scale)
                 }
                 None => (None, nodes, 1.0),
@@ -226,12 +237,13 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             })
         }
     };
-    run_job(args, hosts, None)
+    run_job(args, hosts, None, replayed)
 }
 
 /// A job of `--workers N` run where `hosts` says; `agent_command` is how to start an agent of
-/// another host (`{addr}`: the controller's address), shown once the controller listens.
-fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) -> Result<()> {
+/// another host (`{addr}`: the controller's address), shown once the controller listens. A
+/// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
+fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mut replayed: Option<RunShape>) -> Result<()> {
     let world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
     if world == 0 || world > lazarus_control::train::MAX_WORKERS {
@@ -283,6 +295,13 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
         tracing::info!("placement L{l}: {}", per_worker.join(" "));
     }
     let recovery = recovery(args)?;
+    if let Some(r) = replayed.as_mut() {
+        r.slots_per_gpu = plan.placement.as_ref().map_or(1, |p| p.shape().slots_per_gpu);
+        r.rebalance_every = recovery.as_ref().map_or(0, |r| r.rebalance_every);
+    }
+    let mut figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
+    let mut started: Option<std::time::Instant> = None;
+    let first_step = trainer.step;
     let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node != g);
     if recovery.is_some() && unrecoverable {
         tracing::info!(
@@ -331,9 +350,14 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
             }
             TrainEvent::Started => {
                 reporter.restart_clock();
+                started.get_or_insert_with(std::time::Instant::now);
                 Ok(())
             }
             TrainEvent::Step { report, seconds, dropped } => {
+                figures.step_s.push(seconds);
+                for (acc, l) in figures.loads.iter_mut().zip(&report.expert_load) {
+                    acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
+                }
                 if dropped > 0 {
                     reporter.pause();
                     tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
@@ -359,10 +383,16 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
             }
             TrainEvent::Rebalance(d) => {
                 reporter.pause();
+                let what = match d.decision {
+                    "shrink" => format!(
+                        "shrink to layers {:?} (the whole plan would gain {:.2} s for {:.2} s)",
+                        d.layers, d.full_gain_s, d.full_cost_s
+                    ),
+                    other => other.to_string(),
+                };
                 tracing::info!(
-                    "rebalance at step {}: {} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
+                    "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
                     d.step,
-                    d.decision,
                     d.imbalance_before,
                     d.imbalance_after,
                     d.transfers,
@@ -391,6 +421,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
             }
             TrainEvent::Reconfigured(r) => {
                 reporter.pause();
+                figures.moves.push(r.clone());
                 let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
                 let who = match (r.lost.is_empty(), r.joined.is_empty()) {
                     (false, true) if r.cause == "drain" => format!("worker(s) {} left", list(&r.lost)),
@@ -435,7 +466,33 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>) ->
         return Err(e);
     }
     match outcome? {
-        TrainOutcome::Completed { checkpoint } => reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref()),
+        TrainOutcome::Completed { checkpoint } => {
+            if let (Some(shape), Some(t0)) = (&replayed, started) {
+                figures.wall_s = t0.elapsed().as_secs_f64();
+                if let Some(c) = replay_sim::compare(&cfg, shape, &figures, cfg.steps - first_step)? {
+                    tracing::info!(
+                        "replay against lazarus sim calibrated to this run (step {:.1} ms, detect {:.2} s, rebuild {:.2} s, {:.0} MB/s, rollback {:.2} s): \
+                         measured {:.0} samples in {:.1} s ({} reconfigurations, {} rollbacks, {} joins); predicted {:.0} samples ({:+.1}%; {} reconfigurations, {} restarts)",
+                        c.calibration.step_s * 1e3,
+                        c.calibration.detect_s,
+                        c.calibration.rebuild_s,
+                        c.calibration.bytes_per_s / 1e6,
+                        c.calibration.rollback_s,
+                        c.measured_samples,
+                        c.wall_s,
+                        c.measured_reconfigurations,
+                        c.measured_rollbacks,
+                        c.measured_joins,
+                        c.predicted_samples,
+                        (c.ratio - 1.0) * 100.0,
+                        c.predicted_reconfigurations,
+                        c.predicted_restarts
+                    );
+                    reporter.record(&c)?;
+                }
+            }
+            reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref())
+        }
         TrainOutcome::Failed { reason, workers } => {
             if workers.is_empty() {
                 bail!("training stopped: {reason}")

@@ -21,12 +21,12 @@ mod rebalance;
 #[cfg(test)]
 mod tests;
 
-pub use rebalance::{RebalanceCase, RebalanceDecision};
+pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, PlanPolicy};
+use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, Placement, PlanPolicy};
 use lazarus_runtime::ExpertTransfer;
 use serde::{Deserialize, Serialize};
 
@@ -256,6 +256,9 @@ pub struct Controller {
     move_fixed_s: f64,
     /// Workers whose node leaves on notice, until they are gone.
     draining: BTreeSet<NodeId>,
+    /// The plan an applied rebalance moves to (the measured-load plan, or only its layers worth
+    /// moving), until its move.
+    rebalance_to: Option<ModelPlan>,
 }
 
 impl Controller {
@@ -286,6 +289,7 @@ impl Controller {
             seconds_per_byte: DEFAULT_SECONDS_PER_BYTE,
             move_fixed_s: DEFAULT_MOVE_FIXED_S,
             draining: BTreeSet::new(),
+            rebalance_to: None,
         }
     }
 
@@ -616,14 +620,15 @@ impl Controller {
             let weighed = self.weigh_rebalance();
             self.steps_since_plan = 0;
             self.step_seconds = 0.0;
-            if let Some(d) = weighed {
-                let apply = d.decision == "apply";
+            if let Some((d, target)) = weighed {
+                let apply = d.decision != "skip";
                 self.note(format!(
                     "epoch {}: rebalance at step {}: {} (gain {:.2} s, cost {:.2} s over {} steps)",
                     self.epoch, d.step, d.decision, d.gain_s, d.cost_s, d.horizon_steps
                 ));
                 out.push(Command::Rebalance(d));
                 if apply {
+                    self.rebalance_to = Some(target);
                     self.pause(MoveCause::Rebalance, &mut out);
                 }
             }
@@ -646,23 +651,15 @@ impl Controller {
     }
 
     /// The plan the measured loads call for on the current nodes, against the current one: what
-    /// it would gain and what its move would cost (None: no loads measured, or nothing to plan).
-    fn weigh_rebalance(&self) -> Option<RebalanceDecision> {
+    /// each layer's move would gain and cost, the decision, and the plan it moves to (None: no
+    /// loads measured, or nothing to plan).
+    fn weigh_rebalance(&self) -> Option<(RebalanceDecision, ModelPlan)> {
         if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
             return None;
         }
         let candidate = plan_model(&self.loads, self.plan.shape(), &self.spec.policy, Some(&self.plan)).ok()?;
-        let balance = |p: &ModelPlan| -> Option<(f64, f64)> {
-            let mut sum = (0.0, 0.0);
-            for (placement, loads) in p.layers().iter().zip(&self.loads) {
-                let b = placement.load_balance(loads).ok()?;
-                sum = (sum.0 + b.bottleneck, sum.1 + b.imbalance());
-            }
-            Some((sum.0, sum.1 / p.layers().len().max(1) as f64))
-        };
-        let (before, imbalance_before) = balance(&self.plan)?;
-        let (after, imbalance_after) = balance(&candidate)?;
-        // What each node holds now (its workers' experts), in plan-node order.
+        // What each node holds now (its workers' experts), and the node of each plan position.
+        let g = self.spec.gpus_per_node.max(1);
         let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
         for &w in &self.ranks {
             let entry = held.entry(self.node(w)).or_insert_with(|| vec![Vec::new(); self.spec.layers]);
@@ -670,22 +667,59 @@ impl Controller {
                 entry[l].extend(experts);
             }
         }
+        let position_node: Vec<u64> = self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect();
         let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
-        let rp = plan_reconfiguration(&live, candidate.layers(), &vec![self.spec.expert_bytes; self.spec.layers]).ok()?;
+        let bytes = vec![self.spec.expert_bytes; self.spec.layers];
+        let rp = plan_reconfiguration(&live, candidate.layers(), &bytes).ok()?;
+        // The candidate with its nodes where the mapping puts them (plan position n on the node
+        // now at position n): layers of it and of the current plan then mix without moving more.
+        let aligned: Vec<Placement> = candidate
+            .layers()
+            .iter()
+            .map(|p| {
+                let nodes = position_node
+                    .iter()
+                    .map(|n| rp.plan_to_node.iter().position(|m| m == n).map(|q| p.nodes()[q].clone()))
+                    .collect::<Option<Vec<_>>>()?;
+                Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
+            })
+            .collect::<Option<_>>()?;
+        let mut layers = Vec::new();
+        let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
+        for (l, loads) in self.loads.iter().enumerate() {
+            let before = self.plan.layers()[l].load_balance(loads).ok()?;
+            let after = aligned[l].load_balance(loads).ok()?;
+            imbalance_before += before.imbalance();
+            imbalance_after += after.imbalance();
+            let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();
+            layers.push(LayerCase {
+                bottleneck_before: before.bottleneck,
+                bottleneck_after: after.bottleneck,
+                transfers: moves.len(),
+                bytes: moves.iter().map(|t| t.bytes).sum(),
+            });
+        }
+        let n = self.spec.layers.max(1) as f64;
         let case = RebalanceCase {
             step_s: self.step_seconds / self.steps_since_plan as f64,
             // The gain counts until the next rebalance is weighed, or the job ends.
             horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
-            bottleneck_before: before,
-            bottleneck_after: after,
-            imbalance_before,
-            imbalance_after,
-            transfers: rp.transfers.len(),
-            bytes: rp.total_bytes(),
+            layers,
+            imbalance_before: imbalance_before / n,
+            imbalance_after: imbalance_after / n,
             seconds_per_byte: self.seconds_per_byte,
             fixed_s: self.move_fixed_s,
         };
-        Some(case.decide(self.last_step))
+        let mut d = case.decide(self.last_step);
+        // The plan it moves to: the candidate's layers that move, the current plan's others.
+        let mixed: Vec<Placement> =
+            (0..self.spec.layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { self.plan.layers()[l].clone() }).collect();
+        let target = ModelPlan::new(self.plan.epoch(), mixed).ok()?;
+        if d.decision == "shrink" {
+            let sum: f64 = target.layers().iter().zip(&self.loads).filter_map(|(p, w)| p.load_balance(w).ok()).map(|b| b.imbalance()).sum();
+            d.imbalance_after = sum / n;
+        }
+        Some((d, target))
     }
 
     /// A worker waiting to join is gone: it and the other workers of its node are given up.
@@ -717,6 +751,7 @@ impl Controller {
         self.alive.remove(&node);
         self.draining.remove(&node);
         self.planned = None;
+        self.rebalance_to = None;
         self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
         if !matches!(self.phase, Phase::Collecting { .. }) {
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
@@ -807,7 +842,13 @@ impl Controller {
         let previous = self.plan.clone().with_epoch(self.epoch);
         // The second half of a drain keeps the plan its first half moved the job to.
         let in_place = cause == MoveCause::Drain && leavers.is_empty() && joiners.is_empty() && previous.shape() == shape;
-        let planned = if in_place { Ok(previous.clone()) } else { plan_model(&loads, shape, &self.spec.policy, Some(&previous)) };
+        // An applied rebalance moves to the plan it weighed (shrunk, maybe), if nothing changed since.
+        let weighed = self.rebalance_to.take().filter(|p| cause == MoveCause::Rebalance && joiners.is_empty() && p.shape() == shape);
+        let planned = match weighed {
+            _ if in_place => Ok(previous.clone()),
+            Some(p) => Ok(p),
+            None => plan_model(&loads, shape, &self.spec.policy, Some(&previous)),
+        };
         let new = match planned {
             Ok(p) => p.with_epoch(epoch),
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),

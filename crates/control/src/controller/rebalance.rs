@@ -10,23 +10,31 @@
 
 use serde::Serialize;
 
-/// What a rebalance would cost, and what it would gain.
+/// One MoE layer of a candidate plan: its bottleneck now and under the candidate, and what
+/// moving it to the candidate would send.
 #[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerCase {
+    /// λ* (the least possible busiest-GPU tokens) under the measured loads: the current plan's
+    /// and the candidate's.
+    pub bottleneck_before: f64,
+    pub bottleneck_after: f64,
+    /// Expert states its move would send, and their bytes.
+    pub transfers: usize,
+    pub bytes: u64,
+}
+
+/// What a rebalance would cost, and what it would gain, layer by layer.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RebalanceCase {
     /// Mean seconds of a step since the plan was made (measured).
     pub step_s: f64,
     /// Steps until the next rebalance is considered: the horizon the gain must repay within.
     pub horizon_steps: u64,
-    /// Σ over MoE layers of λ* (the least possible busiest-GPU tokens) of the current plan under
-    /// the measured loads, and of the candidate plan.
-    pub bottleneck_before: f64,
-    pub bottleneck_after: f64,
-    /// Σ over layers of λ* / mean tokens per GPU: 1 is perfect balance.
+    pub layers: Vec<LayerCase>,
+    /// Mean over layers of λ* / mean tokens per GPU (1 is perfect balance): now, and under the
+    /// whole candidate.
     pub imbalance_before: f64,
     pub imbalance_after: f64,
-    /// Expert states the move would send, and their bytes.
-    pub transfers: usize,
-    pub bytes: u64,
     /// Measured cost of moving: seconds per byte sent, and a fixed part (pause, rendezvous).
     pub seconds_per_byte: f64,
     pub fixed_s: f64,
@@ -38,51 +46,88 @@ pub struct RebalanceDecision {
     pub event: &'static str,
     /// Steps done when it was weighed.
     pub step: u64,
-    /// `apply` (the job pauses and moves) or `skip`.
+    /// `apply` (the job pauses and moves every layer the candidate changes), `shrink` (it moves
+    /// only the layers that repay their own move) or `skip`.
     pub decision: &'static str,
-    /// Predicted seconds saved over the horizon (an upper bound, see the module's note).
+    /// Predicted seconds saved over the horizon by what is applied (an upper bound, see the
+    /// module's note), and what that move costs; for a skip, those of the whole candidate.
     pub gain_s: f64,
-    /// Predicted seconds the move costs.
     pub cost_s: f64,
+    /// The same for the whole candidate (equal to the above unless it was shrunk).
+    pub full_gain_s: f64,
+    pub full_cost_s: f64,
     pub horizon_steps: u64,
     pub step_s: f64,
     pub imbalance_before: f64,
+    /// Imbalance under what is applied (for a skip, under the whole candidate).
     pub imbalance_after: f64,
+    /// The MoE layers that move (none for a skip).
+    pub layers: Vec<usize>,
     pub transfers: usize,
     pub transfer_bytes: u64,
 }
 
 impl RebalanceCase {
-    /// Seconds saved over the horizon if the candidate plan ran instead of the current one.
-    pub fn gain_s(&self) -> f64 {
-        if self.bottleneck_before.is_nan() || self.bottleneck_before <= 0.0 || !self.step_s.is_finite() {
+    /// Seconds saved over the horizon if `layers` ran on the candidate's placement instead of
+    /// the current one: the step is taken to scale with Σ λ* over layers, so each layer's share
+    /// adds up.
+    pub fn gain_s(&self, layers: &[usize]) -> f64 {
+        let before: f64 = self.layers.iter().map(|l| l.bottleneck_before).sum();
+        if before.is_nan() || before <= 0.0 || !self.step_s.is_finite() {
             return 0.0;
         }
-        let ratio = (self.bottleneck_after / self.bottleneck_before).clamp(0.0, f64::MAX);
-        (self.step_s * (1.0 - ratio)).max(0.0) * self.horizon_steps as f64
+        let saved: f64 = layers.iter().filter_map(|&l| self.layers.get(l)).map(|l| l.bottleneck_before - l.bottleneck_after).sum();
+        (self.step_s * saved / before).max(0.0) * self.horizon_steps as f64
     }
 
-    /// Seconds the move costs.
-    pub fn cost_s(&self) -> f64 {
-        self.fixed_s + self.bytes as f64 * self.seconds_per_byte
+    /// Seconds moving `layers` costs.
+    pub fn cost_s(&self, layers: &[usize]) -> f64 {
+        let bytes: u64 = layers.iter().filter_map(|&l| self.layers.get(l)).map(|l| l.bytes).sum();
+        self.fixed_s + bytes as f64 * self.seconds_per_byte
     }
 
-    /// Apply a rebalance only when it moves something and its gain exceeds its cost.
+    /// Every layer the candidate changes.
+    pub fn changed(&self) -> Vec<usize> {
+        (0..self.layers.len()).filter(|&l| self.layers[l].transfers > 0).collect()
+    }
+
+    /// The layers whose own gain repays their own bytes: with gains and byte costs adding up
+    /// over layers, the set that saves the most once the fixed cost is paid.
+    pub fn worth_moving(&self) -> Vec<usize> {
+        self.changed().into_iter().filter(|&l| self.gain_s(&[l]) > self.layers[l].bytes as f64 * self.seconds_per_byte).collect()
+    }
+
+    /// Apply the whole candidate, only the layers worth moving, or nothing: whichever saves the
+    /// most, if anything.
     pub fn decide(&self, step: u64) -> RebalanceDecision {
-        let (gain_s, cost_s) = (self.gain_s(), self.cost_s());
-        let apply = self.transfers > 0 && gain_s > cost_s;
+        let full = self.changed();
+        let worth = self.worth_moving();
+        let (full_gain_s, full_cost_s) = (self.gain_s(&full), self.cost_s(&full));
+        let net = |layers: &[usize]| self.gain_s(layers) - self.cost_s(layers);
+        let decision = if worth.is_empty() || net(&worth) <= 0.0 {
+            "skip"
+        } else if worth == full {
+            "apply"
+        } else {
+            "shrink"
+        };
+        let moved = if decision == "skip" { Vec::new() } else { worth };
+        let shown = if decision == "skip" { &full } else { &moved };
         RebalanceDecision {
             event: "rebalance",
             step,
-            decision: if apply { "apply" } else { "skip" },
-            gain_s,
-            cost_s,
+            decision,
+            gain_s: self.gain_s(shown),
+            cost_s: self.cost_s(shown),
+            full_gain_s,
+            full_cost_s,
             horizon_steps: self.horizon_steps,
             step_s: self.step_s,
             imbalance_before: self.imbalance_before,
             imbalance_after: self.imbalance_after,
-            transfers: self.transfers,
-            transfer_bytes: self.bytes,
+            transfers: shown.iter().map(|&l| self.layers[l].transfers).sum(),
+            transfer_bytes: shown.iter().map(|&l| self.layers[l].bytes).sum(),
+            layers: moved,
         }
     }
 }
@@ -91,45 +136,67 @@ impl RebalanceCase {
 mod tests {
     use super::*;
 
+    /// Two layers: the first carries the whole imbalance (150 → 100 tokens on its busiest GPU),
+    /// the second is balanced already (100 → 99) but its candidate moves as much.
     fn case() -> RebalanceCase {
+        let layer = |before, after| LayerCase { bottleneck_before: before, bottleneck_after: after, transfers: 2, bytes: 2_000_000 };
         RebalanceCase {
             step_s: 0.5,
             horizon_steps: 200,
-            bottleneck_before: 150.0,
-            bottleneck_after: 100.0,
-            imbalance_before: 1.5,
+            layers: vec![layer(150.0, 100.0), layer(100.0, 99.0)],
+            imbalance_before: 1.25,
             imbalance_after: 1.0,
-            transfers: 4,
-            bytes: 4_000_000,
             seconds_per_byte: 1e-8,
             fixed_s: 0.2,
         }
     }
 
     #[test]
-    fn a_rebalance_that_repays_its_move_is_applied() {
-        let c = case();
-        // A third less work on the busiest GPU: 0.5/3 s a step over 200 steps.
-        assert!((c.gain_s() - 200.0 * 0.5 / 3.0).abs() < 1e-9);
-        assert!((c.cost_s() - 0.24).abs() < 1e-12);
+    fn a_rebalance_whose_every_layer_repays_its_move_is_applied() {
+        let c = RebalanceCase { seconds_per_byte: 1e-9, ..case() };
+        // 51 of 250 tokens less on the busiest GPUs: 0.5 × 51/250 s a step over 200 steps.
+        assert!((c.gain_s(&[0, 1]) - 200.0 * 0.5 * 51.0 / 250.0).abs() < 1e-9);
+        assert!((c.cost_s(&[0, 1]) - 0.204).abs() < 1e-12);
         let d = c.decide(400);
-        assert_eq!((d.decision, d.step, d.transfers), ("apply", 400, 4));
+        assert_eq!((d.decision, d.step, d.transfers, d.layers.clone()), ("apply", 400, 4, vec![0, 1]), "{d:?}");
+        assert_eq!((d.gain_s, d.cost_s), (d.full_gain_s, d.full_cost_s));
+    }
+
+    #[test]
+    fn a_layer_that_does_not_repay_its_own_move_is_left_where_it_is() {
+        // Layer 1 saves 0.5 × 1/250 s a step, 0.4 s over 200 steps; its 2 MB at 2 MB/s take 1 s:
+        // not worth it, while layer 0 (20 s saved for 1 s) is.
+        let c = RebalanceCase { seconds_per_byte: 5e-7, ..case() };
+        let d = c.decide(400);
+        assert_eq!((d.decision, d.layers.clone(), d.transfers, d.transfer_bytes), ("shrink", vec![0], 2, 2_000_000), "{d:?}");
+        assert!((d.gain_s - 20.0).abs() < 1e-9 && (d.cost_s - 1.2).abs() < 1e-9, "{d:?}");
+        assert!(d.full_gain_s > d.gain_s && d.full_cost_s > d.cost_s);
+        assert!(d.gain_s - d.cost_s > d.full_gain_s - d.full_cost_s, "the shrunk move saves more: {d:?}");
     }
 
     #[test]
     fn a_rebalance_that_does_not_repay_or_moves_nothing_is_skipped() {
         // Slow transfers: 40 MB/s would take 100 s for 4 GB.
-        let slow = RebalanceCase { bytes: 4_000_000_000, seconds_per_byte: 2.5e-8, ..case() };
-        assert_eq!(slow.decide(400).decision, "skip");
+        let layer = |before, after| LayerCase { bottleneck_before: before, bottleneck_after: after, transfers: 2, bytes: 2_000_000_000 };
+        let slow = RebalanceCase { layers: vec![layer(150.0, 100.0), layer(100.0, 99.0)], seconds_per_byte: 2.5e-8, ..case() };
+        let d = slow.decide(400);
+        assert_eq!((d.decision, d.layers.len()), ("skip", 0));
+        // A skip reports the whole candidate.
+        assert_eq!((d.gain_s, d.cost_s, d.transfers), (d.full_gain_s, d.full_cost_s, 4));
         // A candidate no better than the current plan gains nothing.
-        let same = RebalanceCase { bottleneck_after: 150.0, ..case() };
-        assert_eq!(same.gain_s(), 0.0);
+        let same = RebalanceCase { layers: vec![layer(150.0, 150.0)], ..case() };
+        assert_eq!(same.gain_s(&[0]), 0.0);
         assert_eq!(same.decide(400).decision, "skip");
-        let worse = RebalanceCase { bottleneck_after: 200.0, ..case() };
-        assert_eq!(worse.gain_s(), 0.0);
+        let worse = RebalanceCase { layers: vec![layer(150.0, 200.0)], ..case() };
+        assert_eq!(worse.gain_s(&[0]), 0.0);
         // Nothing to move: nothing to apply, whatever the figures say.
-        assert_eq!(RebalanceCase { transfers: 0, bytes: 0, ..case() }.decide(400).decision, "skip");
+        let still = RebalanceCase { layers: vec![LayerCase { transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
+        assert_eq!(still.decide(400).decision, "skip");
         // No loads measured: no gain.
-        assert_eq!(RebalanceCase { bottleneck_before: 0.0, ..case() }.gain_s(), 0.0);
+        let idle = RebalanceCase { layers: vec![LayerCase { bottleneck_before: 0.0, ..case().layers[0] }], ..case() };
+        assert_eq!(idle.gain_s(&[0]), 0.0);
+        // Layers that each repay their bytes but not, together, the fixed cost: skipped.
+        let tiny = RebalanceCase { horizon_steps: 1, fixed_s: 10.0, ..case() };
+        assert_eq!(tiny.decide(400).decision, "skip");
     }
 }

@@ -453,7 +453,10 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     }
 
     fn samples_per_step(&self) -> f64 {
-        (self.used.len() * self.cost().gpus_per_node * self.cost().samples_per_gpu) as f64
+        match self.cost().global_batch {
+            Some(b) => b as f64,
+            None => (self.used.len() * self.cost().gpus_per_node * self.cost().samples_per_gpu) as f64,
+        }
     }
 
     /// Whole steps until the next checkpoint or rebalance.
@@ -791,6 +794,22 @@ mod tests {
         assert!(r[0].trained_samples > r[2].trained_samples);
         assert_eq!(r[0].nodes_in_use.first().map(|x| x.1), Some(10));
         assert!(r[1].restarts >= 5, "ds restarts on every failure");
+    }
+
+    /// `lazarus train` keeps its global batch whatever the workers: every step trains that many
+    /// samples, so with no failure the samples are the steps × the batch, at any node count.
+    #[test]
+    fn a_global_batch_trains_the_same_samples_a_step_on_any_number_of_nodes() {
+        for nodes in [2, 5, 10] {
+            let mut s = scenario("gpt-s", Trace::fail_every(nodes, 3_600_000, 0, 1).unwrap(), 10.0);
+            s.cost.global_batch = Some(48);
+            let r = simulate(&s, Policy::Lazarus).unwrap();
+            assert!(r.steps > 0);
+            assert_eq!(r.trained_samples, 48.0 * r.steps as f64, "{nodes} nodes");
+        }
+        let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+        s.cost.global_batch = Some(0);
+        assert!(simulate(&s, Policy::Lazarus).unwrap_err().to_string().contains("global_batch"));
     }
 
     #[test]
