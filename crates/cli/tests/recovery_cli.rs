@@ -325,8 +325,9 @@ fn a_rebalance_that_repays_its_move_is_applied_at_a_step_boundary_and_changes_no
     assert_eq!(first["decision"], "apply", "{first}");
     assert!(first["imbalance_after"].as_f64() < first["imbalance_before"].as_f64(), "{first}");
     assert!(first["gain_s"].as_f64() > first["cost_s"].as_f64(), "{first}");
-    let applied = decisions.iter().filter(|v| v["decision"] == "apply").count();
-    assert_eq!(records.len(), applied, "one move per rebalance applied: {records:?}");
+    // The second may be shrunk to the layer that repays its move (the other can be worse off).
+    let applied = decisions.iter().filter(|v| v["decision"] != "skip").count();
+    assert_eq!(records.len(), applied, "one move per rebalance applied or shrunk: {records:?}");
     assert_eq!(records[0]["cause"], "rebalance", "{}", records[0]);
     assert_eq!(records[0]["lost"], serde_json::json!([]));
     assert!(text.iter().any(|l| l.starts_with("rebalance at step 50: apply")), "{}", text.join("\n"));

@@ -693,6 +693,7 @@ impl Controller {
             imbalance_after += after.imbalance();
             let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();
             layers.push(LayerCase {
+                differs: aligned[l] != self.plan.layers()[l],
                 bottleneck_before: before.bottleneck,
                 bottleneck_after: after.bottleneck,
                 transfers: moves.len(),

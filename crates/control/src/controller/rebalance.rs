@@ -14,6 +14,9 @@ use serde::Serialize;
 /// moving it to the candidate would send.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerCase {
+    /// Whether the candidate places it otherwise (replicas sent between nodes, or only copied
+    /// between the GPUs of a node: those cost no network bytes).
+    pub differs: bool,
     /// λ* (the least possible busiest-GPU tokens) under the measured loads: the current plan's
     /// and the candidate's.
     pub bottleneck_before: f64,
@@ -88,7 +91,7 @@ impl RebalanceCase {
 
     /// Every layer the candidate changes.
     pub fn changed(&self) -> Vec<usize> {
-        (0..self.layers.len()).filter(|&l| self.layers[l].transfers > 0).collect()
+        (0..self.layers.len()).filter(|&l| self.layers[l].differs).collect()
     }
 
     /// The layers whose own gain repays their own bytes: with gains and byte costs adding up
@@ -139,7 +142,8 @@ mod tests {
     /// Two layers: the first carries the whole imbalance (150 → 100 tokens on its busiest GPU),
     /// the second is balanced already (100 → 99) but its candidate moves as much.
     fn case() -> RebalanceCase {
-        let layer = |before, after| LayerCase { bottleneck_before: before, bottleneck_after: after, transfers: 2, bytes: 2_000_000 };
+        let layer =
+            |before, after| LayerCase { differs: true, bottleneck_before: before, bottleneck_after: after, transfers: 2, bytes: 2_000_000 };
         RebalanceCase {
             step_s: 0.5,
             horizon_steps: 200,
@@ -177,7 +181,13 @@ mod tests {
     #[test]
     fn a_rebalance_that_does_not_repay_or_moves_nothing_is_skipped() {
         // Slow transfers: 40 MB/s would take 100 s for 4 GB.
-        let layer = |before, after| LayerCase { bottleneck_before: before, bottleneck_after: after, transfers: 2, bytes: 2_000_000_000 };
+        let layer = |before, after| LayerCase {
+            differs: true,
+            bottleneck_before: before,
+            bottleneck_after: after,
+            transfers: 2,
+            bytes: 2_000_000_000,
+        };
         let slow = RebalanceCase { layers: vec![layer(150.0, 100.0), layer(100.0, 99.0)], seconds_per_byte: 2.5e-8, ..case() };
         let d = slow.decide(400);
         assert_eq!((d.decision, d.layers.len()), ("skip", 0));
@@ -190,8 +200,12 @@ mod tests {
         let worse = RebalanceCase { layers: vec![layer(150.0, 200.0)], ..case() };
         assert_eq!(worse.gain_s(&[0]), 0.0);
         // Nothing to move: nothing to apply, whatever the figures say.
-        let still = RebalanceCase { layers: vec![LayerCase { transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
+        let still = RebalanceCase { layers: vec![LayerCase { differs: false, transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
         assert_eq!(still.decide(400).decision, "skip");
+        // Copies inside nodes only: no bytes, but the pause is paid — moved if the gain repays it.
+        let local = RebalanceCase { layers: vec![LayerCase { transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
+        assert_eq!(local.decide(400).decision, "apply");
+        assert_eq!(RebalanceCase { fixed_s: 100.0, ..local }.decide(400).decision, "skip");
         // No loads measured: no gain.
         let idle = RebalanceCase { layers: vec![LayerCase { bottleneck_before: 0.0, ..case().layers[0] }], ..case() };
         assert_eq!(idle.gain_s(&[0]), 0.0);
