@@ -223,3 +223,44 @@ fn resuming_with_a_config_that_says_otherwise_is_an_error() {
     assert!(e.contains("lr = 0.1") && e.contains("the checkpoint has 0.002"), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Checkpoints a user can trust (issue 15, in part): a diverging run stops with an error and
+/// saves nothing diverged; a byte flipped in the newest checkpoint is found, and `--resume` goes
+/// on from the newest intact one, saying which it passed over.
+#[test]
+fn a_diverging_run_stops_and_a_damaged_checkpoint_gives_way_to_an_intact_one() {
+    let d = dir("trust");
+    let ck = d.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let mut args =
+        vec!["train", "--steps", "10", "--lr", "1e30", "--warmup-steps", "0", "--checkpoint-dir", ck_s, "--checkpoint-every", "1"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("training diverged at step"), "{err}");
+    for entry in std::fs::read_dir(&ck).unwrap().flatten() {
+        let manifest = entry.path().join("manifest.json");
+        if manifest.exists() {
+            // What was saved before the divergence is finite (it loads).
+            let out = lazarus(&["train", "--steps", "10", "--checkpoint-dir", entry.path().to_str().unwrap(), "--resume"]);
+            assert!(!String::from_utf8_lossy(&out.stderr).contains("damaged"), "{}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&ck);
+    let mut args = vec!["train", "--steps", "4", "--checkpoint-dir", ck_s, "--checkpoint-every", "2"];
+    args.extend(tiny());
+    assert!(lazarus(&args).status.success());
+    let newest = ck.join("step-00000004").join("model.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let at = bytes.len() - 64;
+    bytes[at] ^= 1;
+    std::fs::write(&newest, bytes).unwrap();
+    let mut args = vec!["train", "--steps", "6", "--checkpoint-dir", ck_s, "--resume"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("step-00000004") && err.contains("model.safetensors is damaged"), "{err}");
+    assert!(err.contains("resuming from the newest intact checkpoint") && err.contains("step-00000002"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

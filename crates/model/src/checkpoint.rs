@@ -4,9 +4,12 @@
 //! A checkpoint is written into a temporary directory, every file fsynced, the directory renamed
 //! to `step-XXXXXXXX`, and only then the `latest` pointer replaced (write, fsync, rename), so a
 //! crash at any moment leaves the previous checkpoint intact and `latest` pointing at a
-//! complete one.
+//! complete one. The manifest holds each tensor file's length and CRC-32, checked on load, and a
+//! tensor that is not finite is never saved; a damaged newest checkpoint gives way to the newest
+//! intact one ([`load_intact`]). Temporary directories a failed write left behind are removed by
+//! the next save.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -33,6 +36,23 @@ pub struct Manifest {
     /// AdamW step count of each parameter, same order.
     pub optimizer_steps: Vec<u64>,
     pub extra: serde_json::Value,
+    /// Length and CRC-32 of each tensor file, filled in by [`save`] (absent in checkpoints
+    /// written before they were kept: those load unchecked).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub files: BTreeMap<String, FileSum>,
+}
+
+/// What a tensor file must be to be the one that was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    pub bytes: u64,
+    pub crc32: u32,
+}
+
+impl FileSum {
+    pub fn of(bytes: &[u8]) -> Self {
+        FileSum { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) }
+    }
 }
 
 pub struct CheckpointData {
@@ -53,6 +73,35 @@ fn sync_dir(path: &Path) -> Result<()> {
     File::open(path).and_then(|d| d.sync_all()).map_err(|e| ModelError::io(path, e))
 }
 
+/// Refuse a tensor with a NaN or an infinity: a diverged run must not become the checkpoint a
+/// resume trusts.
+fn check_finite(tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
+    for (name, t) in tensors {
+        let values: Vec<f32> = t.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::Checkpoint {
+                path: path.to_path_buf(),
+                reason: format!("tensor {name} holds a non-finite value ({} at {i}): not saved", values[i]),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Temporary directories of writes whose process is gone (a crash, a kill mid-write).
+fn remove_stale_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(pid) = name.strip_prefix(".tmp-step-").and_then(|r| r.rsplit('-').next()).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 fn serialize(tensors: &[(String, Tensor)], path: &Path) -> Result<Vec<u8>> {
     let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     sorted.sort_by(|a, b| a.0.cmp(b.0));
@@ -62,15 +111,22 @@ fn serialize(tensors: &[(String, Tensor)], path: &Path) -> Result<Vec<u8>> {
 /// Write a checkpoint under `dir` and point `dir/latest` at it. Returns its directory.
 pub fn save(dir: &Path, manifest: &Manifest, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)]) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    remove_stale_temporaries(dir);
+    check_finite(weights, dir)?;
+    check_finite(optimizer, dir)?;
     let name = format!("step-{:08}", manifest.step);
     let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
     }
     std::fs::create_dir(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
-    write_synced(&tmp.join(MODEL_FILE), &serialize(weights, &tmp)?)?;
-    write_synced(&tmp.join(OPTIMIZER_FILE), &serialize(optimizer, &tmp)?)?;
-    let json = serde_json::to_vec_pretty(manifest).map_err(|e| ModelError::Checkpoint { path: tmp.clone(), reason: e.to_string() })?;
+    let mut manifest = manifest.clone();
+    for (file, tensors) in [(MODEL_FILE, weights), (OPTIMIZER_FILE, optimizer)] {
+        let bytes = serialize(tensors, &tmp)?;
+        manifest.files.insert(file.to_string(), FileSum::of(&bytes));
+        write_synced(&tmp.join(file), &bytes)?;
+    }
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| ModelError::Checkpoint { path: tmp.clone(), reason: e.to_string() })?;
     write_synced(&tmp.join(MANIFEST_FILE), &json)?;
     sync_dir(&tmp)?;
     let target = dir.join(&name);
@@ -114,9 +170,51 @@ pub fn load(dir: &Path, device: &Device) -> Result<CheckpointData> {
     }
     let read = |file: &str| -> Result<HashMap<String, Tensor>> {
         let bytes = std::fs::read(path.join(file)).map_err(|e| ModelError::io(path.join(file), e))?;
+        if let Some(want) = manifest.files.get(file) {
+            let got = FileSum::of(&bytes);
+            if got != *want {
+                return Err(bad(format!(
+                    "{file} is damaged: {} bytes with CRC-32 {:08x}, the manifest says {} bytes with {:08x}",
+                    got.bytes, got.crc32, want.bytes, want.crc32
+                )));
+            }
+        }
         candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| bad(format!("{file}: {e}")))
     };
     let weights = read(MODEL_FILE)?;
     let optimizer = read(OPTIMIZER_FILE)?;
     Ok(CheckpointData { manifest, weights, optimizer, path })
+}
+
+/// The checkpoint to resume from in `dir`: `latest`'s, or — if it is missing or damaged — the
+/// newest `step-*` that loads, with why each newer one was passed over. A checkpoint directory
+/// given itself is loaded as it is (no fallback: the user named it).
+pub fn load_intact(dir: &Path, device: &Device) -> Result<(CheckpointData, Vec<String>)> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok((load(dir, device)?, Vec::new()));
+    }
+    let first = match load(dir, device) {
+        Ok(ck) => return Ok((ck, Vec::new())),
+        Err(e) => e,
+    };
+    let latest = resolve(dir).ok();
+    let mut older: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::io(dir, e))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((step, e.path()))
+        })
+        .filter(|(_, p)| Some(p) != latest.as_ref())
+        .collect();
+    older.sort_by_key(|o| std::cmp::Reverse(o.0));
+    let mut passed = vec![format!("{}: {first}", latest.as_deref().unwrap_or(&dir.join(LATEST_FILE)).display())];
+    for (_, path) in older {
+        match load(&path, device) {
+            Ok(ck) => return Ok((ck, passed)),
+            Err(e) => passed.push(format!("{}: {e}", path.display())),
+        }
+    }
+    Err(ModelError::Checkpoint { path: dir.to_path_buf(), reason: format!("no intact checkpoint: {}", passed.join("; ")) })
 }

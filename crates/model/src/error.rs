@@ -15,6 +15,9 @@ pub enum ModelError {
     Io { path: PathBuf, error: std::io::Error },
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
+    /// A non-finite loss or gradient: the step is not applied, and the run stops.
+    #[error("training diverged at step {step}: the {what} is {value} (not applied; lower --lr, or resume from the last checkpoint)")]
+    Diverged { step: u64, what: &'static str, value: f64 },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -239,6 +239,13 @@ impl Trainer {
         let out = self.model.forward(&inputs, &targets, forced)?;
         let grads = out.loss.backward()?;
         let norm = grad_norm(self.model.params(), &grads)?;
+        // A diverged step is never applied (nor, then, saved).
+        let loss = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        for (what, value) in [("loss", loss), ("gradient norm", norm)] {
+            if !value.is_finite() {
+                return Err(ModelError::Diverged { step: self.step + 1, what, value });
+            }
+        }
         let lr = self.config.schedule().at(self.step);
         self.optimizer.step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
         self.step += 1;
@@ -293,14 +300,22 @@ impl Trainer {
             params: params.names().to_vec(),
             optimizer_steps: self.optimizer.steps(),
             extra,
+            files: Default::default(),
         };
         checkpoint::save(dir, &manifest, &weights, &moments)
     }
 
-    /// Continue a run from the checkpoint in `dir` (or `dir/latest`). `steps`, when given,
+    /// Continue a run from the checkpoint in `dir` (or `dir/latest`, or the newest intact one
+    /// if that one is damaged: [`checkpoint::load_intact`], which says why). `steps`, when given,
     /// replaces the total step count; everything else comes from the checkpoint.
     pub fn resume(dir: &Path, steps: Option<u64>) -> Result<Self> {
-        let ck = checkpoint::load(dir, &Device::Cpu)?;
+        let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
+        for why in &passed {
+            tracing::warn!("checkpoint passed over: {why}");
+        }
+        if !passed.is_empty() {
+            tracing::warn!("resuming from the newest intact checkpoint, {}", ck.path.display());
+        }
         let path = ck.path.clone();
         let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
         let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;

@@ -52,7 +52,7 @@ fn checkpoint_then_resume_gives_the_identical_next_step() {
 }
 
 #[test]
-fn a_corrupt_checkpoint_is_an_error_and_the_previous_one_survives() {
+fn a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one() {
     let dir = temp_dir("corrupt");
     let mut t = Trainer::new(small()).unwrap();
     t.step().unwrap();
@@ -60,11 +60,65 @@ fn a_corrupt_checkpoint_is_an_error_and_the_previous_one_survives() {
     t.step().unwrap();
     let second = t.save_checkpoint(&dir).unwrap();
     std::fs::write(second.join("model.safetensors"), b"garbage").unwrap();
-    let err = Trainer::resume(&dir, None).err().expect("corrupt checkpoint must fail").to_string();
-    assert!(err.contains("model.safetensors"), "{err}");
-    // The older checkpoint is untouched and loads.
-    let ok = Trainer::resume(&first, None).unwrap();
+    // Named itself, the damaged checkpoint is an error that names the file.
+    let err = Trainer::resume(&second, None).err().expect("a damaged checkpoint must fail").to_string();
+    assert!(err.contains("model.safetensors") && err.contains("damaged"), "{err}");
+    // Through `latest`, the resume goes back to the newest intact one.
+    let ok = Trainer::resume(&dir, None).unwrap();
     assert_eq!(ok.step, 1);
+    assert_eq!(Trainer::resume(&first, None).unwrap().step, 1);
+    // With every checkpoint damaged: an error that names each.
+    std::fs::write(first.join("optimizer.safetensors"), b"junk").unwrap();
+    let err = Trainer::resume(&dir, None).err().unwrap().to_string();
+    assert!(err.contains("no intact checkpoint") && err.contains("step-00000001") && err.contains("step-00000002"), "{err}");
+}
+
+/// One flipped bit inside a tensor still parses as safetensors: only the checksum finds it.
+#[test]
+fn a_flipped_byte_inside_a_tensor_is_found_on_load() {
+    let dir = temp_dir("flip");
+    let mut t = Trainer::new(small()).unwrap();
+    t.step().unwrap();
+    let saved = t.save_checkpoint(&dir).unwrap();
+    let path = saved.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x10;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Trainer::resume(&saved, None).err().expect("a flipped byte must be found").to_string();
+    assert!(err.contains("model.safetensors is damaged") && err.contains("CRC-32"), "{err}");
+}
+
+#[test]
+fn a_non_finite_weight_is_never_saved_and_stale_temporaries_are_cleaned() {
+    let dir = temp_dir("nan");
+    let mut t = Trainer::new(small()).unwrap();
+    t.step().unwrap();
+    t.save_checkpoint(&dir).unwrap();
+    // A write a killed process left behind (its pid cannot be alive: above pid_max).
+    let stale = dir.join(".tmp-step-00000009-4999999");
+    std::fs::create_dir_all(&stale).unwrap();
+    let (name, var) = t.model.params().iter().next().map(|(n, v)| (n.to_string(), v.clone())).unwrap();
+    let mut values: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+    values[0] = f32::NAN;
+    var.set(&candle_core::Tensor::from_vec(values, var.shape(), var.device()).unwrap()).unwrap();
+    t.step = 2;
+    let err = t.save_checkpoint(&dir).expect_err("a NaN weight must not be saved").to_string();
+    assert!(err.contains(&name) && err.contains("non-finite"), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-00000001", "latest unchanged");
+    assert!(!stale.exists(), "a dead writer's temporary directory is removed");
+}
+
+/// `--lr 1e30`: the first step that makes a loss or gradient non-finite is refused, not trained
+/// through to the end.
+#[test]
+fn a_diverging_run_stops_with_an_error_instead_of_training_on_nans() {
+    let mut c = small();
+    c.lr = 1e30;
+    c.warmup_steps = 0;
+    let mut t = Trainer::new(c).unwrap();
+    let err = (0..10).find_map(|_| t.step().err()).expect("divergence is an error").to_string();
+    assert!(err.contains("diverged") && err.contains("not applied"), "{err}");
 }
 
 #[test]
