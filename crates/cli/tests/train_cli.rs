@@ -264,3 +264,57 @@ fn a_diverging_run_stops_and_a_damaged_checkpoint_gives_way_to_an_intact_one() {
     assert!(err.contains("resuming from the newest intact checkpoint") && err.contains("step-00000002"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A fresh run does not silently replace another run's checkpoints; two runs do not write one
+/// directory at once; and `--resume` logs the steps it redoes once.
+#[test]
+fn checkpoints_of_a_run_are_not_overwritten_and_a_resume_logs_each_step_once() {
+    let d = dir("overwrite");
+    let (ck, log) = (d.join("ck"), d.join("log.jsonl"));
+    let (ck_s, log_s) = (ck.to_str().unwrap(), log.to_str().unwrap());
+    let mut args = vec!["train", "--steps", "6", "--checkpoint-dir", ck_s, "--checkpoint-every", "2", "--json-log", log_s];
+    args.extend(tiny());
+    assert!(lazarus(&args).status.success());
+    // A fresh run in the same directory: refused, naming the two ways on.
+    let out = lazarus(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--resume") && err.contains("--overwrite-checkpoints"), "{err}");
+    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "step-00000006", "nothing replaced");
+    let mut both = args.clone();
+    both.extend(["--resume", "--overwrite-checkpoints"]);
+    assert!(String::from_utf8_lossy(&lazarus(&both).stderr).contains("give one of them"));
+    // Resumed from step 4 (the final checkpoint of step 6 removed): steps 5 and 6 run again and
+    // are logged once.
+    std::fs::remove_dir_all(ck.join("step-00000006")).unwrap();
+    std::fs::write(ck.join("latest"), "step-00000004").unwrap();
+    let mut resume = args.clone();
+    resume.push("--resume");
+    let out = lazarus(&resume);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps: Vec<u64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);
+    // Asked to, a new run starts over them.
+    let mut over = args.clone();
+    over.push("--overwrite-checkpoints");
+    assert!(lazarus(&over).status.success());
+    // A second run while one holds the directory: refused, naming the holder.
+    let mut long = vec!["train", "--steps", "100000", "--checkpoint-dir", ck_s, "--overwrite-checkpoints"];
+    long.extend(tiny());
+    let (mut first, _lines) = common::spawn_lazarus(&long, &[]);
+    let lock = ck.join(".lock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_to_string(&lock).map_or(true, |s| s.trim() != first.id().to_string()) {
+        assert!(std::time::Instant::now() < deadline, "the first run takes the lock");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = lazarus(&over);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(&format!("another run (pid {})", first.id())), "{err}");
+    let _ = first.kill();
+    let _ = first.wait();
+    let _ = std::fs::remove_dir_all(&d);
+}

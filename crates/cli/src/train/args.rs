@@ -1,7 +1,7 @@
 //! The flags of `lazarus train`, the configuration they build (defaults, then a TOML file, then
 //! flags), and the checks that no flag is silently ignored and the run fits this machine.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -76,6 +76,10 @@ pub struct TrainArgs {
     /// Continue from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// Start a new run in a --checkpoint-dir that holds another run's checkpoints (they are
+    /// replaced as the new run saves its own).
+    #[arg(long)]
+    overwrite_checkpoints: bool,
     /// Append one JSON object per step to this file.
     #[arg(long, value_name = "FILE")]
     pub(super) json_log: Option<PathBuf>,
@@ -304,7 +308,10 @@ pub fn check_fits(cfg: &TrainConfig, copies: u128) -> Result<()> {
 
 /// `--checkpoint-dir`: a directory (created if missing) before training starts, not a file found
 /// out at the first save.
-fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool) -> Result<()> {
+fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool, overwrite: bool) -> Result<()> {
+    if resume && overwrite {
+        bail!("--overwrite-checkpoints starts a new run, --resume goes on with the saved one: give one of them");
+    }
     if cfg.checkpoint_every > 0 && cfg.checkpoint_dir.is_none() {
         bail!("--checkpoint-every needs --checkpoint-dir (or checkpoint_dir in --config)");
     }
@@ -317,9 +324,55 @@ fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool) -> Result<()> {
                 bail!("--resume: {} does not exist (no checkpoint to continue)", dir.display());
             }
         } else {
+            // A fresh run would replace another run's checkpoints and move `latest` back.
+            let latest = dir.join(lazarus_model::checkpoint::LATEST_FILE);
+            if latest.exists() && !overwrite {
+                let name = std::fs::read_to_string(&latest).unwrap_or_default();
+                bail!(
+                    "--checkpoint-dir {} holds the checkpoints of a run (latest: {}): add --resume to go on with it, or \
+                     --overwrite-checkpoints to start a new run over them",
+                    dir.display(),
+                    name.trim()
+                );
+            }
             std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
         }
+        lock_checkpoint_dir(dir)?;
     }
+    Ok(())
+}
+
+/// Hold `DIR/.lock` (flock) for the life of this process: two runs writing one checkpoint
+/// directory would replace each other's checkpoints and `latest`.
+fn lock_checkpoint_dir(dir: &Path) -> Result<()> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::io::AsRawFd;
+    static HELD: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    let key = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    if held.contains(&key) {
+        return Ok(());
+    }
+    let path = dir.join(".lock");
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("--checkpoint-dir: cannot open {}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut owner = String::new();
+        let _ = f.read_to_string(&mut owner);
+        let owner = owner.trim();
+        let who = if owner.is_empty() { "another run".to_string() } else { format!("another run (pid {owner})") };
+        bail!("--checkpoint-dir {}: {who} is writing checkpoints there", dir.display());
+    }
+    let _ = f.set_len(0).and_then(|_| f.rewind()).and_then(|_| write!(f, "{}", std::process::id()));
+    // Kept open (and locked) until this process ends; the kernel releases it however it ends.
+    std::mem::forget(f);
+    held.push(key);
     Ok(())
 }
 
@@ -409,7 +462,7 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
 pub fn setup_run(args: &TrainArgs, copies: u128) -> Result<TrainConfig> {
     args.check_combinations()?;
     let cfg = build_config(args)?;
-    check_checkpoint_dir(&cfg, args.resume)?;
+    check_checkpoint_dir(&cfg, args.resume, args.overwrite_checkpoints)?;
     if !args.resume {
         check_fits(&cfg, copies)?;
     }

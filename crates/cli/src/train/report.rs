@@ -89,7 +89,7 @@ impl Reporter {
         } else {
             None
         };
-        Ok(Reporter {
+        let mut reporter = Reporter {
             log,
             bar,
             quiet: args.quiet,
@@ -101,7 +101,13 @@ impl Reporter {
             recent: Vec::new(),
             first_loss: None,
             last: None,
-        })
+        };
+        // On --resume the steps after the checkpoint run again: their old lines go, so that every
+        // step is logged once.
+        if args.resume {
+            reporter.rewind(first_step)?;
+        }
+        Ok(reporter)
     }
 
     /// One finished step that took `seconds`.
