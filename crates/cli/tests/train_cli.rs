@@ -318,3 +318,27 @@ fn checkpoints_of_a_run_are_not_overwritten_and_a_resume_logs_each_step_once() {
     let _ = first.wait();
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn only_the_newest_checkpoints_are_kept() {
+    let d = dir("keep");
+    let ck = d.join("ck");
+    let mut args =
+        vec!["train", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "1", "--keep-checkpoints", "2"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut kept: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, vec!["step-00000004", "step-00000005"]);
+    let mut args = vec!["train", "--steps", "5", "--keep-checkpoints", "2"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--keep-checkpoints needs --checkpoint-dir"));
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -108,8 +108,9 @@ fn serialize(tensors: &[(String, Tensor)], path: &Path) -> Result<Vec<u8>> {
     safetensors::serialize(sorted, None).map_err(|e| ModelError::Checkpoint { path: path.to_path_buf(), reason: e.to_string() })
 }
 
-/// Write a checkpoint under `dir` and point `dir/latest` at it. Returns its directory.
-pub fn save(dir: &Path, manifest: &Manifest, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)]) -> Result<PathBuf> {
+/// Write a checkpoint under `dir` and point `dir/latest` at it, then remove all but the newest
+/// `keep` checkpoints (0: keep every one). Returns its directory.
+pub fn save(dir: &Path, manifest: &Manifest, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)], keep: usize) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     remove_stale_temporaries(dir);
     check_finite(weights, dir)?;
@@ -140,7 +141,28 @@ pub fn save(dir: &Path, manifest: &Manifest, weights: &[(String, Tensor)], optim
     write_synced(&latest_tmp, name.as_bytes())?;
     std::fs::rename(&latest_tmp, dir.join(LATEST_FILE)).map_err(|e| ModelError::io(dir.join(LATEST_FILE), e))?;
     sync_dir(dir)?;
+    if keep > 0 {
+        // Oldest first out; never the one `latest` now names.
+        let mut saved = step_dirs(dir)?;
+        saved.sort_by_key(|s| std::cmp::Reverse(s.0));
+        for (_, path) in saved.into_iter().filter(|(_, p)| *p != target).skip(keep.saturating_sub(1)) {
+            std::fs::remove_dir_all(&path).map_err(|e| ModelError::io(&path, e))?;
+        }
+    }
     Ok(target)
+}
+
+/// The `step-N` checkpoint directories in `dir`, with their steps.
+fn step_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    Ok(std::fs::read_dir(dir)
+        .map_err(|e| ModelError::io(dir, e))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            Some((step, e.path()))
+        })
+        .collect())
 }
 
 /// The checkpoint `dir/latest` points at, or `dir` itself if it is a checkpoint directory.
@@ -198,16 +220,7 @@ pub fn load_intact(dir: &Path, device: &Device) -> Result<(CheckpointData, Vec<S
         Err(e) => e,
     };
     let latest = resolve(dir).ok();
-    let mut older: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
-        .map_err(|e| ModelError::io(dir, e))?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
-            Some((step, e.path()))
-        })
-        .filter(|(_, p)| Some(p) != latest.as_ref())
-        .collect();
+    let mut older: Vec<(u64, PathBuf)> = step_dirs(dir)?.into_iter().filter(|(_, p)| Some(p) != latest.as_ref()).collect();
     older.sort_by_key(|o| std::cmp::Reverse(o.0));
     let mut passed = vec![format!("{}: {first}", latest.as_deref().unwrap_or(&dir.join(LATEST_FILE)).display())];
     for (_, path) in older {

@@ -38,6 +38,8 @@ pub struct TrainConfig {
     pub checkpoint_dir: Option<PathBuf>,
     /// Save every this many steps (0 = only at the end, when a directory is set).
     pub checkpoint_every: u64,
+    /// Checkpoints kept in the directory: the newest this many (0 = every one).
+    pub keep_checkpoints: usize,
 }
 
 impl Default for TrainConfig {
@@ -57,6 +59,7 @@ impl Default for TrainConfig {
             routing_trace: None,
             checkpoint_dir: None,
             checkpoint_every: 0,
+            keep_checkpoints: 3,
         }
     }
 }
@@ -302,7 +305,7 @@ impl Trainer {
             extra,
             files: Default::default(),
         };
-        checkpoint::save(dir, &manifest, &weights, &moments)
+        checkpoint::save(dir, &manifest, &weights, &moments, self.config.keep_checkpoints)
     }
 
     /// Continue a run from the checkpoint in `dir` (or `dir/latest`, or the newest intact one

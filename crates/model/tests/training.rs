@@ -121,6 +121,34 @@ fn a_diverging_run_stops_with_an_error_instead_of_training_on_nans() {
     assert!(err.contains("diverged") && err.contains("not applied"), "{err}");
 }
 
+/// `--checkpoint-every 1` must not fill the disk: the newest `keep_checkpoints` stay.
+#[test]
+fn only_the_newest_checkpoints_are_kept() {
+    let dir = temp_dir("keep");
+    let mut t = Trainer::new(TrainConfig { keep_checkpoints: 2, ..small() }).unwrap();
+    for _ in 0..5 {
+        t.step().unwrap();
+        t.save_checkpoint(&dir).unwrap();
+    }
+    let mut kept: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, vec!["step-00000004", "step-00000005"]);
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-00000005");
+    // 0 keeps every one.
+    let dir = temp_dir("keep-all");
+    let mut t = Trainer::new(TrainConfig { keep_checkpoints: 0, ..small() }).unwrap();
+    for _ in 0..4 {
+        t.step().unwrap();
+        t.save_checkpoint(&dir).unwrap();
+    }
+    assert_eq!(std::fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("step-")).count(), 4);
+}
+
 #[test]
 fn bad_configuration_names_the_field() {
     let mut c = small();

@@ -73,6 +73,9 @@ pub struct TrainArgs {
     checkpoint_dir: Option<PathBuf>,
     #[arg(long)]
     checkpoint_every: Option<u64>,
+    /// Keep the newest N checkpoints in --checkpoint-dir (0: every one; default 3).
+    #[arg(long, value_name = "N")]
+    keep_checkpoints: Option<usize>,
     /// Continue from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
     pub(crate) resume: bool,
@@ -401,7 +404,7 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
          warmup_steps => warmup_steps, d_model => model.d_model, layers => model.n_layers,
          heads => model.n_heads, experts => model.n_experts, top_k => model.top_k, d_ff => model.d_ff,
          moe_every => model.moe_every, aux_loss_coef => model.aux_loss_coef, seed => seed,
-         checkpoint_every => checkpoint_every);
+         checkpoint_every => checkpoint_every, keep_checkpoints => keep_checkpoints);
     if let Some(v) = &args.grad_clip {
         c.grad_clip = off_or("grad-clip", v)?;
     }
@@ -462,6 +465,9 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
 pub fn setup_run(args: &TrainArgs, copies: u128) -> Result<TrainConfig> {
     args.check_combinations()?;
     let cfg = build_config(args)?;
+    if args.keep_checkpoints.is_some() && cfg.checkpoint_dir.is_none() {
+        bail!("--keep-checkpoints needs --checkpoint-dir (or checkpoint_dir in --config)");
+    }
     check_checkpoint_dir(&cfg, args.resume, args.overwrite_checkpoints)?;
     if !args.resume {
         check_fits(&cfg, copies)?;
