@@ -7,6 +7,7 @@ pub mod bench;
 pub mod recovery_bench;
 pub mod replay_sim;
 pub mod report;
+pub mod stop_signal;
 pub mod workers;
 
 use std::time::Instant;
@@ -37,6 +38,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     }
     print_banner(&trainer, "single process");
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    stop_signal::install();
     while !trainer.done() {
         let t0 = Instant::now();
         let r = trainer.step()?;
@@ -46,10 +48,31 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
                 trainer.save_checkpoint(dir)?;
             }
         }
+        if let Some((sig, name)) = stop_signal::requested() {
+            return stop_early(&trainer, &reporter, sig, name);
+        }
     }
     let saved = match &cfg.checkpoint_dir {
         Some(dir) => Some(trainer.save_checkpoint(dir)?),
         None => None,
     };
     reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
+}
+
+/// A stop signal arrived: the step in flight finished, so save it (where checkpoints go), show
+/// the summary and exit 128 + the signal's number, as a process killed by it would — a scheduler
+/// sees the run did not finish, and `--resume` carries it on from this step.
+fn stop_early(trainer: &Trainer, reporter: &Reporter, sig: i32, name: &str) -> Result<()> {
+    let saved = match &trainer.config.checkpoint_dir {
+        Some(dir) => Some(trainer.save_checkpoint(dir)?),
+        None => None,
+    };
+    match &saved {
+        Some(p) => {
+            tracing::warn!("{name}: stopped after step {}; checkpoint {} written (--resume goes on from it)", trainer.step, p.display())
+        }
+        None => tracing::warn!("{name}: stopped after step {}; nothing saved (no --checkpoint-dir)", trainer.step),
+    }
+    reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())?;
+    std::process::exit(128 + sig)
 }
