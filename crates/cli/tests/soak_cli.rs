@@ -435,6 +435,10 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     args.extend(["--max-workers", "6", "--join-wait", "0.5", "--lease", "0.5", "--slots-per-worker", "2"]);
     args.extend(["--lr", lr, "--min-lr", min_lr, "--steps", steps, "--json-log", log_s]);
     args.extend(["--checkpoint-dir", ck_s, "--checkpoint-every", "25", "--rebalance-every", "100"]);
+    // No snapshots: a restore from one taken a step before the failure changes the losses on
+    // purpose (that expert's last update is lost), and this soak compares every loss with the
+    // uninterrupted run's; an expert that loses every replica rolls back, exactly.
+    args.extend(["--snapshot-bandwidth", "0"]);
     args.extend(tiny_model("12"));
     let (mut controller, ctl_lines, addr) = start_controller(&args, hosts.as_ref().map(|h| h.names[0].as_str()));
     let begun = Instant::now();

@@ -46,6 +46,14 @@ pub trait Transport: Send {
     fn lost_peers(&mut self) -> Vec<usize> {
         Vec::new()
     }
+
+    /// An out-of-band frame ([`tags::is_out_of_band`]) from `peer` with `tag` that has already
+    /// arrived, without waiting — even after the transport failed: a snapshot that got here
+    /// before its sender was lost is still good.
+    fn take_arrived(&mut self, peer: usize, tag: u64) -> Option<Vec<u8>> {
+        let _ = (peer, tag);
+        None
+    }
 }
 
 /// A one-rank transport: the single-process case runs exactly the same code as N processes.

@@ -50,6 +50,13 @@ pub(crate) const ABORT: u64 = u64::MAX;
 /// "I am closing on purpose: my end of file is not a failure."
 pub(crate) const BYE: u64 = u64::MAX - 1;
 
+/// Whether frames with `tag` travel beside the ordered stream between two ranks: snapshots
+/// sent after one step are taken by their receiver after the next, while that step's
+/// collectives (ordered, from the same peer) go first.
+pub fn is_out_of_band(tag: u64) -> bool {
+    tag >> 56 == 0x80 | TransferKind::Snapshot as u64
+}
+
 /// Whether `tag` is reserved for the transport's control frames.
 pub fn is_control(tag: u64) -> bool {
     tag >= CONTROL
@@ -71,5 +78,7 @@ mod tests {
         assert_ne!(expert_transfer(TransferKind::Checkpoint, 1, 2).unwrap(), expert_transfer(TransferKind::Snapshot, 1, 2).unwrap());
         assert!(expert_transfer(TransferKind::Checkpoint, 1 << 24, 0).is_err());
         assert!(is_control(ABORT) && is_control(BYE));
+        assert!(is_out_of_band(expert_transfer(TransferKind::Snapshot, 3, 4).unwrap()));
+        assert!(!is_out_of_band(expert_transfer(TransferKind::StateTransfer, 3, 4).unwrap()) && !is_out_of_band(collective(1, 2)));
     }
 }

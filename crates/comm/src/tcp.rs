@@ -36,6 +36,9 @@ pub struct TcpTransport {
     inbox: Receiver<Event>,
     /// Frames that arrived from a peer before they were asked for.
     pending: Vec<VecDeque<(u64, Vec<u8>)>>,
+    /// Out-of-band frames ([`crate::tags::is_out_of_band`]: snapshots) that arrived ahead of
+    /// the frame asked for: set aside until they are asked for.
+    parked: Vec<VecDeque<(u64, Vec<u8>)>>,
     /// Why each peer is gone, once it is.
     lost: Vec<Option<String>>,
     /// Peers that said goodbye: their EOF ends the connection without failing the step.
@@ -247,6 +250,7 @@ impl TcpTransport {
             streams,
             inbox,
             pending: (0..world).map(|_| VecDeque::new()).collect(),
+            parked: (0..world).map(|_| VecDeque::new()).collect(),
             lost: vec![None; world],
             left: vec![false; world],
             failed: None,
@@ -418,6 +422,19 @@ impl Transport for TcpTransport {
         self.fail_on(result)
     }
 
+    fn take_arrived(&mut self, peer: usize, tag: u64) -> Option<Vec<u8>> {
+        if peer >= self.world || !crate::tags::is_out_of_band(tag) {
+            return None;
+        }
+        self.drain_control();
+        for q in [&mut self.parked[peer], &mut self.pending[peer]] {
+            if let Some(i) = q.iter().position(|(t, _)| *t == tag) {
+                return q.remove(i).map(|(_, p)| p);
+            }
+        }
+        None
+    }
+
     fn lost_peers(&mut self) -> Vec<usize> {
         self.drain_control();
         (0..self.world).filter(|&p| p != self.rank && ((self.lost[p].is_some() && !self.left[p]) || self.reported[p])).collect()
@@ -483,8 +500,17 @@ impl TcpTransport {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        if crate::tags::is_out_of_band(tag) {
+            if let Some(i) = self.parked[peer].iter().position(|(t, _)| *t == tag) {
+                return Ok(self.parked[peer].remove(i).map(|(_, p)| p).unwrap_or_default());
+            }
+        }
         loop {
             if let Some((t, payload)) = self.pending[peer].pop_front() {
+                if t != tag && crate::tags::is_out_of_band(t) {
+                    self.parked[peer].push_back((t, payload));
+                    continue;
+                }
                 if t != tag {
                     return Err(CommError::Protocol { peer, reason: format!("expected tag {tag:#x}, got {t:#x}") });
                 }

@@ -297,3 +297,34 @@ fn a_cancelled_rendezvous_returns_at_once() {
         assert!(start.elapsed() < Duration::from_secs(5), "rank {rank}: {:?}", start.elapsed());
     }
 }
+
+/// A snapshot frame sent before a collective is taken after it: out-of-band frames are set
+/// aside until asked for; any other frame out of order is still a protocol error.
+#[test]
+fn snapshot_frames_wait_aside_while_the_ordered_stream_goes_on() {
+    use lazarus_comm::tags::{expert_transfer, TransferKind};
+    let snap = expert_transfer(TransferKind::Snapshot, 1, 2).unwrap();
+    let out = on_group(2, move |r, t| {
+        let mut g = Group::world(2);
+        let d = Instant::now() + T;
+        if r == 0 {
+            t.send(1, snap, b"expert state", d).unwrap();
+        }
+        let all = all_gather(t, &mut g, &[r as u8], T).unwrap();
+        let got = if r == 1 { t.recv(0, snap, d).unwrap() } else { Vec::new() };
+        barrier(t, &mut g, T).unwrap();
+        (all, got)
+    });
+    assert_eq!(out[1], (vec![vec![0], vec![1]], b"expert state".to_vec()));
+    let out = on_group(2, move |r, t| {
+        let d = Instant::now() + T;
+        let state = expert_transfer(TransferKind::StateTransfer, 1, 2).unwrap();
+        if r == 0 {
+            t.send(1, state, b"x", d).unwrap();
+            None
+        } else {
+            Some(t.recv(0, snap, d))
+        }
+    });
+    assert!(matches!(out[1], Some(Err(CommError::Protocol { .. }))), "{:?}", out[1]);
+}

@@ -80,6 +80,9 @@ pub struct TrainJob {
     /// its rank in the job).
     #[serde(default)]
     pub standby: bool,
+    /// Snapshot experts into other nodes' memory (the snapshot tier; None: never).
+    #[serde(default)]
+    pub snapshots: Option<lazarus_runtime::SnapshotSettings>,
 }
 
 /// What the launcher tells a worker after its spec.
@@ -217,6 +220,9 @@ pub enum WorkerEvent {
         /// The global report of its last committed step (`steps_done`), if it has it.
         #[serde(default)]
         last: Option<CommittedStep>,
+        /// The expert snapshots it keeps for other nodes.
+        #[serde(default)]
+        snapshots: Vec<crate::controller::SnapshotHeld>,
     },
     /// This worker left the job after the move that drained its node (it held nothing any
     /// more); it exits.
@@ -227,6 +233,8 @@ pub enum WorkerEvent {
         epoch: u64,
         steps_done: u64,
         holds: Vec<Vec<usize>>,
+        #[serde(default)]
+        snapshots: Vec<crate::controller::SnapshotHeld>,
     },
     /// Rank 0 wrote a checkpoint of `step`.
     Checkpointed {
@@ -242,6 +250,9 @@ pub enum WorkerEvent {
         wire_bytes: u64,
         #[serde(default)]
         dropped: u64,
+        /// What the step's snapshots cost (None: the job takes none).
+        #[serde(default)]
+        snapshot: Option<lazarus_runtime::SnapshotStepStats>,
     },
     Done {
         checkpoint: Option<PathBuf>,

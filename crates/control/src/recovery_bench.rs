@@ -184,8 +184,16 @@ pub fn run_recovery_bench(
             PlanSource::Measured { profile_steps: 2, slots_per_worker: None, max_imbalance: Some(lazarus_plan::DEFAULT_MAX_IMBALANCE) };
         let plan = plan_job(&mut trainer, spec.workers, 1, &source)?;
         let faults = kill.phase.hook().map(|p| format!("{}:{p}:{}", kill.worker, kill.step)).unwrap_or_default();
-        let job =
-            TrainJob { config: cfg.clone(), plan: plan.map, static_ep: false, resume: None, heartbeat_s: 0.0, faults, standby: false };
+        let job = TrainJob {
+            config: cfg.clone(),
+            plan: plan.map,
+            static_ep: false,
+            resume: None,
+            heartbeat_s: 0.0,
+            faults,
+            standby: false,
+            snapshots: None,
+        };
         let mut pids: BTreeMap<usize, u32> = BTreeMap::new();
         let mut record = None;
         let outcome = run_training(

@@ -72,7 +72,13 @@ impl EventSink {
     }
 
     /// A step report: dropped, and counted in the next one, when [`QUEUE`] reports wait unread.
-    pub fn step(&self, report: lazarus_model::StepReport, seconds: f64, wire_bytes: u64) {
+    pub fn step(
+        &self,
+        report: lazarus_model::StepReport,
+        seconds: f64,
+        wire_bytes: u64,
+        snapshot: Option<lazarus_runtime::SnapshotStepStats>,
+    ) {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = tx.as_ref() else { return };
         let mut dropped = self.dropped.lock().unwrap_or_else(|e| e.into_inner());
@@ -81,7 +87,7 @@ impl EventSink {
             return;
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
-        if tx.send(WorkerEvent::Step { report, seconds, wire_bytes, dropped: *dropped }).is_ok() {
+        if tx.send(WorkerEvent::Step { report, seconds, wire_bytes, dropped: *dropped, snapshot }).is_ok() {
             *dropped = 0;
         }
     }
@@ -416,6 +422,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             job.resume.as_deref(),
         )?
     };
+    worker.set_snapshots(job.snapshots);
     worker.set_fault_hook(fault.clone());
     worker.set_pause_signal(Some(inbox.pause.clone()));
     let mut t = t;
@@ -442,7 +449,12 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                 if let Some(t) = t.as_mut() {
                     t.shutdown();
                 }
-                sink.send(WorkerEvent::Paused { epoch, steps_done: worker.steps_done(), holds: worker.resident_experts()? });
+                sink.send(WorkerEvent::Paused {
+                    epoch,
+                    steps_done: worker.steps_done(),
+                    holds: worker.resident_experts()?,
+                    snapshots: held_snapshots(&worker),
+                });
                 false
             }
             Ok(Ended::StandingBy) => true,
@@ -451,6 +463,9 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     return Err(failure);
                 }
                 // Say where this worker stopped, with what it holds, and wait for the decision.
+                if let Some(t) = t.as_mut() {
+                    worker.keep_arrived_snapshots(t);
+                }
                 sink.send(WorkerEvent::StepFailed {
                     epoch,
                     steps_done: worker.steps_done(),
@@ -459,6 +474,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     kind: failure_kind(&failure),
                     message: failure.to_string(),
                     last: worker.last_committed().map(|(report, seconds)| CommittedStep { report: report.clone(), seconds: *seconds }),
+                    snapshots: held_snapshots(&worker),
                 });
                 if let Some(t) = t.as_mut() {
                     t.abort_connections();
@@ -509,6 +525,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             };
             let options = WorkerOptions { plan: to.plan.clone(), mode, timeout };
             worker = Worker::new(cfg.clone(), options, to.rank, to.world, from.as_deref())?;
+            worker.set_snapshots(job.snapshots);
             worker.set_fault_hook(fault.clone());
             worker.set_pause_signal(Some(inbox.pause.clone()));
         }
@@ -565,8 +582,15 @@ fn train_until_done(
     while !worker.done() {
         let t0 = Instant::now();
         let r = worker.step(t, group)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        // After the commit: this step's snapshots go out (the last step's come in). A failure
+        // here leaves the step committed everywhere; the controller logs it from a survivor.
+        // None after the last step or before a pause: every rank ends its transport there, and
+        // a snapshot would be sent to a peer already gone (the final checkpoint, or the move,
+        // keeps the state instead).
+        let snapshot = if worker.snapshots_on() && !worker.done() && !r.pause { Some(worker.snapshot_round(t, group, &r)?) } else { None };
         if worker.rank() == 0 {
-            sink.step(r.report.clone(), t0.elapsed().as_secs_f64(), r.wire_bytes);
+            sink.step(r.report.clone(), seconds, r.wire_bytes, snapshot);
         }
         if let Some(dir) = &cfg.checkpoint_dir {
             if cfg.checkpoint_every > 0 && r.report.step.is_multiple_of(cfg.checkpoint_every) && !worker.done() {
@@ -602,4 +626,13 @@ pub fn run_bench_worker() -> i32 {
         Ok(if spec.rank == 0 { WorkerEvent::BenchResults { results } } else { WorkerEvent::Done { checkpoint: None } })
     })();
     finish(&sink, result)
+}
+
+/// The snapshots a worker keeps for other nodes, as the controller is told them.
+fn held_snapshots(worker: &Worker) -> Vec<crate::controller::SnapshotHeld> {
+    worker
+        .held_snapshots()
+        .into_iter()
+        .map(|(layer, expert, step, tokens_lost)| crate::controller::SnapshotHeld { layer, expert, step, tokens_lost })
+        .collect()
 }

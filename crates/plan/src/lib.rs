@@ -6,6 +6,7 @@
 //! * [`recovery`] — the probability that a plan survives k node failures;
 //! * [`reconfig`] — which live node becomes which plan node and who sends what (§4.3);
 //! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1);
+//! * [`snapshot`] — which experts to copy into another node's memory each step (MoEtion §4);
 //! * [`scheduler`] — the one scheduler (allocate, then place, every layer) and the plan of a
 //!   whole model with its file format.
 //!
@@ -23,6 +24,7 @@ pub mod reconfig;
 pub mod recovery;
 pub mod rng;
 pub mod scheduler;
+pub mod snapshot;
 
 pub use allocation::{allocate, ReplicaAllocation};
 pub use balance::{min_max_load, LoadBalance};
@@ -35,6 +37,7 @@ pub use placement::{
 pub use reconfig::{plan_reconfiguration, rank_transfers, NodeState, RankTransfer, ReconfigurationPlan, StateTransfer};
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{plan_layer, plan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT};
+pub use snapshot::{nodes_holding, select_snapshots, SnapshotPolicy, SnapshotSelection};
 
 /// Index of an expert within one MoE layer, 0-based in input order.
 pub type ExpertId = usize;

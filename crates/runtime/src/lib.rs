@@ -24,5 +24,5 @@ pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForwa
 pub use shared_state::SharedState;
 pub use worker::{
     batch_share, check_plan, pause_signal, validate_worker_config, ExpertTransfer, FaultHook, FaultPoint, PauseSignal, PendingStep,
-    Reconfiguration, ReconfigureReport, Worker, WorkerOptions, WorkerStepReport,
+    Reconfiguration, ReconfigureReport, SnapshotSettings, SnapshotStepStats, Worker, WorkerOptions, WorkerStepReport,
 };

@@ -134,6 +134,12 @@ pub struct TrainArgs {
     /// when its predicted gain repays its move (default 200; 0: never).
     #[arg(long, value_name = "STEPS")]
     pub rebalance_every: Option<u64>,
+    /// With --workers and recovery: bytes per second of the link given to snapshots of experts
+    /// into another node's memory after each step (the budget of a step is this times the
+    /// previous step's seconds); an expert that loses every replica is restored from its
+    /// snapshot instead of rolling the job back. Default 625e6 (5 Gb/s); 0: no snapshots.
+    #[arg(long, value_name = "BYTES_PER_S")]
+    pub snapshot_bandwidth: Option<f64>,
     /// With --gpus-per-node: replay node failures and arrivals on the local agents — a trace in
     /// Bamboo's format (`ms,add|remove,node` lines), or a generator: `fail-every:EVERY[:SEED]`
     /// (one node fails every EVERY until half remain), `poisson:MTBF:REPAIR:DURATION[:SEED]`
@@ -186,8 +192,9 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 16] = [
+        let given: [(&'static str, bool); 17] = [
             ("--rebalance-every", self.rebalance_every.is_some()),
+            ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),
             ("--replay", self.replay.is_some()),
             ("--replay-scale", self.replay_scale.is_some()),
             ("--replay-notice", self.replay_notice),

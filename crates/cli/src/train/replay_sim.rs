@@ -186,6 +186,8 @@ mod tests {
             rebuild_s: 0.0,
             recovery_s,
             workers: 2,
+            restored: vec![],
+            rollback_avoided_steps: 0,
         }
     }
 

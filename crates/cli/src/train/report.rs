@@ -22,6 +22,9 @@ struct LogLine<'a> {
     tokens: u64,
     tokens_per_s: f64,
     expert_load: &'a [Vec<u64>],
+    /// The step's snapshots into other nodes' memory (runs that take them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<&'a lazarus_runtime::SnapshotStepStats>,
 }
 
 /// The first line of a run: model size, data and schedule.
@@ -58,6 +61,8 @@ pub struct Reporter {
     recent: Vec<f64>,
     first_loss: Option<f64>,
     last: Option<StepReport>,
+    /// Snapshot totals of this run: steps with snapshots, our bytes, MoEtion's selection's bytes.
+    snapshots: Option<(u64, u64, u64)>,
 }
 
 impl Reporter {
@@ -101,6 +106,7 @@ impl Reporter {
             recent: Vec::new(),
             first_loss: None,
             last: None,
+            snapshots: None,
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
         // step is logged once.
@@ -112,6 +118,15 @@ impl Reporter {
 
     /// One finished step that took `seconds`.
     pub fn step(&mut self, r: &StepReport, seconds: f64) -> Result<()> {
+        self.step_with(r, seconds, None)
+    }
+
+    /// One finished step that took `seconds`, with what its snapshots cost.
+    pub fn step_with(&mut self, r: &StepReport, seconds: f64, snapshot: Option<&lazarus_runtime::SnapshotStepStats>) -> Result<()> {
+        if let Some(s) = snapshot {
+            let t = self.snapshots.get_or_insert((0, 0, 0));
+            *t = (t.0 + 1, t.1 + s.bytes, t.2 + s.moetion_bytes);
+        }
         let tps = r.tokens as f64 / seconds.max(1e-9);
         self.tokens += r.tokens;
         self.first_loss.get_or_insert(r.loss);
@@ -127,6 +142,7 @@ impl Reporter {
                 tokens: r.tokens,
                 tokens_per_s: tps,
                 expert_load: &r.expert_load,
+                snapshot,
             };
             serde_json::to_writer(&mut *w, &line)
                 .map_err(std::io::Error::from)
@@ -226,6 +242,15 @@ impl Reporter {
             if r.dropped > 0 {
                 let _ = writeln!(out, "  dropped         {} assignments in the last step (capacity factor)", r.dropped);
             }
+        }
+        if let Some((steps, ours, theirs)) = self.snapshots {
+            let _ = writeln!(
+                out,
+                "  snapshots       {:.2} MB into other nodes' memory over {steps} steps ({:.1} KB/step; MoEtion's selection: {:.1} KB/step)",
+                ours as f64 / 1e6,
+                ours as f64 / 1e3 / steps.max(1) as f64,
+                theirs as f64 / 1e3 / steps.max(1) as f64
+            );
         }
         if let Some(p) = checkpoint {
             let _ = writeln!(out, "  checkpoint      {}", p.display());

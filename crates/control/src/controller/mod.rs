@@ -94,6 +94,33 @@ pub struct StopReport {
     /// The global report of its last committed step, if it has it.
     #[serde(default)]
     pub last: Option<CommittedStep>,
+    /// The expert snapshots it keeps for other nodes (the snapshot tier).
+    #[serde(default)]
+    pub snapshots: Vec<SnapshotHeld>,
+}
+
+/// A snapshot a worker keeps: expert `expert` of layer `layer` as it was after `step`, and the
+/// tokens the expert has processed since (what a restore from it loses: PEC's PLT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotHeld {
+    pub layer: usize,
+    pub expert: usize,
+    pub step: u64,
+    pub tokens_lost: u64,
+}
+
+/// An expert that lost every live replica and comes back from a snapshot in a move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoredExpert {
+    pub layer: usize,
+    pub expert: usize,
+    /// The step of the snapshot, and how many committed steps it is behind the job.
+    pub from_step: u64,
+    pub stale_steps: u64,
+    /// Tokens the expert processed after its snapshot (their updates are lost).
+    pub tokens_lost: u64,
+    /// The worker whose memory it comes from.
+    pub holder: NodeId,
 }
 
 /// What the controller is told.
@@ -145,6 +172,11 @@ pub struct Move {
     pub hold: bool,
     /// Why the job moves.
     pub cause: MoveCause,
+    /// Experts restored from snapshots in this move (their live replicas all lost).
+    pub restored: Vec<RestoredExpert>,
+    /// Steps of every worker a rollback to the last checkpoint would have run again (what
+    /// restoring from snapshots saved; 0 when nothing was restored).
+    pub rollback_avoided: u64,
 }
 
 /// Why the job moves to a new plan.
@@ -739,6 +771,7 @@ impl Controller {
     /// range, and layers beyond the job's, are dropped; a missing layer holds nothing).
     fn sanitized(&self, mut report: StopReport) -> StopReport {
         report.holds.resize(self.spec.layers, Vec::new());
+        report.snapshots.retain(|x| x.layer < self.spec.layers && x.expert < self.spec.experts);
         for l in &mut report.holds {
             l.retain(|&e| e < self.spec.experts);
             l.sort_unstable();
@@ -799,7 +832,10 @@ impl Controller {
             }
         }
         for &w in &joiners {
-            reports.insert(w, StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers], last: None });
+            reports.insert(
+                w,
+                StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers], last: None, snapshots: vec![] },
+            );
         }
         // Workers of a node leaving on notice send what only they hold, then go: the plan is
         // for the others.
@@ -836,9 +872,43 @@ impl Controller {
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
         let loads = self.plan_loads();
-        // Every expert still has a replica on some survivor (by what they say they hold).
-        let covered =
-            (0..self.spec.layers).all(|l| (0..self.spec.experts).all(|e| survivors.iter().any(|n| reports[n].holds[l].contains(&e))));
+        // Every expert still has a replica on some survivor (by what they say they hold), or
+        // a survivor keeps a snapshot of it: the freshest comes back (MoEtion §6, PEC §3).
+        let mut restored: Vec<RestoredExpert> = Vec::new();
+        let mut covered = true;
+        for l in 0..self.spec.layers {
+            for e in 0..self.spec.experts {
+                if survivors.iter().any(|n| reports[n].holds[l].contains(&e)) {
+                    continue;
+                }
+                let freshest = survivors
+                    .iter()
+                    .flat_map(|&n| reports[&n].snapshots.iter().filter(|x| x.layer == l && x.expert == e).map(move |x| (n, *x)))
+                    .filter(|(_, x)| x.step <= furthest)
+                    .max_by_key(|(n, x)| (x.step, std::cmp::Reverse(*n)));
+                match freshest {
+                    Some((holder, x)) => restored.push(RestoredExpert {
+                        layer: l,
+                        expert: e,
+                        from_step: x.step,
+                        stale_steps: furthest - x.step,
+                        tokens_lost: x.tokens_lost,
+                        holder,
+                    }),
+                    None => covered = false,
+                }
+            }
+        }
+        if !covered {
+            restored.clear();
+        }
+        // A restored expert is held by the worker keeping its snapshot (it sends it from there).
+        for x in &restored {
+            if let Some(r) = reports.get_mut(&x.holder) {
+                r.holds[x.layer].push(x.expert);
+                r.holds[x.layer].sort_unstable();
+            }
+        }
         let survives = consistent && covered;
         let previous = self.plan.clone().with_epoch(self.epoch);
         // The second half of a drain keeps the plan its first half moved the job to.
@@ -887,13 +957,32 @@ impl Controller {
                     let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
                     let leaving: Vec<usize> = (ranks.len() - leavers.len()..ranks.len()).collect();
                     let hold = !leaving.is_empty();
-                    let m = Move { epoch, ranks, plan: map, commit_to: furthest, transfers, joining, leaving, hold, cause };
+                    let rollback_avoided = if restored.is_empty() { 0 } else { furthest - self.checkpoint.unwrap_or(0) };
+                    let m = Move {
+                        epoch,
+                        ranks,
+                        plan: map,
+                        commit_to: furthest,
+                        transfers,
+                        joining,
+                        leaving,
+                        hold,
+                        cause,
+                        restored: restored.clone(),
+                        rollback_avoided,
+                    };
                     self.note(format!(
                         "epoch {epoch}: {} to {} nodes at step {furthest}, {} expert transfers",
                         cause.name(),
                         nodes.len(),
                         m.transfers.len()
                     ));
+                    for x in &restored {
+                        self.note(format!(
+                            "epoch {epoch}: layer {} expert {} lost every replica: restored from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost; a rollback would have re-run {rollback_avoided} steps)",
+                            x.layer, x.expert, x.from_step, x.holder, x.stale_steps, x.tokens_lost
+                        ));
+                    }
                     self.adopt(new, m.ranks.clone());
                     out.push(Command::Reconfigure(m));
                     return;
@@ -914,6 +1003,8 @@ impl Controller {
             leaving: Vec::new(),
             hold: false,
             cause: MoveCause::Failure,
+            restored: Vec::new(),
+            rollback_avoided: 0,
         };
         self.note(format!(
             "epoch {epoch}: an expert lost every replica; roll back to {}",

@@ -63,7 +63,13 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
         vec![Command::Fence { epoch: 0, ranks: vec![2], nodes: vec![10, 11, 13] }]
     );
     // Survivors report: two failed computing step 6, one got past the vote's start and holds it.
-    let r = |c: &Controller, node, steps_done, held| StopReport { steps_done, held, holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node, steps_done, held| StopReport {
+        steps_done,
+        held,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 5, Some(6)) }).is_empty());
     assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 6, None) }).is_empty());
     let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(&c, 13, 5, Some(6)) });
@@ -83,7 +89,7 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     }
     assert_eq!(c.epoch(), 1);
     // A report from the old epoch is stale now.
-    let stale = StopReport { steps_done: 5, held: None, holds: vec![], last: None };
+    let stale = StopReport { steps_done: 5, held: None, holds: vec![], last: None, snapshots: vec![] };
     assert!(c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: stale }).is_empty());
     assert!(!c.running());
     // The new epoch's rendezvous, then training again.
@@ -117,7 +123,13 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     let out = beat(&mut c, t0 + 2 * SEC);
     assert_eq!(out, vec![Command::Pause { epoch: 0, nodes: vec![10, 11] }], "once");
     // Both ranks stop after the same step and say so; the move takes the joiner in.
-    let r = |c: &Controller, node| StopReport { steps_done: 6, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 6,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     let t = t0 + 2 * SEC;
     assert!(c.decide(t, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) }).is_empty());
     let out = c.decide(t, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
@@ -183,7 +195,13 @@ fn a_failure_takes_the_waiting_joiners_in_at_once() {
     let mut c = running(3, 4, 3, t0);
     c.decide(t0, Event::Joined { workers: vec![20] });
     c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport { steps_done: 3, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 3,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -214,7 +232,13 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     assert_eq!((d.decision, d.step, d.horizon_steps), ("apply", 4, 4), "{d:?}");
     assert!(d.imbalance_after < d.imbalance_before && d.gain_s > d.cost_s && d.transfers > 0, "{d:?}");
     assert_eq!(nodes, &vec![10, 11, 12]);
-    let r = |c: &Controller, node| StopReport { steps_done: 4, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 4,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -243,7 +267,13 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let [Command::Rebalance(d), Command::Pause { .. }] = &out[..] else { panic!("{out:?}") };
     assert_eq!((d.decision, d.layers.clone()), ("shrink", vec![0]), "{d:?}");
     assert!(d.gain_s - d.cost_s > d.full_gain_s - d.full_cost_s, "{d:?}");
-    let r = |c: &Controller, node| StopReport { steps_done: 4, held: None, holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 4,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -280,6 +310,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
         held: None,
         holds: c.planned_holdings(node).unwrap(),
         last: None,
+        snapshots: vec![],
     };
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10, 7) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 7) });
@@ -325,7 +356,13 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     let mut c = running(3, 4, 3, t0);
     c.decide(t0, Event::StepDone { epoch: 0, step: 6, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport { steps_done: 5, held: Some(6), holds: c.planned_holdings(node).unwrap(), last: None };
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 5,
+        held: Some(6),
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -365,6 +402,7 @@ fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their
         held: None,
         holds: c.planned_holdings(node).unwrap(),
         last,
+        snapshots: vec![],
     };
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, copy.clone()) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, copy.clone()) });
@@ -448,7 +486,10 @@ fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
     let mut out = Vec::new();
     for n in c.alive().clone() {
         let holds = c.planned_holdings(n).unwrap();
-        out = c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None, holds, last: None } });
+        out = c.decide(
+            t0,
+            Event::StepFailed { node: n, epoch: 0, report: StopReport { steps_done: 7, held: None, holds, last: None, snapshots: vec![] } },
+        );
     }
     let [Command::Rollback { to, to_step }] = &out[..] else { panic!("{out:?}") };
     assert_eq!(*to_step, Some(4));
@@ -463,7 +504,10 @@ fn too_few_slots_for_every_expert_stops_with_the_reason() {
     c.decide(t0, Event::Checkpointed { step: 1 });
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
     let holds = c.planned_holdings(10).unwrap();
-    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds, last: None } });
+    let out = c.decide(
+        t0,
+        Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds, last: None, snapshots: vec![] } },
+    );
     let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
     assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
     assert!(reason.contains("the last checkpoint is of step 1"), "the user is told what to resume from: {reason}");
@@ -487,7 +531,7 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
             Event::StepFailed {
                 node: n,
                 epoch: 0,
-                report: StopReport { steps_done: 3, held: None, holds: before[&n].clone(), last: None },
+                report: StopReport { steps_done: 3, held: None, holds: before[&n].clone(), last: None, snapshots: vec![] },
             },
         );
     }
@@ -501,10 +545,21 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
     // Node 12's experts are gone unless 10 or 11 hold them: say 10 received everything it was
     // to fetch (it holds every expert), 11 nothing new.
     let all = vec![(0..4).collect::<Vec<usize>>(); 2];
-    c.decide(t0, Event::StepFailed { node: 10, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: all, last: None } });
+    c.decide(
+        t0,
+        Event::StepFailed {
+            node: 10,
+            epoch: 1,
+            report: StopReport { steps_done: 3, held: None, holds: all, last: None, snapshots: vec![] },
+        },
+    );
     let out = c.decide(
         t0,
-        Event::StepFailed { node: 11, epoch: 1, report: StopReport { steps_done: 3, held: None, holds: before[&11].clone(), last: None } },
+        Event::StepFailed {
+            node: 11,
+            epoch: 1,
+            report: StopReport { steps_done: 3, held: None, holds: before[&11].clone(), last: None, snapshots: vec![] },
+        },
     );
     let [Command::Reconfigure(m)] = &out[..] else { panic!("with node 10 holding every expert nothing is lost: {out:?}") };
     assert_eq!((m.epoch, m.ranks.len(), m.commit_to), (2, 2, 3));
@@ -521,7 +576,10 @@ fn holdings_that_do_not_fit_the_job_are_not_trusted() {
     c.decide(t0, Event::Exited { node: 11, status: "x".into() });
     // Node 10 claims experts 4..1000 and a third layer: it holds none of what the job has.
     let holds = vec![(4..1000).collect(), vec![usize::MAX], vec![0, 1, 2, 3]];
-    let out = c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 2, held: None, holds, last: None } });
+    let out = c.decide(
+        t0,
+        Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 2, held: None, holds, last: None, snapshots: vec![] } },
+    );
     assert!(matches!(&out[..], [Command::Rollback { .. }]), "{out:?}");
 }
 
@@ -543,7 +601,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
                 Event::StepFailed {
                     node,
                     epoch,
-                    report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![], last: None },
+                    report: StopReport { steps_done, held: held.then_some(steps_done + 1), holds: vec![], last: None, snapshots: vec![] },
                 },
             )
         }),
@@ -659,7 +717,7 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
     let before: BTreeMap<NodeId, Vec<Vec<usize>>> = [10, 11, 14, 15].iter().map(|&w| (w, c.planned_holdings(w).unwrap())).collect();
     let mut out = Vec::new();
     for &w in &[10, 11, 14, 15] {
-        let report = StopReport { steps_done: 4, held: None, holds: before[&w].clone(), last: None };
+        let report = StopReport { steps_done: 4, held: None, holds: before[&w].clone(), last: None, snapshots: vec![] };
         out = c.decide(t0, Event::StepFailed { node: w, epoch: 0, report });
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("every expert had a replica on another node: {out:?}") };
@@ -681,4 +739,58 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
             }
         }
     }
+}
+
+#[test]
+fn an_expert_that_lost_every_replica_comes_back_from_the_freshest_snapshot_instead_of_a_rollback() {
+    let t0 = Instant::now();
+    // 4 nodes of 2 slots, 6 experts: node 10 is the only holder of some experts.
+    let mut c = running(4, 6, 2, t0);
+    c.decide(t0, Event::Checkpointed { step: 2 });
+    let holds: BTreeMap<NodeId, Vec<Vec<usize>>> = (10..14).map(|n| (n, c.planned_holdings(n).unwrap())).collect();
+    let lost_node = 10;
+    let only: Vec<(usize, usize)> = (0..2)
+        .flat_map(|l| (0..6).map(move |e| (l, e)))
+        .filter(|&(l, e)| holds.iter().all(|(&m, h)| h[l].contains(&e) == (m == lost_node)))
+        .collect();
+    assert!(!only.is_empty(), "some expert on node 10 only: {holds:?}");
+    let survivors: Vec<NodeId> = (11..14).collect();
+    // Two survivors keep snapshots of them: of step 5 (staler) and of step 6.
+    let (old_keeper, keeper) = (survivors[0], survivors[1]);
+    let report =
+        |n: NodeId, snapshots: Vec<SnapshotHeld>| StopReport { steps_done: 7, held: None, holds: holds[&n].clone(), last: None, snapshots };
+    let decide_all = |c: &mut Controller, with: bool| {
+        let mut out = c.decide(t0, Event::Exited { node: lost_node, status: "killed by signal 9".into() });
+        for &n in &survivors {
+            let step = if n == old_keeper { 5 } else { 6 };
+            let snaps = match with && (n == old_keeper || n == keeper) {
+                true => only.iter().map(|&(layer, expert)| SnapshotHeld { layer, expert, step, tokens_lost: 10 * (7 - step) }).collect(),
+                false => vec![],
+            };
+            out.extend(c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: report(n, snaps) }));
+        }
+        out
+    };
+    let out = decide_all(&mut c, true);
+    let Some(Command::Reconfigure(m)) = out.iter().find(|x| matches!(x, Command::Reconfigure(_))) else { panic!("{out:?}") };
+    let want: Vec<RestoredExpert> = only
+        .iter()
+        .map(|&(layer, expert)| RestoredExpert { layer, expert, from_step: 6, stale_steps: 1, tokens_lost: 10, holder: keeper })
+        .collect();
+    assert_eq!(m.restored, want, "the freshest snapshots");
+    assert_eq!(m.rollback_avoided, 5, "a rollback to step 2 would have re-run 5 steps");
+    // Each is placed somewhere: sent from the keeper's rank, or kept there.
+    let keeper_rank = m.ranks.iter().position(|&n| n == keeper).unwrap();
+    for &(layer, expert) in &only {
+        let placed: Vec<usize> = (0..m.ranks.len()).filter(|&q| m.plan.replicas_on(layer, expert, q) > 0).collect();
+        assert!(!placed.is_empty());
+        for q in placed.into_iter().filter(|&q| q != keeper_rank) {
+            assert!(m.transfers.iter().any(|x| (x.layer, x.expert, x.to, x.from) == (layer, expert, q, keeper_rank)), "{m:?}");
+        }
+    }
+    // Without snapshots: the rollback to the checkpoint.
+    let mut c = running(4, 6, 2, t0);
+    c.decide(t0, Event::Checkpointed { step: 2 });
+    let out = decide_all(&mut c, false);
+    assert!(out.iter().any(|x| matches!(x, Command::Rollback { to_step: Some(2), .. })), "{out:?}");
 }

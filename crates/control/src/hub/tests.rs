@@ -119,6 +119,7 @@ fn staleness_is_about_reports_bound_to_an_epoch() {
         kind: crate::protocol::FailureKind::PeerLost,
         message: String::new(),
         last: None,
+        snapshots: vec![],
     };
     assert!(stale(3, 4, &step_failed));
     assert!(!stale(4, 4, &step_failed));

@@ -207,7 +207,7 @@ impl Supervisor {
                     out.append(&mut self.early);
                 }
             }
-            WorkerEvent::Step { report, seconds, wire_bytes, dropped } => {
+            WorkerEvent::Step { report, seconds, wire_bytes, dropped, .. } => {
                 let step = Action::Step { report, seconds, wire_bytes, dropped };
                 if self.started {
                     out.push(step);

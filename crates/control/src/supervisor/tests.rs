@@ -9,7 +9,7 @@ fn ev(rank: usize, e: WorkerEvent) -> Input {
 }
 
 fn step_event(step: u64) -> WorkerEvent {
-    WorkerEvent::Step { report: report(step), seconds: 0.1, wire_bytes: 0, dropped: 0 }
+    WorkerEvent::Step { report: report(step), seconds: 0.1, wire_bytes: 0, dropped: 0, snapshot: None }
 }
 
 const SEC: Duration = Duration::from_secs(1);

@@ -130,7 +130,7 @@ pub(super) fn drive(
                     }
                 }
                 Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
-                Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0 })?,
+                Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, snapshot: None })?,
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.
                     shell.failure_seen();
@@ -219,6 +219,8 @@ struct Recovering {
     keep_moved: bool,
     resumed: bool,
     workers: usize,
+    restored: Vec<crate::controller::RestoredExpert>,
+    rollback_avoided: u64,
 }
 
 /// The launcher's side of the bookkeeping the controller does not do: what to show, and when
@@ -259,6 +261,8 @@ impl Shell {
                 keep_moved: false,
                 resumed: false,
                 workers: 0,
+                restored: Vec::new(),
+                rollback_avoided: 0,
             });
         }
     }
@@ -267,6 +271,9 @@ impl Shell {
         self.failure_seen();
         if let Some(r) = &mut self.recovering {
             r.cause = cause;
+            // A move that failed half-way and the one after it: the last one's restores count.
+            r.restored = m.restored.clone();
+            r.rollback_avoided = m.rollback_avoided;
             r.epoch = m.epoch - first_epoch;
             r.step = m.commit_to;
             r.detect_s = r.started.elapsed().as_secs_f64() - plan_s;
@@ -318,7 +325,7 @@ impl Shell {
                 Event::Ready { node, epoch }
             }
             WorkerEvent::Heartbeat => Event::Heartbeat { node },
-            WorkerEvent::Step { report, seconds, dropped, .. } => {
+            WorkerEvent::Step { report, seconds, dropped, snapshot, .. } => {
                 let mut moved = None;
                 if let Some(r) = self.recovering.take_if(|r| r.resumed) {
                     let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
@@ -336,6 +343,8 @@ impl Shell {
                         rebuild_s: max(|m| m.rebuild_s),
                         recovery_s: r.started.elapsed().as_secs_f64(),
                         workers: r.workers,
+                        restored: r.restored.clone(),
+                        rollback_avoided_steps: r.rollback_avoided,
                     }))?;
                     moved = Some(MoveCost {
                         bytes: r.moved.iter().map(|m| m.bytes_received).sum(),
@@ -344,20 +353,20 @@ impl Shell {
                     });
                 }
                 let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone(), seconds, moved };
-                observe(TrainEvent::Step { report, seconds, dropped })?;
+                observe(TrainEvent::Step { report, seconds, dropped, snapshot })?;
                 event
             }
             WorkerEvent::Left => {
                 observe(TrainEvent::Lost { worker: rank, why: "left the job (its node was drained)".into() })?;
                 Event::Exited { node, status: "left the job (its node was drained)".into() }
             }
-            WorkerEvent::Paused { epoch, steps_done, holds } => {
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds, last: None } }
+            WorkerEvent::Paused { epoch, steps_done, holds, snapshots } => {
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds, last: None, snapshots } }
             }
-            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, .. } => {
+            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, snapshots, .. } => {
                 self.failure_seen();
                 self.first_error.get_or_insert(format!("worker {rank}: {message}"));
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds, last } }
+                Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds, last, snapshots } }
             }
             WorkerEvent::Checkpointed { step, path } => {
                 self.last_checkpoint = Some(path.clone());

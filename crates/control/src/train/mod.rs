@@ -200,6 +200,17 @@ pub struct ReconfigurationRecord {
     pub recovery_s: f64,
     /// Workers after it.
     pub workers: usize,
+    /// Experts that lost every live replica and came back from snapshots in other nodes'
+    /// memory (cause `restore`): each one's snapshot step, staleness and tokens lost.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub restored: Vec<crate::controller::RestoredExpert>,
+    /// Steps a rollback to the last checkpoint would have run again instead.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub rollback_avoided_steps: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 /// What a training job shows its user, as it happens.
@@ -215,6 +226,8 @@ pub enum TrainEvent {
         report: StepReport,
         seconds: f64,
         dropped: u64,
+        /// What the step's snapshots cost (None: none taken).
+        snapshot: Option<lazarus_runtime::SnapshotStepStats>,
     },
     /// A worker is lost (its original rank).
     Lost {
@@ -440,7 +453,7 @@ fn run_without_recovery(
         Action::Ready { rank, pid } => observe(TrainEvent::Ready { rank: *rank, pid: *pid }),
         Action::Started => observe(TrainEvent::Started),
         Action::Step { report, seconds, dropped, .. } => {
-            observe(TrainEvent::Step { report: report.clone(), seconds: *seconds, dropped: *dropped })
+            observe(TrainEvent::Step { report: report.clone(), seconds: *seconds, dropped: *dropped, snapshot: None })
         }
         Action::RankStopped { rank, end, after } => {
             let since = after.map(|t| format!(" ({} ms after the first failure)", t.as_millis())).unwrap_or_default();

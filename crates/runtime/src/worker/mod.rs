@@ -19,9 +19,11 @@
 
 mod checkpoint;
 mod reconfigure;
+mod snapshots;
 mod step;
 
 pub use reconfigure::{ExpertTransfer, Reconfiguration, ReconfigureReport};
+pub use snapshots::{SnapshotSettings, SnapshotStepStats};
 pub use step::PendingStep;
 
 use std::collections::BTreeMap;
@@ -88,6 +90,9 @@ pub struct WorkerStepReport {
     /// Some rank was asked to pause (the same on every rank): stop after this step, between
     /// steps, and wait for the controller's move.
     pub pause: bool,
+    /// The previous step's seconds (compute to commit), averaged over the ranks: the same on
+    /// every rank, so the snapshot budget drawn from it is too (0 on an epoch's first step).
+    pub mean_step_s: f64,
 }
 
 /// Sequences [lo, hi) of a global batch of `batch` sequences that rank `rank` of `world` takes:
@@ -162,6 +167,8 @@ pub struct Worker {
     /// The epoch at which the controller asked the job to pause at a step boundary (a join, a
     /// rebalance): see [`Worker::set_pause_signal`].
     pause: Option<PauseSignal>,
+    /// Snapshots of experts this worker sends to and keeps for other nodes.
+    snapshots: snapshots::SnapshotTier,
 }
 
 /// Set (by another thread) to the epoch at which the controller asks every rank to stop after
@@ -251,6 +258,7 @@ impl Worker {
             last_committed: None,
             fault: None,
             pause: None,
+            snapshots: Default::default(),
         };
         worker.release_remote_experts()?;
         Ok(worker)

@@ -135,8 +135,16 @@ impl Worker {
                 report.bytes_sent += bytes.len() as u64;
             }
         }
+        self.snapshots.new_epoch();
         for x in transfers.iter().filter(|x| x.from == r.rank) {
-            let bytes = self.export_expert(x.layer, x.expert)?.encode();
+            // An expert that lost every live replica is sent from this rank's snapshot of it.
+            let state = match self.trainer.model.expert_resident(x.layer, x.expert)? {
+                true => self.export_expert(x.layer, x.expert)?,
+                false => self.snapshot_state(x.layer, x.expert)?.ok_or_else(|| {
+                    bad(format!("rank {} is to send layer {} expert {} but holds neither it nor a snapshot", r.rank, x.layer, x.expert))
+                })?,
+            };
+            let bytes = state.encode();
             t.send(x.to, expert_transfer(TransferKind::StateTransfer, x.layer, x.expert)?, &bytes, deadline())?;
             report.experts_sent += 1;
             report.bytes_sent += bytes.len() as u64;
@@ -157,10 +165,15 @@ impl Worker {
             report.experts_received += 1;
             report.bytes_received += bytes.len() as u64;
         }
-        // Every expert the new plan places here must be here now.
+        // Every expert the new plan places here must be here now: received, held, or restored
+        // from a snapshot this rank keeps (its live replicas all lost).
         for l in 0..mc.moe_layers() {
             for e in 0..mc.n_experts {
                 if r.plan.replicas_on(l, e, r.rank) > 0 && !self.trainer.model.expert_resident(l, e)? {
+                    if let Some(state) = self.snapshot_state(l, e)? {
+                        self.install_expert(&state)?;
+                        continue;
+                    }
                     return Err(bad(format!("rank {} is given layer {l} expert {e} but neither holds it nor fetches it", r.rank)));
                 }
             }

@@ -173,11 +173,14 @@ impl Worker {
         // The last term counts the ranks asked to pause: summed like the rest, so every rank
         // learns in this step that one was, and all stop after it.
         let pause_vote = f32::from(u8::from(self.pause_asked(t.epoch())));
-        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote]);
+        // This rank's last step time (for the snapshot budget), summed into a mean.
+        let last_s = self.last_committed.as_ref().map_or(0.0, |(_, s)| *s);
+        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote, last_s as f32]);
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         let pause = flat[extras + 3] > 0.5;
+        let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
         flat.truncate(extras);
 
         let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
@@ -214,7 +217,7 @@ impl Worker {
             lr,
             grad_scale: clip_scale(norm, cfg.grad_clip),
             batch: b,
-            report: WorkerStepReport { report, wire_bytes, pause },
+            report: WorkerStepReport { report, wire_bytes, pause, mean_step_s },
             started,
         })
     }
