@@ -238,6 +238,12 @@ fn a_diverging_run_stops_and_a_damaged_checkpoint_gives_way_to_an_intact_one() {
     let out = lazarus(&args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("training diverged at step"), "{err}");
+    // The same with worker processes: every rank refuses the step, the job stops saying why.
+    let mut workers = vec!["train", "--workers", "2", "--steps", "10", "--lr", "1e30", "--warmup-steps", "0"];
+    workers.extend(tiny());
+    let out = lazarus(&workers);
+    let werr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && werr.contains("training diverged at step"), "{werr}");
     for entry in std::fs::read_dir(&ck).unwrap().flatten() {
         let manifest = entry.path().join("manifest.json");
         if manifest.exists() {

@@ -334,8 +334,8 @@ fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
 /// The fault-injection hook `LAZARUS_FAULT` asks for on this worker (original rank `rank`):
 /// `RANK:PHASE:STEP[,…]` with PHASE one of `forward`, `all_reduce`, `vote` (a step's phases, at
 /// step STEP), `transfer` or `rendezvous` (the state transfers, or the rendezvous, of a move at
-/// STEP committed steps). The worker
-/// kills itself with SIGKILL there — a real death at a chosen phase, for tests.
+/// STEP committed steps), `snapshot` (after committing step STEP, before sending its
+/// snapshots). The worker kills itself with SIGKILL there — a real death at a chosen phase, for tests.
 fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlError> {
     let spec = match from_job {
         "" => match std::env::var("LAZARUS_FAULT") {
@@ -349,7 +349,7 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
         let bad = || {
             ControlError::invalid(
                 "LAZARUS_FAULT",
-                format!("{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous)"),
+                format!("{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot)"),
             )
         };
         let parts: Vec<&str> = item.split(':').collect();
@@ -360,6 +360,7 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
             "vote" => FaultPoint::Vote,
             "transfer" => FaultPoint::Transfer,
             "rendezvous" => FaultPoint::Rendezvous,
+            "snapshot" => FaultPoint::Snapshot,
             _ => return Err(bad()),
         };
         let (r, step): (usize, u64) = (r.parse().map_err(|_| bad())?, step.parse().map_err(|_| bad())?);

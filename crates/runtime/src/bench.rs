@@ -254,6 +254,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
                 BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
             },
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            catching_up: Vec::new(),
         };
         let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
         cases.push(Case { layer, choices, replicas, loads, times: Vec::new(), wire: 0, needed: 0, rows: 0 });

@@ -116,6 +116,7 @@ fn run_rank(
         timeout: Duration::from_secs(20),
         mode,
         bucket_bytes,
+        catching_up: Vec::new(),
     };
     let mut world = Group::world(ranks);
     let h = var(&w.h[lo * D..hi * D], &[hi - lo, D]);
@@ -217,6 +218,7 @@ fn static_mode_rejects_replicated_experts() {
         timeout: Duration::from_secs(5),
         mode: DispatchMode::StaticPadded,
         bucket_bytes: DEFAULT_BUCKET_BYTES,
+        catching_up: Vec::new(),
     };
     let h = var(&w.h, &[N, D]);
     let err = moe.forward(&mut t, &mut Group::world(1), h.as_tensor()).err().expect("must fail").to_string();

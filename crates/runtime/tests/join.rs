@@ -68,6 +68,7 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
         joining: vec![joiner],
         leaving: vec![],
         hold: false,
+        catch_up: vec![],
     };
     let transports = TcpTransport::local_group(2, 0).unwrap();
     let mut fresh: Vec<Option<TcpTransport>> = TcpTransport::local_group(3, 1).unwrap().into_iter().map(Some).collect();

@@ -74,6 +74,7 @@ fn survivors_of_a_dead_worker_go_on_with_the_same_mathematics() {
                     joining: vec![],
                     leaving: vec![],
                     hold: false,
+                    catch_up: vec![],
                 };
                 (r, spares[q].take().unwrap())
             });

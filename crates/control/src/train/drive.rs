@@ -201,6 +201,7 @@ fn rank_move(m: &crate::controller::Move, rank: usize) -> Reconfiguration {
         joining: m.joining.clone(),
         leaving: m.leaving.clone(),
         hold: m.hold,
+        catch_up: m.restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect(),
     }
 }
 

@@ -48,7 +48,11 @@ impl DistributedMoe {
                 }
                 c.to_vec()
             }
-            None => host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect(),
+            None => {
+                let mut c: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect();
+                super::catch_up::boost_choices(&host, &mut c, k, &self.catching_up, super::catch_up::CATCH_UP_FRACTION);
+                c
+            }
         };
         let mut local_load = vec![0u64; e_count];
         choices.iter().for_each(|&c| local_load[c as usize] += 1);

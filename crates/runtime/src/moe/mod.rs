@@ -7,6 +7,7 @@
 //! `forward` and `backward` are the two passes.
 
 mod backward;
+pub mod catch_up;
 mod forward;
 mod packing;
 
@@ -79,6 +80,9 @@ pub struct DistributedMoe {
     pub mode: DispatchMode,
     /// Largest replica-gradient all-reduce bucket ([`DEFAULT_BUCKET_BYTES`]).
     pub bucket_bytes: usize,
+    /// Experts restored from a stale snapshot that catch up on the tokens they lost: the
+    /// router gives each about [`catch_up::CATCH_UP_FRACTION`] more tokens ([`catch_up`]).
+    pub catching_up: Vec<usize>,
 }
 
 /// What the forward pass keeps for backward.

@@ -65,6 +65,9 @@ pub enum FaultPoint {
     Transfer,
     /// Before the rendezvous of a move to a new plan (called by the process around the worker).
     Rendezvous,
+    /// After a step's commit, before this rank sends that step's snapshots (with the step just
+    /// committed): its peers keep only older ones.
+    Snapshot,
 }
 
 /// Called at every [`FaultPoint`] with the step being computed (for a transfer: the steps
@@ -169,6 +172,8 @@ pub struct Worker {
     pause: Option<PauseSignal>,
     /// Snapshots of experts this worker sends to and keeps for other nodes.
     snapshots: snapshots::SnapshotTier,
+    /// Restored experts still catching up: (layer, expert) → extra tokens still to route to it.
+    catch_up: BTreeMap<(usize, usize), u64>,
 }
 
 /// Set (by another thread) to the epoch at which the controller asks every rank to stop after
@@ -207,6 +212,7 @@ fn build_layers(
             timeout,
             mode,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            catching_up: Vec::new(),
         });
     }
     Ok(layers)
@@ -259,6 +265,7 @@ impl Worker {
             fault: None,
             pause: None,
             snapshots: Default::default(),
+            catch_up: BTreeMap::new(),
         };
         worker.release_remote_experts()?;
         Ok(worker)

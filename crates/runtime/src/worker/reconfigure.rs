@@ -35,6 +35,11 @@ pub struct Reconfiguration {
     pub plan: ReplicaMap,
     /// Every transfer of the reconfiguration (each rank does its own part).
     pub transfers: Vec<ExpertTransfer>,
+    /// Experts restored from a stale snapshot in this move: (layer, expert, tokens it lost).
+    /// Each catches up on them through the router (MoEtion §6) until about that many extra
+    /// tokens were routed to it; a later move replaces the list (every rank the same).
+    #[serde(default)]
+    pub catch_up: Vec<(usize, usize, u64)>,
     /// Ranks of the new world that join the job now (they hold nothing of it yet): each takes
     /// the replicated state ([`crate::SharedState`]) from one of the other ranks, the `i`-th
     /// joiner from the `i mod n`-th of those `n`, spreading the copies over them.
@@ -187,6 +192,8 @@ impl Worker {
         self.world = r.world;
         self.release_remote_experts()?;
         self.layers = build_layers(&self.trainer, &self.plan, self.rank, self.mode, self.timeout)?;
+        self.catch_up =
+            r.catch_up.iter().filter(|c| c.0 < mc.moe_layers() && c.1 < mc.n_experts && c.2 > 0).map(|c| ((c.0, c.1), c.2)).collect();
         Ok(report)
     }
 }

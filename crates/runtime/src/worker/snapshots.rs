@@ -183,6 +183,7 @@ impl Worker {
             all_bytes: (layers * self.plan.experts()) as u64 * bytes_per,
         };
         let step = self.trainer.step;
+        self.fault_point(super::FaultPoint::Snapshot, step);
         for &(l, e) in &ours.experts {
             self.snapshots.since[l][e] = 0;
             let Some(&from) = self.plan.holders(l, e).first() else { continue };

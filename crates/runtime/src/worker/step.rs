@@ -53,6 +53,9 @@ impl Worker {
     /// together; on error nothing has changed and the step can be re-run on a new transport.
     pub fn compute(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<PendingStep, RuntimeError> {
         let started = std::time::Instant::now();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            layer.catching_up = self.catch_up.keys().filter(|k| k.0 == l).map(|k| k.1).collect();
+        }
         let cfg = self.trainer.config.clone();
         let (b, tl) = (cfg.batch_size, cfg.seq_len);
         let batch = self.trainer.sampler.peek_batch(b);
@@ -235,6 +238,15 @@ impl Worker {
         self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
         self.trainer.sampler.advance(pending.batch);
         self.trainer.step += 1;
+        // A catching-up expert's global load is about (1 + f) of what the router alone gives
+        // it: f/(1 + f) of it is the catch-up (the same figure on every rank).
+        let f = crate::moe::catch_up::CATCH_UP_FRACTION;
+        let load = &pending.report.report.expert_load;
+        self.catch_up.retain(|&(l, e), left| {
+            let got = load.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0) as f64;
+            *left = left.saturating_sub(((got * f / (1.0 + f)).round() as u64).max(1));
+            *left > 0
+        });
         self.held = None;
         self.last_committed = Some((pending.report.report.clone(), pending.started.elapsed().as_secs_f64()));
         Ok(pending.report)
@@ -246,6 +258,14 @@ impl Worker {
     pub fn step(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<WorkerStepReport, RuntimeError> {
         self.held = None;
         let pending = self.compute(t, world)?;
+        // Every rank has the same all-reduced loss and norm, so all refuse the same step: none
+        // is applied and the job stops (a checkpoint is never written from it).
+        let r = &pending.report.report;
+        for (what, value) in [("loss", r.loss), ("gradient norm", r.grad_norm)] {
+            if !value.is_finite() {
+                return Err(lazarus_model::ModelError::Diverged { step: r.step, what, value }.into());
+            }
+        }
         self.fault_point(FaultPoint::Vote, pending.step());
         if let Err(e) = barrier(t, world, self.timeout) {
             self.held = Some(pending);
