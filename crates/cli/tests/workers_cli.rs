@@ -318,8 +318,11 @@ fn lines_in(path: &std::path::Path) -> usize {
     std::fs::read_to_string(path).map_or(0, |s| s.lines().count())
 }
 
+/// SIGKILL ends the launcher at once and its workers with it; SIGTERM and SIGINT (a scheduler,
+/// Ctrl-C) make every worker stop after the same step and write the final checkpoint, and the
+/// launcher exits as that signal would (143, 130).
 #[test]
-fn workers_die_with_their_launcher_whatever_signal_kills_it() {
+fn workers_die_with_their_launcher_whatever_signal_ends_it() {
     for (signal, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
         let d = dir(&format!("orphans-{name}"));
         let (log, ck) = (d.join("log.jsonl"), d.join("ck"));
@@ -333,8 +336,13 @@ fn workers_die_with_their_launcher_whatever_signal_kills_it() {
         }
         // SAFETY: a signal to a process this test started.
         assert_eq!(unsafe { libc::kill(launcher.id() as i32, signal) }, 0);
-        let _ = launcher.wait();
+        let status = launcher.wait().unwrap();
         let killed = Instant::now();
+        if signal != libc::SIGKILL {
+            assert_eq!(status.code(), Some(128 + signal), "{name}: {status:?}");
+            let logged = lines_in(&log);
+            assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), format!("step-{logged:08}"), "{name}: the last step is saved");
+        }
         while pids.iter().any(|&p| alive(p)) {
             assert!(killed.elapsed() < Duration::from_secs(5), "{name}: workers {pids:?} outlived their launcher");
             std::thread::sleep(Duration::from_millis(10));

@@ -27,6 +27,7 @@ pub mod launcher;
 pub mod protocol;
 pub mod recovery_bench;
 pub mod status;
+pub mod stop_signal;
 pub mod supervisor;
 pub mod train;
 pub mod worker_process;

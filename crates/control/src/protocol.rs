@@ -107,6 +107,9 @@ pub enum LauncherMessage {
     /// Stop after the step in progress at `epoch` (every rank stops after the same one) and
     /// say where you stopped: a planned move follows (workers joining).
     Pause { epoch: u64 },
+    /// Stop after the step in flight at `epoch` (every rank after the same one), write the
+    /// final checkpoint and end: the launcher was asked to stop (SIGTERM, Ctrl-C).
+    Finish { epoch: u64 },
     /// Stop now.
     Stop { reason: String },
 }
@@ -118,7 +121,8 @@ impl LauncherMessage {
             LauncherMessage::Addrs { epoch, .. }
             | LauncherMessage::Abandon { epoch }
             | LauncherMessage::Fence { epoch, .. }
-            | LauncherMessage::Pause { epoch } => Some(*epoch),
+            | LauncherMessage::Pause { epoch }
+            | LauncherMessage::Finish { epoch } => Some(*epoch),
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
             LauncherMessage::Stop { .. } => None,
         }

@@ -124,6 +124,8 @@ struct Inbox {
     fence: Arc<Mutex<Option<Fence>>>,
     /// Set to the epoch at which the controller asks this worker to pause between steps.
     pause: PauseSignal,
+    /// The pause is the end: write the final checkpoint and finish ([`LauncherMessage::Finish`]).
+    finish: Arc<AtomicBool>,
 }
 
 impl Inbox {
@@ -135,6 +137,8 @@ impl Inbox {
         let fences = fence.clone();
         let pause = pause_signal();
         let pauses = pause.clone();
+        let finish = Arc::new(AtomicBool::new(false));
+        let finishing = finish.clone();
         std::thread::Builder::new()
             .name("lazarus-launcher-watch".into())
             .spawn(move || loop {
@@ -149,6 +153,10 @@ impl Inbox {
                     }
                     Ok(LauncherMessage::Pause { epoch }) => {
                         // Read by the training thread at its next gradient all-reduce.
+                        pauses.store(epoch, Ordering::Relaxed);
+                    }
+                    Ok(LauncherMessage::Finish { epoch }) => {
+                        finishing.store(true, Ordering::Relaxed);
                         pauses.store(epoch, Ordering::Relaxed);
                     }
                     Ok(m) => {
@@ -171,7 +179,7 @@ impl Inbox {
                 }
             })
             .map_err(|e| ControlError::io("starting the launcher watch", e))?;
-        Ok(Inbox { rx, connecting, fence, pause })
+        Ok(Inbox { rx, connecting, fence, pause, finish })
     }
 
     /// The next message, waiting at most `timeout`.
@@ -211,7 +219,7 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
                 LauncherMessage::Addrs { epoch: e, addrs } if e == epoch => break addrs,
                 LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
                 LauncherMessage::Abandon { epoch: e } if e == epoch => return Err(called_off(epoch)),
-                LauncherMessage::Abandon { .. } | LauncherMessage::Pause { .. } => continue,
+                LauncherMessage::Abandon { .. } | LauncherMessage::Pause { .. } | LauncherMessage::Finish { .. } => continue,
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 other => {
                     return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
@@ -316,6 +324,14 @@ fn finish(sink: &EventSink, result: Result<WorkerEvent, ControlError>) -> i32 {
 /// The hidden `lazarus worker` subcommand: one rank of `train --workers N`. Returns the exit
 /// code; its errors go to the launcher as a `failed` report.
 pub fn run_train_worker() -> i32 {
+    // SIGINT (a Ctrl-C reaches the whole process group) and SIGTERM are the launcher's to
+    // handle: it asks every rank to finish after the same step with a checkpoint. A worker
+    // still ends with its launcher (its pipe closes) or by SIGKILL.
+    // SAFETY: setting two dispositions before any thread of this process exists.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
     let sink = Arc::new(EventSink::start());
     let result = train_worker(&sink);
     finish(&sink, result)
@@ -433,7 +449,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let mut outcome = match t.as_mut() {
         Some(t) => {
             sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
-            train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from)
+            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish).map_err(ControlError::from)
         }
         None => Ok(Ended::StandingBy),
     };
@@ -512,7 +528,8 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                 LauncherMessage::Addrs { .. }
                 | LauncherMessage::Abandon { .. }
                 | LauncherMessage::Fence { .. }
-                | LauncherMessage::Pause { .. } => continue,
+                | LauncherMessage::Pause { .. }
+                | LauncherMessage::Finish { .. } => continue,
             }
         };
         // From here on this worker is in the new epoch, whether the move completes or not.
@@ -565,8 +582,11 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             t.shutdown();
             return Ok(WorkerEvent::Left);
         }
-        outcome =
-            if to.hold { Ok(Ended::Paused) } else { train_until_done(&mut worker, t, &mut group, &cfg, sink).map_err(ControlError::from) };
+        outcome = if to.hold {
+            Ok(Ended::Paused)
+        } else {
+            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish).map_err(ControlError::from)
+        };
     }
 }
 
@@ -579,6 +599,7 @@ fn train_until_done(
     group: &mut Group,
     cfg: &lazarus_model::TrainConfig,
     sink: &EventSink,
+    finish: &AtomicBool,
 ) -> Result<Ended, lazarus_runtime::RuntimeError> {
     while !worker.done() {
         let t0 = Instant::now();
@@ -601,6 +622,10 @@ fn train_until_done(
             }
         }
         if r.pause && !worker.done() {
+            if finish.load(Ordering::Relaxed) {
+                // Asked to stop: every rank paused after this step, so all write it together.
+                break;
+            }
             return Ok(Ended::Paused);
         }
     }

@@ -7,12 +7,12 @@ pub mod bench;
 pub mod recovery_bench;
 pub mod replay_sim;
 pub mod report;
-pub mod stop_signal;
 pub mod workers;
 
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use lazarus_control::stop_signal;
 use lazarus_model::Trainer;
 
 use args::{check_resumed_config, resume_steps};

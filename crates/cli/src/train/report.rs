@@ -116,6 +116,11 @@ impl Reporter {
         Ok(reporter)
     }
 
+    /// The last step shown, if any.
+    pub fn last_step(&self) -> Option<u64> {
+        self.last.as_ref().map(|r| r.step)
+    }
+
     /// One finished step that took `seconds`.
     pub fn step(&mut self, r: &StepReport, seconds: f64) -> Result<()> {
         self.step_with(r, seconds, None)

@@ -349,6 +349,8 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         bail!("node agents run jobs with live recovery only: drop --recovery off / --static-ep, or a plan with several GPUs per node");
     }
     let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
+    // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
+    lazarus_control::stop_signal::install();
     let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, |event| {
         let shown = match event {
             TrainEvent::Ready { rank, pid } => {
@@ -486,6 +488,20 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     }
     match outcome? {
         TrainOutcome::Completed { checkpoint } => {
+            if let Some((sig, name)) = lazarus_control::stop_signal::requested() {
+                let step = reporter.last_step().unwrap_or(first_step);
+                if step < cfg.steps {
+                    match &checkpoint {
+                        Some(p) => tracing::warn!(
+                            "{name}: stopped after step {step}; checkpoint {} written (--resume goes on from it)",
+                            p.display()
+                        ),
+                        None => tracing::warn!("{name}: stopped after step {step}; nothing saved (no --checkpoint-dir)"),
+                    }
+                    reporter.finish(step, trainer.unigram_entropy(), checkpoint.as_deref())?;
+                    std::process::exit(128 + sig);
+                }
+            }
             if let (Some(shape), Some(t0)) = (&replayed, started) {
                 figures.wall_s = t0.elapsed().as_secs_f64();
                 if let Some(c) = replay_sim::compare(&cfg, shape, &figures, cfg.steps - first_step)? {
@@ -521,11 +537,11 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     }
 }
 
-/// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.
 /// The link share snapshots get by default: 5 Gb/s, half of a common 10 Gb/s cloud NIC (the
 /// other half left to the step's own all-to-all and all-reduce).
 pub const DEFAULT_SNAPSHOT_BANDWIDTH: f64 = 625e6;
 
+/// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.
 fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
     if !args.recovery.unwrap_or(true) {
         if args.rebalance_every.is_some() {

@@ -41,8 +41,23 @@ pub(super) fn drive(
         ranks: (0..world as u64).collect(),
         last_checkpoint: None,
     };
+    // The epoch at which every rank was asked to finish (a stop signal came).
+    let mut finishing: Option<u64> = None;
     let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
+        // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
+        // checkpoint (asked again if a move changes the epoch first).
+        if let Some((_, name)) = crate::stop_signal::requested() {
+            if ctl.running() && finishing != Some(ctl.epoch()) {
+                finishing = Some(ctl.epoch());
+                tracing::warn!(
+                    "{name}: every worker stops after the step in flight and writes the final checkpoint (again to stop at once)"
+                );
+                for &node in ctl.ranks() {
+                    let _ = fleet.send(node as usize, &LauncherMessage::Finish { epoch: ctl.epoch() });
+                }
+            }
+        }
         if !shell.started && now >= begun + start_within {
             return Ok(TrainOutcome::Failed {
                 reason: format!("the workers did not all start within {} s", start_within.as_secs()),

@@ -1,6 +1,8 @@
-//! SIGTERM (how a scheduler or a spot notice stops a process) and SIGINT (Ctrl-C) end a
-//! single-process run at the next step boundary with a final checkpoint, instead of killing it
-//! mid-step with nothing saved (issue 15). A second signal ends the process at once.
+//! SIGTERM (how a scheduler or a spot notice stops a process) and SIGINT (Ctrl-C) end a training
+//! run at the next step boundary with a final checkpoint, instead of killing it mid-step with
+//! nothing saved: the single-process trainer checks [`requested`] after each step; a launcher or
+//! controller asks every worker to finish after the same step ([`crate::protocol::LauncherMessage::Finish`]).
+//! A second signal ends the process at once.
 
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 
