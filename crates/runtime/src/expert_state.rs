@@ -55,6 +55,30 @@ impl ExpertState {
 
     /// Decode the state of expert (`layer`, `expert`) whose tensors must have `shapes`.
     pub fn decode(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS]) -> Result<Self, RuntimeError> {
+        let (steps, mut at) = Self::check(bytes, layer, expert, shapes)?;
+        let mut floats = |n: usize| -> Vec<f32> {
+            let v = bytes[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            at += 4 * n;
+            v
+        };
+        let tensors = std::array::from_fn(|k| {
+            let n = shapes[k].iter().product();
+            let (weight, m, v) = (floats(n), floats(n), floats(n));
+            TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
+        });
+        Ok(ExpertState { layer, expert, tensors })
+    }
+
+    /// Check that `bytes` are the wire form of expert (`layer`, `expert`) with `shapes` — length,
+    /// magic, layer, expert, every rank and dimension — without copying the values (a snapshot
+    /// kept in memory is checked on arrival and decoded only if it is ever restored). Returns each
+    /// tensor's AdamW step and where the values begin.
+    pub fn check(
+        bytes: &[u8],
+        layer: usize,
+        expert: usize,
+        shapes: &[Vec<usize>; EXPERT_TENSORS],
+    ) -> Result<([u64; EXPERT_TENSORS], usize), RuntimeError> {
         let want = Self::encoded_len(shapes);
         if bytes.len() != want {
             return Err(bad(format!("layer {layer} expert {expert}: {} bytes, expected {want}", bytes.len())));
@@ -90,17 +114,7 @@ impl ExpertState {
             steps[k] = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
             at += 8;
         }
-        let mut floats = |n: usize| -> Vec<f32> {
-            let v = bytes[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            at += 4 * n;
-            v
-        };
-        let tensors = std::array::from_fn(|k| {
-            let n = shapes[k].iter().product();
-            let (weight, m, v) = (floats(n), floats(n), floats(n));
-            TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
-        });
-        Ok(ExpertState { layer, expert, tensors })
+        Ok((steps, at))
     }
 }
 

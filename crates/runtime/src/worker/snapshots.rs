@@ -120,7 +120,7 @@ impl Worker {
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let Ok(tag) = expert_transfer(TransferKind::Snapshot, l, e) else { continue };
             let Some(bytes) = t.take_arrived(from, tag) else { continue };
-            if ExpertState::decode(&bytes, l, e, &shapes).is_ok() {
+            if ExpertState::check(&bytes, l, e, &shapes).is_ok() {
                 let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
                 self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes });
             }
@@ -147,7 +147,7 @@ impl Worker {
         // What was sent here after the previous step: its bytes arrived while this one ran.
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let bytes = t.recv(from, expert_transfer(TransferKind::Snapshot, l, e)?, deadline)?;
-            ExpertState::decode(&bytes, l, e, &shapes).map_err(|err| RuntimeError::Invalid {
+            ExpertState::check(&bytes, l, e, &shapes).map_err(|err| RuntimeError::Invalid {
                 field: "snapshot",
                 reason: format!("rank {from} sent layer {l} expert {e}: {err}"),
             })?;
