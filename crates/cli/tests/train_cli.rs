@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{dir, lazarus};
+use common::{dir, lazarus, log as log_of};
 
 /// The tiny model of these tests.
 fn tiny() -> [&'static str; 16] {
@@ -38,11 +38,7 @@ fn json_log_checkpoint_and_resume() {
         lazarus(&["train", "--resume", "--steps", "5", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", log.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resumed"));
-    let steps: Vec<u64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
-        .collect();
+    let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), "step-00000005");
     // The log is a routing trace the simulator replays (its layers and experts must match).
@@ -297,11 +293,7 @@ fn checkpoints_of_a_run_are_not_overwritten_and_a_resume_logs_each_step_once() {
     resume.push("--resume");
     let out = lazarus(&resume);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let steps: Vec<u64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
-        .collect();
+    let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5, 6]);
     // Asked to, a new run starts over them.
     let mut over = args.clone();
@@ -379,11 +371,7 @@ fn sigterm_ends_a_run_at_a_step_boundary_with_a_checkpoint() {
     resume.extend(tiny());
     let out = lazarus(&resume);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let steps: Vec<u64> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
-        .collect();
+    let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
     assert_eq!(steps, (1..=n + 2).collect::<Vec<_>>());
     let _ = std::fs::remove_dir_all(&d);
 }

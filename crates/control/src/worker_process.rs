@@ -610,7 +610,7 @@ fn train_until_done(
         // None after the last step or before a pause: every rank ends its transport there, and
         // a snapshot would be sent to a peer already gone (the final checkpoint, or the move,
         // keeps the state instead).
-        let snapshot = if worker.snapshots_on() && !worker.done() && !r.pause { Some(worker.snapshot_round(t, group, &r)?) } else { None };
+        let snapshot = if worker.snapshots_on() && !worker.done() && !r.pause { Some(worker.snapshot_round(t, &r)?) } else { None };
         if worker.rank() == 0 {
             sink.step(r.report.clone(), seconds, r.wire_bytes, snapshot);
         }

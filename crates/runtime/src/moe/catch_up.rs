@@ -15,7 +15,7 @@ pub const CATCH_UP_FRACTION: f64 = 0.1;
 /// A choice of another boosted expert is never replaced; a token takes at most one boost.
 pub fn boost_choices(probs: &[Vec<f64>], choices: &mut [u32], k: usize, boosted: &[usize], fraction: f64) -> usize {
     let n = probs.len();
-    if k == 0 || choices.len() != n * k || n == 0 {
+    if boosted.is_empty() || k == 0 || choices.len() != n * k || n == 0 {
         return 0;
     }
     let experts = probs[0].len();

@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
-use lazarus_comm::{deadline_after, Group, Transport};
+use lazarus_comm::{deadline_after, Transport};
 use lazarus_plan::{nodes_holding, select_snapshots, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 
@@ -116,26 +116,27 @@ impl Worker {
     /// The step in flight failed: keep the snapshots sent here after the last committed step
     /// that arrived before the failure (they are of that step: nothing of them is lost).
     pub fn keep_arrived_snapshots(&mut self, t: &mut dyn Transport) {
-        let shapes = self.trainer.model.expert_shapes();
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let Ok(tag) = expert_transfer(TransferKind::Snapshot, l, e) else { continue };
-            let Some(bytes) = t.take_arrived(from, tag) else { continue };
-            if ExpertState::check(&bytes, l, e, &shapes).is_ok() {
-                let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
-                self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes });
+            if let Some(bytes) = t.take_arrived(from, tag) {
+                let _ = self.keep_snapshot(from, l, e, step, bytes);
             }
         }
     }
 
+    /// Keep `bytes`, sent by rank `from`, as the snapshot of (layer, expert) after `step`, once
+    /// they are checked to be that expert's state.
+    fn keep_snapshot(&mut self, from: usize, l: usize, e: usize, step: u64, bytes: Vec<u8>) -> Result<(), RuntimeError> {
+        ExpertState::check(&bytes, l, e, &self.trainer.model.expert_shapes())
+            .map_err(|err| RuntimeError::Invalid { field: "snapshot", reason: format!("rank {from} sent layer {l} expert {e}: {err}") })?;
+        let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
+        self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes });
+        Ok(())
+    }
+
     /// After committed step `r`: take in the snapshots sent here after the previous step, then
     /// send this step's. Every rank must call it after every step of an epoch (or none does).
-    pub fn snapshot_round(
-        &mut self,
-        t: &mut dyn Transport,
-        world: &mut Group,
-        r: &WorkerStepReport,
-    ) -> Result<SnapshotStepStats, RuntimeError> {
-        let _ = world;
+    pub fn snapshot_round(&mut self, t: &mut dyn Transport, r: &WorkerStepReport) -> Result<SnapshotStepStats, RuntimeError> {
         let Some(settings) = self.snapshots.settings else { return Ok(SnapshotStepStats::default()) };
         let g = settings.gpus_per_node;
         let nodes = self.world / g;
@@ -147,12 +148,7 @@ impl Worker {
         // What was sent here after the previous step: its bytes arrived while this one ran.
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let bytes = t.recv(from, expert_transfer(TransferKind::Snapshot, l, e)?, deadline)?;
-            ExpertState::check(&bytes, l, e, &shapes).map_err(|err| RuntimeError::Invalid {
-                field: "snapshot",
-                reason: format!("rank {from} sent layer {l} expert {e}: {err}"),
-            })?;
-            let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
-            self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes });
+            self.keep_snapshot(from, l, e, step, bytes)?;
         }
         // This step's tokens.
         let load = &r.report.expert_load;
