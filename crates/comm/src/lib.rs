@@ -37,6 +37,13 @@ pub trait Transport: Send {
     fn epoch(&self) -> u64;
     /// Send `payload` to `peer` (which may be this rank) under `tag`.
     fn send(&mut self, peer: usize, tag: u64, payload: &[u8], deadline: Instant) -> Result<(), CommError>;
+    /// Send an out-of-band frame ([`tags::is_out_of_band`]: a snapshot) to `peer` without
+    /// waiting for it to be written: it travels while the caller goes on. A frame that cannot be
+    /// delivered closes the connection, so the next collective with `peer` fails. This default
+    /// sends it at once.
+    fn send_out_of_band(&mut self, peer: usize, tag: u64, payload: Vec<u8>, deadline: Instant) -> Result<(), CommError> {
+        self.send(peer, tag, &payload, deadline)
+    }
     /// The next message from `peer`; it must carry `tag` (collectives run in the same order on
     /// every rank, so per-peer order is enough).
     fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError>;

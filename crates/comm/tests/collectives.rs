@@ -298,17 +298,18 @@ fn a_cancelled_rendezvous_returns_at_once() {
     }
 }
 
-/// A snapshot frame sent before a collective is taken after it: out-of-band frames are set
-/// aside until asked for; any other frame out of order is still a protocol error.
+/// A snapshot frame sent before a collective is taken after it, and one that comes after
+/// ordered frames is found behind them: out-of-band frames travel beside the ordered stream
+/// (written by the sender's own thread), which stays in order and strict.
 #[test]
-fn snapshot_frames_wait_aside_while_the_ordered_stream_goes_on() {
+fn snapshot_frames_travel_beside_the_ordered_stream() {
     use lazarus_comm::tags::{expert_transfer, TransferKind};
     let snap = expert_transfer(TransferKind::Snapshot, 1, 2).unwrap();
     let out = on_group(2, move |r, t| {
         let mut g = Group::world(2);
         let d = Instant::now() + T;
         if r == 0 {
-            t.send(1, snap, b"expert state", d).unwrap();
+            t.send_out_of_band(1, snap, b"expert state".to_vec(), d).unwrap();
         }
         let all = all_gather(t, &mut g, &[r as u8], T).unwrap();
         let got = if r == 1 { t.recv(0, snap, d).unwrap() } else { Vec::new() };
@@ -316,15 +317,43 @@ fn snapshot_frames_wait_aside_while_the_ordered_stream_goes_on() {
         (all, got)
     });
     assert_eq!(out[1], (vec![vec![0], vec![1]], b"expert state".to_vec()));
+    // Ordered frames ahead of a snapshot stay queued, in order, for their own receives.
+    let state = expert_transfer(TransferKind::StateTransfer, 1, 2).unwrap();
+    let other = expert_transfer(TransferKind::StateTransfer, 1, 3).unwrap();
     let out = on_group(2, move |r, t| {
         let d = Instant::now() + T;
-        let state = expert_transfer(TransferKind::StateTransfer, 1, 2).unwrap();
         if r == 0 {
-            t.send(1, state, b"x", d).unwrap();
+            t.send(1, state, b"first", d).unwrap();
+            t.send(1, other, b"second", d).unwrap();
+            t.send(1, snap, b"snapshot", d).unwrap();
             None
         } else {
-            Some(t.recv(0, snap, d))
+            let s = t.recv(0, snap, d).unwrap();
+            Some((s, t.recv(0, state, d).unwrap(), t.recv(0, other, d).unwrap()))
         }
     });
-    assert!(matches!(out[1], Some(Err(CommError::Protocol { .. }))), "{:?}", out[1]);
+    assert_eq!(out[1], Some((b"snapshot".to_vec(), b"first".to_vec(), b"second".to_vec())));
+    // An ordered frame out of order is still a protocol error; a snapshot that never comes is
+    // a timeout, not a reason to take an ordered frame for it.
+    for ask_snapshot in [false, true] {
+        let out = on_group(2, move |r, t| {
+            if r == 0 {
+                t.send(1, other, b"x", Instant::now() + T).unwrap();
+                std::thread::sleep(Duration::from_millis(800)); // stay connected
+                None
+            } else if ask_snapshot {
+                Some(t.recv(0, snap, Instant::now() + Duration::from_millis(300)))
+            } else {
+                Some(t.recv(0, state, Instant::now() + T))
+            }
+        });
+        let got = out[1].as_ref().unwrap();
+        match ask_snapshot {
+            true => assert!(matches!(got, Err(CommError::Timeout { .. })), "{got:?}"),
+            false => assert!(matches!(got, Err(CommError::Protocol { .. })), "{got:?}"),
+        }
+    }
+    // Only out-of-band tags may go out of band.
+    let out = on_group(2, move |r, t| (r == 0).then(|| t.send_out_of_band(1, state, vec![1], Instant::now() + T)));
+    assert!(matches!(out[0], Some(Err(CommError::Invalid { .. }))), "{:?}", out[0]);
 }

@@ -72,3 +72,48 @@ proptest! {
         prop_assert!(took < Duration::from_secs(5), "took {:?}", took);
     }
 }
+
+/// A snapshot is written by the transport's own thread: sending one to a peer that reads
+/// nothing (a stalled process) does not hold the caller, as a plain send of the same bytes does
+/// until its deadline. When the frame cannot be delivered by its deadline the connection is
+/// closed, so the next exchange with that peer fails at once instead of reading a frame cut short.
+#[test]
+fn a_snapshot_to_a_peer_that_reads_nothing_does_not_hold_the_sender() {
+    let snap = lazarus_comm::tags::expert_transfer(lazarus_comm::tags::TransferKind::Snapshot, 0, 1).unwrap();
+    let big = vec![7u8; 64 << 20]; // far more than the socket buffers hold
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rank0 = std::thread::spawn(move || {
+        let mut t = TcpTransport::connect(listener, Rendezvous::new(0, vec![addr, addr], EPOCH, Duration::from_secs(10))).unwrap();
+        let start = Instant::now();
+        t.send_out_of_band(1, snap, big.clone(), Instant::now() + Duration::from_millis(1500)).unwrap();
+        let queued_in = start.elapsed();
+        // The ordered stream to that peer is cut once the snapshot's deadline passes.
+        let next = t.recv(1, 7, Instant::now() + Duration::from_secs(10));
+        (queued_in, next, start.elapsed())
+    });
+    // Rank 1: a hello, then nothing is ever read.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
+    let (queued_in, next, until_cut) = rank0.join().unwrap();
+    assert!(queued_in < Duration::from_millis(500), "the caller went on after {queued_in:?}");
+    assert!(matches!(next, Err(lazarus_comm::CommError::PeerLost { peer: 1, .. })), "{next:?}");
+    assert!(until_cut < Duration::from_secs(8), "cut after {until_cut:?}, not at the receive's own deadline");
+    drop(s);
+
+    // The same bytes through a plain send hold the caller until its deadline.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rank0 = std::thread::spawn(move || {
+        let mut t = TcpTransport::connect(listener, Rendezvous::new(0, vec![addr, addr], EPOCH, Duration::from_secs(10))).unwrap();
+        let start = Instant::now();
+        let got = t.send(1, snap, &vec![7u8; 64 << 20], Instant::now() + Duration::from_millis(1500));
+        (got, start.elapsed())
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
+    let (got, took) = rank0.join().unwrap();
+    assert!(matches!(got, Err(lazarus_comm::CommError::Timeout { .. })), "{got:?}");
+    assert!(took >= Duration::from_millis(1000), "a plain send returned after {took:?}");
+    drop(s);
+}

@@ -87,6 +87,16 @@ impl AdamW {
         })
     }
 
+    /// The moments (m, v) and step of the tensor at `index`, borrowed: what a snapshot writes
+    /// to the wire every step without copying them into tensors first.
+    pub fn moments(&self, index: usize) -> Result<(&[f32], &[f32], u64)> {
+        if !self.resident(index) {
+            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
+        }
+        let s = &self.state[index];
+        Ok((&s.m, &s.v, s.step))
+    }
+
     /// Update counts of every tensor, in parameter order.
     pub fn steps(&self) -> Vec<u64> {
         self.state.iter().map(|s| s.step).collect()

@@ -45,11 +45,26 @@ impl ExpertState {
 
     pub fn encode(&self) -> Vec<u8> {
         let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|i| self.tensors[i].shape.clone());
-        let mut out = Vec::with_capacity(Self::encoded_len(&shapes));
+        let steps = std::array::from_fn(|i| self.tensors[i].step);
+        let mut out = Self::wire_header(self.layer, self.expert, &shapes, &steps);
+        for t in &self.tensors {
+            for part in [&t.weight, &t.m, &t.v] {
+                put_values(&mut out, part);
+            }
+        }
+        out
+    }
+
+    /// The start of an expert's wire form — everything before the values — in a buffer with
+    /// room for the whole of it. The values follow with [`put_values`]: per tensor its weight,
+    /// m and v. What [`Self::encode`] writes from an [`ExpertState`], a worker writes straight
+    /// from its tensors (a snapshot every step: one copy instead of two).
+    pub fn wire_header(layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS], steps: &[u64; EXPERT_TENSORS]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(Self::encoded_len(shapes));
         out.extend_from_slice(&MAGIC.to_le_bytes());
-        out.extend_from_slice(&(self.layer as u32).to_le_bytes());
-        out.extend_from_slice(&(self.expert as u32).to_le_bytes());
-        put_tensors(&mut out, &self.tensors);
+        out.extend_from_slice(&(layer as u32).to_le_bytes());
+        out.extend_from_slice(&(expert as u32).to_le_bytes());
+        put_shapes(&mut out, shapes.iter().map(|s| s.as_slice()).zip(steps.iter().copied()));
         out
     }
 
@@ -121,18 +136,28 @@ impl ExpertState {
 /// Tensors as both wire forms end: per tensor its rank, dimensions and AdamW step, then per
 /// tensor its weight, m and v.
 pub(crate) fn put_tensors(out: &mut Vec<u8>, tensors: &[TensorTrainState]) {
-    for t in tensors {
-        out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
-        for &d in &t.shape {
-            out.extend_from_slice(&(d as u64).to_le_bytes());
-        }
-        out.extend_from_slice(&t.step.to_le_bytes());
-    }
+    put_shapes(out, tensors.iter().map(|t| (t.shape.as_slice(), t.step)));
     for t in tensors {
         for part in [&t.weight, &t.m, &t.v] {
-            out.extend(part.iter().flat_map(|x| x.to_le_bytes()));
+            put_values(out, part);
         }
     }
+}
+
+/// Per tensor: its rank (u32), dimensions (u64 each) and AdamW step (u64).
+fn put_shapes<'a>(out: &mut Vec<u8>, tensors: impl Iterator<Item = (&'a [usize], u64)>) {
+    for (shape, step) in tensors {
+        out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        for &d in shape {
+            out.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&step.to_le_bytes());
+    }
+}
+
+/// Values as little-endian f32: one copy (a plain memcpy on little-endian machines).
+pub(crate) fn put_values(out: &mut Vec<u8>, values: &[f32]) {
+    out.extend_from_slice(&lazarus_comm::f32_wire(values));
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@
 pub mod bench;
 mod error;
 mod expert_state;
+mod host;
 mod moe;
 mod shared_state;
 mod worker;

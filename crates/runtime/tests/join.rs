@@ -118,6 +118,12 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
             let s = w.step(transport.as_mut(), &mut group).unwrap();
             losses.push((s.report.step, s.report.loss));
         }
+        // A snapshot's bytes, written straight from the tensors, are the expert's wire form.
+        for (l, experts) in w.resident_experts().unwrap().iter().enumerate() {
+            for &e in experts {
+                assert_eq!(w.encode_expert(l, e).unwrap(), w.export_expert(l, e).unwrap().encode(), "layer {l} expert {e}");
+            }
+        }
         (losses, params(&w.trainer), w.trainer.sampler.cursor().windows, Some(joined_at))
     }));
     let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();

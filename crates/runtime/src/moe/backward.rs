@@ -250,7 +250,7 @@ impl DistributedMoe {
         let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());
         for v in weights.vars() {
             match grads.get(v.as_tensor()) {
-                Some(g) => extend_host(&mut flat, g)?,
+                Some(g) => crate::host::with_host_f32(g, |v| flat.extend_from_slice(v))?,
                 None => flat.resize(flat.len() + v.elem_count(), 0.0),
             }
         }
@@ -265,17 +265,4 @@ impl DistributedMoe {
         }
         Ok(flat)
     }
-}
-
-/// Append a tensor's f32 elements to `out`, straight from its storage when it is contiguous.
-fn extend_host(out: &mut Vec<f32>, t: &Tensor) -> Result<(), RuntimeError> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-            out.extend_from_slice(&v[a..b]);
-            return Ok(());
-        }
-    }
-    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
-    Ok(())
 }

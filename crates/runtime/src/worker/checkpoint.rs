@@ -25,7 +25,7 @@ impl Worker {
                 }
                 let tag = expert_transfer(TransferKind::Checkpoint, l, e)?;
                 if self.rank == first {
-                    let bytes = self.export_expert(l, e)?.encode();
+                    let bytes = self.encode_expert(l, e)?;
                     t.send(0, tag, &bytes, deadline())?;
                 } else if self.rank == 0 {
                     let bytes = t.recv(first, tag, deadline())?;

@@ -36,7 +36,8 @@ use lazarus_model::{StepReport, TrainConfig, Trainer};
 use lazarus_plan::ReplicaMap;
 
 use crate::error::RuntimeError;
-use crate::expert_state::{ExpertState, TensorTrainState};
+use crate::expert_state::{put_values, ExpertState, TensorTrainState, EXPERT_TENSORS};
+use crate::host::with_host_f32;
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 use crate::shared_state::SharedState;
 
@@ -434,6 +435,37 @@ impl Worker {
     /// The full training state of expert `expert` of MoE layer `layer` (weights and AdamW
     /// moments and steps), which this worker must hold.
     pub fn export_expert(&self, layer: usize, expert: usize) -> Result<ExpertState, RuntimeError> {
+        let mut tensors = Vec::with_capacity(EXPERT_TENSORS);
+        for index in self.expert_positions(layer, expert)? {
+            tensors.push(self.tensor_state(index)?);
+        }
+        let tensors = tensors.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })?;
+        Ok(ExpertState { layer, expert, tensors })
+    }
+
+    /// The wire form of [`Self::export_expert`]'s state, written straight from the tensors
+    /// (what a snapshot sends every step: one copy of the values instead of two).
+    pub fn encode_expert(&self, layer: usize, expert: usize) -> Result<Vec<u8>, RuntimeError> {
+        let positions = self.expert_positions(layer, expert)?;
+        let vars = self.trainer.model.params().vars();
+        let mut moments = Vec::with_capacity(EXPERT_TENSORS);
+        for &i in &positions {
+            moments.push(self.trainer.optimizer.moments(i)?);
+        }
+        let shapes = std::array::from_fn(|k| vars[positions[k]].dims().to_vec());
+        let steps = std::array::from_fn(|k| moments[k].2);
+        let mut out = ExpertState::wire_header(layer, expert, &shapes, &steps);
+        for (k, &(m, v, _)) in moments.iter().enumerate() {
+            with_host_f32(vars[positions[k]].as_tensor(), |w| put_values(&mut out, w))?;
+            put_values(&mut out, m);
+            put_values(&mut out, v);
+        }
+        Ok(out)
+    }
+
+    /// Where expert (`layer`, `expert`)'s tensors sit among the parameters, checking that this
+    /// worker holds it.
+    fn expert_positions(&self, layer: usize, expert: usize) -> Result<[usize; EXPERT_TENSORS], RuntimeError> {
         let model = &self.trainer.model;
         if !model.expert_resident(layer, expert)? {
             return Err(RuntimeError::Invalid {
@@ -442,12 +474,8 @@ impl Worker {
             });
         }
         let names = model.expert_param_names(layer, expert);
-        let mut tensors = Vec::with_capacity(names.len());
-        for name in &names {
-            tensors.push(self.tensor_state(self.position(name)?)?);
-        }
-        let tensors = tensors.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })?;
-        Ok(ExpertState { layer, expert, tensors })
+        let positions = names.iter().map(|n| self.position(n)).collect::<Result<Vec<_>, _>>()?;
+        positions.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })
     }
 
     /// Take in an expert's full training state (weights and optimizer state), replacing what

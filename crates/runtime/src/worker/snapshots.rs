@@ -185,8 +185,8 @@ impl Worker {
             let Some(&from) = self.plan.holders(l, e).first() else { continue };
             let to = (from + g) % self.world;
             if from == self.rank {
-                let bytes = self.export_expert(l, e)?.encode();
-                t.send(to, expert_transfer(TransferKind::Snapshot, l, e)?, &bytes, deadline)?;
+                let bytes = self.encode_expert(l, e)?;
+                t.send_out_of_band(to, expert_transfer(TransferKind::Snapshot, l, e)?, bytes, deadline)?;
             } else if to == self.rank {
                 self.snapshots.expected.push((from, l, e, step));
             }

@@ -8,11 +8,14 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
 use crate::Transport;
+
+mod out_of_band;
+use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Writer};
 
 const MAGIC: u32 = 0x4c5a_5231; // "LZR1"
 const HELLO: u32 = 0x4c5a_4831; // "LZH1"
@@ -47,6 +50,10 @@ pub struct TcpTransport {
     failed: Option<CommError>,
     /// Peers another rank reported lost in an abort frame.
     reported: Vec<bool>,
+    /// One write lock per connection, shared with the out-of-band sender: frames never interleave.
+    write_locks: Vec<Arc<Mutex<()>>>,
+    /// The thread that writes out-of-band frames, started by the first one.
+    out_of_band: Option<OutOfBandSender>,
 }
 
 /// How ranks find each other: rank r listens on `addrs[r]`.
@@ -255,6 +262,8 @@ impl TcpTransport {
             left: vec![false; world],
             failed: None,
             reported: vec![false; world],
+            write_locks: (0..world).map(|_| Arc::new(Mutex::new(()))).collect(),
+            out_of_band: None,
         })
     }
 
@@ -289,6 +298,7 @@ impl TcpTransport {
             frame.extend_from_slice(&(peer as u64).to_le_bytes());
             for (p, s) in self.streams.iter_mut().enumerate() {
                 if let (Some(s), None) = (s, &self.lost[p]) {
+                    let Some(_held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) else { continue };
                     s.set_write_timeout(Some(Duration::from_millis(200))).ok();
                     let _ = s.write_all(&frame);
                 }
@@ -335,11 +345,16 @@ impl TcpTransport {
         if self.failed.is_none() {
             self.failed = Some(CommError::invalid("transport", "already shut down"));
         }
+        // Snapshots still queued belong to a run that is over.
+        self.out_of_band = None;
         let mut frame = Vec::with_capacity(HEADER);
         write_header(&mut frame, MAGIC, self.epoch, BYE_TAG, 0);
-        for s in self.streams.iter_mut().flatten() {
-            s.set_write_timeout(Some(Duration::from_millis(200))).ok();
-            let _ = s.write_all(&frame);
+        for (p, s) in self.streams.iter_mut().enumerate() {
+            let Some(s) = s else { continue };
+            if let Some(_held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) {
+                s.set_write_timeout(Some(Duration::from_millis(200))).ok();
+                let _ = s.write_all(&frame);
+            }
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -414,6 +429,38 @@ impl Transport for TcpTransport {
         self.fail_on(result)
     }
 
+    fn send_out_of_band(&mut self, peer: usize, tag: u64, payload: Vec<u8>, deadline: Instant) -> Result<(), CommError> {
+        if !crate::tags::is_out_of_band(tag) {
+            return Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag")));
+        }
+        if peer == self.rank || peer >= self.world || payload.len() as u64 > MAX_FRAME {
+            return self.send(peer, tag, &payload, deadline);
+        }
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if let Some(reason) = &self.lost[peer] {
+            return Err(CommError::PeerLost { peer, reason: reason.clone() });
+        }
+        if self.out_of_band.is_none() {
+            let writers = self
+                .streams
+                .iter()
+                .zip(&self.write_locks)
+                .map(|(s, lock)| s.as_ref().and_then(|s| s.try_clone().ok()).map(|stream| Writer { stream, lock: lock.clone() }))
+                .collect();
+            let sender =
+                OutOfBandSender::start(writers).map_err(|e| CommError::invalid("transport", format!("out-of-band sender: {e}")))?;
+            self.out_of_band = Some(sender);
+        }
+        let mut header = Vec::with_capacity(HEADER);
+        write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
+        match &self.out_of_band {
+            Some(sender) if sender.queue(peer, header, payload, deadline) => Ok(()),
+            _ => Err(CommError::invalid("transport", "the out-of-band sender has stopped")),
+        }
+    }
+
     fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
         if peer >= self.world {
             return Err(CommError::invalid("peer", format!("{peer} (world size {})", self.world)));
@@ -472,10 +519,12 @@ impl TcpTransport {
         let Some(stream) = self.streams[peer].as_mut() else {
             return Err(CommError::PeerLost { peer, reason: "no connection".into() });
         };
-        stream.set_write_timeout(Some(remaining)).ok();
         let mut header = Vec::with_capacity(HEADER);
         write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
-        let result = stream.write_all(&header).and_then(|_| stream.write_all(payload));
+        let result = {
+            let _held = lock(&self.write_locks[peer]);
+            write_frame(stream, &header, payload, deadline)
+        };
         let Err(e) = result else { return Ok(()) };
         // A frame cut short leaves the byte stream unusable: the connection is closed either way.
         if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
@@ -501,9 +550,7 @@ impl TcpTransport {
             return Err(e.clone());
         }
         if crate::tags::is_out_of_band(tag) {
-            if let Some(i) = self.parked[peer].iter().position(|(t, _)| *t == tag) {
-                return Ok(self.parked[peer].remove(i).map(|(_, p)| p).unwrap_or_default());
-            }
+            return self.recv_out_of_band(peer, tag, deadline);
         }
         loop {
             if let Some((t, payload)) = self.pending[peer].pop_front() {
@@ -519,44 +566,66 @@ impl TcpTransport {
             if peer == self.rank {
                 return Err(CommError::Protocol { peer, reason: "receive from self with nothing sent".into() });
             }
-            if let Some(reason) = &self.lost[peer] {
-                return Err(CommError::PeerLost { peer, reason: reason.clone() });
-            }
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            match self.inbox.recv_timeout(remaining) {
-                Ok(Event::Frame { from, epoch, tag: t, payload }) => {
-                    if t == BYE_TAG {
-                        self.left[from] = true;
-                        continue;
-                    }
-                    if t == ABORT_TAG {
-                        let err = self.note_abort(from, &payload);
-                        self.failed = Some(err.clone());
-                        return Err(err);
-                    }
-                    if epoch < self.epoch {
-                        return Err(CommError::StaleEpoch { peer: from, got: epoch, current: self.epoch });
-                    }
-                    if epoch > self.epoch {
-                        return Err(CommError::Protocol {
-                            peer: from,
-                            reason: format!("frame from newer epoch {epoch} (ours is {})", self.epoch),
-                        });
-                    }
-                    self.pending[from].push_back((t, payload));
-                }
-                Ok(Event::Closed { from, reason }) => {
-                    if self.left[from] {
-                        self.lost[from] = Some("peer left".into());
-                        continue;
-                    }
-                    return Err(self.lose(from, reason));
-                }
-                Err(RecvTimeoutError::Timeout) => return Err(CommError::Timeout { peer, what: format!("message with tag {tag:#x}") }),
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(self.lose(peer, "all connections closed".into()));
+            self.await_frame(peer, tag, deadline)?;
+        }
+    }
+
+    /// An out-of-band frame: it travels beside the ordered stream (written by the sender's own
+    /// thread), so it may arrive before or after ordered frames sent around it; those stay
+    /// queued, in order, for the calls that ask for them.
+    fn recv_out_of_band(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        loop {
+            for q in [&mut self.parked[peer], &mut self.pending[peer]] {
+                if let Some(i) = q.iter().position(|(t, _)| *t == tag) {
+                    return Ok(q.remove(i).map(|(_, p)| p).unwrap_or_default());
                 }
             }
+            if peer == self.rank {
+                return Err(CommError::Protocol { peer, reason: "receive from self with nothing sent".into() });
+            }
+            self.await_frame(peer, tag, deadline)?;
+        }
+    }
+
+    /// Wait for the next event from any peer while waiting on `peer` for `tag`: a data frame
+    /// is queued; a goodbye, an abort, a stale frame or a closed connection is dealt with.
+    fn await_frame(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<(), CommError> {
+        if let Some(reason) = &self.lost[peer] {
+            return Err(CommError::PeerLost { peer, reason: reason.clone() });
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match self.inbox.recv_timeout(remaining) {
+            Ok(Event::Frame { from, epoch, tag: t, payload }) => {
+                if t == BYE_TAG {
+                    self.left[from] = true;
+                    return Ok(());
+                }
+                if t == ABORT_TAG {
+                    let err = self.note_abort(from, &payload);
+                    self.failed = Some(err.clone());
+                    return Err(err);
+                }
+                if epoch < self.epoch {
+                    return Err(CommError::StaleEpoch { peer: from, got: epoch, current: self.epoch });
+                }
+                if epoch > self.epoch {
+                    return Err(CommError::Protocol {
+                        peer: from,
+                        reason: format!("frame from newer epoch {epoch} (ours is {})", self.epoch),
+                    });
+                }
+                self.pending[from].push_back((t, payload));
+                Ok(())
+            }
+            Ok(Event::Closed { from, reason }) => {
+                if self.left[from] {
+                    self.lost[from] = Some("peer left".into());
+                    return Ok(());
+                }
+                Err(self.lose(from, reason))
+            }
+            Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout { peer, what: format!("message with tag {tag:#x}") }),
+            Err(RecvTimeoutError::Disconnected) => Err(self.lose(peer, "all connections closed".into())),
         }
     }
 }
