@@ -134,23 +134,26 @@ impl AdamW {
     /// One update with learning rate `lr`. Gradients are multiplied by `grad_scale` first (for
     /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
-        let host = params
-            .vars()
-            .iter()
-            .map(|var| grads.get(var.as_tensor()).map(|g| g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        self.step_host(params, &host, lr, grad_scale)
+        let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
+        crate::ops::with_f32_slices(&tensors, |g| self.update(params, g, lr, grad_scale))?
     }
 
     /// [`AdamW::step`] with gradients as host vectors aligned with `params` (None: no update),
     /// e.g. after they were summed over the ranks of a distributed step.
     pub fn step_host(&mut self, params: &ParamStore, grads: &[Option<Vec<f32>>], lr: f64, grad_scale: f64) -> Result<()> {
+        let slices: Vec<Option<&[f32]>> = grads.iter().map(|g| g.as_deref()).collect();
+        self.update(params, &slices, lr, grad_scale)
+    }
+
+    /// The update itself: each f32 parameter in place in its storage (one fused pass over p, g,
+    /// m and v, spread over the cores), others through a host copy.
+    fn update(&mut self, params: &ParamStore, grads: &[Option<&[f32]>], lr: f64, grad_scale: f64) -> Result<()> {
         if grads.len() != params.len() {
             return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
         }
         let c = self.config.clone();
         for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
-            let Some(g) = g else { continue };
+            let Some(g) = *g else { continue };
             if g.len() != var.elem_count() {
                 return Err(ModelError::config(
                     "gradient",
@@ -158,41 +161,110 @@ impl AdamW {
                     format!("has {} values, the tensor {}", g.len(), var.elem_count()),
                 ));
             }
-            let dtype = var.dtype();
-            let mut p = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             let s = &mut self.state[i];
+            if s.m.len() != g.len() {
+                return Err(ModelError::config("optimizer state", &params.names()[i], "was released (the expert is not held here)"));
+            }
             s.step += 1;
             let bc1 = 1.0 - c.beta1.powi(s.step as i32);
             let bc2 = 1.0 - c.beta2.powi(s.step as i32);
-            let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
-            let scale = grad_scale as f32;
-            let step_size = (lr / bc1) as f32;
-            let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
-            let eps = c.eps as f32;
-            let keep = if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 };
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(s.m.iter_mut()).zip(s.v.iter_mut()) {
-                let g = g * scale;
-                *m = b1 * *m + (1.0 - b1) * g;
-                *v = b2 * *v + (1.0 - b2) * g * g;
-                // p ← p·(1 − lr·wd) − lr · m̂ / (√v̂ + ε)
-                *p = *p * keep - step_size * *m / ((*v).sqrt() * inv_bc2_sqrt + eps);
+            let k = AdamWCoeffs {
+                b1: c.beta1 as f32,
+                b2: c.beta2 as f32,
+                scale: grad_scale as f32,
+                step_size: (lr / bc1) as f32,
+                inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+                eps: c.eps as f32,
+                keep: if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 },
+            };
+            if var.dtype() == DType::F32 && var.device().is_cpu() && var.is_contiguous() {
+                let op = InPlaceUpdate { g, m: std::cell::RefCell::new(&mut s.m), v: std::cell::RefCell::new(&mut s.v), k };
+                var.as_tensor().inplace_op1(&op)?;
+            } else {
+                let dtype = var.dtype();
+                let mut p = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                adamw_pass(&mut p, g, &mut s.m, &mut s.v, &k);
+                let new = Tensor::from_vec(p, s.shape.clone(), var.device())?.to_dtype(dtype)?;
+                var.set(&new)?;
             }
-            let new = Tensor::from_vec(p, s.shape.clone(), var.device())?.to_dtype(dtype)?;
-            var.set(&new)?;
         }
         Ok(())
     }
 }
 
-/// Global L2 norm of all gradients of `params`.
-pub fn grad_norm(params: &ParamStore, grads: &GradStore) -> Result<f64> {
-    let mut sum = 0.0f64;
-    for var in params.vars() {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            sum += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+/// The scalars of one tensor's AdamW update.
+#[derive(Debug, Clone, Copy)]
+struct AdamWCoeffs {
+    b1: f32,
+    b2: f32,
+    scale: f32,
+    step_size: f32,
+    inv_bc2_sqrt: f32,
+    eps: f32,
+    /// 1 − lr·wd where weight decay applies, else 1.
+    keep: f32,
+}
+
+/// Elements per part of the update spread over the cores (a fixed size: each element's update is
+/// independent, so the split never changes a value).
+const UPDATE_PART: usize = 1 << 15;
+
+/// p ← p·(1 − lr·wd) − lr · m̂ / (√v̂ + ε), with m and v moved by the (scaled) gradient: one pass,
+/// in parts over the cores.
+fn adamw_pass(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &AdamWCoeffs) {
+    type Part<'a> = (((&'a mut [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+    let part = |(((p, g), m), v): Part| {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = g * k.scale;
+            *m = k.b1 * *m + (1.0 - k.b1) * g;
+            *v = k.b2 * *v + (1.0 - k.b2) * g * g;
+            *p = *p * k.keep - k.step_size * *m / ((*v).sqrt() * k.inv_bc2_sqrt + k.eps);
         }
+    };
+    let len = p.len();
+    let parts = p.chunks_mut(UPDATE_PART).zip(g.chunks(UPDATE_PART)).zip(m.chunks_mut(UPDATE_PART)).zip(v.chunks_mut(UPDATE_PART));
+    if len <= UPDATE_PART {
+        parts.for_each(part);
+    } else {
+        use rayon::prelude::*;
+        parts.collect::<Vec<_>>().into_par_iter().for_each(part);
     }
-    Ok(sum.sqrt())
+}
+
+/// AdamW's update of one f32 parameter, applied in place in its storage.
+struct InPlaceUpdate<'a> {
+    g: &'a [f32],
+    m: std::cell::RefCell<&'a mut Vec<f32>>,
+    v: std::cell::RefCell<&'a mut Vec<f32>>,
+    k: AdamWCoeffs,
+}
+
+impl candle_core::InplaceOp1 for InPlaceUpdate<'_> {
+    fn name(&self) -> &'static str {
+        "lazarus-adamw"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(p) = storage else { candle_core::bail!("adamw: an f32 parameter") };
+        let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("adamw: a contiguous parameter") };
+        let (mut m, mut v) = (self.m.borrow_mut(), self.v.borrow_mut());
+        if b - a != self.g.len() || m.len() != self.g.len() || v.len() != self.g.len() {
+            candle_core::bail!("adamw: {} values, gradient {}, moments {} and {}", b - a, self.g.len(), m.len(), v.len());
+        }
+        adamw_pass(&mut p[a..b], self.g, &mut m, &mut v, &self.k);
+        Ok(())
+    }
+}
+
+/// Global L2 norm of all gradients of `params`: squares summed in f64 per tensor (as the
+/// distributed step sums them), the tensors over the cores, then added in parameter order.
+pub fn grad_norm(params: &ParamStore, grads: &GradStore) -> Result<f64> {
+    let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
+    let sums = crate::ops::with_f32_slices(&tensors, |g| {
+        use rayon::prelude::*;
+        g.par_iter().map(|g| g.map_or(0.0, |g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())).collect::<Vec<f64>>()
+    })?;
+    Ok(sums.iter().sum::<f64>().sqrt())
 }
 
 /// Scale that clips a gradient of norm `norm` to at most `max_norm` (1 when it is already

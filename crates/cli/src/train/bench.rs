@@ -1,48 +1,195 @@
-//! `lazarus bench train`: forward+backward throughput of the model and its matmul GFLOP/s.
+//! `lazarus bench train`: tokens/s of full training steps of the model, its matmul GFLOP/s
+//! against the machine's measured GEMM peak, and — when PyTorch can be imported — the same model
+//! trained by PyTorch eager on the same cores in the same run (`torch_moe.py`, embedded), with the
+//! ratio.
 
 use std::fmt::Write as _;
+use std::io::Write as _;
+use std::process::{Command, Stdio};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
+use lazarus_model::bench::TrainBenchReport;
+use lazarus_model::TrainConfig;
+use serde::{Deserialize, Serialize};
 
 use super::args::{build_config, TrainArgs};
+
+/// The PyTorch peer: the default model's shape with a per-expert loop, as a PyTorch user writes it.
+const TORCH_MOE_PY: &str = include_str!("torch_moe.py");
 
 #[derive(Args, Debug)]
 pub struct BenchTrainArgs {
     /// Model and batch settings, as for `lazarus train` (defaults: the default model, 16 x 128).
     #[command(flatten)]
     train: TrainArgs,
-    /// Measured forward+backward passes (after 2 warm-up steps).
-    #[arg(long, default_value_t = 5)]
+    /// Measured full training steps (after 2 warm-up steps).
+    #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// Python interpreter for the PyTorch peer (skipped, with the reason, if it cannot import torch).
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Do not run the PyTorch peer.
+    #[arg(long)]
+    no_torch: bool,
     #[arg(long)]
     json: bool,
+}
+
+/// What the PyTorch peer printed (its last line, JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TorchReport {
+    pub threads: usize,
+    pub params: usize,
+    pub tokens_per_s: f64,
+    pub step_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct BenchTrainOutput {
+    lazarus: TrainBenchReport,
+    pytorch: Option<TorchReport>,
+    /// Why PyTorch did not run, when it did not.
+    pytorch_skipped: Option<String>,
+    /// Lazarus tokens/s over PyTorch's.
+    ratio_vs_pytorch: Option<f64>,
 }
 
 pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     if args.iters == 0 {
         bail!("invalid --iters: 0 (must be at least 1)");
     }
+    if args.iters > 10_000 {
+        bail!("invalid --iters: {} (at most 10000)", args.iters);
+    }
     let config = build_config(&args.train)?;
     let r = lazarus_model::bench::train_benchmark(&config, 2, args.iters)?;
+    let (pytorch, pytorch_skipped) = match args.no_torch {
+        true => (None, Some("--no-torch".to_string())),
+        false => match run_torch(&args.python, &config, r.threads, args.iters) {
+            Ok(t) => (Some(t), None),
+            Err(e) => (None, Some(format!("{e:#}"))),
+        },
+    };
+    let ratio_vs_pytorch = pytorch.as_ref().map(|t| r.tokens_per_s / t.tokens_per_s);
+    let out = BenchTrainOutput { lazarus: r, pytorch, pytorch_skipped, ratio_vs_pytorch };
     if args.json {
-        crate::io::println(&serde_json::to_string(&r)?)?;
-    } else {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "model            {:.2}M parameters, batch {} x {} tokens, {} iterations",
-            r.parameters as f64 / 1e6,
-            r.batch_size,
-            r.seq_len,
-            r.iterations
-        );
-        let _ = writeln!(out, "forward+backward {:.0} tokens/s ({:.3} s per step)", r.tokens_per_s, r.step_s);
-        let _ = writeln!(out, "expert FFNs      {:.3} s per step = {:.0}% of forward+backward", r.expert_ffn_s, 100.0 * r.expert_share);
-        let _ = writeln!(out, "achieved         {:.1} GFLOP/s (matmul FLOPs {:.2e} per step)", r.model_gflops, r.flops_per_step);
-        let _ = writeln!(out, "plain matmul     {:.1} GFLOP/s on the same shapes", r.matmul_gflops);
-        let _ = writeln!(out, "ratio            {:.2} (goal >= 0.5)", r.ratio);
-        crate::io::print(&out)?;
+        crate::io::println(&serde_json::to_string(&out)?)?;
+        return Ok(());
     }
+    let r = &out.lazarus;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "model            {:.2}M parameters, batch {} x {} tokens, {} full steps on {} cores",
+        r.parameters as f64 / 1e6,
+        r.batch_size,
+        r.seq_len,
+        r.iterations,
+        r.threads
+    );
+    let _ = writeln!(s, "training step    {:.0} tokens/s ({:.3} s per step: forward, backward, clipping, AdamW)", r.tokens_per_s, r.step_s);
+    let _ = writeln!(s, "expert FFNs      {:.3} s per step = {:.0}% of a step", r.expert_ffn_s, 100.0 * r.expert_share);
+    let _ = writeln!(
+        s,
+        "achieved         {:.1} GFLOP/s = {:.0}% of this machine's measured f32 GEMM peak ({:.1} GFLOP/s; matmul FLOPs {:.2e} per step)",
+        r.model_gflops,
+        100.0 * r.utilisation,
+        r.peak_gflops,
+        r.flops_per_step
+    );
+    match (&out.pytorch, &out.pytorch_skipped, out.ratio_vs_pytorch) {
+        (Some(t), _, Some(ratio)) => {
+            let _ = writeln!(
+                s,
+                "PyTorch eager    {:.0} tokens/s ({:.3} s per step, {} threads), same model shape",
+                t.tokens_per_s, t.step_s, t.threads
+            );
+            let _ = writeln!(s, "ratio            {ratio:.2} of PyTorch's tokens/s (goal >= 1.0 on 2 cores)");
+        }
+        (_, Some(why), _) => {
+            let _ = writeln!(s, "PyTorch eager    not run: {why}");
+        }
+        _ => {}
+    }
+    crate::io::print(&s)?;
     Ok(())
+}
+
+/// Why the PyTorch peer cannot train this configuration, if it cannot: it has the default
+/// model's structure (byte vocabulary, top-2, an MoE in every block, dropless routing).
+fn torch_mismatch(config: &TrainConfig) -> Option<String> {
+    let m = &config.model;
+    let checks = [
+        (m.vocab_size == 256, format!("vocab {} (the peer has 256)", m.vocab_size)),
+        (m.top_k == 2, format!("top-k {} (the peer routes top-2)", m.top_k)),
+        (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
+        (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
+        (m.aux_loss_coef == 0.01, format!("aux loss coefficient {} (the peer uses 0.01)", m.aux_loss_coef)),
+    ];
+    checks.into_iter().find(|(ok, _)| !ok).map(|(_, why)| format!("the PyTorch peer cannot match {why}"))
+}
+
+/// Train the same model with PyTorch eager on `threads` threads (this process's cores: the
+/// child inherits its CPU affinity) and read its report.
+fn run_torch(python: &str, config: &TrainConfig, threads: usize, iters: usize) -> Result<TorchReport> {
+    if let Some(why) = torch_mismatch(config) {
+        bail!(why);
+    }
+    let probe = Command::new(python).args(["-c", "import torch"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    match probe {
+        Ok(s) if s.success() => {}
+        Ok(_) => bail!("{python} cannot import torch"),
+        Err(e) => bail!("cannot start {python}: {e}"),
+    }
+    let m = &config.model;
+    // The peer drops its first max(3, steps/4) steps and takes the median of the rest.
+    let steps = (iters + 4).max(12);
+    let mut child = Command::new(python)
+        .arg("-")
+        .args(["--threads", &threads.to_string(), "--steps", &steps.to_string()])
+        .args(["--batch", &config.batch_size.to_string(), "--seq", &config.seq_len.to_string()])
+        .args(["--d", &m.d_model.to_string(), "--layers", &m.n_layers.to_string(), "--heads", &m.n_heads.to_string()])
+        .args(["--experts", &m.n_experts.to_string(), "--dff", &m.d_ff.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {python}"))?;
+    child.stdin.take().context("python's stdin")?.write_all(TORCH_MOE_PY.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        bail!("the PyTorch peer failed ({}): {}", out.status, err.lines().last().unwrap_or(""));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last = text.lines().rev().find(|l| l.trim_start().starts_with('{')).context("the PyTorch peer printed no report")?;
+    let report: TorchReport = serde_json::from_str(last).with_context(|| format!("the PyTorch peer's report: {last}"))?;
+    if !(report.tokens_per_s.is_finite() && report.tokens_per_s > 0.0) {
+        bail!("the PyTorch peer reported {} tokens/s", report.tokens_per_s);
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peer_is_matched_to_the_default_model_and_refuses_what_it_cannot_train() {
+        let default = TrainConfig::default();
+        assert_eq!(torch_mismatch(&default), None);
+        let mut c = default.clone();
+        c.model.top_k = 1;
+        assert!(torch_mismatch(&c).unwrap().contains("top-k 1"));
+        let mut c = default;
+        c.model.capacity_factor = Some(1.25);
+        assert!(torch_mismatch(&c).unwrap().contains("capacity"));
+    }
+
+    #[test]
+    fn a_python_without_torch_is_a_reason_not_a_failure() {
+        let err = run_torch("/nonexistent/python3", &TrainConfig::default(), 2, 5).unwrap_err();
+        assert!(err.to_string().contains("cannot start /nonexistent/python3"), "{err}");
+    }
 }

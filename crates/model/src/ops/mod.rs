@@ -37,6 +37,8 @@ mod testing;
 pub use attention::causal_attention;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
+pub(crate) use host::with_f32_slices;
 pub use layer_norm::layer_norm;
 pub use linear::linear;
+pub use parallel::threads;
 pub use softmax::softmax_last;

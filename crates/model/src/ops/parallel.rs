@@ -1,9 +1,9 @@
 //! The one place that decides how a kernel's work is spread over the cores.
 //!
-//! [`run_parallel`] is the only primitive: it runs a job on every work item over scoped threads,
-//! one thread per core (never more threads than items), item i on thread i mod T, and returns
-//! the results in item order; with a single thread it runs on the caller's thread. The kernels
-//! use the thin helpers on top of it:
+//! [`run_parallel`] is the only primitive: it runs a job on every work item on the rayon pool —
+//! the same threads the GEMMs run on, so one step never starts a thread of its own and never
+//! has two sets of threads fighting for the cores — and returns the results in item order; with
+//! a single core it runs on the caller's thread. The kernels use the thin helpers on top of it:
 //! - [`for_each_parallel`] for indexed jobs (attention's (batch, head) pairs),
 //! - [`map_parallel`] for elementwise passes (GELU and its derivative),
 //! - [`rows_parallel`] for passes over independent rows (softmax),
@@ -11,12 +11,12 @@
 //!   gradients, summed over the parts in part order).
 //!
 //! Where parts return partial sums (layer norm), the part sizes fix the summation order: the
-//! results depend on the number of cores, and changing [`part_len`] or the thresholds changes
-//! the numerics.
+//! results depend on the number of cores (never on which thread ran a part), and changing
+//! [`part_len`] or the thresholds changes the numerics.
 
 /// Cores to spread a kernel over: `std::thread::available_parallelism()` (1 when unknown).
 /// `RAYON_NUM_THREADS` is not read here; it sizes only the rayon pool that the GEMMs run on.
-pub(super) fn threads() -> usize {
+pub fn threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
@@ -35,41 +35,24 @@ pub(super) fn part_len(rows: usize, width: usize, min_len: usize) -> usize {
     rows_per_part * width
 }
 
-/// Run `job` on every item of `work` over min(cores, items) scoped threads, item i on thread
-/// i mod T (on the calling thread when T ≤ 1); the results come back in item order. A panic in
-/// a job is resumed on the caller.
-pub(super) fn run_parallel<W: Send, R: Send>(work: Vec<W>, job: impl Fn(W) -> R + Sync) -> Vec<R> {
-    let count = work.len();
-    let threads = threads().min(count);
-    if threads <= 1 {
+/// Run `job` on every item of `work` on the rayon pool (on the calling thread with one core or
+/// one item); the results come back in item order. A panic in a job is resumed on the caller.
+pub(super) fn run_parallel<W: Send, R: Send>(work: Vec<W>, job: impl Fn(W) -> R + Sync + Send) -> Vec<R> {
+    if threads() <= 1 || work.len() <= 1 {
         return work.into_iter().map(job).collect();
     }
-    let mut lanes: Vec<Vec<W>> = (0..threads).map(|_| Vec::with_capacity(count.div_ceil(threads))).collect();
-    for (i, w) in work.into_iter().enumerate() {
-        lanes[i % threads].push(w);
-    }
-    let done: Vec<Vec<R>> = std::thread::scope(|s| {
-        let handles: Vec<_> = lanes
-            .into_iter()
-            .map(|lane| {
-                let job = &job;
-                s.spawn(move || lane.into_iter().map(job).collect::<Vec<R>>())
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-    });
-    let mut lanes: Vec<_> = done.into_iter().map(Vec::into_iter).collect();
-    (0..count).map(|i| lanes[i % threads].next().expect("each lane holds its items")).collect()
+    use rayon::prelude::*;
+    work.into_par_iter().map(job).collect()
 }
 
 /// Run `job(i)` for i in 0..count over the cores, `i` interleaved across threads.
-pub(super) fn for_each_parallel(count: usize, job: impl Fn(usize) + Sync) {
+pub(super) fn for_each_parallel(count: usize, job: impl Fn(usize) + Sync + Send) {
     run_parallel((0..count).collect(), job);
 }
 
 /// Apply `f` to every element, on all cores when the slice has at least [`ELEMENTWISE_MIN`]
 /// elements.
-pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(T) -> T + Sync) -> Vec<T> {
+pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(T) -> T + Sync + Send) -> Vec<T> {
     let mut out = vec![T::default(); input.len()];
     let part = part_len(input.len(), 1, ELEMENTWISE_MIN);
     run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(x)));
@@ -78,14 +61,18 @@ pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl
 
 /// Run `f(rows_in, rows_out)` over blocks of whole rows of length `width`, on all cores when the
 /// slice has at least [`ROWWISE_MIN`] elements.
-pub(super) fn rows_parallel<T: Copy + Send + Sync + Default>(input: &[T], width: usize, f: impl Fn(&[T], &mut [T]) + Sync) -> Vec<T> {
+pub(super) fn rows_parallel<T: Copy + Send + Sync + Default>(
+    input: &[T],
+    width: usize,
+    f: impl Fn(&[T], &mut [T]) + Sync + Send,
+) -> Vec<T> {
     let mut out = vec![T::default(); input.len()];
     let part = part_len(input.len() / width.max(1), width, ROWWISE_MIN);
     run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| f(i, o));
     out
 }
 
-/// A raw pointer that may cross into the scoped worker threads, for jobs that each write a
+/// A raw pointer that may cross into the pool's threads, for jobs that each write a
 /// disjoint set of elements of one buffer (attention: one (batch, head) block each).
 #[derive(Clone, Copy)]
 pub(super) struct SharedMut<T>(pub(super) *mut T);
