@@ -11,12 +11,13 @@
 use super::gelu::{gelu_f32, gelu_f64, gelu_grad_f32, gelu_grad_f64};
 use super::gemm::gemm_rm;
 use super::host::add_row_sums;
-use super::parallel::map_parallel;
+use super::parallel::{map_parallel, zip_apply_parallel};
 
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
-        /// Returns (h pre-activation, a = gelu(h), y).
-        pub(super) fn $fwd(x: &[$t], w1b: &[$t], w2b: &[$t], n: usize, d: usize, f: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+        /// Writes y (n×d) into `y` and returns (h pre-activation, a = gelu(h)).
+        pub(super) fn $fwd(x: &[$t], w1b: &[$t], w2b: &[$t], n: usize, d: usize, f: usize, y: &mut [$t]) -> (Vec<$t>, Vec<$t>) {
+            assert!(x.len() == n * d && y.len() == n * d && w1b.len() == (d + 1) * f && w2b.len() == (f + 1) * d);
             let mut h: Vec<$t> = Vec::with_capacity(n * f);
             for _ in 0..n {
                 h.extend_from_slice(&w1b[d * f..(d + 1) * f]);
@@ -24,17 +25,17 @@ macro_rules! expert_ffn_impl {
             // SAFETY: x is n×d, w1b holds d×f then the bias row, h is n×f; no aliasing.
             unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1b.as_ptr(), f as isize, 1), 1.0) };
             let a: Vec<$t> = map_parallel(&h, $gelu);
-            let mut y: Vec<$t> = Vec::with_capacity(n * d);
-            for _ in 0..n {
-                y.extend_from_slice(&w2b[f * d..(f + 1) * d]);
+            for row in y.chunks_exact_mut(d) {
+                row.copy_from_slice(&w2b[f * d..(f + 1) * d]);
             }
             // SAFETY: a is n×f, w2b holds f×d then the bias row, y is n×d.
             unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2b.as_ptr(), d as isize, 1), 1.0) };
-            (h, a, y)
+            (h, a)
         }
 
-        /// Gradients (x, W1b, W2b) from the output gradient g (n×d).
-        /// `saved` is (h, a) from the forward when still at hand.
+        /// Gradients of x, W1b and W2b from the output gradient g (n×d), written into `gx`
+        /// (n×d), `gw1b` ((d+1)×f) and `gw2b` ((f+1)×d). `saved` is (h, a) from the forward when
+        /// still at hand.
         #[allow(clippy::too_many_arguments)]
         pub(super) fn $bwd(
             x: &[$t],
@@ -45,35 +46,44 @@ macro_rules! expert_ffn_impl {
             d: usize,
             f: usize,
             saved: Option<(Vec<$t>, Vec<$t>)>,
-        ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            (gx, gw1b, gw2b): (&mut [$t], &mut [$t], &mut [$t]),
+        ) {
+            assert!(gx.len() == n * d && gw1b.len() == (d + 1) * f && gw2b.len() == (f + 1) * d && g.len() == n * d);
+            if n == 0 {
+                gw1b.fill(0.0);
+                gw2b.fill(0.0);
+                return;
+            }
             let (h, a) = match saved {
                 Some((h, a)) if h.len() == n * f && a.len() == n * f => (h, a),
                 _ => {
-                    let (h, a, _) = $fwd(x, w1b, w2b, n, d, f);
-                    (h, a)
+                    let mut y = vec![0.0; n * d];
+                    $fwd(x, w1b, w2b, n, d, f, &mut y)
                 }
             };
             // dW2b = [aᵀ·g ; Σ_rows g]
-            let mut gw2b: Vec<$t> = vec![0.0; (f + 1) * d];
             // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is the first f×d.
             unsafe { gemm_rm(f, d, n, gw2b.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
+            gw2b[f * d..].fill(0.0);
             add_row_sums(&mut gw2b[f * d..], g);
             // gh = (g·W2ᵀ) ⊙ gelu'(h)
-            let mut gh: Vec<$t> = vec![0.0; n * f];
-            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f rows.
-            unsafe { gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0) };
-            let dgelu = map_parallel(&h, $gelu_grad);
-            gh.iter_mut().zip(&dgelu).for_each(|(v, &dv)| *v *= dv);
+            let mut gh: Vec<$t> = Vec::with_capacity(n * f);
+            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f
+            // rows; gh has room for n×f, every element of which the product writes (k = d > 0,
+            // no read of dst), before its length is set.
+            unsafe {
+                gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0);
+                gh.set_len(n * f);
+            }
+            zip_apply_parallel(&mut gh, &h, |v, hv| v * $gelu_grad(hv));
             // dW1b = [xᵀ·gh ; Σ_rows gh]
-            let mut gw1b: Vec<$t> = vec![0.0; (d + 1) * f];
             // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
             unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
+            gw1b[d * f..].fill(0.0);
             add_row_sums(&mut gw1b[d * f..], &gh);
             // dx = gh·W1ᵀ
-            let mut gx: Vec<$t> = vec![0.0; n * d];
             // SAFETY: gh is n×f, W1ᵀ is f×d over w1b's first d rows.
             unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1b.as_ptr(), 1, f as isize), 1.0) };
-            (gx, gw1b, gw2b)
         }
     };
 }

@@ -9,6 +9,7 @@
 
 use super::expert_ffn::{ffn_bwd_f32, ffn_bwd_f64, ffn_fwd_f32, ffn_fwd_f64};
 use super::host::{contiguous_slice, host_f32, host_f64};
+use super::parallel::run_parallel;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// Hidden pre-activation h and activation gelu(h) of one forward.
@@ -27,22 +28,36 @@ struct GroupedExpertFfn {
     saved: std::sync::Mutex<Option<Vec<Saved>>>,
 }
 
+/// `buf` cut into consecutive parts of `sizes[i]` elements.
+fn split_parts<'a, T>(mut buf: &'a mut [T], sizes: impl Iterator<Item = usize>) -> Vec<&'a mut [T]> {
+    let mut parts = Vec::new();
+    for n in sizes {
+        let (part, rest) = buf.split_at_mut(n);
+        parts.push(part);
+        buf = rest;
+    }
+    parts
+}
+
 macro_rules! grouped_ffn_impl {
     ($gfwd:ident, $gbwd:ident, $fwd:ident, $bwd:ident, $t:ty, $variant:ident) => {
+        /// The experts run side by side on the pool (each writes its own rows of y): an expert's
+        /// GEMMs alone are too small to keep many cores busy.
         fn $gfwd(x: &[$t], w1s: &[$t], w2s: &[$t], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
             let (s1, s2) = ((d + 1) * f, (f + 1) * d);
-            let mut y: Vec<$t> = Vec::with_capacity(x.len());
-            let mut saved = Vec::with_capacity(counts.len());
-            let mut row = 0;
-            for (e, &n) in counts.iter().enumerate() {
-                let (h, a, ye) = $fwd(&x[row * d..(row + n) * d], &w1s[e * s1..(e + 1) * s1], &w2s[e * s2..(e + 1) * s2], n, d, f);
-                y.extend_from_slice(&ye);
-                saved.push(Saved::$variant(h, a));
-                row += n;
-            }
+            let mut y: Vec<$t> = vec![0.0; x.len()];
+            let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
+            let work: Vec<_> = split_parts(&mut y, counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
+            let saved = run_parallel(work, |(e, ye)| {
+                let (row, n) = (starts[e], counts[e]);
+                let (h, a) = $fwd(&x[row * d..(row + n) * d], &w1s[e * s1..(e + 1) * s1], &w2s[e * s2..(e + 1) * s2], n, d, f, ye);
+                Saved::$variant(h, a)
+            });
             (y, saved)
         }
 
+        /// As the forward: the experts side by side, each writing its own rows of the input
+        /// gradient and its own block of the weight gradients.
         #[allow(clippy::too_many_arguments)]
         fn $gbwd(
             x: &[$t],
@@ -55,22 +70,31 @@ macro_rules! grouped_ffn_impl {
             saved: Option<Vec<Saved>>,
         ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
             let (s1, s2) = ((d + 1) * f, (f + 1) * d);
-            let mut saved = saved.filter(|s| s.len() == counts.len()).map(|s| s.into_iter());
-            let mut gx: Vec<$t> = Vec::with_capacity(x.len());
-            let mut gw1: Vec<$t> = Vec::with_capacity(w1s.len());
-            let mut gw2: Vec<$t> = Vec::with_capacity(w2s.len());
-            let mut row = 0;
-            for (e, &n) in counts.iter().enumerate() {
-                let kept = match saved.as_mut().and_then(|s| s.next()) {
-                    Some(Saved::$variant(h, a)) => Some((h, a)),
-                    _ => None,
-                };
-                if n == 0 {
-                    gw1.resize(gw1.len() + s1, 0.0);
-                    gw2.resize(gw2.len() + s2, 0.0);
-                    continue;
-                }
-                let (ge, g1, g2) = $bwd(
+            let mut kept: Vec<Option<(Vec<$t>, Vec<$t>)>> = match saved.filter(|s| s.len() == counts.len()) {
+                Some(s) => s
+                    .into_iter()
+                    .map(|s| match s {
+                        Saved::$variant(h, a) => Some((h, a)),
+                        #[allow(unreachable_patterns)]
+                        _ => None,
+                    })
+                    .collect(),
+                None => counts.iter().map(|_| None).collect(),
+            };
+            let mut gx: Vec<$t> = vec![0.0; x.len()];
+            let mut gw1: Vec<$t> = vec![0.0; w1s.len()];
+            let mut gw2: Vec<$t> = vec![0.0; w2s.len()];
+            let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
+            let work: Vec<_> = split_parts(&mut gx, counts.iter().map(|&n| n * d))
+                .into_iter()
+                .zip(gw1.chunks_mut(s1))
+                .zip(gw2.chunks_mut(s2))
+                .zip(kept.iter_mut().map(Option::take))
+                .enumerate()
+                .collect();
+            run_parallel(work, |(e, (((ge, g1), g2), kept))| {
+                let (row, n) = (starts[e], counts[e]);
+                $bwd(
                     &x[row * d..(row + n) * d],
                     &w1s[e * s1..(e + 1) * s1],
                     &w2s[e * s2..(e + 1) * s2],
@@ -79,12 +103,9 @@ macro_rules! grouped_ffn_impl {
                     d,
                     f,
                     kept,
+                    (ge, g1, g2),
                 );
-                gx.extend_from_slice(&ge);
-                gw1.extend_from_slice(&g1);
-                gw2.extend_from_slice(&g2);
-                row += n;
-            }
+            });
             (gx, gw1, gw2)
         }
     };

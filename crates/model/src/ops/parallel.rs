@@ -59,6 +59,14 @@ pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl
     out
 }
 
+/// `out[i] = f(out[i], other[i])` for every element, in place, on all cores when the slice has
+/// at least [`ELEMENTWISE_MIN`] elements (elementwise: the split never changes a value).
+pub(super) fn zip_apply_parallel<T: Copy + Send + Sync>(out: &mut [T], other: &[T], f: impl Fn(T, T) -> T + Sync + Send) {
+    assert_eq!(out.len(), other.len());
+    let part = part_len(out.len(), 1, ELEMENTWISE_MIN);
+    run_parallel(out.chunks_mut(part).zip(other.chunks(part)).collect(), |(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(*o, x)));
+}
+
 /// Run `f(rows_in, rows_out)` over blocks of whole rows of length `width`, on all cores when the
 /// slice has at least [`ROWWISE_MIN`] elements.
 pub(super) fn rows_parallel<T: Copy + Send + Sync + Default>(
