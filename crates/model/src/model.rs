@@ -145,17 +145,16 @@ impl MoeLayer {
         let counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
         let all_tokens: Vec<u32> = tokens.concat();
         let all_slots: Vec<u32> = slots.concat();
-        let mut out = h.zeros_like()?;
-        if !all_tokens.is_empty() {
+        let out = if all_tokens.is_empty() {
+            h.zeros_like()?
+        } else {
             let count = all_tokens.len();
-            let t_idx = Tensor::from_vec(all_tokens, count, h.device())?;
             let s_idx = Tensor::from_vec(all_slots, count, h.device())?;
             let weights: Vec<[&Tensor; 4]> =
                 self.experts.iter().map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()]).collect();
-            let y = crate::ops::grouped_expert_ffn(&h.index_select(&t_idx, 0)?, &weights, &counts)?;
-            let we = w.index_select(&s_idx, 0)?.unsqueeze(1)?;
-            out = out.index_add(&t_idx, &y.broadcast_mul(&we)?, 0)?;
-        }
+            let y = crate::ops::grouped_expert_ffn(&crate::ops::gather_rows(h, &all_tokens)?, &weights, &counts)?;
+            crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
+        };
         // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
         // P_e the mean router probability (differentiable).
         let f: Vec<f64> = load.iter().map(|&c| c as f64 / (n * k) as f64).collect();

@@ -20,6 +20,8 @@
 //! - [`causal_attention`]: causal multi-head self-attention over a packed QKV projection.
 //! - [`expert_ffn()`]: one expert's GELU FFN, computed by the grouped node below.
 //! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node.
+//! - [`gather_rows`] / [`combine_rows`]: an MoE layer's token rows into expert order, and the
+//!   expert outputs, weighted, back onto their tokens.
 
 mod attention;
 mod expert_ffn;
@@ -29,6 +31,7 @@ mod grouped_ffn;
 mod host;
 mod layer_norm;
 mod linear;
+mod moe_rows;
 mod parallel;
 mod softmax;
 #[cfg(test)]
@@ -40,5 +43,6 @@ pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
 pub(crate) use host::with_f32_slices;
 pub use layer_norm::layer_norm;
 pub use linear::linear;
+pub use moe_rows::{combine_rows, gather_rows};
 pub use parallel::threads;
 pub use softmax::softmax_last;
