@@ -29,7 +29,7 @@ struct GroupedExpertFfn {
 }
 
 /// `buf` cut into consecutive parts of `sizes[i]` elements.
-fn split_parts<'a, T>(mut buf: &'a mut [T], sizes: impl Iterator<Item = usize>) -> Vec<&'a mut [T]> {
+fn split_parts<T>(mut buf: &mut [T], sizes: impl Iterator<Item = usize>) -> Vec<&mut [T]> {
     let mut parts = Vec::new();
     for n in sizes {
         let (part, rest) = buf.split_at_mut(n);
