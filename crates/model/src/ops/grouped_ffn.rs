@@ -200,14 +200,18 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
     if experts.len() != counts.len() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
-    let mut w1: Vec<Tensor> = Vec::with_capacity(experts.len());
-    let mut w2: Vec<Tensor> = Vec::with_capacity(experts.len());
-    for [a, b, c, d] in experts {
-        w1.push(Tensor::cat(&[*a, &b.unsqueeze(0)?], 0)?.unsqueeze(0)?);
-        w2.push(Tensor::cat(&[*c, &d.unsqueeze(0)?], 0)?.unsqueeze(0)?);
+    let (d, f) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
+    // One cat per stack (W1, b1, W1, b1, … rows, then a free reshape): a single copy of the
+    // weights forward, and a single narrow per tensor backward.
+    let mut w1: Vec<Tensor> = Vec::with_capacity(2 * experts.len());
+    let mut w2: Vec<Tensor> = Vec::with_capacity(2 * experts.len());
+    for [a, b, c, e] in experts {
+        w1.extend([(*a).clone(), b.unsqueeze(0)?]);
+        w2.extend([(*c).clone(), e.unsqueeze(0)?]);
     }
+    let n = experts.len();
     let op = GroupedExpertFfn { counts: counts.to_vec(), saved: std::sync::Mutex::new(None) };
-    x.contiguous()?.apply_op3(&Tensor::cat(&w1, 0)?, &Tensor::cat(&w2, 0)?, op)
+    x.contiguous()?.apply_op3(&Tensor::cat(&w1, 0)?.reshape((n, d + 1, f))?, &Tensor::cat(&w2, 0)?.reshape((n, f + 1, d))?, op)
 }
 
 #[cfg(test)]
