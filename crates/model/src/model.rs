@@ -5,7 +5,7 @@
 //! `blocks.{b}.moe.experts.{e}.{fc1,fc2}.{w,b}`, addressable by (MoE layer, expert) through
 //! [`MoeModel::expert_param_names`], so a later stage can move one expert between processes.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -426,13 +426,10 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     Ok(crate::ops::softmax_last(x)?)
 }
 
-/// Mean cross-entropy of logits [N, V] against targets [N] (u32).
+/// Mean cross-entropy of logits [N, V] against targets [N] (u32): one fused node (see
+/// [`crate::ops::cross_entropy`]).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
-    Ok((lse - picked)?.mean_all()?)
+    Ok(crate::ops::cross_entropy(logits, &targets.flatten_all()?.to_vec1::<u32>()?)?)
 }
 
 #[cfg(test)]

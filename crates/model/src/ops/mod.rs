@@ -19,11 +19,13 @@
 //! - [`linear()`]: x·W + b.
 //! - [`causal_attention`]: causal multi-head self-attention over a packed QKV projection.
 //! - [`expert_ffn()`]: one expert's GELU FFN, computed by the grouped node below.
+//! - [`cross_entropy()`]: mean cross-entropy of logits against class targets.
 //! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node.
 //! - [`gather_rows`] / [`combine_rows`]: an MoE layer's token rows into expert order, and the
 //!   expert outputs, weighted, back onto their tokens.
 
 mod attention;
+mod cross_entropy;
 mod expert_ffn;
 mod gelu;
 mod gemm;
@@ -38,6 +40,7 @@ mod softmax;
 mod testing;
 
 pub use attention::causal_attention;
+pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
 pub(crate) use host::with_f32_slices;
