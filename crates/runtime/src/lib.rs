@@ -14,7 +14,6 @@
 pub mod bench;
 mod error;
 mod expert_state;
-mod host;
 mod moe;
 mod shared_state;
 mod worker;

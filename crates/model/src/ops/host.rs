@@ -51,6 +51,12 @@ pub(super) fn add_row_sums<T: Copy + std::ops::AddAssign>(acc: &mut [T], m: &[T]
     }
 }
 
+/// Call `f` with `t`'s elements as an f32 slice, borrowed from its storage when it is a
+/// contiguous f32 CPU tensor, copied out otherwise (a snapshot's or a gradient's way to the wire).
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    with_f32_slices(&[Some(t.clone())], |s| f(s[0].unwrap_or_default()))
+}
+
 /// Call `f` with each tensor's elements as an f32 slice (None stays None): borrowed straight from
 /// the storage of contiguous f32 CPU tensors, copied out of any other. What the optimizer reads
 /// its gradients through: no 38 MB copy of every gradient each step.

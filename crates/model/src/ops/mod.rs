@@ -43,7 +43,7 @@ pub use attention::causal_attention;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
-pub(crate) use host::with_f32_slices;
+pub use host::{with_f32, with_f32_slices};
 pub use layer_norm::layer_norm;
 pub use linear::linear;
 pub use moe_rows::{combine_rows, gather_rows};

@@ -250,7 +250,7 @@ impl DistributedMoe {
         let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());
         for v in weights.vars() {
             match grads.get(v.as_tensor()) {
-                Some(g) => crate::host::with_host_f32(g, |v| flat.extend_from_slice(v))?,
+                Some(g) => lazarus_model::ops::with_f32(g, |v| flat.extend_from_slice(v))?,
                 None => flat.resize(flat.len() + v.elem_count(), 0.0),
             }
         }

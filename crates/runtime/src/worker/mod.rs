@@ -37,9 +37,9 @@ use lazarus_plan::ReplicaMap;
 
 use crate::error::RuntimeError;
 use crate::expert_state::{put_values, ExpertState, TensorTrainState, EXPERT_TENSORS};
-use crate::host::with_host_f32;
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 use crate::shared_state::SharedState;
+use lazarus_model::ops::with_f32;
 
 /// What a worker needs beyond the training configuration.
 #[derive(Debug, Clone)]
@@ -456,7 +456,7 @@ impl Worker {
         let steps = std::array::from_fn(|k| moments[k].2);
         let mut out = ExpertState::wire_header(layer, expert, &shapes, &steps);
         for (k, &(m, v, _)) in moments.iter().enumerate() {
-            with_host_f32(vars[positions[k]].as_tensor(), |w| put_values(&mut out, w))?;
+            with_f32(vars[positions[k]].as_tensor(), |w| put_values(&mut out, w))?;
             put_values(&mut out, m);
             put_values(&mut out, v);
         }
