@@ -8,10 +8,10 @@
 //! `GroupedExpertFfn` (one expert is a group of one, see [`super::grouped_ffn`]); this file holds
 //! the per-expert forward and backward it runs.
 
-use super::gelu::{gelu_f32, gelu_f64, gelu_grad_f32, gelu_grad_f64};
+use super::gelu::{gelu_grad_mul_f32, gelu_grad_mul_f64, gelu_slice_f32, gelu_slice_f64};
 use super::gemm::gemm_rm;
 use super::host::add_row_sums;
-use super::parallel::{map_parallel, zip_apply_parallel};
+use super::parallel::{map_slices_parallel, zip_slices_parallel};
 
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
@@ -24,7 +24,7 @@ macro_rules! expert_ffn_impl {
             }
             // SAFETY: x is n×d, w1b holds d×f then the bias row, h is n×f; no aliasing.
             unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1b.as_ptr(), f as isize, 1), 1.0) };
-            let a: Vec<$t> = map_parallel(&h, $gelu);
+            let a: Vec<$t> = map_slices_parallel(&h, $gelu);
             for row in y.chunks_exact_mut(d) {
                 row.copy_from_slice(&w2b[f * d..(f + 1) * d]);
             }
@@ -75,7 +75,7 @@ macro_rules! expert_ffn_impl {
                 gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0);
                 gh.set_len(n * f);
             }
-            zip_apply_parallel(&mut gh, &h, |v, hv| v * $gelu_grad(hv));
+            zip_slices_parallel(&mut gh, &h, $gelu_grad);
             // dW1b = [xᵀ·gh ; Σ_rows gh]
             // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
             unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
@@ -88,8 +88,8 @@ macro_rules! expert_ffn_impl {
     };
 }
 
-expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_f32, gelu_grad_f32);
-expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_f64, gelu_grad_f64);
+expert_ffn_impl!(ffn_fwd_f32, ffn_bwd_f32, f32, gelu_slice_f32, gelu_grad_mul_f32);
+expert_ffn_impl!(ffn_fwd_f64, ffn_bwd_f64, f64, gelu_slice_f64, gelu_grad_mul_f64);
 
 #[cfg(test)]
 mod tests {

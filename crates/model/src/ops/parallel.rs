@@ -5,7 +5,8 @@
 //! has two sets of threads fighting for the cores — and returns the results in item order; with
 //! a single core it runs on the caller's thread. The kernels use the thin helpers on top of it:
 //! - [`for_each_parallel`] for indexed jobs (attention's (batch, head) pairs),
-//! - [`map_parallel`] for elementwise passes (GELU and its derivative),
+//! - [`map_slices_parallel`] / [`zip_slices_parallel`] for elementwise passes over whole parts
+//!   (GELU and its derivative, whose loops vectorize),
 //! - [`rows_parallel`] for passes over independent rows (softmax),
 //! - [`part_len`] + [`run_parallel`] where each part returns a result (layer norm's weight
 //!   gradients, summed over the parts in part order).
@@ -50,21 +51,22 @@ pub(super) fn for_each_parallel(count: usize, job: impl Fn(usize) + Sync + Send)
     run_parallel((0..count).collect(), job);
 }
 
-/// Apply `f` to every element, on all cores when the slice has at least [`ELEMENTWISE_MIN`]
-/// elements.
-pub(super) fn map_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(T) -> T + Sync + Send) -> Vec<T> {
+/// `f(out_part, in_part)` over matching parts of a new output and `input`, on all cores when the
+/// slice has at least [`ELEMENTWISE_MIN`] elements (for elementwise kernels that work on whole
+/// slices, so that their loops vectorize).
+pub(super) fn map_slices_parallel<T: Copy + Send + Sync + Default>(input: &[T], f: impl Fn(&mut [T], &[T]) + Sync + Send) -> Vec<T> {
     let mut out = vec![T::default(); input.len()];
-    let part = part_len(input.len(), 1, ELEMENTWISE_MIN);
-    run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(x)));
+    zip_slices_parallel(&mut out, input, f);
     out
 }
 
-/// `out[i] = f(out[i], other[i])` for every element, in place, on all cores when the slice has
-/// at least [`ELEMENTWISE_MIN`] elements (elementwise: the split never changes a value).
-pub(super) fn zip_apply_parallel<T: Copy + Send + Sync>(out: &mut [T], other: &[T], f: impl Fn(T, T) -> T + Sync + Send) {
+/// `f(out_part, other_part)` over matching parts of `out` (changed in place) and `other`, on all
+/// cores when the slice has at least [`ELEMENTWISE_MIN`] elements (elementwise: the split never
+/// changes a value).
+pub(super) fn zip_slices_parallel<T: Copy + Send + Sync>(out: &mut [T], other: &[T], f: impl Fn(&mut [T], &[T]) + Sync + Send) {
     assert_eq!(out.len(), other.len());
     let part = part_len(out.len(), 1, ELEMENTWISE_MIN);
-    run_parallel(out.chunks_mut(part).zip(other.chunks(part)).collect(), |(o, i)| o.iter_mut().zip(i).for_each(|(o, &x)| *o = f(*o, x)));
+    run_parallel(out.chunks_mut(part).zip(other.chunks(part)).collect(), |(o, i)| f(o, i));
 }
 
 /// Run `f(rows_in, rows_out)` over blocks of whole rows of length `width`, on all cores when the
@@ -124,7 +126,7 @@ mod tests {
     #[test]
     fn split_passes_equal_the_serial_pass() {
         let input: Vec<f64> = (0..(ELEMENTWISE_MIN + 13)).map(|i| (i as f64).sin()).collect();
-        let mapped = map_parallel(&input, |x| 2.0 * x + 1.0);
+        let mapped = map_slices_parallel(&input, |o, i| o.iter_mut().zip(i).for_each(|(o, &x)| *o = 2.0 * x + 1.0));
         assert!(mapped.iter().zip(&input).all(|(&m, &x)| m == 2.0 * x + 1.0));
         let width = 97;
         let rows = &input[..(ROWWISE_MIN / width + 5) * width];
