@@ -7,6 +7,7 @@
 //! activation inside the expert FFN kernel.
 
 use super::parallel::map_slices_parallel;
+use super::simd::{exp_f32, has_avx2_fma};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 const C: f64 = 0.797_884_560_802_865_4; // sqrt(2/π)
@@ -23,25 +24,6 @@ pub(super) fn gelu_f64(x: f64) -> f64 {
 pub(super) fn gelu_grad_f64(x: f64) -> f64 {
     let s = 1.0 / (1.0 + (-2.0 * C * (x + A * x * x * x)).exp());
     s + x * 2.0 * s * (1.0 - s) * C * (1.0 + 3.0 * A * x * x)
-}
-
-/// e^x for f32 without a libm call, so that a loop over it vectorizes: x = n·ln2 + r with
-/// |r| ≤ ln2/2, e^r by Cephes' expf polynomial, 2^n built in the exponent bits. Relative error
-/// within a few ulp over the whole range; x is clamped to [−87.3, 88] (e^x stays a normal
-/// float), NaN stays NaN.
-#[inline(always)]
-fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and taking away 1.5·2²³ rounds to the nearest integer in the default rounding mode.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.3, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
-    let er = p * r * r + r + 1.0;
-    er * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 #[inline(always)]
@@ -77,16 +59,6 @@ macro_rules! f32_loops {
 
 f32_loops!(gelu_loop, gelu_loop_avx2, |o, v| *o = gelu_fast(v));
 f32_loops!(gelu_grad_mul_loop, gelu_grad_mul_loop_avx2, |o, v| *o *= gelu_grad_fast(v));
-
-fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
 
 /// out[i] = gelu(x[i]) (f32, vectorized).
 pub(super) fn gelu_slice_f32(out: &mut [f32], x: &[f32]) {

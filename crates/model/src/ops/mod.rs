@@ -35,6 +35,7 @@ mod layer_norm;
 mod linear;
 mod moe_rows;
 mod parallel;
+mod simd;
 mod softmax;
 #[cfg(test)]
 mod testing;
