@@ -5,6 +5,8 @@
 //! `blocks.{b}.moe.experts.{e}.{fc1,fc2}.{w,b}`, addressable by (MoE layer, expert) through
 //! [`MoeModel::expert_param_names`], so a later stage can move one expert between processes.
 
+use crate::ops::WeightGradSink;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::config::ModelConfig;
@@ -107,7 +109,9 @@ pub struct MoeStats {
 impl MoeLayer {
     /// h: [N, d] → ([N, d], aux loss scalar, stats). `forced` replaces the router's choices with
     /// assignments matching the given per-expert loads (trace-driven routing).
-    fn forward(&self, h: &Tensor, forced: Option<&[f64]>) -> Result<(Tensor, Tensor, MoeStats)> {
+    ///
+    /// The expert weights' gradients go to `expert_grads` (see [`ForwardOutput::backward`]).
+    fn forward(&self, h: &Tensor, forced: Option<&[f64]>, expert_grads: &WeightGradSink) -> Result<(Tensor, Tensor, MoeStats)> {
         let (n, _d) = h.dims2()?;
         let e_count = self.experts.len();
         let k = self.top_k;
@@ -152,7 +156,7 @@ impl MoeLayer {
             let s_idx = Tensor::from_vec(all_slots, count, h.device())?;
             let weights: Vec<[&Tensor; 4]> =
                 self.experts.iter().map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()]).collect();
-            let y = crate::ops::grouped_expert_ffn(&crate::ops::gather_rows(h, &all_tokens)?, &weights, &counts)?;
+            let y = crate::ops::grouped_expert_ffn_to_sink(&crate::ops::gather_rows(h, &all_tokens)?, &weights, &counts, expert_grads)?;
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
         };
         // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
@@ -183,10 +187,24 @@ pub struct ForwardOutput {
     pub ce_loss: Tensor,
     /// Mean over MoE layers of the load-balancing loss.
     pub aux_loss: Tensor,
-    /// ce_loss + aux_loss_coef · aux_loss: what backward is called on.
+    /// ce_loss + aux_loss_coef · aux_loss: what [`ForwardOutput::backward`] differentiates.
     pub loss: Tensor,
     /// Per MoE layer.
     pub moe: Vec<MoeStats>,
+    /// Where the MoE layers' backward puts the expert weights' gradients.
+    expert_grads: WeightGradSink,
+}
+
+impl ForwardOutput {
+    /// The gradient of `loss` for every parameter: candle's backward for all but the expert
+    /// weights, whose gradients the grouped expert node hands over directly (no copies into
+    /// stacks, no serial zero-fill and add per level; see [`crate::ops::grouped_expert_ffn_to_sink`]).
+    /// Call this rather than `loss.backward()`, which leaves the experts without gradients.
+    pub fn backward(&self) -> Result<GradStore> {
+        let mut grads = self.loss.backward()?;
+        self.expert_grads.drain_into(&mut grads)?;
+        Ok(grads)
+    }
 }
 
 pub struct MoeModel {
@@ -393,13 +411,14 @@ impl MoeModel {
         let mut x = self.embed(tokens)?;
         let mut aux_total: Option<Tensor> = None;
         let mut moe = Vec::new();
+        let expert_grads = WeightGradSink::new();
         for (i, block) in self.blocks.iter().enumerate() {
             let (x_mid, h) = self.block_attention(i, &x)?;
             let y = match &block.ff {
                 FeedForward::Dense(f) => f.forward(&h)?,
                 FeedForward::Moe(m) => {
                     let forced = forced_loads.and_then(|f| f.get(moe.len())).map(Vec::as_slice);
-                    let (y, aux, stats) = m.forward(&h, forced)?;
+                    let (y, aux, stats) = m.forward(&h, forced, &expert_grads)?;
                     aux_total = Some(match aux_total {
                         Some(a) => (a + aux)?,
                         None => aux,
@@ -417,7 +436,7 @@ impl MoeModel {
             None => Tensor::zeros((), self.dtype, &self.device)?,
         };
         let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
-        Ok(ForwardOutput { ce_loss, aux_loss, loss, moe })
+        Ok(ForwardOutput { ce_loss, aux_loss, loss, moe, expert_grads })
     }
 }
 
@@ -474,7 +493,7 @@ mod tests {
         let m = MoeModel::new(&cfg, 3, DType::F64, &Device::Cpu).unwrap();
         let (x, y) = batch(&cfg, 2, 5, 9);
         let out = m.forward(&x, &y, None).unwrap();
-        let grads = out.loss.backward().unwrap();
+        let grads = out.backward().unwrap();
         let mut rng = SplitMix64::new(1);
         let mut checked = 0;
         for (name, var) in m.params().iter() {

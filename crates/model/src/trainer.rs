@@ -240,7 +240,7 @@ impl Trainer {
         let targets = Tensor::from_vec(batch.targets, (b, t), &device)?;
         let forced = self.trace.as_ref().map(|tr| tr.at(self.step));
         let out = self.model.forward(&inputs, &targets, forced)?;
-        let grads = out.loss.backward()?;
+        let grads = out.backward()?;
         let norm = grad_norm(self.model.params(), &grads)?;
         // A diverged step is never applied (nor, then, saved).
         let loss = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;

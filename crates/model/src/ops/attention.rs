@@ -13,7 +13,7 @@
 //! the vectorized exp of `simd.rs`.
 
 use super::gemm::gemm_strided;
-use super::host::{contiguous_slice, host_f32, host_f64};
+use super::host::{contiguous_slice, host_f64, with_host_f32};
 use super::parallel::{for_each_parallel, SharedMut};
 use super::simd::{softmax_row_f32, softmax_row_f64};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -212,8 +212,8 @@ impl CustomOp1 for CausalAttention {
         let d = d3 / 3;
         let dqkv = match arg.dtype() {
             candle_core::DType::F32 => {
-                let v = host_f32;
-                Tensor::from_vec(attention_bwd_f32(&v(arg)?, &v(grad)?, b, t, d, self.heads), (b, t, d3), arg.device())?
+                let g = with_host_f32([arg, grad], |[x, g]| attention_bwd_f32(x, g, b, t, d, self.heads))?;
+                Tensor::from_vec(g, (b, t, d3), arg.device())?
             }
             _ => {
                 let v = host_f64;

@@ -2,8 +2,8 @@
 //! elementwise pass, instead of a dozen candle nodes that each allocate, zero-fill and accumulate
 //! activation-sized gradients.
 //!
-//! Weights come packed with their bias as the last row: W1b = [W1; b1] (d+1 × f),
-//! W2b = [W2; b2] (f+1 × d). The forward keeps its pre-activation and activation (n×f each) for
+//! Weights come as four slices, [W1 (d×f), b1 (f), W2 (f×d), b2 (d)], wherever they live (a
+//! stacked buffer or each expert's own tensors), and so do their gradients. The forward keeps its pre-activation and activation (n×f each) for
 //! the backward, which recomputes them only if they are gone. The autograd node is
 //! `GroupedExpertFfn` (one expert is a group of one, see [`super::grouped_ffn`]); this file holds
 //! the per-expert forward and backward it runs.
@@ -16,74 +16,75 @@ use super::parallel::{map_slices_parallel, zip_slices_parallel};
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
         /// Writes y (n×d) into `y` and returns (h pre-activation, a = gelu(h)).
-        pub(super) fn $fwd(x: &[$t], w1b: &[$t], w2b: &[$t], n: usize, d: usize, f: usize, y: &mut [$t]) -> (Vec<$t>, Vec<$t>) {
-            assert!(x.len() == n * d && y.len() == n * d && w1b.len() == (d + 1) * f && w2b.len() == (f + 1) * d);
+        pub(super) fn $fwd(x: &[$t], [w1, b1, w2, b2]: [&[$t]; 4], n: usize, d: usize, f: usize, y: &mut [$t]) -> (Vec<$t>, Vec<$t>) {
+            assert!(x.len() == n * d && y.len() == n * d && w1.len() == d * f && b1.len() == f && w2.len() == f * d && b2.len() == d);
             let mut h: Vec<$t> = Vec::with_capacity(n * f);
             for _ in 0..n {
-                h.extend_from_slice(&w1b[d * f..(d + 1) * f]);
+                h.extend_from_slice(b1);
             }
-            // SAFETY: x is n×d, w1b holds d×f then the bias row, h is n×f; no aliasing.
-            unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1b.as_ptr(), f as isize, 1), 1.0) };
+            // SAFETY: x is n×d, w1 is d×f, h is n×f; no aliasing.
+            unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1.as_ptr(), f as isize, 1), 1.0) };
             let a: Vec<$t> = map_slices_parallel(&h, $gelu);
             for row in y.chunks_exact_mut(d) {
-                row.copy_from_slice(&w2b[f * d..(f + 1) * d]);
+                row.copy_from_slice(b2);
             }
-            // SAFETY: a is n×f, w2b holds f×d then the bias row, y is n×d.
-            unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2b.as_ptr(), d as isize, 1), 1.0) };
+            // SAFETY: a is n×f, w2 is f×d, y is n×d.
+            unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2.as_ptr(), d as isize, 1), 1.0) };
             (h, a)
         }
 
-        /// Gradients of x, W1b and W2b from the output gradient g (n×d), written into `gx`
-        /// (n×d), `gw1b` ((d+1)×f) and `gw2b` ((f+1)×d). `saved` is (h, a) from the forward when
+        /// Gradients of x and of [W1, b1, W2, b2] from the output gradient g (n×d), written into
+        /// `gx` (n×d) and `gw` (shaped as the weights). `saved` is (h, a) from the forward when
         /// still at hand.
         #[allow(clippy::too_many_arguments)]
         pub(super) fn $bwd(
             x: &[$t],
-            w1b: &[$t],
-            w2b: &[$t],
+            w: [&[$t]; 4],
             g: &[$t],
             n: usize,
             d: usize,
             f: usize,
             saved: Option<(Vec<$t>, Vec<$t>)>,
-            (gx, gw1b, gw2b): (&mut [$t], &mut [$t], &mut [$t]),
+            gx: &mut [$t],
+            [gw1, gb1, gw2, gb2]: [&mut [$t]; 4],
         ) {
-            assert!(gx.len() == n * d && gw1b.len() == (d + 1) * f && gw2b.len() == (f + 1) * d && g.len() == n * d);
+            let [w1, _, w2, _] = w;
+            assert!(gx.len() == n * d && g.len() == n * d);
+            assert!(gw1.len() == d * f && gb1.len() == f && gw2.len() == f * d && gb2.len() == d);
             if n == 0 {
-                gw1b.fill(0.0);
-                gw2b.fill(0.0);
+                [gw1, gb1, gw2, gb2].into_iter().for_each(|s| s.fill(0.0));
                 return;
             }
             let (h, a) = match saved {
                 Some((h, a)) if h.len() == n * f && a.len() == n * f => (h, a),
                 _ => {
                     let mut y = vec![0.0; n * d];
-                    $fwd(x, w1b, w2b, n, d, f, &mut y)
+                    $fwd(x, w, n, d, f, &mut y)
                 }
             };
-            // dW2b = [aᵀ·g ; Σ_rows g]
-            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is the first f×d.
-            unsafe { gemm_rm(f, d, n, gw2b.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
-            gw2b[f * d..].fill(0.0);
-            add_row_sums(&mut gw2b[f * d..], g);
+            // dW2 = aᵀ·g, db2 = Σ_rows g
+            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is f×d.
+            unsafe { gemm_rm(f, d, n, gw2.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
+            gb2.fill(0.0);
+            add_row_sums(gb2, g);
             // gh = (g·W2ᵀ) ⊙ gelu'(h)
             let mut gh: Vec<$t> = Vec::with_capacity(n * f);
-            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d) over w2b's first f
-            // rows; gh has room for n×f, every element of which the product writes (k = d > 0,
-            // no read of dst), before its length is set.
+            // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d); gh has room for n×f,
+            // every element of which the product writes (k = d > 0, no read of dst), before its
+            // length is set.
             unsafe {
-                gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2b.as_ptr(), 1, d as isize), 1.0);
+                gemm_rm(n, f, d, gh.as_mut_ptr(), false, (g.as_ptr(), d as isize, 1), (w2.as_ptr(), 1, d as isize), 1.0);
                 gh.set_len(n * f);
             }
             zip_slices_parallel(&mut gh, &h, $gelu_grad);
-            // dW1b = [xᵀ·gh ; Σ_rows gh]
-            // SAFETY: xᵀ is d×n, gh is n×f, dst is the first d×f.
-            unsafe { gemm_rm(d, f, n, gw1b.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
-            gw1b[d * f..].fill(0.0);
-            add_row_sums(&mut gw1b[d * f..], &gh);
+            // dW1 = xᵀ·gh, db1 = Σ_rows gh
+            // SAFETY: xᵀ is d×n, gh is n×f, dst is d×f.
+            unsafe { gemm_rm(d, f, n, gw1.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
+            gb1.fill(0.0);
+            add_row_sums(gb1, &gh);
             // dx = gh·W1ᵀ
-            // SAFETY: gh is n×f, W1ᵀ is f×d over w1b's first d rows.
-            unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1b.as_ptr(), 1, f as isize), 1.0) };
+            // SAFETY: gh is n×f, W1ᵀ is f×d.
+            unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1.as_ptr(), 1, f as isize), 1.0) };
         }
     };
 }

@@ -8,9 +8,11 @@
 //! which recomputes them only if they are gone.
 
 use super::expert_ffn::{ffn_bwd_f32, ffn_bwd_f64, ffn_fwd_f32, ffn_fwd_f64};
-use super::host::{contiguous_slice, host_f32, host_f64};
+use super::host::{contiguous_slice, host_f64, with_f32_slices, with_host_f32};
 use super::parallel::run_parallel;
+use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use std::sync::{Arc, Mutex};
 
 /// Hidden pre-activation h and activation gelu(h) of one forward.
 enum Saved {
@@ -25,7 +27,7 @@ enum Saved {
 /// per-expert nodes each zero-filled and accumulated a full [N, d] input gradient in backward.
 struct GroupedExpertFfn {
     counts: Vec<usize>,
-    saved: std::sync::Mutex<Option<Vec<Saved>>>,
+    saved: Mutex<Option<Vec<Saved>>>,
 }
 
 /// `buf` cut into consecutive parts of `sizes[i]` elements.
@@ -39,37 +41,59 @@ fn split_parts<T>(mut buf: &mut [T], sizes: impl Iterator<Item = usize>) -> Vec<
     parts
 }
 
+/// Each expert's [W1, b1, W2, b2] inside the stacks W1b [E, d+1, f] and W2b [E, f+1, d].
+fn stacked_parts<'a, T>(w1s: &'a [T], w2s: &'a [T], d: usize, f: usize) -> Vec<[&'a [T]; 4]> {
+    let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+    w1s.chunks(s1.max(1))
+        .zip(w2s.chunks(s2.max(1)))
+        .map(|(a, b)| {
+            let ((w1, b1), (w2, b2)) = (a.split_at(d * f), b.split_at(f * d));
+            [w1, b1, w2, b2]
+        })
+        .collect()
+}
+
+/// As [`stacked_parts`], for the gradient stacks.
+fn stacked_parts_mut<'a, T>(g1s: &'a mut [T], g2s: &'a mut [T], d: usize, f: usize) -> Vec<[&'a mut [T]; 4]> {
+    let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+    g1s.chunks_mut(s1.max(1))
+        .zip(g2s.chunks_mut(s2.max(1)))
+        .map(|(a, b)| {
+            let ((w1, b1), (w2, b2)) = (a.split_at_mut(d * f), b.split_at_mut(f * d));
+            [w1, b1, w2, b2]
+        })
+        .collect()
+}
+
 macro_rules! grouped_ffn_impl {
     ($gfwd:ident, $gbwd:ident, $fwd:ident, $bwd:ident, $t:ty, $variant:ident) => {
         /// The experts run side by side on the pool (each writes its own rows of y): an expert's
-        /// GEMMs alone are too small to keep many cores busy.
-        fn $gfwd(x: &[$t], w1s: &[$t], w2s: &[$t], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
-            let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+        /// GEMMs alone are too small to keep many cores busy. `weights[e]` = [W1, b1, W2, b2].
+        fn $gfwd(x: &[$t], weights: &[[&[$t]; 4]], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
             let mut y: Vec<$t> = vec![0.0; x.len()];
             let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
             let work: Vec<_> = split_parts(&mut y, counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
             let saved = run_parallel(work, |(e, ye)| {
                 let (row, n) = (starts[e], counts[e]);
-                let (h, a) = $fwd(&x[row * d..(row + n) * d], &w1s[e * s1..(e + 1) * s1], &w2s[e * s2..(e + 1) * s2], n, d, f, ye);
+                let (h, a) = $fwd(&x[row * d..(row + n) * d], weights[e], n, d, f, ye);
                 Saved::$variant(h, a)
             });
             (y, saved)
         }
 
         /// As the forward: the experts side by side, each writing its own rows of the input
-        /// gradient and its own block of the weight gradients.
+        /// gradient (returned) and its own weight gradients (`grads[e]`, shaped as `weights[e]`).
         #[allow(clippy::too_many_arguments)]
         fn $gbwd(
             x: &[$t],
-            w1s: &[$t],
-            w2s: &[$t],
+            weights: &[[&[$t]; 4]],
             g: &[$t],
             counts: &[usize],
             d: usize,
             f: usize,
             saved: Option<Vec<Saved>>,
-        ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
-            let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+            grads: Vec<[&mut [$t]; 4]>,
+        ) -> Vec<$t> {
             let mut kept: Vec<Option<(Vec<$t>, Vec<$t>)>> = match saved.filter(|s| s.len() == counts.len()) {
                 Some(s) => s
                     .into_iter()
@@ -82,31 +106,19 @@ macro_rules! grouped_ffn_impl {
                 None => counts.iter().map(|_| None).collect(),
             };
             let mut gx: Vec<$t> = vec![0.0; x.len()];
-            let mut gw1: Vec<$t> = vec![0.0; w1s.len()];
-            let mut gw2: Vec<$t> = vec![0.0; w2s.len()];
             let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
             let work: Vec<_> = split_parts(&mut gx, counts.iter().map(|&n| n * d))
                 .into_iter()
-                .zip(gw1.chunks_mut(s1))
-                .zip(gw2.chunks_mut(s2))
+                .zip(grads)
                 .zip(kept.iter_mut().map(Option::take))
                 .enumerate()
                 .collect();
-            run_parallel(work, |(e, (((ge, g1), g2), kept))| {
+            run_parallel(work, |(e, ((ge, gw), kept))| {
                 let (row, n) = (starts[e], counts[e]);
-                $bwd(
-                    &x[row * d..(row + n) * d],
-                    &w1s[e * s1..(e + 1) * s1],
-                    &w2s[e * s2..(e + 1) * s2],
-                    &g[row * d..(row + n) * d],
-                    n,
-                    d,
-                    f,
-                    kept,
-                    (ge, g1, g2),
-                );
+                let rows = row * d..(row + n) * d;
+                $bwd(&x[rows.clone()], weights[e], &g[rows], n, d, f, kept, ge, gw);
             });
-            (gx, gw1, gw2)
+            gx
         }
     };
 }
@@ -141,13 +153,13 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         }
         let (out, saved) = match (s1, s2, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => {
-                let (y, saved) =
-                    grouped_fwd_f32(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
+                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f);
+                let (y, saved) = grouped_fwd_f32(contiguous_slice(x, l1)?, &w, &self.counts, d, f);
                 (CpuStorage::F32(y), saved)
             }
             (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => {
-                let (y, saved) =
-                    grouped_fwd_f64(contiguous_slice(x, l1)?, contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, &self.counts, d, f);
+                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f);
+                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, l1)?, &w, &self.counts, d, f);
                 (CpuStorage::F64(y), saved)
             }
             _ => candle_core::bail!("grouped expert ffn: f32 or f64 inputs of one dtype"),
@@ -172,14 +184,20 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         let saved = self.saved.lock().ok().and_then(|mut s| s.take());
         let (gx, g1, g2) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = host_f32;
-                let (gx, g1, g2) = grouped_bwd_f32(&v(x)?, &v(w1s)?, &v(w2s)?, &v(grad)?, &self.counts, d, f, saved);
+                let (mut g1, mut g2) = (vec![0f32; w1s.elem_count()], vec![0f32; w2s.elem_count()]);
+                let gx = with_host_f32([x, w1s, w2s, grad], |[x, w1, w2, g]| {
+                    let w = stacked_parts(w1, w2, d, f);
+                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(&mut g1, &mut g2, d, f))
+                })?;
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
             _ => {
                 let v = host_f64;
                 let saved = saved.filter(|_| x.dtype() == candle_core::DType::F64);
-                let (gx, g1, g2) = grouped_bwd_f64(&v(x)?, &v(w1s)?, &v(w2s)?, &v(grad)?, &self.counts, d, f, saved);
+                let (w1, w2) = (v(w1s)?, v(w2s)?);
+                let (mut g1, mut g2) = (vec![0f64; w1.len()], vec![0f64; w2.len()]);
+                let w = stacked_parts(&w1, &w2, d, f);
+                let gx = grouped_bwd_f64(&v(x)?, &w, &v(grad)?, &self.counts, d, f, saved, stacked_parts_mut(&mut g1, &mut g2, d, f));
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
         };
@@ -210,8 +228,184 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
         w2.extend([(*c).clone(), e.unsqueeze(0)?]);
     }
     let n = experts.len();
-    let op = GroupedExpertFfn { counts: counts.to_vec(), saved: std::sync::Mutex::new(None) };
+    let op = GroupedExpertFfn { counts: counts.to_vec(), saved: Mutex::new(None) };
     x.contiguous()?.apply_op3(&Tensor::cat(&w1, 0)?.reshape((n, d + 1, f))?, &Tensor::cat(&w2, 0)?.reshape((n, f + 1, d))?, op)
+}
+
+/// Weight gradients that a node hands over directly instead of through candle's autograd, each
+/// beside the weight tensor it belongs to; see [`grouped_expert_ffn_to_sink`]. Clones share one
+/// list.
+#[derive(Clone, Default)]
+pub struct WeightGradSink(Arc<Mutex<Vec<(Tensor, Tensor)>>>);
+
+impl WeightGradSink {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn push(&self, weight: &Tensor, grad: Tensor) {
+        if let Ok(mut list) = self.0.lock() {
+            list.push((weight.clone(), grad));
+        }
+    }
+
+    /// Move every gradient handed over so far into `grads`, adding it to one already there.
+    pub fn drain_into(&self, grads: &mut GradStore) -> candle_core::Result<()> {
+        let list = match self.0.lock() {
+            Ok(mut list) => std::mem::take(&mut *list),
+            Err(_) => candle_core::bail!("weight gradient sink: poisoned by a panicked backward"),
+        };
+        for (weight, grad) in list {
+            let sum = match grads.remove(&weight) {
+                Some(old) => (old + grad)?,
+                None => grad,
+            };
+            grads.insert(&weight, sum);
+        }
+        Ok(())
+    }
+}
+
+/// The grouped experts as a node whose only autograd input is x: the kernel reads each expert's
+/// weights straight from their tensors and its backward hands their gradients to a
+/// [`WeightGradSink`] instead of returning them.
+///
+/// Why: candle's backward zero-fills and adds every gradient it passes along an edge, on the
+/// calling thread. Through the stacks of [`grouped_expert_ffn`] (cat, reshape, then each expert's
+/// leaf) that is three zero-fills and three adds of every expert weight, plus the forward's copy
+/// into the stacks: on the default model ~8.4M floats each, a serial tenth of a 2-core step and
+/// more on many cores. Here the gradients land once, in their own buffers, written in parallel.
+struct GroupedExpertFfnToSink {
+    counts: Vec<usize>,
+    /// Per expert [W1 (d×f), b1 (f), W2 (f×d), b2 (d)].
+    weights: Vec<[Tensor; 4]>,
+    saved: Mutex<Option<Vec<Saved>>>,
+    sink: WeightGradSink,
+}
+
+impl GroupedExpertFfnToSink {
+    fn flat_weights(&self) -> Vec<Option<Tensor>> {
+        self.weights.iter().flatten().map(|t| Some(t.clone())).collect()
+    }
+
+    fn f(&self) -> usize {
+        self.weights.first().map_or(0, |w| w[1].elem_count())
+    }
+}
+
+/// [W1, b1, W2, b2] per expert from a flat list of 4·E slices.
+fn by_expert<'a, T>(flat: &[Option<&'a [T]>]) -> Vec<[&'a [T]; 4]> {
+    flat.chunks(4).map(|c| std::array::from_fn(|i| c[i].unwrap_or_default())).collect()
+}
+
+impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
+    fn name(&self) -> &'static str {
+        "lazarus-grouped-expert-ffn-to-sink"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, d) = layout.shape().dims2()?;
+        let f = self.f();
+        let dtype = candle_core::backend::BackendStorage::dtype(storage);
+        for [w1, b1, w2, b2] in &self.weights {
+            let shapes = [w1.dims(), b1.dims(), w2.dims(), b2.dims()];
+            if shapes != [&[d, f][..], &[f], &[f, d], &[d]] || [w1, b1, w2, b2].iter().any(|w| w.dtype() != dtype) {
+                candle_core::bail!("grouped expert ffn: expert weights {shapes:?} do not fit rows of width {d} and hidden width {f}");
+            }
+        }
+        if self.weights.len() != self.counts.len() || self.counts.iter().sum::<usize>() != rows {
+            candle_core::bail!(
+                "grouped expert ffn: {} rows and {} experts do not match counts {:?}",
+                rows,
+                self.weights.len(),
+                self.counts
+            );
+        }
+        let (out, saved) = match storage {
+            CpuStorage::F32(x) => {
+                let x = contiguous_slice(x, layout)?;
+                let (y, saved) = with_f32_slices(&self.flat_weights(), |w| grouped_fwd_f32(x, &by_expert(w), &self.counts, d, f))?;
+                (CpuStorage::F32(y), saved)
+            }
+            CpuStorage::F64(x) => {
+                let owned: Vec<Vec<f64>> = self.weights.iter().flatten().map(host_f64).collect::<candle_core::Result<_>>()?;
+                let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
+                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, layout)?, &by_expert(&flat), &self.counts, d, f);
+                (CpuStorage::F64(y), saved)
+            }
+            _ => candle_core::bail!("grouped expert ffn: only f32 and f64 are supported"),
+        };
+        if let Ok(mut slot) = self.saved.lock() {
+            *slot = Some(saved);
+        }
+        Ok((out, Shape::from((rows, d))))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (_, d) = x.dims2()?;
+        let f = self.f();
+        let dev = x.device();
+        let saved = self.saved.lock().ok().and_then(|mut s| s.take());
+        macro_rules! grads_for {
+            ($t:ty) => {
+                self.weights.iter().map(|w| w.each_ref().map(|t| vec![0 as $t; t.elem_count()])).collect::<Vec<[Vec<$t>; 4]>>()
+            };
+        }
+        let gx = match x.dtype() {
+            candle_core::DType::F32 => {
+                let mut gw = grads_for!(f32);
+                let gx = with_host_f32([x, grad], |[xv, g]| {
+                    with_f32_slices(&self.flat_weights(), |w| {
+                        let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
+                        grouped_bwd_f32(xv, &by_expert(w), g, &self.counts, d, f, saved, refs)
+                    })
+                })??;
+                for (w, g) in self.weights.iter().zip(gw) {
+                    for (t, g) in w.iter().zip(g) {
+                        self.sink.push(t, Tensor::from_vec(g, t.shape(), dev)?);
+                    }
+                }
+                Tensor::from_vec(gx, x.shape(), dev)?
+            }
+            _ => {
+                let saved = saved.filter(|_| x.dtype() == candle_core::DType::F64);
+                let owned: Vec<Vec<f64>> = self.weights.iter().flatten().map(host_f64).collect::<candle_core::Result<_>>()?;
+                let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
+                let mut gw = grads_for!(f64);
+                let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
+                let gx = grouped_bwd_f64(&host_f64(x)?, &by_expert(&flat), &host_f64(grad)?, &self.counts, d, f, saved, refs);
+                for (w, g) in self.weights.iter().zip(gw) {
+                    for (t, g) in w.iter().zip(g) {
+                        self.sink.push(t, Tensor::from_vec(g, t.shape(), dev)?.to_dtype(t.dtype())?);
+                    }
+                }
+                Tensor::from_vec(gx, x.shape(), dev)?.to_dtype(x.dtype())?
+            }
+        };
+        Ok(Some(gx))
+    }
+}
+
+/// [`grouped_expert_ffn`] whose backward hands the expert weights' gradients to `sink` (drain it
+/// into the [`GradStore`] after `backward()`) instead of through candle's autograd; x's gradient
+/// flows as usual. Same values, computed by the same kernel, without the stacks' copies and
+/// candle's zero-fills and adds (see `GroupedExpertFfnToSink`). Experts are given as [W1 [d, f],
+/// b1 [f], W2 [f, d], b2 [d]].
+pub fn grouped_expert_ffn_to_sink(
+    x: &Tensor,
+    experts: &[[&Tensor; 4]],
+    counts: &[usize],
+    sink: &WeightGradSink,
+) -> candle_core::Result<Tensor> {
+    if experts.len() != counts.len() || experts.is_empty() {
+        candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
+    }
+    let mut weights = Vec::with_capacity(experts.len());
+    for [w1, b1, w2, b2] in experts {
+        weights.push([w1.contiguous()?, b1.contiguous()?, w2.contiguous()?, b2.contiguous()?]);
+    }
+    let op = GroupedExpertFfnToSink { counts: counts.to_vec(), weights, saved: Mutex::new(None), sink: sink.clone() };
+    x.contiguous()?.apply_op1(op)
 }
 
 #[cfg(test)]
@@ -220,6 +414,60 @@ mod tests {
     use super::super::testing;
     use super::*;
     use candle_core::Var;
+
+    /// The sink version against the autograd one: same output, same input gradient, and every
+    /// expert weight's gradient in the sink (zero for an expert without rows), in f64 and f32;
+    /// a second forward's gradients add to the first's when both are drained into one store.
+    #[test]
+    fn the_sink_version_matches_the_autograd_one() {
+        let (d, f) = (5, 6);
+        let counts = [3usize, 0, 4, 1];
+        let rows: usize = counts.iter().sum();
+        for dtype in [candle_core::DType::F64, candle_core::DType::F32] {
+            let mut var = testing::vars(23, 0.5);
+            let cast = |v: Var| Var::from_tensor(&v.as_tensor().to_dtype(dtype).unwrap()).unwrap();
+            let (x, probe) = (cast(var(&[rows, d])), cast(var(&[rows, d])));
+            let weights: Vec<[Var; 4]> =
+                counts.iter().map(|_| [cast(var(&[d, f])), cast(var(&[f])), cast(var(&[f, d])), cast(var(&[d]))]).collect();
+            let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref().map(|v| v.as_tensor())).collect();
+            let theirs = grouped_expert_ffn(x.as_tensor(), &refs, &counts).unwrap();
+            let sink = WeightGradSink::new();
+            let ours = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, &sink).unwrap();
+            let tol = if dtype == candle_core::DType::F64 { 1e-12 } else { 1e-5 };
+            let diff = |a: &Tensor, b: &Tensor| {
+                testing::max_diff(&a.to_dtype(candle_core::DType::F64).unwrap(), &b.to_dtype(candle_core::DType::F64).unwrap())
+            };
+            assert!(diff(&ours, &theirs) < tol);
+            let g_theirs = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut g_ours = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(g_ours.get(refs[0][0]).is_none(), "weight gradients come through the sink only");
+            sink.drain_into(&mut g_ours).unwrap();
+            assert!(diff(g_ours.get(x.as_tensor()).unwrap(), g_theirs.get(x.as_tensor()).unwrap()) < tol);
+            for (e, w) in refs.iter().enumerate() {
+                for t in w {
+                    let ours = g_ours.get(t).unwrap_or_else(|| panic!("no gradient for expert {e}"));
+                    match g_theirs.get(t) {
+                        Some(theirs) => assert!(diff(ours, theirs) < tol, "expert {e}"),
+                        None => assert_eq!(
+                            ours.abs().unwrap().sum_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+                            0.0
+                        ),
+                    }
+                }
+            }
+            // Two forwards, one store: the gradients add up.
+            let again = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, &sink).unwrap();
+            let mut twice = ((&ours + &again).unwrap() * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+            sink.drain_into(&mut twice).unwrap();
+            let doubled = (g_theirs.get(refs[2][0]).unwrap() * 2.0).unwrap();
+            assert!(diff(twice.get(refs[2][0]).unwrap(), &doubled) < 2.0 * tol);
+        }
+        let sink = WeightGradSink::new();
+        let x = Tensor::zeros((2, 5), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let w = [(5, 6), (6, 1), (6, 5), (5, 1)].map(|s| Tensor::zeros(s, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
+        let err = grouped_expert_ffn_to_sink(&x, &[w.each_ref()], &[2], &sink).unwrap_err().to_string();
+        assert!(err.contains("do not fit"), "{err}");
+    }
 
     #[test]
     fn grouped_experts_match_the_composite_per_expert_with_gradients() {

@@ -3,9 +3,14 @@
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
-/// A tensor's elements, flattened, as f32 (for fused kernels' backward on f32 tensors).
-pub(super) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+/// Call `f` with the f32 elements of each tensor: borrowed from the storage where a tensor is a
+/// contiguous f32 CPU tensor (what a backward's inputs and output gradient almost always are),
+/// copied out otherwise. The fused kernels' backward reads its inputs through this: copying them
+/// out (weights, activations, gradients: ~100 MB a step on the default model) was serial work on
+/// the calling thread.
+pub(super) fn with_host_f32<const N: usize, R>(tensors: [&Tensor; N], f: impl FnOnce([&[f32]; N]) -> R) -> candle_core::Result<R> {
+    let tensors: Vec<Option<Tensor>> = tensors.iter().map(|&t| Some(t.clone())).collect();
+    with_f32_slices(&tensors, |s| f(std::array::from_fn(|i| s[i].unwrap_or_default())))
 }
 
 /// A tensor's elements, flattened, as f64 (any float dtype).

@@ -4,7 +4,7 @@
 //! runs in its own type with the row statistics accumulated in f64; rows are split over the
 //! cores, and the weight and bias gradients are summed per part, then over the parts in order.
 
-use super::host::{contiguous_slice, host_f32, host_f64};
+use super::host::{contiguous_slice, host_f64, with_host_f32};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
@@ -121,8 +121,7 @@ impl candle_core::CustomOp3 for LayerNorm {
         let dev = x.device();
         let (dx, dw, db) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = host_f32;
-                let (dx, dw, db) = layer_norm_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, self.eps);
+                let (dx, dw, db) = with_host_f32([x, w, grad], |[x, w, g]| layer_norm_bwd_f32(x, w, g, self.eps))?;
                 (Tensor::from_vec(dx, x.shape(), dev)?, Tensor::from_vec(dw, w.shape(), dev)?, Tensor::from_vec(db, w.shape(), dev)?)
             }
             _ => {

@@ -4,7 +4,7 @@
 //! zero-fills extra buffers.
 
 use super::gemm::gemm_rm;
-use super::host::{add_row_sums, contiguous_slice, host_f32, host_f64};
+use super::host::{add_row_sums, contiguous_slice, host_f64, with_host_f32};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// The autograd node of [`linear`]: inputs x, W, b.
@@ -84,8 +84,7 @@ impl candle_core::CustomOp3 for LinearOp {
         let dev = x.device();
         let (gx, gw, gb) = match x.dtype() {
             candle_core::DType::F32 => {
-                let v = host_f32;
-                let (gx, gw, gb) = linear_bwd_f32(&v(x)?, &v(w)?, &v(grad)?, n, din, dout);
+                let (gx, gw, gb) = with_host_f32([x, w, grad], |[x, w, g]| linear_bwd_f32(x, w, g, n, din, dout))?;
                 (Tensor::from_vec(gx, (n, din), dev)?, Tensor::from_vec(gw, (din, dout), dev)?, Tensor::from_vec(gb, dout, dev)?)
             }
             _ => {

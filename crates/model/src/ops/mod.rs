@@ -20,7 +20,9 @@
 //! - [`causal_attention`]: causal multi-head self-attention over a packed QKV projection.
 //! - [`expert_ffn()`]: one expert's GELU FFN, computed by the grouped node below.
 //! - [`cross_entropy()`]: mean cross-entropy of logits against class targets.
-//! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node.
+//! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node;
+//!   [`grouped_expert_ffn_to_sink`] the same, handing the expert weights' gradients to a
+//!   [`WeightGradSink`] past candle's autograd (what the model trains with).
 //! - [`gather_rows`] / [`combine_rows`]: an MoE layer's token rows into expert order, and the
 //!   expert outputs, weighted, back onto their tokens.
 
@@ -43,7 +45,7 @@ mod testing;
 pub use attention::causal_attention;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
-pub use grouped_ffn::{expert_ffn, grouped_expert_ffn};
+pub use grouped_ffn::{expert_ffn, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};
 pub use host::{with_f32, with_f32_slices};
 pub use layer_norm::layer_norm;
 pub use linear::linear;

@@ -8,7 +8,7 @@
 //! cores: the forward and the gradient of the rows are those of the candle ops they replace; the
 //! router weights' gradient (a dot product per row) may differ from candle's in its last bits.
 
-use super::host::{contiguous_slice, host_f32, host_f64};
+use super::host::{contiguous_slice, host_f64, with_host_f32};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
@@ -130,7 +130,9 @@ impl candle_core::CustomOp1 for GatherRows {
         let (n, d) = arg.dims2()?;
         let rows_of = rows_of_tokens(&self.tokens, n)?;
         let g = match arg.dtype() {
-            candle_core::DType::F32 => Tensor::from_vec(scatter_add(&host_f32(grad)?, None, &rows_of, d), (n, d), arg.device())?,
+            candle_core::DType::F32 => {
+                Tensor::from_vec(with_host_f32([grad], |[g]| scatter_add(g, None, &rows_of, d))?, (n, d), arg.device())?
+            }
             _ => Tensor::from_vec(scatter_add(&host_f64(grad)?, None, &rows_of, d), (n, d), arg.device())?.to_dtype(arg.dtype())?,
         };
         Ok(Some(g))
@@ -165,9 +167,9 @@ impl candle_core::CustomOp2 for CombineRows {
         let dev = y.device();
         let (gy, gw) = match y.dtype() {
             candle_core::DType::F32 => {
-                let (yv, wv, g) = (host_f32(y)?, host_f32(w)?, host_f32(grad)?);
-                let gy = gather(&g, Some(&wv), &self.tokens, d);
-                (Tensor::from_vec(gy, (r, d), dev)?, Tensor::from_vec(weight_grads(&yv, &g, &self.tokens, d), r, dev)?)
+                let (gy, gw) =
+                    with_host_f32([y, w, grad], |[y, w, g]| (gather(g, Some(w), &self.tokens, d), weight_grads(y, g, &self.tokens, d)))?;
+                (Tensor::from_vec(gy, (r, d), dev)?, Tensor::from_vec(gw, r, dev)?)
             }
             _ => {
                 let (yv, wv, g) = (host_f64(y)?, host_f64(w)?, host_f64(grad)?);
