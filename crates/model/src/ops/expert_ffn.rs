@@ -3,10 +3,10 @@
 //! activation-sized gradients.
 //!
 //! Weights come as four slices, [W1 (d×f), b1 (f), W2 (f×d), b2 (d)], wherever they live (a
-//! stacked buffer or each expert's own tensors), and so do their gradients. The forward keeps its pre-activation and activation (n×f each) for
-//! the backward, which recomputes them only if they are gone. The autograd node is
-//! `GroupedExpertFfn` (one expert is a group of one, see [`super::grouped_ffn`]); this file holds
-//! the per-expert forward and backward it runs.
+//! stacked buffer or each expert's own tensors), and so do their gradients. The forward keeps its
+//! pre-activation and activation (n×f each) for the backward, which recomputes them only if they
+//! are gone. The autograd nodes are in [`super::grouped_ffn`] (one expert is a group of one); this
+//! file holds the per-expert forward and backward they run.
 
 use super::gelu::{gelu_grad_mul_f32, gelu_grad_mul_f64, gelu_slice_f32, gelu_slice_f64};
 use super::gemm::gemm_rm;

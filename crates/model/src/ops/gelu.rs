@@ -3,8 +3,8 @@
 //!
 //! Through candle's autograd it costs ~8 tensor passes in backward (two `powf`, `tanh`, several
 //! multiplies); here forward and derivative are one pass each, split over the cores for large
-//! tensors. Values match candle's `gelu()` to rounding. The scalar functions are also the
-//! activation inside the expert FFN kernel.
+//! tensors. Values match candle's `gelu()` to rounding. The slice functions are also the
+//! activation inside the expert FFN kernel; in f32 they use the vectorizable `exp` of `simd.rs`.
 
 use super::parallel::map_slices_parallel;
 use super::simd::{exp_f32, has_avx2_fma};

@@ -291,6 +291,26 @@ impl GroupedExpertFfnToSink {
     fn f(&self) -> usize {
         self.weights.first().map_or(0, |w| w[1].elem_count())
     }
+
+    /// The weights as f64 copies (the f64 path is the tests' reference precision, not a hot path).
+    fn weights_f64(&self) -> candle_core::Result<Vec<Vec<f64>>> {
+        self.weights.iter().flatten().map(host_f64).collect()
+    }
+
+    /// One zeroed gradient buffer per weight tensor, per expert.
+    fn grad_buffers<T: Clone + Default>(&self) -> Vec<[Vec<T>; 4]> {
+        self.weights.iter().map(|w| w.each_ref().map(|t| vec![T::default(); t.elem_count()])).collect()
+    }
+
+    /// Hand each expert's weight gradients to the sink, as tensors of the weights' dtype.
+    fn hand_over<T: candle_core::WithDType>(&self, grads: Vec<[Vec<T>; 4]>) -> candle_core::Result<()> {
+        for (w, g) in self.weights.iter().zip(grads) {
+            for (t, g) in w.iter().zip(g) {
+                self.sink.push(t, Tensor::from_vec(g, t.shape(), t.device())?.to_dtype(t.dtype())?);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// [W1, b1, W2, b2] per expert from a flat list of 4·E slices.
@@ -328,7 +348,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
                 (CpuStorage::F32(y), saved)
             }
             CpuStorage::F64(x) => {
-                let owned: Vec<Vec<f64>> = self.weights.iter().flatten().map(host_f64).collect::<candle_core::Result<_>>()?;
+                let owned = self.weights_f64()?;
                 let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
                 let (y, saved) = grouped_fwd_f64(contiguous_slice(x, layout)?, &by_expert(&flat), &self.counts, d, f);
                 (CpuStorage::F64(y), saved)
@@ -346,39 +366,28 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
         let f = self.f();
         let dev = x.device();
         let saved = self.saved.lock().ok().and_then(|mut s| s.take());
-        macro_rules! grads_for {
-            ($t:ty) => {
-                self.weights.iter().map(|w| w.each_ref().map(|t| vec![0 as $t; t.elem_count()])).collect::<Vec<[Vec<$t>; 4]>>()
-            };
-        }
         let gx = match x.dtype() {
             candle_core::DType::F32 => {
-                let mut gw = grads_for!(f32);
-                let gx = with_host_f32([x, grad], |[xv, g]| {
-                    with_f32_slices(&self.flat_weights(), |w| {
-                        let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
-                        grouped_bwd_f32(xv, &by_expert(w), g, &self.counts, d, f, saved, refs)
-                    })
-                })??;
-                for (w, g) in self.weights.iter().zip(gw) {
-                    for (t, g) in w.iter().zip(g) {
-                        self.sink.push(t, Tensor::from_vec(g, t.shape(), dev)?);
-                    }
-                }
+                let mut gw = self.grad_buffers::<f32>();
+                // x, the output gradient and every weight, borrowed from their storage in one go.
+                let mut inputs = vec![Some(x.clone()), Some(grad.clone())];
+                inputs.extend(self.flat_weights());
+                let gx = with_f32_slices(&inputs, |v| {
+                    let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
+                    let (xv, g) = (v[0].unwrap_or_default(), v[1].unwrap_or_default());
+                    grouped_bwd_f32(xv, &by_expert(&v[2..]), g, &self.counts, d, f, saved, refs)
+                })?;
+                self.hand_over(gw)?;
                 Tensor::from_vec(gx, x.shape(), dev)?
             }
             _ => {
                 let saved = saved.filter(|_| x.dtype() == candle_core::DType::F64);
-                let owned: Vec<Vec<f64>> = self.weights.iter().flatten().map(host_f64).collect::<candle_core::Result<_>>()?;
+                let owned = self.weights_f64()?;
                 let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
-                let mut gw = grads_for!(f64);
+                let mut gw = self.grad_buffers::<f64>();
                 let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
                 let gx = grouped_bwd_f64(&host_f64(x)?, &by_expert(&flat), &host_f64(grad)?, &self.counts, d, f, saved, refs);
-                for (w, g) in self.weights.iter().zip(gw) {
-                    for (t, g) in w.iter().zip(g) {
-                        self.sink.push(t, Tensor::from_vec(g, t.shape(), dev)?.to_dtype(t.dtype())?);
-                    }
-                }
+                self.hand_over(gw)?;
                 Tensor::from_vec(gx, x.shape(), dev)?.to_dtype(x.dtype())?
             }
         };
