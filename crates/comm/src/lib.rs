@@ -19,7 +19,7 @@ pub use collectives::{
     RING_THRESHOLD_BYTES,
 };
 pub use error::CommError;
-pub use tcp::{Fence, Rendezvous, TcpTransport};
+pub use tcp::{Encode, Fence, Rendezvous, TcpTransport};
 
 use std::time::Instant;
 
@@ -44,6 +44,23 @@ pub trait Transport: Send {
     fn send_out_of_band(&mut self, peer: usize, tag: u64, payload: Vec<u8>, deadline: Instant) -> Result<(), CommError> {
         self.send(peer, tag, &payload, deadline)
     }
+    /// [`Transport::send_out_of_band`] of the bytes `encode` writes (about `size_hint` of
+    /// them), run off the caller's thread where the transport has one: a snapshot's copy of an
+    /// expert's weights and moments then leaves the training thread as well. Whatever `encode`
+    /// reads must stay unchanged until it has run (the caller's to ensure). This default runs it
+    /// at once.
+    fn send_out_of_band_encoded(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        size_hint: usize,
+        encode: Encode,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let mut payload = Vec::with_capacity(size_hint);
+        encode(&mut payload).map_err(|reason| CommError::invalid("payload", reason))?;
+        self.send_out_of_band(peer, tag, payload, deadline)
+    }
     /// The next message from `peer`; it must carry `tag` (collectives run in the same order on
     /// every rank, so per-peer order is enough).
     fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError>;
@@ -60,6 +77,13 @@ pub trait Transport: Send {
     fn take_arrived(&mut self, peer: usize, tag: u64) -> Option<Vec<u8>> {
         let _ = (peer, tag);
         None
+    }
+
+    /// Give back the buffer of an out-of-band frame this rank received and no longer needs (a
+    /// snapshot replaced by a newer one): the next such frame is read into it. This default
+    /// drops it.
+    fn recycle(&mut self, buffer: Vec<u8>) {
+        drop(buffer);
     }
 }
 

@@ -357,3 +357,72 @@ fn snapshot_frames_travel_beside_the_ordered_stream() {
     let out = on_group(2, move |r, t| (r == 0).then(|| t.send_out_of_band(1, state, vec![1], Instant::now() + T)));
     assert!(matches!(out[0], Some(Err(CommError::Invalid { .. }))), "{:?}", out[0]);
 }
+
+/// A snapshot written by the transport's copy thread arrives as the encoder wrote it, many in a
+/// row land intact (their buffers are used again: the frames must not bleed into each other),
+/// and an encoder that fails or panics never leaves the receiver waiting: its connection is
+/// closed, so the receive fails at once with the lost peer instead of at its deadline.
+#[test]
+fn encoded_snapshots_arrive_whole_and_a_failed_encoder_closes_the_connection() {
+    use lazarus_comm::tags::{expert_transfer, TransferKind};
+    let out = on_group(2, move |r, t| {
+        let d = Instant::now() + T;
+        let mut got = Vec::new();
+        for round in 0..4u8 {
+            let snap = expert_transfer(TransferKind::Snapshot, 0, round as usize).unwrap();
+            if r == 0 {
+                // Each round's frame is shorter than the last: a used-again buffer keeps
+                // nothing of its previous frame.
+                let len = (4 - round as usize) * 300_000;
+                let encode: lazarus_comm::Encode = Box::new(move |out| {
+                    out.extend((0..len).map(|i| (i as u8).wrapping_add(round)));
+                    Ok(())
+                });
+                t.send_out_of_band_encoded(1, snap, len, encode, d).unwrap();
+            } else {
+                let b = t.recv(0, snap, d).unwrap();
+                let want: Vec<u8> = (0..(4 - round as usize) * 300_000).map(|i| (i as u8).wrapping_add(round)).collect();
+                got.push(b == want);
+                t.recycle(b);
+            }
+        }
+        // Frames still queued when a transport closes are dropped: stay until all arrived.
+        barrier(t, &mut Group::world(2), T).unwrap();
+        got
+    });
+    assert_eq!(out[1], vec![true; 4]);
+    for panics in [false, true] {
+        let out = on_group(2, move |r, t| {
+            let snap = expert_transfer(TransferKind::Snapshot, 3, 4).unwrap();
+            let start = Instant::now();
+            if r == 0 {
+                let encode: lazarus_comm::Encode = Box::new(move |_| if panics { panic!("encoder bug") } else { Err("no weights".into()) });
+                t.send_out_of_band_encoded(1, snap, 10, encode, Instant::now() + T).unwrap();
+                std::thread::sleep(Duration::from_millis(500)); // stay up: the close is the encoder's
+                (None, start.elapsed())
+            } else {
+                (Some(t.recv(0, snap, Instant::now() + Duration::from_secs(20))), start.elapsed())
+            }
+        });
+        let (got, took) = &out[1];
+        assert!(matches!(got, Some(Err(CommError::PeerLost { peer: 0, .. }))), "panics {panics}: {got:?}");
+        assert!(*took < Duration::from_secs(10), "panics {panics}: failed after {took:?}, not at once");
+    }
+    // Only out-of-band tags may go out of band.
+    let state = expert_transfer(TransferKind::StateTransfer, 1, 2).unwrap();
+    let out = on_group(2, move |r, t| {
+        (r == 0).then(|| {
+            t.send_out_of_band_encoded(
+                1,
+                state,
+                1,
+                Box::new(|out| {
+                    out.push(1);
+                    Ok(())
+                }),
+                Instant::now() + T,
+            )
+        })
+    });
+    assert!(matches!(out[0], Some(Err(CommError::Invalid { .. }))), "{:?}", out[0]);
+}

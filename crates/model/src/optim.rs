@@ -3,6 +3,7 @@
 //! and put back, which is what moving an expert between processes needs.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
@@ -35,12 +36,18 @@ pub struct TensorState {
     pub step: u64,
 }
 
+/// A tensor's (m, v, step), shared with the optimizer ([`AdamW::shared_moments`]).
+pub type SharedMoments = (Arc<Vec<f32>>, Arc<Vec<f32>>, u64);
+
 /// Moments kept on the host in f32, updated in one fused pass per tensor (candle's elementwise
-/// ops would allocate a dozen full-size temporaries per tensor per step).
+/// ops would allocate a dozen full-size temporaries per tensor per step). Shared, so that a
+/// snapshot's copy can read them on another thread ([`AdamW::shared_moments`]); an update while
+/// such a reader still holds them writes a fresh copy instead (copy on write), though the
+/// snapshot tier lets its copies finish first, so that never happens in a run.
 #[derive(Debug, Clone)]
 struct Moments {
-    m: Vec<f32>,
-    v: Vec<f32>,
+    m: Arc<Vec<f32>>,
+    v: Arc<Vec<f32>>,
     step: u64,
     shape: candle_core::Shape,
 }
@@ -59,7 +66,7 @@ impl AdamW {
         let mut decay = Vec::with_capacity(params.len());
         for (name, var) in params.iter() {
             let n = var.elem_count();
-            state.push(Moments { m: vec![0.0; n], v: vec![0.0; n], step: 0, shape: var.shape().clone() });
+            state.push(Moments { m: Arc::new(vec![0.0; n]), v: Arc::new(vec![0.0; n]), step: 0, shape: var.shape().clone() });
             decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
         }
         Ok(AdamW { config, state, decay })
@@ -97,6 +104,16 @@ impl AdamW {
         Ok((&s.m, &s.v, s.step))
     }
 
+    /// [`AdamW::moments`] as shared handles, for a reader on another thread: what a snapshot's
+    /// copy, done off the training thread, reads.
+    pub fn shared_moments(&self, index: usize) -> Result<SharedMoments> {
+        if !self.resident(index) {
+            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
+        }
+        let s = &self.state[index];
+        Ok((s.m.clone(), s.v.clone(), s.step))
+    }
+
     /// Update counts of every tensor, in parameter order.
     pub fn steps(&self) -> Vec<u64> {
         self.state.iter().map(|s| s.step).collect()
@@ -106,8 +123,8 @@ impl AdamW {
     /// [`crate::MoeModel::set_expert`]); [`AdamW::set_state`] gives them back.
     pub fn release(&mut self, index: usize) {
         let s = &mut self.state[index];
-        s.m = Vec::new();
-        s.v = Vec::new();
+        s.m = Arc::default();
+        s.v = Arc::default();
     }
 
     /// Whether the tensor at `index` has its moments (not released).
@@ -125,8 +142,8 @@ impl AdamW {
             }
         }
         let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-        cur.m = host(&s.m)?;
-        cur.v = host(&s.v)?;
+        cur.m = Arc::new(host(&s.m)?);
+        cur.v = Arc::new(host(&s.v)?);
         cur.step = s.step;
         Ok(())
     }
@@ -177,13 +194,14 @@ impl AdamW {
                 eps: c.eps as f32,
                 keep: if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 },
             };
+            let (m, v) = (Arc::make_mut(&mut s.m), Arc::make_mut(&mut s.v));
             if var.dtype() == DType::F32 && var.device().is_cpu() && var.is_contiguous() {
-                let op = InPlaceUpdate { g, m: std::cell::RefCell::new(&mut s.m), v: std::cell::RefCell::new(&mut s.v), k };
+                let op = InPlaceUpdate { g, m: std::cell::RefCell::new(m), v: std::cell::RefCell::new(v), k };
                 var.as_tensor().inplace_op1(&op)?;
             } else {
                 let dtype = var.dtype();
                 let mut p = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                adamw_pass(&mut p, g, &mut s.m, &mut s.v, &k);
+                adamw_pass(&mut p, g, m, v, &k);
                 let new = Tensor::from_vec(p, s.shape.clone(), var.device())?.to_dtype(dtype)?;
                 var.set(&new)?;
             }
@@ -324,6 +342,31 @@ mod tests {
         assert!((s.at(60) - 5.5e-4).abs() < 1e-9);
         assert!((s.at(110) - 1e-4).abs() < 1e-12);
         assert!((s.at(500) - 1e-4).abs() < 1e-12);
+    }
+
+    /// A reader holding the shared moments across an update (a snapshot's copy on another
+    /// thread) keeps the values it took; the update itself comes out the same as with no reader.
+    #[test]
+    fn shared_moments_keep_their_values_across_an_update() {
+        let run = |hold: bool| {
+            let mut store = ParamStore::default();
+            store.add("w".into(), Tensor::new(&[[1.0f32, -2.0], [0.5, 3.0]], &candle_core::Device::Cpu).unwrap()).unwrap();
+            let mut opt = AdamW::new(AdamWConfig::default(), &store).unwrap();
+            let g = vec![0.1f32, -0.2, 0.3, 0.4];
+            opt.step_host(&store, &[Some(g.clone())], 1e-2, 1.0).unwrap();
+            let held = hold.then(|| opt.shared_moments(0).unwrap());
+            let before = held.as_ref().map(|(m, v, step)| (m.to_vec(), v.to_vec(), *step));
+            opt.step_host(&store, &[Some(g)], 1e-2, 1.0).unwrap();
+            if let (Some((m, v, step)), Some(before)) = (&held, &before) {
+                assert_eq!((m.to_vec(), v.to_vec(), *step), before.clone(), "the reader's moments changed under it");
+                let (m_now, _, step_now) = opt.moments(0).unwrap();
+                assert_ne!(m_now, &m[..], "the update wrote a copy");
+                assert_eq!(step_now, 2);
+            }
+            let (m, v, _) = opt.moments(0).unwrap();
+            (m.to_vec(), v.to_vec(), store.vars()[0].as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        };
+        assert_eq!(run(true), run(false));
     }
 
     #[test]

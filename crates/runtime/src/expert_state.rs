@@ -60,7 +60,20 @@ impl ExpertState {
     /// m and v. What [`Self::encode`] writes from an [`ExpertState`], a worker writes straight
     /// from its tensors (a snapshot every step: one copy instead of two).
     pub fn wire_header(layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS], steps: &[u64; EXPERT_TENSORS]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(Self::encoded_len(shapes));
+        Self::wire_header_in(Vec::new(), layer, expert, shapes, steps)
+    }
+
+    /// [`Self::wire_header`] written into `out` (emptied first; it keeps its allocation): a
+    /// snapshot every step reuses the buffers of the last one's frames.
+    pub fn wire_header_in(
+        mut out: Vec<u8>,
+        layer: usize,
+        expert: usize,
+        shapes: &[Vec<usize>; EXPERT_TENSORS],
+        steps: &[u64; EXPERT_TENSORS],
+    ) -> Vec<u8> {
+        out.clear();
+        out.reserve_exact(Self::encoded_len(shapes));
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&(layer as u32).to_le_bytes());
         out.extend_from_slice(&(expert as u32).to_le_bytes());

@@ -21,6 +21,9 @@ struct LogLine<'a> {
     aux_loss: f64,
     tokens: u64,
     tokens_per_s: f64,
+    /// Seconds since this run (or resumed run) began, when the step was reported: wall time
+    /// per step including whatever runs between steps (snapshots, checkpoints).
+    elapsed_s: f64,
     expert_load: &'a [Vec<u64>],
     /// The step's snapshots into other nodes' memory (runs that take them).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -146,6 +149,7 @@ impl Reporter {
                 aux_loss: r.aux_loss,
                 tokens: r.tokens,
                 tokens_per_s: tps,
+                elapsed_s: self.start.elapsed().as_secs_f64(),
                 expert_load: &r.expert_load,
                 snapshot,
             };

@@ -14,8 +14,11 @@ use std::time::{Duration, Instant};
 use crate::error::CommError;
 use crate::Transport;
 
+mod buffers;
 mod out_of_band;
-use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Writer};
+use buffers::BufferPool;
+pub use out_of_band::Encode;
+use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Payload, Writer};
 
 const MAGIC: u32 = 0x4c5a_5231; // "LZR1"
 const HELLO: u32 = 0x4c5a_4831; // "LZH1"
@@ -54,6 +57,10 @@ pub struct TcpTransport {
     write_locks: Vec<Arc<Mutex<()>>>,
     /// The thread that writes out-of-band frames, started by the first one.
     out_of_band: Option<OutOfBandSender>,
+    /// Buffers of out-of-band frames already written, for the next ones ([`buffers`]).
+    written: BufferPool,
+    /// Buffers of received out-of-band frames given back, which the reader threads fill again.
+    received: BufferPool,
 }
 
 /// How ranks find each other: rank r listens on `addrs[r]`.
@@ -109,7 +116,7 @@ fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
     CommError::PeerLost { peer: lost, reason: format!("reported by rank {from}") }
 }
 
-fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
+fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool) {
     let closed = |reason: String| Event::Closed { from, reason };
     loop {
         let mut h = [0u8; HEADER];
@@ -127,10 +134,11 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>) {
             let _ = tx.send(closed(format!("frame of {len} bytes exceeds the {MAX_FRAME}-byte limit")));
             return;
         }
-        // Reserve up to 64 MiB from the header (a tensor-sized frame then lands without
-        // regrowing); beyond that grow as bytes arrive, so a lying header cannot make us
-        // allocate up to the frame limit.
-        let mut payload = Vec::with_capacity((len as usize).min(64 << 20));
+        // A snapshot lands in a buffer given back, if one fits. Otherwise reserve up to 64 MiB
+        // from the header (a tensor-sized frame then lands without regrowing); beyond that grow
+        // as bytes arrive, so a lying header cannot make us allocate up to the frame limit.
+        let kept = if crate::tags::is_out_of_band(tag) { pool.take(len as usize) } else { None };
+        let mut payload = kept.unwrap_or_else(|| Vec::with_capacity((len as usize).min(64 << 20)));
         match (&mut stream).take(len).read_to_end(&mut payload) {
             Ok(n) if n as u64 == len => {}
             Ok(_) => {
@@ -240,13 +248,15 @@ impl TcpTransport {
             }
         }
         let (tx, inbox) = mpsc::channel();
+        let received = BufferPool::default();
         for (peer, s) in streams.iter().enumerate() {
             if let Some(s) = s {
                 let read = s.try_clone().map_err(|e| CommError::Rendezvous(format!("clone: {e}")))?;
                 let tx = tx.clone();
+                let pool = received.clone();
                 std::thread::Builder::new()
                     .name(format!("lazarus-comm-rx-{peer}"))
-                    .spawn(move || reader(read, peer, tx))
+                    .spawn(move || reader(read, peer, tx, pool))
                     .map_err(|e| CommError::Rendezvous(format!("reader thread: {e}")))?;
             }
         }
@@ -264,6 +274,8 @@ impl TcpTransport {
             reported: vec![false; world],
             write_locks: (0..world).map(|_| Arc::new(Mutex::new(()))).collect(),
             out_of_band: None,
+            written: BufferPool::default(),
+            received,
         })
     }
 
@@ -436,29 +448,26 @@ impl Transport for TcpTransport {
         if peer == self.rank || peer >= self.world || payload.len() as u64 > MAX_FRAME {
             return self.send(peer, tag, &payload, deadline);
         }
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
+        self.queue_out_of_band(peer, tag, Payload::Bytes(payload), deadline)
+    }
+
+    fn send_out_of_band_encoded(
+        &mut self,
+        peer: usize,
+        tag: u64,
+        size_hint: usize,
+        encode: Encode,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        if !crate::tags::is_out_of_band(tag) {
+            return Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag")));
         }
-        if let Some(reason) = &self.lost[peer] {
-            return Err(CommError::PeerLost { peer, reason: reason.clone() });
+        if peer == self.rank || peer >= self.world {
+            let mut payload = Vec::with_capacity(size_hint);
+            encode(&mut payload).map_err(|reason| CommError::invalid("payload", reason))?;
+            return self.send(peer, tag, &payload, deadline);
         }
-        if self.out_of_band.is_none() {
-            let writers = self
-                .streams
-                .iter()
-                .zip(&self.write_locks)
-                .map(|(s, lock)| s.as_ref().and_then(|s| s.try_clone().ok()).map(|stream| Writer { stream, lock: lock.clone() }))
-                .collect();
-            let sender =
-                OutOfBandSender::start(writers).map_err(|e| CommError::invalid("transport", format!("out-of-band sender: {e}")))?;
-            self.out_of_band = Some(sender);
-        }
-        let mut header = Vec::with_capacity(HEADER);
-        write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
-        match &self.out_of_band {
-            Some(sender) if sender.queue(peer, header, payload, deadline) => Ok(()),
-            _ => Err(CommError::invalid("transport", "the out-of-band sender has stopped")),
-        }
+        self.queue_out_of_band(peer, tag, Payload::Encode(size_hint, encode), deadline)
     }
 
     fn recv(&mut self, peer: usize, tag: u64, deadline: Instant) -> Result<Vec<u8>, CommError> {
@@ -482,6 +491,10 @@ impl Transport for TcpTransport {
         None
     }
 
+    fn recycle(&mut self, buffer: Vec<u8>) {
+        self.received.give(buffer);
+    }
+
     fn lost_peers(&mut self) -> Vec<usize> {
         self.drain_control();
         (0..self.world).filter(|&p| p != self.rank && ((self.lost[p].is_some() && !self.left[p]) || self.reported[p])).collect()
@@ -489,6 +502,31 @@ impl Transport for TcpTransport {
 }
 
 impl TcpTransport {
+    /// Hand an out-of-band frame to the sender threads (started by the first one).
+    fn queue_out_of_band(&mut self, peer: usize, tag: u64, payload: Payload, deadline: Instant) -> Result<(), CommError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if let Some(reason) = &self.lost[peer] {
+            return Err(CommError::PeerLost { peer, reason: reason.clone() });
+        }
+        if self.out_of_band.is_none() {
+            let writers = self
+                .streams
+                .iter()
+                .zip(&self.write_locks)
+                .map(|(s, lock)| s.as_ref().and_then(|s| s.try_clone().ok()).map(|stream| Writer { stream, lock: lock.clone() }))
+                .collect();
+            let sender = OutOfBandSender::start(writers, self.written.clone())
+                .map_err(|e| CommError::invalid("transport", format!("out-of-band sender: {e}")))?;
+            self.out_of_band = Some(sender);
+        }
+        match &self.out_of_band {
+            Some(sender) if sender.queue(peer, self.epoch, tag, payload, deadline) => Ok(()),
+            _ => Err(CommError::invalid("transport", "the out-of-band sender has stopped")),
+        }
+    }
+
     /// Any error but a bad argument leaves the transport unusable: frames of an abandoned call
     /// may still be in flight, and the step is abandoned everywhere anyway (the runtime builds a
     /// new transport for the next epoch).

@@ -1,12 +1,17 @@
-//! The out-of-band sender: a thread of the transport that writes snapshot frames
+//! The out-of-band sender: two threads of the transport that copy and write snapshot frames
 //! ([`crate::tags::is_out_of_band`]) while the caller goes on with the next step. A snapshot
 //! budget is what the link carries in one step time (MoEtion §4), so written from the training
 //! thread it would hold that thread for up to a step; here it overlaps the step's compute, as
 //! the snapshot tier asks.
 //!
-//! Each connection has one write lock, taken by whoever writes a frame on it — this thread or
-//! the transport's own calls — so frames never interleave. An ordered frame waits behind at most
-//! the one snapshot frame being written.
+//! * The copy thread runs each frame's [`Encode`] — the copy of an expert's weights and moments
+//!   into a frame buffer — so that copy leaves the training thread too. It never waits on a
+//!   socket: a caller that must not change what a queued frame reads until it is copied (the
+//!   optimizer's next update) waits for copies only, never for a slow peer.
+//! * The write thread writes the copied frames in order. Each connection has one write lock,
+//!   taken by whoever writes a frame on it — this thread or the transport's own calls — so
+//!   frames never interleave. An ordered frame waits behind at most the one snapshot frame being
+//!   written.
 
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
@@ -14,6 +19,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
+
+use super::buffers::BufferPool;
+use super::{write_header, HEADER, MAGIC, MAX_FRAME};
+
+/// Writes an out-of-band frame's payload into the (empty) buffer it is given, on the
+/// transport's copy thread; an error drops the frame and closes its connection.
+pub type Encode = Box<dyn FnOnce(&mut Vec<u8>) -> Result<(), String> + Send>;
+
+/// What an out-of-band frame carries: bytes ready to go, or what writes them.
+pub(super) enum Payload {
+    Bytes(Vec<u8>),
+    /// Room to reserve (a pool buffer of that size is used again) and the writer.
+    Encode(usize, Encode),
+}
 
 /// One connection's write side as the sender thread holds it.
 pub(super) struct Writer {
@@ -23,32 +42,46 @@ pub(super) struct Writer {
 
 struct Job {
     peer: usize,
+    epoch: u64,
+    tag: u64,
+    payload: Payload,
+    deadline: Instant,
+}
+
+/// A frame copied and ready to write.
+struct Ready {
+    peer: usize,
     header: Vec<u8>,
     payload: Vec<u8>,
     deadline: Instant,
 }
 
-/// Handle to the sender thread; dropping it stops the thread after the frame in hand (frames
-/// still queued are dropped: they belong to an epoch that is over).
+/// Handle to the sender threads; dropping it stops them after the frame in hand (frames still
+/// queued are dropped: they belong to an epoch that is over).
 pub(super) struct OutOfBandSender {
     jobs: Sender<Job>,
     closing: Arc<AtomicBool>,
 }
 
 impl OutOfBandSender {
-    /// Start the thread with the write side of every connection (`None` for this rank and for
-    /// peers without one).
-    pub(super) fn start(writers: Vec<Option<Writer>>) -> std::io::Result<Self> {
+    /// Start the threads with the write side of every connection (`None` for this rank and for
+    /// peers without one); frames are copied into buffers from `written`, and each goes back
+    /// there once it is on the wire.
+    pub(super) fn start(writers: Vec<Option<Writer>>, written: BufferPool) -> std::io::Result<Self> {
         let (jobs, rx) = mpsc::channel();
+        let (ready, to_write) = mpsc::channel();
         let closing = Arc::new(AtomicBool::new(false));
+        let writers: Arc<[Option<Writer>]> = writers.into();
+        let (stop, w, pool) = (closing.clone(), writers.clone(), written.clone());
+        std::thread::Builder::new().name("lazarus-comm-oow".into()).spawn(move || write(to_write, &w, &stop, &pool))?;
         let stop = closing.clone();
-        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || run(rx, writers, stop))?;
+        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || copy(rx, ready, &writers, &stop, &written))?;
         Ok(OutOfBandSender { jobs, closing })
     }
 
-    /// Queue a frame (`header` then `payload`) for `peer`; false if the thread is gone.
-    pub(super) fn queue(&self, peer: usize, header: Vec<u8>, payload: Vec<u8>, deadline: Instant) -> bool {
-        self.jobs.send(Job { peer, header, payload, deadline }).is_ok()
+    /// Queue a frame with `tag` for `peer`; false if the threads are gone.
+    pub(super) fn queue(&self, peer: usize, epoch: u64, tag: u64, payload: Payload, deadline: Instant) -> bool {
+        self.jobs.send(Job { peer, epoch, tag, payload, deadline }).is_ok()
     }
 }
 
@@ -58,18 +91,55 @@ impl Drop for OutOfBandSender {
     }
 }
 
-fn run(rx: Receiver<Job>, writers: Vec<Option<Writer>>, closing: Arc<AtomicBool>) {
+/// The copy thread: each job's payload into a buffer, then on to the write thread.
+fn copy(rx: Receiver<Job>, ready: Sender<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, pool: &BufferPool) {
     for job in rx {
         if closing.load(Ordering::Relaxed) {
             return;
         }
-        let Some(Some(w)) = writers.get(job.peer) else { continue };
-        let _held = lock(&w.lock);
-        if write_frame(&w.stream, &job.header, &job.payload, job.deadline).is_err() {
+        let payload = match job.payload {
+            Payload::Bytes(b) => Ok(b),
+            Payload::Encode(size, encode) => {
+                let mut buffer = pool.take(size).unwrap_or_else(|| Vec::with_capacity(size));
+                let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| encode(&mut buffer)));
+                encoded.unwrap_or_else(|_| Err("the frame's writer panicked".into())).and_then(|()| match buffer.len() as u64 {
+                    n if n > MAX_FRAME => Err(format!("a frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")),
+                    _ => Ok(buffer),
+                })
+            }
+        };
+        let Ok(payload) = payload else {
+            // The peer waits for this frame: close the connection, so that it learns at once.
+            if let Some(Some(w)) = writers.get(job.peer) {
+                let _ = w.stream.shutdown(Shutdown::Both);
+            }
+            continue;
+        };
+        let mut header = Vec::with_capacity(HEADER);
+        write_header(&mut header, MAGIC, job.epoch, job.tag, payload.len() as u64);
+        if ready.send(Ready { peer: job.peer, header, payload, deadline: job.deadline }).is_err() {
+            return;
+        }
+    }
+}
+
+/// The write thread: copied frames onto their connections, in order.
+fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, written: &BufferPool) {
+    for frame in rx {
+        if closing.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(Some(w)) = writers.get(frame.peer) else { continue };
+        let failed = {
+            let _held = lock(&w.lock);
+            write_frame(&w.stream, &frame.header, &frame.payload, frame.deadline).is_err()
+        };
+        if failed {
             // A frame cut short leaves the byte stream unusable: close it, and the transport's
             // reader sees the connection end (the step fails there, as any lost peer's would).
             let _ = w.stream.shutdown(Shutdown::Both);
         }
+        written.give(frame.payload);
     }
 }
 

@@ -443,24 +443,41 @@ impl Worker {
         Ok(ExpertState { layer, expert, tensors })
     }
 
-    /// The wire form of [`Self::export_expert`]'s state, written straight from the tensors
-    /// (what a snapshot sends every step: one copy of the values instead of two).
+    /// The wire form of [`Self::export_expert`]'s state, written straight from the tensors.
     pub fn encode_expert(&self, layer: usize, expert: usize) -> Result<Vec<u8>, RuntimeError> {
+        let (len, encode) = self.expert_encoder(layer, expert)?;
+        let mut out = Vec::with_capacity(len);
+        encode(&mut out).map_err(|reason| RuntimeError::Invalid { field: "expert state", reason })?;
+        Ok(out)
+    }
+
+    /// What writes [`Self::encode_expert`]'s bytes — one copy of the values, straight from the
+    /// weights and the optimizer's moments — and their length, to run later on another thread
+    /// (a snapshot's copy on the transport's copy thread). It holds the tensors and moments it
+    /// reads: memory stays valid whatever the worker does meanwhile; the values are those of
+    /// this step as long as the optimizer's next update waits for it (the snapshot tier's fence).
+    pub(crate) fn expert_encoder(&self, layer: usize, expert: usize) -> Result<(usize, lazarus_comm::Encode), RuntimeError> {
         let positions = self.expert_positions(layer, expert)?;
         let vars = self.trainer.model.params().vars();
         let mut moments = Vec::with_capacity(EXPERT_TENSORS);
         for &i in &positions {
-            moments.push(self.trainer.optimizer.moments(i)?);
+            moments.push(self.trainer.optimizer.shared_moments(i)?);
         }
-        let shapes = std::array::from_fn(|k| vars[positions[k]].dims().to_vec());
+        let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|k| vars[positions[k]].dims().to_vec());
         let steps = std::array::from_fn(|k| moments[k].2);
-        let mut out = ExpertState::wire_header(layer, expert, &shapes, &steps);
-        for (k, &(m, v, _)) in moments.iter().enumerate() {
-            with_f32(vars[positions[k]].as_tensor(), |w| put_values(&mut out, w))?;
-            put_values(&mut out, m);
-            put_values(&mut out, v);
-        }
-        Ok(out)
+        let weights: Vec<Tensor> = positions.iter().map(|&i| vars[i].as_tensor().clone()).collect();
+        let len = ExpertState::encoded_len(&shapes);
+        let encode = move |out: &mut Vec<u8>| -> Result<(), String> {
+            let mut buf = ExpertState::wire_header_in(std::mem::take(out), layer, expert, &shapes, &steps);
+            for (w, (m, v, _)) in weights.iter().zip(&moments) {
+                with_f32(w, |w| put_values(&mut buf, w)).map_err(|e| format!("layer {layer} expert {expert}: {e}"))?;
+                put_values(&mut buf, m);
+                put_values(&mut buf, v);
+            }
+            *out = buf;
+            Ok(())
+        };
+        Ok((len, Box::new(encode)))
     }
 
     /// Where expert (`layer`, `expert`)'s tensors sit among the parameters, checking that this

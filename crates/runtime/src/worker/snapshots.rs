@@ -10,10 +10,16 @@
 //!   step computes, and the receiver takes them from its inbox (the transport's reader threads
 //!   already hold them) — the send overlaps the next step instead of stalling this one. A
 //!   failure in between loses that one step's snapshots; the older ones are kept.
+//! * Even the copy into the frame leaves the training thread: the transport's copy thread runs
+//!   it ([`Worker::expert_encoder`]) while the next step computes, and the next commit, which
+//!   changes the weights in place, first waits for it ([`CopyFence`]). Frame buffers are used
+//!   again on both sides (a replaced snapshot's buffer goes back to the transport).
 //! * Experts whose replicas sit on two or more nodes are skipped (Lazarus's own protection);
 //!   MoEtion's selection over the same budget is computed beside it and its bytes reported.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
 use lazarus_comm::{deadline_after, Transport};
@@ -71,6 +77,52 @@ pub(crate) struct SnapshotTier {
     pub store: BTreeMap<(usize, usize), HeldSnapshot>,
     /// Snapshots sent to this rank after the last step: (from, layer, expert, step).
     expected: Vec<(usize, usize, usize, u64)>,
+    /// This worker's snapshot copies not yet taken.
+    copies: Arc<CopyFence>,
+}
+
+/// Snapshot copies handed to the transport's copy thread and not yet done. They read the
+/// expert's weights in place, so the optimizer's next update (which changes them in place)
+/// waits for them: [`Worker::settle_snapshot_copies`]. A copy takes milliseconds and never
+/// waits on the network, so the wait is all but always nil.
+#[derive(Debug, Default)]
+pub(crate) struct CopyFence {
+    pending: Mutex<usize>,
+    done: Condvar,
+}
+
+/// One copy of the fence's: done when dropped, whether it ran or was discarded (a transport
+/// closed with copies still queued).
+struct PendingCopy(Arc<CopyFence>);
+
+impl PendingCopy {
+    fn new(fence: &Arc<CopyFence>) -> Self {
+        *fence.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        PendingCopy(fence.clone())
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        let mut n = self.0.pending.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        self.0.done.notify_all();
+    }
+}
+
+impl CopyFence {
+    /// Wait until no copy is pending; false if `deadline` passed first.
+    fn wait(&self, deadline: Instant) -> bool {
+        let mut n = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            n = self.done.wait_timeout(n, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        true
+    }
 }
 
 impl SnapshotTier {
@@ -85,6 +137,18 @@ impl Worker {
     /// Snapshot after this worker's steps, as `settings` says (None: never).
     pub fn set_snapshots(&mut self, settings: Option<SnapshotSettings>) {
         self.snapshots.settings = settings.filter(|s| s.gpus_per_node > 0 && s.bandwidth.is_finite() && s.bandwidth > 0.0);
+    }
+
+    /// Wait for this worker's snapshot copies still running (see [`CopyFence`]): before anything
+    /// changes expert weights in place.
+    pub(crate) fn settle_snapshot_copies(&self) -> Result<(), RuntimeError> {
+        if self.snapshots.copies.wait(deadline_after(self.timeout)) {
+            return Ok(());
+        }
+        Err(RuntimeError::Invalid {
+            field: "snapshot",
+            reason: format!("rank {}: snapshot copies still pending after {:?}", self.rank, self.timeout),
+        })
     }
 
     /// Whether this worker takes snapshots (its job's settings say so).
@@ -119,18 +183,29 @@ impl Worker {
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let Ok(tag) = expert_transfer(TransferKind::Snapshot, l, e) else { continue };
             if let Some(bytes) = t.take_arrived(from, tag) {
-                let _ = self.keep_snapshot(from, l, e, step, bytes);
+                let _ = self.keep_snapshot(t, from, l, e, step, bytes);
             }
         }
     }
 
     /// Keep `bytes`, sent by rank `from`, as the snapshot of (layer, expert) after `step`, once
-    /// they are checked to be that expert's state.
-    fn keep_snapshot(&mut self, from: usize, l: usize, e: usize, step: u64, bytes: Vec<u8>) -> Result<(), RuntimeError> {
+    /// they are checked to be that expert's state; the buffer of the snapshot it replaces goes
+    /// back to the transport, which reads the next one into it.
+    fn keep_snapshot(
+        &mut self,
+        t: &mut dyn Transport,
+        from: usize,
+        l: usize,
+        e: usize,
+        step: u64,
+        bytes: Vec<u8>,
+    ) -> Result<(), RuntimeError> {
         ExpertState::check(&bytes, l, e, &self.trainer.model.expert_shapes())
             .map_err(|err| RuntimeError::Invalid { field: "snapshot", reason: format!("rank {from} sent layer {l} expert {e}: {err}") })?;
         let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
-        self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes });
+        if let Some(old) = self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes }) {
+            t.recycle(old.bytes);
+        }
         Ok(())
     }
 
@@ -148,7 +223,7 @@ impl Worker {
         // What was sent here after the previous step: its bytes arrived while this one ran.
         for (from, l, e, step) in std::mem::take(&mut self.snapshots.expected) {
             let bytes = t.recv(from, expert_transfer(TransferKind::Snapshot, l, e)?, deadline)?;
-            self.keep_snapshot(from, l, e, step, bytes)?;
+            self.keep_snapshot(t, from, l, e, step, bytes)?;
         }
         // This step's tokens.
         let load = &r.report.expert_load;
@@ -185,12 +260,43 @@ impl Worker {
             let Some(&from) = self.plan.holders(l, e).first() else { continue };
             let to = (from + g) % self.world;
             if from == self.rank {
-                let bytes = self.encode_expert(l, e)?;
-                t.send_out_of_band(to, expert_transfer(TransferKind::Snapshot, l, e)?, bytes, deadline)?;
+                // The copy runs on the transport's thread; the next commit waits for it.
+                let (len, copy) = self.expert_encoder(l, e)?;
+                let pending = PendingCopy::new(&self.snapshots.copies);
+                let encode: lazarus_comm::Encode = Box::new(move |out| {
+                    let _done = pending;
+                    copy(out)
+                });
+                t.send_out_of_band_encoded(to, expert_transfer(TransferKind::Snapshot, l, e)?, len, encode, deadline)?;
             } else if to == self.rank {
                 self.snapshots.expected.push((from, l, e, step));
             }
         }
         Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_fence_waits_for_every_copy_run_or_dropped() {
+        let fence = Arc::new(CopyFence::default());
+        assert!(fence.wait(Instant::now()), "nothing pending: no wait");
+        let (a, b) = (PendingCopy::new(&fence), PendingCopy::new(&fence));
+        assert!(!fence.wait(Instant::now() + Duration::from_millis(30)), "two pending: the deadline passes");
+        drop(a);
+        assert!(!fence.wait(Instant::now() + Duration::from_millis(30)), "one still pending");
+        // Done on another thread, as the transport's copy thread does.
+        let started = Instant::now();
+        let copier = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(b);
+        });
+        assert!(fence.wait(Instant::now() + Duration::from_secs(10)));
+        assert!(started.elapsed() >= Duration::from_millis(100), "returned before the copy was done");
+        copier.join().unwrap();
     }
 }

@@ -234,6 +234,8 @@ impl Worker {
                 reason: format!("computed at step {}, the worker is at step {}", pending.at, self.trainer.step),
             });
         }
+        // The update changes expert weights in place: the last step's snapshot copies first.
+        self.settle_snapshot_copies()?;
         let params = self.trainer.model.params().clone();
         self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
         self.trainer.sampler.advance(pending.batch);
