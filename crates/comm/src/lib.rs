@@ -30,6 +30,13 @@ pub fn deadline_after(timeout: std::time::Duration) -> Instant {
     now.checked_add(timeout).or_else(|| now.checked_add(std::time::Duration::from_secs(100 * 365 * 86_400))).unwrap_or(now)
 }
 
+/// Run `encode` on this thread: the bytes of an out-of-band frame sent at once.
+pub(crate) fn encode_now(size_hint: usize, encode: Encode) -> Result<Vec<u8>, CommError> {
+    let mut payload = Vec::with_capacity(size_hint);
+    encode(&mut payload).map_err(|reason| CommError::invalid("payload", reason))?;
+    Ok(payload)
+}
+
 /// Point-to-point messaging between the ranks of one plan epoch.
 pub trait Transport: Send {
     fn rank(&self) -> usize;
@@ -57,9 +64,7 @@ pub trait Transport: Send {
         encode: Encode,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        let mut payload = Vec::with_capacity(size_hint);
-        encode(&mut payload).map_err(|reason| CommError::invalid("payload", reason))?;
-        self.send_out_of_band(peer, tag, payload, deadline)
+        self.send_out_of_band(peer, tag, encode_now(size_hint, encode)?, deadline)
     }
     /// The next message from `peer`; it must carry `tag` (collectives run in the same order on
     /// every rank, so per-peer order is enough).

@@ -7,9 +7,11 @@
 
 use std::sync::{Arc, Mutex};
 
-/// Most buffers a pool keeps (beyond them, given-back buffers are freed): a round sends or
-/// receives a few dozen snapshots at most.
+/// Most buffers a pool keeps, and most bytes (beyond either, given-back buffers are freed): a
+/// round sends or receives a few dozen snapshots at most, and the pool holds at most one
+/// round's buffers in a steady run (taken during the round, given back after it).
 const MAX_BUFFERS: usize = 64;
+const MAX_BYTES: usize = 1 << 30;
 /// Smaller buffers are not worth keeping: their allocation is cheap.
 const MIN_CAPACITY: usize = 64 << 10;
 
@@ -32,7 +34,8 @@ impl BufferPool {
         }
         buffer.clear();
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.len() < MAX_BUFFERS {
+        let bytes: usize = kept.iter().map(|b| b.capacity()).sum();
+        if kept.len() < MAX_BUFFERS && bytes + buffer.capacity() <= MAX_BYTES {
             kept.push(buffer);
         }
     }
@@ -66,5 +69,10 @@ mod tests {
             pool.give(Vec::with_capacity(MIN_CAPACITY));
         }
         assert_eq!(pool.len(), MAX_BUFFERS);
+        // And a bounded number of bytes: huge frames are not hoarded.
+        let pool = BufferPool::default();
+        pool.give(Vec::with_capacity(MAX_BYTES / 2 + 1));
+        pool.give(Vec::with_capacity(MAX_BYTES / 2 + 1));
+        assert_eq!(pool.len(), 1);
     }
 }

@@ -463,9 +463,7 @@ impl Transport for TcpTransport {
             return Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag")));
         }
         if peer == self.rank || peer >= self.world {
-            let mut payload = Vec::with_capacity(size_hint);
-            encode(&mut payload).map_err(|reason| CommError::invalid("payload", reason))?;
-            return self.send(peer, tag, &payload, deadline);
+            return self.send(peer, tag, &crate::encode_now(size_hint, encode)?, deadline);
         }
         self.queue_out_of_band(peer, tag, Payload::Encode(size_hint, encode), deadline)
     }
