@@ -28,6 +28,9 @@ fn json_log_checkpoint_and_resume() {
         assert!(l["aux_loss"].as_f64().is_some());
         assert_eq!(l["tokens"], 32);
         assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0);
+        // Wall time since the start: positive, and it only grows.
+        let elapsed = l["elapsed_s"].as_f64().unwrap();
+        assert!(elapsed > 0.0 && (i == 0 || elapsed >= lines[i - 1]["elapsed_s"].as_f64().unwrap()), "{l}");
         let load = l["expert_load"].as_array().unwrap();
         assert_eq!(load.len(), 2);
         let total: u64 = load[0].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
