@@ -42,8 +42,8 @@ pub type SharedMoments = (Arc<Vec<f32>>, Arc<Vec<f32>>, u64);
 /// Moments kept on the host in f32, updated in one fused pass per tensor (candle's elementwise
 /// ops would allocate a dozen full-size temporaries per tensor per step). Shared, so that a
 /// snapshot's copy can read them on another thread ([`AdamW::shared_moments`]); an update while
-/// such a reader still holds them writes a fresh copy instead (copy on write), though the
-/// snapshot tier lets its copies finish first, so that never happens in a run.
+/// such a reader still holds them writes a fresh copy instead (copy on write); the snapshot
+/// tier lets its copies finish first, so in a run that all but never happens.
 #[derive(Debug, Clone)]
 struct Moments {
     m: Arc<Vec<f32>>,

@@ -1,9 +1,8 @@
 //! Buffers of out-of-band frames (snapshots), used again instead of freed. A snapshot round
 //! moves tens of megabytes every step; in fresh buffers each frame's pages are faulted in and
-//! zeroed by the kernel once on the sender (while the training thread waits to start the next
-//! step) and once on the receiver. Two pools keep them: the sender thread returns a frame's
-//! buffer once written, and a receiver gives back a snapshot it has replaced, which the reader
-//! threads fill with the next one.
+//! zeroed by the kernel once on the sender and once on the receiver. Two pools keep them: the
+//! copy thread takes a buffer and the write thread returns it once the frame is written, and a
+//! receiver gives back a snapshot it has replaced, which the reader threads fill with the next.
 
 use std::sync::{Arc, Mutex};
 

@@ -108,12 +108,21 @@ fn copy(rx: Receiver<Job>, ready: Sender<Ready>, writers: &[Option<Writer>], clo
                 })
             }
         };
-        let Ok(payload) = payload else {
-            // The peer waits for this frame: close the connection, so that it learns at once.
-            if let Some(Some(w)) = writers.get(job.peer) {
-                let _ = w.stream.shutdown(Shutdown::Both);
+        let payload = match payload {
+            Ok(p) => p,
+            Err(reason) => {
+                // A bug of the caller's, not a fault of the link; both ends will see the
+                // connection close, so say here which frame and why.
+                eprintln!(
+                    "lazarus-comm: out-of-band frame {:#x} for rank {} not sent: {reason}; closing that connection",
+                    job.tag, job.peer
+                );
+                // The peer waits for this frame: close the connection, so that it learns at once.
+                if let Some(Some(w)) = writers.get(job.peer) {
+                    let _ = w.stream.shutdown(Shutdown::Both);
+                }
+                continue;
             }
-            continue;
         };
         let mut header = Vec::with_capacity(HEADER);
         write_header(&mut header, MAGIC, job.epoch, job.tag, payload.len() as u64);

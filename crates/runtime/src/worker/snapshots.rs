@@ -264,8 +264,9 @@ impl Worker {
                 let (len, copy) = self.expert_encoder(l, e)?;
                 let pending = PendingCopy::new(&self.snapshots.copies);
                 let encode: lazarus_comm::Encode = Box::new(move |out| {
-                    let _done = pending;
-                    copy(out)
+                    let copied = copy(out); // consumed: it holds nothing of the expert now
+                    drop(pending);
+                    copied
                 });
                 t.send_out_of_band_encoded(to, expert_transfer(TransferKind::Snapshot, l, e)?, len, encode, deadline)?;
             } else if to == self.rank {

@@ -235,7 +235,11 @@ impl Worker {
             });
         }
         // The update changes expert weights in place: the last step's snapshot copies first.
-        self.settle_snapshot_copies()?;
+        // Should they not finish, the step stays held, as after a failed vote.
+        if let Err(e) = self.settle_snapshot_copies() {
+            self.held = Some(pending);
+            return Err(e);
+        }
         let params = self.trainer.model.params().clone();
         self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
         self.trainer.sampler.advance(pending.batch);
