@@ -55,7 +55,7 @@ pub struct TcpTransport {
     reported: Vec<bool>,
     /// One write lock per connection, shared with the out-of-band sender: frames never interleave.
     write_locks: Vec<Arc<Mutex<()>>>,
-    /// The thread that writes out-of-band frames, started by the first one.
+    /// The threads that copy and write out-of-band frames, started by the first one.
     out_of_band: Option<OutOfBandSender>,
     /// Buffers of out-of-band frames already written, for the next ones ([`buffers`]).
     written: BufferPool,
@@ -442,9 +442,7 @@ impl Transport for TcpTransport {
     }
 
     fn send_out_of_band(&mut self, peer: usize, tag: u64, payload: Vec<u8>, deadline: Instant) -> Result<(), CommError> {
-        if !crate::tags::is_out_of_band(tag) {
-            return Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag")));
-        }
+        out_of_band_tag(tag)?;
         if peer == self.rank || peer >= self.world || payload.len() as u64 > MAX_FRAME {
             return self.send(peer, tag, &payload, deadline);
         }
@@ -459,9 +457,7 @@ impl Transport for TcpTransport {
         encode: Encode,
         deadline: Instant,
     ) -> Result<(), CommError> {
-        if !crate::tags::is_out_of_band(tag) {
-            return Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag")));
-        }
+        out_of_band_tag(tag)?;
         if peer == self.rank || peer >= self.world {
             return self.send(peer, tag, &crate::encode_now(size_hint, encode)?, deadline);
         }
@@ -496,6 +492,14 @@ impl Transport for TcpTransport {
     fn lost_peers(&mut self) -> Vec<usize> {
         self.drain_control();
         (0..self.world).filter(|&p| p != self.rank && ((self.lost[p].is_some() && !self.left[p]) || self.reported[p])).collect()
+    }
+}
+
+/// Only out-of-band tags may go out of band.
+fn out_of_band_tag(tag: u64) -> Result<(), CommError> {
+    match crate::tags::is_out_of_band(tag) {
+        true => Ok(()),
+        false => Err(CommError::invalid("tag", format!("{tag:#x} is not an out-of-band tag"))),
     }
 }
 
