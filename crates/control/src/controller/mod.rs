@@ -637,7 +637,12 @@ impl Controller {
         if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
             // Survivors may be waiting for addresses that will never come, or connecting to
             // a rank that is gone: call the rendezvous off.
-            out.push(Command::Abandon { epoch: self.epoch, nodes: self.alive.iter().copied().collect() });
+            // (Unless no one is left to tell: every member was lost, and the plan made below
+            // is a new epoch's.)
+            let nodes: Vec<NodeId> = self.alive.iter().copied().collect();
+            if !nodes.is_empty() {
+                out.push(Command::Abandon { epoch: self.epoch, nodes });
+            }
         }
         // A node that leaves on notice: every rank stops after the step in flight and the job
         // moves off it (before the joiners' wait or a rebalance: it cannot wait).

@@ -665,7 +665,10 @@ proptest! {
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)), "a fence told to a lost node: {:?}", nodes);
                     }
                     Command::Abandon { epoch, nodes } => {
-                        prop_assert_eq!(*epoch, c.epoch());
+                        // It names the rendezvous it calls off: the current epoch's, or the one
+                        // the same decision replaces with a new plan (sent right after it).
+                        prop_assert!(*epoch <= c.epoch());
+                        prop_assert!(!nodes.is_empty(), "an abandon to nobody");
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));
                     }
                     Command::Addresses { epoch, addrs } => {
@@ -793,4 +796,31 @@ fn an_expert_that_lost_every_replica_comes_back_from_the_freshest_snapshot_inste
     c.decide(t0, Event::Checkpointed { step: 2 });
     let out = decide_all(&mut c, false);
     assert!(out.iter().any(|x| matches!(x, Command::Rollback { to_step: Some(2), .. })), "{out:?}");
+}
+
+/// Found by the invariants' property test: every member of a rendezvous lost at once (joiners
+/// whose leases ran out) while new joiners wait. No one is left to call the old rendezvous off,
+/// so no abandon goes out (it would name the old epoch to nobody); the joiners get the new plan.
+#[test]
+fn a_rendezvous_that_lost_every_member_is_not_called_off_to_nobody() {
+    let t0 = Instant::now();
+    let mut c = running(2, 4, 2, t0);
+    let mut now = t0;
+    let failed = StopReport { steps_done: 0, held: None, holds: vec![], last: None, snapshots: vec![] };
+    let events = vec![
+        (1u64, Event::Ready { node: 12, epoch: 0 }),
+        (0, Event::Joined { workers: vec![18] }),
+        (2, Event::Joined { workers: vec![15] }),
+        (1, Event::StepFailed { node: 12, epoch: 0, report: failed }),
+        (0, Event::Joined { workers: vec![16] }),
+        (1, Event::Joined { workers: vec![14] }),
+    ];
+    let mut last = Vec::new();
+    for (dt, ev) in events {
+        now += SEC * dt as u32 / 2;
+        last = c.decide(now, ev);
+    }
+    assert_eq!(c.epoch(), 2);
+    assert!(!last.iter().any(|cmd| matches!(cmd, Command::Abandon { .. })), "{last:?}");
+    assert!(last.iter().any(|cmd| matches!(cmd, Command::Rollback { to, .. } if to.epoch == 2 && to.ranks == vec![16, 14])), "{last:?}");
 }
