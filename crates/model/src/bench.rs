@@ -14,6 +14,8 @@ use crate::trainer::{TrainConfig, Trainer};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainBenchReport {
+    /// Where the step ran: `cpu` or `cuda:N`.
+    pub device: String,
     pub parameters: usize,
     pub batch_size: usize,
     pub seq_len: usize,
@@ -30,9 +32,10 @@ pub struct TrainBenchReport {
     /// Matmul FLOPs of one forward+backward (3× the forward's).
     pub flops_per_step: f64,
     pub model_gflops: f64,
-    /// The machine's f32 GEMM peak as measured here: a 1024³ product on every core, best of 3.
+    /// The device's f32 GEMM peak as measured here: on the CPU a 1024³ product on every core,
+    /// on a GPU a 4096³ product through candle (cuBLAS); best of 3.
     pub peak_gflops: f64,
-    /// `model_gflops / peak_gflops`: the model FLOP utilisation of the CPU.
+    /// `model_gflops / peak_gflops`: the model FLOP utilisation of the device.
     pub utilisation: f64,
 }
 
@@ -97,8 +100,30 @@ pub fn gemm_peak_gflops(n: usize, reps: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-pub fn train_benchmark(config: &TrainConfig, warmup: usize, iterations: usize) -> Result<TrainBenchReport> {
-    let mut trainer = Trainer::new(config.clone())?;
+/// f32 GEMM GFLOP/s of an `n`³ product through candle on `device` (best of `reps`; the GPU's
+/// peak the model is measured against).
+pub fn device_peak_gflops(device: &Device, n: usize, reps: usize) -> Result<f64> {
+    if device.is_cpu() {
+        return Ok(gemm_peak_gflops(n, reps));
+    }
+    let mut rng = SplitMix64::new(5);
+    let (a, b) = (random(&[n, n], &mut rng, device)?, random(&[n, n], &mut rng, device)?);
+    drop(a.matmul(&b)?);
+    device.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        let c = a.matmul(&b)?;
+        device.synchronize()?;
+        best = best.min(start.elapsed().as_secs_f64());
+        drop(c);
+    }
+    Ok(2.0 * (n * n * n) as f64 / best / 1e9)
+}
+
+/// The training benchmark on `device` (see [`crate::device::parse`]).
+pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, iterations: usize) -> Result<TrainBenchReport> {
+    let mut trainer = Trainer::new_on(config.clone(), device)?;
     let device = trainer.model.device().clone();
     let (b, t) = (config.batch_size, config.seq_len);
     let mc = config.model.clone();
@@ -162,13 +187,15 @@ pub fn train_benchmark(config: &TrainConfig, warmup: usize, iterations: usize) -
             let y = crate::ops::expert_ffn(xin.as_tensor(), &p(0), &p(1), &p(2), &p(3))?;
             drop(y.sum_all()?.backward()?);
         }
+        device.synchronize()?;
         expert_times.push(start.elapsed().as_secs_f64());
     }
     let step_s = median(&mut step_times);
     let expert_s = median(&mut expert_times);
     let model_gflops = step_flops / step_s / 1e9;
-    let peak_gflops = gemm_peak_gflops(1024, 3);
+    let peak_gflops = device_peak_gflops(&device, if device.is_cpu() { 1024 } else { 4096 }, 3)?;
     Ok(TrainBenchReport {
+        device: crate::device::name(&device),
         parameters: trainer.model.params().num_elements(),
         batch_size: b,
         seq_len: t,

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod device;
 mod error;
 pub mod model;
 pub mod ops;

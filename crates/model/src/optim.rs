@@ -50,6 +50,9 @@ struct Moments {
     v: Arc<Vec<f32>>,
     step: u64,
     shape: candle_core::Shape,
+    /// For a parameter on a GPU: its (m, v) as f32 tensors on that device, updated there by
+    /// candle's ops (no copy through the host each step); `m` and `v` above stay empty.
+    device: Option<(Tensor, Tensor)>,
 }
 
 pub struct AdamW {
@@ -66,7 +69,13 @@ impl AdamW {
         let mut decay = Vec::with_capacity(params.len());
         for (name, var) in params.iter() {
             let n = var.elem_count();
-            state.push(Moments { m: Arc::new(vec![0.0; n]), v: Arc::new(vec![0.0; n]), step: 0, shape: var.shape().clone() });
+            let (m, v, device) = if var.device().is_cpu() {
+                (Arc::new(vec![0.0; n]), Arc::new(vec![0.0; n]), None)
+            } else {
+                let zeros = || Tensor::zeros(var.shape(), DType::F32, var.device());
+                (Arc::default(), Arc::default(), Some((zeros()?, zeros()?)))
+            };
+            state.push(Moments { m, v, step: 0, shape: var.shape().clone(), device });
             decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
         }
         Ok(AdamW { config, state, decay })
@@ -86,6 +95,9 @@ impl AdamW {
         if !self.resident(index) {
             return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
         }
+        if let Some((m, v)) = &s.device {
+            return Ok(TensorState { m: m.clone(), v: v.clone(), step: s.step });
+        }
         let dev = candle_core::Device::Cpu;
         Ok(TensorState {
             m: Tensor::from_slice(&s.m, s.shape.clone(), &dev)?,
@@ -97,9 +109,7 @@ impl AdamW {
     /// The moments (m, v) and step of the tensor at `index`, borrowed: what a snapshot writes
     /// to the wire every step without copying them into tensors first.
     pub fn moments(&self, index: usize) -> Result<(&[f32], &[f32], u64)> {
-        if !self.resident(index) {
-            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
-        }
+        self.host_resident(index)?;
         let s = &self.state[index];
         Ok((&s.m, &s.v, s.step))
     }
@@ -107,9 +117,7 @@ impl AdamW {
     /// [`AdamW::moments`] as shared handles, for a reader on another thread: what a snapshot's
     /// copy, done off the training thread, reads.
     pub fn shared_moments(&self, index: usize) -> Result<SharedMoments> {
-        if !self.resident(index) {
-            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
-        }
+        self.host_resident(index)?;
         let s = &self.state[index];
         Ok((s.m.clone(), s.v.clone(), s.step))
     }
@@ -125,12 +133,24 @@ impl AdamW {
         let s = &mut self.state[index];
         s.m = Arc::default();
         s.v = Arc::default();
+        s.device = None;
     }
 
     /// Whether the tensor at `index` has its moments (not released).
     pub fn resident(&self, index: usize) -> bool {
         let s = &self.state[index];
-        s.m.len() == s.shape.elem_count()
+        s.device.is_some() || s.m.len() == s.shape.elem_count()
+    }
+
+    /// Ok when the tensor's moments are in host memory, borrowable: not released, not on a GPU.
+    fn host_resident(&self, index: usize) -> Result<()> {
+        if !self.resident(index) {
+            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
+        }
+        if self.state[index].device.is_some() {
+            return Err(ModelError::config("optimizer state", index, "lives on a GPU: read it with state()"));
+        }
+        Ok(())
     }
 
     /// Replace the state of the tensor at `index` (e.g. after fetching an expert from a peer).
@@ -140,6 +160,12 @@ impl AdamW {
             if t.shape() != &cur.shape {
                 return Err(ModelError::config("optimizer state", format!("{:?}", t.shape()), format!("expected {:?}", cur.shape)));
             }
+        }
+        if let Some(dev) = cur.device.as_ref().map(|(m, _)| m.device().clone()) {
+            let on_dev = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.to_device(&dev)?.contiguous()?) };
+            cur.device = Some((on_dev(&s.m)?, on_dev(&s.v)?));
+            cur.step = s.step;
+            return Ok(());
         }
         let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
         cur.m = Arc::new(host(&s.m)?);
@@ -152,7 +178,60 @@ impl AdamW {
     /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
         let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
+        if self.state.iter().any(|s| s.device.is_some()) {
+            return self.update_on_device(params, &tensors, lr, grad_scale);
+        }
         crate::ops::with_f32_slices(&tensors, |g| self.update(params, g, lr, grad_scale))?
+    }
+
+    /// The coefficients of the next update of the tensor at `index`, counting the step.
+    fn coeffs(&mut self, index: usize, lr: f64, grad_scale: f64) -> AdamWCoeffs {
+        let c = &self.config;
+        let s = &mut self.state[index];
+        s.step += 1;
+        let bc1 = 1.0 - c.beta1.powi(s.step as i32);
+        let bc2 = 1.0 - c.beta2.powi(s.step as i32);
+        AdamWCoeffs {
+            b1: c.beta1 as f32,
+            b2: c.beta2 as f32,
+            scale: grad_scale as f32,
+            step_size: (lr / bc1) as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+            eps: c.eps as f32,
+            keep: if self.decay[index] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 },
+        }
+    }
+
+    /// The update of parameters that live on a GPU, with candle's elementwise ops on the device
+    /// (the same formula as [`adamw_pass`], in f32; the parameter is set to the result).
+    fn update_on_device(&mut self, params: &ParamStore, grads: &[Option<Tensor>], lr: f64, grad_scale: f64) -> Result<()> {
+        if grads.len() != params.len() {
+            return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
+        }
+        for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
+            let Some(g) = g else { continue };
+            if g.elem_count() != var.elem_count() {
+                return Err(ModelError::config(
+                    "gradient",
+                    &params.names()[i],
+                    format!("has {} values, the tensor {}", g.elem_count(), var.elem_count()),
+                ));
+            }
+            if self.state[i].device.is_none() {
+                return Err(ModelError::config("optimizer state", &params.names()[i], "is not on the parameter's device"));
+            }
+            let k = self.coeffs(i, lr, grad_scale);
+            let Some((m, v)) = self.state[i].device.as_mut() else { unreachable!("checked above") };
+            let g = g.to_dtype(DType::F32)?.reshape(var.shape())?;
+            *m = ((m.affine(k.b1 as f64, 0.0)? + g.affine(((1.0 - k.b1) * k.scale) as f64, 0.0)?)?).contiguous()?;
+            let gs = g.affine(k.scale as f64, 0.0)?;
+            *v = ((v.affine(k.b2 as f64, 0.0)? + (gs.sqr()? * (1.0 - k.b2) as f64)?)?).contiguous()?;
+            let denom = v.sqrt()?.affine(k.inv_bc2_sqrt as f64, k.eps as f64)?;
+            let p = var.as_tensor().to_dtype(DType::F32)?;
+            let p = (p.affine(k.keep as f64, 0.0)? - (m.div(&denom)? * k.step_size as f64)?)?;
+            var.set(&p.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
     }
 
     /// [`AdamW::step`] with gradients as host vectors aligned with `params` (None: no update),
@@ -168,7 +247,6 @@ impl AdamW {
         if grads.len() != params.len() {
             return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
         }
-        let c = self.config.clone();
         for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
             let Some(g) = *g else { continue };
             if g.len() != var.elem_count() {
@@ -178,22 +256,11 @@ impl AdamW {
                     format!("has {} values, the tensor {}", g.len(), var.elem_count()),
                 ));
             }
-            let s = &mut self.state[i];
-            if s.m.len() != g.len() {
+            if self.state[i].m.len() != g.len() {
                 return Err(ModelError::config("optimizer state", &params.names()[i], "was released (the expert is not held here)"));
             }
-            s.step += 1;
-            let bc1 = 1.0 - c.beta1.powi(s.step as i32);
-            let bc2 = 1.0 - c.beta2.powi(s.step as i32);
-            let k = AdamWCoeffs {
-                b1: c.beta1 as f32,
-                b2: c.beta2 as f32,
-                scale: grad_scale as f32,
-                step_size: (lr / bc1) as f32,
-                inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
-                eps: c.eps as f32,
-                keep: if self.decay[i] { (1.0 - lr * c.weight_decay) as f32 } else { 1.0 },
-            };
+            let k = self.coeffs(i, lr, grad_scale);
+            let s = &mut self.state[i];
             let (m, v) = (Arc::make_mut(&mut s.m), Arc::make_mut(&mut s.v));
             if var.dtype() == DType::F32 && var.device().is_cpu() && var.is_contiguous() {
                 let op = InPlaceUpdate { g, m: std::cell::RefCell::new(m), v: std::cell::RefCell::new(v), k };
@@ -278,6 +345,16 @@ impl candle_core::InplaceOp1 for InPlaceUpdate<'_> {
 /// distributed step sums them), the tensors over the cores, then added in parameter order.
 pub fn grad_norm(params: &ParamStore, grads: &GradStore) -> Result<f64> {
     let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
+    if tensors.iter().flatten().any(|g| !g.device().is_cpu()) {
+        // On a GPU: each tensor's sum of squares there, one small copy of the sums to the host.
+        let parts: Vec<Tensor> =
+            tensors.iter().flatten().map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
+        if parts.is_empty() {
+            return Ok(0.0);
+        }
+        let sums: Vec<f64> = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_vec1()?;
+        return Ok(sums.iter().sum::<f64>().sqrt());
+    }
     let sums = crate::ops::with_f32_slices(&tensors, |g| {
         use rayon::prelude::*;
         g.par_iter().map(|g| g.map_or(0.0, |g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())).collect::<Vec<f64>>()

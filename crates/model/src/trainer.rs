@@ -203,18 +203,22 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A fresh run.
+    /// A fresh run on the CPU.
     pub fn new(config: TrainConfig) -> Result<Self> {
-        Self::build(config, Cursor::default())
+        Self::new_on(config, &Device::Cpu)
     }
 
-    fn build(config: TrainConfig, cursor: Cursor) -> Result<Self> {
+    /// A fresh run with the model and optimizer state on `device` (see [`crate::device::parse`]).
+    pub fn new_on(config: TrainConfig, device: &Device) -> Result<Self> {
+        Self::build(config, Cursor::default(), device)
+    }
+
+    fn build(config: TrainConfig, cursor: Cursor, device: &Device) -> Result<Self> {
         config.validate()?;
-        let device = Device::Cpu;
         let tokens = config.data.load(config.model.vocab_size)?;
         let unigram_entropy = crate::data::unigram_entropy(&tokens);
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
-        let model = MoeModel::new(&config.model, config.seed, DType::F32, &device)?;
+        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?;
         let optimizer = AdamW::new(config.optimizer.clone(), model.params())?;
         let trace = match &config.routing_trace {
             Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),
@@ -312,6 +316,12 @@ impl Trainer {
     /// if that one is damaged: [`checkpoint::load_intact`], which says why). `steps`, when given,
     /// replaces the total step count; everything else comes from the checkpoint.
     pub fn resume(dir: &Path, steps: Option<u64>) -> Result<Self> {
+        Self::resume_on(dir, steps, &Device::Cpu)
+    }
+
+    /// [`Trainer::resume`] onto `device`: a checkpoint is the same f32 safetensors whichever
+    /// device wrote it or reads it.
+    pub fn resume_on(dir: &Path, steps: Option<u64>, device: &Device) -> Result<Self> {
         let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
         for why in &passed {
             tracing::warn!("checkpoint passed over: {why}");
@@ -327,7 +337,7 @@ impl Trainer {
             config.steps = s;
         }
         config.checkpoint_dir = Some(dir.to_path_buf());
-        let mut trainer = Self::build(config, state.cursor)?;
+        let mut trainer = Self::build(config, state.cursor, device)?;
         let params = trainer.model.params().clone();
         if ck.manifest.params != params.names() {
             return Err(bad("parameter names differ from the model this configuration builds".into()));
@@ -338,7 +348,7 @@ impl Trainer {
                 if t.shape() != var.shape() {
                     return Err(bad(format!("{key} has shape {:?}, expected {:?}", t.shape(), var.shape())));
                 }
-                Ok(t.to_dtype(var.dtype())?)
+                Ok(t.to_dtype(var.dtype())?.to_device(var.device())?)
             };
             var.set(&get(&ck.weights, name)?)?;
             trainer.optimizer.set_state(

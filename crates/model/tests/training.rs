@@ -190,3 +190,28 @@ fn default_model_learns_well_below_unigram_entropy() {
     assert!(losses[0] > entropy, "an untrained model should be worse than unigram");
     assert!(last < entropy - 1.0, "loss {last:.3} not well below unigram entropy {entropy:.3}");
 }
+
+/// The same run on a GPU and on the CPU: the same losses (f32, different summation orders:
+/// within 1e-3 relative over 10 steps), and a checkpoint written on the GPU resumes on the CPU
+/// to the same next step. Skipped, with the reason, where no GPU can be opened.
+#[test]
+fn a_run_on_a_gpu_follows_the_cpu_run_and_its_checkpoint_resumes_anywhere() {
+    let gpu = match lazarus_model::device::parse("cuda:0") {
+        Ok(d) => d,
+        Err(e) => return eprintln!("skipped (no GPU): {e}"),
+    };
+    let config = TrainConfig { steps: 12, ..small() };
+    let mut cpu_run = Trainer::new(config.clone()).unwrap();
+    let mut gpu_run = Trainer::new_on(config, &gpu).unwrap();
+    for _ in 0..10 {
+        let (a, b) = (cpu_run.step().unwrap(), gpu_run.step().unwrap());
+        assert!((a.loss - b.loss).abs() <= 1e-3 * a.loss, "step {}: cpu {} gpu {}", a.step, a.loss, b.loss);
+        assert_eq!(a.expert_load.len(), b.expert_load.len());
+    }
+    let dir = temp_dir("gpu-resume");
+    gpu_run.save_checkpoint(&dir).unwrap();
+    let mut resumed = Trainer::resume(&dir, None).unwrap();
+    let (a, b) = (gpu_run.step().unwrap(), resumed.step().unwrap());
+    assert!((a.loss - b.loss).abs() <= 1e-4 * a.loss, "gpu {} vs resumed on cpu {}", a.loss, b.loss);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -79,6 +79,10 @@ pub struct TrainArgs {
     /// Continue from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// Where the model trains: cpu (default), or cuda / cuda:N (the N-th NVIDIA GPU; a build
+    /// with the `cuda` feature). Single-process runs and `bench train` only, so far.
+    #[arg(long, value_name = "cpu|cuda[:N]")]
+    pub device: Option<String>,
     /// Start a new run in a --checkpoint-dir that holds another run's checkpoints (they are
     /// replaced as the new run saves its own).
     #[arg(long)]
@@ -216,6 +220,12 @@ impl TrainArgs {
 
     /// No flag is silently ignored: refuse the combinations that would ignore one.
     pub fn check_combinations(&self) -> Result<()> {
+        if self.uses_workers() && self.device.as_deref().is_some_and(|d| d != "cpu") {
+            bail!(
+                "--device {} with --workers: the workers train on the CPU so far (a GPU trains single-process runs)",
+                self.device.as_deref().unwrap_or_default()
+            );
+        }
         if !self.uses_workers() {
             if let Some(f) = self.worker_flags().first() {
                 bail!("{f} needs --workers N (it configures multi-worker training)");

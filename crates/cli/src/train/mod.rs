@@ -20,17 +20,18 @@ pub use args::{setup_run, TrainArgs};
 use report::{print_banner, Reporter};
 
 pub fn run_train(args: &TrainArgs) -> Result<()> {
+    let device = lazarus_model::device::parse(args.device.as_deref().unwrap_or("cpu"))?;
     let mut trainer = if args.resume {
         let config = setup_run(args, 1)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
         };
-        let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
+        let t = Trainer::resume_on(&dir, resume_steps(args)?, &device).with_context(|| format!("resuming from {}", dir.display()))?;
         check_resumed_config(args, &t.config)?;
         tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {
-        Trainer::new(setup_run(args, 1)?)?
+        Trainer::new_on(setup_run(args, 1)?, &device)?
     };
     let cfg = trainer.config.clone();
     if trainer.done() {

@@ -228,6 +228,9 @@ impl CustomOp1 for CausalAttention {
 /// Causal self-attention over the packed projection qkv [B, T, 3d] (Q, K, V side by side, each
 /// split into `heads` heads of d/heads) → [B, T, d], differentiable.
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    if !qkv.device().is_cpu() {
+        return super::composite::causal_attention(qkv, heads);
+    }
     qkv.contiguous()?.apply_op1(CausalAttention { heads })
 }
 
@@ -235,7 +238,6 @@ pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tenso
 mod tests {
     use super::super::testing;
     use super::*;
-    use candle_core::Device;
 
     /// One block (t = 7) and several, the last one partial (t = 70 with blocks of 32).
     #[test]
@@ -247,20 +249,12 @@ mod tests {
 
     fn matches_composite(t: usize) {
         let (b, d, heads) = (2, 12, 3);
-        let dh = d / heads;
         let mut var = testing::vars(21, 1.0);
         let qkv = var(&[b, t, 3 * d]);
         let probe = var(&[b, t, d]);
         let ours = causal_attention(qkv.as_tensor(), heads).unwrap();
         // The composite reference: split heads, scores, additive mask, softmax, weighted sum.
-        let x = qkv.as_tensor().reshape((b, t, 3, heads, dh)).unwrap().permute((2, 0, 3, 1, 4)).unwrap().contiguous().unwrap();
-        let (q, k, v) = (x.get(0).unwrap(), x.get(1).unwrap(), x.get(2).unwrap());
-        let mask: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
-        let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap() / (dh as f64).sqrt()).unwrap();
-        let e = scores.broadcast_add(&mask).unwrap().exp().unwrap();
-        let att = e.broadcast_div(&e.sum_keepdim(candle_core::D::Minus1).unwrap()).unwrap();
-        let theirs = att.matmul(&v).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((b, t, d)).unwrap();
+        let theirs = super::super::composite::causal_attention(qkv.as_tensor(), heads).unwrap();
         let diff = testing::max_diff;
         assert!(diff(&ours, &theirs) < 1e-12, "forward differs by {}", diff(&ours, &theirs));
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();

@@ -146,6 +146,9 @@ impl CustomOp1 for GeluGrad {
 
 /// GELU (tanh approximation), differentiable.
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    if !x.device().is_cpu() {
+        return super::composite::gelu(x);
+    }
     x.contiguous()?.apply_op1(Gelu)
 }
 

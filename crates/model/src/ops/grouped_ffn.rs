@@ -218,6 +218,9 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
     if experts.len() != counts.len() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
+    if !x.device().is_cpu() {
+        return super::composite::grouped_expert_ffn(x, experts, counts);
+    }
     let (d, f) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
     // One cat per stack (W1, b1, W1, b1, … rows, then a free reshape): a single copy of the
     // weights forward, and a single narrow per tensor backward.
@@ -408,6 +411,10 @@ pub fn grouped_expert_ffn_to_sink(
 ) -> candle_core::Result<Tensor> {
     if experts.len() != counts.len() || experts.is_empty() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
+    }
+    if !x.device().is_cpu() {
+        // Off the CPU, candle's autograd carries every gradient; the sink stays empty.
+        return super::composite::grouped_expert_ffn(x, experts, counts);
     }
     let mut weights = Vec::with_capacity(experts.len());
     for [w1, b1, w2, b2] in experts {

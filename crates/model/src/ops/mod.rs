@@ -27,6 +27,7 @@
 //!   expert outputs, weighted, back onto their tokens.
 
 mod attention;
+mod composite;
 mod cross_entropy;
 mod expert_ffn;
 mod gelu;
@@ -36,6 +37,10 @@ mod host;
 mod layer_norm;
 mod linear;
 mod moe_rows;
+#[cfg(test)]
+mod on_device;
+#[cfg(test)]
+pub(crate) use on_device::gpu as on_device_gpu;
 mod parallel;
 mod simd;
 mod softmax;

@@ -189,6 +189,9 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("gather rows: token {t} of {n}")
     }
+    if !src.device().is_cpu() {
+        return super::composite::gather_rows(src, &Tensor::from_slice(tokens, tokens.len(), src.device())?);
+    }
     src.contiguous()?.apply_op1(GatherRows { tokens: tokens.to_vec(), n })
 }
 
@@ -197,6 +200,9 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
 pub fn combine_rows(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize) -> candle_core::Result<Tensor> {
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("combine rows: token {t} of {n}")
+    }
+    if !y.device().is_cpu() {
+        return super::composite::combine_rows(y, w, &Tensor::from_slice(tokens, tokens.len(), y.device())?, n);
     }
     y.contiguous()?.apply_op2(&w.contiguous()?, CombineRows { tokens: tokens.to_vec(), n })
 }
@@ -217,13 +223,8 @@ mod tests {
         let idx = Tensor::from_vec(tokens.clone(), r, &candle_core::Device::Cpu).unwrap();
 
         let ours = combine_rows(&(gather_rows(h.as_tensor(), &tokens).unwrap() * 1.5).unwrap(), w.as_tensor(), &tokens, n).unwrap();
-        let y = (h.as_tensor().index_select(&idx, 0).unwrap() * 1.5).unwrap();
-        let theirs = h
-            .as_tensor()
-            .zeros_like()
-            .unwrap()
-            .index_add(&idx, &y.broadcast_mul(&w.as_tensor().unsqueeze(1).unwrap()).unwrap(), 0)
-            .unwrap();
+        let y = (super::super::composite::gather_rows(h.as_tensor(), &idx).unwrap() * 1.5).unwrap();
+        let theirs = super::super::composite::combine_rows(&y, w.as_tensor(), &idx, n).unwrap();
         assert!(testing::max_diff(&ours, &theirs) < 1e-12);
         let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();

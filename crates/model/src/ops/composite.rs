@@ -1,0 +1,91 @@
+//! Each fused kernel's *composite form*: the same function built from candle's own ops and
+//! differentiated by candle's autograd.
+//!
+//! Two uses, one home. It is the oracle the fused CPU kernels are tested against (at f64, tight
+//! tolerances), and it is the path of tensors that live on a GPU: the fused kernels work on host
+//! buffers, while each of candle's ops here runs as a device kernel (candle's CUDA backend), so a
+//! CUDA model needs no copy through the host. The public functions in `ops` choose: fused on the
+//! CPU, composite elsewhere. Inputs are validated by those public functions before either path.
+//!
+//! Softmaxes subtract the row maximum first (detached: softmax does not depend on it), so f32
+//! and bf16 on a device do not overflow where the fused kernels' f64 accumulators would not.
+
+use candle_core::{Tensor, D};
+
+/// GELU, tanh form: candle's one-kernel `gelu` (its backward uses 6-digit constants, within f32).
+pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.gelu()
+}
+
+/// Softmax over the last dimension, max-shifted.
+pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// LayerNorm: mean, centre, variance, divide by √(var + eps), scale, shift.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(w)?.broadcast_add(b)
+}
+
+/// x [N, din] · W [din, dout] + b [dout].
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(w)?.broadcast_add(b)
+}
+
+/// Causal attention over qkv [B, T, 3d]: split heads, scaled scores, additive causal mask,
+/// softmax, weighted sum → [B, T, d].
+pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (b, t, d3) = qkv.dims3()?;
+    let d = d3 / 3;
+    let dh = d / heads;
+    let x = qkv.reshape((b, t, 3, heads, dh))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
+    let (q, k, v) = (x.get(0)?, x.get(1)?, x.get(2)?);
+    let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (t, t), qkv.device())?.to_dtype(qkv.dtype())?;
+    let scores = (q.matmul(&k.t()?.contiguous()?)? / (dh as f64).sqrt())?;
+    let att = softmax_last(&scores.broadcast_add(&mask)?)?;
+    att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, d))
+}
+
+/// Mean cross-entropy of logits [N, V] against targets [N] (u32, on the logits' device).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let n = logits.dim(0)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    (lse - shifted.gather(&targets.reshape((n, 1))?, 1)?)?.mean_all()
+}
+
+/// Every expert over its rows (x [R, d], `counts[e]` rows for expert e, in expert order), each
+/// GELU(x·W1 + b1)·W2 + b2, concatenated back in row order.
+pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]) -> candle_core::Result<Tensor> {
+    let mut parts = Vec::with_capacity(experts.len());
+    let mut row = 0;
+    for (w, &n) in experts.iter().zip(counts) {
+        if n > 0 {
+            let h = linear(&x.narrow(0, row, n)?, w[0], w[1])?;
+            parts.push(linear(&gelu(&h)?, w[2], w[3])?);
+            row += n;
+        }
+    }
+    if parts.is_empty() {
+        return x.zeros_like();
+    }
+    Tensor::cat(&parts, 0)
+}
+
+/// Rows of src [N, d] in the order of `tokens` (u32 [R], on src's device).
+pub fn gather_rows(src: &Tensor, tokens: &Tensor) -> candle_core::Result<Tensor> {
+    src.index_select(tokens, 0)
+}
+
+/// out [n, d], out[t] = Σ_{r: tokens[r] = t} w[r]·y[r].
+pub fn combine_rows(y: &Tensor, w: &Tensor, tokens: &Tensor, n: usize) -> candle_core::Result<Tensor> {
+    let d = y.dim(1)?;
+    Tensor::zeros((n, d), y.dtype(), y.device())?.index_add(tokens, &y.broadcast_mul(&w.unsqueeze(1)?)?, 0)
+}
