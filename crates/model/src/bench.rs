@@ -37,6 +37,12 @@ pub struct TrainBenchReport {
     pub peak_gflops: f64,
     /// `model_gflops / peak_gflops`: the model FLOP utilisation of the device.
     pub utilisation: f64,
+    /// On a GPU: its memory at the end (the peak is what the run needs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<crate::device::GpuMemory>,
+    /// On a GPU: bytes in use after each measured step (flat when a step leaves nothing behind).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gpu_used_after_step: Vec<u64>,
 }
 
 /// (batch count, m, k, n): `batch` independent [m×k]·[k×n] products.
@@ -172,12 +178,13 @@ pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, ite
 
     // Rounds interleave the two measurements so that a slow spell of this (shared, noisy)
     // machine hits both alike; each figure is the median over rounds.
-    let (mut step_times, mut expert_times) = (Vec::new(), Vec::new());
+    let (mut step_times, mut expert_times, mut used_after_step) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..iterations {
         // One full training step, as `lazarus train` runs it.
         let start = Instant::now();
         trainer.step()?;
         step_times.push(start.elapsed().as_secs_f64());
+        used_after_step.extend(crate::device::gpu_memory(&device).map(|m| m.used));
 
         // Expert FFNs alone, forward+backward, with the token counts measured above.
         let start = Instant::now();
@@ -209,5 +216,7 @@ pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, ite
         model_gflops,
         peak_gflops,
         utilisation: model_gflops / peak_gflops,
+        gpu_memory: crate::device::gpu_memory(&device),
+        gpu_used_after_step: used_after_step,
     })
 }

@@ -34,6 +34,45 @@ pub fn parse(spec: &str) -> Result<Device> {
     Ok(device)
 }
 
+/// GPU memory of this process's tensors, from the device's memory pool (every tensor of candle's
+/// CUDA backend is allocated from it), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GpuMemory {
+    /// In use by live tensors now.
+    pub used: u64,
+    /// The most in use at once so far: the peak a run needs.
+    pub used_peak: u64,
+    /// Held by the pool now (in use, or freed and kept for reuse).
+    pub reserved: u64,
+}
+
+/// [`GpuMemory`] of `device` (None on the CPU, or where the driver does not say).
+pub fn gpu_memory(device: &Device) -> Option<GpuMemory> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let stream = d.cuda_stream();
+        let ctx = stream.context();
+        ctx.bind_to_thread().ok()?;
+        let attr = |a: sys::CUmemPool_attribute| -> Option<u64> {
+            let mut value = 0u64;
+            // Safety: the pool is the device's default pool; these attributes are 64-bit counts.
+            unsafe {
+                let pool = result::device::get_default_mem_pool(ctx.cu_device()).ok()?;
+                result::mem_pool::get_attribute(pool, a, &mut value as *mut u64 as *mut std::ffi::c_void).ok()?;
+            }
+            Some(value)
+        };
+        return Some(GpuMemory {
+            used: attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            used_peak: attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            reserved: attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        });
+    }
+    let _ = device;
+    None
+}
+
 /// How a device is written on the command line (the inverse of [`parse`]).
 pub fn name(device: &Device) -> String {
     match device.location() {

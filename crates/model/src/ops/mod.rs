@@ -28,6 +28,8 @@
 
 mod attention;
 mod composite;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod cross_entropy;
 mod expert_ffn;
 mod gelu;
@@ -41,6 +43,8 @@ mod moe_rows;
 mod on_device;
 #[cfg(test)]
 pub(crate) use on_device::gpu as on_device_gpu;
+#[cfg(test)]
+pub(crate) use testing::data as testing_data;
 mod parallel;
 mod simd;
 mod softmax;
