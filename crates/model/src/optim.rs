@@ -489,7 +489,9 @@ mod tests {
         let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-6 * x.abs().max(1.0));
         assert!(p_cpu.iter().zip(&p_gpu).all(|(a, b)| close(a, b)), "parameters differ");
         assert!(s_cpu.iter().zip(&s_gpu).all(|(a, b)| close(a, b)), "moments differ");
-        assert!(n_cpu.iter().zip(&n_gpu).all(|(a, b)| (a - b).abs() <= 1e-9 * a), "{n_cpu:?} vs {n_gpu:?}");
+        // The first norm is of identical gradients; later ones inherit the updates' f32 rounding.
+        assert!((n_cpu[0] - n_gpu[0]).abs() <= 1e-12 * n_cpu[0], "{n_cpu:?} vs {n_gpu:?}");
+        assert!(n_cpu.iter().zip(&n_gpu).all(|(a, b)| (a - b).abs() <= 1e-6 * a), "{n_cpu:?} vs {n_gpu:?}");
     }
 
     #[test]

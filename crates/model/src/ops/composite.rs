@@ -12,7 +12,8 @@
 
 use candle_core::{Tensor, D};
 
-/// GELU, tanh form: candle's one-kernel `gelu` (its backward uses 6-digit constants, within f32).
+/// GELU, tanh form: candle's one-kernel `gelu` (its backward is a chain of a dozen ops with
+/// 6-digit constants, within f32), for devices without a fused GELU of ours.
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
     x.gelu()
 }
@@ -69,7 +70,8 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
     for (w, &n) in experts.iter().zip(counts) {
         if n > 0 {
             let h = linear(&x.narrow(0, row, n)?, w[0], w[1])?;
-            parts.push(linear(&gelu(&h)?, w[2], w[3])?);
+            // The fused GELU (one kernel each way on the CPU and on CUDA), not candle's chain.
+            parts.push(linear(&super::gelu(&h)?, w[2], w[3])?);
             row += n;
         }
     }

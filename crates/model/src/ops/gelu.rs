@@ -128,6 +128,11 @@ impl CustomOp1 for Gelu {
         apply(storage, layout, gelu_slice_f32, gelu_slice_f64)
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::map_elementwise(storage, layout, "lazarus_gelu")
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let d = arg.contiguous()?.apply_op1_no_bwd(&GeluGrad)?;
         Ok(Some(grad.mul(&d)?))
@@ -142,11 +147,18 @@ impl CustomOp1 for GeluGrad {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         apply(storage, layout, gelu_grad_values_f32, gelu_grad_values_f64)
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::map_elementwise(storage, layout, "lazarus_gelu_grad")
+    }
 }
 
 /// GELU (tanh approximation), differentiable.
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
+    // One kernel forward and one (plus a multiply) backward on the CPU and on CUDA (ours, see
+    // ops/cuda); candle's composite elsewhere.
+    if !(x.device().is_cpu() || x.device().is_cuda()) {
         return super::composite::gelu(x);
     }
     x.contiguous()?.apply_op1(Gelu)

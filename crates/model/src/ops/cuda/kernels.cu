@@ -36,3 +36,26 @@ extern "C" __global__ void lazarus_sum_squares_f32(const float *x, unsigned long
     }
     if (threadIdx.x == 0) out[slot] = part[0];
 }
+
+// GELU, tanh form, and its derivative, elementwise: the same formulas as the CPU kernels
+// (gelu.rs): gelu(x) = x·s, s = 1 / (1 + exp(-2c(x + a·x³))); gelu'(x) = s + 2x·s(1 − s)·c(1 + 3a·x²).
+#define GELU_C 0.7978845608028654
+#define GELU_A 0.044715
+#define GELU_KERNELS(T, EXP)                                                                              \
+    extern "C" __global__ void lazarus_gelu_##T(const T *x, T *y, unsigned long long n) {                \
+        for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;      \
+             i += (unsigned long long)blockDim.x * gridDim.x) {                                            \
+            T v = x[i];                                                                                    \
+            y[i] = v / ((T)1 + EXP((T)(-2.0 * GELU_C) * (v + (T)GELU_A * v * v * v)));                     \
+        }                                                                                                  \
+    }                                                                                                      \
+    extern "C" __global__ void lazarus_gelu_grad_##T(const T *x, T *y, unsigned long long n) {           \
+        for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;      \
+             i += (unsigned long long)blockDim.x * gridDim.x) {                                            \
+            T v = x[i];                                                                                    \
+            T s = (T)1 / ((T)1 + EXP((T)(-2.0 * GELU_C) * (v + (T)GELU_A * v * v * v)));                   \
+            y[i] = s + v * (T)2 * s * ((T)1 - s) * (T)GELU_C * ((T)1 + (T)(3.0 * GELU_A) * v * v);         \
+        }                                                                                                  \
+    }
+GELU_KERNELS(float, expf)
+GELU_KERNELS(double, exp)

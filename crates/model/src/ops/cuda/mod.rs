@@ -93,3 +93,44 @@ pub fn sum_squares(tensors: &[&Tensor]) -> candle_core::Result<Vec<f64>> {
         dev.clone_dtoh(&out)
     })
 }
+
+/// An elementwise kernel `{kernel}_float` / `{kernel}_double` (x → y, n elements) over a
+/// contiguous f32 or f64 storage: the `cuda_fwd` of the fused elementwise ops.
+pub fn map_elementwise(
+    storage: &candle_core::CudaStorage,
+    layout: &candle_core::Layout,
+    kernel: &str,
+) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+    fn run<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+        storage: &candle_core::CudaStorage,
+        a: usize,
+        b: usize,
+        name: &str,
+    ) -> candle_core::Result<candle_core::CudaStorage> {
+        let dev = storage.device().clone();
+        let x = storage.as_cuda_slice::<T>()?.slice(a..b);
+        let n = (b - a) as u64;
+        // Safety: every element is written by the kernel before it is read.
+        let y = unsafe { dev.alloc::<T>(b - a) }?;
+        if n > 0 {
+            let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let mut args = func.builder();
+            args.arg(&x);
+            args.arg(&y);
+            args.arg(&n);
+            let blocks = n.div_ceil(256).min(8192) as u32;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // Safety: (x, y, n) is the kernel's signature; it stays within n.
+            unsafe { args.launch(cfg) }.w()?;
+        }
+        Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev))
+    }
+    let Some((a, b)) = layout.contiguous_offsets() else { candle_core::bail!("{kernel}: input must be contiguous") };
+    let out = match storage.dtype() {
+        DType::F32 => run::<f32>(storage, a, b, &format!("{kernel}_float"))?,
+        DType::F64 => run::<f64>(storage, a, b, &format!("{kernel}_double"))?,
+        other => candle_core::bail!("{kernel}: only f32 and f64 are supported, not {other:?}"),
+    };
+    Ok((out, layout.shape().clone()))
+}
