@@ -22,4 +22,4 @@ pub use error::{ModelError, Result};
 pub use model::{ForwardOutput, MoeModel, MoeStats};
 pub use optim::{AdamW, AdamWConfig, LrSchedule};
 pub use params::ParamStore;
-pub use trainer::{RoutingTrace, StepReport, TrainConfig, Trainer};
+pub use trainer::{Precision, RoutingTrace, StepReport, TrainConfig, Trainer};

@@ -26,9 +26,11 @@ impl Linear {
         Ok(Linear { w, b })
     }
 
-    /// x: [N, din] → [N, dout] (fused kernel, see [`crate::ops::linear`]).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(crate::ops::linear(x, self.w.as_tensor(), self.b.as_tensor())?)
+    /// x: [N, din] → [N, dout] (fused kernel, see [`crate::ops::linear`]), the product in
+    /// `compute` and the result in x's dtype.
+    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+        let c = |t: &Tensor| t.to_dtype(compute);
+        Ok(crate::ops::linear(&c(x)?, &c(self.w.as_tensor())?, &c(self.b.as_tensor())?)?.to_dtype(x.dtype())?)
     }
 }
 
@@ -65,9 +67,12 @@ impl Ffn {
         })
     }
 
-    /// x: [n, d_model] → [n, d_model] (one fused autograd node, see [`crate::ops::expert_ffn`]).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(crate::ops::expert_ffn(x, self.fc1.w.as_tensor(), self.fc1.b.as_tensor(), self.fc2.w.as_tensor(), self.fc2.b.as_tensor())?)
+    /// x: [n, d_model] → [n, d_model] (one fused autograd node, see [`crate::ops::expert_ffn`]),
+    /// computed in `compute`, the result in x's dtype.
+    pub fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
+        let c = |t: &Tensor| t.to_dtype(compute);
+        let [w1, b1, w2, b2] = [&self.fc1.w, &self.fc1.b, &self.fc2.w, &self.fc2.b].map(|v| c(v.as_tensor()));
+        Ok(crate::ops::expert_ffn(&c(x)?, &w1?, &b1?, &w2?, &b2?)?.to_dtype(x.dtype())?)
     }
 }
 
@@ -78,12 +83,13 @@ struct Attention {
 }
 
 impl Attention {
-    /// x: [B, T, d] → [B, T, d], causal (fused kernel, see [`crate::ops::causal_attention`]).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// x: [B, T, d] → [B, T, d], causal (fused kernel, see [`crate::ops::causal_attention`]);
+    /// the products in `compute` (the softmax in f32 at least), the result in x's dtype.
+    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let qkv = self.qkv.forward(&x.reshape((b * t, d))?)?.reshape((b, t, 3 * d))?;
+        let qkv = self.qkv.forward(&x.reshape((b * t, d))?.to_dtype(compute)?, compute)?.reshape((b, t, 3 * d))?;
         let y = crate::ops::causal_attention(&qkv, self.heads)?.reshape((b * t, d))?;
-        Ok(self.out.forward(&y)?.reshape((b, t, d))?)
+        Ok(self.out.forward(&y, compute)?.to_dtype(x.dtype())?.reshape((b, t, d))?)
     }
 }
 
@@ -111,11 +117,19 @@ impl MoeLayer {
     /// assignments matching the given per-expert loads (trace-driven routing).
     ///
     /// The expert weights' gradients go to `expert_grads` (see [`ForwardOutput::backward`]).
-    fn forward(&self, h: &Tensor, forced: Option<&[f64]>, expert_grads: &WeightGradSink) -> Result<(Tensor, Tensor, MoeStats)> {
+    fn forward(
+        &self,
+        h: &Tensor,
+        forced: Option<&[f64]>,
+        expert_grads: &WeightGradSink,
+        compute: DType,
+    ) -> Result<(Tensor, Tensor, MoeStats)> {
         let (n, _d) = h.dims2()?;
         let e_count = self.experts.len();
         let k = self.top_k;
-        let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
+        // The router's product in `compute`, its softmax in h's dtype (the residual stream's).
+        let logits = h.to_dtype(compute)?.matmul(&self.gate.as_tensor().to_dtype(compute)?)?.to_dtype(h.dtype())?;
+        let probs = softmax_last(&logits)?;
         let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
         let choices: Vec<usize> = match forced {
             Some(loads) => assign_from_loads(loads, n, k)?,
@@ -154,9 +168,18 @@ impl MoeLayer {
         } else {
             let count = all_tokens.len();
             let s_idx = Tensor::from_vec(all_slots, count, h.device())?;
-            let weights: Vec<[&Tensor; 4]> =
-                self.experts.iter().map(|x| [x.fc1.w.as_tensor(), x.fc1.b.as_tensor(), x.fc2.w.as_tensor(), x.fc2.b.as_tensor()]).collect();
-            let y = crate::ops::grouped_expert_ffn_to_sink(&crate::ops::gather_rows(h, &all_tokens)?, &weights, &counts, expert_grads)?;
+            let cast: Vec<[Tensor; 4]> = self
+                .experts
+                .iter()
+                .map(|x| [&x.fc1.w, &x.fc1.b, &x.fc2.w, &x.fc2.b].map(|v| v.as_tensor().to_dtype(compute)))
+                .map(|ws| -> candle_core::Result<[Tensor; 4]> {
+                    let [a, b, c, d] = ws;
+                    Ok([a?, b?, c?, d?])
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let weights: Vec<[&Tensor; 4]> = cast.iter().map(|w| w.each_ref()).collect();
+            let rows = crate::ops::gather_rows(h, &all_tokens)?.to_dtype(compute)?;
+            let y = crate::ops::grouped_expert_ffn_to_sink(&rows, &weights, &counts, expert_grads)?.to_dtype(h.dtype())?;
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
         };
         // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
@@ -219,6 +242,9 @@ pub struct MoeModel {
     moe_blocks: Vec<usize>,
     device: Device,
     dtype: DType,
+    /// The dtype of the matrix products (bf16 for mixed precision): parameters, norms, softmaxes,
+    /// the residual stream and the loss stay in `dtype` (f32), as PyTorch's autocast keeps them.
+    compute: DType,
 }
 
 impl MoeModel {
@@ -254,7 +280,7 @@ impl MoeModel {
         }
         let ln_f = Norm::new(&mut ps, &init, "ln_f", cfg.d_model)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
-        Ok(MoeModel { config: cfg, params: ps, tok_emb, pos_emb, blocks, ln_f, head, moe_blocks, device: device.clone(), dtype })
+        Ok(MoeModel { config: cfg, params: ps, tok_emb, pos_emb, blocks, ln_f, head, moe_blocks, device: device.clone(), dtype, compute: dtype })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -271,6 +297,18 @@ impl MoeModel {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Compute the matrix products in `compute` (e.g. bf16: mixed precision, the parameters and
+    /// their gradients staying in [`MoeModel::dtype`]).
+    pub fn with_compute_dtype(mut self, compute: DType) -> Self {
+        self.compute = compute;
+        self
+    }
+
+    /// The dtype of the matrix products.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
     }
 
     /// Names of the tensors of expert `expert` in MoE layer `layer` (0-based over MoE layers).
@@ -299,7 +337,7 @@ impl MoeModel {
     pub fn block_attention(&self, block: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let blk = self.block(block)?;
-        let x = (x + blk.attn.forward(&blk.ln1.forward(x)?)?)?;
+        let x = (x + blk.attn.forward(&blk.ln1.forward(x)?, self.compute)?)?;
         let h = blk.ln2.forward(&x)?.reshape((b * t, d))?;
         Ok((x, h))
     }
@@ -307,7 +345,7 @@ impl MoeModel {
     /// The dense feed-forward of a non-MoE block on h [N, d] (None for an MoE block).
     pub fn block_dense_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
         match &self.block(block)?.ff {
-            FeedForward::Dense(f) => Ok(Some(f.forward(h)?)),
+            FeedForward::Dense(f) => Ok(Some(f.forward(h, self.compute)?)),
             FeedForward::Moe(_) => Ok(None),
         }
     }
@@ -395,7 +433,8 @@ impl MoeModel {
     /// Final norm and head: x [B, T, d] → logits [B·T, V].
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        Ok(self.ln_f.forward(x)?.reshape((b * t, d))?.matmul(self.head.as_tensor())?)
+        let c = self.compute;
+        Ok(self.ln_f.forward(x)?.reshape((b * t, d))?.to_dtype(c)?.matmul(&self.head.as_tensor().to_dtype(c)?)?.to_dtype(x.dtype())?)
     }
 
     fn block(&self, block: usize) -> Result<&Block> {
@@ -415,10 +454,10 @@ impl MoeModel {
         for (i, block) in self.blocks.iter().enumerate() {
             let (x_mid, h) = self.block_attention(i, &x)?;
             let y = match &block.ff {
-                FeedForward::Dense(f) => f.forward(&h)?,
+                FeedForward::Dense(f) => f.forward(&h, self.compute)?,
                 FeedForward::Moe(m) => {
                     let forced = forced_loads.and_then(|f| f.get(moe.len())).map(Vec::as_slice);
-                    let (y, aux, stats) = m.forward(&h, forced, &expert_grads)?;
+                    let (y, aux, stats) = m.forward(&h, forced, &expert_grads, self.compute)?;
                     aux_total = Some(match aux_total {
                         Some(a) => (a + aux)?,
                         None => aux,
@@ -536,6 +575,45 @@ mod tests {
             }
         }
         assert!(checked > 50, "{checked}");
+    }
+
+    /// Half-precision matrix products (mixed precision): the loss close to the f32 model's, every
+    /// gradient in f32, finite and close to the f32 gradient (relative to the tensor's largest).
+    /// On the CPU in f16 (candle's CPU matmul has no bf16), in bf16 on a GPU.
+    #[test]
+    fn mixed_precision_keeps_f32_gradients_and_the_loss() {
+        mixed_precision(&Device::Cpu, DType::F16);
+        if let Some(gpu) = crate::ops::on_device_gpu() {
+            mixed_precision(&gpu, DType::BF16);
+        }
+    }
+
+    fn mixed_precision(device: &Device, half: DType) {
+        let cfg = ModelConfig { d_model: 32, d_ff: 48, n_heads: 4, ..tiny() };
+        let (x, y) = batch(&cfg, 3, 6, 2);
+        let (x, y) = (x.to_device(device).unwrap(), y.to_device(device).unwrap());
+        let f32_model = MoeModel::new(&cfg, 7, DType::F32, device).unwrap();
+        let mixed = MoeModel::new(&cfg, 7, DType::F32, device).unwrap().with_compute_dtype(half);
+        assert_eq!(mixed.compute_dtype(), half);
+        let (a, b) = (f32_model.forward(&x, &y, None).unwrap(), mixed.forward(&x, &y, None).unwrap());
+        assert_eq!(b.loss.dtype(), DType::F32);
+        let (la, lb) = (a.loss.to_scalar::<f32>().unwrap(), b.loss.to_scalar::<f32>().unwrap());
+        // bf16 keeps 8 bits of mantissa, f16 11.
+        let (loss_tol, grad_tol) = if half == DType::BF16 { (0.02, 0.1) } else { (0.01, 0.05) };
+        assert!((la - lb).abs() <= loss_tol * la, "f32 {la} vs {half:?} {lb}");
+        let (ga, gb) = (a.backward().unwrap(), b.backward().unwrap());
+        for ((name, va), vb) in f32_model.params().iter().zip(mixed.params().vars()) {
+            let (Some(g1), Some(g2)) = (ga.get(va.as_tensor()), gb.get(vb.as_tensor())) else {
+                assert!(name.contains("experts"), "{name} has no gradient");
+                continue;
+            };
+            assert_eq!(g2.dtype(), DType::F32, "{name}");
+            let host = |g: &Tensor| g.flatten_all().unwrap().to_device(&Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
+            let (g1, g2) = (host(g1), host(g2));
+            let scale = g1.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = g1.iter().zip(&g2).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(g2.iter().all(|v| v.is_finite()) && worst <= grad_tol * scale, "{name}: {worst} of {scale}");
+        }
     }
 
     #[test]

@@ -13,6 +13,44 @@ use crate::error::{ModelError, Result};
 use crate::model::MoeModel;
 use crate::optim::{clip_scale, grad_norm, AdamW, AdamWConfig, LrSchedule, TensorState};
 
+/// The precision a run trains in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// Mixed precision: matrix products in bf16; parameters, gradients, AdamW state, norms,
+    /// softmaxes, the residual stream and the loss in f32 (what PyTorch's autocast does).
+    Bf16,
+}
+
+impl Precision {
+    /// The dtype of the matrix products.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    /// `f32` or `bf16`, as the `--dtype` flag writes it.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(ModelError::config("dtype", other, "expected f32 or bf16")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
 /// Everything a training run is configured by (also the TOML `--config` file's shape).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -40,6 +78,8 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints kept in the directory: the newest this many (0 = every one).
     pub keep_checkpoints: usize,
+    /// f32, or bf16 mixed precision (checkpoints are f32 either way).
+    pub dtype: Precision,
 }
 
 impl Default for TrainConfig {
@@ -60,6 +100,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             checkpoint_every: 0,
             keep_checkpoints: 3,
+            dtype: Precision::F32,
         }
     }
 }
@@ -215,10 +256,13 @@ impl Trainer {
 
     fn build(config: TrainConfig, cursor: Cursor, device: &Device) -> Result<Self> {
         config.validate()?;
+        if config.dtype == Precision::Bf16 && device.is_cpu() {
+            return Err(ModelError::config("dtype", "bf16", "needs a GPU (--device cuda): candle's CPU matrix product has no bf16"));
+        }
         let tokens = config.data.load(config.model.vocab_size)?;
         let unigram_entropy = crate::data::unigram_entropy(&tokens);
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
-        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?;
+        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype());
         let optimizer = AdamW::new(config.optimizer.clone(), model.params())?;
         let trace = match &config.routing_trace {
             Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),

@@ -215,3 +215,28 @@ fn a_run_on_a_gpu_follows_the_cpu_run_and_its_checkpoint_resumes_anywhere() {
     assert!((a.loss - b.loss).abs() <= 1e-4 * a.loss, "gpu {} vs resumed on cpu {}", a.loss, b.loss);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// bf16 mixed precision: refused on the CPU with the reason; on a GPU, 10 steps follow the f32
+/// run within 2%, the checkpoint holds f32 tensors and resumes the bf16 run.
+#[test]
+fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
+    let bf16 = TrainConfig { steps: 12, dtype: lazarus_model::Precision::Bf16, ..small() };
+    let err = Trainer::new(bf16.clone()).err().expect("bf16 on the CPU").to_string();
+    assert!(err.contains("dtype") && err.contains("GPU"), "{err}");
+    let gpu = match lazarus_model::device::parse("cuda:0") {
+        Ok(d) => d,
+        Err(e) => return eprintln!("skipped (no GPU): {e}"),
+    };
+    let mut full = Trainer::new_on(TrainConfig { steps: 12, ..small() }, &gpu).unwrap();
+    let mut mixed = Trainer::new_on(bf16, &gpu).unwrap();
+    for _ in 0..10 {
+        let (a, b) = (full.step().unwrap(), mixed.step().unwrap());
+        assert!((a.loss - b.loss).abs() <= 0.02 * a.loss, "step {}: f32 {} bf16 {}", a.step, a.loss, b.loss);
+    }
+    let dir = temp_dir("bf16");
+    mixed.save_checkpoint(&dir).unwrap();
+    let resumed = Trainer::resume_on(&dir, None, &gpu).unwrap();
+    assert_eq!(resumed.config.dtype, lazarus_model::Precision::Bf16);
+    assert_eq!(resumed.model.params().vars()[0].dtype(), candle_core::DType::F32);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// with the `cuda` feature). Single-process runs and `bench train` only, so far.
     #[arg(long, value_name = "cpu|cuda[:N]")]
     pub device: Option<String>,
+    /// Precision: f32 (default), or bf16 mixed precision (matrix products in bf16; parameters,
+    /// AdamW state, norms, softmaxes and the loss in f32). Single-process runs only, so far.
+    #[arg(long, value_name = "f32|bf16")]
+    dtype: Option<String>,
     /// Start a new run in a --checkpoint-dir that holds another run's checkpoints (they are
     /// replaced as the new run saves its own).
     #[arg(long)]
@@ -220,6 +224,9 @@ impl TrainArgs {
 
     /// No flag is silently ignored: refuse the combinations that would ignore one.
     pub fn check_combinations(&self) -> Result<()> {
+        if self.uses_workers() && self.dtype.as_deref().is_some_and(|d| d != "f32") {
+            bail!("--dtype {} with --workers: the workers compute in f32 so far (bf16 trains single-process runs)", self.dtype.as_deref().unwrap_or_default());
+        }
         if self.uses_workers() && self.device.as_deref().is_some_and(|d| d != "cpu") {
             bail!(
                 "--device {} with --workers: the workers train on the CPU so far (a GPU trains single-process runs)",
@@ -430,6 +437,9 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     }
     if let Some(p) = &args.routing_trace {
         c.routing_trace = Some(p.clone());
+    }
+    if let Some(d) = &args.dtype {
+        c.dtype = lazarus_model::Precision::parse(d)?;
     }
     if let Some(p) = &args.checkpoint_dir {
         c.checkpoint_dir = Some(p.clone());

@@ -36,7 +36,12 @@ pub fn print_banner(trainer: &Trainer, how: &str) {
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
     tracing::info!(
-        "lazarus train ({how}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        lazarus_model::device::name(trainer.model.device()),
+        match cfg.dtype {
+            lazarus_model::Precision::F32 => "f32",
+            lazarus_model::Precision::Bf16 => "bf16 mixed precision",
+        },
         params as f64 / 1e6,
         expert_params as f64 / 1e6,
         cfg.model.n_experts,

@@ -228,7 +228,7 @@ impl CustomOp1 for CausalAttention {
 /// Causal self-attention over the packed projection qkv [B, T, 3d] (Q, K, V side by side, each
 /// split into `heads` heads of d/heads) → [B, T, d], differentiable.
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
-    if !qkv.device().is_cpu() {
+    if !super::fused_here(qkv) {
         return super::composite::causal_attention(qkv, heads);
     }
     qkv.contiguous()?.apply_op1(CausalAttention { heads })

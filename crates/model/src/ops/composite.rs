@@ -10,7 +10,7 @@
 //! Softmaxes subtract the row maximum first (detached: softmax does not depend on it), so f32
 //! and bf16 on a device do not overflow where the fused kernels' f64 accumulators would not.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 /// GELU, tanh form: candle's one-kernel `gelu` (its backward is a chain of a dozen ops with
 /// 6-digit constants, within f32), for devices without a fused GELU of ours.
@@ -47,9 +47,12 @@ pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tenso
     let x = qkv.reshape((b, t, 3, heads, dh))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
     let (q, k, v) = (x.get(0)?, x.get(1)?, x.get(2)?);
     let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(mask, (t, t), qkv.device())?.to_dtype(qkv.dtype())?;
+    let mask = Tensor::from_vec(mask, (t, t), qkv.device())?;
     let scores = (q.matmul(&k.t()?.contiguous()?)? / (dh as f64).sqrt())?;
-    let att = softmax_last(&scores.broadcast_add(&mask)?)?;
+    // The softmax in f32 at least (bf16 scores would lose the small probabilities).
+    let wide = if qkv.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let mask = mask.to_dtype(wide)?;
+    let att = softmax_last(&scores.to_dtype(wide)?.broadcast_add(&mask)?)?.to_dtype(qkv.dtype())?;
     att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, d))
 }
 

@@ -95,7 +95,7 @@ impl candle_core::CustomOp1 for CrossEntropy {
 /// Mean cross-entropy of `logits` [N, V] against `targets` (N class ids, each < V): a scalar,
 /// differentiable in the logits.
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> candle_core::Result<Tensor> {
-    if !logits.device().is_cpu() {
+    if !super::fused_here(logits) {
         // The fused kernel checks these in its forward; candle's gather on a device would not.
         let (n, v) = logits.dims2()?;
         if n != targets.len() {

@@ -158,7 +158,8 @@ impl CustomOp1 for GeluGrad {
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
     // One kernel forward and one (plus a multiply) backward on the CPU and on CUDA (ours, see
     // ops/cuda); candle's composite elsewhere.
-    if !(x.device().is_cpu() || x.device().is_cuda()) {
+    let f32_or_f64 = matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
+    if !(f32_or_f64 && (x.device().is_cpu() || x.device().is_cuda())) {
         return super::composite::gelu(x);
     }
     x.contiguous()?.apply_op1(Gelu)

@@ -218,7 +218,7 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
     if experts.len() != counts.len() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
-    if !x.device().is_cpu() {
+    if !super::fused_here(x) {
         return super::composite::grouped_expert_ffn(x, experts, counts);
     }
     let (d, f) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
@@ -412,7 +412,7 @@ pub fn grouped_expert_ffn_to_sink(
     if experts.len() != counts.len() || experts.is_empty() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
-    if !x.device().is_cpu() {
+    if !super::fused_here(x) {
         // Off the CPU, candle's autograd carries every gradient; the sink stays empty.
         return super::composite::grouped_expert_ffn(x, experts, counts);
     }

@@ -140,7 +140,7 @@ impl candle_core::CustomOp3 for LayerNorm {
 
 /// LayerNorm(x)·w + b over the last dimension, differentiable in x, w and b.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !super::fused_here(x) {
         return super::composite::layer_norm(x, w, b, eps);
     }
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps })

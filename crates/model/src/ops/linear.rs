@@ -99,7 +99,7 @@ impl candle_core::CustomOp3 for LinearOp {
 
 /// x [N, din] · W [din, dout] + b [dout], differentiable in all three.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !super::fused_here(x) {
         return super::composite::linear(x, w, b);
     }
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearOp)

@@ -51,6 +51,12 @@ mod softmax;
 #[cfg(test)]
 mod testing;
 
+/// Whether the fused CPU kernel takes `t`: an f32 or f64 tensor on the CPU. Anything else (a
+/// GPU, bf16) goes the composite way.
+fn fused_here(t: &candle_core::Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+}
+
 pub use attention::causal_attention;
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;

@@ -189,7 +189,7 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("gather rows: token {t} of {n}")
     }
-    if !src.device().is_cpu() {
+    if !super::fused_here(src) {
         return super::composite::gather_rows(src, &Tensor::from_slice(tokens, tokens.len(), src.device())?);
     }
     src.contiguous()?.apply_op1(GatherRows { tokens: tokens.to_vec(), n })
@@ -201,7 +201,7 @@ pub fn combine_rows(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize) -> candle_
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("combine rows: token {t} of {n}")
     }
-    if !y.device().is_cpu() {
+    if !super::fused_here(y) {
         return super::composite::combine_rows(y, w, &Tensor::from_slice(tokens, tokens.len(), y.device())?, n);
     }
     y.contiguous()?.apply_op2(&w.contiguous()?, CombineRows { tokens: tokens.to_vec(), n })

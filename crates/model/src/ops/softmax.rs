@@ -58,7 +58,7 @@ impl CustomOp1 for SoftmaxLast {
 
 /// Softmax over the last dimension, differentiable.
 pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !super::fused_here(x) {
         return super::composite::softmax_last(x);
     }
     x.contiguous()?.apply_op1(SoftmaxLast)

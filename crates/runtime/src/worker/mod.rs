@@ -138,6 +138,12 @@ pub fn validate_worker_config(config: &TrainConfig, world: usize) -> Result<(), 
             reason: format!("{} sequences cannot be split over {world} workers", config.batch_size),
         });
     }
+    if config.dtype != lazarus_model::Precision::F32 {
+        return Err(RuntimeError::Invalid {
+            field: "dtype",
+            reason: format!("{}: multi-worker training computes in f32 so far (bf16 trains single-process runs)", config.dtype.name()),
+        });
+    }
     if let Some(cf) = config.model.capacity_factor {
         return Err(RuntimeError::Invalid {
             field: "model.capacity_factor",
