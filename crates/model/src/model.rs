@@ -280,7 +280,19 @@ impl MoeModel {
         }
         let ln_f = Norm::new(&mut ps, &init, "ln_f", cfg.d_model)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
-        Ok(MoeModel { config: cfg, params: ps, tok_emb, pos_emb, blocks, ln_f, head, moe_blocks, device: device.clone(), dtype, compute: dtype })
+        Ok(MoeModel {
+            config: cfg,
+            params: ps,
+            tok_emb,
+            pos_emb,
+            blocks,
+            ln_f,
+            head,
+            moe_blocks,
+            device: device.clone(),
+            dtype,
+            compute: dtype,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {

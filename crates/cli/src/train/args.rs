@@ -225,7 +225,10 @@ impl TrainArgs {
     /// No flag is silently ignored: refuse the combinations that would ignore one.
     pub fn check_combinations(&self) -> Result<()> {
         if self.uses_workers() && self.dtype.as_deref().is_some_and(|d| d != "f32") {
-            bail!("--dtype {} with --workers: the workers compute in f32 so far (bf16 trains single-process runs)", self.dtype.as_deref().unwrap_or_default());
+            bail!(
+                "--dtype {} with --workers: the workers compute in f32 so far (bf16 trains single-process runs)",
+                self.dtype.as_deref().unwrap_or_default()
+            );
         }
         if self.uses_workers() && self.device.as_deref().is_some_and(|d| d != "cpu") {
             bail!(

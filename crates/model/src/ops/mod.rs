@@ -28,9 +28,9 @@
 
 mod attention;
 mod composite;
+mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-mod cross_entropy;
 mod expert_ffn;
 mod gelu;
 mod gemm;

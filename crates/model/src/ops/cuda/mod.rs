@@ -19,7 +19,10 @@ const MODULE: &str = "lazarus_kernels";
 /// Call `f` with the f32 device buffer of each contiguous f32 CUDA tensor, and its device.
 fn with_buffers<R>(
     tensors: &[&Tensor],
-    f: impl FnOnce(&candle_core::cuda_backend::CudaDevice, &[candle_core::cuda_backend::cudarc::driver::CudaView<'_, f32>]) -> candle_core::Result<R>,
+    f: impl FnOnce(
+        &candle_core::cuda_backend::CudaDevice,
+        &[candle_core::cuda_backend::cudarc::driver::CudaView<'_, f32>],
+    ) -> candle_core::Result<R>,
 ) -> candle_core::Result<R> {
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let mut views = Vec::with_capacity(tensors.len());
