@@ -50,8 +50,8 @@ struct Moments {
     v: Arc<Vec<f32>>,
     step: u64,
     shape: candle_core::Shape,
-    /// For a parameter on a GPU: its (m, v) as f32 tensors on that device, updated there by
-    /// candle's ops (no copy through the host each step); `m` and `v` above stay empty.
+    /// For a parameter on a GPU: its (m, v) as f32 tensors on that device, updated there (no
+    /// copy through the host each step); `m` and `v` above stay empty.
     device: Option<(Tensor, Tensor)>,
 }
 
@@ -202,8 +202,9 @@ impl AdamW {
         }
     }
 
-    /// The update of parameters that live on a GPU, with candle's elementwise ops on the device
-    /// (the same formula as [`adamw_pass`], in f32; the parameter is set to the result).
+    /// The update of parameters that live on a GPU: the same formula as [`adamw_pass`], in f32,
+    /// by our kernel in place on CUDA (`ops::cuda::adamw_update`), else by candle's elementwise
+    /// ops with the parameter set to the result.
     fn update_on_device(&mut self, params: &ParamStore, grads: &[Option<Tensor>], lr: f64, grad_scale: f64) -> Result<()> {
         if grads.len() != params.len() {
             return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));

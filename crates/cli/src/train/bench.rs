@@ -133,7 +133,7 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
 
 /// Why the PyTorch peer cannot train this configuration, if it cannot: it has the default
 /// model's structure (byte vocabulary, top-2, an MoE in every block, dropless routing).
-fn torch_mismatch(config: &TrainConfig, device: &str) -> Option<String> {
+fn torch_mismatch(config: &TrainConfig) -> Option<String> {
     let m = &config.model;
     let checks = [
         (m.vocab_size == 256, format!("vocab {} (the peer has 256)", m.vocab_size)),
@@ -141,7 +141,6 @@ fn torch_mismatch(config: &TrainConfig, device: &str) -> Option<String> {
         (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
         (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
         (m.aux_loss_coef == 0.01, format!("aux loss coefficient {} (the peer uses 0.01)", m.aux_loss_coef)),
-        (config.dtype == lazarus_model::Precision::F32 || device != "cpu", "bf16 on the CPU (the peer's bf16 is for GPUs)".to_string()),
     ];
     checks.into_iter().find(|(ok, _)| !ok).map(|(_, why)| format!("the PyTorch peer cannot match {why}"))
 }
@@ -150,7 +149,7 @@ fn torch_mismatch(config: &TrainConfig, device: &str) -> Option<String> {
 /// `threads` threads (this process's cores: the child inherits its CPU affinity) and read its
 /// report.
 fn run_torch(python: &str, config: &TrainConfig, device: &str, threads: usize, iters: usize) -> Result<TorchReport> {
-    if let Some(why) = torch_mismatch(config, device) {
+    if let Some(why) = torch_mismatch(config) {
         bail!(why);
     }
     let probe = Command::new(python).args(["-c", "import torch"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
@@ -198,13 +197,13 @@ mod tests {
     #[test]
     fn the_peer_is_matched_to_the_default_model_and_refuses_what_it_cannot_train() {
         let default = TrainConfig::default();
-        assert_eq!(torch_mismatch(&default, "cpu"), None);
+        assert_eq!(torch_mismatch(&default), None);
         let mut c = default.clone();
         c.model.top_k = 1;
-        assert!(torch_mismatch(&c, "cpu").unwrap().contains("top-k 1"));
+        assert!(torch_mismatch(&c).unwrap().contains("top-k 1"));
         let mut c = default;
         c.model.capacity_factor = Some(1.25);
-        assert!(torch_mismatch(&c, "cpu").unwrap().contains("capacity"));
+        assert!(torch_mismatch(&c).unwrap().contains("capacity"));
     }
 
     #[test]
