@@ -46,6 +46,13 @@ pub struct GpuMemory {
     pub reserved: u64,
 }
 
+impl std::fmt::Display for GpuMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        write!(f, "{:.2} GiB at most in use by tensors, {:.2} GiB held by the pool", gib(self.used_peak), gib(self.reserved))
+    }
+}
+
 /// [`GpuMemory`] of `device` (None on the CPU, or where the driver does not say).
 pub fn gpu_memory(device: &Device) -> Option<GpuMemory> {
     #[cfg(feature = "cuda")]

@@ -100,13 +100,7 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
         r.flops_per_step
     );
     if let Some(m) = &r.gpu_memory {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let _ = writeln!(
-            s,
-            "GPU memory       {:.2} GiB at most in use by tensors, {:.2} GiB held by the pool",
-            gib(m.used_peak),
-            gib(m.reserved)
-        );
+        let _ = writeln!(s, "GPU memory       {m}");
     }
     match (&out.pytorch, &out.pytorch_skipped, out.ratio_vs_pytorch) {
         (Some(t), _, Some(ratio)) => {

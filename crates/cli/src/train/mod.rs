@@ -58,8 +58,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         None => None,
     };
     if let Some(m) = lazarus_model::device::gpu_memory(trainer.model.device()) {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        tracing::info!("GPU memory: {:.2} GiB at most in use by tensors, {:.2} GiB held by the pool", gib(m.used_peak), gib(m.reserved));
+        tracing::info!("GPU memory: {m}");
     }
     reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
 }

@@ -95,18 +95,14 @@ impl candle_core::CustomOp1 for CrossEntropy {
 /// Mean cross-entropy of `logits` [N, V] against `targets` (N class ids, each < V): a scalar,
 /// differentiable in the logits.
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> candle_core::Result<Tensor> {
+    let op = CrossEntropy { targets: targets.to_vec() };
     if !super::fused_here(logits) {
-        // The fused kernel checks these in its forward; candle's gather on a device would not.
+        // The fused kernel checks the targets in its forward; candle's gather on a device would not.
         let (n, v) = logits.dims2()?;
-        if n != targets.len() {
-            candle_core::bail!("cross entropy: {n} rows of logits, {} targets", targets.len());
-        }
-        if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
-            candle_core::bail!("cross entropy: target {t} of {v} classes");
-        }
+        op.check(n, v)?;
         return super::composite::cross_entropy(logits, &Tensor::from_slice(targets, n, logits.device())?);
     }
-    logits.contiguous()?.apply_op1(CrossEntropy { targets: targets.to_vec() })
+    logits.contiguous()?.apply_op1(op)
 }
 
 #[cfg(test)]
