@@ -659,6 +659,12 @@ fn held_snapshots(worker: &Worker) -> Vec<crate::controller::SnapshotHeld> {
     worker
         .held_snapshots()
         .into_iter()
-        .map(|(layer, expert, step, tokens_lost)| crate::controller::SnapshotHeld { layer, expert, step, tokens_lost })
+        .map(|x| crate::controller::SnapshotHeld {
+            layer: x.layer,
+            expert: x.expert,
+            step: x.step,
+            tokens_lost: x.tokens_lost,
+            held_step_tokens: x.held_step_tokens,
+        })
         .collect()
 }

@@ -106,7 +106,12 @@ pub struct SnapshotHeld {
     pub layer: usize,
     pub expert: usize,
     pub step: u64,
+    /// Over the steps the keeper committed after `step`.
     pub tokens_lost: u64,
+    /// In the step the keeper computed but holds uncommitted (its vote failed): lost as well
+    /// when the move commits that step, which the keeper then commits without a snapshot round.
+    #[serde(default)]
+    pub held_step_tokens: u64,
 }
 
 /// An expert that lost every live replica and comes back from a snapshot in a move.
@@ -897,7 +902,7 @@ impl Controller {
                         expert: e,
                         from_step: x.step,
                         stale_steps: furthest - x.step,
-                        tokens_lost: x.tokens_lost,
+                        tokens_lost: x.tokens_lost + if reports[&holder].steps_done < furthest { x.held_step_tokens } else { 0 },
                         holder,
                     }),
                     None => covered = false,

@@ -760,28 +760,56 @@ fn an_expert_that_lost_every_replica_comes_back_from_the_freshest_snapshot_inste
     let survivors: Vec<NodeId> = (11..14).collect();
     // Two survivors keep snapshots of them: of step 5 (staler) and of step 6.
     let (old_keeper, keeper) = (survivors[0], survivors[1]);
-    let report =
-        |n: NodeId, snapshots: Vec<SnapshotHeld>| StopReport { steps_done: 7, held: None, holds: holds[&n].clone(), last: None, snapshots };
-    let decide_all = |c: &mut Controller, with: bool| {
+    // Each expert had 10 tokens a step. `behind`: these survivors computed step 7 but hold it
+    // uncommitted (their vote failed); the others committed it.
+    let report = |n: NodeId, snapshots: Vec<SnapshotHeld>, behind: bool| StopReport {
+        steps_done: if behind { 6 } else { 7 },
+        held: behind.then_some(7),
+        holds: holds[&n].clone(),
+        last: None,
+        snapshots,
+    };
+    let decide_all = |c: &mut Controller, with: bool, behind: &[NodeId]| {
         let mut out = c.decide(t0, Event::Exited { node: lost_node, status: "killed by signal 9".into() });
         for &n in &survivors {
             let step = if n == old_keeper { 5 } else { 6 };
+            let done = if behind.contains(&n) { 6 } else { 7 };
             let snaps = match with && (n == old_keeper || n == keeper) {
-                true => only.iter().map(|&(layer, expert)| SnapshotHeld { layer, expert, step, tokens_lost: 10 * (7 - step) }).collect(),
+                true => only
+                    .iter()
+                    .map(|&(layer, expert)| SnapshotHeld {
+                        layer,
+                        expert,
+                        step,
+                        tokens_lost: 10 * (done - step),
+                        held_step_tokens: if behind.contains(&n) { 10 } else { 0 },
+                    })
+                    .collect(),
                 false => vec![],
             };
-            out.extend(c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: report(n, snaps) }));
+            out.extend(c.decide(t0, Event::StepFailed { node: n, epoch: 0, report: report(n, snaps, behind.contains(&n)) }));
         }
         out
     };
-    let out = decide_all(&mut c, true);
-    let Some(Command::Reconfigure(m)) = out.iter().find(|x| matches!(x, Command::Reconfigure(_))) else { panic!("{out:?}") };
-    let want: Vec<RestoredExpert> = only
-        .iter()
-        .map(|&(layer, expert)| RestoredExpert { layer, expert, from_step: 6, stale_steps: 1, tokens_lost: 10, holder: keeper })
-        .collect();
-    assert_eq!(m.restored, want, "the freshest snapshots");
+    let restored = |out: &[Command]| {
+        let Some(Command::Reconfigure(m)) = out.iter().find(|x| matches!(x, Command::Reconfigure(_))) else { panic!("{out:?}") };
+        m.clone()
+    };
+    let want = |from_step: u64, stale_steps: u64, tokens_lost: u64| -> Vec<RestoredExpert> {
+        only.iter().map(|&(layer, expert)| RestoredExpert { layer, expert, from_step, stale_steps, tokens_lost, holder: keeper }).collect()
+    };
+    let m = restored(&decide_all(&mut c, true, &[]));
+    assert_eq!(m.restored, want(6, 1, 10), "the freshest snapshots");
     assert_eq!(m.rollback_avoided, 5, "a rollback to step 2 would have re-run 5 steps");
+    // The keeper holds step 7 uncommitted while another survivor committed it: the move
+    // commits it, so its tokens are lost too (found by CI: they were counted as none).
+    let mut behind = running(4, 6, 2, t0);
+    behind.decide(t0, Event::Checkpointed { step: 2 });
+    assert_eq!(restored(&decide_all(&mut behind, true, &[keeper])).restored, want(6, 1, 10));
+    // No survivor committed step 7: it is dropped, the step-6 snapshot is not stale.
+    let mut none = running(4, 6, 2, t0);
+    none.decide(t0, Event::Checkpointed { step: 2 });
+    assert_eq!(restored(&decide_all(&mut none, true, &survivors)).restored, want(6, 0, 0));
     // Each is placed somewhere: sent from the keeper's rank, or kept there.
     let keeper_rank = m.ranks.iter().position(|&n| n == keeper).unwrap();
     for &(layer, expert) in &only {
@@ -794,7 +822,7 @@ fn an_expert_that_lost_every_replica_comes_back_from_the_freshest_snapshot_inste
     // Without snapshots: the rollback to the checkpoint.
     let mut c = running(4, 6, 2, t0);
     c.decide(t0, Event::Checkpointed { step: 2 });
-    let out = decide_all(&mut c, false);
+    let out = decide_all(&mut c, false, &[]);
     assert!(out.iter().any(|x| matches!(x, Command::Rollback { to_step: Some(2), .. })), "{out:?}");
 }
 

@@ -50,6 +50,19 @@ pub struct HeldSnapshot {
     pub bytes: Vec<u8>,
 }
 
+/// A snapshot a worker holds, as it tells the controller ([`Worker::held_snapshots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldSnapshotInfo {
+    pub layer: usize,
+    pub expert: usize,
+    /// The step the snapshot is of.
+    pub step: u64,
+    /// The expert's tokens over the steps this worker committed after `step`.
+    pub tokens_lost: u64,
+    /// The expert's tokens in the step this worker computed but holds uncommitted (0: none).
+    pub held_step_tokens: u64,
+}
+
 /// What one step's snapshots cost, the same on every rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotStepStats {
@@ -71,8 +84,13 @@ pub(crate) struct SnapshotTier {
     /// Tokens each expert processed since its last snapshot (or since this epoch began): the
     /// same on every rank of an epoch, reset by every move (a joiner has no history).
     since: Vec<Vec<u64>>,
-    /// Tokens each expert processed over the steps this worker committed (for lost tokens).
+    /// Tokens each expert processed over the steps this worker committed (for lost tokens),
+    /// counted at every commit ([`SnapshotTier::count_committed`]).
     pub tokens: Vec<Vec<u64>>,
+    /// The same before the last committed step, `counted`: a snapshot of the step before it,
+    /// taken in after it, has lost that step's tokens.
+    tokens_before: Vec<Vec<u64>>,
+    counted: u64,
     /// Snapshots held for other nodes.
     pub store: BTreeMap<(usize, usize), HeldSnapshot>,
     /// Snapshots sent to this rank after the last step: (from, layer, expert, step).
@@ -126,6 +144,26 @@ impl CopyFence {
 }
 
 impl SnapshotTier {
+    /// Committed `step`, whose global per-expert tokens were `load`.
+    pub(crate) fn count_committed(&mut self, step: u64, load: &[Vec<u64>]) {
+        if self.tokens.len() != load.len() || self.tokens.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
+            self.tokens = load.iter().map(|l| vec![0; l.len()]).collect();
+        }
+        self.tokens_before.clone_from(&self.tokens);
+        for (a, l) in self.tokens.iter_mut().zip(load) {
+            a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
+        }
+        self.counted = step;
+    }
+
+    /// The expert's token count as of committed `step`: a snapshot arrives at most one
+    /// committed step after the step it is of (sent after s, taken in after s + 1 or when
+    /// s + 1 failed), so the count before the last step is as far back as it needs.
+    fn tokens_as_of(&self, step: u64, layer: usize, expert: usize) -> u64 {
+        let at = if step >= self.counted { &self.tokens } else { &self.tokens_before };
+        at.get(layer).and_then(|x| x.get(expert)).copied().unwrap_or(0)
+    }
+
     /// A new epoch (a move or a rollback): nothing in flight, the ranking starts afresh.
     pub fn new_epoch(&mut self) {
         self.expected.clear();
@@ -156,15 +194,24 @@ impl Worker {
         self.snapshots.settings.is_some()
     }
 
-    /// Snapshots this worker holds for other nodes: (layer, expert) → the step each is of and
-    /// the tokens the expert has processed since (what restoring it would lose).
-    pub fn held_snapshots(&self) -> Vec<(usize, usize, u64, u64)> {
+    /// Snapshots this worker holds for other nodes: the step each is of, the tokens the expert
+    /// has processed in the steps this worker committed since (what restoring it would lose),
+    /// and its tokens in the step this worker holds uncommitted, if any (lost too if the
+    /// controller commits that step: some rank did).
+    pub fn held_snapshots(&self) -> Vec<HeldSnapshotInfo> {
         let t = &self.snapshots;
+        let held = self.held.as_ref().map(|p| p.expert_load());
         t.store
             .iter()
-            .map(|(&(l, e), s)| {
-                let now = t.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
-                (l, e, s.step, now.saturating_sub(s.tokens_at))
+            .map(|(&(layer, expert), s)| {
+                let now = t.tokens.get(layer).and_then(|x| x.get(expert)).copied().unwrap_or(0);
+                HeldSnapshotInfo {
+                    layer,
+                    expert,
+                    step: s.step,
+                    tokens_lost: now.saturating_sub(s.tokens_at),
+                    held_step_tokens: held.and_then(|h| h.get(layer)).and_then(|x| x.get(expert)).copied().unwrap_or(0),
+                }
             })
             .collect()
     }
@@ -202,7 +249,7 @@ impl Worker {
     ) -> Result<(), RuntimeError> {
         ExpertState::check(&bytes, l, e, &self.trainer.model.expert_shapes())
             .map_err(|err| RuntimeError::Invalid { field: "snapshot", reason: format!("rank {from} sent layer {l} expert {e}: {err}") })?;
-        let tokens_at = self.snapshots.tokens.get(l).and_then(|x| x.get(e)).copied().unwrap_or(0);
+        let tokens_at = self.snapshots.tokens_as_of(step, l, e);
         if let Some(old) = self.snapshots.store.insert((l, e), HeldSnapshot { step, tokens_at, bytes }) {
             t.recycle(old.bytes);
         }
@@ -225,16 +272,14 @@ impl Worker {
             let bytes = t.recv(from, expert_transfer(TransferKind::Snapshot, l, e)?, deadline)?;
             self.keep_snapshot(t, from, l, e, step, bytes)?;
         }
-        // This step's tokens.
+        // This step's tokens (the lost-token count took them at the commit).
         let load = &r.report.expert_load;
         let tier = &mut self.snapshots;
-        for acc in [&mut tier.since, &mut tier.tokens] {
-            if acc.len() != load.len() || acc.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
-                *acc = load.iter().map(|l| vec![0; l.len()]).collect();
-            }
-            for (a, l) in acc.iter_mut().zip(load) {
-                a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
-            }
+        if tier.since.len() != load.len() || tier.since.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
+            tier.since = load.iter().map(|l| vec![0; l.len()]).collect();
+        }
+        for (a, l) in tier.since.iter_mut().zip(load) {
+            a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
         }
         let bytes_per = ExpertState::encoded_len(&shapes) as u64;
         let layers = self.plan.layers().len();
@@ -281,6 +326,23 @@ impl Worker {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_snapshot_taken_in_after_the_next_commit_has_lost_that_steps_tokens() {
+        let mut tier = SnapshotTier::default();
+        tier.count_committed(11, &[vec![3, 5]]);
+        assert_eq!((tier.tokens_as_of(11, 0, 1), tier.tokens_as_of(10, 0, 1)), (5, 0));
+        tier.count_committed(12, &[vec![4, 7]]);
+        // Taken in after step 12 (its snapshot round or a held step committed late): a
+        // snapshot of step 11 counts from step 11's total, of step 12 from step 12's.
+        assert_eq!(tier.tokens_as_of(11, 0, 1), 5);
+        assert_eq!(tier.tokens_as_of(12, 0, 1), 12);
+        assert_eq!(tier.tokens_as_of(12, 0, 0), 7);
+        assert_eq!(tier.tokens_as_of(12, 3, 0), 0, "no such layer: nothing counted");
+        // Another shape (a new model after a rollback): counting starts again.
+        tier.count_committed(13, &[vec![1, 1, 1]]);
+        assert_eq!(tier.tokens, vec![vec![1, 1, 1]]);
+    }
 
     #[test]
     fn the_fence_waits_for_every_copy_run_or_dropped() {

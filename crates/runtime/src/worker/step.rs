@@ -41,6 +41,11 @@ pub struct PendingStep {
 }
 
 impl PendingStep {
+    /// Tokens per (layer, expert) over the global batch of this step.
+    pub(crate) fn expert_load(&self) -> &[Vec<u64>] {
+        &self.report.report.expert_load
+    }
+
     /// The step this would complete.
     pub fn step(&self) -> u64 {
         self.at + 1
@@ -244,6 +249,9 @@ impl Worker {
         self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
         self.trainer.sampler.advance(pending.batch);
         self.trainer.step += 1;
+        // Counted here, not in the snapshot round: a held step committed after a failure
+        // (`commit_held`) has no snapshot round, and its tokens are lost all the same.
+        self.snapshots.count_committed(self.trainer.step, &pending.report.report.expert_load);
         // A catching-up expert's global load is about (1 + f) of what the router alone gives
         // it: f/(1 + f) of it is the catch-up (the same figure on every rank).
         let f = crate::moe::catch_up::CATCH_UP_FRACTION;
