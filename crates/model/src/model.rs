@@ -346,7 +346,7 @@ impl MoeModel {
     pub fn block_attention(&self, block: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let blk = self.block(block)?;
-        let x = (x + blk.attn.forward(&blk.ln1.forward(x)?, self.compute)?)?;
+        let x = crate::ops::residual_add(x, &blk.attn.forward(&blk.ln1.forward(x)?, self.compute)?)?;
         let h = blk.ln2.forward(&x)?.reshape((b * t, d))?;
         Ok((x, h))
     }
@@ -475,7 +475,7 @@ impl MoeModel {
                     y
                 }
             };
-            x = (x_mid + y.reshape((b, t, d))?)?;
+            x = crate::ops::residual_add(&x_mid, &y.reshape((b, t, d))?)?;
         }
         let logits = self.logits(&x)?;
         let ce_loss = cross_entropy(&logits, &targets.flatten_all()?)?;

@@ -691,6 +691,30 @@ impl Tensor {
 #[derive(Debug)]
 pub struct GradStore(HashMap<TensorId, Tensor>);
 
+/// Lazarus patch (see `vendor/README.md`): `a + b` over the rayon pool for large contiguous f32
+/// tensors on the CPU (the same sums as the serial add, element by element); `None` for any
+/// other kind, which the caller adds as upstream does.
+fn add_f32_parallel(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    use crate::{CpuStorage, DType, Storage};
+    use rayon::prelude::*;
+    const MIN_ELEMS: usize = 1 << 16;
+    let kind_ok = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !kind_ok(a) || !kind_ok(b) || a.shape() != b.shape() || a.elem_count() < MIN_ELEMS {
+        return Ok(None);
+    }
+    let (Some((a0, a1)), Some((b0, b1))) = (a.layout().contiguous_offsets(), b.layout().contiguous_offsets()) else {
+        return Ok(None);
+    };
+    let sum: Vec<f32> = {
+        let (sa, sb) = (a.storage(), b.storage());
+        let (Storage::Cpu(CpuStorage::F32(va)), Storage::Cpu(CpuStorage::F32(vb))) = (&*sa, &*sb) else {
+            return Ok(None);
+        };
+        va[a0..a1].par_iter().with_min_len(1 << 13).zip(&vb[b0..b1]).map(|(x, y)| x + y).collect()
+    };
+    Ok(Some(Tensor::from_vec(sum, a.shape(), a.device())?))
+}
+
 impl GradStore {
     /// Create a new gradient store
     fn new() -> Self {
@@ -746,7 +770,10 @@ impl GradStore {
         use std::collections::hash_map::Entry;
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
-                let sum = entry.get().add(grad)?;
+                let sum = match add_f32_parallel(entry.get(), grad)? {
+                    Some(sum) => sum,
+                    None => entry.get().add(grad)?,
+                };
                 entry.insert(sum);
             }
             Entry::Vacant(entry) => {

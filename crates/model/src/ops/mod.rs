@@ -25,6 +25,7 @@
 //!   [`WeightGradSink`] past candle's autograd (what the model trains with).
 //! - [`gather_rows`] / [`combine_rows`]: an MoE layer's token rows into expert order, and the
 //!   expert outputs, weighted, back onto their tokens.
+//! - [`residual_add`]: a + b on the residual stream, over the cores.
 
 mod attention;
 mod composite;
@@ -46,6 +47,7 @@ pub(crate) use on_device::gpu as on_device_gpu;
 #[cfg(test)]
 pub(crate) use testing::data as testing_data;
 mod parallel;
+mod residual;
 mod simd;
 mod softmax;
 #[cfg(test)]
@@ -66,4 +68,5 @@ pub use layer_norm::layer_norm;
 pub use linear::linear;
 pub use moe_rows::{combine_rows, gather_rows};
 pub use parallel::threads;
+pub use residual::residual_add;
 pub use softmax::softmax_last;

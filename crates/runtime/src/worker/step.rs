@@ -99,7 +99,7 @@ impl Worker {
                     (f.output.clone(), Some((moe_index - 1, f)))
                 }
             };
-            let output = (x_mid + y.reshape((rows, tl, d))?)?;
+            let output = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?;
             let leaf = Var::from_tensor(&output.detach())?;
             segments.push(Segment { input: input.take(), output, h, moe });
             x = leaf.as_tensor().clone();
