@@ -5,6 +5,7 @@
 
 use super::gemm::gemm_rm;
 use super::host::{add_row_sums, contiguous_slice, host_f64, with_host_f32};
+use super::parallel::{part_len, run_parallel, ELEMENTWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// The autograd node of [`linear`]: inputs x, W, b.
@@ -13,10 +14,9 @@ struct LinearOp;
 macro_rules! linear_impl {
     ($fwd:ident, $bwd:ident, $t:ty) => {
         fn $fwd(x: &[$t], w: &[$t], b: &[$t], n: usize, din: usize, dout: usize) -> Vec<$t> {
-            let mut y: Vec<$t> = Vec::with_capacity(n * dout);
-            for _ in 0..n {
-                y.extend_from_slice(b);
-            }
+            let mut y: Vec<$t> = vec![0.0; n * dout];
+            let part = part_len(n, dout, ELEMENTWISE_MIN);
+            run_parallel(y.chunks_mut(part).collect(), |rows| rows.chunks_mut(dout).for_each(|row| row.copy_from_slice(b)));
             // SAFETY: x is n×din, w is din×dout, y is n×dout; no aliasing.
             unsafe { gemm_rm(n, dout, din, y.as_mut_ptr(), true, (x.as_ptr(), din as isize, 1), (w.as_ptr(), dout as isize, 1), 1.0) };
             y
@@ -31,10 +31,29 @@ macro_rules! linear_impl {
             // SAFETY: xᵀ is din×n (row stride 1, column stride din), g is n×dout.
             unsafe { gemm_rm(din, dout, n, gw.as_mut_ptr(), false, (x.as_ptr(), 1, din as isize), (g.as_ptr(), dout as isize, 1), 1.0) };
             let mut gb: Vec<$t> = vec![0.0; dout];
-            add_row_sums(&mut gb, g);
+            add_row_sums_by_columns(&mut gb, g);
             (gx, gw, gb)
         }
     };
+}
+
+/// [`add_row_sums`] over the cores for a large matrix: each part of the columns is summed by one
+/// job, row by row in row order — the order of the serial pass, so the same bits.
+fn add_row_sums_by_columns<T: Copy + Send + Sync + std::ops::AddAssign>(acc: &mut [T], m: &[T]) {
+    let width = acc.len();
+    let cores = super::threads();
+    if width == 0 || m.len() < ELEMENTWISE_MIN || cores == 1 {
+        return add_row_sums(acc, m);
+    }
+    // Parts of whole 16-column blocks (a cache line of f32), one per core.
+    let part = width.div_ceil(cores).div_ceil(16) * 16;
+    let parts: Vec<(usize, &mut [T])> = acc.chunks_mut(part).enumerate().map(|(i, a)| (i * part, a)).collect();
+    run_parallel(parts, |(start, acc)| {
+        let end = start + acc.len();
+        for row in m.chunks(width) {
+            acc.iter_mut().zip(&row[start..end]).for_each(|(a, &v)| *a += v);
+        }
+    });
 }
 
 linear_impl!(linear_fwd_f32, linear_bwd_f32, f32);
@@ -112,8 +131,27 @@ mod tests {
 
     #[test]
     fn fused_linear_matches_composite_with_gradients() {
+        // Small, and large enough that the bias rows and its gradient's sums are split over the
+        // cores (n·dout ≥ 2^16).
+        for [n, din, dout] in [[9, 4, 6], [700, 20, 100]] {
+            linear_against_composite(n, din, dout);
+        }
+    }
+
+    #[test]
+    fn row_sums_by_columns_are_the_serial_sums_bit_for_bit() {
+        for (rows, width) in [(1000usize, 100usize), (200, 768), (70_000, 1), (3, 5)] {
+            let m: Vec<f32> = (0..rows * width).map(|i| ((i * 7919 % 1013) as f32).sin() * 1e3).collect();
+            let (mut serial, mut split) = (vec![0.5f32; width], vec![0.5f32; width]);
+            add_row_sums(&mut serial, &m);
+            add_row_sums_by_columns(&mut split, &m);
+            assert!(serial.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "{rows} x {width}");
+        }
+    }
+
+    fn linear_against_composite(n: usize, din: usize, dout: usize) {
         let mut var = testing::vars(5, 1.0);
-        let (x, w, b, probe) = (var(&[9, 4]), var(&[4, 6]), var(&[6]), var(&[9, 6]));
+        let (x, w, b, probe) = (var(&[n, din]), var(&[din, dout]), var(&[dout]), var(&[n, dout]));
         let ours = linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
         let theirs = super::super::composite::linear(x.as_tensor(), w.as_tensor(), b.as_tensor()).unwrap();
         let diff = testing::max_diff;
