@@ -699,7 +699,8 @@ fn add_f32_parallel(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     use rayon::prelude::*;
     const MIN_ELEMS: usize = 1 << 16;
     let kind_ok = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    if !kind_ok(a) || !kind_ok(b) || a.shape() != b.shape() || a.elem_count() < MIN_ELEMS {
+    // A tracked operand (CANDLE_GRAD_DO_NOT_DETACH) keeps upstream's add, which records the op.
+    if !kind_ok(a) || !kind_ok(b) || a.shape() != b.shape() || a.elem_count() < MIN_ELEMS || a.track_op() || b.track_op() {
         return Ok(None);
     }
     let (Some((a0, a1)), Some((b0, b1))) = (a.layout().contiguous_offsets(), b.layout().contiguous_offsets()) else {
@@ -765,7 +766,8 @@ impl GradStore {
     /// the same shape, dtype and device, instead of being added to a fresh tensor of zeroes, so
     /// that an edge of the graph costs neither a zero-fill nor a single-threaded add (0 + g is
     /// g, bit for bit, but for the sign of a zero). Gradients are never changed in place, so a
-    /// tensor stored for two arguments (an add's) is safe to share.
+    /// tensor stored for two arguments (an add's) is safe to share. Under
+    /// `CANDLE_GRAD_DO_NOT_DETACH` the kept gradient keeps its graph, as upstream's sum would.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         use std::collections::hash_map::Entry;
         match self.0.entry(tensor.id()) {
@@ -782,7 +784,7 @@ impl GradStore {
                     && grad.device().same_device(tensor.device())
                     && grad.layout().is_contiguous();
                 let first = match as_is {
-                    true => grad.detach(),
+                    true => grad.clone(),
                     false => tensor.zeros_like()?.add(grad)?,
                 };
                 entry.insert(first);

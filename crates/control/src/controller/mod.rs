@@ -902,7 +902,11 @@ impl Controller {
                         expert: e,
                         from_step: x.step,
                         stale_steps: furthest - x.step,
-                        tokens_lost: x.tokens_lost + if reports[&holder].steps_done < furthest { x.held_step_tokens } else { 0 },
+                        tokens_lost: x.tokens_lost.saturating_add(if reports[&holder].steps_done < furthest {
+                            x.held_step_tokens
+                        } else {
+                            0
+                        }),
                         holder,
                     }),
                     None => covered = false,

@@ -15,7 +15,7 @@ macro_rules! linear_impl {
     ($fwd:ident, $bwd:ident, $t:ty) => {
         fn $fwd(x: &[$t], w: &[$t], b: &[$t], n: usize, din: usize, dout: usize) -> Vec<$t> {
             let mut y: Vec<$t> = vec![0.0; n * dout];
-            let part = part_len(n, dout, ELEMENTWISE_MIN);
+            let part = part_len(n, dout, ELEMENTWISE_MIN).max(1); // dout = 0: an empty y
             run_parallel(y.chunks_mut(part).collect(), |rows| rows.chunks_mut(dout).for_each(|row| row.copy_from_slice(b)));
             // SAFETY: x is n×din, w is din×dout, y is n×dout; no aliasing.
             unsafe { gemm_rm(n, dout, din, y.as_mut_ptr(), true, (x.as_ptr(), din as isize, 1), (w.as_ptr(), dout as isize, 1), 1.0) };
@@ -136,6 +136,10 @@ mod tests {
         for [n, din, dout] in [[9, 4, 6], [700, 20, 100]] {
             linear_against_composite(n, din, dout);
         }
+        // No outputs: an empty result, not a panic.
+        let mut var = testing::vars(6, 1.0);
+        let y = linear(var(&[70_000, 2]).as_tensor(), var(&[2, 0]).as_tensor(), var(&[0]).as_tensor()).unwrap();
+        assert_eq!(y.dims(), &[70_000, 0]);
     }
 
     #[test]
