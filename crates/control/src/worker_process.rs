@@ -470,7 +470,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     epoch,
                     steps_done: worker.steps_done(),
                     holds: worker.resident_experts()?,
-                    snapshots: held_snapshots(&worker),
+                    snapshots: worker.held_snapshots(),
                 });
                 false
             }
@@ -491,7 +491,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     kind: failure_kind(&failure),
                     message: failure.to_string(),
                     last: worker.last_committed().map(|(report, seconds)| CommittedStep { report: report.clone(), seconds: *seconds }),
-                    snapshots: held_snapshots(&worker),
+                    snapshots: worker.held_snapshots(),
                 });
                 if let Some(t) = t.as_mut() {
                     t.abort_connections();
@@ -652,19 +652,4 @@ pub fn run_bench_worker() -> i32 {
         Ok(if spec.rank == 0 { WorkerEvent::BenchResults { results } } else { WorkerEvent::Done { checkpoint: None } })
     })();
     finish(&sink, result)
-}
-
-/// The snapshots a worker keeps for other nodes, as the controller is told them.
-fn held_snapshots(worker: &Worker) -> Vec<crate::controller::SnapshotHeld> {
-    worker
-        .held_snapshots()
-        .into_iter()
-        .map(|x| crate::controller::SnapshotHeld {
-            layer: x.layer,
-            expert: x.expert,
-            step: x.step,
-            tokens_lost: x.tokens_lost,
-            held_step_tokens: x.held_step_tokens,
-        })
-        .collect()
 }

@@ -99,20 +99,8 @@ pub struct StopReport {
     pub snapshots: Vec<SnapshotHeld>,
 }
 
-/// A snapshot a worker keeps: expert `expert` of layer `layer` as it was after `step`, and the
-/// tokens the expert has processed since (what a restore from it loses: PEC's PLT).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotHeld {
-    pub layer: usize,
-    pub expert: usize,
-    pub step: u64,
-    /// Over the steps the keeper committed after `step`.
-    pub tokens_lost: u64,
-    /// In the step the keeper computed but holds uncommitted (its vote failed): lost as well
-    /// when the move commits that step, which the keeper then commits without a snapshot round.
-    #[serde(default)]
-    pub held_step_tokens: u64,
-}
+/// A snapshot a worker keeps (its own type, told the controller as it is).
+pub use lazarus_runtime::SnapshotHeld;
 
 /// An expert that lost every live replica and comes back from a snapshot in a move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -23,7 +23,7 @@ mod snapshots;
 mod step;
 
 pub use reconfigure::{ExpertTransfer, Reconfiguration, ReconfigureReport};
-pub use snapshots::{HeldSnapshotInfo, SnapshotSettings, SnapshotStepStats};
+pub use snapshots::{SnapshotHeld, SnapshotSettings, SnapshotStepStats};
 pub use step::PendingStep;
 
 use std::collections::BTreeMap;

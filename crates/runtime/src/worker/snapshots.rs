@@ -50,16 +50,19 @@ pub struct HeldSnapshot {
     pub bytes: Vec<u8>,
 }
 
-/// A snapshot a worker holds, as it tells the controller ([`Worker::held_snapshots`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeldSnapshotInfo {
+/// A snapshot a worker keeps for another node: expert `expert` of layer `layer` as it was after
+/// `step`, and the tokens the expert has processed since (what a restore from it loses: PEC's
+/// PLT), as the worker tells the controller ([`Worker::held_snapshots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotHeld {
     pub layer: usize,
     pub expert: usize,
-    /// The step the snapshot is of.
     pub step: u64,
-    /// The expert's tokens over the steps this worker committed after `step`.
+    /// Over the steps the keeper committed after `step`.
     pub tokens_lost: u64,
-    /// The expert's tokens in the step this worker computed but holds uncommitted (0: none).
+    /// In the step the keeper computed but holds uncommitted (its vote failed): lost as well
+    /// when the move commits that step, which the keeper then commits without a snapshot round.
+    #[serde(default)]
     pub held_step_tokens: u64,
 }
 
@@ -143,16 +146,25 @@ impl CopyFence {
     }
 }
 
+/// `acc[l][e] += load[l][e]`, starting from zeroes when `acc` has another shape (a new model
+/// after a rollback, or the first step).
+fn add_load(acc: &mut Vec<Vec<u64>>, load: &[Vec<u64>]) {
+    if acc.len() != load.len() || acc.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
+        *acc = load.iter().map(|l| vec![0; l.len()]).collect();
+    }
+    for (a, l) in acc.iter_mut().zip(load) {
+        a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
+    }
+}
+
 impl SnapshotTier {
     /// Committed `step`, whose global per-expert tokens were `load`.
     pub(crate) fn count_committed(&mut self, step: u64, load: &[Vec<u64>]) {
-        if self.tokens.len() != load.len() || self.tokens.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
-            self.tokens = load.iter().map(|l| vec![0; l.len()]).collect();
+        if self.settings.is_none() {
+            return;
         }
         self.tokens_before.clone_from(&self.tokens);
-        for (a, l) in self.tokens.iter_mut().zip(load) {
-            a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
-        }
+        add_load(&mut self.tokens, load);
         self.counted = step;
     }
 
@@ -198,14 +210,14 @@ impl Worker {
     /// has processed in the steps this worker committed since (what restoring it would lose),
     /// and its tokens in the step this worker holds uncommitted, if any (lost too if the
     /// controller commits that step: some rank did).
-    pub fn held_snapshots(&self) -> Vec<HeldSnapshotInfo> {
+    pub fn held_snapshots(&self) -> Vec<SnapshotHeld> {
         let t = &self.snapshots;
         let held = self.held.as_ref().map(|p| p.expert_load());
         t.store
             .iter()
             .map(|(&(layer, expert), s)| {
                 let now = t.tokens.get(layer).and_then(|x| x.get(expert)).copied().unwrap_or(0);
-                HeldSnapshotInfo {
+                SnapshotHeld {
                     layer,
                     expert,
                     step: s.step,
@@ -275,12 +287,7 @@ impl Worker {
         // This step's tokens (the lost-token count took them at the commit).
         let load = &r.report.expert_load;
         let tier = &mut self.snapshots;
-        if tier.since.len() != load.len() || tier.since.iter().zip(load).any(|(a, l)| a.len() != l.len()) {
-            tier.since = load.iter().map(|l| vec![0; l.len()]).collect();
-        }
-        for (a, l) in tier.since.iter_mut().zip(load) {
-            a.iter_mut().zip(l).for_each(|(a, &x)| *a += x);
-        }
+        add_load(&mut tier.since, load);
         let bytes_per = ExpertState::encoded_len(&shapes) as u64;
         let layers = self.plan.layers().len();
         let per_layer = vec![bytes_per; layers];
@@ -329,7 +336,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_taken_in_after_the_next_commit_has_lost_that_steps_tokens() {
-        let mut tier = SnapshotTier::default();
+        let mut tier = SnapshotTier { settings: Some(SnapshotSettings { gpus_per_node: 1, bandwidth: 1e9 }), ..Default::default() };
         tier.count_committed(11, &[vec![3, 5]]);
         assert_eq!((tier.tokens_as_of(11, 0, 1), tier.tokens_as_of(10, 0, 1)), (5, 0));
         tier.count_committed(12, &[vec![4, 7]]);
