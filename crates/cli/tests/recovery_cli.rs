@@ -426,8 +426,9 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// The only holder of some expert killed, with snapshots on (the default): the expert comes back
-/// from the snapshot another node keeps — no rollback. The worker died at the vote of step 13,
+/// The only holder of some expert killed, with snapshots on (a bandwidth that carries every
+/// expert at risk each step): the expert comes back from the snapshot another node keeps — no
+/// rollback. The worker died at the vote of step 13,
 /// after every step-13 frame of the rank that snapshots its experts had arrived, so the step-12
 /// snapshots had too (one ordered stream per pair): nothing is stale, no token is lost and the
 /// losses are the uninterrupted run's. With --snapshot-bandwidth 0 the same kill rolls back.
@@ -448,15 +449,13 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     let line = text.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
     let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
     let victim = (0..sets.len()).find(|&w| sets.iter().filter(|s| **s == sets[w]).count() == 1).expect("a lone holder");
-    for (bandwidth, restored) in [(None, true), (Some("0"), false)] {
+    for (bandwidth, restored) in [("625e6", true), ("0", false)] {
         let path = d.join(format!("log-{restored}.jsonl"));
         let ck = d.join(format!("ck-{restored}"));
         let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
         let mut run = vec!["--json-log", log_s.as_str(), "--checkpoint-dir", ck_s.as_str()];
         run.extend(extra);
-        if let Some(b) = bandwidth {
-            run.extend(["--snapshot-bandwidth", b]);
-        }
+        run.extend(["--snapshot-bandwidth", bandwidth]);
         let (child, lines, _) = start_with_faults(5, &run, &format!("{victim}:vote:13"));
         let text = finish(child, lines);
         let (steps, reconf) = log(&path);
@@ -495,7 +494,7 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     // the run ends close to the uninterrupted one.
     let path = d.join("log-stale.jsonl");
     let ck = d.join("ck-stale");
-    let mut run = vec!["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
+    let mut run = vec!["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--snapshot-bandwidth", "625e6"];
     run.extend(extra);
     let (child, lines, _) = start_with_faults(5, &run, &format!("{victim}:snapshot:12"));
     let text = finish(child, lines);
@@ -510,5 +509,47 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     assert!(got[..12].iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-4 * b.abs()), "identical before the failure");
     let (g, w) = (mean(&got[12..]), mean(&want[12..]));
     assert!((g - w).abs() <= 0.01 * w, "after the restore: mean loss {g} vs {w} uninterrupted");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// With no bandwidth given, the snapshot budget paces itself by what the last round cost: every
+/// step's budget in the json log is what `SnapshotPace` gives from the logged cost of the round
+/// before (late ranks, share of the CPU) and the bytes it sent — one expert after the first step,
+/// doubling while nothing is too big — never above the link's cap; and snapshots are taken.
+#[test]
+fn the_default_snapshot_budget_paces_itself_by_what_the_last_round_cost() {
+    use lazarus_plan::{RoundCost, SnapshotPace, SNAPSHOT_CPU_SHARE};
+    let d = dir("snapshot-pace");
+    let path = d.join("log.jsonl");
+    let mut args = vec!["train", "--workers", "4", "--slots-per-worker", "1", "--steps", "16", "--json-log", path.to_str().unwrap()];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{text}");
+    // "... in 4 experts x 2 MoE layers ..." in the run's header.
+    let moe_layers: u64 = text
+        .split(" MoE layers")
+        .next()
+        .and_then(|h| h.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the header names the MoE layers: {text}"));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let snap: Vec<&serde_json::Value> = lines.iter().filter_map(|l| l.get("snapshot")).collect();
+    assert_eq!(snap.len(), 15, "every step but the last snapshots");
+    let field = |s: &serde_json::Value, k: &str| s[k].as_u64().unwrap_or_else(|| panic!("{k} in {s}"));
+    let unit = field(snap[0], "all_bytes") / (moe_layers * 4);
+    let mut pace = SnapshotPace::default();
+    for (i, s) in snap.iter().enumerate() {
+        let cost =
+            RoundCost { late_ranks: field(s, "late_ranks") as usize, snapshot_cpu_s: s["cpu_share"].as_f64().unwrap(), process_cpu_s: 1.0 };
+        let (budget, cap, bytes) = (field(s, "budget_bytes"), field(s, "cap_bytes"), field(s, "bytes"));
+        assert_eq!(budget, pace.budget(cost.too_big(SNAPSHOT_CPU_SHARE), cap, unit), "step {}: {s}", i + 1);
+        assert!(bytes <= budget && budget <= cap, "step {}: {s}", i + 1);
+        pace.sent(bytes);
+    }
+    assert_eq!((field(snap[0], "budget_bytes"), field(snap[1], "budget_bytes")), (0, unit), "no step time yet, then one expert");
+    assert!(snap.iter().any(|s| field(s, "bytes") > 0), "{snap:?}");
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(summary.contains("at risk") && summary.contains("of the workers' CPU"), "the summary says what snapshots cost: {summary}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -10,6 +10,7 @@
 //! learn of the loss within one round trip rather than at their own time-outs.
 
 mod collectives;
+pub mod cpu_time;
 mod error;
 pub mod tags;
 mod tcp;
@@ -82,6 +83,20 @@ pub trait Transport: Send {
     fn take_arrived(&mut self, peer: usize, tag: u64) -> Option<Vec<u8>> {
         let _ = (peer, tag);
         None
+    }
+
+    /// Out-of-band frames this rank queued that are not on the wire yet (nor dropped): more than
+    /// none when the next round comes says the sender could not keep up. A transport that
+    /// sends them at once has none.
+    fn out_of_band_backlog(&self) -> usize {
+        0
+    }
+
+    /// CPU time this rank's transport has spent on out-of-band frames so far (copying, writing
+    /// and reading them), added up over its threads. A transport without threads of its own for
+    /// them counts none.
+    fn out_of_band_cpu(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
     }
 
     /// Give back the buffer of an out-of-band frame this rank received and no longer needs (a

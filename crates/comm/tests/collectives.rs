@@ -426,3 +426,96 @@ fn encoded_snapshots_arrive_whole_and_a_failed_encoder_closes_the_connection() {
     });
     assert!(matches!(out[0], Some(Err(CommError::Invalid { .. }))), "{:?}", out[0]);
 }
+
+/// The backlog counts out-of-band frames not yet on the wire — one whose copy is still running
+/// and the one queued behind it — and falls to none once they are written, or once a frame is
+/// dropped (a failed encoder): what the snapshot tier's adaptive budget reads.
+#[test]
+fn the_out_of_band_backlog_counts_frames_until_they_are_on_the_wire() {
+    use lazarus_comm::tags::{expert_transfer, TransferKind};
+    let out = on_group(2, move |r, t| {
+        let d = Instant::now() + T;
+        let (slow, quick, broken) = (
+            expert_transfer(TransferKind::Snapshot, 0, 0).unwrap(),
+            expert_transfer(TransferKind::Snapshot, 0, 1).unwrap(),
+            expert_transfer(TransferKind::Snapshot, 0, 2).unwrap(),
+        );
+        let drained = |t: &TcpTransport| {
+            let until = Instant::now() + T;
+            while t.out_of_band_backlog() > 0 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            t.out_of_band_backlog()
+        };
+        if r == 0 {
+            let idle = t.out_of_band_backlog();
+            let encode: lazarus_comm::Encode = Box::new(|out| {
+                std::thread::sleep(Duration::from_millis(400));
+                out.push(7);
+                Ok(())
+            });
+            t.send_out_of_band_encoded(1, slow, 1, encode, d).unwrap();
+            t.send_out_of_band(1, quick, vec![8], d).unwrap();
+            let held = t.out_of_band_backlog();
+            let after = drained(t);
+            barrier(t, &mut Group::world(2), T).unwrap();
+            // A frame whose encoder fails is dropped: it leaves the backlog too.
+            t.send_out_of_band_encoded(1, broken, 1, Box::new(|_| Err("no weights".into())), d).unwrap();
+            let failed = drained(t);
+            Some((idle, held, after, failed))
+        } else {
+            assert_eq!((t.recv(0, slow, d).unwrap(), t.recv(0, quick, d).unwrap()), (vec![7], vec![8]));
+            barrier(t, &mut Group::world(2), T).unwrap();
+            std::thread::sleep(Duration::from_millis(300)); // stay up while rank 0 counts
+            None
+        }
+    });
+    assert_eq!(out[0], Some((0, 2, 0, 0)));
+}
+
+/// The CPU the transport's threads spend on out-of-band frames is counted on both ends — the
+/// copy and write on the sender, the read on the receiver — and ordered frames count none.
+#[test]
+fn the_cpu_spent_on_out_of_band_frames_is_counted_on_both_ends() {
+    use lazarus_comm::tags::{expert_transfer, TransferKind};
+    let out = on_group(2, move |r, t| {
+        let d = Instant::now() + T;
+        let g = &mut Group::world(2);
+        let state = expert_transfer(TransferKind::StateTransfer, 0, 0).unwrap();
+        if r == 0 {
+            t.send(1, state, &vec![1u8; 4 << 20], d).unwrap();
+        } else {
+            t.recv(0, state, d).unwrap();
+        }
+        barrier(t, g, T).unwrap();
+        let ordered_only = t.out_of_band_cpu();
+        for e in 0..4 {
+            let snap = expert_transfer(TransferKind::Snapshot, 0, e).unwrap();
+            if r == 0 {
+                t.send_out_of_band_encoded(
+                    1,
+                    snap,
+                    4 << 20,
+                    Box::new(|out| {
+                        out.resize(4 << 20, 3);
+                        Ok(())
+                    }),
+                    d,
+                )
+                .unwrap();
+            } else {
+                assert_eq!(t.recv(0, snap, d).unwrap().len(), 4 << 20);
+            }
+        }
+        // The sender's last write may end after the receiver has its bytes: wait for it.
+        barrier(t, g, T).unwrap();
+        while t.out_of_band_backlog() > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (ordered_only, t.out_of_band_cpu())
+    });
+    for (rank, (ordered_only, after)) in out.iter().enumerate() {
+        assert_eq!(*ordered_only, Duration::ZERO, "rank {rank}");
+        assert!(*after > Duration::ZERO, "rank {rank}");
+    }
+}

@@ -6,7 +6,8 @@
 //! * [`recovery`] — the probability that a plan survives k node failures;
 //! * [`reconfig`] — which live node becomes which plan node and who sends what (§4.3);
 //! * [`dispatch`] — how many tokens each rank sends to each rank (Algorithm 1);
-//! * [`snapshot`] — which experts to copy into another node's memory each step (MoEtion §4);
+//! * [`snapshot`] — which experts to copy into another node's memory each step (MoEtion §4),
+//!   and how many bytes a step may take when no bandwidth is given;
 //! * [`scheduler`] — the one scheduler (allocate, then place, every layer) and the plan of a
 //!   whole model with its file format.
 //!
@@ -37,7 +38,7 @@ pub use placement::{
 pub use reconfig::{plan_reconfiguration, rank_transfers, NodeState, RankTransfer, ReconfigurationPlan, StateTransfer};
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{plan_layer, plan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT};
-pub use snapshot::{nodes_holding, select_snapshots, SnapshotPolicy, SnapshotSelection};
+pub use snapshot::{nodes_holding, select_snapshots, RoundCost, SnapshotPace, SnapshotPolicy, SnapshotSelection, SNAPSHOT_CPU_SHARE};
 
 /// Index of an expert within one MoE layer, 0-based in input order.
 pub type ExpertId = usize;

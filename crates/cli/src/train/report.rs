@@ -69,8 +69,19 @@ pub struct Reporter {
     recent: Vec<f64>,
     first_loss: Option<f64>,
     last: Option<StepReport>,
-    /// Snapshot totals of this run: steps with snapshots, our bytes, MoEtion's selection's bytes.
-    snapshots: Option<(u64, u64, u64)>,
+    /// Snapshot totals of this run.
+    snapshots: Option<SnapshotTotals>,
+}
+
+/// What a run's snapshots cost, summed over its steps.
+#[derive(Debug, Default)]
+struct SnapshotTotals {
+    steps: u64,
+    bytes: u64,
+    moetion_bytes: u64,
+    at_risk_bytes: u64,
+    /// Summed shares of the workers' CPU (divided by `steps` for the mean).
+    cpu_share: f64,
 }
 
 impl Reporter {
@@ -137,8 +148,12 @@ impl Reporter {
     /// One finished step that took `seconds`, with what its snapshots cost.
     pub fn step_with(&mut self, r: &StepReport, seconds: f64, snapshot: Option<&lazarus_runtime::SnapshotStepStats>) -> Result<()> {
         if let Some(s) = snapshot {
-            let t = self.snapshots.get_or_insert((0, 0, 0));
-            *t = (t.0 + 1, t.1 + s.bytes, t.2 + s.moetion_bytes);
+            let t = self.snapshots.get_or_insert_with(SnapshotTotals::default);
+            t.steps += 1;
+            t.bytes += s.bytes;
+            t.moetion_bytes += s.moetion_bytes;
+            t.at_risk_bytes += s.at_risk_bytes;
+            t.cpu_share += s.cpu_share;
         }
         let tps = r.tokens as f64 / seconds.max(1e-9);
         self.tokens += r.tokens;
@@ -257,13 +272,17 @@ impl Reporter {
                 let _ = writeln!(out, "  dropped         {} assignments in the last step (capacity factor)", r.dropped);
             }
         }
-        if let Some((steps, ours, theirs)) = self.snapshots {
+        if let Some(t) = &self.snapshots {
+            let per_step = |bytes: u64| bytes as f64 / 1e3 / t.steps.max(1) as f64;
             let _ = writeln!(
                 out,
-                "  snapshots       {:.2} MB into other nodes' memory over {steps} steps ({:.1} KB/step; MoEtion's selection: {:.1} KB/step)",
-                ours as f64 / 1e6,
-                ours as f64 / 1e3 / steps.max(1) as f64,
-                theirs as f64 / 1e3 / steps.max(1) as f64
+                "  snapshots       {:.2} MB into other nodes' memory over {} steps ({:.1} KB/step of {:.1} KB/step at risk; MoEtion's selection: {:.1} KB/step); {:.2}% of the workers' CPU",
+                t.bytes as f64 / 1e6,
+                t.steps,
+                per_step(t.bytes),
+                per_step(t.at_risk_bytes),
+                per_step(t.moetion_bytes),
+                100.0 * t.cpu_share / t.steps.max(1) as f64
             );
         }
         if let Some(p) = checkpoint {

@@ -319,8 +319,11 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     if !bandwidth.is_finite() || bandwidth < 0.0 {
         bail!("invalid --snapshot-bandwidth: {bandwidth} (bytes per second, 0 or more; 0: no snapshots)");
     }
-    let snapshots = (recovery.is_some() && !unrecoverable && bandwidth > 0.0)
-        .then_some(lazarus_runtime::SnapshotSettings { gpus_per_node: g, bandwidth });
+    let snapshots = (recovery.is_some() && !unrecoverable && bandwidth > 0.0).then_some(lazarus_runtime::SnapshotSettings {
+        gpus_per_node: g,
+        bandwidth,
+        adaptive: args.snapshot_bandwidth.is_none(),
+    });
     let job = TrainJob {
         config: cfg.clone(),
         plan: plan.map,
@@ -537,8 +540,9 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     }
 }
 
-/// The link share snapshots get by default: 5 Gb/s, half of a common 10 Gb/s cloud NIC (the
-/// other half left to the step's own all-to-all and all-reduce).
+/// The most of the link snapshots get by default: 5 Gb/s, half of a common 10 Gb/s cloud NIC (the
+/// other half left to the step's own all-to-all and all-reduce). Below it the default budget
+/// paces itself by the CPU the steps leave idle (`lazarus_plan::SnapshotPace`).
 pub const DEFAULT_SNAPSHOT_BANDWIDTH: f64 = 625e6;
 
 /// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.

@@ -11,6 +11,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::cpu_time::CpuMeter;
 use crate::error::CommError;
 use crate::Transport;
 
@@ -61,6 +62,8 @@ pub struct TcpTransport {
     written: BufferPool,
     /// Buffers of received out-of-band frames given back, which the reader threads fill again.
     received: BufferPool,
+    /// CPU time the threads spent on out-of-band frames (copy, write, and the reads of them).
+    out_of_band_cpu: CpuMeter,
 }
 
 /// How ranks find each other: rank r listens on `addrs[r]`.
@@ -116,7 +119,7 @@ fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
     CommError::PeerLost { peer: lost, reason: format!("reported by rank {from}") }
 }
 
-fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool) {
+fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool, out_of_band_cpu: CpuMeter) {
     let closed = |reason: String| Event::Closed { from, reason };
     loop {
         let mut h = [0u8; HEADER];
@@ -137,9 +140,12 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPoo
         // A snapshot lands in a buffer given back, if one fits. Otherwise reserve up to 64 MiB
         // from the header (a tensor-sized frame then lands without regrowing); beyond that grow
         // as bytes arrive, so a lying header cannot make us allocate up to the frame limit.
-        let kept = if crate::tags::is_out_of_band(tag) { pool.take(len as usize) } else { None };
+        let out_of_band = crate::tags::is_out_of_band(tag);
+        let kept = if out_of_band { pool.take(len as usize) } else { None };
         let mut payload = kept.unwrap_or_else(|| Vec::with_capacity((len as usize).min(64 << 20)));
-        match (&mut stream).take(len).read_to_end(&mut payload) {
+        let mut read = || (&mut stream).take(len).read_to_end(&mut payload);
+        let got = if out_of_band { out_of_band_cpu.measure(read) } else { read() };
+        match got {
             Ok(n) if n as u64 == len => {}
             Ok(_) => {
                 let _ = tx.send(closed("connection closed mid-frame".into()));
@@ -249,14 +255,15 @@ impl TcpTransport {
         }
         let (tx, inbox) = mpsc::channel();
         let received = BufferPool::default();
+        let out_of_band_cpu = CpuMeter::default();
         for (peer, s) in streams.iter().enumerate() {
             if let Some(s) = s {
                 let read = s.try_clone().map_err(|e| CommError::Rendezvous(format!("clone: {e}")))?;
                 let tx = tx.clone();
-                let pool = received.clone();
+                let (pool, meter) = (received.clone(), out_of_band_cpu.clone());
                 std::thread::Builder::new()
                     .name(format!("lazarus-comm-rx-{peer}"))
-                    .spawn(move || reader(read, peer, tx, pool))
+                    .spawn(move || reader(read, peer, tx, pool, meter))
                     .map_err(|e| CommError::Rendezvous(format!("reader thread: {e}")))?;
             }
         }
@@ -276,6 +283,7 @@ impl TcpTransport {
             out_of_band: None,
             written: BufferPool::default(),
             received,
+            out_of_band_cpu,
         })
     }
 
@@ -472,6 +480,14 @@ impl Transport for TcpTransport {
         self.fail_on(result)
     }
 
+    fn out_of_band_backlog(&self) -> usize {
+        self.out_of_band.as_ref().map_or(0, OutOfBandSender::backlog)
+    }
+
+    fn out_of_band_cpu(&self) -> Duration {
+        self.out_of_band_cpu.total()
+    }
+
     fn take_arrived(&mut self, peer: usize, tag: u64) -> Option<Vec<u8>> {
         if peer >= self.world || !crate::tags::is_out_of_band(tag) {
             return None;
@@ -519,7 +535,7 @@ impl TcpTransport {
                 .zip(&self.write_locks)
                 .map(|(s, lock)| s.as_ref().and_then(|s| s.try_clone().ok()).map(|stream| Writer { stream, lock: lock.clone() }))
                 .collect();
-            let sender = OutOfBandSender::start(writers, self.written.clone())
+            let sender = OutOfBandSender::start(writers, self.written.clone(), self.out_of_band_cpu.clone())
                 .map_err(|e| CommError::invalid("transport", format!("out-of-band sender: {e}")))?;
             self.out_of_band = Some(sender);
         }

@@ -12,16 +12,21 @@
 //!   taken by whoever writes a frame on it — this thread or the transport's own calls — so
 //!   frames never interleave. An ordered frame waits behind at most the one snapshot frame being
 //!   written.
+//! * Both threads run in the idle scheduling class (Linux `SCHED_IDLE`): a snapshot takes the
+//!   CPU the step leaves free, never the training threads'. How many frames are still waiting
+//!   ([`OutOfBandSender::backlog`]) then says whether the idle CPU carried the last round in a
+//!   step: what the snapshot tier's adaptive budget paces itself by.
 
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::buffers::BufferPool;
 use super::{write_header, HEADER, MAGIC, MAX_FRAME};
+use crate::cpu_time::CpuMeter;
 
 /// Writes an out-of-band frame's payload into the (empty) buffer it is given, on the
 /// transport's copy thread; an error drops the frame and closes its connection.
@@ -41,6 +46,7 @@ pub(super) struct Writer {
 }
 
 struct Job {
+    queued: Queued,
     peer: usize,
     epoch: u64,
     tag: u64,
@@ -50,6 +56,7 @@ struct Job {
 
 /// A frame copied and ready to write.
 struct Ready {
+    _queued: Queued,
     peer: usize,
     header: Vec<u8>,
     payload: Vec<u8>,
@@ -61,27 +68,55 @@ struct Ready {
 pub(super) struct OutOfBandSender {
     jobs: Sender<Job>,
     closing: Arc<AtomicBool>,
+    backlog: Arc<AtomicUsize>,
+}
+
+/// One frame counted in the backlog until it is on the wire or dropped.
+struct Queued(Arc<AtomicUsize>);
+
+impl Queued {
+    fn new(backlog: &Arc<AtomicUsize>) -> Self {
+        backlog.fetch_add(1, Ordering::Relaxed);
+        Queued(backlog.clone())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl OutOfBandSender {
     /// Start the threads with the write side of every connection (`None` for this rank and for
     /// peers without one); frames are copied into buffers from `written`, and each goes back
     /// there once it is on the wire.
-    pub(super) fn start(writers: Vec<Option<Writer>>, written: BufferPool) -> std::io::Result<Self> {
+    pub(super) fn start(writers: Vec<Option<Writer>>, written: BufferPool, cpu: CpuMeter) -> std::io::Result<Self> {
         let (jobs, rx) = mpsc::channel();
         let (ready, to_write) = mpsc::channel();
         let closing = Arc::new(AtomicBool::new(false));
         let writers: Arc<[Option<Writer>]> = writers.into();
-        let (stop, w, pool) = (closing.clone(), writers.clone(), written.clone());
-        std::thread::Builder::new().name("lazarus-comm-oow".into()).spawn(move || write(to_write, &w, &stop, &pool))?;
+        let (stop, w, pool, meter) = (closing.clone(), writers.clone(), written.clone(), cpu.clone());
+        std::thread::Builder::new().name("lazarus-comm-oow".into()).spawn(move || {
+            run_when_idle();
+            write(to_write, &w, &stop, &pool, &meter)
+        })?;
         let stop = closing.clone();
-        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || copy(rx, ready, &writers, &stop, &written))?;
-        Ok(OutOfBandSender { jobs, closing })
+        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || {
+            run_when_idle();
+            copy(rx, ready, &writers, &stop, &written, &cpu)
+        })?;
+        Ok(OutOfBandSender { jobs, closing, backlog: Arc::default() })
     }
 
     /// Queue a frame with `tag` for `peer`; false if the threads are gone.
     pub(super) fn queue(&self, peer: usize, epoch: u64, tag: u64, payload: Payload, deadline: Instant) -> bool {
-        self.jobs.send(Job { peer, epoch, tag, payload, deadline }).is_ok()
+        self.jobs.send(Job { queued: Queued::new(&self.backlog), peer, epoch, tag, payload, deadline }).is_ok()
+    }
+
+    /// Frames queued and not yet written nor dropped.
+    pub(super) fn backlog(&self) -> usize {
+        self.backlog.load(Ordering::Relaxed)
     }
 }
 
@@ -92,21 +127,21 @@ impl Drop for OutOfBandSender {
 }
 
 /// The copy thread: each job's payload into a buffer, then on to the write thread.
-fn copy(rx: Receiver<Job>, ready: Sender<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, pool: &BufferPool) {
+fn copy(rx: Receiver<Job>, ready: Sender<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, pool: &BufferPool, cpu: &CpuMeter) {
     for job in rx {
         if closing.load(Ordering::Relaxed) {
             return;
         }
         let payload = match job.payload {
             Payload::Bytes(b) => Ok(b),
-            Payload::Encode(size, encode) => {
+            Payload::Encode(size, encode) => cpu.measure(|| {
                 let mut buffer = pool.take(size).unwrap_or_else(|| Vec::with_capacity(size));
                 let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| encode(&mut buffer)));
                 encoded.unwrap_or_else(|_| Err("the frame's writer panicked".into())).and_then(|()| match buffer.len() as u64 {
                     n if n > MAX_FRAME => Err(format!("a frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")),
                     _ => Ok(buffer),
                 })
-            }
+            }),
         };
         let payload = match payload {
             Ok(p) => p,
@@ -126,14 +161,14 @@ fn copy(rx: Receiver<Job>, ready: Sender<Ready>, writers: &[Option<Writer>], clo
         };
         let mut header = Vec::with_capacity(HEADER);
         write_header(&mut header, MAGIC, job.epoch, job.tag, payload.len() as u64);
-        if ready.send(Ready { peer: job.peer, header, payload, deadline: job.deadline }).is_err() {
+        if ready.send(Ready { _queued: job.queued, peer: job.peer, header, payload, deadline: job.deadline }).is_err() {
             return;
         }
     }
 }
 
 /// The write thread: copied frames onto their connections, in order.
-fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, written: &BufferPool) {
+fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, written: &BufferPool, cpu: &CpuMeter) {
     for frame in rx {
         if closing.load(Ordering::Relaxed) {
             return;
@@ -141,7 +176,7 @@ fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, 
         let Some(Some(w)) = writers.get(frame.peer) else { continue };
         let failed = {
             let _held = lock(&w.lock);
-            write_frame(&w.stream, &frame.header, &frame.payload, frame.deadline).is_err()
+            cpu.measure(|| write_frame(&w.stream, &frame.header, &frame.payload, frame.deadline).is_err())
         };
         if failed {
             // A frame cut short leaves the byte stream unusable: close it, and the transport's
@@ -196,4 +231,15 @@ pub(super) fn write_frame(stream: &TcpStream, header: &[u8], payload: &[u8], dea
         }
     }
     Ok(())
+}
+
+/// Put the calling thread in the idle scheduling class: it runs only on CPU no other thread
+/// wants. Best effort: elsewhere than Linux, or where it is refused, the thread keeps its class.
+fn run_when_idle() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: sched_setscheduler reads the parameter struct only; pid 0 is the calling thread.
+    unsafe {
+        let param = libc::sched_param { sched_priority: 0 };
+        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+    }
 }

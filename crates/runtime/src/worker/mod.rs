@@ -97,6 +97,9 @@ pub struct WorkerStepReport {
     /// The previous step's seconds (compute to commit), averaged over the ranks: the same on
     /// every rank, so the snapshot budget drawn from it is too (0 on an epoch's first step).
     pub mean_step_s: f64,
+    /// What the last snapshot round cost, summed over the ranks (the same on every rank): what
+    /// the adaptive snapshot budget paces itself by.
+    pub snapshot_cost: lazarus_plan::RoundCost,
 }
 
 /// Sequences [lo, hi) of a global batch of `batch` sequences that rank `rank` of `world` takes:

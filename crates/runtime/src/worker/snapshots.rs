@@ -16,14 +16,18 @@
 //!   again on both sides (a replaced snapshot's buffer goes back to the transport).
 //! * Experts whose replicas sit on two or more nodes are skipped (Lazarus's own protection);
 //!   MoEtion's selection over the same budget is computed beside it and its bytes reported.
+//! * The budget is the given bandwidth times the mean step time, or by default what the last
+//!   round's measured cost allows under that ceiling ([`SnapshotPace`]): the transport's CPU
+//!   time on snapshot frames and whether it had them all on the wire in a step, summed by the
+//!   step's all-reduce so every rank paces alike.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
 use lazarus_comm::{deadline_after, Transport};
-use lazarus_plan::{nodes_holding, select_snapshots, SnapshotPolicy};
+use lazarus_plan::{nodes_holding, select_snapshots, SnapshotPace, SnapshotPolicy, SNAPSHOT_CPU_SHARE};
 use serde::{Deserialize, Serialize};
 
 use super::{Worker, WorkerStepReport};
@@ -38,6 +42,10 @@ pub struct SnapshotSettings {
     /// Bytes per second of the link given to snapshots: each step's budget is this times the
     /// previous step's mean seconds (what the link carries while the next step computes).
     pub bandwidth: f64,
+    /// Pace the budget by what the CPU the steps leave idle carries ([`SnapshotPace`]), with
+    /// `bandwidth` its cap: the default when no bandwidth is given.
+    #[serde(default)]
+    pub adaptive: bool,
 }
 
 /// A snapshot this worker keeps for another node: an expert's encoded state after `step`.
@@ -70,6 +78,18 @@ pub struct SnapshotHeld {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotStepStats {
     pub budget_bytes: u64,
+    /// The link's bytes in a step time (bandwidth × the mean step): the budget itself with a
+    /// given bandwidth, the adaptive budget's ceiling otherwise.
+    #[serde(default)]
+    pub cap_bytes: u64,
+    /// Ranks that had not written all of the previous round's frames when this step's
+    /// all-reduce began (one of the two signals the adaptive budget halves on).
+    #[serde(default)]
+    pub late_ranks: usize,
+    /// The share of the workers' CPU time the previous round's frames took (copying, writing,
+    /// reading).
+    #[serde(default)]
+    pub cpu_share: f64,
     /// Experts and bytes sent into other nodes' memory over the job this step.
     pub experts: usize,
     pub bytes: u64,
@@ -100,6 +120,10 @@ pub(crate) struct SnapshotTier {
     expected: Vec<(usize, usize, usize, u64)>,
     /// This worker's snapshot copies not yet taken.
     copies: Arc<CopyFence>,
+    /// The adaptive budget (settings' `adaptive`), afresh each epoch.
+    pace: SnapshotPace,
+    /// The transport's out-of-band CPU time and the process's at the last step's all-reduce.
+    cpu_mark: Option<(Duration, Duration)>,
 }
 
 /// Snapshot copies handed to the transport's copy thread and not yet done. They read the
@@ -180,6 +204,24 @@ impl SnapshotTier {
     pub fn new_epoch(&mut self) {
         self.expected.clear();
         self.since.clear();
+        self.pace = SnapshotPace::default();
+        self.cpu_mark = None;
+    }
+
+    /// This rank's part of the last round's cost ([`lazarus_plan::RoundCost`]), as the step's all-reduce sums
+    /// it: whether frames of it are still to be written, and the CPU seconds its transport spent
+    /// on snapshot frames and its process spent in all since the last call (zeroes with
+    /// snapshots off, and on an epoch's first step: a new transport counts from zero).
+    pub(crate) fn round_cost_here(&mut self, t: &dyn Transport) -> (bool, f64, f64) {
+        if self.settings.is_none() {
+            return (false, 0.0, 0.0);
+        }
+        let now = (t.out_of_band_cpu(), lazarus_comm::cpu_time::process_cpu());
+        let (snapshot, process) = match self.cpu_mark.replace(now) {
+            Some((s, p)) if s <= now.0 && p <= now.1 => (now.0 - s, now.1 - p),
+            _ => (Duration::ZERO, Duration::ZERO),
+        };
+        (t.out_of_band_backlog() > 0, snapshot.as_secs_f64(), process.as_secs_f64())
     }
 }
 
@@ -291,14 +333,22 @@ impl Worker {
         let bytes_per = ExpertState::encoded_len(&shapes) as u64;
         let layers = self.plan.layers().len();
         let per_layer = vec![bytes_per; layers];
-        let budget = (settings.bandwidth * r.mean_step_s.max(0.0)).min(u64::MAX as f64 / 2.0) as u64;
+        let cap = (settings.bandwidth * r.mean_step_s.max(0.0)).min(u64::MAX as f64 / 2.0) as u64;
+        let budget = match settings.adaptive {
+            true => tier.pace.budget(r.snapshot_cost.too_big(SNAPSHOT_CPU_SHARE), cap, bytes_per),
+            false => cap,
+        };
         let node_of: Vec<usize> = (0..self.world).map(|q| q / g).collect();
         let held_on = nodes_holding(self.plan.layers(), &node_of);
         let ours = select_snapshots(&tier.since, &held_on, &per_layer, budget, SnapshotPolicy::Lazarus);
         let theirs = select_snapshots(&tier.since, &held_on, &per_layer, budget, SnapshotPolicy::Moetion);
         let at_risk = (0..layers).map(|l| held_on[l].iter().filter(|&&n| n < 2).count() as u64).sum::<u64>() * bytes_per;
+        tier.pace.sent(ours.bytes);
         let stats = SnapshotStepStats {
             budget_bytes: budget,
+            cap_bytes: cap,
+            late_ranks: r.snapshot_cost.late_ranks,
+            cpu_share: r.snapshot_cost.cpu_share(),
             experts: ours.experts.len(),
             bytes: ours.bytes,
             moetion_bytes: theirs.bytes,
@@ -336,7 +386,8 @@ mod tests {
 
     #[test]
     fn a_snapshot_taken_in_after_the_next_commit_has_lost_that_steps_tokens() {
-        let mut tier = SnapshotTier { settings: Some(SnapshotSettings { gpus_per_node: 1, bandwidth: 1e9 }), ..Default::default() };
+        let mut tier =
+            SnapshotTier { settings: Some(SnapshotSettings { gpus_per_node: 1, bandwidth: 1e9, adaptive: false }), ..Default::default() };
         tier.count_committed(11, &[vec![3, 5]]);
         assert_eq!((tier.tokens_as_of(11, 0, 1), tier.tokens_as_of(10, 0, 1)), (5, 0));
         tier.count_committed(12, &[vec![4, 7]]);

@@ -183,12 +183,30 @@ impl Worker {
         let pause_vote = f32::from(u8::from(self.pause_asked(t.epoch())));
         // This rank's last step time (for the snapshot budget), summed into a mean.
         let last_s = self.last_committed.as_ref().map_or(0.0, |(_, s)| *s);
-        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote, last_s as f32]);
+        // What the last snapshot round cost this rank (lazarus_plan::RoundCost), summed over the
+        // ranks: whether its frames are not all written yet, and the CPU they took against the
+        // process's since the last step.
+        let (late, snapshot_cpu_s, process_cpu_s) = self.snapshots.round_cost_here(t);
+        flat.extend([
+            ce_value as f32,
+            aux_local as f32,
+            expert_sq as f32,
+            pause_vote,
+            last_s as f32,
+            f32::from(u8::from(late)),
+            snapshot_cpu_s as f32,
+            process_cpu_s as f32,
+        ]);
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         let pause = flat[extras + 3] > 0.5;
         let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
+        let snapshot_cost = lazarus_plan::RoundCost {
+            late_ranks: flat[extras + 5].round().max(0.0) as usize,
+            snapshot_cpu_s: f64::from(flat[extras + 6]),
+            process_cpu_s: f64::from(flat[extras + 7]),
+        };
         flat.truncate(extras);
 
         let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
@@ -225,7 +243,7 @@ impl Worker {
             lr,
             grad_scale: clip_scale(norm, cfg.grad_clip),
             batch: b,
-            report: WorkerStepReport { report, wire_bytes, pause, mean_step_s },
+            report: WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
             started,
         })
     }
