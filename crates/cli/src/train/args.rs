@@ -145,9 +145,9 @@ pub struct TrainArgs {
     /// With --workers and recovery: bytes per second of the link given to snapshots of experts
     /// into another node's memory after each step (the budget of a step is this times the
     /// previous step's seconds); an expert that loses every replica is restored from its
-    /// snapshot instead of rolling the job back. Default: as much as the CPU the steps leave idle
-    /// carries (found step by step, one expert a step at least), up to 625e6 (5 Gb/s); 0: no
-    /// snapshots.
+    /// snapshot instead of rolling the job back. Default: paced by what each round costs — the
+    /// snapshot threads' CPU kept under 0.5% of the workers', every round on the wire within a
+    /// step — from one expert a step up to 625e6 (5 Gb/s); 0: no snapshots.
     #[arg(long, value_name = "BYTES_PER_S")]
     pub snapshot_bandwidth: Option<f64>,
     /// With --gpus-per-node: replay node failures and arrivals on the local agents — a trace in

@@ -542,7 +542,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
 
 /// The most of the link snapshots get by default: 5 Gb/s, half of a common 10 Gb/s cloud NIC (the
 /// other half left to the step's own all-to-all and all-reduce). Below it the default budget
-/// paces itself by the CPU the steps leave idle (`lazarus_plan::SnapshotPace`).
+/// paces itself by what each round costs (`lazarus_plan::SnapshotPace`).
 pub const DEFAULT_SNAPSHOT_BANDWIDTH: f64 = 625e6;
 
 /// `--recovery`, `--lease` and `--heartbeat`: how failures are found and recovered from.

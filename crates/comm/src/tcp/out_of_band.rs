@@ -12,10 +12,11 @@
 //!   taken by whoever writes a frame on it — this thread or the transport's own calls — so
 //!   frames never interleave. An ordered frame waits behind at most the one snapshot frame being
 //!   written.
-//! * Both threads run in the idle scheduling class (Linux `SCHED_IDLE`): a snapshot takes the
-//!   CPU the step leaves free, never the training threads'. How many frames are still waiting
-//!   ([`OutOfBandSender::backlog`]) then says whether the idle CPU carried the last round in a
-//!   step: what the snapshot tier's adaptive budget paces itself by.
+//! * Both threads run in the idle scheduling class (Linux `SCHED_IDLE`): they yield to the
+//!   training threads. What the snapshot tier's default budget paces itself by is measured here:
+//!   how many frames are still waiting ([`OutOfBandSender::backlog`]: did the last round make it
+//!   onto the wire in a step?) and the CPU time these threads (and the readers, for the frames
+//!   they read) spent on them (a [`CpuMeter`]).
 
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};

@@ -101,8 +101,8 @@ mod tests {
         (budget / unit * unit).min(need)
     }
 
-    /// Rounds against a host whose idle CPU carries `room` bytes a step: a round is late when it
-    /// sent more. Returns (sent, late) of every round.
+    /// Rounds against a host that carries `room` bytes a step without slowing: a round is too big
+    /// when it sent more. Returns (sent, late) of every round.
     fn run(rounds: usize, room: u64, need: u64, cap: u64, unit: u64) -> Vec<(u64, bool)> {
         let mut pace = SnapshotPace::default();
         let mut late = false;

@@ -42,8 +42,8 @@ pub struct SnapshotSettings {
     /// Bytes per second of the link given to snapshots: each step's budget is this times the
     /// previous step's mean seconds (what the link carries while the next step computes).
     pub bandwidth: f64,
-    /// Pace the budget by what the CPU the steps leave idle carries ([`SnapshotPace`]), with
-    /// `bandwidth` its cap: the default when no bandwidth is given.
+    /// Pace the budget by what the last round cost ([`SnapshotPace`]), `bandwidth` × the step
+    /// its ceiling: the default when no bandwidth is given.
     #[serde(default)]
     pub adaptive: bool,
 }
@@ -208,10 +208,10 @@ impl SnapshotTier {
         self.cpu_mark = None;
     }
 
-    /// This rank's part of the last round's cost ([`lazarus_plan::RoundCost`]), as the step's all-reduce sums
-    /// it: whether frames of it are still to be written, and the CPU seconds its transport spent
-    /// on snapshot frames and its process spent in all since the last call (zeroes with
-    /// snapshots off, and on an epoch's first step: a new transport counts from zero).
+    /// This rank's part of the last round's cost ([`lazarus_plan::RoundCost`]), as the step's
+    /// all-reduce sums it: whether frames of it are still to be written, and the CPU seconds its
+    /// transport spent on snapshot frames and its process spent in all since the last call
+    /// (zeroes with snapshots off, and on an epoch's first step: a new transport counts from 0).
     pub(crate) fn round_cost_here(&mut self, t: &dyn Transport) -> (bool, f64, f64) {
         if self.settings.is_none() {
             return (false, 0.0, 0.0);
