@@ -12,11 +12,12 @@
 //!   taken by whoever writes a frame on it — this thread or the transport's own calls — so
 //!   frames never interleave. An ordered frame waits behind at most the one snapshot frame being
 //!   written.
-//! * Both threads run in the idle scheduling class (Linux `SCHED_IDLE`): they yield to the
-//!   training threads. What the snapshot tier's default budget paces itself by is measured here:
-//!   how many frames are still waiting ([`OutOfBandSender::backlog`]: did the last round make it
-//!   onto the wire in a step?) and the CPU time these threads (and the readers, for the frames
-//!   they read) spent on them (a [`CpuMeter`]).
+//! * What the snapshot tier's default budget paces itself by is measured here: how many frames
+//!   are still waiting ([`OutOfBandSender::backlog`]: did the last round make it onto the wire
+//!   in a step?) and the CPU time these threads (and the readers, for the frames they read)
+//!   spent on them (a [`CpuMeter`]). The threads run at the normal priority: in the idle
+//!   scheduling class they did not measurably cost the step less, and a host kept busy by other
+//!   processes (a data loader) could starve them past the receiver's deadline.
 
 use std::io::Write;
 use std::net::{Shutdown, TcpStream};
@@ -98,15 +99,9 @@ impl OutOfBandSender {
         let closing = Arc::new(AtomicBool::new(false));
         let writers: Arc<[Option<Writer>]> = writers.into();
         let (stop, w, pool, meter) = (closing.clone(), writers.clone(), written.clone(), cpu.clone());
-        std::thread::Builder::new().name("lazarus-comm-oow".into()).spawn(move || {
-            run_when_idle();
-            write(to_write, &w, &stop, &pool, &meter)
-        })?;
+        std::thread::Builder::new().name("lazarus-comm-oow".into()).spawn(move || write(to_write, &w, &stop, &pool, &meter))?;
         let stop = closing.clone();
-        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || {
-            run_when_idle();
-            copy(rx, ready, &writers, &stop, &written, &cpu)
-        })?;
+        std::thread::Builder::new().name("lazarus-comm-oob".into()).spawn(move || copy(rx, ready, &writers, &stop, &written, &cpu))?;
         Ok(OutOfBandSender { jobs, closing, backlog: Arc::default() })
     }
 
@@ -232,15 +227,4 @@ pub(super) fn write_frame(stream: &TcpStream, header: &[u8], payload: &[u8], dea
         }
     }
     Ok(())
-}
-
-/// Put the calling thread in the idle scheduling class: it runs only on CPU no other thread
-/// wants. Best effort: elsewhere than Linux, or where it is refused, the thread keeps its class.
-fn run_when_idle() {
-    #[cfg(target_os = "linux")]
-    // SAFETY: sched_setscheduler reads the parameter struct only; pid 0 is the calling thread.
-    unsafe {
-        let param = libc::sched_param { sched_priority: 0 };
-        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
-    }
 }

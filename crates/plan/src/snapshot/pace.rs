@@ -9,10 +9,9 @@
 //! * **the CPU**: the transports' threads spent more than [`SNAPSHOT_CPU_SHARE`] of the
 //!   processes' CPU time on snapshot frames (copying, writing and reading them). On a host whose
 //!   cores the training fills — a CPU run — every cycle a snapshot takes is one the step loses,
-//!   and on loopback the link *is* the CPU. (The transport runs its snapshot threads in the idle
-//!   scheduling class, but measured on a 2-core VM that did not keep their cost off the step:
-//!   the copies compete for memory bandwidth and caches, and the reads run on the transport's
-//!   reader threads.)
+//!   and on loopback the link *is* the CPU. (Running the snapshot threads in the idle
+//!   scheduling class did not keep their cost off the step on a 2-core VM: the copies compete
+//!   for memory bandwidth and caches, and the reads run on the transport's reader threads.)
 //!
 //! The pace reacts to either as TCP's congestion control does (Jacobson 1988): it doubles from
 //! one expert a round until a round is too big, then halves on every round that is and grows by
