@@ -427,9 +427,9 @@ fn encoded_snapshots_arrive_whole_and_a_failed_encoder_closes_the_connection() {
     assert!(matches!(out[0], Some(Err(CommError::Invalid { .. }))), "{:?}", out[0]);
 }
 
-/// The backlog counts out-of-band frames not yet on the wire — one whose copy is still running
-/// and the one queued behind it — and falls to none once they are written, or once a frame is
-/// dropped (a failed encoder): what the snapshot tier's adaptive budget reads.
+/// The backlog counts out-of-band frames not yet through the sender — one whose copy is still
+/// running and the one queued behind it — and falls to none once they are written, or once a
+/// frame is dropped (a failed encoder): what the snapshot tier's adaptive budget reads.
 #[test]
 fn the_out_of_band_backlog_counts_frames_until_they_are_on_the_wire() {
     use lazarus_comm::tags::{expert_transfer, TransferKind};

@@ -80,8 +80,9 @@ struct SnapshotTotals {
     bytes: u64,
     moetion_bytes: u64,
     at_risk_bytes: u64,
-    /// Summed shares of the workers' CPU (divided by `steps` for the mean).
-    cpu_share: f64,
+    /// CPU seconds of the workers' snapshot frames, and of the workers in all, over the steps.
+    snapshot_cpu_s: f64,
+    process_cpu_s: f64,
 }
 
 impl Reporter {
@@ -153,7 +154,8 @@ impl Reporter {
             t.bytes += s.bytes;
             t.moetion_bytes += s.moetion_bytes;
             t.at_risk_bytes += s.at_risk_bytes;
-            t.cpu_share += s.cpu_share;
+            t.snapshot_cpu_s += s.snapshot_cpu_s;
+            t.process_cpu_s += s.process_cpu_s;
         }
         let tps = r.tokens as f64 / seconds.max(1e-9);
         self.tokens += r.tokens;
@@ -282,7 +284,7 @@ impl Reporter {
                 per_step(t.bytes),
                 per_step(t.at_risk_bytes),
                 per_step(t.moetion_bytes),
-                100.0 * t.cpu_share / t.steps.max(1) as f64
+                100.0 * lazarus_plan::RoundCost { late_ranks: 0, snapshot_cpu_s: t.snapshot_cpu_s, process_cpu_s: t.process_cpu_s }.cpu_share()
             );
         }
         if let Some(p) = checkpoint {

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
 use lazarus_comm::{deadline_after, Transport};
-use lazarus_plan::{nodes_holding, select_snapshots, SnapshotPace, SnapshotPolicy, SNAPSHOT_CPU_SHARE};
+use lazarus_plan::{nodes_holding, select_snapshots, RoundCost, SnapshotPace, SnapshotPolicy};
 use serde::{Deserialize, Serialize};
 
 use super::{Worker, WorkerStepReport};
@@ -39,8 +39,9 @@ use crate::expert_state::ExpertState;
 pub struct SnapshotSettings {
     /// Ranks of a node: ranks `q·G .. q·G+G` are node q of every plan.
     pub gpus_per_node: usize,
-    /// Bytes per second of the link given to snapshots: each step's budget is this times the
-    /// previous step's mean seconds (what the link carries while the next step computes).
+    /// Bytes per second of the link given to snapshots: this times the previous step's mean
+    /// seconds (what the link carries while the next step computes) is each step's budget, or
+    /// with `adaptive` its ceiling.
     pub bandwidth: f64,
     /// Pace the budget by what the last round cost ([`SnapshotPace`]), `bandwidth` × the step
     /// its ceiling: the default when no bandwidth is given.
@@ -87,9 +88,13 @@ pub struct SnapshotStepStats {
     #[serde(default)]
     pub late_ranks: usize,
     /// The share of the workers' CPU time the previous round's frames took (copying, writing,
-    /// reading).
+    /// reading): `snapshot_cpu_s` over `process_cpu_s`, both summed over the workers.
     #[serde(default)]
     pub cpu_share: f64,
+    #[serde(default)]
+    pub snapshot_cpu_s: f64,
+    #[serde(default)]
+    pub process_cpu_s: f64,
     /// Experts and bytes sent into other nodes' memory over the job this step.
     pub experts: usize,
     pub bytes: u64,
@@ -208,20 +213,21 @@ impl SnapshotTier {
         self.cpu_mark = None;
     }
 
-    /// This rank's part of the last round's cost ([`lazarus_plan::RoundCost`]), as the step's
-    /// all-reduce sums it: whether frames of it are still to be written, and the CPU seconds its
-    /// transport spent on snapshot frames and its process spent in all since the last call
-    /// (zeroes with snapshots off, and on an epoch's first step: a new transport counts from 0).
-    pub(crate) fn round_cost_here(&mut self, t: &dyn Transport) -> (bool, f64, f64) {
+    /// This rank's terms of the last round's cost for the step's all-reduce
+    /// ([`RoundCost::terms`]): whether frames of it are still to be written, and the CPU seconds
+    /// its transport spent on snapshot frames and its process spent in all since the last call
+    /// (zeroes with snapshots off, and on an epoch's first step: its transport is new, and the
+    /// mark was reset with it in [`SnapshotTier::new_epoch`]).
+    pub(crate) fn round_cost_here(&mut self, t: &dyn Transport) -> [f32; RoundCost::TERMS] {
         if self.settings.is_none() {
-            return (false, 0.0, 0.0);
+            return RoundCost::terms(false, 0.0, 0.0);
         }
         let now = (t.out_of_band_cpu(), lazarus_comm::cpu_time::process_cpu());
         let (snapshot, process) = match self.cpu_mark.replace(now) {
-            Some((s, p)) if s <= now.0 && p <= now.1 => (now.0 - s, now.1 - p),
-            _ => (Duration::ZERO, Duration::ZERO),
+            Some((s, p)) => (now.0.saturating_sub(s), now.1.saturating_sub(p)),
+            None => (Duration::ZERO, Duration::ZERO),
         };
-        (t.out_of_band_backlog() > 0, snapshot.as_secs_f64(), process.as_secs_f64())
+        RoundCost::terms(t.out_of_band_backlog() > 0, snapshot.as_secs_f64(), process.as_secs_f64())
     }
 }
 
@@ -335,7 +341,7 @@ impl Worker {
         let per_layer = vec![bytes_per; layers];
         let cap = (settings.bandwidth * r.mean_step_s.max(0.0)).min(u64::MAX as f64 / 2.0) as u64;
         let budget = match settings.adaptive {
-            true => tier.pace.budget(r.snapshot_cost.too_big(SNAPSHOT_CPU_SHARE), cap, bytes_per),
+            true => tier.pace.budget(&r.snapshot_cost, cap, bytes_per),
             false => cap,
         };
         let node_of: Vec<usize> = (0..self.world).map(|q| q / g).collect();
@@ -349,6 +355,8 @@ impl Worker {
             cap_bytes: cap,
             late_ranks: r.snapshot_cost.late_ranks,
             cpu_share: r.snapshot_cost.cpu_share(),
+            snapshot_cpu_s: r.snapshot_cost.snapshot_cpu_s,
+            process_cpu_s: r.snapshot_cost.process_cpu_s,
             experts: ours.experts.len(),
             bytes: ours.bytes,
             moetion_bytes: theirs.bytes,
@@ -400,6 +408,21 @@ mod tests {
         // Another shape (a new model after a rollback): counting starts again.
         tier.count_committed(13, &[vec![1, 1, 1]]);
         assert_eq!(tier.tokens, vec![vec![1, 1, 1]]);
+    }
+
+    /// Survivors and joiners of a move must pace alike (or senders and receivers disagree on
+    /// what is sent): a new epoch starts the pace and the CPU marks afresh, as a joiner has them.
+    #[test]
+    fn a_new_epoch_paces_afresh_as_a_joiner_does() {
+        let mut tier =
+            SnapshotTier { settings: Some(SnapshotSettings { gpus_per_node: 1, bandwidth: 1e9, adaptive: true }), ..Default::default() };
+        let busy = RoundCost { late_ranks: 1, ..Default::default() };
+        tier.pace.budget(&busy, 1000, 10);
+        tier.pace.sent(600);
+        tier.cpu_mark = Some((Duration::from_secs(1), Duration::from_secs(2)));
+        tier.new_epoch();
+        let joiner = SnapshotTier::default();
+        assert_eq!((tier.pace, tier.cpu_mark), (joiner.pace, joiner.cpu_mark));
     }
 
     #[test]

@@ -186,27 +186,14 @@ impl Worker {
         // What the last snapshot round cost this rank (lazarus_plan::RoundCost), summed over the
         // ranks: whether its frames are not all written yet, and the CPU they took against the
         // process's since the last step.
-        let (late, snapshot_cpu_s, process_cpu_s) = self.snapshots.round_cost_here(t);
-        flat.extend([
-            ce_value as f32,
-            aux_local as f32,
-            expert_sq as f32,
-            pause_vote,
-            last_s as f32,
-            f32::from(u8::from(late)),
-            snapshot_cpu_s as f32,
-            process_cpu_s as f32,
-        ]);
+        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote, last_s as f32]);
+        flat.extend(self.snapshots.round_cost_here(t));
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         let pause = flat[extras + 3] > 0.5;
         let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
-        let snapshot_cost = lazarus_plan::RoundCost {
-            late_ranks: flat[extras + 5].round().max(0.0) as usize,
-            snapshot_cpu_s: f64::from(flat[extras + 6]),
-            process_cpu_s: f64::from(flat[extras + 7]),
-        };
+        let snapshot_cost = lazarus_plan::RoundCost::from_sums([flat[extras + 5], flat[extras + 6], flat[extras + 7]]);
         flat.truncate(extras);
 
         let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
