@@ -577,3 +577,47 @@ fn the_default_snapshot_budget_paces_itself_by_what_the_last_round_cost() {
     assert!(summary.contains("at risk") && summary.contains("of the workers' CPU"), "the summary says what snapshots cost: {summary}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--snapshot-ceiling` bounds the paced budget (a ceiling of 1 B/s leaves no room for any
+/// expert: nothing is sent), and is checked: a ceiling of 0 or below, or one given beside a fixed
+/// `--snapshot-bandwidth`, is refused with the flag named.
+#[test]
+fn the_snapshot_ceiling_bounds_the_paced_budget_and_is_checked() {
+    let d = dir("snapshot-ceiling");
+    let path = d.join("log.jsonl");
+    let mut args = vec![
+        "train",
+        "--workers",
+        "4",
+        "--slots-per-worker",
+        "1",
+        "--steps",
+        "6",
+        "--snapshot-ceiling",
+        "1",
+        "--json-log",
+        path.to_str().unwrap(),
+    ];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let snap: Vec<&serde_json::Value> = lines.iter().filter_map(|l| l.get("snapshot")).collect();
+    assert_eq!(snap.len(), 5);
+    assert!(snap.iter().all(|s| s["cap_bytes"].as_u64() == Some(0) && s["bytes"].as_u64() == Some(0)), "{snap:?}");
+    assert!(snap.iter().any(|s| s["at_risk_bytes"].as_u64() > Some(0)), "{snap:?}");
+    for (bad, says) in [
+        (vec!["--snapshot-ceiling", "0"], "--snapshot-ceiling"),
+        (vec!["--snapshot-ceiling=-5"], "--snapshot-ceiling"),
+        (vec!["--snapshot-ceiling", "inf"], "--snapshot-ceiling"),
+        (vec!["--snapshot-ceiling", "1e9", "--snapshot-bandwidth", "1e6"], "--snapshot-bandwidth"),
+    ] {
+        let mut args = vec!["train", "--workers", "2", "--steps", "2"];
+        args.extend(tiny());
+        args.extend(&bad);
+        let out = lazarus(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{bad:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -150,6 +150,11 @@ pub struct TrainArgs {
     /// step — from one expert a step up to 625e6 (5 Gb/s); 0: no snapshots.
     #[arg(long, value_name = "BYTES_PER_S")]
     pub snapshot_bandwidth: Option<f64>,
+    /// With --workers and recovery: the ceiling of the paced default snapshot budget, in bytes
+    /// per second of the link (default 625e6, 5 Gb/s): raise it on a fast network, where a host
+    /// with CPU to spare can snapshot more each step.
+    #[arg(long, value_name = "BYTES_PER_S", conflicts_with = "snapshot_bandwidth")]
+    pub snapshot_ceiling: Option<f64>,
     /// With --gpus-per-node: replay node failures and arrivals on the local agents — a trace in
     /// Bamboo's format (`ms,add|remove,node` lines), or a generator: `fail-every:EVERY[:SEED]`
     /// (one node fails every EVERY until half remain), `poisson:MTBF:REPAIR:DURATION[:SEED]`
@@ -202,9 +207,10 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 17] = [
+        let given: [(&'static str, bool); 18] = [
             ("--rebalance-every", self.rebalance_every.is_some()),
             ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),
+            ("--snapshot-ceiling", self.snapshot_ceiling.is_some()),
             ("--replay", self.replay.is_some()),
             ("--replay-scale", self.replay_scale.is_some()),
             ("--replay-notice", self.replay_notice),

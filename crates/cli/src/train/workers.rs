@@ -315,7 +315,10 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     }
     // The log file is opened (and checked) before any worker starts.
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
-    let bandwidth = args.snapshot_bandwidth.unwrap_or(DEFAULT_SNAPSHOT_BANDWIDTH);
+    if let Some(c) = args.snapshot_ceiling.filter(|c| !c.is_finite() || *c <= 0.0) {
+        bail!("invalid --snapshot-ceiling: {c} (bytes per second, more than 0; --snapshot-bandwidth 0 turns snapshots off)");
+    }
+    let bandwidth = args.snapshot_bandwidth.or(args.snapshot_ceiling).unwrap_or(DEFAULT_SNAPSHOT_BANDWIDTH);
     if !bandwidth.is_finite() || bandwidth < 0.0 {
         bail!("invalid --snapshot-bandwidth: {bandwidth} (bytes per second, 0 or more; 0: no snapshots)");
     }
@@ -553,6 +556,9 @@ fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
         }
         if args.snapshot_bandwidth.is_some_and(|b| b > 0.0) {
             bail!("--snapshot-bandwidth needs live recovery (snapshots restore experts in a move): drop --recovery off");
+        }
+        if args.snapshot_ceiling.is_some() {
+            bail!("--snapshot-ceiling needs live recovery (snapshots restore experts in a move): drop --recovery off");
         }
         return Ok(None);
     }
