@@ -77,3 +77,26 @@ fn a_dtype_change_and_a_broadcast_give_gradients_of_the_tensors_own_kind() {
     assert_eq!(values(gx), vec![6.0; 3]);
     assert_eq!(values(grads.get(&bias).unwrap()), vec![6.0; 3]);
 }
+
+#[test]
+fn a_large_gradient_from_a_matmul_is_summed_over_the_pool_without_keeping_its_graph() {
+    // y = Σ x·W + Σ x ⊙ c with x of 300 × 256 (over the size added over the pool): x's first
+    // gradient comes from the matmul (computed from the variable W, so it records its op), the
+    // second is added to it: dx[i][j] = Σ_m W[j][m] + c[i][j], exact in small integers.
+    let (n, k, m) = (300, 256, 4);
+    let xs: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 - 3.0).collect();
+    let ws: Vec<f32> = (0..k * m).map(|i| (i % 3) as f32).collect();
+    let cs: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32).collect();
+    let (x, w) = (var(&xs, (n, k)), var(&ws, (k, m)));
+    let c = Tensor::from_slice(&cs, (n, k), &Device::Cpu).unwrap();
+    let mm = x.as_tensor().matmul(w.as_tensor()).unwrap().sum_all().unwrap();
+    let prod = (x.as_tensor() * &c).unwrap().sum_all().unwrap();
+    let grads = (mm + prod).unwrap().backward().unwrap();
+    let gx = grads.get(&x).unwrap();
+    let want: Vec<f32> = (0..n * k).map(|i| (0..m).map(|q| ws[(i % k) * m + q]).sum::<f32>() + cs[i]).collect();
+    assert_eq!(values(gx), want);
+    if std::env::var("CANDLE_GRAD_DO_NOT_DETACH").map_or(true, |v| v.is_empty() || v == "0") {
+        // The sum is detached when its node is reached anyway: it carries no graph.
+        assert!(!gx.track_op());
+    }
+}

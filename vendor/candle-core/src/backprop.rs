@@ -699,8 +699,12 @@ fn add_f32_parallel(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     use rayon::prelude::*;
     const MIN_ELEMS: usize = 1 << 16;
     let kind_ok = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    // A tracked operand (CANDLE_GRAD_DO_NOT_DETACH) keeps upstream's add, which records the op.
-    if !kind_ok(a) || !kind_ok(b) || a.shape() != b.shape() || a.elem_count() < MIN_ELEMS || a.track_op() || b.track_op() {
+    // Under CANDLE_GRAD_DO_NOT_DETACH a tracked operand keeps upstream's add, which records the
+    // op. Otherwise the sum is detached when its node is reached (and a variable's gradient
+    // needs no graph), so a gradient computed from tracked tensors — a matmul's, from the
+    // weights — is added here too: it was most of the adds left on one thread.
+    let keep_graph = CANDLE_GRAD_DO_NOT_DETACH.with(|d| *d) && (a.track_op() || b.track_op());
+    if !kind_ok(a) || !kind_ok(b) || a.shape() != b.shape() || a.elem_count() < MIN_ELEMS || keep_graph {
         return Ok(None);
     }
     let (Some((a0, a1)), Some((b0, b1))) = (a.layout().contiguous_offsets(), b.layout().contiguous_offsets()) else {
