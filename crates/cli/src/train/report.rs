@@ -81,8 +81,7 @@ struct SnapshotTotals {
     moetion_bytes: u64,
     at_risk_bytes: u64,
     /// CPU seconds of the workers' snapshot frames, and of the workers in all, over the steps.
-    snapshot_cpu_s: f64,
-    process_cpu_s: f64,
+    cpu: lazarus_plan::RoundCost,
 }
 
 impl Reporter {
@@ -154,8 +153,8 @@ impl Reporter {
             t.bytes += s.bytes;
             t.moetion_bytes += s.moetion_bytes;
             t.at_risk_bytes += s.at_risk_bytes;
-            t.snapshot_cpu_s += s.snapshot_cpu_s;
-            t.process_cpu_s += s.process_cpu_s;
+            t.cpu.snapshot_cpu_s += s.snapshot_cpu_s;
+            t.cpu.process_cpu_s += s.process_cpu_s;
         }
         let tps = r.tokens as f64 / seconds.max(1e-9);
         self.tokens += r.tokens;
@@ -284,7 +283,7 @@ impl Reporter {
                 per_step(t.bytes),
                 per_step(t.at_risk_bytes),
                 per_step(t.moetion_bytes),
-                100.0 * lazarus_plan::RoundCost { late_ranks: 0, snapshot_cpu_s: t.snapshot_cpu_s, process_cpu_s: t.process_cpu_s }.cpu_share()
+                100.0 * t.cpu.cpu_share()
             );
         }
         if let Some(p) = checkpoint {

@@ -51,12 +51,12 @@ impl RoundCost {
     pub const TERMS: usize = 3;
 
     /// This rank's terms ([`RoundCost::TERMS`] of them) for the all-reduce.
-    pub fn terms(late: bool, snapshot_cpu_s: f64, process_cpu_s: f64) -> [f32; 3] {
+    pub fn terms(late: bool, snapshot_cpu_s: f64, process_cpu_s: f64) -> [f32; Self::TERMS] {
         [f32::from(u8::from(late)), snapshot_cpu_s as f32, process_cpu_s as f32]
     }
 
     /// The job's cost from the summed terms (the same bits on every rank).
-    pub fn from_sums(sums: [f32; 3]) -> Self {
+    pub fn from_sums(sums: [f32; Self::TERMS]) -> Self {
         RoundCost {
             late_ranks: sums[0].round().max(0.0) as usize,
             snapshot_cpu_s: f64::from(sums[1]).max(0.0),

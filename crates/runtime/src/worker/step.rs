@@ -193,7 +193,10 @@ impl Worker {
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         let pause = flat[extras + 3] > 0.5;
         let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
-        let snapshot_cost = lazarus_plan::RoundCost::from_sums([flat[extras + 5], flat[extras + 6], flat[extras + 7]]);
+        let cost_at = extras + 5;
+        let snapshot_cost = lazarus_plan::RoundCost::from_sums(
+            flat[cost_at..cost_at + lazarus_plan::RoundCost::TERMS].try_into().expect("the cost's terms follow the step's five"),
+        );
         flat.truncate(extras);
 
         let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
