@@ -3,12 +3,14 @@
 //! expert FFNs, and the achieved matmul GFLOP/s against the machine's measured GEMM peak. The
 //! side-by-side run of PyTorch is the CLI's (it starts a process).
 
-use std::time::Instant;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
 use serde::Serialize;
 
 use crate::error::Result;
+use crate::profile;
 use crate::rng::SplitMix64;
 use crate::trainer::{TrainConfig, Trainer};
 
@@ -43,6 +45,55 @@ pub struct TrainBenchReport {
     /// On a GPU: bytes in use after each measured step (flat when a step leaves nothing behind).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub gpu_used_after_step: Vec<u64>,
+    /// Where a step's time went (`--profile`): see [`crate::profile`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<ProfileRow>,
+}
+
+/// One scope of the step's profile, per step (the mean over the measured steps).
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileRow {
+    /// `step` for the whole step; else forward, backward, grad-norm, adamw.
+    pub phase: String,
+    /// A fused kernel's pass, `(phase)` for the whole phase, `(outside kernels)` for the rest of
+    /// it (candle's own ops and autograd), `(outside phases)` for the step's rest.
+    pub scope: String,
+    pub calls_per_step: f64,
+    /// Wall seconds per step.
+    pub wall_s: f64,
+    /// The calling thread's CPU seconds per step: serial work, which more cores cannot shorten.
+    pub serial_s: f64,
+    /// The process's CPU time over the wall time: cores busy on average.
+    pub busy_cores: f64,
+}
+
+/// The profile rows of `steps` measured steps from per-step totals keyed by (phase, kernel), and
+/// the whole steps' own totals (see [`crate::profile`]).
+fn profile_rows(totals: &BTreeMap<(&'static str, &'static str), profile::Totals>, whole: profile::Totals, steps: usize) -> Vec<ProfileRow> {
+    let per_step = |d: Duration| d.as_secs_f64() / steps.max(1) as f64;
+    let row = |phase: &str, scope: &str, t: &profile::Totals| ProfileRow {
+        phase: phase.to_string(),
+        scope: scope.to_string(),
+        calls_per_step: t.calls as f64 / steps.max(1) as f64,
+        wall_s: per_step(t.wall),
+        serial_s: per_step(t.thread_cpu),
+        busy_cores: if t.wall.is_zero() { 0.0 } else { t.process_cpu.as_secs_f64() / t.wall.as_secs_f64() },
+    };
+    let mut rows = vec![row("step", "(step)", &whole)];
+    let phases: Vec<&str> = totals.keys().filter(|(_, k)| *k == profile::WHOLE_PHASE).map(|(p, _)| *p).collect();
+    for phase in &phases {
+        let whole_phase = totals[&(*phase, profile::WHOLE_PHASE)];
+        rows.push(row(phase, "(phase)", &whole_phase));
+        let kernels: Vec<_> = totals.iter().filter(|((p, k), _)| p == phase && *k != profile::WHOLE_PHASE).collect();
+        let in_kernels = kernels.iter().fold(profile::Totals::default(), |a, (_, t)| a.plus(**t));
+        for ((_, k), t) in kernels {
+            rows.push(row(phase, k, t));
+        }
+        rows.push(row(phase, "(outside kernels)", &whole_phase.minus(in_kernels)));
+    }
+    let in_phases = phases.iter().fold(profile::Totals::default(), |a, p| a.plus(totals[&(*p, profile::WHOLE_PHASE)]));
+    rows.push(row("step", "(outside phases)", &whole.minus(in_phases)));
+    rows
 }
 
 /// (batch count, m, k, n): `batch` independent [m×k]·[k×n] products.
@@ -127,8 +178,15 @@ pub fn device_peak_gflops(device: &Device, n: usize, reps: usize) -> Result<f64>
     Ok(2.0 * (n * n * n) as f64 / best / 1e9)
 }
 
-/// The training benchmark on `device` (see [`crate::device::parse`]).
-pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, iterations: usize) -> Result<TrainBenchReport> {
+/// The training benchmark on `device` (see [`crate::device::parse`]); with `with_profile`, where
+/// each step's time went ([`crate::profile`]).
+pub fn train_benchmark(
+    config: &TrainConfig,
+    device: &Device,
+    warmup: usize,
+    iterations: usize,
+    with_profile: bool,
+) -> Result<TrainBenchReport> {
     let mut trainer = Trainer::new_on(config.clone(), device)?;
     let device = trainer.model.device().clone();
     let (b, t) = (config.batch_size, config.seq_len);
@@ -179,11 +237,21 @@ pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, ite
     // Rounds interleave the two measurements so that a slow spell of this (shared, noisy)
     // machine hits both alike; each figure is the median over rounds.
     let (mut step_times, mut expert_times, mut used_after_step) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut totals, mut whole) = (BTreeMap::new(), profile::Totals::default());
     for _ in 0..iterations {
         // One full training step, as `lazarus train` runs it.
+        profile::enable(with_profile);
+        let step_scope = profile::phase("step");
         let start = Instant::now();
         trainer.step()?;
         step_times.push(start.elapsed().as_secs_f64());
+        drop(step_scope);
+        for ((phase, kernel), t) in profile::totals() {
+            let acc: &mut profile::Totals =
+                if (phase, kernel) == ("step", profile::WHOLE_PHASE) { &mut whole } else { totals.entry((phase, kernel)).or_default() };
+            *acc = acc.plus(t);
+        }
+        profile::enable(false);
         used_after_step.extend(crate::device::gpu_memory(&device).map(|m| m.used));
 
         // Expert FFNs alone, forward+backward, with the token counts measured above.
@@ -218,5 +286,44 @@ pub fn train_benchmark(config: &TrainConfig, device: &Device, warmup: usize, ite
         utilisation: model_gflops / peak_gflops,
         gpu_memory: crate::device::gpu_memory(&device),
         gpu_used_after_step: used_after_step,
+        profile: if with_profile { profile_rows(&totals, whole, iterations) } else { Vec::new() },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    #[test]
+    fn the_profile_splits_each_step_into_phases_and_kernels_that_add_up() {
+        let mut config = TrainConfig { batch_size: 2, seq_len: 8, ..TrainConfig::default() };
+        config.model = ModelConfig { d_model: 16, d_ff: 32, n_heads: 2, n_layers: 2, n_experts: 4, ..config.model };
+        let plain = train_benchmark(&config, &Device::Cpu, 1, 2, false).unwrap();
+        assert!(plain.profile.is_empty(), "no profile unless asked");
+        let r = train_benchmark(&config, &Device::Cpu, 1, 2, true).unwrap();
+        let find = |phase: &str, scope: &str| r.profile.iter().find(|p| p.phase == phase && p.scope == scope);
+        let step = find("step", "(step)").expect("the whole step");
+        assert_eq!(r.profile[0].scope, "(step)");
+        let phases: Vec<&ProfileRow> = r.profile.iter().filter(|p| p.scope == "(phase)").collect();
+        let names: Vec<&str> = phases.iter().map(|p| p.phase.as_str()).collect();
+        assert_eq!(names, ["adamw", "backward", "forward", "grad-norm"]);
+        let rest = find("step", "(outside phases)").unwrap();
+        let sum: f64 = phases.iter().map(|p| p.wall_s).sum::<f64>() + rest.wall_s;
+        assert!((sum - step.wall_s).abs() <= 1e-6 * step.wall_s.max(1.0), "{sum} vs {}", step.wall_s);
+        // Each MoE layer's grouped expert node, once a step forward and once backward.
+        for scope in ["grouped-expert-ffn-to-sink.fwd", "grouped-expert-ffn-to-sink.bwd"] {
+            let phase = if scope.ends_with("fwd") { "forward" } else { "backward" };
+            assert_eq!(find(phase, scope).map(|p| p.calls_per_step), Some(2.0), "{scope}: {:?}", r.profile);
+        }
+        for phase in &phases {
+            let kernels: Vec<&ProfileRow> = r.profile.iter().filter(|p| p.phase == phase.phase && p.scope != "(phase)").collect();
+            let wall: f64 = kernels.iter().map(|p| p.wall_s).sum();
+            assert!((wall - phase.wall_s).abs() <= 1e-6 * phase.wall_s.max(1.0), "{}: kernels + outside = phase", phase.phase);
+            for p in kernels {
+                assert!(p.wall_s >= 0.0 && p.serial_s >= 0.0 && p.busy_cores >= 0.0, "{p:?}");
+            }
+        }
+        assert!(step.serial_s > 0.0 && step.serial_s <= step.wall_s * 1.05 + 1e-3, "serial work is part of the step: {step:?}");
+    }
 }

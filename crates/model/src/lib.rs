@@ -12,6 +12,7 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod params;
+pub mod profile;
 pub mod rng;
 pub mod routing;
 pub mod trainer;

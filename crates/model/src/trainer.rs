@@ -287,9 +287,18 @@ impl Trainer {
         let inputs = Tensor::from_vec(batch.inputs, (b, t), &device)?;
         let targets = Tensor::from_vec(batch.targets, (b, t), &device)?;
         let forced = self.trace.as_ref().map(|tr| tr.at(self.step));
-        let out = self.model.forward(&inputs, &targets, forced)?;
-        let grads = out.backward()?;
-        let norm = grad_norm(self.model.params(), &grads)?;
+        let out = {
+            let _profile = crate::profile::phase("forward");
+            self.model.forward(&inputs, &targets, forced)?
+        };
+        let grads = {
+            let _profile = crate::profile::phase("backward");
+            out.backward()?
+        };
+        let norm = {
+            let _profile = crate::profile::phase("grad-norm");
+            grad_norm(self.model.params(), &grads)?
+        };
         // A diverged step is never applied (nor, then, saved).
         let loss = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         for (what, value) in [("loss", loss), ("gradient norm", norm)] {
@@ -298,7 +307,10 @@ impl Trainer {
             }
         }
         let lr = self.config.schedule().at(self.step);
-        self.optimizer.step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
+        {
+            let _profile = crate::profile::phase("adamw");
+            self.optimizer.step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
+        }
         self.step += 1;
         let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
         Ok(StepReport {

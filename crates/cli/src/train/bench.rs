@@ -32,6 +32,11 @@ pub struct BenchTrainArgs {
     /// Do not run the PyTorch peer.
     #[arg(long)]
     no_torch: bool,
+    /// Also report where a step's time goes: each phase (forward, backward, gradient norm, AdamW)
+    /// and fused kernel with its wall time, its serial work (the calling thread's CPU time) and
+    /// the cores busy meanwhile.
+    #[arg(long)]
+    profile: bool,
     #[arg(long)]
     json: bool,
 }
@@ -64,7 +69,7 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     }
     let config = build_config(&args.train)?;
     let device = lazarus_model::device::parse(args.train.device.as_deref().unwrap_or("cpu"))?;
-    let r = lazarus_model::bench::train_benchmark(&config, &device, 2, args.iters)?;
+    let r = lazarus_model::bench::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
     let (pytorch, pytorch_skipped) = match args.no_torch {
         true => (None, Some("--no-torch".to_string())),
         false => match run_torch(&args.python, &config, &r.device, r.threads, args.iters) {
@@ -99,6 +104,28 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
         r.peak_gflops,
         r.flops_per_step
     );
+    if !r.profile.is_empty() {
+        let _ = writeln!(s, "profile          per step, mean over the measured steps; serial = the calling thread's CPU time");
+        let _ = writeln!(
+            s,
+            "  {:<11} {:<34} {:>6} {:>9} {:>7} {:>9} {:>6}",
+            "phase", "scope", "calls", "wall ms", "share", "serial ms", "cores"
+        );
+        let step = r.profile.first().map_or(f64::NAN, |p| p.wall_s);
+        for p in &r.profile {
+            let _ = writeln!(
+                s,
+                "  {:<11} {:<34} {:>6.0} {:>9.2} {:>6.1}% {:>9.2} {:>6.1}",
+                p.phase,
+                p.scope,
+                p.calls_per_step,
+                1e3 * p.wall_s,
+                100.0 * p.wall_s / step,
+                1e3 * p.serial_s,
+                p.busy_cores
+            );
+        }
+    }
     if let Some(m) = &r.gpu_memory {
         let _ = writeln!(s, "GPU memory       {m}");
     }

@@ -13,7 +13,7 @@
 //! the vectorized exp of `simd.rs`.
 
 use super::gemm::gemm_strided;
-use super::host::{contiguous_slice, host_f64, with_host_f32};
+use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
 use super::parallel::{for_each_parallel, SharedMut};
 use super::simd::{softmax_row_f32, softmax_row_f64};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -67,8 +67,10 @@ macro_rules! attention_impl {
         fn $fwd(qkv: &[$t], b: usize, t: usize, d: usize, heads: usize) -> Vec<$t> {
             let dh = d / heads;
             let scale = 1.0 / (dh as $t).sqrt();
-            let mut y: Vec<$t> = vec![0.0; b * t * d];
-            let out = SharedMut(y.as_mut_ptr());
+            // Every (batch, head) block's rows are written by its products (k ≥ 1) when the heads
+            // tile d; zero-filled otherwise.
+            let mut y = if dh > 0 && dh * heads == d { Unfilled::<$t>::new(b * t * d) } else { Unfilled::zeroed(b * t * d) };
+            let out = SharedMut(y.slots().as_mut_ptr().cast::<$t>());
             let src = qkv.as_ptr() as usize;
             for_each_parallel(b * heads, |job| {
                 #[allow(clippy::redundant_locals)] // capture the whole Send wrapper, not its raw pointer field
@@ -98,15 +100,16 @@ macro_rules! attention_impl {
                     }
                 }
             });
-            y
+            // SAFETY: each (batch, head) block written in full by its products, or zeroed above.
+            unsafe { y.assume_written() }
         }
 
         /// Gradient of qkv [b, t, 3d] from the output gradient g [b, t, d].
         fn $bwd(qkv: &[$t], g: &[$t], b: usize, t: usize, d: usize, heads: usize) -> Vec<$t> {
             let dh = d / heads;
             let scale = 1.0 / (dh as $t).sqrt();
-            let mut dqkv: Vec<$t> = vec![0.0; b * t * 3 * d];
-            let out = SharedMut(dqkv.as_mut_ptr());
+            let mut dqkv = if dh > 0 && dh * heads == d { Unfilled::<$t>::new(b * t * 3 * d) } else { Unfilled::zeroed(b * t * 3 * d) };
+            let out = SharedMut(dqkv.slots().as_mut_ptr().cast::<$t>());
             let (src, gsrc) = (qkv.as_ptr() as usize, g.as_ptr() as usize);
             let rs = 3 * d as isize;
             for_each_parallel(b * heads, |job| {
@@ -180,7 +183,9 @@ macro_rules! attention_impl {
                     }
                 }
             });
-            dqkv
+            // SAFETY: dQ, dK and dV of each (batch, head) block are written in full by the products
+            // above (every row block, k ≥ 1), or zeroed when the heads do not tile d.
+            unsafe { dqkv.assume_written() }
         }
     };
 }
@@ -194,6 +199,7 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("causal-attention.fwd");
         let (b, t, d3) = layout.shape().dims3()?;
         let d = d3 / 3;
         if d3 % 3 != 0 || d % self.heads != 0 {
@@ -208,6 +214,7 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("causal-attention.bwd");
         let (b, t, d3) = arg.dims3()?;
         let d = d3 / 3;
         let dqkv = match arg.dtype() {

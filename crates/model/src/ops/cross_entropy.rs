@@ -71,6 +71,7 @@ impl candle_core::CustomOp1 for CrossEntropy {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("cross-entropy.fwd");
         let (n, v) = l.shape().dims2()?;
         self.check(n, v)?;
         let out = match s {
@@ -85,6 +86,7 @@ impl candle_core::CustomOp1 for CrossEntropy {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("cross-entropy.bwd");
         let (_, v) = arg.dims2()?;
         let g = grad.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         let gx = self.grad(&host_f64(arg)?, v, g);

@@ -10,13 +10,21 @@
 
 use super::gelu::{gelu_grad_mul_f32, gelu_grad_mul_f64, gelu_slice_f32, gelu_slice_f64};
 use super::gemm::gemm_rm;
-use super::host::add_row_sums;
+use super::host::{add_row_sums, write_copy, zeroed, Unfilled};
 use super::parallel::{map_slices_parallel, zip_slices_parallel};
+use std::mem::MaybeUninit;
 
 macro_rules! expert_ffn_impl {
     ($fwd:ident, $bwd:ident, $t:ty, $gelu:ident, $gelu_grad:ident) => {
-        /// Writes y (n×d) into `y` and returns (h pre-activation, a = gelu(h)).
-        pub(super) fn $fwd(x: &[$t], [w1, b1, w2, b2]: [&[$t]; 4], n: usize, d: usize, f: usize, y: &mut [$t]) -> (Vec<$t>, Vec<$t>) {
+        /// Writes y (n×d) into every slot of `y` and returns (h pre-activation, a = gelu(h)).
+        pub(super) fn $fwd(
+            x: &[$t],
+            [w1, b1, w2, b2]: [&[$t]; 4],
+            n: usize,
+            d: usize,
+            f: usize,
+            y: &mut [MaybeUninit<$t>],
+        ) -> (Vec<$t>, Vec<$t>) {
             assert!(x.len() == n * d && y.len() == n * d && w1.len() == d * f && b1.len() == f && w2.len() == f * d && b2.len() == d);
             let mut h: Vec<$t> = Vec::with_capacity(n * f);
             for _ in 0..n {
@@ -25,17 +33,18 @@ macro_rules! expert_ffn_impl {
             // SAFETY: x is n×d, w1 is d×f, h is n×f; no aliasing.
             unsafe { gemm_rm(n, f, d, h.as_mut_ptr(), true, (x.as_ptr(), d as isize, 1), (w1.as_ptr(), f as isize, 1), 1.0) };
             let a: Vec<$t> = map_slices_parallel(&h, $gelu);
-            for row in y.chunks_exact_mut(d) {
-                row.copy_from_slice(b2);
+            for row in y.chunks_exact_mut(d.max(1)) {
+                write_copy(row, b2);
             }
             // SAFETY: a is n×f, w2 is f×d, y is n×d.
-            unsafe { gemm_rm(n, d, f, y.as_mut_ptr(), true, (a.as_ptr(), f as isize, 1), (w2.as_ptr(), d as isize, 1), 1.0) };
+            unsafe { gemm_rm(n, d, f, y.as_mut_ptr().cast::<$t>(), true, (a.as_ptr(), f as isize, 1), (w2.as_ptr(), d as isize, 1), 1.0) };
             (h, a)
         }
 
         /// Gradients of x and of [W1, b1, W2, b2] from the output gradient g (n×d), written into
-        /// `gx` (n×d) and `gw` (shaped as the weights). `saved` is (h, a) from the forward when
-        /// still at hand.
+        /// every slot of `gx` (n×d) and `gw` (shaped as the weights), none of which is read, so
+        /// they need no zero-fill (see [`Unfilled`](super::host::Unfilled)). `saved` is (h, a) from
+        /// the forward when still at hand.
         #[allow(clippy::too_many_arguments)]
         pub(super) fn $bwd(
             x: &[$t],
@@ -45,28 +54,33 @@ macro_rules! expert_ffn_impl {
             d: usize,
             f: usize,
             saved: Option<(Vec<$t>, Vec<$t>)>,
-            gx: &mut [$t],
-            [gw1, gb1, gw2, gb2]: [&mut [$t]; 4],
+            gx: &mut [MaybeUninit<$t>],
+            [gw1, gb1, gw2, gb2]: [&mut [MaybeUninit<$t>]; 4],
         ) {
             let [w1, _, w2, _] = w;
             assert!(gx.len() == n * d && g.len() == n * d);
             assert!(gw1.len() == d * f && gb1.len() == f && gw2.len() == f * d && gb2.len() == d);
-            if n == 0 {
-                [gw1, gb1, gw2, gb2].into_iter().for_each(|s| s.fill(0.0));
+            if n == 0 || d == 0 || f == 0 {
+                // No products to write them (the GEMMs below write every slot only for k > 0).
+                for s in [gx, gw1, gb1, gw2, gb2] {
+                    zeroed(s);
+                }
                 return;
             }
             let (h, a) = match saved {
                 Some((h, a)) if h.len() == n * f && a.len() == n * f => (h, a),
                 _ => {
-                    let mut y = vec![0.0; n * d];
-                    $fwd(x, w, n, d, f, &mut y)
+                    let mut y = Unfilled::<$t>::new(n * d);
+                    $fwd(x, w, n, d, f, y.slots())
                 }
             };
             // dW2 = aᵀ·g, db2 = Σ_rows g
-            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is f×d.
-            unsafe { gemm_rm(f, d, n, gw2.as_mut_ptr(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0) };
-            gb2.fill(0.0);
-            add_row_sums(gb2, g);
+            // SAFETY: aᵀ is f×n (row stride 1, column stride f), g is n×d, dst is f×d slots, every
+            // one written (k = n > 0, no read of dst).
+            unsafe {
+                gemm_rm(f, d, n, gw2.as_mut_ptr().cast::<$t>(), false, (a.as_ptr(), 1, f as isize), (g.as_ptr(), d as isize, 1), 1.0)
+            };
+            add_row_sums(zeroed(gb2), g);
             // gh = (g·W2ᵀ) ⊙ gelu'(h)
             let mut gh: Vec<$t> = Vec::with_capacity(n * f);
             // SAFETY: g is n×d, W2ᵀ is d×f (row stride 1, column stride d); gh has room for n×f,
@@ -78,13 +92,16 @@ macro_rules! expert_ffn_impl {
             }
             zip_slices_parallel(&mut gh, &h, $gelu_grad);
             // dW1 = xᵀ·gh, db1 = Σ_rows gh
-            // SAFETY: xᵀ is d×n, gh is n×f, dst is d×f.
-            unsafe { gemm_rm(d, f, n, gw1.as_mut_ptr(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0) };
-            gb1.fill(0.0);
-            add_row_sums(gb1, &gh);
+            // SAFETY: xᵀ is d×n, gh is n×f, dst is d×f slots, every one written (k = n > 0).
+            unsafe {
+                gemm_rm(d, f, n, gw1.as_mut_ptr().cast::<$t>(), false, (x.as_ptr(), 1, d as isize), (gh.as_ptr(), f as isize, 1), 1.0)
+            };
+            add_row_sums(zeroed(gb1), &gh);
             // dx = gh·W1ᵀ
-            // SAFETY: gh is n×f, W1ᵀ is f×d.
-            unsafe { gemm_rm(n, d, f, gx.as_mut_ptr(), false, (gh.as_ptr(), f as isize, 1), (w1.as_ptr(), 1, f as isize), 1.0) };
+            // SAFETY: gh is n×f, W1ᵀ is f×d, dst is n×d slots, every one written (k = f > 0).
+            unsafe {
+                gemm_rm(n, d, f, gx.as_mut_ptr().cast::<$t>(), false, (gh.as_ptr(), f as isize, 1), (w1.as_ptr(), 1, f as isize), 1.0)
+            };
         }
     };
 }

@@ -125,6 +125,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("gelu.fwd");
         apply(storage, layout, gelu_slice_f32, gelu_slice_f64)
     }
 
@@ -134,6 +135,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("gelu.bwd");
         let d = arg.contiguous()?.apply_op1_no_bwd(&GeluGrad)?;
         Ok(Some(grad.mul(&d)?))
     }

@@ -8,10 +8,11 @@
 //! which recomputes them only if they are gone.
 
 use super::expert_ffn::{ffn_bwd_f32, ffn_bwd_f64, ffn_fwd_f32, ffn_fwd_f64};
-use super::host::{contiguous_slice, host_f64, with_f32_slices, with_host_f32};
+use super::host::{as_slots, contiguous_slice, host_f64, with_f32_slices, with_host_f32, Unfilled};
 use super::parallel::run_parallel;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 /// Hidden pre-activation h and activation gelu(h) of one forward.
@@ -70,15 +71,17 @@ macro_rules! grouped_ffn_impl {
         /// The experts run side by side on the pool (each writes its own rows of y): an expert's
         /// GEMMs alone are too small to keep many cores busy. `weights[e]` = [W1, b1, W2, b2].
         fn $gfwd(x: &[$t], weights: &[[&[$t]; 4]], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
-            let mut y: Vec<$t> = vec![0.0; x.len()];
+            assert_eq!(counts.iter().sum::<usize>() * d, x.len(), "the experts' rows are x's rows");
+            let mut y = Unfilled::<$t>::new(x.len());
             let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
-            let work: Vec<_> = split_parts(&mut y, counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
+            let work: Vec<_> = split_parts(y.slots(), counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
             let saved = run_parallel(work, |(e, ye)| {
                 let (row, n) = (starts[e], counts[e]);
                 let (h, a) = $fwd(&x[row * d..(row + n) * d], weights[e], n, d, f, ye);
                 Saved::$variant(h, a)
             });
-            (y, saved)
+            // SAFETY: each expert's forward wrote every slot of its rows, and the rows cover x.
+            (unsafe { y.assume_written() }, saved)
         }
 
         /// As the forward: the experts side by side, each writing its own rows of the input
@@ -92,8 +95,9 @@ macro_rules! grouped_ffn_impl {
             d: usize,
             f: usize,
             saved: Option<Vec<Saved>>,
-            grads: Vec<[&mut [$t]; 4]>,
+            grads: Vec<[&mut [MaybeUninit<$t>]; 4]>,
         ) -> Vec<$t> {
+            assert_eq!(counts.iter().sum::<usize>() * d, x.len(), "the experts' rows are x's rows");
             let mut kept: Vec<Option<(Vec<$t>, Vec<$t>)>> = match saved.filter(|s| s.len() == counts.len()) {
                 Some(s) => s
                     .into_iter()
@@ -105,9 +109,9 @@ macro_rules! grouped_ffn_impl {
                     .collect(),
                 None => counts.iter().map(|_| None).collect(),
             };
-            let mut gx: Vec<$t> = vec![0.0; x.len()];
+            let mut gx = Unfilled::<$t>::new(x.len());
             let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
-            let work: Vec<_> = split_parts(&mut gx, counts.iter().map(|&n| n * d))
+            let work: Vec<_> = split_parts(gx.slots(), counts.iter().map(|&n| n * d))
                 .into_iter()
                 .zip(grads)
                 .zip(kept.iter_mut().map(Option::take))
@@ -118,7 +122,8 @@ macro_rules! grouped_ffn_impl {
                 let rows = row * d..(row + n) * d;
                 $bwd(&x[rows.clone()], weights[e], &g[rows], n, d, f, kept, ge, gw);
             });
-            gx
+            // SAFETY: each expert's backward wrote every slot of its rows, and the rows cover x.
+            unsafe { gx.assume_written() }
         }
     };
 }
@@ -140,6 +145,7 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("grouped-expert-ffn.fwd");
         let (rows, d) = l1.shape().dims2()?;
         let (e, d1, f) = l2.shape().dims3()?;
         if d1 != d + 1 || l3.shape().dims3()? != (e, f + 1, d) || e != self.counts.len() || self.counts.iter().sum::<usize>() != rows {
@@ -178,6 +184,7 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::profile::kernel("grouped-expert-ffn.bwd");
         let (_, d) = x.dims2()?;
         let f = w1s.dim(2)?;
         let dev = x.device();
@@ -187,7 +194,7 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
                 let (mut g1, mut g2) = (vec![0f32; w1s.elem_count()], vec![0f32; w2s.elem_count()]);
                 let gx = with_host_f32([x, w1s, w2s, grad], |[x, w1, w2, g]| {
                     let w = stacked_parts(w1, w2, d, f);
-                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(&mut g1, &mut g2, d, f))
+                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(as_slots(&mut g1), as_slots(&mut g2), d, f))
                 })?;
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
@@ -197,7 +204,16 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
                 let (w1, w2) = (v(w1s)?, v(w2s)?);
                 let (mut g1, mut g2) = (vec![0f64; w1.len()], vec![0f64; w2.len()]);
                 let w = stacked_parts(&w1, &w2, d, f);
-                let gx = grouped_bwd_f64(&v(x)?, &w, &v(grad)?, &self.counts, d, f, saved, stacked_parts_mut(&mut g1, &mut g2, d, f));
+                let gx = grouped_bwd_f64(
+                    &v(x)?,
+                    &w,
+                    &v(grad)?,
+                    &self.counts,
+                    d,
+                    f,
+                    saved,
+                    stacked_parts_mut(as_slots(&mut g1), as_slots(&mut g2), d, f),
+                );
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
         };
@@ -300,15 +316,22 @@ impl GroupedExpertFfnToSink {
         self.weights.iter().flatten().map(host_f64).collect()
     }
 
-    /// One zeroed gradient buffer per weight tensor, per expert.
-    fn grad_buffers<T: Clone + Default>(&self) -> Vec<[Vec<T>; 4]> {
-        self.weights.iter().map(|w| w.each_ref().map(|t| vec![T::default(); t.elem_count()])).collect()
+    /// One gradient buffer per weight tensor, per expert, for the backward to write in full (not
+    /// zero-filled: 16 MB a layer on the default model).
+    fn grad_buffers<T>(&self) -> Vec<[Unfilled<T>; 4]> {
+        self.weights.iter().map(|w| w.each_ref().map(|t| Unfilled::new(t.elem_count()))).collect()
     }
 
-    /// Hand each expert's weight gradients to the sink, as tensors of the weights' dtype.
-    fn hand_over<T: candle_core::WithDType>(&self, grads: Vec<[Vec<T>; 4]>) -> candle_core::Result<()> {
+    /// Hand each expert's weight gradients, written by the backward, to the sink, as tensors of
+    /// the weights' dtype.
+    ///
+    /// # Safety
+    /// Every slot of every buffer must have been written.
+    unsafe fn hand_over<T: candle_core::WithDType>(&self, grads: Vec<[Unfilled<T>; 4]>) -> candle_core::Result<()> {
         for (w, g) in self.weights.iter().zip(grads) {
             for (t, g) in w.iter().zip(g) {
+                // SAFETY: forwarded from the caller.
+                let g = unsafe { g.assume_written() };
                 self.sink.push(t, Tensor::from_vec(g, t.shape(), t.device())?.to_dtype(t.dtype())?);
             }
         }
@@ -327,6 +350,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("grouped-expert-ffn-to-sink.fwd");
         let (rows, d) = layout.shape().dims2()?;
         let f = self.f();
         let dtype = candle_core::backend::BackendStorage::dtype(storage);
@@ -365,6 +389,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("grouped-expert-ffn-to-sink.bwd");
         let (_, d) = x.dims2()?;
         let f = self.f();
         let dev = x.device();
@@ -376,11 +401,12 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
                 let mut inputs = vec![Some(x.clone()), Some(grad.clone())];
                 inputs.extend(self.flat_weights());
                 let gx = with_f32_slices(&inputs, |v| {
-                    let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
+                    let refs = gw.iter_mut().map(|e| e.each_mut().map(Unfilled::slots)).collect();
                     let (xv, g) = (v[0].unwrap_or_default(), v[1].unwrap_or_default());
                     grouped_bwd_f32(xv, &by_expert(&v[2..]), g, &self.counts, d, f, saved, refs)
                 })?;
-                self.hand_over(gw)?;
+                // SAFETY: the grouped backward wrote every expert's gradients in full.
+                unsafe { self.hand_over(gw)? };
                 Tensor::from_vec(gx, x.shape(), dev)?
             }
             _ => {
@@ -388,9 +414,10 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
                 let owned = self.weights_f64()?;
                 let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
                 let mut gw = self.grad_buffers::<f64>();
-                let refs = gw.iter_mut().map(|e| e.each_mut().map(Vec::as_mut_slice)).collect();
+                let refs = gw.iter_mut().map(|e| e.each_mut().map(Unfilled::slots)).collect();
                 let gx = grouped_bwd_f64(&host_f64(x)?, &by_expert(&flat), &host_f64(grad)?, &self.counts, d, f, saved, refs);
-                self.hand_over(gw)?;
+                // SAFETY: the grouped backward wrote every expert's gradients in full.
+                unsafe { self.hand_over(gw)? };
                 Tensor::from_vec(gx, x.shape(), dev)?.to_dtype(x.dtype())?
             }
         };

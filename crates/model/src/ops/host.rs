@@ -1,6 +1,8 @@
 //! Host buffers in and out of the fused kernels: candle storage and tensors to flat slices and
 //! vectors (the kernels work on contiguous row-major buffers), and back.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// Call `f` with the f32 elements of each tensor: borrowed from the storage where a tensor is a
@@ -54,6 +56,82 @@ pub(super) fn add_row_sums<T: Copy + std::ops::AddAssign>(acc: &mut [T], m: &[T]
     for row in m.chunks(acc.len()) {
         acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
     }
+}
+
+/// A buffer of `len` elements that a kernel writes in full before anything reads it, so its memory
+/// is never zero-filled: `vec![0.0; n]` is a `calloc`, and once glibc's mmap threshold has risen
+/// (it does, as the step frees its large buffers) that is a `memset` on the calling thread — serial
+/// work while the pool waits (up to 80 MB a step for the expert backward's gradients). The kernel
+/// writes through [`Unfilled::slots`] (`MaybeUninit`, nothing read) and the owner then takes the
+/// elements with [`Unfilled::assume_written`].
+pub(super) struct Unfilled<T> {
+    buf: Vec<T>,
+    len: usize,
+}
+
+impl<T> Unfilled<T> {
+    pub(super) fn new(len: usize) -> Self {
+        #[allow(unused_mut)]
+        let mut buf = Vec::with_capacity(len);
+        // Debug builds (the tests) poison the slots, every bit set (NaN for a float), so that a
+        // kernel leaving one unwritten fails its tests instead of passing on a fresh page's zeroes.
+        #[cfg(debug_assertions)]
+        // SAFETY: the capacity holds `len` elements; writing bytes into it reads nothing.
+        unsafe {
+            std::ptr::write_bytes(buf.as_mut_ptr(), 0xFF, len)
+        };
+        Unfilled { buf, len }
+    }
+
+    /// Zero-filled, for a kernel that will not write every slot (shapes it cannot cover).
+    pub(super) fn zeroed(len: usize) -> Self
+    where
+        T: Copy + Default,
+    {
+        let mut out = Self::new(len);
+        zeroed(out.slots());
+        out
+    }
+
+    /// The `len` slots to write.
+    pub(super) fn slots(&mut self) -> &mut [MaybeUninit<T>] {
+        &mut self.buf.spare_capacity_mut()[..self.len]
+    }
+
+    /// The written elements.
+    ///
+    /// # Safety
+    /// Every slot must have been written.
+    pub(super) unsafe fn assume_written(mut self) -> Vec<T> {
+        // SAFETY: the capacity holds `len` slots, all written (the caller's promise).
+        unsafe { self.buf.set_len(self.len) };
+        self.buf
+    }
+}
+
+/// `slots` filled with zeroes, as the initialized elements they now are.
+pub(super) fn zeroed<T: Copy + Default>(slots: &mut [MaybeUninit<T>]) -> &mut [T] {
+    slots.fill(MaybeUninit::new(T::default()));
+    // SAFETY: every element was just written; MaybeUninit<T> has T's layout.
+    unsafe { &mut *(slots as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
+/// `src` copied into `dst` (same length), as the initialized elements they now are.
+pub(super) fn write_copy<'a, T: Copy>(dst: &'a mut [MaybeUninit<T>], src: &[T]) -> &'a mut [T] {
+    assert_eq!(dst.len(), src.len());
+    // SAFETY: same length, and a shared and a unique borrow cannot overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<T>(), src.len()) };
+    // SAFETY: every element was just written.
+    unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
+/// Initialized elements seen as slots, for a kernel that writes every one of them with an
+/// initialized value (a buffer that has been zero-filled anyway).
+pub(super) fn as_slots<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout, and a `&mut [MaybeUninit<T>]` lets safe code write
+    // only initialized values (`MaybeUninit::new`) or raw pointers the kernels fill completely; the
+    // kernels taking slots never write `MaybeUninit::uninit()`.
+    unsafe { &mut *(v as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 /// Call `f` with `t`'s elements as an f32 slice, borrowed from its storage when it is a

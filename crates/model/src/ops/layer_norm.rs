@@ -4,7 +4,7 @@
 //! runs in its own type with the row statistics accumulated in f64; rows are split over the
 //! cores, and the weight and bias gradients are summed per part, then over the parts in order.
 
-use super::host::{contiguous_slice, host_f64, with_host_f32};
+use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
@@ -17,28 +17,29 @@ macro_rules! layer_norm_impl {
     ($fwd:ident, $bwd:ident, $t:ty) => {
         fn $fwd(x: &[$t], w: &[$t], b: &[$t], eps: f64) -> Vec<$t> {
             let width = w.len();
-            let mut y: Vec<$t> = vec![0.0; x.len()];
+            let mut y = Unfilled::<$t>::new(x.len());
             let part = part_len(x.len() / width, width, ROWWISE_MIN);
-            run_parallel(x.chunks(part).zip(y.chunks_mut(part)).collect(), |(xs, ys)| {
+            run_parallel(x.chunks(part).zip(y.slots().chunks_mut(part)).collect(), |(xs, ys)| {
                 for (row, o) in xs.chunks(width).zip(ys.chunks_mut(width)) {
                     let mean = row.iter().map(|&v| v as f64).sum::<f64>() / width as f64;
                     let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / width as f64;
                     let rstd = 1.0 / (var + eps).sqrt();
                     let (mean, rstd) = (mean as $t, rstd as $t);
                     for j in 0..width {
-                        o[j] = (row[j] - mean) * rstd * w[j] + b[j];
+                        o[j].write((row[j] - mean) * rstd * w[j] + b[j]);
                     }
                 }
             });
-            y
+            // SAFETY: the parts cover every row (whole rows of `width`), each element written.
+            unsafe { y.assume_written() }
         }
 
         /// (dx, dw, db) from g.
         fn $bwd(x: &[$t], w: &[$t], g: &[$t], eps: f64) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
             let width = w.len();
-            let mut dx: Vec<$t> = vec![0.0; x.len()];
+            let mut dx = Unfilled::<$t>::new(x.len());
             let part = part_len(x.len() / width, width, ROWWISE_MIN);
-            let parts = x.chunks(part).zip(g.chunks(part)).zip(dx.chunks_mut(part)).collect();
+            let parts = x.chunks(part).zip(g.chunks(part)).zip(dx.slots().chunks_mut(part)).collect();
             let partials: Vec<(Vec<f64>, Vec<f64>)> = run_parallel(parts, |((xs, gs), dxs)| {
                 let mut dw = vec![0.0f64; width];
                 let mut db = vec![0.0f64; width];
@@ -61,7 +62,7 @@ macro_rules! layer_norm_impl {
                     m1 /= width as f64;
                     m2 /= width as f64;
                     for j in 0..width {
-                        d[j] = (rstd * (dxhat[j] - m1 - xhat[j] * m2)) as $t;
+                        d[j].write((rstd * (dxhat[j] - m1 - xhat[j] * m2)) as $t);
                     }
                 }
                 (dw, db)
@@ -72,6 +73,8 @@ macro_rules! layer_norm_impl {
                 dw.iter_mut().zip(&pw).for_each(|(a, b)| *a += b);
                 db.iter_mut().zip(&pb).for_each(|(a, b)| *a += b);
             }
+            // SAFETY: the parts cover every row, each element written.
+            let dx = unsafe { dx.assume_written() };
             (dx, dw.into_iter().map(|v| v as $t).collect(), db.into_iter().map(|v| v as $t).collect())
         }
     };
@@ -94,6 +97,7 @@ impl candle_core::CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("layer-norm.fwd");
         let width = l1.shape().dims().last().copied().unwrap_or(1);
         if l2.shape().elem_count() != width || l3.shape().elem_count() != width {
             candle_core::bail!("layer norm: weight {:?} / bias {:?} do not match input {:?}", l2.shape(), l3.shape(), l1.shape());
@@ -118,6 +122,7 @@ impl candle_core::CustomOp3 for LayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::profile::kernel("layer-norm.bwd");
         let dev = x.device();
         let (dx, dw, db) = match x.dtype() {
             candle_core::DType::F32 => {

@@ -4,8 +4,8 @@
 //! zero-fills extra buffers.
 
 use super::gemm::gemm_rm;
-use super::host::{add_row_sums, contiguous_slice, host_f64, with_host_f32};
-use super::parallel::{part_len, run_parallel, ELEMENTWISE_MIN};
+use super::host::{add_row_sums, contiguous_slice, host_f64, with_host_f32, write_copy, Unfilled};
+use super::parallel::{join, part_len, run_parallel, SharedMut, ELEMENTWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// The autograd node of [`linear`]: inputs x, W, b.
@@ -14,9 +14,15 @@ struct LinearOp;
 macro_rules! linear_impl {
     ($fwd:ident, $bwd:ident, $t:ty) => {
         fn $fwd(x: &[$t], w: &[$t], b: &[$t], n: usize, din: usize, dout: usize) -> Vec<$t> {
-            let mut y: Vec<$t> = vec![0.0; n * dout];
+            let mut y = Unfilled::<$t>::new(n * dout);
             let part = part_len(n, dout, ELEMENTWISE_MIN).max(1); // dout = 0: an empty y
-            run_parallel(y.chunks_mut(part).collect(), |rows| rows.chunks_mut(dout).for_each(|row| row.copy_from_slice(b)));
+            run_parallel(y.slots().chunks_mut(part).collect(), |rows| {
+                rows.chunks_mut(dout).for_each(|row| {
+                    write_copy(row, b);
+                })
+            });
+            // SAFETY: every row holds the bias now.
+            let mut y = unsafe { y.assume_written() };
             // SAFETY: x is n×din, w is din×dout, y is n×dout; no aliasing.
             unsafe { gemm_rm(n, dout, din, y.as_mut_ptr(), true, (x.as_ptr(), din as isize, 1), (w.as_ptr(), dout as isize, 1), 1.0) };
             y
@@ -24,12 +30,35 @@ macro_rules! linear_impl {
 
         /// (dx, dW, db) from g (n×dout).
         fn $bwd(x: &[$t], w: &[$t], g: &[$t], n: usize, din: usize, dout: usize) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
-            let mut gx: Vec<$t> = vec![0.0; n * din];
-            // SAFETY: g is n×dout, Wᵀ is dout×din (row stride 1, column stride dout).
-            unsafe { gemm_rm(n, din, dout, gx.as_mut_ptr(), false, (g.as_ptr(), dout as isize, 1), (w.as_ptr(), 1, dout as isize), 1.0) };
-            let mut gw: Vec<$t> = vec![0.0; din * dout];
-            // SAFETY: xᵀ is din×n (row stride 1, column stride din), g is n×dout.
-            unsafe { gemm_rm(din, dout, n, gw.as_mut_ptr(), false, (x.as_ptr(), 1, din as isize), (g.as_ptr(), dout as isize, 1), 1.0) };
+            // The products write every element unless their inner dimension is empty.
+            let (mut gx, mut gw) = match (dout, n) {
+                (0, _) | (_, 0) => (Unfilled::<$t>::zeroed(n * din), Unfilled::<$t>::zeroed(din * dout)),
+                _ => (Unfilled::new(n * din), Unfilled::new(din * dout)),
+            };
+            let (gx_slots, gw_slots) = (SharedMut(gx.slots().as_mut_ptr().cast::<$t>()), SharedMut(gw.slots().as_mut_ptr().cast::<$t>()));
+            // The two products side by side on the pool: each packs its operands on the thread
+            // that calls it, which would otherwise be the calling thread while the pool waits.
+            join(
+                || {
+                    #[allow(clippy::redundant_locals)] // capture the whole Send wrapper, not its raw pointer field
+                    let gx_slots = gx_slots;
+                    // SAFETY: g is n×dout, Wᵀ is dout×din (row stride 1, column stride dout); dst
+                    // is gx's n×din slots, every one written (k = dout > 0, no read of dst) or
+                    // zeroed above, and nothing else touches them meanwhile.
+                    unsafe {
+                        gemm_rm(n, din, dout, gx_slots.0, false, (g.as_ptr(), dout as isize, 1), (w.as_ptr(), 1, dout as isize), 1.0)
+                    };
+                },
+                || {
+                    #[allow(clippy::redundant_locals)]
+                    let gw_slots = gw_slots;
+                    // SAFETY: xᵀ is din×n (row stride 1, column stride din), g is n×dout; dst is
+                    // gw's din×dout slots, every one written (k = n > 0) or zeroed above.
+                    unsafe { gemm_rm(din, dout, n, gw_slots.0, false, (x.as_ptr(), 1, din as isize), (g.as_ptr(), dout as isize, 1), 1.0) };
+                },
+            );
+            // SAFETY: as just said.
+            let (gx, gw) = unsafe { (gx.assume_written(), gw.assume_written()) };
             let mut gb: Vec<$t> = vec![0.0; dout];
             add_row_sums_by_columns(&mut gb, g);
             (gx, gw, gb)
@@ -73,6 +102,7 @@ impl candle_core::CustomOp3 for LinearOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("linear.fwd");
         let (n, din) = l1.shape().dims2()?;
         let (din2, dout) = l2.shape().dims2()?;
         if din2 != din || l3.shape().dims1()? != dout {
@@ -98,6 +128,7 @@ impl candle_core::CustomOp3 for LinearOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::profile::kernel("linear.bwd");
         let (n, din) = x.dims2()?;
         let dout = w.dim(1)?;
         let dev = x.device();

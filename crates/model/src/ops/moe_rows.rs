@@ -8,7 +8,7 @@
 //! cores: the forward and the gradient of the rows are those of the candle ops they replace; the
 //! router weights' gradient (a dot product per row) may differ from candle's in its last bits.
 
-use super::host::{contiguous_slice, host_f64, with_host_f32};
+use super::host::{contiguous_slice, host_f64, with_host_f32, write_copy, zeroed, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
@@ -30,13 +30,14 @@ fn scatter_add<T>(src: &[T], w: Option<&[T]>, rows_of: &[Vec<u32>], d: usize) ->
 where
     T: Copy + Send + Sync + Default + std::ops::AddAssign + std::ops::Mul<Output = T>,
 {
-    let mut out = vec![T::default(); rows_of.len() * d];
     if d == 0 {
-        return out;
+        return Vec::new();
     }
+    let mut out = Unfilled::new(rows_of.len() * d);
     let part = part_len(rows_of.len(), d, ROWWISE_MIN);
-    run_parallel(out.chunks_mut(part).zip(rows_of.chunks(part / d)).collect(), |(o, lists)| {
+    run_parallel(out.slots().chunks_mut(part).zip(rows_of.chunks(part / d)).collect(), |(o, lists)| {
         for (orow, list) in o.chunks_exact_mut(d).zip(lists) {
+            let orow = zeroed(orow);
             for &r in list {
                 let s = &src[r as usize * d..(r as usize + 1) * d];
                 match w {
@@ -46,7 +47,8 @@ where
             }
         }
     });
-    out
+    // SAFETY: the parts cover every token's row, each zero-filled before its sum.
+    unsafe { out.assume_written() }
 }
 
 /// out[r] = src[tokens[r]] (times w[r] when given), the rows in parts over the cores.
@@ -54,24 +56,29 @@ fn gather<T>(src: &[T], w: Option<&[T]>, tokens: &[u32], d: usize) -> Vec<T>
 where
     T: Copy + Send + Sync + Default + std::ops::Mul<Output = T>,
 {
-    let mut out = vec![T::default(); tokens.len() * d];
     if d == 0 {
-        return out;
+        return Vec::new();
     }
+    let mut out = Unfilled::new(tokens.len() * d);
     let part = part_len(tokens.len(), d, ROWWISE_MIN);
     let starts: Vec<usize> = (0..tokens.len()).step_by(part / d).collect();
-    run_parallel(out.chunks_mut(part).zip(starts).collect(), |(o, first)| {
+    run_parallel(out.slots().chunks_mut(part).zip(starts).collect(), |(o, first)| {
         for (i, orow) in o.chunks_exact_mut(d).enumerate() {
             let r = first + i;
             let t = tokens[r] as usize;
             let s = &src[t * d..(t + 1) * d];
             match w {
-                Some(w) => orow.iter_mut().zip(s).for_each(|(o, &v)| *o = v * w[r]),
-                None => orow.copy_from_slice(s),
+                Some(w) => orow.iter_mut().zip(s).for_each(|(o, &v)| {
+                    o.write(v * w[r]);
+                }),
+                None => {
+                    write_copy(orow, s);
+                }
             }
         }
     });
-    out
+    // SAFETY: the parts cover every row, each written in full.
+    unsafe { out.assume_written() }
 }
 
 /// g_w[r] = Σ_j y[r][j]·g[tokens[r]][j]: the router weights' gradient.
@@ -114,6 +121,7 @@ impl candle_core::CustomOp1 for GatherRows {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("gather-rows.fwd");
         let (n, d) = l.shape().dims2()?;
         if n != self.n {
             candle_core::bail!("gather rows: {n} token rows, expected {}", self.n);
@@ -127,6 +135,7 @@ impl candle_core::CustomOp1 for GatherRows {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("gather-rows.bwd");
         let (n, d) = arg.dims2()?;
         let rows_of = rows_of_tokens(&self.tokens, n)?;
         let g = match arg.dtype() {
@@ -145,6 +154,7 @@ impl candle_core::CustomOp2 for CombineRows {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("combine-rows.fwd");
         let (r, d) = l1.shape().dims2()?;
         if r != self.tokens.len() || l2.shape().dims1()? != r {
             candle_core::bail!("combine rows: shapes {:?} {:?} for {} rows", l1.shape(), l2.shape(), self.tokens.len());
@@ -163,6 +173,7 @@ impl candle_core::CustomOp2 for CombineRows {
     }
 
     fn bwd(&self, y: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let _profile = crate::profile::kernel("combine-rows.bwd");
         let (r, d) = y.dims2()?;
         let dev = y.device();
         let (gy, gw) = match y.dtype() {

@@ -17,8 +17,15 @@
 
 /// Cores to spread a kernel over: `std::thread::available_parallelism()` (1 when unknown).
 /// `RAYON_NUM_THREADS` is not read here; it sizes only the rayon pool that the GEMMs run on.
+///
+/// Read once per process and kept: `available_parallelism` asks the kernel for the affinity mask
+/// and opens and reads the cgroup's CPU quota files on every call, and the kernels ask before
+/// every parallel pass — a fifth of a step's serial work on the calling thread when it was not
+/// kept (`perf`, 2 cores). A process's cores do not change under it here: workers are pinned
+/// before they start.
 pub fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Elementwise passes over fewer elements run on the calling thread.
@@ -44,6 +51,15 @@ pub(super) fn run_parallel<W: Send, R: Send>(work: Vec<W>, job: impl Fn(W) -> R 
     }
     use rayon::prelude::*;
     work.into_par_iter().map(job).collect()
+}
+
+/// Run `a` and `b` side by side on the rayon pool (one after the other with one core), as
+/// [`rayon::join`]: from outside the pool the calling thread waits for both.
+pub(super) fn join<A: Send, B: Send>(a: impl FnOnce() -> A + Send, b: impl FnOnce() -> B + Send) -> (A, B) {
+    if threads() <= 1 {
+        return (a(), b());
+    }
+    rayon::join(a, b)
 }
 
 /// Run `job(i)` for i in 0..count over the cores, `i` interleaved across threads.

@@ -17,6 +17,7 @@ impl CustomOp1 for SoftmaxLast {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let _profile = crate::profile::kernel("softmax-last.fwd");
         let x = storage_f64(storage, layout)?;
         let width = layout.shape().dims().last().copied().unwrap_or(1);
         let out = rows_parallel(&x, width, |input, out| {
@@ -34,6 +35,7 @@ impl CustomOp1 for SoftmaxLast {
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _profile = crate::profile::kernel("softmax-last.bwd");
         let width = res.dims().last().copied().unwrap_or(1);
         let s = host_f64(res)?;
         let g = host_f64(grad)?;

@@ -18,7 +18,9 @@ pub fn data(n: usize, seed: u64) -> Vec<f64> {
     (0..n).map(|_| r.normal()).collect()
 }
 
-/// Largest absolute elementwise difference.
+/// Largest absolute elementwise difference; infinite where either side has a NaN (candle's max
+/// skips NaNs, which would let an unwritten element — poisoned to NaN in the tests — pass).
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_vec1::<f64>().unwrap();
+    d.into_iter().fold(0.0, |m: f64, x| if x.is_nan() { f64::INFINITY } else { m.max(x) })
 }

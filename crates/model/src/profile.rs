@@ -1,0 +1,195 @@
+//! Where a training step's time goes, on the thread that runs it: `lazarus bench train
+//! --profile`.
+//!
+//! A step is cut into phases (forward, backward, gradient norm, AdamW) and, inside them, the
+//! fused kernels' forward and backward passes. For each (phase, kernel) scope it adds up three
+//! clocks: wall time, the CPU time of the calling thread, and the CPU time of the whole process.
+//! The calling thread sleeps while the pool runs a parallel pass (rayon parks a thread from
+//! outside the pool on a latch), so its CPU time is the step's *serial* work — what more cores
+//! cannot shorten (Amdahl) — and the process's CPU over the wall time is how many cores were busy.
+//! Time in a phase outside every kernel is candle's own ops and autograd bookkeeping.
+//!
+//! The profile is the calling thread's own: [`enable`] turns it on for that thread, whose scopes
+//! alone are added up (a step runs on one thread; other threads' steps — tests side by side —
+//! are not mixed in). Off, a scope costs a thread-local load.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static PHASE: Cell<&'static str> = const { Cell::new("") };
+    static TOTALS: RefCell<BTreeMap<(&'static str, &'static str), Totals>> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// The scope a phase's own totals are kept under (its time outside kernels is this minus theirs).
+pub const WHOLE_PHASE: &str = "";
+
+/// Start (or stop) adding up this thread's scopes, clearing what was added so far.
+pub fn enable(on: bool) {
+    TOTALS.with(|t| t.borrow_mut().clear());
+    ON.with(|o| o.set(on));
+}
+
+/// Clocks summed over the calls of one scope.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Totals {
+    pub calls: u64,
+    pub wall: Duration,
+    /// CPU time of the thread that entered the scope: its serial work.
+    pub thread_cpu: Duration,
+    /// CPU time of every thread of the process while the scope ran.
+    pub process_cpu: Duration,
+}
+
+impl Totals {
+    pub fn plus(self, o: Totals) -> Totals {
+        Totals {
+            calls: self.calls + o.calls,
+            wall: self.wall + o.wall,
+            thread_cpu: self.thread_cpu + o.thread_cpu,
+            process_cpu: self.process_cpu + o.process_cpu,
+        }
+    }
+
+    /// What is left of `self` without `o` (its calls are kept).
+    pub fn minus(self, o: Totals) -> Totals {
+        Totals {
+            calls: self.calls,
+            wall: self.wall.saturating_sub(o.wall),
+            thread_cpu: self.thread_cpu.saturating_sub(o.thread_cpu),
+            process_cpu: self.process_cpu.saturating_sub(o.process_cpu),
+        }
+    }
+}
+
+/// This thread's totals so far, by (phase, kernel); kernel [`WHOLE_PHASE`] holds the phase itself.
+pub fn totals() -> Vec<((&'static str, &'static str), Totals)> {
+    TOTALS.with(|t| t.borrow().iter().map(|(k, v)| (*k, *v)).collect())
+}
+
+fn clock(id: libc::clockid_t) -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the one timespec it is given.
+    if unsafe { libc::clock_gettime(id, &mut ts) } == 0 {
+        return Duration::new(ts.tv_sec.max(0) as u64, ts.tv_nsec.clamp(0, 999_999_999) as u32);
+    }
+    Duration::ZERO
+}
+
+/// An open scope; its clocks are added up when it is dropped.
+pub struct Scope {
+    key: Option<(&'static str, &'static str)>,
+    outer_phase: &'static str,
+    wall: Instant,
+    thread_cpu: Duration,
+    process_cpu: Duration,
+}
+
+fn open(phase: Option<&'static str>, kernel: &'static str) -> Scope {
+    let outer_phase = PHASE.with(|p| p.get());
+    if !ON.with(|o| o.get()) {
+        return Scope { key: None, outer_phase, wall: Instant::now(), thread_cpu: Duration::ZERO, process_cpu: Duration::ZERO };
+    }
+    let key = match phase {
+        Some(phase) => {
+            PHASE.with(|p| p.set(phase));
+            (phase, WHOLE_PHASE)
+        }
+        None => (outer_phase, kernel),
+    };
+    Scope {
+        key: Some(key),
+        outer_phase,
+        thread_cpu: clock(libc::CLOCK_THREAD_CPUTIME_ID),
+        process_cpu: clock(libc::CLOCK_PROCESS_CPUTIME_ID),
+        wall: Instant::now(),
+    }
+}
+
+/// A phase of the step (forward, backward, …): the kernels run inside it are counted under it.
+pub fn phase(name: &'static str) -> Scope {
+    open(Some(name), WHOLE_PHASE)
+}
+
+/// One fused kernel's pass (`"attention.fwd"`), counted under the phase that runs it. Kernels run
+/// by the pool's threads (an expert's FFN inside the grouped node) are not counted: the profile is
+/// the calling thread's.
+pub fn kernel(name: &'static str) -> Scope {
+    open(None, name)
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        let Some(key) = self.key else { return };
+        let wall = self.wall.elapsed();
+        let thread_cpu = clock(libc::CLOCK_THREAD_CPUTIME_ID).saturating_sub(self.thread_cpu);
+        let process_cpu = clock(libc::CLOCK_PROCESS_CPUTIME_ID).saturating_sub(self.process_cpu);
+        PHASE.with(|p| p.set(self.outer_phase));
+        TOTALS.with(|t| {
+            let mut totals = t.borrow_mut();
+            let t = totals.entry(key).or_default();
+            *t = t.plus(Totals { calls: 1, wall, thread_cpu, process_cpu });
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spin(d: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < d {
+            std::hint::black_box(0u64);
+        }
+    }
+
+    #[test]
+    fn scopes_add_up_under_their_phase_and_serial_work_is_the_calling_threads_cpu() {
+        enable(true);
+        {
+            let _p = phase("test-phase");
+            spin(Duration::from_millis(20));
+            {
+                let _k = kernel("spin.fwd");
+                spin(Duration::from_millis(30));
+            }
+            {
+                // The calling thread sleeps: wall time, no serial work.
+                let _k = kernel("sleep.fwd");
+                std::thread::sleep(Duration::from_millis(30));
+            }
+        }
+        {
+            let _k = kernel("outside");
+        }
+        let t: BTreeMap<_, _> = totals().into_iter().collect();
+        enable(false);
+        let whole = t[&("test-phase", WHOLE_PHASE)];
+        let spin_k = t[&("test-phase", "spin.fwd")];
+        let sleep_k = t[&("test-phase", "sleep.fwd")];
+        assert_eq!((whole.calls, spin_k.calls, sleep_k.calls), (1, 1, 1));
+        assert!(whole.wall >= Duration::from_millis(80), "{whole:?}");
+        assert!(whole.wall >= spin_k.wall + sleep_k.wall);
+        assert!(spin_k.thread_cpu >= Duration::from_millis(20), "spinning is serial work: {spin_k:?}");
+        assert!(sleep_k.thread_cpu < Duration::from_millis(10), "sleeping is not: {sleep_k:?}");
+        assert!(whole.thread_cpu >= spin_k.thread_cpu + Duration::from_millis(15), "{whole:?}");
+        assert!(t.contains_key(&("", "outside")), "a kernel outside every phase is kept under no phase");
+        // Off: nothing is added.
+        {
+            let _p = phase("test-phase");
+        }
+        assert!(totals().is_empty());
+        // Another thread's profile is its own.
+        enable(true);
+        std::thread::spawn(|| {
+            let _p = phase("elsewhere");
+        })
+        .join()
+        .unwrap();
+        assert!(totals().is_empty());
+        enable(false);
+    }
+}
