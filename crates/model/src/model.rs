@@ -333,12 +333,19 @@ impl MoeModel {
             return Err(ModelError::config("seq_len", t, format!("longer than the model's max_seq_len ({})", self.config.max_seq_len)));
         }
         let d = self.config.d_model;
-        Ok(self
-            .tok_emb
-            .as_tensor()
-            .index_select(&tokens.flatten_all()?, 0)?
-            .reshape((b, t, d))?
-            .broadcast_add(&self.pos_emb.as_tensor().narrow(0, 0, t)?)?)
+        let (tok, pos) = (self.tok_emb.as_tensor(), self.pos_emb.as_tensor().narrow(0, 0, t)?);
+        if tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64) {
+            // Over the cores, forward and backward: each token's row and its position's row
+            // gathered, then added. candle's index_select and broadcast add ran on one core, and
+            // their backward summed the positions' gradient over the batch with a strided reduce,
+            // also on one core. The gathers' backward adds each row back in row order (a position's
+            // over the batch in batch order), as candle did: the same values.
+            let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+            let positions: Vec<u32> = (0..b * t).map(|r| (r % t) as u32).collect();
+            let x = crate::ops::residual_add(&crate::ops::gather_rows(tok, &ids)?, &crate::ops::gather_rows(&pos, &positions)?)?;
+            return Ok(x.reshape((b, t, d))?);
+        }
+        Ok(tok.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?.broadcast_add(&pos)?)
     }
 
     /// The attention half of block `block`: x [B, T, d] → (x + attn(ln1(x)), ln2 of that as
