@@ -28,7 +28,8 @@ pub struct TrainBenchReport {
     pub tokens_per_s: f64,
     /// Seconds per full training step (median over the measured steps).
     pub step_s: f64,
-    /// Seconds per step in expert FFNs (forward+backward of the same token counts, alone).
+    /// Seconds per step in expert FFNs: forward+backward of the same token counts alone, each
+    /// layer's experts as the one grouped node the step runs them in.
     pub expert_ffn_s: f64,
     pub expert_share: f64,
     /// Matmul FLOPs of one forward+backward (3× the forward's).
@@ -202,18 +203,14 @@ pub fn train_benchmark(
     let loads: Vec<Vec<u64>> = trainer.model.forward(&x, &y, None)?.moe.iter().map(|m| m.load.clone()).collect();
 
     let mut rng = SplitMix64::new(11);
-    // Expert FFN inputs: (layer, expert, x).
+    // Each MoE layer's expert rows, grouped by expert as the step groups them: (layer, counts, x).
     let mut expert_inputs = Vec::new();
     let mut expert_flops = 0.0;
     for (layer, layer_loads) in loads.iter().enumerate() {
-        for (expert, &n) in layer_loads.iter().enumerate() {
-            if n == 0 {
-                continue;
-            }
-            let n = n as usize;
-            expert_flops += flops(&[(1, n, d, f), (1, n, f, d)]);
-            expert_inputs.push((layer, expert, Var::from_tensor(&random(&[n, d], &mut rng, &device)?)?));
-        }
+        let counts: Vec<usize> = layer_loads.iter().map(|&n| n as usize).collect();
+        let rows: usize = counts.iter().sum();
+        expert_flops += counts.iter().map(|&n| flops(&[(1, n, d, f), (1, n, f, d)])).sum::<f64>();
+        expert_inputs.push((layer, counts, Var::from_tensor(&random(&[rows, d], &mut rng, &device)?)?));
     }
 
     // Every matmul of one forward pass.
@@ -254,13 +251,21 @@ pub fn train_benchmark(
         profile::enable(false);
         used_after_step.extend(crate::device::gpu_memory(&device).map(|m| m.used));
 
-        // Expert FFNs alone, forward+backward, with the token counts measured above.
+        // Expert FFNs alone, forward+backward, each layer's experts as the one node the step runs
+        // them in, with the token counts measured above.
         let start = Instant::now();
-        for (layer, expert, xin) in &expert_inputs {
-            let names = trainer.model.expert_param_names(*layer, *expert);
-            let p = |i: usize| trainer.model.params().get(&names[i]).expect("expert tensor").as_tensor().clone();
-            let y = crate::ops::expert_ffn(xin.as_tensor(), &p(0), &p(1), &p(2), &p(3))?;
-            drop(y.sum_all()?.backward()?);
+        for (layer, counts, xin) in &expert_inputs {
+            let weights: Vec<[Tensor; 4]> = (0..counts.len())
+                .map(|expert| {
+                    let names = trainer.model.expert_param_names(*layer, expert);
+                    std::array::from_fn(|i| trainer.model.params().get(&names[i]).expect("expert tensor").as_tensor().clone())
+                })
+                .collect();
+            let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref()).collect();
+            let sink = crate::ops::WeightGradSink::new();
+            let y = crate::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, &sink)?;
+            let mut grads = y.sum_all()?.backward()?;
+            sink.drain_into(&mut grads)?;
         }
         device.synchronize()?;
         expert_times.push(start.elapsed().as_secs_f64());

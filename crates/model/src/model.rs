@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::params::{Init, ParamStore};
-use crate::routing::{assign_from_loads, top_k};
+use crate::routing::{assign_from_loads, top_k_rows};
 
 struct Linear {
     w: Var,
@@ -135,10 +135,10 @@ impl MoeLayer {
         // The router's product in `compute`, its softmax in h's dtype (the residual stream's).
         let logits = h.to_dtype(compute)?.matmul(&self.gate.as_tensor().to_dtype(compute)?)?.to_dtype(h.dtype())?;
         let probs = softmax_last(&logits)?;
-        let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
+        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let choices: Vec<usize> = match forced {
             Some(loads) => assign_from_loads(loads, n, k)?,
-            None => host.iter().flat_map(|row| top_k(row, k)).collect(),
+            None => top_k_rows(&host, e_count, k),
         };
         let idx = Tensor::from_vec(choices.iter().map(|&c| c as u32).collect::<Vec<_>>(), (n, k), h.device())?;
         let mut w = probs.gather(&idx, 1)?;

@@ -4,20 +4,20 @@
 //! gather, sub, mean) was eight single-core nodes over the [N, V] logits, and as many again
 //! backward.
 
-use super::host::{contiguous_slice, host_f64};
+use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor, WithDType};
 
 /// The node of [`cross_entropy`]: logits [N, V] → scalar.
 struct CrossEntropy {
     targets: Vec<u32>,
 }
 
-/// Row `r`'s log-sum-exp minus its target's logit, in f64.
-fn row_loss(row: &[f64], target: usize) -> f64 {
-    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let sum: f64 = row.iter().map(|&x| (x - max).exp()).sum();
-    max + sum.ln() - row[target]
+/// Row `r`'s log-sum-exp minus its target's logit, in f64 (each logit taken as f64).
+fn row_loss<T: WithDType>(row: &[T], target: usize) -> f64 {
+    let max = row.iter().map(|x| x.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = row.iter().map(|x| (x.to_f64() - max).exp()).sum();
+    max + sum.ln() - row[target].to_f64()
 }
 
 /// Rows of `v` columns in parts over the cores: `job(first_row, rows)` per part, results in
@@ -38,30 +38,40 @@ impl CrossEntropy {
         Ok(())
     }
 
-    /// Mean loss over the rows (each row's loss in f64, summed in row order).
-    fn loss(&self, x: &[f64], v: usize) -> f64 {
+    /// Mean loss over the rows (each row's loss in f64, summed in row order). The logits are read
+    /// where they are, in their dtype: no f64 copy of them on the calling thread.
+    fn loss<T: WithDType>(&self, x: &[T], v: usize) -> f64 {
         let parts = by_rows(x, v, |first, rows| {
             rows.chunks_exact(v).enumerate().map(|(i, row)| row_loss(row, self.targets[first + i] as usize)).sum::<f64>()
         });
         parts.iter().sum::<f64>() / self.targets.len().max(1) as f64
     }
 
-    /// d loss / d logits, times the upstream gradient `g`: (softmax − one-hot) · g / N.
-    fn grad(&self, x: &[f64], v: usize, g: f64) -> Vec<f64> {
+    /// d loss / d logits, times the upstream gradient `g`: (softmax − one-hot) · g / N, computed
+    /// in f64 and rounded to the logits' dtype, written over the cores straight into the output.
+    fn grad<T: WithDType>(&self, x: &[T], v: usize, g: f64) -> Vec<T> {
+        if v == 0 {
+            return Vec::new();
+        }
         let scale = g / self.targets.len().max(1) as f64;
-        by_rows(x, v, |first, rows| {
-            let mut out = Vec::with_capacity(rows.len());
-            for (i, row) in rows.chunks_exact(v).enumerate() {
-                let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let start = out.len();
-                out.extend(row.iter().map(|&x| (x - max).exp()));
-                let sum: f64 = out[start..].iter().sum();
-                out[start..].iter_mut().for_each(|p| *p = *p / sum * scale);
-                out[start + self.targets[first + i] as usize] -= scale;
+        let mut out = Unfilled::<T>::new(x.len());
+        let part = part_len(x.len() / v, v, ROWWISE_MIN).max(1);
+        let parts: Vec<_> = x.chunks(part).zip(out.slots().chunks_mut(part)).enumerate().map(|(i, p)| (i * part / v, p)).collect();
+        run_parallel(parts, |(first, (rows, o))| {
+            let mut p = vec![0f64; v];
+            for (i, (row, o)) in rows.chunks_exact(v).zip(o.chunks_exact_mut(v)).enumerate() {
+                let max = row.iter().map(|x| x.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+                p.iter_mut().zip(row).for_each(|(p, x)| *p = (x.to_f64() - max).exp());
+                let sum: f64 = p.iter().sum();
+                p.iter_mut().for_each(|p| *p = *p / sum * scale);
+                p[self.targets[first + i] as usize] -= scale;
+                o.iter_mut().zip(&p).for_each(|(o, &p)| {
+                    o.write(T::from_f64(p));
+                });
             }
-            out
-        })
-        .concat()
+        });
+        // SAFETY: the parts cover every row (whole rows of v), each element written.
+        unsafe { out.assume_written() }
     }
 }
 
@@ -75,10 +85,7 @@ impl candle_core::CustomOp1 for CrossEntropy {
         let (n, v) = l.shape().dims2()?;
         self.check(n, v)?;
         let out = match s {
-            CpuStorage::F32(x) => {
-                let x: Vec<f64> = contiguous_slice(x, l)?.iter().map(|&a| a as f64).collect();
-                CpuStorage::F32(vec![self.loss(&x, v) as f32])
-            }
+            CpuStorage::F32(x) => CpuStorage::F32(vec![self.loss(contiguous_slice(x, l)?, v) as f32]),
             CpuStorage::F64(x) => CpuStorage::F64(vec![self.loss(contiguous_slice(x, l)?, v)]),
             _ => candle_core::bail!("cross entropy: f32 or f64 logits"),
         };
@@ -89,8 +96,11 @@ impl candle_core::CustomOp1 for CrossEntropy {
         let _profile = crate::profile::kernel("cross-entropy.bwd");
         let (_, v) = arg.dims2()?;
         let g = grad.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-        let gx = self.grad(&host_f64(arg)?, v, g);
-        Ok(Some(Tensor::from_vec(gx, arg.shape(), arg.device())?.to_dtype(arg.dtype())?))
+        let gx = match arg.dtype() {
+            candle_core::DType::F32 => Tensor::from_vec(with_host_f32([arg], |[x]| self.grad(x, v, g))?, arg.shape(), arg.device())?,
+            _ => Tensor::from_vec(self.grad(&host_f64(arg)?, v, g), arg.shape(), arg.device())?.to_dtype(arg.dtype())?,
+        };
+        Ok(Some(gx))
     }
 }
 

@@ -86,14 +86,16 @@ pub(super) fn zip_slices_parallel<T: Copy + Send + Sync>(out: &mut [T], other: &
 }
 
 /// Run `f(rows_in, rows_out)` over blocks of whole rows of length `width`, on all cores when the
-/// slice has at least [`ROWWISE_MIN`] elements.
+/// slice has at least `min_len` elements ([`ROWWISE_MIN`] for a pass about as cheap as a copy per
+/// element; less where each element costs more, an `exp`).
 pub(super) fn rows_parallel<T: Copy + Send + Sync + Default>(
     input: &[T],
     width: usize,
+    min_len: usize,
     f: impl Fn(&[T], &mut [T]) + Sync + Send,
 ) -> Vec<T> {
     let mut out = vec![T::default(); input.len()];
-    let part = part_len(input.len() / width.max(1), width, ROWWISE_MIN);
+    let part = part_len(input.len() / width.max(1), width, min_len);
     run_parallel(out.chunks_mut(part).zip(input.chunks(part)).collect(), |(o, i)| f(i, o));
     out
 }
@@ -157,6 +159,7 @@ mod tests {
         };
         let mut serial = vec![0.0; rows.len()];
         cumulative(rows, &mut serial);
-        assert_eq!(rows_parallel(rows, width, cumulative), serial);
+        assert_eq!(rows_parallel(rows, width, ROWWISE_MIN, cumulative), serial);
+        assert_eq!(rows_parallel(rows, width, 1, cumulative), serial);
     }
 }

@@ -5,6 +5,10 @@
 
 use super::host::{host_f64, storage_f64, storage_like, tensor_like};
 use super::parallel::rows_parallel;
+
+/// Softmax rows go over the cores from this many elements: an `exp` each (the router's
+/// probabilities, [tokens, experts], are small but were a serial millisecond a step on 16 cores).
+const SOFTMAX_PARALLEL_MIN: usize = 1 << 11;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 /// Softmax over the last dimension in one pass per row; backward
@@ -20,7 +24,7 @@ impl CustomOp1 for SoftmaxLast {
         let _profile = crate::profile::kernel("softmax-last.fwd");
         let x = storage_f64(storage, layout)?;
         let width = layout.shape().dims().last().copied().unwrap_or(1);
-        let out = rows_parallel(&x, width, |input, out| {
+        let out = rows_parallel(&x, width, SOFTMAX_PARALLEL_MIN, |input, out| {
             for (row, o) in input.chunks(width).zip(out.chunks_mut(width)) {
                 let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let mut sum = 0.0;
@@ -44,7 +48,7 @@ impl CustomOp1 for SoftmaxLast {
             packed.extend_from_slice(sr);
             packed.extend_from_slice(gr);
         }
-        let dx = rows_parallel(&packed, 2 * width, |input, out| {
+        let dx = rows_parallel(&packed, 2 * width, SOFTMAX_PARALLEL_MIN, |input, out| {
             for (row, o) in input.chunks(2 * width).zip(out.chunks_mut(2 * width)) {
                 let (s, g) = row.split_at(width);
                 let dot: f64 = s.iter().zip(g).map(|(a, b)| a * b).sum();
