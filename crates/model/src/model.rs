@@ -632,6 +632,39 @@ mod tests {
         }
     }
 
+    /// The embedding over the cores (gathers and an add) against candle's index_select and
+    /// broadcast add: the same bits forward and in both tables' gradients (repeated tokens, and
+    /// a sequence shorter than max_seq_len, included).
+    #[test]
+    fn the_embedding_over_the_cores_is_candles_bit_for_bit() {
+        for dtype in [DType::F32, DType::F64] {
+            let cfg = tiny();
+            let m = MoeModel::new(&cfg, 9, dtype, &Device::Cpu).unwrap();
+            let (b, t) = (3, cfg.max_seq_len - 1);
+            let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 5) as u32).collect();
+            let tokens = Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap();
+            let ours = m.embed(&tokens).unwrap();
+            let pos = m.pos_emb.as_tensor().narrow(0, 0, t).unwrap();
+            let theirs = m
+                .tok_emb
+                .as_tensor()
+                .index_select(&tokens.flatten_all().unwrap(), 0)
+                .unwrap()
+                .reshape((b, t, cfg.d_model))
+                .unwrap()
+                .broadcast_add(&pos)
+                .unwrap();
+            let bits = |x: &Tensor| x.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            assert_eq!(bits(&ours), bits(&theirs));
+            let probe = Tensor::randn(0f32, 1.0, (b, t, cfg.d_model), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let g_ours = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            let g_theirs = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            for table in [&m.tok_emb, &m.pos_emb] {
+                assert_eq!(bits(g_ours.get(table.as_tensor()).unwrap()), bits(g_theirs.get(table.as_tensor()).unwrap()), "{dtype:?}");
+            }
+        }
+    }
+
     #[test]
     fn top2_sends_each_token_to_two_distinct_experts() {
         let cfg = ModelConfig { moe_every: 1, ..tiny() };
