@@ -240,9 +240,13 @@ pub fn train_benchmark(
         profile::enable(with_profile);
         let step_scope = profile::phase("step");
         let start = Instant::now();
-        trainer.step()?;
+        let stepped = trainer.step();
         step_times.push(start.elapsed().as_secs_f64());
         drop(step_scope);
+        if let Err(e) = stepped {
+            profile::enable(false);
+            return Err(e);
+        }
         for ((phase, kernel), t) in profile::totals() {
             let acc: &mut profile::Totals =
                 if (phase, kernel) == ("step", profile::WHOLE_PHASE) { &mut whole } else { totals.entry((phase, kernel)).or_default() };

@@ -61,10 +61,12 @@ macro_rules! expert_ffn_impl {
             assert!(gx.len() == n * d && g.len() == n * d);
             assert!(gw1.len() == d * f && gb1.len() == f && gw2.len() == f * d && gb2.len() == d);
             if n == 0 || d == 0 || f == 0 {
-                // No products to write them (the GEMMs below write every slot only for k > 0).
-                for s in [gx, gw1, gb1, gw2, gb2] {
+                // No products to write them (the GEMMs below write every slot only for k > 0);
+                // with no hidden units the output is b2 alone, whose gradient is still Σ_rows g.
+                for s in [gx, gw1, gb1, gw2] {
                     zeroed(s);
                 }
+                add_row_sums(zeroed(gb2), g);
                 return;
             }
             let (h, a) = match saved {

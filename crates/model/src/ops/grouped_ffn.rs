@@ -72,6 +72,7 @@ macro_rules! grouped_ffn_impl {
         /// GEMMs alone are too small to keep many cores busy. `weights[e]` = [W1, b1, W2, b2].
         fn $gfwd(x: &[$t], weights: &[[&[$t]; 4]], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
             assert_eq!(counts.iter().sum::<usize>() * d, x.len(), "the experts' rows are x's rows");
+            assert_eq!(weights.len(), counts.len(), "weights for every expert");
             let mut y = Unfilled::<$t>::new(x.len());
             let starts: Vec<usize> = counts.iter().scan(0, |row, &n| Some(std::mem::replace(row, *row + n))).collect();
             let work: Vec<_> = split_parts(y.slots(), counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
@@ -98,6 +99,7 @@ macro_rules! grouped_ffn_impl {
             grads: Vec<[&mut [MaybeUninit<$t>]; 4]>,
         ) -> Vec<$t> {
             assert_eq!(counts.iter().sum::<usize>() * d, x.len(), "the experts' rows are x's rows");
+            assert!(weights.len() == counts.len() && grads.len() == counts.len(), "weights and gradients for every expert");
             let mut kept: Vec<Option<(Vec<$t>, Vec<$t>)>> = match saved.filter(|s| s.len() == counts.len()) {
                 Some(s) => s
                     .into_iter()
@@ -192,9 +194,11 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         let (gx, g1, g2) = match x.dtype() {
             candle_core::DType::F32 => {
                 let (mut g1, mut g2) = (vec![0f32; w1s.elem_count()], vec![0f32; w2s.elem_count()]);
+                // SAFETY: the backward writes only initialized values into the slots.
+                let slots = unsafe { (as_slots(&mut g1), as_slots(&mut g2)) };
                 let gx = with_host_f32([x, w1s, w2s, grad], |[x, w1, w2, g]| {
                     let w = stacked_parts(w1, w2, d, f);
-                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(as_slots(&mut g1), as_slots(&mut g2), d, f))
+                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(slots.0, slots.1, d, f))
                 })?;
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
@@ -204,16 +208,9 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
                 let (w1, w2) = (v(w1s)?, v(w2s)?);
                 let (mut g1, mut g2) = (vec![0f64; w1.len()], vec![0f64; w2.len()]);
                 let w = stacked_parts(&w1, &w2, d, f);
-                let gx = grouped_bwd_f64(
-                    &v(x)?,
-                    &w,
-                    &v(grad)?,
-                    &self.counts,
-                    d,
-                    f,
-                    saved,
-                    stacked_parts_mut(as_slots(&mut g1), as_slots(&mut g2), d, f),
-                );
+                // SAFETY: the backward writes only initialized values into the slots.
+                let slots = unsafe { (as_slots(&mut g1), as_slots(&mut g2)) };
+                let gx = grouped_bwd_f64(&v(x)?, &w, &v(grad)?, &self.counts, d, f, saved, stacked_parts_mut(slots.0, slots.1, d, f));
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
         };
@@ -457,6 +454,34 @@ mod tests {
     use super::super::testing;
     use super::*;
     use candle_core::Var;
+
+    /// With no hidden units the output is b2 on every row: its gradient is the output gradient
+    /// summed over the rows, every other gradient zero.
+    #[test]
+    fn an_expert_without_hidden_units_still_has_its_output_bias_gradient() {
+        let (d, rows) = (3, 4);
+        let dev = candle_core::Device::Cpu;
+        let mut var = testing::vars(5, 1.0);
+        let cast = |v: Var| Var::from_tensor(&v.as_tensor().to_dtype(candle_core::DType::F32).unwrap()).unwrap();
+        let (x, probe, b2) = (cast(var(&[rows, d])), cast(var(&[rows, d])), cast(var(&[d])));
+        let empty = |shape: &[usize]| Var::from_tensor(&Tensor::zeros(shape, candle_core::DType::F32, &dev).unwrap()).unwrap();
+        let (w1, b1, w2) = (empty(&[d, 0]), empty(&[0]), empty(&[0, d]));
+        let sink = WeightGradSink::new();
+        let y =
+            grouped_expert_ffn_to_sink(x.as_tensor(), &[[w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()]], &[rows], &sink)
+                .unwrap();
+        let mut grads = (&y * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        sink.drain_into(&mut grads).unwrap();
+        let expected = probe.as_tensor().sum(0).unwrap();
+        assert!(
+            testing::max_diff(
+                &grads.get(b2.as_tensor()).unwrap().to_dtype(candle_core::DType::F64).unwrap(),
+                &expected.to_dtype(candle_core::DType::F64).unwrap()
+            ) < 1e-6
+        );
+        let gx = grads.get(x.as_tensor()).unwrap().to_dtype(candle_core::DType::F64).unwrap();
+        assert_eq!(gx.abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(), 0.0, "x reaches nothing");
+    }
 
     /// The sink version against the autograd one: same output, same input gradient, and every
     /// expert weight's gradient in the sink (zero for an expert without rows), in f64 and f32;

@@ -127,10 +127,12 @@ pub(super) fn write_copy<'a, T: Copy>(dst: &'a mut [MaybeUninit<T>], src: &[T]) 
 
 /// Initialized elements seen as slots, for a kernel that writes every one of them with an
 /// initialized value (a buffer that has been zero-filled anyway).
-pub(super) fn as_slots<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
-    // SAFETY: MaybeUninit<T> has T's layout, and a `&mut [MaybeUninit<T>]` lets safe code write
-    // only initialized values (`MaybeUninit::new`) or raw pointers the kernels fill completely; the
-    // kernels taking slots never write `MaybeUninit::uninit()`.
+///
+/// # Safety
+/// Nothing may write `MaybeUninit::uninit()` (or leave a partial value) through the slots: the
+/// elements must stay initialized.
+pub(super) unsafe fn as_slots<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout; the caller keeps the elements initialized.
     unsafe { &mut *(v as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 

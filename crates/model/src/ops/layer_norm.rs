@@ -37,6 +37,7 @@ macro_rules! layer_norm_impl {
         /// (dx, dw, db) from g.
         fn $bwd(x: &[$t], w: &[$t], g: &[$t], eps: f64) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
             let width = w.len();
+            assert_eq!(g.len(), x.len(), "an output gradient for every input element");
             let mut dx = Unfilled::<$t>::new(x.len());
             let part = part_len(x.len() / width, width, ROWWISE_MIN);
             let parts = x.chunks(part).zip(g.chunks(part)).zip(dx.slots().chunks_mut(part)).collect();
