@@ -345,6 +345,11 @@ impl MoeModel {
             let x = crate::ops::residual_add(&crate::ops::gather_rows(tok, &ids)?, &crate::ops::gather_rows(&pos, &positions)?)?;
             return Ok(x.reshape((b, t, d))?);
         }
+        #[cfg(feature = "cuda")]
+        if crate::ops::cuda::takes(tok) {
+            let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+            return Ok(crate::ops::cuda::embed(tok, &pos, &ids, t)?.reshape((b, t, d))?);
+        }
         Ok(tok.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?.broadcast_add(&pos)?)
     }
 

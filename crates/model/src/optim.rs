@@ -227,7 +227,7 @@ impl AdamW {
             #[cfg(feature = "cuda")]
             if var.dtype() == DType::F32 && var.is_contiguous() && var.device().is_cuda() {
                 let k = [k.b1, k.b2, k.scale, k.step_size, k.inv_bc2_sqrt, k.eps, k.keep];
-                crate::ops::cuda::adamw_update(var.as_tensor(), &g, m, v, k)?;
+                crate::ops::cuda::adamw_update(var.as_tensor(), &g, m, v, None, k)?;
                 continue;
             }
             *m = ((m.affine(k.b1 as f64, 0.0)? + g.affine(((1.0 - k.b1) * k.scale) as f64, 0.0)?)?).contiguous()?;

@@ -13,8 +13,10 @@
 //! alone are added up (a step runs on one thread; other threads' steps — tests side by side —
 //! are not mixed in). Off, a scope costs a thread-local load and reads no clock.
 //!
-//! On a GPU the phases are not synchronised with the device: a phase's wall time holds what the
-//! host waited for in it, and the device's work lands where the host next waits (a loss read).
+//! On a GPU ([`enable_gpu`]) each scope also records CUDA events on the device's stream around its
+//! work: a phase synchronises with the device when it closes (only while profiling), and the
+//! events give each phase and each kernel its GPU time. The launches and matrix products issued
+//! are counted too ([`launches`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -44,6 +46,8 @@ pub struct Totals {
     pub thread_cpu: Duration,
     /// CPU time of every thread of the process while the scope ran.
     pub process_cpu: Duration,
+    /// Device time between the scope's CUDA events (zero off a GPU).
+    pub gpu: Duration,
 }
 
 impl Totals {
@@ -53,6 +57,7 @@ impl Totals {
             wall: self.wall + o.wall,
             thread_cpu: self.thread_cpu + o.thread_cpu,
             process_cpu: self.process_cpu + o.process_cpu,
+            gpu: self.gpu + o.gpu,
         }
     }
 
@@ -63,6 +68,7 @@ impl Totals {
             wall: self.wall.saturating_sub(o.wall),
             thread_cpu: self.thread_cpu.saturating_sub(o.thread_cpu),
             process_cpu: self.process_cpu.saturating_sub(o.process_cpu),
+            gpu: self.gpu.saturating_sub(o.gpu),
         }
     }
 }
@@ -85,6 +91,8 @@ fn clock(id: libc::clockid_t) -> Duration {
 /// thread whose profile it adds to.
 pub struct Scope {
     open: Option<Open>,
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu::Open>,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -100,7 +108,12 @@ struct Open {
 fn open(phase: Option<&'static str>, kernel: &'static str) -> Scope {
     let _not_send = std::marker::PhantomData;
     if !ON.with(|o| o.get()) {
-        return Scope { open: None, _not_send };
+        return Scope {
+            open: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            _not_send,
+        };
     }
     let outer_phase = PHASE.with(|p| p.get());
     let key = match phase {
@@ -117,7 +130,14 @@ fn open(phase: Option<&'static str>, kernel: &'static str) -> Scope {
         process_cpu: clock(libc::CLOCK_PROCESS_CPUTIME_ID),
         wall: Instant::now(),
     };
-    Scope { open: Some(open), _not_send }
+    #[cfg(feature = "cuda")]
+    let gpu = gpu::open(open.key);
+    Scope {
+        open: Some(open),
+        #[cfg(feature = "cuda")]
+        gpu,
+        _not_send,
+    }
 }
 
 /// A phase of the step (forward, backward, …): the kernels run inside it are counted under it.
@@ -135,6 +155,12 @@ pub fn kernel(name: &'static str) -> Scope {
 impl Drop for Scope {
     fn drop(&mut self) {
         let Some(o) = self.open.take() else { return };
+        // A phase on a GPU waits here for its work (and resolves its kernels' events); a kernel
+        // leaves its events pending.
+        #[cfg(feature = "cuda")]
+        let gpu_time = self.gpu.take().map_or(Duration::ZERO, |g| gpu::close(g, o.key.1 == WHOLE_PHASE));
+        #[cfg(not(feature = "cuda"))]
+        let gpu_time = Duration::ZERO;
         let wall = o.wall.elapsed();
         let thread_cpu = clock(libc::CLOCK_THREAD_CPUTIME_ID).saturating_sub(o.thread_cpu);
         let process_cpu = clock(libc::CLOCK_PROCESS_CPUTIME_ID).saturating_sub(o.process_cpu);
@@ -142,8 +168,110 @@ impl Drop for Scope {
         TOTALS.with(|t| {
             let mut totals = t.borrow_mut();
             let t = totals.entry(o.key).or_default();
-            *t = t.plus(Totals { calls: 1, wall, thread_cpu, process_cpu });
+            *t = t.plus(Totals { calls: 1, wall, thread_cpu, process_cpu, gpu: gpu_time });
         });
+    }
+}
+
+/// Kernel launches and matrix products issued by this process so far (a GPU's; our kernels,
+/// candle's and cuBLAS's calls): a step's count is the difference across it.
+pub fn launches() -> (u64, u64) {
+    #[cfg(feature = "cuda")]
+    return (
+        candle_core::cuda_backend::launch_count(),
+        GEMMS.load(std::sync::atomic::Ordering::Relaxed) + candle_core::cuda_backend::gemm_count(),
+    );
+    #[cfg(not(feature = "cuda"))]
+    (0, 0)
+}
+
+/// Matrix products issued through Lazarus's own GPU ops (candle counts its own).
+#[cfg(feature = "cuda")]
+static GEMMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Count a kernel launch of Lazarus's own (candle's launcher counts it: nothing to add).
+#[cfg(feature = "cuda")]
+pub(crate) fn count_launch() {}
+
+/// Count a matrix product issued by Lazarus's GPU ops.
+#[cfg(feature = "cuda")]
+pub(crate) fn count_gemm() {
+    GEMMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Profile this thread's steps on the GPU whose stream is `stream` (None: a CPU step): each
+/// scope then records CUDA events around its work.
+#[cfg(feature = "cuda")]
+pub fn enable_gpu(stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>) {
+    gpu::STREAM.with(|s| *s.borrow_mut() = stream);
+    gpu::PENDING.with(|p| p.borrow_mut().clear());
+}
+
+/// One GPU op's pass (`"layer-norm.fwd"`) on the device `dev`, counted under its phase.
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_kernel(name: &'static str, _dev: &candle_core::cuda_backend::CudaDevice) -> Scope {
+    open(None, name)
+}
+
+/// As [`gpu_kernel`], for an op whose input is `t`.
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_kernel_of(name: &'static str, _t: &candle_core::Tensor) -> Scope {
+    open(None, name)
+}
+
+/// CUDA events of the profiled scopes: recorded on the profiled stream, resolved when a phase
+/// closes.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream};
+
+    type Key = (&'static str, &'static str);
+
+    thread_local! {
+        pub(super) static STREAM: RefCell<Option<Arc<CudaStream>>> = const { RefCell::new(None) };
+        /// Kernel scopes closed since the phase opened: (key, start, end).
+        pub(super) static PENDING: RefCell<Vec<(Key, CudaEvent, CudaEvent)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) struct Open {
+        key: Key,
+        start: CudaEvent,
+    }
+
+    fn event() -> Option<CudaEvent> {
+        STREAM.with(|s| s.borrow().as_ref().and_then(|s| s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).ok()))
+    }
+
+    pub(super) fn open(key: Key) -> Option<Open> {
+        Some(Open { key, start: event()? })
+    }
+
+    fn ms(a: &CudaEvent, b: &CudaEvent) -> Duration {
+        a.elapsed_ms(b).map_or(Duration::ZERO, |m| Duration::from_secs_f64(f64::from(m.max(0.0)) / 1e3))
+    }
+
+    /// Close a scope: a kernel's events wait in PENDING; a phase's end is waited for, and its own
+    /// time and every pending kernel's are resolved (the kernels' added to the totals here).
+    pub(super) fn close(o: Open, phase: bool) -> Duration {
+        let Some(end) = event() else { return Duration::ZERO };
+        if !phase {
+            PENDING.with(|p| p.borrow_mut().push((o.key, o.start, end)));
+            return Duration::ZERO;
+        }
+        let _ = end.synchronize();
+        let kernels: Vec<(Key, CudaEvent, CudaEvent)> = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        super::TOTALS.with(|t| {
+            let mut totals = t.borrow_mut();
+            for (key, s, e) in &kernels {
+                let t = totals.entry(*key).or_default();
+                t.gpu += ms(s, e);
+            }
+        });
+        ms(&o.start, &end)
     }
 }
 

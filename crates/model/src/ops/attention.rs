@@ -235,6 +235,10 @@ impl CustomOp1 for CausalAttention {
 /// Causal self-attention over the packed projection qkv [B, T, 3d] (Q, K, V side by side, each
 /// split into `heads` heads of d/heads) → [B, T, d], differentiable.
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(qkv) && super::cuda::attention_supported(qkv.dim(2)?, heads) {
+        return super::cuda::causal_attention(qkv, heads);
+    }
     if !super::fused_here(qkv) {
         return super::composite::causal_attention(qkv, heads);
     }

@@ -107,6 +107,10 @@ impl candle_core::CustomOp1 for CrossEntropy {
 /// Mean cross-entropy of `logits` [N, V] against `targets` (N class ids, each < V): a scalar,
 /// differentiable in the logits.
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(logits) && logits.dtype() != candle_core::DType::BF16 {
+        return super::cuda::cross_entropy(logits, targets);
+    }
     let op = CrossEntropy { targets: targets.to_vec() };
     if !super::fused_here(logits) {
         // The fused kernel checks the targets in its forward; candle's gather on a device would not.

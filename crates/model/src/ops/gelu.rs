@@ -129,11 +129,6 @@ impl CustomOp1 for Gelu {
         apply(storage, layout, gelu_slice_f32, gelu_slice_f64)
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, storage: &candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::map_elementwise(storage, layout, "lazarus_gelu")
-    }
-
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let _profile = crate::profile::kernel("gelu.bwd");
         let d = arg.contiguous()?.apply_op1_no_bwd(&GeluGrad)?;
@@ -149,19 +144,17 @@ impl CustomOp1 for GeluGrad {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         apply(storage, layout, gelu_grad_values_f32, gelu_grad_values_f64)
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, storage: &candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::map_elementwise(storage, layout, "lazarus_gelu_grad")
-    }
 }
 
 /// GELU (tanh approximation), differentiable.
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
     // One kernel forward and one (plus a multiply) backward on the CPU and on CUDA (ours, see
     // ops/cuda); candle's composite elsewhere.
-    let f32_or_f64 = matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
-    if !(f32_or_f64 && (x.device().is_cpu() || x.device().is_cuda())) {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) {
+        return super::cuda::gelu(x);
+    }
+    if !super::fused_here(x) {
         return super::composite::gelu(x);
     }
     x.contiguous()?.apply_op1(Gelu)

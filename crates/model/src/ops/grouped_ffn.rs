@@ -259,7 +259,7 @@ impl WeightGradSink {
         Self::default()
     }
 
-    fn push(&self, weight: &Tensor, grad: Tensor) {
+    pub(crate) fn push(&self, weight: &Tensor, grad: Tensor) {
         if let Ok(mut list) = self.0.lock() {
             list.push((weight.clone(), grad));
         }
@@ -436,8 +436,13 @@ pub fn grouped_expert_ffn_to_sink(
     if experts.len() != counts.len() || experts.is_empty() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && experts.iter().flatten().all(|w| w.dtype() == x.dtype()) {
+        return super::cuda::grouped_expert_ffn_to_sink(x, experts, None, counts, sink);
+    }
     if !super::fused_here(x) {
-        // Off the CPU, candle's autograd carries every gradient; the sink stays empty.
+        // Off the CPU and our GPU kernels, candle's autograd carries every gradient; the sink
+        // stays empty.
         return super::composite::grouped_expert_ffn(x, experts, counts);
     }
     let mut weights = Vec::with_capacity(experts.len());

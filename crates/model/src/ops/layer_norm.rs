@@ -146,6 +146,19 @@ impl candle_core::CustomOp3 for LayerNorm {
 
 /// LayerNorm(x)·w + b over the last dimension, differentiable in x, w and b.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    layer_norm_to(x, w, b, eps, x.dtype())
+}
+
+/// [`layer_norm`] into `out`: x's dtype, or bf16 from f32 (the input of a bf16 product; on a GPU
+/// one kernel writes it, elsewhere a cast follows).
+pub fn layer_norm_to(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, out: candle_core::DType) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && x.dtype() != candle_core::DType::BF16 && w.dtype() == x.dtype() && b.dtype() == x.dtype() {
+        return super::cuda::layer_norm_to(x, w, b, eps, out);
+    }
+    if out != x.dtype() {
+        return layer_norm_to(x, w, b, eps, x.dtype())?.to_dtype(out);
+    }
     if !super::fused_here(x) {
         return super::composite::layer_norm(x, w, b, eps);
     }

@@ -149,6 +149,10 @@ impl candle_core::CustomOp3 for LinearOp {
 
 /// x [N, din] · W [din, dout] + b [dout], differentiable in all three.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && w.dtype() == x.dtype() && b.dtype() == x.dtype() {
+        return super::cuda::linear_to(x, w, Some(b), None, x.dtype());
+    }
     if !super::fused_here(x) {
         return super::composite::linear(x, w, b);
     }

@@ -32,6 +32,8 @@ mod composite;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(test)]
+mod emulated;
 mod expert_ffn;
 mod gelu;
 mod gemm;
@@ -64,7 +66,7 @@ pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};
 pub use host::{with_f32, with_f32_slices};
-pub use layer_norm::layer_norm;
+pub use layer_norm::{layer_norm, layer_norm_to};
 pub use linear::linear;
 pub use moe_rows::{combine_rows, gather_rows};
 pub use parallel::threads;

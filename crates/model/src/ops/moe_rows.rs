@@ -200,6 +200,10 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("gather rows: token {t} of {n}")
     }
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(src) {
+        return super::cuda::gather_rows(src, tokens);
+    }
     if !super::fused_here(src) {
         return super::composite::gather_rows(src, &Tensor::from_slice(tokens, tokens.len(), src.device())?);
     }
@@ -211,6 +215,10 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
 pub fn combine_rows(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize) -> candle_core::Result<Tensor> {
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         candle_core::bail!("combine rows: token {t} of {n}")
+    }
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(y) && y.dtype() != candle_core::DType::BF16 && w.dtype() == y.dtype() {
+        return super::cuda::combine_rows_to(y, w, tokens, n, y.dtype());
     }
     if !super::fused_here(y) {
         return super::composite::combine_rows(y, w, &Tensor::from_slice(tokens, tokens.len(), y.device())?, n);

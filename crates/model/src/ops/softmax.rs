@@ -64,6 +64,10 @@ impl CustomOp1 for SoftmaxLast {
 
 /// Softmax over the last dimension, differentiable.
 pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && x.dtype() != candle_core::DType::BF16 {
+        return super::cuda::softmax_last(x);
+    }
     if !super::fused_here(x) {
         return super::composite::softmax_last(x);
     }

@@ -144,8 +144,13 @@ macro_rules! builder_arg {
     };
 }
 
+/// Kernels launched through [`CudaFunc::builder`] (every candle kernel, and custom kernels
+/// launched the same way) since the process started. Lazarus patch: see vendor/README.md.
+pub(crate) static LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl CudaFunc {
     pub fn builder(&self) -> cudarc::driver::LaunchArgs<'_> {
+        LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream.launch_builder(&self.func)
     }
 }

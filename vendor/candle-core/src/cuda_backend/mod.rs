@@ -17,6 +17,20 @@ mod device;
 mod error;
 mod utils;
 pub use device::{CudaDevice, DeviceId};
+
+/// Matrix products candle's matmul issued through cuBLAS since the process started. Lazarus
+/// patch: see vendor/README.md.
+static GEMMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Kernels launched through candle's launcher since the process started (Lazarus patch).
+pub fn launch_count() -> u64 {
+    device::LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// cuBLAS products issued by candle's matmul since the process started (Lazarus patch).
+pub fn gemm_count() -> u64 {
+    GEMMS.load(std::sync::atomic::Ordering::Relaxed)
+}
 pub use error::{CudaError, WrapErr};
 pub use utils::{Map1, Map1Any, Map2, Map2Any, Map2InPlace, Map3, S};
 
@@ -2200,7 +2214,7 @@ impl BackendStorage for CudaStorage {
                 let rhs = &rhs.slice(rhs_l.start_offset()..);
                 let cfg = gemm_config(bf16::ONE, bf16::ZERO, (b, m, n, k), lhs_l, rhs_l)?;
                 let mut out = unsafe { dev.alloc::<bf16>(elem_count)? };
-                unsafe { gemm_strided_batched_bf16(&self.device.blas, cfg, rhs, lhs, &mut out) }
+                { GEMMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed); unsafe { gemm_strided_batched_bf16(&self.device.blas, cfg, rhs, lhs, &mut out) } }
                     .w()?;
                 CudaStorageSlice::BF16(out)
             }
@@ -2209,7 +2223,7 @@ impl BackendStorage for CudaStorage {
                 let rhs = &rhs.slice(rhs_l.start_offset()..);
                 let cfg = gemm_config(f16::ONE, f16::ZERO, (b, m, n, k), lhs_l, rhs_l)?;
                 let mut out = unsafe { dev.alloc::<f16>(elem_count)? };
-                unsafe { gemm_strided_batched_f16(&self.device.blas, cfg, rhs, lhs, &mut out) }
+                { GEMMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed); unsafe { gemm_strided_batched_f16(&self.device.blas, cfg, rhs, lhs, &mut out) } }
                     .w()?;
                 CudaStorageSlice::F16(out)
             }
@@ -2218,7 +2232,7 @@ impl BackendStorage for CudaStorage {
                 let rhs = &rhs.slice(rhs_l.start_offset()..);
                 let cfg = gemm_config(1., 0., (b, m, n, k), lhs_l, rhs_l)?;
                 let mut out = unsafe { dev.alloc::<f32>(elem_count)? };
-                unsafe { gemm_strided_batched_f32(&self.device.blas, cfg, rhs, lhs, &mut out) }
+                { GEMMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed); unsafe { gemm_strided_batched_f32(&self.device.blas, cfg, rhs, lhs, &mut out) } }
                     .w()?;
                 CudaStorageSlice::F32(out)
             }

@@ -1,0 +1,160 @@
+// Elementwise kernels: GELU and its derivative, the expert FFNs' bias adds fused with GELU, casts,
+// AdamW and the sums of squares of the gradient norm — what candle's ops would do in several
+// launches per tensor, in one.
+#pragma once
+#include "common.cuh"
+
+// GELU, tanh form, and its derivative: the CPU kernels' formulas (gelu.rs):
+// gelu(x) = x·s, s = 1 / (1 + exp(−2c(x + a·x³))); gelu'(x) = s + 2x·s(1 − s)·c(1 + 3a·x²).
+#define GELU_C 0.7978845608028654
+#define GELU_A 0.044715
+template <class A>
+__device__ __forceinline__ A gelu_of(A v) {
+    return v / ((A)1 + exp_acc((A)(-2.0 * GELU_C) * (v + (A)GELU_A * v * v * v)));
+}
+template <class A>
+__device__ __forceinline__ A gelu_grad_of(A v) {
+    const A s = (A)1 / ((A)1 + exp_acc((A)(-2.0 * GELU_C) * (v + (A)GELU_A * v * v * v)));
+    return s + v * (A)2 * s * ((A)1 - s) * (A)GELU_C * ((A)1 + (A)(3.0 * GELU_A) * v * v);
+}
+
+template <class T>
+__device__ void gelu_map(const T* x, T* y, u64 n) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, n) y[i] = from_acc<T>(gelu_of((A)to_acc(x[i])));
+}
+template <class T>
+__device__ void gelu_grad_map(const T* x, T* y, u64 n) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, n) y[i] = from_acc<T>(gelu_grad_of((A)to_acc(x[i])));
+}
+
+// The segment (expert) of row r: the last e < groups with seg[e] ≤ r (seg: groups + 1 row
+// offsets, seg[0] = 0).
+__device__ __forceinline__ u32 segment_of(const u32* seg, u32 groups, u64 r) {
+    u32 lo = 0, hi = groups;
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (seg[mid] <= r) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// The first layer's epilogue of grouped FFNs over rows of f: pre = h + b[e] (written over h, kept
+// for the backward) and act = gelu(pre), e the row's segment; `bias` holds each segment's bias
+// address.
+template <class T, class Tb>
+__device__ void bias_gelu_fwd(T* h, T* act, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 f) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, rows * f) {
+        const u64 r = i / f, c = i % f;
+        const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
+        // The activation is taken of the stored (rounded) pre-activation: the backward's
+        // derivative is of the same value.
+        const T pre = from_acc<T>((A)to_acc(h[i]) + (A)to_acc(b[c]));
+        h[i] = pre;
+        act[i] = from_acc<T>(gelu_of((A)to_acc(pre)));
+    }
+}
+
+// g ← g · gelu'(pre), in place.
+template <class T>
+__device__ void gelu_bwd_inplace(const T* pre, T* g, u64 n) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, n) g[i] = from_acc<T>((A)to_acc(g[i]) * gelu_grad_of((A)to_acc(pre[i])));
+}
+
+// y ← y + b[e] over rows of d, e the row's segment.
+template <class T, class Tb>
+__device__ void bias_add_rows(T* y, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 d) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, rows * d) {
+        const u64 r = i / d, c = i % d;
+        const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
+        y[i] = from_acc<T>((A)to_acc(y[i]) + (A)to_acc(b[c]));
+    }
+}
+
+template <class Tin, class Tout>
+__device__ void cast_map(const Tin* x, Tout* y, u64 n) {
+    FOR_EACH(i, n) y[i] = from_acc<Tout>(to_acc(x[i]));
+}
+
+// AdamW on one f32 tensor, in place: the same formula, in the same order, as the CPU pass
+// (optim.rs, adamw_pass): m and v move by the scaled gradient, then
+// p <- p * keep - step_size * m / (sqrt(v) * inv_bc2_sqrt + eps). With `copy` not null, the bf16
+// working copy of the parameter is refreshed from the new value in the same pass.
+template <class Tg>
+__device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64 n, float b1, float b2, float scale,
+                      float step_size, float inv_bc2_sqrt, float eps, float keep) {
+    FOR_EACH(i, n) {
+        const float gi = to_acc(g[i]) * scale;
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
+        p[i] = pi;
+        if (copy) copy[i] = __float2bfloat16(pi);
+    }
+}
+
+// The sum of squares of one f32 tensor, in f64, into out[slot]: one block of 1024 threads, a
+// fixed order of additions (deterministic from run to run, unlike atomics).
+__device__ void sum_squares(const float* x, u64 n, double* out, u32 slot) {
+    __shared__ double part[1024];
+    double acc = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const double xi = (double)x[i];
+        acc += xi * xi;
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[slot] = part[0];
+}
+
+#define GELU_KERNELS(SUF, T)                                                                                          \
+    extern "C" __global__ void lazarus_gelu_##SUF(const T* x, T* y, u64 n) { gelu_map<T>(x, y, n); }                 \
+    EMU_REGISTER(lazarus_gelu_##SUF)                                                                                  \
+    extern "C" __global__ void lazarus_gelu_grad_##SUF(const T* x, T* y, u64 n) { gelu_grad_map<T>(x, y, n); }       \
+    EMU_REGISTER(lazarus_gelu_grad_##SUF)                                                                             \
+    extern "C" __global__ void lazarus_gelu_bwd_inplace_##SUF(const T* pre, T* g, u64 n) { gelu_bwd_inplace<T>(pre, g, n); } \
+    EMU_REGISTER(lazarus_gelu_bwd_inplace_##SUF)
+GELU_KERNELS(f32, float)
+GELU_KERNELS(f64, double)
+GELU_KERNELS(bf16, bf16)
+
+#define BIAS_KERNELS(SUF, T, TB)                                                                                          \
+    extern "C" __global__ void lazarus_bias_gelu_fwd_##SUF(T* h, T* act, const u64* bias, const u32* seg, u32 groups,    \
+                                                           u64 rows, u32 f) {                                            \
+        bias_gelu_fwd<T, TB>(h, act, bias, seg, groups, rows, f);                                                        \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_bias_gelu_fwd_##SUF)                                                                             \
+    extern "C" __global__ void lazarus_bias_add_rows_##SUF(T* y, const u64* bias, const u32* seg, u32 groups, u64 rows,  \
+                                                           u32 d) {                                                      \
+        bias_add_rows<T, TB>(y, bias, seg, groups, rows, d);                                                             \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_bias_add_rows_##SUF)
+BIAS_KERNELS(f32, float, float)
+BIAS_KERNELS(f64, double, double)
+BIAS_KERNELS(bf16, bf16, float)
+
+#define CAST_KERNEL(SUF, TIN, TOUT)                                                                            \
+    extern "C" __global__ void lazarus_cast_##SUF(const TIN* x, TOUT* y, u64 n) { cast_map<TIN, TOUT>(x, y, n); } \
+    EMU_REGISTER(lazarus_cast_##SUF)
+CAST_KERNEL(f32_bf16, float, bf16)
+CAST_KERNEL(bf16_f32, bf16, float)
+
+extern "C" __global__ void lazarus_adamw_f32(float* p, const float* g, float* m, float* v, bf16* copy, u64 n, float b1,
+                                             float b2, float scale, float step_size, float inv_bc2_sqrt, float eps, float keep) {
+    adamw<float>(p, g, m, v, copy, n, b1, b2, scale, step_size, inv_bc2_sqrt, eps, keep);
+}
+EMU_REGISTER(lazarus_adamw_f32)
+
+extern "C" __global__ void lazarus_sum_squares_f32(const float* x, u64 n, double* out, u32 slot) { sum_squares(x, n, out, slot); }
+EMU_REGISTER(lazarus_sum_squares_f32)

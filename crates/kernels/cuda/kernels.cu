@@ -1,0 +1,8 @@
+// Lazarus's CUDA kernels, one translation unit: compiled to PTX by build.rs with nvcc (the `cuda`
+// feature), and, with LAZARUS_EMULATE, to host code run by the emulator in the tests. Each file
+// holds one family; every kernel is `extern "C"` (its launch names it) and registered with the
+// emulator (EMU_REGISTER, empty for the GPU).
+#include "attention.cuh"
+#include "elementwise.cuh"
+#include "norm.cuh"
+#include "rows.cuh"

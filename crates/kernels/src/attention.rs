@@ -1,0 +1,101 @@
+//! Launches of the flash-style causal attention (`cuda/attention.cuh`).
+
+use crate::{launch, size_i32, Arg, Dtype, KernelError, Launch};
+
+const FAMILY: &str = "attention";
+
+/// The widest head the kernels take: each row's columns are held in registers by a pair of lanes.
+pub const ATTENTION_MAX_HEAD_DIM: usize = 128;
+
+/// Rows of queries (forward, dQ) or keys (dK, dV) per block, and its threads (two per row).
+const ROWS: usize = 64;
+const THREADS: u32 = 128;
+
+/// Columns each lane of a row's pair holds: the smallest instance that covers the head.
+fn half_for(dh: usize) -> Option<usize> {
+    match dh {
+        1..=32 => Some(16),
+        33..=64 => Some(32),
+        65..=128 => Some(64),
+        _ => None,
+    }
+}
+
+/// Whether the kernels take heads of `dh` columns.
+pub fn attention_supported(dh: usize) -> bool {
+    half_for(dh).is_some()
+}
+
+fn checked(b: usize, t: usize, heads: usize, dh: usize) -> Result<(usize, [Arg; 4]), KernelError> {
+    let half = half_for(dh)
+        .ok_or_else(|| KernelError::Size { family: FAMILY, what: format!("heads of {dh} columns (1 to {ATTENTION_MAX_HEAD_DIM})") })?;
+    if b * heads > 65_535 {
+        return Err(KernelError::Size { family: FAMILY, what: format!("{b} sequences × {heads} heads (at most 65535)") });
+    }
+    let scale = 1.0 / (dh as f64).sqrt();
+    Ok((
+        half,
+        [
+            Arg::I32(size_i32(FAMILY, "sequence length", t)?),
+            Arg::I32(size_i32(FAMILY, "heads", heads)?),
+            Arg::I32(dh as i32),
+            Arg::F64(scale),
+        ],
+    ))
+}
+
+/// y [b, t, heads·dh] = causal softmax(Q·Kᵀ/√dh)·V from the packed qkv [b, t, 3·heads·dh]; `lse`
+/// gets each (sequence, head, query)'s log-sum-exp (b·heads·t of the accumulator type).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd(dt: Dtype, qkv: u64, y: u64, lse: u64, b: usize, t: usize, heads: usize, dh: usize) -> Result<Launch, KernelError> {
+    let (half, [t_, h_, dh_, scale]) = checked(b, t, heads, dh)?;
+    Ok(launch(
+        format!("lazarus_attn_fwd_{}_{half}", dt.suffix()),
+        [t.div_ceil(ROWS).max(1) as u32, (b * heads).max(1) as u32, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(qkv), Arg::Ptr(y), Arg::Ptr(lse), t_, h_, dh_, scale],
+    ))
+}
+
+/// dqkv [b, t, 3·heads·dh] from the output gradient dy, the forward's output y and its `lse`,
+/// through `dvec` (b·heads·t of the accumulator type: Σ dy·y per row). Every element of dqkv is
+/// written.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    dt: Dtype,
+    qkv: u64,
+    y: u64,
+    dy: u64,
+    lse: u64,
+    dvec: u64,
+    dqkv: u64,
+    b: usize,
+    t: usize,
+    heads: usize,
+    dh: usize,
+) -> Result<Vec<Launch>, KernelError> {
+    let (half, [t_, h_, dh_, scale]) = checked(b, t, heads, dh)?;
+    let rows = (b * heads * t) as u64;
+    let grid = [t.div_ceil(ROWS).max(1) as u32, (b * heads).max(1) as u32, 1];
+    let s = dt.suffix();
+    Ok(vec![
+        launch(
+            format!("lazarus_attn_bwd_dot_{s}"),
+            [rows.div_ceil(8).clamp(1, 1 << 16) as u32, 1, 1],
+            [256, 1, 1],
+            vec![Arg::Ptr(y), Arg::Ptr(dy), Arg::Ptr(dvec), Arg::I32(size_i32(FAMILY, "sequences", b)?), t_, h_, dh_],
+        ),
+        launch(
+            format!("lazarus_attn_bwd_dq_{s}_{half}"),
+            grid,
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(qkv), Arg::Ptr(dy), Arg::Ptr(lse), Arg::Ptr(dvec), Arg::Ptr(dqkv), t_, h_, dh_, scale],
+        ),
+        launch(
+            format!("lazarus_attn_bwd_dkv_{s}_{half}"),
+            grid,
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(qkv), Arg::Ptr(dy), Arg::Ptr(lse), Arg::Ptr(dvec), Arg::Ptr(dqkv), t_, h_, dh_, scale],
+        ),
+    ])
+}

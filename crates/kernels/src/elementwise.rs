@@ -1,0 +1,123 @@
+//! Launches of the elementwise kernels (`cuda/elementwise.cuh`): GELU, the grouped FFNs' bias
+//! epilogues, casts, AdamW and the sums of squares.
+
+use crate::{blocks_for, launch, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+
+const FAMILY: &str = "elementwise";
+
+fn map(kernel: &str, dt: Dtype, x: u64, y: u64, n: usize) -> Launch {
+    launch(
+        format!("lazarus_{kernel}_{}", dt.suffix()),
+        [blocks_for(n as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)],
+    )
+}
+
+/// y = gelu(x) (tanh form), n elements.
+pub fn gelu(dt: Dtype, x: u64, y: u64, n: usize) -> Launch {
+    map("gelu", dt, x, y, n)
+}
+
+/// y = gelu'(x), n elements.
+pub fn gelu_grad(dt: Dtype, x: u64, y: u64, n: usize) -> Launch {
+    map("gelu_grad", dt, x, y, n)
+}
+
+/// g ← g · gelu'(pre), n elements, in place.
+pub fn gelu_bwd_inplace(dt: Dtype, pre: u64, g: u64, n: usize) -> Launch {
+    map("gelu_bwd_inplace", dt, pre, g, n)
+}
+
+fn bias_suffix(dt: Dtype) -> &'static str {
+    // The biases are parameters: f32 (f64 for f64 rows); bf16 rows take f32 biases.
+    dt.suffix()
+}
+
+fn segments_arg(segments: u64, groups: usize) -> Result<u32, KernelError> {
+    if groups == 0 || (segments == 0 && groups != 1) {
+        return Err(KernelError::Size { family: FAMILY, what: format!("{groups} groups (segments given: {})", segments != 0) });
+    }
+    size_u32(FAMILY, "groups", groups)
+}
+
+/// Over rows of f grouped in `groups` segments (`segments`: groups + 1 row offsets on the device,
+/// the device array `bias` holding each group's bias address, of the accumulator type of `dt`):
+/// h ← h + b[group] (kept for the backward) and act = gelu(h).
+#[allow(clippy::too_many_arguments)]
+pub fn bias_gelu_fwd(
+    dt: Dtype,
+    h: u64,
+    act: u64,
+    bias: u64,
+    segments: u64,
+    groups: usize,
+    rows: usize,
+    f: usize,
+) -> Result<Launch, KernelError> {
+    Ok(launch(
+        format!("lazarus_bias_gelu_fwd_{}", bias_suffix(dt)),
+        [blocks_for((rows * f) as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![
+            Arg::Ptr(h),
+            Arg::Ptr(act),
+            Arg::Ptr(bias),
+            Arg::Ptr(segments),
+            Arg::U32(segments_arg(segments, groups)?),
+            Arg::U64(rows as u64),
+            Arg::U32(size_u32(FAMILY, "width", f)?),
+        ],
+    ))
+}
+
+/// y ← y + b[group] over rows of d grouped as for [`bias_gelu_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn bias_add_rows(dt: Dtype, y: u64, bias: u64, segments: u64, groups: usize, rows: usize, d: usize) -> Result<Launch, KernelError> {
+    Ok(launch(
+        format!("lazarus_bias_add_rows_{}", bias_suffix(dt)),
+        [blocks_for((rows * d) as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![
+            Arg::Ptr(y),
+            Arg::Ptr(bias),
+            Arg::Ptr(segments),
+            Arg::U32(segments_arg(segments, groups)?),
+            Arg::U64(rows as u64),
+            Arg::U32(size_u32(FAMILY, "width", d)?),
+        ],
+    ))
+}
+
+/// y = x converted, n elements: f32 → bf16 (rounded to nearest even) or bf16 → f32.
+pub fn cast(from: Dtype, to: Dtype, x: u64, y: u64, n: usize) -> Result<Launch, KernelError> {
+    let name = match (from, to) {
+        (Dtype::F32, Dtype::Bf16) => "f32_bf16",
+        (Dtype::Bf16, Dtype::F32) => "bf16_f32",
+        _ => return Err(KernelError::Types { family: FAMILY, what: format!("a cast from {from:?} to {to:?}") }),
+    };
+    Ok(launch(
+        format!("lazarus_cast_{name}"),
+        [blocks_for(n as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)],
+    ))
+}
+
+/// The AdamW coefficients of one tensor's update, in the kernel's argument order:
+/// b1, b2, scale, step_size, inv_bc2_sqrt, eps, keep.
+pub type AdamWScalars = [f32; 7];
+
+/// AdamW's update of the f32 parameter p in place, with f32 gradient g and moments m, v (n
+/// elements each); `copy` (0: none) gets the new parameter rounded to bf16, the working copy a
+/// bf16 matrix product reads.
+pub fn adamw(p: u64, g: u64, m: u64, v: u64, copy: u64, n: usize, k: AdamWScalars) -> Launch {
+    let mut args = vec![Arg::Ptr(p), Arg::Ptr(g), Arg::Ptr(m), Arg::Ptr(v), Arg::Ptr(copy), Arg::U64(n as u64)];
+    args.extend(k.iter().map(|&x| Arg::F32(x)));
+    launch("lazarus_adamw_f32".into(), [(n as u64).div_ceil(THREADS as u64).clamp(1, 4096) as u32, 1, 1], [THREADS, 1, 1], args)
+}
+
+/// Σ x² of the f32 tensor x (n elements) in f64 into out[slot]: one block, a fixed order.
+pub fn sum_squares(x: u64, n: usize, out: u64, slot: u32) -> Launch {
+    launch("lazarus_sum_squares_f32".into(), [1, 1, 1], [1024, 1, 1], vec![Arg::Ptr(x), Arg::U64(n as u64), Arg::Ptr(out), Arg::U32(slot)])
+}

@@ -1,0 +1,251 @@
+//! Launches of the row-statistics kernels (`cuda/norm.cuh`): LayerNorm, softmax, cross-entropy,
+//! and the column sums that reduce a parameter's gradient over rows in a fixed order.
+
+use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+
+const FAMILY: &str = "norm";
+
+/// Row parts of a column sum over `rows` rows: at most 64 parts of at least 64 rows each.
+fn parts_for(rows: usize) -> usize {
+    rows.div_ceil(64).clamp(1, 64)
+}
+
+/// The suffix of the LayerNorm kernels for input `x` (and weights, of the same type) and output
+/// `y`: (f32, f32), (f64, f64), or (f32, bf16) for a bf16 matrix product next.
+fn norm_suffix(x: Dtype, y: Dtype) -> Result<&'static str, KernelError> {
+    match (x, y) {
+        (Dtype::F32, Dtype::F32) => Ok("f32"),
+        (Dtype::F64, Dtype::F64) => Ok("f64"),
+        (Dtype::F32, Dtype::Bf16) => Ok("f32_bf16"),
+        _ => Err(KernelError::Types { family: FAMILY, what: format!("a LayerNorm from {x:?} to {y:?}") }),
+    }
+}
+
+/// y = (x − mean) · rstd · w + b over rows of d; mean and rstd of each row (x's accumulator type,
+/// `rows` each) kept for the backward.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_fwd(
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    b: u64,
+    y: u64,
+    mean: u64,
+    rstd: u64,
+    rows: usize,
+    d: usize,
+    eps: f64,
+) -> Result<Launch, KernelError> {
+    let suffix = norm_suffix(x_dt, y_dt)?;
+    let d32 = size_u32(FAMILY, "width", d)?;
+    Ok(launch(
+        format!("lazarus_layer_norm_fwd_{suffix}"),
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(d32), 1, 1],
+        vec![
+            Arg::Ptr(x),
+            Arg::Ptr(w),
+            Arg::Ptr(b),
+            Arg::Ptr(y),
+            Arg::Ptr(mean),
+            Arg::Ptr(rstd),
+            Arg::U64(rows as u64),
+            Arg::U32(d32),
+            Arg::F64(eps),
+        ],
+    ))
+}
+
+/// Elements (x's accumulator type) of the workspace [`layer_norm_bwd`] needs.
+pub fn layer_norm_bwd_workspace(rows: usize, d: usize) -> usize {
+    2 * parts_for(rows) * d
+}
+
+/// The LayerNorm's backward from g (the output's gradient, of `y_dt`): dx (x's type) and the
+/// weight's and bias's gradients into `dwdb` (2·d elements of x's type: dw, then db), through
+/// `workspace` ([`layer_norm_bwd_workspace`] elements).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bwd(
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    g: u64,
+    mean: u64,
+    rstd: u64,
+    dx: u64,
+    workspace: u64,
+    dwdb: u64,
+    rows: usize,
+    d: usize,
+) -> Result<Vec<Launch>, KernelError> {
+    let suffix = norm_suffix(x_dt, y_dt)?;
+    let d32 = size_u32(FAMILY, "width", d)?;
+    let parts = parts_for(rows);
+    let part = rows.div_ceil(parts).max(1);
+    let col_blocks = d32.div_ceil(32).max(1);
+    Ok(vec![
+        launch(
+            format!("lazarus_layer_norm_bwd_{suffix}"),
+            [row_blocks(rows as u64), 1, 1],
+            [row_threads(d32), 1, 1],
+            vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(mean), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
+        ),
+        launch(
+            format!("lazarus_gamma_beta_partials_{suffix}"),
+            [col_blocks, parts as u32, 1],
+            [32, 8, 1],
+            vec![
+                Arg::Ptr(x),
+                Arg::Ptr(g),
+                Arg::Ptr(mean),
+                Arg::Ptr(rstd),
+                Arg::Ptr(workspace),
+                Arg::U64(rows as u64),
+                Arg::U32(d32),
+                Arg::U32(size_u32(FAMILY, "part", part)?),
+            ],
+        ),
+        launch(
+            format!("lazarus_column_totals_{}", x_dt.suffix()),
+            [blocks_for(2 * d as u64), 1, 1],
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(workspace), Arg::Ptr(dwdb), Arg::U32(2), Arg::U32(parts as u32), Arg::U32(d32)],
+        ),
+    ])
+}
+
+/// Elements (the accumulator type) of the workspace of [`column_sums`] over `groups` segments the
+/// longest of which has `max_rows` rows.
+pub fn column_sums_workspace(groups: usize, max_rows: usize, d: usize) -> usize {
+    groups * parts_for(max_rows) * d
+}
+
+/// out[k, c] = Σ over the rows of segment k of m[r, c], for k < groups (`segments`: groups + 1
+/// row offsets on the device; 0 with groups = 1: every one of `rows` rows), in a fixed order. m of
+/// `dt`; out of its accumulator type.
+#[allow(clippy::too_many_arguments)]
+pub fn column_sums(
+    dt: Dtype,
+    m: u64,
+    segments: u64,
+    groups: usize,
+    max_rows: usize,
+    workspace: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+) -> Result<Vec<Launch>, KernelError> {
+    if segments == 0 && groups != 1 {
+        return Err(KernelError::Size { family: FAMILY, what: format!("{groups} groups without segments") });
+    }
+    let d32 = size_u32(FAMILY, "width", d)?;
+    let parts = parts_for(max_rows);
+    let part = max_rows.div_ceil(parts).max(1);
+    let groups32 = size_u32(FAMILY, "groups", groups)?;
+    if groups32 > 65_535 {
+        return Err(KernelError::Size { family: FAMILY, what: format!("{groups} groups (at most 65535)") });
+    }
+    Ok(vec![
+        launch(
+            format!("lazarus_column_partials_{}", dt.suffix()),
+            [d32.div_ceil(32).max(1), parts as u32, groups32.max(1)],
+            [32, 8, 1],
+            vec![
+                Arg::Ptr(m),
+                Arg::Ptr(segments),
+                Arg::Ptr(workspace),
+                Arg::U64(rows as u64),
+                Arg::U32(d32),
+                Arg::U32(size_u32(FAMILY, "part", part)?),
+            ],
+        ),
+        launch(
+            format!("lazarus_column_totals_{}", dt.acc().suffix()),
+            [blocks_for((groups * d) as u64), 1, 1],
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(workspace), Arg::Ptr(out), Arg::U32(groups32), Arg::U32(parts as u32), Arg::U32(d32)],
+        ),
+    ])
+}
+
+fn float_suffix(family: &'static str, dt: Dtype) -> Result<&'static str, KernelError> {
+    match dt {
+        Dtype::F32 | Dtype::F64 => Ok(dt.suffix()),
+        Dtype::Bf16 => Err(KernelError::Types { family, what: "bf16 (f32 or f64 only)".into() }),
+    }
+}
+
+/// y = softmax(x) over rows of v (f32 or f64).
+pub fn softmax_fwd(dt: Dtype, x: u64, y: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
+    let v32 = size_u32(FAMILY, "width", v)?;
+    Ok(launch(
+        format!("lazarus_softmax_fwd_{}", float_suffix(FAMILY, dt)?),
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(v32), 1, 1],
+        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(rows as u64), Arg::U32(v32)],
+    ))
+}
+
+/// dx = y ⊙ (g − Σ g·y) over rows of v.
+pub fn softmax_bwd(dt: Dtype, y: u64, g: u64, dx: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
+    let v32 = size_u32(FAMILY, "width", v)?;
+    Ok(launch(
+        format!("lazarus_softmax_bwd_{}", float_suffix(FAMILY, dt)?),
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(v32), 1, 1],
+        vec![Arg::Ptr(y), Arg::Ptr(g), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(v32)],
+    ))
+}
+
+/// The mean cross-entropy of logits [rows, v] against u32 targets into `loss` (one element), each
+/// row's loss into `row_loss` and its log-sum-exp into `lse` (rows each, the logits' type).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_fwd(
+    dt: Dtype,
+    x: u64,
+    targets: u64,
+    row_loss: u64,
+    lse: u64,
+    loss: u64,
+    rows: usize,
+    v: usize,
+) -> Result<Vec<Launch>, KernelError> {
+    let suffix = float_suffix(FAMILY, dt)?;
+    let v32 = size_u32(FAMILY, "classes", v)?;
+    Ok(vec![
+        launch(
+            format!("lazarus_cross_entropy_fwd_{suffix}"),
+            [row_blocks(rows as u64), 1, 1],
+            [row_threads(v32), 1, 1],
+            vec![Arg::Ptr(x), Arg::Ptr(targets), Arg::Ptr(row_loss), Arg::Ptr(lse), Arg::U64(rows as u64), Arg::U32(v32)],
+        ),
+        launch(
+            format!("lazarus_mean_{suffix}"),
+            [1, 1, 1],
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(row_loss), Arg::Ptr(loss), Arg::U64(rows as u64)],
+        ),
+    ])
+}
+
+/// dx = (softmax(x) − one-hot(target)) · g[0] / rows, g the loss's gradient (one element on the
+/// device).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_bwd(dt: Dtype, x: u64, targets: u64, lse: u64, g: u64, dx: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
+    Ok(launch(
+        format!("lazarus_cross_entropy_bwd_{}", float_suffix(FAMILY, dt)?),
+        [blocks_for((rows * v) as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![
+            Arg::Ptr(x),
+            Arg::Ptr(targets),
+            Arg::Ptr(lse),
+            Arg::Ptr(g),
+            Arg::Ptr(dx),
+            Arg::U64(rows as u64),
+            Arg::U32(size_u32(FAMILY, "classes", v)?),
+        ],
+    ))
+}

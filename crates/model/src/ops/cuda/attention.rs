@@ -1,0 +1,72 @@
+//! Causal attention on a GPU, flash-style (`lazarus_kernels::ops::attention_*`), as one candle
+//! autograd node over the packed projection.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use lazarus_kernels::ops;
+
+use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
+
+struct GpuAttention {
+    heads: usize,
+    /// Each query row's log-sum-exp, from the forward.
+    lse: Mutex<Option<CudaBuf>>,
+}
+
+impl CustomOp1 for GpuAttention {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-attention"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!("{}: a GPU op given CPU tensors", self.name())
+    }
+
+    fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::gpu_kernel("causal-attention.fwd", qkv.device());
+        let gpu = Gpu::of_storage(qkv);
+        let (b, t, d3) = l.shape().dims3()?;
+        let d = d3 / 3;
+        let (y, lse) = ops::attention_fwd(&gpu, dtype_of(qkv.dtype())?, storage_addr(qkv, l)?, b, t, self.heads, d / self.heads)?;
+        if let Ok(mut s) = self.lse.lock() {
+            *s = Some(lse);
+        }
+        Ok((gpu.storage(y)?, Shape::from((b, t, d))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _p = crate::profile::gpu_kernel_of("causal-attention.bwd", qkv);
+        let gpu = Gpu::of(qkv)?;
+        let (b, t, d3) = qkv.dims3()?;
+        let d = d3 / 3;
+        let (qkv, y, g) = (qkv.contiguous()?, res.contiguous()?, grad.contiguous()?);
+        let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?;
+        let Some(lse) = lse.as_ref() else { candle_core::bail!("attention: backward before forward") };
+        let lse_addr = lazarus_kernels::Device::addr(&gpu, lse);
+        let dqkv = ops::attention_bwd(
+            &gpu,
+            dtype_of(qkv.dtype())?,
+            addr(&qkv)?,
+            addr(&y)?,
+            addr(&g)?,
+            lse_addr,
+            b,
+            t,
+            self.heads,
+            d / self.heads,
+        )?;
+        Ok(Some(gpu.tensor(dqkv, qkv.shape())?))
+    }
+}
+
+/// Whether the GPU kernel takes `heads` heads of a packed width `d3` (the head width in range).
+pub fn supported(d3: usize, heads: usize) -> bool {
+    heads > 0 && d3.is_multiple_of(3) && (d3 / 3).is_multiple_of(heads) && lazarus_kernels::attention_supported(d3 / 3 / heads)
+}
+
+/// Causal attention over qkv [B, T, 3d] → [B, T, d].
+pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    qkv.contiguous()?.apply_op1(GpuAttention { heads, lse: Mutex::new(None) })
+}

@@ -1,0 +1,148 @@
+//! The MoE layer's row movement and the embedding on a GPU: gathers forward, sums of listed rows
+//! backward (no atomics, no candle index_add: see `lazarus-kernels`' rows kernels).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
+use lazarus_kernels::ops;
+
+use super::{addr, dtype_of, storage_addr, Gpu};
+
+fn not_on_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
+    candle_core::bail!("{name}: a GPU op given CPU tensors")
+}
+
+/// src [n, d] → [R, d], row r = src[tokens[r]].
+struct GpuGatherRows {
+    tokens: Vec<u32>,
+}
+
+impl CustomOp1 for GpuGatherRows {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-gather-rows"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, src: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::gpu_kernel("gather-rows.fwd", src.device());
+        let gpu = Gpu::of_storage(src);
+        let (n, d) = l.shape().dims2()?;
+        let out = ops::gather_rows_fwd(&gpu, dtype_of(src.dtype())?, storage_addr(src, l)?, &self.tokens, n, d)?;
+        Ok((gpu.storage(out)?, Shape::from((self.tokens.len(), d))))
+    }
+
+    fn bwd(&self, src: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _p = crate::profile::gpu_kernel_of("gather-rows.bwd", src);
+        let gpu = Gpu::of(src)?;
+        let (n, d) = src.dims2()?;
+        let g = grad.contiguous()?;
+        let ds = ops::gather_rows_bwd(&gpu, dtype_of(g.dtype())?, dtype_of(src.dtype())?, addr(&g)?, &self.tokens, n, d)?;
+        Ok(Some(gpu.tensor(ds, (n, d))?))
+    }
+}
+
+/// Rows of src [N, d] in the order of `tokens` (each below N).
+pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> {
+    src.contiguous()?.apply_op1(GpuGatherRows { tokens: tokens.to_vec() })
+}
+
+/// (y [R, d], w [R]) → out [n, d], out[t] = Σ_{r of t} w[r]·y[r].
+struct GpuCombineRows {
+    tokens: Vec<u32>,
+    n: usize,
+    out: DType,
+}
+
+impl CustomOp2 for GpuCombineRows {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-combine-rows"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, y: &CudaStorage, yl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::gpu_kernel("combine-rows.fwd", y.device());
+        let gpu = Gpu::of_storage(y);
+        let (r, d) = yl.shape().dims2()?;
+        if r != self.tokens.len() || wl.shape().elem_count() != r {
+            candle_core::bail!("combine rows: {r} rows, {} tokens, {} weights", self.tokens.len(), wl.shape().elem_count());
+        }
+        let (y_dt, out_dt) = (dtype_of(y.dtype())?, dtype_of(self.out)?);
+        if dtype_of(w.dtype())? != y_dt.acc() {
+            candle_core::bail!("combine rows: weights of {:?} for rows of {:?}", w.dtype(), y.dtype());
+        }
+        let out = ops::combine_rows_fwd(&gpu, y_dt, out_dt, storage_addr(y, yl)?, storage_addr(w, wl)?, &self.tokens, self.n, d)?;
+        Ok((gpu.storage(out)?, Shape::from((self.n, d))))
+    }
+
+    fn bwd(&self, y: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let _p = crate::profile::gpu_kernel_of("combine-rows.bwd", y);
+        let gpu = Gpu::of(y)?;
+        let (r, d) = y.dims2()?;
+        let (y, w, g) = (y.contiguous()?, w.contiguous()?, grad.contiguous()?);
+        let (dy, dw) = ops::combine_rows_bwd(
+            &gpu,
+            dtype_of(y.dtype())?,
+            dtype_of(g.dtype())?,
+            addr(&y)?,
+            addr(&w)?,
+            addr(&g)?,
+            &self.tokens,
+            self.n,
+            d,
+        )?;
+        Ok((Some(gpu.tensor(dy, (r, d))?), Some(gpu.tensor(dw, w.shape())?)))
+    }
+}
+
+/// out [n, d] of `out` (y's type, or f32 from bf16 rows): each token's rows of y, weighted by w
+/// (y's accumulator type), summed in row order.
+pub fn combine_rows_to(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize, out: DType) -> candle_core::Result<Tensor> {
+    y.contiguous()?.apply_op2(&w.contiguous()?, GpuCombineRows { tokens: tokens.to_vec(), n, out })
+}
+
+/// (tok [V, d], pos [t, d]) → [b·t, d]: each id's row plus its position's.
+struct GpuEmbed {
+    ids: Vec<u32>,
+    t: usize,
+}
+
+impl CustomOp2 for GpuEmbed {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-embed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, tok: &CudaStorage, tl: &Layout, pos: &CudaStorage, pl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::gpu_kernel("embedding.fwd", tok.device());
+        let gpu = Gpu::of_storage(tok);
+        let (vocab, d) = tl.shape().dims2()?;
+        if pl.shape().dims2()? != (self.t, d) {
+            candle_core::bail!("embedding: positions {:?} for sequences of {} and width {d}", pl.shape(), self.t);
+        }
+        let out =
+            ops::embed_fwd(&gpu, dtype_of(tok.dtype())?, storage_addr(tok, tl)?, storage_addr(pos, pl)?, &self.ids, vocab, self.t, d)?;
+        Ok((gpu.storage(out)?, Shape::from((self.ids.len(), d))))
+    }
+
+    fn bwd(&self, tok: &Tensor, _pos: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let _p = crate::profile::gpu_kernel_of("embedding.bwd", tok);
+        let gpu = Gpu::of(tok)?;
+        let (vocab, d) = tok.dims2()?;
+        let g = grad.contiguous()?;
+        let (dtok, dpos) = ops::embed_bwd(&gpu, dtype_of(g.dtype())?, addr(&g)?, &self.ids, vocab, self.t, d)?;
+        Ok((Some(gpu.tensor(dtok, (vocab, d))?), Some(gpu.tensor(dpos, (self.t, d))?)))
+    }
+}
+
+/// The embedding of `ids` (sequences of t): tok[id] + pos[position] → [b·t, d].
+pub fn embed(tok: &Tensor, pos: &Tensor, ids: &[u32], t: usize) -> candle_core::Result<Tensor> {
+    tok.contiguous()?.apply_op2(&pos.contiguous()?, GpuEmbed { ids: ids.to_vec(), t })
+}
