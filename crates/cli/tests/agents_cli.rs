@@ -7,12 +7,13 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::hosts::{children, exit_within, start_agent, start_controller, start_controller_keeping, Hosts};
+use common::hosts::{
+    agent_pids, children, exit_within, placement, start_agent, start_controller, start_controller_keeping, wait_for_records, Hosts,
+};
 use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait_for_steps};
 use serde_json::Value;
 
@@ -29,21 +30,6 @@ fn all_gone(pids: &[i32], within: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     false
-}
-
-/// Read `lines` until `want` agents have attached (`agent A attached from H (pid P)`); their
-/// pids in order of arrival. Every line read is kept in `seen`.
-fn agent_pids(lines: &mpsc::Receiver<String>, want: usize, seen: &mut Vec<String>) -> Vec<i32> {
-    let mut pids = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while pids.len() < want {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agents attach");
-        if line.contains(" attached from ") {
-            pids.push(line.split("(pid ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap());
-        }
-        seen.push(line);
-    }
-    pids
 }
 
 #[test]
@@ -139,19 +125,6 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` reconfiguration records.
-fn wait_for_records(path: &Path, n: usize) -> Vec<Value> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let (_, records) = log(path);
-        if records.len() >= n {
-            return records;
-        }
-        assert!(Instant::now() < deadline, "no reconfiguration {n} in time: {records:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Elastic scale-up: a job started on one node of two workers takes in a second node that
 /// attaches while it runs (after --join-wait, at a step boundary), loses its first node to a
 /// SIGKILL, and takes in a third — every step once, the losses of an uninterrupted run, the
@@ -198,19 +171,6 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(log(&more).0.len(), 2);
     let _ = std::fs::remove_dir_all(&d);
-}
-
-/// The experts of MoE layer `layer` each worker holds, from the `placement L0: w0[1,3] w1[2x2]`
-/// lines a job prints.
-fn placement(lines: &[String], layer: usize) -> Vec<Vec<usize>> {
-    let prefix = format!("placement L{layer}: ");
-    let line = lines.iter().find_map(|l| l.strip_prefix(&prefix)).expect("the placement is printed");
-    line.split_whitespace()
-        .map(|w| {
-            let inner = w.split('[').nth(1).unwrap().trim_end_matches(']');
-            inner.split(',').filter(|x| !x.is_empty()).map(|x| x.split('x').next().unwrap().parse().unwrap()).collect()
-        })
-        .collect()
 }
 
 /// A preemption notice: SIGTERM to the agent of a node that holds the only replica of an

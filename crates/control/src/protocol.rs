@@ -83,7 +83,19 @@ pub struct TrainJob {
     /// Snapshot experts into other nodes' memory (the snapshot tier; None: never).
     #[serde(default)]
     pub snapshots: Option<lazarus_runtime::SnapshotSettings>,
+    /// Where each worker trains: `cpu`, `cuda` (a node's i-th worker on its GPU i mod the
+    /// visible GPUs) or `cuda:N`.
+    #[serde(default = "cpu_device")]
+    pub device: String,
 }
+
+fn cpu_device() -> String {
+    "cpu".into()
+}
+
+/// The variable a launcher sets to each worker process's index among the workers it starts
+/// (its local worker number on the node): what picks its GPU.
+pub const LOCAL_WORKER_ENV: &str = "LAZARUS_LOCAL_WORKER";
 
 /// What the launcher tells a worker after its spec.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -138,6 +150,9 @@ pub struct MoveStats {
     pub transfer_s: f64,
     /// Bytes of expert state this worker received.
     pub bytes_received: u64,
+    /// A GPU worker's device memory in use by its tensors after the move (its pool's count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_used_bytes: Option<u64>,
 }
 
 /// Why a worker stopped, as it reports it.

@@ -33,6 +33,8 @@ pub struct RecoveryBenchSpec {
     pub seed: u64,
     pub recovery: Recovery,
     pub comm_timeout_s: f64,
+    /// Where the workers train (`cpu`, `cuda`, `cuda:N`: see [`TrainJob::device`]).
+    pub device: String,
 }
 
 /// Where in a step a worker dies.
@@ -193,6 +195,7 @@ pub fn run_recovery_bench(
             faults,
             standby: false,
             snapshots: None,
+            device: spec.device.clone(),
         };
         let mut pids: BTreeMap<usize, u32> = BTreeMap::new();
         let mut record = None;
@@ -279,7 +282,7 @@ mod tests {
     use super::*;
 
     fn spec(kills: usize, seed: u64) -> RecoveryBenchSpec {
-        RecoveryBenchSpec { workers: 4, kills, steps: 12, seed, recovery: Recovery::default(), comm_timeout_s: 30.0 }
+        RecoveryBenchSpec { workers: 4, kills, steps: 12, seed, recovery: Recovery::default(), comm_timeout_s: 30.0, device: "cpu".into() }
     }
 
     #[test]

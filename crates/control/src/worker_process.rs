@@ -428,12 +428,15 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
+    // This process's GPU (or the CPU): its index among the workers its launcher started picks it.
+    let local = std::env::var(crate::protocol::LOCAL_WORKER_ENV).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(spec.rank);
+    let device = lazarus_model::device::for_worker(&job.device, local).map_err(|e| ControlError::invalid("device", e.to_string()))?;
     let mut worker = if job.standby {
-        Worker::standby(job.config.clone(), mode, timeout)?
+        Worker::standby(job.config.clone(), mode, timeout, device.clone())?
     } else {
         Worker::new(
             job.config.clone(),
-            WorkerOptions { plan: job.plan.clone(), mode, timeout },
+            WorkerOptions { plan: job.plan.clone(), mode, timeout, device: device.clone() },
             spec.rank,
             spec.world,
             job.resume.as_deref(),
@@ -541,7 +544,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                 (Some(s), Some(dir)) => Some(dir.join(format!("step-{s:08}"))),
                 _ => job.resume.clone(),
             };
-            let options = WorkerOptions { plan: to.plan.clone(), mode, timeout };
+            let options = WorkerOptions { plan: to.plan.clone(), mode, timeout, device: device.clone() };
             worker = Worker::new(cfg.clone(), options, to.rank, to.world, from.as_deref())?;
             worker.set_snapshots(job.snapshots);
             worker.set_fault_hook(fault.clone());
@@ -575,6 +578,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             rebuild_s: (rebuilt - started).as_secs_f64(),
             transfer_s: rebuilt.elapsed().as_secs_f64(),
             bytes_received: moved.bytes_received,
+            gpu_used_bytes: lazarus_model::device::gpu_memory(worker.trainer.model.device()).map(|m| m.used),
         };
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: Some(stats) });
         if to.leaving.contains(&to.rank) {

@@ -35,9 +35,12 @@ pub struct TrainBenchReport {
     /// Matmul FLOPs of one forward+backward (3× the forward's).
     pub flops_per_step: f64,
     pub model_gflops: f64,
-    /// The device's f32 GEMM peak as measured here: on the CPU a 1024³ product on every core,
-    /// on a GPU a 4096³ product through candle (cuBLAS); best of 3.
+    /// The device's GEMM peak in the step's product type (`peak_dtype`) as measured here: on the
+    /// CPU an f32 1024³ product on every core, on a GPU an f32 4096³ or a bf16 8192³ product
+    /// through candle (cuBLAS); best of 3.
     pub peak_gflops: f64,
+    /// `f32`, or `bf16` for a mixed-precision step on a GPU.
+    pub peak_dtype: String,
     /// `model_gflops / peak_gflops`: the model FLOP utilisation of the device.
     pub utilisation: f64,
     /// On a GPU: its memory at the end (the peak is what the run needs).
@@ -49,6 +52,15 @@ pub struct TrainBenchReport {
     /// Where a step's time went (`--profile`): see [`crate::profile`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub profile: Vec<ProfileRow>,
+    /// On a GPU: kernel launches per step (candle's and Lazarus's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launches_per_step: Option<f64>,
+    /// On a GPU: cuBLAS matrix products per step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemms_per_step: Option<f64>,
+    /// Whether the step ran Lazarus's GPU kernels (false: candle's composite ops,
+    /// `LAZARUS_GPU_KERNELS=composite`, or the CPU).
+    pub gpu_kernels: bool,
 }
 
 /// One scope of the step's profile, per step (the mean over the measured steps).
@@ -66,6 +78,8 @@ pub struct ProfileRow {
     pub serial_s: f64,
     /// The process's CPU time over the wall time: cores busy on average.
     pub busy_cores: f64,
+    /// Device seconds per step between the scope's CUDA events (0 off a GPU).
+    pub gpu_s: f64,
 }
 
 /// The profile rows of `steps` measured steps from per-step totals keyed by (phase, kernel), and
@@ -79,6 +93,7 @@ fn profile_rows(totals: &BTreeMap<(&'static str, &'static str), profile::Totals>
         wall_s: per_step(t.wall),
         serial_s: per_step(t.thread_cpu),
         busy_cores: if t.wall.is_zero() { 0.0 } else { t.process_cpu.as_secs_f64() / t.wall.as_secs_f64() },
+        gpu_s: per_step(t.gpu),
     };
     let mut rows = vec![row("step", "(step)", &whole)];
     let phases: Vec<&str> = totals.keys().filter(|(_, k)| *k == profile::WHOLE_PHASE).map(|(p, _)| *p).collect();
@@ -158,14 +173,14 @@ pub fn gemm_peak_gflops(n: usize, reps: usize) -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-/// f32 GEMM GFLOP/s of an `n`³ product through candle on `device` (best of `reps`; the GPU's
-/// peak the model is measured against).
-pub fn device_peak_gflops(device: &Device, n: usize, reps: usize) -> Result<f64> {
+/// GEMM GFLOP/s of an `n`³ product of `dtype` through candle on `device` (best of `reps`; the
+/// GPU's peak the model is measured against; the CPU's is f32).
+pub fn device_peak_gflops(device: &Device, n: usize, reps: usize, dtype: candle_core::DType) -> Result<f64> {
     if device.is_cpu() {
         return Ok(gemm_peak_gflops(n, reps));
     }
     let mut rng = SplitMix64::new(5);
-    let (a, b) = (random(&[n, n], &mut rng, device)?, random(&[n, n], &mut rng, device)?);
+    let (a, b) = (random(&[n, n], &mut rng, device)?.to_dtype(dtype)?, random(&[n, n], &mut rng, device)?.to_dtype(dtype)?);
     drop(a.matmul(&b)?);
     device.synchronize()?;
     let mut best = f64::INFINITY;
@@ -235,14 +250,24 @@ pub fn train_benchmark(
     // machine hits both alike; each figure is the median over rounds.
     let (mut step_times, mut expert_times, mut used_after_step) = (Vec::new(), Vec::new(), Vec::new());
     let (mut totals, mut whole) = (BTreeMap::new(), profile::Totals::default());
+    let (mut launches, mut gemms) = (0u64, 0u64);
+    #[cfg(feature = "cuda")]
+    if let (true, Device::Cuda(d)) = (with_profile, &device) {
+        profile::enable_gpu(Some(d.cuda_stream()));
+    }
     for _ in 0..iterations {
-        // One full training step, as `lazarus train` runs it.
+        // One full training step, as `lazarus train` runs it (on a GPU: timed to its end).
         profile::enable(with_profile);
+        device.synchronize()?;
+        let (l0, g0) = profile::launches();
         let step_scope = profile::phase("step");
         let start = Instant::now();
         let stepped = trainer.step();
+        device.synchronize()?;
         step_times.push(start.elapsed().as_secs_f64());
         drop(step_scope);
+        let (l1, g1) = profile::launches();
+        (launches, gemms) = (launches + (l1 - l0), gemms + (g1 - g0));
         if let Err(e) = stepped {
             profile::enable(false);
             return Err(e);
@@ -274,10 +299,19 @@ pub fn train_benchmark(
         device.synchronize()?;
         expert_times.push(start.elapsed().as_secs_f64());
     }
+    #[cfg(feature = "cuda")]
+    profile::enable_gpu(None);
     let step_s = median(&mut step_times);
     let expert_s = median(&mut expert_times);
     let model_gflops = step_flops / step_s / 1e9;
-    let peak_gflops = device_peak_gflops(&device, if device.is_cpu() { 1024 } else { 4096 }, 3)?;
+    let bf16 = config.dtype == crate::Precision::Bf16 && !device.is_cpu();
+    let (peak_n, peak_dtype) = match (device.is_cpu(), bf16) {
+        (true, _) => (1024, candle_core::DType::F32),
+        (false, false) => (4096, candle_core::DType::F32),
+        (false, true) => (8192, candle_core::DType::BF16),
+    };
+    let peak_gflops = device_peak_gflops(&device, peak_n, 3, peak_dtype)?;
+    let per_step = |c: u64| (!device.is_cpu()).then_some(c as f64 / iterations.max(1) as f64);
     Ok(TrainBenchReport {
         device: crate::device::name(&device),
         parameters: trainer.model.params().num_elements(),
@@ -292,10 +326,14 @@ pub fn train_benchmark(
         flops_per_step: step_flops,
         model_gflops,
         peak_gflops,
+        peak_dtype: if bf16 { "bf16" } else { "f32" }.into(),
         utilisation: model_gflops / peak_gflops,
         gpu_memory: crate::device::gpu_memory(&device),
         gpu_used_after_step: used_after_step,
         profile: if with_profile { profile_rows(&totals, whole, iterations) } else { Vec::new() },
+        launches_per_step: per_step(launches),
+        gemms_per_step: per_step(gemms),
+        gpu_kernels: trainer.model.gpu_kernels(),
     })
 }
 

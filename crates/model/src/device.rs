@@ -21,7 +21,7 @@ pub fn parse(spec: &str) -> Result<Device> {
         },
     };
     if !CUDA_BUILT {
-        return Err(bad("this build has no CUDA support (build with ../shared/gpu/cargo-cuda build --release --features cuda)".into()));
+        return Err(bad("this build has no CUDA support (build with scripts/cargo-cuda build --release --features cuda)".into()));
     }
     let device = Device::new_cuda(ordinal).map_err(|e| bad(format!("cannot open GPU {ordinal}: {e}")))?;
     #[cfg(feature = "cuda")]
@@ -32,6 +32,32 @@ pub fn parse(spec: &str) -> Result<Device> {
         unsafe { d.disable_event_tracking() };
     }
     Ok(device)
+}
+
+/// The device of a worker from the job's `--device`: `cpu`; `cuda:N` exactly; `cuda` the
+/// `local`-th worker of its node on GPU `local mod (visible GPUs)` (CUDA_VISIBLE_DEVICES
+/// decides which are visible; several workers may share one GPU).
+pub fn for_worker(spec: &str, local: usize) -> Result<Device> {
+    if spec != "cuda" {
+        return parse(spec);
+    }
+    let count = visible_gpus().map_err(|reason| ModelError::config("device", spec, reason))?;
+    if count == 0 {
+        return Err(ModelError::config("device", spec, "no GPU is visible to this process (CUDA_VISIBLE_DEVICES?)"));
+    }
+    parse(&format!("cuda:{}", local % count))
+}
+
+/// GPUs visible to this process (0 in a build without CUDA).
+pub fn visible_gpus() -> std::result::Result<usize, String> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        result::init().map_err(|e| format!("cannot start the CUDA driver: {e:?}"))?;
+        return result::device::get_count().map(|c| c.max(0) as usize).map_err(|e| format!("cannot count the GPUs: {e:?}"));
+    }
+    #[cfg(not(feature = "cuda"))]
+    Ok(0)
 }
 
 /// GPU memory of this process's tensors, from the device's memory pool (every tensor of candle's
@@ -104,6 +130,9 @@ mod tests {
         if !CUDA_BUILT {
             let e = parse("cuda:0").unwrap_err().to_string();
             assert!(e.contains("no CUDA support"), "{e}");
+            let e = for_worker("cuda", 3).unwrap_err().to_string();
+            assert!(e.contains("device") && e.contains("no GPU is visible"), "{e}");
         }
+        assert!(for_worker("cpu", 5).unwrap().is_cpu());
     }
 }

@@ -50,6 +50,11 @@ impl Norm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(crate::ops::layer_norm(x, self.w.as_tensor(), self.b.as_tensor(), 1e-5)?)
     }
+
+    /// [`Norm::forward`] into `out` (bf16 for a bf16 product next: one kernel on a GPU).
+    fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
+        Ok(crate::ops::layer_norm_to(x, self.w.as_tensor(), self.b.as_tensor(), 1e-5, out)?)
+    }
 }
 
 /// Linear–GELU–Linear. One expert, or the dense FFN of a non-MoE block.
@@ -117,36 +122,28 @@ pub struct MoeStats {
     pub choices: Vec<u32>,
 }
 
+/// Where an MoE layer's tokens go in one step: each token's k experts, the loads, and each
+/// expert's assignments in token order (those past a capacity dropped).
+struct Routing {
+    choices: Vec<usize>,
+    load: Vec<u64>,
+    dropped: u64,
+    /// Per expert, the token of each of its assignments, in token order.
+    tokens: Vec<Vec<u32>>,
+    /// Per expert, the slot (token · k + j) of each of its assignments.
+    slots: Vec<Vec<u32>>,
+}
+
 impl MoeLayer {
-    /// h: [N, d] → ([N, d], aux loss scalar, stats). `forced` replaces the router's choices with
-    /// assignments matching the given per-expert loads (trace-driven routing).
-    ///
-    /// The expert weights' gradients go to `expert_grads` (see [`ForwardOutput::backward`]).
-    fn forward(
-        &self,
-        h: &Tensor,
-        forced: Option<&[f64]>,
-        expert_grads: &WeightGradSink,
-        compute: DType,
-    ) -> Result<(Tensor, Tensor, MoeStats)> {
-        let (n, _d) = h.dims2()?;
+    /// The routing of `n` tokens from their router probabilities (host copy, token-major), or
+    /// from `forced` loads (trace-driven routing). The same on every device.
+    fn route(&self, host: &[f64], n: usize, forced: Option<&[f64]>) -> Result<Routing> {
         let e_count = self.experts.len();
         let k = self.top_k;
-        // The router's product in `compute`, its softmax in h's dtype (the residual stream's).
-        let logits = h.to_dtype(compute)?.matmul(&self.gate.as_tensor().to_dtype(compute)?)?.to_dtype(h.dtype())?;
-        let probs = softmax_last(&logits)?;
-        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let choices: Vec<usize> = match forced {
             Some(loads) => assign_from_loads(loads, n, k)?,
-            None => top_k_rows(&host, e_count, k),
+            None => top_k_rows(host, e_count, k),
         };
-        let idx = Tensor::from_vec(choices.iter().map(|&c| c as u32).collect::<Vec<_>>(), (n, k), h.device())?;
-        let mut w = probs.gather(&idx, 1)?;
-        if k > 1 {
-            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
-        }
-        let w = w.flatten_all()?;
-
         let mut load = vec![0u64; e_count];
         choices.iter().for_each(|&c| load[c] += 1);
         let capacity = self.capacity_factor.map(|cf| ((cf * (n * k) as f64 / e_count as f64).ceil() as usize).max(1));
@@ -163,11 +160,52 @@ impl MoeLayer {
             tokens[e].push((slot / k) as u32);
             slots[e].push(slot as u32);
         }
+        Ok(Routing { choices, load, dropped, tokens, slots })
+    }
+
+    /// The normalised router weight of each (token, choice) [n·k], in the router's graph.
+    fn combine_weights(&self, probs: &Tensor, choices: &[usize], n: usize) -> Result<Tensor> {
+        let k = self.top_k;
+        let idx = Tensor::from_vec(choices.iter().map(|&c| c as u32).collect::<Vec<_>>(), (n, k), probs.device())?;
+        let mut w = probs.gather(&idx, 1)?;
+        if k > 1 {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        Ok(w.flatten_all()?)
+    }
+
+    /// Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
+    /// P_e the mean router probability (differentiable).
+    fn aux_loss(&self, probs: &Tensor, load: &[u64], n: usize) -> Result<Tensor> {
+        let e_count = self.experts.len();
+        let f: Vec<f64> = load.iter().map(|&c| c as f64 / (n * self.top_k) as f64).collect();
+        let f = Tensor::from_vec(f, e_count, probs.device())?.to_dtype(probs.dtype())?;
+        Ok(((probs.mean(0)? * f)?.sum_all()? * e_count as f64)?)
+    }
+
+    /// h: [N, d] → ([N, d], aux loss scalar, stats). `forced` replaces the router's choices with
+    /// assignments matching the given per-expert loads (trace-driven routing).
+    ///
+    /// The expert weights' gradients go to `expert_grads` (see [`ForwardOutput::backward`]).
+    fn forward(
+        &self,
+        h: &Tensor,
+        forced: Option<&[f64]>,
+        expert_grads: &WeightGradSink,
+        compute: DType,
+    ) -> Result<(Tensor, Tensor, MoeStats)> {
+        let (n, _d) = h.dims2()?;
+        // The router's product in `compute`, its softmax in h's dtype (the residual stream's).
+        let logits = h.to_dtype(compute)?.matmul(&self.gate.as_tensor().to_dtype(compute)?)?.to_dtype(h.dtype())?;
+        let probs = softmax_last(&logits)?;
+        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let r = self.route(&host, n, forced)?;
+        let w = self.combine_weights(&probs, &r.choices, n)?;
         // Every expert in one node over the rows grouped by expert, then weighted and scattered
         // back onto the token rows.
-        let counts: Vec<usize> = tokens.iter().map(Vec::len).collect();
-        let all_tokens: Vec<u32> = tokens.concat();
-        let all_slots: Vec<u32> = slots.concat();
+        let counts: Vec<usize> = r.tokens.iter().map(Vec::len).collect();
+        let all_tokens: Vec<u32> = r.tokens.concat();
+        let all_slots: Vec<u32> = r.slots.concat();
         let out = if all_tokens.is_empty() {
             h.zeros_like()?
         } else {
@@ -179,13 +217,50 @@ impl MoeLayer {
             let y = crate::ops::grouped_expert_ffn_to_sink(&rows, &weights, &counts, expert_grads)?.to_dtype(h.dtype())?;
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
         };
-        // Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
-        // P_e the mean router probability (differentiable).
-        let f: Vec<f64> = load.iter().map(|&c| c as f64 / (n * k) as f64).collect();
-        let f = Tensor::from_vec(f, e_count, h.device())?.to_dtype(h.dtype())?;
-        let aux = ((probs.mean(0)? * f)?.sum_all()? * e_count as f64)?;
-        let choices = choices.into_iter().map(|c| c as u32).collect();
-        Ok((out, aux, MoeStats { load, dropped, choices }))
+        let aux = self.aux_loss(&probs, &r.load, n)?;
+        let choices = r.choices.into_iter().map(|c| c as u32).collect();
+        Ok((out, aux, MoeStats { load: r.load, dropped: r.dropped, choices }))
+    }
+
+    /// [`MoeLayer::forward`] with the GPU ops: h comes in the products' type (the norm wrote
+    /// it); the router's logits, softmax and loss are f32 (the residual stream's type), the
+    /// experts compute on their working copies, and the combine writes the residual stream's type
+    /// from the experts' rows. No cast node enters the graph.
+    #[cfg(feature = "cuda")]
+    fn forward_gpu(
+        &self,
+        model: &MoeModel,
+        h: &Tensor,
+        forced: Option<&[f64]>,
+        expert_grads: &WeightGradSink,
+    ) -> Result<(Tensor, Tensor, MoeStats)> {
+        let (n, d) = h.dims2()?;
+        let stream = model.dtype;
+        let logits = crate::ops::cuda_linear(h, &self.gate, None, model.copy_of(&self.gate), stream)?;
+        let probs = softmax_last(&logits)?;
+        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let r = self.route(&host, n, forced)?;
+        let w = self.combine_weights(&probs, &r.choices, n)?;
+        let counts: Vec<usize> = r.tokens.iter().map(Vec::len).collect();
+        let all_tokens: Vec<u32> = r.tokens.concat();
+        let all_slots: Vec<u32> = r.slots.concat();
+        let out = if all_tokens.is_empty() {
+            Tensor::zeros((n, d), stream, h.device())?
+        } else {
+            let s_idx = Tensor::from_vec(all_slots, all_tokens.len(), h.device())?;
+            let params: Vec<[Var; 4]> =
+                self.experts.iter().map(|x| [x.fc1.w.clone(), x.fc1.b.clone(), x.fc2.w.clone(), x.fc2.b.clone()]).collect();
+            let masters: Vec<[&Tensor; 4]> =
+                params.iter().map(|p| [p[0].as_tensor(), p[1].as_tensor(), p[2].as_tensor(), p[3].as_tensor()]).collect();
+            let copies: Option<Vec<[Tensor; 2]>> =
+                params.iter().map(|p| Some([model.copy_of(&p[0])?.clone(), model.copy_of(&p[2])?.clone()])).collect();
+            let rows = crate::ops::gather_rows(h, &all_tokens)?;
+            let y = crate::ops::cuda::grouped_expert_ffn_to_sink(&rows, &masters, copies.as_deref(), &counts, expert_grads)?;
+            crate::ops::cuda::combine_rows_to(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n, stream)?
+        };
+        let aux = self.aux_loss(&probs, &r.load, n)?;
+        let choices = r.choices.into_iter().map(|c| c as u32).collect();
+        Ok((out, aux, MoeStats { load: r.load, dropped: r.dropped, choices }))
     }
 }
 
@@ -242,6 +317,16 @@ pub struct MoeModel {
     /// The dtype of the matrix products (bf16 for mixed precision): parameters, norms, softmaxes,
     /// the residual stream and the loss stay in `dtype` (f32), as PyTorch's autocast keeps them.
     compute: DType,
+    /// Whether the layers run as Lazarus's GPU ops (a CUDA model with the kernels on): the
+    /// products read the working copies below, outputs are written in the type the next layer
+    /// reads, and no cast node enters the graph.
+    gpu: bool,
+    /// Per parameter (in [`ParamStore`] order), its bf16 working copy when the model computes in
+    /// bf16 on a GPU and the parameter is a product's weight (rank 2, not an embedding): what
+    /// the products read. The AdamW kernel refreshes each in its own pass
+    /// ([`crate::AdamW::step_with_copies`]); [`MoeModel::refresh_working_copies`] makes them anew
+    /// after the parameters were set any other way.
+    working: Vec<Option<Tensor>>,
 }
 
 impl MoeModel {
@@ -289,7 +374,43 @@ impl MoeModel {
             device: device.clone(),
             dtype,
             compute: dtype,
+            gpu: gpu_kernels(device),
+            working: Vec::new(),
         })
+    }
+
+    /// Whether the layers run as Lazarus's GPU ops (see the field).
+    pub fn gpu_kernels(&self) -> bool {
+        self.gpu
+    }
+
+    /// Make every working copy anew from its parameter (none unless the model computes in bf16
+    /// with the GPU ops). Call after setting parameters other than by the optimizer's update.
+    pub fn refresh_working_copies(&mut self) -> Result<()> {
+        self.working.clear();
+        if !(self.gpu && self.compute == DType::BF16) {
+            return Ok(());
+        }
+        for (name, var) in self.params.iter() {
+            let product = var.rank() == 2 && !name.ends_with("_emb");
+            self.working.push(if product { Some(var.as_tensor().to_dtype(DType::BF16)?) } else { None });
+        }
+        Ok(())
+    }
+
+    /// The working copies, aligned with the parameters (empty when there are none): what the
+    /// optimizer refreshes after each update.
+    pub fn working_copies(&self) -> &[Option<Tensor>] {
+        &self.working
+    }
+
+    /// The working copy of the parameter `var`, if it has one.
+    fn copy_of(&self, var: &Var) -> Option<&Tensor> {
+        if self.working.is_empty() {
+            return None;
+        }
+        let i = self.params.vars().iter().position(|v| v.as_tensor().id() == var.as_tensor().id())?;
+        self.working.get(i)?.as_ref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -310,9 +431,10 @@ impl MoeModel {
 
     /// Compute the matrix products in `compute` (e.g. bf16: mixed precision, the parameters and
     /// their gradients staying in [`MoeModel::dtype`]).
-    pub fn with_compute_dtype(mut self, compute: DType) -> Self {
+    pub fn with_compute_dtype(mut self, compute: DType) -> Result<Self> {
         self.compute = compute;
-        self
+        self.refresh_working_copies()?;
+        Ok(self)
     }
 
     /// The dtype of the matrix products.
@@ -358,6 +480,18 @@ impl MoeModel {
     pub fn block_attention(&self, block: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let blk = self.block(block)?;
+        if self.gpu {
+            // The norms write the products' type; the projection back onto the residual stream
+            // writes its type (f32 from bf16 operands): no cast node.
+            let c = self.compute;
+            let a = blk.ln1.forward_to(x, c)?.reshape((b * t, d))?;
+            let qkv = self.linear(&blk.attn.qkv, &a, c)?.reshape((b, t, 3 * d))?;
+            let y = crate::ops::causal_attention(&qkv, blk.attn.heads)?.reshape((b * t, d))?;
+            let o = self.linear(&blk.attn.out, &y, x.dtype())?.reshape((b, t, d))?;
+            let x = crate::ops::residual_add(x, &o)?;
+            let h = blk.ln2.forward_to(&x, c)?.reshape((b * t, d))?;
+            return Ok((x, h));
+        }
         let x = crate::ops::residual_add(x, &blk.attn.forward(&blk.ln1.forward(x)?, self.compute)?)?;
         let h = blk.ln2.forward(&x)?.reshape((b * t, d))?;
         Ok((x, h))
@@ -441,6 +575,11 @@ impl MoeModel {
         let [w1, b1, w2, b2]: [Var; 4] = vars.try_into().map_err(|_| ModelError::config("expert", expert, "needs 4 tensors"))?;
         for (i, v) in indices.iter().zip([&w1, &b1, &w2, &b2]) {
             self.params.replace(*i, v.clone());
+            if let Some(slot) = self.working.get_mut(*i) {
+                if slot.is_some() {
+                    *slot = Some(v.as_tensor().to_dtype(DType::BF16)?);
+                }
+            }
         }
         (x.fc1.w, x.fc1.b, x.fc2.w, x.fc2.b) = (w1, b1, w2, b2);
         Ok(())
@@ -455,7 +594,27 @@ impl MoeModel {
     pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let c = self.compute;
+        if self.gpu {
+            let a = self.ln_f.forward_to(x, c)?.reshape((b * t, d))?;
+            return Ok(crate::ops::cuda_linear(&a, &self.head, None, self.copy_of(&self.head), x.dtype())?);
+        }
         Ok(self.ln_f.forward(x)?.reshape((b * t, d))?.to_dtype(c)?.matmul(&self.head.as_tensor().to_dtype(c)?)?.to_dtype(x.dtype())?)
+    }
+
+    /// An MoE layer's forward on this model's path (the GPU ops, or the CPU kernels and
+    /// candle's composites).
+    fn moe_forward(&self, m: &MoeLayer, h: &Tensor, forced: Option<&[f64]>, sink: &WeightGradSink) -> Result<(Tensor, Tensor, MoeStats)> {
+        #[cfg(feature = "cuda")]
+        if self.gpu {
+            return m.forward_gpu(self, h, forced, sink);
+        }
+        m.forward(h, forced, sink, self.compute)
+    }
+
+    /// A linear layer on the GPU path: its product reads the weight's working copy, if it has
+    /// one, and writes `out`.
+    fn linear(&self, l: &Linear, x: &Tensor, out: DType) -> Result<Tensor> {
+        Ok(crate::ops::cuda_linear(x, &l.w, Some(&l.b), self.copy_of(&l.w), out)?)
     }
 
     fn block(&self, block: usize) -> Result<&Block> {
@@ -478,7 +637,7 @@ impl MoeModel {
                 FeedForward::Dense(f) => f.forward(&h, self.compute)?,
                 FeedForward::Moe(m) => {
                     let forced = forced_loads.and_then(|f| f.get(moe.len())).map(Vec::as_slice);
-                    let (y, aux, stats) = m.forward(&h, forced, &expert_grads, self.compute)?;
+                    let (y, aux, stats) = self.moe_forward(m, &h, forced, &expert_grads)?;
                     aux_total = Some(match aux_total {
                         Some(a) => (a + aux)?,
                         None => aux,
@@ -487,7 +646,7 @@ impl MoeModel {
                     y
                 }
             };
-            x = crate::ops::residual_add(&x_mid, &y.reshape((b, t, d))?)?;
+            x = crate::ops::residual_add(&x_mid, &y.reshape((b, t, d))?.to_dtype(x_mid.dtype())?)?;
         }
         let logits = self.logits(&x)?;
         let ce_loss = cross_entropy(&logits, &targets.flatten_all()?)?;
@@ -497,6 +656,17 @@ impl MoeModel {
         };
         let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
         Ok(ForwardOutput { ce_loss, aux_loss, loss, moe, expert_grads })
+    }
+}
+
+/// Whether a model on `device` runs its layers as Lazarus's GPU ops.
+fn gpu_kernels(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    return device.is_cuda() && crate::ops::cuda::enabled();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
     }
 }
 
@@ -614,7 +784,7 @@ mod tests {
         let (x, y) = batch(&cfg, 3, 6, 2);
         let (x, y) = (x.to_device(device).unwrap(), y.to_device(device).unwrap());
         let f32_model = MoeModel::new(&cfg, 7, DType::F32, device).unwrap();
-        let mixed = MoeModel::new(&cfg, 7, DType::F32, device).unwrap().with_compute_dtype(half);
+        let mixed = MoeModel::new(&cfg, 7, DType::F32, device).unwrap().with_compute_dtype(half).unwrap();
         assert_eq!(mixed.compute_dtype(), half);
         let (a, b) = (f32_model.forward(&x, &y, None).unwrap(), mixed.forward(&x, &y, None).unwrap());
         assert_eq!(b.loss.dtype(), DType::F32);

@@ -39,6 +39,32 @@ pub struct TensorState {
 /// A tensor's (m, v, step), shared with the optimizer ([`AdamW::shared_moments`]).
 pub type SharedMoments = (Arc<Vec<f32>>, Arc<Vec<f32>>, u64);
 
+/// A tensor's moments for a reader ([`AdamW::moments_anywhere`]).
+#[derive(Debug, Clone)]
+pub enum MomentsRef {
+    /// Shared host vectors (m, v).
+    Host(Arc<Vec<f32>>, Arc<Vec<f32>>),
+    /// Tensors on a GPU (m, v).
+    Device(Tensor, Tensor),
+}
+
+impl MomentsRef {
+    /// Call `f` with m's values, then with v's (a device tensor copied to the host first).
+    pub fn read(&self, mut f: impl FnMut(&[f32])) -> Result<()> {
+        match self {
+            MomentsRef::Host(m, v) => {
+                f(m);
+                f(v);
+            }
+            MomentsRef::Device(m, v) => {
+                crate::ops::with_f32(m, &mut f)?;
+                crate::ops::with_f32(v, &mut f)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Moments kept on the host in f32, updated in one fused pass per tensor (candle's elementwise
 /// ops would allocate a dozen full-size temporaries per tensor per step). Shared, so that a
 /// snapshot's copy can read them on another thread ([`AdamW::shared_moments`]); an update while
@@ -122,6 +148,20 @@ impl AdamW {
         Ok((s.m.clone(), s.v.clone(), s.step))
     }
 
+    /// The moments of the tensor at `index` wherever they live, for a reader on another thread
+    /// (a snapshot's or a move's copy): shared host vectors, or the device tensors (read with
+    /// one copy each; the next update waits for the reader, as for host moments).
+    pub fn moments_anywhere(&self, index: usize) -> Result<(MomentsRef, u64)> {
+        if !self.resident(index) {
+            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
+        }
+        let s = &self.state[index];
+        Ok(match &s.device {
+            Some((m, v)) => (MomentsRef::Device(m.clone(), v.clone()), s.step),
+            None => (MomentsRef::Host(s.m.clone(), s.v.clone()), s.step),
+        })
+    }
+
     /// Update counts of every tensor, in parameter order.
     pub fn steps(&self) -> Vec<u64> {
         self.state.iter().map(|s| s.step).collect()
@@ -177,9 +217,29 @@ impl AdamW {
     /// One update with learning rate `lr`. Gradients are multiplied by `grad_scale` first (for
     /// clipping). Tensors without a gradient (an expert no token reached) are left untouched.
     pub fn step(&mut self, params: &ParamStore, grads: &GradStore, lr: f64, grad_scale: f64) -> Result<()> {
+        self.step_with_copies(params, grads, lr, grad_scale, &[])
+    }
+
+    /// [`AdamW::step`] that also refreshes each parameter's working copy (`copies`, aligned with
+    /// `params`; empty: none) from its new value: on a GPU in the update's own pass (the bf16
+    /// copies a mixed-precision model's products read), elsewhere by a cast after it.
+    pub fn step_with_copies(
+        &mut self,
+        params: &ParamStore,
+        grads: &GradStore,
+        lr: f64,
+        grad_scale: f64,
+        copies: &[Option<Tensor>],
+    ) -> Result<()> {
+        if !copies.is_empty() && copies.len() != params.len() {
+            return Err(ModelError::config("working copies", copies.len(), format!("expected one entry per parameter ({})", params.len())));
+        }
         let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
         if self.state.iter().any(|s| s.device.is_some()) {
-            return self.update_on_device(params, &tensors, lr, grad_scale);
+            return self.update_on_device(params, &tensors, lr, grad_scale, copies);
+        }
+        if copies.iter().any(Option::is_some) {
+            return Err(ModelError::config("working copies", "on the CPU", "are made only for a GPU's bf16 products"));
         }
         crate::ops::with_f32_slices(&tensors, |g| self.update(params, g, lr, grad_scale))?
     }
@@ -205,7 +265,14 @@ impl AdamW {
     /// The update of parameters that live on a GPU: the same formula as [`adamw_pass`], in f32,
     /// by our kernel in place on CUDA (`ops::cuda::adamw_update`), else by candle's elementwise
     /// ops with the parameter set to the result.
-    fn update_on_device(&mut self, params: &ParamStore, grads: &[Option<Tensor>], lr: f64, grad_scale: f64) -> Result<()> {
+    fn update_on_device(
+        &mut self,
+        params: &ParamStore,
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_scale: f64,
+        copies: &[Option<Tensor>],
+    ) -> Result<()> {
         if grads.len() != params.len() {
             return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
         }
@@ -224,10 +291,11 @@ impl AdamW {
             let k = self.coeffs(i, lr, grad_scale);
             let Some((m, v)) = self.state[i].device.as_mut() else { unreachable!("checked above") };
             let g = g.to_dtype(DType::F32)?.reshape(var.shape())?.contiguous()?;
+            let copy = copies.get(i).and_then(Option::as_ref);
             #[cfg(feature = "cuda")]
-            if var.dtype() == DType::F32 && var.is_contiguous() && var.device().is_cuda() {
+            if var.dtype() == DType::F32 && var.is_contiguous() && var.device().is_cuda() && copy.is_none_or(|c| c.is_contiguous()) {
                 let k = [k.b1, k.b2, k.scale, k.step_size, k.inv_bc2_sqrt, k.eps, k.keep];
-                crate::ops::cuda::adamw_update(var.as_tensor(), &g, m, v, None, k)?;
+                crate::ops::cuda::adamw_update(var.as_tensor(), &g, m, v, copy, k)?;
                 continue;
             }
             *m = ((m.affine(k.b1 as f64, 0.0)? + g.affine(((1.0 - k.b1) * k.scale) as f64, 0.0)?)?).contiguous()?;
@@ -237,6 +305,9 @@ impl AdamW {
             let p = var.as_tensor().to_dtype(DType::F32)?;
             let p = (p.affine(k.keep as f64, 0.0)? - (m.div(&denom)? * k.step_size as f64)?)?;
             var.set(&p.to_dtype(var.dtype())?)?;
+            if let Some(c) = copy {
+                c.slice_set(&var.as_tensor().to_dtype(c.dtype())?.reshape(c.shape())?, 0, 0)?;
+            }
         }
         Ok(())
     }
@@ -244,6 +315,20 @@ impl AdamW {
     /// [`AdamW::step`] with gradients as host vectors aligned with `params` (None: no update),
     /// e.g. after they were summed over the ranks of a distributed step.
     pub fn step_host(&mut self, params: &ParamStore, grads: &[Option<Vec<f32>>], lr: f64, grad_scale: f64) -> Result<()> {
+        if self.state.iter().any(|s| s.device.is_some()) {
+            // Parameters on a GPU: each gradient goes up in one copy and the update runs there.
+            let mut up = Vec::with_capacity(grads.len());
+            for (var, g) in params.vars().iter().zip(grads) {
+                up.push(match g {
+                    Some(g) if g.len() == var.elem_count() => Some(Tensor::from_slice(g, var.shape(), var.device())?),
+                    Some(g) => {
+                        return Err(ModelError::config("gradient", g.len(), format!("values for a tensor of {}", var.elem_count())));
+                    }
+                    None => None,
+                });
+            }
+            return self.update_on_device(params, &up, lr, grad_scale, &[]);
+        }
         let slices: Vec<Option<&[f32]>> = grads.iter().map(|g| g.as_deref()).collect();
         self.update(params, &slices, lr, grad_scale)
     }

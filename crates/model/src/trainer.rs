@@ -262,7 +262,7 @@ impl Trainer {
         let tokens = config.data.load(config.model.vocab_size)?;
         let unigram_entropy = crate::data::unigram_entropy(&tokens);
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
-        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype());
+        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;
         let optimizer = AdamW::new(config.optimizer.clone(), model.params())?;
         let trace = match &config.routing_trace {
             Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),
@@ -309,7 +309,8 @@ impl Trainer {
         let lr = self.config.schedule().at(self.step);
         {
             let _profile = crate::profile::phase("adamw");
-            self.optimizer.step(self.model.params(), &grads, lr, clip_scale(norm, self.config.grad_clip))?;
+            let scale = clip_scale(norm, self.config.grad_clip);
+            self.optimizer.step_with_copies(self.model.params(), &grads, lr, scale, self.model.working_copies())?;
         }
         self.step += 1;
         let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
@@ -417,6 +418,7 @@ impl Trainer {
             )?;
         }
         trainer.step = ck.manifest.step;
+        trainer.model.refresh_working_copies()?;
         Ok(trainer)
     }
 }

@@ -217,7 +217,8 @@ fn a_run_on_a_gpu_follows_the_cpu_run_and_its_checkpoint_resumes_anywhere() {
 }
 
 /// bf16 mixed precision: refused on the CPU with the reason; on a GPU, 10 steps follow the f32
-/// run within 2%, the checkpoint holds f32 tensors and resumes the bf16 run.
+/// run within 2%, the checkpoint holds f32 tensors and resumes the bf16 run to the same next
+/// step.
 #[test]
 fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
     let bf16 = TrainConfig { steps: 12, dtype: lazarus_model::Precision::Bf16, ..small() };
@@ -235,8 +236,12 @@ fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
     }
     let dir = temp_dir("bf16");
     mixed.save_checkpoint(&dir).unwrap();
-    let resumed = Trainer::resume_on(&dir, None, &gpu).unwrap();
+    let mut resumed = Trainer::resume_on(&dir, None, &gpu).unwrap();
     assert_eq!(resumed.config.dtype, lazarus_model::Precision::Bf16);
     assert_eq!(resumed.model.params().vars()[0].dtype(), candle_core::DType::F32);
+    // The resumed run's working copies are made from the loaded parameters: its next step is the
+    // uninterrupted run's.
+    let (a, b) = (mixed.step().unwrap(), resumed.step().unwrap());
+    assert!((a.loss - b.loss).abs() <= 1e-5 * a.loss, "bf16 {} vs resumed {}", a.loss, b.loss);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -105,7 +105,7 @@ fn durable(w: &Worker) -> Durable {
 }
 
 fn options() -> WorkerOptions {
-    WorkerOptions { plan: plan(), mode: DispatchMode::Balanced, timeout: Duration::from_secs(20) }
+    WorkerOptions { plan: plan(), mode: DispatchMode::Balanced, timeout: Duration::from_secs(20), device: candle_core::Device::Cpu }
 }
 
 /// How one run went: each rank's per-step losses and final state, the sends rank `victim` made in

@@ -79,7 +79,12 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
         let next = fresh[r.rank].take().unwrap();
         let (signal, old) = (signal.clone(), old.clone());
         handles.push(std::thread::spawn(move || {
-            let options = WorkerOptions { plan: old.replica_map(), mode: DispatchMode::Balanced, timeout: Duration::from_secs(20) };
+            let options = WorkerOptions {
+                plan: old.replica_map(),
+                mode: DispatchMode::Balanced,
+                timeout: Duration::from_secs(20),
+                device: candle_core::Device::Cpu,
+            };
             let mut w = Worker::new(config(), options, rank, 2, None).unwrap();
             w.set_pause_signal(Some(signal.clone()));
             let (mut group, mut losses) = (Group::world(2), Vec::new());
@@ -106,7 +111,7 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
     let r = to(2);
     let t = fresh[joiner].take().unwrap();
     handles.push(std::thread::spawn(move || {
-        let mut w = Worker::standby(config(), DispatchMode::Balanced, Duration::from_secs(20)).unwrap();
+        let mut w = Worker::standby(config(), DispatchMode::Balanced, Duration::from_secs(20), candle_core::Device::Cpu).unwrap();
         assert!(w.resident_experts().unwrap().iter().all(Vec::is_empty), "a worker standing by holds no expert");
         let mut transport: Box<dyn Transport> = Box::new(t);
         let mut group = Group::world(3);

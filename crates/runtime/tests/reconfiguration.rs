@@ -63,7 +63,12 @@ fn survivors_of_a_dead_worker_go_on_with_the_same_mathematics() {
         .into_iter()
         .enumerate()
         .map(|(rank, t)| {
-            let options = WorkerOptions { plan: old.replica_map(), mode: DispatchMode::Balanced, timeout: Duration::from_secs(20) };
+            let options = WorkerOptions {
+                plan: old.replica_map(),
+                mode: DispatchMode::Balanced,
+                timeout: Duration::from_secs(20),
+                device: candle_core::Device::Cpu,
+            };
             let next = new_rank.iter().find(|(o, _)| *o == rank).map(|&(_, q)| {
                 let r = Reconfiguration {
                     epoch: 1,

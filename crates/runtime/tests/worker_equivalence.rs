@@ -82,7 +82,7 @@ fn held(worker: &Worker, placement: &ReplicaMap, rank: usize) -> BTreeMap<String
 }
 
 fn distributed(world: usize, placement: ReplicaMap, mode: DispatchMode, checkpoint: Option<std::path::PathBuf>) -> Run {
-    let options = WorkerOptions { plan: placement.clone(), mode, timeout: Duration::from_secs(30) };
+    let options = WorkerOptions { plan: placement.clone(), mode, timeout: Duration::from_secs(30), device: candle_core::Device::Cpu };
     let transports: Vec<Box<dyn Transport>> = if world == 1 {
         vec![Box::new(LocalTransport::new(0))]
     } else {

@@ -80,7 +80,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub(crate) resume: bool,
     /// Where the model trains: cpu (default), or cuda / cuda:N (the N-th NVIDIA GPU; a build
-    /// with the `cuda` feature). Single-process runs and `bench train` only, so far.
+    /// with the `cuda` feature). With --workers, `cuda` puts a node's i-th worker on GPU i mod
+    /// the visible GPUs (several workers may share one).
     #[arg(long, value_name = "cpu|cuda[:N]")]
     pub device: Option<String>,
     /// Precision: f32 (default), or bf16 mixed precision (matrix products in bf16; parameters,
@@ -238,11 +239,15 @@ impl TrainArgs {
                 self.dtype.as_deref().unwrap_or_default()
             );
         }
-        if self.uses_workers() && self.device.as_deref().is_some_and(|d| d != "cpu") {
-            bail!(
-                "--device {} with --workers: the workers train on the CPU so far (a GPU trains single-process runs)",
-                self.device.as_deref().unwrap_or_default()
-            );
+        if let Some(d) = self.device.as_deref() {
+            // The spelling is checked here; whether this build and machine have the GPU, when a
+            // worker opens it (its error names the device).
+            if !(d == "cpu" || d == "cuda" || d.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {
+                bail!("invalid --device {d}: expected cpu, cuda or cuda:N");
+            }
+            if self.uses_workers() && d != "cpu" && !lazarus_model::device::CUDA_BUILT {
+                bail!("--device {d}: this build has no CUDA support (build with scripts/cargo-cuda build --release --features cuda)");
+            }
         }
         if !self.uses_workers() {
             if let Some(f) = self.worker_flags().first() {

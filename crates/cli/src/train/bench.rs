@@ -98,18 +98,35 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     let _ = writeln!(s, "expert FFNs      {:.3} s per step = {:.0}% of a step", r.expert_ffn_s, 100.0 * r.expert_share);
     let _ = writeln!(
         s,
-        "achieved         {:.1} GFLOP/s = {:.0}% of this device's measured f32 GEMM peak ({:.1} GFLOP/s; matmul FLOPs {:.2e} per step)",
+        "achieved         {:.1} GFLOP/s = {:.0}% of this device's measured {} GEMM peak ({:.1} GFLOP/s; matmul FLOPs {:.2e} per step)",
         r.model_gflops,
         100.0 * r.utilisation,
+        r.peak_dtype,
         r.peak_gflops,
         r.flops_per_step
     );
+    if let (Some(l), Some(g)) = (r.launches_per_step, r.gemms_per_step) {
+        let path = if r.gpu_kernels { "Lazarus's GPU kernels" } else { "candle's composite ops" };
+        let _ = writeln!(s, "launches         {l:.0} kernels and {g:.0} cuBLAS products per step ({path})");
+    }
     if !r.profile.is_empty() {
-        let _ = writeln!(s, "profile          per step, mean over the measured steps; serial = the calling thread's CPU time");
+        let gpu = r.device != "cpu";
         let _ = writeln!(
             s,
-            "  {:<11} {:<34} {:>6} {:>9} {:>7} {:>9} {:>6}",
-            "phase", "scope", "calls", "wall ms", "share", "serial ms", "cores"
+            "profile          per step, mean over the measured steps; serial = the calling thread's CPU time{}",
+            if gpu { "; gpu = device time between CUDA events (phases synchronised)" } else { "" }
+        );
+        let _ = writeln!(
+            s,
+            "  {:<11} {:<34} {:>6} {:>9} {:>7} {:>9} {:>6}{}",
+            "phase",
+            "scope",
+            "calls",
+            "wall ms",
+            "share",
+            "serial ms",
+            "cores",
+            if gpu { format!(" {:>9}", "gpu ms") } else { String::new() }
         );
         let step = r.profile.first().map_or(f64::NAN, |p| p.wall_s);
         for p in &r.profile {
@@ -124,6 +141,10 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
                 1e3 * p.serial_s,
                 p.busy_cores
             );
+            if gpu {
+                s.pop();
+                let _ = writeln!(s, " {:>9.2}", 1e3 * p.gpu_s);
+            }
         }
     }
     if let Some(m) = &r.gpu_memory {

@@ -59,6 +59,7 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         // Every move in the benchmark is a recovery from a kill: no rebalance.
         recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(t.lease, t.heartbeat)? },
         comm_timeout_s: lazarus_control::launcher::check_comm_timeout(t.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
+        device: t.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     tracing::info!(
         "bench recovery: {} workers, {} kills (one per run of {} steps), lease {} s, heartbeat {} s",

@@ -188,6 +188,7 @@ mod tests {
             workers: 2,
             restored: vec![],
             rollback_avoided_steps: 0,
+            gpu_used_bytes: vec![],
         }
     }
 

@@ -336,6 +336,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         faults: String::new(),
         standby: false,
         snapshots,
+        device: args.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     let mut report_error: Option<anyhow::Error> = None;
     if let Hosts::Local { status_listen } = &mut hosts {

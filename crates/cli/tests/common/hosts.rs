@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::spawn_lazarus;
+use super::{log, spawn_lazarus};
+use serde_json::Value;
 
 /// The processes `pid` started, from any of its threads (a thread of `train --replay` starts
 /// local agents too).
@@ -171,4 +172,45 @@ impl Drop for Hosts {
             ip(&["netns", "del", n]);
         }
     }
+}
+
+/// Read `lines` until `want` agents have attached (`agent A attached from H (pid P)`); their
+/// pids in order of arrival. Every line read is kept in `seen`.
+pub fn agent_pids(lines: &mpsc::Receiver<String>, want: usize, seen: &mut Vec<String>) -> Vec<i32> {
+    let mut pids = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while pids.len() < want {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agents attach");
+        if line.contains(" attached from ") {
+            pids.push(line.split("(pid ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap());
+        }
+        seen.push(line);
+    }
+    pids
+}
+
+/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` reconfiguration records.
+pub fn wait_for_records(path: &Path, n: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, records) = log(path);
+        if records.len() >= n {
+            return records;
+        }
+        assert!(Instant::now() < deadline, "no reconfiguration {n} in time: {records:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The experts of MoE layer `layer` each worker holds, from the `placement L0: w0[1,3] w1[2x2]`
+/// lines a job prints.
+pub fn placement(lines: &[String], layer: usize) -> Vec<Vec<usize>> {
+    let prefix = format!("placement L{layer}: ");
+    let line = lines.iter().find_map(|l| l.strip_prefix(&prefix)).expect("the placement is printed");
+    line.split_whitespace()
+        .map(|w| {
+            let inner = w.split('[').nth(1).unwrap().trim_end_matches(']');
+            inner.split(',').filter(|x| !x.is_empty()).map(|x| x.split('x').next().unwrap().parse().unwrap()).collect()
+        })
+        .collect()
 }

@@ -116,6 +116,7 @@ fn spawn_processes<T: Send + 'static>(
     for (rank, spec) in specs.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.env(crate::protocol::LOCAL_WORKER_ENV, rank.to_string());
         die_with_parent(&mut cmd);
         match confine {
             Confinement::Shared => {}

@@ -361,6 +361,7 @@ impl Shell {
                         workers: r.workers,
                         restored: r.restored.clone(),
                         rollback_avoided_steps: r.rollback_avoided,
+                        gpu_used_bytes: r.moved.iter().filter_map(|m| m.gpu_used_bytes).collect(),
                     }))?;
                     moved = Some(MoveCost {
                         bytes: r.moved.iter().map(|m| m.bytes_received).sum(),

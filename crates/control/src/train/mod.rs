@@ -207,6 +207,10 @@ pub struct ReconfigurationRecord {
     /// Steps a rollback to the last checkpoint would have run again instead.
     #[serde(skip_serializing_if = "is_zero")]
     pub rollback_avoided_steps: u64,
+    /// GPU workers: each one's device memory in use after the move, bytes (flat across moves
+    /// when a move leaves nothing behind).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gpu_used_bytes: Vec<u64>,
 }
 
 fn is_zero(x: &u64) -> bool {

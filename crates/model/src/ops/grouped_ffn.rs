@@ -221,6 +221,11 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
 /// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
 /// all five: one expert is a group of one.
 pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+    // On a GPU: two of our linear layers around our GELU, every gradient through autograd.
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
+        return super::linear(&super::gelu(&super::linear(x, w1, b1)?)?, w2, b2);
+    }
     grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
 }
 

@@ -62,6 +62,25 @@ fn fused_here(t: &candle_core::Tensor) -> bool {
 }
 
 pub use attention::causal_attention;
+
+/// A linear layer by the GPU ops (`cuda::linear_to`): x · w (+ b) into `out`, the product
+/// reading `copy` (w's working copy) when given. An error in a build without CUDA, where no model
+/// takes the GPU path.
+pub(crate) fn cuda_linear(
+    x: &candle_core::Tensor,
+    w: &candle_core::Var,
+    b: Option<&candle_core::Var>,
+    copy: Option<&candle_core::Tensor>,
+    out: candle_core::DType,
+) -> candle_core::Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    return cuda::linear_to(x, w.as_tensor(), b.map(|b| b.as_tensor()), copy, out);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, w, b, copy, out);
+        candle_core::bail!("this build has no CUDA: no GPU layers")
+    }
+}
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};

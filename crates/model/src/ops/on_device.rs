@@ -83,3 +83,140 @@ fn every_kernel_on_a_gpu_matches_the_fused_cpu_kernel_with_gradients() {
     assert!(super::cross_entropy(&logits, &[0, 3]).is_err());
     assert!(super::gather_rows(&logits, &[2]).is_err());
 }
+
+/// Each GPU kernel's op against candle's composite form of it on the same GPU (the oracle, by
+/// candle's kernels and autograd) in f64: forward and every gradient.
+#[test]
+fn every_gpu_kernel_matches_its_composite_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    #[cfg(feature = "cuda")]
+    kernels_against_composites(&gpu);
+    let _ = gpu;
+}
+
+#[cfg(feature = "cuda")]
+fn kernels_against_composites(gpu: &Device) {
+    let gpu = gpu.clone();
+    let mut var = testing::vars(43, 0.8);
+    let run = |f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>, vars: &[Var], probe: &Tensor| {
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts).unwrap();
+        let g = (&y * probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads: Vec<Tensor> =
+            vars.iter().map(|v| g.get(v.as_tensor()).cloned().unwrap_or_else(|| v.as_tensor().zeros_like().unwrap())).collect();
+        (y, grads)
+    };
+    type Op = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
+    let (n, d, v) = (40, 64, 300);
+    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % v as u32).collect();
+    let tokens: Vec<u32> = (0..2 * n as u32).map(|i| (i * 7 + 1) % n as u32).collect();
+    let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Op)> = vec![
+        ("layer norm", vec![vec![n, d], vec![d], vec![d]], vec![n, d], Box::new(|x| super::layer_norm(&x[0], &x[1], &x[2], 1e-5))),
+        ("softmax", vec![vec![n, v]], vec![n, v], Box::new(|x| super::softmax_last(&x[0]))),
+        ("cross entropy", vec![vec![n, v]], vec![], Box::new(move |x| super::cross_entropy(&x[0], &targets))),
+        ("attention", vec![vec![2, 70, 3 * d]], vec![2, 70, d], Box::new(|x| super::causal_attention(&x[0], 2))),
+        ("linear", vec![vec![n, d], vec![d, 48], vec![48]], vec![n, 48], Box::new(|x| super::linear(&x[0], &x[1], &x[2]))),
+        (
+            "gather and combine",
+            vec![vec![n, d], vec![2 * n]],
+            vec![n, d],
+            Box::new(move |x| super::combine_rows(&(super::gather_rows(&x[0], &tokens)? * 1.5)?, &x[1], &tokens, n)),
+        ),
+        ("gelu", vec![vec![n, d]], vec![n, d], Box::new(|x| super::gelu(&x[0]))),
+    ];
+    for (what, shapes, out, f) in cases {
+        let host: Vec<Var> = shapes.iter().map(|s| var(s)).collect();
+        let dev: Vec<Var> = host.iter().map(|h| Var::from_tensor(&h.as_tensor().to_device(&gpu).unwrap()).unwrap()).collect();
+        let probe = Tensor::from_vec(testing::data(out.iter().product(), 9), out.as_slice(), &gpu).unwrap();
+        let (y, g) = run(&*f, &dev, &probe);
+        let (yc, gc) = super::cuda::composite(|| run(&*f, &dev, &probe));
+        let host = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+        let scale = host(&yc).abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap().max(1.0);
+        assert!(testing::max_diff(&host(&y), &host(&yc)) <= 1e-10 * scale, "{what}: forward");
+        for (i, (a, b)) in g.iter().zip(&gc).enumerate() {
+            let d = testing::max_diff(&host(a), &host(b));
+            assert!(d <= 1e-9 * scale.max(1.0), "{what}: gradient of input {i} differs by {d}");
+        }
+    }
+}
+
+/// The GPU's bf16 paths (what mixed precision runs) against the f64 CPU kernels, to bf16's
+/// rounding: LayerNorm from f32 into bf16, a bf16 product into f32, attention, the grouped
+/// experts with their weights' gradients through the sink, and the combine into f32.
+#[test]
+fn the_bf16_paths_on_a_gpu_are_the_f64_results_to_bf16_rounding() {
+    let Some(gpu) = gpu() else { return };
+    #[cfg(feature = "cuda")]
+    bf16_paths(&gpu);
+    let _ = gpu;
+}
+
+#[cfg(feature = "cuda")]
+fn bf16_paths(gpu: &Device) {
+    let gpu = gpu.clone();
+    let mut var = testing::vars(47, 0.6);
+    let (n, d, f) = (48, 64, 96);
+    let on = |t: &Tensor, dt: DType| t.to_dtype(dt).unwrap().to_device(&gpu).unwrap();
+    let back = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_device(&Device::Cpu).unwrap();
+    let close = |what: &str, want: &Tensor, got: &Tensor, tol: f64| {
+        let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap().max(1.0);
+        let diff = testing::max_diff(want, &back(got));
+        assert!(diff <= tol * scale, "{what}: {diff} (scale {scale})");
+    };
+    let (x, w, b) = (var(&[n, d]), var(&[d]), var(&[d]));
+    let want = super::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+    let got = super::layer_norm_to(
+        &on(x.as_tensor(), DType::F32),
+        &on(w.as_tensor(), DType::F32),
+        &on(b.as_tensor(), DType::F32),
+        1e-5,
+        DType::BF16,
+    )
+    .unwrap();
+    assert_eq!(got.dtype(), DType::BF16);
+    close("layer norm f32 → bf16", &want, &got, 1e-2);
+    let (wl, bl) = (var(&[d, f]), var(&[f]));
+    let want = super::linear(x.as_tensor(), wl.as_tensor(), bl.as_tensor()).unwrap();
+    let copy = on(wl.as_tensor(), DType::BF16);
+    let got = super::cuda::linear_to(
+        &on(x.as_tensor(), DType::BF16),
+        &on(wl.as_tensor(), DType::F32),
+        Some(&on(bl.as_tensor(), DType::F32)),
+        Some(&copy),
+        DType::F32,
+    )
+    .unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    close("linear bf16 → f32", &want, &got, 3e-2);
+    let qkv = var(&[2, 70, 3 * d]);
+    let want = super::causal_attention(qkv.as_tensor(), 2).unwrap();
+    close("attention bf16", &want, &super::causal_attention(&on(qkv.as_tensor(), DType::BF16), 2).unwrap(), 3e-2);
+    // The experts: bf16 rows and working copies, f32 parameters receiving f32 gradients.
+    let counts = [20usize, 0, 28];
+    let rows: usize = counts.iter().sum();
+    let xr = var(&[rows, d]);
+    let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f]), var(&[f]), var(&[f, d]), var(&[d])]).collect();
+    let probe = var(&[rows, d]);
+    let sink = super::WeightGradSink::new();
+    let masters: Vec<[Tensor; 4]> = weights.iter().map(|w| [0, 1, 2, 3].map(|k| on(w[k].as_tensor(), DType::F32))).collect();
+    let copies: Vec<[Tensor; 2]> =
+        masters.iter().map(|m| [m[0].to_dtype(DType::BF16).unwrap(), m[2].to_dtype(DType::BF16).unwrap()]).collect();
+    let refs: Vec<[&Tensor; 4]> = masters.iter().map(|m| m.each_ref()).collect();
+    let xg = Var::from_tensor(&on(xr.as_tensor(), DType::BF16)).unwrap();
+    let y = super::cuda::grouped_expert_ffn_to_sink(xg.as_tensor(), &refs, Some(&copies), &counts, &sink).unwrap();
+    let mut grads = (&y.to_dtype(DType::F32).unwrap() * on(probe.as_tensor(), DType::F32)).unwrap().sum_all().unwrap().backward().unwrap();
+    sink.drain_into(&mut grads).unwrap();
+    let cpu_refs: Vec<[&Tensor; 4]> =
+        weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
+    let want = super::grouped_expert_ffn(xr.as_tensor(), &cpu_refs, &counts).unwrap();
+    close("grouped experts bf16", &want, &y, 5e-2);
+    let wg = (&want * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+    for (e, (w, m)) in weights.iter().zip(&masters).enumerate() {
+        for k in 0..4 {
+            let got = grads.get(&m[k]).unwrap_or_else(|| panic!("expert {e} tensor {k} has no gradient"));
+            assert_eq!(got.dtype(), DType::F32, "the gradient of an f32 parameter is f32");
+            let want = wg.get(w[k].as_tensor()).cloned().unwrap_or_else(|| w[k].as_tensor().zeros_like().unwrap());
+            close(&format!("expert {e} tensor {k} gradient"), &want, got, 6e-2);
+        }
+    }
+}

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
 use super::packing::{pack, unpack, wire};
@@ -41,7 +41,7 @@ impl DistributedMoe {
         all_reduce_sum_f32(t, world, &mut gate, self.timeout)?;
         Ok(MoeGrads {
             experts: experts.experts,
-            gate: Tensor::from_vec(gate, self.gate.shape(), &Device::Cpu)?,
+            gate: Tensor::from_vec(gate, self.gate.shape(), self.gate.device())?,
             h_through_experts: experts.h_through_experts,
             router,
             wire_bytes: experts.wire_bytes,
@@ -188,7 +188,7 @@ impl DistributedMoe {
                         all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
                     }
                     // One tensor for the bucket; each parameter is a view into it (no copy).
-                    let all = Tensor::from_vec(flat, self.bucket_len(experts), &Device::Cpu)?;
+                    let all = Tensor::from_vec(flat, self.bucket_len(experts), self.gate.device())?;
                     let mut at = 0;
                     for e in experts {
                         let mut out = Vec::with_capacity(4);
@@ -221,7 +221,7 @@ impl DistributedMoe {
                 dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
             }
         }
-        Ok(ExpertGrads { experts: synced, h_through_experts: Tensor::from_vec(dh, (n, d), &Device::Cpu)?, wire_bytes })
+        Ok(ExpertGrads { experts: synced, h_through_experts: Tensor::from_vec(dh, (n, d), self.gate.device())?, wire_bytes })
     }
 
     /// Parameters of the experts of one bucket, in order.
@@ -244,7 +244,7 @@ impl DistributedMoe {
         for (src, &(o, c)) in blocks.iter().enumerate() {
             gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
         }
-        let gy = Tensor::from_vec(gy, (total, d), &Device::Cpu)?;
+        let gy = Tensor::from_vec(gy, (total, d), self.gate.device())?;
         let grads = (y * gy)?.sum_all()?.backward()?;
         let weights = &self.experts[e];
         let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());

@@ -1,6 +1,6 @@
 //! The forward pass of a distributed MoE layer.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
 use lazarus_model::ops::{expert_ffn, softmax_last};
 use lazarus_model::routing::top_k;
@@ -105,7 +105,7 @@ impl DistributedMoe {
             for (src, &(o, c)) in blocks.iter().enumerate() {
                 x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
-            let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), &Device::Cpu)?)?;
+            let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), h.device())?)?;
             let y =
                 expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
             let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
@@ -129,8 +129,8 @@ impl DistributedMoe {
             }
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
-        let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), &Device::Cpu)?)?;
-        let idx = Tensor::from_vec(choices.clone(), (n, k), &Device::Cpu)?;
+        let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), h.device())?)?;
+        let idx = Tensor::from_vec(choices.clone(), (n, k), h.device())?;
         let mut w = probs.gather(&idx, 1)?;
         if k > 1 {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;

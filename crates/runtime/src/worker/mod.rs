@@ -50,6 +50,9 @@ pub struct WorkerOptions {
     pub mode: DispatchMode,
     /// Deadline of every collective.
     pub timeout: Duration,
+    /// Where the worker's model, optimizer state and experts live (`cpu`, or its GPU: see
+    /// `lazarus_model::device::for_worker`).
+    pub device: candle_core::Device,
 }
 
 /// Places in a step or a move where a fault-injection hook is called, so that a test can make
@@ -242,8 +245,8 @@ impl Worker {
         }
         validate_worker_config(&config, world)?;
         let trainer = match resume {
-            Some(dir) => Trainer::resume(dir, Some(config.steps))?,
-            None => Trainer::new(config)?,
+            Some(dir) => Trainer::resume_on(dir, Some(config.steps), &options.device)?,
+            None => Trainer::new_on(config, &options.device)?,
         };
         let mc = trainer.model.config().clone();
         check_plan(&options.plan, mc.moe_layers(), mc.n_experts, world, options.mode)?;
@@ -284,10 +287,10 @@ impl Worker {
     /// A worker waiting to join a running job: the model built (for its shapes), holding no
     /// expert and nothing of the job's progress yet. A move that names it among its joiners
     /// ([`Reconfiguration::joining`]) gives it the replicated state and its experts.
-    pub fn standby(config: TrainConfig, mode: DispatchMode, timeout: Duration) -> Result<Self, RuntimeError> {
+    pub fn standby(config: TrainConfig, mode: DispatchMode, timeout: Duration, device: candle_core::Device) -> Result<Self, RuntimeError> {
         let mc = config.model.clone();
         let solo = ReplicaMap::new(0, vec![vec![vec![1]; mc.n_experts]; mc.moe_layers()])?;
-        let mut worker = Worker::new(config, WorkerOptions { plan: solo, mode, timeout }, 0, 1, None)?;
+        let mut worker = Worker::new(config, WorkerOptions { plan: solo, mode, timeout, device }, 0, 1, None)?;
         for l in 0..mc.moe_layers() {
             for e in 0..mc.n_experts {
                 worker.trainer.model.set_expert(l, e, None)?;
@@ -470,18 +473,17 @@ impl Worker {
         let vars = self.trainer.model.params().vars();
         let mut moments = Vec::with_capacity(EXPERT_TENSORS);
         for &i in &positions {
-            moments.push(self.trainer.optimizer.shared_moments(i)?);
+            moments.push(self.trainer.optimizer.moments_anywhere(i)?);
         }
         let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|k| vars[positions[k]].dims().to_vec());
-        let steps = std::array::from_fn(|k| moments[k].2);
+        let steps = std::array::from_fn(|k| moments[k].1);
         let weights: Vec<Tensor> = positions.iter().map(|&i| vars[i].as_tensor().clone()).collect();
         let len = ExpertState::encoded_len(&shapes);
         let encode = move |out: &mut Vec<u8>| -> Result<(), String> {
             let mut buf = ExpertState::wire_header_in(std::mem::take(out), layer, expert, &shapes, &steps);
-            for (w, (m, v, _)) in weights.iter().zip(&moments) {
+            for (w, (moments, _)) in weights.iter().zip(&moments) {
                 with_f32(w, |w| put_values(&mut buf, w)).map_err(|e| format!("layer {layer} expert {expert}: {e}"))?;
-                put_values(&mut buf, m);
-                put_values(&mut buf, v);
+                moments.read(|x| put_values(&mut buf, x)).map_err(|e| format!("layer {layer} expert {expert}: {e}"))?;
             }
             *out = buf;
             Ok(())

@@ -32,11 +32,24 @@ use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Shape, Storage, Tensor};
 use lazarus_kernels::{Arg, Device, Dtype, Elem, Gemm, KernelError, Launch, MODULE, PTX};
 
-/// Whether the layers run Lazarus's kernels on a GPU (`LAZARUS_GPU_KERNELS` is not `composite`),
-/// read once per process.
+/// Whether the layers run Lazarus's kernels on a GPU: `LAZARUS_GPU_KERNELS` is not `composite`
+/// (read once per process) and the calling thread is not inside [`composite`].
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LAZARUS_GPU_KERNELS").map_or(true, |v| v != "composite"))
+    *ON.get_or_init(|| std::env::var("LAZARUS_GPU_KERNELS").map_or(true, |v| v != "composite")) && !COMPOSITE.with(|c| c.get())
+}
+
+thread_local! {
+    static COMPOSITE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `f` with candle's composite ops in place of the GPU kernels on this thread (a model built
+/// inside takes the composite path for good): the oracle of the GPU tests.
+pub fn composite<R>(f: impl FnOnce() -> R) -> R {
+    let before = COMPOSITE.with(|c| c.replace(true));
+    let r = f();
+    COMPOSITE.with(|c| c.set(before));
+    r
 }
 
 /// Whether `t` is a CUDA tensor of a type the kernels take, with the kernels on.
