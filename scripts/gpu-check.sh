@@ -46,10 +46,10 @@ run_tests() { # name, seconds, binary, filter args...
     log "FAIL tests $name (exit $?): $(grep -E '^test .* FAILED|panicked' "$out/tests.log" | tail -3 | tr '\n' ' ')"
   fi
 }
-run_tests kernels-and-model 150 model-lib --test-threads 1 gpu mixed_precision
-run_tests training 100 model-training --test-threads 1 gpu
-run_tests runtime-workers 90 runtime-gpu-workers --test-threads 1
-run_tests cli-workers 240 cli-gpu-workers --test-threads 1
+run_tests kernels-and-model 120 model-lib --test-threads 1 gpu mixed_precision
+run_tests training 90 model-training --test-threads 1 gpu
+run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
+run_tests cli-workers 180 cli-gpu-workers --test-threads 1
 
 # --- benchmarks -------------------------------------------------------------------------------
 large="--d-model 1024 --heads 16 --experts 16 --d-ff 4096 --batch-size 32 --seq-len 512"
