@@ -7,14 +7,14 @@
 # time goes), the composite ops as the "before", workers sharing the GPU, and recovery.
 #
 #   scripts/gpu-prepare.sh                 # here: builds .gpu/ (no GPU needed)
-#   scripts/gpu-check.sh .gpu OUT [BUDGET] # there: OUT gets the logs; BUDGET seconds (default 420)
+#   scripts/gpu-check.sh .gpu OUT [BUDGET] # there: OUT gets the logs; BUDGET seconds (default 380)
 #
 # Each step runs under its own time limit and is skipped when the budget has too little left;
 # the output's last lines are a summary table. Results in OUT (at most 8 files): gpu.txt,
 # tests.log, bench.jsonl (one `bench train --json` line per run, tagged), profile.txt, workers.jsonl,
 # recovery.json, summary.txt.
 set -uo pipefail
-bin=${1:?prepared binaries (.gpu)} out=${2:?output folder} budget=${3:-420}
+bin=${1:?prepared binaries (.gpu)} out=${2:?output folder} budget=${3:-380}
 mkdir -p "$out"
 start=$SECONDS
 left() { echo $((budget - (SECONDS - start))); }
@@ -46,10 +46,6 @@ run_tests() { # name, seconds, binary, filter args...
     log "FAIL tests $name (exit $?): $(grep -E '^test .* FAILED|panicked' "$out/tests.log" | tail -3 | tr '\n' ' ')"
   fi
 }
-run_tests kernels-and-model 120 model-lib --test-threads 1 gpu mixed_precision
-run_tests training 90 model-training --test-threads 1 gpu
-run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
-run_tests cli-workers 180 cli-gpu-workers --test-threads 1
 
 # --- benchmarks -------------------------------------------------------------------------------
 large="--d-model 1024 --heads 16 --experts 16 --d-ff 4096 --batch-size 32 --seq-len 512"
@@ -75,13 +71,16 @@ for p in l.get("profile", []):
         print(f"    {p['phase']:<10} {p['scope']:<32} gpu {p['gpu_s']*1e3:8.2f} ms  wall {p['wall_s']*1e3:8.2f} ms  calls {p['calls_per_step']:.0f}")
 PY
 }
-bench default-f32 90 "" --profile
-bench default-bf16 90 "" --dtype bf16
-bench large-f32 150 "" $large --iters 5 --profile
-bench large-bf16 150 "" $large --iters 5 --dtype bf16 --profile
-bench large-f32-composite 120 "LAZARUS_GPU_KERNELS=composite" $large --iters 3 --no-torch --profile
-bench default-f32-composite 60 "LAZARUS_GPU_KERNELS=composite" --no-torch
-bench large-bf16-composite 120 "LAZARUS_GPU_KERNELS=composite" $large --iters 3 --dtype bf16 --no-torch
+# The headline figures first, then the tests, then the rest: a run cut short keeps what matters.
+bench large-f32 120 "" $large --iters 5 --profile
+bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile
+bench default-f32 60 "" --profile
+bench default-bf16 60 "" --dtype bf16 --profile
+run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision
+run_tests training 60 model-training --test-threads 1 gpu
+run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
+run_tests cli-workers 150 cli-gpu-workers --test-threads 1
+bench large-f32-composite 90 "LAZARUS_GPU_KERNELS=composite" $large --iters 3 --no-torch --profile
 
 # --- workers sharing the GPU: tokens/s from their step logs ------------------------------------
 workers() { # tag, seconds, workers, steps, args...
@@ -101,10 +100,8 @@ tokens = steps[-1]["tokens"]
 print(json.dumps({"tag": tag, "workers": n, "steps": len(steps), "step_s_median": statistics.median(t), "tokens_per_s": tokens / statistics.median(t), "last_loss": steps[-1]["loss"]}))
 PY
 }
-workers default-w2 90 2 40
-workers default-w4 90 4 40
-workers large-w2 150 2 8 $large
-workers large-w4 150 4 8 $large
+workers default-w2 60 2 40
+workers default-w4 60 4 40
 
 # --- recovery on GPU workers ---------------------------------------------------------------------
 if [ "$(left)" -gt 60 ]; then

@@ -8,8 +8,8 @@
 // Threads: each query (or key) row is held by a pair of adjacent lanes, each lane holding HALF of
 // the head's columns in registers (dh ≤ 2·HALF; columns past dh are zero); a dot product is the
 // two halves' sums added across the pair. Key (or query) tiles are staged in shared memory in the
-// accumulator type, each half-row padded by one word so that the pair's two reads fall in
-// different banks.
+// accumulator type, each half-row padded by four words: 16-byte aligned, so that f32 rows are read
+// four columns per load, and the pair's two reads fall in different banks.
 #pragma once
 #include "common.cuh"
 
@@ -23,13 +23,54 @@ struct AttnTile {
     enum { ROWS = sizeof(A) == 8 ? 16 : 32 };
 };
 
+// Words of a staged row: two padded halves.
+template <int HALF>
+struct Stage {
+    enum { ROW = 2 * (HALF + 4) };
+};
+
 template <int HALF>
 __device__ __forceinline__ int stage_col(int part, int c) {
-    return part * (HALF + 1) + c;
+    return part * (HALF + 4) + c;
+}
+
+// Σ_c q[c]·row[c] over a half-row (q in registers, row staged and 16-byte aligned).
+template <class A, int HALF>
+__device__ __forceinline__ A dot_half(const A* q, const A* row) {
+    A s = 0;
+    if constexpr (sizeof(A) == 4) {
+#pragma unroll
+        for (int c = 0; c < HALF; c += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(row + c);
+            s += q[c] * v.x + q[c + 1] * v.y + q[c + 2] * v.z + q[c + 3] * v.w;
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < HALF; ++c) s += q[c] * row[c];
+    }
+    return s;
+}
+
+// acc[c] += p · row[c] over a half-row.
+template <class A, int HALF>
+__device__ __forceinline__ void axpy_half(A* acc, A p, const A* row) {
+    if constexpr (sizeof(A) == 4) {
+#pragma unroll
+        for (int c = 0; c < HALF; c += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(row + c);
+            acc[c] += p * v.x;
+            acc[c + 1] += p * v.y;
+            acc[c + 2] += p * v.z;
+            acc[c + 3] += p * v.w;
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < HALF; ++c) acc[c] += p * row[c];
+    }
 }
 
 // Stage rows [r0, r0 + rows) of one head of a packed [B·T, 3d] buffer (the part starting at column
-// `at`) into s[rows][2·HALF + 2] in the accumulator type; rows past t and columns past dh are 0.
+// `at`) into s[rows][Stage::ROW] in the accumulator type; rows past t and columns past dh are 0.
 template <class T, class A, int HALF>
 __device__ __forceinline__ void stage_rows(A* s, const T* base, u64 row_stride, int r0, int rows, int t, int dh) {
     const int width = 2 * HALF;
@@ -38,7 +79,7 @@ __device__ __forceinline__ void stage_rows(A* s, const T* base, u64 row_stride, 
         const int r = r0 + rr;
         A v = 0;
         if (r < t && col < dh) v = (A)to_acc(base[(u64)r * row_stride + col]);
-        s[rr * (2 * HALF + 2) + stage_col<HALF>(part, c)] = v;
+        s[rr * Stage<HALF>::ROW + stage_col<HALF>(part, c)] = v;
     }
 }
 
@@ -46,7 +87,8 @@ template <class T, int HALF>
 __device__ void attn_fwd(const T* qkv, T* y, typename AccOf<T>::type* lse, int t, int heads, int dh, double scale_d) {
     typedef typename AccOf<T>::type A;
     const int BK = AttnTile<A>::ROWS;
-    __shared__ A ks[BK * (2 * HALF + 2)], vs[BK * (2 * HALF + 2)];
+    __shared__ __align__(16) A ks[BK * Stage<HALF>::ROW];
+    __shared__ __align__(16) A vs[BK * Stage<HALF>::ROW];
     const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 stride = 3 * (u64)d;
     const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
@@ -72,9 +114,7 @@ __device__ void attn_fwd(const T* qkv, T* y, typename AccOf<T>::type* lse, int t
         A mt = m;
 #pragma unroll
         for (int jj = 0; jj < BK; ++jj) {
-            const A* kr = ks + jj * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            A dot = 0;
-            for (int c = 0; c < HALF; ++c) dot += q[c] * kr[c];
+            A dot = dot_half<A, HALF>(q, ks + jj * Stage<HALF>::ROW + stage_col<HALF>(part, 0));
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
             const int j = j0 + jj;
             s[jj] = (valid && j <= i) ? dot : neg_inf<A>();
@@ -88,8 +128,7 @@ __device__ void attn_fwd(const T* qkv, T* y, typename AccOf<T>::type* lse, int t
         for (int jj = 0; jj < BK; ++jj) {
             const A p = exp_acc(s[jj] - mt);
             l += p;
-            const A* vr = vs + jj * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            for (int c = 0; c < HALF; ++c) o[c] += p * vr[c];
+            axpy_half<A, HALF>(o, p, vs + jj * Stage<HALF>::ROW + stage_col<HALF>(part, 0));
         }
         m = mt;
     }
@@ -125,7 +164,8 @@ __device__ void attn_bwd_dq(const T* qkv, const T* dy, const typename AccOf<T>::
                             T* dqkv, int t, int heads, int dh, double scale_d) {
     typedef typename AccOf<T>::type A;
     const int BK = AttnTile<A>::ROWS;
-    __shared__ A ks[BK * (2 * HALF + 2)], vs[BK * (2 * HALF + 2)];
+    __shared__ __align__(16) A ks[BK * Stage<HALF>::ROW];
+    __shared__ __align__(16) A vs[BK * Stage<HALF>::ROW];
     const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 stride = 3 * (u64)d;
     const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
@@ -151,19 +191,15 @@ __device__ void attn_bwd_dq(const T* qkv, const T* dy, const typename AccOf<T>::
         __syncthreads();
 #pragma unroll
         for (int jj = 0; jj < BK; ++jj) {
-            const A* kr = ks + jj * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            const A* vr = vs + jj * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            A s = 0, dp = 0;
-            for (int c = 0; c < HALF; ++c) {
-                s += q[c] * kr[c];
-                dp += go[c] * vr[c];
-            }
+            const A* kr = ks + jj * Stage<HALF>::ROW + stage_col<HALF>(part, 0);
+            const A* vr = vs + jj * Stage<HALF>::ROW + stage_col<HALF>(part, 0);
+            A s = dot_half<A, HALF>(q, kr), dp = dot_half<A, HALF>(go, vr);
             s += __shfl_xor_sync(0xffffffffu, s, 1);
             dp += __shfl_xor_sync(0xffffffffu, dp, 1);
             const int j = j0 + jj;
             const A p = (valid && j <= i) ? exp_acc(s - lse_i) : (A)0;
             const A ds = p * (dp - d_i);
-            for (int c = 0; c < HALF; ++c) dq[c] += ds * kr[c];
+            axpy_half<A, HALF>(dq, ds, kr);
         }
     }
     if (valid) {
@@ -180,7 +216,9 @@ __device__ void attn_bwd_dkv(const T* qkv, const T* dy, const typename AccOf<T>:
                              T* dqkv, int t, int heads, int dh, double scale_d) {
     typedef typename AccOf<T>::type A;
     const int BQ = AttnTile<A>::ROWS;
-    __shared__ A qs[BQ * (2 * HALF + 2)], gs[BQ * (2 * HALF + 2)], ls[BQ], ds_[BQ];
+    __shared__ __align__(16) A qs[BQ * Stage<HALF>::ROW];
+    __shared__ __align__(16) A gs[BQ * Stage<HALF>::ROW];
+    __shared__ A ls[BQ], ds_[BQ];
     const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
     const u64 stride = 3 * (u64)d;
     const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
@@ -211,22 +249,16 @@ __device__ void attn_bwd_dkv(const T* qkv, const T* dy, const typename AccOf<T>:
         __syncthreads();
 #pragma unroll 4
         for (int ii = 0; ii < BQ; ++ii) {
-            const A* qr = qs + ii * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            const A* gr = gs + ii * (2 * HALF + 2) + stage_col<HALF>(part, 0);
-            A s = 0, dp = 0;
-            for (int c = 0; c < HALF; ++c) {
-                s += k[c] * qr[c];
-                dp += v[c] * gr[c];
-            }
+            const A* qr = qs + ii * Stage<HALF>::ROW + stage_col<HALF>(part, 0);
+            const A* gr = gs + ii * Stage<HALF>::ROW + stage_col<HALF>(part, 0);
+            A s = dot_half<A, HALF>(k, qr), dp = dot_half<A, HALF>(v, gr);
             s += __shfl_xor_sync(0xffffffffu, s, 1);
             dp += __shfl_xor_sync(0xffffffffu, dp, 1);
             const int i = i0 + ii;
             const A p = (valid && i < t && j <= i) ? exp_acc(s - ls[ii]) : (A)0;
             const A dsc = p * (dp - ds_[ii]);
-            for (int c = 0; c < HALF; ++c) {
-                dv[c] += p * gr[c];
-                dk[c] += dsc * qr[c];
-            }
+            axpy_half<A, HALF>(dv, p, gr);
+            axpy_half<A, HALF>(dk, dsc, qr);
         }
     }
     if (valid) {

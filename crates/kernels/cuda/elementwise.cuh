@@ -41,20 +41,23 @@ __device__ __forceinline__ u32 segment_of(const u32* seg, u32 groups, u64 r) {
     return lo;
 }
 
-// The first layer's epilogue of grouped FFNs over rows of f: pre = h + b[e] (written over h, kept
-// for the backward) and act = gelu(pre), e the row's segment; `bias` holds each segment's bias
-// address.
+// The first layer's epilogue of grouped FFNs over rows of f, a block per row: pre = h + b[e]
+// (written over h, kept for the backward) and act = gelu(pre), e the row's segment (found once
+// per row); `bias` holds each segment's bias address.
 template <class T, class Tb>
 __device__ void bias_gelu_fwd(T* h, T* act, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 f) {
     typedef typename AccOf<T>::type A;
-    FOR_EACH(i, rows * f) {
-        const u64 r = i / f, c = i % f;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
-        // The activation is taken of the stored (rounded) pre-activation: the backward's
-        // derivative is of the same value.
-        const T pre = from_acc<T>((A)to_acc(h[i]) + (A)to_acc(b[c]));
-        h[i] = pre;
-        act[i] = from_acc<T>(gelu_of((A)to_acc(pre)));
+        T* hr = h + r * f;
+        T* ar = act + r * f;
+        for (u32 c = threadIdx.x; c < f; c += blockDim.x) {
+            // The activation is taken of the stored (rounded) pre-activation: the backward's
+            // derivative is of the same value.
+            const T pre = from_acc<T>((A)to_acc(hr[c]) + (A)to_acc(b[c]));
+            hr[c] = pre;
+            ar[c] = from_acc<T>(gelu_of((A)to_acc(pre)));
+        }
     }
 }
 
@@ -65,14 +68,14 @@ __device__ void gelu_bwd_inplace(const T* pre, T* g, u64 n) {
     FOR_EACH(i, n) g[i] = from_acc<T>((A)to_acc(g[i]) * gelu_grad_of((A)to_acc(pre[i])));
 }
 
-// y ← y + b[e] over rows of d, e the row's segment.
+// y ← y + b[e] over rows of d, e the row's segment; a block per row.
 template <class T, class Tb>
 __device__ void bias_add_rows(T* y, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 d) {
     typedef typename AccOf<T>::type A;
-    FOR_EACH(i, rows * d) {
-        const u64 r = i / d, c = i % d;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
-        y[i] = from_acc<T>((A)to_acc(y[i]) + (A)to_acc(b[c]));
+        T* yr = y + r * d;
+        for (u32 c = threadIdx.x; c < d; c += blockDim.x) yr[c] = from_acc<T>((A)to_acc(yr[c]) + (A)to_acc(b[c]));
     }
 }
 
@@ -100,22 +103,31 @@ __device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64
     }
 }
 
-// The sum of squares of one f32 tensor, in f64, into out[slot]: one block of 1024 threads, a
-// fixed order of additions (deterministic from run to run, unlike atomics).
-__device__ void sum_squares(const float* x, u64 n, double* out, u32 slot) {
-    __shared__ double part[1024];
+// Sums of squares of f32 tensors in f64, in two launches and a fixed order (the same bits on every
+// run, unlike atomics). Each block of a tensor's pass sums its contiguous part (part elements)
+// into parts[first + blockIdx.x]; then one block per tensor adds its parts in order.
+__device__ void sum_squares_parts(const float* x, u64 n, u64 part, double* parts, u32 first) {
+    __shared__ double scratch[32];
+    const u64 lo = (u64)blockIdx.x * part, hi = lo + part < n ? lo + part : n;
     double acc = 0.0;
-    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const double xi = (double)x[i];
         acc += xi * xi;
     }
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (u32 s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-        __syncthreads();
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) parts[first + blockIdx.x] = acc;
+}
+
+// out[t] = Σ_{p = starts[t]}^{starts[t+1]-1} parts[p], one block per tensor t.
+__device__ void sum_parts(const double* parts, const u32* starts, double* out, u32 tensors) {
+    __shared__ double scratch[32];
+    for (u32 t = blockIdx.x; t < tensors; t += gridDim.x) {
+        const u32 lo = starts[t], hi = starts[t + 1];
+        double acc = 0.0;
+        for (u32 p = lo + threadIdx.x; p < hi; p += blockDim.x) acc += parts[p];
+        acc = block_sum(acc, scratch);
+        if (threadIdx.x == 0) out[t] = acc;
     }
-    if (threadIdx.x == 0) out[slot] = part[0];
 }
 
 #define GELU_KERNELS(SUF, T)                                                                                          \
@@ -156,5 +168,12 @@ extern "C" __global__ void lazarus_adamw_f32(float* p, const float* g, float* m,
 }
 EMU_REGISTER(lazarus_adamw_f32)
 
-extern "C" __global__ void lazarus_sum_squares_f32(const float* x, u64 n, double* out, u32 slot) { sum_squares(x, n, out, slot); }
-EMU_REGISTER(lazarus_sum_squares_f32)
+extern "C" __global__ void lazarus_sum_squares_parts_f32(const float* x, u64 n, u64 part, double* parts, u32 first) {
+    sum_squares_parts(x, n, part, parts, first);
+}
+EMU_REGISTER(lazarus_sum_squares_parts_f32)
+
+extern "C" __global__ void lazarus_sum_parts(const double* parts, const u32* starts, double* out, u32 tensors) {
+    sum_parts(parts, starts, out, tensors);
+}
+EMU_REGISTER(lazarus_sum_parts)

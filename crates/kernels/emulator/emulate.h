@@ -89,7 +89,8 @@ Registrar(const char*, void (*)(A...)) -> Registrar<A...>;
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 // Shared memory is static storage of the launching OS thread (blocks run one at a time on it).
-#define __shared__ static thread_local
+#define __shared__ alignas(16) static thread_local
+#define __align__(n)
 #define __syncthreads() emu::sync_block()
 #define __syncwarp(...) emu::sync_warp()
 #define DYNAMIC_SHARED(name) unsigned char* name = emu::dynamic_shared()
@@ -130,6 +131,10 @@ inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
 
 // bfloat16: the top 16 bits of an f32, rounded to nearest even (NaN kept a NaN).
 struct __nv_bfloat16 {

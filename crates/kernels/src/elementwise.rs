@@ -1,7 +1,7 @@
 //! Launches of the elementwise kernels (`cuda/elementwise.cuh`): GELU, the grouped FFNs' bias
 //! epilogues, casts, AdamW and the sums of squares.
 
-use crate::{blocks_for, launch, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
 
 const FAMILY: &str = "elementwise";
 
@@ -57,8 +57,8 @@ pub fn bias_gelu_fwd(
 ) -> Result<Launch, KernelError> {
     Ok(launch(
         format!("lazarus_bias_gelu_fwd_{}", bias_suffix(dt)),
-        [blocks_for((rows * f) as u64), 1, 1],
-        [THREADS, 1, 1],
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(size_u32(FAMILY, "width", f)?), 1, 1],
         vec![
             Arg::Ptr(h),
             Arg::Ptr(act),
@@ -76,8 +76,8 @@ pub fn bias_gelu_fwd(
 pub fn bias_add_rows(dt: Dtype, y: u64, bias: u64, segments: u64, groups: usize, rows: usize, d: usize) -> Result<Launch, KernelError> {
     Ok(launch(
         format!("lazarus_bias_add_rows_{}", bias_suffix(dt)),
-        [blocks_for((rows * d) as u64), 1, 1],
-        [THREADS, 1, 1],
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
         vec![
             Arg::Ptr(y),
             Arg::Ptr(bias),
@@ -117,7 +117,32 @@ pub fn adamw(p: u64, g: u64, m: u64, v: u64, copy: u64, n: usize, k: AdamWScalar
     launch("lazarus_adamw_f32".into(), [(n as u64).div_ceil(THREADS as u64).clamp(1, 4096) as u32, 1, 1], [THREADS, 1, 1], args)
 }
 
-/// Σ x² of the f32 tensor x (n elements) in f64 into out[slot]: one block, a fixed order.
-pub fn sum_squares(x: u64, n: usize, out: u64, slot: u32) -> Launch {
-    launch("lazarus_sum_squares_f32".into(), [1, 1, 1], [1024, 1, 1], vec![Arg::Ptr(x), Arg::U64(n as u64), Arg::Ptr(out), Arg::U32(slot)])
+/// Elements of a tensor each block of a sum of squares takes.
+pub const SQUARES_PART: usize = 1 << 16;
+
+/// The parts a sum of squares of `n` elements is cut into (one at least).
+pub fn squares_parts(n: usize) -> usize {
+    n.div_ceil(SQUARES_PART).max(1)
+}
+
+/// Σ x² over each [`SQUARES_PART`] of the f32 tensor x (n elements), in f64, into
+/// parts[first..first + squares_parts(n)].
+pub fn sum_squares_parts(x: u64, n: usize, parts: u64, first: u32) -> Launch {
+    launch(
+        "lazarus_sum_squares_parts_f32".into(),
+        [squares_parts(n) as u32, 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(x), Arg::U64(n as u64), Arg::U64(SQUARES_PART as u64), Arg::Ptr(parts), Arg::U32(first)],
+    )
+}
+
+/// out[t] = Σ of parts[starts[t]..starts[t + 1]] in order, for t < tensors (starts: tensors + 1
+/// u32 on the device; out f64).
+pub fn sum_parts(parts: u64, starts: u64, out: u64, tensors: usize) -> Launch {
+    launch(
+        "lazarus_sum_parts".into(),
+        [tensors.clamp(1, 1 << 16) as u32, 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(parts), Arg::Ptr(starts), Arg::Ptr(out), Arg::U32(tensors as u32)],
+    )
 }

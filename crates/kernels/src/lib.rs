@@ -27,7 +27,10 @@ mod rows;
 
 pub use attention::{attention_bwd, attention_fwd, attention_supported, ATTENTION_MAX_HEAD_DIM};
 pub use device::{Device, Elem, Gemm};
-pub use elementwise::{adamw, bias_add_rows, bias_gelu_fwd, cast, gelu, gelu_bwd_inplace, gelu_grad, sum_squares, AdamWScalars};
+pub use elementwise::{
+    adamw, bias_add_rows, bias_gelu_fwd, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts, sum_squares_parts,
+    AdamWScalars, SQUARES_PART,
+};
 pub use norm::{
     column_sums, column_sums_workspace, cross_entropy_bwd, cross_entropy_fwd, layer_norm_bwd, layer_norm_bwd_workspace, layer_norm_fwd,
     softmax_bwd, softmax_fwd,

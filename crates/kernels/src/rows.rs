@@ -1,7 +1,7 @@
 //! Launches of the row kernels (`cuda/rows.cuh`): gathers, sums of listed rows, the combine's
 //! backward and the embedding; and the row lists those sums read.
 
-use crate::{blocks_for, launch, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
 
 const FAMILY: &str = "rows";
 
@@ -44,8 +44,8 @@ pub fn gather_rows(dt: Dtype, src: u64, idx: u64, out: u64, rows: usize, d: usiz
     let d32 = size_u32(FAMILY, "width", d)?;
     Ok(launch(
         format!("lazarus_gather_rows_{}", dt.suffix()),
-        [blocks_for((rows * d) as u64), 1, 1],
-        [THREADS, 1, 1],
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(d32), 1, 1],
         vec![Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(out), Arg::U64(rows as u64), Arg::U32(d32)],
     ))
 }
@@ -55,8 +55,8 @@ pub fn gather_rows(dt: Dtype, src: u64, idx: u64, out: u64, rows: usize, d: usiz
 pub fn embed_fwd(dt: Dtype, tok: u64, pos: u64, ids: u64, out: u64, rows: usize, t: usize, d: usize) -> Result<Launch, KernelError> {
     Ok(launch(
         format!("lazarus_embed_fwd_{}", dt.suffix()),
-        [blocks_for((rows * d) as u64), 1, 1],
-        [THREADS, 1, 1],
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
         vec![
             Arg::Ptr(tok),
             Arg::Ptr(pos),
@@ -69,15 +69,17 @@ pub fn embed_fwd(dt: Dtype, tok: u64, pos: u64, ids: u64, out: u64, rows: usize,
     ))
 }
 
-/// out[k, :] = Σ over the rows r of key k (in order) of w[r] · src[r, :], for k < n (w = 0: no
-/// weights). src of `input`, out of `output`: (f32, f32), (f64, f64), (bf16, bf16) or (bf16,
-/// f32); w in `input.acc()`. `offsets` (n + 1) and `list` as [`RowLists`], on the device.
+/// out[k, :] = Σ over the rows r of key k (in order) of w[s(r)] · src[r, :], for k < n (w = 0:
+/// no weights; s(r) = wslot[r], or r when wslot is 0). src of `input`, out of `output`: (f32,
+/// f32), (f64, f64), (bf16, bf16) or (bf16, f32); w in `input.acc()`. `offsets` (n + 1) and
+/// `list` as [`RowLists`], on the device.
 #[allow(clippy::too_many_arguments)]
 pub fn sum_listed_rows(
     input: Dtype,
     output: Dtype,
     src: u64,
     w: u64,
+    wslot: u64,
     offsets: u64,
     list: u64,
     out: u64,
@@ -93,11 +95,12 @@ pub fn sum_listed_rows(
     };
     Ok(launch(
         format!("lazarus_sum_listed_rows_{suffix}"),
-        [blocks_for((n * d) as u64), 1, 1],
-        [THREADS, 1, 1],
+        [row_blocks(n as u64), 1, 1],
+        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
         vec![
             Arg::Ptr(src),
             Arg::Ptr(w),
+            Arg::Ptr(wslot),
             Arg::Ptr(offsets),
             Arg::Ptr(list),
             Arg::Ptr(out),
@@ -107,15 +110,16 @@ pub fn sum_listed_rows(
     ))
 }
 
-/// The combine's backward: dy[r, :] = w[r] · g[tokens[r], :], dw[r] = Σ_c y[r, c] · g[tokens[r], c]
-/// for r < rows. y and dy of `y_dt`, g of `g_dt`, w and dw of the accumulator type: (f32, f32),
-/// (f64, f64) or (bf16, f32).
+/// The combine's backward: dy[r, :] = w[s] · g[tokens[r], :], dw[s] = Σ_c y[r, c] ·
+/// g[tokens[r], c] for r < rows, s = wslot[r] (r when wslot is 0). y and dy of `y_dt`, g of
+/// `g_dt`, w and dw of the accumulator type: (f32, f32), (f64, f64) or (bf16, f32).
 #[allow(clippy::too_many_arguments)]
 pub fn combine_rows_bwd(
     y_dt: Dtype,
     g_dt: Dtype,
     y: u64,
     w: u64,
+    wslot: u64,
     g: u64,
     tokens: u64,
     dy: u64,
@@ -138,6 +142,7 @@ pub fn combine_rows_bwd(
         vec![
             Arg::Ptr(y),
             Arg::Ptr(w),
+            Arg::Ptr(wslot),
             Arg::Ptr(g),
             Arg::Ptr(tokens),
             Arg::Ptr(dy),

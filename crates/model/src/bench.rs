@@ -354,7 +354,7 @@ mod tests {
         assert_eq!(r.profile[0].scope, "(step)");
         let phases: Vec<&ProfileRow> = r.profile.iter().filter(|p| p.scope == "(phase)").collect();
         let names: Vec<&str> = phases.iter().map(|p| p.phase.as_str()).collect();
-        assert_eq!(names, ["adamw", "backward", "forward", "grad-norm"]);
+        assert_eq!(names, ["adamw", "backward", "batch", "forward", "grad-norm", "release"]);
         let rest = find("step", "(outside phases)").unwrap();
         let sum: f64 = phases.iter().map(|p| p.wall_s).sum::<f64>() + rest.wall_s;
         assert!((sum - step.wall_s).abs() <= 1e-6 * step.wall_s.max(1.0), "{sum} vs {}", step.wall_s);

@@ -247,7 +247,6 @@ impl MoeLayer {
         let out = if all_tokens.is_empty() {
             Tensor::zeros((n, d), stream, h.device())?
         } else {
-            let s_idx = Tensor::from_vec(all_slots, all_tokens.len(), h.device())?;
             let params: Vec<[Var; 4]> =
                 self.experts.iter().map(|x| [x.fc1.w.clone(), x.fc1.b.clone(), x.fc2.w.clone(), x.fc2.b.clone()]).collect();
             let masters: Vec<[&Tensor; 4]> =
@@ -256,7 +255,9 @@ impl MoeLayer {
                 params.iter().map(|p| Some([model.copy_of(&p[0])?.clone(), model.copy_of(&p[2])?.clone()])).collect();
             let rows = crate::ops::gather_rows(h, &all_tokens)?;
             let y = crate::ops::cuda::grouped_expert_ffn_to_sink(&rows, &masters, copies.as_deref(), &counts, expert_grads)?;
-            crate::ops::cuda::combine_rows_to(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n, stream)?
+            // Each row's weight read through its slot: no index_select, whose backward on a GPU is
+            // candle's index_add (one thread over every row).
+            crate::ops::cuda::combine_rows_to(&y, &w, Some(&all_slots), &all_tokens, n, stream)?
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
         let choices = r.choices.into_iter().map(|c| c as u32).collect();

@@ -79,6 +79,9 @@ struct Moments {
     /// For a parameter on a GPU: its (m, v) as f32 tensors on that device, updated there (no
     /// copy through the host each step); `m` and `v` above stay empty.
     device: Option<(Tensor, Tensor)>,
+    /// The GPU the parameter lives on (None: the CPU), kept when its moments are released: where
+    /// moments given back go.
+    on: Option<candle_core::Device>,
 }
 
 pub struct AdamW {
@@ -101,7 +104,8 @@ impl AdamW {
                 let zeros = || Tensor::zeros(var.shape(), DType::F32, var.device());
                 (Arc::default(), Arc::default(), Some((zeros()?, zeros()?)))
             };
-            state.push(Moments { m, v, step: 0, shape: var.shape().clone(), device });
+            let on = (!var.device().is_cpu()).then(|| var.device().clone());
+            state.push(Moments { m, v, step: 0, shape: var.shape().clone(), device, on });
             decay.push(var.rank() >= 2 && !name.ends_with("_emb"));
         }
         Ok(AdamW { config, state, decay })
@@ -201,7 +205,7 @@ impl AdamW {
                 return Err(ModelError::config("optimizer state", format!("{:?}", t.shape()), format!("expected {:?}", cur.shape)));
             }
         }
-        if let Some(dev) = cur.device.as_ref().map(|(m, _)| m.device().clone()) {
+        if let Some(dev) = cur.on.clone() {
             let on_dev = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F32)?.to_device(&dev)?.contiguous()?) };
             cur.device = Some((on_dev(&s.m)?, on_dev(&s.v)?));
             cur.step = s.step;

@@ -282,10 +282,12 @@ impl Trainer {
 
     pub fn step(&mut self) -> Result<StepReport> {
         let (b, t) = (self.config.batch_size, self.config.seq_len);
-        let batch = self.sampler.next_batch(b);
-        let device = self.model.device().clone();
-        let inputs = Tensor::from_vec(batch.inputs, (b, t), &device)?;
-        let targets = Tensor::from_vec(batch.targets, (b, t), &device)?;
+        let (inputs, targets) = {
+            let _profile = crate::profile::phase("batch");
+            let batch = self.sampler.next_batch(b);
+            let device = self.model.device().clone();
+            (Tensor::from_vec(batch.inputs, (b, t), &device)?, Tensor::from_vec(batch.targets, (b, t), &device)?)
+        };
         let forced = self.trace.as_ref().map(|tr| tr.at(self.step));
         let out = {
             let _profile = crate::profile::phase("forward");
@@ -314,7 +316,7 @@ impl Trainer {
         }
         self.step += 1;
         let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
-        Ok(StepReport {
+        let report = StepReport {
             step: self.step,
             loss: scalar(&out.ce_loss)?,
             aux_loss: scalar(&out.aux_loss)?,
@@ -323,7 +325,13 @@ impl Trainer {
             grad_norm: norm,
             expert_load: out.moe.iter().map(|m| m.load.clone()).collect(),
             dropped: out.moe.iter().map(|m| m.dropped).sum(),
-        })
+        };
+        // The step's graph and gradients go here, not unseen at the return: their buffers are
+        // freed in this phase.
+        let _profile = crate::profile::phase("release");
+        drop(grads);
+        drop(out);
+        Ok(report)
     }
 
     /// Tokens the router sends to each expert of each MoE layer over the next `steps` global

@@ -38,15 +38,36 @@ pub fn gather_rows_bwd<D: Device>(
     let out = alloc(dev, out_dt, n * d)?;
     if n > 0 && d > 0 {
         let (off, list) = upload_lists(dev, &lists)?;
-        let l = crate::sum_listed_rows(g_dt, out_dt, g, 0, dev.addr(&off), dev.addr(&list), dev.addr(&out), n, d)?;
+        let l = crate::sum_listed_rows(g_dt, out_dt, g, 0, 0, dev.addr(&off), dev.addr(&list), dev.addr(&out), n, d)?;
         // SAFETY: g is [R, d]; the lists hold rows below R; out is [n, d].
         unsafe { dev.launch(&l)? };
     }
     Ok(out)
 }
 
-/// out [n, d] (of `out_dt`): out[t] = Σ over the rows r of token t (in order) of w[r] · y[r]; y [R,
-/// d] of `y_dt`, w [R] of its accumulator type, tokens [R] each below n (checked).
+/// Where each row's combine weight is: w[r] (`None`), or w[slots[r]] for a weight per
+/// assignment slot (token · k + j, `Some((slots, weights))`, each slot below `weights` and
+/// named by one row at most: checked).
+pub type WeightSlots<'a> = Option<(&'a [u32], usize)>;
+
+fn check_slots(slots: WeightSlots, rows: usize) -> Result<(), crate::KernelError> {
+    let Some((s, weights)) = slots else { return Ok(()) };
+    if s.len() != rows {
+        return Err(crate::KernelError::Size { family: "combine rows", what: format!("{} slots for {rows} rows", s.len()) });
+    }
+    check_ids("combine rows slots", s, weights)?;
+    let mut seen = vec![false; weights];
+    for (r, &x) in s.iter().enumerate() {
+        if std::mem::replace(&mut seen[x as usize], true) {
+            return Err(crate::KernelError::Size { family: "combine rows", what: format!("slot {x} named twice (row {r})") });
+        }
+    }
+    Ok(())
+}
+
+/// out [n, d] (of `out_dt`): out[t] = Σ over the rows r of token t (in order) of w[s(r)] · y[r];
+/// y [R, d] of `y_dt`, w of its accumulator type (per row, or per slot: `slots`), tokens [R] each
+/// below n (checked).
 #[allow(clippy::too_many_arguments)]
 pub fn combine_rows_fwd<D: Device>(
     dev: &D,
@@ -54,23 +75,31 @@ pub fn combine_rows_fwd<D: Device>(
     out_dt: Dtype,
     y: u64,
     w: u64,
+    slots: WeightSlots,
     tokens: &[u32],
     n: usize,
     d: usize,
 ) -> Result<D::Buffer, D::Error> {
     let lists = lists_by_key(tokens, n)?;
+    check_slots(slots, tokens.len())?;
     let out = alloc(dev, out_dt, n * d)?;
     if n > 0 && d > 0 {
         let (off, list) = upload_lists(dev, &lists)?;
-        let l = crate::sum_listed_rows(y_dt, out_dt, y, w, dev.addr(&off), dev.addr(&list), dev.addr(&out), n, d)?;
-        // SAFETY: y is [R, d], w [R]; the lists hold rows below R; out is [n, d].
+        let sb = match slots {
+            Some((s, _)) if !s.is_empty() => Some(dev.upload_u32(s)?),
+            _ => None,
+        };
+        let sa = sb.as_ref().map_or(0, |b| dev.addr(b));
+        let l = crate::sum_listed_rows(y_dt, out_dt, y, w, sa, dev.addr(&off), dev.addr(&list), dev.addr(&out), n, d)?;
+        // SAFETY: y is [R, d]; w holds a weight for each row (or slot: checked); the lists hold
+        // rows below R; out is [n, d].
         unsafe { dev.launch(&l)? };
     }
     Ok(out)
 }
 
-/// The combine's backward from g [n, d] (of `g_dt`): (dy [R, d] of `y_dt`, dw [R] of y's
-/// accumulator type).
+/// The combine's backward from g [n, d] (of `g_dt`): (dy [R, d] of `y_dt`, dw of y's
+/// accumulator type: [R], or per slot — zero for a slot no row names).
 #[allow(clippy::too_many_arguments)]
 pub fn combine_rows_bwd<D: Device>(
     dev: &D,
@@ -78,19 +107,30 @@ pub fn combine_rows_bwd<D: Device>(
     g_dt: Dtype,
     y: u64,
     w: u64,
+    slots: WeightSlots,
     g: u64,
     tokens: &[u32],
     n: usize,
     d: usize,
 ) -> Result<(D::Buffer, D::Buffer), D::Error> {
     check_ids("combine rows", tokens, n)?;
+    check_slots(slots, tokens.len())?;
     let rows = tokens.len();
     let dy = alloc(dev, y_dt, rows * d)?;
-    let dw = alloc(dev, Elem::Float(y_dt.acc()), rows)?;
+    let dw = match slots {
+        Some((_, weights)) => dev.zeros(Elem::Float(y_dt.acc()), weights)?,
+        None => alloc(dev, Elem::Float(y_dt.acc()), rows)?,
+    };
     if rows > 0 {
         let t = dev.upload_u32(tokens)?;
-        let l = crate::combine_rows_bwd(y_dt, g_dt, y, w, g, dev.addr(&t), dev.addr(&dy), dev.addr(&dw), rows, d)?;
-        // SAFETY: y [R, d], w [R], g [n, d], every token below n; dy and dw allocated above.
+        let sb = match slots {
+            Some((s, _)) => Some(dev.upload_u32(s)?),
+            None => None,
+        };
+        let sa = sb.as_ref().map_or(0, |b| dev.addr(b));
+        let l = crate::combine_rows_bwd(y_dt, g_dt, y, w, sa, g, dev.addr(&t), dev.addr(&dy), dev.addr(&dw), rows, d)?;
+        // SAFETY: y [R, d], w per row or slot (checked), g [n, d], every token below n; dy and dw
+        // allocated above.
         unsafe { dev.launch(&l)? };
     }
     Ok((dy, dw))

@@ -136,19 +136,47 @@ fn gather_combine_and_embedding_forward_and_gradients() {
             let ds = ops::gather_rows_bwd(&e, dt, dt, pb.addr(), &tokens, n, d).unwrap();
             close("gather gradient", &g[0], &tensor(&ds, dt, &[n, d]), tol);
             let (rb, wb, pc) = (buf(rows.as_tensor(), dt), buf(w.as_tensor(), dt), buf(probe_c.as_tensor(), dt));
-            let ob = ops::combine_rows_fwd(&e, dt, dt, rb.addr(), wb.addr(), &tokens, n, d).unwrap();
+            let ob = ops::combine_rows_fwd(&e, dt, dt, rb.addr(), wb.addr(), None, &tokens, n, d).unwrap();
             close("combine", &out, &tensor(&ob, dt, &[n, d]), tol);
-            let (dy, dw) = ops::combine_rows_bwd(&e, dt, dt, rb.addr(), wb.addr(), pc.addr(), &tokens, n, d).unwrap();
+            let (dy, dw) = ops::combine_rows_bwd(&e, dt, dt, rb.addr(), wb.addr(), None, pc.addr(), &tokens, n, d).unwrap();
             close("combine rows gradient", &gc[0], &tensor(&dy, dt, &[r, d]), tol);
             close("combine weights gradient", &gc[1], &tensor(&dw, dt, &[r]), tol * 10.0);
         }
         // bf16 rows combined into f32 (mixed precision): the f32 sums of the rounded rows.
         let (rb, wb, pc) = (buf(rows.as_tensor(), Dtype::Bf16), buf(w.as_tensor(), Dtype::F32), buf(probe_c.as_tensor(), Dtype::F32));
-        let ob = ops::combine_rows_fwd(&e, Dtype::Bf16, Dtype::F32, rb.addr(), wb.addr(), &tokens, n, d).unwrap();
+        let ob = ops::combine_rows_fwd(&e, Dtype::Bf16, Dtype::F32, rb.addr(), wb.addr(), None, &tokens, n, d).unwrap();
         close("combine bf16 → f32", &out, &tensor(&ob, Dtype::F32, &[n, d]), 1e-2);
-        let (dy, dw) = ops::combine_rows_bwd(&e, Dtype::Bf16, Dtype::F32, rb.addr(), wb.addr(), pc.addr(), &tokens, n, d).unwrap();
+        let (dy, dw) = ops::combine_rows_bwd(&e, Dtype::Bf16, Dtype::F32, rb.addr(), wb.addr(), None, pc.addr(), &tokens, n, d).unwrap();
         close("combine bf16 rows gradient", &gc[0], &tensor(&dy, Dtype::Bf16, &[r, d]), 1e-2);
         close("combine bf16 weights gradient", &gc[1], &tensor(&dw, Dtype::F32, &[r]), 5e-2);
+    }
+    // Weights per assignment slot (what the model passes: no gather of the weights): row r reads
+    // slot perm[r] of 2R slots; the slots no row names get zero gradients.
+    let perm: Vec<u32> = (0..r as u32).map(|i| (i * 7 + 3) % (2 * r as u32)).collect();
+    let slot_w: Vec<f64> = testing::data(2 * r, 17);
+    let per_row = Tensor::from_vec(perm.iter().map(|&s| slot_w[s as usize]).collect::<Vec<_>>(), r, &Device::Cpu).unwrap();
+    let (sout, sg) = reference(&[rows.clone(), Var::from_tensor(&per_row).unwrap()], probe_c.as_tensor(), |t| {
+        super::combine_rows(&t[0], &t[1], &tokens, n).unwrap()
+    });
+    for e in ORDERS {
+        let (rb, wb, pc) =
+            (buf(rows.as_tensor(), Dtype::F64), HostBuffer::from_f64(Dtype::F64, &slot_w), buf(probe_c.as_tensor(), Dtype::F64));
+        let slots = Some((perm.as_slice(), 2 * r));
+        let ob = ops::combine_rows_fwd(&e, Dtype::F64, Dtype::F64, rb.addr(), wb.addr(), slots, &tokens, n, d).unwrap();
+        close("combine by slots", &sout, &tensor(&ob, Dtype::F64, &[n, d]), 1e-12);
+        let (dy, dw) = ops::combine_rows_bwd(&e, Dtype::F64, Dtype::F64, rb.addr(), wb.addr(), slots, pc.addr(), &tokens, n, d).unwrap();
+        close("combine by slots: rows gradient", &sg[0], &tensor(&dy, Dtype::F64, &[r, d]), 1e-12);
+        let dw = dw.to_f64(Dtype::F64);
+        for (s, &g) in dw.iter().enumerate() {
+            match perm.iter().position(|&p| p as usize == s) {
+                Some(row) => assert!((g - sg[1].get(row).unwrap().to_scalar::<f64>().unwrap()).abs() < 1e-10, "slot {s}"),
+                None => assert_eq!(g, 0.0, "slot {s} is named by no row"),
+            }
+        }
+        let twice = vec![0u32; r];
+        let err =
+            ops::combine_rows_fwd(&e, Dtype::F64, Dtype::F64, rb.addr(), wb.addr(), Some((&twice, 2 * r)), &tokens, n, d).err().unwrap();
+        assert!(err.to_string().contains("slot 0 named twice"), "{err}");
     }
     // The embedding: ids repeated, sequences of 5.
     let cfg = crate::ModelConfig {
@@ -256,6 +284,23 @@ fn linear_forward_and_gradients_with_and_without_bias() {
                 let no_bias = (&y - b.as_tensor().broadcast_as((n, dout)).unwrap()).unwrap();
                 close(&format!("{what} forward without bias"), &no_bias, &tensor(&nb, y_dt, &[n, dout]), tol);
             }
+        }
+    }
+}
+
+/// The gradient norm's sums of squares in two passes (parts, then each tensor's parts in order)
+/// against f64 sums on the host: tensors of one part, of many with a partial last one, and empty.
+#[test]
+fn sums_of_squares_in_parts_are_the_host_sums() {
+    let sizes = [5usize, lazarus_kernels::SQUARES_PART * 3 + 17, 0, 1000];
+    let data: Vec<HostBuffer> =
+        sizes.iter().enumerate().map(|(i, &n)| HostBuffer::from_f64(Dtype::F32, &testing::data(n, 30 + i as u64))).collect();
+    for e in ORDERS {
+        let list: Vec<(u64, usize)> = data.iter().zip(&sizes).map(|(b, &n)| (b.addr(), n)).collect();
+        let out = ops::sum_squares(&e, &list).unwrap().to_f64(Dtype::F64);
+        for ((b, &n), got) in data.iter().zip(&sizes).zip(&out) {
+            let want: f64 = b.to_f64(Dtype::F32)[..n].iter().map(|x| x * x).sum();
+            assert!((got - want).abs() <= 1e-12 * want.max(1.0), "{n} elements: {got} vs {want}");
         }
     }
 }

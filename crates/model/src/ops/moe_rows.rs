@@ -218,7 +218,7 @@ pub fn combine_rows(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize) -> candle_
     }
     #[cfg(feature = "cuda")]
     if super::cuda::takes(y) && y.dtype() != candle_core::DType::BF16 && w.dtype() == y.dtype() {
-        return super::cuda::combine_rows_to(y, w, tokens, n, y.dtype());
+        return super::cuda::combine_rows_to(y, w, None, tokens, n, y.dtype());
     }
     if !super::fused_here(y) {
         return super::composite::combine_rows(y, w, &Tensor::from_slice(tokens, tokens.len(), y.device())?, n);

@@ -125,6 +125,8 @@ fn kernels_against_composites(gpu: &Device) {
         ("gelu", vec![vec![n, d]], vec![n, d], Box::new(|x| super::gelu(&x[0]))),
     ];
     for (what, shapes, out, f) in cases {
+        // candle's GELU backward, the composite's, uses 6-digit constants.
+        let tol = if what == "gelu" { 1e-5 } else { 1e-9 };
         let host: Vec<Var> = shapes.iter().map(|s| var(s)).collect();
         let dev: Vec<Var> = host.iter().map(|h| Var::from_tensor(&h.as_tensor().to_device(&gpu).unwrap()).unwrap()).collect();
         let probe = Tensor::from_vec(testing::data(out.iter().product(), 9), out.as_slice(), &gpu).unwrap();
@@ -135,7 +137,7 @@ fn kernels_against_composites(gpu: &Device) {
         assert!(testing::max_diff(&host(&y), &host(&yc)) <= 1e-10 * scale, "{what}: forward");
         for (i, (a, b)) in g.iter().zip(&gc).enumerate() {
             let d = testing::max_diff(&host(a), &host(b));
-            assert!(d <= 1e-9 * scale.max(1.0), "{what}: gradient of input {i} differs by {d}");
+            assert!(d <= tol * scale.max(1.0), "{what}: gradient of input {i} differs by {d}");
         }
     }
 }

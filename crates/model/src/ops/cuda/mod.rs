@@ -322,22 +322,27 @@ pub fn adamw_update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, copy: Option
     Ok(())
 }
 
-/// Σ x² of each f32 tensor (contiguous, on one GPU), in f64: one launch per tensor, one copy of
-/// the sums to the host.
+/// Σ x² of each f32 tensor (contiguous, on one GPU), in f64: every block of the device on a
+/// fixed part of a tensor, then one block per tensor adding its parts in order; one copy of the
+/// sums to the host.
 pub fn sum_squares(tensors: &[&Tensor]) -> candle_core::Result<Vec<f64>> {
     let Some(first) = tensors.first() else { return Ok(Vec::new()) };
     let gpu = Gpu::of(first)?;
-    let out = gpu.dev.alloc_zeros::<f64>(tensors.len())?;
-    let out_addr = out.device_ptr(&gpu.dev.cuda_stream()).0;
-    for (slot, t) in tensors.iter().enumerate() {
+    let mut list = Vec::with_capacity(tensors.len());
+    for t in tensors {
         if t.dtype() != DType::F32 {
             candle_core::bail!("sum of squares: an f32 tensor, not {:?}", t.dtype());
         }
-        let l = lazarus_kernels::sum_squares(addr(t)?, t.elem_count(), out_addr, slot as u32);
-        // SAFETY: t holds its elements; out has a slot per tensor.
-        unsafe { gpu.launch(&l)? };
+        list.push((addr(t)?, t.elem_count()));
     }
-    gpu.dev.clone_dtoh(&out)
+    match lazarus_kernels::ops::sum_squares(&gpu, &list)? {
+        CudaBuf::F64(out) => {
+            let mut sums = gpu.dev.clone_dtoh(&out)?;
+            sums.truncate(tensors.len());
+            Ok(sums)
+        }
+        _ => candle_core::bail!("sum of squares: f64 sums"),
+    }
 }
 
 #[cfg(test)]

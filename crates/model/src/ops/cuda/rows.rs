@@ -48,11 +48,19 @@ pub fn gather_rows(src: &Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> 
     src.contiguous()?.apply_op1(GpuGatherRows { tokens: tokens.to_vec() })
 }
 
-/// (y [R, d], w [R]) → out [n, d], out[t] = Σ_{r of t} w[r]·y[r].
+/// (y [R, d], w) → out [n, d], out[t] = Σ_{r of t} w[s(r)]·y[r]: w per row (s(r) = r), or per
+/// assignment slot (s(r) = slots[r]).
 struct GpuCombineRows {
     tokens: Vec<u32>,
+    slots: Option<Vec<u32>>,
     n: usize,
     out: DType,
+}
+
+impl GpuCombineRows {
+    fn weight_slots(&self, weights: usize) -> lazarus_kernels::ops::WeightSlots<'_> {
+        self.slots.as_deref().map(|s| (s, weights))
+    }
 }
 
 impl CustomOp2 for GpuCombineRows {
@@ -68,14 +76,15 @@ impl CustomOp2 for GpuCombineRows {
         let _p = crate::profile::gpu_kernel("combine-rows.fwd", y.device());
         let gpu = Gpu::of_storage(y);
         let (r, d) = yl.shape().dims2()?;
-        if r != self.tokens.len() || wl.shape().elem_count() != r {
+        if r != self.tokens.len() || (self.slots.is_none() && wl.shape().elem_count() != r) {
             candle_core::bail!("combine rows: {r} rows, {} tokens, {} weights", self.tokens.len(), wl.shape().elem_count());
         }
         let (y_dt, out_dt) = (dtype_of(y.dtype())?, dtype_of(self.out)?);
         if dtype_of(w.dtype())? != y_dt.acc() {
             candle_core::bail!("combine rows: weights of {:?} for rows of {:?}", w.dtype(), y.dtype());
         }
-        let out = ops::combine_rows_fwd(&gpu, y_dt, out_dt, storage_addr(y, yl)?, storage_addr(w, wl)?, &self.tokens, self.n, d)?;
+        let slots = self.weight_slots(wl.shape().elem_count());
+        let out = ops::combine_rows_fwd(&gpu, y_dt, out_dt, storage_addr(y, yl)?, storage_addr(w, wl)?, slots, &self.tokens, self.n, d)?;
         Ok((gpu.storage(out)?, Shape::from((self.n, d))))
     }
 
@@ -84,25 +93,19 @@ impl CustomOp2 for GpuCombineRows {
         let gpu = Gpu::of(y)?;
         let (r, d) = y.dims2()?;
         let (y, w, g) = (y.contiguous()?, w.contiguous()?, grad.contiguous()?);
-        let (dy, dw) = ops::combine_rows_bwd(
-            &gpu,
-            dtype_of(y.dtype())?,
-            dtype_of(g.dtype())?,
-            addr(&y)?,
-            addr(&w)?,
-            addr(&g)?,
-            &self.tokens,
-            self.n,
-            d,
-        )?;
+        let slots = self.weight_slots(w.elem_count());
+        let (y_dt, g_dt) = (dtype_of(y.dtype())?, dtype_of(g.dtype())?);
+        let (dy, dw) = ops::combine_rows_bwd(&gpu, y_dt, g_dt, addr(&y)?, addr(&w)?, slots, addr(&g)?, &self.tokens, self.n, d)?;
         Ok((Some(gpu.tensor(dy, (r, d))?), Some(gpu.tensor(dw, w.shape())?)))
     }
 }
 
 /// out [n, d] of `out` (y's type, or f32 from bf16 rows): each token's rows of y, weighted by w
-/// (y's accumulator type), summed in row order.
-pub fn combine_rows_to(y: &Tensor, w: &Tensor, tokens: &[u32], n: usize, out: DType) -> candle_core::Result<Tensor> {
-    y.contiguous()?.apply_op2(&w.contiguous()?, GpuCombineRows { tokens: tokens.to_vec(), n, out })
+/// (y's accumulator type; a weight per row, or with `slots` one per assignment slot — row r
+/// takes w[slots[r]], and a slot no row names gets a zero gradient), summed in row order.
+pub fn combine_rows_to(y: &Tensor, w: &Tensor, slots: Option<&[u32]>, tokens: &[u32], n: usize, out: DType) -> candle_core::Result<Tensor> {
+    let op = GpuCombineRows { tokens: tokens.to_vec(), slots: slots.map(<[u32]>::to_vec), n, out };
+    y.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
 
 /// (tok [V, d], pos [t, d]) → [b·t, d]: each id's row plus its position's.
