@@ -68,12 +68,8 @@ fn bad_traces_and_flags_are_named() {
 }
 
 #[test]
-fn replays_the_p3_spot_trace_when_present() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/traces/p3-trace.csv");
-    if !std::path::Path::new(path).exists() {
-        eprintln!("skipping: {path} is absent");
-        return;
-    }
+fn replays_the_p3_spot_trace() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/p3-trace.csv");
     let out = lazarus(&["sim", "--trace", path, "--window", "0:80m", "--max-nodes", "10", "--model", "gpt-l", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -130,6 +130,17 @@ __device__ void column_totals(const A* partial, Tout* out, u32 groups, u32 parts
     }
 }
 
+// A row's maximum m and Σ exp(x − m), by the whole block (every thread gets both).
+template <class T, class A>
+__device__ __forceinline__ void row_max_and_sum(const T* xr, u32 v, A* scratch, A& m, A& s) {
+    m = neg_inf<A>();
+    for (u32 c = threadIdx.x; c < v; c += blockDim.x) m = max_acc(m, (A)to_acc(xr[c]));
+    m = block_max(m, scratch);
+    s = 0;
+    for (u32 c = threadIdx.x; c < v; c += blockDim.x) s += exp_acc((A)to_acc(xr[c]) - m);
+    s = block_sum(s, scratch);
+}
+
 // Softmax over rows of v: one block per row; y in x's type, computed in the accumulator type.
 template <class T>
 __device__ void softmax_fwd(const T* x, T* y, u64 rows, u32 v) {
@@ -137,12 +148,8 @@ __device__ void softmax_fwd(const T* x, T* y, u64 rows, u32 v) {
     __shared__ A scratch[32];
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * v;
-        A m = neg_inf<A>();
-        for (u32 c = threadIdx.x; c < v; c += blockDim.x) m = max_acc(m, (A)to_acc(xr[c]));
-        m = block_max(m, scratch);
-        A s = 0;
-        for (u32 c = threadIdx.x; c < v; c += blockDim.x) s += exp_acc((A)to_acc(xr[c]) - m);
-        s = block_sum(s, scratch);
+        A m, s;
+        row_max_and_sum(xr, v, scratch, m, s);
         for (u32 c = threadIdx.x; c < v; c += blockDim.x) y[r * v + c] = from_acc<T>(exp_acc((A)to_acc(xr[c]) - m) / s);
     }
 }
@@ -171,12 +178,8 @@ __device__ void cross_entropy_fwd(const T* x, const u32* targets, typename AccOf
     __shared__ A scratch[32];
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * v;
-        A m = neg_inf<A>();
-        for (u32 c = threadIdx.x; c < v; c += blockDim.x) m = max_acc(m, (A)to_acc(xr[c]));
-        m = block_max(m, scratch);
-        A s = 0;
-        for (u32 c = threadIdx.x; c < v; c += blockDim.x) s += exp_acc((A)to_acc(xr[c]) - m);
-        s = block_sum(s, scratch);
+        A m, s;
+        row_max_and_sum(xr, v, scratch, m, s);
         if (threadIdx.x == 0) {
             const A lse = m + log_acc(s);
             lse_out[r] = lse;

@@ -8,12 +8,12 @@ use crate::error::{ModelError, Result};
 /// Whether this build can run on CUDA devices (the `cuda` cargo feature).
 pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 
-/// Parse `cpu`, `cuda` (= `cuda:0`) or `cuda:N` into a device, opening the GPU. Errors name the
-/// flag's value and say why: an unknown name, a build without CUDA, or no such GPU.
-pub fn parse(spec: &str) -> Result<Device> {
+/// Check a `--device` value without opening anything: `cpu` (None), or the GPU number of `cuda`
+/// (0) or `cuda:N` in a build with CUDA. Errors name the value and say why.
+pub fn check(spec: &str) -> Result<Option<usize>> {
     let bad = |reason: String| ModelError::config("device", spec, reason);
     let ordinal = match spec {
-        "cpu" => return Ok(Device::Cpu),
+        "cpu" => return Ok(None),
         "cuda" => 0,
         s => match s.strip_prefix("cuda:") {
             Some(n) => n.parse::<usize>().map_err(|_| bad("the GPU number after cuda: is not a number".into()))?,
@@ -23,6 +23,14 @@ pub fn parse(spec: &str) -> Result<Device> {
     if !CUDA_BUILT {
         return Err(bad("this build has no CUDA support (build with scripts/cargo-cuda build --release --features cuda)".into()));
     }
+    Ok(Some(ordinal))
+}
+
+/// Parse `cpu`, `cuda` (= `cuda:0`) or `cuda:N` into a device, opening the GPU. Errors name the
+/// flag's value and say why: an unknown name, a build without CUDA, or no such GPU.
+pub fn parse(spec: &str) -> Result<Device> {
+    let bad = |reason: String| ModelError::config("device", spec, reason);
+    let Some(ordinal) = check(spec)? else { return Ok(Device::Cpu) };
     let device = Device::new_cuda(ordinal).map_err(|e| bad(format!("cannot open GPU {ordinal}: {e}")))?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = &device {

@@ -134,6 +134,19 @@ struct Routing {
     slots: Vec<Vec<u32>>,
 }
 
+impl Routing {
+    /// Rows grouped by expert: (each expert's row count, every row's token, every row's slot),
+    /// the experts in order, each one's rows in token order.
+    fn grouped(&self) -> (Vec<usize>, Vec<u32>, Vec<u32>) {
+        (self.tokens.iter().map(Vec::len).collect(), self.tokens.concat(), self.slots.concat())
+    }
+
+    /// What the step reports of it.
+    fn into_stats(self) -> MoeStats {
+        MoeStats { load: self.load, dropped: self.dropped, choices: self.choices.into_iter().map(|c| c as u32).collect() }
+    }
+}
+
 impl MoeLayer {
     /// The routing of `n` tokens from their router probabilities (host copy, token-major), or
     /// from `forced` loads (trace-driven routing). The same on every device.
@@ -203,9 +216,7 @@ impl MoeLayer {
         let w = self.combine_weights(&probs, &r.choices, n)?;
         // Every expert in one node over the rows grouped by expert, then weighted and scattered
         // back onto the token rows.
-        let counts: Vec<usize> = r.tokens.iter().map(Vec::len).collect();
-        let all_tokens: Vec<u32> = r.tokens.concat();
-        let all_slots: Vec<u32> = r.slots.concat();
+        let (counts, all_tokens, all_slots) = r.grouped();
         let out = if all_tokens.is_empty() {
             h.zeros_like()?
         } else {
@@ -218,8 +229,7 @@ impl MoeLayer {
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
-        let choices = r.choices.into_iter().map(|c| c as u32).collect();
-        Ok((out, aux, MoeStats { load: r.load, dropped: r.dropped, choices }))
+        Ok((out, aux, r.into_stats()))
     }
 
     /// [`MoeLayer::forward`] with the GPU ops: h comes in the products' type (the norm wrote
@@ -241,9 +251,7 @@ impl MoeLayer {
         let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let r = self.route(&host, n, forced)?;
         let w = self.combine_weights(&probs, &r.choices, n)?;
-        let counts: Vec<usize> = r.tokens.iter().map(Vec::len).collect();
-        let all_tokens: Vec<u32> = r.tokens.concat();
-        let all_slots: Vec<u32> = r.slots.concat();
+        let (counts, all_tokens, all_slots) = r.grouped();
         let out = if all_tokens.is_empty() {
             Tensor::zeros((n, d), stream, h.device())?
         } else {
@@ -260,8 +268,7 @@ impl MoeLayer {
             crate::ops::cuda::combine_rows_to(&y, &w, Some(&all_slots), &all_tokens, n, stream)?
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
-        let choices = r.choices.into_iter().map(|c| c as u32).collect();
-        Ok((out, aux, MoeStats { load: r.load, dropped: r.dropped, choices }))
+        Ok((out, aux, r.into_stats()))
     }
 }
 

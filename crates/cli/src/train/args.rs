@@ -240,14 +240,9 @@ impl TrainArgs {
             );
         }
         if let Some(d) = self.device.as_deref() {
-            // The spelling is checked here; whether this build and machine have the GPU, when a
-            // worker opens it (its error names the device).
-            if !(d == "cpu" || d == "cuda" || d.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok())) {
-                bail!("invalid --device {d}: expected cpu, cuda or cuda:N");
-            }
-            if self.uses_workers() && d != "cpu" && !lazarus_model::device::CUDA_BUILT {
-                bail!("--device {d}: this build has no CUDA support (build with scripts/cargo-cuda build --release --features cuda)");
-            }
+            // The value and the build are checked here, before any worker starts; whether the
+            // machine has the GPU, when a process opens it (its error names the device).
+            lazarus_model::device::check(d)?;
         }
         if !self.uses_workers() {
             if let Some(f) = self.worker_flags().first() {

@@ -717,15 +717,11 @@ mod tests {
         [Policy::Lazarus, Policy::Ds, Policy::DsFt].iter().map(|&p| simulate(s, p).unwrap()).collect()
     }
 
+    /// The EC2 P3 spot trace the repository carries (traces/).
     fn p3() -> Option<Trace> {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/traces/p3-trace.csv");
-        match std::fs::read_to_string(path) {
-            Ok(text) => Some(Trace::parse_bamboo(&text, "p3-trace.csv").unwrap()),
-            Err(_) => {
-                eprintln!("skipping the P3 spot trace: {path} is absent");
-                None
-            }
-        }
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/p3-trace.csv");
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        Some(Trace::parse_bamboo(&text, "p3-trace.csv").unwrap())
     }
 
     #[test]
