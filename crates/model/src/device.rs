@@ -62,10 +62,12 @@ pub fn visible_gpus() -> std::result::Result<usize, String> {
     {
         use candle_core::cuda_backend::cudarc::driver::result;
         result::init().map_err(|e| format!("cannot start the CUDA driver: {e:?}"))?;
-        return result::device::get_count().map(|c| c.max(0) as usize).map_err(|e| format!("cannot count the GPUs: {e:?}"));
+        result::device::get_count().map(|c| c.max(0) as usize).map_err(|e| format!("cannot count the GPUs: {e:?}"))
     }
     #[cfg(not(feature = "cuda"))]
-    Ok(0)
+    {
+        Ok(0)
+    }
 }
 
 /// GPU memory of this process's tensors, from the device's memory pool (every tensor of candle's

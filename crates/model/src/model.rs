@@ -670,7 +670,9 @@ impl MoeModel {
 /// Whether a model on `device` runs its layers as Lazarus's GPU ops.
 fn gpu_kernels(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
-    return device.is_cuda() && crate::ops::cuda::enabled();
+    {
+        device.is_cuda() && crate::ops::cuda::enabled()
+    }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = device;

@@ -177,12 +177,14 @@ impl Drop for Scope {
 /// candle's and cuBLAS's calls): a step's count is the difference across it.
 pub fn launches() -> (u64, u64) {
     #[cfg(feature = "cuda")]
-    return (
-        candle_core::cuda_backend::launch_count(),
-        GEMMS.load(std::sync::atomic::Ordering::Relaxed) + candle_core::cuda_backend::gemm_count(),
-    );
+    {
+        let ours = GEMMS.load(std::sync::atomic::Ordering::Relaxed);
+        (candle_core::cuda_backend::launch_count(), ours + candle_core::cuda_backend::gemm_count())
+    }
     #[cfg(not(feature = "cuda"))]
-    (0, 0)
+    {
+        (0, 0)
+    }
 }
 
 /// Matrix products issued through Lazarus's own GPU ops (candle counts its own).

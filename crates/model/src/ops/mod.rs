@@ -74,7 +74,9 @@ pub(crate) fn cuda_linear(
     out: candle_core::DType,
 ) -> candle_core::Result<candle_core::Tensor> {
     #[cfg(feature = "cuda")]
-    return cuda::linear_to(x, w.as_tensor(), b.map(|b| b.as_tensor()), copy, out);
+    {
+        cuda::linear_to(x, w.as_tensor(), b.map(|b| b.as_tensor()), copy, out)
+    }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (x, w, b, copy, out);

@@ -107,10 +107,12 @@ fn kernels_against_composites(gpu: &Device) {
         (y, grads)
     };
     type Op = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
+    /// (what, input shapes, output shape, the op).
+    type Case = (&'static str, Vec<Vec<usize>>, Vec<usize>, Op);
     let (n, d, v) = (40, 64, 300);
     let targets: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 5) % v as u32).collect();
     let tokens: Vec<u32> = (0..2 * n as u32).map(|i| (i * 7 + 1) % n as u32).collect();
-    let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Op)> = vec![
+    let cases: Vec<Case> = vec![
         ("layer norm", vec![vec![n, d], vec![d], vec![d]], vec![n, d], Box::new(|x| super::layer_norm(&x[0], &x[1], &x[2], 1e-5))),
         ("softmax", vec![vec![n, v]], vec![n, v], Box::new(|x| super::softmax_last(&x[0]))),
         ("cross entropy", vec![vec![n, v]], vec![], Box::new(move |x| super::cross_entropy(&x[0], &targets))),
