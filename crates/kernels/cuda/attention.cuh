@@ -83,32 +83,63 @@ __device__ __forceinline__ void stage_rows(A* s, const T* base, u64 row_stride, 
     }
 }
 
+// One (sequence, head) of the packed projection [B·T, 3d] (Q, K, V side by side), as a block of
+// a grid of (row tiles, sequences × heads) sees it, and this thread's row of the block's tile: a
+// pair of lanes per row, `part` the half it holds.
+template <class T>
+struct Head {
+    int d, bh, b, h, row0, row, part;
+    u64 stride;
+    const T* q;
+    const T* k;
+    const T* v;
+    __device__ Head(const T* qkv, int t, int heads, int dh)
+        : d(heads * dh), bh(blockIdx.y), b(bh / heads), h(bh % heads), row0(blockIdx.x * ATTN_ROWS), row(row0 + threadIdx.x / 2),
+          part(threadIdx.x % 2), stride(3 * (u64)d), q(qkv + (u64)b * t * stride + (u64)h * dh), k(q + d), v(q + 2 * d) {}
+    // Where row r of this head starts in a [B·T, d] tensor (the output and its gradient).
+    __device__ u64 out_row(int t, int r, int dh) const { return ((u64)b * t + r) * d + (u64)h * dh; }
+    // Where row r of this head's Q starts in a packed [B·T, 3d] tensor (qkv and its gradient).
+    __device__ u64 packed_row(int t, int r, int dh) const { return ((u64)b * t + r) * stride + (u64)h * dh; }
+    // The last row of the tiles this block's rows look at: the diagonal, or the sequence's end.
+    __device__ int last(int t) const { return (row0 + ATTN_ROWS < t ? row0 + ATTN_ROWS : t) - 1; }
+};
+
+// This thread's half of a row into registers (zero past dh, or when `valid` is false).
+template <class T, class A, int HALF>
+__device__ __forceinline__ void load_half(A* dst, const T* row, int part, int dh, bool valid) {
+    for (int c = 0; c < HALF; ++c) {
+        const int col = part * HALF + c;
+        dst[c] = (valid && col < dh) ? (A)to_acc(row[col]) : (A)0;
+    }
+}
+
+// The same, times `scale`.
+template <class T, class A, int HALF>
+__device__ __forceinline__ void load_half(A* dst, const T* row, int part, int dh, bool valid, A scale) {
+    for (int c = 0; c < HALF; ++c) {
+        const int col = part * HALF + c;
+        dst[c] = (valid && col < dh) ? (A)to_acc(row[col]) * scale : (A)0;
+    }
+}
+
 template <class T, int HALF>
 __device__ void attn_fwd(const T* qkv, T* y, typename AccOf<T>::type* lse, int t, int heads, int dh, double scale_d) {
     typedef typename AccOf<T>::type A;
     const int BK = AttnTile<A>::ROWS;
     __shared__ __align__(16) A ks[BK * Stage<HALF>::ROW];
     __shared__ __align__(16) A vs[BK * Stage<HALF>::ROW];
-    const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
-    const u64 stride = 3 * (u64)d;
-    const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
-    const T* kb = qb + d;
-    const T* vb = qb + 2 * d;
-    const int q0 = blockIdx.x * ATTN_ROWS, i = q0 + threadIdx.x / 2, part = threadIdx.x % 2;
+    const Head<T> hd(qkv, t, heads, dh);
+    const int i = hd.row, part = hd.part;
     const bool valid = i < t;
-    const A scale = (A)scale_d;
     A q[HALF], o[HALF];
-    for (int c = 0; c < HALF; ++c) {
-        const int col = part * HALF + c;
-        q[c] = (valid && col < dh) ? (A)to_acc(qb[(u64)i * stride + col]) * scale : (A)0;
-        o[c] = 0;
-    }
+    load_half<T, A, HALF>(q, hd.q + (u64)i * hd.stride, part, dh, valid, (A)scale_d);
+    for (int c = 0; c < HALF; ++c) o[c] = 0;
     A m = neg_inf<A>(), l = 0;
-    const int last = (q0 + ATTN_ROWS < t ? q0 + ATTN_ROWS : t) - 1;
+    const int last = hd.last(t);
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        stage_rows<T, A, HALF>(ks, kb, stride, j0, BK, t, dh);
-        stage_rows<T, A, HALF>(vs, vb, stride, j0, BK, t, dh);
+        stage_rows<T, A, HALF>(ks, hd.k, hd.stride, j0, BK, t, dh);
+        stage_rows<T, A, HALF>(vs, hd.v, hd.stride, j0, BK, t, dh);
         __syncthreads();
         A s[BK];
         A mt = m;
@@ -136,9 +167,9 @@ __device__ void attn_fwd(const T* qkv, T* y, typename AccOf<T>::type* lse, int t
         const A inv = (A)1 / l;
         for (int c = 0; c < HALF; ++c) {
             const int col = part * HALF + c;
-            if (col < dh) y[((u64)b * t + i) * d + (u64)h * dh + col] = from_acc<T>(o[c] * inv);
+            if (col < dh) y[hd.out_row(t, i, dh) + col] = from_acc<T>(o[c] * inv);
         }
-        if (part == 0) lse[(u64)bh * t + i] = m + log_acc(l);
+        if (part == 0) lse[(u64)hd.bh * t + i] = m + log_acc(l);
     }
 }
 
@@ -166,28 +197,20 @@ __device__ void attn_bwd_dq(const T* qkv, const T* dy, const typename AccOf<T>::
     const int BK = AttnTile<A>::ROWS;
     __shared__ __align__(16) A ks[BK * Stage<HALF>::ROW];
     __shared__ __align__(16) A vs[BK * Stage<HALF>::ROW];
-    const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
-    const u64 stride = 3 * (u64)d;
-    const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
-    const T* kb = qb + d;
-    const T* vb = qb + 2 * d;
-    const int q0 = blockIdx.x * ATTN_ROWS, i = q0 + threadIdx.x / 2, part = threadIdx.x % 2;
+    const Head<T> hd(qkv, t, heads, dh);
+    const int i = hd.row, part = hd.part;
     const bool valid = i < t;
     const A scale = (A)scale_d;
     A q[HALF], go[HALF], dq[HALF];
-    for (int c = 0; c < HALF; ++c) {
-        const int col = part * HALF + c;
-        const bool in = valid && col < dh;
-        q[c] = in ? (A)to_acc(qb[(u64)i * stride + col]) * scale : (A)0;
-        go[c] = in ? (A)to_acc(dy[((u64)b * t + i) * d + (u64)h * dh + col]) : (A)0;
-        dq[c] = 0;
-    }
-    const A lse_i = valid ? lse[(u64)bh * t + i] : (A)0, d_i = valid ? dvec[(u64)bh * t + i] : (A)0;
-    const int last = (q0 + ATTN_ROWS < t ? q0 + ATTN_ROWS : t) - 1;
+    load_half<T, A, HALF>(q, hd.q + (u64)i * hd.stride, part, dh, valid, scale);
+    load_half<T, A, HALF>(go, dy + hd.out_row(t, i, dh), part, dh, valid);
+    for (int c = 0; c < HALF; ++c) dq[c] = 0;
+    const A lse_i = valid ? lse[(u64)hd.bh * t + i] : (A)0, d_i = valid ? dvec[(u64)hd.bh * t + i] : (A)0;
+    const int last = hd.last(t);
     for (int j0 = 0; j0 <= last; j0 += BK) {
         __syncthreads();
-        stage_rows<T, A, HALF>(ks, kb, stride, j0, BK, t, dh);
-        stage_rows<T, A, HALF>(vs, vb, stride, j0, BK, t, dh);
+        stage_rows<T, A, HALF>(ks, hd.k, hd.stride, j0, BK, t, dh);
+        stage_rows<T, A, HALF>(vs, hd.v, hd.stride, j0, BK, t, dh);
         __syncthreads();
 #pragma unroll
         for (int jj = 0; jj < BK; ++jj) {
@@ -205,7 +228,7 @@ __device__ void attn_bwd_dq(const T* qkv, const T* dy, const typename AccOf<T>::
     if (valid) {
         for (int c = 0; c < HALF; ++c) {
             const int col = part * HALF + c;
-            if (col < dh) dqkv[((u64)b * t + i) * stride + (u64)h * dh + col] = from_acc<T>(dq[c] * scale);
+            if (col < dh) dqkv[hd.packed_row(t, i, dh) + col] = from_acc<T>(dq[c] * scale);
         }
     }
 }
@@ -219,32 +242,26 @@ __device__ void attn_bwd_dkv(const T* qkv, const T* dy, const typename AccOf<T>:
     __shared__ __align__(16) A qs[BQ * Stage<HALF>::ROW];
     __shared__ __align__(16) A gs[BQ * Stage<HALF>::ROW];
     __shared__ A ls[BQ], ds_[BQ];
-    const int d = heads * dh, bh = blockIdx.y, b = bh / heads, h = bh % heads;
-    const u64 stride = 3 * (u64)d;
-    const T* qb = qkv + (u64)b * t * stride + (u64)h * dh;
-    const T* kb = qb + d;
-    const T* vb = qb + 2 * d;
-    const T* gb = dy + (u64)b * t * d + (u64)h * dh;
-    const int k0 = blockIdx.x * ATTN_ROWS, j = k0 + threadIdx.x / 2, part = threadIdx.x % 2;
+    const Head<T> hd(qkv, t, heads, dh);
+    const T* gb = dy + hd.out_row(t, 0, dh);
+    const int j = hd.row, part = hd.part;
     const bool valid = j < t;
     const A scale = (A)scale_d;
     A k[HALF], v[HALF], dk[HALF], dv[HALF];
+    load_half<T, A, HALF>(k, hd.k + (u64)j * hd.stride, part, dh, valid, scale);
+    load_half<T, A, HALF>(v, hd.v + (u64)j * hd.stride, part, dh, valid);
     for (int c = 0; c < HALF; ++c) {
-        const int col = part * HALF + c;
-        const bool in = valid && col < dh;
-        k[c] = in ? (A)to_acc(kb[(u64)j * stride + col]) * scale : (A)0;
-        v[c] = in ? (A)to_acc(vb[(u64)j * stride + col]) : (A)0;
         dk[c] = 0;
         dv[c] = 0;
     }
-    for (int i0 = k0; i0 < t; i0 += BQ) {
+    for (int i0 = hd.row0; i0 < t; i0 += BQ) {
         __syncthreads();
-        stage_rows<T, A, HALF>(qs, qb, stride, i0, BQ, t, dh);
-        stage_rows<T, A, HALF>(gs, gb, (u64)d, i0, BQ, t, dh);
+        stage_rows<T, A, HALF>(qs, hd.q, hd.stride, i0, BQ, t, dh);
+        stage_rows<T, A, HALF>(gs, gb, (u64)hd.d, i0, BQ, t, dh);
         for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
             const int i = i0 + r;
-            ls[r] = i < t ? lse[(u64)bh * t + i] : (A)0;
-            ds_[r] = i < t ? dvec[(u64)bh * t + i] : (A)0;
+            ls[r] = i < t ? lse[(u64)hd.bh * t + i] : (A)0;
+            ds_[r] = i < t ? dvec[(u64)hd.bh * t + i] : (A)0;
         }
         __syncthreads();
 #pragma unroll 4
@@ -265,9 +282,9 @@ __device__ void attn_bwd_dkv(const T* qkv, const T* dy, const typename AccOf<T>:
         for (int c = 0; c < HALF; ++c) {
             const int col = part * HALF + c;
             if (col < dh) {
-                const u64 at = ((u64)b * t + j) * stride + (u64)h * dh + col;
-                dqkv[at + d] = from_acc<T>(dk[c] * scale);
-                dqkv[at + 2 * d] = from_acc<T>(dv[c]);
+                const u64 at = hd.packed_row(t, j, dh) + col;
+                dqkv[at + hd.d] = from_acc<T>(dk[c] * scale);
+                dqkv[at + 2 * hd.d] = from_acc<T>(dv[c]);
             }
         }
     }
