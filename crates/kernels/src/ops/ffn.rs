@@ -37,6 +37,33 @@ pub struct GroupedFfnGrads<B> {
     pub db2: B,
 }
 
+/// The two products of a product layer's backward over n rows (n > 0): dW [din, dout] = xᵀ · dy
+/// (of `acc`) and dx [n, din] = dy · Wᵀ (of `dt`), with x [n, din], dy [n, dout], W [din, dout].
+///
+/// # Safety
+/// The addresses hold those matrices on `dev`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_grads<D: Device>(
+    dev: &D,
+    (dt, acc): (Dtype, Dtype),
+    (x, dy, w): (u64, u64, u64),
+    (dw, dx): (u64, u64),
+    n: usize,
+    din: usize,
+    dout: usize,
+) -> Result<(), D::Error> {
+    if din == 0 {
+        return Ok(()); // dW and dx are empty
+    }
+    let weight = Gemm { trans_a: true, lda: din, ..Gemm::plain(dt, acc, din, dout, n, x, dy, dw) };
+    let input = Gemm { trans_b: true, ldb: dout, ..Gemm::plain(dt, dt, n, din, dout, dy, w, dx) };
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        dev.gemm(&weight)?;
+        dev.gemm(&input)
+    }
+}
+
 /// Row offsets of the groups: counts' prefix sums, from 0.
 fn offsets(counts: &[usize]) -> Result<Vec<u32>, KernelError> {
     let mut off = Vec::with_capacity(counts.len() + 1);
@@ -149,14 +176,10 @@ pub fn grouped_ffn_bwd<D: Device>(
             continue;
         }
         let dw2e = dev.addr(&dw2) + (e * f * d) as u64 * ga;
-        // dW2 = actᵀ · dy.
-        let g = Gemm { trans_a: true, lda: f, ..Gemm::plain(dt, acc, f, d, n, aa + r0 * f as u64 * es, dy + r0 * d as u64 * es, dw2e) };
-        // SAFETY: rows of act [R, f] and dy [R, d]; dW2's block [f, d].
-        unsafe { dev.gemm(&g)? };
-        // d act = dy · W2ᵀ.
-        let g = Gemm { trans_b: true, ldb: d, ..Gemm::plain(dt, dt, n, f, d, dy + r0 * d as u64 * es, w.w2, dha + r0 * f as u64 * es) };
-        // SAFETY: rows of dy and dh; W2 is [f, d].
-        unsafe { dev.gemm(&g)? };
+        let rows_of = |base: u64, width: usize| base + r0 * width as u64 * es;
+        // dW2 = actᵀ · dy and d act = dy · W2ᵀ, on the expert's rows.
+        // SAFETY: rows of act [R, f], dy [R, d] and dh [R, f]; W2 [f, d]; dW2's block [f, d].
+        unsafe { product_grads(dev, (dt, acc), (rows_of(aa, f), rows_of(dy, d), w.w2), (dw2e, rows_of(dha, f)), n, f, d)? };
     }
     if rows > 0 {
         // SAFETY: pre and dh are [R, f].
@@ -177,14 +200,10 @@ pub fn grouped_ffn_bwd<D: Device>(
             continue;
         }
         let dw1e = dev.addr(&dw1) + (e * d * f) as u64 * ga;
-        // dW1 = xᵀ · dh.
-        let g = Gemm { trans_a: true, lda: d, ..Gemm::plain(dt, acc, d, f, n, x + r0 * d as u64 * es, dha + r0 * f as u64 * es, dw1e) };
-        // SAFETY: rows of x [R, d] and dh [R, f]; dW1's block [d, f].
-        unsafe { dev.gemm(&g)? };
-        // dx = dh · W1ᵀ.
-        let g = Gemm { trans_b: true, ldb: f, ..Gemm::plain(dt, dt, n, d, f, dha + r0 * f as u64 * es, w.w1, dxa + r0 * d as u64 * es) };
-        // SAFETY: rows of dh and dx; W1 is [d, f].
-        unsafe { dev.gemm(&g)? };
+        let rows_of = |base: u64, width: usize| base + r0 * width as u64 * es;
+        // dW1 = xᵀ · dh and dx = dh · W1ᵀ, on the expert's rows.
+        // SAFETY: rows of x [R, d], dh [R, f] and dx [R, d]; W1 [d, f]; dW1's block [d, f].
+        unsafe { product_grads(dev, (dt, acc), (rows_of(x, d), rows_of(dha, f), w.w1), (dw1e, rows_of(dxa, d)), n, d, f)? };
     }
     Ok(GroupedFfnGrads { dx, dw1, db1, dw2, db2 })
 }
@@ -256,16 +275,8 @@ pub fn linear_bwd<D: Device>(
         dy
     };
     if n > 0 {
-        // dW = xᵀ · dy.
-        let g = Gemm { trans_a: true, lda: din, ..Gemm::plain(x_dt, acc, din, dout, n, x, dyp, dev.addr(&dw)) };
-        // SAFETY: x [n, din], dy [n, dout], dW [din, dout].
-        unsafe { dev.gemm(&g)? };
-    }
-    if n > 0 && din > 0 {
-        // dx = dy · Wᵀ.
-        let g = Gemm { trans_b: true, ldb: dout, ..Gemm::plain(x_dt, x_dt, n, din, dout, dyp, w, dev.addr(&dx)) };
-        // SAFETY: dy [n, dout], W [din, dout], dx [n, din].
-        unsafe { dev.gemm(&g)? };
+        // SAFETY: x [n, din], dy [n, dout], W [din, dout], dW [din, dout], dx [n, din].
+        unsafe { product_grads(dev, (x_dt, acc), (x, dyp, w), (dev.addr(&dw), dev.addr(&dx)), n, din, dout)? };
     }
     let db = if with_bias {
         let db = alloc(dev, acc, dout)?;
