@@ -176,6 +176,16 @@ impl MoeLayer {
         Ok(Routing { choices, load, dropped, tokens, slots })
     }
 
+    /// From the router's logits [n, E]: its probabilities (in the logits' graph), the routing,
+    /// and each (token, choice)'s normalised weight [n·k].
+    fn route_logits(&self, logits: &Tensor, n: usize, forced: Option<&[f64]>) -> Result<(Tensor, Routing, Tensor)> {
+        let probs = softmax_last(logits)?;
+        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let r = self.route(&host, n, forced)?;
+        let w = self.combine_weights(&probs, &r.choices, n)?;
+        Ok((probs, r, w))
+    }
+
     /// The normalised router weight of each (token, choice) [n·k], in the router's graph.
     fn combine_weights(&self, probs: &Tensor, choices: &[usize], n: usize) -> Result<Tensor> {
         let k = self.top_k;
@@ -210,10 +220,7 @@ impl MoeLayer {
         let (n, _d) = h.dims2()?;
         // The router's product in `compute`, its softmax in h's dtype (the residual stream's).
         let logits = h.to_dtype(compute)?.matmul(&self.gate.as_tensor().to_dtype(compute)?)?.to_dtype(h.dtype())?;
-        let probs = softmax_last(&logits)?;
-        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        let r = self.route(&host, n, forced)?;
-        let w = self.combine_weights(&probs, &r.choices, n)?;
+        let (probs, r, w) = self.route_logits(&logits, n, forced)?;
         // Every expert in one node over the rows grouped by expert, then weighted and scattered
         // back onto the token rows.
         let (counts, all_tokens, all_slots) = r.grouped();
@@ -247,10 +254,7 @@ impl MoeLayer {
         let (n, d) = h.dims2()?;
         let stream = model.dtype;
         let logits = crate::ops::cuda_linear(h, &self.gate, None, model.copy_of(&self.gate), stream)?;
-        let probs = softmax_last(&logits)?;
-        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        let r = self.route(&host, n, forced)?;
-        let w = self.combine_weights(&probs, &r.choices, n)?;
+        let (probs, r, w) = self.route_logits(&logits, n, forced)?;
         let (counts, all_tokens, all_slots) = r.grouped();
         let out = if all_tokens.is_empty() {
             Tensor::zeros((n, d), stream, h.device())?

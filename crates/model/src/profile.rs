@@ -145,9 +145,9 @@ pub fn phase(name: &'static str) -> Scope {
     open(Some(name), WHOLE_PHASE)
 }
 
-/// One fused kernel's pass (`"attention.fwd"`), counted under the phase that runs it. Kernels run
-/// by the pool's threads (an expert's FFN inside the grouped node) are not counted: the profile is
-/// the calling thread's.
+/// One fused kernel's or GPU op's pass (`"attention.fwd"`), counted under the phase that runs it
+/// (on a GPU between CUDA events too, once `enable_gpu` is on). Kernels run by the pool's threads
+/// (an expert's FFN inside the grouped node) are not counted: the profile is the calling thread's.
 pub fn kernel(name: &'static str) -> Scope {
     open(None, name)
 }
@@ -191,10 +191,6 @@ pub fn launches() -> (u64, u64) {
 #[cfg(feature = "cuda")]
 static GEMMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Count a kernel launch of Lazarus's own (candle's launcher counts it: nothing to add).
-#[cfg(feature = "cuda")]
-pub(crate) fn count_launch() {}
-
 /// Count a matrix product issued by Lazarus's GPU ops.
 #[cfg(feature = "cuda")]
 pub(crate) fn count_gemm() {
@@ -207,18 +203,6 @@ pub(crate) fn count_gemm() {
 pub fn enable_gpu(stream: Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>) {
     gpu::STREAM.with(|s| *s.borrow_mut() = stream);
     gpu::PENDING.with(|p| p.borrow_mut().clear());
-}
-
-/// One GPU op's pass (`"layer-norm.fwd"`) on the device `dev`, counted under its phase.
-#[cfg(feature = "cuda")]
-pub(crate) fn gpu_kernel(name: &'static str, _dev: &candle_core::cuda_backend::CudaDevice) -> Scope {
-    open(None, name)
-}
-
-/// As [`gpu_kernel`], for an op whose input is `t`.
-#[cfg(feature = "cuda")]
-pub(crate) fn gpu_kernel_of(name: &'static str, _t: &candle_core::Tensor) -> Scope {
-    open(None, name)
 }
 
 /// CUDA events of the profiled scopes: recorded on the profiled stream, resolved when a phase

@@ -7,7 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use lazarus_kernels::ops;
 
-use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
+use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
 
 struct GpuAttention {
     heads: usize,
@@ -21,11 +21,11 @@ impl CustomOp1 for GpuAttention {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{}: a GPU op given CPU tensors", self.name())
+        not_on_cpu(self.name())
     }
 
     fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("causal-attention.fwd", qkv.device());
+        let _p = crate::profile::kernel("causal-attention.fwd");
         let gpu = Gpu::of_storage(qkv);
         let (b, t, d3) = l.shape().dims3()?;
         let d = d3 / 3;
@@ -37,7 +37,7 @@ impl CustomOp1 for GpuAttention {
     }
 
     fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::gpu_kernel_of("causal-attention.bwd", qkv);
+        let _p = crate::profile::kernel("causal-attention.bwd");
         let gpu = Gpu::of(qkv)?;
         let (b, t, d3) = qkv.dims3()?;
         let d = d3 / 3;

@@ -12,12 +12,8 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DTyp
 use lazarus_kernels::ops::{self, ExpertAddrs, GroupedFfnSaved};
 use lazarus_kernels::Device as _;
 
-use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
+use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
 use crate::ops::WeightGradSink;
-
-fn not_on_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    candle_core::bail!("{name}: a GPU op given CPU tensors")
-}
 
 /// GELU, elementwise.
 struct GpuGelu;
@@ -83,7 +79,7 @@ impl GpuLinear {
         wl: &Layout,
         b: Option<(&CudaStorage, &Layout)>,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("linear.fwd", x.device());
+        let _p = crate::profile::kernel("linear.fwd");
         let gpu = Gpu::of_storage(x);
         let (din, dout) = wl.shape().dims2()?;
         let dims = xl.shape().dims();
@@ -113,7 +109,7 @@ impl GpuLinear {
 
     /// (dx, dW, db) from the output's gradient.
     fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor, with_bias: bool) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
-        let _p = crate::profile::gpu_kernel_of("linear.bwd", x);
+        let _p = crate::profile::kernel("linear.bwd");
         let gpu = Gpu::of(x)?;
         let (din, dout) = w.dims2()?;
         let n = x.elem_count() / din.max(1);
@@ -249,7 +245,7 @@ impl CustomOp1 for GpuGroupedFfn {
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("grouped-expert-ffn.fwd", x.device());
+        let _p = crate::profile::kernel("grouped-expert-ffn.fwd");
         let gpu = Gpu::of_storage(x);
         let (rows, d) = l.shape().dims2()?;
         if self.counts.iter().sum::<usize>() != rows {
@@ -264,7 +260,7 @@ impl CustomOp1 for GpuGroupedFfn {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::gpu_kernel_of("grouped-expert-ffn.bwd", x);
+        let _p = crate::profile::kernel("grouped-expert-ffn.bwd");
         let gpu = Gpu::of(x)?;
         let (_, d) = x.dims2()?;
         let f = self.f();

@@ -57,6 +57,11 @@ pub fn takes(t: &Tensor) -> bool {
     t.device().is_cuda() && enabled() && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16)
 }
 
+/// The CPU forward of a GPU op: an error (the public functions route CPU tensors elsewhere).
+pub(crate) fn not_on_cpu(name: &str) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+    candle_core::bail!("{name}: a GPU op given CPU tensors")
+}
+
 /// The kernels' type of a candle dtype.
 pub(crate) fn dtype_of(d: DType) -> candle_core::Result<Dtype> {
     match d {
@@ -125,6 +130,27 @@ impl Gpu {
         Ok(Tensor::from_storage(Storage::Cuda(storage), shape, candle_core::op::BackpropOp::none(), false))
     }
 
+    /// `n` elements of `elem` (one at least: a zero-sized allocation has no address to pass),
+    /// zeroed or not.
+    fn buffer(&self, elem: Elem, n: usize, zeroed: bool) -> Result<CudaBuf, GpuError> {
+        use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+        fn slice<T: DeviceRepr + ValidAsZeroBits>(dev: &CudaDevice, n: usize, zeroed: bool) -> candle_core::Result<CudaSlice<T>> {
+            match zeroed {
+                true => dev.alloc_zeros::<T>(n),
+                // SAFETY: every op writes its buffers before it reads them (lazarus_kernels::Device).
+                false => unsafe { dev.alloc::<T>(n) },
+            }
+        }
+        let (d, n) = (&self.dev, n.max(1));
+        Ok(match elem {
+            Elem::Float(Dtype::F32) => CudaBuf::F32(slice(d, n, zeroed)?),
+            Elem::Float(Dtype::F64) => CudaBuf::F64(slice(d, n, zeroed)?),
+            Elem::Float(Dtype::Bf16) => CudaBuf::Bf16(slice(d, n, zeroed)?),
+            Elem::U32 => CudaBuf::U32(slice(d, n, zeroed)?),
+            Elem::U64 => CudaBuf::U64(slice(d, n, zeroed)?),
+        })
+    }
+
     /// A float buffer as candle's storage.
     pub fn storage(&self, buf: CudaBuf) -> candle_core::Result<CudaStorage> {
         let d = self.dev.clone();
@@ -165,29 +191,11 @@ impl Device for Gpu {
     type Error = GpuError;
 
     fn alloc(&self, elem: Elem, n: usize) -> Result<CudaBuf, GpuError> {
-        // One element at least: a zero-sized allocation has no address to pass.
-        let n = n.max(1);
-        // SAFETY: every op writes its buffers before it reads them (lazarus_kernels::Device).
-        unsafe {
-            Ok(match elem {
-                Elem::Float(Dtype::F32) => CudaBuf::F32(self.dev.alloc::<f32>(n)?),
-                Elem::Float(Dtype::F64) => CudaBuf::F64(self.dev.alloc::<f64>(n)?),
-                Elem::Float(Dtype::Bf16) => CudaBuf::Bf16(self.dev.alloc::<half::bf16>(n)?),
-                Elem::U32 => CudaBuf::U32(self.dev.alloc::<u32>(n)?),
-                Elem::U64 => CudaBuf::U64(self.dev.alloc::<u64>(n)?),
-            })
-        }
+        self.buffer(elem, n, false)
     }
 
     fn zeros(&self, elem: Elem, n: usize) -> Result<CudaBuf, GpuError> {
-        let n = n.max(1);
-        Ok(match elem {
-            Elem::Float(Dtype::F32) => CudaBuf::F32(self.dev.alloc_zeros::<f32>(n)?),
-            Elem::Float(Dtype::F64) => CudaBuf::F64(self.dev.alloc_zeros::<f64>(n)?),
-            Elem::Float(Dtype::Bf16) => CudaBuf::Bf16(self.dev.alloc_zeros::<half::bf16>(n)?),
-            Elem::U32 => CudaBuf::U32(self.dev.alloc_zeros::<u32>(n)?),
-            Elem::U64 => CudaBuf::U64(self.dev.alloc_zeros::<u64>(n)?),
-        })
+        self.buffer(elem, n, true)
     }
 
     fn upload_u32(&self, v: &[u32]) -> Result<CudaBuf, GpuError> {
@@ -210,7 +218,6 @@ impl Device for Gpu {
     }
 
     unsafe fn launch(&self, l: &Launch) -> Result<(), GpuError> {
-        crate::profile::count_launch();
         let func = self.dev.get_or_load_custom_func(&l.kernel, MODULE, PTX)?;
         let mut b = func.builder();
         for a in &l.args {

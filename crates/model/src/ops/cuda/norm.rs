@@ -6,11 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops::{self, CrossEntropySaved, LayerNormSaved};
 
-use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
-
-fn not_on_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    candle_core::bail!("{name}: a GPU op given CPU tensors")
-}
+use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
 
 /// LayerNorm whose output may be narrower than its input (f32 in, bf16 out for a bf16 product).
 struct GpuLayerNorm {
@@ -45,7 +41,7 @@ impl CustomOp3 for GpuLayerNorm {
         b: &CudaStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("layer-norm.fwd", x.device());
+        let _p = crate::profile::kernel("layer-norm.fwd");
         let gpu = Gpu::of_storage(x);
         let d = xl.shape().dims().last().copied().unwrap_or(1);
         let rows = xl.shape().elem_count() / d.max(1);
@@ -66,7 +62,7 @@ impl CustomOp3 for GpuLayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::gpu_kernel_of("layer-norm.bwd", x);
+        let _p = crate::profile::kernel("layer-norm.bwd");
         let gpu = Gpu::of(x)?;
         let d = x.dims().last().copied().unwrap_or(1);
         let rows = x.elem_count() / d.max(1);
@@ -101,7 +97,7 @@ impl CustomOp1 for GpuSoftmax {
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("softmax.fwd", x.device());
+        let _p = crate::profile::kernel("softmax.fwd");
         let gpu = Gpu::of_storage(x);
         let v = xl.shape().dims().last().copied().unwrap_or(1);
         let rows = xl.shape().elem_count() / v.max(1);
@@ -110,7 +106,7 @@ impl CustomOp1 for GpuSoftmax {
     }
 
     fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::gpu_kernel_of("softmax.bwd", res);
+        let _p = crate::profile::kernel("softmax.bwd");
         let gpu = Gpu::of(res)?;
         let v = res.dims().last().copied().unwrap_or(1);
         let rows = res.elem_count() / v.max(1);
@@ -141,7 +137,7 @@ impl CustomOp1 for GpuCrossEntropy {
     }
 
     fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("cross-entropy.fwd", x.device());
+        let _p = crate::profile::kernel("cross-entropy.fwd");
         let gpu = Gpu::of_storage(x);
         let (n, v) = xl.shape().dims2()?;
         if n != self.targets.len() {
@@ -155,7 +151,7 @@ impl CustomOp1 for GpuCrossEntropy {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::gpu_kernel_of("cross-entropy.bwd", x);
+        let _p = crate::profile::kernel("cross-entropy.bwd");
         let gpu = Gpu::of(x)?;
         let (n, v) = x.dims2()?;
         let (x, g) = (x.contiguous()?, grad.to_dtype(x.dtype())?.contiguous()?);

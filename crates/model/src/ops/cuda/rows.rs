@@ -5,11 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops;
 
-use super::{addr, dtype_of, storage_addr, Gpu};
-
-fn not_on_cpu(name: &str) -> candle_core::Result<(CpuStorage, Shape)> {
-    candle_core::bail!("{name}: a GPU op given CPU tensors")
-}
+use super::{addr, dtype_of, not_on_cpu, storage_addr, Gpu};
 
 /// src [n, d] → [R, d], row r = src[tokens[r]].
 struct GpuGatherRows {
@@ -26,7 +22,7 @@ impl CustomOp1 for GpuGatherRows {
     }
 
     fn cuda_fwd(&self, src: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("gather-rows.fwd", src.device());
+        let _p = crate::profile::kernel("gather-rows.fwd");
         let gpu = Gpu::of_storage(src);
         let (n, d) = l.shape().dims2()?;
         let out = ops::gather_rows_fwd(&gpu, dtype_of(src.dtype())?, storage_addr(src, l)?, &self.tokens, n, d)?;
@@ -34,7 +30,7 @@ impl CustomOp1 for GpuGatherRows {
     }
 
     fn bwd(&self, src: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::gpu_kernel_of("gather-rows.bwd", src);
+        let _p = crate::profile::kernel("gather-rows.bwd");
         let gpu = Gpu::of(src)?;
         let (n, d) = src.dims2()?;
         let g = grad.contiguous()?;
@@ -73,7 +69,7 @@ impl CustomOp2 for GpuCombineRows {
     }
 
     fn cuda_fwd(&self, y: &CudaStorage, yl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("combine-rows.fwd", y.device());
+        let _p = crate::profile::kernel("combine-rows.fwd");
         let gpu = Gpu::of_storage(y);
         let (r, d) = yl.shape().dims2()?;
         if r != self.tokens.len() || (self.slots.is_none() && wl.shape().elem_count() != r) {
@@ -89,7 +85,7 @@ impl CustomOp2 for GpuCombineRows {
     }
 
     fn bwd(&self, y: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::gpu_kernel_of("combine-rows.bwd", y);
+        let _p = crate::profile::kernel("combine-rows.bwd");
         let gpu = Gpu::of(y)?;
         let (r, d) = y.dims2()?;
         let (y, w, g) = (y.contiguous()?, w.contiguous()?, grad.contiguous()?);
@@ -124,7 +120,7 @@ impl CustomOp2 for GpuEmbed {
     }
 
     fn cuda_fwd(&self, tok: &CudaStorage, tl: &Layout, pos: &CudaStorage, pl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::gpu_kernel("embedding.fwd", tok.device());
+        let _p = crate::profile::kernel("embedding.fwd");
         let gpu = Gpu::of_storage(tok);
         let (vocab, d) = tl.shape().dims2()?;
         if pl.shape().dims2()? != (self.t, d) {
@@ -136,7 +132,7 @@ impl CustomOp2 for GpuEmbed {
     }
 
     fn bwd(&self, tok: &Tensor, _pos: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::gpu_kernel_of("embedding.bwd", tok);
+        let _p = crate::profile::kernel("embedding.bwd");
         let gpu = Gpu::of(tok)?;
         let (vocab, d) = tok.dims2()?;
         let g = grad.contiguous()?;
