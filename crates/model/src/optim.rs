@@ -36,9 +36,6 @@ pub struct TensorState {
     pub step: u64,
 }
 
-/// A tensor's (m, v, step), shared with the optimizer ([`AdamW::shared_moments`]).
-pub type SharedMoments = (Arc<Vec<f32>>, Arc<Vec<f32>>, u64);
-
 /// A tensor's moments for a reader ([`AdamW::moments_anywhere`]).
 #[derive(Debug, Clone)]
 pub enum MomentsRef {
@@ -67,7 +64,7 @@ impl MomentsRef {
 
 /// Moments kept on the host in f32, updated in one fused pass per tensor (candle's elementwise
 /// ops would allocate a dozen full-size temporaries per tensor per step). Shared, so that a
-/// snapshot's copy can read them on another thread ([`AdamW::shared_moments`]); an update while
+/// snapshot's copy can read them on another thread ([`AdamW::moments_anywhere`]); an update while
 /// such a reader still holds them writes a fresh copy instead (copy on write); the snapshot
 /// tier lets its copies finish first, so in a run that all but never happens.
 #[derive(Debug, Clone)]
@@ -121,10 +118,8 @@ impl AdamW {
 
     /// The state of the tensor at `index`, as tensors.
     pub fn state(&self, index: usize) -> Result<TensorState> {
+        self.held(index)?;
         let s = &self.state[index];
-        if !self.resident(index) {
-            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
-        }
         if let Some((m, v)) = &s.device {
             return Ok(TensorState { m: m.clone(), v: v.clone(), step: s.step });
         }
@@ -144,21 +139,11 @@ impl AdamW {
         Ok((&s.m, &s.v, s.step))
     }
 
-    /// [`AdamW::moments`] as shared handles, for a reader on another thread: what a snapshot's
-    /// copy, done off the training thread, reads.
-    pub fn shared_moments(&self, index: usize) -> Result<SharedMoments> {
-        self.host_resident(index)?;
-        let s = &self.state[index];
-        Ok((s.m.clone(), s.v.clone(), s.step))
-    }
-
     /// The moments of the tensor at `index` wherever they live, for a reader on another thread
     /// (a snapshot's or a move's copy): shared host vectors, or the device tensors (read with
     /// one copy each; the next update waits for the reader, as for host moments).
     pub fn moments_anywhere(&self, index: usize) -> Result<(MomentsRef, u64)> {
-        if !self.resident(index) {
-            return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
-        }
+        self.held(index)?;
         let s = &self.state[index];
         Ok(match &s.device {
             Some((m, v)) => (MomentsRef::Device(m.clone(), v.clone()), s.step),
@@ -186,11 +171,17 @@ impl AdamW {
         s.device.is_some() || s.m.len() == s.shape.elem_count()
     }
 
-    /// Ok when the tensor's moments are in host memory, borrowable: not released, not on a GPU.
-    fn host_resident(&self, index: usize) -> Result<()> {
+    /// Ok when the tensor's moments are held here (not released), wherever they live.
+    fn held(&self, index: usize) -> Result<()> {
         if !self.resident(index) {
             return Err(ModelError::config("optimizer state", index, "was released (the expert is not held here)"));
         }
+        Ok(())
+    }
+
+    /// Ok when the tensor's moments are in host memory, borrowable: not released, not on a GPU.
+    fn host_resident(&self, index: usize) -> Result<()> {
+        self.held(index)?;
         if self.state[index].device.is_some() {
             return Err(ModelError::config("optimizer state", index, "lives on a GPU: read it with state()"));
         }
@@ -533,7 +524,10 @@ mod tests {
             let mut opt = AdamW::new(AdamWConfig::default(), &store).unwrap();
             let g = vec![0.1f32, -0.2, 0.3, 0.4];
             opt.step_host(&store, &[Some(g.clone())], 1e-2, 1.0).unwrap();
-            let held = hold.then(|| opt.shared_moments(0).unwrap());
+            let held = hold.then(|| match opt.moments_anywhere(0).unwrap() {
+                (MomentsRef::Host(m, v), step) => (m, v, step),
+                (MomentsRef::Device(..), _) => panic!("a CPU parameter's moments are on the host"),
+            });
             let before = held.as_ref().map(|(m, v, step)| (m.to_vec(), v.to_vec(), *step));
             opt.step_host(&store, &[Some(g)], 1e-2, 1.0).unwrap();
             if let (Some((m, v, step)), Some(before)) = (&held, &before) {
