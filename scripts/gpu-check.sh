@@ -4,7 +4,8 @@
 # (kernels against the CPU and against candle's composites, the model's gradients, training and
 # checkpoints, GPU workers with real processes and signals), then the benchmarks side by side with
 # PyTorch eager at the default and the 555 M-parameter shape in f32 and bf16 (with where a step's
-# time goes), the composite ops as the "before", workers sharing the GPU, and recovery.
+# time goes), each switch against its "before" (GemmEx for every product, the memory pool trimmed),
+# workers sharing the GPU at both shapes, and recovery.
 #
 #   scripts/gpu-prepare.sh                 # here: builds .gpu/ (no GPU needed)
 #   scripts/gpu-check.sh .gpu OUT [BUDGET] # there: OUT gets the logs; BUDGET seconds (default 380)
@@ -67,7 +68,7 @@ if t:
     line += f"  | PyTorch {t['tokens_per_s']:.0f} tok/s  ratio {r['ratio_vs_pytorch']:.2f}"
 print(line)
 for p in l.get("profile", []):
-    if p["scope"] in ("(step)", "(phase)") or p["gpu_s"] > 0.02 * l["step_s"]:
+    if p["scope"] in ("(step)", "(phase)") or max(p["gpu_s"], p["wall_s"]) > 0.02 * l["step_s"]:
         print(f"    {p['phase']:<10} {p['scope']:<32} gpu {p['gpu_s']*1e3:8.2f} ms  wall {p['wall_s']*1e3:8.2f} ms  calls {p['calls_per_step']:.0f}")
 PY
 }
@@ -76,11 +77,17 @@ bench large-f32 120 "" $large --iters 5 --profile
 bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile
 bench default-f32 60 "" --profile
 bench default-bf16 60 "" --dtype bf16 --profile
-run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision
+run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt
 run_tests training 60 model-training --test-threads 1 gpu
 run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
 run_tests cli-workers 150 cli-gpu-workers --test-threads 1
-bench large-f32-composite 90 "LAZARUS_GPU_KERNELS=composite" $large --iters 3 --no-torch --profile
+# What each switch buys, at the shapes where it matters: cuBLAS choosing a kernel for every
+# expert's product (GemmEx) against cuBLASLt's algorithm per shape class, and the memory pool
+# handing freed memory back at every synchronisation against keeping it.
+bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
+bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile
+bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile
+bench large-f32-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --no-torch --profile
 
 # --- workers sharing the GPU: tokens/s from their step logs ------------------------------------
 workers() { # tag, seconds, workers, steps, args...
@@ -102,6 +109,7 @@ PY
 }
 workers default-w2 60 2 40
 workers default-w4 60 4 40
+workers large-w2 120 2 10 $large
 
 # --- recovery on GPU workers ---------------------------------------------------------------------
 if [ "$(left)" -gt 60 ]; then

@@ -106,16 +106,30 @@ __device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64
 // Sums of squares of f32 tensors in f64, in two launches and a fixed order (the same bits on every
 // run, unlike atomics). Each block of a tensor's pass sums its contiguous part (part elements)
 // into parts[first + blockIdx.x]; then one block per tensor adds its parts in order.
-__device__ void sum_squares_parts(const float* x, u64 n, u64 part, double* parts, u32 first) {
+// Σ x² over each part (`part` elements) of every f32 tensor of a list, in f64: part p of the
+// list (starts[t] ≤ p < starts[t+1]: tensor t, its (p - starts[t])-th part) into parts[p]. One
+// launch for every tensor of a model; blocks stride over the parts.
+__device__ void sum_squares_parts(const u64* addrs, const u64* lens, const u32* starts, u32 tensors, u64 part, double* parts) {
     __shared__ double scratch[32];
-    const u64 lo = (u64)blockIdx.x * part, hi = lo + part < n ? lo + part : n;
-    double acc = 0.0;
-    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const double xi = (double)x[i];
-        acc += xi * xi;
+    const u32 total = starts[tensors];
+    for (u32 p = blockIdx.x; p < total; p += gridDim.x) {
+        // The tensor of part p: the last t with starts[t] ≤ p (an empty tensor has one part).
+        u32 lo_t = 0, hi_t = tensors - 1;
+        while (lo_t < hi_t) {
+            const u32 mid = (lo_t + hi_t + 1) / 2;
+            if (starts[mid] <= p) lo_t = mid; else hi_t = mid - 1;
+        }
+        const float* x = (const float*)addrs[lo_t];
+        const u64 n = lens[lo_t], lo = (u64)(p - starts[lo_t]) * part, hi = lo + part < n ? lo + part : n;
+        double acc = 0.0;
+        for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const double xi = (double)x[i];
+            acc += xi * xi;
+        }
+        acc = block_sum(acc, scratch);
+        if (threadIdx.x == 0) parts[p] = acc;
+        __syncthreads();  // scratch is reused by the next part
     }
-    acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) parts[first + blockIdx.x] = acc;
 }
 
 // out[t] = Σ_{p = starts[t]}^{starts[t+1]-1} parts[p], one block per tensor t.
@@ -168,8 +182,9 @@ extern "C" __global__ void lazarus_adamw_f32(float* p, const float* g, float* m,
 }
 EMU_REGISTER(lazarus_adamw_f32)
 
-extern "C" __global__ void lazarus_sum_squares_parts_f32(const float* x, u64 n, u64 part, double* parts, u32 first) {
-    sum_squares_parts(x, n, part, parts, first);
+extern "C" __global__ void lazarus_sum_squares_parts_f32(const u64* addrs, const u64* lens, const u32* starts, u32 tensors, u64 part,
+                                                          double* parts) {
+    sum_squares_parts(addrs, lens, starts, tensors, part, parts);
 }
 EMU_REGISTER(lazarus_sum_squares_parts_f32)
 

@@ -125,14 +125,15 @@ pub fn squares_parts(n: usize) -> usize {
     n.div_ceil(SQUARES_PART).max(1)
 }
 
-/// Σ x² over each [`SQUARES_PART`] of the f32 tensor x (n elements), in f64, into
-/// parts[first..first + squares_parts(n)].
-pub fn sum_squares_parts(x: u64, n: usize, parts: u64, first: u32) -> Launch {
+/// Σ x² over each [`SQUARES_PART`] of every f32 tensor of a list, in f64, in one launch: the
+/// tensors' addresses and lengths (`tensors` u64 each on the device), `starts` (tensors + 1 u32:
+/// the first part of each, then the total, `total`), into parts[0..total].
+pub fn sum_squares_parts(addrs: u64, lens: u64, starts: u64, tensors: usize, total: usize, parts: u64) -> Launch {
     launch(
         "lazarus_sum_squares_parts_f32".into(),
-        [squares_parts(n) as u32, 1, 1],
+        [total.clamp(1, 1 << 16) as u32, 1, 1],
         [THREADS, 1, 1],
-        vec![Arg::Ptr(x), Arg::U64(n as u64), Arg::U64(SQUARES_PART as u64), Arg::Ptr(parts), Arg::U32(first)],
+        vec![Arg::Ptr(addrs), Arg::Ptr(lens), Arg::Ptr(starts), Arg::U32(tensors as u32), Arg::U64(SQUARES_PART as u64), Arg::Ptr(parts)],
     )
 }
 

@@ -38,8 +38,42 @@ pub fn parse(spec: &str) -> Result<Device> {
         // cudarc's per-buffer events (two event records around every kernel) guard nothing; they
         // cost about as much as a small kernel's launch.
         unsafe { d.disable_event_tracking() };
+        keep_pool(d).map_err(|e| bad(format!("cannot set GPU {ordinal}'s memory pool to keep what it holds: {e}")))?;
     }
     Ok(device)
+}
+
+/// What the device's memory pool does with memory freed by tensors, from `LAZARUS_GPU_POOL`:
+/// `keep` (the default) holds it for the next allocation; `trim` is the driver's default, which
+/// hands it back to the driver at every synchronisation.
+///
+/// Why keep: a training step synchronises several times (the routing counts of every MoE layer,
+/// the loss, the gradient norm), and with the driver's default each of those unmaps every freed
+/// buffer, so the next step's allocations map the same memory again — host time on every
+/// allocation of every step. PyTorch's caching allocator never gives memory back either. The
+/// cost: the process holds its high-water mark (`GpuMemory::reserved`) until it exits.
+#[cfg(feature = "cuda")]
+fn keep_pool(d: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let keep = match std::env::var("LAZARUS_GPU_POOL").as_deref() {
+        Ok("trim") => return Ok(()),
+        Ok("keep") | Err(_) => u64::MAX,
+        Ok(other) => return Err(format!("LAZARUS_GPU_POOL={other}: expected keep or trim")),
+    };
+    let ctx = d.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let mut threshold = keep;
+    // Safety: the device's default pool (the one cudarc's stream-ordered allocations use); the
+    // release threshold is a 64-bit byte count.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| format!("{e:?}"))?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .map_err(|e| format!("{e:?}"))
+    }
 }
 
 /// The device of a worker from the job's `--device`: `cpu`; `cuda:N` exactly; `cuda` the

@@ -305,6 +305,41 @@ fn sums_of_squares_in_parts_are_the_host_sums() {
     }
 }
 
+/// The parts' kernel with fewer blocks than parts (a model of over 2³² elements): each block
+/// strides over the parts, every part written once.
+#[test]
+fn sums_of_squares_parts_stride_when_the_grid_is_smaller() {
+    let sizes = [lazarus_kernels::SQUARES_PART * 2 + 3, 7, lazarus_kernels::SQUARES_PART];
+    let data: Vec<HostBuffer> =
+        sizes.iter().enumerate().map(|(i, &n)| HostBuffer::from_f64(Dtype::F32, &testing::data(n, 60 + i as u64))).collect();
+    let counts: Vec<usize> = sizes.iter().map(|&n| lazarus_kernels::squares_parts(n)).collect();
+    let mut starts = vec![0u32];
+    for c in &counts {
+        starts.push(starts.last().unwrap() + *c as u32);
+    }
+    let total = *starts.last().unwrap() as usize;
+    let e = ORDERS[0];
+    let addrs = e.upload_u64(&data.iter().map(|b| b.addr()).collect::<Vec<_>>()).unwrap();
+    let lens = e.upload_u64(&sizes.iter().map(|&n| n as u64).collect::<Vec<_>>()).unwrap();
+    let st = e.upload_u32(&starts).unwrap();
+    let parts = HostBuffer::from_f64(Dtype::F64, &vec![f64::NAN; total]);
+    let mut l = lazarus_kernels::sum_squares_parts(addrs.addr(), lens.addr(), st.addr(), sizes.len(), total, parts.addr());
+    l.grid = [2, 1, 1];
+    // SAFETY: the tensors, their lengths and starts as the kernel reads them; parts has total slots.
+    unsafe { e.launch(&l).unwrap() };
+    let got = parts.to_f64(Dtype::F64);
+    let mut p = 0;
+    for (b, &n) in data.iter().zip(&sizes) {
+        let x = b.to_f64(Dtype::F32);
+        for lo in (0..n.max(1)).step_by(lazarus_kernels::SQUARES_PART) {
+            let want: f64 = x[lo..(lo + lazarus_kernels::SQUARES_PART).min(n)].iter().map(|v| v * v).sum();
+            assert!((got[p] - want).abs() <= 1e-12 * want.max(1.0), "part {p}: {} vs {want}", got[p]);
+            p += 1;
+        }
+    }
+    assert_eq!(p, total);
+}
+
 /// AdamW's kernel against the CPU pass, with the bf16 working copy it refreshes.
 #[test]
 fn adamw_kernel_is_the_cpu_pass_and_refreshes_the_working_copy() {

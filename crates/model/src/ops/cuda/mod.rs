@@ -15,6 +15,7 @@
 
 mod attention;
 mod ffn;
+mod lt;
 mod norm;
 mod rows;
 
@@ -240,14 +241,23 @@ impl Device for Gpu {
         Ok(())
     }
 
-    /// cuBLAS's column-major GemmEx on row-major matrices: C = op(A)·op(B) is computed as Cᵀ =
-    /// op(B)ᵀ·op(A)ᵀ, each row-major matrix read as its transpose in column-major order.
+    /// cuBLAS on row-major matrices: C = op(A)·op(B) is computed as Cᵀ = op(B)ᵀ·op(A)ᵀ, each
+    /// row-major matrix read as its transpose in column-major order. f32 and bf16 products go
+    /// through cuBLASLt with an algorithm per shape class (`lt`), the rest (and a class cuBLASLt
+    /// has no algorithm for) through GemmEx.
     unsafe fn gemm(&self, g: &Gemm) -> Result<(), GpuError> {
         g.check()?;
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
         crate::profile::count_gemm();
+        if g.ab != Dtype::F64 && lt::enabled() {
+            let ordinal = self.dev.cuda_stream().context().ordinal();
+            // SAFETY: checked above; the addresses are the caller's contract.
+            if unsafe { lt::gemm(&self.dev, ordinal, g)? } {
+                return Ok(());
+            }
+        }
         let cuda_type = |d: Dtype| match d {
             Dtype::F32 => blas::cudaDataType_t::CUDA_R_32F,
             Dtype::F64 => blas::cudaDataType_t::CUDA_R_64F,
@@ -333,6 +343,7 @@ pub fn adamw_update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, copy: Option
 /// fixed part of a tensor, then one block per tensor adding its parts in order; one copy of the
 /// sums to the host.
 pub fn sum_squares(tensors: &[&Tensor]) -> candle_core::Result<Vec<f64>> {
+    let _p = crate::profile::kernel("sum-squares");
     let Some(first) = tensors.first() else { return Ok(Vec::new()) };
     let gpu = Gpu::of(first)?;
     let mut list = Vec::with_capacity(tensors.len());
