@@ -81,13 +81,19 @@ run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cu
 run_tests training 60 model-training --test-threads 1 gpu
 run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
 run_tests cli-workers 150 cli-gpu-workers --test-threads 1
-# What each switch buys, at the shapes where it matters: cuBLAS choosing a kernel for every
-# expert's product (GemmEx) against cuBLASLt's algorithm per shape class, and the memory pool
-# handing freed memory back at every synchronisation against keeping it.
-bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
-bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile
-bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile
-bench large-f32-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --no-torch --profile
+# What each switch buys, at the shapes where it matters (LAZARUS_GEMM=ex: cuBLAS choosing a kernel
+# for every expert's product, against cuBLASLt's algorithm per shape class; LAZARUS_GPU_POOL=trim:
+# the memory pool handing freed memory back at every synchronisation; LAZARUS_ATTENTION=simt: the
+# attention's products on the CUDA cores instead of the tensor cores). SWITCHES says which to
+# measure: default attention; all three with SWITCHES="gemmex pool attention".
+for sw in ${SWITCHES:-attention}; do
+  case $sw in
+    gemmex) bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
+            bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile ;;
+    pool) bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile ;;
+    attention) bench large-bf16-attention-simt 60 "LAZARUS_ATTENTION=simt" $large --iters 5 --dtype bf16 --no-torch --profile ;;
+  esac
+done
 
 # --- workers sharing the GPU: tokens/s from their step logs ------------------------------------
 workers() { # tag, seconds, workers, steps, args...

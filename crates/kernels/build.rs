@@ -6,14 +6,31 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    for f in ["cuda/kernels.cu", "cuda/common.cuh", "cuda/attention.cuh", "cuda/elementwise.cuh", "cuda/norm.cuh", "cuda/rows.cuh"] {
+    for f in [
+        "cuda/kernels.cu",
+        "cuda/common.cuh",
+        "cuda/attention.cuh",
+        "cuda/attention_mma.cuh",
+        "cuda/elementwise.cuh",
+        "cuda/norm.cuh",
+        "cuda/rows.cuh",
+    ] {
         println!("cargo:rerun-if-changed={f}");
     }
     for f in ["emulator/emulate.h", "emulator/emulate.cpp", "emulator/kernels_emu.cpp"] {
         println!("cargo:rerun-if-changed={f}");
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
-    cc::Build::new().cpp(true).std("c++17").file("emulator/kernels_emu.cpp").warnings(false).compile("lazarus_kernels_emu");
+    // CUDA code reads memory through pointers of other types (bf16 pairs as one u32, rows as
+    // uint4) as nvcc allows; a host compiler's strict-aliasing assumptions would reorder those
+    // reads around the writes of the same memory.
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .flag("-fno-strict-aliasing")
+        .file("emulator/kernels_emu.cpp")
+        .warnings(false)
+        .compile("lazarus_kernels_emu");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }

@@ -3,6 +3,7 @@
 // holds one family; every kernel is `extern "C"` (its launch names it) and registered with the
 // emulator (EMU_REGISTER, empty for the GPU).
 #include "attention.cuh"
+#include "attention_mma.cuh"
 #include "elementwise.cuh"
 #include "norm.cuh"
 #include "rows.cuh"

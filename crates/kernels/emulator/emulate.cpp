@@ -142,6 +142,16 @@ uint64_t exchange(uint64_t bits, unsigned src) {
     return got;
 }
 
+void gather(uint64_t bits, uint64_t* out) {
+    Launch& l = *active;
+    const unsigned me = l.current->linear;
+    const unsigned base = me - me % 32;
+    l.slots[me] = bits;
+    sync_warp();
+    for (unsigned i = 0; i < 32; ++i) out[i] = base + i < l.fibers.size() ? l.slots[base + i] : bits;
+    sync_warp();
+}
+
 unsigned char* dynamic_shared() { return active->shared.data(); }
 
 void fail(const char* what) {

@@ -38,6 +38,10 @@ unsigned lane();
 // Every lane of the warp offers `bits`; returns what lane `src` offered (its own where `src` is
 // out of the warp).
 uint64_t exchange(uint64_t bits, unsigned src);
+// Every lane of the warp offers `bits`; `out[i]` gets what lane i offered (its own value where
+// the warp is short of lane i): one meeting point for a whole register of the warp (the emulated
+// tensor-core product reads its fragments this way).
+void gather(uint64_t bits, uint64_t* out);
 // The block's dynamic shared memory (poisoned with 0xFF bytes at each block's start).
 unsigned char* dynamic_shared();
 // Stop the launch with an error (a kernel's own check failed).
@@ -135,6 +139,9 @@ inline float __fdividef(float a, float b) { return a / b; }
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
 
 // bfloat16: the top 16 bits of an f32, rounded to nearest even (NaN kept a NaN).
 struct __nv_bfloat16 {
@@ -146,6 +153,7 @@ inline float __bfloat162float(__nv_bfloat16 h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.x; }
 inline __nv_bfloat16 __float2bfloat16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);

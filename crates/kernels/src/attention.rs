@@ -1,4 +1,6 @@
-//! Launches of the flash-style causal attention (`cuda/attention.cuh`).
+//! Launches of the flash-style causal attention: the pair-of-lanes kernels (`cuda/attention.cuh`,
+//! every type, heads up to 128 columns) and the tensor-core ones (`cuda/attention_mma.cuh`, bf16
+//! heads of 64 columns).
 
 use crate::{launch, size_i32, Arg, Dtype, KernelError, Launch};
 
@@ -10,6 +12,22 @@ pub const ATTENTION_MAX_HEAD_DIM: usize = 128;
 /// Rows of queries (forward, dQ) or keys (dK, dV) per block, and its threads (two per row).
 const ROWS: usize = 64;
 const THREADS: u32 = 128;
+
+/// Which kernels run the attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// A pair of lanes per row, dot products on the CUDA cores: every type and head width.
+    Simt,
+    /// Each warp's products on the tensor cores (mma.m16n8k16) where they apply: bf16, heads of
+    /// 64 columns, 16-byte aligned buffers; elsewhere the SIMT kernels.
+    TensorCores,
+}
+
+/// Whether the tensor-core kernels take this problem: bf16 heads of 64 columns, every buffer
+/// 16-byte aligned (their vector loads).
+fn tensor_cores_take(kernels: AttentionKernels, dt: Dtype, dh: usize, buffers: &[u64]) -> bool {
+    kernels == AttentionKernels::TensorCores && dt == Dtype::Bf16 && dh == 64 && buffers.iter().all(|p| p % 16 == 0)
+}
 
 /// Columns each lane of a row's pair holds: the smallest instance that covers the head.
 fn half_for(dh: usize) -> Option<usize> {
@@ -47,10 +65,24 @@ fn checked(b: usize, t: usize, heads: usize, dh: usize) -> Result<(usize, [Arg; 
 /// y [b, t, heads·dh] = causal softmax(Q·Kᵀ/√dh)·V from the packed qkv [b, t, 3·heads·dh]; `lse`
 /// gets each (sequence, head, query)'s log-sum-exp (b·heads·t of the accumulator type).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_fwd(dt: Dtype, qkv: u64, y: u64, lse: u64, b: usize, t: usize, heads: usize, dh: usize) -> Result<Launch, KernelError> {
+pub fn attention_fwd(
+    kernels: AttentionKernels,
+    dt: Dtype,
+    qkv: u64,
+    y: u64,
+    lse: u64,
+    b: usize,
+    t: usize,
+    heads: usize,
+    dh: usize,
+) -> Result<Launch, KernelError> {
     let (half, [t_, h_, dh_, scale]) = checked(b, t, heads, dh)?;
+    let name = match tensor_cores_take(kernels, dt, dh, &[qkv, y]) {
+        true => "lazarus_attn_mma_fwd_bf16_64".to_string(),
+        false => format!("lazarus_attn_fwd_{}_{half}", dt.suffix()),
+    };
     Ok(launch(
-        format!("lazarus_attn_fwd_{}_{half}", dt.suffix()),
+        name,
         [t.div_ceil(ROWS).max(1) as u32, (b * heads).max(1) as u32, 1],
         [THREADS, 1, 1],
         vec![Arg::Ptr(qkv), Arg::Ptr(y), Arg::Ptr(lse), t_, h_, dh_, scale],
@@ -62,6 +94,7 @@ pub fn attention_fwd(dt: Dtype, qkv: u64, y: u64, lse: u64, b: usize, t: usize, 
 /// written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
+    kernels: AttentionKernels,
     dt: Dtype,
     qkv: u64,
     y: u64,
@@ -78,6 +111,10 @@ pub fn attention_bwd(
     let rows = (b * heads * t) as u64;
     let grid = [t.div_ceil(ROWS).max(1) as u32, (b * heads).max(1) as u32, 1];
     let s = dt.suffix();
+    let (dq, dkv) = match tensor_cores_take(kernels, dt, dh, &[qkv, y, dy, dqkv]) {
+        true => ("lazarus_attn_mma_bwd_dq_bf16_64".to_string(), "lazarus_attn_mma_bwd_dkv_bf16_64".to_string()),
+        false => (format!("lazarus_attn_bwd_dq_{s}_{half}"), format!("lazarus_attn_bwd_dkv_{s}_{half}")),
+    };
     Ok(vec![
         launch(
             format!("lazarus_attn_bwd_dot_{s}"),
@@ -86,13 +123,13 @@ pub fn attention_bwd(
             vec![Arg::Ptr(y), Arg::Ptr(dy), Arg::Ptr(dvec), Arg::I32(size_i32(FAMILY, "sequences", b)?), t_, h_, dh_],
         ),
         launch(
-            format!("lazarus_attn_bwd_dq_{s}_{half}"),
+            dq,
             grid,
             [THREADS, 1, 1],
             vec![Arg::Ptr(qkv), Arg::Ptr(dy), Arg::Ptr(lse), Arg::Ptr(dvec), Arg::Ptr(dqkv), t_, h_, dh_, scale],
         ),
         launch(
-            format!("lazarus_attn_bwd_dkv_{s}_{half}"),
+            dkv,
             grid,
             [THREADS, 1, 1],
             vec![Arg::Ptr(qkv), Arg::Ptr(dy), Arg::Ptr(lse), Arg::Ptr(dvec), Arg::Ptr(dqkv), t_, h_, dh_, scale],

@@ -30,19 +30,26 @@ pub struct Emulator {
     pub reverse: bool,
 }
 
-/// Host memory standing in for a device buffer: 8-byte aligned, `bytes` long.
+/// Host memory standing in for a device buffer: 16-byte aligned (as a GPU allocation is, at
+/// least, so that kernels' 16-byte vector loads find the alignment they would on the device),
+/// `bytes` long.
 #[derive(Debug, Clone)]
 pub struct HostBuffer {
-    words: Vec<u64>,
+    words: Vec<Words>,
     bytes: usize,
 }
+
+/// Two u64 at a 16-byte boundary.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(16))]
+struct Words([u64; 2]);
 
 impl HostBuffer {
     /// `n` elements of `elem`, every byte 0xFF (a NaN in every float type; u32::MAX): an element
     /// an op leaves unwritten shows.
     pub fn poisoned(elem: Elem, n: usize) -> Self {
         let bytes = n * elem.size();
-        HostBuffer { words: vec![u64::MAX; bytes.div_ceil(8)], bytes }
+        HostBuffer { words: vec![Words([u64::MAX; 2]); bytes.div_ceil(16)], bytes }
     }
 
     /// The buffer's bytes.
@@ -85,7 +92,9 @@ impl HostBuffer {
     /// u64 values.
     pub fn from_u64(v: &[u64]) -> Self {
         let mut b = HostBuffer::poisoned(Elem::U64, v.len());
-        b.words[..v.len()].copy_from_slice(v);
+        for (chunk, x) in b.as_bytes_mut().chunks_exact_mut(8).zip(v) {
+            chunk.copy_from_slice(&x.to_le_bytes());
+        }
         b
     }
 
@@ -144,7 +153,7 @@ impl Device for Emulator {
 
     fn zeros(&self, elem: Elem, n: usize) -> Result<HostBuffer, EmulatorError> {
         let bytes = n * elem.size();
-        Ok(HostBuffer { words: vec![0; bytes.div_ceil(8)], bytes })
+        Ok(HostBuffer { words: vec![Words([0; 2]); bytes.div_ceil(16)], bytes })
     }
 
     fn upload_u32(&self, v: &[u32]) -> Result<HostBuffer, EmulatorError> {

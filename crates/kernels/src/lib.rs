@@ -25,7 +25,7 @@ mod norm;
 pub mod ops;
 mod rows;
 
-pub use attention::{attention_bwd, attention_fwd, attention_supported, ATTENTION_MAX_HEAD_DIM};
+pub use attention::{attention_bwd, attention_fwd, attention_supported, AttentionKernels, ATTENTION_MAX_HEAD_DIM};
 pub use device::{Device, Elem, Gemm};
 pub use elementwise::{
     adamw, bias_add_rows, bias_gelu_fwd, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts, sum_squares_parts,

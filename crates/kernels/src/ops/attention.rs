@@ -1,13 +1,14 @@
 //! Causal attention, flash-style.
 
 use super::alloc;
-use crate::{Device, Dtype};
+use crate::{AttentionKernels, Device, Dtype};
 
 /// y [b, t, heads·dh] and each query row's log-sum-exp (b·heads·t, the accumulator type) from
 /// the packed qkv [b, t, 3·heads·dh].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_fwd<D: Device>(
     dev: &D,
+    kernels: AttentionKernels,
     dt: Dtype,
     qkv: u64,
     b: usize,
@@ -18,7 +19,7 @@ pub fn attention_fwd<D: Device>(
     let y = alloc(dev, dt, b * t * heads * dh)?;
     let lse = alloc(dev, dt.acc(), b * heads * t)?;
     if b * t * heads * dh > 0 {
-        let l = crate::attention_fwd(dt, qkv, dev.addr(&y), dev.addr(&lse), b, t, heads, dh)?;
+        let l = crate::attention_fwd(kernels, dt, qkv, dev.addr(&y), dev.addr(&lse), b, t, heads, dh)?;
         // SAFETY: qkv is [b, t, 3·heads·dh]; y and lse are allocated to their sizes above.
         unsafe { dev.launch(&l)? };
     }
@@ -29,6 +30,7 @@ pub fn attention_fwd<D: Device>(
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd<D: Device>(
     dev: &D,
+    kernels: AttentionKernels,
     dt: Dtype,
     qkv: u64,
     y: u64,
@@ -42,7 +44,7 @@ pub fn attention_bwd<D: Device>(
     let dqkv = alloc(dev, dt, 3 * b * t * heads * dh)?;
     if b * t * heads * dh > 0 {
         let dvec = alloc(dev, dt.acc(), b * heads * t)?;
-        let ls = crate::attention_bwd(dt, qkv, y, dy, lse, dev.addr(&dvec), dev.addr(&dqkv), b, t, heads, dh)?;
+        let ls = crate::attention_bwd(kernels, dt, qkv, y, dy, lse, dev.addr(&dvec), dev.addr(&dqkv), b, t, heads, dh)?;
         // SAFETY: as the forward; dy and y are [b, t, heads·dh]; dvec and dqkv allocated above.
         unsafe { dev.launch_all(&ls)? };
     }

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use lazarus_kernels::emulator::{Emulator, HostBuffer};
-use lazarus_kernels::{ops, Device as _, Dtype};
+use lazarus_kernels::{ops, AttentionKernels, Device as _, Dtype};
 
 use super::testing;
 
@@ -96,8 +96,24 @@ fn softmax_and_cross_entropy_forward_and_gradients() {
 
 #[test]
 fn attention_forward_and_gradients() {
+    attention_against_the_cpu(AttentionKernels::Simt, &[(2, 7, 3, 4), (1, 70, 2, 6), (1, 130, 2, 64), (1, 33, 1, 100)]);
+}
+
+/// The tensor-core kernels (bf16 heads of 64 columns; the other types take the SIMT ones): a
+/// partial tile, and three query tiles with a partial last one, over two sequences and heads.
+#[test]
+fn attention_on_tensor_cores_forward_and_gradients() {
+    // These shapes do take the tensor-core kernels (and unaligned buffers do not).
+    let l = lazarus_kernels::attention_fwd(AttentionKernels::TensorCores, Dtype::Bf16, 0x1000, 0x2000, 0x3000, 2, 150, 2, 64).unwrap();
+    assert_eq!(l.kernel, "lazarus_attn_mma_fwd_bf16_64");
+    let l = lazarus_kernels::attention_fwd(AttentionKernels::TensorCores, Dtype::Bf16, 0x1008, 0x2000, 0x3000, 2, 150, 2, 64).unwrap();
+    assert_eq!(l.kernel, "lazarus_attn_fwd_bf16_32");
+    attention_against_the_cpu(AttentionKernels::TensorCores, &[(1, 20, 1, 64), (2, 150, 2, 64)]);
+}
+
+fn attention_against_the_cpu(kernels: AttentionKernels, shapes: &[(usize, usize, usize, usize)]) {
     // One tile and a partial one, several tiles, and the model's head width over two query tiles.
-    for (b, t, heads, dh) in [(2, 7, 3, 4), (1, 70, 2, 6), (1, 130, 2, 64), (1, 33, 1, 100)] {
+    for &(b, t, heads, dh) in shapes {
         let d = heads * dh;
         let mut var = testing::vars(7, 1.0);
         let (qkv, probe) = (var(&[b, t, 3 * d]), var(&[b, t, d]));
@@ -106,10 +122,10 @@ fn attention_forward_and_gradients() {
         for &e in orders {
             for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 3e-2)] {
                 let (qb, pb) = (buf(qkv.as_tensor(), dt), buf(probe.as_tensor(), dt));
-                let (yb, lse) = ops::attention_fwd(&e, dt, qb.addr(), b, t, heads, dh).unwrap();
+                let (yb, lse) = ops::attention_fwd(&e, kernels, dt, qb.addr(), b, t, heads, dh).unwrap();
                 let what = format!("attention {dt:?} b{b} t{t} h{heads} dh{dh}");
                 close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[b, t, d]), tol);
-                let dq = ops::attention_bwd(&e, dt, qb.addr(), yb.addr(), pb.addr(), lse.addr(), b, t, heads, dh).unwrap();
+                let dq = ops::attention_bwd(&e, kernels, dt, qb.addr(), yb.addr(), pb.addr(), lse.addr(), b, t, heads, dh).unwrap();
                 close(&format!("{what} gradient"), &g[0], &tensor(&dq, dt, &[b, t, 3 * d]), tol * 4.0);
             }
         }

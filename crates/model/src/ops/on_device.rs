@@ -195,6 +195,17 @@ fn bf16_paths(gpu: &Device) {
     let qkv = var(&[2, 70, 3 * d]);
     let want = super::causal_attention(qkv.as_tensor(), 2).unwrap();
     close("attention bf16", &want, &super::causal_attention(&on(qkv.as_tensor(), DType::BF16), 2).unwrap(), 3e-2);
+    // Heads of 64 columns take the tensor-core kernels: the forward and the gradient, over three
+    // query tiles with a partial last one.
+    let (qkv, probe) = (var(&[2, 150, 3 * 128]), var(&[2, 150, 128]));
+    let want = super::causal_attention(qkv.as_tensor(), 2).unwrap();
+    let grads = (&want * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+    let want_g = grads.get(qkv.as_tensor()).unwrap();
+    let q16 = Var::from_tensor(&on(qkv.as_tensor(), DType::BF16)).unwrap();
+    let got = super::causal_attention(q16.as_tensor(), 2).unwrap();
+    close("attention bf16, heads of 64", &want, &got, 3e-2);
+    let grads = (&got * on(probe.as_tensor(), DType::BF16)).unwrap().sum_all().unwrap().backward().unwrap();
+    close("attention bf16 gradient, heads of 64", want_g, grads.get(q16.as_tensor()).unwrap(), 12e-2);
     // The experts: bf16 rows and working copies, f32 parameters receiving f32 gradients.
     let counts = [20usize, 0, 28];
     let rows: usize = counts.iter().sum();

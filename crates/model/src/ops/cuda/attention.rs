@@ -5,9 +5,19 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
-use lazarus_kernels::ops;
+use lazarus_kernels::{ops, AttentionKernels};
 
 use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
+
+/// The attention kernels of this process: on the tensor cores where they apply, unless
+/// `LAZARUS_ATTENTION=simt` (the "before" of the benchmarks; read once).
+fn kernels() -> AttentionKernels {
+    static K: std::sync::OnceLock<AttentionKernels> = std::sync::OnceLock::new();
+    *K.get_or_init(|| match std::env::var("LAZARUS_ATTENTION").as_deref() {
+        Ok("simt") => AttentionKernels::Simt,
+        _ => AttentionKernels::TensorCores,
+    })
+}
 
 struct GpuAttention {
     heads: usize,
@@ -29,7 +39,8 @@ impl CustomOp1 for GpuAttention {
         let gpu = Gpu::of_storage(qkv);
         let (b, t, d3) = l.shape().dims3()?;
         let d = d3 / 3;
-        let (y, lse) = ops::attention_fwd(&gpu, dtype_of(qkv.dtype())?, storage_addr(qkv, l)?, b, t, self.heads, d / self.heads)?;
+        let (y, lse) =
+            ops::attention_fwd(&gpu, kernels(), dtype_of(qkv.dtype())?, storage_addr(qkv, l)?, b, t, self.heads, d / self.heads)?;
         if let Ok(mut s) = self.lse.lock() {
             *s = Some(lse);
         }
@@ -47,6 +58,7 @@ impl CustomOp1 for GpuAttention {
         let lse_addr = lazarus_kernels::Device::addr(&gpu, lse);
         let dqkv = ops::attention_bwd(
             &gpu,
+            kernels(),
             dtype_of(qkv.dtype())?,
             addr(&qkv)?,
             addr(&y)?,
