@@ -66,7 +66,7 @@ fn placement_file_round_trip() {
     let v = json(&["plan", "--replicas", "2,3,3,4", "--nodes", "4", "--slots", "3", "--json"]);
     let file = temp_file("placement.json", &v.to_string());
     let p = json(&["prob", "--placement-file", file.to_str().unwrap(), "--failed", "2", "--json"]);
-    // The lazarus plan beats MRO's 2/3 on DESIGN.md's truncated example.
+    // The lazarus plan beats MRO's 2/3 on a small example (replicas [2,3,3,4], 4 nodes of 3 slots).
     assert!((p["probability"].as_f64().unwrap() - 5.0 / 6.0).abs() < 1e-12, "{p}");
     let mro = json(&["prob", "--replicas", "2,3,3,4", "--nodes", "4", "--slots", "3", "--failed", "2", "--strategy", "mro", "--json"]);
     assert!((mro["probability"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12);

@@ -1,4 +1,4 @@
-//! The control plane of Lazarus (DESIGN.md, "The system at a glance").
+//! The control plane of Lazarus (docs/architecture.md).
 //!
 //! * [`controller`] — the controller's decisions (membership, leases, epochs, the load monitor,
 //!   recovery from lost nodes) as a pure function of (state, event, now);

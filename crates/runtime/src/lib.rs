@@ -4,7 +4,7 @@
 //!   all-gather the per-expert token counts, compute the shared dispatch schedule, send each
 //!   token slot to a replica with a padding-free all-to-all, run the local experts, send results
 //!   back and combine; backward mirrors it. Autograd cannot see across an all-to-all, so the
-//!   layer is a chain of *segments* (DESIGN.md, "Runtime step mechanics").
+//!   layer is a chain of *segments* (docs/architecture.md, a training step).
 //! * [`Worker`] — the full training step over every layer, computed and then committed (a step
 //!   that fails is dropped whole), checkpoints in the single-process format, and an expert's
 //!   state in and out ([`ExpertState`], the one wire form of an expert's weights and optimizer

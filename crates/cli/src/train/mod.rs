@@ -37,7 +37,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     if trainer.done() {
         bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
     }
-    print_banner(&trainer, "single process");
+    print_banner(&trainer, "single process", &lazarus_model::device::name(trainer.model.device()));
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
     stop_signal::install();
     while !trainer.done() {

@@ -30,14 +30,16 @@ struct LogLine<'a> {
     snapshot: Option<&'a lazarus_runtime::SnapshotStepStats>,
 }
 
-/// The first line of a run: model size, data and schedule.
-pub fn print_banner(trainer: &Trainer, how: &str) {
+/// The first line of a run: where it trains (`device`: the `--device` of the processes that
+/// train, not of the launcher's own copy of the model it plans with), model size, data and
+/// schedule.
+pub fn print_banner(trainer: &Trainer, how: &str, device: &str) {
     let cfg = &trainer.config;
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
     tracing::info!(
         "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
-        lazarus_model::device::name(trainer.model.device()),
+        device,
         match cfg.dtype {
             lazarus_model::Precision::F32 => "f32",
             lazarus_model::Precision::Bf16 => "bf16 mixed precision",

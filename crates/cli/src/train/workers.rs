@@ -279,7 +279,8 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         Hosts::Local { .. } => 1,
     };
     let plan = plan_job(&mut trainer, world, g, &source)?;
-    print_banner(&trainer, &format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" }));
+    let how = format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" });
+    print_banner(&trainer, &how, args.device.as_deref().unwrap_or("cpu"));
     for (l, layer) in plan.map.layers().iter().enumerate() {
         let per_worker: Vec<String> = (0..world)
             .map(|r| {

@@ -3,7 +3,7 @@
 //! quorum). The shell around it — the launcher today, agents over the network next — carries
 //! events in and commands out.
 //!
-//! What it keeps (paper §3, §4.3; DESIGN.md "Control flow of a failure"):
+//! What it keeps (paper §3, §4.3; docs/architecture.md, what a failure does):
 //! * **membership**: the nodes of the job (one worker each, for now), when each was last heard
 //!   from, and each one's plan epoch; a node whose worker exits, or that misses its lease, is
 //!   lost (and a hung one is killed);

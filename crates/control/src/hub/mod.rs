@@ -1,4 +1,4 @@
-//! The controller's side of its node agents (DESIGN.md, "The system at a glance"): agents attach
+//! The controller's side of its node agents (docs/architecture.md): agents attach
 //! over gRPC (`Control.Attach`, a stream each way), proving they know the job's secret; once the
 //! job's workers are all spoken for, each agent is sent the specs of its workers, and from then
 //! on the hub relays — workers' reports in, the controller's messages out — as a [`Fleet`] the

@@ -11,8 +11,8 @@
 //!    within one token of its ideal; a rank with k replicas gets k shares.
 //! 2. Local tokens use local capacity first (line 7–8): D[e][j][j] = min(T[e][j], C_j).
 //! 3. The excess X_i = T[e][i] − D[e][i][i] of each sender is split over the residual capacities
-//!    P_j = C_j − D[e][j][j] in proportion (line 10, with the denominator Σ_{k≠i} P_k taken over
-//!    ranks other than the *sender* — DESIGN.md's erratum; since a rank with excess has no residual
+//!    P_j = C_j − D[e][j][j] in proportion (the paper's line 10, with its denominator Σ_{k≠i} P_k
+//!    read as over the ranks other than the *sender*; since a rank with excess has no residual
 //!    capacity, that is Σ_k P_k). The ideal X_i·P_j/ΣP is rounded to floor or ceil so that *both*
 //!    every row sums to X_i (tokens are conserved) and every column to P_j (every replica gets
 //!    exactly its capacity): floors first, then the remaining units are matched sender→receiver

@@ -47,7 +47,7 @@ use mro::{mro_nodes, GroupLayout};
 use search::lazarus_nodes;
 
 /// Largest cluster the planning core takes: every plan, recovery curve and reconfiguration is
-/// then computed in bounded time and memory (DESIGN.md: N up to 10^4).
+/// then computed in bounded time and memory (N up to 10^4 nodes).
 pub const MAX_NODES: usize = 10_000;
 /// Largest number of replica slots N·G·c (4 Mi: 10^4 nodes of 8 GPUs with 52 slots each).
 pub const MAX_SLOTS: usize = 1 << 22;

@@ -9,7 +9,7 @@
 //!
 //! * a component that is one set of L nodes hits with probability 1 as soon as a ≥ 1 — so an
 //!   MRO-shaped plan (disjoint group segments) gets the closed form
-//!   [x^R] Π_i((1+x)^{L_i} − 1)·(1+x)^{N−ΣL_i} / C(N,R) of DESIGN.md;
+//!   [x^R] Π_i((1+x)^{L_i} − 1)·(1+x)^{N−ΣL_i} / C(N,R);
 //! * a small overlapping component is counted by enumerating its node subsets, or by
 //!   inclusion–exclusion over its sets in exact 128-bit integers;
 //! * anything larger falls back to Monte Carlo with a 95% Wilson interval, and says so.

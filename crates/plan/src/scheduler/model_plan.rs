@@ -10,7 +10,7 @@ use crate::ExpertId;
 
 /// Where every replica of every MoE layer lives, at one plan epoch. All layers share the
 /// cluster shape and the number of experts. Plans, messages and transports carry the epoch;
-/// anything stamped with an older one is stale (DESIGN.md, "Semantics users rely on").
+/// anything stamped with an older one is stale (docs/architecture.md).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelPlan {
     epoch: u64,

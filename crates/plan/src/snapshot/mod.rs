@@ -1,4 +1,4 @@
-//! The snapshot tier's decisions (MoEtion §4, PEC §3, DESIGN.md algorithm 6): which experts to
+//! The snapshot tier's decisions (MoEtion §4, PEC §3; docs/architecture.md, snapshots): which experts to
 //! copy into another node's memory after a step ([`selection`]), and how many bytes a step may
 //! send when no bandwidth is given ([`pace`]).
 //!

@@ -1,5 +1,4 @@
-//! Which experts to snapshot into another node's memory this step (MoEtion §4, PEC §3,
-//! DESIGN.md algorithm 6).
+//! Which experts to snapshot into another node's memory this step (MoEtion §4, PEC §3).
 //!
 //! MoEtion ranks the experts of a layer by the tokens they processed since their last snapshot
 //! (the tokens a failure would make them lose) and splits a per-step byte budget across layers in

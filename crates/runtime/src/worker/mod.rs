@@ -1,8 +1,8 @@
 //! One training worker: a rank of a data- and expert-parallel job (paper §4.2).
 //!
 //! Every worker builds the model from the same seed and reads the same global batch; it computes
-//! on its deterministic share of the batch's sequences. A step is a chain of segments (DESIGN.md,
-//! "Runtime step mechanics"): one per transformer block, cut at the block's input, plus the
+//! on its deterministic share of the batch's sequences. A step is a chain of segments
+//! (docs/architecture.md, a training step): one per transformer block, cut at the block's input, plus the
 //! head. An MoE block's experts run through [`DistributedMoe`] (dispatch over the padding-free
 //! all-to-all, experts on their holders, combine). Backward walks the segments in reverse; in an
 //! MoE block the expert path's input gradient arrives over the network first, then one backward

@@ -1,5 +1,5 @@
-//! Moving a worker to a new plan after a failure (paper §4.3, DESIGN.md "Control flow of a
-//! failure"): the survivors renumber into a new world at a new epoch, each fetches the expert
+//! Moving a worker to a new plan after a failure (paper §4.3; docs/architecture.md, what a
+//! failure does): the survivors renumber into a new world at a new epoch, each fetches the expert
 //! states (weights **and** AdamW m, v, step) its new placement needs from a surviving holder,
 //! frees the experts it no longer holds, and the same step is run again over the new world —
 //! same global batch, split over fewer ranks.

@@ -1,4 +1,4 @@
-//! The snapshot tier (MoEtion §4, PEC §3, DESIGN.md algorithm 6): after each committed step,
+//! The snapshot tier (MoEtion §4, PEC §3; docs/architecture.md, snapshots): after each committed step,
 //! the experts [`select_snapshots`] picks are copied — weights and AdamW state — into the memory
 //! of a worker on *another* node, so that a failure that takes every replica of an expert can
 //! restore it from there instead of rolling the whole job back.

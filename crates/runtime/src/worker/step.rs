@@ -2,7 +2,7 @@
 //! returns a [`PendingStep`]; [`Worker::commit`] applies it. Nothing that outlives a step —
 //! parameters, optimizer state, data cursor, step counter — changes before the commit, so a step
 //! that fails anywhere (a peer lost mid-dispatch, mid-backward, mid-all-reduce) is dropped and
-//! re-run on the same global batch with the same result (DESIGN.md, "No partial step").
+//! re-run on the same global batch with the same result (docs/architecture.md: no partial step).
 //!
 //! Between the halves [`Worker::step`] takes a commit vote (a barrier over every rank): a rank
 //! commits only once every rank has finished computing. A failure during the vote can leave some
