@@ -179,6 +179,26 @@ fn plan_one(
     }
 }
 
+/// Every layer of a loads file planned with its report, the layers spread over the cores (they
+/// are independent; the result does not depend on how many cores there are).
+fn plan_layers(loads: &[Vec<f64>], shape: ClusterShape, policy: &PlanPolicy) -> Result<Vec<(PlanFileLayer, Placement)>> {
+    let one = |i: usize| plan_one(Some(&loads[i]), None, shape, policy).with_context(|| format!("--loads-file layer {i}"));
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(loads.len()).max(1);
+    let chunk = loads.len().div_ceil(threads);
+    let parts: Vec<Result<Vec<(PlanFileLayer, Placement)>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..loads.len())
+            .step_by(chunk.max(1))
+            .map(|start| s.spawn(move || (start..(start + chunk).min(loads.len())).map(one).collect()))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let mut layers = Vec::with_capacity(loads.len());
+    for p in parts {
+        layers.extend(p?);
+    }
+    Ok(layers)
+}
+
 /// The plan file of planned layers; with several, the whole model's recovery too.
 fn plan_file(layers: Vec<(PlanFileLayer, Placement)>) -> Result<(PlanFile, ModelPlan)> {
     let (entries, placements): (Vec<PlanFileLayer>, Vec<Placement>) = layers.into_iter().unzip();
@@ -211,11 +231,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
         if loads.is_empty() {
             bail!("invalid --loads-file: {} holds no layers (expected an array of per-layer load arrays)", path.display());
         }
-        let mut layers = Vec::with_capacity(loads.len());
-        for (i, l) in loads.iter().enumerate() {
-            layers.push(plan_one(Some(l), None, shape, &policy).with_context(|| format!("--loads-file layer {i}"))?);
-        }
-        layers
+        plan_layers(&loads, shape, &policy)?
     } else {
         let loads = args.loads.as_deref().map(|s| parse_list::<f64>("loads", s, "numbers")).transpose()?;
         let replicas = args.replicas.as_deref().map(|s| parse_list::<usize>("replicas", s, "non-negative integers")).transpose()?;

@@ -3,10 +3,13 @@
 //! * `deepseek_v3_like/all_layers`: 58 MoE layers × 256 experts on 128 nodes × 8 GPUs × 4 slots,
 //!   skewed loads: allocation + placement + the full recovery curve (k = 0..127) of every layer.
 //!   Target < 50 ms on one core.
+//! * `deepseek_v3_like/model_curve`: the whole model's recovery curve over the same 58 layers as
+//!   the trainer plans them (with the throughput guard, whose placements share nodes across
+//!   layers irregularly: too large to count exactly, so sampled).
 //! * `dispatch/64x256`: Algorithm 1's schedule for 64 ranks × 256 experts. Target < 1 ms.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use lazarus_plan::{allocate, place, recovery_curve, ClusterShape, DispatchSchedule, Strategy};
+use lazarus_plan::{allocate, place, plan_model, recovery_curve, ClusterShape, DispatchSchedule, PlanPolicy, Strategy};
 
 struct Lcg(u64);
 impl Lcg {
@@ -44,6 +47,9 @@ fn bench_deepseek(c: &mut Criterion) {
     let shape = ClusterShape::new(128, 8, 4).unwrap();
     let layers: Vec<Vec<f64>> = (0..58).map(|l| skewed_loads(l, 256, 4096.0 * 8.0 * 2.0 * 128.0)).collect();
     c.bench_function("deepseek_v3_like/all_layers", |b| b.iter(|| plan_all_layers(black_box(&layers), shape)));
+    let model = plan_model(&layers, shape, &PlanPolicy::trainer_default(shape.nodes), None).unwrap();
+    assert!(model.recovery_curve().iter().any(|r| r.ci95.is_some()), "the bench measures the sampler");
+    c.bench_function("deepseek_v3_like/model_curve", |b| b.iter(|| black_box(&model).recovery_curve()[8].probability));
 }
 
 fn bench_dispatch(c: &mut Criterion) {

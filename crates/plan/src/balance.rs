@@ -203,24 +203,32 @@ impl FlowNet {
         (flow, cut_load, cut_bins)
     }
 
+    /// Push up to `limit` from `a` towards the sink along level-increasing edges, through as many
+    /// edges as it takes (one call per blocking-flow round from the source, not one per path: the
+    /// source's edges to 256 experts would otherwise each start their own descent). An edge is
+    /// passed over once it is saturated or what lies behind it took less than it was offered.
     fn augment(&mut self, a: usize, sink: usize, limit: f64, level: &[usize], it: &mut [usize]) -> f64 {
         if a == sink {
             return limit;
         }
+        let mut pushed = 0.0;
         while it[a] < self.adj[a].len() {
             let id = self.adj[a][it[a]];
             let b = self.to[id];
             if self.cap[id] > EPS && level[b] == level[a] + 1 {
-                let got = self.augment(b, sink, limit.min(self.cap[id]), level, it);
+                let got = self.augment(b, sink, (limit - pushed).min(self.cap[id]), level, it);
                 if got > EPS {
                     self.cap[id] -= got;
                     self.cap[id ^ 1] += got;
-                    return got;
+                    pushed += got;
+                    if limit - pushed <= EPS {
+                        return pushed;
+                    }
                 }
             }
             it[a] += 1;
         }
-        0.0
+        pushed
     }
 }
 

@@ -227,10 +227,10 @@ impl Device {
 pub unsafe fn gemm(dev: &CudaDevice, ordinal: usize, g: &Gemm) -> candle_core::Result<bool> {
     let class = Class::of(g);
     let mut all = devices().lock().map_err(|_| candle_core::Error::Msg("cuBLASLt: poisoned".into()))?;
-    if !all.contains_key(&ordinal) {
-        all.insert(ordinal, Device::open(dev)?);
-    }
-    let d = all.get_mut(&ordinal).expect("inserted above");
+    let d = match all.entry(ordinal) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(Device::open(dev)?),
+    };
     let Some(algo) = d.algo(g, class).map_err(|e| err("heuristic", e))? else { return Ok(false) };
     let desc = d.desc(g).map_err(|e| err("descriptor", e))?;
     let layouts = Layouts::new(g, (g.m, g.n, g.k), (g.lda, g.ldb, g.ldc)).map_err(|e| err("layout", e))?;
