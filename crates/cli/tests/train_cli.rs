@@ -196,6 +196,33 @@ fn no_flag_is_silently_ignored_and_bad_sizes_are_named_before_allocation() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `bench train` refuses the flags of a run it would ignore (it keeps and logs nothing, and runs
+/// one process), naming each, before building anything; nothing is written.
+#[test]
+fn bench_train_refuses_the_flags_it_would_ignore() {
+    let d = common::dir("bench-flags");
+    let ck = d.join("ck");
+    let cfg = d.join("with-ck.toml");
+    std::fs::write(&cfg, format!("checkpoint_dir = {:?}\n", ck.to_str().unwrap())).unwrap();
+    for (args, expect) in [
+        (vec!["--checkpoint-dir", ck.to_str().unwrap()], "--checkpoint-dir does not apply to bench train"),
+        (vec!["--json-log", d.join("l.jsonl").to_str().unwrap()], "--json-log does not apply"),
+        (vec!["--steps", "5"], "--steps does not apply"),
+        (vec!["--resume"], "--resume does not apply"),
+        (vec!["--workers", "2"], "--workers does not apply to bench train"),
+        (vec!["--config", cfg.to_str().unwrap()], "checkpoint_dir"),
+    ] {
+        let mut all = vec!["bench", "train", "--no-torch", "--iters", "1"];
+        all.extend(&args);
+        let out = lazarus(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail: {err}");
+        assert!(err.contains(expect) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    assert!(!ck.exists() && !d.join("l.jsonl").exists(), "a refused bench wrote something");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn resuming_with_a_config_that_says_otherwise_is_an_error() {
     let d = common::dir("resume-config");

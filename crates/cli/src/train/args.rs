@@ -207,7 +207,7 @@ impl TrainArgs {
     }
 
     /// Flags that only mean something with `--workers`, by name, when given.
-    fn worker_flags(&self) -> Vec<&'static str> {
+    pub(super) fn worker_flags(&self) -> Vec<&'static str> {
         let given: [(&'static str, bool); 18] = [
             ("--rebalance-every", self.rebalance_every.is_some()),
             ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),
@@ -227,6 +227,21 @@ impl TrainArgs {
             ("--static-ep", self.static_ep),
             ("--comm-timeout", self.comm_timeout.is_some()),
             ("--workers", self.workers.is_some()),
+        ];
+        given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
+    }
+
+    /// Flags about a run's length, what it keeps and where it logs, by name, when given: what a
+    /// benchmark of steps, which trains no run of its own, has no use for.
+    pub(super) fn run_flags(&self) -> Vec<&'static str> {
+        let given: [(&'static str, bool); 7] = [
+            ("--steps", self.steps.is_some()),
+            ("--checkpoint-dir", self.checkpoint_dir.is_some()),
+            ("--checkpoint-every", self.checkpoint_every.is_some()),
+            ("--keep-checkpoints", self.keep_checkpoints.is_some()),
+            ("--overwrite-checkpoints", self.overwrite_checkpoints),
+            ("--resume", self.resume),
+            ("--json-log", self.json_log.is_some()),
         ];
         given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
     }

@@ -67,7 +67,18 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     if args.iters > 10_000 {
         bail!("invalid --iters: {} (at most 10000)", args.iters);
     }
+    // A flag the benchmark would ignore is refused, not dropped: it runs 2 + --iters steps of a
+    // fresh model in this process and keeps nothing.
+    if let Some(f) = args.train.run_flags().first() {
+        bail!("{f} does not apply to bench train (it times 2 warm-up and --iters measured steps of a fresh model in one process and writes nothing; use the model and batch flags)");
+    }
+    if let Some(f) = args.train.worker_flags().first() {
+        bail!("{f} does not apply to bench train (one process; `lazarus train --workers N --json-log L` times workers)");
+    }
     let config = build_config(&args.train)?;
+    if let Some(dir) = &config.checkpoint_dir {
+        bail!("checkpoint_dir {} in --config does not apply to bench train (it writes nothing)", dir.display());
+    }
     let device = lazarus_model::device::parse(args.train.device.as_deref().unwrap_or("cpu"))?;
     let r = lazarus_model::bench::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
     let (pytorch, pytorch_skipped) = match args.no_torch {
