@@ -1,4 +1,4 @@
-//! A soak of many faults (issue 14): a job of `lazarus controller` and up to three `lazarus
+//! A soak of many faults: a job of `lazarus controller` and up to three `lazarus
 //! agent`s of two workers each — every one on a host of its own (a network namespace) where
 //! namespaces can be made, on loopback otherwise. A fault injector picks, at random times and
 //! phases, among: a worker SIGKILLed; workers of two nodes SIGKILLed at once or a moment apart

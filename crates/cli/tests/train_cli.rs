@@ -250,7 +250,7 @@ fn resuming_with_a_config_that_says_otherwise_is_an_error() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Checkpoints a user can trust (issue 15, in part): a diverging run stops with an error and
+/// Checkpoints a user can trust: a diverging run stops with an error and
 /// saves nothing diverged; a byte flipped in the newest checkpoint is found, and `--resume` goes
 /// on from the newest intact one, saying which it passed over.
 #[test]

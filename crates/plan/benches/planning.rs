@@ -1,4 +1,4 @@
-//! Planning-core benchmarks (issue: DeepSeek-V3-like job and the dispatch schedule).
+//! Planning-core benchmarks: a DeepSeek-V3-like job and the dispatch schedule.
 //!
 //! * `deepseek_v3_like/all_layers`: 58 MoE layers × 256 experts on 128 nodes × 8 GPUs × 4 slots,
 //!   skewed loads: allocation + placement + the full recovery curve (k = 0..127) of every layer.
