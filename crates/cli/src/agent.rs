@@ -33,7 +33,7 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     let secret = match (&args.secret_file, std::env::var("LAZARUS_SECRET")) {
         (Some(path), _) => crate::train::workers::secret_from_file(path, false)?,
         (None, Ok(hex)) => lazarus_control::protocol::parse_secret(hex.trim())
-            .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits"))?,
+            .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits drawn at random (at least 6 different ones)"))?,
         (None, Err(_)) => bail!("the job's secret is needed: --secret-file FILE or LAZARUS_SECRET (the controller printed how)"),
     };
     let connect = args.connect_timeout.unwrap_or(30.0);

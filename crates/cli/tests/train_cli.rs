@@ -197,7 +197,8 @@ fn no_flag_is_silently_ignored_and_bad_sizes_are_named_before_allocation() {
 }
 
 /// `bench train` refuses the flags of a run it would ignore (it keeps and logs nothing, and runs
-/// one process), naming each, before building anything; nothing is written.
+/// one process), naming each, and a model too large for the machine, before building anything;
+/// nothing is written.
 #[test]
 fn bench_train_refuses_the_flags_it_would_ignore() {
     let d = common::dir("bench-flags");
@@ -211,6 +212,7 @@ fn bench_train_refuses_the_flags_it_would_ignore() {
         (vec!["--resume"], "--resume does not apply"),
         (vec!["--workers", "2"], "--workers does not apply to bench train"),
         (vec!["--config", cfg.to_str().unwrap()], "checkpoint_dir"),
+        (vec!["--d-model", "16384", "--heads", "1", "--d-ff", "131072"], "GiB"),
     ] {
         let mut all = vec!["bench", "train", "--no-torch", "--iters", "1"];
         all.extend(&args);

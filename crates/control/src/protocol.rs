@@ -52,9 +52,18 @@ pub fn secret_hex(secret: u128) -> String {
     format!("{secret:032x}")
 }
 
-/// A spec's secret, checked.
+/// A spec's secret, checked: 32 hex digits that look drawn at random. A secret of fewer than 6
+/// distinct digits (all zeros, a repeated pattern) is refused: of the 16³² random ones, about one
+/// in 10¹² has so few, and an operator who typed one has protected nothing.
 pub fn parse_secret(hex: &str) -> Option<u128> {
     if hex.len() != 32 {
+        return None;
+    }
+    let mut seen = [false; 16];
+    for c in hex.chars() {
+        seen[c.to_digit(16)? as usize] = true;
+    }
+    if seen.iter().filter(|&&s| s).count() < 6 {
         return None;
     }
     u128::from_str_radix(hex, 16).ok()
@@ -324,8 +333,10 @@ mod tests {
         let s = fresh_secret().unwrap();
         assert_eq!(parse_secret(&secret_hex(s)), Some(s));
         assert_ne!(fresh_secret().unwrap(), s);
-        for bad in ["", "00", &"g".repeat(32), &"0".repeat(33)] {
+        for bad in ["", "00", &"g".repeat(32), &"0".repeat(33), &"0".repeat(32), &"ab".repeat(16), &"01234".repeat(7)[..32]] {
             assert_eq!(parse_secret(bad), None, "{bad}");
         }
+        // Six distinct digits are enough to be taken (a random secret has about 14).
+        assert!(parse_secret(&"012345".repeat(6)[..32]).is_some());
     }
 }

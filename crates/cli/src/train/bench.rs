@@ -79,6 +79,8 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     if let Some(dir) = &config.checkpoint_dir {
         bail!("checkpoint_dir {} in --config does not apply to bench train (it writes nothing)", dir.display());
     }
+    // The same memory estimate `train` makes, before anything is allocated.
+    super::args::check_fits(&config, 1)?;
     let device = lazarus_model::device::parse(args.train.device.as_deref().unwrap_or("cpu"))?;
     let r = lazarus_model::bench::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
     let (pytorch, pytorch_skipped) = match args.no_torch {

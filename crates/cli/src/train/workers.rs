@@ -79,8 +79,9 @@ const LOCAL_AGENTS_WITHIN: Duration = Duration::from_secs(60);
 /// The job's secret from `path` (32 hex digits), or a fresh one written there (mode 0600).
 pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
     match std::fs::read_to_string(path) {
-        Ok(text) => lazarus_control::protocol::parse_secret(text.trim())
-            .ok_or_else(|| anyhow::anyhow!("invalid --secret-file {}: expected 32 hex digits", path.display())),
+        Ok(text) => lazarus_control::protocol::parse_secret(text.trim()).ok_or_else(|| {
+            anyhow::anyhow!("invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)", path.display())
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
             let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
             let mut options = std::fs::OpenOptions::new();
