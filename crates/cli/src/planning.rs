@@ -182,21 +182,10 @@ fn plan_one(
 /// Every layer of a loads file planned with its report, the layers spread over the cores (they
 /// are independent; the result does not depend on how many cores there are).
 fn plan_layers(loads: &[Vec<f64>], shape: ClusterShape, policy: &PlanPolicy) -> Result<Vec<(PlanFileLayer, Placement)>> {
-    let one = |i: usize| plan_one(Some(&loads[i]), None, shape, policy).with_context(|| format!("--loads-file layer {i}"));
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(loads.len()).max(1);
-    let chunk = loads.len().div_ceil(threads);
-    let parts: Vec<Result<Vec<(PlanFileLayer, Placement)>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..loads.len())
-            .step_by(chunk.max(1))
-            .map(|start| s.spawn(move || (start..(start + chunk).min(loads.len())).map(one).collect()))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-    });
-    let mut layers = Vec::with_capacity(loads.len());
-    for p in parts {
-        layers.extend(p?);
-    }
-    Ok(layers)
+    let jobs: Vec<usize> = (0..loads.len()).collect();
+    lazarus_plan::parallel::map_in_order(&jobs, |&i| {
+        plan_one(Some(&loads[i]), None, shape, policy).with_context(|| format!("--loads-file layer {i}"))
+    })
 }
 
 /// The plan file of planned layers; with several, the whole model's recovery too.

@@ -20,6 +20,7 @@ pub mod dispatch;
 mod error;
 pub mod load_trace;
 pub mod nodeset;
+pub mod parallel;
 pub mod placement;
 pub mod reconfig;
 pub mod recovery;

@@ -138,20 +138,10 @@ pub fn plan_model(
     };
     let jobs: Vec<(&Vec<f64>, Option<&Placement>)> = loads.iter().zip(previous_layers).collect();
     let plan = |&(l, prev): &(&Vec<f64>, Option<&Placement>)| plan_layer_after(l, shape, policy, prev).map(|p| p.placement);
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(jobs.len());
-    let layers: Vec<Placement> = if threads <= 1 || jobs.len() * shape.nodes < PARALLEL_MIN_WORK {
+    let layers: Vec<Placement> = if jobs.len() * shape.nodes < PARALLEL_MIN_WORK {
         jobs.iter().map(plan).collect::<Result<_, _>>()?
     } else {
-        let chunk = jobs.len().div_ceil(threads);
-        let parts: Vec<Result<Vec<Placement>, PlanError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = jobs.chunks(chunk).map(|part| s.spawn(move || part.iter().map(plan).collect())).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-        });
-        let mut out = Vec::with_capacity(jobs.len());
-        for p in parts {
-            out.extend(p?);
-        }
-        out
+        crate::parallel::map_in_order(&jobs, plan)?
     };
     ModelPlan::new(previous.map_or(0, |p| p.epoch() + 1), layers)
 }

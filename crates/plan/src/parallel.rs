@@ -1,0 +1,33 @@
+//! Independent jobs (a model's layers, §4.1) over the machine's cores: contiguous chunks, one
+//! scoped thread each, results in the jobs' order — so a result never depends on the core count.
+
+/// `f` of every job, in order, on up to all cores (on the calling thread when there is one core
+/// or one job); the first error in job order, if any.
+pub fn map_in_order<T: Sync, R: Send, E: Send>(jobs: &[T], f: impl Fn(&T) -> Result<R, E> + Sync) -> Result<Vec<R>, E> {
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(jobs.len());
+    if threads <= 1 {
+        return jobs.iter().map(f).collect();
+    }
+    let chunk = jobs.len().div_ceil(threads);
+    let f = &f;
+    let parts: Vec<Result<Vec<R>, E>> = std::thread::scope(|s| {
+        let handles: Vec<_> = jobs.chunks(chunk).map(|part| s.spawn(move || part.iter().map(f).collect())).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let mut out = Vec::with_capacity(jobs.len());
+    for p in parts {
+        out.extend(p?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn results_keep_the_jobs_order_and_the_first_error_wins() {
+        let jobs: Vec<u32> = (0..37).collect();
+        assert_eq!(super::map_in_order(&jobs, |&j| Ok::<_, ()>(j * 2)).unwrap(), jobs.iter().map(|j| j * 2).collect::<Vec<_>>());
+        let err = super::map_in_order(&jobs, |&j| if j % 10 == 7 { Err(j) } else { Ok(j) }).unwrap_err();
+        assert_eq!(err, 7);
+    }
+}
