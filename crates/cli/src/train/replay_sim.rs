@@ -13,6 +13,7 @@
 //! replay's: 120 s × the scale). Checkpoint writes cost nothing extra: rank 0 writes inside its
 //! measured steps.
 
+use lazarus_control::controller::MoveCause;
 use lazarus_control::train::ReconfigurationRecord;
 use lazarus_model::TrainConfig;
 use lazarus_sim::{simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace, TraceEvent};
@@ -54,17 +55,17 @@ fn mean(xs: impl Iterator<Item = f64>) -> Option<f64> {
 /// The run's costs: the mean step, and the means of its moves by kind.
 pub fn calibrate(f: &RunFigures) -> Option<Calibration> {
     let step_s = mean(f.step_s.iter().copied().filter(|&s| s > 0.0))?;
-    let of = |cause: &'static str| f.moves.iter().filter(move |m| m.cause == cause);
-    let detect_s = mean(of("reconfigure").map(|m| m.detect_s)).unwrap_or(DEFAULT_DETECT_S);
-    let rebuild_s = mean(of("reconfigure").map(|m| (m.recovery_s - m.detect_s - m.transfer_s).max(0.0))).unwrap_or(DEFAULT_REBUILD_S);
+    let of = |cause: MoveCause| f.moves.iter().filter(move |m| m.cause == cause);
+    let detect_s = mean(of(MoveCause::Failure).map(|m| m.detect_s)).unwrap_or(DEFAULT_DETECT_S);
+    let rebuild_s = mean(of(MoveCause::Failure).map(|m| (m.recovery_s - m.detect_s - m.transfer_s).max(0.0))).unwrap_or(DEFAULT_REBUILD_S);
     let (bytes, seconds) = f
         .moves
         .iter()
         .filter(|m| m.transfer_bytes > 0 && m.transfer_s > 0.0)
         .fold((0.0, 0.0), |(b, s), m| (b + m.transfer_bytes as f64, s + m.transfer_s));
     let bytes_per_s = if seconds > 0.0 { bytes / seconds } else { DEFAULT_BYTES_PER_S };
-    let rollback_s = mean(of("rollback").map(|m| m.recovery_s)).unwrap_or(detect_s + rebuild_s);
-    let rebalance_s = mean(of("rebalance").map(|m| m.recovery_s)).unwrap_or(rebuild_s);
+    let rollback_s = mean(of(MoveCause::Rollback).map(|m| m.recovery_s)).unwrap_or(detect_s + rebuild_s);
+    let rebalance_s = mean(of(MoveCause::Rebalance).map(|m| m.recovery_s)).unwrap_or(rebuild_s);
     Some(Calibration { step_s, detect_s, rebuild_s, bytes_per_s, rollback_s, rebalance_s })
 }
 
@@ -150,16 +151,16 @@ pub fn compare(cfg: &TrainConfig, shape: &RunShape, f: &RunFigures, steps: u64) 
     let s = scenario(cfg, shape, &cal, f);
     let r: PolicyReport = simulate(&s, Policy::Lazarus)?;
     let measured = (steps * cfg.batch_size as u64) as f64;
-    let count = |cause: &str| f.moves.iter().filter(|m| m.cause == cause).count();
+    let count = |cause: MoveCause| f.moves.iter().filter(|m| m.cause == cause).count();
     Ok(Some(ReplayVsSim {
         event: "replay_vs_sim",
         wall_s: f.wall_s,
         measured_samples: measured,
         predicted_samples: r.trained_samples,
         ratio: r.trained_samples / measured.max(1.0),
-        measured_reconfigurations: count("reconfigure") + count("drain"),
-        measured_rollbacks: count("rollback"),
-        measured_joins: count("join"),
+        measured_reconfigurations: count(MoveCause::Failure) + count(MoveCause::Drain),
+        measured_rollbacks: count(MoveCause::Rollback),
+        measured_joins: count(MoveCause::Join),
         predicted_reconfigurations: r.reconfigurations,
         predicted_restarts: r.restarts,
         calibration: cal,
@@ -171,11 +172,11 @@ mod tests {
     use super::*;
     use lazarus_sim::Change;
 
-    fn record(cause: &str, detect_s: f64, transfer_s: f64, bytes: u64, recovery_s: f64) -> ReconfigurationRecord {
+    fn record(cause: MoveCause, detect_s: f64, transfer_s: f64, bytes: u64, recovery_s: f64) -> ReconfigurationRecord {
         ReconfigurationRecord {
             event: "reconfiguration",
             epoch: 1,
-            cause: cause.into(),
+            cause,
             lost: vec![],
             joined: vec![],
             step: 10,
@@ -198,10 +199,10 @@ mod tests {
             wall_s: 10.0,
             step_s: vec![0.02, 0.06, 0.01, 0.02, 0.04],
             moves: vec![
-                record("reconfigure", 0.1, 0.01, 1_000_000, 0.3),
-                record("reconfigure", 0.3, 0.03, 3_000_000, 0.5),
-                record("rollback", 0.1, 0.0, 0, 2.0),
-                record("join", 0.0, 0.01, 1_000_000, 0.1),
+                record(MoveCause::Failure, 0.1, 0.01, 1_000_000, 0.3),
+                record(MoveCause::Failure, 0.3, 0.03, 3_000_000, 0.5),
+                record(MoveCause::Rollback, 0.1, 0.0, 0, 2.0),
+                record(MoveCause::Join, 0.0, 0.01, 1_000_000, 0.1),
             ],
             loads: vec![],
         };

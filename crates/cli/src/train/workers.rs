@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use lazarus_control::controller::{MoveCause, RebalanceVerdict};
 use lazarus_control::{
     plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainEvent, TrainJob,
     TrainOutcome,
@@ -402,11 +403,11 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
             TrainEvent::Rebalance(d) => {
                 reporter.pause();
                 let what = match d.decision {
-                    "shrink" => format!(
+                    RebalanceVerdict::Shrink => format!(
                         "shrink to layers {:?} (the whole plan would gain {:.2} s for {:.2} s)",
                         d.layers, d.full_gain_s, d.full_cost_s
                     ),
-                    other => other.to_string(),
+                    other => other.as_str().to_string(),
                 };
                 tracing::info!(
                     "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
@@ -442,7 +443,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
                 figures.moves.push(r.clone());
                 let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
                 let who = match (r.lost.is_empty(), r.joined.is_empty()) {
-                    (false, true) if r.cause == "drain" => format!("worker(s) {} left", list(&r.lost)),
+                    (false, true) if r.cause == MoveCause::Drain => format!("worker(s) {} left", list(&r.lost)),
                     (false, true) => format!("worker(s) {} lost", list(&r.lost)),
                     (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
                     (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
@@ -450,12 +451,12 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
                 };
                 tracing::info!(
                     "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
-                    match r.cause.as_str() {
-                        "rollback" => "rolled back",
-                        "join" => "joined",
-                        "rebalance" => "rebalanced",
-                        "drain" => "drained",
-                        _ => "reconfigured",
+                    match r.cause {
+                        MoveCause::Rollback => "rolled back",
+                        MoveCause::Join => "joined",
+                        MoveCause::Rebalance => "rebalanced",
+                        MoveCause::Drain => "drained",
+                        MoveCause::Failure => "reconfigured",
                     },
                     r.epoch,
                     r.workers,
@@ -479,7 +480,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
                         r.rollback_avoided_steps
                     );
                 }
-                if r.cause == "rollback" {
+                if r.cause == MoveCause::Rollback {
                     reporter.rewind(r.step).and_then(|_| reporter.record(&r))
                 } else {
                     reporter.record(&r)

@@ -8,7 +8,17 @@
 //! A rebalance skipped under this rule could not have paid off within its horizon; one applied
 //! may pay off less than predicted.
 
+use std::collections::BTreeMap;
+
+use lazarus_plan::{plan_model, plan_reconfiguration, ModelPlan, NodeState, Placement};
 use serde::Serialize;
+
+use super::{Command, Controller, MoveCause, MoveCost};
+
+/// Before any move was measured: 1 GB/s, and 50 ms for the pause and rendezvous (loopback-like;
+/// the first measured move replaces both).
+pub(super) const DEFAULT_SECONDS_PER_BYTE: f64 = 1e-9;
+pub(super) const DEFAULT_MOVE_FIXED_S: f64 = 0.05;
 
 /// One MoE layer of a candidate plan: its bottleneck now and under the candidate, and what
 /// moving it to the candidate would send.
@@ -49,9 +59,7 @@ pub struct RebalanceDecision {
     pub event: &'static str,
     /// Steps done when it was weighed.
     pub step: u64,
-    /// `apply` (the job pauses and moves every layer the candidate changes), `shrink` (it moves
-    /// only the layers that repay their own move) or `skip`.
-    pub decision: &'static str,
+    pub decision: RebalanceVerdict,
     /// Predicted seconds saved over the horizon by what is applied (an upper bound, see the
     /// module's note), and what that move costs; for a skip, those of the whole candidate.
     pub gain_s: f64,
@@ -68,6 +76,34 @@ pub struct RebalanceDecision {
     pub layers: Vec<usize>,
     pub transfers: usize,
     pub transfer_bytes: u64,
+}
+
+/// What the controller does with a rebalance it weighed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RebalanceVerdict {
+    /// The job pauses and moves every layer the candidate changes.
+    Apply,
+    /// It moves only the layers that repay their own move.
+    Shrink,
+    /// It stays where it is.
+    Skip,
+}
+
+impl RebalanceVerdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RebalanceVerdict::Apply => "apply",
+            RebalanceVerdict::Shrink => "shrink",
+            RebalanceVerdict::Skip => "skip",
+        }
+    }
+}
+
+impl std::fmt::Display for RebalanceVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl RebalanceCase {
@@ -108,14 +144,14 @@ impl RebalanceCase {
         let (full_gain_s, full_cost_s) = (self.gain_s(&full), self.cost_s(&full));
         let net = |layers: &[usize]| self.gain_s(layers) - self.cost_s(layers);
         let decision = if worth.is_empty() || net(&worth) <= 0.0 {
-            "skip"
+            RebalanceVerdict::Skip
         } else if worth == full {
-            "apply"
+            RebalanceVerdict::Apply
         } else {
-            "shrink"
+            RebalanceVerdict::Shrink
         };
-        let moved = if decision == "skip" { Vec::new() } else { worth };
-        let shown = if decision == "skip" { &full } else { &moved };
+        let moved = if decision == RebalanceVerdict::Skip { Vec::new() } else { worth };
+        let shown = if decision == RebalanceVerdict::Skip { &full } else { &moved };
         RebalanceDecision {
             event: "rebalance",
             step,
@@ -132,6 +168,128 @@ impl RebalanceCase {
             transfer_bytes: shown.iter().map(|&l| self.layers[l].bytes).sum(),
             layers: moved,
         }
+    }
+}
+
+/// The load monitor and the rebalance rule of the controller.
+impl Controller {
+    /// A step finished: the load monitor takes its expert loads (of the current epoch only),
+    /// and a move's measured cost becomes the estimate of the next.
+    pub(super) fn step_done(&mut self, epoch: u64, step: u64, loads: &[Vec<u64>], seconds: f64, moved: Option<MoveCost>) {
+        if epoch == self.epoch && loads.len() == self.loads.len() {
+            for (acc, l) in self.loads.iter_mut().zip(loads) {
+                if l.len() == acc.len() {
+                    acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
+                }
+            }
+            self.last_step = self.last_step.max(step);
+            if seconds.is_finite() && seconds >= 0.0 {
+                self.steps_since_plan += 1;
+                self.step_seconds += seconds;
+            }
+        }
+        if let Some(m) = moved.filter(|m| m.bytes > 0 && m.transfer_s.is_finite() && m.transfer_s > 0.0) {
+            self.seconds_per_byte = m.transfer_s / m.bytes as f64;
+            if m.rebuild_s.is_finite() && m.rebuild_s >= 0.0 {
+                self.move_fixed_s = m.rebuild_s;
+            }
+        }
+    }
+
+    /// Every `rebalance_every` steps: weigh a plan from the measured loads (not while workers
+    /// wait to join: their move re-plans anyway), and pause for it if it repays its move.
+    pub(super) fn weigh_a_rebalance(&mut self, out: &mut Vec<Command>) {
+        let every = self.spec.rebalance_every;
+        if !self.running() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() {
+            return;
+        }
+        let weighed = self.weigh_rebalance();
+        self.steps_since_plan = 0;
+        self.step_seconds = 0.0;
+        let Some((d, target)) = weighed else { return };
+        let apply = d.decision != RebalanceVerdict::Skip;
+        self.note(format!(
+            "epoch {}: rebalance at step {}: {} (gain {:.2} s, cost {:.2} s over {} steps)",
+            self.epoch, d.step, d.decision, d.gain_s, d.cost_s, d.horizon_steps
+        ));
+        out.push(Command::Rebalance(d));
+        if apply {
+            self.rebalance_to = Some(target);
+            self.pause(MoveCause::Rebalance, out);
+        }
+    }
+
+    /// The plan the measured loads call for on the current nodes, against the current one: what
+    /// each layer's move would gain and cost, the decision, and the plan it moves to (None: no
+    /// loads measured, or nothing to plan).
+    fn weigh_rebalance(&self) -> Option<(RebalanceDecision, ModelPlan)> {
+        if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
+            return None;
+        }
+        let candidate = plan_model(&self.loads, self.plan.shape(), &self.spec.policy, Some(&self.plan)).ok()?;
+        // What each node holds now (its workers' experts), and the node of each plan position.
+        let g = self.spec.gpus_per_node.max(1);
+        let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
+        for &w in &self.ranks {
+            let entry = held.entry(self.node(w)).or_insert_with(|| vec![Vec::new(); self.spec.layers]);
+            for (l, experts) in self.planned_holdings(w)?.into_iter().enumerate() {
+                entry[l].extend(experts);
+            }
+        }
+        let position_node: Vec<u64> = self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect();
+        let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
+        let bytes = vec![self.spec.expert_bytes; self.spec.layers];
+        let rp = plan_reconfiguration(&live, candidate.layers(), &bytes).ok()?;
+        // The candidate with its nodes where the mapping puts them (plan position n on the node
+        // now at position n): layers of it and of the current plan then mix without moving more.
+        let aligned: Vec<Placement> = candidate
+            .layers()
+            .iter()
+            .map(|p| {
+                let nodes = position_node
+                    .iter()
+                    .map(|n| rp.plan_to_node.iter().position(|m| m == n).map(|q| p.nodes()[q].clone()))
+                    .collect::<Option<Vec<_>>>()?;
+                Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
+            })
+            .collect::<Option<_>>()?;
+        let mut layers = Vec::new();
+        let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
+        for (l, loads) in self.loads.iter().enumerate() {
+            let before = self.plan.layers()[l].load_balance(loads).ok()?;
+            let after = aligned[l].load_balance(loads).ok()?;
+            imbalance_before += before.imbalance();
+            imbalance_after += after.imbalance();
+            let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();
+            layers.push(LayerCase {
+                differs: aligned[l] != self.plan.layers()[l],
+                bottleneck_before: before.bottleneck,
+                bottleneck_after: after.bottleneck,
+                transfers: moves.len(),
+                bytes: moves.iter().map(|t| t.bytes).sum(),
+            });
+        }
+        let n = self.spec.layers.max(1) as f64;
+        let case = RebalanceCase {
+            step_s: self.step_seconds / self.steps_since_plan as f64,
+            // The gain counts until the next rebalance is weighed, or the job ends.
+            horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
+            layers,
+            imbalance_before: imbalance_before / n,
+            imbalance_after: imbalance_after / n,
+            seconds_per_byte: self.seconds_per_byte,
+            fixed_s: self.move_fixed_s,
+        };
+        let mut d = case.decide(self.last_step);
+        // The plan it moves to: the candidate's layers that move, the current plan's others.
+        let mixed: Vec<Placement> =
+            (0..self.spec.layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { self.plan.layers()[l].clone() }).collect();
+        let target = ModelPlan::new(self.plan.epoch(), mixed).ok()?;
+        if d.decision == RebalanceVerdict::Shrink {
+            let sum: f64 = target.layers().iter().zip(&self.loads).filter_map(|(p, w)| p.load_balance(w).ok()).map(|b| b.imbalance()).sum();
+            d.imbalance_after = sum / n;
+        }
+        Some((d, target))
     }
 }
 
@@ -162,7 +320,7 @@ mod tests {
         assert!((c.gain_s(&[0, 1]) - 200.0 * 0.5 * 51.0 / 250.0).abs() < 1e-9);
         assert!((c.cost_s(&[0, 1]) - 0.204).abs() < 1e-12);
         let d = c.decide(400);
-        assert_eq!((d.decision, d.step, d.transfers, d.layers.clone()), ("apply", 400, 4, vec![0, 1]), "{d:?}");
+        assert_eq!((d.decision, d.step, d.transfers, d.layers.clone()), (RebalanceVerdict::Apply, 400, 4, vec![0, 1]), "{d:?}");
         assert_eq!((d.gain_s, d.cost_s), (d.full_gain_s, d.full_cost_s));
     }
 
@@ -172,7 +330,11 @@ mod tests {
         // not worth it, while layer 0 (20 s saved for 1 s) is.
         let c = RebalanceCase { seconds_per_byte: 5e-7, ..case() };
         let d = c.decide(400);
-        assert_eq!((d.decision, d.layers.clone(), d.transfers, d.transfer_bytes), ("shrink", vec![0], 2, 2_000_000), "{d:?}");
+        assert_eq!(
+            (d.decision, d.layers.clone(), d.transfers, d.transfer_bytes),
+            (RebalanceVerdict::Shrink, vec![0], 2, 2_000_000),
+            "{d:?}"
+        );
         assert!((d.gain_s - 20.0).abs() < 1e-9 && (d.cost_s - 1.2).abs() < 1e-9, "{d:?}");
         assert!(d.full_gain_s > d.gain_s && d.full_cost_s > d.cost_s);
         assert!(d.gain_s - d.cost_s > d.full_gain_s - d.full_cost_s, "the shrunk move saves more: {d:?}");
@@ -190,27 +352,27 @@ mod tests {
         };
         let slow = RebalanceCase { layers: vec![layer(150.0, 100.0), layer(100.0, 99.0)], seconds_per_byte: 2.5e-8, ..case() };
         let d = slow.decide(400);
-        assert_eq!((d.decision, d.layers.len()), ("skip", 0));
+        assert_eq!((d.decision, d.layers.len()), (RebalanceVerdict::Skip, 0));
         // A skip reports the whole candidate.
         assert_eq!((d.gain_s, d.cost_s, d.transfers), (d.full_gain_s, d.full_cost_s, 4));
         // A candidate no better than the current plan gains nothing.
         let same = RebalanceCase { layers: vec![layer(150.0, 150.0)], ..case() };
         assert_eq!(same.gain_s(&[0]), 0.0);
-        assert_eq!(same.decide(400).decision, "skip");
+        assert_eq!(same.decide(400).decision, RebalanceVerdict::Skip);
         let worse = RebalanceCase { layers: vec![layer(150.0, 200.0)], ..case() };
         assert_eq!(worse.gain_s(&[0]), 0.0);
         // Nothing to move: nothing to apply, whatever the figures say.
         let still = RebalanceCase { layers: vec![LayerCase { differs: false, transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
-        assert_eq!(still.decide(400).decision, "skip");
+        assert_eq!(still.decide(400).decision, RebalanceVerdict::Skip);
         // Copies inside nodes only: no bytes, but the pause is paid — moved if the gain repays it.
         let local = RebalanceCase { layers: vec![LayerCase { transfers: 0, bytes: 0, ..case().layers[0] }], ..case() };
-        assert_eq!(local.decide(400).decision, "apply");
-        assert_eq!(RebalanceCase { fixed_s: 100.0, ..local }.decide(400).decision, "skip");
+        assert_eq!(local.decide(400).decision, RebalanceVerdict::Apply);
+        assert_eq!(RebalanceCase { fixed_s: 100.0, ..local }.decide(400).decision, RebalanceVerdict::Skip);
         // No loads measured: no gain.
         let idle = RebalanceCase { layers: vec![LayerCase { bottleneck_before: 0.0, ..case().layers[0] }], ..case() };
         assert_eq!(idle.gain_s(&[0]), 0.0);
         // Layers that each repay their bytes but not, together, the fixed cost: skipped.
         let tiny = RebalanceCase { horizon_steps: 1, fixed_s: 10.0, ..case() };
-        assert_eq!(tiny.decide(400).decision, "skip");
+        assert_eq!(tiny.decide(400).decision, RebalanceVerdict::Skip);
     }
 }

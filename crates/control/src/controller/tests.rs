@@ -1,6 +1,8 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::protocol::CommittedStep;
+use lazarus_plan::{plan_model, ClusterShape};
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -115,7 +117,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2], seconds: 0.1, moved: None });
     assert!(c.decide(t0, Event::Joined { workers: vec![20] }).is_empty(), "taken in only after its wait");
     assert_eq!(c.standby().collect::<Vec<_>>(), vec![20]);
-    assert_eq!((c.member_state(20), c.member_state(10)), ("standby", "member"));
+    assert_eq!((c.member_state(20), c.member_state(10)), (MemberState::Standby, MemberState::Member));
     // Before the wait is over: nothing; heartbeats keep everyone (the joiner too) alive.
     assert!(beat(&mut c, t0 + SEC).is_empty());
     assert!(c.decide(t0 + SEC, Event::Tick).is_empty());
@@ -145,7 +147,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
         }
     }
     assert!(c.alive().contains(&20) && c.standby().next().is_none());
-    assert_eq!(c.member_state(20), "member");
+    assert_eq!(c.member_state(20), MemberState::Member);
 }
 
 #[test]
@@ -229,7 +231,7 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     let t0 = Instant::now();
     let (mut c, out) = drifted(2.0, t0);
     let [Command::Rebalance(d), Command::Pause { epoch: 0, nodes }] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((d.decision, d.step, d.horizon_steps), ("apply", 4, 4), "{d:?}");
+    assert_eq!((d.decision, d.step, d.horizon_steps), (RebalanceVerdict::Apply, 4, 4), "{d:?}");
     assert!(d.imbalance_after < d.imbalance_before && d.gain_s > d.cost_s && d.transfers > 0, "{d:?}");
     assert_eq!(nodes, &vec![10, 11, 12]);
     let r = |c: &Controller, node| StopReport {
@@ -265,7 +267,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
         out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, loads, seconds: 2.0, moved: None }));
     }
     let [Command::Rebalance(d), Command::Pause { .. }] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((d.decision, d.layers.clone()), ("shrink", vec![0]), "{d:?}");
+    assert_eq!((d.decision, d.layers.clone()), (RebalanceVerdict::Shrink, vec![0]), "{d:?}");
     assert!(d.gain_s - d.cost_s > d.full_gain_s - d.full_cost_s, "{d:?}");
     let r = |c: &Controller, node| StopReport {
         steps_done: 4,
@@ -290,7 +292,7 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
     // Steps of a microsecond: no plan saves enough in 4 steps to pay for moving experts.
     let (c, out) = drifted(1e-6, t0);
     let [Command::Rebalance(d)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!(d.decision, "skip", "{d:?}");
+    assert_eq!(d.decision, RebalanceVerdict::Skip, "{d:?}");
     assert!(d.gain_s < d.cost_s);
     assert!(c.running() && c.epoch() == 0);
 }
@@ -304,7 +306,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
         c.decide(t0, Event::Drain { workers: vec![11], reason: "SIGTERM".into() }),
         vec![Command::Pause { epoch: 0, nodes: vec![10, 11, 12] }]
     );
-    assert_eq!(c.member_state(11), "leaving");
+    assert_eq!(c.member_state(11), MemberState::Leaving);
     let r = |c: &Controller, node, epoch_steps| StopReport {
         steps_done: epoch_steps,
         held: None,
@@ -344,7 +346,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     assert_eq!((m2.cause, m2.hold, m2.commit_to, m2.ranks.len()), (MoveCause::Drain, false, 7, 2));
     assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
     assert!(!c.alive().contains(&11));
-    assert_eq!(c.member_state(11), "lost");
+    assert_eq!(c.member_state(11), MemberState::Drained, "a worker that left on notice was not lost");
 }
 
 /// Rank 0 got through the commit vote of step 6 (and reported it: the log has it), then died;
@@ -643,6 +645,10 @@ proptest! {
             };
             let out = c.decide(now, ev);
             prop_assert!(c.standby().all(|w| !c.alive().contains(&w)), "a worker both stands by and is a member");
+            prop_assert!(
+                c.alive().iter().all(|&w| matches!(c.member_state(w), MemberState::Member | MemberState::Leaving)),
+                "a member is a member or leaving"
+            );
             prop_assert!(c.epoch() >= epoch);
             epoch = c.epoch();
             for cmd in &out {
@@ -659,6 +665,10 @@ proptest! {
                         for t in &m.transfers {
                             prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
                         }
+                        // The cause says which command it is: a rollback moves nothing.
+                        let rollback = matches!(cmd, Command::Rollback { .. });
+                        prop_assert_eq!(m.cause == MoveCause::Rollback, rollback);
+                        prop_assert!(!rollback || (m.transfers.is_empty() && m.restored.is_empty()));
                     }
                     Command::Fence { epoch, ranks, nodes } => {
                         prop_assert!(*epoch <= c.epoch() && !ranks.is_empty());
@@ -678,7 +688,7 @@ proptest! {
                     Command::Stop { .. } => prop_assert!(c.stopped()),
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
-                    Command::Rebalance(d) => prop_assert!(["apply", "shrink", "skip"].contains(&d.decision)),
+                    Command::Rebalance(d) => prop_assert!(d.decision != RebalanceVerdict::Skip || d.layers.is_empty()),
                     Command::LogStep(s) => prop_assert_eq!(s.report.step, c.last_step()),
                     Command::Pause { epoch, nodes } => {
                         prop_assert_eq!(*epoch, c.epoch());

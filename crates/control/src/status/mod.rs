@@ -36,7 +36,7 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
             rank: ctl.ranks().iter().position(|&n| n == node).map(|r| r as u64),
             silent_s: ctl.last_heard(node).map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
             epoch: ctl.node_epoch(node).map_or(0, |e| e.saturating_sub(first_epoch)),
-            state: ctl.member_state(node).to_string(),
+            state: ctl.member_state(node).as_str().to_string(),
         })
         .collect();
     StatusReply {

@@ -10,7 +10,7 @@ use lazarus_plan::ModelPlan;
 use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-use crate::controller::{Command, Controller, Event, JobSpec, MoveCost, StopReport};
+use crate::controller::{Command, Controller, Event, JobSpec, MoveCause, MoveCost, StopReport};
 use crate::error::ControlError;
 use crate::fleet::Fleet;
 use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
@@ -154,14 +154,14 @@ pub(super) fn drive(
                     }
                 }
                 Command::Reconfigure(m) => {
-                    shell.begin_move(&m, m.cause.name(), plan_s, first_epoch);
+                    shell.begin_move(&m, plan_s, first_epoch);
                     for (rank, &node) in m.ranks.iter().enumerate() {
                         let to = rank_move(&m, rank);
                         let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
                 }
                 Command::Rollback { to: m, to_step } => {
-                    shell.begin_move(&m, "rollback", plan_s, first_epoch);
+                    shell.begin_move(&m, plan_s, first_epoch);
                     if let Some(r) = &mut shell.recovering {
                         r.step = to_step.unwrap_or(0);
                     }
@@ -223,7 +223,7 @@ fn rank_move(m: &crate::controller::Move, rank: usize) -> Reconfiguration {
 /// A reconfiguration in progress, for its record.
 struct Recovering {
     started: Instant,
-    cause: &'static str,
+    cause: MoveCause,
     epoch: u64,
     lost: Vec<u64>,
     joined: Vec<u64>,
@@ -266,7 +266,7 @@ impl Shell {
         } else {
             self.recovering = Some(Recovering {
                 started: at,
-                cause: "",
+                cause: MoveCause::Failure,
                 epoch: 0,
                 lost: Vec::new(),
                 joined: Vec::new(),
@@ -283,10 +283,10 @@ impl Shell {
         }
     }
 
-    fn begin_move(&mut self, m: &crate::controller::Move, cause: &'static str, plan_s: f64, first_epoch: u64) {
+    fn begin_move(&mut self, m: &crate::controller::Move, plan_s: f64, first_epoch: u64) {
         self.failure_seen();
         if let Some(r) = &mut self.recovering {
-            r.cause = cause;
+            r.cause = m.cause;
             // A move that failed half-way and the one after it: the last one's restores count.
             r.restored = m.restored.clone();
             r.rollback_avoided = m.rollback_avoided;
@@ -348,7 +348,7 @@ impl Shell {
                     observe(TrainEvent::Reconfigured(ReconfigurationRecord {
                         event: "reconfiguration",
                         epoch: r.epoch,
-                        cause: r.cause.into(),
+                        cause: r.cause,
                         lost: r.lost.clone(),
                         joined: r.joined.clone(),
                         step: r.step,

@@ -179,8 +179,8 @@ pub struct ReconfigurationRecord {
     /// The job's epoch after it: 1 after the first reconfiguration, 2 after the second, …
     pub epoch: u64,
     /// `reconfigure` (workers lost, no state lost), `rollback` (to the last checkpoint, or the
-    /// start) or `join` (workers taken in at a step boundary).
-    pub cause: String,
+    /// start), `join` (workers taken in at a step boundary), `rebalance` or `drain`.
+    pub cause: crate::controller::MoveCause,
     /// The workers lost (their original ranks).
     pub lost: Vec<u64>,
     /// The workers taken in (their ids: after the first workers, in order of arrival).
@@ -201,7 +201,7 @@ pub struct ReconfigurationRecord {
     /// Workers after it.
     pub workers: usize,
     /// Experts that lost every live replica and came back from snapshots in other nodes'
-    /// memory (cause `restore`): each one's snapshot step, staleness and tokens lost.
+    /// memory (in a `reconfigure`): each one's snapshot step, staleness and tokens lost.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub restored: Vec<crate::controller::RestoredExpert>,
     /// Steps a rollback to the last checkpoint would have run again instead.

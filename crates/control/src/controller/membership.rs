@@ -1,0 +1,223 @@
+//! Membership and leases: who is in the job, who waits to join, who leaves on notice, and who
+//! is lost. A node (G workers) is the unit of failure: a worker lost takes the other workers of
+//! its node with it, so that plans always have whole nodes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use super::{Before, Command, Controller, MoveCause, NodeId, Phase};
+
+/// What a worker is to the job, as `lazarus status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberState {
+    /// Has a rank of the current epoch.
+    Member,
+    /// Joined and waits to be taken in at a step boundary.
+    Standby,
+    /// Its node gave notice: the job moves off it.
+    Leaving,
+    /// Left the job after its node's drain: it sent what it alone held.
+    Drained,
+    /// Exited, missed its lease, or went with another worker of its node.
+    Lost,
+}
+
+impl MemberState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemberState::Member => "member",
+            MemberState::Standby => "standby",
+            MemberState::Leaving => "leaving",
+            MemberState::Drained => "drained",
+            MemberState::Lost => "lost",
+        }
+    }
+}
+
+impl std::fmt::Display for MemberState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Controller {
+    /// What `worker` is to the job.
+    pub fn member_state(&self, worker: NodeId) -> MemberState {
+        if self.standby.contains_key(&worker) {
+            MemberState::Standby
+        } else if self.drained.contains(&worker) {
+            MemberState::Drained
+        } else if !self.alive.contains(&worker) {
+            MemberState::Lost
+        } else if self.draining.contains(&worker) {
+            MemberState::Leaving
+        } else {
+            MemberState::Member
+        }
+    }
+
+    /// Workers that joined and wait to be taken in.
+    pub fn standby(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.standby.keys().copied()
+    }
+
+    /// Whether `worker` has a rank of the current epoch beyond the plan's: a drained worker
+    /// that sent what it alone held and now leaves.
+    pub(super) fn is_leaver(&self, worker: NodeId) -> bool {
+        self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= self.plan.shape().ranks())
+    }
+
+    /// When the workers waiting to join are due to be taken in (None: none wait).
+    pub(super) fn join_due(&self) -> Option<Instant> {
+        self.standby.values().min().map(|&t| t + self.spec.join_wait)
+    }
+
+    /// A controller that was not running (paused, descheduled, its host asleep) for more than
+    /// half a lease heard nothing in that time and cannot tell who fell silent: every node's
+    /// silence is counted from where it stood when the stall began.
+    pub(super) fn extend_leases_after_a_stall(&mut self, now: Instant) {
+        if let Some(prev) = self.last_decision {
+            let gap = now.saturating_duration_since(prev);
+            if gap > self.spec.lease / 2 {
+                self.note(format!("the controller was stalled for {} ms: leases extended by as much", gap.as_millis()));
+                for t in self.last_seen.values_mut() {
+                    *t += gap;
+                }
+            }
+        }
+        self.last_decision = Some(self.last_decision.map_or(now, |p| p.max(now)));
+    }
+
+    pub(super) fn heartbeat(&mut self, now: Instant, node: NodeId) {
+        if self.alive.contains(&node) || self.standby.contains_key(&node) {
+            self.last_seen.insert(node, now);
+        }
+    }
+
+    pub(super) fn exited(&mut self, node: NodeId, status: &str, before: &mut Before, out: &mut Vec<Command>) {
+        if self.alive.contains(&node) && self.is_leaver(node) {
+            // Expected: a drained worker leaves once its move is done (nothing to fence).
+            self.alive.remove(&node);
+            before.alive.remove(&node);
+            self.draining.remove(&node);
+            self.drained.insert(node);
+            self.planned = Some(MoveCause::Drain);
+            self.note(format!("epoch {}: worker {node} left (drained)", self.epoch));
+            // The others hold after the move and say so; a rendezvous still finishing counted
+            // this one's Ready already.
+            if self.running() {
+                self.phase = Phase::Collecting { reports: BTreeMap::new() };
+            }
+        } else if self.alive.contains(&node) {
+            self.lose(node, &format!("exited ({status})"));
+        } else if self.standby.contains_key(&node) {
+            self.give_up_standby(node, &format!("exited ({status})"), out);
+        }
+    }
+
+    /// The whole node of each worker named leaves on notice, as far as it is in the job.
+    pub(super) fn drain(&mut self, workers: &[NodeId], reason: &str) {
+        let nodes: BTreeSet<u64> = workers.iter().filter(|w| self.alive.contains(w)).map(|&w| self.node(w)).collect();
+        let all: Vec<NodeId> = self.alive.iter().copied().filter(|&w| nodes.contains(&self.node(w))).collect();
+        if !all.is_empty() {
+            self.note(format!("epoch {}: workers {all:?} leave on notice ({reason})", self.epoch));
+            self.draining.extend(all);
+        }
+    }
+
+    /// A new node's workers stand by (ids seen before are ignored: a worker joins once).
+    pub(super) fn joined(&mut self, now: Instant, workers: Vec<NodeId>) {
+        let fresh: Vec<NodeId> = workers.into_iter().filter(|w| !self.last_seen.contains_key(w)).collect();
+        if fresh.is_empty() {
+            return;
+        }
+        let node = self.node_of.values().max().map_or(0, |&n| n + 1);
+        for &w in &fresh {
+            self.node_of.insert(w, node);
+            self.last_seen.insert(w, now);
+            self.node_epoch.insert(w, self.epoch);
+            self.standby.insert(w, now);
+        }
+        self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.epoch));
+    }
+
+    /// Members and workers standing by that missed their lease are killed and lost.
+    pub(super) fn expire_leases(&mut self, now: Instant, out: &mut Vec<Command>) {
+        let lease = self.spec.lease;
+        let reason = format!("no heartbeat for {} ms", lease.as_millis());
+        let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + lease);
+        let members: Vec<NodeId> = self.alive.iter().copied().filter(late).collect();
+        let waiting: Vec<NodeId> = self.standby.keys().copied().filter(late).collect();
+        for node in members {
+            out.push(Command::Kill { node, reason: reason.clone() });
+            self.lose(node, &reason);
+        }
+        for node in waiting {
+            // Gone already if another worker of its node went before it.
+            if self.standby.contains_key(&node) {
+                out.push(Command::Kill { node, reason: reason.clone() });
+                self.give_up_standby(node, &reason, out);
+            }
+        }
+    }
+
+    /// The other workers of a node that lost one are given up with it (and killed).
+    pub(super) fn lose_whole_nodes(&mut self, alive_before: &BTreeSet<NodeId>, out: &mut Vec<Command>) {
+        if self.spec.gpus_per_node <= 1 {
+            return;
+        }
+        let lost_now: Vec<NodeId> = alive_before.iter().copied().filter(|n| !self.alive.contains(n)).collect();
+        for lost in lost_now {
+            let siblings: Vec<NodeId> = self.alive.iter().copied().filter(|&w| self.node(w) == self.node(lost)).collect();
+            for w in siblings {
+                let reason = format!("worker {lost} of its node was lost");
+                out.push(Command::Kill { node: w, reason: reason.clone() });
+                self.lose(w, &reason);
+            }
+        }
+    }
+
+    /// A node that leaves on notice: every rank stops after the step in flight and the job
+    /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
+    pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command>) {
+        if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
+            self.note(format!("epoch {}: pause to move off workers {:?}", self.epoch, self.draining));
+            self.pause(MoveCause::Drain, out);
+        }
+    }
+
+    /// Workers waiting to join are taken in at a step boundary once their wait is over.
+    pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command>) {
+        if self.running() && self.join_due().is_some_and(|due| now >= due) {
+            self.note(format!("epoch {}: pause to take in workers {:?}", self.epoch, self.standby.keys().collect::<Vec<_>>()));
+            self.pause(MoveCause::Join, out);
+        }
+    }
+
+    /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
+    pub(super) fn lose(&mut self, node: NodeId, why: &str) {
+        self.alive.remove(&node);
+        self.draining.remove(&node);
+        self.planned = None;
+        self.rebalance_to = None;
+        self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
+        if !matches!(self.phase, Phase::Collecting { .. }) {
+            self.phase = Phase::Collecting { reports: BTreeMap::new() };
+        }
+        if let Phase::Collecting { reports } = &mut self.phase {
+            reports.remove(&node);
+        }
+    }
+
+    /// A worker waiting to join is gone: it and the other workers of its node are given up.
+    pub(super) fn give_up_standby(&mut self, worker: NodeId, why: &str, out: &mut Vec<Command>) {
+        let node = self.node(worker);
+        self.standby.remove(&worker);
+        self.note(format!("epoch {}: worker {worker} waiting to join lost: {why}", self.epoch));
+        let siblings: Vec<NodeId> = self.standby.keys().copied().filter(|&w| self.node(w) == node).collect();
+        for w in siblings {
+            self.standby.remove(&w);
+            out.push(Command::Kill { node: w, reason: format!("worker {worker} of its node was lost") });
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! What the controller is told ([`Event`]), what it tells its shell to do ([`Command`]), and the
+//! plain values those carry: where a survivor stopped, a move to a new plan and why it moves.
+
+use serde::{Deserialize, Serialize};
+
+use super::{NodeId, RebalanceDecision};
+use crate::protocol::CommittedStep;
+
+/// What a finished move cost, measured: the controller's estimate of what the next will.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoveCost {
+    pub bytes: u64,
+    /// The slowest worker's transfers.
+    pub transfer_s: f64,
+    /// The slowest rendezvous.
+    pub rebuild_s: f64,
+}
+
+/// Where a survivor stopped when its step (or its move to a new plan) failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StopReport {
+    /// Steps committed.
+    pub steps_done: u64,
+    /// The step it computed but could not commit (its commit vote failed), if any.
+    pub held: Option<u64>,
+    /// The experts resident on it, per layer. After a move that failed half-way this is not
+    /// what any plan says (its old experts and those it received), so recovery plans from what
+    /// the survivors say they hold.
+    pub holds: Vec<Vec<usize>>,
+    /// The global report of its last committed step, if it has it.
+    #[serde(default)]
+    pub last: Option<CommittedStep>,
+    /// The expert snapshots it keeps for other nodes (the snapshot tier).
+    #[serde(default)]
+    pub snapshots: Vec<SnapshotHeld>,
+}
+
+/// One expert state sent from a holder to a new holder, ranks of the new world.
+pub use lazarus_runtime::ExpertTransfer;
+/// A snapshot a worker keeps (its own type, told the controller as it is).
+pub use lazarus_runtime::SnapshotHeld;
+
+/// An expert that lost every live replica and comes back from a snapshot in a move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoredExpert {
+    pub layer: usize,
+    pub expert: usize,
+    /// The step of the snapshot, and how many committed steps it is behind the job.
+    pub from_step: u64,
+    pub stale_steps: u64,
+    /// Tokens the expert processed after its snapshot (their updates are lost).
+    pub tokens_lost: u64,
+    /// The worker whose memory it comes from.
+    pub holder: NodeId,
+}
+
+/// What the controller is told.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The node is alive (its agent's or worker's heartbeat).
+    Heartbeat { node: NodeId },
+    /// The node's worker exited.
+    Exited { node: NodeId, status: String },
+    /// The node is listening for the rendezvous of `epoch` at `addr`.
+    Listening { node: NodeId, epoch: u64, addr: String },
+    /// The node finished moving to `epoch`'s plan (connected, transfers done): it trains.
+    Ready { node: NodeId, epoch: u64 },
+    /// The node's step failed at `epoch`; where it stopped.
+    StepFailed { node: NodeId, epoch: u64, report: StopReport },
+    /// A step finished at `epoch` (rank 0's report) in `seconds`: the load monitor takes its
+    /// expert loads. The first step after a move also brings what that move cost.
+    StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>>, seconds: f64, moved: Option<MoveCost> },
+    /// A checkpoint of `step` was written.
+    Checkpointed { step: u64 },
+    /// A new node's workers (their ids never used before) started and wait to be taken in.
+    Joined { workers: Vec<NodeId> },
+    /// These workers' node leaves soon (a preemption notice): move the job off it first.
+    Drain { workers: Vec<NodeId>, reason: String },
+    /// Time passed.
+    Tick,
+}
+
+/// The transfers and renumbering of a move to a new plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Move {
+    pub epoch: u64,
+    /// The node of each rank of the new world.
+    pub ranks: Vec<NodeId>,
+    /// Replicas of each expert on each rank.
+    pub plan: lazarus_plan::ReplicaMap,
+    /// Every survivor commits up to this step (one behind commits its held step; one at it drops
+    /// what it holds).
+    pub commit_to: u64,
+    pub transfers: Vec<ExpertTransfer>,
+    /// Ranks of the new world that join the job with it (they take the replicated state from
+    /// the others).
+    pub joining: Vec<usize>,
+    /// Ranks of the new world that only send what they alone hold, then leave (a drained node);
+    /// the plan gives them nothing.
+    pub leaving: Vec<usize>,
+    /// Train nothing after the move: the controller moves the job again at once (without the
+    /// leaving ranks).
+    pub hold: bool,
+    /// Why the job moves.
+    pub cause: MoveCause,
+    /// Experts restored from snapshots in this move (their live replicas all lost).
+    pub restored: Vec<RestoredExpert>,
+    /// Steps of every worker a rollback to the last checkpoint would have run again (what
+    /// restoring from snapshots saved; 0 when nothing was restored).
+    pub rollback_avoided: u64,
+}
+
+/// Why the job moves to a new plan; a `reconfiguration` record's `cause` (its JSON names are
+/// the records' since the first release: a failure's move is `reconfigure`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoveCause {
+    /// Workers were lost; the survivors go on with every expert's state (and any waiting to
+    /// join come in).
+    #[serde(rename = "reconfigure")]
+    Failure,
+    /// Workers were lost with every replica and snapshot of some expert: every survivor
+    /// reloads the last checkpoint (or the initial state) under the new plan.
+    Rollback,
+    /// Workers waiting to join are taken in at a step boundary.
+    Join,
+    /// A new plan from the measured loads, applied at a step boundary.
+    Rebalance,
+    /// A node leaves on notice: its experts are handed over before it goes.
+    Drain,
+}
+
+impl MoveCause {
+    /// The cause as a `reconfiguration` record names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoveCause::Failure => "reconfigure",
+            MoveCause::Rollback => "rollback",
+            MoveCause::Join => "join",
+            MoveCause::Rebalance => "rebalance",
+            MoveCause::Drain => "drain",
+        }
+    }
+}
+
+impl std::fmt::Display for MoveCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the shell must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// The node missed its lease: make sure nothing of it runs on (a hung worker is killed).
+    Kill { node: NodeId, reason: String },
+    /// Survivors move to a new plan without losing state.
+    Reconfigure(Move),
+    /// An expert lost every replica: every survivor reloads the checkpoint of step `to_step`
+    /// (`None`: the job's initial state) under the move's plan, without transfers.
+    Rollback { to: Move, to_step: Option<u64> },
+    /// Send the rendezvous addresses of `epoch`, in rank order, to its ranks.
+    Addresses { epoch: u64, addrs: Vec<String> },
+    /// A rank of `epoch` was lost during its rendezvous or move: tell the survivors (`nodes`)
+    /// to give it up and say where they stopped.
+    Abandon { epoch: u64, nodes: Vec<NodeId> },
+    /// Ranks of `epoch` were lost: tell the survivors (`nodes`) to cut their connections to
+    /// them, so that a step waiting on a rank that is silent but connected (hung, or cut off by
+    /// a partition) fails now instead of at its deadline.
+    Fence { epoch: u64, ranks: Vec<usize>, nodes: Vec<NodeId> },
+    /// Every rank of `epoch` is ready: training runs.
+    Resume { epoch: u64 },
+    /// Ask the ranks of `epoch` (`nodes`) to stop after the current step and say where they
+    /// stopped: a planned move (workers joining) follows.
+    Pause { epoch: u64, nodes: Vec<NodeId> },
+    /// The job cannot go on.
+    Stop { reason: String },
+    /// A rebalance was weighed (applied: a `Pause` follows).
+    Rebalance(RebalanceDecision),
+    /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report
+    /// got out), from a survivor's copy: log it, so that every committed step is logged once.
+    LogStep(CommittedStep),
+}

@@ -1,0 +1,337 @@
+//! Recovery: once every survivor said where it stopped (after a loss, or a pause the
+//! controller asked for), the job moves to a new epoch in named steps — the step everyone
+//! commits to; the experts that come back from snapshots; the survivors' plan; and the move
+//! that keeps every expert's state, or else the rollback to the last checkpoint.
+
+use std::collections::BTreeMap;
+
+use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, ReplicaMap};
+
+use super::{Command, Controller, ExpertTransfer, Move, MoveCause, NodeId, Phase, RestoredExpert, StopReport};
+
+/// The job as recovery sees it: who survives, who comes in and who leaves, and where each
+/// stopped.
+struct Survivors {
+    cause: MoveCause,
+    /// Every survivor's report, and an empty one for each joiner.
+    reports: BTreeMap<NodeId, StopReport>,
+    /// Members alive now (leavers included).
+    alive: Vec<NodeId>,
+    /// Workers waiting to join: they come in with this move, holding nothing yet.
+    joiners: Vec<NodeId>,
+    /// Workers of a node leaving on notice: they send what only they hold, then go.
+    leavers: Vec<NodeId>,
+    /// The nodes of the new plan, each with its workers.
+    nodes: BTreeMap<u64, Vec<NodeId>>,
+    /// The step every survivor commits to.
+    furthest: u64,
+}
+
+impl Controller {
+    /// A survivor's step failed (or it paused): where it stopped. A report from an epoch the
+    /// node was not told to be in is stale and ignored.
+    pub(super) fn step_failed(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport) {
+        self.last_seen.insert(node, now);
+        if !self.alive.contains(&node) || self.node_epoch.get(&node) != Some(&epoch) {
+            return;
+        }
+        if !matches!(self.phase, Phase::Collecting { .. }) {
+            self.note(format!("epoch {epoch}: node {node} stopped at step {}", report.steps_done));
+            self.phase = Phase::Collecting { reports: BTreeMap::new() };
+        }
+        let report = self.sanitized(report);
+        if let Phase::Collecting { reports } = &mut self.phase {
+            reports.insert(node, report);
+        }
+    }
+
+    /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
+    pub(super) fn try_recover(&mut self, out: &mut Vec<Command>) {
+        let Phase::Collecting { reports } = &self.phase else { return };
+        if self.alive.iter().any(|n| !reports.contains_key(n)) {
+            return;
+        }
+        let reports = reports.clone();
+        // With every node lost, workers waiting to join still carry the job on: from the last
+        // checkpoint (a rollback below: no expert survives).
+        if self.alive.is_empty() && self.standby.is_empty() {
+            return self.stop("every node is lost".into(), out);
+        }
+        let mut s = match self.survivors(reports, out) {
+            Ok(s) => s,
+            Err(reason) => return self.stop(reason, out),
+        };
+        let epoch = self.epoch + 1;
+        let g = self.spec.gpus_per_node.max(1);
+        let shape = match ClusterShape::new(s.nodes.len(), g, self.spec.slots_per_node / g) {
+            Ok(shape) => shape,
+            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+        };
+        let consistent =
+            s.reports.values().all(|r| r.steps_done == s.furthest || (r.steps_done + 1 == s.furthest && r.held == Some(s.furthest)));
+        let restored = self.restore_from_snapshots(&mut s);
+        let new = match self.survivors_plan(&s, shape) {
+            Ok(p) => p.with_epoch(epoch),
+            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+        };
+        if consistent {
+            if let Some(restored) = restored {
+                if let Some(m) = self.move_with_every_state(&s, &new, restored) {
+                    self.note_move(&m, s.nodes.len());
+                    self.adopt(new, m.ranks.clone());
+                    out.push(Command::Reconfigure(m));
+                    return;
+                }
+            }
+        }
+        self.roll_back(&s, new, out);
+    }
+
+    /// Who survives, who comes in and who leaves; the step all commit to (and the commit the
+    /// log lacks, if a survivor has it); the survivors' nodes, whole. Err: why the job cannot
+    /// go on.
+    fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport>, out: &mut Vec<Command>) -> Result<Survivors, String> {
+        let alive: Vec<NodeId> = self.alive.iter().copied().collect();
+        let cause = self.planned.take().unwrap_or(MoveCause::Failure);
+        let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
+        let furthest = self.commit_step(&reports, out);
+        for &w in &joiners {
+            reports.insert(
+                w,
+                StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers], last: None, snapshots: vec![] },
+            );
+        }
+        let leavers: Vec<NodeId> =
+            if cause == MoveCause::Drain { alive.iter().copied().filter(|w| self.draining.contains(w)).collect() } else { Vec::new() };
+        let members: Vec<NodeId> = alive.iter().chain(&joiners).copied().filter(|w| !leavers.contains(w)).collect();
+        let g = self.spec.gpus_per_node.max(1);
+        let slots = members.len() * (self.spec.slots_per_node / g);
+        if slots < self.spec.experts {
+            // What a user resumes from (with more nodes) once this job stops.
+            let resume = match self.checkpoint {
+                Some(step) => format!("the last checkpoint is of step {step}"),
+                None => "no checkpoint was written (--checkpoint-dir, --checkpoint-every)".to_string(),
+            };
+            return Err(format!(
+                "the {} surviving workers have {slots} expert slots, fewer than the {} experts of a layer; {resume}",
+                members.len(),
+                self.spec.experts
+            ));
+        }
+        // The surviving nodes, each with its workers (whole nodes: see `lose_whole_nodes`).
+        let mut nodes: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
+        for &w in &members {
+            nodes.entry(self.node(w)).or_default().push(w);
+        }
+        if nodes.values().any(|ws| ws.len() != g) {
+            return Err(format!("a node has lost some of its {g} workers but not all (cannot plan partial nodes)"));
+        }
+        Ok(Survivors { cause, reports, alive, joiners, leavers, nodes, furthest })
+    }
+
+    /// The step every survivor commits to: the furthest any committed, or one further when rank
+    /// 0 already logged a step every survivor computed but none committed (their vote failed
+    /// after rank 0 got through it: it is done, or it would be run and logged twice). When
+    /// survivors committed a step rank 0 never reported (lost after the vote, before its report
+    /// got out), one of them has its global report: the log gets it from there.
+    fn commit_step(&mut self, reports: &BTreeMap<NodeId, StopReport>, out: &mut Vec<Command>) -> u64 {
+        let mut furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
+        let next = furthest + 1;
+        if self.last_step == next && reports.values().all(|r| r.steps_done == next || r.held == Some(next)) {
+            furthest = next;
+        }
+        if furthest == self.last_step + 1 {
+            let copy = reports
+                .values()
+                .filter_map(|r| r.last.as_ref())
+                .find(|c| c.report.step == furthest && c.report.loss.is_finite() && c.seconds.is_finite() && c.seconds >= 0.0);
+            if let Some(c) = copy {
+                out.push(Command::LogStep(c.clone()));
+                self.last_step = furthest;
+            }
+        }
+        furthest
+    }
+
+    /// Every expert with no replica left on a survivor (by what they say they hold) comes back
+    /// from the freshest snapshot a survivor keeps (MoEtion §6, PEC §3), held from then on by
+    /// that survivor (it sends it from there). None: some expert has neither.
+    fn restore_from_snapshots(&self, s: &mut Survivors) -> Option<Vec<RestoredExpert>> {
+        let mut restored: Vec<RestoredExpert> = Vec::new();
+        for l in 0..self.spec.layers {
+            for e in 0..self.spec.experts {
+                if s.alive.iter().any(|n| s.reports[n].holds[l].contains(&e)) {
+                    continue;
+                }
+                let freshest = s
+                    .alive
+                    .iter()
+                    .flat_map(|&n| s.reports[&n].snapshots.iter().filter(|x| x.layer == l && x.expert == e).map(move |x| (n, *x)))
+                    .filter(|(_, x)| x.step <= s.furthest)
+                    .max_by_key(|(n, x)| (x.step, std::cmp::Reverse(*n)))?;
+                let (holder, x) = freshest;
+                let held_step_lost = if s.reports[&holder].steps_done < s.furthest { x.held_step_tokens } else { 0 };
+                restored.push(RestoredExpert {
+                    layer: l,
+                    expert: e,
+                    from_step: x.step,
+                    stale_steps: s.furthest - x.step,
+                    tokens_lost: x.tokens_lost.saturating_add(held_step_lost),
+                    holder,
+                });
+            }
+        }
+        for x in &restored {
+            if let Some(r) = s.reports.get_mut(&x.holder) {
+                r.holds[x.layer].push(x.expert);
+                r.holds[x.layer].sort_unstable();
+            }
+        }
+        Some(restored)
+    }
+
+    /// The plan of the new epoch: the second half of a drain keeps the plan its first half moved
+    /// the job to; an applied rebalance moves to the plan it weighed (if nothing changed
+    /// since); anything else is planned afresh from the measured loads.
+    fn survivors_plan(&mut self, s: &Survivors, shape: ClusterShape) -> Result<ModelPlan, lazarus_plan::PlanError> {
+        let previous = self.plan.clone().with_epoch(self.epoch);
+        let weighed = self.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
+        let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
+        if s.cause == MoveCause::Drain && nobody_moves && previous.shape() == shape {
+            return Ok(previous);
+        }
+        match weighed {
+            Some(p) => Ok(p),
+            None => plan_model(&self.plan_loads(), shape, &self.spec.policy, Some(&previous)),
+        }
+    }
+
+    /// The move to `new` that keeps every expert's state: the node mapping and the transfers
+    /// (experts only the leavers hold are sent by them). None: some expert's state would be
+    /// lost, or the transfers cannot be assigned to ranks.
+    fn move_with_every_state(&self, s: &Survivors, new: &ModelPlan, restored: Vec<RestoredExpert>) -> Option<Move> {
+        let live: Vec<NodeState> = s
+            .nodes
+            .iter()
+            .map(|(&node, ws)| {
+                let mut experts = vec![Vec::new(); self.spec.layers];
+                for w in ws {
+                    for (l, held) in s.reports[w].holds.iter().enumerate() {
+                        experts[l].extend(held.iter().copied());
+                    }
+                }
+                for l in &mut experts {
+                    l.sort_unstable();
+                    l.dedup();
+                }
+                NodeState { node, experts }
+            })
+            .collect();
+        let rp = plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]).ok()?;
+        // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q;
+        // the leaving workers come after, with nothing of the plan.
+        let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| s.nodes[n].iter().copied()).chain(s.leavers.clone()).collect();
+        let rank_node: Vec<u64> = ranks.iter().map(|&w| self.node(w)).collect();
+        let rank_holds: Vec<Vec<Vec<usize>>> = ranks.iter().map(|w| s.reports[w].holds.clone()).collect();
+        let map = with_empty_ranks(&new.replica_map(), s.leavers.len());
+        let lost_for_good = rp.lost.iter().any(|&(l, e)| !s.leavers.iter().any(|w| s.reports[w].holds[l].contains(&e)));
+        if lost_for_good {
+            return None;
+        }
+        let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?
+            .into_iter()
+            .map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to })
+            .collect();
+        let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
+        let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
+        let rollback_avoided = if restored.is_empty() { 0 } else { s.furthest - self.checkpoint.unwrap_or(0) };
+        Some(Move {
+            epoch: new.epoch(),
+            ranks,
+            plan: map,
+            commit_to: s.furthest,
+            transfers,
+            joining,
+            hold: !leaving.is_empty(),
+            leaving,
+            cause: s.cause,
+            restored,
+            rollback_avoided,
+        })
+    }
+
+    fn note_move(&mut self, m: &Move, nodes: usize) {
+        let epoch = m.epoch;
+        self.note(format!("epoch {epoch}: {} to {nodes} nodes at step {}, {} expert transfers", m.cause, m.commit_to, m.transfers.len()));
+        for x in &m.restored {
+            self.note(format!(
+                "epoch {epoch}: layer {} expert {} lost every replica: restored from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost; a rollback would have re-run {} steps)",
+                x.layer, x.expert, x.from_step, x.holder, x.stale_steps, x.tokens_lost, m.rollback_avoided
+            ));
+        }
+    }
+
+    /// An expert lost every replica and snapshot (or the survivors disagree on where they
+    /// stopped): every survivor reloads the last checkpoint under the new plan, and the steps
+    /// after it are undone (the log is cut back to it as well).
+    fn roll_back(&mut self, s: &Survivors, new: ModelPlan, out: &mut Vec<Command>) {
+        let to_step = self.checkpoint;
+        self.last_step = to_step.unwrap_or(0);
+        let ranks: Vec<NodeId> = s.nodes.values().flatten().copied().collect();
+        let m = Move {
+            epoch: new.epoch(),
+            ranks: ranks.clone(),
+            plan: new.replica_map(),
+            commit_to: s.furthest,
+            transfers: Vec::new(),
+            joining: Vec::new(),
+            leaving: Vec::new(),
+            hold: false,
+            cause: MoveCause::Rollback,
+            restored: Vec::new(),
+            rollback_avoided: 0,
+        };
+        self.note(format!(
+            "epoch {}: an expert lost every replica; roll back to {}",
+            m.epoch,
+            to_step.map_or("the start".into(), |s| format!("step {s}"))
+        ));
+        self.adopt(new, ranks);
+        out.push(Command::Rollback { to: m, to_step });
+    }
+
+    /// A report's holdings as far as they fit the job (a peer's word is checked: experts out of
+    /// range, and layers beyond the job's, are dropped; a missing layer holds nothing).
+    fn sanitized(&self, mut report: StopReport) -> StopReport {
+        report.holds.resize(self.spec.layers, Vec::new());
+        report.snapshots.retain(|x| x.layer < self.spec.layers && x.expert < self.spec.experts);
+        for l in &mut report.holds {
+            l.retain(|&e| e < self.spec.experts);
+            l.sort_unstable();
+            l.dedup();
+        }
+        report
+    }
+
+    /// Loads to plan from: those measured since the plan was made, or even loads before any.
+    fn plan_loads(&self) -> Vec<Vec<f64>> {
+        if self.loads.iter().flatten().any(|&x| x > 0.0) {
+            self.loads.clone()
+        } else {
+            vec![vec![1.0; self.spec.experts]; self.spec.layers]
+        }
+    }
+}
+
+/// `map` with `extra` ranks after its own that hold nothing (the leaving ranks of a drain).
+fn with_empty_ranks(map: &ReplicaMap, extra: usize) -> ReplicaMap {
+    if extra == 0 {
+        return map.clone();
+    }
+    let layers: Vec<Vec<Vec<u32>>> = map
+        .layers()
+        .iter()
+        .map(|l| l.iter().map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)).collect()).collect())
+        .collect();
+    ReplicaMap::new(map.epoch(), layers).expect("the same experts and replicas, more ranks")
+}

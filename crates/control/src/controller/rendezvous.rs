@@ -1,0 +1,76 @@
+//! The rendezvous of an epoch: every rank of the plan listens, gets every rank's address,
+//! connects and says it is ready; then training runs. A loss is told to the survivors: a
+//! running epoch fences the lost ranks off, a rendezvous in progress is called off.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::{Before, Command, Controller, NodeId, Phase};
+
+impl Controller {
+    pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command>) {
+        self.last_seen.insert(node, now);
+        let Phase::Rendezvous { addrs, .. } = &mut self.phase else { return };
+        if epoch != self.epoch || !self.ranks.contains(&node) {
+            return;
+        }
+        addrs.insert(node, addr);
+        if self.ranks.iter().all(|n| addrs.contains_key(n)) {
+            let list = self.ranks.iter().map(|n| addrs[n].clone()).collect();
+            out.push(Command::Addresses { epoch, addrs: list });
+        }
+    }
+
+    pub(super) fn ready(&mut self, now: Instant, node: NodeId, epoch: u64, out: &mut Vec<Command>) {
+        self.last_seen.insert(node, now);
+        let Phase::Rendezvous { ready, .. } = &mut self.phase else { return };
+        if epoch != self.epoch || !self.ranks.contains(&node) {
+            return;
+        }
+        ready.insert(node);
+        if self.ranks.iter().all(|n| ready.contains(n)) {
+            self.phase = Phase::Running;
+            out.push(Command::Resume { epoch });
+        }
+    }
+
+    /// Ranks of a running epoch lost by this event are fenced off by the survivors, so that a
+    /// step waiting on a rank that is silent but connected fails now; a rendezvous that lost a
+    /// rank is called off (survivors may be waiting for addresses that will never come, or
+    /// connecting to a rank that is gone) — unless no one is left to tell.
+    pub(super) fn tell_survivors_of_the_loss(&mut self, before: &Before, out: &mut Vec<Command>) {
+        let lost_ranks: Vec<usize> =
+            (0..self.ranks.len()).filter(|&r| before.alive.contains(&self.ranks[r]) && !self.alive.contains(&self.ranks[r])).collect();
+        if !before.rendezvous && !lost_ranks.is_empty() {
+            let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.alive.contains(n)).collect();
+            if !nodes.is_empty() {
+                out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
+            }
+        }
+        if before.rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
+            let nodes: Vec<NodeId> = self.alive.iter().copied().collect();
+            if !nodes.is_empty() {
+                out.push(Command::Abandon { epoch: self.epoch, nodes });
+            }
+        }
+    }
+
+    /// The new plan is the epoch's: a rendezvous of its ranks follows.
+    pub(super) fn adopt(&mut self, plan: lazarus_plan::ModelPlan, ranks: Vec<NodeId>) {
+        self.epoch = plan.epoch();
+        for n in &ranks {
+            if self.standby.remove(n).is_some() {
+                self.alive.insert(*n);
+            }
+        }
+        for n in &ranks {
+            self.node_epoch.insert(*n, self.epoch);
+        }
+        self.plan = plan;
+        self.ranks = ranks;
+        self.loads = vec![vec![0.0; self.spec.experts]; self.spec.layers];
+        self.steps_since_plan = 0;
+        self.step_seconds = 0.0;
+        self.phase = Phase::Rendezvous { addrs: BTreeMap::new(), ready: std::collections::BTreeSet::new() };
+    }
+}
