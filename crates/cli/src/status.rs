@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use lazarus_control::status::query;
+use lazarus_control::service::query;
 use lazarus_plan::ModelPlan;
 
 #[derive(Args, Debug)]

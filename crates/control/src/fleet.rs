@@ -1,6 +1,6 @@
 //! The workers of a job as the controller's loop sees them, wherever they run: started by this
 //! process ([`crate::launcher::Job`]) or by node agents over the network
-//! ([`crate::hub::RemoteFleet`]). The loop ([`crate::train`]) only moves reports in and
+//! ([`crate::hub::RemoteFleet`]). The loop ([`crate::control_loop`]) only moves reports in and
 //! messages out through this; every decision stays in [`crate::controller`].
 
 use std::time::Duration;
@@ -9,11 +9,34 @@ use crate::error::ControlError;
 use crate::launcher::Job;
 use crate::protocol::{LauncherMessage, WorkerEvent};
 
+/// What the fleet tells the controller's loop.
+#[derive(Debug, Clone)]
+pub enum FleetEvent {
+    /// A report of worker `rank`.
+    Report { rank: usize, event: WorkerEvent },
+    /// Worker `rank` exited (how: [`Fleet::exit_status`]); told once.
+    Exited { rank: usize },
+    /// A node's workers (their ids new) joined the running job: started, standing by.
+    Joined { workers: Vec<usize> },
+    /// A node's workers leave soon (a preemption notice), and why.
+    Leaving { workers: Vec<usize>, reason: String },
+}
+
+impl From<(usize, Option<WorkerEvent>)> for FleetEvent {
+    /// A worker's report, or (`None`) its exit.
+    fn from((rank, event): (usize, Option<WorkerEvent>)) -> Self {
+        match event {
+            Some(event) => FleetEvent::Report { rank, event },
+            None => FleetEvent::Exited { rank },
+        }
+    }
+}
+
 /// The worker processes of one job, by their original rank.
 pub trait Fleet {
-    /// The next report of any worker, waiting at most `wait`: `(rank, None)` when it exited.
-    fn next_event(&mut self, wait: Duration) -> Option<(usize, Option<WorkerEvent>)>;
-    /// How worker `rank` ended (after its `(rank, None)`).
+    /// The next thing that happened to the fleet, waiting at most `wait`.
+    fn next_event(&mut self, wait: Duration) -> Option<FleetEvent>;
+    /// How worker `rank` ended (after its [`FleetEvent::Exited`]).
     fn exit_status(&mut self, rank: usize) -> String;
     /// Tell worker `rank` something. A worker that cannot be told has died: its exit follows.
     fn send(&mut self, rank: usize, message: &LauncherMessage) -> Result<(), ControlError>;
@@ -23,21 +46,11 @@ pub trait Fleet {
     fn kill_all(&mut self, reason: &str);
     /// The job is over (completed, or after `kill_all`): wait for every worker to end.
     fn finish(&mut self);
-    /// Workers of a node that joined the running job (their ids new), started and standing
-    /// by, if any came since the last call.
-    fn joined(&mut self) -> Option<Vec<usize>> {
-        None
-    }
-    /// Workers whose node gave notice that it leaves soon, with the reason, if any did since
-    /// the last call.
-    fn leaving(&mut self) -> Option<(Vec<usize>, String)> {
-        None
-    }
 }
 
 impl Fleet for Job {
-    fn next_event(&mut self, wait: Duration) -> Option<(usize, Option<WorkerEvent>)> {
-        Job::next_event(self, wait)
+    fn next_event(&mut self, wait: Duration) -> Option<FleetEvent> {
+        Job::next_event(self, wait).map(FleetEvent::from)
     }
 
     fn exit_status(&mut self, rank: usize) -> String {

@@ -1,7 +1,7 @@
 //! The control plane of Lazarus (docs/architecture.md).
 //!
-//! * [`controller`] — the controller's decisions (membership, leases, epochs, the load monitor,
-//!   recovery from lost nodes) as a pure function of (state, event, now);
+//! * [`controller`] — the controller's decisions (the `lazarus-controller` crate: membership,
+//!   leases, epochs, the load monitor, recovery) over the workers' record of a committed step;
 //! * [`supervisor`] — the supervision of a job's worker processes as a pure state machine
 //!   over events: every decision is a function of (state, input, now), tested without
 //!   processes or clocks;
@@ -9,34 +9,38 @@
 //!   around the state machine, for training and benchmarks alike;
 //! * [`protocol`] — what launcher and workers say to each other, with failure kinds as values;
 //! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
-//! * [`train`] — `lazarus train --workers N`: the controller's shell around the worker
-//!   processes, live recovery included;
-//! * [`status`] — the gRPC service of a running controller (`lazarus status`, and the agents'
-//!   sessions);
+//! * [`control_loop`] — the controller process's loop (`lazarus train --workers N`, `lazarus
+//!   controller`): events from the workers into the decisions, commands out, live recovery
+//!   included;
+//! * [`fleet`] — the workers as that loop sees them, started here or by agents: one
+//!   [`fleet::FleetEvent`] at a time;
+//! * [`proto`] — the generated messages and stubs of the control protocol;
+//! * [`service`] — the controller's gRPC service (`lazarus status`, and the agents' sessions);
 //! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
 //! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
 //! * [`bench`] and [`recovery_bench`] — `lazarus bench moe-layer` and `lazarus bench recovery`.
 
 pub mod agent;
 pub mod bench;
+pub mod control_loop;
 pub mod controller;
 mod error;
 pub mod fleet;
 pub mod hub;
 pub mod launcher;
+pub mod proto;
 pub mod protocol;
 pub mod recovery_bench;
-pub mod status;
+pub mod service;
 pub mod stop_signal;
 pub mod supervisor;
-pub mod train;
 pub mod worker_process;
 
+pub use control_loop::{
+    plan_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord, Recovery, TrainEvent,
+    TrainOutcome,
+};
 pub use error::ControlError;
 pub use launcher::{allowed_cpus, Confinement};
 pub use protocol::{FailureKind, TrainJob, WorkerEvent};
 pub use supervisor::{Action, Outcome, RankEnd, Supervisor};
-pub use train::{
-    plan_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord, Recovery, TrainEvent,
-    TrainOutcome,
-};

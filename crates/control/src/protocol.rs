@@ -102,6 +102,9 @@ fn cpu_device() -> String {
     "cpu".into()
 }
 
+/// Most worker processes of one job.
+pub const MAX_WORKERS: usize = 64;
+
 /// The variable a launcher sets to each worker process's index among the workers it starts
 /// (its local worker number on the node): what picks its GPU.
 pub const LOCAL_WORKER_ENV: &str = "LAZARUS_LOCAL_WORKER";

@@ -39,7 +39,9 @@ pub use placement::{
 pub use reconfig::{plan_reconfiguration, rank_transfers, NodeState, RankTransfer, ReconfigurationPlan, StateTransfer};
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{plan_layer, plan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT};
-pub use snapshot::{nodes_holding, select_snapshots, RoundCost, SnapshotPace, SnapshotPolicy, SnapshotSelection, SNAPSHOT_CPU_SHARE};
+pub use snapshot::{
+    nodes_holding, select_snapshots, RoundCost, SnapshotHeld, SnapshotPace, SnapshotPolicy, SnapshotSelection, SNAPSHOT_CPU_SHARE,
+};
 
 /// Index of an expert within one MoE layer, 0-based in input order.
 pub type ExpertId = usize;

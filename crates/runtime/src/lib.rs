@@ -23,6 +23,6 @@ pub use expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
 pub use shared_state::SharedState;
 pub use worker::{
-    batch_share, check_plan, pause_signal, validate_worker_config, ExpertTransfer, FaultHook, FaultPoint, PauseSignal, PendingStep,
-    Reconfiguration, ReconfigureReport, SnapshotHeld, SnapshotSettings, SnapshotStepStats, Worker, WorkerOptions, WorkerStepReport,
+    batch_share, check_plan, pause_signal, validate_worker_config, FaultHook, FaultPoint, PauseSignal, PendingStep, Reconfiguration,
+    ReconfigureReport, SnapshotHeld, SnapshotSettings, SnapshotStepStats, Worker, WorkerOptions, WorkerStepReport,
 };

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::ReplicaMap;
-use lazarus_runtime::{DispatchMode, ExpertTransfer, Reconfiguration, Worker, WorkerOptions};
+use lazarus_plan::{RankTransfer, ReplicaMap};
+use lazarus_runtime::{DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const MOVES: u64 = 5;
 const STEPS: u64 = 2 * (MOVES + 1);
@@ -39,13 +39,13 @@ fn two_workers_on_one_gpu_swap_their_experts_five_times_without_growing_its_memo
     let layers = config().model.moe_layers();
     // Every move sends every expert to the other rank: in the move to epoch e, experts 0 and 1
     // leave rank (e − 1) mod 2.
-    let transfers = move |epoch: usize| -> Vec<ExpertTransfer> {
+    let transfers = move |epoch: usize| -> Vec<RankTransfer> {
         (0..layers)
             .flat_map(|layer| (0..4).map(move |expert| (layer, expert)))
             .map(|(layer, expert)| {
                 let low = (epoch - 1) % 2;
                 let from = if expert < 2 { low } else { 1 - low };
-                ExpertTransfer { layer, expert, from, to: 1 - from }
+                RankTransfer { layer, expert, from, to: 1 - from }
             })
             .collect()
     };

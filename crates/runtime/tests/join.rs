@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy};
-use lazarus_runtime::{pause_signal, DispatchMode, ExpertTransfer, Reconfiguration, Worker, WorkerOptions};
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy, RankTransfer};
+use lazarus_runtime::{pause_signal, DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const STEPS: u64 = 8;
 /// Rank 0 is asked to pause once it has committed this many steps; all stop one step later.
@@ -52,10 +52,10 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
     let rp = plan_reconfiguration(&live, new.layers(), &vec![1; new.layers().len()]).unwrap();
     assert!(rp.lost.is_empty());
     let new_rank = |p: u64| rp.plan_to_node.iter().position(|&n| n == p).unwrap();
-    let transfers: Vec<ExpertTransfer> = rp
+    let transfers: Vec<RankTransfer> = rp
         .transfers
         .iter()
-        .map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: new_rank(t.from), to: new_rank(t.to) })
+        .map(|t| RankTransfer { layer: t.layer, expert: t.expert, from: new_rank(t.from), to: new_rank(t.to) })
         .collect();
     let joiner = new_rank(2);
     assert!(transfers.iter().any(|t| t.to == joiner), "the joiner is given experts");

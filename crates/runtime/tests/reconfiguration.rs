@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy};
-use lazarus_runtime::{DispatchMode, ExpertTransfer, Reconfiguration, Worker, WorkerOptions};
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy, RankTransfer};
+use lazarus_runtime::{DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const STEPS: u64 = 8;
 /// Steps committed before rank `DEAD` dies in the next one.
@@ -32,7 +32,7 @@ fn plan_for(nodes: usize, previous: Option<&ModelPlan>) -> ModelPlan {
 
 /// What the controller will compute: the survivors (old ranks) mapped onto the new plan's nodes,
 /// and the state transfers between them, in new ranks.
-fn reconfiguration(old: &ModelPlan, survivors: &[usize]) -> (ModelPlan, Vec<(usize, usize)>, Vec<ExpertTransfer>) {
+fn reconfiguration(old: &ModelPlan, survivors: &[usize]) -> (ModelPlan, Vec<(usize, usize)>, Vec<RankTransfer>) {
     assert!(old.survives(&[DEAD]), "the test needs a failure every expert survives");
     let new = plan_for(survivors.len(), Some(old)).with_epoch(1);
     let live: Vec<NodeState> = survivors
@@ -45,7 +45,7 @@ fn reconfiguration(old: &ModelPlan, survivors: &[usize]) -> (ModelPlan, Vec<(usi
     let new_rank: Vec<(usize, usize)> = rp.plan_to_node.iter().enumerate().map(|(q, &p)| (p as usize, q)).collect();
     let to_new = |p: u64| new_rank.iter().find(|(o, _)| *o == p as usize).unwrap().1;
     let transfers =
-        rp.transfers.iter().map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: to_new(t.from), to: to_new(t.to) }).collect();
+        rp.transfers.iter().map(|t| RankTransfer { layer: t.layer, expert: t.expert, from: to_new(t.from), to: to_new(t.to) }).collect();
     (new, new_rank, transfers)
 }
 

@@ -1,5 +1,5 @@
 //! `lazarus train --workers N`: the flags become a job for the control plane
-//! ([`lazarus_control::train`]), and its actions become the single-process trainer's progress
+//! ([`lazarus_control::control_loop`]), and its actions become the single-process trainer's progress
 //! bar, `--json-log` lines and summary, plus what each worker did.
 
 use anyhow::{bail, Context, Result};
@@ -131,11 +131,11 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     }
     let wait = Duration::from_secs_f64(wait);
     let max_workers = args.max_workers.unwrap_or(world);
-    let most = lazarus_control::train::MAX_WORKERS;
+    let most = lazarus_control::protocol::MAX_WORKERS;
     if max_workers < world || max_workers > most || !max_workers.is_multiple_of(g) {
         bail!("invalid --max-workers: {max_workers} (expected from --workers {world} to {most}, a multiple of --gpus-per-node {g})");
     }
-    let join_wait = args.join_wait.unwrap_or(lazarus_control::train::DEFAULT_JOIN_WAIT.as_secs_f64());
+    let join_wait = args.join_wait.unwrap_or(lazarus_control::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64());
     if !join_wait.is_finite() || !(0.0..=MAX_WAIT_AGENTS_S).contains(&join_wait) {
         bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
     }
@@ -184,8 +184,8 @@ fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -
             NodeChange { at: Duration::from_secs_f64(e.ms as f64 / 1000.0 * scale), node: e.node.clone(), add: e.change == Change::Add }
         })
         .collect();
-    if most > lazarus_control::train::MAX_WORKERS {
-        bail!("invalid --replay: {most} nodes at once (at most {} workers)", lazarus_control::train::MAX_WORKERS);
+    if most > lazarus_control::protocol::MAX_WORKERS {
+        bail!("invalid --replay: {most} nodes at once (at most {} workers)", lazarus_control::protocol::MAX_WORKERS);
     }
     Ok((NodeSchedule { initial, changes, notice }, most, scale, trace))
 }
@@ -220,7 +220,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                         gpus_per_node: g,
                         slots_per_gpu: 0,
                         most_nodes: most,
-                        join_wait_s: lazarus_control::train::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
+                        join_wait_s: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
                         rebalance_every: 0,
                     });
                     (Some(s), most, scale)
@@ -234,7 +234,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                 gpus_per_node: g,
                 wait: LOCAL_AGENTS_WITHIN,
                 max_workers: most_nodes * g,
-                join_wait: lazarus_control::train::DEFAULT_JOIN_WAIT.mul_f64(scale),
+                join_wait: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
                 schedule,
             })
         }
@@ -248,8 +248,8 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
 fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mut replayed: Option<RunShape>) -> Result<()> {
     let world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
-    if world == 0 || world > lazarus_control::train::MAX_WORKERS {
-        bail!("invalid --workers: {world} (expected 1 to {})", lazarus_control::train::MAX_WORKERS);
+    if world == 0 || world > lazarus_control::protocol::MAX_WORKERS {
+        bail!("invalid --workers: {world} (expected 1 to {})", lazarus_control::protocol::MAX_WORKERS);
     }
     // The launcher builds the model once to plan, and every worker builds it whole before it
     // releases the experts it does not hold.

@@ -22,9 +22,9 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ControlError;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
+use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
+use crate::protocol::MAX_WORKERS;
 use crate::protocol::{secret_hex, WorkerEvent};
-use crate::status::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
-use crate::train::MAX_WORKERS;
 
 /// How an agent is started.
 #[derive(Debug, Clone)]
@@ -129,7 +129,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         Some(h) => h,
         None => local_address_towards(controller)?,
     };
-    let runtime = crate::status::runtime(1, "lazarus-agent")?;
+    let runtime = crate::service::runtime(1, "lazarus-agent")?;
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
     let hello =
         proto::AgentHello { secret: secret_hex(opts.secret), gpus: opts.gpus as u32, host: host.to_string(), pid: std::process::id() };

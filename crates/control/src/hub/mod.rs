@@ -24,10 +24,10 @@ use tokio::sync::mpsc::UnboundedSender;
 use tonic::Status;
 
 use crate::error::ControlError;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, FleetEvent};
+use crate::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
+use crate::protocol::MAX_WORKERS;
 use crate::protocol::{parse_secret, LauncherMessage, WorkerEvent};
-use crate::status::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
-use crate::train::MAX_WORKERS;
 
 /// How long an agent has to say hello once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -512,7 +512,7 @@ pub struct RemoteFleet {
     /// The agent and slot of each rank.
     owners: Vec<(u64, usize)>,
     /// Exits not yet handed out (every worker of an agent that is gone).
-    pending: VecDeque<(usize, Option<WorkerEvent>)>,
+    pending: VecDeque<usize>,
     exits: BTreeMap<usize, String>,
     /// Ranks the controller had killed.
     killed: std::collections::BTreeSet<usize>,
@@ -555,12 +555,19 @@ impl RemoteFleet {
 }
 
 impl Fleet for RemoteFleet {
-    fn next_event(&mut self, wait: Duration) -> Option<(usize, Option<WorkerEvent>)> {
-        if let Some(x) = self.pending.pop_front() {
-            return Some(x);
-        }
+    fn next_event(&mut self, wait: Duration) -> Option<FleetEvent> {
         let until = Instant::now() + wait;
         loop {
+            // Joins first, then notices, then exits already known (an agent gone).
+            if let Some(workers) = self.joined.pop_front() {
+                return Some(FleetEvent::Joined { workers });
+            }
+            if let Some((workers, reason)) = self.leaving.pop_front() {
+                return Some(FleetEvent::Leaving { workers, reason });
+            }
+            if let Some(rank) = self.pending.pop_front() {
+                return Some(FleetEvent::Exited { rank });
+            }
             let left = until.saturating_duration_since(Instant::now());
             let input = match self.inputs.recv_timeout(left) {
                 Ok(x) => x,
@@ -573,13 +580,13 @@ impl Fleet for RemoteFleet {
             match input {
                 HubInput::Report { agent, slot, event } => {
                     if let Some(rank) = self.rank_of(agent, slot) {
-                        return Some((rank, Some(event)));
+                        return Some(FleetEvent::Report { rank, event });
                     }
                 }
                 HubInput::Exited { agent, slot, status } => {
                     if let Some(rank) = self.rank_of(agent, slot) {
                         if self.exits.insert(rank, status).is_none() {
-                            return Some((rank, None));
+                            return Some(FleetEvent::Exited { rank });
                         }
                     }
                 }
@@ -587,11 +594,8 @@ impl Fleet for RemoteFleet {
                     for rank in self.ranks_of(agent) {
                         if let std::collections::btree_map::Entry::Vacant(e) = self.exits.entry(rank) {
                             e.insert(format!("its agent {agent} is gone: {why}"));
-                            self.pending.push_back((rank, None));
+                            self.pending.push_back(rank);
                         }
-                    }
-                    if let Some(x) = self.pending.pop_front() {
-                        return Some(x);
                     }
                 }
                 HubInput::Joined { agent } => self.take_in(agent),
@@ -599,7 +603,6 @@ impl Fleet for RemoteFleet {
                     let ranks = self.ranks_of(agent);
                     if !ranks.is_empty() {
                         self.leaving.push_back((ranks, format!("agent {agent}: {reason}")));
-                        return None;
                     }
                 }
             }
@@ -642,13 +645,5 @@ impl Fleet for RemoteFleet {
 
     fn finish(&mut self) {
         self.hub.shutdown("the job is over", true);
-    }
-
-    fn joined(&mut self) -> Option<Vec<usize>> {
-        self.joined.pop_front()
-    }
-
-    fn leaving(&mut self) -> Option<(Vec<usize>, String)> {
-        self.leaving.pop_front()
     }
 }

@@ -73,9 +73,9 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
     let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), tx).unwrap();
     assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.8"), link()).unwrap_err().code(), tonic::Code::ResourceExhausted);
     h.input(HubInput::Joined { agent });
-    assert!(fleet.next_event(Duration::from_millis(50)).is_none());
-    assert_eq!(fleet.joined(), Some(vec![2, 3]));
-    assert_eq!(fleet.joined(), None, "told once");
+    let joined = fleet.next_event(Duration::from_millis(50));
+    assert!(matches!(&joined, Some(FleetEvent::Joined { workers }) if workers == &[2, 3]), "{joined:?}");
+    assert!(fleet.next_event(Duration::from_millis(20)).is_none(), "told once");
     assert_eq!(fleet.ranks_of(agent), vec![2, 3]);
     let Ok(Ok(m)) = from_controller.try_recv() else { panic!("the agent is sent its workers' specs") };
     let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
@@ -137,9 +137,9 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     h.drop_agent(1, "its stream ended");
     let mut exits: Vec<usize> = (0..2)
         .filter_map(|_| fleet.next_event(Duration::from_millis(200)))
-        .map(|(r, ev)| {
-            assert!(ev.is_none());
-            r
+        .map(|ev| match ev {
+            FleetEvent::Exited { rank } => rank,
+            other => panic!("{other:?}"),
         })
         .collect();
     exits.sort_unstable();

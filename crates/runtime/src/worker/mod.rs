@@ -22,7 +22,7 @@ mod reconfigure;
 mod snapshots;
 mod step;
 
-pub use reconfigure::{ExpertTransfer, Reconfiguration, ReconfigureReport};
+pub use reconfigure::{Reconfiguration, ReconfigureReport};
 pub use snapshots::{SnapshotHeld, SnapshotSettings, SnapshotStepStats};
 pub use step::PendingStep;
 

@@ -6,23 +6,13 @@
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
 use lazarus_comm::{barrier, deadline_after, Group, Transport};
-use lazarus_plan::ReplicaMap;
+use lazarus_plan::{RankTransfer, ReplicaMap};
 use serde::{Deserialize, Serialize};
 
 use super::{build_layers, check_plan, FaultPoint, Worker};
 use crate::error::RuntimeError;
 use crate::expert_state::ExpertState;
 use crate::shared_state::SharedState;
-
-/// One expert state copied from a surviving holder to a rank that newly holds it; ranks are the
-/// new world's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExpertTransfer {
-    pub layer: usize,
-    pub expert: usize,
-    pub from: usize,
-    pub to: usize,
-}
 
 /// Everything a surviving worker is told to move to the new plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,7 +24,7 @@ pub struct Reconfiguration {
     pub world: usize,
     pub plan: ReplicaMap,
     /// Every transfer of the reconfiguration (each rank does its own part).
-    pub transfers: Vec<ExpertTransfer>,
+    pub transfers: Vec<RankTransfer>,
     /// Experts restored from a stale snapshot in this move: (layer, expert, tokens it lost).
     /// Each catches up on them through the router (MoEtion §6) until about that many extra
     /// tokens were routed to it; a later move replaces the list (every rank the same).

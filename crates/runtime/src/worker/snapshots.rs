@@ -59,21 +59,9 @@ pub struct HeldSnapshot {
     pub bytes: Vec<u8>,
 }
 
-/// A snapshot a worker keeps for another node: expert `expert` of layer `layer` as it was after
-/// `step`, and the tokens the expert has processed since (what a restore from it loses: PEC's
-/// PLT), as the worker tells the controller ([`Worker::held_snapshots`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotHeld {
-    pub layer: usize,
-    pub expert: usize,
-    pub step: u64,
-    /// Over the steps the keeper committed after `step`.
-    pub tokens_lost: u64,
-    /// In the step the keeper computed but holds uncommitted (its vote failed): lost as well
-    /// when the move commits that step, which the keeper then commits without a snapshot round.
-    #[serde(default)]
-    pub held_step_tokens: u64,
-}
+/// A snapshot a worker keeps for another node, as it tells the controller (its home is the
+/// planning crate, which the controller's decisions depend on alone).
+pub use lazarus_plan::SnapshotHeld;
 
 /// What one step's snapshots cost, the same on every rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use lazarus_plan::{plan_model, plan_reconfiguration, ModelPlan, NodeState, Placement};
 use serde::Serialize;
 
-use super::{Command, Controller, MoveCause, MoveCost};
+use super::{Command, Controller, MoveCause, MoveCost, StepRecord};
 
 /// Before any move was measured: 1 GB/s, and 50 ms for the pause and rendezvous (loopback-like;
 /// the first measured move replaces both).
@@ -172,10 +172,10 @@ impl RebalanceCase {
 }
 
 /// The load monitor and the rebalance rule of the controller.
-impl Controller {
+impl<S: StepRecord> Controller<S> {
     /// A step finished: the load monitor takes its expert loads (of the current epoch only),
     /// and a move's measured cost becomes the estimate of the next.
-    pub(super) fn step_done(&mut self, epoch: u64, step: u64, loads: &[Vec<u64>], seconds: f64, moved: Option<MoveCost>) {
+    pub(super) fn step_done(&mut self, epoch: u64, step: u64, steps: u64, loads: &[Vec<u64>], seconds: f64, moved: Option<MoveCost>) {
         if epoch == self.epoch && loads.len() == self.loads.len() {
             for (acc, l) in self.loads.iter_mut().zip(loads) {
                 if l.len() == acc.len() {
@@ -184,7 +184,7 @@ impl Controller {
             }
             self.last_step = self.last_step.max(step);
             if seconds.is_finite() && seconds >= 0.0 {
-                self.steps_since_plan += 1;
+                self.steps_since_plan = self.steps_since_plan.saturating_add(steps);
                 self.step_seconds += seconds;
             }
         }
@@ -198,7 +198,7 @@ impl Controller {
 
     /// Every `rebalance_every` steps: weigh a plan from the measured loads (not while workers
     /// wait to join: their move re-plans anyway), and pause for it if it repays its move.
-    pub(super) fn weigh_a_rebalance(&mut self, out: &mut Vec<Command>) {
+    pub(super) fn weigh_a_rebalance(&mut self, out: &mut Vec<Command<S>>) {
         let every = self.spec.rebalance_every;
         if !self.running() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() {
             return;

@@ -1,8 +1,30 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::protocol::CommittedStep;
 use lazarus_plan::{plan_model, ClusterShape};
+
+/// A committed step's record as these tests keep it.
+#[derive(Debug, Clone, PartialEq)]
+struct Logged {
+    step: u64,
+    loss: f64,
+    seconds: f64,
+}
+
+impl StepRecord for Logged {
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn is_sound(&self) -> bool {
+        self.loss.is_finite() && self.seconds.is_finite() && self.seconds >= 0.0
+    }
+}
+
+type Controller = super::Controller<Logged>;
+type Event = super::Event<Logged>;
+type Command = super::Command<Logged>;
+type StopReport = super::StopReport<Logged>;
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -58,7 +80,7 @@ fn the_rendezvous_sends_addresses_in_rank_order_then_resumes() {
 fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     let t0 = Instant::now();
     let mut c = running(4, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![9, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![9, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     // The survivors are told to cut their connections to it (rank 2 of epoch 0).
     assert_eq!(
         c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() }),
@@ -114,7 +136,7 @@ fn beat(c: &mut Controller, t: Instant) -> Vec<Command> {
 fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state() {
     let t0 = Instant::now();
     let mut c = running(2, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 4, loads: vec![vec![4, 3, 2, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 4, steps: 1, loads: vec![vec![4, 3, 2, 1]; 2], seconds: 0.1, moved: None });
     assert!(c.decide(t0, Event::Joined { workers: vec![20] }).is_empty(), "taken in only after its wait");
     assert_eq!(c.standby().collect::<Vec<_>>(), vec![20]);
     assert_eq!((c.member_state(20), c.member_state(10)), (MemberState::Standby, MemberState::Member));
@@ -221,9 +243,23 @@ fn drifted(seconds: f64, t0: Instant) -> (Controller, Vec<Command>) {
     c.spec.rebalance_every = 4;
     let mut out = Vec::new();
     for step in 1..=4 {
-        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, loads: vec![vec![97, 1, 1, 1]; 2], seconds, moved: None }));
+        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds, moved: None }));
     }
     (c, out)
+}
+
+/// A stretch of steps told at once (the simulator's way) weighs the same rebalance as the
+/// same steps told one by one (the workers' way).
+#[test]
+fn steps_told_at_once_weigh_the_same_rebalance_as_steps_told_one_by_one() {
+    let t0 = Instant::now();
+    let (_, one_by_one) = drifted(2.0, t0);
+    let mut c = running(3, 4, 2, t0);
+    c.spec.rebalance_every = 4;
+    let three = c.decide(t0, Event::StepDone { epoch: 0, step: 3, steps: 3, loads: vec![vec![291, 3, 3, 3]; 2], seconds: 6.0, moved: None });
+    assert!(three.is_empty(), "3 of 4 steps: not yet weighed: {three:?}");
+    let last = c.decide(t0, Event::StepDone { epoch: 0, step: 4, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None });
+    assert_eq!(last, one_by_one);
 }
 
 #[test]
@@ -264,7 +300,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let mut out = Vec::new();
     for step in 1..=4 {
         let loads = vec![vec![97, 1, 1, 1], vec![25, 25, 25, 25]];
-        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, loads, seconds: 2.0, moved: None }));
+        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
     }
     let [Command::Rebalance(d), Command::Pause { .. }] = &out[..] else { panic!("{out:?}") };
     assert_eq!((d.decision, d.layers.clone()), (RebalanceVerdict::Shrink, vec![0]), "{d:?}");
@@ -356,7 +392,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
 fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 6, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 6, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
     let r = |c: &Controller, node| StopReport {
         steps_done: 5,
@@ -371,7 +407,7 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     assert_eq!(m.commit_to, 6);
     // Without rank 0's report the step is re-run (nobody has logged it).
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -386,20 +422,11 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
 fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their_copy() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
     c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
-    let report = lazarus_model::StepReport {
-        step: 6,
-        loss: 2.5,
-        aux_loss: 1.0,
-        tokens: 64,
-        lr: 1e-3,
-        grad_norm: 0.5,
-        expert_load: vec![vec![16; 4]; 2],
-        dropped: 0,
-    };
-    let copy = Some(CommittedStep { report: report.clone(), seconds: 0.02 });
-    let r = |c: &Controller, node, last: Option<CommittedStep>| StopReport {
+    let report = Logged { step: 6, loss: 2.5, seconds: 0.02 };
+    let copy = Some(report.clone());
+    let r = |c: &Controller, node, last: Option<Logged>| StopReport {
         steps_done: 6,
         held: None,
         holds: c.planned_holdings(node).unwrap(),
@@ -409,16 +436,18 @@ fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, copy.clone()) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, copy.clone()) });
     let [Command::LogStep(logged), Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((&logged.report, m.commit_to, c.last_step()), (&report, 6, 6));
-    // A copy of another step, or none: nothing logged (the step re-runs, or is logged already).
-    let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
-    c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
-    let stale = Some(CommittedStep { report: lazarus_model::StepReport { step: 4, ..report }, seconds: 0.02 });
-    c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, stale) });
-    let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, None) });
-    assert!(matches!(&out[..], [Command::Reconfigure(_)]), "{out:?}");
-    assert_eq!(c.last_step(), 5);
+    assert_eq!((logged, m.commit_to, c.last_step()), (&report, 6, 6));
+    // A copy of another step, one whose figures are not sound (a peer's word), or none: nothing
+    // logged (the step re-runs, or is logged already).
+    for copy in [Logged { step: 4, ..report }, Logged { loss: f64::NAN, ..report }, Logged { seconds: -1.0, ..report }] {
+        let mut c = running(3, 4, 3, t0);
+        c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+        c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
+        c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, Some(copy.clone())) });
+        let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, None) });
+        assert!(matches!(&out[..], [Command::Reconfigure(_)]), "{copy:?}: {out:?}");
+        assert_eq!(c.last_step(), 5);
+    }
 }
 
 #[test]
@@ -609,7 +638,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
         }),
         (0u64..3, 0u64..4, 0u64..20).prop_map(|(dt, epoch, step)| (
             dt,
-            Event::StepDone { epoch, step, loads: vec![vec![1 + 20 * (step % 2), 2, 3, 4]; 2], seconds: 10.0, moved: None }
+            Event::StepDone { epoch, step, steps: 1, loads: vec![vec![1 + 20 * (step % 2), 2, 3, 4]; 2], seconds: 10.0, moved: None }
         )),
         (0u64..3, 0u64..20).prop_map(|(dt, step)| (dt, Event::Checkpointed { step })),
         (0u64..3).prop_map(|dt| (dt, Event::Tick)),
@@ -689,7 +718,7 @@ proptest! {
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
                     Command::Rebalance(d) => prop_assert!(d.decision != RebalanceVerdict::Skip || d.layers.is_empty()),
-                    Command::LogStep(s) => prop_assert_eq!(s.report.step, c.last_step()),
+                    Command::LogStep(s) => prop_assert_eq!(s.step, c.last_step()),
                     Command::Pause { epoch, nodes } => {
                         prop_assert_eq!(*epoch, c.epoch());
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));

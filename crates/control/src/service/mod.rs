@@ -1,6 +1,8 @@
-//! `lazarus status`: what the controller of a running job knows — membership, epoch, plan,
-//! recent events — served over gRPC (`proto/lazarus_control.proto`, `tonic`). The controller's
-//! loop publishes a [`snapshot`] after each decision; the server only hands out the latest.
+//! The controller's gRPC service (`proto/lazarus_control.proto`, `tonic`): `Status` — what the
+//! controller of a running job knows (membership, epoch, plan, recent events) for `lazarus
+//! status` — and `Attach`, the node agents' sessions, handed to the [`crate::hub`]. The
+//! controller's loop publishes a [`snapshot`] after each decision; the server only hands out
+//! the latest. [`query`] is the client side of `lazarus status`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex};
@@ -11,13 +13,8 @@ use crate::controller::Controller;
 use crate::error::ControlError;
 use crate::hub::{AgentHub, AgentStream};
 
-/// The generated protocol.
-pub mod proto {
-    tonic::include_proto!("lazarus.control.v1");
-}
-
-use proto::control_server::{Control, ControlServer};
-use proto::{Member, StatusReply, StatusRequest};
+use crate::proto::control_server::{Control, ControlServer};
+use crate::proto::{self, Member, StatusReply, StatusRequest};
 
 /// How long a stopping server waits for open sessions to end.
 const STOP_GRACE: Duration = Duration::from_secs(1);
@@ -94,13 +91,13 @@ pub(crate) fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runt
 
 /// The gRPC service of a running controller (status, and the agents' sessions when it has a
 /// hub); stops when dropped.
-pub struct StatusServer {
+pub struct GrpcServer {
     addr: SocketAddr,
     stop: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl StatusServer {
+impl GrpcServer {
     /// Serve `status` (and `hub`'s agents) on `listen` (port 0: any free port) from a thread
     /// of its own.
     pub fn start(listen: SocketAddr, status: SharedStatus, hub: Option<Arc<AgentHub>>) -> Result<Self, ControlError> {
@@ -140,7 +137,7 @@ impl StatusServer {
                 });
             })
             .map_err(|e| ControlError::io("starting the status server", e))?;
-        Ok(StatusServer { addr, stop: Some(stop), thread: Some(thread) })
+        Ok(GrpcServer { addr, stop: Some(stop), thread: Some(thread) })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -148,7 +145,7 @@ impl StatusServer {
     }
 }
 
-impl Drop for StatusServer {
+impl Drop for GrpcServer {
     fn drop(&mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(true);

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use super::{Before, Command, Controller, MoveCause, NodeId, Phase};
+use super::{Before, Command, Controller, MoveCause, NodeId, Phase, StepRecord};
 
 /// What a worker is to the job, as `lazarus status` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +40,7 @@ impl std::fmt::Display for MemberState {
     }
 }
 
-impl Controller {
+impl<S: StepRecord> Controller<S> {
     /// What `worker` is to the job.
     pub fn member_state(&self, worker: NodeId) -> MemberState {
         if self.standby.contains_key(&worker) {
@@ -94,7 +94,7 @@ impl Controller {
         }
     }
 
-    pub(super) fn exited(&mut self, node: NodeId, status: &str, before: &mut Before, out: &mut Vec<Command>) {
+    pub(super) fn exited(&mut self, node: NodeId, status: &str, before: &mut Before, out: &mut Vec<Command<S>>) {
         if self.alive.contains(&node) && self.is_leaver(node) {
             // Expected: a drained worker leaves once its move is done (nothing to fence).
             self.alive.remove(&node);
@@ -142,7 +142,7 @@ impl Controller {
     }
 
     /// Members and workers standing by that missed their lease are killed and lost.
-    pub(super) fn expire_leases(&mut self, now: Instant, out: &mut Vec<Command>) {
+    pub(super) fn expire_leases(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
         let lease = self.spec.lease;
         let reason = format!("no heartbeat for {} ms", lease.as_millis());
         let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + lease);
@@ -162,7 +162,7 @@ impl Controller {
     }
 
     /// The other workers of a node that lost one are given up with it (and killed).
-    pub(super) fn lose_whole_nodes(&mut self, alive_before: &BTreeSet<NodeId>, out: &mut Vec<Command>) {
+    pub(super) fn lose_whole_nodes(&mut self, alive_before: &BTreeSet<NodeId>, out: &mut Vec<Command<S>>) {
         if self.spec.gpus_per_node <= 1 {
             return;
         }
@@ -179,7 +179,7 @@ impl Controller {
 
     /// A node that leaves on notice: every rank stops after the step in flight and the job
     /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
-    pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command>) {
+    pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command<S>>) {
         if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
             self.note(format!("epoch {}: pause to move off workers {:?}", self.epoch, self.draining));
             self.pause(MoveCause::Drain, out);
@@ -187,7 +187,7 @@ impl Controller {
     }
 
     /// Workers waiting to join are taken in at a step boundary once their wait is over.
-    pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command>) {
+    pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
         if self.running() && self.join_due().is_some_and(|due| now >= due) {
             self.note(format!("epoch {}: pause to take in workers {:?}", self.epoch, self.standby.keys().collect::<Vec<_>>()));
             self.pause(MoveCause::Join, out);
@@ -210,7 +210,7 @@ impl Controller {
     }
 
     /// A worker waiting to join is gone: it and the other workers of its node are given up.
-    pub(super) fn give_up_standby(&mut self, worker: NodeId, why: &str, out: &mut Vec<Command>) {
+    pub(super) fn give_up_standby(&mut self, worker: NodeId, why: &str, out: &mut Vec<Command<S>>) {
         let node = self.node(worker);
         self.standby.remove(&worker);
         self.note(format!("epoch {}: worker {worker} waiting to join lost: {why}", self.epoch));

@@ -4,7 +4,15 @@
 use serde::{Deserialize, Serialize};
 
 use super::{NodeId, RebalanceDecision};
-use crate::protocol::CommittedStep;
+
+/// What a survivor keeps of its last committed step, for the log: the controller reads only
+/// which step it is and whether it is fit to log (the workers' own report type in the
+/// controller process; the simulator has none).
+pub trait StepRecord: Clone + PartialEq + std::fmt::Debug {
+    fn step(&self) -> u64;
+    /// Whether its figures are sound (finite loss, non-negative seconds): a peer's word.
+    fn is_sound(&self) -> bool;
+}
 
 /// What a finished move cost, measured: the controller's estimate of what the next will.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,8 +25,8 @@ pub struct MoveCost {
 }
 
 /// Where a survivor stopped when its step (or its move to a new plan) failed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StopReport {
+#[derive(Debug, Clone, PartialEq)]
+pub struct StopReport<S> {
     /// Steps committed.
     pub steps_done: u64,
     /// The step it computed but could not commit (its commit vote failed), if any.
@@ -28,17 +36,12 @@ pub struct StopReport {
     /// the survivors say they hold.
     pub holds: Vec<Vec<usize>>,
     /// The global report of its last committed step, if it has it.
-    #[serde(default)]
-    pub last: Option<CommittedStep>,
+    pub last: Option<S>,
     /// The expert snapshots it keeps for other nodes (the snapshot tier).
-    #[serde(default)]
     pub snapshots: Vec<SnapshotHeld>,
 }
 
-/// One expert state sent from a holder to a new holder, ranks of the new world.
-pub use lazarus_runtime::ExpertTransfer;
-/// A snapshot a worker keeps (its own type, told the controller as it is).
-pub use lazarus_runtime::SnapshotHeld;
+pub use lazarus_plan::{RankTransfer, SnapshotHeld};
 
 /// An expert that lost every live replica and comes back from a snapshot in a move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,7 +59,7 @@ pub struct RestoredExpert {
 
 /// What the controller is told.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Event {
+pub enum Event<S> {
     /// The node is alive (its agent's or worker's heartbeat).
     Heartbeat { node: NodeId },
     /// The node's worker exited.
@@ -66,10 +69,11 @@ pub enum Event {
     /// The node finished moving to `epoch`'s plan (connected, transfers done): it trains.
     Ready { node: NodeId, epoch: u64 },
     /// The node's step failed at `epoch`; where it stopped.
-    StepFailed { node: NodeId, epoch: u64, report: StopReport },
-    /// A step finished at `epoch` (rank 0's report) in `seconds`: the load monitor takes its
-    /// expert loads. The first step after a move also brings what that move cost.
-    StepDone { epoch: u64, step: u64, loads: Vec<Vec<u64>>, seconds: f64, moved: Option<MoveCost> },
+    StepFailed { node: NodeId, epoch: u64, report: StopReport<S> },
+    /// `steps` steps finished at `epoch`, the last being `step`, in `seconds` (a worker's
+    /// report: one step; the simulator: a stretch at once): the load monitor takes their
+    /// expert loads, summed. The first report after a move also brings what that move cost.
+    StepDone { epoch: u64, step: u64, steps: u64, loads: Vec<Vec<u64>>, seconds: f64, moved: Option<MoveCost> },
     /// A checkpoint of `step` was written.
     Checkpointed { step: u64 },
     /// A new node's workers (their ids never used before) started and wait to be taken in.
@@ -91,7 +95,7 @@ pub struct Move {
     /// Every survivor commits up to this step (one behind commits its held step; one at it drops
     /// what it holds).
     pub commit_to: u64,
-    pub transfers: Vec<ExpertTransfer>,
+    pub transfers: Vec<RankTransfer>,
     /// Ranks of the new world that join the job with it (they take the replicated state from
     /// the others).
     pub joining: Vec<usize>,
@@ -151,7 +155,7 @@ impl std::fmt::Display for MoveCause {
 
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Command {
+pub enum Command<S> {
     /// The node missed its lease: make sure nothing of it runs on (a hung worker is killed).
     Kill { node: NodeId, reason: String },
     /// Survivors move to a new plan without losing state.
@@ -179,5 +183,5 @@ pub enum Command {
     Rebalance(RebalanceDecision),
     /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report
     /// got out), from a survivor's copy: log it, so that every committed step is logged once.
-    LogStep(CommittedStep),
+    LogStep(S),
 }

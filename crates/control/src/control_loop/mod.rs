@@ -1,6 +1,7 @@
-//! The launcher side of `lazarus train --workers N`: plan the job, start the workers, supervise
-//! them; what to show the user is the caller's (every [`Action`] is handed to it). The
-//! controller's loop is [`drive`]; the agents of `--gpus-per-node` are [`local_agents`].
+//! The controller process's loop (`lazarus train --workers N`, `lazarus controller`): plan the
+//! job, start its workers (or take in node agents), and run the controller's decisions over
+//! them; what to show the user is the caller's (every [`TrainEvent`] is handed to it). The
+//! loop with recovery is [`drive`]; the agents of `--gpus-per-node` are [`local_agents`].
 
 mod drive;
 mod local_agents;
@@ -20,14 +21,13 @@ use crate::error::ControlError;
 use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, supervise, Confinement};
 use crate::protocol::{secret_hex, TrainJob, WorkerSpec};
-use crate::status::{snapshot, SharedStatus, StatusServer};
+use crate::service::{snapshot, GrpcServer, SharedStatus};
 use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
 use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
-/// Most worker processes of one local job.
-pub const MAX_WORKERS: usize = 64;
+pub use crate::protocol::MAX_WORKERS;
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
 pub const DEFAULT_JOIN_WAIT: Duration = Duration::from_secs(120);
@@ -381,7 +381,7 @@ pub fn run_training(
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
             let _server = match status_listen {
                 Some(addr) => {
-                    let server = StatusServer::start(*addr, shared.clone(), None)?;
+                    let server = GrpcServer::start(*addr, shared.clone(), None)?;
                     observe(TrainEvent::Serving { addr: server.addr() })?;
                     Some(server)
                 }
@@ -391,7 +391,7 @@ pub fn run_training(
         }
         Hosts::Agents(a) => {
             let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, recovery.lease, recovery.heartbeat);
-            let server = StatusServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
+            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
             let addr = server.addr();
             observe(TrainEvent::Serving { addr })?;
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };

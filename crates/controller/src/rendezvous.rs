@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{Before, Command, Controller, NodeId, Phase};
+use super::{Before, Command, Controller, NodeId, Phase, StepRecord};
 
-impl Controller {
-    pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command>) {
+impl<S: StepRecord> Controller<S> {
+    pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command<S>>) {
         self.last_seen.insert(node, now);
         let Phase::Rendezvous { addrs, .. } = &mut self.phase else { return };
         if epoch != self.epoch || !self.ranks.contains(&node) {
@@ -21,7 +21,7 @@ impl Controller {
         }
     }
 
-    pub(super) fn ready(&mut self, now: Instant, node: NodeId, epoch: u64, out: &mut Vec<Command>) {
+    pub(super) fn ready(&mut self, now: Instant, node: NodeId, epoch: u64, out: &mut Vec<Command<S>>) {
         self.last_seen.insert(node, now);
         let Phase::Rendezvous { ready, .. } = &mut self.phase else { return };
         if epoch != self.epoch || !self.ranks.contains(&node) {
@@ -38,7 +38,7 @@ impl Controller {
     /// step waiting on a rank that is silent but connected fails now; a rendezvous that lost a
     /// rank is called off (survivors may be waiting for addresses that will never come, or
     /// connecting to a rank that is gone) — unless no one is left to tell.
-    pub(super) fn tell_survivors_of_the_loss(&mut self, before: &Before, out: &mut Vec<Command>) {
+    pub(super) fn tell_survivors_of_the_loss(&mut self, before: &Before, out: &mut Vec<Command<S>>) {
         let lost_ranks: Vec<usize> =
             (0..self.ranks.len()).filter(|&r| before.alive.contains(&self.ranks[r]) && !self.alive.contains(&self.ranks[r])).collect();
         if !before.rendezvous && !lost_ranks.is_empty() {

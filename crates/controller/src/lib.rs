@@ -1,5 +1,5 @@
 //! The controller's decisions as a pure function: [`Controller::decide`]`(now, event) ->
-//! Vec<Command>`, tested without sockets or clocks (the way torchft's lighthouse computes a
+//! Vec<Command<S>>`, tested without sockets or clocks (the way torchft's lighthouse computes a
 //! quorum). The shell around it (the controller process's loop, with workers it started or
 //! node agents over gRPC) carries events in and commands out. The state chart and the
 //! invariants the tests hold it to are in `README.md` beside this file.
@@ -27,7 +27,7 @@ mod rendezvous;
 mod tests;
 
 pub use membership::MemberState;
-pub use messages::{Command, Event, ExpertTransfer, Move, MoveCause, MoveCost, RestoredExpert, SnapshotHeld, StopReport};
+pub use messages::{Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReport};
 pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -69,7 +69,7 @@ pub struct JobSpec {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-enum Phase {
+enum Phase<S> {
     /// Waiting for every rank of the epoch to listen, then to be ready.
     Rendezvous {
         addrs: BTreeMap<NodeId, String>,
@@ -78,14 +78,14 @@ enum Phase {
     Running,
     /// After a loss: waiting for every survivor to say where it stopped.
     Collecting {
-        reports: BTreeMap<NodeId, StopReport>,
+        reports: BTreeMap<NodeId, StopReport<S>>,
     },
     Stopped,
 }
 
 /// The controller of one job.
 #[derive(Debug, Clone)]
-pub struct Controller {
+pub struct Controller<S> {
     spec: JobSpec,
     epoch: u64,
     plan: ModelPlan,
@@ -95,7 +95,7 @@ pub struct Controller {
     last_seen: BTreeMap<NodeId, Instant>,
     /// The epoch each node was last told to be in.
     node_epoch: BTreeMap<NodeId, u64>,
-    phase: Phase,
+    phase: Phase<S>,
     /// Σ expert loads per layer since the plan was made (the load monitor).
     loads: Vec<Vec<f64>>,
     checkpoint: Option<u64>,
@@ -125,7 +125,7 @@ pub struct Controller {
     rebalance_to: Option<ModelPlan>,
 }
 
-impl Controller {
+impl<S: StepRecord> Controller<S> {
     /// A job starting at epoch 0 on `nodes` (rank i = nodes[i]) under `plan`.
     pub fn new(spec: JobSpec, plan: ModelPlan, nodes: Vec<NodeId>, now: Instant) -> Self {
         let g = spec.gpus_per_node.max(1);
@@ -164,7 +164,7 @@ impl Controller {
     /// loss; then, on a running job, the moves it asks for itself — a drain first (it cannot
     /// wait), a rebalance, the joiners — and last, once every survivor said where it stopped,
     /// the recovery.
-    pub fn decide(&mut self, now: Instant, event: Event) -> Vec<Command> {
+    pub fn decide(&mut self, now: Instant, event: Event<S>) -> Vec<Command<S>> {
         let mut out = Vec::new();
         if self.stopped() {
             return out;
@@ -183,7 +183,7 @@ impl Controller {
     }
 
     /// What the event itself says.
-    fn take(&mut self, now: Instant, event: Event, before: &mut Before, out: &mut Vec<Command>) {
+    fn take(&mut self, now: Instant, event: Event<S>, before: &mut Before, out: &mut Vec<Command<S>>) {
         match event {
             Event::Heartbeat { node } => self.heartbeat(now, node),
             Event::Tick => {}
@@ -193,14 +193,14 @@ impl Controller {
             Event::Listening { node, epoch, addr } => self.listening(now, node, epoch, addr, out),
             Event::Ready { node, epoch } => self.ready(now, node, epoch, out),
             Event::StepFailed { node, epoch, report } => self.step_failed(now, node, epoch, report),
-            Event::StepDone { epoch, step, loads, seconds, moved } => self.step_done(epoch, step, &loads, seconds, moved),
+            Event::StepDone { epoch, step, steps, loads, seconds, moved } => self.step_done(epoch, step, steps, &loads, seconds, moved),
             Event::Checkpointed { step } => self.checkpoint = Some(step),
         }
     }
 
     /// Ask every rank to stop after the step in flight and say where it stopped: a move for
     /// `cause` follows once all have (a loss on the way makes it a failure's).
-    fn pause(&mut self, cause: MoveCause, out: &mut Vec<Command>) {
+    fn pause(&mut self, cause: MoveCause, out: &mut Vec<Command<S>>) {
         self.phase = Phase::Collecting { reports: BTreeMap::new() };
         self.planned = Some(cause);
         out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
@@ -213,7 +213,7 @@ impl Controller {
         self.recent.push_back(what);
     }
 
-    fn stop(&mut self, reason: String, out: &mut Vec<Command>) {
+    fn stop(&mut self, reason: String, out: &mut Vec<Command<S>>) {
         self.note(format!("stopped: {reason}"));
         self.phase = Phase::Stopped;
         out.push(Command::Stop { reason });
@@ -228,7 +228,7 @@ struct Before {
 }
 
 /// What a status report shows of the job (queries only).
-impl Controller {
+impl<S: StepRecord> Controller<S> {
     pub fn epoch(&self) -> u64 {
         self.epoch
     }

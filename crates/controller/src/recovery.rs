@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 
 use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, ReplicaMap};
 
-use super::{Command, Controller, ExpertTransfer, Move, MoveCause, NodeId, Phase, RestoredExpert, StopReport};
+use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RankTransfer, RestoredExpert, StepRecord, StopReport};
 
 /// The job as recovery sees it: who survives, who comes in and who leaves, and where each
 /// stopped.
-struct Survivors {
+struct Survivors<S> {
     cause: MoveCause,
     /// Every survivor's report, and an empty one for each joiner.
-    reports: BTreeMap<NodeId, StopReport>,
+    reports: BTreeMap<NodeId, StopReport<S>>,
     /// Members alive now (leavers included).
     alive: Vec<NodeId>,
     /// Workers waiting to join: they come in with this move, holding nothing yet.
@@ -27,10 +27,10 @@ struct Survivors {
     furthest: u64,
 }
 
-impl Controller {
+impl<S: StepRecord> Controller<S> {
     /// A survivor's step failed (or it paused): where it stopped. A report from an epoch the
     /// node was not told to be in is stale and ignored.
-    pub(super) fn step_failed(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport) {
+    pub(super) fn step_failed(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport<S>) {
         self.last_seen.insert(node, now);
         if !self.alive.contains(&node) || self.node_epoch.get(&node) != Some(&epoch) {
             return;
@@ -46,7 +46,7 @@ impl Controller {
     }
 
     /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
-    pub(super) fn try_recover(&mut self, out: &mut Vec<Command>) {
+    pub(super) fn try_recover(&mut self, out: &mut Vec<Command<S>>) {
         let Phase::Collecting { reports } = &self.phase else { return };
         if self.alive.iter().any(|n| !reports.contains_key(n)) {
             return;
@@ -90,7 +90,7 @@ impl Controller {
     /// Who survives, who comes in and who leaves; the step all commit to (and the commit the
     /// log lacks, if a survivor has it); the survivors' nodes, whole. Err: why the job cannot
     /// go on.
-    fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport>, out: &mut Vec<Command>) -> Result<Survivors, String> {
+    fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> Result<Survivors<S>, String> {
         let alive: Vec<NodeId> = self.alive.iter().copied().collect();
         let cause = self.planned.take().unwrap_or(MoveCause::Failure);
         let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
@@ -134,17 +134,14 @@ impl Controller {
     /// after rank 0 got through it: it is done, or it would be run and logged twice). When
     /// survivors committed a step rank 0 never reported (lost after the vote, before its report
     /// got out), one of them has its global report: the log gets it from there.
-    fn commit_step(&mut self, reports: &BTreeMap<NodeId, StopReport>, out: &mut Vec<Command>) -> u64 {
+    fn commit_step(&mut self, reports: &BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> u64 {
         let mut furthest = reports.values().map(|r| r.steps_done).max().unwrap_or(0);
         let next = furthest + 1;
         if self.last_step == next && reports.values().all(|r| r.steps_done == next || r.held == Some(next)) {
             furthest = next;
         }
         if furthest == self.last_step + 1 {
-            let copy = reports
-                .values()
-                .filter_map(|r| r.last.as_ref())
-                .find(|c| c.report.step == furthest && c.report.loss.is_finite() && c.seconds.is_finite() && c.seconds >= 0.0);
+            let copy = reports.values().filter_map(|r| r.last.as_ref()).find(|c| c.step() == furthest && c.is_sound());
             if let Some(c) = copy {
                 out.push(Command::LogStep(c.clone()));
                 self.last_step = furthest;
@@ -156,7 +153,7 @@ impl Controller {
     /// Every expert with no replica left on a survivor (by what they say they hold) comes back
     /// from the freshest snapshot a survivor keeps (MoEtion §6, PEC §3), held from then on by
     /// that survivor (it sends it from there). None: some expert has neither.
-    fn restore_from_snapshots(&self, s: &mut Survivors) -> Option<Vec<RestoredExpert>> {
+    fn restore_from_snapshots(&self, s: &mut Survivors<S>) -> Option<Vec<RestoredExpert>> {
         let mut restored: Vec<RestoredExpert> = Vec::new();
         for l in 0..self.spec.layers {
             for e in 0..self.spec.experts {
@@ -193,7 +190,7 @@ impl Controller {
     /// The plan of the new epoch: the second half of a drain keeps the plan its first half moved
     /// the job to; an applied rebalance moves to the plan it weighed (if nothing changed
     /// since); anything else is planned afresh from the measured loads.
-    fn survivors_plan(&mut self, s: &Survivors, shape: ClusterShape) -> Result<ModelPlan, lazarus_plan::PlanError> {
+    fn survivors_plan(&mut self, s: &Survivors<S>, shape: ClusterShape) -> Result<ModelPlan, lazarus_plan::PlanError> {
         let previous = self.plan.clone().with_epoch(self.epoch);
         let weighed = self.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
         let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
@@ -209,7 +206,7 @@ impl Controller {
     /// The move to `new` that keeps every expert's state: the node mapping and the transfers
     /// (experts only the leavers hold are sent by them). None: some expert's state would be
     /// lost, or the transfers cannot be assigned to ranks.
-    fn move_with_every_state(&self, s: &Survivors, new: &ModelPlan, restored: Vec<RestoredExpert>) -> Option<Move> {
+    fn move_with_every_state(&self, s: &Survivors<S>, new: &ModelPlan, restored: Vec<RestoredExpert>) -> Option<Move> {
         let live: Vec<NodeState> = s
             .nodes
             .iter()
@@ -240,7 +237,7 @@ impl Controller {
         }
         let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?
             .into_iter()
-            .map(|t| ExpertTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to })
+            .map(|t| RankTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to })
             .collect();
         let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
         let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
@@ -274,7 +271,7 @@ impl Controller {
     /// An expert lost every replica and snapshot (or the survivors disagree on where they
     /// stopped): every survivor reloads the last checkpoint under the new plan, and the steps
     /// after it are undone (the log is cut back to it as well).
-    fn roll_back(&mut self, s: &Survivors, new: ModelPlan, out: &mut Vec<Command>) {
+    fn roll_back(&mut self, s: &Survivors<S>, new: ModelPlan, out: &mut Vec<Command<S>>) {
         let to_step = self.checkpoint;
         self.last_step = to_step.unwrap_or(0);
         let ranks: Vec<NodeId> = s.nodes.values().flatten().copied().collect();
@@ -302,7 +299,7 @@ impl Controller {
 
     /// A report's holdings as far as they fit the job (a peer's word is checked: experts out of
     /// range, and layers beyond the job's, are dropped; a missing layer holds nothing).
-    fn sanitized(&self, mut report: StopReport) -> StopReport {
+    fn sanitized(&self, mut report: StopReport<S>) -> StopReport<S> {
         report.holds.resize(self.spec.layers, Vec::new());
         report.snapshots.retain(|x| x.layer < self.spec.layers && x.expert < self.spec.experts);
         for l in &mut report.holds {

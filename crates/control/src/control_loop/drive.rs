@@ -12,9 +12,9 @@ use lazarus_runtime::Reconfiguration;
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
 use crate::controller::{Command, Controller, Event, JobSpec, MoveCause, MoveCost, StopReport};
 use crate::error::ControlError;
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, FleetEvent};
 use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
-use crate::status::{snapshot, SharedStatus};
+use crate::service::{snapshot, SharedStatus};
 
 /// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
 /// job completes or stops. On anything but completion every worker left is killed.
@@ -68,22 +68,17 @@ pub(super) fn drive(
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
-        let next = match (fleet.joined(), fleet.leaving()) {
-            (Some(workers), _) => Err(Ok(workers)),
-            (None, Some(leaving)) => Err(Err(leaving)),
-            (None, None) => Ok(fleet.next_event(wait)),
-        };
-        let event = match next {
-            Err(Ok(workers)) => {
+        let event = match fleet.next_event(wait) {
+            Some(FleetEvent::Joined { workers }) => {
                 observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
                 Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
             }
-            Err(Err((workers, reason))) => {
+            Some(FleetEvent::Leaving { workers, reason }) => {
                 observe(TrainEvent::Leaving { workers: workers.clone(), reason: reason.clone() })?;
                 Event::Drain { workers: workers.into_iter().map(|w| w as u64).collect(), reason }
             }
-            Ok(None) => Event::Tick,
-            Ok(Some((rank, None))) => {
+            None => Event::Tick,
+            Some(FleetEvent::Exited { rank }) => {
                 let status = fleet.exit_status(rank);
                 let member = ctl.alive().contains(&(rank as u64)) || ctl.standby().any(|w| w == rank as u64);
                 if shell.done.contains_key(&rank) || !member {
@@ -93,7 +88,7 @@ pub(super) fn drive(
                 shell.failure_seen();
                 Event::Exited { node: rank as u64, status }
             }
-            Ok(Some((rank, Some(ev)))) => match shell.translate(rank, ev, &ctl, &mut observe)? {
+            Some(FleetEvent::Report { rank, event }) => match shell.translate(rank, event, &ctl, &mut observe)? {
                 Some(e) => e,
                 None => {
                     if let Some(out) = shell.finished(&ctl) {
@@ -369,7 +364,7 @@ impl Shell {
                         rebuild_s: max(|m| m.rebuild_s),
                     });
                 }
-                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, loads: report.expert_load.clone(), seconds, moved };
+                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, steps: 1, loads: report.expert_load.clone(), seconds, moved };
                 observe(TrainEvent::Step { report, seconds, dropped, snapshot })?;
                 event
             }

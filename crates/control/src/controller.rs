@@ -1,0 +1,25 @@
+//! The controller's decisions (the `lazarus-controller` crate, a pure function of state, event
+//! and time) over the workers' own record of a committed step: the types the controller
+//! process's loop feeds and reads.
+
+pub use lazarus_controller::{
+    JobSpec, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, RankTransfer, RebalanceCase, RebalanceDecision, RebalanceVerdict,
+    RestoredExpert, SnapshotHeld, StepRecord,
+};
+
+use crate::protocol::CommittedStep;
+
+pub type Controller = lazarus_controller::Controller<CommittedStep>;
+pub type Event = lazarus_controller::Event<CommittedStep>;
+pub type Command = lazarus_controller::Command<CommittedStep>;
+pub type StopReport = lazarus_controller::StopReport<CommittedStep>;
+
+impl StepRecord for CommittedStep {
+    fn step(&self) -> u64 {
+        self.report.step
+    }
+
+    fn is_sound(&self) -> bool {
+        self.report.loss.is_finite() && self.seconds.is_finite() && self.seconds >= 0.0
+    }
+}
