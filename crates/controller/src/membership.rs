@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use super::{Before, Command, Controller, MoveCause, NodeId, Phase, StepRecord};
+use super::{Command, Controller, MoveCause, NodeId, Phase, StepRecord};
 
 /// What a worker is to the job, as `lazarus status` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,11 +94,10 @@ impl<S: StepRecord> Controller<S> {
         }
     }
 
-    pub(super) fn exited(&mut self, node: NodeId, status: &str, before: &mut Before, out: &mut Vec<Command<S>>) {
+    pub(super) fn exited(&mut self, node: NodeId, status: &str, out: &mut Vec<Command<S>>) {
         if self.alive.contains(&node) && self.is_leaver(node) {
             // Expected: a drained worker leaves once its move is done (nothing to fence).
             self.alive.remove(&node);
-            before.alive.remove(&node);
             self.draining.remove(&node);
             self.drained.insert(node);
             self.planned = Some(MoveCause::Drain);
@@ -141,8 +140,12 @@ impl<S: StepRecord> Controller<S> {
         self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.epoch));
     }
 
-    /// Members and workers standing by that missed their lease are killed and lost.
+    /// Members and workers standing by that missed their lease are killed and lost. Every
+    /// lease is looked at only once the earliest could have run out.
     pub(super) fn expire_leases(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
+        if self.leases_checked_until.is_some_and(|t| now < t) {
+            return;
+        }
         let lease = self.spec.lease;
         let reason = format!("no heartbeat for {} ms", lease.as_millis());
         let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + lease);
@@ -159,15 +162,15 @@ impl<S: StepRecord> Controller<S> {
                 self.give_up_standby(node, &reason, out);
             }
         }
+        self.leases_checked_until = self.deadline();
     }
 
     /// The other workers of a node that lost one are given up with it (and killed).
-    pub(super) fn lose_whole_nodes(&mut self, alive_before: &BTreeSet<NodeId>, out: &mut Vec<Command<S>>) {
+    pub(super) fn lose_whole_nodes(&mut self, out: &mut Vec<Command<S>>) {
         if self.spec.gpus_per_node <= 1 {
             return;
         }
-        let lost_now: Vec<NodeId> = alive_before.iter().copied().filter(|n| !self.alive.contains(n)).collect();
-        for lost in lost_now {
+        for lost in self.lost_now.clone() {
             let siblings: Vec<NodeId> = self.alive.iter().copied().filter(|&w| self.node(w) == self.node(lost)).collect();
             for w in siblings {
                 let reason = format!("worker {lost} of its node was lost");
@@ -197,6 +200,7 @@ impl<S: StepRecord> Controller<S> {
     /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
     pub(super) fn lose(&mut self, node: NodeId, why: &str) {
         self.alive.remove(&node);
+        self.lost_now.push(node);
         self.draining.remove(&node);
         self.planned = None;
         self.rebalance_to = None;

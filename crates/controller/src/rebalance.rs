@@ -253,11 +253,20 @@ impl<S: StepRecord> Controller<S> {
                 Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
             })
             .collect::<Option<_>>()?;
+        // λ* of every layer now and under the candidate, layers on every core (a max-flow each:
+        // at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is computed once.
+        let jobs: Vec<usize> = (0..self.spec.layers).collect();
+        let (plan, measured) = (&self.plan, &self.loads);
+        let balances = lazarus_plan::parallel::map_in_order(&jobs, |&l| {
+            let (now, loads) = (&plan.layers()[l], &measured[l]);
+            let before = now.load_balance(loads)?;
+            let after = if aligned[l] == *now { before } else { aligned[l].load_balance(loads)? };
+            Ok::<_, lazarus_plan::PlanError>((before, after))
+        })
+        .ok()?;
         let mut layers = Vec::new();
         let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
-        for (l, loads) in self.loads.iter().enumerate() {
-            let before = self.plan.layers()[l].load_balance(loads).ok()?;
-            let after = aligned[l].load_balance(loads).ok()?;
+        for (l, (before, after)) in balances.into_iter().enumerate() {
             imbalance_before += before.imbalance();
             imbalance_after += after.imbalance();
             let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();

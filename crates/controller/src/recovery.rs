@@ -48,7 +48,8 @@ impl<S: StepRecord> Controller<S> {
     /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
     pub(super) fn try_recover(&mut self, out: &mut Vec<Command<S>>) {
         let Phase::Collecting { reports } = &self.phase else { return };
-        if self.alive.iter().any(|n| !reports.contains_key(n)) {
+        // (The count first: one report in, of a thousand workers, is not a reason to look at all.)
+        if reports.len() < self.alive.len() || self.alive.iter().any(|n| !reports.contains_key(n)) {
             return;
         }
         let reports = reports.clone();

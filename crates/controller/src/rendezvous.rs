@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{Before, Command, Controller, NodeId, Phase, StepRecord};
+use super::{Command, Controller, NodeId, Phase, StepRecord};
 
 impl<S: StepRecord> Controller<S> {
     pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command<S>>) {
@@ -15,7 +15,7 @@ impl<S: StepRecord> Controller<S> {
             return;
         }
         addrs.insert(node, addr);
-        if self.ranks.iter().all(|n| addrs.contains_key(n)) {
+        if addrs.len() >= self.ranks.len() && self.ranks.iter().all(|n| addrs.contains_key(n)) {
             let list = self.ranks.iter().map(|n| addrs[n].clone()).collect();
             out.push(Command::Addresses { epoch, addrs: list });
         }
@@ -28,7 +28,7 @@ impl<S: StepRecord> Controller<S> {
             return;
         }
         ready.insert(node);
-        if self.ranks.iter().all(|n| ready.contains(n)) {
+        if ready.len() >= self.ranks.len() && self.ranks.iter().all(|n| ready.contains(n)) {
             self.phase = Phase::Running;
             out.push(Command::Resume { epoch });
         }
@@ -38,16 +38,19 @@ impl<S: StepRecord> Controller<S> {
     /// step waiting on a rank that is silent but connected fails now; a rendezvous that lost a
     /// rank is called off (survivors may be waiting for addresses that will never come, or
     /// connecting to a rank that is gone) — unless no one is left to tell.
-    pub(super) fn tell_survivors_of_the_loss(&mut self, before: &Before, out: &mut Vec<Command<S>>) {
-        let lost_ranks: Vec<usize> =
-            (0..self.ranks.len()).filter(|&r| before.alive.contains(&self.ranks[r]) && !self.alive.contains(&self.ranks[r])).collect();
-        if !before.rendezvous && !lost_ranks.is_empty() {
+    pub(super) fn tell_survivors_of_the_loss(&mut self, was_rendezvous: bool, out: &mut Vec<Command<S>>) {
+        if self.lost_now.is_empty() && !was_rendezvous {
+            return;
+        }
+        let lost: std::collections::BTreeSet<NodeId> = self.lost_now.iter().copied().collect();
+        let lost_ranks: Vec<usize> = (0..self.ranks.len()).filter(|&r| lost.contains(&self.ranks[r])).collect();
+        if !was_rendezvous && !lost_ranks.is_empty() {
             let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.alive.contains(n)).collect();
             if !nodes.is_empty() {
                 out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
             }
         }
-        if before.rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
+        if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
             let nodes: Vec<NodeId> = self.alive.iter().copied().collect();
             if !nodes.is_empty() {
                 out.push(Command::Abandon { epoch: self.epoch, nodes });

@@ -256,7 +256,8 @@ fn steps_told_at_once_weigh_the_same_rebalance_as_steps_told_one_by_one() {
     let (_, one_by_one) = drifted(2.0, t0);
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
-    let three = c.decide(t0, Event::StepDone { epoch: 0, step: 3, steps: 3, loads: vec![vec![291, 3, 3, 3]; 2], seconds: 6.0, moved: None });
+    let three =
+        c.decide(t0, Event::StepDone { epoch: 0, step: 3, steps: 3, loads: vec![vec![291, 3, 3, 3]; 2], seconds: 6.0, moved: None });
     assert!(three.is_empty(), "3 of 4 steps: not yet weighed: {three:?}");
     let last = c.decide(t0, Event::StepDone { epoch: 0, step: 4, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None });
     assert_eq!(last, one_by_one);

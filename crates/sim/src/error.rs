@@ -16,6 +16,10 @@ pub enum SimError {
     Invalid { field: &'static str, value: String, reason: String },
     #[error(transparent)]
     Plan(#[from] lazarus_plan::PlanError),
+    /// The controller's decision left the simulated job where it cannot go on (a join it did
+    /// not take in would stall the simulation): a bug, reported instead of looping.
+    #[error("at {at_s:.3} s of simulated time the controller {what}")]
+    Controller { at_s: f64, what: String },
 }
 
 impl SimError {

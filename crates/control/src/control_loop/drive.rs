@@ -364,7 +364,8 @@ impl Shell {
                         rebuild_s: max(|m| m.rebuild_s),
                     });
                 }
-                let event = Event::StepDone { epoch: ctl.epoch(), step: report.step, steps: 1, loads: report.expert_load.clone(), seconds, moved };
+                let event =
+                    Event::StepDone { epoch: ctl.epoch(), step: report.step, steps: 1, loads: report.expert_load.clone(), seconds, moved };
                 observe(TrainEvent::Step { report, seconds, dropped, snapshot })?;
                 event
             }

@@ -87,13 +87,20 @@ pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert
         .collect();
     let wanted: Vec<Vec<BTreeSet<ExpertId>>> =
         (0..n).map(|q| new_layers.iter().map(|p| p.nodes()[q].iter().copied().collect()).collect()).collect();
-    let cost: Vec<Vec<i64>> = (0..n)
-        .map(|p| {
-            (0..n)
-                .map(|q| (0..layers).map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * expert_bytes[l]) as i64).sum())
-                .collect()
+    // holders[layer][e]: the live nodes holding e, in order.
+    let holders: Vec<Vec<Vec<usize>>> = (0..layers)
+        .map(|l| {
+            let experts = new_layers[l].experts();
+            let mut h = vec![Vec::new(); experts];
+            for (p, held) in held.iter().enumerate() {
+                for &e in held[l].iter().filter(|&&e| e < experts) {
+                    h[e].push(p);
+                }
+            }
+            h
         })
         .collect();
+    let cost = missing_bytes(&wanted, &holders, expert_bytes);
     let node_to_plan = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
     let mut plan_to_node = vec![0u64; n];
     for (p, &q) in node_to_plan.iter().enumerate() {
@@ -112,7 +119,7 @@ pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert
     for (p, &q) in node_to_plan.iter().enumerate() {
         for l in 0..layers {
             for &e in wanted[q][l].difference(&held[p][l]) {
-                let holders: Vec<usize> = (0..n).filter(|&h| held[h][l].contains(&e)).collect();
+                let holders = holders[l].get(e).cloned().unwrap_or_default();
                 if holders.is_empty() {
                     lost.insert((l, e));
                 } else {
@@ -138,6 +145,30 @@ pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert
     transfers.sort_by_key(|t| (t.layer, t.expert, t.to));
     let bytes_per_sender = (0..n).filter(|&h| sent[h] > 0).map(|h| (live[h].node, sent[h])).collect();
     Ok(ReconfigurationPlan { plan_to_node, transfers, lost: lost.into_iter().collect(), bytes_per_sender })
+}
+
+/// cost[p][q]: the bytes live node p must receive to become plan node q — what q wants (its
+/// distinct experts, per layer) that p does not hold. Counted as everything q wants, less what
+/// each holder of each wanted expert already has: one pass over the holders instead of a set
+/// difference per (p, q) pair (128 nodes × 58 layers: 3.8 M steps instead of 950 k differences).
+fn missing_bytes(wanted: &[Vec<BTreeSet<ExpertId>>], holders: &[Vec<Vec<usize>>], expert_bytes: &[u64]) -> Vec<Vec<i64>> {
+    let n = wanted.len();
+    let mut cost = vec![vec![0i64; n]; n];
+    for (q, wanted) in wanted.iter().enumerate() {
+        let all: i64 = wanted.iter().zip(expert_bytes).map(|(w, &b)| (w.len() as u64 * b) as i64).sum();
+        for row in &mut cost {
+            row[q] = all;
+        }
+        for (l, w) in wanted.iter().enumerate() {
+            let b = expert_bytes[l] as i64;
+            for &e in w {
+                for &p in holders[l].get(e).map_or(&[][..], Vec::as_slice) {
+                    cost[p][q] -= b;
+                }
+            }
+        }
+    }
+    cost
 }
 
 /// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
@@ -220,6 +251,25 @@ mod tests {
     use crate::placement::{place, ClusterShape, Strategy};
     use crate::rng::SplitMix64;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The holder-indexed cost matrix is the set differences' (the plain reading).
+        #[test]
+        fn missing_bytes_are_the_set_differences(
+            held in proptest::collection::vec(proptest::collection::vec(proptest::collection::btree_set(0usize..6, 0..4), 2), 1..5),
+            wanted_lists in proptest::collection::vec(proptest::collection::vec(proptest::collection::btree_set(0usize..6, 0..4), 2), 1..5),
+            bytes in proptest::collection::vec(1u64..100, 2),
+        ) {
+            let n = held.len().min(wanted_lists.len());
+            let (held, wanted) = (&held[..n], &wanted_lists[..n]);
+            let holders: Vec<Vec<Vec<usize>>> =
+                (0..2).map(|l| (0..6).map(|e| (0..n).filter(|&p| held[p][l].contains(&e)).collect()).collect()).collect();
+            let plain: Vec<Vec<i64>> = (0..n)
+                .map(|p| (0..n).map(|q| (0..2).map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * bytes[l]) as i64).sum()).collect())
+                .collect();
+            prop_assert_eq!(missing_bytes(wanted, &holders, &bytes), plain);
+        }
+    }
 
     fn brute_min(cost: &[Vec<i64>]) -> i64 {
         fn rec(cost: &[Vec<i64>], row: usize, used: &mut Vec<bool>) -> i64 {

@@ -5,6 +5,8 @@
 //! another GPU than the new plan's is a copy inside the node. With one GPU per node these are
 //! exactly `plan_reconfiguration`'s transfers.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::StateTransfer;
@@ -35,21 +37,37 @@ pub fn rank_transfers(
     if rank_node.len() != ranks || rank_holds.len() != ranks {
         return None;
     }
-    let holds_it = |r: usize, l: usize, e: ExpertId| rank_holds[r].get(l).is_some_and(|x| x.contains(&e));
+    // The node-level plan's sender of each expert a node newly needs (its first line for it).
+    let mut sender_node: HashMap<(usize, ExpertId, u64), u64> = HashMap::with_capacity(node_transfers.len());
+    for t in node_transfers {
+        sender_node.entry((t.layer, t.expert, t.to)).or_insert(t.from);
+    }
     let mut sends = vec![0usize; ranks];
     let mut out = Vec::new();
     for (l, layer) in map.layers().iter().enumerate() {
+        // The ranks holding each expert of this layer, in rank order (one pass over what the
+        // ranks hold: at 1,024 ranks, asking every rank for every missing replica is quadratic).
+        let mut holders: Vec<Vec<usize>> = vec![Vec::new(); layer.len()];
+        for (r, holds) in rank_holds.iter().enumerate() {
+            for &e in holds.get(l).map_or(&[][..], Vec::as_slice) {
+                if let Some(h) = holders.get_mut(e) {
+                    if h.last() != Some(&r) {
+                        h.push(r);
+                    }
+                }
+            }
+        }
         for (e, row) in layer.iter().enumerate() {
+            let holding = &holders[e];
             for (r, &count) in row.iter().enumerate() {
-                if count == 0 || holds_it(r, l, e) {
+                if count == 0 || holding.binary_search(&r).is_ok() {
                     continue;
                 }
                 let here = rank_node[r];
-                let sender_node = node_transfers.iter().find(|t| t.layer == l && t.expert == e && t.to == here).map(|t| t.from);
-                let holders: Vec<usize> = (0..ranks).filter(|&s| s != r && holds_it(s, l, e)).collect();
-                let pick = |want: &dyn Fn(usize) -> bool| holders.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
+                let sender = sender_node.get(&(l, e, here)).copied();
+                let pick = |want: &dyn Fn(usize) -> bool| holding.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
                 let from = pick(&|s| rank_node[s] == here)
-                    .or_else(|| sender_node.and_then(|n| pick(&|s| rank_node[s] == n)))
+                    .or_else(|| sender.and_then(|n| pick(&|s| rank_node[s] == n)))
                     .or_else(|| pick(&|_| true))?;
                 sends[from] += 1;
                 out.push(RankTransfer { layer: l, expert: e, from, to: r });
@@ -62,6 +80,69 @@ pub fn rank_transfers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// The plain reading of the rule: for each missing replica, ask every rank whether it holds
+    /// the expert and scan the node-level plan for its sender.
+    fn oracle(
+        rank_node: &[u64],
+        rank_holds: &[Vec<Vec<ExpertId>>],
+        map: &ReplicaMap,
+        node_transfers: &[StateTransfer],
+    ) -> Option<Vec<RankTransfer>> {
+        let ranks = map.ranks();
+        let holds_it = |r: usize, l: usize, e: ExpertId| rank_holds[r].get(l).is_some_and(|x| x.contains(&e));
+        let mut sends = vec![0usize; ranks];
+        let mut out = Vec::new();
+        for (l, layer) in map.layers().iter().enumerate() {
+            for (e, row) in layer.iter().enumerate() {
+                for (r, &count) in row.iter().enumerate() {
+                    if count == 0 || holds_it(r, l, e) {
+                        continue;
+                    }
+                    let here = rank_node[r];
+                    let sender_node = node_transfers.iter().find(|t| t.layer == l && t.expert == e && t.to == here).map(|t| t.from);
+                    let holders: Vec<usize> = (0..ranks).filter(|&s| s != r && holds_it(s, l, e)).collect();
+                    let pick = |want: &dyn Fn(usize) -> bool| holders.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
+                    let from = pick(&|s| rank_node[s] == here)
+                        .or_else(|| sender_node.and_then(|n| pick(&|s| rank_node[s] == n)))
+                        .or_else(|| pick(&|_| true))?;
+                    sends[from] += 1;
+                    out.push(RankTransfer { layer: l, expert: e, from, to: r });
+                }
+            }
+        }
+        Some(out)
+    }
+
+    proptest! {
+        /// The indexed version picks exactly the senders of the plain rule, on any holdings
+        /// (duplicates and unsorted lists included) and any node-level plan.
+        #[test]
+        fn rank_transfers_match_the_plain_rule(
+            nodes in 1usize..4,
+            g in 1usize..3,
+            experts in 1usize..5,
+            seed in proptest::collection::vec(0u32..3, 2 * 4 * 2 * 5),
+            holds in proptest::collection::vec(proptest::collection::vec(0usize..6, 0..4), 2 * 4 * 2),
+            senders in proptest::collection::vec((0usize..2, 0usize..5, 0u64..4, 0u64..4), 0..6),
+        ) {
+            let ranks = nodes * g;
+            let layers = 2;
+            let rank_node: Vec<u64> = (0..ranks).map(|r| (r / g) as u64).collect();
+            let rank_holds: Vec<Vec<Vec<ExpertId>>> = (0..ranks).map(|r| (0..layers).map(|l| holds[(r * layers + l) % holds.len()].clone()).collect()).collect();
+            let rows: Vec<Vec<Vec<u32>>> = (0..layers)
+                .map(|l| {
+                    (0..experts)
+                        .map(|e| (0..ranks).map(|r| seed[((l * experts + e) * ranks + r) % seed.len()].max(u32::from(r == e % ranks))).collect())
+                        .collect()
+                })
+                .collect();
+            let map = ReplicaMap::new(1, rows).unwrap();
+            let plan: Vec<StateTransfer> = senders.iter().map(|&(layer, expert, from, to)| StateTransfer { layer, expert, from, to, bytes: 1 }).collect();
+            prop_assert_eq!(rank_transfers(&rank_node, &rank_holds, &map, &plan), oracle(&rank_node, &rank_holds, &map, &plan));
+        }
+    }
 
     fn map(rows: Vec<Vec<u32>>) -> ReplicaMap {
         ReplicaMap::new(1, vec![rows]).unwrap()

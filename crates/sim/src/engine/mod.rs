@@ -207,7 +207,7 @@ pub const MAX_LOAD_DRAWS: f64 = (1u64 << 34) as f64;
 pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, SimError> {
     scenario.validate()?;
     match policy {
-        Policy::Lazarus => Run::new(scenario, policy, &Lazarus).drive(),
+        Policy::Lazarus => Run::new(scenario, policy, &Lazarus::new()).drive(),
         Policy::Ds => Run::new(scenario, policy, &Ds::new(scenario)).drive(),
         Policy::DsFt => Run::new(scenario, policy, &DsFt::new(scenario)).drive(),
     }
@@ -491,20 +491,19 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     }
 
     fn at_boundary(&mut self) -> Result<(), SimError> {
-        let ck = self.checkpoint_every();
         if let Some(r) = self.p.rebalance_every(self.cost()) {
             if self.step.is_multiple_of(r) {
                 let p = self.p;
                 p.rebalance(self)?;
-                if self.step.is_multiple_of(ck) {
-                    // Checkpoint right after the rebalance: both are due at this step.
-                    self.pending_checkpoint = true;
-                }
-                return Ok(());
             }
         }
-        if self.step.is_multiple_of(ck) {
-            self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+        if self.step.is_multiple_of(self.checkpoint_every()) {
+            if self.busy.is_some() {
+                // Checkpoint right after the rebalance: both are due at this step.
+                self.pending_checkpoint = true;
+            } else {
+                self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+            }
         }
         Ok(())
     }
@@ -843,6 +842,37 @@ mod tests {
         let r = simulate(&s, Policy::Lazarus).unwrap();
         assert_eq!(r.reconfigurations, 1);
         assert_eq!(r.checkpoints, r.steps / 4, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+    }
+
+    /// A node the trace removes and adds again comes back as new workers, and the controller
+    /// takes it in at a step boundary (it once stalled the simulation: the controller ignores
+    /// a worker id it has seen).
+    #[test]
+    fn a_node_that_comes_back_is_taken_in_again() {
+        let mut text = String::new();
+        for n in 0..4 {
+            text.push_str(&format!("0,add,n{n}\n"));
+        }
+        text.push_str("60000,remove,n1\n120000,add,n1\n240000,remove,n1\n300000,add,n1\n");
+        let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 10.0);
+        s.cost.scale_up_wait_s = 0.0;
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert_eq!((r.restarts, r.reconfigurations), (0, 4), "two failures, two joins: {:?}", r.nodes_in_use);
+        assert_eq!(r.nodes_in_use.last().map(|x| x.1), Some(4));
+    }
+
+    /// The simulated job rebalances by the controller's rule: only a move that repays itself
+    /// within the horizon is made.
+    #[test]
+    fn a_rebalance_is_made_only_when_it_repays_its_move() {
+        let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+        let cheap = simulate(&s, Policy::Lazarus).unwrap();
+        assert!(cheap.rebalances > 0, "some rebalance repays a 2 s pause: {:?}", cheap.breakdown);
+        let mut dear = s.clone();
+        dear.cost.rebalance_s = 1e5;
+        let r = simulate(&dear, Policy::Lazarus).unwrap();
+        assert_eq!((r.rebalances, r.breakdown.rebalance_s), (0, 0.0), "none repays a day's pause");
+        assert_eq!(r.reconfigurations, cheap.reconfigurations);
     }
 
     #[test]

@@ -1,100 +1,302 @@
-//! Lazarus (§6.1): adaptive replica counts and fault-tolerant placement from the scheduler every
-//! other part of Lazarus uses; after a failure it reconfigures while every expert keeps a replica
-//! and restarts from the last checkpoint otherwise; it rebalances periodically and takes joiners
-//! by reconfiguring onto them.
+//! Lazarus (§6.1), run by the controller's own decisions: the simulated job is driven by
+//! `lazarus_controller::Controller`, the same pure function `lazarus train --workers` and
+//! `lazarus controller` call. Recovery onto the survivors while every expert keeps a replica
+//! (a restart from the checkpoint otherwise), joiners taken in at a step boundary, and every
+//! `rebalance_every` steps a plan from the measured loads, applied only where it repays its
+//! move: the decisions, the plans and the transfers are the controller's.
+//!
+//! This policy is the controller's shell in simulated time: it turns the trace's changes into
+//! the controller's events at simulated instants, answers for the workers (where each stopped,
+//! what it holds, that it is ready), reports the steps trained with the loads of their epoch,
+//! and charges each move to the engine: the failure time-out and group rebuild of the cost
+//! model, and the transfers of the busiest node. What it does not model: the snapshot tier (no
+//! survivor reports snapshots, so an expert that lost every replica means a restart), notices
+//! (the traces have none), and a rollback in place (the engine's restart relaunches the job on
+//! the usable nodes, as it does for every policy).
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, Placement, PlanPolicy};
+use lazarus_controller::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, StepRecord, StopReport};
+use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
 
 use super::FailurePolicy;
 use crate::cost::CostModel;
 use crate::engine::{Busy, Run, Scenario};
 use crate::error::SimError;
 
-/// Lazarus's policy; its configuration is the plan of every layer over the nodes in use (plan
+/// Leases never run out in simulated time: a node is lost when the trace removes it.
+const LEASE: Duration = Duration::from_secs(365 * 86_400);
+/// Expert loads are fractions of a layer's tokens; the controller counts tokens.
+const TOKENS_PER_STEP: f64 = 1e6;
+
+/// The simulator keeps no step reports: the controller is never handed one to log.
+#[derive(Debug, Clone, PartialEq)]
+pub(in crate::engine) enum NoRecord {}
+
+impl StepRecord for NoRecord {
+    fn step(&self) -> u64 {
+        match *self {}
+    }
+
+    fn is_sound(&self) -> bool {
+        match *self {}
+    }
+}
+
+/// Lazarus's policy; its configuration is the controller's plan over the nodes in use (plan
 /// node i = `used[i]`).
-#[derive(Debug, Clone, Copy)]
-pub(in crate::engine) struct Lazarus;
+pub(in crate::engine) struct Lazarus {
+    /// Simulated time 0.
+    t0: Instant,
+    /// The controller of the job, from the job's start or its last restart.
+    shell: RefCell<Option<Shell>>,
+}
+
+/// The controller of one launch of the job, and the workers it knows.
+struct Shell {
+    ctl: Controller<NoRecord>,
+    workers: Workers,
+    /// Bytes of one expert's training state.
+    expert_bytes: u64,
+    /// Steps the load monitor has been told of.
+    reported_step: u64,
+    /// What the last move cost, told with the next steps (as a worker's first report after a
+    /// move tells it).
+    moved: Option<MoveCost>,
+}
+
+/// The worker ids of the simulated nodes: G each, never reused.
+struct Workers {
+    gpus_per_node: usize,
+    of_node: HashMap<String, Vec<NodeId>>,
+    node_of: HashMap<NodeId, String>,
+    next: NodeId,
+}
+
+/// What the controller made of a failure, a join or a rebalance.
+enum Outcome {
+    /// The job moves to the controller's new plan over `nodes`, its busiest node sending or
+    /// receiving `worst_bytes` of expert states, `bytes` in all.
+    Moved { nodes: Vec<String>, worst_bytes: f64, bytes: u64 },
+    /// An expert lost every replica, or the survivors cannot hold every expert.
+    Restart,
+    /// Nothing moves (a rebalance that would not repay its move).
+    Stay,
+}
 
 impl Lazarus {
-    /// Lazarus's plan for `n` nodes from the loads of `epoch`: the scheduler every other part
-    /// of Lazarus uses (Eq. 1 allocation with floor f, lowered when slots run short;
-    /// fault-tolerant placement, unguarded — the simulator models Algorithm 1's per-replica
-    /// shares). Layers whose allocation is unchanged keep their placement.
+    pub(in crate::engine) fn new() -> Self {
+        Lazarus { t0: Instant::now(), shell: RefCell::new(None) }
+    }
+
+    fn at(&self, t: f64) -> Instant {
+        self.t0 + Duration::from_secs_f64(t.max(0.0))
+    }
+
+    /// Lazarus's plan for `n` nodes from the loads of `epoch` at the job's start or after a
+    /// restart: the scheduler every other part of Lazarus uses.
     fn plan(run: &Run<'_, Self>, n: usize, epoch: u64) -> Result<ModelPlan, SimError> {
         let c = run.cost();
         let shape = ClusterShape::new(n, c.gpus_per_node, c.slots_per_gpu)?;
-        Ok(plan_model(&run.loads(epoch), shape, &PlanPolicy::unguarded(c.min_replicas), run.config.as_ref())?)
+        Ok(plan_model(&run.loads(epoch), shape, &policy(c), run.config.as_ref())?)
     }
 
-    /// Move to a new plan on `nodes` (survivors first, then joiners): the live nodes are mapped
-    /// onto the plan's nodes and the missing expert states fetched from live holders
-    /// (`plan_reconfiguration`), the slowest link setting the transfer time.
-    fn reconfigure(run: &mut Run<'_, Self>, nodes: Vec<String>, kind: Busy, after_failure: bool) -> Result<(), SimError> {
-        let n = nodes.len();
-        let new = Self::plan(run, n, run.plan_epoch())?;
-        let layers = new.layers().len();
-        let bytes = run.s.model.expert_state_bytes;
-        // Where each of the nodes sits in the current plan (None: it holds nothing).
-        let old: &[Placement] = match &run.config {
-            Some(old) => old.layers(),
-            None => &[],
-        };
-        let index: HashMap<&str, usize> = run.used.iter().enumerate().map(|(i, u)| (u.as_str(), i)).collect();
-        let old_index: Vec<Option<usize>> =
-            nodes.iter().map(|name| index.get(name.as_str()).copied().filter(|_| !old.is_empty())).collect();
-        let (order, transfer_s) = if n * layers <= 4096 {
-            let live: Vec<NodeState> = old_index
-                .iter()
-                .enumerate()
-                .map(|(i, o)| NodeState {
-                    node: i as u64,
-                    experts: o.map(|o| old.iter().map(|p| p.nodes()[o].clone()).collect()).unwrap_or_default(),
-                })
-                .collect();
-            let rp = plan_reconfiguration(&live, new.layers(), &vec![bytes as u64; layers])?;
-            let mut sent: BTreeMap<u64, f64> = BTreeMap::new();
-            let mut recv: BTreeMap<u64, f64> = BTreeMap::new();
-            for t in &rp.transfers {
-                *sent.entry(t.from).or_default() += t.bytes as f64;
-                *recv.entry(t.to).or_default() += t.bytes as f64;
+    /// Run `f` on the job's controller (None: the job has none, it is idle).
+    fn with_shell<T>(&self, f: impl FnOnce(&mut Shell) -> T) -> Option<T> {
+        self.shell.borrow_mut().as_mut().map(f)
+    }
+
+    /// The engine's part of `outcome`: a move is charged `fixed` seconds plus its transfers as
+    /// `kind`; a restart is the engine's.
+    fn carry_out(&self, run: &mut Run<'_, Self>, outcome: Outcome, kind: Busy, fixed: f64) -> Result<(), SimError> {
+        match outcome {
+            Outcome::Moved { nodes, worst_bytes, bytes } => {
+                let transfer_s = run.cost().transfer_s(worst_bytes);
+                let step = run.step;
+                // What the controller measures of a move: its transfers and its rendezvous
+                // (not the failure time-out before it).
+                let rebuild_s = if kind == Busy::Rebalance { run.cost().rebalance_s } else { run.cost().group_rebuild_s };
+                let plan = self.with_shell(|sh| {
+                    sh.moved = Some(MoveCost { bytes, transfer_s, rebuild_s });
+                    sh.reported_step = step;
+                    sh.ctl.plan().clone()
+                });
+                let plan = plan.expect("a job that moves has a controller");
+                run.switch(nodes, plan, kind, fixed + transfer_s);
+                Ok(())
             }
-            let worst = sent.values().chain(recv.values()).cloned().fold(0.0, f64::max);
-            let order: Vec<String> = rp.plan_to_node.iter().map(|&p| nodes[p as usize].clone()).collect();
-            (order, run.cost().transfer_s(worst))
-        } else {
-            // Large clusters: keep each node on its own index and count what it lacks (the exact
-            // assignment is O(N³) per event).
-            let mut worst = 0.0f64;
-            // have[e] == stamp: the node holds expert e in the layer being looked at.
-            let mut have = vec![0u32; run.s.model.experts];
-            let mut stamp = 0u32;
-            for (i, o) in old_index.iter().enumerate() {
-                let mut need = 0usize;
-                for (l, p) in new.layers().iter().enumerate() {
-                    stamp += 1;
-                    if let (Some(o), Some(was)) = (o, old.get(l)) {
-                        was.nodes()[*o].iter().for_each(|&e| have[e] = stamp);
-                    }
-                    for &e in &p.nodes()[i] {
-                        if have[e] != stamp {
-                            need += 1;
-                            have[e] = stamp;
-                        }
-                    }
-                }
-                worst = worst.max(need as f64 * bytes);
+            Outcome::Restart => {
+                *self.shell.borrow_mut() = None;
+                run.restart()
             }
-            (nodes.clone(), run.cost().transfer_s(worst))
+            Outcome::Stay => Ok(()),
+        }
+    }
+
+    /// The steps trained since the controller last heard, with the loads of the current epoch.
+    fn report_steps(&self, run: &mut Run<'_, Self>) -> Result<Vec<Command<NoRecord>>, SimError> {
+        let step_s = run.step_time()?;
+        let loads = run.loads(run.epoch());
+        let (now, step) = (self.at(run.now), run.step);
+        Ok(self.with_shell(|sh| sh.report_steps(now, step, step_s, &loads)).unwrap_or_default())
+    }
+}
+
+/// The planning policy of the simulated job.
+fn policy(c: &CostModel) -> PlanPolicy {
+    PlanPolicy::unguarded(c.min_replicas)
+}
+
+impl Workers {
+    /// Ids for the G workers of `node` (the ones it has, if it has some).
+    fn of(&mut self, node: &str) -> Vec<NodeId> {
+        if let Some(ws) = self.of_node.get(node) {
+            return ws.clone();
+        }
+        let ws: Vec<NodeId> = (self.next..self.next + self.gpus_per_node as u64).collect();
+        self.next += self.gpus_per_node as u64;
+        for &w in &ws {
+            self.node_of.insert(w, node.to_string());
+        }
+        self.of_node.insert(node.to_string(), ws.clone());
+        ws
+    }
+}
+
+impl Shell {
+    /// A controller for the job starting on `nodes` (in plan order) under `plan`, its
+    /// rendezvous done.
+    fn start(run: &Run<'_, Lazarus>, nodes: &[String], plan: ModelPlan, now: Instant) -> Shell {
+        let (c, m) = (run.cost(), &run.s.model);
+        let spec = JobSpec {
+            layers: m.layers,
+            experts: m.experts,
+            slots_per_node: c.gpus_per_node * c.slots_per_gpu,
+            gpus_per_node: c.gpus_per_node,
+            policy: policy(c),
+            expert_bytes: m.expert_state_bytes as u64,
+            lease: LEASE,
+            join_wait: Duration::ZERO,
+            rebalance_every: c.rebalance_every,
+            total_steps: (run.s.duration_s / m.balanced_step_s).ceil() as u64,
         };
-        let c = run.cost();
-        let fixed = match kind {
-            Busy::Rebalance => c.rebalance_s,
-            _ => c.group_rebuild_s + if after_failure { c.failure_timeout_s } else { 0.0 },
-        };
-        run.switch(order, new, kind, fixed + transfer_s);
-        Ok(())
+        let mut workers = Workers { gpus_per_node: c.gpus_per_node, of_node: HashMap::new(), node_of: HashMap::new(), next: 0 };
+        let ranks: Vec<NodeId> = nodes.iter().flat_map(|n| workers.of(n)).collect();
+        let expert_bytes = spec.expert_bytes;
+        // Before any move, the controller weighs a rebalance with the cost model's figures for
+        // one (as if it had measured one expert's transfer and a rebalance's pause).
+        let moved =
+            Some(MoveCost { bytes: expert_bytes.max(1), transfer_s: c.transfer_s(expert_bytes.max(1) as f64), rebuild_s: c.rebalance_s });
+        let mut sh = Shell { ctl: Controller::new(spec, plan, ranks, now), workers, expert_bytes, reported_step: run.step, moved };
+        sh.rendezvous(now);
+        sh
+    }
+
+    /// Every rank of the epoch listens, then is ready: training runs.
+    fn rendezvous(&mut self, now: Instant) {
+        let (epoch, ranks) = (self.ctl.epoch(), self.ctl.ranks().to_vec());
+        for (i, &node) in ranks.iter().enumerate() {
+            self.ctl.decide(now, Event::Listening { node, epoch, addr: format!("rank {i}") });
+        }
+        for &node in &ranks {
+            self.ctl.decide(now, Event::Ready { node, epoch });
+        }
+    }
+
+    /// The steps trained since the controller last heard of any (at the job's step `step`).
+    fn report_steps(&mut self, now: Instant, step: u64, step_s: f64, loads: &[Vec<f64>]) -> Vec<Command<NoRecord>> {
+        let steps = step.saturating_sub(self.reported_step);
+        if steps == 0 || !self.ctl.running() {
+            return Vec::new();
+        }
+        self.reported_step = step;
+        let scale = TOKENS_PER_STEP * steps as f64;
+        let loads = loads.iter().map(|l| l.iter().map(|&x| (x * scale).round() as u64).collect()).collect();
+        let event =
+            Event::StepDone { epoch: self.ctl.epoch(), step, steps, loads, seconds: step_s * steps as f64, moved: self.moved.take() };
+        self.ctl.decide(now, event)
+    }
+
+    /// A node's workers start and stand by.
+    fn join(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
+        let workers = self.workers.of(node);
+        self.ctl.decide(now, Event::Joined { workers })
+    }
+
+    /// The trace removed `node`: its workers exit (if it comes back, it brings new ones).
+    fn remove(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
+        let workers = self.workers.of_node.remove(node).unwrap_or_default();
+        workers.into_iter().flat_map(|w| self.ctl.decide(now, Event::Exited { node: w, status: "removed by the trace".into() })).collect()
+    }
+
+    /// Every surviving rank says where it stopped (all at `step`, the job's committed step) and
+    /// what its plan gave it; the last report brings the controller's decision.
+    fn say_where_stopped(&mut self, now: Instant, step: u64) -> Vec<Command<NoRecord>> {
+        let holds = self.holdings();
+        let epoch = self.ctl.epoch();
+        let ranks: Vec<(usize, NodeId)> =
+            self.ctl.ranks().iter().copied().enumerate().filter(|(_, w)| self.ctl.alive().contains(w)).collect();
+        let mut out = Vec::new();
+        for (r, node) in ranks {
+            let report = StopReport { steps_done: step, held: None, holds: holds[r].clone(), last: None, snapshots: Vec::new() };
+            out.extend(self.ctl.decide(now, Event::StepFailed { node, epoch, report }));
+        }
+        out
+    }
+
+    /// The experts of every rank of the current plan, per layer (rank q·G + i is GPU i of plan
+    /// node q), in one pass over its placements.
+    fn holdings(&self) -> Vec<Vec<Vec<usize>>> {
+        let plan = self.ctl.plan();
+        let g = self.workers.gpus_per_node;
+        let ranks = plan.shape().ranks();
+        let mut holds = vec![vec![Vec::new(); plan.layers().len()]; ranks];
+        for (l, p) in plan.layers().iter().enumerate() {
+            for (r, h) in holds.iter_mut().enumerate() {
+                h[l] = p.gpu(r / g, r % g).to_vec();
+            }
+        }
+        holds
+    }
+
+    /// What the commands of one decision come to. A move's rendezvous is done at once.
+    fn outcome(&mut self, now: Instant, out: &[Command<NoRecord>]) -> Outcome {
+        let decided = out.iter().rev().find_map(|c| match c {
+            Command::Reconfigure(m) => Some(Some(m)),
+            Command::Rollback { .. } | Command::Stop { .. } => Some(None),
+            _ => None,
+        });
+        match decided {
+            None => Outcome::Stay,
+            Some(None) => Outcome::Restart,
+            Some(Some(m)) => {
+                let (worst_bytes, bytes) = self.transfer_bytes(m);
+                let g = self.workers.gpus_per_node;
+                let nodes = m.ranks.chunks(g).map(|ws| self.workers.node_of[&ws[0]].clone()).collect();
+                self.rendezvous(now);
+                Outcome::Moved { nodes, worst_bytes, bytes }
+            }
+        }
+    }
+
+    /// The bytes of a move's transfers between nodes (copies inside a node cost none): the
+    /// busiest node's sent or received, and all of them.
+    fn transfer_bytes(&self, m: &Move) -> (f64, u64) {
+        let bytes = self.expert_bytes;
+        let node = |r: usize| &self.workers.node_of[&m.ranks[r]];
+        let (mut sent, mut received): (BTreeMap<&String, f64>, BTreeMap<&String, f64>) = Default::default();
+        let mut all = 0u64;
+        for t in &m.transfers {
+            let (from, to) = (node(t.from), node(t.to));
+            if from != to {
+                *sent.entry(from).or_default() += bytes as f64;
+                *received.entry(to).or_default() += bytes as f64;
+                all += bytes;
+            }
+        }
+        (sent.values().chain(received.values()).copied().fold(0.0, f64::max), all)
     }
 }
 
@@ -110,8 +312,11 @@ impl FailurePolicy for Lazarus {
         }
     }
 
+    /// A plan for the nodes in use, and a controller of them (the job's start or a restart).
     fn fresh_config(&self, run: &Run<'_, Self>, n: usize) -> Result<ModelPlan, SimError> {
-        Self::plan(run, n, run.plan_epoch())
+        let plan = Self::plan(run, n, run.plan_epoch())?;
+        *self.shell.borrow_mut() = Some(Shell::start(run, &run.used, plan.clone(), self.at(run.now)));
+        Ok(plan)
     }
 
     fn checkpoint_every(&self, cost: &CostModel) -> u64 {
@@ -122,33 +327,74 @@ impl FailurePolicy for Lazarus {
         Some(cost.rebalance_every)
     }
 
-    /// Replan on the same nodes from the last epoch's loads.
+    /// The controller weighs a plan from the loads measured since the last one; it pauses the
+    /// job and moves only if the move repays itself.
     fn rebalance(&self, run: &mut Run<'_, Self>) -> Result<(), SimError> {
-        let nodes = run.used.clone();
-        Self::reconfigure(run, nodes, Busy::Rebalance, false)
+        let mut out = self.report_steps(run)?;
+        let (now, step) = (self.at(run.now), run.step);
+        let outcome = self.with_shell(|sh| {
+            if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
+                out.extend(sh.say_where_stopped(now, step));
+            }
+            sh.outcome(now, &out)
+        });
+        let fixed = run.cost().rebalance_s;
+        self.carry_out(run, outcome.unwrap_or(Outcome::Stay), Busy::Rebalance, fixed)
     }
 
-    /// Reconfigure onto the survivors and any usable joiners while every expert keeps a replica
-    /// among the survivors; restart from the last checkpoint otherwise.
+    /// The failed nodes' workers exit, usable joiners stand by, the survivors say where they
+    /// stopped: the controller moves the job onto them, or it restarts.
     fn on_failure(&self, run: &mut Run<'_, Self>, failed: &[String], survivors: Vec<String>) -> Result<(), SimError> {
-        let recoverable = match &run.config {
-            Some(plan) if !survivors.is_empty() => {
-                let failed_nodes: Vec<usize> = (0..run.used.len()).filter(|&i| failed.contains(&run.used[i])).collect();
-                plan.survives(&failed_nodes)
-            }
-            _ => false,
-        };
-        if recoverable {
-            let nodes = run.with_joiners(survivors);
-            if self.nodes_usable(run.s, nodes.len()) == nodes.len() {
-                return Self::reconfigure(run, nodes, Busy::Reconfig, true);
-            }
+        if run.config.is_none() || survivors.is_empty() || self.shell.borrow().is_none() {
+            *self.shell.borrow_mut() = None;
+            return run.restart();
         }
-        run.restart()
+        let mut out = self.report_steps(run)?;
+        let joiners: Vec<String> = run.with_joiners(survivors.clone()).split_off(survivors.len());
+        let (now, step) = (self.at(run.now), run.step);
+        let outcome = self.with_shell(|sh| {
+            for n in &joiners {
+                out.extend(sh.join(now, n));
+            }
+            for n in failed {
+                out.extend(sh.remove(now, n));
+            }
+            out.extend(sh.say_where_stopped(now, step));
+            sh.outcome(now, &out)
+        });
+        let c = run.cost();
+        let fixed = c.group_rebuild_s + c.failure_timeout_s;
+        match outcome {
+            Some(Outcome::Stay) | None => {
+                *self.shell.borrow_mut() = None;
+                run.restart()
+            }
+            Some(o) => self.carry_out(run, o, Busy::Reconfig, fixed),
+        }
     }
 
+    /// The joiners stand by; the controller pauses the job at this step boundary and moves it
+    /// onto them.
     fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError> {
-        Self::reconfigure(run, nodes, Busy::Reconfig, false)
+        let mut out = self.report_steps(run)?;
+        let joiners: Vec<String> = nodes.into_iter().filter(|n| !run.used.contains(n)).collect();
+        let (now, step) = (self.at(run.now), run.step);
+        let outcome = self.with_shell(|sh| {
+            for n in &joiners {
+                out.extend(sh.join(now, n));
+            }
+            if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
+                out.extend(sh.say_where_stopped(now, step));
+            }
+            sh.outcome(now, &out)
+        });
+        let fixed = run.cost().group_rebuild_s;
+        match outcome {
+            Some(Outcome::Stay) | None => {
+                Err(SimError::Controller { at_s: run.now, what: format!("did not take in the waiting nodes {joiners:?}") })
+            }
+            Some(o) => self.carry_out(run, o, Busy::Reconfig, fixed),
+        }
     }
 
     /// Per-replica shares (Algorithm 1): each replica of expert e takes `load[e] / replicas[e]`;
