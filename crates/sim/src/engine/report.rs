@@ -1,0 +1,105 @@
+//! What a simulated run reports: where the wall time went, the curves for plots, and the
+//! counts of each kind of event.
+
+use serde::Serialize;
+
+use super::policy::{FailurePolicy, Policy};
+use super::Run;
+
+/// Where the wall time went. The fields add up to the simulated duration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// Steps that count (not rolled back).
+    pub compute_s: f64,
+    pub checkpoint_s: f64,
+    /// Relaunch and checkpoint loading (and the failure time-out before it).
+    pub restart_s: f64,
+    /// Steps later rolled back by a restart, and steps a failure interrupted.
+    pub lost_work_s: f64,
+    /// Failure time-out, group rebuild and state transfers of reconfigurations and scale-ups.
+    pub reconfig_s: f64,
+    pub rebalance_s: f64,
+    /// No usable configuration (too few nodes).
+    pub idle_s: f64,
+}
+
+impl Breakdown {
+    pub fn total(&self) -> f64 {
+        self.compute_s + self.checkpoint_s + self.restart_s + self.lost_work_s + self.reconfig_s + self.rebalance_s + self.idle_s
+    }
+}
+
+/// One point of the throughput / progress curves.
+#[derive(Debug, Clone, Serialize)]
+pub struct SeriesPoint {
+    pub t_s: f64,
+    pub samples_per_s: f64,
+    pub cumulative_samples: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    pub policy: Policy,
+    pub trained_samples: f64,
+    pub avg_samples_per_s: f64,
+    pub steps: u64,
+    pub restarts: u64,
+    pub reconfigurations: u64,
+    pub rebalances: u64,
+    pub checkpoints: u64,
+    pub breakdown: Breakdown,
+    /// Binned curves for plots.
+    pub series: Vec<SeriesPoint>,
+    /// Times (s) at which nodes in use failed.
+    pub failures_s: Vec<f64>,
+    /// (time s, nodes in use) at every configuration change (0 = none usable).
+    pub nodes_in_use: Vec<(f64, usize)>,
+}
+
+impl<P: FailurePolicy> Run<'_, P> {
+    pub(super) fn report(&self) -> PolicyReport {
+        let d = self.s.duration_s;
+        let bins = 300usize;
+        let width = d / bins as f64;
+        let mut gross = vec![0.0f64; bins];
+        for &(t0, t1, gained) in &self.stretches {
+            if t1 <= t0 || gained == 0.0 {
+                continue;
+            }
+            let rate = gained / (t1 - t0);
+            let (b0, b1) = ((t0 / width) as usize, ((t1 / width).ceil() as usize).min(bins));
+            for (b, g) in gross.iter_mut().enumerate().take(b1).skip(b0) {
+                let (lo, hi) = (b as f64 * width, (b + 1) as f64 * width);
+                let overlap = t1.min(hi) - t0.max(lo);
+                if overlap > 0.0 {
+                    *g += rate * overlap;
+                }
+            }
+        }
+        let mut series = Vec::with_capacity(bins);
+        let (mut cum, mut rb) = (0.0, 0usize);
+        for (b, g) in gross.iter().enumerate() {
+            let t = (b + 1) as f64 * width;
+            cum += g;
+            while rb < self.rollbacks.len() && self.rollbacks[rb].0 <= t {
+                cum -= self.rollbacks[rb].1;
+                rb += 1;
+            }
+            series.push(SeriesPoint { t_s: t, samples_per_s: g / width, cumulative_samples: cum.max(0.0) });
+        }
+        PolicyReport {
+            policy: self.policy,
+            trained_samples: self.samples,
+            avg_samples_per_s: self.samples / d,
+            steps: self.step,
+            restarts: self.restarts,
+            reconfigurations: self.reconfigurations,
+            rebalances: self.rebalances,
+            checkpoints: self.checkpoints,
+            breakdown: self.b.clone(),
+            series,
+            failures_s: self.failures.clone(),
+            nodes_in_use: self.nodes_in_use.clone(),
+        }
+    }
+}

@@ -1,0 +1,228 @@
+use super::*;
+
+fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
+    Scenario {
+        trace,
+        model: ModelSpec::preset(model).unwrap(),
+        cost: CostModel::default(),
+        loads: LoadModel::default(),
+        max_nodes: 10,
+        duration_s: minutes * 60.0,
+    }
+}
+
+fn all(s: &Scenario) -> Vec<PolicyReport> {
+    [Policy::Lazarus, Policy::Ds, Policy::DsFt].iter().map(|&p| simulate(s, p).unwrap()).collect()
+}
+
+/// The EC2 P3 spot trace the repository carries (traces/).
+fn p3() -> Option<Trace> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/p3-trace.csv");
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    Some(Trace::parse_bamboo(&text, "p3-trace.csv").unwrap())
+}
+
+#[test]
+fn the_breakdown_adds_up_to_the_wall_time() {
+    let mut cases = vec![
+        scenario("gpt-s", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0),
+        scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0),
+        scenario("gpt-m", Trace::fail_at_once(10, 4, 600_000, 2).unwrap(), 30.0),
+        scenario("gpt-l", Trace::poisson(10, 1_200_000.0, 300_000, 7_200_000, 3).unwrap(), 120.0),
+    ];
+    if let Some(t) = p3() {
+        cases.push(scenario("gpt-l", t.window(0, 4_800_000), 80.0));
+    }
+    for s in &cases {
+        for r in all(s) {
+            let total = r.breakdown.total();
+            assert!((total - s.duration_s).abs() < 1e-6 * s.duration_s, "{:?}: {total} vs {} ({:?})", r.policy, s.duration_s, r.breakdown);
+            assert!(r.breakdown.compute_s >= -1e-6 && r.breakdown.lost_work_s >= 0.0);
+            assert!(r.trained_samples >= 0.0);
+        }
+    }
+}
+
+#[test]
+fn ds_only_ever_trains_on_a_multiple_of_its_ep_size() {
+    // GPT-L: 16 experts, 4 per GPU → EP groups of 4 nodes.
+    let mut traces = vec![Trace::fail_every(10, 300_000, 5, 4).unwrap(), Trace::poisson(10, 900_000.0, 300_000, 5_400_000, 5).unwrap()];
+    if let Some(t) = p3() {
+        traces.push(t.window(0, 4_800_000));
+    }
+    for t in traces {
+        for p in [Policy::Ds, Policy::DsFt] {
+            let r = simulate(&scenario("gpt-l", t.clone(), 90.0), p).unwrap();
+            assert!(r.nodes_in_use.iter().all(|&(_, n)| n % 4 == 0), "{p:?}: {:?}", r.nodes_in_use);
+            assert!(r.nodes_in_use.iter().any(|&(_, n)| n == 8), "{p:?} uses 8 of 10 nodes at the start");
+        }
+    }
+}
+
+#[test]
+fn lazarus_never_restarts_while_every_expert_keeps_a_replica() {
+    // One failure at a time down to half the nodes, with a floor of 2 replicas: never a
+    // lost expert, so never a restart; every failure is a reconfiguration.
+    for model in ["gpt-s", "gpt-m", "gpt-l"] {
+        let r = simulate(&scenario(model, Trace::fail_every(10, 300_000, 5, 6).unwrap(), 30.0), Policy::Lazarus).unwrap();
+        assert_eq!(r.restarts, 0, "{model}");
+        assert_eq!(r.reconfigurations, 5, "{model}");
+        assert!(r.breakdown.lost_work_s > 0.0, "interrupted steps are lost work");
+    }
+    // Nine of ten nodes at once: some expert loses every replica, so it must restart.
+    let r = simulate(&scenario("gpt-l", Trace::fail_at_once(10, 9, 600_000, 1).unwrap(), 20.0), Policy::Lazarus).unwrap();
+    assert_eq!(r.restarts, 1);
+}
+
+#[test]
+fn lazarus_beats_ds_under_frequent_failures_and_uses_every_node() {
+    let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+    let r = all(&s);
+    assert!(r[0].trained_samples > 2.0 * r[1].trained_samples, "lazarus {} vs ds {}", r[0].trained_samples, r[1].trained_samples);
+    assert!(r[0].trained_samples > r[2].trained_samples);
+    assert_eq!(r[0].nodes_in_use.first().map(|x| x.1), Some(10));
+    assert!(r[1].restarts >= 5, "ds restarts on every failure");
+}
+
+/// `lazarus train` keeps its global batch whatever the workers: every step trains that many
+/// samples, so with no failure the samples are the steps × the batch, at any node count.
+#[test]
+fn a_global_batch_trains_the_same_samples_a_step_on_any_number_of_nodes() {
+    for nodes in [2, 5, 10] {
+        let mut s = scenario("gpt-s", Trace::fail_every(nodes, 3_600_000, 0, 1).unwrap(), 10.0);
+        s.cost.global_batch = Some(48);
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert!(r.steps > 0);
+        assert_eq!(r.trained_samples, 48.0 * r.steps as f64, "{nodes} nodes");
+    }
+    let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+    s.cost.global_batch = Some(0);
+    assert!(simulate(&s, Policy::Lazarus).unwrap_err().to_string().contains("global_batch"));
+}
+
+#[test]
+fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
+    // Checkpoint after every step, so the step boundary where a joiner is taken is always
+    // also a checkpoint boundary. One node fails at 30 s (the checkpoint in flight is lost)
+    // and the run ends during a checkpoint; a spare joins at 40 s. Every other step must
+    // have its checkpoint, the scale-up's included.
+    let mut text = String::new();
+    for n in 0..10 {
+        text.push_str(&format!("0,add,n{n}\n"));
+    }
+    text.push_str("30000,remove,n3\n40000,add,spare\n");
+    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 2.0);
+    s.cost.checkpoint_every_lazarus = 1;
+    s.cost.scale_up_wait_s = 0.0;
+    let r = simulate(&s, Policy::Lazarus).unwrap();
+    assert_eq!(r.reconfigurations, 2, "the failure and the scale-up");
+    assert!(r.checkpoints + 2 >= r.steps, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+
+    // Exact timing: 0.5 s steps (no imbalance), near-free checkpoints every 4 steps, no
+    // rebalance. A spare joins at 3.7 s, so it is taken at the 4.0 s boundary — step 8, a
+    // checkpoint step. That checkpoint must follow the scale-up: one per 4 steps, exactly.
+    let mut text = String::new();
+    for n in 0..4 {
+        text.push_str(&format!("0,add,n{n}\n"));
+    }
+    text.push_str("3700,add,spare\n");
+    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 0.5);
+    s.model.expert_fraction = 0.0;
+    s.model.params = 1e3;
+    s.cost.checkpoint_every_lazarus = 4;
+    s.cost.rebalance_every = 1_000_000;
+    s.cost.scale_up_wait_s = 0.0;
+    let r = simulate(&s, Policy::Lazarus).unwrap();
+    assert_eq!(r.reconfigurations, 1);
+    assert_eq!(r.checkpoints, r.steps / 4, "{} checkpoints for {} steps", r.checkpoints, r.steps);
+}
+
+/// A node the trace removes and adds again comes back as new workers, and the controller
+/// takes it in at a step boundary (it once stalled the simulation: the controller ignores
+/// a worker id it has seen).
+#[test]
+fn a_node_that_comes_back_is_taken_in_again() {
+    let mut text = String::new();
+    for n in 0..4 {
+        text.push_str(&format!("0,add,n{n}\n"));
+    }
+    text.push_str("60000,remove,n1\n120000,add,n1\n240000,remove,n1\n300000,add,n1\n");
+    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 10.0);
+    s.cost.scale_up_wait_s = 0.0;
+    let r = simulate(&s, Policy::Lazarus).unwrap();
+    assert_eq!((r.restarts, r.reconfigurations), (0, 4), "two failures, two joins: {:?}", r.nodes_in_use);
+    assert_eq!(r.nodes_in_use.last().map(|x| x.1), Some(4));
+}
+
+/// The simulated job rebalances by the controller's rule: only a move that repays itself
+/// within the horizon is made.
+#[test]
+fn a_rebalance_is_made_only_when_it_repays_its_move() {
+    let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+    let cheap = simulate(&s, Policy::Lazarus).unwrap();
+    assert!(cheap.rebalances > 0, "some rebalance repays a 2 s pause: {:?}", cheap.breakdown);
+    let mut dear = s.clone();
+    dear.cost.rebalance_s = 1e5;
+    let r = simulate(&dear, Policy::Lazarus).unwrap();
+    assert_eq!((r.rebalances, r.breakdown.rebalance_s), (0, 0.0), "none repays a day's pause");
+    assert_eq!(r.reconfigurations, cheap.reconfigurations);
+}
+
+#[test]
+fn bad_scenarios_are_rejected() {
+    let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+    s.max_nodes = 0;
+    assert!(simulate(&s, Policy::Lazarus).unwrap_err().to_string().contains("max_nodes"));
+    assert!(ModelSpec::preset("gpt-xl").unwrap_err().to_string().contains("gpt-xl"));
+    let mut s = scenario("gpt-s", Trace::fail_every(4, 60_000, 2, 1).unwrap(), 5.0);
+    s.cost.storage_gbps = 0.0;
+    assert!(simulate(&s, Policy::Ds).unwrap_err().to_string().contains("storage_gbps"));
+}
+
+fn sim_err(f: impl FnOnce(&mut Scenario), policy: Policy) -> String {
+    let mut s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+    f(&mut s);
+    simulate(&s, policy).unwrap_err().to_string()
+}
+
+#[test]
+fn scenarios_are_bounded() {
+    assert_eq!(sim_err(|s| s.max_nodes = 10_000_001, Policy::Lazarus), "invalid max_nodes: 10000001 (must be 1 to 10000)");
+    let e = sim_err(|s| s.duration_s = 1e14 * 3600.0, Policy::Ds);
+    assert!(e.starts_with("invalid duration: ") && e.contains("30 days"), "{e}");
+    assert!(sim_err(|s| s.duration_s = f64::INFINITY, Policy::Ds).contains("must be > 0 s"));
+    assert!(sim_err(|s| s.model.layers = 100_000_000, Policy::DsFt).contains("model.layers"));
+    // A trace built by hand is held to what the parsers guarantee.
+    assert!(sim_err(|s| s.trace = Trace::default(), Policy::Lazarus).contains("the trace holds no events"));
+    let e = sim_err(|s| s.trace.events.swap(0, 10), Policy::Lazarus);
+    assert!(e.contains("event 0 (300000 ms, Remove") && e.contains("removed while absent"), "{e}");
+    // Loads that do not fit the model (a trace indexed past its end used to panic).
+    let e = sim_err(|s| s.loads = LoadModel::Trace(vec![vec![vec![1.0; 16]; 2]]), Policy::Lazarus);
+    assert!(e.contains("routing trace: entry 0 has 2 layers"), "{e}");
+    assert!(sim_err(|s| s.loads = LoadModel::Trace(vec![]), Policy::Ds).contains("no entries"));
+}
+
+#[test]
+fn runs_with_too_many_boundaries_are_refused() {
+    // A month of 1 ms steps, checkpointing every step: 2.6·10^9 boundaries.
+    let month = |s: &mut Scenario| {
+        s.duration_s = MAX_DURATION_S;
+        s.model.balanced_step_s = 1e-3;
+        s.cost.checkpoint_every_ds = 1;
+    };
+    let e = sim_err(month, Policy::Ds);
+    assert!(e.contains("step boundaries") && e.contains("checkpoints every 1 steps"), "{e}");
+    // A month at the defaults is fine for the bound (DS: ~130 000 boundaries); the loads of a
+    // huge model re-drawn every 4 steps are not.
+    let mut s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 0.0);
+    s.duration_s = MAX_DURATION_S;
+    s.check_work(s.cost.checkpoint_every_ds).unwrap();
+    let e = sim_err(
+        |s| {
+            s.duration_s = MAX_DURATION_S;
+            (s.model.layers, s.model.experts, s.cost.rebalance_every) = (4096, 1024, 4);
+        },
+        Policy::Ds,
+    );
+    assert!(e.contains("load epochs") && e.contains("4096 layers × 1024 experts"), "{e}");
+}
