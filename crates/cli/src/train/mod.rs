@@ -4,6 +4,7 @@
 
 pub mod args;
 pub mod bench;
+mod job_view;
 pub mod recovery_bench;
 pub mod replay_sim;
 pub mod report;

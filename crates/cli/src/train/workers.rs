@@ -7,16 +7,15 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use lazarus_control::controller::{MoveCause, RebalanceVerdict};
 use lazarus_control::{
-    plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainEvent, TrainJob,
-    TrainOutcome,
+    plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainJob, TrainOutcome,
 };
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 
 use super::args::{check_resumed_config, resume_steps, setup_run, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
-use super::replay_sim::{self, RunFigures, RunShape};
+use super::job_view::JobView;
+use super::replay_sim::{RunFigures, RunShape};
 use super::report::{print_banner, Reporter};
 use crate::io::{read_text, MAX_JSON_BYTES};
 
@@ -283,27 +282,13 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     let plan = plan_job(&mut trainer, world, g, &source)?;
     let how = format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" });
     print_banner(&trainer, &how, args.device.as_deref().unwrap_or("cpu"));
-    for (l, layer) in plan.map.layers().iter().enumerate() {
-        let per_worker: Vec<String> = (0..world)
-            .map(|r| {
-                let held: Vec<String> = layer
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, row)| row[r] > 0)
-                    .map(|(e, row)| if row[r] > 1 { format!("{e}x{}", row[r]) } else { e.to_string() })
-                    .collect();
-                format!("w{r}[{}]", held.join(","))
-            })
-            .collect();
-        tracing::info!("placement L{l}: {}", per_worker.join(" "));
-    }
+    print_placement(&plan.map, world);
     let recovery = recovery(args)?;
     if let Some(r) = replayed.as_mut() {
         r.slots_per_gpu = plan.placement.as_ref().map_or(1, |p| p.shape().slots_per_gpu);
         r.rebalance_every = recovery.as_ref().map_or(0, |r| r.rebalance_every);
     }
-    let mut figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
-    let mut started: Option<std::time::Instant> = None;
+    let figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
     let first_step = trainer.step;
     let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node != g);
     if recovery.is_some() && unrecoverable {
@@ -317,7 +302,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         );
     }
     // The log file is opened (and checked) before any worker starts.
-    let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    let reporter = Reporter::new(args, &cfg, trainer.step)?;
     if let Some(c) = args.snapshot_ceiling.filter(|c| !c.is_finite() || *c <= 0.0) {
         bail!("invalid --snapshot-ceiling: {c} (bytes per second, more than 0; --snapshot-bandwidth 0 turns snapshots off)");
     }
@@ -361,132 +346,9 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
     lazarus_control::stop_signal::install();
+    let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g };
     let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, |event| {
-        let shown = match event {
-            TrainEvent::Ready { rank, pid } => {
-                tracing::info!("worker {rank}: pid {pid} ready");
-                Ok(())
-            }
-            TrainEvent::Started => {
-                reporter.restart_clock();
-                started.get_or_insert_with(std::time::Instant::now);
-                Ok(())
-            }
-            TrainEvent::Step { report, seconds, dropped, snapshot } => {
-                figures.step_s.push(seconds);
-                for (acc, l) in figures.loads.iter_mut().zip(&report.expert_load) {
-                    acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
-                }
-                if dropped > 0 {
-                    reporter.pause();
-                    tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
-                }
-                reporter.step_with(&report, seconds, snapshot.as_ref())
-            }
-            TrainEvent::Lost { worker, why } => {
-                reporter.pause();
-                tracing::warn!("worker {worker}: {why}");
-                Ok(())
-            }
-            TrainEvent::Checkpointed { .. } => Ok(()),
-            TrainEvent::Serving { addr } => {
-                if remote {
-                    tracing::info!("controller listening on {addr}: waiting for agents to bring {world} workers");
-                    if let Some(command) = &agent_command {
-                        let command = command.replace("{addr}", &addr.to_string()).replace("--gpus G", &format!("--gpus {g}"));
-                        tracing::info!("start each node's agent with: {command}");
-                    }
-                }
-                tracing::info!("controller status: lazarus status --controller {addr}");
-                Ok(())
-            }
-            TrainEvent::Rebalance(d) => {
-                reporter.pause();
-                let what = match d.decision {
-                    RebalanceVerdict::Shrink => format!(
-                        "shrink to layers {:?} (the whole plan would gain {:.2} s for {:.2} s)",
-                        d.layers, d.full_gain_s, d.full_cost_s
-                    ),
-                    other => other.as_str().to_string(),
-                };
-                tracing::info!(
-                    "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
-                    d.step,
-                    d.imbalance_before,
-                    d.imbalance_after,
-                    d.transfers,
-                    d.transfer_bytes as f64 / 1e6,
-                    d.gain_s,
-                    d.horizon_steps,
-                    d.cost_s
-                );
-                reporter.record(&d)
-            }
-            TrainEvent::Leaving { workers, reason } => {
-                reporter.pause();
-                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-                tracing::info!("workers {} leave on notice ({reason}): moving the job off them at the next step boundary", ids.join(","));
-                Ok(())
-            }
-            TrainEvent::WorkersJoined { workers } => {
-                reporter.pause();
-                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-                tracing::info!("workers {} joined: standing by to be taken in at a step boundary", ids.join(","));
-                Ok(())
-            }
-            TrainEvent::AgentJoined { agent, host, gpus, pid, attached, world } => {
-                tracing::info!("agent {agent} attached from {host} (pid {pid}): {gpus} workers, {attached} of {world}");
-                Ok(())
-            }
-            TrainEvent::Reconfigured(r) => {
-                reporter.pause();
-                figures.moves.push(r.clone());
-                let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
-                let who = match (r.lost.is_empty(), r.joined.is_empty()) {
-                    (false, true) if r.cause == MoveCause::Drain => format!("worker(s) {} left", list(&r.lost)),
-                    (false, true) => format!("worker(s) {} lost", list(&r.lost)),
-                    (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
-                    (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
-                    (true, true) => "the same workers".to_string(),
-                };
-                tracing::info!(
-                    "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
-                    match r.cause {
-                        MoveCause::Rollback => "rolled back",
-                        MoveCause::Join => "joined",
-                        MoveCause::Rebalance => "rebalanced",
-                        MoveCause::Drain => "drained",
-                        MoveCause::Failure => "reconfigured",
-                    },
-                    r.epoch,
-                    r.workers,
-                    r.step,
-                    r.detect_s,
-                    r.plan_s,
-                    r.rebuild_s,
-                    r.transfer_s,
-                    r.transfer_bytes as f64 / 1e6,
-                    r.recovery_s
-                );
-                for x in &r.restored {
-                    tracing::warn!(
-                        "restored: layer {} expert {} lost every replica; it comes back from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost); a rollback would have re-run {} steps",
-                        x.layer,
-                        x.expert,
-                        x.from_step,
-                        x.holder,
-                        x.stale_steps,
-                        x.tokens_lost,
-                        r.rollback_avoided_steps
-                    );
-                }
-                if r.cause == MoveCause::Rollback {
-                    reporter.rewind(r.step).and_then(|_| reporter.record(&r))
-                } else {
-                    reporter.record(&r)
-                }
-            }
-        };
+        let shown = view.show(event);
         shown.map_err(|e| {
             let message = format!("{e:#}");
             report_error = Some(e);
@@ -499,7 +361,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     match outcome? {
         TrainOutcome::Completed { checkpoint } => {
             if let Some((sig, name)) = lazarus_control::stop_signal::requested() {
-                let step = reporter.last_step().unwrap_or(first_step);
+                let step = view.reporter.last_step().unwrap_or(first_step);
                 if step < cfg.steps {
                     match &checkpoint {
                         Some(p) => tracing::warn!(
@@ -508,35 +370,14 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
                         ),
                         None => tracing::warn!("{name}: stopped after step {step}; nothing saved (no --checkpoint-dir)"),
                     }
-                    reporter.finish(step, trainer.unigram_entropy(), checkpoint.as_deref())?;
+                    view.reporter.finish(step, trainer.unigram_entropy(), checkpoint.as_deref())?;
                     std::process::exit(128 + sig);
                 }
             }
-            if let (Some(shape), Some(t0)) = (&replayed, started) {
-                figures.wall_s = t0.elapsed().as_secs_f64();
-                if let Some(c) = replay_sim::compare(&cfg, shape, &figures, cfg.steps - first_step)? {
-                    tracing::info!(
-                        "replay against lazarus sim calibrated to this run (step {:.1} ms, detect {:.2} s, rebuild {:.2} s, {:.0} MB/s, rollback {:.2} s): \
-                         measured {:.0} samples in {:.1} s ({} reconfigurations, {} rollbacks, {} joins); predicted {:.0} samples ({:+.1}%; {} reconfigurations, {} restarts)",
-                        c.calibration.step_s * 1e3,
-                        c.calibration.detect_s,
-                        c.calibration.rebuild_s,
-                        c.calibration.bytes_per_s / 1e6,
-                        c.calibration.rollback_s,
-                        c.measured_samples,
-                        c.wall_s,
-                        c.measured_reconfigurations,
-                        c.measured_rollbacks,
-                        c.measured_joins,
-                        c.predicted_samples,
-                        (c.ratio - 1.0) * 100.0,
-                        c.predicted_reconfigurations,
-                        c.predicted_restarts
-                    );
-                    reporter.record(&c)?;
-                }
+            if let Some(shape) = &replayed {
+                view.compare_replay(&cfg, shape, cfg.steps - first_step)?;
             }
-            reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref())
+            view.reporter.finish(cfg.steps, trainer.unigram_entropy(), checkpoint.as_deref())
         }
         TrainOutcome::Failed { reason, workers } => {
             if workers.is_empty() {
@@ -544,6 +385,24 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
             }
             bail!("training stopped: {reason}; workers {}", workers.join(", "))
         }
+    }
+}
+
+/// Which experts each worker holds, layer by layer (`e` once, `eXn` for n replicas).
+fn print_placement(map: &lazarus_plan::ReplicaMap, world: usize) {
+    for (l, layer) in map.layers().iter().enumerate() {
+        let per_worker: Vec<String> = (0..world)
+            .map(|r| {
+                let held: Vec<String> = layer
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, row)| row[r] > 0)
+                    .map(|(e, row)| if row[r] > 1 { format!("{e}x{}", row[r]) } else { e.to_string() })
+                    .collect();
+                format!("w{r}[{}]", held.join(","))
+            })
+            .collect();
+        tracing::info!("placement L{l}: {}", per_worker.join(" "));
     }
 }
 
