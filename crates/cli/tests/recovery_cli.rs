@@ -408,6 +408,13 @@ fn status_shows_members_epoch_plan_and_recent_events() {
         s["members"].as_array().unwrap().iter().filter(|m| m["alive"] == false).map(|m| m["node"].as_u64().unwrap()).collect();
     assert_eq!(lost, vec![1], "{s}");
     assert!(s["recent"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().contains("node 1 lost")), "{s}");
+    // Epochs as the header counts them, in the plan and the recent events alike.
+    assert_eq!(s["plan"]["epoch"], 1, "{s}");
+    let recent: Vec<&str> = s["recent"].as_array().unwrap().iter().filter_map(|e| e.as_str()).collect();
+    assert!(
+        recent.iter().any(|e| e.starts_with("epoch 0: node 1 lost")) && recent.iter().any(|e| e.starts_with("epoch 1: ")),
+        "{recent:?}"
+    );
     // The human form names the same.
     let out = lazarus(&["status", "--controller", &addr]);
     let text = String::from_utf8_lossy(&out.stdout);

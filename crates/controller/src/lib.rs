@@ -88,6 +88,9 @@ enum Phase<S> {
 pub struct Controller<S> {
     spec: JobSpec,
     epoch: u64,
+    /// The epoch the job started at (its plans' epochs are unique across runs; what a user is
+    /// shown counts from here: epoch 0, 1, …).
+    first_epoch: u64,
     plan: ModelPlan,
     /// The node of each rank of the current plan.
     ranks: Vec<NodeId>,
@@ -140,6 +143,7 @@ impl<S: StepRecord> Controller<S> {
             loads: vec![vec![0.0; spec.experts]; spec.layers],
             spec,
             epoch: plan.epoch(),
+            first_epoch: plan.epoch(),
             ranks: nodes.clone(),
             last_seen: nodes.iter().map(|&n| (n, now)).collect(),
             node_epoch: nodes.iter().map(|&n| (n, plan.epoch())).collect(),
@@ -212,6 +216,11 @@ impl<S: StepRecord> Controller<S> {
         self.phase = Phase::Collecting { reports: BTreeMap::new() };
         self.planned = Some(cause);
         out.push(Command::Pause { epoch: self.epoch, nodes: self.ranks.clone() });
+    }
+
+    /// `epoch` as the job counts it: 0 at its start, 1 after the first move, …
+    pub fn job_epoch(&self, epoch: u64) -> u64 {
+        epoch.saturating_sub(self.first_epoch)
     }
 
     fn note(&mut self, what: String) {

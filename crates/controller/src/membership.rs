@@ -101,7 +101,7 @@ impl<S: StepRecord> Controller<S> {
             self.draining.remove(&node);
             self.drained.insert(node);
             self.planned = Some(MoveCause::Drain);
-            self.note(format!("epoch {}: worker {node} left (drained)", self.epoch));
+            self.note(format!("epoch {}: worker {node} left (drained)", self.job_epoch(self.epoch)));
             // The others hold after the move and say so; a rendezvous still finishing counted
             // this one's Ready already.
             if self.running() {
@@ -119,7 +119,7 @@ impl<S: StepRecord> Controller<S> {
         let nodes: BTreeSet<u64> = workers.iter().filter(|w| self.alive.contains(w)).map(|&w| self.node(w)).collect();
         let all: Vec<NodeId> = self.alive.iter().copied().filter(|&w| nodes.contains(&self.node(w))).collect();
         if !all.is_empty() {
-            self.note(format!("epoch {}: workers {all:?} leave on notice ({reason})", self.epoch));
+            self.note(format!("epoch {}: workers {all:?} leave on notice ({reason})", self.job_epoch(self.epoch)));
             self.draining.extend(all);
         }
     }
@@ -137,7 +137,7 @@ impl<S: StepRecord> Controller<S> {
             self.node_epoch.insert(w, self.epoch);
             self.standby.insert(w, now);
         }
-        self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.epoch));
+        self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.job_epoch(self.epoch)));
     }
 
     /// Members and workers standing by that missed their lease are killed and lost. Every
@@ -184,7 +184,7 @@ impl<S: StepRecord> Controller<S> {
     /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
     pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command<S>>) {
         if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
-            self.note(format!("epoch {}: pause to move off workers {:?}", self.epoch, self.draining));
+            self.note(format!("epoch {}: pause to move off workers {:?}", self.job_epoch(self.epoch), self.draining));
             self.pause(MoveCause::Drain, out);
         }
     }
@@ -192,7 +192,11 @@ impl<S: StepRecord> Controller<S> {
     /// Workers waiting to join are taken in at a step boundary once their wait is over.
     pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
         if self.running() && self.join_due().is_some_and(|due| now >= due) {
-            self.note(format!("epoch {}: pause to take in workers {:?}", self.epoch, self.standby.keys().collect::<Vec<_>>()));
+            self.note(format!(
+                "epoch {}: pause to take in workers {:?}",
+                self.job_epoch(self.epoch),
+                self.standby.keys().collect::<Vec<_>>()
+            ));
             self.pause(MoveCause::Join, out);
         }
     }
@@ -204,7 +208,7 @@ impl<S: StepRecord> Controller<S> {
         self.draining.remove(&node);
         self.planned = None;
         self.rebalance_to = None;
-        self.note(format!("epoch {}: node {node} lost: {why}", self.epoch));
+        self.note(format!("epoch {}: node {node} lost: {why}", self.job_epoch(self.epoch)));
         if !matches!(self.phase, Phase::Collecting { .. }) {
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
         }
@@ -217,7 +221,7 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn give_up_standby(&mut self, worker: NodeId, why: &str, out: &mut Vec<Command<S>>) {
         let node = self.node(worker);
         self.standby.remove(&worker);
-        self.note(format!("epoch {}: worker {worker} waiting to join lost: {why}", self.epoch));
+        self.note(format!("epoch {}: worker {worker} waiting to join lost: {why}", self.job_epoch(self.epoch)));
         let siblings: Vec<NodeId> = self.standby.keys().copied().filter(|&w| self.node(w) == node).collect();
         for w in siblings {
             self.standby.remove(&w);

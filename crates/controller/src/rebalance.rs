@@ -210,7 +210,12 @@ impl<S: StepRecord> Controller<S> {
         let apply = d.decision != RebalanceVerdict::Skip;
         self.note(format!(
             "epoch {}: rebalance at step {}: {} (gain {:.2} s, cost {:.2} s over {} steps)",
-            self.epoch, d.step, d.decision, d.gain_s, d.cost_s, d.horizon_steps
+            self.job_epoch(self.epoch),
+            d.step,
+            d.decision,
+            d.gain_s,
+            d.cost_s,
+            d.horizon_steps
         ));
         out.push(Command::Rebalance(d));
         if apply {

@@ -36,7 +36,7 @@ impl<S: StepRecord> Controller<S> {
             return;
         }
         if !matches!(self.phase, Phase::Collecting { .. }) {
-            self.note(format!("epoch {epoch}: node {node} stopped at step {}", report.steps_done));
+            self.note(format!("epoch {}: node {node} stopped at step {}", self.job_epoch(epoch), report.steps_done));
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
         }
         let report = self.sanitized(report);
@@ -259,7 +259,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     fn note_move(&mut self, m: &Move, nodes: usize) {
-        let epoch = m.epoch;
+        let epoch = self.job_epoch(m.epoch);
         self.note(format!("epoch {epoch}: {} to {nodes} nodes at step {}, {} expert transfers", m.cause, m.commit_to, m.transfers.len()));
         for x in &m.restored {
             self.note(format!(
@@ -291,7 +291,7 @@ impl<S: StepRecord> Controller<S> {
         };
         self.note(format!(
             "epoch {}: an expert lost every replica; roll back to {}",
-            m.epoch,
+            self.job_epoch(m.epoch),
             to_step.map_or("the start".into(), |s| format!("step {s}"))
         ));
         self.adopt(new, ranks);

@@ -892,3 +892,30 @@ fn a_rendezvous_that_lost_every_member_is_not_called_off_to_nobody() {
     assert!(!last.iter().any(|cmd| matches!(cmd, Command::Abandon { .. })), "{last:?}");
     assert!(last.iter().any(|cmd| matches!(cmd, Command::Rollback { to, .. } if to.epoch == 2 && to.ranks == vec![16, 14])), "{last:?}");
 }
+
+/// What a user reads counts epochs from the job's start, whatever number the job's first plan
+/// carries (plans' epochs are unique across runs).
+#[test]
+fn notes_count_epochs_from_the_start_of_the_job() {
+    let t0 = Instant::now();
+    let loads = vec![vec![1.0, 2.0, 3.0, 4.0]; 2];
+    let first = 1_795_696_379_753;
+    let plan = plan_model(&loads, ClusterShape::new(3, 1, 3).unwrap(), &PlanPolicy::trainer(3, None), None).unwrap().with_epoch(first);
+    let mut c = Controller::new(spec(4, 3), plan, vec![10, 11, 12], t0);
+    for (i, n) in [10, 11, 12].into_iter().enumerate() {
+        c.decide(t0, Event::Listening { node: n, epoch: first, addr: format!("a{i}") });
+    }
+    for n in [10, 11, 12] {
+        c.decide(t0, Event::Ready { node: n, epoch: first });
+    }
+    c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
+    for n in [10, 11] {
+        let report = StopReport { steps_done: 3, held: None, holds: c.planned_holdings(n).unwrap(), last: None, snapshots: vec![] };
+        c.decide(t0, Event::StepFailed { node: n, epoch: first, report });
+    }
+    assert_eq!((c.epoch(), c.job_epoch(c.epoch())), (first + 1, 1));
+    let notes: Vec<&String> = c.recent().collect();
+    assert!(notes.iter().any(|n| n.starts_with("epoch 0: node 12 lost")), "{notes:?}");
+    assert!(notes.iter().any(|n| n.starts_with("epoch 1: reconfigure to 2 nodes")), "{notes:?}");
+    assert!(notes.iter().all(|n| !n.contains(&first.to_string())), "{notes:?}");
+}

@@ -32,7 +32,9 @@ pub(super) fn drive(
 ) -> Result<TrainOutcome, ControlError> {
     let begun = Instant::now();
     let mut ctl = Controller::new(spec, plan, (0..world as u64).collect(), begun);
-    let mut plan_json = (ctl.epoch(), ctl.plan().to_json());
+    // The plan as `lazarus status` shows it: its epoch counted from the job's start.
+    let shown_plan = |ctl: &Controller| ctl.plan().clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json();
+    let mut plan_json = (ctl.epoch(), shown_plan(&ctl));
     let mut shell = Shell {
         started: false,
         done: BTreeMap::new(),
@@ -102,7 +104,7 @@ pub(super) fn drive(
         let commands = ctl.decide(decided, event);
         let plan_s = decided.elapsed().as_secs_f64();
         if plan_json.0 != ctl.epoch() {
-            plan_json = (ctl.epoch(), ctl.plan().to_json());
+            plan_json = (ctl.epoch(), shown_plan(&ctl));
         }
         *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
         for command in commands {
