@@ -123,7 +123,8 @@ impl Lazarus {
                     sh.reported_step = step;
                     sh.ctl.plan().clone()
                 });
-                let plan = plan.expect("a job that moves has a controller");
+                let now = run.now;
+                let plan = plan.ok_or_else(|| SimError::Controller { at_s: now, what: "moved a job it does not run".into() })?;
                 run.switch(nodes, plan, kind, fixed + transfer_s);
                 Ok(())
             }
