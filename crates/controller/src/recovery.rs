@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, ReplicaMap};
 
-use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RankTransfer, RestoredExpert, StepRecord, StopReport};
+use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RestoredExpert, StepRecord, StopReport};
 
 /// The job as recovery sees it: who survives, who comes in and who leaves, and where each
 /// stopped.
@@ -236,10 +236,7 @@ impl<S: StepRecord> Controller<S> {
         if lost_for_good {
             return None;
         }
-        let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?
-            .into_iter()
-            .map(|t| RankTransfer { layer: t.layer, expert: t.expert, from: t.from, to: t.to })
-            .collect();
+        let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?;
         let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
         let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
         let rollback_avoided = if restored.is_empty() { 0 } else { s.furthest - self.checkpoint.unwrap_or(0) };

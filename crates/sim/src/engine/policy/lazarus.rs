@@ -235,31 +235,15 @@ impl Shell {
     /// Every surviving rank says where it stopped (all at `step`, the job's committed step) and
     /// what its plan gave it; the last report brings the controller's decision.
     fn say_where_stopped(&mut self, now: Instant, step: u64) -> Vec<Command<NoRecord>> {
-        let holds = self.holdings();
         let epoch = self.ctl.epoch();
-        let ranks: Vec<(usize, NodeId)> =
-            self.ctl.ranks().iter().copied().enumerate().filter(|(_, w)| self.ctl.alive().contains(w)).collect();
+        let ranks: Vec<NodeId> = self.ctl.ranks().iter().copied().filter(|w| self.ctl.alive().contains(w)).collect();
         let mut out = Vec::new();
-        for (r, node) in ranks {
-            let report = StopReport { steps_done: step, held: None, holds: holds[r].clone(), last: None, snapshots: Vec::new() };
+        for node in ranks {
+            let holds = self.ctl.planned_holdings(node).unwrap_or_default();
+            let report = StopReport { steps_done: step, held: None, holds, last: None, snapshots: Vec::new() };
             out.extend(self.ctl.decide(now, Event::StepFailed { node, epoch, report }));
         }
         out
-    }
-
-    /// The experts of every rank of the current plan, per layer (rank q·G + i is GPU i of plan
-    /// node q), in one pass over its placements.
-    fn holdings(&self) -> Vec<Vec<Vec<usize>>> {
-        let plan = self.ctl.plan();
-        let g = self.workers.gpus_per_node;
-        let ranks = plan.shape().ranks();
-        let mut holds = vec![vec![Vec::new(); plan.layers().len()]; ranks];
-        for (l, p) in plan.layers().iter().enumerate() {
-            for (r, h) in holds.iter_mut().enumerate() {
-                h[l] = p.gpu(r / g, r % g).to_vec();
-            }
-        }
-        holds
     }
 
     /// What the commands of one decision come to. A move's rendezvous is done at once.
