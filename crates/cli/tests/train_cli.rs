@@ -373,37 +373,49 @@ fn only_the_newest_checkpoints_are_kept() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// One process, and worker processes with and without recovery (the controller asks every
+/// worker to finish after the same step): SIGTERM ends the run at a step boundary with the final
+/// checkpoint, and `--resume` goes on from it.
 #[test]
 fn sigterm_ends_a_run_at_a_step_boundary_with_a_checkpoint() {
-    let d = dir("sigterm");
-    let (ck, log) = (d.join("ck"), d.join("log.jsonl"));
-    let (ck_s, log_s) = (ck.to_str().unwrap(), log.to_str().unwrap());
-    let mut args = vec!["train", "--steps", "100000", "--checkpoint-dir", ck_s, "--json-log", log_s];
-    args.extend(tiny());
-    let logged = || std::fs::read_to_string(&log).map_or(0, |s| s.lines().count());
-    let (mut child, lines) = common::spawn_lazarus(&args, &[]);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while logged() < 3 {
-        assert!(std::time::Instant::now() < deadline, "the run logs its first steps");
-        std::thread::sleep(std::time::Duration::from_millis(10));
+    for (name, extra) in [
+        ("one-process", &[][..]),
+        ("static-ep", &["--workers", "2", "--static-ep"][..]),
+        ("recovery-off", &["--workers", "2", "--recovery", "off"][..]),
+        ("recovery", &["--workers", "2"][..]),
+    ] {
+        let d = dir(&format!("sigterm-{name}"));
+        let (ck, log) = (d.join("ck"), d.join("log.jsonl"));
+        let (ck_s, log_s) = (ck.to_str().unwrap(), log.to_str().unwrap());
+        let mut args = vec!["train", "--steps", "100000", "--checkpoint-dir", ck_s, "--json-log", log_s];
+        args.extend(extra);
+        args.extend(tiny());
+        let logged = || std::fs::read_to_string(&log).map_or(0, |s| s.lines().count());
+        let (mut child, lines) = common::spawn_lazarus(&args, &[]);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while logged() < 3 {
+            assert!(std::time::Instant::now() < deadline, "{name}: the run logs its first steps");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // SAFETY: a signal to our own child.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        let (status, stderr) = common::hosts::exit_within(&mut child, &lines, std::time::Duration::from_secs(30));
+        let status = status.unwrap_or_else(|| panic!("{name}: the run stops after SIGTERM: {stderr:?}"));
+        assert_eq!(status.code(), Some(143), "{name}: exits as a SIGTERM would: {stderr:?}");
+        let n = logged() as u64;
+        assert!(stderr.iter().any(|l| l.contains("SIGTERM: stopped after step") && l.contains("written")), "{name}: {stderr:?}");
+        assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), format!("step-{n:08}"), "{name}: the last logged step is saved");
+        // --resume goes on from it, each step logged once.
+        let to = (n + 2).to_string();
+        let mut resume = vec!["train", "--resume", "--steps", &to, "--checkpoint-dir", ck_s, "--json-log", log_s];
+        resume.extend(extra);
+        resume.extend(tiny());
+        let out = lazarus(&resume);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
+        assert_eq!(steps, (1..=n + 2).collect::<Vec<_>>(), "{name}");
+        let _ = std::fs::remove_dir_all(&d);
     }
-    // SAFETY: a signal to our own child.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
-    }
-    let (status, stderr) = common::hosts::exit_within(&mut child, &lines, std::time::Duration::from_secs(30));
-    let status = status.expect("the run stops after SIGTERM");
-    assert_eq!(status.code(), Some(143), "exits as a SIGTERM would: {stderr:?}");
-    let n = logged() as u64;
-    assert!(stderr.iter().any(|l| l.contains("SIGTERM: stopped after step") && l.contains("written")), "{stderr:?}");
-    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), format!("step-{n:08}"), "the last logged step is saved");
-    // --resume goes on from it, each step logged once.
-    let to = (n + 2).to_string();
-    let mut resume = vec!["train", "--resume", "--steps", &to, "--checkpoint-dir", ck_s, "--json-log", log_s];
-    resume.extend(tiny());
-    let out = lazarus(&resume);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
-    assert_eq!(steps, (1..=n + 2).collect::<Vec<_>>());
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -2,16 +2,12 @@
 //!
 //! * [`controller`] — the controller's decisions (the `lazarus-controller` crate: membership,
 //!   leases, epochs, the load monitor, recovery) over the workers' record of a committed step;
-//! * [`supervisor`] — the supervision of a job's worker processes as a pure state machine
-//!   over events: every decision is a function of (state, input, now), tested without
-//!   processes or clocks;
-//! * [`launcher`] — starts worker processes that never outlive it, and the one supervision loop
-//!   around the state machine, for training and benchmarks alike;
+//! * [`launcher`] — starts worker processes that never outlive it;
 //! * [`protocol`] — what launcher and workers say to each other, with failure kinds as values;
 //! * [`worker_process`] — the worker side: spec, rendezvous, reports that never block a step;
 //! * [`control_loop`] — the controller process's loop (`lazarus train --workers N`, `lazarus
-//!   controller`): events from the workers into the decisions, commands out, live recovery
-//!   included;
+//!   controller`, the benchmarks): events from the workers into the decisions, commands out —
+//!   the one lifecycle of every job, with live recovery or without;
 //! * [`fleet`] — the workers as that loop sees them, started here or by agents: one
 //!   [`fleet::FleetEvent`] at a time;
 //! * [`proto`] — the generated messages and stubs of the control protocol;
@@ -33,7 +29,6 @@ pub mod protocol;
 pub mod recovery_bench;
 pub mod service;
 pub mod stop_signal;
-pub mod supervisor;
 pub mod worker_process;
 
 pub use control_loop::{
@@ -43,4 +38,3 @@ pub use control_loop::{
 pub use error::ControlError;
 pub use launcher::{allowed_cpus, Confinement};
 pub use protocol::{FailureKind, TrainJob, WorkerEvent};
-pub use supervisor::{Action, Outcome, RankEnd, Supervisor};

@@ -20,6 +20,7 @@ use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
 use lazarus_runtime::{pause_signal, DispatchMode, FaultHook, FaultPoint, PauseSignal, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
 
+use crate::control_loop::Lifecycle;
 use crate::error::ControlError;
 use crate::protocol::{parse_secret, CommittedStep, FailureKind, LauncherMessage, MoveStats, TrainJob, WorkerEvent, WorkerSpec};
 
@@ -647,9 +648,11 @@ fn train_until_done(
 
 /// The hidden `lazarus bench-worker` subcommand: one rank of `bench moe-layer`.
 pub fn run_bench_worker() -> i32 {
-    let sink = EventSink::start();
+    let sink = Arc::new(EventSink::start());
     let result = (|| {
-        let (spec, _inbox, mut t): (WorkerSpec<MoeLayerBenchSpec>, _, _) = join(&sink, |_| {})?;
+        // Heartbeats as a job without recovery has them: a hung rank is found out.
+        let beat = |spec: &WorkerSpec<MoeLayerBenchSpec>| start_heartbeats(&sink, Lifecycle::new(spec.timeout_s, None).heartbeat);
+        let (spec, _inbox, mut t): (WorkerSpec<MoeLayerBenchSpec>, _, _) = join(&sink, beat)?;
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch: spec.epoch, moved: None });
         let results = run_moe_layer_bench(&mut t, &mut Group::world(spec.world), &spec.job)?;
         t.shutdown();

@@ -16,8 +16,12 @@
 //!   have, the step everyone commits to, the experts restored from snapshots, the survivors'
 //!   plan from the one scheduler (`plan_model`) with the transfers of `plan_reconfiguration` —
 //!   or, if an expert lost every replica and snapshot, a rollback to the last checkpoint; if
-//!   the survivors cannot hold one replica of every expert, the job stops with the reason.
+//!   the survivors cannot hold one replica of every expert, the job stops with the reason;
+//! * `lifecycle`: the job's start deadline, a stop request (every rank finishes after the same
+//!   step), completion (every rank done), and a job without recovery (static expert
+//!   parallelism, `--recovery off`, benchmarks), which the first loss ends.
 
+mod lifecycle;
 mod membership;
 mod messages;
 mod rebalance;
@@ -66,6 +70,22 @@ pub struct JobSpec {
     pub rebalance_every: u64,
     /// The step the job ends at: a rebalance must repay its move before then.
     pub total_steps: u64,
+    /// What a loss does to the job.
+    pub on_loss: OnLoss,
+    /// Every rank of the job must be ready this long after it began, or it stops.
+    pub start_within: Duration,
+}
+
+/// What a loss does to the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnLoss {
+    /// The survivors move to a new plan (or roll back) and training goes on (paper §3).
+    Recover,
+    /// The first loss ends the job: the others get `grace` to say how they stopped (their
+    /// collective deadline, so a survivor reports its own error rather than being killed),
+    /// then it stops. Static expert parallelism, `--recovery off` and benchmarks run so; so
+    /// does a job without a placement to re-plan.
+    Stop { grace: Duration },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -80,7 +100,14 @@ enum Phase<S> {
     Collecting {
         reports: BTreeMap<NodeId, StopReport<S>>,
     },
+    /// A job without recovery lost a rank: the others have until `until` to end on their own.
+    Ending {
+        until: Instant,
+        first: String,
+    },
     Stopped,
+    /// Every rank finished its work.
+    Completed,
 }
 
 /// The controller of one job.
@@ -91,7 +118,9 @@ pub struct Controller<S> {
     /// The epoch the job started at (its plans' epochs are unique across runs; what a user is
     /// shown counts from here: epoch 0, 1, …).
     first_epoch: u64,
-    plan: ModelPlan,
+    /// The placement the ranks run (None: a job without one, static expert parallelism or a
+    /// benchmark; it cannot be re-planned, so its first loss ends it).
+    plan: Option<ModelPlan>,
     /// The node of each rank of the current plan.
     ranks: Vec<NodeId>,
     alive: BTreeSet<NodeId>,
@@ -131,22 +160,43 @@ pub struct Controller<S> {
     /// The plan an applied rebalance moves to (the measured-load plan, or only its layers worth
     /// moving), until its move.
     rebalance_to: Option<ModelPlan>,
+    /// When the job began (its start deadline counts from here), and whether every rank of an
+    /// epoch has been ready once.
+    begun: Instant,
+    started: bool,
+    /// Workers that finished their work (rank 0's final checkpoint written).
+    done: BTreeSet<NodeId>,
+    /// A stop was asked for: every rank finishes after the same step, at each epoch that runs
+    /// (`finish_asked`: the epoch last asked).
+    finish_requested: bool,
+    finish_asked: Option<u64>,
 }
 
 impl<S: StepRecord> Controller<S> {
-    /// A job starting at epoch 0 on `nodes` (rank i = nodes[i]) under `plan`.
+    /// A job starting at `plan`'s epoch on `nodes` (rank i = nodes[i]) under `plan`.
     pub fn new(spec: JobSpec, plan: ModelPlan, nodes: Vec<NodeId>, now: Instant) -> Self {
+        let epoch = plan.epoch();
+        Self::with_plan(spec, Some(plan), epoch, nodes, now)
+    }
+
+    /// A job without a placement (static expert parallelism, a benchmark) starting at `epoch`:
+    /// nothing to re-plan, so its first loss ends it whatever `spec.on_loss` says.
+    pub fn unplanned(spec: JobSpec, epoch: u64, nodes: Vec<NodeId>, now: Instant) -> Self {
+        Self::with_plan(spec, None, epoch, nodes, now)
+    }
+
+    fn with_plan(spec: JobSpec, plan: Option<ModelPlan>, epoch: u64, nodes: Vec<NodeId>, now: Instant) -> Self {
         let g = spec.gpus_per_node.max(1);
         let node_of = nodes.iter().enumerate().map(|(i, &n)| (n, (i / g) as u64)).collect();
         let alive: BTreeSet<NodeId> = nodes.iter().copied().collect();
         Controller {
             loads: vec![vec![0.0; spec.experts]; spec.layers],
             spec,
-            epoch: plan.epoch(),
-            first_epoch: plan.epoch(),
+            epoch,
+            first_epoch: epoch,
             ranks: nodes.clone(),
             last_seen: nodes.iter().map(|&n| (n, now)).collect(),
-            node_epoch: nodes.iter().map(|&n| (n, plan.epoch())).collect(),
+            node_epoch: nodes.iter().map(|&n| (n, epoch)).collect(),
             plan,
             alive,
             phase: Phase::Rendezvous { addrs: BTreeMap::new(), ready: BTreeSet::new() },
@@ -166,6 +216,11 @@ impl<S: StepRecord> Controller<S> {
             lost_now: Vec::new(),
             leases_checked_until: None,
             rebalance_to: None,
+            begun: now,
+            started: false,
+            done: BTreeSet::new(),
+            finish_requested: false,
+            finish_asked: None,
         }
     }
 
@@ -173,11 +228,12 @@ impl<S: StepRecord> Controller<S> {
     /// they apply: what the event says; leases (whatever the event: heartbeats from the healthy
     /// must not hide the one that fell silent); a node lost whole; the survivors told of the
     /// loss; then, on a running job, the moves it asks for itself — a drain first (it cannot
-    /// wait), a rebalance, the joiners — and last, once every survivor said where it stopped,
-    /// the recovery.
+    /// wait), a rebalance, the joiners — then, once every survivor said where it stopped, the
+    /// recovery (or, without recovery, the end once the others have ended); and last the
+    /// lifecycle: the start deadline, a finish asked for, completion.
     pub fn decide(&mut self, now: Instant, event: Event<S>) -> Vec<Command<S>> {
         let mut out = Vec::new();
-        if self.stopped() {
+        if self.is_over() {
             return out;
         }
         self.extend_leases_after_a_stall(now);
@@ -191,6 +247,10 @@ impl<S: StepRecord> Controller<S> {
         self.weigh_a_rebalance(&mut out);
         self.pause_for_joiners(now, &mut out);
         self.try_recover(&mut out);
+        self.end_after_a_loss(now, &mut out);
+        self.stop_if_not_started(now, &mut out);
+        self.ask_to_finish(&mut out);
+        self.complete_when_every_rank_is_done(&mut out);
         out
     }
 
@@ -207,6 +267,8 @@ impl<S: StepRecord> Controller<S> {
             Event::StepFailed { node, epoch, report } => self.step_failed(now, node, epoch, report),
             Event::StepDone { epoch, step, steps, loads, seconds, moved } => self.step_done(epoch, step, steps, &loads, seconds, moved),
             Event::Checkpointed { step } => self.checkpoint = Some(step),
+            Event::Done { node } => self.done(node),
+            Event::StopRequested { why } => self.stop_requested(&why),
         }
     }
 
@@ -243,8 +305,14 @@ impl<S: StepRecord> Controller<S> {
         self.epoch
     }
 
-    pub fn plan(&self) -> &ModelPlan {
-        &self.plan
+    /// The placement the ranks run (None: a job without one).
+    pub fn plan(&self) -> Option<&ModelPlan> {
+        self.plan.as_ref()
+    }
+
+    /// Whether a loss is recovered from (live recovery, and a placement to re-plan).
+    pub fn recovers(&self) -> bool {
+        self.spec.on_loss == OnLoss::Recover && self.plan.is_some()
     }
 
     /// The node of each rank of the current epoch.
@@ -256,9 +324,19 @@ impl<S: StepRecord> Controller<S> {
         &self.alive
     }
 
-    /// Whether the job has stopped.
+    /// Whether the job has stopped (it did not complete).
     pub fn stopped(&self) -> bool {
         self.phase == Phase::Stopped
+    }
+
+    /// Whether every rank finished its work.
+    pub fn completed(&self) -> bool {
+        self.phase == Phase::Completed
+    }
+
+    /// Whether the job is over, stopped or completed: no event does anything any more.
+    pub fn is_over(&self) -> bool {
+        matches!(self.phase, Phase::Stopped | Phase::Completed)
     }
 
     /// Whether every rank of the epoch trains.
@@ -271,12 +349,12 @@ impl<S: StepRecord> Controller<S> {
     /// the replica map: at 1,024 GPUs and 58 × 256 experts that map is 60 MB.
     pub fn planned_holdings(&self, node: NodeId) -> Option<Vec<Vec<usize>>> {
         let i = self.ranks.iter().position(|&n| n == node)?;
-        let shape = self.plan.shape();
+        let plan = self.plan.as_ref()?;
+        let shape = plan.shape();
         let (q, gpu) = (i / shape.gpus_per_node, i % shape.gpus_per_node);
         // A leaving rank (beyond the plan's) is given nothing.
         Some(
-            self.plan
-                .layers()
+            plan.layers()
                 .iter()
                 .map(|p| {
                     let mut experts = if q < shape.nodes { p.gpu(q, gpu).to_vec() } else { Vec::new() };
@@ -299,13 +377,15 @@ impl<S: StepRecord> Controller<S> {
     }
 
     /// The phase of the job: `rendezvous`, `running`, `collecting` (a loss is being recovered
-    /// from) or `stopped`.
+    /// from), `ending` (a job without recovery lost a rank), `stopped` or `completed`.
     pub fn phase_name(&self) -> &'static str {
         match self.phase {
             Phase::Rendezvous { .. } => "rendezvous",
             Phase::Running => "running",
             Phase::Collecting { .. } => "collecting",
+            Phase::Ending { .. } => "ending",
             Phase::Stopped => "stopped",
+            Phase::Completed => "completed",
         }
     }
 
@@ -338,20 +418,28 @@ impl<S: StepRecord> Controller<S> {
         self.last_seen.get(&node).copied()
     }
 
-    /// When the next lease runs out, if no heartbeat comes first.
+    /// When the next lease runs out, if no heartbeat comes first (a worker that finished its
+    /// work holds no lease: it exits).
     pub fn deadline(&self) -> Option<Instant> {
-        if self.stopped() {
+        if self.is_over() {
             return None;
         }
-        self.alive.iter().chain(self.standby.keys()).filter_map(|n| self.last_seen.get(n)).min().map(|&t| t + self.spec.lease)
+        self.alive
+            .iter()
+            .filter(|n| !self.done.contains(n))
+            .chain(self.standby.keys())
+            .filter_map(|n| self.last_seen.get(n))
+            .min()
+            .map(|&t| t + self.spec.lease)
     }
 
     /// When the shell must call [`Controller::decide`] next (with a `Tick` if nothing else
-    /// came): the next lease's end, and at least every quarter lease — so that a longer gap
-    /// between two decisions means the controller itself was stalled (see `decide`).
+    /// came): the next lease's end, the joiners' due time, the start deadline, the end of a
+    /// grace after a loss — and at least every quarter lease, so that a longer gap between two
+    /// decisions means the controller itself was stalled (see `decide`).
     pub fn next_wake(&self, now: Instant) -> Instant {
         let cadence = now + self.spec.lease / 4;
-        let due = self.join_due().filter(|_| self.running()).map_or(cadence, |j| j.min(cadence));
-        self.deadline().map_or(due, |d| d.min(due))
+        let join = self.join_due().filter(|_| self.running());
+        [join, self.deadline(), self.lifecycle_deadline()].into_iter().flatten().fold(cadence, Instant::min)
     }
 }

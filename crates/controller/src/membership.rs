@@ -64,7 +64,8 @@ impl<S: StepRecord> Controller<S> {
     /// Whether `worker` has a rank of the current epoch beyond the plan's: a drained worker
     /// that sent what it alone held and now leaves.
     pub(super) fn is_leaver(&self, worker: NodeId) -> bool {
-        self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= self.plan.shape().ranks())
+        let Some(plan) = &self.plan else { return false };
+        self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= plan.shape().ranks())
     }
 
     /// When the workers waiting to join are due to be taken in (None: none wait).
@@ -95,7 +96,9 @@ impl<S: StepRecord> Controller<S> {
     }
 
     pub(super) fn exited(&mut self, node: NodeId, status: &str, out: &mut Vec<Command<S>>) {
-        if self.alive.contains(&node) && self.is_leaver(node) {
+        if self.done.contains(&node) {
+            // Expected: a worker that finished its work exits.
+        } else if self.alive.contains(&node) && self.is_leaver(node) {
             // Expected: a drained worker leaves once its move is done (nothing to fence).
             self.alive.remove(&node);
             self.draining.remove(&node);
@@ -149,7 +152,8 @@ impl<S: StepRecord> Controller<S> {
         let lease = self.spec.lease;
         let reason = format!("no heartbeat for {} ms", lease.as_millis());
         let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + lease);
-        let members: Vec<NodeId> = self.alive.iter().copied().filter(late).collect();
+        // A worker that finished its work exits: it holds no lease any more.
+        let members: Vec<NodeId> = self.alive.iter().copied().filter(|n| !self.done.contains(n)).filter(late).collect();
         let waiting: Vec<NodeId> = self.standby.keys().copied().filter(late).collect();
         for node in members {
             out.push(Command::Kill { node, reason: reason.clone() });
@@ -183,7 +187,7 @@ impl<S: StepRecord> Controller<S> {
     /// A node that leaves on notice: every rank stops after the step in flight and the job
     /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
     pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command<S>>) {
-        if self.running() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
+        if self.may_move_itself() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
             self.note(format!("epoch {}: pause to move off workers {:?}", self.job_epoch(self.epoch), self.draining));
             self.pause(MoveCause::Drain, out);
         }
@@ -191,7 +195,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// Workers waiting to join are taken in at a step boundary once their wait is over.
     pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
-        if self.running() && self.join_due().is_some_and(|due| now >= due) {
+        if self.may_move_itself() && self.join_due().is_some_and(|due| now >= due) {
             self.note(format!(
                 "epoch {}: pause to take in workers {:?}",
                 self.job_epoch(self.epoch),
@@ -201,7 +205,8 @@ impl<S: StepRecord> Controller<S> {
         }
     }
 
-    /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on).
+    /// Node `node` is gone: a collection of where the survivors stopped starts (or goes on);
+    /// without recovery, the job ends.
     pub(super) fn lose(&mut self, node: NodeId, why: &str) {
         self.alive.remove(&node);
         self.lost_now.push(node);
@@ -209,6 +214,9 @@ impl<S: StepRecord> Controller<S> {
         self.planned = None;
         self.rebalance_to = None;
         self.note(format!("epoch {}: node {node} lost: {why}", self.job_epoch(self.epoch)));
+        if !self.recovers() {
+            return self.begin_ending(node, why);
+        }
         if !matches!(self.phase, Phase::Collecting { .. }) {
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
         }

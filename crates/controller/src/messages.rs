@@ -80,6 +80,12 @@ pub enum Event<S> {
     Joined { workers: Vec<NodeId> },
     /// These workers' node leaves soon (a preemption notice): move the job off it first.
     Drain { workers: Vec<NodeId>, reason: String },
+    /// The node finished its work (the last step trained, its part of the final checkpoint
+    /// written, a benchmark's results sent).
+    Done { node: NodeId },
+    /// The job is asked to stop (SIGTERM, Ctrl-C): every rank finishes after the same step and
+    /// writes the final checkpoint.
+    StopRequested { why: String },
     /// Time passed.
     Tick,
 }
@@ -179,6 +185,11 @@ pub enum Command<S> {
     Pause { epoch: u64, nodes: Vec<NodeId> },
     /// The job cannot go on.
     Stop { reason: String },
+    /// Ask the ranks of `epoch` (`nodes`) to finish after the current step, with the final
+    /// checkpoint (a stop was asked for; asked again at each new epoch).
+    Finish { epoch: u64, nodes: Vec<NodeId> },
+    /// Every rank finished its work: the job is complete.
+    Complete,
     /// A rebalance was weighed (applied: a `Pause` follows).
     Rebalance(RebalanceDecision),
     /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report

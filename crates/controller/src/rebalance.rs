@@ -200,7 +200,7 @@ impl<S: StepRecord> Controller<S> {
     /// wait to join: their move re-plans anyway), and pause for it if it repays its move.
     pub(super) fn weigh_a_rebalance(&mut self, out: &mut Vec<Command<S>>) {
         let every = self.spec.rebalance_every;
-        if !self.running() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() {
+        if !self.may_move_itself() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() {
             return;
         }
         let weighed = self.weigh_rebalance();
@@ -231,7 +231,8 @@ impl<S: StepRecord> Controller<S> {
         if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
             return None;
         }
-        let candidate = plan_model(&self.loads, self.plan.shape(), &self.spec.policy, Some(&self.plan)).ok()?;
+        let current = self.plan.as_ref()?;
+        let candidate = plan_model(&self.loads, current.shape(), &self.spec.policy, Some(current)).ok()?;
         // What each node holds now (its workers' experts), and the node of each plan position.
         let g = self.spec.gpus_per_node.max(1);
         let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
@@ -261,7 +262,7 @@ impl<S: StepRecord> Controller<S> {
         // λ* of every layer now and under the candidate, layers on every core (a max-flow each:
         // at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is computed once.
         let jobs: Vec<usize> = (0..self.spec.layers).collect();
-        let (plan, measured) = (&self.plan, &self.loads);
+        let (plan, measured) = (current, &self.loads);
         let balances = lazarus_plan::parallel::map_in_order(&jobs, |&l| {
             let (now, loads) = (&plan.layers()[l], &measured[l]);
             let before = now.load_balance(loads)?;
@@ -276,7 +277,7 @@ impl<S: StepRecord> Controller<S> {
             imbalance_after += after.imbalance();
             let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();
             layers.push(LayerCase {
-                differs: aligned[l] != self.plan.layers()[l],
+                differs: aligned[l] != current.layers()[l],
                 bottleneck_before: before.bottleneck,
                 bottleneck_after: after.bottleneck,
                 transfers: moves.len(),
@@ -297,8 +298,8 @@ impl<S: StepRecord> Controller<S> {
         let mut d = case.decide(self.last_step);
         // The plan it moves to: the candidate's layers that move, the current plan's others.
         let mixed: Vec<Placement> =
-            (0..self.spec.layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { self.plan.layers()[l].clone() }).collect();
-        let target = ModelPlan::new(self.plan.epoch(), mixed).ok()?;
+            (0..self.spec.layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { current.layers()[l].clone() }).collect();
+        let target = ModelPlan::new(current.epoch(), mixed).ok()?;
         if d.decision == RebalanceVerdict::Shrink {
             let sum: f64 = target.layers().iter().zip(&self.loads).filter_map(|(p, w)| p.load_balance(w).ok()).map(|b| b.imbalance()).sum();
             d.imbalance_after = sum / n;

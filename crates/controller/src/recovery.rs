@@ -35,6 +35,10 @@ impl<S: StepRecord> Controller<S> {
         if !self.alive.contains(&node) || self.node_epoch.get(&node) != Some(&epoch) {
             return;
         }
+        if !self.recovers() {
+            // Without recovery a rank that stopped is at its end (it is killed with the job).
+            return self.lose(node, &format!("stopped at step {}", report.steps_done));
+        }
         if !matches!(self.phase, Phase::Collecting { .. }) {
             self.note(format!("epoch {}: node {node} stopped at step {}", self.job_epoch(epoch), report.steps_done));
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
@@ -192,7 +196,15 @@ impl<S: StepRecord> Controller<S> {
     /// the job to; an applied rebalance moves to the plan it weighed (if nothing changed
     /// since); anything else is planned afresh from the measured loads.
     fn survivors_plan(&mut self, s: &Survivors<S>, shape: ClusterShape) -> Result<ModelPlan, lazarus_plan::PlanError> {
-        let previous = self.plan.clone().with_epoch(self.epoch);
+        // Only a job with a placement recovers (`recovers`): it has one to re-plan from.
+        let Some(current) = &self.plan else {
+            return Err(lazarus_plan::PlanError::Invalid {
+                field: "plan",
+                value: "none".into(),
+                reason: "a job without a placement cannot be re-planned".into(),
+            });
+        };
+        let previous = current.clone().with_epoch(self.epoch);
         let weighed = self.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
         let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
         if s.cause == MoveCause::Drain && nobody_moves && previous.shape() == shape {

@@ -30,6 +30,7 @@ impl<S: StepRecord> Controller<S> {
         ready.insert(node);
         if ready.len() >= self.ranks.len() && self.ranks.iter().all(|n| ready.contains(n)) {
             self.phase = Phase::Running;
+            self.started = true;
             out.push(Command::Resume { epoch });
         }
     }
@@ -50,7 +51,7 @@ impl<S: StepRecord> Controller<S> {
                 out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
             }
         }
-        if was_rendezvous && matches!(self.phase, Phase::Collecting { .. }) {
+        if was_rendezvous && matches!(self.phase, Phase::Collecting { .. } | Phase::Ending { .. }) {
             let nodes: Vec<NodeId> = self.alive.iter().copied().collect();
             if !nodes.is_empty() {
                 out.push(Command::Abandon { epoch: self.epoch, nodes });
@@ -69,7 +70,7 @@ impl<S: StepRecord> Controller<S> {
         for n in &ranks {
             self.node_epoch.insert(*n, self.epoch);
         }
-        self.plan = plan;
+        self.plan = Some(plan);
         self.ranks = ranks;
         self.loads = vec![vec![0.0; self.spec.experts]; self.spec.layers];
         self.steps_since_plan = 0;

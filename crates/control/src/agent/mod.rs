@@ -382,8 +382,7 @@ impl Node {
                     })
                     .collect();
                 let reports = self.reports.clone();
-                self.workers =
-                    Some(start_processes_reporting(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, m.epoch, reports, Inbound::Worker)?);
+                self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 on_start(&ranks)?;
             }

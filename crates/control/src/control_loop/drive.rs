@@ -1,116 +1,111 @@
-//! The controller's loop of a job with live recovery: worker reports in through a [`Fleet`],
-//! [`Controller::decide`] on each, its commands out; and the shell's own bookkeeping (what to
-//! show the user, the record of each reconfiguration, when every worker is done).
+//! The controller's loop, for every job (with live recovery or without, training or a
+//! benchmark): worker reports in through a [`Fleet`], [`Controller::decide`] on each, its
+//! commands out — the start deadline, a stop asked for and completion included. The shell keeps
+//! only what to show the user and the record of each reconfiguration.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use lazarus_plan::ModelPlan;
+use lazarus_runtime::bench::BenchResult;
 use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-use crate::controller::{Command, Controller, Event, JobSpec, MoveCause, MoveCost, StopReport};
+use crate::controller::{Command, Controller, Event, MoveCause, MoveCost, StopReport};
 use crate::error::ControlError;
 use crate::fleet::{Fleet, FleetEvent};
 use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
 use crate::service::{snapshot, SharedStatus};
 
+/// How a job driven to its end ended: the outcome, and rank 0's benchmark results if it ran one.
+pub(crate) struct Ended {
+    pub outcome: TrainOutcome,
+    pub bench: Option<Vec<BenchResult>>,
+}
+
 /// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
-/// job completes or stops. On anything but completion every worker left is killed.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn drive(
+/// job completes or stops; `shared` (if served) gets the status after each decision. On
+/// anything but completion every worker left is killed.
+pub(crate) fn drive(
     fleet: &mut dyn Fleet,
-    spec: JobSpec,
-    plan: ModelPlan,
-    world: usize,
-    first_epoch: u64,
+    mut ctl: Controller,
     job_id: &str,
-    start_within: Duration,
-    shared: SharedStatus,
+    shared: Option<SharedStatus>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
-) -> Result<TrainOutcome, ControlError> {
-    let begun = Instant::now();
-    let mut ctl = Controller::new(spec, plan, (0..world as u64).collect(), begun);
+) -> Result<Ended, ControlError> {
+    let first_epoch = ctl.epoch();
     // The plan as `lazarus status` shows it: its epoch counted from the job's start.
-    let shown_plan = |ctl: &Controller| ctl.plan().clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json();
+    let shown_plan = |ctl: &Controller| ctl.plan().map(|p| p.clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json()).unwrap_or_default();
     let mut plan_json = (ctl.epoch(), shown_plan(&ctl));
     let mut shell = Shell {
         started: false,
         done: BTreeMap::new(),
         recovering: None,
         first_error: None,
-        ranks: (0..world as u64).collect(),
+        ranks: ctl.ranks().to_vec(),
         last_checkpoint: None,
+        ends: BTreeMap::new(),
+        first_failure: None,
+        bench: None,
+        stop_told: false,
     };
-    // The epoch at which every rank was asked to finish (a stop signal came).
-    let mut finishing: Option<u64> = None;
     let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
-        // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
-        // checkpoint (asked again if a move changes the epoch first).
-        if let Some((_, name)) = crate::stop_signal::requested() {
-            if ctl.running() && finishing != Some(ctl.epoch()) {
-                finishing = Some(ctl.epoch());
-                tracing::warn!(
-                    "{name}: every worker stops after the step in flight and writes the final checkpoint (again to stop at once)"
-                );
-                for &node in ctl.ranks() {
-                    let _ = fleet.send(node as usize, &LauncherMessage::Finish { epoch: ctl.epoch() });
-                }
-            }
-        }
-        if !shell.started && now >= begun + start_within {
-            return Ok(TrainOutcome::Failed {
-                reason: format!("the workers did not all start within {} s", start_within.as_secs()),
-                workers: vec![],
-            });
-        }
         let mut wait = ctl.next_wake(now).saturating_duration_since(now);
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
-        let event = match fleet.next_event(wait) {
-            Some(FleetEvent::Joined { workers }) => {
-                observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
-                Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
+        let event = match crate::stop_signal::requested() {
+            // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
+            // checkpoint (a second signal ends the process at once).
+            Some((_, name)) if !shell.stop_told => {
+                shell.stop_told = true;
+                tracing::warn!(
+                    "{name}: every worker stops after the step in flight and writes the final checkpoint (again to stop at once)"
+                );
+                Event::StopRequested { why: name.to_string() }
             }
-            Some(FleetEvent::Leaving { workers, reason }) => {
-                observe(TrainEvent::Leaving { workers: workers.clone(), reason: reason.clone() })?;
-                Event::Drain { workers: workers.into_iter().map(|w| w as u64).collect(), reason }
-            }
-            None => Event::Tick,
-            Some(FleetEvent::Exited { rank }) => {
-                let status = fleet.exit_status(rank);
-                let member = ctl.alive().contains(&(rank as u64)) || ctl.standby().any(|w| w == rank as u64);
-                if shell.done.contains_key(&rank) || !member {
-                    continue;
+            _ => match fleet.next_event(wait) {
+                None => Event::Tick,
+                Some(FleetEvent::Joined { workers }) => {
+                    observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
+                    Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
                 }
-                observe(TrainEvent::Lost { worker: rank, why: format!("died ({status})") })?;
-                shell.failure_seen();
-                Event::Exited { node: rank as u64, status }
-            }
-            Some(FleetEvent::Report { rank, event }) => match shell.translate(rank, event, &ctl, &mut observe)? {
-                Some(e) => e,
-                None => {
-                    if let Some(out) = shell.finished(&ctl) {
-                        return Ok(out);
+                Some(FleetEvent::Leaving { workers, reason }) => {
+                    observe(TrainEvent::Leaving { workers: workers.clone(), reason: reason.clone() })?;
+                    Event::Drain { workers: workers.into_iter().map(|w| w as u64).collect(), reason }
+                }
+                Some(FleetEvent::Exited { rank }) => {
+                    let status = fleet.exit_status(rank);
+                    let member = ctl.alive().contains(&(rank as u64)) || ctl.standby().any(|w| w == rank as u64);
+                    if !shell.done.contains_key(&rank) && member {
+                        let why = format!("died ({status}){}", shell.since_first_failure());
+                        shell.ended(rank, "died");
+                        observe(TrainEvent::Lost { worker: rank, why })?;
+                        shell.failure_seen();
                     }
-                    continue;
+                    Event::Exited { node: rank as u64, status }
                 }
+                Some(FleetEvent::Report { rank, event }) => match shell.translate(rank, event, &ctl, &mut observe)? {
+                    Some(e) => e,
+                    None => continue,
+                },
             },
         };
         let decided = Instant::now();
         let commands = ctl.decide(decided, event);
         let plan_s = decided.elapsed().as_secs_f64();
-        if plan_json.0 != ctl.epoch() {
-            plan_json = (ctl.epoch(), shown_plan(&ctl));
+        if let Some(shared) = &shared {
+            if plan_json.0 != ctl.epoch() {
+                plan_json = (ctl.epoch(), shown_plan(&ctl));
+            }
+            *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
         }
-        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
         for command in commands {
             match command {
                 Command::Kill { node, reason } => {
                     fleet.kill(node as usize, &reason);
+                    shell.ended(node as usize, "lost");
                     observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
                     // A silent node failed when it was last heard from, a lease ago: the
                     // record counts the wait for the lease as detection.
@@ -133,11 +128,12 @@ pub(super) fn drive(
                         let _ = fleet.send(node as usize, &m);
                     }
                 }
-                Command::Resume { epoch } => {
-                    if epoch == first_epoch {
+                Command::Resume { .. } => {
+                    if !shell.started {
                         shell.started = true;
                         observe(TrainEvent::Started)?;
-                    } else if let Some(r) = &mut shell.recovering {
+                    }
+                    if let Some(r) = &mut shell.recovering {
                         r.resumed = true;
                     }
                 }
@@ -148,6 +144,11 @@ pub(super) fn drive(
                     shell.failure_seen();
                     for node in nodes {
                         let _ = fleet.send(node as usize, &LauncherMessage::Pause { epoch });
+                    }
+                }
+                Command::Finish { epoch, nodes } => {
+                    for node in nodes {
+                        let _ = fleet.send(node as usize, &LauncherMessage::Finish { epoch });
                     }
                 }
                 Command::Reconfigure(m) => {
@@ -168,23 +169,13 @@ pub(super) fn drive(
                         let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
                 }
-                Command::Stop { reason } => {
-                    let mut reason = match &shell.first_error {
-                        Some(first) => format!("{reason} (first failure: {first})"),
-                        None => reason,
-                    };
-                    // Where to go on from: the user's next command, not only a step number.
-                    if let Some(dir) = shell.last_checkpoint.as_ref().and_then(|p| p.parent()) {
-                        reason.push_str(&format!(
-                            "; to go on from it, start the job again on enough workers with --checkpoint-dir {} --resume",
-                            dir.display()
-                        ));
-                    }
-                    let workers: Vec<String> = (0..world)
-                        .map(|r| if ctl.alive().contains(&(r as u64)) { format!("{r}: alive") } else { format!("{r}: lost") })
-                        .collect();
-                    return Ok(TrainOutcome::Failed { reason, workers });
+                Command::Complete => {
+                    // Rank 0 of the last epoch wrote the final checkpoint.
+                    let rank0 = ctl.ranks().first().map(|&n| n as usize);
+                    let checkpoint = rank0.and_then(|r| shell.done.get(&r).cloned()).flatten();
+                    return Ok(TrainOutcome::Completed { checkpoint });
                 }
+                Command::Stop { reason } => return Ok(shell.stopped(&ctl, reason)),
             }
         }
     })();
@@ -199,7 +190,7 @@ pub(super) fn drive(
             fleet.finish();
         }
     }
-    result
+    result.map(|outcome| Ended { outcome, bench: shell.bench.take() })
 }
 
 /// What rank `rank` of move `m` is told.
@@ -248,9 +239,60 @@ struct Shell {
     ranks: Vec<u64>,
     /// The newest checkpoint written, for a stop to name.
     last_checkpoint: Option<PathBuf>,
+    /// How each worker that did not finish ended, in short (`died`, a failure kind, `lost`).
+    ends: BTreeMap<usize, String>,
+    /// When the first worker stopped other than by finishing (for a job without recovery:
+    /// how long the others took to notice).
+    first_failure: Option<Instant>,
+    /// Rank 0's benchmark results.
+    bench: Option<Vec<BenchResult>>,
+    /// A stop signal was passed to the controller.
+    stop_told: bool,
 }
 
 impl Shell {
+    /// Worker `rank` ended other than by finishing (the first word about it stands).
+    fn ended(&mut self, rank: usize, how: &str) {
+        self.ends.entry(rank).or_insert_with(|| how.to_string());
+        self.first_failure.get_or_insert_with(Instant::now);
+    }
+
+    /// " (N ms after the first failure)" once a worker has failed: how long the others took
+    /// to notice.
+    fn since_first_failure(&self) -> String {
+        self.first_failure.map(|t| format!(" ({} ms after the first failure)", t.elapsed().as_millis())).unwrap_or_default()
+    }
+
+    /// The job stopped: why (with the first failure a worker reported, and how to go on from
+    /// the last checkpoint), and how each worker ended.
+    fn stopped(&self, ctl: &Controller, reason: String) -> TrainOutcome {
+        let mut reason = match &self.first_error {
+            Some(first) => format!("{reason} (first failure: {first})"),
+            None => reason,
+        };
+        // Where to go on from: the user's next command, not only a step number.
+        if let Some(dir) = self.last_checkpoint.as_ref().and_then(|p| p.parent()) {
+            reason.push_str(&format!(
+                "; to go on from it, start the job again on enough workers with --checkpoint-dir {} --resume",
+                dir.display()
+            ));
+        }
+        let workers = ctl
+            .nodes()
+            .map(|n| {
+                let w = n as usize;
+                let how = match self.ends.get(&w) {
+                    _ if self.done.contains_key(&w) => "finished",
+                    Some(how) => how.as_str(),
+                    None if ctl.alive().contains(&n) => "alive (killed)",
+                    None => "lost",
+                };
+                format!("{w}: {how}")
+            })
+            .collect();
+        TrainOutcome::Failed { reason, workers }
+    }
+
     /// The first sign of a failure starts the clock of its record.
     fn failure_seen(&mut self) {
         self.failure_seen_at(Instant::now());
@@ -378,7 +420,13 @@ impl Shell {
             WorkerEvent::Paused { epoch, steps_done, holds, snapshots } => {
                 Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds, last: None, snapshots } }
             }
-            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, snapshots, .. } => {
+            WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, snapshots, kind } => {
+                if !ctl.recovers() {
+                    // Without recovery a stopped worker is at its end: say how, and when.
+                    let why = format!("stopped: {kind}: {message}{}", self.since_first_failure());
+                    self.ended(rank, kind.name());
+                    observe(TrainEvent::Lost { worker: rank, why })?;
+                }
                 self.failure_seen();
                 self.first_error.get_or_insert(format!("worker {rank}: {message}"));
                 Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds, last, snapshots } }
@@ -390,26 +438,21 @@ impl Shell {
             }
             WorkerEvent::Done { checkpoint } => {
                 self.done.insert(rank, checkpoint);
-                return Ok(None);
+                Event::Done { node }
+            }
+            WorkerEvent::BenchResults { results } => {
+                self.bench = Some(results);
+                self.done.insert(rank, None);
+                Event::Done { node }
             }
             WorkerEvent::Failed { kind, message } => {
                 self.first_error.get_or_insert(format!("worker {rank}: {kind}: {message}"));
-                observe(TrainEvent::Lost { worker: rank, why: format!("{kind}: {message}") })?;
+                let why = format!("stopped: {kind}: {message}{}", self.since_first_failure());
+                self.ended(rank, kind.name());
+                observe(TrainEvent::Lost { worker: rank, why })?;
                 self.failure_seen();
-                self.done.remove(&rank);
                 Event::Exited { node, status: format!("{kind}: {message}") }
             }
-            WorkerEvent::BenchResults { .. } => return Ok(None),
         }))
-    }
-
-    /// Every live worker done: the job is.
-    fn finished(&self, ctl: &Controller) -> Option<TrainOutcome> {
-        if ctl.ranks().iter().all(|n| self.done.contains_key(&(*n as usize))) {
-            let rank0 = ctl.ranks().first().map(|&n| n as usize);
-            let checkpoint = rank0.and_then(|r| self.done.get(&r).cloned()).flatten();
-            return Some(TrainOutcome::Completed { checkpoint });
-        }
-        None
     }
 }

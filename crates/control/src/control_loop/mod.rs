@@ -16,14 +16,13 @@ use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
 use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
 use serde::Serialize;
 
-use crate::controller::{Controller, JobSpec};
+use crate::controller::{Controller, JobSpec, OnLoss};
 use crate::error::ControlError;
 use crate::hub::AgentHub;
-use crate::launcher::{check_comm_timeout, fresh_epoch, launch, supervise, Confinement};
+use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::protocol::{secret_hex, TrainJob, WorkerSpec};
 use crate::service::{snapshot, GrpcServer, SharedStatus};
-use crate::supervisor::{Action, Outcome, RankEnd, Supervisor};
-use drive::drive;
+pub(crate) use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
@@ -321,8 +320,8 @@ pub struct AgentsSpec {
 /// run them to the end; every [`TrainEvent`] goes to `observe` as it happens. With `recovery`
 /// (and a plan the controller can re-plan: one rank per plan node), a lost worker does not end
 /// the run: the controller moves the survivors to a new plan (or rolls them back to the last
-/// checkpoint) and training goes on. Without it, the first failure ends the run (local workers
-/// only). Collectives time out after `comm_timeout_s`.
+/// checkpoint) and training goes on. Without it, the same controller ends the run at the first
+/// failure (local workers only). Collectives time out after `comm_timeout_s`.
 pub fn run_training(
     job: &TrainJob,
     plan: Option<&ModelPlan>,
@@ -333,50 +332,52 @@ pub fn run_training(
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
-    let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
     // The controller re-plans whole nodes of G workers: the plan's nodes must be the hosts'.
     let g = match hosts {
         Hosts::Local { .. } => 1,
         Hosts::Agents(a) => a.gpus_per_node,
     };
     let recoverable = match (plan, recovery) {
-        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == g && p.shape().ranks() == world => Some((p, r)),
+        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == g && p.shape().ranks() == world => Some(r),
         _ => None,
     };
-    let Some((plan, recovery)) = recoverable else {
-        if let Hosts::Agents(_) = hosts {
-            return Err(ControlError::invalid(
-                "--recovery",
-                "node agents run jobs with live recovery only (not --recovery off or --static-ep, and a plan with as many GPUs per node as the agents)",
-            ));
-        }
-        return run_without_recovery(job, world, comm_timeout_s, start_within, observe);
-    };
+    if recoverable.is_none() && matches!(hosts, Hosts::Agents(_)) {
+        return Err(ControlError::invalid(
+            "--recovery",
+            "node agents run jobs with live recovery only (not --recovery off or --static-ep, and a plan with as many GPUs per node as the agents)",
+        ));
+    }
+    let lifecycle = Lifecycle::new(comm_timeout_s, recoverable);
     let mut job = job.clone();
-    job.heartbeat_s = recovery.heartbeat.as_secs_f64();
+    job.heartbeat_s = lifecycle.heartbeat.as_secs_f64();
     let epoch = fresh_epoch();
     let cfg = &job.config;
     let spec = JobSpec {
         layers: cfg.model.moe_layers(),
         experts: cfg.model.n_experts,
-        slots_per_node: plan.shape().slots_per_node(),
+        slots_per_node: plan.map_or(0, |p| p.shape().slots_per_node()),
         gpus_per_node: g,
         policy: PlanPolicy::trainer(world / g, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
         expert_bytes: (cfg.model.expert_params() * 12) as u64,
-        lease: recovery.lease,
         join_wait: match hosts {
             Hosts::Agents(a) => a.join_wait,
             Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
         },
-        rebalance_every: recovery.rebalance_every,
+        rebalance_every: recoverable.map_or(0, |r| r.rebalance_every),
         total_steps: cfg.steps,
+        ..lifecycle.spec()
     };
-    let first_epoch = epoch;
-    let job_id = format!("job-{first_epoch}");
+    let job_id = format!("job-{epoch}");
     let begun = Instant::now();
-    let ctl = Controller::new(spec.clone(), plan.clone().with_epoch(epoch), (0..world as u64).collect(), begun);
-    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, first_epoch, &ctl.plan().to_json())));
-    match hosts {
+    let nodes: Vec<u64> = (0..world as u64).collect();
+    let ctl = match plan {
+        // Static expert parallelism runs its own split of the experts, not the plan's.
+        Some(p) if !job.static_ep => Controller::new(spec, p.clone().with_epoch(epoch), nodes, begun),
+        _ => Controller::unplanned(spec, epoch, nodes, begun),
+    };
+    let plan_json = ctl.plan().map(|p| p.to_json()).unwrap_or_default();
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, epoch, &plan_json)));
+    let ended = match hosts {
         Hosts::Local { status_listen } => {
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
             let _server = match status_listen {
@@ -387,10 +388,11 @@ pub fn run_training(
                 }
                 None => None,
             };
-            drive(&mut processes, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe)
+            drive(&mut processes, ctl, &job_id, status_listen.map(|_| shared), observe)
         }
         Hosts::Agents(a) => {
-            let (hub, inputs) = AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, recovery.lease, recovery.heartbeat);
+            let (hub, inputs) =
+                AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
             let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
             let addr = server.addr();
             observe(TrainEvent::Serving { addr })?;
@@ -424,8 +426,7 @@ pub fn run_training(
                     (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
                     _ => None,
                 };
-                let run =
-                    drive(&mut fleet, spec, plan.clone().with_epoch(epoch), world, first_epoch, &job_id, start_within, shared, observe);
+                let run = drive(&mut fleet, ctl, &job_id, Some(shared), observe);
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);
                 if let Some(r) = replaying {
                     let _ = r.join();
@@ -438,47 +439,52 @@ pub fn run_training(
             }
             run
         }
-    }
+    };
+    ended.map(|e| e.outcome)
 }
 
-/// The first failure ends the run (static expert parallelism, or recovery off).
-fn run_without_recovery(
-    job: &TrainJob,
-    world: usize,
-    comm_timeout_s: f64,
-    start_within: Duration,
-    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
-) -> Result<TrainOutcome, ControlError> {
-    let mut processes = launch("worker", world, comm_timeout_s, job, Confinement::Shared, fresh_epoch())?;
-    // Survivors get the collective deadline plus a margin to notice a failure on their own.
-    let grace = Duration::from_secs_f64(comm_timeout_s + 5.0);
-    let mut supervisor = Supervisor::new(world, Instant::now(), start_within, grace);
-    let outcome = supervise(&mut processes, &mut supervisor, |action| match action {
-        Action::Ready { rank, pid } => observe(TrainEvent::Ready { rank: *rank, pid: *pid }),
-        Action::Started => observe(TrainEvent::Started),
-        Action::Step { report, seconds, dropped, .. } => {
-            observe(TrainEvent::Step { report: report.clone(), seconds: *seconds, dropped: *dropped, snapshot: None })
+/// How a job's life is watched, with recovery or without: its leases and heartbeats, its
+/// start deadline, and what a loss does.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lifecycle {
+    pub lease: Duration,
+    pub heartbeat: Duration,
+    pub start_within: Duration,
+    pub on_loss: OnLoss,
+}
+
+impl Lifecycle {
+    /// A job whose collectives time out after `comm_timeout_s`, with live `recovery` or none.
+    /// Without recovery a worker's lease is the collective deadline: a hung worker is found out
+    /// no later than its peers would notice it, and the others get as long again, with a
+    /// margin, to say how they stopped.
+    pub(crate) fn new(comm_timeout_s: f64, recovery: Option<Recovery>) -> Self {
+        let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
+        match recovery {
+            Some(r) => Lifecycle { lease: r.lease, heartbeat: r.heartbeat, start_within, on_loss: OnLoss::Recover },
+            None => {
+                let lease = Duration::from_secs_f64(comm_timeout_s.max(1.0));
+                let grace = Duration::from_secs_f64(comm_timeout_s + 5.0);
+                Lifecycle { lease, heartbeat: lease / 5, start_within, on_loss: OnLoss::Stop { grace } }
+            }
         }
-        Action::RankStopped { rank, end, after } => {
-            let since = after.map(|t| format!(" ({} ms after the first failure)", t.as_millis())).unwrap_or_default();
-            let why = match end {
-                RankEnd::Failed { kind, message } => format!("stopped: {kind}: {message}{since}"),
-                RankEnd::Died { status } => format!("died ({status}){since}"),
-                other => format!("{}{since}", other.short()),
-            };
-            observe(TrainEvent::Lost { worker: *rank, why })
+    }
+
+    /// A job spec with these and nothing else: the caller fills in the job's shape.
+    pub(crate) fn spec(&self) -> JobSpec {
+        JobSpec {
+            layers: 0,
+            experts: 0,
+            slots_per_node: 0,
+            gpus_per_node: 1,
+            policy: PlanPolicy::trainer(1, None),
+            expert_bytes: 0,
+            lease: self.lease,
+            join_wait: DEFAULT_JOIN_WAIT,
+            rebalance_every: 0,
+            total_steps: 0,
+            on_loss: self.on_loss,
+            start_within: self.start_within,
         }
-        Action::SendAddresses(_) | Action::Finish(_) => Ok(()),
-    })?;
-    Ok(match outcome {
-        Outcome::Completed { checkpoint, .. } => TrainOutcome::Completed { checkpoint },
-        Outcome::Failed { first: (rank, end), ranks } => TrainOutcome::Failed {
-            reason: end.describe(rank),
-            workers: ranks.iter().enumerate().map(|(r, e)| format!("{r}: {}", e.short())).collect(),
-        },
-        Outcome::StartTimeout { ready, world, waited } => TrainOutcome::Failed {
-            reason: format!("workers did not all start: {ready} of {world} ready after {} s", waited.as_secs()),
-            workers: vec![],
-        },
-    })
+    }
 }

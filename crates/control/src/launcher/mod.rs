@@ -1,6 +1,5 @@
-//! The local launcher: start N worker processes (hidden subcommands of this binary), and the
-//! supervision loop — the one shell around [`Supervisor`] that training and the benchmarks both
-//! run.
+//! The local launcher: start N worker processes (hidden subcommands of this binary); the
+//! controller's loop ([`crate::control_loop`]) runs them as a [`crate::fleet::Fleet`].
 //!
 //! Workers never outlive the launcher: each is started with `PR_SET_PDEATHSIG = SIGKILL` (Linux;
 //! killing the launcher by any signal kills them), and the launcher holds their stdin open, so
@@ -20,12 +19,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::ControlError;
-use crate::protocol::{fresh_secret, secret_hex, LauncherMessage, WorkerEvent, WorkerSpec};
-use crate::supervisor::{Action, Input, Outcome, Supervisor};
+use crate::protocol::{fresh_secret, secret_hex, WorkerEvent, WorkerSpec};
 
 /// One started worker process.
 struct Running {
-    rank: usize,
     child: Child,
     /// Held open for the whole run: its closing tells the worker the launcher is gone.
     stdin: Option<ChildStdin>,
@@ -37,13 +34,11 @@ pub struct Job {
     events: Receiver<(usize, Option<WorkerEvent>)>,
     /// Kept until the workers have exited (then the cgroups can be removed).
     _quota: Option<QuotaGroups>,
-    /// The epoch the workers were started at.
-    epoch: u64,
 }
 
 /// Start `world` copies of this binary's hidden `subcommand`, each confined as `confine` says,
 /// and send each its [`WorkerSpec`] (with `job`, at `epoch`). The rest of the start — addresses, readiness —
-/// is the supervisor's ([`supervise`]). On any failure the started workers are killed.
+/// is the controller's. On any failure the started workers are killed.
 pub fn launch<J: Serialize>(
     subcommand: &str,
     world: usize,
@@ -57,15 +52,15 @@ pub fn launch<J: Serialize>(
     let specs = (0..world)
         .map(|rank| serde_json::to_string(&WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), bind: None, job }))
         .collect::<Result<Vec<_>, _>>()?;
-    start_processes(subcommand, &specs, confine, epoch)
+    start_processes(subcommand, &specs, confine)
 }
 
 /// Start one copy of this binary's hidden `subcommand` per spec line (process i gets
 /// `specs[i]` on its stdin and is "rank" i of the returned [`Job`]), each confined as `confine`
 /// says; their reports queue in the job ([`Job::next_event`]).
-pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confinement, epoch: u64) -> Result<Job, ControlError> {
+pub(crate) fn start_processes(subcommand: &str, specs: &[String], confine: Confinement) -> Result<Job, ControlError> {
     let (tx, events) = mpsc::channel();
-    spawn_processes(subcommand, specs, confine, epoch, events, tx, |rank, ev| (rank, ev))
+    spawn_processes(subcommand, specs, confine, events, tx, |rank, ev| (rank, ev))
 }
 
 /// The same, with every report sent to `to` as `wrap(rank, report)` (`None`: the process
@@ -74,19 +69,17 @@ pub(crate) fn start_processes_reporting<T: Send + 'static>(
     subcommand: &str,
     specs: &[String],
     confine: Confinement,
-    epoch: u64,
     to: mpsc::Sender<T>,
     wrap: fn(usize, Option<WorkerEvent>) -> T,
 ) -> Result<Job, ControlError> {
     let (_, nothing) = mpsc::channel();
-    spawn_processes(subcommand, specs, confine, epoch, nothing, to, wrap)
+    spawn_processes(subcommand, specs, confine, nothing, to, wrap)
 }
 
 fn spawn_processes<T: Send + 'static>(
     subcommand: &str,
     specs: &[String],
     confine: Confinement,
-    epoch: u64,
     events: Receiver<(usize, Option<WorkerEvent>)>,
     tx: mpsc::Sender<T>,
     wrap: fn(usize, Option<WorkerEvent>) -> T,
@@ -112,7 +105,7 @@ fn spawn_processes<T: Send + 'static>(
             quota = Some(QuotaGroups::create(world, f)?);
         }
     }
-    let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None, epoch };
+    let mut processes = Job { workers: Vec::with_capacity(world), events, _quota: None };
     for (rank, spec) in specs.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.arg(subcommand).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
@@ -141,7 +134,7 @@ fn spawn_processes<T: Send + 'static>(
         };
         let stdout = child.stdout.take();
         let stdin = child.stdin.take();
-        processes.workers.push(Running { rank, child, stdin });
+        processes.workers.push(Running { child, stdin });
         if let Some(stdout) = stdout {
             let tx = tx.clone();
             std::thread::Builder::new()
@@ -319,55 +312,6 @@ impl Drop for Job {
     fn drop(&mut self) {
         self.kill_all();
         self.wait_all();
-    }
-}
-
-/// Run `job` under `supervisor` until it ends: reports go in, actions come out — addresses are
-/// sent to the workers here, everything else is handed to `observe` (progress, messages) before
-/// the next report is read. At the end every worker is reaped; on a failure, or when `observe`
-/// fails, the survivors are killed first.
-pub fn supervise(
-    job: &mut Job,
-    supervisor: &mut Supervisor,
-    mut observe: impl FnMut(&Action) -> Result<(), ControlError>,
-) -> Result<Outcome, ControlError> {
-    loop {
-        let wait = supervisor.deadline().map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now()));
-        let input = match job.events.recv_timeout(wait) {
-            Ok((rank, Some(ev))) => Input::Event(rank, ev),
-            Ok((rank, None)) => Input::Exited(rank, job.exit_status(rank)),
-            Err(RecvTimeoutError::Timeout) => Input::Tick,
-            // Every reader has ended, so every process has: their exits are already in.
-            Err(RecvTimeoutError::Disconnected) => {
-                std::thread::sleep(wait.min(Duration::from_millis(50)));
-                Input::Tick
-            }
-        };
-        for action in supervisor.on(Instant::now(), input) {
-            match &action {
-                Action::SendAddresses(addrs) => {
-                    let line = serde_json::to_string(&LauncherMessage::Addrs { epoch: job.epoch, addrs: addrs.clone() })?;
-                    for rank in 0..job.workers.len() {
-                        // A worker that cannot be written to has died: its exit comes next.
-                        let _ = job.write_line(job.workers[rank].rank, &line);
-                    }
-                }
-                Action::Finish(outcome) => {
-                    if !matches!(outcome, Outcome::Completed { .. }) {
-                        job.kill_all();
-                    }
-                    job.wait_all();
-                    observe(&action)?;
-                    return Ok(outcome.clone());
-                }
-                _ => {}
-            }
-            if let Err(e) = observe(&action) {
-                job.kill_all();
-                job.wait_all();
-                return Err(e);
-            }
-        }
     }
 }
 

@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use lazarus_controller::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, StepRecord, StopReport};
+use lazarus_controller::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, OnLoss, StepRecord, StopReport};
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
 
 use super::FailurePolicy;
@@ -121,10 +121,10 @@ impl Lazarus {
                 let plan = self.with_shell(|sh| {
                     sh.moved = Some(MoveCost { bytes, transfer_s, rebuild_s });
                     sh.reported_step = step;
-                    sh.ctl.plan().clone()
+                    sh.ctl.plan().cloned()
                 });
                 let now = run.now;
-                let plan = plan.ok_or_else(|| SimError::Controller { at_s: now, what: "moved a job it does not run".into() })?;
+                let plan = plan.flatten().ok_or_else(|| SimError::Controller { at_s: now, what: "moved a job it does not run".into() })?;
                 run.switch(nodes, plan, kind, fixed + transfer_s);
                 Ok(())
             }
@@ -182,6 +182,9 @@ impl Shell {
             join_wait: Duration::ZERO,
             rebalance_every: c.rebalance_every,
             total_steps: (run.s.duration_s / m.balanced_step_s).ceil() as u64,
+            on_loss: OnLoss::Recover,
+            // The simulated rendezvous is done at once.
+            start_within: Duration::MAX,
         };
         let mut workers = Workers { gpus_per_node: c.gpus_per_node, of_node: HashMap::new(), node_of: HashMap::new(), next: 0 };
         let ranks: Vec<NodeId> = nodes.iter().flat_map(|n| workers.of(n)).collect();

@@ -40,6 +40,8 @@ fn spec(experts: usize, slots: usize) -> JobSpec {
         join_wait: 2 * SEC,
         rebalance_every: 0,
         total_steps: 1000,
+        on_loss: OnLoss::Recover,
+        start_within: 60 * SEC,
     }
 }
 
@@ -109,7 +111,7 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
         assert!(m.plan.replicas_on(t.layer, t.expert, t.to) > 0);
         let from_node = m.ranks[t.from];
         let old_rank = old.ranks().iter().position(|&n| n == from_node).unwrap();
-        assert!(old.plan().replica_map().replicas_on(t.layer, t.expert, old_rank) > 0, "{t:?}");
+        assert!(old.plan().unwrap().replica_map().replicas_on(t.layer, t.expert, old_rank) > 0, "{t:?}");
     }
     assert_eq!(c.epoch(), 1);
     // A report from the old epoch is stale now.
@@ -285,7 +287,7 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     assert_eq!((m.cause, m.commit_to, m.ranks.len(), m.transfers.len()), (MoveCause::Rebalance, 4, 3, d.transfers));
     // The hot expert has more replicas than before.
     let hot = |p: &lazarus_plan::ReplicaMap| (0..p.ranks()).map(|q| p.replicas_on(0, 0, q)).sum::<u32>();
-    assert!(hot(&m.plan) > hot(&running(3, 4, 2, t0).plan().replica_map()));
+    assert!(hot(&m.plan) > hot(&running(3, 4, 2, t0).plan().unwrap().replica_map()));
 }
 
 /// Popularity drifted in the first MoE layer only; the second's candidate differs a little and
@@ -297,7 +299,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
     c.seconds_per_byte = 1e-7;
-    let before = c.plan().clone();
+    let before = c.plan().unwrap().clone();
     let mut out = Vec::new();
     for step in 1..=4 {
         let loads = vec![vec![97, 1, 1, 1], vec![25, 25, 25, 25]];
@@ -319,8 +321,8 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
     assert_eq!((m.cause, m.transfers.len()), (MoveCause::Rebalance, d.transfers));
     assert!(m.transfers.iter().all(|t| t.layer == 0), "{:?}", m.transfers);
-    assert_eq!(c.plan().layers()[1], before.layers()[1], "the second layer stays where it was");
-    assert_ne!(c.plan().layers()[0], before.layers()[0]);
+    assert_eq!(c.plan().unwrap().layers()[1], before.layers()[1], "the second layer stays where it was");
+    assert_ne!(c.plan().unwrap().layers()[0], before.layers()[0]);
 }
 
 #[test]
@@ -338,7 +340,7 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
 fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 2, t0);
-    let old = c.plan().replica_map();
+    let old = c.plan().unwrap().replica_map();
     assert_eq!(
         c.decide(t0, Event::Drain { workers: vec![11], reason: "SIGTERM".into() }),
         vec![Command::Pause { epoch: 0, nodes: vec![10, 11, 12] }]
@@ -510,7 +512,7 @@ fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
     let mut c = running(4, 4, 2, t0);
     c.decide(t0, Event::Checkpointed { step: 4 });
     // Find two nodes whose loss takes every replica of some expert.
-    let holders = c.plan().layers()[0].holders();
+    let holders = c.plan().unwrap().layers()[0].holders();
     let pair: Vec<usize> = holders.iter().find(|h| h.len() == 2).map(|h| h.iter().collect()).expect("an expert on exactly two nodes");
     let (a, b) = (c.ranks()[pair[0]], c.ranks()[pair[1]]);
     c.decide(t0, Event::Exited { node: a, status: "x".into() });
@@ -627,7 +629,7 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
         (0u64..3, node.clone(), 0u64..4, 0u64..4)
             .prop_map(|(dt, node, epoch, i)| (dt, Event::Listening { node, epoch, addr: format!("a{i}") })),
         (0u64..3, node.clone(), 0u64..4).prop_map(|(dt, node, epoch)| (dt, Event::Ready { node, epoch })),
-        (0u64..3, node, 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
+        (0u64..3, node.clone(), 0u64..4, 0u64..20, any::<bool>()).prop_map(|(dt, node, epoch, steps_done, held)| {
             (
                 dt,
                 Event::StepFailed {
@@ -642,25 +644,32 @@ fn arb_event(n: u64) -> impl Strategy<Value = (u64, Event)> {
             Event::StepDone { epoch, step, steps: 1, loads: vec![vec![1 + 20 * (step % 2), 2, 3, 4]; 2], seconds: 10.0, moved: None }
         )),
         (0u64..3, 0u64..20).prop_map(|(dt, step)| (dt, Event::Checkpointed { step })),
+        (0u64..3, node.clone()).prop_map(|(dt, node)| (dt, Event::Done { node })),
+        (0u64..3).prop_map(|dt| (dt, Event::StopRequested { why: "SIGTERM".into() })),
         (0u64..3).prop_map(|dt| (dt, Event::Tick)),
     ]
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
-    /// Over any sequence of deaths, joins, heartbeats, stale and out-of-order reports: epochs only grow;
-    /// no move or rollback names a node that is lost; every plan hosts every expert (its replica
-    /// map validates and has one rank per named node); once stopped, nothing more happens.
+    /// Over any sequence of deaths, joins, heartbeats, stale and out-of-order reports, finished
+    /// workers and stop requests: epochs only grow; no move or rollback names a node that is
+    /// lost; every plan hosts every expert (its replica map validates and has one rank per named
+    /// node); a job without recovery never moves; once over, nothing more happens.
     #[test]
     fn the_decision_core_keeps_its_invariants(
         n in 2usize..6,
         slots in 2usize..4,
         rebalance_every in prop_oneof![Just(0u64), Just(2u64)],
+        recover in prop_oneof![4 => Just(true), 1 => Just(false)],
         events in proptest::collection::vec(arb_event(6), 1..60),
     ) {
         let t0 = Instant::now();
         let mut c = running(n, 4, slots, t0);
         c.spec.rebalance_every = rebalance_every;
+        if !recover {
+            c.spec.on_loss = OnLoss::Stop { grace: 2 * SEC };
+        }
         let mut now = t0;
         let mut epoch = c.epoch();
         for (dt, ev) in events {
@@ -684,6 +693,7 @@ proptest! {
             for cmd in &out {
                 match cmd {
                     Command::Reconfigure(m) | Command::Rollback { to: m, .. } => {
+                        prop_assert!(recover, "a job without recovery moved");
                         prop_assert!(m.ranks.iter().all(|r| c.alive().contains(r)), "{:?} names a lost node", m.ranks);
                         prop_assert!(m.leaving.iter().all(|&r| r < m.ranks.len()));
                         prop_assert_eq!(m.plan.ranks(), m.ranks.len());
@@ -721,12 +731,18 @@ proptest! {
                     Command::Rebalance(d) => prop_assert!(d.decision != RebalanceVerdict::Skip || d.layers.is_empty()),
                     Command::LogStep(s) => prop_assert_eq!(s.step, c.last_step()),
                     Command::Pause { epoch, nodes } => {
+                        prop_assert!(recover, "a job without recovery paused to move");
                         prop_assert_eq!(*epoch, c.epoch());
                         prop_assert!(nodes.iter().all(|n| c.alive().contains(n)));
                     }
+                    Command::Finish { epoch, nodes } => {
+                        prop_assert_eq!(*epoch, c.epoch());
+                        prop_assert_eq!(nodes.as_slice(), c.ranks());
+                    }
+                    Command::Complete => prop_assert!(c.completed() && c.ranks().iter().all(|r| c.alive().contains(r))),
                 }
             }
-            if c.stopped() {
+            if c.is_over() {
                 prop_assert!(c.decide(now, Event::Tick).is_empty());
                 break;
             }
@@ -764,7 +780,7 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
         out = c.decide(t0, Event::StepFailed { node: w, epoch: 0, report });
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("every expert had a replica on another node: {out:?}") };
-    assert_eq!(c.plan().shape().gpus_per_node, 2);
+    assert_eq!(c.plan().unwrap().shape().gpus_per_node, 2);
     assert_eq!(m.plan.ranks(), 4);
     // Ranks 2q and 2q+1 are the two workers of one node.
     for q in 0..2 {
@@ -919,3 +935,5 @@ fn notes_count_epochs_from_the_start_of_the_job() {
     assert!(notes.iter().any(|n| n.starts_with("epoch 1: reconfigure to 2 nodes")), "{notes:?}");
     assert!(notes.iter().all(|n| !n.contains(&first.to_string())), "{notes:?}");
 }
+
+mod lifecycle;

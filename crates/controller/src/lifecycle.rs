@@ -1,0 +1,107 @@
+//! The job's life around its epochs: it must start by a deadline; a stop asked for (SIGTERM,
+//! Ctrl-C) makes every rank finish after the same step with the final checkpoint; it completes
+//! when every rank has finished its work; and a job without recovery ends at its first loss,
+//! once the others have said how they stopped or their grace is over.
+
+use std::time::Instant;
+
+use super::{Command, Controller, NodeId, OnLoss, Phase, StepRecord};
+
+impl<S: StepRecord> Controller<S> {
+    /// A member finished its work (a worker's own word: a finished worker's exit is expected).
+    pub(super) fn done(&mut self, node: NodeId) {
+        if self.alive.contains(&node) && self.done.insert(node) {
+            self.note(format!("epoch {}: worker {node} finished", self.job_epoch(self.epoch)));
+        }
+    }
+
+    /// A stop is asked for: noted once; the ranks are asked at each epoch that runs.
+    pub(super) fn stop_requested(&mut self, why: &str) {
+        if !self.finish_requested {
+            self.finish_requested = true;
+            self.note(format!("epoch {}: {why}: every rank finishes after the same step", self.job_epoch(self.epoch)));
+        }
+    }
+
+    /// Whether the job may pause itself for a move it wants (a drain, a rebalance, joiners):
+    /// only a job that recovers (it can move), and not once a stop was asked for (it ends at
+    /// the next step boundary anyway).
+    pub(super) fn may_move_itself(&self) -> bool {
+        self.running() && self.recovers() && !self.finish_requested
+    }
+
+    /// The first loss of a job without recovery: it ends, after the others' grace.
+    pub(super) fn begin_ending(&mut self, node: NodeId, why: &str) {
+        if matches!(self.phase, Phase::Ending { .. }) {
+            return;
+        }
+        let grace = match self.spec.on_loss {
+            OnLoss::Stop { grace } => grace,
+            OnLoss::Recover => std::time::Duration::ZERO,
+        };
+        let now = self.last_decision.unwrap_or(self.begun);
+        let first = format!("worker {node} lost: {why}");
+        self.phase = Phase::Ending { until: now.checked_add(grace).unwrap_or(now), first };
+    }
+
+    /// A job without recovery that lost a rank stops once every rank has ended (finished or
+    /// lost) or the grace is over (the shell kills what is left).
+    pub(super) fn end_after_a_loss(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
+        let Phase::Ending { until, first } = &self.phase else { return };
+        let everyone_ended = self.ranks.iter().all(|n| self.done.contains(n) || !self.alive.contains(n));
+        if everyone_ended || now >= *until {
+            let reason = first.clone();
+            self.stop(reason, out);
+        }
+    }
+
+    /// A job whose ranks were never all ready by the start deadline stops.
+    pub(super) fn stop_if_not_started(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
+        if !self.started && !self.is_over() && self.start_deadline().is_some_and(|d| now >= d) {
+            let ready = match &self.phase {
+                Phase::Rendezvous { ready, .. } => ready.len(),
+                _ => 0,
+            };
+            let reason = format!(
+                "the workers did not all start within {} s: {ready} of {} ready",
+                self.spec.start_within.as_secs(),
+                self.ranks.len()
+            );
+            self.stop(reason, out);
+        }
+    }
+
+    /// After a stop was asked for, the ranks of each epoch that runs are asked to finish (a
+    /// move in flight asks them again at its new epoch).
+    pub(super) fn ask_to_finish(&mut self, out: &mut Vec<Command<S>>) {
+        if self.finish_requested && self.running() && self.finish_asked != Some(self.epoch) {
+            self.finish_asked = Some(self.epoch);
+            out.push(Command::Finish { epoch: self.epoch, nodes: self.ranks.clone() });
+        }
+    }
+
+    /// Every rank of the running epoch finished: the job is complete.
+    pub(super) fn complete_when_every_rank_is_done(&mut self, out: &mut Vec<Command<S>>) {
+        if self.running() && self.ranks.iter().all(|n| self.done.contains(n)) {
+            self.note(format!("epoch {}: every worker finished", self.job_epoch(self.epoch)));
+            self.phase = Phase::Completed;
+            out.push(Command::Complete);
+        }
+    }
+
+    /// When the lifecycle needs a decision even if nothing happens: the start deadline, the
+    /// end of the grace after a loss.
+    pub(super) fn lifecycle_deadline(&self) -> Option<Instant> {
+        match &self.phase {
+            _ if self.is_over() => None,
+            Phase::Ending { until, .. } => Some(*until),
+            _ if !self.started => self.start_deadline(),
+            _ => None,
+        }
+    }
+
+    /// When every rank must have been ready (None: never, for a deadline past the clock's end).
+    fn start_deadline(&self) -> Option<Instant> {
+        self.begun.checked_add(self.spec.start_within)
+    }
+}
