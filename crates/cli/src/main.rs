@@ -131,7 +131,7 @@ fn main() -> ExitCode {
         Command::Controller(args) => train::workers::run_controller(&args),
         Command::Agent(args) => agent::run_agent_cli(&args),
         Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
-        Command::BenchWorker => return worker_exit(lazarus_control::worker_process::run_bench_worker()),
+        Command::BenchWorker => return worker_exit(lazarus_bench::moe_layer::run_rank()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use lazarus_runtime::bench::{BenchCase, BenchResult, BenchSystem, MoeLayerBenchSpec};
+use lazarus_bench::moe_layer::{BenchCase, BenchResult, BenchSystem, MoeLayerBenchSpec};
 use serde::Serialize;
 
 use lazarus_control::Confinement;
@@ -191,7 +191,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             args.ratios
         );
     }
-    let results = lazarus_control::bench::run_moe_layer_bench(&spec, args.workers, confine, |_| Ok(()))?;
+    let results = lazarus_bench::moe_layer::run_moe_layer_bench_workers(&spec, args.workers, confine, |_| Ok(()))?;
     let spread_of = |system: BenchSystem| -> f64 {
         let (lo, hi) = results
             .iter()

@@ -25,7 +25,7 @@ pub enum ControlError {
 }
 
 impl ControlError {
-    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+    pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
         ControlError::Invalid { field, reason: reason.into() }
     }
 

@@ -14,10 +14,11 @@
 //! * [`service`] — the controller's gRPC service (`lazarus status`, and the agents' sessions);
 //! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
 //! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
-//! * [`bench`] and [`recovery_bench`] — `lazarus bench moe-layer` and `lazarus bench recovery`.
+//!
+//! The benchmarks (`lazarus bench …`) are the `lazarus-bench` crate's; a benchmark across
+//! worker processes runs here as a job without recovery ([`run_local_job`], [`worker_process::run_rank`]).
 
 pub mod agent;
-pub mod bench;
 pub mod control_loop;
 pub mod controller;
 mod error;
@@ -26,14 +27,13 @@ pub mod hub;
 pub mod launcher;
 pub mod proto;
 pub mod protocol;
-pub mod recovery_bench;
 pub mod service;
 pub mod stop_signal;
 pub mod worker_process;
 
 pub use control_loop::{
-    plan_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord, Recovery, TrainEvent,
-    TrainOutcome,
+    plan_job, run_local_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord,
+    Recovery, TrainEvent, TrainOutcome,
 };
 pub use error::ControlError;
 pub use launcher::{allowed_cpus, Confinement};

@@ -16,7 +16,6 @@ use std::path::PathBuf;
 use lazarus_comm::CommError;
 use lazarus_model::{StepReport, TrainConfig};
 use lazarus_plan::ReplicaMap;
-use lazarus_runtime::bench::BenchResult;
 use lazarus_runtime::{Reconfiguration, RuntimeError};
 use serde::{Deserialize, Serialize};
 
@@ -288,9 +287,10 @@ pub enum WorkerEvent {
     Done {
         checkpoint: Option<PathBuf>,
     },
-    /// A benchmark's results (rank 0 only).
-    BenchResults {
-        results: Vec<BenchResult>,
+    /// What the work of a job that is not training came to (rank 0 only; a benchmark's
+    /// results), opaque to the control plane: its caller reads it ([`crate::run_local_job`]).
+    Results {
+        results: serde_json::Value,
     },
     /// The worker stopped.
     Failed {

@@ -16,7 +16,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lazarus_comm::{Fence, Group, Rendezvous, TcpTransport};
-use lazarus_runtime::bench::{run_moe_layer_bench, MoeLayerBenchSpec};
 use lazarus_runtime::{pause_signal, DispatchMode, FaultHook, FaultPoint, PauseSignal, Worker, WorkerOptions};
 use serde::de::DeserializeOwned;
 
@@ -646,17 +645,24 @@ fn train_until_done(
     }
 }
 
-/// The hidden `lazarus bench-worker` subcommand: one rank of `bench moe-layer`.
-pub fn run_bench_worker() -> i32 {
+/// One rank of a job started by [`crate::run_local_job`] (a benchmark's hidden subcommand):
+/// its spec, heartbeats as a job without recovery has them (a hung rank is found out), the
+/// rendezvous, then `work` on the connected transport. Rank 0's value, if any, goes back as the
+/// job's results. Returns the process's exit code.
+pub fn run_rank<J: DeserializeOwned>(
+    work: impl FnOnce(&WorkerSpec<J>, &mut TcpTransport) -> Result<Option<serde_json::Value>, ControlError>,
+) -> i32 {
     let sink = Arc::new(EventSink::start());
     let result = (|| {
-        // Heartbeats as a job without recovery has them: a hung rank is found out.
-        let beat = |spec: &WorkerSpec<MoeLayerBenchSpec>| start_heartbeats(&sink, Lifecycle::new(spec.timeout_s, None).heartbeat);
-        let (spec, _inbox, mut t): (WorkerSpec<MoeLayerBenchSpec>, _, _) = join(&sink, beat)?;
+        let beat = |spec: &WorkerSpec<J>| start_heartbeats(&sink, Lifecycle::new(spec.timeout_s, None).heartbeat);
+        let (spec, _inbox, mut t): (WorkerSpec<J>, _, _) = join(&sink, beat)?;
         sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch: spec.epoch, moved: None });
-        let results = run_moe_layer_bench(&mut t, &mut Group::world(spec.world), &spec.job)?;
+        let results = work(&spec, &mut t)?;
         t.shutdown();
-        Ok(if spec.rank == 0 { WorkerEvent::BenchResults { results } } else { WorkerEvent::Done { checkpoint: None } })
+        Ok(match results {
+            Some(results) if spec.rank == 0 => WorkerEvent::Results { results },
+            _ => WorkerEvent::Done { checkpoint: None },
+        })
     })();
     finish(&sink, result)
 }

@@ -2,7 +2,6 @@
 //! candle, an AdamW whose state is visible per tensor, data loading, checkpoints and the
 //! single-process trainer.
 
-pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

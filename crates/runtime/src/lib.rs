@@ -11,7 +11,6 @@
 //!   state).
 //! * [`bench`] — the per-rank part of `lazarus bench moe-layer`.
 
-pub mod bench;
 mod error;
 mod expert_state;
 mod moe;

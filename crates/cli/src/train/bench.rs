@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_model::bench::TrainBenchReport;
+use lazarus_bench::train::TrainBenchReport;
 use lazarus_model::TrainConfig;
 use serde::{Deserialize, Serialize};
 
@@ -82,7 +82,7 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     // The same memory estimate `train` makes, before anything is allocated.
     super::args::check_fits(&config, 1)?;
     let device = lazarus_model::device::parse(args.train.device.as_deref().unwrap_or("cpu"))?;
-    let r = lazarus_model::bench::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
+    let r = lazarus_bench::train::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
     let (pytorch, pytorch_skipped) = match args.no_torch {
         true => (None, Some("--no-torch".to_string())),
         false => match run_torch(&args.python, &config, &r.device, r.threads, args.iters) {

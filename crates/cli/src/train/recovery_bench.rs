@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use lazarus_control::recovery_bench::{run_recovery_bench, RecoveryBenchReport, RecoveryBenchSpec, TARGET_S};
+use lazarus_bench::recovery::{run_recovery_bench, RecoveryBenchReport, RecoveryBenchSpec, TARGET_S};
 use lazarus_control::Recovery;
 
 use super::args::{build_config, check_fits, TrainArgs, DEFAULT_COMM_TIMEOUT_S};

@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use lazarus_runtime::bench::BenchResult;
 use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
@@ -17,10 +16,11 @@ use crate::fleet::{Fleet, FleetEvent};
 use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
 use crate::service::{snapshot, SharedStatus};
 
-/// How a job driven to its end ended: the outcome, and rank 0's benchmark results if it ran one.
+/// How a job driven to its end ended: the outcome, and rank 0's results if its work has some
+/// (a benchmark's).
 pub(crate) struct Ended {
     pub outcome: TrainOutcome,
-    pub bench: Option<Vec<BenchResult>>,
+    pub results: Option<serde_json::Value>,
 }
 
 /// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
@@ -46,7 +46,7 @@ pub(crate) fn drive(
         last_checkpoint: None,
         ends: BTreeMap::new(),
         first_failure: None,
-        bench: None,
+        results: None,
         stop_told: false,
     };
     let result: Result<TrainOutcome, ControlError> = (|| loop {
@@ -190,7 +190,7 @@ pub(crate) fn drive(
             fleet.finish();
         }
     }
-    result.map(|outcome| Ended { outcome, bench: shell.bench.take() })
+    result.map(|outcome| Ended { outcome, results: shell.results.take() })
 }
 
 /// What rank `rank` of move `m` is told.
@@ -244,8 +244,8 @@ struct Shell {
     /// When the first worker stopped other than by finishing (for a job without recovery:
     /// how long the others took to notice).
     first_failure: Option<Instant>,
-    /// Rank 0's benchmark results.
-    bench: Option<Vec<BenchResult>>,
+    /// Rank 0's results (a benchmark's).
+    results: Option<serde_json::Value>,
     /// A stop signal was passed to the controller.
     stop_told: bool,
 }
@@ -440,8 +440,8 @@ impl Shell {
                 self.done.insert(rank, checkpoint);
                 Event::Done { node }
             }
-            WorkerEvent::BenchResults { results } => {
-                self.bench = Some(results);
+            WorkerEvent::Results { results } => {
+                self.results = Some(results);
                 self.done.insert(rank, None);
                 Event::Done { node }
             }

@@ -22,7 +22,7 @@ use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::protocol::{secret_hex, TrainJob, WorkerSpec};
 use crate::service::{snapshot, GrpcServer, SharedStatus};
-pub(crate) use drive::drive;
+use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
@@ -443,10 +443,36 @@ pub fn run_training(
     ended.map(|e| e.outcome)
 }
 
+/// Start `world` processes of this binary's hidden `subcommand`, each a rank of a job on `spec`
+/// ([`crate::worker_process::run_rank`] on their side), confined as `confine` says, and run them
+/// to the end as a job without recovery: the controller of a training job, whose first loss ends
+/// it. Rank 0's results (None: it sent none). Every event goes to `observe`.
+pub fn run_local_job<J: Serialize>(
+    subcommand: &str,
+    world: usize,
+    timeout_s: f64,
+    spec: &J,
+    confine: Confinement,
+    observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
+) -> Result<Option<serde_json::Value>, ControlError> {
+    let timeout_s = check_comm_timeout(timeout_s)?;
+    if world == 0 || world > MAX_WORKERS {
+        return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
+    }
+    let epoch = fresh_epoch();
+    let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch)?;
+    let ctl = Controller::unplanned(Lifecycle::new(timeout_s, None).spec(), epoch, (0..world as u64).collect(), Instant::now());
+    let ended = drive(&mut processes, ctl, &format!("{subcommand}-{epoch}"), None, observe)?;
+    match ended.outcome {
+        TrainOutcome::Completed { .. } => Ok(ended.results),
+        TrainOutcome::Failed { reason, workers } => Err(ControlError::Launch(format!("{reason}; workers {}", workers.join(", ")))),
+    }
+}
+
 /// How a job's life is watched, with recovery or without: its leases and heartbeats, its
 /// start deadline, and what a loss does.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Lifecycle {
+pub struct Lifecycle {
     pub lease: Duration,
     pub heartbeat: Duration,
     pub start_within: Duration,
@@ -458,7 +484,7 @@ impl Lifecycle {
     /// Without recovery a worker's lease is the collective deadline: a hung worker is found out
     /// no later than its peers would notice it, and the others get as long again, with a
     /// margin, to say how they stopped.
-    pub(crate) fn new(comm_timeout_s: f64, recovery: Option<Recovery>) -> Self {
+    pub fn new(comm_timeout_s: f64, recovery: Option<Recovery>) -> Self {
         let start_within = Duration::from_secs_f64(comm_timeout_s.max(10.0) + 60.0);
         match recovery {
             Some(r) => Lifecycle { lease: r.lease, heartbeat: r.heartbeat, start_within, on_loss: OnLoss::Recover },
@@ -471,7 +497,7 @@ impl Lifecycle {
     }
 
     /// A job spec with these and nothing else: the caller fills in the job's shape.
-    pub(crate) fn spec(&self) -> JobSpec {
+    pub fn spec(&self) -> JobSpec {
         JobSpec {
             layers: 0,
             experts: 0,

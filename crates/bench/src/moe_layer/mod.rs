@@ -2,7 +2,11 @@
 //! layer over the ranks, routing fixed so that one expert receives `ratio`× the tokens of each
 //! other expert, timed forward+backward for the Lazarus dispatcher (replicas from the loads) and
 //! for static expert parallelism (one replica per expert, padded buffers). This module is the
-//! per-rank part; the launcher starts the processes.
+//! per-rank part; `launch.rs` starts the ranks as a job and is each rank's subcommand.
+
+mod launch;
+
+pub use launch::{run_moe_layer_bench_workers, run_rank, RANK_SUBCOMMAND};
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -11,10 +15,8 @@ use candle_core::{Device, Tensor, Var};
 use lazarus_comm::{all_gather, barrier, Group, Transport};
 use lazarus_model::rng::SplitMix64;
 use lazarus_plan::{min_max_load, plan_model, ClusterShape, PlanPolicy, ReplicaMap, Strategy};
+use lazarus_runtime::{DispatchMode, DistributedMoe, ExpertWeights, RuntimeError, DEFAULT_BUCKET_BYTES};
 use serde::{Deserialize, Serialize};
-
-use crate::error::RuntimeError;
-use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 
 /// Which system a case runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use serde::Serialize;
 
-use crate::error::Result;
-use crate::profile;
-use crate::rng::SplitMix64;
-use crate::trainer::{TrainConfig, Trainer};
+use lazarus_model::profile;
+use lazarus_model::rng::SplitMix64;
+use lazarus_model::{Result, TrainConfig, Trainer};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainBenchReport {
@@ -45,11 +44,11 @@ pub struct TrainBenchReport {
     pub utilisation: f64,
     /// On a GPU: its memory at the end (the peak is what the run needs).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub gpu_memory: Option<crate::device::GpuMemory>,
+    pub gpu_memory: Option<lazarus_model::device::GpuMemory>,
     /// On a GPU: bytes in use after each measured step (flat when a step leaves nothing behind).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub gpu_used_after_step: Vec<u64>,
-    /// Where a step's time went (`--profile`): see [`crate::profile`].
+    /// Where a step's time went (`--profile`): see [`lazarus_model::profile`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub profile: Vec<ProfileRow>,
     /// On a GPU: kernel launches per step (candle's and Lazarus's).
@@ -83,7 +82,7 @@ pub struct ProfileRow {
 }
 
 /// The profile rows of `steps` measured steps from per-step totals keyed by (phase, kernel), and
-/// the whole steps' own totals (see [`crate::profile`]).
+/// the whole steps' own totals (see [`lazarus_model::profile`]).
 fn profile_rows(totals: &BTreeMap<(&'static str, &'static str), profile::Totals>, whole: profile::Totals, steps: usize) -> Vec<ProfileRow> {
     let per_step = |d: Duration| d.as_secs_f64() / steps.max(1) as f64;
     let row = |phase: &str, scope: &str, t: &profile::Totals| ProfileRow {
@@ -194,8 +193,8 @@ pub fn device_peak_gflops(device: &Device, n: usize, reps: usize, dtype: candle_
     Ok(2.0 * (n * n * n) as f64 / best / 1e9)
 }
 
-/// The training benchmark on `device` (see [`crate::device::parse`]); with `with_profile`, where
-/// each step's time went ([`crate::profile`]).
+/// The training benchmark on `device` (see [`lazarus_model::device::parse`]); with `with_profile`, where
+/// each step's time went ([`lazarus_model::profile`]).
 pub fn train_benchmark(
     config: &TrainConfig,
     device: &Device,
@@ -278,7 +277,7 @@ pub fn train_benchmark(
             *acc = acc.plus(t);
         }
         profile::enable(false);
-        used_after_step.extend(crate::device::gpu_memory(&device).map(|m| m.used));
+        used_after_step.extend(lazarus_model::device::gpu_memory(&device).map(|m| m.used));
 
         // Expert FFNs alone, forward+backward, each layer's experts as the one node the step runs
         // them in, with the token counts measured above.
@@ -291,8 +290,8 @@ pub fn train_benchmark(
                 })
                 .collect();
             let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref()).collect();
-            let sink = crate::ops::WeightGradSink::new();
-            let y = crate::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, &sink)?;
+            let sink = lazarus_model::ops::WeightGradSink::new();
+            let y = lazarus_model::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, &sink)?;
             let mut grads = y.sum_all()?.backward()?;
             sink.drain_into(&mut grads)?;
         }
@@ -304,7 +303,7 @@ pub fn train_benchmark(
     let step_s = median(&mut step_times);
     let expert_s = median(&mut expert_times);
     let model_gflops = step_flops / step_s / 1e9;
-    let bf16 = config.dtype == crate::Precision::Bf16 && !device.is_cpu();
+    let bf16 = config.dtype == lazarus_model::Precision::Bf16 && !device.is_cpu();
     let (peak_n, peak_dtype) = match (device.is_cpu(), bf16) {
         (true, _) => (1024, candle_core::DType::F32),
         (false, false) => (4096, candle_core::DType::F32),
@@ -313,12 +312,12 @@ pub fn train_benchmark(
     let peak_gflops = device_peak_gflops(&device, peak_n, 3, peak_dtype)?;
     let per_step = |c: u64| (!device.is_cpu()).then_some(c as f64 / iterations.max(1) as f64);
     Ok(TrainBenchReport {
-        device: crate::device::name(&device),
+        device: lazarus_model::device::name(&device),
         parameters: trainer.model.params().num_elements(),
         batch_size: b,
         seq_len: t,
         iterations,
-        threads: crate::ops::threads(),
+        threads: lazarus_model::ops::threads(),
         tokens_per_s: (b * t) as f64 / step_s,
         step_s,
         expert_ffn_s: expert_s,
@@ -328,7 +327,7 @@ pub fn train_benchmark(
         peak_gflops,
         peak_dtype: if bf16 { "bf16" } else { "f32" }.into(),
         utilisation: model_gflops / peak_gflops,
-        gpu_memory: crate::device::gpu_memory(&device),
+        gpu_memory: lazarus_model::device::gpu_memory(&device),
         gpu_used_after_step: used_after_step,
         profile: if with_profile { profile_rows(&totals, whole, iterations) } else { Vec::new() },
         launches_per_step: per_step(launches),
@@ -340,7 +339,7 @@ pub fn train_benchmark(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
+    use lazarus_model::ModelConfig;
 
     #[test]
     fn the_profile_splits_each_step_into_phases_and_kernels_that_add_up() {

@@ -12,9 +12,9 @@ use lazarus_model::{TrainConfig, Trainer};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-use crate::control_loop::{plan_job, run_training, Hosts, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
-use crate::error::ControlError;
-use crate::protocol::TrainJob;
+use lazarus_control::control_loop::{plan_job, run_training, Hosts, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
+use lazarus_control::protocol::TrainJob;
+use lazarus_control::ControlError;
 
 /// Most kills one benchmark makes (one run each).
 pub const MAX_KILLS: usize = 100;
@@ -154,8 +154,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Check the spec's numbers.
 pub fn check_spec(spec: &RecoveryBenchSpec) -> Result<(), ControlError> {
-    if spec.workers < 2 || spec.workers > crate::protocol::MAX_WORKERS {
-        return Err(ControlError::invalid("--workers", format!("{} (expected 2 to {})", spec.workers, crate::protocol::MAX_WORKERS)));
+    if spec.workers < 2 || spec.workers > lazarus_control::protocol::MAX_WORKERS {
+        return Err(ControlError::invalid(
+            "--workers",
+            format!("{} (expected 2 to {})", spec.workers, lazarus_control::protocol::MAX_WORKERS),
+        ));
     }
     if spec.kills == 0 || spec.kills > MAX_KILLS {
         return Err(ControlError::invalid("--kills", format!("{} (expected 1 to {MAX_KILLS})", spec.kills)));
