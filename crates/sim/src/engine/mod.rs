@@ -25,6 +25,7 @@ use crate::loads::{LoadCursor, LoadModel};
 use crate::trace::{Change, Trace, MAX_NODES};
 pub use policy::Policy;
 use policy::{Ds, DsFt, FailurePolicy, Lazarus};
+use report::Tally;
 pub use report::{Breakdown, PolicyReport, SeriesPoint};
 
 /// One simulated job: cluster history, model, costs, loads.
@@ -104,6 +105,17 @@ enum Busy {
     Rebalance,
 }
 
+/// The job's last checkpoint: what a restart rolls back to.
+#[derive(Debug, Default)]
+struct LastCheckpoint {
+    step: u64,
+    samples: f64,
+    /// Compute seconds since it (lost work if a restart rolls them back).
+    compute_since_s: f64,
+    /// A checkpoint due at the same step as a rebalance or scale-up, taken after it.
+    pending: bool,
+}
+
 /// The state of one simulated job under policy `P`.
 struct Run<'a, P: FailurePolicy> {
     s: &'a Scenario,
@@ -120,25 +132,14 @@ struct Run<'a, P: FailurePolicy> {
     /// Step time of the current configuration and load epoch.
     step_s: Option<(u64, f64)>,
     step: u64,
+    /// Seconds of the step in flight (lost if a failure interrupts it).
     partial_s: f64,
     samples: f64,
-    ckpt_step: u64,
-    ckpt_samples: f64,
-    compute_since_ckpt: f64,
+    /// The last checkpoint, and what a restart would roll back to it.
+    ckpt: LastCheckpoint,
     busy: Option<(Busy, f64)>,
-    /// A checkpoint due at the same step as a rebalance or scale-up, taken after it.
-    pending_checkpoint: bool,
-    b: Breakdown,
-    restarts: u64,
-    reconfigurations: u64,
-    rebalances: u64,
-    checkpoints: u64,
-    /// (t0, t1, samples completed) of every training stretch, for the curves.
-    stretches: Vec<(f64, f64, f64)>,
-    /// (t, samples rolled back).
-    rollbacks: Vec<(f64, f64)>,
-    failures: Vec<f64>,
-    nodes_in_use: Vec<(f64, usize)>,
+    /// What the run counts and records as it goes, for its report.
+    tally: Tally,
     /// Live nodes the policy dropped and will not take back until a restart (DS-FT after a
     /// failure: §6.2, "it does not use previously dropped nodes").
     retired: Vec<String>,
@@ -177,20 +178,9 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             step: 0,
             partial_s: 0.0,
             samples: 0.0,
-            ckpt_step: 0,
-            ckpt_samples: 0.0,
-            compute_since_ckpt: 0.0,
+            ckpt: LastCheckpoint::default(),
             busy: None,
-            pending_checkpoint: false,
-            b: Breakdown::default(),
-            restarts: 0,
-            reconfigurations: 0,
-            rebalances: 0,
-            checkpoints: 0,
-            stretches: Vec::new(),
-            rollbacks: Vec::new(),
-            failures: Vec::new(),
-            nodes_in_use: Vec::new(),
+            tally: Tally::default(),
             retired: Vec::new(),
             loads: std::cell::RefCell::new(LoadCursor::new(s.loads.clone(), s.model.layers, s.model.experts)),
         }
@@ -244,7 +234,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             let t_scale = run.scale_up_time();
             if run.config.is_none() {
                 let t = t_event.min(end).min(t_scale);
-                run.b.idle_s += t - run.now;
+                run.tally.time.idle_s += t - run.now;
                 run.now = t;
                 if t == t_event {
                     let v = groups[gi].1.clone();
@@ -275,10 +265,10 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             if t == t_boundary {
                 if t_scale_boundary <= t_boundary {
                     // A scale-up that relaunches from a checkpoint of its own clears this again.
-                    run.pending_checkpoint = run.step.is_multiple_of(run.checkpoint_every());
+                    run.ckpt.pending = run.step.is_multiple_of(run.checkpoint_every());
                     run.scale_up()?;
                     if run.busy.is_none() {
-                        run.pending_checkpoint = false;
+                        run.ckpt.pending = false;
                         run.at_boundary()?;
                     }
                 } else {
@@ -293,7 +283,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             }
         }
         // A step still running at the end never finished.
-        run.b.lost_work_s += run.partial_s;
+        run.tally.time.lost_work_s += run.partial_s;
         run.partial_s = 0.0;
         Ok(run.report())
     }
@@ -304,10 +294,10 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
 
     fn charge(&mut self, kind: Busy, dt: f64) {
         match kind {
-            Busy::Checkpoint => self.b.checkpoint_s += dt,
-            Busy::Restart => self.b.restart_s += dt,
-            Busy::Reconfig => self.b.reconfig_s += dt,
-            Busy::Rebalance => self.b.rebalance_s += dt,
+            Busy::Checkpoint => self.tally.time.checkpoint_s += dt,
+            Busy::Restart => self.tally.time.restart_s += dt,
+            Busy::Reconfig => self.tally.time.reconfig_s += dt,
+            Busy::Rebalance => self.tally.time.rebalance_s += dt,
         }
     }
 
@@ -432,10 +422,10 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         let gained = k * self.samples_per_step();
         self.step += k as u64;
         self.samples += gained;
-        self.b.compute_s += kept;
-        self.compute_since_ckpt += kept;
+        self.tally.time.compute_s += kept;
+        self.ckpt.compute_since_s += kept;
         if dt > 0.0 {
-            self.stretches.push((self.now, t, gained));
+            self.tally.stretches.push((self.now, t, gained));
         }
         self.now = t;
     }
@@ -450,7 +440,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         if self.step.is_multiple_of(self.checkpoint_every()) {
             if self.busy.is_some() {
                 // Checkpoint right after the rebalance: both are due at this step.
-                self.pending_checkpoint = true;
+                self.ckpt.pending = true;
             } else {
                 self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
             }
@@ -465,21 +455,21 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
 
     fn note_nodes(&mut self) {
         let n = if self.config.is_some() { self.used.len() } else { 0 };
-        if self.nodes_in_use.last().map(|x| x.1) != Some(n) {
-            self.nodes_in_use.push((self.now, n));
+        if self.tally.nodes_in_use.last().map(|x| x.1) != Some(n) {
+            self.tally.nodes_in_use.push((self.now, n));
         }
     }
 
     fn finish_busy(&mut self, kind: Busy) {
         match kind {
             Busy::Checkpoint => {
-                self.checkpoints += 1;
-                self.ckpt_step = self.step;
-                self.ckpt_samples = self.samples;
-                self.compute_since_ckpt = 0.0;
+                self.tally.checkpoints += 1;
+                self.ckpt.step = self.step;
+                self.ckpt.samples = self.samples;
+                self.ckpt.compute_since_s = 0.0;
             }
-            Busy::Rebalance | Busy::Reconfig if self.pending_checkpoint => {
-                self.pending_checkpoint = false;
+            Busy::Rebalance | Busy::Reconfig if self.ckpt.pending => {
+                self.ckpt.pending = false;
                 self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
             }
             _ => {}
@@ -530,12 +520,12 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         if failed.is_empty() {
             return Ok(());
         }
-        self.failures.push(self.now);
+        self.tally.failures.push(self.now);
         // The step in flight is abandoned everywhere; a checkpoint being written never completes.
-        self.b.lost_work_s += self.partial_s;
+        self.tally.time.lost_work_s += self.partial_s;
         self.partial_s = 0.0;
         self.busy = None;
-        self.pending_checkpoint = false;
+        self.ckpt.pending = false;
         let survivors: Vec<String> = self.used.iter().filter(|n| !failed.contains(n)).cloned().collect();
         let p = self.p;
         p.on_failure(self, &failed, survivors)
@@ -543,13 +533,13 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
 
     /// Roll back to the last checkpoint and relaunch on the usable nodes.
     fn restart(&mut self) -> Result<(), SimError> {
-        self.b.lost_work_s += self.compute_since_ckpt;
-        self.b.compute_s -= self.compute_since_ckpt;
-        self.compute_since_ckpt = 0.0;
-        self.rollbacks.push((self.now, self.samples - self.ckpt_samples));
-        self.step = self.ckpt_step;
-        self.samples = self.ckpt_samples;
-        self.restarts += 1;
+        self.tally.time.lost_work_s += self.ckpt.compute_since_s;
+        self.tally.time.compute_s -= self.ckpt.compute_since_s;
+        self.ckpt.compute_since_s = 0.0;
+        self.tally.rollbacks.push((self.now, self.samples - self.ckpt.samples));
+        self.step = self.ckpt.step;
+        self.samples = self.ckpt.samples;
+        self.tally.restarts += 1;
         self.retired.clear();
         self.fresh_config()?;
         if self.config.is_some() {
@@ -567,8 +557,8 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         self.config = Some(config);
         self.step_s = None;
         match kind {
-            Busy::Rebalance => self.rebalances += 1,
-            _ => self.reconfigurations += 1,
+            Busy::Rebalance => self.tally.rebalances += 1,
+            _ => self.tally.reconfigurations += 1,
         }
         self.begin(kind, seconds);
     }
@@ -576,12 +566,12 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     /// Save a checkpoint at the current step and relaunch with `config` over `used`, taking
     /// `seconds`: nothing is rolled back, and that save is the checkpoint due at this step.
     fn relaunch_with_checkpoint(&mut self, used: Vec<String>, config: P::Config, seconds: f64) {
-        self.ckpt_step = self.step;
-        self.ckpt_samples = self.samples;
-        self.compute_since_ckpt = 0.0;
-        self.checkpoints += 1;
-        self.restarts += 1;
-        self.pending_checkpoint = false;
+        self.ckpt.step = self.step;
+        self.ckpt.samples = self.samples;
+        self.ckpt.compute_since_s = 0.0;
+        self.tally.checkpoints += 1;
+        self.tally.restarts += 1;
+        self.ckpt.pending = false;
         self.used = used;
         self.config = Some(config);
         self.step_s = None;

@@ -56,13 +56,33 @@ pub struct PolicyReport {
     pub nodes_in_use: Vec<(f64, usize)>,
 }
 
+/// What a run counts and records as it goes, for its report.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    /// Where the wall time went so far.
+    pub time: Breakdown,
+    pub restarts: u64,
+    pub reconfigurations: u64,
+    pub rebalances: u64,
+    pub checkpoints: u64,
+    /// (t0, t1, samples completed) of every training stretch, for the curves.
+    pub stretches: Vec<(f64, f64, f64)>,
+    /// (t, samples rolled back).
+    pub rollbacks: Vec<(f64, f64)>,
+    /// Times at which nodes in use failed.
+    pub failures: Vec<f64>,
+    /// (t, nodes in use) at every configuration change.
+    pub nodes_in_use: Vec<(f64, usize)>,
+}
+
 impl<P: FailurePolicy> Run<'_, P> {
     pub(super) fn report(&self) -> PolicyReport {
+        let t = &self.tally;
         let d = self.s.duration_s;
         let bins = 300usize;
         let width = d / bins as f64;
         let mut gross = vec![0.0f64; bins];
-        for &(t0, t1, gained) in &self.stretches {
+        for &(t0, t1, gained) in &t.stretches {
             if t1 <= t0 || gained == 0.0 {
                 continue;
             }
@@ -81,8 +101,8 @@ impl<P: FailurePolicy> Run<'_, P> {
         for (b, g) in gross.iter().enumerate() {
             let t = (b + 1) as f64 * width;
             cum += g;
-            while rb < self.rollbacks.len() && self.rollbacks[rb].0 <= t {
-                cum -= self.rollbacks[rb].1;
+            while rb < self.tally.rollbacks.len() && self.tally.rollbacks[rb].0 <= t {
+                cum -= self.tally.rollbacks[rb].1;
                 rb += 1;
             }
             series.push(SeriesPoint { t_s: t, samples_per_s: g / width, cumulative_samples: cum.max(0.0) });
@@ -92,14 +112,14 @@ impl<P: FailurePolicy> Run<'_, P> {
             trained_samples: self.samples,
             avg_samples_per_s: self.samples / d,
             steps: self.step,
-            restarts: self.restarts,
-            reconfigurations: self.reconfigurations,
-            rebalances: self.rebalances,
-            checkpoints: self.checkpoints,
-            breakdown: self.b.clone(),
+            restarts: t.restarts,
+            reconfigurations: t.reconfigurations,
+            rebalances: t.rebalances,
+            checkpoints: t.checkpoints,
+            breakdown: t.time.clone(),
             series,
-            failures_s: self.failures.clone(),
-            nodes_in_use: self.nodes_in_use.clone(),
+            failures_s: t.failures.clone(),
+            nodes_in_use: t.nodes_in_use.clone(),
         }
     }
 }
