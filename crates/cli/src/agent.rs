@@ -54,8 +54,8 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     })
     .context("agent")?;
     match end {
-        AgentEnd::Completed => {
-            tracing::info!("agent: the job completed");
+        AgentEnd::Completed { how } => {
+            tracing::info!("agent: {how}");
             Ok(())
         }
         AgentEnd::Drained => {

@@ -44,10 +44,14 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
     let _ = writeln!(out, "phase      {} at step {}", s.phase, s.step);
     let _ = writeln!(out, "checkpoint {}", s.last_checkpoint.map_or("none yet".to_string(), |c| format!("step {c}")));
     let alive = s.members.iter().filter(|m| m.alive).count();
-    let _ = writeln!(out, "members    {alive} alive of {} (lease {} s)", s.members.len(), s.lease_s);
+    let starting = s.members.iter().filter(|m| m.state == "starting").count();
+    let starting = if starting > 0 { format!(", {starting} starting") } else { String::new() };
+    let _ = writeln!(out, "members    {alive} alive of {}{starting} (lease {} s)", s.members.len(), s.lease_s);
     for m in &s.members {
         let rank = m.rank.map_or("-".to_string(), |r| r.to_string());
         let state = match m.state.as_str() {
+            "starting" => "starting: not heard from yet".to_string(),
+            "drained" => "drained: left after its node's notice".to_string(),
             "lost" | "" if !m.alive => "lost".to_string(),
             "standby" => format!("standing by to join, heard {:.2} s ago", m.silent_s),
             "leaving" => format!("leaving on notice, heard {:.2} s ago", m.silent_s),

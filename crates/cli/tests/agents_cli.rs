@@ -78,6 +78,11 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     args.extend(tiny());
     args.extend(["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5", "--lease", "0.5"]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    // Before any agent attached, its workers are expected, not alive.
+    let out = lazarus(&["status", "--controller", &addr]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("members    0 alive of 4, 4 starting"), "{text}");
+    assert!(text.contains("starting: not heard from yet") && !text.contains("heard 0.00 s ago"), "{text}");
     // The secret file is the controller's, readable by its owner only.
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777, 0o600);
@@ -122,6 +127,37 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let to = (step + 2).to_string();
     let out = lazarus(&["train", "--resume", "--steps", &to, "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// SIGTERM to the controller of agents: every worker finishes after the same step with the
+/// final checkpoint, each agent says so (not that the job completed), and the controller does
+/// not take its agents' last words for a partition's.
+#[test]
+fn a_controller_stopped_by_sigterm_ends_every_node_at_a_step_boundary_and_says_so() {
+    let d = dir("agents-sigterm");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2"];
+    args.extend(tiny());
+    args.extend(["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "2", &secret, None)).collect();
+    wait_for_steps(&path, 5);
+    signal(controller.id() as i32, libc::SIGTERM);
+    let (status, ctl_text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(30));
+    assert_eq!(status.and_then(|s| s.code()), Some(143), "{}", ctl_text.join("\n"));
+    assert!(!ctl_text.iter().any(|l| l.contains("given up")), "a normal end warns of nothing: {}", ctl_text.join("\n"));
+    let (steps, _) = log(&path);
+    let last = steps.last().unwrap().0;
+    assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), format!("step-{last:08}"), "the last logged step is saved");
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        let said = format!("asked to stop (SIGTERM): every worker finished after step {last}");
+        assert!(text.iter().any(|l| l.contains(&said)), "{said:?} in {}", text.join("\n"));
+    }
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -44,8 +44,9 @@ pub trait Fleet {
     fn kill(&mut self, rank: usize, reason: &str);
     /// The job failed or was stopped: kill every worker still running.
     fn kill_all(&mut self, reason: &str);
-    /// The job is over (completed, or after `kill_all`): wait for every worker to end.
-    fn finish(&mut self);
+    /// The job is over (completed, or after `kill_all`; `how`, for the agents to say): wait
+    /// for every worker to end.
+    fn finish(&mut self, how: &str);
 }
 
 impl Fleet for Job {
@@ -70,7 +71,7 @@ impl Fleet for Job {
         Job::kill_all(self)
     }
 
-    fn finish(&mut self) {
+    fn finish(&mut self, _how: &str) {
         self.reap()
     }
 }

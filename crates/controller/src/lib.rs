@@ -170,6 +170,10 @@ pub struct Controller<S> {
     /// (`finish_asked`: the epoch last asked).
     finish_requested: bool,
     finish_asked: Option<u64>,
+    /// Members heard from since the job began (a member not heard from yet is starting).
+    heard: BTreeSet<NodeId>,
+    /// Moves to a new plan made (a drain's two halves count once).
+    reconfigurations: u64,
 }
 
 impl<S: StepRecord> Controller<S> {
@@ -221,6 +225,8 @@ impl<S: StepRecord> Controller<S> {
             done: BTreeSet::new(),
             finish_requested: false,
             finish_asked: None,
+            heard: BTreeSet::new(),
+            reconfigurations: 0,
         }
     }
 
@@ -256,6 +262,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// What the event itself says.
     fn take(&mut self, now: Instant, event: Event<S>, out: &mut Vec<Command<S>>) {
+        self.note_heard(&event);
         match event {
             Event::Heartbeat { node } => self.heartbeat(now, node),
             Event::Tick => {}
@@ -397,6 +404,12 @@ impl<S: StepRecord> Controller<S> {
     /// The epoch `node` was last told to be in.
     pub fn node_epoch(&self, node: NodeId) -> Option<u64> {
         self.node_epoch.get(&node).copied()
+    }
+
+    /// Moves to a new plan made so far (reconfigurations, rollbacks, joins, rebalances, drains;
+    /// a drain's hand-over and its leaving count once, though each starts an epoch).
+    pub fn reconfigurations(&self) -> u64 {
+        self.reconfigurations
     }
 
     /// The last step a worker reported done.

@@ -5,11 +5,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use super::{Command, Controller, MoveCause, NodeId, Phase, StepRecord};
+use super::{Command, Controller, Event, MoveCause, NodeId, Phase, StepRecord};
 
 /// What a worker is to the job, as `lazarus status` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemberState {
+    /// Has a rank of the current epoch, and has not been heard from yet (its process or its
+    /// agent is still starting).
+    Starting,
     /// Has a rank of the current epoch.
     Member,
     /// Joined and waits to be taken in at a step boundary.
@@ -25,6 +28,7 @@ pub enum MemberState {
 impl MemberState {
     pub fn as_str(self) -> &'static str {
         match self {
+            MemberState::Starting => "starting",
             MemberState::Member => "member",
             MemberState::Standby => "standby",
             MemberState::Leaving => "leaving",
@@ -51,8 +55,25 @@ impl<S: StepRecord> Controller<S> {
             MemberState::Lost
         } else if self.draining.contains(&worker) {
             MemberState::Leaving
+        } else if !self.heard.contains(&worker) {
+            MemberState::Starting
         } else {
             MemberState::Member
+        }
+    }
+
+    /// A worker's own word (not its exit, which others report) means it runs.
+    pub(super) fn note_heard(&mut self, event: &Event<S>) {
+        let node = match event {
+            Event::Heartbeat { node }
+            | Event::Listening { node, .. }
+            | Event::Ready { node, .. }
+            | Event::StepFailed { node, .. }
+            | Event::Done { node } => *node,
+            _ => return,
+        };
+        if self.alive.contains(&node) || self.standby.contains_key(&node) {
+            self.heard.insert(node);
         }
     }
 
@@ -156,13 +177,15 @@ impl<S: StepRecord> Controller<S> {
         let members: Vec<NodeId> = self.alive.iter().copied().filter(|n| !self.done.contains(n)).filter(late).collect();
         let waiting: Vec<NodeId> = self.standby.keys().copied().filter(late).collect();
         for node in members {
-            out.push(Command::Kill { node, reason: reason.clone() });
+            let silent_since = self.last_seen.get(&node).copied();
+            out.push(Command::Kill { node, reason: reason.clone(), silent_since });
             self.lose(node, &reason);
         }
         for node in waiting {
             // Gone already if another worker of its node went before it.
             if self.standby.contains_key(&node) {
-                out.push(Command::Kill { node, reason: reason.clone() });
+                let silent_since = self.last_seen.get(&node).copied();
+                out.push(Command::Kill { node, reason: reason.clone(), silent_since });
                 self.give_up_standby(node, &reason, out);
             }
         }
@@ -178,7 +201,7 @@ impl<S: StepRecord> Controller<S> {
             let siblings: Vec<NodeId> = self.alive.iter().copied().filter(|&w| self.node(w) == self.node(lost)).collect();
             for w in siblings {
                 let reason = format!("worker {lost} of its node was lost");
-                out.push(Command::Kill { node: w, reason: reason.clone() });
+                out.push(Command::Kill { node: w, reason: reason.clone(), silent_since: None });
                 self.lose(w, &reason);
             }
         }
@@ -233,7 +256,7 @@ impl<S: StepRecord> Controller<S> {
         let siblings: Vec<NodeId> = self.standby.keys().copied().filter(|&w| self.node(w) == node).collect();
         for w in siblings {
             self.standby.remove(&w);
-            out.push(Command::Kill { node: w, reason: format!("worker {worker} of its node was lost") });
+            out.push(Command::Kill { node: w, reason: format!("worker {worker} of its node was lost"), silent_since: None });
         }
     }
 }

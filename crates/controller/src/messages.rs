@@ -162,8 +162,10 @@ impl std::fmt::Display for MoveCause {
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command<S> {
-    /// The node missed its lease: make sure nothing of it runs on (a hung worker is killed).
-    Kill { node: NodeId, reason: String },
+    /// Make sure nothing of the node runs on (a hung worker is killed): it missed its lease
+    /// (`silent_since`: when it was last heard from, the failure's start as far as anyone can
+    /// tell), or another worker of its node was lost (None: it failed with that one).
+    Kill { node: NodeId, reason: String, silent_since: Option<std::time::Instant> },
     /// Survivors move to a new plan without losing state.
     Reconfigure(Move),
     /// An expert lost every replica: every survivor reloads the checkpoint of step `to_step`

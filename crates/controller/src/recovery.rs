@@ -83,6 +83,8 @@ impl<S: StepRecord> Controller<S> {
             if let Some(restored) = restored {
                 if let Some(m) = self.move_with_every_state(&s, &new, restored) {
                     self.note_move(&m, s.nodes.len());
+                    // A drain's hand-over (it holds after it) and its leaving are one move.
+                    self.reconfigurations += u64::from(!m.hold);
                     self.adopt(new, m.ranks.clone());
                     out.push(Command::Reconfigure(m));
                     return;
@@ -303,6 +305,7 @@ impl<S: StepRecord> Controller<S> {
             self.job_epoch(m.epoch),
             to_step.map_or("the start".into(), |s| format!("step {s}"))
         ));
+        self.reconfigurations += 1;
         self.adopt(new, ranks);
         out.push(Command::Rollback { to: m, to_step });
     }

@@ -44,8 +44,9 @@ pub struct AgentOptions {
 /// How an agent's part in the job ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AgentEnd {
-    /// The job completed; its workers finished.
-    Completed,
+    /// The job completed (or was stopped at a step boundary with its final checkpoint, as the
+    /// controller says in `how`); its workers finished.
+    Completed { how: String },
     /// Stopped before the end: why (the controller lost, the job stopped, this node given up).
     Stopped(String),
     /// This node gave notice and the job moved off it: its workers handed over their state and
@@ -274,7 +275,7 @@ impl Node {
             if let Some((until, reason)) = &finishing {
                 if self.workers.is_none() || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
                     return Ok(if self.done.iter().all(|&d| d) {
-                        AgentEnd::Completed
+                        AgentEnd::Completed { how: reason.clone() }
                     } else {
                         AgentEnd::Stopped(format!("the job ended ({reason}) before this node's workers finished"))
                     });

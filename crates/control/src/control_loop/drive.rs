@@ -103,13 +103,14 @@ pub(crate) fn drive(
         }
         for command in commands {
             match command {
-                Command::Kill { node, reason } => {
+                Command::Kill { node, reason, silent_since } => {
                     fleet.kill(node as usize, &reason);
                     shell.ended(node as usize, "lost");
                     observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
                     // A silent node failed when it was last heard from, a lease ago: the
-                    // record counts the wait for the lease as detection.
-                    shell.failure_seen_at(ctl.last_heard(node).unwrap_or(decided));
+                    // record counts the wait for the lease as detection. A node's other
+                    // workers go with the failure that took one of them: it began now.
+                    shell.failure_seen_at(silent_since.unwrap_or(decided));
                 }
                 Command::Fence { epoch, ranks, nodes } => {
                     let m = LauncherMessage::Fence { epoch, ranks };
@@ -180,14 +181,23 @@ pub(crate) fn drive(
         }
     })();
     match &result {
-        Ok(TrainOutcome::Completed { .. }) => fleet.finish(),
+        Ok(TrainOutcome::Completed { .. }) => {
+            let how = match crate::stop_signal::requested().filter(|_| shell.stop_told) {
+                Some((_, name)) => format!(
+                    "the controller was asked to stop ({name}): every worker finished after step {} with the final checkpoint",
+                    ctl.last_step()
+                ),
+                None => "the job completed".to_string(),
+            };
+            fleet.finish(&how);
+        }
         Ok(TrainOutcome::Failed { reason, .. }) => {
             fleet.kill_all(reason);
-            fleet.finish();
+            fleet.finish(reason);
         }
         Err(e) => {
             fleet.kill_all(&e.to_string());
-            fleet.finish();
+            fleet.finish(&e.to_string());
         }
     }
     result.map(|outcome| Ended { outcome, results: shell.results.take() })

@@ -175,7 +175,8 @@ impl Default for Recovery {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReconfigurationRecord {
     pub event: &'static str,
-    /// The job's epoch after it: 1 after the first reconfiguration, 2 after the second, …
+    /// The job's epoch after it: one more per move to a new plan (1 after the first), and a
+    /// drain takes two (its hand-over, then its leaving).
     pub epoch: u64,
     /// `reconfigure` (workers lost, no state lost), `rollback` (to the last checkpoint, or the
     /// start), `join` (workers taken in at a step boundary), `rebalance` or `drain`.

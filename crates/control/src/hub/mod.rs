@@ -106,6 +106,8 @@ struct HubState {
     rank_epoch: Vec<u64>,
     /// The newest epoch of the job.
     epoch: u64,
+    /// The job is over: every agent was told so.
+    over: bool,
 }
 
 /// A description of an attached agent, for the user.
@@ -238,12 +240,13 @@ impl AgentHub {
     /// One message of an attached agent, checked: what the loop must hear of it, if anything.
     fn take(&self, agent: u64, msg: AgentMessage) -> Option<HubInput> {
         let mut st = self.state();
-        let started = st.started;
+        let (started, over) = (st.started, st.over);
         let link = st.agents.get_mut(&agent)?;
         if let Some(why) = &link.gone {
             // Given up (lost by its lease, say, behind a partition that has since healed): its
             // workers are no longer the job's, whatever epoch their reports carry.
-            if link.refused == 0 {
+            // (Once the job is over, an agent's last words — its workers' ends — are expected.)
+            if link.refused == 0 && !over {
                 tracing::warn!("agent {agent}: heard from after it was given up ({why}): its messages are refused");
             }
             link.refused += 1;
@@ -490,6 +493,7 @@ impl AgentHub {
 
     /// Give up every agent (the job is over): `completed` lets their workers finish.
     fn shutdown(&self, reason: &str, completed: bool) {
+        self.state().over = true;
         let agents: Vec<u64> = self.state().agents.keys().copied().collect();
         let epoch = self.state().epoch;
         for a in agents {
@@ -643,7 +647,7 @@ impl Fleet for RemoteFleet {
         self.hub.shutdown(reason, false);
     }
 
-    fn finish(&mut self) {
-        self.hub.shutdown("the job is over", true);
+    fn finish(&mut self, how: &str) {
+        self.hub.shutdown(how, true);
     }
 }

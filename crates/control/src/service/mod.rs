@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::controller::Controller;
+use crate::controller::{Controller, MemberState};
 use crate::error::ControlError;
 use crate::hub::{AgentHub, AgentStream};
 
@@ -29,7 +29,8 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
         .nodes()
         .map(|node| Member {
             node,
-            alive: ctl.alive().contains(&node),
+            // A member not heard from yet is expected, not known to be alive.
+            alive: ctl.alive().contains(&node) && ctl.member_state(node) != MemberState::Starting,
             rank: ctl.ranks().iter().position(|&n| n == node).map(|r| r as u64),
             silent_s: ctl.last_heard(node).map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
             epoch: ctl.node_epoch(node).map_or(0, |e| e.saturating_sub(first_epoch)),
@@ -46,7 +47,7 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
         recent: ctl.recent().cloned().collect(),
         last_checkpoint: ctl.checkpoint(),
         lease_s: ctl.lease().as_secs_f64(),
-        reconfigurations: ctl.epoch().saturating_sub(first_epoch),
+        reconfigurations: ctl.reconfigurations(),
     }
 }
 

@@ -156,3 +156,18 @@ fn without_recovery_a_job_whose_ranks_all_finish_completes() {
     c.decide(t0, Event::Done { node: 11 });
     assert_eq!(c.decide(t0, Event::Done { node: 10 }), vec![Command::Complete]);
 }
+
+#[test]
+fn a_member_not_heard_from_yet_is_starting() {
+    let t0 = Instant::now();
+    let loads = vec![vec![1.0, 2.0, 3.0, 4.0]; 2];
+    let plan = plan_model(&loads, ClusterShape::new(2, 1, 4).unwrap(), &PlanPolicy::trainer(2, None), None).unwrap();
+    let mut c = Controller::new(spec(4, 4), plan, vec![10, 11], t0);
+    assert_eq!((c.member_state(10), c.member_state(11)), (MemberState::Starting, MemberState::Starting));
+    c.decide(t0, Event::Heartbeat { node: 10 });
+    // Another worker's exit report is no word of its own.
+    c.decide(t0, Event::Exited { node: 42, status: "x".into() });
+    assert_eq!((c.member_state(10), c.member_state(11)), (MemberState::Member, MemberState::Starting));
+    c.decide(t0, Event::Listening { node: 11, epoch: 0, addr: "b".into() });
+    assert_eq!(c.member_state(11), MemberState::Member);
+}

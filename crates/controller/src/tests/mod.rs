@@ -386,6 +386,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
     assert!(!c.alive().contains(&11));
     assert_eq!(c.member_state(11), MemberState::Drained, "a worker that left on notice was not lost");
+    assert_eq!((c.job_epoch(c.epoch()), c.reconfigurations()), (2, 1), "two epochs, one reconfiguration");
 }
 
 /// Rank 0 got through the commit vote of step 6 (and reported it: the log has it), then died;
@@ -468,6 +469,8 @@ fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
         matches!(&out[..], [Command::Kill { node: 12, .. }, Command::Fence { ranks, nodes, .. }] if ranks == &[2] && nodes == &[10, 11]),
         "{out:?}"
     );
+    // It failed when it fell silent, as far as anyone can tell: its record's clock starts there.
+    assert!(matches!(&out[0], Command::Kill { silent_since: Some(t), .. } if *t == t0), "{out:?}");
     assert!(!c.alive().contains(&12));
     // A heartbeat from a lost node does not bring it back.
     c.decide(t0 + SEC, Event::Heartbeat { node: 12 });
@@ -685,7 +688,7 @@ proptest! {
             let out = c.decide(now, ev);
             prop_assert!(c.standby().all(|w| !c.alive().contains(&w)), "a worker both stands by and is a member");
             prop_assert!(
-                c.alive().iter().all(|&w| matches!(c.member_state(w), MemberState::Member | MemberState::Leaving)),
+                c.alive().iter().all(|&w| matches!(c.member_state(w), MemberState::Starting | MemberState::Member | MemberState::Leaving)),
                 "a member is a member or leaving"
             );
             prop_assert!(c.epoch() >= epoch);
@@ -773,6 +776,8 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
         matches!(&out[..], [Command::Kill { node: 13, .. }, Command::Fence { ranks, nodes, .. }] if ranks == &[2, 3] && nodes == &[10, 11, 14, 15]),
         "{out:?}"
     );
+    // Its healthy co-worker did not fall silent: it goes with the failure, which began now.
+    assert!(matches!(&out[0], Command::Kill { silent_since: None, .. }), "{out:?}");
     let before: BTreeMap<NodeId, Vec<Vec<usize>>> = [10, 11, 14, 15].iter().map(|&w| (w, c.planned_holdings(w).unwrap())).collect();
     let mut out = Vec::new();
     for &w in &[10, 11, 14, 15] {
