@@ -9,6 +9,7 @@
 //! peer's connection drops, the transport tells every other peer (an abort frame), so all ranks
 //! learn of the loss within one round trip rather than at their own time-outs.
 
+pub mod auth;
 mod collectives;
 pub mod cpu_time;
 mod error;

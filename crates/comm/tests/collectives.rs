@@ -269,6 +269,79 @@ fn a_hello_without_the_job_secret_is_refused() {
     assert!(one.join().unwrap().is_ok());
 }
 
+/// A rank does not take a listener without the job's secret for a peer (another job's rank, or
+/// something posing as one): the acceptor must prove the secret too.
+#[test]
+fn a_peer_that_cannot_prove_the_secret_is_not_connected_to() {
+    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let with = |rank, secret| {
+        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 3, Duration::from_secs(2));
+        r.secret = secret;
+        r
+    };
+    let r0 = with(0, 7);
+    let fake = std::thread::spawn(move || TcpTransport::connect(l0, r0));
+    let got = TcpTransport::connect(l1, with(1, 99));
+    assert!(
+        matches!(&got, Err(CommError::Rendezvous(m)) if m.contains("did not prove it knows the job's secret")),
+        "{:?}",
+        got.map(|_| ())
+    );
+    assert!(fake.join().unwrap().is_err());
+}
+
+/// What crosses the wire in a rendezvous: nonces and proofs, never the secret itself (the
+/// bytes both ways, read through a recording proxy).
+#[test]
+fn the_secret_never_crosses_the_wire() {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    let secret = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128;
+    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let real0 = l0.local_addr().unwrap();
+    // Rank 1 reaches rank 0 through the proxy.
+    let addrs = vec![proxy.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let seen = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let seen_by_proxy = seen.clone();
+    std::thread::spawn(move || {
+        let (client, _) = proxy.accept().unwrap();
+        let server = std::net::TcpStream::connect(real0).unwrap();
+        let pipe = |mut from: std::net::TcpStream, mut to: std::net::TcpStream, seen: Arc<Mutex<Vec<u8>>>| {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = from.read(&mut buf) {
+                    if n == 0 || to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            })
+        };
+        pipe(client.try_clone().unwrap(), server.try_clone().unwrap(), seen_by_proxy.clone());
+        pipe(server, client, seen_by_proxy);
+    });
+    let with = |rank| {
+        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 1, Duration::from_secs(5));
+        r.secret = secret;
+        r
+    };
+    let r0 = with(0);
+    let zero = std::thread::spawn(move || TcpTransport::connect(l0, r0).map(|_| ()));
+    assert!(TcpTransport::connect(l1, with(1)).is_ok());
+    assert!(zero.join().unwrap().is_ok());
+    std::thread::sleep(Duration::from_millis(50));
+    let bytes = seen.lock().unwrap().clone();
+    assert!(bytes.len() >= 2 * 16 + 2 * 32, "the handshake went through the proxy: {} bytes", bytes.len());
+    let key = secret.to_le_bytes();
+    for w in [&key[..], &secret.to_be_bytes()[..], format!("{secret:032x}").as_bytes()] {
+        assert!(!bytes.windows(8).any(|b| w.windows(8).any(|k| k == b)), "part of the secret crossed the wire");
+    }
+}
+
 /// A rendezvous waiting for a rank that will never come is given up as soon as it is called
 /// off, not at its deadline.
 #[test]

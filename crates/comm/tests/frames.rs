@@ -21,6 +21,21 @@ fn header(magic: u32, epoch: u64, tag: u64, len: u64) -> Vec<u8> {
     b
 }
 
+/// This test as rank 1 of a job without a secret (0): its hello and the handshake with rank 0
+/// at `addr` — what a real rank 1 sends before any frame.
+fn say_hello(addr: std::net::SocketAddr) -> TcpStream {
+    use lazarus_comm::auth;
+    use std::io::Read;
+    let mut s = TcpStream::connect(addr).unwrap();
+    let ours = auth::nonce().unwrap();
+    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, auth::NONCE as u64), ours.to_vec()].concat()).unwrap();
+    let mut answer = [0u8; auth::NONCE + auth::PROOF];
+    s.read_exact(&mut answer).unwrap();
+    let theirs = &answer[..auth::NONCE];
+    s.write_all(&auth::prove(0, &auth::rendezvous_context("connect", 1, 0, EPOCH), theirs, &ours)).unwrap();
+    s
+}
+
 /// Rank 0 of a world of 2, with this test as rank 1: rank 1 says hello, then sends `bytes` and
 /// closes. Returns what rank 0's receive from rank 1 gave, and how long it took.
 fn feed(bytes: &[u8]) -> (Result<Vec<u8>, lazarus_comm::CommError>, Duration) {
@@ -32,8 +47,7 @@ fn feed(bytes: &[u8]) -> (Result<Vec<u8>, lazarus_comm::CommError>, Duration) {
         let got = t.recv(1, 7, Instant::now() + Duration::from_secs(5));
         (got, start.elapsed())
     });
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
+    let mut s = say_hello(addr);
     let _ = s.write_all(bytes);
     let _ = s.shutdown(std::net::Shutdown::Both);
     rank0.join().expect("rank 0 must not panic")
@@ -93,8 +107,7 @@ fn a_snapshot_to_a_peer_that_reads_nothing_does_not_hold_the_sender() {
         (queued_in, next, start.elapsed())
     });
     // Rank 1: a hello, then nothing is ever read.
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
+    let s = say_hello(addr);
     let (queued_in, next, until_cut) = rank0.join().unwrap();
     assert!(queued_in < Duration::from_millis(500), "the caller went on after {queued_in:?}");
     assert!(matches!(next, Err(lazarus_comm::CommError::PeerLost { peer: 1, .. })), "{next:?}");
@@ -110,8 +123,7 @@ fn a_snapshot_to_a_peer_that_reads_nothing_does_not_hold_the_sender() {
         let got = t.send(1, snap, &vec![7u8; 64 << 20], Instant::now() + Duration::from_millis(1500));
         (got, start.elapsed())
     });
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&[header(0x4c5a_4831, EPOCH, 1, 16), vec![0; 16]].concat()).unwrap();
+    let s = say_hello(addr);
     let (got, took) = rank0.join().unwrap();
     assert!(matches!(got, Err(lazarus_comm::CommError::Timeout { .. })), "{got:?}");
     assert!(took >= Duration::from_millis(1000), "a plain send returned after {took:?}");

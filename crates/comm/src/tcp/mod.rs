@@ -72,8 +72,8 @@ pub struct Rendezvous {
     pub addrs: Vec<SocketAddr>,
     pub epoch: u64,
     pub timeout: Duration,
-    /// The job's secret: a hello without it is refused, so no other process on the host can
-    /// take a rank.
+    /// The job's secret: every connection proves it both ways ([`crate::auth`]: it never
+    /// crosses the network), so no other process can take a rank or pose as one.
     pub secret: u128,
     /// Set from outside to give the rendezvous up at once (a peer was lost before it connected).
     pub cancel: Option<Arc<AtomicBool>>,
@@ -95,8 +95,48 @@ impl Rendezvous {
     }
 }
 
-/// The bytes of a hello after its header: the job secret.
-const HELLO_BODY: u64 = 16;
+/// The bytes of a hello after its header: the connecting rank's nonce.
+const HELLO_BODY: u64 = crate::auth::NONCE as u64;
+
+use crate::auth::rendezvous_context as proof_context;
+
+/// The connecting side of a connection's handshake on `stream`, from rank `r.rank` to `peer`:
+/// its hello and nonce; the accepting rank's nonce and proof, checked; its own proof.
+fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadline: Instant) -> Result<(), String> {
+    let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
+    let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
+    write_header(&mut b, HELLO, r.epoch, r.rank as u64, HELLO_BODY);
+    b.extend_from_slice(&ours);
+    stream.write_all(&b).map_err(|e| format!("hello: {e}"))?;
+    let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(wait)).ok();
+    let mut answer = [0u8; crate::auth::NONCE + crate::auth::PROOF];
+    stream.read_exact(&mut answer).map_err(|e| format!("no answer to the hello ({e})"))?;
+    let (theirs, proof) = answer.split_at(crate::auth::NONCE);
+    if !crate::auth::verify(r.secret, &proof_context("accept", r.rank, peer, r.epoch), &ours, theirs, proof) {
+        return Err("it did not prove it knows the job's secret (another job's rank, or not a rank)".into());
+    }
+    let own = crate::auth::prove(r.secret, &proof_context("connect", r.rank, peer, r.epoch), theirs, &ours);
+    stream.write_all(&own).map_err(|e| format!("proof: {e}"))?;
+    stream.set_read_timeout(None).ok();
+    Ok(())
+}
+
+/// The accepting side of a handshake, after a valid hello from rank `peer` with its nonce
+/// `theirs`: this rank's nonce and proof; the connecting rank's proof, checked.
+fn accept_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, theirs: &[u8]) -> Result<(), String> {
+    let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
+    let mut b = Vec::with_capacity(crate::auth::NONCE + crate::auth::PROOF);
+    b.extend_from_slice(&ours);
+    b.extend_from_slice(&crate::auth::prove(r.secret, &proof_context("accept", peer, r.rank, r.epoch), theirs, &ours));
+    stream.write_all(&b).map_err(|e| format!("answer: {e}"))?;
+    let mut proof = [0u8; crate::auth::PROOF];
+    stream.read_exact(&mut proof).map_err(|e| format!("rank {peer} without the job's secret: no proof ({e})"))?;
+    if !crate::auth::verify(r.secret, &proof_context("connect", peer, r.rank, r.epoch), &ours, theirs, &proof) {
+        return Err(format!("rank {peer} without the job's secret"));
+    }
+    Ok(())
+}
 
 fn write_header(buf: &mut Vec<u8>, magic: u32, epoch: u64, tag: u64, len: u64) {
     buf.extend_from_slice(&magic.to_le_bytes());
@@ -173,12 +213,6 @@ impl TcpTransport {
         }
         let deadline = crate::deadline_after(r.timeout);
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let hello = |stream: &mut TcpStream| -> std::io::Result<()> {
-            let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
-            write_header(&mut b, HELLO, r.epoch, r.rank as u64, HELLO_BODY);
-            b.extend_from_slice(&r.secret.to_le_bytes());
-            stream.write_all(&b)
-        };
         for peer in 0..r.rank {
             let stream = loop {
                 match TcpStream::connect_timeout(&r.addrs[peer], Duration::from_millis(200)) {
@@ -195,7 +229,8 @@ impl TcpTransport {
             };
             let mut stream = stream;
             stream.set_nodelay(true).ok();
-            hello(&mut stream).map_err(|e| CommError::Rendezvous(format!("hello to rank {peer}: {e}")))?;
+            connect_handshake(&mut stream, &r, peer, deadline)
+                .map_err(|e| CommError::Rendezvous(format!("rank {} to rank {peer} at {}: {e}", r.rank, r.addrs[peer])))?;
             streams[peer] = Some(stream);
         }
         listener.set_nonblocking(true).map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
@@ -225,17 +260,17 @@ impl TcpTransport {
                         rejected.push(format!("{from}: unexpected hello (magic {magic:#x}, rank {peer}, {len} bytes)"));
                         continue;
                     }
-                    let mut secret = [0u8; HELLO_BODY as usize];
-                    if let Err(e) = s.read_exact(&mut secret) {
+                    let mut theirs = [0u8; HELLO_BODY as usize];
+                    if let Err(e) = s.read_exact(&mut theirs) {
                         rejected.push(format!("{from}: hello cut short ({e})"));
-                        continue;
-                    }
-                    if u128::from_le_bytes(secret) != r.secret {
-                        rejected.push(format!("{from}: rank {peer} without the job's secret"));
                         continue;
                     }
                     if epoch != r.epoch {
                         rejected.push(format!("{from}: rank {peer} at epoch {epoch}, current epoch {}", r.epoch));
+                        continue;
+                    }
+                    if let Err(e) = accept_handshake(&mut s, &r, peer as usize, &theirs) {
+                        rejected.push(format!("{from}: {e}"));
                         continue;
                     }
                     s.set_read_timeout(None).ok();
