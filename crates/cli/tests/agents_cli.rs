@@ -130,6 +130,66 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A TCP proxy on loopback to `to` that records every byte both ways.
+fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let all = seen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming().map_while(Result::ok) {
+            let Ok(server) = std::net::TcpStream::connect(&to) else { continue };
+            for (mut from, mut into) in [(client.try_clone().unwrap(), server.try_clone().unwrap()), (server, client)] {
+                let seen = all.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 8192];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 || into.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                    let _ = into.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    (addr, seen)
+}
+
+/// Everything between the controller and its agents, read on the wire (a recording proxy):
+/// the job runs to its end, and the secret appears nowhere — not in the agents' hellos, not in
+/// their workers' specs.
+#[test]
+fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
+    let d = dir("agents-wire");
+    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
+    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2"];
+    args.extend(tiny());
+    args.extend(["--steps", "20", "--json-log", &log_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let (via, seen) = recording_proxy(addr);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&via, "2", &secret, None)).collect();
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    }
+    assert_eq!(log(&path).0.len(), 20, "the job ran through the proxy");
+    let bytes = seen.lock().unwrap().clone();
+    let hex = std::fs::read_to_string(&secret).unwrap().trim().to_string();
+    let raw = u128::from_str_radix(&hex, 16).unwrap();
+    assert!(bytes.len() > 10_000, "the session went through the proxy: {} bytes", bytes.len());
+    for form in [hex.as_bytes(), hex.to_uppercase().as_bytes(), &raw.to_le_bytes()[..], &raw.to_be_bytes()[..]] {
+        assert!(!bytes.windows(8).any(|w| form.windows(8).any(|f| f == w)), "part of the secret crossed the wire");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// SIGTERM to the controller of agents: every worker finishes after the same step with the
 /// final checkpoint, each agent says so (not that the job completed), and the controller does
 /// not take its agents' last words for a partition's.

@@ -25,6 +25,7 @@ use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS;
 use crate::protocol::{secret_hex, WorkerEvent};
+use lazarus_comm::auth;
 
 /// How an agent is started.
 #[derive(Debug, Clone)]
@@ -52,6 +53,18 @@ pub enum AgentEnd {
     /// This node gave notice and the job moved off it: its workers handed over their state and
     /// left.
     Drained,
+}
+
+/// A worker's spec line (the worker protocol's JSON) with the job's secret filled in.
+fn with_secret(spec: &str, secret: u128) -> Result<String, ControlError> {
+    let mut v: serde_json::Value = serde_json::from_str(spec)?;
+    match v.as_object_mut() {
+        Some(o) => {
+            o.insert("secret".into(), serde_json::Value::String(secret_hex(secret)));
+        }
+        None => return Err(ControlError::Launch(format!("a worker spec that is not a JSON object: {spec:.80}"))),
+    }
+    Ok(serde_json::to_string(&v)?)
 }
 
 /// What the agent waits on: its session with the controller, and its workers' reports.
@@ -132,9 +145,6 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     };
     let runtime = crate::service::runtime(1, "lazarus-agent")?;
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
-    let hello =
-        proto::AgentHello { secret: secret_hex(opts.secret), gpus: opts.gpus as u32, host: host.to_string(), pid: std::process::id() };
-    let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
     let connect_within = opts.connect_within;
     let mut inbound = runtime.block_on(async move {
         let deadline = tokio::time::Instant::now() + connect_within;
@@ -179,11 +189,34 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
             }
         }
     });
+    // The controller's challenge, this agent's hello that answers it, and the welcome that
+    // proves the controller knows the secret too: the secret itself never crosses the network.
+    let refused = |why: String| ControlError::Launch(format!("the controller at {controller} refused this agent: {why}"));
+    let challenge = match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(Inbound::Message(ControllerMessage { body: Some(controller_message::Body::Challenge(c)), .. })) => c.nonce,
+        Ok(Inbound::Ended(why)) => return Err(refused(why)),
+        _ => return Err(ControlError::Launch(format!("no challenge from the controller at {controller} within 30 s"))),
+    };
+    let nonce = auth::nonce().map_err(|e| ControlError::io("drawing a nonce from /dev/urandom", e))?;
+    let mut hello = proto::AgentHello {
+        proof: Vec::new(),
+        nonce: nonce.to_vec(),
+        gpus: opts.gpus as u32,
+        host: host.to_string(),
+        pid: std::process::id(),
+    };
+    hello.proof = auth::prove(opts.secret, &crate::hub::hello_context(&hello), &challenge, &nonce).to_vec();
+    let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
     let welcome = match rx.recv_timeout(Duration::from_secs(30)) {
         Ok(Inbound::Message(ControllerMessage { job_id, body: Some(controller_message::Body::Welcome(w)), .. })) => (job_id, w),
-        Ok(Inbound::Ended(why)) => return Err(ControlError::Launch(format!("the controller at {controller} refused this agent: {why}"))),
+        Ok(Inbound::Ended(why)) => return Err(refused(why)),
         _ => return Err(ControlError::Launch(format!("no welcome from the controller at {controller} within 30 s"))),
     };
+    if !auth::verify(opts.secret, &crate::hub::welcome_context(welcome.1.agent), &nonce, &challenge, &welcome.1.proof) {
+        return Err(ControlError::Launch(format!(
+            "the controller at {controller} did not prove it knows the job's secret: not this job's controller"
+        )));
+    }
     let (job_id, w) = welcome;
     let lease = checked_seconds(w.lease_s, "lease")?;
     let heartbeat = checked_seconds(w.heartbeat_s, "heartbeat")?;
@@ -210,6 +243,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         slot_epoch: vec![0; opts.gpus],
         done: vec![false; opts.gpus],
         exited: vec![false; opts.gpus],
+        secret: opts.secret,
     };
     let end = node.serve(&rx, lease, &mut on_start);
     // The workers go with the agent's part in the job, whatever ended it.
@@ -241,6 +275,8 @@ struct Node {
     slot_epoch: Vec<u64>,
     done: Vec<bool>,
     exited: Vec<bool>,
+    /// The job's secret, for its workers' specs (the controller sends them without it).
+    secret: u128,
 }
 
 impl Node {
@@ -362,7 +398,7 @@ impl Node {
     ) -> Result<Option<Result<AgentEnd, String>>, ControlError> {
         let Some(body) = m.body else { return Ok(None) };
         match body {
-            controller_message::Body::Welcome(_) | controller_message::Body::Ping(_) => {}
+            controller_message::Body::Welcome(_) | controller_message::Body::Challenge(_) | controller_message::Body::Ping(_) => {}
             controller_message::Body::Start(s) => {
                 if self.workers.is_some() {
                     tracing::warn!("agent: a second start of the workers: dropped");
@@ -382,8 +418,10 @@ impl Node {
                         serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
                     })
                     .collect();
+                // The specs come without the job's secret: this agent adds the one it proved.
+                let specs = s.specs.iter().map(|spec| with_secret(spec, self.secret)).collect::<Result<Vec<_>, _>>()?;
                 let reports = self.reports.clone();
-                self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &s.specs, Confinement::Shared, reports, Inbound::Worker)?);
+                self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 on_start(&ranks)?;
             }

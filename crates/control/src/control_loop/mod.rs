@@ -20,7 +20,7 @@ use crate::controller::{Controller, JobSpec, OnLoss};
 use crate::error::ControlError;
 use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
-use crate::protocol::{secret_hex, TrainJob, WorkerSpec};
+use crate::protocol::{TrainJob, WorkerSpec};
 use crate::service::{snapshot, GrpcServer, SharedStatus};
 use drive::drive;
 use local_agents::{replay, start_local_agents};
@@ -409,7 +409,9 @@ pub fn run_training(
                 })
             });
             let run = attached.and_then(|_| {
-                let secret = secret_hex(a.secret);
+                // The specs go to the agents without the secret: each agent proved it knows it
+                // and adds its own, so it never crosses the network.
+                let secret = String::new();
                 // A worker that joins later stands by (its spec's rank is its worker id).
                 let mut standby = job.clone();
                 standby.standby = true;

@@ -27,7 +27,8 @@ use crate::error::ControlError;
 use crate::fleet::{Fleet, FleetEvent};
 use crate::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS;
-use crate::protocol::{parse_secret, LauncherMessage, WorkerEvent};
+use crate::protocol::{LauncherMessage, WorkerEvent};
+use lazarus_comm::auth;
 
 /// How long an agent has to say hello once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -50,10 +51,14 @@ pub fn stale(stamped: u64, current: u64, event: &WorkerEvent) -> bool {
         )
 }
 
-/// Whether two secrets are equal, in time that does not depend on where they differ.
-fn same_secret(a: u128, b: u128) -> bool {
-    let d = a.to_le_bytes().iter().zip(b.to_le_bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    d == 0
+/// What an agent's hello proves, besides the job's secret: the node it describes.
+pub(crate) fn hello_context(hello: &AgentHello) -> Vec<u8> {
+    format!("lazarus agent hello: {} gpus at {} (pid {})", hello.gpus, hello.host, hello.pid).into_bytes()
+}
+
+/// What the controller's welcome proves: the agent's number in the job.
+pub(crate) fn welcome_context(agent: u64) -> Vec<u8> {
+    format!("lazarus controller welcome: agent {agent}").into_bytes()
 }
 
 /// What the hub hands the controller's loop.
@@ -178,11 +183,13 @@ impl AgentHub {
         ControllerMessage { job_id: self.job_id.clone(), epoch, body: Some(body) }
     }
 
-    /// Take an agent's hello: its secret, its size, room for it. Returns its number.
-    fn admit(&self, hello: &AgentHello, tx: UnboundedSender<Result<ControllerMessage, Status>>) -> Result<u64, Status> {
-        let given = parse_secret(&hello.secret).unwrap_or_default();
-        if !same_secret(given, self.secret) || parse_secret(&hello.secret).is_none() {
-            return Err(Status::permission_denied("wrong job secret (give the controller's with --secret-file or LAZARUS_SECRET)"));
+    /// Take an agent's hello, the answer to `challenge`: its proof of the job's secret, its
+    /// size, room for it. Returns its number.
+    fn admit(&self, hello: &AgentHello, challenge: &[u8], tx: UnboundedSender<Result<ControllerMessage, Status>>) -> Result<u64, Status> {
+        if hello.nonce.len() != auth::NONCE || !auth::verify(self.secret, &hello_context(hello), challenge, &hello.nonce, &hello.proof) {
+            return Err(Status::permission_denied(
+                "wrong job secret: the hello does not prove it (give the controller's with --secret-file or LAZARUS_SECRET)",
+            ));
         }
         let gpus = hello.gpus as usize;
         if gpus == 0 || gpus > MAX_WORKERS {
@@ -327,31 +334,53 @@ impl AgentHub {
     pub(crate) async fn attach(
         self: Arc<Self>,
         peer: Option<std::net::SocketAddr>,
-        mut inbound: tonic::Streaming<AgentMessage>,
+        inbound: tonic::Streaming<AgentMessage>,
     ) -> Result<AgentStream, Status> {
-        let from = peer.map_or("an unknown address".to_string(), |p| p.to_string());
-        let first = tokio::time::timeout(HELLO_WITHIN, inbound.message())
-            .await
-            .map_err(|_| Status::deadline_exceeded(format!("no hello within {} s", HELLO_WITHIN.as_secs())))??;
-        let hello = match first.and_then(|m| m.body) {
-            Some(agent_message::Body::Hello(h)) => h,
-            _ => return Err(Status::invalid_argument("an agent's first message must be its hello")),
-        };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let agent = match self.admit(&hello, tx.clone()) {
+        let challenge = auth::nonce().map_err(|e| Status::internal(format!("drawing a nonce: {e}")))?;
+        // The session opens with the challenge; the hello that answers it is awaited beside the
+        // stream (the agent reads the challenge first).
+        let _ = tx.send(Ok(
+            self.message(self.state().epoch, controller_message::Body::Challenge(proto::Challenge { nonce: challenge.to_vec() }))
+        ));
+        tokio::spawn(self.clone().open(peer, inbound, challenge, tx));
+        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+    }
+
+    /// The rest of an agent's session: its hello (the answer to `challenge`) within
+    /// [`HELLO_WITHIN`], then the welcome and the relay — or its refusal, with the reason.
+    async fn open(
+        self: Arc<Self>,
+        peer: Option<std::net::SocketAddr>,
+        mut inbound: tonic::Streaming<AgentMessage>,
+        challenge: [u8; auth::NONCE],
+        tx: UnboundedSender<Result<ControllerMessage, Status>>,
+    ) {
+        let from = peer.map_or("an unknown address".to_string(), |p| p.to_string());
+        let hello = match tokio::time::timeout(HELLO_WITHIN, inbound.message()).await {
+            Err(_) => Err(Status::deadline_exceeded(format!("no hello within {} s", HELLO_WITHIN.as_secs()))),
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(first)) => match first.and_then(|m| m.body) {
+                Some(agent_message::Body::Hello(h)) => Ok(h),
+                _ => Err(Status::invalid_argument("an agent's first message must be its hello")),
+            },
+        };
+        let admitted = hello.and_then(|h| self.admit(&h, &challenge, tx.clone()).map(|agent| (agent, h)));
+        let (agent, hello) = match admitted {
             Ok(a) => a,
             Err(status) => {
                 tracing::warn!("refused an agent from {from}: {}", status.message());
-                return Err(status);
+                let _ = tx.send(Err(status));
+                return;
             }
         };
-        let welcome = proto::Welcome { agent, lease_s: self.lease.as_secs_f64(), heartbeat_s: self.heartbeat.as_secs_f64() };
+        let proof = auth::prove(self.secret, &welcome_context(agent), &hello.nonce, &challenge).to_vec();
+        let welcome = proto::Welcome { agent, lease_s: self.lease.as_secs_f64(), heartbeat_s: self.heartbeat.as_secs_f64(), proof };
         let epoch = self.state().epoch;
         let _ = tx.send(Ok(self.message(epoch, controller_message::Body::Welcome(welcome))));
-        tokio::spawn(self.clone().relay(agent, inbound));
         tokio::spawn(self.clone().ping(agent));
         self.input(HubInput::Joined { agent });
-        Ok(Box::pin(tokio_stream::wrappers::UnboundedReceiverStream::new(rx)))
+        self.relay(agent, inbound).await;
     }
 
     /// The agents attached and not gone, in order of arrival.

@@ -1,5 +1,4 @@
 use super::*;
-use crate::protocol::secret_hex;
 
 const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 
@@ -16,8 +15,15 @@ fn joiner() -> JoinerSpec {
     Box::new(|id, host, epoch| Ok(format!("standby {id}@{host} epoch {epoch}")))
 }
 
+/// The controller's challenge in these tests.
+const CHALLENGE: [u8; auth::NONCE] = [9; auth::NONCE];
+
+/// An agent's hello that answers [`CHALLENGE`] with its proof of `secret`.
 fn hello(secret: u128, gpus: u32, host: &str) -> AgentHello {
-    AgentHello { secret: secret_hex(secret), gpus, host: host.into(), pid: 1 }
+    let nonce = auth::nonce().unwrap().to_vec();
+    let mut h = AgentHello { proof: Vec::new(), nonce, gpus, host: host.into(), pid: 1 };
+    h.proof = auth::prove(secret, &hello_context(&h), &CHALLENGE, &h.nonce).to_vec();
+    h
 }
 
 fn link() -> UnboundedSender<Result<ControllerMessage, Status>> {
@@ -32,21 +38,27 @@ fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
 #[test]
 fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
     let (h, _rx) = hub(6, 2);
-    let wrong = h.admit(&hello(SECRET ^ 1, 2, "10.0.0.2"), link()).unwrap_err();
+    let wrong = h.admit(&hello(SECRET ^ 1, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap_err();
     assert_eq!(wrong.code(), tonic::Code::PermissionDenied);
-    let garbled = AgentHello { secret: "xyz".into(), ..hello(SECRET, 2, "10.0.0.2") };
-    assert_eq!(h.admit(&garbled, link()).unwrap_err().code(), tonic::Code::PermissionDenied);
-    let none = h.admit(&hello(SECRET, 0, "10.0.0.2"), link()).unwrap_err();
+    let garbled = AgentHello { proof: b"xyz".to_vec(), ..hello(SECRET, 2, "10.0.0.2") };
+    assert_eq!(h.admit(&garbled, &CHALLENGE, link()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    // A hello overheard in another session does not answer this one's challenge, and one
+    // whose node was changed on the way proves nothing.
+    let overheard = hello(SECRET, 2, "10.0.0.2");
+    assert_eq!(h.admit(&overheard, &[1; auth::NONCE], link()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let altered = AgentHello { host: "10.0.0.66".into(), ..overheard };
+    assert_eq!(h.admit(&altered, &CHALLENGE, link()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    let none = h.admit(&hello(SECRET, 0, "10.0.0.2"), &CHALLENGE, link()).unwrap_err();
     assert!(none.code() == tonic::Code::InvalidArgument && none.message().contains("gpus: 0"), "{none:?}");
-    let host = h.admit(&hello(SECRET, 2, "node-a"), link()).unwrap_err();
+    let host = h.admit(&hello(SECRET, 2, "node-a"), &CHALLENGE, link()).unwrap_err();
     assert!(host.code() == tonic::Code::InvalidArgument && host.message().contains("node-a"), "{host:?}");
     // Every node of a job has its GPUs per node.
-    let odd = h.admit(&hello(SECRET, 3, "10.0.0.2"), link()).unwrap_err();
+    let odd = h.admit(&hello(SECRET, 3, "10.0.0.2"), &CHALLENGE, link()).unwrap_err();
     assert!(odd.code() == tonic::Code::InvalidArgument && odd.message().contains("have 2 each"), "{odd:?}");
     for (i, host) in ["10.0.0.2", "10.0.0.3", "10.0.0.4"].into_iter().enumerate() {
-        assert_eq!(h.admit(&hello(SECRET, 2, host), link()).unwrap(), i as u64);
+        assert_eq!(h.admit(&hello(SECRET, 2, host), &CHALLENGE, link()).unwrap(), i as u64);
     }
-    let full = h.admit(&hello(SECRET, 2, "10.0.0.5"), link()).unwrap_err();
+    let full = h.admit(&hello(SECRET, 2, "10.0.0.5"), &CHALLENGE, link()).unwrap_err();
     assert!(full.code() == tonic::Code::ResourceExhausted && full.message().contains("room for 0 more"), "{full:?}");
     assert_eq!(h.attached_workers(), 6);
 }
@@ -54,24 +66,24 @@ fn agents_without_the_secret_or_room_are_refused_with_the_reason() {
 #[test]
 fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by_arrival() {
     let (h, rx) = hub(4, 2);
-    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
-    h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
     let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
     assert_eq!(fleet.ranks_of(0), vec![0, 1]);
     assert_eq!(fleet.ranks_of(1), vec![2, 3]);
-    let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), link()).unwrap_err();
+    let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), &CHALLENGE, link()).unwrap_err();
     assert!(late.code() == tonic::Code::ResourceExhausted && late.message().contains("--max-workers"), "{late:?}");
 }
 
 #[test]
 fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs() {
     let (h, rx) = elastic_hub(2, 2, 4);
-    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     let mut fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
     // Room for one more node of 2 after the start, not two.
     let (tx, mut from_controller) = tokio::sync::mpsc::unbounded_channel();
-    let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), tx).unwrap();
-    assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.8"), link()).unwrap_err().code(), tonic::Code::ResourceExhausted);
+    let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), &CHALLENGE, tx).unwrap();
+    assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.8"), &CHALLENGE, link()).unwrap_err().code(), tonic::Code::ResourceExhausted);
     h.input(HubInput::Joined { agent });
     let joined = fleet.next_event(Duration::from_millis(50));
     assert!(matches!(&joined, Some(FleetEvent::Joined { workers }) if workers == &[2, 3]), "{joined:?}");
@@ -87,7 +99,7 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
 #[test]
 fn reports_are_checked_before_the_controller_sees_them() {
     let (h, rx) = hub(2, 2);
-    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     let beat = WorkerEvent::Heartbeat;
     // A slot the agent does not have, and a line that is not a report: dropped.
@@ -131,8 +143,8 @@ fn staleness_is_about_reports_bound_to_an_epoch() {
 #[test]
 fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     let (h, rx) = hub(4, 2);
-    h.admit(&hello(SECRET, 2, "10.0.0.2"), link()).unwrap();
-    h.admit(&hello(SECRET, 2, "10.0.0.3"), link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
+    h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
     let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     h.drop_agent(1, "its stream ended");
     let mut exits: Vec<usize> = (0..2)
