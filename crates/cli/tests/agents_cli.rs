@@ -130,6 +130,91 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// An agent facing a port that accepts connections but never answers (not a controller, or one
+/// that is stuck) gives up after `--connect-timeout`, saying so, instead of waiting forever.
+#[test]
+fn an_agent_facing_a_silent_port_gives_up_after_its_connect_timeout() {
+    let d = dir("agents-silent");
+    let secret = d.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let held = std::thread::spawn(move || listener.incoming().take(4).map_while(Result::ok).collect::<Vec<_>>());
+    let started = Instant::now();
+    let (mut agent, lines) = spawn_lazarus(
+        &["agent", "--controller", &addr, "--gpus", "1", "--secret-file", secret.to_str().unwrap(), "--connect-timeout", "2"],
+        &[],
+    );
+    let (status, text) = exit_within(&mut agent, &lines, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    assert!(started.elapsed() < Duration::from_secs(15), "gave up after {:?}", started.elapsed());
+    assert!(text.iter().any(|l| l.contains("--connect-timeout")), "{}", text.join("\n"));
+    drop(held);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Connections that cannot hurt: 300 connections that never begin their handshake, made to a
+/// controller that may open 256 files, neither block `lazarus status` nor keep its agents out
+/// — the job runs to its end.
+#[test]
+fn half_open_connections_do_not_starve_the_controller() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::CommandExt;
+    let d = dir("agents-half-open");
+    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
+    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["controller", "--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
+    args.extend(tiny());
+    args.extend(["--steps", "10", "--json-log", &log_s]);
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    cmd.args(&args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    // SAFETY: only setrlimit between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 256, rlim_max: 256 };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        });
+    }
+    let mut controller = cmd.spawn().unwrap();
+    let (tx, ctl_lines) = mpsc::channel();
+    let stderr = controller.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let addr = loop {
+        let line = ctl_lines.recv_timeout(Duration::from_secs(60)).expect("the controller listens");
+        if let Some(rest) = line.strip_prefix("controller listening on ") {
+            break rest.split(':').take(2).collect::<Vec<_>>().join(":");
+        }
+    };
+    let silent: Vec<std::net::TcpStream> = (0..300).filter_map(|_| std::net::TcpStream::connect(&addr).ok()).collect();
+    assert!(!silent.is_empty());
+    let until = Instant::now() + Duration::from_secs(30);
+    let answered = loop {
+        let out = lazarus(&["status", "--controller", &addr, "--timeout", "3"]);
+        if out.status.success() {
+            break true;
+        }
+        if Instant::now() >= until {
+            break false;
+        }
+    };
+    assert!(answered, "status answers while 300 silent connections are open");
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "1", &secret, None)).collect();
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    }
+    assert_eq!(log(&path).0.len(), 10);
+    drop(silent);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A TCP proxy on loopback to `to` that records every byte both ways.
 fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
     use std::io::{Read, Write};

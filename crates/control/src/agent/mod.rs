@@ -166,12 +166,19 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         };
         let mut client = proto::control_client::ControlClient::new(channel);
         let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
-        let reply = client
-            .attach(stream)
+        // A port that takes the connection but never speaks gRPC is given up at the deadline.
+        let reply = tokio::time::timeout_at(deadline, client.attach(stream))
             .await
+            .map_err(|_| {
+                ControlError::Launch(format!(
+                    "the controller at {controller} did not answer within {} s (--connect-timeout): is it a Lazarus controller?",
+                    connect_within.as_secs_f64()
+                ))
+            })?
             .map_err(|e| ControlError::Launch(format!("the controller at {controller} refused this agent: {}", e.message())))?;
         Ok::<_, ControlError>(reply.into_inner())
     })?;
+    let answer_within = connect_within.max(Duration::from_secs(1));
     // The controller's messages, read on the runtime and handed to the agent's loop.
     let (tx, rx) = mpsc::channel::<Inbound>();
     let tx_workers = tx.clone();
@@ -192,10 +199,16 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     // The controller's challenge, this agent's hello that answers it, and the welcome that
     // proves the controller knows the secret too: the secret itself never crosses the network.
     let refused = |why: String| ControlError::Launch(format!("the controller at {controller} refused this agent: {why}"));
-    let challenge = match rx.recv_timeout(Duration::from_secs(30)) {
+    let silent = |what: &str| {
+        ControlError::Launch(format!(
+            "no {what} from the controller at {controller} within {} s (--connect-timeout)",
+            answer_within.as_secs_f64()
+        ))
+    };
+    let challenge = match rx.recv_timeout(answer_within) {
         Ok(Inbound::Message(ControllerMessage { body: Some(controller_message::Body::Challenge(c)), .. })) => c.nonce,
         Ok(Inbound::Ended(why)) => return Err(refused(why)),
-        _ => return Err(ControlError::Launch(format!("no challenge from the controller at {controller} within 30 s"))),
+        _ => return Err(silent("challenge")),
     };
     let nonce = auth::nonce().map_err(|e| ControlError::io("drawing a nonce from /dev/urandom", e))?;
     let mut hello = proto::AgentHello {
@@ -207,10 +220,10 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     };
     hello.proof = auth::prove(opts.secret, &crate::hub::hello_context(&hello), &challenge, &nonce).to_vec();
     let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
-    let welcome = match rx.recv_timeout(Duration::from_secs(30)) {
+    let welcome = match rx.recv_timeout(answer_within) {
         Ok(Inbound::Message(ControllerMessage { job_id, body: Some(controller_message::Body::Welcome(w)), .. })) => (job_id, w),
         Ok(Inbound::Ended(why)) => return Err(refused(why)),
-        _ => return Err(ControlError::Launch(format!("no welcome from the controller at {controller} within 30 s"))),
+        _ => return Err(silent("welcome")),
     };
     if !auth::verify(opts.secret, &crate::hub::welcome_context(welcome.1.agent), &nonce, &challenge, &welcome.1.proof) {
         return Err(ControlError::Launch(format!(

@@ -369,15 +369,21 @@ pub fn run_training(
         ..lifecycle.spec()
     };
     let job_id = format!("job-{epoch}");
-    let begun = Instant::now();
-    let nodes: Vec<u64> = (0..world as u64).collect();
-    let ctl = match plan {
-        // Static expert parallelism runs its own split of the experts, not the plan's.
-        Some(p) if !job.static_ep => Controller::new(spec, p.clone().with_epoch(epoch), nodes, begun),
-        _ => Controller::unplanned(spec, epoch, nodes, begun),
+    let static_ep = job.static_ep;
+    // The controller of the job, its clock (leases, the start deadline) started when its
+    // workers are: after the agents attached, for a job run by agents.
+    let controller = move |now: Instant| {
+        let nodes: Vec<u64> = (0..world as u64).collect();
+        match plan {
+            // Static expert parallelism runs its own split of the experts, not the plan's.
+            Some(p) if !static_ep => Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now),
+            _ => Controller::unplanned(spec.clone(), epoch, nodes, now),
+        }
     };
-    let plan_json = ctl.plan().map(|p| p.to_json()).unwrap_or_default();
-    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&ctl, begun, &job_id, epoch, &plan_json)));
+    let begun = Instant::now();
+    let waiting = controller(begun);
+    let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
     let ended = match hosts {
         Hosts::Local { status_listen } => {
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
@@ -389,7 +395,7 @@ pub fn run_training(
                 }
                 None => None,
             };
-            drive(&mut processes, ctl, &job_id, status_listen.map(|_| shared), observe)
+            drive(&mut processes, controller(Instant::now()), &job_id, status_listen.map(|_| shared), observe)
         }
         Hosts::Agents(a) => {
             let (hub, inputs) =
@@ -429,7 +435,7 @@ pub fn run_training(
                     (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
                     _ => None,
                 };
-                let run = drive(&mut fleet, ctl, &job_id, Some(shared), observe);
+                let run = drive(&mut fleet, controller(Instant::now()), &job_id, Some(shared), observe);
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);
                 if let Some(r) = replaying {
                     let _ = r.join();

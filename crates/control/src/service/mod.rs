@@ -13,6 +13,8 @@ use crate::controller::{Controller, MemberState};
 use crate::error::ControlError;
 use crate::hub::{AgentHub, AgentStream};
 
+mod guard;
+
 use crate::proto::control_server::{Control, ControlServer};
 use crate::proto::{self, Member, StatusReply, StatusRequest};
 
@@ -116,9 +118,12 @@ impl GrpcServer {
                         Ok(l) => l,
                         Err(e) => return tracing::warn!("status server: {e}"),
                     };
-                    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                    let incoming = guard::incoming(listener);
                     let (mut graceful, mut hard) = (stopped.clone(), stopped);
+                    // Keepalives find the dead peers of open sessions.
                     let serve = tonic::transport::Server::builder()
+                        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
                         .add_service(ControlServer::new(Service { status, hub }))
                         .serve_with_incoming_shutdown(incoming, async move {
                             let _ = graceful.wait_for(|&s| s).await;
