@@ -9,14 +9,19 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_control::agent::{run_agent, AgentEnd, AgentOptions};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct AgentArgs {
+    /// TOML file whose `[agent]` table holds any of the settings below, named as the flags are
+    /// (`connect_timeout` for `--connect-timeout`); flags override it. The rest of the file is
+    /// not the agent's (a deployment's one file may hold the job's and the controller's).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// The controller's address (host:port, as `lazarus controller --listen` printed it).
     #[arg(long, value_name = "ADDR")]
-    controller: String,
+    controller: Option<String>,
     /// Worker slots of this node (one worker process per GPU).
     #[arg(long, value_name = "G")]
-    gpus: usize,
+    gpus: Option<usize>,
     /// The address this node's workers listen on for their peers (default: the one this host
     /// reaches the controller from).
     #[arg(long, value_name = "IP")]
@@ -29,7 +34,41 @@ pub struct AgentArgs {
     connect_timeout: Option<f64>,
 }
 
+/// The `[agent]` table of a `--config` file.
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct AgentTable {
+    controller: Option<String>,
+    gpus: Option<usize>,
+    host: Option<IpAddr>,
+    secret_file: Option<PathBuf>,
+    connect_timeout: Option<f64>,
+}
+
+/// `args` with what its `--config` file's `[agent]` table says where no flag did.
+fn with_config_table(args: &AgentArgs) -> Result<AgentArgs> {
+    let mut a = args.clone();
+    let Some(path) = &args.config else { return Ok(a) };
+    let text = crate::io::read_text("config", path, 1 << 20)?;
+    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    let Some(table) = file.remove("agent") else {
+        bail!("invalid --config {}: it has no [agent] table (the agent's settings)", path.display())
+    };
+    let t: AgentTable = table.try_into().with_context(|| format!("invalid --config {}: in its [agent] table", path.display()))?;
+    a.controller = a.controller.or(t.controller);
+    a.gpus = a.gpus.or(t.gpus);
+    a.host = a.host.or(t.host);
+    a.secret_file = a.secret_file.or(t.secret_file);
+    a.connect_timeout = a.connect_timeout.or(t.connect_timeout);
+    Ok(a)
+}
+
 pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
+    let args = &with_config_table(args)?;
+    let Some(controller) = &args.controller else {
+        bail!("lazarus agent needs --controller ADDR (or controller in the [agent] table of --config)")
+    };
+    let Some(gpus) = args.gpus else { bail!("lazarus agent needs --gpus G (or gpus in the [agent] table of --config)") };
     let secret = match (&args.secret_file, std::env::var("LAZARUS_SECRET")) {
         (Some(path), _) => crate::train::workers::secret_from_file(path, false)?,
         (None, Ok(hex)) => lazarus_control::protocol::parse_secret(hex.trim())
@@ -40,13 +79,8 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     if !connect.is_finite() || connect <= 0.0 || connect > 86_400.0 {
         bail!("invalid --connect-timeout: {connect} (expected seconds, more than 0 and at most 86400)");
     }
-    let opts = AgentOptions {
-        controller: args.controller.clone(),
-        gpus: args.gpus,
-        host: args.host,
-        secret,
-        connect_within: Duration::from_secs_f64(connect),
-    };
+    let opts =
+        AgentOptions { controller: controller.clone(), gpus, host: args.host, secret, connect_within: Duration::from_secs_f64(connect) };
     let end = run_agent(&opts, |ranks| {
         let ranks: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
         tracing::info!("agent: started workers (ranks {})", ranks.join(", "));
@@ -63,5 +97,26 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
             Ok(())
         }
         AgentEnd::Stopped(why) => bail!("agent stopped: {why}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: AgentArgs,
+    }
+
+    #[test]
+    fn the_deployment_example_configures_an_agent_and_flags_override_it() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/lazarus.toml");
+        let argv = ["agent", "--config", path.to_str().unwrap(), "--gpus", "8"];
+        let a = with_config_table(&Cli::try_parse_from(argv).unwrap().args).unwrap();
+        assert_eq!((a.controller.as_deref(), a.gpus, a.connect_timeout), (Some("10.0.0.1:7070"), Some(8), Some(30.0)));
+        assert_eq!(a.secret_file.as_deref(), Some(std::path::Path::new("/etc/lazarus/job.secret")));
     }
 }

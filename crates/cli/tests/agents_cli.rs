@@ -215,6 +215,37 @@ fn half_open_connections_do_not_starve_the_controller() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A job configured from one file: the controller's settings and the job's workers from its
+/// `[controller]` table, every agent's from `[agent]`, the command line adding the rest.
+#[test]
+fn a_controller_and_its_agents_run_from_one_config_file() {
+    let d = dir("agents-config");
+    let (path, secret, file) = (d.join("log.jsonl"), d.join("secret"), d.join("job.toml"));
+    std::fs::write(
+        &file,
+        format!(
+            "steps = 8\n\n[controller]\nlisten = \"127.0.0.1:0\"\nsecret_file = {:?}\nworkers = 2\ngpus_per_node = 1\n\n[agent]\ngpus = 1\nsecret_file = {:?}\n",
+            secret.to_str().unwrap(),
+            secret.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let (file_s, log_s) = (file.to_str().unwrap().to_string(), path.to_str().unwrap().to_string());
+    let mut args = vec!["--config", &file_s, "--json-log", &log_s];
+    args.extend(tiny());
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| spawn_lazarus(&["agent", "--config", &file_s, "--controller", &addr], &[])).collect();
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    }
+    assert_eq!(log(&path).0.len(), 8, "the file's steps, on the file's two workers");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A TCP proxy on loopback to `to` that records every byte both ways.
 fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
     use std::io::{Read, Write};

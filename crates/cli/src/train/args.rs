@@ -7,11 +7,16 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_model::{DataSource, TokenWidth, TrainConfig};
 
-#[derive(Args, Debug, Default)]
+#[derive(Args, Debug, Default, Clone)]
 pub struct TrainArgs {
-    /// TOML file with any of the settings below (flags override it).
+    /// TOML file with any of the settings below (flags override it); `lazarus controller`
+    /// also reads its `[controller]` table (docs/usage.md, deploy/controller.toml).
     #[arg(long, value_name = "FILE")]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
+    /// The tables of the `--config` file this command reads besides the training settings
+    /// (`controller` for `lazarus controller`); another command's table is refused.
+    #[arg(skip)]
+    pub(crate) config_tables: &'static [&'static str],
     /// Total optimizer steps.
     #[arg(long)]
     pub(crate) steps: Option<u64>,
@@ -294,6 +299,23 @@ fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
     out
 }
 
+/// The `--config` file's training settings: the file without the tables of commands (a
+/// deployment's one file may hold `[agent]` for its agents; `[controller]` is refused where
+/// the command is not `lazarus controller`, which reads it itself).
+fn config_text(args: &TrainArgs, path: &Path) -> Result<String> {
+    let text = crate::io::read_text("config", path, 1 << 20)?;
+    let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    if table.contains_key("controller") && !args.config_tables.contains(&"controller") {
+        bail!(
+            "invalid --config {}: its [controller] table holds `lazarus controller`'s settings, which this command does not use",
+            path.display()
+        );
+    }
+    table.remove("controller");
+    table.remove("agent");
+    Ok(toml::to_string(&table)?)
+}
+
 /// The total steps of a resumed run: `--steps`, else the `--config` file's `steps` if it sets
 /// them, else the checkpoint's.
 pub fn resume_steps(args: &TrainArgs) -> Result<Option<u64>> {
@@ -301,8 +323,7 @@ pub fn resume_steps(args: &TrainArgs) -> Result<Option<u64>> {
         return Ok(args.steps);
     }
     let Some(path) = &args.config else { return Ok(None) };
-    let said: toml::Value =
-        toml::from_str(&crate::io::read_text("config", path, 1 << 20)?).with_context(|| format!("invalid --config {}", path.display()))?;
+    let said: toml::Value = toml::from_str(&config_text(args, path)?).with_context(|| format!("invalid --config {}", path.display()))?;
     match said.get("steps") {
         Some(v) => Ok(Some(
             v.as_integer()
@@ -324,7 +345,7 @@ pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<(
         bail!("--resume continues the checkpoint's run with its own settings; the flags would change {}", changed.join(", "));
     }
     let Some(path) = &args.config else { return Ok(()) };
-    let text = crate::io::read_text("config", path, 1 << 20)?;
+    let text = config_text(args, path)?;
     toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?;
     // Only what the file itself says (its missing keys are defaults, not settings).
     let said: toml::Value = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
@@ -433,7 +454,7 @@ fn lock_checkpoint_dir(dir: &Path) -> Result<()> {
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     let mut c = match &args.config {
         Some(path) => {
-            let text = crate::io::read_text("config", path, 1 << 20)?;
+            let text = config_text(args, path)?;
             toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?
         }
         None => TrainConfig::default(),

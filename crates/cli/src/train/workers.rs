@@ -45,11 +45,12 @@ fn plan_source(args: &TrainArgs, steps_left: u64) -> Result<PlanSource> {
 }
 
 /// `lazarus controller`: the controller of a job whose workers node agents of other hosts run.
-#[derive(clap::Args, Debug)]
+/// Every setting may also come from the `[controller]` table of `--config` (flags override it).
+#[derive(clap::Args, Debug, Clone)]
 pub struct ControllerArgs {
     /// Where agents attach and `lazarus status` asks (host:port; port 0: any free port).
     #[arg(long, value_name = "ADDR")]
-    pub listen: String,
+    pub listen: Option<String>,
     /// The job's secret, 32 hex digits: read from this file, or written to it (mode 0600) when
     /// it does not exist. Agents take the same file (or LAZARUS_SECRET). Default: a fresh
     /// secret, printed with the command that starts an agent.
@@ -68,6 +69,52 @@ pub struct ControllerArgs {
     pub join_wait: Option<f64>,
     #[command(flatten)]
     pub train: TrainArgs,
+}
+
+/// The `[controller]` table of a `--config` file: the controller's own settings and the job's
+/// workers, as its flags name them (`max_workers` for `--max-workers`, …).
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct ControllerTable {
+    listen: Option<String>,
+    secret_file: Option<PathBuf>,
+    wait_agents: Option<f64>,
+    max_workers: Option<usize>,
+    join_wait: Option<f64>,
+    workers: Option<usize>,
+    gpus_per_node: Option<usize>,
+    lease: Option<f64>,
+    heartbeat: Option<f64>,
+    comm_timeout: Option<f64>,
+    rebalance_every: Option<u64>,
+}
+
+/// `args` with what its `--config` file's `[controller]` table says where no flag did.
+fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
+    let mut a = args.clone();
+    a.train.config_tables = &["controller"];
+    let Some(path) = &args.train.config else { return Ok(a) };
+    let text = crate::io::read_text("config", path, 1 << 20)?;
+    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    let Some(table) = file.remove("controller") else { return Ok(a) };
+    let t: ControllerTable = table.try_into().with_context(|| format!("invalid --config {}: in its [controller] table", path.display()))?;
+    fn or<T>(flag: &mut Option<T>, file: Option<T>) {
+        if flag.is_none() {
+            *flag = file;
+        }
+    }
+    or(&mut a.listen, t.listen);
+    or(&mut a.secret_file, t.secret_file);
+    or(&mut a.wait_agents, t.wait_agents);
+    or(&mut a.max_workers, t.max_workers);
+    or(&mut a.join_wait, t.join_wait);
+    or(&mut a.train.workers, t.workers);
+    or(&mut a.train.gpus_per_node, t.gpus_per_node);
+    or(&mut a.train.lease, t.lease);
+    or(&mut a.train.heartbeat, t.heartbeat);
+    or(&mut a.train.comm_timeout, t.comm_timeout);
+    or(&mut a.train.rebalance_every, t.rebalance_every);
+    Ok(a)
 }
 
 /// Most seconds `lazarus controller --wait-agents` may wait.
@@ -99,8 +146,14 @@ pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
 
 /// `lazarus controller --listen ADDR --workers N …`.
 pub fn run_controller(args: &ControllerArgs) -> Result<()> {
+    let args = &with_config_table(args)?;
+    let Some(listen) = &args.listen else {
+        bail!("lazarus controller needs --listen ADDR (or listen in the [controller] table of --config)")
+    };
     if args.train.workers.is_none() {
-        bail!("lazarus controller needs --workers N (the job's workers, over all agents)");
+        bail!(
+            "lazarus controller needs --workers N (the job's workers, over all agents; or workers in the [controller] table of --config)"
+        );
     }
     if args.train.replay.is_some() || args.train.replay_scale.is_some() || args.train.replay_notice {
         bail!("--replay kills and starts local agents: use lazarus train --workers N --gpus-per-node G --replay …");
@@ -109,7 +162,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         bail!("--status-listen: the controller answers lazarus status at --listen");
     }
     let listen: SocketAddr =
-        args.listen.parse().map_err(|_| anyhow::anyhow!("invalid --listen: {:?} (expected host:port, e.g. 0.0.0.0:7070)", args.listen))?;
+        listen.parse().map_err(|_| anyhow::anyhow!("invalid --listen: {listen:?} (expected host:port, e.g. 0.0.0.0:7070)"))?;
     let wait = args.wait_agents.unwrap_or(600.0);
     if !wait.is_finite() || wait <= 0.0 || wait > MAX_WAIT_AGENTS_S {
         bail!("invalid --wait-agents: {wait} (expected seconds, more than 0 and at most {MAX_WAIT_AGENTS_S})");
@@ -430,4 +483,53 @@ fn recovery(args: &TrainArgs) -> Result<Option<Recovery>> {
         r.rebalance_every = k;
     }
     Ok(Some(r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ControllerArgs,
+    }
+
+    fn parse(argv: &[&str]) -> ControllerArgs {
+        Cli::try_parse_from(std::iter::once("controller").chain(argv.iter().copied())).unwrap().args
+    }
+
+    fn deploy_file() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/lazarus.toml")
+    }
+
+    #[test]
+    fn the_deployment_example_configures_the_controller_and_its_job_and_flags_override_it() {
+        let path = deploy_file();
+        let a = with_config_table(&parse(&["--config", path.to_str().unwrap(), "--max-workers", "32"])).unwrap();
+        assert_eq!(a.listen.as_deref(), Some("0.0.0.0:7070"));
+        assert_eq!((a.train.workers, a.train.gpus_per_node, a.max_workers), (Some(16), Some(4), Some(32)), "the flag wins");
+        assert_eq!((a.join_wait, a.wait_agents, a.train.lease, a.train.heartbeat), (Some(120.0), Some(600.0), Some(1.0), Some(0.2)));
+        assert_eq!(a.secret_file.as_deref(), Some(std::path::Path::new("/etc/lazarus/job.secret")));
+        // The training settings of the same file.
+        let cfg = crate::train::args::build_config(&a.train).unwrap();
+        assert_eq!((cfg.steps, cfg.model.n_experts, cfg.checkpoint_every), (2000, 16, 100));
+    }
+
+    #[test]
+    fn a_controller_table_with_an_unknown_setting_is_refused_naming_it() {
+        let d = std::env::temp_dir().join(format!("lazarus-controller-table-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let path = d.join("c.toml");
+        std::fs::write(&path, "[controller]\nlisten = \"127.0.0.1:0\"\nmax_worker = 3\n").unwrap();
+        let e = format!("{:#}", with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap_err());
+        assert!(e.contains("[controller]") && e.contains("max_worker"), "{e}");
+        // `lazarus train` has no use for the table: refused, not ignored.
+        let mut train = TrainArgs::default();
+        train.config = Some(path.clone());
+        let e = format!("{:#}", crate::train::args::build_config(&train).unwrap_err());
+        assert!(e.contains("[controller] table") && e.contains("does not use"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }
