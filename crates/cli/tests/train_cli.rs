@@ -373,6 +373,39 @@ fn only_the_newest_checkpoints_are_kept() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A run started over another's checkpoints (--overwrite-checkpoints) keeps them, aside; when
+/// its own newest is damaged and `latest` is gone, --resume goes back to its own older
+/// checkpoint — never on with the other run.
+#[test]
+fn a_fallback_never_crosses_runs() {
+    let d = dir("runs");
+    let ck = d.join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let run = |steps: &str, extra: &[&str]| {
+        let mut args = vec!["train", "--steps", steps, "--checkpoint-dir", ck_s, "--checkpoint-every", "2", "--keep-checkpoints", "0"];
+        args.extend(extra);
+        args.extend(tiny());
+        lazarus(&args)
+    };
+    let out = run("8", &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run("4", &["--overwrite-checkpoints"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("earlier run's checkpoints are kept in"), "{err}");
+    let kept: Vec<_> = std::fs::read_dir(ck.join("previous-runs")).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1);
+    assert!(kept[0].path().join("step-00000008").join("manifest.json").is_file(), "the old run's newest is kept");
+    // The new run's newest damaged, `latest` gone: back to its step 2, not on from the old 8.
+    std::fs::write(ck.join("step-00000004").join("model.safetensors"), b"garbage").unwrap();
+    std::fs::remove_file(ck.join("latest")).unwrap();
+    let out = run("6", &["--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("resumed from") && err.contains("at step 2"), "{err}");
+    assert!(err.contains("newer checkpoint(s) of this run would be written over; kept in"), "the damaged step 4 is set aside: {err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// One process, and worker processes with and without recovery (the controller asks every
 /// worker to finish after the same step): SIGTERM ends the run at a step boundary with the final
 /// checkpoint, and `--resume` goes on from it.

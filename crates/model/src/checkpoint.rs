@@ -6,8 +6,11 @@
 //! crash at any moment leaves the previous checkpoint intact and `latest` pointing at a
 //! complete one. The manifest holds each tensor file's length and CRC-32, checked on load, and a
 //! tensor that is not finite is never saved; a damaged newest checkpoint gives way to the newest
-//! intact one ([`load_intact`]). Temporary directories a failed write left behind are removed by
-//! the next save.
+//! intact one ([`load_intact`]) — of the same run: a directory belongs to one run (`run` names
+//! it), a new run sets the old one's checkpoints aside ([`start_run`]), a fallback never
+//! crosses runs, and a resume from an older checkpoint sets the newer ones aside, saying so,
+//! before it can write over them ([`set_aside_newer`]). Temporary directories a failed write
+//! left behind are removed by the next save.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -24,6 +27,8 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const MANIFEST_FILE: &str = "manifest.json";
 pub const LATEST_FILE: &str = "latest";
+/// The file naming the run a checkpoint directory belongs to.
+pub const RUN_FILE: &str = "run";
 
 /// Everything a checkpoint holds besides tensors. `extra` is the trainer's own state (config,
 /// cursor, …) as JSON, so this module does not depend on it.
@@ -40,6 +45,9 @@ pub struct Manifest {
     /// written before they were kept: those load unchecked).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, FileSum>,
+    /// The run that wrote it (absent in checkpoints written before runs were named).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
 }
 
 /// What a tensor file must be to be the one that was written.
@@ -223,11 +231,108 @@ pub fn load_intact(dir: &Path, device: &Device) -> Result<(CheckpointData, Vec<S
     let mut older: Vec<(u64, PathBuf)> = step_dirs(dir)?.into_iter().filter(|(_, p)| Some(p) != latest.as_ref()).collect();
     older.sort_by_key(|o| std::cmp::Reverse(o.0));
     let mut passed = vec![format!("{}: {first}", latest.as_deref().unwrap_or(&dir.join(LATEST_FILE)).display())];
+    // A fallback stays within the directory's run: another run's checkpoint is no older state
+    // of this one.
+    let run = dir_run(dir);
     for (_, path) in older {
+        let written_by = manifest_run(&path);
+        if run.is_some() && written_by != run {
+            passed.push(format!(
+                "{}: written by run {}, not this directory's run {}",
+                path.display(),
+                written_by.as_deref().unwrap_or("(unnamed)"),
+                run.as_deref().unwrap_or_default()
+            ));
+            continue;
+        }
         match load(&path, device) {
             Ok(ck) => return Ok((ck, passed)),
             Err(e) => passed.push(format!("{}: {e}", path.display())),
         }
     }
     Err(ModelError::Checkpoint { path: dir.to_path_buf(), reason: format!("no intact checkpoint: {}", passed.join("; ")) })
+}
+
+/// The run `dir` belongs to (its `run` file), if it names one.
+pub fn dir_run(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(RUN_FILE)).ok()?;
+    let run = text.trim();
+    (!run.is_empty()).then(|| run.to_string())
+}
+
+/// The run that wrote the checkpoint at `path`, read from its manifest alone.
+fn manifest_run(path: &Path) -> Option<String> {
+    let text = std::fs::read(path.join(MANIFEST_FILE)).ok()?;
+    serde_json::from_slice::<Manifest>(&text).ok()?.run
+}
+
+/// A fresh run id: 16 hex digits from the operating system's random source.
+pub fn fresh_run_id() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).map_err(|e| ModelError::io("/dev/urandom", e))?;
+    Ok(format!("{:016x}", u64::from_le_bytes(b)))
+}
+
+/// Seconds since the epoch, for the names of directories set aside.
+fn now_s() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Move `names` of `dir` into `dir/aside` (created), keeping their names.
+fn move_aside(dir: &Path, names: &[PathBuf], aside: &Path) -> Result<()> {
+    std::fs::create_dir_all(aside).map_err(|e| ModelError::io(aside, e))?;
+    for path in names {
+        let Some(name) = path.file_name() else { continue };
+        std::fs::rename(path, aside.join(name)).map_err(|e| ModelError::io(path, e))?;
+    }
+    sync_dir(aside)?;
+    sync_dir(dir)
+}
+
+/// Make `dir` run `run`'s: the checkpoints of a run that wrote there before (its `step-*`,
+/// `latest` and `run`) move into `dir/previous-runs/RUN-SECONDS/` — nothing is deleted, and
+/// nothing of the old run can be taken for the new one's. Returns where they went, if anywhere.
+pub fn start_run(dir: &Path, run: &str) -> Result<Option<PathBuf>> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mut old: Vec<PathBuf> = step_dirs(dir)?.into_iter().map(|(_, p)| p).collect();
+    for file in [LATEST_FILE, RUN_FILE] {
+        if dir.join(file).exists() {
+            old.push(dir.join(file));
+        }
+    }
+    let aside = if old.is_empty() {
+        None
+    } else {
+        let previous = dir_run(dir).unwrap_or_else(|| "unnamed".to_string());
+        let aside = dir.join("previous-runs").join(format!("{previous}-{}", now_s()));
+        move_aside(dir, &old, &aside)?;
+        Some(aside)
+    };
+    let tmp = dir.join(format!(".{RUN_FILE}.tmp-{}", std::process::id()));
+    write_synced(&tmp, run.as_bytes())?;
+    std::fs::rename(&tmp, dir.join(RUN_FILE)).map_err(|e| ModelError::io(dir.join(RUN_FILE), e))?;
+    sync_dir(dir)?;
+    Ok(aside)
+}
+
+/// A run resumed from its checkpoint of `step`: its checkpoints of later steps (newer than the
+/// one it goes on from: `latest` pointed back, or a damaged newest passed over) would be
+/// written over as it trains again; they move into `dir/superseded/after-step-N-SECONDS/`
+/// first, and `latest` names the checkpoint resumed from. Returns what moved.
+pub fn set_aside_newer(dir: &Path, step: u64) -> Result<Vec<PathBuf>> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Ok(Vec::new()); // a checkpoint directory named itself: nothing to set aside
+    }
+    let newer: Vec<PathBuf> = step_dirs(dir)?.into_iter().filter(|(s, _)| *s > step).map(|(_, p)| p).collect();
+    if newer.is_empty() {
+        return Ok(newer);
+    }
+    let aside = dir.join("superseded").join(format!("after-step-{step:08}-{}", now_s()));
+    move_aside(dir, &newer, &aside)?;
+    let latest_tmp = dir.join(format!(".{LATEST_FILE}.tmp-{}", std::process::id()));
+    write_synced(&latest_tmp, format!("step-{step:08}").as_bytes())?;
+    std::fs::rename(&latest_tmp, dir.join(LATEST_FILE)).map_err(|e| ModelError::io(dir.join(LATEST_FILE), e))?;
+    sync_dir(dir)?;
+    Ok(newer.iter().filter_map(|p| p.file_name()).map(|n| aside.join(n)).collect())
 }

@@ -80,6 +80,9 @@ pub struct TrainConfig {
     pub keep_checkpoints: usize,
     /// f32, or bf16 mixed precision (checkpoints are f32 either way).
     pub dtype: Precision,
+    /// The run's id: drawn when a run starts, kept by every checkpoint of it and by a resume,
+    /// so that a checkpoint directory never mixes two runs ([`checkpoint::start_run`]).
+    pub run: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -101,6 +104,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             dtype: Precision::F32,
+            run: None,
         }
     }
 }
@@ -373,6 +377,7 @@ impl Trainer {
             optimizer_steps: self.optimizer.steps(),
             extra,
             files: Default::default(),
+            run: self.config.run.clone(),
         };
         checkpoint::save(dir, &manifest, &weights, &moments, self.config.keep_checkpoints)
     }

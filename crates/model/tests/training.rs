@@ -73,6 +73,56 @@ fn a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one() {
     assert!(err.contains("no intact checkpoint") && err.contains("step-00000001") && err.contains("step-00000002"), "{err}");
 }
 
+/// A run that starts over another's checkpoints sets them aside; when the new run's newest is
+/// damaged its fallback never reaches back into the old run, and a resume from an older
+/// checkpoint sets the newer ones aside before it could write over them.
+#[test]
+fn a_checkpoint_directory_never_mixes_two_runs() {
+    use lazarus_model::checkpoint;
+    let dir = temp_dir("runs");
+    // The old run: steps 1 to 4.
+    let mut old = Trainer::new(TrainConfig { run: Some("0ld".into()), keep_checkpoints: 0, ..small() }).unwrap();
+    checkpoint::start_run(&dir, "0ld").unwrap();
+    for _ in 0..4 {
+        old.step().unwrap();
+        old.save_checkpoint(&dir).unwrap();
+    }
+    // A new run over it: the old checkpoints are kept, aside.
+    let aside = checkpoint::start_run(&dir, "new").unwrap().expect("the old run's checkpoints are set aside");
+    assert!(aside.starts_with(dir.join("previous-runs")) && aside.join("step-00000004").join("manifest.json").is_file());
+    assert_eq!(checkpoint::dir_run(&dir).as_deref(), Some("new"));
+    let mut new = Trainer::new(TrainConfig { run: Some("new".into()), keep_checkpoints: 0, ..small() }).unwrap();
+    for _ in 0..2 {
+        new.step().unwrap();
+        new.save_checkpoint(&dir).unwrap();
+    }
+    // An old-run checkpoint copied back in is no fallback for the new run.
+    let stray = dir.join("step-00000001");
+    std::fs::remove_dir_all(&stray).unwrap();
+    std::fs::rename(aside.join("step-00000001"), &stray).unwrap();
+    std::fs::write(dir.join("step-00000002").join("model.safetensors"), b"garbage").unwrap();
+    let err = Trainer::resume(&dir, None).err().expect("no intact checkpoint of this run").to_string();
+    assert!(err.contains("written by run 0ld, not this directory's run new"), "{err}");
+    // A resume from step 1 of the run sets its steps 2 and 3 aside and points `latest` there.
+    std::fs::remove_dir_all(&stray).unwrap();
+    let mut again = Trainer::new(TrainConfig { run: Some("new".into()), keep_checkpoints: 0, ..small() }).unwrap();
+    again.step().unwrap();
+    again.save_checkpoint(&dir).unwrap();
+    std::fs::remove_dir_all(dir.join("step-00000002")).unwrap();
+    again.step().unwrap();
+    again.step().unwrap();
+    again.save_checkpoint(&dir).unwrap();
+    std::fs::write(dir.join("latest"), "step-00000001").unwrap();
+    let resumed = Trainer::resume(&dir, None).unwrap();
+    assert_eq!((resumed.step, resumed.config.run.as_deref()), (1, Some("new")), "a resume keeps the run");
+    let moved = checkpoint::set_aside_newer(&dir, resumed.step).unwrap();
+    assert_eq!(moved.len(), 1);
+    assert!(moved[0].ends_with("step-00000003") && moved[0].join("manifest.json").is_file());
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), "step-00000001");
+    assert!(!dir.join("step-00000003").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// One flipped bit inside a tensor still parses as safetensors: only the checksum finds it.
 #[test]
 fn a_flipped_byte_inside_a_tensor_is_found_on_load() {

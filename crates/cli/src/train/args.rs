@@ -538,15 +538,44 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
 /// `copies` processes holding the model.
 pub fn setup_run(args: &TrainArgs, copies: u128) -> Result<TrainConfig> {
     args.check_combinations()?;
-    let cfg = build_config(args)?;
+    let mut cfg = build_config(args)?;
     if args.keep_checkpoints.is_some() && cfg.checkpoint_dir.is_none() {
         bail!("--keep-checkpoints needs --checkpoint-dir (or checkpoint_dir in --config)");
     }
     check_checkpoint_dir(&cfg, args.resume, args.overwrite_checkpoints)?;
     if !args.resume {
         check_fits(&cfg, copies)?;
+        start_run(&mut cfg)?;
     }
     Ok(cfg)
+}
+
+/// A fresh run gets its id; its checkpoint directory becomes its own (what an earlier run left
+/// there — allowed by --overwrite-checkpoints — is set aside, not deleted, and said where).
+fn start_run(cfg: &mut TrainConfig) -> Result<()> {
+    let run = lazarus_model::checkpoint::fresh_run_id()?;
+    if let Some(dir) = &cfg.checkpoint_dir {
+        let aside = lazarus_model::checkpoint::start_run(dir, &run).with_context(|| format!("--checkpoint-dir {}", dir.display()))?;
+        if let Some(aside) = aside {
+            tracing::warn!("--overwrite-checkpoints: the earlier run's checkpoints are kept in {}", aside.display());
+        }
+    }
+    cfg.run = Some(run);
+    Ok(())
+}
+
+/// A run resumed from `dir` at `step`: its checkpoints of later steps are set aside before the
+/// run writes over them, and the user is told where they are.
+pub fn set_aside_newer(dir: &Path, step: u64) -> Result<()> {
+    let moved = lazarus_model::checkpoint::set_aside_newer(dir, step).with_context(|| format!("--checkpoint-dir {}", dir.display()))?;
+    if let Some(first) = moved.first() {
+        tracing::warn!(
+            "--resume goes on from step {step}: {} newer checkpoint(s) of this run would be written over; kept in {}",
+            moved.len(),
+            first.parent().unwrap_or(first).display()
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

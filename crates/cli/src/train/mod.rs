@@ -29,6 +29,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         };
         let t = Trainer::resume_on(&dir, resume_steps(args)?, &device).with_context(|| format!("resuming from {}", dir.display()))?;
         check_resumed_config(args, &t.config)?;
+        args::set_aside_newer(&dir, t.step)?;
         tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {

@@ -313,6 +313,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         };
         let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
         check_resumed_config(args, &t.config)?;
+        super::args::set_aside_newer(&dir, t.step)?;
         tracing::info!("resuming from {} at step {}", dir.display(), t.step);
         (t, Some(dir))
     } else {
