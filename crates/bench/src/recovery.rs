@@ -209,6 +209,7 @@ pub fn run_recovery_bench(
             spec.comm_timeout_s,
             Some(spec.recovery),
             &Hosts::Local { status_listen: None },
+            None,
             |event| {
                 match event {
                     TrainEvent::Ready { rank, pid } => {

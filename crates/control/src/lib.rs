@@ -11,6 +11,7 @@
 //! * [`fleet`] — the workers as that loop sees them, started here or by agents: one
 //!   [`fleet::FleetEvent`] at a time;
 //! * [`proto`] — the generated messages and stubs of the control protocol;
+//! * [`metrics`] — what a running job exposes to Prometheus (`--metrics-listen`);
 //! * [`service`] — the controller's gRPC service (`lazarus status`, and the agents' sessions);
 //! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
 //! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
@@ -25,6 +26,7 @@ mod error;
 pub mod fleet;
 pub mod hub;
 pub mod launcher;
+pub mod metrics;
 pub mod proto;
 pub mod protocol;
 pub mod service;

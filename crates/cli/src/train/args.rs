@@ -1,6 +1,7 @@
 //! The flags of `lazarus train`, the configuration they build (defaults, then a TOML file, then
 //! flags), and the checks that no flag is silently ignored and the run fits this machine.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -179,6 +180,11 @@ pub struct TrainArgs {
     /// 127.0.0.1:0, any free loopback port; "off": nowhere).
     #[arg(long, value_name = "ADDR|off")]
     pub status_listen: Option<String>,
+    /// With --workers: serve the job's metrics for Prometheus at http://ADDR/metrics (step,
+    /// loss, tokens/s, epoch, members by state, reconfigurations by cause, recovery times,
+    /// bytes moved, snapshot bytes, seconds since the last checkpoint).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
     /// With --workers: run the workers through N/G node agents (`lazarus agent` processes on
     /// loopback, G workers each) attached to the embedded controller over gRPC; a node of G
     /// workers is the unit of failure and of placement. (`lazarus controller`: the GPUs every
@@ -213,7 +219,8 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 18] = [
+        let given: [(&'static str, bool); 19] = [
+            ("--metrics-listen", self.metrics_listen.is_some()),
             ("--rebalance-every", self.rebalance_every.is_some()),
             ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),
             ("--snapshot-ceiling", self.snapshot_ceiling.is_some()),

@@ -56,6 +56,10 @@ impl JobView {
                 Ok(())
             }
             TrainEvent::Checkpointed { .. } => Ok(()),
+            TrainEvent::Metrics { addr } => {
+                tracing::info!("metrics for Prometheus: http://{addr}/metrics");
+                Ok(())
+            }
             TrainEvent::Serving { addr } => {
                 if self.remote {
                     tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);

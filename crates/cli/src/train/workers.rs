@@ -87,6 +87,7 @@ struct ControllerTable {
     heartbeat: Option<f64>,
     comm_timeout: Option<f64>,
     rebalance_every: Option<u64>,
+    metrics_listen: Option<SocketAddr>,
 }
 
 /// `args` with what its `--config` file's `[controller]` table says where no flag did.
@@ -114,6 +115,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.heartbeat, t.heartbeat);
     or(&mut a.train.comm_timeout, t.comm_timeout);
     or(&mut a.train.rebalance_every, t.rebalance_every);
+    or(&mut a.train.metrics_listen, t.metrics_listen);
     Ok(a)
 }
 
@@ -401,7 +403,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
     lazarus_control::stop_signal::install();
     let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g };
-    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, |event| {
+    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, args.metrics_listen, |event| {
         let shown = view.show(event);
         shown.map_err(|e| {
             let message = format!("{e:#}");

@@ -20,6 +20,7 @@ use crate::controller::{Controller, JobSpec, OnLoss};
 use crate::error::ControlError;
 use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
+use crate::metrics::{JobMetrics, MetricsServer};
 use crate::protocol::{TrainJob, WorkerSpec};
 use crate::service::{snapshot, GrpcServer, SharedStatus};
 use drive::drive;
@@ -260,6 +261,10 @@ pub enum TrainEvent {
     Serving {
         addr: SocketAddr,
     },
+    /// Prometheus can scrape the job's metrics here (`GET /metrics`).
+    Metrics {
+        addr: SocketAddr,
+    },
     /// An agent attached: its number, host and workers, and the workers attached so far.
     AgentJoined {
         agent: u64,
@@ -322,7 +327,9 @@ pub struct AgentsSpec {
 /// (and a plan the controller can re-plan: one rank per plan node), a lost worker does not end
 /// the run: the controller moves the survivors to a new plan (or rolls them back to the last
 /// checkpoint) and training goes on. Without it, the same controller ends the run at the first
-/// failure (local workers only). Collectives time out after `comm_timeout_s`.
+/// failure (local workers only). Collectives time out after `comm_timeout_s`. With
+/// `metrics_listen`, Prometheus can scrape the job's metrics there.
+#[allow(clippy::too_many_arguments)]
 pub fn run_training(
     job: &TrainJob,
     plan: Option<&ModelPlan>,
@@ -330,6 +337,7 @@ pub fn run_training(
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
     hosts: &Hosts,
+    metrics_listen: Option<SocketAddr>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
@@ -384,6 +392,19 @@ pub fn run_training(
     let waiting = controller(begun);
     let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
     let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
+    let metrics = Arc::new(JobMetrics::new());
+    let _metrics_server = match metrics_listen {
+        Some(addr) => {
+            let server = MetricsServer::start(addr, metrics.clone(), Some(shared.clone()))?;
+            observe(TrainEvent::Metrics { addr: server.addr() })?;
+            Some(server)
+        }
+        None => None,
+    };
+    let mut observe = |event: TrainEvent| {
+        metrics.record(&event);
+        observe(event)
+    };
     let ended = match hosts {
         Hosts::Local { status_listen } => {
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;

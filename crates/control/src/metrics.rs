@@ -1,0 +1,270 @@
+//! What a running job exposes to Prometheus (`--metrics-listen ADDR`, `GET /metrics`, the text
+//! format encoded by the `prometheus-client` crate): its progress (step, loss, tokens/s), its
+//! membership and epoch (read at scrape time from the status the controller publishes after each
+//! decision), its reconfigurations by cause with a histogram of their recovery times and the
+//! bytes they moved, the snapshot tier's bytes sent and at risk, and the seconds since the last
+//! checkpoint. The controller's loop feeds [`JobMetrics::record`] every [`TrainEvent`].
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::control_loop::TrainEvent;
+use crate::error::ControlError;
+use crate::service::SharedStatus;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Cause {
+    cause: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct State {
+    state: String,
+}
+
+/// The metrics of one job.
+pub struct JobMetrics {
+    registry: Registry,
+    step: Gauge,
+    loss: Gauge<f64, AtomicU64>,
+    tokens_per_second: Gauge<f64, AtomicU64>,
+    epoch: Gauge,
+    members: Family<State, Gauge>,
+    reconfigurations: Family<Cause, Counter>,
+    recovery_seconds: Histogram,
+    moved_bytes: Counter,
+    snapshot_bytes: Counter,
+    snapshot_at_risk_bytes: Gauge,
+    checkpoint_age_seconds: Gauge<f64, AtomicU64>,
+    last_checkpoint: Mutex<Option<Instant>>,
+    begun: Instant,
+}
+
+impl Default for JobMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl JobMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("lazarus");
+        let m = JobMetrics {
+            step: Gauge::default(),
+            loss: Gauge::default(),
+            tokens_per_second: Gauge::default(),
+            epoch: Gauge::default(),
+            members: Family::default(),
+            reconfigurations: Family::default(),
+            // 10 ms to about 5 minutes.
+            recovery_seconds: Histogram::new([0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0]),
+            moved_bytes: Counter::default(),
+            snapshot_bytes: Counter::default(),
+            snapshot_at_risk_bytes: Gauge::default(),
+            checkpoint_age_seconds: Gauge::default(),
+            last_checkpoint: Mutex::new(None),
+            begun: Instant::now(),
+            registry: Registry::default(),
+        };
+        registry.register("step", "The last step trained", m.step.clone());
+        registry.register("loss", "The loss of the last step", m.loss.clone());
+        registry.register("tokens_per_second", "Tokens trained per second in the last step", m.tokens_per_second.clone());
+        registry.register("epoch", "The job's epoch (0 at its start, one more per move)", m.epoch.clone());
+        registry.register("members", "Workers of the job by state", m.members.clone());
+        registry.register("reconfigurations", "Moves to a new plan, by cause", m.reconfigurations.clone());
+        registry.register("recovery_seconds", "From the first sign of a failure or move to the next step", m.recovery_seconds.clone());
+        registry.register("moved_bytes", "Expert state moved by reconfigurations", m.moved_bytes.clone());
+        registry.register("snapshot_bytes", "Expert snapshots sent into other nodes' memory", m.snapshot_bytes.clone());
+        registry.register("snapshot_at_risk_bytes", "Bytes of the experts at risk in the last step", m.snapshot_at_risk_bytes.clone());
+        registry.register(
+            "checkpoint_age_seconds",
+            "Seconds since the last checkpoint was written (since the job began, before any)",
+            m.checkpoint_age_seconds.clone(),
+        );
+        JobMetrics { registry, ..m }
+    }
+
+    /// Take in what the job did.
+    pub fn record(&self, event: &TrainEvent) {
+        match event {
+            TrainEvent::Step { report, seconds, snapshot, .. } => {
+                self.step.set(report.step as i64);
+                self.loss.set(report.loss);
+                if *seconds > 0.0 {
+                    self.tokens_per_second.set(report.tokens as f64 / seconds);
+                }
+                if let Some(s) = snapshot {
+                    self.snapshot_bytes.inc_by(s.bytes);
+                    self.snapshot_at_risk_bytes.set(s.at_risk_bytes as i64);
+                }
+            }
+            TrainEvent::Reconfigured(r) => {
+                self.reconfigurations.get_or_create(&Cause { cause: r.cause.as_str().to_string() }).inc();
+                self.recovery_seconds.observe(r.recovery_s);
+                self.moved_bytes.inc_by(r.transfer_bytes);
+            }
+            TrainEvent::Checkpointed { .. } => *self.last_checkpoint.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now()),
+            _ => {}
+        }
+    }
+
+    /// The text format, with what the controller's last published status says of the members
+    /// and the epoch.
+    pub fn encode(&self, status: Option<&SharedStatus>) -> String {
+        if let Some(status) = status {
+            let s = status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            self.epoch.set(s.epoch as i64);
+            self.members.clear();
+            for m in &s.members {
+                self.members.get_or_create(&State { state: m.state.clone() }).inc();
+            }
+        }
+        let since = self.last_checkpoint.lock().unwrap_or_else(|e| e.into_inner()).unwrap_or(self.begun);
+        self.checkpoint_age_seconds.set(since.elapsed().as_secs_f64());
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The HTTP endpoint Prometheus scrapes; stops when dropped.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The most bytes of a request's head read (a scrape's is a few hundred).
+const MAX_REQUEST: usize = 8 << 10;
+
+impl MetricsServer {
+    /// Serve `metrics` (and `status`'s members and epoch) at `listen`, `GET /metrics`.
+    pub fn start(listen: SocketAddr, metrics: Arc<JobMetrics>, status: Option<SharedStatus>) -> Result<Self, ControlError> {
+        let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("--metrics-listen: binding {listen}"), e))?;
+        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the metrics address", e))?;
+        listener.set_nonblocking(true).map_err(|e| ControlError::io("the metrics listener", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("lazarus-metrics".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => answer(stream, &metrics, status.as_ref()),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            })
+            .map_err(|e| ControlError::io("starting the metrics server", e))?;
+        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One request: `GET /metrics` gets the text format, anything else a 404; a client that does
+/// not send its request within a second, or sends more than [`MAX_REQUEST`] bytes of it, is
+/// dropped.
+fn answer(mut stream: TcpStream, metrics: &JobMetrics, status: Option<&SharedStatus>) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+        if head.len() > MAX_REQUEST {
+            return;
+        }
+    }
+    let line = String::from_utf8_lossy(&head);
+    let target = line.split_whitespace().take(2).collect::<Vec<_>>();
+    let (code, kind, body) = match target.as_slice() {
+        ["GET", path] if *path == "/metrics" || path.starts_with("/metrics?") => {
+            ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode(status))
+        }
+        _ => ("404 Not Found", "text/plain", "lazarus: metrics are at GET /metrics\n".to_string()),
+    };
+    let _ = write!(stream, "HTTP/1.1 {code}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control_loop::ReconfigurationRecord;
+    use crate::controller::MoveCause;
+
+    #[test]
+    fn events_become_metrics_in_the_text_format() {
+        let m = JobMetrics::new();
+        let report = lazarus_model::StepReport {
+            step: 7,
+            loss: 2.5,
+            aux_loss: 0.0,
+            tokens: 1000,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            expert_load: vec![],
+            dropped: 0,
+        };
+        m.record(&TrainEvent::Step { report, seconds: 0.5, dropped: 0, snapshot: None });
+        let r = ReconfigurationRecord {
+            event: "reconfiguration",
+            epoch: 1,
+            cause: MoveCause::Failure,
+            lost: vec![1],
+            joined: vec![],
+            step: 7,
+            detect_s: 0.01,
+            plan_s: 0.001,
+            transfer_s: 0.01,
+            transfer_bytes: 4096,
+            rebuild_s: 0.01,
+            recovery_s: 0.05,
+            workers: 2,
+            restored: vec![],
+            rollback_avoided_steps: 0,
+            gpu_used_bytes: vec![],
+        };
+        m.record(&TrainEvent::Reconfigured(r));
+        let text = m.encode(None);
+        for want in [
+            "lazarus_step 7",
+            "lazarus_loss 2.5",
+            "lazarus_tokens_per_second 2000.0",
+            "lazarus_reconfigurations_total{cause=\"reconfigure\"} 1",
+            "lazarus_recovery_seconds_bucket{le=\"0.1\"} 1",
+            "lazarus_moved_bytes_total 4096",
+            "# EOF",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+    }
+}
