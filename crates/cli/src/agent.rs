@@ -49,12 +49,9 @@ struct AgentTable {
 fn with_config_table(args: &AgentArgs) -> Result<AgentArgs> {
     let mut a = args.clone();
     let Some(path) = &args.config else { return Ok(a) };
-    let text = crate::io::read_text("config", path, 1 << 20)?;
-    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
-    let Some(table) = file.remove("agent") else {
+    let Some(t) = crate::io::config_table::<AgentTable>(path, "agent")? else {
         bail!("invalid --config {}: it has no [agent] table (the agent's settings)", path.display())
     };
-    let t: AgentTable = table.try_into().with_context(|| format!("invalid --config {}: in its [agent] table", path.display()))?;
     a.controller = a.controller.or(t.controller);
     a.gpus = a.gpus.or(t.gpus);
     a.host = a.host.or(t.host);

@@ -10,6 +10,15 @@ use anyhow::{bail, Context, Result};
 /// Largest JSON input (plans, loads, routing and load traces) read from a file.
 pub const MAX_JSON_BYTES: u64 = 64 << 20;
 
+/// The `[name]` table of the `--config` file at `path`, as `T` (None: the file has none). A
+/// deployment's one file holds a table per command; each reads its own.
+pub fn config_table<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> Result<Option<T>> {
+    let text = read_text("config", path, 1 << 20)?;
+    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
+    let Some(table) = file.remove(name) else { return Ok(None) };
+    table.try_into().map(Some).with_context(|| format!("invalid --config {}: in its [{name}] table", path.display()))
+}
+
 /// The text of `path`, given with `--{flag}`, at most `max` bytes.
 pub fn read_text(flag: &str, path: &Path, max: u64) -> Result<String> {
     let file = std::fs::File::open(path).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;

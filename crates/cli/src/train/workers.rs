@@ -95,10 +95,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     let mut a = args.clone();
     a.train.config_tables = &["controller"];
     let Some(path) = &args.train.config else { return Ok(a) };
-    let text = crate::io::read_text("config", path, 1 << 20)?;
-    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
-    let Some(table) = file.remove("controller") else { return Ok(a) };
-    let t: ControllerTable = table.try_into().with_context(|| format!("invalid --config {}: in its [controller] table", path.display()))?;
+    let Some(t) = crate::io::config_table::<ControllerTable>(path, "controller")? else { return Ok(a) };
     fn or<T>(flag: &mut Option<T>, file: Option<T>) {
         if flag.is_none() {
             *flag = file;
