@@ -13,6 +13,10 @@ pub struct StatusArgs {
     /// The controller's status address (printed by `lazarus train --workers N`).
     #[arg(long, value_name = "HOST:PORT")]
     controller: String,
+    /// The job's secret (the controller's --secret-file): the status key is derived from it.
+    /// Default: LAZARUS_STATUS_TOKEN (as the controller printed it), else LAZARUS_SECRET.
+    #[arg(long, value_name = "FILE")]
+    secret_file: Option<std::path::PathBuf>,
     /// Seconds to wait for an answer.
     #[arg(long, default_value_t = 5.0)]
     timeout: f64,
@@ -20,11 +24,34 @@ pub struct StatusArgs {
     json: bool,
 }
 
+/// The key the status request proves: from the secret file, the printed token, or the secret
+/// in the environment.
+fn status_key(args: &StatusArgs) -> Result<u128> {
+    use lazarus_control::protocol::parse_secret;
+    use lazarus_control::service::status_key;
+    if let Some(path) = &args.secret_file {
+        return Ok(status_key(crate::train::workers::secret_from_file(path, false)?));
+    }
+    if let Ok(token) = std::env::var("LAZARUS_STATUS_TOKEN") {
+        return u128::from_str_radix(token.trim(), 16)
+            .ok()
+            .filter(|_| token.trim().len() == 32)
+            .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_STATUS_TOKEN: expected 32 hex digits, as the controller printed them"));
+    }
+    if let Ok(hex) = std::env::var("LAZARUS_SECRET") {
+        let secret =
+            parse_secret(hex.trim()).ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits drawn at random"))?;
+        return Ok(status_key(secret));
+    }
+    bail!("the status is the job's: give --secret-file FILE (the controller's), or LAZARUS_STATUS_TOKEN as the controller printed it")
+}
+
 pub fn run_status(args: &StatusArgs) -> Result<()> {
     if !args.timeout.is_finite() || !(0.01..=600.0).contains(&args.timeout) {
         bail!("invalid --timeout: {} (expected seconds between 0.01 and 600)", args.timeout);
     }
-    let s = query(&args.controller, Duration::from_secs_f64(args.timeout))?;
+    let key = status_key(args)?;
+    let s = query(&args.controller, Duration::from_secs_f64(args.timeout), key)?;
     if args.json {
         let members: Vec<serde_json::Value> = s
             .members

@@ -79,7 +79,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     args.extend(["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5", "--lease", "0.5"]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
     // Before any agent attached, its workers are expected, not alive.
-    let out = lazarus(&["status", "--controller", &addr]);
+    let out = lazarus(&["status", "--controller", &addr, "--secret-file", &secret_s]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("members    0 alive of 4, 4 starting"), "{text}");
     assert!(text.contains("starting: not heard from yet") && !text.contains("heard 0.00 s ago"), "{text}");
@@ -97,7 +97,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "2", &secret, None)).collect();
     wait_for_steps(&path, 12);
     // The status service answers at the same address.
-    let out = lazarus(&["status", "--controller", &addr, "--json"]);
+    let out = lazarus(&["status", "--controller", &addr, "--json", "--secret-file", &secret_s]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let st: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(st["members"].as_array().map(Vec::len), Some(4), "{st}");
@@ -194,7 +194,7 @@ fn half_open_connections_do_not_starve_the_controller() {
     assert!(!silent.is_empty());
     let until = Instant::now() + Duration::from_secs(30);
     let answered = loop {
-        let out = lazarus(&["status", "--controller", &addr, "--timeout", "3"]);
+        let out = lazarus(&["status", "--controller", &addr, "--timeout", "3", "--secret-file", &secret_s]);
         if out.status.success() {
             break true;
         }

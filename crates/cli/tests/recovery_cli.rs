@@ -11,8 +11,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_same_losses, cursor, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, uninterrupted_with_cursor, wait_for_steps,
-    worker_pids,
+    assert_same_losses, cursor, dir, lazarus, log, signal, spawn_lazarus, status_with_token, uninterrupted, uninterrupted_with_cursor,
+    wait_for_steps, worker_pids,
 };
 use serde_json::Value;
 
@@ -377,16 +377,24 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     let mut args = vec!["train", "--workers", "3", "--steps", "100000", "--json-log", &log_s, "--rebalance-every", "0"];
     args.extend(tiny());
     let (mut child, rx) = spawn_lazarus(&args, &[]);
-    let mut addr = None;
+    let mut found = None;
     let pids = worker_pids(&rx, 3, |line| {
-        if let Some(a) = line.strip_prefix("controller status: lazarus status --controller ") {
-            addr = Some(a.to_string());
+        if let Some(rest) = line.strip_prefix("controller status: LAZARUS_STATUS_TOKEN=") {
+            if let Some((token, a)) = rest.split_once(" lazarus status --controller ") {
+                found = Some((token.to_string(), a.to_string()));
+            }
         }
     });
-    let addr = addr.unwrap();
+    let (token, addr) = found.unwrap();
+    // The status is the job's: without its key, or with another, it is refused.
+    let out = lazarus(&["status", "--controller", &addr]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--secret-file"), "{out:?}");
+    let out = status_with_token(&addr, "0123456789abcdef0123456789abcdef", &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("does not prove the job's status key"), "{err}");
     wait_for_steps(&path, 5);
     let ask = || {
-        let out = lazarus(&["status", "--controller", &addr, "--json"]);
+        let out = status_with_token(&addr, &token, &["--json"]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<Value>(&out.stdout).unwrap()
     };
@@ -416,19 +424,19 @@ fn status_shows_members_epoch_plan_and_recent_events() {
         "{recent:?}"
     );
     // The human form names the same.
-    let out = lazarus(&["status", "--controller", &addr]);
+    let out = status_with_token(&addr, &token, &[]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("2 alive of 3") && text.contains("lost"), "{text}");
     signal(child.id() as i32, libc::SIGKILL);
     let _ = child.wait();
     // Nobody there: a clear error, not a hang.
-    let out = lazarus(&["status", "--controller", &addr, "--timeout", "2"]);
+    let out = status_with_token(&addr, &token, &["--timeout", "2"]);
     assert!(
         !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cannot reach the controller"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let bad = lazarus(&["status", "--controller", "nowhere"]);
+    let bad = status_with_token("nowhere", &token, &[]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--controller"));
     let _ = std::fs::remove_dir_all(&d);
 }

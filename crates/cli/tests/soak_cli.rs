@@ -229,7 +229,8 @@ impl Soak {
 
     /// `lazarus status --json`, from the controller's host.
     fn status(&self) -> Option<Value> {
-        let args = ["status", "--controller", &self.addr, "--json", "--timeout", "2"];
+        let secret = self.secret.to_str().unwrap_or_default();
+        let args = ["status", "--controller", &self.addr, "--json", "--timeout", "2", "--secret-file", secret];
         let out = match self.hosts.as_ref() {
             Some(h) => std::process::Command::new("ip")
                 .args(["netns", "exec", &h.names[0], env!("CARGO_BIN_EXE_lazarus")])

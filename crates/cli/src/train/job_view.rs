@@ -60,7 +60,7 @@ impl JobView {
                 tracing::info!("metrics for Prometheus: http://{addr}/metrics");
                 Ok(())
             }
-            TrainEvent::Serving { addr } => {
+            TrainEvent::Serving { addr, status_token } => {
                 if self.remote {
                     tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);
                     if let Some(command) = &self.agent_command {
@@ -69,7 +69,7 @@ impl JobView {
                         tracing::info!("start each node's agent with: {command}");
                     }
                 }
-                tracing::info!("controller status: lazarus status --controller {addr}");
+                tracing::info!("controller status: LAZARUS_STATUS_TOKEN={status_token} lazarus status --controller {addr}");
                 Ok(())
             }
             TrainEvent::Rebalance(d) => {

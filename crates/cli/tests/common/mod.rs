@@ -6,7 +6,18 @@ use std::process::{Command, Output};
 
 /// Run the `lazarus` binary built for these tests.
 pub fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).output().expect("run lazarus")
+    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).env_remove("LAZARUS_STATUS_TOKEN").output().expect("run lazarus")
+}
+
+/// `lazarus status --controller ADDR ARGS…` proving `token` (as the controller printed it).
+#[allow(dead_code)] // not every test file asks a controller
+pub fn status_with_token(addr: &str, token: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lazarus"))
+        .args(["status", "--controller", addr])
+        .args(args)
+        .env("LAZARUS_STATUS_TOKEN", token)
+        .output()
+        .expect("run lazarus")
 }
 
 /// A fresh, empty scratch directory for one test (the process id keeps test binaries apart).

@@ -21,8 +21,8 @@ use crate::error::ControlError;
 use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::metrics::{JobMetrics, MetricsServer};
-use crate::protocol::{TrainJob, WorkerSpec};
-use crate::service::{snapshot, GrpcServer, SharedStatus};
+use crate::protocol::{fresh_secret, secret_hex, TrainJob, WorkerSpec};
+use crate::service::{snapshot, status_key, GrpcServer, SharedStatus};
 use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
@@ -257,9 +257,12 @@ pub enum TrainEvent {
         workers: Vec<usize>,
     },
     /// The controller's gRPC service listens here (`lazarus status --controller ADDR`, and
-    /// `lazarus agent --controller ADDR` when the job is run by agents).
+    /// `lazarus agent --controller ADDR` when the job is run by agents); `lazarus status`
+    /// proves `status_token` (32 hex digits: read-only, derived from the job's secret when
+    /// agents run it).
     Serving {
         addr: SocketAddr,
+        status_token: String,
     },
     /// Prometheus can scrape the job's metrics here (`GET /metrics`).
     Metrics {
@@ -410,8 +413,10 @@ pub fn run_training(
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
             let _server = match status_listen {
                 Some(addr) => {
-                    let server = GrpcServer::start(*addr, shared.clone(), None)?;
-                    observe(TrainEvent::Serving { addr: server.addr() })?;
+                    // Its own key: the workers' secret is theirs alone.
+                    let key = fresh_secret().map_err(|e| ControlError::io("drawing the status key from /dev/urandom", e))?;
+                    let server = GrpcServer::start(*addr, shared.clone(), None, key)?;
+                    observe(TrainEvent::Serving { addr: server.addr(), status_token: secret_hex(key) })?;
                     Some(server)
                 }
                 None => None,
@@ -421,9 +426,10 @@ pub fn run_training(
         Hosts::Agents(a) => {
             let (hub, inputs) =
                 AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
-            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()))?;
+            let key = status_key(a.secret);
+            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()), key)?;
             let addr = server.addr();
-            observe(TrainEvent::Serving { addr })?;
+            observe(TrainEvent::Serving { addr, status_token: secret_hex(key) })?;
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
                 observe(TrainEvent::AgentJoined {

@@ -53,14 +53,73 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
     }
 }
 
+/// How far a status request's clock may be from the controller's.
+const STATUS_WINDOW_MS: u64 = 5 * 60 * 1000;
+/// Most nonces of recent status requests kept (to refuse a replay).
+const STATUS_NONCES: usize = 100_000;
+
+/// The read-only key `lazarus status` proves: derived from the job's secret, so that whoever
+/// holds the secret file can ask, and a key printed for a job of local workers grants nothing
+/// else.
+pub fn status_key(secret: u128) -> u128 {
+    let d = lazarus_comm::auth::prove(secret, b"lazarus status key", &[], &[]);
+    u128::from_le_bytes(d[..16].try_into().expect("16 of 32 bytes"))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A status request proving `key`: the clock, a fresh nonce, the proof.
+pub fn status_request(key: u128) -> Result<StatusRequest, ControlError> {
+    let nonce = lazarus_comm::auth::nonce().map_err(|e| ControlError::io("drawing a nonce from /dev/urandom", e))?;
+    let unix_ms = unix_ms();
+    let proof = lazarus_comm::auth::prove(key, b"lazarus status request", &unix_ms.to_le_bytes(), &nonce).to_vec();
+    Ok(StatusRequest { nonce: nonce.to_vec(), unix_ms, proof })
+}
+
+/// Whether `r` proves `key`, is within the clock window, and was not seen before (`seen`, the
+/// recent nonces with their clocks).
+fn status_request_ok(
+    key: u128,
+    r: &StatusRequest,
+    now_ms: u64,
+    seen: &mut std::collections::VecDeque<(u64, Vec<u8>)>,
+) -> Result<(), String> {
+    if r.nonce.len() != lazarus_comm::auth::NONCE
+        || !lazarus_comm::auth::verify(key, b"lazarus status request", &r.unix_ms.to_le_bytes(), &r.nonce, &r.proof)
+    {
+        return Err(
+            "the request does not prove the job's status key (give --secret-file, or LAZARUS_STATUS_TOKEN as the controller printed it)"
+                .into(),
+        );
+    }
+    if r.unix_ms.abs_diff(now_ms) > STATUS_WINDOW_MS {
+        return Err(format!("the request's clock is {} s from the controller's (at most 300)", r.unix_ms.abs_diff(now_ms) / 1000));
+    }
+    while seen.front().is_some_and(|(t, _)| t.saturating_add(2 * STATUS_WINDOW_MS) < now_ms) || seen.len() >= STATUS_NONCES {
+        seen.pop_front();
+    }
+    if seen.iter().any(|(_, n)| *n == r.nonce) {
+        return Err("a request seen before (replayed)".into());
+    }
+    seen.push_back((now_ms, r.nonce.clone()));
+    Ok(())
+}
+
 struct Service {
     status: SharedStatus,
     hub: Option<Arc<AgentHub>>,
+    status_key: u128,
+    seen: Mutex<std::collections::VecDeque<(u64, Vec<u8>)>>,
 }
 
 #[tonic::async_trait]
 impl Control for Service {
-    async fn status(&self, _request: tonic::Request<StatusRequest>) -> Result<tonic::Response<StatusReply>, tonic::Status> {
+    async fn status(&self, request: tonic::Request<StatusRequest>) -> Result<tonic::Response<StatusReply>, tonic::Status> {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        status_request_ok(self.status_key, request.get_ref(), unix_ms(), &mut seen).map_err(tonic::Status::unauthenticated)?;
+        drop(seen);
         let reply = self.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
         Ok(tonic::Response::new(reply))
     }
@@ -101,9 +160,9 @@ pub struct GrpcServer {
 }
 
 impl GrpcServer {
-    /// Serve `status` (and `hub`'s agents) on `listen` (port 0: any free port) from a thread
-    /// of its own.
-    pub fn start(listen: SocketAddr, status: SharedStatus, hub: Option<Arc<AgentHub>>) -> Result<Self, ControlError> {
+    /// Serve `status` to whoever proves `status_key` (and `hub`'s agents) on `listen` (port 0:
+    /// any free port) from a thread of its own.
+    pub fn start(listen: SocketAddr, status: SharedStatus, hub: Option<Arc<AgentHub>>, status_key: u128) -> Result<Self, ControlError> {
         let flag = if hub.is_some() { "--listen" } else { "--status-listen" };
         let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
@@ -124,7 +183,7 @@ impl GrpcServer {
                     let serve = tonic::transport::Server::builder()
                         .http2_keepalive_interval(Some(Duration::from_secs(10)))
                         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-                        .add_service(ControlServer::new(Service { status, hub }))
+                        .add_service(ControlServer::new(Service { status, hub, status_key, seen: Mutex::new(Default::default()) }))
                         .serve_with_incoming_shutdown(incoming, async move {
                             let _ = graceful.wait_for(|&s| s).await;
                         });
@@ -162,8 +221,10 @@ impl Drop for GrpcServer {
     }
 }
 
-/// Ask the controller at `addr` (`host:port`) for its status, waiting at most `timeout`.
-pub fn query(addr: &str, timeout: Duration) -> Result<StatusReply, ControlError> {
+/// Ask the controller at `addr` (`host:port`) for its status, proving the job's status `key`,
+/// waiting at most `timeout`.
+pub fn query(addr: &str, timeout: Duration, key: u128) -> Result<StatusReply, ControlError> {
+    let request = status_request(key)?;
     let parsed: SocketAddr =
         addr.parse().map_err(|_| ControlError::invalid("--controller", format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
     let runtime =
@@ -178,7 +239,7 @@ pub fn query(addr: &str, timeout: Duration) -> Result<StatusReply, ControlError>
                 endpoint.connect().await.map_err(|e| ControlError::Launch(format!("cannot reach the controller at {parsed}: {e}")))?;
             let mut client = proto::control_client::ControlClient::new(channel);
             let reply = client
-                .status(StatusRequest {})
+                .status(request)
                 .await
                 .map_err(|e| ControlError::Launch(format!("the controller at {parsed} did not answer: {}", e.message())))?;
             Ok(reply.into_inner())
@@ -187,4 +248,26 @@ pub fn query(addr: &str, timeout: Duration) -> Result<StatusReply, ControlError>
             .await
             .map_err(|_| ControlError::Launch(format!("no answer from {parsed} within {} s", timeout.as_secs_f64())))?
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_request_proves_the_key_once_within_the_clock_window() {
+        let key = status_key(0x5eed);
+        assert_ne!(key, 0x5eed, "the status key is not the secret");
+        let mut seen = Default::default();
+        let r = status_request(key).unwrap();
+        let now = r.unix_ms;
+        assert!(status_request_ok(key, &r, now, &mut seen).is_ok());
+        assert!(status_request_ok(key, &r, now, &mut seen).unwrap_err().contains("replayed"));
+        let other = status_request(status_key(0x5eee)).unwrap();
+        assert!(status_request_ok(key, &other, now, &mut seen).unwrap_err().contains("does not prove"));
+        let late = status_request(key).unwrap();
+        assert!(status_request_ok(key, &late, now + 6 * 60 * 1000, &mut seen).unwrap_err().contains("clock"));
+        let cut = StatusRequest { proof: late.proof[..8].to_vec(), ..late };
+        assert!(status_request_ok(key, &cut, now, &mut seen).is_err());
+    }
 }
