@@ -19,6 +19,20 @@ pub fn config_table<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> 
     table.try_into().map(Some).with_context(|| format!("invalid --config {}: in its [{name}] table", path.display()))
 }
 
+/// The one size check of everything that allocates a model or a layer (`train`, `bench train`,
+/// `bench moe-layer`): refuse `need` bytes beyond this machine's memory before anything is
+/// allocated, naming `what` needs them and the flags that lower it (not a `memory allocation
+/// failed` abort half-way).
+pub fn check_memory(need: u128, what: &str, lower: &str) -> Result<()> {
+    if let Some(have) = lazarus_control::launcher::physical_memory() {
+        if need > have as u128 {
+            let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+            bail!("{what} needs about {:.1} GiB and this machine has {:.1} GiB: lower {lower}", gib(need), gib(have as u128));
+        }
+    }
+    Ok(())
+}
+
 /// The text of `path`, given with `--{flag}`, at most `max` bytes.
 pub fn read_text(flag: &str, path: &Path, max: u64) -> Result<String> {
     let file = std::fs::File::open(path).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;

@@ -155,6 +155,11 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         cases,
         timeout_s: args.comm_timeout,
     };
+    crate::io::check_memory(
+        spec.memory_estimate(args.workers),
+        &format!("bench moe-layer ({} workers, each drawing {} experts of {} x {})", args.workers, args.experts, args.d_model, args.d_ff),
+        "--d-model, --d-ff, --experts, --tokens or --workers",
+    )?;
     // Without a flag, each worker gets cores of its own when the machine has enough (an
     // accelerator each, as the comparison needs); otherwise they share, and the user is told.
     let have = lazarus_control::allowed_cpus().len();

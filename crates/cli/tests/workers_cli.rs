@@ -299,6 +299,10 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
         let err = String::from_utf8_lossy(&bad.stderr);
         assert!(!bad.status.success() && err.contains("--cpus-per-worker"), "{args:?}: {err}");
     }
+    // Sizes beyond the machine are refused before anything is allocated, naming the flags.
+    let huge = lazarus(&["bench", "moe-layer", "--d-model", "100000", "--d-ff", "400000"]);
+    let err = String::from_utf8_lossy(&huge.stderr);
+    assert!(!huge.status.success() && err.contains("GiB") && err.contains("--d-model") && !err.contains("allocation"), "{err}");
     let both = lazarus(&["bench", "moe-layer", "--cores-per-worker", "1", "--cpus-per-worker", "0.5"]);
     assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
 }

@@ -63,6 +63,21 @@ pub struct MoeLayerBenchSpec {
     pub timeout_s: f64,
 }
 
+impl MoeLayerBenchSpec {
+    /// Bytes the benchmark needs on `world` ranks, about (checked before anything is
+    /// allocated): every rank draws every expert's weights (one seed everywhere) and keeps its
+    /// slots' with their gradients, and its tokens — up to the largest ratio times as many rows
+    /// for a padded hot expert — pass through an expert's hidden layer forward and backward.
+    pub fn memory_estimate(&self, world: usize) -> u128 {
+        let (d, f, e) = (self.d_model as u128, self.d_ff as u128, self.experts as u128);
+        let expert = 2 * d * f + d + f;
+        let ratio = self.cases.iter().map(|c| c.ratio).fold(1.0f64, f64::max).ceil().min(1e6) as u128;
+        let rows = self.tokens as u128 * ratio.max(1);
+        let per_rank = 4 * (e * expert + 2 * self.slots as u128 * expert + 8 * rows * (d + f));
+        per_rank.saturating_mul(world as u128)
+    }
+}
+
 /// One case's outcome, the same on every rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchResult {

@@ -371,20 +371,16 @@ pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<(
 /// Refuse a configuration this machine cannot hold (`copies`: processes that each build the
 /// whole model), before anything is allocated.
 pub fn check_fits(cfg: &TrainConfig, copies: u128) -> Result<()> {
-    let need = cfg.memory_estimate().saturating_mul(copies);
-    if let Some(have) = lazarus_control::launcher::physical_memory() {
-        if need > have as u128 {
-            let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
-            bail!(
-                "this run needs about {:.1} GiB ({} parameters{}, activations, data) and this machine has {:.1} GiB: lower --experts, --d-model, --d-ff, --layers, --batch-size or --seq-len",
-                gib(need),
-                cfg.model.parameter_count(),
-                if copies > 1 { format!(", in {copies} processes") } else { String::new() },
-                gib(have as u128)
-            );
-        }
-    }
-    Ok(())
+    let what = format!(
+        "this run ({} parameters{}, activations, data)",
+        cfg.model.parameter_count(),
+        if copies > 1 { format!(", in {copies} processes") } else { String::new() }
+    );
+    crate::io::check_memory(
+        cfg.memory_estimate().saturating_mul(copies),
+        &what,
+        "--experts, --d-model, --d-ff, --layers, --batch-size or --seq-len",
+    )
 }
 
 /// `--checkpoint-dir`: a directory (created if missing) before training starts, not a file found
