@@ -59,8 +59,8 @@ impl Default for JobMetrics {
 
 impl JobMetrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("lazarus");
         let m = JobMetrics {
+            registry: Registry::with_prefix("lazarus"),
             step: Gauge::default(),
             loss: Gauge::default(),
             tokens_per_second: Gauge::default(),
@@ -75,24 +75,30 @@ impl JobMetrics {
             checkpoint_age_seconds: Gauge::default(),
             last_checkpoint: Mutex::new(None),
             begun: Instant::now(),
-            registry: Registry::default(),
         };
-        registry.register("step", "The last step trained", m.step.clone());
-        registry.register("loss", "The loss of the last step", m.loss.clone());
-        registry.register("tokens_per_second", "Tokens trained per second in the last step", m.tokens_per_second.clone());
-        registry.register("epoch", "The job's epoch (0 at its start, one more per move)", m.epoch.clone());
-        registry.register("members", "Workers of the job by state", m.members.clone());
-        registry.register("reconfigurations", "Moves to a new plan, by cause", m.reconfigurations.clone());
-        registry.register("recovery_seconds", "From the first sign of a failure or move to the next step", m.recovery_seconds.clone());
-        registry.register("moved_bytes", "Expert state moved by reconfigurations", m.moved_bytes.clone());
-        registry.register("snapshot_bytes", "Expert snapshots sent into other nodes' memory", m.snapshot_bytes.clone());
-        registry.register("snapshot_at_risk_bytes", "Bytes of the experts at risk in the last step", m.snapshot_at_risk_bytes.clone());
-        registry.register(
+        m.registered()
+    }
+
+    /// Every metric in the registry (they share their values with the fields: a metric is a
+    /// handle to its value).
+    fn registered(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register("step", "The last step trained", self.step.clone());
+        r.register("loss", "The loss of the last step", self.loss.clone());
+        r.register("tokens_per_second", "Tokens trained per second in the last step", self.tokens_per_second.clone());
+        r.register("epoch", "The job's epoch (0 at its start, one more per move)", self.epoch.clone());
+        r.register("members", "Workers of the job by state", self.members.clone());
+        r.register("reconfigurations", "Moves to a new plan, by cause", self.reconfigurations.clone());
+        r.register("recovery_seconds", "From the first sign of a failure or move to the next step", self.recovery_seconds.clone());
+        r.register("moved_bytes", "Expert state moved by reconfigurations", self.moved_bytes.clone());
+        r.register("snapshot_bytes", "Expert snapshots sent into other nodes' memory", self.snapshot_bytes.clone());
+        r.register("snapshot_at_risk_bytes", "Bytes of the experts at risk in the last step", self.snapshot_at_risk_bytes.clone());
+        r.register(
             "checkpoint_age_seconds",
             "Seconds since the last checkpoint was written (since the job began, before any)",
-            m.checkpoint_age_seconds.clone(),
+            self.checkpoint_age_seconds.clone(),
         );
-        JobMetrics { registry, ..m }
+        self
     }
 
     /// Take in what the job did.
