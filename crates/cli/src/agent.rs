@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_control::agent::{run_agent, AgentEnd, AgentOptions};
+use lazarus_control::tls::ClientTls;
 
 #[derive(Args, Debug, Clone)]
 pub struct AgentArgs {
@@ -32,6 +33,8 @@ pub struct AgentArgs {
     /// Seconds to keep trying to reach the controller (default 30).
     #[arg(long, value_name = "SECONDS")]
     connect_timeout: Option<f64>,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 /// The `[agent]` table of a `--config` file.
@@ -43,6 +46,9 @@ struct AgentTable {
     host: Option<IpAddr>,
     secret_file: Option<PathBuf>,
     connect_timeout: Option<f64>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
 }
 
 /// `args` with what its `--config` file's `[agent]` table says where no flag did.
@@ -57,6 +63,7 @@ fn with_config_table(args: &AgentArgs) -> Result<AgentArgs> {
     a.host = a.host.or(t.host);
     a.secret_file = a.secret_file.or(t.secret_file);
     a.connect_timeout = a.connect_timeout.or(t.connect_timeout);
+    a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
 }
 
@@ -76,8 +83,15 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     if !connect.is_finite() || connect <= 0.0 || connect > 86_400.0 {
         bail!("invalid --connect-timeout: {connect} (expected seconds, more than 0 and at most 86400)");
     }
-    let opts =
-        AgentOptions { controller: controller.clone(), gpus, host: args.host, secret, connect_within: Duration::from_secs_f64(connect) };
+    let tls = ClientTls::new(Some(lazarus_control::tls::pin(secret)), args.tls.files()?)?;
+    let opts = AgentOptions {
+        controller: controller.clone(),
+        gpus,
+        host: args.host,
+        secret,
+        tls,
+        connect_within: Duration::from_secs_f64(connect),
+    };
     let end = run_agent(&opts, |ranks| {
         let ranks: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
         tracing::info!("agent: started workers (ranks {})", ranks.join(", "));

@@ -10,6 +10,7 @@ mod moe_bench;
 mod planning;
 mod simulate;
 mod status;
+mod tls;
 mod train;
 
 #[derive(Parser)]

@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use clap::Args;
 use lazarus_control::service::query;
+use lazarus_control::tls::{ClientTls, Pin};
 use lazarus_plan::ModelPlan;
 
 #[derive(Args, Debug)]
@@ -22,26 +23,29 @@ pub struct StatusArgs {
     timeout: f64,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
-/// The key the status request proves: from the secret file, the printed token, or the secret
-/// in the environment.
-fn status_key(args: &StatusArgs) -> Result<u128> {
+/// The key the status request proves and the controller's TLS key to pin (None: its
+/// certificate is the operator's): from the secret file, the printed token, or the secret in
+/// the environment.
+fn status_key(args: &StatusArgs) -> Result<(u128, Option<Pin>)> {
     use lazarus_control::protocol::parse_secret;
-    use lazarus_control::service::status_key;
+    use lazarus_control::service::{parse_status_token, status_key};
+    let from_secret = |secret: u128| (status_key(secret), Some(lazarus_control::tls::pin(secret)));
     if let Some(path) = &args.secret_file {
-        return Ok(status_key(crate::train::workers::secret_from_file(path, false)?));
+        return Ok(from_secret(crate::train::workers::secret_from_file(path, false)?));
     }
     if let Ok(token) = std::env::var("LAZARUS_STATUS_TOKEN") {
-        return u128::from_str_radix(token.trim(), 16)
-            .ok()
-            .filter(|_| token.trim().len() == 32)
-            .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_STATUS_TOKEN: expected 32 hex digits, as the controller printed them"));
+        return parse_status_token(token.trim()).ok_or_else(|| {
+            anyhow::anyhow!("invalid LAZARUS_STATUS_TOKEN: expected it as the controller printed it (32 hex digits, a dot, 64 hex digits)")
+        });
     }
     if let Ok(hex) = std::env::var("LAZARUS_SECRET") {
         let secret =
             parse_secret(hex.trim()).ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits drawn at random"))?;
-        return Ok(status_key(secret));
+        return Ok(from_secret(secret));
     }
     bail!("the status is the job's: give --secret-file FILE (the controller's), or LAZARUS_STATUS_TOKEN as the controller printed it")
 }
@@ -50,8 +54,9 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
     if !args.timeout.is_finite() || !(0.01..=600.0).contains(&args.timeout) {
         bail!("invalid --timeout: {} (expected seconds between 0.01 and 600)", args.timeout);
     }
-    let key = status_key(args)?;
-    let s = query(&args.controller, Duration::from_secs_f64(args.timeout), key)?;
+    let (key, pin) = status_key(args)?;
+    let tls = ClientTls::new(pin, args.tls.files()?)?;
+    let s = query(&args.controller, Duration::from_secs_f64(args.timeout), key, &tls)?;
     if args.json {
         let members: Vec<serde_json::Value> = s
             .members

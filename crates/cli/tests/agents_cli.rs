@@ -86,13 +86,16 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     // The secret file is the controller's, readable by its owner only.
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(&secret).unwrap().permissions().mode() & 0o777, 0o600);
-    // An agent without the job's secret is refused, with the reason.
+    // An agent of another secret does not take this controller for its own: the TLS key the
+    // secret pins is not the one this controller signs with. The status client neither.
     let wrong = d.join("wrong");
     std::fs::write(&wrong, "0123456789abcdef0123456789abcdef\n").unwrap();
     let (mut stranger, stranger_lines) = start_agent(&addr, "2", &wrong, None);
     let (status, text) = exit_within(&mut stranger, &stranger_lines, Duration::from_secs(30));
     assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
-    assert!(text.iter().any(|l| l.contains("refused this agent") && l.contains("wrong job secret")), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("is not this job's controller")), "{}", text.join("\n"));
+    let out = lazarus(&["status", "--controller", &addr, "--secret-file", wrong.to_str().unwrap()]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("is not this job's controller"));
     // Two agents of two workers each bring the job's four.
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "2", &secret, None)).collect();
     wait_for_steps(&path, 12);
@@ -276,8 +279,8 @@ fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u
 }
 
 /// Everything between the controller and its agents, read on the wire (a recording proxy):
-/// the job runs to its end, and the secret appears nowhere — not in the agents' hellos, not in
-/// their workers' specs.
+/// the job runs to its end, the session is TLS, and the secret appears nowhere — not in the
+/// agents' hellos, not in their workers' specs, in any form.
 #[test]
 fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
     let d = dir("agents-wire");
@@ -303,6 +306,10 @@ fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
     for form in [hex.as_bytes(), hex.to_uppercase().as_bytes(), &raw.to_le_bytes()[..], &raw.to_be_bytes()[..]] {
         assert!(!bytes.windows(8).any(|w| form.windows(8).any(|f| f == w)), "part of the secret crossed the wire");
     }
+    // Nothing else is readable either: the workers' specs (JSON naming the model's shape) cross
+    // inside TLS, whose records begin the session (a handshake record, 0x16, TLS 1.x).
+    assert_eq!(&bytes[..2], &[0x16, 0x03], "the session starts with a TLS handshake");
+    assert!(!bytes.windows(9).any(|w| w == b"\"d_model\""), "a worker's spec crossed the wire in clear");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -389,9 +389,16 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     // The status is the job's: without its key, or with another, it is refused.
     let out = lazarus(&["status", "--controller", &addr]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--secret-file"), "{out:?}");
-    let out = status_with_token(&addr, "0123456789abcdef0123456789abcdef", &[]);
+    // The token is the status key and the controller's TLS key: another key is refused by the
+    // controller, another TLS key by the client (not this job's controller).
+    let (_, pin) = token.split_once('.').expect("key.pin");
+    let out = status_with_token(&addr, &format!("0123456789abcdef0123456789abcdef.{pin}"), &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("does not prove the job's status key"), "{err}");
+    let other_pin = format!("{}.{}", &token[..32], "ab".repeat(32));
+    let out = status_with_token(&addr, &other_pin, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is not this job's controller"), "{err}");
     wait_for_steps(&path, 5);
     let ask = || {
         let out = status_with_token(&addr, &token, &["--json"]);

@@ -13,6 +13,7 @@
 //! * [`proto`] — the generated messages and stubs of the control protocol;
 //! * [`metrics`] — what a running job exposes to Prometheus (`--metrics-listen`);
 //! * [`service`] — the controller's gRPC service (`lazarus status`, and the agents' sessions);
+//! * [`tls`] — TLS on that service: a certificate the job's secret pins, or the operator's;
 //! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
 //! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
 //!
@@ -31,6 +32,7 @@ pub mod proto;
 pub mod protocol;
 pub mod service;
 pub mod stop_signal;
+pub mod tls;
 pub mod worker_process;
 
 pub use control_loop::{

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use lazarus_control::tls::ServerTls;
 use lazarus_control::{
     plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainJob, TrainOutcome,
 };
@@ -68,6 +69,8 @@ pub struct ControllerArgs {
     #[arg(long, value_name = "SECONDS")]
     pub join_wait: Option<f64>,
     #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
+    #[command(flatten)]
     pub train: TrainArgs,
 }
 
@@ -88,6 +91,9 @@ struct ControllerTable {
     comm_timeout: Option<f64>,
     rebalance_every: Option<u64>,
     metrics_listen: Option<SocketAddr>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
 }
 
 /// `args` with what its `--config` file's `[controller]` table says where no flag did.
@@ -113,6 +119,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.comm_timeout, t.comm_timeout);
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
+    a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
 }
 
@@ -175,6 +182,13 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
             (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_control::protocol::secret_hex(s)))
         }
     };
+    // An operator's certificate: agents check it against their CA (and bring their own
+    // certificate where the controller asks for one).
+    let agent_command = match (&args.tls.tls_cert, &args.tls.tls_ca) {
+        (None, _) => agent_command,
+        (Some(_), None) => format!("{agent_command} --tls-ca CA.pem"),
+        (Some(_), Some(_)) => format!("{agent_command} --tls-ca CA.pem --tls-cert AGENT.pem --tls-key AGENT-KEY.pem"),
+    };
     let world = args.train.workers.unwrap_or(1);
     let g = args.train.gpus_per_node.unwrap_or(1);
     if g == 0 || !world.is_multiple_of(g) {
@@ -191,8 +205,18 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
     }
     let join_wait = Duration::from_secs_f64(join_wait);
-    let hosts =
-        Hosts::Agents(AgentsSpec { listen, secret, local_agents: 0, gpus_per_node: g, wait, max_workers, join_wait, schedule: None });
+    let tls = ServerTls::new(secret, args.tls.files()?)?;
+    let hosts = Hosts::Agents(Box::new(AgentsSpec {
+        listen,
+        secret,
+        tls,
+        local_agents: 0,
+        gpus_per_node: g,
+        wait,
+        max_workers,
+        join_wait,
+        schedule: None,
+    }));
     run_job(&args.train, hosts, Some(agent_command), None)
 }
 
@@ -278,16 +302,17 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                 }
                 None => (None, nodes, 1.0),
             };
-            Hosts::Agents(AgentsSpec {
+            Hosts::Agents(Box::new(AgentsSpec {
                 listen,
                 secret,
+                tls: ServerTls::FromSecret(secret),
                 local_agents: nodes,
                 gpus_per_node: g,
                 wait: LOCAL_AGENTS_WITHIN,
                 max_workers: most_nodes * g,
                 join_wait: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
                 schedule,
-            })
+            }))
         }
     };
     run_job(args, hosts, None, replayed)

@@ -15,7 +15,9 @@
 //!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -25,6 +27,7 @@ use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS;
 use crate::protocol::{secret_hex, WorkerEvent};
+use crate::tls::ClientTls;
 use lazarus_comm::auth;
 
 /// How an agent is started.
@@ -38,6 +41,8 @@ pub struct AgentOptions {
     /// controller from).
     pub host: Option<IpAddr>,
     pub secret: u128,
+    /// How this agent trusts the controller's TLS certificate.
+    pub tls: ClientTls,
     /// How long to keep trying to reach the controller.
     pub connect_within: Duration,
 }
@@ -146,23 +151,33 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     let runtime = crate::service::runtime(1, "lazarus-agent")?;
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
     let connect_within = opts.connect_within;
+    let refused = Arc::new(AtomicBool::new(false));
+    let endpoint = opts.tls.endpoint(&opts.controller, refused.clone())?.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true);
     let mut inbound = runtime.block_on(async move {
         let deadline = tokio::time::Instant::now() + connect_within;
         let channel = loop {
-            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{controller}"))
-                .map_err(|e| ControlError::invalid("--controller", e.to_string()))?
-                .connect_timeout(Duration::from_secs(2))
-                .tcp_nodelay(true);
-            match endpoint.connect().await {
-                Ok(c) => break c,
-                Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(ControlError::Launch(format!(
-                        "cannot reach the controller at {controller} within {} s: {e}",
-                        connect_within.as_secs_f64()
-                    )))
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            // The TLS handshake too is bounded: a port that accepts and never answers is
+            // given up at the deadline (--connect-timeout).
+            let e = match tokio::time::timeout_at(deadline, endpoint.connect()).await {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e)) => crate::service::error_chain(&e),
+                Err(_) => return Err(ControlError::Launch(format!(
+                    "the controller at {controller} did not answer within {} s (--connect-timeout): is it a Lazarus controller?",
+                    connect_within.as_secs_f64()
+                ))),
+            };
+            if refused.load(Ordering::Relaxed) {
+                return Err(ControlError::Launch(format!(
+                    "the server at {controller} is not this job's controller: it does not hold the key the job's secret gives (another job's, or a different --secret-file; a controller serving an operator's certificate needs --tls-ca)"
+                )));
             }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ControlError::Launch(format!(
+                    "cannot reach the controller at {controller} within {} s: {e}",
+                    connect_within.as_secs_f64()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         };
         let mut client = proto::control_client::ControlClient::new(channel);
         let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);

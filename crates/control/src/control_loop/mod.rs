@@ -21,8 +21,9 @@ use crate::error::ControlError;
 use crate::hub::AgentHub;
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::metrics::{JobMetrics, MetricsServer};
-use crate::protocol::{fresh_secret, secret_hex, TrainJob, WorkerSpec};
-use crate::service::{snapshot, status_key, GrpcServer, SharedStatus};
+use crate::protocol::{fresh_secret, TrainJob, WorkerSpec};
+use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
+use crate::tls::ServerTls;
 use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
@@ -258,8 +259,8 @@ pub enum TrainEvent {
     },
     /// The controller's gRPC service listens here (`lazarus status --controller ADDR`, and
     /// `lazarus agent --controller ADDR` when the job is run by agents); `lazarus status`
-    /// proves `status_token` (32 hex digits: read-only, derived from the job's secret when
-    /// agents run it).
+    /// proves the key in `status_token` (read-only, derived from the job's secret when agents
+    /// run it) and pins the controller's TLS key by it ([`crate::service::status_token`]).
     Serving {
         addr: SocketAddr,
         status_token: String,
@@ -299,7 +300,7 @@ pub enum Hosts {
     /// is served at `status_listen`, if given.
     Local { status_listen: Option<SocketAddr> },
     /// Started by node agents attached to the controller's gRPC service.
-    Agents(AgentsSpec),
+    Agents(Box<AgentsSpec>),
 }
 
 /// A job run by node agents (`lazarus agent`), one per node with its workers.
@@ -307,8 +308,10 @@ pub enum Hosts {
 pub struct AgentsSpec {
     /// Where the controller serves agents and `lazarus status`.
     pub listen: SocketAddr,
-    /// The job's secret: every agent's hello and every rendezvous hello carries it.
+    /// The job's secret: every agent's hello and every rendezvous hello proves it.
     pub secret: u128,
+    /// The certificate the controller serves: the one the secret pins, or the operator's.
+    pub tls: ServerTls,
     /// Agents to start on this host, on loopback (the `train --workers N --gpus-per-node G`
     /// case); 0: agents of other hosts attach.
     pub local_agents: usize,
@@ -413,10 +416,11 @@ pub fn run_training(
             let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
             let _server = match status_listen {
                 Some(addr) => {
-                    // Its own key: the workers' secret is theirs alone.
-                    let key = fresh_secret().map_err(|e| ControlError::io("drawing the status key from /dev/urandom", e))?;
-                    let server = GrpcServer::start(*addr, shared.clone(), None, key)?;
-                    observe(TrainEvent::Serving { addr: server.addr(), status_token: secret_hex(key) })?;
+                    // A secret of its own: the workers' is theirs alone.
+                    let own = fresh_secret().map_err(|e| ControlError::io("drawing the status secret from /dev/urandom", e))?;
+                    let (key, tls) = (status_key(own), ServerTls::FromSecret(own));
+                    let server = GrpcServer::start(*addr, shared.clone(), None, key, &tls)?;
+                    observe(TrainEvent::Serving { addr: server.addr(), status_token: status_token(key, &tls) })?;
                     Some(server)
                 }
                 None => None,
@@ -427,9 +431,9 @@ pub fn run_training(
             let (hub, inputs) =
                 AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
             let key = status_key(a.secret);
-            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()), key)?;
+            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()), key, &a.tls)?;
             let addr = server.addr();
-            observe(TrainEvent::Serving { addr, status_token: secret_hex(key) })?;
+            observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
                 observe(TrainEvent::AgentJoined {

@@ -4,7 +4,7 @@
 //! controller's loop publishes a [`snapshot`] after each decision; the server only hands out
 //! the latest. [`query`] is the client side of `lazarus status`.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::controller::{Controller, MemberState};
 use crate::error::ControlError;
 use crate::hub::{AgentHub, AgentStream};
+use crate::tls::{ClientTls, ServerTls};
 
 mod guard;
 
@@ -64,6 +65,26 @@ const STATUS_NONCES: usize = 100_000;
 pub fn status_key(secret: u128) -> u128 {
     let d = lazarus_comm::auth::prove(secret, b"lazarus status key", &[], &[]);
     u128::from_le_bytes(d[..16].try_into().expect("16 of 32 bytes"))
+}
+
+/// What `lazarus status` needs of a controller serving `tls`, in one line to print: the status
+/// key (32 hex digits) and, when the certificate is the one the job's secret gives, the key it
+/// pins (`.` and 64 hex digits). Without a pin, the client checks the operator's CA instead.
+pub fn status_token(key: u128, tls: &ServerTls) -> String {
+    match tls.pin() {
+        Some(pin) => format!("{}.{}", crate::protocol::secret_hex(key), crate::tls::pin_hex(&pin)),
+        None => crate::protocol::secret_hex(key),
+    }
+}
+
+/// The status key and pin a [`status_token`] holds; None if it is not one.
+pub fn parse_status_token(token: &str) -> Option<(u128, Option<crate::tls::Pin>)> {
+    let (key, pin) = match token.split_once('.') {
+        Some((k, p)) => (k, Some(crate::tls::parse_pin(p)?)),
+        None => (token, None),
+    };
+    let key = u128::from_str_radix(key, 16).ok().filter(|_| key.len() == 32 && !key.starts_with('+'))?;
+    Some((key, pin))
 }
 
 fn unix_ms() -> u64 {
@@ -162,8 +183,18 @@ pub struct GrpcServer {
 impl GrpcServer {
     /// Serve `status` to whoever proves `status_key` (and `hub`'s agents) on `listen` (port 0:
     /// any free port) from a thread of its own.
-    pub fn start(listen: SocketAddr, status: SharedStatus, hub: Option<Arc<AgentHub>>, status_key: u128) -> Result<Self, ControlError> {
+    /// `tls` says which certificate it serves.
+    pub fn start(
+        listen: SocketAddr,
+        status: SharedStatus,
+        hub: Option<Arc<AgentHub>>,
+        status_key: u128,
+        tls: &ServerTls,
+    ) -> Result<Self, ControlError> {
         let flag = if hub.is_some() { "--listen" } else { "--status-listen" };
+        let builder = tonic::transport::Server::builder()
+            .tls_config(tls.server_config()?)
+            .map_err(|e| ControlError::invalid("--tls-cert", format!("the certificate and key do not make a TLS server: {e}")))?;
         let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
         listener.set_nonblocking(true).map_err(|e| ControlError::io("the status listener", e))?;
@@ -180,7 +211,7 @@ impl GrpcServer {
                     let incoming = guard::incoming(listener);
                     let (mut graceful, mut hard) = (stopped.clone(), stopped);
                     // Keepalives find the dead peers of open sessions.
-                    let serve = tonic::transport::Server::builder()
+                    let serve = builder
                         .http2_keepalive_interval(Some(Duration::from_secs(10)))
                         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
                         .add_service(ControlServer::new(Service { status, hub, status_key, seen: Mutex::new(Default::default()) }))
@@ -221,33 +252,69 @@ impl Drop for GrpcServer {
     }
 }
 
-/// Ask the controller at `addr` (`host:port`) for its status, proving the job's status `key`,
-/// waiting at most `timeout`.
-pub fn query(addr: &str, timeout: Duration, key: u128) -> Result<StatusReply, ControlError> {
+/// Ask the controller at `addr` (`host:port`) for its status over TLS (trusting it as `tls`
+/// says), proving the job's status `key`, waiting at most `timeout`.
+pub fn query(addr: &str, timeout: Duration, key: u128, tls: &ClientTls) -> Result<StatusReply, ControlError> {
     let request = status_request(key)?;
-    let parsed: SocketAddr =
-        addr.parse().map_err(|_| ControlError::invalid("--controller", format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
+    let parsed = addr
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| ControlError::invalid("--controller", format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
+    let refused = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let endpoint = tls.endpoint(addr, refused.clone())?.connect_timeout(timeout).timeout(timeout);
     let runtime =
         tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| ControlError::io("starting a runtime", e))?;
     runtime.block_on(async move {
         let asked = async {
-            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{parsed}"))
-                .map_err(|e| ControlError::invalid("--controller", e.to_string()))?
-                .connect_timeout(timeout)
-                .timeout(timeout);
-            let channel =
-                endpoint.connect().await.map_err(|e| ControlError::Launch(format!("cannot reach the controller at {parsed}: {e}")))?;
+            let channel = endpoint.connect().await.map_err(|e| {
+                if refused.load(std::sync::atomic::Ordering::Relaxed) {
+                    ControlError::Launch(format!("the server at {parsed} is not this job's controller: it does not hold the key the job's secret (or the status token) gives; a controller serving an operator's certificate needs --tls-ca"))
+                } else {
+                    ControlError::Launch(format!("cannot reach the controller at {parsed} over TLS: {}", error_chain(&e)))
+                }
+            })?;
             let mut client = proto::control_client::ControlClient::new(channel);
             let reply = client
                 .status(request)
                 .await
-                .map_err(|e| ControlError::Launch(format!("the controller at {parsed} did not answer: {}", e.message())))?;
+                .map_err(|e| {
+                    // A controller of mutual TLS closes the connection of a client it does not
+                    // take, and that is all the client sees.
+                    let hint = match tls {
+                        ClientTls::Ca { .. } => "; a controller that asks for client certificates takes only those its CA signed (--tls-cert/--tls-key)",
+                        ClientTls::Pinned(_) => "",
+                    };
+                    ControlError::Launch(format!("the controller at {parsed} did not answer: {}{hint}", status_error(&e)))
+                })?;
             Ok(reply.into_inner())
         };
         tokio::time::timeout(timeout, asked)
             .await
             .map_err(|_| ControlError::Launch(format!("no answer from {parsed} within {} s", timeout.as_secs_f64())))?
     })
+}
+
+/// What a failed call says: the status's message, and the transport's causes under it (a TLS
+/// alert: a certificate the controller did not take).
+pub(crate) fn status_error(e: &tonic::Status) -> String {
+    match std::error::Error::source(e) {
+        Some(source) if e.code() != tonic::Code::Unauthenticated => format!("{} ({})", e.message(), error_chain(source)),
+        _ => e.message().to_string(),
+    }
+}
+
+/// An error with its causes, `: `-separated (a transport error's own text is only "transport
+/// error").
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 #[cfg(test)]
@@ -269,5 +336,17 @@ mod tests {
         assert!(status_request_ok(key, &late, now + 6 * 60 * 1000, &mut seen).unwrap_err().contains("clock"));
         let cut = StatusRequest { proof: late.proof[..8].to_vec(), ..late };
         assert!(status_request_ok(key, &cut, now, &mut seen).is_err());
+    }
+
+    #[test]
+    fn a_status_token_carries_the_key_and_the_pin_when_the_secret_gives_the_certificate() {
+        let tls = ServerTls::FromSecret(0x5eed);
+        let token = status_token(7, &tls);
+        assert_eq!(parse_status_token(&token), Some((7, tls.pin())));
+        let given = ServerTls::Given { cert_pem: vec![], key_pem: vec![], client_ca_pem: None };
+        assert_eq!(parse_status_token(&status_token(7, &given)), Some((7, None)));
+        for bad in ["", "7", &token[..40], &format!("{token}0"), &token.replace('.', ":"), &format!("+{}", &token[1..])] {
+            assert_eq!(parse_status_token(bad), None, "{bad:?}");
+        }
     }
 }

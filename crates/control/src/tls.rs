@@ -1,0 +1,326 @@
+//! TLS on the controller's gRPC channel (agents' sessions, `lazarus status`), by `rustls`
+//! through tonic. Two ways to trust the controller:
+//!
+//! * **From the job's secret** (the default). The controller's key is an Ed25519 key derived
+//!   from the secret (HMAC-SHA-256 of it, a context apart from every other use); at start the
+//!   controller makes a self-signed certificate for it. Whoever holds the secret file derives
+//!   the same public key and *pins* it: the client accepts the handshake only if it is signed
+//!   by that key, whatever the certificate says. Nothing to distribute beyond the secret file
+//!   the agents need anyway, and a controller of another job (or a man in the middle) fails the
+//!   handshake. Whoever holds the secret could act as the controller — as they could already
+//!   answer its challenge — so the secret file stays the job's one credential.
+//! * **The operator's certificates** (`--tls-cert/--tls-key`, and `--tls-ca`): the controller
+//!   serves the given certificate, clients check it against the CA (its names: the host of
+//!   `--controller`), and with a CA on the controller's side, clients must present a
+//!   certificate it signed (mutual TLS).
+//!
+//! The secret itself never crosses the network either way: agents and workers prove it by
+//! challenge-response (`lazarus_comm::auth`), inside the encrypted channel.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+
+use crate::error::ControlError;
+
+/// An Ed25519 public key the controller's handshake must be signed with.
+pub type Pin = [u8; 32];
+
+/// The name in the certificate a controller makes for itself (clients pinning its key do not
+/// check names: the key is the identity).
+const SELF_SIGNED_NAME: &str = "lazarus-controller";
+
+/// PEM files an operator gives: the controller's (or a client's) certificate and key, and the
+/// CA that signs the other side's.
+#[derive(Debug, Clone, Default)]
+pub struct TlsFiles {
+    pub cert_pem: Option<Vec<u8>>,
+    pub key_pem: Option<Vec<u8>>,
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+/// How a controller serves TLS.
+#[derive(Debug, Clone)]
+pub enum ServerTls {
+    /// A certificate made at start for the key the job's secret gives.
+    FromSecret(u128),
+    /// The operator's certificate and key; with a CA, clients must present a certificate it
+    /// signed.
+    Given { cert_pem: Vec<u8>, key_pem: Vec<u8>, client_ca_pem: Option<Vec<u8>> },
+}
+
+/// How a client (an agent, `lazarus status`) trusts the controller.
+#[derive(Debug, Clone)]
+pub enum ClientTls {
+    /// The handshake must be signed by this key (the job's secret gives it).
+    Pinned(Pin),
+    /// The controller's certificate must chain to this CA; with an identity (certificate, key),
+    /// this client presents it.
+    Ca { ca_pem: Vec<u8>, identity: Option<(Vec<u8>, Vec<u8>)> },
+}
+
+/// The seed of the controller's Ed25519 key for a job of `secret`.
+fn seed(secret: u128) -> [u8; 32] {
+    lazarus_comm::auth::prove(secret, b"lazarus controller tls key", &[], &[])
+}
+
+/// The controller's key as PKCS#8 (v1) DER: the fixed Ed25519 header, then the seed.
+fn key_pkcs8(secret: u128) -> Vec<u8> {
+    const ED25519_PKCS8_V1: [u8; 16] = [0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
+    let mut der = ED25519_PKCS8_V1.to_vec();
+    der.extend_from_slice(&seed(secret));
+    der
+}
+
+/// The public key a controller of a job of `secret` signs its handshakes with.
+pub fn pin(secret: u128) -> Pin {
+    use ring::signature::KeyPair;
+    let pair = ring::signature::Ed25519KeyPair::from_seed_unchecked(&seed(secret)).expect("any 32 bytes are an Ed25519 seed");
+    pair.public_key().as_ref().try_into().expect("an Ed25519 public key is 32 bytes")
+}
+
+/// A pin as 64 hex digits (in the status token a controller prints).
+pub fn pin_hex(pin: &Pin) -> String {
+    pin.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A pin from 64 hex digits.
+pub fn parse_pin(hex: &str) -> Option<Pin> {
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut pin = [0u8; 32];
+    for (i, b) in pin.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(pin)
+}
+
+impl ServerTls {
+    /// The configuration tonic serves with: the self-signed certificate made now, or the
+    /// operator's files (checked here, naming the flag that is wrong).
+    pub fn server_config(&self) -> Result<ServerTlsConfig, ControlError> {
+        match self {
+            ServerTls::FromSecret(secret) => {
+                let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key_pkcs8(*secret));
+                let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
+                    .map_err(|e| ControlError::Launch(format!("making the controller's TLS key: {e}")))?;
+                let cert = rcgen::CertificateParams::new(vec![SELF_SIGNED_NAME.to_string()])
+                    .and_then(|p| p.self_signed(&key))
+                    .map_err(|e| ControlError::Launch(format!("making the controller's certificate: {e}")))?;
+                Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert.pem(), key.serialize_pem())))
+            }
+            ServerTls::Given { cert_pem, key_pem, client_ca_pem } => {
+                check_certificates("--tls-cert", cert_pem)?;
+                check_key("--tls-key", key_pem)?;
+                let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert_pem, key_pem));
+                if let Some(ca) = client_ca_pem {
+                    check_certificates("--tls-ca", ca)?;
+                    config = config.client_ca_root(Certificate::from_pem(ca));
+                }
+                Ok(config)
+            }
+        }
+    }
+
+    /// What clients pin, when the certificate is the one the secret gives.
+    pub fn pin(&self) -> Option<Pin> {
+        match self {
+            ServerTls::FromSecret(secret) => Some(pin(*secret)),
+            ServerTls::Given { .. } => None,
+        }
+    }
+
+    /// From the operator's files, if any (`--tls-cert` and `--tls-key` together; `--tls-ca`
+    /// only with them), else from the job's `secret`.
+    pub fn new(secret: u128, files: TlsFiles) -> Result<Self, ControlError> {
+        match files {
+            TlsFiles { cert_pem: None, key_pem: None, ca_pem: None } => Ok(ServerTls::FromSecret(secret)),
+            TlsFiles { cert_pem: Some(cert_pem), key_pem: Some(key_pem), ca_pem } => {
+                Ok(ServerTls::Given { cert_pem, key_pem, client_ca_pem: ca_pem })
+            }
+            TlsFiles { cert_pem: None, .. } => {
+                Err(ControlError::invalid("--tls-cert", "missing: --tls-key and --tls-ca go with the controller's certificate"))
+            }
+            TlsFiles { key_pem: None, .. } => Err(ControlError::invalid("--tls-key", "missing: the key of --tls-cert is needed")),
+        }
+    }
+}
+
+impl ClientTls {
+    /// From the operator's files (`--tls-ca`, and `--tls-cert/--tls-key` for mutual TLS), else
+    /// the pin (`pinned`: from the job's secret or a status token).
+    pub fn new(pinned: Option<Pin>, files: TlsFiles) -> Result<Self, ControlError> {
+        match files {
+            TlsFiles { ca_pem: Some(ca_pem), cert_pem: Some(cert), key_pem: Some(key) } => {
+                Ok(ClientTls::Ca { ca_pem, identity: Some((cert, key)) })
+            }
+            TlsFiles { ca_pem: Some(ca_pem), cert_pem: None, key_pem: None } => Ok(ClientTls::Ca { ca_pem, identity: None }),
+            TlsFiles { ca_pem: Some(_), cert_pem: None, .. } => {
+                Err(ControlError::invalid("--tls-cert", "missing: --tls-key is this client's key, for its certificate"))
+            }
+            TlsFiles { ca_pem: Some(_), .. } => Err(ControlError::invalid("--tls-key", "missing: the key of --tls-cert is needed")),
+            TlsFiles { ca_pem: None, cert_pem: None, key_pem: None } => pinned.map(ClientTls::Pinned).ok_or_else(|| {
+                ControlError::invalid("--tls-ca", "missing: the controller serves an operator's certificate, give the CA that signed it")
+            }),
+            TlsFiles { ca_pem: None, .. } => Err(ControlError::invalid(
+                "--tls-ca",
+                "missing: a client certificate (--tls-cert/--tls-key) is for a controller with the operator's CA",
+            )),
+        }
+    }
+
+    /// An endpoint for the controller at `addr` (`host:port`) over TLS; `refused` is set when
+    /// the controller fails the pin (another job's controller, a man in the middle): not worth
+    /// retrying.
+    pub fn endpoint(&self, addr: &str, refused: Arc<AtomicBool>) -> Result<Endpoint, ControlError> {
+        let endpoint =
+            Endpoint::from_shared(format!("https://{addr}")).map_err(|e| ControlError::invalid("--controller", e.to_string()))?;
+        let config = ClientTlsConfig::new().assume_http2(true);
+        match self {
+            ClientTls::Pinned(key) => endpoint
+                .tls_config_with_verifier(config.domain_name(SELF_SIGNED_NAME), Arc::new(PinnedKey { key: *key, refused }))
+                .map_err(|e| ControlError::Launch(format!("TLS to the controller: {e}"))),
+            ClientTls::Ca { ca_pem, identity } => {
+                check_certificates("--tls-ca", ca_pem)?;
+                let mut config = config.ca_certificate(Certificate::from_pem(ca_pem));
+                if let Some((cert, key)) = identity {
+                    check_certificates("--tls-cert", cert)?;
+                    check_key("--tls-key", key)?;
+                    config = config.identity(Identity::from_pem(cert, key));
+                }
+                endpoint.tls_config(config).map_err(|e| ControlError::Launch(format!("TLS to the controller: {e}")))
+            }
+        }
+    }
+}
+
+/// That `pem` holds at least one certificate, and nothing unreadable.
+fn check_certificates(flag: &'static str, pem: &[u8]) -> Result<(), ControlError> {
+    use rustls::pki_types::pem::PemObject;
+    let certs: Result<Vec<CertificateDer>, _> = CertificateDer::pem_slice_iter(pem).collect();
+    match certs {
+        Ok(c) if !c.is_empty() => Ok(()),
+        Ok(_) => Err(ControlError::invalid(flag, "no certificate in it (expected PEM: -----BEGIN CERTIFICATE-----)")),
+        Err(e) => Err(ControlError::invalid(flag, format!("not a PEM certificate ({e})"))),
+    }
+}
+
+/// That `pem` holds a private key.
+fn check_key(flag: &'static str, pem: &[u8]) -> Result<(), ControlError> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::PrivateKeyDer::from_pem_slice(pem)
+        .map(|_| ())
+        .map_err(|e| ControlError::invalid(flag, format!("no private key in it (expected PEM: -----BEGIN PRIVATE KEY-----; {e})")))
+}
+
+/// Trust in a controller that signs the handshake with one known key (the certificate is the
+/// controller's own making and says nothing more).
+#[derive(Debug)]
+struct PinnedKey {
+    key: Pin,
+    refused: Arc<AtomicBool>,
+}
+
+impl PinnedKey {
+    fn check(&self, message: &[u8], dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+        let key = ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, &self.key);
+        if dss.scheme == SignatureScheme::ED25519 && key.verify(message, dss.signature()).is_ok() {
+            return Ok(HandshakeSignatureValid::assertion());
+        }
+        self.refused.store(true, Ordering::Relaxed);
+        Err(rustls::Error::General("the controller does not hold the key the job's secret gives".into()))
+    }
+}
+
+impl ServerCertVerifier for PinnedKey {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        // The identity is the key that signs the handshake (checked below), not the certificate.
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        _cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.check(message, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        _cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.check(message, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        // Every scheme, so that a server of another key type gets as far as signing and is
+        // told apart (refused) rather than failing the handshake without a word.
+        rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pin_is_the_secrets_own_and_round_trips_as_hex() {
+        let (a, b) = (pin(0x5eed), pin(0x5eee));
+        assert_ne!(a, b);
+        assert_eq!(a, pin(0x5eed), "derived, not drawn");
+        assert_eq!(parse_pin(&pin_hex(&a)), Some(a));
+        assert_eq!(parse_pin(&pin_hex(&a)[..62]), None);
+        assert_eq!(parse_pin(&"zz".repeat(32)), None);
+        // The certificate made from the secret carries the pinned key.
+        let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key_pkcs8(0x5eed));
+        let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519).unwrap();
+        assert_eq!(rcgen::PublicKeyData::der_bytes(&key), &a[..]);
+    }
+
+    #[test]
+    fn operator_files_come_in_working_sets_or_are_refused_naming_the_flag() {
+        let pem = b"-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n".to_vec();
+        let files = |c: bool, k: bool, ca: bool| TlsFiles {
+            cert_pem: c.then(|| pem.clone()),
+            key_pem: k.then(|| pem.clone()),
+            ca_pem: ca.then(|| pem.clone()),
+        };
+        assert!(matches!(ServerTls::new(1, files(false, false, false)), Ok(ServerTls::FromSecret(1))));
+        assert!(matches!(ServerTls::new(1, files(true, true, true)), Ok(ServerTls::Given { client_ca_pem: Some(_), .. })));
+        for (c, k, ca, flag) in [(false, true, false, "--tls-cert"), (true, false, false, "--tls-key"), (false, false, true, "--tls-cert")]
+        {
+            let e = ServerTls::new(1, files(c, k, ca)).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("invalid {flag}")), "{e}");
+        }
+        assert!(matches!(ClientTls::new(Some([1; 32]), files(false, false, false)), Ok(ClientTls::Pinned(_))));
+        assert!(matches!(ClientTls::new(None, files(false, false, true)), Ok(ClientTls::Ca { identity: None, .. })));
+        for (c, k, ca, pinned, flag) in [
+            (false, false, false, false, "--tls-ca"),
+            (true, true, false, true, "--tls-ca"),
+            (false, true, true, true, "--tls-cert"),
+            (true, false, true, true, "--tls-key"),
+        ] {
+            let e = ClientTls::new(pinned.then_some([1; 32]), files(c, k, ca)).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("invalid {flag}")), "{e}");
+        }
+        // Files that are not what they should be are named.
+        let bad = ServerTls::Given { cert_pem: b"hello".to_vec(), key_pem: b"x".to_vec(), client_ca_pem: None };
+        assert!(bad.server_config().unwrap_err().to_string().starts_with("invalid --tls-cert"));
+    }
+}
