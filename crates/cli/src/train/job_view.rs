@@ -61,15 +61,22 @@ impl JobView {
                 Ok(())
             }
             TrainEvent::Serving { addr, status_token } => {
+                // Listening on every address (0.0.0.0): others reach it by this host's name.
+                let reach = if addr.ip().is_unspecified() {
+                    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                    format!("{}:{}", if host.trim().is_empty() { "THIS-HOST" } else { host.trim() }, addr.port())
+                } else {
+                    addr.to_string()
+                };
                 if self.remote {
                     tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);
                     if let Some(command) = &self.agent_command {
                         let command =
-                            command.replace("{addr}", &addr.to_string()).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
+                            command.replace("{addr}", &reach).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
                         tracing::info!("start each node's agent with: {command}");
                     }
                 }
-                tracing::info!("controller status: LAZARUS_STATUS_TOKEN={status_token} lazarus status --controller {addr}");
+                tracing::info!("controller status: LAZARUS_STATUS_TOKEN={status_token} lazarus status --controller {reach}");
                 Ok(())
             }
             TrainEvent::Rebalance(d) => {
