@@ -85,6 +85,10 @@ pub struct TrainArgs {
     /// Continue from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// --resume if --checkpoint-dir holds a run's checkpoints, else start a new run there: for a
+    /// job its scheduler starts again (a requeued batch job, a controller pod made again).
+    #[arg(long, conflicts_with_all = ["resume", "overwrite_checkpoints"])]
+    pub(crate) resume_if_any: bool,
     /// Where the model trains: cpu (default), or cuda / cuda:N (the N-th NVIDIA GPU; a build
     /// with the `cuda` feature). With --workers, `cuda` puts a node's i-th worker on GPU i mod
     /// the visible GPUs (several workers may share one).
@@ -246,13 +250,14 @@ impl TrainArgs {
     /// Flags about a run's length, what it keeps and where it logs, by name, when given: what a
     /// benchmark of steps, which trains no run of its own, has no use for.
     pub(super) fn run_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 7] = [
+        let given: [(&'static str, bool); 8] = [
             ("--steps", self.steps.is_some()),
             ("--checkpoint-dir", self.checkpoint_dir.is_some()),
             ("--checkpoint-every", self.checkpoint_every.is_some()),
             ("--keep-checkpoints", self.keep_checkpoints.is_some()),
             ("--overwrite-checkpoints", self.overwrite_checkpoints),
             ("--resume", self.resume),
+            ("--resume-if-any", self.resume_if_any),
             ("--json-log", self.json_log.is_some()),
         ];
         given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
@@ -534,6 +539,22 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `args` with `--resume-if-any` settled: `--resume` when the checkpoint directory (the flag's or
+/// the `--config` file's) holds a run's `latest`, else a new run.
+pub fn settle_resume(args: &TrainArgs) -> Result<TrainArgs> {
+    let mut a = args.clone();
+    if a.resume_if_any {
+        let dir = build_config(args)?.checkpoint_dir;
+        let Some(dir) = dir else { bail!("--resume-if-any needs --checkpoint-dir (or checkpoint_dir in --config)") };
+        a.resume = dir.join(lazarus_model::checkpoint::LATEST_FILE).exists();
+        a.resume_if_any = false;
+        if a.resume {
+            tracing::info!("--resume-if-any: {} holds a run: going on with it", dir.display());
+        }
+    }
+    Ok(a)
 }
 
 /// The configuration of a run that starts now: flags checked for combinations that would ignore

@@ -71,8 +71,7 @@ impl JobView {
                 if self.remote {
                     tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);
                     if let Some(command) = &self.agent_command {
-                        let command =
-                            command.replace("{addr}", &reach).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
+                        let command = command.replace("{addr}", &reach).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
                         tracing::info!("start each node's agent with: {command}");
                     }
                 }

@@ -91,6 +91,7 @@ struct ControllerTable {
     comm_timeout: Option<f64>,
     rebalance_every: Option<u64>,
     metrics_listen: Option<SocketAddr>,
+    device: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
@@ -119,6 +120,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.comm_timeout, t.comm_timeout);
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
+    or(&mut a.train.device, t.device);
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
 }
@@ -322,6 +324,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
 /// another host (`{addr}`: the controller's address), shown once the controller listens. A
 /// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
 fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mut replayed: Option<RunShape>) -> Result<()> {
+    let args = &super::args::settle_resume(args)?;
     let world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
     if world == 0 || world > lazarus_control::protocol::MAX_WORKERS {

@@ -1,0 +1,256 @@
+//! The Kubernetes manifests (`deploy/kubernetes`), checked as far as a machine without a cluster
+//! allows: they render (`kubectl kustomize`, where kubectl is installed), hang together (the
+//! Service reaches the controller's port, every pod mounts the Secret and the ConfigMap where
+//! lazarus.toml says, agents ask for as many GPUs as they bring workers), and the pods' own
+//! commands run the job: the controller's and two agents' argument lists, taken from the
+//! manifests with the mounts and the pod address mapped onto this machine, train; one agent is
+//! SIGKILLed (a lost pod) and started again with the same arguments (the StatefulSet's
+//! replacement), and it rejoins the running job; then the controller is SIGKILLed, its agents
+//! stop, and all started again go on from the latest checkpoint to the end.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::hosts::exit_within;
+use common::{dir, log, signal, spawn_lazarus, wait_for_steps};
+use serde::Deserialize;
+use serde_yaml::Value;
+
+/// The causes of the reconfigurations the log at `path` records.
+fn causes_of(path: &Path) -> Vec<String> {
+    log(path).1.iter().filter_map(|r| r["cause"].as_str().map(String::from)).collect()
+}
+
+fn manifests() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes")
+}
+
+/// Every object of the kustomization's resources, by `Kind/name`.
+fn objects() -> BTreeMap<String, Value> {
+    let kustomization: Value = serde_yaml::from_str(&std::fs::read_to_string(manifests().join("kustomization.yaml")).unwrap()).unwrap();
+    let mut all = BTreeMap::new();
+    for file in kustomization["resources"].as_sequence().unwrap() {
+        let text = std::fs::read_to_string(manifests().join(file.as_str().unwrap())).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v = Value::deserialize(doc).unwrap();
+            all.insert(format!("{}/{}", v["kind"].as_str().unwrap(), v["metadata"]["name"].as_str().unwrap()), v);
+        }
+    }
+    all
+}
+
+fn as_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_sequence().map(|s| s.iter().map(|x| x.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+}
+
+/// The one container of a workload: its command with arguments, and its mounts (path → volume).
+fn container(workload: &Value) -> (Vec<String>, BTreeMap<String, String>, Value) {
+    let pod = &workload["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let mut argv = strings(&c["command"]);
+    argv.extend(strings(&c["args"]));
+    let mounts = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|m| (m["mountPath"].as_str().unwrap().to_string(), m["name"].as_str().unwrap().to_string()))
+        .collect();
+    (argv, mounts, pod["volumes"].clone())
+}
+
+fn volume<'a>(volumes: &'a Value, name: &str) -> &'a Value {
+    volumes.as_sequence().unwrap().iter().find(|v| v["name"] == name).unwrap_or_else(|| panic!("volume {name}"))
+}
+
+#[test]
+fn the_manifests_hang_together_and_render() {
+    let all = objects();
+    let toml: toml::Table = toml::from_str(&std::fs::read_to_string(manifests().join("lazarus.toml")).unwrap()).unwrap();
+    let (ctl, agt) = (toml["controller"].as_table().unwrap(), toml["agent"].as_table().unwrap());
+    let deployment = &all["Deployment/lazarus-controller"];
+    assert_eq!(deployment["spec"]["replicas"].as_u64(), Some(1), "one controller");
+    assert_eq!(deployment["spec"]["strategy"]["type"].as_str(), Some("Recreate"), "never two controllers at once");
+    // The Service selects the controller's pods and reaches the port it listens on; the agents
+    // name the Service.
+    let service = &all["Service/lazarus-controller"];
+    let labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in service["spec"]["selector"].as_mapping().unwrap() {
+        assert_eq!(&labels[k], v, "the Service selects the controller's pods");
+    }
+    let listen_port = ctl["listen"].as_str().unwrap().rsplit(':').next().unwrap().parse::<u64>().unwrap();
+    let grpc = service["spec"]["ports"].as_sequence().unwrap().iter().find(|p| p["name"] == "grpc").unwrap();
+    let container_ports = &deployment["spec"]["template"]["spec"]["containers"][0]["ports"];
+    let target = container_ports.as_sequence().unwrap().iter().find(|p| p["name"] == grpc["targetPort"]).unwrap();
+    assert_eq!(target["containerPort"].as_u64(), Some(listen_port));
+    assert_eq!(agt["controller"].as_str().unwrap(), format!("lazarus-controller:{}", grpc["port"].as_u64().unwrap()));
+    // Both kinds of pod mount the Secret where secret_file is, and lazarus.toml from the ConfigMap.
+    let agents = &all["StatefulSet/lazarus-agent"];
+    for (workload, table) in [(deployment, ctl), (agents, agt)] {
+        let (argv, mounts, volumes) = container(workload);
+        let secret_file = table["secret_file"].as_str().unwrap();
+        let (dir, file) = secret_file.rsplit_once('/').unwrap();
+        let secret = volume(&volumes, &mounts[dir]);
+        assert_eq!(secret["secret"]["secretName"].as_str(), Some("lazarus-job"));
+        let config_at = &argv[argv.iter().position(|a| a == "--config").unwrap() + 1];
+        assert_eq!(volume(&volumes, &mounts[config_at])["configMap"]["name"].as_str(), Some("lazarus-config"));
+        assert!(
+            mounts.keys().any(|m| toml["checkpoint_dir"].as_str().unwrap().starts_with(m.as_str())),
+            "checkpoints on the shared volume"
+        );
+        assert_eq!(file, "job.secret");
+    }
+    // Agents ask for the GPUs they bring, and as many agents as the job's workers need.
+    let gpus = agt["gpus"].as_integer().unwrap();
+    let limits = &agents["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"];
+    assert_eq!(limits["nvidia.com/gpu"].as_i64(), Some(gpus));
+    assert_eq!(ctl["gpus_per_node"].as_integer(), Some(gpus));
+    assert_eq!(agents["spec"]["replicas"].as_i64().unwrap() * gpus, ctl["workers"].as_integer().unwrap());
+    assert_eq!(all["PersistentVolumeClaim/lazarus-checkpoints"]["spec"]["accessModes"][0].as_str(), Some("ReadWriteMany"));
+
+    // kubectl renders it with a secret in place.
+    if Command::new("kubectl").arg("version").arg("--client").output().is_err() {
+        eprintln!("kubectl not installed: the render is not checked");
+        return;
+    }
+    let d = dir("kubernetes-render");
+    for e in std::fs::read_dir(manifests()).unwrap().flatten() {
+        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+    }
+    std::fs::write(d.join("job.secret"), "7f3a9c2e5b8d1f4a6c0e9b2d7a5f3c81\n").unwrap();
+    let out = Command::new("kubectl").arg("kustomize").arg(&d).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rendered = String::from_utf8_lossy(&out.stdout);
+    let kinds: Vec<String> = serde_yaml::Deserializer::from_str(&rendered)
+        .map(|doc| {
+            let v = Value::deserialize(doc).unwrap();
+            format!("{}/{}", v["kind"].as_str().unwrap(), v["metadata"]["name"].as_str().unwrap())
+        })
+        .collect();
+    for want in ["ConfigMap/lazarus-config", "Secret/lazarus-job", "Deployment/lazarus-controller", "StatefulSet/lazarus-agent"] {
+        assert!(kinds.iter().any(|k| k == want), "{want} in {kinds:?}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A workload's argument list with its mounts and names mapped as `map` says (the pod's address:
+/// loopback), and `more` flags after it.
+fn on_this_machine(workload: &Value, map: &[(String, String)], more: &[&str]) -> Vec<String> {
+    let (argv, _, _) = container(workload);
+    assert_eq!(argv[0], "lazarus");
+    let mut args: Vec<String> = argv[1..]
+        .iter()
+        .map(|a| {
+            let mut a = a.replace("$(POD_IP)", "127.0.0.1");
+            for (from, to) in map {
+                a = a.replace(from, to);
+            }
+            a
+        })
+        .collect();
+    args.extend(more.iter().map(|s| s.to_string()));
+    args
+}
+
+#[test]
+fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
+    let all = objects();
+    let d = dir("kubernetes-run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // The mounts, as directories here; the Service's name, as the controller's address here.
+    let (etc, data) = (d.join("etc"), d.join("data"));
+    std::fs::create_dir_all(etc.join("secret")).unwrap();
+    std::fs::write(etc.join("secret/job.secret"), "7f3a9c2e5b8d1f4a6c0e9b2d7a5f3c81\n").unwrap();
+    let map = vec![
+        ("/etc/lazarus".to_string(), etc.to_str().unwrap().to_string()),
+        ("/var/lib/lazarus".to_string(), data.to_str().unwrap().to_string()),
+        ("lazarus-controller:7070".to_string(), format!("127.0.0.1:{port}")),
+        ("0.0.0.0:7070".to_string(), format!("127.0.0.1:{port}")),
+        ("0.0.0.0:9464".to_string(), "127.0.0.1:0".to_string()),
+    ];
+    let mut toml = std::fs::read_to_string(manifests().join("lazarus.toml")).unwrap();
+    for (from, to) in &map {
+        toml = toml.replace(from, to);
+    }
+    // The job's shape is the file's but smaller: the tiny model (in the file, as a resumed run
+    // must agree with it), 2 agents of 1 worker on CPU.
+    let mut file: toml::Table = toml::from_str(&toml).unwrap();
+    for (key, value) in [("steps", 300), ("batch_size", 8), ("seq_len", 16), ("checkpoint_every", 50)] {
+        file.insert(key.into(), toml::Value::Integer(value));
+    }
+    let model = file.get_mut("model").and_then(toml::Value::as_table_mut).unwrap();
+    for (key, value) in [("d_model", 32), ("n_layers", 2), ("n_heads", 2), ("n_experts", 4), ("d_ff", 32)] {
+        model.insert(key.into(), toml::Value::Integer(value));
+    }
+    std::fs::write(etc.join("lazarus.toml"), toml::to_string(&file).unwrap()).unwrap();
+    let path = d.join("log.jsonl");
+    let small = vec![
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--max-workers",
+        "2",
+        "--join-wait",
+        "0.2",
+        "--synthetic-bytes",
+        "20000",
+        "--lease",
+        "0.5",
+        "--json-log",
+        path.to_str().unwrap(),
+    ];
+    let ctl_args = on_this_machine(&all["Deployment/lazarus-controller"], &map, &small);
+    let agent_args = on_this_machine(&all["StatefulSet/lazarus-agent"], &map, &["--gpus", "1"]);
+    let start_agent = || spawn_lazarus(&as_strs(&agent_args), &[]);
+    let (mut controller, _) = spawn_lazarus(&as_strs(&ctl_args), &[]);
+    let (mut first, _) = start_agent();
+    let (mut second, _) = start_agent();
+    // An agent pod lost: made again, it rejoins.
+    wait_for_steps(&path, 40);
+    signal(second.id() as i32, libc::SIGKILL);
+    let _ = second.wait();
+    let (mut again, again_lines) = start_agent();
+    // The controller pod lost after a checkpoint: its agents stop; all made again, the job goes
+    // on from the checkpoint (--resume-if-any) to its end.
+    let checkpoint = data.join("checkpoints/latest");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(&checkpoint).unwrap_or_default().trim() < "step-00000100" {
+        assert!(std::time::Instant::now() < deadline, "no checkpoint at step 100");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(again_lines.try_iter().any(|l| l.contains("started workers")) || causes_of(&path).contains(&"join".to_string()));
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    for agent in [&mut first, &mut again] {
+        let status = agent.wait().unwrap();
+        assert!(!status.success(), "an agent whose controller is lost stops with an error (the kubelet restarts it)");
+    }
+    let before = log(&path).0.len();
+    let (mut controller, ctl_lines) = spawn_lazarus(&as_strs(&ctl_args), &[]);
+    let mut agents = [start_agent(), start_agent()];
+    let (end, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("holds a run: going on with it")), "{}", text.join("\n"));
+    for (child, lines) in &mut agents {
+        let (end, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    }
+    // It went on from a checkpoint; the log, cut back to it, holds every step once.
+    let resumed = text.iter().find_map(|l| l.split_once("resuming from ").and_then(|(_, r)| r.rsplit_once(" at step "))).unwrap().1;
+    let resumed: u64 = resumed.trim().parse().unwrap();
+    assert!(resumed >= 100 && resumed.is_multiple_of(50) && resumed as usize <= before, "resumed at {resumed}, {before} steps logged before");
+    let numbers: Vec<u64> = log(&path).0.iter().map(|(s, _)| *s).collect();
+    assert_eq!(numbers, (1..=300).collect::<Vec<_>>(), "every step once");
+    assert!(causes_of(&path).iter().any(|c| c == "join"), "the lost agent pod was taken back in");
+    let _ = std::fs::remove_dir_all(&d);
+}
