@@ -73,7 +73,7 @@ pub struct SimArgs {
     #[arg(long)]
     min_replicas: Option<usize>,
     /// Seconds to relaunch and initialise after a failure, before reading the checkpoint.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     restart_s: Option<f64>,
     /// Expert loads per rebalance epoch from a routing trace: JSON [[loads per expert] per
     /// layer], a list of those, or a `lazarus train --json-log` (default: seeded drifting skew).
@@ -138,7 +138,11 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         if every == 0 {
             bail!("invalid --fail-every: {e} (must be > 0)");
         }
-        Trace::fail_every(args.nodes, every, args.floor.unwrap_or(args.nodes / 2), args.seed)?
+        let floor = args.floor.unwrap_or(args.nodes / 2);
+        if floor >= args.nodes {
+            bail!("invalid --floor: {floor} (nodes fail down to it: it must be below --nodes {})", args.nodes);
+        }
+        Trace::fail_every(args.nodes, every, floor, args.seed)?
     } else if let Some(k) = &args.fail_at_once {
         let Some((k, t)) = k.split_once('@') else { bail!("invalid --fail-at-once: {k:?} (expected K@T, e.g. 4@10m)") };
         let k: usize = k.parse().map_err(|_| anyhow::anyhow!("invalid --fail-at-once: count {k:?}"))?;
@@ -203,7 +207,36 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         "ds-ft" => vec![Policy::DsFt],
         other => bail!("invalid --policy: {other:?} (expected lazarus, ds, ds-ft or all)"),
     };
-    Ok((Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0 }, policies))
+    if args.floor.is_some() && args.fail_every.is_none() {
+        bail!("--floor is where --fail-every stops: it means nothing without it");
+    }
+    let scenario = Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0 };
+    scenario.validate().map_err(named_flag)?;
+    Ok((scenario, policies))
+}
+
+/// A scenario's error as the flags name what is wrong (the simulator names its own fields).
+fn named_flag(e: lazarus_sim::SimError) -> anyhow::Error {
+    let lazarus_sim::SimError::Invalid { field, value, reason } = &e else { return e.into() };
+    let flag = match *field {
+        "gpus_per_node" => "--gpus-per-node",
+        "slots_per_gpu" => "--slots-per-gpu",
+        "gpus_per_node × slots_per_gpu" => "--gpus-per-node × --slots-per-gpu",
+        "max_nodes" => "--max-nodes",
+        "min_replicas" => "--min-replicas",
+        "restart_s" => "--restart-s",
+        "scale_up_wait_s" => "--scale-up-wait",
+        "checkpoint_every_ds" => "--checkpoint-every-ds",
+        "checkpoint_every_ds_ft" => "--checkpoint-every-ft",
+        "checkpoint_every_lazarus" => "--checkpoint-every-lazarus",
+        "rebalance_every" => "--rebalance-every",
+        "model" => "--layers × --experts",
+        "model.layers" => "--layers",
+        "model.experts" => "--experts",
+        "duration" => "--duration",
+        _ => return e.into(),
+    };
+    anyhow::anyhow!("invalid {flag}: {value} ({reason})")
 }
 
 #[derive(Serialize)]
@@ -234,7 +267,7 @@ struct Report<'a> {
 pub fn run_sim(args: &SimArgs) -> Result<()> {
     let (scenario, policies) = build(args)?;
     let start = Instant::now();
-    let reports: Vec<PolicyReport> = policies.iter().map(|&p| simulate(&scenario, p)).collect::<Result<_, _>>()?;
+    let reports: Vec<PolicyReport> = policies.iter().map(|&p| simulate(&scenario, p)).collect::<Result<_, _>>().map_err(named_flag)?;
     let sim_wall_s = start.elapsed().as_secs_f64();
     if let Some(path) = &args.plot {
         let title = format!("{} on {} nodes max, {:.0} min", scenario.model.name, scenario.max_nodes, scenario.duration_s / 60.0);
@@ -312,4 +345,52 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         }
     }
     crate::io::print(&out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use proptest::prelude::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SimArgs,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+        /// Whatever the numbers, a scenario is either one the simulator takes (validated) or
+        /// refused naming a flag that was given — never a meaningless run, never a field name.
+        #[test]
+        fn a_scenario_is_valid_or_refused_naming_a_given_flag(
+            gpus in 0usize..3, slots in 0usize..3, max_nodes in 0usize..3, layers in 0usize..3, experts in 0usize..3,
+            restart in prop::sample::select(vec!["-1", "NaN", "inf", "0", "5"]), min_replicas in 0usize..3,
+            floor in 0usize..12, every in prop::sample::select(vec!["0", "5m"]), ckpt in 0u64..3,
+        ) {
+            let (gpus, slots, max_nodes, layers, experts, min_replicas, floor, ckpt) = (
+                gpus.to_string(), slots.to_string(), max_nodes.to_string(), layers.to_string(), experts.to_string(),
+                min_replicas.to_string(), floor.to_string(), ckpt.to_string(),
+            );
+            let argv = [
+                "sim", "--fail-every", every, "--nodes", "10", "--gpus-per-node", &gpus, "--slots-per-gpu", &slots,
+                "--max-nodes", &max_nodes, "--layers", &layers, "--experts", &experts, "--restart-s", restart,
+                "--min-replicas", &min_replicas, "--floor", &floor, "--checkpoint-every-lazarus", &ckpt,
+            ];
+            let args = Cli::try_parse_from(argv).unwrap().args;
+            match build(&args) {
+                Ok((scenario, _)) => prop_assert!(scenario.validate().is_ok()),
+                Err(e) => {
+                    let e = e.to_string();
+                    let flag = e.strip_prefix("invalid ").and_then(|r| r.split(':').next()).unwrap_or_default();
+                    prop_assert!(
+                        flag.split(" × ").all(|f| argv.contains(&f)),
+                        "{e}: names no given flag"
+                    );
+                }
+            }
+        }
+    }
 }

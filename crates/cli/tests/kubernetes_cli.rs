@@ -248,7 +248,10 @@ fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
     // It went on from a checkpoint; the log, cut back to it, holds every step once.
     let resumed = text.iter().find_map(|l| l.split_once("resuming from ").and_then(|(_, r)| r.rsplit_once(" at step "))).unwrap().1;
     let resumed: u64 = resumed.trim().parse().unwrap();
-    assert!(resumed >= 100 && resumed.is_multiple_of(50) && resumed as usize <= before, "resumed at {resumed}, {before} steps logged before");
+    assert!(
+        resumed >= 100 && resumed.is_multiple_of(50) && resumed as usize <= before,
+        "resumed at {resumed}, {before} steps logged before"
+    );
     let numbers: Vec<u64> = log(&path).0.iter().map(|(s, _)| *s).collect();
     assert_eq!(numbers, (1..=300).collect::<Vec<_>>(), "every step once");
     assert!(causes_of(&path).iter().any(|c| c == "join"), "the lost agent pod was taken back in");

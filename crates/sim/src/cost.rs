@@ -168,9 +168,13 @@ impl Default for CostModel {
 
 impl CostModel {
     pub fn validate(&self) -> Result<(), SimError> {
-        for (field, v) in
-            [("gpus_per_node", self.gpus_per_node), ("slots_per_gpu", self.slots_per_gpu), ("samples_per_gpu", self.samples_per_gpu)]
-        {
+        for (field, v) in [
+            ("gpus_per_node", self.gpus_per_node),
+            ("slots_per_gpu", self.slots_per_gpu),
+            ("samples_per_gpu", self.samples_per_gpu),
+            // Every expert has a replica: a floor of 0 would mean nothing.
+            ("min_replicas", self.min_replicas),
+        ] {
             if v == 0 {
                 return Err(SimError::invalid(field, v, "must be ≥ 1"));
             }
