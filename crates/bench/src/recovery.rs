@@ -190,6 +190,7 @@ pub fn run_recovery_bench(
         let plan = plan_job(&mut trainer, spec.workers, 1, &source)?;
         let faults = kill.phase.hook().map(|p| format!("{}:{p}:{}", kill.worker, kill.step)).unwrap_or_default();
         let job = TrainJob {
+            encrypt_data: false,
             config: cfg.clone(),
             plan: plan.map,
             static_ep: false,

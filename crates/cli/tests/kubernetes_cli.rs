@@ -206,6 +206,8 @@ fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
         "20000",
         "--lease",
         "0.5",
+        // Pods share the cluster's network: the workers' connections encrypted.
+        "--encrypt-data",
         "--json-log",
         path.to_str().unwrap(),
     ];

@@ -61,7 +61,10 @@ fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
     // Static expert parallelism on 2 workers.
     let log_ep = d.join("ep.jsonl");
     run(&["--workers", "2", "--static-ep"], &log_ep);
-    for (name, path) in [("3 workers", &log3), ("placement file", &log2), ("static EP", &log_ep)] {
+    // Their connections encrypted: the same training.
+    let log_sealed = d.join("sealed.jsonl");
+    run(&["--workers", "3", "--encrypt-data"], &log_sealed);
+    for (name, path) in [("3 workers", &log3), ("placement file", &log2), ("static EP", &log_ep), ("encrypted", &log_sealed)] {
         let l = losses(path);
         assert_eq!(l.len(), single.len(), "{name}");
         for (s, (a, b)) in l.iter().zip(&single).enumerate() {

@@ -35,6 +35,10 @@ pub struct WorkerSpec<J> {
     /// agent sets its host's address, so that ranks on other hosts can reach it.
     #[serde(default)]
     pub bind: Option<String>,
+    /// Seal every frame between the workers (AES-256-GCM, keys derived per connection from
+    /// the secret; `lazarus_comm` `tcp::seal`).
+    #[serde(default)]
+    pub encrypt: bool,
     pub job: J,
 }
 
@@ -95,6 +99,9 @@ pub struct TrainJob {
     /// visible GPUs) or `cuda:N`.
     #[serde(default = "cpu_device")]
     pub device: String,
+    /// Encrypt the workers' data connections (`--encrypt-data`).
+    #[serde(default)]
+    pub encrypt_data: bool,
 }
 
 fn cpu_device() -> String {

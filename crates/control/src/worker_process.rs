@@ -202,12 +202,13 @@ struct Net {
     timeout: Duration,
     secret: u128,
     bind: IpAddr,
+    encrypt: bool,
 }
 
 /// Bind, say where, wait for every rank's address at `epoch`, connect to all of them (with the
 /// job's secret). An [`LauncherMessage::Abandon`] of the epoch ends it at any point.
 fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch: u64, net: Net) -> Result<TcpTransport, ControlError> {
-    let Net { timeout, secret, bind } = net;
+    let Net { timeout, secret, bind, encrypt } = net;
     let cancel = Arc::new(AtomicBool::new(false));
     *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, cancel.clone()));
     let result = (|| {
@@ -233,7 +234,7 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
             .iter()
             .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
             .collect::<Result<_, _>>()?;
-        let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()) };
+        let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()), encrypt };
         let t = TcpTransport::connect(listener, r).map_err(|e| ControlError::Runtime(e.into()))?;
         *inbox.fence.lock().unwrap_or_else(|e| e.into_inner()) = Some(t.fence());
         Ok(t)
@@ -277,7 +278,7 @@ fn join_unless<J: DeserializeOwned>(
         spec.rank,
         spec.world,
         spec.epoch,
-        Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind },
+        Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind, encrypt: spec.encrypt },
     )?;
     Ok((spec, inbox, Some(t)))
 }
@@ -426,6 +427,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let bind = bind_ip(spec.bind.as_deref())?;
     let fault = fault_hook(spec.rank, &spec.job.faults)?;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
+    let encrypt = spec.encrypt;
     let job = spec.job;
     let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
     // This process's GPU (or the CPU): its index among the workers its launcher started picks it.
@@ -553,7 +555,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         if let Some(f) = &fault {
             f(FaultPoint::Rendezvous, worker.steps_done());
         }
-        let fresh = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind }) {
+        let fresh = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind, encrypt }) {
             Ok(fresh) => fresh,
             Err(e) => {
                 outcome = Err(e);

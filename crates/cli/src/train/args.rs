@@ -189,6 +189,11 @@ pub struct TrainArgs {
     /// bytes moved, snapshot bytes, seconds since the last checkpoint).
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// With --workers: encrypt the workers' connections to each other (AES-256-GCM, a key per
+    /// connection derived from the job's secret). Without it they are authenticated at the
+    /// rendezvous and travel in clear.
+    #[arg(long)]
+    pub encrypt_data: bool,
     /// With --workers: run the workers through N/G node agents (`lazarus agent` processes on
     /// loopback, G workers each) attached to the embedded controller over gRPC; a node of G
     /// workers is the unit of failure and of placement. (`lazarus controller`: the GPUs every
@@ -223,8 +228,9 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 19] = [
+        let given: [(&'static str, bool); 20] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
+            ("--encrypt-data", self.encrypt_data),
             ("--rebalance-every", self.rebalance_every.is_some()),
             ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),
             ("--snapshot-ceiling", self.snapshot_ceiling.is_some()),

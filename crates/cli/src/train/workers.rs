@@ -92,6 +92,7 @@ struct ControllerTable {
     rebalance_every: Option<u64>,
     metrics_listen: Option<SocketAddr>,
     device: Option<String>,
+    encrypt_data: Option<bool>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
@@ -121,6 +122,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
     or(&mut a.train.device, t.device);
+    a.train.encrypt_data |= t.encrypt_data.unwrap_or(false);
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
 }
@@ -397,6 +399,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         adaptive: args.snapshot_bandwidth.is_none(),
     });
     let job = TrainJob {
+        encrypt_data: args.encrypt_data,
         config: cfg.clone(),
         plan: plan.map,
         static_ep: args.static_ep,

@@ -17,12 +17,20 @@ use crate::Transport;
 
 mod buffers;
 mod out_of_band;
+mod seal;
 use buffers::BufferPool;
 pub use out_of_band::Encode;
 use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Payload, Writer};
+use seal::{Opener, Sealer};
+
+/// A connection's write side: its lock (frames never interleave), holding what seals its
+/// frames when the data plane is encrypted.
+pub(super) type WriteLock = Arc<Mutex<Option<Sealer>>>;
 
 const MAGIC: u32 = 0x4c5a_5231; // "LZR1"
 const HELLO: u32 = 0x4c5a_4831; // "LZH1"
+/// The hello of a rank that seals its frames ([`seal`]): both ends of a connection must.
+const HELLO_SEALED: u32 = 0x4c5a_4832; // "LZH2"
 /// Header: magic u32, epoch u64, tag u64, length u64.
 const HEADER: usize = 28;
 /// Largest frame accepted from or sent to a peer (an expert's weights and moments are far
@@ -54,8 +62,9 @@ pub struct TcpTransport {
     failed: Option<CommError>,
     /// Peers another rank reported lost in an abort frame.
     reported: Vec<bool>,
-    /// One write lock per connection, shared with the out-of-band sender: frames never interleave.
-    write_locks: Vec<Arc<Mutex<()>>>,
+    /// One write lock per connection, shared with the out-of-band sender: frames never
+    /// interleave (and are sealed in the order they are written).
+    write_locks: Vec<WriteLock>,
     /// The threads that copy and write out-of-band frames, started by the first one.
     out_of_band: Option<OutOfBandSender>,
     /// Buffers of out-of-band frames already written, for the next ones ([`buffers`]).
@@ -77,12 +86,15 @@ pub struct Rendezvous {
     pub secret: u128,
     /// Set from outside to give the rendezvous up at once (a peer was lost before it connected).
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Seal every frame (AES-256-GCM, a key per connection and direction derived from the
+    /// secret: [`seal`]); every rank of the job must say the same.
+    pub encrypt: bool,
 }
 
 impl Rendezvous {
     /// A rendezvous with no secret (0) that cannot be cancelled: tests and benchmarks in one process.
     pub fn new(rank: usize, addrs: Vec<SocketAddr>, epoch: u64, timeout: Duration) -> Self {
-        Rendezvous { rank, addrs, epoch, timeout, secret: 0, cancel: None }
+        Rendezvous { rank, addrs, epoch, timeout, secret: 0, cancel: None, encrypt: false }
     }
 
     fn cancelled(&self) -> Result<(), CommError> {
@@ -102,16 +114,19 @@ use crate::auth::rendezvous_context as proof_context;
 
 /// The connecting side of a connection's handshake on `stream`, from rank `r.rank` to `peer`:
 /// its hello and nonce; the accepting rank's nonce and proof, checked; its own proof.
-fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadline: Instant) -> Result<(), String> {
+fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadline: Instant) -> Result<Halves, String> {
     let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
     let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
-    write_header(&mut b, HELLO, r.epoch, r.rank as u64, HELLO_BODY);
+    write_header(&mut b, if r.encrypt { HELLO_SEALED } else { HELLO }, r.epoch, r.rank as u64, HELLO_BODY);
     b.extend_from_slice(&ours);
     stream.write_all(&b).map_err(|e| format!("hello: {e}"))?;
     let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     stream.set_read_timeout(Some(wait)).ok();
     let mut answer = [0u8; crate::auth::NONCE + crate::auth::PROOF];
-    stream.read_exact(&mut answer).map_err(|e| format!("no answer to the hello ({e})"))?;
+    stream.read_exact(&mut answer).map_err(|e| {
+        let sealed = if r.encrypt { "seals" } else { "does not seal" };
+        format!("no answer to the hello ({e}; this rank {sealed} its frames: does the peer?)")
+    })?;
     let (theirs, proof) = answer.split_at(crate::auth::NONCE);
     if !crate::auth::verify(r.secret, &proof_context("accept", r.rank, peer, r.epoch), &ours, theirs, proof) {
         return Err("it did not prove it knows the job's secret (another job's rank, or not a rank)".into());
@@ -119,12 +134,15 @@ fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadli
     let own = crate::auth::prove(r.secret, &proof_context("connect", r.rank, peer, r.epoch), theirs, &ours);
     stream.write_all(&own).map_err(|e| format!("proof: {e}"))?;
     stream.set_read_timeout(None).ok();
-    Ok(())
+    Ok(r.encrypt.then(|| seal::halves(r.secret, r.rank, peer, r.epoch, true, &ours, theirs)))
 }
+
+/// What seals and opens a connection's frames, when the data plane is encrypted.
+type Halves = Option<(Sealer, Opener)>;
 
 /// The accepting side of a handshake, after a valid hello from rank `peer` with its nonce
 /// `theirs`: this rank's nonce and proof; the connecting rank's proof, checked.
-fn accept_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, theirs: &[u8]) -> Result<(), String> {
+fn accept_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, theirs: &[u8]) -> Result<Halves, String> {
     let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
     let mut b = Vec::with_capacity(crate::auth::NONCE + crate::auth::PROOF);
     b.extend_from_slice(&ours);
@@ -135,7 +153,7 @@ fn accept_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, theirs:
     if !crate::auth::verify(r.secret, &proof_context("connect", peer, r.rank, r.epoch), &ours, theirs, &proof) {
         return Err(format!("rank {peer} without the job's secret"));
     }
-    Ok(())
+    Ok(r.encrypt.then(|| seal::halves(r.secret, r.rank, peer, r.epoch, false, &ours, theirs)))
 }
 
 fn write_header(buf: &mut Vec<u8>, magic: u32, epoch: u64, tag: u64, len: u64) {
@@ -159,15 +177,29 @@ fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
     CommError::PeerLost { peer: lost, reason: format!("reported by rank {from}") }
 }
 
-fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool, out_of_band_cpu: CpuMeter) {
+fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool, out_of_band_cpu: CpuMeter, mut opener: Option<Opener>) {
     let closed = |reason: String| Event::Closed { from, reason };
+    let not_sealed = "a sealed frame that does not open (altered, replayed, or not this connection's)";
+    // A sealed record carries its tag after it.
+    let tag_bytes = if opener.is_some() { seal::TAG } else { 0 };
     loop {
-        let mut h = [0u8; HEADER];
-        if let Err(e) = stream.read_exact(&mut h) {
+        let mut sealed_header = [0u8; HEADER + seal::TAG];
+        let sealed_header = &mut sealed_header[..HEADER + tag_bytes];
+        if let Err(e) = stream.read_exact(sealed_header) {
             let reason = if e.kind() == ErrorKind::UnexpectedEof { "connection closed".to_string() } else { e.to_string() };
             let _ = tx.send(closed(reason));
             return;
         }
+        let h: [u8; HEADER] = match &mut opener {
+            None => sealed_header[..HEADER].try_into().expect("a header"),
+            Some(o) => match o.open(sealed_header) {
+                Some(plain) => plain[..HEADER].try_into().expect("a header"),
+                None => {
+                    let _ = tx.send(closed(not_sealed.into()));
+                    return;
+                }
+            },
+        };
         let (magic, epoch, tag, len) = parse_header(&h);
         if magic != MAGIC {
             let _ = tx.send(closed(format!("bad frame magic {magic:#x}")));
@@ -181,14 +213,30 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPoo
         // from the header (a tensor-sized frame then lands without regrowing); beyond that grow
         // as bytes arrive, so a lying header cannot make us allocate up to the frame limit.
         let out_of_band = crate::tags::is_out_of_band(tag);
-        let kept = if out_of_band { pool.take(len as usize) } else { None };
-        let mut payload = kept.unwrap_or_else(|| Vec::with_capacity((len as usize).min(64 << 20)));
-        let mut read = || (&mut stream).take(len).read_to_end(&mut payload);
+        let on_wire = len + tag_bytes as u64;
+        let kept = if out_of_band { pool.take(on_wire as usize) } else { None };
+        let mut payload = kept.unwrap_or_else(|| Vec::with_capacity((on_wire as usize).min(64 << 20)));
+        let mut read = || -> std::io::Result<bool> {
+            let n = (&mut stream).take(on_wire).read_to_end(&mut payload)?;
+            if n as u64 != on_wire {
+                return Ok(false);
+            }
+            if let Some(o) = &mut opener {
+                let Some(plain) = o.open(&mut payload) else { return Err(std::io::Error::new(ErrorKind::InvalidData, not_sealed)) };
+                let n = plain.len();
+                payload.truncate(n);
+            }
+            Ok(true)
+        };
         let got = if out_of_band { out_of_band_cpu.measure(read) } else { read() };
         match got {
-            Ok(n) if n as u64 == len => {}
-            Ok(_) => {
+            Ok(true) => {}
+            Ok(false) => {
                 let _ = tx.send(closed("connection closed mid-frame".into()));
+                return;
+            }
+            Err(e) if e.kind() == ErrorKind::InvalidData => {
+                let _ = tx.send(closed(e.to_string()));
                 return;
             }
             Err(e) => {
@@ -213,6 +261,7 @@ impl TcpTransport {
         }
         let deadline = crate::deadline_after(r.timeout);
         let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut halves: Vec<Halves> = (0..world).map(|_| None).collect();
         for peer in 0..r.rank {
             let stream = loop {
                 match TcpStream::connect_timeout(&r.addrs[peer], Duration::from_millis(200)) {
@@ -229,7 +278,7 @@ impl TcpTransport {
             };
             let mut stream = stream;
             stream.set_nodelay(true).ok();
-            connect_handshake(&mut stream, &r, peer, deadline)
+            halves[peer] = connect_handshake(&mut stream, &r, peer, deadline)
                 .map_err(|e| CommError::Rendezvous(format!("rank {} to rank {peer} at {}: {e}", r.rank, r.addrs[peer])))?;
             streams[peer] = Some(stream);
         }
@@ -251,7 +300,13 @@ impl TcpTransport {
                         continue;
                     }
                     let (magic, epoch, peer, len) = parse_header(&h);
-                    if magic != HELLO
+                    if (magic == HELLO || magic == HELLO_SEALED) && magic != if r.encrypt { HELLO_SEALED } else { HELLO } {
+                        let (they, we) = if r.encrypt { ("does not seal", "seals") } else { ("seals", "does not seal") };
+                        rejected
+                            .push(format!("{from}: rank {peer} {they} its frames and this rank {we} (--encrypt-data must be the job's)"));
+                        continue;
+                    }
+                    if (magic != HELLO && magic != HELLO_SEALED)
                         || len != HELLO_BODY
                         || peer <= r.rank as u64
                         || peer >= world as u64
@@ -269,9 +324,12 @@ impl TcpTransport {
                         rejected.push(format!("{from}: rank {peer} at epoch {epoch}, current epoch {}", r.epoch));
                         continue;
                     }
-                    if let Err(e) = accept_handshake(&mut s, &r, peer as usize, &theirs) {
-                        rejected.push(format!("{from}: {e}"));
-                        continue;
+                    match accept_handshake(&mut s, &r, peer as usize, &theirs) {
+                        Ok(h) => halves[peer as usize] = h,
+                        Err(e) => {
+                            rejected.push(format!("{from}: {e}"));
+                            continue;
+                        }
                     }
                     s.set_read_timeout(None).ok();
                     streams[peer as usize] = Some(s);
@@ -291,14 +349,17 @@ impl TcpTransport {
         let (tx, inbox) = mpsc::channel();
         let received = BufferPool::default();
         let out_of_band_cpu = CpuMeter::default();
+        let mut sealers: Vec<Option<Sealer>> = Vec::with_capacity(world);
         for (peer, s) in streams.iter().enumerate() {
+            let (sealer, opener) = halves[peer].take().map_or((None, None), |(s, o)| (Some(s), Some(o)));
+            sealers.push(sealer);
             if let Some(s) = s {
                 let read = s.try_clone().map_err(|e| CommError::Rendezvous(format!("clone: {e}")))?;
                 let tx = tx.clone();
                 let (pool, meter) = (received.clone(), out_of_band_cpu.clone());
                 std::thread::Builder::new()
                     .name(format!("lazarus-comm-rx-{peer}"))
-                    .spawn(move || reader(read, peer, tx, pool, meter))
+                    .spawn(move || reader(read, peer, tx, pool, meter, opener))
                     .map_err(|e| CommError::Rendezvous(format!("reader thread: {e}")))?;
             }
         }
@@ -314,7 +375,7 @@ impl TcpTransport {
             left: vec![false; world],
             failed: None,
             reported: vec![false; world],
-            write_locks: (0..world).map(|_| Arc::new(Mutex::new(()))).collect(),
+            write_locks: sealers.into_iter().map(|s| Arc::new(Mutex::new(s))).collect(),
             out_of_band: None,
             written: BufferPool::default(),
             received,
@@ -348,14 +409,13 @@ impl TcpTransport {
         let err = CommError::PeerLost { peer, reason };
         if self.failed.is_none() {
             self.failed = Some(err.clone());
-            let mut frame = Vec::with_capacity(HEADER + 8);
-            write_header(&mut frame, MAGIC, self.epoch, ABORT_TAG, 8);
-            frame.extend_from_slice(&(peer as u64).to_le_bytes());
+            let mut header = Vec::with_capacity(HEADER);
+            write_header(&mut header, MAGIC, self.epoch, ABORT_TAG, 8);
+            let lost = (peer as u64).to_le_bytes();
             for (p, s) in self.streams.iter_mut().enumerate() {
                 if let (Some(s), None) = (s, &self.lost[p]) {
-                    let Some(_held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) else { continue };
-                    s.set_write_timeout(Some(Duration::from_millis(200))).ok();
-                    let _ = s.write_all(&frame);
+                    let Some(mut held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) else { continue };
+                    let _ = write_frame(s, &mut held, &header, &lost, Instant::now() + Duration::from_millis(200));
                 }
             }
         }
@@ -402,13 +462,12 @@ impl TcpTransport {
         }
         // Snapshots still queued belong to a run that is over.
         self.out_of_band = None;
-        let mut frame = Vec::with_capacity(HEADER);
-        write_header(&mut frame, MAGIC, self.epoch, BYE_TAG, 0);
+        let mut header = Vec::with_capacity(HEADER);
+        write_header(&mut header, MAGIC, self.epoch, BYE_TAG, 0);
         for (p, s) in self.streams.iter_mut().enumerate() {
             let Some(s) = s else { continue };
-            if let Some(_held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) {
-                s.set_write_timeout(Some(Duration::from_millis(200))).ok();
-                let _ = s.write_all(&frame);
+            if let Some(mut held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) {
+                let _ = write_frame(s, &mut held, &header, &[], Instant::now() + Duration::from_millis(200));
             }
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -613,8 +672,8 @@ impl TcpTransport {
         let mut header = Vec::with_capacity(HEADER);
         write_header(&mut header, MAGIC, self.epoch, tag, payload.len() as u64);
         let result = {
-            let _held = lock(&self.write_locks[peer]);
-            write_frame(stream, &header, payload, deadline)
+            let mut held = lock(&self.write_locks[peer]);
+            write_frame(stream, &mut held, &header, payload, deadline)
         };
         let Err(e) = result else { return Ok(()) };
         // A frame cut short leaves the byte stream unusable: the connection is closed either way.

@@ -44,7 +44,7 @@ pub(super) enum Payload {
 /// One connection's write side as the sender thread holds it.
 pub(super) struct Writer {
     pub stream: TcpStream,
-    pub lock: Arc<Mutex<()>>,
+    pub lock: super::WriteLock,
 }
 
 struct Job {
@@ -171,8 +171,8 @@ fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, 
         }
         let Some(Some(w)) = writers.get(frame.peer) else { continue };
         let failed = {
-            let _held = lock(&w.lock);
-            cpu.measure(|| write_frame(&w.stream, &frame.header, &frame.payload, frame.deadline).is_err())
+            let mut held = lock(&w.lock);
+            cpu.measure(|| write_frame(&w.stream, &mut held, &frame.header, &frame.payload, frame.deadline).is_err())
         };
         if failed {
             // A frame cut short leaves the byte stream unusable: close it, and the transport's
@@ -185,13 +185,13 @@ fn write(rx: Receiver<Ready>, writers: &[Option<Writer>], closing: &AtomicBool, 
 
 /// Take a connection's write lock (a panic while it was held leaves nothing half-done that
 /// the lock protects: the connection itself is closed on any failed write).
-pub(super) fn lock(m: &Mutex<()>) -> MutexGuard<'_, ()> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Take a connection's write lock if it frees within `wait` (a best-effort control frame gives
 /// up rather than wait behind a snapshot stuck on a stalled peer).
-pub(super) fn lock_within(m: &Mutex<()>, wait: Duration) -> Option<MutexGuard<'_, ()>> {
+pub(super) fn lock_within<T>(m: &Mutex<T>, wait: Duration) -> Option<MutexGuard<'_, T>> {
     let until = Instant::now() + wait;
     loop {
         match m.try_lock() {
@@ -206,12 +206,32 @@ pub(super) fn lock_within(m: &Mutex<()>, wait: Duration) -> Option<MutexGuard<'_
     }
 }
 
-/// Write a frame (`header`, then `payload`) by `deadline`: the socket's write timeout is set
-/// again before each write call, so a peer that drains slowly cannot stretch the wait past the
-/// deadline (a timeout per call would restart with every partial write).
-pub(super) fn write_frame(stream: &TcpStream, header: &[u8], payload: &[u8], deadline: Instant) -> std::io::Result<()> {
+/// Write a frame (`header`, then `payload`) by `deadline`, each sealed first when the connection
+/// is encrypted (`sealer`, held under the connection's write lock: records are numbered in the
+/// order they are written). The socket's write timeout is set again before each write call, so a
+/// peer that drains slowly cannot stretch the wait past the deadline (a timeout per call would
+/// restart with every partial write).
+pub(super) fn write_frame(
+    stream: &TcpStream,
+    sealer: &mut Option<super::Sealer>,
+    header: &[u8],
+    payload: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let sealed;
+    let parts: [&[u8]; 2] = match sealer {
+        None => [header, payload],
+        Some(seal) => {
+            let (mut h, mut p) = (header.to_vec(), Vec::with_capacity(payload.len() + super::seal::TAG));
+            p.extend_from_slice(payload);
+            seal.seal(&mut h);
+            seal.seal(&mut p);
+            sealed = (h, p);
+            [&sealed.0, &sealed.1]
+        }
+    };
     let mut s = stream;
-    for mut part in [header, payload] {
+    for mut part in parts {
         while !part.is_empty() {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {

@@ -413,7 +413,7 @@ pub fn run_training(
     };
     let ended = match hosts {
         Hosts::Local { status_listen } => {
-            let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch)?;
+            let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch, job.encrypt_data)?;
             let _server = match status_listen {
                 Some(addr) => {
                     // A secret of its own: the workers' is theirs alone.
@@ -454,7 +454,8 @@ pub fn run_training(
                 standby.standby = true;
                 let line = move |rank: usize, world: usize, epoch: u64, host: &str, secret: &str, job: &TrainJob| {
                     let bind = Some(host.to_string());
-                    let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: secret.to_string(), bind, job };
+                    let encrypt = job.encrypt_data;
+                    let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: secret.to_string(), bind, encrypt, job };
                     Ok::<_, ControlError>(serde_json::to_string(&spec)?)
                 };
                 let joiner_secret = secret.clone();
@@ -500,7 +501,7 @@ pub fn run_local_job<J: Serialize>(
         return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
     }
     let epoch = fresh_epoch();
-    let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch)?;
+    let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch, false)?;
     let ctl = Controller::unplanned(Lifecycle::new(timeout_s, None).spec(), epoch, (0..world as u64).collect(), Instant::now());
     let ended = drive(&mut processes, ctl, &format!("{subcommand}-{epoch}"), None, observe)?;
     match ended.outcome {

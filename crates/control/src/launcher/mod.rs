@@ -37,8 +37,9 @@ pub struct Job {
 }
 
 /// Start `world` copies of this binary's hidden `subcommand`, each confined as `confine` says,
-/// and send each its [`WorkerSpec`] (with `job`, at `epoch`). The rest of the start — addresses, readiness —
-/// is the controller's. On any failure the started workers are killed.
+/// and send each its [`WorkerSpec`] (with `job`, at `epoch`; sealing their connections if
+/// `encrypt`). The rest of the start — addresses, readiness — is the controller's. On any
+/// failure the started workers are killed.
 pub fn launch<J: Serialize>(
     subcommand: &str,
     world: usize,
@@ -46,11 +47,12 @@ pub fn launch<J: Serialize>(
     job: &J,
     confine: Confinement,
     epoch: u64,
+    encrypt: bool,
 ) -> Result<Job, ControlError> {
     // One secret per job: only the processes started here can take a rank at its rendezvous.
     let secret = secret_hex(fresh_secret().map_err(|e| ControlError::io("drawing the job secret from /dev/urandom", e))?);
     let specs = (0..world)
-        .map(|rank| serde_json::to_string(&WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), bind: None, job }))
+        .map(|rank| serde_json::to_string(&WorkerSpec { rank, world, epoch, timeout_s, secret: secret.clone(), bind: None, encrypt, job }))
         .collect::<Result<Vec<_>, _>>()?;
     start_processes(subcommand, &specs, confine)
 }
