@@ -52,8 +52,11 @@ fn proxy(to: SocketAddr, flip: Option<usize>) -> (SocketAddr, Arc<Mutex<Vec<u8>>
     (addr, seen)
 }
 
+/// Two connected ranks, or why they are not.
+type Pair = Result<(TcpTransport, TcpTransport), CommError>;
+
 /// Two ranks, rank 1 reaching rank 0 through a proxy; each rank's `encrypt`.
-fn pair(encrypt: [bool; 2], flip: Option<usize>) -> (Result<(TcpTransport, TcpTransport), CommError>, Arc<Mutex<Vec<u8>>>) {
+fn pair(encrypt: [bool; 2], flip: Option<usize>) -> (Pair, Arc<Mutex<Vec<u8>>>) {
     let (l0, l1) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
     let (via, seen) = proxy(l0.local_addr().unwrap(), flip);
     let addrs = vec![via, l1.local_addr().unwrap()];
