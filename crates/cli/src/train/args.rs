@@ -8,72 +8,92 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_model::{DataSource, TokenWidth, TrainConfig};
 
+/// The model, its data and its optimiser: what every command that builds the model takes
+/// (`train`, `controller`, `bench train`, `bench recovery`), defaults first, then a TOML file,
+/// then these flags.
 #[derive(Args, Debug, Default, Clone)]
-pub struct TrainArgs {
+pub struct ModelArgs {
     /// TOML file with any of the settings below (flags override it); `lazarus controller`
-    /// also reads its `[controller]` table (docs/usage.md, deploy/controller.toml).
+    /// also reads its `[controller]` table (docs/usage.md, deploy/lazarus.toml).
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
     /// The tables of the `--config` file this command reads besides the training settings
     /// (`controller` for `lazarus controller`); another command's table is refused.
     #[arg(skip)]
     pub(crate) config_tables: &'static [&'static str],
+    /// Sequences per step (the constant global batch).
+    #[arg(long)]
+    pub(crate) batch_size: Option<usize>,
+    #[arg(long)]
+    pub(crate) seq_len: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) lr: Option<f64>,
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) min_lr: Option<f64>,
+    #[arg(long)]
+    pub(crate) warmup_steps: Option<u64>,
+    /// Clip the global gradient norm ("off" disables).
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) grad_clip: Option<String>,
+    #[arg(long)]
+    pub(crate) d_model: Option<usize>,
+    #[arg(long)]
+    pub(crate) layers: Option<usize>,
+    #[arg(long)]
+    pub(crate) heads: Option<usize>,
+    /// Experts per MoE layer.
+    #[arg(long)]
+    pub(crate) experts: Option<usize>,
+    /// Experts per token (1 or 2).
+    #[arg(long)]
+    pub(crate) top_k: Option<usize>,
+    /// Hidden width of each expert.
+    #[arg(long)]
+    pub(crate) d_ff: Option<usize>,
+    /// An MoE layer every this many blocks (1 = every block).
+    #[arg(long)]
+    pub(crate) moe_every: Option<usize>,
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) aux_loss_coef: Option<f64>,
+    /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) capacity_factor: Option<String>,
+    /// Seed of the weights and the sampling order.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// "synthetic" (built-in corpus), a UTF-8 text file, or token shards (comma-separated .bin).
+    #[arg(long)]
+    pub(crate) data: Option<String>,
+    /// Format of --data files: text, u16 or u32.
+    #[arg(long)]
+    pub(crate) data_format: Option<String>,
+    /// Size of the synthetic corpus in bytes.
+    #[arg(long)]
+    pub(crate) synthetic_bytes: Option<usize>,
+    /// Replace the router's choices with per-layer loads from this JSON file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) routing_trace: Option<PathBuf>,
+    /// Where the model trains: cpu (default), or cuda / cuda:N (the N-th NVIDIA GPU; a build
+    /// with the `cuda` feature). With --workers, `cuda` puts a node's i-th worker on GPU i mod
+    /// the visible GPUs (several workers may share one).
+    #[arg(long, value_name = "cpu|cuda[:N]")]
+    pub device: Option<String>,
+    /// Precision: f32 (default), or bf16 mixed precision (matrix products in bf16; parameters,
+    /// AdamW state, norms, softmaxes and the loss in f32). Single-process runs only, so far.
+    #[arg(long, value_name = "f32|bf16")]
+    pub(crate) dtype: Option<String>,
+}
+
+/// `lazarus train`'s flags (and `lazarus controller`'s training flags): the model's, a run's
+/// (its length, what it keeps, where it logs) and its worker processes'.
+#[derive(Args, Debug, Default, Clone)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Total optimizer steps.
     #[arg(long)]
     pub(crate) steps: Option<u64>,
-    /// Sequences per step (the constant global batch).
-    #[arg(long)]
-    batch_size: Option<usize>,
-    #[arg(long)]
-    seq_len: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long, allow_hyphen_values = true)]
-    lr: Option<f64>,
-    #[arg(long, allow_hyphen_values = true)]
-    min_lr: Option<f64>,
-    #[arg(long)]
-    warmup_steps: Option<u64>,
-    /// Clip the global gradient norm ("off" disables).
-    #[arg(long, allow_hyphen_values = true)]
-    grad_clip: Option<String>,
-    #[arg(long)]
-    d_model: Option<usize>,
-    #[arg(long)]
-    layers: Option<usize>,
-    #[arg(long)]
-    heads: Option<usize>,
-    /// Experts per MoE layer.
-    #[arg(long)]
-    experts: Option<usize>,
-    /// Experts per token (1 or 2).
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// Hidden width of each expert.
-    #[arg(long)]
-    d_ff: Option<usize>,
-    /// An MoE layer every this many blocks (1 = every block).
-    #[arg(long)]
-    moe_every: Option<usize>,
-    #[arg(long, allow_hyphen_values = true)]
-    aux_loss_coef: Option<f64>,
-    /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
-    #[arg(long, allow_hyphen_values = true)]
-    capacity_factor: Option<String>,
-    /// Seed of the weights and the sampling order.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// "synthetic" (built-in corpus), a UTF-8 text file, or token shards (comma-separated .bin).
-    #[arg(long)]
-    data: Option<String>,
-    /// Format of --data files: text, u16 or u32.
-    #[arg(long)]
-    data_format: Option<String>,
-    /// Size of the synthetic corpus in bytes.
-    #[arg(long)]
-    synthetic_bytes: Option<usize>,
-    /// Replace the router's choices with per-layer loads from this JSON file.
-    #[arg(long, value_name = "FILE")]
-    routing_trace: Option<PathBuf>,
     /// Directory for checkpoints (written at the end and every --checkpoint-every steps).
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
@@ -89,15 +109,6 @@ pub struct TrainArgs {
     /// job its scheduler starts again (a requeued batch job, a controller pod made again).
     #[arg(long, conflicts_with_all = ["resume", "overwrite_checkpoints"])]
     pub(crate) resume_if_any: bool,
-    /// Where the model trains: cpu (default), or cuda / cuda:N (the N-th NVIDIA GPU; a build
-    /// with the `cuda` feature). With --workers, `cuda` puts a node's i-th worker on GPU i mod
-    /// the visible GPUs (several workers may share one).
-    #[arg(long, value_name = "cpu|cuda[:N]")]
-    pub device: Option<String>,
-    /// Precision: f32 (default), or bf16 mixed precision (matrix products in bf16; parameters,
-    /// AdamW state, norms, softmaxes and the loss in f32). Single-process runs only, so far.
-    #[arg(long, value_name = "f32|bf16")]
-    dtype: Option<String>,
     /// Start a new run in a --checkpoint-dir that holds another run's checkpoints (they are
     /// replaced as the new run saves its own).
     #[arg(long)]
@@ -253,31 +264,21 @@ impl TrainArgs {
         given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
     }
 
-    /// Flags about a run's length, what it keeps and where it logs, by name, when given: what a
-    /// benchmark of steps, which trains no run of its own, has no use for.
-    pub(super) fn run_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 8] = [
-            ("--steps", self.steps.is_some()),
-            ("--checkpoint-dir", self.checkpoint_dir.is_some()),
-            ("--checkpoint-every", self.checkpoint_every.is_some()),
-            ("--keep-checkpoints", self.keep_checkpoints.is_some()),
-            ("--overwrite-checkpoints", self.overwrite_checkpoints),
-            ("--resume", self.resume),
-            ("--resume-if-any", self.resume_if_any),
-            ("--json-log", self.json_log.is_some()),
-        ];
-        given.into_iter().filter(|(_, g)| *g).map(|(f, _)| f).collect()
+    /// The flags of a benchmark that builds the model and runs `steps` (None: its own count)
+    /// of it, keeping nothing: the model's, and no run's or workers' settings.
+    pub(super) fn of_model(model: ModelArgs, steps: Option<u64>) -> Self {
+        TrainArgs { model, steps, ..TrainArgs::default() }
     }
 
     /// No flag is silently ignored: refuse the combinations that would ignore one.
     pub fn check_combinations(&self) -> Result<()> {
-        if self.uses_workers() && self.dtype.as_deref().is_some_and(|d| d != "f32") {
+        if self.uses_workers() && self.model.dtype.as_deref().is_some_and(|d| d != "f32") {
             bail!(
                 "--dtype {} with --workers: the workers compute in f32 so far (bf16 trains single-process runs)",
-                self.dtype.as_deref().unwrap_or_default()
+                self.model.dtype.as_deref().unwrap_or_default()
             );
         }
-        if let Some(d) = self.device.as_deref() {
+        if let Some(d) = self.model.device.as_deref() {
             // The value and the build are checked here, before any worker starts; whether the
             // machine has the GPU, when a process opens it (its error names the device).
             lazarus_model::device::check(d)?;
@@ -323,7 +324,7 @@ fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
 fn config_text(args: &TrainArgs, path: &Path) -> Result<String> {
     let text = crate::io::read_text("config", path, 1 << 20)?;
     let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
-    if table.contains_key("controller") && !args.config_tables.contains(&"controller") {
+    if table.contains_key("controller") && !args.model.config_tables.contains(&"controller") {
         bail!(
             "invalid --config {}: its [controller] table holds `lazarus controller`'s settings, which this command does not use",
             path.display()
@@ -340,7 +341,7 @@ pub fn resume_steps(args: &TrainArgs) -> Result<Option<u64>> {
     if args.steps.is_some() {
         return Ok(args.steps);
     }
-    let Some(path) = &args.config else { return Ok(None) };
+    let Some(path) = &args.model.config else { return Ok(None) };
     let said: toml::Value = toml::from_str(&config_text(args, path)?).with_context(|| format!("invalid --config {}", path.display()))?;
     match said.get("steps") {
         Some(v) => Ok(Some(
@@ -362,7 +363,7 @@ pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<(
     if !changed.is_empty() {
         bail!("--resume continues the checkpoint's run with its own settings; the flags would change {}", changed.join(", "));
     }
-    let Some(path) = &args.config else { return Ok(()) };
+    let Some(path) = &args.model.config else { return Ok(()) };
     let text = config_text(args, path)?;
     toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?;
     // Only what the file itself says (its missing keys are defaults, not settings).
@@ -466,7 +467,7 @@ fn lock_checkpoint_dir(dir: &Path) -> Result<()> {
 
 /// The configuration: defaults, then the TOML file, then flags.
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
-    let mut c = match &args.config {
+    let mut c = match &args.model.config {
         Some(path) => {
             let text = config_text(args, path)?;
             toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?
@@ -481,43 +482,43 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
 /// The settings flags on top of `c` (defaults or a `--config` file, or a resumed run's).
 fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     macro_rules! set {
-        ($($flag:ident => $($field:ident).+),* $(,)?) => {
-            $(if let Some(v) = args.$flag.clone() { c.$($field).+ = v; })*
+        ($($($flag:ident).+ => $($field:ident).+),* $(,)?) => {
+            $(if let Some(v) = args.$($flag).+.clone() { c.$($field).+ = v; })*
         };
     }
-    set!(steps => steps, batch_size => batch_size, seq_len => seq_len, lr => lr, min_lr => min_lr,
-         warmup_steps => warmup_steps, d_model => model.d_model, layers => model.n_layers,
-         heads => model.n_heads, experts => model.n_experts, top_k => model.top_k, d_ff => model.d_ff,
-         moe_every => model.moe_every, aux_loss_coef => model.aux_loss_coef, seed => seed,
+    set!(steps => steps, model.batch_size => batch_size, model.seq_len => seq_len, model.lr => lr, model.min_lr => min_lr,
+         model.warmup_steps => warmup_steps, model.d_model => model.d_model, model.layers => model.n_layers,
+         model.heads => model.n_heads, model.experts => model.n_experts, model.top_k => model.top_k, model.d_ff => model.d_ff,
+         model.moe_every => model.moe_every, model.aux_loss_coef => model.aux_loss_coef, model.seed => seed,
          checkpoint_every => checkpoint_every, keep_checkpoints => keep_checkpoints);
-    if let Some(v) = &args.grad_clip {
+    if let Some(v) = &args.model.grad_clip {
         c.grad_clip = off_or("grad-clip", v)?;
     }
-    if let Some(v) = &args.capacity_factor {
+    if let Some(v) = &args.model.capacity_factor {
         c.model.capacity_factor = off_or("capacity-factor", v)?;
     }
-    if let Some(p) = &args.routing_trace {
+    if let Some(p) = &args.model.routing_trace {
         c.routing_trace = Some(p.clone());
     }
-    if let Some(d) = &args.dtype {
+    if let Some(d) = &args.model.dtype {
         c.dtype = lazarus_model::Precision::parse(d)?;
     }
     if let Some(p) = &args.checkpoint_dir {
         c.checkpoint_dir = Some(p.clone());
     }
-    if let Some(seq) = args.seq_len {
+    if let Some(seq) = args.model.seq_len {
         c.model.max_seq_len = c.model.max_seq_len.max(seq);
     }
-    match (args.data.as_deref(), args.data_format.as_deref()) {
+    match (args.model.data.as_deref(), args.model.data_format.as_deref()) {
         (None, Some(f)) => bail!("--data-format {f} needs --data FILE"),
         (None | Some("synthetic"), fmt) => {
             if fmt.is_some_and(|f| f != "text") {
                 bail!("invalid --data-format: {} (the synthetic corpus is text)", fmt.unwrap_or_default());
             }
-            if args.data.is_some() && !matches!(c.data, DataSource::Synthetic { .. }) {
+            if args.model.data.is_some() && !matches!(c.data, DataSource::Synthetic { .. }) {
                 c.data = TrainConfig::default().data;
             }
-            if let Some(bytes) = args.synthetic_bytes {
+            if let Some(bytes) = args.model.synthetic_bytes {
                 let DataSource::Synthetic { seed, .. } = c.data else {
                     bail!(
                         "--synthetic-bytes sizes the synthetic corpus, but the data is {} (from --config); drop one of them",
@@ -538,10 +539,10 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
             };
         }
     }
-    if args.synthetic_bytes.is_some() && args.data.as_deref().is_some_and(|d| d != "synthetic") {
+    if args.model.synthetic_bytes.is_some() && args.model.data.as_deref().is_some_and(|d| d != "synthetic") {
         bail!(
             "--synthetic-bytes sizes the synthetic corpus; --data {} reads a file instead: drop one of them",
-            args.data.as_deref().unwrap_or_default()
+            args.model.data.as_deref().unwrap_or_default()
         );
     }
     Ok(())

@@ -13,7 +13,7 @@ use lazarus_bench::train::TrainBenchReport;
 use lazarus_model::TrainConfig;
 use serde::{Deserialize, Serialize};
 
-use super::args::{build_config, TrainArgs};
+use super::args::{build_config, ModelArgs, TrainArgs};
 
 /// The PyTorch peer: the default model's shape with a per-expert loop, as a PyTorch user writes it.
 const TORCH_MOE_PY: &str = include_str!("torch_moe.py");
@@ -22,7 +22,7 @@ const TORCH_MOE_PY: &str = include_str!("torch_moe.py");
 pub struct BenchTrainArgs {
     /// Model and batch settings, as for `lazarus train` (defaults: the default model, 16 x 128).
     #[command(flatten)]
-    train: TrainArgs,
+    model: ModelArgs,
     /// Measured full training steps (after 2 warm-up steps).
     #[arg(long, default_value_t = 10)]
     iters: usize,
@@ -67,21 +67,15 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     if args.iters > 10_000 {
         bail!("invalid --iters: {} (at most 10000)", args.iters);
     }
-    // A flag the benchmark would ignore is refused, not dropped: it runs 2 + --iters steps of a
-    // fresh model in this process and keeps nothing.
-    if let Some(f) = args.train.run_flags().first() {
-        bail!("{f} does not apply to bench train (it times 2 warm-up and --iters measured steps of a fresh model in one process and writes nothing; use the model and batch flags)");
-    }
-    if let Some(f) = args.train.worker_flags().first() {
-        bail!("{f} does not apply to bench train (one process; `lazarus train --workers N --json-log L` times workers)");
-    }
-    let config = build_config(&args.train)?;
+    // Its flags are the model's and its own: it runs 2 + --iters steps of a fresh model in this
+    // process and keeps nothing.
+    let config = build_config(&TrainArgs::of_model(args.model.clone(), None))?;
     if let Some(dir) = &config.checkpoint_dir {
         bail!("checkpoint_dir {} in --config does not apply to bench train (it writes nothing)", dir.display());
     }
     // The same memory estimate `train` makes, before anything is allocated.
     super::args::check_fits(&config, 1)?;
-    let device = lazarus_model::device::parse(args.train.device.as_deref().unwrap_or("cpu"))?;
+    let device = lazarus_model::device::parse(args.model.device.as_deref().unwrap_or("cpu"))?;
     let r = lazarus_bench::train::train_benchmark(&config, &device, 2, args.iters, args.profile)?;
     let (pytorch, pytorch_skipped) = match args.no_torch {
         true => (None, Some("--no-torch".to_string())),

@@ -22,7 +22,7 @@ use report::{print_banner, Reporter};
 
 pub fn run_train(args: &TrainArgs) -> Result<()> {
     let args = &args::settle_resume(args)?;
-    let device = lazarus_model::device::parse(args.device.as_deref().unwrap_or("cpu"))?;
+    let device = lazarus_model::device::parse(args.model.device.as_deref().unwrap_or("cpu"))?;
     let mut trainer = if args.resume {
         let config = setup_run(args, 1)?;
         let Some(dir) = config.checkpoint_dir.clone() else {

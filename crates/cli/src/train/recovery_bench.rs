@@ -8,14 +8,31 @@ use clap::Args;
 use lazarus_bench::recovery::{run_recovery_bench, RecoveryBenchReport, RecoveryBenchSpec, TARGET_S};
 use lazarus_control::Recovery;
 
-use super::args::{build_config, check_fits, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
+use super::args::{build_config, check_fits, ModelArgs, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 
 #[derive(Args, Debug)]
 pub struct RecoveryBenchArgs {
-    /// The model, as for `lazarus train` (default: the default model), with `--workers`
-    /// (default 4), `--steps` per run (default 12), `--lease`, `--heartbeat`, `--comm-timeout`.
+    /// The model, as for `lazarus train` (default: the default model).
     #[command(flatten)]
-    train: TrainArgs,
+    model: ModelArgs,
+    /// Worker processes of each run.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Steps of each run (default 12).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// A worker not heard from for this many seconds is lost (default 1).
+    #[arg(long, value_name = "SECONDS")]
+    lease: Option<f64>,
+    /// Seconds between a worker's heartbeats (default 0.2).
+    #[arg(long, value_name = "SECONDS")]
+    heartbeat: Option<f64>,
+    /// Deadline of every collective, in seconds (default 30).
+    #[arg(long, value_name = "SECONDS")]
+    comm_timeout: Option<f64>,
+    /// Only the summary, not each run's progress.
+    #[arg(long)]
+    quiet: bool,
     /// Workers killed, one per run.
     #[arg(long, default_value_t = 5)]
     kills: usize,
@@ -30,26 +47,15 @@ pub struct RecoveryBenchArgs {
 const DEFAULT_STEPS: u64 = 12;
 
 pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
-    let t = &args.train;
-    for (flag, given) in [
-        ("--resume", t.resume),
-        ("--json-log", t.json_log.is_some()),
-        ("--static-ep", t.static_ep),
-        ("--placement-file", t.placement_file.is_some()),
-        ("--recovery", t.recovery.is_some()),
-    ] {
-        if given {
-            bail!("{flag} does not apply to bench recovery (every run is a fresh job with live recovery on)");
-        }
-    }
-    let mut config = build_config(t)?;
+    let t = args;
+    let mut config = build_config(&TrainArgs::of_model(args.model.clone(), args.steps))?;
     if config.checkpoint_dir.is_some() {
         bail!("--checkpoint-dir does not apply to bench recovery (its runs write no checkpoints)");
     }
     if t.steps.is_none() {
         config.steps = DEFAULT_STEPS;
     }
-    let workers = t.workers.unwrap_or(4);
+    let workers = t.workers;
     check_fits(&config, 1 + workers as u128)?;
     let spec = RecoveryBenchSpec {
         workers,
@@ -59,7 +65,7 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         // Every move in the benchmark is a recovery from a kill: no rebalance.
         recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(t.lease, t.heartbeat)? },
         comm_timeout_s: lazarus_control::launcher::check_comm_timeout(t.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
-        device: t.device.clone().unwrap_or_else(|| "cpu".into()),
+        device: t.model.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     tracing::info!(
         "bench recovery: {} workers, {} kills (one per run of {} steps), lease {} s, heartbeat {} s",

@@ -101,8 +101,8 @@ struct ControllerTable {
 /// `args` with what its `--config` file's `[controller]` table says where no flag did.
 fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     let mut a = args.clone();
-    a.train.config_tables = &["controller"];
-    let Some(path) = &args.train.config else { return Ok(a) };
+    a.train.model.config_tables = &["controller"];
+    let Some(path) = &args.train.model.config else { return Ok(a) };
     let Some(t) = crate::io::config_table::<ControllerTable>(path, "controller")? else { return Ok(a) };
     fn or<T>(flag: &mut Option<T>, file: Option<T>) {
         if flag.is_none() {
@@ -121,7 +121,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.comm_timeout, t.comm_timeout);
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
-    or(&mut a.train.device, t.device);
+    or(&mut a.train.model.device, t.device);
     a.train.encrypt_data |= t.encrypt_data.unwrap_or(false);
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
@@ -364,7 +364,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     };
     let plan = plan_job(&mut trainer, world, g, &source)?;
     let how = format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" });
-    print_banner(&trainer, &how, args.device.as_deref().unwrap_or("cpu"));
+    print_banner(&trainer, &how, args.model.device.as_deref().unwrap_or("cpu"));
     print_placement(&plan.map, world);
     let recovery = recovery(args)?;
     if let Some(r) = replayed.as_mut() {
@@ -408,7 +408,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         faults: String::new(),
         standby: false,
         snapshots,
-        device: args.device.clone().unwrap_or_else(|| "cpu".into()),
+        device: args.model.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     let mut report_error: Option<anyhow::Error> = None;
     if let Hosts::Local { status_listen } = &mut hosts {
@@ -558,7 +558,7 @@ mod tests {
         assert!(e.contains("[controller]") && e.contains("max_worker"), "{e}");
         // `lazarus train` has no use for the table: refused, not ignored.
         let mut train = TrainArgs::default();
-        train.config = Some(path.clone());
+        train.model.config = Some(path.clone());
         let e = format!("{:#}", crate::train::args::build_config(&train).unwrap_err());
         assert!(e.contains("[controller] table") && e.contains("does not use"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
