@@ -112,7 +112,7 @@ pub struct TrainArgs {
     /// Start a new run in a --checkpoint-dir that holds another run's checkpoints (they are
     /// replaced as the new run saves its own).
     #[arg(long)]
-    overwrite_checkpoints: bool,
+    pub(crate) overwrite_checkpoints: bool,
     /// Append one JSON object per step to this file.
     #[arg(long, value_name = "FILE")]
     pub(super) json_log: Option<PathBuf>,

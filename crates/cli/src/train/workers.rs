@@ -93,6 +93,19 @@ struct ControllerTable {
     metrics_listen: Option<SocketAddr>,
     device: Option<String>,
     encrypt_data: Option<bool>,
+    json_log: Option<PathBuf>,
+    quiet: Option<bool>,
+    resume: Option<bool>,
+    resume_if_any: Option<bool>,
+    overwrite_checkpoints: Option<bool>,
+    placement_file: Option<PathBuf>,
+    slots_per_worker: Option<usize>,
+    max_imbalance: Option<f64>,
+    profile_steps: Option<usize>,
+    static_ep: Option<bool>,
+    recovery: Option<bool>,
+    snapshot_bandwidth: Option<f64>,
+    snapshot_ceiling: Option<f64>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
@@ -122,8 +135,35 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
     or(&mut a.train.model.device, t.device);
-    a.train.encrypt_data |= t.encrypt_data.unwrap_or(false);
+    or(&mut a.train.json_log, t.json_log);
+    or(&mut a.train.placement_file, t.placement_file);
+    or(&mut a.train.slots_per_worker, t.slots_per_worker);
+    or(&mut a.train.max_imbalance, t.max_imbalance);
+    or(&mut a.train.profile_steps, t.profile_steps);
+    or(&mut a.train.recovery, t.recovery);
+    // A switch given on the command line stays on; the file can turn it on too.
+    for (flag, file) in [
+        (&mut a.train.encrypt_data, t.encrypt_data),
+        (&mut a.train.quiet, t.quiet),
+        (&mut a.train.resume, t.resume),
+        (&mut a.train.resume_if_any, t.resume_if_any),
+        (&mut a.train.overwrite_checkpoints, t.overwrite_checkpoints),
+        (&mut a.train.static_ep, t.static_ep),
+    ] {
+        *flag |= file.unwrap_or(false);
+    }
+    // The paced default's ceiling and a fixed budget are one setting: a flag replaces the file's.
+    if a.train.snapshot_bandwidth.is_none() && a.train.snapshot_ceiling.is_none() {
+        (a.train.snapshot_bandwidth, a.train.snapshot_ceiling) = (t.snapshot_bandwidth, t.snapshot_ceiling);
+    }
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
+    let one_of = |pairs: [(&str, bool); 2]| match pairs {
+        [(x, true), (y, true)] => bail!("invalid --config {}: {x} and {y} together (give one)", path.display()),
+        _ => Ok(()),
+    };
+    one_of([("resume", a.train.resume), ("resume_if_any", a.train.resume_if_any)])?;
+    one_of([("resume_if_any", a.train.resume_if_any), ("overwrite_checkpoints", a.train.overwrite_checkpoints)])?;
+    one_of([("snapshot_bandwidth", a.train.snapshot_bandwidth.is_some()), ("snapshot_ceiling", a.train.snapshot_ceiling.is_some())])?;
     Ok(a)
 }
 
@@ -529,6 +569,52 @@ mod tests {
 
     fn parse(argv: &[&str]) -> ControllerArgs {
         Cli::try_parse_from(std::iter::once("controller").chain(argv.iter().copied())).unwrap().args
+    }
+
+    /// Every flag of `lazarus controller` has its name in the file: the model's at the top (the
+    /// training settings), the run's and the workers' and the controller's own in `[controller]`.
+    #[test]
+    fn every_controller_flag_has_a_place_in_the_config_file() {
+        use clap::CommandFactory;
+        #[derive(Parser)]
+        struct Model {
+            #[command(flatten)]
+            args: crate::train::args::ModelArgs,
+        }
+        let longs = |c: clap::Command| c.get_arguments().filter_map(|a| a.get_long().map(String::from)).collect::<Vec<_>>();
+        let model = longs(Model::command());
+        // Refused by the controller (its local agents' replays, its status at --listen), the
+        // file itself, and the training settings at the file's top.
+        let elsewhere = [
+            "replay",
+            "replay-scale",
+            "replay-notice",
+            "status-listen",
+            "config",
+            "steps",
+            "checkpoint-dir",
+            "checkpoint-every",
+            "keep-checkpoints",
+        ];
+        let mut checked = 0;
+        for flag in longs(Cli::command()) {
+            if model.contains(&flag) || elsewhere.contains(&flag.as_str()) {
+                continue;
+            }
+            let key = flag.replace('-', "_");
+            let e = toml::from_str::<ControllerTable>(&format!("{key} = 0")).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(!e.contains("unknown field"), "--{flag} has no `{key}` in [controller]: {e}");
+            checked += 1;
+        }
+        assert!(checked >= 25, "{checked} flags");
+        // Settings that exclude each other are refused from the file as from the flags.
+        let d = std::env::temp_dir().join(format!("lazarus-config-both-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let path = d.join("c.toml");
+        std::fs::write(&path, "[controller]\nresume = true\nresume_if_any = true\n").unwrap();
+        let e = format!("{:#}", with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap_err());
+        assert!(e.contains("resume and resume_if_any together"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     fn deploy_file() -> std::path::PathBuf {
