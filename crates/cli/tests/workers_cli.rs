@@ -306,6 +306,13 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
     let huge = lazarus(&["bench", "moe-layer", "--d-model", "100000", "--d-ff", "400000"]);
     let err = String::from_utf8_lossy(&huge.stderr);
     assert!(!huge.status.success() && err.contains("GiB") && err.contains("--d-model") && !err.contains("allocation"), "{err}");
+    let zero = lazarus(&["bench", "moe-layer", "--tokens", "8", "--cores-per-worker", "0"]);
+    let err = String::from_utf8_lossy(&zero.stderr);
+    assert!(!zero.status.success() && err.contains("invalid --cores-per-worker: 0 (every worker needs at least one core)"), "{err}");
+    // A shard list with an empty name says which.
+    let empty = lazarus(&["train", "--data", "a.bin,,b.bin", "--data-format", "u16", "--steps", "1"]);
+    let err = String::from_utf8_lossy(&empty.stderr);
+    assert!(!empty.status.success() && err.contains("file 2 of 3 has an empty name"), "{err}");
     let both = lazarus(&["bench", "moe-layer", "--cores-per-worker", "1", "--cpus-per-worker", "0.5"]);
     assert!(!both.status.success() && String::from_utf8_lossy(&both.stderr).contains("cannot be used with"));
 }

@@ -67,6 +67,15 @@ impl DataSource {
                 ByteTokenizer::encode(&text)
             }
             DataSource::Shards { paths, width } => {
+                if paths.is_empty() {
+                    return Err(ModelError::Data { path: PathBuf::new(), reason: "no token shards named".into() });
+                }
+                if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
+                    return Err(ModelError::Data {
+                        path: self.describe().into(),
+                        reason: format!("shard {} of {} has an empty name", i + 1, paths.len()),
+                    });
+                }
                 let mut all = Vec::new();
                 for p in paths {
                     all.extend(read_shard(p, *width)?);
@@ -390,6 +399,15 @@ mod tests {
         // Targets are inputs shifted by one.
         let b = &uninterrupted[3];
         assert_eq!(&b.inputs[1..10], &b.targets[..9]);
+    }
+
+    #[test]
+    fn a_shard_list_without_names_is_refused_saying_which() {
+        let none = DataSource::Shards { paths: vec![], width: TokenWidth::U16 }.load(256).unwrap_err().to_string();
+        assert!(none.contains("no token shards"), "{none}");
+        let paths = vec![PathBuf::from("a.bin"), PathBuf::new()];
+        let empty = DataSource::Shards { paths, width: TokenWidth::U16 }.load(256).unwrap_err().to_string();
+        assert!(empty.contains("shard 2 of 2 has an empty name"), "{empty}");
     }
 
     #[test]

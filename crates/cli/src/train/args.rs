@@ -530,6 +530,9 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         }
         (Some(path), fmt) => {
             let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
+            if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
+                bail!("invalid --data: '{path}' (file {} of {} has an empty name)", i + 1, paths.len());
+            }
             c.data = match fmt.unwrap_or("text") {
                 "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
                 "text" => bail!("invalid --data: '{path}' (a text source is one file)"),

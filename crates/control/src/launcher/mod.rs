@@ -93,7 +93,10 @@ fn spawn_processes<T: Send + 'static>(
         Confinement::Shared => {}
         Confinement::Cores(c) => {
             let have = allowed_cpus().len();
-            if c == 0 || c.saturating_mul(world) > have {
+            if c == 0 {
+                return Err(ControlError::invalid("--cores-per-worker", "0 (every worker needs at least one core)"));
+            }
+            if c.saturating_mul(world) > have {
                 return Err(ControlError::invalid(
                     "--cores-per-worker",
                     format!("{c} x {world} workers needs {} cores, this process may use {have}", c.saturating_mul(world)),
