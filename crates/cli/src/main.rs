@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod evaluate;
 mod io;
 mod moe_bench;
 mod planning;
@@ -40,6 +41,8 @@ enum Command {
     /// Train the MoE model (one process, or `--workers N` local worker processes; with no
     /// arguments, the default model on the built-in synthetic corpus).
     Train(Box<train::TrainArgs>),
+    /// The loss and perplexity of a checkpoint on held-out data (windows taken in order).
+    Eval(Box<evaluate::EvalArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
     Sim(Box<simulate::SimArgs>),
     /// Benchmarks with machine-readable reports.
@@ -112,7 +115,7 @@ fn main() -> ExitCode {
     init_logging();
     let cli = Cli::parse();
     let printing_only = match &cli.command {
-        Command::Plan(_) | Command::Prob(_) | Command::Sim(_) | Command::Bench(BenchCommand::Train(_)) => true,
+        Command::Plan(_) | Command::Prob(_) | Command::Sim(_) | Command::Eval(_) | Command::Bench(BenchCommand::Train(_)) => true,
         Command::Train(args) => !args.uses_workers(),
         _ => false,
     };
@@ -128,6 +131,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
         Command::Sim(args) => simulate::run_sim(&args),
+        Command::Eval(args) => evaluate::run_eval(&args),
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),
         Command::Agent(args) => agent::run_agent_cli(&args),

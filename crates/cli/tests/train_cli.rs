@@ -476,3 +476,56 @@ fn sigterm_ends_a_run_at_a_step_boundary_with_a_checkpoint() {
         let _ = std::fs::remove_dir_all(&d);
     }
 }
+
+/// Held-out data: `train --eval-data` evaluates every `--eval-every` steps and at the end (a
+/// line, a `--json-log` record, the summary's), and `lazarus eval` on the run's checkpoint
+/// finds the same loss over the same windows.
+#[test]
+fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
+    let d = common::dir("eval");
+    let (ck, log, held) = (d.join("ck"), d.join("log.jsonl"), d.join("held-out.txt"));
+    std::fs::write(&held, "the quick brown fox jumps over the lazy dog; ".repeat(40)).unwrap();
+    let (ck_s, log_s, held_s) = (ck.to_str().unwrap(), log.to_str().unwrap(), held.to_str().unwrap());
+    let mut args = vec!["train", "--steps", "6", "--checkpoint-dir", ck_s, "--checkpoint-every", "3", "--json-log", log_s];
+    args.extend(["--eval-data", held_s, "--eval-every", "2", "--eval-windows", "10"]);
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("eval            loss"), "{}", String::from_utf8_lossy(&out.stdout));
+    let evals = |path: &std::path::Path| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["event"] == "eval")
+            .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+            .collect()
+    };
+    let seen = evals(&log);
+    assert_eq!(seen.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 4, 6], "every 2 steps and at the end");
+    assert!(seen.iter().all(|e| e.1.is_finite() && e.1 > 0.0));
+    // The checkpoint's loss over the same 10 windows, by lazarus eval.
+    let out = lazarus(&["eval", "--checkpoint", ck_s, "--data", held_s, "--windows", "10", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((e["step"].as_u64(), e["windows"].as_u64()), (Some(6), Some(10)), "{e}");
+    assert!((e["loss"].as_f64().unwrap() - seen[2].1).abs() < 1e-6, "{e} vs {seen:?}");
+    // Refused: evaluation flags without held-out data, with workers, a data file too short.
+    for (extra, want) in [
+        (vec!["--eval-every", "2"], "--eval-every needs --eval-data"),
+        (vec!["--eval-data", held_s, "--workers", "2"], "evaluation runs in one process"),
+        (vec!["--eval-data", held_s, "--eval-every", "0"], "invalid --eval-every: 0"),
+    ] {
+        let mut a = vec!["train", "--steps", "1"];
+        a.extend(extra.iter().copied());
+        a.extend(tiny());
+        let out = lazarus(&a);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
+    }
+    let short = d.join("short.txt");
+    std::fs::write(&short, "abc").unwrap();
+    let out = lazarus(&["eval", "--checkpoint", ck_s, "--data", short.to_str().unwrap()]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not one window"));
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -7,6 +7,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 mod error;
+pub mod eval;
 pub mod model;
 pub mod ops;
 pub mod optim;

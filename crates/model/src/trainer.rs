@@ -435,3 +435,34 @@ impl Trainer {
         Ok(trainer)
     }
 }
+
+/// The model of the checkpoint in `dir` (or `dir/latest`, or the newest intact one) on
+/// `device`, with the run's configuration and the step it was saved at — the weights alone,
+/// without the optimizer's state or the run's data: what evaluation needs. On a CPU the model
+/// computes in f32 whatever the run's precision was.
+pub fn load_model(dir: &Path, device: &Device) -> Result<(MoeModel, TrainConfig, u64)> {
+    let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
+    for why in &passed {
+        tracing::warn!("checkpoint passed over: {why}");
+    }
+    let path = ck.path.clone();
+    let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
+    let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
+    let config = state.config;
+    config.model.validate()?;
+    let compute = if device.is_cpu() { DType::F32 } else { config.dtype.compute_dtype() };
+    let mut model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(compute)?;
+    let params = model.params().clone();
+    if ck.manifest.params != params.names() {
+        return Err(bad("parameter names differ from the model its configuration builds".into()));
+    }
+    for (name, var) in params.iter() {
+        let t = ck.weights.get(name).ok_or_else(|| bad(format!("missing tensor {name}")))?;
+        if t.shape() != var.shape() {
+            return Err(bad(format!("{name} has shape {:?}, expected {:?}", t.shape(), var.shape())));
+        }
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    model.refresh_working_copies()?;
+    Ok((model, config, ck.manifest.step))
+}

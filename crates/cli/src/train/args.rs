@@ -119,6 +119,17 @@ pub struct TrainArgs {
     /// No progress bar or per-step lines, only the summary.
     #[arg(long)]
     pub quiet: bool,
+    /// Held-out data (a text file, or token shards in --data-format) to evaluate the model on:
+    /// its loss and perplexity over windows taken in order, in the progress, the --json-log
+    /// and the summary (one process only, so far).
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<String>,
+    /// With --eval-data: evaluate every this many steps (default: at the end only).
+    #[arg(long, value_name = "STEPS")]
+    pub eval_every: Option<u64>,
+    /// With --eval-data: windows of --seq-len tokens evaluated, from the start (default 64).
+    #[arg(long, value_name = "N")]
+    pub eval_windows: Option<usize>,
     /// Train with this many local worker processes (data + expert parallel over loopback TCP)
     /// instead of one process.
     #[arg(long)]
@@ -287,6 +298,21 @@ impl TrainArgs {
             if let Some(f) = self.worker_flags().first() {
                 bail!("{f} needs --workers N (it configures multi-worker training)");
             }
+        }
+        if self.eval_data.is_none() {
+            for (flag, given) in [("--eval-every", self.eval_every.is_some()), ("--eval-windows", self.eval_windows.is_some())] {
+                if given {
+                    bail!("{flag} needs --eval-data FILE (the held-out data it evaluates)");
+                }
+            }
+        } else if self.uses_workers() {
+            bail!("--eval-data with --workers: evaluation runs in one process so far (evaluate the checkpoint with lazarus eval)");
+        }
+        if self.eval_every == Some(0) {
+            bail!("invalid --eval-every: 0 (a number of steps; leave it out to evaluate at the end only)");
+        }
+        if let Some(w) = self.eval_windows.filter(|&w| w == 0 || w > lazarus_model::eval::MAX_EVAL_WINDOWS) {
+            bail!("invalid --eval-windows: {w} (1 to {})", lazarus_model::eval::MAX_EVAL_WINDOWS);
         }
         Ok(())
     }
@@ -528,19 +554,7 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
                 c.data = DataSource::Synthetic { seed, bytes };
             }
         }
-        (Some(path), fmt) => {
-            let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
-            if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
-                bail!("invalid --data: '{path}' (file {} of {} has an empty name)", i + 1, paths.len());
-            }
-            c.data = match fmt.unwrap_or("text") {
-                "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
-                "text" => bail!("invalid --data: '{path}' (a text source is one file)"),
-                "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
-                "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
-                other => bail!("invalid --data-format: '{other}' (expected text, u16 or u32)"),
-            };
-        }
+        (Some(path), fmt) => c.data = data_file("data", path, fmt)?,
     }
     if args.model.synthetic_bytes.is_some() && args.model.data.as_deref().is_some_and(|d| d != "synthetic") {
         bail!(
@@ -549,6 +563,22 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The data `--{flag} PATH` names (a text file, or comma-separated token shards) in `format`
+/// (`--data-format`: text, u16 or u32; default text).
+pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSource> {
+    let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
+    if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
+        bail!("invalid --{flag}: '{path}' (file {} of {} has an empty name)", i + 1, paths.len());
+    }
+    Ok(match format.unwrap_or("text") {
+        "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
+        "text" => bail!("invalid --{flag}: '{path}' (a text source is one file)"),
+        "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
+        "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
+        other => bail!("invalid --data-format: '{other}' (expected text, u16 or u32)"),
+    })
 }
 
 /// `args` with `--resume-if-any` settled: `--resume` when the checkpoint directory (the flag's or
@@ -647,6 +677,33 @@ mod tests {
                     }
                 }
             }
+        }
+
+        /// The one size check: a run is refused exactly when its estimate (times the processes
+        /// holding the model) exceeds the machine, the refusal naming the flags that lower it;
+        /// and no size grows without the estimate growing with it.
+        #[test]
+        fn the_size_check_refuses_exactly_what_exceeds_the_machine(
+            d_model in 1usize..6, d_ff in 1usize..6, experts in 1usize..10, layers in 1usize..8,
+            batch in 0usize..8, seq in 0usize..6, copies in 1u128..65,
+        ) {
+            let mut c: TrainConfig = toml::from_str(CONFIG).unwrap();
+            (c.model.d_model, c.model.d_ff) = (64 << d_model, 64 << d_ff);
+            (c.model.n_experts, c.model.n_layers, c.model.n_heads) = (1 << experts, 1 << layers, 1);
+            (c.batch_size, c.seq_len) = (1 << batch, 16 << seq);
+            let need = c.memory_estimate().saturating_mul(copies);
+            let have = lazarus_control::launcher::physical_memory();
+            match check_fits(&c, copies) {
+                Ok(()) => prop_assert!(have.is_none_or(|h| need <= h as u128)),
+                Err(e) => {
+                    prop_assert!(have.is_some_and(|h| need > h as u128));
+                    prop_assert!(e.to_string().contains("GiB") && e.to_string().contains("--d-model"), "{e}");
+                }
+            }
+            let mut bigger = c.clone();
+            bigger.model.d_ff *= 2;
+            bigger.batch_size *= 2;
+            prop_assert!(bigger.memory_estimate() >= c.memory_estimate());
         }
     }
 }

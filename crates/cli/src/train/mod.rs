@@ -42,11 +42,17 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     }
     print_banner(&trainer, "single process", &lazarus_model::device::name(trainer.model.device()));
     let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    let held_out = held_out(args, &cfg)?;
     stop_signal::install();
     while !trainer.done() {
         let t0 = Instant::now();
         let r = trainer.step()?;
         reporter.step(&r, t0.elapsed().as_secs_f64())?;
+        if let Some(h) = &held_out {
+            if h.every.is_some_and(|k| r.step % k == 0) || trainer.done() {
+                reporter.eval(r.step, &h.evaluate(&trainer)?, cfg.seq_len)?;
+            }
+        }
         if let Some(dir) = &cfg.checkpoint_dir {
             if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
                 trainer.save_checkpoint(dir)?;
@@ -64,6 +70,34 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         tracing::info!("GPU memory: {m}");
     }
     reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
+}
+
+/// The held-out data of `--eval-data`, and when to evaluate on it.
+struct HeldOut {
+    tokens: Vec<u32>,
+    every: Option<u64>,
+    windows: usize,
+}
+
+/// Default windows of an evaluation during training.
+const EVAL_WINDOWS: usize = 64;
+
+fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
+    let Some(path) = &args.eval_data else { return Ok(None) };
+    let source = args::data_file("eval-data", path, args.model.data_format.as_deref())?;
+    let tokens = source.load(cfg.model.vocab_size).context("--eval-data")?;
+    let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);
+    if lazarus_model::eval::windows_in(tokens.len(), cfg.seq_len) == 0 {
+        bail!("invalid --eval-data: {path} holds {} tokens, not one window of --seq-len {} and its last target", tokens.len(), cfg.seq_len);
+    }
+    Ok(Some(HeldOut { tokens, every: args.eval_every, windows }))
+}
+
+impl HeldOut {
+    fn evaluate(&self, trainer: &Trainer) -> Result<lazarus_model::eval::Evaluation> {
+        let c = &trainer.config;
+        Ok(lazarus_model::eval::evaluate(&trainer.model, &self.tokens, c.seq_len, Some(self.windows), c.batch_size)?)
+    }
 }
 
 /// A stop signal arrived: the step in flight finished, so save it (where checkpoints go), show

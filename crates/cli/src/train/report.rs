@@ -73,6 +73,8 @@ pub struct Reporter {
     last: Option<StepReport>,
     /// Snapshot totals of this run.
     snapshots: Option<SnapshotTotals>,
+    /// The last evaluation on held-out data, and its step.
+    eval: Option<(u64, lazarus_model::eval::Evaluation)>,
 }
 
 /// What a run's snapshots cost, summed over its steps.
@@ -128,6 +130,7 @@ impl Reporter {
             first_loss: None,
             last: None,
             snapshots: None,
+            eval: None,
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
         // step is logged once.
@@ -220,7 +223,8 @@ impl Reporter {
             .lines()
             .filter(|line| {
                 let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
-                v.get("event").is_some() || v.get("step").and_then(|s| s.as_u64()).is_none_or(|s| s <= step)
+                // Evaluations belong to the history they measured, as steps do.
+                (v.get("event").is_some() && v["event"] != "eval") || v.get("step").and_then(|s| s.as_u64()).is_none_or(|s| s <= step)
             })
             .map(|l| format!("{l}\n"))
             .collect();
@@ -231,6 +235,23 @@ impl Reporter {
         let file = OpenOptions::new().append(true).open(&*path).with_context(|| format!("--json-log: cannot open {}", path.display()))?;
         *w = BufWriter::new(file);
         self.recent.clear();
+        Ok(())
+    }
+
+    /// An evaluation on held-out data after `step`: a line, a `--json-log` record (`"event":
+    /// "eval"`), and the summary's.
+    pub fn eval(&mut self, step: u64, e: &lazarus_model::eval::Evaluation, seq_len: usize) -> Result<()> {
+        self.pause();
+        tracing::info!(
+            "eval at step {step}: loss {:.4}, perplexity {:.2} ({} windows of {seq_len} tokens)",
+            e.loss,
+            e.perplexity,
+            e.windows
+        );
+        self.record(&serde_json::json!({
+            "event": "eval", "step": step, "loss": e.loss, "perplexity": e.perplexity, "windows": e.windows, "tokens": e.tokens,
+        }))?;
+        self.eval = Some((step, *e));
         Ok(())
     }
 
@@ -286,6 +307,13 @@ impl Reporter {
                 per_step(t.at_risk_bytes),
                 per_step(t.moetion_bytes),
                 100.0 * t.cpu.cpu_share()
+            );
+        }
+        if let Some((at, e)) = &self.eval {
+            let _ = writeln!(
+                out,
+                "  eval            loss {:.4}, perplexity {:.2} at step {at} ({} windows, {} tokens of held-out data)",
+                e.loss, e.perplexity, e.windows, e.tokens
             );
         }
         if let Some(p) = checkpoint {

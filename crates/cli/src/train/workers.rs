@@ -583,13 +583,17 @@ mod tests {
         }
         let longs = |c: clap::Command| c.get_arguments().filter_map(|a| a.get_long().map(String::from)).collect::<Vec<_>>();
         let model = longs(Model::command());
-        // Refused by the controller (its local agents' replays, its status at --listen), the
-        // file itself, and the training settings at the file's top.
+        // Refused by the controller (its local agents' replays, its status at --listen; the
+        // evaluation during training, single-process so far), the file itself, and the
+        // training settings at the file's top.
         let elsewhere = [
             "replay",
             "replay-scale",
             "replay-notice",
             "status-listen",
+            "eval-data",
+            "eval-every",
+            "eval-windows",
             "config",
             "steps",
             "checkpoint-dir",
