@@ -529,3 +529,31 @@ fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not one window"));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// JSON-lines documents train and evaluate as text does; token shards whose ids pass the byte
+/// vocabulary need `--vocab-size`, and without it the error names the token.
+#[test]
+fn json_lines_and_a_larger_vocabulary_train() {
+    let d = common::dir("jsonl");
+    let docs = d.join("docs.jsonl");
+    let line = |i: usize| format!("{{\"text\": \"document {i}: the quick brown fox jumps over the lazy dog\", \"id\": {i}}}\n");
+    std::fs::write(&docs, (0..200).map(line).collect::<String>()).unwrap();
+    let docs_s = docs.to_str().unwrap();
+    let mut args = vec!["train", "--steps", "3", "--data", docs_s, "--data-format", "jsonl", "--eval-data", docs_s];
+    args.extend(&common::tiny_model("2")[..12]);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("(JSON lines)"), "{}", String::from_utf8_lossy(&out.stderr));
+    // u16 shards with ids up to 999.
+    let shard = d.join("a.bin");
+    let ids: Vec<u8> = (0..4000u32).flat_map(|i| (((i * 37) % 1000) as u16).to_le_bytes()).collect();
+    std::fs::write(&shard, ids).unwrap();
+    let mut args = vec!["train", "--steps", "2", "--data", shard.to_str().unwrap(), "--data-format", "u16"];
+    args.extend(&common::tiny_model("2")[..12]);
+    let out = lazarus(&args);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary of 256"));
+    args.extend(["--vocab-size", "1000"]);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}

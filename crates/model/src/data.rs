@@ -35,6 +35,10 @@ pub enum DataSource {
     Text { path: PathBuf },
     /// Token shards: little-endian u16 or u32 `.bin` files, concatenated.
     Shards { paths: Vec<PathBuf>, width: TokenWidth },
+    /// JSON lines, one document a line (`{"text": "…"}`; other fields are ignored), the
+    /// documents' texts byte-tokenized, each followed by a blank line (`\n\n`) so that a window
+    /// that spans two of them sees where one ends.
+    JsonLines { path: PathBuf },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +70,7 @@ impl DataSource {
                 })?;
                 ByteTokenizer::encode(&text)
             }
+            DataSource::JsonLines { path } => ByteTokenizer::encode(&json_lines_text(path)?),
             DataSource::Shards { paths, width } => {
                 if paths.is_empty() {
                     return Err(ModelError::Data { path: PathBuf::new(), reason: "no token shards named".into() });
@@ -96,11 +101,41 @@ impl DataSource {
         match self {
             DataSource::Synthetic { seed, bytes } => format!("synthetic corpus (seed {seed}, {bytes} bytes)"),
             DataSource::Text { path } => path.display().to_string(),
+            DataSource::JsonLines { path } => format!("{} (JSON lines)", path.display()),
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
             }
         }
     }
+}
+
+/// The texts of a JSON-lines file's documents, each followed by a blank line. A line that is
+/// not a JSON object with a `text` string is an error naming the line (blank lines are skipped).
+fn json_lines_text(path: &Path) -> Result<String> {
+    let bytes = read_bounded(path, MAX_DATA_BYTES)?;
+    let text = String::from_utf8(bytes).map_err(|e| ModelError::Data {
+        path: path.to_path_buf(),
+        reason: format!("not valid UTF-8 at byte {}", e.utf8_error().valid_up_to()),
+    })?;
+    let mut out = String::with_capacity(text.len());
+    let mut documents = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |why: String| ModelError::Data { path: path.to_path_buf(), reason: format!("line {}: {why}", i + 1) };
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON ({e})")))?;
+        let Some(doc) = v.get("text").and_then(|t| t.as_str()) else {
+            return Err(bad("no \"text\" string (expected {\"text\": \"…\"} a line)".into()));
+        };
+        out.push_str(doc);
+        out.push_str("\n\n");
+        documents += 1;
+    }
+    if documents == 0 {
+        return Err(ModelError::Data { path: path.to_path_buf(), reason: "no documents (expected {\"text\": \"…\"} a line)".into() });
+    }
+    Ok(out)
 }
 
 /// Largest synthetic corpus (bytes; 4 bytes of tokens each in memory).
@@ -399,6 +434,25 @@ mod tests {
         // Targets are inputs shifted by one.
         let b = &uninterrupted[3];
         assert_eq!(&b.inputs[1..10], &b.targets[..9]);
+    }
+
+    #[test]
+    fn json_lines_give_each_documents_text_then_a_blank_line_and_name_a_bad_line() {
+        let dir = std::env::temp_dir().join(format!("lazarus-jsonl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.jsonl");
+        std::fs::write(&good, "{\"text\": \"ab\", \"id\": 1}\n\n{\"text\": \"c\\u00e9\"}\n").unwrap();
+        let tokens = DataSource::JsonLines { path: good }.load(256).unwrap();
+        assert_eq!(ByteTokenizer::decode(&tokens), "ab\n\ncé\n\n");
+        for (text, why) in
+            [("{\"text\": 1}\n", "line 1: no \"text\" string"), ("{\"text\": \"a\"}\nnope\n", "line 2: not JSON"), ("\n\n", "no documents")]
+        {
+            let bad = dir.join("bad.jsonl");
+            std::fs::write(&bad, text).unwrap();
+            let e = DataSource::JsonLines { path: bad }.load(256).unwrap_err().to_string();
+            assert!(e.contains(why), "{text:?}: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

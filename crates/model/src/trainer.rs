@@ -157,7 +157,9 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.model.vocab_size < 256 && matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. }) {
+        if self.model.vocab_size < 256
+            && matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. } | DataSource::JsonLines { .. })
+        {
             return Err(ModelError::config(
                 "model.vocab_size",
                 self.model.vocab_size,
@@ -180,7 +182,7 @@ impl TrainConfig {
         let activations = tokens * (m.n_layers as u128 * per_block + 3 * v) * 4;
         let data = match &self.data {
             DataSource::Synthetic { bytes, .. } => *bytes as u128 * 5,
-            DataSource::Text { path } => std::fs::metadata(path).map_or(0, |x| x.len() as u128 * 5),
+            DataSource::Text { path } | DataSource::JsonLines { path } => std::fs::metadata(path).map_or(0, |x| x.len() as u128 * 5),
             DataSource::Shards { paths, .. } => paths.iter().map(|p| std::fs::metadata(p).map_or(0, |x| x.len() as u128 * 2)).sum(),
         };
         params + activations + data

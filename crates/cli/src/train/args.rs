@@ -42,6 +42,9 @@ pub struct ModelArgs {
     pub(crate) layers: Option<usize>,
     #[arg(long)]
     pub(crate) heads: Option<usize>,
+    /// Vocabulary size (default 256, the byte tokenizer's; token shards may need more).
+    #[arg(long)]
+    pub(crate) vocab_size: Option<usize>,
     /// Experts per MoE layer.
     #[arg(long)]
     pub(crate) experts: Option<usize>,
@@ -65,7 +68,7 @@ pub struct ModelArgs {
     /// "synthetic" (built-in corpus), a UTF-8 text file, or token shards (comma-separated .bin).
     #[arg(long)]
     pub(crate) data: Option<String>,
-    /// Format of --data files: text, u16 or u32.
+    /// Format of --data files: text, jsonl ({"text": …} a line), u16 or u32.
     #[arg(long)]
     pub(crate) data_format: Option<String>,
     /// Size of the synthetic corpus in bytes.
@@ -513,7 +516,7 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         };
     }
     set!(steps => steps, model.batch_size => batch_size, model.seq_len => seq_len, model.lr => lr, model.min_lr => min_lr,
-         model.warmup_steps => warmup_steps, model.d_model => model.d_model, model.layers => model.n_layers,
+         model.warmup_steps => warmup_steps, model.vocab_size => model.vocab_size, model.d_model => model.d_model, model.layers => model.n_layers,
          model.heads => model.n_heads, model.experts => model.n_experts, model.top_k => model.top_k, model.d_ff => model.d_ff,
          model.moe_every => model.moe_every, model.aux_loss_coef => model.aux_loss_coef, model.seed => seed,
          checkpoint_every => checkpoint_every, keep_checkpoints => keep_checkpoints);
@@ -575,9 +578,11 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
     Ok(match format.unwrap_or("text") {
         "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
         "text" => bail!("invalid --{flag}: '{path}' (a text source is one file)"),
+        "jsonl" if paths.len() == 1 => DataSource::JsonLines { path: paths[0].clone() },
+        "jsonl" => bail!("invalid --{flag}: '{path}' (a JSON-lines source is one file)"),
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
-        other => bail!("invalid --data-format: '{other}' (expected text, u16 or u32)"),
+        other => bail!("invalid --data-format: '{other}' (expected text, jsonl, u16 or u32)"),
     })
 }
 
