@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod agent;
 mod evaluate;
+mod generate;
 mod io;
 mod moe_bench;
 mod planning;
@@ -43,6 +44,8 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// The loss and perplexity of a checkpoint on held-out data (windows taken in order).
     Eval(Box<evaluate::EvalArgs>),
+    /// Text sampled from a checkpoint's model, after a prompt (temperature, top-k, seed).
+    Generate(Box<generate::GenerateArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
     Sim(Box<simulate::SimArgs>),
     /// Benchmarks with machine-readable reports.
@@ -115,7 +118,12 @@ fn main() -> ExitCode {
     init_logging();
     let cli = Cli::parse();
     let printing_only = match &cli.command {
-        Command::Plan(_) | Command::Prob(_) | Command::Sim(_) | Command::Eval(_) | Command::Bench(BenchCommand::Train(_)) => true,
+        Command::Plan(_)
+        | Command::Prob(_)
+        | Command::Sim(_)
+        | Command::Eval(_)
+        | Command::Generate(_)
+        | Command::Bench(BenchCommand::Train(_)) => true,
         Command::Train(args) => !args.uses_workers(),
         _ => false,
     };
@@ -132,6 +140,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Eval(args) => evaluate::run_eval(&args),
+        Command::Generate(args) => generate::run_generate(&args),
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),
         Command::Agent(args) => agent::run_agent_cli(&args),

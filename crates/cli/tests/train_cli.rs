@@ -557,3 +557,40 @@ fn json_lines_and_a_larger_vocabulary_train() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A model trained on a repeating text goes on with it: greedy generation after a prompt
+/// continues the pattern (the model, not the prompt, decides: the continuation is longer than
+/// the prompt), the same seed gives the same sampled text, and a bad request is named.
+#[test]
+fn generation_continues_what_the_model_learned() {
+    let d = common::dir("generate");
+    let (data, ck) = (d.join("d.txt"), d.join("ck"));
+    std::fs::write(&data, "abcdefgh".repeat(3000)).unwrap();
+    let (data_s, ck_s) = (data.to_str().unwrap(), ck.to_str().unwrap());
+    let mut args = vec!["train", "--steps", "150", "--lr", "0.01", "--data", data_s, "--checkpoint-dir", ck_s];
+    args.extend(&common::tiny_model("8")[..12]);
+    assert!(lazarus(&args).status.success());
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["generate", "--checkpoint", ck_s, "--prompt", "abcde", "--tokens", "20"];
+        a.extend(extra);
+        let out = lazarus(&a);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim_end().to_string()
+    };
+    assert_eq!(gen(&["--temperature", "0"]), "abcdefghabcdefghabcdefgha");
+    assert_eq!(gen(&["--seed", "3", "--temperature", "2"]), gen(&["--seed", "3", "--temperature", "2"]));
+    for (extra, want) in [
+        (&["--prompt", ""][..], "invalid --prompt"),
+        (&["--tokens", "0"][..], "invalid --tokens"),
+        (&["--temperature", "-1"][..], "invalid --temperature"),
+    ] {
+        let mut a = vec!["generate", "--checkpoint", ck_s];
+        a.extend(extra);
+        if !a.contains(&"--prompt") {
+            a.extend(["--prompt", "ab"]);
+        }
+        let out = lazarus(&a);
+        assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains(want), "{extra:?}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

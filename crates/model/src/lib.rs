@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod eval;
+pub mod generate;
 pub mod model;
 pub mod ops;
 pub mod optim;

@@ -298,6 +298,8 @@ pub struct ForwardOutput {
     pub loss: Tensor,
     /// Per MoE layer.
     pub moe: Vec<MoeStats>,
+    /// The next-token logits [B·T, V] the loss was taken of (generation samples from them).
+    pub logits: Tensor,
     /// Where the MoE layers' backward puts the expert weights' gradients.
     expert_grads: WeightGradSink,
 }
@@ -667,7 +669,7 @@ impl MoeModel {
             None => Tensor::zeros((), self.dtype, &self.device)?,
         };
         let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
-        Ok(ForwardOutput { ce_loss, aux_loss, loss, moe, expert_grads })
+        Ok(ForwardOutput { ce_loss, aux_loss, loss, moe, logits, expert_grads })
     }
 }
 
