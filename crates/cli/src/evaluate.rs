@@ -45,7 +45,8 @@ pub fn run_eval(args: &EvalArgs) -> Result<()> {
     let (model, config, step) = lazarus_model::trainer::load_model(&args.checkpoint, &device)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
     let source = crate::train::args::data_file("data", &args.data, args.data_format.as_deref())?;
-    let tokens = source.load(config.model.vocab_size).context("--data")?;
+    let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(config.tokenizer.as_deref()).context("the run's tokenizer")?;
+    let tokens = source.load_with(config.model.vocab_size, &tokenizer).context("--data")?;
     let batch = args.batch_size.unwrap_or(config.batch_size);
     let e = lazarus_model::eval::evaluate(&model, &tokens, config.seq_len, args.windows, batch)?;
     if args.json {

@@ -1,12 +1,13 @@
 //! `lazarus generate --checkpoint DIR --prompt TEXT`: text sampled from a checkpoint's model
-//! ([`lazarus_model::generate`]), byte-tokenized as the model's text data is.
+//! ([`lazarus_model::generate`]), tokenized as the model's text data is (its run's tokenizer, or
+//! bytes).
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_model::generate::{generate, Sampling, MAX_NEW_TOKENS};
-use lazarus_model::ByteTokenizer;
+use lazarus_model::tokenizer::TextTokenizer;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -45,11 +46,12 @@ pub fn run_generate(args: &GenerateArgs) -> Result<()> {
     let device = lazarus_model::device::parse(args.device.as_deref().unwrap_or("cpu"))?;
     let (model, config, _) = lazarus_model::trainer::load_model(&args.checkpoint, &device)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
-    let prompt = ByteTokenizer::encode(&args.prompt);
+    let tokenizer = TextTokenizer::open(config.tokenizer.as_deref()).context("the run's tokenizer")?;
+    let prompt = tokenizer.encode(&args.prompt)?;
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= config.model.vocab_size) {
-        bail!("invalid --prompt: its byte {t} is outside the model's vocabulary of {}", config.model.vocab_size);
+        bail!("invalid --prompt: its token {t} is outside the model's vocabulary of {}", config.model.vocab_size);
     }
     let s = Sampling { tokens: args.tokens, temperature: args.temperature, top_k: args.top_k, seed: args.seed };
     let drawn = generate(&model, &prompt, config.seq_len, &s)?;
-    crate::io::println(&format!("{}{}", args.prompt, ByteTokenizer::decode(&drawn)))
+    crate::io::println(&format!("{}{}", args.prompt, tokenizer.decode(&drawn)?))
 }

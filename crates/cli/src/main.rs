@@ -13,6 +13,7 @@ mod planning;
 mod simulate;
 mod status;
 mod tls;
+mod tokenizer;
 mod train;
 
 #[derive(Parser)]
@@ -46,6 +47,8 @@ enum Command {
     Eval(Box<evaluate::EvalArgs>),
     /// Text sampled from a checkpoint's model, after a prompt (temperature, top-k, seed).
     Generate(Box<generate::GenerateArgs>),
+    /// Learn a byte-level BPE tokenizer (Hugging Face tokenizer.json) from text.
+    Tokenizer(Box<tokenizer::TokenizerArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
     Sim(Box<simulate::SimArgs>),
     /// Benchmarks with machine-readable reports.
@@ -141,6 +144,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Eval(args) => evaluate::run_eval(&args),
         Command::Generate(args) => generate::run_generate(&args),
+        Command::Tokenizer(args) => tokenizer::run_tokenizer(&args),
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),
         Command::Agent(args) => agent::run_agent_cli(&args),

@@ -594,3 +594,54 @@ fn generation_continues_what_the_model_learned() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A tokenizer made from the built-in corpus (`lazarus tokenizer`, nothing downloaded) sizes the
+/// vocabulary and tokenizes the data for one process and for workers alike (the same losses),
+/// for the held-out data of `lazarus eval` and for the prompts of `lazarus generate`; a
+/// vocabulary too small for it, or token shards with it, are refused.
+#[test]
+fn a_subword_tokenizer_trains_evaluates_and_generates() {
+    let d = common::dir("tokenizer");
+    let tok = d.join("tokenizer.json");
+    let tok_s = tok.to_str().unwrap();
+    let out = lazarus(&["tokenizer", "--data", "synthetic", "--synthetic-bytes", "100000", "--vocab-size", "400", "--out", tok_s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!lazarus(&["tokenizer", "--data", "synthetic", "--out", tok_s]).status.success(), "never written over");
+    let run = |extra: &[&str], log: &std::path::Path| {
+        let mut a = vec!["train", "--steps", "4", "--tokenizer", tok_s, "--json-log", log.to_str().unwrap()];
+        a.extend(tiny());
+        a.extend(extra);
+        let out = lazarus(&a);
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let ck = d.join("ck");
+    let (one, two) = (d.join("one.jsonl"), d.join("two.jsonl"));
+    run(&["--checkpoint-dir", ck.to_str().unwrap()], &one);
+    run(&["--workers", "2"], &two);
+    let losses = |p: &std::path::Path| common::log(p).0.into_iter().map(|(_, l)| l).collect::<Vec<f64>>();
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), 4);
+    // The first loss is about ln(vocabulary): the tokenizer's 400, not 256 bytes.
+    assert!((a[0] - 400f64.ln()).abs() < 0.3, "{a:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-4 * x, "one process {x} vs two workers {y}");
+    }
+    let held = d.join("held.txt");
+    std::fs::write(&held, "the quick brown fox jumps over the lazy dog. ".repeat(50)).unwrap();
+    let out = lazarus(&["eval", "--checkpoint", ck.to_str().unwrap(), "--data", held.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(e["tokens"].as_u64().unwrap() < 2250, "subword tokens, fewer than the bytes: {e}");
+    let out = lazarus(&["generate", "--checkpoint", ck.to_str().unwrap(), "--prompt", "the ", "--tokens", "5"]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("the "));
+    let mut small = vec!["train", "--steps", "1", "--tokenizer", tok_s, "--vocab-size", "300"];
+    small.extend(tiny());
+    assert!(String::from_utf8_lossy(&lazarus(&small).stderr).contains("invalid --vocab-size: 300 (the tokenizer"));
+    let shard = d.join("a.bin");
+    std::fs::write(&shard, [1u8; 4000]).unwrap();
+    let mut shards = vec!["train", "--steps", "1", "--tokenizer", tok_s, "--data", shard.to_str().unwrap(), "--data-format", "u16"];
+    shards.extend(&tiny()[..12]);
+    assert!(String::from_utf8_lossy(&lazarus(&shards).stderr).contains("take no tokenizer"));
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -49,8 +49,13 @@ pub enum TokenWidth {
 }
 
 impl DataSource {
-    /// Load all tokens, checking each is below `vocab`.
+    /// Load all tokens, byte-tokenizing text, checking each is below `vocab`.
     pub fn load(&self, vocab: usize) -> Result<Vec<u32>> {
+        self.load_with(vocab, &crate::tokenizer::TextTokenizer::Bytes)
+    }
+
+    /// Load all tokens, text through `tokenizer`, checking each is below `vocab`.
+    pub fn load_with(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<u32>> {
         let tokens = match self {
             DataSource::Synthetic { seed, bytes } => {
                 if *bytes > MAX_SYNTHETIC_BYTES {
@@ -60,7 +65,7 @@ impl DataSource {
                         format!("the synthetic corpus holds at most {MAX_SYNTHETIC_BYTES} bytes"),
                     ));
                 }
-                synthetic_corpus(*seed, *bytes).into_bytes().into_iter().map(u32::from).collect()
+                tokenizer.encode(&synthetic_corpus(*seed, *bytes))?
             }
             DataSource::Text { path } => {
                 let bytes = read_bounded(path, MAX_DATA_BYTES)?;
@@ -68,10 +73,16 @@ impl DataSource {
                     path: path.clone(),
                     reason: format!("not valid UTF-8 at byte {}", e.utf8_error().valid_up_to()),
                 })?;
-                ByteTokenizer::encode(&text)
+                tokenizer.encode(&text)?
             }
-            DataSource::JsonLines { path } => ByteTokenizer::encode(&json_lines_text(path)?),
+            DataSource::JsonLines { path } => tokenizer.encode(&json_lines_text(path)?)?,
             DataSource::Shards { paths, width } => {
+                if matches!(tokenizer, crate::tokenizer::TextTokenizer::Hf(_)) {
+                    return Err(ModelError::Data {
+                        path: self.describe().into(),
+                        reason: "token shards are tokens already: they take no tokenizer".into(),
+                    });
+                }
                 if paths.is_empty() {
                     return Err(ModelError::Data { path: PathBuf::new(), reason: "no token shards named".into() });
                 }

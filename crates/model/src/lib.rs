@@ -16,6 +16,7 @@ pub mod params;
 pub mod profile;
 pub mod rng;
 pub mod routing;
+pub mod tokenizer;
 pub mod trainer;
 
 pub use config::ModelConfig;

@@ -83,6 +83,9 @@ pub struct TrainConfig {
     /// The run's id: drawn when a run starts, kept by every checkpoint of it and by a resume,
     /// so that a checkpoint directory never mixes two runs ([`checkpoint::start_run`]).
     pub run: Option<String>,
+    /// A Hugging Face `tokenizer.json` through which text data (and prompts, and held-out
+    /// text) becomes tokens; None: bytes. The model's vocabulary must hold its tokens.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -105,6 +108,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             dtype: Precision::F32,
             run: None,
+            tokenizer: None,
         }
     }
 }
@@ -157,7 +161,8 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.model.vocab_size < 256
+        if self.tokenizer.is_none()
+            && self.model.vocab_size < 256
             && matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. } | DataSource::JsonLines { .. })
         {
             return Err(ModelError::config(
@@ -265,7 +270,8 @@ impl Trainer {
         if config.dtype == Precision::Bf16 && device.is_cpu() {
             return Err(ModelError::config("dtype", "bf16", "needs a GPU (--device cuda): candle's CPU matrix product has no bf16"));
         }
-        let tokens = config.data.load(config.model.vocab_size)?;
+        let tokenizer = crate::tokenizer::TextTokenizer::open(config.tokenizer.as_deref())?;
+        let tokens = config.data.load_with(config.model.vocab_size, &tokenizer)?;
         let unigram_entropy = crate::data::unigram_entropy(&tokens);
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
         let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;

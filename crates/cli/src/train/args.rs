@@ -42,9 +42,14 @@ pub struct ModelArgs {
     pub(crate) layers: Option<usize>,
     #[arg(long)]
     pub(crate) heads: Option<usize>,
-    /// Vocabulary size (default 256, the byte tokenizer's; token shards may need more).
+    /// Vocabulary size (default 256, the byte tokenizer's, or --tokenizer's; token shards may
+    /// need more).
     #[arg(long)]
     pub(crate) vocab_size: Option<usize>,
+    /// A Hugging Face tokenizer.json for text data (and held-out text, and prompts); the
+    /// vocabulary becomes its size. Default: bytes. `lazarus tokenizer` makes one.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) tokenizer: Option<PathBuf>,
     /// Experts per MoE layer.
     #[arg(long)]
     pub(crate) experts: Option<usize>,
@@ -504,8 +509,22 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
         None => TrainConfig::default(),
     };
     apply_flags(args, &mut c)?;
+    size_vocabulary(args, &mut c)?;
     c.validate()?;
     Ok(c)
+}
+
+/// With a tokenizer the model's vocabulary is the tokenizer's, unless `--vocab-size` asks for
+/// more (never fewer: its tokens would fall outside).
+fn size_vocabulary(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
+    let Some(path) = &c.tokenizer else { return Ok(()) };
+    let have = lazarus_model::tokenizer::TextTokenizer::open(Some(path)).context("--tokenizer")?.vocab_size();
+    match args.model.vocab_size {
+        None => c.model.vocab_size = have,
+        Some(v) if v < have => bail!("invalid --vocab-size: {v} (the tokenizer {} has {have} tokens)", path.display()),
+        Some(_) => {}
+    }
+    Ok(())
 }
 
 /// The settings flags on top of `c` (defaults or a `--config` file, or a resumed run's).
@@ -528,6 +547,9 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     }
     if let Some(p) = &args.model.routing_trace {
         c.routing_trace = Some(p.clone());
+    }
+    if let Some(p) = &args.model.tokenizer {
+        c.tokenizer = Some(p.clone());
     }
     if let Some(d) = &args.model.dtype {
         c.dtype = lazarus_model::Precision::parse(d)?;

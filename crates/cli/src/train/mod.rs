@@ -85,7 +85,8 @@ const EVAL_WINDOWS: usize = 64;
 fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
     let Some(path) = &args.eval_data else { return Ok(None) };
     let source = args::data_file("eval-data", path, args.model.data_format.as_deref())?;
-    let tokens = source.load(cfg.model.vocab_size).context("--eval-data")?;
+    let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(cfg.tokenizer.as_deref()).context("--tokenizer")?;
+    let tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
     let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);
     if lazarus_model::eval::windows_in(tokens.len(), cfg.seq_len) == 0 {
         bail!("invalid --eval-data: {path} holds {} tokens, not one window of --seq-len {} and its last target", tokens.len(), cfg.seq_len);
