@@ -90,7 +90,7 @@ pub fn pin_hex(pin: &Pin) -> String {
 
 /// A pin from 64 hex digits.
 pub fn parse_pin(hex: &str) -> Option<Pin> {
-    if hex.len() != 64 || !hex.is_ascii() {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut pin = [0u8; 32];
@@ -287,6 +287,7 @@ mod tests {
         assert_eq!(parse_pin(&pin_hex(&a)), Some(a));
         assert_eq!(parse_pin(&pin_hex(&a)[..62]), None);
         assert_eq!(parse_pin(&"zz".repeat(32)), None);
+        assert_eq!(parse_pin(&format!("+{}", &pin_hex(&a)[1..])), None, "hex digits only");
         // The certificate made from the secret carries the pinned key.
         let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key_pkcs8(0x5eed));
         let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519).unwrap();

@@ -415,7 +415,10 @@ impl TcpTransport {
             for (p, s) in self.streams.iter_mut().enumerate() {
                 if let (Some(s), None) = (s, &self.lost[p]) {
                     let Some(mut held) = lock_within(&self.write_locks[p], Duration::from_millis(200)) else { continue };
-                    let _ = write_frame(s, &mut held, &header, &lost, Instant::now() + Duration::from_millis(200));
+                    // A frame cut short leaves the byte stream unusable: close it.
+                    if write_frame(s, &mut held, &header, &lost, Instant::now() + Duration::from_millis(200)).is_err() {
+                        let _ = s.shutdown(Shutdown::Both);
+                    }
                 }
             }
         }
