@@ -400,43 +400,26 @@ impl Trainer {
     /// [`Trainer::resume`] onto `device`: a checkpoint is the same f32 safetensors whichever
     /// device wrote it or reads it.
     pub fn resume_on(dir: &Path, steps: Option<u64>, device: &Device) -> Result<Self> {
-        let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
-        for why in &passed {
-            tracing::warn!("checkpoint passed over: {why}");
-        }
-        if !passed.is_empty() {
+        let (ck, state, passed) = open_checkpoint(dir)?;
+        if passed {
             tracing::warn!("resuming from the newest intact checkpoint, {}", ck.path.display());
         }
-        let path = ck.path.clone();
-        let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
-        let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
         let mut config = state.config;
         if let Some(s) = steps {
             config.steps = s;
         }
         config.checkpoint_dir = Some(dir.to_path_buf());
         let mut trainer = Self::build(config, state.cursor, device)?;
+        set_weights(&trainer.model, &ck)?;
         let params = trainer.model.params().clone();
-        if ck.manifest.params != params.names() {
-            return Err(bad("parameter names differ from the model this configuration builds".into()));
-        }
         for (i, (name, var)) in params.iter().enumerate() {
-            let get = |map: &std::collections::HashMap<String, Tensor>, key: &str| -> Result<Tensor> {
-                let t = map.get(key).ok_or_else(|| bad(format!("missing tensor {key}")))?;
-                if t.shape() != var.shape() {
-                    return Err(bad(format!("{key} has shape {:?}, expected {:?}", t.shape(), var.shape())));
-                }
-                Ok(t.to_dtype(var.dtype())?.to_device(var.device())?)
+            let (m, v) = (format!("m/{name}"), format!("v/{name}"));
+            let state = TensorState {
+                m: saved_tensor(&ck, &ck.optimizer, &m, var)?,
+                v: saved_tensor(&ck, &ck.optimizer, &v, var)?,
+                step: ck.manifest.optimizer_steps[i],
             };
-            var.set(&get(&ck.weights, name)?)?;
-            trainer.optimizer.set_state(
-                i,
-                TensorState {
-                    m: get(&ck.optimizer, &format!("m/{name}"))?,
-                    v: get(&ck.optimizer, &format!("v/{name}"))?,
-                    step: ck.manifest.optimizer_steps[i],
-                },
-            )?;
+            trainer.optimizer.set_state(i, state)?;
         }
         trainer.step = ck.manifest.step;
         trainer.model.refresh_working_copies()?;
@@ -444,33 +427,61 @@ impl Trainer {
     }
 }
 
+/// The checkpoint in `dir` (or `dir/latest`, or the newest intact one: [`checkpoint::load_intact`],
+/// each one passed over said why) with the run's state its manifest keeps; whether any was
+/// passed over.
+fn open_checkpoint(dir: &Path) -> Result<(checkpoint::CheckpointData, TrainerState, bool)> {
+    let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
+    for why in &passed {
+        tracing::warn!("checkpoint passed over: {why}");
+    }
+    let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone())
+        .map_err(|e| ModelError::Checkpoint { path: ck.path.clone(), reason: format!("manifest state: {e}") })?;
+    Ok((ck, state, !passed.is_empty()))
+}
+
+/// The tensor `key` of `map` (one of `ck`'s) as `var` holds it — its dtype and device — after
+/// checking its shape.
+fn saved_tensor(
+    ck: &checkpoint::CheckpointData,
+    map: &std::collections::HashMap<String, Tensor>,
+    key: &str,
+    var: &candle_core::Var,
+) -> Result<Tensor> {
+    let bad = |reason: String| ModelError::Checkpoint { path: ck.path.clone(), reason };
+    let t = map.get(key).ok_or_else(|| bad(format!("missing tensor {key}")))?;
+    if t.shape() != var.shape() {
+        return Err(bad(format!("{key} has shape {:?}, expected {:?}", t.shape(), var.shape())));
+    }
+    Ok(t.to_dtype(var.dtype())?.to_device(var.device())?)
+}
+
+/// `model`'s weights from `ck`, whose parameters must be the model's, by name.
+fn set_weights(model: &MoeModel, ck: &checkpoint::CheckpointData) -> Result<()> {
+    let params = model.params();
+    if ck.manifest.params != params.names() {
+        return Err(ModelError::Checkpoint {
+            path: ck.path.clone(),
+            reason: "parameter names differ from the model this configuration builds".into(),
+        });
+    }
+    for (name, var) in params.iter() {
+        var.set(&saved_tensor(ck, &ck.weights, name, var)?)?;
+    }
+    Ok(())
+}
+
 /// The model of the checkpoint in `dir` (or `dir/latest`, or the newest intact one) on
 /// `device`, with the run's configuration and the step it was saved at — the weights alone,
 /// without the optimizer's state or the run's data: what evaluation needs. On a CPU the model
 /// computes in f32 whatever the run's precision was.
 pub fn load_model(dir: &Path, device: &Device) -> Result<(MoeModel, TrainConfig, u64)> {
-    let (ck, passed) = checkpoint::load_intact(dir, &Device::Cpu)?;
-    for why in &passed {
-        tracing::warn!("checkpoint passed over: {why}");
-    }
-    let path = ck.path.clone();
-    let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };
-    let state: TrainerState = serde_json::from_value(ck.manifest.extra.clone()).map_err(|e| bad(format!("manifest state: {e}")))?;
+    let (ck, state, _) = open_checkpoint(dir)?;
     let config = state.config;
     config.model.validate()?;
     let compute = if device.is_cpu() { DType::F32 } else { config.dtype.compute_dtype() };
     let mut model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(compute)?;
-    let params = model.params().clone();
-    if ck.manifest.params != params.names() {
-        return Err(bad("parameter names differ from the model its configuration builds".into()));
-    }
-    for (name, var) in params.iter() {
-        let t = ck.weights.get(name).ok_or_else(|| bad(format!("missing tensor {name}")))?;
-        if t.shape() != var.shape() {
-            return Err(bad(format!("{name} has shape {:?}, expected {:?}", t.shape(), var.shape())));
-        }
-        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
-    }
+    set_weights(&model, &ck)?;
     model.refresh_working_copies()?;
     Ok((model, config, ck.manifest.step))
 }

@@ -47,15 +47,14 @@ pub struct RecoveryBenchArgs {
 const DEFAULT_STEPS: u64 = 12;
 
 pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
-    let t = args;
     let mut config = build_config(&TrainArgs::of_model(args.model.clone(), args.steps))?;
     if config.checkpoint_dir.is_some() {
         bail!("--checkpoint-dir does not apply to bench recovery (its runs write no checkpoints)");
     }
-    if t.steps.is_none() {
+    if args.steps.is_none() {
         config.steps = DEFAULT_STEPS;
     }
-    let workers = t.workers;
+    let workers = args.workers;
     check_fits(&config, 1 + workers as u128)?;
     let spec = RecoveryBenchSpec {
         workers,
@@ -63,9 +62,9 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         steps: config.steps,
         seed: args.kill_seed,
         // Every move in the benchmark is a recovery from a kill: no rebalance.
-        recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(t.lease, t.heartbeat)? },
-        comm_timeout_s: lazarus_control::launcher::check_comm_timeout(t.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
-        device: t.model.device.clone().unwrap_or_else(|| "cpu".into()),
+        recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(args.lease, args.heartbeat)? },
+        comm_timeout_s: lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
+        device: args.model.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     tracing::info!(
         "bench recovery: {} workers, {} kills (one per run of {} steps), lease {} s, heartbeat {} s",
@@ -75,7 +74,7 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         spec.recovery.lease.as_secs_f64(),
         spec.recovery.heartbeat.as_secs_f64()
     );
-    let quiet = t.quiet;
+    let quiet = args.quiet;
     let report = run_recovery_bench(&config, &spec, |line| {
         if !quiet {
             tracing::info!("{line}");

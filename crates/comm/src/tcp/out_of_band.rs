@@ -218,17 +218,9 @@ pub(super) fn write_frame(
     payload: &[u8],
     deadline: Instant,
 ) -> std::io::Result<()> {
-    let sealed;
     let parts: [&[u8]; 2] = match sealer {
         None => [header, payload],
-        Some(seal) => {
-            let (mut h, mut p) = (header.to_vec(), Vec::with_capacity(payload.len() + super::seal::TAG));
-            p.extend_from_slice(payload);
-            seal.seal(&mut h);
-            seal.seal(&mut p);
-            sealed = (h, p);
-            [&sealed.0, &sealed.1]
-        }
+        Some(seal) => [seal.seal_frame(header, payload), &[]],
     };
     let mut s = stream;
     for mut part in parts {

@@ -34,6 +34,8 @@ fn nonce(counter: u64) -> Nonce {
 pub struct Sealer {
     key: LessSafeKey,
     sent: u64,
+    /// The last frame sealed (its buffer reused by the next: no allocation per frame).
+    frame: Vec<u8>,
 }
 
 /// The receiving half.
@@ -47,17 +49,27 @@ pub struct Opener {
 pub fn halves(secret: u128, rank: usize, peer: usize, epoch: u64, connecting: bool, ours: &[u8], theirs: &[u8]) -> (Sealer, Opener) {
     let (connect_nonce, accept_nonce) = if connecting { (ours, theirs) } else { (theirs, ours) };
     (
-        Sealer { key: key(secret, rank, peer, epoch, connect_nonce, accept_nonce), sent: 0 },
+        Sealer { key: key(secret, rank, peer, epoch, connect_nonce, accept_nonce), sent: 0, frame: Vec::new() },
         Opener { key: key(secret, peer, rank, epoch, connect_nonce, accept_nonce), received: 0 },
     )
 }
 
 impl Sealer {
-    /// `plain` sealed in place: encrypted, its tag appended.
-    pub fn seal(&mut self, plain: &mut Vec<u8>) {
-        let n = nonce(self.sent);
-        self.sent += 1;
-        self.key.seal_in_place_append_tag(n, Aad::empty(), plain).expect("a record within AES-GCM's limits");
+    /// A frame's bytes on the wire: its header sealed, then its payload sealed (two records,
+    /// each with its tag).
+    pub fn seal_frame(&mut self, header: &[u8], payload: &[u8]) -> &[u8] {
+        self.frame.clear();
+        self.frame.reserve(header.len() + payload.len() + 2 * TAG);
+        for part in [header, payload] {
+            let start = self.frame.len();
+            self.frame.extend_from_slice(part);
+            let n = nonce(self.sent);
+            self.sent += 1;
+            let tag =
+                self.key.seal_in_place_separate_tag(n, Aad::empty(), &mut self.frame[start..]).expect("a record within AES-GCM's limits");
+            self.frame.extend_from_slice(tag.as_ref());
+        }
+        &self.frame
     }
 }
 
@@ -80,13 +92,15 @@ mod tests {
         let (a, b) = ([1u8; 16], [2u8; 16]);
         let (mut seal, _) = halves(7, 0, 1, 3, true, &a, &b);
         let (_, mut open) = halves(7, 1, 0, 3, false, &b, &a);
-        let mut records: Vec<Vec<u8>> = (0..3u8)
-            .map(|i| {
-                let mut r = vec![i; 100];
-                seal.seal(&mut r);
-                r
-            })
-            .collect();
+        // Two frames, four records in order: 100 zeros, 100 ones (the first frame's header and
+        // payload), 100 twos and nothing (the second's).
+        let mut records: Vec<Vec<u8>> = Vec::new();
+        for (header, payload) in [([0u8; 100], &[1u8; 100][..]), ([2u8; 100], &[][..])] {
+            let frame = seal.seal_frame(&header, payload);
+            assert_eq!(frame.len(), 100 + payload.len() + 2 * TAG);
+            records.push(frame[..100 + TAG].to_vec());
+            records.push(frame[100 + TAG..].to_vec());
+        }
         assert!(!records[0].windows(100).any(|w| w == [0u8; 100]), "not in clear");
         assert_eq!(open.open(&mut records[0].clone()).map(|p| p.to_vec()), Some(vec![0u8; 100]));
         // Replayed, skipped ahead, altered: refused.
