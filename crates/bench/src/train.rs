@@ -285,13 +285,15 @@ pub fn train_benchmark(
         for (layer, counts, xin) in &expert_inputs {
             let weights: Vec<[Tensor; 4]> = (0..counts.len())
                 .map(|expert| {
-                    let names = trainer.model.expert_param_names(*layer, expert);
-                    std::array::from_fn(|i| trainer.model.params().get(&names[i]).expect("expert tensor").as_tensor().clone())
+                    let vars = trainer.model.expert_vars(*layer, expert)?;
+                    let refs: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                    Ok(lazarus_model::ops::ffn_weights(&refs)?)
                 })
-                .collect();
+                .collect::<Result<_>>()?;
             let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref()).collect();
             let sink = lazarus_model::ops::WeightGradSink::new();
-            let y = lazarus_model::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, &sink)?;
+            let act = trainer.model.expert_act();
+            let y = lazarus_model::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, act, &sink)?;
             let mut grads = y.sum_all()?.backward()?;
             sink.drain_into(&mut grads)?;
         }

@@ -1,10 +1,61 @@
 //! Model configuration.
+//!
+//! Today's default is the paper's GPT-style MoE (LayerNorm, learned positions, GELU experts with
+//! biases, top-2). The options below give the blocks of the MoE models people train now:
+//! Mixtral's RMSNorm, rotary positions, SwiGLU experts without biases and normalised top-k
+//! routing ([`ModelConfig::mixtral`]), and DeepSeek-/Qwen-MoE's shared experts beside the routed
+//! ones.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 
-/// Shape of the GPT-style MoE decoder.
+/// The normalisation of each block's two inputs and of the final hidden state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum NormKind {
+    /// LayerNorm with a weight and a bias (GPT-2).
+    #[default]
+    Layer,
+    /// RMSNorm, x/√(mean(x²) + eps)·w, weight only (Llama, Mixtral).
+    Rms,
+}
+
+/// How the model knows a token's position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Positions {
+    /// A learned table of `max_seq_len` rows added to the token embedding (GPT-2).
+    #[default]
+    Learned,
+    /// Rotary embeddings on the queries and keys (RoFormer; Llama and Mixtral's half-split
+    /// pairing: dimension i of a head turns with i + head_dim/2), base [`ModelConfig::rope_theta`].
+    Rope,
+}
+
+/// The feed-forward of an expert, of a shared expert and of a dense block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// Linear → GELU (tanh form) → Linear.
+    #[default]
+    Gelu,
+    /// SwiGLU (Shazeer 2020): SiLU(x·W_gate) ⊙ (x·W_up), then W_down. The first weight holds
+    /// W_gate's `d_ff` columns then W_up's, [d_model, 2·d_ff].
+    Swiglu,
+}
+
+impl Activation {
+    /// Columns of an FFN's first weight for a hidden width `d_ff`.
+    pub fn first_width(self, d_ff: usize) -> usize {
+        match self {
+            Activation::Gelu => d_ff,
+            Activation::Swiglu => 2 * d_ff,
+        }
+    }
+}
+
+/// Shape of the MoE decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
@@ -17,10 +68,31 @@ pub struct ModelConfig {
     pub max_seq_len: usize,
     /// Experts per MoE layer.
     pub n_experts: usize,
-    /// Experts per token: 1 or 2 (weights renormalised for 2).
+    /// Experts per token, 1 to 8.
     pub top_k: usize,
-    /// Hidden width of one expert (Linear–GELU–Linear), and of the dense FFN of non-MoE blocks.
+    /// Whether a token's k > 1 router weights are renormalised to sum to 1 (Mixtral, GShard);
+    /// otherwise each is its softmax probability over all experts (Qwen-MoE's default, OLMoE). A
+    /// single choice always keeps its probability, so the router learns from the loss.
+    pub normalize_top_k: bool,
+    /// Hidden width of one expert, and of the dense FFN of non-MoE blocks.
     pub d_ff: usize,
+    /// Always-on experts beside the routed ones in every MoE block (DeepSeek-MoE's shared
+    /// experts): every token goes through them, unweighted. They are held as one FFN of hidden
+    /// width `shared_experts · d_ff` (the sum of S experts is such an FFN), replicated on every
+    /// worker like the dense weights.
+    pub shared_experts: usize,
+    /// LayerNorm or RMSNorm.
+    pub norm: NormKind,
+    /// Learned positions or rotary embeddings.
+    pub positions: Positions,
+    /// The rotary base θ (Llama 10 000, Mixtral 1 000 000); used with `positions = "rope"`.
+    pub rope_theta: f64,
+    /// The FFN of experts, shared experts and dense blocks.
+    pub expert_act: Activation,
+    /// Biases on the attention's projections.
+    pub attn_bias: bool,
+    /// Biases on the FFNs (experts, shared experts, dense blocks).
+    pub ffn_bias: bool,
     /// An MoE feed-forward in every `moe_every`-th block (1 = every block, 2 = every other,
     /// starting with block 0); the others have a dense FFN.
     pub moe_every: usize,
@@ -44,7 +116,15 @@ impl Default for ModelConfig {
             max_seq_len: 256,
             n_experts: 8,
             top_k: 2,
+            normalize_top_k: true,
             d_ff: 512,
+            shared_experts: 0,
+            norm: NormKind::Layer,
+            positions: Positions::Learned,
+            rope_theta: 10_000.0,
+            expert_act: Activation::Gelu,
+            attn_bias: true,
+            ffn_bias: true,
             moe_every: 1,
             aux_loss_coef: 0.01,
             capacity_factor: None,
@@ -53,11 +133,35 @@ impl Default for ModelConfig {
     }
 }
 
+/// The presets `--arch` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// The paper's GPT-style blocks (the default).
+    Gpt,
+    /// Mixtral's blocks: see [`ModelConfig::mixtral`].
+    Mixtral,
+}
+
+impl std::str::FromStr for Arch {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "gpt" => Ok(Arch::Gpt),
+            "mixtral" => Ok(Arch::Mixtral),
+            other => Err(format!("unknown architecture {other:?}: expected gpt or mixtral")),
+        }
+    }
+}
+
+/// The most experts a token may be routed to (OLMoE and Qwen-MoE route to 8).
+pub const MAX_TOP_K: usize = 8;
+
 /// The largest value each dimension may take: far beyond any model this trains on one machine,
 /// small enough that the products below cannot overflow, so a typo (`--experts 100000000`) is an
 /// error before anything is allocated. What the machine can hold is checked against
 /// [`crate::TrainConfig::memory_estimate`].
-const LIMITS: [(&str, usize); 8] = [
+const LIMITS: [(&str, usize); 9] = [
     ("vocab_size", 1 << 24),
     ("d_model", 1 << 16),
     ("n_layers", 1 << 10),
@@ -66,12 +170,79 @@ const LIMITS: [(&str, usize); 8] = [
     ("n_experts", 1 << 16),
     ("d_ff", 1 << 18),
     ("moe_every", 1 << 10),
+    ("shared_experts", 1 << 8),
 ];
 
 impl ModelConfig {
+    /// Mixtral's block options on this shape: RMSNorm, rotary positions (θ = 10⁶), SwiGLU
+    /// experts, no biases, normalised top-k, no shared experts, an MoE FFN in every block.
+    pub fn mixtral(self) -> Self {
+        ModelConfig {
+            norm: NormKind::Rms,
+            positions: Positions::Rope,
+            rope_theta: 1e6,
+            expert_act: Activation::Swiglu,
+            attn_bias: false,
+            ffn_bias: false,
+            normalize_top_k: true,
+            shared_experts: 0,
+            moe_every: 1,
+            ..self
+        }
+    }
+
+    /// This shape with the options of `arch`.
+    pub fn with_arch(self, arch: Arch) -> Self {
+        match arch {
+            Arch::Gpt => {
+                let d = ModelConfig::default();
+                ModelConfig {
+                    norm: d.norm,
+                    positions: d.positions,
+                    rope_theta: d.rope_theta,
+                    expert_act: d.expert_act,
+                    attn_bias: d.attn_bias,
+                    ffn_bias: d.ffn_bias,
+                    normalize_top_k: d.normalize_top_k,
+                    shared_experts: d.shared_experts,
+                    ..self
+                }
+            }
+            Arch::Mixtral => self.mixtral(),
+        }
+    }
+
+    /// Whether the blocks are the paper's GPT-style ones (what the GPU layers implement; other
+    /// options run candle's composite ops there).
+    pub fn classic_blocks(&self) -> bool {
+        self.norm == NormKind::Layer
+            && self.positions == Positions::Learned
+            && self.expert_act == Activation::Gelu
+            && self.attn_bias
+            && self.ffn_bias
+            && self.shared_experts == 0
+    }
+
+    /// Rows of the learned position table (none with rotary positions).
+    pub fn position_rows(&self) -> usize {
+        match self.positions {
+            Positions::Learned => self.max_seq_len,
+            Positions::Rope => 0,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
-        let values =
-            [self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.max_seq_len, self.n_experts, self.d_ff, self.moe_every];
+        let values = [
+            self.vocab_size,
+            self.d_model,
+            self.n_layers,
+            self.n_heads,
+            self.max_seq_len,
+            self.n_experts,
+            self.d_ff,
+            self.moe_every,
+            self.shared_experts,
+        ];
         for ((field, max), v) in LIMITS.into_iter().zip(values) {
             if v > max {
                 return Err(ModelError::config(field, v, format!("must be at most {max}")));
@@ -95,8 +266,20 @@ impl ModelConfig {
         if !self.d_model.is_multiple_of(self.n_heads) {
             return Err(ModelError::config("n_heads", self.n_heads, format!("must divide d_model ({})", self.d_model)));
         }
-        if !(1..=2).contains(&self.top_k) {
-            return Err(ModelError::config("top_k", self.top_k, "must be 1 or 2"));
+        if !(1..=MAX_TOP_K).contains(&self.top_k) {
+            return Err(ModelError::config("top_k", self.top_k, format!("must be 1 to {MAX_TOP_K}")));
+        }
+        if self.positions == Positions::Rope {
+            if !(self.d_model / self.n_heads).is_multiple_of(2) {
+                return Err(ModelError::config(
+                    "n_heads",
+                    self.n_heads,
+                    format!("rotary positions need an even head width, d_model / n_heads = {}", self.d_model / self.n_heads),
+                ));
+            }
+            if !self.rope_theta.is_finite() || self.rope_theta <= 1.0 {
+                return Err(ModelError::config("rope_theta", self.rope_theta, "must be finite and > 1"));
+            }
         }
         if self.top_k > self.n_experts {
             return Err(ModelError::config("top_k", self.top_k, format!("cannot exceed n_experts ({})", self.n_experts)));
@@ -125,19 +308,48 @@ impl ModelConfig {
         (0..self.n_layers).filter(|&b| self.is_moe(b)).count()
     }
 
-    /// Parameters one expert has (fc1 + fc2 with biases).
+    /// Shapes of an expert's tensors, in the order [`crate::MoeModel::expert_param_names`]
+    /// lists them: W1 [d, f₁], b1 [f₁] (with biases), W2 [f, d], b2 [d] (with biases), f₁ the
+    /// first weight's width ([`Activation::first_width`]).
+    pub fn expert_shapes(&self) -> Vec<Vec<usize>> {
+        self.ffn_shapes(self.d_ff)
+    }
+
+    /// As [`ModelConfig::expert_shapes`] for an FFN of hidden width `f`.
+    pub(crate) fn ffn_shapes(&self, f: usize) -> Vec<Vec<usize>> {
+        let (d, f1) = (self.d_model, self.expert_act.first_width(f));
+        if self.ffn_bias {
+            vec![vec![d, f1], vec![f1], vec![f, d], vec![d]]
+        } else {
+            vec![vec![d, f1], vec![f, d]]
+        }
+    }
+
+    /// Parameters one expert has.
     pub fn expert_params(&self) -> usize {
-        2 * self.d_model * self.d_ff + self.d_ff + self.d_model
+        self.expert_shapes().iter().map(|s| s.iter().product::<usize>()).sum()
     }
 
     /// Every parameter of the model, counted from the shape without building it (within
     /// [`ModelConfig::validate`]'s limits this cannot overflow).
     pub fn parameter_count(&self) -> u128 {
-        let (v, d, f, e) = (self.vocab_size as u128, self.d_model as u128, self.d_ff as u128, self.n_experts as u128);
-        let ffn = 2 * d * f + f + d;
+        let (v, d, e) = (self.vocab_size as u128, self.d_model as u128, self.n_experts as u128);
+        let ffn = |f: usize| self.ffn_shapes(f).iter().map(|s| s.iter().map(|&x| x as u128).product::<u128>()).sum::<u128>();
         let moe = self.moe_layers() as u128;
         let dense = self.n_layers as u128 - moe;
-        let per_block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d;
-        v * d + self.max_seq_len as u128 * d + self.n_layers as u128 * per_block + moe * (d * e + e * ffn) + dense * ffn + 2 * d + d * v
+        let norm = match self.norm {
+            NormKind::Layer => 2 * d,
+            NormKind::Rms => d,
+        };
+        let attn_bias = if self.attn_bias { 4 * d } else { 0 };
+        let per_block = 2 * norm + 4 * d * d + attn_bias;
+        let shared = if self.shared_experts > 0 { ffn(self.shared_experts * self.d_ff) } else { 0 };
+        v * d
+            + self.position_rows() as u128 * d
+            + self.n_layers as u128 * per_block
+            + moe * (d * e + e * ffn(self.d_ff) + shared)
+            + dense * ffn(self.d_ff)
+            + norm
+            + d * v
     }
 }

@@ -1,28 +1,31 @@
-//! GPT-style decoder with Mixture-of-Experts feed-forwards (paper §2.1, Switch/GShard-style
-//! routing), on candle.
+//! Decoder with Mixture-of-Experts feed-forwards (paper §2.1, Switch/GShard-style routing), on
+//! candle: the paper's GPT-style blocks by default, Mixtral's or DeepSeek-MoE's by the options of
+//! [`ModelConfig`] (norm, positions, activation, biases, top-k, shared experts).
 //!
 //! Every expert's tensors are separate parameters named
-//! `blocks.{b}.moe.experts.{e}.{fc1,fc2}.{w,b}`, addressable by (MoE layer, expert) through
-//! [`MoeModel::expert_param_names`], so a later stage can move one expert between processes.
+//! `blocks.{b}.moe.experts.{e}.{fc1,fc2}.{w,b}` (no `.b` without FFN biases), addressable by
+//! (MoE layer, expert) through [`MoeModel::expert_param_names`], so a later stage can move one
+//! expert between processes. Shared experts are `blocks.{b}.moe.shared.*`, dense parameters.
 
 use crate::ops::WeightGradSink;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig, NormKind, Positions};
 use crate::error::{ModelError, Result};
 use crate::params::{Init, ParamStore};
 use crate::routing::{assign_from_loads, top_k_rows};
 
 struct Linear {
     w: Var,
-    b: Var,
+    /// None for a layer without a bias.
+    b: Option<Var>,
 }
 
 impl Linear {
-    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, din: usize, dout: usize, std: f64) -> Result<Self> {
+    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, (din, dout): (usize, usize), std: f64, bias: bool) -> Result<Self> {
         let w = ps.add(format!("{name}.w"), init.normal(&[din, dout], std)?)?;
-        let b = ps.add(format!("{name}.b"), init.constant(&[dout], 0.0)?)?;
+        let b = if bias { Some(ps.add(format!("{name}.b"), init.constant(&[dout], 0.0)?)?) } else { None };
         Ok(Linear { w, b })
     }
 
@@ -30,45 +33,68 @@ impl Linear {
     /// `compute` and the result in x's dtype.
     fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let c = |t: &Tensor| t.to_dtype(compute);
-        Ok(crate::ops::linear(&c(x)?, &c(self.w.as_tensor())?, &c(self.b.as_tensor())?)?.to_dtype(x.dtype())?)
+        let b = match &self.b {
+            Some(b) => c(b.as_tensor())?,
+            None => Tensor::zeros(self.w.dim(1)?, compute, self.w.device())?,
+        };
+        Ok(crate::ops::linear(&c(x)?, &c(self.w.as_tensor())?, &b)?.to_dtype(x.dtype())?)
     }
 }
 
 struct Norm {
+    kind: NormKind,
     w: Var,
-    b: Var,
+    /// LayerNorm's bias (RMSNorm has none).
+    b: Option<Var>,
 }
 
 impl Norm {
-    fn new(ps: &mut ParamStore, init: &Init, name: &str, d: usize) -> Result<Self> {
+    fn new(ps: &mut ParamStore, init: &Init, name: &str, d: usize, kind: NormKind) -> Result<Self> {
         let w = ps.add(format!("{name}.w"), init.constant(&[d], 1.0)?)?;
-        let b = ps.add(format!("{name}.b"), init.constant(&[d], 0.0)?)?;
-        Ok(Norm { w, b })
+        let b = match kind {
+            NormKind::Layer => Some(ps.add(format!("{name}.b"), init.constant(&[d], 0.0)?)?),
+            NormKind::Rms => None,
+        };
+        Ok(Norm { kind, w, b })
     }
 
-    /// LayerNorm over the last dimension (fused kernel, see [`crate::ops`]).
+    /// LayerNorm or RMSNorm over the last dimension (fused kernels, see [`crate::ops`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(crate::ops::layer_norm(x, self.w.as_tensor(), self.b.as_tensor(), 1e-5)?)
+        Ok(match (&self.kind, &self.b) {
+            (NormKind::Layer, Some(b)) => crate::ops::layer_norm(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS)?,
+            _ => crate::ops::rms_norm(x, self.w.as_tensor(), NORM_EPS)?,
+        })
     }
 
     /// [`Norm::forward`] into `out` (bf16 for a bf16 product next: one kernel on a GPU).
     fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
-        Ok(crate::ops::layer_norm_to(x, self.w.as_tensor(), self.b.as_tensor(), 1e-5, out)?)
+        Ok(match &self.b {
+            Some(b) if self.kind == NormKind::Layer => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS, out)?,
+            _ => self.forward(x)?.to_dtype(out)?,
+        })
     }
 }
 
-/// Linear–GELU–Linear. One expert, or the dense FFN of a non-MoE block.
+/// The norms' epsilon (GPT-2's LayerNorm and Mixtral's RMSNorm both use 1e-5).
+pub const NORM_EPS: f64 = 1e-5;
+
+/// Linear–activation–Linear (GELU or SwiGLU). One expert, the shared experts of an MoE block,
+/// or the dense FFN of a non-MoE block.
 pub struct Ffn {
     fc1: Linear,
     fc2: Linear,
+    act: Activation,
 }
 
 impl Ffn {
-    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, cfg: &ModelConfig) -> Result<Self> {
+    /// An FFN of hidden width `f` with the config's activation and biases.
+    fn new(ps: &mut ParamStore, init: &mut Init, name: &str, cfg: &ModelConfig, f: usize) -> Result<Self> {
         let out_std = cfg.init_std / (2.0 * cfg.n_layers as f64).sqrt();
+        let (d, f1) = (cfg.d_model, cfg.expert_act.first_width(f));
         Ok(Ffn {
-            fc1: Linear::new(ps, init, &format!("{name}.fc1"), cfg.d_model, cfg.d_ff, cfg.init_std)?,
-            fc2: Linear::new(ps, init, &format!("{name}.fc2"), cfg.d_ff, cfg.d_model, out_std)?,
+            fc1: Linear::new(ps, init, &format!("{name}.fc1"), (d, f1), cfg.init_std, cfg.ffn_bias)?,
+            fc2: Linear::new(ps, init, &format!("{name}.fc2"), (f, d), out_std, cfg.ffn_bias)?,
+            act: cfg.expert_act,
         })
     }
 
@@ -76,13 +102,22 @@ impl Ffn {
     /// computed in `compute`, the result in x's dtype.
     pub fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let [w1, b1, w2, b2] = self.weights_in(compute)?;
-        Ok(crate::ops::expert_ffn(&x.to_dtype(compute)?, &w1, &b1, &w2, &b2)?.to_dtype(x.dtype())?)
+        Ok(crate::ops::expert_ffn(&x.to_dtype(compute)?, &w1, &b1, &w2, &b2, self.act)?.to_dtype(x.dtype())?)
     }
 
-    /// [W1, b1, W2, b2] in `dtype` (the parameters themselves when they already are).
+    /// The parameters, in [`MoeModel::expert_param_names`] order (no biases when it has none).
+    fn vars(&self) -> Vec<Var> {
+        [Some(&self.fc1.w), self.fc1.b.as_ref(), Some(&self.fc2.w), self.fc2.b.as_ref()].into_iter().flatten().cloned().collect()
+    }
+
+    /// [W1, b1, W2, b2] in `dtype` (the parameters themselves when they already are; zeros for
+    /// absent biases).
     fn weights_in(&self, dtype: DType) -> candle_core::Result<[Tensor; 4]> {
-        let cast = |v: &Var| v.as_tensor().to_dtype(dtype);
-        Ok([cast(&self.fc1.w)?, cast(&self.fc1.b)?, cast(&self.fc2.w)?, cast(&self.fc2.b)?])
+        let vars = self.vars();
+        let refs: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+        let [w1, b1, w2, b2] = crate::ops::ffn_weights(&refs)?;
+        let cast = |t: Tensor| t.to_dtype(dtype);
+        Ok([cast(w1)?, cast(b1)?, cast(w2)?, cast(b2)?])
     }
 }
 
@@ -90,15 +125,27 @@ struct Attention {
     qkv: Linear,
     out: Linear,
     heads: usize,
+    /// The rotary base θ with rotary positions.
+    rope: Option<f64>,
 }
 
 impl Attention {
-    /// x: [B, T, d] → [B, T, d], causal (fused kernel, see [`crate::ops::causal_attention`]);
-    /// the products in `compute` (the softmax in f32 at least), the result in x's dtype.
+    /// The packed projection qkv [B, T, 3d] → [B, T, d]: rotary positions on q and k if the
+    /// model has them, then causal attention (fused kernels, see [`crate::ops::rope`] and
+    /// [`crate::ops::causal_attention`]).
+    fn attend(&self, qkv: &Tensor) -> Result<Tensor> {
+        Ok(match self.rope {
+            Some(theta) => crate::ops::causal_attention(&crate::ops::rope(qkv, self.heads, theta)?, self.heads)?,
+            None => crate::ops::causal_attention(qkv, self.heads)?,
+        })
+    }
+
+    /// x: [B, T, d] → [B, T, d], causal; the products in `compute` (the softmax in f32 at
+    /// least), the result in x's dtype.
     fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let qkv = self.qkv.forward(&x.reshape((b * t, d))?.to_dtype(compute)?, compute)?.reshape((b, t, 3 * d))?;
-        let y = crate::ops::causal_attention(&qkv, self.heads)?.reshape((b * t, d))?;
+        let y = self.attend(&qkv)?.reshape((b * t, d))?;
         Ok(self.out.forward(&y, compute)?.to_dtype(x.dtype())?.reshape((b, t, d))?)
     }
 }
@@ -107,7 +154,11 @@ impl Attention {
 pub struct MoeLayer {
     gate: Var,
     pub experts: Vec<Ffn>,
+    /// The always-on shared experts, as one FFN (None without).
+    shared: Option<Ffn>,
     top_k: usize,
+    normalize_top_k: bool,
+    act: Activation,
     capacity_factor: Option<f64>,
 }
 
@@ -186,15 +237,10 @@ impl MoeLayer {
         Ok((probs, r, w))
     }
 
-    /// The normalised router weight of each (token, choice) [n·k], in the router's graph.
+    /// The router weight of each (token, choice) [n·k], in the router's graph.
     fn combine_weights(&self, probs: &Tensor, choices: &[usize], n: usize) -> Result<Tensor> {
-        let k = self.top_k;
-        let idx = Tensor::from_vec(choices.iter().map(|&c| c as u32).collect::<Vec<_>>(), (n, k), probs.device())?;
-        let mut w = probs.gather(&idx, 1)?;
-        if k > 1 {
-            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
-        }
-        Ok(w.flatten_all()?)
+        let choices: Vec<u32> = choices.iter().map(|&c| c as u32).collect();
+        Ok(crate::routing::combine_weights(probs, &choices, n, self.top_k, self.normalize_top_k)?.flatten_all()?)
     }
 
     /// Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),
@@ -232,8 +278,12 @@ impl MoeLayer {
             let cast: Vec<[Tensor; 4]> = self.experts.iter().map(|x| x.weights_in(compute)).collect::<candle_core::Result<_>>()?;
             let weights: Vec<[&Tensor; 4]> = cast.iter().map(|w| w.each_ref()).collect();
             let rows = crate::ops::gather_rows(h, &all_tokens)?.to_dtype(compute)?;
-            let y = crate::ops::grouped_expert_ffn_to_sink(&rows, &weights, &counts, expert_grads)?.to_dtype(h.dtype())?;
+            let y = crate::ops::grouped_expert_ffn_to_sink(&rows, &weights, &counts, self.act, expert_grads)?.to_dtype(h.dtype())?;
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
+        };
+        let out = match &self.shared {
+            Some(shared) => crate::ops::residual_add(&out, &shared.forward(h, compute)?)?,
+            None => out,
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
         Ok((out, aux, r.into_stats()))
@@ -259,8 +309,12 @@ impl MoeLayer {
         let out = if all_tokens.is_empty() {
             Tensor::zeros((n, d), stream, h.device())?
         } else {
-            let params: Vec<[Var; 4]> =
-                self.experts.iter().map(|x| [x.fc1.w.clone(), x.fc1.b.clone(), x.fc2.w.clone(), x.fc2.b.clone()]).collect();
+            // The GPU layers run only the classic blocks (with biases): see `MoeModel::gpu`.
+            let params: Vec<[Var; 4]> = self
+                .experts
+                .iter()
+                .map(|x| x.vars().try_into().map_err(|_| ModelError::config("expert", "without biases", "not on the GPU layers")))
+                .collect::<Result<_>>()?;
             let masters: Vec<[&Tensor; 4]> =
                 params.iter().map(|p| [p[0].as_tensor(), p[1].as_tensor(), p[2].as_tensor(), p[3].as_tensor()]).collect();
             let copies: Option<Vec<[Tensor; 2]>> =
@@ -320,7 +374,8 @@ pub struct MoeModel {
     config: ModelConfig,
     params: ParamStore,
     tok_emb: Var,
-    pos_emb: Var,
+    /// The learned position table (None with rotary positions).
+    pos_emb: Option<Var>,
     blocks: Vec<Block>,
     ln_f: Norm,
     head: Var,
@@ -353,28 +408,45 @@ impl MoeModel {
         let std = cfg.init_std;
         let out_std = std / (2.0 * cfg.n_layers as f64).sqrt();
         let tok_emb = ps.add("tok_emb".into(), init.normal(&[cfg.vocab_size, cfg.d_model], std)?)?;
-        let pos_emb = ps.add("pos_emb".into(), init.normal(&[cfg.max_seq_len, cfg.d_model], std)?)?;
+        let pos_emb = match cfg.positions {
+            Positions::Learned => Some(ps.add("pos_emb".into(), init.normal(&[cfg.max_seq_len, cfg.d_model], std)?)?),
+            Positions::Rope => None,
+        };
+        let rope = (cfg.positions == Positions::Rope).then_some(cfg.rope_theta);
+        let (d, norm, attn_bias) = (cfg.d_model, cfg.norm, cfg.attn_bias);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         let mut moe_blocks = Vec::new();
         for b in 0..cfg.n_layers {
             let p = format!("blocks.{b}");
-            let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), cfg.d_model)?;
-            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), cfg.d_model, 3 * cfg.d_model, std)?;
-            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), cfg.d_model, cfg.d_model, out_std)?;
-            let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), cfg.d_model)?;
+            let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm)?;
+            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, 3 * d), std, attn_bias)?;
+            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (d, d), out_std, attn_bias)?;
+            let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), d, norm)?;
             let ff = if cfg.is_moe(b) {
                 moe_blocks.push(b);
-                let gate = ps.add(format!("{p}.moe.gate.w"), init.normal(&[cfg.d_model, cfg.n_experts], std)?)?;
+                let gate = ps.add(format!("{p}.moe.gate.w"), init.normal(&[d, cfg.n_experts], std)?)?;
                 let experts = (0..cfg.n_experts)
-                    .map(|e| Ffn::new(&mut ps, &mut init, &format!("{p}.moe.experts.{e}"), &cfg))
+                    .map(|e| Ffn::new(&mut ps, &mut init, &format!("{p}.moe.experts.{e}"), &cfg, cfg.d_ff))
                     .collect::<Result<Vec<_>>>()?;
-                FeedForward::Moe(MoeLayer { gate, experts, top_k: cfg.top_k, capacity_factor: cfg.capacity_factor })
+                let shared = match cfg.shared_experts {
+                    0 => None,
+                    s => Some(Ffn::new(&mut ps, &mut init, &format!("{p}.moe.shared"), &cfg, s * cfg.d_ff)?),
+                };
+                FeedForward::Moe(MoeLayer {
+                    gate,
+                    experts,
+                    shared,
+                    top_k: cfg.top_k,
+                    normalize_top_k: cfg.normalize_top_k,
+                    act: cfg.expert_act,
+                    capacity_factor: cfg.capacity_factor,
+                })
             } else {
-                FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg)?)
+                FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.d_ff)?)
             };
-            blocks.push(Block { ln1, attn: Attention { qkv, out, heads: cfg.n_heads }, ln2, ff });
+            blocks.push(Block { ln1, attn: Attention { qkv, out, heads: cfg.n_heads, rope }, ln2, ff });
         }
-        let ln_f = Norm::new(&mut ps, &init, "ln_f", cfg.d_model)?;
+        let ln_f = Norm::new(&mut ps, &init, "ln_f", d, norm)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
         Ok(MoeModel {
             config: cfg,
@@ -388,7 +460,9 @@ impl MoeModel {
             device: device.clone(),
             dtype,
             compute: dtype,
-            gpu: gpu_kernels(device),
+            // The GPU layers implement the classic blocks; other options run candle's composite
+            // ops there.
+            gpu: gpu_kernels(device) && config.classic_blocks(),
             working: Vec::new(),
         })
     }
@@ -456,10 +530,12 @@ impl MoeModel {
         self.compute
     }
 
-    /// Names of the tensors of expert `expert` in MoE layer `layer` (0-based over MoE layers).
+    /// Names of the tensors of expert `expert` in MoE layer `layer` (0-based over MoE layers):
+    /// fc1.w, fc1.b, fc2.w, fc2.b, or fc1.w and fc2.w without FFN biases.
     pub fn expert_param_names(&self, layer: usize, expert: usize) -> Vec<String> {
         let b = self.moe_blocks[layer];
-        ["fc1.w", "fc1.b", "fc2.w", "fc2.b"].iter().map(|s| format!("blocks.{b}.moe.experts.{expert}.{s}")).collect()
+        let parts: &[&str] = if self.config.ffn_bias { &["fc1.w", "fc1.b", "fc2.w", "fc2.b"] } else { &["fc1.w", "fc2.w"] };
+        parts.iter().map(|s| format!("blocks.{b}.moe.experts.{expert}.{s}")).collect()
     }
 
     /// Token + position embeddings: tokens [B, T] (u32) → x [B, T, d].
@@ -469,7 +545,16 @@ impl MoeModel {
             return Err(ModelError::config("seq_len", t, format!("longer than the model's max_seq_len ({})", self.config.max_seq_len)));
         }
         let d = self.config.d_model;
-        let (tok, pos) = (self.tok_emb.as_tensor(), self.pos_emb.as_tensor().narrow(0, 0, t)?);
+        let tok = self.tok_emb.as_tensor();
+        let Some(pos) = &self.pos_emb else {
+            // Rotary positions: the attention turns q and k; the embedding is the token's row.
+            let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+            if tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64) {
+                return Ok(crate::ops::gather_rows(tok, &ids)?.reshape((b, t, d))?);
+            }
+            return Ok(tok.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?);
+        };
+        let pos = pos.as_tensor().narrow(0, 0, t)?;
         if tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64) {
             // Over the cores, forward and backward: each token's row and its position's row
             // gathered, then added. candle's index_select and broadcast add ran on one core, and
@@ -500,7 +585,7 @@ impl MoeModel {
             let c = self.compute;
             let a = blk.ln1.forward_to(x, c)?.reshape((b * t, d))?;
             let qkv = self.linear(&blk.attn.qkv, &a, c)?.reshape((b, t, 3 * d))?;
-            let y = crate::ops::causal_attention(&qkv, blk.attn.heads)?.reshape((b * t, d))?;
+            let y = blk.attn.attend(&qkv)?.reshape((b * t, d))?;
             let o = self.linear(&blk.attn.out, &y, x.dtype())?.reshape((b, t, d))?;
             let x = crate::ops::residual_add(x, &o)?;
             let h = blk.ln2.forward_to(&x, c)?.reshape((b * t, d))?;
@@ -519,6 +604,15 @@ impl MoeModel {
         }
     }
 
+    /// The shared experts of an MoE block on h [N, d] (None for a block without them): what a
+    /// worker adds to its distributed layer's output.
+    pub fn block_shared_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
+        match &self.block(block)?.ff {
+            FeedForward::Moe(MoeLayer { shared: Some(f), .. }) => Ok(Some(f.forward(h, self.compute)?)),
+            _ => Ok(None),
+        }
+    }
+
     /// Router weight [d, E] of MoE layer `layer` (0-based over MoE layers).
     pub fn gate(&self, layer: usize) -> Result<&Var> {
         match self.moe_blocks.get(layer).map(|&b| &self.blocks[b].ff) {
@@ -527,11 +621,12 @@ impl MoeModel {
         }
     }
 
-    /// The four tensors (W1, b1, W2, b2) of one expert of MoE layer `layer`.
-    pub fn expert_vars(&self, layer: usize, expert: usize) -> Result<[Var; 4]> {
+    /// The tensors of one expert of MoE layer `layer`, in [`MoeModel::expert_param_names`]
+    /// order: (W1, b1, W2, b2), or (W1, W2) without FFN biases.
+    pub fn expert_vars(&self, layer: usize, expert: usize) -> Result<Vec<Var>> {
         match self.moe_blocks.get(layer).map(|&b| &self.blocks[b].ff) {
             Some(FeedForward::Moe(m)) => match m.experts.get(expert) {
-                Some(f) => Ok([f.fc1.w.clone(), f.fc1.b.clone(), f.fc2.w.clone(), f.fc2.b.clone()]),
+                Some(f) => Ok(f.vars()),
                 None => Err(ModelError::config("expert", expert, format!("the layer has {} experts", m.experts.len()))),
             },
             _ => Err(ModelError::config("moe layer", layer, format!("the model has {} MoE layers", self.moe_blocks.len()))),
@@ -544,18 +639,22 @@ impl MoeModel {
         Ok(self.expert_vars(layer, expert)?[0].elem_count() > 0)
     }
 
-    /// Shapes of an expert's [W1, b1, W2, b2] in this model.
-    pub fn expert_shapes(&self) -> [Vec<usize>; 4] {
-        let (d, f) = (self.config.d_model, self.config.d_ff);
-        [vec![d, f], vec![f], vec![f, d], vec![d]]
+    /// Shapes of an expert's tensors in this model ([`ModelConfig::expert_shapes`]).
+    pub fn expert_shapes(&self) -> Vec<Vec<usize>> {
+        self.config.expert_shapes()
     }
 
-    /// Give expert `expert` of MoE layer `layer` the weights `[W1, b1, W2, b2]` (shapes checked
+    /// The activation of the experts.
+    pub fn expert_act(&self) -> Activation {
+        self.config.expert_act
+    }
+
+    /// Give expert `expert` of MoE layer `layer` the weights of [`MoeModel::expert_vars`] (shapes checked
     /// against the config), or release them (`None`: each tensor becomes an empty placeholder,
     /// freeing its memory). The parameter list keeps its names and order, so optimizer state and
     /// checkpoints stay aligned; a released expert cannot run and must be given weights again
     /// before it is saved.
-    pub fn set_expert(&mut self, layer: usize, expert: usize, weights: Option<[Tensor; 4]>) -> Result<()> {
+    pub fn set_expert(&mut self, layer: usize, expert: usize, weights: Option<Vec<Tensor>>) -> Result<()> {
         let names = self.expert_param_names(layer, expert);
         let indices: Vec<usize> = names
             .iter()
@@ -564,6 +663,9 @@ impl MoeModel {
         let vars: Vec<Var> = match weights {
             Some(ws) => {
                 let shapes = self.expert_shapes();
+                if ws.len() != shapes.len() {
+                    return Err(ModelError::config("expert tensors", ws.len(), format!("the model's experts have {}", shapes.len())));
+                }
                 ws.iter()
                     .zip(shapes)
                     .zip(&names)
@@ -579,15 +681,14 @@ impl MoeModel {
                     })
                     .collect::<Result<_>>()?
             }
-            None => (0..4).map(|_| Ok(Var::from_tensor(&Tensor::zeros(0, self.dtype, &self.device)?)?)).collect::<Result<_>>()?,
+            None => (0..names.len()).map(|_| Ok(Var::from_tensor(&Tensor::zeros(0, self.dtype, &self.device)?)?)).collect::<Result<_>>()?,
         };
         let b = self.moe_blocks[layer];
         let FeedForward::Moe(m) = &mut self.blocks[b].ff else {
             return Err(ModelError::config("moe layer", layer, "is not an MoE layer"));
         };
         let x = &mut m.experts[expert];
-        let [w1, b1, w2, b2]: [Var; 4] = vars.try_into().map_err(|_| ModelError::config("expert", expert, "needs 4 tensors"))?;
-        for (i, v) in indices.iter().zip([&w1, &b1, &w2, &b2]) {
+        for (i, v) in indices.iter().zip(&vars) {
             self.params.replace(*i, v.clone());
             if let Some(slot) = self.working.get_mut(*i) {
                 if slot.is_some() {
@@ -595,7 +696,16 @@ impl MoeModel {
                 }
             }
         }
-        (x.fc1.w, x.fc1.b, x.fc2.w, x.fc2.b) = (w1, b1, w2, b2);
+        let mut vars = vars.into_iter();
+        let mut next = || vars.next().ok_or_else(|| ModelError::config("expert", expert, "too few tensors"));
+        x.fc1.w = next()?;
+        if x.fc1.b.is_some() {
+            x.fc1.b = Some(next()?);
+        }
+        x.fc2.w = next()?;
+        if x.fc2.b.is_some() {
+            x.fc2.b = Some(next()?);
+        }
         Ok(())
     }
 
@@ -628,7 +738,7 @@ impl MoeModel {
     /// A linear layer on the GPU path: its product reads the weight's working copy, if it has
     /// one, and writes `out`.
     fn linear(&self, l: &Linear, x: &Tensor, out: DType) -> Result<Tensor> {
-        Ok(crate::ops::cuda_linear(x, &l.w, Some(&l.b), self.copy_of(&l.w), out)?)
+        Ok(crate::ops::cuda_linear(x, &l.w, l.b.as_ref(), self.copy_of(&l.w), out)?)
     }
 
     fn block(&self, block: usize) -> Result<&Block> {
@@ -716,6 +826,21 @@ mod tests {
             aux_loss_coef: 0.1,
             capacity_factor: None,
             init_std: 0.3,
+            ..ModelConfig::default()
+        }
+    }
+
+    /// [`tiny`] with Mixtral's blocks (RMSNorm, rotary positions, SwiGLU experts, no biases),
+    /// top-3 of 5 with weights left unnormalised, a shared expert, and a dense block.
+    fn tiny_modern() -> ModelConfig {
+        ModelConfig {
+            n_experts: 5,
+            top_k: 3,
+            normalize_top_k: false,
+            shared_experts: 1,
+            rope_theta: 100.0,
+            moe_every: 2,
+            ..tiny().mixtral()
         }
     }
 
@@ -735,7 +860,15 @@ mod tests {
     /// and dense blocks, attention, norms, embeddings, router with the aux loss), in f64.
     #[test]
     fn gradients_match_finite_differences() {
-        finite_differences(&Device::Cpu, 1e-4);
+        finite_differences(&tiny(), &Device::Cpu, 1e-4);
+    }
+
+    /// The same with Mixtral's blocks, unnormalised top-3 and a shared expert: every new kernel
+    /// (RMSNorm, RoPE, SwiGLU) and the bias-free layers inside the whole model.
+    #[test]
+    fn gradients_of_the_modern_blocks_match_finite_differences() {
+        finite_differences(&tiny_modern(), &Device::Cpu, 1e-4);
+        finite_differences(&ModelConfig { normalize_top_k: true, moe_every: 1, ..tiny_modern() }, &Device::Cpu, 1e-4);
     }
 
     /// The same on a GPU (skipped without one), at the looser tolerance first set when GELU's
@@ -743,14 +876,14 @@ mod tests {
     #[test]
     fn gradients_on_a_gpu_match_finite_differences() {
         if let Some(gpu) = crate::ops::on_device_gpu() {
-            finite_differences(&gpu, 1e-3);
+            finite_differences(&tiny(), &gpu, 1e-3);
+            finite_differences(&tiny_modern(), &gpu, 1e-3);
         }
     }
 
-    fn finite_differences(device: &Device, rel: f64) {
-        let cfg = tiny();
-        let m = MoeModel::new(&cfg, 3, DType::F64, device).unwrap();
-        let (x, y) = batch(&cfg, 2, 5, 9);
+    fn finite_differences(cfg: &ModelConfig, device: &Device, rel: f64) {
+        let m = MoeModel::new(cfg, 3, DType::F64, device).unwrap();
+        let (x, y) = batch(cfg, 2, 5, 9);
         let (x, y) = (x.to_device(device).unwrap(), y.to_device(device).unwrap());
         let out = m.forward(&x, &y, None).unwrap();
         let grads = out.backward().unwrap();
@@ -835,7 +968,7 @@ mod tests {
             let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7) % 5) as u32).collect();
             let tokens = Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap();
             let ours = m.embed(&tokens).unwrap();
-            let pos = m.pos_emb.as_tensor().narrow(0, 0, t).unwrap();
+            let pos = m.pos_emb.as_ref().unwrap().as_tensor().narrow(0, 0, t).unwrap();
             let theirs = m
                 .tok_emb
                 .as_tensor()
@@ -850,7 +983,7 @@ mod tests {
             let probe = Tensor::randn(0f32, 1.0, (b, t, cfg.d_model), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let g_ours = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
             let g_theirs = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-            for table in [&m.tok_emb, &m.pos_emb] {
+            for table in [&m.tok_emb, m.pos_emb.as_ref().unwrap()] {
                 assert_eq!(bits(g_ours.get(table.as_tensor()).unwrap()), bits(g_theirs.get(table.as_tensor()).unwrap()), "{dtype:?}");
             }
         }
@@ -915,11 +1048,56 @@ mod tests {
             d_ff: 7,
             ..ModelConfig::default()
         };
-        for cfg in
-            [ModelConfig::default(), small.clone(), ModelConfig { moe_every: 2, ..small.clone() }, ModelConfig { moe_every: 9, ..small }]
-        {
+        let modern = ModelConfig { shared_experts: 2, n_heads: 2, ..small.clone().mixtral() };
+        for cfg in [
+            ModelConfig::default(),
+            small.clone(),
+            ModelConfig { moe_every: 2, ..small.clone() },
+            ModelConfig { moe_every: 9, ..small.clone() },
+            modern.clone(),
+            ModelConfig { moe_every: 2, ffn_bias: true, norm: NormKind::Layer, ..modern },
+            ModelConfig { shared_experts: 1, attn_bias: false, expert_act: Activation::Swiglu, ..small },
+        ] {
             let m = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
             assert_eq!(cfg.parameter_count(), m.params().num_elements() as u128, "{cfg:?}");
+        }
+    }
+
+    /// Mixtral's blocks have exactly Mixtral's tensors: no position table, no biases, RMSNorm
+    /// weights only, SwiGLU experts of [d, 2f] and [f, d]; shared experts are one dense FFN.
+    #[test]
+    fn the_modern_blocks_have_the_tensors_they_should() {
+        let cfg = ModelConfig { moe_every: 1, ..tiny_modern() };
+        let m = MoeModel::new(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        let names: Vec<&str> = m.params().iter().map(|(n, _)| n).collect();
+        assert!(!names.iter().any(|n| n.ends_with(".b") || *n == "pos_emb"), "{names:?}");
+        assert_eq!(m.expert_param_names(0, 4), ["blocks.0.moe.experts.4.fc1.w", "blocks.0.moe.experts.4.fc2.w"]);
+        let shapes: Vec<Vec<usize>> = m.expert_vars(0, 4).unwrap().iter().map(|v| v.dims().to_vec()).collect();
+        assert_eq!(shapes, [vec![8, 16], vec![8, 8]]);
+        assert_eq!(shapes, m.expert_shapes());
+        assert_eq!(m.params().get("blocks.1.moe.shared.fc1.w").unwrap().dims(), [8, 16]);
+        assert_eq!(m.params().get("blocks.1.ln2.w").unwrap().dims(), [8]);
+        // An expert given and released keeps the parameter list.
+        let ws: Vec<Tensor> = m.expert_vars(0, 1).unwrap().iter().map(|v| v.as_tensor().clone()).collect();
+        let mut m = m;
+        m.set_expert(0, 1, None).unwrap();
+        assert!(!m.expert_resident(0, 1).unwrap());
+        assert!(m.set_expert(0, 1, Some(ws[..1].to_vec())).unwrap_err().to_string().contains("expert tensors"));
+        m.set_expert(0, 1, Some(ws)).unwrap();
+        assert!(m.expert_resident(0, 1).unwrap());
+    }
+
+    /// Un-normalised top-k weights are the router's probabilities; normalised ones sum to 1.
+    #[test]
+    fn top_k_weights_are_normalised_only_when_asked() {
+        for normalize in [false, true] {
+            let cfg = ModelConfig { normalize_top_k: normalize, moe_every: 1, ..tiny_modern() };
+            let m = MoeModel::new(&cfg, 2, DType::F64, &Device::Cpu).unwrap();
+            let FeedForward::Moe(layer) = &m.blocks[0].ff else { panic!("an MoE block") };
+            let probs = Tensor::from_vec(vec![0.1, 0.2, 0.3, 0.15, 0.25], (1, 5), &Device::Cpu).unwrap();
+            let w: Vec<f64> = layer.combine_weights(&probs, &[2, 4, 1], 1).unwrap().to_vec1().unwrap();
+            let expected = if normalize { vec![0.3 / 0.75, 0.25 / 0.75, 0.2 / 0.75] } else { vec![0.3, 0.25, 0.2] };
+            assert!(w.iter().zip(&expected).all(|(a, b)| (a - b).abs() < 1e-12), "{w:?}");
         }
     }
 

@@ -1,6 +1,21 @@
 //! Router decisions that are not differentiable: top-k selection and trace-driven assignment.
 
 use crate::error::{ModelError, Result};
+use candle_core::Tensor;
+
+/// The weight of each of a token's k choices [n, k], in the graph of `probs` [n, E] (the router's
+/// softmax over all experts): the chosen probabilities, divided by their sum when `normalize` and
+/// k > 1 (Mixtral, GShard), as they are otherwise (Qwen-MoE's default, OLMoE; a single choice
+/// always, so that the loss reaches the router). The one home of this rule: the single-process
+/// layer and the distributed one both weight by it.
+pub fn combine_weights(probs: &Tensor, choices: &[u32], n: usize, k: usize, normalize: bool) -> candle_core::Result<Tensor> {
+    let idx = Tensor::from_vec(choices.to_vec(), (n, k), probs.device())?;
+    let w = probs.gather(&idx, 1)?;
+    if normalize && k > 1 {
+        return w.broadcast_div(&w.sum_keepdim(1)?);
+    }
+    Ok(w)
+}
 
 /// Indices of the k largest values (ties to the lower index), largest first.
 pub fn top_k(row: &[f64], k: usize) -> Vec<usize> {

@@ -183,7 +183,10 @@ impl TrainConfig {
         let params = m.parameter_count() * 4 * 4;
         let tokens = (self.batch_size * self.seq_len) as u128;
         let (d, f, v) = (m.d_model as u128, m.d_ff as u128, m.vocab_size as u128);
-        let per_block = 12 * d + m.top_k as u128 * 3 * f;
+        // Each token's rows through its k experts and the shared ones: pre-activation, activation
+        // and output.
+        let rows = (m.top_k + m.shared_experts) as u128;
+        let per_block = 12 * d + rows * (m.expert_act.first_width(m.d_ff) as u128 + 2 * f);
         let activations = tokens * (m.n_layers as u128 * per_block + 3 * v) * 4;
         let data = match &self.data {
             DataSource::Synthetic { bytes, .. } => *bytes as u128 * 5,

@@ -202,8 +202,15 @@ fn only_the_newest_checkpoints_are_kept() {
 #[test]
 fn bad_configuration_names_the_field() {
     let mut c = small();
-    c.model.top_k = 3;
+    c.model.top_k = 9;
     assert!(Trainer::new(c).err().unwrap().to_string().contains("top_k"));
+    let mut c = small();
+    c.model.top_k = c.model.n_experts + 1;
+    assert!(Trainer::new(c).err().unwrap().to_string().contains("top_k"));
+    let mut c = small();
+    c.model = c.model.mixtral();
+    c.model.rope_theta = 0.5;
+    assert!(Trainer::new(c).err().unwrap().to_string().contains("rope_theta"));
     let mut c = small();
     c.seq_len = 64;
     assert!(Trainer::new(c).err().unwrap().to_string().contains("seq_len"));

@@ -1,5 +1,5 @@
-//! One expert's full training state — weights W1, b1, W2, b2 and each tensor's AdamW m, v and
-//! step count — and its one wire form. The checkpoint gather sends it to rank 0; state transfers
+//! One expert's full training state — its weights (W1, b1, W2, b2, or W1 and W2 in a model
+//! without FFN biases) and each tensor's AdamW m, v and step count — and its one wire form. The checkpoint gather sends it to rank 0; state transfers
 //! after a reconfiguration and snapshots send the same bytes.
 //!
 //! Wire form (little-endian): magic `LZX1` (u32), MoE layer (u32), expert (u32), then per tensor
@@ -10,7 +10,8 @@
 use crate::error::RuntimeError;
 
 const MAGIC: u32 = 0x4c5a_5831; // "LZX1"
-/// Tensors of an expert: W1 [d, f], b1 [f], W2 [f, d], b2 [d].
+/// The most tensors an expert has: W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d]
+/// ([`lazarus_model::ModelConfig::expert_shapes`]).
 pub const EXPERT_TENSORS: usize = 4;
 
 /// One tensor of an expert with its optimizer state.
@@ -30,7 +31,8 @@ pub struct TensorTrainState {
 pub struct ExpertState {
     pub layer: usize,
     pub expert: usize,
-    pub tensors: [TensorTrainState; EXPERT_TENSORS],
+    /// In [`lazarus_model::MoeModel::expert_param_names`] order.
+    pub tensors: Vec<TensorTrainState>,
 }
 
 fn bad(reason: String) -> RuntimeError {
@@ -39,13 +41,13 @@ fn bad(reason: String) -> RuntimeError {
 
 impl ExpertState {
     /// Bytes of the wire form of an expert with these tensor shapes.
-    pub fn encoded_len(shapes: &[Vec<usize>; EXPERT_TENSORS]) -> usize {
+    pub fn encoded_len(shapes: &[Vec<usize>]) -> usize {
         12 + shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum::<usize>()
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|i| self.tensors[i].shape.clone());
-        let steps = std::array::from_fn(|i| self.tensors[i].step);
+        let shapes: Vec<Vec<usize>> = self.tensors.iter().map(|t| t.shape.clone()).collect();
+        let steps: Vec<u64> = self.tensors.iter().map(|t| t.step).collect();
         let mut out = Self::wire_header(self.layer, self.expert, &shapes, &steps);
         for t in &self.tensors {
             for part in [&t.weight, &t.m, &t.v] {
@@ -59,19 +61,13 @@ impl ExpertState {
     /// room for the whole of it. The values follow with [`put_values`]: per tensor its weight,
     /// m and v. What [`Self::encode`] writes from an [`ExpertState`], a worker writes straight
     /// from its tensors (a snapshot every step: one copy instead of two).
-    pub fn wire_header(layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS], steps: &[u64; EXPERT_TENSORS]) -> Vec<u8> {
+    pub fn wire_header(layer: usize, expert: usize, shapes: &[Vec<usize>], steps: &[u64]) -> Vec<u8> {
         Self::wire_header_in(Vec::new(), layer, expert, shapes, steps)
     }
 
     /// [`Self::wire_header`] written into `out` (emptied first; it keeps its allocation): a
     /// snapshot every step reuses the buffers of the last one's frames.
-    pub fn wire_header_in(
-        mut out: Vec<u8>,
-        layer: usize,
-        expert: usize,
-        shapes: &[Vec<usize>; EXPERT_TENSORS],
-        steps: &[u64; EXPERT_TENSORS],
-    ) -> Vec<u8> {
+    pub fn wire_header_in(mut out: Vec<u8>, layer: usize, expert: usize, shapes: &[Vec<usize>], steps: &[u64]) -> Vec<u8> {
         out.clear();
         out.reserve_exact(Self::encoded_len(shapes));
         out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -82,18 +78,20 @@ impl ExpertState {
     }
 
     /// Decode the state of expert (`layer`, `expert`) whose tensors must have `shapes`.
-    pub fn decode(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>; EXPERT_TENSORS]) -> Result<Self, RuntimeError> {
+    pub fn decode(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>]) -> Result<Self, RuntimeError> {
         let (steps, mut at) = Self::check(bytes, layer, expert, shapes)?;
         let mut floats = |n: usize| -> Vec<f32> {
             let v = bytes[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
             at += 4 * n;
             v
         };
-        let tensors = std::array::from_fn(|k| {
-            let n = shapes[k].iter().product();
-            let (weight, m, v) = (floats(n), floats(n), floats(n));
-            TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
-        });
+        let tensors = (0..shapes.len())
+            .map(|k| {
+                let n = shapes[k].iter().product();
+                let (weight, m, v) = (floats(n), floats(n), floats(n));
+                TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
+            })
+            .collect();
         Ok(ExpertState { layer, expert, tensors })
     }
 
@@ -101,12 +99,7 @@ impl ExpertState {
     /// magic, layer, expert, every rank and dimension — without copying the values (a snapshot
     /// kept in memory is checked on arrival and decoded only if it is ever restored). Returns each
     /// tensor's AdamW step and where the values begin.
-    pub fn check(
-        bytes: &[u8],
-        layer: usize,
-        expert: usize,
-        shapes: &[Vec<usize>; EXPERT_TENSORS],
-    ) -> Result<([u64; EXPERT_TENSORS], usize), RuntimeError> {
+    pub fn check(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>]) -> Result<(Vec<u64>, usize), RuntimeError> {
         let want = Self::encoded_len(shapes);
         if bytes.len() != want {
             return Err(bad(format!("layer {layer} expert {expert}: {} bytes, expected {want}", bytes.len())));
@@ -124,7 +117,7 @@ impl ExpertState {
         if (l as usize, e as usize) != (layer, expert) {
             return Err(bad(format!("carries layer {l} expert {e}, expected layer {layer} expert {expert}")));
         }
-        let mut steps = [0u64; EXPERT_TENSORS];
+        let mut steps = vec![0u64; shapes.len()];
         for (k, shape) in shapes.iter().enumerate() {
             let rank = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
             at += 4;
@@ -188,17 +181,19 @@ mod tests {
                 })
                 .collect()
         };
-        let tensors = std::array::from_fn(|k| {
-            let n = shapes[k].iter().product();
-            TensorTrainState { shape: shapes[k].clone(), weight: next(n), m: next(n), v: next(n), step: 7 + k as u64 }
-        });
+        let tensors = (0..shapes.len())
+            .map(|k| {
+                let n = shapes[k].iter().product();
+                TensorTrainState { shape: shapes[k].clone(), weight: next(n), m: next(n), v: next(n), step: 7 + k as u64 }
+            })
+            .collect();
         ExpertState { layer: 2, expert: 5, tensors }
     }
 
     #[test]
     fn round_trips_and_checks_what_it_reads() {
         let s = sample();
-        let shapes: [Vec<usize>; 4] = std::array::from_fn(|k| s.tensors[k].shape.clone());
+        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
         let bytes = s.encode();
         assert_eq!(bytes.len(), ExpertState::encoded_len(&shapes));
         assert_eq!(ExpertState::decode(&bytes, 2, 5, &shapes).unwrap(), s);
@@ -218,7 +213,7 @@ mod tests {
     #[test]
     fn damaged_bytes_are_an_error_never_a_panic() {
         let s = sample();
-        let shapes: [Vec<usize>; 4] = std::array::from_fn(|k| s.tensors[k].shape.clone());
+        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
         let bytes = s.encode();
         for i in 0..bytes.len() {
             for flip in [1u8, 0x80, 0xff] {

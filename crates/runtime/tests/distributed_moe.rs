@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
+use lazarus_model::config::Activation;
 use lazarus_model::ops::{expert_ffn, softmax_last};
 use lazarus_model::rng::SplitMix64;
 use lazarus_model::routing::top_k;
@@ -40,7 +41,7 @@ fn var(data: &[f32], shape: &[usize]) -> Var {
 }
 
 fn expert_vars(w: &[Vec<f32>; 4]) -> ExpertWeights {
-    ExpertWeights { w1: var(&w[0], &[D, F]), b1: var(&w[1], &[F]), w2: var(&w[2], &[F, D]), b2: var(&w[3], &[D]) }
+    ExpertWeights::new(vec![var(&w[0], &[D, F]), var(&w[1], &[F]), var(&w[2], &[F, D]), var(&w[3], &[D])], Activation::Gelu).unwrap()
 }
 
 /// (output [N·D], dh [N·D], gate grad, expert grads) of the single-process layer.
@@ -62,7 +63,8 @@ fn reference(w: &Weights) -> Reference {
         let toks: Vec<u32> = idx.iter().map(|&s| s / K as u32).collect();
         let rows = h.as_tensor().index_select(&Tensor::new(toks.as_slice(), &Device::Cpu).unwrap(), 0).unwrap();
         let ex = &experts[e];
-        let y = expert_ffn(&rows, ex.w1.as_tensor(), ex.b1.as_tensor(), ex.w2.as_tensor(), ex.b2.as_tensor()).unwrap();
+        let v = ex.vars();
+        let y = expert_ffn(&rows, v[0].as_tensor(), v[1].as_tensor(), v[2].as_tensor(), v[3].as_tensor(), Activation::Gelu).unwrap();
         slots = slots.index_add(&Tensor::new(idx.as_slice(), &Device::Cpu).unwrap(), &y, 0).unwrap();
     }
     let idx = Tensor::from_vec(choices, (N, K), &Device::Cpu).unwrap();
@@ -76,7 +78,10 @@ fn reference(w: &Weights) -> Reference {
         .iter()
         .map(|ex| {
             let g = |v: &Var| grads.get(v.as_tensor()).map(flat).unwrap_or_else(|| vec![0.0; v.elem_count()]);
-            [g(&ex.w1), g(&ex.b1), g(&ex.w2), g(&ex.b2)]
+            {
+                let v = ex.vars();
+                [g(&v[0]), g(&v[1]), g(&v[2]), g(&v[3])]
+            }
         })
         .collect();
     (flat(&out), flat(grads.get(h.as_tensor()).unwrap()), flat(grads.get(gate.as_tensor()).unwrap()), eg)
@@ -113,6 +118,7 @@ fn run_rank(
         experts,
         replicas: replicas.to_vec(),
         top_k: K,
+        normalize_top_k: true,
         timeout: Duration::from_secs(20),
         mode,
         bucket_bytes,
@@ -215,6 +221,7 @@ fn static_mode_rejects_replicated_experts() {
         experts: (0..E).map(|e| (e, expert_vars(&w.experts[e]))).collect(),
         replicas: vec![vec![2]; E],
         top_k: K,
+        normalize_top_k: true,
         timeout: Duration::from_secs(5),
         mode: DispatchMode::StaticPadded,
         bucket_bytes: DEFAULT_BUCKET_BYTES,

@@ -1,8 +1,9 @@
 //! The correctness guarantee of multi-worker training: same seed, same global batch — 1, 2, 3
 //! and 4 workers (loopback TCP, one thread per rank) with uneven replica placements reproduce the
 //! single-process trainer's per-step loss within 1e-4 relative over 20 steps, and its final
-//! parameters within 1e-4; a checkpoint the workers write resumes in the single-process trainer
-//! with the same parameters.
+//! parameters within 1e-4; so do 1 and 4 workers with Mixtral's blocks, top-4 of 16 experts and a
+//! shared expert; a checkpoint the workers write resumes in the single-process trainer with the
+//! same parameters.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lazarus_comm::{Group, LocalTransport, TcpTransport, Transport};
-use lazarus_model::{TrainConfig, Trainer};
+use lazarus_model::{ModelConfig, TrainConfig, Trainer};
 use lazarus_plan::ReplicaMap;
 use lazarus_runtime::{DispatchMode, Worker, WorkerOptions};
 
@@ -18,6 +19,13 @@ const STEPS: u64 = 20;
 
 fn config() -> TrainConfig {
     common::tiny_config(3, STEPS, 7, 5, (3, 40_000))
+}
+
+/// Mixtral's blocks (RMSNorm, rotary positions, SwiGLU experts, no biases), top-4 of 16 experts
+/// and a shared expert, on the same shape.
+fn modern() -> TrainConfig {
+    let c = config();
+    TrainConfig { model: ModelConfig { n_experts: 16, top_k: 4, shared_experts: 1, ..c.model.mixtral() }, ..c }
 }
 
 /// Uneven replicas: expert 0 gets an extra replica on rank 0 (two copies there when alone), the
@@ -47,8 +55,8 @@ struct Run {
     params: Vec<BTreeMap<String, Vec<f32>>>,
 }
 
-fn single() -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
-    let mut t = Trainer::new(config()).unwrap();
+fn single(config: TrainConfig) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
+    let mut t = Trainer::new(config).unwrap();
     let losses = (0..STEPS).map(|_| t.step().unwrap().loss).collect();
     let params =
         t.model.params().iter().map(|(n, v)| (n.to_string(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect();
@@ -82,6 +90,16 @@ fn held(worker: &Worker, placement: &ReplicaMap, rank: usize) -> BTreeMap<String
 }
 
 fn distributed(world: usize, placement: ReplicaMap, mode: DispatchMode, checkpoint: Option<std::path::PathBuf>) -> Run {
+    distributed_with(config(), world, placement, mode, checkpoint)
+}
+
+fn distributed_with(
+    config: TrainConfig,
+    world: usize,
+    placement: ReplicaMap,
+    mode: DispatchMode,
+    checkpoint: Option<std::path::PathBuf>,
+) -> Run {
     let options = WorkerOptions { plan: placement.clone(), mode, timeout: Duration::from_secs(30), device: candle_core::Device::Cpu };
     let transports: Vec<Box<dyn Transport>> = if world == 1 {
         vec![Box::new(LocalTransport::new(0))]
@@ -92,10 +110,10 @@ fn distributed(world: usize, placement: ReplicaMap, mode: DispatchMode, checkpoi
         .into_iter()
         .enumerate()
         .map(|(rank, mut t)| {
-            let (options, placement, checkpoint) = (options.clone(), placement.clone(), checkpoint.clone());
+            let (options, placement, checkpoint, config) = (options.clone(), placement.clone(), checkpoint.clone(), config.clone());
             std::thread::spawn(move || {
                 let mut group = Group::world(world);
-                let mut w = Worker::new(config(), options, rank, world, None).unwrap();
+                let mut w = Worker::new(config, options, rank, world, None).unwrap();
                 let mut losses = Vec::new();
                 while !w.done() {
                     losses.push(w.step(t.as_mut(), &mut group).unwrap().report.loss);
@@ -139,7 +157,7 @@ fn assert_matches(run: &Run, reference: &(Vec<f64>, BTreeMap<String, Vec<f32>>),
 
 #[test]
 fn one_to_four_workers_reproduce_the_single_process_trainer() {
-    let reference = single();
+    let reference = single(config());
     assert!(reference.0[STEPS as usize - 1] < reference.0[0], "the reference run learns");
     let layers = config().model.moe_layers();
     for world in 1..=4 {
@@ -152,14 +170,14 @@ fn one_to_four_workers_reproduce_the_single_process_trainer() {
 
 #[test]
 fn static_expert_parallel_baseline_reproduces_it_too() {
-    let reference = single();
+    let reference = single(config());
     let run = distributed(2, ReplicaMap::static_ep(0, config().model.moe_layers(), 4, 2).unwrap(), DispatchMode::StaticPadded, None);
     assert_matches(&run, &reference, "static EP on 2 workers");
 }
 
 #[test]
 fn a_checkpoint_written_by_workers_resumes_in_the_single_process_trainer() {
-    let reference = single();
+    let reference = single(config());
     let dir = std::env::temp_dir().join(format!("lazarus-worker-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     distributed(3, uneven(3, config().model.moe_layers(), 4), DispatchMode::Flexible, Some(dir.clone()));
@@ -171,4 +189,16 @@ fn a_checkpoint_written_by_workers_resumes_in_the_single_process_trainer() {
         assert!(worst <= 1e-4, "{name} differs by {worst} after the round trip");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn mixtral_blocks_with_top4_of_16_and_a_shared_expert_on_1_and_4_workers() {
+    let reference = single(modern());
+    assert!(reference.0[STEPS as usize - 1] < reference.0[0], "the reference run learns");
+    assert!(reference.1.keys().any(|n| n.contains("moe.shared")) && !reference.1.keys().any(|n| n.ends_with(".b")));
+    let layers = modern().model.moe_layers();
+    for world in [1, 4] {
+        let run = distributed_with(modern(), world, uneven(world, layers, 16), DispatchMode::Flexible, None);
+        assert_matches(&run, &reference, &format!("Mixtral blocks on {world} workers"));
+    }
 }

@@ -226,12 +226,15 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
     let gate = Var::from_tensor(&tensor(&[d, e_count], 0.02)?)?;
     let all_experts: Vec<ExpertWeights> = (0..e_count)
         .map(|_| {
-            Ok(ExpertWeights {
-                w1: Var::from_tensor(&tensor(&[d, f], 0.02)?)?,
-                b1: Var::from_tensor(&tensor(&[f], 0.0)?)?,
-                w2: Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
-                b2: Var::from_tensor(&tensor(&[d], 0.0)?)?,
-            })
+            ExpertWeights::new(
+                vec![
+                    Var::from_tensor(&tensor(&[d, f], 0.02)?)?,
+                    Var::from_tensor(&tensor(&[f], 0.0)?)?,
+                    Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
+                    Var::from_tensor(&tensor(&[d], 0.0)?)?,
+                ],
+                lazarus_model::config::Activation::Gelu,
+            )
         })
         .collect::<Result<_, RuntimeError>>()?;
     let mut local = SplitMix64::new(spec.seed ^ ((rank as u64 + 1) * 0x9e37_79b9));
@@ -263,6 +266,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             experts,
             replicas: replicas.clone(),
             top_k: 1,
+            normalize_top_k: true,
             timeout,
             mode: match case.system {
                 BenchSystem::Lazarus | BenchSystem::LazarusUnguarded => DispatchMode::Balanced,

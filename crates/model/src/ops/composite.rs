@@ -10,7 +10,41 @@
 //! Softmaxes subtract the row maximum first (detached: softmax does not depend on it), so f32
 //! and bf16 on a device do not overflow where the fused kernels' f64 accumulators would not.
 
+use crate::config::Activation;
 use candle_core::{DType, Tensor, D};
+
+/// SwiGLU of h [n, 2f] = [gate | up]: SiLU(gate) ⊙ up [n, f].
+pub fn swiglu(h: &Tensor) -> candle_core::Result<Tensor> {
+    let f = h.dim(D::Minus1)? / 2;
+    h.narrow(D::Minus1, 0, f)?.silu()? * h.narrow(D::Minus1, f, f)?
+}
+
+/// RMSNorm: x / √(mean(x²) + eps) · w.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// Rotary positions on the queries and keys of qkv [B, T, 3d] (`heads` heads, the values
+/// untouched): per head, dimension i < h/2 and i + h/2 turn by t·θ^(−2i/h) at position t.
+pub fn rope(qkv: &Tensor, heads: usize, theta: f64) -> candle_core::Result<Tensor> {
+    let (b, t, d3) = qkv.dims3()?;
+    let (d, dh) = (d3 / 3, d3 / 3 / heads);
+    let half = dh / 2;
+    let (cos, sin) = super::rope::tables(t, dh, theta);
+    let table = |v: Vec<f64>| Tensor::from_vec(v, (1, t, 1, half), qkv.device())?.to_dtype(qkv.dtype());
+    let (cos, sin) = (table(cos)?, table(sin)?);
+    let turn = |x: &Tensor| -> candle_core::Result<Tensor> {
+        let x = x.reshape((b, t, heads, dh))?;
+        let (x1, x2) = (x.narrow(3, 0, half)?, x.narrow(3, half, half)?);
+        let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        Tensor::cat(&[y1, y2], 3)?.reshape((b, t, d))
+    };
+    let q = turn(&qkv.narrow(2, 0, d)?)?;
+    let k = turn(&qkv.narrow(2, d, d)?)?;
+    Tensor::cat(&[q, k, qkv.narrow(2, 2 * d, d)?], 2)
+}
 
 /// GELU, tanh form: candle's one-kernel `gelu` (its backward is a chain of a dozen ops with
 /// 6-digit constants, within f32), for devices without a fused GELU of ours.
@@ -67,14 +101,18 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<T
 
 /// Every expert over its rows (x [R, d], `counts[e]` rows for expert e, in expert order), each
 /// GELU(x·W1 + b1)·W2 + b2, concatenated back in row order.
-pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]) -> candle_core::Result<Tensor> {
+pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize], act: Activation) -> candle_core::Result<Tensor> {
     let mut parts = Vec::with_capacity(experts.len());
     let mut row = 0;
     for (w, &n) in experts.iter().zip(counts) {
         if n > 0 {
             let h = linear(&x.narrow(0, row, n)?, w[0], w[1])?;
-            // The fused GELU (one kernel each way on the CPU and on CUDA), not candle's chain.
-            parts.push(linear(&super::gelu(&h)?, w[2], w[3])?);
+            let a = match act {
+                // The fused GELU (one kernel each way on the CPU and on CUDA), not candle's chain.
+                Activation::Gelu => super::gelu(&h)?,
+                Activation::Swiglu => swiglu(&h)?,
+            };
+            parts.push(linear(&a, w[2], w[3])?);
             row += n;
         }
     }

@@ -243,7 +243,7 @@ fn grouped_experts_forward_and_gradients() {
     inputs.extend(weights.iter().flat_map(|w| w.iter().cloned()));
     let (y, g) = reference(&inputs, probe.as_tensor(), |t| {
         let experts: Vec<[&Tensor; 4]> = (0..counts.len()).map(|e| [&t[1 + 4 * e], &t[2 + 4 * e], &t[3 + 4 * e], &t[4 + 4 * e]]).collect();
-        super::grouped_expert_ffn(&t[0], &experts, &counts).unwrap()
+        super::grouped_expert_ffn(&t[0], &experts, &counts, crate::config::Activation::Gelu).unwrap()
     });
     for e in ORDERS {
         for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 5e-2)] {

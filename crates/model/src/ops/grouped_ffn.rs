@@ -10,6 +10,7 @@
 use super::expert_ffn::{ffn_bwd_f32, ffn_bwd_f64, ffn_fwd_f32, ffn_fwd_f64};
 use super::host::{as_slots, contiguous_slice, host_f64, with_f32_slices, with_host_f32, Unfilled};
 use super::parallel::run_parallel;
+use crate::config::Activation;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use std::mem::MaybeUninit;
@@ -28,6 +29,7 @@ enum Saved {
 /// per-expert nodes each zero-filled and accumulated a full [N, d] input gradient in backward.
 struct GroupedExpertFfn {
     counts: Vec<usize>,
+    act: Activation,
     saved: Mutex<Option<Vec<Saved>>>,
 }
 
@@ -42,25 +44,25 @@ fn split_parts<T>(mut buf: &mut [T], sizes: impl Iterator<Item = usize>) -> Vec<
     parts
 }
 
-/// Each expert's [W1, b1, W2, b2] inside the stacks W1b [E, d+1, f] and W2b [E, f+1, d].
-fn stacked_parts<'a, T>(w1s: &'a [T], w2s: &'a [T], d: usize, f: usize) -> Vec<[&'a [T]; 4]> {
-    let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+/// Each expert's [W1, b1, W2, b2] inside the stacks W1b [E, d+1, f₁] and W2b [E, f+1, d].
+fn stacked_parts<'a, T>(w1s: &'a [T], w2s: &'a [T], d: usize, f1: usize, f: usize) -> Vec<[&'a [T]; 4]> {
+    let (s1, s2) = ((d + 1) * f1, (f + 1) * d);
     w1s.chunks(s1.max(1))
         .zip(w2s.chunks(s2.max(1)))
         .map(|(a, b)| {
-            let ((w1, b1), (w2, b2)) = (a.split_at(d * f), b.split_at(f * d));
+            let ((w1, b1), (w2, b2)) = (a.split_at(d * f1), b.split_at(f * d));
             [w1, b1, w2, b2]
         })
         .collect()
 }
 
 /// As [`stacked_parts`], for the gradient stacks.
-fn stacked_parts_mut<'a, T>(g1s: &'a mut [T], g2s: &'a mut [T], d: usize, f: usize) -> Vec<[&'a mut [T]; 4]> {
-    let (s1, s2) = ((d + 1) * f, (f + 1) * d);
+fn stacked_parts_mut<'a, T>(g1s: &'a mut [T], g2s: &'a mut [T], d: usize, f1: usize, f: usize) -> Vec<[&'a mut [T]; 4]> {
+    let (s1, s2) = ((d + 1) * f1, (f + 1) * d);
     g1s.chunks_mut(s1.max(1))
         .zip(g2s.chunks_mut(s2.max(1)))
         .map(|(a, b)| {
-            let ((w1, b1), (w2, b2)) = (a.split_at_mut(d * f), b.split_at_mut(f * d));
+            let ((w1, b1), (w2, b2)) = (a.split_at_mut(d * f1), b.split_at_mut(f * d));
             [w1, b1, w2, b2]
         })
         .collect()
@@ -70,7 +72,7 @@ macro_rules! grouped_ffn_impl {
     ($gfwd:ident, $gbwd:ident, $fwd:ident, $bwd:ident, $t:ty, $variant:ident) => {
         /// The experts run side by side on the pool (each writes its own rows of y): an expert's
         /// GEMMs alone are too small to keep many cores busy. `weights[e]` = [W1, b1, W2, b2].
-        fn $gfwd(x: &[$t], weights: &[[&[$t]; 4]], counts: &[usize], d: usize, f: usize) -> (Vec<$t>, Vec<Saved>) {
+        fn $gfwd(x: &[$t], weights: &[[&[$t]; 4]], counts: &[usize], d: usize, f: usize, act: Activation) -> (Vec<$t>, Vec<Saved>) {
             assert_eq!(counts.iter().sum::<usize>() * d, x.len(), "the experts' rows are x's rows");
             assert_eq!(weights.len(), counts.len(), "weights for every expert");
             let mut y = Unfilled::<$t>::new(x.len());
@@ -78,7 +80,7 @@ macro_rules! grouped_ffn_impl {
             let work: Vec<_> = split_parts(y.slots(), counts.iter().map(|&n| n * d)).into_iter().enumerate().collect();
             let saved = run_parallel(work, |(e, ye)| {
                 let (row, n) = (starts[e], counts[e]);
-                let (h, a) = $fwd(&x[row * d..(row + n) * d], weights[e], n, d, f, ye);
+                let (h, a) = $fwd(&x[row * d..(row + n) * d], weights[e], n, d, f, act, ye);
                 Saved::$variant(h, a)
             });
             // SAFETY: each expert's forward wrote every slot of its rows, and the rows cover x.
@@ -95,6 +97,7 @@ macro_rules! grouped_ffn_impl {
             counts: &[usize],
             d: usize,
             f: usize,
+            act: Activation,
             saved: Option<Vec<Saved>>,
             grads: Vec<[&mut [MaybeUninit<$t>]; 4]>,
         ) -> Vec<$t> {
@@ -122,7 +125,7 @@ macro_rules! grouped_ffn_impl {
             run_parallel(work, |(e, ((ge, gw), kept))| {
                 let (row, n) = (starts[e], counts[e]);
                 let rows = row * d..(row + n) * d;
-                $bwd(&x[rows.clone()], weights[e], &g[rows], n, d, f, kept, ge, gw);
+                $bwd(&x[rows.clone()], weights[e], &g[rows], n, d, f, act, kept, ge, gw);
             });
             // SAFETY: each expert's backward wrote every slot of its rows, and the rows cover x.
             unsafe { gx.assume_written() }
@@ -149,8 +152,14 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let _profile = crate::profile::kernel("grouped-expert-ffn.fwd");
         let (rows, d) = l1.shape().dims2()?;
-        let (e, d1, f) = l2.shape().dims3()?;
-        if d1 != d + 1 || l3.shape().dims3()? != (e, f + 1, d) || e != self.counts.len() || self.counts.iter().sum::<usize>() != rows {
+        let (e, d1, f1) = l2.shape().dims3()?;
+        let f = l3.shape().dims3()?.1.saturating_sub(1);
+        if d1 != d + 1
+            || l3.shape().dims3()? != (e, f + 1, d)
+            || f1 != self.act.first_width(f)
+            || e != self.counts.len()
+            || self.counts.iter().sum::<usize>() != rows
+        {
             candle_core::bail!(
                 "grouped expert ffn: shapes {:?} {:?} {:?} do not match counts {:?}",
                 l1.shape(),
@@ -161,13 +170,13 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         }
         let (out, saved) = match (s1, s2, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(w1), CpuStorage::F32(w2)) => {
-                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f);
-                let (y, saved) = grouped_fwd_f32(contiguous_slice(x, l1)?, &w, &self.counts, d, f);
+                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f1, f);
+                let (y, saved) = grouped_fwd_f32(contiguous_slice(x, l1)?, &w, &self.counts, d, f, self.act);
                 (CpuStorage::F32(y), saved)
             }
             (CpuStorage::F64(x), CpuStorage::F64(w1), CpuStorage::F64(w2)) => {
-                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f);
-                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, l1)?, &w, &self.counts, d, f);
+                let w = stacked_parts(contiguous_slice(w1, l2)?, contiguous_slice(w2, l3)?, d, f1, f);
+                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, l1)?, &w, &self.counts, d, f, self.act);
                 (CpuStorage::F64(y), saved)
             }
             _ => candle_core::bail!("grouped expert ffn: f32 or f64 inputs of one dtype"),
@@ -188,7 +197,7 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let _profile = crate::profile::kernel("grouped-expert-ffn.bwd");
         let (_, d) = x.dims2()?;
-        let f = w1s.dim(2)?;
+        let (f1, f) = (w1s.dim(2)?, w2s.dim(1)? - 1);
         let dev = x.device();
         let saved = self.saved.lock().ok().and_then(|mut s| s.take());
         let (gx, g1, g2) = match x.dtype() {
@@ -197,8 +206,8 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
                 // SAFETY: the backward writes only initialized values into the slots.
                 let slots = unsafe { (as_slots(&mut g1), as_slots(&mut g2)) };
                 let gx = with_host_f32([x, w1s, w2s, grad], |[x, w1, w2, g]| {
-                    let w = stacked_parts(w1, w2, d, f);
-                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, saved, stacked_parts_mut(slots.0, slots.1, d, f))
+                    let w = stacked_parts(w1, w2, d, f1, f);
+                    grouped_bwd_f32(x, &w, g, &self.counts, d, f, self.act, saved, stacked_parts_mut(slots.0, slots.1, d, f1, f))
                 })?;
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
@@ -207,10 +216,20 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
                 let saved = saved.filter(|_| x.dtype() == candle_core::DType::F64);
                 let (w1, w2) = (v(w1s)?, v(w2s)?);
                 let (mut g1, mut g2) = (vec![0f64; w1.len()], vec![0f64; w2.len()]);
-                let w = stacked_parts(&w1, &w2, d, f);
+                let w = stacked_parts(&w1, &w2, d, f1, f);
                 // SAFETY: the backward writes only initialized values into the slots.
                 let slots = unsafe { (as_slots(&mut g1), as_slots(&mut g2)) };
-                let gx = grouped_bwd_f64(&v(x)?, &w, &v(grad)?, &self.counts, d, f, saved, stacked_parts_mut(slots.0, slots.1, d, f));
+                let gx = grouped_bwd_f64(
+                    &v(x)?,
+                    &w,
+                    &v(grad)?,
+                    &self.counts,
+                    d,
+                    f,
+                    self.act,
+                    saved,
+                    stacked_parts_mut(slots.0, slots.1, d, f1, f),
+                );
                 (Tensor::from_vec(gx, x.shape(), dev)?, Tensor::from_vec(g1, w1s.shape(), dev)?, Tensor::from_vec(g2, w2s.shape(), dev)?)
             }
         };
@@ -218,28 +237,43 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
     }
 }
 
-/// GELU(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f], b1 [f], W2 [f, d], b2 [d]; differentiable in
-/// all five: one expert is a group of one.
-pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor) -> candle_core::Result<Tensor> {
+/// An FFN's four kernel operands from its parameter list: [W1, b1, W2, b2] as they are, or
+/// [W1, W2] (a model without FFN biases) with zero biases beside them. The zeros' gradients are
+/// computed by the kernels and dropped (f₁ + d values an expert).
+pub fn ffn_weights(tensors: &[&Tensor]) -> candle_core::Result<[Tensor; 4]> {
+    match tensors {
+        [w1, b1, w2, b2] => Ok([(*w1).clone(), (*b1).clone(), (*w2).clone(), (*b2).clone()]),
+        [w1, w2] => {
+            let zeros = |len: usize| Tensor::zeros(len, w1.dtype(), w1.device());
+            Ok([(*w1).clone(), zeros(w1.dim(1)?)?, (*w2).clone(), zeros(w2.dim(1)?)?])
+        }
+        other => candle_core::bail!("an FFN has 2 or 4 tensors, not {}", other.len()),
+    }
+}
+
+/// act(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d] (f₁ = f for
+/// GELU, 2f for SwiGLU); differentiable in all five: one expert is a group of one.
+pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
     // On a GPU: two of our linear layers around our GELU, every gradient through autograd.
     #[cfg(feature = "cuda")]
-    if super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
+    if act == Activation::Gelu && super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
         return super::linear(&super::gelu(&super::linear(x, w1, b1)?)?, w2, b2);
     }
-    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?])
+    grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?], act)
 }
 
 /// Every expert of a layer over rows grouped by expert: x [R, d] with `counts[e]` rows for expert
-/// e (in expert order, Σ counts = R); `experts[e]` = (W1 [d, f], b1 [f], W2 [f, d], b2 [d]).
+/// e (in expert order, Σ counts = R); `experts[e]` = (W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d]).
 /// Returns [R, d], each row through its own expert; differentiable in x and every weight.
-pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]) -> candle_core::Result<Tensor> {
+pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize], act: Activation) -> candle_core::Result<Tensor> {
     if experts.len() != counts.len() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
     if !super::fused_here(x) {
-        return super::composite::grouped_expert_ffn(x, experts, counts);
+        return super::composite::grouped_expert_ffn(x, experts, counts, act);
     }
-    let (d, f) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
+    let (d, f1) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
+    let f = experts.first().map_or(Ok(0), |[_, _, w2, _]| w2.dim(0))?;
     // One cat per stack (W1, b1, W1, b1, … rows, then a free reshape): a single copy of the
     // weights forward, and a single narrow per tensor backward.
     let mut w1: Vec<Tensor> = Vec::with_capacity(2 * experts.len());
@@ -249,8 +283,8 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
         w2.extend([(*c).clone(), e.unsqueeze(0)?]);
     }
     let n = experts.len();
-    let op = GroupedExpertFfn { counts: counts.to_vec(), saved: Mutex::new(None) };
-    x.contiguous()?.apply_op3(&Tensor::cat(&w1, 0)?.reshape((n, d + 1, f))?, &Tensor::cat(&w2, 0)?.reshape((n, f + 1, d))?, op)
+    let op = GroupedExpertFfn { counts: counts.to_vec(), act, saved: Mutex::new(None) };
+    x.contiguous()?.apply_op3(&Tensor::cat(&w1, 0)?.reshape((n, d + 1, f1))?, &Tensor::cat(&w2, 0)?.reshape((n, f + 1, d))?, op)
 }
 
 /// Weight gradients that a node hands over directly instead of through candle's autograd, each
@@ -298,7 +332,8 @@ impl WeightGradSink {
 /// more on many cores. Here the gradients land once, in their own buffers, written in parallel.
 struct GroupedExpertFfnToSink {
     counts: Vec<usize>,
-    /// Per expert [W1 (d×f), b1 (f), W2 (f×d), b2 (d)].
+    act: Activation,
+    /// Per expert [W1 (d×f₁), b1 (f₁), W2 (f×d), b2 (d)].
     weights: Vec<[Tensor; 4]>,
     saved: Mutex<Option<Vec<Saved>>>,
     sink: WeightGradSink,
@@ -309,8 +344,9 @@ impl GroupedExpertFfnToSink {
         self.weights.iter().flatten().map(|t| Some(t.clone())).collect()
     }
 
+    /// The hidden width f (W2's rows).
     fn f(&self) -> usize {
-        self.weights.first().map_or(0, |w| w[1].elem_count())
+        self.weights.first().map_or(0, |w| w[2].dims().first().copied().unwrap_or(0))
     }
 
     /// The weights as f64 copies (the f64 path is the tests' reference precision, not a hot path).
@@ -355,10 +391,11 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
         let _profile = crate::profile::kernel("grouped-expert-ffn-to-sink.fwd");
         let (rows, d) = layout.shape().dims2()?;
         let f = self.f();
+        let f1 = self.act.first_width(f);
         let dtype = candle_core::backend::BackendStorage::dtype(storage);
         for [w1, b1, w2, b2] in &self.weights {
             let shapes = [w1.dims(), b1.dims(), w2.dims(), b2.dims()];
-            if shapes != [&[d, f][..], &[f], &[f, d], &[d]] || [w1, b1, w2, b2].iter().any(|w| w.dtype() != dtype) {
+            if shapes != [&[d, f1][..], &[f1], &[f, d], &[d]] || [w1, b1, w2, b2].iter().any(|w| w.dtype() != dtype) {
                 candle_core::bail!("grouped expert ffn: expert weights {shapes:?} do not fit rows of width {d} and hidden width {f}");
             }
         }
@@ -373,13 +410,14 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
         let (out, saved) = match storage {
             CpuStorage::F32(x) => {
                 let x = contiguous_slice(x, layout)?;
-                let (y, saved) = with_f32_slices(&self.flat_weights(), |w| grouped_fwd_f32(x, &by_expert(w), &self.counts, d, f))?;
+                let (y, saved) =
+                    with_f32_slices(&self.flat_weights(), |w| grouped_fwd_f32(x, &by_expert(w), &self.counts, d, f, self.act))?;
                 (CpuStorage::F32(y), saved)
             }
             CpuStorage::F64(x) => {
                 let owned = self.weights_f64()?;
                 let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
-                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, layout)?, &by_expert(&flat), &self.counts, d, f);
+                let (y, saved) = grouped_fwd_f64(contiguous_slice(x, layout)?, &by_expert(&flat), &self.counts, d, f, self.act);
                 (CpuStorage::F64(y), saved)
             }
             _ => candle_core::bail!("grouped expert ffn: only f32 and f64 are supported"),
@@ -405,7 +443,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
                 let gx = with_f32_slices(&inputs, |v| {
                     let refs = gw.iter_mut().map(|e| e.each_mut().map(Unfilled::slots)).collect();
                     let (xv, g) = (v[0].unwrap_or_default(), v[1].unwrap_or_default());
-                    grouped_bwd_f32(xv, &by_expert(&v[2..]), g, &self.counts, d, f, saved, refs)
+                    grouped_bwd_f32(xv, &by_expert(&v[2..]), g, &self.counts, d, f, self.act, saved, refs)
                 })?;
                 // SAFETY: the grouped backward wrote every expert's gradients in full.
                 unsafe { self.hand_over(gw)? };
@@ -417,7 +455,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
                 let flat: Vec<Option<&[f64]>> = owned.iter().map(|v| Some(v.as_slice())).collect();
                 let mut gw = self.grad_buffers::<f64>();
                 let refs = gw.iter_mut().map(|e| e.each_mut().map(Unfilled::slots)).collect();
-                let gx = grouped_bwd_f64(&host_f64(x)?, &by_expert(&flat), &host_f64(grad)?, &self.counts, d, f, saved, refs);
+                let gx = grouped_bwd_f64(&host_f64(x)?, &by_expert(&flat), &host_f64(grad)?, &self.counts, d, f, self.act, saved, refs);
                 // SAFETY: the grouped backward wrote every expert's gradients in full.
                 unsafe { self.hand_over(gw)? };
                 Tensor::from_vec(gx, x.shape(), dev)?.to_dtype(x.dtype())?
@@ -430,31 +468,32 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
 /// [`grouped_expert_ffn`] whose backward hands the expert weights' gradients to `sink` (drain it
 /// into the [`GradStore`] after `backward()`) instead of through candle's autograd; x's gradient
 /// flows as usual. Same values, computed by the same kernel, without the stacks' copies and
-/// candle's zero-fills and adds (see `GroupedExpertFfnToSink`). Experts are given as [W1 [d, f],
-/// b1 [f], W2 [f, d], b2 [d]].
+/// candle's zero-fills and adds (see `GroupedExpertFfnToSink`). Experts are given as [W1 [d, f₁],
+/// b1 [f₁], W2 [f, d], b2 [d]].
 pub fn grouped_expert_ffn_to_sink(
     x: &Tensor,
     experts: &[[&Tensor; 4]],
     counts: &[usize],
+    act: Activation,
     sink: &WeightGradSink,
 ) -> candle_core::Result<Tensor> {
     if experts.len() != counts.len() || experts.is_empty() {
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
     #[cfg(feature = "cuda")]
-    if super::cuda::takes(x) && experts.iter().flatten().all(|w| w.dtype() == x.dtype()) {
+    if act == Activation::Gelu && super::cuda::takes(x) && experts.iter().flatten().all(|w| w.dtype() == x.dtype()) {
         return super::cuda::grouped_expert_ffn_to_sink(x, experts, None, counts, sink);
     }
     if !super::fused_here(x) {
         // Off the CPU and our GPU kernels, candle's autograd carries every gradient; the sink
         // stays empty.
-        return super::composite::grouped_expert_ffn(x, experts, counts);
+        return super::composite::grouped_expert_ffn(x, experts, counts, act);
     }
     let mut weights = Vec::with_capacity(experts.len());
     for [w1, b1, w2, b2] in experts {
         weights.push([w1.contiguous()?, b1.contiguous()?, w2.contiguous()?, b2.contiguous()?]);
     }
-    let op = GroupedExpertFfnToSink { counts: counts.to_vec(), weights, saved: Mutex::new(None), sink: sink.clone() };
+    let op = GroupedExpertFfnToSink { counts: counts.to_vec(), act, weights, saved: Mutex::new(None), sink: sink.clone() };
     x.contiguous()?.apply_op1(op)
 }
 
@@ -477,9 +516,14 @@ mod tests {
         let empty = |shape: &[usize]| Var::from_tensor(&Tensor::zeros(shape, candle_core::DType::F32, &dev).unwrap()).unwrap();
         let (w1, b1, w2) = (empty(&[d, 0]), empty(&[0]), empty(&[0, d]));
         let sink = WeightGradSink::new();
-        let y =
-            grouped_expert_ffn_to_sink(x.as_tensor(), &[[w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()]], &[rows], &sink)
-                .unwrap();
+        let y = grouped_expert_ffn_to_sink(
+            x.as_tensor(),
+            &[[w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor()]],
+            &[rows],
+            Activation::Gelu,
+            &sink,
+        )
+        .unwrap();
         let mut grads = (&y * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
         sink.drain_into(&mut grads).unwrap();
         let expected = probe.as_tensor().sum(0).unwrap();
@@ -501,16 +545,22 @@ mod tests {
         let (d, f) = (5, 6);
         let counts = [3usize, 0, 4, 1];
         let rows: usize = counts.iter().sum();
-        for dtype in [candle_core::DType::F64, candle_core::DType::F32] {
+        for (dtype, act) in [
+            (candle_core::DType::F64, Activation::Gelu),
+            (candle_core::DType::F32, Activation::Gelu),
+            (candle_core::DType::F64, Activation::Swiglu),
+            (candle_core::DType::F32, Activation::Swiglu),
+        ] {
+            let f1 = act.first_width(f);
             let mut var = testing::vars(23, 0.5);
             let cast = |v: Var| Var::from_tensor(&v.as_tensor().to_dtype(dtype).unwrap()).unwrap();
             let (x, probe) = (cast(var(&[rows, d])), cast(var(&[rows, d])));
             let weights: Vec<[Var; 4]> =
-                counts.iter().map(|_| [cast(var(&[d, f])), cast(var(&[f])), cast(var(&[f, d])), cast(var(&[d]))]).collect();
+                counts.iter().map(|_| [cast(var(&[d, f1])), cast(var(&[f1])), cast(var(&[f, d])), cast(var(&[d]))]).collect();
             let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref().map(|v| v.as_tensor())).collect();
-            let theirs = grouped_expert_ffn(x.as_tensor(), &refs, &counts).unwrap();
+            let theirs = grouped_expert_ffn(x.as_tensor(), &refs, &counts, act).unwrap();
             let sink = WeightGradSink::new();
-            let ours = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, &sink).unwrap();
+            let ours = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, act, &sink).unwrap();
             let tol = if dtype == candle_core::DType::F64 { 1e-12 } else { 1e-5 };
             let diff = |a: &Tensor, b: &Tensor| {
                 testing::max_diff(&a.to_dtype(candle_core::DType::F64).unwrap(), &b.to_dtype(candle_core::DType::F64).unwrap())
@@ -534,7 +584,7 @@ mod tests {
                 }
             }
             // Two forwards, one store: the gradients add up.
-            let again = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, &sink).unwrap();
+            let again = grouped_expert_ffn_to_sink(x.as_tensor(), &refs, &counts, act, &sink).unwrap();
             let mut twice = ((&ours + &again).unwrap() * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
             sink.drain_into(&mut twice).unwrap();
             let doubled = (g_theirs.get(refs[2][0]).unwrap() * 2.0).unwrap();
@@ -543,7 +593,7 @@ mod tests {
         let sink = WeightGradSink::new();
         let x = Tensor::zeros((2, 5), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
         let w = [(5, 6), (6, 1), (6, 5), (5, 1)].map(|s| Tensor::zeros(s, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
-        let err = grouped_expert_ffn_to_sink(&x, &[w.each_ref()], &[2], &sink).unwrap_err().to_string();
+        let err = grouped_expert_ffn_to_sink(&x, &[w.each_ref()], &[2], Activation::Gelu, &sink).unwrap_err().to_string();
         assert!(err.contains("do not fit"), "{err}");
     }
 
@@ -558,7 +608,7 @@ mod tests {
         let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f]), var(&[f]), var(&[f, d]), var(&[d])]).collect();
         let refs: Vec<[&Tensor; 4]> =
             weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
-        let ours = grouped_expert_ffn(x.as_tensor(), &refs, &counts).unwrap();
+        let ours = grouped_expert_ffn(x.as_tensor(), &refs, &counts, Activation::Gelu).unwrap();
         let mut parts = Vec::new();
         let mut row = 0;
         for (e, &n) in counts.iter().enumerate() {

@@ -16,9 +16,12 @@
 //! - [`gelu()`]: GELU (tanh form), elementwise.
 //! - [`softmax_last`]: softmax over the last dimension.
 //! - [`layer_norm()`]: LayerNorm with weight and bias over the last dimension.
+//! - [`rms_norm()`]: RMSNorm with a weight over the last dimension.
+//! - [`rope()`]: rotary positions on the queries and keys of a packed QKV projection.
 //! - [`linear()`]: x·W + b.
 //! - [`causal_attention`]: causal multi-head self-attention over a packed QKV projection.
-//! - [`expert_ffn()`]: one expert's GELU FFN, computed by the grouped node below.
+//! - [`expert_ffn()`]: one expert's GELU or SwiGLU FFN (SwiGLU's elementwise half in
+//!   `swiglu.rs`), computed by the grouped node below.
 //! - [`cross_entropy()`]: mean cross-entropy of logits against class targets.
 //! - [`grouped_expert_ffn`]: every expert of an MoE layer over rows grouped by expert, one node;
 //!   [`grouped_expert_ffn_to_sink`] the same, handing the expert weights' gradients to a
@@ -50,8 +53,11 @@ pub(crate) use on_device::gpu as on_device_gpu;
 pub(crate) use testing::data as testing_data;
 mod parallel;
 mod residual;
+mod rms_norm;
+mod rope;
 mod simd;
 mod softmax;
+mod swiglu;
 #[cfg(test)]
 mod testing;
 
@@ -85,11 +91,13 @@ pub(crate) fn cuda_linear(
 }
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
-pub use grouped_ffn::{expert_ffn, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};
+pub use grouped_ffn::{expert_ffn, ffn_weights, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};
 pub use host::{with_f32, with_f32_slices};
 pub use layer_norm::{layer_norm, layer_norm_to};
 pub use linear::linear;
 pub use moe_rows::{combine_rows, gather_rows};
 pub use parallel::threads;
 pub use residual::residual_add;
+pub use rms_norm::rms_norm;
+pub use rope::rope;
 pub use softmax::softmax_last;

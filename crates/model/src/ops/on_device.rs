@@ -71,7 +71,7 @@ fn every_kernel_on_a_gpu_matches_the_fused_cpu_kernel_with_gradients() {
         1e-5,
         |x| {
             let experts: Vec<[&Tensor; 4]> = (0..4).map(|e| [&x[1 + 4 * e], &x[2 + 4 * e], &x[3 + 4 * e], &x[4 + 4 * e]]).collect();
-            super::grouped_expert_ffn(&x[0], &experts, &counts)
+            super::grouped_expert_ffn(&x[0], &experts, &counts, crate::config::Activation::Gelu)
         },
     );
     let tokens: Vec<u32> = (0..2 * n as u32).map(|i| (i * 5 + 1) % n as u32).collect();

@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
-use lazarus_model::ops::{expert_ffn, softmax_last};
+use lazarus_model::ops::softmax_last;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
@@ -106,8 +106,7 @@ impl DistributedMoe {
                 x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
             let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), h.device())?)?;
-            let y =
-                expert_ffn(x.as_tensor(), weights.w1.as_tensor(), weights.b1.as_tensor(), weights.w2.as_tensor(), weights.b2.as_tensor())?;
+            let y = weights.forward(x.as_tensor())?;
             let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
             let mut row = 0;
             for (src, &(o, c)) in blocks.iter().enumerate() {
@@ -130,11 +129,7 @@ impl DistributedMoe {
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
         let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), h.device())?)?;
-        let idx = Tensor::from_vec(choices.clone(), (n, k), h.device())?;
-        let mut w = probs.gather(&idx, 1)?;
-        if k > 1 {
-            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
-        }
+        let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
         let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
         let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         // Load-balancing loss share (see the field's doc).

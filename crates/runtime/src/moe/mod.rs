@@ -15,7 +15,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{Tensor, Var};
+use lazarus_model::config::Activation;
 use lazarus_plan::RankLayout;
+
+use crate::error::RuntimeError;
 
 use packing::Packing;
 
@@ -26,15 +29,30 @@ pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 #[derive(Debug, Clone)]
 pub struct ExpertWeights {
-    pub w1: Var,
-    pub b1: Var,
-    pub w2: Var,
-    pub b2: Var,
+    /// The expert's parameters: [W1, b1, W2, b2], or [W1, W2] without FFN biases.
+    vars: Vec<Var>,
+    act: Activation,
 }
 
 impl ExpertWeights {
-    fn vars(&self) -> [&Var; 4] {
-        [&self.w1, &self.b1, &self.w2, &self.b2]
+    /// An expert of `act` with these parameters (2 or 4 of them).
+    pub fn new(vars: Vec<Var>, act: Activation) -> Result<Self, RuntimeError> {
+        if vars.len() != 2 && vars.len() != 4 {
+            return Err(RuntimeError::Invalid { field: "expert", reason: format!("{} tensors: an expert has 2 or 4", vars.len()) });
+        }
+        Ok(ExpertWeights { vars, act })
+    }
+
+    /// The parameters, in [`lazarus_model::MoeModel::expert_param_names`] order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// y = the expert's FFN of x [n, d] (zero biases where the model has none).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, RuntimeError> {
+        let refs: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
+        let [w1, b1, w2, b2] = lazarus_model::ops::ffn_weights(&refs)?;
+        Ok(lazarus_model::ops::expert_ffn(x, &w1, &b1, &w2, &b2, self.act)?)
     }
 }
 
@@ -76,6 +94,8 @@ pub struct DistributedMoe {
     /// R[e][rank] of the current placement.
     pub replicas: Vec<Vec<u32>>,
     pub top_k: usize,
+    /// Whether the k > 1 combine weights are renormalised ([`lazarus_model::ModelConfig::normalize_top_k`]).
+    pub normalize_top_k: bool,
     pub timeout: Duration,
     pub mode: DispatchMode,
     /// Largest replica-gradient all-reduce bucket ([`DEFAULT_BUCKET_BYTES`]).

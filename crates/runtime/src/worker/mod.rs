@@ -213,8 +213,7 @@ fn build_layers(
         let mut experts = BTreeMap::new();
         for (e, row) in replicas.iter().enumerate() {
             if row[rank] > 0 {
-                let [w1, b1, w2, b2] = model.expert_vars(l, e)?;
-                experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
+                experts.insert(e, ExpertWeights::new(model.expert_vars(l, e)?, model.expert_act())?);
             }
         }
         layers.push(DistributedMoe {
@@ -222,6 +221,7 @@ fn build_layers(
             experts,
             replicas: replicas.clone(),
             top_k: mc.top_k,
+            normalize_top_k: mc.normalize_top_k,
             timeout,
             mode,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
@@ -451,7 +451,6 @@ impl Worker {
         for index in self.expert_positions(layer, expert)? {
             tensors.push(self.tensor_state(index)?);
         }
-        let tensors = tensors.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })?;
         Ok(ExpertState { layer, expert, tensors })
     }
 
@@ -475,8 +474,8 @@ impl Worker {
         for &i in &positions {
             moments.push(self.trainer.optimizer.moments_anywhere(i)?);
         }
-        let shapes: [Vec<usize>; EXPERT_TENSORS] = std::array::from_fn(|k| vars[positions[k]].dims().to_vec());
-        let steps = std::array::from_fn(|k| moments[k].1);
+        let shapes: Vec<Vec<usize>> = positions.iter().map(|&i| vars[i].dims().to_vec()).collect();
+        let steps: Vec<u64> = moments.iter().map(|m| m.1).collect();
         let weights: Vec<Tensor> = positions.iter().map(|&i| vars[i].as_tensor().clone()).collect();
         let len = ExpertState::encoded_len(&shapes);
         let encode = move |out: &mut Vec<u8>| -> Result<(), String> {
@@ -493,7 +492,7 @@ impl Worker {
 
     /// Where expert (`layer`, `expert`)'s tensors sit among the parameters, checking that this
     /// worker holds it.
-    fn expert_positions(&self, layer: usize, expert: usize) -> Result<[usize; EXPERT_TENSORS], RuntimeError> {
+    fn expert_positions(&self, layer: usize, expert: usize) -> Result<Vec<usize>, RuntimeError> {
         let model = &self.trainer.model;
         if !model.expert_resident(layer, expert)? {
             return Err(RuntimeError::Invalid {
@@ -502,8 +501,7 @@ impl Worker {
             });
         }
         let names = model.expert_param_names(layer, expert);
-        let positions = names.iter().map(|n| self.position(n)).collect::<Result<Vec<_>, _>>()?;
-        positions.try_into().map_err(|_| RuntimeError::Invalid { field: "model", reason: "an expert has 4 tensors".into() })
+        names.iter().map(|n| self.position(n)).collect()
     }
 
     /// Take in an expert's full training state (weights and optimizer state), replacing what
@@ -512,7 +510,13 @@ impl Worker {
         let (l, e) = (state.layer, state.expert);
         let device = self.trainer.model.device().clone();
         let shapes = self.trainer.model.expert_shapes();
-        let mut weights = Vec::with_capacity(4);
+        if state.tensors.len() != shapes.len() {
+            return Err(RuntimeError::Invalid {
+                field: "expert state",
+                reason: format!("layer {l} expert {e}: {} tensors, the model's experts have {}", state.tensors.len(), shapes.len()),
+            });
+        }
+        let mut weights = Vec::with_capacity(shapes.len());
         for (t, shape) in state.tensors.iter().zip(&shapes) {
             if &t.shape != shape {
                 return Err(RuntimeError::Invalid {
@@ -522,8 +526,6 @@ impl Worker {
             }
             weights.push(Tensor::from_slice(&t.weight, shape.as_slice(), &device)?);
         }
-        let weights: [Tensor; 4] =
-            weights.try_into().map_err(|_| RuntimeError::Invalid { field: "expert state", reason: "4 tensors".into() })?;
         self.trainer.model.set_expert(l, e, Some(weights))?;
         for (name, t) in self.trainer.model.expert_param_names(l, e).iter().zip(&state.tensors) {
             let i = self.position(name)?;
@@ -533,8 +535,8 @@ impl Worker {
         }
         // The layer computes with the model's tensors: point it at the new ones if it runs them.
         if self.plan.replicas_on(l, e, self.rank) > 0 {
-            let [w1, b1, w2, b2] = self.trainer.model.expert_vars(l, e)?;
-            self.layers[l].experts.insert(e, ExpertWeights { w1, b1, w2, b2 });
+            let vars = self.trainer.model.expert_vars(l, e)?;
+            self.layers[l].experts.insert(e, ExpertWeights::new(vars, self.trainer.model.expert_act())?);
         }
         Ok(())
     }

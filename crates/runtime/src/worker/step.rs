@@ -96,7 +96,13 @@ impl Worker {
                     }
                     wire_bytes += f.wire_bytes;
                     moe_index += 1;
-                    (f.output.clone(), Some((moe_index - 1, f)))
+                    // The shared experts beside the routed ones: dense weights, in this
+                    // segment's graph like the attention's.
+                    let y = match model.block_shared_ffn(block, &h)? {
+                        Some(shared) => lazarus_model::ops::residual_add(&f.output, &shared)?,
+                        None => f.output.clone(),
+                    };
+                    (y, Some((moe_index - 1, f)))
                 }
             };
             let output = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?;

@@ -19,6 +19,7 @@ pub fn tiny_config(layers: usize, steps: u64, batch: usize, seed: u64, corpus: (
             aux_loss_coef: 0.01,
             capacity_factor: None,
             init_std: 0.05,
+            ..ModelConfig::default()
         },
         steps,
         batch_size: batch,
