@@ -643,3 +643,35 @@ fn the_snapshot_ceiling_bounds_the_paced_budget_and_is_checked() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Mixtral's blocks (RMSNorm, rotary positions, SwiGLU experts without biases, whose state is
+/// two tensors) and a shared expert on 4 worker processes: one killed from outside, the run goes
+/// on with the losses of an uninterrupted single-process run of the same model, and its final
+/// checkpoint resumes in one process.
+#[test]
+fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
+    let d = dir("recover-mixtral");
+    let blocks = ["--arch", "mixtral", "--shared-experts", "1", "--steps", "30"];
+    let reference = d.join("reference.jsonl");
+    let mut args = vec!["train", "--json-log", reference.to_str().unwrap()];
+    args.extend(tiny());
+    args.extend(blocks);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert"));
+    let want: Vec<f64> = log(&reference).0.into_iter().map(|(_, l)| l).collect();
+    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let mut extra = vec!["--json-log", log_s.as_str(), "--checkpoint-dir", ck_s.as_str()];
+    extra.extend(blocks);
+    let (child, lines, pids) = start(4, &extra);
+    wait_for_steps(&path, 8);
+    signal(pids[1], libc::SIGKILL);
+    finish(child, lines);
+    let (steps, reconf) = log(&path);
+    assert_same_losses(&steps, &want, "Mixtral blocks on 4 workers, one killed");
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    assert_eq!(reconf[0]["lost"], serde_json::json!([1]));
+    resumes_in_one_process(&ck, "32", &d);
+    let _ = std::fs::remove_dir_all(&d);
+}

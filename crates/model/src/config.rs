@@ -223,6 +223,37 @@ impl ModelConfig {
             && self.shared_experts == 0
     }
 
+    /// The block options in a few words, for the start of a run: "GPT blocks", or the options
+    /// that differ from them ("RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert").
+    pub fn describe_blocks(&self) -> String {
+        let mut parts = Vec::new();
+        if self.norm == NormKind::Rms {
+            parts.push("RMSNorm".to_string());
+        }
+        if self.positions == Positions::Rope {
+            parts.push(format!("rotary θ={}", self.rope_theta));
+        }
+        if self.expert_act == Activation::Swiglu {
+            parts.push("SwiGLU".to_string());
+        }
+        match (self.attn_bias, self.ffn_bias) {
+            (false, false) => parts.push("no biases".to_string()),
+            (false, true) => parts.push("no attention biases".to_string()),
+            (true, false) => parts.push("no FFN biases".to_string()),
+            (true, true) => {}
+        }
+        if !self.normalize_top_k && self.top_k > 1 {
+            parts.push("top-k weights unnormalised".to_string());
+        }
+        if self.shared_experts > 0 {
+            parts.push(format!("{} shared expert{}", self.shared_experts, if self.shared_experts == 1 { "" } else { "s" }));
+        }
+        if parts.is_empty() {
+            return "GPT blocks".to_string();
+        }
+        parts.join(", ")
+    }
+
     /// Rows of the learned position table (none with rotary positions).
     pub fn position_rows(&self) -> usize {
         match self.positions {

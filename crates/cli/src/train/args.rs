@@ -53,9 +53,39 @@ pub struct ModelArgs {
     /// Experts per MoE layer.
     #[arg(long)]
     pub(crate) experts: Option<usize>,
-    /// Experts per token (1 or 2).
+    /// Experts per token (1 to 8).
     #[arg(long)]
     pub(crate) top_k: Option<usize>,
+    /// Whether a token's k > 1 router weights are renormalised to sum to 1 (default true, as
+    /// Mixtral; false keeps each softmax probability, as Qwen-MoE and OLMoE).
+    #[arg(long, value_name = "true|false")]
+    pub(crate) normalize_top_k: Option<bool>,
+    /// Always-on shared experts beside the routed ones in every MoE block (DeepSeek-MoE).
+    #[arg(long)]
+    pub(crate) shared_experts: Option<usize>,
+    /// The blocks' options at once: gpt (LayerNorm, learned positions, GELU, biases: the
+    /// default) or mixtral (RMSNorm, rotary positions θ = 10⁶, SwiGLU experts, no biases,
+    /// normalised top-k, no shared experts); the flags below and above change single options.
+    #[arg(long, value_name = "gpt|mixtral")]
+    pub(crate) arch: Option<String>,
+    /// The blocks' norm.
+    #[arg(long, value_name = "layer|rms")]
+    pub(crate) norm: Option<String>,
+    /// Learned position table, or rotary positions on the queries and keys.
+    #[arg(long, value_name = "learned|rope")]
+    pub(crate) positions: Option<String>,
+    /// The rotary base θ (10000 by default; 1000000 with --arch mixtral).
+    #[arg(long)]
+    pub(crate) rope_theta: Option<f64>,
+    /// The experts' (and shared and dense FFNs') activation.
+    #[arg(long, value_name = "gelu|swiglu")]
+    pub(crate) expert_act: Option<String>,
+    /// Biases on the attention's projections.
+    #[arg(long, value_name = "true|false")]
+    pub(crate) attn_bias: Option<bool>,
+    /// Biases on the FFNs (experts, shared experts, dense blocks).
+    #[arg(long, value_name = "true|false")]
+    pub(crate) ffn_bias: Option<bool>,
     /// Hidden width of each expert.
     #[arg(long)]
     pub(crate) d_ff: Option<usize>,
@@ -503,8 +533,14 @@ fn lock_checkpoint_dir(dir: &Path) -> Result<()> {
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     let mut c = match &args.model.config {
         Some(path) => {
-            let text = config_text(args, path)?;
-            toml::from_str::<TrainConfig>(&text).with_context(|| format!("invalid --config {}", path.display()))?
+            let mut table: toml::Table =
+                toml::from_str(&config_text(args, path)?).with_context(|| format!("invalid --config {}", path.display()))?;
+            let preset = take_arch(&mut table).with_context(|| format!("invalid --config {}", path.display()))?;
+            let mut c = table.try_into::<TrainConfig>().with_context(|| format!("invalid --config {}", path.display()))?;
+            if let Some((arch, said)) = preset {
+                c.model = with_arch_under(c.model, arch, &said);
+            }
+            c
         }
         None => TrainConfig::default(),
     };
@@ -512,6 +548,33 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     size_vocabulary(args, &mut c)?;
     c.validate()?;
     Ok(c)
+}
+
+/// The `[model]` table's `arch` key, taken out of it, with the keys the table sets itself (they
+/// override the preset's).
+fn take_arch(table: &mut toml::Table) -> Result<Option<(lazarus_model::config::Arch, Vec<String>)>> {
+    let Some(toml::Value::Table(model)) = table.get_mut("model") else { return Ok(None) };
+    let Some(arch) = model.remove("arch") else { return Ok(None) };
+    let arch = match arch {
+        toml::Value::String(a) => {
+            choice("arch", &a, "gpt or mixtral").map_err(|_| anyhow::anyhow!("model.arch = '{a}' (expected gpt or mixtral)"))?
+        }
+        other => bail!("model.arch = {other} (expected \"gpt\" or \"mixtral\")"),
+    };
+    Ok(Some((arch, model.keys().cloned().collect())))
+}
+
+/// `model` with the options of `arch` wherever the file did not set them itself.
+fn with_arch_under(model: lazarus_model::ModelConfig, arch: lazarus_model::config::Arch, said: &[String]) -> lazarus_model::ModelConfig {
+    let preset = model.clone().with_arch(arch);
+    let mut m = model;
+    macro_rules! unless_said {
+        ($($field:ident),*) => {
+            $(if !said.iter().any(|k| k == stringify!($field)) { m.$field = preset.$field.clone(); })*
+        };
+    }
+    unless_said!(norm, positions, rope_theta, expert_act, attn_bias, ffn_bias, normalize_top_k, shared_experts, moe_every);
+    m
 }
 
 /// With a tokenizer the model's vocabulary is the tokenizer's, unless `--vocab-size` asks for
@@ -527,8 +590,39 @@ fn size_vocabulary(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     Ok(())
 }
 
+/// A choice flag's value as the option's type (its TOML spelling), or an error naming the flag,
+/// the value and the choices.
+fn choice<T: serde::de::DeserializeOwned>(flag: &str, value: &str, choices: &str) -> Result<T> {
+    toml::Value::String(value.to_string()).try_into().map_err(|_| anyhow::anyhow!("invalid --{flag}: '{value}' (expected {choices})"))
+}
+
+/// The block options flags set, on top of `m`: `--arch` first, then each option's own flag.
+fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelConfig) -> Result<()> {
+    if let Some(a) = &args.arch {
+        let arch: lazarus_model::config::Arch = choice("arch", a, "gpt or mixtral")?;
+        *m = m.clone().with_arch(arch);
+    }
+    if let Some(v) = &args.norm {
+        m.norm = choice("norm", v, "layer or rms")?;
+    }
+    if let Some(v) = &args.positions {
+        m.positions = choice("positions", v, "learned or rope")?;
+    }
+    if let Some(v) = &args.expert_act {
+        m.expert_act = choice("expert-act", v, "gelu or swiglu")?;
+    }
+    macro_rules! set {
+        ($($flag:ident),*) => {
+            $(if let Some(v) = args.$flag { m.$flag = v; })*
+        };
+    }
+    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias);
+    Ok(())
+}
+
 /// The settings flags on top of `c` (defaults or a `--config` file, or a resumed run's).
 fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
+    apply_block_flags(&args.model, &mut c.model)?;
     macro_rules! set {
         ($($($flag:ident).+ => $($field:ident).+),* $(,)?) => {
             $(if let Some(v) = args.$($flag).+.clone() { c.$($field).+ = v; })*
@@ -676,6 +770,75 @@ mod tests {
     use super::*;
 
     const CONFIG: &str = "steps = 500\nlr = 0.002\nbatch_size = 8\n[model]\nn_experts = 8\ntop_k = 2\ncapacity_factor = 1.25\n[data]\nkind = \"synthetic\"\nseed = 3\nbytes = 100000\n";
+
+    /// `--arch mixtral` and `arch = "mixtral"` set Mixtral's options; the file's own keys and
+    /// the single flags win over the preset; bad values name the flag or key.
+    #[test]
+    fn the_arch_preset_and_the_block_options_come_from_flags_and_the_file() {
+        use clap::Parser;
+        use lazarus_model::config::{Activation, NormKind, Positions};
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["train"];
+            argv.extend_from_slice(extra);
+            build_config(&Cli::try_parse_from(argv).unwrap().train)
+        };
+        let m = parse(&["--arch", "mixtral"]).unwrap().model;
+        assert_eq!(
+            (m.norm, m.positions, m.expert_act, m.attn_bias, m.ffn_bias),
+            (NormKind::Rms, Positions::Rope, Activation::Swiglu, false, false)
+        );
+        assert_eq!(m.rope_theta, 1e6);
+        let m = parse(&[
+            "--arch",
+            "mixtral",
+            "--norm",
+            "layer",
+            "--shared-experts",
+            "2",
+            "--normalize-top-k",
+            "false",
+            "--top-k",
+            "8",
+            "--experts",
+            "64",
+        ])
+        .unwrap()
+        .model;
+        assert_eq!(
+            (m.norm, m.shared_experts, m.normalize_top_k, m.top_k, m.expert_act),
+            (NormKind::Layer, 2, false, 8, Activation::Swiglu)
+        );
+        let m = parse(&["--positions", "rope", "--rope-theta", "500", "--ffn-bias", "false"]).unwrap().model;
+        assert_eq!((m.positions, m.rope_theta, m.ffn_bias, m.norm), (Positions::Rope, 500.0, false, NormKind::Layer));
+        for (flags, named) in [
+            (&["--arch", "llama"][..], "--arch: 'llama'"),
+            (&["--norm", "batch"], "--norm: 'batch'"),
+            (&["--expert-act", "relu"], "--expert-act"),
+            (&["--positions", "alibi"], "--positions"),
+        ] {
+            let e = format!("{:#}", parse(flags).unwrap_err());
+            assert!(e.contains(named), "{e}");
+        }
+        assert!(format!("{:#}", parse(&["--top-k", "9"]).unwrap_err()).contains("top_k"));
+        let dir = std::env::temp_dir().join(format!("lazarus-arch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("arch.toml");
+        std::fs::write(&file, "[model]\narch = \"mixtral\"\nffn_bias = true\nshared_experts = 1\n").unwrap();
+        let f = file.to_str().unwrap();
+        let m = parse(&["--config", f]).unwrap().model;
+        assert_eq!((m.norm, m.ffn_bias, m.shared_experts, m.attn_bias), (NormKind::Rms, true, 1, false));
+        let m = parse(&["--config", f, "--arch", "gpt"]).unwrap().model;
+        assert_eq!((m.norm, m.ffn_bias, m.shared_experts), (NormKind::Layer, true, 0), "the flag overrides the file");
+        std::fs::write(&file, "[model]\narch = \"llama\"\n").unwrap();
+        let e = format!("{:#}", parse(&["--config", f]).unwrap_err());
+        assert!(e.contains("model.arch = 'llama'"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_sample_config_parses() {

@@ -38,7 +38,7 @@ pub fn print_banner(trainer: &Trainer, how: &str, device: &str) {
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
     tracing::info!(
-        "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}), data {}, {} steps of {} x {} tokens",
+        "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}; {}), data {}, {} steps of {} x {} tokens",
         device,
         match cfg.dtype {
             lazarus_model::Precision::F32 => "f32",
@@ -49,6 +49,7 @@ pub fn print_banner(trainer: &Trainer, how: &str, device: &str) {
         cfg.model.n_experts,
         cfg.model.moe_layers(),
         cfg.model.top_k,
+        cfg.model.describe_blocks(),
         cfg.data.describe(),
         cfg.steps,
         cfg.batch_size,
