@@ -23,14 +23,21 @@ pub struct MoeLayerBenchArgs {
     d_ff: usize,
     #[arg(long, default_value_t = 8)]
     experts: usize,
-    /// Tokens per worker per step (top-1 routing).
+    /// Experts per token (1 to 8): each token's k choices are distinct experts.
+    #[arg(long, default_value_t = 1)]
+    top_k: usize,
+    /// The experts' activation (gelu, or swiglu: Mixtral's, a first weight twice as wide).
+    #[arg(long, default_value = "gelu", value_name = "gelu|swiglu")]
+    expert_act: String,
+    /// Tokens per worker per step.
     #[arg(long, default_value_t = 512)]
     tokens: usize,
     /// Expert replica slots per worker for the Lazarus plan (default: 2 × experts / workers).
     #[arg(long)]
     slots: Option<usize>,
-    /// Hot-expert load ratios: the hot expert receives k× the mean expert load (1 ≤ k ≤ experts;
-    /// the others share the rest equally).
+    /// Hot-expert load ratios: the hot expert receives r× the mean expert load (1 ≤ r ≤
+    /// experts / top-k, when every token has it among its choices; the others share the rest
+    /// equally).
     #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
     ratios: Vec<f64>,
     /// Systems to run (lazarus, lazarus-unguarded, lazarus-per-replica, static-ep,
@@ -90,6 +97,8 @@ struct Report<'a> {
     d_model: usize,
     d_ff: usize,
     experts: usize,
+    top_k: usize,
+    expert_act: &'a str,
     tokens_per_worker: usize,
     cores_per_worker: Option<usize>,
     cpus_per_worker: Option<f64>,
@@ -125,8 +134,15 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     if args.iters > 1000 {
         bad("iters", args.iters.to_string(), "at most 1000 measured steps per case")?;
     }
-    if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > args.experts as f64) {
-        bad("ratios", r.to_string(), &format!("each must be between 1 and the number of experts ({})", args.experts))?;
+    if !(1..=lazarus_model::config::MAX_TOP_K).contains(&args.top_k) || args.top_k > args.experts {
+        bad("top-k", args.top_k.to_string(), &format!("expected 1 to {} and at most --experts", lazarus_model::config::MAX_TOP_K))?;
+    }
+    let act: lazarus_model::config::Activation = toml::Value::String(args.expert_act.clone())
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("invalid --expert-act: '{}' (expected gelu or swiglu)", args.expert_act))?;
+    let most = args.experts as f64 / args.top_k as f64;
+    if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > most) {
+        bad("ratios", r.to_string(), &format!("each must be between 1 and experts / top-k ({most})"))?;
     }
     lazarus_control::launcher::check_comm_timeout(args.comm_timeout)?;
     let max_imbalance = crate::planning::throughput_guard(args.max_imbalance)?;
@@ -146,6 +162,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         d_model: args.d_model,
         d_ff: args.d_ff,
         experts: args.experts,
+        top_k: args.top_k,
+        act,
         tokens: args.tokens,
         slots,
         max_imbalance,
@@ -182,7 +200,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     }
     if !args.json {
         tracing::info!(
-            "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts, {} tokens per worker, ratios {:?}",
+            "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts ({}), top-{}, {} tokens per worker, ratios {:?}",
             args.workers,
             match (cores_per_worker, args.cpus_per_worker) {
                 (Some(c), _) => format!(" pinned to {c} cores each"),
@@ -192,6 +210,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             args.d_model,
             args.d_ff,
             args.experts,
+            args.expert_act,
+            args.top_k,
             args.tokens,
             args.ratios
         );
@@ -233,6 +253,8 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             d_model: args.d_model,
             d_ff: args.d_ff,
             experts: args.experts,
+            top_k: args.top_k,
+            expert_act: &args.expert_act,
             tokens_per_worker: args.tokens,
             cores_per_worker,
             cpus_per_worker: args.cpus_per_worker,

@@ -210,6 +210,42 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Top-8 of 64 SwiGLU experts, the fine-grained routing of OLMoE and Qwen-MoE: every routed
+/// row computed once, Lazarus's all-to-alls carry exactly the rows that move, static EP pads
+/// behind the hot expert; ratios beyond experts / top-k and a top-k beyond 8 are refused.
+#[test]
+fn moe_layer_bench_at_top_8_of_64_experts() {
+    let args = ["bench", "moe-layer", "--d-model", "32", "--d-ff", "16", "--tokens", "64", "--iters", "1", "--experts", "64"];
+    let mut run = args.to_vec();
+    run.extend(["--top-k", "8", "--expert-act", "swiglu", "--ratios", "1,8", "--systems", "lazarus,static-ep", "--json"]);
+    let out = lazarus(&run);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((v["top_k"].as_u64(), v["expert_act"].as_str()), (Some(8), Some("swiglu")));
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4);
+    for r in results {
+        let (system, ratio, wire) = (r["system"].as_str().unwrap(), r["ratio"].as_f64().unwrap(), r["wire_bytes_ratio"].as_f64().unwrap());
+        match (system, ratio as u32) {
+            ("lazarus", _) | ("static-ep", 1) => assert!((wire - 1.0).abs() < 1e-9, "{system} at {ratio}: {wire}"),
+            ("static-ep", _) => assert!(wire > 1.5, "the hot expert pads every buffer: {wire}"),
+            other => panic!("unexpected {other:?}"),
+        }
+        if system == "lazarus" {
+            assert_eq!(r["expert_rows"].as_u64(), Some(4 * 64 * 8), "every (token, choice) row once");
+        }
+    }
+    for (extra, named) in
+        [(&["--top-k", "9"][..], "--top-k"), (&["--top-k", "8", "--ratios", "9"], "--ratios"), (&["--expert-act", "relu"], "--expert-act")]
+    {
+        let mut bad = args.to_vec();
+        bad.extend(extra);
+        let out = lazarus(&bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(named), "{err}");
+    }
+}
+
 #[test]
 fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
     let out =

@@ -49,6 +49,12 @@ pub struct MoeLayerBenchSpec {
     pub d_model: usize,
     pub d_ff: usize,
     pub experts: usize,
+    /// Experts per token (each token's k choices are distinct experts).
+    #[serde(default = "one")]
+    pub top_k: usize,
+    /// The experts' activation (SwiGLU: a first weight twice as wide).
+    #[serde(default)]
+    pub act: lazarus_model::config::Activation,
     /// Tokens per rank per step.
     pub tokens: usize,
     /// Expert replica slots per rank for the Lazarus plan.
@@ -63,6 +69,10 @@ pub struct MoeLayerBenchSpec {
     pub timeout_s: f64,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl MoeLayerBenchSpec {
     /// Bytes the benchmark needs on `world` ranks, about (checked before anything is
     /// allocated): every rank draws every expert's weights (one seed everywhere) and keeps its
@@ -70,10 +80,11 @@ impl MoeLayerBenchSpec {
     /// for a padded hot expert — pass through an expert's hidden layer forward and backward.
     pub fn memory_estimate(&self, world: usize) -> u128 {
         let (d, f, e) = (self.d_model as u128, self.d_ff as u128, self.experts as u128);
-        let expert = 2 * d * f + d + f;
+        let f1 = self.act.first_width(self.d_ff) as u128;
+        let expert = d * f1 + f * d + d + f1;
         let ratio = self.cases.iter().map(|c| c.ratio).fold(1.0f64, f64::max).ceil().min(1e6) as u128;
-        let rows = self.tokens as u128 * ratio.max(1);
-        let per_rank = 4 * (e * expert + 2 * self.slots as u128 * expert + 8 * rows * (d + f));
+        let rows = self.tokens as u128 * self.top_k.max(1) as u128 * ratio.max(1);
+        let per_rank = 4 * (e * expert + 2 * self.slots as u128 * expert + 8 * rows * (d + f1));
         per_rank.saturating_mul(world as u128)
     }
 }
@@ -163,13 +174,15 @@ pub fn plan_quality(system: BenchSystem, replicas: &[Vec<u32>], loads: &[f64], w
 
 /// Token-major expert choices (top-1) for `n` tokens matching `loads` exactly up to rounding,
 /// in a seeded order.
-fn routed_choices(loads: &[f64], n: usize, seed: u64) -> Result<Vec<u32>, RuntimeError> {
-    let mut c: Vec<u32> = lazarus_model::routing::assign_from_loads(loads, n, 1)?.into_iter().map(|e| e as u32).collect();
+fn routed_choices(loads: &[f64], n: usize, k: usize, seed: u64) -> Result<Vec<u32>, RuntimeError> {
+    let c: Vec<u32> = lazarus_model::routing::assign_from_loads(loads, n, k)?.into_iter().map(|e| e as u32).collect();
+    // The tokens in a seeded order (each keeps its k distinct experts).
+    let mut order: Vec<usize> = (0..n).collect();
     let mut rng = SplitMix64::new(seed);
-    for i in (1..c.len()).rev() {
-        c.swap(i, rng.below(i + 1));
+    for i in (1..n).rev() {
+        order.swap(i, rng.below(i + 1));
     }
-    Ok(c)
+    Ok(order.iter().flat_map(|&t| c[t * k..(t + 1) * k].iter().copied()).collect())
 }
 
 /// The order statistics bounding a 95% confidence interval of the median of `v`, without
@@ -214,6 +227,7 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 /// Run every case of `spec` on this rank; every rank must call it together.
 pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeLayerBenchSpec) -> Result<Vec<BenchResult>, RuntimeError> {
     let (d, f, e_count, n) = (spec.d_model, spec.d_ff, spec.experts, spec.tokens);
+    let (k, f1) = (spec.top_k, spec.act.first_width(spec.d_ff));
     let (rank, ranks) = (t.rank(), t.world());
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let dev = Device::Cpu;
@@ -228,12 +242,12 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
         .map(|_| {
             ExpertWeights::new(
                 vec![
-                    Var::from_tensor(&tensor(&[d, f], 0.02)?)?,
-                    Var::from_tensor(&tensor(&[f], 0.0)?)?,
+                    Var::from_tensor(&tensor(&[d, f1], 0.02)?)?,
+                    Var::from_tensor(&tensor(&[f1], 0.0)?)?,
                     Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
                     Var::from_tensor(&tensor(&[d], 0.0)?)?,
                 ],
-                lazarus_model::config::Activation::Gelu,
+                spec.act,
             )
         })
         .collect::<Result<_, RuntimeError>>()?;
@@ -265,7 +279,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             gate: gate.clone(),
             experts,
             replicas: replicas.clone(),
-            top_k: 1,
+            top_k: k,
             normalize_top_k: true,
             timeout,
             mode: match case.system {
@@ -277,7 +291,7 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             catching_up: Vec::new(),
         };
-        let choices = routed_choices(&loads, n, spec.seed ^ rank as u64)?;
+        let choices = routed_choices(&loads, n, k, spec.seed ^ rank as u64)?;
         cases.push(Case { layer, choices, replicas, loads, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
     }
     for it in 0..spec.warmup + spec.iters {
@@ -402,13 +416,24 @@ mod tests {
 
     #[test]
     fn routed_choices_follow_the_loads() {
-        let c = routed_choices(&skewed_loads(8, 4.0), 1600, 1).unwrap();
+        let c = routed_choices(&skewed_loads(8, 4.0), 1600, 1, 1).unwrap();
         assert_eq!(c.iter().filter(|&&e| e == 0).count(), 800, "4x the mean of 200");
         for e in 1..8 {
             let n = c.iter().filter(|&&x| x == e).count();
             assert!((114..=115).contains(&n), "expert {e}: {n}, the other 800 shared evenly");
         }
-        let all = routed_choices(&skewed_loads(8, 8.0), 100, 1).unwrap();
+        let all = routed_choices(&skewed_loads(8, 8.0), 100, 1, 1).unwrap();
         assert!(all.iter().all(|&e| e == 0), "8x the mean of 8 experts is every token");
+        // Top-8 of 64 with the hot expert at 8x the mean (every token): each token's 8 choices
+        // are distinct, and the loads follow.
+        let c = routed_choices(&skewed_loads(64, 8.0), 512, 8, 3).unwrap();
+        assert_eq!(c.len(), 512 * 8);
+        for t in c.chunks(8) {
+            let mut s = t.to_vec();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), 8, "{t:?}");
+        }
+        assert_eq!(c.iter().filter(|&&e| e == 0).count(), 512);
     }
 }
