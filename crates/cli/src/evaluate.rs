@@ -24,6 +24,10 @@ pub struct EvalArgs {
     /// 1048576).
     #[arg(long, value_name = "N")]
     windows: Option<usize>,
+    /// Tokens a window (default: the run's sequence length; 128 for a Hugging Face directory,
+    /// or its max_position_embeddings if shorter).
+    #[arg(long, value_name = "T")]
+    seq_len: Option<usize>,
     /// Windows a forward pass (default: the run's batch size).
     #[arg(long, value_name = "N")]
     batch_size: Option<usize>,
@@ -48,10 +52,14 @@ pub fn run_eval(args: &EvalArgs) -> Result<()> {
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(config.tokenizer.as_deref()).context("the run's tokenizer")?;
     let tokens = source.load_with(config.model.vocab_size, &tokenizer).context("--data")?;
     let batch = args.batch_size.unwrap_or(config.batch_size);
-    let e = lazarus_model::eval::evaluate(&model, &tokens, config.seq_len, args.windows, batch)?;
+    let seq_len = args.seq_len.unwrap_or(config.seq_len);
+    if seq_len == 0 || seq_len > config.model.max_seq_len {
+        bail!("invalid --seq-len: {seq_len} (1 to the model's max_seq_len, {})", config.model.max_seq_len);
+    }
+    let e = lazarus_model::eval::evaluate(&model, &tokens, seq_len, args.windows, batch)?;
     if args.json {
         let v = serde_json::json!({
-            "checkpoint": args.checkpoint, "step": step, "seq_len": config.seq_len, "windows": e.windows,
+            "checkpoint": args.checkpoint, "step": step, "seq_len": seq_len, "windows": e.windows,
             "tokens": e.tokens, "loss": e.loss, "perplexity": e.perplexity,
         });
         return crate::io::println(&v.to_string());
@@ -62,7 +70,7 @@ pub fn run_eval(args: &EvalArgs) -> Result<()> {
         e.loss,
         e.perplexity,
         e.windows,
-        config.seq_len,
+        seq_len,
         e.tokens,
         source.describe()
     ))

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod agent;
 mod evaluate;
+mod export;
 mod generate;
 mod io;
 mod moe_bench;
@@ -47,6 +48,8 @@ enum Command {
     Eval(Box<evaluate::EvalArgs>),
     /// Text sampled from a checkpoint's model, after a prompt (temperature, top-k, seed).
     Generate(Box<generate::GenerateArgs>),
+    /// A checkpoint's model as a Hugging Face directory (Mixtral's options).
+    Export(Box<export::ExportArgs>),
     /// Learn a byte-level BPE tokenizer (Hugging Face tokenizer.json) from text.
     Tokenizer(Box<tokenizer::TokenizerArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
@@ -126,6 +129,7 @@ fn main() -> ExitCode {
         | Command::Sim(_)
         | Command::Eval(_)
         | Command::Generate(_)
+        | Command::Export(_)
         | Command::Bench(BenchCommand::Train(_)) => true,
         Command::Train(args) => !args.uses_workers(),
         _ => false,
@@ -144,6 +148,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Eval(args) => evaluate::run_eval(&args),
         Command::Generate(args) => generate::run_generate(&args),
+        Command::Export(args) => export::run_export(&args),
         Command::Tokenizer(args) => tokenizer::run_tokenizer(&args),
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),

@@ -645,3 +645,66 @@ fn a_subword_tokenizer_trains_evaluates_and_generates() {
     assert!(String::from_utf8_lossy(&lazarus(&shards).stderr).contains("take no tokenizer"));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A run with Mixtral's blocks exports as a Hugging Face directory whose held-out loss is the
+/// checkpoint's; a new run starts from it (`--init-from`), its first step's loss below a fresh
+/// model's; a model flag that contradicts the directory, a model that is not Mixtral's, a
+/// directory that is not a model and an export over an existing one are refused, each named.
+#[test]
+fn export_to_hugging_face_and_init_from_it() {
+    let d = common::dir("hf-export");
+    let (ck, out_dir, held) = (d.join("ck"), d.join("hf"), d.join("held.txt"));
+    std::fs::write(&held, "the quick brown fox jumps over the lazy dog; ".repeat(40)).unwrap();
+    let (ck_s, out_s, held_s) = (ck.to_str().unwrap(), out_dir.to_str().unwrap(), held.to_str().unwrap());
+    let mut args = vec!["train", "--steps", "12", "--checkpoint-dir", ck_s, "--arch", "mixtral"];
+    args.extend(tiny());
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = lazarus(&["export", "--checkpoint", ck_s, "--format", "hf", out_s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("as a Hugging Face Mixtral model"));
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!((config["model_type"].as_str(), config["hidden_size"].as_u64()), (Some("mixtral"), Some(32)));
+    let eval = |dir: &str| -> f64 {
+        let out =
+            lazarus(&["eval", "--checkpoint", dir, "--data", held_s, "--windows", "8", "--seq-len", "16", "--batch-size", "8", "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["loss"].as_f64().unwrap()
+    };
+    assert_eq!(eval(ck_s), eval(out_s), "the export is the checkpoint's model");
+    // Fine-tuning from it: the first step starts from the trained weights.
+    let first_loss = |extra: &[&str]| -> f64 {
+        let log = d.join(format!("log-{}.jsonl", extra.len()));
+        let mut a = vec!["train", "--steps", "1", "--json-log", log.to_str().unwrap()];
+        a.extend(tiny());
+        a.extend(extra);
+        let out = lazarus(&a);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        common::log(&log).0[0].1
+    };
+    let fresh = first_loss(&["--arch", "mixtral"]);
+    let tuned = first_loss(&["--init-from", out_s]);
+    assert!(tuned < fresh - 0.1, "from the export {tuned}, fresh {fresh}");
+    for (extra, want) in [
+        (vec!["--init-from", out_s, "--d-model", "64", "--heads", "2"], "--d-model 64"),
+        (vec!["--init-from", out_s, "--experts", "8"], "--experts 8"),
+        (vec!["--init-from", d.to_str().unwrap()], "no config.json"),
+        (vec!["--init-from", out_s, "--resume"], "--resume"),
+    ] {
+        let mut a = vec!["train", "--steps", "1"];
+        a.extend(extra.iter().copied());
+        let out = lazarus(&a);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
+    }
+    let again = lazarus(&["export", "--checkpoint", ck_s, out_s]);
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let gpt = d.join("gpt");
+    let mut a = vec!["train", "--steps", "1", "--checkpoint-dir", gpt.to_str().unwrap()];
+    a.extend(tiny());
+    assert!(lazarus(&a).status.success());
+    let out = lazarus(&["export", "--checkpoint", gpt.to_str().unwrap(), d.join("gpt-hf").to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("invalid norm") && err.contains("RMSNorm"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

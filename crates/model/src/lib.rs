@@ -9,6 +9,7 @@ pub mod device;
 mod error;
 pub mod eval;
 pub mod generate;
+pub mod hf;
 pub mod model;
 pub mod ops;
 pub mod optim;

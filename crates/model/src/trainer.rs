@@ -86,6 +86,10 @@ pub struct TrainConfig {
     /// A Hugging Face `tokenizer.json` through which text data (and prompts, and held-out
     /// text) becomes tokens; None: bytes. The model's vocabulary must hold its tokens.
     pub tokenizer: Option<PathBuf>,
+    /// A Hugging Face Mixtral directory whose weights a fresh run starts from (continued
+    /// pre-training or fine-tuning, [`crate::hf`]); the model's options must be its. A resumed
+    /// run takes its weights from its checkpoint instead.
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -109,6 +113,7 @@ impl Default for TrainConfig {
             dtype: Precision::F32,
             run: None,
             tokenizer: None,
+            init_from: None,
         }
     }
 }
@@ -265,10 +270,14 @@ impl Trainer {
 
     /// A fresh run with the model and optimizer state on `device` (see [`crate::device::parse`]).
     pub fn new_on(config: TrainConfig, device: &Device) -> Result<Self> {
-        Self::build(config, Cursor::default(), device)
+        Self::build(config, Start::Fresh, device)
     }
 
-    fn build(config: TrainConfig, cursor: Cursor, device: &Device) -> Result<Self> {
+    fn build(config: TrainConfig, start: Start, device: &Device) -> Result<Self> {
+        let cursor = match start {
+            Start::Fresh => Cursor::default(),
+            Start::Resumed(c) => c,
+        };
         config.validate()?;
         if config.dtype == Precision::Bf16 && device.is_cpu() {
             return Err(ModelError::config("dtype", "bf16", "needs a GPU (--device cuda): candle's CPU matrix product has no bf16"));
@@ -277,7 +286,10 @@ impl Trainer {
         let tokens = config.data.load_with(config.model.vocab_size, &tokenizer)?;
         let unigram_entropy = crate::data::unigram_entropy(&tokens);
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
-        let model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;
+        let mut model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;
+        if let (Some(dir), Start::Fresh) = (&config.init_from, start) {
+            init_from_hf(&mut model, dir)?;
+        }
         let optimizer = AdamW::new(config.optimizer.clone(), model.params())?;
         let trace = match &config.routing_trace {
             Some(p) => Some(RoutingTrace::load(p, config.model.moe_layers(), config.model.n_experts)?),
@@ -412,7 +424,7 @@ impl Trainer {
             config.steps = s;
         }
         config.checkpoint_dir = Some(dir.to_path_buf());
-        let mut trainer = Self::build(config, state.cursor, device)?;
+        let mut trainer = Self::build(config, Start::Resumed(state.cursor), device)?;
         set_weights(&trainer.model, &ck)?;
         let params = trainer.model.params().clone();
         for (i, (name, var)) in params.iter().enumerate() {
@@ -474,11 +486,53 @@ fn set_weights(model: &MoeModel, ck: &checkpoint::CheckpointData) -> Result<()> 
     Ok(())
 }
 
+/// How a trainer starts: a new run (weights from the seed, or `init_from`), or a resumed one at
+/// its data cursor (weights from its checkpoint).
+#[derive(Clone, Copy)]
+enum Start {
+    Fresh,
+    Resumed(Cursor),
+}
+
+/// `model`'s weights from the Hugging Face Mixtral directory `dir`, whose configuration must be
+/// the model's (the first option that differs is named).
+fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
+    let (cfg, tensors) = crate::hf::load(dir)?;
+    let ours = model.config();
+    let pairs: [(&'static str, String, String); 9] = [
+        ("vocab_size", ours.vocab_size.to_string(), cfg.vocab_size.to_string()),
+        ("d_model", ours.d_model.to_string(), cfg.d_model.to_string()),
+        ("n_layers", ours.n_layers.to_string(), cfg.n_layers.to_string()),
+        ("n_heads", ours.n_heads.to_string(), cfg.n_heads.to_string()),
+        ("n_experts", ours.n_experts.to_string(), cfg.n_experts.to_string()),
+        ("top_k", ours.top_k.to_string(), cfg.top_k.to_string()),
+        ("d_ff", ours.d_ff.to_string(), cfg.d_ff.to_string()),
+        ("rope_theta", ours.rope_theta.to_string(), cfg.rope_theta.to_string()),
+        ("blocks", ours.describe_blocks(), cfg.describe_blocks()),
+    ];
+    if let Some((field, a, b)) = pairs.into_iter().find(|(_, a, b)| a != b) {
+        return Err(ModelError::config(field, a, format!("the model in {} has {b}", dir.display())));
+    }
+    crate::hf::set_weights(model, &tensors, &dir.join(crate::hf::WEIGHTS_FILE))?;
+    model.refresh_working_copies()
+}
+
 /// The model of the checkpoint in `dir` (or `dir/latest`, or the newest intact one) on
 /// `device`, with the run's configuration and the step it was saved at — the weights alone,
 /// without the optimizer's state or the run's data: what evaluation needs. On a CPU the model
-/// computes in f32 whatever the run's precision was.
+/// computes in f32 whatever the run's precision was. A Hugging Face Mixtral directory
+/// ([`crate::hf`]) loads too, as step 0 of a run with its model and the default settings.
 pub fn load_model(dir: &Path, device: &Device) -> Result<(MoeModel, TrainConfig, u64)> {
+    if crate::hf::is_hf_dir(dir) {
+        let (cfg, tensors) = crate::hf::load(dir)?;
+        let model = MoeModel::new(&cfg, 0, DType::F32, device)?;
+        crate::hf::set_weights(&model, &tensors, &dir.join(crate::hf::WEIGHTS_FILE))?;
+        // Its tokenizer, when the directory has one beside the model.
+        let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
+        let seq_len = cfg.max_seq_len.min(TrainConfig::default().seq_len);
+        let config = TrainConfig { seq_len, model: cfg, tokenizer, ..TrainConfig::default() };
+        return Ok((model, config, 0));
+    }
     let (ck, state, _) = open_checkpoint(dir)?;
     let config = state.config;
     config.model.validate()?;

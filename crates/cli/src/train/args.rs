@@ -135,6 +135,11 @@ pub struct TrainArgs {
     /// Directory for checkpoints (written at the end and every --checkpoint-every steps).
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face Mixtral directory (config.json +
+    /// model.safetensors, as `lazarus export --format hf` writes): the model's shape and options
+    /// are its; a model flag that says otherwise is an error naming it.
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub(crate) init_from: Option<PathBuf>,
     #[arg(long)]
     checkpoint_every: Option<u64>,
     /// Keep the newest N checkpoints in --checkpoint-dir (0: every one; default 3).
@@ -545,9 +550,52 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
         None => TrainConfig::default(),
     };
     apply_flags(args, &mut c)?;
+    apply_init_from(args, &mut c)?;
     size_vocabulary(args, &mut c)?;
     c.validate()?;
     Ok(c)
+}
+
+/// With `--init-from DIR` (or `init_from` in the file) the model is DIR's: each shape and block
+/// option taken from it, unless a flag or the file gave another value than the default, which is
+/// an error naming it (the training-only settings — aux loss, capacity factor — stay ours).
+fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
+    if let Some(dir) = &args.init_from {
+        c.init_from = Some(dir.clone());
+    }
+    let Some(dir) = c.init_from.clone() else { return Ok(()) };
+    if !lazarus_model::hf::is_hf_dir(&dir) {
+        bail!("invalid --init-from: {} holds no config.json beside a model.safetensors (a Hugging Face model directory)", dir.display());
+    }
+    let theirs = lazarus_model::hf::read_config(&dir).context("--init-from")?;
+    let default = lazarus_model::ModelConfig::default();
+    let ours = &c.model;
+    let m = &args.model;
+    // A field is said when its flag is given (or --arch, for the block options) or the file
+    // gave it another value than the default.
+    let blocks = m.arch.is_some();
+    macro_rules! first_said_otherwise {
+        ($($field:ident => $flag:literal if $given:expr),*) => {
+            [$((($given || ours.$field != default.$field) && ours.$field != theirs.$field).then(|| {
+                format!("--{} {:?} (the model in {} has {:?})", $flag, ours.$field, dir.display(), theirs.$field)
+            })),*].into_iter().flatten().next()
+        };
+    }
+    let clash = first_said_otherwise!(vocab_size => "vocab-size" if m.vocab_size.is_some(), d_model => "d-model" if m.d_model.is_some(),
+        n_layers => "layers" if m.layers.is_some(), n_heads => "heads" if m.heads.is_some(), n_experts => "experts" if m.experts.is_some(),
+        top_k => "top-k" if m.top_k.is_some(), d_ff => "d-ff" if m.d_ff.is_some(), moe_every => "moe-every" if m.moe_every.is_some(),
+        shared_experts => "shared-experts" if blocks || m.shared_experts.is_some(), norm => "norm" if blocks || m.norm.is_some(),
+        positions => "positions" if blocks || m.positions.is_some(), expert_act => "expert-act" if blocks || m.expert_act.is_some(),
+        attn_bias => "attn-bias" if blocks || m.attn_bias.is_some(), ffn_bias => "ffn-bias" if blocks || m.ffn_bias.is_some(),
+        normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some());
+    if let Some(clash) = clash {
+        bail!("--init-from: the model is the directory's, but {clash}");
+    }
+    c.model = lazarus_model::ModelConfig { aux_loss_coef: c.model.aux_loss_coef, capacity_factor: c.model.capacity_factor, ..theirs };
+    if args.model.seq_len.is_none() {
+        c.seq_len = c.seq_len.min(c.model.max_seq_len);
+    }
+    Ok(())
 }
 
 /// The `[model]` table's `arch` key, taken out of it, with the keys the table sets itself (they

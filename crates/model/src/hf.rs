@@ -1,0 +1,451 @@
+//! Hugging Face interop for models with Mixtral's blocks: a directory of `config.json` and
+//! `model.safetensors` with transformers' `MixtralForCausalLM` parameter names, written from a
+//! model ([`export`]) and read into one ([`load`], [`set_weights`]).
+//!
+//! The tensors differ from ours only in layout: a transformers `Linear` holds its weight as
+//! [out, in] where ours is [in, out]; our packed attention projection [d, 3d] is their q, k and v
+//! projections side by side; our SwiGLU expert's first weight [d, 2f] is their `w1` (the gate)
+//! and `w3` (the up projection) side by side, and `w2` is the down projection. Rotary positions
+//! pair dimension i of a head with i + head/2, as their `rotate_half` does, so the weights apply
+//! unchanged. A model whose options are not Mixtral's (LayerNorm, learned positions, GELU,
+//! biases, shared experts, un-normalised top-k, dense blocks, a capacity factor) has no such
+//! directory: [`mixtral_mismatch`] names the first option that differs.
+//!
+//! Reading accepts the legacy per-expert names (`block_sparse_moe.experts.{e}.w1`) and the fused
+//! ones of newer transformers (`mlp.experts.gate_up_proj` [E, 2f, d], `mlp.experts.down_proj`
+//! [E, d, f], `mlp.gate.weight`); writing uses the legacy names, which every version reads.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::config::{Activation, ModelConfig, NormKind, Positions};
+use crate::error::{ModelError, Result};
+use crate::model::{MoeModel, NORM_EPS};
+
+/// The configuration file of a Hugging Face model directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// Its weights (one file; sharded checkpoints are not read).
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// Longest `config.json` read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The first option of `cfg` that Mixtral does not have, as (field, what it would need).
+pub fn mixtral_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    let checks: [(bool, &'static str, String); 9] = [
+        (cfg.norm == NormKind::Rms, "norm", "Mixtral's norm is RMSNorm (--norm rms)".into()),
+        (cfg.positions == Positions::Rope, "positions", "Mixtral has rotary positions (--positions rope)".into()),
+        (cfg.expert_act == Activation::Swiglu, "expert_act", "Mixtral's experts are SwiGLU (--expert-act swiglu)".into()),
+        (!cfg.attn_bias, "attn_bias", "Mixtral's attention has no biases (--attn-bias false)".into()),
+        (!cfg.ffn_bias, "ffn_bias", "Mixtral's experts have no biases (--ffn-bias false)".into()),
+        (cfg.shared_experts == 0, "shared_experts", format!("{}: Mixtral has no shared experts", cfg.shared_experts)),
+        (cfg.moe_every == 1, "moe_every", format!("{}: Mixtral has an MoE layer in every block", cfg.moe_every)),
+        (
+            cfg.top_k > 1 && cfg.normalize_top_k,
+            "top_k",
+            format!(
+                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights",
+                cfg.top_k,
+                if cfg.normalize_top_k { "" } else { " unnormalised" }
+            ),
+        ),
+        (cfg.capacity_factor.is_none(), "capacity_factor", "Mixtral is dropless".into()),
+    ];
+    checks.into_iter().find(|(ok, _, _)| !ok).map(|(_, field, why)| (field, why))
+}
+
+/// `config.json` of `cfg` as transformers' `MixtralConfig` (f32 weights).
+pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
+    if let Some((field, why)) = mixtral_mismatch(cfg) {
+        return Err(ModelError::config(field, why, "not a Mixtral model: no Hugging Face export"));
+    }
+    Ok(json!({
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.d_model / cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": NORM_EPS,
+        "rope_theta": cfg.rope_theta,
+        "sliding_window": null,
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": false,
+        "tie_word_embeddings": false,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+        "use_cache": true,
+    }))
+}
+
+/// How one of our tensors is one or more of theirs.
+enum Layout {
+    /// The same tensor.
+    Same(String),
+    /// Transposed ([in, out] here, [out, in] there).
+    Transposed(String),
+    /// Side by side along our columns, each transposed: ours [in, Σ outs] = [t₁ᵀ | t₂ᵀ | …].
+    Columns(Vec<String>),
+}
+
+/// Where each of our parameters is among transformers' (legacy names), in our order.
+fn layouts(model: &MoeModel) -> Vec<(String, Layout)> {
+    let mut out = Vec::new();
+    for (name, _) in model.params().iter() {
+        let theirs = match name.split('.').collect::<Vec<_>>().as_slice() {
+            ["tok_emb"] => Layout::Same("model.embed_tokens.weight".into()),
+            ["ln_f", "w"] => Layout::Same("model.norm.weight".into()),
+            ["head", "w"] => Layout::Transposed("lm_head.weight".into()),
+            ["blocks", b, rest @ ..] => {
+                let p = format!("model.layers.{b}");
+                match rest {
+                    ["ln1", "w"] => Layout::Same(format!("{p}.input_layernorm.weight")),
+                    ["ln2", "w"] => Layout::Same(format!("{p}.post_attention_layernorm.weight")),
+                    ["attn", "qkv", "w"] => {
+                        Layout::Columns(["q", "k", "v"].iter().map(|x| format!("{p}.self_attn.{x}_proj.weight")).collect())
+                    }
+                    ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
+                    ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.gate.weight")),
+                    ["moe", "experts", e, "fc1", "w"] => {
+                        Layout::Columns(["w1", "w3"].iter().map(|x| format!("{p}.block_sparse_moe.experts.{e}.{x}.weight")).collect())
+                    }
+                    ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.experts.{e}.w2.weight")),
+                    _ => continue,
+                }
+            }
+            _ => continue,
+        };
+        out.push((name.to_string(), theirs));
+    }
+    out
+}
+
+/// Write `model` (every expert held here) as a Hugging Face Mixtral directory in `dir`, which
+/// must not hold a `config.json` or `model.safetensors` already.
+pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
+    let config = config_json(model.config())?;
+    for file in [CONFIG_FILE, WEIGHTS_FILE] {
+        if dir.join(file).exists() {
+            return Err(ModelError::io(
+                dir.join(file),
+                std::io::Error::new(std::io::ErrorKind::AlreadyExists, "already exists: not written over"),
+            ));
+        }
+    }
+    let mut tensors: Vec<(String, Tensor)> = Vec::new();
+    for (ours, layout) in layouts(model) {
+        let t = model.params().get(&ours).expect("a parameter of the model").as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        if t.elem_count() == 0 {
+            return Err(ModelError::config("expert", ours, "is not held by this process: export a checkpoint, not a worker's model"));
+        }
+        match layout {
+            Layout::Same(n) => tensors.push((n, t)),
+            Layout::Transposed(n) => tensors.push((n, t.t()?.contiguous()?)),
+            Layout::Columns(names) => {
+                let width = t.dim(1)? / names.len();
+                for (i, n) in names.into_iter().enumerate() {
+                    tensors.push((n, t.narrow(1, i * width, width)?.t()?.contiguous()?));
+                }
+            }
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config("config", e, "not serialisable"))?;
+    write_new(&dir.join(CONFIG_FILE), text.as_bytes())?;
+    let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(sorted, Some(meta))
+        .map_err(|e| ModelError::Checkpoint { path: dir.join(WEIGHTS_FILE), reason: e.to_string() })?;
+    write_new(&dir.join(WEIGHTS_FILE), &bytes)
+}
+
+/// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed).
+fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+}
+
+/// Whether `dir` looks like a Hugging Face model directory (a `config.json` beside a
+/// `model.safetensors`).
+pub fn is_hf_dir(dir: &Path) -> bool {
+    dir.join(CONFIG_FILE).is_file() && dir.join(WEIGHTS_FILE).is_file()
+}
+
+/// Our configuration of the Mixtral model described by `config.json` at `path`, or an error
+/// naming the first field we cannot follow.
+pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
+    let bad = |field: &str, reason: String| ModelError::Checkpoint { path: path.to_path_buf(), reason: format!("{field}: {reason}") };
+    let int = |field: &str| -> Result<usize> {
+        v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| bad(field, "missing or not a whole number".into()))
+    };
+    let num = |field: &str| v.get(field).and_then(Value::as_f64);
+    match v.get("model_type").and_then(Value::as_str) {
+        Some("mixtral") => {}
+        other => return Err(bad("model_type", format!("{other:?}: only Mixtral checkpoints are read"))),
+    }
+    let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
+    if let Some(kv) = v.get("num_key_value_heads").and_then(Value::as_u64) {
+        if kv as usize != heads {
+            return Err(bad("num_key_value_heads", format!("{kv} of {heads} heads: grouped-query attention is not supported")));
+        }
+    }
+    if let Some(hd) = v.get("head_dim").and_then(Value::as_u64) {
+        if heads == 0 || hd as usize * heads != d {
+            return Err(bad("head_dim", format!("{hd}: only hidden_size / num_attention_heads is supported")));
+        }
+    }
+    match v.get("hidden_act").and_then(Value::as_str) {
+        None | Some("silu") => {}
+        Some(other) => return Err(bad("hidden_act", format!("{other:?}: only silu (SwiGLU) is supported"))),
+    }
+    if v.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
+        return Err(bad("tie_word_embeddings", "true: tied embeddings are not supported".into()));
+    }
+    let max_pos = int("max_position_embeddings")?;
+    if let Some(w) = v.get("sliding_window").and_then(Value::as_u64) {
+        if (w as usize) < max_pos {
+            return Err(bad("sliding_window", format!("{w}: sliding-window attention is not supported")));
+        }
+    }
+    if let Some(eps) = num("rms_norm_eps") {
+        if (eps - NORM_EPS).abs() > 1e-12 {
+            return Err(bad("rms_norm_eps", format!("{eps}: only {NORM_EPS} is supported")));
+        }
+    }
+    // rope_theta at the top (transformers 4) or in rope_parameters (5), with the default type.
+    let rope = v.get("rope_parameters").or_else(|| v.get("rope_scaling")).filter(|r| !r.is_null());
+    if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str) {
+        if kind != "default" {
+            return Err(bad("rope_parameters", format!("rope_type {kind:?}: only the default rotary positions are supported")));
+        }
+    }
+    let theta = num("rope_theta").or_else(|| rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64)).unwrap_or(1e6);
+    let cfg = ModelConfig {
+        vocab_size: int("vocab_size")?,
+        d_model: d,
+        n_layers: int("num_hidden_layers")?,
+        n_heads: heads,
+        max_seq_len: max_pos,
+        n_experts: int("num_local_experts")?,
+        top_k: int("num_experts_per_tok")?,
+        d_ff: int("intermediate_size")?,
+        aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.02),
+        init_std: num("initializer_range").unwrap_or(0.02),
+        rope_theta: theta,
+        ..ModelConfig::default().mixtral()
+    };
+    cfg.validate().map_err(|e| bad("config", e.to_string()))?;
+    if let Some((field, why)) = mixtral_mismatch(&cfg) {
+        return Err(bad(field, why));
+    }
+    Ok(cfg)
+}
+
+/// Our configuration of the Mixtral model in `dir` (its `config.json`).
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let config_path = dir.join(CONFIG_FILE);
+    let len = std::fs::metadata(&config_path).map_err(|e| ModelError::io(&config_path, e))?.len();
+    if len > MAX_CONFIG_BYTES {
+        return Err(ModelError::Checkpoint { path: config_path, reason: format!("{len} bytes: not a model configuration") });
+    }
+    let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint { path: config_path.clone(), reason: e.to_string() })?;
+    config_from_json(&v, &config_path)
+}
+
+/// A Hugging Face Mixtral directory: our configuration of it and its tensors (f32, on the CPU).
+pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
+    let cfg = read_config(dir)?;
+    let weights = dir.join(WEIGHTS_FILE);
+    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
+        .map_err(|e| ModelError::Checkpoint { path: weights.clone(), reason: e.to_string() })?;
+    let tensors = tensors.into_iter().map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?))).collect::<Result<_>>()?;
+    Ok((cfg, tensors))
+}
+
+/// Set every parameter of `model` from a Mixtral directory's `tensors` (legacy or fused expert
+/// names), each shape checked; `path` names the file in errors.
+pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    let bad = |reason: String| ModelError::Checkpoint { path: path.to_path_buf(), reason };
+    let fetch = |name: &str| -> Result<Tensor> {
+        if let Some(t) = tensors.get(name) {
+            return Ok(t.clone());
+        }
+        fused(tensors, name).transpose()?.ok_or_else(|| bad(format!("missing tensor {name}")))
+    };
+    for (ours, layout) in layouts(model) {
+        let var = model.params().get(&ours).expect("a parameter of the model");
+        let t = match layout {
+            Layout::Same(n) => fetch(&n)?,
+            Layout::Transposed(n) => fetch(&n)?.t()?.contiguous()?,
+            Layout::Columns(names) => {
+                let parts = names.iter().map(|n| Ok(fetch(n)?.t()?)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 1)?
+            }
+        };
+        if t.dims() != var.dims() {
+            return Err(bad(format!("{ours} would be {:?} from the file, the model's is {:?}", t.dims(), var.dims())));
+        }
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
+/// A legacy per-expert (or router) tensor name read from newer transformers' fused layout:
+/// `model.layers.{b}.mlp.experts.gate_up_proj` [E, 2f, d] (gate rows, then up rows) and
+/// `…down_proj` [E, d, f], the router at `…mlp.gate.weight`. None when the name is not one of
+/// those or the file does not have the fused tensor either.
+fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<Result<Tensor>> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (b, rest) = rest.split_once('.')?;
+    let moe = rest.strip_prefix("block_sparse_moe.")?;
+    if moe == "gate.weight" {
+        return tensors.get(&format!("model.layers.{b}.mlp.gate.weight")).map(|t| Ok(t.clone()));
+    }
+    let (e, which) = moe.strip_prefix("experts.")?.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let experts = format!("model.layers.{b}.mlp.experts");
+    let pick = |t: &Tensor| -> Result<Tensor> {
+        let one = t.get(e)?;
+        Ok(match which {
+            "w1.weight" => one.narrow(0, 0, one.dim(0)? / 2)?,
+            "w3.weight" => one.narrow(0, one.dim(0)? / 2, one.dim(0)? / 2)?,
+            _ => one,
+        })
+    };
+    match which {
+        "w1.weight" | "w3.weight" => tensors.get(&format!("{experts}.gate_up_proj")).map(pick),
+        "w2.weight" => tensors.get(&format!("{experts}.down_proj")).map(pick),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 19,
+            d_model: 16,
+            n_layers: 2,
+            n_heads: 2,
+            max_seq_len: 12,
+            n_experts: 4,
+            top_k: 2,
+            d_ff: 8,
+            ..ModelConfig::default().mixtral()
+        }
+    }
+
+    /// Export, then read back into a fresh model: every tensor the same, the configuration
+    /// the same; the directory's names are transformers' legacy ones; a second export into the
+    /// same directory is refused.
+    #[test]
+    fn an_export_reads_back_into_the_same_model() {
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let m = MoeModel::new(&tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+        export(&m, &dir).unwrap();
+        let (cfg, tensors) = load(&dir).unwrap();
+        assert_eq!(cfg, ModelConfig { aux_loss_coef: tiny().aux_loss_coef, ..tiny() });
+        assert!(tensors.contains_key("model.layers.1.block_sparse_moe.experts.3.w3.weight"));
+        assert_eq!(tensors["model.layers.0.self_attn.q_proj.weight"].dims(), [16, 16]);
+        assert_eq!(tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dims(), [8, 16]);
+        let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&back, &tensors, &dir).unwrap();
+        for ((name, a), (_, b)) in m.params().iter().zip(back.params().iter()) {
+            let (a, b): (Vec<f32>, Vec<f32>) =
+                (a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), b.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
+            assert_eq!(a, b, "{name}");
+        }
+        assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The fused expert layout of newer transformers reads as the legacy one.
+    #[test]
+    fn fused_expert_tensors_read_as_the_legacy_ones() {
+        let m = MoeModel::new(&tiny(), 5, DType::F32, &Device::Cpu).unwrap();
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-fused-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        export(&m, &dir).unwrap();
+        let (_, legacy) = load(&dir).unwrap();
+        let mut fused_map: HashMap<String, Tensor> = HashMap::new();
+        for (n, t) in &legacy {
+            if !n.contains("block_sparse_moe") {
+                fused_map.insert(n.clone(), t.clone());
+            }
+        }
+        for b in 0..2 {
+            let p = format!("model.layers.{b}.block_sparse_moe");
+            let stack = |f: &dyn Fn(usize) -> Tensor| Tensor::stack(&(0..4).map(f).collect::<Vec<_>>(), 0).unwrap();
+            let gate_up = stack(&|e| {
+                Tensor::cat(&[&legacy[&format!("{p}.experts.{e}.w1.weight")], &legacy[&format!("{p}.experts.{e}.w3.weight")]], 0).unwrap()
+            });
+            let down = stack(&|e| legacy[&format!("{p}.experts.{e}.w2.weight")].clone());
+            fused_map.insert(format!("model.layers.{b}.mlp.experts.gate_up_proj"), gate_up);
+            fused_map.insert(format!("model.layers.{b}.mlp.experts.down_proj"), down);
+            fused_map.insert(format!("model.layers.{b}.mlp.gate.weight"), legacy[&format!("{p}.gate.weight")].clone());
+        }
+        let a = MoeModel::new(&tiny(), 7, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&a, &legacy, &dir).unwrap();
+        let b = MoeModel::new(&tiny(), 8, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&b, &fused_map, &dir).unwrap();
+        for ((name, x), (_, y)) in a.params().iter().zip(b.params().iter()) {
+            let (x, y): (Vec<f32>, Vec<f32>) =
+                (x.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), y.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
+            assert_eq!(x, y, "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// What is not Mixtral is named: in our configuration on export, in theirs on import.
+    #[test]
+    fn what_does_not_match_is_named() {
+        let cases = [
+            (ModelConfig::default(), "norm"),
+            (ModelConfig { shared_experts: 1, ..tiny() }, "shared_experts"),
+            (ModelConfig { ffn_bias: true, ..tiny() }, "ffn_bias"),
+            (ModelConfig { normalize_top_k: false, ..tiny() }, "top_k"),
+            (ModelConfig { top_k: 1, ..tiny() }, "top_k"),
+        ];
+        for (cfg, field) in cases {
+            let e = config_json(&cfg).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        let good = config_json(&tiny()).unwrap();
+        let path = Path::new("config.json");
+        assert_eq!(config_from_json(&good, path).unwrap().d_model, 16);
+        for (key, value, named) in [
+            ("model_type", json!("llama"), "model_type"),
+            ("num_key_value_heads", json!(1), "num_key_value_heads"),
+            ("hidden_act", json!("gelu"), "hidden_act"),
+            ("tie_word_embeddings", json!(true), "tie_word_embeddings"),
+            ("sliding_window", json!(4), "sliding_window"),
+            ("rms_norm_eps", json!(1e-6), "rms_norm_eps"),
+            ("num_experts_per_tok", json!(1), "top_k"),
+            ("hidden_size", json!("wide"), "hidden_size"),
+            ("num_local_experts", json!(100_000_000u64), "n_experts"),
+        ] {
+            let mut v = good.clone();
+            v[key] = value;
+            let e = config_from_json(&v, path).unwrap_err().to_string();
+            assert!(e.contains(named), "{key}: {e}");
+        }
+    }
+}
