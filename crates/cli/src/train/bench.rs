@@ -44,10 +44,18 @@ pub struct BenchTrainArgs {
 /// What the PyTorch peer printed (its last line, JSON).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TorchReport {
+    /// "pytorch" (the embedded peer's own model) or "transformers-mixtral" (transformers'
+    /// MixtralForCausalLM, for a model with Mixtral's options where transformers is importable).
+    #[serde(default = "pytorch")]
+    pub system: String,
     pub threads: usize,
     pub params: usize,
     pub tokens_per_s: f64,
     pub step_s: f64,
+}
+
+fn pytorch() -> String {
+    "pytorch".into()
 }
 
 #[derive(Debug, Serialize)]
@@ -159,11 +167,9 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
     }
     match (&out.pytorch, &out.pytorch_skipped, out.ratio_vs_pytorch) {
         (Some(t), _, Some(ratio)) => {
-            let _ = writeln!(
-                s,
-                "PyTorch eager    {:.0} tokens/s ({:.3} s per step, {} threads), same model shape",
-                t.tokens_per_s, t.step_s, t.threads
-            );
+            let what = if t.system == "transformers-mixtral" { "transformers' MixtralForCausalLM" } else { "same model shape" };
+            let _ =
+                writeln!(s, "PyTorch eager    {:.0} tokens/s ({:.3} s per step, {} threads), {what}", t.tokens_per_s, t.step_s, t.threads);
             let goal = if r.device == "cpu" { "goal >= 1.0 on 2 cores, >= 0.8 on 16" } else { "goal >= 1.0" };
             let _ = writeln!(
                 s,
@@ -181,17 +187,41 @@ pub fn run_bench_train(args: &BenchTrainArgs) -> Result<()> {
 }
 
 /// Why the PyTorch peer cannot train this configuration, if it cannot: it has the default
-/// model's structure (byte vocabulary, top-2, an MoE in every block, dropless routing).
+/// model's structure (byte vocabulary, an MoE in every block, dropless routing) with Lazarus's
+/// block options (norm, positions, activation, biases, top-k, shared experts), but one flag for
+/// both kinds of bias.
 fn torch_mismatch(config: &TrainConfig) -> Option<String> {
     let m = &config.model;
     let checks = [
         (m.vocab_size == 256, format!("vocab {} (the peer has 256)", m.vocab_size)),
-        (m.top_k == 2, format!("top-k {} (the peer routes top-2)", m.top_k)),
+        (m.attn_bias == m.ffn_bias, "biases on the attention but not the FFNs, or back (the peer has one switch)".to_string()),
         (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
         (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
         (m.aux_loss_coef == 0.01, format!("aux loss coefficient {} (the peer uses 0.01)", m.aux_loss_coef)),
     ];
     checks.into_iter().find(|(ok, _)| !ok).map(|(_, why)| format!("the PyTorch peer cannot match {why}"))
+}
+
+/// The peer's flags for the block options of `m`.
+fn torch_block_args(m: &lazarus_model::ModelConfig) -> Vec<String> {
+    use lazarus_model::config::{Activation, NormKind, Positions};
+    let mut v = vec!["--top-k".to_string(), m.top_k.to_string(), "--shared".into(), m.shared_experts.to_string()];
+    if m.norm == NormKind::Rms {
+        v.extend(["--norm".into(), "rms".into()]);
+    }
+    if m.positions == Positions::Rope {
+        v.extend(["--rope".into(), m.rope_theta.to_string()]);
+    }
+    if m.expert_act == Activation::Swiglu {
+        v.extend(["--act".into(), "swiglu".into()]);
+    }
+    if !m.ffn_bias {
+        v.push("--no-bias".into());
+    }
+    if !m.normalize_top_k {
+        v.push("--no-normalize".into());
+    }
+    v
 }
 
 /// Train the same model with PyTorch eager on `device` (`cpu` or `cuda:N`, as ours ran) and
@@ -208,6 +238,14 @@ fn run_torch(python: &str, config: &TrainConfig, device: &str, threads: usize, i
         Err(e) => bail!("cannot start {python}: {e}"),
     }
     let m = &config.model;
+    // A model with Mixtral's options trains against transformers' own Mixtral when it imports.
+    let hf = lazarus_model::hf::mixtral_mismatch(m).is_none()
+        && Command::new(python)
+            .args(["-c", "import transformers"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
     // The peer drops its first max(3, steps/4) steps and takes the median of the rest.
     let steps = (iters + 4).max(12);
     let mut child = Command::new(python)
@@ -219,6 +257,8 @@ fn run_torch(python: &str, config: &TrainConfig, device: &str, threads: usize, i
         .args(["--batch", &config.batch_size.to_string(), "--seq", &config.seq_len.to_string()])
         .args(["--d", &m.d_model.to_string(), "--layers", &m.n_layers.to_string(), "--heads", &m.n_heads.to_string()])
         .args(["--experts", &m.n_experts.to_string(), "--dff", &m.d_ff.to_string()])
+        .args(torch_block_args(m))
+        .args(if hf { &["--hf"][..] } else { &[] })
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -248,8 +288,11 @@ mod tests {
         let default = TrainConfig::default();
         assert_eq!(torch_mismatch(&default), None);
         let mut c = default.clone();
-        c.model.top_k = 1;
-        assert!(torch_mismatch(&c).unwrap().contains("top-k 1"));
+        c.model.attn_bias = false;
+        assert!(torch_mismatch(&c).unwrap().contains("biases"));
+        c.model = c.model.mixtral();
+        assert_eq!(torch_mismatch(&c), None);
+        assert_eq!(torch_block_args(&c.model).join(" "), "--top-k 2 --shared 0 --norm rms --rope 1000000 --act swiglu --no-bias");
         let mut c = default;
         c.model.capacity_factor = Some(1.25);
         assert!(torch_mismatch(&c).unwrap().contains("capacity"));

@@ -599,6 +599,7 @@ mod tests {
             "checkpoint-dir",
             "checkpoint-every",
             "keep-checkpoints",
+            "init-from",
         ];
         let mut checked = 0;
         for flag in longs(Cli::command()) {

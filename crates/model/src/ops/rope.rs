@@ -7,7 +7,7 @@
 //! position t, so the weights of a Hugging Face checkpoint apply unchanged. The turn is
 //! orthogonal: the backward turns the gradient back by the opposite angle.
 
-use super::host::{contiguous_slice, host_f64, with_host_f32};
+use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
@@ -43,13 +43,16 @@ macro_rules! rope_impl {
             let half = dh / 2;
             let cos: Vec<$t> = cos.iter().map(|&v| v as $t).collect();
             let sin: Vec<$t> = sin.iter().map(|&v| if inverse { -v as $t } else { v as $t }).collect();
-            let mut y = vec![0 as $t; x.len()];
+            let mut y = Unfilled::<$t>::new(x.len());
             let rows = x.len() / width;
             let part = part_len(rows, width, ROWWISE_MIN);
             let first_rows: Vec<usize> = (0..rows).step_by((part / width).max(1)).collect();
-            let work: Vec<_> = y.chunks_mut(part).zip(x.chunks(part)).zip(first_rows).collect();
+            let work: Vec<_> = y.slots().chunks_mut(part).zip(x.chunks(part)).zip(first_rows).collect();
             run_parallel(work, |((ys, xs), first)| {
                 for (r, (yr, xr)) in ys.chunks_exact_mut(width).zip(xs.chunks_exact(width)).enumerate() {
+                    // SAFETY: every element of the row is written below (q and k turned, v
+                    // copied) before anything reads it; f32/f64 have no invalid bit patterns.
+                    let yr = unsafe { &mut *(yr as *mut [std::mem::MaybeUninit<$t>] as *mut [$t]) };
                     let pos = (first + r) % t;
                     let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
                     for head in 0..2 * heads {
@@ -64,7 +67,8 @@ macro_rules! rope_impl {
                     yr[2 * d..].copy_from_slice(&xr[2 * d..]);
                 }
             });
-            y
+            // SAFETY: the parts cover every row, each written in full.
+            unsafe { y.assume_written() }
         }
     };
 }
@@ -90,14 +94,22 @@ impl CustomOp1 for Rope {
         Ok((out, layout.shape().clone()))
     }
 
+    /// The gradient turned back by the opposite angles, straight from its buffer.
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let _profile = crate::profile::kernel("rope.bwd");
-        let back = Rope { heads: self.heads, theta: self.theta, inverse: !self.inverse };
+        let (_, t, d3) = grad.dims3()?;
+        let d = d3 / 3;
+        let (cos, sin) = tables(t, d / self.heads, self.theta);
+        let back = !self.inverse;
         let g = match grad.dtype() {
-            candle_core::DType::F32 => with_host_f32([grad], |[g]| g.to_vec())
-                .and_then(|g| Tensor::from_vec(g, grad.shape(), grad.device()))?
-                .apply_op1_no_bwd(&back)?,
-            _ => Tensor::from_vec(host_f64(grad)?, grad.shape(), grad.device())?.apply_op1_no_bwd(&back)?.to_dtype(grad.dtype())?,
+            candle_core::DType::F32 => {
+                let g = with_host_f32([grad], |[g]| rope_f32(g, t, d, self.heads, &cos, &sin, back))?;
+                Tensor::from_vec(g, grad.shape(), grad.device())?
+            }
+            _ => {
+                let g = rope_f64(&host_f64(grad)?, t, d, self.heads, &cos, &sin, back);
+                Tensor::from_vec(g, grad.shape(), grad.device())?.to_dtype(grad.dtype())?
+            }
         };
         Ok(Some(g))
     }
