@@ -223,7 +223,7 @@ fn bf16_paths(gpu: &Device) {
     sink.drain_into(&mut grads).unwrap();
     let cpu_refs: Vec<[&Tensor; 4]> =
         weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
-    let want = super::grouped_expert_ffn(xr.as_tensor(), &cpu_refs, &counts).unwrap();
+    let want = super::grouped_expert_ffn(xr.as_tensor(), &cpu_refs, &counts, crate::config::Activation::Gelu).unwrap();
     close("grouped experts bf16", &want, &y, 5e-2);
     let wg = (&want * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
     for (e, (w, m)) in weights.iter().zip(&masters).enumerate() {
