@@ -94,7 +94,7 @@ fn toml_config_is_read_and_flags_override_it() {
 fn bad_settings_are_named() {
     let d = dir("bad");
     let cases: [(&[&str], &str); 6] = [
-        (&["--top-k", "3"], "top_k"),
+        (&["--top-k", "9"], "top_k"),
         (&["--heads", "3"], "n_heads"),
         (&["--lr", "-1"], "lr"),
         (&["--data-format", "u8", "--data", "x.bin"], "data-format"),
@@ -688,6 +688,7 @@ fn export_to_hugging_face_and_init_from_it() {
     for (extra, want) in [
         (vec!["--init-from", out_s, "--d-model", "64", "--heads", "2"], "--d-model 64"),
         (vec!["--init-from", out_s, "--experts", "8"], "--experts 8"),
+        (vec!["--init-from", out_s, "--rope-theta", "5000"], "--rope-theta 5000"),
         (vec!["--init-from", d.to_str().unwrap()], "no config.json"),
         (vec!["--init-from", out_s, "--resume"], "--resume"),
     ] {

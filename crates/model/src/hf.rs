@@ -98,8 +98,12 @@ enum Layout {
     Columns(Vec<String>),
 }
 
-/// Where each of our parameters is among transformers' (legacy names), in our order.
-fn layouts(model: &MoeModel) -> Vec<(String, Layout)> {
+/// Where each of our parameters is among transformers' (legacy names), in our order; an error
+/// for a model that is not Mixtral's (whose parameters would not all have a place).
+fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
+    if let Some((field, why)) = mixtral_mismatch(model.config()) {
+        return Err(ModelError::config(field, why, "not a Mixtral model: no Hugging Face layout"));
+    }
     let mut out = Vec::new();
     for (name, _) in model.params().iter() {
         let theirs = match name.split('.').collect::<Vec<_>>().as_slice() {
@@ -120,20 +124,25 @@ fn layouts(model: &MoeModel) -> Vec<(String, Layout)> {
                         Layout::Columns(["w1", "w3"].iter().map(|x| format!("{p}.block_sparse_moe.experts.{e}.{x}.weight")).collect())
                     }
                     ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.experts.{e}.w2.weight")),
-                    _ => continue,
+                    _ => return Err(unmapped(name)),
                 }
             }
-            _ => continue,
+            _ => return Err(unmapped(name)),
         };
         out.push((name.to_string(), theirs));
     }
-    out
+    Ok(out)
+}
+
+fn unmapped(name: &str) -> ModelError {
+    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral")
 }
 
 /// Write `model` (every expert held here) as a Hugging Face Mixtral directory in `dir`, which
 /// must not hold a `config.json` or `model.safetensors` already.
 pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
     let config = config_json(model.config())?;
+    let layouts = layouts(model)?;
     for file in [CONFIG_FILE, WEIGHTS_FILE] {
         if dir.join(file).exists() {
             return Err(ModelError::io(
@@ -143,7 +152,7 @@ pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
         }
     }
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    for (ours, layout) in layouts(model) {
+    for (ours, layout) in layouts {
         let t = model.params().get(&ours).expect("a parameter of the model").as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         if t.elem_count() == 0 {
             return Err(ModelError::config("expert", ours, "is not held by this process: export a checkpoint, not a worker's model"));
@@ -159,15 +168,16 @@ pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
             }
         }
     }
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config("config", e, "not serialisable"))?;
-    write_new(&dir.join(CONFIG_FILE), text.as_bytes())?;
     let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     sorted.sort_by(|a, b| a.0.cmp(b.0));
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     let bytes = safetensors::serialize(sorted, Some(meta))
         .map_err(|e| ModelError::Checkpoint { path: dir.join(WEIGHTS_FILE), reason: e.to_string() })?;
-    write_new(&dir.join(WEIGHTS_FILE), &bytes)
+    // The weights first, the configuration last: a directory with a config.json is complete.
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    write_new(&dir.join(WEIGHTS_FILE), &bytes)?;
+    write_new(&dir.join(CONFIG_FILE), text.as_bytes())
 }
 
 /// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed).
@@ -198,10 +208,10 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         other => return Err(bad("model_type", format!("{other:?}: only Mixtral checkpoints are read"))),
     }
     let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
-    if let Some(kv) = v.get("num_key_value_heads").and_then(Value::as_u64) {
-        if kv as usize != heads {
-            return Err(bad("num_key_value_heads", format!("{kv} of {heads} heads: grouped-query attention is not supported")));
-        }
+    // transformers' MixtralConfig has 8 key/value heads unless it says otherwise.
+    let kv = v.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(8);
+    if kv as usize != heads {
+        return Err(bad("num_key_value_heads", format!("{kv} of {heads} heads: grouped-query attention is not supported")));
     }
     if let Some(hd) = v.get("head_dim").and_then(Value::as_u64) {
         if heads == 0 || hd as usize * heads != d {
@@ -243,7 +253,8 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         n_experts: int("num_local_experts")?,
         top_k: int("num_experts_per_tok")?,
         d_ff: int("intermediate_size")?,
-        aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.02),
+        // transformers' MixtralConfig default when the file does not say.
+        aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.001),
         init_std: num("initializer_range").unwrap_or(0.02),
         rope_theta: theta,
         ..ModelConfig::default().mixtral()
@@ -287,7 +298,7 @@ pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, path: &P
         }
         fused(tensors, name).transpose()?.ok_or_else(|| bad(format!("missing tensor {name}")))
     };
-    for (ours, layout) in layouts(model) {
+    for (ours, layout) in layouts(model)? {
         let var = model.params().get(&ours).expect("a parameter of the model");
         let t = match layout {
             Layout::Same(n) => fetch(&n)?,
@@ -375,6 +386,12 @@ mod tests {
         }
         assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
         std::fs::remove_dir_all(&dir).unwrap();
+        // A model that is not Mixtral's is refused before anything is written, and its weights
+        // cannot be set from a Mixtral's (its dense blocks would have no place).
+        let dense = MoeModel::new(&ModelConfig { moe_every: 2, ..tiny() }, 3, DType::F32, &Device::Cpu).unwrap();
+        assert!(export(&dense, &dir).unwrap_err().to_string().contains("moe_every"));
+        assert!(!dir.exists());
+        assert!(set_weights(&dense, &tensors, &dir).unwrap_err().to_string().contains("moe_every"));
     }
 
     /// The fused expert layout of newer transformers reads as the legacy one.

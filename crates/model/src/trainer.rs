@@ -513,6 +513,9 @@ fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
     if let Some((field, a, b)) = pairs.into_iter().find(|(_, a, b)| a != b) {
         return Err(ModelError::config(field, a, format!("the model in {} has {b}", dir.display())));
     }
+    if ours.moe_every != cfg.moe_every {
+        return Err(ModelError::config("moe_every", ours.moe_every, format!("the model in {} has {}", dir.display(), cfg.moe_every)));
+    }
     crate::hf::set_weights(model, &tensors, &dir.join(crate::hf::WEIGHTS_FILE))?;
     model.refresh_working_copies()
 }

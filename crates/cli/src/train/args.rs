@@ -587,7 +587,8 @@ fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         shared_experts => "shared-experts" if blocks || m.shared_experts.is_some(), norm => "norm" if blocks || m.norm.is_some(),
         positions => "positions" if blocks || m.positions.is_some(), expert_act => "expert-act" if blocks || m.expert_act.is_some(),
         attn_bias => "attn-bias" if blocks || m.attn_bias.is_some(), ffn_bias => "ffn-bias" if blocks || m.ffn_bias.is_some(),
-        normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some());
+        normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some(),
+        rope_theta => "rope-theta" if blocks || m.rope_theta.is_some());
     if let Some(clash) = clash {
         bail!("--init-from: the model is the directory's, but {clash}");
     }
@@ -630,6 +631,18 @@ fn with_arch_under(model: lazarus_model::ModelConfig, arch: lazarus_model::confi
 fn size_vocabulary(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     let Some(path) = &c.tokenizer else { return Ok(()) };
     let have = lazarus_model::tokenizer::TextTokenizer::open(Some(path)).context("--tokenizer")?.vocab_size();
+    if let Some(dir) = &c.init_from {
+        // The vocabulary is the model's: the tokenizer must fit in it.
+        if have > c.model.vocab_size {
+            bail!(
+                "--tokenizer {} has {have} tokens, more than the vocabulary of the model in {} ({})",
+                path.display(),
+                dir.display(),
+                c.model.vocab_size
+            );
+        }
+        return Ok(());
+    }
     match args.model.vocab_size {
         None => c.model.vocab_size = have,
         Some(v) if v < have => bail!("invalid --vocab-size: {v} (the tokenizer {} has {have} tokens)", path.display()),

@@ -136,6 +136,18 @@ mod tests {
     use super::super::grouped_ffn::expert_ffn;
     use super::super::testing;
     use crate::config::Activation;
+    use candle_core::{Tensor, Var};
+
+    /// `ours` against `theirs` (the composite), forward and the gradients of every variable.
+    fn assert_matches(ours: &Tensor, theirs: &Tensor, probe: &Var, vars: [&Var; 5]) {
+        let diff = testing::max_diff;
+        assert!(diff(ours, theirs) < 1e-12);
+        let g1 = (ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in vars {
+            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
+        }
+    }
 
     #[test]
     fn fused_expert_ffn_matches_composite_with_gradients() {
@@ -145,13 +157,7 @@ mod tests {
         let ours = expert_ffn(x.as_tensor(), w1.as_tensor(), b1.as_tensor(), w2.as_tensor(), b2.as_tensor(), Activation::Gelu).unwrap();
         let h = x.as_tensor().matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap();
         let theirs = gelu(&h).unwrap().matmul(w2.as_tensor()).unwrap().broadcast_add(b2.as_tensor()).unwrap();
-        let diff = testing::max_diff;
-        assert!(diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        for v in [&x, &w1, &b1, &w2, &b2] {
-            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
-        }
+        assert_matches(&ours, &theirs, &probe, [&x, &w1, &b1, &w2, &b2]);
     }
 
     /// The SwiGLU expert against its composite, SiLU(x·W_gate + b_gate) ⊙ (x·W_up + b_up)·W2 + b2
@@ -166,12 +172,6 @@ mod tests {
         let h = x.as_tensor().matmul(w1.as_tensor()).unwrap().broadcast_add(b1.as_tensor()).unwrap();
         let a = (h.narrow(1, 0, f).unwrap().silu().unwrap() * h.narrow(1, f, f).unwrap()).unwrap();
         let theirs = a.matmul(w2.as_tensor()).unwrap().broadcast_add(b2.as_tensor()).unwrap();
-        let diff = testing::max_diff;
-        assert!(diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-        for v in [&x, &w1, &b1, &w2, &b2] {
-            assert!(diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
-        }
+        assert_matches(&ours, &theirs, &probe, [&x, &w1, &b1, &w2, &b2]);
     }
 }

@@ -7,7 +7,7 @@
 //! position t, so the weights of a Hugging Face checkpoint apply unchanged. The turn is
 //! orthogonal: the backward turns the gradient back by the opposite angle.
 
-use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
+use super::host::{contiguous_slice, host_f64, with_host_f32, write_copy, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
@@ -50,9 +50,6 @@ macro_rules! rope_impl {
             let work: Vec<_> = y.slots().chunks_mut(part).zip(x.chunks(part)).zip(first_rows).collect();
             run_parallel(work, |((ys, xs), first)| {
                 for (r, (yr, xr)) in ys.chunks_exact_mut(width).zip(xs.chunks_exact(width)).enumerate() {
-                    // SAFETY: every element of the row is written below (q and k turned, v
-                    // copied) before anything reads it; f32/f64 have no invalid bit patterns.
-                    let yr = unsafe { &mut *(yr as *mut [std::mem::MaybeUninit<$t>] as *mut [$t]) };
                     let pos = (first + r) % t;
                     let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
                     for head in 0..2 * heads {
@@ -60,11 +57,11 @@ macro_rules! rope_impl {
                         let (a, b) = xr[at..at + dh].split_at(half);
                         let (ya, yb) = yr[at..at + dh].split_at_mut(half);
                         for i in 0..half {
-                            ya[i] = a[i] * c[i] - b[i] * s[i];
-                            yb[i] = b[i] * c[i] + a[i] * s[i];
+                            ya[i].write(a[i] * c[i] - b[i] * s[i]);
+                            yb[i].write(b[i] * c[i] + a[i] * s[i]);
                         }
                     }
-                    yr[2 * d..].copy_from_slice(&xr[2 * d..]);
+                    write_copy(&mut yr[2 * d..], &xr[2 * d..]);
                 }
             });
             // SAFETY: the parts cover every row, each written in full.

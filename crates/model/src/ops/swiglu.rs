@@ -10,6 +10,7 @@
 use super::host::Unfilled;
 use super::parallel::{part_len, run_parallel, ELEMENTWISE_MIN};
 use super::simd::{exp_f32, has_avx2_fma};
+use std::mem::MaybeUninit;
 
 #[inline(always)]
 fn sigmoid_f64(x: f64) -> f64 {
@@ -21,21 +22,24 @@ fn sigmoid_f32(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
 
+/// Output slots of a row, each written once.
+type Slots<'a, T> = &'a mut [MaybeUninit<T>];
+
 /// One row forward: a = SiLU(gate) ⊙ up.
 #[inline(always)]
-fn row_fwd_f32(a: &mut [f32], gate: &[f32], up: &[f32]) {
+fn row_fwd_f32(a: Slots<f32>, gate: &[f32], up: &[f32]) {
     for ((a, &g), &u) in a.iter_mut().zip(gate).zip(up) {
-        *a = g * sigmoid_f32(g) * u;
+        a.write(g * sigmoid_f32(g) * u);
     }
 }
 
 /// One row backward: (d gate, d up) from ga.
 #[inline(always)]
-fn row_bwd_f32(g_gate: &mut [f32], g_up: &mut [f32], ga: &[f32], gate: &[f32], up: &[f32]) {
+fn row_bwd_f32(g_gate: Slots<f32>, g_up: Slots<f32>, ga: &[f32], gate: &[f32], up: &[f32]) {
     for j in 0..ga.len() {
         let (x, s) = (gate[j], sigmoid_f32(gate[j]));
-        g_up[j] = ga[j] * x * s;
-        g_gate[j] = ga[j] * up[j] * (s * (1.0 + x * (1.0 - s)));
+        g_up[j].write(ga[j] * x * s);
+        g_gate[j].write(ga[j] * up[j] * (s * (1.0 + x * (1.0 - s))));
     }
 }
 
@@ -43,17 +47,17 @@ fn row_bwd_f32(g_gate: &mut [f32], g_up: &mut [f32], ga: &[f32], gate: &[f32], u
 /// them, as GELU's are.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn row_fwd_f32_avx2(a: &mut [f32], gate: &[f32], up: &[f32]) {
+fn row_fwd_f32_avx2(a: Slots<f32>, gate: &[f32], up: &[f32]) {
     row_fwd_f32(a, gate, up)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn row_bwd_f32_avx2(g_gate: &mut [f32], g_up: &mut [f32], ga: &[f32], gate: &[f32], up: &[f32]) {
+fn row_bwd_f32_avx2(g_gate: Slots<f32>, g_up: Slots<f32>, ga: &[f32], gate: &[f32], up: &[f32]) {
     row_bwd_f32(g_gate, g_up, ga, gate, up)
 }
 
-fn fwd_row_f32(a: &mut [f32], gate: &[f32], up: &[f32]) {
+fn fwd_row_f32(a: Slots<f32>, gate: &[f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -62,7 +66,7 @@ fn fwd_row_f32(a: &mut [f32], gate: &[f32], up: &[f32]) {
     row_fwd_f32(a, gate, up)
 }
 
-fn bwd_row_f32(g_gate: &mut [f32], g_up: &mut [f32], ga: &[f32], gate: &[f32], up: &[f32]) {
+fn bwd_row_f32(g_gate: Slots<f32>, g_up: Slots<f32>, ga: &[f32], gate: &[f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -72,17 +76,17 @@ fn bwd_row_f32(g_gate: &mut [f32], g_up: &mut [f32], ga: &[f32], gate: &[f32], u
 }
 
 /// f64 rows (libm's exp: the reference precision).
-fn fwd_row_f64(a: &mut [f64], gate: &[f64], up: &[f64]) {
+fn fwd_row_f64(a: Slots<f64>, gate: &[f64], up: &[f64]) {
     for ((a, &g), &u) in a.iter_mut().zip(gate).zip(up) {
-        *a = g * sigmoid_f64(g) * u;
+        a.write(g * sigmoid_f64(g) * u);
     }
 }
 
-fn bwd_row_f64(g_gate: &mut [f64], g_up: &mut [f64], ga: &[f64], gate: &[f64], up: &[f64]) {
+fn bwd_row_f64(g_gate: Slots<f64>, g_up: Slots<f64>, ga: &[f64], gate: &[f64], up: &[f64]) {
     for j in 0..ga.len() {
         let (x, s) = (gate[j], sigmoid_f64(gate[j]));
-        g_up[j] = ga[j] * x * s;
-        g_gate[j] = ga[j] * up[j] * (s * (1.0 + x * (1.0 - s)));
+        g_up[j].write(ga[j] * x * s);
+        g_gate[j].write(ga[j] * up[j] * (s * (1.0 + x * (1.0 - s))));
     }
 }
 
@@ -97,7 +101,7 @@ macro_rules! swiglu_impl {
             run_parallel(work, |(a, h)| {
                 for (a, h) in a.chunks_exact_mut(f.max(1)).zip(h.chunks_exact((2 * f).max(1))) {
                     let (gate, up) = h.split_at(f);
-                    $fwd_row(zeroed_free(a), gate, up);
+                    $fwd_row(a, gate, up);
                 }
             });
             // SAFETY: every row of every part was written in full.
@@ -116,7 +120,7 @@ macro_rules! swiglu_impl {
                 for ((gh, h), ga) in gh.chunks_exact_mut((2 * f).max(1)).zip(h.chunks_exact((2 * f).max(1))).zip(ga.chunks_exact(f.max(1)))
                 {
                     let (gate, up) = h.split_at(f);
-                    let (g_gate, g_up) = zeroed_free(gh).split_at_mut(f);
+                    let (g_gate, g_up) = gh.split_at_mut(f);
                     $bwd_row(g_gate, g_up, ga, gate, up);
                 }
             });
@@ -124,14 +128,6 @@ macro_rules! swiglu_impl {
             unsafe { gh.assume_written() }
         }
     };
-}
-
-/// Slots that the row function writes in full, as values (never read before written). Safe
-/// for f32 and f64, which any bit pattern is a value of.
-fn zeroed_free<T: Copy>(slots: &mut [std::mem::MaybeUninit<T>]) -> &mut [T] {
-    // SAFETY: MaybeUninit<T> has T's layout; every caller writes each element before anything
-    // reads it (the row functions assign every index), and f32/f64 have no invalid bit patterns.
-    unsafe { &mut *(slots as *mut [std::mem::MaybeUninit<T>] as *mut [T]) }
 }
 
 swiglu_impl!(swiglu_fwd_f32, swiglu_bwd_f32, f32, fwd_row_f32, bwd_row_f32);
