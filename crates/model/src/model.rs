@@ -41,10 +41,10 @@ impl Linear {
     }
 }
 
+/// LayerNorm (with its bias) or RMSNorm (without one).
 struct Norm {
-    kind: NormKind,
     w: Var,
-    /// LayerNorm's bias (RMSNorm has none).
+    /// LayerNorm's bias; None: RMSNorm.
     b: Option<Var>,
 }
 
@@ -55,22 +55,19 @@ impl Norm {
             NormKind::Layer => Some(ps.add(format!("{name}.b"), init.constant(&[d], 0.0)?)?),
             NormKind::Rms => None,
         };
-        Ok(Norm { kind, w, b })
+        Ok(Norm { w, b })
     }
 
     /// LayerNorm or RMSNorm over the last dimension (fused kernels, see [`crate::ops`]).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(match (&self.kind, &self.b) {
-            (NormKind::Layer, Some(b)) => crate::ops::layer_norm(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS)?,
-            _ => crate::ops::rms_norm(x, self.w.as_tensor(), NORM_EPS)?,
-        })
+        self.forward_to(x, x.dtype())
     }
 
     /// [`Norm::forward`] into `out` (bf16 for a bf16 product next: one kernel on a GPU).
     fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
         Ok(match &self.b {
-            Some(b) if self.kind == NormKind::Layer => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS, out)?,
-            _ => self.forward(x)?.to_dtype(out)?,
+            Some(b) => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS, out)?,
+            None => crate::ops::rms_norm(x, self.w.as_tensor(), NORM_EPS)?.to_dtype(out)?,
         })
     }
 }
@@ -546,16 +543,17 @@ impl MoeModel {
         }
         let d = self.config.d_model;
         let tok = self.tok_emb.as_tensor();
+        let on_cores = tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64);
         let Some(pos) = &self.pos_emb else {
             // Rotary positions: the attention turns q and k; the embedding is the token's row.
-            let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
-            if tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64) {
+            if on_cores {
+                let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
                 return Ok(crate::ops::gather_rows(tok, &ids)?.reshape((b, t, d))?);
             }
             return Ok(tok.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?);
         };
         let pos = pos.as_tensor().narrow(0, 0, t)?;
-        if tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64) {
+        if on_cores {
             // Over the cores, forward and backward: each token's row and its position's row
             // gathered, then added. candle's index_select and broadcast add ran on one core, and
             // their backward summed the positions' gradient over the batch with a strided reduce,
