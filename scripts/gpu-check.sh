@@ -54,7 +54,7 @@ bench() { # tag, seconds, env, args...
   local tag=$1 secs=$2 env=$3; shift 3
   if [ "$(left)" -lt $((secs / 2)) ]; then log "SKIP bench $tag (budget)"; return; fi
   local json
-  json=$(env $env timeout "$secs" "$lz" bench train --device cuda --json --quiet "$@" 2>>"$out/profile.txt" | tail -n 1)
+  json=$(env $env timeout "$secs" "$lz" bench train --device cuda --json "$@" 2>>"$out/profile.txt" | tail -n 1)
   if [ -z "$json" ]; then log "FAIL bench $tag"; return; fi
   echo "{\"tag\":\"$tag\",\"result\":$json}" >>"$out/bench.jsonl"
   python3 - "$tag" "$json" <<'PY' | tee -a "$out/summary.txt"
@@ -72,59 +72,92 @@ for p in l.get("profile", []):
         print(f"    {p['phase']:<10} {p['scope']:<32} gpu {p['gpu_s']*1e3:8.2f} ms  wall {p['wall_s']*1e3:8.2f} ms  calls {p['calls_per_step']:.0f}")
 PY
 }
-# The headline figures first, then the tests, then the rest: a run cut short keeps what matters.
-bench large-f32 120 "" $large --iters 5 --profile
-bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile
-bench default-f32 60 "" --profile
-bench default-bf16 60 "" --dtype bf16 --profile
-run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt
-run_tests training 60 model-training --test-threads 1 gpu
-run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1
-run_tests cli-workers 150 cli-gpu-workers --test-threads 1
-# What each switch buys, at the shapes where it matters (LAZARUS_GEMM=ex: cuBLAS choosing a kernel
-# for every expert's product, against cuBLASLt's algorithm per shape class; LAZARUS_GPU_POOL=trim:
-# the memory pool handing freed memory back at every synchronisation; LAZARUS_ATTENTION=simt: the
-# attention's products on the CUDA cores instead of the tensor cores). SWITCHES says which to
-# measure: default attention; all three with SWITCHES="gemmex pool attention".
-for sw in ${SWITCHES:-attention}; do
-  case $sw in
-    gemmex) bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
-            bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile ;;
-    pool) bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile ;;
-    attention) bench large-bf16-attention-simt 60 "LAZARUS_ATTENTION=simt" $large --iters 5 --dtype bf16 --no-torch --profile ;;
-  esac
-done
-
-# --- workers sharing the GPU: tokens/s from their step logs ------------------------------------
+# --- workers sharing the GPU: tokens/s from their step logs, where their steps' time goes -------
 workers() { # tag, seconds, workers, steps, args...
   local tag=$1 secs=$2 n=$3 steps=$4; shift 4
   if [ "$(left)" -lt $((secs / 2)) ]; then log "SKIP workers $tag (budget)"; return; fi
-  local l=$work/$tag.jsonl
-  if ! timeout "$secs" "$lz" train --workers "$n" --device cuda --steps "$steps" --json-log "$l" --quiet "$@" >/dev/null 2>>"$out/tests.log"; then
+  local l=$work/$tag.jsonl prof=$work/profile-$tag
+  # Each worker profiles its steps (LAZARUS_WORKER_PROFILE: one JSON line per step, phases
+  # synchronised with the GPU at their edges).
+  if ! LAZARUS_WORKER_PROFILE=$prof timeout "$secs" "$lz" train --workers "$n" --device cuda --steps "$steps" --json-log "$l" --quiet "$@" >/dev/null 2>>"$out/tests.log"; then
     log "FAIL workers $tag"
     return
   fi
-  python3 - "$tag" "$n" "$l" <<'PY' | tee -a "$out/workers.jsonl"
-import json, statistics, sys
-tag, n, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+  python3 - "$tag" "$n" "$l" "$prof" <<'PY' | tee -a "$out/workers.jsonl"
+import collections, glob, json, statistics, sys
+tag, n, path, prof = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 steps = [json.loads(x) for x in open(path) if '"loss"' in x]
 t = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])][2:]
 tokens = steps[-1]["tokens"]
-print(json.dumps({"tag": tag, "workers": n, "steps": len(steps), "step_s_median": statistics.median(t), "tokens_per_s": tokens / statistics.median(t), "last_loss": steps[-1]["loss"]}))
+# Per (phase, scope): the median over each worker's steps after its first three, averaged over
+# the workers.
+per = collections.defaultdict(list)
+for f in glob.glob(prof + "/worker-*.jsonl"):
+    lines = [json.loads(x) for x in open(f)][3:]
+    for key in {(s["phase"], s["scope"]) for ln in lines for s in ln["scopes"]}:
+        rows = [r for r in (next((s for s in ln["scopes"] if (s["phase"], s["scope"]) == key), None) for ln in lines) if r]
+        per[key].append((statistics.median(r["wall_s"] for r in rows), statistics.median(r["gpu_s"] for r in rows), statistics.median(r["calls"] for r in rows)))
+profile = [{"phase": p, "scope": s, "wall_ms": 1e3 * statistics.mean(v[0] for v in vs), "gpu_ms": 1e3 * statistics.mean(v[1] for v in vs), "calls": statistics.mean(v[2] for v in vs)} for (p, s), vs in sorted(per.items())]
+print(json.dumps({"tag": tag, "workers": n, "steps": len(steps), "step_s_median": statistics.median(t), "tokens_per_s": tokens / statistics.median(t), "last_loss": steps[-1]["loss"], "profile": profile}))
+PY
+  python3 - "$out/workers.jsonl" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+print(f"{r['tag']:<26} {r['tokens_per_s']:>9.0f} tok/s  step {1e3 * r['step_s_median']:7.1f} ms  (profiled; per worker, ms)")
+for p in r["profile"]:
+    if p["scope"] == "(phase)" or p["wall_ms"] > 0.02 * 1e3 * r["step_s_median"]:
+        print(f"    {p['phase']:<10} {p['scope']:<18} wall {p['wall_ms']:8.2f}  gpu {p['gpu_ms']:8.2f}  calls {p['calls']:.0f}")
 PY
 }
-workers default-w2 60 2 40
-workers default-w4 60 4 40
-workers large-w2 120 2 10 $large
 
 # --- recovery on GPU workers ---------------------------------------------------------------------
-if [ "$(left)" -gt 60 ]; then
+recovery() {
+  if [ "$(left)" -lt 60 ]; then log "SKIP bench recovery (budget)"; return; fi
   timeout 150 "$lz" bench recovery --device cuda --workers 4 --kills 3 --json --quiet >"$out/recovery.json" 2>>"$out/tests.log" \
     && log "recovery: $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: v for k, v in r.items() if not isinstance(v, list)})" "$out/recovery.json")" \
     || log "FAIL bench recovery"
-else
-  log "SKIP bench recovery (budget)"
-fi
+}
+
+# What each switch buys, at the shapes where it matters (LAZARUS_GEMM=ex: cuBLAS choosing a kernel
+# for every expert's product, against cuBLASLt's algorithm per shape class; LAZARUS_GPU_POOL=trim:
+# the memory pool handing freed memory back at every synchronisation; LAZARUS_ATTENTION=simt: the
+# attention's products on the CUDA cores instead of the tensor cores). SWITCHES says which.
+switches() {
+  for sw in ${SWITCHES:-attention}; do
+    case $sw in
+      gemmex) bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
+              bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile ;;
+      pool) bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile ;;
+      attention) bench large-bf16-attention-simt 60 "LAZARUS_ATTENTION=simt" $large --iters 5 --dtype bf16 --no-torch --profile ;;
+    esac
+  done
+}
+
+# ORDER says which checks run, first to last; each is skipped when the budget has too little left,
+# so a run cut short keeps what comes first. The default: everything, the headline figures first.
+for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli switches workers workers-large recovery bench-mixtral}; do
+  case $check in
+    bench-large) bench large-f32 120 "" $large --iters 5 --profile
+                 bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile ;;
+    bench-default) bench default-f32 60 "" --profile
+                   bench default-bf16 60 "" --dtype bf16 --profile ;;
+    bench-mixtral) bench default-mixtral-f32 60 "" --arch mixtral --profile ;;
+    tests-model) run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt ;;
+    tests-training) run_tests training 60 model-training --test-threads 1 gpu ;;
+    tests-workers) run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1 ;;
+    tests-cli) run_tests cli-workers 150 cli-gpu-workers --test-threads 1 ;;
+    switches) switches ;;
+    workers) workers default-w2 60 2 40
+             workers default-w4 60 4 40 ;;
+    # One planning step on the launcher's CPU copy of the 555 M model (the default three took most
+    # of the time allowed).
+    workers-large) workers large-w2 150 2 10 $large --profile-steps 1
+                   # One replica of each expert (8 slots a worker): no replica gradients to sum.
+                   workers large-w2-one-replica 120 2 10 $large --profile-steps 1 --slots-per-worker 8 ;;
+    recovery) recovery ;;
+    *) log "unknown check $check" ;;
+  esac
+done
 log "done in $((SECONDS - start)) s"
 echo "================ summary"
 cat "$out/summary.txt"

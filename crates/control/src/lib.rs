@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod proto;
 pub mod protocol;
 pub mod service;
+pub mod step_profile;
 pub mod stop_signal;
 pub mod tls;
 pub mod worker_process;

@@ -451,10 +451,11 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let mut epoch = spec.epoch;
     let mut group = Group::world(spec.world);
     let cfg = job.config.clone();
+    let mut profiler = crate::step_profile::StepProfiler::from_env(&device);
     let mut outcome = match t.as_mut() {
         Some(t) => {
             sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
-            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish).map_err(ControlError::from)
+            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish, &mut profiler).map_err(ControlError::from)
         }
         None => Ok(Ended::StandingBy),
     };
@@ -591,7 +592,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         outcome = if to.hold {
             Ok(Ended::Paused)
         } else {
-            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish).map_err(ControlError::from)
+            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish, &mut profiler).map_err(ControlError::from)
         };
     }
 }
@@ -606,11 +607,21 @@ fn train_until_done(
     cfg: &lazarus_model::TrainConfig,
     sink: &EventSink,
     finish: &AtomicBool,
+    profiler: &mut Option<crate::step_profile::StepProfiler>,
 ) -> Result<Ended, lazarus_runtime::RuntimeError> {
     while !worker.done() {
         let t0 = Instant::now();
-        let r = worker.step(t, group)?;
+        if let Some(p) = profiler.as_ref() {
+            p.start();
+        }
+        let r = {
+            let _step = lazarus_model::profile::phase("step");
+            worker.step(t, group)?
+        };
         let seconds = t0.elapsed().as_secs_f64();
+        if let Some(p) = profiler.as_mut() {
+            p.finish(worker.rank(), r.report.step, seconds);
+        }
         // After the commit: this step's snapshots go out (the last step's come in). A failure
         // here leaves the step committed everywhere; the controller logs it from a survivor.
         // None after the last step or before a pause: every rank ends its transport there, and

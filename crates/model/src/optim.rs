@@ -226,17 +226,31 @@ impl AdamW {
         grad_scale: f64,
         copies: &[Option<Tensor>],
     ) -> Result<()> {
+        let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
+        self.step_tensors(params, &tensors, lr, grad_scale, copies)
+    }
+
+    /// [`AdamW::step_with_copies`] with the gradients as tensors aligned with `params` (None: no
+    /// update), e.g. after a distributed step summed them over the ranks. On a GPU they stay
+    /// there: the update reads them where they are, a view into one buffer included.
+    pub fn step_tensors(
+        &mut self,
+        params: &ParamStore,
+        grads: &[Option<Tensor>],
+        lr: f64,
+        grad_scale: f64,
+        copies: &[Option<Tensor>],
+    ) -> Result<()> {
         if !copies.is_empty() && copies.len() != params.len() {
             return Err(ModelError::config("working copies", copies.len(), format!("expected one entry per parameter ({})", params.len())));
         }
-        let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
         if self.state.iter().any(|s| s.device.is_some()) {
-            return self.update_on_device(params, &tensors, lr, grad_scale, copies);
+            return self.update_on_device(params, grads, lr, grad_scale, copies);
         }
         if copies.iter().any(Option::is_some) {
             return Err(ModelError::config("working copies", "on the CPU", "are made only for a GPU's bf16 products"));
         }
-        crate::ops::with_f32_slices(&tensors, |g| self.update(params, g, lr, grad_scale))?
+        crate::ops::with_f32_slices(grads, |g| self.update(params, g, lr, grad_scale))?
     }
 
     /// The coefficients of the next update of the tensor at `index`, counting the step.
@@ -305,27 +319,6 @@ impl AdamW {
             }
         }
         Ok(())
-    }
-
-    /// [`AdamW::step`] with gradients as host vectors aligned with `params` (None: no update),
-    /// e.g. after they were summed over the ranks of a distributed step.
-    pub fn step_host(&mut self, params: &ParamStore, grads: &[Option<Vec<f32>>], lr: f64, grad_scale: f64) -> Result<()> {
-        if self.state.iter().any(|s| s.device.is_some()) {
-            // Parameters on a GPU: each gradient goes up in one copy and the update runs there.
-            let mut up = Vec::with_capacity(grads.len());
-            for (var, g) in params.vars().iter().zip(grads) {
-                up.push(match g {
-                    Some(g) if g.len() == var.elem_count() => Some(Tensor::from_slice(g, var.shape(), var.device())?),
-                    Some(g) => {
-                        return Err(ModelError::config("gradient", g.len(), format!("values for a tensor of {}", var.elem_count())));
-                    }
-                    None => None,
-                });
-            }
-            return self.update_on_device(params, &up, lr, grad_scale, &[]);
-        }
-        let slices: Vec<Option<&[f32]>> = grads.iter().map(|g| g.as_deref()).collect();
-        self.update(params, &slices, lr, grad_scale)
     }
 
     /// The update itself: each f32 parameter in place in its storage (one fused pass over p, g,
@@ -431,28 +424,31 @@ impl candle_core::InplaceOp1 for InPlaceUpdate<'_> {
 /// Global L2 norm of all gradients of `params`: squares summed in f64 per tensor (as the
 /// distributed step sums them), the tensors over the cores, then added in parameter order.
 pub fn grad_norm(params: &ParamStore, grads: &GradStore) -> Result<f64> {
-    let tensors: Vec<Option<Tensor>> = params.vars().iter().map(|var| grads.get(var.as_tensor()).cloned()).collect();
-    if tensors.iter().flatten().any(|g| !g.device().is_cpu()) {
-        // On a GPU: each tensor's sum of squares there, one small copy of the sums to the host.
+    let tensors: Vec<Tensor> = params.vars().iter().filter_map(|var| grads.get(var.as_tensor()).cloned()).collect();
+    Ok(sum_squares(&tensors)?.iter().sum::<f64>().sqrt())
+}
+
+/// Σ x² of each tensor, in f64 (one home for the norm's squares, the single process's and a
+/// distributed step's): on a GPU summed there with one small copy of the sums to the host, on
+/// the CPU read in place over the cores.
+pub fn sum_squares(tensors: &[Tensor]) -> Result<Vec<f64>> {
+    if tensors.iter().any(|g| !g.device().is_cpu()) {
         #[cfg(feature = "cuda")]
-        if tensors.iter().flatten().all(|g| g.device().is_cuda() && g.dtype() == DType::F32) {
-            let contiguous: Vec<Tensor> = tensors.iter().flatten().map(|g| g.contiguous()).collect::<candle_core::Result<_>>()?;
-            let sums = crate::ops::cuda::sum_squares(&contiguous.iter().collect::<Vec<_>>())?;
-            return Ok(sums.iter().sum::<f64>().sqrt());
+        if tensors.iter().all(|g| g.device().is_cuda() && g.dtype() == DType::F32) {
+            let contiguous: Vec<Tensor> = tensors.iter().map(|g| g.contiguous()).collect::<candle_core::Result<_>>()?;
+            return Ok(crate::ops::cuda::sum_squares(&contiguous.iter().collect::<Vec<_>>())?);
         }
-        let parts: Vec<Tensor> =
-            tensors.iter().flatten().map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
+        let parts: Vec<Tensor> = tensors.iter().map(|g| g.to_dtype(DType::F32)?.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
         if parts.is_empty() {
-            return Ok(0.0);
+            return Ok(Vec::new());
         }
-        let sums: Vec<f64> = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_vec1()?;
-        return Ok(sums.iter().sum::<f64>().sqrt());
+        return Ok(Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_vec1()?);
     }
-    let sums = crate::ops::with_f32_slices(&tensors, |g| {
+    let tensors: Vec<Option<Tensor>> = tensors.iter().cloned().map(Some).collect();
+    Ok(crate::ops::with_f32_slices(&tensors, |g| {
         use rayon::prelude::*;
         g.par_iter().map(|g| g.map_or(0.0, |g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())).collect::<Vec<f64>>()
-    })?;
-    Ok(sums.iter().sum::<f64>().sqrt())
+    })?)
 }
 
 /// Scale that clips a gradient of norm `norm` to at most `max_norm` (1 when it is already
@@ -522,14 +518,14 @@ mod tests {
             let mut store = ParamStore::default();
             store.add("w".into(), Tensor::new(&[[1.0f32, -2.0], [0.5, 3.0]], &candle_core::Device::Cpu).unwrap()).unwrap();
             let mut opt = AdamW::new(AdamWConfig::default(), &store).unwrap();
-            let g = vec![0.1f32, -0.2, 0.3, 0.4];
-            opt.step_host(&store, &[Some(g.clone())], 1e-2, 1.0).unwrap();
+            let g = Tensor::new(&[0.1f32, -0.2, 0.3, 0.4], &candle_core::Device::Cpu).unwrap();
+            opt.step_tensors(&store, &[Some(g.clone())], 1e-2, 1.0, &[]).unwrap();
             let held = hold.then(|| match opt.moments_anywhere(0).unwrap() {
                 (MomentsRef::Host(m, v), step) => (m, v, step),
                 (MomentsRef::Device(..), _) => panic!("a CPU parameter's moments are on the host"),
             });
             let before = held.as_ref().map(|(m, v, step)| (m.to_vec(), v.to_vec(), *step));
-            opt.step_host(&store, &[Some(g)], 1e-2, 1.0).unwrap();
+            opt.step_tensors(&store, &[Some(g)], 1e-2, 1.0, &[]).unwrap();
             if let (Some((m, v, step)), Some(before)) = (&held, &before) {
                 assert_eq!((m.to_vec(), v.to_vec(), *step), before.clone(), "the reader's moments changed under it");
                 let (m_now, _, step_now) = opt.moments(0).unwrap();

@@ -197,6 +197,19 @@ pub(crate) fn count_gemm() {
     GEMMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Start adding up this thread's scopes for steps on `device` (clearing what was added): on a
+/// GPU its scopes record CUDA events too ([`enable_gpu`]).
+pub fn enable_on(device: &candle_core::Device) {
+    #[cfg(feature = "cuda")]
+    enable_gpu(match device {
+        candle_core::Device::Cuda(d) => Some(d.cuda_stream()),
+        _ => None,
+    });
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    enable(true);
+}
+
 /// Profile this thread's steps on the GPU whose stream is `stream` (None: a CPU step): each
 /// scope then records CUDA events around its work.
 #[cfg(feature = "cuda")]

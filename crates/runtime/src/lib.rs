@@ -13,6 +13,7 @@
 
 mod error;
 mod expert_state;
+mod host_copy;
 mod moe;
 mod shared_state;
 mod worker;

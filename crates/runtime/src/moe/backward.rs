@@ -98,7 +98,10 @@ impl DistributedMoe {
             &d_slots[s * d..(s + 1) * d]
         });
         let mut wire_bytes = wire(&sends, me);
-        let received = all_to_all_v(t, world, &sends, self.timeout)?;
+        let received = {
+            let _p = lazarus_model::profile::kernel("transport");
+            all_to_all_v(t, world, &sends, self.timeout)?
+        };
         let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
         // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
@@ -139,33 +142,52 @@ impl DistributedMoe {
         buckets.sort_by_key(|b| b.0.len() == 1);
         let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
         let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
-        let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<f32>), RuntimeError>>();
+        // The output gradients of every local expert's rows, in the forward's order: one copy to
+        // the device, each expert a view (its first row in `first_row`).
+        let mut gy_all = Vec::new();
+        let mut first_row = Vec::with_capacity(fwd.expert_segments.len());
+        for (_, _, _, blocks) in &fwd.expert_segments {
+            first_row.push(gy_all.len() / d.max(1));
+            for (src, &(o, c)) in blocks.iter().enumerate() {
+                gy_all.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+            }
+        }
+        let gy_dev = {
+            let _p = lazarus_model::profile::kernel("to device");
+            let rows = gy_all.len() / d.max(1);
+            Tensor::from_vec(gy_all, (rows, d), self.gate.device())?
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<Tensor>), RuntimeError>>();
         // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
         // expert so the error is reported without computing the rest.
         let stop = std::sync::atomic::AtomicBool::new(false);
-        let compute = |tx: std::sync::mpsc::Sender<Result<(usize, Vec<f32>), RuntimeError>>| -> Vec<Vec<f32>> {
-            let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        // Each segment's input gradient stays on the device until all are done: one copy home.
+        let compute = |tx: std::sync::mpsc::Sender<Result<(usize, Vec<Tensor>), RuntimeError>>| -> Vec<(usize, Tensor)> {
+            let mut dx = Vec::with_capacity(fwd.expert_segments.len());
             for &e in &order {
                 if stop.load(std::sync::atomic::Ordering::Relaxed) {
                     break;
                 }
                 let weights = &self.experts[&e];
                 let result = match segment_of.get(&e) {
-                    Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &recv_rows, d, &mut dx_by_src),
-                    None => Ok(vec![0f32; weights.vars().iter().map(|v| v.elem_count()).sum()]),
+                    Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &gy_dev, first_row[i]).map(|(g, x)| {
+                        dx.push((i, x));
+                        g
+                    }),
+                    None => weights.vars().iter().map(|v| Ok(v.as_tensor().zeros_like()?.to_dtype(candle_core::DType::F32)?)).collect(),
                 };
                 let failed = result.is_err();
                 if tx.send(result.map(|g| (e, g))).is_err() || failed {
                     break;
                 }
             }
-            dx_by_src
+            dx
         };
         let mut synced = BTreeMap::new();
-        let dx_by_src = std::thread::scope(|scope| -> Result<Vec<Vec<f32>>, RuntimeError> {
+        let dx = std::thread::scope(|scope| -> Result<Vec<(usize, Tensor)>, RuntimeError> {
             let worker = scope.spawn(move || compute(tx));
             let synced_all = (|| -> Result<(), RuntimeError> {
-                let mut arrived: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+                let mut arrived: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
                 for (holders, experts) in &buckets {
                     while experts.iter().any(|e| !arrived.contains_key(e)) {
                         let (e, g) = rx.recv().map_err(|_| RuntimeError::Invalid {
@@ -174,30 +196,32 @@ impl DistributedMoe {
                         })??;
                         arrived.insert(e, g);
                     }
-                    let mut flat: Vec<f32> = Vec::new();
-                    for e in experts {
-                        let g = arrived.remove(e).expect("arrived above");
-                        if flat.is_empty() {
-                            flat = g;
-                        } else {
-                            flat.extend_from_slice(&g);
+                    if holders.len() == 1 {
+                        // Held here alone: the gradients stay where they are.
+                        for e in experts {
+                            synced.insert(*e, arrived.remove(e).expect("arrived above"));
                         }
+                        continue;
                     }
-                    if holders.len() > 1 {
+                    // Shared: one host buffer for the bucket's all-reduce, back as one tensor
+                    // with each parameter a view into it.
+                    let mut parts = Vec::new();
+                    let mut shapes = Vec::new();
+                    for e in experts {
+                        parts.extend(arrived.remove(e).expect("arrived above").into_iter().map(Some));
+                        shapes.extend(self.experts[e].vars().iter().map(|v| v.dims()));
+                    }
+                    let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+                    let mut flat = crate::host_copy::to_host(&parts, &lens)?;
+                    drop(parts);
+                    {
+                        let _p = lazarus_model::profile::kernel("transport");
                         let mut group = Group::new(holders.clone())?;
                         all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
                     }
-                    // One tensor for the bucket; each parameter is a view into it (no copy).
-                    let all = Tensor::from_vec(flat, self.bucket_len(experts), self.gate.device())?;
-                    let mut at = 0;
+                    let mut views = crate::host_copy::from_host(flat, &shapes, self.gate.device())?.into_iter();
                     for e in experts {
-                        let mut out = Vec::with_capacity(4);
-                        for v in self.experts[e].vars() {
-                            let len = v.elem_count();
-                            out.push(all.narrow(0, at, len)?.reshape(v.shape())?);
-                            at += len;
-                        }
-                        synced.insert(*e, out);
+                        synced.insert(*e, views.by_ref().take(self.experts[e].vars().len()).collect());
                     }
                 }
                 Ok(())
@@ -210,9 +234,23 @@ impl DistributedMoe {
             dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
         })?;
         // Input gradients back to the token's rank, accumulated per token.
+        let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        let lens: Vec<usize> = dx.iter().map(|(_, x)| x.elem_count()).collect();
+        let (order_done, dx): (Vec<usize>, Vec<Option<Tensor>>) = dx.into_iter().map(|(i, x)| (i, Some(x))).unzip();
+        let dx_host = crate::host_copy::to_host(&dx, &lens)?;
+        let mut at = 0;
+        for i in order_done {
+            for (src, &(o, c)) in fwd.expert_segments[i].3.iter().enumerate() {
+                dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx_host[at..at + c * d]);
+                at += c * d;
+            }
+        }
         let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
         wire_bytes += wire(&back, me);
-        let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = {
+            let _p = lazarus_model::profile::kernel("transport");
+            all_to_all_v(t, world, &back, self.timeout)?
+        };
         let results = unpack(&results, &p.send_len, d, "input gradients")?;
         let mut dh = vec![0f32; n * d];
         for (dst, rows) in results.iter().enumerate() {
@@ -229,40 +267,31 @@ impl DistributedMoe {
         experts.iter().map(|e| self.experts[e].vars().iter().map(|v| v.elem_count()).sum::<usize>()).sum()
     }
 
-    /// One expert's backward on its rows: its [w1, b1, w2, b2] gradients flattened into one
-    /// buffer, and d(loss)/d(input) rows written into `dx_by_src` at the rows they came from.
+    /// One expert's backward on its rows (its output gradients the `first_row`.. rows of
+    /// `gy_all`): its gradients (one f32 tensor per parameter, on the expert's device) and
+    /// d(loss)/d(input) for its rows, there too.
     fn expert_segment_backward(
         &self,
         segment: &(usize, Var, Tensor, Vec<(usize, usize)>),
-        recv_rows: &[Vec<f32>],
-        d: usize,
-        dx_by_src: &mut [Vec<f32>],
-    ) -> Result<Vec<f32>, RuntimeError> {
+        gy_all: &Tensor,
+        first_row: usize,
+    ) -> Result<(Vec<Tensor>, Tensor), RuntimeError> {
         let (e, x, y, blocks) = segment;
         let total: usize = blocks.iter().map(|b| b.1).sum();
-        let mut gy = Vec::with_capacity(total * d);
-        for (src, &(o, c)) in blocks.iter().enumerate() {
-            gy.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
-        }
-        let gy = Tensor::from_vec(gy, (total, d), self.gate.device())?;
+        let gy = gy_all.narrow(0, first_row, total)?;
         let grads = (y * gy)?.sum_all()?.backward()?;
         let weights = &self.experts[e];
-        let mut flat = Vec::with_capacity(weights.vars().iter().map(|v| v.elem_count()).sum());
+        let mut out = Vec::with_capacity(weights.vars().len());
         for v in weights.vars() {
-            match grads.get(v.as_tensor()) {
-                Some(g) => lazarus_model::ops::with_f32(g, |v| flat.extend_from_slice(v))?,
-                None => flat.resize(flat.len() + v.elem_count(), 0.0),
-            }
+            out.push(match grads.get(v.as_tensor()) {
+                Some(g) => g.to_dtype(candle_core::DType::F32)?,
+                None => v.as_tensor().zeros_like()?.to_dtype(candle_core::DType::F32)?,
+            });
         }
-        let dx: Vec<f32> = match grads.get(x.as_tensor()) {
-            Some(g) => g.flatten_all()?.to_vec1()?,
-            None => vec![0.0; total * d],
+        let dx = match grads.get(x.as_tensor()) {
+            Some(g) => g.to_dtype(candle_core::DType::F32)?,
+            None => x.as_tensor().zeros_like()?.to_dtype(candle_core::DType::F32)?,
         };
-        let mut row = 0;
-        for (src, &(o, c)) in blocks.iter().enumerate() {
-            dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx[row * d..(row + c) * d]);
-            row += c;
-        }
-        Ok(flat)
+        Ok((out, dx))
     }
 }

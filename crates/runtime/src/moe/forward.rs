@@ -3,12 +3,16 @@
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
 use lazarus_model::ops::softmax_last;
+use lazarus_model::profile;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
 use super::packing::{pack, unpack, wire, Packing};
 use super::{DispatchMode, DistributedMoe, MoeForward};
 use crate::error::RuntimeError;
+
+/// (first row, rows) of an expert's block in the buffer from each rank.
+type Blocks = Vec<(usize, usize)>;
 
 impl DistributedMoe {
     pub(super) fn experts_count(&self) -> usize {
@@ -36,6 +40,7 @@ impl DistributedMoe {
         let ranks = t.world();
         let me = t.rank();
         // Router segment (stays in h's graph).
+        let router = profile::kernel("router");
         let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
         let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
         let choices: Vec<u32> = match choices {
@@ -54,11 +59,15 @@ impl DistributedMoe {
                 c
             }
         };
+        drop(router);
         let mut local_load = vec![0u64; e_count];
         choices.iter().for_each(|&c| local_load[c as usize] += 1);
         // All-gather T[e][rank].
         let mine: Vec<u8> = local_load.iter().flat_map(|c| c.to_le_bytes()).collect();
-        let gathered = all_gather(t, world, &mine, self.timeout)?;
+        let gathered = {
+            let _p = profile::kernel("transport");
+            all_gather(t, world, &mine, self.timeout)?
+        };
         let mut tokens = vec![vec![0u64; ranks]; e_count];
         for (rank, bytes) in gathered.iter().enumerate() {
             if bytes.len() != 8 * e_count {
@@ -78,47 +87,77 @@ impl DistributedMoe {
         let layout = RankLayout::new(&schedule, me, &choices)?;
         let packing = Packing::new(&layout, self.mode, &self.replicas, &tokens, me)?;
         // Dispatch: the row of h of every slot, at its place in the buffer.
+        let pack_scope = profile::kernel("to host");
         let h_host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let sends = pack(&packing.send_rows, &packing.send_len, d, |dst, i| {
             let tok = layout.send[dst][i] as usize / k;
             &h_host[tok * d..(tok + 1) * d]
         });
+        drop(pack_scope);
         let mut wire_bytes = wire(&sends, me);
-        let received = all_to_all_v(t, world, &sends, self.timeout)?;
+        let received = {
+            let _p = profile::kernel("transport");
+            all_to_all_v(t, world, &sends, self.timeout)?
+        };
         let recv_rows = unpack(&received, &packing.recv_len, d, "dispatched tokens")?;
         // Expert segments: per local expert, its block from every source in rank order.
-        let mut segments = Vec::new();
-        let mut outputs_by_src: Vec<Vec<f32>> = packing.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        let experts_scope = profile::kernel("experts");
+        // Every local expert's rows, expert after expert (each one's from every source in rank
+        // order), in one buffer: one copy to the device, one of the outputs back.
+        // (expert, its (first row, rows) block from each rank, its rows in all)
+        let mut held: Vec<(usize, Blocks, usize)> = Vec::new();
+        let mut x_all = Vec::new();
         for e in 0..e_count {
             let blocks: Vec<(usize, usize)> = (0..ranks).map(|src| packing.recv_blocks[src][e]).collect();
             let total: usize = blocks.iter().map(|b| b.1).sum();
             if total == 0 {
                 continue;
             }
-            let Some(weights) = self.experts.get(&e) else {
+            if !self.experts.contains_key(&e) {
                 return Err(RuntimeError::Invalid {
                     field: "placement",
                     reason: format!("rank {me} received tokens for expert {e} it does not hold"),
                 });
-            };
-            let mut x = Vec::with_capacity(total * d);
-            for (src, &(o, c)) in blocks.iter().enumerate() {
-                x.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
-            let x = Var::from_tensor(&Tensor::from_vec(x, (total, d), h.device())?)?;
-            let y = weights.forward(x.as_tensor())?;
-            let y_host: Vec<f32> = y.flatten_all()?.to_vec1()?;
-            let mut row = 0;
             for (src, &(o, c)) in blocks.iter().enumerate() {
-                outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_host[row * d..(row + c) * d]);
-                row += c;
+                x_all.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
-            segments.push((e, x, y, blocks));
+            held.push((e, blocks, total));
         }
+        let mut segments = Vec::with_capacity(held.len());
+        let mut outputs_by_src: Vec<Vec<f32>> = packing.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        if !held.is_empty() {
+            let rows = x_all.len() / d;
+            let x_dev = {
+                let _p = profile::kernel("to device");
+                Tensor::from_vec(x_all, (rows, d), h.device())?
+            };
+            let (mut at, mut ys, mut lens) = (0, Vec::with_capacity(held.len()), Vec::with_capacity(held.len()));
+            for (e, blocks, total) in held {
+                let x = Var::from_tensor(&x_dev.narrow(0, at, total)?)?;
+                at += total;
+                let y = self.experts[&e].forward(x.as_tensor())?;
+                ys.push(Some(y.clone()));
+                lens.push(total * d);
+                segments.push((e, x, y, blocks));
+            }
+            let y_all = crate::host_copy::to_host(&ys, &lens)?;
+            let mut row = 0;
+            for (_, _, _, blocks) in &segments {
+                for (src, &(o, c)) in blocks.iter().enumerate() {
+                    outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_all[row * d..(row + c) * d]);
+                    row += c;
+                }
+            }
+        }
+        drop(experts_scope);
         // Return expert outputs to the ranks the tokens came from (same buffers, reversed).
         let back: Vec<Vec<u8>> = outputs_by_src.iter().map(|v| f32_to_bytes(v)).collect();
         wire_bytes += wire(&back, me);
-        let results = all_to_all_v(t, world, &back, self.timeout)?;
+        let results = {
+            let _p = profile::kernel("transport");
+            all_to_all_v(t, world, &back, self.timeout)?
+        };
         let results = unpack(&results, &packing.send_len, d, "expert results")?;
         let mut slots = vec![0f32; n * k * d];
         for (dst, rows) in results.iter().enumerate() {
@@ -128,6 +167,7 @@ impl DistributedMoe {
             }
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
+        let _combine = profile::kernel("combine");
         let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), h.device())?)?;
         let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
         let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;

@@ -29,8 +29,9 @@ use crate::moe::MoeForward;
 pub struct PendingStep {
     /// The step counter this step was computed at (it completes step `at + 1`).
     at: u64,
-    /// Summed gradients in parameter order (None: no update for that tensor).
-    grads: Vec<Option<Vec<f32>>>,
+    /// Summed gradients in parameter order (None: no update for that tensor), on the worker's
+    /// device.
+    grads: Vec<Option<Tensor>>,
     lr: f64,
     grad_scale: f64,
     /// Windows of the global batch: the data cursor moves past them on commit.
@@ -58,6 +59,7 @@ impl Worker {
     /// together; on error nothing has changed and the step can be re-run on a new transport.
     pub fn compute(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<PendingStep, RuntimeError> {
         let started = std::time::Instant::now();
+        let forward_phase = lazarus_model::profile::phase("forward");
         for (l, layer) in self.layers.iter_mut().enumerate() {
             layer.catching_up = self.catch_up.keys().filter(|k| k.0 == l).map(|k| k.1).collect();
         }
@@ -114,7 +116,9 @@ impl Worker {
         let logits = model.logits(&x)?;
         let ce_local = (cross_entropy(&logits, &targets)? * local_share)?;
 
+        drop(forward_phase);
         // Backward: the head, then the blocks in reverse.
+        let backward_phase = lazarus_model::profile::phase("backward");
         let params = model.params().clone();
         let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
         let take_shared = |store: &candle_core::backprop::GradStore, grads: &mut Vec<Option<Tensor>>| {
@@ -159,28 +163,23 @@ impl Worker {
             }
         }
 
-        // Sum the replicated parameters' gradients (and the loss terms) over all ranks.
-        let mut flat: Vec<f32> = Vec::new();
-        let mut spans: Vec<(usize, usize)> = Vec::new();
-        for (i, var) in params.vars().iter().enumerate() {
-            if self.kinds[i] != ParamKind::Shared {
-                continue;
-            }
-            let start = flat.len();
-            match &grads[i] {
-                Some(g) => flat.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-                None => flat.resize(start + var.elem_count(), 0.0),
-            }
-            spans.push((i, start));
-        }
+        drop(backward_phase);
+        // Sum the replicated parameters' gradients (and the loss terms) over all ranks: one
+        // host buffer (one copy off a GPU), the loss terms after them.
+        let _phase = lazarus_model::profile::phase("gradients");
+        let shared: Vec<usize> = (0..params.len()).filter(|&i| self.kinds[i] == ParamKind::Shared).collect();
+        let lens: Vec<usize> = shared.iter().map(|&i| params.vars()[i].elem_count()).collect();
+        let parts: Vec<Option<Tensor>> = shared.iter().map(|&i| grads[i].take()).collect();
+        let mut flat = crate::host_copy::to_host(&parts, &lens)?;
+        drop(parts);
         // Each expert's squared gradient norm once over the job: every holder adds 1/holders.
+        // All in one pass (on a GPU one launch and one small copy, not one of each per expert).
         let mut expert_sq = 0.0f64;
-        for ((l, e), gs) in &expert_grads {
-            let holders = self.plan.holders(*l, *e).len() as f64;
-            for g in gs {
-                let v: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                expert_sq += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / holders;
-            }
+        let holders: Vec<f64> =
+            expert_grads.iter().flat_map(|((l, e), gs)| std::iter::repeat_n(self.plan.holders(*l, *e).len() as f64, gs.len())).collect();
+        let every: Vec<Tensor> = expert_grads.values().flatten().cloned().collect();
+        for (sq, holders) in lazarus_model::optim::sum_squares(&every)?.into_iter().zip(holders) {
+            expert_sq += sq / holders;
         }
         let ce_value = ce_local.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let extras = flat.len();
@@ -195,7 +194,10 @@ impl Worker {
         flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote, last_s as f32]);
         flat.extend(self.snapshots.round_cost_here(t));
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
-        all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
+        {
+            let _p = lazarus_model::profile::kernel("transport");
+            all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
+        }
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
         let pause = flat[extras + 3] > 0.5;
         let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
@@ -205,20 +207,26 @@ impl Worker {
         );
         flat.truncate(extras);
 
-        let mut host: Vec<Option<Vec<f32>>> = vec![None; params.len()];
+        // Per tensor, then added in parameter order (as the single process's norm).
         let mut shared_sq = 0.0f64;
-        for (i, start) in spans {
-            let v = flat[start..start + params.vars()[i].elem_count()].to_vec();
-            shared_sq += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-            host[i] = Some(v);
+        let mut at = 0;
+        for len in &lens {
+            shared_sq += flat[at..at + len].iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            at += len;
+        }
+        let shapes: Vec<&[usize]> = shared.iter().map(|&i| params.vars()[i].dims()).collect();
+        let mut summed: Vec<Option<Tensor>> = vec![None; params.len()];
+        for (i, g) in shared.iter().zip(crate::host_copy::from_host(flat, &shapes, &device)?) {
+            summed[*i] = Some(g);
         }
         for (i, kind) in self.kinds.iter().enumerate() {
             if let ParamKind::Expert { layer, expert, part } = *kind {
                 if let Some(gs) = expert_grads.get(&(layer, expert)) {
-                    host[i] = Some(gs[part].flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+                    summed[i] = Some(gs[part].clone());
                 }
             }
         }
+        drop(_phase);
         let norm = (shared_sq + expert_sq).sqrt();
         let at = self.trainer.step;
         let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(at);
@@ -235,7 +243,7 @@ impl Worker {
         };
         Ok(PendingStep {
             at,
-            grads: host,
+            grads: summed,
             lr,
             grad_scale: clip_scale(norm, cfg.grad_clip),
             batch: b,
@@ -260,7 +268,9 @@ impl Worker {
             return Err(e);
         }
         let params = self.trainer.model.params().clone();
-        self.trainer.optimizer.step_host(&params, &pending.grads, pending.lr, pending.grad_scale)?;
+        let _phase = lazarus_model::profile::phase("update");
+        self.trainer.optimizer.step_tensors(&params, &pending.grads, pending.lr, pending.grad_scale, &[])?;
+        drop(_phase);
         self.trainer.sampler.advance(pending.batch);
         self.trainer.step += 1;
         // Counted here, not in the snapshot round: a held step committed after a failure
@@ -295,7 +305,11 @@ impl Worker {
             }
         }
         self.fault_point(FaultPoint::Vote, pending.step());
-        if let Err(e) = barrier(t, world, self.timeout) {
+        let vote = {
+            let _p = lazarus_model::profile::phase("vote");
+            barrier(t, world, self.timeout)
+        };
+        if let Err(e) = vote {
             self.held = Some(pending);
             return Err(e.into());
         }
