@@ -191,6 +191,7 @@ pub fn run_recovery_bench(
         let faults = kill.phase.hook().map(|p| format!("{}:{p}:{}", kill.worker, kill.step)).unwrap_or_default();
         let job = TrainJob {
             encrypt_data: false,
+            held_out: None,
             config: cfg.clone(),
             plan: plan.map,
             static_ep: false,

@@ -479,7 +479,8 @@ fn sigterm_ends_a_run_at_a_step_boundary_with_a_checkpoint() {
 
 /// Held-out data: `train --eval-data` evaluates every `--eval-every` steps and at the end (a
 /// line, a `--json-log` record, the summary's), and `lazarus eval` on the run's checkpoint
-/// finds the same loss over the same windows.
+/// finds the same loss over the same windows; worker processes evaluate together to the same
+/// losses.
 #[test]
 fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
     let d = common::dir("eval");
@@ -487,7 +488,7 @@ fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
     std::fs::write(&held, "the quick brown fox jumps over the lazy dog; ".repeat(40)).unwrap();
     let (ck_s, log_s, held_s) = (ck.to_str().unwrap(), log.to_str().unwrap(), held.to_str().unwrap());
     let mut args = vec!["train", "--steps", "6", "--checkpoint-dir", ck_s, "--checkpoint-every", "3", "--json-log", log_s];
-    args.extend(["--eval-data", held_s, "--eval-every", "2", "--eval-windows", "10"]);
+    args.extend(["--eval-data", held_s, "--eval-every", "2", "--eval-windows", "11"]);
     args.extend(tiny());
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -504,16 +505,36 @@ fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
     let seen = evals(&log);
     assert_eq!(seen.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 4, 6], "every 2 steps and at the end");
     assert!(seen.iter().all(|e| e.1.is_finite() && e.1 > 0.0));
-    // The checkpoint's loss over the same 10 windows, by lazarus eval.
-    let out = lazarus(&["eval", "--checkpoint", ck_s, "--data", held_s, "--windows", "10", "--json"]);
+    // The checkpoint's loss over the same 11 windows, by lazarus eval.
+    let checkpoint_loss = |ck: &str| -> f64 {
+        let out = lazarus(&["eval", "--checkpoint", ck, "--data", held_s, "--windows", "11", "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((e["step"].as_u64(), e["windows"].as_u64()), (Some(6), Some(11)), "{e}");
+        e["loss"].as_f64().unwrap()
+    };
+    let e = checkpoint_loss(ck_s);
+    assert!((e - seen[2].1).abs() < 1e-6, "{e} vs {seen:?}");
+    // Two worker processes: the same evaluations, each pass's windows shared out over them (11
+    // windows in passes of 2: the last one leaves a worker without a window), the same loss as
+    // their checkpoint's and, within the workers' float sums, as the single process's.
+    let (ck3, log3) = (d.join("ck3"), d.join("w3.jsonl"));
+    let mut args = vec!["train", "--steps", "6", "--workers", "2", "--checkpoint-dir", ck3.to_str().unwrap()];
+    args.extend(["--json-log", log3.to_str().unwrap(), "--eval-data", held_s, "--eval-every", "2", "--eval-windows", "11"]);
+    args.extend(tiny());
+    let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((e["step"].as_u64(), e["windows"].as_u64()), (Some(6), Some(10)), "{e}");
-    assert!((e["loss"].as_f64().unwrap() - seen[2].1).abs() < 1e-6, "{e} vs {seen:?}");
-    // Refused: evaluation flags without held-out data, with workers, a data file too short.
+    assert!(String::from_utf8_lossy(&out.stdout).contains("eval            loss"), "{}", String::from_utf8_lossy(&out.stdout));
+    let seen3 = evals(&log3);
+    assert_eq!(seen3.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 4, 6], "every 2 steps and at the end");
+    for ((_, a), (_, b)) in seen3.iter().zip(&seen) {
+        assert!((a - b).abs() <= 1e-4 * b, "workers {seen3:?} vs one process {seen:?}");
+    }
+    let e3 = checkpoint_loss(ck3.to_str().unwrap());
+    assert!((e3 - seen3[2].1).abs() <= 1e-5 * e3, "{e3} vs {seen3:?}");
+    // Refused: evaluation flags without held-out data, a data file too short.
     for (extra, want) in [
         (vec!["--eval-every", "2"], "--eval-every needs --eval-data"),
-        (vec!["--eval-data", held_s, "--workers", "2"], "evaluation runs in one process"),
         (vec!["--eval-data", held_s, "--eval-every", "0"], "invalid --eval-every: 0"),
     ] {
         let mut a = vec!["train", "--steps", "1"];
@@ -523,6 +544,14 @@ fn held_out_loss_during_training_and_of_a_checkpoint_agree() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
     }
+    // The workers' held-out tokens travel in their job's spec: bounded, and said so.
+    let big = d.join("big.txt");
+    std::fs::write(&big, "ab".repeat(5 << 19)).unwrap();
+    let mut a = vec!["train", "--steps", "1", "--workers", "2", "--eval-data", big.to_str().unwrap(), "--eval-windows", "300000"];
+    a.extend(tiny());
+    let out = lazarus(&a);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("invalid --eval-windows: 300000") && err.contains("with --workers at most"), "{err}");
     let short = d.join("short.txt");
     std::fs::write(&short, "abc").unwrap();
     let out = lazarus(&["eval", "--checkpoint", ck_s, "--data", short.to_str().unwrap()]);

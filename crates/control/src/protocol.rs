@@ -102,6 +102,26 @@ pub struct TrainJob {
     /// Encrypt the workers' data connections (`--encrypt-data`).
     #[serde(default)]
     pub encrypt_data: bool,
+    /// Held-out data to evaluate on (`--eval-data`; None: no evaluation).
+    #[serde(default)]
+    pub held_out: Option<HeldOut>,
+}
+
+/// The held-out data of a job and when its workers evaluate on it: after every `every` steps
+/// (None: only after the last) and after the last, the mean loss over the first `windows`
+/// windows of `tokens` ([`lazarus_model::eval`]), taken by every rank together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeldOut {
+    pub tokens: Vec<u32>,
+    pub every: Option<u64>,
+    pub windows: usize,
+}
+
+impl HeldOut {
+    /// Whether the workers evaluate after `step` (`last`: the run's last step).
+    pub fn due(&self, step: u64, last: bool) -> bool {
+        last || self.every.is_some_and(|k| k > 0 && step.is_multiple_of(k))
+    }
 }
 
 fn cpu_device() -> String {
@@ -273,6 +293,11 @@ pub enum WorkerEvent {
         #[serde(default)]
         snapshots: Vec<crate::controller::SnapshotHeld>,
     },
+    /// The held-out loss after `step` (rank 0, for every rank: [`HeldOut`]).
+    Evaluated {
+        step: u64,
+        evaluation: lazarus_model::eval::Evaluation,
+    },
     /// Rank 0 wrote a checkpoint of `step`.
     Checkpointed {
         step: u64,
@@ -318,6 +343,17 @@ pub struct CommittedStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn held_out_evaluations_fall_after_every_k_steps_and_the_last() {
+        let h = HeldOut { tokens: vec![1, 2, 3], every: Some(3), windows: 1 };
+        let due: Vec<u64> = (1..=8).filter(|&s| h.due(s, s == 8)).collect();
+        assert_eq!(due, vec![3, 6, 8]);
+        let at_end = HeldOut { every: None, ..h.clone() };
+        assert_eq!((1..=8).filter(|&s| at_end.due(s, s == 8)).collect::<Vec<_>>(), vec![8]);
+        let zero = HeldOut { every: Some(0), ..h };
+        assert!(!zero.due(4, false), "a zero period is never due (the CLI refuses it)");
+    }
 
     #[test]
     fn events_are_one_json_object_with_an_event_tag() {

@@ -452,10 +452,12 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let mut group = Group::world(spec.world);
     let cfg = job.config.clone();
     let mut profiler = crate::step_profile::StepProfiler::from_env(&device);
+    let held_out = job.held_out.clone();
+    let run = RunSettings { cfg: &cfg, held_out: held_out.as_ref(), sink, finish: &inbox.finish };
     let mut outcome = match t.as_mut() {
         Some(t) => {
             sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch, moved: None });
-            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish, &mut profiler).map_err(ControlError::from)
+            train_until_done(&mut worker, t, &mut group, &run, &mut profiler).map_err(ControlError::from)
         }
         None => Ok(Ended::StandingBy),
     };
@@ -592,9 +594,18 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         outcome = if to.hold {
             Ok(Ended::Paused)
         } else {
-            train_until_done(&mut worker, t, &mut group, &cfg, sink, &inbox.finish, &mut profiler).map_err(ControlError::from)
+            train_until_done(&mut worker, t, &mut group, &run, &mut profiler).map_err(ControlError::from)
         };
     }
+}
+
+/// What a worker's training loop goes by, for the whole job.
+struct RunSettings<'a> {
+    cfg: &'a lazarus_model::TrainConfig,
+    held_out: Option<&'a crate::protocol::HeldOut>,
+    sink: &'a EventSink,
+    /// Set when the job is asked to stop (every rank finishes after the same step).
+    finish: &'a AtomicBool,
 }
 
 /// Steps until the run is done, reporting each (rank 0) and writing checkpoints as configured;
@@ -604,11 +615,10 @@ fn train_until_done(
     worker: &mut Worker,
     t: &mut TcpTransport,
     group: &mut Group,
-    cfg: &lazarus_model::TrainConfig,
-    sink: &EventSink,
-    finish: &AtomicBool,
+    run: &RunSettings,
     profiler: &mut Option<crate::step_profile::StepProfiler>,
 ) -> Result<Ended, lazarus_runtime::RuntimeError> {
+    let RunSettings { cfg, held_out, sink, finish } = run;
     while !worker.done() {
         let t0 = Instant::now();
         if let Some(p) = profiler.as_ref() {
@@ -636,6 +646,14 @@ fn train_until_done(
                 if let Some(path) = worker.save_checkpoint(t, group, dir)? {
                     sink.send(WorkerEvent::Checkpointed { step: r.report.step, path });
                 }
+            }
+        }
+        // Every rank evaluates after the same steps (the held-out loss goes to the launcher
+        // from rank 0). A failure here leaves the step committed; its evaluation is lost.
+        if let Some(h) = held_out.filter(|h| h.due(r.report.step, worker.done())) {
+            let evaluation = worker.evaluate(t, group, &h.tokens, Some(h.windows))?;
+            if worker.rank() == 0 {
+                sink.send(WorkerEvent::Evaluated { step: r.report.step, evaluation });
             }
         }
         if r.pause && !worker.done() {

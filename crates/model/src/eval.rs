@@ -4,7 +4,7 @@
 //! the same tokens. Forward only: nothing in the model changes.
 
 use candle_core::{DType, Tensor};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 use crate::model::MoeModel;
@@ -13,7 +13,7 @@ use crate::model::MoeModel;
 pub const MAX_EVAL_WINDOWS: usize = 1 << 20;
 
 /// What an evaluation found.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Evaluation {
     /// Windows evaluated (of T tokens each).
     pub windows: usize,
@@ -34,33 +34,55 @@ pub fn windows_in(len: usize, seq_len: usize) -> usize {
 /// The loss of `model` over the first `windows` windows of `tokens` (None: every whole one),
 /// `batch` windows a forward pass.
 pub fn evaluate(model: &MoeModel, tokens: &[u32], seq_len: usize, windows: Option<usize>, batch: usize) -> Result<Evaluation> {
-    let have = windows_in(tokens.len(), seq_len);
+    let n = windows_to_take(tokens.len(), seq_len, windows)?;
+    let batch = batch.clamp(1, n);
+    let device = model.device().clone();
+    let mut sum = 0.0;
+    for first in (0..n).step_by(batch) {
+        let b = batch.min(n - first);
+        let (x, y) = window_rows(tokens, seq_len, first, b);
+        let out = model.forward(&Tensor::from_vec(x, (b, seq_len), &device)?, &Tensor::from_vec(y, (b, seq_len), &device)?, None)?;
+        // The pass's mean, weighted by its windows (every window has T tokens).
+        sum += out.ce_loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * b as f64;
+    }
+    Ok(Evaluation::of_sum(sum, n, seq_len))
+}
+
+/// How many windows an evaluation takes of a stream of `len` tokens: `windows` of them (None:
+/// every whole one), at most the stream's and [`MAX_EVAL_WINDOWS`]; an error when none.
+pub fn windows_to_take(len: usize, seq_len: usize, windows: Option<usize>) -> Result<usize> {
+    let have = windows_in(len, seq_len);
     if have == 0 || seq_len == 0 {
         return Err(ModelError::Data {
             path: "evaluation data".into(),
-            reason: format!("{} tokens: not one window of {seq_len} tokens and its last target", tokens.len()),
+            reason: format!("{len} tokens: not one window of {seq_len} tokens and its last target"),
         });
     }
     let n = windows.unwrap_or(have).min(have).min(MAX_EVAL_WINDOWS);
     if n == 0 {
         return Err(ModelError::config("eval windows", 0, "at least one window"));
     }
-    let batch = batch.clamp(1, n);
-    let device = model.device().clone();
-    let mut sum = 0.0;
-    for first in (0..n).step_by(batch) {
-        let b = batch.min(n - first);
-        let (mut x, mut y) = (Vec::with_capacity(b * seq_len), Vec::with_capacity(b * seq_len));
-        for w in first..first + b {
-            x.extend_from_slice(&tokens[w * seq_len..(w + 1) * seq_len]);
-            y.extend_from_slice(&tokens[w * seq_len + 1..(w + 1) * seq_len + 1]);
-        }
-        let out = model.forward(&Tensor::from_vec(x, (b, seq_len), &device)?, &Tensor::from_vec(y, (b, seq_len), &device)?, None)?;
-        // The pass's mean, weighted by its windows (every window has T tokens).
-        sum += out.ce_loss.to_dtype(DType::F64)?.to_scalar::<f64>()? * b as f64;
+    Ok(n)
+}
+
+/// Windows `first`..`first + count` of `tokens` (each `seq_len` long; the caller checked they
+/// are there): their inputs and their targets, one window after another.
+pub fn window_rows(tokens: &[u32], seq_len: usize, first: usize, count: usize) -> (Vec<u32>, Vec<u32>) {
+    let (mut x, mut y) = (Vec::with_capacity(count * seq_len), Vec::with_capacity(count * seq_len));
+    for w in first..first + count {
+        x.extend_from_slice(&tokens[w * seq_len..(w + 1) * seq_len]);
+        y.extend_from_slice(&tokens[w * seq_len + 1..(w + 1) * seq_len + 1]);
     }
-    let loss = sum / n as f64;
-    Ok(Evaluation { windows: n, tokens: (n * seq_len) as u64, loss, perplexity: loss.exp() })
+    (x, y)
+}
+
+impl Evaluation {
+    /// The evaluation of `windows` windows of `seq_len` tokens whose per-window mean losses add
+    /// up to `sum`.
+    pub fn of_sum(sum: f64, windows: usize, seq_len: usize) -> Self {
+        let loss = sum / windows.max(1) as f64;
+        Evaluation { windows, tokens: (windows * seq_len) as u64, loss, perplexity: loss.exp() }
+    }
 }
 
 #[cfg(test)]

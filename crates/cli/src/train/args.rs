@@ -348,8 +348,6 @@ impl TrainArgs {
                     bail!("{flag} needs --eval-data FILE (the held-out data it evaluates)");
                 }
             }
-        } else if self.uses_workers() {
-            bail!("--eval-data with --workers: evaluation runs in one process so far (evaluate the checkpoint with lazarus eval)");
         }
         if self.eval_every == Some(0) {
             bail!("invalid --eval-every: 0 (a number of steps; leave it out to evaluate at the end only)");

@@ -24,6 +24,8 @@ pub(super) struct JobView {
     pub agent_command: Option<String>,
     pub world: usize,
     pub gpus_per_node: usize,
+    /// Tokens per window of a held-out evaluation.
+    pub seq_len: usize,
 }
 
 impl JobView {
@@ -56,6 +58,7 @@ impl JobView {
                 Ok(())
             }
             TrainEvent::Checkpointed { .. } => Ok(()),
+            TrainEvent::Evaluated { step, evaluation } => self.reporter.eval(step, &evaluation, self.seq_len),
             TrainEvent::Metrics { addr } => {
                 tracing::info!("metrics for Prometheus: http://{addr}/metrics");
                 Ok(())

@@ -13,6 +13,7 @@ pub mod workers;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use lazarus_control::protocol::HeldOut;
 use lazarus_control::stop_signal;
 use lazarus_model::Trainer;
 
@@ -49,8 +50,8 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         let r = trainer.step()?;
         reporter.step(&r, t0.elapsed().as_secs_f64())?;
         if let Some(h) = &held_out {
-            if h.every.is_some_and(|k| r.step % k == 0) || trainer.done() {
-                reporter.eval(r.step, &h.evaluate(&trainer)?, cfg.seq_len)?;
+            if h.due(r.step, trainer.done()) {
+                reporter.eval(r.step, &evaluate_held_out(h, &trainer)?, cfg.seq_len)?;
             }
         }
         if let Some(dir) = &cfg.checkpoint_dir {
@@ -72,33 +73,28 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
     reporter.finish(trainer.step, trainer.unigram_entropy(), saved.as_deref())
 }
 
-/// The held-out data of `--eval-data`, and when to evaluate on it.
-struct HeldOut {
-    tokens: Vec<u32>,
-    every: Option<u64>,
-    windows: usize,
-}
-
 /// Default windows of an evaluation during training.
 const EVAL_WINDOWS: usize = 64;
 
-fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
+/// The held-out data of `--eval-data`, and when to evaluate on it.
+pub(super) fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
     let Some(path) = &args.eval_data else { return Ok(None) };
     let source = args::data_file("eval-data", path, args.model.data_format.as_deref())?;
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(cfg.tokenizer.as_deref()).context("--tokenizer")?;
-    let tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
+    let mut tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
     let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);
+    // What the evaluations read, no more: the windows and the last one's target.
+    tokens.truncate(windows.saturating_mul(cfg.seq_len).saturating_add(1));
     if lazarus_model::eval::windows_in(tokens.len(), cfg.seq_len) == 0 {
         bail!("invalid --eval-data: {path} holds {} tokens, not one window of --seq-len {} and its last target", tokens.len(), cfg.seq_len);
     }
     Ok(Some(HeldOut { tokens, every: args.eval_every, windows }))
 }
 
-impl HeldOut {
-    fn evaluate(&self, trainer: &Trainer) -> Result<lazarus_model::eval::Evaluation> {
-        let c = &trainer.config;
-        Ok(lazarus_model::eval::evaluate(&trainer.model, &self.tokens, c.seq_len, Some(self.windows), c.batch_size)?)
-    }
+/// The held-out loss of the single process's model.
+fn evaluate_held_out(h: &HeldOut, trainer: &Trainer) -> Result<lazarus_model::eval::Evaluation> {
+    let c = &trainer.config;
+    Ok(lazarus_model::eval::evaluate(&trainer.model, &h.tokens, c.seq_len, Some(h.windows), c.batch_size)?)
 }
 
 /// A stop signal arrived: the step in flight finished, so save it (where checkpoints go), show

@@ -362,6 +362,23 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
     run_job(args, hosts, None, replayed)
 }
 
+/// Most held-out tokens a job's workers take: they travel in the job's spec.
+const MAX_WORKER_HELD_OUT_TOKENS: usize = 4 << 20;
+
+/// The held-out data of `--eval-data` for the workers to evaluate on together.
+fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<lazarus_control::protocol::HeldOut>> {
+    let held_out = super::held_out(args, cfg)?;
+    if let Some(h) = held_out.as_ref().filter(|h| h.tokens.len() > MAX_WORKER_HELD_OUT_TOKENS) {
+        bail!(
+            "invalid --eval-windows: {} windows of --seq-len {} take {} tokens; with --workers at most {MAX_WORKER_HELD_OUT_TOKENS} (they go to every worker in the job's spec)",
+            h.windows,
+            cfg.seq_len,
+            h.tokens.len()
+        );
+    }
+    Ok(held_out)
+}
+
 /// A job of `--workers N` run where `hosts` says; `agent_command` is how to start an agent of
 /// another host (`{addr}`: the controller's address), shown once the controller listens. A
 /// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
@@ -449,6 +466,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         standby: false,
         snapshots,
         device: args.model.device.clone().unwrap_or_else(|| "cpu".into()),
+        held_out: held_out_for_workers(args, &cfg)?,
     };
     let mut report_error: Option<anyhow::Error> = None;
     if let Hosts::Local { status_listen } = &mut hosts {
@@ -470,7 +488,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
     lazarus_control::stop_signal::install();
-    let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g };
+    let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g, seq_len: cfg.seq_len };
     let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, args.metrics_listen, |event| {
         let shown = view.show(event);
         shown.map_err(|e| {

@@ -441,6 +441,10 @@ impl Shell {
                 self.first_error.get_or_insert(format!("worker {rank}: {message}"));
                 Event::StepFailed { node, epoch, report: StopReport { steps_done, held, holds, last, snapshots } }
             }
+            WorkerEvent::Evaluated { step, evaluation } => {
+                observe(TrainEvent::Evaluated { step, evaluation })?;
+                return Ok(None);
+            }
             WorkerEvent::Checkpointed { step, path } => {
                 self.last_checkpoint = Some(path.clone());
                 observe(TrainEvent::Checkpointed { step, path })?;

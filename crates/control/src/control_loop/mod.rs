@@ -244,6 +244,11 @@ pub enum TrainEvent {
         step: u64,
         path: PathBuf,
     },
+    /// The held-out loss after `step`.
+    Evaluated {
+        step: u64,
+        evaluation: lazarus_model::eval::Evaluation,
+    },
     /// Training went on after a failure, or with workers taken in.
     Reconfigured(ReconfigurationRecord),
     /// The controller weighed a rebalance (applied: a `rebalance` reconfiguration follows).

@@ -14,10 +14,12 @@
 //! single-process loss of the whole batch and the summed gradients are its gradients.
 //!
 //! Files: this one builds a worker and moves expert states in and out of it; `step` computes and
-//! commits a step (a step that fails is dropped whole); `reconfigure` moves the worker to a new
+//! commits a step (a step that fails is dropped whole); `eval` takes a held-out loss over the
+//! ranks; `reconfigure` moves the worker to a new
 //! plan among the survivors of a failure; `checkpoint` writes a checkpoint.
 
 mod checkpoint;
+mod eval;
 mod reconfigure;
 mod snapshots;
 mod step;
