@@ -1,13 +1,15 @@
 //! A soak of many faults: a job of `lazarus controller` and up to three `lazarus
 //! agent`s of two workers each — every one on a host of its own (a network namespace) where
-//! namespaces can be made, on loopback otherwise. A fault injector picks, at random times and
+//! namespaces can be made, on loopback otherwise. A fault injector picks, at random steps and
 //! phases, among: a worker SIGKILLed; workers of two nodes SIGKILLed at once or a moment apart
 //! (the second often during the move after the first); every node holding some expert
 //! SIGKILLed at once (the job rolls back to its last checkpoint); an agent SIGKILLed; a worker
 //! SIGSTOPped (found by its lease); a preemption notice (SIGTERM to an agent); a newcomer killed
 //! before it was taken in; and a host's link taken down and brought back after 0.2–3 s (a lease
 //! is 0.5 s: sometimes the node is lost and its agent stops itself, and what it sends once the
-//! link is back is refused; sometimes the link is back first and the job just waits). Hosts
+//! link is back is refused; sometimes the link is back first and the job just waits). Faults are
+//! paced by the job's steps (a window of steps between two, drawn from the seed), not by the
+//! clock, so a fast machine and a slow one see as many. Hosts
 //! whose agent is gone get a new one after a while, which joins the running job. Faults are
 //! chosen from `lazarus status --json` (members, standbys, the plan) so that the job keeps
 //! workers to carry on: a surviving node, or a newcomer standing by.
@@ -61,6 +63,20 @@ impl Rng {
     fn millis(&mut self, from: u64, to: u64) -> Duration {
         Duration::from_millis(from + self.below((to - from) as usize) as u64)
     }
+
+    /// A whole number in [from, to].
+    fn within(&mut self, from: u64, to: u64) -> u64 {
+        from + self.below((to - from + 1) as usize) as u64
+    }
+}
+
+/// The steps between one fault and the next: drawn per window of steps, not of seconds, so that
+/// a seed makes the same faults at the same steps on a fast machine and a slow one, and the
+/// faults asked for (`need`; SIGKILLs come with about two faults in three) fit in the first three
+/// quarters of a job of `steps` steps, leaving the last quarter's slack for a draw with fewer.
+fn fault_gap(steps: u64, need: usize) -> (u64, u64) {
+    let mean = (steps * 3 / 4 / need.max(1) as u64).max(4);
+    (mean / 2, mean * 3 / 2)
 }
 
 /// The step lines and moves of a growing `--json-log`, read as they come (a rollback rewrites
@@ -467,15 +483,27 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     }
     s.free_at[2] = Some(Instant::now());
     let mut made: Vec<Made> = Vec::new();
+    let total: u64 = steps.parse().expect("a number of steps");
+    let (gap_lo, gap_hi) = fault_gap(total, faults.max(kills * 3 / 2));
+    let mut next_at = tail.poll() + s.rng.within(gap_lo, gap_hi);
     while (made.len() < faults || s.kills < kills) && running(&mut controller) {
-        let until = Instant::now() + s.rng.millis(100, 800);
-        while Instant::now() < until {
+        // Tend the hosts until the job reaches the step of the next fault.
+        let (mut seen, mut moved_at) = (tail.poll(), Instant::now());
+        while running(&mut controller) && seen < next_at {
             s.tend();
-            tail.poll();
-            std::thread::sleep(Duration::from_millis(10));
+            let now = tail.poll();
+            if now != seen {
+                (seen, moved_at) = (now, Instant::now());
+            }
+            assert!(moved_at.elapsed() < HANG, "the job makes no progress at step {seen}:\n{}", controller_text.join("\n"));
+            std::thread::sleep(Duration::from_millis(5));
         }
         controller_text.extend(ctl_lines.try_iter());
-        let Some(fault) = s.fault() else { continue };
+        let Some(fault) = s.fault() else {
+            // Nothing the job can carry on from now: draw again a step later.
+            next_at = tail.poll() + 1;
+            continue;
+        };
         let (at, step) = (Instant::now(), tail.poll());
         // Wait for the job to log two more steps (a rollback's re-run ones included).
         while running(&mut controller) && tail.poll() < step + 2 {
@@ -488,6 +516,7 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
             std::thread::sleep(Duration::from_millis(5));
         }
         made.push(Made { fault, at, step });
+        next_at = step + s.rng.within(gap_lo, gap_hi);
     }
     // Let the job finish: links healed, no new faults.
     let status = loop {
