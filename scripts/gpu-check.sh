@@ -118,6 +118,26 @@ recovery() {
     || log "FAIL bench recovery"
 }
 
+# --- held-out loss over GPU workers against the checkpoint's, evaluated by one CPU process -------
+workers_eval() {
+  if [ "$(left)" -lt 30 ]; then log "SKIP workers-eval (budget)"; return; fi
+  python3 -c "print('the quick brown fox jumps over the lazy dog; ' * 400)" >"$work/held.txt"
+  if ! timeout 90 "$lz" train --workers 2 --device cuda --steps 6 --eval-data "$work/held.txt" --eval-every 3 --eval-windows 20 \
+      --checkpoint-dir "$work/ck-eval" --json-log "$work/eval.jsonl" --quiet >/dev/null 2>>"$out/tests.log" \
+    || ! timeout 60 "$lz" eval --checkpoint "$work/ck-eval" --data "$work/held.txt" --windows 20 --json >"$work/eval-cpu.json" 2>>"$out/tests.log"; then
+    log "FAIL workers-eval"
+    return
+  fi
+  python3 - "$work/eval.jsonl" "$work/eval-cpu.json" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+evals = [json.loads(x) for x in open(sys.argv[1]) if '"eval"' in x]
+cpu = json.load(open(sys.argv[2]))
+gpu = evals[-1]["loss"]
+ok = [e["step"] for e in evals] == [3, 6] and abs(gpu - cpu["loss"]) <= 1e-4 * cpu["loss"]
+print(f"{'PASS' if ok else 'FAIL'} workers-eval: steps {[e['step'] for e in evals]}, 2 GPU workers {gpu:.6f} vs the checkpoint on the CPU {cpu['loss']:.6f}")
+PY
+}
+
 # What each switch buys, at the shapes where it matters (LAZARUS_GEMM=ex: cuBLAS choosing a kernel
 # for every expert's product, against cuBLASLt's algorithm per shape class; LAZARUS_GPU_POOL=trim:
 # the memory pool handing freed memory back at every synchronisation; LAZARUS_ATTENTION=simt: the
@@ -135,7 +155,7 @@ switches() {
 
 # ORDER says which checks run, first to last; each is skipped when the budget has too little left,
 # so a run cut short keeps what comes first. The default: everything, the headline figures first.
-for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli switches workers workers-large recovery bench-mixtral}; do
+for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli workers-eval switches workers workers-large recovery bench-mixtral}; do
   case $check in
     bench-large) bench large-f32 120 "" $large --iters 5 --profile
                  bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile ;;
@@ -155,6 +175,7 @@ for check in ${ORDER:-bench-large bench-default tests-model tests-training tests
                    # One replica of each expert (8 slots a worker): no replica gradients to sum.
                    workers large-w2-one-replica 120 2 10 $large --profile-steps 1 --slots-per-worker 8 ;;
     recovery) recovery ;;
+    workers-eval) workers_eval ;;
     *) log "unknown check $check" ;;
   esac
 done
