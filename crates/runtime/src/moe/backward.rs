@@ -152,10 +152,13 @@ impl DistributedMoe {
                 gy_all.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
             }
         }
-        let gy_dev = {
-            let _p = lazarus_model::profile::kernel("to device");
-            let rows = gy_all.len() / d.max(1);
-            Tensor::from_vec(gy_all, (rows, d), self.gate.device())?
+        // (None when no local expert has a row: nothing to upload, and no segment reads it.)
+        let gy_dev = match gy_all.len() / d.max(1) {
+            0 => None,
+            rows => {
+                let _p = lazarus_model::profile::kernel("to device");
+                Some(Tensor::from_vec(gy_all, (rows, d), self.gate.device())?)
+            }
         };
         let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<Tensor>), RuntimeError>>();
         // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
@@ -170,10 +173,16 @@ impl DistributedMoe {
                 }
                 let weights = &self.experts[&e];
                 let result = match segment_of.get(&e) {
-                    Some(&i) => self.expert_segment_backward(&fwd.expert_segments[i], &gy_dev, first_row[i]).map(|(g, x)| {
-                        dx.push((i, x));
-                        g
-                    }),
+                    Some(&i) => match &gy_dev {
+                        Some(gy) => self.expert_segment_backward(&fwd.expert_segments[i], gy, first_row[i]).map(|(g, x)| {
+                            dx.push((i, x));
+                            g
+                        }),
+                        None => Err(RuntimeError::Invalid {
+                            field: "expert backward",
+                            reason: format!("expert {e} has rows but no gradients came"),
+                        }),
+                    },
                     None => weights.vars().iter().map(|v| Ok(v.as_tensor().zeros_like()?.to_dtype(candle_core::DType::F32)?)).collect(),
                 };
                 let failed = result.is_err();
