@@ -79,17 +79,7 @@ impl Worker {
         let mut moe_index = 0;
         for block in 0..model.config().n_layers {
             let (x_mid, h) = model.block_attention(block, &x)?;
-            let y = match model.block_dense_ffn(block, &h)? {
-                Some(y) => y,
-                None => {
-                    let f = self.layers[moe_index].forward(t, world, &h)?;
-                    moe_index += 1;
-                    match model.block_shared_ffn(block, &h)? {
-                        Some(shared) => lazarus_model::ops::residual_add(&f.output, &shared)?,
-                        None => f.output,
-                    }
-                }
-            };
+            let (y, _) = self.block_ffn(t, world, block, &mut moe_index, &h)?;
             x = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?.detach();
         }
         let logits = model.logits(&x)?;

@@ -89,24 +89,13 @@ impl Worker {
         let mut moe_index = 0;
         for block in 0..model.config().n_layers {
             let (x_mid, h) = model.block_attention(block, &x)?;
-            let (y, moe) = match model.block_dense_ffn(block, &h)? {
-                Some(y) => (y, None),
-                None => {
-                    let f = self.layers[moe_index].forward(t, world, &h)?;
-                    if moe_index == 0 {
-                        self.fault_point(FaultPoint::Forward, self.trainer.step + 1);
-                    }
-                    wire_bytes += f.wire_bytes;
-                    moe_index += 1;
-                    // The shared experts beside the routed ones: dense weights, in this
-                    // segment's graph like the attention's.
-                    let y = match model.block_shared_ffn(block, &h)? {
-                        Some(shared) => lazarus_model::ops::residual_add(&f.output, &shared)?,
-                        None => f.output.clone(),
-                    };
-                    (y, Some((moe_index - 1, f)))
+            let (y, moe) = self.block_ffn(t, world, block, &mut moe_index, &h)?;
+            if let Some((l, f)) = &moe {
+                if *l == 0 {
+                    self.fault_point(FaultPoint::Forward, self.trainer.step + 1);
                 }
-            };
+                wire_bytes += f.wire_bytes;
+            }
             let output = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?;
             let leaf = Var::from_tensor(&output.detach())?;
             segments.push(Segment { input: input.take(), output, h, moe });
@@ -250,6 +239,32 @@ impl Worker {
             report: WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
             started,
         })
+    }
+
+    /// The feed-forward part of `block` for its normed input `h`: the dense FFN, or the MoE
+    /// layer `*moe_index` over the ranks (then counted) with the shared experts beside it —
+    /// dense weights, in the block's graph like the attention's. The MoE layer's forward comes
+    /// back too, for the backward.
+    pub(super) fn block_ffn(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        block: usize,
+        moe_index: &mut usize,
+        h: &Tensor,
+    ) -> Result<(Tensor, Option<(usize, MoeForward)>), RuntimeError> {
+        let model = &self.trainer.model;
+        if let Some(y) = model.block_dense_ffn(block, h)? {
+            return Ok((y, None));
+        }
+        let l = *moe_index;
+        let f = self.layers[l].forward(t, world, h)?;
+        *moe_index += 1;
+        let y = match model.block_shared_ffn(block, h)? {
+            Some(shared) => lazarus_model::ops::residual_add(&f.output, &shared)?,
+            None => f.output.clone(),
+        };
+        Ok((y, Some((l, f))))
     }
 
     /// Apply a computed step: AdamW on every tensor with a gradient, the data cursor past the
