@@ -33,6 +33,11 @@ pub struct AgentArgs {
     /// Seconds to keep trying to reach the controller (default 30).
     #[arg(long, value_name = "SECONDS")]
     connect_timeout: Option<f64>,
+    /// Seconds this node's workers wait, paused with their state, for a controller to take the
+    /// job back once theirs is lost (`lazarus controller --resume-job`); 0: stop them at once
+    /// (default 60).
+    #[arg(long, value_name = "SECONDS")]
+    controller_grace: Option<f64>,
     #[command(flatten)]
     tls: crate::tls::TlsArgs,
 }
@@ -46,6 +51,7 @@ struct AgentTable {
     host: Option<IpAddr>,
     secret_file: Option<PathBuf>,
     connect_timeout: Option<f64>,
+    controller_grace: Option<f64>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
@@ -63,6 +69,7 @@ fn with_config_table(args: &AgentArgs) -> Result<AgentArgs> {
     a.host = a.host.or(t.host);
     a.secret_file = a.secret_file.or(t.secret_file);
     a.connect_timeout = a.connect_timeout.or(t.connect_timeout);
+    a.controller_grace = a.controller_grace.or(t.controller_grace);
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
     Ok(a)
 }
@@ -83,6 +90,10 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     if !connect.is_finite() || connect <= 0.0 || connect > 86_400.0 {
         bail!("invalid --connect-timeout: {connect} (expected seconds, more than 0 and at most 86400)");
     }
+    let grace = args.controller_grace.unwrap_or(lazarus_control::agent::DEFAULT_CONTROLLER_GRACE.as_secs_f64());
+    if !grace.is_finite() || !(0.0..=86_400.0).contains(&grace) {
+        bail!("invalid --controller-grace: {grace} (expected seconds from 0 to 86400)");
+    }
     let tls = ClientTls::new(Some(lazarus_control::tls::pin(secret)), args.tls.files()?)?;
     let opts = AgentOptions {
         controller: controller.clone(),
@@ -91,6 +102,7 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
         secret,
         tls,
         connect_within: Duration::from_secs_f64(connect),
+        controller_grace: Duration::from_secs_f64(grace),
     };
     let end = run_agent(&opts, |ranks| {
         let ranks: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();

@@ -12,7 +12,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::hosts::{
-    agent_pids, children, exit_within, placement, start_agent, start_controller, start_controller_keeping, wait_for_records, Hosts,
+    agent_pids, children, exit_within, placement, start_agent, start_agent_with_grace, start_controller, start_controller_keeping,
+    wait_for_records, Hosts,
 };
 use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait_for_steps};
 use serde_json::Value;
@@ -527,5 +528,75 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     assert!(recovery_s < 10.0, "found out by the lease and fenced, not at the 30 s deadline: {recovery_s} s");
     let (status, text) = exit_within(&mut kept.0, &kept.1, Duration::from_secs(30));
     assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The controller SIGKILLed mid-run: its agents keep their workers, paused with their state;
+/// a new controller started with `--resume-job` (same address, secret and flags) takes the job
+/// back from what it saved and what the agents report, and training goes on — every step once,
+/// the losses of an uninterrupted run, no rollback, the `--json-log` continued.
+#[test]
+fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing_lost() {
+    let d = dir("agents-controller-restart");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let want = uninterrupted("80", &d);
+    let job = |listen: &str, resume: bool| {
+        let mut args = vec!["--listen", listen, "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2"];
+        args.extend(tiny());
+        args.extend(["--steps", "80", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "10", "--lease", "0.5"]);
+        if resume {
+            args.push("--resume-job");
+        }
+        args.iter().map(|a| a.to_string()).collect::<Vec<String>>()
+    };
+    // A port outside the kernel's ephemeral range: no other test's listener takes it while
+    // there is no controller.
+    let listen = format!("127.0.0.1:{}", 21_000 + std::process::id() % 6_000);
+    let first = job(&listen, false);
+    let (mut controller, ctl_lines, addr) = start_controller(&first.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| start_agent_with_grace(&addr, "2", &secret, None, "60")).collect();
+    wait_for_steps(&path, 15);
+    let workers: Vec<i32> = agents.iter().flat_map(|(c, _)| children(c.id() as i32)).collect();
+    assert_eq!(workers.len(), 4);
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    let killed_at = log(&path).0.len();
+    // Without a controller the workers pause: no step is trained, none is lost.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(workers.iter().all(|&w| alive(w)), "the workers wait for a controller");
+    assert!(agents.iter_mut().all(|(c, _)| c.try_wait().unwrap().is_none()), "the agents wait for a controller");
+    assert!(ck.join("controller-state.json").exists(), "the controller saved what a new one needs");
+    let again = job(&addr, true);
+    let (mut controller, ctl_lines, again_addr) = start_controller(&again.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert_eq!(again_addr, addr);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "the job taken back completes: {}", text.join("\n"));
+    let (steps, reconf) = log(&path);
+    assert!(steps.len() > killed_at, "steps after the restart");
+    eprintln!("killed after {killed_at} steps logged; {}", reconf[0]);
+    let numbers: Vec<u64> = steps.iter().map(|s| s.0).collect();
+    assert_eq!(numbers, (1..=80).collect::<Vec<u64>>(), "every step once, in order");
+    assert_same_losses(&steps, &want, "the controller killed and started again");
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    assert_eq!(reconf[0]["cause"], "controller", "{}", reconf[0]);
+    assert_eq!(reconf[0]["workers"].as_u64(), Some(4), "{}", reconf[0]);
+    assert_eq!(reconf[0]["lost"], serde_json::json!([]), "{}", reconf[0]);
+    let (detect, recovery) = (reconf[0]["detect_s"].as_f64().unwrap(), reconf[0]["recovery_s"].as_f64().unwrap());
+    assert!(
+        detect >= 2.0 && recovery > detect,
+        "counted from the loss of the controller (the 2 s without one): {}\n{}",
+        reconf[0],
+        text.join("\n")
+    );
+    for (child, lines) in &mut agents {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        assert!(text.iter().any(|l| l.contains("taken back by the controller")), "{}", text.join("\n"));
+    }
+    assert!(!ck.join("controller-state.json").exists(), "a completed job leaves nothing to take back");
     let _ = std::fs::remove_dir_all(&d);
 }

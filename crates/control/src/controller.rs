@@ -3,8 +3,8 @@
 //! process's loop feeds and reads.
 
 pub use lazarus_controller::{
-    JobSpec, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, OnLoss, RankTransfer, RebalanceCase, RebalanceDecision,
-    RebalanceVerdict, RestoredExpert, SnapshotHeld, StepRecord,
+    BadJobState, JobSpec, JobState, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, OnLoss, RankTransfer, RebalanceCase,
+    RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, StepRecord,
 };
 
 use crate::protocol::CommittedStep;

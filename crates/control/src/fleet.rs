@@ -47,6 +47,11 @@ pub trait Fleet {
     /// The job is over (completed, or after `kill_all`; `how`, for the agents to say): wait
     /// for every worker to end.
     fn finish(&mut self, how: &str);
+    /// For a job taken back by a new controller: how long the longest-waiting agent that came
+    /// back had been without a controller when it re-attached (None: not known).
+    fn without_a_controller(&self) -> Option<Duration> {
+        None
+    }
 }
 
 impl Fleet for Job {

@@ -27,12 +27,14 @@ mod messages;
 mod rebalance;
 mod recovery;
 mod rendezvous;
+mod resume;
 #[cfg(test)]
 mod tests;
 
 pub use membership::MemberState;
 pub use messages::{Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReport};
 pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict};
+pub use resume::{BadJobState, JobState};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -174,6 +176,9 @@ pub struct Controller<S> {
     heard: BTreeSet<NodeId>,
     /// Moves to a new plan made (a drain's two halves count once).
     reconfigurations: u64,
+    /// A job taken back by a new controller, not moved yet: reports of the epoch before the
+    /// saved one count (`resume`).
+    resuming: bool,
 }
 
 impl<S: StepRecord> Controller<S> {
@@ -227,6 +232,7 @@ impl<S: StepRecord> Controller<S> {
             finish_asked: None,
             heard: BTreeSet::new(),
             reconfigurations: 0,
+            resuming: false,
         }
     }
 

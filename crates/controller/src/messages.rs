@@ -138,6 +138,9 @@ pub enum MoveCause {
     Rebalance,
     /// A node leaves on notice: its experts are handed over before it goes.
     Drain,
+    /// The job's controller was lost and a new one took the job back (members it did not
+    /// hear from again are lost on the way).
+    Controller,
 }
 
 impl MoveCause {
@@ -149,6 +152,7 @@ impl MoveCause {
             MoveCause::Join => "join",
             MoveCause::Rebalance => "rebalance",
             MoveCause::Drain => "drain",
+            MoveCause::Controller => "controller",
         }
     }
 }

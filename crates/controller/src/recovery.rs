@@ -32,7 +32,10 @@ impl<S: StepRecord> Controller<S> {
     /// node was not told to be in is stale and ignored.
     pub(super) fn step_failed(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport<S>) {
         self.last_seen.insert(node, now);
-        if !self.alive.contains(&node) || self.node_epoch.get(&node) != Some(&epoch) {
+        // A job taken back also hears reports of the epoch before the saved one (the old
+        // controller was lost after it saved a move, before every worker heard of it).
+        let of_its_epoch = self.node_epoch.get(&node) == Some(&epoch) || (self.resuming && epoch <= self.epoch);
+        if !self.alive.contains(&node) || !of_its_epoch {
             return;
         }
         if !self.recovers() {
@@ -209,7 +212,8 @@ impl<S: StepRecord> Controller<S> {
         let previous = current.clone().with_epoch(self.epoch);
         let weighed = self.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
         let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
-        if s.cause == MoveCause::Drain && nobody_moves && previous.shape() == shape {
+        // A job taken back by a new controller keeps its plan if every member came back.
+        if matches!(s.cause, MoveCause::Drain | MoveCause::Controller) && nobody_moves && previous.shape() == shape {
             return Ok(previous);
         }
         match weighed {

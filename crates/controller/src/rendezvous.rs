@@ -62,6 +62,7 @@ impl<S: StepRecord> Controller<S> {
     /// The new plan is the epoch's: a rendezvous of its ranks follows.
     pub(super) fn adopt(&mut self, plan: lazarus_plan::ModelPlan, ranks: Vec<NodeId>) {
         self.epoch = plan.epoch();
+        self.resuming = false;
         for n in &ranks {
             if self.standby.remove(n).is_some() {
                 self.alive.insert(*n);

@@ -137,6 +137,7 @@ impl JobView {
                         MoveCause::Join => "joined",
                         MoveCause::Rebalance => "rebalanced",
                         MoveCause::Drain => "drained",
+                        MoveCause::Controller => "taken back by a new controller",
                         MoveCause::Failure => "reconfigured",
                     },
                     r.epoch,

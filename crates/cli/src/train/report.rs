@@ -89,6 +89,29 @@ struct SnapshotTotals {
     cpu: lazarus_plan::RoundCost,
 }
 
+/// The last step a `--json-log` records (None: no log, or no step in it). A last line cut off
+/// mid-write (the process killed) is removed, so that the lines appended after it stay whole.
+pub fn last_logged_step(path: &std::path::Path) -> Result<Option<u64>> {
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("--json-log: cannot read {}", path.display())),
+    };
+    let whole = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    if whole < text.len() {
+        let f = OpenOptions::new().write(true).open(path).with_context(|| format!("--json-log: cannot open {}", path.display()))?;
+        f.set_len(whole as u64).with_context(|| format!("--json-log: cannot cut the partial last line of {}", path.display()))?;
+        tracing::warn!("--json-log {}: its last line was cut off ({} bytes): removed", path.display(), text.len() - whole);
+    }
+    let last = String::from_utf8_lossy(&text[..whole])
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("event").is_none())
+        .filter_map(|v| v.get("step").and_then(|s| s.as_u64()))
+        .max();
+    Ok(last)
+}
+
 impl Reporter {
     pub fn new(args: &TrainArgs, cfg: &TrainConfig, first_step: u64) -> Result<Self> {
         let log = match &args.json_log {

@@ -7,9 +7,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use lazarus_control::control_loop::saved_job::SavedJob;
+use lazarus_control::control_loop::ResumeJob;
 use lazarus_control::tls::ServerTls;
 use lazarus_control::{
-    plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainJob, TrainOutcome,
+    plan_job, run_training, AgentsSpec, ControlError, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, Recovery, TrainJob,
+    TrainOutcome,
 };
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
@@ -68,6 +71,12 @@ pub struct ControllerArgs {
     /// arrivals share one move (default 120, as in the paper; a failure takes it in at once).
     #[arg(long, value_name = "SECONDS")]
     pub join_wait: Option<f64>,
+    /// Take back the running job a lost controller saved in --checkpoint-dir
+    /// (controller-state.json): start this with the same flags, --listen and secret; the agents,
+    /// waiting with their workers paused (lazarus agent --controller-grace), re-attach, and
+    /// training goes on from the step it stopped at.
+    #[arg(long)]
+    pub resume_job: bool,
     #[command(flatten)]
     pub tls: crate::tls::TlsArgs,
     #[command(flatten)]
@@ -260,8 +269,18 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         max_workers,
         join_wait,
         schedule: None,
+        state_file: None,
+        resume: None,
     }));
-    run_job(&args.train, hosts, Some(agent_command), None)
+    let mut train = args.train.clone();
+    if args.resume_job {
+        // The job's settings are the saved run's: its log goes on, its checkpoints stay.
+        if train.overwrite_checkpoints {
+            bail!("--resume-job takes a running job back: drop --overwrite-checkpoints");
+        }
+        (train.resume, train.resume_if_any) = (true, false);
+    }
+    run_job(&train, hosts, Some(agent_command), None, args.resume_job)
 }
 
 /// The node schedule `--replay SOURCE` describes for `nodes` local agents, its times multiplied
@@ -356,10 +375,12 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                 max_workers: most_nodes * g,
                 join_wait: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
                 schedule,
+                state_file: None,
+                resume: None,
             }))
         }
     };
-    run_job(args, hosts, None, replayed)
+    run_job(args, hosts, None, replayed, false)
 }
 
 /// Most held-out tokens a job's workers take: they travel in the job's spec.
@@ -382,9 +403,15 @@ fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> R
 /// A job of `--workers N` run where `hosts` says; `agent_command` is how to start an agent of
 /// another host (`{addr}`: the controller's address), shown once the controller listens. A
 /// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
-fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mut replayed: Option<RunShape>) -> Result<()> {
+fn run_job(
+    args: &TrainArgs,
+    mut hosts: Hosts,
+    agent_command: Option<String>,
+    mut replayed: Option<RunShape>,
+    resume_job: bool,
+) -> Result<()> {
     let args = &super::args::settle_resume(args)?;
-    let world = args.workers.unwrap_or(1);
+    let mut world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
     if world == 0 || world > lazarus_control::protocol::MAX_WORKERS {
         bail!("invalid --workers: {world} (expected 1 to {})", lazarus_control::protocol::MAX_WORKERS);
@@ -392,7 +419,10 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
     // The launcher builds the model once to plan, and every worker builds it whole before it
     // releases the experts it does not hold.
     let copies = 1 + world as u128;
-    let (mut trainer, resume) = if args.resume {
+    let (mut trainer, resume) = if resume_job {
+        // The model and data settings only: the workers hold the job's state.
+        (Trainer::new(setup_run(args, copies)?)?, None)
+    } else if args.resume {
         let config = setup_run(args, copies)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
@@ -406,20 +436,36 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         (Trainer::new(setup_run(args, copies)?)?, None)
     };
     let cfg = trainer.config.clone();
-    if let Hosts::Agents(a) = &hosts {
+    if let Hosts::Agents(a) = &mut hosts {
+        // A controller of other hosts' agents saves what a new one needs to take the job back.
+        if a.local_agents == 0 {
+            a.state_file = cfg.checkpoint_dir.as_deref().map(SavedJob::path_in);
+        }
         if a.max_workers > cfg.batch_size {
             bail!("invalid --max-workers: {} (a batch of {} sequences cannot be split over more workers)", a.max_workers, cfg.batch_size);
         }
     }
-    if trainer.done() {
-        bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
-    }
-    let source = plan_source(args, cfg.steps - trainer.step)?;
     let g = match &hosts {
         Hosts::Agents(a) => a.gpus_per_node,
         Hosts::Local { .. } => 1,
     };
-    let plan = plan_job(&mut trainer, world, g, &source)?;
+    let mut first_step = trainer.step;
+    let plan = match (&mut hosts, resume_job) {
+        (Hosts::Agents(a), true) => {
+            let (plan, taken) = saved_job_to_take_back(args, &cfg, g)?;
+            world = plan.map.ranks();
+            first_step = taken.last_logged.unwrap_or(taken.saved.state.last_step);
+            a.resume = Some(Box::new(taken));
+            plan
+        }
+        _ => {
+            if trainer.done() {
+                bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
+            }
+            let source = plan_source(args, cfg.steps - trainer.step)?;
+            plan_job(&mut trainer, world, g, &source)?
+        }
+    };
     let how = format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" });
     print_banner(&trainer, &how, args.model.device.as_deref().unwrap_or("cpu"));
     print_placement(&plan.map, world);
@@ -429,7 +475,6 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         r.rebalance_every = recovery.as_ref().map_or(0, |r| r.rebalance_every);
     }
     let figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
-    let first_step = trainer.step;
     let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node != g);
     if recovery.is_some() && unrecoverable {
         tracing::info!(
@@ -442,7 +487,7 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
         );
     }
     // The log file is opened (and checked) before any worker starts.
-    let reporter = Reporter::new(args, &cfg, trainer.step)?;
+    let reporter = Reporter::new(args, &cfg, first_step)?;
     if let Some(c) = args.snapshot_ceiling.filter(|c| !c.is_finite() || *c <= 0.0) {
         bail!("invalid --snapshot-ceiling: {c} (bytes per second, more than 0; --snapshot-bandwidth 0 turns snapshots off)");
     }
@@ -528,6 +573,35 @@ fn run_job(args: &TrainArgs, mut hosts: Hosts, agent_command: Option<String>, mu
             bail!("training stopped: {reason}; workers {}", workers.join(", "))
         }
     }
+}
+
+/// The running job a lost controller saved in `cfg`'s checkpoint directory, for this one to take
+/// back: its plan, and how far its `--json-log` got (a record cut in half by the kill is dropped:
+/// the agents send it again).
+fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g: usize) -> Result<(JobPlan, ResumeJob)> {
+    let Some(dir) = &cfg.checkpoint_dir else { bail!("--resume-job needs --checkpoint-dir: the lost controller saved the job there") };
+    let saved = SavedJob::read(&SavedJob::path_in(dir))?;
+    if saved.gpus_per_node != g {
+        bail!("invalid --gpus-per-node: {g} (the saved job {} has nodes of {})", saved.job_id, saved.gpus_per_node);
+    }
+    let placement = ModelPlan::from_json(&saved.state.plan).context("--resume-job: the saved plan")?;
+    let last_logged = match &args.json_log {
+        Some(path) => super::report::last_logged_step(path)?,
+        None => None,
+    };
+    let recovery = recovery(args)?.unwrap_or_default();
+    // Agents try again every 2 s at most: a member not back after several tries (or leases) is lost.
+    let rejoin_within = (recovery.lease * 5).max(Duration::from_secs(10));
+    tracing::info!(
+        "taking back job {} at epoch {} (saved {} ms after the Unix epoch): {} workers, last step logged {}; waiting up to {:.0} s for their agents",
+        saved.job_id,
+        saved.state.epoch - saved.state.first_epoch,
+        saved.saved_unix_ms,
+        saved.state.ranks.len(),
+        last_logged.unwrap_or(saved.state.last_step),
+        rejoin_within.as_secs_f64()
+    );
+    Ok((JobPlan { map: placement.replica_map(), placement: Some(placement) }, ResumeJob { saved, last_logged, rejoin_within }))
 }
 
 /// Which experts each worker holds, layer by layer (`e` once, `eXn` for n replicas).

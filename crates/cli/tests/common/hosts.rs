@@ -75,9 +75,15 @@ pub fn spawn_in(ns: &str, subcommand: &str, args: &[&str], env: &[(&str, &str)])
     (child, rx)
 }
 
-/// `lazarus agent --controller ADDR --gpus G` with the secret file, its stderr lines.
+/// `lazarus agent --controller ADDR --gpus G` with the secret file, its stderr lines; an agent
+/// that stops its workers as soon as its controller is lost (`--controller-grace 0`).
 pub fn start_agent(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>) -> (Child, mpsc::Receiver<String>) {
-    let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap()];
+    start_agent_with_grace(addr, gpus, secret, netns, "0")
+}
+
+/// The same, waiting `grace` seconds for a controller to take the job back.
+pub fn start_agent_with_grace(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>, grace: &str) -> (Child, mpsc::Receiver<String>) {
+    let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap(), "--controller-grace", grace];
     match netns {
         None => {
             let mut all = vec!["agent"];

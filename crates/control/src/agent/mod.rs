@@ -14,10 +14,11 @@
 //!   workers finish the step in flight and hand over what only they hold — and the workers leave;
 //!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
+mod session;
+
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -26,9 +27,9 @@ use crate::error::ControlError;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS;
-use crate::protocol::{secret_hex, WorkerEvent};
+use crate::protocol::{secret_hex, LauncherMessage, WorkerEvent};
 use crate::tls::ClientTls;
-use lazarus_comm::auth;
+use session::{Identity, Session, SessionError};
 
 /// How an agent is started.
 #[derive(Debug, Clone)]
@@ -45,7 +46,15 @@ pub struct AgentOptions {
     pub tls: ClientTls,
     /// How long to keep trying to reach the controller.
     pub connect_within: Duration,
+    /// How long the workers wait, paused, for a controller to take the job back once this
+    /// one is lost (zero: they are stopped at once).
+    pub controller_grace: Duration,
 }
+
+/// How long an agent waits for a lost controller to come back by default
+/// (`--controller-grace`): long enough for a supervisor to restart it, short enough that a
+/// job nobody restarts frees its GPUs.
+pub const DEFAULT_CONTROLLER_GRACE: Duration = Duration::from_secs(60);
 
 /// How an agent's part in the job ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,14 +81,20 @@ fn with_secret(spec: &str, secret: u128) -> Result<String, ControlError> {
     Ok(serde_json::to_string(&v)?)
 }
 
-/// What the agent waits on: its session with the controller, and its workers' reports.
+/// What the agent waits on: its sessions with the controller, and its workers' reports.
 enum Inbound {
-    Message(ControllerMessage),
-    Ended(String),
+    /// A message of session `.0` (a message of an older session is dropped).
+    Message(u64, ControllerMessage),
+    /// Session `.0` ended: why.
+    Ended(u64, String),
     /// A worker's report, or its end (`None`).
     Worker(usize, Option<WorkerEvent>),
     /// SIGTERM: the node leaves soon.
     Terminate,
+    /// A session with the controller that took the job back.
+    Reattached(Box<Session>),
+    /// The controller that answered did not take this node back: why.
+    NotTakenBack(String),
 }
 
 /// How long a node that gave notice waits for the controller to move the job off it.
@@ -148,137 +163,54 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         Some(h) => h,
         None => local_address_towards(controller)?,
     };
+    let me = Identity {
+        controller,
+        controller_name: opts.controller.clone(),
+        gpus: opts.gpus,
+        host,
+        secret: opts.secret,
+        tls: opts.tls.clone(),
+    };
     let runtime = crate::service::runtime(1, "lazarus-agent")?;
-    let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
-    let connect_within = opts.connect_within;
-    let refused = Arc::new(AtomicBool::new(false));
-    let endpoint = opts.tls.endpoint(&opts.controller, refused.clone())?.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true);
-    let mut inbound = runtime.block_on(async move {
-        let deadline = tokio::time::Instant::now() + connect_within;
-        let channel = loop {
-            // The TLS handshake too is bounded: a port that accepts and never answers is
-            // given up at the deadline (--connect-timeout).
-            let e = match tokio::time::timeout_at(deadline, endpoint.connect()).await {
-                Ok(Ok(c)) => break c,
-                Ok(Err(e)) => crate::service::error_chain(&e),
-                Err(_) => return Err(ControlError::Launch(format!(
-                    "the controller at {controller} did not answer within {} s (--connect-timeout): is it a Lazarus controller?",
-                    connect_within.as_secs_f64()
-                ))),
-            };
-            if refused.load(Ordering::Relaxed) {
-                return Err(ControlError::Launch(format!(
-                    "the server at {controller} is not this job's controller: it does not hold the key the job's secret gives (another job's, or a different --secret-file; a controller serving an operator's certificate needs --tls-ca)"
-                )));
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(ControlError::Launch(format!(
-                    "cannot reach the controller at {controller} within {} s: {e}",
-                    connect_within.as_secs_f64()
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        let mut client = proto::control_client::ControlClient::new(channel);
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
-        // A port that takes the connection but never speaks gRPC is given up at the deadline.
-        let reply = tokio::time::timeout_at(deadline, client.attach(stream))
-            .await
-            .map_err(|_| {
-                ControlError::Launch(format!(
-                    "the controller at {controller} did not answer within {} s (--connect-timeout): is it a Lazarus controller?",
-                    connect_within.as_secs_f64()
-                ))
-            })?
-            .map_err(|e| ControlError::Launch(format!("the controller at {controller} refused this agent: {}", e.message())))?;
-        Ok::<_, ControlError>(reply.into_inner())
-    })?;
-    let answer_within = connect_within.max(Duration::from_secs(1));
-    // The controller's messages, read on the runtime and handed to the agent's loop.
+    let first = runtime.block_on(session::open(&me, opts.connect_within, None)).map_err(SessionError::into_error)?;
+    tracing::info!(
+        "agent {}: attached to job {} at {controller} with {} workers listening on {host}",
+        first.welcome.agent,
+        first.job_id,
+        opts.gpus
+    );
     let (tx, rx) = mpsc::channel::<Inbound>();
-    let tx_workers = tx.clone();
     watch_terminate(tx.clone())?;
-    runtime.spawn(async move {
-        loop {
-            let next = match inbound.message().await {
-                Ok(Some(m)) => Inbound::Message(m),
-                Ok(None) => Inbound::Ended(format!("the controller at {controller} ended the session")),
-                Err(e) => Inbound::Ended(format!("lost the controller at {controller} ({})", e.message())),
-            };
-            let ended = matches!(next, Inbound::Ended(_));
-            if tx.send(next).is_err() || ended {
-                return;
-            }
-        }
-    });
-    // The controller's challenge, this agent's hello that answers it, and the welcome that
-    // proves the controller knows the secret too: the secret itself never crosses the network.
-    let refused = |why: String| ControlError::Launch(format!("the controller at {controller} refused this agent: {why}"));
-    let silent = |what: &str| {
-        ControlError::Launch(format!(
-            "no {what} from the controller at {controller} within {} s (--connect-timeout)",
-            answer_within.as_secs_f64()
-        ))
-    };
-    let challenge = match rx.recv_timeout(answer_within) {
-        Ok(Inbound::Message(ControllerMessage { body: Some(controller_message::Body::Challenge(c)), .. })) => c.nonce,
-        Ok(Inbound::Ended(why)) => return Err(refused(why)),
-        _ => return Err(silent("challenge")),
-    };
-    let nonce = auth::nonce().map_err(|e| ControlError::io("drawing a nonce from /dev/urandom", e))?;
-    let mut hello = proto::AgentHello {
-        proof: Vec::new(),
-        nonce: nonce.to_vec(),
-        gpus: opts.gpus as u32,
-        host: host.to_string(),
-        pid: std::process::id(),
-    };
-    hello.proof = auth::prove(opts.secret, &crate::hub::hello_context(&hello), &challenge, &nonce).to_vec();
-    let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
-    let welcome = match rx.recv_timeout(answer_within) {
-        Ok(Inbound::Message(ControllerMessage { job_id, body: Some(controller_message::Body::Welcome(w)), .. })) => (job_id, w),
-        Ok(Inbound::Ended(why)) => return Err(refused(why)),
-        _ => return Err(silent("welcome")),
-    };
-    if !auth::verify(opts.secret, &crate::hub::welcome_context(welcome.1.agent), &nonce, &challenge, &welcome.1.proof) {
-        return Err(ControlError::Launch(format!(
-            "the controller at {controller} did not prove it knows the job's secret: not this job's controller"
-        )));
-    }
-    let (job_id, w) = welcome;
-    let lease = checked_seconds(w.lease_s, "lease")?;
-    let heartbeat = checked_seconds(w.heartbeat_s, "heartbeat")?;
-    tracing::info!("agent {}: attached to job {job_id} at {controller} with {} workers listening on {host}", w.agent, opts.gpus);
-    let beats = out.clone();
-    let beat_job = job_id.clone();
-    runtime.spawn(async move {
-        let mut every = tokio::time::interval(heartbeat);
-        loop {
-            every.tick().await;
-            let m =
-                AgentMessage { job_id: beat_job.clone(), epoch: 0, body: Some(agent_message::Body::Heartbeat(proto::AgentHeartbeat {})) };
-            if beats.send(m).is_err() {
-                return;
-            }
-        }
-    });
     let mut node = Node {
-        job_id,
-        out,
+        job_id: first.job_id.clone(),
+        agent: first.welcome.agent,
+        out: first.out.clone(),
         gpus: opts.gpus,
         workers: None,
-        reports: tx_workers,
+        reports: tx,
         slot_epoch: vec![0; opts.gpus],
         done: vec![false; opts.gpus],
         exited: vec![false; opts.gpus],
         secret: opts.secret,
+        me,
+        runtime: runtime.handle().clone(),
+        session: Default::default(),
+        lease: Duration::from_secs(1),
+        grace: opts.controller_grace,
+        first_worker: None,
+        orphaned: None,
+        gap: VecDeque::new(),
+        recent: VecDeque::new(),
+        last_stop: vec![None; opts.gpus],
     };
-    let end = node.serve(&rx, lease, &mut on_start);
+    node.listen(*Box::new(first))?;
+    let end = node.serve(&rx, &mut on_start);
     // The workers go with the agent's part in the job, whatever ended it.
     if let Some(mut job) = node.workers.take() {
         job.kill_all();
         job.reap();
     }
+    node.session.close();
     drop(node);
     runtime.shutdown_timeout(Duration::from_millis(200));
     end
@@ -294,6 +226,9 @@ fn checked_seconds(s: f64, what: &str) -> Result<Duration, ControlError> {
 /// The agent's node: its workers and what it relays.
 struct Node {
     job_id: String,
+    /// This agent's number in the job.
+    agent: u64,
+    /// The open session's way to the controller.
     out: UnboundedSender<AgentMessage>,
     gpus: usize,
     workers: Option<Job>,
@@ -305,18 +240,184 @@ struct Node {
     exited: Vec<bool>,
     /// The job's secret, for its workers' specs (the controller sends them without it).
     secret: u128,
+    /// What this agent says of itself when it attaches again.
+    me: Identity,
+    runtime: tokio::runtime::Handle,
+    /// The open session's tasks (its reader and heartbeats) and its number.
+    session: SessionTasks,
+    /// A controller silent for this long is lost (its welcome says).
+    lease: Duration,
+    /// How long to wait for a controller to take the job back (`--controller-grace`).
+    grace: Duration,
+    /// The worker of slot 0 (its id in the job), once the workers are started.
+    first_worker: Option<u64>,
+    /// Since when this node has had no controller, and why.
+    orphaned: Option<(Instant, String)>,
+    /// What the workers said while there was no controller, in order (heartbeats aside).
+    gap: VecDeque<AgentMessage>,
+    /// The last records sent (steps, checkpoints, evaluations): a controller that takes the job
+    /// back hears them again, in case the lost one never logged them.
+    recent: VecDeque<AgentMessage>,
+    /// Each worker's last report of where it stopped, until it runs again.
+    last_stop: Vec<Option<AgentMessage>>,
 }
 
+/// The tasks of the open session with the controller.
+#[derive(Default)]
+struct SessionTasks {
+    id: u64,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl SessionTasks {
+    /// End the session: its reader and heartbeats stop, and with them the stream to the
+    /// controller (a controller that is only hung sees this agent gone when it wakes).
+    fn close(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// Records a re-attaching agent sends again (the newest; enough for the steps around a loss).
+const RECENT_RECORDS: usize = 16;
+/// Most reports kept while there is no controller (the workers pause within a step or two).
+const MOST_GAP_MESSAGES: usize = 4096;
+
 impl Node {
-    fn up(&self, epoch: u64, body: agent_message::Body) {
-        let _ = self.out.send(AgentMessage { job_id: self.job_id.clone(), epoch, body: Some(body) });
+    /// Tell the controller `body` of `epoch`; without a controller, keep it for the next one.
+    fn up(&mut self, epoch: u64, body: agent_message::Body) {
+        let m = AgentMessage { job_id: self.job_id.clone(), epoch, body: Some(body) };
+        if self.orphaned.is_some() {
+            if self.gap.len() == MOST_GAP_MESSAGES {
+                self.gap.pop_front();
+            }
+            self.gap.push_back(m);
+            return;
+        }
+        let _ = self.out.send(m);
+    }
+
+    /// Take `session` as this agent's session with the controller: read its messages, heartbeat
+    /// at its pace.
+    fn listen(&mut self, session: Session) -> Result<(), ControlError> {
+        let heartbeat = checked_seconds(session.welcome.heartbeat_s, "heartbeat")?;
+        self.lease = checked_seconds(session.welcome.lease_s, "lease")?;
+        self.session.close();
+        self.session.id += 1;
+        let id = self.session.id;
+        let tx = self.reports.clone();
+        let controller = self.me.controller;
+        let mut inbound = session.inbound;
+        let reader = self.runtime.spawn(async move {
+            loop {
+                let next = match inbound.message().await {
+                    Ok(Some(m)) => Inbound::Message(id, m),
+                    Ok(None) => Inbound::Ended(id, format!("the controller at {controller} ended the session")),
+                    Err(e) => Inbound::Ended(id, format!("lost the controller at {controller} ({})", e.message())),
+                };
+                let ended = matches!(next, Inbound::Ended(..));
+                if tx.send(next).is_err() || ended {
+                    return;
+                }
+            }
+        });
+        let beats = session.out.clone();
+        let job = self.job_id.clone();
+        let heartbeats = self.runtime.spawn(async move {
+            let mut every = tokio::time::interval(heartbeat);
+            loop {
+                every.tick().await;
+                let m =
+                    AgentMessage { job_id: job.clone(), epoch: 0, body: Some(agent_message::Body::Heartbeat(proto::AgentHeartbeat {})) };
+                if beats.send(m).is_err() {
+                    return;
+                }
+            }
+        });
+        self.session.tasks = vec![reader, heartbeats];
+        self.out = session.out;
+        Ok(())
+    }
+
+    /// Whether this node can wait for a controller to take the job back: a grace, workers that
+    /// run the job, and the job not ending for this node anyway.
+    fn can_wait_for_a_controller(&self) -> bool {
+        !self.grace.is_zero() && self.workers.is_some() && self.first_worker.is_some() && !self.exited.iter().all(|&x| x)
+    }
+
+    /// The controller is lost (`why`): the workers pause after the step in flight (a rendezvous
+    /// in progress is called off) and keep their state; this agent tries to attach again until
+    /// the grace is over.
+    fn orphan(&mut self, why: String) {
+        tracing::warn!(
+            "agent {}: {why}; its workers pause after the step in flight and wait up to {:.0} s for a controller to take the job back (--controller-grace)",
+            self.agent,
+            self.grace.as_secs_f64()
+        );
+        self.session.close();
+        if let Some(job) = self.workers.as_mut() {
+            for slot in 0..self.gpus {
+                let epoch = self.slot_epoch[slot];
+                for m in [LauncherMessage::Pause { epoch }, LauncherMessage::Abandon { epoch }] {
+                    if let Ok(line) = serde_json::to_string(&m) {
+                        let _ = job.write_line(slot, &line);
+                    }
+                }
+            }
+        }
+        let since = Instant::now();
+        self.orphaned = Some((since, why));
+        let claim = proto::Rejoin {
+            job_id: self.job_id.clone(),
+            agent: self.agent,
+            first_worker: self.first_worker.unwrap_or_default(),
+            epochs: self.slot_epoch.clone(),
+            orphaned_ms: 0,
+        };
+        let (me, tx, until) = (self.me.clone(), self.reports.clone(), since + self.grace);
+        self.runtime.spawn(async move {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return;
+                }
+                match session::open(&me, left.min(Duration::from_secs(5)), Some((claim.clone(), since))).await {
+                    Ok(s) => {
+                        let _ = tx.send(Inbound::Reattached(Box::new(s)));
+                        return;
+                    }
+                    Err(SessionError::Refused(e)) => {
+                        let _ = tx.send(Inbound::NotTakenBack(e.to_string()));
+                        return;
+                    }
+                    Err(SessionError::Unreachable(_)) => {
+                        tokio::time::sleep(backoff.min(left)).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                }
+            }
+        });
+    }
+
+    /// A controller took the job back: what it must hear again — the last records, each
+    /// worker's last stop, then what the workers said meanwhile.
+    fn rejoined(&mut self, session: Session) -> Result<(), ControlError> {
+        let away = self.orphaned.take().map_or(0.0, |(since, _)| since.elapsed().as_secs_f64());
+        tracing::info!("agent {}: taken back by the controller at {} after {away:.1} s without one", self.agent, self.me.controller);
+        self.listen(session)?;
+        let again: Vec<AgentMessage> = self.recent.iter().cloned().chain(self.last_stop.iter().flatten().cloned()).collect();
+        for m in again.into_iter().chain(self.gap.drain(..)) {
+            let _ = self.out.send(m);
+        }
+        Ok(())
     }
 
     /// Relay until the job ends for this node.
     fn serve(
         &mut self,
         rx: &mpsc::Receiver<Inbound>,
-        lease: Duration,
         on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
     ) -> Result<AgentEnd, ControlError> {
         let mut last_heard = Instant::now();
@@ -345,15 +446,24 @@ impl Node {
                     });
                 }
             }
-            let deadline = match (&finishing, draining) {
-                (Some((until, _)), _) => *until,
-                (None, Some(until)) => until.min(last_heard + lease),
-                (None, None) => last_heard + lease,
+            if let Some((since, why)) = &self.orphaned {
+                if since.elapsed() >= self.grace {
+                    return Ok(AgentEnd::Stopped(format!(
+                        "{why}, and no controller took the job back within {:.0} s (--controller-grace): this node's workers are stopped",
+                        self.grace.as_secs_f64()
+                    )));
+                }
+            }
+            let deadline = match (&finishing, draining, &self.orphaned) {
+                (Some((until, _)), _, _) => *until,
+                (None, _, Some((since, _))) => *since + self.grace,
+                (None, Some(until), None) => until.min(last_heard + self.lease),
+                (None, None, None) => last_heard + self.lease,
             };
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))) {
                 Ok(Inbound::Worker(slot, event)) => self.relay(slot, event),
                 Ok(Inbound::Terminate) => {
-                    if draining.is_some() || self.workers.is_none() {
+                    if draining.is_some() || self.workers.is_none() || self.orphaned.is_some() {
                         return Ok(AgentEnd::Stopped("SIGTERM".into()));
                     }
                     tracing::warn!(
@@ -362,7 +472,10 @@ impl Node {
                     self.up(0, agent_message::Body::Leaving(proto::Leaving { reason: "SIGTERM (a preemption notice)".into() }));
                     draining = Some(Instant::now() + DRAIN_WITHIN);
                 }
-                Ok(Inbound::Message(m)) => {
+                Ok(Inbound::Message(id, m)) => {
+                    if id != self.session.id || self.orphaned.is_some() {
+                        continue;
+                    }
                     if m.job_id != self.job_id {
                         tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);
                         continue;
@@ -374,24 +487,43 @@ impl Node {
                         None => {}
                     }
                 }
-                Ok(Inbound::Ended(why)) => {
+                Ok(Inbound::Ended(id, why)) => {
+                    if id != self.session.id || self.orphaned.is_some() {
+                        continue;
+                    }
                     if finishing.is_some() || (self.workers.is_some() && self.done.iter().all(|&d| d)) {
                         // Let the workers' last reports and exits go the same way as after a shutdown.
                         finishing.get_or_insert((Instant::now() + FINISH_WITHIN, why));
                         continue;
                     }
+                    if draining.is_none() && self.can_wait_for_a_controller() {
+                        self.orphan(why);
+                        continue;
+                    }
                     return Ok(AgentEnd::Stopped(why));
+                }
+                Ok(Inbound::Reattached(session)) => {
+                    if self.orphaned.is_some() {
+                        self.rejoined(*session)?;
+                        last_heard = Instant::now();
+                    }
+                }
+                Ok(Inbound::NotTakenBack(why)) => {
+                    return Ok(AgentEnd::Stopped(format!(
+                        "the controller was lost, and the one that answered did not take this node back: {why}"
+                    )));
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return Ok(AgentEnd::Stopped("the session with the controller ended".into())),
             }
             let silent = last_heard.elapsed();
-            if finishing.is_none() && silent > lease {
-                return Ok(AgentEnd::Stopped(format!(
-                    "the controller was silent for {:.1} s (lease {:.1} s): this node's workers are stopped",
-                    silent.as_secs_f64(),
-                    lease.as_secs_f64()
-                )));
+            if finishing.is_none() && self.orphaned.is_none() && silent > self.lease {
+                let why = format!("the controller was silent for {:.1} s (lease {:.1} s)", silent.as_secs_f64(), self.lease.as_secs_f64());
+                if draining.is_none() && self.can_wait_for_a_controller() {
+                    self.orphan(why);
+                    continue;
+                }
+                return Ok(AgentEnd::Stopped(format!("{why}: this node's workers are stopped")));
             }
         }
     }
@@ -399,12 +531,17 @@ impl Node {
     /// Pass on one report (or the exit) of worker `slot`.
     fn relay(&mut self, slot: usize, event: Option<WorkerEvent>) {
         let Some(job) = self.workers.as_mut() else { return };
-        let body = match event {
+        let epoch = self.slot_epoch[slot];
+        let body = match &event {
             Some(ev) => {
                 if matches!(ev, WorkerEvent::Done { .. }) {
                     self.done[slot] = true;
                 }
-                match serde_json::to_string(&ev) {
+                if matches!(ev, WorkerEvent::Heartbeat) && self.orphaned.is_some() {
+                    // Nobody to hear it; the next controller hears the worker itself.
+                    return;
+                }
+                match serde_json::to_string(ev) {
                     Ok(json) => agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json }),
                     Err(e) => return tracing::warn!("agent: worker {slot}: {e}"),
                 }
@@ -414,7 +551,22 @@ impl Node {
                 agent_message::Body::Exited(proto::WorkerExited { slot: slot as u32, status: job.exit_status(slot) })
             }
         };
-        self.up(self.slot_epoch[slot], body);
+        // What a controller that takes the job back must hear again.
+        let kept = AgentMessage { job_id: self.job_id.clone(), epoch, body: Some(body.clone()) };
+        match &event {
+            Some(WorkerEvent::StepFailed { .. } | WorkerEvent::Paused { .. }) => self.last_stop[slot] = Some(kept),
+            Some(WorkerEvent::Ready { .. }) => self.last_stop[slot] = None,
+            Some(WorkerEvent::Step { .. } | WorkerEvent::Checkpointed { .. } | WorkerEvent::Evaluated { .. })
+                if self.orphaned.is_none() =>
+            {
+                if self.recent.len() == RECENT_RECORDS {
+                    self.recent.pop_front();
+                }
+                self.recent.push_back(kept);
+            }
+            _ => {}
+        }
+        self.up(epoch, body);
     }
 
     /// One message of the controller. Some(Ok): this node's part in the job is over; Some(Err):
@@ -451,6 +603,7 @@ impl Node {
                 let reports = self.reports.clone();
                 self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
+                self.first_worker = ranks.first().map(|&r| u64::from(r));
                 on_start(&ranks)?;
             }
             controller_message::Body::Input(i) => {

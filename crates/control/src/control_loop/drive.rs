@@ -23,6 +23,10 @@ pub(crate) struct Ended {
     pub results: Option<serde_json::Value>,
 }
 
+/// Saves what a new controller needs to take the job back (`true`: the job completed, nothing
+/// is left to take back).
+pub(crate) type SaveState<'a> = &'a mut dyn FnMut(&Controller, bool);
+
 /// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
 /// job completes or stops; `shared` (if served) gets the status after each decision. On
 /// anything but completion every worker left is killed.
@@ -31,9 +35,14 @@ pub(crate) fn drive(
     mut ctl: Controller,
     job_id: &str,
     shared: Option<SharedStatus>,
+    mut save: Option<SaveState<'_>>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<Ended, ControlError> {
     let first_epoch = ctl.epoch();
+    // A job taken back: its agents send their last records again, which the log may hold.
+    let replayed_until = ctl.resuming().then(|| ctl.last_step());
+    // What a new controller would need, saved before any worker hears of a new epoch.
+    let mut saved_epoch = None;
     // The plan as `lazarus status` shows it: its epoch counted from the job's start.
     let shown_plan = |ctl: &Controller| ctl.plan().map(|p| p.clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json()).unwrap_or_default();
     let mut plan_json = (ctl.epoch(), shown_plan(&ctl));
@@ -86,6 +95,9 @@ pub(crate) fn drive(
                     }
                     Event::Exited { node: rank as u64, status }
                 }
+                Some(FleetEvent::Report { rank: _, event }) if replayed_until.is_some() && already_logged(&event, &ctl, replayed_until) => {
+                    continue;
+                }
                 Some(FleetEvent::Report { rank, event }) => match shell.translate(rank, event, &ctl, &mut observe)? {
                     Some(e) => e,
                     None => continue,
@@ -95,6 +107,12 @@ pub(crate) fn drive(
         let decided = Instant::now();
         let commands = ctl.decide(decided, event);
         let plan_s = decided.elapsed().as_secs_f64();
+        if let Some(save) = save.as_mut() {
+            if saved_epoch != Some(ctl.epoch()) && !ctl.is_over() {
+                saved_epoch = Some(ctl.epoch());
+                save(&ctl, false);
+            }
+        }
         if let Some(shared) = &shared {
             if plan_json.0 != ctl.epoch() {
                 plan_json = (ctl.epoch(), shown_plan(&ctl));
@@ -153,6 +171,10 @@ pub(crate) fn drive(
                     }
                 }
                 Command::Reconfigure(m) => {
+                    if let Some(away) = fleet.without_a_controller().filter(|_| m.cause == MoveCause::Controller) {
+                        // The record of a job taken back counts from the loss of its controller.
+                        shell.failure_seen_at(decided.checked_sub(away).unwrap_or(decided));
+                    }
                     shell.begin_move(&m, plan_s, first_epoch);
                     for (rank, &node) in m.ranks.iter().enumerate() {
                         let to = rank_move(&m, rank);
@@ -180,6 +202,10 @@ pub(crate) fn drive(
             }
         }
     })();
+    if let (Some(save), Ok(TrainOutcome::Completed { .. })) = (save.as_mut(), &result) {
+        // Nothing left to take back.
+        save(&ctl, true);
+    }
     match &result {
         Ok(TrainOutcome::Completed { .. }) => {
             let how = match crate::stop_signal::requested().filter(|_| shell.stop_told) {
@@ -201,6 +227,18 @@ pub(crate) fn drive(
         }
     }
     result.map(|outcome| Ended { outcome, results: shell.results.take() })
+}
+
+/// Whether a record a re-attached agent sent again is one the log has: a step up to the last
+/// logged, a checkpoint up to the last known, an evaluation of a step logged before the
+/// controller was lost (`replayed_until`).
+fn already_logged(event: &WorkerEvent, ctl: &Controller, replayed_until: Option<u64>) -> bool {
+    match event {
+        WorkerEvent::Step { report, .. } => report.step <= ctl.last_step(),
+        WorkerEvent::Checkpointed { step, .. } => ctl.checkpoint().is_some_and(|c| *step <= c),
+        WorkerEvent::Evaluated { step, .. } => replayed_until.is_some_and(|r| *step <= r),
+        _ => false,
+    }
 }
 
 /// What rank `rank` of move `m` is told.

@@ -53,7 +53,8 @@ impl LocalAgents {
     /// Start node `name`'s agent.
     fn start(&mut self, name: &str) -> Result<(), ControlError> {
         let mut cmd = std::process::Command::new(&self.exe);
-        cmd.args(["agent", "--controller", &self.controller.to_string(), "--gpus", &self.gpus.to_string()])
+        // Local agents go with the process that runs their controller: nothing to wait for.
+        cmd.args(["agent", "--controller", &self.controller.to_string(), "--gpus", &self.gpus.to_string(), "--controller-grace", "0"])
             .env("LAZARUS_SECRET", secret_hex(self.secret))
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())

@@ -5,6 +5,7 @@
 
 mod drive;
 mod local_agents;
+pub mod saved_job;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -331,6 +332,21 @@ pub struct AgentsSpec {
     pub join_wait: Duration,
     /// With local agents: nodes to kill and start on schedule (a failure trace replayed).
     pub schedule: Option<NodeSchedule>,
+    /// Where the controller saves what a new one needs to take the job back, at every epoch
+    /// (None: nowhere; [`saved_job`]).
+    pub state_file: Option<PathBuf>,
+    /// Take back a running job whose controller was lost, instead of starting one.
+    pub resume: Option<Box<ResumeJob>>,
+}
+
+/// A running job a new controller takes back (`lazarus controller --resume-job`).
+#[derive(Debug, Clone)]
+pub struct ResumeJob {
+    pub saved: saved_job::SavedJob,
+    /// The last step the job's log holds (None: the saved state's).
+    pub last_logged: Option<u64>,
+    /// How long to wait for each member's agent to re-attach before it is lost.
+    pub rejoin_within: Duration,
 }
 
 /// Start `world` worker processes on `job` (here, or through node agents as `hosts` says) and
@@ -387,20 +403,30 @@ pub fn run_training(
         total_steps: cfg.steps,
         ..lifecycle.spec()
     };
-    let job_id = format!("job-{epoch}");
+    let taking_back = match hosts {
+        Hosts::Agents(a) => a.resume.as_deref().cloned(),
+        Hosts::Local { .. } => None,
+    };
+    let (job_id, epoch) = match &taking_back {
+        Some(r) => (r.saved.job_id.clone(), r.saved.state.epoch),
+        None => (format!("job-{epoch}"), epoch),
+    };
     let static_ep = job.static_ep;
     // The controller of the job, its clock (leases, the start deadline) started when its
-    // workers are: after the agents attached, for a job run by agents.
-    let controller = move |now: Instant| {
+    // workers are: after the agents attached, for a job run by agents. A job taken back
+    // starts collecting where its workers stopped.
+    let controller = move |now: Instant| -> Result<Controller, ControlError> {
         let nodes: Vec<u64> = (0..world as u64).collect();
-        match plan {
+        Ok(match (&taking_back, plan) {
+            (Some(r), _) => Controller::resumed(spec.clone(), r.saved.state.clone(), r.last_logged, now, r.rejoin_within)
+                .map_err(|e| ControlError::invalid("--resume-job", format!("the saved job does not fit this one: {e}")))?,
             // Static expert parallelism runs its own split of the experts, not the plan's.
-            Some(p) if !static_ep => Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now),
-            _ => Controller::unplanned(spec.clone(), epoch, nodes, now),
-        }
+            (None, Some(p)) if !static_ep => Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now),
+            (None, _) => Controller::unplanned(spec.clone(), epoch, nodes, now),
+        })
     };
     let begun = Instant::now();
-    let waiting = controller(begun);
+    let waiting = controller(begun)?;
     let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
     let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
     let metrics = Arc::new(JobMetrics::new());
@@ -430,7 +456,7 @@ pub fn run_training(
                 }
                 None => None,
             };
-            drive(&mut processes, controller(Instant::now()), &job_id, status_listen.map(|_| shared), observe)
+            drive(&mut processes, controller(Instant::now())?, &job_id, status_listen.map(|_| shared), None, observe)
         }
         Hosts::Agents(a) => {
             let (hub, inputs) =
@@ -440,6 +466,50 @@ pub fn run_training(
             let addr = server.addr();
             observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
+            // What a new controller needs to take the job back, saved at every epoch (and gone
+            // once the job completed).
+            let mut save = a.state_file.clone().map(|path| {
+                let (hub, job_id) = (hub.clone(), job_id.clone());
+                let mut warned = false;
+                move |ctl: &Controller, over: bool| {
+                    let written = match ctl.job_state() {
+                        Some(_) if over => std::fs::remove_file(&path).or_else(|e| match e.kind() {
+                            std::io::ErrorKind::NotFound => Ok(()),
+                            _ => Err(ControlError::io(format!("removing {}", path.display()), e)),
+                        }),
+                        Some(state) => saved_job::SavedJob::new(&job_id, g, hub.next_agent(), state).write(&path),
+                        None => Ok(()),
+                    };
+                    if let Err(e) = written {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(
+                                "epoch {}: the controller's state is not saved ({e}): a new controller could not take the job back",
+                                ctl.job_epoch(ctl.epoch())
+                            );
+                        }
+                    }
+                }
+            });
+            let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
+            if let Some(r) = a.resume.as_deref() {
+                let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
+                let (secret, standby) = (String::new(), TrainJob { standby: true, ..job.clone() });
+                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| {
+                    let spec = WorkerSpec {
+                        rank: id,
+                        world: id + 1,
+                        epoch,
+                        timeout_s: comm_timeout_s,
+                        secret: secret.clone(),
+                        bind: Some(host.to_string()),
+                        encrypt: standby.encrypt_data,
+                        job: &standby,
+                    };
+                    Ok::<_, ControlError>(serde_json::to_string(&spec)?)
+                });
+                let mut fleet = hub.resume(inputs, &members, r.saved.workers(), r.saved.agents, joiner);
+                return drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe).map(|e| e.outcome);
+            }
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
                 observe(TrainEvent::AgentJoined {
                     agent: info.agent,
@@ -472,7 +542,7 @@ pub fn run_training(
                     (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
                     _ => None,
                 };
-                let run = drive(&mut fleet, controller(Instant::now()), &job_id, Some(shared), observe);
+                let run = drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe);
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);
                 if let Some(r) = replaying {
                     let _ = r.join();
@@ -508,7 +578,7 @@ pub fn run_local_job<J: Serialize>(
     let epoch = fresh_epoch();
     let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch, false)?;
     let ctl = Controller::unplanned(Lifecycle::new(timeout_s, None).spec(), epoch, (0..world as u64).collect(), Instant::now());
-    let ended = drive(&mut processes, ctl, &format!("{subcommand}-{epoch}"), None, observe)?;
+    let ended = drive(&mut processes, ctl, &format!("{subcommand}-{epoch}"), None, None, observe)?;
     match ended.outcome {
         TrainOutcome::Completed { .. } => Ok(ended.results),
         TrainOutcome::Failed { reason, workers } => Err(ControlError::Launch(format!("{reason}; workers {}", workers.join(", ")))),

@@ -53,7 +53,14 @@ pub fn stale(stamped: u64, current: u64, event: &WorkerEvent) -> bool {
 
 /// What an agent's hello proves, besides the job's secret: the node it describes.
 pub(crate) fn hello_context(hello: &AgentHello) -> Vec<u8> {
-    format!("lazarus agent hello: {} gpus at {} (pid {})", hello.gpus, hello.host, hello.pid).into_bytes()
+    let mut context = format!("lazarus agent hello: {} gpus at {} (pid {})", hello.gpus, hello.host, hello.pid);
+    if let Some(r) = &hello.rejoin {
+        context.push_str(&format!(
+            "; rejoins job {:?} as agent {} with workers from {} at epochs {:?}, {} ms without a controller",
+            r.job_id, r.agent, r.first_worker, r.epochs, r.orphaned_ms
+        ));
+    }
+    context.into_bytes()
 }
 
 /// What the controller's welcome proves: the agent's number in the job.
@@ -86,6 +93,11 @@ pub(crate) enum HubInput {
         agent: u64,
         reason: String,
     },
+    /// An agent of the job taken back re-attached with its workers (ids from `first`).
+    Rejoined {
+        agent: u64,
+        first: usize,
+    },
 }
 
 /// One attached agent.
@@ -113,6 +125,12 @@ struct HubState {
     epoch: u64,
     /// The job is over: every agent was told so.
     over: bool,
+    /// This controller took a running job back: the workers that may still re-attach (their
+    /// agents claim them), each once.
+    taking_back: bool,
+    rejoinable: std::collections::BTreeSet<usize>,
+    /// The longest an agent that came back had been without a controller.
+    longest_orphaned_ms: u64,
 }
 
 /// A description of an attached agent, for the user.
@@ -204,6 +222,9 @@ impl AgentHub {
         if hello.host.parse::<IpAddr>().is_err() {
             return Err(Status::invalid_argument(format!("host: {:?} is not an IP address", hello.host)));
         }
+        if let Some(claim) = &hello.rejoin {
+            return self.readmit(claim, hello, tx);
+        }
         let mut st = self.state();
         // Before the start the job takes the workers it starts with; after it, up to its most
         // (--max-workers): an agent that comes later joins the running job.
@@ -224,6 +245,70 @@ impl AgentHub {
             Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: None, gone: None, refused: 0 },
         );
         Ok(agent)
+    }
+
+    /// Take back an agent whose controller was lost (its hello proved the secret): it claims
+    /// its number and its workers, which must be members of the job this controller took back,
+    /// not claimed yet. Returns its number.
+    fn readmit(
+        &self,
+        claim: &proto::Rejoin,
+        hello: &AgentHello,
+        tx: UnboundedSender<Result<ControllerMessage, Status>>,
+    ) -> Result<u64, Status> {
+        if claim.job_id != self.job_id {
+            return Err(Status::failed_precondition(format!(
+                "rejoin: job {:?} is not the one this controller runs ({:?})",
+                claim.job_id, self.job_id
+            )));
+        }
+        let gpus = hello.gpus as usize;
+        let first = usize::try_from(claim.first_worker).unwrap_or(usize::MAX);
+        if claim.epochs.len() != gpus {
+            return Err(Status::invalid_argument(format!("rejoin: {} epochs for {gpus} workers", claim.epochs.len())));
+        }
+        let mut st = self.state();
+        let workers = first..first.saturating_add(gpus);
+        if !st.taking_back {
+            return Err(Status::failed_precondition(format!(
+                "rejoin: this controller did not take job {:?} back (start it with --resume-job to take over a running job)",
+                self.job_id
+            )));
+        }
+        if workers.clone().any(|w| !st.rejoinable.contains(&w)) {
+            return Err(Status::failed_precondition(format!(
+                "rejoin: workers {}..{} are not members of job {:?} waiting to be taken back (lost before the controller was, standing by, or claimed already)",
+                workers.start, workers.end, self.job_id
+            )));
+        }
+        if st.agents.contains_key(&claim.agent) {
+            return Err(Status::failed_precondition(format!("rejoin: agent {} is attached already", claim.agent)));
+        }
+        for w in workers {
+            st.rejoinable.remove(&w);
+            if st.rank_epoch.len() <= w {
+                let epoch = st.epoch;
+                st.rank_epoch.resize(w + 1, epoch);
+            }
+        }
+        for (slot, &e) in claim.epochs.iter().enumerate() {
+            st.rank_epoch[first + slot] = e;
+        }
+        st.next_agent = st.next_agent.max(claim.agent + 1);
+        st.longest_orphaned_ms = st.longest_orphaned_ms.max(claim.orphaned_ms);
+        let now = Instant::now();
+        st.agents.insert(
+            claim.agent,
+            Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: Some(first), gone: None, refused: 0 },
+        );
+        tracing::info!(
+            "agent {} at {} re-attached with workers {first}..{} after {:.1} s without a controller",
+            claim.agent,
+            hello.host,
+            first + gpus,
+            claim.orphaned_ms as f64 / 1e3
+        );
+        Ok(claim.agent)
     }
 
     /// The agent's session after its hello: relay what it says until its stream ends.
@@ -379,7 +464,10 @@ impl AgentHub {
         let epoch = self.state().epoch;
         let _ = tx.send(Ok(self.message(epoch, controller_message::Body::Welcome(welcome))));
         tokio::spawn(self.clone().ping(agent));
-        self.input(HubInput::Joined { agent });
+        match hello.rejoin {
+            Some(r) => self.input(HubInput::Rejoined { agent, first: r.first_worker as usize }),
+            None => self.input(HubInput::Joined { agent }),
+        }
         self.relay(agent, inbound).await;
     }
 
@@ -499,6 +587,44 @@ impl AgentHub {
             joined: VecDeque::new(),
             leaving: VecDeque::new(),
         })
+    }
+
+    /// The workers of a job this controller took back: `members` (worker ids) may re-attach
+    /// with their agents; `workers` ids were given out so far (joiners are numbered after them);
+    /// agent numbers start after `agents`. Nobody has re-attached yet.
+    pub(crate) fn resume(
+        self: &Arc<Self>,
+        inputs: Receiver<HubInput>,
+        members: &[usize],
+        workers: usize,
+        agents: u64,
+        joiner: JoinerSpec,
+    ) -> RemoteFleet {
+        {
+            let mut st = self.state();
+            st.started = true;
+            st.taking_back = true;
+            st.rejoinable = members.iter().copied().collect();
+            st.next_agent = st.next_agent.max(agents);
+            let epoch = st.epoch;
+            st.rank_epoch = vec![epoch; workers];
+        }
+        RemoteFleet {
+            hub: self.clone(),
+            inputs,
+            owners: vec![(u64::MAX, 0); workers],
+            pending: VecDeque::new(),
+            exits: BTreeMap::new(),
+            killed: Default::default(),
+            joiner,
+            joined: VecDeque::new(),
+            leaving: VecDeque::new(),
+        }
+    }
+
+    /// The agent numbers given out so far (the next one's).
+    pub(crate) fn next_agent(&self) -> u64 {
+        self.state().next_agent
     }
 
     /// Number the workers of `agent`, which attached after the start, from `first` on; returns
@@ -632,6 +758,13 @@ impl Fleet for RemoteFleet {
                     }
                 }
                 HubInput::Joined { agent } => self.take_in(agent),
+                HubInput::Rejoined { agent, first } => {
+                    for slot in 0..self.hub.gpus_per_node {
+                        if let Some(o) = self.owners.get_mut(first + slot) {
+                            *o = (agent, slot);
+                        }
+                    }
+                }
                 HubInput::Leaving { agent, reason } => {
                     let ranks = self.ranks_of(agent);
                     if !ranks.is_empty() {
@@ -678,5 +811,10 @@ impl Fleet for RemoteFleet {
 
     fn finish(&mut self, how: &str) {
         self.hub.shutdown(how, true);
+    }
+
+    fn without_a_controller(&self) -> Option<Duration> {
+        let st = self.hub.state();
+        st.taking_back.then(|| Duration::from_millis(st.longest_orphaned_ms))
     }
 }

@@ -21,7 +21,7 @@ const CHALLENGE: [u8; auth::NONCE] = [9; auth::NONCE];
 /// An agent's hello that answers [`CHALLENGE`] with its proof of `secret`.
 fn hello(secret: u128, gpus: u32, host: &str) -> AgentHello {
     let nonce = auth::nonce().unwrap().to_vec();
-    let mut h = AgentHello { proof: Vec::new(), nonce, gpus, host: host.into(), pid: 1 };
+    let mut h = AgentHello { proof: Vec::new(), nonce, gpus, host: host.into(), pid: 1, rejoin: None };
     h.proof = auth::prove(secret, &hello_context(&h), &CHALLENGE, &h.nonce).to_vec();
     h
 }
@@ -171,4 +171,46 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     assert_eq!(h.state().agents[&1].refused, 2);
     // The other agent's stand.
     assert!(h.take(0, report(100, 0, &ready)).is_some());
+}
+
+/// An agent's hello that claims its place in a running job (its controller was lost).
+fn rejoin(job: &str, agent: u64, first_worker: u64, epochs: Vec<u64>) -> AgentHello {
+    let nonce = auth::nonce().unwrap().to_vec();
+    let claim = proto::Rejoin { job_id: job.into(), agent, first_worker, epochs, orphaned_ms: 1500 };
+    let mut h = AgentHello { proof: Vec::new(), nonce, gpus: 2, host: "10.0.0.2".into(), pid: 1, rejoin: Some(claim) };
+    h.proof = auth::prove(SECRET, &hello_context(&h), &CHALLENGE, &h.nonce).to_vec();
+    h
+}
+
+#[test]
+fn a_controller_that_took_a_job_back_readmits_its_members_once_and_no_one_else() {
+    // A controller that did not take a job back refuses every claim.
+    let (h, _rx) = hub(4, 2);
+    let e = h.admit(&rejoin("job-7", 0, 0, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
+    assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains("--resume-job"), "{e:?}");
+    // One that did: members 0..4 of job-7 (workers 4 and 5 were lost before), 3 agents so far.
+    let (h, rx) = hub(4, 2);
+    let mut fleet = h.resume(rx, &[0, 1, 2, 3], 6, 3, joiner());
+    let other = h.admit(&rejoin("job-8", 0, 0, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
+    assert!(other.message().contains("job-8"), "{other:?}");
+    let lost = h.admit(&rejoin("job-7", 2, 4, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
+    assert!(lost.message().contains("not members"), "{lost:?}");
+    let short = h.admit(&rejoin("job-7", 0, 0, vec![100]), &CHALLENGE, link()).unwrap_err();
+    assert_eq!(short.code(), tonic::Code::InvalidArgument);
+    // A claim altered on the way proves nothing.
+    let mut forged = rejoin("job-7", 0, 0, vec![100, 100]);
+    forged.rejoin.as_mut().unwrap().first_worker = 2;
+    assert_eq!(h.admit(&forged, &CHALLENGE, link()).unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(h.admit(&rejoin("job-7", 1, 2, vec![100, 99]), &CHALLENGE, link()).unwrap(), 1);
+    let twice = h.admit(&rejoin("job-7", 1, 2, vec![100, 99]), &CHALLENGE, link()).unwrap_err();
+    assert!(twice.message().contains("not members"), "claimed already: {twice:?}");
+    // Its reports are its workers' (ids 2 and 3), stamped with the epochs it claimed.
+    h.input(HubInput::Rejoined { agent: 1, first: 2 });
+    let paused = WorkerEvent::Paused { epoch: 99, steps_done: 8, holds: vec![], snapshots: vec![] };
+    let x = h.take(1, report(99, 1, &paused)).expect("a report of worker 3 at its epoch");
+    h.input(x);
+    assert!(matches!(fleet.next_event(Duration::from_millis(100)), Some(FleetEvent::Report { rank: 3, .. })));
+    assert_eq!(fleet.without_a_controller(), Some(Duration::from_millis(1500)));
+    // A newcomer is a joiner, numbered after every agent and worker of the job so far.
+    assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.9"), &CHALLENGE, link()).unwrap(), 3);
 }

@@ -942,3 +942,4 @@ fn notes_count_epochs_from_the_start_of_the_job() {
 }
 
 mod lifecycle;
+mod resume;
