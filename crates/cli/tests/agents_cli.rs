@@ -531,6 +531,37 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A job of 2 agents × 2 workers whose controller saves its state, on a port of its own (outside
+/// the kernel's ephemeral range: no other test's listener takes it while there is no controller).
+struct RestartableJob {
+    d: std::path::PathBuf,
+    path: std::path::PathBuf,
+    ck: std::path::PathBuf,
+    secret: std::path::PathBuf,
+    listen: String,
+    steps: String,
+}
+
+impl RestartableJob {
+    fn new(name: &str, port_offset: u32, steps: &str) -> Self {
+        let d = dir(name);
+        let listen = format!("127.0.0.1:{}", 21_000 + (std::process::id() * 7 + port_offset) % 6_000);
+        RestartableJob { path: d.join("log.jsonl"), ck: d.join("ck"), secret: d.join("secret"), d, listen, steps: steps.into() }
+    }
+
+    fn controller(&self, resume: bool) -> (Child, mpsc::Receiver<String>, String) {
+        let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+        let (secret, log, ck) = (s(&self.secret), s(&self.path), s(&self.ck));
+        let mut args = vec!["--listen", &self.listen, "--secret-file", &secret, "--workers", "4", "--gpus-per-node", "2"];
+        args.extend(tiny());
+        args.extend(["--steps", &self.steps, "--json-log", &log, "--checkpoint-dir", &ck, "--checkpoint-every", "10", "--lease", "0.5"]);
+        if resume {
+            args.push("--resume-job");
+        }
+        start_controller(&args, None)
+    }
+}
+
 /// The controller SIGKILLed mid-run: its agents keep their workers, paused with their state;
 /// a new controller started with `--resume-job` (same address, secret and flags) takes the job
 /// back from what it saved and what the agents report, and training goes on — every step once,
@@ -599,4 +630,83 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
     }
     assert!(!ck.join("controller-state.json").exists(), "a completed job leaves nothing to take back");
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A worker SIGKILLed while there is no controller: its agent tells the new controller of its
+/// end when it re-attaches, the new controller loses its node whole and moves the job to the
+/// other node's workers, with every expert's state (each expert has a replica on both nodes).
+#[test]
+fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one() {
+    let job = RestartableJob::new("agents-controller-gap-loss", 1, "60");
+    let want = uninterrupted("60", &job.d);
+    let (mut controller, ctl_lines, addr) = job.controller(false);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+    wait_for_steps(&job.path, 12);
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    std::thread::sleep(Duration::from_millis(500));
+    let victim = children(agents[1].0.id() as i32)[0];
+    signal(victim, libc::SIGKILL);
+    std::thread::sleep(Duration::from_millis(500));
+    let (mut controller, ctl_lines, _) = job.controller(true);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "the job taken back completes: {}", text.join("\n"));
+    let (steps, reconf) = log(&job.path);
+    assert_eq!(steps.iter().map(|s| s.0).collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "every step once, in order");
+    assert_same_losses(&steps, &want, "a worker lost while there was no controller");
+    assert_eq!(reconf.len(), 1, "{reconf:?}");
+    assert_eq!(reconf[0]["cause"], "controller", "{}", reconf[0]);
+    assert_eq!(reconf[0]["workers"].as_u64(), Some(2), "{}", reconf[0]);
+    assert_eq!(reconf[0]["lost"].as_array().map(Vec::len), Some(2), "the node of the lost worker, whole: {}", reconf[0]);
+    let [(kept, kept_lines), (lost, lost_lines)] = &mut agents[..] else { unreachable!() };
+    let (status, text) = exit_within(kept, kept_lines, Duration::from_secs(30));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let (status, text) = exit_within(lost, lost_lines, Duration::from_secs(30));
+    assert!(status.is_some(), "the agent of the lost node ends: {}", text.join("\n"));
+    let _ = std::fs::remove_dir_all(&job.d);
+}
+
+/// The controller SIGKILLed at chosen instants around a worker's loss — while the loss is found
+/// out, while the survivors report, during the move it decided — and started again after 0 to
+/// 1 s: whatever it had saved and whatever the workers had heard, the new controller takes the
+/// job back with every step once and the losses of an uninterrupted run.
+#[test]
+fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
+    for (i, (after_ms, down_ms)) in [(0u64, 0u64), (15, 300), (40, 1000)].into_iter().enumerate() {
+        let job = RestartableJob::new(&format!("agents-controller-phase-{i}"), 2 + i as u32, "60");
+        let want = uninterrupted("60", &job.d);
+        let (mut controller, ctl_lines, addr) = job.controller(false);
+        let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+            (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+        wait_for_steps(&job.path, 12);
+        let victim = children(agents[1].0.id() as i32)[0];
+        signal(victim, libc::SIGKILL);
+        std::thread::sleep(Duration::from_millis(after_ms));
+        signal(controller.id() as i32, libc::SIGKILL);
+        let _ = controller.wait();
+        drop(ctl_lines);
+        std::thread::sleep(Duration::from_millis(down_ms));
+        let (mut controller, ctl_lines, _) = job.controller(true);
+        let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+        let what = format!("killed {after_ms} ms after the worker, down {down_ms} ms");
+        assert!(status.is_some_and(|s| s.success()), "{what}: the job taken back completes: {}", text.join("\n"));
+        let (steps, reconf) = log(&job.path);
+        assert_eq!(steps.iter().map(|s| s.0).collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "{what}: every step once");
+        assert_same_losses(&steps, &want, &what);
+        assert!(reconf.iter().all(|r| r["cause"] != "rollback"), "{what}: nothing rolled back: {reconf:?}");
+        let epochs: Vec<u64> = reconf.iter().map(|r| r["epoch"].as_u64().unwrap()).collect();
+        assert!(epochs.windows(2).all(|w| w[0] < w[1]), "{what}: the epochs go on from the saved one: {reconf:?}");
+        eprintln!(
+            "{what}: {}",
+            reconf.iter().map(|r| format!("{} at epoch {} from step {}", r["cause"], r["epoch"], r["step"])).collect::<Vec<_>>().join("; ")
+        );
+        assert_eq!(reconf.last().unwrap()["workers"].as_u64(), Some(2), "{what}: {reconf:?}");
+        for (child, lines) in &mut agents {
+            let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+            assert!(status.is_some(), "{what}: {}", text.join("\n"));
+        }
+        let _ = std::fs::remove_dir_all(&job.d);
+    }
 }

@@ -179,6 +179,9 @@ pub struct Controller<S> {
     /// A job taken back by a new controller, not moved yet: reports of the epoch before the
     /// saved one count (`resume`).
     resuming: bool,
+    /// A job taken back, not running again yet: every move until it runs is the new
+    /// controller's (losses found on the way included).
+    taken_back: bool,
 }
 
 impl<S: StepRecord> Controller<S> {
@@ -233,6 +236,7 @@ impl<S: StepRecord> Controller<S> {
             heard: BTreeSet::new(),
             reconfigurations: 0,
             resuming: false,
+            taken_back: false,
         }
     }
 

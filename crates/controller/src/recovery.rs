@@ -102,7 +102,7 @@ impl<S: StepRecord> Controller<S> {
     /// go on.
     fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> Result<Survivors<S>, String> {
         let alive: Vec<NodeId> = self.alive.iter().copied().collect();
-        let cause = self.planned.take().unwrap_or(MoveCause::Failure);
+        let cause = self.planned.take().unwrap_or(if self.taken_back { MoveCause::Controller } else { MoveCause::Failure });
         let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
         let furthest = self.commit_step(&reports, out);
         for &w in &joiners {

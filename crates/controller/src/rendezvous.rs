@@ -31,6 +31,7 @@ impl<S: StepRecord> Controller<S> {
         if ready.len() >= self.ranks.len() && self.ranks.iter().all(|n| ready.contains(n)) {
             self.phase = Phase::Running;
             self.started = true;
+            self.taken_back = false;
             out.push(Command::Resume { epoch });
         }
     }

@@ -104,6 +104,7 @@ impl<S: StepRecord> Controller<S> {
         c.phase = Phase::Collecting { reports: BTreeMap::new() };
         c.planned = Some(MoveCause::Controller);
         c.resuming = true;
+        c.taken_back = true;
         let epoch = c.job_epoch(c.epoch);
         c.note(format!(
             "epoch {epoch}: taken back by a new controller at step {}; waiting for every worker to say where it stopped",

@@ -407,7 +407,17 @@ impl Node {
         let away = self.orphaned.take().map_or(0.0, |(since, _)| since.elapsed().as_secs_f64());
         tracing::info!("agent {}: taken back by the controller at {} after {away:.1} s without one", self.agent, self.me.controller);
         self.listen(session)?;
-        let again: Vec<AgentMessage> = self.recent.iter().cloned().chain(self.last_stop.iter().flatten().cloned()).collect();
+        // A worker that ended is told first, so that the controller never counts its stop.
+        let exits: Vec<AgentMessage> = (0..self.gpus)
+            .filter(|&slot| self.exited[slot])
+            .map(|slot| {
+                let status = self.workers.as_mut().map(|j| j.exit_status(slot)).unwrap_or_default();
+                let body = agent_message::Body::Exited(proto::WorkerExited { slot: slot as u32, status });
+                AgentMessage { job_id: self.job_id.clone(), epoch: self.slot_epoch[slot], body: Some(body) }
+            })
+            .collect();
+        let stops = (0..self.gpus).filter(|&slot| !self.exited[slot]).filter_map(|slot| self.last_stop[slot].clone());
+        let again: Vec<AgentMessage> = exits.into_iter().chain(self.recent.iter().cloned()).chain(stops).collect();
         for m in again.into_iter().chain(self.gap.drain(..)) {
             let _ = self.out.send(m);
         }

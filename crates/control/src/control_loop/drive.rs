@@ -38,7 +38,8 @@ pub(crate) fn drive(
     mut save: Option<SaveState<'_>>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<Ended, ControlError> {
-    let first_epoch = ctl.epoch();
+    // (A job taken back counts its epochs from its first controller's start.)
+    let first_epoch = ctl.epoch() - ctl.job_epoch(ctl.epoch());
     // A job taken back: its agents send their last records again, which the log may hold.
     let replayed_until = ctl.resuming().then(|| ctl.last_step());
     // What a new controller would need, saved before any worker hears of a new epoch.
