@@ -710,3 +710,54 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
         let _ = std::fs::remove_dir_all(&job.d);
     }
 }
+
+/// After a controller took the job back, the host of rank 0 cut off by a partition (found by the
+/// soak): its agent waits for a controller, finds its node given up when the link is back, and
+/// stops; the job goes on on the other host with every step logged once (the steps rank 0 ran
+/// but could not report come from the survivors' copies).
+#[test]
+fn a_partition_after_a_takeover_loses_no_step() {
+    let tag = format!("t{}", std::process::id() % 100_000);
+    let Some(hosts) = Hosts::new(&tag, 3) else {
+        eprintln!("skipped: network namespaces cannot be made here (needs root and iproute2)");
+        return;
+    };
+    let d = dir("agents-takeover-partition");
+    let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) =
+        (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let want = uninterrupted("300", &d);
+    let mut args =
+        vec!["--listen", "10.231.0.1:7070", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2", "--lease", "0.5"];
+    args.extend(tiny());
+    args.extend(["--steps", "300", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "25"]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, Some(&hosts.names[0]));
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (1..=2).map(|h| start_agent_with_grace(&addr, "2", &secret, Some(&hosts.names[h]), "5")).collect();
+    wait_for_steps(&path, 10);
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    std::thread::sleep(Duration::from_millis(300));
+    args.push("--resume-job");
+    let (mut controller, ctl_lines, _) = start_controller(&args, Some(&hosts.names[0]));
+    let at = log(&path).0.len();
+    wait_for_steps(&path, at + 30);
+    // The host whose agent started rank 0.
+    let mut texts: Vec<Vec<String>> = vec![Vec::new(), Vec::new()];
+    for (i, (_, lines)) in agents.iter().enumerate() {
+        texts[i].extend(lines.try_iter());
+    }
+    let rank0 = texts.iter().position(|t| t.iter().any(|l| l.contains("started workers (ranks 0,"))).expect("rank 0's agent");
+    hosts.partition(rank0 + 1);
+    std::thread::sleep(Duration::from_millis(1500));
+    hosts.heal(rank0 + 1);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let (steps, reconf) = log(&path);
+    assert_same_losses(&steps, &want, &format!("rank 0's host cut off after a takeover: {reconf:?}\n{}", text.join("\n")));
+    for (child, lines) in &mut agents {
+        let _ = exit_within(child, lines, Duration::from_secs(40));
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

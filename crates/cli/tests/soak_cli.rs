@@ -5,7 +5,9 @@
 //! (the second often during the move after the first); every node holding some expert
 //! SIGKILLed at once (the job rolls back to its last checkpoint); an agent SIGKILLed; a worker
 //! SIGSTOPped (found by its lease); a preemption notice (SIGTERM to an agent); a newcomer killed
-//! before it was taken in; and a host's link taken down and brought back after 0.2–3 s (a lease
+//! before it was taken in; the controller SIGKILLed and started again with `--resume-job` after
+//! 0–2 s (the agents wait for it with their workers paused); and a host's link taken down and
+//! brought back after 0.2–3 s (a lease
 //! is 0.5 s: sometimes the node is lost and its agent stops itself, and what it sends once the
 //! link is back is refused; sometimes the link is back first and the job just waits). Faults are
 //! paced by the job's steps (a window of steps between two, drawn from the seed), not by the
@@ -38,7 +40,7 @@ use std::process::Child;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use common::hosts::{children, start_agent, start_controller, Hosts};
+use common::hosts::{children, start_agent_with_grace, start_controller, Hosts};
 use common::{alive, assert_same_losses, cursor, dir, lazarus, log, signal, tiny_model};
 use serde_json::Value;
 
@@ -162,6 +164,7 @@ enum Fault {
     Notice,
     NewcomerKill,
     Partition,
+    ControllerKill,
 }
 
 impl Fault {
@@ -175,6 +178,7 @@ impl Fault {
             Fault::Notice => "a notice (SIGTERM to an agent)",
             Fault::NewcomerKill => "a newcomer SIGKILLed before it was taken in",
             Fault::Partition => "a host's link down for 0.2-3 s",
+            Fault::ControllerKill => "the controller SIGKILLed, started again in 0-2 s",
         }
     }
 }
@@ -216,7 +220,8 @@ impl Soak {
     }
 
     fn start_agent(&mut self, host: usize) {
-        let (child, lines) = start_agent(&self.addr, &GPUS.to_string(), &self.secret, self.netns(host));
+        // Its workers wait, paused, for a controller that takes the job back.
+        let (child, lines) = start_agent_with_grace(&self.addr, &GPUS.to_string(), &self.secret, self.netns(host), "10");
         self.agents[host] = Some(Agent { child, lines, workers: Vec::new() });
         self.free_at[host] = None;
     }
@@ -338,16 +343,17 @@ impl Soak {
             Fault::TwoNodesKill,
             Fault::HoldersKill,
             Fault::NewcomerKill,
+            Fault::ControllerKill,
         ];
-        let kind = kinds[self.rng.below(kinds.len())];
-        let can = match kind {
+        let can = |kind: Fault| match kind {
             Fault::Partition => self.hosts.is_some() && members.len() >= 2,
             Fault::TwoNodesKill => members.len() >= 3,
             Fault::HoldersKill => !sets.is_empty(),
             Fault::NewcomerKill => !standby.is_empty(),
             _ => members.len() >= 2,
         };
-        if !can || members.is_empty() {
+        let kind = kinds[self.rng.below(kinds.len())];
+        if !can(kind) || members.is_empty() {
             return None;
         }
         let host = members[self.rng.below(members.len())];
@@ -395,6 +401,8 @@ impl Soak {
                 self.heal_at[host] = Some(Instant::now() + self.rng.millis(200, 3000));
                 true
             }
+            // The soak's loop holds the controller: it kills it and starts it again.
+            Fault::ControllerKill => true,
         };
         made.then_some(kind)
     }
@@ -457,7 +465,12 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     // uninterrupted run's; an expert that loses every replica rolls back, exactly.
     args.extend(["--snapshot-bandwidth", "0"]);
     args.extend(tiny_model("12"));
-    let (mut controller, ctl_lines, addr) = start_controller(&args, hosts.as_ref().map(|h| h.names[0].as_str()));
+    let ctl_host = hosts.as_ref().map(|h| h.names[0].clone());
+    let (mut controller, mut ctl_lines, addr) = start_controller(&args, ctl_host.as_deref());
+    // A controller started again listens where the first did and takes the job back.
+    let mut again_args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    again_args[1] = addr.clone();
+    again_args.push("--resume-job".into());
     let begun = Instant::now();
     let mut s = Soak {
         rng: Rng(seed),
@@ -505,6 +518,16 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
             continue;
         };
         let (at, step) = (Instant::now(), tail.poll());
+        if fault == Fault::ControllerKill {
+            signal(controller.id() as i32, libc::SIGKILL);
+            let _ = controller.wait();
+            s.kills += 1;
+            controller_text.extend(ctl_lines.try_iter());
+            controller_text.push(format!("soak: the controller SIGKILLed at step {step}"));
+            std::thread::sleep(s.rng.millis(0, 2000));
+            let again: Vec<&str> = again_args.iter().map(String::as_str).collect();
+            (controller, ctl_lines, _) = start_controller(&again, ctl_host.as_deref());
+        }
         // Wait for the job to log two more steps (a rollback's re-run ones included).
         while running(&mut controller) && tail.poll() < step + 2 {
             s.tend();
@@ -515,6 +538,7 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        controller_text.push(format!("soak: {} at step {step}", fault.name()));
         made.push(Made { fault, at, step });
         next_at = step + s.rng.within(gap_lo, gap_hi);
     }

@@ -182,6 +182,9 @@ pub struct Controller<S> {
     /// A job taken back, not running again yet: every move until it runs is the new
     /// controller's (losses found on the way included).
     taken_back: bool,
+    /// Members of a job taken back not heard from yet: their leases run to the end of the
+    /// re-attach window; once heard from, the usual lease.
+    awaiting: BTreeSet<NodeId>,
 }
 
 impl<S: StepRecord> Controller<S> {
@@ -237,6 +240,7 @@ impl<S: StepRecord> Controller<S> {
             reconfigurations: 0,
             resuming: false,
             taken_back: false,
+            awaiting: BTreeSet::new(),
         }
     }
 
@@ -273,6 +277,7 @@ impl<S: StepRecord> Controller<S> {
     /// What the event itself says.
     fn take(&mut self, now: Instant, event: Event<S>, out: &mut Vec<Command<S>>) {
         self.note_heard(&event);
+        self.heard_again(now, &event);
         match event {
             Event::Heartbeat { node } => self.heartbeat(now, node),
             Event::Tick => {}

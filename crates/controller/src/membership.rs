@@ -64,14 +64,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// A worker's own word (not its exit, which others report) means it runs.
     pub(super) fn note_heard(&mut self, event: &Event<S>) {
-        let node = match event {
-            Event::Heartbeat { node }
-            | Event::Listening { node, .. }
-            | Event::Ready { node, .. }
-            | Event::StepFailed { node, .. }
-            | Event::Done { node } => *node,
-            _ => return,
-        };
+        let Some(node) = heard_from(event) else { return };
         if self.alive.contains(&node) || self.standby.contains_key(&node) {
             self.heard.insert(node);
         }
@@ -258,5 +251,17 @@ impl<S: StepRecord> Controller<S> {
             self.standby.remove(&w);
             out.push(Command::Kill { node: w, reason: format!("worker {worker} of its node was lost"), silent_since: None });
         }
+    }
+}
+
+/// The worker an event was heard from, if it says anything of one.
+pub(super) fn heard_from<S>(event: &Event<S>) -> Option<NodeId> {
+    match event {
+        Event::Heartbeat { node }
+        | Event::Listening { node, .. }
+        | Event::Ready { node, .. }
+        | Event::StepFailed { node, .. }
+        | Event::Done { node } => Some(*node),
+        _ => None,
     }
 }

@@ -101,6 +101,7 @@ impl<S: StepRecord> Controller<S> {
         for n in &state.ranks {
             c.last_seen.insert(*n, silent_until);
         }
+        c.awaiting = state.ranks.iter().copied().collect();
         c.phase = Phase::Collecting { reports: BTreeMap::new() };
         c.planned = Some(MoveCause::Controller);
         c.resuming = true;
@@ -111,6 +112,20 @@ impl<S: StepRecord> Controller<S> {
             c.last_step
         ));
         Ok(c)
+    }
+
+    /// A member of a job taken back is heard from (`event`): from now on its lease is the usual
+    /// one — the re-attach window was for finding it, not for losing it later.
+    pub(super) fn heard_again(&mut self, now: Instant, event: &super::Event<S>) {
+        if self.awaiting.is_empty() {
+            return;
+        }
+        let Some(node) = super::membership::heard_from(event) else { return };
+        if self.awaiting.remove(&node) {
+            self.last_seen.insert(node, now);
+            // A deadline moved earlier: the next look at the leases must not skip it.
+            self.leases_checked_until = None;
+        }
     }
 
     /// Whether this controller is taking a job back and has not moved it yet.

@@ -115,3 +115,26 @@ fn a_saved_state_that_does_not_fit_the_job_is_refused_naming_the_field() {
     assert_eq!(refused(JobState { first_epoch: 3, ..state.clone() }, spec(4, 3)), Some("epoch"));
     assert!(refused(state, spec(4, 3)).is_none());
 }
+
+/// Found by the soak: once a member of a job taken back is heard from, a silence of a lease
+/// loses it, as in any job — the re-attach window is for members not heard from yet.
+#[test]
+fn a_member_heard_from_after_the_takeover_is_lost_by_its_usual_lease() {
+    let t0 = Instant::now();
+    let (old, state) = saved(t0);
+    let t1 = t0 + 30 * SEC;
+    let mut c = Controller::resumed(spec(4, 3), state, Some(8), t1, 10 * SEC).unwrap();
+    c.decide(t1, Event::Tick);
+    for n in [10, 11, 12, 13] {
+        c.decide(t1, Event::StepFailed { node: n, epoch: 0, report: paused(&old, n, 8) });
+    }
+    assert_eq!(c.epoch(), 1, "moved");
+    // Node 13 falls silent; the others keep beating every quarter lease.
+    let mut out = Vec::new();
+    for q in 1..=8u32 {
+        for n in [10, 11, 12] {
+            out.extend(c.decide(t1 + SEC * q / 4, Event::Heartbeat { node: n }));
+        }
+    }
+    assert!(out.iter().any(|x| matches!(x, Command::Kill { node: 13, .. })), "lost within about a lease, not at the window's end: {out:?}");
+}
