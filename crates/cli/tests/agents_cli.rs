@@ -761,3 +761,51 @@ fn a_partition_after_a_takeover_loses_no_step() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The controller SIGKILLed while a node that joined stands by to be taken in: the new
+/// controller did not save it (it held nothing), so its agent stops its standing-by workers and
+/// attaches again as a newcomer, and is taken in as any joiner; the job loses nothing.
+#[test]
+fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
+    let job = RestartableJob::new("agents-controller-standby", 9, "1200");
+    let want = uninterrupted("1200", &job.d);
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (secret, log_s, ck) = (s(&job.secret), s(&job.path), s(&job.ck));
+    let mut args = vec!["--listen", &job.listen, "--secret-file", &secret, "--workers", "4", "--gpus-per-node", "2"];
+    args.extend(["--max-workers", "6", "--join-wait", "1", "--lease", "0.5"]);
+    args.extend(tiny());
+    args.extend(["--steps", "1200", "--json-log", &log_s, "--checkpoint-dir", &ck, "--checkpoint-every", "100"]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+    wait_for_steps(&job.path, 20);
+    agents.push(start_agent_with_grace(&addr, "2", &job.secret, None, "60"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ctl_lines.recv_timeout(Duration::from_secs(30)).unwrap().contains("standing by to be taken in") {
+        assert!(Instant::now() < deadline, "the third node joins");
+    }
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    args.push("--resume-job");
+    let (mut controller, ctl_lines, _) = start_controller(&args, None);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
+    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let (steps, reconf) = log(&job.path);
+    assert_same_losses(&steps, &want, "a node standing by when the controller was lost");
+    assert_eq!(reconf.first().map(|r| r["cause"].clone()), Some(serde_json::json!("controller")), "{reconf:?}");
+    let (newcomer, newcomer_lines) = &mut agents[2];
+    let (status, newcomer_text) = exit_within(newcomer, newcomer_lines, Duration::from_secs(30));
+    let said = newcomer_text.join("\n");
+    // Taken in by the move that takes the job back (when it re-attached first) or by a join.
+    let taken_in = reconf.iter().find(|r| r["joined"].as_array().is_some_and(|j| !j.is_empty()));
+    let taken_in = taken_in.unwrap_or_else(|| panic!("the newcomer is taken in: {reconf:?}\n{said}"));
+    assert_eq!(taken_in["workers"].as_u64(), Some(6), "{taken_in}");
+    assert!(status.is_some_and(|s| s.success()), "{said}");
+    // (Its workers were started, standing by, or not yet, when the controller was lost.)
+    assert!(said.contains("attaching again as a newcomer") || said.contains("taken back by the controller"), "{said}");
+    for (child, lines) in &mut agents[..2] {
+        let _ = exit_within(child, lines, Duration::from_secs(30));
+    }
+    let _ = std::fs::remove_dir_all(&job.d);
+}

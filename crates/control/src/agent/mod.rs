@@ -4,9 +4,16 @@
 //!
 //! * its workers never outlive it (each dies with it: `PR_SET_PDEATHSIG`, and its stdin closes);
 //! * a worker's exit is reported at once (the controller re-plans without waiting for a lease);
-//! * a controller silent for longer than its lease — gone, hung or cut off — stops this node's
-//!   workers cleanly (they abandon the step in flight; checkpoints are written atomically, so
-//!   nothing on disk is left inconsistent) and the agent exits with the reason;
+//! * a controller lost — its session ended, or silent for longer than its lease (gone, hung or
+//!   cut off) — does not end the job at once: the workers pause after the step in flight (a
+//!   rendezvous in progress is called off) and keep their state, and the agent tries to attach
+//!   again for `--controller-grace` ([`DEFAULT_CONTROLLER_GRACE`]). A controller that took the
+//!   job back (`lazarus controller --resume-job`) admits its claim — its number and its workers —
+//!   and hears again what it may have missed: each worker's end, the last records (steps,
+//!   checkpoints, evaluations), each worker's last stop, and what came meanwhile. A controller
+//!   that did not take the job back (this node was given up) refuses it, and so does the end of
+//!   the grace: the workers are stopped cleanly (checkpoints are written atomically, so nothing on
+//!   disk is left inconsistent) and the agent exits with the reason;
 //! * messages of another job, or stamped with an epoch older than the one a worker was last
 //!   given, are dropped;
 //! * SIGTERM is a preemption notice (paper §3: a spot node is told before it is taken): the
@@ -202,6 +209,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         gap: VecDeque::new(),
         recent: VecDeque::new(),
         last_stop: vec![None; opts.gpus],
+        standing_by: false,
     };
     node.listen(*Box::new(first))?;
     let end = node.serve(&rx, &mut on_start);
@@ -260,6 +268,10 @@ struct Node {
     recent: VecDeque<AgentMessage>,
     /// Each worker's last report of where it stopped, until it runs again.
     last_stop: Vec<Option<AgentMessage>>,
+    /// The workers were started to join the running job and were not taken in yet (they hold
+    /// nothing): a controller that takes the job back does not know them, so this node attaches
+    /// again as a newcomer.
+    standing_by: bool,
 }
 
 /// The tasks of the open session with the controller.
@@ -343,7 +355,9 @@ impl Node {
     /// Whether this node can wait for a controller to take the job back: a grace, workers that
     /// run the job, and the job not ending for this node anyway.
     fn can_wait_for_a_controller(&self) -> bool {
-        !self.grace.is_zero() && self.workers.is_some() && self.first_worker.is_some() && !self.exited.iter().all(|&x| x)
+        // (A node whose workers were not started yet attaches again as a newcomer.)
+        let started = self.workers.is_some() && self.first_worker.is_some() && !self.exited.iter().all(|&x| x);
+        !self.grace.is_zero() && (started || self.workers.is_none())
     }
 
     /// The controller is lost (`why`): the workers pause after the step in flight (a rendezvous
@@ -368,13 +382,19 @@ impl Node {
         }
         let since = Instant::now();
         self.orphaned = Some((since, why));
-        let claim = proto::Rejoin {
+        let claim = self.first_worker.map(|first_worker| proto::Rejoin {
             job_id: self.job_id.clone(),
             agent: self.agent,
-            first_worker: self.first_worker.unwrap_or_default(),
+            first_worker,
             epochs: self.slot_epoch.clone(),
             orphaned_ms: 0,
-        };
+        });
+        self.attach_again(claim, since);
+    }
+
+    /// Try to attach again until the grace (counted from `since`) is over: with `claim`, to
+    /// this node's place in the job; without, as a newcomer.
+    fn attach_again(&self, claim: Option<proto::Rejoin>, since: Instant) {
         let (me, tx, until) = (self.me.clone(), self.reports.clone(), since + self.grace);
         self.runtime.spawn(async move {
             let mut backoff = Duration::from_millis(100);
@@ -383,7 +403,7 @@ impl Node {
                 if left.is_zero() {
                     return;
                 }
-                match session::open(&me, left.min(Duration::from_secs(5)), Some((claim.clone(), since))).await {
+                match session::open(&me, left.min(Duration::from_secs(5)), claim.clone().map(|c| (c, since))).await {
                     Ok(s) => {
                         let _ = tx.send(Inbound::Reattached(Box::new(s)));
                         return;
@@ -401,11 +421,34 @@ impl Node {
         });
     }
 
+    /// This node was standing by to join when the controller was lost, and the controller that
+    /// took the job back does not know it (`why`): its workers, which hold nothing, are stopped,
+    /// and the agent attaches again as a newcomer (the grace still counts from the loss).
+    fn join_afresh(&mut self, why: &str) {
+        tracing::warn!("agent {}: {why}; its workers were standing by: attaching again as a newcomer", self.agent);
+        if let Some(mut job) = self.workers.take() {
+            job.kill_all();
+            job.reap();
+        }
+        // Reports of the stopped workers still queued are theirs, not the new ones'.
+        self.gap.clear();
+        self.recent.clear();
+        self.last_stop = vec![None; self.gpus];
+        self.done = vec![false; self.gpus];
+        self.exited = vec![false; self.gpus];
+        self.first_worker = None;
+        self.standing_by = false;
+        let since = self.orphaned.as_ref().map_or_else(Instant::now, |(t, _)| *t);
+        self.attach_again(None, since);
+    }
+
     /// A controller took the job back: what it must hear again — the last records, each
     /// worker's last stop, then what the workers said meanwhile.
     fn rejoined(&mut self, session: Session) -> Result<(), ControlError> {
         let away = self.orphaned.take().map_or(0.0, |(since, _)| since.elapsed().as_secs_f64());
         tracing::info!("agent {}: taken back by the controller at {} after {away:.1} s without one", self.agent, self.me.controller);
+        // (A newcomer gets a number of its own.)
+        self.agent = session.welcome.agent;
         self.listen(session)?;
         // A worker that ended is told first, so that the controller never counts its stop.
         let exits: Vec<AgentMessage> = (0..self.gpus)
@@ -519,6 +562,10 @@ impl Node {
                     }
                 }
                 Ok(Inbound::NotTakenBack(why)) => {
+                    if self.standing_by && self.first_worker.is_some() {
+                        self.join_afresh(&why);
+                        continue;
+                    }
                     return Ok(AgentEnd::Stopped(format!(
                         "the controller was lost, and the one that answered did not take this node back: {why}"
                     )));
@@ -614,6 +661,9 @@ impl Node {
                 self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 self.first_worker = ranks.first().map(|&r| u64::from(r));
+                self.standing_by = s.specs.iter().all(|spec| {
+                    serde_json::from_str::<serde_json::Value>(spec).is_ok_and(|v| v["job"]["standby"] == serde_json::Value::Bool(true))
+                });
                 on_start(&ranks)?;
             }
             controller_message::Body::Input(i) => {
@@ -624,6 +674,8 @@ impl Node {
                     return Ok(None);
                 }
                 self.slot_epoch[slot] = m.epoch;
+                // A worker standing by hears nothing until the move that takes it in.
+                self.standing_by = false;
                 // A worker that cannot be written to has exited: its exit is reported.
                 let _ = job.write_line(slot, &i.line);
             }

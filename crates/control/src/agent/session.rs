@@ -87,7 +87,7 @@ pub(super) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
                 within.as_secs_f64()
             ))));
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let mut client = proto::control_client::ControlClient::new(channel);
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
