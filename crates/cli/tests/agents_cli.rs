@@ -549,15 +549,13 @@ impl RestartableJob {
         RestartableJob { path: d.join("log.jsonl"), ck: d.join("ck"), secret: d.join("secret"), d, listen, steps: steps.into() }
     }
 
-    fn controller(&self, resume: bool) -> (Child, mpsc::Receiver<String>, String) {
+    fn controller(&self, extra: &[&str]) -> (Child, mpsc::Receiver<String>, String) {
         let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
         let (secret, log, ck) = (s(&self.secret), s(&self.path), s(&self.ck));
         let mut args = vec!["--listen", &self.listen, "--secret-file", &secret, "--workers", "4", "--gpus-per-node", "2"];
         args.extend(tiny());
         args.extend(["--steps", &self.steps, "--json-log", &log, "--checkpoint-dir", &ck, "--checkpoint-every", "10", "--lease", "0.5"]);
-        if resume {
-            args.push("--resume-job");
-        }
+        args.extend(extra);
         start_controller(&args, None)
     }
 }
@@ -639,7 +637,7 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
 fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one() {
     let job = RestartableJob::new("agents-controller-gap-loss", 1, "60");
     let want = uninterrupted("60", &job.d);
-    let (mut controller, ctl_lines, addr) = job.controller(false);
+    let (mut controller, ctl_lines, addr) = job.controller(&[]);
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
         (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
     wait_for_steps(&job.path, 12);
@@ -650,7 +648,9 @@ fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one()
     let victim = children(agents[1].0.id() as i32)[0];
     signal(victim, libc::SIGKILL);
     std::thread::sleep(Duration::from_millis(500));
-    let (mut controller, ctl_lines, _) = job.controller(true);
+    // Started as a supervisor starts it: a running job's state in the checkpoint directory is
+    // taken back (no checkpoint would be resumed instead).
+    let (mut controller, ctl_lines, _) = job.controller(&["--resume-if-any"]);
     let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
     assert!(status.is_some_and(|s| s.success()), "the job taken back completes: {}", text.join("\n"));
     let (steps, reconf) = log(&job.path);
@@ -677,7 +677,7 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
     for (i, (after_ms, down_ms)) in [(0u64, 0u64), (15, 300), (40, 1000)].into_iter().enumerate() {
         let job = RestartableJob::new(&format!("agents-controller-phase-{i}"), 2 + i as u32, "60");
         let want = uninterrupted("60", &job.d);
-        let (mut controller, ctl_lines, addr) = job.controller(false);
+        let (mut controller, ctl_lines, addr) = job.controller(&[]);
         let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
             (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
         wait_for_steps(&job.path, 12);
@@ -688,7 +688,7 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
         let _ = controller.wait();
         drop(ctl_lines);
         std::thread::sleep(Duration::from_millis(down_ms));
-        let (mut controller, ctl_lines, _) = job.controller(true);
+        let (mut controller, ctl_lines, _) = job.controller(&["--resume-job"]);
         let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
         let what = format!("killed {after_ms} ms after the worker, down {down_ms} ms");
         assert!(status.is_some_and(|s| s.success()), "{what}: the job taken back completes: {}", text.join("\n"));

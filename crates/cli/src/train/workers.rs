@@ -273,14 +273,21 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         resume: None,
     }));
     let mut train = args.train.clone();
-    if args.resume_job {
+    // Started again by a supervisor (`--resume-if-any`): a job its predecessor was running when
+    // it was lost is taken back; otherwise the latest checkpoint, if any, as for `train`.
+    let saved_job = super::args::build_config(&train).ok().and_then(|c| c.checkpoint_dir).map(|d| SavedJob::path_in(&d));
+    let resume_job = args.resume_job || (train.resume_if_any && saved_job.is_some_and(|p| p.exists()));
+    if resume_job && !args.resume_job {
+        tracing::info!("--resume-if-any: the checkpoint directory holds a running job's state: taking it back (--resume-job)");
+    }
+    if resume_job {
         // The job's settings are the saved run's: its log goes on, its checkpoints stay.
         if train.overwrite_checkpoints {
             bail!("--resume-job takes a running job back: drop --overwrite-checkpoints");
         }
         (train.resume, train.resume_if_any) = (true, false);
     }
-    run_job(&train, hosts, Some(agent_command), None, args.resume_job)
+    run_job(&train, hosts, Some(agent_command), None, resume_job)
 }
 
 /// The node schedule `--replay SOURCE` describes for `nodes` local agents, its times multiplied

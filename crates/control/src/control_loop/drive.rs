@@ -23,8 +23,8 @@ pub(crate) struct Ended {
     pub results: Option<serde_json::Value>,
 }
 
-/// Saves what a new controller needs to take the job back (`true`: the job completed, nothing
-/// is left to take back).
+/// Saves what a new controller needs to take the job back (`true`: the job is over, completed
+/// or stopped with its workers: nothing is left to take back).
 pub(crate) type SaveState<'a> = &'a mut dyn FnMut(&Controller, bool);
 
 /// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
@@ -203,8 +203,8 @@ pub(crate) fn drive(
             }
         }
     })();
-    if let (Some(save), Ok(TrainOutcome::Completed { .. })) = (save.as_mut(), &result) {
-        // Nothing left to take back.
+    if let Some(save) = save.as_mut() {
+        // Nothing left to take back: the job completed, or stopped with its workers.
         save(&ctl, true);
     }
     match &result {

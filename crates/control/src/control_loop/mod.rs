@@ -467,7 +467,7 @@ pub fn run_training(
             observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
             // What a new controller needs to take the job back, saved at every epoch (and gone
-            // once the job completed).
+            // once the job is over).
             let mut save = a.state_file.clone().map(|path| {
                 let (hub, job_id) = (hub.clone(), job_id.clone());
                 let mut warned = false;
