@@ -461,6 +461,10 @@ pub fn run_training(
         Hosts::Agents(a) => {
             let (hub, inputs) =
                 AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
+            if let Some(r) = a.resume.as_deref() {
+                let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
+                hub.take_back(&members, r.saved.workers(), r.saved.agents);
+            }
             let key = status_key(a.secret);
             let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()), key, &a.tls)?;
             let addr = server.addr();
@@ -492,7 +496,6 @@ pub fn run_training(
             });
             let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
             if let Some(r) = a.resume.as_deref() {
-                let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
                 let (secret, standby) = (String::new(), TrainJob { standby: true, ..job.clone() });
                 let joiner = Box::new(move |id: usize, host: &str, epoch: u64| {
                     let spec = WorkerSpec {
@@ -507,7 +510,7 @@ pub fn run_training(
                     };
                     Ok::<_, ControlError>(serde_json::to_string(&spec)?)
                 });
-                let mut fleet = hub.resume(inputs, &members, r.saved.workers(), r.saved.agents, joiner);
+                let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner);
                 return drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe).map(|e| e.outcome);
             }
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {

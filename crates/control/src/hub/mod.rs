@@ -576,50 +576,28 @@ impl AgentHub {
         for (agent, epoch, specs) in sends {
             self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
         }
-        Ok(RemoteFleet {
-            hub: self.clone(),
-            inputs,
-            owners,
-            pending: VecDeque::new(),
-            exits: BTreeMap::new(),
-            killed: Default::default(),
-            joiner,
-            joined: VecDeque::new(),
-            leaving: VecDeque::new(),
-        })
+        Ok(RemoteFleet::new(self.clone(), inputs, owners, joiner))
     }
 
-    /// The workers of a job this controller took back: `members` (worker ids) may re-attach
-    /// with their agents; `workers` ids were given out so far (joiners are numbered after them);
-    /// agent numbers start after `agents`. Nobody has re-attached yet.
-    pub(crate) fn resume(
-        self: &Arc<Self>,
-        inputs: Receiver<HubInput>,
-        members: &[usize],
-        workers: usize,
-        agents: u64,
-        joiner: JoinerSpec,
-    ) -> RemoteFleet {
-        {
-            let mut st = self.state();
-            st.started = true;
-            st.taking_back = true;
-            st.rejoinable = members.iter().copied().collect();
-            st.next_agent = st.next_agent.max(agents);
-            let epoch = st.epoch;
-            st.rank_epoch = vec![epoch; workers];
-        }
-        RemoteFleet {
-            hub: self.clone(),
-            inputs,
-            owners: vec![(u64::MAX, 0); workers],
-            pending: VecDeque::new(),
-            exits: BTreeMap::new(),
-            killed: Default::default(),
-            joiner,
-            joined: VecDeque::new(),
-            leaving: VecDeque::new(),
-        }
+    /// This controller takes a running job back: `members` (worker ids) may re-attach with
+    /// their agents; `workers` ids were given out so far (joiners are numbered after them);
+    /// agent numbers go on from `agents`. Called before the service listens, so that no claim
+    /// comes before it.
+    pub(crate) fn take_back(&self, members: &[usize], workers: usize, agents: u64) {
+        let mut st = self.state();
+        st.started = true;
+        st.taking_back = true;
+        st.rejoinable = members.iter().copied().collect();
+        st.next_agent = st.next_agent.max(agents);
+        let epoch = st.epoch;
+        let len = workers.max(st.rank_epoch.len());
+        st.rank_epoch.resize(len, epoch);
+    }
+
+    /// The workers of the job taken back ([`AgentHub::take_back`]), `workers` ids so far, as the
+    /// controller's loop drives them; those not re-attached yet have no agent.
+    pub(crate) fn taken_back(self: &Arc<Self>, inputs: Receiver<HubInput>, workers: usize, joiner: JoinerSpec) -> RemoteFleet {
+        RemoteFleet::new(self.clone(), inputs, vec![(u64::MAX, 0); workers], joiner)
     }
 
     /// The agent numbers given out so far (the next one's).
@@ -684,6 +662,20 @@ pub struct RemoteFleet {
 }
 
 impl RemoteFleet {
+    fn new(hub: Arc<AgentHub>, inputs: Receiver<HubInput>, owners: Vec<(u64, usize)>, joiner: JoinerSpec) -> Self {
+        RemoteFleet {
+            hub,
+            inputs,
+            owners,
+            pending: VecDeque::new(),
+            exits: BTreeMap::new(),
+            killed: Default::default(),
+            joiner,
+            joined: VecDeque::new(),
+            leaving: VecDeque::new(),
+        }
+    }
+
     fn rank_of(&self, agent: u64, slot: usize) -> Option<usize> {
         self.owners.iter().position(|&o| o == (agent, slot))
     }

@@ -190,7 +190,8 @@ fn a_controller_that_took_a_job_back_readmits_its_members_once_and_no_one_else()
     assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains("--resume-job"), "{e:?}");
     // One that did: members 0..4 of job-7 (workers 4 and 5 were lost before), 3 agents so far.
     let (h, rx) = hub(4, 2);
-    let mut fleet = h.resume(rx, &[0, 1, 2, 3], 6, 3, joiner());
+    h.take_back(&[0, 1, 2, 3], 6, 3);
+    let mut fleet = h.taken_back(rx, 6, joiner());
     let other = h.admit(&rejoin("job-8", 0, 0, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
     assert!(other.message().contains("job-8"), "{other:?}");
     let lost = h.admit(&rejoin("job-7", 2, 4, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
