@@ -118,6 +118,7 @@ struct ControllerTable {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_ca: Option<PathBuf>,
+    resume_job: Option<bool>,
 }
 
 /// `args` with what its `--config` file's `[controller]` table says where no flag did.
@@ -166,6 +167,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
         (a.train.snapshot_bandwidth, a.train.snapshot_ceiling) = (t.snapshot_bandwidth, t.snapshot_ceiling);
     }
     a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
+    a.resume_job |= t.resume_job.unwrap_or(false);
     let one_of = |pairs: [(&str, bool); 2]| match pairs {
         [(x, true), (y, true)] => bail!("invalid --config {}: {x} and {y} together (give one)", path.display()),
         _ => Ok(()),
