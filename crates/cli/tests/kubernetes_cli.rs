@@ -6,7 +6,8 @@
 //! manifests with the mounts and the pod address mapped onto this machine, train; one agent is
 //! SIGKILLed (a lost pod) and started again with the same arguments (the StatefulSet's
 //! replacement), and it rejoins the running job; then the controller is SIGKILLed, its agents
-//! stop, and all started again go on from the latest checkpoint to the end.
+//! wait with their workers paused, and the controller started again takes the job back and runs
+//! it to the end with every step once.
 
 mod common;
 
@@ -222,8 +223,9 @@ fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
     signal(second.id() as i32, libc::SIGKILL);
     let _ = second.wait();
     let (mut again, again_lines) = start_agent();
-    // The controller pod lost after a checkpoint: its agents stop; all made again, the job goes
-    // on from the checkpoint (--resume-if-any) to its end.
+    // The controller pod lost after a checkpoint: its agents keep their workers, paused; the
+    // controller pod made again takes the job back (--resume-if-any finds the running job's
+    // state in the checkpoint volume) and the job goes on to its end with nothing lost.
     let checkpoint = data.join("checkpoints/latest");
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
     while std::fs::read_to_string(&checkpoint).unwrap_or_default().trim() < "step-00000100" {
@@ -233,29 +235,22 @@ fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
     assert!(again_lines.try_iter().any(|l| l.contains("started workers")) || causes_of(&path).contains(&"join".to_string()));
     signal(controller.id() as i32, libc::SIGKILL);
     let _ = controller.wait();
+    std::thread::sleep(Duration::from_millis(500));
     for agent in [&mut first, &mut again] {
-        let status = agent.wait().unwrap();
-        assert!(!status.success(), "an agent whose controller is lost stops with an error (the kubelet restarts it)");
+        assert!(agent.try_wait().unwrap().is_none(), "an agent whose controller is lost waits for the next one");
     }
-    let before = log(&path).0.len();
     let (mut controller, ctl_lines) = spawn_lazarus(&as_strs(&ctl_args), &[]);
-    let mut agents = [start_agent(), start_agent()];
     let (end, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
     assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
-    assert!(text.iter().any(|l| l.contains("holds a run: going on with it")), "{}", text.join("\n"));
-    for (child, lines) in &mut agents {
-        let (end, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("holds a running job's state: taking it back")), "{}", text.join("\n"));
+    for agent in [&mut first, &mut again] {
+        let status = agent.wait().unwrap();
+        assert!(status.success(), "the agents finish with the job taken back");
     }
-    // It went on from a checkpoint; the log, cut back to it, holds every step once.
-    let resumed = text.iter().find_map(|l| l.split_once("resuming from ").and_then(|(_, r)| r.rsplit_once(" at step "))).unwrap().1;
-    let resumed: u64 = resumed.trim().parse().unwrap();
-    assert!(
-        resumed >= 100 && resumed.is_multiple_of(50) && resumed as usize <= before,
-        "resumed at {resumed}, {before} steps logged before"
-    );
     let numbers: Vec<u64> = log(&path).0.iter().map(|(s, _)| *s).collect();
     assert_eq!(numbers, (1..=300).collect::<Vec<_>>(), "every step once");
-    assert!(causes_of(&path).iter().any(|c| c == "join"), "the lost agent pod was taken back in");
+    let causes = causes_of(&path);
+    assert!(causes.iter().any(|c| c == "join"), "the lost agent pod was taken back in: {causes:?}");
+    assert!(causes.iter().any(|c| c == "controller") && !causes.iter().any(|c| c == "rollback"), "taken back, not rolled back: {causes:?}");
     let _ = std::fs::remove_dir_all(&d);
 }
