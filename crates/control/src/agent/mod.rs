@@ -179,7 +179,18 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         tls: opts.tls.clone(),
     };
     let runtime = crate::service::runtime(1, "lazarus-agent")?;
-    let first = runtime.block_on(session::open(&me, opts.connect_within, None)).map_err(SessionError::into_error)?;
+    // Until --connect-timeout: a controller lost while this agent attaches is tried again.
+    let first = runtime.block_on(async {
+        let until = Instant::now() + opts.connect_within;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match session::open(&me, left.max(Duration::from_millis(1)), None).await {
+                Err(SessionError::Unreachable(e)) if Instant::now() + Duration::from_millis(100) >= until => return Err(e),
+                Err(SessionError::Unreachable(_)) => tokio::time::sleep(Duration::from_millis(100)).await,
+                other => return other.map_err(SessionError::into_error),
+            }
+        }
+    })?;
     tracing::info!(
         "agent {}: attached to job {} at {controller} with {} workers listening on {host}",
         first.welcome.agent,

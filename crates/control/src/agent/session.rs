@@ -104,6 +104,18 @@ pub(super) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     // proves the controller knows the secret too: the secret itself never crosses the network.
     let answer_within = within.max(Duration::from_secs(1));
     let refusal = |why: String| Refused(ControlError::Launch(format!("the controller at {controller} refused this agent: {why}")));
+    // A controller that says why it refuses refuses; a stream cut in the handshake (the
+    // controller lost on the way) is worth trying again.
+    let refused_or_cut = |e: tonic::Status| match e.code() {
+        tonic::Code::PermissionDenied
+        | tonic::Code::InvalidArgument
+        | tonic::Code::ResourceExhausted
+        | tonic::Code::FailedPrecondition
+        | tonic::Code::DeadlineExceeded => refusal(e.message().to_string()),
+        _ => {
+            Unreachable(ControlError::Launch(format!("the controller at {controller} was lost while this agent attached: {}", e.message())))
+        }
+    };
     let silent = |what: &str| {
         Unreachable(ControlError::Launch(format!(
             "no {what} from the controller at {controller} within {} s (--connect-timeout)",
@@ -112,7 +124,7 @@ pub(super) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     };
     let challenge = match tokio::time::timeout(answer_within, inbound.message()).await {
         Ok(Ok(Some(ControllerMessage { body: Some(controller_message::Body::Challenge(c)), .. }))) => c.nonce,
-        Ok(Err(e)) => return Err(refusal(e.message().to_string())),
+        Ok(Err(e)) => return Err(refused_or_cut(e)),
         Ok(Ok(None)) => return Err(refusal("the controller ended the session".into())),
         _ => return Err(silent("challenge")),
     };
@@ -129,7 +141,7 @@ pub(super) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     let _ = out.send(AgentMessage { job_id: String::new(), epoch: 0, body: Some(agent_message::Body::Hello(hello)) });
     let (job_id, welcome) = match tokio::time::timeout(answer_within, inbound.message()).await {
         Ok(Ok(Some(ControllerMessage { job_id, body: Some(controller_message::Body::Welcome(w)), .. }))) => (job_id, w),
-        Ok(Err(e)) => return Err(refusal(e.message().to_string())),
+        Ok(Err(e)) => return Err(refused_or_cut(e)),
         Ok(Ok(None)) => return Err(refusal("the controller ended the session".into())),
         _ => return Err(silent("welcome")),
     };
