@@ -214,7 +214,7 @@ pub fn run_plan(args: &PlanArgs) -> Result<()> {
             _ => bail!("invalid --max-imbalance: '{v}' (expected a finite ratio ≥ 1)"),
         },
     };
-    let policy = PlanPolicy { floor, strategy, max_imbalance };
+    let policy = PlanPolicy { floor, strategy, max_imbalance, keep_survivors: false };
     let layers = if let Some(path) = &args.loads_file {
         let loads: Vec<Vec<f64>> = read_json("loads-file", path)?;
         if loads.is_empty() {
@@ -304,7 +304,7 @@ fn human_report(report: &PlanFileLayer, placement: &Placement, floor: usize) -> 
 fn every_strategy(loads: &[f64], shape: ClusterShape, floor: usize) -> Result<Vec<(PlanFileLayer, Placement)>> {
     Strategy::ALL
         .into_iter()
-        .map(|strategy| plan_one(Some(loads), None, shape, &PlanPolicy { floor, strategy, max_imbalance: None }))
+        .map(|strategy| plan_one(Some(loads), None, shape, &PlanPolicy { floor, strategy, max_imbalance: None, keep_survivors: false }))
         .collect()
 }
 

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use lazarus_plan::{plan_model, plan_reconfiguration, rank_transfers, ClusterShape, ModelPlan, NodeState, ReplicaMap};
+use lazarus_plan::{plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, replan_model, ClusterShape, ModelPlan, NodeState};
 
 use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RestoredExpert, StepRecord, StopReport};
 
@@ -54,12 +54,13 @@ impl<S: StepRecord> Controller<S> {
 
     /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
     pub(super) fn try_recover(&mut self, out: &mut Vec<Command<S>>) {
-        let Phase::Collecting { reports } = &self.phase else { return };
+        let Phase::Collecting { reports } = &mut self.phase else { return };
         // (The count first: one report in, of a thousand workers, is not a reason to look at all.)
         if reports.len() < self.alive.len() || self.alive.iter().any(|n| !reports.contains_key(n)) {
             return;
         }
-        let reports = reports.clone();
+        // Every way on from here leaves collecting (a move, a rollback or a stop).
+        let reports = std::mem::take(reports);
         // With every node lost, workers waiting to join still carry the job on: from the last
         // checkpoint (a rollback below: no expert survives).
         if self.alive.is_empty() && self.standby.is_empty() {
@@ -78,13 +79,13 @@ impl<S: StepRecord> Controller<S> {
         let consistent =
             s.reports.values().all(|r| r.steps_done == s.furthest || (r.steps_done + 1 == s.furthest && r.held == Some(s.furthest)));
         let restored = self.restore_from_snapshots(&mut s);
-        let new = match self.survivors_plan(&s, shape) {
-            Ok(p) => p.with_epoch(epoch),
+        let (new, order) = match self.survivors_plan(&s, shape) {
+            Ok((p, order)) => (p.with_epoch(epoch), order),
             Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
         };
         if consistent {
             if let Some(restored) = restored {
-                if let Some(m) = self.move_with_every_state(&s, &new, restored) {
+                if let Some(m) = self.move_with_every_state(&s, &new, order.as_deref(), restored) {
                     self.note_move(&m, s.nodes.len());
                     // A drain's hand-over (it holds after it) and its leaving are one move.
                     self.reconfigurations += u64::from(!m.hold);
@@ -165,9 +166,18 @@ impl<S: StepRecord> Controller<S> {
     /// that survivor (it sends it from there). None: some expert has neither.
     fn restore_from_snapshots(&self, s: &mut Survivors<S>) -> Option<Vec<RestoredExpert>> {
         let mut restored: Vec<RestoredExpert> = Vec::new();
+        // What some survivor holds, by (layer, expert): one pass over the reports.
+        let mut held = vec![false; self.spec.layers * self.spec.experts];
+        for n in &s.alive {
+            for (l, experts) in s.reports[n].holds.iter().enumerate() {
+                for &e in experts {
+                    held[l * self.spec.experts + e] = true;
+                }
+            }
+        }
         for l in 0..self.spec.layers {
             for e in 0..self.spec.experts {
-                if s.alive.iter().any(|n| s.reports[n].holds[l].contains(&e)) {
+                if held[l * self.spec.experts + e] {
                     continue;
                 }
                 let freshest = s
@@ -199,8 +209,10 @@ impl<S: StepRecord> Controller<S> {
 
     /// The plan of the new epoch: the second half of a drain keeps the plan its first half moved
     /// the job to; an applied rebalance moves to the plan it weighed (if nothing changed
-    /// since); anything else is planned afresh from the measured loads.
-    fn survivors_plan(&mut self, s: &Survivors<S>, shape: ClusterShape) -> Result<ModelPlan, lazarus_plan::PlanError> {
+    /// since); anything else is planned again from the measured loads — on a large cluster by
+    /// repairing the running plan (`replan_model`), and then with the nodes in a known order:
+    /// the physical node of each plan node, returned beside the plan.
+    fn survivors_plan(&mut self, s: &Survivors<S>, shape: ClusterShape) -> Result<(ModelPlan, Option<Vec<u64>>), lazarus_plan::PlanError> {
         // Only a job with a placement recovers (`recovers`): it has one to re-plan from.
         let Some(current) = &self.plan else {
             return Err(lazarus_plan::PlanError::Invalid {
@@ -214,18 +226,32 @@ impl<S: StepRecord> Controller<S> {
         let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
         // A job taken back by a new controller keeps its plan if every member came back.
         if matches!(s.cause, MoveCause::Drain | MoveCause::Controller) && nobody_moves && previous.shape() == shape {
-            return Ok(previous);
+            return Ok((previous, None));
         }
-        match weighed {
-            Some(p) => Ok(p),
-            None => plan_model(&self.plan_loads(), shape, &self.spec.policy, Some(&previous)),
+        if let Some(p) = weighed {
+            return Ok((p, None));
         }
+        // The survivors in their places in the running plan, then the nodes that join.
+        let g = self.spec.gpus_per_node.max(1);
+        let was: Vec<u64> = (0..previous.shape().nodes).filter_map(|q| self.ranks.get(q * g).map(|&w| self.node(w))).collect();
+        let was_at: BTreeMap<u64, usize> = was.iter().enumerate().map(|(q, &n)| (n, q)).collect();
+        let mut order: Vec<u64> = was.iter().copied().filter(|n| s.nodes.contains_key(n)).collect();
+        order.extend(s.nodes.keys().copied().filter(|n| !was_at.contains_key(n)));
+        let origin: Vec<Option<usize>> = order.iter().map(|n| was_at.get(n).copied()).collect();
+        let (plan, in_order) = replan_model(&self.plan_loads(), shape, &self.spec.policy, &previous, &origin)?;
+        Ok((plan, in_order.then_some(order)))
     }
 
     /// The move to `new` that keeps every expert's state: the node mapping and the transfers
     /// (experts only the leavers hold are sent by them). None: some expert's state would be
     /// lost, or the transfers cannot be assigned to ranks.
-    fn move_with_every_state(&self, s: &Survivors<S>, new: &ModelPlan, restored: Vec<RestoredExpert>) -> Option<Move> {
+    fn move_with_every_state(
+        &self,
+        s: &Survivors<S>,
+        new: &ModelPlan,
+        order: Option<&[u64]>,
+        restored: Vec<RestoredExpert>,
+    ) -> Option<Move> {
         let live: Vec<NodeState> = s
             .nodes
             .iter()
@@ -243,13 +269,21 @@ impl<S: StepRecord> Controller<S> {
                 NodeState { node, experts }
             })
             .collect();
-        let rp = plan_reconfiguration(&live, new.layers(), &vec![self.spec.expert_bytes; self.spec.layers]).ok()?;
+        let bytes = vec![self.spec.expert_bytes; self.spec.layers];
+        let rp = match order {
+            Some(order) => {
+                let at: BTreeMap<u64, usize> = order.iter().enumerate().map(|(q, &n)| (n, q)).collect();
+                let node_to_plan: Vec<usize> = live.iter().map(|x| at.get(&x.node).copied()).collect::<Option<_>>()?;
+                plan_reconfiguration_mapped(&live, new.layers(), &bytes, &node_to_plan).ok()?
+            }
+            None => plan_reconfiguration(&live, new.layers(), &bytes).ok()?,
+        };
         // Rank q·G + i of the new plan is the i-th worker of the node that takes plan node q;
         // the leaving workers come after, with nothing of the plan.
         let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| s.nodes[n].iter().copied()).chain(s.leavers.clone()).collect();
         let rank_node: Vec<u64> = ranks.iter().map(|&w| self.node(w)).collect();
         let rank_holds: Vec<Vec<Vec<usize>>> = ranks.iter().map(|w| s.reports[w].holds.clone()).collect();
-        let map = with_empty_ranks(&new.replica_map(), s.leavers.len());
+        let map = new.replica_map().with_empty_ranks(s.leavers.len());
         let lost_for_good = rp.lost.iter().any(|&(l, e)| !s.leavers.iter().any(|w| s.reports[w].holds[l].contains(&e)));
         if lost_for_good {
             return None;
@@ -335,17 +369,4 @@ impl<S: StepRecord> Controller<S> {
             vec![vec![1.0; self.spec.experts]; self.spec.layers]
         }
     }
-}
-
-/// `map` with `extra` ranks after its own that hold nothing (the leaving ranks of a drain).
-fn with_empty_ranks(map: &ReplicaMap, extra: usize) -> ReplicaMap {
-    if extra == 0 {
-        return map.clone();
-    }
-    let layers: Vec<Vec<Vec<u32>>> = map
-        .layers()
-        .iter()
-        .map(|l| l.iter().map(|row| row.iter().copied().chain(std::iter::repeat_n(0, extra)).collect()).collect())
-        .collect();
-    ReplicaMap::new(map.epoch(), layers).expect("the same experts and replicas, more ranks")
 }

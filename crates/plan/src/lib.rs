@@ -36,9 +36,13 @@ pub use load_trace::parse_load_trace;
 pub use placement::{
     place, place_balanced, recovery_curve, recovery_probability, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE,
 };
-pub use reconfig::{plan_reconfiguration, rank_transfers, NodeState, RankTransfer, ReconfigurationPlan, StateTransfer};
+pub use reconfig::{
+    plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, NodeState, RankTransfer, ReconfigurationPlan, StateTransfer,
+};
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
-pub use scheduler::{plan_layer, plan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT};
+pub use scheduler::{
+    plan_layer, plan_model, replan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT,
+};
 pub use snapshot::{
     nodes_holding, select_snapshots, RoundCost, SnapshotHeld, SnapshotPace, SnapshotPolicy, SnapshotSelection, SNAPSHOT_CPU_SHARE,
 };

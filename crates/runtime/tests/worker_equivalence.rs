@@ -67,8 +67,8 @@ fn held(worker: &Worker, placement: &ReplicaMap, rank: usize) -> BTreeMap<String
     let model = &worker.trainer.model;
     let mut expert_names = BTreeMap::new();
     let mut local_elements = 0;
-    for (l, layer) in placement.layers().iter().enumerate() {
-        for (e, row) in layer.iter().enumerate() {
+    for l in 0..placement.layer_count() {
+        for (e, row) in placement.dense_layer(l).iter().enumerate() {
             // A worker keeps the experts placed on it and nothing of the others (also after
             // writing a checkpoint, for which rank 0 takes every expert in).
             assert_eq!(model.expert_resident(l, e).unwrap(), row[rank] > 0, "rank {rank} layer {l} expert {e}");

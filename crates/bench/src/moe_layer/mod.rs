@@ -141,11 +141,11 @@ pub fn bench_placement(
         BenchSystem::Lazarus | BenchSystem::LazarusUnguarded | BenchSystem::LazarusPerReplica => {
             let shape = ClusterShape::new(world, 1, slots)?;
             let guard = if system == BenchSystem::Lazarus { max_imbalance } else { None };
-            let policy = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: guard };
+            let policy = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: guard, keep_survivors: false };
             plan_model(&[loads.to_vec()], shape, &policy, None)?.replica_map()
         }
     };
-    Ok(map.layer(0).to_vec())
+    Ok(map.dense_layer(0))
 }
 
 /// (busiest rank's tokens over the mean, share of single-rank failures every expert survives)

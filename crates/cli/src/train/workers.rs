@@ -615,7 +615,8 @@ fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g:
 
 /// Which experts each worker holds, layer by layer (`e` once, `eXn` for n replicas).
 fn print_placement(map: &lazarus_plan::ReplicaMap, world: usize) {
-    for (l, layer) in map.layers().iter().enumerate() {
+    for l in 0..map.layer_count() {
+        let layer = map.dense_layer(l);
         let per_worker: Vec<String> = (0..world)
             .map(|r| {
                 let held: Vec<String> = layer

@@ -700,7 +700,7 @@ proptest! {
                         prop_assert!(m.ranks.iter().all(|r| c.alive().contains(r)), "{:?} names a lost node", m.ranks);
                         prop_assert!(m.leaving.iter().all(|&r| r < m.ranks.len()));
                         prop_assert_eq!(m.plan.ranks(), m.ranks.len());
-                        prop_assert!(lazarus_plan::ReplicaMap::new(m.epoch, m.plan.layers().to_vec()).is_ok());
+                        prop_assert!(serde_json::from_str::<lazarus_plan::ReplicaMap>(&serde_json::to_string(&m.plan).unwrap()).is_ok());
                         prop_assert_eq!(m.epoch, c.epoch());
                         // Joiners hold nothing: they are never a transfer's source.
                         prop_assert!(m.transfers.iter().all(|t| !m.joining.contains(&t.from)));
@@ -797,8 +797,8 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
         held[t.to][t.layer].push(t.expert);
     }
     for (r, h) in held.iter().enumerate() {
-        for (l, layer) in m.plan.layers().iter().enumerate() {
-            for (e, row) in layer.iter().enumerate() {
+        for l in 0..m.plan.layer_count() {
+            for (e, row) in m.plan.dense_layer(l).iter().enumerate() {
                 assert!(row[r] == 0 || h[l].contains(&e), "rank {r} lacks expert {e} of layer {l} after the move");
             }
         }
@@ -941,5 +941,6 @@ fn notes_count_epochs_from_the_start_of_the_job() {
     assert!(notes.iter().all(|n| !n.contains(&first.to_string())), "{notes:?}");
 }
 
+mod at_scale;
 mod lifecycle;
 mod resume;

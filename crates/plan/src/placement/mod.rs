@@ -18,12 +18,14 @@
 //! Files: this one holds the types ([`ClusterShape`], [`Strategy`], [`Placement`]) and [`place`];
 //! `mro` the paper's groups and the round-robin baselines, `search` the `lazarus` strategy's
 //! exact local search, `guard` the throughput guard ([`place_balanced`]), `gpus` the spread of a
-//! node's replicas over its GPUs. Recovery is computed by [`crate::recovery`] from holder sets;
+//! node's replicas over its GPUs, `repair` a running placement changed only where nodes were
+//! lost or added. Recovery is computed by [`crate::recovery`] from holder sets;
 //! the arrow runs one way, placement → recovery.
 
 mod gpus;
 mod guard;
 mod mro;
+mod repair;
 mod search;
 #[cfg(test)]
 mod tests;
@@ -44,7 +46,9 @@ pub use guard::{place_balanced, DEFAULT_MAX_IMBALANCE};
 pub(crate) use mro::mro_truncates;
 use mro::sequential_nodes;
 use mro::{mro_nodes, GroupLayout};
+pub(crate) use repair::repair_nodes;
 use search::lazarus_nodes;
+pub(crate) use search::SEARCH_MAX_NODES;
 
 /// Largest cluster the planning core takes: every plan, recovery curve and reconfiguration is
 /// then computed in bounded time and memory (N up to 10^4 nodes).

@@ -61,6 +61,36 @@ const EXACT_MAPPING_MAX_NODES: usize = 1024;
 /// Map `live` nodes onto the nodes of the new per-layer plans and schedule the state transfers.
 /// `expert_bytes[layer]` is the size of one expert's state in that layer.
 pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64]) -> Result<ReconfigurationPlan, PlanError> {
+    plan_move(live, new_layers, expert_bytes, None)
+}
+
+/// [`plan_reconfiguration`] with the mapping given: `live[p]` becomes plan node
+/// `node_to_plan[p]` (a plan repaired in place of the running one names its nodes so:
+/// [`crate::replan_model`]). Only the transfers are scheduled, in the same way.
+pub fn plan_reconfiguration_mapped(
+    live: &[NodeState],
+    new_layers: &[Placement],
+    expert_bytes: &[u64],
+    node_to_plan: &[usize],
+) -> Result<ReconfigurationPlan, PlanError> {
+    let mut seen = vec![false; live.len()];
+    if node_to_plan.len() != live.len() {
+        return Err(PlanError::Length { field: "node mapping", got: node_to_plan.len(), expected: live.len() });
+    }
+    for &q in node_to_plan {
+        if q >= live.len() || std::mem::replace(&mut seen[q], true) {
+            return Err(PlanError::invalid("node mapping", q, "plan nodes must be named once each"));
+        }
+    }
+    plan_move(live, new_layers, expert_bytes, Some(node_to_plan))
+}
+
+fn plan_move(
+    live: &[NodeState],
+    new_layers: &[Placement],
+    expert_bytes: &[u64],
+    mapped: Option<&[usize]>,
+) -> Result<ReconfigurationPlan, PlanError> {
     let layers = new_layers.len();
     if expert_bytes.len() != layers {
         return Err(PlanError::Length { field: "expert_bytes", got: expert_bytes.len(), expected: layers });
@@ -100,8 +130,17 @@ pub fn plan_reconfiguration(live: &[NodeState], new_layers: &[Placement], expert
             h
         })
         .collect();
-    let cost = missing_bytes(&wanted, &holders, expert_bytes);
-    let node_to_plan = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
+    let node_to_plan = match mapped {
+        Some(m) => m.to_vec(),
+        None => {
+            let cost = missing_bytes(&wanted, &holders, expert_bytes);
+            if n <= EXACT_MAPPING_MAX_NODES {
+                min_cost_assignment(&cost)
+            } else {
+                greedy_assignment(&cost)
+            }
+        }
+    };
     let mut plan_to_node = vec![0u64; n];
     for (p, &q) in node_to_plan.iter().enumerate() {
         plan_to_node[q] = live[p].node;

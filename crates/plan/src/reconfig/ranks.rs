@@ -44,10 +44,10 @@ pub fn rank_transfers(
     }
     let mut sends = vec![0usize; ranks];
     let mut out = Vec::new();
-    for (l, layer) in map.layers().iter().enumerate() {
+    for l in 0..map.layer_count() {
         // The ranks holding each expert of this layer, in rank order (one pass over what the
         // ranks hold: at 1,024 ranks, asking every rank for every missing replica is quadratic).
-        let mut holders: Vec<Vec<usize>> = vec![Vec::new(); layer.len()];
+        let mut holders: Vec<Vec<usize>> = vec![Vec::new(); map.experts()];
         for (r, holds) in rank_holds.iter().enumerate() {
             for &e in holds.get(l).map_or(&[][..], Vec::as_slice) {
                 if let Some(h) = holders.get_mut(e) {
@@ -57,10 +57,9 @@ pub fn rank_transfers(
                 }
             }
         }
-        for (e, row) in layer.iter().enumerate() {
-            let holding = &holders[e];
-            for (r, &count) in row.iter().enumerate() {
-                if count == 0 || holding.binary_search(&r).is_ok() {
+        for (e, holding) in holders.iter().enumerate() {
+            for &(r, _) in map.placed(l, e) {
+                if holding.binary_search(&r).is_ok() {
                     continue;
                 }
                 let here = rank_node[r];
@@ -94,8 +93,8 @@ mod tests {
         let holds_it = |r: usize, l: usize, e: ExpertId| rank_holds[r].get(l).is_some_and(|x| x.contains(&e));
         let mut sends = vec![0usize; ranks];
         let mut out = Vec::new();
-        for (l, layer) in map.layers().iter().enumerate() {
-            for (e, row) in layer.iter().enumerate() {
+        for l in 0..map.layer_count() {
+            for (e, row) in map.dense_layer(l).iter().enumerate() {
                 for (r, &count) in row.iter().enumerate() {
                     if count == 0 || holds_it(r, l, e) {
                         continue;

@@ -19,7 +19,7 @@ pub use model_plan::{ModelPlan, ReplicaMap};
 
 use crate::allocation::{allocate, ReplicaAllocation};
 use crate::error::PlanError;
-use crate::placement::{place, place_balanced, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE};
+use crate::placement::{place, place_balanced, repair_nodes, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE, SEARCH_MAX_NODES};
 
 /// How the scheduler plans a layer: the fault-tolerance floor, the placement strategy and the
 /// throughput guard. One value per use, chosen by the caller: the trainer's and the
@@ -34,20 +34,25 @@ pub struct PlanPolicy {
     /// no node needs more than this many times its mean share of tokens under the balanced
     /// dispatcher. `None`: no guard. Only with [`Strategy::Lazarus`].
     pub max_imbalance: Option<f64>,
+    /// After nodes are lost or join, keep every survivor's replicas where they are and change
+    /// only what must change ([`replan_model`]) instead of planning afresh, on clusters past
+    /// the exact search's size. The trainer's and the controller's policy do; the paper's
+    /// (the simulator's) plans afresh, as the paper does.
+    pub keep_survivors: bool,
 }
 
 impl PlanPolicy {
     /// The paper's plan: floor `floor`, the `lazarus` strategy, no throughput guard (the
     /// simulator models Algorithm 1's per-replica shares, under which the guard buys nothing).
     pub fn unguarded(floor: usize) -> Self {
-        PlanPolicy { floor, strategy: Strategy::Lazarus, max_imbalance: None }
+        PlanPolicy { floor, strategy: Strategy::Lazarus, max_imbalance: None, keep_survivors: false }
     }
 
     /// What `train --workers` and the controller plan with on `nodes` nodes: floor 2 (1 on a
     /// single node, where a second replica protects nothing), the `lazarus` strategy, and the
     /// throughput guard `max_imbalance` (the default is [`DEFAULT_MAX_IMBALANCE`]).
     pub fn trainer(nodes: usize, max_imbalance: Option<f64>) -> Self {
-        PlanPolicy { floor: if nodes > 1 { 2 } else { 1 }, strategy: Strategy::Lazarus, max_imbalance }
+        PlanPolicy { floor: if nodes > 1 { 2 } else { 1 }, strategy: Strategy::Lazarus, max_imbalance, keep_survivors: true }
     }
 
     /// The trainer's policy with the default guard.
@@ -144,4 +149,70 @@ pub fn plan_model(
         crate::parallel::map_in_order(&jobs, plan)?
     };
     ModelPlan::new(previous.map_or(0, |p| p.epoch() + 1), layers)
+}
+
+/// Plan every MoE layer again after the cluster's nodes changed: node i of the new plan is node
+/// `origin[i]` of `previous` (`None`: a node that joins, holding nothing).
+///
+/// With a policy that keeps survivors ([`PlanPolicy::keep_survivors`]) on a cluster past the
+/// exact search's size, each layer is the previous placement repaired (see
+/// `placement/repair.rs`): what a survivor holds stays in its slot unless its expert now has too
+/// many replicas, and only the missing replicas are placed — so a node lost among a thousand
+/// moves about that node's state, not the model's. A repaired layer that breaks the policy's
+/// throughput guard is planned afresh. Otherwise, and on small clusters (where the optimum is
+/// searched exactly and the optimal node mapping limits what moves), every layer is planned
+/// afresh as by [`plan_model`].
+///
+/// Returns the plan and whether its nodes are in `origin`'s order by construction (true when
+/// at least one layer was repaired): then node i of the plan *is* the node that was
+/// `origin[i]`, and the caller need not search for the mapping that moves least.
+pub fn replan_model(
+    loads: &[Vec<f64>],
+    shape: ClusterShape,
+    policy: &PlanPolicy,
+    previous: &ModelPlan,
+    origin: &[Option<usize>],
+) -> Result<(ModelPlan, bool), PlanError> {
+    if origin.len() != shape.nodes {
+        return Err(PlanError::Length { field: "origin", got: origin.len(), expected: shape.nodes });
+    }
+    // The same nodes in the same places: the layers whose allocation holds are kept as they are.
+    let unchanged = shape == previous.shape() && origin.iter().enumerate().all(|(i, q)| *q == Some(i));
+    let repair = policy.keep_survivors && shape.nodes > SEARCH_MAX_NODES && previous.layers().len() == loads.len();
+    if unchanged || !repair {
+        return plan_model(loads, shape, policy, Some(previous)).map(|p| (p, false));
+    }
+    policy.validate()?;
+    let jobs: Vec<(&Vec<f64>, &Placement)> = loads.iter().zip(previous.layers()).collect();
+    let plan = |&(l, prev): &(&Vec<f64>, &Placement)| -> Result<(Placement, bool), PlanError> {
+        match repair_layer(l, shape, policy, prev, origin)? {
+            Some(p) => Ok((p.placement, true)),
+            None => plan_layer(l, shape, policy).map(|p| (p.placement, false)),
+        }
+    };
+    let layers: Vec<(Placement, bool)> = crate::parallel::map_in_order(&jobs, plan)?;
+    let repaired = layers.iter().any(|(_, r)| *r);
+    ModelPlan::new(previous.epoch() + 1, layers.into_iter().map(|(p, _)| p).collect()).map(|p| (p, repaired))
+}
+
+/// One layer repaired ([`replan_model`]); None when the repair does not fit or breaks the
+/// guard.
+fn repair_layer(
+    loads: &[f64],
+    shape: ClusterShape,
+    policy: &PlanPolicy,
+    previous: &Placement,
+    origin: &[Option<usize>],
+) -> Result<Option<LayerPlan>, PlanError> {
+    let allocation = allocate(loads, shape.total_slots(), policy.floor)?;
+    let Some(nodes) = repair_nodes(previous, origin, &allocation.replicas, shape, loads) else {
+        return Ok(None);
+    };
+    let placement = Placement::from_nodes(shape, previous.experts(), nodes)?;
+    if let Some(m) = policy.max_imbalance {
+        if placement.load_balance(loads)?.imbalance() > m * (1.0 + 1e-9) {
+            return Ok(None);
+        }
+    }
+    Ok(Some(LayerPlan { allocation, placement }))
 }

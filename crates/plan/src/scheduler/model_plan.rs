@@ -104,17 +104,34 @@ impl ModelPlan {
 
     /// The runtime's view: replicas of each expert on each worker rank (node·G + gpu).
     pub fn replica_map(&self) -> ReplicaMap {
-        ReplicaMap {
-            epoch: self.epoch,
-            ranks: self.shape().ranks(),
-            experts: self.experts(),
-            layers: self.layers.iter().map(Placement::rank_replicas).collect(),
-        }
+        let shape = self.shape();
+        let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
+        let layers = self
+            .layers
+            .iter()
+            .map(|p| {
+                let mut held: Vec<Vec<(usize, u32)>> = vec![Vec::new(); p.experts()];
+                // Slots GPU-major within a node, nodes in order: ranks come in ascending order.
+                for (n, node) in p.nodes().iter().enumerate() {
+                    for (k, &e) in node.iter().enumerate() {
+                        let rank = n * g + k / c;
+                        match held[e].last_mut() {
+                            Some((r, count)) if *r == rank => *count += 1,
+                            _ => held[e].push((rank, 1)),
+                        }
+                    }
+                }
+                held
+            })
+            .collect();
+        ReplicaMap { epoch: self.epoch, ranks: shape.ranks(), experts: self.experts(), layers }
     }
 }
 
-/// How many replicas of each expert each worker rank holds, for every MoE layer:
-/// `layer(l)[e][rank]` — Algorithm 1's R matrix, what the runtime needs of a plan. Built from a
+/// How many replicas of each expert each worker rank holds, for every MoE layer — Algorithm
+/// 1's R matrix, what the runtime needs of a plan — kept sparse: for each expert of each layer,
+/// the ranks holding it with their replica counts. (Dense, R is layers × experts × ranks: at
+/// 8,192 ranks, 58 layers and 256 experts 486 MB for 1.9 M replicas.) Built from a
 /// [`ModelPlan`] or for the static expert-parallel baseline, validated on construction and
 /// when deserialized (it travels to worker processes).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,29 +140,51 @@ pub struct ReplicaMap {
     epoch: u64,
     ranks: usize,
     experts: usize,
-    layers: Vec<Vec<Vec<u32>>>,
+    /// `layers[l][e]`: (rank, replicas) of every rank holding expert e of layer l, ranks
+    /// ascending, replicas > 0.
+    layers: Vec<Vec<Vec<(usize, u32)>>>,
 }
 
 #[derive(Deserialize)]
 struct RawReplicaMap {
     epoch: u64,
-    layers: Vec<Vec<Vec<u32>>>,
+    ranks: usize,
+    layers: Vec<Vec<Vec<(usize, u32)>>>,
 }
 
 impl TryFrom<RawReplicaMap> for ReplicaMap {
     type Error = PlanError;
     fn try_from(raw: RawReplicaMap) -> Result<Self, PlanError> {
-        ReplicaMap::new(raw.epoch, raw.layers)
+        ReplicaMap::from_holders(raw.epoch, raw.ranks, raw.layers)
     }
 }
 
 impl ReplicaMap {
-    /// `layers[l][e][rank]`: at least one layer, one expert and one rank; the same experts and
-    /// ranks in every layer; every expert held somewhere.
+    /// From the dense R: `layers[l][e][rank]`: at least one layer, one expert and one rank; the
+    /// same experts and ranks in every layer; every expert held somewhere.
     pub fn new(epoch: u64, layers: Vec<Vec<Vec<u32>>>) -> Result<Self, PlanError> {
         let bad = |value: String, reason: String| PlanError::Invalid { field: "replica map", value, reason };
-        let experts = layers.first().map_or(0, Vec::len);
         let ranks = layers.first().and_then(|l| l.first()).map_or(0, Vec::len);
+        for (l, layer) in layers.iter().enumerate() {
+            for (e, row) in layer.iter().enumerate() {
+                if row.len() != ranks {
+                    return Err(bad(format!("layer {l} expert {e} over {} ranks", row.len()), format!("the plan has {ranks} ranks")));
+                }
+            }
+        }
+        let sparse = layers
+            .into_iter()
+            .map(|layer| layer.into_iter().map(|row| row.into_iter().enumerate().filter(|&(_, n)| n > 0).collect()).collect())
+            .collect();
+        Self::from_holders(epoch, ranks, sparse)
+    }
+
+    /// From the holders of each expert: `layers[l][e]` lists (rank, replicas) with ranks
+    /// ascending and below `ranks`, replicas > 0; at least one layer, expert and rank; the same
+    /// experts in every layer; every expert held somewhere.
+    pub fn from_holders(epoch: u64, ranks: usize, layers: Vec<Vec<Vec<(usize, u32)>>>) -> Result<Self, PlanError> {
+        let bad = |value: String, reason: String| PlanError::Invalid { field: "replica map", value, reason };
+        let experts = layers.first().map_or(0, Vec::len);
         if experts == 0 || ranks == 0 {
             return Err(bad(
                 format!("{} layers x {experts} experts x {ranks} ranks", layers.len()),
@@ -156,12 +195,18 @@ impl ReplicaMap {
             if layer.len() != experts {
                 return Err(bad(format!("layer {l} with {} experts", layer.len()), format!("layer 0 has {experts}")));
             }
-            for (e, row) in layer.iter().enumerate() {
-                if row.len() != ranks {
-                    return Err(bad(format!("layer {l} expert {e} over {} ranks", row.len()), format!("the plan has {ranks} ranks")));
-                }
-                if row.iter().all(|&r| r == 0) {
+            for (e, held) in layer.iter().enumerate() {
+                if held.is_empty() {
                     return Err(bad(format!("layer {l} expert {e}"), "has no replica on any rank".into()));
+                }
+                if let Some(&(r, n)) = held.iter().find(|&&(r, n)| r >= ranks || n == 0) {
+                    return Err(bad(
+                        format!("layer {l} expert {e}: {n} on rank {r}"),
+                        format!("ranks are below {ranks}, replicas above 0"),
+                    ));
+                }
+                if held.windows(2).any(|w| w[0].0 >= w[1].0) {
+                    return Err(bad(format!("layer {l} expert {e}"), "its ranks must be listed once each, ascending".into()));
                 }
             }
         }
@@ -178,13 +223,15 @@ impl ReplicaMap {
                 "needs at least one of each",
             ));
         }
-        let layer: Vec<Vec<u32>> = (0..experts)
-            .map(|e| {
-                let owner = e * ranks / experts;
-                (0..ranks).map(|r| u32::from(r == owner)).collect()
-            })
-            .collect();
-        ReplicaMap::new(epoch, vec![layer; layers])
+        let layer: Vec<Vec<(usize, u32)>> = (0..experts).map(|e| vec![(e * ranks / experts, 1)]).collect();
+        ReplicaMap::from_holders(epoch, ranks, vec![layer; layers])
+    }
+
+    /// The same placement over `extra` more ranks after its own, which hold nothing (the
+    /// leaving ranks of a drain).
+    pub fn with_empty_ranks(mut self, extra: usize) -> Self {
+        self.ranks += extra;
+        self
     }
 
     pub fn epoch(&self) -> u64 {
@@ -199,28 +246,44 @@ impl ReplicaMap {
         self.experts
     }
 
-    pub fn layers(&self) -> &[Vec<Vec<u32>>] {
-        &self.layers
+    /// MoE layers.
+    pub fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
-    /// `[e][rank]` of layer `l`.
-    pub fn layer(&self, l: usize) -> &[Vec<u32>] {
-        &self.layers[l]
+    /// (rank, replicas) of every rank holding expert `e` of layer `l`, ranks ascending.
+    pub fn placed(&self, l: usize, e: ExpertId) -> &[(usize, u32)] {
+        &self.layers[l][e]
+    }
+
+    /// `[e][rank]` of layer `l`, dense (what the dispatcher of Algorithm 1 works on).
+    pub fn dense_layer(&self, l: usize) -> Vec<Vec<u32>> {
+        self.layers[l]
+            .iter()
+            .map(|held| {
+                let mut row = vec![0u32; self.ranks];
+                for &(r, n) in held {
+                    row[r] = n;
+                }
+                row
+            })
+            .collect()
     }
 
     /// Replicas of expert `e` of layer `l` on `rank`.
     pub fn replicas_on(&self, l: usize, e: ExpertId, rank: usize) -> u32 {
-        self.layers[l][e][rank]
+        let held = &self.layers[l][e];
+        held.binary_search_by_key(&rank, |&(r, _)| r).map_or(0, |i| held[i].1)
     }
 
     /// Ranks holding at least one replica of expert `e` of layer `l`, ascending.
     pub fn holders(&self, l: usize, e: ExpertId) -> Vec<usize> {
-        self.layers[l][e].iter().enumerate().filter(|(_, &r)| r > 0).map(|(rank, _)| rank).collect()
+        self.layers[l][e].iter().map(|&(r, _)| r).collect()
     }
 
     /// Every expert of every layer has exactly one replica (what static expert parallelism
     /// needs).
     pub fn one_replica_each(&self) -> bool {
-        self.layers.iter().flatten().all(|row| row.iter().sum::<u32>() == 1)
+        self.layers.iter().flatten().all(|held| held.len() == 1 && held[0].1 == 1)
     }
 }

@@ -14,9 +14,11 @@ fn a_model_plan_is_its_layers_planned_one_by_one() {
     let mut rng = SplitMix64::new(3);
     let shape = ClusterShape::new(6, 2, 3).unwrap();
     let loads: Vec<Vec<f64>> = (0..5).map(|_| skewed_loads(&mut rng, 9)).collect();
-    for policy in
-        [PlanPolicy::unguarded(2), PlanPolicy::trainer_default(6), PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: None }]
-    {
+    for policy in [
+        PlanPolicy::unguarded(2),
+        PlanPolicy::trainer_default(6),
+        PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: None, keep_survivors: false },
+    ] {
         let plan = plan_model(&loads, shape, &policy, None).unwrap();
         assert_eq!(plan.epoch(), 0);
         assert_eq!(plan.layers().len(), 5);
@@ -59,7 +61,7 @@ fn a_kept_placement_must_still_meet_the_guard() {
     let loads = vec![vec![8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]];
     let unguarded = plan_model(&loads, shape, &PlanPolicy::unguarded(1), None).unwrap();
     assert!(unguarded.layers()[0].load_balance(&loads[0]).unwrap().imbalance() > 1.3);
-    let guarded = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(1.05) };
+    let guarded = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(1.05), keep_survivors: false };
     let next = plan_model(&loads, shape, &guarded, Some(&unguarded)).unwrap();
     assert_eq!(next.layers()[0].replica_counts(), unguarded.layers()[0].replica_counts());
     assert_ne!(next.layers()[0], unguarded.layers()[0]);
@@ -69,10 +71,10 @@ fn a_kept_placement_must_still_meet_the_guard() {
 #[test]
 fn bad_policies_and_loads_name_the_problem() {
     let shape = ClusterShape::new(2, 1, 2).unwrap();
-    let mro_guarded = PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: Some(1.05) };
+    let mro_guarded = PlanPolicy { floor: 1, strategy: Strategy::Mro, max_imbalance: Some(1.05), keep_survivors: false };
     let e = plan_model(&[vec![1.0, 2.0]], shape, &mro_guarded, None).unwrap_err().to_string();
     assert!(e.contains("max_imbalance") && e.contains("mro"), "{e}");
-    let loose = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(0.5) };
+    let loose = PlanPolicy { floor: 1, strategy: Strategy::Lazarus, max_imbalance: Some(0.5), keep_survivors: false };
     assert!(plan_model(&[vec![1.0, 2.0]], shape, &loose, None).unwrap_err().to_string().contains("max_imbalance"));
     let e = plan_model(&[], shape, &PlanPolicy::unguarded(1), None).unwrap_err().to_string();
     assert!(e.contains("loads"), "{e}");
@@ -134,15 +136,15 @@ fn the_replica_map_counts_replicas_per_rank() {
     let plan = plan_model(&[vec![5.0, 1.0, 1.0, 9.0, 2.0]], shape, &PlanPolicy::unguarded(2), None).unwrap().with_epoch(4);
     let map = plan.replica_map();
     assert_eq!((map.epoch(), map.ranks(), map.experts()), (4, 6, 5));
-    assert_eq!(map.layer(0), plan.layers()[0].rank_replicas().as_slice());
-    let total: u32 = map.layer(0).iter().flatten().sum();
+    assert_eq!(map.dense_layer(0), plan.layers()[0].rank_replicas());
+    let total: u32 = map.dense_layer(0).iter().flatten().sum();
     assert_eq!(total as usize, shape.total_slots());
     for e in 0..5 {
         assert_eq!(map.holders(0, e), (0..6).filter(|&r| map.replicas_on(0, e, r) > 0).collect::<Vec<_>>());
     }
     let st = ReplicaMap::static_ep(0, 2, 8, 3).unwrap();
     assert!(st.one_replica_each());
-    let per_rank: Vec<u32> = (0..3).map(|r| st.layer(0).iter().map(|row| row[r]).sum()).collect();
+    let per_rank: Vec<u32> = (0..3).map(|r| st.dense_layer(0).iter().map(|row| row[r]).sum()).collect();
     assert!(per_rank.iter().all(|&c| (2..=3).contains(&c)), "{per_rank:?}");
     assert!(!map.one_replica_each());
 }
@@ -155,11 +157,18 @@ fn replica_maps_are_validated_however_they_are_made() {
     assert!(e.contains("layer 1 with 2 experts"), "{e}");
     assert!(ReplicaMap::new(0, vec![]).is_err());
     assert!(ReplicaMap::static_ep(0, 1, 4, 0).is_err());
-    // Deserializing runs the same checks (the map travels to worker processes).
-    let e = serde_json::from_str::<ReplicaMap>(r#"{"epoch":1,"layers":[[[1,0],[0,0]]]}"#).unwrap_err().to_string();
+    // Deserializing runs the same checks (the map travels to worker processes): each expert's
+    // holders as [rank, replicas], ranks ascending and in range, replicas above 0.
+    let e = serde_json::from_str::<ReplicaMap>(r#"{"epoch":1,"ranks":2,"layers":[[[[0,1]],[]]]}"#).unwrap_err().to_string();
     assert!(e.contains("no replica"), "{e}");
-    let ok: ReplicaMap = serde_json::from_str(r#"{"epoch":1,"layers":[[[1,0],[0,2]]]}"#).unwrap();
-    assert_eq!(ok.ranks(), 2);
+    for bad in [r#"[[[0,1]],[[2,1]]]"#, r#"[[[0,1]],[[1,0]]]"#, r#"[[[0,1]],[[1,1],[0,1]]]"#, r#"[[[0,1]],[[1,1],[1,1]]]"#] {
+        let text = format!(r#"{{"epoch":1,"ranks":2,"layers":[{bad}]}}"#);
+        let e = serde_json::from_str::<ReplicaMap>(&text).unwrap_err().to_string();
+        assert!(e.contains("layer 0 expert 1"), "{bad}: {e}");
+    }
+    let ok: ReplicaMap = serde_json::from_str(r#"{"epoch":1,"ranks":2,"layers":[[[[0,1]],[[1,2]]]]}"#).unwrap();
+    assert_eq!(ok, ReplicaMap::new(1, vec![vec![vec![1, 0], vec![0, 2]]]).unwrap());
+    assert_eq!((ok.ranks(), ok.replicas_on(0, 1, 1), ok.replicas_on(0, 1, 0)), (2, 2, 0));
     let back: ReplicaMap = serde_json::from_str(&serde_json::to_string(&ok).unwrap()).unwrap();
     assert_eq!(back, ok);
 }
@@ -220,4 +229,33 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn replanning_after_a_loss_repairs_large_clusters_and_plans_small_ones_afresh() {
+    let loads: Vec<Vec<f64>> = (0..3).map(|l| (0..10).map(|e| ((e * 3 + l) % 10 + 1) as f64).collect()).collect();
+    let policy = PlanPolicy::trainer(16, None);
+    let before = plan_model(&loads, ClusterShape::new(16, 2, 2).unwrap(), &policy, None).unwrap();
+    // Node 5 is lost; the others keep their order.
+    let origin: Vec<Option<usize>> = (0..16).filter(|&q| q != 5).map(Some).collect();
+    let shape = ClusterShape::new(15, 2, 2).unwrap();
+    let (after, repaired) = replan_model(&loads, shape, &policy, &before, &origin).unwrap();
+    assert!(repaired);
+    assert_eq!(after.epoch(), before.epoch() + 1);
+    for (old, new) in before.layers().iter().zip(after.layers()) {
+        // Each layer as allocated from the loads, every node full; a survivor's slot changes
+        // only for the few replicas the lost node's absence forces.
+        let changed: usize =
+            origin.iter().zip(new.nodes()).map(|(q, node)| node.iter().zip(&old.nodes()[q.unwrap()]).filter(|(a, b)| a != b).count()).sum();
+        assert!(changed <= 4, "{changed} slots changed");
+    }
+    // The paper's policy, and a small cluster, plan afresh.
+    let (_, repaired) = replan_model(&loads, shape, &PlanPolicy::unguarded(2), &before, &origin).unwrap();
+    assert!(!repaired);
+    let small = plan_model(&loads, ClusterShape::new(4, 1, 8).unwrap(), &PlanPolicy::trainer(4, None), None).unwrap();
+    let (_, repaired) =
+        replan_model(&loads, ClusterShape::new(3, 1, 8).unwrap(), &PlanPolicy::trainer(3, None), &small, &[Some(0), Some(2), Some(3)])
+            .unwrap();
+    assert!(!repaired);
+    assert!(replan_model(&loads, shape, &policy, &before, &origin[1..]).is_err());
 }

@@ -91,16 +91,13 @@ pub fn select_snapshots(
     out
 }
 
-/// Distinct nodes holding each expert: `replicas[l][e][rank]` of a plan and `node_of[rank]`.
-pub fn nodes_holding(replicas: &[Vec<Vec<u32>>], node_of: &[usize]) -> Vec<Vec<usize>> {
-    replicas
-        .iter()
-        .map(|layer| {
-            layer
-                .iter()
-                .map(|row| {
-                    let mut nodes: Vec<usize> =
-                        row.iter().enumerate().filter(|(_, &n)| n > 0).filter_map(|(r, _)| node_of.get(r).copied()).collect();
+/// Distinct nodes holding each expert of each layer of `map`, ranks on nodes `node_of[rank]`.
+pub fn nodes_holding(map: &crate::ReplicaMap, node_of: &[usize]) -> Vec<Vec<usize>> {
+    (0..map.layer_count())
+        .map(|l| {
+            (0..map.experts())
+                .map(|e| {
+                    let mut nodes: Vec<usize> = map.placed(l, e).iter().filter_map(|&(r, _)| node_of.get(r).copied()).collect();
                     nodes.sort_unstable();
                     nodes.dedup();
                     nodes.len()
@@ -145,7 +142,7 @@ mod tests {
     #[test]
     fn nodes_holding_counts_distinct_nodes() {
         // 4 ranks, 2 per node: expert 0 on ranks 0 and 1 (node 0), expert 1 on ranks 1 and 2.
-        let replicas = vec![vec![vec![1, 1, 0, 0], vec![0, 1, 1, 0]]];
+        let replicas = crate::ReplicaMap::new(0, vec![vec![vec![1, 1, 0, 0], vec![0, 1, 1, 0]]]).unwrap();
         assert_eq!(nodes_holding(&replicas, &[0, 0, 1, 1]), vec![vec![1, 2]]);
     }
 

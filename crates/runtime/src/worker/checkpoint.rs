@@ -17,7 +17,7 @@ impl Worker {
     pub fn save_checkpoint(&mut self, t: &mut dyn Transport, world: &mut Group, dir: &Path) -> Result<Option<PathBuf>, RuntimeError> {
         let timeout = self.timeout;
         let deadline = || lazarus_comm::deadline_after(timeout);
-        for l in 0..self.plan.layers().len() {
+        for l in 0..self.plan.layer_count() {
             for e in 0..self.plan.experts() {
                 let Some(&first) = self.plan.holders(l, e).first() else { continue };
                 if first == 0 {

@@ -119,8 +119,8 @@ pub fn batch_share(batch: usize, world: usize, rank: usize) -> (usize, usize) {
 /// one rank per worker; static expert parallelism needs exactly one replica per expert.
 pub fn check_plan(plan: &ReplicaMap, moe_layers: usize, experts: usize, world: usize, mode: DispatchMode) -> Result<(), RuntimeError> {
     let bad = |reason: String| RuntimeError::Invalid { field: "placement", reason };
-    if plan.layers().len() != moe_layers {
-        return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", plan.layers().len())));
+    if plan.layer_count() != moe_layers {
+        return Err(bad(format!("{} layers given, the model has {moe_layers} MoE layers", plan.layer_count())));
     }
     if plan.experts() != experts {
         return Err(bad(format!("{} experts per layer, the model has {experts}", plan.experts())));
@@ -211,7 +211,8 @@ fn build_layers(
     let model = &trainer.model;
     let mc = model.config();
     let mut layers = Vec::with_capacity(mc.moe_layers());
-    for (l, replicas) in plan.layers().iter().enumerate() {
+    for l in 0..plan.layer_count() {
+        let replicas = plan.dense_layer(l);
         let mut experts = BTreeMap::new();
         for (e, row) in replicas.iter().enumerate() {
             if row[rank] > 0 {
@@ -221,7 +222,7 @@ fn build_layers(
         layers.push(DistributedMoe {
             gate: model.gate(l)?.clone(),
             experts,
-            replicas: replicas.clone(),
+            replicas,
             top_k: mc.top_k,
             normalize_top_k: mc.normalize_top_k,
             timeout,
@@ -372,7 +373,7 @@ impl Worker {
     /// Free the weights and optimizer moments of every expert not placed on this rank: a
     /// worker keeps one physical copy of the experts it holds and nothing of the others.
     fn release_remote_experts(&mut self) -> Result<(), RuntimeError> {
-        for l in 0..self.plan.layers().len() {
+        for l in 0..self.plan.layer_count() {
             for e in 0..self.plan.experts() {
                 if self.plan.replicas_on(l, e, self.rank) > 0 || !self.trainer.model.expert_resident(l, e)? {
                     continue;

@@ -325,7 +325,7 @@ impl Worker {
         let tier = &mut self.snapshots;
         add_load(&mut tier.since, load);
         let bytes_per = ExpertState::encoded_len(&shapes) as u64;
-        let layers = self.plan.layers().len();
+        let layers = self.plan.layer_count();
         let per_layer = vec![bytes_per; layers];
         let cap = (settings.bandwidth * r.mean_step_s.max(0.0)).min(u64::MAX as f64 / 2.0) as u64;
         let budget = match settings.adaptive {
@@ -333,7 +333,7 @@ impl Worker {
             false => cap,
         };
         let node_of: Vec<usize> = (0..self.world).map(|q| q / g).collect();
-        let held_on = nodes_holding(self.plan.layers(), &node_of);
+        let held_on = nodes_holding(&self.plan, &node_of);
         let ours = select_snapshots(&tier.since, &held_on, &per_layer, budget, SnapshotPolicy::Lazarus);
         let theirs = select_snapshots(&tier.since, &held_on, &per_layer, budget, SnapshotPolicy::Moetion);
         let at_risk = (0..layers).map(|l| held_on[l].iter().filter(|&&n| n < 2).count() as u64).sum::<u64>() * bytes_per;

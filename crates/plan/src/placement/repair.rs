@@ -1,0 +1,281 @@
+//! Repair: the running placement kept where it stands and changed only where it must.
+//!
+//! Why: a plan made afresh after a loss follows Theorem 1's groups, and one node fewer shifts
+//! every group by that node's slots. At 1,023 of 1,024 nodes (58 layers × 256 experts, 32 slots
+//! a node) the best mapping of the survivors onto a fresh plan still moves 1.71 M of the 1.90 M
+//! replicas' state: nearly the whole model crosses the network to replace one node. Repair
+//! keeps each surviving node's replicas in their slots (so on the same GPU), takes away
+//! replicas of the experts the new allocation gives fewer, and puts the missing replicas (the
+//! lost nodes', and what the allocation adds) into the freed slots and onto new nodes —
+//! on a node that does not hold the expert yet when there is one, on its least loaded GPU.
+//! What moves is then about what was lost.
+//!
+//! What it gives up: the layout is no longer Theorem 1's, so its recovery probability is what
+//! the survivors' layout gives, not the optimum. The scheduler repairs only past the size at
+//! which the optimum is searched exactly ([`super::search::SEARCH_MAX_NODES`]); a rebalance
+//! plans afresh and so restores the structure when its gain pays for the move.
+
+use super::{ClusterShape, Placement};
+use crate::ExpertId;
+
+/// The node lists of a repaired placement on `shape`: node i starts as the previous plan's node
+/// `origin[i]` (None: a new node, empty), then every expert e is brought to `replicas[e]`
+/// replicas. None when the inputs do not fit together (a different node size, an origin out of
+/// range or repeated, an allocation that does not fill the slots).
+///
+/// Removals take a replica that shares its node with another replica of the expert first
+/// (it protects nothing against a node's loss), then the one on the busiest GPU. Additions go,
+/// for the experts with the highest load per replica first, to a free slot on a node that does
+/// not hold the expert, on the least loaded GPU; only when every free slot's node holds it
+/// already, to a node that does.
+pub(crate) fn repair_nodes(
+    previous: &Placement,
+    origin: &[Option<usize>],
+    replicas: &[usize],
+    shape: ClusterShape,
+    loads: &[f64],
+) -> Option<Vec<Vec<ExpertId>>> {
+    let experts = previous.experts();
+    let (s, c) = (shape.slots_per_node(), shape.slots_per_gpu);
+    let fits = previous.shape().slots_per_node() == s
+        && previous.shape().slots_per_gpu == c
+        && origin.len() == shape.nodes
+        && replicas.len() == experts
+        && loads.len() == experts
+        && replicas.iter().sum::<usize>() == shape.total_slots()
+        && replicas.iter().all(|&r| r > 0);
+    if !fits {
+        return None;
+    }
+    let mut taken = vec![false; previous.shape().nodes];
+    for q in origin.iter().flatten() {
+        if *q >= taken.len() || std::mem::replace(&mut taken[*q], true) {
+            return None;
+        }
+    }
+    let mut slots: Vec<Vec<Option<ExpertId>>> =
+        origin.iter().map(|o| o.map_or_else(|| vec![None; s], |q| previous.nodes()[q].iter().map(|&e| Some(e)).collect())).collect();
+    let share = |e: ExpertId| loads[e] / replicas[e] as f64;
+    let mut gpu_load = vec![0.0f64; shape.ranks()];
+    let mut count = vec![0usize; experts];
+    for (n, node) in slots.iter().enumerate() {
+        for (k, e) in node.iter().enumerate() {
+            if let Some(e) = *e {
+                gpu_load[n * shape.gpus_per_node + k / c] += share(e);
+                count[e] += 1;
+            }
+        }
+    }
+    remove_excess(&mut slots, &mut gpu_load, &mut count, replicas, shape, share);
+    add_missing(&mut slots, &mut gpu_load, &count, replicas, shape, loads, share)?;
+    slots.into_iter().map(|node| node.into_iter().collect::<Option<Vec<_>>>()).collect()
+}
+
+/// Take away replicas of every expert held more often than `replicas` asks: of each expert, the
+/// replicas beside another of its replicas on the same node first (all but one per node), then
+/// those on the busiest GPUs (loads as they were before any removal; ties to the last slot).
+fn remove_excess(
+    slots: &mut [Vec<Option<ExpertId>>],
+    gpu_load: &mut [f64],
+    count: &mut [usize],
+    replicas: &[usize],
+    shape: ClusterShape,
+    share: impl Fn(ExpertId) -> f64,
+) {
+    let c = shape.slots_per_gpu;
+    let rank = |n: usize, k: usize| n * shape.gpus_per_node + k / c;
+    // Where each expert with too many replicas is, node by node: (node, slot).
+    let mut positions: Vec<Vec<(usize, usize)>> = vec![Vec::new(); replicas.len()];
+    for (n, node) in slots.iter().enumerate() {
+        for (k, e) in node.iter().enumerate() {
+            if let Some(e) = *e {
+                if count[e] > replicas[e] {
+                    positions[e].push((n, k));
+                }
+            }
+        }
+    }
+    for (e, at) in positions.into_iter().enumerate().filter(|(_, at)| !at.is_empty()) {
+        // (doubled on its node, GPU load, node, slot): every copy on a node but its least busy
+        // one is doubled.
+        let mut keyed: Vec<(bool, f64, usize, usize)> = Vec::with_capacity(at.len());
+        for run in at.chunk_by(|a, b| a.0 == b.0) {
+            let keep = run.iter().min_by(|a, b| gpu_load[rank(a.0, a.1)].total_cmp(&gpu_load[rank(b.0, b.1)]).then(a.cmp(b)));
+            keyed.extend(run.iter().map(|&(n, k)| (Some(&(n, k)) != keep, gpu_load[rank(n, k)], n, k)));
+        }
+        keyed.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)).then((b.2, b.3).cmp(&(a.2, a.3))));
+        let excess = count[e] - replicas[e];
+        for &(_, _, n, k) in keyed.iter().take(excess) {
+            slots[n][k] = None;
+            gpu_load[rank(n, k)] -= share(e);
+            count[e] -= 1;
+        }
+    }
+}
+
+/// Fill every free slot with a replica of an expert held less often than `replicas` asks: the
+/// experts with the highest load per replica first, each replica on the least loaded GPU with a
+/// free slot whose node does not hold the expert (one that does only when no other is left).
+/// None if the free slots and the missing replicas do not match.
+fn add_missing(
+    slots: &mut [Vec<Option<ExpertId>>],
+    gpu_load: &mut [f64],
+    count: &[usize],
+    replicas: &[usize],
+    shape: ClusterShape,
+    loads: &[f64],
+    share: impl Fn(ExpertId) -> f64,
+) -> Option<()> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
+    // Free slots per GPU rank, and the ranks with one, least loaded first (a load is ≥ 0, so its
+    // bits order as it does).
+    let mut free: Vec<Vec<usize>> = vec![Vec::new(); shape.ranks()];
+    for (n, node) in slots.iter().enumerate() {
+        for (k, x) in node.iter().enumerate().rev() {
+            if x.is_none() {
+                free[n * g + k / c].push(k);
+            }
+        }
+    }
+    let missing: usize = (0..replicas.len()).map(|e| replicas[e].saturating_sub(count[e])).sum();
+    if missing != free.iter().map(Vec::len).sum::<usize>() {
+        return None;
+    }
+    let key = |r: usize, gpu_load: &[f64]| (Reverse(gpu_load[r].max(0.0).to_bits()), Reverse(r));
+    let mut open: BinaryHeap<(Reverse<u64>, Reverse<usize>)> =
+        (0..free.len()).filter(|&r| !free[r].is_empty()).map(|r| key(r, gpu_load)).collect();
+    // Which experts each node holds, as bits.
+    let words = replicas.len().div_ceil(64);
+    let mut has = vec![0u64; slots.len() * words];
+    for (n, node) in slots.iter().enumerate() {
+        for e in node.iter().flatten() {
+            has[n * words + e / 64] |= 1 << (e % 64);
+        }
+    }
+    let mut order: Vec<ExpertId> = (0..replicas.len()).filter(|&e| count[e] < replicas[e]).collect();
+    order.sort_by(|&a, &b| share(b).total_cmp(&share(a)).then(loads[b].total_cmp(&loads[a])).then(a.cmp(&b)));
+    let mut passed = Vec::new();
+    for e in order {
+        for _ in count[e]..replicas[e] {
+            let holds = |r: usize| has[(r / g) * words + e / 64] & (1 << (e % 64)) != 0;
+            // The least loaded GPU on a node without the expert; the GPUs passed over go back.
+            let mut pick = None;
+            while let Some(top) = open.pop() {
+                if holds(top.1 .0) {
+                    passed.push(top);
+                } else {
+                    pick = Some(top);
+                    break;
+                }
+            }
+            let pick = match pick {
+                Some(p) => p,
+                None => {
+                    passed.sort();
+                    passed.pop()?
+                }
+            };
+            open.extend(passed.drain(..));
+            let r = pick.1 .0;
+            let k = free[r].pop()?;
+            let n = r / g;
+            slots[n][k] = Some(e);
+            has[n * words + e / 64] |= 1 << (e % 64);
+            gpu_load[r] += share(e);
+            if !free[r].is_empty() {
+                open.push(key(r, gpu_load));
+            }
+        }
+    }
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{place, Strategy};
+    use proptest::prelude::*;
+
+    fn counts(nodes: &[Vec<ExpertId>], experts: usize) -> Vec<usize> {
+        let mut r = vec![0; experts];
+        nodes.iter().flatten().for_each(|&e| r[e] += 1);
+        r
+    }
+
+    #[test]
+    fn a_lost_node_costs_only_its_replicas() {
+        // 6 nodes of 2 GPUs × 2 slots, 8 experts; node 2 is lost, the allocation shrinks by 4.
+        let shape = ClusterShape::new(6, 2, 2).unwrap();
+        let before = [3, 3, 3, 3, 3, 3, 3, 3];
+        let p = place(&before, shape, Strategy::Lazarus, None).unwrap();
+        let after = [2, 2, 3, 3, 3, 3, 2, 2];
+        let origin = [Some(0), Some(1), Some(3), Some(4), Some(5)];
+        let shape5 = ClusterShape::new(5, 2, 2).unwrap();
+        let nodes = repair_nodes(&p, &origin, &after, shape5, &[1.0; 8]).unwrap();
+        assert_eq!(counts(&nodes, 8), after);
+        // Every slot that keeps an expert keeps the one it had: what changed is only what had to.
+        let kept: usize =
+            origin.iter().zip(&nodes).map(|(q, node)| node.iter().zip(&p.nodes()[q.unwrap()]).filter(|(a, b)| a == b).count()).sum();
+        let lost_node = &p.nodes()[2];
+        let must_change: usize = (0..8).map(|e| after[e].saturating_sub(before[e] - lost_node.iter().filter(|&&x| x == e).count())).sum();
+        assert_eq!(20 - kept, must_change, "{nodes:?}");
+    }
+
+    #[test]
+    fn new_nodes_take_the_added_replicas_and_inputs_that_do_not_fit_are_refused() {
+        let shape = ClusterShape::new(3, 1, 2).unwrap();
+        let p = place(&[2, 2, 2], shape, Strategy::Lazarus, None).unwrap();
+        let shape4 = ClusterShape::new(4, 1, 2).unwrap();
+        let origin = [Some(0), Some(1), Some(2), None];
+        let nodes = repair_nodes(&p, &origin, &[3, 3, 1, 1], shape4, &[3.0, 3.0, 1.0, 1.0]);
+        // Expert 3 is new to the layer's count: a plan over 4 experts is not this placement's.
+        assert!(nodes.is_none());
+        let nodes = repair_nodes(&p, &origin, &[3, 3, 2], shape4, &[3.0, 3.0, 1.0]).unwrap();
+        assert_eq!(counts(&nodes, 3), vec![3, 3, 2]);
+        assert_eq!(&nodes[..3], p.nodes(), "the old nodes keep everything");
+        assert!(repair_nodes(&p, &[Some(0), Some(0), None, None], &[3, 3, 2], shape4, &[1.0; 3]).is_none());
+        assert!(repair_nodes(&p, &[Some(0), Some(9), None, None], &[3, 3, 2], shape4, &[1.0; 3]).is_none());
+        assert!(repair_nodes(&p, &origin, &[3, 3, 3], shape4, &[1.0; 3]).is_none());
+    }
+
+    proptest! {
+        /// Whatever is lost or added, the repaired nodes hold exactly the allocation, every
+        /// node is full, and a surviving slot changes only if its expert had too many
+        /// replicas (a change no repair could avoid is the only change).
+        #[test]
+        fn repair_meets_the_allocation_and_keeps_the_rest(
+            n in 2usize..8,
+            g in 1usize..3,
+            c in 1usize..4,
+            experts in 1usize..6,
+            lost in proptest::collection::vec(any::<bool>(), 8),
+            added in 0usize..3,
+            weights in proptest::collection::vec(1u32..9, 6),
+        ) {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            let s = g * c;
+            prop_assume!(n * s >= experts);
+            let loads: Vec<f64> = weights[..experts].iter().map(|&w| w as f64).collect();
+            let before = crate::allocation::allocate(&loads, n * s, 1).unwrap().replicas;
+            let p = place(&before, shape, Strategy::Lazarus, None).unwrap();
+            let mut origin: Vec<Option<usize>> = (0..n).filter(|&q| !lost[q]).map(Some).collect();
+            origin.extend(std::iter::repeat_n(None, added));
+            prop_assume!(!origin.is_empty() && origin.len() * s >= experts);
+            let shape2 = ClusterShape::new(origin.len(), g, c).unwrap();
+            let after = crate::allocation::allocate(&loads, origin.len() * s, 1).unwrap().replicas;
+            let nodes = repair_nodes(&p, &origin, &after, shape2, &loads).unwrap();
+            prop_assert_eq!(counts(&nodes, experts), after.clone());
+            prop_assert!(nodes.iter().all(|node| node.len() == s));
+            let kept_counts = counts(&origin.iter().flatten().map(|&q| p.nodes()[q].clone()).collect::<Vec<_>>(), experts);
+            for (q, node) in origin.iter().zip(&nodes) {
+                if let Some(q) = q {
+                    for (old, new) in p.nodes()[*q].iter().zip(node) {
+                        prop_assert!(old == new || kept_counts[*old] > after[*old], "expert {} changed though not in excess", old);
+                    }
+                }
+            }
+        }
+    }
+}
