@@ -6,6 +6,8 @@
 //! * `decide_1024x8/node_loss`: a node lost whole — its 8 workers' exits, then every survivor's
 //!   report of where it stopped (8,184 of them), the last of which brings the move: from the
 //!   first exit to the `Reconfigure` command. Goal < 100 ms.
+//! * `decide_1024x8/join_64_nodes`: 64 new nodes (512 workers) join: the pause, then every
+//!   member's report, the last of which brings the move that takes them in.
 //!
 //! `cargo bench -p lazarus-controller --bench decide`
 
@@ -114,6 +116,48 @@ fn lose_a_node(ctl: &mut Controller<NoRecord>, reports: Vec<(NodeId, StopReport<
     last
 }
 
+/// 64 new nodes' workers (ids after the job's).
+fn joiners() -> Vec<Vec<NodeId>> {
+    let first = (NODES * GPUS) as u64;
+    (0..64u64).map(|n| (first + n * GPUS as u64..first + (n + 1) * GPUS as u64).collect()).collect()
+}
+
+/// 64 nodes join; once the controller pauses the job, every member reports where it stopped:
+/// the commands of the last report.
+fn join_64_nodes(ctl: &mut Controller<NoRecord>, reports: Vec<(NodeId, StopReport<NoRecord>)>, now: Instant) -> Vec<Command<NoRecord>> {
+    let mut out = Vec::new();
+    for workers in joiners() {
+        out.extend(ctl.decide(now, Event::Joined { workers }));
+    }
+    out.extend(ctl.decide(now, Event::Tick));
+    assert!(out.iter().any(|c| matches!(c, Command::Pause { .. })), "the joiners are taken in at once: {out:?}");
+    let epoch = ctl.epoch();
+    let mut last = Vec::new();
+    for (w, report) in reports {
+        last = ctl.decide(now, Event::StepFailed { node: w, epoch, report });
+    }
+    last
+}
+
+/// Every member's report of where it stopped (the workers' side, made before the clock starts).
+fn all_reports(ctl: &Controller<NoRecord>) -> Vec<(NodeId, StopReport<NoRecord>)> {
+    ctl.ranks()
+        .iter()
+        .map(|&w| {
+            (
+                w,
+                StopReport {
+                    steps_done: 100,
+                    held: None,
+                    holds: ctl.planned_holdings(w).unwrap_or_default(),
+                    last: None,
+                    snapshots: Vec::new(),
+                },
+            )
+        })
+        .collect()
+}
+
 /// One more survivor's report.
 fn lose_a_node_report(ctl: &mut Controller<NoRecord>, (w, report): (NodeId, StopReport<NoRecord>), now: Instant) -> Vec<Command<NoRecord>> {
     let epoch = ctl.epoch();
@@ -149,6 +193,19 @@ fn bench(c: &mut Criterion) {
         100.0 * m.transfers.len() as f64 / replicas as f64,
         GPUS * SLOTS * LAYERS
     );
+    let everyone = all_reports(&job);
+    let mut probe = job.clone();
+    let t = Instant::now();
+    let out = join_64_nodes(&mut probe, everyone.clone(), now);
+    let Some(Command::Reconfigure(m)) = out.iter().find(|c| matches!(c, Command::Reconfigure(_))) else {
+        panic!("a join brings a move: {out:?}")
+    };
+    eprintln!(
+        "a join of 64 nodes: {:.1} ms from the joins to the move, {} expert states sent (the joiners' slots: {})",
+        t.elapsed().as_secs_f64() * 1e3,
+        m.transfers.len(),
+        64 * GPUS * SLOTS * LAYERS
+    );
     let mut g = c.benchmark_group("decide_1024x8");
     g.sample_size(10);
     g.bench_function("heartbeat", |b| {
@@ -161,6 +218,13 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("node_loss", |b| {
         b.iter_batched(|| (job.clone(), said.clone()), |(mut ctl, said)| black_box(lose_a_node(&mut ctl, said, now)), BatchSize::LargeInput)
+    });
+    g.bench_function("join_64_nodes", |b| {
+        b.iter_batched(
+            || (job.clone(), everyone.clone()),
+            |(mut ctl, said)| black_box(join_64_nodes(&mut ctl, said, now)),
+            BatchSize::LargeInput,
+        )
     });
     g.finish();
 }

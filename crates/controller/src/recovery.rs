@@ -282,7 +282,7 @@ impl<S: StepRecord> Controller<S> {
         // the leaving workers come after, with nothing of the plan.
         let ranks: Vec<NodeId> = rp.plan_to_node.iter().flat_map(|n| s.nodes[n].iter().copied()).chain(s.leavers.clone()).collect();
         let rank_node: Vec<u64> = ranks.iter().map(|&w| self.node(w)).collect();
-        let rank_holds: Vec<Vec<Vec<usize>>> = ranks.iter().map(|w| s.reports[w].holds.clone()).collect();
+        let rank_holds: Vec<&[Vec<usize>]> = ranks.iter().map(|w| s.reports[w].holds.as_slice()).collect();
         let map = new.replica_map().with_empty_ranks(s.leavers.len());
         let lost_for_good = rp.lost.iter().any(|&(l, e)| !s.leavers.iter().any(|w| s.reports[w].holds[l].contains(&e)));
         if lost_for_good {

@@ -213,6 +213,23 @@ impl Placement {
         crate::balance::min_max_load(&gpu_holders(&self.nodes, self.shape, self.experts), loads, self.shape.ranks())
     }
 
+    /// The GPUs' tokens when each expert's tokens are split evenly over its replicas: one
+    /// dispatch among those the balanced dispatcher chooses from, so its busiest GPU is an
+    /// upper bound on λ* ([`Placement::load_balance`]), found without a max-flow.
+    pub fn even_split_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
+        validate_loads(loads, self.experts)?;
+        let counts = self.replica_counts();
+        let c = self.shape.slots_per_gpu;
+        let mut gpu = vec![0.0f64; self.shape.ranks()];
+        for (n, node) in self.nodes.iter().enumerate() {
+            for (k, &e) in node.iter().enumerate() {
+                gpu[n * self.shape.gpus_per_node + k / c] += loads[e] / counts[e] as f64;
+            }
+        }
+        let bottleneck = gpu.iter().copied().fold(0.0, f64::max);
+        Ok(crate::balance::LoadBalance { bottleneck, mean: loads.iter().sum::<f64>() / gpu.len() as f64 })
+    }
+
     /// r_e: replicas of each expert.
     pub fn replica_counts(&self) -> Vec<usize> {
         let mut r = vec![0; self.experts];

@@ -3,7 +3,7 @@ use super::guard::{guarded_nodes, node_imbalance};
 use super::Strategy;
 use super::*;
 use crate::rng::SplitMix64;
-use proptest::prelude::{any, prop_assert, prop_assert_eq, proptest, ProptestConfig};
+use proptest::prelude::{any, prop_assert, prop_assert_eq, prop_assume, proptest, ProptestConfig};
 
 fn random_replicas(rng: &mut SplitMix64, experts: usize, total: usize) -> Vec<usize> {
     let mut r = vec![1usize; experts];
@@ -289,5 +289,27 @@ proptest! {
                 prop_assert!(a.probability >= b.probability - 1e-12, "r={:?} k={}: {} < {}", r, a.failed, a.probability, b.probability);
             }
         }
+    }
+}
+
+proptest! {
+    /// An even split of each expert's tokens over its replicas is one dispatch, so its busiest
+    /// GPU is never below λ* (the throughput guard may trust it without a max-flow).
+    #[test]
+    fn the_even_split_bounds_the_balanced_dispatch_from_above(
+        n in 1usize..6,
+        g in 1usize..3,
+        c in 1usize..4,
+        weights in proptest::collection::vec(0u32..50, 1..8),
+    ) {
+        let shape = ClusterShape::new(n, g, c).unwrap();
+        prop_assume!(weights.len() <= n * g * c);
+        let loads: Vec<f64> = weights.iter().map(|&w| w as f64).collect();
+        let replicas = crate::allocation::allocate(&loads, n * g * c, 1).unwrap().replicas;
+        let p = place(&replicas, shape, Strategy::Lazarus, Some(&loads)).unwrap();
+        let even = p.even_split_balance(&loads).unwrap();
+        let best = p.load_balance(&loads).unwrap();
+        prop_assert!(even.bottleneck >= best.bottleneck * (1.0 - 1e-9) - 1e-9, "{even:?} < {best:?}");
+        prop_assert!((even.mean - best.mean).abs() <= 1e-9 * best.mean.max(1.0));
     }
 }

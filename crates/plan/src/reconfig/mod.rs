@@ -12,6 +12,7 @@ mod ranks;
 
 pub use ranks::{rank_transfers, RankTransfer};
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
@@ -110,35 +111,35 @@ fn plan_move(
             return Err(PlanError::Length { field: "node experts (layers)", got: s.experts.len(), expected: layers });
         }
     }
-    // held[p][layer] and wanted[q][layer]: sets of experts.
-    let held: Vec<Vec<BTreeSet<ExpertId>>> = live
-        .iter()
-        .map(|s| (0..layers).map(|l| s.experts.get(l).map(|v| v.iter().copied().collect()).unwrap_or_default()).collect())
-        .collect();
-    let wanted: Vec<Vec<BTreeSet<ExpertId>>> =
-        (0..n).map(|q| new_layers.iter().map(|p| p.nodes()[q].iter().copied().collect()).collect()).collect();
-    // holders[layer][e]: the live nodes holding e, in order.
-    let holders: Vec<Vec<Vec<usize>>> = (0..layers)
-        .map(|l| {
-            let experts = new_layers[l].experts();
-            let mut h = vec![Vec::new(); experts];
-            for (p, held) in held.iter().enumerate() {
-                for &e in held[l].iter().filter(|&&e| e < experts) {
-                    h[e].push(p);
+    // held[p][layer]: sets of experts, as sorted lists (at a thousand nodes of 58 layers, tree
+    // sets took most of a move's planning); a list given sorted is used as it is.
+    let held: Vec<Vec<Cow<'_, [ExpertId]>>> =
+        live.iter().map(|s| (0..layers).map(|l| s.experts.get(l).map_or(Cow::Borrowed(&[][..]), |v| sorted(v))).collect()).collect();
+    // holders[layer][e]: the live nodes holding e, in order — of every expert (`needed`: None)
+    // or of those needed.
+    let holders_of = |needed: Option<&[Vec<bool>]>| -> Vec<Vec<Vec<usize>>> {
+        (0..layers)
+            .map(|l| {
+                let experts = new_layers[l].experts();
+                let mut h = vec![Vec::new(); experts];
+                for (p, held) in held.iter().enumerate() {
+                    for &e in held[l].iter().filter(|&&e| e < experts && needed.is_none_or(|x| x[l][e])) {
+                        h[e].push(p);
+                    }
                 }
-            }
-            h
-        })
-        .collect();
-    let node_to_plan = match mapped {
-        Some(m) => m.to_vec(),
+                h
+            })
+            .collect()
+    };
+    let (node_to_plan, all_holders) = match mapped {
+        Some(m) => (m.to_vec(), None),
         None => {
+            let wanted: Vec<Vec<Vec<ExpertId>>> =
+                (0..n).map(|q| (0..layers).map(|l| sorted(&new_layers[l].nodes()[q]).into_owned()).collect()).collect();
+            let holders = holders_of(None);
             let cost = missing_bytes(&wanted, &holders, expert_bytes);
-            if n <= EXACT_MAPPING_MAX_NODES {
-                min_cost_assignment(&cost)
-            } else {
-                greedy_assignment(&cost)
-            }
+            let mapping = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
+            (mapping, Some(holders))
         }
     };
     let mut plan_to_node = vec![0u64; n];
@@ -146,7 +147,24 @@ fn plan_move(
         plan_to_node[q] = live[p].node;
     }
 
-    // Every fetch and its candidate holders.
+    // Every fetch, then its candidate holders (after a loss among a thousand nodes, a few in a
+    // million replicas are fetched: only their experts' holders are listed).
+    let mut missing: Vec<(usize, ExpertId, usize)> = Vec::new();
+    for (p, &q) in node_to_plan.iter().enumerate() {
+        for l in 0..layers {
+            let first = missing.len();
+            for &e in &new_layers[l].nodes()[q] {
+                if held[p][l].binary_search(&e).is_err() && !missing[first..].iter().any(|m| m.1 == e) {
+                    missing.push((l, e, p));
+                }
+            }
+        }
+    }
+    let holders = all_holders.unwrap_or_else(|| {
+        let mut needed: Vec<Vec<bool>> = new_layers.iter().map(|p| vec![false; p.experts()]).collect();
+        missing.iter().for_each(|&(l, e, _)| needed[l][e] = true);
+        holders_of(Some(&needed))
+    });
     struct Fetch {
         layer: usize,
         expert: ExpertId,
@@ -155,16 +173,12 @@ fn plan_move(
     }
     let mut fetches = Vec::new();
     let mut lost = BTreeSet::new();
-    for (p, &q) in node_to_plan.iter().enumerate() {
-        for l in 0..layers {
-            for &e in wanted[q][l].difference(&held[p][l]) {
-                let holders = holders[l].get(e).cloned().unwrap_or_default();
-                if holders.is_empty() {
-                    lost.insert((l, e));
-                } else {
-                    fetches.push(Fetch { layer: l, expert: e, to: p, holders });
-                }
-            }
+    for (l, e, p) in missing {
+        let holders = holders[l].get(e).cloned().unwrap_or_default();
+        if holders.is_empty() {
+            lost.insert((l, e));
+        } else {
+            fetches.push(Fetch { layer: l, expert: e, to: p, holders });
         }
     }
     fetches.sort_by_key(|f| (f.holders.len(), std::cmp::Reverse(expert_bytes[f.layer]), f.layer, f.expert, f.to));
@@ -190,7 +204,7 @@ fn plan_move(
 /// distinct experts, per layer) that p does not hold. Counted as everything q wants, less what
 /// each holder of each wanted expert already has: one pass over the holders instead of a set
 /// difference per (p, q) pair (128 nodes × 58 layers: 3.8 M steps instead of 950 k differences).
-fn missing_bytes(wanted: &[Vec<BTreeSet<ExpertId>>], holders: &[Vec<Vec<usize>>], expert_bytes: &[u64]) -> Vec<Vec<i64>> {
+fn missing_bytes(wanted: &[Vec<Vec<ExpertId>>], holders: &[Vec<Vec<usize>>], expert_bytes: &[u64]) -> Vec<Vec<i64>> {
     let n = wanted.len();
     let mut cost = vec![vec![0i64; n]; n];
     for (q, wanted) in wanted.iter().enumerate() {
@@ -208,6 +222,17 @@ fn missing_bytes(wanted: &[Vec<BTreeSet<ExpertId>>], holders: &[Vec<Vec<usize>>]
         }
     }
     cost
+}
+
+/// `v` as a set: itself when sorted without repeats, else a sorted copy without them.
+fn sorted(v: &[ExpertId]) -> Cow<'_, [ExpertId]> {
+    if v.windows(2).all(|w| w[0] < w[1]) {
+        return Cow::Borrowed(v);
+    }
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    Cow::Owned(v)
 }
 
 /// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
@@ -306,7 +331,8 @@ mod tests {
             let plain: Vec<Vec<i64>> = (0..n)
                 .map(|p| (0..n).map(|q| (0..2).map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * bytes[l]) as i64).sum()).collect())
                 .collect();
-            prop_assert_eq!(missing_bytes(wanted, &holders, &bytes), plain);
+            let wanted: Vec<Vec<Vec<ExpertId>>> = wanted.iter().map(|w| w.iter().map(|x| x.iter().copied().collect()).collect()).collect();
+            prop_assert_eq!(missing_bytes(&wanted, &holders, &bytes), plain);
         }
     }
 

@@ -27,9 +27,9 @@ pub struct RankTransfer {
 /// holding it, or else a rank holding it on the node `node_transfers` names as its sender to
 /// this node, or else any holder — the least busy sender first, ties to the lowest rank. None if
 /// some expert has no holder at all (or the inputs do not have one entry per rank of `map`).
-pub fn rank_transfers(
+pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]>>(
     rank_node: &[u64],
-    rank_holds: &[Vec<Vec<ExpertId>>],
+    rank_holds: &[H],
     map: &ReplicaMap,
     node_transfers: &[StateTransfer],
 ) -> Option<Vec<RankTransfer>> {
@@ -37,6 +37,7 @@ pub fn rank_transfers(
     if rank_node.len() != ranks || rank_holds.len() != ranks {
         return None;
     }
+    let holds = |r: usize, l: usize| rank_holds[r].as_ref().get(l).map_or(&[][..], Vec::as_slice);
     // The node-level plan's sender of each expert a node newly needs (its first line for it).
     let mut sender_node: HashMap<(usize, ExpertId, u64), u64> = HashMap::with_capacity(node_transfers.len());
     for t in node_transfers {
@@ -45,32 +46,36 @@ pub fn rank_transfers(
     let mut sends = vec![0usize; ranks];
     let mut out = Vec::new();
     for l in 0..map.layer_count() {
-        // The ranks holding each expert of this layer, in rank order (one pass over what the
-        // ranks hold: at 1,024 ranks, asking every rank for every missing replica is quadratic).
+        // The replicas missing where the map places them, by expert then rank (after a loss
+        // among a thousand nodes, a few in a million).
+        let missing: Vec<(ExpertId, usize)> = (0..map.experts())
+            .flat_map(|e| map.placed(l, e).iter().filter(move |&&(r, _)| !holds(r, l).contains(&e)).map(move |&(r, _)| (e, r)))
+            .collect();
+        if missing.is_empty() {
+            continue;
+        }
+        // The ranks holding each of those experts, in rank order (one pass over what the ranks
+        // hold: at 1,024 ranks, asking every rank for every missing replica is quadratic).
+        let mut needed = vec![false; map.experts()];
+        missing.iter().for_each(|&(e, _)| needed[e] = true);
         let mut holders: Vec<Vec<usize>> = vec![Vec::new(); map.experts()];
-        for (r, holds) in rank_holds.iter().enumerate() {
-            for &e in holds.get(l).map_or(&[][..], Vec::as_slice) {
-                if let Some(h) = holders.get_mut(e) {
-                    if h.last() != Some(&r) {
-                        h.push(r);
-                    }
+        for r in 0..ranks {
+            for &e in holds(r, l) {
+                if needed.get(e) == Some(&true) && holders[e].last() != Some(&r) {
+                    holders[e].push(r);
                 }
             }
         }
-        for (e, holding) in holders.iter().enumerate() {
-            for &(r, _) in map.placed(l, e) {
-                if holding.binary_search(&r).is_ok() {
-                    continue;
-                }
-                let here = rank_node[r];
-                let sender = sender_node.get(&(l, e, here)).copied();
-                let pick = |want: &dyn Fn(usize) -> bool| holding.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
-                let from = pick(&|s| rank_node[s] == here)
-                    .or_else(|| sender.and_then(|n| pick(&|s| rank_node[s] == n)))
-                    .or_else(|| pick(&|_| true))?;
-                sends[from] += 1;
-                out.push(RankTransfer { layer: l, expert: e, from, to: r });
-            }
+        for (e, r) in missing {
+            let holding = &holders[e];
+            let here = rank_node[r];
+            let sender = sender_node.get(&(l, e, here)).copied();
+            let pick = |want: &dyn Fn(usize) -> bool| holding.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
+            let from = pick(&|s| rank_node[s] == here)
+                .or_else(|| sender.and_then(|n| pick(&|s| rank_node[s] == n)))
+                .or_else(|| pick(&|_| true))?;
+            sends[from] += 1;
+            out.push(RankTransfer { layer: l, expert: e, from, to: r });
         }
     }
     Some(out)
