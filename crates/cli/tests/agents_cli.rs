@@ -668,6 +668,62 @@ fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one()
     let _ = std::fs::remove_dir_all(&job.d);
 }
 
+/// The controller SIGKILLed and every node lost with it (both agents and their workers killed):
+/// the controller started again with `--resume-job` waits for the saved members, finds none
+/// within its re-attach window, and — new nodes having attached meanwhile — carries the job on
+/// from the last checkpoint by itself, saying so: the log is cut back to the checkpoint and
+/// every step after it is trained once more, with the losses of an uninterrupted run.
+#[test]
+fn a_job_none_of_whose_nodes_come_back_goes_on_from_its_last_checkpoint_with_new_ones() {
+    let job = RestartableJob::new("agents-controller-all-lost", 5, "60");
+    let want = uninterrupted("60", &job.d);
+    let (mut controller, ctl_lines, addr) = job.controller(&[]);
+    let agents: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+    wait_for_steps(&job.path, 25);
+    signal(controller.id() as i32, libc::SIGKILL);
+    let _ = controller.wait();
+    drop(ctl_lines);
+    // Every node lost with it: its agents and their workers.
+    for (mut agent, _) in agents {
+        let workers = children(agent.id() as i32);
+        signal(agent.id() as i32, libc::SIGKILL);
+        for w in workers {
+            signal(w, libc::SIGKILL);
+        }
+        let _ = agent.wait();
+    }
+    let (mut controller, ctl_lines, addr) = job.controller(&["--resume-job"]);
+    let mut fresh: Vec<(Child, mpsc::Receiver<String>)> =
+        (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(180));
+    assert!(status.is_some_and(|s| s.success()), "the job goes on from its checkpoint: {}", text.join("\n"));
+    assert!(text.iter().any(|l| l.contains("no member came back")), "and says so: {}", text.join("\n"));
+    // The log as a reader takes it: a rollback cuts it back to its step.
+    let mut steps: Vec<(u64, f64)> = Vec::new();
+    let mut rollbacks = Vec::new();
+    for line in std::fs::read_to_string(&job.path).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if v["event"] == "reconfiguration" && v["cause"] == "rollback" {
+            let to = v["step"].as_u64().unwrap();
+            steps.retain(|s| s.0 <= to);
+            rollbacks.push(v);
+        } else if !v["event"].is_string() {
+            steps.push((v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()));
+        }
+    }
+    assert_eq!(rollbacks.len(), 1, "{rollbacks:?}");
+    let to = rollbacks[0]["step"].as_u64().unwrap();
+    assert!(to >= 20 && to % 10 == 0, "back to the last checkpoint the first controller saw: {}", rollbacks[0]);
+    assert_eq!(rollbacks[0]["workers"].as_u64(), Some(4), "the new nodes' workers: {}", rollbacks[0]);
+    assert_same_losses(&steps, &want, "carried on from the checkpoint by new nodes");
+    for (child, lines) in &mut fresh {
+        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
+        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    }
+    let _ = std::fs::remove_dir_all(&job.d);
+}
+
 /// The controller SIGKILLed at chosen instants around a worker's loss — while the loss is found
 /// out, while the survivors report, during the move it decided — and started again after 0 to
 /// 1 s: whatever it had saved and whatever the workers had heard, the new controller takes the

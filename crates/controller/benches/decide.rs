@@ -6,6 +6,8 @@
 //! * `decide_1024x8/node_loss`: a node lost whole — its 8 workers' exits, then every survivor's
 //!   report of where it stopped (8,184 of them), the last of which brings the move: from the
 //!   first exit to the `Reconfigure` command. Goal < 100 ms.
+//! * (once, printed) a rebalance weighed after the loads drifted: the step report that brings
+//!   the weighing and its verdict.
 //! * `decide_1024x8/join_64_nodes`: 64 new nodes (512 workers) join: the pause, then every
 //!   member's report, the last of which brings the move that takes them in.
 //!
@@ -49,7 +51,7 @@ fn skewed_loads(layer: usize) -> Vec<f64> {
 }
 
 /// A running job: planned, its rendezvous done, a few steps trained.
-fn running_job(now: Instant) -> Controller<NoRecord> {
+fn running_job(now: Instant, rebalance_every: u64) -> Controller<NoRecord> {
     let loads: Vec<Vec<f64>> = (0..LAYERS).map(skewed_loads).collect();
     let shape = ClusterShape::new(NODES, GPUS, SLOTS).expect("a shape");
     let policy = PlanPolicy::trainer_default(NODES);
@@ -65,7 +67,7 @@ fn running_job(now: Instant) -> Controller<NoRecord> {
         expert_bytes: 616 << 20,
         lease: Duration::from_secs(3600),
         join_wait: Duration::ZERO,
-        rebalance_every: 0,
+        rebalance_every,
         total_steps: 1_000_000,
         on_loss: OnLoss::Recover,
         start_within: Duration::MAX,
@@ -166,7 +168,7 @@ fn lose_a_node_report(ctl: &mut Controller<NoRecord>, (w, report): (NodeId, Stop
 
 fn bench(c: &mut Criterion) {
     let now = Instant::now();
-    let job = running_job(now);
+    let job = running_job(now, 0);
     // Once, outside the timing: the loss is decided with a move.
     let said = reports(&job);
     // Once, outside criterion: where the time goes (every report but the last is bookkeeping;
@@ -206,6 +208,21 @@ fn bench(c: &mut Criterion) {
         m.transfers.len(),
         64 * GPUS * SLOTS * LAYERS
     );
+    // What a worker is sent of a move: the replica map alone, as JSON (every rank needs all of
+    // it to route tokens).
+    let plan_bytes = serde_json::to_vec(&m.plan).map_or(0, |v| v.len());
+    eprintln!("the new replica map, as sent to each of the {} workers: {:.1} MB of JSON", m.ranks.len(), plan_bytes as f64 / 1e6);
+    let mut rebalancing = running_job(now, 1);
+    // The loads drift: each layer's hottest experts become its coldest.
+    let drifted: Vec<Vec<u64>> = (0..LAYERS).map(|l| skewed_loads(l).iter().rev().map(|&x| x as u64).collect()).collect();
+    let epoch = rebalancing.epoch();
+    let t = Instant::now();
+    let out = rebalancing.decide(now, Event::StepDone { epoch, step: 2, steps: 1, loads: drifted, seconds: 1.0, moved: None });
+    let verdict = out.iter().find_map(|c| match c {
+        Command::Rebalance(d) => Some(format!("{} (gain {:.1} s, cost {:.1} s)", d.decision, d.gain_s, d.cost_s)),
+        _ => None,
+    });
+    eprintln!("a rebalance weighed: {:.1} ms, {}", t.elapsed().as_secs_f64() * 1e3, verdict.unwrap_or_else(|| "none".into()));
     let mut g = c.benchmark_group("decide_1024x8");
     g.sample_size(10);
     g.bench_function("heartbeat", |b| {

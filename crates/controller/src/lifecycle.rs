@@ -27,7 +27,13 @@ impl<S: StepRecord> Controller<S> {
     /// only a job that recovers (it can move), and not once a stop was asked for (it ends at
     /// the next step boundary anyway).
     pub(super) fn may_move_itself(&self) -> bool {
-        self.running() && self.recovers() && !self.finish_requested
+        self.running() && self.recovers() && !self.finish_requested && !self.at_its_end()
+    }
+
+    /// The job trained its last step, or a rank finished: a pause now would wait for ranks
+    /// that are writing the final checkpoint or gone (a joiner arriving then is not taken in).
+    fn at_its_end(&self) -> bool {
+        !self.done.is_empty() || self.last_step >= self.spec.total_steps
     }
 
     /// The first loss of a job without recovery: it ends, after the others' grace.
@@ -80,9 +86,11 @@ impl<S: StepRecord> Controller<S> {
         }
     }
 
-    /// Every rank of the running epoch finished: the job is complete.
+    /// Every rank of the running epoch finished: the job is complete — also when a pause the
+    /// job asked for crossed its last step (the ranks finished instead of pausing).
     pub(super) fn complete_when_every_rank_is_done(&mut self, out: &mut Vec<Command<S>>) {
-        if self.running() && self.ranks.iter().all(|n| self.done.contains(n)) {
+        let pausing = matches!(self.phase, Phase::Collecting { .. }) && self.planned.is_some();
+        if (self.running() || pausing) && self.ranks.iter().all(|n| self.done.contains(n)) {
             self.note(format!("epoch {}: every worker finished", self.job_epoch(self.epoch)));
             self.phase = Phase::Completed;
             out.push(Command::Complete);

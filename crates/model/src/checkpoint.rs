@@ -187,6 +187,12 @@ pub fn resolve(dir: &Path) -> Result<PathBuf> {
     Ok(dir.join(name))
 }
 
+/// The step of the checkpoint `dir/latest` points at (None: none there, or unreadable).
+pub fn latest_step(dir: &Path) -> Option<u64> {
+    let manifest = std::fs::read(resolve(dir).ok()?.join(MANIFEST_FILE)).ok()?;
+    serde_json::from_slice::<Manifest>(&manifest).ok().map(|m| m.step)
+}
+
 pub fn load(dir: &Path, device: &Device) -> Result<CheckpointData> {
     let path = resolve(dir)?;
     let bad = |reason: String| ModelError::Checkpoint { path: path.clone(), reason };

@@ -150,6 +150,13 @@ impl JobView {
                     r.transfer_bytes as f64 / 1e6,
                     r.recovery_s
                 );
+                if r.cause == MoveCause::Rollback && !r.joined.is_empty() && r.workers == r.joined.len() {
+                    tracing::warn!(
+                        "no member came back: the job goes on from its last checkpoint (step {}) with the {} workers that joined",
+                        r.step,
+                        r.workers
+                    );
+                }
                 for x in &r.restored {
                     tracing::warn!(
                         "restored: layer {} expert {} lost every replica; it comes back from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost); a rollback would have re-run {} steps",

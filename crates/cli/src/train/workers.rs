@@ -589,7 +589,13 @@ fn run_job(
 /// the agents send it again).
 fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g: usize) -> Result<(JobPlan, ResumeJob)> {
     let Some(dir) = &cfg.checkpoint_dir else { bail!("--resume-job needs --checkpoint-dir: the lost controller saved the job there") };
-    let saved = SavedJob::read(&SavedJob::path_in(dir))?;
+    let mut saved = SavedJob::read(&SavedJob::path_in(dir))?;
+    // The state is saved at each move; checkpoints written since are on disk (a rollback, if
+    // it comes to one, goes back to the newest of them the job logged).
+    let on_disk = lazarus_model::checkpoint::latest_step(dir);
+    if let Some(step) = on_disk.filter(|&s| saved.state.checkpoint.is_none_or(|c| s > c)) {
+        saved.state.checkpoint = Some(step);
+    }
     if saved.gpus_per_node != g {
         bail!("invalid --gpus-per-node: {g} (the saved job {} has nodes of {})", saved.job_id, saved.gpus_per_node);
     }

@@ -249,7 +249,9 @@ fn rank_move(m: &crate::controller::Move, rank: usize) -> Reconfiguration {
         rank,
         world: m.ranks.len(),
         plan: m.plan.clone(),
-        transfers: m.transfers.clone(),
+        // A worker acts only on the transfers it sends or receives (at a thousand nodes a move
+        // has thousands; each worker is told its few).
+        transfers: m.transfers.iter().filter(|t| t.from == rank || t.to == rank).copied().collect(),
         joining: m.joining.clone(),
         leaving: m.leaving.clone(),
         hold: m.hold,

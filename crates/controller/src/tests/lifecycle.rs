@@ -171,3 +171,30 @@ fn a_member_not_heard_from_yet_is_starting() {
     c.decide(t0, Event::Listening { node: 11, epoch: 0, addr: "b".into() });
     assert_eq!(c.member_state(11), MemberState::Member);
 }
+
+/// A node that joins as the job trains its last step is not taken in (a pause then would wait
+/// for ranks that finish instead); and a pause for it that crossed the last step ends in the
+/// job's completion, not a wait for reports that never come.
+#[test]
+fn a_join_at_the_job_s_end_neither_pauses_it_nor_keeps_it_from_completing() {
+    let t0 = Instant::now();
+    let loads = || vec![vec![4, 3, 2, 1]; 2];
+    // The last step trained: the joiner waits its turn, which never comes.
+    let mut c = running(2, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 1000, steps: 1, loads: loads(), seconds: 0.1, moved: None });
+    c.decide(t0, Event::Joined { workers: vec![20] });
+    assert!(beat(&mut c, t0 + 3 * SEC).iter().all(|c| !matches!(c, Command::Pause { .. })), "no pause at the end");
+    c.decide(t0 + 3 * SEC, Event::Done { node: 10 });
+    assert_eq!(c.decide(t0 + 3 * SEC, Event::Done { node: 11 }), vec![Command::Complete]);
+
+    // The pause went out a step before the end; the ranks finished the job instead.
+    let mut c = running(2, 4, 3, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 999, steps: 1, loads: loads(), seconds: 0.1, moved: None });
+    c.decide(t0, Event::Joined { workers: vec![20] });
+    let out = beat(&mut c, t0 + 2 * SEC);
+    assert_eq!(out, vec![Command::Pause { epoch: 0, nodes: vec![10, 11] }]);
+    c.decide(t0 + 2 * SEC, Event::StepDone { epoch: 0, step: 1000, steps: 1, loads: loads(), seconds: 0.1, moved: None });
+    assert!(c.decide(t0 + 2 * SEC, Event::Done { node: 10 }).is_empty());
+    assert_eq!(c.decide(t0 + 2 * SEC, Event::Done { node: 11 }), vec![Command::Complete]);
+    assert!(c.completed());
+}
