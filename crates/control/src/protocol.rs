@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use lazarus_comm::CommError;
 use lazarus_model::{StepReport, TrainConfig};
-use lazarus_plan::ReplicaMap;
+use lazarus_plan::{PlanUpdate, ReplicaMap};
 use lazarus_runtime::{Reconfiguration, RuntimeError};
 use serde::{Deserialize, Serialize};
 
@@ -142,11 +142,12 @@ pub enum LauncherMessage {
     /// Every rank's listening address for the rendezvous of `epoch`, in rank order.
     Addrs { epoch: u64, addrs: Vec<String> },
     /// Move to a new plan without losing state: commit up to `commit_to`, rendezvous at the
-    /// epoch, fetch and send expert states, go on.
-    Reconfigure { commit_to: u64, to: Reconfiguration },
+    /// epoch, fetch and send expert states, go on. The plan comes whole, or as changed from the
+    /// one the worker has (a worker ready at the epoch it starts from).
+    Reconfigure { commit_to: u64, to: Reconfiguration<PlanUpdate> },
     /// Reload the checkpoint of `to_step` (None: start afresh) under the new plan, rendezvous at
     /// its epoch, go on.
-    Rollback { to_step: Option<u64>, to: Reconfiguration },
+    Rollback { to_step: Option<u64>, to: Reconfiguration<PlanUpdate> },
     /// Give up the rendezvous of `epoch` (a rank of it was lost before it connected) and say
     /// where you stopped.
     Abandon { epoch: u64 },

@@ -447,6 +447,9 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     worker.set_snapshots(job.snapshots);
     worker.set_fault_hook(fault.clone());
     worker.set_pause_signal(Some(inbox.pause.clone()));
+    // The map of the last plan this worker was sent (a move comes as the change from it,
+    // whether the move before completed here or not). A worker standing by has none.
+    let mut last_map = (!job.standby).then(|| job.plan.clone());
     let mut t = t;
     let mut epoch = spec.epoch;
     let mut group = Group::world(spec.world);
@@ -540,6 +543,9 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                 | LauncherMessage::Finish { .. } => continue,
             }
         };
+        // The plan as it came (whole, or changed from the one this worker has).
+        let to = to.map_plan(|p| p.resolve(last_map.as_ref())).map_err(|e| ControlError::invalid("reconfiguration", e.to_string()))?;
+        last_map = Some(to.plan.clone());
         // From here on this worker is in the new epoch, whether the move completes or not.
         epoch = to.epoch;
         let started = Instant::now();

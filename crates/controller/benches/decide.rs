@@ -188,6 +188,20 @@ fn bench(c: &mut Criterion) {
     let Some(Command::Reconfigure(m)) = out.iter().find(|c| matches!(c, Command::Reconfigure(_))) else {
         panic!("a node loss brings a move")
     };
+    // What each worker is sent of the move's plan: the map whole, or the change from the one
+    // it has (the ranks renumbered, the experts whose holders changed).
+    let whole = serde_json::to_vec(&m.plan).map_or(0, |v| v.len());
+    let old_map = job.plan().expect("a plan").replica_map();
+    let renumber: Vec<Option<usize>> = job.ranks().iter().map(|w| m.ranks.iter().position(|x| x == w)).collect();
+    let change = old_map.change_to(&m.plan, renumber).expect("a change");
+    let changed = serde_json::to_vec(&change).map_or(0, |v| v.len());
+    eprintln!(
+        "the move's replica map, as sent to each of its {} workers: {:.1} MB of JSON whole, {:.3} MB as the change from the map they have ({} experts changed)",
+        m.ranks.len(),
+        whole as f64 / 1e6,
+        changed as f64 / 1e6,
+        change.changed.len()
+    );
     let replicas = (NODES - 1) * GPUS * SLOTS * LAYERS;
     eprintln!(
         "the move: {} expert states sent of {replicas} replicas ({:.2}%; the lost node held {})",
@@ -210,8 +224,6 @@ fn bench(c: &mut Criterion) {
     );
     // What a worker is sent of a move: the replica map alone, as JSON (every rank needs all of
     // it to route tokens).
-    let plan_bytes = serde_json::to_vec(&m.plan).map_or(0, |v| v.len());
-    eprintln!("the new replica map, as sent to each of the {} workers: {:.1} MB of JSON", m.ranks.len(), plan_bytes as f64 / 1e6);
     let mut rebalancing = running_job(now, 1);
     // The loads drift: each layer's hottest experts become its coldest.
     let drifted: Vec<Vec<u64>> = (0..LAYERS).map(|l| skewed_loads(l).iter().rev().map(|&x| x as u64).collect()).collect();

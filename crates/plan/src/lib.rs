@@ -41,7 +41,8 @@ pub use reconfig::{
 };
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{
-    plan_layer, plan_model, replan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, ReplicaMap, PLAN_FORMAT,
+    plan_layer, plan_model, replan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, PlanUpdate, ReplicaMap,
+    ReplicaMapChange, PLAN_FORMAT,
 };
 pub use snapshot::{
     nodes_holding, select_snapshots, RoundCost, SnapshotHeld, SnapshotPace, SnapshotPolicy, SnapshotSelection, SNAPSHOT_CPU_SHARE,

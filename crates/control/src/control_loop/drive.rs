@@ -3,10 +3,11 @@
 //! commands out — the start deadline, a stop asked for and completion included. The shell keeps
 //! only what to show the user and the record of each reconfiguration.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use lazarus_plan::{PlanUpdate, ReplicaMap};
 use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
@@ -58,6 +59,15 @@ pub(crate) fn drive(
         first_failure: None,
         results: None,
         stop_told: false,
+        // The workers start with the plan of the controller's epoch (those of a job taken back
+        // may have any of the last few: they are sent the next whole).
+        sent_maps: ctl
+            .plan()
+            .filter(|_| !ctl.resuming())
+            .map(|p| (ctl.epoch(), (p.replica_map(), ctl.ranks().to_vec())))
+            .into_iter()
+            .collect(),
+        sent_at: if ctl.resuming() { BTreeMap::new() } else { ctl.ranks().iter().map(|&w| (w, ctl.epoch())).collect() },
     };
     let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
@@ -177,8 +187,8 @@ pub(crate) fn drive(
                         shell.failure_seen_at(decided.checked_sub(away).unwrap_or(decided));
                     }
                     shell.begin_move(&m, plan_s, first_epoch);
-                    for (rank, &node) in m.ranks.iter().enumerate() {
-                        let to = rank_move(&m, rank);
+                    for ((rank, &node), plan) in m.ranks.iter().enumerate().zip(shell.plan_updates(&m)) {
+                        let to = rank_move(&m, rank, plan);
                         let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
                     }
                 }
@@ -187,9 +197,9 @@ pub(crate) fn drive(
                     if let Some(r) = &mut shell.recovering {
                         r.step = to_step.unwrap_or(0);
                     }
-                    for (rank, &node) in m.ranks.iter().enumerate() {
+                    for ((rank, &node), plan) in m.ranks.iter().enumerate().zip(shell.plan_updates(&m)) {
                         // The controller's rollback moves carry no transfers, joiners or leavers.
-                        let to = rank_move(&m, rank);
+                        let to = rank_move(&m, rank, plan);
                         let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
                     }
                 }
@@ -243,12 +253,12 @@ fn already_logged(event: &WorkerEvent, ctl: &Controller, replayed_until: Option<
 }
 
 /// What rank `rank` of move `m` is told.
-fn rank_move(m: &crate::controller::Move, rank: usize) -> Reconfiguration {
+fn rank_move(m: &crate::controller::Move, rank: usize, plan: PlanUpdate) -> Reconfiguration<PlanUpdate> {
     Reconfiguration {
         epoch: m.epoch,
         rank,
         world: m.ranks.len(),
-        plan: m.plan.clone(),
+        plan,
         // A worker acts only on the transfers it sends or receives (at a thousand nodes a move
         // has thousands; each worker is told its few).
         transfers: m.transfers.iter().filter(|t| t.from == rank || t.to == rank).copied().collect(),
@@ -299,9 +309,44 @@ struct Shell {
     results: Option<serde_json::Value>,
     /// A stop signal was passed to the controller.
     stop_told: bool,
+    /// The replica map of each recent epoch, with the worker of each of its ranks: a move is
+    /// sent to a worker as the change from the map it has.
+    sent_maps: BTreeMap<u64, (ReplicaMap, Vec<u64>)>,
+    /// The epoch of the last plan each worker was sent (its map is that epoch's, whether its
+    /// move completed or not: the worker keeps the map it was sent).
+    sent_at: BTreeMap<u64, u64>,
 }
 
 impl Shell {
+    /// The plan of move `m` as each of its ranks is sent it: the change from the map the
+    /// worker was sent last, else the whole map (a joiner, a job just taken back). Then `m`'s
+    /// map is the one each was sent.
+    fn plan_updates(&mut self, m: &crate::controller::Move) -> Vec<PlanUpdate> {
+        let new_rank: HashMap<u64, usize> = m.ranks.iter().enumerate().map(|(r, &w)| (w, r)).collect();
+        let mut changes: BTreeMap<u64, Option<lazarus_plan::ReplicaMapChange>> = BTreeMap::new();
+        let updates = m
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, w)| {
+                let from = self.sent_at.get(w).filter(|_| !m.joining.contains(&rank));
+                let change = from.and_then(|&e| {
+                    let (map, ranks) = self.sent_maps.get(&e)?;
+                    let renumber = || ranks.iter().map(|w| new_rank.get(w).copied()).collect();
+                    changes.entry(e).or_insert_with(|| map.change_to(&m.plan, renumber())).clone()
+                });
+                match change {
+                    Some(change) => PlanUpdate::Changed { change },
+                    None => PlanUpdate::Whole { map: m.plan.clone() },
+                }
+            })
+            .collect();
+        // Every worker of the move has its map now; a worker not in it is gone (or standing by).
+        self.sent_at = m.ranks.iter().map(|&w| (w, m.epoch)).collect();
+        self.sent_maps = BTreeMap::from([(m.epoch, (m.plan.clone(), m.ranks.clone()))]);
+        updates
+    }
+
     /// Worker `rank` ended other than by finishing (the first word about it stands).
     fn ended(&mut self, rank: usize, how: &str) {
         self.ends.entry(rank).or_insert_with(|| how.to_string());
@@ -509,5 +554,74 @@ impl Shell {
                 Event::Exited { node, status: format!("{kind}: {message}") }
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::Move;
+
+    fn shell(map: ReplicaMap, ranks: Vec<u64>) -> Shell {
+        Shell {
+            started: true,
+            done: BTreeMap::new(),
+            recovering: None,
+            first_error: None,
+            ranks: ranks.clone(),
+            last_checkpoint: None,
+            ends: BTreeMap::new(),
+            first_failure: None,
+            results: None,
+            stop_told: false,
+            sent_at: ranks.iter().map(|&w| (w, map.epoch())).collect(),
+            sent_maps: BTreeMap::from([(map.epoch(), (map, ranks))]),
+        }
+    }
+
+    fn a_move(epoch: u64, ranks: Vec<u64>, plan: ReplicaMap, joining: Vec<usize>) -> Move {
+        Move {
+            epoch,
+            ranks,
+            plan,
+            commit_to: 5,
+            transfers: Vec::new(),
+            joining,
+            leaving: Vec::new(),
+            hold: false,
+            cause: MoveCause::Failure,
+            restored: Vec::new(),
+            rollback_avoided: 0,
+        }
+    }
+
+    /// A worker that has the last map is sent the change from it (which rebuilds the new map
+    /// there); a joiner, and a worker never sent a map, the whole map. A second move changes
+    /// from the first's map.
+    #[test]
+    fn moves_go_to_workers_as_changes_from_the_map_they_have() {
+        // Workers 7, 8, 9 at ranks 0, 1, 2; 8 is lost and 4 joins at rank 2.
+        let old = ReplicaMap::new(3, vec![vec![vec![1, 0, 1], vec![0, 1, 1], vec![0, 1, 0]]]).unwrap();
+        let new = ReplicaMap::new(4, vec![vec![vec![1, 1, 0], vec![0, 1, 1], vec![1, 0, 1]]]).unwrap();
+        let mut s = shell(old.clone(), vec![7, 8, 9]);
+        let m = a_move(4, vec![7, 9, 4], new.clone(), vec![2]);
+        let updates = s.plan_updates(&m);
+        for (rank, u) in updates.iter().enumerate() {
+            match (rank, u) {
+                (0 | 1, PlanUpdate::Changed { change }) => assert_eq!(old.changed_by(change).unwrap(), new),
+                (2, PlanUpdate::Whole { map }) => assert_eq!(map, &new),
+                _ => panic!("rank {rank}: {u:?}"),
+            }
+        }
+        let next = ReplicaMap::new(5, vec![vec![vec![1, 0, 1], vec![1, 1, 0], vec![0, 1, 1]]]).unwrap();
+        let updates = s.plan_updates(&a_move(5, vec![4, 7, 9], next.clone(), Vec::new()));
+        for u in updates {
+            let PlanUpdate::Changed { change } = u else { panic!("{u:?}") };
+            assert_eq!(new.changed_by(&change).unwrap(), next);
+        }
+        // A worker the shell never sent a map: whole.
+        let mut fresh = shell(old.clone(), vec![7, 8, 9]);
+        fresh.sent_at.clear();
+        assert!(fresh.plan_updates(&m).iter().all(|u| matches!(u, PlanUpdate::Whole { .. })));
     }
 }

@@ -10,11 +10,13 @@
 //! `file` the one JSON format of a plan.
 
 mod file;
+mod map_change;
 mod model_plan;
 #[cfg(test)]
 mod tests;
 
 pub use file::{PlanFile, PlanFileLayer, PLAN_FORMAT};
+pub use map_change::{ExpertChange, PlanUpdate, ReplicaMapChange};
 pub use model_plan::{ModelPlan, ReplicaMap};
 
 use crate::allocation::{allocate, ReplicaAllocation};

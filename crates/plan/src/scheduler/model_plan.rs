@@ -227,6 +227,12 @@ impl ReplicaMap {
         ReplicaMap::from_holders(epoch, ranks, vec![layer; layers])
     }
 
+    /// The same placement stamped with another epoch.
+    pub fn with_epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+
     /// The same placement over `extra` more ranks after its own, which hold nothing (the
     /// leaving ranks of a drain).
     pub fn with_empty_ranks(mut self, extra: usize) -> Self {

@@ -14,15 +14,17 @@ use crate::error::RuntimeError;
 use crate::expert_state::ExpertState;
 use crate::shared_state::SharedState;
 
-/// Everything a surviving worker is told to move to the new plan.
+/// Everything a surviving worker is told to move to the new plan. `P` is how the plan comes:
+/// a [`ReplicaMap`] (what the worker moves with), or as it travels, whole or as changed from
+/// the map the worker has ([`lazarus_plan::PlanUpdate`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Reconfiguration {
+pub struct Reconfiguration<P = ReplicaMap> {
     /// The new plan epoch (the new transport's).
     pub epoch: u64,
     /// This worker's rank in the new world.
     pub rank: usize,
     pub world: usize,
-    pub plan: ReplicaMap,
+    pub plan: P,
     /// Every transfer of the reconfiguration (each rank does its own part).
     pub transfers: Vec<RankTransfer>,
     /// Experts restored from a stale snapshot in this move: (layer, expert, tokens it lost).
@@ -45,7 +47,22 @@ pub struct Reconfiguration {
     pub hold: bool,
 }
 
-impl Reconfiguration {
+impl<P> Reconfiguration<P> {
+    /// The same move with its plan as `f` makes it of this one's (e.g. a change resolved).
+    pub fn map_plan<Q, E>(self, f: impl FnOnce(P) -> Result<Q, E>) -> Result<Reconfiguration<Q>, E> {
+        Ok(Reconfiguration {
+            epoch: self.epoch,
+            rank: self.rank,
+            world: self.world,
+            plan: f(self.plan)?,
+            transfers: self.transfers,
+            catch_up: self.catch_up,
+            joining: self.joining,
+            leaving: self.leaving,
+            hold: self.hold,
+        })
+    }
+
     /// The rank that sends joiner `rank` the replicated state (None: `rank` does not join, or
     /// nobody can send it).
     pub fn shared_source(&self, rank: usize) -> Option<usize> {
