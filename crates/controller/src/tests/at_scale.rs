@@ -16,13 +16,7 @@ fn job(policy: PlanPolicy, t0: Instant) -> Controller {
     let spec = JobSpec { gpus_per_node: GPUS, slots_per_node: GPUS * SLOTS, policy, ..spec(EXPERTS, GPUS * SLOTS) };
     let workers: Vec<NodeId> = (0..(NODES * GPUS) as u64).collect();
     let mut c = Controller::new(spec, plan, workers.clone(), t0);
-    for (i, &w) in workers.iter().enumerate() {
-        c.decide(t0, Event::Listening { node: w, epoch: 0, addr: format!("a{i}") });
-    }
-    for &w in &workers {
-        c.decide(t0, Event::Ready { node: w, epoch: 0 });
-    }
-    assert!(c.running());
+    start(&mut c, &workers, t0);
     let measured = loads.iter().map(|l| l.iter().map(|&x| x as u64).collect()).collect();
     c.decide(t0, Event::StepDone { epoch: 0, step: 1, steps: 1, loads: measured, seconds: 1.0, moved: None });
     c

@@ -45,6 +45,17 @@ fn spec(experts: usize, slots: usize) -> JobSpec {
     }
 }
 
+/// Every worker of epoch 0 listens, then is ready: the job runs.
+fn start(c: &mut Controller, workers: &[NodeId], t0: Instant) {
+    for (i, &w) in workers.iter().enumerate() {
+        c.decide(t0, Event::Listening { node: w, epoch: 0, addr: format!("a{i}") });
+    }
+    for &w in workers {
+        c.decide(t0, Event::Ready { node: w, epoch: 0 });
+    }
+    assert!(c.running());
+}
+
 /// A running job of `n` nodes (ids 10, 11, …) with `experts` experts and `slots` slots a node.
 fn running(n: usize, experts: usize, slots: usize, t0: Instant) -> Controller {
     let loads = vec![(0..experts).map(|e| (e + 1) as f64).collect::<Vec<_>>(); 2];
@@ -763,14 +774,8 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
     let plan = plan_model(&loads, ClusterShape::new(3, 2, 2).unwrap(), &PlanPolicy::trainer(3, None), None).unwrap();
     let spec = JobSpec { gpus_per_node: 2, slots_per_node: 4, policy: PlanPolicy::trainer(3, None), ..spec(4, 4) };
     let workers: Vec<NodeId> = (10..16).collect();
-    let mut c = Controller::new(spec, plan, workers.clone(), t0);
-    for (i, &w) in workers.iter().enumerate() {
-        c.decide(t0, Event::Listening { node: w, epoch: 0, addr: format!("a{i}") });
-    }
-    for &w in &workers {
-        c.decide(t0, Event::Ready { node: w, epoch: 0 });
-    }
-    assert!(c.running());
+    let c = &mut Controller::new(spec, plan, workers.clone(), t0);
+    start(c, &workers, t0);
     let out = c.decide(t0, Event::Exited { node: 12, status: "killed by signal 9".into() });
     assert!(
         matches!(&out[..], [Command::Kill { node: 13, .. }, Command::Fence { ranks, nodes, .. }] if ranks == &[2, 3] && nodes == &[10, 11, 14, 15]),
