@@ -253,23 +253,24 @@ impl<S: StepRecord> Controller<S> {
         order: Option<&[u64]>,
         restored: Vec<RestoredExpert>,
     ) -> Option<Move> {
-        let live: Vec<NodeState> = s
-            .nodes
-            .iter()
-            .map(|(&node, ws)| {
-                let mut experts = vec![Vec::new(); self.spec.layers];
-                for w in ws {
-                    for (l, held) in s.reports[w].holds.iter().enumerate() {
-                        experts[l].extend(held.iter().copied());
-                    }
+        // What each node holds (its workers' experts), nodes on every core.
+        let nodes: Vec<(u64, Vec<&[Vec<usize>]>)> =
+            s.nodes.iter().map(|(&node, ws)| (node, ws.iter().map(|w| s.reports[w].holds.as_slice()).collect())).collect();
+        let layers = self.spec.layers;
+        let node_state = |(node, holds): &(u64, Vec<&[Vec<usize>]>)| -> Result<NodeState, std::convert::Infallible> {
+            let mut experts = vec![Vec::new(); layers];
+            for worker in holds {
+                for (l, held) in worker.iter().enumerate() {
+                    experts[l].extend(held.iter().copied());
                 }
-                for l in &mut experts {
-                    l.sort_unstable();
-                    l.dedup();
-                }
-                NodeState { node, experts }
-            })
-            .collect();
+            }
+            for l in &mut experts {
+                l.sort_unstable();
+                l.dedup();
+            }
+            Ok(NodeState { node: *node, experts })
+        };
+        let Ok(live) = lazarus_plan::parallel::map_in_order(&nodes, node_state);
         let bytes = vec![self.spec.expert_bytes; self.spec.layers];
         let rp = match order {
             Some(order) => {

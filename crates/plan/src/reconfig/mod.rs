@@ -149,17 +149,26 @@ fn plan_move(
 
     // Every fetch, then its candidate holders (after a loss among a thousand nodes, a few in a
     // million replicas are fetched: only their experts' holders are listed).
-    let mut missing: Vec<(usize, ExpertId, usize)> = Vec::new();
-    for (p, &q) in node_to_plan.iter().enumerate() {
+    // (Nodes on every core when there are many: each is one pass over its new slots.)
+    let missing_on = |(p, &q): (usize, &usize)| -> Vec<(usize, ExpertId, usize)> {
+        let mut missing = Vec::new();
         for l in 0..layers {
             let first = missing.len();
             for &e in &new_layers[l].nodes()[q] {
-                if held[p][l].binary_search(&e).is_err() && !missing[first..].iter().any(|m| m.1 == e) {
+                if held[p][l].binary_search(&e).is_err() && !missing[first..].iter().any(|m: &(usize, ExpertId, usize)| m.1 == e) {
                     missing.push((l, e, p));
                 }
             }
         }
-    }
+        missing
+    };
+    let jobs: Vec<(usize, &usize)> = node_to_plan.iter().enumerate().collect();
+    let missing: Vec<(usize, ExpertId, usize)> = if n * layers < 1 << 12 {
+        jobs.iter().flat_map(|&j| missing_on(j)).collect()
+    } else {
+        let Ok(parts) = crate::parallel::map_in_order(&jobs, |&j| Ok::<_, std::convert::Infallible>(missing_on(j)));
+        parts.into_iter().flatten().collect()
+    };
     let holders = all_holders.unwrap_or_else(|| {
         let mut needed: Vec<Vec<bool>> = new_layers.iter().map(|p| vec![false; p.experts()]).collect();
         missing.iter().for_each(|&(l, e, _)| needed[l][e] = true);

@@ -13,6 +13,10 @@ use super::StateTransfer;
 use crate::scheduler::ReplicaMap;
 use crate::ExpertId;
 
+/// A layer's replicas missing where the map places them, (expert, rank), and the ranks holding
+/// each of their experts.
+type LayerFetches = (Vec<(ExpertId, usize)>, Vec<Vec<usize>>);
+
 /// One expert state copied from one rank of the new plan to another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankTransfer {
@@ -27,7 +31,7 @@ pub struct RankTransfer {
 /// holding it, or else a rank holding it on the node `node_transfers` names as its sender to
 /// this node, or else any holder — the least busy sender first, ties to the lowest rank. None if
 /// some expert has no holder at all (or the inputs do not have one entry per rank of `map`).
-pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]>>(
+pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
     rank_node: &[u64],
     rank_holds: &[H],
     map: &ReplicaMap,
@@ -43,19 +47,18 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]>>(
     for t in node_transfers {
         sender_node.entry((t.layer, t.expert, t.to)).or_insert(t.from);
     }
-    let mut sends = vec![0usize; ranks];
-    let mut out = Vec::new();
-    for l in 0..map.layer_count() {
-        // The replicas missing where the map places them, by expert then rank (after a loss
-        // among a thousand nodes, a few in a million).
+    // Per layer (on every core when the map is large: the layers are independent until the
+    // senders are chosen): the replicas missing where the map places them, by expert then rank
+    // (after a loss among a thousand nodes, a few in a million), and the ranks holding each of
+    // their experts, in rank order (one pass over what the ranks hold: asking every rank for
+    // every missing replica is quadratic).
+    let find = |&l: &usize| -> Result<LayerFetches, std::convert::Infallible> {
         let missing: Vec<(ExpertId, usize)> = (0..map.experts())
             .flat_map(|e| map.placed(l, e).iter().filter(move |&&(r, _)| !holds(r, l).contains(&e)).map(move |&(r, _)| (e, r)))
             .collect();
         if missing.is_empty() {
-            continue;
+            return Ok((missing, Vec::new()));
         }
-        // The ranks holding each of those experts, in rank order (one pass over what the ranks
-        // hold: at 1,024 ranks, asking every rank for every missing replica is quadratic).
         let mut needed = vec![false; map.experts()];
         missing.iter().for_each(|&(e, _)| needed[e] = true);
         let mut holders: Vec<Vec<usize>> = vec![Vec::new(); map.experts()];
@@ -66,6 +69,15 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]>>(
                 }
             }
         }
+        Ok((missing, holders))
+    };
+    let layers: Vec<usize> = (0..map.layer_count()).collect();
+    let found =
+        if ranks * layers.len() < 1 << 12 { layers.iter().map(find).collect() } else { crate::parallel::map_in_order(&layers, find) };
+    let Ok(found) = found;
+    let mut sends = vec![0usize; ranks];
+    let mut out = Vec::new();
+    for (l, (missing, holders)) in found.into_iter().enumerate() {
         for (e, r) in missing {
             let holding = &holders[e];
             let here = rank_node[r];

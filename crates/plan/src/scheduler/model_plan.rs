@@ -106,24 +106,27 @@ impl ModelPlan {
     pub fn replica_map(&self) -> ReplicaMap {
         let shape = self.shape();
         let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
-        let layers = self
-            .layers
-            .iter()
-            .map(|p| {
-                let mut held: Vec<Vec<(usize, u32)>> = vec![Vec::new(); p.experts()];
-                // Slots GPU-major within a node, nodes in order: ranks come in ascending order.
-                for (n, node) in p.nodes().iter().enumerate() {
-                    for (k, &e) in node.iter().enumerate() {
-                        let rank = n * g + k / c;
-                        match held[e].last_mut() {
-                            Some((r, count)) if *r == rank => *count += 1,
-                            _ => held[e].push((rank, 1)),
-                        }
+        let layer = |p: &Placement| -> Result<Vec<Vec<(usize, u32)>>, std::convert::Infallible> {
+            let mut held: Vec<Vec<(usize, u32)>> = p.replica_counts().into_iter().map(Vec::with_capacity).collect();
+            // Slots GPU-major within a node, nodes in order: ranks come in ascending order.
+            for (n, node) in p.nodes().iter().enumerate() {
+                for (k, &e) in node.iter().enumerate() {
+                    let rank = n * g + k / c;
+                    match held[e].last_mut() {
+                        Some((r, count)) if *r == rank => *count += 1,
+                        _ => held[e].push((rank, 1)),
                     }
                 }
-                held
-            })
-            .collect();
+            }
+            Ok(held)
+        };
+        // Layers on every core when the map is large (at a thousand nodes, 1.9 M replicas).
+        let layers = if shape.total_slots() * self.layers.len() < 1 << 16 {
+            self.layers.iter().map(layer).collect::<Result<_, _>>()
+        } else {
+            crate::parallel::map_in_order(&self.layers, layer)
+        };
+        let Ok(layers) = layers;
         ReplicaMap { epoch: self.epoch, ranks: shape.ranks(), experts: self.experts(), layers }
     }
 }
