@@ -566,6 +566,9 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     for a in s.agents.iter_mut().flatten() {
         let _ = a.child.wait();
     }
+    // What the controllers said, beside the log, for a failure to be read (removed with the
+    // directory when the soak passes).
+    let _ = std::fs::write(d.join("controller.txt"), controller_text.join("\n"));
     assert!(status.success(), "the soak's job finishes:\n{}", controller_text.join("\n"));
     let (steps_logged, _) = log(&path);
     assert_same_losses(&steps_logged, &want, "the soak");
