@@ -590,12 +590,6 @@ fn run_job(
 fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g: usize) -> Result<(JobPlan, ResumeJob)> {
     let Some(dir) = &cfg.checkpoint_dir else { bail!("--resume-job needs --checkpoint-dir: the lost controller saved the job there") };
     let mut saved = SavedJob::read(&SavedJob::path_in(dir))?;
-    // The state is saved at each move; checkpoints written since are on disk (a rollback, if
-    // it comes to one, goes back to the newest of them the job logged).
-    let on_disk = lazarus_model::checkpoint::latest_step(dir);
-    if let Some(step) = on_disk.filter(|&s| saved.state.checkpoint.is_none_or(|c| s > c)) {
-        saved.state.checkpoint = Some(step);
-    }
     if saved.gpus_per_node != g {
         bail!("invalid --gpus-per-node: {g} (the saved job {} has nodes of {})", saved.job_id, saved.gpus_per_node);
     }
@@ -604,6 +598,16 @@ fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g:
         Some(path) => super::report::last_logged_step(path)?,
         None => None,
     };
+    // The state is saved at each move; checkpoints written since are on disk. A rollback, if it
+    // comes to one, goes back to the newest of them whose step the log holds: one the log
+    // lacks (the controller was lost before the step's record) is heard of again from the
+    // agents, with that step — taking it from the disk would count the step as logged, and its
+    // record, replayed, would be dropped.
+    let on_disk = lazarus_model::checkpoint::latest_step(dir);
+    let logged = |s: u64| last_logged.is_some_and(|l| s <= l);
+    if let Some(step) = on_disk.filter(|&s| logged(s) && saved.state.checkpoint.is_none_or(|c| s > c)) {
+        saved.state.checkpoint = Some(step);
+    }
     let recovery = recovery(args)?.unwrap_or_default();
     // Agents try again every 2 s at most: a member not back after several tries (or leases) is lost.
     let rejoin_within = (recovery.lease * 5).max(Duration::from_secs(10));
