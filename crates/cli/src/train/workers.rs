@@ -604,10 +604,7 @@ fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g:
     // agents, with that step — taking it from the disk would count the step as logged, and its
     // record, replayed, would be dropped.
     let on_disk = lazarus_model::checkpoint::latest_step(dir);
-    let logged = |s: u64| last_logged.is_some_and(|l| s <= l);
-    if let Some(step) = on_disk.filter(|&s| logged(s) && saved.state.checkpoint.is_none_or(|c| s > c)) {
-        saved.state.checkpoint = Some(step);
-    }
+    saved.state.checkpoint = checkpoint_to_take_back(saved.state.checkpoint, on_disk, last_logged);
     let recovery = recovery(args)?.unwrap_or_default();
     // Agents try again every 2 s at most: a member not back after several tries (or leases) is lost.
     let rejoin_within = (recovery.lease * 5).max(Duration::from_secs(10));
@@ -621,6 +618,13 @@ fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g:
         rejoin_within.as_secs_f64()
     );
     Ok((JobPlan { map: placement.replica_map(), placement: Some(placement) }, ResumeJob { saved, last_logged, rejoin_within }))
+}
+
+/// The checkpoint a job taken back rolls back to, if it comes to that: the saved one, or a newer
+/// one on disk whose step the log holds (one it does not hold is heard of again from the agents).
+fn checkpoint_to_take_back(saved: Option<u64>, on_disk: Option<u64>, last_logged: Option<u64>) -> Option<u64> {
+    let newer = on_disk.filter(|&s| last_logged.is_some_and(|l| s <= l) && saved.is_none_or(|c| s > c));
+    newer.or(saved)
 }
 
 /// Which experts each worker holds, layer by layer (`e` once, `eXn` for n replicas).
@@ -765,5 +769,23 @@ mod tests {
         let e = format!("{:#}", crate::train::args::build_config(&train).unwrap_err());
         assert!(e.contains("[controller] table") && e.contains("does not use"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+#[cfg(test)]
+mod take_back_tests {
+    use super::checkpoint_to_take_back as pick;
+
+    #[test]
+    fn a_checkpoint_on_disk_is_taken_only_if_the_log_holds_its_step() {
+        // Written after the state was saved, its step logged: taken.
+        assert_eq!(pick(Some(10), Some(20), Some(24)), Some(20));
+        assert_eq!(pick(None, Some(20), Some(20)), Some(20));
+        // Its step not logged (the controller was lost first): the saved one stands.
+        assert_eq!(pick(Some(10), Some(50), Some(49)), Some(10));
+        assert_eq!(pick(None, Some(50), None), None);
+        // Older than the saved one, or none on disk: the saved one.
+        assert_eq!(pick(Some(30), Some(20), Some(40)), Some(30));
+        assert_eq!(pick(Some(30), None, Some(40)), Some(30));
     }
 }
