@@ -309,8 +309,8 @@ struct Shell {
     results: Option<serde_json::Value>,
     /// A stop signal was passed to the controller.
     stop_told: bool,
-    /// The replica map of each recent epoch, with the worker of each of its ranks: a move is
-    /// sent to a worker as the change from the map it has.
+    /// The replica map last sent (by its epoch), with the worker of each of its ranks: a move
+    /// is sent to a worker as the change from the map it has.
     sent_maps: BTreeMap<u64, (ReplicaMap, Vec<u64>)>,
     /// The epoch of the last plan each worker was sent (its map is that epoch's, whether its
     /// move completed or not: the worker keeps the map it was sent).
