@@ -353,6 +353,8 @@ fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
 /// step STEP), `transfer` or `rendezvous` (the state transfers, or the rendezvous, of a move at
 /// STEP committed steps), `snapshot` (after committing step STEP, before sending its
 /// snapshots). The worker kills itself with SIGKILL there — a real death at a chosen phase, for tests.
+/// `pace:MS` makes every step of every worker take at least MS milliseconds (at most 10,000): a
+/// fast machine then runs a test's job at a slow one's pace.
 fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlError> {
     let spec = match from_job {
         "" => match std::env::var("LAZARUS_FAULT") {
@@ -362,14 +364,22 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
         s => s.to_string(),
     };
     let mut mine: Vec<(FaultPoint, u64)> = Vec::new();
+    let mut pace: Option<Duration> = None;
     for item in spec.split(',').filter(|s| !s.is_empty()) {
         let bad = || {
             ControlError::invalid(
                 "LAZARUS_FAULT",
-                format!("{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot)"),
+                format!(
+                    "{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot, or pace:MS up to 10000)"
+                ),
             )
         };
         let parts: Vec<&str> = item.split(':').collect();
+        if let ["pace", ms] = parts[..] {
+            let ms: u64 = ms.parse().ok().filter(|&m| m <= 10_000).ok_or_else(bad)?;
+            pace = Some(Duration::from_millis(ms));
+            continue;
+        }
         let [r, phase, step] = parts[..] else { return Err(bad()) };
         let point = match phase {
             "forward" => FaultPoint::Forward,
@@ -385,10 +395,18 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
             mine.push((point, step));
         }
     }
-    if mine.is_empty() {
+    if mine.is_empty() && pace.is_none() {
         return Ok(None);
     }
+    let last_forward: Mutex<Option<Instant>> = Mutex::new(None);
     Ok(Some(Arc::new(move |point: FaultPoint, step: u64| {
+        if let (Some(pace), FaultPoint::Forward) = (pace, point) {
+            let mut last = last_forward.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = *last {
+                std::thread::sleep(pace.saturating_sub(t.elapsed()));
+            }
+            *last = Some(Instant::now());
+        }
         if mine.contains(&(point, step)) {
             tracing::warn!("worker {rank}: LAZARUS_FAULT: killing this worker at {point:?} of step {step}");
             // SAFETY: a signal to this very process.

@@ -83,14 +83,26 @@ pub fn start_agent(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>) -
 
 /// The same, waiting `grace` seconds for a controller to take the job back.
 pub fn start_agent_with_grace(addr: &str, gpus: &str, secret: &Path, netns: Option<&str>, grace: &str) -> (Child, mpsc::Receiver<String>) {
+    start_agent_with_env(addr, gpus, secret, netns, grace, &[])
+}
+
+/// [`start_agent_with_grace`] with `env` set for the agent and its workers.
+pub fn start_agent_with_env(
+    addr: &str,
+    gpus: &str,
+    secret: &Path,
+    netns: Option<&str>,
+    grace: &str,
+    env: &[(&str, &str)],
+) -> (Child, mpsc::Receiver<String>) {
     let args = ["--controller", addr, "--gpus", gpus, "--secret-file", secret.to_str().unwrap(), "--controller-grace", grace];
     match netns {
         None => {
             let mut all = vec!["agent"];
             all.extend(args);
-            spawn_lazarus(&all, &[])
+            spawn_lazarus(&all, env)
         }
-        Some(ns) => spawn_in(ns, "agent", &args, &[]),
+        Some(ns) => spawn_in(ns, "agent", &args, env),
     }
 }
 
