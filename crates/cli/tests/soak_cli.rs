@@ -11,7 +11,8 @@
 //! is 0.5 s: sometimes the node is lost and its agent stops itself, and what it sends once the
 //! link is back is refused; sometimes the link is back first and the job just waits). Faults are
 //! paced by the job's steps (a window of steps between two, drawn from the seed), not by the
-//! clock, so a fast machine and a slow one see as many. Hosts
+//! clock, and every step takes at least 8 ms (`LAZARUS_FAULT=pace:8`), so a fast machine and a
+//! slow one see as many. Hosts
 //! whose agent is gone get a new one after a while, which joins the running job. Faults are
 //! chosen from `lazarus status --json` (members, standbys, the plan) so that the job keeps
 //! workers to carry on: a surviving node, or a newcomer standing by.
