@@ -100,14 +100,8 @@ fn plan_layer_after(loads: &[f64], shape: ClusterShape, policy: &PlanPolicy, pre
     policy.validate()?;
     let allocation = allocate(loads, shape.total_slots(), policy.floor)?;
     if let Some(p) = previous {
-        if p.shape() == shape && p.replica_counts() == allocation.replicas {
-            let within_guard = match policy.max_imbalance {
-                None => true,
-                Some(m) => p.load_balance(loads)?.imbalance() <= m * (1.0 + 1e-9),
-            };
-            if within_guard {
-                return Ok(LayerPlan { allocation, placement: p.clone() });
-            }
+        if p.shape() == shape && p.replica_counts() == allocation.replicas && meets_guard(p, loads, policy)? {
+            return Ok(LayerPlan { allocation, placement: p.clone() });
         }
     }
     let placement = match policy.max_imbalance {
@@ -211,14 +205,17 @@ fn repair_layer(
         return Ok(None);
     };
     let placement = Placement::from_nodes(shape, previous.experts(), nodes)?;
-    if let Some(m) = policy.max_imbalance {
-        let limit = m * (1.0 + 1e-9);
-        // Each expert's tokens split evenly over its replicas is one way to dispatch, so its
-        // busiest GPU bounds λ* from above: within the guard, no max-flow is needed.
-        let bound = placement.even_split_balance(loads)?;
-        if bound.imbalance() > limit && placement.load_balance(loads)?.imbalance() > limit {
-            return Ok(None);
-        }
+    if !meets_guard(&placement, loads, policy)? {
+        return Ok(None);
     }
     Ok(Some(LayerPlan { allocation, placement }))
+}
+
+/// Whether a placement kept or repaired meets the policy's throughput guard under `loads`.
+/// Each expert's tokens split evenly over its replicas is one way to dispatch, so its busiest
+/// GPU bounds λ* from above: a placement within the guard that way needs no max-flow.
+fn meets_guard(placement: &Placement, loads: &[f64], policy: &PlanPolicy) -> Result<bool, PlanError> {
+    let Some(m) = policy.max_imbalance else { return Ok(true) };
+    let limit = m * (1.0 + 1e-9);
+    Ok(placement.even_split_balance(loads)?.imbalance() <= limit || placement.load_balance(loads)?.imbalance() <= limit)
 }
