@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lazarus_plan::{PlanUpdate, ReplicaMap};
@@ -323,7 +324,9 @@ impl Shell {
     /// map is the one each was sent.
     fn plan_updates(&mut self, m: &crate::controller::Move) -> Vec<PlanUpdate> {
         let new_rank: HashMap<u64, usize> = m.ranks.iter().enumerate().map(|(r, &w)| (w, r)).collect();
-        let mut changes: BTreeMap<u64, Option<lazarus_plan::ReplicaMapChange>> = BTreeMap::new();
+        // Each change computed once (per map a worker may have), the whole map copied once.
+        let mut changes: BTreeMap<u64, Option<Arc<lazarus_plan::ReplicaMapChange>>> = BTreeMap::new();
+        let whole = Arc::new(m.plan.clone());
         let updates = m
             .ranks
             .iter()
@@ -333,11 +336,11 @@ impl Shell {
                 let change = from.and_then(|&e| {
                     let (map, ranks) = self.sent_maps.get(&e)?;
                     let renumber = || ranks.iter().map(|w| new_rank.get(w).copied()).collect();
-                    changes.entry(e).or_insert_with(|| map.change_to(&m.plan, renumber())).clone()
+                    changes.entry(e).or_insert_with(|| map.change_to(&m.plan, renumber()).map(Arc::new)).clone()
                 });
                 match change {
                     Some(change) => PlanUpdate::Changed { change },
-                    None => PlanUpdate::Whole { map: m.plan.clone() },
+                    None => PlanUpdate::Whole { map: whole.clone() },
                 }
             })
             .collect();
@@ -609,7 +612,7 @@ mod tests {
         for (rank, u) in updates.iter().enumerate() {
             match (rank, u) {
                 (0 | 1, PlanUpdate::Changed { change }) => assert_eq!(old.changed_by(change).unwrap(), new),
-                (2, PlanUpdate::Whole { map }) => assert_eq!(map, &new),
+                (2, PlanUpdate::Whole { map }) => assert_eq!(**map, new),
                 _ => panic!("rank {rank}: {u:?}"),
             }
         }

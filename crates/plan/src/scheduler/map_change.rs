@@ -7,25 +7,28 @@
 //! the experts whose holders changed; it rebuilds the new map from its own, and the result is
 //! validated as any map is.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use super::ReplicaMap;
 use crate::error::PlanError;
 use crate::ExpertId;
 
-/// The replica map of a move: whole, or as changed from the map of `from_epoch`.
+/// The replica map of a move: whole, or as changed from the map the worker has. Shared (`Arc`):
+/// the controller sends the same one to every rank of a move.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PlanUpdate {
-    Whole { map: ReplicaMap },
-    Changed { change: ReplicaMapChange },
+    Whole { map: Arc<ReplicaMap> },
+    Changed { change: Arc<ReplicaMapChange> },
 }
 
 impl PlanUpdate {
     /// The new map, given the one the worker has (`current`; only a change needs it).
     pub fn resolve(self, current: Option<&ReplicaMap>) -> Result<ReplicaMap, PlanError> {
         match self {
-            PlanUpdate::Whole { map } => Ok(map),
+            PlanUpdate::Whole { map } => Ok(Arc::unwrap_or_clone(map)),
             PlanUpdate::Changed { change } => match current {
                 Some(map) => map.changed_by(&change),
                 None => Err(PlanError::invalid("replica map change", change.epoch, "this worker has no map to apply it to")),
@@ -197,9 +200,9 @@ mod tests {
         let emptied = ReplicaMapChange { changed: vec![at(0, 2, vec![], vec![])], ..c.clone() };
         assert!(old.changed_by(&emptied).unwrap_err().to_string().contains("no replica"));
         // It travels as JSON, and a whole map resolves without one.
-        let back: PlanUpdate = serde_json::from_str(&serde_json::to_string(&PlanUpdate::Changed { change: c }).unwrap()).unwrap();
+        let back: PlanUpdate = serde_json::from_str(&serde_json::to_string(&PlanUpdate::Changed { change: Arc::new(c) }).unwrap()).unwrap();
         assert_eq!(back.resolve(Some(&old)).unwrap(), new);
-        assert_eq!(PlanUpdate::Whole { map: new.clone() }.resolve(None).unwrap(), new);
+        assert_eq!(PlanUpdate::Whole { map: Arc::new(new.clone()) }.resolve(None).unwrap(), new);
     }
 
     proptest! {
