@@ -3,5 +3,10 @@
 fn main() {
     println!("cargo:rerun-if-changed=proto/lazarus_control.proto");
     let fds = protox::compile(["proto/lazarus_control.proto"], ["proto"]).expect("the control protocol compiles");
-    tonic_prost_build::configure().compile_fds(fds).expect("the control protocol's Rust code is generated");
+    // The lines sent to many agents are shared, not copied, until each stream encodes them.
+    tonic_prost_build::configure()
+        .bytes(".lazarus.control.v1.WorkerInput.line")
+        .bytes(".lazarus.control.v1.StartWorkers.job")
+        .compile_fds(fds)
+        .expect("the control protocol's Rust code is generated");
 }

@@ -154,10 +154,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Check the spec's numbers.
 pub fn check_spec(spec: &RecoveryBenchSpec) -> Result<(), ControlError> {
-    if spec.workers < 2 || spec.workers > lazarus_control::protocol::MAX_WORKERS {
+    if spec.workers < 2 || spec.workers > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
         return Err(ControlError::invalid(
             "--workers",
-            format!("{} (expected 2 to {})", spec.workers, lazarus_control::protocol::MAX_WORKERS),
+            format!("{} (expected 2 to {})", spec.workers, lazarus_control::protocol::MAX_WORKERS_PER_HOST),
         ));
     }
     if spec.kills == 0 || spec.kills > MAX_KILLS {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod controller_bench;
 mod evaluate;
 mod export;
 mod generate;
@@ -33,6 +34,9 @@ enum BenchCommand {
     MoeLayer(Box<moe_bench::MoeLayerBenchArgs>),
     /// Live recovery: kill a worker at random steps and phases, time kill -> next completed step.
     Recovery(Box<train::recovery_bench::RecoveryBenchArgs>),
+    /// A controller at cluster scale (1,024 nodes of 8 by default), driven by synthetic node
+    /// agents on loopback: its CPU, memory, and how fast a node loss and a join reach every agent.
+    Controller(Box<controller_bench::ControllerBenchArgs>),
 }
 
 #[derive(Subcommand)]
@@ -145,6 +149,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Train(args)) => train::bench::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),
+        Command::Bench(BenchCommand::Controller(args)) => controller_bench::run_controller_bench(&args),
         Command::Sim(args) => simulate::run_sim(&args),
         Command::Eval(args) => evaluate::run_eval(&args),
         Command::Generate(args) => generate::run_generate(&args),

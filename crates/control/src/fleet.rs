@@ -40,6 +40,17 @@ pub trait Fleet {
     fn exit_status(&mut self, rank: usize) -> String;
     /// Tell worker `rank` something. A worker that cannot be told has died: its exit follows.
     fn send(&mut self, rank: usize, message: &LauncherMessage) -> Result<(), ControlError>;
+    /// Tell every worker of `ranks` the same thing (a fleet across hosts sends it once to a
+    /// host). Workers that cannot be told have died: their exits follow.
+    fn send_many(&mut self, ranks: &[usize], message: &LauncherMessage) -> Result<(), ControlError> {
+        let mut first_error = Ok(());
+        for &rank in ranks {
+            if let Err(e) = self.send(rank, message) {
+                first_error = first_error.and(Err(e));
+            }
+        }
+        first_error
+    }
     /// Make sure nothing of worker `rank` runs on (a hung one is killed).
     fn kill(&mut self, rank: usize, reason: &str);
     /// The job failed or was stopped: kill every worker still running.
@@ -64,8 +75,18 @@ impl Fleet for Job {
     }
 
     fn send(&mut self, rank: usize, message: &LauncherMessage) -> Result<(), ControlError> {
+        self.send_many(&[rank], message)
+    }
+
+    fn send_many(&mut self, ranks: &[usize], message: &LauncherMessage) -> Result<(), ControlError> {
         let line = serde_json::to_string(message)?;
-        self.write_line(rank, &line)
+        let mut first_error = Ok(());
+        for &rank in ranks {
+            if let Err(e) = self.write_line(rank, &line) {
+                first_error = first_error.and(Err(e));
+            }
+        }
+        first_error
     }
 
     fn kill(&mut self, rank: usize, _reason: &str) {

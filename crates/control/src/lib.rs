@@ -16,6 +16,7 @@
 //! * [`tls`] — TLS on that service: a certificate the job's secret pins, or the operator's;
 //! * [`hub`] — the controller's side of its node agents: admission, relay, a [`fleet::Fleet`];
 //! * [`agent`] — `lazarus agent`: one per node, starts and supervises that node's workers;
+//! * [`loadgen`] — synthetic agents with fake workers, to measure a controller at cluster scale;
 //!
 //! The benchmarks (`lazarus bench …`) are the `lazarus-bench` crate's; a benchmark across
 //! worker processes runs here as a job without recovery ([`run_local_job`], [`worker_process::run_rank`]).
@@ -27,6 +28,7 @@ mod error;
 pub mod fleet;
 pub mod hub;
 pub mod launcher;
+pub mod loadgen;
 pub mod metrics;
 pub mod proto;
 pub mod protocol;

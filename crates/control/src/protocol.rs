@@ -128,8 +128,12 @@ fn cpu_device() -> String {
     "cpu".into()
 }
 
-/// Most worker processes of one job.
-pub const MAX_WORKERS: usize = 64;
+/// Most workers of one job, over all its nodes (1,024 nodes of 16 GPUs).
+pub const MAX_WORKERS: usize = 16_384;
+
+/// Most worker processes one machine starts: a node agent's slots (its GPUs), or every worker
+/// of a job whose workers all run where it is launched (`train --workers N`).
+pub const MAX_WORKERS_PER_HOST: usize = 64;
 
 /// The variable a launcher sets to each worker process's index among the workers it starts
 /// (its local worker number on the node): what picks its GPU.
@@ -144,10 +148,10 @@ pub enum LauncherMessage {
     /// Move to a new plan without losing state: commit up to `commit_to`, rendezvous at the
     /// epoch, fetch and send expert states, go on. The plan comes whole, or as changed from the
     /// one the worker has (a worker ready at the epoch it starts from).
-    Reconfigure { commit_to: u64, to: Reconfiguration<PlanUpdate> },
+    Reconfigure { commit_to: u64, to: MoveOrder },
     /// Reload the checkpoint of `to_step` (None: start afresh) under the new plan, rendezvous at
     /// its epoch, go on.
-    Rollback { to_step: Option<u64>, to: Reconfiguration<PlanUpdate> },
+    Rollback { to_step: Option<u64>, to: MoveOrder },
     /// Give up the rendezvous of `epoch` (a rank of it was lost before it connected) and say
     /// where you stopped.
     Abandon { epoch: u64 },
@@ -177,6 +181,55 @@ impl LauncherMessage {
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
             LauncherMessage::Stop { .. } => None,
         }
+    }
+}
+
+/// A move as its workers are told it: one message for every worker that has the same map
+/// (made once, and sent once to each node: at a thousand nodes of eight, a node loss's change
+/// of the map goes 1,024 times, not 8,192). Each worker finds its rank by its worker id and
+/// keeps the transfers it sends or receives ([`MoveOrder::for_worker`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoveOrder {
+    /// The new plan epoch.
+    pub epoch: u64,
+    /// The worker (its id: the rank of its spec) of each rank of the new epoch.
+    pub workers: Vec<u64>,
+    pub plan: PlanUpdate,
+    /// Every transfer of the move.
+    pub transfers: Vec<lazarus_plan::RankTransfer>,
+    #[serde(default)]
+    pub catch_up: Vec<(usize, usize, u64)>,
+    #[serde(default)]
+    pub joining: Vec<usize>,
+    #[serde(default)]
+    pub leaving: Vec<usize>,
+    #[serde(default)]
+    pub hold: bool,
+}
+
+impl MoveOrder {
+    /// What worker `id` does in this move: its rank, its transfers (`Err`: it is not in the
+    /// move, or the order is malformed, said in words).
+    pub fn for_worker(self, id: u64) -> Result<Reconfiguration<PlanUpdate>, String> {
+        let world = self.workers.len();
+        let Some(rank) = self.workers.iter().position(|&w| w == id) else {
+            return Err(format!("worker {id} is not among the {world} workers of the move to epoch {}", self.epoch));
+        };
+        let out_of_world = |r: &usize| *r >= world;
+        if self.joining.iter().chain(&self.leaving).any(out_of_world) || self.transfers.iter().any(|t| t.from >= world || t.to >= world) {
+            return Err(format!("the move to epoch {} names a rank beyond its {world} workers", self.epoch));
+        }
+        Ok(Reconfiguration {
+            epoch: self.epoch,
+            rank,
+            world,
+            plan: self.plan,
+            transfers: self.transfers.into_iter().filter(|t| t.from == rank || t.to == rank).collect(),
+            catch_up: self.catch_up,
+            joining: self.joining,
+            leaving: self.leaving,
+            hold: self.hold,
+        })
     }
 }
 
@@ -354,6 +407,39 @@ mod tests {
         assert_eq!((1..=8).filter(|&s| at_end.due(s, s == 8)).collect::<Vec<_>>(), vec![8]);
         let zero = HeldOut { every: Some(0), ..h };
         assert!(!zero.due(4, false), "a zero period is never due (the CLI refuses it)");
+    }
+
+    /// Every worker of a move is sent the same order and finds its own part in it: its rank by
+    /// its id, the transfers it sends or receives; a worker not in it, or an order naming a rank
+    /// beyond its workers, is an error.
+    #[test]
+    fn a_move_order_gives_each_worker_its_rank_and_its_transfers() {
+        use lazarus_plan::RankTransfer;
+        let map = ReplicaMap::new(4, vec![vec![vec![1, 1, 0], vec![0, 1, 1]]]).unwrap();
+        let t = |from, to| RankTransfer { layer: 0, expert: 1, from, to };
+        let order = MoveOrder {
+            epoch: 4,
+            workers: vec![7, 9, 4],
+            plan: PlanUpdate::Whole { map: std::sync::Arc::new(map) },
+            transfers: vec![t(1, 2), t(0, 1), t(2, 0)],
+            catch_up: vec![(0, 1, 30)],
+            joining: vec![2],
+            leaving: vec![],
+            hold: false,
+        };
+        let line = serde_json::to_string(&LauncherMessage::Reconfigure { commit_to: 5, to: order.clone() }).unwrap();
+        let LauncherMessage::Reconfigure { to: back, .. } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
+        assert_eq!(back, order);
+        let nine = order.clone().for_worker(9).unwrap();
+        assert_eq!((nine.rank, nine.world, nine.epoch), (1, 3, 4));
+        assert_eq!(nine.transfers, vec![t(1, 2), t(0, 1)]);
+        assert_eq!((nine.joining, nine.catch_up), (vec![2], vec![(0, 1, 30)]));
+        assert_eq!(order.clone().for_worker(4).unwrap().transfers, vec![t(1, 2), t(2, 0)]);
+        assert!(order.clone().for_worker(8).unwrap_err().contains("worker 8 is not among the 3 workers"));
+        let beyond = MoveOrder { transfers: vec![t(0, 3)], ..order.clone() };
+        assert!(beyond.for_worker(7).unwrap_err().contains("beyond"));
+        let leaver = MoveOrder { leaving: vec![5], ..order };
+        assert!(leaver.for_worker(7).is_err());
     }
 
     #[test]

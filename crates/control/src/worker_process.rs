@@ -444,6 +444,9 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let secret = parse_secret(&spec.secret).unwrap_or_default();
     let bind = bind_ip(spec.bind.as_deref())?;
     let fault = fault_hook(spec.rank, &spec.job.faults)?;
+    // This worker's id in the job (its first rank; a joiner's is its spec's): what finds its
+    // rank in each move.
+    let me = spec.rank as u64;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let encrypt = spec.encrypt;
     let job = spec.job;
@@ -531,6 +534,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         let (to, rollback) = loop {
             match inbox.next(Duration::from_secs(3600))? {
                 LauncherMessage::Reconfigure { commit_to, to } => {
+                    let to = to.for_worker(me).map_err(|e| ControlError::invalid("reconfiguration", e))?;
                     if to.joining.contains(&to.rank) {
                         // It takes the job's state in the move; nothing of its own to commit.
                         break (to, None);
@@ -551,7 +555,9 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     }
                     break (to, None);
                 }
-                LauncherMessage::Rollback { to_step, to } => break (to, Some(to_step)),
+                LauncherMessage::Rollback { to_step, to } => {
+                    break (to.for_worker(me).map_err(|e| ControlError::invalid("rollback", e))?, Some(to_step))
+                }
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.
                 LauncherMessage::Addrs { .. }

@@ -331,8 +331,11 @@ fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -
             NodeChange { at: Duration::from_secs_f64(e.ms as f64 / 1000.0 * scale), node: e.node.clone(), add: e.change == Change::Add }
         })
         .collect();
-    if most > lazarus_control::protocol::MAX_WORKERS {
-        bail!("invalid --replay: {most} nodes at once (at most {} workers)", lazarus_control::protocol::MAX_WORKERS);
+    if most > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
+        bail!(
+            "invalid --replay: {most} nodes at once (at most {} workers on one machine)",
+            lazarus_control::protocol::MAX_WORKERS_PER_HOST
+        );
     }
     Ok((NodeSchedule { initial, changes, notice }, most, scale, trace))
 }
@@ -422,12 +425,20 @@ fn run_job(
     let args = &super::args::settle_resume(args)?;
     let mut world = args.workers.unwrap_or(1);
     let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
-    if world == 0 || world > lazarus_control::protocol::MAX_WORKERS {
-        bail!("invalid --workers: {world} (expected 1 to {})", lazarus_control::protocol::MAX_WORKERS);
+    // Workers this machine starts: every one of a local job, none of a controller of other
+    // hosts' agents.
+    let local = match &hosts {
+        Hosts::Local { .. } => world,
+        Hosts::Agents(a) => a.local_agents * a.gpus_per_node,
+    };
+    let most = if local > 0 { lazarus_control::protocol::MAX_WORKERS_PER_HOST } else { lazarus_control::protocol::MAX_WORKERS };
+    if world == 0 || world > most {
+        let on = if local > 0 { " on one machine" } else { "" };
+        bail!("invalid --workers: {world} (expected 1 to {most}{on})");
     }
-    // The launcher builds the model once to plan, and every worker builds it whole before it
-    // releases the experts it does not hold.
-    let copies = 1 + world as u128;
+    // The launcher builds the model once to plan, and every worker here builds it whole before
+    // it releases the experts it does not hold.
+    let copies = 1 + local as u128;
     let (mut trainer, resume) = if resume_job {
         // The model and data settings only: the workers hold the job's state.
         (Trainer::new(setup_run(args, copies)?)?, None)

@@ -21,7 +21,7 @@
 //!   workers finish the step in flight and hand over what only they hold — and the workers leave;
 //!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
-mod session;
+pub(crate) mod session;
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ControlError;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
-use crate::protocol::MAX_WORKERS;
+use crate::protocol::MAX_WORKERS_PER_HOST;
 use crate::protocol::{secret_hex, LauncherMessage, WorkerEvent};
 use crate::tls::ClientTls;
 use session::{Identity, Session, SessionError};
@@ -76,16 +76,47 @@ pub enum AgentEnd {
     Drained,
 }
 
-/// A worker's spec line (the worker protocol's JSON) with the job's secret filled in.
-fn with_secret(spec: &str, secret: u128) -> Result<String, ControlError> {
+/// A worker's spec line (the worker protocol's JSON) as its worker reads it: the spec the
+/// controller sent, with the job's secret filled in, and with `job` — the job of every worker of
+/// the node, sent once for them all — as its job where one came.
+fn completed_spec(spec: &str, secret: u128, job: Option<&str>) -> Result<String, ControlError> {
     let mut v: serde_json::Value = serde_json::from_str(spec)?;
-    match v.as_object_mut() {
-        Some(o) => {
-            o.insert("secret".into(), serde_json::Value::String(secret_hex(secret)));
-        }
-        None => return Err(ControlError::Launch(format!("a worker spec that is not a JSON object: {spec:.80}"))),
+    let Some(o) = v.as_object_mut() else {
+        return Err(ControlError::Launch(format!("a worker spec that is not a JSON object: {spec:.80}")));
+    };
+    o.insert("secret".into(), serde_json::Value::String(secret_hex(secret)));
+    let Some(job) = job else { return Ok(serde_json::to_string(&v)?) };
+    // The job is spliced in as it came (megabytes at a thousand nodes: not parsed into a tree).
+    o.remove("job");
+    let mut line = serde_json::to_string(&v)?;
+    // `{…,"secret":"…"}` becomes `{…,"secret":"…","job":JOB}`.
+    line.pop();
+    line.push(',');
+    line.push_str("\"job\":");
+    line.push_str(job);
+    line.push('}');
+    Ok(line)
+}
+
+/// The job every worker of a node runs, when the controller sent it once for them all: checked
+/// to be one JSON object, and whether its workers stand by to join.
+fn node_job(job: &[u8]) -> Result<Option<(&str, bool)>, ControlError> {
+    if job.is_empty() {
+        return Ok(None);
     }
-    Ok(serde_json::to_string(&v)?)
+    #[derive(serde::Deserialize)]
+    struct Standby {
+        #[serde(default)]
+        standby: bool,
+    }
+    let text = std::str::from_utf8(job).map_err(|e| ControlError::Launch(format!("the controller sent a job that is not UTF-8: {e}")))?;
+    // One line of the worker protocol: an object, with no line break in it.
+    if !text.trim_start().starts_with('{') || text.contains('\n') {
+        return Err(ControlError::Launch(format!("the controller sent a job that is not one JSON object on one line: {text:.80}")));
+    }
+    let parsed: Standby = serde_json::from_str(text)
+        .map_err(|e| ControlError::Launch(format!("the controller sent a job that is not a JSON object: {e}")))?;
+    Ok(Some((text, parsed.standby)))
 }
 
 /// What the agent waits on: its sessions with the controller, and its workers' reports.
@@ -159,8 +190,8 @@ fn local_address_towards(controller: SocketAddr) -> Result<IpAddr, ControlError>
 /// Run one agent until its part in the job ends. `on_start(ranks)` is told the workers' ranks
 /// once they are started.
 pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result<(), ControlError>) -> Result<AgentEnd, ControlError> {
-    if opts.gpus == 0 || opts.gpus > MAX_WORKERS {
-        return Err(ControlError::invalid("--gpus", format!("{} (expected 1 to {MAX_WORKERS})", opts.gpus)));
+    if opts.gpus == 0 || opts.gpus > MAX_WORKERS_PER_HOST {
+        return Err(ControlError::invalid("--gpus", format!("{} (expected 1 to {MAX_WORKERS_PER_HOST})", opts.gpus)));
     }
     let controller: SocketAddr =
         opts.controller.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
@@ -666,29 +697,43 @@ impl Node {
                         serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
                     })
                     .collect();
+                let job = node_job(&s.job)?;
                 // The specs come without the job's secret: this agent adds the one it proved.
-                let specs = s.specs.iter().map(|spec| with_secret(spec, self.secret)).collect::<Result<Vec<_>, _>>()?;
+                let specs =
+                    s.specs.iter().map(|spec| completed_spec(spec, self.secret, job.map(|j| j.0))).collect::<Result<Vec<_>, _>>()?;
                 let reports = self.reports.clone();
                 self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 self.first_worker = ranks.first().map(|&r| u64::from(r));
-                self.standing_by = s.specs.iter().all(|spec| {
-                    serde_json::from_str::<serde_json::Value>(spec).is_ok_and(|v| v["job"]["standby"] == serde_json::Value::Bool(true))
-                });
+                self.standing_by = match job {
+                    Some((_, standby)) => standby,
+                    None => s.specs.iter().all(|spec| {
+                        serde_json::from_str::<serde_json::Value>(spec).is_ok_and(|v| v["job"]["standby"] == serde_json::Value::Bool(true))
+                    }),
+                };
                 on_start(&ranks)?;
             }
             controller_message::Body::Input(i) => {
-                let slot = i.slot as usize;
-                let Some(job) = self.workers.as_mut().filter(|_| slot < self.gpus) else { return Ok(None) };
-                if m.epoch < self.slot_epoch[slot] {
-                    tracing::debug!("agent: a stale message for worker {slot} (epoch {} < {}): dropped", m.epoch, self.slot_epoch[slot]);
+                let Ok(line) = std::str::from_utf8(&i.line) else {
+                    tracing::warn!("agent: a line for workers {:?} that is not UTF-8: dropped", i.slots);
                     return Ok(None);
+                };
+                let Some(job) = self.workers.as_mut() else { return Ok(None) };
+                for slot in i.slots.iter().map(|&s| s as usize).filter(|&s| s < self.gpus) {
+                    if m.epoch < self.slot_epoch[slot] {
+                        tracing::debug!(
+                            "agent: a stale message for worker {slot} (epoch {} < {}): dropped",
+                            m.epoch,
+                            self.slot_epoch[slot]
+                        );
+                        continue;
+                    }
+                    self.slot_epoch[slot] = m.epoch;
+                    // A worker standing by hears nothing until the move that takes it in.
+                    self.standing_by = false;
+                    // A worker that cannot be written to has exited: its exit is reported.
+                    let _ = job.write_line(slot, line);
                 }
-                self.slot_epoch[slot] = m.epoch;
-                // A worker standing by hears nothing until the move that takes it in.
-                self.standing_by = false;
-                // A worker that cannot be written to has exited: its exit is reported.
-                let _ = job.write_line(slot, &i.line);
             }
             controller_message::Body::Kill(k) => {
                 let slot = k.slot as usize;
@@ -705,5 +750,41 @@ impl Node {
             }
         }
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker's spec line is the controller's with the agent's secret and the node's job in
+    /// it, one JSON object on one line, whether the job came once for the node or in the spec.
+    #[test]
+    fn a_spec_is_completed_with_the_secret_and_the_node_s_job() {
+        let secret = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
+        let job = r#"{"standby":true,"plan":{"epoch":3}}"#;
+        let line = completed_spec(r#"{"rank":5,"secret":"","job":null}"#, secret, Some(job)).unwrap();
+        assert!(!line.contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["rank"], 5);
+        assert_eq!(v["secret"], secret_hex(secret));
+        assert_eq!(v["job"], serde_json::from_str::<serde_json::Value>(job).unwrap());
+        let inline = completed_spec(r#"{"rank":5,"job":{"standby":false}}"#, secret, None).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&inline).unwrap();
+        assert_eq!((v["job"]["standby"].as_bool(), v["secret"].as_str()), (Some(false), Some(secret_hex(secret).as_str())));
+        assert!(completed_spec("[1,2]", secret, Some(job)).is_err());
+        assert!(completed_spec("{", secret, None).is_err());
+    }
+
+    /// The node's job is one JSON object on one line (a line break would cut the worker
+    /// protocol's line in two), or none.
+    #[test]
+    fn a_node_s_job_is_checked_before_it_reaches_a_worker() {
+        assert_eq!(node_job(b"").unwrap(), None);
+        assert_eq!(node_job(br#"{"standby":true,"x":[1]}"#).unwrap(), Some((r#"{"standby":true,"x":[1]}"#, true)));
+        assert_eq!(node_job(br#"{"x":1}"#).unwrap(), Some((r#"{"x":1}"#, false)));
+        for bad in [&b"{\"x\":\n1}"[..], b"[true]", b"{\"x\":", b"\xff{}", b"17"] {
+            assert!(node_job(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 }

@@ -17,7 +17,7 @@ use lazarus_comm::auth;
 
 /// What an agent says of itself in every hello.
 #[derive(Debug, Clone)]
-pub(super) struct Identity {
+pub(crate) struct Identity {
     pub controller: SocketAddr,
     /// The controller's address as given (the TLS name).
     pub controller_name: String,
@@ -28,7 +28,7 @@ pub(super) struct Identity {
 }
 
 /// An open session: where to send, what comes back, and the controller's welcome.
-pub(super) struct Session {
+pub(crate) struct Session {
     pub out: UnboundedSender<AgentMessage>,
     pub inbound: tonic::Streaming<ControllerMessage>,
     pub job_id: String,
@@ -37,7 +37,7 @@ pub(super) struct Session {
 
 /// Why a session could not be opened.
 #[derive(Debug)]
-pub(super) enum SessionError {
+pub(crate) enum SessionError {
     /// Nobody answered as a controller before the deadline (none listening, a port that never
     /// speaks): worth trying again, for an agent that waits for a controller to come back.
     Unreachable(ControlError),
@@ -55,7 +55,7 @@ impl SessionError {
 
 /// Open a session with the controller, trying until `within` has passed; `rejoin`: this agent's
 /// place in a running job whose controller was lost, and since when it was lost.
-pub(super) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto::Rejoin, Instant)>) -> Result<Session, SessionError> {
+pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto::Rejoin, Instant)>) -> Result<Session, SessionError> {
     use SessionError::{Refused, Unreachable};
     let controller = me.controller;
     let refused = Arc::new(AtomicBool::new(false));

@@ -9,14 +9,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lazarus_plan::{PlanUpdate, ReplicaMap};
-use lazarus_runtime::Reconfiguration;
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
 use crate::controller::{Command, Controller, Event, MoveCause, MoveCost, StopReport};
 use crate::error::ControlError;
 use crate::fleet::{Fleet, FleetEvent};
-use crate::protocol::{LauncherMessage, MoveStats, WorkerEvent};
+use crate::protocol::{LauncherMessage, MoveOrder, MoveStats, WorkerEvent};
 use crate::service::{snapshot, SharedStatus};
+
+/// The status served to `lazarus status` is refreshed at least this often.
+const STATUS_EVERY: Duration = Duration::from_millis(250);
 
 /// How a job driven to its end ended: the outcome, and rank 0's results if its work has some
 /// (a benchmark's).
@@ -49,6 +51,7 @@ pub(crate) fn drive(
     // The plan as `lazarus status` shows it: its epoch counted from the job's start.
     let shown_plan = |ctl: &Controller| ctl.plan().map(|p| p.clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json()).unwrap_or_default();
     let mut plan_json = (ctl.epoch(), shown_plan(&ctl));
+    let mut status_at = None;
     let mut shell = Shell {
         started: false,
         done: BTreeMap::new(),
@@ -126,10 +129,17 @@ pub(crate) fn drive(
             }
         }
         if let Some(shared) = &shared {
-            if plan_json.0 != ctl.epoch() {
-                plan_json = (ctl.epoch(), shown_plan(&ctl));
+            // At once when the job's epoch, phase, step or members changed; else every
+            // STATUS_EVERY (a snapshot lists every member: at a thousand nodes, not one per
+            // heartbeat).
+            let key = (ctl.epoch(), ctl.phase_name(), ctl.last_step(), ctl.alive().len());
+            if status_at.as_ref().is_none_or(|(at, k)| *k != key || decided.duration_since(*at) >= STATUS_EVERY) {
+                if plan_json.0 != ctl.epoch() {
+                    plan_json = (ctl.epoch(), shown_plan(&ctl));
+                }
+                *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
+                status_at = Some((decided, key));
             }
-            *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
         }
         for command in commands {
             match command {
@@ -143,21 +153,13 @@ pub(crate) fn drive(
                     shell.failure_seen_at(silent_since.unwrap_or(decided));
                 }
                 Command::Fence { epoch, ranks, nodes } => {
-                    let m = LauncherMessage::Fence { epoch, ranks };
-                    for node in nodes {
-                        let _ = fleet.send(node as usize, &m);
-                    }
+                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Fence { epoch, ranks });
                 }
                 Command::Abandon { epoch, nodes } => {
-                    for node in nodes {
-                        let _ = fleet.send(node as usize, &LauncherMessage::Abandon { epoch });
-                    }
+                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Abandon { epoch });
                 }
                 Command::Addresses { epoch, addrs } => {
-                    let m = LauncherMessage::Addrs { epoch, addrs };
-                    for &node in ctl.ranks() {
-                        let _ = fleet.send(node as usize, &m);
-                    }
+                    let _ = fleet.send_many(&workers(ctl.ranks()), &LauncherMessage::Addrs { epoch, addrs });
                 }
                 Command::Resume { .. } => {
                     if !shell.started {
@@ -173,14 +175,10 @@ pub(crate) fn drive(
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.
                     shell.failure_seen();
-                    for node in nodes {
-                        let _ = fleet.send(node as usize, &LauncherMessage::Pause { epoch });
-                    }
+                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Pause { epoch });
                 }
                 Command::Finish { epoch, nodes } => {
-                    for node in nodes {
-                        let _ = fleet.send(node as usize, &LauncherMessage::Finish { epoch });
-                    }
+                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Finish { epoch });
                 }
                 Command::Reconfigure(m) => {
                     if let Some(away) = fleet.without_a_controller().filter(|_| m.cause == MoveCause::Controller) {
@@ -188,9 +186,8 @@ pub(crate) fn drive(
                         shell.failure_seen_at(decided.checked_sub(away).unwrap_or(decided));
                     }
                     shell.begin_move(&m, plan_s, first_epoch);
-                    for ((rank, &node), plan) in m.ranks.iter().enumerate().zip(shell.plan_updates(&m)) {
-                        let to = rank_move(&m, rank, plan);
-                        let _ = fleet.send(node as usize, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to });
+                    for (plan, nodes) in shell.plan_groups(&m) {
+                        let _ = fleet.send_many(&nodes, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to: move_order(&m, plan) });
                     }
                 }
                 Command::Rollback { to: m, to_step } => {
@@ -198,10 +195,9 @@ pub(crate) fn drive(
                     if let Some(r) = &mut shell.recovering {
                         r.step = to_step.unwrap_or(0);
                     }
-                    for ((rank, &node), plan) in m.ranks.iter().enumerate().zip(shell.plan_updates(&m)) {
-                        // The controller's rollback moves carry no transfers, joiners or leavers.
-                        let to = rank_move(&m, rank, plan);
-                        let _ = fleet.send(node as usize, &LauncherMessage::Rollback { to_step, to });
+                    // The controller's rollback moves carry no transfers, joiners or leavers.
+                    for (plan, nodes) in shell.plan_groups(&m) {
+                        let _ = fleet.send_many(&nodes, &LauncherMessage::Rollback { to_step, to: move_order(&m, plan) });
                     }
                 }
                 Command::Complete => {
@@ -253,20 +249,31 @@ fn already_logged(event: &WorkerEvent, ctl: &Controller, replayed_until: Option<
     }
 }
 
-/// What rank `rank` of move `m` is told.
-fn rank_move(m: &crate::controller::Move, rank: usize, plan: PlanUpdate) -> Reconfiguration<PlanUpdate> {
-    Reconfiguration {
+/// The workers (fleet ranks) of controller nodes.
+fn workers(nodes: &[u64]) -> Vec<usize> {
+    nodes.iter().map(|&n| n as usize).collect()
+}
+
+/// Move `m` as its workers that are sent `plan` are told it (each finds its rank in it).
+fn move_order(m: &crate::controller::Move, plan: PlanUpdate) -> MoveOrder {
+    MoveOrder {
         epoch: m.epoch,
-        rank,
-        world: m.ranks.len(),
+        workers: m.ranks.clone(),
         plan,
-        // A worker acts only on the transfers it sends or receives (at a thousand nodes a move
-        // has thousands; each worker is told its few).
-        transfers: m.transfers.iter().filter(|t| t.from == rank || t.to == rank).copied().collect(),
+        transfers: m.transfers.clone(),
         joining: m.joining.clone(),
         leaving: m.leaving.clone(),
         hold: m.hold,
         catch_up: m.restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect(),
+    }
+}
+
+/// Whether two plan updates are the same one (shared, made once).
+fn same_update(a: &PlanUpdate, b: &PlanUpdate) -> bool {
+    match (a, b) {
+        (PlanUpdate::Whole { map: x }, PlanUpdate::Whole { map: y }) => Arc::ptr_eq(x, y),
+        (PlanUpdate::Changed { change: x }, PlanUpdate::Changed { change: y }) => Arc::ptr_eq(x, y),
+        _ => false,
     }
 }
 
@@ -348,6 +355,19 @@ impl Shell {
         self.sent_at = m.ranks.iter().map(|&w| (w, m.epoch)).collect();
         self.sent_maps = BTreeMap::from([(m.epoch, (m.plan.clone(), m.ranks.clone()))]);
         updates
+    }
+
+    /// The plan of move `m` as its workers are sent it ([`Shell::plan_updates`]), with the
+    /// workers each goes to: those that have the same map share one message.
+    fn plan_groups(&mut self, m: &crate::controller::Move) -> Vec<(PlanUpdate, Vec<usize>)> {
+        let mut groups: Vec<(PlanUpdate, Vec<usize>)> = Vec::new();
+        for (&node, update) in m.ranks.iter().zip(self.plan_updates(m)) {
+            match groups.iter_mut().find(|(u, _)| same_update(u, &update)) {
+                Some((_, nodes)) => nodes.push(node as usize),
+                None => groups.push((update, vec![node as usize])),
+            }
+        }
+        groups
     }
 
     /// Worker `rank` ended other than by finishing (the first word about it stands).
@@ -626,5 +646,11 @@ mod tests {
         let mut fresh = shell(old.clone(), vec![7, 8, 9]);
         fresh.sent_at.clear();
         assert!(fresh.plan_updates(&m).iter().all(|u| matches!(u, PlanUpdate::Whole { .. })));
+        // Those that have the same map are sent one message: the survivors the change, the
+        // joiner the whole map.
+        let mut s = shell(old.clone(), vec![7, 8, 9]);
+        let groups: Vec<(bool, Vec<usize>)> =
+            s.plan_groups(&m).into_iter().map(|(u, nodes)| (matches!(u, PlanUpdate::Whole { .. }), nodes)).collect();
+        assert_eq!(groups, vec![(false, vec![7, 9]), (true, vec![4])]);
     }
 }

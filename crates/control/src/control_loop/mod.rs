@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::controller::{Controller, JobSpec, OnLoss};
 use crate::error::ControlError;
-use crate::hub::AgentHub;
+use crate::hub::{AgentHub, Joiner};
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::metrics::{JobMetrics, MetricsServer};
 use crate::protocol::{fresh_secret, TrainJob, WorkerSpec};
@@ -29,7 +29,7 @@ use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
-pub use crate::protocol::MAX_WORKERS;
+pub use crate::protocol::{MAX_WORKERS, MAX_WORKERS_PER_HOST};
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
 pub const DEFAULT_JOIN_WAIT: Duration = Duration::from_secs(120);
@@ -495,22 +495,26 @@ pub fn run_training(
                 }
             });
             let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
+            // The specs go to the agents without the secret (each agent proved it knows it and
+            // adds its own, so it never crosses the network) and without the job, which each
+            // agent is sent once for its workers.
+            let encrypt = job.encrypt_data;
+            let line = move |rank: usize, world: usize, epoch: u64, host: &str| {
+                let bind = Some(host.to_string());
+                let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: String::new(), bind, encrypt, job: () };
+                Ok::<_, ControlError>(serde_json::to_string(&spec)?)
+            };
+            // A worker that joins later stands by (its spec's rank is its worker id) and is sent
+            // its map whole in the move that takes it in.
+            let joiner = || -> Result<Joiner, ControlError> {
+                let layers = job.config.model.moe_layers().max(1);
+                let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
+                let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
+                let job = prost::bytes::Bytes::from(serde_json::to_vec(&standby)?);
+                Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host)) })
+            };
             if let Some(r) = a.resume.as_deref() {
-                let (secret, standby) = (String::new(), TrainJob { standby: true, ..job.clone() });
-                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| {
-                    let spec = WorkerSpec {
-                        rank: id,
-                        world: id + 1,
-                        epoch,
-                        timeout_s: comm_timeout_s,
-                        secret: secret.clone(),
-                        bind: Some(host.to_string()),
-                        encrypt: standby.encrypt_data,
-                        job: &standby,
-                    };
-                    Ok::<_, ControlError>(serde_json::to_string(&spec)?)
-                });
-                let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner);
+                let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner()?);
                 return drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe).map(|e| e.outcome);
             }
             let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
@@ -524,21 +528,8 @@ pub fn run_training(
                 })
             });
             let run = attached.and_then(|_| {
-                // The specs go to the agents without the secret: each agent proved it knows it
-                // and adds its own, so it never crosses the network.
-                let secret = String::new();
-                // A worker that joins later stands by (its spec's rank is its worker id).
-                let mut standby = job.clone();
-                standby.standby = true;
-                let line = move |rank: usize, world: usize, epoch: u64, host: &str, secret: &str, job: &TrainJob| {
-                    let bind = Some(host.to_string());
-                    let encrypt = job.encrypt_data;
-                    let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: secret.to_string(), bind, encrypt, job };
-                    Ok::<_, ControlError>(serde_json::to_string(&spec)?)
-                };
-                let joiner_secret = secret.clone();
-                let joiner = Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host, &joiner_secret, &standby));
-                let mut fleet = hub.start(inputs, |rank, host| line(rank, world, epoch, host, &secret, &job), joiner)?;
+                let whole = prost::bytes::Bytes::from(serde_json::to_vec(&job)?);
+                let mut fleet = hub.start(inputs, whole, |rank, host| line(rank, world, epoch, host), joiner()?)?;
                 // The schedule's clock starts with the workers.
                 let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let replaying = match (&agents, &a.schedule) {
@@ -575,8 +566,8 @@ pub fn run_local_job<J: Serialize>(
     observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<Option<serde_json::Value>, ControlError> {
     let timeout_s = check_comm_timeout(timeout_s)?;
-    if world == 0 || world > MAX_WORKERS {
-        return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
+    if world == 0 || world > MAX_WORKERS_PER_HOST {
+        return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS_PER_HOST})")));
     }
     let epoch = fresh_epoch();
     let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch, false)?;

@@ -73,7 +73,7 @@ impl SavedJob {
         if saved.format != SAVED_JOB_FORMAT {
             return Err(bad(format!("format {:?} (expected {SAVED_JOB_FORMAT:?})", saved.format)));
         }
-        if saved.gpus_per_node == 0 || saved.workers() > crate::protocol::MAX_WORKERS * 1024 {
+        if saved.gpus_per_node == 0 || saved.workers() > crate::protocol::MAX_WORKERS * 64 {
             return Err(bad(format!("{} workers of nodes of {}", saved.workers(), saved.gpus_per_node)));
         }
         Ok(saved)

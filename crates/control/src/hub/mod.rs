@@ -13,7 +13,7 @@
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -26,7 +26,7 @@ use tonic::Status;
 use crate::error::ControlError;
 use crate::fleet::{Fleet, FleetEvent};
 use crate::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
-use crate::protocol::MAX_WORKERS;
+use crate::protocol::MAX_WORKERS_PER_HOST;
 use crate::protocol::{LauncherMessage, WorkerEvent};
 use lazarus_comm::auth;
 
@@ -210,8 +210,8 @@ impl AgentHub {
             ));
         }
         let gpus = hello.gpus as usize;
-        if gpus == 0 || gpus > MAX_WORKERS {
-            return Err(Status::invalid_argument(format!("gpus: {gpus} (expected 1 to {MAX_WORKERS})")));
+        if gpus == 0 || gpus > MAX_WORKERS_PER_HOST {
+            return Err(Status::invalid_argument(format!("gpus: {gpus} (expected 1 to {MAX_WORKERS_PER_HOST})")));
         }
         if gpus != self.gpus_per_node {
             return Err(Status::invalid_argument(format!(
@@ -546,12 +546,14 @@ impl AgentHub {
     }
 
     /// Number the attached agents' workers (in order of arrival) and send each agent the specs
-    /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`.
+    /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`,
+    /// without its job; `job` is the job every worker runs (its JSON), sent once to each agent.
     pub(crate) fn start(
         self: &Arc<Self>,
         inputs: Receiver<HubInput>,
+        job: prost::bytes::Bytes,
         spec: impl Fn(usize, &str) -> Result<String, ControlError>,
-        joiner: JoinerSpec,
+        joiner: Joiner,
     ) -> Result<RemoteFleet, ControlError> {
         let mut owners = Vec::with_capacity(self.world);
         let mut sends = Vec::new();
@@ -574,7 +576,7 @@ impl AgentHub {
             }
         }
         for (agent, epoch, specs) in sends {
-            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
+            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job: job.clone() }));
         }
         Ok(RemoteFleet::new(self.clone(), inputs, owners, joiner))
     }
@@ -596,7 +598,7 @@ impl AgentHub {
 
     /// The workers of the job taken back ([`AgentHub::take_back`]), `workers` ids so far, as the
     /// controller's loop drives them; those not re-attached yet have no agent.
-    pub(crate) fn taken_back(self: &Arc<Self>, inputs: Receiver<HubInput>, workers: usize, joiner: JoinerSpec) -> RemoteFleet {
+    pub(crate) fn taken_back(self: &Arc<Self>, inputs: Receiver<HubInput>, workers: usize, joiner: Joiner) -> RemoteFleet {
         RemoteFleet::new(self.clone(), inputs, vec![(u64::MAX, 0); workers], joiner)
     }
 
@@ -639,8 +641,16 @@ impl AgentHub {
     }
 }
 
-/// The spec line of a worker that joins the running job: `(worker id, host, epoch)`.
+/// The spec line, without its job, of a worker that joins the running job: `(worker id, host,
+/// epoch)`.
 pub(crate) type JoinerSpec = Box<dyn Fn(usize, &str, u64) -> Result<String, ControlError> + Send>;
+
+/// How the workers of an agent that joins the running job are started: the job they run (its
+/// JSON, sent once to the agent) and each one's spec line.
+pub(crate) struct Joiner {
+    pub job: prost::bytes::Bytes,
+    pub spec: JoinerSpec,
+}
 
 /// The workers of a job started by agents: the controller's loop drives them through this.
 pub struct RemoteFleet {
@@ -648,13 +658,15 @@ pub struct RemoteFleet {
     inputs: Receiver<HubInput>,
     /// The agent and slot of each rank.
     owners: Vec<(u64, usize)>,
+    /// The rank of each agent's slot (the inverse of `owners`).
+    rank_at: HashMap<(u64, usize), usize>,
     /// Exits not yet handed out (every worker of an agent that is gone).
     pending: VecDeque<usize>,
     exits: BTreeMap<usize, String>,
     /// Ranks the controller had killed.
     killed: std::collections::BTreeSet<usize>,
     /// How to start a worker that joins.
-    joiner: JoinerSpec,
+    joiner: Joiner,
     /// Workers started for agents that joined, one node's at a time, not yet told of.
     joined: VecDeque<Vec<usize>>,
     /// Nodes that gave notice, not yet told of: their workers and why.
@@ -662,11 +674,13 @@ pub struct RemoteFleet {
 }
 
 impl RemoteFleet {
-    fn new(hub: Arc<AgentHub>, inputs: Receiver<HubInput>, owners: Vec<(u64, usize)>, joiner: JoinerSpec) -> Self {
+    fn new(hub: Arc<AgentHub>, inputs: Receiver<HubInput>, owners: Vec<(u64, usize)>, joiner: Joiner) -> Self {
+        let rank_at = owners.iter().enumerate().map(|(rank, &o)| (o, rank)).collect();
         RemoteFleet {
             hub,
             inputs,
             owners,
+            rank_at,
             pending: VecDeque::new(),
             exits: BTreeMap::new(),
             killed: Default::default(),
@@ -677,7 +691,20 @@ impl RemoteFleet {
     }
 
     fn rank_of(&self, agent: u64, slot: usize) -> Option<usize> {
-        self.owners.iter().position(|&o| o == (agent, slot))
+        self.rank_at.get(&(agent, slot)).copied()
+    }
+
+    /// Rank `rank` is worker `slot` of `agent`.
+    fn own(&mut self, rank: usize, agent: u64, slot: usize) {
+        if rank == self.owners.len() {
+            self.owners.push((agent, slot));
+        }
+        let Some(o) = self.owners.get_mut(rank) else { return };
+        if self.rank_at.get(o) == Some(&rank) {
+            self.rank_at.remove(o);
+        }
+        *o = (agent, slot);
+        self.rank_at.insert((agent, slot), rank);
     }
 
     /// An agent attached to the running job: number its workers after every worker so far and
@@ -686,13 +713,14 @@ impl RemoteFleet {
         let first = self.owners.len();
         let Some((gpus, host)) = self.hub.assign(agent, first) else { return };
         let epoch = self.hub.epoch();
-        let specs: Result<Vec<String>, ControlError> = (first..first + gpus).map(|id| (self.joiner)(id, &host, epoch)).collect();
+        let specs: Result<Vec<String>, ControlError> = (first..first + gpus).map(|id| (self.joiner.spec)(id, &host, epoch)).collect();
         match specs {
             Ok(specs) => {
                 for slot in 0..gpus {
-                    self.owners.push((agent, slot));
+                    self.own(first + slot, agent, slot);
                 }
-                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs }));
+                let job = self.joiner.job.clone();
+                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job }));
                 self.joined.push_back((first..first + gpus).collect());
             }
             Err(e) => self.hub.drop_agent(agent, &format!("its workers' specs could not be made: {e}")),
@@ -752,8 +780,8 @@ impl Fleet for RemoteFleet {
                 HubInput::Joined { agent } => self.take_in(agent),
                 HubInput::Rejoined { agent, first } => {
                     for slot in 0..self.hub.gpus_per_node {
-                        if let Some(o) = self.owners.get_mut(first + slot) {
-                            *o = (agent, slot);
+                        if first + slot < self.owners.len() {
+                            self.own(first + slot, agent, slot);
                         }
                     }
                 }
@@ -772,17 +800,28 @@ impl Fleet for RemoteFleet {
     }
 
     fn send(&mut self, rank: usize, message: &LauncherMessage) -> Result<(), ControlError> {
-        let Some(&(agent, slot)) = self.owners.get(rank) else { return Ok(()) };
-        let epoch = {
+        self.send_many(&[rank], message)
+    }
+
+    /// The message is made once, and each agent is sent it once for all its workers among
+    /// `ranks` (at a thousand nodes of eight, a rendezvous's addresses go 1,024 times, not 8,192).
+    fn send_many(&mut self, ranks: &[usize], message: &LauncherMessage) -> Result<(), ControlError> {
+        let line = prost::bytes::Bytes::from(serde_json::to_vec(message)?);
+        // Each agent's workers among them, by the epoch their messages are stamped with.
+        let mut slots: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
+        {
             let mut st = self.hub.state();
-            if let Some(e) = message.epoch() {
-                st.rank_epoch[rank] = st.rank_epoch[rank].max(e);
-                st.epoch = st.epoch.max(e);
+            for &rank in ranks {
+                let (Some(&(agent, slot)), Some(&at)) = (self.owners.get(rank), st.rank_epoch.get(rank)) else { continue };
+                let epoch = message.epoch().map_or(at, |e| at.max(e));
+                st.rank_epoch[rank] = epoch;
+                st.epoch = st.epoch.max(epoch);
+                slots.entry((agent, epoch)).or_default().push(slot as u32);
             }
-            st.rank_epoch[rank]
-        };
-        let line = serde_json::to_string(message)?;
-        self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slot: slot as u32, line }));
+        }
+        for ((agent, epoch), slots) in slots {
+            self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slots, line: line.clone() }));
+        }
         Ok(())
     }
 

@@ -10,9 +10,14 @@ fn elastic_hub(world: usize, g: usize, max_workers: usize) -> (Arc<AgentHub>, Re
     AgentHub::new("job-7".into(), SECRET, world, g, max_workers, 100, Duration::from_secs(1), Duration::from_millis(200))
 }
 
-/// Joiners' spec lines name their worker id and host.
-fn joiner() -> JoinerSpec {
-    Box::new(|id, host, epoch| Ok(format!("standby {id}@{host} epoch {epoch}")))
+/// Joiners' spec lines name their worker id and host; their job is "standby".
+fn joiner() -> Joiner {
+    Joiner { job: "standby".into(), spec: Box::new(|id, host, epoch| Ok(format!("standby {id}@{host} epoch {epoch}"))) }
+}
+
+/// The job every worker of these tests runs.
+fn job() -> prost::bytes::Bytes {
+    "{\"the\":\"job\"}".into()
 }
 
 /// The controller's challenge in these tests.
@@ -68,7 +73,7 @@ fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
-    let fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
+    let fleet = h.start(rx, job(), |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
     assert_eq!(fleet.ranks_of(0), vec![0, 1]);
     assert_eq!(fleet.ranks_of(1), vec![2, 3]);
     let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), &CHALLENGE, link()).unwrap_err();
@@ -79,7 +84,7 @@ fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by
 fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs() {
     let (h, rx) = elastic_hub(2, 2, 4);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
     // Room for one more node of 2 after the start, not two.
     let (tx, mut from_controller) = tokio::sync::mpsc::unbounded_channel();
     let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), &CHALLENGE, tx).unwrap();
@@ -92,6 +97,7 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
     let Ok(Ok(m)) = from_controller.try_recv() else { panic!("the agent is sent its workers' specs") };
     let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
     assert_eq!(start.specs, vec!["standby 2@10.0.0.9 epoch 100", "standby 3@10.0.0.9 epoch 100"]);
+    assert_eq!(start.job, "standby", "the joiners' job, once for the node");
     // Its workers' reports reach the loop under their ids.
     assert!(matches!(h.take(agent, report(100, 1, &WorkerEvent::Heartbeat)), Some(HubInput::Report { slot: 1, .. })));
 }
@@ -100,7 +106,7 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
 fn reports_are_checked_before_the_controller_sees_them() {
     let (h, rx) = hub(2, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     let beat = WorkerEvent::Heartbeat;
     // A slot the agent does not have, and a line that is not a report: dropped.
     assert!(h.take(0, report(100, 2, &beat)).is_none());
@@ -145,7 +151,7 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
     h.drop_agent(1, "its stream ended");
     let mut exits: Vec<usize> = (0..2)
         .filter_map(|_| fleet.next_event(Duration::from_millis(200)))
@@ -214,4 +220,42 @@ fn a_controller_that_took_a_job_back_readmits_its_members_once_and_no_one_else()
     assert_eq!(fleet.without_a_controller(), Some(Duration::from_millis(1500)));
     // A newcomer is a joiner, numbered after every agent and worker of the job so far.
     assert_eq!(h.admit(&hello(SECRET, 2, "10.0.0.9"), &CHALLENGE, link()).unwrap(), 3);
+}
+
+/// A message to many workers is made once and sent once to each agent, naming its workers
+/// among them, stamped with their epoch; an agent with none of them hears nothing.
+#[test]
+fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
+    let (h, rx) = hub(6, 2);
+    let mut agents = Vec::new();
+    for host in ["10.0.0.2", "10.0.0.3", "10.0.0.4"] {
+        let (tx, from_controller) = tokio::sync::mpsc::unbounded_channel();
+        h.admit(&hello(SECRET, 2, host), &CHALLENGE, tx).unwrap();
+        agents.push(from_controller);
+    }
+    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    for a in &mut agents {
+        let Ok(Ok(m)) = a.try_recv() else { panic!("the start") };
+        let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
+        assert_eq!(start.job, job(), "the job once for the node's workers");
+    }
+    let pause = LauncherMessage::Pause { epoch: 102 };
+    fleet.send_many(&[0, 1, 3], &pause).unwrap();
+    let inputs = |a: &mut tokio::sync::mpsc::UnboundedReceiver<Result<ControllerMessage, Status>>| {
+        std::iter::from_fn(|| a.try_recv().ok())
+            .map(|m| {
+                let m = m.unwrap();
+                let Some(controller_message::Body::Input(i)) = m.body else { panic!("{m:?}") };
+                (m.epoch, i.slots, String::from_utf8(i.line.to_vec()).unwrap())
+            })
+            .collect::<Vec<_>>()
+    };
+    let line = serde_json::to_string(&pause).unwrap();
+    assert_eq!(inputs(&mut agents[0]), vec![(102, vec![0, 1], line.clone())]);
+    assert_eq!(inputs(&mut agents[1]), vec![(102, vec![1], line)]);
+    assert_eq!(inputs(&mut agents[2]), vec![]);
+    // Their reports of the epoch before are stale now; the others' are not.
+    let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };
+    assert!(h.take(0, report(100, 1, &ready)).is_none());
+    assert!(h.take(1, report(100, 0, &ready)).is_some());
 }

@@ -28,13 +28,14 @@ pub type SharedStatus = Arc<Mutex<StatusReply>>;
 /// What `ctl` knows at `now`, for job `job_id` that started at epoch `first_epoch`; its plan
 /// as `plan_json` (the caller keeps it from one epoch to the next: it changes only with one).
 pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan_json: &str) -> StatusReply {
+    let rank_of: std::collections::HashMap<u64, u64> = ctl.ranks().iter().enumerate().map(|(r, &n)| (n, r as u64)).collect();
     let members = ctl
         .nodes()
         .map(|node| Member {
             node,
             // A member not heard from yet is expected, not known to be alive.
             alive: ctl.alive().contains(&node) && ctl.member_state(node) != MemberState::Starting,
-            rank: ctl.ranks().iter().position(|&n| n == node).map(|r| r as u64),
+            rank: rank_of.get(&node).copied(),
             silent_s: ctl.last_heard(node).map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
             epoch: ctl.node_epoch(node).map_or(0, |e| e.saturating_sub(first_epoch)),
             state: ctl.member_state(node).as_str().to_string(),

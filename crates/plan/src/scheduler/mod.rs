@@ -182,7 +182,24 @@ pub fn replan_model(
     let jobs: Vec<(&Vec<f64>, &Placement)> = loads.iter().zip(previous.layers()).collect();
     let plan = |&(l, prev): &(&Vec<f64>, &Placement)| -> Result<(Placement, bool), PlanError> {
         match repair_layer(l, shape, policy, prev, origin)? {
-            Some(p) => Ok((p.placement, true)),
+            Some((p, true)) => Ok((p.placement, true)),
+            Some((repaired, false)) => {
+                // Past the guard: a fresh plan is taken only if it balances better. (Where the
+                // slots cannot meet the guard at all — one slot a GPU, more GPUs than experts —
+                // planning afresh would move every replica for nothing.)
+                let imbalance = |p: &Placement| p.load_balance(l).map(|b| b.imbalance());
+                let kept = imbalance(&repaired.placement)?;
+                if kept <= imbalance_floor(l, &repaired.placement.replica_counts(), shape.ranks()) * (1.0 + 1e-9) {
+                    // No placement of these replicas balances better.
+                    return Ok((repaired.placement, true));
+                }
+                let fresh = plan_layer(l, shape, policy)?;
+                if kept <= imbalance(&fresh.placement)? * (1.0 + 1e-9) {
+                    Ok((repaired.placement, true))
+                } else {
+                    Ok((fresh.placement, false))
+                }
+            }
             None => plan_layer(l, shape, policy).map(|p| (p.placement, false)),
         }
     };
@@ -191,24 +208,34 @@ pub fn replan_model(
     ModelPlan::new(previous.epoch() + 1, layers.into_iter().map(|(p, _)| p).collect()).map(|p| (p, repaired))
 }
 
-/// One layer repaired ([`replan_model`]); None when the repair does not fit or breaks the
-/// guard.
+/// One layer repaired ([`replan_model`]), with whether it meets the guard; None when the
+/// repair does not fit.
 fn repair_layer(
     loads: &[f64],
     shape: ClusterShape,
     policy: &PlanPolicy,
     previous: &Placement,
     origin: &[Option<usize>],
-) -> Result<Option<LayerPlan>, PlanError> {
+) -> Result<Option<(LayerPlan, bool)>, PlanError> {
     let allocation = allocate(loads, shape.total_slots(), policy.floor)?;
     let Some(nodes) = repair_nodes(previous, origin, &allocation.replicas, shape, loads) else {
         return Ok(None);
     };
     let placement = Placement::from_nodes(shape, previous.experts(), nodes)?;
-    if !meets_guard(&placement, loads, policy)? {
-        return Ok(None);
+    let meets = meets_guard(&placement, loads, policy)?;
+    Ok(Some((LayerPlan { allocation, placement }, meets)))
+}
+
+/// The least imbalance any placement of `replicas[e]` replicas of each expert over `gpus` GPUs
+/// can have under `loads`: each expert's tokens go to at most its replicas' GPUs, so some GPU
+/// takes at least `loads[e] / replicas[e]` of them, and the busiest at least the mean.
+fn imbalance_floor(loads: &[f64], replicas: &[usize], gpus: usize) -> f64 {
+    let mean = loads.iter().sum::<f64>() / gpus.max(1) as f64;
+    if mean <= 0.0 {
+        return 1.0;
     }
-    Ok(Some(LayerPlan { allocation, placement }))
+    let busiest = loads.iter().zip(replicas).map(|(&l, &r)| l / r.max(1) as f64).fold(mean, f64::max);
+    busiest / mean
 }
 
 /// Whether a placement kept or repaired meets the policy's throughput guard under `loads`.

@@ -259,3 +259,40 @@ fn replanning_after_a_loss_repairs_large_clusters_and_plans_small_ones_afresh() 
     assert!(!repaired);
     assert!(replan_model(&loads, shape, &policy, &before, &origin[1..]).is_err());
 }
+
+/// Where no plan can meet the guard (one slot a GPU, more GPUs than experts: after a loss some
+/// experts have one replica while others have two), the repair that balances as well as a
+/// fresh plan is kept: planning afresh would move nearly every replica for nothing.
+#[test]
+fn a_repair_past_a_guard_no_plan_meets_is_kept_when_a_fresh_plan_balances_no_better() {
+    let loads: Vec<Vec<f64>> = vec![vec![10.0; 16]; 2];
+    let policy = PlanPolicy::trainer(16, Some(crate::DEFAULT_MAX_IMBALANCE));
+    let before = plan_model(&loads, ClusterShape::new(16, 2, 1).unwrap(), &policy, None).unwrap();
+    let origin: Vec<Option<usize>> = (0..16).filter(|&q| q != 5).map(Some).collect();
+    let shape = ClusterShape::new(15, 2, 1).unwrap();
+    let (after, repaired) = replan_model(&loads, shape, &policy, &before, &origin).unwrap();
+    assert!(repaired);
+    for (old, new) in before.layers().iter().zip(after.layers()) {
+        let fresh = plan_layer(&loads[0], shape, &policy).unwrap().placement;
+        let imbalance = |p: &Placement| p.load_balance(&loads[0]).unwrap().imbalance();
+        assert!(imbalance(new) <= imbalance(&fresh) * (1.0 + 1e-9), "{} vs a fresh plan's {}", imbalance(new), imbalance(&fresh));
+        let changed: usize =
+            origin.iter().zip(new.nodes()).map(|(q, node)| node.iter().zip(&old.nodes()[q.unwrap()]).filter(|(a, b)| a != b).count()).sum();
+        assert!(changed <= 2, "{changed} slots changed: only the lost node's two experts go elsewhere");
+    }
+}
+
+proptest! {
+    /// The floor is one: no placement of the replicas balances better than it.
+    #[test]
+    fn no_placement_balances_better_than_the_imbalance_floor(
+        loads in proptest::collection::vec(0.0f64..100.0, 6),
+    ) {
+        let shape = ClusterShape::new(3, 2, 2).unwrap();
+        let policy = PlanPolicy::unguarded(2);
+        let plan = plan_layer(&loads, shape, &policy).unwrap();
+        let b = plan.placement.load_balance(&loads).unwrap().imbalance();
+        let floor = imbalance_floor(&loads, &plan.placement.replica_counts(), shape.ranks());
+        prop_assert!(floor <= b * (1.0 + 1e-9), "floor {floor} above a placement's {b}");
+    }
+}

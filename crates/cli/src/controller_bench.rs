@@ -1,0 +1,545 @@
+//! `lazarus bench controller`: a real controller process (`lazarus controller`) driven by
+//! synthetic node agents on loopback ([`lazarus_control::loadgen`]) at the size of a real
+//! cluster — by default 1,024 nodes of 8 workers, 58 MoE layers of 256 experts. It measures
+//! what the controller costs in steady state (CPU, memory, messages) and how fast a node loss
+//! and a join of nodes are turned into commands at every agent, the next step included.
+//!
+//! The model the controller plans is the shape's (layers, experts) with tiny widths: the
+//! controller holds no weights that matter, and its fakes train nothing.
+
+use std::io::Write as _;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lazarus_control::loadgen::{LoadOptions, Mark, SyntheticFleet};
+use serde::Serialize;
+
+#[derive(Args, Debug)]
+pub struct ControllerBenchArgs {
+    /// Nodes (synthetic agents) the job starts with.
+    #[arg(long, default_value_t = 1024)]
+    nodes: usize,
+    /// Workers of each node.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_node: usize,
+    /// MoE layers of the model the controller plans.
+    #[arg(long, default_value_t = 58)]
+    layers: usize,
+    /// Experts of each layer.
+    #[arg(long, default_value_t = 256)]
+    experts: usize,
+    /// Nodes that join the running job at once, after the node loss.
+    #[arg(long, default_value_t = 64)]
+    joins: usize,
+    /// Seconds between the steps rank 0 reports.
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    step: f64,
+    /// Seconds of steady state measured.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    steady: f64,
+    /// The controller's lease, seconds (as `lazarus controller --lease`; default 1).
+    #[arg(long, value_name = "SECONDS")]
+    lease: Option<f64>,
+    /// The heartbeat of agents and workers, seconds (default 0.2).
+    #[arg(long, value_name = "SECONDS")]
+    heartbeat: Option<f64>,
+    /// Threads of the synthetic agents' runtime.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Keep the controller's files (its log, stderr, state) in this directory.
+    #[arg(long, value_name = "DIR")]
+    keep: Option<PathBuf>,
+    #[arg(long)]
+    json: bool,
+}
+
+/// Most nodes the benchmark starts (joins included): the controller's job limit.
+const MOST_WORKERS: usize = lazarus_control::protocol::MAX_WORKERS;
+
+/// The controller's join wait, seconds: the joiners, attaching together, share one move.
+const JOIN_WAIT_S: &str = "3";
+
+/// Tokens each replica is routed per step, as the fakes report it.
+const TOKENS_PER_REPLICA: u64 = 1000;
+
+/// The report of `bench controller --json`.
+#[derive(Debug, Serialize)]
+struct ControllerBenchReport {
+    nodes: usize,
+    gpus_per_node: usize,
+    workers: usize,
+    layers: usize,
+    experts: usize,
+    /// The controller's lease and heartbeat, seconds.
+    lease_s: f64,
+    heartbeat_s: f64,
+    start: StartTimes,
+    steady: Steady,
+    node_loss: MoveTimes,
+    join: MoveTimes,
+    /// The controller's resident memory at the end, and its high-water mark, MiB.
+    rss_mib: f64,
+    peak_rss_mib: f64,
+    machine: String,
+}
+
+#[derive(Debug, Serialize)]
+struct StartTimes {
+    /// Planning, until the controller listens (profiling the model, the first plan).
+    listening_s: f64,
+    /// Until every agent was sent its workers.
+    started_s: f64,
+    /// Until every worker was ready and training began.
+    training_s: f64,
+    /// What each agent was sent to start its workers, MiB (the job with its replica map).
+    start_mib_per_agent: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Steady {
+    seconds: f64,
+    /// The controller's CPU time over the window, in cores (1.0: one core busy).
+    controller_cores: f64,
+    /// Messages the agents sent per second (heartbeats of agents and workers, reports).
+    messages_per_s: f64,
+    /// The controller's CPU time per message, microseconds.
+    cpu_us_per_message: f64,
+    steps: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct MoveTimes {
+    /// From the loss (or the last joiner's start) to the first agent's order.
+    first_order_ms: f64,
+    /// To the last agent's order: the controller's commands are all out.
+    orders_out_ms: f64,
+    /// To every rank ready at the new epoch.
+    ready_ms: f64,
+    /// To the next step reported.
+    next_step_ms: f64,
+    /// The controller's own record of the move (its `--json-log`): detection, planning.
+    detect_s: Option<f64>,
+    plan_s: Option<f64>,
+    /// What each agent was sent for the move, bytes (mean).
+    order_bytes_per_agent: f64,
+    /// A join: from the last joiner's start to the pause that begins the move (the join wait
+    /// of the controller, so that nodes arriving together share one move).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attached_to_pause_ms: Option<f64>,
+}
+
+pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
+    check(args)?;
+    let workers = args.nodes * args.gpus_per_node;
+    let most = (args.nodes + args.joins) * args.gpus_per_node;
+    let dir = match &args.keep {
+        Some(d) => {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            d.clone()
+        }
+        None => std::env::temp_dir().join(format!("lazarus-bench-controller-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+    let secret_file = dir.join("secret");
+    write_secret(&secret_file, secret)?;
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let listen: SocketAddr = ([127, 0, 0, 1], port).into();
+    let lease = args.lease.unwrap_or(1.0);
+    let heartbeat = args.heartbeat.unwrap_or(lease / 5.0);
+    say(
+        args,
+        &format!(
+            "bench controller: {} nodes x {} workers, {} layers x {} experts; the controller plans its job",
+            args.nodes, args.gpus_per_node, args.layers, args.experts
+        ),
+    );
+    let begun = Instant::now();
+    let mut controller = start_controller(args, &dir, &secret_file, listen, workers, most, lease, heartbeat)?;
+    let pid = controller.child.id();
+    let listening = wait_listening(&mut controller, listen, Duration::from_secs(900))?;
+    let listening_s = listening.duration_since(begun).as_secs_f64();
+    say(args, &format!("listening after {listening_s:.1} s; {} agents attach", args.nodes));
+
+    let opts = LoadOptions {
+        controller: listen,
+        secret,
+        gpus: args.gpus_per_node,
+        step_every: Duration::from_secs_f64(args.step),
+        tokens_per_replica: TOKENS_PER_REPLICA,
+    };
+    let mut fleet = SyntheticFleet::new(opts, args.threads)?;
+    let attach_at = Instant::now();
+    let before = fleet.traffic();
+    fleet.attach(args.nodes);
+    let trained = fleet.wait_until(Duration::from_secs(900), |p| p.training && p.world == workers);
+    controller.check_alive()?;
+    if !trained {
+        bail!("the job did not start training within 900 s (synthetic agents: {:?}; controller: {})", fleet.trouble(), controller.tail());
+    }
+    let marks = fleet.marks_since(attach_at);
+    let started_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max().unwrap_or(attach_at);
+    let start = StartTimes {
+        listening_s,
+        started_s: started_at.duration_since(attach_at).as_secs_f64(),
+        training_s: attach_at.elapsed().as_secs_f64(),
+        start_mib_per_agent: (fleet.traffic().received_bytes - before.received_bytes) as f64 / args.nodes as f64 / (1 << 20) as f64,
+    };
+    say(args, &format!("training after {:.1} s (every agent started after {:.1} s)", start.training_s, start.started_s));
+    fleet.start_stepping();
+    if !fleet.wait_until(Duration::from_secs(60), |p| p.steps_done >= 2) {
+        bail!("no step in 60 s after the start: {:?}", fleet.trouble());
+    }
+
+    let steady = measure_steady(&fleet, pid, args.steady)?;
+    say(args, &format!("steady: the controller uses {:.2} cores at {:.0} messages/s", steady.controller_cores, steady.messages_per_s));
+
+    let victim = args.nodes - 1;
+    let node_loss = measure_move(&mut fleet, &dir, args.nodes - 1, Duration::from_secs(300), |f| f.lose_node(victim), "reconfigure")?;
+    controller.check_alive()?;
+    say(args, &format!("node loss: orders out after {:.0} ms, next step after {:.0} ms", node_loss.orders_out_ms, node_loss.next_step_ms));
+
+    let join = if args.joins > 0 {
+        let m = measure_move(&mut fleet, &dir, args.nodes - 1 + args.joins, Duration::from_secs(600), |f| f.attach(args.joins), "join")?;
+        say(args, &format!("join of {}: orders out after {:.0} ms, next step after {:.0} ms", args.joins, m.orders_out_ms, m.next_step_ms));
+        m
+    } else {
+        MoveTimes::default()
+    };
+    controller.check_alive()?;
+    let (rss_mib, peak_rss_mib) = memory_mib(pid);
+    controller.stop();
+    drop(fleet);
+    if args.keep.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let report = ControllerBenchReport {
+        nodes: args.nodes,
+        gpus_per_node: args.gpus_per_node,
+        workers,
+        layers: args.layers,
+        experts: args.experts,
+        lease_s: lease,
+        heartbeat_s: heartbeat,
+        start,
+        steady,
+        node_loss,
+        join,
+        rss_mib,
+        peak_rss_mib,
+        machine: machine(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+impl Default for MoveTimes {
+    fn default() -> Self {
+        MoveTimes {
+            first_order_ms: 0.0,
+            orders_out_ms: 0.0,
+            ready_ms: 0.0,
+            next_step_ms: 0.0,
+            detect_s: None,
+            plan_s: None,
+            order_bytes_per_agent: 0.0,
+            attached_to_pause_ms: None,
+        }
+    }
+}
+
+fn check(args: &ControllerBenchArgs) -> Result<()> {
+    if args.nodes < 2 {
+        bail!("invalid --nodes: {} (expected at least 2: one is lost)", args.nodes);
+    }
+    if args.gpus_per_node == 0 || args.gpus_per_node > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
+        bail!("invalid --gpus-per-node: {} (expected 1 to {})", args.gpus_per_node, lazarus_control::protocol::MAX_WORKERS_PER_HOST);
+    }
+    if (args.nodes + args.joins).saturating_mul(args.gpus_per_node) > MOST_WORKERS {
+        bail!("invalid --nodes/--joins: {} nodes of {} (at most {MOST_WORKERS} workers)", args.nodes + args.joins, args.gpus_per_node);
+    }
+    if args.layers == 0 || args.layers > 256 {
+        bail!("invalid --layers: {} (expected 1 to 256)", args.layers);
+    }
+    if args.experts < 2 || args.experts > 1024 {
+        bail!("invalid --experts: {} (expected 2 to 1024)", args.experts);
+    }
+    for (name, v, most) in [("--step", args.step, 60.0), ("--steady", args.steady, 3600.0)] {
+        if !v.is_finite() || v <= 0.0 || v > most {
+            bail!("invalid {name}: {v} (expected seconds above 0, at most {most})");
+        }
+    }
+    if args.threads == 0 || args.threads > 256 {
+        bail!("invalid --threads: {} (expected 1 to 256)", args.threads);
+    }
+    Ok(())
+}
+
+fn say(args: &ControllerBenchArgs, line: &str) {
+    if !args.json {
+        eprintln!("{line}");
+    } else {
+        tracing::info!("{line}");
+    }
+}
+
+fn write_secret(path: &Path, secret: u128) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret))?;
+    Ok(())
+}
+
+/// The controller under test, with where its output goes.
+struct Controller {
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Controller {
+    fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("the controller exited ({status}): {}", self.tail());
+        }
+        Ok(())
+    }
+
+    /// The end of its stderr.
+    fn tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(8)..].join("\n")
+    }
+
+    fn stop(&mut self) {
+        // SAFETY: a signal to our own child.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.stop();
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // the job's shape and timing, each its own
+fn start_controller(
+    args: &ControllerBenchArgs,
+    dir: &Path,
+    secret_file: &Path,
+    listen: SocketAddr,
+    workers: usize,
+    most: usize,
+    lease: f64,
+    heartbeat: f64,
+) -> Result<Controller> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let stderr = dir.join("controller.stderr");
+    let n = |x: usize| x.to_string();
+    let f = |x: f64| x.to_string();
+    let mut cmd = Command::new(exe);
+    cmd.arg("controller")
+        .args(["--listen", &listen.to_string()])
+        .arg("--secret-file")
+        .arg(secret_file)
+        .args(["--workers", &n(workers), "--gpus-per-node", &n(args.gpus_per_node), "--max-workers", &n(most)])
+        .args(["--join-wait", JOIN_WAIT_S, "--wait-agents", "900"])
+        .args(["--layers", &n(args.layers), "--moe-every", "1", "--experts", &n(args.experts)])
+        .args(["--d-model", "8", "--heads", "1", "--d-ff", "8", "--batch-size", &n(most), "--seq-len", "2"])
+        .args(["--steps", "1000000", "--profile-steps", "1", "--rebalance-every", "0"])
+        .args(["--lease", &f(lease), "--heartbeat", &f(heartbeat)])
+        .arg("--checkpoint-dir")
+        .arg(dir.join("checkpoints"))
+        .arg("--overwrite-checkpoints")
+        .arg("--json-log")
+        .arg(dir.join("log.jsonl"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(std::fs::File::create(dir.join("controller.stdout"))?))
+        .stderr(Stdio::from(std::fs::File::create(&stderr)?));
+    let child = cmd.spawn().context("starting the controller")?;
+    Ok(Controller { child, stderr })
+}
+
+fn wait_listening(c: &mut Controller, addr: SocketAddr, within: Duration) -> Result<Instant> {
+    let until = Instant::now() + within;
+    loop {
+        c.check_alive()?;
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(Instant::now());
+        }
+        if Instant::now() >= until {
+            bail!("the controller did not listen at {addr} within {} s: {}", within.as_secs(), c.tail());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The controller's CPU time so far, seconds (user + system, from /proc).
+fn cpu_seconds(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).context("reading the controller's /proc stat")?;
+    // The fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok((ticks(11) + ticks(12)) / hz)
+}
+
+/// The controller's resident memory and its high-water mark, MiB.
+fn memory_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
+}
+
+fn measure_steady(fleet: &SyntheticFleet, pid: u32, seconds: f64) -> Result<Steady> {
+    let (t0, cpu0, traffic0, steps0) = (Instant::now(), cpu_seconds(pid)?, fleet.traffic(), fleet.plane().steps_done);
+    std::thread::sleep(Duration::from_secs_f64(seconds));
+    let (wall, cpu, traffic, steps) = (t0.elapsed().as_secs_f64(), cpu_seconds(pid)? - cpu0, fleet.traffic(), fleet.plane().steps_done);
+    let messages = (traffic.agent_heartbeats + traffic.worker_heartbeats + traffic.reports)
+        - (traffic0.agent_heartbeats + traffic0.worker_heartbeats + traffic0.reports);
+    Ok(Steady {
+        seconds: wall,
+        controller_cores: cpu / wall,
+        messages_per_s: messages as f64 / wall,
+        cpu_us_per_message: if messages > 0 { cpu * 1e6 / messages as f64 } else { 0.0 },
+        steps: steps - steps0,
+    })
+}
+
+/// Make a move happen (`cause`), and time it as the agents saw it: the orders reaching
+/// `agents` agents, every rank ready, the next step; with the controller's record of it.
+fn measure_move(
+    fleet: &mut SyntheticFleet,
+    dir: &Path,
+    agents: usize,
+    within: Duration,
+    make: impl FnOnce(&mut SyntheticFleet),
+    cause: &str,
+) -> Result<MoveTimes> {
+    let p0 = fleet.plane();
+    let records_before = records(dir, cause);
+    let traffic0 = fleet.traffic();
+    let t0 = Instant::now();
+    make(fleet);
+    let world = agents * fleet.gpus();
+    let moved = fleet.wait_until(within, |p| p.epoch > p0.epoch && p.world == world && p.training && p.steps_done > p0.steps_done);
+    if !moved {
+        bail!(
+            "the {cause} did not complete within {} s (the fakes' plane: {:?}; trouble: {:?})",
+            within.as_secs(),
+            fleet.plane(),
+            fleet.trouble()
+        );
+    }
+    // The next step reported, and the controller's record of the move (written once the step
+    // is logged).
+    let until = Instant::now() + Duration::from_secs(30);
+    let stepped = |marks: &[(Instant, Mark)]| {
+        let ready = marks.iter().position(|(_, m)| matches!(m, Mark::AllReady { epoch } if *epoch > p0.epoch));
+        ready.is_some_and(|r| marks[r..].iter().any(|(_, m)| matches!(m, Mark::Step { .. })))
+    };
+    while Instant::now() < until && !(stepped(&fleet.marks_since(t0)) && records(dir, cause) > records_before) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let marks = fleet.marks_since(t0);
+    // A join counts from the controller's pause that begins it (nodes that attach within the
+    // join wait share one move).
+    let from = marks.iter().find(|(_, m)| matches!(m, Mark::Paused { .. })).map_or(t0, |(t, _)| *t);
+    let joined_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max();
+    let ms = |t: Instant| t.saturating_duration_since(from).as_secs_f64() * 1e3;
+    let orders: Vec<Instant> =
+        marks.iter().filter(|(_, m)| matches!(m, Mark::Ordered { epoch, .. } if *epoch > p0.epoch)).map(|(t, _)| *t).collect();
+    let ready = marks.iter().find(|(_, m)| matches!(m, Mark::AllReady { epoch } if *epoch > p0.epoch)).map(|(t, _)| *t);
+    let step = marks.iter().find(|(t, m)| matches!(m, Mark::Step { .. }) && ready.is_some_and(|r| *t >= r)).map(|(t, _)| *t);
+    if orders.len() < agents {
+        tracing::warn!("the {cause}: {} of {agents} agents got their orders", orders.len());
+    }
+    let record = last_record(dir, cause);
+    let received = fleet.traffic().received_bytes - traffic0.received_bytes;
+    Ok(MoveTimes {
+        first_order_ms: orders.iter().min().map_or(0.0, |&t| ms(t)),
+        orders_out_ms: orders.iter().max().map_or(0.0, |&t| ms(t)),
+        ready_ms: ready.map_or(0.0, ms),
+        next_step_ms: step.map_or(0.0, ms),
+        detect_s: record.as_ref().and_then(|r| r["detect_s"].as_f64()),
+        plan_s: record.as_ref().and_then(|r| r["plan_s"].as_f64()),
+        order_bytes_per_agent: received as f64 / agents.max(1) as f64,
+        attached_to_pause_ms: joined_at.map(|j| from.saturating_duration_since(j).as_secs_f64() * 1e3),
+    })
+}
+
+/// The controller's reconfiguration records of `cause` in its `--json-log`.
+fn records_of(dir: &Path, cause: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("log.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "reconfiguration" && v["cause"] == cause)
+        .collect()
+}
+
+fn records(dir: &Path, cause: &str) -> usize {
+    records_of(dir, cause).len()
+}
+
+/// The controller's last reconfiguration record of `cause`.
+fn last_record(dir: &Path, cause: &str) -> Option<serde_json::Value> {
+    records_of(dir, cause).pop()
+}
+
+fn print_report(r: &ControllerBenchReport) {
+    println!(
+        "controller at {} nodes x {} workers ({} workers), {} layers x {} experts; lease {} s, heartbeat {} s",
+        r.nodes, r.gpus_per_node, r.workers, r.layers, r.experts, r.lease_s, r.heartbeat_s
+    );
+    println!(
+        "  start:     listening after {:.1} s (planning); every agent started after {:.1} s ({:.2} MiB each); training after {:.1} s",
+        r.start.listening_s, r.start.started_s, r.start.start_mib_per_agent, r.start.training_s
+    );
+    println!(
+        "  steady:    {:.2} cores, {:.0} messages/s, {:.1} µs of controller CPU per message, {} steps in {:.1} s",
+        r.steady.controller_cores, r.steady.messages_per_s, r.steady.cpu_us_per_message, r.steady.steps, r.steady.seconds
+    );
+    for (what, m) in [("node loss", &r.node_loss), ("join", &r.join)] {
+        println!(
+            "  {what:<10} first order {:.0} ms, orders out {:.0} ms, ready {:.0} ms, next step {:.0} ms; decided in {} (its record); {:.0} KiB to each agent",
+            m.first_order_ms,
+            m.orders_out_ms,
+            m.ready_ms,
+            m.next_step_ms,
+            m.plan_s.map_or("?".into(), |s| format!("{:.0} ms", s * 1e3)),
+            m.order_bytes_per_agent / 1024.0
+        );
+    }
+    println!("  memory:    {:.0} MiB resident, {:.0} MiB at most", r.rss_mib, r.peak_rss_mib);
+    println!("  machine:   {}", r.machine);
+}
+
+/// This machine, in a line: its processor and how many cores this process may use.
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map_or("?", |(_, m)| m.trim());
+    format!("{model}, {} cores", lazarus_control::allowed_cpus().len())
+}
