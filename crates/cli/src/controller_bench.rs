@@ -41,10 +41,12 @@ pub struct ControllerBenchArgs {
     /// Seconds of steady state measured.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     steady: f64,
-    /// The controller's lease, seconds (as `lazarus controller --lease`; default 1).
-    #[arg(long, value_name = "SECONDS")]
-    lease: Option<f64>,
-    /// The heartbeat of agents and workers, seconds (default 0.2).
+    /// The controller's lease, seconds (as `lazarus controller --lease`). Longer than a
+    /// job's default (1 s): at a thousand nodes the controller and every synthetic agent share
+    /// this machine's cores.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    lease: f64,
+    /// The heartbeat of agents and workers, seconds (default: a fifth of the lease).
     #[arg(long, value_name = "SECONDS")]
     heartbeat: Option<f64>,
     /// Threads of the synthetic agents' runtime.
@@ -97,6 +99,10 @@ struct StartTimes {
     training_s: f64,
     /// What each agent was sent to start its workers, MiB (the job with its replica map).
     start_mib_per_agent: f64,
+    /// The controller's resident memory once it listened (planned), and once training began,
+    /// MiB.
+    rss_mib_listening: f64,
+    rss_mib_training: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -149,7 +155,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     write_secret(&secret_file, secret)?;
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let listen: SocketAddr = ([127, 0, 0, 1], port).into();
-    let lease = args.lease.unwrap_or(1.0);
+    let lease = args.lease;
     let heartbeat = args.heartbeat.unwrap_or(lease / 5.0);
     say(
         args,
@@ -163,6 +169,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let pid = controller.child.id();
     let listening = wait_listening(&mut controller, listen, Duration::from_secs(900))?;
     let listening_s = listening.duration_since(begun).as_secs_f64();
+    let rss_mib_listening = memory_mib(pid).0;
     say(args, &format!("listening after {listening_s:.1} s; {} agents attach", args.nodes));
 
     let opts = LoadOptions {
@@ -176,8 +183,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let attach_at = Instant::now();
     let before = fleet.traffic();
     fleet.attach(args.nodes);
-    let trained = fleet.wait_until(Duration::from_secs(900), |p| p.training && p.world == workers);
-    controller.check_alive()?;
+    let trained = wait_for(&mut controller, &fleet, Duration::from_secs(900), |p| p.training && p.world == workers)?;
     if !trained {
         bail!("the job did not start training within 900 s (synthetic agents: {:?}; controller: {})", fleet.trouble(), controller.tail());
     }
@@ -188,6 +194,8 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         started_s: started_at.duration_since(attach_at).as_secs_f64(),
         training_s: attach_at.elapsed().as_secs_f64(),
         start_mib_per_agent: (fleet.traffic().received_bytes - before.received_bytes) as f64 / args.nodes as f64 / (1 << 20) as f64,
+        rss_mib_listening,
+        rss_mib_training: memory_mib(pid).0,
     };
     say(args, &format!("training after {:.1} s (every agent started after {:.1} s)", start.training_s, start.started_s));
     fleet.start_stepping();
@@ -276,6 +284,12 @@ fn check(args: &ControllerBenchArgs) -> Result<()> {
         if !v.is_finite() || v <= 0.0 || v > most {
             bail!("invalid {name}: {v} (expected seconds above 0, at most {most})");
         }
+    }
+    if !args.lease.is_finite() || !(0.05..=600.0).contains(&args.lease) {
+        bail!("invalid --lease: {} (expected 0.05 to 600 seconds)", args.lease);
+    }
+    if let Some(h) = args.heartbeat.filter(|h| !h.is_finite() || *h <= 0.0 || *h >= args.lease) {
+        bail!("invalid --heartbeat: {h} (expected seconds above 0, below the lease {})", args.lease);
     }
     if args.threads == 0 || args.threads > 256 {
         bail!("invalid --threads: {} (expected 1 to 256)", args.threads);
@@ -372,6 +386,23 @@ fn start_controller(
         .stderr(Stdio::from(std::fs::File::create(&stderr)?));
     let child = cmd.spawn().context("starting the controller")?;
     Ok(Controller { child, stderr })
+}
+
+/// Wait until `done` holds of the fakes' plane, at most `within`, while the controller runs.
+fn wait_for(
+    controller: &mut Controller,
+    fleet: &SyntheticFleet,
+    within: Duration,
+    done: impl Fn(&lazarus_control::loadgen::PlaneView) -> bool,
+) -> Result<bool> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if fleet.wait_until(Duration::from_secs(1), &done) {
+            return Ok(true);
+        }
+        controller.check_alive().map_err(|e| e.context(format!("synthetic agents: {:?}", fleet.trouble())))?;
+    }
+    Ok(false)
 }
 
 fn wait_listening(c: &mut Controller, addr: SocketAddr, within: Duration) -> Result<Instant> {
@@ -515,8 +546,8 @@ fn print_report(r: &ControllerBenchReport) {
         r.nodes, r.gpus_per_node, r.workers, r.layers, r.experts, r.lease_s, r.heartbeat_s
     );
     println!(
-        "  start:     listening after {:.1} s (planning); every agent started after {:.1} s ({:.2} MiB each); training after {:.1} s",
-        r.start.listening_s, r.start.started_s, r.start.start_mib_per_agent, r.start.training_s
+        "  start:     listening after {:.1} s (planning, {:.0} MiB); every agent started after {:.1} s ({:.2} MiB each); training after {:.1} s ({:.0} MiB)",
+        r.start.listening_s, r.start.rss_mib_listening, r.start.started_s, r.start.start_mib_per_agent, r.start.training_s, r.start.rss_mib_training
     );
     println!(
         "  steady:    {:.2} cores, {:.0} messages/s, {:.1} µs of controller CPU per message, {} steps in {:.1} s",

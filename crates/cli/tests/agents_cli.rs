@@ -865,3 +865,66 @@ fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
     }
     let _ = std::fs::remove_dir_all(&job.d);
 }
+
+/// `lazarus bench controller` drives a real controller process with synthetic agents over the
+/// real protocol: the job starts, a node is lost and the survivors are moved (only the lost
+/// node's experts travel), nodes join, and the report says what each took.
+#[test]
+fn bench_controller_drives_a_real_controller_through_a_node_loss_and_a_join() {
+    let d = dir("bench-controller");
+    let keep = d.join("run");
+    let args = [
+        "bench",
+        "controller",
+        "--nodes",
+        "6",
+        "--gpus-per-node",
+        "2",
+        "--layers",
+        "3",
+        "--experts",
+        "8",
+        "--joins",
+        "2",
+        "--steady",
+        "1",
+        "--step",
+        "0.1",
+        "--lease",
+        "2",
+        "--json",
+        "--keep",
+        keep.to_str().unwrap(),
+    ];
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["workers"].as_u64(), r["layers"].as_u64(), r["experts"].as_u64()), (Some(12), Some(3), Some(8)), "{r}");
+    assert!(r["steady"]["messages_per_s"].as_f64().unwrap() > 0.0 && r["steady"]["steps"].as_u64().unwrap() > 0, "{r}");
+    for what in ["node_loss", "join"] {
+        let m = &r[what];
+        let (first, out_ms, ready, step) = (
+            m["first_order_ms"].as_f64().unwrap(),
+            m["orders_out_ms"].as_f64().unwrap(),
+            m["ready_ms"].as_f64().unwrap(),
+            m["next_step_ms"].as_f64().unwrap(),
+        );
+        assert!(0.0 <= first && first <= out_ms && out_ms <= ready && ready <= step, "{what}: {m}");
+        assert!(m["plan_s"].as_f64().is_some(), "{what}: the controller's record of the move: {m}");
+    }
+    // The controller's log: the loss moved the survivors (no rollback), then the joiners came in.
+    let records: Vec<Value> = std::fs::read_to_string(keep.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "reconfiguration")
+        .collect();
+    let causes: Vec<&str> = records.iter().map(|v| v["cause"].as_str().unwrap()).collect();
+    assert_eq!(causes, ["reconfigure", "join"], "{records:?}");
+    assert_eq!((records[0]["lost"].as_array().unwrap().len(), records[0]["workers"].as_u64()), (2, Some(10)));
+    assert_eq!(records[1]["workers"].as_u64(), Some(14));
+    let bad = lazarus(&["bench", "controller", "--nodes", "1"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--nodes"));
+    let bad = lazarus(&["bench", "controller", "--nodes", "1025", "--gpus-per-node", "16"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("16384"), "{}", String::from_utf8_lossy(&bad.stderr));
+}

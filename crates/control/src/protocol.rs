@@ -135,6 +135,51 @@ pub const MAX_WORKERS: usize = 16_384;
 /// of a job whose workers all run where it is launched (`train --workers N`).
 pub const MAX_WORKERS_PER_HOST: usize = 64;
 
+/// The largest message of the control protocol a client takes from the controller (a node's
+/// start with the job's replica map, a status with every member and the plan): bounded, and
+/// far above what 16,384 workers need.
+pub const MAX_CONTROL_MESSAGE: usize = 256 << 20;
+
+/// Lines to workers longer than this travel to their agents compressed (`WorkerInput.deflated`).
+pub const DEFLATE_LINES_OVER: usize = 64 << 10;
+
+/// The most a node's job (or a compressed line) may take once decompressed ([`inflate_job`]).
+pub const MAX_JOB_BYTES: usize = 1 << 30;
+
+/// A node's job as it travels (`StartWorkers.job`): its JSON, zlib-compressed once for every
+/// node (a replica map at a thousand nodes shrinks several times).
+pub fn deflate_job(json: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut z = flate2::write::ZlibEncoder::new(Vec::with_capacity(json.len() / 4), flate2::Compression::fast());
+    // Writing to a Vec cannot fail.
+    let _ = z.write_all(json);
+    z.finish().unwrap_or_default()
+}
+
+/// A node's job as it came, decompressed: at most [`MAX_JOB_BYTES`], UTF-8, one JSON object
+/// on one line (a line break would cut the worker protocol's line in two). Err: why not.
+pub fn inflate_job(deflated: &[u8]) -> Result<String, String> {
+    inflate_at_most(deflated, MAX_JOB_BYTES)
+}
+
+fn inflate_at_most(deflated: &[u8], most: usize) -> Result<String, String> {
+    use std::io::Read as _;
+    let mut json = Vec::new();
+    flate2::read::ZlibDecoder::new(deflated)
+        .take(most as u64 + 1)
+        .read_to_end(&mut json)
+        .map_err(|e| format!("the job is not zlib data: {e}"))?;
+    if json.len() > most {
+        return Err(format!("the job is larger than {most} bytes decompressed"));
+    }
+    let text = String::from_utf8(json).map_err(|e| format!("the job is not UTF-8: {e}"))?;
+    if !text.trim_start().starts_with('{') || text.contains('\n') {
+        return Err(format!("the job is not one JSON object on one line: {text:.80}"));
+    }
+    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| format!("the job is not JSON: {e}"))?;
+    Ok(text)
+}
+
 /// The variable a launcher sets to each worker process's index among the workers it starts
 /// (its local worker number on the node): what picks its GPU.
 pub const LOCAL_WORKER_ENV: &str = "LAZARUS_LOCAL_WORKER";
@@ -440,6 +485,24 @@ mod tests {
         assert!(beyond.for_worker(7).unwrap_err().contains("beyond"));
         let leaver = MoveOrder { leaving: vec![5], ..order };
         assert!(leaver.for_worker(7).is_err());
+    }
+
+    /// A node's job comes back as it went; what is not a compressed JSON object on one line,
+    /// or inflates past the bound, is refused with the reason.
+    #[test]
+    fn a_node_s_job_travels_compressed_and_is_checked_when_it_comes() {
+        let job = r#"{"standby":false,"plan":{"epoch":3,"layers":[[[[0,1]]]]}}"#;
+        assert_eq!(inflate_job(&deflate_job(job.as_bytes())).unwrap(), job);
+        assert!(inflate_job(job.as_bytes()).unwrap_err().contains("zlib"));
+        assert!(inflate_job(&deflate_job(b"{\"x\":\n1}")).unwrap_err().contains("one line"));
+        assert!(inflate_job(&deflate_job(b"[1]")).unwrap_err().contains("object"));
+        assert!(inflate_job(&deflate_job(b"{\"x\":")).unwrap_err().contains("JSON"));
+        assert!(inflate_job(&deflate_job(b"{\xff}")).unwrap_err().contains("UTF-8"));
+        // A bomb: a little that inflates past the bound is cut off there.
+        let bomb = deflate_job(&vec![b' '; (1 << 20) + 2]);
+        assert!(bomb.len() < 10_000);
+        assert!(inflate_at_most(&bomb, 1 << 20).unwrap_err().contains("larger than 1048576"));
+        assert!(inflate_at_most(&deflate_job(job.as_bytes()), job.len()).is_ok());
     }
 
     #[test]

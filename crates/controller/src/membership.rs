@@ -3,9 +3,13 @@
 //! its node with it, so that plans always have whole nodes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{Command, Controller, Event, MoveCause, NodeId, Phase, StepRecord};
+
+/// How long a worker may take to say its first word, at most (its lease if longer; never past
+/// the start deadline): its spec has to reach it first ([`Controller::lease_of`]).
+pub const FIRST_WORD_WITHIN: Duration = Duration::from_secs(30);
 
 /// What a worker is to the job, as `lazarus status` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,8 +69,9 @@ impl<S: StepRecord> Controller<S> {
     /// A worker's own word (not its exit, which others report) means it runs.
     pub(super) fn note_heard(&mut self, event: &Event<S>) {
         let Some(node) = heard_from(event) else { return };
-        if self.alive.contains(&node) || self.standby.contains_key(&node) {
-            self.heard.insert(node);
+        if (self.alive.contains(&node) || self.standby.contains_key(&node)) && self.heard.insert(node) {
+            // Its lease is its own now, no longer the first word's: look at the leases again.
+            self.leases_checked_until = None;
         }
     }
 
@@ -148,6 +153,8 @@ impl<S: StepRecord> Controller<S> {
             return;
         }
         let node = self.node_of.values().max().map_or(0, |&n| n + 1);
+        // Their leases may end before the earliest one looked at.
+        self.leases_checked_until = None;
         for &w in &fresh {
             self.node_of.insert(w, node);
             self.last_seen.insert(w, now);
@@ -157,27 +164,44 @@ impl<S: StepRecord> Controller<S> {
         self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.job_epoch(self.epoch)));
     }
 
+    /// How long `node` may be silent: its lease — or, for a member of the job's start before
+    /// its first word, as long as its spec may take to reach it ([`FIRST_WORD_WITHIN`], within
+    /// the start deadline): a thousand nodes' starts carry a replica map each, seconds on the
+    /// controller's link, and a worker says nothing before it has its spec. (A node that joins
+    /// later is sent its spec alone: its lease holds.)
+    pub(super) fn lease_of(&self, node: NodeId) -> Duration {
+        let lease = self.spec.lease;
+        if self.started || self.heard.contains(&node) || self.standby.contains_key(&node) {
+            lease
+        } else {
+            lease.max(FIRST_WORD_WITHIN.min(self.spec.start_within))
+        }
+    }
+
+    /// Why a node lost by its lease is lost.
+    fn silence(&self, node: NodeId) -> String {
+        format!("no heartbeat for {} ms", self.lease_of(node).as_millis())
+    }
+
     /// Members and workers standing by that missed their lease are killed and lost. Every
     /// lease is looked at only once the earliest could have run out.
     pub(super) fn expire_leases(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
         if self.leases_checked_until.is_some_and(|t| now < t) {
             return;
         }
-        let lease = self.spec.lease;
-        let reason = format!("no heartbeat for {} ms", lease.as_millis());
-        let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + lease);
+        let late = |n: &NodeId| self.last_seen.get(n).is_some_and(|&t| now >= t + self.lease_of(*n));
         // A worker that finished its work exits: it holds no lease any more.
         let members: Vec<NodeId> = self.alive.iter().copied().filter(|n| !self.done.contains(n)).filter(late).collect();
         let waiting: Vec<NodeId> = self.standby.keys().copied().filter(late).collect();
         for node in members {
-            let silent_since = self.last_seen.get(&node).copied();
+            let (silent_since, reason) = (self.last_seen.get(&node).copied(), self.silence(node));
             out.push(Command::Kill { node, reason: reason.clone(), silent_since });
             self.lose(node, &reason);
         }
         for node in waiting {
             // Gone already if another worker of its node went before it.
             if self.standby.contains_key(&node) {
-                let silent_since = self.last_seen.get(&node).copied();
+                let (silent_since, reason) = (self.last_seen.get(&node).copied(), self.silence(node));
                 out.push(Command::Kill { node, reason: reason.clone(), silent_since });
                 self.give_up_standby(node, &reason, out);
             }

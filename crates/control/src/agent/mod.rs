@@ -34,7 +34,7 @@ use crate::error::ControlError;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS_PER_HOST;
-use crate::protocol::{secret_hex, LauncherMessage, WorkerEvent};
+use crate::protocol::{inflate_job, secret_hex, LauncherMessage, WorkerEvent};
 use crate::tls::ClientTls;
 use session::{Identity, Session, SessionError};
 
@@ -96,27 +96,6 @@ fn completed_spec(spec: &str, secret: u128, job: Option<&str>) -> Result<String,
     line.push_str(job);
     line.push('}');
     Ok(line)
-}
-
-/// The job every worker of a node runs, when the controller sent it once for them all: checked
-/// to be one JSON object, and whether its workers stand by to join.
-fn node_job(job: &[u8]) -> Result<Option<(&str, bool)>, ControlError> {
-    if job.is_empty() {
-        return Ok(None);
-    }
-    #[derive(serde::Deserialize)]
-    struct Standby {
-        #[serde(default)]
-        standby: bool,
-    }
-    let text = std::str::from_utf8(job).map_err(|e| ControlError::Launch(format!("the controller sent a job that is not UTF-8: {e}")))?;
-    // One line of the worker protocol: an object, with no line break in it.
-    if !text.trim_start().starts_with('{') || text.contains('\n') {
-        return Err(ControlError::Launch(format!("the controller sent a job that is not one JSON object on one line: {text:.80}")));
-    }
-    let parsed: Standby = serde_json::from_str(text)
-        .map_err(|e| ControlError::Launch(format!("the controller sent a job that is not a JSON object: {e}")))?;
-    Ok(Some((text, parsed.standby)))
 }
 
 /// What the agent waits on: its sessions with the controller, and its workers' reports.
@@ -697,26 +676,40 @@ impl Node {
                         serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
                     })
                     .collect();
-                let job = node_job(&s.job)?;
+                // The job once for every worker of the node, compressed (or in each spec).
+                let job = match s.job.is_empty() {
+                    true => None,
+                    false => Some(inflate_job(&s.job).map_err(|e| ControlError::Launch(format!("the controller's start: {e}")))?),
+                };
                 // The specs come without the job's secret: this agent adds the one it proved.
-                let specs =
-                    s.specs.iter().map(|spec| completed_spec(spec, self.secret, job.map(|j| j.0))).collect::<Result<Vec<_>, _>>()?;
+                let specs = s.specs.iter().map(|spec| completed_spec(spec, self.secret, job.as_deref())).collect::<Result<Vec<_>, _>>()?;
                 let reports = self.reports.clone();
                 self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
                 self.first_worker = ranks.first().map(|&r| u64::from(r));
-                self.standing_by = match job {
-                    Some((_, standby)) => standby,
-                    None => s.specs.iter().all(|spec| {
-                        serde_json::from_str::<serde_json::Value>(spec).is_ok_and(|v| v["job"]["standby"] == serde_json::Value::Bool(true))
-                    }),
-                };
+                self.standing_by = s.standby;
                 on_start(&ranks)?;
             }
             controller_message::Body::Input(i) => {
-                let Ok(line) = std::str::from_utf8(&i.line) else {
-                    tracing::warn!("agent: a line for workers {:?} that is not UTF-8: dropped", i.slots);
-                    return Ok(None);
+                let inflated;
+                let line = match i.deflated {
+                    true => match inflate_job(&i.line) {
+                        Ok(text) => {
+                            inflated = text;
+                            inflated.as_str()
+                        }
+                        Err(e) => {
+                            tracing::warn!("agent: a compressed line for workers {:?} that is not one: {e}: dropped", i.slots);
+                            return Ok(None);
+                        }
+                    },
+                    false => match std::str::from_utf8(&i.line) {
+                        Ok(line) if !line.contains('\n') => line,
+                        _ => {
+                            tracing::warn!("agent: a line for workers {:?} that is not one line of UTF-8: dropped", i.slots);
+                            return Ok(None);
+                        }
+                    },
                 };
                 let Some(job) = self.workers.as_mut() else { return Ok(None) };
                 for slot in i.slots.iter().map(|&s| s as usize).filter(|&s| s < self.gpus) {
@@ -774,17 +767,5 @@ mod tests {
         assert_eq!((v["job"]["standby"].as_bool(), v["secret"].as_str()), (Some(false), Some(secret_hex(secret).as_str())));
         assert!(completed_spec("[1,2]", secret, Some(job)).is_err());
         assert!(completed_spec("{", secret, None).is_err());
-    }
-
-    /// The node's job is one JSON object on one line (a line break would cut the worker
-    /// protocol's line in two), or none.
-    #[test]
-    fn a_node_s_job_is_checked_before_it_reaches_a_worker() {
-        assert_eq!(node_job(b"").unwrap(), None);
-        assert_eq!(node_job(br#"{"standby":true,"x":[1]}"#).unwrap(), Some((r#"{"standby":true,"x":[1]}"#, true)));
-        assert_eq!(node_job(br#"{"x":1}"#).unwrap(), Some((r#"{"x":1}"#, false)));
-        for bad in [&b"{\"x\":\n1}"[..], b"[true]", b"{\"x\":", b"\xff{}", b"17"] {
-            assert!(node_job(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
-        }
     }
 }

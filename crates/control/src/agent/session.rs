@@ -89,7 +89,9 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let mut client = proto::control_client::ControlClient::new(channel);
+    // A node's start carries the job's replica map: megabytes at a thousand nodes (gRPC's
+    // default limit, 4 MiB, is met at about 1,000 nodes of 8).
+    let mut client = proto::control_client::ControlClient::new(channel).max_decoding_message_size(crate::protocol::MAX_CONTROL_MESSAGE);
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
     let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
     // A port that takes the connection but never speaks gRPC is given up at the deadline.

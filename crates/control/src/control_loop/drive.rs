@@ -249,6 +249,19 @@ fn already_logged(event: &WorkerEvent, ctl: &Controller, replayed_until: Option<
     }
 }
 
+/// How each worker ended, consecutive workers that ended alike in one entry (`8-15: lost`): a
+/// thousand nodes' stop says what happened in a few lines, not eight thousand.
+fn runs_of(ends: impl Iterator<Item = (usize, String)>) -> Vec<String> {
+    let mut runs: Vec<(usize, usize, String)> = Vec::new();
+    for (w, how) in ends {
+        match runs.last_mut() {
+            Some((_, last, h)) if *last + 1 == w && *h == how => *last = w,
+            _ => runs.push((w, w, how)),
+        }
+    }
+    runs.into_iter().map(|(a, b, how)| if a == b { format!("{a}: {how}") } else { format!("{a}-{b}: {how}") }).collect()
+}
+
 /// The workers (fleet ranks) of controller nodes.
 fn workers(nodes: &[u64]) -> Vec<usize> {
     nodes.iter().map(|&n| n as usize).collect()
@@ -396,20 +409,17 @@ impl Shell {
                 dir.display()
             ));
         }
-        let workers = ctl
-            .nodes()
-            .map(|n| {
-                let w = n as usize;
-                let how = match self.ends.get(&w) {
-                    _ if self.done.contains_key(&w) => "finished",
-                    Some(how) => how.as_str(),
-                    None if ctl.alive().contains(&n) => "alive (killed)",
-                    None => "lost",
-                };
-                format!("{w}: {how}")
-            })
-            .collect();
-        TrainOutcome::Failed { reason, workers }
+        let ends = ctl.nodes().map(|n| {
+            let w = n as usize;
+            let how = match self.ends.get(&w) {
+                _ if self.done.contains_key(&w) => "finished",
+                Some(how) => how.as_str(),
+                None if ctl.alive().contains(&n) => "alive (killed)",
+                None => "lost",
+            };
+            (w, how.to_string())
+        });
+        TrainOutcome::Failed { reason, workers: runs_of(ends) }
     }
 
     /// The first sign of a failure starts the clock of its record.
@@ -616,6 +626,13 @@ mod tests {
             restored: Vec::new(),
             rollback_avoided: 0,
         }
+    }
+
+    #[test]
+    fn how_workers_ended_is_said_in_runs() {
+        let ends = [(0, "lost"), (1, "lost"), (2, "died"), (3, "lost"), (5, "lost"), (6, "lost")].map(|(w, h)| (w, h.to_string()));
+        assert_eq!(runs_of(ends.into_iter()), vec!["0-1: lost", "2: died", "3: lost", "5-6: lost"]);
+        assert!(runs_of(std::iter::empty()).is_empty());
     }
 
     /// A worker that has the last map is sent the change from it (which rebuilds the new map

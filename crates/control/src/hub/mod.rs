@@ -547,7 +547,8 @@ impl AgentHub {
 
     /// Number the attached agents' workers (in order of arrival) and send each agent the specs
     /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`,
-    /// without its job; `job` is the job every worker runs (its JSON), sent once to each agent.
+    /// without its job; `job` is the job every worker runs (its JSON compressed:
+    /// [`crate::protocol::deflate_job`]), sent once to each agent.
     pub(crate) fn start(
         self: &Arc<Self>,
         inputs: Receiver<HubInput>,
@@ -576,7 +577,7 @@ impl AgentHub {
             }
         }
         for (agent, epoch, specs) in sends {
-            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job: job.clone() }));
+            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job: job.clone(), standby: false }));
         }
         Ok(RemoteFleet::new(self.clone(), inputs, owners, joiner))
     }
@@ -646,7 +647,7 @@ impl AgentHub {
 pub(crate) type JoinerSpec = Box<dyn Fn(usize, &str, u64) -> Result<String, ControlError> + Send>;
 
 /// How the workers of an agent that joins the running job are started: the job they run (its
-/// JSON, sent once to the agent) and each one's spec line.
+/// JSON compressed, sent once to the agent) and each one's spec line.
 pub(crate) struct Joiner {
     pub job: prost::bytes::Bytes,
     pub spec: JoinerSpec,
@@ -720,7 +721,7 @@ impl RemoteFleet {
                     self.own(first + slot, agent, slot);
                 }
                 let job = self.joiner.job.clone();
-                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job }));
+                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job, standby: true }));
                 self.joined.push_back((first..first + gpus).collect());
             }
             Err(e) => self.hub.drop_agent(agent, &format!("its workers' specs could not be made: {e}")),
@@ -806,7 +807,10 @@ impl Fleet for RemoteFleet {
     /// The message is made once, and each agent is sent it once for all its workers among
     /// `ranks` (at a thousand nodes of eight, a rendezvous's addresses go 1,024 times, not 8,192).
     fn send_many(&mut self, ranks: &[usize], message: &LauncherMessage) -> Result<(), ControlError> {
-        let line = prost::bytes::Bytes::from(serde_json::to_vec(message)?);
+        let line = serde_json::to_vec(message)?;
+        // A long line (a move's change of the map) is compressed once for every agent.
+        let deflated = line.len() > crate::protocol::DEFLATE_LINES_OVER;
+        let line = prost::bytes::Bytes::from(if deflated { crate::protocol::deflate_job(&line) } else { line });
         // Each agent's workers among them, by the epoch their messages are stamped with.
         let mut slots: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
         {
@@ -820,7 +824,7 @@ impl Fleet for RemoteFleet {
             }
         }
         for ((agent, epoch), slots) in slots {
-            self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slots, line: line.clone() }));
+            self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slots, line: line.clone(), deflated }));
         }
         Ok(())
     }

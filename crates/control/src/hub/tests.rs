@@ -97,7 +97,7 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
     let Ok(Ok(m)) = from_controller.try_recv() else { panic!("the agent is sent its workers' specs") };
     let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
     assert_eq!(start.specs, vec!["standby 2@10.0.0.9 epoch 100", "standby 3@10.0.0.9 epoch 100"]);
-    assert_eq!(start.job, "standby", "the joiners' job, once for the node");
+    assert_eq!((start.job.as_ref(), start.standby), (&b"standby"[..], true), "the joiners' job, once for the node");
     // Its workers' reports reach the loop under their ids.
     assert!(matches!(h.take(agent, report(100, 1, &WorkerEvent::Heartbeat)), Some(HubInput::Report { slot: 1, .. })));
 }
@@ -237,7 +237,7 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     for a in &mut agents {
         let Ok(Ok(m)) = a.try_recv() else { panic!("the start") };
         let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
-        assert_eq!(start.job, job(), "the job once for the node's workers");
+        assert_eq!((start.job.clone(), start.standby), (job(), false), "the job once for the node's workers");
     }
     let pause = LauncherMessage::Pause { epoch: 102 };
     fleet.send_many(&[0, 1, 3], &pause).unwrap();
@@ -254,6 +254,14 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     assert_eq!(inputs(&mut agents[0]), vec![(102, vec![0, 1], line.clone())]);
     assert_eq!(inputs(&mut agents[1]), vec![(102, vec![1], line)]);
     assert_eq!(inputs(&mut agents[2]), vec![]);
+    // A long line goes compressed, once for each agent.
+    let long = LauncherMessage::Stop { reason: "x".repeat(crate::protocol::DEFLATE_LINES_OVER) };
+    fleet.send_many(&[0, 2], &long).unwrap();
+    for a in agents.iter_mut().take(2) {
+        let Ok(Ok(ControllerMessage { body: Some(controller_message::Body::Input(i)), .. })) = a.try_recv() else { panic!() };
+        assert!(i.deflated && i.line.len() < 1000, "{} bytes", i.line.len());
+        assert_eq!(crate::protocol::inflate_job(&i.line).unwrap(), serde_json::to_string(&long).unwrap());
+    }
     // Their reports of the epoch before are stale now; the others' are not.
     let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };
     assert!(h.take(0, report(100, 1, &ready)).is_none());

@@ -129,11 +129,17 @@ struct Shared {
     received_bytes: AtomicU64,
     /// Why an agent stopped other than by being told to (the first few).
     trouble: Mutex<Vec<String>>,
+    /// The last long line read, with its message.
+    last_line: Mutex<Option<(prost::bytes::Bytes, Arc<LauncherMessage>)>>,
 }
 
 impl Shared {
     fn mark(&self, m: Mark) {
-        self.marks.lock().unwrap_or_else(|e| e.into_inner()).push((Instant::now(), m));
+        self.mark_at(Instant::now(), m);
+    }
+
+    fn mark_at(&self, at: Instant, m: Mark) {
+        self.marks.lock().unwrap_or_else(|e| e.into_inner()).push((at, m));
     }
 
     fn plane(&self) -> std::sync::MutexGuard<'_, Plane> {
@@ -145,6 +151,28 @@ impl Shared {
         if t.len() < 8 {
             t.push(why);
         }
+    }
+
+    /// The message of a line to workers. A long line (a move's order) comes to every agent
+    /// alike: it is read once for all of them (a thousand fakes parsing megabytes each would
+    /// starve their own heartbeats on a small machine), compared byte for byte.
+    fn read_line(&self, i: &proto::WorkerInput) -> Result<Arc<LauncherMessage>, String> {
+        let long = i.line.len() > 4096;
+        if long {
+            let last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(message) = last.as_ref().filter(|(b, _)| *b == i.line).map(|(_, m)| m.clone()) {
+                return Ok(message);
+            }
+        }
+        let text = match i.deflated {
+            true => crate::protocol::inflate_job(&i.line)?,
+            false => std::str::from_utf8(&i.line).map(str::to_string).map_err(|e| e.to_string())?,
+        };
+        let message = Arc::new(serde_json::from_str::<LauncherMessage>(&text).map_err(|e| e.to_string())?);
+        if long {
+            *self.last_line.lock().unwrap_or_else(|e| e.into_inner()) = Some((i.line.clone(), message.clone()));
+        }
+        Ok(message)
     }
 
     /// The placed map of `epoch`, resolving `update` against the map of `from` the first time.
@@ -211,6 +239,7 @@ impl SyntheticFleet {
             received: AtomicU64::new(0),
             received_bytes: AtomicU64::new(0),
             trouble: Mutex::default(),
+            last_line: Mutex::default(),
         });
         let fleet = SyntheticFleet { runtime, shared, agents: Vec::new() };
         Ok(fleet)
@@ -471,23 +500,22 @@ impl FakeAgent {
     /// One message of the controller; false: the session is over.
     fn take(&mut self, m: ControllerMessage) -> bool {
         use prost::Message as _;
+        // When it came, before it is read: the controller's part of the time.
+        let received = Instant::now();
         self.shared.received.fetch_add(1, Relaxed);
         self.shared.received_bytes.fetch_add(m.encoded_len() as u64, Relaxed);
         let Some(body) = m.body else { return true };
         match body {
             controller_message::Body::Start(s) => self.start(&s),
             controller_message::Body::Input(i) => {
-                let message = match std::str::from_utf8(&i.line)
-                    .map_err(|e| e.to_string())
-                    .and_then(|l| serde_json::from_str::<LauncherMessage>(l).map_err(|e| e.to_string()))
-                {
+                let message = match self.shared.read_line(&i) {
                     Ok(message) => message,
                     Err(e) => {
                         self.shared.trouble(format!("agent {}: a line that is not a message: {e}", self.index));
                         return true;
                     }
                 };
-                self.input(&i.slots, &message, m.epoch);
+                self.input(&i.slots, &message, m.epoch, received);
             }
             controller_message::Body::Kill(k) => {
                 if let Some(s) = self.slots.get_mut(k.slot as usize) {
@@ -502,7 +530,7 @@ impl FakeAgent {
     }
 
     fn start(&mut self, s: &proto::StartWorkers) {
-        let standby = s.job.windows(14).any(|w| w == b"\"standby\":true");
+        let standby = s.standby;
         let first = if standby {
             None
         } else {
@@ -549,7 +577,7 @@ impl FakeAgent {
         }
     }
 
-    fn input(&mut self, slots: &[u32], message: &LauncherMessage, stamp: u64) {
+    fn input(&mut self, slots: &[u32], message: &LauncherMessage, stamp: u64, received: Instant) {
         let slots: Vec<usize> = slots.iter().map(|&s| s as usize).filter(|&s| s < self.slots.len()).collect();
         match message {
             LauncherMessage::Addrs { epoch, .. } => {
@@ -580,7 +608,7 @@ impl FakeAgent {
                 }
             }
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => {
-                self.shared.mark(Mark::Ordered { agent: self.index, epoch: to.epoch });
+                self.shared.mark_at(received, Mark::Ordered { agent: self.index, epoch: to.epoch });
                 {
                     let mut p = self.shared.plane();
                     if p.epoch < to.epoch {
@@ -607,7 +635,7 @@ impl FakeAgent {
                 }
             }
             LauncherMessage::Pause { epoch } => {
-                self.shared.mark(Mark::Paused { agent: self.index, epoch: *epoch });
+                self.shared.mark_at(received, Mark::Paused { agent: self.index, epoch: *epoch });
                 let steps_done = {
                     let mut p = self.shared.plane();
                     p.training = false;
@@ -653,6 +681,7 @@ impl FakeAgent {
 
 /// The job's first map, from the job every first agent is sent.
 fn first_map(job: &[u8], tokens_per_replica: u64) -> Result<Arc<Placed>, String> {
-    let head: JobHead = serde_json::from_slice(job).map_err(|e| format!("the job's plan: {e}"))?;
+    let job = crate::protocol::inflate_job(job)?;
+    let head: JobHead = serde_json::from_str(&job).map_err(|e| format!("the job's plan: {e}"))?;
     Ok(Arc::new(Placed::new(head.plan, tokens_per_replica)))
 }

@@ -275,7 +275,8 @@ pub fn query(addr: &str, timeout: Duration, key: u128, tls: &ClientTls) -> Resul
                     ControlError::Launch(format!("cannot reach the controller at {parsed} over TLS: {}", error_chain(&e)))
                 }
             })?;
-            let mut client = proto::control_client::ControlClient::new(channel);
+            // A status lists every member and the plan: megabytes at a thousand nodes.
+            let mut client = proto::control_client::ControlClient::new(channel).max_decoding_message_size(crate::protocol::MAX_CONTROL_MESSAGE);
             let reply = client
                 .status(request)
                 .await

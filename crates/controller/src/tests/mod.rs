@@ -488,6 +488,39 @@ fn a_silent_node_is_killed_at_its_lease_and_treated_as_lost() {
     assert!(!c.alive().contains(&12));
 }
 
+/// At the job's start a worker that has not said a word yet may be waiting for its spec (a
+/// thousand nodes' specs take seconds to send): it is given up only after
+/// [`crate::membership::FIRST_WORD_WITHIN`]; once heard from, its lease holds.
+#[test]
+fn a_worker_of_the_start_has_time_for_its_spec_before_its_lease_counts() {
+    let t0 = Instant::now();
+    let loads = vec![(0..4).map(|e| (e + 1) as f64).collect::<Vec<_>>(); 2];
+    let plan = plan_model(&loads, ClusterShape::new(3, 1, 3).unwrap(), &PlanPolicy::trainer(3, None), None).unwrap();
+    let mut c = Controller::new(spec(4, 3), plan, vec![10, 11, 12], t0);
+    let first_word = crate::membership::FIRST_WORD_WITHIN;
+    assert_eq!(c.deadline(), Some(t0 + first_word));
+    c.decide(t0 + SEC / 2, Event::Listening { node: 10, epoch: 0, addr: "a0".into() });
+    c.decide(t0 + SEC / 2, Event::Listening { node: 11, epoch: 0, addr: "a1".into() });
+    // Node 11 beats every 200 ms; node 10 spoke once, node 12 never.
+    let mut lost = BTreeMap::new();
+    let mut t = t0 + SEC / 2;
+    while t < t0 + first_word + SEC {
+        t += SEC / 5;
+        for cmd in c.decide(t, Event::Heartbeat { node: 11 }) {
+            if let Command::Kill { node, reason, .. } = cmd {
+                lost.insert(node, (t.duration_since(t0), reason));
+            }
+        }
+    }
+    // Node 10's lease holds once it spoke: lost a lease after its word.
+    let (at, why) = &lost[&10];
+    assert!(*at >= SEC * 3 / 2 && *at < 2 * SEC && why.contains("1000 ms"), "{lost:?}");
+    // Node 12, silent from the start, is given up at the first word's end, not at a lease.
+    let (at, why) = &lost[&12];
+    assert!(*at >= first_word && *at < first_word + SEC && why.contains(&first_word.as_millis().to_string()), "{lost:?}");
+    assert!(!lost.contains_key(&11));
+}
+
 /// Heartbeats from healthy nodes do not hide a silent one: leases are checked on every event.
 #[test]
 fn a_silent_node_is_found_even_while_others_keep_talking() {
