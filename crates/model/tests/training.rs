@@ -302,3 +302,25 @@ fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
     assert!((a.loss - b.loss).abs() <= 1e-5 * a.loss, "bf16 {} vs resumed {}", a.loss, b.loss);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The loads a plan is made from are measured a few sequences at a time (a thousand nodes'
+/// batch in one forward held gigabytes): the same counts as one forward of the whole batch,
+/// and the data cursor does not move.
+#[test]
+fn loads_measured_in_pieces_are_those_of_one_forward_of_the_batch() {
+    let cfg = TrainConfig { batch_size: 300, seq_len: 4, ..small() };
+    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let loads = t.measure_loads(1).unwrap();
+    let batch = t.sampler.peek_batch(300);
+    let device = t.model.device().clone();
+    let x = candle_core::Tensor::from_vec(batch.inputs.clone(), (300, 4), &device).unwrap();
+    let y = candle_core::Tensor::from_vec(batch.targets.clone(), (300, 4), &device).unwrap();
+    let whole = t.model.forward(&x, &y, None).unwrap();
+    let expected: Vec<Vec<f64>> = whole.moe.iter().map(|s| s.load.iter().map(|&c| c as f64).collect()).collect();
+    assert_eq!(loads, expected);
+    let routed: f64 = loads[0].iter().sum();
+    assert_eq!(routed, (300 * 4 * cfg.model.top_k) as f64);
+    // The cursor did not move: the first step is a fresh trainer's.
+    let mut fresh = Trainer::new(cfg).unwrap();
+    assert_eq!(t.step().unwrap().loss.to_bits(), fresh.step().unwrap().loss.to_bits());
+}
