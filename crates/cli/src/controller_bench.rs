@@ -117,7 +117,7 @@ struct Steady {
     steps: u64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 struct MoveTimes {
     /// From the loss (or the last joiner's start) to the first agent's order.
     first_order_ms: f64,
@@ -247,21 +247,6 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         print_report(&report);
     }
     Ok(())
-}
-
-impl Default for MoveTimes {
-    fn default() -> Self {
-        MoveTimes {
-            first_order_ms: 0.0,
-            orders_out_ms: 0.0,
-            ready_ms: 0.0,
-            next_step_ms: 0.0,
-            detect_s: None,
-            plan_s: None,
-            order_bytes_per_agent: 0.0,
-            attached_to_pause_ms: None,
-        }
-    }
 }
 
 fn check(args: &ControllerBenchArgs) -> Result<()> {

@@ -143,12 +143,14 @@ pub const MAX_CONTROL_MESSAGE: usize = 256 << 20;
 /// Lines to workers longer than this travel to their agents compressed (`WorkerInput.deflated`).
 pub const DEFLATE_LINES_OVER: usize = 64 << 10;
 
-/// The most a node's job (or a compressed line) may take once decompressed ([`inflate_job`]).
-pub const MAX_JOB_BYTES: usize = 1 << 30;
+/// The most a compressed message (a node's job, a long line) may take once decompressed
+/// ([`inflate_message`]): bounded, so a small message cannot inflate without end.
+pub const MAX_INFLATED_BYTES: usize = 1 << 30;
 
-/// A node's job as it travels (`StartWorkers.job`): its JSON, zlib-compressed once for every
-/// node (a replica map at a thousand nodes shrinks several times).
-pub fn deflate_job(json: &[u8]) -> Vec<u8> {
+/// A message as it travels compressed (a node's job in `StartWorkers.job`, a long line in
+/// `WorkerInput`): its JSON, zlib-compressed once for every node (a replica map at a thousand
+/// nodes shrinks several times).
+pub fn deflate_message(json: &[u8]) -> Vec<u8> {
     use std::io::Write as _;
     let mut z = flate2::write::ZlibEncoder::new(Vec::with_capacity(json.len() / 4), flate2::Compression::fast());
     // Writing to a Vec cannot fail.
@@ -156,27 +158,25 @@ pub fn deflate_job(json: &[u8]) -> Vec<u8> {
     z.finish().unwrap_or_default()
 }
 
-/// A node's job as it came, decompressed: at most [`MAX_JOB_BYTES`], UTF-8, one JSON object
-/// on one line (a line break would cut the worker protocol's line in two). Err: why not.
-pub fn inflate_job(deflated: &[u8]) -> Result<String, String> {
-    inflate_at_most(deflated, MAX_JOB_BYTES)
+/// A compressed message as it came, decompressed: at most [`MAX_INFLATED_BYTES`], UTF-8, one
+/// JSON object on one line (a line break would cut the worker protocol's line in two). Err: why
+/// not.
+pub fn inflate_message(deflated: &[u8]) -> Result<String, String> {
+    inflate_at_most(deflated, MAX_INFLATED_BYTES)
 }
 
 fn inflate_at_most(deflated: &[u8], most: usize) -> Result<String, String> {
     use std::io::Read as _;
     let mut json = Vec::new();
-    flate2::read::ZlibDecoder::new(deflated)
-        .take(most as u64 + 1)
-        .read_to_end(&mut json)
-        .map_err(|e| format!("the job is not zlib data: {e}"))?;
+    flate2::read::ZlibDecoder::new(deflated).take(most as u64 + 1).read_to_end(&mut json).map_err(|e| format!("not zlib data: {e}"))?;
     if json.len() > most {
-        return Err(format!("the job is larger than {most} bytes decompressed"));
+        return Err(format!("larger than {most} bytes decompressed"));
     }
-    let text = String::from_utf8(json).map_err(|e| format!("the job is not UTF-8: {e}"))?;
+    let text = String::from_utf8(json).map_err(|e| format!("not UTF-8: {e}"))?;
     if !text.trim_start().starts_with('{') || text.contains('\n') {
-        return Err(format!("the job is not one JSON object on one line: {text:.80}"));
+        return Err(format!("not one JSON object on one line: {text:.80}"));
     }
-    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| format!("the job is not JSON: {e}"))?;
+    serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| format!("not JSON: {e}"))?;
     Ok(text)
 }
 
@@ -492,17 +492,17 @@ mod tests {
     #[test]
     fn a_node_s_job_travels_compressed_and_is_checked_when_it_comes() {
         let job = r#"{"standby":false,"plan":{"epoch":3,"layers":[[[[0,1]]]]}}"#;
-        assert_eq!(inflate_job(&deflate_job(job.as_bytes())).unwrap(), job);
-        assert!(inflate_job(job.as_bytes()).unwrap_err().contains("zlib"));
-        assert!(inflate_job(&deflate_job(b"{\"x\":\n1}")).unwrap_err().contains("one line"));
-        assert!(inflate_job(&deflate_job(b"[1]")).unwrap_err().contains("object"));
-        assert!(inflate_job(&deflate_job(b"{\"x\":")).unwrap_err().contains("JSON"));
-        assert!(inflate_job(&deflate_job(b"{\xff}")).unwrap_err().contains("UTF-8"));
+        assert_eq!(inflate_message(&deflate_message(job.as_bytes())).unwrap(), job);
+        assert!(inflate_message(job.as_bytes()).unwrap_err().contains("zlib"));
+        assert!(inflate_message(&deflate_message(b"{\"x\":\n1}")).unwrap_err().contains("one line"));
+        assert!(inflate_message(&deflate_message(b"[1]")).unwrap_err().contains("object"));
+        assert!(inflate_message(&deflate_message(b"{\"x\":")).unwrap_err().contains("JSON"));
+        assert!(inflate_message(&deflate_message(b"{\xff}")).unwrap_err().contains("UTF-8"));
         // A bomb: a little that inflates past the bound is cut off there.
-        let bomb = deflate_job(&vec![b' '; (1 << 20) + 2]);
+        let bomb = deflate_message(&vec![b' '; (1 << 20) + 2]);
         assert!(bomb.len() < 10_000);
         assert!(inflate_at_most(&bomb, 1 << 20).unwrap_err().contains("larger than 1048576"));
-        assert!(inflate_at_most(&deflate_job(job.as_bytes()), job.len()).is_ok());
+        assert!(inflate_at_most(&deflate_message(job.as_bytes()), job.len()).is_ok());
     }
 
     #[test]

@@ -34,7 +34,7 @@ use crate::error::ControlError;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
 use crate::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use crate::protocol::MAX_WORKERS_PER_HOST;
-use crate::protocol::{inflate_job, secret_hex, LauncherMessage, WorkerEvent};
+use crate::protocol::{inflate_message, secret_hex, LauncherMessage, WorkerEvent};
 use crate::tls::ClientTls;
 use session::{Identity, Session, SessionError};
 
@@ -679,7 +679,7 @@ impl Node {
                 // The job once for every worker of the node, compressed (or in each spec).
                 let job = match s.job.is_empty() {
                     true => None,
-                    false => Some(inflate_job(&s.job).map_err(|e| ControlError::Launch(format!("the controller's start: {e}")))?),
+                    false => Some(inflate_message(&s.job).map_err(|e| ControlError::Launch(format!("the controller's start: {e}")))?),
                 };
                 // The specs come without the job's secret: this agent adds the one it proved.
                 let specs = s.specs.iter().map(|spec| completed_spec(spec, self.secret, job.as_deref())).collect::<Result<Vec<_>, _>>()?;
@@ -693,7 +693,7 @@ impl Node {
             controller_message::Body::Input(i) => {
                 let inflated;
                 let line = match i.deflated {
-                    true => match inflate_job(&i.line) {
+                    true => match inflate_message(&i.line) {
                         Ok(text) => {
                             inflated = text;
                             inflated.as_str()

@@ -22,7 +22,7 @@ use crate::error::ControlError;
 use crate::hub::{AgentHub, Joiner};
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use crate::metrics::{JobMetrics, MetricsServer};
-use crate::protocol::{deflate_job, fresh_secret, TrainJob, WorkerSpec};
+use crate::protocol::{deflate_message, fresh_secret, TrainJob, WorkerSpec};
 use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
 use crate::tls::ServerTls;
 use drive::drive;
@@ -510,7 +510,7 @@ pub fn run_training(
                 let layers = job.config.model.moe_layers().max(1);
                 let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
                 let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
-                let job = prost::bytes::Bytes::from(deflate_job(&serde_json::to_vec(&standby)?));
+                let job = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&standby)?));
                 Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host)) })
             };
             if let Some(r) = a.resume.as_deref() {
@@ -528,7 +528,7 @@ pub fn run_training(
                 })
             });
             let run = attached.and_then(|_| {
-                let whole = prost::bytes::Bytes::from(deflate_job(&serde_json::to_vec(&job)?));
+                let whole = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&job)?));
                 let mut fleet = hub.start(inputs, whole, |rank, host| line(rank, world, epoch, host), joiner()?)?;
                 // The schedule's clock starts with the workers.
                 let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -548,7 +548,7 @@ impl AgentHub {
     /// Number the attached agents' workers (in order of arrival) and send each agent the specs
     /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`,
     /// without its job; `job` is the job every worker runs (its JSON compressed:
-    /// [`crate::protocol::deflate_job`]), sent once to each agent.
+    /// [`crate::protocol::deflate_message`]), sent once to each agent.
     pub(crate) fn start(
         self: &Arc<Self>,
         inputs: Receiver<HubInput>,
@@ -810,7 +810,7 @@ impl Fleet for RemoteFleet {
         let line = serde_json::to_vec(message)?;
         // A long line (a move's change of the map) is compressed once for every agent.
         let deflated = line.len() > crate::protocol::DEFLATE_LINES_OVER;
-        let line = prost::bytes::Bytes::from(if deflated { crate::protocol::deflate_job(&line) } else { line });
+        let line = prost::bytes::Bytes::from(if deflated { crate::protocol::deflate_message(&line) } else { line });
         // Each agent's workers among them, by the epoch their messages are stamped with.
         let mut slots: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
         {

@@ -260,7 +260,7 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     for a in agents.iter_mut().take(2) {
         let Ok(Ok(ControllerMessage { body: Some(controller_message::Body::Input(i)), .. })) = a.try_recv() else { panic!() };
         assert!(i.deflated && i.line.len() < 1000, "{} bytes", i.line.len());
-        assert_eq!(crate::protocol::inflate_job(&i.line).unwrap(), serde_json::to_string(&long).unwrap());
+        assert_eq!(crate::protocol::inflate_message(&i.line).unwrap(), serde_json::to_string(&long).unwrap());
     }
     // Their reports of the epoch before are stale now; the others' are not.
     let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };

@@ -165,7 +165,7 @@ impl Shared {
             }
         }
         let text = match i.deflated {
-            true => crate::protocol::inflate_job(&i.line)?,
+            true => crate::protocol::inflate_message(&i.line)?,
             false => std::str::from_utf8(&i.line).map(str::to_string).map_err(|e| e.to_string())?,
         };
         let message = Arc::new(serde_json::from_str::<LauncherMessage>(&text).map_err(|e| e.to_string())?);
@@ -290,11 +290,6 @@ impl SyntheticFleet {
     /// Workers of each agent.
     pub fn gpus(&self) -> usize {
         self.shared.opts.gpus
-    }
-
-    /// Agents attached so far.
-    pub fn agents(&self) -> usize {
-        self.agents.len()
     }
 
     /// Lose agent `index`'s node: its session ends, and every other worker reports its step
@@ -681,7 +676,7 @@ impl FakeAgent {
 
 /// The job's first map, from the job every first agent is sent.
 fn first_map(job: &[u8], tokens_per_replica: u64) -> Result<Arc<Placed>, String> {
-    let job = crate::protocol::inflate_job(job)?;
+    let job = crate::protocol::inflate_message(job)?;
     let head: JobHead = serde_json::from_str(&job).map_err(|e| format!("the job's plan: {e}"))?;
     Ok(Arc::new(Placed::new(head.plan, tokens_per_replica)))
 }
