@@ -182,24 +182,7 @@ pub fn replan_model(
     let jobs: Vec<(&Vec<f64>, &Placement)> = loads.iter().zip(previous.layers()).collect();
     let plan = |&(l, prev): &(&Vec<f64>, &Placement)| -> Result<(Placement, bool), PlanError> {
         match repair_layer(l, shape, policy, prev, origin)? {
-            Some((p, true)) => Ok((p.placement, true)),
-            Some((repaired, false)) => {
-                // Past the guard: a fresh plan is taken only if it balances better. (Where the
-                // slots cannot meet the guard at all — one slot a GPU, more GPUs than experts —
-                // planning afresh would move every replica for nothing.)
-                let imbalance = |p: &Placement| p.load_balance(l).map(|b| b.imbalance());
-                let kept = imbalance(&repaired.placement)?;
-                if kept <= imbalance_floor(l, &repaired.placement.replica_counts(), shape.ranks()) * (1.0 + 1e-9) {
-                    // No placement of these replicas balances better.
-                    return Ok((repaired.placement, true));
-                }
-                let fresh = plan_layer(l, shape, policy)?;
-                if kept <= imbalance(&fresh.placement)? * (1.0 + 1e-9) {
-                    Ok((repaired.placement, true))
-                } else {
-                    Ok((fresh.placement, false))
-                }
-            }
+            Some(repaired) => Ok(repaired),
             None => plan_layer(l, shape, policy).map(|p| (p.placement, false)),
         }
     };
@@ -208,22 +191,33 @@ pub fn replan_model(
     ModelPlan::new(previous.epoch() + 1, layers.into_iter().map(|(p, _)| p).collect()).map(|p| (p, repaired))
 }
 
-/// One layer repaired ([`replan_model`]), with whether it meets the guard; None when the
-/// repair does not fit.
+/// One layer repaired ([`replan_model`]): the repaired placement (`true`), or a fresh plan
+/// (`false`) where the repair is past the guard and a fresh plan balances better; None when the
+/// repair does not fit. (Where the slots cannot meet the guard at all — one slot a GPU, more
+/// GPUs than experts — planning afresh would move every replica for nothing.)
 fn repair_layer(
     loads: &[f64],
     shape: ClusterShape,
     policy: &PlanPolicy,
     previous: &Placement,
     origin: &[Option<usize>],
-) -> Result<Option<(LayerPlan, bool)>, PlanError> {
+) -> Result<Option<(Placement, bool)>, PlanError> {
     let allocation = allocate(loads, shape.total_slots(), policy.floor)?;
     let Some(nodes) = repair_nodes(previous, origin, &allocation.replicas, shape, loads) else {
         return Ok(None);
     };
-    let placement = Placement::from_nodes(shape, previous.experts(), nodes)?;
-    let meets = meets_guard(&placement, loads, policy)?;
-    Ok(Some((LayerPlan { allocation, placement }, meets)))
+    let repaired = Placement::from_nodes(shape, previous.experts(), nodes)?;
+    let Some(kept) = past_guard(&repaired, loads, policy)? else { return Ok(Some((repaired, true))) };
+    if kept <= imbalance_floor(loads, &repaired.replica_counts(), shape.ranks()) * (1.0 + 1e-9) {
+        // No placement of these replicas balances better.
+        return Ok(Some((repaired, true)));
+    }
+    let fresh = plan_layer(loads, shape, policy)?.placement;
+    if kept <= fresh.load_balance(loads)?.imbalance() * (1.0 + 1e-9) {
+        Ok(Some((repaired, true)))
+    } else {
+        Ok(Some((fresh, false)))
+    }
 }
 
 /// The least imbalance any placement of `replicas[e]` replicas of each expert over `gpus` GPUs
@@ -242,7 +236,17 @@ fn imbalance_floor(loads: &[f64], replicas: &[usize], gpus: usize) -> f64 {
 /// Each expert's tokens split evenly over its replicas is one way to dispatch, so its busiest
 /// GPU bounds λ* from above: a placement within the guard that way needs no max-flow.
 fn meets_guard(placement: &Placement, loads: &[f64], policy: &PlanPolicy) -> Result<bool, PlanError> {
-    let Some(m) = policy.max_imbalance else { return Ok(true) };
+    Ok(past_guard(placement, loads, policy)?.is_none())
+}
+
+/// [`meets_guard`]'s check, with the imbalance (λ*/mean, by max-flow) of a placement past the
+/// guard: None when it meets it.
+fn past_guard(placement: &Placement, loads: &[f64], policy: &PlanPolicy) -> Result<Option<f64>, PlanError> {
+    let Some(m) = policy.max_imbalance else { return Ok(None) };
     let limit = m * (1.0 + 1e-9);
-    Ok(placement.even_split_balance(loads)?.imbalance() <= limit || placement.load_balance(loads)?.imbalance() <= limit)
+    if placement.even_split_balance(loads)?.imbalance() <= limit {
+        return Ok(None);
+    }
+    let imbalance = placement.load_balance(loads)?.imbalance();
+    Ok((imbalance > limit).then_some(imbalance))
 }
