@@ -70,8 +70,12 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn note_heard(&mut self, event: &Event<S>) {
         let Some(node) = heard_from(event) else { return };
         if (self.alive.contains(&node) || self.standby.contains_key(&node)) && self.heard.insert(node) {
-            // Its lease is its own now, no longer the first word's: look at the leases again.
-            self.leases_checked_until = None;
+            // Its lease is its own now, no longer the first word's: it may end sooner. (Only
+            // the bound comes down: looking at every lease again on each first word made a
+            // thousand nodes' start quadratic — 7 s of the controller's time at 8,192 workers.)
+            if let Some(&seen) = self.last_seen.get(&node) {
+                self.lease_may_end_at(seen + self.spec.lease);
+            }
         }
     }
 
@@ -154,7 +158,7 @@ impl<S: StepRecord> Controller<S> {
         }
         let node = self.node_of.values().max().map_or(0, |&n| n + 1);
         // Their leases may end before the earliest one looked at.
-        self.leases_checked_until = None;
+        self.lease_may_end_at(now + self.spec.lease);
         for &w in &fresh {
             self.node_of.insert(w, node);
             self.last_seen.insert(w, now);
@@ -181,6 +185,14 @@ impl<S: StepRecord> Controller<S> {
     /// Why a node lost by its lease is lost.
     fn silence(&self, node: NodeId) -> String {
         format!("no heartbeat for {} ms", self.lease_of(node).as_millis())
+    }
+
+    /// A lease may end at `at` now (a worker's first word, a joiner): the bound below which no
+    /// lease ends comes down to it (where there is none, every lease is looked at anyway).
+    pub(super) fn lease_may_end_at(&mut self, at: Instant) {
+        if let Some(bound) = &mut self.leases_checked_until {
+            *bound = (*bound).min(at);
+        }
     }
 
     /// Members and workers standing by that missed their lease are killed and lost. Every

@@ -124,7 +124,7 @@ impl<S: StepRecord> Controller<S> {
         if self.awaiting.remove(&node) {
             self.last_seen.insert(node, now);
             // A deadline moved earlier: the next look at the leases must not skip it.
-            self.leases_checked_until = None;
+            self.lease_may_end_at(now + self.lease_of(node));
         }
     }
 

@@ -499,6 +499,8 @@ fn a_worker_of_the_start_has_time_for_its_spec_before_its_lease_counts() {
     let mut c = Controller::new(spec(4, 3), plan, vec![10, 11, 12], t0);
     let first_word = crate::membership::FIRST_WORD_WITHIN;
     assert_eq!(c.deadline(), Some(t0 + first_word));
+    // (A look at the leases before anyone spoke: no lease ends before the first word's.)
+    assert!(c.decide(t0 + SEC / 4, Event::Tick).is_empty());
     c.decide(t0 + SEC / 2, Event::Listening { node: 10, epoch: 0, addr: "a0".into() });
     c.decide(t0 + SEC / 2, Event::Listening { node: 11, epoch: 0, addr: "a1".into() });
     // Node 11 beats every 200 ms; node 10 spoke once, node 12 never.
