@@ -49,7 +49,7 @@ impl Group {
         self.members.is_empty()
     }
 
-    fn position(&self, rank: usize) -> Result<usize, CommError> {
+    pub(crate) fn position(&self, rank: usize) -> Result<usize, CommError> {
         self.members
             .iter()
             .position(|&m| m == rank)
@@ -145,35 +145,58 @@ pub fn all_reduce_sum_f32(t: &mut dyn Transport, g: &mut Group, buf: &mut [f32],
         }
         return Ok(());
     }
+    ring_all_reduce(
+        t,
+        g,
+        buf.len(),
+        timeout,
+        buf,
+        |buf, r| f32_wire(&buf[r]),
+        |buf, r, got, add| {
+            if whole_f32s(got).map_err(|e| e.to_string())? != r.len() {
+                return Err(format!("ring chunk of {} bytes, expected {} values", got.len(), r.len()));
+            }
+            apply_f32(&mut buf[r], got, add);
+            Ok(())
+        },
+    )
+}
+
+/// A ring all-reduce of `len` values held in `state` (reduce-scatter, then all-gather, each
+/// member's chunk passed to the next one): `wire(state, range)` is a chunk's bytes, and
+/// `apply(state, range, bytes, add)` adds a received chunk (`add`) or takes it as the sum
+/// (`!add`), or says why the bytes are not such a chunk. Each chunk is reduced in one fixed
+/// order and then copied, so every member ends with the same bits.
+pub(crate) fn ring_all_reduce<S: ?Sized>(
+    t: &mut dyn Transport,
+    g: &mut Group,
+    len: usize,
+    timeout: Duration,
+    state: &mut S,
+    wire: impl for<'a> Fn(&'a S, std::ops::Range<usize>) -> std::borrow::Cow<'a, [u8]>,
+    mut apply: impl FnMut(&mut S, std::ops::Range<usize>, &[u8], bool) -> Result<(), String>,
+) -> Result<(), CommError> {
+    let m = g.len();
     let deadline = crate::deadline_after(timeout);
     let me = t.rank();
     let pos = g.position(me)?;
     let next = g.members[(pos + 1) % m];
     let prev = g.members[(pos + m - 1) % m];
-    let bounds: Vec<(usize, usize)> = (0..m).map(|c| (c * buf.len() / m, (c + 1) * buf.len() / m)).collect();
+    let bounds: Vec<std::ops::Range<usize>> = (0..m).map(|c| c * len / m..(c + 1) * len / m).collect();
     // Reduce-scatter: after m−1 steps member `pos` holds the full sum of chunk (pos+1) mod m.
     // Pass chunk `send_c` to the next member and receive chunk `recv_c` from the previous one.
-    let exchange = |t: &mut dyn Transport, g: &mut Group, buf: &mut [f32], send_c: usize, recv_c: usize, add: bool| {
+    let mut exchange = |t: &mut dyn Transport, g: &mut Group, state: &mut S, send_c: usize, recv_c: usize, add: bool| {
         let tag = g.next_tag();
-        let (s0, s1) = bounds[send_c];
-        t.send(next, tag, &f32_wire(&buf[s0..s1]), deadline)?;
+        t.send(next, tag, &wire(state, bounds[send_c].clone()), deadline)?;
         let got = t.recv(prev, tag, deadline)?;
-        let (r0, r1) = bounds[recv_c];
-        if whole_f32s(&got)? != r1 - r0 {
-            return Err(CommError::Protocol {
-                peer: prev,
-                reason: format!("ring chunk of {} bytes, expected {} values", got.len(), r1 - r0),
-            });
-        }
-        apply_f32(&mut buf[r0..r1], &got, add);
-        Ok::<(), CommError>(())
+        apply(state, bounds[recv_c].clone(), &got, add).map_err(|reason| CommError::Protocol { peer: prev, reason })
     };
     for step in 0..m - 1 {
-        exchange(t, g, buf, (pos + m - step) % m, (pos + m - step - 1) % m, true)?;
+        exchange(t, g, state, (pos + m - step) % m, (pos + m - step - 1) % m, true)?;
     }
     // All-gather the reduced chunks around the ring.
     for step in 0..m - 1 {
-        exchange(t, g, buf, (pos + 1 + m - step) % m, (pos + m - step) % m, false)?;
+        exchange(t, g, state, (pos + 1 + m - step) % m, (pos + m - step) % m, false)?;
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ pub mod auth;
 mod collectives;
 pub mod cpu_time;
 mod error;
+pub mod exact;
 pub mod tags;
 mod tcp;
 

@@ -73,6 +73,36 @@ fn all_reduce_small_and_ring_agree_and_are_identical_everywhere() {
     }
 }
 
+/// The exact all-reduce gives the bits of adding every term in one place, whatever the number
+/// of ranks the terms are spread over (gathered whole when small, round a ring when large).
+#[test]
+fn the_exact_all_reduce_has_the_same_bits_whatever_the_ranks() {
+    use lazarus_comm::exact::{all_reduce_exact, ExactSum};
+    // 12 terms of `len` values each, spread over the ranks in contiguous runs.
+    let term = |k: usize, i: usize| ((i * 7919 + k * 104_729) % 2003) as f32 * 1.37e-3 - 1.1;
+    for len in [7usize, RING_THRESHOLD_BYTES / 16 * 2 + 3] {
+        let mut alone = ExactSum::zeros(len);
+        for k in 0..12 {
+            alone.add_f32(0, &(0..len).map(|i| term(k, i)).collect::<Vec<_>>()).unwrap();
+        }
+        let want: Vec<u32> = alone.to_f32().iter().map(|v| v.to_bits()).collect();
+        for ranks in 2..=4usize {
+            let out = on_group(ranks, move |r, t| {
+                let mut g = Group::world(ranks);
+                let mut sum = ExactSum::zeros(len);
+                for k in (0..12).filter(|k| k * ranks / 12 == r) {
+                    sum.add_f32(0, &(0..len).map(|i| term(k, i)).collect::<Vec<_>>()).unwrap();
+                }
+                all_reduce_exact(t, &mut g, &mut sum, T).unwrap();
+                sum.to_f32().iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            });
+            for (r, got) in out.iter().enumerate() {
+                assert!(got == &want, "len {len}, {ranks} ranks: rank {r} differs");
+            }
+        }
+    }
+}
+
 #[test]
 fn sub_groups_run_independently() {
     let out = on_group(4, |r, t| {
