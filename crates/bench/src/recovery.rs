@@ -195,6 +195,7 @@ pub fn run_recovery_bench(
             config: cfg.clone(),
             plan: plan.map,
             static_ep: false,
+            deterministic: false,
             resume: None,
             heartbeat_s: 0.0,
             faults,

@@ -105,6 +105,18 @@ impl ExactSum {
         Ok(())
     }
 
+    /// Adds `other` to elements `offset..offset + other.len()`. On error nothing is added.
+    pub fn add_at(&mut self, offset: usize, other: &ExactSum) -> Result<(), ExactError> {
+        let end = offset.checked_add(other.len()).filter(|&e| e <= self.fixed.len());
+        let Some(end) = end else {
+            return Err(ExactError::Length { got: offset.saturating_add(other.len()), expected: self.fixed.len() });
+        };
+        let mut part = ExactSum { fixed: self.fixed[offset..end].to_vec() };
+        part.add(other)?;
+        self.fixed[offset..end].copy_from_slice(&part.fixed);
+        Ok(())
+    }
+
     /// Adds another sum, element by element. On error nothing is added.
     pub fn add(&mut self, other: &ExactSum) -> Result<(), ExactError> {
         self.add_fixed(&other.fixed)

@@ -78,6 +78,9 @@ pub struct TrainJob {
     pub config: TrainConfig,
     pub plan: ReplicaMap,
     pub static_ep: bool,
+    /// Deterministic steps (`train --deterministic`): bit-identical on any number of workers.
+    #[serde(default)]
+    pub deterministic: bool,
     /// Resume from the latest checkpoint in this directory.
     pub resume: Option<PathBuf>,
     /// Seconds between heartbeats (0: none).
@@ -323,7 +326,7 @@ impl FailureKind {
     pub fn of_runtime(e: &RuntimeError) -> Self {
         match e {
             RuntimeError::Comm(c) => Self::of_comm(c),
-            RuntimeError::Invalid { .. } | RuntimeError::Model(_) | RuntimeError::Plan(_) => FailureKind::Config,
+            RuntimeError::Invalid { .. } | RuntimeError::Model(_) | RuntimeError::Plan(_) | RuntimeError::Exact(_) => FailureKind::Config,
             RuntimeError::Candle(_) => FailureKind::Error,
         }
     }

@@ -450,7 +450,11 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let encrypt = spec.encrypt;
     let job = spec.job;
-    let mode = if job.static_ep { DispatchMode::StaticPadded } else { DispatchMode::Balanced };
+    let mode = match (job.static_ep, job.deterministic) {
+        (true, _) => DispatchMode::StaticPadded,
+        (false, true) => DispatchMode::Deterministic,
+        (false, false) => DispatchMode::Balanced,
+    };
     // This process's GPU (or the CPU): its index among the workers its launcher started picks it.
     let local = std::env::var(crate::protocol::LOCAL_WORKER_ENV).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(spec.rank);
     let device = lazarus_model::device::for_worker(&job.device, local).map_err(|e| ControlError::invalid("device", e.to_string()))?;

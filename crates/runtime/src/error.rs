@@ -10,6 +10,9 @@ pub enum RuntimeError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Model(#[from] lazarus_model::ModelError),
+    /// A deterministic step's exact sum refused a value (a gradient not finite or beyond 2^30).
+    #[error("deterministic step: {0}")]
+    Exact(#[from] lazarus_comm::exact::ExactError),
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
 }

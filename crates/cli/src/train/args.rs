@@ -199,6 +199,11 @@ pub struct TrainArgs {
     /// over the workers, one replica each, all-to-all buffers padded to the largest load).
     #[arg(long)]
     pub static_ep: bool,
+    /// With --workers: every step's result has the same bits on any number of workers and
+    /// through any failure, join, drain or move (the batch in shards of one sequence, a
+    /// shard's tokens whole to one expert replica, every gradient an exact sum); slower.
+    #[arg(long)]
+    pub deterministic: bool,
     /// With --workers: deadline of every collective, in seconds (default 30).
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -293,7 +298,7 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 20] = [
+        let given: [(&'static str, bool); 21] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
             ("--encrypt-data", self.encrypt_data),
             ("--rebalance-every", self.rebalance_every.is_some()),
@@ -312,6 +317,7 @@ impl TrainArgs {
             ("--max-imbalance", self.max_imbalance.is_some()),
             ("--profile-steps", self.profile_steps.is_some()),
             ("--static-ep", self.static_ep),
+            ("--deterministic", self.deterministic),
             ("--comm-timeout", self.comm_timeout.is_some()),
             ("--workers", self.workers.is_some()),
         ];
@@ -348,6 +354,9 @@ impl TrainArgs {
                     bail!("{flag} needs --eval-data FILE (the held-out data it evaluates)");
                 }
             }
+        }
+        if self.deterministic && self.static_ep {
+            bail!("--deterministic with --static-ep: static expert parallelism has its own dispatch (give one)");
         }
         if self.eval_every == Some(0) {
             bail!("invalid --eval-every: 0 (a number of steps; leave it out to evaluate at the end only)");

@@ -112,6 +112,7 @@ struct ControllerTable {
     max_imbalance: Option<f64>,
     profile_steps: Option<usize>,
     static_ep: Option<bool>,
+    deterministic: Option<bool>,
     recovery: Option<bool>,
     snapshot_bandwidth: Option<f64>,
     snapshot_ceiling: Option<f64>,
@@ -159,6 +160,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
         (&mut a.train.resume_if_any, t.resume_if_any),
         (&mut a.train.overwrite_checkpoints, t.overwrite_checkpoints),
         (&mut a.train.static_ep, t.static_ep),
+        (&mut a.train.deterministic, t.deterministic),
     ] {
         *flag |= file.unwrap_or(false);
     }
@@ -525,6 +527,7 @@ fn run_job(
         config: cfg.clone(),
         plan: plan.map,
         static_ep: args.static_ep,
+        deterministic: args.deterministic,
         resume,
         heartbeat_s: 0.0,
         faults: String::new(),

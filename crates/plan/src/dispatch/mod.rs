@@ -76,7 +76,39 @@ impl DispatchSchedule {
         Self::build(tokens, replicas, true)
     }
 
-    fn build(tokens: &[Vec<u64>], replicas: &[Vec<u32>], balanced: bool) -> Result<Self, PlanError> {
+    /// D for deterministic training: each sender's tokens for an expert go *whole* to one
+    /// holder — the sender itself if it holds the expert, else the holder with the fewest
+    /// tokens so far (ties to the lowest rank), senders and experts taken in order. A block of
+    /// rows then reaches an expert as it left its sender, whatever the plan, so the expert's
+    /// products over it have the same bits on any number of workers. Balance is coarser than
+    /// Algorithm 1's (by block, not by token).
+    pub fn compute_whole(tokens: &[Vec<u64>], replicas: &[Vec<u32>]) -> Result<Self, PlanError> {
+        Self::check(tokens, replicas)?;
+        let experts = tokens.len();
+        let ranks = tokens.first().map_or(0, Vec::len);
+        let mut load = vec![0u64; ranks];
+        let mut routes = Vec::new();
+        let mut start = Vec::with_capacity(experts + 1);
+        for e in 0..experts {
+            start.push(routes.len());
+            for src in (0..ranks).filter(|&s| tokens[e][s] > 0) {
+                let dst = if replicas[e][src] > 0 {
+                    src
+                } else {
+                    // A holder exists: `check` refuses tokens for an expert without one.
+                    (0..ranks).filter(|&r| replicas[e][r] > 0).min_by_key(|&r| (load[r], r)).unwrap_or(src)
+                };
+                load[dst] += tokens[e][src];
+                routes.push(Route { expert: e as u32, src: src as u32, dst: dst as u32, tokens: tokens[e][src] });
+            }
+        }
+        start.push(routes.len());
+        Ok(DispatchSchedule { experts, ranks, routes, start })
+    }
+
+    /// The inputs every schedule requires: one count per rank, no overflow, a holder for every
+    /// expert with tokens.
+    fn check(tokens: &[Vec<u64>], replicas: &[Vec<u32>]) -> Result<(), PlanError> {
         let experts = tokens.len();
         if replicas.len() != experts {
             return Err(PlanError::Length { field: "replicas", got: replicas.len(), expected: experts });
@@ -100,6 +132,13 @@ impl DispatchSchedule {
         if tokens.iter().flatten().try_fold(0u64, |acc, &x| acc.checked_add(x)).is_none_or(|total| total > u64::MAX / 2) {
             return Err(PlanError::invalid("tokens", "all experts", "token counts overflow"));
         }
+        Ok(())
+    }
+
+    fn build(tokens: &[Vec<u64>], replicas: &[Vec<u32>], balanced: bool) -> Result<Self, PlanError> {
+        Self::check(tokens, replicas)?;
+        let experts = tokens.len();
+        let ranks = tokens.first().map_or(0, Vec::len);
         let mut routes = Vec::with_capacity(experts * ranks * 2);
         let mut start = Vec::with_capacity(experts + 1);
         let mut scratch = Scratch::default();

@@ -175,6 +175,24 @@ proptest! {
                 v
             })
             .collect();
+        // Whole blocks (deterministic training): each sender's tokens for an expert in one
+        // route, to a holder — itself when it holds the expert.
+        let w = DispatchSchedule::compute_whole(&t, &r).unwrap();
+        for e in 0..experts {
+            for src in 0..ranks {
+                let to: Vec<&Route> = w.routes(e).iter().filter(|x| x.src as usize == src).collect();
+                if t[e][src] == 0 {
+                    prop_assert!(to.is_empty());
+                    continue;
+                }
+                prop_assert_eq!(to.len(), 1);
+                prop_assert_eq!(to[0].tokens, t[e][src]);
+                prop_assert!(r[e][to[0].dst as usize] > 0, "to a holder");
+                if r[e][src] > 0 {
+                    prop_assert_eq!(to[0].dst as usize, src);
+                }
+            }
+        }
         let d = DispatchSchedule::compute(&t, &r).unwrap();
         check_invariants(&t, &r, &d)?;
         // A pure function: any rank recomputing it gets the same matrix.

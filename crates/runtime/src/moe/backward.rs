@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{Tensor, Var};
+use lazarus_comm::exact::ExactSum;
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
 use super::packing::{pack, unpack, wire};
@@ -87,7 +88,7 @@ impl DistributedMoe {
         fwd: &MoeForward,
         d_slots: &[f32],
     ) -> Result<ExpertGrads, RuntimeError> {
-        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        let d = fwd.d;
         let ranks = t.world();
         let e_count = self.experts_count();
         // Send slot gradients to where each slot was processed (same buffers as dispatch).
@@ -97,7 +98,7 @@ impl DistributedMoe {
             let s = fwd.layout.send[dst][i] as usize;
             &d_slots[s * d..(s + 1) * d]
         });
-        let mut wire_bytes = wire(&sends, me);
+        let wire_bytes = wire(&sends, me);
         let received = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
@@ -160,6 +161,9 @@ impl DistributedMoe {
                 Some(Tensor::from_vec(gy_all, (rows, d), self.gate.device())?)
             }
         };
+        if self.mode == super::DispatchMode::Deterministic {
+            return self.exact_backward(t, world, fwd, gy_dev.as_ref(), &first_row, wire_bytes);
+        }
         let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<Tensor>), RuntimeError>>();
         // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
         // expert so the error is reported without computing the rest.
@@ -242,7 +246,67 @@ impl DistributedMoe {
             synced_all?;
             dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
         })?;
-        // Input gradients back to the token's rank, accumulated per token.
+        let (h_through_experts, back_bytes) = self.input_gradients_home(t, world, fwd, dx)?;
+        Ok(ExpertGrads { experts: synced, exact: BTreeMap::new(), h_through_experts, wire_bytes: wire_bytes + back_bytes })
+    }
+
+    /// [`DispatchMode::Deterministic`]'s expert backward: each segment (one sender's block)
+    /// on its own, each local expert's gradients an exact sum over its segments — not summed
+    /// over the holders here: the caller sums a whole step's once ([`ExpertGrads::exact`]).
+    fn exact_backward(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        gy: Option<&Tensor>,
+        first_row: &[usize],
+        wire_bytes: u64,
+    ) -> Result<ExpertGrads, RuntimeError> {
+        let me = t.rank();
+        let mut exact: BTreeMap<usize, ExactSum> = BTreeMap::new();
+        for (&e, weights) in &self.experts {
+            if self.replicas.get(e).is_some_and(|r| r.get(me).is_some_and(|&c| c > 0)) {
+                exact.insert(e, ExactSum::zeros(weights.vars().iter().map(|v| v.elem_count()).sum()));
+            }
+        }
+        let mut dx = Vec::with_capacity(fwd.expert_segments.len());
+        for (i, segment) in fwd.expert_segments.iter().enumerate() {
+            let Some(gy) = gy else {
+                return Err(RuntimeError::Invalid {
+                    field: "expert backward",
+                    reason: format!("expert {} has rows but no gradients came", segment.0),
+                });
+            };
+            let (grads, x) = self.expert_segment_backward(segment, gy, first_row[i])?;
+            dx.push((i, x));
+            let lens: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
+            let flat = crate::host_copy::to_host(&grads.into_iter().map(Some).collect::<Vec<_>>(), &lens)?;
+            let Some(sum) = exact.get_mut(&segment.0) else {
+                return Err(RuntimeError::Invalid {
+                    field: "placement",
+                    reason: format!("rank {me} computed expert {} it does not hold", segment.0),
+                });
+            };
+            sum.add_f32(0, &flat)?;
+        }
+        let (h_through_experts, back_bytes) = self.input_gradients_home(t, world, fwd, dx)?;
+        Ok(ExpertGrads { experts: BTreeMap::new(), exact, h_through_experts, wire_bytes: wire_bytes + back_bytes })
+    }
+
+    /// Each segment's input gradients (`dx`: segment index, its rows' gradients) back to the
+    /// ranks the tokens came from, and there summed per token over its top-k slots in slot
+    /// order (the same sum whichever ranks computed the slots): d loss / d h through the
+    /// experts [n, d], and the bytes this rank sent.
+    fn input_gradients_home(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        fwd: &MoeForward,
+        dx: Vec<(usize, Tensor)>,
+    ) -> Result<(Tensor, u64), RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        let me = t.rank();
+        let p = &fwd.packing;
         let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
         let lens: Vec<usize> = dx.iter().map(|(_, x)| x.elem_count()).collect();
         let (order_done, dx): (Vec<usize>, Vec<Option<Tensor>>) = dx.into_iter().map(|(i, x)| (i, Some(x))).unzip();
@@ -255,20 +319,26 @@ impl DistributedMoe {
             }
         }
         let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
-        wire_bytes += wire(&back, me);
+        let wire_bytes = wire(&back, me);
         let results = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &back, self.timeout)?
         };
         let results = unpack(&results, &p.send_len, d, "input gradients")?;
-        let mut dh = vec![0f32; n * d];
+        // Each slot's gradient in its place, then each token's k slots added in slot order.
+        let mut by_slot = vec![0f32; n * k * d];
         for (dst, rows) in results.iter().enumerate() {
             for (i, &s) in fwd.layout.send[dst].iter().enumerate() {
-                let (tok, r) = (s as usize / k, p.send_rows[dst][i]);
-                dh[tok * d..(tok + 1) * d].iter_mut().zip(&rows[r * d..(r + 1) * d]).for_each(|(a, b)| *a += b);
+                let (s, r) = (s as usize, p.send_rows[dst][i]);
+                by_slot[s * d..(s + 1) * d].copy_from_slice(&rows[r * d..(r + 1) * d]);
             }
         }
-        Ok(ExpertGrads { experts: synced, h_through_experts: Tensor::from_vec(dh, (n, d), self.gate.device())?, wire_bytes })
+        let mut dh = vec![0f32; n * d];
+        for (slot, row) in by_slot.chunks(d.max(1)).enumerate() {
+            let tok = slot / k;
+            dh[tok * d..(tok + 1) * d].iter_mut().zip(row).for_each(|(a, b)| *a += b);
+        }
+        Ok((Tensor::from_vec(dh, (n, d), self.gate.device())?, wire_bytes))
     }
 
     /// Parameters of the experts of one bucket, in order.

@@ -80,8 +80,10 @@ impl DistributedMoe {
                 tokens[e][rank] = u64::from_le_bytes(c.try_into().expect("8 bytes"));
             }
         }
+        let deterministic = self.mode == DispatchMode::Deterministic;
         let schedule = match self.mode {
             DispatchMode::Balanced => DispatchSchedule::compute_balanced(&tokens, &self.replicas)?,
+            DispatchMode::Deterministic => DispatchSchedule::compute_whole(&tokens, &self.replicas)?,
             _ => DispatchSchedule::compute(&tokens, &self.replicas)?,
         };
         let layout = RankLayout::new(&schedule, me, &choices)?;
@@ -133,13 +135,26 @@ impl DistributedMoe {
                 Tensor::from_vec(x_all, (rows, d), h.device())?
             };
             let (mut at, mut ys, mut lens) = (0, Vec::with_capacity(held.len()), Vec::with_capacity(held.len()));
-            for (e, blocks, total) in held {
-                let x = Var::from_tensor(&x_dev.narrow(0, at, total)?)?;
-                at += total;
-                let y = self.experts[&e].forward(x.as_tensor())?;
-                ys.push(Some(y.clone()));
-                lens.push(total * d);
-                segments.push((e, x, y, blocks));
+            for (e, blocks, _) in held {
+                // Deterministic: each sender's block on its own (see `DispatchMode`), as
+                // segments of one block each, in the same row order.
+                let parts: Vec<Blocks> = if deterministic {
+                    (0..blocks.len())
+                        .filter(|&src| blocks[src].1 > 0)
+                        .map(|src| blocks.iter().enumerate().map(|(s, &(o, c))| if s == src { (o, c) } else { (o, 0) }).collect())
+                        .collect()
+                } else {
+                    vec![blocks]
+                };
+                for blocks in parts {
+                    let total: usize = blocks.iter().map(|b| b.1).sum();
+                    let x = Var::from_tensor(&x_dev.narrow(0, at, total)?)?;
+                    at += total;
+                    let y = self.experts[&e].forward(x.as_tensor())?;
+                    ys.push(Some(y.clone()));
+                    lens.push(total * d);
+                    segments.push((e, x, y, blocks));
+                }
             }
             let y_all = crate::host_copy::to_host(&ys, &lens)?;
             let mut row = 0;
@@ -174,10 +189,12 @@ impl DistributedMoe {
         let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         // Load-balancing loss share (see the field's doc).
         let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
+        // Deterministic: this rank's shard's own loss (its own shares and tokens).
+        let shares = if deterministic { &local_load } else { &global_load };
         // Cannot overflow: the dispatch schedule above bounds the grand total.
-        let assignments: u64 = global_load.iter().sum();
+        let assignments: u64 = shares.iter().sum();
         let global_tokens = (assignments / k as u64).max(1) as f64;
-        let f: Vec<f32> = global_load.iter().map(|&c| c as f32 / assignments.max(1) as f32).collect();
+        let f: Vec<f32> = shares.iter().map(|&c| c as f32 / assignments.max(1) as f32).collect();
         let f = Tensor::from_vec(f, e_count, h.device())?.to_dtype(probs.dtype())?;
         let aux = ((probs.sum(0)? * f)?.sum_all()? * (e_count as f64 / global_tokens))?;
         Ok(MoeForward {

@@ -74,6 +74,12 @@ pub enum DispatchMode {
     /// As `StaticPadded` on the wire, but experts compute only the real rows: a stronger
     /// baseline than DeepSpeed (what a dropless grouped-GEMM implementation would do).
     StaticSkipPadding,
+    /// Deterministic training (`--deterministic`): each rank's tokens for an expert go whole to
+    /// one replica ([`lazarus_plan::DispatchSchedule::compute_whole`]), the expert computes each
+    /// such block on its own, its gradients are exact sums ([`lazarus_comm::exact`]) summed over
+    /// its holders by the caller, and the load-balancing loss is each rank's own (its shard's):
+    /// nothing a rank computes depends on which ranks exist or where the replicas are.
+    Deterministic,
 }
 
 impl DispatchMode {
@@ -144,6 +150,10 @@ type ExpertSegment = (usize, Var, Tensor, Vec<(usize, usize)>);
 pub struct ExpertGrads {
     /// Local experts: [w1, b1, w2, b2] summed over the expert's holders.
     pub experts: BTreeMap<usize, Vec<Tensor>>,
+    /// [`DispatchMode::Deterministic`]: each local expert's gradients over the rows it computed
+    /// here, its parameters one after the other, as an exact sum not yet summed over the
+    /// holders (`experts` is empty then).
+    pub exact: BTreeMap<usize, lazarus_comm::exact::ExactSum>,
     /// d loss / d h through the experts [n, d].
     pub h_through_experts: Tensor,
     /// Bytes this rank sent to other ranks in the backward all-to-alls.

@@ -28,7 +28,7 @@ impl Packing {
         let ranks = layout.send.len();
         let experts = replicas.len();
         match mode {
-            DispatchMode::Flexible | DispatchMode::Balanced => {
+            DispatchMode::Flexible | DispatchMode::Balanced | DispatchMode::Deterministic => {
                 let send_rows = layout.send.iter().map(|v| (0..v.len()).collect()).collect();
                 let send_len = layout.send.iter().map(Vec::len).collect();
                 let mut recv_blocks = vec![vec![(0, 0); experts]; ranks];

@@ -19,6 +19,7 @@
 //! plan among the survivors of a failure; `checkpoint` writes a checkpoint.
 
 mod checkpoint;
+mod deterministic;
 mod eval;
 mod reconfigure;
 mod snapshots;

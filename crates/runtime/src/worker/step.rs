@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor, Var};
+use lazarus_comm::exact::ExactSum;
 use lazarus_comm::{all_reduce_sum_f32, barrier, Group, Transport};
 use lazarus_model::model::cross_entropy;
 use lazarus_model::optim::clip_scale;
@@ -41,7 +42,39 @@ pub struct PendingStep {
     started: std::time::Instant,
 }
 
+/// One piece of a step's batch, forward and backward ([`Worker::forward_backward`]).
+pub(super) struct MicroBatch {
+    /// The replicated parameters' gradients over this piece (None: no gradient), weighted.
+    pub grads: Vec<Option<Tensor>>,
+    /// Local experts' gradients summed over their holders, by (layer, expert) (default modes).
+    pub expert_grads: BTreeMap<(usize, usize), Vec<Tensor>>,
+    /// Local experts' gradients over the rows computed here, not yet over their holders
+    /// ([`crate::moe::DispatchMode::Deterministic`]).
+    pub exact_experts: BTreeMap<(usize, usize), ExactSum>,
+    /// The piece's cross-entropy times its weight, and unweighted (its mean over its tokens).
+    pub ce: f64,
+    pub ce_mean: f64,
+    /// The MoE layers' load-balancing losses, summed over the layers (unweighted).
+    pub aux: f64,
+    pub wire_bytes: u64,
+    /// Tokens routed to each expert from this rank / from all ranks, per MoE layer.
+    pub local_load: Vec<Vec<u64>>,
+    pub global_load: Vec<Vec<u64>>,
+}
+
 impl PendingStep {
+    pub(super) fn new(
+        at: u64,
+        grads: Vec<Option<Tensor>>,
+        lr: f64,
+        grad_scale: f64,
+        batch: usize,
+        report: WorkerStepReport,
+        started: std::time::Instant,
+    ) -> Self {
+        PendingStep { at, grads, lr, grad_scale, batch, report, started }
+    }
+
     /// Tokens per (layer, expert) over the global batch of this step.
     pub(crate) fn expert_load(&self) -> &[Vec<u64>] {
         &self.report.report.expert_load
@@ -59,9 +92,11 @@ impl Worker {
     /// together; on error nothing has changed and the step can be re-run on a new transport.
     pub fn compute(&mut self, t: &mut dyn Transport, world: &mut Group) -> Result<PendingStep, RuntimeError> {
         let started = std::time::Instant::now();
-        let forward_phase = lazarus_model::profile::phase("forward");
         for (l, layer) in self.layers.iter_mut().enumerate() {
             layer.catching_up = self.catch_up.keys().filter(|k| k.0 == l).map(|k| k.1).collect();
+        }
+        if self.deterministic() {
+            return self.compute_deterministic(t, world, started);
         }
         let cfg = self.trainer.config.clone();
         let (b, tl) = (cfg.batch_size, cfg.seq_len);
@@ -70,89 +105,13 @@ impl Worker {
         let rows = hi - lo;
         let model = &self.trainer.model;
         let device = model.device().clone();
-        let d = model.config().d_model;
         let inputs = Tensor::from_vec(batch.inputs[lo * tl..hi * tl].to_vec(), (rows, tl), &device)?;
         let targets = Tensor::from_vec(batch.targets[lo * tl..hi * tl].to_vec(), rows * tl, &device)?;
         let local_share = (rows * tl) as f64 / (b * tl) as f64;
-
-        // Forward, one segment per block; each later segment starts at a fresh leaf.
-        struct Segment {
-            input: Option<Var>,
-            output: Tensor,
-            h: Tensor,
-            moe: Option<(usize, MoeForward)>,
-        }
-        let mut segments: Vec<Segment> = Vec::with_capacity(model.config().n_layers);
-        let mut x = model.embed(&inputs)?;
-        let mut input: Option<Var> = None;
-        let mut wire_bytes = 0u64;
-        let mut moe_index = 0;
-        for block in 0..model.config().n_layers {
-            let (x_mid, h) = model.block_attention(block, &x)?;
-            let (y, moe) = self.block_ffn(t, world, block, &mut moe_index, &h)?;
-            if let Some((l, f)) = &moe {
-                if *l == 0 {
-                    self.fault_point(FaultPoint::Forward, self.trainer.step + 1);
-                }
-                wire_bytes += f.wire_bytes;
-            }
-            let output = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?;
-            let leaf = Var::from_tensor(&output.detach())?;
-            segments.push(Segment { input: input.take(), output, h, moe });
-            x = leaf.as_tensor().clone();
-            input = Some(leaf);
-        }
-        let logits = model.logits(&x)?;
-        let ce_local = (cross_entropy(&logits, &targets)? * local_share)?;
-
-        drop(forward_phase);
-        // Backward: the head, then the blocks in reverse.
-        let backward_phase = lazarus_model::profile::phase("backward");
+        let pass = self.forward_backward(t, world, &inputs, &targets, local_share, 1.0, true)?;
         let params = model.params().clone();
-        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
-        let take_shared = |store: &candle_core::backprop::GradStore, grads: &mut Vec<Option<Tensor>>| {
-            for (i, var) in params.vars().iter().enumerate() {
-                if self.kinds[i] == ParamKind::Shared {
-                    if let Some(g) = store.get(var.as_tensor()) {
-                        grads[i] = Some(g.clone());
-                    }
-                }
-            }
-        };
-        let store = ce_local.backward()?;
-        take_shared(&store, &mut grads);
-        let leaf_grad = |store: &candle_core::backprop::GradStore, v: &Var| -> Result<Tensor, RuntimeError> {
-            Ok(store.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok)?)
-        };
-        let Some(last) = input.as_ref() else {
-            return Err(RuntimeError::Invalid { field: "model", reason: "has no blocks".into() });
-        };
-        let mut g = leaf_grad(&store, last)?;
+        let MicroBatch { mut grads, expert_grads, ce: ce_value, aux: aux_local, wire_bytes, global_load, .. } = pass;
         let moe_layers = self.layers.len().max(1) as f64;
-        let aux_coef = model.config().aux_loss_coef / moe_layers;
-        let mut aux_local = 0.0f64;
-        let mut expert_grads: BTreeMap<(usize, usize), Vec<Tensor>> = BTreeMap::new();
-        for seg in segments.iter().rev() {
-            let mut seed = (&seg.output * &g)?.sum_all()?;
-            if let Some((l, f)) = &seg.moe {
-                let g_host: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                let eg = self.layers[*l].expert_backward(t, world, f, &g_host)?;
-                wire_bytes += eg.wire_bytes;
-                seed = (seed + (&seg.h * &eg.h_through_experts)?.sum_all()?)?;
-                seed = (seed + (&f.aux * aux_coef)?)?;
-                aux_local += f.aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                for (e, gs) in eg.experts {
-                    expert_grads.insert((*l, e), gs);
-                }
-            }
-            let store = seed.backward()?;
-            take_shared(&store, &mut grads);
-            if let Some(v) = &seg.input {
-                g = leaf_grad(&store, v)?;
-            }
-        }
-
-        drop(backward_phase);
         // Sum the replicated parameters' gradients (and the loss terms) over all ranks: one
         // host buffer (one copy off a GPU), the loss terms after them.
         let _phase = lazarus_model::profile::phase("gradients");
@@ -170,7 +129,6 @@ impl Worker {
         for (sq, holders) in lazarus_model::optim::sum_squares(&every)?.into_iter().zip(holders) {
             expert_sq += sq / holders;
         }
-        let ce_value = ce_local.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let extras = flat.len();
         // The last term counts the ranks asked to pause: summed like the rest, so every rank
         // learns in this step that one was, and all stop after it.
@@ -219,7 +177,7 @@ impl Worker {
         let norm = (shared_sq + expert_sq).sqrt();
         let at = self.trainer.step;
         let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(at);
-        let expert_load = segments.iter().filter_map(|s| s.moe.as_ref().map(|(_, f)| f.global_load.clone())).collect();
+        let expert_load = global_load;
         let report = StepReport {
             step: at + 1,
             loss,
@@ -239,6 +197,114 @@ impl Worker {
             report: WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
             started,
         })
+    }
+
+    /// Forward and backward of one piece of the batch (`inputs` [rows, T], `targets` [rows·T]):
+    /// the loss seeded with `ce_weight` (its share of the step's mean) and each MoE layer's
+    /// load-balancing loss with `aux_weight`. Every MoE layer's collectives run inside, so
+    /// every rank must call it together. `first`: the step's first piece (its fault point).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_backward(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        inputs: &Tensor,
+        targets: &Tensor,
+        ce_weight: f64,
+        aux_weight: f64,
+        first: bool,
+    ) -> Result<MicroBatch, RuntimeError> {
+        let forward_phase = lazarus_model::profile::phase("forward");
+        let model = &self.trainer.model;
+        let (rows, tl) = inputs.dims2()?;
+        let d = model.config().d_model;
+        // Forward, one segment per block; each later segment starts at a fresh leaf.
+        struct Segment {
+            input: Option<Var>,
+            output: Tensor,
+            h: Tensor,
+            moe: Option<(usize, MoeForward)>,
+        }
+        let mut segments: Vec<Segment> = Vec::with_capacity(model.config().n_layers);
+        let mut x = model.embed(inputs)?;
+        let mut input: Option<Var> = None;
+        let mut wire_bytes = 0u64;
+        let mut moe_index = 0;
+        for block in 0..model.config().n_layers {
+            let (x_mid, h) = model.block_attention(block, &x)?;
+            let (y, moe) = self.block_ffn(t, world, block, &mut moe_index, &h)?;
+            if let Some((l, f)) = &moe {
+                if *l == 0 && first {
+                    self.fault_point(FaultPoint::Forward, self.trainer.step + 1);
+                }
+                wire_bytes += f.wire_bytes;
+            }
+            let output = lazarus_model::ops::residual_add(&x_mid, &y.reshape((rows, tl, d))?)?;
+            let leaf = Var::from_tensor(&output.detach())?;
+            segments.push(Segment { input: input.take(), output, h, moe });
+            x = leaf.as_tensor().clone();
+            input = Some(leaf);
+        }
+        let logits = model.logits(&x)?;
+        let ce = cross_entropy(&logits, targets)?;
+        let ce_local = (&ce * ce_weight)?;
+
+        drop(forward_phase);
+        // Backward: the head, then the blocks in reverse.
+        let _backward_phase = lazarus_model::profile::phase("backward");
+        let params = model.params().clone();
+        let mut grads: Vec<Option<Tensor>> = vec![None; params.len()];
+        let take_shared = |store: &candle_core::backprop::GradStore, grads: &mut Vec<Option<Tensor>>| {
+            for (i, var) in params.vars().iter().enumerate() {
+                if self.kinds[i] == ParamKind::Shared {
+                    if let Some(g) = store.get(var.as_tensor()) {
+                        grads[i] = Some(g.clone());
+                    }
+                }
+            }
+        };
+        let store = ce_local.backward()?;
+        take_shared(&store, &mut grads);
+        let leaf_grad = |store: &candle_core::backprop::GradStore, v: &Var| -> Result<Tensor, RuntimeError> {
+            Ok(store.get(v.as_tensor()).cloned().map_or_else(|| v.as_tensor().zeros_like(), Ok)?)
+        };
+        let Some(last) = input.as_ref() else {
+            return Err(RuntimeError::Invalid { field: "model", reason: "has no blocks".into() });
+        };
+        let mut g = leaf_grad(&store, last)?;
+        let moe_layers = self.layers.len().max(1) as f64;
+        let aux_coef = model.config().aux_loss_coef / moe_layers * aux_weight;
+        let mut aux = 0.0f64;
+        let mut expert_grads: BTreeMap<(usize, usize), Vec<Tensor>> = BTreeMap::new();
+        let mut exact_experts: BTreeMap<(usize, usize), ExactSum> = BTreeMap::new();
+        let mut local_load = vec![Vec::new(); self.layers.len()];
+        let mut global_load = vec![Vec::new(); self.layers.len()];
+        for seg in segments.iter().rev() {
+            let mut seed = (&seg.output * &g)?.sum_all()?;
+            if let Some((l, f)) = &seg.moe {
+                let g_host: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+                let eg = self.layers[*l].expert_backward(t, world, f, &g_host)?;
+                wire_bytes += eg.wire_bytes;
+                seed = (seed + (&seg.h * &eg.h_through_experts)?.sum_all()?)?;
+                seed = (seed + (&f.aux * aux_coef)?)?;
+                aux += f.aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                for (e, gs) in eg.experts {
+                    expert_grads.insert((*l, e), gs);
+                }
+                for (e, sum) in eg.exact {
+                    exact_experts.insert((*l, e), sum);
+                }
+                local_load[*l] = f.local_load.clone();
+                global_load[*l] = f.global_load.clone();
+            }
+            let store = seed.backward()?;
+            take_shared(&store, &mut grads);
+            if let Some(v) = &seg.input {
+                g = leaf_grad(&store, v)?;
+            }
+        }
+        let ce = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok(MicroBatch { grads, expert_grads, exact_experts, ce: ce * ce_weight, ce_mean: ce, aux, wire_bytes, local_load, global_load })
     }
 
     /// The feed-forward part of `block` for its normed input `h`: the dense FFN, or the MoE

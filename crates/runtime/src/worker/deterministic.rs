@@ -1,0 +1,226 @@
+//! Deterministic steps (`--deterministic`): a step's result has the same bits whatever the
+//! number of workers and whatever failed, joined, drained or moved on the way.
+//!
+//! A float sum's bits depend on the order of its terms, and the default step sums over
+//! whatever rows a rank holds (one GEMM over its share of the batch), over whichever replica
+//! served a token, and over the ranks in their order. Here:
+//!
+//! * **Shards.** The global batch is cut into shards of one sequence. Each rank runs its shards
+//!   one after the other (every rank as many passes as the busiest: a rank with fewer runs a
+//!   stand-in of weight zero, which adds nothing), so every product over rows is over one
+//!   shard's rows, on any number of workers.
+//! * **Experts.** A shard's tokens for an expert go whole to one replica, which computes them as
+//!   a block of their own ([`DispatchMode::Deterministic`]); a token's k slot gradients are
+//!   added in slot order.
+//! * **Exact sums.** Every gradient is summed over shards and over ranks as a fixed-point
+//!   integer ([`lazarus_comm::exact`]): integer addition does not care about order or grouping,
+//!   so the sum is the same whichever rank computed which shard; it is rounded to f32 once.
+//! * **Scalars** (each shard's loss and load-balancing loss, each expert's squared gradient
+//!   norm) are written by one rank each into their own slots, so the all-reduce adds zeros to
+//!   them, and are added up in shard or expert order; expert loads are integers.
+//!
+//! What it costs: one pass a sequence instead of one over the rank's share (smaller products,
+//! an MoE layer's collectives once a sequence) and the 16-byte exact sums.
+
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+use lazarus_comm::exact::{all_reduce_exact, ExactSum};
+use lazarus_comm::{all_reduce_sum_f32, Group, Transport};
+use lazarus_model::optim::clip_scale;
+use lazarus_model::StepReport;
+
+use super::step::PendingStep;
+use super::{batch_share, FaultPoint, ParamKind, Worker, WorkerStepReport};
+use crate::error::RuntimeError;
+use crate::moe::DispatchMode;
+
+impl Worker {
+    /// Whether this worker trains deterministically.
+    pub(super) fn deterministic(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.mode == DispatchMode::Deterministic)
+    }
+
+    /// [`Worker::compute`] in deterministic mode (see the module's doc).
+    pub(super) fn compute_deterministic(
+        &mut self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        started: std::time::Instant,
+    ) -> Result<PendingStep, RuntimeError> {
+        let cfg = self.trainer.config.clone();
+        let (b, tl) = (cfg.batch_size, cfg.seq_len);
+        let batch = self.trainer.sampler.peek_batch(b);
+        let (lo, hi) = batch_share(b, self.world, self.rank);
+        let passes = b.div_ceil(self.world.max(1));
+        let device = self.trainer.model.device().clone();
+        let params = self.trainer.model.params().clone();
+        let shared: Vec<usize> = (0..params.len()).filter(|&i| self.kinds[i] == ParamKind::Shared).collect();
+        let lens: Vec<usize> = shared.iter().map(|&i| params.vars()[i].elem_count()).collect();
+        let layers = self.layers.len();
+        let experts = self.layers.first().map_or(0, |l| l.replicas.len());
+
+        let mut dense = ExactSum::zeros(lens.iter().sum());
+        let mut expert_sums: BTreeMap<(usize, usize), ExactSum> = BTreeMap::new();
+        // Each sequence's loss, then each one's load-balancing loss (its rank writes them), then
+        // the tokens of each (layer, expert).
+        let mut scalars = vec![0f32; 2 * b + layers * experts];
+        let mut wire_bytes = 0u64;
+        let weight = 1.0 / b as f64;
+        for pass in 0..passes {
+            let seq = lo + pass;
+            let real = seq < hi;
+            // A rank out of sequences runs a stand-in of weight zero (the collectives need it).
+            let at = if real { seq } else { lo.min(b - 1) };
+            let inputs = Tensor::from_vec(batch.inputs[at * tl..(at + 1) * tl].to_vec(), (1, tl), &device)?;
+            let targets = Tensor::from_vec(batch.targets[at * tl..(at + 1) * tl].to_vec(), tl, &device)?;
+            let w = if real { weight } else { 0.0 };
+            let piece = self.forward_backward(t, world, &inputs, &targets, w, w, pass == 0)?;
+            wire_bytes += piece.wire_bytes;
+            // (A stand-in's rows reach the experts with zero gradients: exact zeros.)
+            for (key, sum) in piece.exact_experts {
+                match expert_sums.get_mut(&key) {
+                    Some(acc) => acc.add(&sum)?,
+                    None => {
+                        expert_sums.insert(key, sum);
+                    }
+                }
+            }
+            if !real {
+                continue;
+            }
+            let parts: Vec<Option<Tensor>> = shared.iter().map(|&i| piece.grads[i].clone()).collect();
+            dense.add_f32(0, &crate::host_copy::to_host(&parts, &lens)?)?;
+            scalars[seq] = piece.ce_mean as f32;
+            scalars[b + seq] = piece.aux as f32;
+            for (l, load) in piece.local_load.iter().enumerate() {
+                for (e, &c) in load.iter().enumerate().take(experts) {
+                    scalars[2 * b + l * experts + e] += c as f32;
+                }
+            }
+        }
+
+        let _phase = lazarus_model::profile::phase("gradients");
+        self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
+        all_reduce_exact(t, world, &mut dense, self.timeout)?;
+        let flat = dense.to_f32();
+        let expert_grads = self.sum_over_holders(t, expert_sums)?;
+        // Each expert's squared gradient norm, from its first holder.
+        let mut expert_sq = vec![0f32; layers * experts];
+        for (&(l, e), sum) in &expert_grads {
+            if self.plan.holders(l, e).first() == Some(&self.rank) {
+                expert_sq[l * experts + e] = sum.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() as f32;
+            }
+        }
+        let sq_at = scalars.len();
+        scalars.extend(expert_sq);
+        // As in the default step: the pause vote, the step time, the snapshot round's cost
+        // (they steer when to pause and how fast to snapshot, not the parameters).
+        let extras = scalars.len();
+        scalars.push(f32::from(u8::from(self.pause_asked(t.epoch()))));
+        scalars.push(self.last_committed.as_ref().map_or(0.0, |(_, s)| *s) as f32);
+        scalars.extend(self.snapshots.round_cost_here(t));
+        if scalars[2 * b..sq_at].iter().any(|&c| c >= (1u32 << 24) as f32) {
+            return Err(RuntimeError::Invalid { field: "expert load", reason: "2^24 tokens or more on one expert in a step".into() });
+        }
+        {
+            let _p = lazarus_model::profile::kernel("transport");
+            all_reduce_sum_f32(t, world, &mut scalars, self.timeout)?;
+        }
+        let loss = scalars[..b].iter().map(|&x| f64::from(x)).sum::<f64>() / b as f64;
+        let aux_sum = scalars[b..2 * b].iter().map(|&x| f64::from(x)).sum::<f64>() / b as f64;
+        let expert_load: Vec<Vec<u64>> =
+            (0..layers).map(|l| scalars[2 * b + l * experts..2 * b + (l + 1) * experts].iter().map(|&c| c as u64).collect()).collect();
+        let expert_sq: f64 = scalars[sq_at..extras].iter().map(|&x| f64::from(x)).sum();
+        let pause = scalars[extras] > 0.5;
+        let mean_step_s = f64::from(scalars[extras + 1]) / world.len() as f64;
+        let snapshot_cost = lazarus_plan::RoundCost::from_sums(
+            scalars[extras + 2..extras + 2 + lazarus_plan::RoundCost::TERMS].try_into().expect("the cost's terms follow the step's two"),
+        );
+
+        // The update's gradients: the replicated ones in parameter order, then the experts'.
+        let mut shared_sq = 0.0f64;
+        let mut at = 0;
+        for len in &lens {
+            shared_sq += flat[at..at + len].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            at += len;
+        }
+        let shapes: Vec<&[usize]> = shared.iter().map(|&i| params.vars()[i].dims()).collect();
+        let mut summed: Vec<Option<Tensor>> = vec![None; params.len()];
+        for (i, g) in shared.iter().zip(crate::host_copy::from_host(flat, &shapes, &device)?) {
+            summed[*i] = Some(g);
+        }
+        // Each expert's parameters in the order of its tensors (as its gradients come).
+        let mut by_expert: BTreeMap<(usize, usize), BTreeMap<usize, usize>> = BTreeMap::new();
+        for (i, kind) in self.kinds.iter().enumerate() {
+            if let ParamKind::Expert { layer, expert, part } = *kind {
+                by_expert.entry((layer, expert)).or_default().insert(part, i);
+            }
+        }
+        for (key, values) in expert_grads {
+            let Some(indices) = by_expert.get(&key).map(|parts| parts.values().copied().collect::<Vec<usize>>()) else { continue };
+            let shapes: Vec<&[usize]> = indices.iter().map(|&i| params.vars()[i].dims()).collect();
+            for (&i, g) in indices.iter().zip(crate::host_copy::from_host(values, &shapes, &device)?) {
+                summed[i] = Some(g);
+            }
+        }
+        drop(_phase);
+        let norm = (shared_sq + expert_sq).sqrt();
+        let step = self.trainer.step;
+        let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(step);
+        let report = StepReport {
+            step: step + 1,
+            loss,
+            aux_loss: aux_sum / layers.max(1) as f64,
+            tokens: (b * tl) as u64,
+            lr,
+            grad_norm: norm,
+            expert_load,
+            dropped: 0,
+        };
+        Ok(PendingStep::new(
+            step,
+            summed,
+            lr,
+            clip_scale(norm, cfg.grad_clip),
+            b,
+            WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
+            started,
+        ))
+    }
+
+    /// Each local expert's exact gradient summed over its holders (one exact all-reduce per set
+    /// of holders, the sets in the same order on every rank): its parameters' values, one after
+    /// the other, rounded to f32 once.
+    fn sum_over_holders(
+        &self,
+        t: &mut dyn Transport,
+        sums: BTreeMap<(usize, usize), ExactSum>,
+    ) -> Result<BTreeMap<(usize, usize), Vec<f32>>, RuntimeError> {
+        let mut by_holders: BTreeMap<Vec<usize>, Vec<(usize, usize)>> = BTreeMap::new();
+        for &key in sums.keys() {
+            by_holders.entry(self.plan.holders(key.0, key.1)).or_default().push(key);
+        }
+        let mut out = BTreeMap::new();
+        for (holders, keys) in by_holders {
+            let lens: Vec<usize> = keys.iter().map(|k| sums[k].len()).collect();
+            let mut all = ExactSum::zeros(lens.iter().sum());
+            let mut at = 0;
+            for (k, len) in keys.iter().zip(&lens) {
+                all.add_at(at, &sums[k])?;
+                at += len;
+            }
+            if holders.len() > 1 {
+                let _p = lazarus_model::profile::kernel("transport");
+                all_reduce_exact(t, &mut Group::new(holders)?, &mut all, self.timeout)?;
+            }
+            let values = all.to_f32();
+            let mut at = 0;
+            for (k, len) in keys.into_iter().zip(lens) {
+                out.insert(k, values[at..at + len].to_vec());
+                at += len;
+            }
+        }
+        Ok(out)
+    }
+}
