@@ -1,0 +1,157 @@
+//! `train --workers N --deterministic`: the result of every step has the same bits whatever the
+//! number of workers and whatever failed on the way — compared as bytes (the final
+//! checkpoint's tensors) and as bits (every step's loss), never within a tolerance.
+
+mod common;
+
+use std::path::Path;
+
+use common::{dir, lazarus, log, signal, spawn_lazarus, wait_for_steps, worker_pids};
+
+/// The tiny model, 12 sequences a step (1, 2, 3 and 4 workers all divide the batch
+/// differently: 12, 6 + 6, 4 + 4 + 4, 3 × 4).
+fn tiny() -> [&'static str; 16] {
+    common::tiny_model("12")
+}
+
+/// The bytes of the newest checkpoint's tensors in `ck` (model, then optimizer state).
+fn checkpoint_bytes(ck: &Path) -> Vec<u8> {
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let at = ck.join(latest.trim());
+    let mut bytes = std::fs::read(at.join("model.safetensors")).unwrap();
+    bytes.extend(std::fs::read(at.join("optimizer.safetensors")).unwrap());
+    bytes
+}
+
+/// Every step's loss, as bits, in step order (each step once).
+fn loss_bits(path: &Path) -> Vec<(u64, u64)> {
+    log(path).0.into_iter().map(|(s, l)| (s, l.to_bits())).collect()
+}
+
+/// `train --workers N --deterministic` for `steps` steps in `d/name`: its checkpoint's bytes and
+/// its losses' bits.
+fn run(d: &Path, name: &str, workers: usize, steps: &str, extra: &[&str]) -> (Vec<u8>, Vec<(u64, u64)>) {
+    let (path, ck) = (d.join(format!("{name}.jsonl")), d.join(format!("{name}-ck")));
+    let w = workers.to_string();
+    let mut args = vec!["train", "--workers", &w, "--deterministic", "--steps", steps, "--quiet"];
+    args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+    args.extend(tiny());
+    args.extend(extra);
+    let out = lazarus(&args);
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    (checkpoint_bytes(&ck), loss_bits(&path))
+}
+
+#[test]
+fn one_to_four_workers_train_the_same_bits() {
+    let d = dir("deterministic-workers");
+    let (want, want_losses) = run(&d, "one", 1, "50", &[]);
+    assert_eq!(want_losses.len(), 50);
+    for n in 2..=4 {
+        let (got, losses) = run(&d, &format!("w{n}"), n, "50", &[]);
+        assert!(losses == want_losses, "{n} workers: losses differ from one worker's: {losses:?} vs {want_losses:?}");
+        assert!(got == want, "{n} workers: the checkpoint's tensors differ from one worker's");
+    }
+    // Without --deterministic, 1 and 3 workers differ in their last bits (what this mode is for).
+    let default = |n: &str, name: &str| {
+        let ck = d.join(name);
+        let mut args = vec!["train", "--workers", n, "--steps", "50", "--quiet", "--checkpoint-dir", ck.to_str().unwrap()];
+        args.extend(tiny());
+        assert!(lazarus(&args).status.success());
+        checkpoint_bytes(&ck)
+    };
+    assert_ne!(default("1", "default-1"), default("3", "default-3"), "the default mode was expected to differ in its last bits");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A worker SIGKILLed from outside mid-run: the survivors move to a new plan, re-run the step,
+/// and end with the bytes of a run that never failed.
+#[test]
+fn a_worker_killed_from_outside_leaves_the_bits_of_an_uninterrupted_run() {
+    let d = dir("deterministic-kill");
+    let (want, want_losses) = run(&d, "uninterrupted", 1, "40", &[]);
+    let (path, ck) = (d.join("killed.jsonl"), d.join("killed-ck"));
+    let mut args = vec!["train", "--workers", "4", "--deterministic", "--steps", "40"];
+    args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+    args.extend(tiny());
+    let (mut child, lines) = spawn_lazarus(&args, &[]);
+    let pids = worker_pids(&lines, 4, |_| {});
+    wait_for_steps(&path, 10);
+    signal(pids[2], libc::SIGKILL);
+    let status = child.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    let (_, moves) = log(&path);
+    assert_eq!(moves.len(), 1, "one move: {moves:?}");
+    assert_eq!(moves[0]["cause"].as_str(), Some("reconfigure"), "{moves:?}");
+    assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Workers killed at chosen phases (the fault hook: SIGKILL to itself) — in the forward pass of
+/// step 8, just before the gradient all-reduce of step 16 — with room for every expert on two
+/// workers: two moves, and the bytes of a run that never failed.
+#[test]
+fn workers_killed_in_forward_and_in_the_all_reduce_leave_the_same_bits() {
+    let d = dir("deterministic-phases");
+    let (want, want_losses) = run(&d, "uninterrupted", 1, "24", &[]);
+    let (ck, got_losses) = faulty(&d, "phases", &["--steps", "24", "--slots-per-worker", "4"], "1:forward:8,3:all_reduce:16", 2);
+    assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Both holders of an expert killed at the commit vote of step 13: the job rolls back to its
+/// checkpoint of step 10 and re-runs the steps after it — ending with the bytes of a run that
+/// never failed.
+#[test]
+fn a_rollback_leaves_the_same_bits() {
+    let d = dir("deterministic-rollback");
+    let (want, want_losses) = run(&d, "uninterrupted", 1, "20", &[]);
+    // The twins of this job's placement (the plan is deterministic).
+    let mut probe = vec!["train", "--workers", "4", "--deterministic", "--steps", "1"];
+    probe.extend(tiny());
+    let out = lazarus(&probe);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = twin_holders(&String::from_utf8_lossy(&out.stderr));
+    let faults = format!("{a}:vote:13,{b}:vote:13");
+    let (ck, got_losses) = faulty(&d, "rollback", &["--steps", "20", "--checkpoint-every", "5"], &faults, 1);
+    let (_, moves) = log(&d.join("rollback.jsonl"));
+    assert_eq!(moves[0]["cause"].as_str(), Some("rollback"), "{moves:?}");
+    assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `train --workers 4 --deterministic` with `LAZARUS_FAULT=faults`, run to its end with `moves`
+/// moves: its checkpoint directory and its losses' bits.
+fn faulty(d: &Path, name: &str, extra: &[&str], faults: &str, moves: usize) -> (std::path::PathBuf, Vec<(u64, u64)>) {
+    let (path, ck) = (d.join(format!("{name}.jsonl")), d.join(format!("{name}-ck")));
+    let mut args = vec!["train", "--workers", "4", "--deterministic"];
+    args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+    args.extend(tiny());
+    args.extend(extra);
+    let (mut child, lines) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults)]);
+    let _ = worker_pids(&lines, 4, |_| {});
+    let status = child.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "{name}: the run goes on and finishes: {}", text.join("\n"));
+    let (_, got) = log(&path);
+    assert_eq!(got.len(), moves, "{name}: {got:?}");
+    (ck, loss_bits(&path))
+}
+
+/// The two workers of `placement L0: w0[..] w1[..] …` that hold the same experts.
+fn twin_holders(stderr: &str) -> (usize, usize) {
+    let line = stderr.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
+    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
+    for a in 0..sets.len() {
+        for b in a + 1..sets.len() {
+            if sets[a] == sets[b] {
+                return (a, b);
+            }
+        }
+    }
+    panic!("no two workers hold the same experts: {line}");
+}
