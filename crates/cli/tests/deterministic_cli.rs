@@ -155,3 +155,38 @@ fn twin_holders(stderr: &str) -> (usize, usize) {
     }
     panic!("no two workers hold the same experts: {line}");
 }
+
+/// Under a controller and node agents: a node attaches to the running job (2 → 4 workers),
+/// then the first node gives notice (SIGTERM to its agent) and leaves, handing over what only
+/// it holds — and the job ends with the bytes of a run on one worker that never changed.
+#[test]
+fn a_join_and_a_drain_leave_the_same_bits() {
+    use common::hosts::{exit_within, start_agent, start_controller, wait_for_records};
+    use std::time::Duration;
+    let d = dir("deterministic-agents");
+    let steps = "200";
+    let (want, want_losses) = run(&d, "uninterrupted", 1, steps, &[]);
+    let (path, ck, secret) = (d.join("agents.jsonl"), d.join("agents-ck"), d.join("secret"));
+    let (log_s, ck_s, secret_s) = (path.to_str().unwrap(), ck.to_str().unwrap(), secret.to_str().unwrap());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", secret_s, "--workers", "2", "--gpus-per-node", "2"];
+    args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5", "--rebalance-every", "0", "--deterministic"]);
+    args.extend(tiny());
+    args.extend(["--steps", steps, "--json-log", log_s, "--checkpoint-dir", ck_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let mut first = start_agent(&addr, "2", &secret, None);
+    wait_for_steps(&path, 10);
+    let _second = start_agent(&addr, "2", &secret, None);
+    let joined = wait_for_records(&path, 1);
+    assert_eq!((joined[0]["cause"].as_str(), joined[0]["workers"].as_u64()), (Some("join"), Some(4)), "{}", joined[0]);
+    signal(first.0.id() as i32, libc::SIGTERM);
+    let drained = wait_for_records(&path, 2);
+    assert_eq!((drained[1]["cause"].as_str(), drained[1]["workers"].as_u64()), (Some("drain"), Some(2)), "{}", drained[1]);
+    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
+    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    let _ = exit_within(&mut first.0, &first.1, Duration::from_secs(30));
+    let (_, moves) = log(&path);
+    assert_eq!(moves.len(), 2, "a join and a drain, no rollback: {moves:?}");
+    assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
