@@ -46,17 +46,28 @@ pub enum ExactError {
 }
 
 /// `x` as a fixed-point integer (exact for |x| ≥ 2⁻⁷³ — an f32's 24 bits all lie above 2⁻⁹⁶ —
-/// truncated toward zero below).
+/// truncated toward zero below), from its bits: no float arithmetic, no library call.
 fn to_fixed(index: usize, x: f32) -> Result<i128, ExactError> {
-    if !x.is_finite() {
-        return Err(ExactError::NotFinite { index, bits: x.to_bits() });
+    let bits = x.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32;
+    if exponent == 0xff {
+        return Err(ExactError::NotFinite { index, bits });
     }
-    let wide = f64::from(x);
-    if wide.abs() >= LIMIT {
-        return Err(ExactError::TermOutOfRange { index, bits: x.to_bits() });
+    // |x| = m · 2^(exponent − 150) (normal: the implicit bit; subnormal: exponent 1).
+    let (m, exponent) = if exponent == 0 { (bits & 0x7f_ffff, 1) } else { ((bits & 0x7f_ffff) | 0x80_0000, exponent) };
+    // x · 2^96 = m · 2^(exponent − 54).
+    let shift = exponent - 150 + FRACTION_BITS;
+    if exponent - 127 >= 30 {
+        return Err(ExactError::TermOutOfRange { index, bits });
     }
-    // ×2⁹⁶ is exact in f64 (a power of two, far from overflow); `as` truncates toward zero.
-    Ok((wide * 2f64.powi(FRACTION_BITS)) as i128)
+    let magnitude = if shift >= 0 {
+        i128::from(m) << shift
+    } else if shift > -32 {
+        i128::from(m >> -shift)
+    } else {
+        0
+    };
+    Ok(if bits >> 31 == 1 { -magnitude } else { magnitude })
 }
 
 /// The f32 nearest to a fixed-point value (through f64: both roundings are the same on every
@@ -68,6 +79,59 @@ fn to_f32(v: i128) -> f32 {
 /// Whether a fixed-point value is in range.
 fn in_range(v: i128) -> bool {
     v.unsigned_abs() < 1u128 << (30 + FRACTION_BITS)
+}
+
+/// Adds `terms` into `acc` (`offset`: the first element's index, for errors), one part a core
+/// for a long vector, each part in one pass. On error every part's additions are taken back
+/// (each term's fixed-point value is a pure function of it) and the first error in index order
+/// is returned.
+fn add_in_parts(acc: &mut [i128], terms: &[f32], offset: usize) -> Result<(), ExactError> {
+    const PART_MIN: usize = 1 << 16;
+    let part_add = |base: usize, acc: &mut [i128], terms: &[f32]| add_part(offset + base, acc, terms);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if terms.len() < 2 * PART_MIN || cores == 1 {
+        return part_add(0, acc, terms);
+    }
+    let part = terms.len().div_ceil(cores).max(PART_MIN);
+    let part_add = &part_add;
+    let results: Vec<Result<(), ExactError>> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            acc.chunks_mut(part).zip(terms.chunks(part)).enumerate().map(|(k, (a, t))| s.spawn(move || part_add(k * part, a, t))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let Some(first) = results.iter().find_map(|r| r.err()) else { return Ok(()) };
+    // The parts that went through are taken back too (a failed one took back its own).
+    for ((r, a), t) in results.iter().zip(acc.chunks_mut(part)).zip(terms.chunks(part)) {
+        if r.is_ok() {
+            take_back(a, t);
+        }
+    }
+    Err(first)
+}
+
+/// Adds a part (`first`: its first element's index); on error, takes back what it added and
+/// says where it failed.
+#[inline(never)]
+fn add_part(first: usize, acc: &mut [i128], terms: &[f32]) -> Result<(), ExactError> {
+    for (i, (a, &x)) in acc.iter_mut().zip(terms).enumerate() {
+        let index = first + i;
+        let added = to_fixed(index, x).and_then(|t| if in_range(*a + t) { Ok(t) } else { Err(ExactError::SumOutOfRange { index }) });
+        match added {
+            Ok(t) => *a += t,
+            Err(e) => {
+                take_back(&mut acc[..i], &terms[..i]);
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Subtracts what adding `terms` (all in range, all added) put into `acc`.
+fn take_back(acc: &mut [i128], terms: &[f32]) {
+    for (a, &x) in acc.iter_mut().zip(terms) {
+        *a -= to_fixed(0, x).unwrap_or(0);
+    }
 }
 
 /// An element-wise sum of f32 vectors that is the same whatever the order of its terms.
@@ -90,48 +154,35 @@ impl ExactSum {
         self.fixed.is_empty()
     }
 
-    /// Adds `terms[i]` to element `offset + i`. On error nothing is added.
+    /// Adds `terms[i]` to element `offset + i`. On error nothing is added. (In place, one
+    /// pass, in parts on every core for a long vector — a deterministic step adds each shard's
+    /// gradients, millions of values, this way; what a failed call wrote is taken back.)
     pub fn add_f32(&mut self, offset: usize, terms: &[f32]) -> Result<(), ExactError> {
         let end = offset.checked_add(terms.len()).filter(|&e| e <= self.fixed.len());
         let Some(end) = end else {
             return Err(ExactError::Length { got: offset.saturating_add(terms.len()), expected: self.fixed.len() });
         };
-        let fixed: Vec<i128> = terms.iter().enumerate().map(|(i, &x)| to_fixed(offset + i, x)).collect::<Result<_, _>>()?;
-        let sums: Vec<i128> = self.fixed[offset..end].iter().zip(&fixed).map(|(&a, &b)| a + b).collect();
-        if let Some(i) = sums.iter().position(|&v| !in_range(v)) {
-            return Err(ExactError::SumOutOfRange { index: offset + i });
-        }
-        self.fixed[offset..end].copy_from_slice(&sums);
-        Ok(())
+        add_in_parts(&mut self.fixed[offset..end], terms, offset)
     }
 
-    /// Adds `other` to elements `offset..offset + other.len()`. On error nothing is added.
+    /// Adds another sum, element by element. On error nothing is added.
+    pub fn add(&mut self, other: &ExactSum) -> Result<(), ExactError> {
+        self.add_at(0, other)
+    }
+
+    /// Adds `other` to elements `offset..offset + other.len()` (the whole sum: `offset` 0 and
+    /// the same length). On error nothing is added.
     pub fn add_at(&mut self, offset: usize, other: &ExactSum) -> Result<(), ExactError> {
         let end = offset.checked_add(other.len()).filter(|&e| e <= self.fixed.len());
         let Some(end) = end else {
             return Err(ExactError::Length { got: offset.saturating_add(other.len()), expected: self.fixed.len() });
         };
-        let mut part = ExactSum { fixed: self.fixed[offset..end].to_vec() };
-        part.add(other)?;
-        self.fixed[offset..end].copy_from_slice(&part.fixed);
-        Ok(())
-    }
-
-    /// Adds another sum, element by element. On error nothing is added.
-    pub fn add(&mut self, other: &ExactSum) -> Result<(), ExactError> {
-        self.add_fixed(&other.fixed)
-    }
-
-    fn add_fixed(&mut self, other: &[i128]) -> Result<(), ExactError> {
-        if other.len() != self.fixed.len() {
-            return Err(ExactError::Length { got: other.len(), expected: self.fixed.len() });
+        let acc = &mut self.fixed[offset..end];
+        // Both in range (below 2^126 in magnitude): their sum cannot wrap.
+        if let Some(i) = acc.iter().zip(&other.fixed).position(|(&a, &b)| !in_range(a + b)) {
+            return Err(ExactError::SumOutOfRange { index: offset + i });
         }
-        let sums: Vec<i128> = self.fixed.iter().zip(other).map(|(&a, &b)| a.wrapping_add(b)).collect();
-        // Both in range (below 2^126 in magnitude): their sum did not wrap.
-        if let Some(i) = sums.iter().position(|&v| !in_range(v)) {
-            return Err(ExactError::SumOutOfRange { index: i });
-        }
-        self.fixed = sums;
+        acc.iter_mut().zip(&other.fixed).for_each(|(a, &b)| *a += b);
         Ok(())
     }
 
@@ -273,6 +324,20 @@ mod tests {
             prop_assert_eq!(s.to_f32()[0], want);
         }
 
+        /// The conversion from bits is the plain one: x · 2⁹⁶ in f64, truncated toward zero.
+        #[test]
+        fn a_term_from_its_bits_is_x_times_two_to_the_96_truncated(bits in any::<u32>()) {
+            let x = f32::from_bits(bits);
+            let plain = (f64::from(x) * 2f64.powi(FRACTION_BITS)) as i128;
+            match to_fixed(0, x) {
+                Ok(v) => prop_assert_eq!(v, plain),
+                Err(_) => prop_assert!(!x.is_finite() || f64::from(x).abs() >= LIMIT),
+            }
+            if x.is_finite() && f64::from(x).abs() < LIMIT {
+                prop_assert!(to_fixed(0, x).is_ok());
+            }
+        }
+
         /// The wire form round-trips.
         #[test]
         fn the_wire_form_round_trips(values in prop::collection::vec(-1e8f32..1e8f32, 0..20)) {
@@ -306,6 +371,16 @@ mod tests {
         let mut big = ExactSum::zeros(1);
         big.add_f32(0, &[1e9]).unwrap();
         assert!(matches!(big.add_f32(0, &[1e9]), Err(ExactError::SumOutOfRange { index: 0 })));
+        // A long vector (added in parts on several cores): a bad value late in it takes back
+        // every part.
+        let n = 1 << 18;
+        let mut long = ExactSum::zeros(n);
+        long.add_f32(0, &vec![0.5; n]).unwrap();
+        let before = long.clone();
+        let mut terms = vec![0.25f32; n];
+        terms[n - 3] = f32::INFINITY;
+        assert!(matches!(long.add_f32(0, &terms), Err(ExactError::NotFinite { index, .. }) if index == n - 3));
+        assert_eq!(long, before);
         let mut huge = ExactSum::zeros(1);
         huge.fixed[0] = i128::MAX;
         assert!(ExactSum::from_bytes(&huge.to_bytes()).is_err());

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 
 use candle_core::{Tensor, Var};
-use lazarus_comm::exact::ExactSum;
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
 use super::packing::{pack, unpack, wire};
@@ -251,8 +250,8 @@ impl DistributedMoe {
     }
 
     /// [`DispatchMode::Deterministic`]'s expert backward: each segment (one sender's block)
-    /// on its own, each local expert's gradients an exact sum over its segments — not summed
-    /// over the holders here: the caller sums a whole step's once ([`ExpertGrads::exact`]).
+    /// on its own, its gradients handed back as they are: the caller adds a whole step's
+    /// exactly and sums them over the holders once ([`ExpertGrads::exact`]).
     fn exact_backward(
         &self,
         t: &mut dyn Transport,
@@ -262,13 +261,7 @@ impl DistributedMoe {
         first_row: &[usize],
         wire_bytes: u64,
     ) -> Result<ExpertGrads, RuntimeError> {
-        let me = t.rank();
-        let mut exact: BTreeMap<usize, ExactSum> = BTreeMap::new();
-        for (&e, weights) in &self.experts {
-            if self.replicas.get(e).is_some_and(|r| r.get(me).is_some_and(|&c| c > 0)) {
-                exact.insert(e, ExactSum::zeros(weights.vars().iter().map(|v| v.elem_count()).sum()));
-            }
-        }
+        let mut exact: BTreeMap<usize, Vec<Vec<f32>>> = BTreeMap::new();
         let mut dx = Vec::with_capacity(fwd.expert_segments.len());
         for (i, segment) in fwd.expert_segments.iter().enumerate() {
             let Some(gy) = gy else {
@@ -281,13 +274,7 @@ impl DistributedMoe {
             dx.push((i, x));
             let lens: Vec<usize> = grads.iter().map(|g| g.elem_count()).collect();
             let flat = crate::host_copy::to_host(&grads.into_iter().map(Some).collect::<Vec<_>>(), &lens)?;
-            let Some(sum) = exact.get_mut(&segment.0) else {
-                return Err(RuntimeError::Invalid {
-                    field: "placement",
-                    reason: format!("rank {me} computed expert {} it does not hold", segment.0),
-                });
-            };
-            sum.add_f32(0, &flat)?;
+            exact.entry(segment.0).or_default().push(flat);
         }
         let (h_through_experts, back_bytes) = self.input_gradients_home(t, world, fwd, dx)?;
         Ok(ExpertGrads { experts: BTreeMap::new(), exact, h_through_experts, wire_bytes: wire_bytes + back_bytes })

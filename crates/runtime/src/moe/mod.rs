@@ -150,10 +150,10 @@ type ExpertSegment = (usize, Var, Tensor, Vec<(usize, usize)>);
 pub struct ExpertGrads {
     /// Local experts: [w1, b1, w2, b2] summed over the expert's holders.
     pub experts: BTreeMap<usize, Vec<Tensor>>,
-    /// [`DispatchMode::Deterministic`]: each local expert's gradients over the rows it computed
-    /// here, its parameters one after the other, as an exact sum not yet summed over the
-    /// holders (`experts` is empty then).
-    pub exact: BTreeMap<usize, lazarus_comm::exact::ExactSum>,
+    /// [`DispatchMode::Deterministic`]: each local expert's gradients over each block of rows it
+    /// computed here (its parameters one after the other), for the caller to add exactly and
+    /// sum over the holders (`experts` is empty then).
+    pub exact: BTreeMap<usize, Vec<Vec<f32>>>,
     /// d loss / d h through the experts [n, d].
     pub h_through_experts: Tensor,
     /// Bytes this rank sent to other ranks in the backward all-to-alls.

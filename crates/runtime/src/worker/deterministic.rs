@@ -78,12 +78,9 @@ impl Worker {
             let piece = self.forward_backward(t, world, &inputs, &targets, w, w, pass == 0)?;
             wire_bytes += piece.wire_bytes;
             // (A stand-in's rows reach the experts with zero gradients: exact zeros.)
-            for (key, sum) in piece.exact_experts {
-                match expert_sums.get_mut(&key) {
-                    Some(acc) => acc.add(&sum)?,
-                    None => {
-                        expert_sums.insert(key, sum);
-                    }
+            for (key, blocks) in piece.exact_experts {
+                for block in blocks {
+                    expert_sums.entry(key).or_insert_with(|| ExactSum::zeros(block.len())).add_f32(0, &block)?;
                 }
             }
             if !real {
@@ -104,6 +101,14 @@ impl Worker {
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         all_reduce_exact(t, world, &mut dense, self.timeout)?;
         let flat = dense.to_f32();
+        // Every expert held here takes part in its holders' sum, rows or none.
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (&e, weights) in &layer.experts {
+                if layer.replicas.get(e).is_some_and(|r| r.get(self.rank).is_some_and(|&c| c > 0)) {
+                    expert_sums.entry((l, e)).or_insert_with(|| ExactSum::zeros(weights.vars().iter().map(|v| v.elem_count()).sum()));
+                }
+            }
+        }
         let expert_grads = self.sum_over_holders(t, expert_sums)?;
         // Each expert's squared gradient norm, from its first holder.
         let mut expert_sq = vec![0f32; layers * experts];

@@ -14,7 +14,6 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor, Var};
-use lazarus_comm::exact::ExactSum;
 use lazarus_comm::{all_reduce_sum_f32, barrier, Group, Transport};
 use lazarus_model::model::cross_entropy;
 use lazarus_model::optim::clip_scale;
@@ -50,7 +49,7 @@ pub(super) struct MicroBatch {
     pub expert_grads: BTreeMap<(usize, usize), Vec<Tensor>>,
     /// Local experts' gradients over the rows computed here, not yet over their holders
     /// ([`crate::moe::DispatchMode::Deterministic`]).
-    pub exact_experts: BTreeMap<(usize, usize), ExactSum>,
+    pub exact_experts: BTreeMap<(usize, usize), Vec<Vec<f32>>>,
     /// The piece's cross-entropy times its weight, and unweighted (its mean over its tokens).
     pub ce: f64,
     pub ce_mean: f64,
@@ -276,7 +275,7 @@ impl Worker {
         let aux_coef = model.config().aux_loss_coef / moe_layers * aux_weight;
         let mut aux = 0.0f64;
         let mut expert_grads: BTreeMap<(usize, usize), Vec<Tensor>> = BTreeMap::new();
-        let mut exact_experts: BTreeMap<(usize, usize), ExactSum> = BTreeMap::new();
+        let mut exact_experts: BTreeMap<(usize, usize), Vec<Vec<f32>>> = BTreeMap::new();
         let mut local_load = vec![Vec::new(); self.layers.len()];
         let mut global_load = vec![Vec::new(); self.layers.len()];
         for seg in segments.iter().rev() {
@@ -291,8 +290,8 @@ impl Worker {
                 for (e, gs) in eg.experts {
                     expert_grads.insert((*l, e), gs);
                 }
-                for (e, sum) in eg.exact {
-                    exact_experts.insert((*l, e), sum);
+                for (e, blocks) in eg.exact {
+                    exact_experts.insert((*l, e), blocks);
                 }
                 local_load[*l] = f.local_load.clone();
                 global_load[*l] = f.global_load.clone();
