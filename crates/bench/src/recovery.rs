@@ -196,6 +196,7 @@ pub fn run_recovery_bench(
             plan: plan.map,
             static_ep: false,
             deterministic: false,
+            shard_sequences: None,
             resume: None,
             heartbeat_s: 0.0,
             faults,

@@ -64,6 +64,21 @@ fn one_to_four_workers_train_the_same_bits() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Shards of three sequences (`--shard-sequences 3`: 4 a step): 1 and 3 workers — 4 shards
+/// over 3 ranks, one of which runs a stand-in for its second pass — give the same bits.
+#[test]
+fn shards_of_several_sequences_give_the_same_bits_on_any_number_of_workers() {
+    let d = dir("deterministic-shards");
+    let (want, want_losses) = run(&d, "one", 1, "20", &["--shard-sequences", "3"]);
+    let (got, losses) = run(&d, "three", 3, "20", &["--shard-sequences", "3"]);
+    assert!(losses == want_losses, "3 workers: losses differ from one worker's");
+    assert!(got == want, "3 workers: the checkpoint's tensors differ from one worker's");
+    // Another shard size is another (still deterministic) computation.
+    let (other, _) = run(&d, "sequence", 1, "20", &[]);
+    assert!(other != want, "shards of one sequence gave the bits of shards of three");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A worker SIGKILLed from outside mid-run: the survivors move to a new plan, re-run the step,
 /// and end with the bytes of a run that never failed.
 #[test]

@@ -128,6 +128,11 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", trace3.to_str().unwrap()], "starts with 3 nodes"),
         (vec!["--workers", "4", "--gpus-per-node", "2", "--replay", "/nonexistent/trace.csv"], "trace"),
         (vec!["--workers", "2", "--recovery", "off", "--rebalance-every", "5"], "--rebalance-every needs live recovery"),
+        (vec!["--workers", "2", "--deterministic", "--static-ep"], "--deterministic with --static-ep"),
+        (vec!["--workers", "2", "--shard-sequences", "2"], "--shard-sequences needs --deterministic"),
+        (vec!["--workers", "2", "--deterministic", "--shard-sequences", "3"], "invalid --shard-sequences: 3 (a divisor of --batch-size 5"),
+        (vec!["--workers", "2", "--deterministic", "--shard-sequences", "0"], "invalid --shard-sequences: 0"),
+        (vec!["--deterministic"], "--deterministic needs --workers N"),
     ] {
         let mut args = vec!["train", "--steps", "2", "--json-log", log.to_str().unwrap()];
         args.extend(tiny());

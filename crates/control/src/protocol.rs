@@ -81,6 +81,9 @@ pub struct TrainJob {
     /// Deterministic steps (`train --deterministic`): bit-identical on any number of workers.
     #[serde(default)]
     pub deterministic: bool,
+    /// Sequences in a shard of a deterministic step (`train --shard-sequences`; none: 1).
+    #[serde(default)]
+    pub shard_sequences: Option<usize>,
     /// Resume from the latest checkpoint in this directory.
     pub resume: Option<PathBuf>,
     /// Seconds between heartbeats (0: none).

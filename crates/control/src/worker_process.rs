@@ -470,6 +470,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         )?
     };
     worker.set_snapshots(job.snapshots);
+    worker.set_shard_sequences(job.shard_sequences.unwrap_or(1));
     worker.set_fault_hook(fault.clone());
     worker.set_pause_signal(Some(inbox.pause.clone()));
     // The map of the last plan this worker was sent (a move comes as the change from it,
@@ -586,6 +587,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             let options = WorkerOptions { plan: to.plan.clone(), mode, timeout, device: device.clone() };
             worker = Worker::new(cfg.clone(), options, to.rank, to.world, from.as_deref())?;
             worker.set_snapshots(job.snapshots);
+            worker.set_shard_sequences(job.shard_sequences.unwrap_or(1));
             worker.set_fault_hook(fault.clone());
             worker.set_pause_signal(Some(inbox.pause.clone()));
         }

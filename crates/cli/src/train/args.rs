@@ -204,6 +204,10 @@ pub struct TrainArgs {
     /// shard's tokens whole to one expert replica, every gradient an exact sum); slower.
     #[arg(long)]
     pub deterministic: bool,
+    /// With --deterministic: sequences in a shard, a divisor of --batch-size (default 1). The
+    /// bits depend on it, not on the workers; larger shards run faster.
+    #[arg(long)]
+    pub shard_sequences: Option<usize>,
     /// With --workers: deadline of every collective, in seconds (default 30).
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -298,7 +302,7 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 21] = [
+        let given: [(&'static str, bool); 22] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
             ("--encrypt-data", self.encrypt_data),
             ("--rebalance-every", self.rebalance_every.is_some()),
@@ -318,6 +322,7 @@ impl TrainArgs {
             ("--profile-steps", self.profile_steps.is_some()),
             ("--static-ep", self.static_ep),
             ("--deterministic", self.deterministic),
+            ("--shard-sequences", self.shard_sequences.is_some()),
             ("--comm-timeout", self.comm_timeout.is_some()),
             ("--workers", self.workers.is_some()),
         ];
@@ -354,6 +359,9 @@ impl TrainArgs {
                     bail!("{flag} needs --eval-data FILE (the held-out data it evaluates)");
                 }
             }
+        }
+        if self.shard_sequences.is_some() && !self.deterministic {
+            bail!("--shard-sequences needs --deterministic (it cuts a deterministic step's batch)");
         }
         if self.deterministic && self.static_ep {
             bail!("--deterministic with --static-ep: static expert parallelism has its own dispatch (give one)");

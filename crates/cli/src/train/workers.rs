@@ -113,6 +113,7 @@ struct ControllerTable {
     profile_steps: Option<usize>,
     static_ep: Option<bool>,
     deterministic: Option<bool>,
+    shard_sequences: Option<usize>,
     recovery: Option<bool>,
     snapshot_bandwidth: Option<f64>,
     snapshot_ceiling: Option<f64>,
@@ -152,6 +153,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.max_imbalance, t.max_imbalance);
     or(&mut a.train.profile_steps, t.profile_steps);
     or(&mut a.train.recovery, t.recovery);
+    or(&mut a.train.shard_sequences, t.shard_sequences);
     // A switch given on the command line stays on; the file can turn it on too.
     for (flag, file) in [
         (&mut a.train.encrypt_data, t.encrypt_data),
@@ -522,12 +524,16 @@ fn run_job(
         bandwidth,
         adaptive: args.snapshot_bandwidth.is_none(),
     });
+    if let Some(s) = args.shard_sequences.filter(|&s| s == 0 || cfg.batch_size % s != 0) {
+        bail!("invalid --shard-sequences: {s} (a divisor of --batch-size {}: whole shards a step)", cfg.batch_size);
+    }
     let job = TrainJob {
         encrypt_data: args.encrypt_data,
         config: cfg.clone(),
         plan: plan.map,
         static_ep: args.static_ep,
         deterministic: args.deterministic,
+        shard_sequences: args.shard_sequences,
         resume,
         heartbeat_s: 0.0,
         faults: String::new(),

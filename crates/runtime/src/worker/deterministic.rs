@@ -38,7 +38,14 @@ use crate::moe::DispatchMode;
 impl Worker {
     /// Whether this worker trains deterministically.
     pub(super) fn deterministic(&self) -> bool {
-        self.layers.first().is_some_and(|l| l.mode == DispatchMode::Deterministic)
+        self.mode == DispatchMode::Deterministic
+    }
+
+    /// Sequences in a shard of a deterministic step (default 1; at least 1, and a divisor of the
+    /// batch, or the step says so). Every worker of a job must be given the same: a step's
+    /// bits depend on it, not on the workers.
+    pub fn set_shard_sequences(&mut self, sequences: usize) {
+        self.shard_sequences = sequences.max(1);
     }
 
     /// [`Worker::compute`] in deterministic mode (see the module's doc).
@@ -49,10 +56,17 @@ impl Worker {
         started: std::time::Instant,
     ) -> Result<PendingStep, RuntimeError> {
         let cfg = self.trainer.config.clone();
-        let (b, tl) = (cfg.batch_size, cfg.seq_len);
+        let (b, tl, per) = (cfg.batch_size, cfg.seq_len, self.shard_sequences);
+        if b % per != 0 {
+            return Err(RuntimeError::Invalid {
+                field: "shard sequences",
+                reason: format!("{per} sequences a shard do not divide a batch of {b}"),
+            });
+        }
+        let shards = b / per;
         let batch = self.trainer.sampler.peek_batch(b);
-        let (lo, hi) = batch_share(b, self.world, self.rank);
-        let passes = b.div_ceil(self.world.max(1));
+        let (lo, hi) = batch_share(shards, self.world, self.rank);
+        let passes = shards.div_ceil(self.world.max(1));
         let device = self.trainer.model.device().clone();
         let params = self.trainer.model.params().clone();
         let shared: Vec<usize> = (0..params.len()).filter(|&i| self.kinds[i] == ParamKind::Shared).collect();
@@ -62,18 +76,19 @@ impl Worker {
 
         let mut dense = ExactSum::zeros(lens.iter().sum());
         let mut expert_sums: BTreeMap<(usize, usize), ExactSum> = BTreeMap::new();
-        // Each sequence's loss, then each one's load-balancing loss (its rank writes them), then
+        // Each shard's loss, then each one's load-balancing loss (its rank writes them), then
         // the tokens of each (layer, expert).
-        let mut scalars = vec![0f32; 2 * b + layers * experts];
+        let mut scalars = vec![0f32; 2 * shards + layers * experts];
         let mut wire_bytes = 0u64;
-        let weight = 1.0 / b as f64;
+        let weight = 1.0 / shards as f64;
         for pass in 0..passes {
-            let seq = lo + pass;
-            let real = seq < hi;
-            // A rank out of sequences runs a stand-in of weight zero (the collectives need it).
-            let at = if real { seq } else { lo.min(b - 1) };
-            let inputs = Tensor::from_vec(batch.inputs[at * tl..(at + 1) * tl].to_vec(), (1, tl), &device)?;
-            let targets = Tensor::from_vec(batch.targets[at * tl..(at + 1) * tl].to_vec(), tl, &device)?;
+            let shard = lo + pass;
+            let real = shard < hi;
+            // A rank out of shards runs a stand-in of weight zero (the collectives need it).
+            let at = if real { shard } else { lo.min(shards - 1) };
+            let rows = at * per * tl..(at + 1) * per * tl;
+            let inputs = Tensor::from_vec(batch.inputs[rows.clone()].to_vec(), (per, tl), &device)?;
+            let targets = Tensor::from_vec(batch.targets[rows].to_vec(), per * tl, &device)?;
             let w = if real { weight } else { 0.0 };
             let piece = self.forward_backward(t, world, &inputs, &targets, w, w, pass == 0)?;
             wire_bytes += piece.wire_bytes;
@@ -88,11 +103,11 @@ impl Worker {
             }
             let parts: Vec<Option<Tensor>> = shared.iter().map(|&i| piece.grads[i].clone()).collect();
             dense.add_f32(0, &crate::host_copy::to_host(&parts, &lens)?)?;
-            scalars[seq] = piece.ce_mean as f32;
-            scalars[b + seq] = piece.aux as f32;
+            scalars[shard] = piece.ce_mean as f32;
+            scalars[shards + shard] = piece.aux as f32;
             for (l, load) in piece.local_load.iter().enumerate() {
                 for (e, &c) in load.iter().enumerate().take(experts) {
-                    scalars[2 * b + l * experts + e] += c as f32;
+                    scalars[2 * shards + l * experts + e] += c as f32;
                 }
             }
         }
@@ -125,17 +140,18 @@ impl Worker {
         scalars.push(f32::from(u8::from(self.pause_asked(t.epoch()))));
         scalars.push(self.last_committed.as_ref().map_or(0.0, |(_, s)| *s) as f32);
         scalars.extend(self.snapshots.round_cost_here(t));
-        if scalars[2 * b..sq_at].iter().any(|&c| c >= (1u32 << 24) as f32) {
+        if scalars[2 * shards..sq_at].iter().any(|&c| c >= (1u32 << 24) as f32) {
             return Err(RuntimeError::Invalid { field: "expert load", reason: "2^24 tokens or more on one expert in a step".into() });
         }
         {
             let _p = lazarus_model::profile::kernel("transport");
             all_reduce_sum_f32(t, world, &mut scalars, self.timeout)?;
         }
-        let loss = scalars[..b].iter().map(|&x| f64::from(x)).sum::<f64>() / b as f64;
-        let aux_sum = scalars[b..2 * b].iter().map(|&x| f64::from(x)).sum::<f64>() / b as f64;
+        let loss = scalars[..shards].iter().map(|&x| f64::from(x)).sum::<f64>() / shards as f64;
+        let aux_sum = scalars[shards..2 * shards].iter().map(|&x| f64::from(x)).sum::<f64>() / shards as f64;
+        let at = 2 * shards;
         let expert_load: Vec<Vec<u64>> =
-            (0..layers).map(|l| scalars[2 * b + l * experts..2 * b + (l + 1) * experts].iter().map(|&c| c as u64).collect()).collect();
+            (0..layers).map(|l| scalars[at + l * experts..at + (l + 1) * experts].iter().map(|&c| c as u64).collect()).collect();
         let expert_sq: f64 = scalars[sq_at..extras].iter().map(|&x| f64::from(x)).sum();
         let pause = scalars[extras] > 0.5;
         let mean_step_s = f64::from(scalars[extras + 1]) / world.len() as f64;

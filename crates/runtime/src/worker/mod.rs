@@ -175,6 +175,8 @@ pub struct Worker {
     kinds: Vec<ParamKind>,
     plan: ReplicaMap,
     mode: DispatchMode,
+    /// Sequences in a shard of a deterministic step ([`Worker::set_shard_sequences`]).
+    shard_sequences: usize,
     timeout: Duration,
     /// A step computed everywhere whose commit vote failed (see [`Worker::step`]).
     held: Option<PendingStep>,
@@ -276,6 +278,7 @@ impl Worker {
             kinds,
             plan: options.plan,
             mode: options.mode,
+            shard_sequences: 1,
             timeout: options.timeout,
             held: None,
             last_committed: None,
