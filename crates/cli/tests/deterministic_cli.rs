@@ -205,3 +205,43 @@ fn a_join_and_a_drain_leave_the_same_bits() {
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The lone holder of some experts (5 workers of one slot) killed at the commit vote of step 13,
+/// every expert snapshotted after every step: the experts it alone held come back from their
+/// snapshots of step 12 in other workers' memory, no rollback, and the job ends with the bytes
+/// of a run that never failed.
+#[test]
+fn a_restore_from_snapshots_leaves_the_same_bits() {
+    let d = dir("deterministic-snapshot");
+    let (want, want_losses) = run(&d, "uninterrupted", 1, "20", &[]);
+    let slots = ["--slots-per-worker", "1"];
+    let mut probe = vec!["train", "--workers", "5", "--deterministic", "--steps", "1"];
+    probe.extend(tiny());
+    probe.extend(slots);
+    let out = lazarus(&probe);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
+    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
+    let victim = (0..sets.len()).find(|&w| sets.iter().filter(|s| **s == sets[w]).count() == 1).expect("a lone holder");
+    let path = d.join("snapshot.jsonl");
+    let mut args = vec!["train", "--workers", "5", "--deterministic", "--steps", "20", "--snapshot-bandwidth", "625e6"];
+    let ck = d.join("snapshot-ck");
+    args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "5"]);
+    args.extend(tiny());
+    args.extend(slots);
+    let faults = format!("{victim}:vote:13");
+    let (mut child, lines) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults.as_str())]);
+    let _ = worker_pids(&lines, 5, |_| {});
+    let status = child.wait().unwrap();
+    let text: Vec<String> = lines.try_iter().collect();
+    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    let (_, moves) = log(&path);
+    assert_eq!(moves.len(), 1, "{moves:?}");
+    assert_eq!(moves[0]["cause"].as_str(), Some("reconfigure"), "no rollback: {moves:?}");
+    let back = moves[0]["restored"].as_array().expect("experts restored from snapshots");
+    assert!(!back.is_empty() && back.iter().all(|x| x["stale_steps"].as_u64() == Some(0)), "{back:?}");
+    assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
