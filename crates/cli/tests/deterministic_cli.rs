@@ -245,3 +245,19 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A rebalance applied at a step boundary (3 workers, the plan weighed every 50 steps against
+/// the loads measured): the experts move to the new plan and the job ends with the bytes of one
+/// worker that never moved anything.
+#[test]
+fn a_rebalance_leaves_the_same_bits() {
+    let d = dir("deterministic-rebalance");
+    let (want, want_losses) = run(&d, "uninterrupted", 1, "120", &[]);
+    let rebalance = ["--slots-per-worker", "2", "--max-imbalance", "inf", "--rebalance-every", "50"];
+    let (got, losses) = run(&d, "rebalanced", 3, "120", &rebalance);
+    let (_, moves) = log(&d.join("rebalanced.jsonl"));
+    assert!(!moves.is_empty() && moves.iter().all(|m| m["cause"] == "rebalance"), "a rebalance applied: {moves:?}");
+    assert!(losses == want_losses, "every step once, with the uninterrupted run's loss bits");
+    assert!(got == want, "the final checkpoint's tensors are those of the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&d);
+}
