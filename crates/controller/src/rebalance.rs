@@ -20,6 +20,15 @@ use super::{Command, Controller, MoveCause, MoveCost, StepRecord};
 pub(super) const DEFAULT_SECONDS_PER_BYTE: f64 = 1e-9;
 pub(super) const DEFAULT_MOVE_FIXED_S: f64 = 0.05;
 
+/// Past this many nodes a rebalance's candidate keeps the running plan's node order (plan node
+/// q on the node at position q) instead of searching for the node mapping that moves least:
+/// that search (a cost matrix over every pair of nodes, then an assignment, O(n³)) took 1.6 s of
+/// the controller's loop at 1,024 nodes on a 2-core VM. What it buys there is small: a layer
+/// whose allocation holds keeps its placement, and so its nodes, either way; a layer planned
+/// afresh places its replicas independently of the others, so no one mapping of nodes suits
+/// every layer.
+pub(super) const MAPPED_FROM_NODES: usize = 256;
+
 /// One MoE layer of a candidate plan: its bottleneck now and under the candidate, and what
 /// moving it to the candidate would send.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -233,6 +242,9 @@ impl<S: StepRecord> Controller<S> {
         }
         let current = self.plan.as_ref()?;
         let candidate = plan_model(&self.loads, current.shape(), &self.spec.policy, Some(current)).ok()?;
+        // Past MAPPED_FROM_NODES, plan node q stays on the node at position q: no search for the
+        // mapping that moves least.
+        let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
         // What each node holds now (its workers' experts), and the node of each plan position.
         let g = self.spec.gpus_per_node.max(1);
         let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
@@ -243,22 +255,35 @@ impl<S: StepRecord> Controller<S> {
             }
         }
         let position_node: Vec<u64> = self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect();
-        let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
-        let bytes = vec![self.spec.expert_bytes; self.spec.layers];
-        let rp = plan_reconfiguration(&live, candidate.layers(), &bytes).ok()?;
+        let bytes = self.spec.expert_bytes;
         // The candidate with its nodes where the mapping puts them (plan position n on the node
-        // now at position n): layers of it and of the current plan then mix without moving more.
-        let aligned: Vec<Placement> = candidate
-            .layers()
-            .iter()
-            .map(|p| {
-                let nodes = position_node
-                    .iter()
-                    .map(|n| rp.plan_to_node.iter().position(|m| m == n).map(|q| p.nodes()[q].clone()))
-                    .collect::<Option<Vec<_>>>()?;
-                Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
-            })
-            .collect::<Option<_>>()?;
+        // now at position n): layers of it and of the current plan then mix without moving more;
+        // and what each layer's move would fetch (expert states, bytes).
+        let (aligned, fetches): (Vec<Placement>, Vec<(usize, u64)>) = if in_place {
+            let count = fetches_in_place(&held, &candidate, &position_node)?;
+            (candidate.layers().to_vec(), count.into_iter().map(|c| (c, c as u64 * bytes)).collect())
+        } else {
+            let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
+            let rp = plan_reconfiguration(&live, candidate.layers(), &vec![bytes; self.spec.layers]).ok()?;
+            let plan_index: BTreeMap<u64, usize> = rp.plan_to_node.iter().enumerate().map(|(q, &n)| (n, q)).collect();
+            let aligned = candidate
+                .layers()
+                .iter()
+                .map(|p| {
+                    let nodes =
+                        position_node.iter().map(|n| plan_index.get(n).map(|&q| p.nodes()[q].clone())).collect::<Option<Vec<_>>>()?;
+                    Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
+                })
+                .collect::<Option<_>>()?;
+            let mut fetches = vec![(0usize, 0u64); self.spec.layers];
+            for t in &rp.transfers {
+                if let Some(f) = fetches.get_mut(t.layer) {
+                    f.0 += 1;
+                    f.1 += t.bytes;
+                }
+            }
+            (aligned, fetches)
+        };
         // λ* of every layer now and under the candidate, layers on every core (a max-flow each:
         // at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is computed once.
         let jobs: Vec<usize> = (0..self.spec.layers).collect();
@@ -275,13 +300,12 @@ impl<S: StepRecord> Controller<S> {
         for (l, (before, after)) in balances.into_iter().enumerate() {
             imbalance_before += before.imbalance();
             imbalance_after += after.imbalance();
-            let moves: Vec<&lazarus_plan::StateTransfer> = rp.transfers.iter().filter(|t| t.layer == l).collect();
             layers.push(LayerCase {
                 differs: aligned[l] != current.layers()[l],
                 bottleneck_before: before.bottleneck,
                 bottleneck_after: after.bottleneck,
-                transfers: moves.len(),
-                bytes: moves.iter().map(|t| t.bytes).sum(),
+                transfers: fetches[l].0,
+                bytes: fetches[l].1,
             });
         }
         let n = self.spec.layers.max(1) as f64;
@@ -308,9 +332,56 @@ impl<S: StepRecord> Controller<S> {
     }
 }
 
+/// Expert states each layer of `candidate` would fetch with plan node q staying on the node at
+/// position q (`position_node`): per node, the distinct experts its new slots hold that it does
+/// not (`held`, by node). None if a position's node holds nothing on record.
+fn fetches_in_place(held: &BTreeMap<u64, Vec<Vec<usize>>>, candidate: &ModelPlan, position_node: &[u64]) -> Option<Vec<usize>> {
+    let mut count = vec![0usize; candidate.layers().len()];
+    for (q, node) in position_node.iter().enumerate() {
+        let has = held.get(node)?;
+        for (l, p) in candidate.layers().iter().enumerate() {
+            let mut new: Vec<usize> = p.nodes().get(q)?.clone();
+            new.sort_unstable();
+            new.dedup();
+            count[l] += new.iter().filter(|e| !has.get(l).is_some_and(|h| h.contains(e))).count();
+        }
+    }
+    Some(count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counting a candidate's fetches with its nodes where they are gives, layer by layer, the
+    /// transfers the move planner schedules for that mapping (its oracle here).
+    #[test]
+    fn fetches_in_place_are_the_transfers_of_the_mapped_move() {
+        use lazarus_plan::{plan_reconfiguration_mapped, ClusterShape, PlanPolicy};
+        let mut fetched = 0;
+        for seed in 0..20u64 {
+            let loads = |shift: u64| -> Vec<Vec<f64>> {
+                (0..3).map(|l| (0..8).map(|e| 1.0 + ((e as u64 * 7 + l * 3 + shift) % 8) as f64 * 10.0).collect()).collect()
+            };
+            let shape = ClusterShape::new(5, 2, 2).unwrap();
+            let policy = PlanPolicy::trainer(5, None);
+            let current = plan_model(&loads(0), shape, &policy, None).unwrap();
+            let candidate = plan_model(&loads(seed + 1), shape, &policy, Some(&current)).unwrap();
+            // Node ids out of position order, as a job's are after moves.
+            let position_node: Vec<u64> = (0..5).map(|q| (q * 3 + seed) % 5 + 100).collect();
+            let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
+            for (q, &n) in position_node.iter().enumerate() {
+                held.insert(n, current.layers().iter().map(|p| p.nodes()[q].clone()).collect());
+            }
+            let live: Vec<NodeState> = held.iter().map(|(&node, experts)| NodeState { node, experts: experts.clone() }).collect();
+            let node_to_plan: Vec<usize> = live.iter().map(|s| position_node.iter().position(|&n| n == s.node).unwrap()).collect();
+            let rp = plan_reconfiguration_mapped(&live, candidate.layers(), &[1, 1, 1], &node_to_plan).unwrap();
+            let want: Vec<usize> = (0..3).map(|l| rp.transfers.iter().filter(|t| t.layer == l).count()).collect();
+            fetched += want.iter().sum::<usize>();
+            assert_eq!(fetches_in_place(&held, &candidate, &position_node), Some(want), "seed {seed}");
+        }
+        assert!(fetched > 0, "some candidate moves something");
+    }
 
     /// Two layers: the first carries the whole imbalance (150 → 100 tokens on its busiest GPU),
     /// the second is balanced already (100 → 99) but its candidate moves as much.

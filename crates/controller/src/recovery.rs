@@ -231,7 +231,10 @@ impl<S: StepRecord> Controller<S> {
             return Ok((previous.clone(), None));
         }
         if let Some(p) = weighed {
-            return Ok((p, None));
+            // Weighed with its nodes where they are (a large cluster): the move keeps them so.
+            let g = self.spec.gpus_per_node.max(1);
+            let kept = p.shape().nodes >= super::rebalance::MAPPED_FROM_NODES;
+            return Ok((p, kept.then(|| self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect())));
         }
         // The survivors in their places in the running plan, then the nodes that join.
         let g = self.spec.gpus_per_node.max(1);
