@@ -49,6 +49,11 @@ pub struct ControllerBenchArgs {
     /// The heartbeat of agents and workers, seconds (default: a fifth of the lease).
     #[arg(long, value_name = "SECONDS")]
     heartbeat: Option<f64>,
+    /// Last, the experts' popularity drifts (each layer's loads reversed over its experts) and
+    /// the controller weighs a rebalance this many steps after the last move (as `lazarus
+    /// controller --rebalance-every`; 0: no rebalance phase, and none weighed before it).
+    #[arg(long, default_value_t = 0)]
+    rebalance_every: u64,
     /// Threads of the synthetic agents' runtime.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -83,6 +88,9 @@ struct ControllerBenchReport {
     steady: Steady,
     node_loss: MoveTimes,
     join: MoveTimes,
+    /// The rebalance weighed after the loads drifted (`--rebalance-every`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rebalance: Option<RebalanceTimes>,
     /// The controller's resident memory at the end, and its high-water mark, MiB.
     rss_mib: f64,
     peak_rss_mib: f64,
@@ -115,6 +123,27 @@ struct Steady {
     /// The controller's CPU time per message, microseconds.
     cpu_us_per_message: f64,
     steps: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct RebalanceTimes {
+    /// The controller's record of it (`apply`, `shrink` or `skip`), and the seconds its
+    /// weighing took on the controller's loop.
+    decision: String,
+    weigh_s: Option<f64>,
+    /// Predicted gain over the horizon and cost of what it moves (of the whole candidate for a
+    /// skip), seconds; expert states it would fetch.
+    gain_s: Option<f64>,
+    cost_s: Option<f64>,
+    transfers: Option<u64>,
+    /// The move, if applied, by the controller's record of it: its planning, and from the
+    /// pause to the next step logged, seconds; bytes the workers fetched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    move_plan_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    move_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    move_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -219,6 +248,14 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         MoveTimes::default()
     };
     controller.check_alive()?;
+    let rebalance = if args.rebalance_every > 0 {
+        let r = measure_rebalance(&mut fleet, &dir, args.nodes - 1 + args.joins, args)?;
+        say(args, &format!("rebalance: {} after a weighing of {:.0} ms", r.decision, r.weigh_s.unwrap_or(f64::NAN) * 1e3));
+        controller.check_alive()?;
+        Some(r)
+    } else {
+        None
+    };
     let (rss_mib, peak_rss_mib) = memory_mib(pid);
     controller.stop();
     drop(fleet);
@@ -237,6 +274,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         steady,
         node_loss,
         join,
+        rebalance,
         rss_mib,
         peak_rss_mib,
         machine: machine(),
@@ -359,7 +397,7 @@ fn start_controller(
         .args(["--join-wait", JOIN_WAIT_S, "--wait-agents", "900"])
         .args(["--layers", &n(args.layers), "--moe-every", "1", "--experts", &n(args.experts)])
         .args(["--d-model", "8", "--heads", "1", "--d-ff", "8", "--batch-size", &n(most), "--seq-len", "2"])
-        .args(["--steps", "1000000", "--profile-steps", "1", "--rebalance-every", "0"])
+        .args(["--steps", "1000000", "--profile-steps", "1", "--rebalance-every", &args.rebalance_every.to_string()])
         .args(["--lease", &f(lease), "--heartbeat", &f(heartbeat)])
         .arg("--checkpoint-dir")
         .arg(dir.join("checkpoints"))
@@ -518,6 +556,70 @@ fn records_of(dir: &Path, cause: &str) -> Vec<serde_json::Value> {
 
 fn records(dir: &Path, cause: &str) -> usize {
     records_of(dir, cause).len()
+}
+
+/// The loads drift; the controller's next rebalance record, and its move if it applies one.
+fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, agents: usize, args: &ControllerBenchArgs) -> Result<RebalanceTimes> {
+    let events = || -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join("log.jsonl")).unwrap_or_default();
+        text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["event"] == "rebalance").collect()
+    };
+    let before = events().len();
+    let moves_before = records(dir, "rebalance");
+    let p0 = fleet.plane();
+    fleet.drift();
+    // The weighing comes `--rebalance-every` steps after the last move (and after a weighing).
+    let within = Duration::from_secs_f64((2 * args.rebalance_every + 30) as f64 * args.step + 60.0);
+    let until = Instant::now() + within;
+    while events().len() <= before {
+        if Instant::now() > until {
+            bail!("no rebalance weighed within {} s (the fakes' plane: {:?})", within.as_secs(), fleet.plane());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // (The first weighing may still have seen loads of before the drift: take the first whose
+    // step comes after it.)
+    let d = loop {
+        let after: Vec<serde_json::Value> =
+            events().into_iter().skip(before).filter(|v| v["step"].as_u64() > Some(p0.steps_done)).collect();
+        if let Some(d) = after.into_iter().next() {
+            break d;
+        }
+        if Instant::now() > until {
+            bail!("no rebalance weighed on the drifted loads within {} s", within.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let decision = d["decision"].as_str().unwrap_or("?").to_string();
+    // An applied one: the controller's record of its move (written once the next step is).
+    let moved = if decision == "skip" {
+        None
+    } else {
+        let until = Instant::now() + Duration::from_secs(600);
+        while records(dir, "rebalance") <= moves_before {
+            if Instant::now() > until {
+                bail!("the rebalance's move did not complete in 600 s (the fakes' plane: {:?})", fleet.plane());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        last_record(dir, "rebalance")
+    };
+    if let Some(r) = &moved {
+        if r["workers"].as_u64() != Some((agents * fleet.gpus()) as u64) {
+            bail!("the rebalance's move changed the workers: {r}");
+        }
+    }
+    let field = |k: &str| moved.as_ref().and_then(|r| r[k].as_f64());
+    Ok(RebalanceTimes {
+        decision,
+        weigh_s: d["weigh_s"].as_f64(),
+        gain_s: d["gain_s"].as_f64(),
+        cost_s: d["cost_s"].as_f64(),
+        transfers: d["transfers"].as_u64(),
+        move_plan_s: field("plan_s"),
+        move_s: field("recovery_s"),
+        move_bytes: moved.as_ref().and_then(|r| r["transfer_bytes"].as_u64()),
+    })
 }
 
 /// The controller's last reconfiguration record of `cause`.

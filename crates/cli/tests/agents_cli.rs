@@ -870,7 +870,7 @@ fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
 /// real protocol: the job starts, a node is lost and the survivors are moved (only the lost
 /// node's experts travel), nodes join, and the report says what each took.
 #[test]
-fn bench_controller_drives_a_real_controller_through_a_node_loss_and_a_join() {
+fn bench_controller_drives_a_real_controller_through_a_node_loss_a_join_and_a_rebalance() {
     let d = dir("bench-controller");
     let keep = d.join("run");
     let args = [
@@ -892,6 +892,8 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_and_a_join() {
         "0.1",
         "--lease",
         "2",
+        "--rebalance-every",
+        "3",
         "--json",
         "--keep",
         keep.to_str().unwrap(),
@@ -920,9 +922,15 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_and_a_join() {
         .filter(|v| v["event"] == "reconfiguration")
         .collect();
     let causes: Vec<&str> = records.iter().map(|v| v["cause"].as_str().unwrap()).collect();
-    assert_eq!(causes, ["reconfigure", "join"], "{records:?}");
+    // Last, the loads drift and the next rebalance weighed moves the experts (the fakes' loads
+    // were balanced by the plan before: every earlier weighing skips).
+    assert_eq!(causes, ["reconfigure", "join", "rebalance"], "{records:?}");
     assert_eq!((records[0]["lost"].as_array().unwrap().len(), records[0]["workers"].as_u64()), (2, Some(10)));
-    assert_eq!(records[1]["workers"].as_u64(), Some(14));
+    assert_eq!((records[1]["workers"].as_u64(), records[2]["workers"].as_u64()), (Some(14), Some(14)));
+    let b = &r["rebalance"];
+    assert_eq!(b["decision"], "apply", "{b}");
+    assert!(b["weigh_s"].as_f64().is_some_and(|s| s > 0.0) && b["transfers"].as_u64() > Some(0), "{b}");
+    assert!(b["move_s"].as_f64().is_some_and(|s| s > 0.0), "the move's record: {b}");
     let bad = lazarus(&["bench", "controller", "--nodes", "1"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--nodes"));
     let bad = lazarus(&["bench", "controller", "--nodes", "1025", "--gpus-per-node", "16"]);

@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{dir, lazarus, log, signal, spawn_lazarus, wait_for_steps, worker_pids};
+use common::{dir, lazarus, log, lone_holder, signal, spawn_lazarus, twin_holders, wait_for_steps, worker_pids};
 
 /// The tiny model, 12 sequences a step (1, 2, 3 and 4 workers all divide the batch
 /// differently: 12, 6 + 6, 4 + 4 + 4, 3 × 4).
@@ -157,20 +157,6 @@ fn faulty(d: &Path, name: &str, extra: &[&str], faults: &str, moves: usize) -> (
     (ck, loss_bits(&path))
 }
 
-/// The two workers of `placement L0: w0[..] w1[..] …` that hold the same experts.
-fn twin_holders(stderr: &str) -> (usize, usize) {
-    let line = stderr.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
-    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
-    for a in 0..sets.len() {
-        for b in a + 1..sets.len() {
-            if sets[a] == sets[b] {
-                return (a, b);
-            }
-        }
-    }
-    panic!("no two workers hold the same experts: {line}");
-}
-
 /// Under a controller and node agents: a node attaches to the running job (2 → 4 workers),
 /// then the first node gives notice (SIGTERM to its agent) and leaves, handing over what only
 /// it holds — and the job ends with the bytes of a run on one worker that never changed.
@@ -220,10 +206,7 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
     probe.extend(slots);
     let out = lazarus(&probe);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let line = stderr.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
-    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
-    let victim = (0..sets.len()).find(|&w| sets.iter().filter(|s| **s == sets[w]).count() == 1).expect("a lone holder");
+    let victim = lone_holder(&String::from_utf8_lossy(&out.stderr));
     let path = d.join("snapshot.jsonl");
     let mut args = vec!["train", "--workers", "5", "--deterministic", "--steps", "20", "--snapshot-bandwidth", "625e6"];
     let ck = d.join("snapshot-ck");

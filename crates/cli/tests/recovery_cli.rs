@@ -11,8 +11,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_same_losses, cursor, dir, lazarus, log, signal, spawn_lazarus, status_with_token, uninterrupted, uninterrupted_with_cursor,
-    wait_for_steps, worker_pids,
+    assert_same_losses, cursor, dir, lazarus, log, lone_holder, signal, spawn_lazarus, status_with_token, twin_holders, uninterrupted,
+    uninterrupted_with_cursor, wait_for_steps, worker_pids,
 };
 use serde_json::Value;
 
@@ -167,21 +167,6 @@ fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
     }
 }
 
-/// The workers of `placement L0: w0[..] w1[..] …` that hold exactly the same experts: killing
-/// both loses every replica of those experts.
-fn twin_holders(text: &[String]) -> (usize, usize) {
-    let line = text.iter().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
-    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
-    for a in 0..sets.len() {
-        for b in a + 1..sets.len() {
-            if sets[a] == sets[b] {
-                return (a, b);
-            }
-        }
-    }
-    panic!("no two workers hold the same experts: {line}");
-}
-
 /// Both holders of an expert killed at once: every survivor rolls back to the last checkpoint
 /// on its own, and the losses from there equal a run resumed from that checkpoint by hand;
 /// the `--json-log` is cut back so every step appears once.
@@ -195,7 +180,7 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     probe.extend(tiny());
     let out = lazarus(&probe);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let (a, b) = twin_holders(&String::from_utf8_lossy(&out.stderr).lines().map(String::from).collect::<Vec<_>>());
+    let (a, b) = twin_holders(&String::from_utf8_lossy(&out.stderr));
     let faults = format!("{a}:vote:13,{b}:vote:13");
     let args = ["--steps", "20", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5"];
     let (child, lines, _) = start_with_faults(4, &args, &faults);
@@ -467,10 +452,7 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<f64> = log(&reference).0.iter().map(|s| s.1).collect();
-    let text = String::from_utf8_lossy(&out.stderr).to_string();
-    let line = text.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
-    let sets: Vec<&str> = line["placement L0: ".len()..].split_whitespace().map(|w| &w[w.find('[').unwrap()..]).collect();
-    let victim = (0..sets.len()).find(|&w| sets.iter().filter(|s| **s == sets[w]).count() == 1).expect("a lone holder");
+    let victim = lone_holder(&String::from_utf8_lossy(&out.stderr));
     for (bandwidth, restored) in [("625e6", true), ("0", false)] {
         let path = d.join(format!("log-{restored}.jsonl"));
         let ck = d.join(format!("ck-{restored}"));

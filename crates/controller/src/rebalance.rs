@@ -85,6 +85,10 @@ pub struct RebalanceDecision {
     pub layers: Vec<usize>,
     pub transfers: usize,
     pub transfer_bytes: u64,
+    /// Seconds the weighing took on the controller's loop (set by the shell, which has a clock;
+    /// none from the decision core).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weigh_s: Option<f64>,
 }
 
 /// What the controller does with a rebalance it weighed.
@@ -176,6 +180,7 @@ impl RebalanceCase {
             transfers: shown.iter().map(|&l| self.layers[l].transfers).sum(),
             transfer_bytes: shown.iter().map(|&l| self.layers[l].bytes).sum(),
             layers: moved,
+            weigh_s: None,
         }
     }
 }

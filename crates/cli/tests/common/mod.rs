@@ -102,6 +102,36 @@ pub fn worker_pids(lines: &std::sync::mpsc::Receiver<String>, n: usize, mut seen
     pids
 }
 
+/// The expert set of each worker in the `placement L0: w0[..] w1[..] …` line of a run's stderr.
+#[allow(dead_code)] // only the tests that pick victims by placement read it
+pub fn placement_sets(stderr: &str) -> Vec<String> {
+    let line = stderr.lines().find(|l| l.starts_with("placement L0: ")).expect("the placement is shown");
+    line["placement L0: ".len()..].split_whitespace().map(|w| w[w.find('[').unwrap()..].to_string()).collect()
+}
+
+/// Two workers that hold exactly the same experts (of layer 0): killing both loses every
+/// replica of those.
+#[allow(dead_code)]
+pub fn twin_holders(stderr: &str) -> (usize, usize) {
+    let sets = placement_sets(stderr);
+    for a in 0..sets.len() {
+        for b in a + 1..sets.len() {
+            if sets[a] == sets[b] {
+                return (a, b);
+            }
+        }
+    }
+    panic!("no two workers hold the same experts: {sets:?}");
+}
+
+/// A worker whose expert set no other worker has (with one slot a worker: the lone holder of
+/// its expert).
+#[allow(dead_code)]
+pub fn lone_holder(stderr: &str) -> usize {
+    let sets = placement_sets(stderr);
+    (0..sets.len()).find(|&w| sets.iter().filter(|s| **s == sets[w]).count() == 1).expect("a lone holder")
+}
+
 /// The step lines (step, loss) and the reconfiguration lines of a `--json-log`.
 #[allow(dead_code)] // only the tests of worker processes read logs this way
 pub fn log(path: &std::path::Path) -> (Vec<(u64, f64)>, Vec<serde_json::Value>) {

@@ -170,7 +170,10 @@ pub(crate) fn drive(
                         r.resumed = true;
                     }
                 }
-                Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
+                Command::Rebalance(mut d) => {
+                    d.weigh_s = Some(plan_s);
+                    observe(TrainEvent::Rebalance(d))?
+                }
                 Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, snapshot: None })?,
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.

@@ -94,6 +94,9 @@ struct Placed {
     holds: Vec<Vec<Vec<usize>>>,
     /// Each expert's replicas times the tokens of a replica: the loads the fakes report.
     loads: Vec<Vec<u64>>,
+    /// The same loads moved between experts (expert e takes expert E − 1 − e's): what they
+    /// report once the popularity drifts ([`SyntheticFleet::drift`]).
+    drifted: Vec<Vec<u64>>,
 }
 
 impl Placed {
@@ -108,7 +111,8 @@ impl Placed {
                 }
             }
         }
-        Placed { map, holds, loads }
+        let drifted = loads.iter().map(|l| l.iter().rev().copied().collect()).collect();
+        Placed { map, holds, loads, drifted }
     }
 }
 
@@ -131,6 +135,8 @@ struct Shared {
     trouble: Mutex<Vec<String>>,
     /// The last long line read, with its message.
     last_line: Mutex<Option<(prost::bytes::Bytes, Arc<LauncherMessage>)>>,
+    /// Whether the loads reported have drifted ([`SyntheticFleet::drift`]).
+    drifted: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -240,6 +246,7 @@ impl SyntheticFleet {
             received_bytes: AtomicU64::new(0),
             trouble: Mutex::default(),
             last_line: Mutex::default(),
+            drifted: std::sync::atomic::AtomicBool::new(false),
         });
         let fleet = SyntheticFleet { runtime, shared, agents: Vec::new() };
         Ok(fleet)
@@ -258,6 +265,12 @@ impl SyntheticFleet {
                 }
             });
         }
+    }
+
+    /// From now on the steps report drifted loads: the experts' popularity moves (each layer's
+    /// loads reversed over its experts), as a rebalance is for.
+    pub fn drift(&self) {
+        self.shared.drifted.store(true, Relaxed);
     }
 
     /// Rank 0 reports a step every `step_every` while every rank of the epoch is ready.
@@ -482,7 +495,7 @@ impl FakeAgent {
     fn step(&self, step: u64) {
         let Some(slot) = self.slots.iter().position(|s| s.rank == Some(0) && s.alive) else { return };
         let Some(Ok(first)) = self.shared.first.get() else { return };
-        let loads = &first.loads;
+        let loads = if self.shared.drifted.load(Relaxed) { &first.drifted } else { &first.loads };
         let tokens = loads.first().map_or(0, |l| l.iter().sum());
         let report =
             StepReport { step, loss: 3.0, aux_loss: 1.0, tokens, lr: 1e-3, grad_norm: 1.0, expert_load: loads.clone(), dropped: 0 };

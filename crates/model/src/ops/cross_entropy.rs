@@ -5,7 +5,7 @@
 //! backward.
 
 use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
-use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
+use super::parallel::{part_len, reduction_part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor, WithDType};
 
 /// The node of [`cross_entropy`]: logits [N, V] → scalar.
@@ -21,9 +21,9 @@ fn row_loss<T: WithDType>(row: &[T], target: usize) -> f64 {
 }
 
 /// Rows of `v` columns in parts over the cores: `job(first_row, rows)` per part, results in
-/// row order.
+/// row order (parts of a size fixed by the shape: the caller adds their results).
 fn by_rows<T: Sync, R: Send>(x: &[T], v: usize, job: impl Fn(usize, &[T]) -> R + Sync + Send) -> Vec<R> {
-    let part = part_len(x.len() / v.max(1), v, ROWWISE_MIN).max(1);
+    let part = reduction_part_len(x.len() / v.max(1), v, ROWWISE_MIN).max(1);
     run_parallel(x.chunks(part).enumerate().map(|(i, c)| (i * part / v.max(1), c)).collect(), |(first, c)| job(first, c))
 }
 

@@ -5,7 +5,7 @@
 //! cores, and the weight and bias gradients are summed per part, then over the parts in order.
 
 use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
-use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
+use super::parallel::{part_len, reduction_part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// The autograd node of [`layer_norm`]: inputs x, w, b.
@@ -39,7 +39,7 @@ macro_rules! layer_norm_impl {
             let width = w.len();
             assert_eq!(g.len(), x.len(), "an output gradient for every input element");
             let mut dx = Unfilled::<$t>::new(x.len());
-            let part = part_len(x.len() / width, width, ROWWISE_MIN);
+            let part = reduction_part_len(x.len() / width, width, ROWWISE_MIN);
             let parts = x.chunks(part).zip(g.chunks(part)).zip(dx.slots().chunks_mut(part)).collect();
             let partials: Vec<(Vec<f64>, Vec<f64>)> = run_parallel(parts, |((xs, gs), dxs)| {
                 let mut dw = vec![0.0f64; width];

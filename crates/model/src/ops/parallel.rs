@@ -8,12 +8,14 @@
 //! - [`map_slices_parallel`] / [`zip_slices_parallel`] for elementwise passes over whole parts
 //!   (GELU and its derivative, whose loops vectorize),
 //! - [`rows_parallel`] for passes over independent rows (softmax),
-//! - [`part_len`] + [`run_parallel`] where each part returns a result (layer norm's weight
-//!   gradients, summed over the parts in part order).
+//! - [`reduction_part_len`] + [`run_parallel`] where each part returns a partial sum (layer
+//!   and RMS norms' weight gradients, the cross-entropy's loss), added over the parts in part
+//!   order.
 //!
-//! Where parts return partial sums (layer norm), the part sizes fix the summation order: the
-//! results depend on the number of cores (never on which thread ran a part), and changing
-//! [`part_len`] or the thresholds changes the numerics.
+//! Where parts return partial sums, the part sizes fix the summation order, so they are fixed
+//! by the shape alone ([`reduction_part_len`]), never by the cores: a worker pinned to 4 of 16
+//! cores computes the bits one on all 16 does (deterministic training relies on it). Changing
+//! it or the thresholds changes the numerics.
 
 /// Cores to spread a kernel over: `std::thread::available_parallelism()` (1 when unknown).
 /// `RAYON_NUM_THREADS` is not read here; it sizes only the rayon pool that the GEMMs run on.
@@ -40,6 +42,14 @@ pub(super) const ROWWISE_MIN: usize = 1 << 15;
 pub(super) fn part_len(rows: usize, width: usize, min_len: usize) -> usize {
     let threads = threads();
     let rows_per_part = if rows * width < min_len || threads == 1 { rows.max(1) } else { rows.div_ceil(threads).max(1) };
+    rows_per_part * width
+}
+
+/// Elements per part of a reduction — a pass whose parts return partial sums, added in part
+/// order: whole rows, about `min_len` elements a part (one part when that holds every row),
+/// whatever the number of cores, so that the sums do not depend on it.
+pub(super) fn reduction_part_len(rows: usize, width: usize, min_len: usize) -> usize {
+    let rows_per_part = (min_len / width.max(1)).clamp(1, rows.max(1));
     rows_per_part * width
 }
 
@@ -139,6 +149,15 @@ mod tests {
         let (rows, width) = (1001usize, 64);
         let expected = if cores == 1 { rows } else { rows.div_ceil(cores) };
         assert_eq!(part_len(rows, width, 1 << 15), expected * width);
+    }
+
+    #[test]
+    fn reduction_parts_are_fixed_by_the_shape_not_the_cores() {
+        // About `min_len` elements of whole rows a part, one part when that holds every row.
+        assert_eq!(reduction_part_len(1000, 64, 1 << 15), 512 * 64);
+        assert_eq!(reduction_part_len(10, 64, 1 << 15), 10 * 64);
+        assert_eq!(reduction_part_len(0, 64, 1 << 15), 64);
+        assert_eq!(reduction_part_len(5, 1 << 16, 1 << 15), 1 << 16, "a row wider than a part is a part");
     }
 
     #[test]
