@@ -931,6 +931,7 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_a_join_and_a_re
     assert_eq!(b["decision"], "apply", "{b}");
     assert!(b["weigh_s"].as_f64().is_some_and(|s| s > 0.0) && b["transfers"].as_u64() > Some(0), "{b}");
     assert!(b["move_s"].as_f64().is_some_and(|s| s > 0.0), "the move's record: {b}");
+    assert_eq!((b["move_workers"].as_u64(), b["other_moves"].clone()), (Some(14), serde_json::json!([])), "{b}");
     let bad = lazarus(&["bench", "controller", "--nodes", "1"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--nodes"));
     let bad = lazarus(&["bench", "controller", "--nodes", "1025", "--gpus-per-node", "16"]);
