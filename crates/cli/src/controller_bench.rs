@@ -553,11 +553,13 @@ fn measure_move(
 
 /// The controller's reconfiguration records of `cause` in its `--json-log`.
 fn records_of(dir: &Path, cause: &str) -> Vec<serde_json::Value> {
+    log_events(dir, "reconfiguration").into_iter().filter(|v| v["cause"] == cause).collect()
+}
+
+/// The controller's `--json-log` lines of `event`.
+fn log_events(dir: &Path, event: &str) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(dir.join("log.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["event"] == "reconfiguration" && v["cause"] == cause)
-        .collect()
+    text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["event"] == event).collect()
 }
 
 fn records(dir: &Path, cause: &str) -> usize {
@@ -567,10 +569,7 @@ fn records(dir: &Path, cause: &str) -> usize {
 /// The loads drift; the controller's next rebalance record, and its move if it applies one.
 fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, args: &ControllerBenchArgs) -> Result<RebalanceTimes> {
     const OTHER: [&str; 4] = ["reconfigure", "rollback", "join", "drain"];
-    let events = || -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(dir.join("log.jsonl")).unwrap_or_default();
-        text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["event"] == "rebalance").collect()
-    };
+    let events = || log_events(dir, "rebalance");
     let before = events().len();
     let moves_before = records(dir, "rebalance");
     let others_before: Vec<usize> = OTHER.iter().map(|c| records(dir, c)).collect();

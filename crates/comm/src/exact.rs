@@ -87,16 +87,20 @@ fn in_range(v: i128) -> bool {
 /// is returned.
 fn add_in_parts(acc: &mut [i128], terms: &[f32], offset: usize) -> Result<(), ExactError> {
     const PART_MIN: usize = 1 << 16;
-    let part_add = |base: usize, acc: &mut [i128], terms: &[f32]| add_part(offset + base, acc, terms);
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    // (Read once: asking the kernel and the cgroup files on every call costs.)
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()));
     if terms.len() < 2 * PART_MIN || cores == 1 {
-        return part_add(0, acc, terms);
+        return add_part(offset, acc, terms);
     }
     let part = terms.len().div_ceil(cores).max(PART_MIN);
-    let part_add = &part_add;
     let results: Vec<Result<(), ExactError>> = std::thread::scope(|s| {
-        let handles: Vec<_> =
-            acc.chunks_mut(part).zip(terms.chunks(part)).enumerate().map(|(k, (a, t))| s.spawn(move || part_add(k * part, a, t))).collect();
+        let handles: Vec<_> = acc
+            .chunks_mut(part)
+            .zip(terms.chunks(part))
+            .enumerate()
+            .map(|(k, (a, t))| s.spawn(move || add_part(offset + k * part, a, t)))
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     });
     let Some(first) = results.iter().find_map(|r| r.err()) else { return Ok(()) };
@@ -111,7 +115,6 @@ fn add_in_parts(acc: &mut [i128], terms: &[f32], offset: usize) -> Result<(), Ex
 
 /// Adds a part (`first`: its first element's index); on error, takes back what it added and
 /// says where it failed.
-#[inline(never)]
 fn add_part(first: usize, acc: &mut [i128], terms: &[f32]) -> Result<(), ExactError> {
     for (i, (a, &x)) in acc.iter_mut().zip(terms).enumerate() {
         let index = first + i;
@@ -221,14 +224,11 @@ pub fn all_reduce_exact(t: &mut dyn Transport, g: &mut Group, sum: &mut ExactSum
     if len * 16 <= RING_THRESHOLD_BYTES || len < g.len() {
         let all = all_gather(t, g, &sum.to_bytes(), timeout)?;
         let me = g.position(t.rank())?;
-        let mut total = ExactSum::zeros(len);
-        for (i, bytes) in all.iter().enumerate() {
+        // (The order of the additions does not matter: this rank's own sum first.)
+        let mut total = sum.clone();
+        for (i, bytes) in all.iter().enumerate().filter(|&(i, _)| i != me) {
             let peer = g.members()[i];
-            let part = if i == me {
-                sum.clone()
-            } else {
-                ExactSum::from_bytes(bytes).map_err(|e| CommError::Protocol { peer, reason: e.to_string() })?
-            };
+            let part = ExactSum::from_bytes(bytes).map_err(|e| CommError::Protocol { peer, reason: e.to_string() })?;
             total.add(&part).map_err(|e| CommError::Protocol { peer, reason: format!("all-reduce: {e}") })?;
         }
         *sum = total;
@@ -239,21 +239,19 @@ pub fn all_reduce_exact(t: &mut dyn Transport, g: &mut Group, sum: &mut ExactSum
         g,
         len,
         timeout,
-        &mut sum.fixed,
-        |v, r| Cow::Owned(v[r].iter().flat_map(|x| x.to_le_bytes()).collect()),
-        |v, r, got, add| {
+        sum,
+        |s, r| Cow::Owned(s.fixed[r].iter().flat_map(|x| x.to_le_bytes()).collect()),
+        |s, r, got, add| {
             let chunk = ExactSum::from_bytes(got).map_err(|e| e.to_string())?;
             if chunk.len() != r.len() {
                 return Err(format!("ring chunk of {} values, expected {}", chunk.len(), r.len()));
             }
             if add {
-                let mut here = ExactSum { fixed: v[r.clone()].to_vec() };
-                here.add(&chunk).map_err(|e| e.to_string())?;
-                v[r].copy_from_slice(&here.fixed);
+                s.add_at(r.start, &chunk).map_err(|e| e.to_string())
             } else {
-                v[r].copy_from_slice(&chunk.fixed);
+                s.fixed[r].copy_from_slice(&chunk.fixed);
+                Ok(())
             }
-            Ok(())
         },
     )
 }

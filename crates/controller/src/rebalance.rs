@@ -251,7 +251,6 @@ impl<S: StepRecord> Controller<S> {
         // mapping that moves least.
         let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
         // What each node holds now (its workers' experts), and the node of each plan position.
-        let g = self.spec.gpus_per_node.max(1);
         let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
         for &w in &self.ranks {
             let entry = held.entry(self.node(w)).or_insert_with(|| vec![Vec::new(); self.spec.layers]);
@@ -259,7 +258,7 @@ impl<S: StepRecord> Controller<S> {
                 entry[l].extend(experts);
             }
         }
-        let position_node: Vec<u64> = self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect();
+        let position_node = self.node_order();
         let bytes = self.spec.expert_bytes;
         // The candidate with its nodes where the mapping puts them (plan position n on the node
         // now at position n): layers of it and of the current plan then mix without moving more;
@@ -334,6 +333,13 @@ impl<S: StepRecord> Controller<S> {
             d.imbalance_after = sum / n;
         }
         Some((d, target))
+    }
+}
+
+impl<S: StepRecord> Controller<S> {
+    /// The node of each plan position (the node of ranks q·G … q·G + G − 1).
+    pub(super) fn node_order(&self) -> Vec<u64> {
+        self.ranks.chunks(self.spec.gpus_per_node.max(1)).map(|ws| self.node(ws[0])).collect()
     }
 }
 

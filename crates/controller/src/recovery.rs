@@ -232,9 +232,8 @@ impl<S: StepRecord> Controller<S> {
         }
         if let Some(p) = weighed {
             // Weighed with its nodes where they are (a large cluster): the move keeps them so.
-            let g = self.spec.gpus_per_node.max(1);
             let kept = p.shape().nodes >= super::rebalance::MAPPED_FROM_NODES;
-            return Ok((p, kept.then(|| self.ranks.chunks(g).map(|ws| self.node(ws[0])).collect())));
+            return Ok((p, kept.then(|| self.node_order())));
         }
         // The survivors in their places in the running plan, then the nodes that join.
         let g = self.spec.gpus_per_node.max(1);
@@ -287,7 +286,7 @@ impl<S: StepRecord> Controller<S> {
         let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?;
         let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
         let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
-        lazarus_plan::parallel::drop_elsewhere(live, nodes.len() > 256);
+        lazarus_plan::parallel::drop_elsewhere(live, nodes.len() > FREE_ELSEWHERE_FROM);
         let rollback_avoided = if restored.is_empty() { 0 } else { s.furthest - self.checkpoint.unwrap_or(0) };
         Some(Move {
             epoch: new.epoch(),
@@ -397,10 +396,14 @@ fn union_of_holdings(workers: &[&[Vec<usize>]], layers: usize, experts: usize) -
         .collect()
 }
 
+/// Past this many nodes (or workers) what a recovery leaves behind is freed on a thread of its
+/// own; a smaller job's is freed at once (a thread would cost more than the freeing).
+const FREE_ELSEWHERE_FROM: usize = 256;
+
 /// A recovery's reports are freed off the decision's path (see `drop_elsewhere`).
 fn free_reports<S>(s: Survivors<S>) {
     let holds: Vec<Vec<Vec<usize>>> = s.reports.into_values().map(|r| r.holds).collect();
-    let large = holds.len() > 256;
+    let large = holds.len() > FREE_ELSEWHERE_FROM;
     lazarus_plan::parallel::drop_elsewhere(holds, large);
 }
 

@@ -27,11 +27,9 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 use lazarus_comm::exact::{all_reduce_exact, ExactSum};
 use lazarus_comm::{all_reduce_sum_f32, Group, Transport};
-use lazarus_model::optim::clip_scale;
-use lazarus_model::StepReport;
 
-use super::step::PendingStep;
-use super::{batch_share, FaultPoint, ParamKind, Worker, WorkerStepReport};
+use super::step::{PendingStep, Round};
+use super::{batch_share, FaultPoint, ParamKind, Worker};
 use crate::error::RuntimeError;
 use crate::moe::DispatchMode;
 
@@ -137,9 +135,7 @@ impl Worker {
         // As in the default step: the pause vote, the step time, the snapshot round's cost
         // (they steer when to pause and how fast to snapshot, not the parameters).
         let extras = scalars.len();
-        scalars.push(f32::from(u8::from(self.pause_asked(t.epoch()))));
-        scalars.push(self.last_committed.as_ref().map_or(0.0, |(_, s)| *s) as f32);
-        scalars.extend(self.snapshots.round_cost_here(t));
+        scalars.extend(self.round_terms(t));
         if scalars[2 * shards..sq_at].iter().any(|&c| c >= (1u32 << 24) as f32) {
             return Err(RuntimeError::Invalid { field: "expert load", reason: "2^24 tokens or more on one expert in a step".into() });
         }
@@ -153,24 +149,11 @@ impl Worker {
         let expert_load: Vec<Vec<u64>> =
             (0..layers).map(|l| scalars[at + l * experts..at + (l + 1) * experts].iter().map(|&c| c as u64).collect()).collect();
         let expert_sq: f64 = scalars[sq_at..extras].iter().map(|&x| f64::from(x)).sum();
-        let pause = scalars[extras] > 0.5;
-        let mean_step_s = f64::from(scalars[extras + 1]) / world.len() as f64;
-        let snapshot_cost = lazarus_plan::RoundCost::from_sums(
-            scalars[extras + 2..extras + 2 + lazarus_plan::RoundCost::TERMS].try_into().expect("the cost's terms follow the step's two"),
-        );
+        let round = Round::of_sums(&scalars[extras..], world.len());
 
         // The update's gradients: the replicated ones in parameter order, then the experts'.
-        let mut shared_sq = 0.0f64;
-        let mut at = 0;
-        for len in &lens {
-            shared_sq += flat[at..at + len].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
-            at += len;
-        }
-        let shapes: Vec<&[usize]> = shared.iter().map(|&i| params.vars()[i].dims()).collect();
         let mut summed: Vec<Option<Tensor>> = vec![None; params.len()];
-        for (i, g) in shared.iter().zip(crate::host_copy::from_host(flat, &shapes, &device)?) {
-            summed[*i] = Some(g);
-        }
+        let shared_sq = self.place_shared(flat, &shared, &lens, &mut summed)?;
         // Each expert's parameters in the order of its tensors (as its gradients come).
         let mut by_expert: BTreeMap<(usize, usize), BTreeMap<usize, usize>> = BTreeMap::new();
         for (i, kind) in self.kinds.iter().enumerate() {
@@ -186,28 +169,7 @@ impl Worker {
             }
         }
         drop(_phase);
-        let norm = (shared_sq + expert_sq).sqrt();
-        let step = self.trainer.step;
-        let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(step);
-        let report = StepReport {
-            step: step + 1,
-            loss,
-            aux_loss: aux_sum / layers.max(1) as f64,
-            tokens: (b * tl) as u64,
-            lr,
-            grad_norm: norm,
-            expert_load,
-            dropped: 0,
-        };
-        Ok(PendingStep::new(
-            step,
-            summed,
-            lr,
-            clip_scale(norm, cfg.grad_clip),
-            b,
-            WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
-            started,
-        ))
+        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, expert_load, wire_bytes, round))
     }
 
     /// Each local expert's exact gradient summed over its holders (one exact all-reduce per set

@@ -50,8 +50,7 @@ pub(super) struct MicroBatch {
     /// Local experts' gradients over the rows computed here, not yet over their holders
     /// ([`crate::moe::DispatchMode::Deterministic`]).
     pub exact_experts: BTreeMap<(usize, usize), Vec<Vec<f32>>>,
-    /// The piece's cross-entropy times its weight, and unweighted (its mean over its tokens).
-    pub ce: f64,
+    /// The piece's cross-entropy (unweighted: its mean over its tokens).
     pub ce_mean: f64,
     /// The MoE layers' load-balancing losses, summed over the layers (unweighted).
     pub aux: f64,
@@ -61,19 +60,28 @@ pub(super) struct MicroBatch {
     pub global_load: Vec<Vec<u64>>,
 }
 
-impl PendingStep {
-    pub(super) fn new(
-        at: u64,
-        grads: Vec<Option<Tensor>>,
-        lr: f64,
-        grad_scale: f64,
-        batch: usize,
-        report: WorkerStepReport,
-        started: std::time::Instant,
-    ) -> Self {
-        PendingStep { at, grads, lr, grad_scale, batch, report, started }
-    }
+/// [`Worker::round_terms`] as summed over the ranks.
+pub(super) struct Round {
+    pub pause: bool,
+    pub mean_step_s: f64,
+    pub snapshot_cost: lazarus_plan::RoundCost,
+}
 
+impl Round {
+    /// From the sums of every rank's round terms (`world` ranks).
+    pub(super) fn of_sums(sums: &[f32], world: usize) -> Self {
+        let terms = lazarus_plan::RoundCost::TERMS;
+        Round {
+            pause: sums[0] > 0.5,
+            mean_step_s: f64::from(sums[1]) / world.max(1) as f64,
+            snapshot_cost: lazarus_plan::RoundCost::from_sums(
+                sums[2..2 + terms].try_into().expect("the cost's terms follow the vote and the time"),
+            ),
+        }
+    }
+}
+
+impl PendingStep {
     /// Tokens per (layer, expert) over the global batch of this step.
     pub(crate) fn expert_load(&self) -> &[Vec<u64>] {
         &self.report.report.expert_load
@@ -109,8 +117,8 @@ impl Worker {
         let local_share = (rows * tl) as f64 / (b * tl) as f64;
         let pass = self.forward_backward(t, world, &inputs, &targets, local_share, 1.0, true)?;
         let params = model.params().clone();
-        let MicroBatch { mut grads, expert_grads, ce: ce_value, aux: aux_local, wire_bytes, global_load, .. } = pass;
-        let moe_layers = self.layers.len().max(1) as f64;
+        let MicroBatch { mut grads, expert_grads, ce_mean, aux: aux_local, wire_bytes, global_load, .. } = pass;
+        let ce_value = ce_mean * local_share;
         // Sum the replicated parameters' gradients (and the loss terms) over all ranks: one
         // host buffer (one copy off a GPU), the loss terms after them.
         let _phase = lazarus_model::profile::phase("gradients");
@@ -129,42 +137,19 @@ impl Worker {
             expert_sq += sq / holders;
         }
         let extras = flat.len();
-        // The last term counts the ranks asked to pause: summed like the rest, so every rank
-        // learns in this step that one was, and all stop after it.
-        let pause_vote = f32::from(u8::from(self.pause_asked(t.epoch())));
-        // This rank's last step time (for the snapshot budget), summed into a mean.
-        let last_s = self.last_committed.as_ref().map_or(0.0, |(_, s)| *s);
-        // What the last snapshot round cost this rank (lazarus_plan::RoundCost), summed over the
-        // ranks: whether its frames are not all written yet, and the CPU they took against the
-        // process's since the last step.
-        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32, pause_vote, last_s as f32]);
-        flat.extend(self.snapshots.round_cost_here(t));
+        flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32]);
+        flat.extend(self.round_terms(t));
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         {
             let _p = lazarus_model::profile::kernel("transport");
             all_reduce_sum_f32(t, world, &mut flat, self.timeout)?;
         }
         let (loss, aux_sum, expert_sq) = (flat[extras] as f64, flat[extras + 1] as f64, flat[extras + 2] as f64);
-        let pause = flat[extras + 3] > 0.5;
-        let mean_step_s = f64::from(flat[extras + 4]) / world.len() as f64;
-        let cost_at = extras + 5;
-        let snapshot_cost = lazarus_plan::RoundCost::from_sums(
-            flat[cost_at..cost_at + lazarus_plan::RoundCost::TERMS].try_into().expect("the cost's terms follow the step's five"),
-        );
+        let round = Round::of_sums(&flat[extras + 3..], world.len());
         flat.truncate(extras);
 
-        // Per tensor, then added in parameter order (as the single process's norm).
-        let mut shared_sq = 0.0f64;
-        let mut at = 0;
-        for len in &lens {
-            shared_sq += flat[at..at + len].iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-            at += len;
-        }
-        let shapes: Vec<&[usize]> = shared.iter().map(|&i| params.vars()[i].dims()).collect();
         let mut summed: Vec<Option<Tensor>> = vec![None; params.len()];
-        for (i, g) in shared.iter().zip(crate::host_copy::from_host(flat, &shapes, &device)?) {
-            summed[*i] = Some(g);
-        }
+        let shared_sq = self.place_shared(flat, &shared, &lens, &mut summed)?;
         for (i, kind) in self.kinds.iter().enumerate() {
             if let ParamKind::Expert { layer, expert, part } = *kind {
                 if let Some(gs) = expert_grads.get(&(layer, expert)) {
@@ -173,29 +158,83 @@ impl Worker {
             }
         }
         drop(_phase);
-        let norm = (shared_sq + expert_sq).sqrt();
-        let at = self.trainer.step;
+        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, global_load, wire_bytes, round))
+    }
+
+    /// What every step sums over the ranks after its own terms: a vote of the ranks asked to
+    /// pause (so that every rank learns in this step that one was, and all stop after it), this
+    /// rank's last step time (for the snapshot budget, summed into a mean), and what the last
+    /// snapshot round cost this rank (lazarus_plan::RoundCost: whether its frames are not all
+    /// written yet, and the CPU they took against the process's since the last step).
+    pub(super) fn round_terms(&mut self, t: &mut dyn Transport) -> Vec<f32> {
+        let pause_vote = f32::from(u8::from(self.pause_asked(t.epoch())));
+        let last_s = self.last_committed.as_ref().map_or(0.0, |(_, s)| *s);
+        let mut terms = vec![pause_vote, last_s as f32];
+        terms.extend(self.snapshots.round_cost_here(t));
+        terms
+    }
+
+    /// The replicated parameters' summed gradients (`flat`, in parameter order) in their places
+    /// of `summed`, on the worker's device; their squared norm, per tensor and then added in
+    /// parameter order (as the single process's norm).
+    pub(super) fn place_shared(
+        &self,
+        flat: Vec<f32>,
+        shared: &[usize],
+        lens: &[usize],
+        summed: &mut [Option<Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        let mut shared_sq = 0.0f64;
+        let mut at = 0;
+        for len in lens {
+            shared_sq += flat[at..at + len].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            at += len;
+        }
+        let params = self.trainer.model.params();
+        let shapes: Vec<&[usize]> = shared.iter().map(|&i| params.vars()[i].dims()).collect();
+        for (i, g) in shared.iter().zip(crate::host_copy::from_host(flat, &shapes, self.trainer.model.device())?) {
+            summed[*i] = Some(g);
+        }
+        Ok(shared_sq)
+    }
+
+    /// The step computed, not applied: the update's gradients, clipped by their norm (from its
+    /// square `sq`), at the schedule's learning rate, and the step's report.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pending(
+        &self,
+        started: std::time::Instant,
+        grads: Vec<Option<Tensor>>,
+        sq: f64,
+        loss: f64,
+        aux_sum: f64,
+        expert_load: Vec<Vec<u64>>,
+        wire_bytes: u64,
+        round: Round,
+    ) -> PendingStep {
+        let cfg = &self.trainer.config;
+        let (at, norm) = (self.trainer.step, sq.sqrt());
         let lr = lazarus_model::LrSchedule { peak: cfg.lr, min: cfg.min_lr, warmup: cfg.warmup_steps, total: cfg.steps }.at(at);
-        let expert_load = global_load;
         let report = StepReport {
             step: at + 1,
             loss,
-            aux_loss: aux_sum / moe_layers,
-            tokens: (b * tl) as u64,
+            aux_loss: aux_sum / self.layers.len().max(1) as f64,
+            tokens: (cfg.batch_size * cfg.seq_len) as u64,
             lr,
             grad_norm: norm,
             expert_load,
             dropped: 0,
         };
-        Ok(PendingStep {
+        let Round { pause, mean_step_s, snapshot_cost } = round;
+        PendingStep {
             at,
-            grads: summed,
+            grads,
             lr,
             grad_scale: clip_scale(norm, cfg.grad_clip),
-            batch: b,
+            batch: cfg.batch_size,
             report: WorkerStepReport { report, wire_bytes, pause, mean_step_s, snapshot_cost },
             started,
-        })
+        }
     }
 
     /// Forward and backward of one piece of the batch (`inputs` [rows, T], `targets` [rows·T]):
@@ -303,7 +342,7 @@ impl Worker {
             }
         }
         let ce = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok(MicroBatch { grads, expert_grads, exact_experts, ce: ce * ce_weight, ce_mean: ce, aux, wire_bytes, local_load, global_load })
+        Ok(MicroBatch { grads, expert_grads, exact_experts, ce_mean: ce, aux, wire_bytes, local_load, global_load })
     }
 
     /// The feed-forward part of `block` for its normed input `h`: the dense FFN, or the MoE
