@@ -4,7 +4,7 @@
 
 pub use lazarus_controller::{
     BadJobState, JobSpec, JobState, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, OnLoss, RankTransfer, RebalanceCase,
-    RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, StepRecord,
+    RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, StepRecord, Weighed, Weighing,
 };
 
 use crate::protocol::CommittedStep;

@@ -229,7 +229,8 @@ fn bench(c: &mut Criterion) {
     let drifted: Vec<Vec<u64>> = (0..LAYERS).map(|l| skewed_loads(l).iter().rev().map(|&x| x as u64).collect()).collect();
     let epoch = rebalancing.epoch();
     let t = Instant::now();
-    let out = rebalancing.decide(now, Event::StepDone { epoch, step: 2, steps: 1, loads: drifted, seconds: 1.0, moved: None });
+    // (Weighed at once here: the controller's loop weighs it on a thread of its own.)
+    let out = rebalancing.decide_inline(now, Event::StepDone { epoch, step: 2, steps: 1, loads: drifted, seconds: 1.0, moved: None });
     let verdict = out.iter().find_map(|c| match c {
         Command::Rebalance(d) => Some(format!("{} (gain {:.1} s, cost {:.1} s)", d.decision, d.gain_s, d.cost_s)),
         _ => None,

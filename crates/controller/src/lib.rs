@@ -33,7 +33,7 @@ mod tests;
 
 pub use membership::MemberState;
 pub use messages::{Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReport};
-pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict};
+pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict, Weighed, Weighing};
 pub use resume::{BadJobState, JobState};
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -162,6 +162,10 @@ pub struct Controller<S> {
     /// The plan an applied rebalance moves to (the measured-load plan, or only its layers worth
     /// moving), until its move.
     rebalance_to: Option<ModelPlan>,
+    /// The epoch of the weighing out (asked for, its verdict not back yet), and the verdict
+    /// back, until the rebalance rule acts on it.
+    weighing: Option<u64>,
+    weighed: Option<Weighed>,
     /// When the job began (its start deadline counts from here), and whether every rank of an
     /// epoch has been ready once.
     begun: Instant,
@@ -231,6 +235,8 @@ impl<S: StepRecord> Controller<S> {
             lost_now: Vec::new(),
             leases_checked_until: None,
             rebalance_to: None,
+            weighing: None,
+            weighed: None,
             begun: now,
             started: false,
             done: BTreeSet::new(),
@@ -264,13 +270,26 @@ impl<S: StepRecord> Controller<S> {
         self.lose_whole_nodes(&mut out);
         self.tell_survivors_of_the_loss(was_rendezvous, &mut out);
         self.pause_for_a_drain(&mut out);
-        self.weigh_a_rebalance(&mut out);
+        self.act_on_a_weighing(&mut out);
+        self.ask_for_a_weighing(&mut out);
         self.pause_for_joiners(now, &mut out);
         self.try_recover(&mut out);
         self.end_after_a_loss(now, &mut out);
         self.stop_if_not_started(now, &mut out);
         self.ask_to_finish(&mut out);
         self.complete_when_every_rank_is_done(&mut out);
+        out
+    }
+
+    /// `decide`, with any weighing it asks for done at once and its verdict taken at the same
+    /// instant: for callers without a loop to weigh beside (the simulator, whose time is not
+    /// the clock's; tests). The commands come without the `Weigh`.
+    pub fn decide_inline(&mut self, now: Instant, event: Event<S>) -> Vec<Command<S>> {
+        let mut out = self.decide(now, event);
+        while let Some(i) = out.iter().position(|c| matches!(c, Command::Weigh(_))) {
+            let Command::Weigh(request) = out.remove(i) else { unreachable!("found above") };
+            out.extend(self.decide(now, Event::Weighed(request.weigh())));
+        }
         out
     }
 
@@ -281,6 +300,10 @@ impl<S: StepRecord> Controller<S> {
         match event {
             Event::Heartbeat { node } => self.heartbeat(now, node),
             Event::Tick => {}
+            Event::Weighed(w) => {
+                self.weighing = None;
+                self.weighed = Some(w);
+            }
             Event::Exited { node, status } => self.exited(node, &status, out),
             Event::Drain { workers, reason } => self.drain(&workers, &reason),
             Event::Joined { workers } => self.joined(now, workers),

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{NodeId, RebalanceDecision};
+use super::{NodeId, RebalanceDecision, Weighed, Weighing};
 
 /// What a survivor keeps of its last committed step, for the log: the controller reads only
 /// which step it is and whether it is fit to log (the workers' own report type in the
@@ -86,6 +86,8 @@ pub enum Event<S> {
     /// The job is asked to stop (SIGTERM, Ctrl-C): every rank finishes after the same step and
     /// writes the final checkpoint.
     StopRequested { why: String },
+    /// A rebalance asked for (`Command::Weigh`) was weighed beside the decisions: its verdict.
+    Weighed(Weighed),
     /// Time passed.
     Tick,
 }
@@ -196,6 +198,9 @@ pub enum Command<S> {
     Finish { epoch: u64, nodes: Vec<NodeId> },
     /// Every rank finished its work: the job is complete.
     Complete,
+    /// Weigh this rebalance beside the decisions (a pure function of the request, seconds at a
+    /// thousand nodes) and hand its verdict back as `Event::Weighed`.
+    Weigh(Box<Weighing>),
     /// A rebalance was weighed (applied: a `Pause` follows).
     Rebalance(RebalanceDecision),
     /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report

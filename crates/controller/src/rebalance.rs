@@ -210,17 +210,35 @@ impl<S: StepRecord> Controller<S> {
         }
     }
 
-    /// Every `rebalance_every` steps: weigh a plan from the measured loads (not while workers
-    /// wait to join: their move re-plans anyway), and pause for it if it repays its move.
-    pub(super) fn weigh_a_rebalance(&mut self, out: &mut Vec<Command<S>>) {
+    /// Every `rebalance_every` steps: ask for a plan from the measured loads to be weighed (not
+    /// while workers wait to join: their move re-plans anyway; not while a weighing is out).
+    /// The weighing runs beside the decisions (`Command::Weigh`: at a thousand nodes it plans a
+    /// model, seconds that would hold every lease's check); its verdict comes back as
+    /// `Event::Weighed`.
+    pub(super) fn ask_for_a_weighing(&mut self, out: &mut Vec<Command<S>>) {
         let every = self.spec.rebalance_every;
-        if !self.may_move_itself() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() {
+        if !self.may_move_itself() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() || self.weighing.is_some() {
             return;
         }
-        let weighed = self.weigh_rebalance();
+        let request = self.weighing_request();
         self.steps_since_plan = 0;
         self.step_seconds = 0.0;
-        let Some((d, target)) = weighed else { return };
+        if let Some(request) = request {
+            self.weighing = Some(request.epoch);
+            out.push(Command::Weigh(Box::new(request)));
+        }
+    }
+
+    /// A weighing came back: applied (a pause follows) if the job is still where it was weighed
+    /// and may move; else it is dropped and said so — its plan was made for ranks that changed.
+    pub(super) fn act_on_a_weighing(&mut self, out: &mut Vec<Command<S>>) {
+        let Some(Weighed { epoch, outcome }) = self.weighed.take() else { return };
+        let Some((d, target)) = outcome else { return };
+        if epoch != self.epoch || !self.may_move_itself() || !self.standby.is_empty() {
+            let why = if epoch != self.epoch { "the job moved meanwhile" } else { "the job cannot move now" };
+            self.note(format!("epoch {}: the rebalance weighed at step {} is dropped: {why}", self.job_epoch(self.epoch), d.step));
+            return;
+        }
         let apply = d.decision != RebalanceVerdict::Skip;
         self.note(format!(
             "epoch {}: rebalance at step {}: {} (gain {:.2} s, cost {:.2} s over {} steps)",
@@ -238,37 +256,92 @@ impl<S: StepRecord> Controller<S> {
         }
     }
 
-    /// The plan the measured loads call for on the current nodes, against the current one: what
-    /// each layer's move would gain and cost, the decision, and the plan it moves to (None: no
-    /// loads measured, or nothing to plan).
-    fn weigh_rebalance(&self) -> Option<(RebalanceDecision, ModelPlan)> {
+    /// What a weighing reads, taken now (None: no loads measured, or no plan).
+    fn weighing_request(&self) -> Option<Weighing> {
         if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
             return None;
         }
-        let current = self.plan.as_ref()?;
-        let candidate = plan_model(&self.loads, current.shape(), &self.spec.policy, Some(current)).ok()?;
+        Some(Weighing {
+            epoch: self.epoch,
+            step: self.last_step,
+            loads: self.loads.clone(),
+            current: self.plan.clone()?,
+            position_node: self.node_order(),
+            policy: self.spec.policy,
+            expert_bytes: self.spec.expert_bytes,
+            step_s: self.step_seconds / self.steps_since_plan as f64,
+            // The gain counts until the next rebalance is weighed, or the job ends.
+            horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
+            seconds_per_byte: self.seconds_per_byte,
+            fixed_s: self.move_fixed_s,
+        })
+    }
+}
+
+/// A rebalance to weigh, with everything the weighing reads (copied when it was asked for): the
+/// plan the measured loads call for on the current nodes, against the current one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weighing {
+    /// The epoch it was asked at: its verdict holds only while the job is still there.
+    pub epoch: u64,
+    /// Steps done when it was asked.
+    pub step: u64,
+    /// Σ expert loads per layer since the plan was made.
+    loads: Vec<Vec<f64>>,
+    current: ModelPlan,
+    /// The node of each plan position (plan node q runs on `position_node[q]`).
+    position_node: Vec<u64>,
+    policy: lazarus_plan::PlanPolicy,
+    expert_bytes: u64,
+    step_s: f64,
+    horizon_steps: u64,
+    seconds_per_byte: f64,
+    fixed_s: f64,
+}
+
+/// A weighing's verdict, handed back to the controller: the decision and the plan it moves to
+/// (None: nothing to plan).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weighed {
+    pub epoch: u64,
+    pub outcome: Option<(RebalanceDecision, ModelPlan)>,
+}
+
+impl Weighing {
+    /// What each layer's move would gain and cost, the decision, and the plan it moves to: a
+    /// pure function of the request (the shell runs it on a thread of its own).
+    pub fn weigh(&self) -> Weighed {
+        Weighed { epoch: self.epoch, outcome: self.decide() }
+    }
+
+    fn decide(&self) -> Option<(RebalanceDecision, ModelPlan)> {
+        let current = &self.current;
+        let layers = current.layers().len();
+        let candidate = plan_model(&self.loads, current.shape(), &self.policy, Some(current)).ok()?;
         // Past MAPPED_FROM_NODES, plan node q stays on the node at position q: no search for the
         // mapping that moves least.
         let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
-        // What each node holds now (its workers' experts), and the node of each plan position.
-        let mut held: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
-        for &w in &self.ranks {
-            let entry = held.entry(self.node(w)).or_insert_with(|| vec![Vec::new(); self.spec.layers]);
-            for (l, experts) in self.planned_holdings(w)?.into_iter().enumerate() {
-                entry[l].extend(experts);
-            }
-        }
-        let position_node = self.node_order();
-        let bytes = self.spec.expert_bytes;
+        // What each node holds now: its plan position's experts.
+        let held: BTreeMap<u64, Vec<Vec<usize>>> = self
+            .position_node
+            .iter()
+            .enumerate()
+            .map(|(q, &node)| {
+                let experts = current.layers().iter().map(|p| p.nodes().get(q).map(|e| distinct(e)).unwrap_or_default()).collect();
+                (node, experts)
+            })
+            .collect();
+        let position_node = &self.position_node;
+        let bytes = self.expert_bytes;
         // The candidate with its nodes where the mapping puts them (plan position n on the node
         // now at position n): layers of it and of the current plan then mix without moving more;
         // and what each layer's move would fetch (expert states, bytes).
         let (aligned, fetches): (Vec<Placement>, Vec<(usize, u64)>) = if in_place {
-            let count = fetches_in_place(&held, &candidate, &position_node)?;
+            let count = fetches_in_place(&held, &candidate, position_node)?;
             (candidate.layers().to_vec(), count.into_iter().map(|c| (c, c as u64 * bytes)).collect())
         } else {
             let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
-            let rp = plan_reconfiguration(&live, candidate.layers(), &vec![bytes; self.spec.layers]).ok()?;
+            let rp = plan_reconfiguration(&live, candidate.layers(), &vec![bytes; layers]).ok()?;
             let plan_index: BTreeMap<u64, usize> = rp.plan_to_node.iter().enumerate().map(|(q, &n)| (n, q)).collect();
             let aligned = candidate
                 .layers()
@@ -279,7 +352,7 @@ impl<S: StepRecord> Controller<S> {
                     Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
                 })
                 .collect::<Option<_>>()?;
-            let mut fetches = vec![(0usize, 0u64); self.spec.layers];
+            let mut fetches = vec![(0usize, 0u64); layers];
             for t in &rp.transfers {
                 if let Some(f) = fetches.get_mut(t.layer) {
                     f.0 += 1;
@@ -290,21 +363,21 @@ impl<S: StepRecord> Controller<S> {
         };
         // λ* of every layer now and under the candidate, layers on every core (a max-flow each:
         // at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is computed once.
-        let jobs: Vec<usize> = (0..self.spec.layers).collect();
-        let (plan, measured) = (current, &self.loads);
+        let jobs: Vec<usize> = (0..layers).collect();
+        let measured = &self.loads;
         let balances = lazarus_plan::parallel::map_in_order(&jobs, |&l| {
-            let (now, loads) = (&plan.layers()[l], &measured[l]);
+            let (now, loads) = (&current.layers()[l], &measured[l]);
             let before = now.load_balance(loads)?;
             let after = if aligned[l] == *now { before } else { aligned[l].load_balance(loads)? };
             Ok::<_, lazarus_plan::PlanError>((before, after))
         })
         .ok()?;
-        let mut layers = Vec::new();
+        let mut cases = Vec::new();
         let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
         for (l, (before, after)) in balances.into_iter().enumerate() {
             imbalance_before += before.imbalance();
             imbalance_after += after.imbalance();
-            layers.push(LayerCase {
+            cases.push(LayerCase {
                 differs: aligned[l] != current.layers()[l],
                 bottleneck_before: before.bottleneck,
                 bottleneck_after: after.bottleneck,
@@ -312,21 +385,20 @@ impl<S: StepRecord> Controller<S> {
                 bytes: fetches[l].1,
             });
         }
-        let n = self.spec.layers.max(1) as f64;
+        let n = layers.max(1) as f64;
         let case = RebalanceCase {
-            step_s: self.step_seconds / self.steps_since_plan as f64,
-            // The gain counts until the next rebalance is weighed, or the job ends.
-            horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
-            layers,
+            step_s: self.step_s,
+            horizon_steps: self.horizon_steps,
+            layers: cases,
             imbalance_before: imbalance_before / n,
             imbalance_after: imbalance_after / n,
             seconds_per_byte: self.seconds_per_byte,
-            fixed_s: self.move_fixed_s,
+            fixed_s: self.fixed_s,
         };
-        let mut d = case.decide(self.last_step);
+        let mut d = case.decide(self.step);
         // The plan it moves to: the candidate's layers that move, the current plan's others.
         let mixed: Vec<Placement> =
-            (0..self.spec.layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { current.layers()[l].clone() }).collect();
+            (0..layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { current.layers()[l].clone() }).collect();
         let target = ModelPlan::new(current.epoch(), mixed).ok()?;
         if d.decision == RebalanceVerdict::Shrink {
             let sum: f64 = target.layers().iter().zip(&self.loads).filter_map(|(p, w)| p.load_balance(w).ok()).map(|b| b.imbalance()).sum();
@@ -334,6 +406,14 @@ impl<S: StepRecord> Controller<S> {
         }
         Some((d, target))
     }
+}
+
+/// The distinct experts of a node's slots, in order.
+fn distinct(experts: &[usize]) -> Vec<usize> {
+    let mut e = experts.to_vec();
+    e.sort_unstable();
+    e.dedup();
+    e
 }
 
 impl<S: StepRecord> Controller<S> {

@@ -11,11 +11,14 @@ use std::time::{Duration, Instant};
 use lazarus_plan::{PlanUpdate, ReplicaMap};
 
 use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-use crate::controller::{Command, Controller, Event, MoveCause, MoveCost, StopReport};
+use crate::controller::{Command, Controller, Event, MoveCause, MoveCost, StopReport, Weighed};
 use crate::error::ControlError;
 use crate::fleet::{Fleet, FleetEvent};
 use crate::protocol::{LauncherMessage, MoveOrder, MoveStats, WorkerEvent};
 use crate::service::{snapshot, SharedStatus};
+
+/// While a rebalance is weighed beside the loop, the loop looks for its verdict this often.
+const WEIGHED_POLL: Duration = Duration::from_millis(20);
 
 /// The status served to `lazarus status` is refreshed at least this often.
 const STATUS_EVERY: Duration = Duration::from_millis(250);
@@ -73,13 +76,25 @@ pub(crate) fn drive(
             .collect(),
         sent_at: if ctl.resuming() { BTreeMap::new() } else { ctl.ranks().iter().map(|&w| (w, ctl.epoch())).collect() },
     };
+    // A rebalance being weighed on a thread of its own (at a thousand nodes it plans a model:
+    // seconds the loop must not be held for), and where its verdict comes back.
+    let (weighed_tx, weighed_rx) = std::sync::mpsc::channel::<Weighed>();
+    let mut weighing = false;
     let result: Result<TrainOutcome, ControlError> = (|| loop {
         let now = Instant::now();
         let mut wait = ctl.next_wake(now).saturating_duration_since(now);
+        if weighing {
+            wait = wait.min(WEIGHED_POLL);
+        }
         if wait.is_zero() {
             wait = Duration::from_millis(1);
         }
+        let verdict = if weighing { weighed_rx.try_recv().ok() } else { None };
         let event = match crate::stop_signal::requested() {
+            _ if verdict.is_some() => {
+                weighing = false;
+                Event::Weighed(verdict.expect("checked"))
+            }
             // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
             // checkpoint (a second signal ends the process at once).
             Some((_, name)) if !shell.stop_told => {
@@ -170,10 +185,23 @@ pub(crate) fn drive(
                         r.resumed = true;
                     }
                 }
-                Command::Rebalance(mut d) => {
-                    d.weigh_s = Some(plan_s);
-                    observe(TrainEvent::Rebalance(d))?
+                Command::Weigh(request) => {
+                    weighing = true;
+                    let tx = weighed_tx.clone();
+                    std::thread::Builder::new()
+                        .name("weigh".into())
+                        .spawn(move || {
+                            let started = Instant::now();
+                            let mut verdict = request.weigh();
+                            if let Some((d, _)) = &mut verdict.outcome {
+                                d.weigh_s = Some(started.elapsed().as_secs_f64());
+                            }
+                            // The loop may have ended meanwhile: nobody to tell.
+                            let _ = tx.send(verdict);
+                        })
+                        .map_err(|e| ControlError::Launch(format!("cannot start the thread that weighs a rebalance: {e}")))?;
                 }
+                Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
                 Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, snapshot: None })?,
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.

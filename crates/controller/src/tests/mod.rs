@@ -256,7 +256,9 @@ fn drifted(seconds: f64, t0: Instant) -> (Controller, Vec<Command>) {
     c.spec.rebalance_every = 4;
     let mut out = Vec::new();
     for step in 1..=4 {
-        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds, moved: None }));
+        out.extend(
+            c.decide_inline(t0, Event::StepDone { epoch: 0, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds, moved: None }),
+        );
     }
     (c, out)
 }
@@ -270,9 +272,10 @@ fn steps_told_at_once_weigh_the_same_rebalance_as_steps_told_one_by_one() {
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
     let three =
-        c.decide(t0, Event::StepDone { epoch: 0, step: 3, steps: 3, loads: vec![vec![291, 3, 3, 3]; 2], seconds: 6.0, moved: None });
+        c.decide_inline(t0, Event::StepDone { epoch: 0, step: 3, steps: 3, loads: vec![vec![291, 3, 3, 3]; 2], seconds: 6.0, moved: None });
     assert!(three.is_empty(), "3 of 4 steps: not yet weighed: {three:?}");
-    let last = c.decide(t0, Event::StepDone { epoch: 0, step: 4, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None });
+    let last =
+        c.decide_inline(t0, Event::StepDone { epoch: 0, step: 4, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None });
     assert_eq!(last, one_by_one);
 }
 
@@ -314,7 +317,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let mut out = Vec::new();
     for step in 1..=4 {
         let loads = vec![vec![97, 1, 1, 1], vec![25, 25, 25, 25]];
-        out.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
+        out.extend(c.decide_inline(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
     }
     let [Command::Rebalance(d), Command::Pause { .. }] = &out[..] else { panic!("{out:?}") };
     assert_eq!((d.decision, d.layers.clone()), (RebalanceVerdict::Shrink, vec![0]), "{d:?}");
@@ -345,6 +348,73 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
     assert_eq!(d.decision, RebalanceVerdict::Skip, "{d:?}");
     assert!(d.gain_s < d.cost_s);
     assert!(c.running() && c.epoch() == 0);
+}
+
+/// The weighing runs beside the decisions: asked for once (no second while one is out, however
+/// many steps pass), and its verdict acted on when it comes back — here the same verdict as
+/// weighed at once.
+#[test]
+fn a_rebalance_is_weighed_beside_the_decisions_and_acted_on_when_its_verdict_comes_back() {
+    let t0 = Instant::now();
+    let (_, at_once) = drifted(2.0, t0);
+    let mut c = running(3, 4, 2, t0);
+    c.spec.rebalance_every = 4;
+    let mut asked = Vec::new();
+    for step in 1..=12 {
+        let loads = vec![vec![97, 1, 1, 1]; 2];
+        asked.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
+    }
+    let [Command::Weigh(request)] = &asked[..] else { panic!("one weighing asked for in 12 steps: {asked:?}") };
+    assert_eq!((request.epoch, request.step), (0, 4));
+    assert!(c.running(), "nothing paused while it is weighed");
+    let out = c.decide(t0, Event::Weighed(request.weigh()));
+    assert_eq!(out, at_once, "the verdict weighed beside equals the one weighed at once");
+    assert!(matches!(&out[..], [Command::Rebalance(_), Command::Pause { .. }]), "{out:?}");
+}
+
+/// A verdict that comes back after the job moved (a worker lost meanwhile: a new epoch, other
+/// ranks) is dropped, said so, and not applied; the next weighing is asked for as usual.
+#[test]
+fn a_weighing_whose_job_moved_meanwhile_is_dropped() {
+    let t0 = Instant::now();
+    let mut c = running(3, 4, 2, t0);
+    c.spec.rebalance_every = 4;
+    let mut asked = Vec::new();
+    for step in 1..=4 {
+        let loads = vec![vec![97, 1, 1, 1]; 2];
+        asked.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
+    }
+    let [Command::Weigh(request)] = &asked[..] else { panic!("{asked:?}") };
+    // Node 12 dies; the survivors say where they stopped; the job moves to epoch 1.
+    c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
+    let r = |c: &Controller, node| StopReport {
+        steps_done: 4,
+        held: None,
+        holds: c.planned_holdings(node).unwrap(),
+        last: None,
+        snapshots: vec![],
+    };
+    c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
+    let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
+    assert!(matches!(&out[..], [Command::Reconfigure(_)]), "{out:?}");
+    let epoch = c.epoch();
+    for node in [10, 11] {
+        c.decide(t0, Event::Listening { node, epoch, addr: format!("a{node}") });
+    }
+    for node in [10, 11] {
+        c.decide(t0, Event::Ready { node, epoch });
+    }
+    assert!(c.running() && epoch > 0);
+    let out = c.decide(t0, Event::Weighed(request.weigh()));
+    assert!(out.is_empty(), "a verdict for epoch 0 is not applied at epoch {epoch}: {out:?}");
+    assert!(c.running(), "nothing paused");
+    assert!(c.recent().any(|e| e.contains("dropped: the job moved meanwhile")), "{:?}", c.recent().collect::<Vec<_>>());
+    // The next weighing is asked for after another 4 steps.
+    let mut next = Vec::new();
+    for step in 5..=8 {
+        next.extend(c.decide(t0, Event::StepDone { epoch, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None }));
+    }
+    assert!(matches!(&next[..], [Command::Weigh(w)] if w.epoch == epoch), "{next:?}");
 }
 
 #[test]
@@ -721,8 +791,24 @@ proptest! {
         }
         let mut now = t0;
         let mut epoch = c.epoch();
+        // A weighing asked for comes back later, with other events between (every other one).
+        let mut weighing: Option<Box<crate::Weighing>> = None;
         for (dt, ev) in events {
             now += SEC * dt as u32 / 2;
+            let ev = match weighing.take() {
+                Some(w) if dt % 2 == 0 => {
+                    let out = c.decide(now, Event::Weighed(w.weigh()));
+                    prop_assert!(out.iter().all(|c| matches!(c, Command::Rebalance(_) | Command::Pause { .. })), "{:?}", out);
+                    if c.is_over() {
+                        break;
+                    }
+                    ev
+                }
+                w => {
+                    weighing = w;
+                    ev
+                }
+            };
             // A survivor reports what its plan gave it (or, if it has no rank now, nothing).
             let ev = match ev {
                 Event::StepFailed { node, epoch, mut report } => {
@@ -778,6 +864,12 @@ proptest! {
                     Command::Kill { node, .. } => prop_assert!(!c.alive().contains(node)),
                     Command::Resume { .. } => prop_assert!(c.running()),
                     Command::Rebalance(d) => prop_assert!(d.decision != RebalanceVerdict::Skip || d.layers.is_empty()),
+                    Command::Weigh(w) => {
+                        prop_assert!(recover && c.running(), "a weighing asked for by a job that cannot move");
+                        prop_assert_eq!(w.epoch, c.epoch());
+                        prop_assert!(weighing.is_none(), "a second weighing while one is out");
+                        weighing = Some(w.clone());
+                    }
                     Command::LogStep(s) => prop_assert_eq!(s.step, c.last_step()),
                     Command::Pause { epoch, nodes } => {
                         prop_assert!(recover, "a job without recovery paused to move");

@@ -202,10 +202,10 @@ impl Shell {
     fn rendezvous(&mut self, now: Instant) {
         let (epoch, ranks) = (self.ctl.epoch(), self.ctl.ranks().to_vec());
         for (i, &node) in ranks.iter().enumerate() {
-            self.ctl.decide(now, Event::Listening { node, epoch, addr: format!("rank {i}") });
+            self.ctl.decide_inline(now, Event::Listening { node, epoch, addr: format!("rank {i}") });
         }
         for &node in &ranks {
-            self.ctl.decide(now, Event::Ready { node, epoch });
+            self.ctl.decide_inline(now, Event::Ready { node, epoch });
         }
     }
 
@@ -220,19 +220,22 @@ impl Shell {
         let loads = loads.iter().map(|l| l.iter().map(|&x| (x * scale).round() as u64).collect()).collect();
         let event =
             Event::StepDone { epoch: self.ctl.epoch(), step, steps, loads, seconds: step_s * steps as f64, moved: self.moved.take() };
-        self.ctl.decide(now, event)
+        self.ctl.decide_inline(now, event)
     }
 
     /// A node's workers start and stand by.
     fn join(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
         let workers = self.workers.of(node);
-        self.ctl.decide(now, Event::Joined { workers })
+        self.ctl.decide_inline(now, Event::Joined { workers })
     }
 
     /// The trace removed `node`: its workers exit (if it comes back, it brings new ones).
     fn remove(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
         let workers = self.workers.of_node.remove(node).unwrap_or_default();
-        workers.into_iter().flat_map(|w| self.ctl.decide(now, Event::Exited { node: w, status: "removed by the trace".into() })).collect()
+        workers
+            .into_iter()
+            .flat_map(|w| self.ctl.decide_inline(now, Event::Exited { node: w, status: "removed by the trace".into() }))
+            .collect()
     }
 
     /// Every surviving rank says where it stopped (all at `step`, the job's committed step) and
@@ -244,7 +247,7 @@ impl Shell {
         for node in ranks {
             let holds = self.ctl.planned_holdings(node).unwrap_or_default();
             let report = StopReport { steps_done: step, held: None, holds, last: None, snapshots: Vec::new() };
-            out.extend(self.ctl.decide(now, Event::StepFailed { node, epoch, report }));
+            out.extend(self.ctl.decide_inline(now, Event::StepFailed { node, epoch, report }));
         }
         out
     }
