@@ -11,6 +11,7 @@
 //! launcher keeps the worker's stdin open for the whole run: its end of file means the launcher
 //! is gone, and the worker stops (see [`crate::worker_process`]).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use lazarus_comm::CommError;
@@ -203,6 +204,11 @@ pub enum LauncherMessage {
     /// Reload the checkpoint of `to_step` (None: start afresh) under the new plan, rendezvous at
     /// its epoch, go on.
     Rollback { to_step: Option<u64>, to: MoveOrder },
+    /// The transfers of the move to `epoch` that the workers this goes to send or receive, sent
+    /// to each node just before the move's order (which every node shares and which lists none
+    /// itself): a rebalance among a thousand nodes moves hundreds of thousands of expert states,
+    /// and each node needs only its own.
+    Transfers { epoch: u64, transfers: Vec<lazarus_plan::RankTransfer> },
     /// Give up the rendezvous of `epoch` (a rank of it was lost before it connected) and say
     /// where you stopped.
     Abandon { epoch: u64 },
@@ -228,7 +234,8 @@ impl LauncherMessage {
             | LauncherMessage::Abandon { epoch }
             | LauncherMessage::Fence { epoch, .. }
             | LauncherMessage::Pause { epoch }
-            | LauncherMessage::Finish { epoch } => Some(*epoch),
+            | LauncherMessage::Finish { epoch }
+            | LauncherMessage::Transfers { epoch, .. } => Some(*epoch),
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
             LauncherMessage::Stop { .. } => None,
         }
@@ -246,7 +253,8 @@ pub struct MoveOrder {
     /// The worker (its id: the rank of its spec) of each rank of the new epoch.
     pub workers: Vec<u64>,
     pub plan: PlanUpdate,
-    /// Every transfer of the move.
+    /// Transfers of the move listed with the order itself (the controller sends none here: each
+    /// node gets its own in a [`LauncherMessage::Transfers`] before the order).
     pub transfers: Vec<lazarus_plan::RankTransfer>,
     #[serde(default)]
     pub catch_up: Vec<(usize, usize, u64)>,
@@ -259,6 +267,12 @@ pub struct MoveOrder {
 }
 
 impl MoveOrder {
+    /// The order with a node's transfers of the same move added (those that came before it).
+    pub fn with_transfers(mut self, transfers: Vec<lazarus_plan::RankTransfer>) -> Self {
+        self.transfers.extend(transfers);
+        self
+    }
+
     /// What worker `id` does in this move: its rank, its transfers (`Err`: it is not in the
     /// move, or the order is malformed, said in words).
     pub fn for_worker(self, id: u64) -> Result<Reconfiguration<PlanUpdate>, String> {
@@ -437,6 +451,24 @@ pub enum WorkerEvent {
 }
 
 /// A committed step's global report (every rank has the all-reduced loss and loads) and its
+/// A move's transfers as its nodes are sent them: for each node (`node_of_rank[r]`: the node of
+/// rank r), those its ranks send or receive, in the move's order (a transfer between two nodes
+/// goes to both). Ranks beyond `node_of_rank` belong to no node: their transfers go nowhere
+/// (`MoveOrder::for_worker` refuses such an order anyway).
+pub fn transfers_by_node(transfers: &[lazarus_plan::RankTransfer], node_of_rank: &[u64]) -> BTreeMap<u64, Vec<lazarus_plan::RankTransfer>> {
+    let mut by_node: BTreeMap<u64, Vec<lazarus_plan::RankTransfer>> = BTreeMap::new();
+    for t in transfers {
+        let (from, to) = (node_of_rank.get(t.from), node_of_rank.get(t.to));
+        if let Some(&n) = from {
+            by_node.entry(n).or_default().push(t.clone());
+        }
+        if let Some(&n) = to.filter(|&n| Some(n) != from) {
+            by_node.entry(n).or_default().push(t.clone());
+        }
+    }
+    by_node
+}
+
 /// seconds, as a survivor keeps it: the log gets it from a survivor when rank 0 committed the
 /// step but was lost before its report got out.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -491,6 +523,41 @@ mod tests {
         assert!(beyond.for_worker(7).unwrap_err().contains("beyond"));
         let leaver = MoveOrder { leaving: vec![5], ..order };
         assert!(leaver.for_worker(7).is_err());
+    }
+
+    /// A move's transfers sent apart, each node its own, before an order that lists none: every
+    /// worker finds the same part as in the order that listed them all.
+    #[test]
+    fn each_node_is_sent_the_transfers_of_its_workers_and_finds_the_same_part() {
+        use lazarus_plan::RankTransfer;
+        let map = ReplicaMap::new(6, vec![vec![vec![1, 1, 0, 1, 0, 1], vec![0, 1, 1, 0, 1, 0]]]).unwrap();
+        let t = |expert, from, to| RankTransfer { layer: 0, expert, from, to };
+        // Six ranks on three nodes (two a node); transfers within a node and across.
+        let transfers = vec![t(1, 1, 2), t(0, 0, 1), t(1, 5, 0), t(0, 3, 4), t(1, 2, 3), t(0, 4, 5)];
+        let node_of_rank = [30, 30, 10, 10, 20, 20];
+        let whole = MoveOrder {
+            epoch: 8,
+            workers: vec![7, 9, 4, 3, 11, 12],
+            plan: PlanUpdate::Whole { map: std::sync::Arc::new(map) },
+            transfers: transfers.clone(),
+            catch_up: vec![],
+            joining: vec![],
+            leaving: vec![],
+            hold: false,
+        };
+        let by_node = transfers_by_node(&transfers, &node_of_rank);
+        assert_eq!(by_node.keys().copied().collect::<Vec<_>>(), vec![10, 20, 30]);
+        assert_eq!(by_node[&10], vec![t(1, 1, 2), t(0, 3, 4), t(1, 2, 3)], "a transfer inside a node is listed once, in order");
+        assert_eq!(by_node.values().map(Vec::len).sum::<usize>(), 9, "3 between nodes (twice), 3 within (once)");
+        let shared = MoveOrder { transfers: vec![], ..whole.clone() };
+        for (rank, &id) in whole.workers.iter().enumerate() {
+            let part = by_node[&node_of_rank[rank]].clone();
+            let line = serde_json::to_string(&LauncherMessage::Transfers { epoch: 8, transfers: part }).unwrap();
+            let LauncherMessage::Transfers { transfers: part, .. } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
+            assert_eq!(shared.clone().with_transfers(part).for_worker(id).unwrap(), whole.clone().for_worker(id).unwrap(), "rank {rank}");
+        }
+        // A rank beyond the nodes named: its transfer goes to the node it names only.
+        assert_eq!(transfers_by_node(&[t(0, 0, 9)], &node_of_rank), BTreeMap::from([(30, vec![t(0, 0, 9)])]));
     }
 
     /// A node's job comes back as it went; what is not a compressed JSON object on one line,

@@ -217,6 +217,7 @@ pub(crate) fn drive(
                         shell.failure_seen_at(decided.checked_sub(away).unwrap_or(decided));
                     }
                     shell.begin_move(&m, plan_s, first_epoch);
+                    send_transfers(fleet, &ctl, &m);
                     for (plan, nodes) in shell.plan_groups(&m) {
                         let _ = fleet.send_many(&nodes, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to: move_order(&m, plan) });
                     }
@@ -227,6 +228,7 @@ pub(crate) fn drive(
                         r.step = to_step.unwrap_or(0);
                     }
                     // The controller's rollback moves carry no transfers, joiners or leavers.
+                    send_transfers(fleet, &ctl, &m);
                     for (plan, nodes) in shell.plan_groups(&m) {
                         let _ = fleet.send_many(&nodes, &LauncherMessage::Rollback { to_step, to: move_order(&m, plan) });
                     }
@@ -304,11 +306,26 @@ fn move_order(m: &crate::controller::Move, plan: PlanUpdate) -> MoveOrder {
         epoch: m.epoch,
         workers: m.ranks.clone(),
         plan,
-        transfers: m.transfers.clone(),
+        // Sent apart, each node its own (`send_transfers`).
+        transfers: Vec::new(),
         joining: m.joining.clone(),
         leaving: m.leaving.clone(),
         hold: m.hold,
         catch_up: m.restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect(),
+    }
+}
+
+/// Each node of a move is sent the transfers its workers send or receive, before the order all
+/// nodes share: a rebalance among a thousand nodes moves hundreds of thousands of expert states,
+/// which every agent would otherwise be sent whole.
+fn send_transfers(fleet: &mut dyn Fleet, ctl: &Controller, m: &crate::controller::Move) {
+    let node_of_rank: Vec<u64> = m.ranks.iter().map(|&w| ctl.node_of(w)).collect();
+    let mut workers_of: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for (&w, &node) in m.ranks.iter().zip(&node_of_rank) {
+        workers_of.entry(node).or_default().push(w as usize);
+    }
+    for (node, transfers) in crate::protocol::transfers_by_node(&m.transfers, &node_of_rank) {
+        let _ = fleet.send_many(&workers_of[&node], &LauncherMessage::Transfers { epoch: m.epoch, transfers });
     }
 }
 
