@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use lazarus_plan::{plan_model, plan_reconfiguration, ModelPlan, NodeState, Placement};
+use lazarus_plan::{plan_reconfiguration, replan_model, ModelPlan, NodeState, Placement};
 use serde::Serialize;
 
 use super::{Command, Controller, MoveCause, MoveCost, StepRecord};
@@ -317,7 +317,10 @@ impl Weighing {
     fn decide(&self) -> Option<(RebalanceDecision, ModelPlan)> {
         let current = &self.current;
         let layers = current.layers().len();
-        let candidate = plan_model(&self.loads, current.shape(), &self.policy, Some(current)).ok()?;
+        // Past the exact search's size (a policy that keeps survivors) the running plan
+        // repaired to the measured loads' allocation, else a plan made afresh.
+        let origin: Vec<Option<usize>> = (0..current.shape().nodes).map(Some).collect();
+        let (candidate, _) = replan_model(&self.loads, current.shape(), &self.policy, current, &origin).ok()?;
         // Past MAPPED_FROM_NODES, plan node q stays on the node at position q: no search for the
         // mapping that moves least.
         let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
@@ -448,7 +451,7 @@ mod tests {
     /// transfers the move planner schedules for that mapping (its oracle here).
     #[test]
     fn fetches_in_place_are_the_transfers_of_the_mapped_move() {
-        use lazarus_plan::{plan_reconfiguration_mapped, ClusterShape, PlanPolicy};
+        use lazarus_plan::{plan_model, plan_reconfiguration_mapped, ClusterShape, PlanPolicy};
         let mut fetched = 0;
         for seed in 0..20u64 {
             let loads = |shift: u64| -> Vec<Vec<f64>> {

@@ -154,8 +154,10 @@ pub fn plan_model(
 /// exact search's size, each layer is the previous placement repaired (see
 /// `placement/repair.rs`): what a survivor holds stays in its slot unless its expert now has too
 /// many replicas, and only the missing replicas are placed — so a node lost among a thousand
-/// moves about that node's state, not the model's. A repaired layer that breaks the policy's
-/// throughput guard is planned afresh. Otherwise, and on small clusters (where the optimum is
+/// moves about that node's state, not the model's; with the same nodes in the same places (a
+/// rebalance), only what the new loads' allocation changes moves. A repaired layer that breaks
+/// the policy's throughput guard is planned afresh where that balances better. Otherwise, and on
+/// small clusters (where the optimum is
 /// searched exactly and the optimal node mapping limits what moves), every layer is planned
 /// afresh as by [`plan_model`].
 ///
@@ -172,10 +174,10 @@ pub fn replan_model(
     if origin.len() != shape.nodes {
         return Err(PlanError::Length { field: "origin", got: origin.len(), expected: shape.nodes });
     }
-    // The same nodes in the same places: the layers whose allocation holds are kept as they are.
-    let unchanged = shape == previous.shape() && origin.iter().enumerate().all(|(i, q)| *q == Some(i));
+    // (The same nodes in the same places — a rebalance — are repaired too: each expert's
+    // replicas brought to what the measured loads ask, the rest left where it is.)
     let repair = policy.keep_survivors && shape.nodes > SEARCH_MAX_NODES && previous.layers().len() == loads.len();
-    if unchanged || !repair {
+    if !repair {
         return plan_model(loads, shape, policy, Some(previous)).map(|p| (p, false));
     }
     policy.validate()?;

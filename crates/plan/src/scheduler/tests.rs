@@ -282,6 +282,59 @@ fn a_repair_past_a_guard_no_plan_meets_is_kept_when_a_fresh_plan_balances_no_bet
     }
 }
 
+/// A rebalance past the exact search's size (the same nodes in the same places, loads that
+/// drifted) repairs each layer: only the replicas the new allocation changes move, where a plan
+/// made afresh moves most of them; one slot a GPU (no plan meets the guard: each GPU serves
+/// its one expert's share) balances as well as the fresh plan.
+#[test]
+fn a_rebalance_on_a_large_cluster_moves_only_what_the_new_allocation_changes() {
+    let experts = 32;
+    let drifted = |shift: usize| -> Vec<Vec<f64>> {
+        (0..3).map(|l| (0..experts).map(|e| (1 + (e * 7 + l * 5 + shift) % experts) as f64 * 10.0).collect()).collect()
+    };
+    for slots_per_gpu in [1, 2] {
+        let shape = ClusterShape::new(24, 2, slots_per_gpu).unwrap();
+        let policy = PlanPolicy::trainer(24, Some(crate::DEFAULT_MAX_IMBALANCE));
+        let before = plan_model(&drifted(0), shape, &policy, None).unwrap();
+        let loads = drifted(11);
+        let origin: Vec<Option<usize>> = (0..24).map(Some).collect();
+        let (after, repaired) = replan_model(&loads, shape, &policy, &before, &origin).unwrap();
+        assert!(repaired, "{slots_per_gpu} slots a GPU");
+        let fresh = plan_model(&loads, shape, &policy, Some(&before)).unwrap();
+        let mut repairs = 0;
+        for l in 0..3 {
+            let (old, new) = (&before.layers()[l], &after.layers()[l]);
+            // Replicas the allocation adds: the least any move to it must fetch.
+            let added: usize = new.replica_counts().iter().zip(old.replica_counts()).map(|(n, o)| n.saturating_sub(o)).sum();
+            let fetched = |p: &Placement| -> usize {
+                (0..24)
+                    .map(|q| {
+                        let mut n = p.nodes()[q].clone();
+                        n.sort_unstable();
+                        n.dedup();
+                        n.iter().filter(|e| !old.nodes()[q].contains(e)).count()
+                    })
+                    .sum()
+            };
+            assert!(added > 0, "the loads drifted enough to change the allocation");
+            assert!(fetched(&fresh.layers()[l]) > 2 * added, "layer {l}: a fresh plan fetches {}", fetched(&fresh.layers()[l]));
+            let imbalance = |p: &Placement| p.load_balance(&loads[l]).unwrap().imbalance();
+            assert!(imbalance(new) < imbalance(old), "layer {l}: the new plan balances the new loads better than the old one");
+            if fetched(new) <= added {
+                repairs += 1;
+                // Kept although past the guard only where a fresh plan balances no better.
+                let guard = crate::DEFAULT_MAX_IMBALANCE * (1.0 + 1e-9);
+                assert!(imbalance(new) <= guard || imbalance(new) <= imbalance(&fresh.layers()[l]) * (1.0 + 1e-9), "layer {l}");
+            } else {
+                // A repair past the guard that a fresh plan beats: the fresh plan.
+                assert_eq!(new, &fresh.layers()[l], "{slots_per_gpu} slots a GPU, layer {l}: neither the repair nor the fresh plan");
+            }
+        }
+        // One slot a GPU: every layer repaired (no plan balances better); two: most.
+        assert!(repairs >= if slots_per_gpu == 1 { 3 } else { 2 }, "{slots_per_gpu} slots a GPU: {repairs} of 3 layers repaired");
+    }
+}
+
 proptest! {
     /// The floor is one: no placement of the replicas balances better than it.
     #[test]
