@@ -7,6 +7,7 @@ fn main() {
     tonic_prost_build::configure()
         .bytes(".lazarus.control.v1.WorkerInput.line")
         .bytes(".lazarus.control.v1.StartWorkers.job")
+        .bytes(".lazarus.control.v1.Piece.data")
         .compile_fds(fds)
         .expect("the control protocol's Rust code is generated");
 }

@@ -144,6 +144,17 @@ struct RebalanceTimes {
     move_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     move_bytes: Option<u64>,
+    /// The move as the agents saw it, from the pause (ms): the last agent's order, every rank
+    /// ready, the next step; and the bytes each agent received from the drift on (its orders
+    /// and its nodes' transfers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    orders_out_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ready_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    next_step_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    order_bytes_per_agent: Option<f64>,
     /// The workers after the move (fewer than before when nodes were lost on the way: a
     /// weighing that outlasts the lease), and the moves of other causes (a rollback) the job
     /// made between the drift and it.
@@ -257,6 +268,9 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let rebalance = if args.rebalance_every > 0 {
         let r = measure_rebalance(&mut fleet, &dir, args)?;
         say(args, &format!("rebalance: {} after a weighing of {:.0} ms", r.decision, r.weigh_s.unwrap_or(f64::NAN) * 1e3));
+        if let (Some(out), Some(step)) = (r.orders_out_ms, r.next_step_ms) {
+            say(args, &format!("rebalance's move: orders out after {out:.0} ms, next step after {step:.0} ms"));
+        }
         controller.check_alive()?;
         Some(r)
     } else {
@@ -529,26 +543,47 @@ fn measure_move(
     // join wait share one move).
     let from = marks.iter().find(|(_, m)| matches!(m, Mark::Paused { .. })).map_or(t0, |(t, _)| *t);
     let joined_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max();
-    let ms = |t: Instant| t.saturating_duration_since(from).as_secs_f64() * 1e3;
-    let orders: Vec<Instant> =
-        marks.iter().filter(|(_, m)| matches!(m, Mark::Ordered { epoch, .. } if *epoch > p0.epoch)).map(|(t, _)| *t).collect();
-    let ready = marks.iter().find(|(_, m)| matches!(m, Mark::AllReady { epoch } if *epoch > p0.epoch)).map(|(t, _)| *t);
-    let step = marks.iter().find(|(t, m)| matches!(m, Mark::Step { .. }) && ready.is_some_and(|r| *t >= r)).map(|(t, _)| *t);
-    if orders.len() < agents {
-        tracing::warn!("the {cause}: {} of {agents} agents got their orders", orders.len());
+    let line = timeline(&marks, from, p0.epoch);
+    if line.orders < agents {
+        tracing::warn!("the {cause}: {} of {agents} agents got their orders", line.orders);
     }
     let record = last_record(dir, cause);
     let received = fleet.traffic().received_bytes - traffic0.received_bytes;
     Ok(MoveTimes {
-        first_order_ms: orders.iter().min().map_or(0.0, |&t| ms(t)),
-        orders_out_ms: orders.iter().max().map_or(0.0, |&t| ms(t)),
-        ready_ms: ready.map_or(0.0, ms),
-        next_step_ms: step.map_or(0.0, ms),
+        first_order_ms: line.first_order_ms,
+        orders_out_ms: line.orders_out_ms,
+        ready_ms: line.ready_ms,
+        next_step_ms: line.next_step_ms,
         detect_s: record.as_ref().and_then(|r| r["detect_s"].as_f64()),
         plan_s: record.as_ref().and_then(|r| r["plan_s"].as_f64()),
         order_bytes_per_agent: received as f64 / agents.max(1) as f64,
         attached_to_pause_ms: joined_at.map(|j| from.saturating_duration_since(j).as_secs_f64() * 1e3),
     })
+}
+
+/// A move as the fakes saw it, milliseconds from `from`: the first and the last agent's order
+/// of an epoch after `epoch`, every rank ready, the next step; and how many agents had orders.
+struct Timeline {
+    first_order_ms: f64,
+    orders_out_ms: f64,
+    ready_ms: f64,
+    next_step_ms: f64,
+    orders: usize,
+}
+
+fn timeline(marks: &[(Instant, Mark)], from: Instant, epoch: u64) -> Timeline {
+    let ms = |t: Instant| t.saturating_duration_since(from).as_secs_f64() * 1e3;
+    let orders: Vec<Instant> =
+        marks.iter().filter(|(_, m)| matches!(m, Mark::Ordered { epoch: e, .. } if *e > epoch)).map(|(t, _)| *t).collect();
+    let ready = marks.iter().find(|(_, m)| matches!(m, Mark::AllReady { epoch: e } if *e > epoch)).map(|(t, _)| *t);
+    let step = marks.iter().find(|(t, m)| matches!(m, Mark::Step { .. }) && ready.is_some_and(|r| *t >= r)).map(|(t, _)| *t);
+    Timeline {
+        first_order_ms: orders.iter().min().map_or(0.0, |&t| ms(t)),
+        orders_out_ms: orders.iter().max().map_or(0.0, |&t| ms(t)),
+        ready_ms: ready.map_or(0.0, ms),
+        next_step_ms: step.map_or(0.0, ms),
+        orders: orders.len(),
+    }
 }
 
 /// The controller's reconfiguration records of `cause` in its `--json-log`.
@@ -574,6 +609,7 @@ fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, args: &ControllerBe
     let moves_before = records(dir, "rebalance");
     let others_before: Vec<usize> = OTHER.iter().map(|c| records(dir, c)).collect();
     let p0 = fleet.plane();
+    let (t0, traffic0) = (Instant::now(), fleet.traffic());
     fleet.drift();
     // The weighing comes `--rebalance-every` steps after the last move (and after a weighing).
     let within = Duration::from_secs_f64((2 * args.rebalance_every + 30) as f64 * args.step + 60.0);
@@ -612,7 +648,17 @@ fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, args: &ControllerBe
         last_record(dir, "rebalance")
     };
     let field = |k: &str| moved.as_ref().and_then(|r| r[k].as_f64());
+    // As the fakes saw the move: from the pause that begins it.
+    let marks = fleet.marks_since(t0);
+    let paused = marks.iter().find(|(_, m)| matches!(m, Mark::Paused { epoch, .. } if *epoch == p0.epoch)).map(|(t, _)| *t);
+    let line = paused.filter(|_| moved.is_some()).map(|from| timeline(&marks, from, p0.epoch));
     Ok(RebalanceTimes {
+        orders_out_ms: line.as_ref().map(|l| l.orders_out_ms),
+        ready_ms: line.as_ref().map(|l| l.ready_ms),
+        next_step_ms: line.as_ref().map(|l| l.next_step_ms),
+        order_bytes_per_agent: moved.as_ref().map(|_| {
+            (fleet.traffic().received_bytes - traffic0.received_bytes) as f64 / (fleet.plane().world / fleet.gpus().max(1)).max(1) as f64
+        }),
         decision,
         weigh_s: d["weigh_s"].as_f64(),
         gain_s: d["gain_s"].as_f64(),

@@ -30,6 +30,7 @@ pub mod hub;
 pub mod launcher;
 pub mod loadgen;
 pub mod metrics;
+pub mod pieces;
 pub mod proto;
 pub mod protocol;
 pub mod service;

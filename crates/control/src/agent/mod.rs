@@ -499,6 +499,8 @@ impl Node {
         let mut finishing: Option<(Instant, String)> = None;
         // Once this node gave notice: until when it waits for the job to move off it.
         let mut draining: Option<Instant> = None;
+        // The pieces of a long message from the controller, with the session they came on.
+        let mut pieces = (self.session.id, crate::pieces::Gathered::default());
         loop {
             if let Some(until) = draining {
                 if self.workers.is_none() || self.exited.iter().all(|&x| x) {
@@ -555,6 +557,19 @@ impl Node {
                         continue;
                     }
                     last_heard = Instant::now();
+                    // A long message comes in pieces (`crate::pieces`), joined here; a session's
+                    // own: a new session starts with none.
+                    if pieces.0 != id {
+                        pieces = (id, crate::pieces::Gathered::default());
+                    }
+                    let m = match pieces.1.take(m, crate::protocol::MAX_CONTROL_MESSAGE) {
+                        Ok(Some(m)) => m,
+                        Ok(None) => continue,
+                        Err(e) => {
+                            tracing::warn!("agent: {e}");
+                            continue;
+                        }
+                    };
                     match self.take(m, on_start)? {
                         Some(Ok(end)) => return Ok(end),
                         Some(Err(reason)) => finishing = Some((Instant::now() + FINISH_WITHIN, reason)),
@@ -656,7 +671,10 @@ impl Node {
     ) -> Result<Option<Result<AgentEnd, String>>, ControlError> {
         let Some(body) = m.body else { return Ok(None) };
         match body {
-            controller_message::Body::Welcome(_) | controller_message::Body::Challenge(_) | controller_message::Body::Ping(_) => {}
+            controller_message::Body::Welcome(_)
+            | controller_message::Body::Challenge(_)
+            | controller_message::Body::Ping(_)
+            | controller_message::Body::Piece(_) => {}
             controller_message::Body::Start(s) => {
                 if self.workers.is_some() {
                     tracing::warn!("agent: a second start of the workers: dropped");

@@ -398,6 +398,11 @@ impl AgentHub {
     fn send_to(&self, agent: u64, epoch: u64, body: controller_message::Body) {
         let st = self.state();
         if let Some(link) = st.agents.get(&agent).filter(|l| l.gone.is_none()) {
+            // A long message in pieces, one after the other under the lock (`crate::pieces`).
+            let (pieces, body) = crate::pieces::in_pieces(body);
+            for data in pieces {
+                let _ = link.tx.send(Ok(self.message(epoch, controller_message::Body::Piece(proto::Piece { data }))));
+            }
             let _ = link.tx.send(Ok(self.message(epoch, body)));
         }
     }

@@ -410,12 +410,20 @@ async fn run_agent(index: usize, shared: Arc<Shared>, mut orders: UnboundedRecei
     let heartbeat = Duration::from_secs_f64(welcome.heartbeat_s.clamp(0.01, 60.0));
     let mut agent = FakeAgent { index, shared: shared.clone(), out, job_id, slots: Vec::new() };
     let mut beat = tokio::time::interval(heartbeat);
+    let mut pieces = crate::pieces::Gathered::default();
     loop {
         tokio::select! {
             m = inbound.message() => match m {
                 Ok(Some(m)) => {
-                    if !agent.take(m) {
-                        return Ok(());
+                    agent.count(&m);
+                    match pieces.take(m, crate::protocol::MAX_CONTROL_MESSAGE) {
+                        Ok(Some(m)) => {
+                            if !agent.take(m) {
+                                return Ok(());
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => agent.shared.trouble(format!("agent {index}: {e}")),
                     }
                 }
                 Ok(None) => return Err("the controller ended the session".into()),
@@ -505,13 +513,17 @@ impl FakeAgent {
         self.shared.mark(Mark::Step { step });
     }
 
-    /// One message of the controller; false: the session is over.
-    fn take(&mut self, m: ControllerMessage) -> bool {
+    /// A message of the controller came (a piece or whole): counted as received.
+    fn count(&self, m: &ControllerMessage) {
         use prost::Message as _;
-        // When it came, before it is read: the controller's part of the time.
-        let received = Instant::now();
         self.shared.received.fetch_add(1, Relaxed);
         self.shared.received_bytes.fetch_add(m.encoded_len() as u64, Relaxed);
+    }
+
+    /// One message of the controller (its pieces joined); false: the session is over.
+    fn take(&mut self, m: ControllerMessage) -> bool {
+        // When it came, before it is read: the controller's part of the time.
+        let received = Instant::now();
         let Some(body) = m.body else { return true };
         match body {
             controller_message::Body::Start(s) => self.start(&s),
@@ -532,7 +544,10 @@ impl FakeAgent {
                 }
             }
             controller_message::Body::Shutdown(_) => return false,
-            controller_message::Body::Welcome(_) | controller_message::Body::Challenge(_) | controller_message::Body::Ping(_) => {}
+            controller_message::Body::Welcome(_)
+            | controller_message::Body::Challenge(_)
+            | controller_message::Body::Ping(_)
+            | controller_message::Body::Piece(_) => {}
         }
         true
     }
