@@ -229,7 +229,26 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let attach_at = Instant::now();
     let before = fleet.traffic();
     fleet.attach(args.nodes);
-    let trained = wait_for(&mut controller, &fleet, Duration::from_secs(900), |p| p.training && p.world == workers)?;
+    let stderr = controller.stderr.clone();
+    let trained = wait_for(
+        &mut controller,
+        &fleet,
+        Duration::from_secs(900),
+        |p| p.training && p.world == workers,
+        || {
+            // A worker lost during the start: the job goes on without its node and never reaches
+            // its full size, so there is nothing to wait for.
+            let text = std::fs::read_to_string(&stderr).unwrap_or_default();
+            let lost = text.lines().filter(|l| l.contains(": no heartbeat for ")).count();
+            (lost > 0).then(|| {
+            format!(
+                "the start did not survive: {lost} workers missed their lease before the job trained (--lease {} s too short for this machine?); the controller's messages: {}",
+                args.lease,
+                stderr.display()
+            )
+        })
+        },
+    )?;
     if !trained {
         bail!("the job did not start training within 900 s (synthetic agents: {:?}; controller: {})", fleet.trouble(), controller.tail());
     }
@@ -431,12 +450,14 @@ fn start_controller(
     Ok(Controller { child, stderr })
 }
 
-/// Wait until `done` holds of the fakes' plane, at most `within`, while the controller runs.
+/// Wait until `done` holds of the fakes' plane, at most `within`, while the controller runs and
+/// `failed` says nothing.
 fn wait_for(
     controller: &mut Controller,
     fleet: &SyntheticFleet,
     within: Duration,
     done: impl Fn(&lazarus_control::loadgen::PlaneView) -> bool,
+    failed: impl Fn() -> Option<String>,
 ) -> Result<bool> {
     let until = Instant::now() + within;
     while Instant::now() < until {
@@ -444,6 +465,9 @@ fn wait_for(
             return Ok(true);
         }
         controller.check_alive().map_err(|e| e.context(format!("synthetic agents: {:?}", fleet.trouble())))?;
+        if let Some(why) = failed() {
+            bail!(why);
+        }
     }
     Ok(false)
 }
