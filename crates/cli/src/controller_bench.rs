@@ -230,10 +230,11 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let before = fleet.traffic();
     fleet.attach(args.nodes);
     let stderr = controller.stderr.clone();
+    let within = patience(args.nodes);
     let trained = wait_for(
         &mut controller,
         &fleet,
-        Duration::from_secs(900),
+        within,
         |p| p.training && p.world == workers,
         || {
             // A worker lost during the start: the job goes on without its node and never reaches
@@ -250,7 +251,12 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         },
     )?;
     if !trained {
-        bail!("the job did not start training within 900 s (synthetic agents: {:?}; controller: {})", fleet.trouble(), controller.tail());
+        bail!(
+            "the job did not start training within {} s (synthetic agents: {:?}; controller: {})",
+            within.as_secs(),
+            fleet.trouble(),
+            controller.tail()
+        );
     }
     let marks = fleet.marks_since(attach_at);
     let started_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max().unwrap_or(attach_at);
@@ -277,7 +283,14 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     say(args, &format!("node loss: orders out after {:.0} ms, next step after {:.0} ms", node_loss.orders_out_ms, node_loss.next_step_ms));
 
     let join = if args.joins > 0 {
-        let m = measure_move(&mut fleet, &dir, args.nodes - 1 + args.joins, Duration::from_secs(600), |f| f.attach(args.joins), "join")?;
+        let m = measure_move(
+            &mut fleet,
+            &dir,
+            args.nodes - 1 + args.joins,
+            patience(args.nodes + args.joins),
+            |f| f.attach(args.joins),
+            "join",
+        )?;
         say(args, &format!("join of {}: orders out after {:.0} ms, next step after {:.0} ms", args.joins, m.orders_out_ms, m.next_step_ms));
         m
     } else {
@@ -448,6 +461,13 @@ fn start_controller(
         .stderr(Stdio::from(std::fs::File::create(&stderr)?));
     let child = cmd.spawn().context("starting the controller")?;
     Ok(Controller { child, stderr })
+}
+
+/// How long a start or a move of `nodes` nodes may take before the bench gives up: generous (at
+/// 1,024 nodes on a 2-core VM a start took 3 s, a join 3 s, a rebalance's move 5–10 s), but not
+/// so long that a job that can no longer get there keeps a test waiting for a quarter of an hour.
+fn patience(nodes: usize) -> Duration {
+    Duration::from_secs_f64(120.0 + 0.25 * nodes as f64)
 }
 
 /// Wait until `done` holds of the fakes' plane, at most `within`, while the controller runs and
@@ -662,10 +682,18 @@ fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, args: &ControllerBe
     let moved = if decision == "skip" {
         None
     } else {
-        let until = Instant::now() + Duration::from_secs(600);
+        let within = patience(args.nodes + args.joins);
+        let until = Instant::now() + within;
         while records(dir, "rebalance") <= moves_before {
             if Instant::now() > until {
-                bail!("the rebalance's move did not complete in 600 s (the fakes' plane: {:?})", fleet.plane());
+                let others: Vec<String> =
+                    OTHER.iter().zip(&others_before).filter(|(c, &b)| records(dir, c) > b).map(|(c, _)| c.to_string()).collect();
+                bail!(
+                    "the rebalance's move did not complete in {} s (moves of other causes since the drift: {others:?}; the fakes' plane: {:?}; trouble: {:?})",
+                    within.as_secs(),
+                    fleet.plane(),
+                    fleet.trouble()
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
