@@ -164,7 +164,11 @@ fn add_missing(
     for e in order {
         for _ in count[e]..replicas[e] {
             let holds = |r: usize| has[(r / g) * words + e / 64] & (1 << (e % 64)) != 0;
-            // The least loaded GPU on a node without the expert; the GPUs passed over go back.
+            // The least loaded GPU on a node without the expert. The GPUs passed over go back
+            // once the expert is placed, not after each replica: their nodes hold it and will
+            // until then, and handing them back each time made a hot expert's hundreds of
+            // replicas pass over each other's nodes again and again (quadratic: at 1,024 nodes a
+            // rebalance's repair took seconds).
             let mut pick = None;
             while let Some(top) = open.pop() {
                 if holds(top.1 .0) {
@@ -177,11 +181,11 @@ fn add_missing(
             let pick = match pick {
                 Some(p) => p,
                 None => {
+                    // Every GPU with a free slot is on a node that holds it: the least loaded.
                     passed.sort();
                     passed.pop()?
                 }
             };
-            open.extend(passed.drain(..));
             let r = pick.1 .0;
             let k = free[r].pop()?;
             let n = r / g;
@@ -192,6 +196,7 @@ fn add_missing(
                 open.push(key(r, gpu_load));
             }
         }
+        open.extend(passed.drain(..));
     }
     Some(())
 }
@@ -244,7 +249,112 @@ mod tests {
         assert!(repair_nodes(&p, &origin, &[3, 3, 3], shape4, &[1.0; 3]).is_none());
     }
 
+    /// The additions one replica at a time, every GPU passed over handed back after each: the
+    /// first form of `add_missing`, kept as its oracle.
+    fn add_missing_one_by_one(
+        slots: &mut [Vec<Option<ExpertId>>],
+        gpu_load: &mut [f64],
+        count: &[usize],
+        replicas: &[usize],
+        shape: ClusterShape,
+        loads: &[f64],
+    ) -> Option<()> {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let share = |e: ExpertId| loads[e] / replicas[e] as f64;
+        let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
+        let mut free: Vec<Vec<usize>> = vec![Vec::new(); shape.ranks()];
+        for (n, node) in slots.iter().enumerate() {
+            for (k, x) in node.iter().enumerate().rev() {
+                if x.is_none() {
+                    free[n * g + k / c].push(k);
+                }
+            }
+        }
+        let key = |r: usize, gpu_load: &[f64]| (Reverse(gpu_load[r].max(0.0).to_bits()), Reverse(r));
+        let mut open: BinaryHeap<(Reverse<u64>, Reverse<usize>)> =
+            (0..free.len()).filter(|&r| !free[r].is_empty()).map(|r| key(r, gpu_load)).collect();
+        let mut order: Vec<ExpertId> = (0..replicas.len()).filter(|&e| count[e] < replicas[e]).collect();
+        order.sort_by(|&a, &b| share(b).total_cmp(&share(a)).then(loads[b].total_cmp(&loads[a])).then(a.cmp(&b)));
+        for e in order {
+            for _ in count[e]..replicas[e] {
+                let holds = |r: usize, slots: &[Vec<Option<ExpertId>>]| slots[r / g].contains(&Some(e));
+                let mut passed = Vec::new();
+                let mut pick = None;
+                while let Some(top) = open.pop() {
+                    if holds(top.1 .0, slots) {
+                        passed.push(top);
+                    } else {
+                        pick = Some(top);
+                        break;
+                    }
+                }
+                let pick = match pick {
+                    Some(p) => p,
+                    None => {
+                        passed.sort();
+                        passed.pop()?
+                    }
+                };
+                open.extend(passed.drain(..));
+                let r = pick.1 .0;
+                let k = free[r].pop()?;
+                slots[r / g][k] = Some(e);
+                gpu_load[r] += share(e);
+                if !free[r].is_empty() {
+                    open.push(key(r, gpu_load));
+                }
+            }
+        }
+        Some(())
+    }
+
     proptest! {
+        /// Handing the passed-over GPUs back once an expert is placed, not after each replica,
+        /// places every replica where handing them back each time does (hot experts with more
+        /// replicas than nodes included: the last of them share nodes).
+        #[test]
+        fn additions_expert_by_expert_match_replica_by_replica(
+            n in 1usize..7,
+            g in 1usize..4,
+            c in 1usize..3,
+            experts in 1usize..6,
+            cells in proptest::collection::vec((0usize..6, any::<bool>(), 0usize..6), 36),
+            weights in proptest::collection::vec(1u32..50, 6),
+        ) {
+            let shape = ClusterShape::new(n, g, c).unwrap();
+            let s = g * c;
+            let loads: Vec<f64> = weights[..experts].iter().map(|&w| w as f64).collect();
+            // Each slot: kept (its expert) or a hole that a given expert is to fill.
+            let mut slots: Vec<Vec<Option<ExpertId>>> = vec![vec![None; s]; n];
+            let mut count = vec![0usize; experts];
+            let mut replicas = vec![0usize; experts];
+            for (i, &(kept, hole, fill)) in cells.iter().take(n * s).enumerate() {
+                if hole {
+                    replicas[fill % experts] += 1;
+                } else {
+                    slots[i / s][i % s] = Some(kept % experts);
+                    count[kept % experts] += 1;
+                    replicas[kept % experts] += 1;
+                }
+            }
+            prop_assume!(replicas.iter().all(|&r| r > 0));
+            let share = |e: ExpertId| loads[e] / replicas[e] as f64;
+            let mut gpu_load = vec![0.0f64; shape.ranks()];
+            for (i, e) in slots.iter().flatten().enumerate() {
+                if let Some(e) = *e {
+                    gpu_load[(i / s) * g + (i % s) / c] += share(e);
+                }
+            }
+            let (mut a, mut load_a) = (slots.clone(), gpu_load.clone());
+            let (mut b, mut load_b) = (slots, gpu_load);
+            let got = add_missing(&mut a, &mut load_a, &count, &replicas, shape, &loads, share);
+            let want = add_missing_one_by_one(&mut b, &mut load_b, &count, &replicas, shape, &loads);
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(load_a, load_b);
+        }
+
         /// Whatever is lost or added, the repaired nodes hold exactly the allocation, every
         /// node is full, and a surviving slot changes only if its expert had too many
         /// replicas (a change no repair could avoid is the only change).
