@@ -460,10 +460,10 @@ pub fn transfers_by_node(transfers: &[lazarus_plan::RankTransfer], node_of_rank:
     for t in transfers {
         let (from, to) = (node_of_rank.get(t.from), node_of_rank.get(t.to));
         if let Some(&n) = from {
-            by_node.entry(n).or_default().push(t.clone());
+            by_node.entry(n).or_default().push(*t);
         }
         if let Some(&n) = to.filter(|&n| Some(n) != from) {
-            by_node.entry(n).or_default().push(t.clone());
+            by_node.entry(n).or_default().push(*t);
         }
     }
     by_node
