@@ -57,6 +57,12 @@ fn start(c: &mut Controller, workers: &[NodeId], t0: Instant) {
 }
 
 /// A running job of `n` nodes (ids 10, 11, …) with `experts` experts and `slots` slots a node.
+/// What worker `node` says when it stops after `steps_done` steps: what its plan gave it, nothing
+/// held, no snapshots.
+fn stopped_at(steps_done: u64, c: &Controller, node: NodeId) -> StopReport {
+    StopReport { steps_done, held: None, holds: c.planned_holdings(node).unwrap(), last: None, snapshots: vec![] }
+}
+
 fn running(n: usize, experts: usize, slots: usize, t0: Instant) -> Controller {
     let loads = vec![(0..experts).map(|e| (e + 1) as f64).collect::<Vec<_>>(); 2];
     let plan = plan_model(&loads, ClusterShape::new(n, 1, slots).unwrap(), &PlanPolicy::trainer(n, None), None).unwrap();
@@ -160,13 +166,7 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     let out = beat(&mut c, t0 + 2 * SEC);
     assert_eq!(out, vec![Command::Pause { epoch: 0, nodes: vec![10, 11] }], "once");
     // Both ranks stop after the same step and say so; the move takes the joiner in.
-    let r = |c: &Controller, node| StopReport {
-        steps_done: 6,
-        held: None,
-        holds: c.planned_holdings(node).unwrap(),
-        last: None,
-        snapshots: vec![],
-    };
+    let r = |c: &Controller, node| stopped_at(6, c, node);
     let t = t0 + 2 * SEC;
     assert!(c.decide(t, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) }).is_empty());
     let out = c.decide(t, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
@@ -232,13 +232,7 @@ fn a_failure_takes_the_waiting_joiners_in_at_once() {
     let mut c = running(3, 4, 3, t0);
     c.decide(t0, Event::Joined { workers: vec![20] });
     c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport {
-        steps_done: 3,
-        held: None,
-        holds: c.planned_holdings(node).unwrap(),
-        last: None,
-        snapshots: vec![],
-    };
+    let r = |c: &Controller, node| stopped_at(3, c, node);
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
@@ -287,13 +281,7 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     assert_eq!((d.decision, d.step, d.horizon_steps), (RebalanceVerdict::Apply, 4, 4), "{d:?}");
     assert!(d.imbalance_after < d.imbalance_before && d.gain_s > d.cost_s && d.transfers > 0, "{d:?}");
     assert_eq!(nodes, &vec![10, 11, 12]);
-    let r = |c: &Controller, node| StopReport {
-        steps_done: 4,
-        held: None,
-        holds: c.planned_holdings(node).unwrap(),
-        last: None,
-        snapshots: vec![],
-    };
+    let r = |c: &Controller, node| stopped_at(4, c, node);
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -322,13 +310,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let [Command::Rebalance(d), Command::Pause { .. }] = &out[..] else { panic!("{out:?}") };
     assert_eq!((d.decision, d.layers.clone()), (RebalanceVerdict::Shrink, vec![0]), "{d:?}");
     assert!(d.gain_s - d.cost_s > d.full_gain_s - d.full_cost_s, "{d:?}");
-    let r = |c: &Controller, node| StopReport {
-        steps_done: 4,
-        held: None,
-        holds: c.planned_holdings(node).unwrap(),
-        last: None,
-        snapshots: vec![],
-    };
+    let r = |c: &Controller, node| stopped_at(4, c, node);
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -387,13 +369,7 @@ fn a_weighing_whose_job_moved_meanwhile_is_dropped() {
     let [Command::Weigh(request)] = &asked[..] else { panic!("{asked:?}") };
     // Node 12 dies; the survivors say where they stopped; the job moves to epoch 1.
     c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
-    let r = |c: &Controller, node| StopReport {
-        steps_done: 4,
-        held: None,
-        holds: c.planned_holdings(node).unwrap(),
-        last: None,
-        snapshots: vec![],
-    };
+    let r = |c: &Controller, node| stopped_at(4, c, node);
     c.decide(t0, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) });
     let out = c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     assert!(matches!(&out[..], [Command::Reconfigure(_)]), "{out:?}");
