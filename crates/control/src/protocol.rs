@@ -244,8 +244,9 @@ impl LauncherMessage {
 
 /// A move as its workers are told it: one message for every worker that has the same map
 /// (made once, and sent once to each node: at a thousand nodes of eight, a node loss's change
-/// of the map goes 1,024 times, not 8,192). Each worker finds its rank by its worker id and
-/// keeps the transfers it sends or receives ([`MoveOrder::for_worker`]).
+/// of the map goes 1,024 times, not 8,192). Its node's transfers come just before it
+/// ([`LauncherMessage::Transfers`], [`MoveOrder::with_transfers`]); each worker finds its rank by
+/// its worker id and keeps the transfers it sends or receives ([`MoveOrder::for_worker`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoveOrder {
     /// The new plan epoch.
