@@ -245,7 +245,7 @@ impl LauncherMessage {
 /// A move as its workers are told it: one message for every worker that has the same map
 /// (made once, and sent once to each node: at a thousand nodes of eight, a node loss's change
 /// of the map goes 1,024 times, not 8,192). Its node's transfers come just before it
-/// ([`LauncherMessage::Transfers`], [`MoveOrder::with_transfers`]); each worker finds its rank by
+/// ([`LauncherMessage::Transfers`], [`TransfersAhead`]); each worker finds its rank by
 /// its worker id and keeps the transfers it sends or receives ([`MoveOrder::for_worker`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoveOrder {
@@ -267,13 +267,33 @@ pub struct MoveOrder {
     pub hold: bool,
 }
 
-impl MoveOrder {
-    /// The order with a node's transfers of the same move added (those that came before it).
-    pub fn with_transfers(mut self, transfers: Vec<lazarus_plan::RankTransfer>) -> Self {
+/// A node's transfers of the next move ([`LauncherMessage::Transfers`]), kept by a worker until
+/// the order they belong to: several for one move add up; another move's start afresh.
+#[derive(Debug, Default)]
+pub struct TransfersAhead {
+    epoch: u64,
+    transfers: Vec<lazarus_plan::RankTransfer>,
+}
+
+impl TransfersAhead {
+    pub fn add(&mut self, epoch: u64, transfers: Vec<lazarus_plan::RankTransfer>) {
+        if epoch != self.epoch {
+            (self.epoch, self.transfers) = (epoch, Vec::new());
+        }
         self.transfers.extend(transfers);
-        self
     }
 
+    /// `order` with the transfers kept for its move added; nothing is kept after it.
+    pub fn complete(&mut self, mut order: MoveOrder) -> MoveOrder {
+        let kept = std::mem::take(&mut self.transfers);
+        if order.epoch == self.epoch {
+            order.transfers.extend(kept);
+        }
+        order
+    }
+}
+
+impl MoveOrder {
     /// What worker `id` does in this move: its rank, its transfers (`Err`: it is not in the
     /// move, or the order is malformed, said in words).
     pub fn for_worker(self, id: u64) -> Result<Reconfiguration<PlanUpdate>, String> {
@@ -554,8 +574,15 @@ mod tests {
         for (rank, &id) in whole.workers.iter().enumerate() {
             let part = by_node[&node_of_rank[rank]].clone();
             let line = serde_json::to_string(&LauncherMessage::Transfers { epoch: 8, transfers: part }).unwrap();
-            let LauncherMessage::Transfers { transfers: part, .. } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
-            assert_eq!(shared.clone().with_transfers(part).for_worker(id).unwrap(), whole.clone().for_worker(id).unwrap(), "rank {rank}");
+            let LauncherMessage::Transfers { epoch, transfers: part } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
+            // Another move's transfers before them are dropped; a part in two halves adds up.
+            let mut ahead = TransfersAhead::default();
+            ahead.add(7, vec![t(0, 0, 1)]);
+            let half = part.len() / 2;
+            ahead.add(epoch, part[..half].to_vec());
+            ahead.add(epoch, part[half..].to_vec());
+            assert_eq!(ahead.complete(shared.clone()).for_worker(id).unwrap(), whole.clone().for_worker(id).unwrap(), "rank {rank}");
+            assert!(ahead.complete(shared.clone()).transfers.is_empty(), "nothing kept after its order");
         }
         // A rank beyond the nodes named: its transfer goes to the node it names only.
         assert_eq!(transfers_by_node(&[t(0, 0, 9)], &node_of_rank), BTreeMap::from([(30, vec![t(0, 0, 9)])]));

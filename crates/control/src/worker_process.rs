@@ -537,27 +537,12 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
             }
         };
         // This node's transfers of the next move, sent just before its order.
-        let mut transfers: Option<(u64, Vec<lazarus_plan::RankTransfer>)> = None;
-        fn with_transfers(
-            to: crate::protocol::MoveOrder,
-            transfers: &mut Option<(u64, Vec<lazarus_plan::RankTransfer>)>,
-        ) -> crate::protocol::MoveOrder {
-            match transfers.take() {
-                Some((epoch, mine)) if epoch == to.epoch => to.with_transfers(mine),
-                _ => to,
-            }
-        }
+        let mut ahead = crate::protocol::TransfersAhead::default();
         let (to, rollback) = loop {
             match inbox.next(Duration::from_secs(3600))? {
-                LauncherMessage::Transfers { epoch, transfers: mine } => {
-                    // (Several for one move add up; another epoch's start afresh.)
-                    match &mut transfers {
-                        Some((e, have)) if *e == epoch => have.extend(mine),
-                        _ => transfers = Some((epoch, mine)),
-                    }
-                }
+                LauncherMessage::Transfers { epoch, transfers } => ahead.add(epoch, transfers),
                 LauncherMessage::Reconfigure { commit_to, to } => {
-                    let to = with_transfers(to, &mut transfers).for_worker(me).map_err(|e| ControlError::invalid("reconfiguration", e))?;
+                    let to = ahead.complete(to).for_worker(me).map_err(|e| ControlError::invalid("reconfiguration", e))?;
                     if to.joining.contains(&to.rank) {
                         // It takes the job's state in the move; nothing of its own to commit.
                         break (to, None);
@@ -579,10 +564,7 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
                     break (to, None);
                 }
                 LauncherMessage::Rollback { to_step, to } => {
-                    break (
-                        with_transfers(to, &mut transfers).for_worker(me).map_err(|e| ControlError::invalid("rollback", e))?,
-                        Some(to_step),
-                    )
+                    break (ahead.complete(to).for_worker(me).map_err(|e| ControlError::invalid("rollback", e))?, Some(to_step))
                 }
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.

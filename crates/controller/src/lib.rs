@@ -412,12 +412,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     /// The node worker `worker` belongs to (`u64::MAX`: a worker never heard of).
-    pub fn node_of(&self, worker: NodeId) -> u64 {
-        self.node(worker)
-    }
-
-    /// The node worker `worker` belongs to.
-    fn node(&self, worker: NodeId) -> u64 {
+    pub fn node(&self, worker: NodeId) -> u64 {
         self.node_of.get(&worker).copied().unwrap_or(u64::MAX)
     }
 

@@ -90,14 +90,14 @@ pub(crate) fn drive(
             wait = Duration::from_millis(1);
         }
         let verdict = if weighing { weighed_rx.try_recv().ok() } else { None };
-        let event = match crate::stop_signal::requested() {
-            _ if verdict.is_some() => {
+        let event = match (verdict, crate::stop_signal::requested()) {
+            (Some(verdict), _) => {
                 weighing = false;
-                Event::Weighed(verdict.expect("checked"))
+                Event::Weighed(verdict)
             }
             // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
             // checkpoint (a second signal ends the process at once).
-            Some((_, name)) if !shell.stop_told => {
+            (None, Some((_, name))) if !shell.stop_told => {
                 shell.stop_told = true;
                 tracing::warn!(
                     "{name}: every worker stops after the step in flight and writes the final checkpoint (again to stop at once)"
@@ -227,7 +227,8 @@ pub(crate) fn drive(
                     if let Some(r) = &mut shell.recovering {
                         r.step = to_step.unwrap_or(0);
                     }
-                    // The controller's rollback moves carry no transfers, joiners or leavers.
+                    // (The controller's rollback moves carry no transfers, joiners or leavers:
+                    // nothing goes ahead of the order unless one ever does.)
                     send_transfers(fleet, &ctl, &m);
                     for (plan, nodes) in shell.plan_groups(&m) {
                         let _ = fleet.send_many(&nodes, &LauncherMessage::Rollback { to_step, to: move_order(&m, plan) });
@@ -319,7 +320,7 @@ fn move_order(m: &crate::controller::Move, plan: PlanUpdate) -> MoveOrder {
 /// nodes share: a rebalance among a thousand nodes moves hundreds of thousands of expert states,
 /// which every agent would otherwise be sent whole.
 fn send_transfers(fleet: &mut dyn Fleet, ctl: &Controller, m: &crate::controller::Move) {
-    let node_of_rank: Vec<u64> = m.ranks.iter().map(|&w| ctl.node_of(w)).collect();
+    let node_of_rank: Vec<u64> = m.ranks.iter().map(|&w| ctl.node(w)).collect();
     let mut workers_of: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     for (&w, &node) in m.ranks.iter().zip(&node_of_rank) {
         workers_of.entry(node).or_default().push(w as usize);
