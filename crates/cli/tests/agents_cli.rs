@@ -858,8 +858,11 @@ fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
     let taken_in = taken_in.unwrap_or_else(|| panic!("the newcomer is taken in: {reconf:?}\n{said}"));
     assert_eq!(taken_in["workers"].as_u64(), Some(6), "{taken_in}");
     assert!(status.is_some_and(|s| s.success()), "{said}");
-    // (Its workers were started, standing by, or not yet, when the controller was lost.)
-    assert!(said.contains("attaching again as a newcomer") || said.contains("taken back by the controller"), "{said}");
+    // (Its workers were started, standing by, or not yet, when the controller was lost — or its
+    // own attach was not through yet, the controller's welcome never reaching it: then its one
+    // attach is to the new controller.)
+    let attached = said.matches("attached to job").count();
+    assert!(said.contains("attaching again as a newcomer") || said.contains("taken back by the controller") || attached == 1, "{said}");
     for (child, lines) in &mut agents[..2] {
         let _ = exit_within(child, lines, Duration::from_secs(30));
     }
