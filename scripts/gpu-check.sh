@@ -5,7 +5,7 @@
 # checkpoints, GPU workers with real processes and signals), then the benchmarks side by side with
 # PyTorch eager at the default and the 555 M-parameter shape in f32 and bf16 (with where a step's
 # time goes), each switch against its "before" (GemmEx for every product, the memory pool trimmed),
-# workers sharing the GPU at both shapes, and recovery.
+# workers sharing the GPU at both shapes, recovery, and Mixtral's blocks at both shapes.
 #
 #   scripts/gpu-prepare.sh                 # here: builds .gpu/ (no GPU needed)
 #   scripts/gpu-check.sh .gpu OUT [BUDGET] # there: OUT gets the logs; BUDGET seconds (default 380)
@@ -161,7 +161,10 @@ for check in ${ORDER:-bench-large bench-default tests-model tests-training tests
                  bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile ;;
     bench-default) bench default-f32 60 "" --profile
                    bench default-bf16 60 "" --dtype bf16 --profile ;;
-    bench-mixtral) bench default-mixtral-f32 60 "" --arch mixtral --profile ;;
+    # Mixtral's blocks (RMSNorm, rotary positions, SwiGLU experts without biases) on the GPU ops.
+    bench-mixtral) bench default-mixtral-f32 60 "" --arch mixtral --profile
+                   bench default-mixtral-bf16 60 "" --arch mixtral --dtype bf16 --profile
+                   bench large-mixtral-bf16 120 "" $large --arch mixtral --iters 5 --dtype bf16 --profile ;;
     tests-model) run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt ;;
     tests-training) run_tests training 60 model-training --test-threads 1 gpu ;;
     tests-workers) run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1 ;;

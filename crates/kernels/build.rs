@@ -13,6 +13,7 @@ fn main() {
         "cuda/attention_mma.cuh",
         "cuda/elementwise.cuh",
         "cuda/norm.cuh",
+        "cuda/rope.cuh",
         "cuda/rows.cuh",
     ] {
         println!("cargo:rerun-if-changed={f}");

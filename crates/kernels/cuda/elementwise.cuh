@@ -1,6 +1,6 @@
-// Elementwise kernels: GELU and its derivative, the expert FFNs' bias adds fused with GELU, casts,
-// AdamW and the sums of squares of the gradient norm — what candle's ops would do in several
-// launches per tensor, in one.
+// Elementwise kernels: GELU and SwiGLU with their derivatives, the expert FFNs' bias adds fused
+// with the activation, casts, AdamW and the sums of squares of the gradient norm — what candle's
+// ops would do in several launches per tensor, in one.
 #pragma once
 #include "common.cuh"
 
@@ -43,7 +43,8 @@ __device__ __forceinline__ u32 segment_of(const u32* seg, u32 groups, u64 r) {
 
 // The first layer's epilogue of grouped FFNs over rows of f, a block per row: pre = h + b[e]
 // (written over h, kept for the backward) and act = gelu(pre), e the row's segment (found once
-// per row); `bias` holds each segment's bias address.
+// per row); `bias` holds each segment's bias address (null: no bias, as in a model without FFN
+// biases).
 template <class T, class Tb>
 __device__ void bias_gelu_fwd(T* h, T* act, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 f) {
     typedef typename AccOf<T>::type A;
@@ -54,7 +55,7 @@ __device__ void bias_gelu_fwd(T* h, T* act, const u64* bias, const u32* seg, u32
         for (u32 c = threadIdx.x; c < f; c += blockDim.x) {
             // The activation is taken of the stored (rounded) pre-activation: the backward's
             // derivative is of the same value.
-            const T pre = from_acc<T>((A)to_acc(hr[c]) + (A)to_acc(b[c]));
+            const T pre = from_acc<T>((A)to_acc(hr[c]) + (b ? (A)to_acc(b[c]) : (A)0));
             hr[c] = pre;
             ar[c] = from_acc<T>(gelu_of((A)to_acc(pre)));
         }
@@ -68,12 +69,67 @@ __device__ void gelu_bwd_inplace(const T* pre, T* g, u64 n) {
     FOR_EACH(i, n) g[i] = from_acc<T>((A)to_acc(g[i]) * gelu_grad_of((A)to_acc(pre[i])));
 }
 
-// y ← y + b[e] over rows of d, e the row's segment; a block per row.
+// SwiGLU (Shazeer 2020), the activation of Mixtral's experts: a hidden row h = [gate | up] of
+// 2f values gives a = SiLU(gate) ⊙ up, SiLU(x) = x·σ(x); the backward from ga writes
+// d gate = ga ⊙ up ⊙ SiLU'(gate), d up = ga ⊙ SiLU(gate), SiLU'(x) = σ(x)·(1 + x·(1 − σ(x))).
+// The CPU kernels' formulas (swiglu.rs).
+template <class A>
+__device__ __forceinline__ A sigmoid_of(A v) {
+    return (A)1 / ((A)1 + exp_acc(-v));
+}
+
+// a [rows, f] from h [rows, 2f], one thread per output.
+template <class T>
+__device__ void swiglu_fwd(const T* h, T* a, u64 rows, u32 f) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, rows * f) {
+        const u64 r = i / f, c = i % f;
+        const A g = (A)to_acc(h[r * 2 * f + c]), u = (A)to_acc(h[r * 2 * f + f + c]);
+        a[i] = from_acc<T>(g * sigmoid_of(g) * u);
+    }
+}
+
+// The first layer's epilogue of grouped SwiGLU FFNs over rows of 2f, a block per row: pre = h +
+// b[e] (written over h, kept for the backward) and act = SiLU(gate) ⊙ up of the stored (rounded)
+// pre-activation, e the row's segment (a null bias: none); each thread owns a column pair (c, f + c).
+template <class T, class Tb>
+__device__ void bias_swiglu_fwd(T* h, T* act, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 f) {
+    typedef typename AccOf<T>::type A;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
+        T* hr = h + r * 2 * f;
+        T* ar = act + r * f;
+        for (u32 c = threadIdx.x; c < f; c += blockDim.x) {
+            const T gate = from_acc<T>((A)to_acc(hr[c]) + (b ? (A)to_acc(b[c]) : (A)0));
+            const T up = from_acc<T>((A)to_acc(hr[f + c]) + (b ? (A)to_acc(b[f + c]) : (A)0));
+            hr[c] = gate;
+            hr[f + c] = up;
+            const A g = (A)to_acc(gate);
+            ar[c] = from_acc<T>(g * sigmoid_of(g) * (A)to_acc(up));
+        }
+    }
+}
+
+// gh [rows, 2f] from ga [rows, f] and the pre-activation h [rows, 2f], one thread per column pair.
+template <class T>
+__device__ void swiglu_bwd(const T* h, const T* ga, T* gh, u64 rows, u32 f) {
+    typedef typename AccOf<T>::type A;
+    FOR_EACH(i, rows * f) {
+        const u64 r = i / f, c = i % f;
+        const A x = (A)to_acc(h[r * 2 * f + c]), u = (A)to_acc(h[r * 2 * f + f + c]), g = (A)to_acc(ga[i]);
+        const A s = sigmoid_of(x);
+        gh[r * 2 * f + c] = from_acc<T>(g * u * (s * ((A)1 + x * ((A)1 - s))));
+        gh[r * 2 * f + f + c] = from_acc<T>(g * x * s);
+    }
+}
+
+// y ← y + b[e] over rows of d, e the row's segment (a null bias: y unchanged); a block per row.
 template <class T, class Tb>
 __device__ void bias_add_rows(T* y, const u64* bias, const u32* seg, u32 groups, u64 rows, u32 d) {
     typedef typename AccOf<T>::type A;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const Tb* b = (const Tb*)bias[segment_of(seg, groups, r)];
+        if (!b) continue;  // the same in every thread of the block
         T* yr = y + r * d;
         for (u32 c = threadIdx.x; c < d; c += blockDim.x) yr[c] = from_acc<T>((A)to_acc(yr[c]) + (A)to_acc(b[c]));
     }
@@ -169,6 +225,22 @@ GELU_KERNELS(bf16, bf16)
 BIAS_KERNELS(f32, float, float)
 BIAS_KERNELS(f64, double, double)
 BIAS_KERNELS(bf16, bf16, float)
+
+#define SWIGLU_KERNELS(SUF, T, TB)                                                                                        \
+    extern "C" __global__ void lazarus_swiglu_fwd_##SUF(const T* h, T* a, u64 rows, u32 f) { swiglu_fwd<T>(h, a, rows, f); } \
+    EMU_REGISTER(lazarus_swiglu_fwd_##SUF)                                                                                \
+    extern "C" __global__ void lazarus_swiglu_bwd_##SUF(const T* h, const T* ga, T* gh, u64 rows, u32 f) {               \
+        swiglu_bwd<T>(h, ga, gh, rows, f);                                                                                \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_swiglu_bwd_##SUF)                                                                                \
+    extern "C" __global__ void lazarus_bias_swiglu_fwd_##SUF(T* h, T* act, const u64* bias, const u32* seg, u32 groups,  \
+                                                             u64 rows, u32 f) {                                          \
+        bias_swiglu_fwd<T, TB>(h, act, bias, seg, groups, rows, f);                                                      \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_bias_swiglu_fwd_##SUF)
+SWIGLU_KERNELS(f32, float, float)
+SWIGLU_KERNELS(f64, double, double)
+SWIGLU_KERNELS(bf16, bf16, float)
 
 #define CAST_KERNEL(SUF, TIN, TOUT)                                                                            \
     extern "C" __global__ void lazarus_cast_##SUF(const TIN* x, TOUT* y, u64 n) { cast_map<TIN, TOUT>(x, y, n); } \

@@ -6,4 +6,5 @@
 #include "attention_mma.cuh"
 #include "elementwise.cuh"
 #include "norm.cuh"
+#include "rope.cuh"
 #include "rows.cuh"

@@ -1,4 +1,4 @@
-// LayerNorm, softmax and the softmax cross-entropy: one block per row, the row's statistics in the
+// LayerNorm, RMSNorm, softmax and the softmax cross-entropy: one block per row, the row's statistics in the
 // accumulator type (f32 for f32 and bf16, f64 for f64) by block sums in a fixed order.
 //
 // Parameter gradients summed over rows (LayerNorm's weight and bias, a bias's gradient) go in two
@@ -90,6 +90,69 @@ __device__ void gamma_beta_partials(const Tin* x, const Tg* g, const typename Ac
         }
         partial[(u64)blockIdx.y * d + c] = aw;
         partial[((u64)gridDim.y + blockIdx.y) * d + c] = ab;
+    }
+}
+
+// RMSNorm (Zhang & Sennrich 2019; Llama's and Mixtral's norm): y = x · rstd · w with
+// rstd = 1/√(mean(x²) + eps) over rows of d, rstd of every row saved for the backward. The CPU
+// kernel's formula (rms_norm.rs). One block per row (grid-stride).
+template <class Tin, class Tw, class Tout>
+__device__ void rms_norm_fwd(const Tin* x, const Tw* w, Tout* y, typename AccOf<Tw>::type* rstd_out, u64 rows, u32 d,
+                             double eps) {
+    typedef typename AccOf<Tw>::type A;
+    __shared__ A scratch[32];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const Tin* xr = x + r * d;
+        A q = 0;
+        for (u32 c = threadIdx.x; c < d; c += blockDim.x) {
+            const A v = (A)to_acc(xr[c]);
+            q += v * v;
+        }
+        const A rstd = (A)1 / sqrt_acc(block_sum(q, scratch) / (A)d + (A)eps);
+        for (u32 c = threadIdx.x; c < d; c += blockDim.x) y[r * d + c] = from_acc<Tout>((A)to_acc(xr[c]) * rstd * (A)to_acc(w[c]));
+        if (threadIdx.x == 0) rstd_out[r] = rstd;
+    }
+}
+
+// dx = rstd · (g·w − x̂ · mean(g·w·x̂)), x̂ = x · rstd, for each row (g: Tg, the output's gradient;
+// dx: Tin). The weight's gradient goes through rms_weight_partials.
+template <class Tin, class Tw, class Tg>
+__device__ void rms_norm_bwd(const Tin* x, const Tw* w, const Tg* g, const typename AccOf<Tw>::type* rstd_in, Tin* dx, u64 rows,
+                             u32 d) {
+    typedef typename AccOf<Tw>::type A;
+    __shared__ A scratch[32];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const A rstd = rstd_in[r];
+        A m = 0;
+        for (u32 c = threadIdx.x; c < d; c += blockDim.x) {
+            m += (A)to_acc(g[r * d + c]) * (A)to_acc(w[c]) * (A)to_acc(x[r * d + c]) * rstd;
+        }
+        m = block_sum(m, scratch) / (A)d;
+        for (u32 c = threadIdx.x; c < d; c += blockDim.x) {
+            const A xhat = (A)to_acc(x[r * d + c]) * rstd;
+            dx[r * d + c] = from_acc<Tin>(rstd * ((A)to_acc(g[r * d + c]) * (A)to_acc(w[c]) - xhat * m));
+        }
+    }
+}
+
+// Per part p of the rows (blockIdx.y, `part` rows each) and column c: Σ g·x̂ into partial[p][c]
+// (blockDim = (32, 8); columns along x); column_totals adds the parts in order.
+template <class Tin, class Tw, class Tg>
+__device__ void rms_weight_partials(const Tin* x, const Tg* g, const typename AccOf<Tw>::type* rstd_in,
+                                    typename AccOf<Tw>::type* partial, u64 rows, u32 d, u32 part) {
+    typedef typename AccOf<Tw>::type A;
+    __shared__ A sw[8][33];
+    const u32 c = blockIdx.x * 32 + threadIdx.x;
+    const u64 lo = (u64)blockIdx.y * part, hi = lo + part < rows ? lo + part : rows;
+    A aw = 0;
+    if (c < d) {
+        for (u64 r = lo + threadIdx.y; r < hi; r += 8) aw += (A)to_acc(g[r * d + c]) * (A)to_acc(x[r * d + c]) * rstd_in[r];
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < d) {
+        for (u32 k = 1; k < 8; ++k) aw += sw[k][threadIdx.x];
+        partial[(u64)blockIdx.y * d + c] = aw;
     }
 }
 
@@ -239,6 +302,27 @@ __device__ void cross_entropy_bwd(const T* x, const u32* targets, const typename
 NORM_KERNELS(f32, float, float, float)
 NORM_KERNELS(f64, double, double, double)
 NORM_KERNELS(f32_bf16, float, float, bf16)
+
+#define RMS_KERNELS(SUF, TIN, TW, TOUT)                                                                                   \
+    extern "C" __global__ void lazarus_rms_norm_fwd_##SUF(const TIN* x, const TW* w, TOUT* y, AccOf<TW>::type* rstd,     \
+                                                          u64 rows, u32 d, double eps) {                                 \
+        rms_norm_fwd<TIN, TW, TOUT>(x, w, y, rstd, rows, d, eps);                                                          \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_rms_norm_fwd_##SUF)                                                                              \
+    extern "C" __global__ void lazarus_rms_norm_bwd_##SUF(const TIN* x, const TW* w, const TOUT* g,                     \
+                                                          const AccOf<TW>::type* rstd, TIN* dx, u64 rows, u32 d) {       \
+        rms_norm_bwd<TIN, TW, TOUT>(x, w, g, rstd, dx, rows, d);                                                           \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_rms_norm_bwd_##SUF)                                                                              \
+    extern "C" __global__ void lazarus_rms_weight_partials_##SUF(const TIN* x, const TOUT* g, const AccOf<TW>::type* rstd, \
+                                                                 AccOf<TW>::type* partial, u64 rows, u32 d, u32 part) {   \
+        rms_weight_partials<TIN, TW, TOUT>(x, g, rstd, partial, rows, d, part);                                            \
+    }                                                                                                                     \
+    EMU_REGISTER(lazarus_rms_weight_partials_##SUF)
+// RMSNorm: the same three type combinations as LayerNorm.
+RMS_KERNELS(f32, float, float, float)
+RMS_KERNELS(f64, double, double, double)
+RMS_KERNELS(f32_bf16, float, float, bf16)
 
 #define COLUMN_KERNELS(SUF, T, A)                                                                                          \
     extern "C" __global__ void lazarus_column_partials_##SUF(const T* m, const u32* segments, A* partial, u64 rows, u32 d, \

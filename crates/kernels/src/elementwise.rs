@@ -1,5 +1,5 @@
-//! Launches of the elementwise kernels (`cuda/elementwise.cuh`): GELU, the grouped FFNs' bias
-//! epilogues, casts, AdamW and the sums of squares.
+//! Launches of the elementwise kernels (`cuda/elementwise.cuh`): GELU, SwiGLU, the grouped FFNs'
+//! bias epilogues, casts, AdamW and the sums of squares.
 
 use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
 
@@ -41,11 +41,40 @@ fn segments_arg(segments: u64, groups: usize) -> Result<u32, KernelError> {
     size_u32(FAMILY, "groups", groups)
 }
 
-/// Over rows of f grouped in `groups` segments (`segments`: groups + 1 row offsets on the device,
-/// the device array `bias` holding each group's bias address, of the accumulator type of `dt`):
-/// h ← h + b[group] (kept for the backward) and act = gelu(h).
+/// An expert FFN's activation, between its two products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// GELU (tanh form) of the f hidden units.
+    Gelu,
+    /// SwiGLU (Mixtral's): the first product gives 2f units [gate | up], the activation
+    /// SiLU(gate) ⊙ up gives f.
+    Swiglu,
+}
+
+impl Activation {
+    /// Columns of the first product for f hidden units.
+    pub fn first_width(self, f: usize) -> usize {
+        match self {
+            Activation::Gelu => f,
+            Activation::Swiglu => 2 * f,
+        }
+    }
+}
+
+/// f as a kernel argument, where the kernel indexes rows of the first product's width (checked
+/// to fit its u32 too).
+fn hidden_width(activation: Activation, f: usize) -> Result<u32, KernelError> {
+    size_u32(FAMILY, "width", activation.first_width(f))?;
+    size_u32(FAMILY, "width", f)
+}
+
+/// Over rows of the first product (its [`Activation::first_width`] of f columns) grouped in
+/// `groups` segments (`segments`: groups + 1 row offsets on the device, the device array `bias`
+/// holding each group's bias address, of the accumulator type of `dt`): h ← h + b[group] (kept
+/// for the backward) and act [rows, f] = the activation of h.
 #[allow(clippy::too_many_arguments)]
-pub fn bias_gelu_fwd(
+pub fn bias_activation_fwd(
+    activation: Activation,
     dt: Dtype,
     h: u64,
     act: u64,
@@ -55,10 +84,15 @@ pub fn bias_gelu_fwd(
     rows: usize,
     f: usize,
 ) -> Result<Launch, KernelError> {
+    let kernel = match activation {
+        Activation::Gelu => "bias_gelu_fwd",
+        Activation::Swiglu => "bias_swiglu_fwd",
+    };
+    let f_arg = hidden_width(activation, f)?;
     Ok(launch(
-        format!("lazarus_bias_gelu_fwd_{}", bias_suffix(dt)),
+        format!("lazarus_{kernel}_{}", bias_suffix(dt)),
         [row_blocks(rows as u64), 1, 1],
-        [row_threads(size_u32(FAMILY, "width", f)?), 1, 1],
+        [row_threads(f_arg), 1, 1],
         vec![
             Arg::Ptr(h),
             Arg::Ptr(act),
@@ -66,12 +100,32 @@ pub fn bias_gelu_fwd(
             Arg::Ptr(segments),
             Arg::U32(segments_arg(segments, groups)?),
             Arg::U64(rows as u64),
-            Arg::U32(size_u32(FAMILY, "width", f)?),
+            Arg::U32(f_arg),
         ],
     ))
 }
 
-/// y ← y + b[group] over rows of d grouped as for [`bias_gelu_fwd`].
+/// a [rows, f] = SiLU(gate) ⊙ up from h [rows, 2f] = [gate | up].
+pub fn swiglu(dt: Dtype, h: u64, a: u64, rows: usize, f: usize) -> Result<Launch, KernelError> {
+    Ok(launch(
+        format!("lazarus_swiglu_fwd_{}", dt.suffix()),
+        [blocks_for((rows * f) as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(h), Arg::Ptr(a), Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)],
+    ))
+}
+
+/// SwiGLU's backward: gh [rows, 2f] from ga [rows, f] and the pre-activation h [rows, 2f].
+pub fn swiglu_bwd(dt: Dtype, h: u64, ga: u64, gh: u64, rows: usize, f: usize) -> Result<Launch, KernelError> {
+    Ok(launch(
+        format!("lazarus_swiglu_bwd_{}", dt.suffix()),
+        [blocks_for((rows * f) as u64), 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(h), Arg::Ptr(ga), Arg::Ptr(gh), Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)],
+    ))
+}
+
+/// y ← y + b[group] over rows of d grouped as for [`bias_activation_fwd`].
 #[allow(clippy::too_many_arguments)]
 pub fn bias_add_rows(dt: Dtype, y: u64, bias: u64, segments: u64, groups: usize, rows: usize, d: usize) -> Result<Launch, KernelError> {
     Ok(launch(

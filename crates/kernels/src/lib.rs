@@ -8,8 +8,8 @@
 //! missing barrier or a launch that does not fit its kernel fails there rather than on a GPU.
 //!
 //! What a launch is — kernel name, grid, block, shared memory, the argument list — is built here
-//! once, as a [`Launch`] value, by one function per kernel family (`attention`, `norm`, `rows`,
-//! `elementwise`), from device addresses and sizes. An op — a layer's forward or backward: its
+//! once, as a [`Launch`] value, by one function per kernel family (`attention`, `norm`, `rope`,
+//! `rows`, `elementwise`), from device addresses and sizes. An op — a layer's forward or backward: its
 //! buffers, its launches, its matrix products — is built once too ([`ops`]), over a [`Device`]:
 //! the emulator here, candle's CUDA device (and cuBLAS) in `lazarus-model`. The two run the same
 //! code, so the emulated tests check the buffer sizes, the launch arithmetic and the argument
@@ -23,18 +23,20 @@ mod elementwise;
 pub mod emulator;
 mod norm;
 pub mod ops;
+mod rope;
 mod rows;
 
 pub use attention::{attention_bwd, attention_fwd, attention_supported, AttentionKernels, ATTENTION_MAX_HEAD_DIM};
 pub use device::{Device, Elem, Gemm};
 pub use elementwise::{
-    adamw, bias_add_rows, bias_gelu_fwd, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts, sum_squares_parts,
-    AdamWScalars, SQUARES_PART,
+    adamw, bias_activation_fwd, bias_add_rows, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts, sum_squares_parts,
+    swiglu, swiglu_bwd, Activation, AdamWScalars, SQUARES_PART,
 };
 pub use norm::{
     column_sums, column_sums_workspace, cross_entropy_bwd, cross_entropy_fwd, layer_norm_bwd, layer_norm_bwd_workspace, layer_norm_fwd,
-    softmax_bwd, softmax_fwd,
+    rms_norm_bwd, rms_norm_bwd_workspace, rms_norm_fwd, softmax_bwd, softmax_fwd,
 };
+pub use rope::{rope, rope_tables};
 pub use rows::{combine_rows_bwd, embed_fwd, gather_rows, lists_by_key, sum_listed_rows, RowLists};
 
 /// The PTX module of every kernel (a `cuda` build), loaded once per device under [`MODULE`].

@@ -1,4 +1,4 @@
-//! Launches of the row-statistics kernels (`cuda/norm.cuh`): LayerNorm, softmax, cross-entropy,
+//! Launches of the row-statistics kernels (`cuda/norm.cuh`): LayerNorm, RMSNorm, softmax, cross-entropy,
 //! and the column sums that reduce a parameter's gradient over rows in a fixed order.
 
 use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
@@ -10,14 +10,14 @@ fn parts_for(rows: usize) -> usize {
     rows.div_ceil(64).clamp(1, 64)
 }
 
-/// The suffix of the LayerNorm kernels for input `x` (and weights, of the same type) and output
+/// The suffix of the LayerNorm and RMSNorm kernels for input `x` (and weights, of the same type) and output
 /// `y`: (f32, f32), (f64, f64), or (f32, bf16) for a bf16 matrix product next.
 fn norm_suffix(x: Dtype, y: Dtype) -> Result<&'static str, KernelError> {
     match (x, y) {
         (Dtype::F32, Dtype::F32) => Ok("f32"),
         (Dtype::F64, Dtype::F64) => Ok("f64"),
         (Dtype::F32, Dtype::Bf16) => Ok("f32_bf16"),
-        _ => Err(KernelError::Types { family: FAMILY, what: format!("a LayerNorm from {x:?} to {y:?}") }),
+        _ => Err(KernelError::Types { family: FAMILY, what: format!("a norm from {x:?} to {y:?}") }),
     }
 }
 
@@ -112,6 +112,86 @@ pub fn layer_norm_bwd(
             [blocks_for(2 * d as u64), 1, 1],
             [THREADS, 1, 1],
             vec![Arg::Ptr(workspace), Arg::Ptr(dwdb), Arg::U32(2), Arg::U32(parts as u32), Arg::U32(d32)],
+        ),
+    ])
+}
+
+/// y = x · rstd · w over rows of d (RMSNorm, rstd = 1/√(mean(x²) + eps)); rstd of each row (x's
+/// accumulator type, `rows` of them) kept for the backward. Types as [`layer_norm_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_fwd(
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    y: u64,
+    rstd: u64,
+    rows: usize,
+    d: usize,
+    eps: f64,
+) -> Result<Launch, KernelError> {
+    let suffix = norm_suffix(x_dt, y_dt)?;
+    let d32 = size_u32(FAMILY, "width", d)?;
+    Ok(launch(
+        format!("lazarus_rms_norm_fwd_{suffix}"),
+        [row_blocks(rows as u64), 1, 1],
+        [row_threads(d32), 1, 1],
+        vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::Ptr(rstd), Arg::U64(rows as u64), Arg::U32(d32), Arg::F64(eps)],
+    ))
+}
+
+/// Elements (x's accumulator type) of the workspace [`rms_norm_bwd`] needs.
+pub fn rms_norm_bwd_workspace(rows: usize, d: usize) -> usize {
+    parts_for(rows) * d
+}
+
+/// RMSNorm's backward from g (the output's gradient, of `y_dt`): dx (x's type) and the weight's
+/// gradient into `dw` (d elements of x's type), through `workspace` ([`rms_norm_bwd_workspace`]
+/// elements).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bwd(
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    g: u64,
+    rstd: u64,
+    dx: u64,
+    workspace: u64,
+    dw: u64,
+    rows: usize,
+    d: usize,
+) -> Result<Vec<Launch>, KernelError> {
+    let suffix = norm_suffix(x_dt, y_dt)?;
+    let d32 = size_u32(FAMILY, "width", d)?;
+    let parts = parts_for(rows);
+    let part = rows.div_ceil(parts).max(1);
+    Ok(vec![
+        launch(
+            format!("lazarus_rms_norm_bwd_{suffix}"),
+            [row_blocks(rows as u64), 1, 1],
+            [row_threads(d32), 1, 1],
+            vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
+        ),
+        launch(
+            format!("lazarus_rms_weight_partials_{suffix}"),
+            [d32.div_ceil(32).max(1), parts as u32, 1],
+            [32, 8, 1],
+            vec![
+                Arg::Ptr(x),
+                Arg::Ptr(g),
+                Arg::Ptr(rstd),
+                Arg::Ptr(workspace),
+                Arg::U64(rows as u64),
+                Arg::U32(d32),
+                Arg::U32(size_u32(FAMILY, "part", part)?),
+            ],
+        ),
+        launch(
+            format!("lazarus_column_totals_{}", x_dt.suffix()),
+            [blocks_for(d as u64), 1, 1],
+            [THREADS, 1, 1],
+            vec![Arg::Ptr(workspace), Arg::Ptr(dw), Arg::U32(1), Arg::U32(parts as u32), Arg::U32(d32)],
         ),
     ])
 }

@@ -212,17 +212,6 @@ impl ModelConfig {
         }
     }
 
-    /// Whether the blocks are the paper's GPT-style ones (what the GPU layers implement; other
-    /// options run candle's composite ops there).
-    pub fn classic_blocks(&self) -> bool {
-        self.norm == NormKind::Layer
-            && self.positions == Positions::Learned
-            && self.expert_act == Activation::Gelu
-            && self.attn_bias
-            && self.ffn_bias
-            && self.shared_experts == 0
-    }
-
     /// The block options in a few words, for the start of a run: "GPT blocks", or the options
     /// that differ from them ("RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert").
     pub fn describe_blocks(&self) -> String {

@@ -67,7 +67,7 @@ impl Norm {
     fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
         Ok(match &self.b {
             Some(b) => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS, out)?,
-            None => crate::ops::rms_norm(x, self.w.as_tensor(), NORM_EPS)?.to_dtype(out)?,
+            None => crate::ops::rms_norm_to(x, self.w.as_tensor(), NORM_EPS, out)?,
         })
     }
 }
@@ -100,6 +100,18 @@ impl Ffn {
     pub fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let [w1, b1, w2, b2] = self.weights_in(compute)?;
         Ok(crate::ops::expert_ffn(&x.to_dtype(compute)?, &w1, &b1, &w2, &b2, self.act)?.to_dtype(x.dtype())?)
+    }
+
+    /// [`Ffn::forward`] on the GPU path: h in the products' type (the norm wrote it), each
+    /// product reading its weight's working copy where it has one, the activation our kernel, the
+    /// result in `out` (the residual stream's type). No cast node.
+    fn forward_gpu(&self, model: &MoeModel, h: &Tensor, out: DType) -> Result<Tensor> {
+        let hidden = model.linear(&self.fc1, h, h.dtype())?;
+        let a = match self.act {
+            Activation::Gelu => crate::ops::gelu(&hidden)?,
+            Activation::Swiglu => crate::ops::cuda_swiglu(&hidden)?,
+        };
+        model.linear(&self.fc2, &a, out)
     }
 
     /// The parameters, in [`MoeModel::expert_param_names`] order (no biases when it has none).
@@ -306,21 +318,21 @@ impl MoeLayer {
         let out = if all_tokens.is_empty() {
             Tensor::zeros((n, d), stream, h.device())?
         } else {
-            // The GPU layers run only the classic blocks (with biases): see `MoeModel::gpu`.
-            let params: Vec<[Var; 4]> = self
-                .experts
-                .iter()
-                .map(|x| x.vars().try_into().map_err(|_| ModelError::config("expert", "without biases", "not on the GPU layers")))
-                .collect::<Result<_>>()?;
-            let masters: Vec<[&Tensor; 4]> =
-                params.iter().map(|p| [p[0].as_tensor(), p[1].as_tensor(), p[2].as_tensor(), p[3].as_tensor()]).collect();
+            // Each expert's parameters, [W1, b1, W2, b2] or [W1, W2] without FFN biases.
+            let params: Vec<Vec<Var>> = self.experts.iter().map(Ffn::vars).collect();
+            let tensors: Vec<Vec<&Tensor>> = params.iter().map(|p| p.iter().map(|v| v.as_tensor()).collect()).collect();
+            let masters: Vec<&[&Tensor]> = tensors.iter().map(Vec::as_slice).collect();
             let copies: Option<Vec<[Tensor; 2]>> =
-                params.iter().map(|p| Some([model.copy_of(&p[0])?.clone(), model.copy_of(&p[2])?.clone()])).collect();
+                params.iter().map(|p| Some([model.copy_of(&p[0])?.clone(), model.copy_of(&p[p.len() / 2])?.clone()])).collect();
             let rows = crate::ops::gather_rows(h, &all_tokens)?;
-            let y = crate::ops::cuda::grouped_expert_ffn_to_sink(&rows, &masters, copies.as_deref(), &counts, expert_grads)?;
+            let y = crate::ops::cuda::grouped_expert_ffn_to_sink(&rows, &masters, copies.as_deref(), &counts, self.act, expert_grads)?;
             // Each row's weight read through its slot: no index_select, whose backward on a GPU is
             // candle's index_add (one thread over every row).
             crate::ops::cuda::combine_rows_to(&y, &w, Some(&all_slots), &all_tokens, n, stream)?
+        };
+        let out = match &self.shared {
+            Some(shared) => crate::ops::residual_add(&out, &shared.forward_gpu(model, h, stream)?)?,
+            None => out,
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
         Ok((out, aux, r.into_stats()))
@@ -457,9 +469,7 @@ impl MoeModel {
             device: device.clone(),
             dtype,
             compute: dtype,
-            // The GPU layers implement the classic blocks; other options run candle's composite
-            // ops there.
-            gpu: gpu_kernels(device) && config.classic_blocks(),
+            gpu: gpu_kernels(device),
             working: Vec::new(),
         })
     }
@@ -545,8 +555,9 @@ impl MoeModel {
         let tok = self.tok_emb.as_tensor();
         let on_cores = tok.device().is_cpu() && matches!(tok.dtype(), DType::F32 | DType::F64);
         let Some(pos) = &self.pos_emb else {
-            // Rotary positions: the attention turns q and k; the embedding is the token's row.
-            if on_cores {
+            // Rotary positions: the attention turns q and k; the embedding is the token's row
+            // (gathered by our kernels, on the cores or the GPU).
+            if on_cores || self.gpu {
                 let ids: Vec<u32> = tokens.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
                 return Ok(crate::ops::gather_rows(tok, &ids)?.reshape((b, t, d))?);
             }
@@ -597,7 +608,7 @@ impl MoeModel {
     /// The dense feed-forward of a non-MoE block on h [N, d] (None for an MoE block).
     pub fn block_dense_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
         match &self.block(block)?.ff {
-            FeedForward::Dense(f) => Ok(Some(f.forward(h, self.compute)?)),
+            FeedForward::Dense(f) => Ok(Some(self.ffn_forward(f, h)?)),
             FeedForward::Moe(_) => Ok(None),
         }
     }
@@ -606,9 +617,18 @@ impl MoeModel {
     /// worker adds to its distributed layer's output.
     pub fn block_shared_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
         match &self.block(block)?.ff {
-            FeedForward::Moe(MoeLayer { shared: Some(f), .. }) => Ok(Some(f.forward(h, self.compute)?)),
+            FeedForward::Moe(MoeLayer { shared: Some(f), .. }) => Ok(Some(self.ffn_forward(f, h)?)),
             _ => Ok(None),
         }
+    }
+
+    /// A dense FFN (a non-MoE block's, or the shared experts) on this model's path: on the GPU
+    /// ops from h in the products' type into the residual stream's, else in h's type.
+    fn ffn_forward(&self, f: &Ffn, h: &Tensor) -> Result<Tensor> {
+        if self.gpu {
+            return f.forward_gpu(self, h, self.dtype);
+        }
+        f.forward(h, self.compute)
     }
 
     /// Router weight [d, E] of MoE layer `layer` (0-based over MoE layers).
@@ -756,7 +776,7 @@ impl MoeModel {
         for (i, block) in self.blocks.iter().enumerate() {
             let (x_mid, h) = self.block_attention(i, &x)?;
             let y = match &block.ff {
-                FeedForward::Dense(f) => f.forward(&h, self.compute)?,
+                FeedForward::Dense(f) => self.ffn_forward(f, &h)?,
                 FeedForward::Moe(m) => {
                     let forced = forced_loads.and_then(|f| f.get(moe.len())).map(Vec::as_slice);
                     let (y, aux, stats) = self.moe_forward(m, &h, forced, &expert_grads)?;

@@ -1,4 +1,4 @@
-//! Causal attention, flash-style.
+//! Causal attention, flash-style, and the rotary positions turned on its queries and keys.
 
 use super::alloc;
 use crate::{AttentionKernels, Device, Dtype};
@@ -49,4 +49,34 @@ pub fn attention_bwd<D: Device>(
         unsafe { dev.launch_all(&ls)? };
     }
     Ok(dqkv)
+}
+
+/// Rotary positions on the packed qkv [b, t, 3·heads·dh] with base `theta`: q and k turned, v
+/// copied, into a new buffer. With `inverse` the turn is undone: the backward, applied to the
+/// output's gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn rope<D: Device>(
+    dev: &D,
+    dt: Dtype,
+    qkv: u64,
+    b: usize,
+    t: usize,
+    heads: usize,
+    dh: usize,
+    theta: f64,
+    inverse: bool,
+) -> Result<D::Buffer, D::Error> {
+    let d = heads * dh;
+    let y = alloc(dev, dt, b * t * 3 * d)?;
+    if b * t * d == 0 {
+        return Ok(y);
+    }
+    let half = dh / 2;
+    let (cos, sin) = (alloc(dev, dt.acc(), t * half)?, alloc(dev, dt.acc(), t * half)?);
+    let tables = crate::rope_tables(dt.acc(), dev.addr(&cos), dev.addr(&sin), t, dh, theta)?;
+    let turn = crate::rope(dt, qkv, dev.addr(&y), dev.addr(&cos), dev.addr(&sin), b * t, t, d, dh, inverse)?;
+    // SAFETY: the tables hold t · dh/2 elements each (allocated above); qkv and y are
+    // [b·t, 3·heads·dh].
+    unsafe { dev.launch_all(&[tables, turn])? };
+    Ok(y)
 }

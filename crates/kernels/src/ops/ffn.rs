@@ -2,16 +2,17 @@
 //!
 //! The experts of a layer run over one buffer of rows grouped by expert (`counts[e]` rows for
 //! expert e, in expert order): each projection is one product per expert on its block of rows
-//! (no copies of rows or weights), and each elementwise step — the first bias with GELU, the
-//! second bias, GELU's derivative — one launch over every row, the row's expert found from the
-//! group offsets. Weight gradients land in one buffer per projection ([E, d, f], [E, f, d]),
-//! bias gradients as grouped column sums ([E, f], [E, d]) in a fixed order.
+//! (no copies of rows or weights), and each elementwise step — the first bias with the activation
+//! (GELU, or SwiGLU over a first product twice as wide), the second bias, the activation's
+//! derivative — one launch over every row, the row's expert found from the group offsets. Weight
+//! gradients land in one buffer per projection ([E, d, f₁], [E, f, d], f₁ the first product's
+//! width), bias gradients as grouped column sums ([E, f₁], [E, d]) in a fixed order.
 
 use super::{alloc, WithSaved};
-use crate::{Device, Dtype, Elem, Gemm, KernelError};
+use crate::{Activation, Device, Dtype, Elem, Gemm, KernelError};
 
-/// One expert's weights: W1 [d, f] and W2 [f, d] of the rows' type (or its working copy), b1 [f]
-/// and b2 [d] of the accumulator type.
+/// One expert's weights: W1 [d, f₁] and W2 [f, d] of the rows' type (or its working copy), b1
+/// [f₁] and b2 [d] of the accumulator type (f₁ = [`Activation::first_width`] of f).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertAddrs {
     pub w1: u64,
@@ -20,14 +21,14 @@ pub struct ExpertAddrs {
     pub b2: u64,
 }
 
-/// What the experts' backward reads of their forward: the pre-activation h = x·W1 + b1 and the
-/// activation gelu(h), both [R, f].
+/// What the experts' backward reads of their forward: the pre-activation h = x·W1 + b1 [R, f₁]
+/// and the activation of h [R, f].
 pub struct GroupedFfnSaved<B> {
     pub pre: B,
     pub act: B,
 }
 
-/// The experts' gradients: dx [R, d] of the rows' type; dW1 [E, d, f], db1 [E, f], dW2 [E, f, d],
+/// The experts' gradients: dx [R, d] of the rows' type; dW1 [E, d, f₁], db1 [E, f₁], dW2 [E, f, d],
 /// db2 [E, d] of the accumulator type.
 pub struct GroupedFfnGrads<B> {
     pub dx: B,
@@ -86,11 +87,13 @@ fn check_groups(experts: &[ExpertAddrs], counts: &[usize]) -> Result<(), KernelE
     Ok(())
 }
 
-/// Every expert's GELU(x·W1 + b1)·W2 + b2 over its rows of x [R, d] (of `dt`): y [R, d] and what
+/// Every expert's act(x·W1 + b1)·W2 + b2 over its rows of x [R, d] (of `dt`): y [R, d] and what
 /// the backward keeps.
+#[allow(clippy::too_many_arguments)]
 pub fn grouped_ffn_fwd<D: Device>(
     dev: &D,
     dt: Dtype,
+    activation: Activation,
     x: u64,
     experts: &[ExpertAddrs],
     counts: &[usize],
@@ -101,8 +104,9 @@ pub fn grouped_ffn_fwd<D: Device>(
     let off = offsets(counts)?;
     let rows = off[counts.len()] as usize;
     let groups = counts.len();
+    let f1 = activation.first_width(f);
     let (es, fs) = (dt.size() as u64, dt.size() as u64);
-    let pre = alloc(dev, dt, rows * f)?;
+    let pre = alloc(dev, dt, rows * f1)?;
     let act = alloc(dev, dt, rows * f)?;
     let y = alloc(dev, dt, rows * d)?;
     if rows == 0 {
@@ -117,11 +121,11 @@ pub fn grouped_ffn_fwd<D: Device>(
         if n == 0 {
             continue;
         }
-        // SAFETY: rows r0..r0+n of x [R, d] and of pre [R, f]; W1 is [d, f].
-        unsafe { dev.gemm(&Gemm::plain(dt, dt, n, f, d, xa + r0 * d as u64 * es, w.w1, pa + r0 * f as u64 * fs))? };
+        // SAFETY: rows r0..r0+n of x [R, d] and of pre [R, f₁]; W1 is [d, f₁].
+        unsafe { dev.gemm(&Gemm::plain(dt, dt, n, f1, d, xa + r0 * d as u64 * es, w.w1, pa + r0 * f1 as u64 * fs))? };
     }
-    let l = crate::bias_gelu_fwd(dt, pa, aa, dev.addr(&b1s), dev.addr(&seg), groups, rows, f)?;
-    // SAFETY: pre and act are [R, f]; b1s holds each group's b1 [f]; seg the R-row offsets.
+    let l = crate::bias_activation_fwd(activation, dt, pa, aa, dev.addr(&b1s), dev.addr(&seg), groups, rows, f)?;
+    // SAFETY: pre is [R, f₁] and act [R, f]; b1s holds each group's b1 [f₁]; seg the R-row offsets.
     unsafe { dev.launch(&l)? };
     for (e, w) in experts.iter().enumerate() {
         let (r0, n) = (off[e] as u64, counts[e]);
@@ -138,11 +142,12 @@ pub fn grouped_ffn_fwd<D: Device>(
 }
 
 /// The experts' backward from dy [R, d] (of `dt`): every gradient, experts without rows getting
-/// zeros. Consumes the saved pre-activation (its buffer becomes the hidden gradient).
+/// zeros. The saved buffers are only read.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_ffn_bwd<D: Device>(
     dev: &D,
     dt: Dtype,
+    activation: Activation,
     x: u64,
     dy: u64,
     experts: &[ExpertAddrs],
@@ -155,21 +160,22 @@ pub fn grouped_ffn_bwd<D: Device>(
     let off = offsets(counts)?;
     let rows = off[counts.len()] as usize;
     let groups = counts.len();
+    let f1 = activation.first_width(f);
     let acc = dt.acc();
     let max_rows = counts.iter().copied().max().unwrap_or(0);
     let es = dt.size() as u64;
     let ga = acc.size() as u64;
     let dx = alloc(dev, dt, rows * d)?;
-    let dh = alloc(dev, dt, rows * f)?;
+    let dact = alloc(dev, dt, rows * f)?;
     // An expert without rows has zero weight gradients: the buffers start zeroed then (its
     // products are skipped), else every block is written by its product.
     let grads = |n: usize| if counts.contains(&0) { dev.zeros(Elem::Float(acc), n) } else { alloc(dev, acc, n) };
-    let dw1 = grads(groups * d * f)?;
+    let dw1 = grads(groups * d * f1)?;
     let dw2 = grads(groups * f * d)?;
-    let db1 = alloc(dev, acc, groups * f)?;
+    let db1 = alloc(dev, acc, groups * f1)?;
     let db2 = alloc(dev, acc, groups * d)?;
     let seg = dev.upload_u32(&off)?;
-    let (pa, aa, dha, dxa) = (dev.addr(&saved.pre), dev.addr(&saved.act), dev.addr(&dh), dev.addr(&dx));
+    let (pa, aa, daa, dxa) = (dev.addr(&saved.pre), dev.addr(&saved.act), dev.addr(&dact), dev.addr(&dx));
     for (e, w) in experts.iter().enumerate() {
         let (r0, n) = (off[e] as u64, counts[e]);
         if n == 0 {
@@ -178,14 +184,25 @@ pub fn grouped_ffn_bwd<D: Device>(
         let dw2e = dev.addr(&dw2) + (e * f * d) as u64 * ga;
         let rows_of = |base: u64, width: usize| base + r0 * width as u64 * es;
         // dW2 = actᵀ · dy and d act = dy · W2ᵀ, on the expert's rows.
-        // SAFETY: rows of act [R, f], dy [R, d] and dh [R, f]; W2 [f, d]; dW2's block [f, d].
-        unsafe { product_grads(dev, (dt, acc), (rows_of(aa, f), rows_of(dy, d), w.w2), (dw2e, rows_of(dha, f)), n, f, d)? };
+        // SAFETY: rows of act [R, f], dy [R, d] and dact [R, f]; W2 [f, d]; dW2's block [f, d].
+        unsafe { product_grads(dev, (dt, acc), (rows_of(aa, f), rows_of(dy, d), w.w2), (dw2e, rows_of(daa, f)), n, f, d)? };
     }
+    // The pre-activation's gradient dh [R, f₁]: GELU's in place of dact, SwiGLU's a buffer of
+    // its own (twice as wide).
+    let dh = match activation {
+        Activation::Gelu => dact,
+        Activation::Swiglu => alloc(dev, dt, rows * f1)?,
+    };
+    let dha = dev.addr(&dh);
     if rows > 0 {
-        // SAFETY: pre and dh are [R, f].
-        unsafe { dev.launch(&crate::gelu_bwd_inplace(dt, pa, dha, rows * f))? };
+        let l = match activation {
+            Activation::Gelu => crate::gelu_bwd_inplace(dt, pa, dha, rows * f),
+            Activation::Swiglu => crate::swiglu_bwd(dt, pa, daa, dha, rows, f)?,
+        };
+        // SAFETY: pre and dh are [R, f₁], dact [R, f] (the same buffer as dh for GELU).
+        unsafe { dev.launch(&l)? };
     }
-    let work = alloc(dev, acc, crate::column_sums_workspace(groups, max_rows, f.max(d)))?;
+    let work = alloc(dev, acc, crate::column_sums_workspace(groups, max_rows, f1.max(d)))?;
     let sums = |m: u64, out: &D::Buffer, width: usize| -> Result<(), D::Error> {
         let ls = crate::column_sums(dt, m, dev.addr(&seg), groups, max_rows, dev.addr(&work), dev.addr(out), rows, width)?;
         // SAFETY: m is [R, width] grouped by seg; the workspace holds groups × parts × width; out
@@ -193,17 +210,17 @@ pub fn grouped_ffn_bwd<D: Device>(
         unsafe { dev.launch_all(&ls) }
     };
     sums(dy, &db2, d)?;
-    sums(dha, &db1, f)?;
+    sums(dha, &db1, f1)?;
     for (e, w) in experts.iter().enumerate() {
         let (r0, n) = (off[e] as u64, counts[e]);
         if n == 0 {
             continue;
         }
-        let dw1e = dev.addr(&dw1) + (e * d * f) as u64 * ga;
+        let dw1e = dev.addr(&dw1) + (e * d * f1) as u64 * ga;
         let rows_of = |base: u64, width: usize| base + r0 * width as u64 * es;
         // dW1 = xᵀ · dh and dx = dh · W1ᵀ, on the expert's rows.
-        // SAFETY: rows of x [R, d], dh [R, f] and dx [R, d]; W1 [d, f]; dW1's block [d, f].
-        unsafe { product_grads(dev, (dt, acc), (rows_of(x, d), rows_of(dha, f), w.w1), (dw1e, rows_of(dxa, d)), n, d, f)? };
+        // SAFETY: rows of x [R, d], dh [R, f₁] and dx [R, d]; W1 [d, f₁]; dW1's block [d, f₁].
+        unsafe { product_grads(dev, (dt, acc), (rows_of(x, d), rows_of(dha, f1), w.w1), (dw1e, rows_of(dxa, d)), n, d, f1)? };
     }
     Ok(GroupedFfnGrads { dx, dw1, db1, dw2, db2 })
 }
@@ -289,4 +306,25 @@ pub fn linear_bwd<D: Device>(
         None
     };
     Ok(LinearGrads { dx, dw, db })
+}
+
+/// SwiGLU on its own (a shared expert's or a dense block's, between two linear layers): a [rows,
+/// f] from h [rows, 2f] = [gate | up].
+pub fn swiglu_fwd<D: Device>(dev: &D, dt: Dtype, h: u64, rows: usize, f: usize) -> Result<D::Buffer, D::Error> {
+    let a = alloc(dev, dt, rows * f)?;
+    if rows * f > 0 {
+        // SAFETY: h is [rows, 2f]; a is allocated [rows, f] above.
+        unsafe { dev.launch(&crate::swiglu(dt, h, dev.addr(&a), rows, f)?)? };
+    }
+    Ok(a)
+}
+
+/// [`swiglu_fwd`]'s backward: gh [rows, 2f] from ga [rows, f] and h.
+pub fn swiglu_bwd<D: Device>(dev: &D, dt: Dtype, h: u64, ga: u64, rows: usize, f: usize) -> Result<D::Buffer, D::Error> {
+    let gh = alloc(dev, dt, rows * 2 * f)?;
+    if rows * f > 0 {
+        // SAFETY: h is [rows, 2f], ga [rows, f]; gh is allocated [rows, 2f] above.
+        unsafe { dev.launch(&crate::swiglu_bwd(dt, h, ga, dev.addr(&gh), rows, f)?)? };
+    }
+    Ok(gh)
 }

@@ -12,10 +12,14 @@ mod norm;
 mod rows;
 mod squares;
 
-pub use attention::{attention_bwd, attention_fwd};
-pub use ffn::{grouped_ffn_bwd, grouped_ffn_fwd, linear_bwd, linear_fwd, ExpertAddrs, GroupedFfnGrads, GroupedFfnSaved, LinearGrads};
+pub use attention::{attention_bwd, attention_fwd, rope};
+pub use ffn::{
+    grouped_ffn_bwd, grouped_ffn_fwd, linear_bwd, linear_fwd, swiglu_bwd, swiglu_fwd, ExpertAddrs, GroupedFfnGrads, GroupedFfnSaved,
+    LinearGrads,
+};
 pub use norm::{
-    cross_entropy_bwd, cross_entropy_fwd, layer_norm_bwd, layer_norm_fwd, softmax_bwd, softmax_fwd, CrossEntropySaved, LayerNormSaved,
+    cross_entropy_bwd, cross_entropy_fwd, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd, softmax_bwd, softmax_fwd,
+    CrossEntropySaved, LayerNormSaved, RmsNormSaved,
 };
 pub use rows::{combine_rows_bwd, combine_rows_fwd, embed_bwd, embed_fwd, gather_rows_bwd, gather_rows_fwd, WeightSlots};
 pub use squares::sum_squares;

@@ -1,4 +1,4 @@
-//! LayerNorm, softmax and cross-entropy.
+//! LayerNorm, RMSNorm, softmax and cross-entropy.
 
 use super::{alloc, check_ids, WithSaved};
 use crate::{Device, Dtype, Elem};
@@ -70,6 +70,58 @@ pub fn layer_norm_bwd<D: Device>(
     // SAFETY: as the forward, with the workspace at its documented size.
     unsafe { dev.launch_all(&ls)? };
     Ok((dx, dwdb))
+}
+
+/// What RMSNorm's backward reads of its forward: each row's 1/rms (x's accumulator type).
+pub struct RmsNormSaved<B> {
+    pub rstd: B,
+}
+
+/// y (of `y_dt`) = RMSNorm(x) · w over rows of d; x and w of `x_dt`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_fwd<D: Device>(
+    dev: &D,
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    rows: usize,
+    d: usize,
+    eps: f64,
+) -> WithSaved<D, RmsNormSaved<D::Buffer>> {
+    let y = alloc(dev, y_dt, rows * d)?;
+    let rstd = alloc(dev, x_dt.acc(), rows)?;
+    if rows > 0 && d > 0 {
+        let l = crate::rms_norm_fwd(x_dt, y_dt, x, w, dev.addr(&y), dev.addr(&rstd), rows, d, eps)?;
+        // SAFETY: x is [rows, d], w [d]; the outputs are allocated to their sizes above.
+        unsafe { dev.launch(&l)? };
+    }
+    Ok((y, RmsNormSaved { rstd }))
+}
+
+/// (dx [rows, d] of `x_dt`, dw [d] of `x_dt`) from g [rows, d] of `y_dt`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bwd<D: Device>(
+    dev: &D,
+    x_dt: Dtype,
+    y_dt: Dtype,
+    x: u64,
+    w: u64,
+    g: u64,
+    saved: &RmsNormSaved<D::Buffer>,
+    rows: usize,
+    d: usize,
+) -> Result<(D::Buffer, D::Buffer), D::Error> {
+    let dx = alloc(dev, x_dt, rows * d)?;
+    let dw = alloc(dev, x_dt, d)?;
+    if d == 0 {
+        return Ok((dx, dw));
+    }
+    let work = alloc(dev, x_dt.acc(), crate::rms_norm_bwd_workspace(rows, d))?;
+    let ls = crate::rms_norm_bwd(x_dt, y_dt, x, w, g, dev.addr(&saved.rstd), dev.addr(&dx), dev.addr(&work), dev.addr(&dw), rows, d)?;
+    // SAFETY: as the forward, with the workspace at its documented size.
+    unsafe { dev.launch_all(&ls)? };
+    Ok((dx, dw))
 }
 
 /// softmax(x) over rows of v.

@@ -66,6 +66,75 @@ fn layer_norm_forward_and_gradients() {
 }
 
 #[test]
+fn rms_norm_forward_and_gradients() {
+    // Rows of a width under one warp, of several warps with a partial one, and enough rows for
+    // the weight's gradient to be summed in several parts.
+    for (n, d) in [(37, 70), (5, 20), (301, 129)] {
+        let mut var = testing::vars(19, 1.0);
+        let (x, w, probe) = (var(&[n, d]), var(&[d]), var(&[n, d]));
+        let (y, g) = reference(&[x.clone(), w.clone()], probe.as_tensor(), |t| super::rms_norm(&t[0], &t[1], 1e-5).unwrap());
+        let orders: &[Emulator] = if n > 100 { &ORDERS[..1] } else { &ORDERS };
+        for &e in orders {
+            for (x_dt, y_dt, tol) in [(Dtype::F64, Dtype::F64, 1e-10), (Dtype::F32, Dtype::F32, 2e-5), (Dtype::F32, Dtype::Bf16, 2e-2)] {
+                let (xb, wb, pb) = (buf(x.as_tensor(), x_dt), buf(w.as_tensor(), x_dt), buf(probe.as_tensor(), y_dt));
+                let what = format!("rms norm {x_dt:?}→{y_dt:?} {n}×{d}");
+                let (yb, saved) = ops::rms_norm_fwd(&e, x_dt, y_dt, xb.addr(), wb.addr(), n, d, 1e-5).unwrap();
+                close(&format!("{what} forward"), &y, &tensor(&yb, y_dt, &[n, d]), tol);
+                let (dx, dw) = ops::rms_norm_bwd(&e, x_dt, y_dt, xb.addr(), wb.addr(), pb.addr(), &saved, n, d).unwrap();
+                close(&format!("{what} dx"), &g[0], &tensor(&dx, x_dt, &[n, d]), tol);
+                close(&format!("{what} dw"), &g[1], &tensor(&dw, x_dt, &[d]), tol);
+            }
+        }
+    }
+}
+
+/// Rotary positions: the turn of q and k (v copied) against the CPU kernel, and its gradient —
+/// the same kernel turning the probe back — against autograd's, in every type; heads of 4 and of
+/// 64 columns, two bases.
+#[test]
+fn rope_forward_and_gradients() {
+    for (b, t, heads, dh, theta) in [(2, 7, 3, 4, 10_000.0), (1, 33, 2, 64, 1e6)] {
+        let d = heads * dh;
+        let mut var = testing::vars(23, 1.0);
+        let (qkv, probe) = (var(&[b, t, 3 * d]), var(&[b, t, 3 * d]));
+        let (y, g) = reference(std::slice::from_ref(&qkv), probe.as_tensor(), |x| super::rope(&x[0], heads, theta).unwrap());
+        for e in ORDERS {
+            for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2)] {
+                let (qb, pb) = (buf(qkv.as_tensor(), dt), buf(probe.as_tensor(), dt));
+                let what = format!("rope {dt:?} b{b} t{t} h{heads} dh{dh}");
+                let yb = ops::rope(&e, dt, qb.addr(), b, t, heads, dh, theta, false).unwrap();
+                close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[b, t, 3 * d]), tol);
+                let gb = ops::rope(&e, dt, pb.addr(), b, t, heads, dh, theta, true).unwrap();
+                close(&format!("{what} gradient"), &g[0], &tensor(&gb, dt, &[b, t, 3 * d]), tol);
+            }
+        }
+    }
+    // A head of an odd width has no pairs to turn: refused before any launch.
+    let e = ORDERS[0];
+    let qb = HostBuffer::from_f64(Dtype::F32, &[0.0; 9]);
+    let err = ops::rope(&e, Dtype::F32, qb.addr(), 1, 1, 1, 3, 1e4, false).err().unwrap().to_string();
+    assert!(err.contains("heads of 3"), "{err}");
+}
+
+/// SwiGLU on its own (a shared expert's activation) against the composite SiLU(gate) ⊙ up.
+#[test]
+fn swiglu_forward_and_gradients() {
+    let (n, f) = (29, 45);
+    let mut var = testing::vars(29, 2.0);
+    let (h, probe) = (var(&[n, 2 * f]), var(&[n, f]));
+    let (y, g) = reference(std::slice::from_ref(&h), probe.as_tensor(), |x| super::composite::swiglu(&x[0]).unwrap());
+    for e in ORDERS {
+        for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2)] {
+            let (hb, pb) = (buf(h.as_tensor(), dt), buf(probe.as_tensor(), dt));
+            let ab = ops::swiglu_fwd(&e, dt, hb.addr(), n, f).unwrap();
+            close(&format!("swiglu {dt:?} forward"), &y, &tensor(&ab, dt, &[n, f]), tol);
+            let gb = ops::swiglu_bwd(&e, dt, hb.addr(), pb.addr(), n, f).unwrap();
+            close(&format!("swiglu {dt:?} gradient"), &g[0], &tensor(&gb, dt, &[n, 2 * f]), tol);
+        }
+    }
+}
+
+#[test]
 fn softmax_and_cross_entropy_forward_and_gradients() {
     let (n, v) = (29, 300);
     let mut var = testing::vars(5, 2.0);
@@ -229,44 +298,64 @@ fn gather_combine_and_embedding_forward_and_gradients() {
 }
 
 /// The experts as grouped products (one expert without rows) against the fused CPU node: output,
-/// the rows' gradient and every weight's.
+/// the rows' gradient and every weight's, with GELU and with SwiGLU (a first product twice as
+/// wide).
 #[test]
 fn grouped_experts_forward_and_gradients() {
+    use crate::config::Activation;
     let (d, f) = (12, 20);
     let counts = [9usize, 0, 20, 8];
     let r: usize = counts.iter().sum();
-    let mut var = testing::vars(13, 0.5);
-    let x = var(&[r, d]);
-    let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f]), var(&[f]), var(&[f, d]), var(&[d])]).collect();
-    let probe = var(&[r, d]);
-    let mut inputs = vec![x.clone()];
-    inputs.extend(weights.iter().flat_map(|w| w.iter().cloned()));
-    let (y, g) = reference(&inputs, probe.as_tensor(), |t| {
-        let experts: Vec<[&Tensor; 4]> = (0..counts.len()).map(|e| [&t[1 + 4 * e], &t[2 + 4 * e], &t[3 + 4 * e], &t[4 + 4 * e]]).collect();
-        super::grouped_expert_ffn(&t[0], &experts, &counts, crate::config::Activation::Gelu).unwrap()
-    });
-    for e in ORDERS {
-        for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 5e-2)] {
-            let acc = dt.acc();
-            let xb = buf(x.as_tensor(), dt);
-            let bufs: Vec<[HostBuffer; 4]> = weights
-                .iter()
-                .map(|w| [buf(w[0].as_tensor(), dt), buf(w[1].as_tensor(), acc), buf(w[2].as_tensor(), dt), buf(w[3].as_tensor(), acc)])
-                .collect();
-            let addrs: Vec<ops::ExpertAddrs> =
-                bufs.iter().map(|b| ops::ExpertAddrs { w1: b[0].addr(), b1: b[1].addr(), w2: b[2].addr(), b2: b[3].addr() }).collect();
-            let (yb, saved) = ops::grouped_ffn_fwd(&e, dt, xb.addr(), &addrs, &counts, d, f).unwrap();
-            let what = format!("grouped experts {dt:?}");
-            close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[r, d]), tol);
-            let pb = buf(probe.as_tensor(), dt);
-            let gr = ops::grouped_ffn_bwd(&e, dt, xb.addr(), pb.addr(), &addrs, &counts, &saved, d, f).unwrap();
-            close(&format!("{what} rows gradient"), &g[0], &tensor(&gr.dx, dt, &[r, d]), tol);
-            let (dw1, db1) = (tensor(&gr.dw1, acc, &[counts.len(), d, f]), tensor(&gr.db1, acc, &[counts.len(), f]));
-            let (dw2, db2) = (tensor(&gr.dw2, acc, &[counts.len(), f, d]), tensor(&gr.db2, acc, &[counts.len(), d]));
-            for ex in 0..counts.len() {
-                for (k, got) in [&dw1, &db1, &dw2, &db2].into_iter().enumerate() {
-                    close(&format!("{what} expert {ex} weight {k}"), &g[1 + 4 * ex + k], &got.get(ex).unwrap(), tol);
+    for (act, kernels_act) in
+        [(Activation::Gelu, lazarus_kernels::Activation::Gelu), (Activation::Swiglu, lazarus_kernels::Activation::Swiglu)]
+    {
+        let f1 = kernels_act.first_width(f);
+        let mut var = testing::vars(13, 0.5);
+        let x = var(&[r, d]);
+        let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f1]), var(&[f1]), var(&[f, d]), var(&[d])]).collect();
+        let probe = var(&[r, d]);
+        let mut inputs = vec![x.clone()];
+        inputs.extend(weights.iter().flat_map(|w| w.iter().cloned()));
+        let (y, g) = reference(&inputs, probe.as_tensor(), |t| {
+            let experts: Vec<[&Tensor; 4]> =
+                (0..counts.len()).map(|e| [&t[1 + 4 * e], &t[2 + 4 * e], &t[3 + 4 * e], &t[4 + 4 * e]]).collect();
+            super::grouped_expert_ffn(&t[0], &experts, &counts, act).unwrap()
+        });
+        for e in ORDERS {
+            for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 5e-2)] {
+                let acc = dt.acc();
+                let xb = buf(x.as_tensor(), dt);
+                let bufs: Vec<[HostBuffer; 4]> = weights
+                    .iter()
+                    .map(|w| [buf(w[0].as_tensor(), dt), buf(w[1].as_tensor(), acc), buf(w[2].as_tensor(), dt), buf(w[3].as_tensor(), acc)])
+                    .collect();
+                let addrs: Vec<ops::ExpertAddrs> =
+                    bufs.iter().map(|b| ops::ExpertAddrs { w1: b[0].addr(), b1: b[1].addr(), w2: b[2].addr(), b2: b[3].addr() }).collect();
+                let (yb, saved) = ops::grouped_ffn_fwd(&e, dt, kernels_act, xb.addr(), &addrs, &counts, d, f).unwrap();
+                let what = format!("grouped {act:?} experts {dt:?}");
+                close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[r, d]), tol);
+                let pb = buf(probe.as_tensor(), dt);
+                let gr = ops::grouped_ffn_bwd(&e, dt, kernels_act, xb.addr(), pb.addr(), &addrs, &counts, &saved, d, f).unwrap();
+                close(&format!("{what} rows gradient"), &g[0], &tensor(&gr.dx, dt, &[r, d]), tol);
+                let (dw1, db1) = (tensor(&gr.dw1, acc, &[counts.len(), d, f1]), tensor(&gr.db1, acc, &[counts.len(), f1]));
+                let (dw2, db2) = (tensor(&gr.dw2, acc, &[counts.len(), f, d]), tensor(&gr.db2, acc, &[counts.len(), d]));
+                for ex in 0..counts.len() {
+                    for (k, got) in [&dw1, &db1, &dw2, &db2].into_iter().enumerate() {
+                        close(&format!("{what} expert {ex} weight {k}"), &g[1 + 4 * ex + k], &got.get(ex).unwrap(), tol);
+                    }
                 }
+                // Experts without biases (Mixtral's): null bias addresses add nothing, as zero
+                // biases would.
+                let unbiased: Vec<ops::ExpertAddrs> = addrs.iter().map(|a| ops::ExpertAddrs { b1: 0, b2: 0, ..*a }).collect();
+                let (yb, _) = ops::grouped_ffn_fwd(&e, dt, kernels_act, xb.addr(), &unbiased, &counts, d, f).unwrap();
+                let zeros: Vec<[HostBuffer; 2]> = weights
+                    .iter()
+                    .map(|w| [HostBuffer::from_f64(acc, &vec![0.0; w[1].elem_count()]), HostBuffer::from_f64(acc, &vec![0.0; d])])
+                    .collect();
+                let zeroed: Vec<ops::ExpertAddrs> =
+                    addrs.iter().zip(&zeros).map(|(a, z)| ops::ExpertAddrs { b1: z[0].addr(), b2: z[1].addr(), ..*a }).collect();
+                let (want, _) = ops::grouped_ffn_fwd(&e, dt, kernels_act, xb.addr(), &zeroed, &counts, d, f).unwrap();
+                assert_eq!(yb.to_f64(dt), want.to_f64(dt), "{what}: null biases are zero biases");
             }
         }
     }

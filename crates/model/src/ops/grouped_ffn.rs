@@ -254,10 +254,15 @@ pub fn ffn_weights(tensors: &[&Tensor]) -> candle_core::Result<[Tensor; 4]> {
 /// act(x·W1 + b1)·W2 + b2 for x [n, d], W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d] (f₁ = f for
 /// GELU, 2f for SwiGLU); differentiable in all five: one expert is a group of one.
 pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor, act: Activation) -> candle_core::Result<Tensor> {
-    // On a GPU: two of our linear layers around our GELU, every gradient through autograd.
+    // On a GPU: two of our linear layers around our activation, every gradient through autograd.
     #[cfg(feature = "cuda")]
-    if act == Activation::Gelu && super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
-        return super::linear(&super::gelu(&super::linear(x, w1, b1)?)?, w2, b2);
+    if super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
+        let h = super::linear(x, w1, b1)?;
+        let a = match act {
+            Activation::Gelu => super::gelu(&h)?,
+            Activation::Swiglu => super::cuda::swiglu(&h)?,
+        };
+        return super::linear(&a, w2, b2);
     }
     grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?], act)
 }
@@ -481,8 +486,9 @@ pub fn grouped_expert_ffn_to_sink(
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
     #[cfg(feature = "cuda")]
-    if act == Activation::Gelu && super::cuda::takes(x) && experts.iter().flatten().all(|w| w.dtype() == x.dtype()) {
-        return super::cuda::grouped_expert_ffn_to_sink(x, experts, None, counts, sink);
+    if super::cuda::takes(x) && experts.iter().flatten().all(|w| w.dtype() == x.dtype()) {
+        let params: Vec<&[&Tensor]> = experts.iter().map(|e| e.as_slice()).collect();
+        return super::cuda::grouped_expert_ffn_to_sink(x, &params, None, counts, act, sink);
     }
     if !super::fused_here(x) {
         // Off the CPU and our GPU kernels, candle's autograd carries every gradient; the sink

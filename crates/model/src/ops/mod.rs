@@ -89,6 +89,18 @@ pub(crate) fn cuda_linear(
         candle_core::bail!("this build has no CUDA: no GPU layers")
     }
 }
+/// SwiGLU by the GPU op (`cuda::swiglu`): [.., 2f] → [.., f]. An error in a build without CUDA.
+pub(crate) fn cuda_swiglu(h: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::swiglu(h)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = h;
+        candle_core::bail!("this build has no CUDA: no GPU layers")
+    }
+}
 pub use cross_entropy::cross_entropy;
 pub use gelu::gelu;
 pub use grouped_ffn::{expert_ffn, ffn_weights, grouped_expert_ffn, grouped_expert_ffn_to_sink, WeightGradSink};
@@ -98,6 +110,6 @@ pub use linear::linear;
 pub use moe_rows::{combine_rows, gather_rows};
 pub use parallel::threads;
 pub use residual::residual_add;
-pub use rms_norm::rms_norm;
+pub use rms_norm::{rms_norm, rms_norm_to};
 pub use rope::rope;
 pub use softmax::softmax_last;

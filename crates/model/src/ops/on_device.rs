@@ -74,6 +74,11 @@ fn every_kernel_on_a_gpu_matches_the_fused_cpu_kernel_with_gradients() {
             super::grouped_expert_ffn(&x[0], &experts, &counts, crate::config::Activation::Gelu)
         },
     );
+    check(&gpu, "rms norm", &[&[n, d], &[d]], 1e-5, |x| super::rms_norm(&x[0], &x[1], 1e-5));
+    check(&gpu, "rope", &[&[2, 9, 3 * d]], 1e-5, |x| super::rope(&x[0], 3, 1e4));
+    check(&gpu, "swiglu expert", &[&[n, d], &[d, 2 * f], &[2 * f], &[f, d], &[d]], 1e-5, |x| {
+        super::expert_ffn(&x[0], &x[1], &x[2], &x[3], &x[4], crate::config::Activation::Swiglu)
+    });
     let tokens: Vec<u32> = (0..2 * n as u32).map(|i| (i * 5 + 1) % n as u32).collect();
     check(&gpu, "gather and combine rows", &[&[n, d], &[2 * n]], 1e-5, |x| {
         super::combine_rows(&(super::gather_rows(&x[0], &tokens)? * 1.5)?, &x[1], &tokens, n)
@@ -125,6 +130,14 @@ fn kernels_against_composites(gpu: &Device) {
             Box::new(move |x| super::combine_rows(&(super::gather_rows(&x[0], &tokens)? * 1.5)?, &x[1], &tokens, n)),
         ),
         ("gelu", vec![vec![n, d]], vec![n, d], Box::new(|x| super::gelu(&x[0]))),
+        ("rms norm", vec![vec![n, d], vec![d]], vec![n, d], Box::new(|x| super::rms_norm(&x[0], &x[1], 1e-5))),
+        ("rope", vec![vec![2, 70, 3 * d]], vec![2, 70, 3 * d], Box::new(|x| super::rope(&x[0], 2, 1e6))),
+        (
+            "swiglu expert",
+            vec![vec![n, d], vec![d, 96], vec![96], vec![48, d], vec![d]],
+            vec![n, d],
+            Box::new(|x| super::expert_ffn(&x[0], &x[1], &x[2], &x[3], &x[4], crate::config::Activation::Swiglu)),
+        ),
     ];
     for (what, shapes, out, f) in cases {
         // candle's GELU backward, the composite's, uses 6-digit constants.
@@ -145,8 +158,8 @@ fn kernels_against_composites(gpu: &Device) {
 }
 
 /// The GPU's bf16 paths (what mixed precision runs) against the f64 CPU kernels, to bf16's
-/// rounding: LayerNorm from f32 into bf16, a bf16 product into f32, attention, the grouped
-/// experts with their weights' gradients through the sink, and the combine into f32.
+/// rounding: LayerNorm and RMSNorm from f32 into bf16, a bf16 product into f32, rotary positions
+/// and attention, and the grouped experts with their weights' gradients through the sink.
 #[test]
 fn the_bf16_paths_on_a_gpu_are_the_f64_results_to_bf16_rounding() {
     let Some(gpu) = gpu() else { return };
@@ -179,6 +192,10 @@ fn bf16_paths(gpu: &Device) {
     .unwrap();
     assert_eq!(got.dtype(), DType::BF16);
     close("layer norm f32 → bf16", &want, &got, 1e-2);
+    let want = super::rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+    let got = super::rms_norm_to(&on(x.as_tensor(), DType::F32), &on(w.as_tensor(), DType::F32), 1e-5, DType::BF16).unwrap();
+    assert_eq!(got.dtype(), DType::BF16);
+    close("rms norm f32 → bf16", &want, &got, 1e-2);
     let (wl, bl) = (var(&[d, f]), var(&[f]));
     let want = super::linear(x.as_tensor(), wl.as_tensor(), bl.as_tensor()).unwrap();
     let copy = on(wl.as_tensor(), DType::BF16);
@@ -193,6 +210,8 @@ fn bf16_paths(gpu: &Device) {
     assert_eq!(got.dtype(), DType::F32);
     close("linear bf16 → f32", &want, &got, 3e-2);
     let qkv = var(&[2, 70, 3 * d]);
+    let want = super::rope(qkv.as_tensor(), 2, 1e6).unwrap();
+    close("rope bf16", &want, &super::rope(&on(qkv.as_tensor(), DType::BF16), 2, 1e6).unwrap(), 1e-2);
     let want = super::causal_attention(qkv.as_tensor(), 2).unwrap();
     close("attention bf16", &want, &super::causal_attention(&on(qkv.as_tensor(), DType::BF16), 2).unwrap(), 3e-2);
     // Heads of 64 columns take the tensor-core kernels: the forward and the gradient, over three
@@ -207,31 +226,73 @@ fn bf16_paths(gpu: &Device) {
     let grads = (&got * on(probe.as_tensor(), DType::BF16)).unwrap().sum_all().unwrap().backward().unwrap();
     close("attention bf16 gradient, heads of 64", want_g, grads.get(q16.as_tensor()).unwrap(), 12e-2);
     // The experts: bf16 rows and working copies, f32 parameters receiving f32 gradients.
+    grouped_experts_on_the_gpu(&gpu, crate::config::Activation::Gelu, true, DType::BF16, 5e-2, 6e-2);
+    grouped_experts_on_the_gpu(&gpu, crate::config::Activation::Swiglu, false, DType::BF16, 5e-2, 6e-2);
+}
+
+/// The grouped experts on the GPU (the node the model trains with: weights' gradients through the
+/// sink) in f64 against the CPU's, GELU with biases and SwiGLU without (null bias addresses).
+#[test]
+fn the_grouped_experts_on_a_gpu_match_the_cpu_with_each_activation() {
+    let Some(gpu) = gpu() else { return };
+    #[cfg(feature = "cuda")]
+    for (act, bias) in [(crate::config::Activation::Gelu, true), (crate::config::Activation::Swiglu, false)] {
+        grouped_experts_on_the_gpu(&gpu, act, bias, DType::F64, 1e-10, 1e-10);
+    }
+    let _ = gpu;
+}
+
+/// The grouped experts node on the GPU with rows of `rows_dt` (bf16: working copies of f32
+/// parameters; else the parameters in that type) against the f64 CPU node, forward and every
+/// gradient (the weights' through the sink) within `tol` / `grad_tol` of the largest value.
+#[cfg(feature = "cuda")]
+fn grouped_experts_on_the_gpu(gpu: &Device, act: crate::config::Activation, bias: bool, rows_dt: DType, tol: f64, grad_tol: f64) {
+    let mut var = testing::vars(53, 0.6);
+    let (d, f) = (64, 48);
+    let f1 = if act == crate::config::Activation::Swiglu { 2 * f } else { f };
+    let master_dt = if rows_dt == DType::BF16 { DType::F32 } else { rows_dt };
+    let on = |t: &Tensor, dt: DType| t.to_dtype(dt).unwrap().to_device(gpu).unwrap();
+    let back = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_device(&Device::Cpu).unwrap();
+    let close = |what: &str, want: &Tensor, got: &Tensor, tol: f64| {
+        let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap().max(1.0);
+        let diff = testing::max_diff(want, &back(got));
+        assert!(diff <= tol * scale, "{what}: {diff} (scale {scale})");
+    };
     let counts = [20usize, 0, 28];
     let rows: usize = counts.iter().sum();
     let xr = var(&[rows, d]);
-    let weights: Vec<[Var; 4]> = counts.iter().map(|_| [var(&[d, f]), var(&[f]), var(&[f, d]), var(&[d])]).collect();
+    // [W1, b1, W2, b2], or [W1, W2] without biases (the CPU reference then takes zero biases).
+    let weights: Vec<Vec<Var>> = counts
+        .iter()
+        .map(|_| if bias { vec![var(&[d, f1]), var(&[f1]), var(&[f, d]), var(&[d])] } else { vec![var(&[d, f1]), var(&[f, d])] })
+        .collect();
     let probe = var(&[rows, d]);
     let sink = super::WeightGradSink::new();
-    let masters: Vec<[Tensor; 4]> = weights.iter().map(|w| [0, 1, 2, 3].map(|k| on(w[k].as_tensor(), DType::F32))).collect();
+    let masters: Vec<Vec<Tensor>> = weights.iter().map(|w| w.iter().map(|v| on(v.as_tensor(), master_dt)).collect()).collect();
     let copies: Vec<[Tensor; 2]> =
-        masters.iter().map(|m| [m[0].to_dtype(DType::BF16).unwrap(), m[2].to_dtype(DType::BF16).unwrap()]).collect();
-    let refs: Vec<[&Tensor; 4]> = masters.iter().map(|m| m.each_ref()).collect();
-    let xg = Var::from_tensor(&on(xr.as_tensor(), DType::BF16)).unwrap();
-    let y = super::cuda::grouped_expert_ffn_to_sink(xg.as_tensor(), &refs, Some(&copies), &counts, &sink).unwrap();
-    let mut grads = (&y.to_dtype(DType::F32).unwrap() * on(probe.as_tensor(), DType::F32)).unwrap().sum_all().unwrap().backward().unwrap();
+        masters.iter().map(|m| [m[0].to_dtype(DType::BF16).unwrap(), m[m.len() / 2].to_dtype(DType::BF16).unwrap()]).collect();
+    let refs: Vec<Vec<&Tensor>> = masters.iter().map(|m| m.iter().collect()).collect();
+    let slices: Vec<&[&Tensor]> = refs.iter().map(Vec::as_slice).collect();
+    let xg = Var::from_tensor(&on(xr.as_tensor(), rows_dt)).unwrap();
+    let with_copies = (rows_dt == DType::BF16).then_some(copies.as_slice());
+    let y = super::cuda::grouped_expert_ffn_to_sink(xg.as_tensor(), &slices, with_copies, &counts, act, &sink).unwrap();
+    let probe_dev = on(probe.as_tensor(), master_dt);
+    let mut grads = (&y.to_dtype(master_dt).unwrap() * probe_dev).unwrap().sum_all().unwrap().backward().unwrap();
     sink.drain_into(&mut grads).unwrap();
-    let cpu_refs: Vec<[&Tensor; 4]> =
-        weights.iter().map(|w| [w[0].as_tensor(), w[1].as_tensor(), w[2].as_tensor(), w[3].as_tensor()]).collect();
-    let want = super::grouped_expert_ffn(xr.as_tensor(), &cpu_refs, &counts, crate::config::Activation::Gelu).unwrap();
-    close("grouped experts bf16", &want, &y, 5e-2);
+    let cpu_tensors: Vec<Vec<&Tensor>> = weights.iter().map(|w| w.iter().map(|v| v.as_tensor()).collect()).collect();
+    let cpu_weights: Vec<[Tensor; 4]> = cpu_tensors.iter().map(|w| super::ffn_weights(w).unwrap()).collect();
+    let cpu_refs: Vec<[&Tensor; 4]> = cpu_weights.iter().map(|w| w.each_ref()).collect();
+    let want = super::grouped_expert_ffn(xr.as_tensor(), &cpu_refs, &counts, act).unwrap();
+    let what = format!("grouped {act:?} experts ({rows_dt:?}, biases: {bias})");
+    close(&what, &want, &y, tol);
     let wg = (&want * probe.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+    close(&format!("{what}: rows gradient"), wg.get(xr.as_tensor()).unwrap(), grads.get(xg.as_tensor()).unwrap(), grad_tol);
     for (e, (w, m)) in weights.iter().zip(&masters).enumerate() {
-        for k in 0..4 {
-            let got = grads.get(&m[k]).unwrap_or_else(|| panic!("expert {e} tensor {k} has no gradient"));
-            assert_eq!(got.dtype(), DType::F32, "the gradient of an f32 parameter is f32");
-            let want = wg.get(w[k].as_tensor()).cloned().unwrap_or_else(|| w[k].as_tensor().zeros_like().unwrap());
-            close(&format!("expert {e} tensor {k} gradient"), &want, got, 6e-2);
+        for (k, (wk, mk)) in w.iter().zip(m).enumerate() {
+            let got = grads.get(mk).unwrap_or_else(|| panic!("{what}: expert {e} tensor {k} has no gradient"));
+            assert_eq!(got.dtype(), master_dt, "the gradient of a parameter is of its type");
+            let want = wg.get(wk.as_tensor()).cloned().unwrap_or_else(|| wk.as_tensor().zeros_like().unwrap());
+            close(&format!("{what}: expert {e} tensor {k} gradient"), &want, got, grad_tol);
         }
     }
 }

@@ -118,6 +118,19 @@ impl candle_core::CustomOp2 for RmsNorm {
 
 /// RMSNorm(x)·w over the last dimension, differentiable in x and w.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    rms_norm_to(x, w, eps, x.dtype())
+}
+
+/// [`rms_norm`] into `out`: x's dtype, or bf16 from f32 (the input of a bf16 product; on a GPU
+/// one kernel writes it, elsewhere a cast follows).
+pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f64, out: candle_core::DType) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(x) && x.dtype() != candle_core::DType::BF16 && w.dtype() == x.dtype() {
+        return super::cuda::rms_norm_to(x, w, eps, out);
+    }
+    if out != x.dtype() {
+        return rms_norm_to(x, w, eps, x.dtype())?.to_dtype(out);
+    }
     if !super::fused_here(x) || w.dtype() != x.dtype() {
         return super::composite::rms_norm(x, w, eps);
     }

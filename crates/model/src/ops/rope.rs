@@ -119,6 +119,10 @@ pub fn rope(qkv: &Tensor, heads: usize, theta: f64) -> candle_core::Result<Tenso
     if !d3.is_multiple_of(3) || heads == 0 || !(d3 / 3).is_multiple_of(heads) || !(d3 / 3 / heads).is_multiple_of(2) {
         candle_core::bail!("rope: qkv width {d3} is not 3 × {heads} heads of an even width")
     }
+    #[cfg(feature = "cuda")]
+    if super::cuda::takes(qkv) {
+        return super::cuda::rope(qkv, heads, theta);
+    }
     if !super::fused_here(qkv) {
         return super::composite::rope(qkv, heads, theta);
     }

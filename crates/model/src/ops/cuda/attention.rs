@@ -1,10 +1,11 @@
-//! Causal attention on a GPU, flash-style (`lazarus_kernels::ops::attention_*`), as one candle
-//! autograd node over the packed projection.
+//! Causal attention on a GPU, flash-style (`lazarus_kernels::ops::attention_*`), and the rotary
+//! positions turned on its queries and keys (`ops::rope`), each one candle autograd node over the
+//! packed projection.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use lazarus_kernels::{ops, AttentionKernels};
 
 use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
@@ -81,4 +82,50 @@ pub fn supported(d3: usize, heads: usize) -> bool {
 /// Causal attention over qkv [B, T, 3d] → [B, T, d].
 pub fn causal_attention(qkv: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     qkv.contiguous()?.apply_op1(GpuAttention { heads, lse: Mutex::new(None) })
+}
+
+/// Rotary positions on the packed projection: q and k turned, v copied.
+struct GpuRope {
+    heads: usize,
+    theta: f64,
+}
+
+impl GpuRope {
+    fn turn(&self, gpu: &Gpu, dt: DType, x: u64, shape: &Shape, inverse: bool) -> candle_core::Result<CudaBuf> {
+        let (b, t, d3) = shape.dims3()?;
+        let dh = d3 / 3 / self.heads;
+        Ok(ops::rope(gpu, dtype_of(dt)?, x, b, t, self.heads, dh, self.theta, inverse)?)
+    }
+}
+
+impl CustomOp1 for GpuRope {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-rope"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::kernel("rope");
+        let gpu = Gpu::of_storage(qkv);
+        let y = self.turn(&gpu, qkv.dtype(), storage_addr(qkv, l)?, l.shape(), false)?;
+        Ok((gpu.storage(y)?, l.shape().clone()))
+    }
+
+    /// The gradient turned back by the opposite angles (the turn is orthogonal).
+    fn bwd(&self, _qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _p = crate::profile::kernel("rope.bwd");
+        let gpu = Gpu::of(grad)?;
+        let g = grad.contiguous()?;
+        let dx = self.turn(&gpu, g.dtype(), addr(&g)?, g.shape(), true)?;
+        Ok(Some(gpu.tensor(dx, g.shape())?))
+    }
+}
+
+/// Rotary positions with base `theta` on qkv [B, T, 3d] of `heads` heads of an even width (the
+/// caller checks the shape).
+pub fn rope(qkv: &Tensor, heads: usize, theta: f64) -> candle_core::Result<Tensor> {
+    qkv.contiguous()?.apply_op1(GpuRope { heads, theta })
 }

@@ -1,5 +1,6 @@
 //! Matrix-product layers on a GPU: a linear layer and an MoE layer's experts as grouped products
-//! (cuBLAS) with their bias and GELU epilogues (ours), and GELU alone.
+//! (cuBLAS) with their bias and activation epilogues (ours: GELU or SwiGLU), and each activation
+//! alone.
 //!
 //! Mixed precision without cast nodes: a layer takes its f32 parameters as its autograd inputs
 //! (the gradients land on them in f32) and computes with their bf16 working copies, which the
@@ -11,6 +12,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops::{self, ExpertAddrs, GroupedFfnSaved};
 use lazarus_kernels::Device as _;
+
+use crate::config::Activation;
 
 use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
 use crate::ops::WeightGradSink;
@@ -52,6 +55,51 @@ impl CustomOp1 for GpuGelu {
 /// GELU (tanh form) of an f32, f64 or bf16 tensor.
 pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
     x.contiguous()?.apply_op1(GpuGelu)
+}
+
+/// SwiGLU over rows h [.., 2f] = [gate | up] → [.., f].
+struct GpuSwiglu;
+
+impl CustomOp1 for GpuSwiglu {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-swiglu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, h: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::kernel("swiglu");
+        let gpu = Gpu::of_storage(h);
+        let (rows, f) = swiglu_sizes(l.shape())?;
+        let a = ops::swiglu_fwd(&gpu, dtype_of(h.dtype())?, storage_addr(h, l)?, rows, f)?;
+        let mut dims = l.shape().dims().to_vec();
+        *dims.last_mut().expect("checked to have a last dimension") = f;
+        Ok((gpu.storage(a)?, Shape::from(dims)))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let _p = crate::profile::kernel("swiglu.bwd");
+        let gpu = Gpu::of(h)?;
+        let (rows, f) = swiglu_sizes(h.shape())?;
+        let (h, g) = (h.contiguous()?, grad.contiguous()?);
+        let gh = ops::swiglu_bwd(&gpu, dtype_of(h.dtype())?, addr(&h)?, addr(&g)?, rows, f)?;
+        Ok(Some(gpu.tensor(gh, h.shape())?))
+    }
+}
+
+/// (rows, f) of SwiGLU's input [.., 2f].
+fn swiglu_sizes(shape: &Shape) -> candle_core::Result<(usize, usize)> {
+    match shape.dims().last() {
+        Some(&w) if w % 2 == 0 => Ok((shape.elem_count() / w.max(1), w / 2)),
+        _ => candle_core::bail!("swiglu: rows {shape:?} are not [gate | up] of an even width"),
+    }
+}
+
+/// SwiGLU of an f32, f64 or bf16 tensor [.., 2f] → [.., f].
+pub fn swiglu(h: &Tensor) -> candle_core::Result<Tensor> {
+    h.contiguous()?.apply_op1(GpuSwiglu)
 }
 
 /// x [.., din] · W [din, dout] (+ b) → [.., dout] of `out`.
@@ -213,8 +261,10 @@ pub fn linear_to(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute_w: Option<&
 /// Every expert of a layer over its rows as one node; the weights' gradients go to the sink.
 struct GpuGroupedFfn {
     counts: Vec<usize>,
-    /// Per expert [W1, b1, W2, b2]: the parameters, the keys of their gradients in the sink.
-    params: Vec<[Tensor; 4]>,
+    act: Activation,
+    /// Per expert its parameters, [W1, b1, W2, b2] or [W1, W2] (a model without FFN biases): the
+    /// keys of their gradients in the sink.
+    params: Vec<Vec<Tensor>>,
     /// Per expert [W1, W2] as the products read them (the parameters, or their working copies).
     compute: Vec<[Tensor; 2]>,
     saved: Mutex<Option<GroupedFfnSaved<CudaBuf>>>,
@@ -223,15 +273,30 @@ struct GpuGroupedFfn {
 
 impl GpuGroupedFfn {
     fn experts(&self) -> candle_core::Result<Vec<ExpertAddrs>> {
+        // A missing bias is a null address: the kernels add nothing.
+        let bias = |p: &[Tensor], i: usize| if p.len() == 4 { addr(&p[i]) } else { Ok(0) };
         self.params
             .iter()
             .zip(&self.compute)
-            .map(|(p, c)| Ok(ExpertAddrs { w1: addr(&c[0])?, b1: addr(&p[1])?, w2: addr(&c[1])?, b2: addr(&p[3])? }))
+            .map(|(p, c)| Ok(ExpertAddrs { w1: addr(&c[0])?, b1: bias(p, 1)?, w2: addr(&c[1])?, b2: bias(p, 3)? }))
             .collect()
     }
 
+    /// The hidden width: W2 is [f, d].
     fn f(&self) -> usize {
-        self.params.first().map_or(0, |p| p[1].elem_count())
+        self.compute.first().map_or(0, |c| c[1].dims().first().copied().unwrap_or(0))
+    }
+
+    fn activation(&self) -> lazarus_kernels::Activation {
+        kernels_activation(self.act)
+    }
+}
+
+/// The kernels' name for an activation.
+fn kernels_activation(act: Activation) -> lazarus_kernels::Activation {
+    match act {
+        Activation::Gelu => lazarus_kernels::Activation::Gelu,
+        Activation::Swiglu => lazarus_kernels::Activation::Swiglu,
     }
 }
 
@@ -251,8 +316,9 @@ impl CustomOp1 for GpuGroupedFfn {
         if self.counts.iter().sum::<usize>() != rows {
             candle_core::bail!("grouped expert ffn: {rows} rows, counts {:?}", self.counts);
         }
+        let dt = dtype_of(x.dtype())?;
         let (y, saved) =
-            ops::grouped_ffn_fwd(&gpu, dtype_of(x.dtype())?, storage_addr(x, l)?, &self.experts()?, &self.counts, d, self.f())?;
+            ops::grouped_ffn_fwd(&gpu, dt, self.activation(), storage_addr(x, l)?, &self.experts()?, &self.counts, d, self.f())?;
         if let Ok(mut s) = self.saved.lock() {
             *s = Some(saved);
         }
@@ -264,17 +330,21 @@ impl CustomOp1 for GpuGroupedFfn {
         let gpu = Gpu::of(x)?;
         let (_, d) = x.dims2()?;
         let f = self.f();
+        let f1 = self.act.first_width(f);
         let e = self.params.len();
         let (x, g) = (x.contiguous()?, grad.contiguous()?);
         let saved = self.saved.lock().map_err(|_| candle_core::Error::Msg("grouped expert ffn: poisoned".into()))?;
         let Some(saved) = saved.as_ref() else { candle_core::bail!("grouped expert ffn: backward before forward") };
-        let grads = ops::grouped_ffn_bwd(&gpu, dtype_of(x.dtype())?, addr(&x)?, addr(&g)?, &self.experts()?, &self.counts, saved, d, f)?;
-        let dw1 = gpu.tensor(grads.dw1, (e, d, f))?;
-        let db1 = gpu.tensor(grads.db1, (e, f))?;
+        let dt = dtype_of(x.dtype())?;
+        let grads = ops::grouped_ffn_bwd(&gpu, dt, self.activation(), addr(&x)?, addr(&g)?, &self.experts()?, &self.counts, saved, d, f)?;
+        let dw1 = gpu.tensor(grads.dw1, (e, d, f1))?;
+        let db1 = gpu.tensor(grads.db1, (e, f1))?;
         let dw2 = gpu.tensor(grads.dw2, (e, f, d))?;
         let db2 = gpu.tensor(grads.db2, (e, d))?;
         for (i, p) in self.params.iter().enumerate() {
-            for (t, all) in p.iter().zip([&dw1, &db1, &dw2, &db2]) {
+            // The gradients in the parameters' order; a model without FFN biases drops theirs.
+            let all: &[&Tensor] = if p.len() == 4 { &[&dw1, &db1, &dw2, &db2] } else { &[&dw1, &dw2] };
+            for (t, all) in p.iter().zip(all) {
                 self.sink.push(t, all.get(i)?.to_dtype(t.dtype())?);
             }
         }
@@ -283,31 +353,29 @@ impl CustomOp1 for GpuGroupedFfn {
 }
 
 /// The experts of a layer over rows grouped by expert (x [R, d], `counts[e]` rows of expert e),
-/// each GELU(x·W1 + b1)·W2 + b2; the weights' gradients go to `sink`. `params[e]` = [W1, b1, W2,
-/// b2]; `copies[e]`, when given, the [W1, W2] the products read (bf16 working copies for bf16
-/// rows).
+/// each act(x·W1 + b1)·W2 + b2; the weights' gradients go to `sink`. `params[e]` = [W1, b1, W2,
+/// b2], or [W1, W2] for experts without biases; `copies[e]`, when given, the [W1, W2] the products
+/// read (bf16 working copies for bf16 rows).
 pub fn grouped_expert_ffn_to_sink(
     x: &Tensor,
-    params: &[[&Tensor; 4]],
+    params: &[&[&Tensor]],
     copies: Option<&[[Tensor; 2]]>,
     counts: &[usize],
+    act: Activation,
     sink: &WeightGradSink,
 ) -> candle_core::Result<Tensor> {
-    let params: Vec<[Tensor; 4]> = params
-        .iter()
-        .map(|p| p.map(|t| t.contiguous()))
-        .map(|p| {
-            let [a, b, c, d] = p;
-            Ok([a?, b?, c?, d?])
-        })
-        .collect::<candle_core::Result<_>>()?;
+    if params.iter().any(|p| p.len() != 2 && p.len() != 4) {
+        candle_core::bail!("grouped expert ffn: an expert has 2 or 4 tensors")
+    }
+    let params: Vec<Vec<Tensor>> =
+        params.iter().map(|p| p.iter().map(|t| t.contiguous()).collect::<candle_core::Result<_>>()).collect::<candle_core::Result<_>>()?;
     let compute: Vec<[Tensor; 2]> = match copies {
         Some(c) => c.iter().map(|[a, b]| Ok([a.contiguous()?, b.contiguous()?])).collect::<candle_core::Result<_>>()?,
-        None => params.iter().map(|p| [p[0].clone(), p[2].clone()]).collect(),
+        None => params.iter().map(|p| [p[0].clone(), p[p.len() / 2].clone()]).collect(),
     };
     if compute.len() != params.len() || compute.iter().any(|c| c[0].dtype() != x.dtype() || c[1].dtype() != x.dtype()) {
         candle_core::bail!("grouped expert ffn: the products' weights must be of the rows' type {:?}", x.dtype());
     }
-    let op = GpuGroupedFfn { counts: counts.to_vec(), params, compute, saved: Mutex::new(None), sink: sink.clone() };
+    let op = GpuGroupedFfn { counts: counts.to_vec(), act, params, compute, saved: Mutex::new(None), sink: sink.clone() };
     x.contiguous()?.apply_op1(op)
 }

@@ -19,9 +19,9 @@ mod lt;
 mod norm;
 mod rows;
 
-pub use attention::{causal_attention, supported as attention_supported};
-pub use ffn::{gelu, grouped_expert_ffn_to_sink, linear_to};
-pub use norm::{cross_entropy, layer_norm_to, softmax_last};
+pub use attention::{causal_attention, rope, supported as attention_supported};
+pub use ffn::{gelu, grouped_expert_ffn_to_sink, linear_to, swiglu};
+pub use norm::{cross_entropy, layer_norm_to, rms_norm_to, softmax_last};
 pub use rows::{combine_rows_to, embed, gather_rows};
 
 use std::sync::OnceLock;

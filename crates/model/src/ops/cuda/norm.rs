@@ -1,10 +1,10 @@
-//! LayerNorm, softmax and cross-entropy on a GPU, as candle autograd nodes.
+//! LayerNorm, RMSNorm, softmax and cross-entropy on a GPU, as candle autograd nodes.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
-use lazarus_kernels::ops::{self, CrossEntropySaved, LayerNormSaved};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use lazarus_kernels::ops::{self, CrossEntropySaved, LayerNormSaved, RmsNormSaved};
 
 use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
 
@@ -82,6 +82,59 @@ impl CustomOp3 for GpuLayerNorm {
 pub fn layer_norm_to(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, out: DType) -> candle_core::Result<Tensor> {
     let op = GpuLayerNorm { eps, out, saved: Mutex::new(None) };
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+}
+
+/// RMSNorm whose output may be narrower than its input (f32 in, bf16 out for a bf16 product).
+struct GpuRmsNorm {
+    eps: f64,
+    out: DType,
+    saved: Mutex<Option<RmsNormSaved<CudaBuf>>>,
+}
+
+impl CustomOp2 for GpuRmsNorm {
+    fn name(&self) -> &'static str {
+        "lazarus-gpu-rms-norm"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        not_on_cpu(self.name())
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let _p = crate::profile::kernel("rms-norm.fwd");
+        let gpu = Gpu::of_storage(x);
+        let d = xl.shape().dims().last().copied().unwrap_or(1);
+        if wl.shape().elem_count() != d {
+            candle_core::bail!("rms norm: weight {:?} does not match input {:?}", wl.shape(), xl.shape());
+        }
+        let rows = xl.shape().elem_count() / d.max(1);
+        let (x_dt, y_dt) = (dtype_of(x.dtype())?, dtype_of(self.out)?);
+        let (y, saved) = ops::rms_norm_fwd(&gpu, x_dt, y_dt, storage_addr(x, xl)?, storage_addr(w, wl)?, rows, d, self.eps)?;
+        if let Ok(mut s) = self.saved.lock() {
+            *s = Some(saved);
+        }
+        Ok((gpu.storage(y)?, xl.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let _p = crate::profile::kernel("rms-norm.bwd");
+        let gpu = Gpu::of(x)?;
+        let d = x.dims().last().copied().unwrap_or(1);
+        let rows = x.elem_count() / d.max(1);
+        let (x, w, g) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
+        let saved = self.saved.lock().map_err(|_| candle_core::Error::Msg("rms norm: poisoned".into()))?;
+        let Some(saved) = saved.as_ref() else { candle_core::bail!("rms norm: backward before forward") };
+        let (dx, dw) =
+            ops::rms_norm_bwd(&gpu, dtype_of(x.dtype())?, dtype_of(g.dtype())?, addr(&x)?, addr(&w)?, addr(&g)?, saved, rows, d)?;
+        Ok((Some(gpu.tensor(dx, x.shape())?), Some(gpu.tensor(dw, w.shape())?)))
+    }
+}
+
+/// RMSNorm of x over its last dimension with a weight (of x's type), into `out` (x's type, or
+/// bf16 from f32).
+pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f64, out: DType) -> candle_core::Result<Tensor> {
+    let op = GpuRmsNorm { eps, out, saved: Mutex::new(None) };
+    x.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
 
 /// Softmax over the last dimension (f32 or f64).
