@@ -141,14 +141,17 @@ PY
 # What each switch buys, at the shapes where it matters (LAZARUS_GEMM=ex: cuBLAS choosing a kernel
 # for every expert's product, against cuBLASLt's algorithm per shape class; LAZARUS_GPU_POOL=trim:
 # the memory pool handing freed memory back at every synchronisation; LAZARUS_ATTENTION=simt: the
-# attention's products on the CUDA cores instead of the tensor cores). SWITCHES says which.
+# attention's products on the CUDA cores instead of the tensor cores; LAZARUS_ADAMW=per-tensor:
+# AdamW launched tensor by tensor instead of once over the list). SWITCHES says which.
 switches() {
-  for sw in ${SWITCHES:-attention}; do
+  for sw in ${SWITCHES:-attention adamw}; do
     case $sw in
       gemmex) bench large-bf16-gemmex 60 "LAZARUS_GEMM=ex" $large --iters 5 --dtype bf16 --no-torch --profile
               bench default-bf16-gemmex 40 "LAZARUS_GEMM=ex" --dtype bf16 --no-torch --profile ;;
       pool) bench large-bf16-pool-trim 60 "LAZARUS_GPU_POOL=trim" $large --iters 5 --dtype bf16 --no-torch --profile ;;
       attention) bench large-bf16-attention-simt 60 "LAZARUS_ATTENTION=simt" $large --iters 5 --dtype bf16 --no-torch --profile ;;
+      adamw) bench default-bf16-adamw-per-tensor 40 "LAZARUS_ADAMW=per-tensor" --dtype bf16 --no-torch --profile
+             bench large-bf16-adamw-per-tensor 60 "LAZARUS_ADAMW=per-tensor" $large --iters 5 --dtype bf16 --no-torch --profile ;;
     esac
   done
 }

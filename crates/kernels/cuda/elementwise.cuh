@@ -159,6 +159,52 @@ __device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64
     }
 }
 
+// AdamW on every f32 tensor of a list in one launch (a model's hundreds of tensors would each be
+// a launch of their own): `table` holds the parts' starts, then one record per tensor. starts[t]
+// (t ≤ tensors) is the first part of tensor t, starts[tensors] the total; a record is ADAMW_RECORD
+// u64s: p, g, m, v, copy (0: none), n, then the seven coefficients as f32 bits, two a word, in
+// the kernel's order. Blocks stride over the parts (`part` elements each); each element takes
+// the single-tensor kernel's formula above, so the bits are its bits.
+#define ADAMW_RECORD 10
+__device__ void adamw_list(const u64* table, u32 tensors, u64 part) {
+    const u64* starts = table;
+    const u64* records = table + tensors + 1;
+    const u64 total = starts[tensors];
+    for (u64 q = blockIdx.x; q < total; q += gridDim.x) {
+        // The tensor of part q: the last t with starts[t] ≤ q (an empty tensor has no part).
+        u32 lo_t = 0, hi_t = tensors - 1;
+        while (lo_t < hi_t) {
+            const u32 mid = (lo_t + hi_t + 1) / 2;
+            if (starts[mid] <= q) lo_t = mid; else hi_t = mid - 1;
+        }
+        const u64* r = records + (u64)lo_t * ADAMW_RECORD;
+        float k[8];
+        for (int j = 0; j < 4; ++j) {
+            const u64 w = r[6 + j];
+            const u32 a = (u32)(w & 0xffffffffu), b = (u32)(w >> 32);
+            k[2 * j] = __uint_as_float(a);
+            k[2 * j + 1] = __uint_as_float(b);
+        }
+        float* p = (float*)r[0];
+        const float* g = (const float*)r[1];
+        float* m = (float*)r[2];
+        float* v = (float*)r[3];
+        bf16* copy = (bf16*)r[4];
+        const u64 n = r[5], lo = (q - starts[lo_t]) * part, hi = lo + part < n ? lo + part : n;
+        const float b1 = k[0], b2 = k[1], scale = k[2], step_size = k[3], inv_bc2_sqrt = k[4], eps = k[5], keep = k[6];
+        for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            const float gi = g[i] * scale;
+            const float mi = b1 * m[i] + (1.0f - b1) * gi;
+            const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
+            p[i] = pi;
+            if (copy) copy[i] = __float2bfloat16(pi);
+        }
+    }
+}
+
 // Sums of squares of f32 tensors in f64, in two launches and a fixed order (the same bits on every
 // run, unlike atomics). Each block of a tensor's pass sums its contiguous part (part elements)
 // into parts[first + blockIdx.x]; then one block per tensor adds its parts in order.
@@ -253,6 +299,9 @@ extern "C" __global__ void lazarus_adamw_f32(float* p, const float* g, float* m,
     adamw<float>(p, g, m, v, copy, n, b1, b2, scale, step_size, inv_bc2_sqrt, eps, keep);
 }
 EMU_REGISTER(lazarus_adamw_f32)
+
+extern "C" __global__ void lazarus_adamw_list_f32(const u64* table, u32 tensors, u64 part) { adamw_list(table, tensors, part); }
+EMU_REGISTER(lazarus_adamw_list_f32)
 
 extern "C" __global__ void lazarus_sum_squares_parts_f32(const u64* addrs, const u64* lens, const u32* starts, u32 tensors, u64 part,
                                                           double* parts) {

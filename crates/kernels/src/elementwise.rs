@@ -171,6 +171,58 @@ pub fn adamw(p: u64, g: u64, m: u64, v: u64, copy: u64, n: usize, k: AdamWScalar
     launch("lazarus_adamw_f32".into(), [(n as u64).div_ceil(THREADS as u64).clamp(1, 4096) as u32, 1, 1], [THREADS, 1, 1], args)
 }
 
+/// u64 words of one tensor's record in [`adamw_list`]'s table.
+pub const ADAMW_RECORD: usize = 10;
+
+/// One tensor of [`adamw_list`]: the addresses of [`adamw`]'s operands (f32 p, g, m, v; the bf16
+/// copy, 0 for none), its length and its coefficients.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWTensor {
+    pub p: u64,
+    pub g: u64,
+    pub m: u64,
+    pub v: u64,
+    pub copy: u64,
+    pub n: usize,
+    pub k: AdamWScalars,
+}
+
+/// Elements of a tensor each block of [`adamw_list`] takes.
+pub const ADAMW_PART: usize = 1 << 16;
+
+/// The table [`adamw_list`] reads (to upload as u64s): each tensor's first part, then the total
+/// (tensors + 1 words), then each tensor's record of [`ADAMW_RECORD`] words — its five addresses,
+/// its length, its seven coefficients as f32 bits two a word (the last word's upper half 0).
+pub fn adamw_table(tensors: &[AdamWTensor]) -> Vec<u64> {
+    let mut table = Vec::with_capacity(tensors.len() * (ADAMW_RECORD + 1) + 1);
+    let mut at = 0u64;
+    for t in tensors {
+        table.push(at);
+        at += t.n.div_ceil(ADAMW_PART) as u64;
+    }
+    table.push(at);
+    for t in tensors {
+        let k: Vec<u64> = t.k.iter().map(|x| x.to_bits() as u64).chain([0]).collect();
+        table.extend([t.p, t.g, t.m, t.v, t.copy, t.n as u64]);
+        table.extend(k.chunks(2).map(|pair| pair[0] | pair[1] << 32));
+    }
+    table
+}
+
+/// AdamW on every tensor of a list in one launch, each element by [`adamw`]'s formula (the same
+/// bits): `table` is [`adamw_table`] of the `tensors` on the device, `parts` its total of parts.
+pub fn adamw_list(table: u64, tensors: usize, parts: usize) -> Result<Launch, KernelError> {
+    if tensors == 0 {
+        return Err(KernelError::Size { family: FAMILY, what: "an AdamW list of no tensors".into() });
+    }
+    Ok(launch(
+        "lazarus_adamw_list_f32".into(),
+        [parts.clamp(1, 1 << 16) as u32, 1, 1],
+        [THREADS, 1, 1],
+        vec![Arg::Ptr(table), Arg::U32(size_u32(FAMILY, "tensors", tensors)?), Arg::U64(ADAMW_PART as u64)],
+    ))
+}
+
 /// Elements of a tensor each block of a sum of squares takes.
 pub const SQUARES_PART: usize = 1 << 16;
 

@@ -29,8 +29,8 @@ mod rows;
 pub use attention::{attention_bwd, attention_fwd, attention_supported, AttentionKernels, ATTENTION_MAX_HEAD_DIM};
 pub use device::{Device, Elem, Gemm};
 pub use elementwise::{
-    adamw, bias_activation_fwd, bias_add_rows, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts, sum_squares_parts,
-    swiglu, swiglu_bwd, Activation, AdamWScalars, SQUARES_PART,
+    adamw, adamw_list, adamw_table, bias_activation_fwd, bias_add_rows, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts,
+    sum_squares_parts, swiglu, swiglu_bwd, Activation, AdamWScalars, AdamWTensor, ADAMW_PART, ADAMW_RECORD, SQUARES_PART,
 };
 pub use norm::{
     column_sums, column_sums_workspace, cross_entropy_bwd, cross_entropy_fwd, layer_norm_bwd, layer_norm_bwd_workspace, layer_norm_fwd,

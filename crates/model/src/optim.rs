@@ -272,8 +272,8 @@ impl AdamW {
     }
 
     /// The update of parameters that live on a GPU: the same formula as [`adamw_pass`], in f32,
-    /// by our kernel in place on CUDA (`ops::cuda::adamw_update`), else by candle's elementwise
-    /// ops with the parameter set to the result.
+    /// by our kernel in place on CUDA, every tensor in one launch (`ops::cuda::adamw_update_all`),
+    /// else by candle's elementwise ops with the parameter set to the result.
     fn update_on_device(
         &mut self,
         params: &ParamStore,
@@ -285,6 +285,9 @@ impl AdamW {
         if grads.len() != params.len() {
             return Err(ModelError::config("gradients", grads.len(), format!("expected one entry per parameter ({})", params.len())));
         }
+        // Our kernel's updates, launched together after the loop.
+        #[cfg(feature = "cuda")]
+        let mut listed = Vec::new();
         for (i, (var, g)) in params.vars().iter().zip(grads).enumerate() {
             let Some(g) = g else { continue };
             if g.elem_count() != var.elem_count() {
@@ -304,7 +307,8 @@ impl AdamW {
             #[cfg(feature = "cuda")]
             if var.dtype() == DType::F32 && var.is_contiguous() && var.device().is_cuda() && copy.is_none_or(|c| c.is_contiguous()) {
                 let k = [k.b1, k.b2, k.scale, k.step_size, k.inv_bc2_sqrt, k.eps, k.keep];
-                crate::ops::cuda::adamw_update(var.as_tensor(), &g, m, v, copy, k)?;
+                let (p, m, v, copy) = (var.as_tensor().clone(), m.clone(), v.clone(), copy.cloned());
+                listed.push(crate::ops::cuda::AdamWUpdate { p, g, m, v, copy, k });
                 continue;
             }
             *m = ((m.affine(k.b1 as f64, 0.0)? + g.affine(((1.0 - k.b1) * k.scale) as f64, 0.0)?)?).contiguous()?;
@@ -318,6 +322,8 @@ impl AdamW {
                 c.slice_set(&var.as_tensor().to_dtype(c.dtype())?.reshape(c.shape())?, 0, 0)?;
             }
         }
+        #[cfg(feature = "cuda")]
+        crate::ops::cuda::adamw_update_all(&listed)?;
         Ok(())
     }
 

@@ -6,12 +6,14 @@
 //! Inputs are device addresses of contiguous row-major arrays; host-side inputs (routing, token
 //! ids, targets) are validated here before anything reads them on the device.
 
+mod adamw;
 mod attention;
 mod ffn;
 mod norm;
 mod rows;
 mod squares;
 
+pub use adamw::adamw_all;
 pub use attention::{attention_bwd, attention_fwd, rope};
 pub use ffn::{
     grouped_ffn_bwd, grouped_ffn_fwd, linear_bwd, linear_fwd, swiglu_bwd, swiglu_fwd, ExpertAddrs, GroupedFfnGrads, GroupedFfnSaved,

@@ -470,3 +470,89 @@ fn adamw_kernel_is_the_cpu_pass_and_refreshes_the_working_copy() {
     let c = copy.to_f64(Dtype::Bf16);
     assert!(c.iter().zip(&new).all(|(c, p)| (*c - *p).abs() <= p.abs() / 256.0 + 1e-30), "the working copy is the new parameter in bf16");
 }
+
+/// AdamW over a list of tensors in one launch against the single-tensor kernel, bit for bit:
+/// tensors of one part, of several with a partial last one, empty, of one element; with and
+/// without working copies and with different coefficients each; and with fewer blocks than parts.
+#[test]
+fn adamw_over_a_list_is_the_single_tensor_kernel_bit_for_bit() {
+    let sizes = [3000usize, lazarus_kernels::ADAMW_PART * 2 + 5, 0, 1, 700];
+    let e = ORDERS[0];
+    // Per tensor: p, g, m, v (f32) and a bf16 copy for the even-numbered ones.
+    let make = |seed: u64| -> Vec<(Vec<HostBuffer>, Option<HostBuffer>)> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let s = seed + 10 * i as u64;
+                let bufs = (0..4)
+                    .map(|j| {
+                        HostBuffer::from_f64(
+                            Dtype::F32,
+                            &testing::data(n, s + j).iter().map(|x| x.abs() * 0.1 + if j == 3 { 0.01 } else { 0.0 }).collect::<Vec<_>>(),
+                        )
+                    })
+                    .collect();
+                let copy = (i % 2 == 0).then(|| e.alloc(Dtype::Bf16.into(), n).unwrap());
+                (bufs, copy)
+            })
+            .collect()
+    };
+    let coeffs = |i: usize| -> lazarus_kernels::AdamWScalars {
+        [0.9, 0.95, 0.7 + 0.01 * i as f32, 1e-2, 1.3, 1e-8, if i == 1 { 1.0 } else { 0.999 }]
+    };
+    let list = |set: &[(Vec<HostBuffer>, Option<HostBuffer>)]| -> Vec<lazarus_kernels::AdamWTensor> {
+        set.iter()
+            .zip(&sizes)
+            .enumerate()
+            .map(|(i, ((b, c), &n))| lazarus_kernels::AdamWTensor {
+                p: b[0].addr(),
+                g: b[1].addr(),
+                m: b[2].addr(),
+                v: b[3].addr(),
+                copy: c.as_ref().map_or(0, |c| c.addr()),
+                n,
+                k: coeffs(i),
+            })
+            .collect()
+    };
+    let bits = |set: &[(Vec<HostBuffer>, Option<HostBuffer>)]| -> Vec<Vec<u64>> {
+        set.iter()
+            .flat_map(|(b, c)| {
+                let mut out: Vec<Vec<u64>> =
+                    [0, 2, 3].iter().map(|&j| b[j].to_f64(Dtype::F32).iter().map(|x| x.to_bits()).collect()).collect();
+                if let Some(c) = c {
+                    out.push(c.to_f64(Dtype::Bf16).iter().map(|x| x.to_bits()).collect());
+                }
+                out
+            })
+            .collect()
+    };
+    // The single-tensor kernel, tensor by tensor.
+    let single = make(100);
+    for t in list(&single) {
+        if t.n > 0 {
+            // SAFETY: each buffer holds n elements of its type.
+            unsafe { e.launch(&lazarus_kernels::adamw(t.p, t.g, t.m, t.v, t.copy, t.n, t.k)).unwrap() };
+        }
+    }
+    // One launch over the list.
+    let all = make(100);
+    // SAFETY: as above; the tensors are distinct buffers.
+    unsafe { ops::adamw_all(&e, &list(&all)).unwrap() };
+    assert_eq!(bits(&single), bits(&all), "one launch over the list is the per-tensor kernel");
+    // Two blocks striding over every part.
+    let strided = make(100);
+    let table = lazarus_kernels::adamw_table(&list(&strided));
+    let parts = table[sizes.len()] as usize;
+    // Parts of 2^16 elements: 1, 3, none for the empty tensor, 1, 1.
+    assert_eq!(parts, 6, "a part per 2^16 elements, none for an empty tensor");
+    let on_device = e.upload_u64(&table).unwrap();
+    let mut l = lazarus_kernels::adamw_list(on_device.addr(), sizes.len(), parts).unwrap();
+    l.grid = [2, 1, 1];
+    // SAFETY: the table of the tensors above.
+    unsafe { e.launch(&l).unwrap() };
+    assert_eq!(bits(&single), bits(&strided), "blocks striding over the parts");
+    // An untouched run differs: the comparison sees the update.
+    assert_ne!(bits(&single), bits(&make(100)));
+}

@@ -339,6 +339,58 @@ pub fn adamw_update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, copy: Option
     Ok(())
 }
 
+/// One tensor's AdamW update for [`adamw_update_all`]: as [`adamw_update`]'s arguments.
+pub struct AdamWUpdate {
+    pub p: Tensor,
+    pub g: Tensor,
+    pub m: Tensor,
+    pub v: Tensor,
+    pub copy: Option<Tensor>,
+    pub k: AdamWScalars,
+}
+
+/// Every update of the list, as [`adamw_update`] would make them one by one, in one launch (a
+/// model's hundreds of tensors were as many launches). `LAZARUS_ADAMW=per-tensor` (read once)
+/// launches one kernel per tensor instead: the "before" of the benchmarks.
+pub fn adamw_update_all(updates: &[AdamWUpdate]) -> candle_core::Result<()> {
+    static PER_TENSOR: OnceLock<bool> = OnceLock::new();
+    if *PER_TENSOR.get_or_init(|| std::env::var("LAZARUS_ADAMW").is_ok_and(|v| v == "per-tensor")) {
+        for u in updates {
+            adamw_update(&u.p, &u.g, &u.m, &u.v, u.copy.as_ref(), u.k)?;
+        }
+        return Ok(());
+    }
+    let Some(first) = updates.first() else { return Ok(()) };
+    let gpu = Gpu::of(&first.p)?;
+    let mut list = Vec::with_capacity(updates.len());
+    for u in updates {
+        let n = u.p.elem_count();
+        if [&u.g, &u.m, &u.v].iter().chain(u.copy.as_ref().as_ref()).any(|t| t.elem_count() != n) {
+            candle_core::bail!(
+                "adamw: {n} parameters, gradient {}, moments {} and {}",
+                u.g.elem_count(),
+                u.m.elem_count(),
+                u.v.elem_count()
+            );
+        }
+        if [&u.p, &u.g, &u.m, &u.v].iter().any(|t| t.dtype() != DType::F32) || u.copy.as_ref().is_some_and(|c| c.dtype() != DType::BF16) {
+            candle_core::bail!("adamw: f32 parameter, gradient and moments (and a bf16 working copy)");
+        }
+        if [&u.p, &u.g, &u.m, &u.v].iter().chain(u.copy.as_ref().as_ref()).any(|t| !t.device().same_device(first.p.device())) {
+            candle_core::bail!("adamw: every tensor of the update on one GPU");
+        }
+        let copy = match &u.copy {
+            Some(c) => addr(c)?,
+            None => 0,
+        };
+        list.push(lazarus_kernels::AdamWTensor { p: addr(&u.p)?, g: addr(&u.g)?, m: addr(&u.m)?, v: addr(&u.v)?, copy, n, k: u.k });
+    }
+    // SAFETY: each record's buffers hold n elements of their types on this GPU (checked above);
+    // each update is a different parameter with its own moments and copy (the optimizer's list).
+    unsafe { lazarus_kernels::ops::adamw_all(&gpu, &list)? };
+    Ok(())
+}
+
 /// Σ x² of each f32 tensor (contiguous, on one GPU), in f64: every block of the device on a
 /// fixed part of a tensor, then one block per tensor adding its parts in order; one copy of the
 /// sums to the host.
