@@ -7,7 +7,7 @@ use lazarus_model::profile;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
-use super::packing::{pack, unpack, wire, Packing};
+use super::packing::{pack, unpack, wire, Local, Packing, Rows, Source};
 use super::{DispatchMode, DistributedMoe, MoeForward};
 use crate::error::RuntimeError;
 
@@ -88,10 +88,15 @@ impl DistributedMoe {
         };
         let layout = RankLayout::new(&schedule, me, &choices)?;
         let packing = Packing::new(&layout, self.mode, &self.replicas, &tokens, me)?;
-        // Dispatch: the row of h of every slot, at its place in the buffer.
+        // Dispatch: the row of h of every slot bound for another rank, at its place in the
+        // buffer. The slots this rank computes itself never leave the device: the experts read
+        // their rows from h there, and their outputs stay there for the combine (`Local`).
+        let local = Local::new(&layout, &packing, me, k)?;
+        let remote = packing.without(me);
         let pack_scope = profile::kernel("to host");
-        let h_host: Vec<f32> = h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let sends = pack(&packing.send_rows, &packing.send_len, d, |dst, i| {
+        let h_host: Vec<f32> =
+            if remote.send_len.iter().any(|&l| l > 0) { h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()? } else { Vec::new() };
+        let sends = pack(&remote.send_rows, &remote.send_len, d, |dst, i| {
             let tok = layout.send[dst][i] as usize / k;
             &h_host[tok * d..(tok + 1) * d]
         });
@@ -101,14 +106,15 @@ impl DistributedMoe {
             let _p = profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        let recv_rows = unpack(&received, &packing.recv_len, d, "dispatched tokens")?;
+        let recv_rows = unpack(&received, &remote.recv_len, d, "dispatched tokens")?;
         // Expert segments: per local expert, its block from every source in rank order.
         let experts_scope = profile::kernel("experts");
         // Every local expert's rows, expert after expert (each one's from every source in rank
-        // order), in one buffer: one copy to the device, one of the outputs back.
+        // order), in one tensor: the rows from other ranks in one copy to the device, this rank's
+        // own gathered from h where it is.
         // (expert, its (first row, rows) block from each rank, its rows in all)
         let mut held: Vec<(usize, Blocks, usize)> = Vec::new();
-        let mut x_all = Vec::new();
+        let mut rows_in = Rows::new(h.detach(), d);
         for e in 0..e_count {
             let blocks: Vec<(usize, usize)> = (0..ranks).map(|src| packing.recv_blocks[src][e]).collect();
             let total: usize = blocks.iter().map(|b| b.1).sum();
@@ -122,19 +128,23 @@ impl DistributedMoe {
                 });
             }
             for (src, &(o, c)) in blocks.iter().enumerate() {
-                x_all.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+                for r in o..o + c {
+                    match src == me {
+                        true => rows_in.from_device(local.token_at[r]),
+                        false => rows_in.from_host(&recv_rows[src][r * d..(r + 1) * d]),
+                    }
+                }
             }
             held.push((e, blocks, total));
         }
         let mut segments = Vec::with_capacity(held.len());
-        let mut outputs_by_src: Vec<Vec<f32>> = packing.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        let mut outputs_by_src: Vec<Vec<f32>> = remote.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        // Each row of this rank's self buffer: its row among the experts' outputs.
+        let mut own_output = vec![None; local.token_at.len()];
+        let mut outputs = None;
         if !held.is_empty() {
-            let rows = x_all.len() / d;
-            let x_dev = {
-                let _p = profile::kernel("to device");
-                Tensor::from_vec(x_all, (rows, d), h.device())?
-            };
-            let (mut at, mut ys, mut lens) = (0, Vec::with_capacity(held.len()), Vec::with_capacity(held.len()));
+            let x_dev = rows_in.gather()?;
+            let (mut at, mut ys) = (0, Vec::with_capacity(held.len()));
             for (e, blocks, _) in held {
                 // Deterministic: each sender's block on its own (see `DispatchMode`), as
                 // segments of one block each, in the same row order.
@@ -151,19 +161,38 @@ impl DistributedMoe {
                     let x = Var::from_tensor(&x_dev.narrow(0, at, total)?)?;
                     at += total;
                     let y = self.experts[&e].forward(x.as_tensor())?;
-                    ys.push(Some(y.clone()));
-                    lens.push(total * d);
+                    ys.push(y.detach());
                     segments.push((e, x, y, blocks));
                 }
             }
-            let y_all = crate::host_copy::to_host(&ys, &lens)?;
-            let mut row = 0;
+            let y_dev = Tensor::cat(&ys, 0)?;
+            // The outputs other ranks wait for, in one copy to the host; this rank's own stay.
+            let (mut row, mut going) = (0, Vec::new());
             for (_, _, _, blocks) in &segments {
                 for (src, &(o, c)) in blocks.iter().enumerate() {
-                    outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_all[row * d..(row + c) * d]);
-                    row += c;
+                    for r in o..o + c {
+                        match src == me {
+                            true => own_output[r] = Some(row as u32),
+                            false => going.push(row as u32),
+                        }
+                        row += 1;
+                    }
                 }
             }
+            let y_host: Vec<f32> = if going.is_empty() {
+                Vec::new()
+            } else {
+                let _p = profile::kernel("to host");
+                lazarus_model::ops::gather_rows(&y_dev, &going)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?
+            };
+            let mut at = 0;
+            for (_, _, _, blocks) in &segments {
+                for (src, &(o, c)) in blocks.iter().enumerate().filter(|(src, _)| *src != me) {
+                    outputs_by_src[src][o * d..(o + c) * d].copy_from_slice(&y_host[at * d..(at + c) * d]);
+                    at += c;
+                }
+            }
+            outputs = Some(y_dev);
         }
         drop(experts_scope);
         // Return expert outputs to the ranks the tokens came from (same buffers, reversed).
@@ -173,17 +202,30 @@ impl DistributedMoe {
             let _p = profile::kernel("transport");
             all_to_all_v(t, world, &back, self.timeout)?
         };
-        let results = unpack(&results, &packing.send_len, d, "expert results")?;
-        let mut slots = vec![0f32; n * k * d];
-        for (dst, rows) in results.iter().enumerate() {
+        let results = unpack(&results, &remote.send_len, d, "expert results")?;
+        // Every slot's output in its place: from the results other ranks sent (one copy to the
+        // device), or from this rank's own outputs on the device; a slot nobody computed is zero.
+        let mut slots = Rows::new(outputs.unwrap_or(Tensor::zeros((0, d), DType::F32, h.device())?), d);
+        let mut by_slot: Vec<Option<Source>> = vec![None; n * k];
+        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me) {
             for (i, &s) in layout.send[dst].iter().enumerate() {
-                let (s, r) = (s as usize, packing.send_rows[dst][i]);
-                slots[s * d..(s + 1) * d].copy_from_slice(&rows[r * d..(r + 1) * d]);
+                let r = packing.send_rows[dst][i];
+                by_slot[s as usize] = Some(Source::Host(&rows[r * d..(r + 1) * d]));
+            }
+        }
+        for (i, &s) in layout.send[me].iter().enumerate() {
+            by_slot[s as usize] = own_output[packing.send_rows[me][i]].map(Source::Device);
+        }
+        for source in by_slot {
+            match source {
+                Some(Source::Host(row)) => slots.from_host(row),
+                Some(Source::Device(r)) => slots.from_device(Some(r)),
+                None => slots.from_device(None),
             }
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
         let _combine = profile::kernel("combine");
-        let slots_in = Var::from_tensor(&Tensor::from_vec(slots, (n, k, d), h.device())?)?;
+        let slots_in = Var::from_tensor(&slots.gather()?.reshape((n, k, d))?)?;
         let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
         let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
         let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

@@ -1,6 +1,9 @@
-//! Row positions inside the all-to-all buffers (shared by the four exchanges of a step), and
-//! packing rows into and out of wire buffers.
+//! Row positions inside the all-to-all buffers (shared by the four exchanges of a step), packing
+//! rows into and out of wire buffers, and the rows a rank keeps for itself: a rank's slots for its
+//! own experts go through no buffer — their rows are read from h on the device and their outputs
+//! stay there ([`Local`], [`Rows`]), so only what other ranks send or wait for crosses the host.
 
+use candle_core::{DType, Tensor};
 use lazarus_comm::{bytes_to_f32, f32_wire};
 use lazarus_plan::RankLayout;
 
@@ -83,6 +86,119 @@ impl Packing {
                 Ok(Packing { send_rows, send_len, recv_blocks, recv_len: vec![mine.len() * cap; ranks] })
             }
         }
+    }
+}
+
+impl Packing {
+    /// The buffers that cross to other ranks: these positions with this rank's own buffer empty.
+    pub(super) fn without(&self, me: usize) -> Remote {
+        let mut remote = Remote { send_rows: self.send_rows.clone(), send_len: self.send_len.clone(), recv_len: self.recv_len.clone() };
+        if let Some(rows) = remote.send_rows.get_mut(me) {
+            rows.clear();
+        }
+        for len in [remote.send_len.get_mut(me), remote.recv_len.get_mut(me)].into_iter().flatten() {
+            *len = 0;
+        }
+        remote
+    }
+}
+
+/// The all-to-all buffers' positions without a rank's buffer to itself (see [`Packing`]).
+pub(super) struct Remote {
+    pub(super) send_rows: Vec<Vec<usize>>,
+    pub(super) send_len: Vec<usize>,
+    pub(super) recv_len: Vec<usize>,
+}
+
+/// The buffer a rank would send itself, never built: the token of each of its rows (None: a
+/// padding row, zeros).
+pub(super) struct Local {
+    pub(super) token_at: Vec<Option<u32>>,
+}
+
+impl Local {
+    pub(super) fn new(layout: &RankLayout, packing: &Packing, me: usize, k: usize) -> Result<Self, RuntimeError> {
+        let (sent, received) = (packing.send_len[me], packing.recv_len[me]);
+        if sent != received {
+            return Err(RuntimeError::Invalid {
+                field: "dispatch layout",
+                reason: format!("rank {me} would send itself {sent} rows and receive {received}"),
+            });
+        }
+        let mut token_at = vec![None; sent];
+        for (i, &s) in layout.send[me].iter().enumerate() {
+            token_at[packing.send_rows[me][i]] = Some(s / k as u32);
+        }
+        Ok(Local { token_at })
+    }
+}
+
+/// Where a row of [`Rows`] comes from.
+#[derive(Clone, Copy)]
+pub(super) enum Source<'a> {
+    /// A row received on the host.
+    Host(&'a [f32]),
+    /// A row of the device tensor.
+    Device(u32),
+}
+
+/// A tensor of rows assembled on the device in order: rows of a device tensor (read there),
+/// rows from the host (one copy to the device for all of them), and zero rows. One gather.
+pub(super) struct Rows {
+    device: Tensor,
+    host: Vec<f32>,
+    /// Per row: Ok(device row) or Err(host row, None for a zero row).
+    places: Vec<Result<u32, Option<u32>>>,
+    d: usize,
+}
+
+impl Rows {
+    pub(super) fn new(device: Tensor, d: usize) -> Self {
+        Rows { device, host: Vec::new(), places: Vec::new(), d }
+    }
+
+    /// The next row from the host.
+    pub(super) fn from_host(&mut self, row: &[f32]) {
+        self.places.push(Err(Some((self.host.len() / self.d.max(1)) as u32)));
+        self.host.extend_from_slice(row);
+    }
+
+    /// The next row: row `r` of the device tensor, or zeros.
+    pub(super) fn from_device(&mut self, r: Option<u32>) {
+        self.places.push(r.map_or(Err(None), Ok));
+    }
+
+    /// The rows [rows, d] (f32) on the device tensor's device.
+    pub(super) fn gather(self) -> Result<Tensor, RuntimeError> {
+        let Rows { device, host, places, d } = self;
+        let dev = device.device().clone();
+        if places.is_empty() {
+            return Ok(Tensor::zeros((0, d), DType::F32, &dev)?);
+        }
+        let on_device = device.dim(0)?;
+        let host_rows = host.len() / d.max(1);
+        let mut parts = Vec::with_capacity(3);
+        if on_device > 0 {
+            parts.push(device.to_dtype(DType::F32)?);
+        }
+        if host_rows > 0 {
+            let _p = lazarus_model::profile::kernel("to device");
+            parts.push(Tensor::from_vec(host, (host_rows, d), &dev)?);
+        }
+        let zero = (on_device + host_rows) as u32;
+        if places.iter().any(|p| *p == Err(None)) {
+            parts.push(Tensor::zeros((1, d), DType::F32, &dev)?);
+        }
+        let source = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 0)? };
+        let index: Vec<u32> = places
+            .iter()
+            .map(|p| match *p {
+                Ok(r) => r,
+                Err(Some(j)) => on_device as u32 + j,
+                Err(None) => zero,
+            })
+            .collect();
+        Ok(lazarus_model::ops::gather_rows(&source, &index)?)
     }
 }
 
