@@ -4,10 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
-use super::packing::{pack, unpack, wire};
+use super::packing::{pack, unpack, wire, Local, Rows};
 use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
 use crate::error::RuntimeError;
 
@@ -28,11 +28,10 @@ impl DistributedMoe {
         // Combine segment backward: gradients for the slots input, the router (gate) and h.
         let seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
         let router = seeded.backward()?;
-        let d_slots: Vec<f32> = router
-            .get(fwd.slots_in.as_tensor())
-            .map(|g| g.flatten_all().and_then(|g| g.to_vec1()))
-            .transpose()?
-            .unwrap_or_else(|| vec![0.0; n * k * d]);
+        let d_slots = match router.get(fwd.slots_in.as_tensor()) {
+            Some(g) => g.to_dtype(DType::F32)?.reshape((n * k, d))?,
+            None => Tensor::zeros((n * k, d), DType::F32, self.gate.device())?,
+        };
         let experts = self.backward_from_slots(t, world, fwd, &d_slots)?;
         let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
             Some(g) => g.flatten_all()?.to_vec1()?,
@@ -49,27 +48,25 @@ impl DistributedMoe {
     }
 
     /// The expert path of backward alone, for a caller that runs the router/combine backward
-    /// inside its own graph: `grad_output` is d(loss)/d(output) [n·d], the slot gradients are
-    /// w[t, j] · grad_output[t] (the combine is linear in the slots).
+    /// inside its own graph: `grad_output` is d(loss)/d(output) for the n tokens (n·d values,
+    /// where the layer ran), the slot gradients are w[t, j] · grad_output[t] (the combine is
+    /// linear in the slots), made there too.
     pub fn expert_backward(
         &self,
         t: &mut dyn Transport,
         world: &mut Group,
         fwd: &MoeForward,
-        grad_output: &[f32],
+        grad_output: &Tensor,
     ) -> Result<ExpertGrads, RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
-        if grad_output.len() != n * d {
+        if grad_output.elem_count() != n * d {
             return Err(RuntimeError::Invalid {
                 field: "grad_output",
-                reason: format!("{} values for {n} tokens × {d}", grad_output.len()),
+                reason: format!("{} values for {n} tokens × {d}", grad_output.elem_count()),
             });
         }
-        let mut d_slots = vec![0f32; n * k * d];
-        for (slot, out) in d_slots.chunks_mut(d).enumerate() {
-            let (w, g) = (fwd.combine[slot], &grad_output[(slot / k) * d..(slot / k + 1) * d]);
-            out.iter_mut().zip(g).for_each(|(o, &g)| *o = w * g);
-        }
+        let g = grad_output.detach().to_dtype(DType::F32)?.reshape((n, 1, d))?;
+        let d_slots = g.broadcast_mul(&fwd.combine.reshape((n, k, 1))?)?.reshape((n * k, d))?;
         self.backward_from_slots(t, world, fwd, &d_slots)
     }
 
@@ -80,12 +77,15 @@ impl DistributedMoe {
     /// while this thread all-reduces each bucket as soon as its gradients are ready, so the
     /// replicas' gradient traffic overlaps the remaining experts' compute instead of following
     /// it (static EP, one replica per expert, has no such traffic to hide).
+    ///
+    /// `d_slots` [n·k, d] is on the layer's device: the slots other ranks computed go there
+    /// through the host, this rank's own never leave it (as in the forward).
     fn backward_from_slots(
         &self,
         t: &mut dyn Transport,
         world: &mut Group,
         fwd: &MoeForward,
-        d_slots: &[f32],
+        d_slots: &Tensor,
     ) -> Result<ExpertGrads, RuntimeError> {
         let d = fwd.d;
         let ranks = t.world();
@@ -93,16 +93,30 @@ impl DistributedMoe {
         // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let me = t.rank();
         let p = &fwd.packing;
-        let sends = pack(&p.send_rows, &p.send_len, d, |dst, i| {
-            let s = fwd.layout.send[dst][i] as usize;
-            &d_slots[s * d..(s + 1) * d]
+        let remote = p.without(me);
+        let local = Local::new(&fwd.layout, p, me, self.top_k)?;
+        // The rows other ranks get, gathered on the device in their buffers' order, in one copy.
+        let going: Vec<u32> = (0..ranks).filter(|&dst| dst != me).flat_map(|dst| fwd.layout.send[dst].iter().copied()).collect();
+        let going_host: Vec<f32> = if going.is_empty() {
+            Vec::new()
+        } else {
+            let _p = lazarus_model::profile::kernel("to host");
+            lazarus_model::ops::gather_rows(d_slots, &going)?.flatten_all()?.to_vec1()?
+        };
+        let mut first_of = vec![0usize; ranks];
+        for dst in 1..ranks {
+            first_of[dst] = first_of[dst - 1] + if dst - 1 == me { 0 } else { fwd.layout.send[dst - 1].len() };
+        }
+        let sends = pack(&remote.send_rows, &remote.send_len, d, |dst, i| {
+            let row = first_of[dst] + i;
+            &going_host[row * d..(row + 1) * d]
         });
         let wire_bytes = wire(&sends, me);
         let received = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        let recv_rows = unpack(&received, &p.recv_len, d, "output gradients")?;
+        let recv_rows = unpack(&received, &remote.recv_len, d, "output gradients")?;
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
         // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
         // all-reduce overlaps the next one's backward (a single bucket would leave the whole
@@ -142,23 +156,28 @@ impl DistributedMoe {
         buckets.sort_by_key(|b| b.0.len() == 1);
         let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
         let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
-        // The output gradients of every local expert's rows, in the forward's order: one copy to
-        // the device, each expert a view (its first row in `first_row`).
-        let mut gy_all = Vec::new();
+        // The output gradients of every local expert's rows, in the forward's order: those from
+        // other ranks in one copy to the device, this rank's own read where they are; each expert
+        // a view (its first row in `first_row`).
+        let mut gy_all = Rows::new(d_slots.clone(), d);
         let mut first_row = Vec::with_capacity(fwd.expert_segments.len());
+        let mut rows = 0;
         for (_, _, _, blocks) in &fwd.expert_segments {
-            first_row.push(gy_all.len() / d.max(1));
+            first_row.push(rows);
             for (src, &(o, c)) in blocks.iter().enumerate() {
-                gy_all.extend_from_slice(&recv_rows[src][o * d..(o + c) * d]);
+                for r in o..o + c {
+                    match src == me {
+                        true => gy_all.push_device(local.slot_at[r]),
+                        false => gy_all.push_host(&recv_rows[src][r * d..(r + 1) * d]),
+                    }
+                }
+                rows += c;
             }
         }
         // (None when no local expert has a row: nothing to upload, and no segment reads it.)
-        let gy_dev = match gy_all.len() / d.max(1) {
+        let gy_dev = match rows {
             0 => None,
-            rows => {
-                let _p = lazarus_model::profile::kernel("to device");
-                Some(Tensor::from_vec(gy_all, (rows, d), self.gate.device())?)
-            }
+            _ => Some(gy_all.gather()?),
         };
         if self.mode == super::DispatchMode::Deterministic {
             return self.exact_backward(t, world, fwd, gy_dev.as_ref(), &first_row, wire_bytes);
@@ -283,7 +302,8 @@ impl DistributedMoe {
     /// Each segment's input gradients (`dx`: segment index, its rows' gradients) back to the
     /// ranks the tokens came from, and there summed per token over its top-k slots in slot
     /// order (the same sum whichever ranks computed the slots): d loss / d h through the
-    /// experts [n, d], and the bytes this rank sent.
+    /// experts [n, d], and the bytes this rank sent. The gradients of this rank's own slots
+    /// stay on the device; the others cross the host once each way.
     fn input_gradients_home(
         &self,
         t: &mut dyn Transport,
@@ -294,14 +314,39 @@ impl DistributedMoe {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
         let me = t.rank();
         let p = &fwd.packing;
-        let mut dx_by_src: Vec<Vec<f32>> = p.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
-        let lens: Vec<usize> = dx.iter().map(|(_, x)| x.elem_count()).collect();
-        let (order_done, dx): (Vec<usize>, Vec<Option<Tensor>>) = dx.into_iter().map(|(i, x)| (i, Some(x))).unzip();
-        let dx_host = crate::host_copy::to_host(&dx, &lens)?;
-        let mut at = 0;
-        for i in order_done {
+        let remote = p.without(me);
+        let device = self.gate.device();
+        let mut dx_by_src: Vec<Vec<f32>> = remote.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
+        let (order_done, dx): (Vec<usize>, Vec<Tensor>) = dx.into_iter().unzip();
+        let dx_dev = match dx.is_empty() {
+            true => Tensor::zeros((0, d), DType::F32, device)?,
+            false => Tensor::cat(&dx.iter().map(|x| x.reshape(((), d))).collect::<candle_core::Result<Vec<_>>>()?, 0)?,
+        };
+        // Each row of the self buffer: its row of dx_dev; the rows other ranks wait for, in one
+        // copy to the host.
+        let mut own = vec![None; p.send_len[me]];
+        let (mut row, mut going) = (0u32, Vec::new());
+        for &i in &order_done {
             for (src, &(o, c)) in fwd.expert_segments[i].3.iter().enumerate() {
-                dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&dx_host[at..at + c * d]);
+                for r in o..o + c {
+                    match src == me {
+                        true => own[r] = Some(row),
+                        false => going.push(row),
+                    }
+                    row += 1;
+                }
+            }
+        }
+        let going_host: Vec<f32> = if going.is_empty() {
+            Vec::new()
+        } else {
+            let _p = lazarus_model::profile::kernel("to host");
+            lazarus_model::ops::gather_rows(&dx_dev, &going)?.flatten_all()?.to_vec1()?
+        };
+        let mut at = 0;
+        for &i in &order_done {
+            for (src, &(o, c)) in fwd.expert_segments[i].3.iter().enumerate().filter(|(src, _)| *src != me) {
+                dx_by_src[src][o * d..(o + c) * d].copy_from_slice(&going_host[at..at + c * d]);
                 at += c * d;
             }
         }
@@ -311,21 +356,33 @@ impl DistributedMoe {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &back, self.timeout)?
         };
-        let results = unpack(&results, &p.send_len, d, "input gradients")?;
-        // Each slot's gradient in its place, then each token's k slots added in slot order.
-        let mut by_slot = vec![0f32; n * k * d];
-        for (dst, rows) in results.iter().enumerate() {
+        let results = unpack(&results, &remote.send_len, d, "input gradients")?;
+        // Each slot's gradient in its place (a slot nobody computed: zero), then each token's k
+        // slots added in slot order, from zero: the bits of the same sum on the host.
+        let mut by_slot: Vec<Option<Result<u32, &[f32]>>> = vec![None; n * k];
+        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me) {
             for (i, &s) in fwd.layout.send[dst].iter().enumerate() {
-                let (s, r) = (s as usize, p.send_rows[dst][i]);
-                by_slot[s * d..(s + 1) * d].copy_from_slice(&rows[r * d..(r + 1) * d]);
+                let r = p.send_rows[dst][i];
+                by_slot[s as usize] = Some(Err(&rows[r * d..(r + 1) * d]));
             }
         }
-        let mut dh = vec![0f32; n * d];
-        for (slot, row) in by_slot.chunks(d.max(1)).enumerate() {
-            let tok = slot / k;
-            dh[tok * d..(tok + 1) * d].iter_mut().zip(row).for_each(|(a, b)| *a += b);
+        for (i, &s) in fwd.layout.send[me].iter().enumerate() {
+            by_slot[s as usize] = own[p.send_rows[me][i]].map(Ok);
         }
-        Ok((Tensor::from_vec(dh, (n, d), self.gate.device())?, wire_bytes))
+        let mut slots = Rows::new(dx_dev, d);
+        for source in by_slot {
+            match source {
+                Some(Err(row)) => slots.push_host(row),
+                Some(Ok(r)) => slots.push_device(Some(r)),
+                None => slots.push_device(None),
+            }
+        }
+        let slots = slots.gather()?.reshape((n, k, d))?;
+        let mut dh = Tensor::zeros((n, d), DType::F32, device)?;
+        for j in 0..k {
+            dh = (dh + slots.narrow(1, j, 1)?.squeeze(1)?)?;
+        }
+        Ok((dh, wire_bytes))
     }
 
     /// Parameters of the experts of one bucket, in order.

@@ -130,8 +130,8 @@ impl DistributedMoe {
             for (src, &(o, c)) in blocks.iter().enumerate() {
                 for r in o..o + c {
                     match src == me {
-                        true => rows_in.from_device(local.token_at[r]),
-                        false => rows_in.from_host(&recv_rows[src][r * d..(r + 1) * d]),
+                        true => rows_in.push_device(local.token_at[r]),
+                        false => rows_in.push_host(&recv_rows[src][r * d..(r + 1) * d]),
                     }
                 }
             }
@@ -218,9 +218,9 @@ impl DistributedMoe {
         }
         for source in by_slot {
             match source {
-                Some(Source::Host(row)) => slots.from_host(row),
-                Some(Source::Device(r)) => slots.from_device(Some(r)),
-                None => slots.from_device(None),
+                Some(Source::Host(row)) => slots.push_host(row),
+                Some(Source::Device(r)) => slots.push_device(Some(r)),
+                None => slots.push_device(None),
             }
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
@@ -228,7 +228,7 @@ impl DistributedMoe {
         let slots_in = Var::from_tensor(&slots.gather()?.reshape((n, k, d))?)?;
         let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
         let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
-        let combine: Vec<f32> = w.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let combine = w.detach().to_dtype(DType::F32)?.reshape((n, k))?;
         // Load-balancing loss share (see the field's doc).
         let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
         // Deterministic: this rank's shard's own loss (its own shares and tokens).

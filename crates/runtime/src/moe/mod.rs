@@ -123,8 +123,8 @@ pub struct MoeForward {
     /// with f_e the global assignment share and N the global token count: summed over the ranks
     /// it is the single-process layer's aux loss. In h's graph.
     pub aux: Tensor,
-    /// Normalised combine weight of each of this rank's slots (token-major, n·k).
-    combine: Vec<f32>,
+    /// Normalised combine weight of each of this rank's slots [n, k] (f32, detached).
+    combine: Tensor,
     /// Token rows this rank dispatched to other ranks (padding excluded): the payload any
     /// dispatcher must move for this assignment, once per exchange.
     pub rows_sent: u64,

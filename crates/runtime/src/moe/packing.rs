@@ -110,10 +110,11 @@ pub(super) struct Remote {
     pub(super) recv_len: Vec<usize>,
 }
 
-/// The buffer a rank would send itself, never built: the token of each of its rows (None: a
-/// padding row, zeros).
+/// The buffer a rank would send itself, never built: the token and the slot of each of its rows
+/// (None: a padding row, zeros).
 pub(super) struct Local {
     pub(super) token_at: Vec<Option<u32>>,
+    pub(super) slot_at: Vec<Option<u32>>,
 }
 
 impl Local {
@@ -125,11 +126,12 @@ impl Local {
                 reason: format!("rank {me} would send itself {sent} rows and receive {received}"),
             });
         }
-        let mut token_at = vec![None; sent];
+        let (mut token_at, mut slot_at) = (vec![None; sent], vec![None; sent]);
         for (i, &s) in layout.send[me].iter().enumerate() {
             token_at[packing.send_rows[me][i]] = Some(s / k as u32);
+            slot_at[packing.send_rows[me][i]] = Some(s);
         }
-        Ok(Local { token_at })
+        Ok(Local { token_at, slot_at })
     }
 }
 
@@ -158,14 +160,14 @@ impl Rows {
     }
 
     /// The next row from the host.
-    pub(super) fn from_host(&mut self, row: &[f32]) {
+    pub(super) fn push_host(&mut self, row: &[f32]) {
         self.places.push(Err(Some((self.host.len() / self.d.max(1)) as u32)));
         self.host.extend_from_slice(row);
     }
 
     /// The next row: row `r` of the device tensor, or zeros.
-    pub(super) fn from_device(&mut self, r: Option<u32>) {
-        self.places.push(r.map_or(Err(None), Ok));
+    pub(super) fn push_device(&mut self, r: Option<u32>) {
+        self.places.push(r.ok_or(None));
     }
 
     /// The rows [rows, d] (f32) on the device tensor's device.
@@ -186,7 +188,7 @@ impl Rows {
             parts.push(Tensor::from_vec(host, (host_rows, d), &dev)?);
         }
         let zero = (on_device + host_rows) as u32;
-        if places.iter().any(|p| *p == Err(None)) {
+        if places.contains(&Err(None)) {
             parts.push(Tensor::zeros((1, d), DType::F32, &dev)?);
         }
         let source = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 0)? };

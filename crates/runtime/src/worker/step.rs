@@ -320,8 +320,7 @@ impl Worker {
         for seg in segments.iter().rev() {
             let mut seed = (&seg.output * &g)?.sum_all()?;
             if let Some((l, f)) = &seg.moe {
-                let g_host: Vec<f32> = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-                let eg = self.layers[*l].expert_backward(t, world, f, &g_host)?;
+                let eg = self.layers[*l].expert_backward(t, world, f, &g)?;
                 wire_bytes += eg.wire_bytes;
                 seed = (seed + (&seg.h * &eg.h_through_experts)?.sum_all()?)?;
                 seed = (seed + (&f.aux * aux_coef)?)?;
