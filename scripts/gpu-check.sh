@@ -158,6 +158,9 @@ switches() {
 
 # ORDER says which checks run, first to last; each is skipped when the budget has too little left,
 # so a run cut short keeps what comes first. The default: everything, the headline figures first.
+# What no GPU has run yet (Mixtral's GPU kernels, AdamW in one launch, a worker's own rows kept on
+# the device) comes first with ORDER="tests-model tests-training bench-mixtral switches workers
+# workers-large".
 for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli workers-eval switches workers workers-large recovery bench-mixtral}; do
   case $check in
     bench-large) bench large-f32 120 "" $large --iters 5 --profile

@@ -70,8 +70,8 @@ fn hidden_width(activation: Activation, f: usize) -> Result<u32, KernelError> {
 
 /// Over rows of the first product (its [`Activation::first_width`] of f columns) grouped in
 /// `groups` segments (`segments`: groups + 1 row offsets on the device, the device array `bias`
-/// holding each group's bias address, of the accumulator type of `dt`): h ← h + b[group] (kept
-/// for the backward) and act [rows, f] = the activation of h.
+/// holding each group's bias address, of the accumulator type of `dt`; 0 for a group without a
+/// bias): h ← h + b[group] (kept for the backward) and act [rows, f] = the activation of h.
 #[allow(clippy::too_many_arguments)]
 pub fn bias_activation_fwd(
     activation: Activation,
@@ -125,7 +125,8 @@ pub fn swiglu_bwd(dt: Dtype, h: u64, ga: u64, gh: u64, rows: usize, f: usize) ->
     ))
 }
 
-/// y ← y + b[group] over rows of d grouped as for [`bias_activation_fwd`].
+/// y ← y + b[group] over rows of d grouped as for [`bias_activation_fwd`] (a group whose bias
+/// address is 0 is left as it is).
 #[allow(clippy::too_many_arguments)]
 pub fn bias_add_rows(dt: Dtype, y: u64, bias: u64, segments: u64, groups: usize, rows: usize, d: usize) -> Result<Launch, KernelError> {
     Ok(launch(

@@ -12,7 +12,9 @@ use super::{alloc, WithSaved};
 use crate::{Activation, Device, Dtype, Elem, Gemm, KernelError};
 
 /// One expert's weights: W1 [d, f₁] and W2 [f, d] of the rows' type (or its working copy), b1
-/// [f₁] and b2 [d] of the accumulator type (f₁ = [`Activation::first_width`] of f).
+/// [f₁] and b2 [d] of the accumulator type (f₁ = [`Activation::first_width`] of f). A bias
+/// address of 0: the expert has no such bias (nothing is added; its gradient is computed and
+/// may be dropped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertAddrs {
     pub w1: u64,

@@ -134,7 +134,7 @@ pub struct MoeForward {
     pub wire_bytes: u64,
     /// Rows this rank's experts computed (padding included when the mode computes it).
     pub expert_rows: u64,
-    /// Input to the combine segment: expert outputs of this rank's slots [n·k, d].
+    /// Input to the combine segment: expert outputs of this rank's slots [n, k, d].
     slots_in: Var,
     /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
     expert_segments: Vec<ExpertSegment>,
