@@ -144,19 +144,36 @@ __device__ void cast_map(const Tin* x, Tout* y, u64 n) {
 // (optim.rs, adamw_pass): m and v move by the scaled gradient, then
 // p <- p * keep - step_size * m / (sqrt(v) * inv_bc2_sqrt + eps). With `copy` not null, the bf16
 // working copy of the parameter is refreshed from the new value in the same pass.
+// One element's update: the one home of the formula (the list kernel below takes it too).
+template <class Tg>
+__device__ __forceinline__ void adamw_element(float* p, const Tg* g, float* m, float* v, bf16* copy, u64 i, float b1, float b2,
+                                              float scale, float step_size, float inv_bc2_sqrt, float eps, float keep) {
+    const float gi = to_acc(g[i]) * scale;
+    const float mi = b1 * m[i] + (1.0f - b1) * gi;
+    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
+    p[i] = pi;
+    if (copy) copy[i] = __float2bfloat16(pi);
+}
+
 template <class Tg>
 __device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64 n, float b1, float b2, float scale,
                       float step_size, float inv_bc2_sqrt, float eps, float keep) {
-    FOR_EACH(i, n) {
-        const float gi = to_acc(g[i]) * scale;
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
-        p[i] = pi;
-        if (copy) copy[i] = __float2bfloat16(pi);
+    FOR_EACH(i, n) adamw_element(p, g, m, v, copy, i, b1, b2, scale, step_size, inv_bc2_sqrt, eps, keep);
+}
+
+// The tensor of part q of a list: the last t < tensors with starts[t] ≤ q (starts: each tensor's
+// first part, ascending).
+template <class S>
+__device__ __forceinline__ u32 tensor_of_part(const S* starts, u32 tensors, u64 q) {
+    u32 lo = 0, hi = tensors - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi + 1) / 2;
+        if ((u64)starts[mid] <= q) lo = mid; else hi = mid - 1;
     }
+    return lo;
 }
 
 // AdamW on every f32 tensor of a list in one launch (a model's hundreds of tensors would each be
@@ -164,19 +181,15 @@ __device__ void adamw(float* p, const Tg* g, float* m, float* v, bf16* copy, u64
 // (t ≤ tensors) is the first part of tensor t, starts[tensors] the total; a record is ADAMW_RECORD
 // u64s: p, g, m, v, copy (0: none), n, then the seven coefficients as f32 bits, two a word, in
 // the kernel's order. Blocks stride over the parts (`part` elements each); each element takes
-// the single-tensor kernel's formula above, so the bits are its bits.
+// adamw_element, the single-tensor kernel's, so the bits are its bits.
 #define ADAMW_RECORD 10
 __device__ void adamw_list(const u64* table, u32 tensors, u64 part) {
     const u64* starts = table;
     const u64* records = table + tensors + 1;
     const u64 total = starts[tensors];
     for (u64 q = blockIdx.x; q < total; q += gridDim.x) {
-        // The tensor of part q: the last t with starts[t] ≤ q (an empty tensor has no part).
-        u32 lo_t = 0, hi_t = tensors - 1;
-        while (lo_t < hi_t) {
-            const u32 mid = (lo_t + hi_t + 1) / 2;
-            if (starts[mid] <= q) lo_t = mid; else hi_t = mid - 1;
-        }
+        // (An empty tensor has no part.)
+        const u32 lo_t = tensor_of_part(starts, tensors, q);
         const u64* r = records + (u64)lo_t * ADAMW_RECORD;
         float k[8];
         for (int j = 0; j < 4; ++j) {
@@ -191,16 +204,8 @@ __device__ void adamw_list(const u64* table, u32 tensors, u64 part) {
         float* v = (float*)r[3];
         bf16* copy = (bf16*)r[4];
         const u64 n = r[5], lo = (q - starts[lo_t]) * part, hi = lo + part < n ? lo + part : n;
-        const float b1 = k[0], b2 = k[1], scale = k[2], step_size = k[3], inv_bc2_sqrt = k[4], eps = k[5], keep = k[6];
         for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float gi = g[i] * scale;
-            const float mi = b1 * m[i] + (1.0f - b1) * gi;
-            const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-            m[i] = mi;
-            v[i] = vi;
-            const float pi = p[i] * keep - step_size * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
-            p[i] = pi;
-            if (copy) copy[i] = __float2bfloat16(pi);
+            adamw_element(p, g, m, v, copy, i, k[0], k[1], k[2], k[3], k[4], k[5], k[6]);
         }
     }
 }
@@ -215,12 +220,8 @@ __device__ void sum_squares_parts(const u64* addrs, const u64* lens, const u32* 
     __shared__ double scratch[32];
     const u32 total = starts[tensors];
     for (u32 p = blockIdx.x; p < total; p += gridDim.x) {
-        // The tensor of part p: the last t with starts[t] ≤ p (an empty tensor has one part).
-        u32 lo_t = 0, hi_t = tensors - 1;
-        while (lo_t < hi_t) {
-            const u32 mid = (lo_t + hi_t + 1) / 2;
-            if (starts[mid] <= p) lo_t = mid; else hi_t = mid - 1;
-        }
+        // (An empty tensor has one part.)
+        const u32 lo_t = tensor_of_part(starts, tensors, p);
         const float* x = (const float*)addrs[lo_t];
         const u64 n = lens[lo_t], lo = (u64)(p - starts[lo_t]) * part, hi = lo + part < n ? lo + part : n;
         double acc = 0.0;

@@ -82,9 +82,8 @@ pub fn layer_norm_bwd(
 ) -> Result<Vec<Launch>, KernelError> {
     let suffix = norm_suffix(x_dt, y_dt)?;
     let d32 = size_u32(FAMILY, "width", d)?;
-    let parts = parts_for(rows);
-    let part = rows.div_ceil(parts).max(1);
-    let col_blocks = d32.div_ceil(32).max(1);
+    let [partials, totals] =
+        weight_sums(format!("lazarus_gamma_beta_partials_{suffix}"), vec![x, g, mean, rstd], x_dt, workspace, dwdb, 2, rows, d32)?;
     Ok(vec![
         launch(
             format!("lazarus_layer_norm_bwd_{suffix}"),
@@ -92,26 +91,36 @@ pub fn layer_norm_bwd(
             [row_threads(d32), 1, 1],
             vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(mean), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
         ),
-        launch(
-            format!("lazarus_gamma_beta_partials_{suffix}"),
-            [col_blocks, parts as u32, 1],
-            [32, 8, 1],
-            vec![
-                Arg::Ptr(x),
-                Arg::Ptr(g),
-                Arg::Ptr(mean),
-                Arg::Ptr(rstd),
-                Arg::Ptr(workspace),
-                Arg::U64(rows as u64),
-                Arg::U32(d32),
-                Arg::U32(size_u32(FAMILY, "part", part)?),
-            ],
-        ),
+        partials,
+        totals,
+    ])
+}
+
+/// A norm's parameter gradients summed over rows in a fixed order: `partials` (its inputs, then
+/// the workspace, rows, width and part) sums each column over a part of the rows into `sums`
+/// per-column sums of each part, then the parts are added in order into `out` (x's type).
+#[allow(clippy::too_many_arguments)]
+fn weight_sums(
+    partials: String,
+    inputs: Vec<u64>,
+    x_dt: Dtype,
+    workspace: u64,
+    out: u64,
+    sums: u32,
+    rows: usize,
+    d32: u32,
+) -> Result<[Launch; 2], KernelError> {
+    let parts = parts_for(rows);
+    let part = rows.div_ceil(parts).max(1);
+    let mut args: Vec<Arg> = inputs.into_iter().map(Arg::Ptr).collect();
+    args.extend([Arg::Ptr(workspace), Arg::U64(rows as u64), Arg::U32(d32), Arg::U32(size_u32(FAMILY, "part", part)?)]);
+    Ok([
+        launch(partials, [d32.div_ceil(32).max(1), parts as u32, 1], [32, 8, 1], args),
         launch(
             format!("lazarus_column_totals_{}", x_dt.suffix()),
-            [blocks_for(2 * d as u64), 1, 1],
+            [blocks_for(sums as u64 * d32 as u64), 1, 1],
             [THREADS, 1, 1],
-            vec![Arg::Ptr(workspace), Arg::Ptr(dwdb), Arg::U32(2), Arg::U32(parts as u32), Arg::U32(d32)],
+            vec![Arg::Ptr(workspace), Arg::Ptr(out), Arg::U32(sums), Arg::U32(parts as u32), Arg::U32(d32)],
         ),
     ])
 }
@@ -164,8 +173,8 @@ pub fn rms_norm_bwd(
 ) -> Result<Vec<Launch>, KernelError> {
     let suffix = norm_suffix(x_dt, y_dt)?;
     let d32 = size_u32(FAMILY, "width", d)?;
-    let parts = parts_for(rows);
-    let part = rows.div_ceil(parts).max(1);
+    let [partials, totals] =
+        weight_sums(format!("lazarus_rms_weight_partials_{suffix}"), vec![x, g, rstd], x_dt, workspace, dw, 1, rows, d32)?;
     Ok(vec![
         launch(
             format!("lazarus_rms_norm_bwd_{suffix}"),
@@ -173,26 +182,8 @@ pub fn rms_norm_bwd(
             [row_threads(d32), 1, 1],
             vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
         ),
-        launch(
-            format!("lazarus_rms_weight_partials_{suffix}"),
-            [d32.div_ceil(32).max(1), parts as u32, 1],
-            [32, 8, 1],
-            vec![
-                Arg::Ptr(x),
-                Arg::Ptr(g),
-                Arg::Ptr(rstd),
-                Arg::Ptr(workspace),
-                Arg::U64(rows as u64),
-                Arg::U32(d32),
-                Arg::U32(size_u32(FAMILY, "part", part)?),
-            ],
-        ),
-        launch(
-            format!("lazarus_column_totals_{}", x_dt.suffix()),
-            [blocks_for(d as u64), 1, 1],
-            [THREADS, 1, 1],
-            vec![Arg::Ptr(workspace), Arg::Ptr(dw), Arg::U32(1), Arg::U32(parts as u32), Arg::U32(d32)],
-        ),
+        partials,
+        totals,
     ])
 }
 
