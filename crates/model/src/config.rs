@@ -46,11 +46,18 @@ pub enum Activation {
 }
 
 impl Activation {
-    /// Columns of an FFN's first weight for a hidden width `d_ff`.
+    /// Columns of an FFN's first weight for a hidden width `d_ff` (the kernels' rule).
     pub fn first_width(self, d_ff: usize) -> usize {
-        match self {
-            Activation::Gelu => d_ff,
-            Activation::Swiglu => 2 * d_ff,
+        lazarus_kernels::Activation::from(self).first_width(d_ff)
+    }
+}
+
+/// The GPU kernels' name for the activation.
+impl From<Activation> for lazarus_kernels::Activation {
+    fn from(act: Activation) -> Self {
+        match act {
+            Activation::Gelu => lazarus_kernels::Activation::Gelu,
+            Activation::Swiglu => lazarus_kernels::Activation::Swiglu,
         }
     }
 }

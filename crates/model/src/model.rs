@@ -107,11 +107,7 @@ impl Ffn {
     /// result in `out` (the residual stream's type). No cast node.
     fn forward_gpu(&self, model: &MoeModel, h: &Tensor, out: DType) -> Result<Tensor> {
         let hidden = model.linear(&self.fc1, h, h.dtype())?;
-        let a = match self.act {
-            Activation::Gelu => crate::ops::gelu(&hidden)?,
-            Activation::Swiglu => crate::ops::cuda_swiglu(&hidden)?,
-        };
-        model.linear(&self.fc2, &a, out)
+        model.linear(&self.fc2, &crate::ops::cuda_activation(&hidden, self.act)?, out)
     }
 
     /// The parameters, in [`MoeModel::expert_param_names`] order (no biases when it has none).

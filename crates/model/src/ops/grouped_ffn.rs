@@ -257,12 +257,7 @@ pub fn expert_ffn(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor
     // On a GPU: two of our linear layers around our activation, every gradient through autograd.
     #[cfg(feature = "cuda")]
     if super::cuda::takes(x) && [w1, b1, w2, b2].iter().all(|w| w.dtype() == x.dtype()) {
-        let h = super::linear(x, w1, b1)?;
-        let a = match act {
-            Activation::Gelu => super::gelu(&h)?,
-            Activation::Swiglu => super::cuda::swiglu(&h)?,
-        };
-        return super::linear(&a, w2, b2);
+        return super::linear(&super::cuda_activation(&super::linear(x, w1, b1)?, act)?, w2, b2);
     }
     grouped_expert_ffn(x, &[[w1, b1, w2, b2]], &[x.dim(0)?], act)
 }

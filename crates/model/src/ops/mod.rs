@@ -89,15 +89,19 @@ pub(crate) fn cuda_linear(
         candle_core::bail!("this build has no CUDA: no GPU layers")
     }
 }
-/// SwiGLU by the GPU op (`cuda::swiglu`): [.., 2f] → [.., f]. An error in a build without CUDA.
-pub(crate) fn cuda_swiglu(h: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+/// An FFN's activation of its first product's rows h by the GPU ops: GELU, or SwiGLU ([.., 2f] →
+/// [.., f]). An error in a build without CUDA.
+pub(crate) fn cuda_activation(h: &candle_core::Tensor, act: crate::config::Activation) -> candle_core::Result<candle_core::Tensor> {
     #[cfg(feature = "cuda")]
     {
-        cuda::swiglu(h)
+        match act {
+            crate::config::Activation::Gelu => cuda::gelu(h),
+            crate::config::Activation::Swiglu => cuda::swiglu(h),
+        }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = h;
+        let _ = (h, act);
         candle_core::bail!("this build has no CUDA: no GPU layers")
     }
 }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
-use super::packing::{pack, unpack, wire, Local, Rows};
+use super::packing::{pack, unpack, wire, Rows};
 use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
 use crate::error::RuntimeError;
 
@@ -92,9 +92,7 @@ impl DistributedMoe {
         let e_count = self.experts_count();
         // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let me = t.rank();
-        let p = &fwd.packing;
-        let remote = p.without(me);
-        let local = Local::new(&fwd.layout, p, me, self.top_k)?;
+        let (remote, local) = (&fwd.remote, &fwd.local);
         // The rows other ranks get, gathered on the device in their buffers' order, in one copy.
         let going: Vec<u32> = (0..ranks).filter(|&dst| dst != me).flat_map(|dst| fwd.layout.send[dst].iter().copied()).collect();
         let going_host: Vec<f32> = if going.is_empty() {
@@ -314,7 +312,7 @@ impl DistributedMoe {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
         let me = t.rank();
         let p = &fwd.packing;
-        let remote = p.without(me);
+        let remote = &fwd.remote;
         let device = self.gate.device();
         let mut dx_by_src: Vec<Vec<f32>> = remote.recv_len.iter().map(|&l| vec![0f32; l * d]).collect();
         let (order_done, dx): (Vec<usize>, Vec<Tensor>) = dx.into_iter().unzip();

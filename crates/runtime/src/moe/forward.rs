@@ -8,6 +8,7 @@ use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
 use super::packing::{pack, unpack, wire, Local, Packing, Rows, Source};
+
 use super::{DispatchMode, DistributedMoe, MoeForward};
 use crate::error::RuntimeError;
 
@@ -248,6 +249,8 @@ impl DistributedMoe {
             rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
             layout,
             packing,
+            remote,
+            local,
             wire_bytes,
             expert_rows: segments.iter().map(|s| s.3.iter().map(|b| b.1 as u64).sum::<u64>()).sum(),
             slots_in,

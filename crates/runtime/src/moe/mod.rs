@@ -20,7 +20,7 @@ use lazarus_plan::RankLayout;
 
 use crate::error::RuntimeError;
 
-use packing::Packing;
+use packing::{Local, Packing, Remote};
 
 /// One physical copy of an expert (f32).
 /// Default largest replica-gradient all-reduce bucket (bytes), as PyTorch DDP's: buckets are
@@ -130,6 +130,10 @@ pub struct MoeForward {
     pub rows_sent: u64,
     layout: RankLayout,
     packing: Packing,
+    /// The buffers that cross to other ranks (`packing` without this rank's own).
+    remote: Remote,
+    /// This rank's own slots, which stay on the device.
+    local: Local,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
     pub wire_bytes: u64,
     /// Rows this rank's experts computed (padding included when the mode computes it).

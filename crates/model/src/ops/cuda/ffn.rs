@@ -288,15 +288,7 @@ impl GpuGroupedFfn {
     }
 
     fn activation(&self) -> lazarus_kernels::Activation {
-        kernels_activation(self.act)
-    }
-}
-
-/// The kernels' name for an activation.
-fn kernels_activation(act: Activation) -> lazarus_kernels::Activation {
-    match act {
-        Activation::Gelu => lazarus_kernels::Activation::Gelu,
-        Activation::Swiglu => lazarus_kernels::Activation::Swiglu,
+        self.act.into()
     }
 }
 

@@ -318,25 +318,41 @@ pub type AdamWScalars = lazarus_kernels::AdamWScalars;
 /// contiguous, f32, on one GPU, of one size), in one kernel; `copy` (bf16, the same size), when
 /// given, gets the new parameter: the working copy a bf16 matrix product reads.
 pub fn adamw_update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, copy: Option<&Tensor>, k: AdamWScalars) -> candle_core::Result<()> {
+    let t = adamw_record(p, g, m, v, copy, k)?;
+    if t.n == 0 {
+        return Ok(());
+    }
+    let gpu = Gpu::of(p)?;
+    // SAFETY: five buffers of n elements each (checked by `adamw_record`), on one device.
+    unsafe { gpu.launch(&lazarus_kernels::adamw(t.p, t.g, t.m, t.v, t.copy, t.n, t.k))? };
+    Ok(())
+}
+
+/// One tensor's update as the kernels take it, its operands checked: one size, f32 (a bf16
+/// copy), all on p's GPU.
+fn adamw_record(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    copy: Option<&Tensor>,
+    k: AdamWScalars,
+) -> candle_core::Result<lazarus_kernels::AdamWTensor> {
     let n = p.elem_count();
-    if [g, m, v].iter().chain(copy.as_ref()).any(|t| t.elem_count() != n) {
+    if [g, m, v].into_iter().chain(copy).any(|t| t.elem_count() != n) {
         candle_core::bail!("adamw: {n} parameters, gradient {}, moments {} and {}", g.elem_count(), m.elem_count(), v.elem_count());
     }
     if [p, g, m, v].iter().any(|t| t.dtype() != DType::F32) || copy.is_some_and(|c| c.dtype() != DType::BF16) {
         candle_core::bail!("adamw: f32 parameter, gradient and moments (and a bf16 working copy)");
     }
-    if n == 0 {
-        return Ok(());
+    if [g, m, v].into_iter().chain(copy).any(|t| !t.device().same_device(p.device())) {
+        candle_core::bail!("adamw: every tensor of the update on one GPU");
     }
-    let gpu = Gpu::of(p)?;
-    let c = match copy {
+    let copy = match copy {
         Some(c) => addr(c)?,
         None => 0,
     };
-    let l = lazarus_kernels::adamw(addr(p)?, addr(g)?, addr(m)?, addr(v)?, c, n, k);
-    // SAFETY: five buffers of n elements each (checked above), on one device.
-    unsafe { gpu.launch(&l)? };
-    Ok(())
+    Ok(lazarus_kernels::AdamWTensor { p: addr(p)?, g: addr(g)?, m: addr(m)?, v: addr(v)?, copy, n, k })
 }
 
 /// One tensor's AdamW update for [`adamw_update_all`]: as [`adamw_update`]'s arguments.
@@ -364,26 +380,10 @@ pub fn adamw_update_all(updates: &[AdamWUpdate]) -> candle_core::Result<()> {
     let gpu = Gpu::of(&first.p)?;
     let mut list = Vec::with_capacity(updates.len());
     for u in updates {
-        let n = u.p.elem_count();
-        if [&u.g, &u.m, &u.v].iter().chain(u.copy.as_ref().as_ref()).any(|t| t.elem_count() != n) {
-            candle_core::bail!(
-                "adamw: {n} parameters, gradient {}, moments {} and {}",
-                u.g.elem_count(),
-                u.m.elem_count(),
-                u.v.elem_count()
-            );
-        }
-        if [&u.p, &u.g, &u.m, &u.v].iter().any(|t| t.dtype() != DType::F32) || u.copy.as_ref().is_some_and(|c| c.dtype() != DType::BF16) {
-            candle_core::bail!("adamw: f32 parameter, gradient and moments (and a bf16 working copy)");
-        }
-        if [&u.p, &u.g, &u.m, &u.v].iter().chain(u.copy.as_ref().as_ref()).any(|t| !t.device().same_device(first.p.device())) {
+        if !u.p.device().same_device(first.p.device()) {
             candle_core::bail!("adamw: every tensor of the update on one GPU");
         }
-        let copy = match &u.copy {
-            Some(c) => addr(c)?,
-            None => 0,
-        };
-        list.push(lazarus_kernels::AdamWTensor { p: addr(&u.p)?, g: addr(&u.g)?, m: addr(&u.m)?, v: addr(&u.v)?, copy, n, k: u.k });
+        list.push(adamw_record(&u.p, &u.g, &u.m, &u.v, u.copy.as_ref(), u.k)?);
     }
     // SAFETY: each record's buffers hold n elements of their types on this GPU (checked above);
     // each update is a different parameter with its own moments and copy (the optimizer's list).
