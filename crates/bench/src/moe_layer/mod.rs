@@ -103,7 +103,11 @@ pub struct BenchResult {
     /// A distribution-free 95% confidence interval of the median tokens/s (order statistics of
     /// the steps, [`median_ci95`]): how precisely this case's figure is known.
     pub tokens_per_s_ci95: (f64, f64),
-    /// Bytes sent in the four all-to-alls of a step over the bytes of the rows that had to move.
+    /// Bytes sent in the four all-to-alls of a step over the bytes of a row per (token, choice)
+    /// whose expert is on another rank, in each of them: 1 for a dispatcher without padding that
+    /// sends a row per slot; Lazarus sends a token's row and its output gradient once to a rank
+    /// holding several of its choices (below 1 at top-k > 1, at least 0.5: the results and input
+    /// gradients come back a row per slot); padding raises it.
     pub wire_bytes_ratio: f64,
     /// Median step seconds (per iteration, the slowest rank's).
     pub step_s: f64,

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
-use super::packing::{pack, unpack, wire, Rows};
+use super::distinct::decode_scaled;
+use super::packing::{pack_one, unpack, wire, Rows};
 use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
 use crate::error::RuntimeError;
 
@@ -32,7 +33,8 @@ impl DistributedMoe {
             Some(g) => g.to_dtype(DType::F32)?.reshape((n * k, d))?,
             None => Tensor::zeros((n * k, d), DType::F32, self.gate.device())?,
         };
-        let experts = self.backward_from_slots(t, world, fwd, &d_slots)?;
+        let g = grad_output.detach().to_dtype(DType::F32)?.reshape((n, d))?;
+        let experts = self.backward_from_slots(t, world, fwd, &d_slots, &g)?;
         let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
             Some(g) => g.flatten_all()?.to_vec1()?,
             None => vec![0.0; self.gate.elem_count()],
@@ -67,7 +69,7 @@ impl DistributedMoe {
         }
         let g = grad_output.detach().to_dtype(DType::F32)?.reshape((n, 1, d))?;
         let d_slots = g.broadcast_mul(&fwd.combine.reshape((n, k, 1))?)?.reshape((n * k, d))?;
-        self.backward_from_slots(t, world, fwd, &d_slots)
+        self.backward_from_slots(t, world, fwd, &d_slots, &g.reshape((n, d))?)
     }
 
     /// Slot gradients → experts (on their holders) → input gradients back on the token's rank;
@@ -79,13 +81,16 @@ impl DistributedMoe {
     /// it (static EP, one replica per expert, has no such traffic to hide).
     ///
     /// `d_slots` [n·k, d] is on the layer's device: the slots other ranks computed go there
-    /// through the host, this rank's own never leave it (as in the forward).
+    /// through the host, this rank's own never leave it (as in the forward). `g` [n, d] (f32)
+    /// is the layer's output gradient, d_slots[t·k + j] = w[t, j] · g[t]: where the dispatch
+    /// sent a token once to a rank, its gradient goes once too, with each slot's weight.
     fn backward_from_slots(
         &self,
         t: &mut dyn Transport,
         world: &mut Group,
         fwd: &MoeForward,
         d_slots: &Tensor,
+        g: &Tensor,
     ) -> Result<ExpertGrads, RuntimeError> {
         let d = fwd.d;
         let ranks = t.world();
@@ -93,28 +98,17 @@ impl DistributedMoe {
         // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let me = t.rank();
         let (remote, local) = (&fwd.remote, &fwd.local);
-        // The rows other ranks get, gathered on the device in their buffers' order, in one copy.
-        let going: Vec<u32> = (0..ranks).filter(|&dst| dst != me).flat_map(|dst| fwd.layout.send[dst].iter().copied()).collect();
-        let going_host: Vec<f32> = if going.is_empty() {
-            Vec::new()
-        } else {
-            let _p = lazarus_model::profile::kernel("to host");
-            lazarus_model::ops::gather_rows(d_slots, &going)?.flatten_all()?.to_vec1()?
-        };
-        let mut first_of = vec![0usize; ranks];
-        for dst in 1..ranks {
-            first_of[dst] = first_of[dst - 1] + if dst - 1 == me { 0 } else { fwd.layout.send[dst - 1].len() };
-        }
-        let sends = pack(&remote.send_rows, &remote.send_len, d, |dst, i| {
-            let row = first_of[dst] + i;
-            &going_host[row * d..(row + 1) * d]
-        });
+        let sends = self.output_gradients_out(fwd, d_slots, g, me)?;
         let wire_bytes = wire(&sends, me);
         let received = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        let recv_rows = unpack(&received, &remote.recv_len, d, "output gradients")?;
+        let recv_rows: Vec<Vec<f32>> = received
+            .iter()
+            .enumerate()
+            .map(|(src, bytes)| decode_scaled(bytes, &fwd.arrivals[src], remote.recv_len[src], d, src, "output gradients"))
+            .collect::<Result<_, _>>()?;
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
         // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
         // all-reduce overlaps the next one's backward (a single bucket would leave the whole
@@ -381,6 +375,47 @@ impl DistributedMoe {
             dh = (dh + slots.narrow(1, j, 1)?.squeeze(1)?)?;
         }
         Ok((dh, wire_bytes))
+    }
+
+    /// The output-gradient buffers to every other rank, in the forward's forms: a slot's
+    /// gradient per row, or each distinct token's gradient once with a weight per slot. The rows
+    /// come down from the device in one copy per form.
+    fn output_gradients_out(&self, fwd: &MoeForward, d_slots: &Tensor, g: &Tensor, me: usize) -> Result<Vec<Vec<u8>>, RuntimeError> {
+        let (d, remote, send) = (fwd.d, &fwd.remote, &fwd.layout.send);
+        let others = || (0..send.len()).filter(move |&dst| dst != me);
+        let slots: Vec<u32> = others().filter(|&dst| remote.distinct[dst].is_none()).flat_map(|dst| send[dst].iter().copied()).collect();
+        let tokens: Vec<u32> = others().filter_map(|dst| remote.distinct[dst].as_ref()).flat_map(|x| x.tokens.iter().copied()).collect();
+        let down = |from: &Tensor, rows: &[u32]| -> Result<Vec<f32>, RuntimeError> {
+            if rows.is_empty() {
+                return Ok(Vec::new());
+            }
+            let _p = lazarus_model::profile::kernel("to host");
+            Ok(lazarus_model::ops::gather_rows(from, rows)?.flatten_all()?.to_vec1()?)
+        };
+        let (slots_host, tokens_host) = (down(d_slots, &slots)?, down(g, &tokens)?);
+        let weights: Vec<f32> = match tokens.is_empty() {
+            true => Vec::new(),
+            false => fwd.combine.flatten_all()?.to_vec1()?,
+        };
+        let (mut slot_at, mut token_at) = (0, 0);
+        let mut sends = Vec::with_capacity(send.len());
+        for dst in 0..send.len() {
+            sends.push(match (&remote.distinct[dst], dst == me) {
+                (_, true) => Vec::new(),
+                (Some(distinct), false) => {
+                    let weight: Vec<f32> = send[dst].iter().map(|&s| weights[s as usize]).collect();
+                    let first = token_at;
+                    token_at += distinct.tokens.len();
+                    distinct.encode_scaled(&weight, d, |j| &tokens_host[(first + j) * d..(first + j + 1) * d])
+                }
+                (None, false) => {
+                    let first = slot_at;
+                    slot_at += send[dst].len();
+                    pack_one(&remote.send_rows[dst], remote.send_len[dst], d, |i| &slots_host[(first + i) * d..(first + i + 1) * d])
+                }
+            });
+        }
+        Ok(sends)
     }
 
     /// Parameters of the experts of one bucket, in order.

@@ -7,7 +7,8 @@ use lazarus_model::profile;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
-use super::packing::{pack, unpack, wire, Local, Packing, Rows, Source};
+use super::distinct::{decode_rows, Arrival};
+use super::packing::{pack_one, unpack, wire, Local, Packing, Rows, Source};
 
 use super::{DispatchMode, DistributedMoe, MoeForward};
 use crate::error::RuntimeError;
@@ -93,21 +94,33 @@ impl DistributedMoe {
         // buffer. The slots this rank computes itself never leave the device: the experts read
         // their rows from h there, and their outputs stay there for the combine (`Local`).
         let local = Local::new(&layout, &packing, me, k)?;
-        let remote = packing.without(me);
+        let mut remote = packing.without(me);
+        if !self.mode.is_static() {
+            remote.send_distinct(&layout, k, d);
+        }
         let pack_scope = profile::kernel("to host");
         let h_host: Vec<f32> =
             if remote.send_len.iter().any(|&l| l > 0) { h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()? } else { Vec::new() };
-        let sends = pack(&remote.send_rows, &remote.send_len, d, |dst, i| {
-            let tok = layout.send[dst][i] as usize / k;
-            &h_host[tok * d..(tok + 1) * d]
-        });
+        let token_row = |tok: usize| &h_host[tok * d..(tok + 1) * d];
+        let sends: Vec<Vec<u8>> = (0..ranks)
+            .map(|dst| match &remote.distinct[dst] {
+                Some(distinct) => distinct.encode_rows(d, |tok| token_row(tok as usize)),
+                None => pack_one(&remote.send_rows[dst], remote.send_len[dst], d, |i| token_row(layout.send[dst][i] as usize / k)),
+            })
+            .collect();
         drop(pack_scope);
         let mut wire_bytes = wire(&sends, me);
         let received = {
             let _p = profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        let recv_rows = unpack(&received, &remote.recv_len, d, "dispatched tokens")?;
+        let (recv_rows, arrivals): (Vec<Vec<f32>>, Vec<Arrival>) = received
+            .iter()
+            .enumerate()
+            .map(|(src, bytes)| decode_rows(bytes, remote.recv_len[src], d, src, "dispatched tokens"))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
         // Expert segments: per local expert, its block from every source in rank order.
         let experts_scope = profile::kernel("experts");
         // Every local expert's rows, expert after expert (each one's from every source in rank
@@ -247,10 +260,15 @@ impl DistributedMoe {
             aux,
             combine,
             rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
+            distinct_rows_sent: (0..ranks)
+                .filter(|&r| r != me)
+                .map(|r| remote.distinct[r].as_ref().map_or(layout.send[r].len(), |x| x.tokens.len()) as u64)
+                .sum(),
             layout,
             packing,
             remote,
             local,
+            arrivals,
             wire_bytes,
             expert_rows: segments.iter().map(|s| s.3.iter().map(|b| b.1 as u64).sum::<u64>()).sum(),
             slots_in,

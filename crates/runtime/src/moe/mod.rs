@@ -4,10 +4,12 @@
 //! mirrors it and sums each expert's gradient over its holders.
 //!
 //! Files: this one holds the types; `packing` lays rows out in the all-to-all buffers;
+//! `distinct` sends a token's row once per rank however many of its choices are there;
 //! `forward` and `backward` are the two passes.
 
 mod backward;
 pub mod catch_up;
+mod distinct;
 mod forward;
 mod packing;
 
@@ -20,6 +22,7 @@ use lazarus_plan::RankLayout;
 
 use crate::error::RuntimeError;
 
+use distinct::Arrival;
 use packing::{Local, Packing, Remote};
 
 /// One physical copy of an expert (f32).
@@ -125,15 +128,20 @@ pub struct MoeForward {
     pub aux: Tensor,
     /// Normalised combine weight of each of this rank's slots [n, k] (f32, detached).
     combine: Tensor,
-    /// Token rows this rank dispatched to other ranks (padding excluded): the payload any
-    /// dispatcher must move for this assignment, once per exchange.
+    /// Token slots this rank dispatched to other ranks (padding excluded): a row per (token,
+    /// choice) whose expert is elsewhere, what a slot-based dispatcher moves in each exchange.
     pub rows_sent: u64,
+    /// Distinct (token, rank) pairs among them: a row sent once per rank it goes to, what the
+    /// dispatch and the output gradients carry here ([`distinct`]).
+    pub distinct_rows_sent: u64,
     layout: RankLayout,
     packing: Packing,
     /// The buffers that cross to other ranks (`packing` without this rank's own).
     remote: Remote,
     /// This rank's own slots, which stay on the device.
     local: Local,
+    /// How each rank's dispatch buffer came (its output gradients come back the same way).
+    arrivals: Vec<Arrival>,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
     pub wire_bytes: u64,
     /// Rows this rank's experts computed (padding included when the mode computes it).

@@ -7,6 +7,7 @@ use candle_core::{DType, Tensor};
 use lazarus_comm::{bytes_to_f32, f32_wire};
 use lazarus_plan::RankLayout;
 
+use super::distinct::Distinct;
 use super::DispatchMode;
 use crate::error::RuntimeError;
 
@@ -92,7 +93,12 @@ impl Packing {
 impl Packing {
     /// The buffers that cross to other ranks: these positions with this rank's own buffer empty.
     pub(super) fn without(&self, me: usize) -> Remote {
-        let mut remote = Remote { send_rows: self.send_rows.clone(), send_len: self.send_len.clone(), recv_len: self.recv_len.clone() };
+        let mut remote = Remote {
+            send_rows: self.send_rows.clone(),
+            send_len: self.send_len.clone(),
+            recv_len: self.recv_len.clone(),
+            distinct: vec![None; self.send_len.len()],
+        };
         if let Some(rows) = remote.send_rows.get_mut(me) {
             rows.clear();
         }
@@ -108,6 +114,23 @@ pub(super) struct Remote {
     pub(super) send_rows: Vec<Vec<usize>>,
     pub(super) send_len: Vec<usize>,
     pub(super) recv_len: Vec<usize>,
+    /// Per destination: its token rows sent once per distinct token ([`Distinct`]), or None:
+    /// a row per slot.
+    pub(super) distinct: Vec<Option<Distinct>>,
+}
+
+impl Remote {
+    /// Plans each buffer to another rank as distinct token rows where that is smaller. Only
+    /// for buffers without padding (not the static baselines, whose wire form is theirs): row i
+    /// of the buffer to `dst` is entry i of `layout.send[dst]`.
+    pub(super) fn send_distinct(&mut self, layout: &RankLayout, k: usize, d: usize) {
+        for (dst, slots) in layout.send.iter().enumerate() {
+            if self.send_len[dst] == slots.len() && self.send_rows[dst].iter().enumerate().all(|(i, &r)| i == r) {
+                let tokens: Vec<u32> = slots.iter().map(|&s| s / k as u32).collect();
+                self.distinct[dst] = Distinct::plan(&tokens, d);
+            }
+        }
+    }
 }
 
 /// The buffer a rank would send itself, never built: the token and the slot of each of its rows
@@ -204,20 +227,14 @@ impl Rows {
     }
 }
 
-/// Buffers for each destination: `rows(dst, i)` is the row of entry i, placed at
-/// `at[dst][i]`; `len[dst]` rows in all (the rest is padding).
-pub(super) fn pack<'a>(at: &[Vec<usize>], len: &[usize], d: usize, rows: impl Fn(usize, usize) -> &'a [f32]) -> Vec<Vec<u8>> {
+/// One buffer of `len` rows: `row(i)` is entry i's, placed at `at[i]` (the rest is padding).
+pub(super) fn pack_one<'a>(at: &[usize], len: usize, d: usize, row: impl Fn(usize) -> &'a [f32]) -> Vec<u8> {
     let row_bytes = d * 4;
-    at.iter()
-        .enumerate()
-        .map(|(dst, positions)| {
-            let mut buf = vec![0u8; len[dst] * row_bytes];
-            for (i, &r) in positions.iter().enumerate() {
-                buf[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&f32_wire(rows(dst, i)));
-            }
-            buf
-        })
-        .collect()
+    let mut buf = vec![0u8; len * row_bytes];
+    for (i, &r) in at.iter().enumerate() {
+        buf[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&f32_wire(row(i)));
+    }
+    buf
 }
 
 /// Decode buffers and check each holds the expected number of rows.
