@@ -232,9 +232,9 @@ fn moe_layer_bench_at_top_8_of_64_experts() {
     for r in results {
         let (system, ratio, wire) = (r["system"].as_str().unwrap(), r["ratio"].as_f64().unwrap(), r["wire_bytes_ratio"].as_f64().unwrap());
         match (system, ratio as u32) {
-            // A token's row and its output gradient go once to each rank its 8 choices are on;
-            // results and input gradients come back a row per slot.
-            ("lazarus", _) => assert!(wire > 0.5 && wire < 0.9, "{system} at {ratio}: {wire}"),
+            // A token goes once to each rank its 8 choices are on, in all four exchanges (the
+            // holder combines); a row per (token, choice) would be 1.
+            ("lazarus", _) => assert!(wire > 0.0 && wire < 0.5, "{system} at {ratio}: {wire}"),
             ("static-ep", 1) => assert!((wire - 1.0).abs() < 1e-9, "{system} at {ratio}: {wire}"),
             ("static-ep", _) => assert!(wire > 1.5, "the hot expert pads every buffer: {wire}"),
             other => panic!("unexpected {other:?}"),

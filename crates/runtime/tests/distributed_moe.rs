@@ -12,7 +12,7 @@ use lazarus_model::rng::SplitMix64;
 use lazarus_model::routing::top_k;
 use lazarus_runtime::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 
-const D: usize = 8;
+const D: usize = 16;
 const F: usize = 12;
 const E: usize = 4;
 const K: usize = 2;
@@ -103,7 +103,7 @@ fn run_rank(
     w: &Weights,
     mode: DispatchMode,
     bucket_bytes: usize,
-) -> (u64, u64) {
+) -> (u64, u64, u64) {
     let (out_ref, dh_ref, gate_ref, experts_ref) = reference(w);
     let lo = rank * N / ranks;
     let hi = (rank + 1) * N / ranks;
@@ -139,11 +139,7 @@ fn run_rank(
             close(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &experts_ref[*e][i], &format!("expert {e} grad {i}"));
         }
     }
-    // Backward moves as many bytes as forward (the same buffers, the same forms), less the
-    // 4-byte count of each buffer whose tokens went once per rank (the index is not resent).
-    let less = fwd.wire_bytes - grads.wire_bytes;
-    assert!(less.is_multiple_of(4) && less < 4 * ranks as u64, "forward {} backward {}", fwd.wire_bytes, grads.wire_bytes);
-    (fwd.wire_bytes, fwd.expert_rows)
+    (fwd.wire_bytes, fwd.expert_rows, grads.wire_bytes)
 }
 
 /// Total forward wire bytes over all ranks.
@@ -164,7 +160,8 @@ fn check_buckets(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode, buck
     let w = std::sync::Arc::new(weights());
     if ranks == 1 {
         let mut t = LocalTransport::new(1);
-        return run_rank(0, 1, &mut t, &replicas, &w, mode, bucket_bytes);
+        let (sent, rows, _) = run_rank(0, 1, &mut t, &replicas, &w, mode, bucket_bytes);
+        return (sent, rows);
     }
     let group = TcpTransport::local_group(ranks, 1).unwrap();
     let handles: Vec<_> = group
@@ -175,7 +172,13 @@ fn check_buckets(ranks: usize, replicas: Vec<Vec<u32>>, mode: DispatchMode, buck
             std::thread::spawn(move || run_rank(rank, ranks, &mut t, &replicas, &w, mode, bucket_bytes))
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank failed")).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    let (forward, rows, backward) =
+        handles.into_iter().map(|h| h.join().expect("rank failed")).fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2));
+    // The backward moves as many bytes as the forward where rows go per slot; where a token
+    // went once to a rank, the index and weights are not resent and the combine weights'
+    // gradients (one per slot) come back instead: 4 + 4 · slots fewer.
+    assert!(backward <= forward, "forward {forward} backward {backward}");
+    (forward, rows)
 }
 
 #[test]
@@ -215,12 +218,16 @@ fn static_padded_baseline_is_equivalent_and_sends_more() {
 }
 
 /// A token whose two choices are experts of the same other rank goes there once (with an index
-/// per slot) when that is smaller than a row per slot: the forward's bytes are exactly that
-/// rule's, computed here from the reference routing, and the layer still matches the reference.
+/// and a combine weight per slot) when that is smaller than a row per slot, and comes back once
+/// (the holder's Σ w · y): the forward's bytes are exactly that rule's, computed here from the
+/// reference routing, and the layer — output, d h, the gate's and experts' gradients — still
+/// matches the single-process reference.
 #[test]
 fn a_token_goes_once_to_each_rank_its_choices_are_on() {
-    // Experts 0 and 1 on rank 0, 2 and 3 on rank 1.
-    let placement = vec![vec![1, 0], vec![1, 0], vec![0, 1], vec![0, 1]];
+    // Expert 0 on rank 0, experts 1, 2 and 3 on rank 1: rank 0's tokens often have both
+    // choices on rank 1; rank 1's can have only one on rank 0 (their buffer stays in place).
+    let placement = vec![vec![1, 0], vec![0, 1], vec![0, 1], vec![0, 1]];
+    let holder = |e: usize| usize::from(e > 0);
     let sent = check(2, placement);
     let w = weights();
     let h = Tensor::from_vec(w.h.clone(), (N, D), &Device::Cpu).unwrap();
@@ -230,15 +237,19 @@ fn a_token_goes_once_to_each_rank_its_choices_are_on() {
     let (mut slots, mut distinct) = ([0usize; 2], [0usize; 2]);
     for (tok, row) in probs.iter().enumerate() {
         let rank = usize::from(tok >= N / 2);
-        let away = top_k(row, K).into_iter().filter(|&e| e / 2 != rank).count();
+        let away = top_k(row, K).into_iter().filter(|&e| holder(e) != rank).count();
         slots[rank] += away;
         distinct[rank] += usize::from(away > 0);
     }
     let per_slot = |s: usize| 4 * s * D;
-    let dispatch = |s: usize, u: usize| (4 + 4 * s + 4 * u * D).min(per_slot(s));
-    let expected: usize = (0..2).map(|r| dispatch(slots[r], distinct[r]) + per_slot(slots[r])).sum();
+    let forward = |s: usize, u: usize| match 4 + 8 * s + 4 * u * D < per_slot(s) {
+        true => 4 + 8 * s + 4 * u * D + 4 * u * D,
+        false => 2 * per_slot(s),
+    };
+    let expected: usize = (0..2).map(|r| forward(slots[r], distinct[r])).sum();
     assert_eq!(sent, expected as u64);
-    assert!(slots.iter().zip(&distinct).any(|(s, u)| u < s), "the routing sends some token twice: {slots:?} {distinct:?}");
+    assert!(forward(slots[0], distinct[0]) < 2 * per_slot(slots[0]), "rank 0's tokens go once: {slots:?} {distinct:?}");
+    assert_eq!(forward(slots[1], distinct[1]), 2 * per_slot(slots[1]), "rank 1's rows stay in place: {slots:?} {distinct:?}");
     assert!(sent < 2 * per_slot(slots[0] + slots[1]) as u64, "{sent}");
 }
 

@@ -105,9 +105,9 @@ pub struct BenchResult {
     pub tokens_per_s_ci95: (f64, f64),
     /// Bytes sent in the four all-to-alls of a step over the bytes of a row per (token, choice)
     /// whose expert is on another rank, in each of them: 1 for a dispatcher without padding that
-    /// sends a row per slot; Lazarus sends a token's row and its output gradient once to a rank
-    /// holding several of its choices (below 1 at top-k > 1, at least 0.5: the results and input
-    /// gradients come back a row per slot); padding raises it.
+    /// sends a row per slot; Lazarus sends a token once to each rank holding any of its choices,
+    /// in all four exchanges (the holder combines its slots), so at top-k > 1 it is below 1;
+    /// padding raises it.
     pub wire_bytes_ratio: f64,
     /// Median step seconds (per iteration, the slowest rank's).
     pub step_s: f64,

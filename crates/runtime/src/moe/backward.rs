@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
-use super::distinct::decode_scaled;
-use super::packing::{pack_one, unpack, wire, Rows};
+use super::distinct::{decode_exact, dots, expand_scaled, sum_by_token, Arrival};
+use super::packing::{pack_one, wire, Rows};
 use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
 use crate::error::RuntimeError;
 
@@ -26,15 +26,17 @@ impl DistributedMoe {
         grad_output: &Tensor,
     ) -> Result<MoeGrads, RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
-        // Combine segment backward: gradients for the slots input, the router (gate) and h.
-        let seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
-        let router = seeded.backward()?;
-        let d_slots = match router.get(fwd.slots_in.as_tensor()) {
-            Some(g) => g.to_dtype(DType::F32)?.reshape((n * k, d))?,
-            None => Tensor::zeros((n * k, d), DType::F32, self.gate.device())?,
-        };
+        // The expert path first (the combine is linear in the slots: d slot = w · g), then the
+        // combine segment's backward for the router (gate) and h, with the combine weights'
+        // gradient from the holders that combined.
         let g = grad_output.detach().to_dtype(DType::F32)?.reshape((n, d))?;
+        let d_slots = g.reshape((n, 1, d))?.broadcast_mul(&fwd.combine.reshape((n, k, 1))?)?.reshape((n * k, d))?;
         let experts = self.backward_from_slots(t, world, fwd, &d_slots, &g)?;
+        let mut seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
+        if let Some(cg) = &experts.combine_grad {
+            seeded = (seeded + (&fwd.weights * cg.to_dtype(fwd.weights.dtype())?)?.sum_all()?)?;
+        }
+        let router = seeded.backward()?;
         let mut gate: Vec<f32> = match router.get(self.gate.as_tensor()) {
             Some(g) => g.flatten_all()?.to_vec1()?,
             None => vec![0.0; self.gate.elem_count()],
@@ -83,7 +85,7 @@ impl DistributedMoe {
     /// `d_slots` [n·k, d] is on the layer's device: the slots other ranks computed go there
     /// through the host, this rank's own never leave it (as in the forward). `g` [n, d] (f32)
     /// is the layer's output gradient, d_slots[t·k + j] = w[t, j] · g[t]: where the dispatch
-    /// sent a token once to a rank, its gradient goes once too, with each slot's weight.
+    /// sent a token once to a rank, its gradient goes once too.
     fn backward_from_slots(
         &self,
         t: &mut dyn Transport,
@@ -104,11 +106,23 @@ impl DistributedMoe {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        let recv_rows: Vec<Vec<f32>> = received
-            .iter()
-            .enumerate()
-            .map(|(src, bytes)| decode_scaled(bytes, &fwd.arrivals[src], remote.recv_len[src], d, src, "output gradients"))
-            .collect::<Result<_, _>>()?;
+        // Per rank: its slots' output gradients in buffer order, and where its tokens came once,
+        // their gradients as they came (for the combine weights' gradient).
+        let mut recv_rows: Vec<Vec<f32>> = Vec::with_capacity(ranks);
+        let mut g_distinct: Vec<Vec<f32>> = Vec::with_capacity(ranks);
+        for (src, bytes) in received.iter().enumerate() {
+            match &fwd.arrivals[src] {
+                Arrival::InPlace => {
+                    recv_rows.push(decode_exact(bytes, remote.recv_len[src] * d, src, "output gradients")?);
+                    g_distinct.push(Vec::new());
+                }
+                Arrival::Distinct { index, distinct, weight } => {
+                    let g = decode_exact(bytes, distinct * d, src, "output gradients")?;
+                    recv_rows.push(expand_scaled(index, weight, &g, d));
+                    g_distinct.push(g);
+                }
+            }
+        }
         // Gradient synchronisation: each expert over its holders. Experts with the same holder
         // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
         // all-reduce overlaps the next one's backward (a single bucket would leave the whole
@@ -256,8 +270,8 @@ impl DistributedMoe {
             synced_all?;
             dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
         })?;
-        let (h_through_experts, back_bytes) = self.input_gradients_home(t, world, fwd, dx)?;
-        Ok(ExpertGrads { experts: synced, exact: BTreeMap::new(), h_through_experts, wire_bytes: wire_bytes + back_bytes })
+        let (h_through_experts, combine_grad, back_bytes) = self.input_gradients_home(t, world, fwd, dx, &g_distinct)?;
+        Ok(ExpertGrads { experts: synced, exact: BTreeMap::new(), h_through_experts, combine_grad, wire_bytes: wire_bytes + back_bytes })
     }
 
     /// [`DispatchMode::Deterministic`]'s expert backward: each segment (one sender's block)
@@ -287,22 +301,26 @@ impl DistributedMoe {
             let flat = crate::host_copy::to_host(&grads.into_iter().map(Some).collect::<Vec<_>>(), &lens)?;
             exact.entry(segment.0).or_default().push(flat);
         }
-        let (h_through_experts, back_bytes) = self.input_gradients_home(t, world, fwd, dx)?;
-        Ok(ExpertGrads { experts: BTreeMap::new(), exact, h_through_experts, wire_bytes: wire_bytes + back_bytes })
+        let (h_through_experts, combine_grad, back_bytes) = self.input_gradients_home(t, world, fwd, dx, &[])?;
+        Ok(ExpertGrads { experts: BTreeMap::new(), exact, h_through_experts, combine_grad, wire_bytes: wire_bytes + back_bytes })
     }
 
     /// Each segment's input gradients (`dx`: segment index, its rows' gradients) back to the
     /// ranks the tokens came from, and there summed per token over its top-k slots in slot
     /// order (the same sum whichever ranks computed the slots): d loss / d h through the
-    /// experts [n, d], and the bytes this rank sent. The gradients of this rank's own slots
-    /// stay on the device; the others cross the host once each way.
+    /// experts [n, d], the combine weights' gradient from the holders that combined, and the
+    /// bytes this rank sent. The gradients of this rank's own slots stay on the device; the
+    /// others cross the host once each way. A rank whose tokens came once gets, per token, the
+    /// sum of its slots' gradients here, and per slot ⟨g, y⟩ (`g_distinct`: the output
+    /// gradients it sent).
     fn input_gradients_home(
         &self,
         t: &mut dyn Transport,
         world: &mut Group,
         fwd: &MoeForward,
         dx: Vec<(usize, Tensor)>,
-    ) -> Result<(Tensor, u64), RuntimeError> {
+        g_distinct: &[Vec<f32>],
+    ) -> Result<(Tensor, Option<Tensor>, u64), RuntimeError> {
         let (n, d, k) = (fwd.n, fwd.d, self.top_k);
         let me = t.rank();
         let p = &fwd.packing;
@@ -342,17 +360,44 @@ impl DistributedMoe {
                 at += c * d;
             }
         }
-        let back: Vec<Vec<u8>> = dx_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        let back: Vec<Vec<u8>> = dx_by_src
+            .iter()
+            .enumerate()
+            .map(|(src, dx)| match &fwd.arrivals[src] {
+                Arrival::InPlace => Ok(f32_to_bytes(dx)),
+                Arrival::Distinct { index, distinct, .. } => {
+                    let (Some(g), Some(y)) = (g_distinct.get(src), fwd.held_outputs.get(src)) else {
+                        return Err(RuntimeError::Invalid {
+                            field: "input gradients",
+                            reason: format!("rank {src}'s tokens came once but its output gradients or outputs are missing"),
+                        });
+                    };
+                    let mut v = sum_by_token(index, *distinct, None, dx, d);
+                    v.extend(dots(index, g, y, d));
+                    Ok(f32_to_bytes(&v))
+                }
+            })
+            .collect::<Result<_, RuntimeError>>()?;
         let wire_bytes = wire(&back, me);
         let results = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &back, self.timeout)?
         };
-        let results = unpack(&results, &remote.send_len, d, "input gradients")?;
+        let results: Vec<Vec<f32>> = results
+            .iter()
+            .enumerate()
+            .map(|(dst, bytes)| {
+                let values = match &remote.distinct[dst] {
+                    Some(x) => x.tokens.len() * d + x.index.len(),
+                    None => remote.send_len[dst] * d,
+                };
+                decode_exact(bytes, values, dst, "input gradients")
+            })
+            .collect::<Result<_, _>>()?;
         // Each slot's gradient in its place (a slot nobody computed: zero), then each token's k
         // slots added in slot order, from zero: the bits of the same sum on the host.
         let mut by_slot: Vec<Option<Result<u32, &[f32]>>> = vec![None; n * k];
-        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me) {
+        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me && remote.distinct[*dst].is_none()) {
             for (i, &s) in fwd.layout.send[dst].iter().enumerate() {
                 let r = p.send_rows[dst][i];
                 by_slot[s as usize] = Some(Err(&rows[r * d..(r + 1) * d]));
@@ -374,12 +419,41 @@ impl DistributedMoe {
         for j in 0..k {
             dh = (dh + slots.narrow(1, j, 1)?.squeeze(1)?)?;
         }
-        Ok((dh, wire_bytes))
+        let (combined, combine_grad) = self.combined_gradients(fwd, &results)?;
+        if let Some(combined) = combined {
+            dh = (dh + combined)?;
+        }
+        Ok((dh, combine_grad, wire_bytes))
+    }
+
+    /// From the ranks that combined this rank's tokens: their sums of input gradients per token
+    /// (added in rank order from zero, [n, d]) and each slot's combine-weight gradient ([n, k],
+    /// zero for the other slots), both on the layer's device; None where no rank combined.
+    fn combined_gradients(&self, fwd: &MoeForward, results: &[Vec<f32>]) -> Result<(Option<Tensor>, Option<Tensor>), RuntimeError> {
+        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
+        if fwd.remote.distinct.iter().all(Option::is_none) {
+            return Ok((None, None));
+        }
+        let (mut dh, mut dw) = (vec![0f32; n * d], vec![0f32; n * k]);
+        for (dst, (distinct, values)) in fwd.remote.distinct.iter().zip(results).enumerate() {
+            let Some(distinct) = distinct else { continue };
+            let (sums, weight_grads) = values.split_at(distinct.tokens.len() * d);
+            for (j, &tok) in distinct.tokens.iter().enumerate() {
+                let to = &mut dh[tok as usize * d..(tok as usize + 1) * d];
+                to.iter_mut().zip(&sums[j * d..(j + 1) * d]).for_each(|(o, &x)| *o += x);
+            }
+            for (&s, &gw) in fwd.layout.send[dst].iter().zip(weight_grads) {
+                dw[s as usize] = gw;
+            }
+        }
+        let device = self.gate.device();
+        let _p = lazarus_model::profile::kernel("to device");
+        Ok((Some(Tensor::from_vec(dh, (n, d), device)?), Some(Tensor::from_vec(dw, (n, k), device)?)))
     }
 
     /// The output-gradient buffers to every other rank, in the forward's forms: a slot's
-    /// gradient per row, or each distinct token's gradient once with a weight per slot. The rows
-    /// come down from the device in one copy per form.
+    /// gradient per row, or each distinct token's gradient once (the holder has the weights).
+    /// The rows come down from the device in one copy per form.
     fn output_gradients_out(&self, fwd: &MoeForward, d_slots: &Tensor, g: &Tensor, me: usize) -> Result<Vec<Vec<u8>>, RuntimeError> {
         let (d, remote, send) = (fwd.d, &fwd.remote, &fwd.layout.send);
         let others = || (0..send.len()).filter(move |&dst| dst != me);
@@ -393,20 +467,15 @@ impl DistributedMoe {
             Ok(lazarus_model::ops::gather_rows(from, rows)?.flatten_all()?.to_vec1()?)
         };
         let (slots_host, tokens_host) = (down(d_slots, &slots)?, down(g, &tokens)?);
-        let weights: Vec<f32> = match tokens.is_empty() {
-            true => Vec::new(),
-            false => fwd.combine.flatten_all()?.to_vec1()?,
-        };
         let (mut slot_at, mut token_at) = (0, 0);
         let mut sends = Vec::with_capacity(send.len());
         for dst in 0..send.len() {
             sends.push(match (&remote.distinct[dst], dst == me) {
                 (_, true) => Vec::new(),
                 (Some(distinct), false) => {
-                    let weight: Vec<f32> = send[dst].iter().map(|&s| weights[s as usize]).collect();
                     let first = token_at;
                     token_at += distinct.tokens.len();
-                    distinct.encode_scaled(&weight, d, |j| &tokens_host[(first + j) * d..(first + j + 1) * d])
+                    f32_to_bytes(&tokens_host[first * d..token_at * d])
                 }
                 (None, false) => {
                     let first = slot_at;

@@ -7,8 +7,8 @@ use lazarus_model::profile;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
-use super::distinct::{decode_rows, Arrival};
-use super::packing::{pack_one, unpack, wire, Local, Packing, Rows, Source};
+use super::distinct::{decode_dispatch, decode_exact, sum_by_token, Arrival};
+use super::packing::{pack_one, wire, Local, Packing, Remote, Rows, Source};
 
 use super::{DispatchMode, DistributedMoe, MoeForward};
 use crate::error::RuntimeError;
@@ -19,6 +19,23 @@ type Blocks = Vec<(usize, usize)>;
 impl DistributedMoe {
     pub(super) fn experts_count(&self) -> usize {
         self.replicas.len()
+    }
+
+    /// The sums per token that holders combined ([`super::distinct`]), added in rank order
+    /// from zero, as one [n, d] tensor on the layer's device; None where no holder did.
+    fn combined_elsewhere(&self, remote: &Remote, results: &[Vec<f32>], n: usize, d: usize) -> Result<Option<Tensor>, RuntimeError> {
+        if remote.distinct.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut sum = vec![0f32; n * d];
+        for (distinct, rows) in remote.distinct.iter().zip(results) {
+            for (j, &tok) in distinct.iter().flat_map(|x| x.tokens.iter().enumerate()) {
+                let to = &mut sum[tok as usize * d..(tok as usize + 1) * d];
+                to.iter_mut().zip(&rows[j * d..(j + 1) * d]).for_each(|(o, &x)| *o += x);
+            }
+        }
+        let _p = profile::kernel("to device");
+        Ok(Some(Tensor::from_vec(sum, (n, d), self.gate.device())?))
     }
 
     /// Forward for this rank's tokens `h` [n, d] (a tensor that may carry autograd history).
@@ -95,16 +112,23 @@ impl DistributedMoe {
         // their rows from h there, and their outputs stay there for the combine (`Local`).
         let local = Local::new(&layout, &packing, me, k)?;
         let mut remote = packing.without(me);
-        if !self.mode.is_static() {
+        if self.mode.sums_on_holders() {
             remote.send_distinct(&layout, k, d);
         }
+        // The combine weights w[t, j] (in h's graph), and on the host where a holder combines.
+        let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
+        let combine = w.detach().to_dtype(DType::F32)?.reshape((n, k))?;
         let pack_scope = profile::kernel("to host");
+        let w_host: Vec<f32> = if remote.distinct.iter().any(Option::is_some) { combine.flatten_all()?.to_vec1()? } else { Vec::new() };
         let h_host: Vec<f32> =
             if remote.send_len.iter().any(|&l| l > 0) { h.to_dtype(DType::F32)?.flatten_all()?.to_vec1()? } else { Vec::new() };
         let token_row = |tok: usize| &h_host[tok * d..(tok + 1) * d];
         let sends: Vec<Vec<u8>> = (0..ranks)
             .map(|dst| match &remote.distinct[dst] {
-                Some(distinct) => distinct.encode_rows(d, |tok| token_row(tok as usize)),
+                Some(distinct) => {
+                    let weight: Vec<f32> = layout.send[dst].iter().map(|&s| w_host[s as usize]).collect();
+                    distinct.encode_dispatch(&weight, d, |tok| token_row(tok as usize))
+                }
                 None => pack_one(&remote.send_rows[dst], remote.send_len[dst], d, |i| token_row(layout.send[dst][i] as usize / k)),
             })
             .collect();
@@ -117,7 +141,7 @@ impl DistributedMoe {
         let (recv_rows, arrivals): (Vec<Vec<f32>>, Vec<Arrival>) = received
             .iter()
             .enumerate()
-            .map(|(src, bytes)| decode_rows(bytes, remote.recv_len[src], d, src, "dispatched tokens"))
+            .map(|(src, bytes)| decode_dispatch(bytes, remote.recv_len[src], d, src, "dispatched tokens"))
             .collect::<Result<Vec<_>, _>>()?
             .into_iter()
             .unzip();
@@ -209,19 +233,46 @@ impl DistributedMoe {
             outputs = Some(y_dev);
         }
         drop(experts_scope);
-        // Return expert outputs to the ranks the tokens came from (same buffers, reversed).
-        let back: Vec<Vec<u8>> = outputs_by_src.iter().map(|v| f32_to_bytes(v)).collect();
+        // Return expert outputs to the ranks the tokens came from (same buffers, reversed), or
+        // where a token came once, Σ w · y over its slots here.
+        let back: Vec<Vec<u8>> = outputs_by_src
+            .iter()
+            .zip(&arrivals)
+            .map(|(y, arrival)| match arrival {
+                Arrival::InPlace => f32_to_bytes(y),
+                Arrival::Distinct { index, distinct, weight } => f32_to_bytes(&sum_by_token(index, *distinct, Some(weight), y, d)),
+            })
+            .collect();
         wire_bytes += wire(&back, me);
         let results = {
             let _p = profile::kernel("transport");
             all_to_all_v(t, world, &back, self.timeout)?
         };
-        let results = unpack(&results, &remote.send_len, d, "expert results")?;
+        // The outputs of the slots whose holder combined them, for the combine weights' gradient
+        // in the backward (⟨g, y⟩ is made where y is).
+        let held_outputs: Vec<Vec<f32>> = outputs_by_src
+            .into_iter()
+            .zip(&arrivals)
+            .map(|(y, arrival)| match arrival {
+                Arrival::InPlace => Vec::new(),
+                Arrival::Distinct { .. } => y,
+            })
+            .collect();
+        let results: Vec<Vec<f32>> = results
+            .iter()
+            .enumerate()
+            .map(|(dst, bytes)| {
+                let rows = remote.distinct[dst].as_ref().map_or(remote.send_len[dst], |x| x.tokens.len());
+                decode_exact(bytes, rows * d, dst, "expert results")
+            })
+            .collect::<Result<_, _>>()?;
+        // Where a holder combined, its sums per token, added here in rank order from zero.
+        let combined = self.combined_elsewhere(&remote, &results, n, d)?;
         // Every slot's output in its place: from the results other ranks sent (one copy to the
         // device), or from this rank's own outputs on the device; a slot nobody computed is zero.
         let mut slots = Rows::new(outputs.unwrap_or(Tensor::zeros((0, d), DType::F32, h.device())?), d);
         let mut by_slot: Vec<Option<Source>> = vec![None; n * k];
-        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me) {
+        for (dst, rows) in results.iter().enumerate().filter(|(dst, _)| *dst != me && remote.distinct[*dst].is_none()) {
             for (i, &s) in layout.send[dst].iter().enumerate() {
                 let r = packing.send_rows[dst][i];
                 by_slot[s as usize] = Some(Source::Host(&rows[r * d..(r + 1) * d]));
@@ -239,10 +290,13 @@ impl DistributedMoe {
         }
         // Combine segment: out[t] = Σ_j w[t, j] · y[t·k + j].
         let _combine = profile::kernel("combine");
-        let slots_in = Var::from_tensor(&slots.gather()?.reshape((n, k, d))?)?;
-        let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
-        let output = slots_in.as_tensor().broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
-        let combine = w.detach().to_dtype(DType::F32)?.reshape((n, k))?;
+        // (The slots are constants of h's graph: their gradient w · g is made explicitly.)
+        let slots_in = slots.gather()?.reshape((n, k, d))?;
+        let mut output = slots_in.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?;
+        if let Some(combined) = combined {
+            let combined = combined.to_dtype(output.dtype())?;
+            output = (output + combined)?;
+        }
         // Load-balancing loss share (see the field's doc).
         let global_load: Vec<u64> = tokens.iter().map(|per_rank| per_rank.iter().sum()).collect();
         // Deterministic: this rank's shard's own loss (its own shares and tokens).
@@ -259,6 +313,7 @@ impl DistributedMoe {
             global_load,
             aux,
             combine,
+            weights: w,
             rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
             distinct_rows_sent: (0..ranks)
                 .filter(|&r| r != me)
@@ -269,9 +324,9 @@ impl DistributedMoe {
             remote,
             local,
             arrivals,
+            held_outputs,
             wire_bytes,
             expert_rows: segments.iter().map(|s| s.3.iter().map(|b| b.1 as u64).sum::<u64>()).sum(),
-            slots_in,
             expert_segments: segments,
             n,
             d,

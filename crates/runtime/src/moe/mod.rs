@@ -90,6 +90,14 @@ impl DispatchMode {
     pub fn is_static(self) -> bool {
         matches!(self, DispatchMode::StaticPadded | DispatchMode::StaticSkipPadding)
     }
+
+    /// Whether a token goes once to each rank its choices are on and the holder combines what
+    /// it computed for it ([`distinct`]): not for the static baselines (their wire form is
+    /// theirs) nor in deterministic steps (the holder's sums would make the bits depend on
+    /// where the experts are).
+    pub fn sums_on_holders(self) -> bool {
+        matches!(self, DispatchMode::Flexible | DispatchMode::Balanced)
+    }
 }
 
 /// Row positions inside the all-to-all buffers, shared by the four exchanges of a step.
@@ -128,6 +136,9 @@ pub struct MoeForward {
     pub aux: Tensor,
     /// Normalised combine weight of each of this rank's slots [n, k] (f32, detached).
     combine: Tensor,
+    /// The same weights in h's graph: where a holder combined a token's slots, their gradient
+    /// comes back from it ([`ExpertGrads::combine_grad`]) and enters the graph here.
+    pub weights: Tensor,
     /// Token slots this rank dispatched to other ranks (padding excluded): a row per (token,
     /// choice) whose expert is elsewhere, what a slot-based dispatcher moves in each exchange.
     pub rows_sent: u64,
@@ -140,14 +151,14 @@ pub struct MoeForward {
     remote: Remote,
     /// This rank's own slots, which stay on the device.
     local: Local,
-    /// How each rank's dispatch buffer came (its output gradients come back the same way).
+    /// How each rank's dispatch buffer came (every later exchange with it follows).
     arrivals: Vec<Arrival>,
+    /// Per rank whose tokens came once: the outputs of its slots here (buffer order, host).
+    held_outputs: Vec<Vec<f32>>,
     /// Bytes this rank sent to other ranks in the forward all-to-alls.
     pub wire_bytes: u64,
     /// Rows this rank's experts computed (padding included when the mode computes it).
     pub expert_rows: u64,
-    /// Input to the combine segment: expert outputs of this rank's slots [n, k, d].
-    slots_in: Var,
     /// Per local expert: (expert, leaf input, output, its (first row, rows) block from each rank).
     expert_segments: Vec<ExpertSegment>,
     n: usize,
@@ -168,6 +179,10 @@ pub struct ExpertGrads {
     pub exact: BTreeMap<usize, Vec<Vec<f32>>>,
     /// d loss / d h through the experts [n, d].
     pub h_through_experts: Tensor,
+    /// d loss / d w [n, k] (f32) of the slots whose holder combined them, zero elsewhere: the
+    /// caller adds ⟨`MoeForward::weights`, this⟩ to the seed of the block's backward. None
+    /// when no holder combined.
+    pub combine_grad: Option<Tensor>,
     /// Bytes this rank sent to other ranks in the backward all-to-alls.
     pub wire_bytes: u64,
 }

@@ -4,7 +4,7 @@
 //! stay there ([`Local`], [`Rows`]), so only what other ranks send or wait for crosses the host.
 
 use candle_core::{DType, Tensor};
-use lazarus_comm::{bytes_to_f32, f32_wire};
+use lazarus_comm::f32_wire;
 use lazarus_plan::RankLayout;
 
 use super::distinct::Distinct;
@@ -235,24 +235,6 @@ pub(super) fn pack_one<'a>(at: &[usize], len: usize, d: usize, row: impl Fn(usiz
         buf[r * row_bytes..(r + 1) * row_bytes].copy_from_slice(&f32_wire(row(i)));
     }
     buf
-}
-
-/// Decode buffers and check each holds the expected number of rows.
-pub(super) fn unpack(bytes: &[Vec<u8>], len: &[usize], d: usize, what: &'static str) -> Result<Vec<Vec<f32>>, RuntimeError> {
-    bytes
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            let v = bytes_to_f32(b)?;
-            if v.len() != len[r] * d {
-                return Err(RuntimeError::Invalid {
-                    field: what,
-                    reason: format!("rank {r} sent {} values, expected {}", v.len(), len[r] * d),
-                });
-            }
-            Ok(v)
-        })
-        .collect()
 }
 
 pub(super) fn wire(bufs: &[Vec<u8>], me: usize) -> u64 {

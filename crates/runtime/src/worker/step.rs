@@ -324,6 +324,9 @@ impl Worker {
                 wire_bytes += eg.wire_bytes;
                 seed = (seed + (&seg.h * &eg.h_through_experts)?.sum_all()?)?;
                 seed = (seed + (&f.aux * aux_coef)?)?;
+                if let Some(cg) = &eg.combine_grad {
+                    seed = (seed + (&f.weights * cg.to_dtype(f.weights.dtype())?)?.sum_all()?)?;
+                }
                 aux += f.aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 for (e, gs) in eg.experts {
                     expert_grads.insert((*l, e), gs);
