@@ -93,7 +93,13 @@ fn le_u32(b: &[u8]) -> u32 {
 }
 
 /// The `rows` × d rows of a dispatch buffer from rank `src`, in place, and how they came.
-pub(super) fn decode_dispatch(bytes: &[u8], rows: usize, d: usize, src: usize, what: &'static str) -> Result<(Vec<f32>, Arrival), RuntimeError> {
+pub(super) fn decode_dispatch(
+    bytes: &[u8],
+    rows: usize,
+    d: usize,
+    src: usize,
+    what: &'static str,
+) -> Result<(Vec<f32>, Arrival), RuntimeError> {
     if bytes.len() == in_place_bytes(rows, d) {
         return Ok((bytes_to_f32(bytes)?, Arrival::InPlace));
     }
@@ -105,7 +111,10 @@ pub(super) fn decode_dispatch(bytes: &[u8], rows: usize, d: usize, src: usize, w
         return Err(invalid(
             what,
             src,
-            format!("sent {} bytes with {distinct} distinct rows: neither {rows} rows of {d} values nor an index over at most that many", bytes.len()),
+            format!(
+                "sent {} bytes with {distinct} distinct rows: neither {rows} rows of {d} values nor an index over at most that many",
+                bytes.len()
+            ),
         ));
     }
     let index: Vec<u32> = bytes[4..4 + 4 * rows].chunks_exact(4).map(le_u32).collect();
