@@ -48,7 +48,20 @@ fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
     let out = run(&["--workers", "3", "--checkpoint-dir", ck.to_str().unwrap()], &log3);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("3 workers, lazarus dispatch") && stderr.contains("placement L1:"), "{stderr}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("checkpoint"), "the summary names the checkpoint");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("checkpoint"), "the summary names the checkpoint");
+    // What the MoE all-to-alls sent between the workers, every step and in the summary; the
+    // single process sends nothing and logs no such field.
+    let wire = |path: &std::path::Path| -> Vec<Option<u64>> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["moe_wire_bytes"].as_u64())
+            .collect()
+    };
+    assert!(wire(&log3).iter().all(|b| b.is_some_and(|b| b > 0)), "{:?}", wire(&log3));
+    assert!(wire(&d.join("single.jsonl")).iter().all(Option::is_none));
+    assert!(stdout.contains("MoE all-to-all") && stdout.contains("MB/step between workers"), "{stdout}");
     // A placement file straight from `lazarus plan --json` (one node per worker), 2 workers.
     let loads = d.join("loads.json");
     std::fs::write(&loads, "[[40, 10, 10, 10], [10, 10, 10, 40]]").unwrap();

@@ -44,6 +44,7 @@ pub struct JobMetrics {
     reconfigurations: Family<Cause, Counter>,
     recovery_seconds: Histogram,
     moved_bytes: Counter,
+    moe_wire_bytes: Counter,
     snapshot_bytes: Counter,
     snapshot_at_risk_bytes: Gauge,
     checkpoint_age_seconds: Gauge<f64, AtomicU64>,
@@ -70,6 +71,7 @@ impl JobMetrics {
             // 10 ms to about 5 minutes.
             recovery_seconds: Histogram::new([0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0]),
             moved_bytes: Counter::default(),
+            moe_wire_bytes: Counter::default(),
             snapshot_bytes: Counter::default(),
             snapshot_at_risk_bytes: Gauge::default(),
             checkpoint_age_seconds: Gauge::default(),
@@ -92,6 +94,11 @@ impl JobMetrics {
         r.register("recovery_seconds", "From the first sign of a failure or move to the next step", self.recovery_seconds.clone());
         r.register("moved_bytes", "Expert state moved by reconfigurations", self.moved_bytes.clone());
         r.register("snapshot_bytes", "Expert snapshots sent into other nodes' memory", self.snapshot_bytes.clone());
+        r.register(
+            "moe_wire_bytes",
+            "Bytes the MoE layers' all-to-alls sent between workers (every worker's)",
+            self.moe_wire_bytes.clone(),
+        );
         r.register("snapshot_at_risk_bytes", "Bytes of the experts at risk in the last step", self.snapshot_at_risk_bytes.clone());
         r.register(
             "checkpoint_age_seconds",
@@ -104,8 +111,11 @@ impl JobMetrics {
     /// Take in what the job did.
     pub fn record(&self, event: &TrainEvent) {
         match event {
-            TrainEvent::Step { report, seconds, snapshot, .. } => {
+            TrainEvent::Step { report, seconds, snapshot, moe_wire_bytes, .. } => {
                 self.step.set(report.step as i64);
+                if let Some(bytes) = moe_wire_bytes {
+                    self.moe_wire_bytes.inc_by(*bytes);
+                }
                 self.loss.set(report.loss);
                 if *seconds > 0.0 {
                     self.tokens_per_second.set(report.tokens as f64 / seconds);
@@ -240,7 +250,8 @@ mod tests {
             expert_load: vec![],
             dropped: 0,
         };
-        m.record(&TrainEvent::Step { report, seconds: 0.5, dropped: 0, snapshot: None });
+        m.record(&TrainEvent::Step { report: report.clone(), seconds: 0.5, dropped: 0, moe_wire_bytes: Some(3000), snapshot: None });
+        m.record(&TrainEvent::Step { report, seconds: 0.5, dropped: 0, moe_wire_bytes: Some(1000), snapshot: None });
         let r = ReconfigurationRecord {
             event: "reconfiguration",
             epoch: 1,
@@ -268,6 +279,7 @@ mod tests {
             "lazarus_reconfigurations_total{cause=\"reconfigure\"} 1",
             "lazarus_recovery_seconds_bucket{le=\"0.1\"} 1",
             "lazarus_moved_bytes_total 4096",
+            "lazarus_moe_wire_bytes_total 4000",
             "# EOF",
         ] {
             assert!(text.contains(want), "{want:?} in\n{text}");

@@ -443,8 +443,8 @@ pub enum WorkerEvent {
         step: u64,
         path: PathBuf,
     },
-    /// A finished step (rank 0 only): the global report, its wall time and this rank's wire
-    /// bytes. `dropped` counts step reports before this one that were not sent because the
+    /// A finished step (rank 0 only): the global report, its wall time and the bytes its MoE
+    /// all-to-alls sent, summed over the workers. `dropped` counts step reports before this one that were not sent because the
     /// launcher was not reading (progress never blocks training).
     Step {
         report: StepReport,

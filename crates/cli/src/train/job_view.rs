@@ -41,7 +41,7 @@ impl JobView {
                 self.started.get_or_insert_with(std::time::Instant::now);
                 Ok(())
             }
-            TrainEvent::Step { report, seconds, dropped, snapshot } => {
+            TrainEvent::Step { report, seconds, dropped, moe_wire_bytes, snapshot } => {
                 self.figures.step_s.push(seconds);
                 for (acc, l) in self.figures.loads.iter_mut().zip(&report.expert_load) {
                     acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
@@ -50,7 +50,7 @@ impl JobView {
                     self.reporter.pause();
                     tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
                 }
-                self.reporter.step_with(&report, seconds, snapshot.as_ref())
+                self.reporter.step_with(&report, seconds, snapshot.as_ref(), moe_wire_bytes)
             }
             TrainEvent::Lost { worker, why } => {
                 self.reporter.pause();

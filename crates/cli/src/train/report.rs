@@ -28,6 +28,10 @@ struct LogLine<'a> {
     /// The step's snapshots into other nodes' memory (runs that take them).
     #[serde(skip_serializing_if = "Option::is_none")]
     snapshot: Option<&'a lazarus_runtime::SnapshotStepStats>,
+    /// Bytes the step's MoE all-to-alls sent between workers, summed over them (runs on
+    /// workers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    moe_wire_bytes: Option<u64>,
 }
 
 /// The first line of a run: where it trains (`device`: the `--device` of the processes that
@@ -74,6 +78,8 @@ pub struct Reporter {
     last: Option<StepReport>,
     /// Snapshot totals of this run.
     snapshots: Option<SnapshotTotals>,
+    /// Steps and bytes of the MoE all-to-alls between workers this run (runs on workers).
+    moe_wire: Option<(u64, u64)>,
     /// The last evaluation on held-out data, and its step.
     eval: Option<(u64, lazarus_model::eval::Evaluation)>,
 }
@@ -154,6 +160,7 @@ impl Reporter {
             first_loss: None,
             last: None,
             snapshots: None,
+            moe_wire: None,
             eval: None,
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
@@ -171,11 +178,23 @@ impl Reporter {
 
     /// One finished step that took `seconds`.
     pub fn step(&mut self, r: &StepReport, seconds: f64) -> Result<()> {
-        self.step_with(r, seconds, None)
+        self.step_with(r, seconds, None, None)
     }
 
-    /// One finished step that took `seconds`, with what its snapshots cost.
-    pub fn step_with(&mut self, r: &StepReport, seconds: f64, snapshot: Option<&lazarus_runtime::SnapshotStepStats>) -> Result<()> {
+    /// One finished step that took `seconds`, with what its snapshots cost and what its MoE
+    /// all-to-alls sent between workers.
+    pub fn step_with(
+        &mut self,
+        r: &StepReport,
+        seconds: f64,
+        snapshot: Option<&lazarus_runtime::SnapshotStepStats>,
+        moe_wire_bytes: Option<u64>,
+    ) -> Result<()> {
+        if let Some(bytes) = moe_wire_bytes {
+            let (steps, total) = self.moe_wire.get_or_insert((0, 0));
+            *steps += 1;
+            *total += bytes;
+        }
         if let Some(s) = snapshot {
             let t = self.snapshots.get_or_insert_with(SnapshotTotals::default);
             t.steps += 1;
@@ -202,6 +221,7 @@ impl Reporter {
                 elapsed_s: self.start.elapsed().as_secs_f64(),
                 expert_load: &r.expert_load,
                 snapshot,
+                moe_wire_bytes,
             };
             serde_json::to_writer(&mut *w, &line)
                 .map_err(std::io::Error::from)
@@ -319,6 +339,13 @@ impl Reporter {
             if r.dropped > 0 {
                 let _ = writeln!(out, "  dropped         {} assignments in the last step (capacity factor)", r.dropped);
             }
+        }
+        if let Some((steps, total)) = self.moe_wire {
+            let _ = writeln!(
+                out,
+                "  MoE all-to-all  {:.2} MB/step between workers (every worker's, over {steps} steps)",
+                total as f64 / 1e6 / steps.max(1) as f64
+            );
         }
         if let Some(t) = &self.snapshots {
             let per_step = |bytes: u64| bytes as f64 / 1e3 / t.steps.max(1) as f64;

@@ -202,7 +202,9 @@ pub(crate) fn drive(
                         .map_err(|e| ControlError::Launch(format!("cannot start the thread that weighs a rebalance: {e}")))?;
                 }
                 Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
-                Command::LogStep(c) => observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, snapshot: None })?,
+                Command::LogStep(c) => {
+                    observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, moe_wire_bytes: None, snapshot: None })?
+                }
                 Command::Pause { epoch, nodes } => {
                     // The clock of the move's record starts at the request.
                     shell.failure_seen();
@@ -558,7 +560,7 @@ impl Shell {
                 Event::Ready { node, epoch }
             }
             WorkerEvent::Heartbeat => Event::Heartbeat { node },
-            WorkerEvent::Step { report, seconds, dropped, snapshot, .. } => {
+            WorkerEvent::Step { report, seconds, wire_bytes, dropped, snapshot } => {
                 let mut moved = None;
                 if let Some(r) = self.recovering.take_if(|r| r.resumed) {
                     let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
@@ -588,7 +590,7 @@ impl Shell {
                 }
                 let event =
                     Event::StepDone { epoch: ctl.epoch(), step: report.step, steps: 1, loads: report.expert_load.clone(), seconds, moved };
-                observe(TrainEvent::Step { report, seconds, dropped, snapshot })?;
+                observe(TrainEvent::Step { report, seconds, dropped, moe_wire_bytes: Some(wire_bytes), snapshot })?;
                 event
             }
             WorkerEvent::Left => {

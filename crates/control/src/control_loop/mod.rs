@@ -233,6 +233,9 @@ pub enum TrainEvent {
         report: StepReport,
         seconds: f64,
         dropped: u64,
+        /// Bytes the step's MoE all-to-alls sent between workers, summed over them (None where
+        /// not known: a step logged from a survivor's copy).
+        moe_wire_bytes: Option<u64>,
         /// What the step's snapshots cost (None: none taken).
         snapshot: Option<lazarus_runtime::SnapshotStepStats>,
     },

@@ -135,7 +135,7 @@ impl Worker {
         // As in the default step: the pause vote, the step time, the snapshot round's cost
         // (they steer when to pause and how fast to snapshot, not the parameters).
         let extras = scalars.len();
-        scalars.extend(self.round_terms(t));
+        scalars.extend(self.round_terms(t, wire_bytes));
         if scalars[2 * shards..sq_at].iter().any(|&c| c >= (1u32 << 24) as f32) {
             return Err(RuntimeError::Invalid { field: "expert load", reason: "2^24 tokens or more on one expert in a step".into() });
         }
@@ -169,7 +169,7 @@ impl Worker {
             }
         }
         drop(_phase);
-        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, expert_load, wire_bytes, round))
+        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, expert_load, round))
     }
 
     /// Each local expert's exact gradient summed over its holders (one exact all-reduce per set

@@ -95,7 +95,8 @@ enum ParamKind {
 pub struct WorkerStepReport {
     /// Same fields as the single-process trainer's report; losses and loads are global.
     pub report: StepReport,
-    /// Bytes this rank sent in the dispatch/combine all-to-alls of this step.
+    /// Bytes the MoE layers' all-to-alls sent in this step, summed over every rank (the same on
+    /// every rank).
     pub wire_bytes: u64,
     /// Some rank was asked to pause (the same on every rank): stop after this step, between
     /// steps, and wait for the controller's move.

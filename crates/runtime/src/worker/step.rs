@@ -64,7 +64,21 @@ pub(super) struct MicroBatch {
 pub(super) struct Round {
     pub pause: bool,
     pub mean_step_s: f64,
+    /// Bytes the step's MoE all-to-alls sent, summed over the ranks.
+    pub wire_bytes: u64,
     pub snapshot_cost: lazarus_plan::RoundCost,
+}
+
+/// A byte count as two f32 terms of a sum over the ranks: its 64 KiB units and the bytes below.
+/// Every partial sum is an integer below 2^24, so the sum is exact in any order while the ranks'
+/// total stays under 2^40 bytes and there are at most 256 ranks.
+fn bytes_terms(bytes: u64) -> [f32; 2] {
+    [(bytes >> 16) as f32, (bytes & 0xffff) as f32]
+}
+
+/// The byte count whose [`bytes_terms`] summed to `units` and `rest`.
+fn bytes_of_sums(units: f32, rest: f32) -> u64 {
+    ((units as u64) << 16) + rest as u64
 }
 
 impl Round {
@@ -74,8 +88,9 @@ impl Round {
         Round {
             pause: sums[0] > 0.5,
             mean_step_s: f64::from(sums[1]) / world.max(1) as f64,
+            wire_bytes: bytes_of_sums(sums[2], sums[3]),
             snapshot_cost: lazarus_plan::RoundCost::from_sums(
-                sums[2..2 + terms].try_into().expect("the cost's terms follow the vote and the time"),
+                sums[4..4 + terms].try_into().expect("the cost's terms follow the vote, the time and the bytes"),
             ),
         }
     }
@@ -138,7 +153,7 @@ impl Worker {
         }
         let extras = flat.len();
         flat.extend([ce_value as f32, aux_local as f32, expert_sq as f32]);
-        flat.extend(self.round_terms(t));
+        flat.extend(self.round_terms(t, wire_bytes));
         self.fault_point(FaultPoint::AllReduce, self.trainer.step + 1);
         {
             let _p = lazarus_model::profile::kernel("transport");
@@ -158,7 +173,7 @@ impl Worker {
             }
         }
         drop(_phase);
-        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, global_load, wire_bytes, round))
+        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, global_load, round))
     }
 
     /// What every step sums over the ranks after its own terms: a vote of the ranks asked to
@@ -166,10 +181,12 @@ impl Worker {
     /// rank's last step time (for the snapshot budget, summed into a mean), and what the last
     /// snapshot round cost this rank (lazarus_plan::RoundCost: whether its frames are not all
     /// written yet, and the CPU they took against the process's since the last step).
-    pub(super) fn round_terms(&mut self, t: &mut dyn Transport) -> Vec<f32> {
+    /// `wire_bytes`: what this rank's MoE all-to-alls sent in the step ([`bytes_terms`]).
+    pub(super) fn round_terms(&mut self, t: &mut dyn Transport, wire_bytes: u64) -> Vec<f32> {
         let pause_vote = f32::from(u8::from(self.pause_asked(t.epoch())));
         let last_s = self.last_committed.as_ref().map_or(0.0, |(_, s)| *s);
         let mut terms = vec![pause_vote, last_s as f32];
+        terms.extend(bytes_terms(wire_bytes));
         terms.extend(self.snapshots.round_cost_here(t));
         terms
     }
@@ -209,7 +226,6 @@ impl Worker {
         loss: f64,
         aux_sum: f64,
         expert_load: Vec<Vec<u64>>,
-        wire_bytes: u64,
         round: Round,
     ) -> PendingStep {
         let cfg = &self.trainer.config;
@@ -225,7 +241,7 @@ impl Worker {
             expert_load,
             dropped: 0,
         };
-        let Round { pause, mean_step_s, snapshot_cost } = round;
+        let Round { pause, mean_step_s, wire_bytes, snapshot_cost } = round;
         PendingStep {
             at,
             grads,
@@ -454,5 +470,28 @@ impl Worker {
     /// Forget the held step (no rank committed it; it will be re-run).
     pub fn drop_held(&mut self) {
         self.held = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bytes_of_sums, bytes_terms};
+
+    /// 256 ranks' byte counts summed as f32 terms in two orders: the exact total either way.
+    #[test]
+    fn byte_counts_sum_exactly_over_the_ranks() {
+        let counts: Vec<u64> = (0..256u64).map(|r| (r.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) % (1 << 32)).collect();
+        let total: u64 = counts.iter().sum();
+        assert!(total < 1 << 40);
+        for order in [counts.clone(), counts.iter().rev().copied().collect()] {
+            let mut sums = [0f32; 2];
+            for c in order {
+                let [u, r] = bytes_terms(c);
+                sums[0] += u;
+                sums[1] += r;
+            }
+            assert_eq!(bytes_of_sums(sums[0], sums[1]), total);
+        }
+        assert_eq!(bytes_of_sums(bytes_terms(0)[0], bytes_terms(0)[1]), 0);
     }
 }
