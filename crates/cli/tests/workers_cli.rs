@@ -309,6 +309,11 @@ fn moe_layer_bench_reports_both_systems_and_padding_free_wire_bytes() {
         }
     }
     assert_eq!(v["max_imbalance"].as_f64(), Some(1.05));
+    // What skew cost Lazarus: its 4:1 tokens/s over its 1:1.
+    let lazarus_at = |k: f64| {
+        results.iter().find(|r| r["system"] == "lazarus" && r["ratio"].as_f64() == Some(k)).unwrap()["tokens_per_s"].as_f64().unwrap()
+    };
+    assert_eq!(v["lazarus_kept_under_skew"].as_f64(), Some(lazarus_at(4.0) / lazarus_at(1.0)));
     // One system, more steps: the median step comes with its quartiles and the run's noise.
     let out = lazarus(&[
         "bench",
