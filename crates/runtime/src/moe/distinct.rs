@@ -26,6 +26,14 @@ use lazarus_comm::bytes_to_f32;
 
 use crate::error::RuntimeError;
 
+/// Whether this process sends a row per slot even where a token could go once:
+/// `LAZARUS_DISPATCH=per-slot`, the "before" of the benchmarks (read once). Ranks may differ: a
+/// buffer's length says its form.
+pub(super) fn per_slot_forced() -> bool {
+    static PER_SLOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PER_SLOT.get_or_init(|| std::env::var("LAZARUS_DISPATCH").is_ok_and(|v| v == "per-slot"))
+}
+
 /// The plan for one buffer of token rows bound for one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Distinct {

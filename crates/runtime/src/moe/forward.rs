@@ -112,7 +112,7 @@ impl DistributedMoe {
         // their rows from h there, and their outputs stay there for the combine (`Local`).
         let local = Local::new(&layout, &packing, me, k)?;
         let mut remote = packing.without(me);
-        if self.mode.sums_on_holders() {
+        if self.mode.sums_on_holders() && !super::distinct::per_slot_forced() {
             remote.send_distinct(&layout, k, d);
         }
         // The combine weights w[t, j] (in h's graph), and on the host where a holder combines.
