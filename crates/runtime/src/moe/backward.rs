@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_reduce_sum_f32, all_to_all_v, f32_to_bytes, Group, Transport};
 
-use super::distinct::{decode_exact, dots, expand_scaled, sum_by_token, Arrival};
+use super::distinct::{add_by_token, decode_exact, dots, expand_scaled, sum_by_token, Arrival};
 use super::packing::{pack_one, wire, Rows};
 use super::{DistributedMoe, ExpertGrads, MoeForward, MoeGrads};
 use crate::error::RuntimeError;
@@ -25,13 +25,9 @@ impl DistributedMoe {
         fwd: &MoeForward,
         grad_output: &Tensor,
     ) -> Result<MoeGrads, RuntimeError> {
-        let (n, d, k) = (fwd.n, fwd.d, self.top_k);
-        // The expert path first (the combine is linear in the slots: d slot = w · g), then the
-        // combine segment's backward for the router (gate) and h, with the combine weights'
-        // gradient from the holders that combined.
-        let g = grad_output.detach().to_dtype(DType::F32)?.reshape((n, d))?;
-        let d_slots = g.reshape((n, 1, d))?.broadcast_mul(&fwd.combine.reshape((n, k, 1))?)?.reshape((n * k, d))?;
-        let experts = self.backward_from_slots(t, world, fwd, &d_slots, &g)?;
+        // The expert path first, then the combine segment's backward for the router (gate) and
+        // h, with the combine weights' gradient from the holders that combined.
+        let experts = self.expert_backward(t, world, fwd, grad_output)?;
         let mut seeded = (&fwd.output * grad_output.detach())?.sum_all()?;
         if let Some(cg) = &experts.combine_grad {
             seeded = (seeded + (&fwd.weights * cg.to_dtype(fwd.weights.dtype())?)?.sum_all()?)?;
@@ -438,10 +434,7 @@ impl DistributedMoe {
         for (dst, (distinct, values)) in fwd.remote.distinct.iter().zip(results).enumerate() {
             let Some(distinct) = distinct else { continue };
             let (sums, weight_grads) = values.split_at(distinct.tokens.len() * d);
-            for (j, &tok) in distinct.tokens.iter().enumerate() {
-                let to = &mut dh[tok as usize * d..(tok as usize + 1) * d];
-                to.iter_mut().zip(&sums[j * d..(j + 1) * d]).for_each(|(o, &x)| *o += x);
-            }
+            add_by_token(&mut dh, &distinct.tokens, sums, d);
             for (&s, &gw) in fwd.layout.send[dst].iter().zip(weight_grads) {
                 dw[s as usize] = gw;
             }

@@ -158,6 +158,15 @@ pub(super) fn sum_by_token(index: &[u32], distinct: usize, weight: Option<&[f32]
     out
 }
 
+/// Adds distinct row j of `rows` (d values each) into row `tokens[j]` of `sum`, in order: where
+/// a token rank takes in what the holders combined.
+pub(super) fn add_by_token(sum: &mut [f32], tokens: &[u32], rows: &[f32], d: usize) {
+    for (j, &tok) in tokens.iter().enumerate() {
+        let to = &mut sum[tok as usize * d..(tok as usize + 1) * d];
+        to.iter_mut().zip(&rows[j * d..(j + 1) * d]).for_each(|(o, &x)| *o += x);
+    }
+}
+
 /// Per row i: weight[i] · distinct[index[i]] (d values each).
 pub(super) fn expand_scaled(index: &[u32], weight: &[f32], distinct: &[f32], d: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(index.len() * d);
@@ -205,6 +214,11 @@ mod tests {
         let g = [1.0f32, -1.0, 3.0, 0.0];
         assert_eq!(expand_scaled(&index, &[2.0, 1.0, -1.0], &g, 2), vec![2.0, -2.0, 3.0, 0.0, -1.0, 1.0]);
         assert_eq!(dots(&index, &g, &rows, 2), vec![-1.0, 30.0, -100.0]);
+        // Two holders' sums for tokens 2 and 0 of three, taken in.
+        let mut sum = vec![0f32; 6];
+        add_by_token(&mut sum, &[2, 0], &[1.0, 2.0, 3.0, 4.0], 2);
+        add_by_token(&mut sum, &[2], &[0.5, 0.5], 2);
+        assert_eq!(sum, vec![3.0, 4.0, 0.0, 0.0, 1.5, 2.5]);
     }
 
     proptest! {

@@ -7,7 +7,7 @@ use lazarus_model::profile;
 use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
-use super::distinct::{decode_dispatch, decode_exact, sum_by_token, Arrival};
+use super::distinct::{add_by_token, decode_dispatch, decode_exact, sum_by_token, Arrival};
 use super::packing::{pack_one, wire, Local, Packing, Remote, Rows, Source};
 
 use super::{DispatchMode, DistributedMoe, MoeForward};
@@ -29,9 +29,8 @@ impl DistributedMoe {
         }
         let mut sum = vec![0f32; n * d];
         for (distinct, rows) in remote.distinct.iter().zip(results) {
-            for (j, &tok) in distinct.iter().flat_map(|x| x.tokens.iter().enumerate()) {
-                let to = &mut sum[tok as usize * d..(tok as usize + 1) * d];
-                to.iter_mut().zip(&rows[j * d..(j + 1) * d]).for_each(|(o, &x)| *o += x);
+            if let Some(distinct) = distinct {
+                add_by_token(&mut sum, &distinct.tokens, rows, d);
             }
         }
         let _p = profile::kernel("to device");
@@ -315,10 +314,6 @@ impl DistributedMoe {
             combine,
             weights: w,
             rows_sent: layout.send.iter().enumerate().filter(|(r, _)| *r != me).map(|(_, v)| v.len() as u64).sum(),
-            distinct_rows_sent: (0..ranks)
-                .filter(|&r| r != me)
-                .map(|r| remote.distinct[r].as_ref().map_or(layout.send[r].len(), |x| x.tokens.len()) as u64)
-                .sum(),
             layout,
             packing,
             remote,

@@ -4,7 +4,7 @@
 //! mirrors it and sums each expert's gradient over its holders.
 //!
 //! Files: this one holds the types; `packing` lays rows out in the all-to-all buffers;
-//! `distinct` sends a token's row once per rank however many of its choices are there;
+//! `distinct` sends a token once to each rank its choices are on, in all four exchanges;
 //! `forward` and `backward` are the two passes.
 
 mod backward;
@@ -142,9 +142,6 @@ pub struct MoeForward {
     /// Token slots this rank dispatched to other ranks (padding excluded): a row per (token,
     /// choice) whose expert is elsewhere, what a slot-based dispatcher moves in each exchange.
     pub rows_sent: u64,
-    /// Distinct (token, rank) pairs among them: a row sent once per rank it goes to, what the
-    /// dispatch and the output gradients carry here ([`distinct`]).
-    pub distinct_rows_sent: u64,
     layout: RankLayout,
     packing: Packing,
     /// The buffers that cross to other ranks (`packing` without this rank's own).
