@@ -33,6 +33,10 @@ use lazarus_comm::auth;
 /// How long an agent has to say hello once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
 
+/// How long the start waits, once every worker is attached, for the last arrivals to be told
+/// of (they are queued a moment after they are counted).
+const TELL_ARRIVALS_WITHIN: Duration = Duration::from_secs(1);
+
 /// The stream of a controller's messages to one agent.
 pub type AgentStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<ControllerMessage, Status>> + Send>>;
 
@@ -509,17 +513,30 @@ impl AgentHub {
                 None => Ok(()),
             }
         };
+        // Since when every worker is attached: an agent is counted when it is admitted, a moment
+        // before its arrival is queued here, so the last arrivals are waited for (briefly) to be
+        // told of.
+        let mut complete_since: Option<Instant> = None;
         loop {
             let attached = self.attached_workers();
             if attached == self.world {
-                // Tell of the agents whose arrival is still queued.
-                while let Ok(x) = inputs.try_recv() {
-                    if let HubInput::Joined { agent } = x {
-                        joined(agent, &mut shown)?;
-                    }
+                let since = *complete_since.get_or_insert_with(Instant::now);
+                let left = TELL_ARRIVALS_WITHIN.saturating_sub(since.elapsed());
+                if shown >= attached || left.is_zero() {
+                    return Ok(());
                 }
-                return Ok(());
+                match inputs.recv_timeout(left) {
+                    Ok(HubInput::Joined { agent }) => joined(agent, &mut shown)?,
+                    Ok(HubInput::Gone { agent, why }) => {
+                        tracing::warn!("agent {agent} left before the job started: {why}");
+                        shown = self.attached_workers();
+                    }
+                    Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return Err(ControlError::Launch("the agent hub stopped".into())),
+                }
+                continue;
             }
+            complete_since = None;
             let now = Instant::now();
             if now >= deadline {
                 return Err(ControlError::Launch(format!(

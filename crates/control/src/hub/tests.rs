@@ -267,3 +267,32 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     assert!(h.take(0, report(100, 1, &ready)).is_none());
     assert!(h.take(1, report(100, 0, &ready)).is_some());
 }
+
+/// Every worker is attached (both agents admitted) while the second agent's arrival is not yet
+/// queued — an agent is counted a moment before its arrival is: the start still tells of it,
+/// once, when it comes, instead of starting without a word of it.
+#[test]
+fn the_start_tells_of_an_arrival_queued_after_the_last_worker_is_counted() {
+    let (h, rx) = hub(4, 2);
+    let first = h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
+    let second = h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
+    h.input(HubInput::Joined { agent: first });
+    // The second arrival is queued only once the start has told of the first.
+    let (told_tx, told_rx) = std::sync::mpsc::channel::<()>();
+    let late = {
+        let h = h.clone();
+        std::thread::spawn(move || {
+            told_rx.recv().unwrap();
+            h.input(HubInput::Joined { agent: second });
+        })
+    };
+    let mut told = Vec::new();
+    h.wait_for_agents(&rx, Instant::now() + Duration::from_secs(30), |info, attached, world| {
+        told.push((info.agent, attached, world));
+        let _ = told_tx.send(());
+        Ok(())
+    })
+    .unwrap();
+    late.join().unwrap();
+    assert_eq!(told, vec![(first, 2, 4), (second, 4, 4)]);
+}
