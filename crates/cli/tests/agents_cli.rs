@@ -12,10 +12,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::hosts::{
-    agent_pids, children, exit_within, placement, start_agent, start_agent_with_grace, start_controller, start_controller_keeping,
+    agent_pids, children, placement, start_agent, start_agent_with_env, start_agent_with_grace, start_controller, start_controller_keeping,
     wait_for_records, Hosts,
 };
-use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait_for_steps};
+use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait, wait_for_steps};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
@@ -50,9 +50,7 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
     assert_eq!(workers.len(), 2, "an agent runs its node's two workers");
     signal(agents[1], libc::SIGKILL);
     assert!(all_gone(&workers, Duration::from_secs(5)), "the workers of a killed agent die with it");
-    let status = child.wait().unwrap();
-    text.extend(lines.try_iter());
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    text.extend(wait::job_success(&mut child, &lines, &path, "the run after an agent's SIGKILL"));
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "2 agents of 2 workers, one agent killed");
     assert_eq!(reconf.len(), 1, "{reconf:?}");
@@ -92,8 +90,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let wrong = d.join("wrong");
     std::fs::write(&wrong, "0123456789abcdef0123456789abcdef\n").unwrap();
     let (mut stranger, stranger_lines) = start_agent(&addr, "2", &wrong, None);
-    let (status, text) = exit_within(&mut stranger, &stranger_lines, Duration::from_secs(30));
-    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    let text = wait::failure(&mut stranger, &stranger_lines, "an agent of another secret", Duration::from_secs(30));
     assert!(text.iter().any(|l| l.contains("is not this job's controller")), "{}", text.join("\n"));
     let out = lazarus(&["status", "--controller", &addr, "--secret-file", wrong.to_str().unwrap()]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("is not this job's controller"));
@@ -109,8 +106,8 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     // one of its nodes.
     for (gpus, why) in [("2", "--max-workers"), ("1", "nodes have 2 each")] {
         let (mut extra, extra_lines) = start_agent(&addr, gpus, &secret, None);
-        let (status, text) = exit_within(&mut extra, &extra_lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| !s.success()) && text.iter().any(|l| l.contains(why)), "{}", text.join("\n"));
+        let text = wait::failure(&mut extra, &extra_lines, format!("an agent of {gpus} GPUs refused"), Duration::from_secs(30));
+        assert!(text.iter().any(|l| l.contains(why)), "{why:?} in {}", text.join("\n"));
     }
     // The controller dies: every node stops its workers within about a lease, and says why.
     let workers: Vec<i32> = agents.iter().flat_map(|(c, _)| children(c.id() as i32)).collect();
@@ -119,8 +116,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let _ = controller.wait();
     drop(ctl_lines);
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(20));
-        assert!(status.is_some_and(|s| !s.success()), "an agent stops when its controller is gone: {}", text.join("\n"));
+        let text = wait::failure(child, lines, "an agent stops when its controller is gone", Duration::from_secs(20));
         assert!(text.iter().any(|l| l.contains("agent stopped")), "{}", text.join("\n"));
     }
     assert!(all_gone(&workers, Duration::from_secs(5)), "no worker outlives its agent");
@@ -149,8 +145,7 @@ fn an_agent_facing_a_silent_port_gives_up_after_its_connect_timeout() {
         &["agent", "--controller", &addr, "--gpus", "1", "--secret-file", secret.to_str().unwrap(), "--connect-timeout", "2"],
         &[],
     );
-    let (status, text) = exit_within(&mut agent, &lines, Duration::from_secs(30));
-    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    let text = wait::failure(&mut agent, &lines, "an agent facing a silent port", Duration::from_secs(30));
     assert!(started.elapsed() < Duration::from_secs(15), "gave up after {:?}", started.elapsed());
     assert!(text.iter().any(|l| l.contains("--connect-timeout")), "{}", text.join("\n"));
     drop(held);
@@ -208,11 +203,9 @@ fn half_open_connections_do_not_starve_the_controller() {
     };
     assert!(answered, "status answers while 300 silent connections are open");
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "1", &secret, None)).collect();
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job under 300 silent connections");
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
     assert_eq!(log(&path).0.len(), 10);
     drop(silent);
@@ -240,11 +233,9 @@ fn a_controller_and_its_agents_run_from_one_config_file() {
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
         (0..2).map(|_| spawn_lazarus(&["agent", "--config", &file_s, "--controller", &addr], &[])).collect();
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job of one config file");
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
     assert_eq!(log(&path).0.len(), 8, "the file's steps, on the file's two workers");
     let _ = std::fs::remove_dir_all(&d);
@@ -293,11 +284,9 @@ fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
     let (via, seen) = recording_proxy(addr);
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&via, "2", &secret, None)).collect();
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job through a recording proxy");
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
     assert_eq!(log(&path).0.len(), 20, "the job ran through the proxy");
     let bytes = seen.lock().unwrap().clone();
@@ -330,15 +319,14 @@ fn a_controller_stopped_by_sigterm_ends_every_node_at_a_step_boundary_and_says_s
     let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "2", &secret, None)).collect();
     wait_for_steps(&path, 5);
     signal(controller.id() as i32, libc::SIGTERM);
-    let (status, ctl_text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(30));
-    assert_eq!(status.and_then(|s| s.code()), Some(143), "{}", ctl_text.join("\n"));
+    let (status, ctl_text) = wait::exit(&mut controller, &ctl_lines, "the controller stopped by SIGTERM", Duration::from_secs(30));
+    assert_eq!(status.code(), Some(143), "{}", ctl_text.join("\n"));
     assert!(!ctl_text.iter().any(|l| l.contains("given up")), "a normal end warns of nothing: {}", ctl_text.join("\n"));
     let (steps, _) = log(&path);
     let last = steps.last().unwrap().0;
     assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap(), format!("step-{last:08}"), "the last logged step is saved");
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        let text = wait::success(child, lines, "an agent of the stopped job", Duration::from_secs(30));
         let said = format!("asked to stop (SIGTERM): every worker finished after step {last}");
         assert!(text.iter().any(|l| l.contains(&said)), "{said:?} in {}", text.join("\n"));
     }
@@ -364,9 +352,12 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     args.extend(tiny());
     args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
-    let mut first = start_agent(&addr, "2", &secret, None);
+    // Paced (every step 15 ms or more): the job outlasts a join, a loss and a second join on
+    // any machine.
+    let agent = || start_agent_with_env(&addr, "2", &secret, None, "0", &common::paced(15));
+    let mut first = agent();
     wait_for_steps(&path, 20);
-    let _second = start_agent(&addr, "2", &secret, None);
+    let _second = agent();
     let joined = wait_for_records(&path, 1);
     assert_eq!((joined[0]["cause"].as_str(), joined[0]["workers"].as_u64()), (Some("join"), Some(4)), "{}", joined[0]);
     assert_eq!(joined[0]["joined"], serde_json::json!([2, 3]));
@@ -376,9 +367,8 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     let lost = wait_for_records(&path, 2);
     assert_eq!((lost[1]["cause"].as_str(), lost[1]["workers"].as_u64()), (Some("reconfigure"), Some(2)), "{}", lost[1]);
     assert_eq!(lost[1]["lost"], serde_json::json!([0, 1]));
-    let _third = start_agent(&addr, "2", &secret, None);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
-    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    let _third = agent();
+    let text = wait::job_success(&mut controller, &ctl_lines, &path, "the job completes");
     let (steps_seen, records) = log(&path);
     assert_eq!(records.len(), 3, "{records:?}");
     assert_eq!((records[2]["cause"].as_str(), records[2]["workers"].as_u64()), (Some("join"), Some(4)), "{}", records[2]);
@@ -424,12 +414,9 @@ fn a_node_that_gives_notice_hands_over_its_last_replicas_before_it_leaves() {
     wait_for_steps(&path, 20);
     signal(agents[victim].0.id() as i32, libc::SIGTERM);
     let (drained, drained_lines) = &mut agents[victim];
-    let (status, agent_text) = exit_within(drained, drained_lines, Duration::from_secs(60));
-    assert!(status.is_some_and(|s| s.success()), "the drained agent exits 0: {}", agent_text.join("\n"));
+    let agent_text = wait::success(drained, drained_lines, "the drained agent exits 0", Duration::from_secs(60));
     assert!(agent_text.iter().any(|l| l.contains("agent: drained")), "{}", agent_text.join("\n"));
-    let (status, more_text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
-    text.extend(more_text);
-    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    text.extend(wait::job_success(&mut controller, &ctl_lines, &path, "the job after the drain"));
     let (steps, records) = log(&path);
     assert_eq!(records.len(), 1, "one move, no rollback: {records:?}");
     let r = &records[0];
@@ -456,9 +443,10 @@ fn a_replayed_trace_kills_and_starts_local_agents_on_schedule() {
     // Trace times x 0.01: b goes at 0.6 s, c comes at 0.9 s and waits 1.2 s (2 minutes x 0.01).
     args.extend(["--replay-scale", "0.01", "--rebalance-every", "0", "--steps", "360", "--json-log", &log_s]);
     args.extend(tiny());
-    let (mut child, lines) = spawn_lazarus(&args, &[]);
-    let (status, text) = exit_within(&mut child, &lines, Duration::from_secs(300));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    // Paced (every step 15 ms or more): the 360 steps outlast the trace's last event (a join at
+    // about 2 s) on any machine.
+    let (mut child, lines) = spawn_lazarus(&args, &common::paced(15));
+    let text = wait::job_success(&mut child, &lines, &path, "a job replaying a trace");
     assert!(text.iter().any(|l| l.contains("node b goes: its agent killed (SIGKILL)")), "{}", text.join("\n"));
     assert!(text.iter().any(|l| l.contains("node c comes")), "{}", text.join("\n"));
     let (steps, records) = log(&path);
@@ -509,16 +497,14 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     assert_eq!(cut_workers.len(), 2);
     let cut_at = Instant::now();
     hosts.partition(2);
-    let (status, text) = exit_within(&mut cut.0, &cut.1, Duration::from_secs(20));
-    assert!(status.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    let text = wait::failure(&mut cut.0, &cut.1, "the cut-off agent", Duration::from_secs(20));
     assert!(text.iter().any(|l| l.contains("the controller was silent")), "{}", text.join("\n"));
     // Its workers' ranks (agents are numbered in order of arrival).
     let started = text.iter().find_map(|l| l.split("started workers (ranks ").nth(1)).expect("the agent started its workers");
     let cut_ranks: Vec<u64> = started.trim_end_matches(')').split(", ").map(|r| r.parse().unwrap()).collect();
     assert!(cut_at.elapsed() < Duration::from_secs(10), "the cut-off agent stops within about a lease");
     assert!(all_gone(&cut_workers, Duration::from_secs(5)), "its workers stop with it");
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "training goes on on the other host: {}", text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "training on the other host");
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "a host cut off");
     assert_eq!(reconf.len(), 1, "{reconf:?}");
@@ -526,8 +512,7 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     assert_eq!(reconf[0]["cause"], "reconfigure", "expert states fetched from the other host: {}", reconf[0]);
     let recovery_s = reconf[0]["recovery_s"].as_f64().unwrap();
     assert!(recovery_s < 10.0, "found out by the lease and fenced, not at the 30 s deadline: {recovery_s} s");
-    let (status, text) = exit_within(&mut kept.0, &kept.1, Duration::from_secs(30));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    wait::success(&mut kept.0, &kept.1, "the agent on the other host", Duration::from_secs(30));
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -594,16 +579,23 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
     let _ = controller.wait();
     drop(ctl_lines);
     let killed_at = log(&path).0.len();
-    // Without a controller the workers pause: no step is trained, none is lost.
-    std::thread::sleep(Duration::from_secs(2));
+    let lost_at = Instant::now();
+    // Without a controller the workers pause: no step is trained, none is lost. Each agent says
+    // so once it finds the controller gone; then the controller stays away for 2 s in all (the
+    // fault's chosen length, which the move's detection time must count).
+    for (i, (_, lines)) in agents.iter().enumerate() {
+        wait::line(lines, format!("agent {i} waiting for a controller"), Duration::from_secs(30), &mut Vec::new(), |l| {
+            l.contains("wait up to")
+        });
+    }
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(lost_at.elapsed()));
     assert!(workers.iter().all(|&w| alive(w)), "the workers wait for a controller");
     assert!(agents.iter_mut().all(|(c, _)| c.try_wait().unwrap().is_none()), "the agents wait for a controller");
     assert!(ck.join("controller-state.json").exists(), "the controller saved what a new one needs");
     let again = job(&addr, true);
     let (mut controller, ctl_lines, again_addr) = start_controller(&again.iter().map(String::as_str).collect::<Vec<_>>(), None);
     assert_eq!(again_addr, addr);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "the job taken back completes: {}", text.join("\n"));
+    let text = wait::job_success(&mut controller, &ctl_lines, &path, "the job taken back completes");
     let (steps, reconf) = log(&path);
     assert!(steps.len() > killed_at, "steps after the restart");
     eprintln!("killed after {killed_at} steps logged; {}", reconf[0]);
@@ -622,8 +614,7 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
         text.join("\n")
     );
     for (child, lines) in &mut agents {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        let text = wait::success(child, lines, "an agent taken back", Duration::from_secs(30));
         assert!(text.iter().any(|l| l.contains("taken back by the controller")), "{}", text.join("\n"));
     }
     assert!(!ck.join("controller-state.json").exists(), "a completed job leaves nothing to take back");
@@ -644,15 +635,18 @@ fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one()
     signal(controller.id() as i32, libc::SIGKILL);
     let _ = controller.wait();
     drop(ctl_lines);
-    std::thread::sleep(Duration::from_millis(500));
+    // The agent finds its controller gone; then one of its workers is killed, and the agent
+    // reaps it (its /proc entry goes) before any controller is back.
+    wait::line(&agents[1].1, "the agent waiting for a controller", Duration::from_secs(30), &mut Vec::new(), |l| l.contains("wait up to"));
     let victim = children(agents[1].0.id() as i32)[0];
     signal(victim, libc::SIGKILL);
-    std::thread::sleep(Duration::from_millis(500));
+    wait::until_true(format!("the agent to reap its worker {victim}"), Duration::from_secs(30), || {
+        !std::path::Path::new(&format!("/proc/{victim}")).exists()
+    });
     // Started as a supervisor starts it: a running job's state in the checkpoint directory is
     // taken back (no checkpoint would be resumed instead).
     let (mut controller, ctl_lines, _) = job.controller(&["--resume-if-any"]);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "the job taken back completes: {}", text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &job.path, "the job taken back");
     let (steps, reconf) = log(&job.path);
     assert_eq!(steps.iter().map(|s| s.0).collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "every step once, in order");
     assert_same_losses(&steps, &want, "a worker lost while there was no controller");
@@ -661,10 +655,8 @@ fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one()
     assert_eq!(reconf[0]["workers"].as_u64(), Some(2), "{}", reconf[0]);
     assert_eq!(reconf[0]["lost"].as_array().map(Vec::len), Some(2), "the node of the lost worker, whole: {}", reconf[0]);
     let [(kept, kept_lines), (lost, lost_lines)] = &mut agents[..] else { unreachable!() };
-    let (status, text) = exit_within(kept, kept_lines, Duration::from_secs(30));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
-    let (status, text) = exit_within(lost, lost_lines, Duration::from_secs(30));
-    assert!(status.is_some(), "the agent of the lost node ends: {}", text.join("\n"));
+    wait::success(kept, kept_lines, "the agent of the node kept", Duration::from_secs(30));
+    wait::exit(lost, lost_lines, "the agent of the lost node", Duration::from_secs(30));
     let _ = std::fs::remove_dir_all(&job.d);
 }
 
@@ -696,8 +688,7 @@ fn a_job_none_of_whose_nodes_come_back_goes_on_from_its_last_checkpoint_with_new
     let (mut controller, ctl_lines, addr) = job.controller(&["--resume-job"]);
     let mut fresh: Vec<(Child, mpsc::Receiver<String>)> =
         (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(180));
-    assert!(status.is_some_and(|s| s.success()), "the job goes on from its checkpoint: {}", text.join("\n"));
+    let text = wait::job_success(&mut controller, &ctl_lines, &job.path, "the job goes on from its checkpoint");
     assert!(text.iter().any(|l| l.contains("no member came back")), "and says so: {}", text.join("\n"));
     // The log as a reader takes it: a rollback cuts it back to its step.
     let mut steps: Vec<(u64, f64)> = Vec::new();
@@ -718,8 +709,7 @@ fn a_job_none_of_whose_nodes_come_back_goes_on_from_its_last_checkpoint_with_new
     assert_eq!(rollbacks[0]["workers"].as_u64(), Some(4), "the new nodes' workers: {}", rollbacks[0]);
     assert_same_losses(&steps, &want, "carried on from the checkpoint by new nodes");
     for (child, lines) in &mut fresh {
-        let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-        assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+        wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
     let _ = std::fs::remove_dir_all(&job.d);
 }
@@ -745,9 +735,8 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
         drop(ctl_lines);
         std::thread::sleep(Duration::from_millis(down_ms));
         let (mut controller, ctl_lines, _) = job.controller(&["--resume-job"]);
-        let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
         let what = format!("killed {after_ms} ms after the worker, down {down_ms} ms");
-        assert!(status.is_some_and(|s| s.success()), "{what}: the job taken back completes: {}", text.join("\n"));
+        wait::job_success(&mut controller, &ctl_lines, &job.path, format!("{what}: the job taken back"));
         let (steps, reconf) = log(&job.path);
         assert_eq!(steps.iter().map(|s| s.0).collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "{what}: every step once");
         assert_same_losses(&steps, &want, &what);
@@ -760,8 +749,7 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
         );
         assert_eq!(reconf.last().unwrap()["workers"].as_u64(), Some(2), "{what}: {reconf:?}");
         for (child, lines) in &mut agents {
-            let (status, text) = exit_within(child, lines, Duration::from_secs(30));
-            assert!(status.is_some(), "{what}: {}", text.join("\n"));
+            wait::exit(child, lines, format!("{what}: an agent"), Duration::from_secs(30));
         }
         let _ = std::fs::remove_dir_all(&job.d);
     }
@@ -808,63 +796,65 @@ fn a_partition_after_a_takeover_loses_no_step() {
     hosts.partition(rank0 + 1);
     std::thread::sleep(Duration::from_millis(1500));
     hosts.heal(rank0 + 1);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let text = wait::job_success(&mut controller, &ctl_lines, &path, "the controller");
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, &format!("rank 0's host cut off after a takeover: {reconf:?}\n{}", text.join("\n")));
     for (child, lines) in &mut agents {
-        let _ = exit_within(child, lines, Duration::from_secs(40));
+        wait::exit(child, lines, "an agent", Duration::from_secs(40));
     }
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// The controller SIGKILLed while a node that joined stands by to be taken in: the new
-/// controller did not save it (it held nothing), so its agent stops its standing-by workers and
-/// attaches again as a newcomer, and is taken in as any joiner; the job loses nothing.
+/// The controller SIGKILLed while a node that joined stands by to be taken in. Whatever the race
+/// between the kill and the join — the node's workers started or not, its attach welcomed or
+/// not, its rejoin refused by the new controller (it held nothing, so it was not saved) and made
+/// again as a newcomer's, or taken in by the move that takes the job back — the job completes
+/// with every step once and the losses of an uninterrupted run, and the node ends up a member
+/// with its workers.
 #[test]
 fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
-    let job = RestartableJob::new("agents-controller-standby", 9, "1200");
-    let want = uninterrupted("1200", &job.d);
+    // Every step takes at least 10 ms (`LAZARUS_FAULT=pace:10` on the workers): the job lasts
+    // 6 s or more on any machine, longer than a restart and a join take on a fast one; a slow
+    // one is waited for as long as it logs steps.
+    let steps = "600";
+    let job = RestartableJob::new("agents-controller-standby", 9, steps);
+    let want = uninterrupted(steps, &job.d);
     let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
     let (secret, log_s, ck) = (s(&job.secret), s(&job.path), s(&job.ck));
     let mut args = vec!["--listen", &job.listen, "--secret-file", &secret, "--workers", "4", "--gpus-per-node", "2"];
     args.extend(["--max-workers", "6", "--join-wait", "1", "--lease", "0.5"]);
     args.extend(tiny());
-    args.extend(["--steps", "1200", "--json-log", &log_s, "--checkpoint-dir", &ck, "--checkpoint-every", "100"]);
+    args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck, "--checkpoint-every", "100"]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
-    let mut agents: Vec<(Child, mpsc::Receiver<String>)> =
-        (0..2).map(|_| start_agent_with_grace(&addr, "2", &job.secret, None, "60")).collect();
+    let agent = || start_agent_with_env(&addr, "2", &job.secret, None, "60", &common::paced(10));
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = vec![agent(), agent()];
     wait_for_steps(&job.path, 20);
-    agents.push(start_agent_with_grace(&addr, "2", &job.secret, None, "60"));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ctl_lines.recv_timeout(Duration::from_secs(30)).unwrap().contains("standing by to be taken in") {
-        assert!(Instant::now() < deadline, "the third node joins");
-    }
+    agents.push(agent());
+    let mut seen = Vec::new();
+    wait::line(&ctl_lines, "the third node standing by", Duration::from_secs(60), &mut seen, |l| l.contains("standing by to be taken in"));
     signal(controller.id() as i32, libc::SIGKILL);
     let _ = controller.wait();
     drop(ctl_lines);
     args.push("--resume-job");
     let (mut controller, ctl_lines, _) = start_controller(&args, None);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let text = wait::job_success(&mut controller, &ctl_lines, &job.path, "the job taken back");
     let (steps, reconf) = log(&job.path);
-    assert_same_losses(&steps, &want, "a node standing by when the controller was lost");
-    assert_eq!(reconf.first().map(|r| r["cause"].clone()), Some(serde_json::json!("controller")), "{reconf:?}");
+    let what = format!("a node standing by when the controller was lost: {reconf:?}");
+    assert_same_losses(&steps, &want, &what);
+    assert!(reconf.iter().any(|r| r["cause"] == "controller"), "the job was taken back: {what}");
+    assert!(reconf.iter().all(|r| r["cause"] != "rollback"), "nothing rolled back: {what}");
+    // The node is a member at the end: the job's last move has every node's workers, and it
+    // took the newcomer's in (by a join, or in the move that took the job back).
+    let last = reconf.last().unwrap_or_else(|| panic!("{what}"));
+    assert_eq!(last["workers"].as_u64(), Some(6), "{what}\n{}", wait::tail(&text));
+    let joined = reconf.iter().filter_map(|r| r["joined"].as_array()).map(Vec::len).sum::<usize>();
+    assert!(joined >= 2, "the newcomer's two workers were taken in: {what}");
+    // Its agent ends as a member's does: every one of its workers finished the job.
     let (newcomer, newcomer_lines) = &mut agents[2];
-    let (status, newcomer_text) = exit_within(newcomer, newcomer_lines, Duration::from_secs(30));
-    let said = newcomer_text.join("\n");
-    // Taken in by the move that takes the job back (when it re-attached first) or by a join.
-    let taken_in = reconf.iter().find(|r| r["joined"].as_array().is_some_and(|j| !j.is_empty()));
-    let taken_in = taken_in.unwrap_or_else(|| panic!("the newcomer is taken in: {reconf:?}\n{said}"));
-    assert_eq!(taken_in["workers"].as_u64(), Some(6), "{taken_in}");
-    assert!(status.is_some_and(|s| s.success()), "{said}");
-    // (Its workers were started, standing by, or not yet, when the controller was lost — or its
-    // own attach was not through yet, the controller's welcome never reaching it: then its one
-    // attach is to the new controller.)
-    let attached = said.matches("attached to job").count();
-    assert!(said.contains("attaching again as a newcomer") || said.contains("taken back by the controller") || attached == 1, "{said}");
-    for (child, lines) in &mut agents[..2] {
-        let _ = exit_within(child, lines, Duration::from_secs(30));
+    let said = wait::success(newcomer, newcomer_lines, "the newcomer's agent", Duration::from_secs(30));
+    assert!(said.iter().any(|l| l.contains("agent: the job completed")), "{}", said.join("\n"));
+    for (i, (child, lines)) in agents[..2].iter_mut().enumerate() {
+        wait::success(child, lines, format!("the agent of node {i}"), Duration::from_secs(30));
     }
     let _ = std::fs::remove_dir_all(&job.d);
 }

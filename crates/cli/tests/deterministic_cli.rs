@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{dir, lazarus, log, lone_holder, signal, spawn_lazarus, twin_holders, wait_for_steps, worker_pids};
+use common::{dir, lazarus, log, lone_holder, signal, spawn_lazarus, twin_holders, wait, wait_for_steps, worker_pids};
 
 /// The tiny model, 12 sequences a step (1, 2, 3 and 4 workers all divide the batch
 /// differently: 12, 6 + 6, 4 + 4 + 4, 3 × 4).
@@ -93,9 +93,7 @@ fn a_worker_killed_from_outside_leaves_the_bits_of_an_uninterrupted_run() {
     let pids = worker_pids(&lines, 4, |_| {});
     wait_for_steps(&path, 10);
     signal(pids[2], libc::SIGKILL);
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    wait::job_success(&mut child, &lines, &path, "the run after a worker's SIGKILL");
     let (_, moves) = log(&path);
     assert_eq!(moves.len(), 1, "one move: {moves:?}");
     assert_eq!(moves[0]["cause"].as_str(), Some("reconfigure"), "{moves:?}");
@@ -149,9 +147,7 @@ fn faulty(d: &Path, name: &str, extra: &[&str], faults: &str, moves: usize) -> (
     args.extend(extra);
     let (mut child, lines) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults)]);
     let _ = worker_pids(&lines, 4, |_| {});
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "{name}: the run goes on and finishes: {}", text.join("\n"));
+    wait::job_success(&mut child, &lines, &path, format!("{name}: the run through its faults"));
     let (_, got) = log(&path);
     assert_eq!(got.len(), moves, "{name}: {got:?}");
     (ck, loss_bits(&path))
@@ -162,7 +158,7 @@ fn faulty(d: &Path, name: &str, extra: &[&str], faults: &str, moves: usize) -> (
 /// it holds — and the job ends with the bytes of a run on one worker that never changed.
 #[test]
 fn a_join_and_a_drain_leave_the_same_bits() {
-    use common::hosts::{exit_within, start_agent, start_controller, wait_for_records};
+    use common::hosts::{start_agent_with_env, start_controller, wait_for_records};
     use std::time::Duration;
     let d = dir("deterministic-agents");
     let steps = "200";
@@ -174,17 +170,18 @@ fn a_join_and_a_drain_leave_the_same_bits() {
     args.extend(tiny());
     args.extend(["--steps", steps, "--json-log", log_s, "--checkpoint-dir", ck_s]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
-    let mut first = start_agent(&addr, "2", &secret, None);
+    // Paced (every step 10 ms or more): the job outlasts a join and a drain on any machine.
+    let agent = || start_agent_with_env(&addr, "2", &secret, None, "0", &common::paced(10));
+    let mut first = agent();
     wait_for_steps(&path, 10);
-    let _second = start_agent(&addr, "2", &secret, None);
+    let _second = agent();
     let joined = wait_for_records(&path, 1);
     assert_eq!((joined[0]["cause"].as_str(), joined[0]["workers"].as_u64()), (Some("join"), Some(4)), "{}", joined[0]);
     signal(first.0.id() as i32, libc::SIGTERM);
     let drained = wait_for_records(&path, 2);
     assert_eq!((drained[1]["cause"].as_str(), drained[1]["workers"].as_u64()), (Some("drain"), Some(2)), "{}", drained[1]);
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
-    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
-    let _ = exit_within(&mut first.0, &first.1, Duration::from_secs(30));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job after a join and a drain");
+    wait::success(&mut first.0, &first.1, "the drained agent", Duration::from_secs(30));
     let (_, moves) = log(&path);
     assert_eq!(moves.len(), 2, "a join and a drain, no rollback: {moves:?}");
     assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
@@ -216,9 +213,7 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
     let faults = format!("{victim}:vote:13");
     let (mut child, lines) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults.as_str())]);
     let _ = worker_pids(&lines, 5, |_| {});
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    wait::job_success(&mut child, &lines, &path, "the run through a lone holder's loss");
     let (_, moves) = log(&path);
     assert_eq!(moves.len(), 1, "{moves:?}");
     assert_eq!(moves[0]["cause"].as_str(), Some("reconfigure"), "no rollback: {moves:?}");

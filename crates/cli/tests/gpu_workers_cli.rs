@@ -9,8 +9,8 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::hosts::{agent_pids, exit_within, start_agent, start_controller, wait_for_records};
-use common::{assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, wait_for_steps, worker_pids};
+use common::hosts::{agent_pids, start_agent, start_controller, wait_for_records};
+use common::{assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, wait, wait_for_steps, worker_pids};
 
 /// Whether a GPU can be opened here (else why not, printed).
 fn gpu() -> bool {
@@ -76,9 +76,7 @@ fn a_gpu_worker_killed_from_outside_does_not_stop_training() {
     let pids = worker_pids(&lines, 4, |_| {});
     wait_for_steps(&path, 10);
     signal(pids[2], libc::SIGKILL);
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    wait::job_success(&mut child, &lines, &path, "the run after a GPU worker's SIGKILL");
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "4 GPU workers, one killed");
     assert_eq!(reconf.len(), 1, "one move, no rollback: {reconf:?}");
@@ -127,10 +125,8 @@ fn gpu_workers_take_in_a_joining_node_and_let_a_draining_one_go() {
     wait_for_steps(&path, 60);
     signal(agents[0].0.id() as i32, libc::SIGTERM);
     let (drained, drained_lines) = &mut agents[0];
-    let (status, agent_text) = exit_within(drained, drained_lines, Duration::from_secs(60));
-    assert!(status.is_some_and(|s| s.success()), "the drained agent exits 0: {}", agent_text.join("\n"));
-    let (status, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(300));
-    assert!(status.is_some_and(|s| s.success()), "the job completes: {}", text.join("\n"));
+    wait::success(drained, drained_lines, "the drained agent", Duration::from_secs(60));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job after a join and a drain");
     let (steps, records) = log(&path);
     assert_eq!(records.len(), 2, "a join and a drain, no rollback: {records:?}");
     assert_eq!((records[1]["cause"].as_str(), records[1]["workers"].as_u64()), (Some("drain"), Some(2)), "{}", records[1]);

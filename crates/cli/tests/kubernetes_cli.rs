@@ -16,8 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::hosts::exit_within;
-use common::{dir, log, signal, spawn_lazarus, wait_for_steps};
+use common::{dir, log, signal, spawn_lazarus, wait, wait_for_steps};
 use serde::Deserialize;
 use serde_yaml::Value;
 
@@ -214,53 +213,63 @@ fn the_pods_commands_run_the_job_and_a_lost_agent_pod_comes_back_and_joins() {
     ];
     let ctl_args = on_this_machine(&all["Deployment/lazarus-controller"], &map, &small);
     let agent_args = on_this_machine(&all["StatefulSet/lazarus-agent"], &map, &["--gpus", "1"]);
-    let start_agent = || spawn_lazarus(&as_strs(&agent_args), &[]);
+    // Paced (every step 20 ms or more): the job's 300 steps outlast a lost pod's return and the
+    // controller's loss, which come after step 40 and step 100, on any machine.
+    let start_agent = || spawn_lazarus(&as_strs(&agent_args), &common::paced(20));
     let (mut controller, _) = spawn_lazarus(&as_strs(&ctl_args), &[]);
-    let (mut first, _) = start_agent();
+    let (mut first, first_lines) = start_agent();
     let (mut second, _) = start_agent();
     // An agent pod lost: made again, it rejoins.
     wait_for_steps(&path, 40);
     signal(second.id() as i32, libc::SIGKILL);
     let _ = second.wait();
+    // The pod is made again once its loss is seen (a job at its --max-workers has no room for
+    // it before: an agent that comes first is refused and exits, and its pod would be made
+    // again after a back-off).
+    common::hosts::wait_for_records(&path, 1);
     let (mut again, again_lines) = start_agent();
     // Its join is logged before the controller is lost (on a loaded machine the job can pass
     // step 100 first; then the takeover below would take the new agent in instead).
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     // (Read while the job writes it: only whole lines.)
     let joined = || {
         let text = std::fs::read_to_string(&path).unwrap_or_default();
         let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
         whole.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).any(|v| v["cause"] == "join")
     };
-    while !joined() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent pod made again never joined: {:?}",
-            again_lines.try_iter().collect::<Vec<_>>()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut said = Vec::new();
+    wait::until("the agent pod made again to join", Duration::from_secs(120), || {
+        said.extend(again_lines.try_iter());
+        if joined() {
+            Ok(())
+        } else {
+            Err(format!("{} lines logged, no join; the agent said:\n{}", wait::logged(&path), said.join("\n")))
+        }
+    });
     // The controller pod lost after a checkpoint: its agents keep their workers, paused; the
     // controller pod made again takes the job back (--resume-if-any finds the running job's
     // state in the checkpoint volume) and the job goes on to its end with nothing lost.
     let checkpoint = data.join("checkpoints/latest");
-    while std::fs::read_to_string(&checkpoint).unwrap_or_default().trim() < "step-00000100" {
-        assert!(std::time::Instant::now() < deadline, "no checkpoint at step 100");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait::until("a checkpoint at step 100", Duration::from_secs(120), || {
+        let latest = std::fs::read_to_string(&checkpoint).unwrap_or_default();
+        if latest.trim() >= "step-00000100" {
+            Ok(())
+        } else {
+            Err(format!("latest {:?}", latest.trim()))
+        }
+    });
     signal(controller.id() as i32, libc::SIGKILL);
     let _ = controller.wait();
-    std::thread::sleep(Duration::from_millis(500));
-    for agent in [&mut first, &mut again] {
+    for (agent, lines) in [(&mut first, &first_lines), (&mut again, &again_lines)] {
+        wait::line(lines, "an agent whose controller is lost to wait for the next one", Duration::from_secs(30), &mut Vec::new(), |l| {
+            l.contains("wait up to")
+        });
         assert!(agent.try_wait().unwrap().is_none(), "an agent whose controller is lost waits for the next one");
     }
     let (mut controller, ctl_lines) = spawn_lazarus(&as_strs(&ctl_args), &[]);
-    let (end, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
+    let text = wait::job_success(&mut controller, &ctl_lines, &path, "the job taken back by the controller pod made again");
     assert!(text.iter().any(|l| l.contains("holds a running job's state: taking it back")), "{}", text.join("\n"));
-    for agent in [&mut first, &mut again] {
-        let status = agent.wait().unwrap();
-        assert!(status.success(), "the agents finish with the job taken back");
+    for (agent, lines) in [(&mut first, &first_lines), (&mut again, &again_lines)] {
+        wait::success(agent, lines, "an agent of the job taken back", Duration::from_secs(30));
     }
     let numbers: Vec<u64> = log(&path).0.iter().map(|(s, _)| *s).collect();
     assert_eq!(numbers, (1..=300).collect::<Vec<_>>(), "every step once");

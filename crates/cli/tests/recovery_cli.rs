@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     assert_same_losses, cursor, dir, lazarus, log, lone_holder, signal, spawn_lazarus, status_with_token, twin_holders, uninterrupted,
-    uninterrupted_with_cursor, wait_for_steps, worker_pids,
+    uninterrupted_with_cursor, wait, wait_for_steps, worker_pids,
 };
 use serde_json::Value;
 
@@ -36,12 +36,9 @@ fn start_with_faults(n: usize, extra: &[&str], faults: &str) -> (Child, mpsc::Re
     (child, rx, pids)
 }
 
-/// Run a job to its end and collect its stderr.
-fn finish(mut child: Child, lines: mpsc::Receiver<String>) -> Vec<String> {
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
-    text
+/// Run a job (whose `--json-log` is `log`) to its end, for as long as it logs steps; its stderr.
+fn finish(mut child: Child, lines: mpsc::Receiver<String>, log: &Path) -> Vec<String> {
+    wait::job_success(&mut child, &lines, log, "the run goes on and finishes")
 }
 
 /// The final checkpoint in `ck` resumes in the single-process trainer.
@@ -62,9 +59,7 @@ fn a_worker_killed_from_outside_does_not_stop_training() {
     let (mut child, lines, pids) = start(4, &["--steps", "60", "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
     wait_for_steps(&path, 10);
     signal(pids[2], libc::SIGKILL);
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run goes on and finishes: {}", text.join("\n"));
+    let text = wait::job_success(&mut child, &lines, &path, "the run after a worker's SIGKILL");
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "4 workers, one killed");
     assert_eq!(reconf.len(), 1, "{reconf:?}");
@@ -92,9 +87,7 @@ fn a_hung_worker_is_found_out_within_the_lease_and_training_goes_on() {
     wait_for_steps(&path, 10);
     let stopped_at = Instant::now();
     signal(pids[1], libc::SIGSTOP);
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "{}", text.join("\n"));
+    let text = wait::job_success(&mut child, &lines, &path, "the run after a worker's SIGSTOP");
     assert!(text.iter().any(|l| l.contains("worker 1: no heartbeat for 500 ms")), "{}", text.join("\n"));
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "3 workers, one hung");
@@ -120,7 +113,7 @@ fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
         &["--steps", "24", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--slots-per-worker", "4"],
         "1:forward:8,3:all_reduce:16",
     );
-    let text = finish(child, lines);
+    let text = finish(child, lines, &path);
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "4 workers, kills in forward and all-reduce");
     let lost: Vec<(Value, Value, Value)> = reconf.iter().map(|r| (r["lost"].clone(), r["step"].clone(), r["workers"].clone())).collect();
@@ -152,7 +145,7 @@ fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
         // worker 2 dies in the move that follows, at 7 steps committed.
         let faults = format!("1:vote:8,2:{phase}:7");
         let (child, lines, _) = start_with_faults(4, &["--steps", "20", "--json-log", &log_s, "--checkpoint-dir", &ck_s], &faults);
-        let text = finish(child, lines);
+        let text = finish(child, lines, &path);
         let (steps, reconf) = log(&path);
         assert_same_losses(&steps, &want, phase);
         assert_eq!(reconf.len(), 1, "{phase}: one recovery: {reconf:?}");
@@ -184,7 +177,7 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     let faults = format!("{a}:vote:13,{b}:vote:13");
     let args = ["--steps", "20", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "5"];
     let (child, lines, _) = start_with_faults(4, &args, &faults);
-    let text = finish(child, lines);
+    let text = finish(child, lines, &path);
     let (steps, reconf) = log(&path);
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     let r = &reconf[0];
@@ -237,8 +230,7 @@ fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
     wait_for_steps(&path, 6);
     signal(pids[1], libc::SIGKILL);
     let begun = Instant::now();
-    let status = child.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
+    let (status, text) = wait::exit(&mut child, &lines, "a job that cannot go on", Duration::from_secs(60));
     let all = text.join("\n");
     assert!(!status.success(), "a job that cannot go on fails: {all}");
     assert!(begun.elapsed() < Duration::from_secs(30), "it stops at once, it does not hang");
@@ -292,7 +284,7 @@ fn a_rebalance_that_repays_its_move_is_applied_at_a_step_boundary_and_changes_no
         "50",
     ];
     let (child, lines, _) = start(3, &args);
-    let text = finish(child, lines);
+    let text = finish(child, lines, &path);
     let decisions: Vec<Value> = std::fs::read_to_string(&path)
         .unwrap()
         .lines()
@@ -461,7 +453,7 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
         run.extend(extra);
         run.extend(["--snapshot-bandwidth", bandwidth]);
         let (child, lines, _) = start_with_faults(5, &run, &format!("{victim}:vote:13"));
-        let text = finish(child, lines);
+        let text = finish(child, lines, &path);
         let (steps, reconf) = log(&path);
         assert_eq!(reconf.len(), 1, "{reconf:?}");
         let r = &reconf[0];
@@ -501,7 +493,7 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     let mut run = vec!["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--snapshot-bandwidth", "625e6"];
     run.extend(extra);
     let (child, lines, _) = start_with_faults(5, &run, &format!("{victim}:snapshot:12"));
-    let text = finish(child, lines);
+    let text = finish(child, lines, &path);
     let (steps, reconf) = log(&path);
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     let back = reconf[0]["restored"].as_array().unwrap_or_else(|| panic!("{}", text.join("\n")));
@@ -523,7 +515,7 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     let mut run = vec!["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()];
     run.extend(extra);
     let (child, lines, _) = start_with_faults(5, &run, &format!("{victim}:vote:13"));
-    let text = finish(child, lines);
+    let text = finish(child, lines, &path);
     let (steps, reconf) = log(&path);
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     assert_eq!(reconf[0]["cause"].as_str(), Some("reconfigure"), "{}", text.join("\n"));
@@ -649,7 +641,7 @@ fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
     let (child, lines, pids) = start(4, &extra);
     wait_for_steps(&path, 8);
     signal(pids[1], libc::SIGKILL);
-    finish(child, lines);
+    finish(child, lines, &path);
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "Mixtral blocks on 4 workers, one killed");
     assert_eq!(reconf.len(), 1, "{reconf:?}");

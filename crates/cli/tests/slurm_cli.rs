@@ -101,8 +101,10 @@ fn the_slurm_batch_script_runs_a_job_whose_killed_agent_is_restarted_and_rejoins
         .env("LAZARUS", env!("CARGO_BIN_EXE_lazarus"))
         .env("LAZARUS_PORT", free_port().to_string())
         .env("LAZARUS_DIR", &files)
-        // The tiny job trains 300 steps in about 2 s: its agent comes back while it runs.
+        // Paced (every step 10 ms or more), the tiny job's 300 steps take 3 s or more on any
+        // machine: its agent comes back while it runs.
         .env("LAZARUS_RESTART_DELAY", "0.1")
+        .env("LAZARUS_FAULT", "pace:10")
         .args(["--parsable", "--ntasks=2", "--ntasks-per-node=2", "--output", out.to_str().unwrap()])
         .arg(repo().join("deploy/slurm/lazarus.sbatch"))
         .args(common::tiny_model("8"))

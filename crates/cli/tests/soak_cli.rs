@@ -566,9 +566,11 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
         std::thread::sleep(Duration::from_millis(20));
     };
     let wall = begun.elapsed();
-    std::thread::sleep(Duration::from_millis(100));
     tail.poll();
-    controller_text.extend(ctl_lines.try_iter());
+    // Its last lines: the reader of its stderr ends when the pipe closes.
+    while let Ok(line) = ctl_lines.recv_timeout(Duration::from_secs(5)) {
+        controller_text.push(line);
+    }
     for w in &s.stopped {
         // SAFETY: a signal to a process this test stopped (gone already, most likely).
         unsafe {

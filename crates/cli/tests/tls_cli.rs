@@ -9,8 +9,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::hosts::{exit_within, start_controller};
-use common::{dir, lazarus, log, spawn_lazarus};
+use common::hosts::start_controller;
+use common::{dir, lazarus, log, spawn_lazarus, wait};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
 /// A certificate and its key written as `name.pem` and `name-key.pem` in `d`.
@@ -102,13 +102,10 @@ fn with_the_operators_certificates_only_clients_its_ca_signed_get_in() {
         spawn_lazarus(&a, &[])
     };
     let (mut stranger, lines) = agent(their_cert, their_key);
-    let (end, text) = exit_within(&mut stranger, &lines, Duration::from_secs(30));
-    assert!(end.is_some_and(|s| !s.success()), "{}", text.join("\n"));
+    wait::failure(&mut stranger, &lines, "an agent of another CA", Duration::from_secs(30));
     let (mut ours, lines) = agent(agent_cert, agent_key);
-    let (end, text) = exit_within(&mut controller, &ctl_lines, Duration::from_secs(120));
-    assert!(end.is_some_and(|s| s.success()), "{}", text.join("\n"));
-    let (end, agent_text) = exit_within(&mut ours, &lines, Duration::from_secs(30));
-    assert!(end.is_some_and(|s| s.success()), "{}", agent_text.join("\n"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job of the CA's agent");
+    wait::success(&mut ours, &lines, "the CA's agent", Duration::from_secs(30));
     assert_eq!(log(&path).0.len(), 10, "every step ran");
     let _ = std::fs::remove_dir_all(&d);
 }

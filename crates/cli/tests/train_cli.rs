@@ -458,8 +458,8 @@ fn sigterm_ends_a_run_at_a_step_boundary_with_a_checkpoint() {
         unsafe {
             libc::kill(child.id() as i32, libc::SIGTERM);
         }
-        let (status, stderr) = common::hosts::exit_within(&mut child, &lines, std::time::Duration::from_secs(30));
-        let status = status.unwrap_or_else(|| panic!("{name}: the run stops after SIGTERM: {stderr:?}"));
+        let (status, stderr) =
+            common::wait::exit(&mut child, &lines, format!("{name}: the run stopped by SIGTERM"), std::time::Duration::from_secs(30));
         assert_eq!(status.code(), Some(143), "{name}: exits as a SIGTERM would: {stderr:?}");
         let n = logged() as u64;
         assert!(stderr.iter().any(|l| l.contains("SIGTERM: stopped after step") && l.contains("written")), "{name}: {stderr:?}");

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{alive, dir, lazarus, spawn_lazarus, worker_pids};
+use common::{alive, dir, lazarus, spawn_lazarus, wait, worker_pids};
 
 /// The tiny model of these tests.
 fn tiny() -> [&'static str; 16] {
@@ -440,7 +440,7 @@ fn workers_die_with_their_launcher_whatever_signal_ends_it() {
         let d = dir(&format!("orphans-{name}"));
         let (log, ck) = (d.join("log.jsonl"), d.join("ck"));
         let (log_s, ck_s) = (log.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
-        let (mut launcher, _lines, pids) =
+        let (mut launcher, lines, pids) =
             start_workers(&["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "2"]);
         let deadline = Instant::now() + Duration::from_secs(60);
         while lines_in(&log) < 3 {
@@ -449,7 +449,7 @@ fn workers_die_with_their_launcher_whatever_signal_ends_it() {
         }
         // SAFETY: a signal to a process this test started.
         assert_eq!(unsafe { libc::kill(launcher.id() as i32, signal) }, 0);
-        let status = launcher.wait().unwrap();
+        let (status, _) = wait::exit(&mut launcher, &lines, format!("the launcher after {name}"), Duration::from_secs(60));
         let killed = Instant::now();
         if signal != libc::SIGKILL {
             assert_eq!(status.code(), Some(128 + signal), "{name}: {status:?}");
@@ -496,9 +496,7 @@ fn a_paused_launcher_does_not_stop_training() {
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     std::thread::sleep(Duration::from_secs(10));
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
-    let status = launcher.wait().unwrap();
-    let text: Vec<String> = lines.try_iter().collect();
-    assert!(status.success(), "the run must finish: {}", text.join("\n"));
+    wait::job_success(&mut launcher, &lines, &log, "the run after its launcher's pause");
     let steps: Vec<u64> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()

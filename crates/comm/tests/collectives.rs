@@ -132,13 +132,16 @@ fn named_buffers_round_trip() {
 
 #[test]
 fn timeouts_are_reported_not_hung() {
-    let out = on_group(2, |r, t| {
+    // Rank 1 stays connected and silent until rank 0 has given up on it.
+    let given_up = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let out = on_group(2, move |r, t| {
         if r == 0 {
             let start = Instant::now();
             let e = t.recv(1, 7, Instant::now() + Duration::from_millis(300)).unwrap_err();
+            given_up.wait();
             (Some(e), start.elapsed())
         } else {
-            std::thread::sleep(Duration::from_millis(600));
+            given_up.wait();
             (None, Duration::ZERO)
         }
     });
@@ -149,12 +152,13 @@ fn timeouts_are_reported_not_hung() {
 
 #[test]
 fn a_dropped_peer_is_peer_lost_for_everyone() {
-    let out = on_group(3, |r, t| {
+    let all_through = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let out = on_group(3, move |r, t| {
         let mut g = Group::world(3);
         barrier(t, &mut g, T).unwrap();
+        // Every rank is through the barrier; then rank 1 vanishes as a crash would.
+        all_through.wait();
         if r == 1 {
-            // Let the others finish the barrier, then vanish as a crash would.
-            std::thread::sleep(Duration::from_millis(200));
             t.abort_connections();
             return None;
         }
@@ -175,18 +179,20 @@ fn a_dropped_peer_is_peer_lost_for_everyone() {
 
 #[test]
 fn a_peer_that_leaves_cleanly_only_fails_those_waiting_for_it() {
-    let out = on_group(3, |r, t| {
+    let left = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let out = on_group(3, move |r, t| {
         let mut g = Group::world(3);
         barrier(t, &mut g, T).unwrap();
         match r {
             0 => {
                 t.shutdown();
+                left.wait();
                 None
             }
-            // Rank 1 and 2 keep talking to each other.
+            // Once rank 0 has left, rank 1 and 2 keep talking to each other.
             _ => {
                 let mut pair = Group::new(vec![1, 2]).unwrap();
-                std::thread::sleep(Duration::from_millis(100));
+                left.wait();
                 let mut buf = vec![1.0f32; 2];
                 all_reduce_sum_f32(t, &mut pair, &mut buf, T).unwrap();
                 let e = t.recv(0, 1, Instant::now() + T).unwrap_err();
@@ -344,10 +350,11 @@ fn the_secret_never_crosses_the_wire() {
             std::thread::spawn(move || {
                 let mut buf = [0u8; 4096];
                 while let Ok(n) = from.read(&mut buf) {
+                    // Recorded before it is passed on: once a rank has a byte, the test sees it.
+                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
                     if n == 0 || to.write_all(&buf[..n]).is_err() {
                         break;
                     }
-                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
                 }
             })
         };
@@ -363,7 +370,6 @@ fn the_secret_never_crosses_the_wire() {
     let zero = std::thread::spawn(move || TcpTransport::connect(l0, r0).map(|_| ()));
     assert!(TcpTransport::connect(l1, with(1)).is_ok());
     assert!(zero.join().unwrap().is_ok());
-    std::thread::sleep(Duration::from_millis(50));
     let bytes = seen.lock().unwrap().clone();
     assert!(bytes.len() >= 2 * 16 + 2 * 32, "the handshake went through the proxy: {} bytes", bytes.len());
     let key = secret.to_le_bytes();
@@ -439,16 +445,19 @@ fn snapshot_frames_travel_beside_the_ordered_stream() {
     // An ordered frame out of order is still a protocol error; a snapshot that never comes is
     // a timeout, not a reason to take an ordered frame for it.
     for ask_snapshot in [false, true] {
+        // Rank 0 stays connected until rank 1 has its answer.
+        let answered = std::sync::Arc::new(std::sync::Barrier::new(2));
         let out = on_group(2, move |r, t| {
-            if r == 0 {
+            let got = if r == 0 {
                 t.send(1, other, b"x", Instant::now() + T).unwrap();
-                std::thread::sleep(Duration::from_millis(800)); // stay connected
                 None
             } else if ask_snapshot {
                 Some(t.recv(0, snap, Instant::now() + Duration::from_millis(300)))
             } else {
                 Some(t.recv(0, state, Instant::now() + T))
-            }
+            };
+            answered.wait();
+            got
         });
         let got = out[1].as_ref().unwrap();
         match ask_snapshot {
@@ -495,17 +504,21 @@ fn encoded_snapshots_arrive_whole_and_a_failed_encoder_closes_the_connection() {
     });
     assert_eq!(out[1], vec![true; 4]);
     for panics in [false, true] {
+        // Rank 0 stays up until rank 1 has its answer: the close it sees is the encoder's.
+        let answered = std::sync::Arc::new(std::sync::Barrier::new(2));
         let out = on_group(2, move |r, t| {
             let snap = expert_transfer(TransferKind::Snapshot, 3, 4).unwrap();
             let start = Instant::now();
-            if r == 0 {
+            let got = if r == 0 {
                 let encode: lazarus_comm::Encode = Box::new(move |_| if panics { panic!("encoder bug") } else { Err("no weights".into()) });
                 t.send_out_of_band_encoded(1, snap, 10, encode, Instant::now() + T).unwrap();
-                std::thread::sleep(Duration::from_millis(500)); // stay up: the close is the encoder's
-                (None, start.elapsed())
+                None
             } else {
-                (Some(t.recv(0, snap, Instant::now() + Duration::from_secs(20))), start.elapsed())
-            }
+                Some(t.recv(0, snap, Instant::now() + Duration::from_secs(20)))
+            };
+            let took = start.elapsed();
+            answered.wait();
+            (got, took)
         });
         let (got, took) = &out[1];
         assert!(matches!(got, Some(Err(CommError::PeerLost { peer: 0, .. }))), "panics {panics}: {got:?}");
@@ -536,6 +549,8 @@ fn encoded_snapshots_arrive_whole_and_a_failed_encoder_closes_the_connection() {
 #[test]
 fn the_out_of_band_backlog_counts_frames_until_they_are_on_the_wire() {
     use lazarus_comm::tags::{expert_transfer, TransferKind};
+    // Rank 1 stays up until rank 0 has counted.
+    let counted = std::sync::Arc::new(std::sync::Barrier::new(2));
     let out = on_group(2, move |r, t| {
         let d = Instant::now() + T;
         let (slow, quick, broken) = (
@@ -565,11 +580,12 @@ fn the_out_of_band_backlog_counts_frames_until_they_are_on_the_wire() {
             // A frame whose encoder fails is dropped: it leaves the backlog too.
             t.send_out_of_band_encoded(1, broken, 1, Box::new(|_| Err("no weights".into())), d).unwrap();
             let failed = drained(t);
+            counted.wait();
             Some((idle, held, after, failed))
         } else {
             assert_eq!((t.recv(0, slow, d).unwrap(), t.recv(0, quick, d).unwrap()), (vec![7], vec![8]));
             barrier(t, &mut Group::world(2), T).unwrap();
-            std::thread::sleep(Duration::from_millis(300)); // stay up while rank 0 counts
+            counted.wait();
             None
         }
     });

@@ -42,16 +42,13 @@ pub fn start_controller_keeping(args: &[&str], netns: Option<&str>) -> (Child, m
         }
         Some(ns) => spawn_in(ns, "controller", args, &[]),
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = Vec::new();
-    loop {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the controller listens");
-        if let Some(rest) = line.strip_prefix("controller listening on ") {
-            let addr = rest.split(':').take(2).collect::<Vec<_>>().join(":");
-            return (child, lines, addr, seen);
-        }
-        seen.push(line);
-    }
+    let line = super::wait::line(&lines, "the controller to listen", Duration::from_secs(60), &mut seen, |l| {
+        l.starts_with("controller listening on ")
+    });
+    seen.pop();
+    let addr = line["controller listening on ".len()..].split(':').take(2).collect::<Vec<_>>().join(":");
+    (child, lines, addr, seen)
 }
 
 /// `lazarus SUBCOMMAND args` in network namespace `ns`, with its stderr lines. `ip netns exec`
@@ -103,26 +100,6 @@ pub fn start_agent_with_env(
             spawn_lazarus(&all, env)
         }
         Some(ns) => spawn_in(ns, "agent", &args, env),
-    }
-}
-
-/// Wait for a child to exit (at most `within`); its exit status and the lines it wrote.
-pub fn exit_within(child: &mut Child, lines: &mpsc::Receiver<String>, within: Duration) -> (Option<std::process::ExitStatus>, Vec<String>) {
-    let until = Instant::now() + within;
-    let mut text = Vec::new();
-    loop {
-        text.extend(lines.try_iter());
-        if let Some(s) = child.try_wait().unwrap() {
-            std::thread::sleep(Duration::from_millis(50));
-            text.extend(lines.try_iter());
-            return (Some(s), text);
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            return (None, text);
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -196,26 +173,33 @@ impl Drop for Hosts {
 /// pids in order of arrival. Every line read is kept in `seen`.
 pub fn agent_pids(lines: &mpsc::Receiver<String>, want: usize, seen: &mut Vec<String>) -> Vec<i32> {
     let mut pids = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
     while pids.len() < want {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("agents attach");
-        if line.contains(" attached from ") {
-            pids.push(line.split("(pid ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap());
-        }
-        seen.push(line);
+        let what = format!("agent {} of {want} to attach", pids.len() + 1);
+        let line = super::wait::line(lines, what, Duration::from_secs(120), seen, |l| l.contains(" attached from "));
+        pids.push(line.split("(pid ").nth(1).unwrap().split(')').next().unwrap().parse().unwrap());
     }
     pids
 }
 
-/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` reconfiguration records.
+/// Wait until the `--json-log` at `path` has `n` reconfiguration records, for as long as the
+/// log grows (a move's record comes a recovery after the last step's, well within
+/// [`super::wait::STALL`]).
 pub fn wait_for_records(path: &Path, n: usize) -> Vec<Value> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut at = (super::wait::logged(path), Instant::now());
     loop {
         let (_, records) = log(path);
         if records.len() >= n {
             return records;
         }
-        assert!(Instant::now() < deadline, "no reconfiguration {n} in time: {records:?}");
+        let now = super::wait::logged(path);
+        if now != at.0 {
+            at = (now, Instant::now());
+        }
+        assert!(
+            at.1.elapsed() < super::wait::STALL,
+            "waited for reconfiguration record {n} in {}: the log stopped at line {now} with {records:?}",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

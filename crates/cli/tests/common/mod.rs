@@ -1,12 +1,50 @@
 //! Helpers shared by the CLI tests (each test file is its own crate and pulls this in).
 
 pub mod hosts;
+pub mod wait;
 
 use std::process::{Command, Output};
 
-/// Run the `lazarus` binary built for these tests.
+/// Run the `lazarus` binary built for these tests, to its end: a command that runs past
+/// [`COMMAND_LIMIT`] is killed and the test fails naming it (a hang is a failure with a name,
+/// not a CI run that never ends).
 pub fn lazarus(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus")).args(args).env_remove("LAZARUS_STATUS_TOKEN").output().expect("run lazarus")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    cmd.args(args).env_remove("LAZARUS_STATUS_TOKEN");
+    output_within(cmd, &format!("lazarus {}", args.join(" ")))
+}
+
+/// The longest one command of a test may take (the longest, a reference run of a few hundred
+/// steps, takes seconds).
+pub const COMMAND_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// `cmd`'s output, as [`Command::output`] gives it, within [`COMMAND_LIMIT`].
+pub fn output_within(mut cmd: Command, what: &str) -> Output {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run lazarus");
+    let read = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let (out, err) = (read(Box::new(child.stdout.take().unwrap())), read(Box::new(child.stderr.take().unwrap())));
+    let until = std::time::Instant::now() + COMMAND_LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            let err = String::from_utf8_lossy(&err.join().unwrap()).into_owned();
+            panic!("`{what}` ran past {} s (killed). Its stderr:\n{err}", COMMAND_LIMIT.as_secs());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() }
 }
 
 /// `lazarus status --controller ADDR ARGS…` proving `token` (as the controller printed it).
@@ -53,6 +91,15 @@ pub fn tiny_model(batch: &'static str) -> [&'static str; 16] {
     ]
 }
 
+/// The environment that makes every step of a job's workers take at least `ms` milliseconds
+/// (`LAZARUS_FAULT=pace:MS`): a test that must act while a job runs (a join, a kill, a drain)
+/// gives the job a least length in time, so that a fast machine does not end it first. A slow
+/// machine only makes it longer, and the waits follow its progress.
+#[allow(dead_code)]
+pub fn paced(ms: u32) -> [(&'static str, &'static str); 1] {
+    [("LAZARUS_FAULT", String::leak(format!("pace:{ms}")))]
+}
+
 /// Start `lazarus train --workers N …` (`args`, with `env` set); returns it and its stderr
 /// lines as they come (stdout is piped too: the summary is small).
 #[allow(dead_code)] // only the tests of worker processes start them
@@ -87,11 +134,11 @@ pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Chil
 /// Every line read is also handed to `seen`.
 #[allow(dead_code)] // only the tests of worker processes start them
 pub fn worker_pids(lines: &std::sync::mpsc::Receiver<String>, n: usize, mut seen: impl FnMut(&str)) -> Vec<i32> {
-    use std::time::{Duration, Instant};
     let mut pids = vec![0i32; n];
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut read = Vec::new();
     while pids.contains(&0) {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("workers start");
+        let what = format!("workers {:?} to start", (0..n).filter(|&r| pids[r] == 0).collect::<Vec<_>>());
+        let line = wait::line(lines, what, std::time::Duration::from_secs(120), &mut read, |_| true);
         if let Some(rest) = line.strip_prefix("worker ") {
             if let (Some(rank), Some(pid)) = (rest.split(':').next(), rest.split("pid ").nth(1)) {
                 pids[rank.parse::<usize>().unwrap()] = pid.split_whitespace().next().unwrap().parse().unwrap();
@@ -150,15 +197,11 @@ pub fn log(path: &std::path::Path) -> (Vec<(u64, f64)>, Vec<serde_json::Value>) 
     (steps, reconf)
 }
 
-/// Wait (at most 2 minutes) until the `--json-log` at `path` has `n` lines.
+/// Wait until the `--json-log` at `path` has `n` lines, for as long as it grows
+/// ([`wait::steps`]).
 #[allow(dead_code)]
 pub fn wait_for_steps(path: &std::path::Path, n: usize) {
-    use std::time::{Duration, Instant};
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(path).map_or(0, |s| s.lines().count()) < n {
-        assert!(Instant::now() < deadline, "no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait::steps(path, n)
 }
 
 /// Send `sig` to `pid`.
