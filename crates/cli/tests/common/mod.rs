@@ -184,7 +184,9 @@ pub fn lone_holder(stderr: &str) -> usize {
 pub fn log(path: &std::path::Path) -> (Vec<(u64, f64)>, Vec<serde_json::Value>) {
     let mut steps = Vec::new();
     let mut reconf = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
+    // Read while the job may be writing it: whole lines only.
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    for line in text[..text.rfind('\n').map_or(0, |i| i + 1)].lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         if v["event"] == "reconfiguration" {
             reconf.push(v);
