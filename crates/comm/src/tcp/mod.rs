@@ -4,9 +4,8 @@
 //! connection is noticed at once whichever peer the caller is waiting for.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,10 +16,12 @@ use crate::Transport;
 
 mod buffers;
 mod out_of_band;
+mod rendezvous;
 mod seal;
 use buffers::BufferPool;
 pub use out_of_band::Encode;
 use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Payload, Writer};
+pub use rendezvous::Rendezvous;
 use seal::{Opener, Sealer};
 
 /// A connection's write side: its lock (frames never interleave), holding what seals its
@@ -73,87 +74,6 @@ pub struct TcpTransport {
     received: BufferPool,
     /// CPU time the threads spent on out-of-band frames (copy, write, and the reads of them).
     out_of_band_cpu: CpuMeter,
-}
-
-/// How ranks find each other: rank r listens on `addrs[r]`.
-pub struct Rendezvous {
-    pub rank: usize,
-    pub addrs: Vec<SocketAddr>,
-    pub epoch: u64,
-    pub timeout: Duration,
-    /// The job's secret: every connection proves it both ways ([`crate::auth`]: it never
-    /// crosses the network), so no other process can take a rank or pose as one.
-    pub secret: u128,
-    /// Set from outside to give the rendezvous up at once (a peer was lost before it connected).
-    pub cancel: Option<Arc<AtomicBool>>,
-    /// Seal every frame (AES-256-GCM, a key per connection and direction derived from the
-    /// secret: [`seal`]); every rank of the job must say the same.
-    pub encrypt: bool,
-}
-
-impl Rendezvous {
-    /// A rendezvous with no secret (0) that cannot be cancelled: tests and benchmarks in one process.
-    pub fn new(rank: usize, addrs: Vec<SocketAddr>, epoch: u64, timeout: Duration) -> Self {
-        Rendezvous { rank, addrs, epoch, timeout, secret: 0, cancel: None, encrypt: false }
-    }
-
-    fn cancelled(&self) -> Result<(), CommError> {
-        match &self.cancel {
-            Some(c) if c.load(Ordering::Relaxed) => {
-                Err(CommError::Rendezvous(format!("rank {}: the rendezvous of epoch {} was called off", self.rank, self.epoch)))
-            }
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The bytes of a hello after its header: the connecting rank's nonce.
-const HELLO_BODY: u64 = crate::auth::NONCE as u64;
-
-use crate::auth::rendezvous_context as proof_context;
-
-/// The connecting side of a connection's handshake on `stream`, from rank `r.rank` to `peer`:
-/// its hello and nonce; the accepting rank's nonce and proof, checked; its own proof.
-fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadline: Instant) -> Result<Halves, String> {
-    let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
-    let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
-    write_header(&mut b, if r.encrypt { HELLO_SEALED } else { HELLO }, r.epoch, r.rank as u64, HELLO_BODY);
-    b.extend_from_slice(&ours);
-    stream.write_all(&b).map_err(|e| format!("hello: {e}"))?;
-    let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    stream.set_read_timeout(Some(wait)).ok();
-    let mut answer = [0u8; crate::auth::NONCE + crate::auth::PROOF];
-    stream.read_exact(&mut answer).map_err(|e| {
-        let sealed = if r.encrypt { "seals" } else { "does not seal" };
-        format!("no answer to the hello ({e}; this rank {sealed} its frames: does the peer?)")
-    })?;
-    let (theirs, proof) = answer.split_at(crate::auth::NONCE);
-    if !crate::auth::verify(r.secret, &proof_context("accept", r.rank, peer, r.epoch), &ours, theirs, proof) {
-        return Err("it did not prove it knows the job's secret (another job's rank, or not a rank)".into());
-    }
-    let own = crate::auth::prove(r.secret, &proof_context("connect", r.rank, peer, r.epoch), theirs, &ours);
-    stream.write_all(&own).map_err(|e| format!("proof: {e}"))?;
-    stream.set_read_timeout(None).ok();
-    Ok(r.encrypt.then(|| seal::halves(r.secret, r.rank, peer, r.epoch, true, &ours, theirs)))
-}
-
-/// What seals and opens a connection's frames, when the data plane is encrypted.
-type Halves = Option<(Sealer, Opener)>;
-
-/// The accepting side of a handshake, after a valid hello from rank `peer` with its nonce
-/// `theirs`: this rank's nonce and proof; the connecting rank's proof, checked.
-fn accept_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, theirs: &[u8]) -> Result<Halves, String> {
-    let ours = crate::auth::nonce().map_err(|e| format!("drawing a nonce: {e}"))?;
-    let mut b = Vec::with_capacity(crate::auth::NONCE + crate::auth::PROOF);
-    b.extend_from_slice(&ours);
-    b.extend_from_slice(&crate::auth::prove(r.secret, &proof_context("accept", peer, r.rank, r.epoch), theirs, &ours));
-    stream.write_all(&b).map_err(|e| format!("answer: {e}"))?;
-    let mut proof = [0u8; crate::auth::PROOF];
-    stream.read_exact(&mut proof).map_err(|e| format!("rank {peer} without the job's secret: no proof ({e})"))?;
-    if !crate::auth::verify(r.secret, &proof_context("connect", peer, r.rank, r.epoch), &ours, theirs, &proof) {
-        return Err(format!("rank {peer} without the job's secret"));
-    }
-    Ok(r.encrypt.then(|| seal::halves(r.secret, r.rank, peer, r.epoch, false, &ours, theirs)))
 }
 
 fn write_header(buf: &mut Vec<u8>, magic: u32, epoch: u64, tag: u64, len: u64) {
@@ -251,101 +171,14 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPoo
 }
 
 impl TcpTransport {
-    /// Connect rank `r.rank` to every other rank: connect to lower ranks, accept higher ones,
-    /// exchanging a hello that carries rank and epoch. `listener` must be bound to
-    /// `r.addrs[r.rank]`.
+    /// Connect rank `r.rank` to every other rank, each connection authenticated both ways
+    /// ([`rendezvous`]). `listener` must be bound to `r.addrs[r.rank]`.
     pub fn connect(listener: TcpListener, r: Rendezvous) -> Result<Self, CommError> {
         let world = r.addrs.len();
         if r.rank >= world {
             return Err(CommError::invalid("rank", format!("{} (world size {world})", r.rank)));
         }
-        let deadline = crate::deadline_after(r.timeout);
-        let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        let mut halves: Vec<Halves> = (0..world).map(|_| None).collect();
-        for peer in 0..r.rank {
-            let stream = loop {
-                match TcpStream::connect_timeout(&r.addrs[peer], Duration::from_millis(200)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() < deadline => {
-                        let _ = e;
-                        r.cancelled()?;
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => {
-                        return Err(CommError::Rendezvous(format!("rank {} cannot reach rank {peer} at {}: {e}", r.rank, r.addrs[peer])))
-                    }
-                }
-            };
-            let mut stream = stream;
-            stream.set_nodelay(true).ok();
-            halves[peer] = connect_handshake(&mut stream, &r, peer, deadline)
-                .map_err(|e| CommError::Rendezvous(format!("rank {} to rank {peer} at {}: {e}", r.rank, r.addrs[peer])))?;
-            streams[peer] = Some(stream);
-        }
-        listener.set_nonblocking(true).map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
-        let mut waiting = world - r.rank - 1;
-        // Connections that are not a fresh rank of this epoch (a leftover process of an older
-        // plan, a duplicate, a stray client) are dropped and the wait goes on.
-        let mut rejected: Vec<String> = Vec::new();
-        while waiting > 0 {
-            match listener.accept() {
-                Ok((mut s, from)) => {
-                    s.set_nonblocking(false).ok();
-                    s.set_nodelay(true).ok();
-                    let hello_wait = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(2));
-                    s.set_read_timeout(Some(hello_wait.max(Duration::from_millis(1)))).ok();
-                    let mut h = [0u8; HEADER];
-                    if let Err(e) = s.read_exact(&mut h) {
-                        rejected.push(format!("{from}: no hello ({e})"));
-                        continue;
-                    }
-                    let (magic, epoch, peer, len) = parse_header(&h);
-                    if (magic == HELLO || magic == HELLO_SEALED) && magic != if r.encrypt { HELLO_SEALED } else { HELLO } {
-                        let (they, we) = if r.encrypt { ("does not seal", "seals") } else { ("seals", "does not seal") };
-                        rejected
-                            .push(format!("{from}: rank {peer} {they} its frames and this rank {we} (--encrypt-data must be the job's)"));
-                        continue;
-                    }
-                    if (magic != HELLO && magic != HELLO_SEALED)
-                        || len != HELLO_BODY
-                        || peer <= r.rank as u64
-                        || peer >= world as u64
-                        || streams[peer as usize].is_some()
-                    {
-                        rejected.push(format!("{from}: unexpected hello (magic {magic:#x}, rank {peer}, {len} bytes)"));
-                        continue;
-                    }
-                    let mut theirs = [0u8; HELLO_BODY as usize];
-                    if let Err(e) = s.read_exact(&mut theirs) {
-                        rejected.push(format!("{from}: hello cut short ({e})"));
-                        continue;
-                    }
-                    if epoch != r.epoch {
-                        rejected.push(format!("{from}: rank {peer} at epoch {epoch}, current epoch {}", r.epoch));
-                        continue;
-                    }
-                    match accept_handshake(&mut s, &r, peer as usize, &theirs) {
-                        Ok(h) => halves[peer as usize] = h,
-                        Err(e) => {
-                            rejected.push(format!("{from}: {e}"));
-                            continue;
-                        }
-                    }
-                    s.set_read_timeout(None).ok();
-                    streams[peer as usize] = Some(s);
-                    waiting -= 1;
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    r.cancelled()?;
-                    if Instant::now() >= deadline {
-                        let why = if rejected.is_empty() { String::new() } else { format!("; rejected: {}", rejected.join("; ")) };
-                        return Err(CommError::Rendezvous(format!("rank {}: {waiting} higher rank(s) never connected{why}", r.rank)));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(CommError::Rendezvous(format!("accept: {e}"))),
-            }
-        }
+        let rendezvous::Connected { streams, mut halves } = rendezvous::establish(listener, &r)?;
         let (tx, inbox) = mpsc::channel();
         let received = BufferPool::default();
         let out_of_band_cpu = CpuMeter::default();
