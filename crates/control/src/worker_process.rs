@@ -203,12 +203,22 @@ struct Net {
     secret: u128,
     bind: IpAddr,
     encrypt: bool,
+    /// How long every rendezvous holds between learning its peers' addresses and connecting
+    /// (`LAZARUS_FAULT=listen:MS`: tests, whose strangers find the ports open; zero otherwise).
+    hold: Duration,
+}
+
+/// The hold `LAZARUS_FAULT=listen:MS` asks of every rendezvous (at most 10 s), or zero.
+fn listen_hold() -> Duration {
+    let spec = std::env::var("LAZARUS_FAULT").unwrap_or_default();
+    let ms = spec.split(',').find_map(|item| item.strip_prefix("listen:")?.parse::<u64>().ok()).unwrap_or(0);
+    Duration::from_millis(ms.min(10_000))
 }
 
 /// Bind, say where, wait for every rank's address at `epoch`, connect to all of them (with the
 /// job's secret). An [`LauncherMessage::Abandon`] of the epoch ends it at any point.
 fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch: u64, net: Net) -> Result<TcpTransport, ControlError> {
-    let Net { timeout, secret, bind, encrypt } = net;
+    let Net { timeout, secret, bind, encrypt, hold } = net;
     let cancel = Arc::new(AtomicBool::new(false));
     *inbox.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, cancel.clone()));
     let result = (|| {
@@ -234,6 +244,7 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
             .iter()
             .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
             .collect::<Result<_, _>>()?;
+        std::thread::sleep(hold);
         let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()), encrypt };
         let t = TcpTransport::connect(listener, r).map_err(|e| ControlError::Runtime(e.into()))?;
         *inbox.fence.lock().unwrap_or_else(|e| e.into_inner()) = Some(t.fence());
@@ -278,7 +289,7 @@ fn join_unless<J: DeserializeOwned>(
         spec.rank,
         spec.world,
         spec.epoch,
-        Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind, encrypt: spec.encrypt },
+        Net { timeout: Duration::from_secs_f64(spec.timeout_s), secret, bind, encrypt: spec.encrypt, hold: listen_hold() },
     )?;
     Ok((spec, inbox, Some(t)))
 }
@@ -354,7 +365,8 @@ fn start_heartbeats(sink: &Arc<EventSink>, every: Duration) {
 /// STEP committed steps), `snapshot` (after committing step STEP, before sending its
 /// snapshots). The worker kills itself with SIGKILL there — a real death at a chosen phase, for tests.
 /// `pace:MS` makes every step of every worker take at least MS milliseconds (at most 10,000): a
-/// fast machine then runs a test's job at a slow one's pace.
+/// fast machine then runs a test's job at a slow one's pace. (`listen:MS` holds every
+/// rendezvous: [`listen_hold`].)
 fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlError> {
     let spec = match from_job {
         "" => match std::env::var("LAZARUS_FAULT") {
@@ -370,11 +382,15 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
             ControlError::invalid(
                 "LAZARUS_FAULT",
                 format!(
-                    "{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot, or pace:MS up to 10000)"
+                    "{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot, pace:MS or listen:MS up to 10000)"
                 ),
             )
         };
         let parts: Vec<&str> = item.split(':').collect();
+        if let ["listen", ms] = parts[..] {
+            ms.parse::<u64>().ok().filter(|&m| m <= 10_000).ok_or_else(bad)?;
+            continue;
+        }
         if let ["pace", ms] = parts[..] {
             let ms: u64 = ms.parse().ok().filter(|&m| m <= 10_000).ok_or_else(bad)?;
             pace = Some(Duration::from_millis(ms));
@@ -597,7 +613,8 @@ fn train_worker(sink: &Arc<EventSink>) -> Result<WorkerEvent, ControlError> {
         if let Some(f) = &fault {
             f(FaultPoint::Rendezvous, worker.steps_done());
         }
-        let fresh = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, Net { timeout, secret, bind, encrypt }) {
+        let net = Net { timeout, secret, bind, encrypt, hold: listen_hold() };
+        let fresh = match rendezvous(sink, &inbox, to.rank, to.world, to.epoch, net) {
             Ok(fresh) => fresh,
             Err(e) => {
                 outcome = Err(e);
