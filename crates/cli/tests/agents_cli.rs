@@ -930,3 +930,35 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_a_join_and_a_re
     let bad = lazarus(&["bench", "controller", "--nodes", "1025", "--gpus-per-node", "16"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("16384"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+/// An agent whose workers could not listen where it says they will (an address this node does
+/// not have) is refused before it attaches, naming --host — it cannot fail the job's start for
+/// the healthy nodes — and the controller logs where each agent's connection came from, not
+/// only the address it claims.
+#[test]
+fn an_agent_with_a_host_it_cannot_listen_on_is_refused_before_it_attaches() {
+    let d = dir("agents-bad-host");
+    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
+    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
+    args.extend(tiny());
+    args.extend(["--steps", "10", "--json-log", &log_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let (mut bad, bad_lines) =
+        spawn_lazarus(&["agent", "--controller", &addr, "--gpus", "1", "--secret-file", &secret_s, "--host", "10.255.255.1"], &[]);
+    let text = wait::failure(&mut bad, &bad_lines, "an agent with --host 10.255.255.1", Duration::from_secs(30));
+    assert!(text.iter().any(|l| l.contains("--host") && l.contains("10.255.255.1")), "{}", text.join("\n"));
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = (0..2).map(|_| start_agent(&addr, "1", &secret, None)).collect();
+    let text = wait::job_success(&mut controller, &ctl_lines, &path, "the job of the healthy nodes");
+    for (child, lines) in &mut agents {
+        wait::success(child, lines, "a healthy agent", Duration::from_secs(30));
+    }
+    assert_eq!(log(&path).0.len(), 10);
+    let attached: Vec<&String> = text.iter().filter(|l| l.contains(" attached from ")).collect();
+    assert_eq!(attached.len(), 2, "{}", text.join("\n"));
+    assert!(
+        attached.iter().all(|l| l.contains("attached from 127.0.0.1:") && l.contains("its workers listening on 127.0.0.1")),
+        "where it came from, and what it claims: {attached:?}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -115,8 +115,10 @@ impl JobView {
                 tracing::info!("workers {} joined: standing by to be taken in at a step boundary", ids.join(","));
                 Ok(())
             }
-            TrainEvent::AgentJoined { agent, host, gpus, pid, attached, world } => {
-                tracing::info!("agent {agent} attached from {host} (pid {pid}): {gpus} workers, {attached} of {world}");
+            TrainEvent::AgentJoined { agent, host, peer, gpus, pid, attached, world } => {
+                tracing::info!(
+                    "agent {agent} attached from {peer} (pid {pid}), its workers listening on {host}: {gpus} workers, {attached} of {world}"
+                );
                 Ok(())
             }
             TrainEvent::Reconfigured(r) => {

@@ -169,7 +169,7 @@ impl Drop for Hosts {
     }
 }
 
-/// Read `lines` until `want` agents have attached (`agent A attached from H (pid P)`); their
+/// Read `lines` until `want` agents have attached (`agent A attached from ADDR (pid P), …`); their
 /// pids in order of arrival. Every line read is kept in `seen`.
 pub fn agent_pids(lines: &mpsc::Receiver<String>, want: usize, seen: &mut Vec<String>) -> Vec<i32> {
     let mut pids = Vec::new();

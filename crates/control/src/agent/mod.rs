@@ -180,6 +180,11 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         Some(h) => h,
         None => local_address_towards(controller)?,
     };
+    // Its workers will listen there: an address this node does not have would fail their first
+    // rendezvous — and the job's start with it — so it is refused here, before attaching.
+    if let Err(e) = std::net::TcpListener::bind((host, 0)) {
+        return Err(ControlError::invalid("--host", format!("{host}: this node cannot listen on it ({e}), so its workers could not")));
+    }
     let me = Identity {
         controller,
         controller_name: opts.controller.clone(),

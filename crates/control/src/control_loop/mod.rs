@@ -278,10 +278,12 @@ pub enum TrainEvent {
     Metrics {
         addr: SocketAddr,
     },
-    /// An agent attached: its number, host and workers, and the workers attached so far.
+    /// An agent attached: its number, the address its workers listen on (as it claims) and where
+    /// its connection came from, its workers, and the workers attached so far.
     AgentJoined {
         agent: u64,
         host: String,
+        peer: String,
         gpus: usize,
         pid: u32,
         attached: usize,
@@ -524,6 +526,7 @@ pub fn run_training(
                 observe(TrainEvent::AgentJoined {
                     agent: info.agent,
                     host: info.host.clone(),
+                    peer: info.peer.clone(),
                     gpus: info.gpus,
                     pid: info.pid,
                     attached,

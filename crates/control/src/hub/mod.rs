@@ -107,7 +107,10 @@ pub(crate) enum HubInput {
 /// One attached agent.
 struct Link {
     gpus: usize,
+    /// The address its workers listen on, as it claims.
     host: String,
+    /// Where its connection came from (what it does not choose), once known.
+    peer: Option<std::net::SocketAddr>,
     pid: u32,
     tx: UnboundedSender<Result<ControllerMessage, Status>>,
     last_heard: Instant,
@@ -142,7 +145,10 @@ struct HubState {
 pub struct AgentInfo {
     pub agent: u64,
     pub gpus: usize,
+    /// The address its workers listen on, as it claims.
     pub host: String,
+    /// Where its connection came from ("an unknown address" where the server could not say).
+    pub peer: String,
     pub pid: u32,
 }
 
@@ -246,7 +252,17 @@ impl AgentHub {
         let now = Instant::now();
         st.agents.insert(
             agent,
-            Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: None, gone: None, refused: 0 },
+            Link {
+                gpus,
+                host: hello.host.clone(),
+                peer: None,
+                pid: hello.pid,
+                tx,
+                last_heard: now,
+                first_rank: None,
+                gone: None,
+                refused: 0,
+            },
         );
         Ok(agent)
     }
@@ -303,7 +319,17 @@ impl AgentHub {
         let now = Instant::now();
         st.agents.insert(
             claim.agent,
-            Link { gpus, host: hello.host.clone(), pid: hello.pid, tx, last_heard: now, first_rank: Some(first), gone: None, refused: 0 },
+            Link {
+                gpus,
+                host: hello.host.clone(),
+                peer: None,
+                pid: hello.pid,
+                tx,
+                last_heard: now,
+                first_rank: Some(first),
+                gone: None,
+                refused: 0,
+            },
         );
         tracing::info!(
             "agent {} at {} re-attached with workers {first}..{} after {:.1} s without a controller",
@@ -468,6 +494,9 @@ impl AgentHub {
                 return;
             }
         };
+        if let Some(link) = self.state().agents.get_mut(&agent) {
+            link.peer = peer;
+        }
         let proof = auth::prove(self.secret, &welcome_context(agent), &hello.nonce, &challenge).to_vec();
         let welcome = proto::Welcome { agent, lease_s: self.lease.as_secs_f64(), heartbeat_s: self.heartbeat.as_secs_f64(), proof };
         let epoch = self.state().epoch;
@@ -486,7 +515,13 @@ impl AgentHub {
             .agents
             .iter()
             .filter(|(_, l)| l.gone.is_none())
-            .map(|(&agent, l)| AgentInfo { agent, gpus: l.gpus, host: l.host.clone(), pid: l.pid })
+            .map(|(&agent, l)| AgentInfo {
+                agent,
+                gpus: l.gpus,
+                host: l.host.clone(),
+                peer: l.peer.map_or_else(|| "an unknown address".to_string(), |p| p.to_string()),
+                pid: l.pid,
+            })
             .collect()
     }
 
