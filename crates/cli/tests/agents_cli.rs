@@ -962,3 +962,42 @@ fn an_agent_with_a_host_it_cannot_listen_on_is_refused_before_it_attaches() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The controller SIGSTOPped mid-job for 1, 3 and then 20 s (a stall: a long GC-like pause, a
+/// host swapping, a debugger) and let go with SIGCONT. Its agents find it silent past their
+/// lease and pause their workers after the step in flight; it does not count its own silence
+/// against their leases, and when it speaks again on their sessions they go on with it — every
+/// step once, the losses of an uninterrupted run, nothing rolled back, every node still in.
+#[test]
+fn a_controller_stalled_for_1_3_and_20_seconds_keeps_its_job() {
+    let steps = "400";
+    let job = RestartableJob::new("agents-controller-stalled", 11, steps);
+    let want = uninterrupted(steps, &job.d);
+    let (mut controller, ctl_lines, addr) = job.controller(&[]);
+    // Paced (every step 10 ms or more): the job outlasts its three stalls on any machine.
+    let agent = || start_agent_with_env(&addr, "2", &job.secret, None, "60", &common::paced(10));
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = vec![agent(), agent()];
+    let pid = controller.id() as i32;
+    let mut at = 20;
+    for stall in [1u64, 3, 20] {
+        wait_for_steps(&job.path, at);
+        signal(pid, libc::SIGSTOP);
+        std::thread::sleep(Duration::from_secs(stall)); // the stall's length: the fault itself
+        signal(pid, libc::SIGCONT);
+        at = wait::logged(&job.path) + 30;
+    }
+    let text = wait::job_success(&mut controller, &ctl_lines, &job.path, "the job of a controller stalled three times");
+    let (steps, moves) = log(&job.path);
+    let what = format!("a controller stalled for 1, 3 and 20 s: {moves:?}");
+    assert_same_losses(&steps, &want, &what);
+    assert!(moves.iter().all(|m| m["cause"] != "rollback" && m["lost"] == serde_json::json!([])), "nothing lost: {what}");
+    assert!(moves.iter().all(|m| m["workers"].as_u64() == Some(4)), "every node still in: {what}\n{}", wait::tail(&text));
+    for (i, (child, lines)) in agents.iter_mut().enumerate() {
+        let said = wait::success(child, lines, format!("agent {i}"), Duration::from_secs(30));
+        eprintln!(
+            "agent {i}: {}",
+            said.iter().filter(|l| l.contains("spoke again") || l.contains("silent")).cloned().collect::<Vec<_>>().join(" | ")
+        );
+    }
+    let _ = std::fs::remove_dir_all(&job.d);
+}

@@ -108,10 +108,10 @@ enum Inbound {
     Worker(usize, Option<WorkerEvent>),
     /// SIGTERM: the node leaves soon.
     Terminate,
-    /// A session with the controller that took the job back.
-    Reattached(Box<Session>),
-    /// The controller that answered did not take this node back: why.
-    NotTakenBack(String),
+    /// A session with the controller that took the job back (for orphaning `.0`).
+    Reattached(u64, Box<Session>),
+    /// The controller that answered did not take this node back (for orphaning `.0`): why.
+    NotTakenBack(u64, String),
 }
 
 /// How long a node that gave notice waits for the controller to move the job off it.
@@ -232,6 +232,9 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
         grace: opts.controller_grace,
         first_worker: None,
         orphaned: None,
+        orphan_round: 0,
+        silent_session_open: false,
+        refused_meanwhile: None,
         gap: VecDeque::new(),
         recent: VecDeque::new(),
         last_stop: vec![None; opts.gpus],
@@ -287,6 +290,15 @@ struct Node {
     first_worker: Option<u64>,
     /// Since when this node has had no controller, and why.
     orphaned: Option<(Instant, String)>,
+    /// The orphaning under way (each has its number): what an attach started for an older
+    /// one comes to is dropped.
+    orphan_round: u64,
+    /// The session with the controller found silent is still open (no end was seen): that
+    /// controller may only be stalled, and if it speaks again the job goes on as it was.
+    silent_session_open: bool,
+    /// The refusal of a controller that answered an attach while the silent session was still
+    /// open: it counts once that session ends.
+    refused_meanwhile: Option<String>,
     /// What the workers said while there was no controller, in order (heartbeats aside).
     gap: VecDeque<AgentMessage>,
     /// The last records sent (steps, checkpoints, evaluations): a controller that takes the job
@@ -388,14 +400,21 @@ impl Node {
 
     /// The controller is lost (`why`): the workers pause after the step in flight (a rendezvous
     /// in progress is called off) and keep their state; this agent tries to attach again until
-    /// the grace is over.
-    fn orphan(&mut self, why: String) {
+    /// the grace is over. `session_open`: the controller fell silent, its session did not end —
+    /// the session is kept (with its heartbeats), for a controller that was only stalled comes
+    /// back on it ([`Node::heard_again`]).
+    fn orphan(&mut self, why: String, session_open: bool) {
         tracing::warn!(
             "agent {}: {why}; its workers pause after the step in flight and wait up to {:.0} s for a controller to take the job back (--controller-grace)",
             self.agent,
             self.grace.as_secs_f64()
         );
-        self.session.close();
+        if !session_open {
+            self.session.close();
+        }
+        self.silent_session_open = session_open;
+        self.refused_meanwhile = None;
+        self.orphan_round += 1;
         if let Some(job) = self.workers.as_mut() {
             for slot in 0..self.gpus {
                 let epoch = self.slot_epoch[slot];
@@ -418,10 +437,29 @@ impl Node {
         self.attach_again(claim, since);
     }
 
+    /// The controller this node found silent spoke again on the same session: it was stalled,
+    /// not lost, and takes the node back as it was. What the workers said meanwhile goes to it
+    /// (their pause after the step in flight among it: the job moves on from there), and an
+    /// attach under way is dropped.
+    fn heard_again(&mut self) {
+        let away = self.orphaned.take().map_or(0.0, |(since, _)| since.elapsed().as_secs_f64());
+        tracing::info!(
+            "agent {}: the controller at {} spoke again after {away:.1} s (it was stalled, not lost): this node goes on with it",
+            self.agent,
+            self.me.controller
+        );
+        self.orphan_round += 1;
+        self.silent_session_open = false;
+        self.refused_meanwhile = None;
+        for m in self.gap.drain(..) {
+            let _ = self.out.send(m);
+        }
+    }
+
     /// Try to attach again until the grace (counted from `since`) is over: with `claim`, to
     /// this node's place in the job; without, as a newcomer.
     fn attach_again(&self, claim: Option<proto::Rejoin>, since: Instant) {
-        let (me, tx, until) = (self.me.clone(), self.reports.clone(), since + self.grace);
+        let (me, tx, until, round) = (self.me.clone(), self.reports.clone(), since + self.grace, self.orphan_round);
         self.runtime.spawn(async move {
             let mut backoff = Duration::from_millis(100);
             loop {
@@ -431,11 +469,11 @@ impl Node {
                 }
                 match session::open(&me, left.min(Duration::from_secs(5)), claim.clone().map(|c| (c, since))).await {
                     Ok(s) => {
-                        let _ = tx.send(Inbound::Reattached(Box::new(s)));
+                        let _ = tx.send(Inbound::Reattached(round, Box::new(s)));
                         return;
                     }
                     Err(SessionError::Refused(e)) => {
-                        let _ = tx.send(Inbound::NotTakenBack(e.to_string()));
+                        let _ = tx.send(Inbound::NotTakenBack(round, e.to_string()));
                         return;
                     }
                     Err(SessionError::Unreachable(_)) => {
@@ -445,6 +483,16 @@ impl Node {
                 }
             }
         });
+    }
+
+    /// A controller answered this orphaned node and did not take it back (`why`): a node whose
+    /// workers stood by attaches again as a newcomer ([`Node::join_afresh`]); any other ends.
+    fn not_taken_back(&mut self, why: &str) -> Option<AgentEnd> {
+        if self.standing_by && self.first_worker.is_some() {
+            self.join_afresh(why);
+            return None;
+        }
+        Some(AgentEnd::Stopped(format!("the controller was lost, and the one that answered did not take this node back: {why}")))
     }
 
     /// This node was standing by to join when the controller was lost, and the controller that
@@ -554,12 +602,15 @@ impl Node {
                     draining = Some(Instant::now() + DRAIN_WITHIN);
                 }
                 Ok(Inbound::Message(id, m)) => {
-                    if id != self.session.id || self.orphaned.is_some() {
+                    if id != self.session.id {
                         continue;
                     }
                     if m.job_id != self.job_id {
                         tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);
                         continue;
+                    }
+                    if self.orphaned.is_some() {
+                        self.heard_again();
                     }
                     last_heard = Instant::now();
                     // A long message comes in pieces (`crate::pieces`), joined here; a session's
@@ -582,8 +633,19 @@ impl Node {
                     }
                 }
                 Ok(Inbound::Ended(id, why)) => {
-                    if id != self.session.id || self.orphaned.is_some() {
+                    if id != self.session.id {
                         continue;
+                    }
+                    if self.orphaned.is_some() {
+                        // The silent controller's session ended: it is not coming back on it.
+                        self.silent_session_open = false;
+                        match self.refused_meanwhile.take() {
+                            Some(refusal) => match self.not_taken_back(&refusal) {
+                                Some(end) => return Ok(end),
+                                None => continue,
+                            },
+                            None => continue,
+                        }
                     }
                     if finishing.is_some() || (self.workers.is_some() && self.done.iter().all(|&d| d)) {
                         // Let the workers' last reports and exits go the same way as after a shutdown.
@@ -591,25 +653,34 @@ impl Node {
                         continue;
                     }
                     if draining.is_none() && self.can_wait_for_a_controller() {
-                        self.orphan(why);
+                        self.orphan(why, false);
                         continue;
                     }
                     return Ok(AgentEnd::Stopped(why));
                 }
-                Ok(Inbound::Reattached(session)) => {
-                    if self.orphaned.is_some() {
+                Ok(Inbound::Reattached(round, session)) => {
+                    // (One for an orphaning that is over is dropped, and its session with it.)
+                    if self.orphaned.is_some() && round == self.orphan_round {
+                        self.session.close();
+                        self.silent_session_open = false;
                         self.rejoined(*session)?;
                         last_heard = Instant::now();
                     }
                 }
-                Ok(Inbound::NotTakenBack(why)) => {
-                    if self.standing_by && self.first_worker.is_some() {
-                        self.join_afresh(&why);
+                Ok(Inbound::NotTakenBack(round, why)) => {
+                    if self.orphaned.is_none() || round != self.orphan_round {
                         continue;
                     }
-                    return Ok(AgentEnd::Stopped(format!(
-                        "the controller was lost, and the one that answered did not take this node back: {why}"
-                    )));
+                    if self.silent_session_open {
+                        // The controller found silent may still speak on its session: the refusal
+                        // (of that controller, stalled, or of another) counts once it has ended.
+                        tracing::warn!("agent {}: {why}; waiting for the silent controller's session to speak or end", self.agent);
+                        self.refused_meanwhile = Some(why);
+                        continue;
+                    }
+                    if let Some(end) = self.not_taken_back(&why) {
+                        return Ok(end);
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return Ok(AgentEnd::Stopped("the session with the controller ended".into())),
@@ -618,7 +689,7 @@ impl Node {
             if finishing.is_none() && self.orphaned.is_none() && silent > self.lease {
                 let why = format!("the controller was silent for {:.1} s (lease {:.1} s)", silent.as_secs_f64(), self.lease.as_secs_f64());
                 if draining.is_none() && self.can_wait_for_a_controller() {
-                    self.orphan(why);
+                    self.orphan(why, true);
                     continue;
                 }
                 return Ok(AgentEnd::Stopped(format!("{why}: this node's workers are stopped")));
