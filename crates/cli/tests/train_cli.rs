@@ -738,3 +738,33 @@ fn export_to_hugging_face_and_init_from_it() {
     assert!(!out.status.success() && err.contains("invalid norm") && err.contains("RMSNorm"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `latest` lost (a crash between writing a checkpoint and naming it, a careless `rm`) while the
+/// run's checkpoints are intact: a requeued job (`--resume-if-any`) goes on from the newest of
+/// them instead of starting over from step 0, and a fresh run is refused there as it is where
+/// `latest` names one.
+#[test]
+fn resume_if_any_goes_on_from_the_newest_checkpoint_when_latest_is_missing() {
+    let d = dir("resume-if-any-no-latest");
+    let (ck, log) = (d.join("ck"), d.join("log.jsonl"));
+    let (ck_s, log_s) = (ck.to_str().unwrap(), log.to_str().unwrap());
+    let mut args = vec!["train", "--checkpoint-dir", ck_s, "--checkpoint-every", "2", "--json-log", log_s];
+    args.extend(tiny());
+    let mut first = args.clone();
+    first.extend(["--steps", "6"]);
+    assert!(lazarus(&first).status.success());
+    std::fs::remove_file(ck.join("latest")).unwrap();
+    // The same run again, without --resume: refused.
+    let out = lazarus(&first);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("step-00000006 (no `latest`)") && err.contains("--resume"), "{err}");
+    let mut again = args.clone();
+    again.extend(["--steps", "8", "--resume-if-any"]);
+    let out = lazarus(&again);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("holds a run (step-00000006 (no `latest`)): going on with it"), "{err}");
+    let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<u64>>(), "went on from step 6, each step logged once");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -173,6 +173,18 @@ fn step_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
         .collect())
 }
 
+/// The checkpoint of a run `dir` holds, by name, if it holds one: `latest`'s — or, where
+/// `latest` is missing (a crash between writing a checkpoint and naming it, an operator's
+/// mistake), the newest `step-*` directory. A directory that holds one is a run to go on with
+/// (`--resume` finds its newest intact checkpoint: [`load_intact`]), never one to start over in.
+pub fn held_checkpoint(dir: &Path) -> Option<String> {
+    if let Ok(name) = std::fs::read_to_string(dir.join(LATEST_FILE)) {
+        return Some(name.trim().to_string());
+    }
+    let newest = step_dirs(dir).ok()?.into_iter().max_by_key(|(step, _)| *step)?;
+    Some(format!("{} (no `latest`)", newest.1.file_name()?.to_string_lossy()))
+}
+
 /// The checkpoint `dir/latest` points at, or `dir` itself if it is a checkpoint directory.
 pub fn resolve(dir: &Path) -> Result<PathBuf> {
     if dir.join(MANIFEST_FILE).exists() {

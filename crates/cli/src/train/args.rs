@@ -498,14 +498,11 @@ fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool, overwrite: bool) -> Res
             }
         } else {
             // A fresh run would replace another run's checkpoints and move `latest` back.
-            let latest = dir.join(lazarus_model::checkpoint::LATEST_FILE);
-            if latest.exists() && !overwrite {
-                let name = std::fs::read_to_string(&latest).unwrap_or_default();
+            if let Some(held) = lazarus_model::checkpoint::held_checkpoint(dir).filter(|_| !overwrite) {
                 bail!(
-                    "--checkpoint-dir {} holds the checkpoints of a run (latest: {}): add --resume to go on with it, or \
+                    "--checkpoint-dir {} holds the checkpoints of a run (latest: {held}): add --resume to go on with it, or \
                      --overwrite-checkpoints to start a new run over them",
                     dir.display(),
-                    name.trim()
                 );
             }
             std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
@@ -779,16 +776,18 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
 }
 
 /// `args` with `--resume-if-any` settled: `--resume` when the checkpoint directory (the flag's or
-/// the `--config` file's) holds a run's `latest`, else a new run.
+/// the `--config` file's) holds a run's checkpoint (its `latest`, or a `step-*` where `latest`
+/// is missing), else a new run.
 pub fn settle_resume(args: &TrainArgs) -> Result<TrainArgs> {
     let mut a = args.clone();
     if a.resume_if_any {
         let dir = build_config(args)?.checkpoint_dir;
         let Some(dir) = dir else { bail!("--resume-if-any needs --checkpoint-dir (or checkpoint_dir in --config)") };
-        a.resume = dir.join(lazarus_model::checkpoint::LATEST_FILE).exists();
+        let held = lazarus_model::checkpoint::held_checkpoint(&dir);
+        a.resume = held.is_some();
         a.resume_if_any = false;
-        if a.resume {
-            tracing::info!("--resume-if-any: {} holds a run: going on with it", dir.display());
+        if let Some(held) = held {
+            tracing::info!("--resume-if-any: {} holds a run ({held}): going on with it", dir.display());
         }
     }
     Ok(a)
