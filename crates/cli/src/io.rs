@@ -33,16 +33,35 @@ pub fn check_memory(need: u128, what: &str, lower: &str) -> Result<()> {
     Ok(())
 }
 
-/// The text of `path`, given with `--{flag}`, at most `max` bytes.
+/// The text of `path`, given with `--{flag}`, at most `max` bytes, from a regular file only: a
+/// FIFO would block (its open waits for a writer) and a device may never end (`/dev/zero`), so
+/// both are refused, naming the flag.
 pub fn read_text(flag: &str, path: &Path, max: u64) -> Result<String> {
-    let file = std::fs::File::open(path).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
+    let file = open_regular(flag, path)?;
     let mut bytes = Vec::new();
     file.take(max + 1).read_to_end(&mut bytes).with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
     if bytes.len() as u64 > max {
-        bail!("invalid --{flag}: {} is larger than {} MiB", path.display(), max >> 20);
+        let limit = if max >= 1 << 20 { format!("{} MiB", max >> 20) } else { format!("{max} bytes") };
+        bail!("invalid --{flag}: {} is larger than {limit}", path.display());
     }
     String::from_utf8(bytes)
         .map_err(|e| anyhow::anyhow!("invalid --{flag}: {} is not UTF-8 text (byte {})", path.display(), e.utf8_error().valid_up_to()))
+}
+
+/// `path` opened for reading, if it is a regular file (opened without blocking, then checked:
+/// a FIFO's open does not wait for a writer).
+pub fn open_regular(flag: &str, path: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
+    let meta = file.metadata().with_context(|| format!("--{flag}: cannot read {}", path.display()))?;
+    if !meta.is_file() {
+        bail!("invalid --{flag}: {} is not a regular file (a FIFO, a device or a directory)", path.display());
+    }
+    Ok(file)
 }
 
 /// JSON of type `T` from `path`, given with `--{flag}`.

@@ -1,5 +1,6 @@
 //! A real Prometheus server (Debian's `prometheus`, which `.ci/run` installs) scrapes a live job
-//! at `--metrics-listen`, and its query API answers with the job's step. Without the server the
+//! at `--metrics-listen` with the job's bearer token (`--metrics-token-file`, Prometheus's
+//! `credentials_file`), and its query API answers with the job's step. Without the server the
 //! test says so and checks the endpoint alone.
 
 mod common;
@@ -9,11 +10,20 @@ use std::time::{Duration, Instant};
 
 use common::{dir, spawn_lazarus};
 
-/// `GET path` from `addr` over HTTP/1.1: the status line and the body.
+/// The token the job's scrapes carry.
+const TOKEN: &str = "d1f0e5a7c3b9428e8a61f2c4b7d09e35";
+
+/// `GET path` from `addr` over HTTP/1.1 (with the job's bearer token): the status line and the
+/// body.
 fn get(addr: &str, path: &str) -> Option<(String, String)> {
+    get_with(addr, path, &format!("Authorization: Bearer {TOKEN}\r\n"))
+}
+
+/// The same with `headers` (each ending in CRLF).
+fn get_with(addr: &str, path: &str, headers: &str) -> Option<(String, String)> {
     let mut s = std::net::TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n").ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let (head, body) = text.split_once("\r\n\r\n")?;
@@ -27,7 +37,11 @@ fn free_port() -> u16 {
 #[test]
 fn prometheus_scrapes_a_live_job() {
     let d = dir("metrics");
-    let mut args = vec!["train", "--workers", "2", "--steps", "100000", "--metrics-listen", "127.0.0.1:0"];
+    let token_file = d.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let token_s = token_file.to_str().unwrap().to_string();
+    let mut args =
+        vec!["train", "--workers", "2", "--steps", "100000", "--metrics-listen", "127.0.0.1:0", "--metrics-token-file", &token_s];
     args.extend(common::tiny_model("4"));
     let (mut job, lines) = spawn_lazarus(&args, &[]);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -51,13 +65,22 @@ fn prometheus_scrapes_a_live_job() {
         assert!(body.contains(name), "{name} in\n{body}");
     }
     assert!(get(&addr, "/other").unwrap().0.contains("404"));
+    // Without the token, or with another: refused.
+    assert!(get_with(&addr, "/metrics", "").unwrap().0.contains("401"));
+    assert!(get_with(&addr, "/metrics", "Authorization: Bearer d1f0e5a7c3b9428e8a61f2c4b7d09e36\r\n").unwrap().0.contains("401"));
+    // Silent connections do not hold a scrape up (each connection is served on its own).
+    let silent: Vec<std::net::TcpStream> = (0..50).filter_map(|_| std::net::TcpStream::connect(&addr).ok()).collect();
+    assert!(get(&addr, "/metrics").unwrap().0.contains("200"), "a scrape beside {} silent connections", silent.len());
+    drop(silent);
     match std::process::Command::new("prometheus").arg("--version").output() {
         Err(_) => eprintln!("skipped the Prometheus server part: `prometheus` is not installed (apt-get install prometheus)"),
         Ok(_) => {
             let config = d.join("prometheus.yml");
             std::fs::write(
                 &config,
-                format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: lazarus\n    static_configs:\n      - targets: ['{addr}']\n"),
+                format!(
+                    "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: lazarus\n    authorization:\n      credentials_file: {token_s}\n    static_configs:\n      - targets: ['{addr}']\n"
+                ),
             )
             .unwrap();
             let web = format!("127.0.0.1:{}", free_port());

@@ -1,5 +1,5 @@
-//! TLS on the controller's gRPC channel (agents' sessions, `lazarus status`), by `rustls`
-//! through tonic. Two ways to trust the controller:
+//! TLS on the controller's gRPC channel (agents' sessions, `lazarus status`), by `rustls`:
+//! tonic's on the clients' side, the controller's own handshake (with a deadline) on its side. Two ways to trust the controller:
 //!
 //! * **From the job's secret** (the default). The controller's key is an Ed25519 key derived
 //!   from the secret (HMAC-SHA-256 of it, a context apart from every other use); at start the
@@ -23,7 +23,7 @@ use std::sync::Arc;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::error::ControlError;
 
@@ -101,30 +101,60 @@ pub fn parse_pin(hex: &str) -> Option<Pin> {
 }
 
 impl ServerTls {
-    /// The configuration tonic serves with: the self-signed certificate made now, or the
-    /// operator's files (checked here, naming the flag that is wrong).
-    pub fn server_config(&self) -> Result<ServerTlsConfig, ControlError> {
-        match self {
+    /// What accepts the controller's TLS connections: the self-signed certificate made now, or
+    /// the operator's files (checked here, naming the flag that is wrong); HTTP/2 by ALPN. The
+    /// handshake is the controller's own (`service::guard`), so that it has a deadline: a client
+    /// that sends a byte and stops is dropped, not held.
+    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, ControlError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| ControlError::Launch(format!("TLS: {e}")))?;
+        let mut config = match self {
             ServerTls::FromSecret(secret) => {
-                let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key_pkcs8(*secret));
+                let der = PrivatePkcs8KeyDer::from(key_pkcs8(*secret));
                 let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
                     .map_err(|e| ControlError::Launch(format!("making the controller's TLS key: {e}")))?;
                 let cert = rcgen::CertificateParams::new(vec![SELF_SIGNED_NAME.to_string()])
                     .and_then(|p| p.self_signed(&key))
                     .map_err(|e| ControlError::Launch(format!("making the controller's certificate: {e}")))?;
-                Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert.pem(), key.serialize_pem())))
+                builder
+                    .with_no_client_auth()
+                    .with_single_cert(vec![cert.der().clone()], PrivateKeyDer::Pkcs8(der))
+                    .map_err(|e| ControlError::Launch(format!("the controller's certificate: {e}")))?
             }
             ServerTls::Given { cert_pem, key_pem, client_ca_pem } => {
                 check_certificates("--tls-cert", cert_pem)?;
                 check_key("--tls-key", key_pem)?;
-                let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert_pem, key_pem));
-                if let Some(ca) = client_ca_pem {
-                    check_certificates("--tls-ca", ca)?;
-                    config = config.client_ca_root(Certificate::from_pem(ca));
-                }
-                Ok(config)
+                let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| ControlError::invalid("--tls-cert", format!("not a PEM certificate ({e})")))?;
+                let key = PrivateKeyDer::from_pem_slice(key_pem)
+                    .map_err(|e| ControlError::invalid("--tls-key", format!("no private key in it ({e})")))?;
+                let builder = match client_ca_pem {
+                    None => builder.with_no_client_auth(),
+                    Some(ca) => {
+                        check_certificates("--tls-ca", ca)?;
+                        let mut roots = rustls::RootCertStore::empty();
+                        for c in CertificateDer::pem_slice_iter(ca) {
+                            let c = c.map_err(|e| ControlError::invalid("--tls-ca", format!("not a PEM certificate ({e})")))?;
+                            roots.add(c).map_err(|e| ControlError::invalid("--tls-ca", format!("not a CA certificate ({e})")))?;
+                        }
+                        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                            .build()
+                            .map_err(|e| ControlError::invalid("--tls-ca", format!("cannot check clients with it ({e})")))?;
+                        builder.with_client_cert_verifier(verifier)
+                    }
+                };
+                builder
+                    .with_single_cert(chain, key)
+                    .map_err(|e| ControlError::invalid("--tls-cert", format!("the certificate and key do not make a TLS server: {e}")))?
             }
-        }
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
     }
 
     /// What clients pin, when the certificate is the one the secret gives.
@@ -322,6 +352,6 @@ mod tests {
         }
         // Files that are not what they should be are named.
         let bad = ServerTls::Given { cert_pem: b"hello".to_vec(), key_pem: b"x".to_vec(), client_ca_pem: None };
-        assert!(bad.server_config().unwrap_err().to_string().starts_with("invalid --tls-cert"));
+        assert!(bad.acceptor().map(|_| ()).unwrap_err().to_string().starts_with("invalid --tls-cert"));
     }
 }

@@ -263,6 +263,11 @@ pub struct TrainArgs {
     /// bytes moved, snapshot bytes, seconds since the last checkpoint).
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// With --metrics-listen: a scrape must carry `Authorization: Bearer TOKEN`, TOKEN the
+    /// file's first line (Prometheus: `authorization: {credentials_file: FILE}`); without it
+    /// anyone who reaches ADDR may scrape.
+    #[arg(long, value_name = "FILE")]
+    pub metrics_token_file: Option<PathBuf>,
     /// With --workers: encrypt the workers' connections to each other (AES-256-GCM, a key per
     /// connection derived from the job's secret). Without it they are authenticated at the
     /// rendezvous and travel in clear.
@@ -302,8 +307,9 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 22] = [
+        let given: [(&'static str, bool); 23] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
+            ("--metrics-token-file", self.metrics_token_file.is_some()),
             ("--encrypt-data", self.encrypt_data),
             ("--rebalance-every", self.rebalance_every.is_some()),
             ("--snapshot-bandwidth", self.snapshot_bandwidth.is_some()),

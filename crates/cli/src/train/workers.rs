@@ -100,6 +100,7 @@ struct ControllerTable {
     comm_timeout: Option<f64>,
     rebalance_every: Option<u64>,
     metrics_listen: Option<SocketAddr>,
+    metrics_token_file: Option<PathBuf>,
     device: Option<String>,
     encrypt_data: Option<bool>,
     json_log: Option<PathBuf>,
@@ -146,6 +147,7 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     or(&mut a.train.comm_timeout, t.comm_timeout);
     or(&mut a.train.rebalance_every, t.rebalance_every);
     or(&mut a.train.metrics_listen, t.metrics_listen);
+    or(&mut a.train.metrics_token_file, t.metrics_token_file);
     or(&mut a.train.model.device, t.device);
     or(&mut a.train.json_log, t.json_log);
     or(&mut a.train.placement_file, t.placement_file);
@@ -189,11 +191,29 @@ const MAX_WAIT_AGENTS_S: f64 = 86_400.0;
 const LOCAL_AGENTS_WITHIN: Duration = Duration::from_secs(60);
 
 /// The job's secret from `path` (32 hex digits), or a fresh one written there (mode 0600).
+/// Where the job's metrics are served (`--metrics-listen`), and the bearer token a scrape must
+/// carry (`--metrics-token-file`).
+fn metrics_endpoint(args: &TrainArgs) -> Result<Option<lazarus_control::metrics::MetricsEndpoint>> {
+    let token = match &args.metrics_token_file {
+        None => None,
+        Some(_) if args.metrics_listen.is_none() => bail!("--metrics-token-file needs --metrics-listen (where the metrics are served)"),
+        Some(path) => {
+            let text = crate::io::read_text("metrics-token-file", path, 4096)?;
+            let token = text.lines().next().unwrap_or_default().trim().to_string();
+            if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                bail!(
+                    "invalid --metrics-token-file {}: its first line must be a token of 16 or more visible ASCII characters",
+                    path.display()
+                );
+            }
+            Some(token)
+        }
+    };
+    Ok(args.metrics_listen.map(|listen| lazarus_control::metrics::MetricsEndpoint { listen, token }))
+}
+
 pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => lazarus_control::protocol::parse_secret(text.trim()).ok_or_else(|| {
-            anyhow::anyhow!("invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)", path.display())
-        }),
+    match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
             let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
             let mut options = std::fs::OpenOptions::new();
@@ -205,7 +225,16 @@ pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
             writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
             Ok(secret)
         }
-        Err(e) => Err(e).with_context(|| format!("reading --secret-file {}", path.display())),
+        _ => {
+            // A regular file of a line (a FIFO or /dev/zero is refused, not read without end).
+            let text = crate::io::read_text("secret-file", path, 4096)?;
+            lazarus_control::protocol::parse_secret(text.trim()).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)",
+                    path.display()
+                )
+            })
+        }
     }
 }
 
@@ -563,7 +592,8 @@ fn run_job(
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
     lazarus_control::stop_signal::install();
     let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g, seq_len: cfg.seq_len };
-    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, args.metrics_listen, |event| {
+    let metrics_at = metrics_endpoint(args)?;
+    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, metrics_at.as_ref(), |event| {
         let shown = view.show(event);
         shown.map_err(|e| {
             let message = format!("{e:#}");

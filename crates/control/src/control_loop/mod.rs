@@ -21,7 +21,7 @@ use crate::controller::{Controller, JobSpec, OnLoss};
 use crate::error::ControlError;
 use crate::hub::{AgentHub, Joiner};
 use crate::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
-use crate::metrics::{JobMetrics, MetricsServer};
+use crate::metrics::{JobMetrics, MetricsEndpoint, MetricsServer};
 use crate::protocol::{deflate_message, fresh_secret, TrainJob, WorkerSpec};
 use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
 use crate::tls::ServerTls;
@@ -360,7 +360,7 @@ pub struct ResumeJob {
 /// the run: the controller moves the survivors to a new plan (or rolls them back to the last
 /// checkpoint) and training goes on. Without it, the same controller ends the run at the first
 /// failure (local workers only). Collectives time out after `comm_timeout_s`. With
-/// `metrics_listen`, Prometheus can scrape the job's metrics there.
+/// `metrics`, Prometheus can scrape the job's metrics there.
 #[allow(clippy::too_many_arguments)]
 pub fn run_training(
     job: &TrainJob,
@@ -369,7 +369,7 @@ pub fn run_training(
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
     hosts: &Hosts,
-    metrics_listen: Option<SocketAddr>,
+    metrics_at: Option<&MetricsEndpoint>,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
@@ -435,9 +435,9 @@ pub fn run_training(
     let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
     let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
     let metrics = Arc::new(JobMetrics::new());
-    let _metrics_server = match metrics_listen {
-        Some(addr) => {
-            let server = MetricsServer::start(addr, metrics.clone(), Some(shared.clone()))?;
+    let _metrics_server = match metrics_at {
+        Some(at) => {
+            let server = MetricsServer::start(at, metrics.clone(), Some(shared.clone()))?;
             observe(TrainEvent::Metrics { addr: server.addr() })?;
             Some(server)
         }

@@ -193,9 +193,9 @@ impl GrpcServer {
         tls: &ServerTls,
     ) -> Result<Self, ControlError> {
         let flag = if hub.is_some() { "--listen" } else { "--status-listen" };
-        let builder = tonic::transport::Server::builder()
-            .tls_config(tls.server_config()?)
-            .map_err(|e| ControlError::invalid("--tls-cert", format!("the certificate and key do not make a TLS server: {e}")))?;
+        // TLS is the guard's (`guard::incoming`): its handshake has a deadline.
+        let builder = tonic::transport::Server::builder();
+        let acceptor = tls.acceptor()?;
         let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the status address", e))?;
         listener.set_nonblocking(true).map_err(|e| ControlError::io("the status listener", e))?;
@@ -209,7 +209,7 @@ impl GrpcServer {
                         Ok(l) => l,
                         Err(e) => return tracing::warn!("status server: {e}"),
                     };
-                    let incoming = guard::incoming(listener);
+                    let incoming = guard::incoming(listener, acceptor);
                     let (mut graceful, mut hard) = (stopped.clone(), stopped);
                     // Keepalives find the dead peers of open sessions.
                     let serve = builder

@@ -5,12 +5,9 @@
 //! bytes they moved, the snapshot tier's bytes sent and at risk, and the seconds since the last
 //! checkpoint. The controller's loop feeds [`JobMetrics::record`] every [`TrainEvent`].
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+use std::time::Instant;
 
 use prometheus_client::encoding::{text::encode, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -20,8 +17,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::control_loop::TrainEvent;
-use crate::error::ControlError;
 use crate::service::SharedStatus;
+
+mod server;
+pub use server::{MetricsEndpoint, MetricsServer};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Cause {
@@ -153,82 +152,6 @@ impl JobMetrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
-}
-
-/// The HTTP endpoint Prometheus scrapes; stops when dropped.
-pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// The most bytes of a request's head read (a scrape's is a few hundred).
-const MAX_REQUEST: usize = 8 << 10;
-
-impl MetricsServer {
-    /// Serve `metrics` (and `status`'s members and epoch) at `listen`, `GET /metrics`.
-    pub fn start(listen: SocketAddr, metrics: Arc<JobMetrics>, status: Option<SharedStatus>) -> Result<Self, ControlError> {
-        let listener = TcpListener::bind(listen).map_err(|e| ControlError::io(format!("--metrics-listen: binding {listen}"), e))?;
-        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the metrics address", e))?;
-        listener.set_nonblocking(true).map_err(|e| ControlError::io("the metrics listener", e))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("lazarus-metrics".into())
-            .spawn(move || {
-                while !stopped.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((stream, _)) => answer(stream, &metrics, status.as_ref()),
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
-                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                    }
-                }
-            })
-            .map_err(|e| ControlError::io("starting the metrics server", e))?;
-        Ok(MetricsServer { addr, stop, thread: Some(thread) })
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// One request: `GET /metrics` gets the text format, anything else a 404; a client that does
-/// not send its request within a second, or sends more than [`MAX_REQUEST`] bytes of it, is
-/// dropped.
-fn answer(mut stream: TcpStream, metrics: &JobMetrics, status: Option<&SharedStatus>) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
-        }
-        if head.len() > MAX_REQUEST {
-            return;
-        }
-    }
-    let line = String::from_utf8_lossy(&head);
-    let target = line.split_whitespace().take(2).collect::<Vec<_>>();
-    let (code, kind, body) = match target.as_slice() {
-        ["GET", path] if *path == "/metrics" || path.starts_with("/metrics?") => {
-            ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode(status))
-        }
-        _ => ("404 Not Found", "text/plain", "lazarus: metrics are at GET /metrics\n".to_string()),
-    };
-    let _ = write!(stream, "HTTP/1.1 {code}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
 }
 
 #[cfg(test)]
