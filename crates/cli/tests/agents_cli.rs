@@ -1001,3 +1001,33 @@ fn a_controller_stalled_for_1_3_and_20_seconds_keeps_its_job() {
     }
     let _ = std::fs::remove_dir_all(&job.d);
 }
+
+/// A node that attached to a running job and stood by, never taken in before the job completed
+/// (its join wait outlasts the job): its agent exits 0 saying so — a batch system (Slurm) logs
+/// no error for a good job's node.
+#[test]
+fn a_node_still_standing_by_when_the_job_completes_exits_0() {
+    let d = dir("agents-standby-end");
+    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
+    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
+    args.extend(["--max-workers", "3", "--join-wait", "3600"]);
+    args.extend(tiny());
+    args.extend(["--steps", "300", "--json-log", &log_s]);
+    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    let agent = || start_agent_with_env(&addr, "1", &secret, None, "0", &common::paced(10));
+    let mut agents: Vec<(Child, mpsc::Receiver<String>)> = vec![agent(), agent()];
+    wait_for_steps(&path, 10);
+    agents.push(agent());
+    let mut seen = Vec::new();
+    wait::line(&ctl_lines, "the third node standing by", Duration::from_secs(60), &mut seen, |l| l.contains("standing by to be taken in"));
+    wait::job_success(&mut controller, &ctl_lines, &path, "the job with a node standing by");
+    let (standby, standby_lines) = &mut agents[2];
+    let said = wait::success(standby, standby_lines, "the agent standing by at the end", Duration::from_secs(60));
+    assert!(said.iter().any(|l| l.contains("was not taken in before the end")), "{}", said.join("\n"));
+    for (child, lines) in &mut agents[..2] {
+        wait::success(child, lines, "a member's agent", Duration::from_secs(30));
+    }
+    assert_eq!(log(&path).1.len(), 0, "nobody was taken in");
+    let _ = std::fs::remove_dir_all(&d);
+}

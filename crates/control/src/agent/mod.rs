@@ -567,9 +567,14 @@ impl Node {
                 }
             }
             if let Some((until, reason)) = &finishing {
-                if self.workers.is_none() || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
+                // (Workers standing by have nothing to finish: they go with the agent's end.)
+                if self.workers.is_none() || self.standing_by || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
                     return Ok(if self.done.iter().all(|&d| d) {
                         AgentEnd::Completed { how: reason.clone() }
+                    } else if self.standing_by || self.workers.is_none() {
+                        // Its workers held nothing of the job: a good end for this node too (a
+                        // batch system must not log an error for it).
+                        AgentEnd::Completed { how: format!("{reason}; this node stood by to join and was not taken in before the end") }
                     } else {
                         AgentEnd::Stopped(format!("the job ended ({reason}) before this node's workers finished"))
                     });
