@@ -44,6 +44,10 @@ fn peer_process() {
                 use lazarus_comm::Transport;
                 println!("ERR {kind} {e} LOST {:?}", t.lost_peers());
                 std::io::stdout().flush().unwrap();
+                // Stay until the test ends (it closes stdin, then kills us): a survivor that
+                // exited here would close its connections, and a slower survivor would find
+                // it lost too — a race of the test, not of the transport.
+                let _ = std::io::stdin().read_line(&mut String::new());
                 return;
             }
         }
@@ -111,6 +115,7 @@ fn sigkill_mid_collective_gives_peer_lost_within_two_seconds() {
             outcome[rank] = Some((line, at.saturating_duration_since(killed_at)));
         }
     }
+    drop(stdins);
     for mut c in children {
         let _ = c.kill();
         let _ = c.wait();
