@@ -34,7 +34,9 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
     if let Some(tok) = &config.tokenizer {
         let to = args.out.join("tokenizer.json");
         if !to.exists() {
-            std::fs::copy(tok, &to).with_context(|| format!("copy the run's tokenizer {}", tok.display()))?;
+            // Bounded, regular, and written whole or not at all.
+            let bytes = crate::io::read_text("tokenizer", tok, lazarus_model::tokenizer::MAX_TOKENIZER_BYTES)?;
+            lazarus_model::hf::write_new(&to, bytes.as_bytes()).with_context(|| format!("copy the run's tokenizer {}", tok.display()))?;
             note = ", tokenizer.json".into();
         }
     }

@@ -20,14 +20,15 @@ pub fn config_table<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> 
 }
 
 /// The one size check of everything that allocates a model or a layer (`train`, `bench train`,
-/// `bench moe-layer`): refuse `need` bytes beyond this machine's memory before anything is
-/// allocated, naming `what` needs them and the flags that lower it (not a `memory allocation
-/// failed` abort half-way).
+/// `bench moe-layer`): refuse `need` bytes beyond the memory this process may use — the
+/// machine's, or less where `ulimit -v` or a cgroup (a container, a Slurm job) sets a limit —
+/// before anything is allocated, naming `what` needs them, the bound, and the flags that lower
+/// it (not a `memory allocation failed` abort, or the OOM killer, half-way).
 pub fn check_memory(need: u128, what: &str, lower: &str) -> Result<()> {
-    if let Some(have) = lazarus_control::launcher::physical_memory() {
+    if let Some((have, bound)) = lazarus_control::launcher::memory_available() {
         if need > have as u128 {
             let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
-            bail!("{what} needs about {:.1} GiB and this machine has {:.1} GiB: lower {lower}", gib(need), gib(have as u128));
+            bail!("{what} needs about {:.1} GiB and {} {:.1} GiB: lower {lower}", gib(need), bound.says(), gib(have as u128));
         }
     }
     Ok(())

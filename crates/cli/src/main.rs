@@ -126,7 +126,9 @@ fn init_logging() {
 fn main() -> ExitCode {
     tune_allocator();
     init_logging();
-    let cli = Cli::parse();
+    // The training flags' defaults shown in --help (they are options, read from one place).
+    let matches = train::args::show_defaults(<Cli as clap::CommandFactory>::command()).get_matches();
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let printing_only = match &cli.command {
         Command::Plan(_)
         | Command::Prob(_)

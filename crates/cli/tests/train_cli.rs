@@ -675,6 +675,41 @@ fn a_subword_tokenizer_trains_evaluates_and_generates() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// JSON-lines data: the tokenizer learns from the documents' texts (by the file's name or
+/// `--data-format jsonl`), not from the JSON around them, and warns when told to read such a file
+/// as text; held-out text evaluates beside JSON-lines training data (`.txt`: its own format).
+#[test]
+fn json_lines_teach_the_tokenizer_their_texts_and_held_out_text_goes_beside_them() {
+    let d = common::dir("jsonl-tokenizer");
+    let (docs, held) = (d.join("docs.jsonl"), d.join("held.txt"));
+    let words = ["the quick brown fox", "jumps over the lazy dog", "a stitch in time saves nine", "all that glitters is not gold"];
+    let lines: Vec<String> = (0..400).map(|i| serde_json::json!({"text": words[i % 4], "id": i}).to_string()).collect();
+    std::fs::write(&docs, lines.join("\n")).unwrap();
+    std::fs::write(&held, words.join(". ").repeat(40)).unwrap();
+    let learn = |out: &str, extra: &[&str]| -> (serde_json::Value, String) {
+        let out = d.join(out);
+        let mut a = vec!["tokenizer", "--data", docs.to_str().unwrap(), "--vocab-size", "400", "--out", out.to_str().unwrap()];
+        a.extend(extra);
+        let run = lazarus(&a);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (t["model"]["vocab"].clone(), String::from_utf8_lossy(&run.stderr).to_string())
+    };
+    let (texts, quiet) = learn("texts.json", &[]);
+    let (raw, warned) = learn("raw.json", &["--data-format", "text"]);
+    assert!(raw.get("text").is_some() && texts.get("text").is_none(), "the JSON key is learned only from the raw lines");
+    assert!(texts.get("quick").is_some() || texts.get("Ġquick").is_some(), "the documents' words are learned");
+    assert!(warned.contains("look like JSON documents") && !quiet.contains("look like JSON"), "{warned}");
+    assert!(std::fs::read_dir(&d).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tmp")), "no scratch left");
+    let tok = d.join("texts.json");
+    let mut a = vec!["train", "--steps", "2", "--tokenizer", tok.to_str().unwrap(), "--data", docs.to_str().unwrap()];
+    a.extend(["--data-format", "jsonl", "--eval-data", held.to_str().unwrap(), "--eval-windows", "4"]);
+    a.extend(&tiny()[..12]);
+    let out = lazarus(&a);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A run with Mixtral's blocks exports as a Hugging Face directory whose held-out loss is the
 /// checkpoint's; a new run starts from it (`--init-from`), its first step's loss below a fresh
 /// model's; a model flag that contradicts the directory, a model that is not Mixtral's, a
@@ -736,6 +771,165 @@ fn export_to_hugging_face_and_init_from_it() {
     let out = lazarus(&["export", "--checkpoint", gpt.to_str().unwrap(), d.join("gpt-hf").to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("invalid norm") && err.contains("RMSNorm"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A model exported with its tokenizer trains on from the directory with that tokenizer, given
+/// or not (the same first loss, near the trained model's, not ln 400 of a model reading bytes);
+/// without a tokenizer.json beside it, text data is refused with what to give; a sharded copy
+/// of the directory (an index and two files, as transformers writes past a size) trains the
+/// same; a tensor of another architecture or a NaN weight in the directory is refused by name.
+#[test]
+fn init_from_a_model_with_its_tokenizer_sharded_or_not() {
+    let d = common::dir("init-from-tokenizer");
+    let (tok, ck, hf) = (d.join("tokenizer.json"), d.join("ck"), d.join("hf"));
+    let (tok_s, ck_s, hf_s) = (tok.to_str().unwrap(), ck.to_str().unwrap(), hf.to_str().unwrap());
+    let out = lazarus(&["tokenizer", "--data", "synthetic", "--synthetic-bytes", "100000", "--vocab-size", "400", "--out", tok_s]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut a = vec!["train", "--steps", "30", "--lr", "0.01", "--tokenizer", tok_s, "--checkpoint-dir", ck_s, "--arch", "mixtral"];
+    a.extend(tiny());
+    let out = lazarus(&a);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = lazarus(&["export", "--checkpoint", ck_s, "--format", "hf", hf_s]);
+    assert!(out.status.success() && hf.join("tokenizer.json").is_file(), "{}", String::from_utf8_lossy(&out.stderr));
+    let first_loss = |from: &std::path::Path, extra: &[&str]| -> Result<f64, String> {
+        let log = d.join(format!("log-{}.jsonl", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+        let mut a = vec!["train", "--steps", "1", "--json-log", log.to_str().unwrap(), "--init-from", from.to_str().unwrap()];
+        a.extend(&tiny()[..12]);
+        a.extend(extra);
+        let out = lazarus(&a);
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).to_string());
+        }
+        Ok(common::log(&log).0[0].1)
+    };
+    let implied = first_loss(&hf, &[]).unwrap();
+    let given = first_loss(&hf, &["--tokenizer", tok_s]).unwrap();
+    assert_eq!(implied, given, "the directory's tokenizer is the one used");
+    assert!(implied < 400f64.ln() - 0.5, "the trained model on its own tokens: {implied}");
+    // The same directory, sharded: an index and two files.
+    let sharded = d.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(hf.join(f), sharded.join(f)).unwrap();
+    }
+    let (names, bytes) = common::safetensors_split(&hf.join("model.safetensors"), 2);
+    let mut map = serde_json::Map::new();
+    for (i, (part, data)) in names.iter().zip(&bytes).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        std::fs::write(sharded.join(&file), data).unwrap();
+        for n in part {
+            map.insert(n.clone(), serde_json::json!(file));
+        }
+    }
+    std::fs::write(sharded.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+    assert_eq!(first_loss(&sharded, &[]).unwrap(), implied, "a sharded directory is the same model");
+    // No tokenizer beside a 400-token model: refused, saying what to give.
+    std::fs::remove_file(sharded.join("tokenizer.json")).unwrap();
+    let e = first_loss(&sharded, &[]).unwrap_err();
+    assert!(e.contains("vocabulary of 400 tokens but no tokenizer.json") && e.contains("--tokenizer FILE"), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A memory limit set on the process (`ulimit -v`, as batch systems set) is the bound the size
+/// check uses: a run this machine could hold but the limit cannot is refused before anything is
+/// allocated, naming the limit — not aborted by a failed allocation half-way.
+#[test]
+fn an_address_space_limit_bounds_the_size_check() {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    // About 9 GiB of weights, gradients and moments: within most machines, beyond the limit.
+    cmd.args(["train", "--steps", "1", "--d-model", "1024", "--d-ff", "4096", "--experts", "16", "--layers", "4", "--heads", "8"]);
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let r = libc::rlimit { rlim_cur: 3 << 30, rlim_max: 3 << 30 };
+            if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = common::output_within(cmd, "a run under a 3 GiB address-space limit");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("the address-space limit (RLIMIT_AS, ulimit -v) allows 3.0 GiB") && err.contains("--d-model"),
+        "{err}"
+    );
+}
+
+/// An export that runs out of space (here: a file-size limit, which fails a write as a full disk
+/// does) leaves nothing behind — no temporary file, no weights without their configuration —
+/// so the same command succeeds once there is room.
+#[test]
+fn an_export_that_runs_out_of_space_leaves_nothing_behind() {
+    use std::os::unix::process::CommandExt;
+    let d = common::dir("export-no-space");
+    let (ck, out_dir) = (d.join("ck"), d.join("hf"));
+    let mut a = vec!["train", "--steps", "2", "--checkpoint-dir", ck.to_str().unwrap(), "--arch", "mixtral"];
+    a.extend(tiny());
+    assert!(lazarus(&a).status.success());
+    let export = ["export", "--checkpoint", ck.to_str().unwrap(), out_dir.to_str().unwrap()];
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    cmd.args(export);
+    // SAFETY: setrlimit and signal are async-signal-safe; nothing else runs before exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            // A write past 64 KiB fails with EFBIG (SIGXFSZ ignored), as one on a full disk does.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let r = libc::rlimit { rlim_cur: 64 << 10, rlim_max: 64 << 10 };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &r) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = common::output_within(cmd, "an export without room");
+    assert!(!out.status.success(), "the weights are larger than 64 KiB");
+    assert!(!out_dir.exists(), "nothing left: {:?}", std::fs::read_dir(&out_dir).map(|r| r.count()));
+    let out = lazarus(&export);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A 20 MB document on one line is learned from and trained on under a 1.5 GiB address-space
+/// limit: text goes to the tokenizer in pieces of at most 1 MiB. Whole, its encoding alone
+/// took gigabytes (47 MB: 4.6 GB resident) and aborted under such a limit.
+#[test]
+fn a_document_of_20_mb_is_tokenized_in_bounded_memory() {
+    use std::os::unix::process::CommandExt;
+    let d = common::dir("big-document");
+    let (doc, tok) = (d.join("doc.txt"), d.join("tokenizer.json"));
+    let words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "alpha", "beta", "gamma", "delta"];
+    let mut text = String::with_capacity(20_000_100);
+    let mut x: u64 = 7;
+    while text.len() < 20_000_000 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        text.push_str(words[(x >> 33) as usize % words.len()]);
+        text.push(' ');
+    }
+    std::fs::write(&doc, &text).unwrap();
+    let limited = |args: &[&str], what: &str| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+        cmd.args(args);
+        // SAFETY: setrlimit is async-signal-safe; nothing else runs before exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                let r = libc::rlimit { rlim_cur: 1536 << 20, rlim_max: 1536 << 20 };
+                if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let out = common::output_within(cmd, what);
+        assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let (doc_s, tok_s) = (doc.to_str().unwrap(), tok.to_str().unwrap());
+    limited(&["tokenizer", "--data", doc_s, "--vocab-size", "300", "--out", tok_s], "the tokenizer learning from it");
+    let mut a = vec!["train", "--steps", "1", "--tokenizer", tok_s, "--data", doc_s];
+    a.extend(&tiny()[..12]);
+    limited(&a, "a step on it");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -106,7 +106,8 @@ pub struct ModelConfig {
     /// Switch-style load-balancing loss coefficient.
     pub aux_loss_coef: f64,
     /// Tokens an expert may take per step, as a multiple of the even share N·k/E; `None` =
-    /// dropless.
+    /// dropless (`"off"` in a TOML file).
+    #[serde(deserialize_with = "number_or_off")]
     pub capacity_factor: Option<f64>,
     /// Standard deviation of the initial weights.
     pub init_std: f64,
@@ -378,5 +379,43 @@ impl ModelConfig {
             + dense * ffn(self.d_ff)
             + norm
             + d * v
+    }
+}
+
+/// A setting that is a number or off: a number, `"off"` (TOML has no null) or null (JSON).
+/// `capacity_factor = "off"` and `grad_clip = "off"` read as the flags `--capacity-factor off`
+/// and `--grad-clip off` do.
+pub(crate) fn number_or_off<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<f64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Said {
+        Number(f64),
+        Word(String),
+    }
+    match Option::<Said>::deserialize(d)? {
+        None => Ok(None),
+        Some(Said::Number(x)) => Ok(Some(x)),
+        Some(Said::Word(w)) if w == "off" => Ok(None),
+        Some(Said::Word(w)) => Err(serde::de::Error::custom(format!("'{w}' (expected a number or \"off\")"))),
+    }
+}
+
+#[cfg(test)]
+mod number_or_off_tests {
+    use crate::TrainConfig;
+
+    /// `"off"`, a number (integer or not) and, in JSON, null read; another word is named.
+    #[test]
+    fn off_or_a_number_reads_from_toml_and_json() {
+        let c: TrainConfig = toml::from_str("grad_clip = \"off\"\n[model]\ncapacity_factor = \"off\"\n").unwrap();
+        assert_eq!((c.grad_clip, c.model.capacity_factor), (None, None));
+        let c: TrainConfig = toml::from_str("grad_clip = 2\n[model]\ncapacity_factor = 1.5\n").unwrap();
+        assert_eq!((c.grad_clip, c.model.capacity_factor), (Some(2.0), Some(1.5)));
+        let c: TrainConfig = toml::from_str("").unwrap();
+        assert_eq!(c.grad_clip, TrainConfig::default().grad_clip);
+        let e = toml::from_str::<TrainConfig>("grad_clip = \"none\"\n").unwrap_err().to_string();
+        assert!(e.contains("'none' (expected a number or \"off\")"), "{e}");
+        let json = serde_json::to_string(&TrainConfig { grad_clip: None, ..TrainConfig::default() }).unwrap();
+        assert_eq!(serde_json::from_str::<TrainConfig>(&json).unwrap().grad_clip, None);
     }
 }

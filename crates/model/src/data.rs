@@ -122,7 +122,7 @@ impl DataSource {
 
 /// The texts of a JSON-lines file's documents, each followed by a blank line. A line that is
 /// not a JSON object with a `text` string is an error naming the line (blank lines are skipped).
-fn json_lines_text(path: &Path) -> Result<String> {
+pub fn json_lines_text(path: &Path) -> Result<String> {
     let bytes = read_bounded(path, MAX_DATA_BYTES)?;
     let text = String::from_utf8(bytes).map_err(|e| ModelError::Data {
         path: path.to_path_buf(),

@@ -13,7 +13,11 @@
 //!
 //! Reading accepts the legacy per-expert names (`block_sparse_moe.experts.{e}.w1`) and the fused
 //! ones of newer transformers (`mlp.experts.gate_up_proj` [E, 2f, d], `mlp.experts.down_proj`
-//! [E, d, f], `mlp.gate.weight`); writing uses the legacy names, which every version reads.
+//! [E, d, f], `mlp.gate.weight`); writing uses the legacy names, which every version reads. A
+//! sharded directory (`model.safetensors.index.json` naming the files that hold each tensor)
+//! reads as one file would. Reading refuses rather than guesses: a tensor of another shape than
+//! the configuration's, a tensor with no place in the model (another architecture's, or a typo
+//! in a hand-made file), and a weight that is NaN or infinite are each named.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,10 +31,16 @@ use crate::model::{MoeModel, NORM_EPS};
 
 /// The configuration file of a Hugging Face model directory.
 pub const CONFIG_FILE: &str = "config.json";
-/// Its weights (one file; sharded checkpoints are not read).
+/// Its weights in one file (what [`export`] writes).
 pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// Or the index of a sharded checkpoint: `{"weight_map": {tensor: file, …}}`.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Longest `config.json` read.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// Longest index read (a 671 B-parameter model's is under 2 MB).
+const MAX_INDEX_BYTES: u64 = 16 << 20;
+/// Tensors transformers once saved that are buffers, not weights: read past.
+const BUFFERS: [&str; 1] = ["rotary_emb.inv_freq"];
 
 /// The first option of `cfg` that Mixtral does not have, as (field, what it would need).
 pub fn mixtral_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
@@ -175,24 +185,40 @@ pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
     let bytes = safetensors::serialize(sorted, Some(meta))
         .map_err(|e| ModelError::Checkpoint { path: dir.join(WEIGHTS_FILE), reason: e.to_string() })?;
     // The weights first, the configuration last: a directory with a config.json is complete.
+    // An export that fails (a full disk) takes back what it wrote, so that it can be run again.
+    let made_dir = !dir.exists();
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    write_new(&dir.join(WEIGHTS_FILE), &bytes)?;
-    write_new(&dir.join(CONFIG_FILE), text.as_bytes())
+    let written = write_new(&dir.join(WEIGHTS_FILE), &bytes).and_then(|_| {
+        write_new(&dir.join(CONFIG_FILE), text.as_bytes()).inspect_err(|_| {
+            let _ = std::fs::remove_file(dir.join(WEIGHTS_FILE));
+        })
+    });
+    if written.is_err() && made_dir {
+        let _ = std::fs::remove_dir(dir); // only if empty
+    }
+    written
 }
 
-/// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed).
-fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
+/// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed); on
+/// failure nothing is left behind.
+pub fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(|e| ModelError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+    let written = std::fs::File::create(&tmp).and_then(|mut f| f.write_all(bytes).and_then(|_| f.sync_all()));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(ModelError::io(&tmp, e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        ModelError::io(path, e)
+    })
 }
 
 /// Whether `dir` looks like a Hugging Face model directory (a `config.json` beside a
-/// `model.safetensors`).
+/// `model.safetensors` or a sharded checkpoint's index).
 pub fn is_hf_dir(dir: &Path) -> bool {
-    dir.join(CONFIG_FILE).is_file() && dir.join(WEIGHTS_FILE).is_file()
+    dir.join(CONFIG_FILE).is_file() && (dir.join(WEIGHTS_FILE).is_file() || dir.join(INDEX_FILE).is_file())
 }
 
 /// Our configuration of the Mixtral model described by `config.json` at `path`, or an error
@@ -278,59 +304,163 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     config_from_json(&v, &config_path)
 }
 
-/// A Hugging Face Mixtral directory: our configuration of it and its tensors (f32, on the CPU).
+/// A Hugging Face Mixtral directory: our configuration of it and its tensors (f32, on the CPU),
+/// from its one weights file or from every shard its index names.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let cfg = read_config(dir)?;
-    let weights = dir.join(WEIGHTS_FILE);
-    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
-        .map_err(|e| ModelError::Checkpoint { path: weights.clone(), reason: e.to_string() })?;
-    let tensors = tensors.into_iter().map(|(n, t)| Ok((n, t.to_dtype(DType::F32)?))).collect::<Result<_>>()?;
+    let mut tensors = HashMap::new();
+    for (file, expected) in weight_files(dir)? {
+        let read = candle_core::safetensors::load(&file, &Device::Cpu)
+            .map_err(|e| ModelError::Checkpoint { path: file.clone(), reason: e.to_string() })?;
+        if let Some(missing) = expected.iter().find(|n| !read.contains_key(*n)) {
+            let reason = format!("{INDEX_FILE} says it holds tensor {missing}, but it does not");
+            return Err(ModelError::Checkpoint { path: file, reason });
+        }
+        for (name, t) in read {
+            if !expected.is_empty() && !expected.contains(&name) {
+                continue; // a shard may hold more than the index names: the index decides
+            }
+            let t = t.to_dtype(DType::F32)?;
+            if tensors.insert(name.clone(), t).is_some() {
+                return Err(ModelError::Checkpoint { path: file, reason: format!("tensor {name} is in two of the shards") });
+            }
+        }
+    }
     Ok((cfg, tensors))
 }
 
-/// Set every parameter of `model` from a Mixtral directory's `tensors` (legacy or fused expert
-/// names), each shape checked; `path` names the file in errors.
-pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    let bad = |reason: String| ModelError::Checkpoint { path: path.to_path_buf(), reason };
-    let fetch = |name: &str| -> Result<Tensor> {
-        if let Some(t) = tensors.get(name) {
-            return Ok(t.clone());
-        }
-        fused(tensors, name).transpose()?.ok_or_else(|| bad(format!("missing tensor {name}")))
+/// The files holding `dir`'s weights, each with the tensors its index says it holds (empty for
+/// a lone `model.safetensors`: all of it). An index's file names must be plain names in `dir`.
+fn weight_files(dir: &Path) -> Result<Vec<(std::path::PathBuf, Vec<String>)>> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.is_file() {
+        return Ok(vec![(single, Vec::new())]);
+    }
+    let index = dir.join(INDEX_FILE);
+    let bad = |reason: String| ModelError::Checkpoint { path: index.clone(), reason };
+    let len = std::fs::metadata(&index).map_err(|e| ModelError::io(&index, e))?.len();
+    if len > MAX_INDEX_BYTES {
+        return Err(bad(format!("{len} bytes: not an index of tensors (at most {MAX_INDEX_BYTES})")));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let Some(map) = v.get("weight_map").and_then(Value::as_object) else {
+        return Err(bad("no \"weight_map\" object (tensor name to file)".into()));
     };
-    for (ours, layout) in layouts(model)? {
+    let mut files: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
+    for (tensor, file) in map {
+        let Some(file) = file.as_str() else { return Err(bad(format!("weight_map[{tensor:?}] is {file}, not a file name"))) };
+        let plain = Path::new(file).file_name().is_some_and(|n| n == file) && file != "." && file != "..";
+        if !plain {
+            return Err(bad(format!("weight_map[{tensor:?}] = {file:?}: not a file name in the directory")));
+        }
+        files.entry(file.to_string()).or_default().push(tensor.clone());
+    }
+    if files.is_empty() {
+        return Err(bad("its weight_map names no tensor".into()));
+    }
+    Ok(files.into_iter().map(|(f, names)| (dir.join(f), names)).collect())
+}
+
+/// Set every parameter of `model` from a Mixtral directory's `tensors` (legacy or fused expert
+/// names); `dir` names the directory in errors. Refused, each named: a tensor the model needs
+/// that is missing or of another shape, a tensor with no place in the model, and a weight that
+/// is not finite.
+pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, dir: &Path) -> Result<()> {
+    let bad = |reason: String| ModelError::Checkpoint { path: dir.to_path_buf(), reason };
+    let layouts = layouts(model)?;
+    refuse_non_finite(tensors, dir)?;
+    let mut used: std::collections::HashSet<String> = std::collections::HashSet::new();
+    // A tensor of transformers' names with the shape `want`, from the legacy name or the fused one.
+    let mut fetch = |name: &str, want: &[usize]| -> Result<Tensor> {
+        let (t, source) = match tensors.get(name) {
+            Some(t) => (t.clone(), name.to_string()),
+            None => match fused(tensors, name) {
+                Some((source, picked)) => (picked.map_err(|e| bad(format!("tensor {source}: {e}")))?, source),
+                None => return Err(bad(format!("missing tensor {name}"))),
+            },
+        };
+        if t.dims() != want {
+            let seen = if source == name {
+                format!("tensor {name} is {:?}", t.dims())
+            } else {
+                format!("tensor {source} gives {name} {:?}", t.dims())
+            };
+            return Err(bad(format!("{seen}; the model of its config.json needs {want:?}")));
+        }
+        used.insert(source);
+        Ok(t)
+    };
+    for (ours, layout) in layouts {
         let var = model.params().get(&ours).expect("a parameter of the model");
+        let dims = var.dims().to_vec();
         let t = match layout {
-            Layout::Same(n) => fetch(&n)?,
-            Layout::Transposed(n) => fetch(&n)?.t()?.contiguous()?,
+            Layout::Same(n) => fetch(&n, &dims)?,
+            Layout::Transposed(n) => fetch(&n, &[dims[1], dims[0]])?.t()?.contiguous()?,
             Layout::Columns(names) => {
-                let parts = names.iter().map(|n| Ok(fetch(n)?.t()?)).collect::<Result<Vec<_>>>()?;
+                let want = [dims[1] / names.len(), dims[0]];
+                let parts = names.iter().map(|n| Ok(fetch(n, &want)?.t()?)).collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 1)?
             }
         };
-        if t.dims() != var.dims() {
-            return Err(bad(format!("{ours} would be {:?} from the file, the model's is {:?}", t.dims(), var.dims())));
-        }
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    let mut extra: Vec<&String> = tensors.keys().filter(|n| !used.contains(*n) && !BUFFERS.iter().any(|b| n.ends_with(b))).collect();
+    extra.sort();
+    if let Some(first) = extra.first() {
+        let more = if extra.len() > 1 { format!(" (and {} more)", extra.len() - 1) } else { String::new() };
+        return Err(bad(format!(
+            "tensor {first}{more} has no place in a Mixtral model of its config.json: another architecture's weights, or a file not made for it"
+        )));
+    }
+    Ok(())
+}
+
+/// An error naming the first tensor (by name) holding a NaN or an infinity: such a weight
+/// trains to NaN at the first step, long after the cause is hard to see.
+fn refuse_non_finite(tensors: &HashMap<String, Tensor>, dir: &Path) -> Result<()> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    for name in names {
+        let t = tensors[name].to_dtype(DType::F32)?;
+        // x − x is 0 for every finite x and NaN for NaN and ±∞: one sum tells.
+        let s = t.sub(&t)?.sum_all()?.to_scalar::<f32>()?;
+        if !s.is_finite() {
+            let flat: Vec<f32> = t.flatten_all()?.to_vec1()?;
+            let (at, v) = flat.iter().enumerate().find(|(_, v)| !v.is_finite()).map(|(i, v)| (i, *v)).unwrap_or((0, f32::NAN));
+            return Err(ModelError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("tensor {name} holds {v} (element {at} of {}): weights must be finite", flat.len()),
+            });
+        }
     }
     Ok(())
 }
 
 /// A legacy per-expert (or router) tensor name read from newer transformers' fused layout:
 /// `model.layers.{b}.mlp.experts.gate_up_proj` [E, 2f, d] (gate rows, then up rows) and
-/// `…down_proj` [E, d, f], the router at `…mlp.gate.weight`. None when the name is not one of
-/// those or the file does not have the fused tensor either.
-fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<Result<Tensor>> {
+/// `…down_proj` [E, d, f], the router at `…mlp.gate.weight` — with the fused tensor's name. None
+/// when the name is not one of those or the file does not have the fused tensor either.
+fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<(String, Result<Tensor>)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (b, rest) = rest.split_once('.')?;
     let moe = rest.strip_prefix("block_sparse_moe.")?;
+    let found = |source: String, pick: &dyn Fn(&Tensor) -> Result<Tensor>| {
+        tensors.get(&source).map(|t| {
+            let r = pick(t);
+            (source, r)
+        })
+    };
     if moe == "gate.weight" {
-        return tensors.get(&format!("model.layers.{b}.mlp.gate.weight")).map(|t| Ok(t.clone()));
+        return found(format!("model.layers.{b}.mlp.gate.weight"), &|t: &Tensor| Ok(t.clone()));
     }
     let (e, which) = moe.strip_prefix("experts.")?.split_once('.')?;
     let e: usize = e.parse().ok()?;
     let experts = format!("model.layers.{b}.mlp.experts");
     let pick = |t: &Tensor| -> Result<Tensor> {
+        if t.rank() != 3 || e >= t.dim(0)? {
+            return Err(ModelError::config("tensor", format!("{:?}", t.dims()), format!("a stack of experts [E, …] with expert {e}")));
+        }
         let one = t.get(e)?;
         Ok(match which {
             "w1.weight" => one.narrow(0, 0, one.dim(0)? / 2)?,
@@ -339,8 +469,8 @@ fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<Result<Tensor>
         })
     };
     match which {
-        "w1.weight" | "w3.weight" => tensors.get(&format!("{experts}.gate_up_proj")).map(pick),
-        "w2.weight" => tensors.get(&format!("{experts}.down_proj")).map(pick),
+        "w1.weight" | "w3.weight" => found(format!("{experts}.gate_up_proj"), &pick),
+        "w2.weight" => found(format!("{experts}.down_proj"), &pick),
         _ => None,
     }
 }
@@ -464,5 +594,122 @@ mod tests {
             let e = config_from_json(&v, path).unwrap_err().to_string();
             assert!(e.contains(named), "{key}: {e}");
         }
+    }
+
+    /// A directory with `tensors` (and the configuration of `tiny()`), in one file or in two
+    /// shards with an index.
+    fn write_dir(name: &str, tensors: &HashMap<String, Tensor>, sharded: bool) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(CONFIG_FILE), serde_json::to_string(&config_json(&tiny()).unwrap()).unwrap()).unwrap();
+        if !sharded {
+            candle_core::safetensors::save(tensors, dir.join(WEIGHTS_FILE)).unwrap();
+            return dir;
+        }
+        let mut names: Vec<&String> = tensors.keys().collect();
+        names.sort();
+        let (a, b) = names.split_at(names.len() / 2);
+        let mut map = serde_json::Map::new();
+        for (file, part) in [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)] {
+            let shard: HashMap<String, Tensor> = part.iter().map(|n| ((*n).clone(), tensors[*n].clone())).collect();
+            candle_core::safetensors::save(&shard, dir.join(file)).unwrap();
+            for n in part {
+                map.insert((*n).clone(), json!(file));
+            }
+        }
+        std::fs::write(dir.join(INDEX_FILE), json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+        dir
+    }
+
+    fn exported(seed: u64) -> (MoeModel, HashMap<String, Tensor>) {
+        let m = MoeModel::new(&tiny(), seed, DType::F32, &Device::Cpu).unwrap();
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-src-{seed}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        export(&m, &dir).unwrap();
+        let (_, tensors) = load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        (m, tensors)
+    }
+
+    /// A sharded checkpoint (an index naming two files) reads as the one file would; an index
+    /// that points outside the directory, or at a file without the tensor, is refused by name.
+    #[test]
+    fn a_sharded_directory_reads_as_one_file() {
+        let (m, tensors) = exported(11);
+        let dir = write_dir("sharded", &tensors, true);
+        assert!(is_hf_dir(&dir) && !dir.join(WEIGHTS_FILE).exists());
+        let (cfg, back) = load(&dir).unwrap();
+        assert_eq!(back.len(), tensors.len());
+        let into = MoeModel::new(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&into, &back, &dir).unwrap();
+        for ((name, a), (_, b)) in m.params().iter().zip(into.params().iter()) {
+            let (a, b): (Vec<f32>, Vec<f32>) =
+                (a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), b.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
+            assert_eq!(a, b, "{name}");
+        }
+        let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
+        for (file, named) in [("../model-00001-of-00002.safetensors", "not a file name"), ("model-00001-of-00002.safetensors", "does not")]
+        {
+            let mut v = index.clone();
+            v["weight_map"]["model.norm.weight"] = json!(file);
+            std::fs::write(dir.join(INDEX_FILE), v.to_string()).unwrap();
+            let e = load(&dir).unwrap_err().to_string();
+            assert!(e.contains(named) && (e.contains("model.norm.weight") || e.contains("weight_map")), "{file}: {e}");
+        }
+        std::fs::write(dir.join(INDEX_FILE), "{\"weight_map\": 7}").unwrap();
+        assert!(load(&dir).unwrap_err().to_string().contains("weight_map"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// What a directory must not hold is named, not guessed at: a tensor of the wrong shape
+    /// (in the legacy and in the fused layout), a tensor with no place in the model, a NaN or
+    /// an infinity. A buffer old transformers saved (`rotary_emb.inv_freq`) is read past.
+    #[test]
+    fn wrong_shapes_extra_tensors_and_non_finite_weights_are_named() {
+        let (_, good) = exported(12);
+        let model = MoeModel::new(&tiny(), 2, DType::F32, &Device::Cpu).unwrap();
+        let dir = Path::new("hf-dir");
+        let with = |name: &str, t: Tensor| {
+            let mut m = good.clone();
+            m.insert(name.to_string(), t);
+            m
+        };
+        let mut inv_freq = good.clone();
+        inv_freq.insert("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Tensor::ones(4, DType::F32, &Device::Cpu).unwrap());
+        set_weights(&model, &inv_freq, dir).unwrap();
+        let q = "model.layers.0.self_attn.q_proj.weight";
+        let mut nan = good[q].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        nan[5] = f32::NAN;
+        let mut inf = nan.clone();
+        inf[5] = f32::INFINITY;
+        let as_q = |v: Vec<f32>| Tensor::from_vec(v, (16, 16), &Device::Cpu).unwrap();
+        let cases = [
+            (with(q, Tensor::zeros((16, 8), DType::F32, &Device::Cpu).unwrap()), format!("tensor {q} is [16, 8]")),
+            (with(q, Tensor::zeros(16, DType::F32, &Device::Cpu).unwrap()), format!("tensor {q} is [16]")),
+            (
+                with("model.layers.0.mlp.shared_expert.up_proj.weight", Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()),
+                "tensor model.layers.0.mlp.shared_expert.up_proj.weight has no place".into(),
+            ),
+            (with(q, as_q(nan)), format!("tensor {q} holds NaN (element 5 of 256)")),
+            (with(q, as_q(inf)), format!("tensor {q} holds inf (element 5")),
+        ];
+        for (tensors, want) in cases {
+            let e = set_weights(&model, &tensors, dir).unwrap_err().to_string();
+            assert!(e.contains(&want) && e.contains("hf-dir"), "want {want}: {e}");
+        }
+        let mut missing = good.clone();
+        missing.remove(q);
+        assert!(set_weights(&model, &missing, dir).unwrap_err().to_string().contains(&format!("missing tensor {q}")));
+        // The fused layout's stack of the wrong rank, or too few experts, names the fused tensor.
+        let mut fused_bad = good.clone();
+        for e in 0..4 {
+            for w in ["w1", "w3"] {
+                fused_bad.remove(&format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"));
+            }
+        }
+        fused_bad.insert("model.layers.0.mlp.experts.gate_up_proj".into(), Tensor::zeros((2, 16, 16), DType::F32, &Device::Cpu).unwrap());
+        let e = set_weights(&model, &fused_bad, dir).unwrap_err().to_string();
+        assert!(e.contains("tensor model.layers.0.mlp.experts.gate_up_proj") && e.contains("expert 2"), "{e}");
     }
 }

@@ -66,7 +66,8 @@ pub struct TrainConfig {
     pub lr: f64,
     pub min_lr: f64,
     pub warmup_steps: u64,
-    /// Clip the global gradient norm to this (None = no clipping).
+    /// Clip the global gradient norm to this (None = no clipping: `"off"` in a TOML file).
+    #[serde(deserialize_with = "crate::config::number_or_off")]
     pub grad_clip: Option<f64>,
     /// Seed of the weights and of the sampling order.
     pub seed: u64,
@@ -523,7 +524,7 @@ fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
     if ours.moe_every != cfg.moe_every {
         return Err(ModelError::config("moe_every", ours.moe_every, format!("the model in {} has {}", dir.display(), cfg.moe_every)));
     }
-    crate::hf::set_weights(model, &tensors, &dir.join(crate::hf::WEIGHTS_FILE))?;
+    crate::hf::set_weights(model, &tensors, dir)?;
     model.refresh_working_copies()
 }
 
@@ -536,7 +537,7 @@ pub fn load_model(dir: &Path, device: &Device) -> Result<(MoeModel, TrainConfig,
     if crate::hf::is_hf_dir(dir) {
         let (cfg, tensors) = crate::hf::load(dir)?;
         let model = MoeModel::new(&cfg, 0, DType::F32, device)?;
-        crate::hf::set_weights(&model, &tensors, &dir.join(crate::hf::WEIGHTS_FILE))?;
+        crate::hf::set_weights(&model, &tensors, dir)?;
         // Its tokenizer, when the directory has one beside the model.
         let tokenizer = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
         let seq_len = cfg.max_seq_len.min(TrainConfig::default().seq_len);

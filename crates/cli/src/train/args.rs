@@ -162,11 +162,15 @@ pub struct TrainArgs {
     /// No progress bar or per-step lines, only the summary.
     #[arg(long)]
     pub quiet: bool,
-    /// Held-out data (a text file, or token shards in --data-format) to evaluate the model on:
-    /// its loss and perplexity over windows taken in order, in the progress, the --json-log
-    /// and the summary (one process only, so far).
+    /// Held-out data to evaluate the model on (a text file, JSON lines or token shards; see
+    /// --eval-data-format): its loss and perplexity over windows taken in order, in the
+    /// progress, the --json-log and the summary.
     #[arg(long, value_name = "FILE")]
     pub eval_data: Option<String>,
+    /// Format of --eval-data: text, jsonl, u16 or u32 (default: jsonl for a .jsonl file, text
+    /// for a .txt file, else --data-format's).
+    #[arg(long, value_name = "FORMAT")]
+    pub eval_data_format: Option<String>,
     /// With --eval-data: evaluate every this many steps (default: at the end only).
     #[arg(long, value_name = "STEPS")]
     pub eval_every: Option<u64>,
@@ -359,8 +363,19 @@ impl TrainArgs {
                 bail!("{f} needs --workers N (it configures multi-worker training)");
             }
         }
+        if self.replay.is_none() {
+            for (flag, given) in [("--replay-scale", self.replay_scale.is_some()), ("--replay-notice", self.replay_notice)] {
+                if given {
+                    bail!("{flag} needs --replay SOURCE (it sets how the failure trace is replayed)");
+                }
+            }
+        }
         if self.eval_data.is_none() {
-            for (flag, given) in [("--eval-every", self.eval_every.is_some()), ("--eval-windows", self.eval_windows.is_some())] {
+            for (flag, given) in [
+                ("--eval-every", self.eval_every.is_some()),
+                ("--eval-windows", self.eval_windows.is_some()),
+                ("--eval-data-format", self.eval_data_format.is_some()),
+            ] {
                 if given {
                     bail!("{flag} needs --eval-data FILE (the held-out data it evaluates)");
                 }
@@ -382,10 +397,87 @@ impl TrainArgs {
     }
 }
 
-/// The settings where `a` differs from `b` (the keys of `a`, dotted), as `key = a (the
-/// checkpoint has b)`, leaving out `steps` and `checkpoint_dir` (a resumed run may change those).
-fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
-    fn differ(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+/// `cmd` with the default of every training setting in its help, for each subcommand that
+/// takes the training flags. The flags are options — given or not, so that a `--config` file's
+/// value stands where a flag is not given — and clap cannot show what they fall back to; the
+/// values are read from the one home of the defaults, `TrainConfig::default()`.
+pub fn show_defaults(cmd: clap::Command) -> clap::Command {
+    let defaults = training_defaults();
+    let mut cmd = cmd;
+    for sub in ["train", "controller"] {
+        cmd = cmd.mut_subcommand(sub, |c| with_defaults(c, &defaults));
+    }
+    cmd.mut_subcommand("bench", |b| b.mut_subcommand("train", |c| with_defaults(c, &defaults)))
+}
+
+/// `c` with `[default: …]` after the help of each flag of `defaults` it has, unless its help
+/// says its default already.
+pub fn with_defaults(mut c: clap::Command, defaults: &[(&'static str, String)]) -> clap::Command {
+    for (id, value) in defaults {
+        let Some(arg) = c.get_arguments().find(|a| a.get_id() == *id) else { continue };
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        if help.to_lowercase().contains("default") {
+            continue;
+        }
+        let help = if help.is_empty() { format!("[default: {value}]") } else { format!("{help} [default: {value}]") };
+        c = c.mut_arg(*id, |a| a.help(help));
+    }
+    c
+}
+
+/// Each training setting's flag (by its clap id, the field's name) with its default.
+pub fn training_defaults() -> Vec<(&'static str, String)> {
+    let c = TrainConfig::default();
+    let m = &c.model;
+    // Enums as their TOML spelling, `None` as off.
+    fn word(v: impl serde::Serialize) -> String {
+        match serde_json::to_value(v).unwrap_or_default() {
+            serde_json::Value::String(s) => s,
+            serde_json::Value::Null => "off".into(),
+            other => other.to_string(),
+        }
+    }
+    let synthetic = match c.data {
+        DataSource::Synthetic { bytes, .. } => bytes.to_string(),
+        _ => "0".into(),
+    };
+    vec![
+        ("steps", c.steps.to_string()),
+        ("batch_size", c.batch_size.to_string()),
+        ("seq_len", c.seq_len.to_string()),
+        ("lr", word(c.lr)),
+        ("min_lr", word(c.min_lr)),
+        ("warmup_steps", c.warmup_steps.to_string()),
+        ("grad_clip", word(c.grad_clip)),
+        ("seed", c.seed.to_string()),
+        ("checkpoint_every", format!("{} (only at the end)", c.checkpoint_every)),
+        ("keep_checkpoints", c.keep_checkpoints.to_string()),
+        ("d_model", m.d_model.to_string()),
+        ("layers", m.n_layers.to_string()),
+        ("heads", m.n_heads.to_string()),
+        ("experts", m.n_experts.to_string()),
+        ("top_k", m.top_k.to_string()),
+        ("d_ff", m.d_ff.to_string()),
+        ("moe_every", m.moe_every.to_string()),
+        ("shared_experts", m.shared_experts.to_string()),
+        ("norm", word(m.norm)),
+        ("positions", word(m.positions)),
+        ("expert_act", word(m.expert_act)),
+        ("attn_bias", m.attn_bias.to_string()),
+        ("ffn_bias", m.ffn_bias.to_string()),
+        ("aux_loss_coef", word(m.aux_loss_coef)),
+        ("capacity_factor", word(m.capacity_factor)),
+        ("data", "synthetic".into()),
+        ("data_format", "text".into()),
+        ("synthetic_bytes", synthetic),
+        ("dtype", word(c.dtype)),
+    ]
+}
+
+/// The settings where `a` differs from `b` (the keys of `a`, dotted), as `key = a (WHOSE has
+/// b)`, leaving out `steps` and `checkpoint_dir` (a resumed run may change those).
+fn differences(a: &serde_json::Value, b: &serde_json::Value, whose: &str) -> Vec<String> {
+    fn differ(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, whose: &str, out: &mut Vec<String>) {
         match (a.as_object(), b.as_object()) {
             (Some(x), Some(y)) => {
                 for (k, va) in x {
@@ -394,17 +486,17 @@ fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
                     }
                     let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
                     match y.get(k) {
-                        Some(vb) => differ(&key, va, vb, out),
+                        Some(vb) => differ(&key, va, vb, whose, out),
                         None => out.push(key),
                     }
                 }
             }
-            _ if a != b => out.push(format!("{prefix} = {a} (the checkpoint has {b})")),
+            _ if a != b => out.push(format!("{prefix} = {a} ({whose} has {b})")),
             _ => {}
         }
     }
     let mut out = Vec::new();
-    differ("", a, b, &mut out);
+    differ("", a, b, whose, &mut out);
     out
 }
 
@@ -446,12 +538,18 @@ pub fn resume_steps(args: &TrainArgs) -> Result<Option<u64>> {
 /// With `--resume`, a `--config` may only say what the checkpoint says (it is read for its
 /// `checkpoint_dir`, and `steps` may raise the total): any other setting would be ignored.
 pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<()> {
-    // Flags may repeat the run's settings, not change them.
+    check_unchanged(args, resumed, "--resume continues the checkpoint's run", "the checkpoint")
+}
+
+/// Refuse flags or a `--config` file that would change the settings of a run taken up again
+/// (`how` it is taken up, `whose` settings they are): flags may repeat them, not change them —
+/// a change would otherwise be ignored without a word.
+pub fn check_unchanged(args: &TrainArgs, resumed: &TrainConfig, how: &str, whose: &str) -> Result<()> {
     let mut flagged = resumed.clone();
     apply_flags(args, &mut flagged)?;
-    let changed = differences(&serde_json::to_value(&flagged)?, &serde_json::to_value(resumed)?);
+    let changed = differences(&serde_json::to_value(&flagged)?, &serde_json::to_value(resumed)?, whose);
     if !changed.is_empty() {
-        bail!("--resume continues the checkpoint's run with its own settings; the flags would change {}", changed.join(", "));
+        bail!("{how} with its own settings; the flags would change {}", changed.join(", "));
     }
     let Some(path) = &args.model.config else { return Ok(()) };
     let text = config_text(args, path)?;
@@ -459,13 +557,9 @@ pub fn check_resumed_config(args: &TrainArgs, resumed: &TrainConfig) -> Result<(
     // Only what the file itself says (its missing keys are defaults, not settings).
     let said: toml::Value = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
     let (a, b) = (serde_json::to_value(&said)?, serde_json::to_value(resumed)?);
-    let diffs = differences(&a, &b);
+    let diffs = differences(&a, &b, whose);
     if !diffs.is_empty() {
-        bail!(
-            "--resume continues the checkpoint's run with its own settings; --config {} would change {}",
-            path.display(),
-            diffs.join(", ")
-        );
+        bail!("{how} with its own settings; --config {} would change {}", path.display(), diffs.join(", "));
     }
     Ok(())
 }
@@ -554,10 +648,15 @@ fn lock_checkpoint_dir(dir: &Path) -> Result<()> {
 
 /// The configuration: defaults, then the TOML file, then flags.
 pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
+    // Where a rotary base was said, if anywhere: with learned positions it would do nothing.
+    let mut theta_said = args.model.rope_theta.map(|t| format!("--rope-theta {t}"));
     let mut c = match &args.model.config {
         Some(path) => {
             let mut table: toml::Table =
                 toml::from_str(&config_text(args, path)?).with_context(|| format!("invalid --config {}", path.display()))?;
+            if let Some(t) = table.get("model").and_then(|m| m.get("rope_theta")).filter(|_| theta_said.is_none()) {
+                theta_said = Some(format!("rope_theta = {t} in --config {}", path.display()));
+            }
             let preset = take_arch(&mut table).with_context(|| format!("invalid --config {}", path.display()))?;
             let mut c = table.try_into::<TrainConfig>().with_context(|| format!("invalid --config {}", path.display()))?;
             if let Some((arch, said)) = preset {
@@ -569,6 +668,9 @@ pub fn build_config(args: &TrainArgs) -> Result<TrainConfig> {
     };
     apply_flags(args, &mut c)?;
     apply_init_from(args, &mut c)?;
+    if let Some(said) = theta_said.filter(|_| c.model.positions != lazarus_model::config::Positions::Rope) {
+        bail!("{said}: the model's positions are learned, with no rotary base (--positions rope, or --arch mixtral, uses one)");
+    }
     size_vocabulary(args, &mut c)?;
     c.validate()?;
     Ok(c)
@@ -583,7 +685,11 @@ fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     }
     let Some(dir) = c.init_from.clone() else { return Ok(()) };
     if !lazarus_model::hf::is_hf_dir(&dir) {
-        bail!("invalid --init-from: {} holds no config.json beside a model.safetensors (a Hugging Face model directory)", dir.display());
+        bail!(
+            "invalid --init-from: {} holds no config.json beside a model.safetensors or {} (a Hugging Face model directory)",
+            dir.display(),
+            lazarus_model::hf::INDEX_FILE
+        );
     }
     let theirs = lazarus_model::hf::read_config(&dir).context("--init-from")?;
     let default = lazarus_model::ModelConfig::default();
@@ -613,6 +719,33 @@ fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     c.model = lazarus_model::ModelConfig { aux_loss_coef: c.model.aux_loss_coef, capacity_factor: c.model.capacity_factor, ..theirs };
     if args.model.seq_len.is_none() {
         c.seq_len = c.seq_len.min(c.model.max_seq_len);
+    }
+    adopt_model_tokenizer(c, &dir)
+}
+
+/// The tokenizer of the model in `dir` (its `tokenizer.json`) for text data when no other was
+/// given: the model's token ids are that tokenizer's, and reading its text as bytes would train
+/// it on other ids without a word. Without one, text data is refused unless the model's
+/// vocabulary is the bytes' own.
+fn adopt_model_tokenizer(c: &mut TrainConfig, dir: &Path) -> Result<()> {
+    if c.tokenizer.is_some() || matches!(c.data, DataSource::Shards { .. }) {
+        return Ok(());
+    }
+    let theirs = dir.join("tokenizer.json");
+    if theirs.is_file() {
+        tracing::info!("--init-from: the text is tokenized by the model's own {}", theirs.display());
+        c.tokenizer = Some(theirs);
+        return Ok(());
+    }
+    let bytes = lazarus_model::data::ByteTokenizer::VOCAB;
+    if c.model.vocab_size != bytes {
+        bail!(
+            "--init-from: the model in {} has a vocabulary of {} tokens but no tokenizer.json beside it, and {} is text: \
+             give --tokenizer FILE (the tokenizer the model was trained with), or token shards (--data-format u16|u32)",
+            dir.display(),
+            c.model.vocab_size,
+            c.data.describe()
+        );
     }
     Ok(())
 }
@@ -763,6 +896,21 @@ fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
     Ok(())
 }
 
+/// The format of `--eval-data`: `--eval-data-format`, else the file's own extension (`.jsonl`,
+/// `.txt`), else the training data's `--data-format` — held-out text beside JSON-lines training
+/// data is the common case, and forcing it into the training data's format failed.
+pub fn eval_data_format(args: &TrainArgs) -> Option<&str> {
+    if let Some(f) = args.eval_data_format.as_deref() {
+        return Some(f);
+    }
+    let path = args.eval_data.as_deref()?;
+    match Path::new(path).extension().and_then(|e| e.to_str()) {
+        Some("jsonl") => Some("jsonl"),
+        Some("txt") => Some("text"),
+        _ => args.model.data_format.as_deref(),
+    }
+}
+
 /// The data `--{flag} PATH` names (a text file, or comma-separated token shards) in `format`
 /// (`--data-format`: text, u16 or u32; default text).
 pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSource> {
@@ -777,7 +925,7 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
         "jsonl" => bail!("invalid --{flag}: '{path}' (a JSON-lines source is one file)"),
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
-        other => bail!("invalid --data-format: '{other}' (expected text, jsonl, u16 or u32)"),
+        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16 or u32)"),
     })
 }
 
@@ -921,6 +1069,108 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Settings that would do nothing are refused by name — a rotary base for learned
+    /// positions (flag or file), a replay's scale or notices without a replay, an evaluation
+    /// format without evaluation data — and held-out data takes its own format from its name
+    /// before the training data's.
+    #[test]
+    fn settings_that_would_do_nothing_are_refused_and_held_out_data_has_its_own_format() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let args = |extra: &[&str]| {
+            let mut argv = vec!["train"];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).unwrap().train
+        };
+        let refused = |extra: &[&str], want: &str| {
+            let a = args(extra);
+            let e = a.check_combinations().and_then(|_| build_config(&a).map(|_| ())).unwrap_err();
+            assert!(format!("{e:#}").contains(want), "{extra:?}: {e:#}");
+        };
+        refused(&["--rope-theta", "5000"], "--rope-theta 5000: the model's positions are learned");
+        refused(&["--replay-scale", "2", "--workers", "2"], "--replay-scale needs --replay SOURCE");
+        refused(&["--replay-notice", "--workers", "2"], "--replay-notice needs --replay SOURCE");
+        refused(&["--eval-data-format", "text"], "--eval-data-format needs --eval-data FILE");
+        assert_eq!(build_config(&args(&["--arch", "mixtral", "--rope-theta", "5000"])).unwrap().model.rope_theta, 5000.0);
+        let dir = std::env::temp_dir().join(format!("lazarus-theta-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("theta.toml");
+        std::fs::write(&file, "[model]\nrope_theta = 5000.0\n").unwrap();
+        refused(&["--config", file.to_str().unwrap()], "rope_theta = 5000.0 in --config");
+        std::fs::write(&file, "[model]\narch = \"mixtral\"\nrope_theta = 5000.0\n").unwrap();
+        assert_eq!(build_config(&args(&["--config", file.to_str().unwrap()])).unwrap().model.rope_theta, 5000.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+        for (extra, want) in [
+            (&["--data", "a.jsonl", "--data-format", "jsonl", "--eval-data", "held.txt"][..], Some("text")),
+            (&["--data", "a.txt", "--eval-data", "held.jsonl"], Some("jsonl")),
+            (&["--data", "a.bin", "--data-format", "u16", "--eval-data", "held.bin"], Some("u16")),
+            (&["--data", "a.jsonl", "--data-format", "jsonl", "--eval-data", "held.txt", "--eval-data-format", "jsonl"], Some("jsonl")),
+            (&["--eval-data", "held"], None),
+        ] {
+            assert_eq!(eval_data_format(&args(extra)), want, "{extra:?}");
+        }
+        let e = data_file("eval-data", "held", Some("csv")).unwrap_err().to_string();
+        assert!(e.contains("invalid --eval-data-format: 'csv'"), "{e}");
+    }
+
+    /// `--help` tells every setting's default: the training settings' from `TrainConfig`, the
+    /// others in their own words; a flag without one is one that names a file or turns
+    /// something on.
+    #[test]
+    fn every_training_flag_says_its_default() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let cmd = with_defaults(Cli::command(), &training_defaults());
+        // Flags whose absence is their default: a file or place not given, a thing not done.
+        let none = [
+            "config",
+            "checkpoint_dir",
+            "init_from",
+            "json_log",
+            "eval_data",
+            "eval_data_format",
+            "eval_every",
+            "eval_windows",
+            "workers",
+            "replay",
+            "replay_scale",
+            "metrics_listen",
+            "metrics_token_file",
+            "routing_trace",
+            "tokenizer",
+            "placement_file",
+            "arch",
+            "status_listen",
+            "profile_steps",
+            "shard_sequences",
+            "snapshot_ceiling",
+        ];
+        let mut missing = Vec::new();
+        for a in cmd.get_arguments() {
+            let takes_value = a.get_num_args().is_some_and(|n| n.takes_values()) && !matches!(a.get_action(), clap::ArgAction::SetTrue);
+            if !takes_value || none.contains(&a.get_id().as_str()) || !a.get_default_values().is_empty() {
+                continue;
+            }
+            let help = a.get_help().map(|h| h.to_string()).unwrap_or_default().to_lowercase();
+            if !help.contains("default") {
+                missing.push(a.get_id().to_string());
+            }
+        }
+        assert!(missing.is_empty(), "flags whose help does not say their default: {missing:?}");
+        let lr = cmd.get_arguments().find(|a| a.get_id() == "lr").unwrap().get_help().unwrap().to_string();
+        assert!(lr.ends_with("[default: 0.002]"), "{lr}");
+        let norm = cmd.get_arguments().find(|a| a.get_id() == "norm").unwrap().get_help().unwrap().to_string();
+        assert!(norm.ends_with("[default: layer]"), "{norm}");
+    }
+
     #[test]
     fn the_sample_config_parses() {
         let c: TrainConfig = toml::from_str(CONFIG).unwrap();
@@ -963,7 +1213,7 @@ mod tests {
             (c.model.n_experts, c.model.n_layers, c.model.n_heads) = (1 << experts, 1 << layers, 1);
             (c.batch_size, c.seq_len) = (1 << batch, 16 << seq);
             let need = c.memory_estimate().saturating_mul(copies);
-            let have = lazarus_control::launcher::physical_memory();
+            let have = lazarus_control::launcher::memory_available().map(|(b, _)| b);
             match check_fits(&c, copies) {
                 Ok(()) => prop_assert!(have.is_none_or(|h| need <= h as u128)),
                 Err(e) => {

@@ -56,7 +56,8 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         }
         if let Some(dir) = &cfg.checkpoint_dir {
             if cfg.checkpoint_every > 0 && r.step % cfg.checkpoint_every == 0 && r.step != cfg.steps {
-                trainer.save_checkpoint(dir)?;
+                let path = trainer.save_checkpoint(dir)?;
+                reporter.checkpointed(r.step, &path);
             }
         }
         if let Some((sig, name)) = stop_signal::requested() {
@@ -79,7 +80,7 @@ const EVAL_WINDOWS: usize = 64;
 /// The held-out data of `--eval-data`, and when to evaluate on it.
 pub(super) fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
     let Some(path) = &args.eval_data else { return Ok(None) };
-    let source = args::data_file("eval-data", path, args.model.data_format.as_deref())?;
+    let source = args::data_file("eval-data", path, args::eval_data_format(args))?;
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(cfg.tokenizer.as_deref()).context("--tokenizer")?;
     let mut tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
     let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);

@@ -268,3 +268,25 @@ pub fn assert_same_losses(got: &[(u64, f64)], want: &[f64], what: &str) {
         assert!((a - b).abs() <= 1e-4 * b.abs(), "{what}: step {s} loss {a} vs uninterrupted {b}");
     }
 }
+
+/// The tensors of the safetensors file at `path` split into `parts` files' contents (their
+/// names and bytes), the names sorted — a sharded checkpoint, as transformers writes past a
+/// size.
+#[allow(dead_code)]
+pub fn safetensors_split(path: &std::path::Path, parts: usize) -> (Vec<Vec<String>>, Vec<Vec<u8>>) {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = file.names().into_iter().map(String::from).collect();
+    names.sort();
+    let chunk = names.len().div_ceil(parts);
+    let groups: Vec<Vec<String>> = names.chunks(chunk).map(|c| c.to_vec()).collect();
+    let contents = groups
+        .iter()
+        .map(|group| {
+            let views: Vec<(String, safetensors::tensor::TensorView)> =
+                group.iter().map(|n| (n.clone(), file.tensor(n).unwrap())).collect();
+            safetensors::serialize(views, None).unwrap()
+        })
+        .collect();
+    (groups, contents)
+}

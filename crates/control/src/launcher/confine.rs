@@ -144,6 +144,102 @@ pub(crate) fn pin(cmd: &mut Command, cores: Vec<usize>) {
     let _ = (cmd, cores);
 }
 
+/// What bounds the memory a run may take: the machine's, or a limit set on this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryBound {
+    /// Physical memory.
+    Machine,
+    /// `RLIMIT_AS` (`ulimit -v`, a batch system's virtual-memory limit).
+    AddressSpace,
+    /// The cgroup's `memory.max` (or v1 `memory.limit_in_bytes`): a container's or a Slurm
+    /// job's limit, which kills the process past it.
+    Cgroup,
+}
+
+impl MemoryBound {
+    /// Who allows how much, as an error says it: "… needs 3.1 GiB and {this} 2.0 GiB".
+    pub fn says(self) -> &'static str {
+        match self {
+            MemoryBound::Machine => "this machine has",
+            MemoryBound::AddressSpace => "the address-space limit (RLIMIT_AS, ulimit -v) allows",
+            MemoryBound::Cgroup => "the cgroup's memory limit (memory.max: a container's or a job's) allows",
+        }
+    }
+}
+
+/// The memory this process may use in bytes, and what bounds it: the least of the machine's
+/// physical memory, the address-space limit and the cgroup's limit (of its cgroup and every
+/// cgroup above it). None when none of them can be read.
+pub fn memory_available() -> Option<(u64, MemoryBound)> {
+    tightest([
+        (physical_memory(), MemoryBound::Machine),
+        (address_space_limit(), MemoryBound::AddressSpace),
+        (cgroup_memory_limit(), MemoryBound::Cgroup),
+    ])
+}
+
+/// The least of the bounds known.
+fn tightest(bounds: impl IntoIterator<Item = (Option<u64>, MemoryBound)>) -> Option<(u64, MemoryBound)> {
+    bounds.into_iter().filter_map(|(b, kind)| b.map(|b| (b, kind))).min_by_key(|&(b, _)| b)
+}
+
+/// `RLIMIT_AS`'s soft limit, unless unlimited.
+fn address_space_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes the struct it is given.
+        if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY {
+            return Some(r.rlim_cur);
+        }
+    }
+    None
+}
+
+/// The tightest memory limit of this process's cgroup and the cgroups above it (cgroup v2),
+/// else cgroup v1's.
+fn cgroup_memory_limit() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|t| parse_memory_limit(&t));
+    match cgroup_v2_path(&own) {
+        Some(path) => cgroup_ancestors(&path).iter().filter_map(|dir| read(&format!("/sys/fs/cgroup{dir}/memory.max"))).min(),
+        None => read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    }
+}
+
+/// The cgroup v2 path in `/proc/self/cgroup`'s text (its `0::/path` line).
+fn cgroup_v2_path(text: &str) -> Option<String> {
+    text.lines().find_map(|l| l.strip_prefix("0::")).map(|p| p.trim().to_string())
+}
+
+/// `path` and each cgroup above it, up to the root (`""`): `/a/b` gives `/a/b`, `/a`, ``.
+fn cgroup_ancestors(path: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut p = path.trim_end_matches('/').to_string();
+    loop {
+        out.push(p.clone());
+        match p.rfind('/') {
+            Some(i) => p.truncate(i),
+            None => break,
+        }
+        if p.is_empty() {
+            out.push(String::new());
+            break;
+        }
+    }
+    out.dedup();
+    out
+}
+
+/// A limit file's bytes: `max` (v2) or v1's "unlimited" (near 2^63) is no limit.
+fn parse_memory_limit(text: &str) -> Option<u64> {
+    let t = text.trim();
+    if t == "max" {
+        return None;
+    }
+    t.parse::<u64>().ok().filter(|&v| v < 1 << 60)
+}
+
 /// Physical memory of this machine in bytes (Linux and other Unixes with `_SC_PHYS_PAGES`).
 pub fn physical_memory() -> Option<u64> {
     #[cfg(unix)]
@@ -155,4 +251,32 @@ pub fn physical_memory() -> Option<u64> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::*;
+
+    /// The tightest known bound wins; unreadable ones are left out; a limit file's "max" or
+    /// v1's huge "unlimited" is none; the cgroup path and its ancestors are read from
+    /// /proc/self/cgroup's v2 line.
+    #[test]
+    fn the_tightest_memory_bound_is_the_one_named() {
+        use MemoryBound::*;
+        let gib = 1u64 << 30;
+        assert_eq!(tightest([(Some(24 * gib), Machine), (Some(2 * gib), AddressSpace), (None, Cgroup)]), Some((2 * gib, AddressSpace)));
+        assert_eq!(tightest([(Some(24 * gib), Machine), (None, AddressSpace), (Some(8 * gib), Cgroup)]), Some((8 * gib, Cgroup)));
+        assert_eq!(tightest([(None, Machine), (None, AddressSpace), (None, Cgroup)]), None);
+        assert_eq!(parse_memory_limit("max\n"), None);
+        assert_eq!(parse_memory_limit("9223372036854771712\n"), None);
+        assert_eq!(parse_memory_limit("2147483648\n"), Some(2 * gib));
+        assert_eq!(parse_memory_limit("garbage"), None);
+        assert_eq!(cgroup_v2_path("12:memory:/x\n0::/user.slice/job-7\n").as_deref(), Some("/user.slice/job-7"));
+        assert_eq!(cgroup_v2_path("4:memory:/docker/abc\n"), None);
+        assert_eq!(cgroup_ancestors("/user.slice/job-7"), vec!["/user.slice/job-7".to_string(), "/user.slice".into(), String::new()]);
+        assert_eq!(cgroup_ancestors("/"), vec![String::new()]);
+        // What this process sees is one of them, no more than the machine.
+        let (b, _) = memory_available().expect("a Linux machine says its memory");
+        assert!(b <= physical_memory().unwrap());
+    }
 }

@@ -9,7 +9,7 @@
 
 mod confine;
 
-pub use confine::{allowed_cpus, physical_memory, Confinement, QuotaGroups};
+pub use confine::{allowed_cpus, memory_available, physical_memory, Confinement, MemoryBound, QuotaGroups};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
