@@ -369,7 +369,28 @@ fn check(args: &ControllerBenchArgs) -> Result<()> {
     if args.threads == 0 || args.threads > 256 {
         bail!("invalid --threads: {} (expected 1 to 256)", args.threads);
     }
+    // The rebalance phase waits for the weighing, --rebalance-every steps of --step seconds
+    // away: bounded, as every phase is.
+    let wait = rebalance_wait(args);
+    if wait > MOST_PHASE {
+        bail!(
+            "invalid --rebalance-every: {} (at --step {} s its phase could take {:.0} s; at most {:.0} s: lower it or --step)",
+            args.rebalance_every,
+            args.step,
+            wait.as_secs_f64(),
+            MOST_PHASE.as_secs_f64()
+        );
+    }
     Ok(())
+}
+
+/// Longest a phase of the benchmark may wait.
+const MOST_PHASE: Duration = Duration::from_secs(3600);
+
+/// How long the rebalance phase waits for its weighing: it comes `--rebalance-every` steps after
+/// the last move and after a weighing, with room for the machine's pace.
+fn rebalance_wait(args: &ControllerBenchArgs) -> Duration {
+    Duration::from_secs_f64((2 * args.rebalance_every.min(1 << 40) + 30) as f64 * args.step + 60.0)
 }
 
 fn say(args: &ControllerBenchArgs, line: &str) {
@@ -656,7 +677,7 @@ fn measure_rebalance(fleet: &mut SyntheticFleet, dir: &Path, args: &ControllerBe
     let (t0, traffic0) = (Instant::now(), fleet.traffic());
     fleet.drift();
     // The weighing comes `--rebalance-every` steps after the last move (and after a weighing).
-    let within = Duration::from_secs_f64((2 * args.rebalance_every + 30) as f64 * args.step + 60.0);
+    let within = rebalance_wait(args);
     let until = Instant::now() + within;
     while events().len() <= before {
         if Instant::now() > until {

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use lazarus_control::controller::words::id_list;
 use lazarus_control::service::query;
 use lazarus_control::tls::{ClientTls, Pin};
 use lazarus_plan::ModelPlan;
@@ -72,29 +73,30 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
         return crate::io::println(&v.to_string());
     }
     let mut out = String::new();
-    let _ = writeln!(out, "job        {} (epoch {}, {} reconfiguration(s))", s.job_id, s.epoch, s.reconfigurations);
+    let moves = if s.reconfigurations == 1 { "1 move".to_string() } else { format!("{} moves", s.reconfigurations) };
+    let _ = writeln!(out, "job        {} (epoch {}: {moves} since it started)", s.job_id, s.epoch);
     let _ = writeln!(out, "phase      {} at step {}", s.phase, s.step);
-    let _ = writeln!(out, "checkpoint {}", s.last_checkpoint.map_or("none yet".to_string(), |c| format!("step {c}")));
-    let alive = s.members.iter().filter(|m| m.alive).count();
-    let starting = s.members.iter().filter(|m| m.state == "starting").count();
-    let starting = if starting > 0 { format!(", {starting} starting") } else { String::new() };
-    let _ = writeln!(out, "members    {alive} alive of {}{starting} (lease {} s)", s.members.len(), s.lease_s);
+    let _ = writeln!(
+        out,
+        "checkpoint {}",
+        s.last_checkpoint
+            .map_or("none written yet (a failure that needs one would go back to the start)".to_string(), |c| format!("step {c}"))
+    );
+    let _ = writeln!(out, "workers    {} (lease {} s)", member_counts(&s.members), s.lease_s);
     for m in &s.members {
         let rank = m.rank.map_or("-".to_string(), |r| r.to_string());
-        let state = match m.state.as_str() {
-            "starting" => "starting: not heard from yet".to_string(),
-            "drained" => "drained: left after its node's notice".to_string(),
-            "lost" | "" if !m.alive => "lost".to_string(),
-            "standby" => format!("standing by to join, heard {:.2} s ago", m.silent_s),
-            "leaving" => format!("leaving on notice, heard {:.2} s ago", m.silent_s),
-            _ => format!("alive, heard {:.2} s ago", m.silent_s),
-        };
-        let _ = writeln!(out, "  worker {:>3}  rank {:>3}  epoch {:>3}  {state}", m.node, rank, m.epoch);
+        let _ = writeln!(out, "  worker {:>3}  rank {:>3}  epoch {:>3}  {}", m.node, rank, m.epoch, member_state(m));
     }
     if let Ok(plan) = ModelPlan::from_json(&s.plan_json) {
+        let _ = writeln!(out, "plan       the experts each rank holds, layer by layer");
         for (l, layer) in plan.layers().iter().enumerate() {
-            let nodes: Vec<String> = layer.nodes().iter().enumerate().map(|(n, e)| format!("r{n}{e:?}")).collect();
-            let _ = writeln!(out, "plan L{l:<3}  {}", nodes.join(" "));
+            let ranks: Vec<String> = layer
+                .nodes()
+                .iter()
+                .enumerate()
+                .map(|(r, experts)| format!("rank {r}: {}", id_list(experts.iter().map(|&e| e as u64))))
+                .collect();
+            let _ = writeln!(out, "  L{l:<3}  {}", ranks.join("  ·  "));
         }
     }
     if !s.recent.is_empty() {
@@ -104,4 +106,71 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
         }
     }
     crate::io::print(&out)
+}
+
+/// What a member is doing, as its line says it.
+fn member_state(m: &lazarus_control::proto::Member) -> String {
+    match m.state.as_str() {
+        "starting" => "starting: not heard from yet".to_string(),
+        "drained" => "left after its node's notice".to_string(),
+        "lost" => "lost".to_string(),
+        "standby" => format!("standing by to join, heard {:.2} s ago", m.silent_s),
+        "leaving" => format!("leaving on notice, heard {:.2} s ago", m.silent_s),
+        _ if !m.alive => "lost".to_string(),
+        _ => format!("training, heard {:.2} s ago", m.silent_s),
+    }
+}
+
+/// The members by what they do: `4 training, 2 standing by to join, 1 lost` — a worker
+/// standing by is not counted among the lost.
+fn member_counts(members: &[lazarus_control::proto::Member]) -> String {
+    let mut counts: Vec<(&str, usize)> = Vec::new();
+    for m in members {
+        let what = match m.state.as_str() {
+            "starting" => "starting",
+            "drained" => "left on notice",
+            "standby" => "standing by to join",
+            "leaving" => "leaving on notice",
+            "lost" => "lost",
+            _ if !m.alive => "lost",
+            _ => "training",
+        };
+        match counts.iter_mut().find(|(w, _)| *w == what) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((what, 1)),
+        }
+    }
+    let order = ["training", "starting", "standing by to join", "leaving on notice", "left on notice", "lost"];
+    counts.sort_by_key(|(w, _)| order.iter().position(|o| o == w));
+    if counts.is_empty() {
+        return "none".into();
+    }
+    counts.iter().map(|(w, n)| format!("{n} {w}")).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(node: u64, state: &str, alive: bool) -> lazarus_control::proto::Member {
+        lazarus_control::proto::Member { node, alive, rank: None, silent_s: 0.5, epoch: 0, state: state.into() }
+    }
+
+    /// Standbys and leavers are counted as what they are, not as dead; a member not alive
+    /// whatever its state says is lost.
+    #[test]
+    fn members_are_counted_by_what_they_do() {
+        let ms = [
+            member(0, "member", true),
+            member(1, "member", true),
+            member(4, "standby", false),
+            member(5, "standby", false),
+            member(2, "member", false),
+            member(3, "lost", false),
+        ];
+        assert_eq!(member_counts(&ms), "2 training, 2 standing by to join, 2 lost");
+        assert_eq!(member_state(&ms[2]), "standing by to join, heard 0.50 s ago");
+        assert_eq!(member_state(&ms[4]), "lost");
+        assert_eq!(member_counts(&[]), "none");
+    }
 }

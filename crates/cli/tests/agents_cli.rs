@@ -80,7 +80,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     // Before any agent attached, its workers are expected, not alive.
     let out = lazarus(&["status", "--controller", &addr, "--secret-file", &secret_s]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("members    0 alive of 4, 4 starting"), "{text}");
+    assert!(out.status.success() && text.contains("workers    4 starting (lease"), "{text}");
     assert!(text.contains("starting: not heard from yet") && !text.contains("heard 0.00 s ago"), "{text}");
     // The secret file is the controller's, readable by its owner only.
     use std::os::unix::fs::PermissionsExt;
@@ -132,6 +132,29 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
 
 /// An agent facing a port that accepts connections but never answers (not a controller, or one
 /// that is stuck) gives up after `--connect-timeout`, saying so, instead of waiting forever.
+/// SIGTERM to a controller still waiting for its agents (`--wait-agents 600`) ends it at once,
+/// saying nothing was trained, with the status of a process the signal ended — not after the
+/// wait.
+#[test]
+fn a_controller_waiting_for_agents_stops_at_sigterm() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = dir("agents-wait-sigterm");
+    let secret = d.join("secret");
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", secret.to_str().unwrap(), "--workers", "2", "--wait-agents", "600"];
+    args.extend(tiny());
+    let (mut controller, lines, _) = start_controller(&args, None);
+    signal(controller.id() as i32, libc::SIGTERM);
+    let (status, text) = wait::exit(&mut controller, &lines, "the controller told to stop", Duration::from_secs(30));
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status:?}: {}", wait::tail(&text));
+    assert!(status.signal().is_none());
+    assert!(
+        text.iter().any(|l| l.contains("SIGTERM while waiting for agents (0 of the job's 2 workers attached)")),
+        "{}",
+        wait::tail(&text)
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn an_agent_facing_a_silent_port_gives_up_after_its_connect_timeout() {
     let d = dir("agents-silent");
@@ -373,7 +396,7 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     assert_eq!(records.len(), 3, "{records:?}");
     assert_eq!((records[2]["cause"].as_str(), records[2]["workers"].as_u64()), (Some("join"), Some(4)), "{}", records[2]);
     assert_eq!(records[2]["joined"], serde_json::json!([4, 5]));
-    assert!(text.iter().any(|l| l.starts_with("joined: epoch 3, worker(s) 4,5 taken in")), "{}", text.join("\n"));
+    assert!(text.iter().any(|l| l.starts_with("joined: epoch 3, worker(s) 4, 5 taken in")), "{}", text.join("\n"));
     assert_same_losses(&steps_seen, &want, "joins, a node lost, a node joining again");
     assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data, none lost or repeated");
     let more = d.join("more.jsonl");
@@ -588,6 +611,26 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
             l.contains("wait up to")
         });
     }
+    // A controller that would change the job (its learning rate, its steps, the workers it was
+    // started with), or start a new job over its saved state, is refused by name before it
+    // listens: the job waits on, untouched.
+    let refused = |args: Vec<String>, want: &[&str]| {
+        let mut a = vec!["controller".to_string()];
+        a.extend(args);
+        let out = lazarus(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && want.iter().all(|w| err.contains(w)), "{want:?}: {err}");
+    };
+    let with = |extra: &[&str]| job(&listen, true).into_iter().chain(extra.iter().map(|s| s.to_string())).collect::<Vec<_>>();
+    refused(with(&["--lr", "0.5"]), &["--resume-job takes job", "lr = 0.5 (the job has 0.002)"]);
+    let mut more_steps = job(&listen, true);
+    let at = more_steps.iter().position(|a| a == "80").unwrap();
+    more_steps[at] = "90".into();
+    refused(more_steps, &["--steps 90 would change steps (the job has 80)"]);
+    let mut two = job(&listen, true);
+    two[5] = "2".into(); // --workers 2
+    refused(two, &["--workers 2 would change the workers it was started with (4; it has 4 now)"]);
+    refused(job(&listen, false), &["holds the state of job", "--resume-job takes it back"]);
     std::thread::sleep(Duration::from_secs(2).saturating_sub(lost_at.elapsed()));
     assert!(workers.iter().all(|&w| alive(w)), "the workers wait for a controller");
     assert!(agents.iter_mut().all(|(c, _)| c.try_wait().unwrap().is_none()), "the agents wait for a controller");
@@ -929,6 +972,10 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_a_join_and_a_re
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--nodes"));
     let bad = lazarus(&["bench", "controller", "--nodes", "1025", "--gpus-per-node", "16"]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("16384"), "{}", String::from_utf8_lossy(&bad.stderr));
+    // A rebalance phase that would wait for days is refused before anything starts.
+    let bad = lazarus(&["bench", "controller", "--rebalance-every", "100000"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && err.contains("invalid --rebalance-every: 100000") && err.contains("at most 3600 s"), "{err}");
 }
 
 /// An agent whose workers could not listen where it says they will (an address this node does

@@ -64,7 +64,7 @@ fn with_the_operators_certificates_only_clients_its_ca_signed_get_in() {
     // The CA's client: answered.
     let out = status(&["--tls-ca", &ca, "--tls-cert", agent_cert, "--tls-key", agent_key]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("members    0 alive of 2, 2 starting"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("workers    2 starting (lease"));
     // Without a certificate, with another CA's, or pinning the secret's key: refused.
     for (extra, why) in [
         (vec!["--tls-ca", &ca], "takes only those its CA signed"),

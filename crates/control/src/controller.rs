@@ -2,6 +2,8 @@
 //! and time) over the workers' own record of a committed step: the types the controller
 //! process's loop feeds and reads.
 
+/// Lists of ids as people read them (`0, 2, 4–9`).
+pub use lazarus_controller::words;
 pub use lazarus_controller::{
     BadJobState, JobSpec, JobState, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, OnLoss, RankTransfer, RebalanceCase,
     RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, StepRecord, Weighed, Weighing,

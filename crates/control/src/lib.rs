@@ -37,6 +37,7 @@ pub mod service;
 pub mod step_profile;
 pub mod stop_signal;
 pub mod tls;
+pub mod when;
 pub mod worker_process;
 
 pub use control_loop::{

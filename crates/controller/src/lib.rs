@@ -30,6 +30,7 @@ mod rendezvous;
 mod resume;
 #[cfg(test)]
 mod tests;
+pub mod words;
 
 pub use membership::MemberState;
 pub use messages::{Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReport};
@@ -196,6 +197,13 @@ impl<S: StepRecord> Controller<S> {
     pub fn new(spec: JobSpec, plan: ModelPlan, nodes: Vec<NodeId>, now: Instant) -> Self {
         let epoch = plan.epoch();
         Self::with_plan(spec, Some(plan), epoch, nodes, now)
+    }
+
+    /// The job starts from the checkpoint of `step` (a resumed run): until it writes one of its
+    /// own, that is the last checkpoint — what a rollback goes back to and the status shows.
+    pub fn with_checkpoint(mut self, step: Option<u64>) -> Self {
+        self.checkpoint = step;
+        self
     }
 
     /// A job without a placement (static expert parallelism, a benchmark) starting at `epoch`:

@@ -145,7 +145,11 @@ impl<S: StepRecord> Controller<S> {
         let nodes: BTreeSet<u64> = workers.iter().filter(|w| self.alive.contains(w)).map(|&w| self.node(w)).collect();
         let all: Vec<NodeId> = self.alive.iter().copied().filter(|&w| nodes.contains(&self.node(w))).collect();
         if !all.is_empty() {
-            self.note(format!("epoch {}: workers {all:?} leave on notice ({reason})", self.job_epoch(self.epoch)));
+            self.note(format!(
+                "epoch {}: workers {} leave on notice ({reason})",
+                self.job_epoch(self.epoch),
+                crate::words::id_list(all.iter().copied())
+            ));
             self.draining.extend(all);
         }
     }
@@ -165,7 +169,11 @@ impl<S: StepRecord> Controller<S> {
             self.node_epoch.insert(w, self.epoch);
             self.standby.insert(w, now);
         }
-        self.note(format!("epoch {}: node {node} joined with workers {fresh:?}; taken in at a step boundary", self.job_epoch(self.epoch)));
+        self.note(format!(
+            "epoch {}: node {node} joined with workers {}; taken in at a step boundary",
+            self.job_epoch(self.epoch),
+            crate::words::id_list(fresh.iter().copied())
+        ));
     }
 
     /// How long `node` may be silent: its lease — or, for a member of the job's start before
@@ -240,7 +248,11 @@ impl<S: StepRecord> Controller<S> {
     /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
     pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command<S>>) {
         if self.may_move_itself() && self.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
-            self.note(format!("epoch {}: pause to move off workers {:?}", self.job_epoch(self.epoch), self.draining));
+            self.note(format!(
+                "epoch {}: pause to move off workers {}",
+                self.job_epoch(self.epoch),
+                crate::words::id_list(self.draining.iter().copied())
+            ));
             self.pause(MoveCause::Drain, out);
         }
     }
@@ -249,9 +261,9 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn pause_for_joiners(&mut self, now: Instant, out: &mut Vec<Command<S>>) {
         if self.may_move_itself() && self.join_due().is_some_and(|due| now >= due) {
             self.note(format!(
-                "epoch {}: pause to take in workers {:?}",
+                "epoch {}: pause to take in workers {}",
                 self.job_epoch(self.epoch),
-                self.standby.keys().collect::<Vec<_>>()
+                crate::words::id_list(self.standby.keys().copied())
             ));
             self.pause(MoveCause::Join, out);
         }
@@ -265,7 +277,7 @@ impl<S: StepRecord> Controller<S> {
         self.draining.remove(&node);
         self.planned = None;
         self.rebalance_to = None;
-        self.note(format!("epoch {}: node {node} lost: {why}", self.job_epoch(self.epoch)));
+        self.note(format!("epoch {}: worker {node} lost: {why}", self.job_epoch(self.epoch)));
         if !self.recovers() {
             return self.begin_ending(node, why);
         }

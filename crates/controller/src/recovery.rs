@@ -43,7 +43,7 @@ impl<S: StepRecord> Controller<S> {
             return self.lose(node, &format!("stopped at step {}", report.steps_done));
         }
         if !matches!(self.phase, Phase::Collecting { .. }) {
-            self.note(format!("epoch {}: node {node} stopped at step {}", self.job_epoch(epoch), report.steps_done));
+            self.note(format!("epoch {}: worker {node} stopped at step {}", self.job_epoch(epoch), report.steps_done));
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
         }
         let report = self.sanitized(report);

@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 
+use lazarus_control::controller::words::id_list;
 use lazarus_control::controller::{MoveCause, RebalanceVerdict};
 use lazarus_control::TrainEvent;
 
@@ -57,7 +58,10 @@ impl JobView {
                 tracing::warn!("worker {worker}: {why}");
                 Ok(())
             }
-            TrainEvent::Checkpointed { .. } => Ok(()),
+            TrainEvent::Checkpointed { step, path } => {
+                self.reporter.checkpointed(step, &path);
+                Ok(())
+            }
             TrainEvent::Evaluated { step, evaluation } => self.reporter.eval(step, &evaluation, self.seq_len),
             TrainEvent::Metrics { addr } => {
                 tracing::info!("metrics for Prometheus: http://{addr}/metrics");
@@ -105,14 +109,18 @@ impl JobView {
             }
             TrainEvent::Leaving { workers, reason } => {
                 self.reporter.pause();
-                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-                tracing::info!("workers {} leave on notice ({reason}): moving the job off them at the next step boundary", ids.join(","));
+                tracing::info!(
+                    "workers {} leave on notice ({reason}): moving the job off them at the next step boundary",
+                    id_list(workers.iter().map(|&w| w as u64))
+                );
                 Ok(())
             }
             TrainEvent::WorkersJoined { workers } => {
                 self.reporter.pause();
-                let ids: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-                tracing::info!("workers {} joined: standing by to be taken in at a step boundary", ids.join(","));
+                tracing::info!(
+                    "workers {} joined: standing by to be taken in at a step boundary",
+                    id_list(workers.iter().map(|&w| w as u64))
+                );
                 Ok(())
             }
             TrainEvent::AgentJoined { agent, host, peer, gpus, pid, attached, world } => {
@@ -123,8 +131,9 @@ impl JobView {
             }
             TrainEvent::Reconfigured(r) => {
                 self.reporter.pause();
+                self.reporter.moved(&r);
                 self.figures.moves.push(r.clone());
-                let list = |ws: &[u64]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(",");
+                let list = |ws: &[u64]| id_list(ws.iter().copied());
                 let who = match (r.lost.is_empty(), r.joined.is_empty()) {
                     (false, true) if r.cause == MoveCause::Drain => format!("worker(s) {} left", list(&r.lost)),
                     (false, true) => format!("worker(s) {} lost", list(&r.lost)),

@@ -12,6 +12,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
 use serde::Serialize;
 
+use lazarus_control::controller::MoveCause;
+
 use super::args::TrainArgs;
 
 #[derive(Serialize)]
@@ -82,6 +84,20 @@ pub struct Reporter {
     moe_wire: Option<(u64, u64)>,
     /// The last evaluation on held-out data, and its step.
     eval: Option<(u64, lazarus_model::eval::Evaluation)>,
+    /// Runs on workers: the job's moves, for the summary (None for one process).
+    moves: Option<Vec<Moved>>,
+}
+
+/// One move of a job on workers, as the summary counts it.
+#[derive(Debug, Clone, Copy)]
+struct Moved {
+    cause: MoveCause,
+    /// Workers lost in it (not those that left on notice).
+    lost: usize,
+    /// From the fault's detection (or the move's start) to training again.
+    recovery_s: f64,
+    /// Experts brought back from snapshots instead of a rollback.
+    restored: usize,
 }
 
 /// What a run's snapshots cost, summed over its steps.
@@ -162,6 +178,7 @@ impl Reporter {
             snapshots: None,
             moe_wire: None,
             eval: None,
+            moves: args.uses_workers().then(Vec::new),
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
         // step is logged once.
@@ -236,7 +253,13 @@ impl Reporter {
                 b.set_message(msg);
             }
             None if !self.quiet && (r.step.is_multiple_of(self.every) || r.step == self.total_steps) => {
-                tracing::info!("step {:>6}/{}  {msg}", r.step, self.total_steps);
+                let elapsed = self.start.elapsed().as_secs_f64();
+                tracing::info!(
+                    "step {:>6}/{}  {msg}  [{}]",
+                    r.step,
+                    self.total_steps,
+                    timing(elapsed, r.step.saturating_sub(self.first_step), self.total_steps.saturating_sub(r.step))
+                );
             }
             None => {}
         }
@@ -254,6 +277,25 @@ impl Reporter {
                 .with_context(|| format!("--json-log: cannot write to {}", path.display()))?;
         }
         Ok(())
+    }
+
+    /// A checkpoint written after `step`: a line (the progress bar's, or a log line), so a
+    /// user reading piped output knows what a crash would keep.
+    pub fn checkpointed(&self, step: u64, path: &std::path::Path) {
+        let line = format!("checkpoint at step {step}: {}", path.display());
+        match &self.bar {
+            Some(b) => b.println(line),
+            None if !self.quiet => tracing::info!("{line}"),
+            None => {}
+        }
+    }
+
+    /// A move of the job on workers (a recovery, a join, a drain, a rebalance, a rollback),
+    /// counted for the summary.
+    pub fn moved(&mut self, r: &lazarus_control::control_loop::ReconfigurationRecord) {
+        let lost = if r.cause == MoveCause::Drain { 0 } else { r.lost.len() };
+        let m = Moved { cause: r.cause, lost, recovery_s: r.recovery_s, restored: r.restored.len() };
+        self.moves.get_or_insert_with(Vec::new).push(m);
     }
 
     /// Training went back to the checkpoint of `step` (a rollback): cut the `--json-log` back
@@ -367,9 +409,104 @@ impl Reporter {
                 e.loss, e.perplexity, e.windows, e.tokens
             );
         }
-        if let Some(p) = checkpoint {
-            let _ = writeln!(out, "  checkpoint      {}", p.display());
+        if let Some(moves) = &self.moves {
+            let _ = writeln!(out, "  events          {}", events_line(moves));
+        }
+        match checkpoint {
+            Some(p) => {
+                let _ = writeln!(out, "  checkpoint      {}", p.display());
+            }
+            None => {
+                let _ = writeln!(out, "  checkpoint      none: nothing was saved (--checkpoint-dir DIR keeps the model)");
+            }
         }
         crate::io::print(&out)
+    }
+}
+
+/// `[12 s, ETA 48 s]` of a plain progress line: the time since the run began, and the time
+/// the `left` steps would take at the pace of the `done` ones.
+fn timing(elapsed_s: f64, done: u64, left: u64) -> String {
+    let eta = if done == 0 { "ETA ?".to_string() } else { format!("ETA {}", seconds(elapsed_s / done as f64 * left as f64)) };
+    format!("{}, {eta}", seconds(elapsed_s))
+}
+
+/// A duration as people read it: `42 s`, `3 min 05 s`, `2 h 07 min`.
+fn seconds(s: f64) -> String {
+    let whole = s.max(0.0).round() as u64;
+    match whole {
+        0..60 => format!("{whole} s"),
+        60..3600 => format!("{} min {:02} s", whole / 60, whole % 60),
+        _ => format!("{} h {:02} min", whole / 3600, whole % 3600 / 60),
+    }
+}
+
+/// What happened to a job on workers, in one line: workers lost and the recoveries from it
+/// (with their times), rollbacks, experts restored from snapshots, joins, drains, rebalances,
+/// controllers that took the job back — or that nothing did.
+fn events_line(moves: &[Moved]) -> String {
+    if moves.is_empty() {
+        return "none: no worker lost, joined or left, no rebalance".into();
+    }
+    let count = |cause: MoveCause| moves.iter().filter(|m| m.cause == cause).count();
+    let plural = |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    let mut parts = Vec::new();
+    let lost: usize = moves.iter().map(|m| m.lost).sum();
+    if lost > 0 {
+        parts.push(format!("{} lost", plural(lost, "worker", "workers")));
+    }
+    let recoveries: Vec<f64> = moves.iter().filter(|m| m.cause == MoveCause::Failure).map(|m| m.recovery_s).collect();
+    if !recoveries.is_empty() {
+        let mean = recoveries.iter().sum::<f64>() / recoveries.len() as f64;
+        let longest = recoveries.iter().cloned().fold(0.0, f64::max);
+        parts.push(format!(
+            "{} without a restart (mean {mean:.2} s, longest {longest:.2} s)",
+            plural(recoveries.len(), "recovery", "recoveries")
+        ));
+    }
+    let restored: usize = moves.iter().map(|m| m.restored).sum();
+    for (n, one, many) in [
+        (count(MoveCause::Rollback), "rollback to a checkpoint", "rollbacks to a checkpoint"),
+        (restored, "expert restored from a snapshot", "experts restored from snapshots"),
+        (count(MoveCause::Join), "join", "joins"),
+        (count(MoveCause::Drain), "drain on notice", "drains on notice"),
+        (count(MoveCause::Rebalance), "rebalance", "rebalances"),
+        (count(MoveCause::Controller), "controller taking the job back", "controllers taking the job back"),
+    ] {
+        if n > 0 {
+            parts.push(plural(n, one, many));
+        }
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_events_line_counts_what_happened() {
+        let m = |cause, lost, recovery_s, restored| Moved { cause, lost, recovery_s, restored };
+        assert_eq!(events_line(&[]), "none: no worker lost, joined or left, no rebalance");
+        let line = events_line(&[
+            m(MoveCause::Failure, 1, 0.4, 0),
+            m(MoveCause::Failure, 2, 0.8, 1),
+            m(MoveCause::Rollback, 1, 3.0, 0),
+            m(MoveCause::Join, 0, 0.2, 0),
+            m(MoveCause::Drain, 0, 0.1, 0),
+        ]);
+        assert_eq!(
+            line,
+            "4 workers lost, 2 recoveries without a restart (mean 0.60 s, longest 0.80 s), 1 rollback to a checkpoint, \
+             1 expert restored from a snapshot, 1 join, 1 drain on notice"
+        );
+        assert_eq!(events_line(&[m(MoveCause::Rebalance, 0, 0.3, 0)]), "1 rebalance");
+    }
+
+    #[test]
+    fn plain_progress_lines_tell_elapsed_time_and_eta() {
+        assert_eq!(timing(12.0, 10, 40), "12 s, ETA 48 s");
+        assert_eq!(timing(0.5, 0, 40), "1 s, ETA ?");
+        assert_eq!(timing(125.0, 5, 150), "2 min 05 s, ETA 1 h 02 min");
     }
 }

@@ -311,9 +311,22 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     // Started again by a supervisor (`--resume-if-any`): a job its predecessor was running when
     // it was lost is taken back; otherwise the latest checkpoint, if any, as for `train`.
     let saved_job = super::args::build_config(&train).ok().and_then(|c| c.checkpoint_dir).map(|d| SavedJob::path_in(&d));
-    let resume_job = args.resume_job || (train.resume_if_any && saved_job.is_some_and(|p| p.exists()));
+    let held = saved_job.filter(|p| p.exists());
+    let resume_job = args.resume_job || (train.resume_if_any && held.is_some());
     if resume_job && !args.resume_job {
         tracing::info!("--resume-if-any: the checkpoint directory holds a running job's state: taking it back (--resume-job)");
+    }
+    if let Some(path) = held.filter(|_| !resume_job && !train.resume && !train.overwrite_checkpoints) {
+        // A new job here would write its state over the lost one's: the job could not be taken back.
+        let whose = match SavedJob::read(&path) {
+            Ok(s) => format!("job {} (saved {})", s.job_id, lazarus_control::when::utc_text(s.saved_unix_ms)),
+            Err(_) => "a job".into(),
+        };
+        bail!(
+            "{} holds the state of {whose}, whose controller was lost while it ran: --resume-job takes it back; \
+             --overwrite-checkpoints starts a new job there instead",
+            path.display()
+        );
     }
     if resume_job {
         // The job's settings are the saved run's: its log goes on, its checkpoints stay.
@@ -473,8 +486,9 @@ fn run_job(
     // it releases the experts it does not hold.
     let copies = 1 + local as u128;
     let (mut trainer, resume) = if resume_job {
-        // The model and data settings only: the workers hold the job's state.
-        (Trainer::new(setup_run(args, copies)?)?, None)
+        // The job's settings (the workers hold its state): the saved job's, which flags may
+        // repeat but not change.
+        (Trainer::new(saved_job_settings(args, setup_run(args, copies)?)?)?, None)
     } else if args.resume {
         let config = setup_run(args, copies)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
@@ -604,6 +618,17 @@ fn run_job(
     if let Some(e) = report_error {
         return Err(e);
     }
+    let outcome = match outcome {
+        // Stopped by a signal before any worker trained (while waiting for agents): said, and
+        // the exit status a process killed by it has.
+        Err(e) if view.reporter.last_step().is_none() && lazarus_control::stop_signal::requested().is_some() => {
+            let (sig, _) = lazarus_control::stop_signal::requested().unwrap_or((libc::SIGTERM, "SIGTERM"));
+            view.reporter.pause();
+            tracing::warn!("{e}");
+            std::process::exit(128 + sig);
+        }
+        o => o,
+    };
     match outcome? {
         TrainOutcome::Completed { checkpoint } => {
             if let Some((sig, name)) = lazarus_control::stop_signal::requested() {
@@ -659,15 +684,44 @@ fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::TrainConfig, g:
     // Agents try again every 2 s at most: a member not back after several tries (or leases) is lost.
     let rejoin_within = (recovery.lease * 5).max(Duration::from_secs(10));
     tracing::info!(
-        "taking back job {} at epoch {} (saved {} ms after the Unix epoch): {} workers, last step logged {}; waiting up to {:.0} s for their agents",
+        "taking back job {} at epoch {} (saved {}): {} workers, last step logged {}; waiting up to {:.0} s for their agents",
         saved.job_id,
         saved.state.epoch - saved.state.first_epoch,
-        saved.saved_unix_ms,
+        lazarus_control::when::utc_text(saved.saved_unix_ms),
         saved.state.ranks.len(),
         last_logged.unwrap_or(saved.state.last_step),
         rejoin_within.as_secs_f64()
     );
     Ok((JobPlan { map: placement.replica_map(), placement: Some(placement) }, ResumeJob { saved, last_logged, rejoin_within }))
+}
+
+/// The settings of the job saved in `flagged`'s checkpoint directory, to take it back as it
+/// ran: a flag (or `--config`) that would change one — `--lr`, `--steps`, the `--workers` it was
+/// started with — is refused by name, as is another job's state (its settings differ). A state
+/// file of an earlier version, without them, leaves the flags' settings in force.
+fn saved_job_settings(args: &TrainArgs, flagged: lazarus_model::TrainConfig) -> Result<lazarus_model::TrainConfig> {
+    let Some(dir) = flagged.checkpoint_dir.clone() else {
+        bail!("--resume-job needs --checkpoint-dir: the lost controller saved the job there")
+    };
+    let saved = SavedJob::read(&SavedJob::path_in(&dir))?;
+    let how = format!("--resume-job takes job {} back", saved.job_id);
+    if let (Some(w), Some(l)) = (args.workers, saved.launched_workers) {
+        if w != l {
+            bail!(
+                "{how} with its own settings; --workers {w} would change the workers it was started with ({l}; it has {} now)",
+                saved.state.ranks.len()
+            );
+        }
+    }
+    let Some(config) = saved.config else {
+        tracing::warn!("--resume-job: job {} was saved without its settings (an earlier version): the flags' are used", saved.job_id);
+        return Ok(flagged);
+    };
+    super::args::check_unchanged(args, &config, &how, "the job")?;
+    if let Some(steps) = super::args::resume_steps(args)?.filter(|&s| s != config.steps) {
+        bail!("{how} with its own settings; --steps {steps} would change steps (the job has {})", config.steps);
+    }
+    Ok(lazarus_model::TrainConfig { checkpoint_dir: Some(dir), ..config })
 }
 
 /// The checkpoint a job taken back rolls back to, if it comes to that: the saved one, or a newer
@@ -758,6 +812,7 @@ mod tests {
             "replay-notice",
             "status-listen",
             "eval-data",
+            "eval-data-format",
             "eval-every",
             "eval-windows",
             "config",

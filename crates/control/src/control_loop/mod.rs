@@ -417,6 +417,8 @@ pub fn run_training(
         None => (format!("job-{epoch}"), epoch),
     };
     let static_ep = job.static_ep;
+    // A resumed run starts from a checkpoint: the last one until the job writes its own.
+    let start_checkpoint = job.resume.as_deref().and_then(lazarus_model::checkpoint::latest_step);
     // The controller of the job, its clock (leases, the start deadline) started when its
     // workers are: after the agents attached, for a job run by agents. A job taken back
     // starts collecting where its workers stopped.
@@ -426,8 +428,10 @@ pub fn run_training(
             (Some(r), _) => Controller::resumed(spec.clone(), r.saved.state.clone(), r.last_logged, now, r.rejoin_within)
                 .map_err(|e| ControlError::invalid("--resume-job", format!("the saved job does not fit this one: {e}")))?,
             // Static expert parallelism runs its own split of the experts, not the plan's.
-            (None, Some(p)) if !static_ep => Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now),
-            (None, _) => Controller::unplanned(spec.clone(), epoch, nodes, now),
+            (None, Some(p)) if !static_ep => {
+                Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now).with_checkpoint(start_checkpoint)
+            }
+            (None, _) => Controller::unplanned(spec.clone(), epoch, nodes, now).with_checkpoint(start_checkpoint),
         })
     };
     let begun = Instant::now();
@@ -477,8 +481,9 @@ pub fn run_training(
             let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
             // What a new controller needs to take the job back, saved at every epoch (and gone
             // once the job is over).
+            let launched = a.resume.as_deref().and_then(|r| r.saved.launched_workers).unwrap_or(world);
             let mut save = a.state_file.clone().map(|path| {
-                let (hub, job_id) = (hub.clone(), job_id.clone());
+                let (hub, job_id, config) = (hub.clone(), job_id.clone(), job.config.clone());
                 let mut warned = false;
                 move |ctl: &Controller, over: bool| {
                     let written = match ctl.job_state() {
@@ -486,7 +491,9 @@ pub fn run_training(
                             std::io::ErrorKind::NotFound => Ok(()),
                             _ => Err(ControlError::io(format!("removing {}", path.display()), e)),
                         }),
-                        Some(state) => saved_job::SavedJob::new(&job_id, g, hub.next_agent(), state).write(&path),
+                        Some(state) => {
+                            saved_job::SavedJob::new(&job_id, g, hub.next_agent(), state).with_job(config.clone(), launched).write(&path)
+                        }
                         None => Ok(()),
                     };
                     if let Err(e) = written {

@@ -8,8 +8,10 @@
 //! nodes at the newest epoch, the last checkpoint and step logged, and the numbers given out to
 //! workers and agents (newcomers are numbered after them). What it does not keep, because the
 //! workers report it again when their agents re-attach: where each worker stopped, what it
-//! holds, its snapshots. The job's settings (model, data, flags) come from the same command line
-//! or `--config`; the loads for the next rebalance are measured anew.
+//! holds, its snapshots. The job's settings (model, data, training) and the workers it was
+//! started with are kept too, so that a new controller runs the job as it was and refuses a
+//! flag that would change it (or another job's state found in the directory); the loads for
+//! the next rebalance are measured anew.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -38,12 +40,32 @@ pub struct SavedJob {
     /// When it was written, milliseconds since the Unix epoch.
     pub saved_unix_ms: u64,
     pub state: JobState,
+    /// The job's settings (absent from files of earlier versions).
+    #[serde(default)]
+    pub config: Option<lazarus_model::TrainConfig>,
+    /// The workers it was started with (`--workers`; it may have more or fewer now).
+    #[serde(default)]
+    pub launched_workers: Option<usize>,
 }
 
 impl SavedJob {
     pub fn new(job_id: &str, gpus_per_node: usize, agents: u64, state: JobState) -> Self {
         let saved_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        SavedJob { format: SAVED_JOB_FORMAT.into(), job_id: job_id.into(), gpus_per_node, agents, saved_unix_ms, state }
+        SavedJob {
+            format: SAVED_JOB_FORMAT.into(),
+            job_id: job_id.into(),
+            gpus_per_node,
+            agents,
+            saved_unix_ms,
+            state,
+            config: None,
+            launched_workers: None,
+        }
+    }
+
+    /// With the job's settings and the workers it was started with.
+    pub fn with_job(self, config: lazarus_model::TrainConfig, launched_workers: usize) -> Self {
+        SavedJob { config: Some(config), launched_workers: Some(launched_workers), ..self }
     }
 
     /// Worker ids given out so far (every worker the job had has a node).
@@ -120,9 +142,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lazarus-saved-job-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = SavedJob::path_in(&dir);
-        let saved = SavedJob::new("job-1", 2, 3, state());
+        let saved = SavedJob::new("job-1", 2, 3, state()).with_job(lazarus_model::TrainConfig { lr: 0.5, ..Default::default() }, 4);
         saved.write(&path).unwrap();
         assert_eq!(SavedJob::read(&path).unwrap(), saved);
+        // A file of an earlier version, without the settings, still reads.
+        let mut old = serde_json::to_value(&saved).unwrap();
+        old.as_object_mut().unwrap().retain(|k, _| k != "config" && k != "launched_workers");
+        std::fs::write(&path, old.to_string()).unwrap();
+        assert_eq!(SavedJob::read(&path).unwrap(), SavedJob { config: None, launched_workers: None, ..saved.clone() });
         assert_eq!(saved.workers(), 6);
         assert!(!path.with_extension("json.tmp").exists());
         // What is not a saved job is refused, naming the flag and the file.

@@ -29,6 +29,7 @@ use crate::proto::{self, agent_message, controller_message, AgentHello, AgentMes
 use crate::protocol::MAX_WORKERS_PER_HOST;
 use crate::protocol::{LauncherMessage, WorkerEvent};
 use lazarus_comm::auth;
+use lazarus_controller::words::id_list;
 
 /// How long an agent has to say hello once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -297,8 +298,9 @@ impl AgentHub {
         }
         if workers.clone().any(|w| !st.rejoinable.contains(&w)) {
             return Err(Status::failed_precondition(format!(
-                "rejoin: workers {}..{} are not members of job {:?} waiting to be taken back (lost before the controller was, standing by, or claimed already)",
-                workers.start, workers.end, self.job_id
+                "rejoin: workers {} are not members of job {:?} waiting to be taken back (lost before the controller was, standing by, or claimed already)",
+                id_list(workers.clone().map(|w| w as u64)),
+                self.job_id
             )));
         }
         if st.agents.contains_key(&claim.agent) {
@@ -332,10 +334,10 @@ impl AgentHub {
             },
         );
         tracing::info!(
-            "agent {} at {} re-attached with workers {first}..{} after {:.1} s without a controller",
+            "agent {} at {} re-attached with workers {} after {:.1} s without a controller",
             claim.agent,
             hello.host,
-            first + gpus,
+            id_list((first..first + gpus).map(|w| w as u64)),
             claim.orphaned_ms as f64 / 1e3
         );
         Ok(claim.agent)
@@ -572,6 +574,13 @@ impl AgentHub {
                 continue;
             }
             complete_since = None;
+            // A stop signal ends the wait: nothing has started, nothing is lost.
+            if let Some((_, name)) = crate::stop_signal::requested() {
+                return Err(ControlError::Launch(format!(
+                    "{name} while waiting for agents ({attached} of the job's {} workers attached): stopped before the job started, nothing trained",
+                    self.world
+                )));
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(ControlError::Launch(format!(

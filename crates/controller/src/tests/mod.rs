@@ -601,11 +601,25 @@ fn a_stalled_controller_extends_the_leases_instead_of_losing_every_node() {
     assert!(matches!(&out[..], [Command::Kill { node: 12, .. }, Command::Fence { .. }]), "{out:?}");
 }
 
+/// The last checkpoint is the newest the job wrote, or — before it writes one — the one a
+/// resumed job started from (not step 0: the log would be cut back to nothing).
 #[test]
 fn both_holders_of_an_expert_lost_rolls_back_to_the_last_checkpoint() {
+    for written in [true, false] {
+        both_holders_lost_roll_back_to_step_4(written);
+    }
+}
+
+fn both_holders_lost_roll_back_to_step_4(written: bool) {
     let t0 = Instant::now();
-    let mut c = running(4, 4, 2, t0);
-    c.decide(t0, Event::Checkpointed { step: 4 });
+    let mut c = if written {
+        let mut c = running(4, 4, 2, t0);
+        c.decide(t0, Event::Checkpointed { step: 4 });
+        c
+    } else {
+        running(4, 4, 2, t0).with_checkpoint(Some(4))
+    };
+    assert_eq!(c.checkpoint(), Some(4));
     // Find two nodes whose loss takes every replica of some expert.
     let holders = c.plan().unwrap().layers()[0].holders();
     let pair: Vec<usize> = holders.iter().find(|h| h.len() == 2).map(|h| h.iter().collect()).expect("an expert on exactly two nodes");
@@ -1044,7 +1058,7 @@ fn notes_count_epochs_from_the_start_of_the_job() {
     }
     assert_eq!((c.epoch(), c.job_epoch(c.epoch())), (first + 1, 1));
     let notes: Vec<&String> = c.recent().collect();
-    assert!(notes.iter().any(|n| n.starts_with("epoch 0: node 12 lost")), "{notes:?}");
+    assert!(notes.iter().any(|n| n.starts_with("epoch 0: worker 12 lost")), "{notes:?}");
     assert!(notes.iter().any(|n| n.starts_with("epoch 1: reconfigure to 2 nodes")), "{notes:?}");
     assert!(notes.iter().all(|n| !n.contains(&first.to_string())), "{notes:?}");
 }
