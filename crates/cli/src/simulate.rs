@@ -56,7 +56,8 @@ pub struct SimArgs {
     /// Replay only [A, B) of the trace, e.g. 0:80m.
     #[arg(long, value_name = "A:B")]
     window: Option<String>,
-    /// Simulated time (default: the window, else 30m).
+    /// Simulated time (default: the window; else a trace's whole length, to its last event;
+    /// else 30m).
     #[arg(long, value_name = "DUR")]
     duration: Option<String>,
     /// Joined nodes are used after this wait.
@@ -120,7 +121,7 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         None => None,
     };
     let default_ms = window.map_or(30 * 60_000, |(a, b)| b - a);
-    let duration_ms = match &args.duration {
+    let mut duration_ms = match &args.duration {
         Some(d) => dur("duration", d)?,
         None => default_ms,
     };
@@ -154,8 +155,25 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         }
         Trace::poisson(args.nodes, mtbf as f64, dur("repair", &args.repair)?, duration_ms, args.seed)?
     };
+    let recorded = args.trace.is_some() || args.availability.is_some();
     if let Some((a, b)) = window {
+        let inside = trace.events.iter().filter(|e| (a..b).contains(&e.ms)).count();
+        if recorded && inside == 0 {
+            tracing::warn!(
+                "no event of the trace falls in --window {}: it ends at {}; the nodes present at the window's start stay throughout",
+                args.window.as_deref().unwrap_or_default(),
+                minutes(trace.end_ms())
+            );
+        }
         trace = trace.window(a, b);
+    } else if recorded && args.duration.is_none() && trace.end_ms() > 0 {
+        // A recorded trace is simulated whole unless told otherwise: cutting it at a default
+        // length would leave out what happened later without a word.
+        duration_ms = trace.end_ms();
+        tracing::info!(
+            "simulating the whole trace, {} to its last event (--window A:B or --duration for part of it)",
+            minutes(duration_ms)
+        );
     }
     let mut model = ModelSpec::preset(&args.model)?;
     if let Some(l) = args.layers {
@@ -345,6 +363,11 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         }
     }
     crate::io::print(&out)
+}
+
+/// `ms` as minutes, as the trace's length is said.
+fn minutes(ms: u64) -> String {
+    format!("{:.1} min", ms as f64 / 60_000.0)
 }
 
 #[cfg(test)]

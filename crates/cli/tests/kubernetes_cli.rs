@@ -114,6 +114,40 @@ fn the_manifests_hang_together_and_render() {
     assert_eq!(ctl["gpus_per_node"].as_integer(), Some(gpus));
     assert_eq!(agents["spec"]["replicas"].as_i64().unwrap() * gpus, ctl["workers"].as_integer().unwrap());
     assert_eq!(all["PersistentVolumeClaim/lazarus-checkpoints"]["spec"]["accessModes"][0].as_str(), Some("ReadWriteMany"));
+    // The pods run as the image's user, and that user can read the Secret's file: the volumes
+    // are given its group (fsGroup) and the file is group-readable. Each container says what it
+    // needs (requests) and a memory limit; the agents tolerate GPU nodes' taint; the
+    // controller has probes on its port.
+    let dockerfile = std::fs::read_to_string(manifests().join("../Dockerfile")).unwrap();
+    let user = dockerfile.lines().find_map(|l| l.strip_prefix("USER ")).expect("the image's USER").trim();
+    let (uid, gid) = user.split_once(':').expect("USER uid:gid");
+    for workload in [deployment, agents] {
+        let pod = &workload["spec"]["template"]["spec"];
+        let sc = &pod["securityContext"];
+        assert_eq!(sc["runAsUser"].as_u64().map(|u| u.to_string()).as_deref(), Some(uid), "{sc:?}");
+        assert_eq!(sc["fsGroup"].as_u64().map(|g| g.to_string()).as_deref(), Some(gid), "{sc:?}");
+        let (_, mounts, volumes) = container(workload);
+        let dir = ctl["secret_file"].as_str().unwrap().rsplit_once('/').unwrap().0;
+        let mode = volume(&volumes, &mounts[dir])["secret"]["defaultMode"].as_u64().expect("a defaultMode");
+        assert!(mode & 0o040 != 0 && mode & 0o007 == 0, "group-readable, not world-readable: {mode:o}");
+        let resources = &pod["containers"][0]["resources"];
+        assert!(resources["requests"]["cpu"].as_str().is_some() && resources["requests"]["memory"].as_str().is_some(), "{resources:?}");
+        assert!(resources["limits"]["memory"].as_str().is_some(), "{resources:?}");
+    }
+    let tolerations = agents["spec"]["template"]["spec"]["tolerations"].as_sequence().expect("tolerations");
+    assert!(tolerations.iter().any(|t| t["key"] == "nvidia.com/gpu" && t["effect"] == "NoSchedule"), "{tolerations:?}");
+    let c = &deployment["spec"]["template"]["spec"]["containers"][0];
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["tcpSocket"]["port"].as_str(), Some("grpc"), "{probe}");
+    }
+    // The image is named once, in the kustomization, where a registry is set.
+    let kustomization: Value = serde_yaml::from_str(&std::fs::read_to_string(manifests().join("kustomization.yaml")).unwrap()).unwrap();
+    assert_eq!(kustomization["images"][0]["name"].as_str(), Some("lazarus"));
+    // The GPU image carries the CUDA libraries the binary links against (the container runtime
+    // brings only the driver), and the GPU generation is a build argument.
+    for want in ["ARG CUDA_COMPUTE_CAP", "cudart cublas cublasLt curand nvrtc", "LD_LIBRARY_PATH=/usr/local/lib/lazarus-cuda"] {
+        assert!(dockerfile.contains(want), "the Dockerfile has {want}");
+    }
 
     // kubectl renders it with a secret in place.
     if Command::new("kubectl").arg("version").arg("--client").output().is_err() {

@@ -32,6 +32,33 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A trace is simulated whole by default (to its last event, not 30 minutes of it), and a
+/// window in which nothing happens is said to be one.
+#[test]
+fn a_trace_is_simulated_whole_unless_told_otherwise() {
+    let d = dir("whole");
+    let trace = d.join("t.csv");
+    // Offsets in milliseconds: the last event at 90 minutes.
+    std::fs::write(&trace, "0,add,a\n0,add,b\n0,add,c\n600000,remove,a\n5400000,remove,b\n").unwrap();
+    let t = trace.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["sim", "--trace", t, "--max-nodes", "3", "--json"];
+        a.extend(extra);
+        let out = lazarus(&a);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["duration_s"].as_f64().unwrap(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (whole, said) = run(&[]);
+    assert_eq!(whole, 5400.0, "to the last event");
+    assert!(said.contains("simulating the whole trace, 90.0 min"), "{said}");
+    assert_eq!(run(&["--duration", "20m"]).0, 1200.0);
+    assert_eq!(run(&["--window", "0:30m"]).0, 1800.0);
+    let (_, said) = run(&["--window", "100m:130m"]);
+    assert!(said.contains("no event of the trace falls in --window 100m:130m: it ends at 90.0 min"), "{said}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn bad_traces_and_flags_are_named() {
     let d = dir("bad");
