@@ -836,21 +836,9 @@ fn init_from_a_model_with_its_tokenizer_sharded_or_not() {
 /// allocated, naming the limit — not aborted by a failed allocation half-way.
 #[test]
 fn an_address_space_limit_bounds_the_size_check() {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
     // About 9 GiB of weights, gradients and moments: within most machines, beyond the limit.
-    cmd.args(["train", "--steps", "1", "--d-model", "1024", "--d-ff", "4096", "--experts", "16", "--layers", "4", "--heads", "8"]);
-    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            let r = libc::rlimit { rlim_cur: 3 << 30, rlim_max: 3 << 30 };
-            if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let out = common::output_within(cmd, "a run under a 3 GiB address-space limit");
+    let args = ["train", "--steps", "1", "--d-model", "1024", "--d-ff", "4096", "--experts", "16", "--layers", "4", "--heads", "8"];
+    let out = common::lazarus_limited(&args, common::Limit::AddressSpace(3 << 30), "a run under a 3 GiB address-space limit");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("the address-space limit (RLIMIT_AS, ulimit -v) allows 3.0 GiB") && err.contains("--d-model"),
@@ -863,28 +851,13 @@ fn an_address_space_limit_bounds_the_size_check() {
 /// so the same command succeeds once there is room.
 #[test]
 fn an_export_that_runs_out_of_space_leaves_nothing_behind() {
-    use std::os::unix::process::CommandExt;
     let d = common::dir("export-no-space");
     let (ck, out_dir) = (d.join("ck"), d.join("hf"));
     let mut a = vec!["train", "--steps", "2", "--checkpoint-dir", ck.to_str().unwrap(), "--arch", "mixtral"];
     a.extend(tiny());
     assert!(lazarus(&a).status.success());
     let export = ["export", "--checkpoint", ck.to_str().unwrap(), out_dir.to_str().unwrap()];
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
-    cmd.args(export);
-    // SAFETY: setrlimit and signal are async-signal-safe; nothing else runs before exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            // A write past 64 KiB fails with EFBIG (SIGXFSZ ignored), as one on a full disk does.
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let r = libc::rlimit { rlim_cur: 64 << 10, rlim_max: 64 << 10 };
-            if libc::setrlimit(libc::RLIMIT_FSIZE, &r) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let out = common::output_within(cmd, "an export without room");
+    let out = common::lazarus_limited(&export, common::Limit::FileSize(64 << 10), "an export without room");
     assert!(!out.status.success(), "the weights are larger than 64 KiB");
     assert!(!out_dir.exists(), "nothing left: {:?}", std::fs::read_dir(&out_dir).map(|r| r.count()));
     let out = lazarus(&export);
@@ -897,7 +870,6 @@ fn an_export_that_runs_out_of_space_leaves_nothing_behind() {
 /// took gigabytes (47 MB: 4.6 GB resident) and aborted under such a limit.
 #[test]
 fn a_document_of_20_mb_is_tokenized_in_bounded_memory() {
-    use std::os::unix::process::CommandExt;
     let d = common::dir("big-document");
     let (doc, tok) = (d.join("doc.txt"), d.join("tokenizer.json"));
     let words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "alpha", "beta", "gamma", "delta"];
@@ -910,19 +882,7 @@ fn a_document_of_20_mb_is_tokenized_in_bounded_memory() {
     }
     std::fs::write(&doc, &text).unwrap();
     let limited = |args: &[&str], what: &str| {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
-        cmd.args(args);
-        // SAFETY: setrlimit is async-signal-safe; nothing else runs before exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                let r = libc::rlimit { rlim_cur: 1536 << 20, rlim_max: 1536 << 20 };
-                if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let out = common::output_within(cmd, what);
+        let out = common::lazarus_limited(args, common::Limit::AddressSpace(1536 << 20), what);
         assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
     };
     let (doc_s, tok_s) = (doc.to_str().unwrap(), tok.to_str().unwrap());

@@ -479,6 +479,15 @@ fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<(String, Resul
 mod tests {
     use super::*;
 
+    /// Every parameter of `a` and `b` the same, bit for bit (named when not).
+    fn assert_same_weights(a: &MoeModel, b: &MoeModel) {
+        for ((name, x), (_, y)) in a.params().iter().zip(b.params().iter()) {
+            let (x, y): (Vec<f32>, Vec<f32>) =
+                (x.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), y.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
+            assert_eq!(x, y, "{name}");
+        }
+    }
+
     fn tiny() -> ModelConfig {
         ModelConfig {
             vocab_size: 19,
@@ -509,11 +518,7 @@ mod tests {
         assert_eq!(tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dims(), [8, 16]);
         let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
         set_weights(&back, &tensors, &dir).unwrap();
-        for ((name, a), (_, b)) in m.params().iter().zip(back.params().iter()) {
-            let (a, b): (Vec<f32>, Vec<f32>) =
-                (a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), b.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
-            assert_eq!(a, b, "{name}");
-        }
+        assert_same_weights(&m, &back);
         assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
         std::fs::remove_dir_all(&dir).unwrap();
         // A model that is not Mixtral's is refused before anything is written, and its weights
@@ -553,11 +558,7 @@ mod tests {
         set_weights(&a, &legacy, &dir).unwrap();
         let b = MoeModel::new(&tiny(), 8, DType::F32, &Device::Cpu).unwrap();
         set_weights(&b, &fused_map, &dir).unwrap();
-        for ((name, x), (_, y)) in a.params().iter().zip(b.params().iter()) {
-            let (x, y): (Vec<f32>, Vec<f32>) =
-                (x.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), y.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
-            assert_eq!(x, y, "{name}");
-        }
+        assert_same_weights(&a, &b);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -643,11 +644,7 @@ mod tests {
         assert_eq!(back.len(), tensors.len());
         let into = MoeModel::new(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
         set_weights(&into, &back, &dir).unwrap();
-        for ((name, a), (_, b)) in m.params().iter().zip(into.params().iter()) {
-            let (a, b): (Vec<f32>, Vec<f32>) =
-                (a.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), b.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
-            assert_eq!(a, b, "{name}");
-        }
+        assert_same_weights(&m, &into);
         let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
         for (file, named) in [("../model-00001-of-00002.safetensors", "not a file name"), ("model-00001-of-00002.safetensors", "does not")]
         {

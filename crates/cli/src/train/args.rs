@@ -24,22 +24,28 @@ pub struct ModelArgs {
     /// Sequences per step (the constant global batch).
     #[arg(long)]
     pub(crate) batch_size: Option<usize>,
+    /// Tokens per sequence (the context a step trains on).
     #[arg(long)]
     pub(crate) seq_len: Option<usize>,
     /// Peak learning rate.
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) lr: Option<f64>,
+    /// The learning rate the cosine schedule ends at.
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) min_lr: Option<f64>,
+    /// Steps of linear warm-up to the peak learning rate.
     #[arg(long)]
     pub(crate) warmup_steps: Option<u64>,
     /// Clip the global gradient norm ("off" disables).
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) grad_clip: Option<String>,
+    /// Width of the model (the residual stream).
     #[arg(long)]
     pub(crate) d_model: Option<usize>,
+    /// Transformer blocks.
     #[arg(long)]
     pub(crate) layers: Option<usize>,
+    /// Attention heads (a divisor of --d-model).
     #[arg(long)]
     pub(crate) heads: Option<usize>,
     /// Vocabulary size (default 256, the byte tokenizer's, or --tokenizer's; token shards may
@@ -92,6 +98,7 @@ pub struct ModelArgs {
     /// An MoE layer every this many blocks (1 = every block).
     #[arg(long)]
     pub(crate) moe_every: Option<usize>,
+    /// Weight of the load-balancing loss (Switch Transformer's auxiliary loss).
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) aux_loss_coef: Option<f64>,
     /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
@@ -140,6 +147,7 @@ pub struct TrainArgs {
     /// are its; a model flag that says otherwise is an error naming it.
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub(crate) init_from: Option<PathBuf>,
+    /// With --checkpoint-dir: a checkpoint every this many steps too.
     #[arg(long)]
     checkpoint_every: Option<u64>,
     /// Keep the newest N checkpoints in --checkpoint-dir (0: every one; default 3).
@@ -998,24 +1006,29 @@ mod tests {
 
     use super::*;
 
+    /// `lazarus train`'s flags alone, as a command.
+    #[derive(clap::Parser)]
+    struct TrainCli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    /// The flags of `lazarus train EXTRA…`.
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        use clap::Parser;
+        let mut argv = vec!["train"];
+        argv.extend_from_slice(extra);
+        TrainCli::try_parse_from(argv).unwrap().train
+    }
+
     const CONFIG: &str = "steps = 500\nlr = 0.002\nbatch_size = 8\n[model]\nn_experts = 8\ntop_k = 2\ncapacity_factor = 1.25\n[data]\nkind = \"synthetic\"\nseed = 3\nbytes = 100000\n";
 
     /// `--arch mixtral` and `arch = "mixtral"` set Mixtral's options; the file's own keys and
     /// the single flags win over the preset; bad values name the flag or key.
     #[test]
     fn the_arch_preset_and_the_block_options_come_from_flags_and_the_file() {
-        use clap::Parser;
         use lazarus_model::config::{Activation, NormKind, Positions};
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
-        let parse = |extra: &[&str]| {
-            let mut argv = vec!["train"];
-            argv.extend_from_slice(extra);
-            build_config(&Cli::try_parse_from(argv).unwrap().train)
-        };
+        let parse = |extra: &[&str]| build_config(&train_args(extra));
         let m = parse(&["--arch", "mixtral"]).unwrap().model;
         assert_eq!(
             (m.norm, m.positions, m.expert_act, m.attn_bias, m.ffn_bias),
@@ -1075,17 +1088,7 @@ mod tests {
     /// before the training data's.
     #[test]
     fn settings_that_would_do_nothing_are_refused_and_held_out_data_has_its_own_format() {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
-        let args = |extra: &[&str]| {
-            let mut argv = vec!["train"];
-            argv.extend_from_slice(extra);
-            Cli::try_parse_from(argv).unwrap().train
-        };
+        let args = train_args;
         let refused = |extra: &[&str], want: &str| {
             let a = args(extra);
             let e = a.check_combinations().and_then(|_| build_config(&a).map(|_| ())).unwrap_err();
@@ -1123,12 +1126,7 @@ mod tests {
     #[test]
     fn every_training_flag_says_its_default() {
         use clap::CommandFactory;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
-        let cmd = with_defaults(Cli::command(), &training_defaults());
+        let cmd = with_defaults(TrainCli::command(), &training_defaults());
         // Flags whose absence is their default: a file or place not given, a thing not done.
         let none = [
             "config",

@@ -290,3 +290,40 @@ pub fn safetensors_split(path: &std::path::Path, parts: usize) -> (Vec<Vec<Strin
         .collect();
     (groups, contents)
 }
+
+/// A limit set on a process before it runs, as a batch system (or a full disk) would.
+#[allow(dead_code)]
+#[derive(Clone, Copy)]
+pub enum Limit {
+    /// `ulimit -v`: bytes of address space.
+    AddressSpace(u64),
+    /// `ulimit -f`: bytes a file may grow to; a write past it fails with EFBIG, as one on a
+    /// full disk fails (SIGXFSZ is ignored).
+    FileSize(u64),
+}
+
+/// `lazarus args` run to its end (within [`output_within`]'s bound) under `limit`.
+#[allow(dead_code)]
+pub fn lazarus_limited(args: &[&str], limit: Limit, what: &str) -> Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    cmd.args(args);
+    // SAFETY: signal and setrlimit are async-signal-safe; nothing else runs before exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let (resource, bytes) = match limit {
+                Limit::AddressSpace(b) => (libc::RLIMIT_AS, b),
+                Limit::FileSize(b) => {
+                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                    (libc::RLIMIT_FSIZE, b)
+                }
+            };
+            let r = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+            if libc::setrlimit(resource, &r) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    output_within(cmd, what)
+}
