@@ -462,7 +462,9 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     args.extend(["--json-log", reference.to_str().unwrap()]);
     args.extend(["--checkpoint-dir", ref_ck.to_str().unwrap()]);
     args.extend(tiny_model("12"));
-    let out = lazarus(&args);
+    // Tens of thousands of steps at scale: a bound that grows with them (50 ms a step).
+    let total: u64 = steps.parse().expect("a number of steps");
+    let out = common::lazarus_within(&args, common::COMMAND_LIMIT.max(Duration::from_millis(50 * total)));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<(u64, f64)> = log(&reference).0;
 
@@ -508,7 +510,6 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     }
     s.free_at[2] = Some(Instant::now());
     let mut made: Vec<Made> = Vec::new();
-    let total: u64 = steps.parse().expect("a number of steps");
     let (gap_lo, gap_hi) = fault_gap(total, faults.max(kills * 3 / 2));
     let mut next_at = tail.poll() + s.rng.within(gap_lo, gap_hi);
     while (made.len() < faults || s.kills < kills) && running(&mut controller) {

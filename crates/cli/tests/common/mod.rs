@@ -9,9 +9,14 @@ use std::process::{Command, Output};
 /// [`COMMAND_LIMIT`] is killed and the test fails naming it (a hang is a failure with a name,
 /// not a CI run that never ends).
 pub fn lazarus(args: &[&str]) -> Output {
+    lazarus_within(args, COMMAND_LIMIT)
+}
+
+/// [`lazarus`] with another bound: a long job run by hand (the soak at scale's reference run).
+pub fn lazarus_within(args: &[&str], limit: std::time::Duration) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
     cmd.args(args).env_remove("LAZARUS_STATUS_TOKEN");
-    output_within(cmd, &format!("lazarus {}", args.join(" ")))
+    output_limited(cmd, &format!("lazarus {}", args.join(" ")), limit)
 }
 
 /// The longest one command of a test may take (the longest, a reference run of a few hundred
@@ -19,7 +24,12 @@ pub fn lazarus(args: &[&str]) -> Output {
 pub const COMMAND_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// `cmd`'s output, as [`Command::output`] gives it, within [`COMMAND_LIMIT`].
-pub fn output_within(mut cmd: Command, what: &str) -> Output {
+pub fn output_within(cmd: Command, what: &str) -> Output {
+    output_limited(cmd, what, COMMAND_LIMIT)
+}
+
+/// `cmd`'s output within `limit`.
+pub fn output_limited(mut cmd: Command, what: &str, limit: std::time::Duration) -> Output {
     use std::io::Read;
     use std::process::Stdio;
     let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run lazarus");
@@ -31,7 +41,7 @@ pub fn output_within(mut cmd: Command, what: &str) -> Output {
         })
     };
     let (out, err) = (read(Box::new(child.stdout.take().unwrap())), read(Box::new(child.stderr.take().unwrap())));
-    let until = std::time::Instant::now() + COMMAND_LIMIT;
+    let until = std::time::Instant::now() + limit;
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -40,7 +50,7 @@ pub fn output_within(mut cmd: Command, what: &str) -> Output {
             let _ = child.kill();
             let _ = child.wait();
             let err = String::from_utf8_lossy(&err.join().unwrap()).into_owned();
-            panic!("`{what}` ran past {} s (killed). Its stderr:\n{err}", COMMAND_LIMIT.as_secs());
+            panic!("`{what}` ran past {} s (killed). Its stderr:\n{err}", limit.as_secs());
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
