@@ -3,7 +3,7 @@
 //! commands out — the start deadline, a stop asked for and completion included. The shell keeps
 //! only what to show the user and the record of each reconfiguration.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -355,6 +355,10 @@ struct Recovering {
     /// The last move held after it (a drain's first half): its stats count in the next.
     keep_moved: bool,
     resumed: bool,
+    /// Ranks that said they are ready in the move's epoch: a step one of them reports after
+    /// that is of the new epoch even before the controller's resume (a worker's reports come
+    /// in order; another rank's readiness may lag behind its steps).
+    ready: BTreeSet<usize>,
     workers: usize,
     restored: Vec<crate::controller::RestoredExpert>,
     rollback_avoided: u64,
@@ -495,6 +499,7 @@ impl Shell {
                 moved: Vec::new(),
                 keep_moved: false,
                 resumed: false,
+                ready: BTreeSet::new(),
                 workers: 0,
                 restored: Vec::new(),
                 rollback_avoided: 0,
@@ -535,6 +540,7 @@ impl Shell {
             }
             r.keep_moved = m.hold;
             r.resumed = false;
+            r.ready.clear();
         }
         self.ranks = m.ranks.clone();
     }
@@ -554,15 +560,25 @@ impl Shell {
                 if moved.is_none() {
                     observe(TrainEvent::Ready { rank, pid })?;
                 }
-                if let (Some(r), Some(m)) = (&mut self.recovering, moved) {
-                    r.moved.push(m);
+                if let Some(r) = &mut self.recovering {
+                    if epoch == ctl.epoch() {
+                        r.ready.insert(rank);
+                    }
+                    if let Some(m) = moved {
+                        r.moved.push(m);
+                    }
                 }
                 Event::Ready { node, epoch }
             }
             WorkerEvent::Heartbeat => Event::Heartbeat { node },
             WorkerEvent::Step { report, seconds, wire_bytes, dropped, snapshot } => {
                 let mut moved = None;
-                if let Some(r) = self.recovering.take_if(|r| r.resumed) {
+                // The move's record, with the rewind of a rollback, before the first step of
+                // its epoch (steps logged before it are the old epoch's, and a rollback cuts
+                // them): at the controller's resume, or at a step from a rank that said it was
+                // ready in the new epoch — the other ranks' readiness can arrive after it (a
+                // rollback onto newcomers alone lost 7 steps' records so in a soak).
+                if let Some(r) = self.recovering.take_if(|r| r.resumed || r.ready.contains(&rank)) {
                     let max = |f: fn(&MoveStats) -> f64| r.moved.iter().map(f).fold(0.0, f64::max);
                     observe(TrainEvent::Reconfigured(ReconfigurationRecord {
                         event: "reconfiguration",
