@@ -4,7 +4,8 @@
 # (root and iproute2), under at least FAULTS faults and FAULTS SIGKILLs drawn from the seed —
 # workers, agents and every holder of an expert SIGKILLed, workers SIGSTOPped, preemption
 # notices, newcomers killed, the controller SIGKILLed and started again with --resume-job, links
-# cut and healed — and checked in bits: every step logged once with the loss of an uninterrupted
+# cut and healed — with a stranger's hostile connections at every port of the job throughout (each
+# rank's as it opens, the controller's and /metrics every 2 s), and checked in bits: every step logged once with the loss of an uninterrupted
 # run on one worker, the same data cursor, and a final checkpoint whose tensors have the same
 # bytes (crates/cli/tests/soak_cli.rs says how).
 #

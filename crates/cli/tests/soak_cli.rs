@@ -13,7 +13,10 @@
 //! paced by the job's steps (a window of steps between two, drawn from the seed), not by the
 //! clock, and every step takes at least 8 ms (`LAZARUS_FAULT=pace:8`), so a fast machine and a
 //! slow one see as many. Hosts
-//! whose agent is gone get a new one after a while, which joins the running job. Faults are
+//! whose agent is gone get a new one after a while, which joins the running job. Throughout, a
+//! stranger without the secret (on a host of its own) connects to every port of the job as it
+//! opens — each rank's at every rendezvous, the controller's and its `/metrics` every 2 s —
+//! silently, with garbage, with one TLS byte, a byte at a time. Faults are
 //! chosen from `lazarus status --json` (members, standbys, the plan) so that the job keeps
 //! workers to carry on: a surviving node, or a newcomer standing by.
 //!
@@ -41,6 +44,7 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use common::hosts::{children, start_agent_with_env, start_controller, Hosts};
+use common::stranger::{Done, Plan as StrangerPlan, Stranger};
 use common::{alive, cursor, dir, lazarus, log, signal, tiny_model};
 use serde_json::Value;
 
@@ -54,6 +58,12 @@ const GPUS: usize = 2;
 const PACE_MS: u64 = 8;
 /// How long the job may make no progress after a fault before the soak calls it a hang.
 const HANG: Duration = Duration::from_secs(120);
+/// Silent connections of the stranger's every visit to a port (besides one of garbage, one TLS
+/// byte and one trickle).
+const STRANGER_SILENT: usize = 8;
+/// How long each rendezvous holds its port open before the ranks connect
+/// (`LAZARUS_FAULT=listen:MS`), so that the stranger, which looks every few ms, is at it first.
+const LISTEN_HOLD_MS: u64 = 50;
 
 /// A small deterministic generator (the soak's choices follow from its seed).
 struct Rng(u64);
@@ -230,7 +240,7 @@ impl Soak {
         // Its workers wait, paused, for a controller that takes the job back.
         // Every step takes at least PACE_MS: the hosts are tended by the clock, the faults are
         // drawn by steps, and a fast machine must not run the job past them.
-        let pace = format!("pace:{PACE_MS}");
+        let pace = format!("pace:{PACE_MS},listen:{LISTEN_HOLD_MS}");
         let env = [("LAZARUS_FAULT", pace.as_str())];
         let (child, lines) = start_agent_with_env(&self.addr, &GPUS.to_string(), &self.secret, self.netns(host), "10", &env);
         self.agents[host] = Some(Agent { child, lines, workers: Vec::new() });
@@ -432,6 +442,8 @@ struct Outcome {
     moves: Vec<(Instant, Value)>,
     step_s: f64,
     refused: usize,
+    /// What the stranger did.
+    stranger: Done,
     controller: Vec<String>,
 }
 
@@ -451,7 +463,8 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     let steps = steps.as_str();
     let d = dir(tag);
     let (path, ck, secret) = (d.join("log.jsonl"), d.join("ck"), d.join("secret"));
-    let hosts = Hosts::new(&format!("{}{}", &tag[5..7], std::process::id() % 10_000), 1 + AGENT_HOSTS);
+    // The controller's host, the agents' and the stranger's.
+    let hosts = Hosts::new(&format!("{}{}", &tag[5..7], std::process::id() % 10_000), 1 + AGENT_HOSTS + 1);
     if hosts.is_none() {
         eprintln!("soak: network namespaces cannot be made here (needs root and iproute2): all on loopback, no partitions");
     }
@@ -478,6 +491,9 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     // purpose (that expert's last update is lost), and this soak compares every loss with the
     // uninterrupted run's; an expert that loses every replica rolls back, exactly.
     args.extend(["--snapshot-bandwidth", "0"]);
+    // Served for the stranger to find (nobody scrapes it).
+    let metrics = if hosts.is_some() { "10.231.0.1:0" } else { "127.0.0.1:0" };
+    args.extend(["--metrics-listen", metrics]);
     args.extend(tiny_model("12"));
     let ctl_host = hosts.as_ref().map(|h| h.names[0].clone());
     let (mut controller, mut ctl_lines, addr) = start_controller(&args, ctl_host.as_deref());
@@ -498,6 +514,15 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
         started_again: 0,
         kills: 0,
     };
+    // A stranger, from a host of its own, at every port of the job as it opens (the ranks' at
+    // each rendezvous) and at the controller's and /metrics every 2 s.
+    let stranger = Stranger::start(StrangerPlan {
+        root: std::process::id() as i32,
+        netns: s.hosts.as_ref().map(|h| h.names[AGENT_HOSTS + 1].clone()),
+        silent: STRANGER_SILENT,
+        again: Some(Duration::from_secs(2)),
+        hold: 200,
+    });
     s.start_agent(0);
     s.start_agent(1);
     let mut tail = LogTail::new(path.clone());
@@ -567,6 +592,7 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
         std::thread::sleep(Duration::from_millis(20));
     };
     let wall = begun.elapsed();
+    let stranger = stranger.stop();
     tail.poll();
     // Its last lines: the reader of its stderr ends when the pipe closes.
     while let Ok(line) = ctl_lines.recv_timeout(Duration::from_secs(5)) {
@@ -614,6 +640,7 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
         moves: tail.moves,
         step_s,
         refused,
+        stranger,
         controller: controller_text,
     }
 }
@@ -629,6 +656,11 @@ fn report(o: &Outcome) {
         o.step_s * 1e3,
         o.started_again,
         o.refused
+    );
+    let st = o.stranger;
+    eprintln!(
+        "soak: a stranger found {} ports of the job, visited them {} times and got {} connections in (silent, garbage, one TLS byte, trickled)",
+        st.ports, st.visits, st.got_in
     );
     // Each move the job made for a fault is the soak's last fault before it was seen; joins
     // and rebalances are moves of their own.
@@ -682,6 +714,8 @@ fn a_short_soak_of_kills_stops_partitions_and_rejoins_loses_nothing() {
     report(&o);
     assert!(o.made.len() >= 8, "the soak made its faults: {}\n{}", o.made.len(), o.controller.join("\n"));
     assert!(o.moves.iter().any(|(_, r)| r["cause"] == "join"), "agents rejoined: {:?}", o.moves);
+    // The controller's port, /metrics and at least the four ranks' of the start.
+    assert!(o.stranger.ports >= 6, "the stranger found the job's ports: {:?}", o.stranger);
 }
 
 /// The full soak: at least 50 faults and 50 SIGKILLs, at `--lr 1e-5` over 4,500 steps (float
@@ -703,6 +737,7 @@ fn a_soak_of_fifty_kills_and_more_loses_nothing() {
     let made = |f: Fault| o.made.iter().any(|m| m.fault == f);
     assert!(made(Fault::WorkerStop), "a SIGSTOP");
     assert!(made(Fault::Partition) || !o.namespaces, "a partition");
+    assert!(o.stranger.ports >= 6, "the stranger found the job's ports: {:?}", o.stranger);
     assert!(o.moves.iter().any(|(_, r)| r["cause"] == "rollback"), "every holder of an expert lost at least once: {:?}", o.moves);
 }
 

@@ -1,6 +1,7 @@
 //! Helpers shared by the CLI tests (each test file is its own crate and pulls this in).
 
 pub mod hosts;
+pub mod stranger;
 pub mod wait;
 
 use std::process::{Command, Output};
