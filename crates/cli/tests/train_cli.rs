@@ -430,6 +430,50 @@ fn a_fallback_never_crosses_runs() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `--resume --checkpoint-dir ck/step-N` — one process and two workers — goes on from step N
+/// in the run's directory `ck`: the later checkpoints set aside, `latest` naming the new
+/// ones, nothing written inside the checkpoint resumed from. (Before, the run wrote
+/// `ck/step-N/step-M` and a `latest` inside the checkpoint, nested deeper each time.)
+#[test]
+fn a_resume_from_a_step_directory_goes_on_in_its_run() {
+    for (name, extra) in [("one-process", &[][..]), ("workers", &["--workers", "2"][..])] {
+        let d = dir(&format!("resume-step-dir-{name}"));
+        let ck = d.join("ck");
+        let run = |dir: &std::path::Path, steps: &str, resume: bool| {
+            let mut args = vec!["train", "--steps", steps, "--checkpoint-dir", dir.to_str().unwrap(), "--checkpoint-every", "4"];
+            args.extend(["--keep-checkpoints", "0"]);
+            args.extend(extra);
+            if resume {
+                args.push("--resume");
+            }
+            args.extend(tiny());
+            lazarus(&args)
+        };
+        let out = run(&ck, "8", false);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let step4 = ck.join("step-00000004");
+        let before: Vec<_> = std::fs::read_dir(&step4).unwrap().flatten().map(|e| e.file_name()).collect();
+        // A new run there is refused: it is a checkpoint.
+        let out = run(&step4, "12", false);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("is a checkpoint, not a run's directory"), "{name}: {err}");
+        let out = run(&step4, "12", true);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        assert!(err.contains("newer checkpoint(s) of this run would be written over; kept in"), "{name}: step 8 set aside: {err}");
+        let after: Vec<_> = std::fs::read_dir(&step4).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(after, before, "{name}: nothing written inside the checkpoint resumed from");
+        assert_eq!(std::fs::read_to_string(ck.join("latest")).unwrap().trim(), "step-00000012", "{name}");
+        for step in ["step-00000004", "step-00000008", "step-00000012"] {
+            assert!(ck.join(step).join("manifest.json").is_file(), "{name}: {step} in the run's directory");
+        }
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(ck.join("step-00000012/manifest.json")).unwrap()).unwrap();
+        let saved = manifest["extra"]["config"]["checkpoint_dir"].as_str().unwrap_or_default().to_string();
+        assert_eq!(std::path::Path::new(&saved), ck, "{name}: the run's directory, in its saved settings");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
 /// One process, and worker processes with and without recovery (the controller asks every
 /// worker to finish after the same step): SIGTERM ends the run at a step boundary with the final
 /// checkpoint, and `--resume` goes on from it.

@@ -173,16 +173,33 @@ fn step_dirs(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
         .collect())
 }
 
-/// The checkpoint of a run `dir` holds, by name, if it holds one: `latest`'s — or, where
+/// The checkpoint of a run `dir` holds (or is), by name, if it holds one: `latest`'s — or, where
 /// `latest` is missing (a crash between writing a checkpoint and naming it, an operator's
 /// mistake), the newest `step-*` directory. A directory that holds one is a run to go on with
 /// (`--resume` finds its newest intact checkpoint: [`load_intact`]), never one to start over in.
 pub fn held_checkpoint(dir: &Path) -> Option<String> {
+    if dir.join(MANIFEST_FILE).exists() {
+        return Some(format!("{} itself", dir.file_name()?.to_string_lossy()));
+    }
     if let Ok(name) = std::fs::read_to_string(dir.join(LATEST_FILE)) {
         return Some(name.trim().to_string());
     }
     let newest = step_dirs(dir).ok()?.into_iter().max_by_key(|(step, _)| *step)?;
     Some(format!("{} (no `latest`)", newest.1.file_name()?.to_string_lossy()))
+}
+
+/// The run directory a run resumed from `dir` goes on writing in: `dir`'s parent when `dir` is
+/// one of a run's `step-N` checkpoints (its parent names a run or a latest checkpoint) — so
+/// that `--resume --checkpoint-dir ck/step-N` goes on in `ck`, with the checkpoints after step N
+/// set aside, not in new directories nested inside the checkpoint — else `dir`.
+pub fn run_dir_of(dir: &Path) -> PathBuf {
+    let is_step = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).is_some_and(|n| n.parse::<u64>().is_ok());
+    match dir.parent() {
+        Some(parent) if is_step && dir.join(MANIFEST_FILE).exists() && (parent.join(RUN_FILE).exists() || parent.join(LATEST_FILE).exists()) => {
+            parent.to_path_buf()
+        }
+        _ => dir.to_path_buf(),
+    }
 }
 
 /// The checkpoint `dir/latest` points at, or `dir` itself if it is a checkpoint directory.

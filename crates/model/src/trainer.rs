@@ -415,7 +415,8 @@ impl Trainer {
 
     /// Continue a run from the checkpoint in `dir` (or `dir/latest`, or the newest intact one
     /// if that one is damaged: [`checkpoint::load_intact`], which says why). `steps`, when given,
-    /// replaces the total step count; everything else comes from the checkpoint.
+    /// replaces the total step count; everything else comes from the checkpoint. It goes on
+    /// writing checkpoints in the run's directory ([`checkpoint::run_dir_of`]).
     pub fn resume(dir: &Path, steps: Option<u64>) -> Result<Self> {
         Self::resume_on(dir, steps, &Device::Cpu)
     }
@@ -431,7 +432,7 @@ impl Trainer {
         if let Some(s) = steps {
             config.steps = s;
         }
-        config.checkpoint_dir = Some(dir.to_path_buf());
+        config.checkpoint_dir = Some(checkpoint::run_dir_of(dir));
         let mut trainer = Self::build(config, Start::Resumed(state.cursor), device)?;
         set_weights(&trainer.model, &ck)?;
         let params = trainer.model.params().clone();

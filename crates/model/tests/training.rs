@@ -123,6 +123,30 @@ fn a_checkpoint_directory_never_mixes_two_runs() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A resume from one of a run's step directories goes on in the run's directory; one from a
+/// checkpoint copied out on its own (no run beside it), or from the run's directory, in the
+/// directory given.
+#[test]
+fn a_resume_writes_in_its_runs_directory() {
+    use lazarus_model::checkpoint;
+    let dir = temp_dir("run-dir");
+    let mut t = Trainer::new(TrainConfig { run: Some("r".into()), keep_checkpoints: 0, ..small() }).unwrap();
+    checkpoint::start_run(&dir, "r").unwrap();
+    t.step().unwrap();
+    let step1 = t.save_checkpoint(&dir).unwrap();
+    let from_step = Trainer::resume(&step1, None).unwrap();
+    assert_eq!(from_step.config.checkpoint_dir.as_deref(), Some(dir.as_path()));
+    let from_run = Trainer::resume(&dir, None).unwrap();
+    assert_eq!(from_run.config.checkpoint_dir.as_deref(), Some(dir.as_path()));
+    let alone = temp_dir("run-dir-alone").join("step-00000001");
+    std::fs::create_dir_all(alone.parent().unwrap()).unwrap();
+    std::fs::rename(&step1, &alone).unwrap();
+    let from_alone = Trainer::resume(&alone, None).unwrap();
+    assert_eq!(from_alone.config.checkpoint_dir.as_deref(), Some(alone.as_path()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(alone.parent().unwrap());
+}
+
 /// One flipped bit inside a tensor still parses as safetensors: only the checksum finds it.
 #[test]
 fn a_flipped_byte_inside_a_tensor_is_found_on_load() {

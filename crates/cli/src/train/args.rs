@@ -605,6 +605,14 @@ fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool, overwrite: bool) -> Res
                 bail!("--resume: {} does not exist (no checkpoint to continue)", dir.display());
             }
         } else {
+            // A checkpoint is no place for another run's: --resume goes on from it.
+            if dir.join(lazarus_model::checkpoint::MANIFEST_FILE).exists() {
+                bail!(
+                    "--checkpoint-dir {} is a checkpoint, not a run's directory: add --resume to go on from it, or give \
+                     another directory for a new run",
+                    dir.display()
+                );
+            }
             // A fresh run would replace another run's checkpoints and move `latest` back.
             if let Some(held) = lazarus_model::checkpoint::held_checkpoint(dir).filter(|_| !overwrite) {
                 bail!(
@@ -615,7 +623,8 @@ fn check_checkpoint_dir(cfg: &TrainConfig, resume: bool, overwrite: bool) -> Res
             }
             std::fs::create_dir_all(dir).with_context(|| format!("--checkpoint-dir: cannot create {}", dir.display()))?;
         }
-        lock_checkpoint_dir(dir)?;
+        // The directory the run writes in (a resumed step's run's).
+        lock_checkpoint_dir(&lazarus_model::checkpoint::run_dir_of(dir))?;
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         };
         let t = Trainer::resume_on(&dir, resume_steps(args)?, &device).with_context(|| format!("resuming from {}", dir.display()))?;
         check_resumed_config(args, &t.config)?;
-        args::set_aside_newer(&dir, t.step)?;
+        args::set_aside_newer(t.config.checkpoint_dir.as_deref().unwrap_or(&dir), t.step)?;
         tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {

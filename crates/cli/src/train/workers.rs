@@ -496,7 +496,7 @@ fn run_job(
         };
         let t = Trainer::resume(&dir, resume_steps(args)?).with_context(|| format!("resuming from {}", dir.display()))?;
         check_resumed_config(args, &t.config)?;
-        super::args::set_aside_newer(&dir, t.step)?;
+        super::args::set_aside_newer(t.config.checkpoint_dir.as_deref().unwrap_or(&dir), t.step)?;
         tracing::info!("resuming from {} at step {}", dir.display(), t.step);
         (t, Some(dir))
     } else {
