@@ -153,6 +153,10 @@ fn timeouts_are_reported_not_hung() {
 #[test]
 fn a_dropped_peer_is_peer_lost_for_everyone() {
     let all_through = std::sync::Arc::new(std::sync::Barrier::new(3));
+    // The survivors keep their connections until both have seen the loss: one that returned
+    // and dropped its transport first would be a second peer lost for the other (a loaded
+    // machine reported `PeerLost { peer: 0 }` to rank 2 that way).
+    let both_saw_it = std::sync::Arc::new(std::sync::Barrier::new(2));
     let out = on_group(3, move |r, t| {
         let mut g = Group::world(3);
         barrier(t, &mut g, T).unwrap();
@@ -165,7 +169,9 @@ fn a_dropped_peer_is_peer_lost_for_everyone() {
         let start = Instant::now();
         let mut buf = vec![1.0f32; 4];
         let e = all_reduce_sum_f32(t, &mut g, &mut buf, T).unwrap_err();
-        Some((e, start.elapsed()))
+        let took = start.elapsed();
+        both_saw_it.wait();
+        Some((e, took))
     });
     for (r, o) in out.iter().enumerate() {
         if r == 1 {
