@@ -26,6 +26,7 @@ mod membership;
 mod messages;
 mod rebalance;
 mod recovery;
+use recovery::StopCause;
 mod rendezvous;
 mod resume;
 #[cfg(test)]
@@ -281,7 +282,7 @@ impl<S: StepRecord> Controller<S> {
         self.act_on_a_weighing(&mut out);
         self.ask_for_a_weighing(&mut out);
         self.pause_for_joiners(now, &mut out);
-        self.try_recover(&mut out);
+        self.choose_move(&mut out);
         self.end_after_a_loss(now, &mut out);
         self.stop_if_not_started(now, &mut out);
         self.ask_to_finish(&mut out);
@@ -317,7 +318,8 @@ impl<S: StepRecord> Controller<S> {
             Event::Joined { workers } => self.joined(now, workers),
             Event::Listening { node, epoch, addr } => self.listening(now, node, epoch, addr, out),
             Event::Ready { node, epoch } => self.ready(now, node, epoch, out),
-            Event::StepFailed { node, epoch, report } => self.step_failed(now, node, epoch, report),
+            Event::StepFailed { node, epoch, report } => self.worker_stopped(now, node, epoch, report, StopCause::Failed),
+            Event::Paused { node, epoch, report } => self.worker_stopped(now, node, epoch, report, StopCause::Paused),
             Event::StepDone { epoch, step, steps, loads, seconds, moved } => self.step_done(epoch, step, steps, &loads, seconds, moved),
             Event::Checkpointed { step } => self.checkpoint = Some(step),
             Event::Done { node } => self.done(node),

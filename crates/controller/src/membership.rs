@@ -309,6 +309,7 @@ pub(super) fn heard_from<S>(event: &Event<S>) -> Option<NodeId> {
         | Event::Listening { node, .. }
         | Event::Ready { node, .. }
         | Event::StepFailed { node, .. }
+        | Event::Paused { node, .. }
         | Event::Done { node } => Some(*node),
         _ => None,
     }

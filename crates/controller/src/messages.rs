@@ -70,6 +70,9 @@ pub enum Event<S> {
     Ready { node: NodeId, epoch: u64 },
     /// The node's step failed at `epoch`; where it stopped.
     StepFailed { node: NodeId, epoch: u64, report: StopReport<S> },
+    /// The node stopped after a step at `epoch` because the controller asked it to (the pause
+    /// before a planned move: a join, a rebalance, a drain, a stop), not a failure; where.
+    Paused { node: NodeId, epoch: u64, report: StopReport<S> },
     /// `steps` steps finished at `epoch`, the last being `step`, in `seconds` (a worker's
     /// report: one step; the simulator: a stretch at once): the load monitor takes their
     /// expert loads, summed. The first report after a move also brings what that move cost.

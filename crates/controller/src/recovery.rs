@@ -28,9 +28,9 @@ struct Survivors<S> {
 }
 
 impl<S: StepRecord> Controller<S> {
-    /// A survivor's step failed (or it paused): where it stopped. A report from an epoch the
-    /// node was not told to be in is stale and ignored.
-    pub(super) fn step_failed(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport<S>) {
+    /// A survivor's step failed, or it paused as asked: where it stopped. A report from an epoch
+    /// the node was not told to be in is stale and ignored.
+    pub(super) fn worker_stopped(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport<S>, how: StopCause) {
         self.last_seen.insert(node, now);
         // A job taken back also hears reports of the epoch before the saved one (the old
         // controller was lost after it saved a move, before every worker heard of it).
@@ -43,7 +43,11 @@ impl<S: StepRecord> Controller<S> {
             return self.lose(node, &format!("stopped at step {}", report.steps_done));
         }
         if !matches!(self.phase, Phase::Collecting { .. }) {
-            self.note(format!("epoch {}: worker {node} stopped at step {}", self.job_epoch(epoch), report.steps_done));
+            let verb = match how {
+                StopCause::Failed => "stopped",
+                StopCause::Paused => "paused",
+            };
+            self.note(format!("epoch {}: worker {node} {verb} at step {}", self.job_epoch(epoch), report.steps_done));
             self.phase = Phase::Collecting { reports: BTreeMap::new() };
         }
         let report = self.sanitized(report);
@@ -53,7 +57,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     /// Once every survivor has said where it stopped: the new plan, or a rollback, or a stop.
-    pub(super) fn try_recover(&mut self, out: &mut Vec<Command<S>>) {
+    pub(super) fn choose_move(&mut self, out: &mut Vec<Command<S>>) {
         let Phase::Collecting { reports } = &mut self.phase else { return };
         // (The count first: one report in, of a thousand workers, is not a reason to look at all.)
         if reports.len() < self.alive.len() || self.alive.iter().any(|n| !reports.contains_key(n)) {
@@ -429,4 +433,13 @@ mod tests {
             prop_assert_eq!(got.len(), layers);
         }
     }
+}
+
+/// How a survivor came to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StopCause {
+    /// Its step (or its move) failed.
+    Failed,
+    /// It paused after a step, as the controller asked.
+    Paused,
 }

@@ -37,9 +37,9 @@ fn a_new_controller_keeps_the_plan_and_moves_every_member_to_the_next_epoch_with
     assert!(c.decide(t1 + 5 * SEC, Event::Tick).is_empty());
     // Every member paused after step 8; one of them was told of nothing newer.
     for n in [10, 11, 12] {
-        assert!(c.decide(t1 + 5 * SEC, Event::StepFailed { node: n, epoch: 0, report: paused(&old, n, 8) }).is_empty());
+        assert!(c.decide(t1 + 5 * SEC, Event::Paused { node: n, epoch: 0, report: paused(&old, n, 8) }).is_empty());
     }
-    let out = c.decide(t1 + 5 * SEC, Event::StepFailed { node: 13, epoch: 0, report: paused(&old, 13, 8) });
+    let out = c.decide(t1 + 5 * SEC, Event::Paused { node: 13, epoch: 0, report: paused(&old, 13, 8) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
     assert_eq!((m.epoch, m.commit_to, m.cause), (1, 8, MoveCause::Controller));
     assert!(m.transfers.is_empty(), "every member holds what it held: {:?}", m.transfers);
@@ -57,7 +57,7 @@ fn a_member_that_never_comes_back_is_lost_at_the_end_of_the_window_and_the_job_r
     let t1 = t0 + 30 * SEC;
     let mut c = Controller::resumed(spec(4, 3), state, None, t1, 10 * SEC).unwrap();
     for n in [10, 11, 13] {
-        c.decide(t1 + SEC, Event::StepFailed { node: n, epoch: 0, report: paused(&old, n, 7) });
+        c.decide(t1 + SEC, Event::Paused { node: n, epoch: 0, report: paused(&old, n, 7) });
     }
     // The survivors keep their leases by heartbeats; node 12 is never heard from.
     // (Every quarter lease: a longer gap would be a stall of the controller, which extends leases.)
@@ -126,7 +126,7 @@ fn a_member_heard_from_after_the_takeover_is_lost_by_its_usual_lease() {
     let mut c = Controller::resumed(spec(4, 3), state, Some(8), t1, 10 * SEC).unwrap();
     c.decide(t1, Event::Tick);
     for n in [10, 11, 12, 13] {
-        c.decide(t1, Event::StepFailed { node: n, epoch: 0, report: paused(&old, n, 8) });
+        c.decide(t1, Event::Paused { node: n, epoch: 0, report: paused(&old, n, 8) });
     }
     assert_eq!(c.epoch(), 1, "moved");
     // Node 13 falls silent; the others keep beating every quarter lease.
