@@ -206,7 +206,7 @@ pub fn train_benchmark(
     let device = trainer.model.device().clone();
     let (b, t) = (config.batch_size, config.seq_len);
     let mc = config.model.clone();
-    let (d, f, e, v, h) = (mc.d_model, mc.d_ff, mc.n_experts, mc.vocab_size, mc.n_heads);
+    let (d, f) = (mc.d_model, mc.d_ff);
     for _ in 0..warmup.max(1) {
         trainer.step()?;
     }
@@ -216,34 +216,8 @@ pub fn train_benchmark(
     let y = Tensor::from_vec(probe.targets, (b, t), &device)?;
     let loads: Vec<Vec<u64>> = trainer.model.forward(&x, &y, None)?.moe.iter().map(|m| m.load.clone()).collect();
 
-    let mut rng = SplitMix64::new(11);
-    // Each MoE layer's expert rows, grouped by expert as the step groups them: (layer, counts, x).
-    let mut expert_inputs = Vec::new();
-    let mut expert_flops = 0.0;
-    for (layer, layer_loads) in loads.iter().enumerate() {
-        let counts: Vec<usize> = layer_loads.iter().map(|&n| n as usize).collect();
-        let rows: usize = counts.iter().sum();
-        expert_flops += counts.iter().map(|&n| flops(&[(1, n, d, f), (1, n, f, d)])).sum::<f64>();
-        expert_inputs.push((layer, counts, Var::from_tensor(&random(&[rows, d], &mut rng, &device)?)?));
-    }
-
-    // Every matmul of one forward pass.
-    let n_tok = b * t;
-    let mut shapes: Vec<MatmulShape> = Vec::new();
-    for block in 0..mc.n_layers {
-        shapes.push((1, n_tok, d, 3 * d));
-        shapes.push((b * h, t, d / h, t));
-        shapes.push((b * h, t, t, d / h));
-        shapes.push((1, n_tok, d, d));
-        if mc.is_moe(block) {
-            shapes.push((1, n_tok, d, e));
-        } else {
-            shapes.push((1, n_tok, d, f));
-            shapes.push((1, n_tok, f, d));
-        }
-    }
-    shapes.push((1, n_tok, d, v));
-    let step_flops = 3.0 * (flops(&shapes) + expert_flops);
+    let (expert_inputs, expert_flops) = expert_rows(&loads, d, f, &device)?;
+    let step_flops = 3.0 * (flops(&forward_matmuls(&mc, b, t)) + expert_flops);
 
     // Rounds interleave the two measurements so that a slow spell of this (shared, noisy)
     // machine hits both alike; each figure is the median over rounds.
@@ -279,26 +253,7 @@ pub fn train_benchmark(
         profile::enable(false);
         used_after_step.extend(lazarus_model::device::gpu_memory(&device).map(|m| m.used));
 
-        // Expert FFNs alone, forward+backward, each layer's experts as the one node the step runs
-        // them in, with the token counts measured above.
-        let start = Instant::now();
-        for (layer, counts, xin) in &expert_inputs {
-            let weights: Vec<[Tensor; 4]> = (0..counts.len())
-                .map(|expert| {
-                    let vars = trainer.model.expert_vars(*layer, expert)?;
-                    let refs: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
-                    Ok(lazarus_model::ops::ffn_weights(&refs)?)
-                })
-                .collect::<Result<_>>()?;
-            let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref()).collect();
-            let sink = lazarus_model::ops::WeightGradSink::new();
-            let act = trainer.model.expert_act();
-            let y = lazarus_model::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, act, &sink)?;
-            let mut grads = y.sum_all()?.backward()?;
-            sink.drain_into(&mut grads)?;
-        }
-        device.synchronize()?;
-        expert_times.push(start.elapsed().as_secs_f64());
+        expert_times.push(time_experts(&trainer, &expert_inputs, &device)?);
     }
     #[cfg(feature = "cuda")]
     profile::enable_gpu(None);
@@ -336,6 +291,70 @@ pub fn train_benchmark(
         gemms_per_step: per_step(gemms),
         gpu_kernels: trainer.model.gpu_kernels(),
     })
+}
+
+/// One MoE layer's expert rows, grouped by expert as the step groups them: (layer, each
+/// expert's rows, the rows as one input).
+type ExpertInput = (usize, Vec<usize>, Var);
+
+/// Random rows for each MoE layer's experts in the counts of one real forward pass (`loads`),
+/// and the flops of their forward.
+fn expert_rows(loads: &[Vec<u64>], d: usize, f: usize, device: &Device) -> Result<(Vec<ExpertInput>, f64)> {
+    let mut rng = SplitMix64::new(11);
+    let mut inputs = Vec::new();
+    let mut expert_flops = 0.0;
+    for (layer, layer_loads) in loads.iter().enumerate() {
+        let counts: Vec<usize> = layer_loads.iter().map(|&n| n as usize).collect();
+        let rows: usize = counts.iter().sum();
+        expert_flops += counts.iter().map(|&n| flops(&[(1, n, d, f), (1, n, f, d)])).sum::<f64>();
+        inputs.push((layer, counts, Var::from_tensor(&random(&[rows, d], &mut rng, device)?)?));
+    }
+    Ok((inputs, expert_flops))
+}
+
+/// Every matmul of one forward pass of model `mc` on a batch of `b` sequences of `t` tokens,
+/// the experts' aside.
+fn forward_matmuls(mc: &lazarus_model::ModelConfig, b: usize, t: usize) -> Vec<MatmulShape> {
+    let (d, f, e, v, h) = (mc.d_model, mc.d_ff, mc.n_experts, mc.vocab_size, mc.n_heads);
+    let n_tok = b * t;
+    let mut shapes: Vec<MatmulShape> = Vec::new();
+    for block in 0..mc.n_layers {
+        shapes.push((1, n_tok, d, 3 * d));
+        shapes.push((b * h, t, d / h, t));
+        shapes.push((b * h, t, t, d / h));
+        shapes.push((1, n_tok, d, d));
+        if mc.is_moe(block) {
+            shapes.push((1, n_tok, d, e));
+        } else {
+            shapes.push((1, n_tok, d, f));
+            shapes.push((1, n_tok, f, d));
+        }
+    }
+    shapes.push((1, n_tok, d, v));
+    shapes
+}
+
+/// Expert FFNs alone, forward+backward, each layer's experts as the one node the step runs them
+/// in, with the token counts measured: the seconds they took.
+fn time_experts(trainer: &Trainer, inputs: &[ExpertInput], device: &Device) -> Result<f64> {
+    let start = Instant::now();
+    for (layer, counts, xin) in inputs {
+        let weights: Vec<[Tensor; 4]> = (0..counts.len())
+            .map(|expert| {
+                let vars = trainer.model.expert_vars(*layer, expert)?;
+                let refs: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                Ok(lazarus_model::ops::ffn_weights(&refs)?)
+            })
+            .collect::<Result<_>>()?;
+        let refs: Vec<[&Tensor; 4]> = weights.iter().map(|w| w.each_ref()).collect();
+        let sink = lazarus_model::ops::WeightGradSink::new();
+        let act = trainer.model.expert_act();
+        let y = lazarus_model::ops::grouped_expert_ffn_to_sink(xin.as_tensor(), &refs, counts, act, &sink)?;
+        let mut grads = y.sum_all()?.backward()?;
+        sink.drain_into(&mut grads)?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 #[cfg(test)]

@@ -123,6 +123,60 @@ struct Report<'a> {
 }
 
 pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
+    let spec = bench_spec(args)?;
+    crate::io::check_memory(
+        spec.memory_estimate(args.workers),
+        &format!("bench moe-layer ({} workers, each drawing {} experts of {} x {})", args.workers, args.experts, args.d_model, args.d_ff),
+        "--d-model, --d-ff, --experts, --tokens or --workers",
+    )?;
+    let (cores_per_worker, confine) = confinement(args);
+    if !args.json {
+        tracing::info!(
+            "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts ({}), top-{}, {} tokens per worker, ratios {:?}",
+            args.workers,
+            match (cores_per_worker, args.cpus_per_worker) {
+                (Some(c), _) => format!(" pinned to {c} cores each"),
+                (None, Some(f)) => format!(" capped at {f} CPUs each"),
+                _ => " sharing the cores".to_string(),
+            },
+            args.d_model,
+            args.d_ff,
+            args.experts,
+            args.expert_act,
+            args.top_k,
+            args.tokens,
+            args.ratios
+        );
+    }
+    let results = lazarus_bench::moe_layer::run_moe_layer_bench_workers(&spec, args.workers, confine, |_| Ok(()))?;
+    let s = Summary::of(&results, &args.ratios);
+    if args.json {
+        let report = Report {
+            results: &results,
+            workers: args.workers,
+            d_model: args.d_model,
+            d_ff: args.d_ff,
+            experts: args.experts,
+            top_k: args.top_k,
+            expert_act: &args.expert_act,
+            tokens_per_worker: args.tokens,
+            cores_per_worker,
+            cpus_per_worker: args.cpus_per_worker,
+            max_imbalance: spec.max_imbalance,
+            lazarus_spread: s.spread,
+            lazarus_unguarded_spread: s.unguarded_spread,
+            lazarus_kept_under_skew: s.kept_under_skew,
+            lazarus_ci95_width: s.ci95_width,
+            speedup: s.speedup,
+            speedup_vs_skip_padding: s.speedup_vs_skip_padding,
+        };
+        return crate::io::println(&serde_json::to_string(&report)?);
+    }
+    crate::io::print(&table(&results, &s))
+}
+
+/// The benchmark's spec from its flags, each checked.
+fn bench_spec(args: &MoeLayerBenchArgs) -> Result<MoeLayerBenchSpec> {
     let bad = |field: &str, v: String, why: &str| -> Result<()> { bail!("invalid --{field}: {v} ({why})") };
     if args.workers == 0 || args.workers > 64 {
         bad("workers", args.workers.to_string(), "expected 1 to 64")?;
@@ -162,7 +216,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     }
     let cases: Vec<BenchCase> =
         args.ratios.iter().flat_map(|&ratio| systems.iter().map(move |&system| BenchCase { system, ratio })).collect();
-    let spec = MoeLayerBenchSpec {
+    Ok(MoeLayerBenchSpec {
         d_model: args.d_model,
         d_ff: args.d_ff,
         experts: args.experts,
@@ -176,14 +230,13 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
         seed: 7,
         cases,
         timeout_s: args.comm_timeout,
-    };
-    crate::io::check_memory(
-        spec.memory_estimate(args.workers),
-        &format!("bench moe-layer ({} workers, each drawing {} experts of {} x {})", args.workers, args.experts, args.d_model, args.d_ff),
-        "--d-model, --d-ff, --experts, --tokens or --workers",
-    )?;
-    // Without a flag, each worker gets cores of its own when the machine has enough (an
-    // accelerator each, as the comparison needs); otherwise they share, and the user is told.
+    })
+}
+
+/// How the workers are confined: without a flag, each worker gets cores of its own when the
+/// machine has enough (an accelerator each, as the comparison needs); otherwise they share,
+/// and the user is told. The cores each worker gets, and the confinement.
+fn confinement(args: &MoeLayerBenchArgs) -> (Option<usize>, Confinement) {
     let have = lazarus_control::allowed_cpus().len();
     let cores_per_worker = match (args.cores_per_worker, args.cpus_per_worker) {
         (None, None) if have >= args.workers => Some(have / args.workers),
@@ -202,90 +255,77 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             0.5 * have as f64 / args.workers as f64
         );
     }
-    if !args.json {
-        tracing::info!(
-            "bench moe-layer: {} workers{}, d_model {}, d_ff {}, {} experts ({}), top-{}, {} tokens per worker, ratios {:?}",
-            args.workers,
-            match (cores_per_worker, args.cpus_per_worker) {
-                (Some(c), _) => format!(" pinned to {c} cores each"),
-                (None, Some(f)) => format!(" capped at {f} CPUs each"),
-                _ => " sharing the cores".to_string(),
-            },
-            args.d_model,
-            args.d_ff,
-            args.experts,
-            args.expert_act,
-            args.top_k,
-            args.tokens,
-            args.ratios
-        );
-    }
-    let results = lazarus_bench::moe_layer::run_moe_layer_bench_workers(&spec, args.workers, confine, |_| Ok(()))?;
-    let spread_of = |system: BenchSystem| -> f64 {
-        let (lo, hi) = results
-            .iter()
-            .filter(|r| r.system == system)
-            .fold((f64::INFINITY, 0.0f64), |(a, b), r| (a.min(r.tokens_per_s), b.max(r.tokens_per_s)));
-        if hi > 0.0 {
-            (hi - lo) / hi
-        } else {
-            f64::NAN
-        }
-    };
-    let spread = spread_of(BenchSystem::Lazarus);
-    let kept_under_skew = {
-        let lazarus = |skewed: bool| results.iter().filter(move |r| r.system == BenchSystem::Lazarus && (r.ratio > 1.0) == skewed);
-        match lazarus(false).find(|r| r.ratio == 1.0) {
-            Some(balanced) => lazarus(true).map(|r| r.tokens_per_s / balanced.tokens_per_s).fold(f64::NAN, f64::min),
-            None => f64::NAN,
-        }
-    };
-    let unguarded_spread = spread_of(BenchSystem::LazarusUnguarded);
-    let ci95_width = results
-        .iter()
-        .filter(|r| r.system == BenchSystem::Lazarus)
-        .map(|r| (r.tokens_per_s_ci95.1 - r.tokens_per_s_ci95.0) / r.tokens_per_s)
-        .fold(f64::NAN, f64::max);
-    let ratio_to = |base: BenchSystem| -> Vec<(f64, f64)> {
-        args.ratios
-            .iter()
-            .map(|&k| {
-                let get = |s: BenchSystem| results.iter().find(|r| r.system == s && r.ratio == k).map_or(f64::NAN, |r| r.tokens_per_s);
-                (k, get(BenchSystem::Lazarus) / get(base))
-            })
-            .collect()
-    };
-    let speedup = ratio_to(BenchSystem::StaticEp);
-    let speedup_vs_skip_padding = ratio_to(BenchSystem::StaticEpSkipPadding);
-    if args.json {
-        let report = Report {
-            results: &results,
-            workers: args.workers,
-            d_model: args.d_model,
-            d_ff: args.d_ff,
-            experts: args.experts,
-            top_k: args.top_k,
-            expert_act: &args.expert_act,
-            tokens_per_worker: args.tokens,
-            cores_per_worker,
-            cpus_per_worker: args.cpus_per_worker,
-            max_imbalance,
-            lazarus_spread: spread,
-            lazarus_unguarded_spread: unguarded_spread,
-            lazarus_kept_under_skew: kept_under_skew,
-            lazarus_ci95_width: ci95_width,
-            speedup,
-            speedup_vs_skip_padding,
+    (cores_per_worker, confine)
+}
+
+/// What the cases say together (NaN where a figure's cases were not run).
+struct Summary {
+    /// (max − min) / max of Lazarus tokens/s across the ratios, and without the throughput guard.
+    spread: f64,
+    unguarded_spread: f64,
+    /// The least Lazarus tokens/s at a skewed ratio over its tokens/s at 1:1.
+    kept_under_skew: f64,
+    /// The widest 95% CI of a Lazarus median, over that median.
+    ci95_width: f64,
+    /// (ratio, lazarus / static-ep) and (ratio, lazarus / static-ep skipping padding).
+    speedup: Vec<(f64, f64)>,
+    speedup_vs_skip_padding: Vec<(f64, f64)>,
+}
+
+impl Summary {
+    fn of(results: &[lazarus_bench::moe_layer::BenchResult], ratios: &[f64]) -> Self {
+        let spread_of = |system: BenchSystem| -> f64 {
+            let (lo, hi) = results
+                .iter()
+                .filter(|r| r.system == system)
+                .fold((f64::INFINITY, 0.0f64), |(a, b), r| (a.min(r.tokens_per_s), b.max(r.tokens_per_s)));
+            if hi > 0.0 {
+                (hi - lo) / hi
+            } else {
+                f64::NAN
+            }
         };
-        return crate::io::println(&serde_json::to_string(&report)?);
+        let kept_under_skew = {
+            let lazarus = |skewed: bool| results.iter().filter(move |r| r.system == BenchSystem::Lazarus && (r.ratio > 1.0) == skewed);
+            match lazarus(false).find(|r| r.ratio == 1.0) {
+                Some(balanced) => lazarus(true).map(|r| r.tokens_per_s / balanced.tokens_per_s).fold(f64::NAN, f64::min),
+                None => f64::NAN,
+            }
+        };
+        let ci95_width = results
+            .iter()
+            .filter(|r| r.system == BenchSystem::Lazarus)
+            .map(|r| (r.tokens_per_s_ci95.1 - r.tokens_per_s_ci95.0) / r.tokens_per_s)
+            .fold(f64::NAN, f64::max);
+        let ratio_to = |base: BenchSystem| -> Vec<(f64, f64)> {
+            ratios
+                .iter()
+                .map(|&k| {
+                    let get = |s: BenchSystem| results.iter().find(|r| r.system == s && r.ratio == k).map_or(f64::NAN, |r| r.tokens_per_s);
+                    (k, get(BenchSystem::Lazarus) / get(base))
+                })
+                .collect()
+        };
+        Summary {
+            spread: spread_of(BenchSystem::Lazarus),
+            unguarded_spread: spread_of(BenchSystem::LazarusUnguarded),
+            kept_under_skew,
+            ci95_width,
+            speedup: ratio_to(BenchSystem::StaticEp),
+            speedup_vs_skip_padding: ratio_to(BenchSystem::StaticEpSkipPadding),
+        }
     }
+}
+
+/// The cases as a table, and the summary's lines under it.
+fn table(results: &[lazarus_bench::moe_layer::BenchResult], s: &Summary) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
         "{:<11} {:>6} {:>12} {:>15} {:>10} {:>11} {:>10} {:>10}  replicas",
         "system", "ratio", "tokens/s", "95% CI", "step s", "wire ratio", "imbalance", "P(1 fail)"
     );
-    for r in &results {
+    for r in results {
         let system = match r.system {
             BenchSystem::Lazarus => "lazarus",
             BenchSystem::LazarusUnguarded => "unguarded",
@@ -311,15 +351,16 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
     let _ = writeln!(
         out,
         "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); widest 95% CI of a lazarus median: {}",
-        shown(100.0 * spread, "%"),
-        shown(100.0 * unguarded_spread, "%"),
-        shown(100.0 * ci95_width, "%")
+        shown(100.0 * s.spread, "%"),
+        shown(100.0 * s.unguarded_spread, "%"),
+        shown(100.0 * s.ci95_width, "%")
     );
-    let _ = writeln!(out, "lazarus tokens/s at its most costly skew: {} of its 1:1 figure", shown(100.0 * kept_under_skew, "%"));
-    for ((k, s), (_, skip)) in speedup.iter().zip(&speedup_vs_skip_padding).filter(|((_, s), (_, skip))| s.is_finite() || skip.is_finite())
+    let _ = writeln!(out, "lazarus tokens/s at its most costly skew: {} of its 1:1 figure", shown(100.0 * s.kept_under_skew, "%"));
+    for ((k, sp), (_, skip)) in
+        s.speedup.iter().zip(&s.speedup_vs_skip_padding).filter(|((_, sp), (_, skip))| sp.is_finite() || skip.is_finite())
     {
         let _ =
-            writeln!(out, "lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*s, "x"), shown(*skip, "x"));
+            writeln!(out, "lazarus / static-ep at {k}:1: {} (vs static EP skipping padding rows: {})", shown(*sp, "x"), shown(*skip, "x"));
     }
-    crate::io::print(&out)
+    out
 }

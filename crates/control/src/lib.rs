@@ -25,6 +25,7 @@ pub mod agent;
 pub mod control_loop;
 pub mod controller;
 mod error;
+pub mod events;
 pub mod fleet;
 pub mod hub;
 pub mod launcher;

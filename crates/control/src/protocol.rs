@@ -419,7 +419,7 @@ pub enum WorkerEvent {
         last: Option<CommittedStep>,
         /// The expert snapshots it keeps for other nodes.
         #[serde(default)]
-        snapshots: Vec<crate::controller::SnapshotHeld>,
+        snapshots: Vec<lazarus_controller::SnapshotHeld>,
     },
     /// This worker left the job after the move that drained its node (it held nothing any
     /// more); it exits.
@@ -431,7 +431,7 @@ pub enum WorkerEvent {
         steps_done: u64,
         holds: Vec<Vec<usize>>,
         #[serde(default)]
-        snapshots: Vec<crate::controller::SnapshotHeld>,
+        snapshots: Vec<lazarus_controller::SnapshotHeld>,
     },
     /// The held-out loss after `step` (rank 0, for every rank: [`HeldOut`]).
     Evaluated {

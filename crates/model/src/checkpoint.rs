@@ -195,7 +195,9 @@ pub fn held_checkpoint(dir: &Path) -> Option<String> {
 pub fn run_dir_of(dir: &Path) -> PathBuf {
     let is_step = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).is_some_and(|n| n.parse::<u64>().is_ok());
     match dir.parent() {
-        Some(parent) if is_step && dir.join(MANIFEST_FILE).exists() && (parent.join(RUN_FILE).exists() || parent.join(LATEST_FILE).exists()) => {
+        Some(parent)
+            if is_step && dir.join(MANIFEST_FILE).exists() && (parent.join(RUN_FILE).exists() || parent.join(LATEST_FILE).exists()) =>
+        {
             parent.to_path_buf()
         }
         _ => dir.to_path_buf(),

@@ -1,29 +1,15 @@
-//! Training data: a byte-level tokenizer, text files, token shards, a built-in synthetic corpus,
-//! and a deterministic sampler whose cursor resumes exactly.
+//! Training data: text files, JSON lines, token shards, a built-in synthetic corpus, and a
+//! deterministic sampler whose cursor resumes exactly.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::files::read_bounded;
 use crate::rng::SplitMix64;
 
-/// Bytes are tokens: vocabulary 256, nothing to train or ship.
-pub struct ByteTokenizer;
-
-impl ByteTokenizer {
-    pub const VOCAB: usize = 256;
-
-    pub fn encode(text: &str) -> Vec<u32> {
-        text.bytes().map(u32::from).collect()
-    }
-
-    /// Lossy for token sequences that split a UTF-8 character.
-    pub fn decode(tokens: &[u32]) -> String {
-        let bytes: Vec<u8> = tokens.iter().map(|&t| t.min(255) as u8).collect();
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-}
+pub use crate::tokenizer::ByteTokenizer;
 
 /// Where training tokens come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,31 +139,6 @@ pub fn json_lines_text(path: &Path) -> Result<String> {
 pub const MAX_SYNTHETIC_BYTES: usize = 1 << 30;
 /// Largest data file read (text or one token shard).
 pub const MAX_DATA_BYTES: u64 = 16 << 30;
-
-/// The bytes of the regular file `path`, at most `max` of them: a device (`/dev/zero`), a pipe
-/// or a directory is an error naming the path, not an endless or failed read.
-pub(crate) fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
-    let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
-    if !meta.is_file() {
-        return Err(ModelError::Data { path: path.to_path_buf(), reason: "is not a regular file".into() });
-    }
-    if meta.len() > max {
-        return Err(ModelError::Data {
-            path: path.to_path_buf(),
-            reason: format!("{} bytes is more than the {max} this reads", meta.len()),
-        });
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    std::io::Read::read_to_end(
-        &mut std::io::Read::take(std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?, max + 1),
-        &mut bytes,
-    )
-    .map_err(|e| ModelError::io(path, e))?;
-    if bytes.len() as u64 > max {
-        return Err(ModelError::Data { path: path.to_path_buf(), reason: format!("grew past the {max} bytes this reads") });
-    }
-    Ok(bytes)
-}
 
 fn read_shard(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
     let bytes = read_bounded(path, MAX_DATA_BYTES)?;

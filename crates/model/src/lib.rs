@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod eval;
+mod files;
 pub mod generate;
 pub mod hf;
 pub mod model;

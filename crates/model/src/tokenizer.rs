@@ -9,8 +9,24 @@ use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper, Tokenizer, TokenizerBuilder};
 
-use crate::data::ByteTokenizer;
 use crate::error::{ModelError, Result};
+
+/// Bytes are tokens: vocabulary 256, nothing to train or ship.
+pub struct ByteTokenizer;
+
+impl ByteTokenizer {
+    pub const VOCAB: usize = 256;
+
+    pub fn encode(text: &str) -> Vec<u32> {
+        text.bytes().map(u32::from).collect()
+    }
+
+    /// Lossy for token sequences that split a UTF-8 character.
+    pub fn decode(tokens: &[u32]) -> String {
+        let bytes: Vec<u8> = tokens.iter().map(|&t| t.min(255) as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
 
 /// Largest tokenizer file read.
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
@@ -25,7 +41,7 @@ impl TextTokenizer {
     /// The tokenizer at `path` (None: bytes).
     pub fn open(path: Option<&Path>) -> Result<Self> {
         let Some(path) = path else { return Ok(TextTokenizer::Bytes) };
-        let bytes = crate::data::read_bounded(path, MAX_TOKENIZER_BYTES)?;
+        let bytes = crate::files::read_bounded(path, MAX_TOKENIZER_BYTES)?;
         let t = Tokenizer::from_bytes(&bytes)
             .map_err(|e| ModelError::Data { path: path.to_path_buf(), reason: format!("not a Hugging Face tokenizer.json ({e})") })?;
         Ok(TextTokenizer::Hf(Box::new(t)))

@@ -218,7 +218,7 @@ pub struct RoutingTrace {
 impl RoutingTrace {
     pub fn load(path: &Path, moe_layers: usize, experts: usize) -> Result<Self> {
         let bad = |reason: String| ModelError::Data { path: path.to_path_buf(), reason };
-        let bytes = crate::data::read_bounded(path, 64 << 20)?;
+        let bytes = crate::files::read_bounded(path, 64 << 20)?;
         let text = String::from_utf8(bytes).map_err(|e| bad(format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to())))?;
         let steps = lazarus_plan::parse_load_trace(&text, moe_layers, experts).map_err(|e| bad(e.to_string()))?;
         Ok(RoutingTrace { steps })

@@ -230,74 +230,18 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 
 /// Run every case of `spec` on this rank; every rank must call it together.
 pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeLayerBenchSpec) -> Result<Vec<BenchResult>, RuntimeError> {
-    let (d, f, e_count, n) = (spec.d_model, spec.d_ff, spec.experts, spec.tokens);
-    let (k, f1) = (spec.top_k, spec.act.first_width(spec.d_ff));
-    let (rank, ranks) = (t.rank(), t.world());
+    let (d, n) = (spec.d_model, spec.tokens);
+    let rank = t.rank();
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let dev = Device::Cpu;
-    let mut rng = SplitMix64::new(spec.seed);
-    let mut tensor = |shape: &[usize], std: f64| -> Result<Tensor, RuntimeError> {
-        let len: usize = shape.iter().product();
-        Ok(Tensor::from_vec((0..len).map(|_| (rng.normal() * std) as f32).collect::<Vec<f32>>(), shape, &dev)?)
-    };
-    // Same weights everywhere (same seed); each rank keeps the experts it holds in a case.
-    let gate = Var::from_tensor(&tensor(&[d, e_count], 0.02)?)?;
-    let all_experts: Vec<ExpertWeights> = (0..e_count)
-        .map(|_| {
-            ExpertWeights::new(
-                vec![
-                    Var::from_tensor(&tensor(&[d, f1], 0.02)?)?,
-                    Var::from_tensor(&tensor(&[f1], 0.0)?)?,
-                    Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
-                    Var::from_tensor(&tensor(&[d], 0.0)?)?,
-                ],
-                spec.act,
-            )
-        })
-        .collect::<Result<_, RuntimeError>>()?;
     let mut local = SplitMix64::new(spec.seed ^ ((rank as u64 + 1) * 0x9e37_79b9));
     let h_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32).collect();
     let g_data: Vec<f32> = (0..n * d).map(|_| local.normal() as f32 * 1e-3).collect();
     let h = Tensor::from_vec(h_data, (n, d), &dev)?;
     let grad = Tensor::from_vec(g_data, (n, d), &dev)?;
-
     // Every case is set up first, then the steps are interleaved (step k of every case in turn):
     // a slow spell of a shared machine then hits every case alike instead of one of them.
-    struct Case {
-        layer: DistributedMoe,
-        choices: Vec<u32>,
-        replicas: Vec<Vec<u32>>,
-        loads: Vec<f64>,
-        times: Vec<f64>,
-        wire: u64,
-        needed: u64,
-        rows: u64,
-    }
-    let mut cases = Vec::with_capacity(spec.cases.len());
-    for case in &spec.cases {
-        let loads = skewed_loads(e_count, case.ratio);
-        let replicas = bench_placement(case.system, &loads, ranks, spec.slots, spec.max_imbalance)?;
-        let experts: BTreeMap<usize, ExpertWeights> =
-            (0..e_count).filter(|&e| replicas[e][rank] > 0).map(|e| (e, all_experts[e].clone())).collect();
-        let layer = DistributedMoe {
-            gate: gate.clone(),
-            experts,
-            replicas: replicas.clone(),
-            top_k: k,
-            normalize_top_k: true,
-            timeout,
-            mode: match case.system {
-                BenchSystem::Lazarus | BenchSystem::LazarusUnguarded => DispatchMode::Balanced,
-                BenchSystem::LazarusPerReplica => DispatchMode::Flexible,
-                BenchSystem::StaticEp => DispatchMode::StaticPadded,
-                BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
-            },
-            bucket_bytes: DEFAULT_BUCKET_BYTES,
-            catching_up: Vec::new(),
-        };
-        let choices = routed_choices(&loads, n, k, spec.seed ^ rank as u64)?;
-        cases.push(Case { layer, choices, replicas, loads, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
-    }
+    let mut cases = set_up_cases(spec, rank, t.world())?;
     for it in 0..spec.warmup + spec.iters {
         for c in cases.iter_mut() {
             barrier(t, world, timeout)?;
@@ -313,13 +257,90 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             }
         }
     }
-    let mut results = Vec::with_capacity(spec.cases.len());
-    for (case, c) in spec.cases.iter().zip(cases.iter_mut()) {
-        // A step lasts as long as its slowest rank (every step starts at a barrier); bytes are
-        // summed over ranks.
-        let iters = c.times.len();
-        let mut mine: Vec<u8> = [(c.wire as f64), (c.needed as f64), (c.rows as f64)].iter().flat_map(|x| x.to_le_bytes()).collect();
-        mine.extend(c.times.iter().flat_map(|x| x.to_le_bytes()));
+    spec.cases.iter().zip(&cases).map(|(case, c)| c.result(t, world, case, spec)).collect()
+}
+
+/// One case as this rank runs it: its layer and routing, and what its measured steps took.
+struct CaseRun {
+    layer: DistributedMoe,
+    choices: Vec<u32>,
+    replicas: Vec<Vec<u32>>,
+    loads: Vec<f64>,
+    times: Vec<f64>,
+    wire: u64,
+    needed: u64,
+    rows: u64,
+}
+
+/// Every case's layer on this rank (of `ranks`): the same weights everywhere (same seed), each
+/// rank keeping the experts it holds in the case; its tokens' routing for the case's skew.
+fn set_up_cases(spec: &MoeLayerBenchSpec, rank: usize, ranks: usize) -> Result<Vec<CaseRun>, RuntimeError> {
+    let (d, f, e_count) = (spec.d_model, spec.d_ff, spec.experts);
+    let f1 = spec.act.first_width(spec.d_ff);
+    let dev = Device::Cpu;
+    let mut rng = SplitMix64::new(spec.seed);
+    let mut tensor = |shape: &[usize], std: f64| -> Result<Tensor, RuntimeError> {
+        let len: usize = shape.iter().product();
+        Ok(Tensor::from_vec((0..len).map(|_| (rng.normal() * std) as f32).collect::<Vec<f32>>(), shape, &dev)?)
+    };
+    let gate = Var::from_tensor(&tensor(&[d, e_count], 0.02)?)?;
+    let all_experts: Vec<ExpertWeights> = (0..e_count)
+        .map(|_| {
+            ExpertWeights::new(
+                vec![
+                    Var::from_tensor(&tensor(&[d, f1], 0.02)?)?,
+                    Var::from_tensor(&tensor(&[f1], 0.0)?)?,
+                    Var::from_tensor(&tensor(&[f, d], 0.02)?)?,
+                    Var::from_tensor(&tensor(&[d], 0.0)?)?,
+                ],
+                spec.act,
+            )
+        })
+        .collect::<Result<_, RuntimeError>>()?;
+    let mut cases = Vec::with_capacity(spec.cases.len());
+    for case in &spec.cases {
+        let loads = skewed_loads(e_count, case.ratio);
+        let replicas = bench_placement(case.system, &loads, ranks, spec.slots, spec.max_imbalance)?;
+        let experts: BTreeMap<usize, ExpertWeights> =
+            (0..e_count).filter(|&e| replicas[e][rank] > 0).map(|e| (e, all_experts[e].clone())).collect();
+        let layer = DistributedMoe {
+            gate: gate.clone(),
+            experts,
+            replicas: replicas.clone(),
+            top_k: spec.top_k,
+            normalize_top_k: true,
+            timeout: Duration::from_secs_f64(spec.timeout_s),
+            mode: match case.system {
+                BenchSystem::Lazarus | BenchSystem::LazarusUnguarded => DispatchMode::Balanced,
+                BenchSystem::LazarusPerReplica => DispatchMode::Flexible,
+                BenchSystem::StaticEp => DispatchMode::StaticPadded,
+                BenchSystem::StaticEpSkipPadding => DispatchMode::StaticSkipPadding,
+            },
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            catching_up: Vec::new(),
+        };
+        let choices = routed_choices(&loads, spec.tokens, spec.top_k, spec.seed ^ rank as u64)?;
+        cases.push(CaseRun { layer, choices, replicas, loads, times: Vec::new(), wire: 0, needed: 0, rows: 0 });
+    }
+    Ok(cases)
+}
+
+impl CaseRun {
+    /// The case's figures over every rank: a step lasts as long as its slowest rank (every step
+    /// starts at a barrier); bytes are summed over ranks.
+    fn result(
+        &self,
+        t: &mut dyn Transport,
+        world: &mut Group,
+        case: &BenchCase,
+        spec: &MoeLayerBenchSpec,
+    ) -> Result<BenchResult, RuntimeError> {
+        let ranks = t.world();
+        let timeout = Duration::from_secs_f64(spec.timeout_s);
+        let iters = self.times.len();
+        let mut mine: Vec<u8> =
+            [(self.wire as f64), (self.needed as f64), (self.rows as f64)].iter().flat_map(|x| x.to_le_bytes()).collect();
+        mine.extend(self.times.iter().flat_map(|x| x.to_le_bytes()));
         let all = all_gather(t, world, &mine, timeout)?;
         let mut steps = vec![0.0f64; iters];
         let (mut wire_all, mut needed_all, mut rows_all) = (0.0, 0.0, 0.0);
@@ -339,9 +360,9 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             }
         }
         let step_s = quantile(&steps, 0.5);
-        let tokens = (ranks * n) as f64;
-        let (imbalance, survives_one_failure) = plan_quality(case.system, &c.replicas, &c.loads, ranks)?;
-        results.push(BenchResult {
+        let tokens = (ranks * spec.tokens) as f64;
+        let (imbalance, survives_one_failure) = plan_quality(case.system, &self.replicas, &self.loads, ranks)?;
+        Ok(BenchResult {
             imbalance,
             survives_one_failure,
             system: case.system,
@@ -354,11 +375,10 @@ pub fn run_moe_layer_bench(t: &mut dyn Transport, world: &mut Group, spec: &MoeL
             },
             wire_bytes_ratio: if needed_all > 0.0 { wire_all / needed_all } else { 1.0 },
             step_s,
-            replicas: c.replicas.iter().map(|r| r.iter().sum()).collect(),
+            replicas: self.replicas.iter().map(|r| r.iter().sum()).collect(),
             expert_rows: rows_all as u64,
-        });
+        })
     }
-    Ok(results)
 }
 
 #[cfg(test)]

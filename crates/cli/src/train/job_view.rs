@@ -43,15 +43,7 @@ impl JobView {
                 Ok(())
             }
             TrainEvent::Step { report, seconds, dropped, moe_wire_bytes, snapshot } => {
-                self.figures.step_s.push(seconds);
-                for (acc, l) in self.figures.loads.iter_mut().zip(&report.expert_load) {
-                    acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
-                }
-                if dropped > 0 {
-                    self.reporter.pause();
-                    tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
-                }
-                self.reporter.step_with(&report, seconds, snapshot.as_ref(), moe_wire_bytes)
+                self.step(&report, seconds, dropped, moe_wire_bytes, snapshot.as_ref())
             }
             TrainEvent::Lost { worker, why } => {
                 self.reporter.pause();
@@ -68,45 +60,10 @@ impl JobView {
                 Ok(())
             }
             TrainEvent::Serving { addr, status_token } => {
-                // Listening on every address (0.0.0.0): others reach it by this host's name.
-                let reach = if addr.ip().is_unspecified() {
-                    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-                    format!("{}:{}", if host.trim().is_empty() { "THIS-HOST" } else { host.trim() }, addr.port())
-                } else {
-                    addr.to_string()
-                };
-                if self.remote {
-                    tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);
-                    if let Some(command) = &self.agent_command {
-                        let command = command.replace("{addr}", &reach).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
-                        tracing::info!("start each node's agent with: {command}");
-                    }
-                }
-                tracing::info!("controller status: LAZARUS_STATUS_TOKEN={status_token} lazarus status --controller {reach}");
+                self.serving(addr, &status_token);
                 Ok(())
             }
-            TrainEvent::Rebalance(d) => {
-                self.reporter.pause();
-                let what = match d.decision {
-                    RebalanceVerdict::Shrink => format!(
-                        "shrink to layers {:?} (the whole plan would gain {:.2} s for {:.2} s)",
-                        d.layers, d.full_gain_s, d.full_cost_s
-                    ),
-                    other => other.as_str().to_string(),
-                };
-                tracing::info!(
-                    "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
-                    d.step,
-                    d.imbalance_before,
-                    d.imbalance_after,
-                    d.transfers,
-                    d.transfer_bytes as f64 / 1e6,
-                    d.gain_s,
-                    d.horizon_steps,
-                    d.cost_s
-                );
-                self.reporter.record(&d)
-            }
+            TrainEvent::Rebalance(d) => self.rebalanced(&d),
             TrainEvent::Leaving { workers, reason } => {
                 self.reporter.pause();
                 tracing::info!(
@@ -129,63 +86,130 @@ impl JobView {
                 );
                 Ok(())
             }
-            TrainEvent::Reconfigured(r) => {
-                self.reporter.pause();
-                self.reporter.moved(&r);
-                self.figures.moves.push(r.clone());
-                let list = |ws: &[u64]| id_list(ws.iter().copied());
-                let who = match (r.lost.is_empty(), r.joined.is_empty()) {
-                    (false, true) if r.cause == MoveCause::Drain => format!("worker(s) {} left", list(&r.lost)),
-                    (false, true) => format!("worker(s) {} lost", list(&r.lost)),
-                    (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
-                    (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
-                    (true, true) => "the same workers".to_string(),
-                };
-                tracing::info!(
-                    "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
-                    match r.cause {
-                        MoveCause::Rollback => "rolled back",
-                        MoveCause::Join => "joined",
-                        MoveCause::Rebalance => "rebalanced",
-                        MoveCause::Drain => "drained",
-                        MoveCause::Controller => "taken back by a new controller",
-                        MoveCause::Failure => "reconfigured",
-                    },
-                    r.epoch,
-                    r.workers,
-                    r.step,
-                    r.detect_s,
-                    r.plan_s,
-                    r.rebuild_s,
-                    r.transfer_s,
-                    r.transfer_bytes as f64 / 1e6,
-                    r.recovery_s
-                );
-                if r.cause == MoveCause::Rollback && !r.joined.is_empty() && r.workers == r.joined.len() {
-                    tracing::warn!(
-                        "no member came back: the job goes on from its last checkpoint (step {}) with the {} workers that joined",
-                        r.step,
-                        r.workers
-                    );
-                }
-                for x in &r.restored {
-                    tracing::warn!(
-                        "restored: layer {} expert {} lost every replica; it comes back from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost); a rollback would have re-run {} steps",
-                        x.layer,
-                        x.expert,
-                        x.from_step,
-                        x.holder,
-                        x.stale_steps,
-                        x.tokens_lost,
-                        r.rollback_avoided_steps
-                    );
-                }
-                if r.cause == MoveCause::Rollback {
-                    self.reporter.rewind(r.step).and_then(|_| self.reporter.record(&r))
-                } else {
-                    self.reporter.record(&r)
-                }
+            TrainEvent::Reconfigured(r) => self.moved(&r),
+        }
+    }
+
+    /// A step done: its figures kept, shown and logged.
+    fn step(
+        &mut self,
+        report: &lazarus_model::StepReport,
+        seconds: f64,
+        dropped: u64,
+        moe_wire_bytes: Option<u64>,
+        snapshot: Option<&lazarus_runtime::SnapshotStepStats>,
+    ) -> Result<()> {
+        self.figures.step_s.push(seconds);
+        for (acc, l) in self.figures.loads.iter_mut().zip(&report.expert_load) {
+            acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
+        }
+        if dropped > 0 {
+            self.reporter.pause();
+            tracing::warn!("warning: {dropped} step reports were dropped while the launcher was not reading (training went on)");
+        }
+        self.reporter.step_with(report, seconds, snapshot, moe_wire_bytes)
+    }
+
+    /// Where the controller listens and how to reach it: the agents' command (for a job of
+    /// other hosts' agents) and the status command.
+    fn serving(&self, addr: std::net::SocketAddr, status_token: &str) {
+        // Listening on every address (0.0.0.0): others reach it by this host's name.
+        let reach = if addr.ip().is_unspecified() {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}:{}", if host.trim().is_empty() { "THIS-HOST" } else { host.trim() }, addr.port())
+        } else {
+            addr.to_string()
+        };
+        if self.remote {
+            tracing::info!("controller listening on {addr}: waiting for agents to bring {} workers", self.world);
+            if let Some(command) = &self.agent_command {
+                let command = command.replace("{addr}", &reach).replace("--gpus G", &format!("--gpus {}", self.gpus_per_node));
+                tracing::info!("start each node's agent with: {command}");
             }
+        }
+        tracing::info!("controller status: LAZARUS_STATUS_TOKEN={status_token} lazarus status --controller {reach}");
+    }
+
+    /// A rebalance weighed: what was decided and why, shown and logged.
+    fn rebalanced(&mut self, d: &lazarus_control::controller::RebalanceDecision) -> Result<()> {
+        self.reporter.pause();
+        let what = match d.decision {
+            RebalanceVerdict::Shrink => {
+                format!("shrink to layers {:?} (the whole plan would gain {:.2} s for {:.2} s)", d.layers, d.full_gain_s, d.full_cost_s)
+            }
+            other => other.as_str().to_string(),
+        };
+        tracing::info!(
+            "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
+            d.step,
+            d.imbalance_before,
+            d.imbalance_after,
+            d.transfers,
+            d.transfer_bytes as f64 / 1e6,
+            d.gain_s,
+            d.horizon_steps,
+            d.cost_s
+        );
+        self.reporter.record(d)
+    }
+
+    /// A move done: who went and came, what it cost, every expert restored from a snapshot;
+    /// a rollback rewinds the log to its step.
+    fn moved(&mut self, r: &lazarus_control::ReconfigurationRecord) -> Result<()> {
+        self.reporter.pause();
+        self.reporter.moved(r);
+        self.figures.moves.push(r.clone());
+        let list = |ws: &[u64]| id_list(ws.iter().copied());
+        let who = match (r.lost.is_empty(), r.joined.is_empty()) {
+            (false, true) if r.cause == MoveCause::Drain => format!("worker(s) {} left", list(&r.lost)),
+            (false, true) => format!("worker(s) {} lost", list(&r.lost)),
+            (true, false) => format!("worker(s) {} taken in", list(&r.joined)),
+            (false, false) => format!("worker(s) {} lost, {} taken in", list(&r.lost), list(&r.joined)),
+            (true, true) => "the same workers".to_string(),
+        };
+        tracing::info!(
+            "{}: epoch {}, {who}, {} workers from step {}; detect {:.2} s, plan {:.3} s, rebuild {:.2} s, transfer {:.2} s ({:.1} MB), recovered in {:.2} s",
+            match r.cause {
+                MoveCause::Rollback => "rolled back",
+                MoveCause::Join => "joined",
+                MoveCause::Rebalance => "rebalanced",
+                MoveCause::Drain => "drained",
+                MoveCause::Controller => "taken back by a new controller",
+                MoveCause::Failure => "reconfigured",
+            },
+            r.epoch,
+            r.workers,
+            r.step,
+            r.detect_s,
+            r.plan_s,
+            r.rebuild_s,
+            r.transfer_s,
+            r.transfer_bytes as f64 / 1e6,
+            r.recovery_s
+        );
+        if r.cause == MoveCause::Rollback && !r.joined.is_empty() && r.workers == r.joined.len() {
+            tracing::warn!(
+                "no member came back: the job goes on from its last checkpoint (step {}) with the {} workers that joined",
+                r.step,
+                r.workers
+            );
+        }
+        for x in &r.restored {
+            tracing::warn!(
+                "restored: layer {} expert {} lost every replica; it comes back from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost); a rollback would have re-run {} steps",
+                x.layer,
+                x.expert,
+                x.from_step,
+                x.holder,
+                x.stale_steps,
+                x.tokens_lost,
+                r.rollback_avoided_steps
+            );
+        }
+        if r.cause == MoveCause::Rollback {
+            self.reporter.rewind(r.step).and_then(|_| self.reporter.record(r))
+        } else {
+            self.reporter.record(r)
         }
     }
 

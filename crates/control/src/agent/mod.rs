@@ -21,11 +21,12 @@
 //!   workers finish the step in flight and hand over what only they hold — and the workers leave;
 //!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
+mod serve;
 pub(crate) mod session;
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::{self};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -539,167 +540,6 @@ impl Node {
             let _ = self.out.send(m);
         }
         Ok(())
-    }
-
-    /// Relay until the job ends for this node.
-    fn serve(
-        &mut self,
-        rx: &mpsc::Receiver<Inbound>,
-        on_start: &mut impl FnMut(&[u32]) -> Result<(), ControlError>,
-    ) -> Result<AgentEnd, ControlError> {
-        let mut last_heard = Instant::now();
-        // Once the controller says the job completed: until when the workers may take to exit.
-        let mut finishing: Option<(Instant, String)> = None;
-        // Once this node gave notice: until when it waits for the job to move off it.
-        let mut draining: Option<Instant> = None;
-        // The pieces of a long message from the controller, with the session they came on.
-        let mut pieces = (self.session.id, crate::pieces::Gathered::default());
-        loop {
-            if let Some(until) = draining {
-                if self.workers.is_none() || self.exited.iter().all(|&x| x) {
-                    return Ok(AgentEnd::Drained);
-                }
-                if Instant::now() >= until {
-                    return Ok(AgentEnd::Stopped(format!(
-                        "the job did not move off this node within {} s of its notice: its workers are stopped",
-                        DRAIN_WITHIN.as_secs()
-                    )));
-                }
-            }
-            if let Some((until, reason)) = &finishing {
-                // (Workers standing by have nothing to finish: they go with the agent's end.)
-                if self.workers.is_none() || self.standing_by || self.exited.iter().all(|&x| x) || Instant::now() >= *until {
-                    return Ok(if self.done.iter().all(|&d| d) {
-                        AgentEnd::Completed { how: reason.clone() }
-                    } else if self.standing_by || self.workers.is_none() {
-                        // Its workers held nothing of the job: a good end for this node too (a
-                        // batch system must not log an error for it).
-                        AgentEnd::Completed { how: format!("{reason}; this node stood by to join and was not taken in before the end") }
-                    } else {
-                        AgentEnd::Stopped(format!("the job ended ({reason}) before this node's workers finished"))
-                    });
-                }
-            }
-            if let Some((since, why)) = &self.orphaned {
-                if since.elapsed() >= self.grace {
-                    return Ok(AgentEnd::Stopped(format!(
-                        "{why}, and no controller took the job back within {:.0} s (--controller-grace): this node's workers are stopped",
-                        self.grace.as_secs_f64()
-                    )));
-                }
-            }
-            let deadline = match (&finishing, draining, &self.orphaned) {
-                (Some((until, _)), _, _) => *until,
-                (None, _, Some((since, _))) => *since + self.grace,
-                (None, Some(until), None) => until.min(last_heard + self.lease),
-                (None, None, None) => last_heard + self.lease,
-            };
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))) {
-                Ok(Inbound::Worker(slot, event)) => self.relay(slot, event),
-                Ok(Inbound::Terminate) => {
-                    if draining.is_some() || self.workers.is_none() || self.orphaned.is_some() {
-                        return Ok(AgentEnd::Stopped("SIGTERM".into()));
-                    }
-                    tracing::warn!(
-                        "agent: SIGTERM: this node leaves; asking the controller to move the job off it (a second SIGTERM stops at once)"
-                    );
-                    self.up(0, agent_message::Body::Leaving(proto::Leaving { reason: "SIGTERM (a preemption notice)".into() }));
-                    draining = Some(Instant::now() + DRAIN_WITHIN);
-                }
-                Ok(Inbound::Message(id, m)) => {
-                    if id != self.session.id {
-                        continue;
-                    }
-                    if m.job_id != self.job_id {
-                        tracing::warn!("agent: a message of job {:?} (this is {:?}): dropped", m.job_id, self.job_id);
-                        continue;
-                    }
-                    if self.orphaned.is_some() {
-                        self.heard_again();
-                    }
-                    last_heard = Instant::now();
-                    // A long message comes in pieces (`crate::pieces`), joined here; a session's
-                    // own: a new session starts with none.
-                    if pieces.0 != id {
-                        pieces = (id, crate::pieces::Gathered::default());
-                    }
-                    let m = match pieces.1.take(m, crate::protocol::MAX_CONTROL_MESSAGE) {
-                        Ok(Some(m)) => m,
-                        Ok(None) => continue,
-                        Err(e) => {
-                            tracing::warn!("agent: {e}");
-                            continue;
-                        }
-                    };
-                    match self.take(m, on_start)? {
-                        Some(Ok(end)) => return Ok(end),
-                        Some(Err(reason)) => finishing = Some((Instant::now() + FINISH_WITHIN, reason)),
-                        None => {}
-                    }
-                }
-                Ok(Inbound::Ended(id, why)) => {
-                    if id != self.session.id {
-                        continue;
-                    }
-                    if self.orphaned.is_some() {
-                        // The silent controller's session ended: it is not coming back on it.
-                        self.silent_session_open = false;
-                        match self.refused_meanwhile.take() {
-                            Some(refusal) => match self.not_taken_back(&refusal) {
-                                Some(end) => return Ok(end),
-                                None => continue,
-                            },
-                            None => continue,
-                        }
-                    }
-                    if finishing.is_some() || (self.workers.is_some() && self.done.iter().all(|&d| d)) {
-                        // Let the workers' last reports and exits go the same way as after a shutdown.
-                        finishing.get_or_insert((Instant::now() + FINISH_WITHIN, why));
-                        continue;
-                    }
-                    if draining.is_none() && self.can_wait_for_a_controller() {
-                        self.orphan(why, false);
-                        continue;
-                    }
-                    return Ok(AgentEnd::Stopped(why));
-                }
-                Ok(Inbound::Reattached(round, session)) => {
-                    // (One for an orphaning that is over is dropped, and its session with it.)
-                    if self.orphaned.is_some() && round == self.orphan_round {
-                        self.session.close();
-                        self.silent_session_open = false;
-                        self.rejoined(*session)?;
-                        last_heard = Instant::now();
-                    }
-                }
-                Ok(Inbound::NotTakenBack(round, why)) => {
-                    if self.orphaned.is_none() || round != self.orphan_round {
-                        continue;
-                    }
-                    if self.silent_session_open {
-                        // The controller found silent may still speak on its session: the refusal
-                        // (of that controller, stalled, or of another) counts once it has ended.
-                        tracing::warn!("agent {}: {why}; waiting for the silent controller's session to speak or end", self.agent);
-                        self.refused_meanwhile = Some(why);
-                        continue;
-                    }
-                    if let Some(end) = self.not_taken_back(&why) {
-                        return Ok(end);
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return Ok(AgentEnd::Stopped("the session with the controller ended".into())),
-            }
-            let silent = last_heard.elapsed();
-            if finishing.is_none() && self.orphaned.is_none() && silent > self.lease {
-                let why = format!("the controller was silent for {:.1} s (lease {:.1} s)", silent.as_secs_f64(), self.lease.as_secs_f64());
-                if draining.is_none() && self.can_wait_for_a_controller() {
-                    self.orphan(why, true);
-                    continue;
-                }
-                return Ok(AgentEnd::Stopped(format!("{why}: this node's workers are stopped")));
-            }
-        }
     }
 
     /// Pass on one report (or the exit) of worker `slot`.

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lazarus_model::{StepReport, Trainer};
+use lazarus_model::Trainer;
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
 use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
 use serde::Serialize;
@@ -29,6 +29,7 @@ use drive::drive;
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
+pub use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
 pub use crate::protocol::{MAX_WORKERS, MAX_WORKERS_PER_HOST};
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
@@ -174,136 +175,6 @@ impl Default for Recovery {
     }
 }
 
-/// One reconfiguration, as the `--json-log` records it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ReconfigurationRecord {
-    pub event: &'static str,
-    /// The job's epoch after it: one more per move to a new plan (1 after the first), and a
-    /// drain takes two (its hand-over, then its leaving).
-    pub epoch: u64,
-    /// `reconfigure` (workers lost, no state lost), `rollback` (to the last checkpoint, or the
-    /// start), `join` (workers taken in at a step boundary), `rebalance` or `drain`.
-    pub cause: crate::controller::MoveCause,
-    /// The workers lost (their original ranks).
-    pub lost: Vec<u64>,
-    /// The workers taken in (their ids: after the first workers, in order of arrival).
-    pub joined: Vec<u64>,
-    /// The step training went on from (steps committed).
-    pub step: u64,
-    /// From the first sign of the failure until every survivor said where it stopped.
-    pub detect_s: f64,
-    /// Computing the new plan, the node mapping and the transfers.
-    pub plan_s: f64,
-    /// The slowest worker's state transfers.
-    pub transfer_s: f64,
-    pub transfer_bytes: u64,
-    /// The slowest worker's rendezvous at the new epoch (the transport rebuilt).
-    pub rebuild_s: f64,
-    /// From the first sign of the failure to the next completed step.
-    pub recovery_s: f64,
-    /// Workers after it.
-    pub workers: usize,
-    /// Experts that lost every live replica and came back from snapshots in other nodes'
-    /// memory (in a `reconfigure`): each one's snapshot step, staleness and tokens lost.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub restored: Vec<crate::controller::RestoredExpert>,
-    /// Steps a rollback to the last checkpoint would have run again instead.
-    #[serde(skip_serializing_if = "is_zero")]
-    pub rollback_avoided_steps: u64,
-    /// GPU workers: each one's device memory in use after the move, bytes (flat across moves
-    /// when a move leaves nothing behind).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub gpu_used_bytes: Vec<u64>,
-}
-
-fn is_zero(x: &u64) -> bool {
-    *x == 0
-}
-
-/// What a training job shows its user, as it happens.
-#[derive(Debug, Clone)]
-pub enum TrainEvent {
-    Ready {
-        rank: usize,
-        pid: u32,
-    },
-    /// Every worker is ready: training runs.
-    Started,
-    Step {
-        report: StepReport,
-        seconds: f64,
-        dropped: u64,
-        /// Bytes the step's MoE all-to-alls sent between workers, summed over them (None where
-        /// not known: a step logged from a survivor's copy).
-        moe_wire_bytes: Option<u64>,
-        /// What the step's snapshots cost (None: none taken).
-        snapshot: Option<lazarus_runtime::SnapshotStepStats>,
-    },
-    /// A worker is lost (its original rank).
-    Lost {
-        worker: usize,
-        why: String,
-    },
-    Checkpointed {
-        step: u64,
-        path: PathBuf,
-    },
-    /// The held-out loss after `step`.
-    Evaluated {
-        step: u64,
-        evaluation: lazarus_model::eval::Evaluation,
-    },
-    /// Training went on after a failure, or with workers taken in.
-    Reconfigured(ReconfigurationRecord),
-    /// The controller weighed a rebalance (applied: a `rebalance` reconfiguration follows).
-    Rebalance(crate::controller::RebalanceDecision),
-    /// A node gave notice that it leaves soon: its workers (ids) and why.
-    Leaving {
-        workers: Vec<usize>,
-        reason: String,
-    },
-    /// A node's workers (their ids) joined the running job and stand by to be taken in.
-    WorkersJoined {
-        workers: Vec<usize>,
-    },
-    /// The controller's gRPC service listens here (`lazarus status --controller ADDR`, and
-    /// `lazarus agent --controller ADDR` when the job is run by agents); `lazarus status`
-    /// proves the key in `status_token` (read-only, derived from the job's secret when agents
-    /// run it) and pins the controller's TLS key by it ([`crate::service::status_token`]).
-    Serving {
-        addr: SocketAddr,
-        status_token: String,
-    },
-    /// Prometheus can scrape the job's metrics here (`GET /metrics`).
-    Metrics {
-        addr: SocketAddr,
-    },
-    /// An agent attached: its number, the address its workers listen on (as it claims) and where
-    /// its connection came from, its workers, and the workers attached so far.
-    AgentJoined {
-        agent: u64,
-        host: String,
-        peer: String,
-        gpus: usize,
-        pid: u32,
-        attached: usize,
-        world: usize,
-    },
-}
-
-/// How a training job ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TrainOutcome {
-    Completed {
-        checkpoint: Option<PathBuf>,
-    },
-    /// The job could not go on: why, and how each worker ended (original ranks).
-    Failed {
-        reason: String,
-        workers: Vec<String>,
-    },
-}
-
 /// Where a job's workers run.
 #[derive(Debug, Clone)]
 pub enum Hosts {
@@ -391,30 +262,17 @@ pub fn run_training(
     let lifecycle = Lifecycle::new(comm_timeout_s, recoverable);
     let mut job = job.clone();
     job.heartbeat_s = lifecycle.heartbeat.as_secs_f64();
-    let epoch = fresh_epoch();
-    let cfg = &job.config;
-    let spec = JobSpec {
-        layers: cfg.model.moe_layers(),
-        experts: cfg.model.n_experts,
-        slots_per_node: plan.map_or(0, |p| p.shape().slots_per_node()),
-        gpus_per_node: g,
-        policy: PlanPolicy::trainer(world / g, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
-        expert_bytes: (cfg.model.expert_params() * 12) as u64,
-        join_wait: match hosts {
-            Hosts::Agents(a) => a.join_wait,
-            Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
-        },
-        rebalance_every: recoverable.map_or(0, |r| r.rebalance_every),
-        total_steps: cfg.steps,
-        ..lifecycle.spec()
-    };
+    let spec = job_spec(&job, plan, world, g, hosts, recoverable, &lifecycle);
     let taking_back = match hosts {
         Hosts::Agents(a) => a.resume.as_deref().cloned(),
         Hosts::Local { .. } => None,
     };
     let (job_id, epoch) = match &taking_back {
         Some(r) => (r.saved.job_id.clone(), r.saved.state.epoch),
-        None => (format!("job-{epoch}"), epoch),
+        None => {
+            let epoch = fresh_epoch();
+            (format!("job-{epoch}"), epoch)
+        }
     };
     let static_ep = job.static_ep;
     // A resumed run starts from a checkpoint: the last one until the job writes its own.
@@ -451,119 +309,186 @@ pub fn run_training(
         metrics.record(&event);
         observe(event)
     };
+    let job_run = JobRun { job: &job, job_id: &job_id, epoch, world, comm_timeout_s, shared };
     let ended = match hosts {
-        Hosts::Local { status_listen } => {
-            let mut processes = launch("worker", world, comm_timeout_s, &job, Confinement::Shared, epoch, job.encrypt_data)?;
-            let _server = match status_listen {
-                Some(addr) => {
-                    // A secret of its own: the workers' is theirs alone.
-                    let own = fresh_secret().map_err(|e| ControlError::io("drawing the status secret from /dev/urandom", e))?;
-                    let (key, tls) = (status_key(own), ServerTls::FromSecret(own));
-                    let server = GrpcServer::start(*addr, shared.clone(), None, key, &tls)?;
-                    observe(TrainEvent::Serving { addr: server.addr(), status_token: status_token(key, &tls) })?;
-                    Some(server)
-                }
-                None => None,
-            };
-            drive(&mut processes, controller(Instant::now())?, &job_id, status_listen.map(|_| shared), None, observe)
-        }
-        Hosts::Agents(a) => {
-            let (hub, inputs) =
-                AgentHub::new(job_id.clone(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
-            if let Some(r) = a.resume.as_deref() {
-                let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
-                hub.take_back(&members, r.saved.workers(), r.saved.agents);
-            }
-            let key = status_key(a.secret);
-            let server = GrpcServer::start(a.listen, shared.clone(), Some(hub.clone()), key, &a.tls)?;
-            let addr = server.addr();
-            observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;
-            let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
-            // What a new controller needs to take the job back, saved at every epoch (and gone
-            // once the job is over).
-            let launched = a.resume.as_deref().and_then(|r| r.saved.launched_workers).unwrap_or(world);
-            let mut save = a.state_file.clone().map(|path| {
-                let (hub, job_id, config) = (hub.clone(), job_id.clone(), job.config.clone());
-                let mut warned = false;
-                move |ctl: &Controller, over: bool| {
-                    let written = match ctl.job_state() {
-                        Some(_) if over => std::fs::remove_file(&path).or_else(|e| match e.kind() {
-                            std::io::ErrorKind::NotFound => Ok(()),
-                            _ => Err(ControlError::io(format!("removing {}", path.display()), e)),
-                        }),
-                        Some(state) => {
-                            saved_job::SavedJob::new(&job_id, g, hub.next_agent(), state).with_job(config.clone(), launched).write(&path)
-                        }
-                        None => Ok(()),
-                    };
-                    if let Err(e) = written {
-                        if !std::mem::replace(&mut warned, true) {
-                            tracing::warn!(
-                                "epoch {}: the controller's state is not saved ({e}): a new controller could not take the job back",
-                                ctl.job_epoch(ctl.epoch())
-                            );
-                        }
-                    }
-                }
-            });
-            let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
-            // The specs go to the agents without the secret (each agent proved it knows it and
-            // adds its own, so it never crosses the network) and without the job, which each
-            // agent is sent once for its workers.
-            let encrypt = job.encrypt_data;
-            let line = move |rank: usize, world: usize, epoch: u64, host: &str| {
-                let bind = Some(host.to_string());
-                let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: String::new(), bind, encrypt, job: () };
-                Ok::<_, ControlError>(serde_json::to_string(&spec)?)
-            };
-            // A worker that joins later stands by (its spec's rank is its worker id) and is sent
-            // its map whole in the move that takes it in.
-            let joiner = || -> Result<Joiner, ControlError> {
-                let layers = job.config.model.moe_layers().max(1);
-                let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
-                let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
-                let job = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&standby)?));
-                Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host)) })
-            };
-            if let Some(r) = a.resume.as_deref() {
-                let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner()?);
-                return drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe).map(|e| e.outcome);
-            }
-            let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
-                observe(TrainEvent::AgentJoined {
-                    agent: info.agent,
-                    host: info.host.clone(),
-                    peer: info.peer.clone(),
-                    gpus: info.gpus,
-                    pid: info.pid,
-                    attached,
-                    world,
-                })
-            });
-            let run = attached.and_then(|_| {
-                let whole = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&job)?));
-                let mut fleet = hub.start(inputs, whole, |rank, host| line(rank, world, epoch, host), joiner()?)?;
-                // The schedule's clock starts with the workers.
-                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-                let replaying = match (&agents, &a.schedule) {
-                    (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
-                    _ => None,
-                };
-                let run = drive(&mut fleet, controller(Instant::now())?, &job_id, Some(shared), save, observe);
-                stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                if let Some(r) = replaying {
-                    let _ = r.join();
-                }
-                run
-            });
-            if let Some(agents) = &agents {
-                // Agents end with their part in the job; they are killed if they do not.
-                agents.lock().unwrap_or_else(|e| e.into_inner()).reap_within(Duration::from_secs(40));
-            }
-            run
-        }
+        Hosts::Local { status_listen } => job_run.on_local_workers(*status_listen, controller, &mut observe),
+        Hosts::Agents(a) => job_run.on_agents(a, lifecycle, controller, &mut observe),
     };
     ended.map(|e| e.outcome)
+}
+
+/// What the controller plans and decides by, for `job` on `world` workers of `g` per node.
+fn job_spec(
+    job: &TrainJob,
+    plan: Option<&ModelPlan>,
+    world: usize,
+    g: usize,
+    hosts: &Hosts,
+    recoverable: Option<Recovery>,
+    lifecycle: &Lifecycle,
+) -> JobSpec {
+    let cfg = &job.config;
+    JobSpec {
+        layers: cfg.model.moe_layers(),
+        experts: cfg.model.n_experts,
+        slots_per_node: plan.map_or(0, |p| p.shape().slots_per_node()),
+        gpus_per_node: g,
+        policy: PlanPolicy::trainer(world / g, Some(lazarus_plan::DEFAULT_MAX_IMBALANCE)),
+        expert_bytes: (cfg.model.expert_params() * 12) as u64,
+        join_wait: match hosts {
+            Hosts::Agents(a) => a.join_wait,
+            Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
+        },
+        rebalance_every: recoverable.map_or(0, |r| r.rebalance_every),
+        total_steps: cfg.steps,
+        ..lifecycle.spec()
+    }
+}
+
+/// One job to drive, on whichever hosts.
+struct JobRun<'a> {
+    job: &'a TrainJob,
+    job_id: &'a str,
+    epoch: u64,
+    world: usize,
+    comm_timeout_s: f64,
+    /// The status served to `lazarus status`.
+    shared: SharedStatus,
+}
+
+type Observe<'o> = &'o mut dyn FnMut(TrainEvent) -> Result<(), ControlError>;
+
+impl JobRun<'_> {
+    /// Worker processes started here (this process is every worker's agent); the status
+    /// served at `status_listen`, if given, under a secret of its own.
+    fn on_local_workers(
+        self,
+        status_listen: Option<SocketAddr>,
+        controller: impl Fn(Instant) -> Result<Controller, ControlError>,
+        observe: Observe<'_>,
+    ) -> Result<drive::Ended, ControlError> {
+        let job = self.job;
+        let mut processes = launch("worker", self.world, self.comm_timeout_s, job, Confinement::Shared, self.epoch, job.encrypt_data)?;
+        let _server = match status_listen {
+            Some(addr) => {
+                // A secret of its own: the workers' is theirs alone.
+                let own = fresh_secret().map_err(|e| ControlError::io("drawing the status secret from /dev/urandom", e))?;
+                let (key, tls) = (status_key(own), ServerTls::FromSecret(own));
+                let server = GrpcServer::start(addr, self.shared.clone(), None, key, &tls)?;
+                observe(TrainEvent::Serving { addr: server.addr(), status_token: status_token(key, &tls) })?;
+                Some(server)
+            }
+            None => None,
+        };
+        let shared = status_listen.map(|_| self.shared);
+        drive(&mut processes, controller(Instant::now())?, self.job_id, shared, None, observe)
+    }
+
+    /// Worker processes started by node agents attached to the controller's service (or taken
+    /// back from them), local agents and their replayed schedule included.
+    fn on_agents(
+        self,
+        a: &AgentsSpec,
+        lifecycle: Lifecycle,
+        controller: impl Fn(Instant) -> Result<Controller, ControlError>,
+        observe: Observe<'_>,
+    ) -> Result<drive::Ended, ControlError> {
+        let (job, job_id, world, epoch) = (self.job, self.job_id, self.world, self.epoch);
+        let g = a.gpus_per_node;
+        let (hub, inputs) =
+            AgentHub::new(job_id.to_string(), a.secret, world, g, a.max_workers, epoch, lifecycle.lease, lifecycle.heartbeat);
+        if let Some(r) = a.resume.as_deref() {
+            let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
+            hub.take_back(&members, r.saved.workers(), r.saved.agents);
+        }
+        let key = status_key(a.secret);
+        let server = GrpcServer::start(a.listen, self.shared.clone(), Some(hub.clone()), key, &a.tls)?;
+        let addr = server.addr();
+        observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;
+        let agents = if a.local_agents > 0 { Some(Arc::new(Mutex::new(start_local_agents(a, addr)?))) } else { None };
+        let launched = a.resume.as_deref().and_then(|r| r.saved.launched_workers).unwrap_or(world);
+        let mut save = a.state_file.clone().map(|path| job_saver(path, &hub, job_id, job, g, launched));
+        let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
+        // The specs go to the agents without the secret (each agent proved it knows it and
+        // adds its own, so it never crosses the network) and without the job, which each
+        // agent is sent once for its workers.
+        let (encrypt, comm_timeout_s) = (job.encrypt_data, self.comm_timeout_s);
+        let line = move |rank: usize, world: usize, epoch: u64, host: &str| {
+            let bind = Some(host.to_string());
+            let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: String::new(), bind, encrypt, job: () };
+            Ok::<_, ControlError>(serde_json::to_string(&spec)?)
+        };
+        // A worker that joins later stands by (its spec's rank is its worker id) and is sent
+        // its map whole in the move that takes it in.
+        let joiner = || -> Result<Joiner, ControlError> {
+            let layers = job.config.model.moe_layers().max(1);
+            let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
+            let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
+            let job = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&standby)?));
+            Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host)) })
+        };
+        if let Some(r) = a.resume.as_deref() {
+            let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner()?);
+            return drive(&mut fleet, controller(Instant::now())?, job_id, Some(self.shared), save, observe);
+        }
+        let attached = hub.wait_for_agents(&inputs, Instant::now() + a.wait, |info, attached, world| {
+            observe(TrainEvent::AgentJoined {
+                agent: info.agent,
+                host: info.host.clone(),
+                peer: info.peer.clone(),
+                gpus: info.gpus,
+                pid: info.pid,
+                attached,
+                world,
+            })
+        });
+        let run = attached.and_then(|_| {
+            let whole = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(job)?));
+            let mut fleet = hub.start(inputs, whole, |rank, host| line(rank, world, epoch, host), joiner()?)?;
+            // The schedule's clock starts with the workers.
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let replaying = match (&agents, &a.schedule) {
+                (Some(agents), Some(schedule)) => Some(replay(agents.clone(), schedule.clone(), stop.clone())),
+                _ => None,
+            };
+            let run = drive(&mut fleet, controller(Instant::now())?, job_id, Some(self.shared), save, observe);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            if let Some(r) = replaying {
+                let _ = r.join();
+            }
+            run
+        });
+        if let Some(agents) = &agents {
+            // Agents end with their part in the job; they are killed if they do not.
+            agents.lock().unwrap_or_else(|e| e.into_inner()).reap_within(Duration::from_secs(40));
+        }
+        run
+    }
+}
+
+/// What a new controller needs to take the job back, saved at `path` at every epoch (and
+/// removed once the job is over); a failure to save is warned of once.
+fn job_saver(path: PathBuf, hub: &Arc<AgentHub>, job_id: &str, job: &TrainJob, g: usize, launched: usize) -> impl FnMut(&Controller, bool) {
+    let (hub, job_id, config) = (hub.clone(), job_id.to_string(), job.config.clone());
+    let mut warned = false;
+    move |ctl: &Controller, over: bool| {
+        let written = match ctl.job_state() {
+            Some(_) if over => std::fs::remove_file(&path).or_else(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Ok(()),
+                _ => Err(ControlError::io(format!("removing {}", path.display()), e)),
+            }),
+            Some(state) => saved_job::SavedJob::new(&job_id, g, hub.next_agent(), state).with_job(config.clone(), launched).write(&path),
+            None => Ok(()),
+        };
+        if let Err(e) = written {
+            if !std::mem::replace(&mut warned, true) {
+                tracing::warn!(
+                    "epoch {}: the controller's state is not saved ({e}): a new controller could not take the job back",
+                    ctl.job_epoch(ctl.epoch())
+                );
+            }
+        }
+    }
 }
 
 /// Start `world` processes of this binary's hidden `subcommand`, each a rank of a job on `spec`

@@ -1,4 +1,6 @@
 use super::*;
+use crate::fleet::{Fleet, FleetEvent};
+use crate::protocol::LauncherMessage;
 
 const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 

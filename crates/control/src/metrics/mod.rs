@@ -16,7 +16,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::control_loop::TrainEvent;
+use crate::events::TrainEvent;
 use crate::service::SharedStatus;
 
 mod server;
@@ -157,8 +157,8 @@ impl JobMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control_loop::ReconfigurationRecord;
     use crate::controller::MoveCause;
+    use crate::events::ReconfigurationRecord;
 
     #[test]
     fn events_become_metrics_in_the_text_format() {

@@ -10,7 +10,6 @@
 //! Softmaxes subtract the row maximum first (detached: softmax does not depend on it), so f32
 //! and bf16 on a device do not overflow where the fused kernels' f64 accumulators would not.
 
-use crate::config::Activation;
 use candle_core::{DType, Tensor, D};
 
 /// SwiGLU of h [n, 2f] = [gate | up]: SiLU(gate) ⊙ up [n, f].
@@ -25,13 +24,29 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor>
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
 }
 
+/// (cos, sin) of every (position < t, pair i < h/2), row-major [t, h/2], in f64: the angles of
+/// [`rope`], which the fused kernel uses too.
+pub(super) fn rope_tables(t: usize, head: usize, theta: f64) -> (Vec<f64>, Vec<f64>) {
+    let half = head / 2;
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for pos in 0..t {
+        for i in 0..half {
+            let angle = pos as f64 * theta.powf(-((2 * i) as f64) / head as f64);
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    (cos, sin)
+}
+
 /// Rotary positions on the queries and keys of qkv [B, T, 3d] (`heads` heads, the values
 /// untouched): per head, dimension i < h/2 and i + h/2 turn by t·θ^(−2i/h) at position t.
 pub fn rope(qkv: &Tensor, heads: usize, theta: f64) -> candle_core::Result<Tensor> {
     let (b, t, d3) = qkv.dims3()?;
     let (d, dh) = (d3 / 3, d3 / 3 / heads);
     let half = dh / 2;
-    let (cos, sin) = super::rope::tables(t, dh, theta);
+    let (cos, sin) = rope_tables(t, dh, theta);
     let table = |v: Vec<f64>| Tensor::from_vec(v, (1, t, 1, half), qkv.device())?.to_dtype(qkv.dtype());
     let (cos, sin) = (table(cos)?, table(sin)?);
     let turn = |x: &Tensor| -> candle_core::Result<Tensor> {
@@ -97,29 +112,6 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<T
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
     (lse - shifted.gather(&targets.reshape((n, 1))?, 1)?)?.mean_all()
-}
-
-/// Every expert over its rows (x [R, d], `counts[e]` rows for expert e, in expert order), each
-/// GELU(x·W1 + b1)·W2 + b2, concatenated back in row order.
-pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize], act: Activation) -> candle_core::Result<Tensor> {
-    let mut parts = Vec::with_capacity(experts.len());
-    let mut row = 0;
-    for (w, &n) in experts.iter().zip(counts) {
-        if n > 0 {
-            let h = linear(&x.narrow(0, row, n)?, w[0], w[1])?;
-            let a = match act {
-                // The fused GELU (one kernel each way on the CPU and on CUDA), not candle's chain.
-                Activation::Gelu => super::gelu(&h)?,
-                Activation::Swiglu => swiglu(&h)?,
-            };
-            parts.push(linear(&a, w[2], w[3])?);
-            row += n;
-        }
-    }
-    if parts.is_empty() {
-        return x.zeros_like();
-    }
-    Tensor::cat(&parts, 0)
 }
 
 /// Rows of src [N, d] in the order of `tokens` (u32 [R], on src's device).

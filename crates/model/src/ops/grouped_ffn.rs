@@ -270,7 +270,7 @@ pub fn grouped_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize]
         candle_core::bail!("grouped expert ffn: {} experts but {} counts", experts.len(), counts.len())
     }
     if !super::fused_here(x) {
-        return super::composite::grouped_expert_ffn(x, experts, counts, act);
+        return per_expert_ffn(x, experts, counts, act);
     }
     let (d, f1) = experts.first().map_or(Ok((x.dim(1)?, 0)), |[w1, ..]| w1.dims2())?;
     let f = experts.first().map_or(Ok(0), |[_, _, w2, _]| w2.dim(0))?;
@@ -488,7 +488,7 @@ pub fn grouped_expert_ffn_to_sink(
     if !super::fused_here(x) {
         // Off the CPU and our GPU kernels, candle's autograd carries every gradient; the sink
         // stays empty.
-        return super::composite::grouped_expert_ffn(x, experts, counts, act);
+        return per_expert_ffn(x, experts, counts, act);
     }
     let mut weights = Vec::with_capacity(experts.len());
     for [w1, b1, w2, b2] in experts {
@@ -496,6 +496,30 @@ pub fn grouped_expert_ffn_to_sink(
     }
     let op = GroupedExpertFfnToSink { counts: counts.to_vec(), act, weights, saved: Mutex::new(None), sink: sink.clone() };
     x.contiguous()?.apply_op1(op)
+}
+
+/// Every expert over its rows one at a time (x [R, d], `counts[e]` rows for expert e, in expert
+/// order), each act(x·W1 + b1)·W2 + b2, concatenated back in row order: where the fused kernels
+/// do not run, candle's autograd through our GELU.
+fn per_expert_ffn(x: &Tensor, experts: &[[&Tensor; 4]], counts: &[usize], act: Activation) -> candle_core::Result<Tensor> {
+    let mut parts = Vec::with_capacity(experts.len());
+    let mut row = 0;
+    for (w, &n) in experts.iter().zip(counts) {
+        if n > 0 {
+            let h = super::composite::linear(&x.narrow(0, row, n)?, w[0], w[1])?;
+            let a = match act {
+                // The fused GELU (one kernel each way on the CPU and on CUDA), not candle's chain.
+                Activation::Gelu => super::gelu(&h)?,
+                Activation::Swiglu => super::composite::swiglu(&h)?,
+            };
+            parts.push(super::composite::linear(&a, w[2], w[3])?);
+            row += n;
+        }
+    }
+    if parts.is_empty() {
+        return x.zeros_like();
+    }
+    Tensor::cat(&parts, 0)
 }
 
 #[cfg(test)]

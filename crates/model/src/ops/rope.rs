@@ -11,21 +11,6 @@ use super::host::{contiguous_slice, host_f64, with_host_f32, write_copy, Unfille
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
-/// (cos, sin) of every (position < t, pair i < h/2), row-major [t, h/2], in f64.
-pub(super) fn tables(t: usize, head: usize, theta: f64) -> (Vec<f64>, Vec<f64>) {
-    let half = head / 2;
-    let mut cos = Vec::with_capacity(t * half);
-    let mut sin = Vec::with_capacity(t * half);
-    for pos in 0..t {
-        for i in 0..half {
-            let angle = pos as f64 * theta.powf(-((2 * i) as f64) / head as f64);
-            cos.push(angle.cos());
-            sin.push(angle.sin());
-        }
-    }
-    (cos, sin)
-}
-
 /// The autograd node of [`rope`]: qkv [B, T, 3d] → the same shape.
 struct Rope {
     heads: usize,
@@ -82,7 +67,7 @@ impl CustomOp1 for Rope {
         let _profile = crate::profile::kernel("rope");
         let (_, t, d3) = layout.shape().dims3()?;
         let d = d3 / 3;
-        let (cos, sin) = tables(t, d / self.heads, self.theta);
+        let (cos, sin) = super::composite::rope_tables(t, d / self.heads, self.theta);
         let out = match storage {
             CpuStorage::F32(x) => CpuStorage::F32(rope_f32(contiguous_slice(x, layout)?, t, d, self.heads, &cos, &sin, self.inverse)),
             CpuStorage::F64(x) => CpuStorage::F64(rope_f64(contiguous_slice(x, layout)?, t, d, self.heads, &cos, &sin, self.inverse)),
@@ -96,7 +81,7 @@ impl CustomOp1 for Rope {
         let _profile = crate::profile::kernel("rope.bwd");
         let (_, t, d3) = grad.dims3()?;
         let d = d3 / 3;
-        let (cos, sin) = tables(t, d / self.heads, self.theta);
+        let (cos, sin) = super::composite::rope_tables(t, d / self.heads, self.theta);
         let back = !self.inverse;
         let g = match grad.dtype() {
             candle_core::DType::F32 => {

@@ -92,25 +92,8 @@ fn plan_move(
     expert_bytes: &[u64],
     mapped: Option<&[usize]>,
 ) -> Result<ReconfigurationPlan, PlanError> {
-    let layers = new_layers.len();
-    if expert_bytes.len() != layers {
-        return Err(PlanError::Length { field: "expert_bytes", got: expert_bytes.len(), expected: layers });
-    }
-    let n = live.len();
-    for p in new_layers {
-        if p.shape().nodes != n {
-            return Err(PlanError::Length { field: "plan nodes", got: p.shape().nodes, expected: n });
-        }
-    }
-    let mut ids = BTreeSet::new();
-    for s in live {
-        if !ids.insert(s.node) {
-            return Err(PlanError::invalid("node", s.node, "listed twice among live nodes"));
-        }
-        if !s.experts.is_empty() && s.experts.len() != layers {
-            return Err(PlanError::Length { field: "node experts (layers)", got: s.experts.len(), expected: layers });
-        }
-    }
+    check_move_inputs(live, new_layers, expert_bytes)?;
+    let (layers, n) = (new_layers.len(), live.len());
     // held[p][layer]: sets of experts, as sorted lists (at a thousand nodes of 58 layers, tree
     // sets took most of a move's planning); a list given sorted is used as it is.
     let held: Vec<Vec<Cow<'_, [ExpertId]>>> =
@@ -174,6 +157,47 @@ fn plan_move(
         missing.iter().for_each(|&(l, e, _)| needed[l][e] = true);
         holders_of(Some(&needed))
     });
+    let (transfers, lost, bytes_per_sender) = assign_senders(missing, &holders, live, expert_bytes);
+    Ok(ReconfigurationPlan { plan_to_node, transfers, lost, bytes_per_sender })
+}
+
+/// The inputs of a move, checked: a plan of as many nodes as are live for every layer, an
+/// expert size per layer, each live node once, with its experts for every layer (or none).
+fn check_move_inputs(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64]) -> Result<(), PlanError> {
+    let layers = new_layers.len();
+    if expert_bytes.len() != layers {
+        return Err(PlanError::Length { field: "expert_bytes", got: expert_bytes.len(), expected: layers });
+    }
+    let n = live.len();
+    for p in new_layers {
+        if p.shape().nodes != n {
+            return Err(PlanError::Length { field: "plan nodes", got: p.shape().nodes, expected: n });
+        }
+    }
+    let mut ids = BTreeSet::new();
+    for s in live {
+        if !ids.insert(s.node) {
+            return Err(PlanError::invalid("node", s.node, "listed twice among live nodes"));
+        }
+        if !s.experts.is_empty() && s.experts.len() != layers {
+            return Err(PlanError::Length { field: "node experts (layers)", got: s.experts.len(), expected: layers });
+        }
+    }
+    Ok(())
+}
+
+/// A sender for every fetch (layer, expert, to live node) among its `holders`: the fetches
+/// with the fewest candidate holders first, the biggest experts first among them, each from
+/// the candidate that has sent the least so far. The transfers, the experts nobody holds, and
+/// the bytes each sender sends.
+#[allow(clippy::type_complexity)]
+fn assign_senders(
+    missing: Vec<(usize, ExpertId, usize)>,
+    holders: &[Vec<Vec<usize>>],
+    live: &[NodeState],
+    expert_bytes: &[u64],
+) -> (Vec<StateTransfer>, Vec<(usize, ExpertId)>, BTreeMap<u64, u64>) {
+    let n = live.len();
     struct Fetch {
         layer: usize,
         expert: ExpertId,
@@ -206,7 +230,7 @@ fn plan_move(
     }
     transfers.sort_by_key(|t| (t.layer, t.expert, t.to));
     let bytes_per_sender = (0..n).filter(|&h| sent[h] > 0).map(|h| (live[h].node, sent[h])).collect();
-    Ok(ReconfigurationPlan { plan_to_node, transfers, lost: lost.into_iter().collect(), bytes_per_sender })
+    (transfers, lost.into_iter().collect(), bytes_per_sender)
 }
 
 /// cost[p][q]: the bytes live node p must receive to become plan node q — what q wants (its

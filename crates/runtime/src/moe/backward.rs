@@ -90,43 +90,37 @@ impl DistributedMoe {
         d_slots: &Tensor,
         g: &Tensor,
     ) -> Result<ExpertGrads, RuntimeError> {
-        let d = fwd.d;
-        let ranks = t.world();
-        let e_count = self.experts_count();
-        // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let me = t.rank();
-        let (remote, local) = (&fwd.remote, &fwd.local);
+        // Send slot gradients to where each slot was processed (same buffers as dispatch).
         let sends = self.output_gradients_out(fwd, d_slots, g, me)?;
         let wire_bytes = wire(&sends, me);
         let received = {
             let _p = lazarus_model::profile::kernel("transport");
             all_to_all_v(t, world, &sends, self.timeout)?
         };
-        // Per rank: its slots' output gradients in buffer order, and where its tokens came once,
-        // their gradients as they came (for the combine weights' gradient).
-        let mut recv_rows: Vec<Vec<f32>> = Vec::with_capacity(ranks);
-        let mut g_distinct: Vec<Vec<f32>> = Vec::with_capacity(ranks);
-        for (src, bytes) in received.iter().enumerate() {
-            match &fwd.arrivals[src] {
-                Arrival::InPlace => {
-                    recv_rows.push(decode_exact(bytes, remote.recv_len[src] * d, src, "output gradients")?);
-                    g_distinct.push(Vec::new());
-                }
-                Arrival::Distinct { index, distinct, weight } => {
-                    let g = decode_exact(bytes, distinct * d, src, "output gradients")?;
-                    recv_rows.push(expand_scaled(index, weight, &g, d));
-                    g_distinct.push(g);
-                }
-            }
+        let (recv_rows, g_distinct) = decode_output_gradients(fwd, &received)?;
+        let buckets = self.all_reduce_buckets(t.world(), me)?;
+        let (gy_dev, first_row) = gather_output_gradients(fwd, d_slots, &recv_rows, me)?;
+        if self.mode == super::DispatchMode::Deterministic {
+            return self.exact_backward(t, world, fwd, gy_dev.as_ref(), &first_row, wire_bytes);
         }
-        // Gradient synchronisation: each expert over its holders. Experts with the same holder
-        // set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
-        // all-reduce overlaps the next one's backward (a single bucket would leave the whole
-        // all-reduce exposed: at 1:1 every expert of a worker has the same holders). Shared
-        // buckets run in the order of their holder sets and then of expert ids, the same on
-        // every rank, so overlapping groups cannot wait on each other in a cycle.
+        let rows = ExpertRows { gy: gy_dev.as_ref(), first_row: &first_row };
+        let (synced, dx) = self.overlapped_backward(t, fwd, &buckets, rows)?;
+        let (h_through_experts, combine_grad, back_bytes) = self.input_gradients_home(t, world, fwd, dx, &g_distinct)?;
+        Ok(ExpertGrads { experts: synced, exact: BTreeMap::new(), h_through_experts, combine_grad, wire_bytes: wire_bytes + back_bytes })
+    }
+
+    /// Gradient synchronisation: each expert over its holders. Experts with the same holder
+    /// set share all-reduces, in buckets of at most `bucket_bytes` so that one bucket's
+    /// all-reduce overlaps the next one's backward (a single bucket would leave the whole
+    /// all-reduce exposed: at 1:1 every expert of a worker has the same holders). Shared
+    /// buckets run in the order of their holder sets and then of expert ids, the same on
+    /// every rank, so overlapping groups cannot wait on each other in a cycle. Experts held
+    /// here alone need no all-reduce: last, they overlap the last shared bucket's all-reduce
+    /// instead of leaving it exposed. (holders, experts) of each bucket, in order.
+    fn all_reduce_buckets(&self, ranks: usize, me: usize) -> Result<Buckets, RuntimeError> {
         let mut by_holders: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
-        for e in 0..e_count {
+        for e in 0..self.experts_count() {
             let holders: Vec<usize> = (0..ranks).filter(|&r| self.replicas[e][r] > 0).collect();
             if holders.contains(&me) {
                 if !self.experts.contains_key(&e) {
@@ -138,7 +132,7 @@ impl DistributedMoe {
                 by_holders.entry(holders).or_default().push(e);
             }
         }
-        let mut buckets: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+        let mut buckets: Buckets = Vec::new();
         for (holders, experts) in by_holders {
             let (mut current, mut bytes): (Vec<usize>, usize) = (Vec::new(), 0);
             for e in experts {
@@ -152,38 +146,25 @@ impl DistributedMoe {
             }
             buckets.push((holders, current));
         }
-        // Experts held here alone need no all-reduce: computed last, they overlap the last
-        // shared bucket's all-reduce instead of leaving it exposed. (Moving buckets that send
-        // nothing keeps the shared ones in the same order on every rank.)
+        // (Moving buckets that send nothing keeps the shared ones in the same order on every
+        // rank.)
         buckets.sort_by_key(|b| b.0.len() == 1);
+        Ok(buckets)
+    }
+
+    /// The experts' backward on a helper thread, in the order of `buckets`, while this thread
+    /// all-reduces each bucket as soon as its gradients are ready. Each expert's gradients
+    /// summed over its holders, and each segment's input gradient (still on the device).
+    #[allow(clippy::type_complexity)]
+    fn overlapped_backward(
+        &self,
+        t: &mut dyn Transport,
+        fwd: &MoeForward,
+        buckets: &[(Vec<usize>, Vec<usize>)],
+        rows: ExpertRows<'_>,
+    ) -> Result<(BTreeMap<usize, Vec<Tensor>>, Vec<(usize, Tensor)>), RuntimeError> {
         let order: Vec<usize> = buckets.iter().flat_map(|b| b.1.iter().copied()).collect();
         let segment_of: BTreeMap<usize, usize> = fwd.expert_segments.iter().enumerate().map(|(i, s)| (s.0, i)).collect();
-        // The output gradients of every local expert's rows, in the forward's order: those from
-        // other ranks in one copy to the device, this rank's own read where they are; each expert
-        // a view (its first row in `first_row`).
-        let mut gy_all = Rows::new(d_slots.clone(), d);
-        let mut first_row = Vec::with_capacity(fwd.expert_segments.len());
-        let mut rows = 0;
-        for (_, _, _, blocks) in &fwd.expert_segments {
-            first_row.push(rows);
-            for (src, &(o, c)) in blocks.iter().enumerate() {
-                for r in o..o + c {
-                    match src == me {
-                        true => gy_all.push_device(local.slot_at[r]),
-                        false => gy_all.push_host(&recv_rows[src][r * d..(r + 1) * d]),
-                    }
-                }
-                rows += c;
-            }
-        }
-        // (None when no local expert has a row: nothing to upload, and no segment reads it.)
-        let gy_dev = match rows {
-            0 => None,
-            _ => Some(gy_all.gather()?),
-        };
-        if self.mode == super::DispatchMode::Deterministic {
-            return self.exact_backward(t, world, fwd, gy_dev.as_ref(), &first_row, wire_bytes);
-        }
         let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<Tensor>), RuntimeError>>();
         // Set when this thread fails (e.g. a peer is lost): the helper stops after its current
         // expert so the error is reported without computing the rest.
@@ -197,8 +178,8 @@ impl DistributedMoe {
                 }
                 let weights = &self.experts[&e];
                 let result = match segment_of.get(&e) {
-                    Some(&i) => match &gy_dev {
-                        Some(gy) => self.expert_segment_backward(&fwd.expert_segments[i], gy, first_row[i]).map(|(g, x)| {
+                    Some(&i) => match rows.gy {
+                        Some(gy) => self.expert_segment_backward(&fwd.expert_segments[i], gy, rows.first_row[i]).map(|(g, x)| {
                             dx.push((i, x));
                             g
                         }),
@@ -219,46 +200,7 @@ impl DistributedMoe {
         let mut synced = BTreeMap::new();
         let dx = std::thread::scope(|scope| -> Result<Vec<(usize, Tensor)>, RuntimeError> {
             let worker = scope.spawn(move || compute(tx));
-            let synced_all = (|| -> Result<(), RuntimeError> {
-                let mut arrived: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
-                for (holders, experts) in &buckets {
-                    while experts.iter().any(|e| !arrived.contains_key(e)) {
-                        let (e, g) = rx.recv().map_err(|_| RuntimeError::Invalid {
-                            field: "expert backward",
-                            reason: "the compute thread stopped early".into(),
-                        })??;
-                        arrived.insert(e, g);
-                    }
-                    if holders.len() == 1 {
-                        // Held here alone: the gradients stay where they are.
-                        for e in experts {
-                            synced.insert(*e, arrived.remove(e).expect("arrived above"));
-                        }
-                        continue;
-                    }
-                    // Shared: one host buffer for the bucket's all-reduce, back as one tensor
-                    // with each parameter a view into it.
-                    let mut parts = Vec::new();
-                    let mut shapes = Vec::new();
-                    for e in experts {
-                        parts.extend(arrived.remove(e).expect("arrived above").into_iter().map(Some));
-                        shapes.extend(self.experts[e].vars().iter().map(|v| v.dims()));
-                    }
-                    let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-                    let mut flat = crate::host_copy::to_host(&parts, &lens)?;
-                    drop(parts);
-                    {
-                        let _p = lazarus_model::profile::kernel("transport");
-                        let mut group = Group::new(holders.clone())?;
-                        all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
-                    }
-                    let mut views = crate::host_copy::from_host(flat, &shapes, self.gate.device())?.into_iter();
-                    for e in experts {
-                        synced.insert(*e, views.by_ref().take(self.experts[e].vars().len()).collect());
-                    }
-                }
-                Ok(())
-            })();
+            let synced_all = self.sync_buckets(t, buckets, &rx, &mut synced);
             if synced_all.is_err() {
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);
             }
@@ -266,8 +208,53 @@ impl DistributedMoe {
             synced_all?;
             dx.map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread panicked".into() })
         })?;
-        let (h_through_experts, combine_grad, back_bytes) = self.input_gradients_home(t, world, fwd, dx, &g_distinct)?;
-        Ok(ExpertGrads { experts: synced, exact: BTreeMap::new(), h_through_experts, combine_grad, wire_bytes: wire_bytes + back_bytes })
+        Ok((synced, dx))
+    }
+
+    /// Each bucket's gradients as they arrive from the compute thread (`rx`), summed over its
+    /// holders (one host buffer for the bucket's all-reduce, back as one tensor with each
+    /// parameter a view into it); an expert held here alone keeps its gradients where they are.
+    fn sync_buckets(
+        &self,
+        t: &mut dyn Transport,
+        buckets: &[(Vec<usize>, Vec<usize>)],
+        rx: &std::sync::mpsc::Receiver<Result<(usize, Vec<Tensor>), RuntimeError>>,
+        synced: &mut BTreeMap<usize, Vec<Tensor>>,
+    ) -> Result<(), RuntimeError> {
+        let mut arrived: BTreeMap<usize, Vec<Tensor>> = BTreeMap::new();
+        for (holders, experts) in buckets {
+            while experts.iter().any(|e| !arrived.contains_key(e)) {
+                let (e, g) = rx
+                    .recv()
+                    .map_err(|_| RuntimeError::Invalid { field: "expert backward", reason: "the compute thread stopped early".into() })??;
+                arrived.insert(e, g);
+            }
+            if holders.len() == 1 {
+                for e in experts {
+                    synced.insert(*e, arrived.remove(e).expect("arrived above"));
+                }
+                continue;
+            }
+            let mut parts = Vec::new();
+            let mut shapes = Vec::new();
+            for e in experts {
+                parts.extend(arrived.remove(e).expect("arrived above").into_iter().map(Some));
+                shapes.extend(self.experts[e].vars().iter().map(|v| v.dims()));
+            }
+            let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+            let mut flat = crate::host_copy::to_host(&parts, &lens)?;
+            drop(parts);
+            {
+                let _p = lazarus_model::profile::kernel("transport");
+                let mut group = Group::new(holders.clone())?;
+                all_reduce_sum_f32(t, &mut group, &mut flat, self.timeout)?;
+            }
+            let mut views = crate::host_copy::from_host(flat, &shapes, self.gate.device())?.into_iter();
+            for e in experts {
+                synced.insert(*e, views.by_ref().take(self.experts[e].vars().len()).collect());
+            }
+        }
+        Ok(())
     }
 
     /// [`DispatchMode::Deterministic`]'s expert backward: each segment (one sender's block)
@@ -512,4 +499,74 @@ impl DistributedMoe {
         };
         Ok((out, dx))
     }
+}
+
+/// Buckets of experts whose gradients are all-reduced together: (holders, experts), in order.
+type Buckets = Vec<(Vec<usize>, Vec<usize>)>;
+
+/// Per rank: its slots' output gradients in buffer order, and its distinct tokens' as they came.
+type RowsAndDistinct = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// The output gradients of every local expert's rows on the device, and each segment's first
+/// row among them.
+#[derive(Clone, Copy)]
+struct ExpertRows<'a> {
+    /// None when no local expert has a row.
+    gy: Option<&'a Tensor>,
+    first_row: &'a [usize],
+}
+
+/// Per rank: its slots' output gradients in buffer order, and where its tokens came once,
+/// their gradients as they came (for the combine weights' gradient).
+fn decode_output_gradients(fwd: &MoeForward, received: &[Vec<u8>]) -> Result<RowsAndDistinct, RuntimeError> {
+    let d = fwd.d;
+    let mut recv_rows: Vec<Vec<f32>> = Vec::with_capacity(received.len());
+    let mut g_distinct: Vec<Vec<f32>> = Vec::with_capacity(received.len());
+    for (src, bytes) in received.iter().enumerate() {
+        match &fwd.arrivals[src] {
+            Arrival::InPlace => {
+                recv_rows.push(decode_exact(bytes, fwd.remote.recv_len[src] * d, src, "output gradients")?);
+                g_distinct.push(Vec::new());
+            }
+            Arrival::Distinct { index, distinct, weight } => {
+                let g = decode_exact(bytes, distinct * d, src, "output gradients")?;
+                recv_rows.push(expand_scaled(index, weight, &g, d));
+                g_distinct.push(g);
+            }
+        }
+    }
+    Ok((recv_rows, g_distinct))
+}
+
+/// The output gradients of every local expert's rows, in the forward's order: those from other
+/// ranks in one copy to the device, this rank's own read where they are (in `d_slots`); each
+/// segment's first row among them. (None when no local expert has a row: nothing to upload,
+/// and no segment reads it.)
+fn gather_output_gradients(
+    fwd: &MoeForward,
+    d_slots: &Tensor,
+    recv_rows: &[Vec<f32>],
+    me: usize,
+) -> Result<(Option<Tensor>, Vec<usize>), RuntimeError> {
+    let d = fwd.d;
+    let mut gy_all = Rows::new(d_slots.clone(), d);
+    let mut first_row = Vec::with_capacity(fwd.expert_segments.len());
+    let mut rows = 0;
+    for (_, _, _, blocks) in &fwd.expert_segments {
+        first_row.push(rows);
+        for (src, &(o, c)) in blocks.iter().enumerate() {
+            for r in o..o + c {
+                match src == me {
+                    true => gy_all.push_device(fwd.local.slot_at[r]),
+                    false => gy_all.push_host(&recv_rows[src][r * d..(r + 1) * d]),
+                }
+            }
+            rows += c;
+        }
+    }
+    let gy = match rows {
+        0 => None,
+        _ => Some(gy_all.gather()?),
+    };
+    Ok((gy, first_row))
 }

@@ -154,6 +154,20 @@ impl Worker {
         // The update's gradients: the replicated ones in parameter order, then the experts'.
         let mut summed: Vec<Option<Tensor>> = vec![None; params.len()];
         let shared_sq = self.place_shared(flat, &shared, &lens, &mut summed)?;
+        self.place_experts(expert_grads, &params, &device, &mut summed)?;
+        drop(_phase);
+        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, expert_load, round))
+    }
+
+    /// Each expert's summed gradient (its parameters' values one after the other) into
+    /// `summed`, at its parameters' places, on `device`.
+    fn place_experts(
+        &self,
+        expert_grads: BTreeMap<(usize, usize), Vec<f32>>,
+        params: &lazarus_model::params::ParamStore,
+        device: &candle_core::Device,
+        summed: &mut [Option<Tensor>],
+    ) -> Result<(), RuntimeError> {
         // Each expert's parameters in the order of its tensors (as its gradients come).
         let mut by_expert: BTreeMap<(usize, usize), BTreeMap<usize, usize>> = BTreeMap::new();
         for (i, kind) in self.kinds.iter().enumerate() {
@@ -164,12 +178,11 @@ impl Worker {
         for (key, values) in expert_grads {
             let Some(indices) = by_expert.get(&key).map(|parts| parts.values().copied().collect::<Vec<usize>>()) else { continue };
             let shapes: Vec<&[usize]> = indices.iter().map(|&i| params.vars()[i].dims()).collect();
-            for (&i, g) in indices.iter().zip(crate::host_copy::from_host(values, &shapes, &device)?) {
+            for (&i, g) in indices.iter().zip(crate::host_copy::from_host(values, &shapes, device)?) {
                 summed[i] = Some(g);
             }
         }
-        drop(_phase);
-        Ok(self.pending(started, summed, shared_sq + expert_sq, loss, aux_sum, expert_load, round))
+        Ok(())
     }
 
     /// Each local expert's exact gradient summed over its holders (one exact all-reduce per set

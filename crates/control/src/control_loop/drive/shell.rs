@@ -1,289 +1,18 @@
-//! The controller's loop, for every job (with live recovery or without, training or a
-//! benchmark): worker reports in through a [`Fleet`], [`Controller::decide`] on each, its
-//! commands out — the start deadline, a stop asked for and completion included. The shell keeps
-//! only what to show the user and the record of each reconfiguration.
+//! The launcher's side of the bookkeeping the controller does not do: what to show the user,
+//! when every worker is done, the record of each reconfiguration, and each move's plan as each
+//! worker is sent it (the change from the map it has).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use lazarus_plan::{PlanUpdate, ReplicaMap};
 
-use super::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-use crate::controller::{Command, Controller, Event, MoveCause, MoveCost, StopReport, Weighed};
+use crate::controller::{Controller, Event, MoveCause, MoveCost, StopReport};
 use crate::error::ControlError;
-use crate::fleet::{Fleet, FleetEvent};
-use crate::protocol::{LauncherMessage, MoveOrder, MoveStats, WorkerEvent};
-use crate::service::{snapshot, SharedStatus};
-
-/// While a rebalance is weighed beside the loop, the loop looks for its verdict this often.
-const WEIGHED_POLL: Duration = Duration::from_millis(20);
-
-/// The status served to `lazarus status` is refreshed at least this often.
-const STATUS_EVERY: Duration = Duration::from_millis(250);
-
-/// How a job driven to its end ended: the outcome, and rank 0's results if its work has some
-/// (a benchmark's).
-pub(crate) struct Ended {
-    pub outcome: TrainOutcome,
-    pub results: Option<serde_json::Value>,
-}
-
-/// Saves what a new controller needs to take the job back (`true`: the job is over, completed
-/// or stopped with its workers: nothing is left to take back).
-pub(crate) type SaveState<'a> = &'a mut dyn FnMut(&Controller, bool);
-
-/// The controller's loop: reports from `fleet` in, the controller's decisions out, until the
-/// job completes or stops; `shared` (if served) gets the status after each decision. On
-/// anything but completion every worker left is killed.
-pub(crate) fn drive(
-    fleet: &mut dyn Fleet,
-    mut ctl: Controller,
-    job_id: &str,
-    shared: Option<SharedStatus>,
-    mut save: Option<SaveState<'_>>,
-    mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
-) -> Result<Ended, ControlError> {
-    // (A job taken back counts its epochs from its first controller's start.)
-    let first_epoch = ctl.epoch() - ctl.job_epoch(ctl.epoch());
-    // A job taken back: its agents send their last records again, which the log may hold.
-    let replayed_until = ctl.resuming().then(|| ctl.last_step());
-    // What a new controller would need, saved before any worker hears of a new epoch.
-    let mut saved_epoch = None;
-    // The plan as `lazarus status` shows it: its epoch counted from the job's start.
-    let shown_plan = |ctl: &Controller| ctl.plan().map(|p| p.clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json()).unwrap_or_default();
-    let mut plan_json = (ctl.epoch(), shown_plan(&ctl));
-    let mut status_at = None;
-    let mut shell = Shell {
-        started: false,
-        done: BTreeMap::new(),
-        recovering: None,
-        first_error: None,
-        ranks: ctl.ranks().to_vec(),
-        last_checkpoint: None,
-        ends: BTreeMap::new(),
-        first_failure: None,
-        results: None,
-        stop_told: false,
-        // The workers start with the plan of the controller's epoch (those of a job taken back
-        // may have any of the last few: they are sent the next whole).
-        sent_maps: ctl
-            .plan()
-            .filter(|_| !ctl.resuming())
-            .map(|p| (ctl.epoch(), (p.replica_map(), ctl.ranks().to_vec())))
-            .into_iter()
-            .collect(),
-        sent_at: if ctl.resuming() { BTreeMap::new() } else { ctl.ranks().iter().map(|&w| (w, ctl.epoch())).collect() },
-    };
-    // A rebalance being weighed on a thread of its own (at a thousand nodes it plans a model:
-    // seconds the loop must not be held for), and where its verdict comes back.
-    let (weighed_tx, weighed_rx) = std::sync::mpsc::channel::<Weighed>();
-    let mut weighing = false;
-    let result: Result<TrainOutcome, ControlError> = (|| loop {
-        let now = Instant::now();
-        let mut wait = ctl.next_wake(now).saturating_duration_since(now);
-        if weighing {
-            wait = wait.min(WEIGHED_POLL);
-        }
-        if wait.is_zero() {
-            wait = Duration::from_millis(1);
-        }
-        let verdict = if weighing { weighed_rx.try_recv().ok() } else { None };
-        let event = match (verdict, crate::stop_signal::requested()) {
-            (Some(verdict), _) => {
-                weighing = false;
-                Event::Weighed(verdict)
-            }
-            // SIGTERM or Ctrl-C: every rank stops after the same step and writes the final
-            // checkpoint (a second signal ends the process at once).
-            (None, Some((_, name))) if !shell.stop_told => {
-                shell.stop_told = true;
-                tracing::warn!(
-                    "{name}: every worker stops after the step in flight and writes the final checkpoint (again to stop at once)"
-                );
-                Event::StopRequested { why: name.to_string() }
-            }
-            _ => match fleet.next_event(wait) {
-                None => Event::Tick,
-                Some(FleetEvent::Joined { workers }) => {
-                    observe(TrainEvent::WorkersJoined { workers: workers.clone() })?;
-                    Event::Joined { workers: workers.into_iter().map(|w| w as u64).collect() }
-                }
-                Some(FleetEvent::Leaving { workers, reason }) => {
-                    observe(TrainEvent::Leaving { workers: workers.clone(), reason: reason.clone() })?;
-                    Event::Drain { workers: workers.into_iter().map(|w| w as u64).collect(), reason }
-                }
-                Some(FleetEvent::Exited { rank }) => {
-                    let status = fleet.exit_status(rank);
-                    let member = ctl.alive().contains(&(rank as u64)) || ctl.standby().any(|w| w == rank as u64);
-                    if !shell.done.contains_key(&rank) && member {
-                        let why = format!("died ({status}){}", shell.since_first_failure());
-                        shell.ended(rank, "died");
-                        observe(TrainEvent::Lost { worker: rank, why })?;
-                        shell.failure_seen();
-                    }
-                    Event::Exited { node: rank as u64, status }
-                }
-                Some(FleetEvent::Report { rank: _, event }) if replayed_until.is_some() && already_logged(&event, &ctl, replayed_until) => {
-                    continue;
-                }
-                Some(FleetEvent::Report { rank, event }) => match shell.translate(rank, event, &ctl, &mut observe)? {
-                    Some(e) => e,
-                    None => continue,
-                },
-            },
-        };
-        let decided = Instant::now();
-        let commands = ctl.decide(decided, event);
-        let plan_s = decided.elapsed().as_secs_f64();
-        if let Some(save) = save.as_mut() {
-            if saved_epoch != Some(ctl.epoch()) && !ctl.is_over() {
-                saved_epoch = Some(ctl.epoch());
-                save(&ctl, false);
-            }
-        }
-        if let Some(shared) = &shared {
-            // At once when the job's epoch, phase, step or members changed; else every
-            // STATUS_EVERY (a snapshot lists every member: at a thousand nodes, not one per
-            // heartbeat).
-            let key = (ctl.epoch(), ctl.phase_name(), ctl.last_step(), ctl.alive().len());
-            if status_at.as_ref().is_none_or(|(at, k)| *k != key || decided.duration_since(*at) >= STATUS_EVERY) {
-                if plan_json.0 != ctl.epoch() {
-                    plan_json = (ctl.epoch(), shown_plan(&ctl));
-                }
-                *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(&ctl, decided, job_id, first_epoch, &plan_json.1);
-                status_at = Some((decided, key));
-            }
-        }
-        for command in commands {
-            match command {
-                Command::Kill { node, reason, silent_since } => {
-                    fleet.kill(node as usize, &reason);
-                    shell.ended(node as usize, "lost");
-                    observe(TrainEvent::Lost { worker: node as usize, why: reason })?;
-                    // A silent node failed when it was last heard from, a lease ago: the
-                    // record counts the wait for the lease as detection. A node's other
-                    // workers go with the failure that took one of them: it began now.
-                    shell.failure_seen_at(silent_since.unwrap_or(decided));
-                }
-                Command::Fence { epoch, ranks, nodes } => {
-                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Fence { epoch, ranks });
-                }
-                Command::Abandon { epoch, nodes } => {
-                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Abandon { epoch });
-                }
-                Command::Addresses { epoch, addrs } => {
-                    let _ = fleet.send_many(&workers(ctl.ranks()), &LauncherMessage::Addrs { epoch, addrs });
-                }
-                Command::Resume { .. } => {
-                    if !shell.started {
-                        shell.started = true;
-                        observe(TrainEvent::Started)?;
-                    }
-                    if let Some(r) = &mut shell.recovering {
-                        r.resumed = true;
-                    }
-                }
-                Command::Weigh(request) => {
-                    weighing = true;
-                    let tx = weighed_tx.clone();
-                    std::thread::Builder::new()
-                        .name("weigh".into())
-                        .spawn(move || {
-                            let started = Instant::now();
-                            let mut verdict = request.weigh();
-                            if let Some((d, _)) = &mut verdict.outcome {
-                                d.weigh_s = Some(started.elapsed().as_secs_f64());
-                            }
-                            // The loop may have ended meanwhile: nobody to tell.
-                            let _ = tx.send(verdict);
-                        })
-                        .map_err(|e| ControlError::Launch(format!("cannot start the thread that weighs a rebalance: {e}")))?;
-                }
-                Command::Rebalance(d) => observe(TrainEvent::Rebalance(d))?,
-                Command::LogStep(c) => {
-                    observe(TrainEvent::Step { report: c.report, seconds: c.seconds, dropped: 0, moe_wire_bytes: None, snapshot: None })?
-                }
-                Command::Pause { epoch, nodes } => {
-                    // The clock of the move's record starts at the request.
-                    shell.failure_seen();
-                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Pause { epoch });
-                }
-                Command::Finish { epoch, nodes } => {
-                    let _ = fleet.send_many(&workers(&nodes), &LauncherMessage::Finish { epoch });
-                }
-                Command::Reconfigure(m) => {
-                    if let Some(away) = fleet.without_a_controller().filter(|_| m.cause == MoveCause::Controller) {
-                        // The record of a job taken back counts from the loss of its controller.
-                        shell.failure_seen_at(decided.checked_sub(away).unwrap_or(decided));
-                    }
-                    shell.begin_move(&m, plan_s, first_epoch);
-                    send_transfers(fleet, &ctl, &m);
-                    for (plan, nodes) in shell.plan_groups(&m) {
-                        let _ = fleet.send_many(&nodes, &LauncherMessage::Reconfigure { commit_to: m.commit_to, to: move_order(&m, plan) });
-                    }
-                }
-                Command::Rollback { to: m, to_step } => {
-                    shell.begin_move(&m, plan_s, first_epoch);
-                    if let Some(r) = &mut shell.recovering {
-                        r.step = to_step.unwrap_or(0);
-                    }
-                    // (The controller's rollback moves carry no transfers, joiners or leavers:
-                    // nothing goes ahead of the order unless one ever does.)
-                    send_transfers(fleet, &ctl, &m);
-                    for (plan, nodes) in shell.plan_groups(&m) {
-                        let _ = fleet.send_many(&nodes, &LauncherMessage::Rollback { to_step, to: move_order(&m, plan) });
-                    }
-                }
-                Command::Complete => {
-                    // Rank 0 of the last epoch wrote the final checkpoint.
-                    let rank0 = ctl.ranks().first().map(|&n| n as usize);
-                    let checkpoint = rank0.and_then(|r| shell.done.get(&r).cloned()).flatten();
-                    return Ok(TrainOutcome::Completed { checkpoint });
-                }
-                Command::Stop { reason } => return Ok(shell.stopped(&ctl, reason)),
-            }
-        }
-    })();
-    if let Some(save) = save.as_mut() {
-        // Nothing left to take back: the job completed, or stopped with its workers.
-        save(&ctl, true);
-    }
-    match &result {
-        Ok(TrainOutcome::Completed { .. }) => {
-            let how = match crate::stop_signal::requested().filter(|_| shell.stop_told) {
-                Some((_, name)) => format!(
-                    "the controller was asked to stop ({name}): every worker finished after step {} with the final checkpoint",
-                    ctl.last_step()
-                ),
-                None => "the job completed".to_string(),
-            };
-            fleet.finish(&how);
-        }
-        Ok(TrainOutcome::Failed { reason, .. }) => {
-            fleet.kill_all(reason);
-            fleet.finish(reason);
-        }
-        Err(e) => {
-            fleet.kill_all(&e.to_string());
-            fleet.finish(&e.to_string());
-        }
-    }
-    result.map(|outcome| Ended { outcome, results: shell.results.take() })
-}
-
-/// Whether a record a re-attached agent sent again is one the log has: a step up to the last
-/// logged, a checkpoint up to the last known, an evaluation of a step logged before the
-/// controller was lost (`replayed_until`).
-fn already_logged(event: &WorkerEvent, ctl: &Controller, replayed_until: Option<u64>) -> bool {
-    match event {
-        WorkerEvent::Step { report, .. } => report.step <= ctl.last_step(),
-        WorkerEvent::Checkpointed { step, .. } => ctl.checkpoint().is_some_and(|c| *step <= c),
-        WorkerEvent::Evaluated { step, .. } => replayed_until.is_some_and(|r| *step <= r),
-        _ => false,
-    }
-}
+use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
+use crate::protocol::{MoveStats, WorkerEvent};
 
 /// How each worker ended, consecutive workers that ended alike in one entry (`8-15: lost`): a
 /// thousand nodes' stop says what happened in a few lines, not eight thousand.
@@ -298,40 +27,6 @@ fn runs_of(ends: impl Iterator<Item = (usize, String)>) -> Vec<String> {
     runs.into_iter().map(|(a, b, how)| if a == b { format!("{a}: {how}") } else { format!("{a}-{b}: {how}") }).collect()
 }
 
-/// The workers (fleet ranks) of controller nodes.
-fn workers(nodes: &[u64]) -> Vec<usize> {
-    nodes.iter().map(|&n| n as usize).collect()
-}
-
-/// Move `m` as its workers that are sent `plan` are told it (each finds its rank in it).
-fn move_order(m: &crate::controller::Move, plan: PlanUpdate) -> MoveOrder {
-    MoveOrder {
-        epoch: m.epoch,
-        workers: m.ranks.clone(),
-        plan,
-        // Sent apart, each node its own (`send_transfers`).
-        transfers: Vec::new(),
-        joining: m.joining.clone(),
-        leaving: m.leaving.clone(),
-        hold: m.hold,
-        catch_up: m.restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect(),
-    }
-}
-
-/// Each node of a move is sent the transfers its workers send or receive, before the order all
-/// nodes share: a rebalance among a thousand nodes moves hundreds of thousands of expert states,
-/// which every agent would otherwise be sent whole.
-fn send_transfers(fleet: &mut dyn Fleet, ctl: &Controller, m: &crate::controller::Move) {
-    let node_of_rank: Vec<u64> = m.ranks.iter().map(|&w| ctl.node(w)).collect();
-    let mut workers_of: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    for (&w, &node) in m.ranks.iter().zip(&node_of_rank) {
-        workers_of.entry(node).or_default().push(w as usize);
-    }
-    for (node, transfers) in crate::protocol::transfers_by_node(&m.transfers, &node_of_rank) {
-        let _ = fleet.send_many(&workers_of[&node], &LauncherMessage::Transfers { epoch: m.epoch, transfers });
-    }
-}
-
 /// Whether two plan updates are the same one (shared, made once).
 fn same_update(a: &PlanUpdate, b: &PlanUpdate) -> bool {
     match (a, b) {
@@ -342,62 +37,62 @@ fn same_update(a: &PlanUpdate, b: &PlanUpdate) -> bool {
 }
 
 /// A reconfiguration in progress, for its record.
-struct Recovering {
-    started: Instant,
-    cause: MoveCause,
-    epoch: u64,
-    lost: Vec<u64>,
-    joined: Vec<u64>,
-    step: u64,
-    detect_s: f64,
-    plan_s: f64,
-    moved: Vec<MoveStats>,
+pub(super) struct Recovering {
+    pub(super) started: Instant,
+    pub(super) cause: MoveCause,
+    pub(super) epoch: u64,
+    pub(super) lost: Vec<u64>,
+    pub(super) joined: Vec<u64>,
+    pub(super) step: u64,
+    pub(super) detect_s: f64,
+    pub(super) plan_s: f64,
+    pub(super) moved: Vec<MoveStats>,
     /// The last move held after it (a drain's first half): its stats count in the next.
-    keep_moved: bool,
-    resumed: bool,
+    pub(super) keep_moved: bool,
+    pub(super) resumed: bool,
     /// Ranks that said they are ready in the move's epoch: a step one of them reports after
     /// that is of the new epoch even before the controller's resume (a worker's reports come
     /// in order; another rank's readiness may lag behind its steps).
-    ready: BTreeSet<usize>,
-    workers: usize,
-    restored: Vec<crate::controller::RestoredExpert>,
-    rollback_avoided: u64,
+    pub(super) ready: BTreeSet<usize>,
+    pub(super) workers: usize,
+    pub(super) restored: Vec<crate::controller::RestoredExpert>,
+    pub(super) rollback_avoided: u64,
 }
 
 /// The launcher's side of the bookkeeping the controller does not do: what to show, and when
 /// every worker is done.
-struct Shell {
-    started: bool,
+pub(super) struct Shell {
+    pub(super) started: bool,
     /// Workers that finished, with rank 0's checkpoint.
-    done: BTreeMap<usize, Option<PathBuf>>,
-    recovering: Option<Recovering>,
-    first_error: Option<String>,
+    pub(super) done: BTreeMap<usize, Option<PathBuf>>,
+    pub(super) recovering: Option<Recovering>,
+    pub(super) first_error: Option<String>,
     /// The node of each rank of the current epoch.
-    ranks: Vec<u64>,
+    pub(super) ranks: Vec<u64>,
     /// The newest checkpoint written, for a stop to name.
-    last_checkpoint: Option<PathBuf>,
+    pub(super) last_checkpoint: Option<PathBuf>,
     /// How each worker that did not finish ended, in short (`died`, a failure kind, `lost`).
-    ends: BTreeMap<usize, String>,
+    pub(super) ends: BTreeMap<usize, String>,
     /// When the first worker stopped other than by finishing (for a job without recovery:
     /// how long the others took to notice).
-    first_failure: Option<Instant>,
+    pub(super) first_failure: Option<Instant>,
     /// Rank 0's results (a benchmark's).
-    results: Option<serde_json::Value>,
+    pub(super) results: Option<serde_json::Value>,
     /// A stop signal was passed to the controller.
-    stop_told: bool,
+    pub(super) stop_told: bool,
     /// The replica map last sent (by its epoch), with the worker of each of its ranks: a move
     /// is sent to a worker as the change from the map it has.
-    sent_maps: BTreeMap<u64, (ReplicaMap, Vec<u64>)>,
+    pub(super) sent_maps: BTreeMap<u64, (ReplicaMap, Vec<u64>)>,
     /// The epoch of the last plan each worker was sent (its map is that epoch's, whether its
     /// move completed or not: the worker keeps the map it was sent).
-    sent_at: BTreeMap<u64, u64>,
+    pub(super) sent_at: BTreeMap<u64, u64>,
 }
 
 impl Shell {
     /// The plan of move `m` as each of its ranks is sent it: the change from the map the
     /// worker was sent last, else the whole map (a joiner, a job just taken back). Then `m`'s
     /// map is the one each was sent.
-    fn plan_updates(&mut self, m: &crate::controller::Move) -> Vec<PlanUpdate> {
+    pub(super) fn plan_updates(&mut self, m: &crate::controller::Move) -> Vec<PlanUpdate> {
         let new_rank: HashMap<u64, usize> = m.ranks.iter().enumerate().map(|(r, &w)| (w, r)).collect();
         // Each change computed once (per map a worker may have), the whole map copied once.
         let mut changes: BTreeMap<u64, Option<Arc<lazarus_plan::ReplicaMapChange>>> = BTreeMap::new();
@@ -427,7 +122,7 @@ impl Shell {
 
     /// The plan of move `m` as its workers are sent it ([`Shell::plan_updates`]), with the
     /// workers each goes to: those that have the same map share one message.
-    fn plan_groups(&mut self, m: &crate::controller::Move) -> Vec<(PlanUpdate, Vec<usize>)> {
+    pub(super) fn plan_groups(&mut self, m: &crate::controller::Move) -> Vec<(PlanUpdate, Vec<usize>)> {
         let mut groups: Vec<(PlanUpdate, Vec<usize>)> = Vec::new();
         for (&node, update) in m.ranks.iter().zip(self.plan_updates(m)) {
             match groups.iter_mut().find(|(u, _)| same_update(u, &update)) {
@@ -439,20 +134,20 @@ impl Shell {
     }
 
     /// Worker `rank` ended other than by finishing (the first word about it stands).
-    fn ended(&mut self, rank: usize, how: &str) {
+    pub(super) fn ended(&mut self, rank: usize, how: &str) {
         self.ends.entry(rank).or_insert_with(|| how.to_string());
         self.first_failure.get_or_insert_with(Instant::now);
     }
 
     /// " (N ms after the first failure)" once a worker has failed: how long the others took
     /// to notice.
-    fn since_first_failure(&self) -> String {
+    pub(super) fn since_first_failure(&self) -> String {
         self.first_failure.map(|t| format!(" ({} ms after the first failure)", t.elapsed().as_millis())).unwrap_or_default()
     }
 
     /// The job stopped: why (with the first failure a worker reported, and how to go on from
     /// the last checkpoint), and how each worker ended.
-    fn stopped(&self, ctl: &Controller, reason: String) -> TrainOutcome {
+    pub(super) fn stopped(&self, ctl: &Controller, reason: String) -> TrainOutcome {
         let mut reason = match &self.first_error {
             Some(first) => format!("{reason} (first failure: {first})"),
             None => reason,
@@ -478,12 +173,12 @@ impl Shell {
     }
 
     /// The first sign of a failure starts the clock of its record.
-    fn failure_seen(&mut self) {
+    pub(super) fn failure_seen(&mut self) {
         self.failure_seen_at(Instant::now());
     }
 
     /// A failure that began at `at` (earlier than now, for a node found out by its silence).
-    fn failure_seen_at(&mut self, at: Instant) {
+    pub(super) fn failure_seen_at(&mut self, at: Instant) {
         if let Some(r) = &mut self.recovering {
             r.started = r.started.min(at);
         } else {
@@ -507,7 +202,7 @@ impl Shell {
         }
     }
 
-    fn begin_move(&mut self, m: &crate::controller::Move, plan_s: f64, first_epoch: u64) {
+    pub(super) fn begin_move(&mut self, m: &crate::controller::Move, plan_s: f64, first_epoch: u64) {
         self.failure_seen();
         if let Some(r) = &mut self.recovering {
             r.cause = m.cause;
@@ -546,7 +241,7 @@ impl Shell {
     }
 
     /// A worker's report as the controller's event (None: nothing for the controller).
-    fn translate(
+    pub(super) fn translate(
         &mut self,
         rank: usize,
         ev: WorkerEvent,
@@ -614,7 +309,7 @@ impl Shell {
                 Event::Exited { node, status: "left the job (its node was drained)".into() }
             }
             WorkerEvent::Paused { epoch, steps_done, holds, snapshots } => {
-                Event::StepFailed { node, epoch, report: StopReport { steps_done, held: None, holds, last: None, snapshots } }
+                Event::Paused { node, epoch, report: StopReport { steps_done, held: None, holds, last: None, snapshots } }
             }
             WorkerEvent::StepFailed { epoch, steps_done, held, holds, message, last, snapshots, kind } => {
                 if !ctl.recovers() {

@@ -18,6 +18,10 @@ use clap::Args;
 use lazarus_control::loadgen::{LoadOptions, Mark, SyntheticFleet};
 use serde::Serialize;
 
+mod process;
+
+use process::*;
+
 #[derive(Args, Debug)]
 pub struct ControllerBenchArgs {
     /// Nodes (synthetic agents) the job starts with.
@@ -188,14 +192,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     check(args)?;
     let workers = args.nodes * args.gpus_per_node;
     let most = (args.nodes + args.joins) * args.gpus_per_node;
-    let dir = match &args.keep {
-        Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-            d.clone()
-        }
-        None => std::env::temp_dir().join(format!("lazarus-bench-controller-{}", std::process::id())),
-    };
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir = bench_dir(args)?;
     let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
     let secret_file = dir.join("secret");
     write_secret(&secret_file, secret)?;
@@ -226,48 +223,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         tokens_per_replica: TOKENS_PER_REPLICA,
     };
     let mut fleet = SyntheticFleet::new(opts, args.threads)?;
-    let attach_at = Instant::now();
-    let before = fleet.traffic();
-    fleet.attach(args.nodes);
-    let stderr = controller.stderr.clone();
-    let within = patience(args.nodes);
-    let trained = wait_for(
-        &mut controller,
-        &fleet,
-        within,
-        |p| p.training && p.world == workers,
-        || {
-            // A worker lost during the start: the job goes on without its node and never reaches
-            // its full size, so there is nothing to wait for.
-            let text = std::fs::read_to_string(&stderr).unwrap_or_default();
-            let lost = text.lines().filter(|l| l.contains(": no heartbeat for ")).count();
-            (lost > 0).then(|| {
-            format!(
-                "the start did not survive: {lost} workers missed their lease before the job trained (--lease {} s too short for this machine?); the controller's messages: {}",
-                args.lease,
-                stderr.display()
-            )
-        })
-        },
-    )?;
-    if !trained {
-        bail!(
-            "the job did not start training within {} s (synthetic agents: {:?}; controller: {})",
-            within.as_secs(),
-            fleet.trouble(),
-            controller.tail()
-        );
-    }
-    let marks = fleet.marks_since(attach_at);
-    let started_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max().unwrap_or(attach_at);
-    let start = StartTimes {
-        listening_s,
-        started_s: started_at.duration_since(attach_at).as_secs_f64(),
-        training_s: attach_at.elapsed().as_secs_f64(),
-        start_mib_per_agent: (fleet.traffic().received_bytes - before.received_bytes) as f64 / args.nodes as f64 / (1 << 20) as f64,
-        rss_mib_listening,
-        rss_mib_training: memory_mib(pid).0,
-    };
+    let start = measure_start(args, &mut controller, &mut fleet, workers, (listening_s, rss_mib_listening))?;
     say(args, &format!("training after {:.1} s (every agent started after {:.1} s)", start.training_s, start.started_s));
     fleet.start_stepping();
     if !fleet.wait_until(Duration::from_secs(60), |p| p.steps_done >= 2) {
@@ -282,20 +238,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     controller.check_alive()?;
     say(args, &format!("node loss: orders out after {:.0} ms, next step after {:.0} ms", node_loss.orders_out_ms, node_loss.next_step_ms));
 
-    let join = if args.joins > 0 {
-        let m = measure_move(
-            &mut fleet,
-            &dir,
-            args.nodes - 1 + args.joins,
-            patience(args.nodes + args.joins),
-            |f| f.attach(args.joins),
-            "join",
-        )?;
-        say(args, &format!("join of {}: orders out after {:.0} ms, next step after {:.0} ms", args.joins, m.orders_out_ms, m.next_step_ms));
-        m
-    } else {
-        MoveTimes::default()
-    };
+    let join = measure_join(args, &mut fleet, &dir)?;
     controller.check_alive()?;
     let rebalance = if args.rebalance_every > 0 {
         let r = measure_rebalance(&mut fleet, &dir, args)?;
@@ -337,6 +280,83 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
         print_report(&report);
     }
     Ok(())
+}
+
+/// Where the benchmark keeps its secret and the controller's files: `--keep`'s directory, or
+/// a temporary one removed at the end.
+fn bench_dir(args: &ControllerBenchArgs) -> Result<PathBuf> {
+    let dir = match &args.keep {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("lazarus-bench-controller-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The start: every synthetic agent attaches, and the job trains on all `workers`; how long
+/// each part took, what it sent each agent, the controller's memory (`listening`: when it
+/// listened and its memory then).
+fn measure_start(
+    args: &ControllerBenchArgs,
+    controller: &mut Controller,
+    fleet: &mut SyntheticFleet,
+    workers: usize,
+    listening: (f64, f64),
+) -> Result<StartTimes> {
+    let pid = controller.child.id();
+    let attach_at = Instant::now();
+    let before = fleet.traffic();
+    fleet.attach(args.nodes);
+    let stderr = controller.stderr.clone();
+    let within = patience(args.nodes);
+    let trained = wait_for(
+        controller,
+        fleet,
+        within,
+        |p| p.training && p.world == workers,
+        || {
+            // A worker lost during the start: the job goes on without its node and never reaches
+            // its full size, so there is nothing to wait for.
+            let text = std::fs::read_to_string(&stderr).unwrap_or_default();
+            let lost = text.lines().filter(|l| l.contains(": no heartbeat for ")).count();
+            (lost > 0).then(|| {
+            format!(
+                "the start did not survive: {lost} workers missed their lease before the job trained (--lease {} s too short for this machine?); the controller's messages: {}",
+                args.lease,
+                stderr.display()
+            )
+        })
+        },
+    )?;
+    if !trained {
+        bail!(
+            "the job did not start training within {} s (synthetic agents: {:?}; controller: {})",
+            within.as_secs(),
+            fleet.trouble(),
+            controller.tail()
+        );
+    }
+    let marks = fleet.marks_since(attach_at);
+    let started_at = marks.iter().filter(|(_, m)| matches!(m, Mark::Started { .. })).map(|(t, _)| *t).max().unwrap_or(attach_at);
+    Ok(StartTimes {
+        listening_s: listening.0,
+        started_s: started_at.duration_since(attach_at).as_secs_f64(),
+        training_s: attach_at.elapsed().as_secs_f64(),
+        start_mib_per_agent: (fleet.traffic().received_bytes - before.received_bytes) as f64 / args.nodes as f64 / (1 << 20) as f64,
+        rss_mib_listening: listening.1,
+        rss_mib_training: memory_mib(pid).0,
+    })
+}
+
+/// `--joins` new agents attach to the running job: the move that takes them in (none asked:
+/// zeroes).
+fn measure_join(args: &ControllerBenchArgs, fleet: &mut SyntheticFleet, dir: &Path) -> Result<MoveTimes> {
+    if args.joins == 0 {
+        return Ok(MoveTimes::default());
+    }
+    let m = measure_move(fleet, dir, args.nodes - 1 + args.joins, patience(args.nodes + args.joins), |f| f.attach(args.joins), "join")?;
+    say(args, &format!("join of {}: orders out after {:.0} ms, next step after {:.0} ms", args.joins, m.orders_out_ms, m.next_step_ms));
+    Ok(m)
 }
 
 fn check(args: &ControllerBenchArgs) -> Result<()> {
@@ -399,158 +419,6 @@ fn say(args: &ControllerBenchArgs, line: &str) {
     } else {
         tracing::info!("{line}");
     }
-}
-
-fn write_secret(path: &Path, secret: u128) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
-    writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret))?;
-    Ok(())
-}
-
-/// The controller under test, with where its output goes.
-struct Controller {
-    child: Child,
-    stderr: PathBuf,
-}
-
-impl Controller {
-    fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            bail!("the controller exited ({status}): {}", self.tail());
-        }
-        Ok(())
-    }
-
-    /// The end of its stderr.
-    fn tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(8)..].join("\n")
-    }
-
-    fn stop(&mut self) {
-        // SAFETY: a signal to our own child.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGKILL);
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Controller {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.stop();
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)] // the job's shape and timing, each its own
-fn start_controller(
-    args: &ControllerBenchArgs,
-    dir: &Path,
-    secret_file: &Path,
-    listen: SocketAddr,
-    workers: usize,
-    most: usize,
-    lease: f64,
-    heartbeat: f64,
-) -> Result<Controller> {
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let stderr = dir.join("controller.stderr");
-    let n = |x: usize| x.to_string();
-    let f = |x: f64| x.to_string();
-    let mut cmd = Command::new(exe);
-    cmd.arg("controller")
-        .args(["--listen", &listen.to_string()])
-        .arg("--secret-file")
-        .arg(secret_file)
-        .args(["--workers", &n(workers), "--gpus-per-node", &n(args.gpus_per_node), "--max-workers", &n(most)])
-        .args(["--join-wait", JOIN_WAIT_S, "--wait-agents", "900"])
-        .args(["--layers", &n(args.layers), "--moe-every", "1", "--experts", &n(args.experts)])
-        .args(["--d-model", "8", "--heads", "1", "--d-ff", "8", "--batch-size", &n(most), "--seq-len", "2"])
-        .args(["--steps", "1000000", "--profile-steps", "1", "--rebalance-every", &args.rebalance_every.to_string()])
-        .args(["--lease", &f(lease), "--heartbeat", &f(heartbeat)])
-        .arg("--checkpoint-dir")
-        .arg(dir.join("checkpoints"))
-        .arg("--overwrite-checkpoints")
-        .arg("--json-log")
-        .arg(dir.join("log.jsonl"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(std::fs::File::create(dir.join("controller.stdout"))?))
-        .stderr(Stdio::from(std::fs::File::create(&stderr)?));
-    let child = cmd.spawn().context("starting the controller")?;
-    Ok(Controller { child, stderr })
-}
-
-/// How long a start or a move of `nodes` nodes may take before the bench gives up: generous (at
-/// 1,024 nodes on a 2-core VM a start took 3 s, a join 3 s, a rebalance's move 5–10 s), but not
-/// so long that a job that can no longer get there keeps a test waiting for a quarter of an hour.
-fn patience(nodes: usize) -> Duration {
-    Duration::from_secs_f64(120.0 + 0.25 * nodes as f64)
-}
-
-/// Wait until `done` holds of the fakes' plane, at most `within`, while the controller runs and
-/// `failed` says nothing.
-fn wait_for(
-    controller: &mut Controller,
-    fleet: &SyntheticFleet,
-    within: Duration,
-    done: impl Fn(&lazarus_control::loadgen::PlaneView) -> bool,
-    failed: impl Fn() -> Option<String>,
-) -> Result<bool> {
-    let until = Instant::now() + within;
-    while Instant::now() < until {
-        if fleet.wait_until(Duration::from_secs(1), &done) {
-            return Ok(true);
-        }
-        controller.check_alive().map_err(|e| e.context(format!("synthetic agents: {:?}", fleet.trouble())))?;
-        if let Some(why) = failed() {
-            bail!(why);
-        }
-    }
-    Ok(false)
-}
-
-fn wait_listening(c: &mut Controller, addr: SocketAddr, within: Duration) -> Result<Instant> {
-    let until = Instant::now() + within;
-    loop {
-        c.check_alive()?;
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return Ok(Instant::now());
-        }
-        if Instant::now() >= until {
-            bail!("the controller did not listen at {addr} within {} s: {}", within.as_secs(), c.tail());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The controller's CPU time so far, seconds (user + system, from /proc).
-fn cpu_seconds(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).context("reading the controller's /proc stat")?;
-    // The fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok((ticks(11) + ticks(12)) / hz)
-}
-
-/// The controller's resident memory and its high-water mark, MiB.
-fn memory_mib(pid: u32) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib = |key: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
 }
 
 fn measure_steady(fleet: &SyntheticFleet, pid: u32, seconds: f64) -> Result<Steady> {
