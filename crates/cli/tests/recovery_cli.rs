@@ -191,11 +191,7 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     // holder, slower (a loaded machine: 22 ms), first took part in a move without the first
     // and died at the same vote when it ran step 13 again (that move never completed a step,
     // so its record is the rollback's).
-    assert!(
-        text.iter().any(|l| l.starts_with("rolled back: epoch 1,") || l.starts_with("rolled back: epoch 2,")),
-        "{}",
-        text.join("\n")
-    );
+    assert!(text.iter().any(|l| l.starts_with("rolled back: epoch 1,") || l.starts_with("rolled back: epoch 2,")), "{}", text.join("\n"));
     // By hand: the checkpoint of step 10, resumed in one process to step 20.
     let by_hand = d.join("by-hand");
     std::fs::create_dir_all(&by_hand).unwrap();
