@@ -104,22 +104,8 @@ struct Report<'a> {
     cpus_per_worker: Option<f64>,
     /// The Lazarus plan's throughput guard (null: none).
     max_imbalance: Option<f64>,
-    /// (max − min) / max of Lazarus tokens/s across the ratios (null when not run).
-    lazarus_spread: f64,
-    /// The same for the plan without the throughput guard.
-    lazarus_unguarded_spread: f64,
-    /// The least Lazarus tokens/s at a skewed ratio over its tokens/s at 1:1 (null when 1:1 or
-    /// no skewed ratio was run): what the spread cannot say, whether skew costs anything (≥ 1:
-    /// nothing; a faster skewed case raises the spread, not this).
-    lazarus_kept_under_skew: f64,
-    /// The widest 95% confidence interval of a Lazarus case's median tokens/s, over that median:
-    /// how precisely the run pins the figures the spread is computed from.
-    lazarus_ci95_width: f64,
-    /// Lazarus tokens/s over static EP tokens/s, per ratio.
-    /// (ratio, lazarus / static-ep): against DeepSpeed-MoE's way (padding computed).
-    speedup: Vec<(f64, f64)>,
-    /// (ratio, lazarus / static-ep-skip-padding): against a stronger static baseline.
-    speedup_vs_skip_padding: Vec<(f64, f64)>,
+    #[serde(flatten)]
+    summary: Summary,
 }
 
 pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
@@ -163,12 +149,7 @@ pub fn run_moe_layer_bench(args: &MoeLayerBenchArgs) -> Result<()> {
             cores_per_worker,
             cpus_per_worker: args.cpus_per_worker,
             max_imbalance: spec.max_imbalance,
-            lazarus_spread: s.spread,
-            lazarus_unguarded_spread: s.unguarded_spread,
-            lazarus_kept_under_skew: s.kept_under_skew,
-            lazarus_ci95_width: s.ci95_width,
-            speedup: s.speedup,
-            speedup_vs_skip_padding: s.speedup_vs_skip_padding,
+            summary: s,
         };
         return crate::io::println(&serde_json::to_string(&report)?);
     }
@@ -258,17 +239,23 @@ fn confinement(args: &MoeLayerBenchArgs) -> (Option<usize>, Confinement) {
     (cores_per_worker, confine)
 }
 
-/// What the cases say together (NaN where a figure's cases were not run).
+/// What the cases say together (NaN, null in JSON, where a figure's cases were not run).
+#[derive(Serialize)]
 struct Summary {
-    /// (max − min) / max of Lazarus tokens/s across the ratios, and without the throughput guard.
-    spread: f64,
-    unguarded_spread: f64,
-    /// The least Lazarus tokens/s at a skewed ratio over its tokens/s at 1:1.
-    kept_under_skew: f64,
-    /// The widest 95% CI of a Lazarus median, over that median.
-    ci95_width: f64,
-    /// (ratio, lazarus / static-ep) and (ratio, lazarus / static-ep skipping padding).
+    /// (max − min) / max of Lazarus tokens/s across the ratios.
+    lazarus_spread: f64,
+    /// The same for the plan without the throughput guard.
+    lazarus_unguarded_spread: f64,
+    /// The least Lazarus tokens/s at a skewed ratio over its tokens/s at 1:1 (NaN when 1:1 or
+    /// no skewed ratio was run): what the spread cannot say, whether skew costs anything (≥ 1:
+    /// nothing; a faster skewed case raises the spread, not this).
+    lazarus_kept_under_skew: f64,
+    /// The widest 95% confidence interval of a Lazarus case's median tokens/s, over that median:
+    /// how precisely the run pins the figures the spread is computed from.
+    lazarus_ci95_width: f64,
+    /// (ratio, lazarus / static-ep): against DeepSpeed-MoE's way (padding computed).
     speedup: Vec<(f64, f64)>,
+    /// (ratio, lazarus / static-ep-skip-padding): against a stronger static baseline.
     speedup_vs_skip_padding: Vec<(f64, f64)>,
 }
 
@@ -307,10 +294,10 @@ impl Summary {
                 .collect()
         };
         Summary {
-            spread: spread_of(BenchSystem::Lazarus),
-            unguarded_spread: spread_of(BenchSystem::LazarusUnguarded),
-            kept_under_skew,
-            ci95_width,
+            lazarus_spread: spread_of(BenchSystem::Lazarus),
+            lazarus_unguarded_spread: spread_of(BenchSystem::LazarusUnguarded),
+            lazarus_kept_under_skew: kept_under_skew,
+            lazarus_ci95_width: ci95_width,
             speedup: ratio_to(BenchSystem::StaticEp),
             speedup_vs_skip_padding: ratio_to(BenchSystem::StaticEpSkipPadding),
         }
@@ -351,11 +338,11 @@ fn table(results: &[lazarus_bench::moe_layer::BenchResult], s: &Summary) -> Stri
     let _ = writeln!(
         out,
         "lazarus tokens/s spread across ratios: {} (without the throughput guard: {}); widest 95% CI of a lazarus median: {}",
-        shown(100.0 * s.spread, "%"),
-        shown(100.0 * s.unguarded_spread, "%"),
-        shown(100.0 * s.ci95_width, "%")
+        shown(100.0 * s.lazarus_spread, "%"),
+        shown(100.0 * s.lazarus_unguarded_spread, "%"),
+        shown(100.0 * s.lazarus_ci95_width, "%")
     );
-    let _ = writeln!(out, "lazarus tokens/s at its most costly skew: {} of its 1:1 figure", shown(100.0 * s.kept_under_skew, "%"));
+    let _ = writeln!(out, "lazarus tokens/s at its most costly skew: {} of its 1:1 figure", shown(100.0 * s.lazarus_kept_under_skew, "%"));
     for ((k, sp), (_, skip)) in
         s.speedup.iter().zip(&s.speedup_vs_skip_padding).filter(|((_, sp), (_, skip))| sp.is_finite() || skip.is_finite())
     {
