@@ -12,9 +12,11 @@ use lazarus_model::{TrainConfig, Trainer};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-use lazarus_control::control_loop::{plan_job, run_training, Hosts, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome};
-use lazarus_control::protocol::TrainJob;
-use lazarus_control::ControlError;
+use lazarus_controller::control_loop::{
+    plan_job, run_training, Hosts, PlanSource, ReconfigurationRecord, Recovery, TrainEvent, TrainOutcome,
+};
+use lazarus_controller::ControlError;
+use lazarus_protocol::TrainJob;
 
 /// Most kills one benchmark makes (one run each).
 pub const MAX_KILLS: usize = 100;
@@ -154,10 +156,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Check the spec's numbers.
 pub fn check_spec(spec: &RecoveryBenchSpec) -> Result<(), ControlError> {
-    if spec.workers < 2 || spec.workers > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
+    if spec.workers < 2 || spec.workers > lazarus_protocol::MAX_WORKERS_PER_HOST {
         return Err(ControlError::invalid(
             "--workers",
-            format!("{} (expected 2 to {})", spec.workers, lazarus_control::protocol::MAX_WORKERS_PER_HOST),
+            format!("{} (expected 2 to {})", spec.workers, lazarus_protocol::MAX_WORKERS_PER_HOST),
         ));
     }
     if spec.kills == 0 || spec.kills > MAX_KILLS {

@@ -1,5 +1,5 @@
 //! `lazarus agent`: one per node, for a job whose controller runs elsewhere
-//! (`lazarus controller --listen ADDR`). See [`lazarus_control::agent`].
+//! (`lazarus controller --listen ADDR`). See [`lazarus_agent::agent`].
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_control::agent::{run_agent, AgentEnd, AgentOptions};
-use lazarus_control::tls::ClientTls;
+use lazarus_agent::agent::{run_agent, AgentEnd, AgentOptions};
+use lazarus_protocol::tls::ClientTls;
 
 #[derive(Args, Debug, Clone)]
 pub struct AgentArgs {
@@ -82,7 +82,7 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     let Some(gpus) = args.gpus else { bail!("lazarus agent needs --gpus G (or gpus in the [agent] table of --config)") };
     let secret = match (&args.secret_file, std::env::var("LAZARUS_SECRET")) {
         (Some(path), _) => crate::train::workers::secret_from_file(path, false)?,
-        (None, Ok(hex)) => lazarus_control::protocol::parse_secret(hex.trim())
+        (None, Ok(hex)) => lazarus_protocol::parse_secret(hex.trim())
             .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits drawn at random (at least 6 different ones)"))?,
         (None, Err(_)) => bail!("the job's secret is needed: --secret-file FILE or LAZARUS_SECRET (the controller printed how)"),
     };
@@ -90,11 +90,11 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     if !connect.is_finite() || connect <= 0.0 || connect > 86_400.0 {
         bail!("invalid --connect-timeout: {connect} (expected seconds, more than 0 and at most 86400)");
     }
-    let grace = args.controller_grace.unwrap_or(lazarus_control::agent::DEFAULT_CONTROLLER_GRACE.as_secs_f64());
+    let grace = args.controller_grace.unwrap_or(lazarus_agent::agent::DEFAULT_CONTROLLER_GRACE.as_secs_f64());
     if !grace.is_finite() || !(0.0..=86_400.0).contains(&grace) {
         bail!("invalid --controller-grace: {grace} (expected seconds from 0 to 86400)");
     }
-    let tls = ClientTls::new(Some(lazarus_control::tls::pin(secret)), args.tls.files()?)?;
+    let tls = ClientTls::new(Some(lazarus_protocol::tls::pin(secret)), args.tls.files()?)?;
     let opts = AgentOptions {
         controller: controller.clone(),
         gpus,

@@ -25,7 +25,7 @@ pub fn config_table<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> 
 /// before anything is allocated, naming `what` needs them, the bound, and the flags that lower
 /// it (not a `memory allocation failed` abort, or the OOM killer, half-way).
 pub fn check_memory(need: u128, what: &str, lower: &str) -> Result<()> {
-    if let Some((have, bound)) = lazarus_control::launcher::memory_available() {
+    if let Some((have, bound)) = lazarus_agent::launcher::memory_available() {
         if need > have as u128 {
             let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
             bail!("{what} needs about {:.1} GiB and {} {:.1} GiB: lower {lower}", gib(need), bound.says(), gib(have as u128));

@@ -160,7 +160,7 @@ fn main() -> ExitCode {
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),
         Command::Agent(args) => agent::run_agent_cli(&args),
-        Command::Worker => return worker_exit(lazarus_control::worker_process::run_train_worker()),
+        Command::Worker => return worker_exit(lazarus_worker::run_train_worker()),
         Command::BenchWorker => return worker_exit(lazarus_bench::moe_layer::run_rank()),
     };
     match result {

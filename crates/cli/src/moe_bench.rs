@@ -9,7 +9,7 @@ use clap::Args;
 use lazarus_bench::moe_layer::{BenchCase, BenchResult, BenchSystem, MoeLayerBenchSpec};
 use serde::Serialize;
 
-use lazarus_control::Confinement;
+use lazarus_agent::Confinement;
 
 #[derive(Args, Debug)]
 pub struct MoeLayerBenchArgs {
@@ -183,7 +183,7 @@ fn bench_spec(args: &MoeLayerBenchArgs) -> Result<MoeLayerBenchSpec> {
     if let Some(r) = args.ratios.iter().find(|r| !r.is_finite() || **r < 1.0 || **r > most) {
         bad("ratios", r.to_string(), &format!("each must be between 1 and experts / top-k ({most})"))?;
     }
-    lazarus_control::launcher::check_comm_timeout(args.comm_timeout)?;
+    lazarus_agent::launcher::check_comm_timeout(args.comm_timeout)?;
     let max_imbalance = crate::planning::throughput_guard(args.max_imbalance)?;
     let slots = args.slots.unwrap_or_else(|| (2 * args.experts).div_ceil(args.workers));
     if slots * args.workers < args.experts {
@@ -218,7 +218,7 @@ fn bench_spec(args: &MoeLayerBenchArgs) -> Result<MoeLayerBenchSpec> {
 /// machine has enough (an accelerator each, as the comparison needs); otherwise they share,
 /// and the user is told. The cores each worker gets, and the confinement.
 fn confinement(args: &MoeLayerBenchArgs) -> (Option<usize>, Confinement) {
-    let have = lazarus_control::allowed_cpus().len();
+    let have = lazarus_agent::allowed_cpus().len();
     let cores_per_worker = match (args.cores_per_worker, args.cpus_per_worker) {
         (None, None) if have >= args.workers => Some(have / args.workers),
         (c, _) => c,

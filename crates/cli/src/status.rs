@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use lazarus_control::controller::words::id_list;
-use lazarus_control::service::query;
-use lazarus_control::tls::{ClientTls, Pin};
+use lazarus_controller::decisions::words::id_list;
+use lazarus_controller::service::query;
 use lazarus_plan::ModelPlan;
+use lazarus_protocol::tls::{ClientTls, Pin};
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
@@ -32,9 +32,9 @@ pub struct StatusArgs {
 /// certificate is the operator's): from the secret file, the printed token, or the secret in
 /// the environment.
 fn status_key(args: &StatusArgs) -> Result<(u128, Option<Pin>)> {
-    use lazarus_control::protocol::parse_secret;
-    use lazarus_control::service::{parse_status_token, status_key};
-    let from_secret = |secret: u128| (status_key(secret), Some(lazarus_control::tls::pin(secret)));
+    use lazarus_controller::service::{parse_status_token, status_key};
+    use lazarus_protocol::parse_secret;
+    let from_secret = |secret: u128| (status_key(secret), Some(lazarus_protocol::tls::pin(secret)));
     if let Some(path) = &args.secret_file {
         return Ok(from_secret(crate::train::workers::secret_from_file(path, false)?));
     }
@@ -109,7 +109,7 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
 }
 
 /// What a member is doing, as its line says it.
-fn member_state(m: &lazarus_control::proto::Member) -> String {
+fn member_state(m: &lazarus_protocol::proto::Member) -> String {
     match m.state.as_str() {
         "starting" => "starting: not heard from yet".to_string(),
         "drained" => "left after its node's notice".to_string(),
@@ -123,7 +123,7 @@ fn member_state(m: &lazarus_control::proto::Member) -> String {
 
 /// The members by what they do: `4 training, 2 standing by to join, 1 lost` — a worker
 /// standing by is not counted among the lost.
-fn member_counts(members: &[lazarus_control::proto::Member]) -> String {
+fn member_counts(members: &[lazarus_protocol::proto::Member]) -> String {
     let mut counts: Vec<(&str, usize)> = Vec::new();
     for m in members {
         let what = match m.state.as_str() {
@@ -152,8 +152,8 @@ fn member_counts(members: &[lazarus_control::proto::Member]) -> String {
 mod tests {
     use super::*;
 
-    fn member(node: u64, state: &str, alive: bool) -> lazarus_control::proto::Member {
-        lazarus_control::proto::Member { node, alive, rank: None, silent_s: 0.5, epoch: 0, state: state.into() }
+    fn member(node: u64, state: &str, alive: bool) -> lazarus_protocol::proto::Member {
+        lazarus_protocol::proto::Member { node, alive, rank: None, silent_s: 0.5, epoch: 0, state: state.into() }
     }
 
     /// Standbys and leavers are counted as what they are, not as dead; a member not alive

@@ -1,12 +1,12 @@
 //! The TLS flags of `lazarus controller`, `lazarus agent` and `lazarus status` (one set, read
 //! the same way by each). Without them the controller serves a certificate for the key the
-//! job's secret gives and clients pin that key (`lazarus_control::tls`).
+//! job's secret gives and clients pin that key (`lazarus_protocol::tls`).
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use lazarus_control::tls::TlsFiles;
+use lazarus_protocol::tls::TlsFiles;
 
 /// Largest PEM file read.
 const MAX_PEM_BYTES: u64 = 1 << 20;

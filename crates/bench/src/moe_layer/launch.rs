@@ -1,9 +1,11 @@
 //! The launcher side of `lazarus bench moe-layer`, and its ranks' hidden subcommand: the same
 //! launch and the same controller as a training job without recovery (the first loss ends it).
 
+use lazarus_agent::Confinement;
 use lazarus_comm::Group;
-use lazarus_control::protocol::WorkerSpec;
-use lazarus_control::{run_local_job, worker_process, Confinement, ControlError, TrainEvent};
+use lazarus_controller::{run_local_job, TrainEvent};
+use lazarus_protocol::ControlError;
+use lazarus_protocol::WorkerSpec;
 
 use super::{run_moe_layer_bench, BenchResult, MoeLayerBenchSpec};
 
@@ -25,7 +27,7 @@ pub fn run_moe_layer_bench_workers(
 
 /// The hidden `lazarus bench-worker` subcommand: one rank of `bench moe-layer`; its exit code.
 pub fn run_rank() -> i32 {
-    worker_process::run_rank(|spec: &WorkerSpec<MoeLayerBenchSpec>, t| {
+    lazarus_worker::run_rank(|spec: &WorkerSpec<MoeLayerBenchSpec>, t| {
         let results = run_moe_layer_bench(t, &mut Group::world(spec.world), &spec.job)?;
         Ok(Some(serde_json::to_value(results)?))
     })

@@ -1,5 +1,5 @@
 //! `lazarus bench controller`: a real controller process (`lazarus controller`) driven by
-//! synthetic node agents on loopback ([`lazarus_control::loadgen`]) at the size of a real
+//! synthetic node agents on loopback ([`lazarus_agent::loadgen`]) at the size of a real
 //! cluster — by default 1,024 nodes of 8 workers, 58 MoE layers of 256 experts. It measures
 //! what the controller costs in steady state (CPU, memory, messages) and how fast a node loss
 //! and a join of nodes are turned into commands at every agent, the next step included.
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_control::loadgen::{LoadOptions, Mark, SyntheticFleet};
+use lazarus_agent::loadgen::{LoadOptions, Mark, SyntheticFleet};
 use serde::Serialize;
 
 mod process;
@@ -69,7 +69,7 @@ pub struct ControllerBenchArgs {
 }
 
 /// Most nodes the benchmark starts (joins included): the controller's job limit.
-const MOST_WORKERS: usize = lazarus_control::protocol::MAX_WORKERS;
+const MOST_WORKERS: usize = lazarus_protocol::MAX_WORKERS;
 
 /// The controller's join wait, seconds: the joiners, attaching together, share one move.
 const JOIN_WAIT_S: &str = "3";
@@ -193,7 +193,7 @@ pub fn run_controller_bench(args: &ControllerBenchArgs) -> Result<()> {
     let workers = args.nodes * args.gpus_per_node;
     let most = (args.nodes + args.joins) * args.gpus_per_node;
     let dir = bench_dir(args)?;
-    let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+    let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
     let secret_file = dir.join("secret");
     write_secret(&secret_file, secret)?;
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -363,8 +363,8 @@ fn check(args: &ControllerBenchArgs) -> Result<()> {
     if args.nodes < 2 {
         bail!("invalid --nodes: {} (expected at least 2: one is lost)", args.nodes);
     }
-    if args.gpus_per_node == 0 || args.gpus_per_node > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
-        bail!("invalid --gpus-per-node: {} (expected 1 to {})", args.gpus_per_node, lazarus_control::protocol::MAX_WORKERS_PER_HOST);
+    if args.gpus_per_node == 0 || args.gpus_per_node > lazarus_protocol::MAX_WORKERS_PER_HOST {
+        bail!("invalid --gpus-per-node: {} (expected 1 to {})", args.gpus_per_node, lazarus_protocol::MAX_WORKERS_PER_HOST);
     }
     if (args.nodes + args.joins).saturating_mul(args.gpus_per_node) > MOST_WORKERS {
         bail!("invalid --nodes/--joins: {} nodes of {} (at most {MOST_WORKERS} workers)", args.nodes + args.joins, args.gpus_per_node);
@@ -654,5 +654,5 @@ fn print_report(r: &ControllerBenchReport) {
 fn machine() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map_or("?", |(_, m)| m.trim());
-    format!("{model}, {} cores", lazarus_control::allowed_cpus().len())
+    format!("{model}, {} cores", lazarus_agent::allowed_cpus().len())
 }

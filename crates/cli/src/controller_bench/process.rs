@@ -6,7 +6,7 @@ use super::*;
 pub(super) fn write_secret(path: &Path, secret: u128) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
-    writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret))?;
+    writeln!(f, "{}", lazarus_protocol::secret_hex(secret))?;
     Ok(())
 }
 
@@ -99,7 +99,7 @@ pub(super) fn wait_for(
     controller: &mut Controller,
     fleet: &SyntheticFleet,
     within: Duration,
-    done: impl Fn(&lazarus_control::loadgen::PlaneView) -> bool,
+    done: impl Fn(&lazarus_agent::loadgen::PlaneView) -> bool,
     failed: impl Fn() -> Option<String>,
 ) -> Result<bool> {
     let until = Instant::now() + within;

@@ -4,9 +4,9 @@
 
 use anyhow::Result;
 
-use lazarus_control::controller::words::id_list;
-use lazarus_control::controller::{MoveCause, RebalanceVerdict};
-use lazarus_control::TrainEvent;
+use lazarus_controller::decisions::words::id_list;
+use lazarus_controller::decisions::{MoveCause, RebalanceVerdict};
+use lazarus_controller::TrainEvent;
 
 use lazarus_model::TrainConfig;
 
@@ -131,7 +131,7 @@ impl JobView {
     }
 
     /// A rebalance weighed: what was decided and why, shown and logged.
-    fn rebalanced(&mut self, d: &lazarus_control::controller::RebalanceDecision) -> Result<()> {
+    fn rebalanced(&mut self, d: &lazarus_controller::decisions::RebalanceDecision) -> Result<()> {
         self.reporter.pause();
         let what = match d.decision {
             RebalanceVerdict::Shrink => {
@@ -155,7 +155,7 @@ impl JobView {
 
     /// A move done: who went and came, what it cost, every expert restored from a snapshot;
     /// a rollback rewinds the log to its step.
-    fn moved(&mut self, r: &lazarus_control::ReconfigurationRecord) -> Result<()> {
+    fn moved(&mut self, r: &lazarus_controller::ReconfigurationRecord) -> Result<()> {
         self.reporter.pause();
         self.reporter.moved(r);
         self.figures.moves.push(r.clone());

@@ -13,9 +13,9 @@ pub mod workers;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use lazarus_control::protocol::HeldOut;
-use lazarus_control::stop_signal;
 use lazarus_model::Trainer;
+use lazarus_protocol::stop_signal;
+use lazarus_protocol::HeldOut;
 
 use args::{check_resumed_config, resume_steps};
 pub use args::{setup_run, TrainArgs};

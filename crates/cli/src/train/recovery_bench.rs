@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use anyhow::{bail, Result};
 use clap::Args;
 use lazarus_bench::recovery::{run_recovery_bench, RecoveryBenchReport, RecoveryBenchSpec, TARGET_S};
-use lazarus_control::Recovery;
+use lazarus_controller::Recovery;
 
 use super::args::{build_config, check_fits, ModelArgs, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 
@@ -63,7 +63,7 @@ pub fn run_recovery_bench_cli(args: &RecoveryBenchArgs) -> Result<()> {
         seed: args.kill_seed,
         // Every move in the benchmark is a recovery from a kill: no rebalance.
         recovery: Recovery { rebalance_every: 0, ..Recovery::from_flags(args.lease, args.heartbeat)? },
-        comm_timeout_s: lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
+        comm_timeout_s: lazarus_agent::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?,
         device: args.model.device.clone().unwrap_or_else(|| "cpu".into()),
     };
     tracing::info!(

@@ -13,8 +13,8 @@
 //! replay's: 120 s × the scale). Checkpoint writes cost nothing extra: rank 0 writes inside its
 //! measured steps.
 
-use lazarus_control::control_loop::ReconfigurationRecord;
-use lazarus_control::controller::MoveCause;
+use lazarus_controller::control_loop::ReconfigurationRecord;
+use lazarus_controller::decisions::MoveCause;
 use lazarus_model::TrainConfig;
 use lazarus_sim::{simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace, TraceEvent};
 use serde::Serialize;

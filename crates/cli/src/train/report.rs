@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lazarus_model::{StepReport, TrainConfig, Trainer};
 use serde::Serialize;
 
-use lazarus_control::controller::MoveCause;
+use lazarus_controller::decisions::MoveCause;
 
 use super::args::TrainArgs;
 
@@ -292,7 +292,7 @@ impl Reporter {
 
     /// A move of the job on workers (a recovery, a join, a drain, a rebalance, a rollback),
     /// counted for the summary.
-    pub fn moved(&mut self, r: &lazarus_control::control_loop::ReconfigurationRecord) {
+    pub fn moved(&mut self, r: &lazarus_controller::control_loop::ReconfigurationRecord) {
         let lost = if r.cause == MoveCause::Drain { 0 } else { r.lost.len() };
         let m = Moved { cause: r.cause, lost, recovery_s: r.recovery_s, restored: r.restored.len() };
         self.moves.get_or_insert_with(Vec::new).push(m);

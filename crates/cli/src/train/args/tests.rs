@@ -204,7 +204,7 @@ proptest! {
         (c.model.n_experts, c.model.n_layers, c.model.n_heads) = (1 << experts, 1 << layers, 1);
         (c.batch_size, c.seq_len) = (1 << batch, 16 << seq);
         let need = c.memory_estimate().saturating_mul(copies);
-        let have = lazarus_control::launcher::memory_available().map(|(b, _)| b);
+        let have = lazarus_agent::launcher::memory_available().map(|(b, _)| b);
         match check_fits(&c, copies) {
             Ok(()) => prop_assert!(have.is_none_or(|h| need <= h as u128)),
             Err(e) => {

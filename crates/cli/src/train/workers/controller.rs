@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use lazarus_control::control_loop::saved_job::SavedJob;
-use lazarus_control::tls::ServerTls;
-use lazarus_control::{AgentsSpec, Hosts};
+use lazarus_controller::control_loop::saved_job::SavedJob;
+use lazarus_controller::{AgentsSpec, Hosts};
+use lazarus_protocol::tls::ServerTls;
 
 use super::super::args::TrainArgs;
 use super::run_job;
@@ -156,20 +156,20 @@ const MAX_WAIT_AGENTS_S: f64 = 86_400.0;
 pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
-            let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
             let mut options = std::fs::OpenOptions::new();
             options.write(true).create_new(true);
             #[cfg(unix)]
             std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
             let mut f = options.open(path).with_context(|| format!("creating --secret-file {}", path.display()))?;
             use std::io::Write;
-            writeln!(f, "{}", lazarus_control::protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
+            writeln!(f, "{}", lazarus_protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
             Ok(secret)
         }
         _ => {
             // A regular file of a line (a FIFO or /dev/zero is refused, not read without end).
             let text = crate::io::read_text("secret-file", path, 4096)?;
-            lazarus_control::protocol::parse_secret(text.trim()).ok_or_else(|| {
+            lazarus_protocol::parse_secret(text.trim()).ok_or_else(|| {
                 anyhow::anyhow!(
                     "invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)",
                     path.display()
@@ -207,8 +207,8 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
             (secret_from_file(path, true)?, format!("lazarus agent --controller {{addr}} --gpus G --secret-file {}", path.display()))
         }
         None => {
-            let s = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
-            (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_control::protocol::secret_hex(s)))
+            let s = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
+            (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_protocol::secret_hex(s)))
         }
     };
     // An operator's certificate: agents check it against their CA (and bring their own
@@ -225,11 +225,11 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     }
     let wait = Duration::from_secs_f64(wait);
     let max_workers = args.max_workers.unwrap_or(world);
-    let most = lazarus_control::protocol::MAX_WORKERS;
+    let most = lazarus_protocol::MAX_WORKERS;
     if max_workers < world || max_workers > most || !max_workers.is_multiple_of(g) {
         bail!("invalid --max-workers: {max_workers} (expected from --workers {world} to {most}, a multiple of --gpus-per-node {g})");
     }
-    let join_wait = args.join_wait.unwrap_or(lazarus_control::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64());
+    let join_wait = args.join_wait.unwrap_or(lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64());
     if !join_wait.is_finite() || !(0.0..=MAX_WAIT_AGENTS_S).contains(&join_wait) {
         bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
     }
@@ -260,7 +260,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     if let Some(path) = held.filter(|_| !resume_job && !train.resume && !train.overwrite_checkpoints) {
         // A new job here would write its state over the lost one's: the job could not be taken back.
         let whose = match SavedJob::read(&path) {
-            Ok(s) => format!("job {} (saved {})", s.job_id, lazarus_control::when::utc_text(s.saved_unix_ms)),
+            Ok(s) => format!("job {} (saved {})", s.job_id, lazarus_protocol::when::utc_text(s.saved_unix_ms)),
             Err(_) => "a job".into(),
         };
         bail!(

@@ -1,5 +1,5 @@
 //! `lazarus train --workers N`: the flags become a job for the control plane
-//! ([`lazarus_control::control_loop`]), and its actions become the single-process trainer's progress
+//! ([`lazarus_controller::control_loop`]), and its actions become the single-process trainer's progress
 //! bar, `--json-log` lines and summary, plus what each worker did.
 
 use anyhow::{bail, Context, Result};
@@ -7,13 +7,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use lazarus_control::control_loop::saved_job::SavedJob;
-use lazarus_control::tls::ServerTls;
-use lazarus_control::{
-    plan_job, run_training, AgentsSpec, ControlError, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainJob, TrainOutcome,
-};
+use lazarus_controller::control_loop::saved_job::SavedJob;
+use lazarus_controller::{plan_job, run_training, AgentsSpec, Hosts, NodeChange, NodeSchedule, PlanSource, Recovery, TrainOutcome};
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
+use lazarus_protocol::tls::ServerTls;
+use lazarus_protocol::{ControlError, TrainJob};
 
 use super::args::{check_resumed_config, resume_steps, setup_run, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 use super::job_view::JobView;
@@ -57,7 +56,7 @@ const LOCAL_AGENTS_WITHIN: Duration = Duration::from_secs(60);
 
 /// Where the job's metrics are served (`--metrics-listen`), and the bearer token a scrape must
 /// carry (`--metrics-token-file`).
-fn metrics_endpoint(args: &TrainArgs) -> Result<Option<lazarus_control::metrics::MetricsEndpoint>> {
+fn metrics_endpoint(args: &TrainArgs) -> Result<Option<lazarus_controller::metrics::MetricsEndpoint>> {
     let token = match &args.metrics_token_file {
         None => None,
         Some(_) if args.metrics_listen.is_none() => bail!("--metrics-token-file needs --metrics-listen (where the metrics are served)"),
@@ -73,7 +72,7 @@ fn metrics_endpoint(args: &TrainArgs) -> Result<Option<lazarus_control::metrics:
             Some(token)
         }
     };
-    Ok(args.metrics_listen.map(|listen| lazarus_control::metrics::MetricsEndpoint { listen, token }))
+    Ok(args.metrics_listen.map(|listen| lazarus_controller::metrics::MetricsEndpoint { listen, token }))
 }
 
 /// The node schedule `--replay SOURCE` describes for `nodes` local agents, its times multiplied
@@ -115,11 +114,8 @@ fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -
             NodeChange { at: Duration::from_secs_f64(e.ms as f64 / 1000.0 * scale), node: e.node.clone(), add: e.change == Change::Add }
         })
         .collect();
-    if most > lazarus_control::protocol::MAX_WORKERS_PER_HOST {
-        bail!(
-            "invalid --replay: {most} nodes at once (at most {} workers on one machine)",
-            lazarus_control::protocol::MAX_WORKERS_PER_HOST
-        );
+    if most > lazarus_protocol::MAX_WORKERS_PER_HOST {
+        bail!("invalid --replay: {most} nodes at once (at most {} workers on one machine)", lazarus_protocol::MAX_WORKERS_PER_HOST);
     }
     Ok((NodeSchedule { initial, changes, notice }, most, scale, trace))
 }
@@ -143,7 +139,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             };
             let listen: SocketAddr =
                 listen.parse().map_err(|_| anyhow::anyhow!("invalid --status-listen: {listen:?} (expected host:port or off)"))?;
-            let secret = lazarus_control::protocol::fresh_secret().context("drawing the job secret")?;
+            let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
             let nodes = world / g;
             let (schedule, most_nodes, scale) = match &args.replay {
                 Some(source) => {
@@ -154,7 +150,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                         gpus_per_node: g,
                         slots_per_gpu: 0,
                         most_nodes: most,
-                        join_wait_s: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
+                        join_wait_s: lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
                         rebalance_every: 0,
                     });
                     (Some(s), most, scale)
@@ -169,7 +165,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
                 gpus_per_node: g,
                 wait: LOCAL_AGENTS_WITHIN,
                 max_workers: most_nodes * g,
-                join_wait: lazarus_control::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
+                join_wait: lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
                 schedule,
                 state_file: None,
                 resume: None,
@@ -183,7 +179,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
 const MAX_WORKER_HELD_OUT_TOKENS: usize = 4 << 20;
 
 /// The held-out data of `--eval-data` for the workers to evaluate on together.
-fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<lazarus_control::protocol::HeldOut>> {
+fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<lazarus_protocol::HeldOut>> {
     let held_out = super::held_out(args, cfg)?;
     if let Some(h) = held_out.as_ref().filter(|h| h.tokens.len() > MAX_WORKER_HELD_OUT_TOKENS) {
         bail!(
@@ -207,7 +203,7 @@ fn run_job(
     resume_job: bool,
 ) -> Result<()> {
     let args = &super::args::settle_resume(args)?;
-    let comm_timeout = lazarus_control::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
+    let comm_timeout = lazarus_agent::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
     let (mut world, local) = workers_here(args, &hosts)?;
     // The launcher builds the model once to plan, and every worker here builds it whole before
     // it releases the experts it does not hold.
@@ -293,7 +289,7 @@ fn run_job(
     }
     let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
-    lazarus_control::stop_signal::install();
+    lazarus_protocol::stop_signal::install();
     let figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
     let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g, seq_len: cfg.seq_len };
     let metrics_at = metrics_endpoint(args)?;
@@ -321,7 +317,7 @@ fn workers_here(args: &TrainArgs, hosts: &Hosts) -> Result<(usize, usize)> {
         Hosts::Local { .. } => world,
         Hosts::Agents(a) => a.local_agents * a.gpus_per_node,
     };
-    let most = if local > 0 { lazarus_control::protocol::MAX_WORKERS_PER_HOST } else { lazarus_control::protocol::MAX_WORKERS };
+    let most = if local > 0 { lazarus_protocol::MAX_WORKERS_PER_HOST } else { lazarus_protocol::MAX_WORKERS };
     if world == 0 || world > most {
         let on = if local > 0 { " on one machine" } else { "" };
         bail!("invalid --workers: {world} (expected 1 to {most}{on})");
@@ -400,8 +396,8 @@ impl RanJob<'_> {
         let outcome = match outcome {
             // Stopped by a signal before any worker trained (while waiting for agents): said,
             // and the exit status a process killed by it has.
-            Err(e) if view.reporter.last_step().is_none() && lazarus_control::stop_signal::requested().is_some() => {
-                let (sig, _) = lazarus_control::stop_signal::requested().unwrap_or((libc::SIGTERM, "SIGTERM"));
+            Err(e) if view.reporter.last_step().is_none() && lazarus_protocol::stop_signal::requested().is_some() => {
+                let (sig, _) = lazarus_protocol::stop_signal::requested().unwrap_or((libc::SIGTERM, "SIGTERM"));
                 view.reporter.pause();
                 tracing::warn!("{e}");
                 std::process::exit(128 + sig);
@@ -410,7 +406,7 @@ impl RanJob<'_> {
         };
         match outcome? {
             TrainOutcome::Completed { checkpoint } => {
-                if let Some((sig, name)) = lazarus_control::stop_signal::requested() {
+                if let Some((sig, name)) = lazarus_protocol::stop_signal::requested() {
                     let step = view.reporter.last_step().unwrap_or(self.first_step);
                     if step < cfg.steps {
                         match &checkpoint {

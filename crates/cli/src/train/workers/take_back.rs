@@ -3,9 +3,9 @@
 use anyhow::{bail, Context, Result};
 use std::time::Duration;
 
-use lazarus_control::control_loop::saved_job::SavedJob;
-use lazarus_control::control_loop::ResumeJob;
-use lazarus_control::JobPlan;
+use lazarus_controller::control_loop::saved_job::SavedJob;
+use lazarus_controller::control_loop::ResumeJob;
+use lazarus_controller::JobPlan;
 use lazarus_plan::ModelPlan;
 
 use super::super::args::TrainArgs;
@@ -39,7 +39,7 @@ pub(super) fn saved_job_to_take_back(args: &TrainArgs, cfg: &lazarus_model::Trai
         "taking back job {} at epoch {} (saved {}): {} workers, last step logged {}; waiting up to {:.0} s for their agents",
         saved.job_id,
         saved.state.epoch - saved.state.first_epoch,
-        lazarus_control::when::utc_text(saved.saved_unix_ms),
+        lazarus_protocol::when::utc_text(saved.saved_unix_ms),
         saved.state.ranks.len(),
         last_logged.unwrap_or(saved.state.last_step),
         rejoin_within.as_secs_f64()

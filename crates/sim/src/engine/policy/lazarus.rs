@@ -1,5 +1,5 @@
 //! Lazarus (§6.1), run by the controller's own decisions: the simulated job is driven by
-//! `lazarus_controller::Controller`, the same pure function `lazarus train --workers` and
+//! `lazarus_decide::Controller`, the same pure function `lazarus train --workers` and
 //! `lazarus controller` call. Recovery onto the survivors while every expert keeps a replica
 //! (a restart from the checkpoint otherwise), joiners taken in at a step boundary, and every
 //! `rebalance_every` steps a plan from the measured loads, applied only where it repays its
@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use lazarus_controller::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, OnLoss, StepRecord, StopReport};
+use lazarus_decide::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, OnLoss, StepRecord, StopReport};
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
 
 use super::FailurePolicy;
