@@ -127,70 +127,25 @@ pub struct Controller<S> {
     plan: Option<ModelPlan>,
     /// The node of each rank of the current plan.
     ranks: Vec<NodeId>,
-    alive: BTreeSet<NodeId>,
-    last_seen: BTreeMap<NodeId, Instant>,
     /// The epoch each node was last told to be in.
     node_epoch: BTreeMap<NodeId, u64>,
     phase: Phase<S>,
-    /// Σ expert loads per layer since the plan was made (the load monitor).
-    loads: Vec<Vec<f64>>,
     checkpoint: Option<u64>,
     last_step: u64,
     recent: VecDeque<String>,
-    /// When `decide` last ran (a longer gap than half a lease is a stall of the controller).
-    last_decision: Option<Instant>,
-    /// The node of each worker (its position among the first workers, divided by G).
-    node_of: BTreeMap<NodeId, u64>,
-    /// Workers that joined and wait to be taken in, with when they joined.
-    standby: BTreeMap<NodeId, Instant>,
     /// Why the job is collecting where its ranks stopped: `Some` for a move it asked for
     /// (a pause), `None` for a failure.
     planned: Option<MoveCause>,
-    /// Steps done since the plan was made, and their seconds (the measured step time).
-    steps_since_plan: u64,
-    step_seconds: f64,
-    /// The cost of moving, from the last measured move.
-    seconds_per_byte: f64,
-    move_fixed_s: f64,
-    /// Workers whose node leaves on notice, until they are gone.
-    draining: BTreeSet<NodeId>,
-    /// Workers that left after their node's drain (sent what they alone held).
-    drained: BTreeSet<NodeId>,
-    /// Members lost in the decision being made (told to the survivors at its end).
-    lost_now: Vec<NodeId>,
-    /// No lease runs out before this (a lower bound: heartbeats only push deadlines later), so
-    /// that an event need not look at every member's lease.
-    leases_checked_until: Option<Instant>,
-    /// The plan an applied rebalance moves to (the measured-load plan, or only its layers worth
-    /// moving), until its move.
-    rebalance_to: Option<ModelPlan>,
-    /// The epoch of the weighing out (asked for, its verdict not back yet), and the verdict
-    /// back, until the rebalance rule acts on it.
-    weighing: Option<u64>,
-    weighed: Option<Weighed>,
-    /// When the job began (its start deadline counts from here), and whether every rank of an
-    /// epoch has been ready once.
-    begun: Instant,
-    started: bool,
-    /// Workers that finished their work (rank 0's final checkpoint written).
-    done: BTreeSet<NodeId>,
-    /// A stop was asked for: every rank finishes after the same step, at each epoch that runs
-    /// (`finish_asked`: the epoch last asked).
-    finish_requested: bool,
-    finish_asked: Option<u64>,
-    /// Members heard from since the job began (a member not heard from yet is starting).
-    heard: BTreeSet<NodeId>,
     /// Moves to a new plan made (a drain's two halves count once).
     reconfigurations: u64,
-    /// A job taken back by a new controller, not moved yet: reports of the epoch before the
-    /// saved one count (`resume`).
-    resuming: bool,
-    /// A job taken back, not running again yet: every move until it runs is the new
-    /// controller's (losses found on the way included).
-    taken_back: bool,
-    /// Members of a job taken back not heard from yet: their leases run to the end of the
-    /// re-attach window; once heard from, the usual lease.
-    awaiting: BTreeSet<NodeId>,
+    /// Who is in the job and whether each is alive: leases, joiners, notices (`membership`).
+    members: membership::Members,
+    /// The load monitor and the rebalance it weighs (`rebalance`).
+    monitor: rebalance::LoadMonitor,
+    /// The start deadline, a stop asked for, who is done (`lifecycle`).
+    life: lifecycle::Life,
+    /// A job taken back by a new controller (`resume`).
+    takeover: resume::Takeover,
 }
 
 impl<S: StepRecord> Controller<S> {
@@ -214,48 +169,23 @@ impl<S: StepRecord> Controller<S> {
     }
 
     fn with_plan(spec: JobSpec, plan: Option<ModelPlan>, epoch: u64, nodes: Vec<NodeId>, now: Instant) -> Self {
-        let g = spec.gpus_per_node.max(1);
-        let node_of = nodes.iter().enumerate().map(|(i, &n)| (n, (i / g) as u64)).collect();
-        let alive: BTreeSet<NodeId> = nodes.iter().copied().collect();
         Controller {
-            loads: vec![vec![0.0; spec.experts]; spec.layers],
+            monitor: rebalance::LoadMonitor::new(spec.layers, spec.experts),
+            members: membership::Members::new(&nodes, spec.gpus_per_node, now),
+            life: lifecycle::Life::new(now),
+            takeover: resume::Takeover::default(),
             spec,
             epoch,
             first_epoch: epoch,
             ranks: nodes.clone(),
-            last_seen: nodes.iter().map(|&n| (n, now)).collect(),
             node_epoch: nodes.iter().map(|&n| (n, epoch)).collect(),
             plan,
-            alive,
             phase: Phase::Rendezvous { addrs: BTreeMap::new(), ready: BTreeSet::new() },
             checkpoint: None,
             last_step: 0,
             recent: VecDeque::new(),
-            last_decision: None,
-            node_of,
-            standby: BTreeMap::new(),
             planned: None,
-            steps_since_plan: 0,
-            step_seconds: 0.0,
-            seconds_per_byte: rebalance::DEFAULT_SECONDS_PER_BYTE,
-            move_fixed_s: rebalance::DEFAULT_MOVE_FIXED_S,
-            draining: BTreeSet::new(),
-            drained: BTreeSet::new(),
-            lost_now: Vec::new(),
-            leases_checked_until: None,
-            rebalance_to: None,
-            weighing: None,
-            weighed: None,
-            begun: now,
-            started: false,
-            done: BTreeSet::new(),
-            finish_requested: false,
-            finish_asked: None,
-            heard: BTreeSet::new(),
             reconfigurations: 0,
-            resuming: false,
-            taken_back: false,
-            awaiting: BTreeSet::new(),
         }
     }
 
@@ -273,7 +203,7 @@ impl<S: StepRecord> Controller<S> {
         }
         self.extend_leases_after_a_stall(now);
         let was_rendezvous = matches!(self.phase, Phase::Rendezvous { .. });
-        self.lost_now.clear();
+        self.members.lost_now.clear();
         self.take(now, event, &mut out);
         self.expire_leases(now, &mut out);
         self.lose_whole_nodes(&mut out);
@@ -310,8 +240,8 @@ impl<S: StepRecord> Controller<S> {
             Event::Heartbeat { node } => self.heartbeat(now, node),
             Event::Tick => {}
             Event::Weighed(w) => {
-                self.weighing = None;
-                self.weighed = Some(w);
+                self.monitor.weighing = None;
+                self.monitor.weighed = Some(w);
             }
             Event::Exited { node, status } => self.exited(node, &status, out),
             Event::Drain { workers, reason } => self.drain(&workers, &reason),
@@ -376,7 +306,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     pub fn alive(&self) -> &BTreeSet<NodeId> {
-        &self.alive
+        &self.members.alive
     }
 
     /// Whether the job has stopped (it did not complete).
@@ -423,7 +353,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// The node worker `worker` belongs to (`u64::MAX`: a worker never heard of).
     pub fn node(&self, worker: NodeId) -> u64 {
-        self.node_of.get(&worker).copied().unwrap_or(u64::MAX)
+        self.members.node_of.get(&worker).copied().unwrap_or(u64::MAX)
     }
 
     /// The most recent events, oldest first.
@@ -446,7 +376,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// Every node the job has had, alive or lost.
     pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.last_seen.keys().copied()
+        self.members.last_seen.keys().copied()
     }
 
     /// The epoch `node` was last told to be in.
@@ -476,7 +406,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// When `node` was last heard from (for a node lost by its lease: when it fell silent).
     pub fn last_heard(&self, node: NodeId) -> Option<Instant> {
-        self.last_seen.get(&node).copied()
+        self.members.last_seen.get(&node).copied()
     }
 
     /// When the next lease runs out, if no heartbeat comes first (a worker that finished its
@@ -485,11 +415,12 @@ impl<S: StepRecord> Controller<S> {
         if self.is_over() {
             return None;
         }
-        self.alive
+        self.members
+            .alive
             .iter()
-            .filter(|n| !self.done.contains(n))
-            .chain(self.standby.keys())
-            .filter_map(|&n| self.last_seen.get(&n).map(|&t| t + self.lease_of(n)))
+            .filter(|n| !self.life.done.contains(n))
+            .chain(self.members.standby.keys())
+            .filter_map(|&n| self.members.last_seen.get(&n).map(|&t| t + self.lease_of(n)))
             .min()
     }
 
@@ -503,7 +434,7 @@ impl<S: StepRecord> Controller<S> {
         // The earliest lease as of the last look at them (heartbeats since only push leases
         // later): not every member's again on every event — at 8,192 workers that was most of
         // the controller's time.
-        let leases = self.leases_checked_until.or_else(|| self.deadline());
+        let leases = self.members.leases_checked_until.or_else(|| self.deadline());
         [join, leases, self.lifecycle_deadline()].into_iter().flatten().fold(cadence, Instant::min)
     }
 }

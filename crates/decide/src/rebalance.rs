@@ -29,6 +29,94 @@ pub(super) const DEFAULT_MOVE_FIXED_S: f64 = 0.05;
 /// every layer.
 pub(super) const MAPPED_FROM_NODES: usize = 256;
 
+/// The load monitor (paper §4.3): the expert loads and step times measured since the plan was
+/// made, the measured cost of a move, and the weighing of a rebalance from them — out, back,
+/// or applied and waiting for its move.
+#[derive(Debug, Clone)]
+pub(crate) struct LoadMonitor {
+    /// Σ expert loads per layer since the plan was made.
+    pub(crate) loads: Vec<Vec<f64>>,
+    /// Steps done since the plan was made (or the last weighing), and their seconds.
+    pub(crate) steps_since_plan: u64,
+    pub(crate) step_seconds: f64,
+    /// The cost of moving, from the last measured move.
+    pub(crate) seconds_per_byte: f64,
+    pub(crate) move_fixed_s: f64,
+    /// The plan an applied rebalance moves to (the measured-load plan, or only its layers worth
+    /// moving), until its move.
+    pub(crate) rebalance_to: Option<ModelPlan>,
+    /// The epoch of the weighing out (asked for, its verdict not back yet), and the verdict
+    /// back, until the rebalance rule acts on it.
+    pub(crate) weighing: Option<u64>,
+    pub(crate) weighed: Option<Weighed>,
+}
+
+impl LoadMonitor {
+    pub(crate) fn new(layers: usize, experts: usize) -> Self {
+        LoadMonitor {
+            loads: vec![vec![0.0; experts]; layers],
+            steps_since_plan: 0,
+            step_seconds: 0.0,
+            seconds_per_byte: DEFAULT_SECONDS_PER_BYTE,
+            move_fixed_s: DEFAULT_MOVE_FIXED_S,
+            rebalance_to: None,
+            weighing: None,
+            weighed: None,
+        }
+    }
+
+    /// `steps` steps of the current plan took `seconds` and routed `loads` (tokens per expert
+    /// per layer; a report of another shape adds nothing, a step time that cannot be true is
+    /// not counted).
+    pub(crate) fn record(&mut self, loads: &[Vec<u64>], steps: u64, seconds: f64) {
+        if loads.len() != self.loads.len() {
+            return;
+        }
+        for (acc, l) in self.loads.iter_mut().zip(loads) {
+            if l.len() == acc.len() {
+                acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
+            }
+        }
+        if seconds.is_finite() && seconds >= 0.0 {
+            self.steps_since_plan = self.steps_since_plan.saturating_add(steps);
+            self.step_seconds += seconds;
+        }
+    }
+
+    /// A move was measured: its cost per byte and its fixed part become the next one's estimate
+    /// (a move that sent nothing, or whose times cannot be true, teaches nothing).
+    pub(crate) fn learn(&mut self, moved: MoveCost) {
+        if moved.bytes > 0 && moved.transfer_s.is_finite() && moved.transfer_s > 0.0 {
+            self.seconds_per_byte = moved.transfer_s / moved.bytes as f64;
+            if moved.rebuild_s.is_finite() && moved.rebuild_s >= 0.0 {
+                self.move_fixed_s = moved.rebuild_s;
+            }
+        }
+    }
+
+    /// A new plan runs: nothing measured of it yet.
+    pub(crate) fn restart(&mut self) {
+        self.loads.iter_mut().flatten().for_each(|x| *x = 0.0);
+        self.restart_steps();
+    }
+
+    /// The step count and time start again (a weighing was asked for; the loads keep adding up).
+    pub(crate) fn restart_steps(&mut self) {
+        self.steps_since_plan = 0;
+        self.step_seconds = 0.0;
+    }
+
+    /// Whether any load was measured since the plan was made.
+    pub(crate) fn measured(&self) -> bool {
+        self.loads.iter().flatten().any(|&x| x > 0.0)
+    }
+
+    /// The mean step time since the plan was made (None before a step was counted).
+    pub(crate) fn step_s(&self) -> Option<f64> {
+        (self.steps_since_plan > 0).then(|| self.step_seconds / self.steps_since_plan as f64)
+    }
+}
+
 /// One MoE layer of a candidate plan: its bottleneck now and under the candidate, and what
 /// moving it to the candidate would send.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -190,23 +278,14 @@ impl<S: StepRecord> Controller<S> {
     /// A step finished: the load monitor takes its expert loads (of the current epoch only),
     /// and a move's measured cost becomes the estimate of the next.
     pub(super) fn step_done(&mut self, epoch: u64, step: u64, steps: u64, loads: &[Vec<u64>], seconds: f64, moved: Option<MoveCost>) {
-        if epoch == self.epoch && loads.len() == self.loads.len() {
-            for (acc, l) in self.loads.iter_mut().zip(loads) {
-                if l.len() == acc.len() {
-                    acc.iter_mut().zip(l).for_each(|(a, &x)| *a += x as f64);
-                }
-            }
-            self.last_step = self.last_step.max(step);
-            if seconds.is_finite() && seconds >= 0.0 {
-                self.steps_since_plan = self.steps_since_plan.saturating_add(steps);
-                self.step_seconds += seconds;
+        if epoch == self.epoch {
+            self.monitor.record(loads, steps, seconds);
+            if loads.len() == self.monitor.loads.len() {
+                self.last_step = self.last_step.max(step);
             }
         }
-        if let Some(m) = moved.filter(|m| m.bytes > 0 && m.transfer_s.is_finite() && m.transfer_s > 0.0) {
-            self.seconds_per_byte = m.transfer_s / m.bytes as f64;
-            if m.rebuild_s.is_finite() && m.rebuild_s >= 0.0 {
-                self.move_fixed_s = m.rebuild_s;
-            }
+        if let Some(m) = moved {
+            self.monitor.learn(m);
         }
     }
 
@@ -217,14 +296,18 @@ impl<S: StepRecord> Controller<S> {
     /// `Event::Weighed`.
     pub(super) fn ask_for_a_weighing(&mut self, out: &mut Vec<Command<S>>) {
         let every = self.spec.rebalance_every;
-        if !self.may_move_itself() || every == 0 || self.steps_since_plan < every || !self.standby.is_empty() || self.weighing.is_some() {
+        if !self.may_move_itself()
+            || every == 0
+            || self.monitor.steps_since_plan < every
+            || !self.members.standby.is_empty()
+            || self.monitor.weighing.is_some()
+        {
             return;
         }
         let request = self.weighing_request();
-        self.steps_since_plan = 0;
-        self.step_seconds = 0.0;
+        self.monitor.restart_steps();
         if let Some(request) = request {
-            self.weighing = Some(request.epoch);
+            self.monitor.weighing = Some(request.epoch);
             out.push(Command::Weigh(Box::new(request)));
         }
     }
@@ -232,9 +315,9 @@ impl<S: StepRecord> Controller<S> {
     /// A weighing came back: applied (a pause follows) if the job is still where it was weighed
     /// and may move; else it is dropped and said so — its plan was made for ranks that changed.
     pub(super) fn act_on_a_weighing(&mut self, out: &mut Vec<Command<S>>) {
-        let Some(Weighed { epoch, outcome }) = self.weighed.take() else { return };
+        let Some(Weighed { epoch, outcome }) = self.monitor.weighed.take() else { return };
         let Some((d, target)) = outcome else { return };
-        if epoch != self.epoch || !self.may_move_itself() || !self.standby.is_empty() {
+        if epoch != self.epoch || !self.may_move_itself() || !self.members.standby.is_empty() {
             let why = if epoch != self.epoch { "the job moved meanwhile" } else { "the job cannot move now" };
             self.note(format!("epoch {}: the rebalance weighed at step {} is dropped: {why}", self.job_epoch(self.epoch), d.step));
             return;
@@ -251,29 +334,27 @@ impl<S: StepRecord> Controller<S> {
         ));
         out.push(Command::Rebalance(d));
         if apply {
-            self.rebalance_to = Some(target);
+            self.monitor.rebalance_to = Some(target);
             self.pause(MoveCause::Rebalance, out);
         }
     }
 
     /// What a weighing reads, taken now (None: no loads measured, or no plan).
     fn weighing_request(&self) -> Option<Weighing> {
-        if !self.loads.iter().flatten().any(|&x| x > 0.0) || self.steps_since_plan == 0 {
-            return None;
-        }
+        let step_s = self.monitor.step_s().filter(|_| self.monitor.measured())?;
         Some(Weighing {
             epoch: self.epoch,
             step: self.last_step,
-            loads: self.loads.clone(),
+            loads: self.monitor.loads.clone(),
             current: self.plan.clone()?,
             position_node: self.node_order(),
             policy: self.spec.policy,
             expert_bytes: self.spec.expert_bytes,
-            step_s: self.step_seconds / self.steps_since_plan as f64,
+            step_s,
             // The gain counts until the next rebalance is weighed, or the job ends.
             horizon_steps: self.spec.rebalance_every.min(self.spec.total_steps.saturating_sub(self.last_step)),
-            seconds_per_byte: self.seconds_per_byte,
-            fixed_s: self.move_fixed_s,
+            seconds_per_byte: self.monitor.seconds_per_byte,
+            fixed_s: self.monitor.move_fixed_s,
         })
     }
 }
@@ -446,6 +527,35 @@ fn fetches_in_place(held: &BTreeMap<u64, Vec<Vec<usize>>>, candidate: &ModelPlan
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_monitor_adds_loads_of_its_shape_and_true_step_times_only() {
+        let mut m = LoadMonitor::new(2, 3);
+        assert!(!m.measured() && m.step_s().is_none());
+        m.record(&[vec![1, 2, 3], vec![0, 0, 4]], 2, 1.0);
+        m.record(&[vec![1, 1, 1], vec![1, 1]], 1, f64::NAN);
+        assert_eq!(m.loads, vec![vec![2.0, 3.0, 4.0], vec![0.0, 0.0, 4.0]], "a layer of another shape adds nothing");
+        assert_eq!(m.step_s(), Some(0.5), "a step time that cannot be true is not counted");
+        m.record(&[vec![1, 1, 1]], 1, 1.0);
+        assert_eq!(m.steps_since_plan, 2, "a report of another number of layers adds nothing");
+        m.restart_steps();
+        assert!(m.measured() && m.step_s().is_none(), "a weighing restarts the steps, not the loads");
+        m.restart();
+        assert!(!m.measured() && m.loads == vec![vec![0.0; 3]; 2]);
+    }
+
+    #[test]
+    fn a_measured_move_is_the_next_ones_estimate_unless_it_cannot_be_true() {
+        let mut m = LoadMonitor::new(1, 1);
+        let cost = |bytes, transfer_s, rebuild_s| MoveCost { bytes, transfer_s, rebuild_s };
+        m.learn(cost(0, 1.0, 0.2));
+        m.learn(cost(100, f64::INFINITY, 0.2));
+        assert_eq!((m.seconds_per_byte, m.move_fixed_s), (DEFAULT_SECONDS_PER_BYTE, DEFAULT_MOVE_FIXED_S));
+        m.learn(cost(1000, 2.0, -1.0));
+        assert_eq!((m.seconds_per_byte, m.move_fixed_s), (0.002, DEFAULT_MOVE_FIXED_S), "a rebuild time below 0 is not taken");
+        m.learn(cost(1000, 1.0, 0.3));
+        assert_eq!((m.seconds_per_byte, m.move_fixed_s), (0.001, 0.3));
+    }
 
     /// Counting a candidate's fetches with its nodes where they are gives, layer by layer, the
     /// transfers the move planner schedules for that mapping (its oracle here).

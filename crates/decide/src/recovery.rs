@@ -31,11 +31,11 @@ impl<S: StepRecord> Controller<S> {
     /// A survivor's step failed, or it paused as asked: where it stopped. A report from an epoch
     /// the node was not told to be in is stale and ignored.
     pub(super) fn worker_stopped(&mut self, now: std::time::Instant, node: NodeId, epoch: u64, report: StopReport<S>, how: StopCause) {
-        self.last_seen.insert(node, now);
+        self.members.last_seen.insert(node, now);
         // A job taken back also hears reports of the epoch before the saved one (the old
         // controller was lost after it saved a move, before every worker heard of it).
-        let of_its_epoch = self.node_epoch.get(&node) == Some(&epoch) || (self.resuming && epoch <= self.epoch);
-        if !self.alive.contains(&node) || !of_its_epoch {
+        let of_its_epoch = self.node_epoch.get(&node) == Some(&epoch) || (self.takeover.resuming && epoch <= self.epoch);
+        if !self.members.alive.contains(&node) || !of_its_epoch {
             return;
         }
         if !self.recovers() {
@@ -60,14 +60,14 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn choose_move(&mut self, out: &mut Vec<Command<S>>) {
         let Phase::Collecting { reports } = &mut self.phase else { return };
         // (The count first: one report in, of a thousand workers, is not a reason to look at all.)
-        if reports.len() < self.alive.len() || self.alive.iter().any(|n| !reports.contains_key(n)) {
+        if reports.len() < self.members.alive.len() || self.members.alive.iter().any(|n| !reports.contains_key(n)) {
             return;
         }
         // Every way on from here leaves collecting (a move, a rollback or a stop).
         let reports = std::mem::take(reports);
         // With every node lost, workers waiting to join still carry the job on: from the last
         // checkpoint (a rollback below: no expert survives).
-        if self.alive.is_empty() && self.standby.is_empty() {
+        if self.members.alive.is_empty() && self.members.standby.is_empty() {
             return self.stop("every node is lost".into(), out);
         }
         let mut s = match self.survivors(reports, out) {
@@ -107,9 +107,9 @@ impl<S: StepRecord> Controller<S> {
     /// log lacks, if a survivor has it); the survivors' nodes, whole. Err: why the job cannot
     /// go on.
     fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> Result<Survivors<S>, String> {
-        let alive: Vec<NodeId> = self.alive.iter().copied().collect();
-        let cause = self.planned.take().unwrap_or(if self.taken_back { MoveCause::Controller } else { MoveCause::Failure });
-        let joiners: Vec<NodeId> = self.standby.keys().copied().collect();
+        let alive: Vec<NodeId> = self.members.alive.iter().copied().collect();
+        let cause = self.planned.take().unwrap_or(if self.takeover.taken_back { MoveCause::Controller } else { MoveCause::Failure });
+        let joiners: Vec<NodeId> = self.members.standby.keys().copied().collect();
         let furthest = self.commit_step(&reports, out);
         for &w in &joiners {
             reports.insert(
@@ -117,8 +117,11 @@ impl<S: StepRecord> Controller<S> {
                 StopReport { steps_done: furthest, held: None, holds: vec![Vec::new(); self.spec.layers], last: None, snapshots: vec![] },
             );
         }
-        let leavers: Vec<NodeId> =
-            if cause == MoveCause::Drain { alive.iter().copied().filter(|w| self.draining.contains(w)).collect() } else { Vec::new() };
+        let leavers: Vec<NodeId> = if cause == MoveCause::Drain {
+            alive.iter().copied().filter(|w| self.members.draining.contains(w)).collect()
+        } else {
+            Vec::new()
+        };
         let members: Vec<NodeId> = alive.iter().chain(&joiners).copied().filter(|w| !leavers.contains(w)).collect();
         let g = self.spec.gpus_per_node.max(1);
         let slots = members.len() * (self.spec.slots_per_node / g);
@@ -228,7 +231,8 @@ impl<S: StepRecord> Controller<S> {
         };
         // (The running plan is read, not copied: at 1,024 nodes a copy is 1.9 M entries.)
         let previous = current;
-        let weighed = self.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
+        let weighed =
+            self.monitor.rebalance_to.take().filter(|p| s.cause == MoveCause::Rebalance && s.joiners.is_empty() && p.shape() == shape);
         let nobody_moves = s.leavers.is_empty() && s.joiners.is_empty();
         // A job taken back by a new controller keeps its plan if every member came back.
         if matches!(s.cause, MoveCause::Drain | MoveCause::Controller) && nobody_moves && previous.shape() == shape {
@@ -288,7 +292,7 @@ impl<S: StepRecord> Controller<S> {
             return None;
         }
         let transfers = rank_transfers(&rank_node, &rank_holds, &map, &rp.transfers)?;
-        let joining = (0..ranks.len()).filter(|&r| self.standby.contains_key(&ranks[r])).collect();
+        let joining = (0..ranks.len()).filter(|&r| self.members.standby.contains_key(&ranks[r])).collect();
         let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
         lazarus_plan::parallel::drop_elsewhere(live, nodes.len() > FREE_ELSEWHERE_FROM);
         let rollback_avoided = if restored.is_empty() { 0 } else { s.furthest - self.checkpoint.unwrap_or(0) };
@@ -366,8 +370,8 @@ impl<S: StepRecord> Controller<S> {
 
     /// Loads to plan from: those measured since the plan was made, or even loads before any.
     fn plan_loads(&self) -> Vec<Vec<f64>> {
-        if self.loads.iter().flatten().any(|&x| x > 0.0) {
-            self.loads.clone()
+        if self.monitor.measured() {
+            self.monitor.loads.clone()
         } else {
             vec![vec![1.0; self.spec.experts]; self.spec.layers]
         }

@@ -9,7 +9,7 @@ use super::{Command, Controller, NodeId, Phase, StepRecord};
 
 impl<S: StepRecord> Controller<S> {
     pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command<S>>) {
-        self.last_seen.insert(node, now);
+        self.members.last_seen.insert(node, now);
         let Phase::Rendezvous { addrs, .. } = &mut self.phase else { return };
         if epoch != self.epoch || !self.ranks.contains(&node) {
             return;
@@ -22,7 +22,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     pub(super) fn ready(&mut self, now: Instant, node: NodeId, epoch: u64, out: &mut Vec<Command<S>>) {
-        self.last_seen.insert(node, now);
+        self.members.last_seen.insert(node, now);
         let Phase::Rendezvous { ready, .. } = &mut self.phase else { return };
         if epoch != self.epoch || !self.ranks.contains(&node) {
             return;
@@ -30,8 +30,8 @@ impl<S: StepRecord> Controller<S> {
         ready.insert(node);
         if ready.len() >= self.ranks.len() && self.ranks.iter().all(|n| ready.contains(n)) {
             self.phase = Phase::Running;
-            self.started = true;
-            self.taken_back = false;
+            self.life.started = true;
+            self.takeover.taken_back = false;
             out.push(Command::Resume { epoch });
         }
     }
@@ -41,19 +41,19 @@ impl<S: StepRecord> Controller<S> {
     /// rank is called off (survivors may be waiting for addresses that will never come, or
     /// connecting to a rank that is gone) — unless no one is left to tell.
     pub(super) fn tell_survivors_of_the_loss(&mut self, was_rendezvous: bool, out: &mut Vec<Command<S>>) {
-        if self.lost_now.is_empty() && !was_rendezvous {
+        if self.members.lost_now.is_empty() && !was_rendezvous {
             return;
         }
-        let lost: std::collections::BTreeSet<NodeId> = self.lost_now.iter().copied().collect();
+        let lost: std::collections::BTreeSet<NodeId> = self.members.lost_now.iter().copied().collect();
         let lost_ranks: Vec<usize> = (0..self.ranks.len()).filter(|&r| lost.contains(&self.ranks[r])).collect();
         if !was_rendezvous && !lost_ranks.is_empty() {
-            let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.alive.contains(n)).collect();
+            let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.members.alive.contains(n)).collect();
             if !nodes.is_empty() {
                 out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
             }
         }
         if was_rendezvous && matches!(self.phase, Phase::Collecting { .. } | Phase::Ending { .. }) {
-            let nodes: Vec<NodeId> = self.alive.iter().copied().collect();
+            let nodes: Vec<NodeId> = self.members.alive.iter().copied().collect();
             if !nodes.is_empty() {
                 out.push(Command::Abandon { epoch: self.epoch, nodes });
             }
@@ -63,10 +63,10 @@ impl<S: StepRecord> Controller<S> {
     /// The new plan is the epoch's: a rendezvous of its ranks follows.
     pub(super) fn adopt(&mut self, plan: lazarus_plan::ModelPlan, ranks: Vec<NodeId>) {
         self.epoch = plan.epoch();
-        self.resuming = false;
+        self.takeover.resuming = false;
         for n in &ranks {
-            if self.standby.remove(n).is_some() {
-                self.alive.insert(*n);
+            if self.members.standby.remove(n).is_some() {
+                self.members.alive.insert(*n);
             }
         }
         for n in &ranks {
@@ -74,9 +74,7 @@ impl<S: StepRecord> Controller<S> {
         }
         self.plan = Some(plan);
         self.ranks = ranks;
-        self.loads = vec![vec![0.0; self.spec.experts]; self.spec.layers];
-        self.steps_since_plan = 0;
-        self.step_seconds = 0.0;
+        self.monitor.restart();
         self.phase = Phase::Rendezvous { addrs: BTreeMap::new(), ready: std::collections::BTreeSet::new() };
     }
 }

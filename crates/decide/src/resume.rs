@@ -11,13 +11,38 @@
 //! heard of it. A member that does not come back within the re-attach window is lost like any
 //! silent node, and the move re-plans without it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use lazarus_plan::ModelPlan;
 use serde::{Deserialize, Serialize};
 
 use super::{Controller, MoveCause, NodeId, Phase, StepRecord};
+
+/// The takeover room's state: a job taken back by a new controller, until it runs again.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Takeover {
+    /// Not moved yet: reports of the epoch before the saved one count.
+    pub(crate) resuming: bool,
+    /// Not running again yet: every move until it runs is the new controller's (losses found on
+    /// the way included).
+    pub(crate) taken_back: bool,
+    /// Members not heard from yet: their leases run to the end of the re-attach window; once
+    /// heard from, the usual lease.
+    pub(crate) awaiting: BTreeSet<NodeId>,
+}
+
+impl Takeover {
+    /// A job taken back with these ranks, none heard from yet.
+    pub(crate) fn of(ranks: &[NodeId]) -> Self {
+        Takeover { resuming: true, taken_back: true, awaiting: ranks.iter().copied().collect() }
+    }
+
+    /// `worker` was heard from: true the first time (its lease becomes the usual one).
+    pub(crate) fn heard(&mut self, worker: NodeId) -> bool {
+        self.awaiting.remove(&worker)
+    }
+}
 
 /// What a controller keeps of a running job so that a new one can take it back: the shell writes
 /// it (atomically) whenever the epoch changes. What it does not keep is reported again by the
@@ -64,8 +89,8 @@ impl<S: StepRecord> Controller<S> {
             first_epoch: self.first_epoch,
             epoch: self.epoch,
             plan: plan.clone().with_epoch(self.epoch).to_json(),
-            ranks: self.ranks.iter().copied().filter(|n| self.alive.contains(n)).collect(),
-            node_of: self.node_of.iter().map(|(&w, &n)| (w, n)).collect(),
+            ranks: self.ranks.iter().copied().filter(|n| self.members.alive.contains(n)).collect(),
+            node_of: self.members.node_of.iter().map(|(&w, &n)| (w, n)).collect(),
             checkpoint: self.checkpoint,
             last_step: self.last_step,
             reconfigurations: self.reconfigurations,
@@ -89,23 +114,21 @@ impl<S: StepRecord> Controller<S> {
         let plan = plan.with_epoch(state.epoch);
         let mut c = Self::with_plan(spec, Some(plan), state.epoch, state.ranks.clone(), now);
         c.first_epoch = state.first_epoch;
-        c.node_of = state.node_of.iter().copied().collect();
+        c.members.node_of = state.node_of.iter().copied().collect();
         c.checkpoint = state.checkpoint;
         c.last_step = last_step.unwrap_or(state.last_step).max(state.checkpoint.unwrap_or(0));
         c.reconfigurations = state.reconfigurations;
-        c.started = true;
-        c.heard = state.ranks.iter().copied().collect();
+        c.life.started = true;
+        c.members.heard = state.ranks.iter().copied().collect();
         // Nobody was heard yet: every member's lease runs out at the end of the re-attach window
         // (at least a lease from now), as after a stall of the controller.
         let silent_until = (now + rejoin_within).checked_sub(c.spec.lease).unwrap_or(now).max(now);
         for n in &state.ranks {
-            c.last_seen.insert(*n, silent_until);
+            c.members.last_seen.insert(*n, silent_until);
         }
-        c.awaiting = state.ranks.iter().copied().collect();
+        c.takeover = Takeover::of(&state.ranks);
         c.phase = Phase::Collecting { reports: BTreeMap::new() };
         c.planned = Some(MoveCause::Controller);
-        c.resuming = true;
-        c.taken_back = true;
         let epoch = c.job_epoch(c.epoch);
         c.note(format!(
             "epoch {epoch}: taken back by a new controller at step {}; waiting for every worker to say where it stopped",
@@ -117,12 +140,12 @@ impl<S: StepRecord> Controller<S> {
     /// A member of a job taken back is heard from (`event`): from now on its lease is the usual
     /// one — the re-attach window was for finding it, not for losing it later.
     pub(super) fn heard_again(&mut self, now: Instant, event: &super::Event<S>) {
-        if self.awaiting.is_empty() {
+        if self.takeover.awaiting.is_empty() {
             return;
         }
         let Some(node) = super::membership::heard_from(event) else { return };
-        if self.awaiting.remove(&node) {
-            self.last_seen.insert(node, now);
+        if self.takeover.heard(node) {
+            self.members.last_seen.insert(node, now);
             // A deadline moved earlier: the next look at the leases must not skip it.
             self.lease_may_end_at(now + self.lease_of(node));
         }
@@ -130,7 +153,7 @@ impl<S: StepRecord> Controller<S> {
 
     /// Whether this controller is taking a job back and has not moved it yet.
     pub fn resuming(&self) -> bool {
-        self.resuming
+        self.takeover.resuming
     }
 }
 

@@ -300,7 +300,7 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
-    c.seconds_per_byte = 1e-7;
+    c.monitor.seconds_per_byte = 1e-7;
     let before = c.plan().unwrap().clone();
     let mut out = Vec::new();
     for step in 1..=4 {
