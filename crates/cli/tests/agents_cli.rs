@@ -60,10 +60,7 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
     assert_eq!(reconf[0]["cause"], "reconfigure", "{}", reconf[0]);
     assert!(text.iter().any(|l| l.contains("its agent") && l.contains("is gone")), "{}", text.join("\n"));
     // The final checkpoint resumes in one process.
-    let more = d.join("more.jsonl");
-    let out = lazarus(&["train", "--resume", "--steps", "62", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(log(&more).0.len(), 2);
+    common::resumes_in_one_process(&ck, "62", &d);
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -123,10 +120,7 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     // Nothing saved is lost: the latest checkpoint resumes in one process.
     let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
     let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
-    let more = d.join("more.jsonl");
-    let to = (step + 2).to_string();
-    let out = lazarus(&["train", "--resume", "--steps", &to, "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    common::resumes_in_one_process(&ck, &(step + 2).to_string(), &d);
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -399,10 +393,7 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     assert!(text.iter().any(|l| l.starts_with("joined: epoch 3, worker(s) 4, 5 taken in")), "{}", text.join("\n"));
     assert_same_losses(&steps_seen, &want, "joins, a node lost, a node joining again");
     assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data, none lost or repeated");
-    let more = d.join("more.jsonl");
-    let out = lazarus(&["train", "--resume", "--steps", "362", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(log(&more).0.len(), 2);
+    common::resumes_in_one_process(&ck, "362", &d);
     let _ = std::fs::remove_dir_all(&d);
 }
 

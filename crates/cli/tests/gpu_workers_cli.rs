@@ -87,10 +87,7 @@ fn a_gpu_worker_killed_from_outside_does_not_stop_training() {
     assert!(recovery_s < 5.0, "recovery took {recovery_s} s");
     assert!(r["gpu_used_bytes"].as_array().is_some_and(|a| !a.is_empty()), "the survivors report their GPU memory: {r}");
     // The GPU job's checkpoint resumes on the CPU.
-    let more = d.join("more.jsonl");
-    let out = lazarus(&["train", "--resume", "--steps", "62", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(log(&more).0.len(), 2);
+    common::resumes_in_one_process(&ck, "62", &d);
     let _ = std::fs::remove_dir_all(&d);
 }
 

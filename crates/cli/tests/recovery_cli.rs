@@ -11,8 +11,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_same_losses, cursor, dir, lazarus, log, lone_holder, signal, spawn_lazarus, status_with_token, twin_holders, uninterrupted,
-    uninterrupted_with_cursor, wait, wait_for_steps, worker_pids,
+    assert_same_losses, cursor, dir, lazarus, log, lone_holder, resumes_in_one_process, signal, spawn_lazarus, status_with_token,
+    twin_holders, uninterrupted, uninterrupted_with_cursor, wait, wait_for_steps, worker_pids,
 };
 use serde_json::Value;
 
@@ -41,15 +41,6 @@ fn finish(mut child: Child, lines: mpsc::Receiver<String>, log: &Path) -> Vec<St
     wait::job_success(&mut child, &lines, log, "the run goes on and finishes")
 }
 
-/// The final checkpoint in `ck` resumes in the single-process trainer.
-fn resumes_in_one_process(ck: &Path, steps: &str, d: &Path) {
-    let more = d.join("more.jsonl");
-    let out =
-        lazarus(&["train", "--resume", "--steps", steps, "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(log(&more).0.len(), 2);
-}
-
 #[test]
 fn a_worker_killed_from_outside_does_not_stop_training() {
     let d = dir("recover-kill");
@@ -70,10 +61,7 @@ fn a_worker_killed_from_outside_does_not_stop_training() {
     assert!(recovery_s < 5.0, "recovery took {recovery_s} s");
     assert!(text.iter().any(|l| l.starts_with("reconfigured: epoch 1")), "{}", text.join("\n"));
     // The final checkpoint resumes in one process.
-    let more = d.join("more.jsonl");
-    let out = lazarus(&["train", "--resume", "--steps", "62", "--checkpoint-dir", &ck_s, "--json-log", more.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(log(&more).0.len(), 2);
+    resumes_in_one_process(&ck, "62", &d);
     let _ = std::fs::remove_dir_all(&d);
 }
 

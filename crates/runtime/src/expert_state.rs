@@ -2,12 +2,13 @@
 //! without FFN biases) and each tensor's AdamW m, v and step count — and its one wire form. The checkpoint gather sends it to rank 0; state transfers
 //! after a reconfiguration and snapshots send the same bytes.
 //!
-//! Wire form (little-endian): magic `LZX1` (u32), MoE layer (u32), expert (u32), then per tensor
-//! its rank (u32), its dimensions (u64 each) and its AdamW step (u64); then per tensor its
-//! weight, m and v as f32. A decoder is told the shapes it expects and checks every size before
-//! it allocates, so a peer cannot make it allocate more than one expert.
+//! Wire form (little-endian): magic `LZX1` (u32), MoE layer (u32), expert (u32), then the
+//! tensor table and values every training state's wire form ends with (`tensor_wire`). A
+//! decoder is told the shapes it expects and checks every size before it allocates, so a peer
+//! cannot make it allocate more than one expert.
 
 use crate::error::RuntimeError;
+use crate::tensor_wire::{put_table, put_values, tensors_len, Reader};
 
 const MAGIC: u32 = 0x4c5a_5831; // "LZX1"
 /// The most tensors an expert has: W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d]
@@ -42,7 +43,7 @@ fn bad(reason: String) -> RuntimeError {
 impl ExpertState {
     /// Bytes of the wire form of an expert with these tensor shapes.
     pub fn encoded_len(shapes: &[Vec<usize>]) -> usize {
-        12 + shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum::<usize>()
+        12 + tensors_len(shapes)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -73,25 +74,14 @@ impl ExpertState {
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&(layer as u32).to_le_bytes());
         out.extend_from_slice(&(expert as u32).to_le_bytes());
-        put_shapes(&mut out, shapes.iter().map(|s| s.as_slice()).zip(steps.iter().copied()));
+        put_table(&mut out, shapes.iter().map(|s| s.as_slice()).zip(steps.iter().copied()));
         out
     }
 
     /// Decode the state of expert (`layer`, `expert`) whose tensors must have `shapes`.
     pub fn decode(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>]) -> Result<Self, RuntimeError> {
-        let (steps, mut at) = Self::check(bytes, layer, expert, shapes)?;
-        let mut floats = |n: usize| -> Vec<f32> {
-            let v = bytes[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            at += 4 * n;
-            v
-        };
-        let tensors = (0..shapes.len())
-            .map(|k| {
-                let n = shapes[k].iter().product();
-                let (weight, m, v) = (floats(n), floats(n), floats(n));
-                TensorTrainState { shape: shapes[k].clone(), weight, m, v, step: steps[k] }
-            })
-            .collect();
+        let (steps, at) = Self::check(bytes, layer, expert, shapes)?;
+        let tensors = Reader::new(bytes, at).tensors(shapes, &steps);
         Ok(ExpertState { layer, expert, tensors })
     }
 
@@ -104,66 +94,17 @@ impl ExpertState {
         if bytes.len() != want {
             return Err(bad(format!("layer {layer} expert {expert}: {} bytes, expected {want}", bytes.len())));
         }
-        let mut at = 0usize;
-        let mut u32_at = || {
-            let v = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
-            at += 4;
-            v
-        };
-        let (magic, l, e) = (u32_at(), u32_at(), u32_at());
+        let mut r = Reader::new(bytes, 0);
+        let (magic, l, e) = (r.u32(), r.u32(), r.u32());
         if magic != MAGIC {
             return Err(bad(format!("bad magic {magic:#x}")));
         }
         if (l as usize, e as usize) != (layer, expert) {
             return Err(bad(format!("carries layer {l} expert {e}, expected layer {layer} expert {expert}")));
         }
-        let mut steps = vec![0u64; shapes.len()];
-        for (k, shape) in shapes.iter().enumerate() {
-            let rank = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-            at += 4;
-            // The length matched, so a rank that differs would also misplace what follows.
-            if rank != shape.len() {
-                return Err(bad(format!("tensor {k} has rank {rank}, expected {}", shape.len())));
-            }
-            for (i, &d) in shape.iter().enumerate() {
-                let got = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-                at += 8;
-                if got != d as u64 {
-                    return Err(bad(format!("tensor {k} dimension {i} is {got}, expected {d}")));
-                }
-            }
-            steps[k] = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-            at += 8;
-        }
-        Ok((steps, at))
+        let steps = r.table(shapes, bad)?;
+        Ok((steps, r.at()))
     }
-}
-
-/// Tensors as both wire forms end: per tensor its rank, dimensions and AdamW step, then per
-/// tensor its weight, m and v.
-pub(crate) fn put_tensors(out: &mut Vec<u8>, tensors: &[TensorTrainState]) {
-    put_shapes(out, tensors.iter().map(|t| (t.shape.as_slice(), t.step)));
-    for t in tensors {
-        for part in [&t.weight, &t.m, &t.v] {
-            put_values(out, part);
-        }
-    }
-}
-
-/// Per tensor: its rank (u32), dimensions (u64 each) and AdamW step (u64).
-fn put_shapes<'a>(out: &mut Vec<u8>, tensors: impl Iterator<Item = (&'a [usize], u64)>) {
-    for (shape, step) in tensors {
-        out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
-        for &d in shape {
-            out.extend_from_slice(&(d as u64).to_le_bytes());
-        }
-        out.extend_from_slice(&step.to_le_bytes());
-    }
-}
-
-/// Values as little-endian f32: one copy (a plain memcpy on little-endian machines).
-pub(crate) fn put_values(out: &mut Vec<u8>, values: &[f32]) {
-    out.extend_from_slice(&lazarus_comm::f32_wire(values));
 }
 
 #[cfg(test)]

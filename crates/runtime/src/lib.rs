@@ -16,6 +16,7 @@ mod expert_state;
 mod host_copy;
 mod moe;
 mod shared_state;
+mod tensor_wire;
 mod worker;
 
 pub use error::RuntimeError;

@@ -4,13 +4,14 @@
 //! placement gives it ([`crate::ExpertState`]), and trains on as if it had always been there.
 //!
 //! Wire form (little-endian): magic `LZD1` (u32), steps committed (u64), data cursor in windows
-//! (u64), tensor count (u32), then per tensor its rank (u32), its dimensions (u64 each) and its
-//! AdamW step (u64); then per tensor its weight, m and v as f32. A decoder is told the shapes
+//! (u64), tensor count (u32), then the tensor table and values every training state's wire form
+//! ends with (`tensor_wire`). A decoder is told the shapes
 //! it expects (its own model's) and checks the length before it reads anything, so a peer
 //! cannot make it allocate more than one model's replicated state.
 
 use crate::error::RuntimeError;
-use crate::expert_state::{put_tensors, TensorTrainState};
+use crate::expert_state::TensorTrainState;
+use crate::tensor_wire::{put_tensors, tensors_len, Reader};
 
 const MAGIC: u32 = 0x4c5a_4431; // "LZD1"
 
@@ -32,7 +33,7 @@ fn bad(reason: String) -> RuntimeError {
 impl SharedState {
     /// Bytes of the wire form for tensors of these shapes.
     pub fn encoded_len(shapes: &[Vec<usize>]) -> usize {
-        24 + shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum::<usize>()
+        24 + tensors_len(shapes)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -52,44 +53,18 @@ impl SharedState {
         if bytes.len() != want {
             return Err(bad(format!("{} bytes, expected {want}", bytes.len())));
         }
-        let mut at = 0usize;
-        let mut take = |n: usize| {
-            let s = &bytes[at..at + n];
-            at += n;
-            s
-        };
-        let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
-        let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
-        let magic = u32_of(take(4));
+        let mut r = Reader::new(bytes, 0);
+        let magic = r.u32();
         if magic != MAGIC {
             return Err(bad(format!("bad magic {magic:#x}")));
         }
-        let (step, cursor) = (u64_of(take(8)), u64_of(take(8)));
-        let count = u32_of(take(4)) as usize;
+        let (step, cursor) = (r.u64(), r.u64());
+        let count = r.u32() as usize;
         if count != shapes.len() {
             return Err(bad(format!("{count} tensors, expected {}", shapes.len())));
         }
-        let mut steps = Vec::with_capacity(count);
-        for (k, shape) in shapes.iter().enumerate() {
-            let rank = u32_of(take(4)) as usize;
-            if rank != shape.len() {
-                return Err(bad(format!("tensor {k} has rank {rank}, expected {}", shape.len())));
-            }
-            for (i, &d) in shape.iter().enumerate() {
-                let got = u64_of(take(8));
-                if got != d as u64 {
-                    return Err(bad(format!("tensor {k} dimension {i} is {got}, expected {d}")));
-                }
-            }
-            steps.push(u64_of(take(8)));
-        }
-        let mut tensors = Vec::with_capacity(count);
-        for (shape, step) in shapes.iter().zip(steps) {
-            let n: usize = shape.iter().product();
-            let mut floats = || -> Vec<f32> { take(4 * n).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect() };
-            let (weight, m, v) = (floats(), floats(), floats());
-            tensors.push(TensorTrainState { shape: shape.clone(), weight, m, v, step });
-        }
+        let steps = r.table(shapes, bad)?;
+        let tensors = r.tensors(shapes, &steps);
         Ok(SharedState { step, cursor, tensors })
     }
 }

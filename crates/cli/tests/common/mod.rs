@@ -338,3 +338,14 @@ pub fn lazarus_limited(args: &[&str], limit: Limit, what: &str) -> Output {
     }
     output_within(cmd, what)
 }
+
+/// The final checkpoint in `ck` resumes in the single-process trainer, which trains on to step
+/// `steps` (two more than the checkpoint's) and logs those two.
+#[allow(dead_code)] // only the tests of worker processes resume their checkpoints
+pub fn resumes_in_one_process(ck: &std::path::Path, steps: &str, d: &std::path::Path) {
+    let more = d.join("more.jsonl");
+    let out =
+        lazarus(&["train", "--resume", "--steps", steps, "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", more.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(log(&more).0.len(), 2, "the resumed run logs the steps after the checkpoint");
+}

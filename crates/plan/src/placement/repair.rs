@@ -130,26 +130,13 @@ fn add_missing(
     loads: &[f64],
     share: impl Fn(ExpertId) -> f64,
 ) -> Option<()> {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
-    // Free slots per GPU rank, and the ranks with one, least loaded first (a load is ≥ 0, so its
-    // bits order as it does).
-    let mut free: Vec<Vec<usize>> = vec![Vec::new(); shape.ranks()];
-    for (n, node) in slots.iter().enumerate() {
-        for (k, x) in node.iter().enumerate().rev() {
-            if x.is_none() {
-                free[n * g + k / c].push(k);
-            }
-        }
-    }
+    let g = shape.gpus_per_node;
+    let free = &mut free_slots(slots, shape);
     let missing: usize = (0..replicas.len()).map(|e| replicas[e].saturating_sub(count[e])).sum();
     if missing != free.iter().map(Vec::len).sum::<usize>() {
         return None;
     }
-    let key = |r: usize, gpu_load: &[f64]| (Reverse(gpu_load[r].max(0.0).to_bits()), Reverse(r));
-    let mut open: BinaryHeap<(Reverse<u64>, Reverse<usize>)> =
-        (0..free.len()).filter(|&r| !free[r].is_empty()).map(|r| key(r, gpu_load)).collect();
+    let mut open = open_gpus(free, gpu_load);
     // Which experts each node holds, as bits.
     let words = replicas.len().div_ceil(64);
     let mut has = vec![0u64; slots.len() * words];
@@ -158,10 +145,8 @@ fn add_missing(
             has[n * words + e / 64] |= 1 << (e % 64);
         }
     }
-    let mut order: Vec<ExpertId> = (0..replicas.len()).filter(|&e| count[e] < replicas[e]).collect();
-    order.sort_by(|&a, &b| share(b).total_cmp(&share(a)).then(loads[b].total_cmp(&loads[a])).then(a.cmp(&b)));
     let mut passed = Vec::new();
-    for e in order {
+    for e in addition_order(count, replicas, loads, &share) {
         for _ in count[e]..replicas[e] {
             let holds = |r: usize| has[(r / g) * words + e / 64] & (1 << (e % 64)) != 0;
             // The least loaded GPU on a node without the expert. The GPUs passed over go back
@@ -193,12 +178,47 @@ fn add_missing(
             has[n * words + e / 64] |= 1 << (e % 64);
             gpu_load[r] += share(e);
             if !free[r].is_empty() {
-                open.push(key(r, gpu_load));
+                open.push(gpu_key(r, gpu_load));
             }
         }
         open.extend(passed.drain(..));
     }
     Some(())
+}
+
+/// A GPU with a free slot, ordered so that the least loaded comes first from a max-heap (a load
+/// is ≥ 0, so its bits order as it does; ties: the lowest rank).
+type OpenGpu = (std::cmp::Reverse<u64>, std::cmp::Reverse<usize>);
+
+fn gpu_key(r: usize, gpu_load: &[f64]) -> OpenGpu {
+    (std::cmp::Reverse(gpu_load[r].max(0.0).to_bits()), std::cmp::Reverse(r))
+}
+
+/// The free slots of each GPU rank (popped from the end: lowest slot first).
+fn free_slots(slots: &[Vec<Option<ExpertId>>], shape: ClusterShape) -> Vec<Vec<usize>> {
+    let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
+    let mut free: Vec<Vec<usize>> = vec![Vec::new(); shape.ranks()];
+    for (n, node) in slots.iter().enumerate() {
+        for (k, x) in node.iter().enumerate().rev() {
+            if x.is_none() {
+                free[n * g + k / c].push(k);
+            }
+        }
+    }
+    free
+}
+
+/// The GPUs with a free slot, least loaded first.
+fn open_gpus(free: &[Vec<usize>], gpu_load: &[f64]) -> std::collections::BinaryHeap<OpenGpu> {
+    (0..free.len()).filter(|&r| !free[r].is_empty()).map(|r| gpu_key(r, gpu_load)).collect()
+}
+
+/// The experts short of replicas, the highest load per replica first (then the highest load,
+/// then the lowest id).
+fn addition_order(count: &[usize], replicas: &[usize], loads: &[f64], share: impl Fn(ExpertId) -> f64) -> Vec<ExpertId> {
+    let mut order: Vec<ExpertId> = (0..replicas.len()).filter(|&e| count[e] < replicas[e]).collect();
+    order.sort_by(|&a, &b| share(b).total_cmp(&share(a)).then(loads[b].total_cmp(&loads[a])).then(a.cmp(&b)));
+    order
 }
 
 #[cfg(test)]
@@ -259,23 +279,11 @@ mod tests {
         shape: ClusterShape,
         loads: &[f64],
     ) -> Option<()> {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let share = |e: ExpertId| loads[e] / replicas[e] as f64;
-        let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
-        let mut free: Vec<Vec<usize>> = vec![Vec::new(); shape.ranks()];
-        for (n, node) in slots.iter().enumerate() {
-            for (k, x) in node.iter().enumerate().rev() {
-                if x.is_none() {
-                    free[n * g + k / c].push(k);
-                }
-            }
-        }
-        let key = |r: usize, gpu_load: &[f64]| (Reverse(gpu_load[r].max(0.0).to_bits()), Reverse(r));
-        let mut open: BinaryHeap<(Reverse<u64>, Reverse<usize>)> =
-            (0..free.len()).filter(|&r| !free[r].is_empty()).map(|r| key(r, gpu_load)).collect();
-        let mut order: Vec<ExpertId> = (0..replicas.len()).filter(|&e| count[e] < replicas[e]).collect();
-        order.sort_by(|&a, &b| share(b).total_cmp(&share(a)).then(loads[b].total_cmp(&loads[a])).then(a.cmp(&b)));
+        let g = shape.gpus_per_node;
+        let mut free = free_slots(slots, shape);
+        let mut open = open_gpus(&free, gpu_load);
+        let order = addition_order(count, replicas, loads, share);
         for e in order {
             for _ in count[e]..replicas[e] {
                 let holds = |r: usize, slots: &[Vec<Option<ExpertId>>]| slots[r / g].contains(&Some(e));
@@ -302,7 +310,7 @@ mod tests {
                 slots[r / g][k] = Some(e);
                 gpu_load[r] += share(e);
                 if !free[r].is_empty() {
-                    open.push(key(r, gpu_load));
+                    open.push(gpu_key(r, gpu_load));
                 }
             }
         }
