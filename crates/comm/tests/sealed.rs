@@ -14,9 +14,9 @@ use lazarus_comm::{all_reduce_sum_f32, CommError, Group, Rendezvous, TcpTranspor
 
 const SECRET: u128 = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210;
 
-/// A proxy to `to` that records every byte both ways; with `flip`, it alters the first byte of
-/// rank 1's stream after `flip` bytes.
-fn proxy(to: SocketAddr, flip: Option<usize>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+/// A proxy to `to` that records every byte both ways; once `flip` is set, it alters a byte of
+/// the next bytes rank 1 sends (the 61st, or the last of a shorter read).
+fn proxy(to: SocketAddr, flip: Option<Arc<AtomicBool>>) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -28,18 +28,15 @@ fn proxy(to: SocketAddr, flip: Option<usize>) -> (SocketAddr, Arc<Mutex<Vec<u8>>
         for (from, into, alter) in [(client.try_clone().unwrap(), server.try_clone().unwrap(), flip), (server, client, None)] {
             let (seen, flipped) = (all.clone(), flipped.clone());
             std::thread::spawn(move || {
-                let (mut from, mut into, mut passed) = (from, into, 0usize);
+                let (mut from, mut into) = (from, into);
                 let mut buf = [0u8; 8192];
                 while let Ok(n) = from.read(&mut buf) {
                     if n == 0 {
                         break;
                     }
-                    if let Some(at) = alter {
-                        if passed + n > at && !flipped.swap(true, Ordering::Relaxed) {
-                            buf[at.saturating_sub(passed)] ^= 0x40;
-                        }
+                    if alter.as_ref().is_some_and(|armed| armed.load(Ordering::SeqCst)) && !flipped.swap(true, Ordering::Relaxed) {
+                        buf[60.min(n - 1)] ^= 0x40;
                     }
-                    passed += n;
                     seen.lock().unwrap().extend_from_slice(&buf[..n]);
                     if into.write_all(&buf[..n]).is_err() {
                         break;
@@ -56,7 +53,7 @@ fn proxy(to: SocketAddr, flip: Option<usize>) -> (SocketAddr, Arc<Mutex<Vec<u8>>
 type Pair = Result<(TcpTransport, TcpTransport), CommError>;
 
 /// Two ranks, rank 1 reaching rank 0 through a proxy; each rank's `encrypt`.
-fn pair(encrypt: [bool; 2], flip: Option<usize>) -> (Pair, Arc<Mutex<Vec<u8>>>) {
+fn pair(encrypt: [bool; 2], flip: Option<Arc<AtomicBool>>) -> (Pair, Arc<Mutex<Vec<u8>>>) {
     let (l0, l1) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
     let (via, seen) = proxy(l0.local_addr().unwrap(), flip);
     let addrs = vec![via, l1.local_addr().unwrap()];
@@ -112,10 +109,12 @@ fn sealed_frames_carry_the_same_results_and_nothing_readable() {
 
 #[test]
 fn a_byte_altered_on_the_way_closes_the_connection_instead_of_delivering() {
-    // Past the handshake (16-byte nonce and 32-byte proof from rank 1, after its 28-byte hello
-    // header): inside the first sealed frame.
-    let (pair, _) = pair([true, true], Some(28 + 16 + 32 + 60));
+    // Armed once the ranks are connected (past the hello, the proofs and the TLS handshake):
+    // a byte inside the first sealed frame.
+    let armed = Arc::new(AtomicBool::new(false));
+    let (pair, _) = pair([true, true], Some(armed.clone()));
     let (mut zero, mut one) = pair.unwrap();
+    armed.store(true, Ordering::SeqCst);
     let deadline = Instant::now() + Duration::from_secs(5);
     one.send(0, 7, &[42u8; 1000], deadline).unwrap();
     match zero.recv(1, 7, deadline) {

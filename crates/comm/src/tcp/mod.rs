@@ -18,6 +18,7 @@ mod buffers;
 mod out_of_band;
 mod rendezvous;
 mod seal;
+mod tls;
 use buffers::BufferPool;
 pub use out_of_band::Encode;
 use out_of_band::{lock, lock_within, write_frame, OutOfBandSender, Payload, Writer};
@@ -99,26 +100,13 @@ fn abort_error(from: usize, payload: &[u8], world: usize) -> CommError {
 
 fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPool, out_of_band_cpu: CpuMeter, mut opener: Option<Opener>) {
     let closed = |reason: String| Event::Closed { from, reason };
-    let not_sealed = "a sealed frame that does not open (altered, replayed, or not this connection's)";
-    // A sealed record carries its tag after it.
-    let tag_bytes = if opener.is_some() { seal::TAG } else { 0 };
     loop {
-        let mut sealed_header = [0u8; HEADER + seal::TAG];
-        let sealed_header = &mut sealed_header[..HEADER + tag_bytes];
-        if let Err(e) = stream.read_exact(sealed_header) {
-            let reason = if e.kind() == ErrorKind::UnexpectedEof { "connection closed".to_string() } else { e.to_string() };
-            let _ = tx.send(closed(reason));
-            return;
-        }
-        let h: [u8; HEADER] = match &mut opener {
-            None => sealed_header[..HEADER].try_into().expect("a header"),
-            Some(o) => match o.open(sealed_header) {
-                Some(plain) => plain[..HEADER].try_into().expect("a header"),
-                None => {
-                    let _ = tx.send(closed(not_sealed.into()));
-                    return;
-                }
-            },
+        let h = match read_header(&mut stream, &mut opener) {
+            Ok(h) => h,
+            Err(reason) => {
+                let _ = tx.send(closed(reason));
+                return;
+            }
         };
         let (magic, epoch, tag, len) = parse_header(&h);
         if magic != MAGIC {
@@ -133,41 +121,78 @@ fn reader(mut stream: TcpStream, from: usize, tx: Sender<Event>, pool: BufferPoo
         // from the header (a tensor-sized frame then lands without regrowing); beyond that grow
         // as bytes arrive, so a lying header cannot make us allocate up to the frame limit.
         let out_of_band = crate::tags::is_out_of_band(tag);
-        let on_wire = len + tag_bytes as u64;
-        let kept = if out_of_band { pool.take(on_wire as usize) } else { None };
-        let mut payload = kept.unwrap_or_else(|| Vec::with_capacity((on_wire as usize).min(64 << 20)));
-        let mut read = || -> std::io::Result<bool> {
-            let n = (&mut stream).take(on_wire).read_to_end(&mut payload)?;
-            if n as u64 != on_wire {
-                return Ok(false);
-            }
-            if let Some(o) = &mut opener {
-                let Some(plain) = o.open(&mut payload) else { return Err(std::io::Error::new(ErrorKind::InvalidData, not_sealed)) };
-                let n = plain.len();
-                payload.truncate(n);
-            }
-            Ok(true)
-        };
+        let on_wire = if opener.is_some() { seal::sealed_len(len as usize) } else { len as usize };
+        let kept = if out_of_band { pool.take(on_wire) } else { None };
+        let mut payload = kept.unwrap_or_else(|| Vec::with_capacity(on_wire.min(64 << 20)));
+        let mut read = || read_payload(&mut stream, &mut opener, len as usize, &mut payload);
         let got = if out_of_band { out_of_band_cpu.measure(read) } else { read() };
-        match got {
-            Ok(true) => {}
-            Ok(false) => {
-                let _ = tx.send(closed("connection closed mid-frame".into()));
-                return;
-            }
-            Err(e) if e.kind() == ErrorKind::InvalidData => {
-                let _ = tx.send(closed(e.to_string()));
-                return;
-            }
-            Err(e) => {
-                let _ = tx.send(closed(format!("connection lost mid-frame: {e}")));
-                return;
-            }
+        if let Err(reason) = got {
+            let _ = tx.send(closed(reason));
+            return;
         }
         if tx.send(Event::Frame { from, epoch, tag, payload }).is_err() {
             return; // transport dropped
         }
     }
+}
+
+/// What a sealed record that does not open says.
+const NOT_SEALED: &str = "a sealed frame that does not open (altered, replayed, or not this connection's)";
+
+/// Why reading a frame from a peer ended the connection.
+fn lost_mid_frame(e: std::io::Error) -> String {
+    match e.kind() {
+        ErrorKind::UnexpectedEof => "connection closed mid-frame".into(),
+        _ => format!("connection lost mid-frame: {e}"),
+    }
+}
+
+fn unsealed(e: seal::Unsealed) -> String {
+    match e {
+        seal::Unsealed::Refused => NOT_SEALED.into(),
+        seal::Unsealed::Alert => "the peer closed its TLS session".into(),
+    }
+}
+
+/// The next frame's header: in clear, or one sealed record.
+fn read_header(stream: &mut TcpStream, opener: &mut Option<Opener>) -> Result<[u8; HEADER], String> {
+    let closed = |e: std::io::Error| if e.kind() == ErrorKind::UnexpectedEof { "connection closed".to_string() } else { e.to_string() };
+    let Some(o) = opener else {
+        let mut h = [0u8; HEADER];
+        stream.read_exact(&mut h).map_err(closed)?;
+        return Ok(h);
+    };
+    let mut record = [0u8; HEADER + seal::RECORD_OVERHEAD];
+    stream.read_exact(&mut record).map_err(closed)?;
+    let (head, body) = record.split_at_mut(seal::RECORD_HEADER);
+    let head: [u8; seal::RECORD_HEADER] = (&*head).try_into().expect("a record header");
+    o.open(&head, body, HEADER).map_err(unsealed)?;
+    Ok(body[..HEADER].try_into().expect("a header"))
+}
+
+/// A frame's payload of `len` bytes appended to `payload`: in clear, or as sealed records of at
+/// most 16 KiB, each opened in place where it landed.
+fn read_payload(stream: &mut TcpStream, opener: &mut Option<Opener>, len: usize, payload: &mut Vec<u8>) -> Result<(), String> {
+    let Some(o) = opener else {
+        let n = stream.take(len as u64).read_to_end(payload).map_err(lost_mid_frame)?;
+        return if n == len { Ok(()) } else { Err("connection closed mid-frame".into()) };
+    };
+    let mut left = len;
+    while left > 0 {
+        let plain = left.min(seal::MAX_PLAINTEXT);
+        let mut head = [0u8; seal::RECORD_HEADER];
+        stream.read_exact(&mut head).map_err(lost_mid_frame)?;
+        let start = payload.len();
+        let body = plain + seal::RECORD_OVERHEAD - seal::RECORD_HEADER;
+        let n = stream.take(body as u64).read_to_end(payload).map_err(lost_mid_frame)?;
+        if n != body {
+            return Err("connection closed mid-frame".into());
+        }
+        o.open(&head, &mut payload[start..], plain).map_err(unsealed)?;
+        payload.truncate(start + plain);
+        left -= plain;
+    }
+    Ok(())
 }
 
 impl TcpTransport {

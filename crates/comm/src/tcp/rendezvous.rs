@@ -31,7 +31,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::seal::{self, Opener, Sealer};
+use super::seal::{Opener, Sealer};
+use super::tls::{read_exact_by, DataTls};
 use super::{parse_header, write_header, HEADER, HELLO, HELLO_SEALED};
 use crate::auth::{rendezvous_context as proof_context, NONCE, PROOF};
 use crate::error::CommError;
@@ -47,8 +48,8 @@ pub struct Rendezvous {
     pub secret: u128,
     /// Set from outside to give the rendezvous up at once (a peer was lost before it connected).
     pub cancel: Option<Arc<AtomicBool>>,
-    /// Seal every frame (AES-256-GCM, a key per connection and direction derived from the
-    /// secret: [`seal`]); every rank of the job must say the same.
+    /// Seal every frame (TLS 1.3 records under the keys of a TLS handshake pinned by the
+    /// secret: [`super::tls`], [`super::seal`]); every rank of the job must say the same.
     pub encrypt: bool,
 }
 
@@ -101,18 +102,19 @@ pub(super) fn establish(listener: TcpListener, r: &Rendezvous) -> Result<Connect
     let world = r.addrs.len();
     let deadline = crate::deadline_after(r.timeout);
     let mut c = Connected { streams: (0..world).map(|_| None).collect(), halves: (0..world).map(|_| None).collect() };
+    let tls = r.encrypt.then(|| DataTls::new(r.secret)).transpose().map_err(CommError::Rendezvous)?;
     for peer in 0..r.rank {
-        let (stream, halves) = connect_to(r, peer, deadline)?;
+        let (stream, halves) = connect_to(r, peer, deadline, tls.as_ref())?;
         c.streams[peer] = Some(stream);
         c.halves[peer] = halves;
     }
-    accept_higher(listener, r, deadline, &mut c)?;
+    accept_higher(listener, r, deadline, tls.as_ref(), &mut c)?;
     Ok(c)
 }
 
 /// Connect to lower rank `peer` and shake hands, retrying until `deadline` while it cannot be
 /// reached or closes the connection before answering.
-fn connect_to(r: &Rendezvous, peer: usize, deadline: Instant) -> Result<(TcpStream, Halves), CommError> {
+fn connect_to(r: &Rendezvous, peer: usize, deadline: Instant, tls: Option<&DataTls>) -> Result<(TcpStream, Halves), CommError> {
     let at = r.addrs[peer];
     let fail = |e: String| CommError::Rendezvous(format!("rank {} to rank {peer} at {at}: {e}", r.rank));
     loop {
@@ -127,7 +129,7 @@ fn connect_to(r: &Rendezvous, peer: usize, deadline: Instant) -> Result<(TcpStre
             Err(e) => return Err(CommError::Rendezvous(format!("rank {} cannot reach rank {peer} at {at}: {e}", r.rank))),
         };
         stream.set_nodelay(true).ok();
-        match connect_handshake(&mut stream, r, peer, deadline) {
+        match connect_handshake(&mut stream, r, peer, deadline, tls) {
             Ok(halves) => return Ok((stream, halves)),
             // Closed before it answered (evicted under a flood of connections, or restarting):
             // again, while there is time.
@@ -146,8 +148,15 @@ enum Handshake {
 }
 
 /// The connecting side of a connection's handshake on `stream`, from rank `r.rank` to `peer`:
-/// its hello and nonce; the accepting rank's nonce and proof, checked; its own proof.
-fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadline: Instant) -> Result<Halves, Handshake> {
+/// its hello and nonce; the accepting rank's nonce and proof, checked; its own proof; then, on
+/// an encrypted data plane, the TLS handshake.
+fn connect_handshake(
+    stream: &mut TcpStream,
+    r: &Rendezvous,
+    peer: usize,
+    deadline: Instant,
+    tls: Option<&DataTls>,
+) -> Result<Halves, Handshake> {
     let ours = crate::auth::nonce().map_err(|e| Handshake::Failed(format!("drawing a nonce: {e}")))?;
     let mut b = Vec::with_capacity(HEADER + HELLO_BODY as usize);
     write_header(&mut b, r.hello_magic(), r.epoch, r.rank as u64, HELLO_BODY);
@@ -168,28 +177,10 @@ fn connect_handshake(stream: &mut TcpStream, r: &Rendezvous, peer: usize, deadli
     }
     let own = crate::auth::prove(r.secret, &proof_context("connect", r.rank, peer, r.epoch), theirs, &ours);
     stream.write_all(&own).map_err(|e| Handshake::Failed(format!("proof: {e}")))?;
+    let halves = tls.map(|t| t.connect(stream, deadline)).transpose().map_err(Handshake::Failed)?;
     stream.set_read_timeout(None).ok();
-    Ok(r.encrypt.then(|| seal::halves(r.secret, r.rank, peer, r.epoch, true, &ours, theirs)))
-}
-
-/// `read_exact` that gives up at `deadline` however the bytes trickle in (a read timeout alone
-/// restarts with every byte).
-fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(ErrorKind::TimedOut, "the rendezvous deadline passed"));
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    stream.set_write_timeout(None).ok();
+    Ok(halves)
 }
 
 /// A hello's header, checked: the rank it claims, if it may connect to `r.rank` now. `taken`
@@ -257,14 +248,20 @@ enum Advance {
     /// Still waiting for bytes (whether any came this pass).
     Waiting { progressed: bool },
     /// Rank `peer`, authenticated.
-    Done { peer: usize, halves: Box<Halves> },
+    Done { peer: usize },
     /// Refused, and why.
     Refused(String),
 }
 
 /// Accept every higher rank, each authenticated, until `deadline`; strangers' connections are
 /// handled beside theirs and dropped (module note).
-fn accept_higher(listener: TcpListener, r: &Rendezvous, deadline: Instant, c: &mut Connected) -> Result<(), CommError> {
+fn accept_higher(
+    listener: TcpListener,
+    r: &Rendezvous,
+    deadline: Instant,
+    tls: Option<&DataTls>,
+    c: &mut Connected,
+) -> Result<(), CommError> {
     let world = r.addrs.len();
     listener.set_nonblocking(true).map_err(|e| CommError::Rendezvous(format!("listener: {e}")))?;
     let mut waiting = world - r.rank - 1;
@@ -284,13 +281,22 @@ fn accept_higher(listener: TcpListener, r: &Rendezvous, deadline: Instant, c: &m
                         i += 1;
                     }
                 }
-                Advance::Done { peer, halves } => {
-                    let p = pending.swap_remove(i);
+                Advance::Done { peer } => {
+                    let mut p = pending.swap_remove(i);
                     p.stream.set_nonblocking(false).map_err(|e| CommError::Rendezvous(format!("rank {peer}'s connection: {e}")))?;
-                    c.streams[peer] = Some(p.stream);
-                    c.halves[peer] = *halves;
-                    waiting -= 1;
                     progressed = true;
+                    // The peer proved the secret: its TLS handshake, if any, follows at once.
+                    let within = deadline.min(Instant::now() + HANDSHAKE_WITHIN);
+                    match tls.map(|t| t.accept(&mut p.stream, within)).transpose() {
+                        Ok(halves) => {
+                            p.stream.set_read_timeout(None).ok();
+                            p.stream.set_write_timeout(None).ok();
+                            c.streams[peer] = Some(p.stream);
+                            c.halves[peer] = halves;
+                            waiting -= 1;
+                        }
+                        Err(why) => refused.note(p.from, format!("rank {peer}: {why}")),
+                    }
                 }
                 Advance::Refused(why) => {
                     let p = pending.swap_remove(i);
@@ -377,8 +383,7 @@ fn advance(p: &mut Pending, r: &Rendezvous, taken: impl Fn(usize) -> bool) -> Ad
                 if taken(*peer) || !crate::auth::verify(r.secret, &proof_context("connect", *peer, r.rank, r.epoch), ours, theirs, &got) {
                     return Advance::Refused(format!("rank {peer} without the job's secret"));
                 }
-                let halves = r.encrypt.then(|| seal::halves(r.secret, r.rank, *peer, r.epoch, false, ours, theirs));
-                return Advance::Done { peer: *peer, halves: Box::new(halves) };
+                return Advance::Done { peer: *peer };
             }
         };
     }

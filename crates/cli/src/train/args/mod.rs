@@ -288,9 +288,9 @@ pub struct TrainArgs {
     /// anyone who reaches ADDR may scrape.
     #[arg(long, value_name = "FILE")]
     pub metrics_token_file: Option<PathBuf>,
-    /// With --workers: encrypt the workers' connections to each other (AES-256-GCM, a key per
-    /// connection derived from the job's secret). Without it they are authenticated at the
-    /// rendezvous and travel in clear.
+    /// With --workers: encrypt the workers' connections to each other (TLS 1.3 by rustls,
+    /// AES-256-GCM, both ends pinned to a key the job's secret gives). Without it they are
+    /// authenticated at the rendezvous and travel in clear.
     #[arg(long)]
     pub encrypt_data: bool,
     /// With --workers: run the workers through N/G node agents (`lazarus agent` processes on
