@@ -8,23 +8,12 @@
 //! cannot make it allocate more than one expert.
 
 use crate::error::RuntimeError;
-use crate::tensor_wire::{put_table, put_values, tensors_len, Reader};
+use crate::tensor_wire::{put_table, put_values, tensors_len, Reader, TensorTrainState};
 
 const MAGIC: u32 = 0x4c5a_5831; // "LZX1"
 /// The most tensors an expert has: W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d]
 /// ([`lazarus_model::ModelConfig::expert_shapes`]).
 pub const EXPERT_TENSORS: usize = 4;
-
-/// One tensor of an expert with its optimizer state.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorTrainState {
-    pub shape: Vec<usize>,
-    pub weight: Vec<f32>,
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-    /// AdamW updates applied to this tensor.
-    pub step: u64,
-}
 
 /// Everything needed to train expert `expert` of MoE layer `layer` on another rank as if it had
 /// always been there.

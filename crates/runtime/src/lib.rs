@@ -20,9 +20,10 @@ mod tensor_wire;
 mod worker;
 
 pub use error::RuntimeError;
-pub use expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
+pub use expert_state::{ExpertState, EXPERT_TENSORS};
 pub use moe::{DispatchMode, DistributedMoe, ExpertGrads, ExpertWeights, MoeForward, MoeGrads, DEFAULT_BUCKET_BYTES};
 pub use shared_state::SharedState;
+pub use tensor_wire::TensorTrainState;
 pub use worker::{
     batch_share, check_plan, pause_signal, validate_worker_config, FaultHook, FaultPoint, PauseSignal, PendingStep, Reconfiguration,
     ReconfigureReport, SnapshotHeld, SnapshotSettings, SnapshotStepStats, Worker, WorkerOptions, WorkerStepReport,

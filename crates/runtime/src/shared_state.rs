@@ -10,8 +10,7 @@
 //! cannot make it allocate more than one model's replicated state.
 
 use crate::error::RuntimeError;
-use crate::expert_state::TensorTrainState;
-use crate::tensor_wire::{put_tensors, tensors_len, Reader};
+use crate::tensor_wire::{put_tensors, tensors_len, Reader, TensorTrainState};
 
 const MAGIC: u32 = 0x4c5a_4431; // "LZD1"
 

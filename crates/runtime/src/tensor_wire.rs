@@ -6,7 +6,17 @@
 //! allocate more than it asked for; [`Reader`] then reads within that length.
 
 use crate::error::RuntimeError;
-use crate::expert_state::TensorTrainState;
+
+/// One tensor with its optimizer state: of an expert, or of the replicated rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorTrainState {
+    pub shape: Vec<usize>,
+    pub weight: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// AdamW updates applied to this tensor.
+    pub step: u64,
+}
 
 /// Bytes of the table and values of tensors of these shapes.
 pub(crate) fn tensors_len(shapes: &[Vec<usize>]) -> usize {

@@ -39,10 +39,10 @@ use lazarus_model::{StepReport, TrainConfig, Trainer};
 use lazarus_plan::ReplicaMap;
 
 use crate::error::RuntimeError;
-use crate::expert_state::{ExpertState, TensorTrainState, EXPERT_TENSORS};
+use crate::expert_state::{ExpertState, EXPERT_TENSORS};
 use crate::moe::{DispatchMode, DistributedMoe, ExpertWeights, DEFAULT_BUCKET_BYTES};
 use crate::shared_state::SharedState;
-use crate::tensor_wire::put_values;
+use crate::tensor_wire::{put_values, TensorTrainState};
 use lazarus_model::ops::with_f32;
 
 /// What a worker needs beyond the training configuration.
