@@ -555,10 +555,7 @@ impl Node {
                     // Nobody to hear it; the next controller hears the worker itself.
                     return;
                 }
-                match serde_json::to_string(ev) {
-                    Ok(json) => agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json }),
-                    Err(e) => return tracing::warn!("agent: worker {slot}: {e}"),
-                }
+                agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot, ev))
             }
             None => {
                 self.exited[slot] = true;

@@ -453,17 +453,15 @@ impl FakeAgent {
     }
 
     fn report(&self, slot: usize, event: &WorkerEvent) {
-        let json = serde_json::to_string(event).unwrap_or_default();
         self.shared.reports.fetch_add(1, Relaxed);
-        self.up(self.slots[slot].epoch, agent_message::Body::Report(proto::WorkerReport { slot: slot as u32, json }));
+        self.up(self.slots[slot].epoch, agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot, event)));
     }
 
     fn heartbeat(&self) {
         self.up(0, agent_message::Body::Heartbeat(proto::AgentHeartbeat {}));
         self.shared.agent_heartbeats.fetch_add(1, Relaxed);
-        let json = serde_json::to_string(&WorkerEvent::Heartbeat).unwrap_or_default();
         for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.alive) {
-            self.up(s.epoch, agent_message::Body::Report(proto::WorkerReport { slot: i as u32, json: json.clone() }));
+            self.up(s.epoch, agent_message::Body::Report(lazarus_protocol::reports::to_proto(i, &WorkerEvent::Heartbeat)));
             self.shared.worker_heartbeats.fetch_add(1, Relaxed);
         }
     }

@@ -372,8 +372,9 @@ impl AgentHub {
         match msg.body? {
             agent_message::Body::Hello(_) | agent_message::Body::Heartbeat(_) => None,
             agent_message::Body::Report(r) => {
+                let slot = r.slot as usize;
                 let rank = slot_rank(r.slot)?;
-                let event = match serde_json::from_str::<WorkerEvent>(&r.json) {
+                let event = match lazarus_protocol::reports::from_proto(r) {
                     Ok(ev) => ev,
                     Err(e) => {
                         tracing::warn!("agent {agent}: a report of worker {rank} that is not one ({e}): dropped");
@@ -384,7 +385,7 @@ impl AgentHub {
                     tracing::debug!("agent {agent}: a stale report of worker {rank} (epoch {}): dropped", msg.epoch);
                     return None;
                 }
-                Some(HubInput::Report { agent, slot: r.slot as usize, event })
+                Some(HubInput::Report { agent, slot, event })
             }
             agent_message::Body::Leaving(l) => {
                 if !started {

@@ -39,8 +39,11 @@ fn link() -> UnboundedSender<Result<ControllerMessage, Status>> {
 }
 
 fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
-    let json = serde_json::to_string(ev).unwrap();
-    AgentMessage { job_id: "job-7".into(), epoch, body: Some(agent_message::Body::Report(proto::WorkerReport { slot, json })) }
+    AgentMessage {
+        job_id: "job-7".into(),
+        epoch,
+        body: Some(agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot as usize, ev))),
+    }
 }
 
 #[test]
@@ -115,7 +118,7 @@ fn reports_are_checked_before_the_controller_sees_them() {
     assert!(h.take(0, report(100, 2, &beat)).is_none());
     let mut junk = report(100, 0, &beat);
     if let Some(agent_message::Body::Report(r)) = &mut junk.body {
-        r.json = "{\"event\":\"meltdown\"}".into();
+        r.event = Some(proto::worker_report::Event::Failed(proto::worker_report::Failed { kind: 42, message: "meltdown".into() }));
     }
     assert!(h.take(0, junk).is_none());
     assert!(matches!(h.take(0, report(100, 1, &beat)), Some(HubInput::Report { slot: 1, .. })));
