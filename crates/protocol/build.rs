@@ -5,7 +5,7 @@ fn main() {
     let fds = protox::compile(["proto/lazarus_control.proto"], ["proto"]).expect("the control protocol compiles");
     // The lines sent to many agents are shared, not copied, until each stream encodes them.
     tonic_prost_build::configure()
-        .bytes(".lazarus.control.v1.WorkerInput.line")
+        .bytes(".lazarus.control.v1.WorkerInput.message")
         .bytes(".lazarus.control.v1.StartWorkers.job")
         .bytes(".lazarus.control.v1.Piece.data")
         .compile_fds(fds)

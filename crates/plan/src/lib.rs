@@ -41,7 +41,7 @@ pub use reconfig::{
 };
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{
-    plan_layer, plan_model, replan_model, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, PlanUpdate, ReplicaMap,
+    plan_layer, plan_model, replan_model, ExpertChange, LayerPlan, ModelPlan, PlanFile, PlanFileLayer, PlanPolicy, PlanUpdate, ReplicaMap,
     ReplicaMapChange, PLAN_FORMAT,
 };
 pub use snapshot::{

@@ -5,7 +5,7 @@
 //! * [`proto`] — the generated protobuf messages and gRPC stubs between the controller and its
 //!   node agents (and `lazarus status`);
 //! * [`pieces`] — long messages to an agent, sent in pieces;
-//! * [`reports`] — a worker's report as agents carry it to the controller, typed;
+//! * [`relay`] — what agents relay between the controller and workers, typed, and checked once;
 //! * [`handshake`] — what each side of an agent's session proves with the job's secret;
 //! * [`tls`] — TLS on the control channel: a certificate the job's secret pins, or the operator's;
 //! * [`rpc`] — the gRPC runtime and error text every side shares;
@@ -20,7 +20,7 @@ pub mod handshake;
 pub mod messages;
 pub mod pieces;
 pub mod proto;
-pub mod reports;
+pub mod relay;
 pub mod rpc;
 pub mod stop_signal;
 pub mod tls;

@@ -147,44 +147,49 @@ pub const MAX_WORKERS_PER_HOST: usize = 64;
 /// far above what 16,384 workers need.
 pub const MAX_CONTROL_MESSAGE: usize = 256 << 20;
 
-/// Lines to workers longer than this travel to their agents compressed (`WorkerInput.deflated`).
+/// Messages to workers longer than this travel to their agents compressed (`WorkerInput.deflated`).
 pub const DEFLATE_LINES_OVER: usize = 64 << 10;
 
 /// The most a compressed message (a node's job, a long line) may take once decompressed
 /// ([`inflate_message`]): bounded, so a small message cannot inflate without end.
 pub const MAX_INFLATED_BYTES: usize = 1 << 30;
 
-/// A message as it travels compressed (a node's job in `StartWorkers.job`, a long line in
-/// `WorkerInput`): its JSON, zlib-compressed once for every node (a replica map at a thousand
-/// nodes shrinks several times).
-pub fn deflate_message(json: &[u8]) -> Vec<u8> {
+/// A message as it travels compressed (a node's job in `StartWorkers.job`, a long message in
+/// `WorkerInput`): zlib-compressed once for every node (a replica map at a thousand nodes
+/// shrinks several times).
+pub fn deflate_message(bytes: &[u8]) -> Vec<u8> {
     use std::io::Write as _;
-    let mut z = flate2::write::ZlibEncoder::new(Vec::with_capacity(json.len() / 4), flate2::Compression::fast());
+    let mut z = flate2::write::ZlibEncoder::new(Vec::with_capacity(bytes.len() / 4), flate2::Compression::fast());
     // Writing to a Vec cannot fail.
-    let _ = z.write_all(json);
+    let _ = z.write_all(bytes);
     z.finish().unwrap_or_default()
 }
 
-/// A compressed message as it came, decompressed: at most [`MAX_INFLATED_BYTES`], UTF-8, one
-/// JSON object on one line (a line break would cut the worker protocol's line in two). Err: why
-/// not.
-pub fn inflate_message(deflated: &[u8]) -> Result<String, String> {
+/// A compressed message as it came, decompressed: at most [`MAX_INFLATED_BYTES`]. Err: why not.
+pub fn inflate_bytes(deflated: &[u8]) -> Result<Vec<u8>, String> {
     inflate_at_most(deflated, MAX_INFLATED_BYTES)
 }
 
-fn inflate_at_most(deflated: &[u8], most: usize) -> Result<String, String> {
-    use std::io::Read as _;
-    let mut json = Vec::new();
-    flate2::read::ZlibDecoder::new(deflated).take(most as u64 + 1).read_to_end(&mut json).map_err(|e| format!("not zlib data: {e}"))?;
-    if json.len() > most {
-        return Err(format!("larger than {most} bytes decompressed"));
-    }
-    let text = String::from_utf8(json).map_err(|e| format!("not UTF-8: {e}"))?;
+/// A compressed JSON message (a node's job) as it came, decompressed: at most
+/// [`MAX_INFLATED_BYTES`], UTF-8, one JSON object on one line (a line break would cut the worker
+/// protocol's line in two). Err: why not.
+pub fn inflate_message(deflated: &[u8]) -> Result<String, String> {
+    let text = String::from_utf8(inflate_bytes(deflated)?).map_err(|e| format!("not UTF-8: {e}"))?;
     if !text.trim_start().starts_with('{') || text.contains('\n') {
         return Err(format!("not one JSON object on one line: {text:.80}"));
     }
     serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| format!("not JSON: {e}"))?;
     Ok(text)
+}
+
+fn inflate_at_most(deflated: &[u8], most: usize) -> Result<Vec<u8>, String> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    flate2::read::ZlibDecoder::new(deflated).take(most as u64 + 1).read_to_end(&mut bytes).map_err(|e| format!("not zlib data: {e}"))?;
+    if bytes.len() > most {
+        return Err(format!("larger than {most} bytes decompressed"));
+    }
+    Ok(bytes)
 }
 
 /// The variable a launcher sets to each worker process's index among the workers it starts

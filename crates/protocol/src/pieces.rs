@@ -18,13 +18,13 @@ use crate::proto::{controller_message::Body, ControllerMessage};
 /// The most a piece carries.
 pub const PIECE_BYTES: usize = 64 << 10;
 
-/// `body` as sent: the leading pieces of its long field (a line or a job past [`PIECE_BYTES`]),
+/// `body` as sent: the leading pieces of its long field (a message to workers or a job past [`PIECE_BYTES`]),
 /// then the body with the rest of it (at most one piece).
 pub fn in_pieces(body: Body) -> (Vec<Bytes>, Body) {
     match body {
-        Body::Input(mut i) if i.line.len() > PIECE_BYTES => {
-            let (pieces, rest) = split(&i.line);
-            i.line = rest;
+        Body::Input(mut i) if i.message.len() > PIECE_BYTES => {
+            let (pieces, rest) = split(&i.message);
+            i.message = rest;
             (pieces, Body::Input(i))
         }
         Body::Start(mut s) if s.job.len() > PIECE_BYTES => {
@@ -65,7 +65,7 @@ impl Gathered {
             }
             _ if self.data.is_empty() => Ok(Some(m)),
             Some(Body::Input(i)) => {
-                i.line = self.joined(&i.line);
+                i.message = self.joined(&i.message);
                 Ok(Some(m))
             }
             Some(Body::Start(s)) => {
@@ -103,7 +103,7 @@ mod tests {
         for len in [0, 1, PIECE_BYTES - 1, PIECE_BYTES, PIECE_BYTES + 1, 3 * PIECE_BYTES, 3 * PIECE_BYTES + 17] {
             let bytes = Bytes::from((0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<_>>());
             for body in [
-                Body::Input(WorkerInput { slots: vec![0, 2], line: bytes.clone(), deflated: true }),
+                Body::Input(WorkerInput { slots: vec![0, 2], message: bytes.clone(), deflated: true }),
                 Body::Start(StartWorkers { specs: vec!["{}".into()], job: bytes.clone(), standby: false }),
             ] {
                 let (pieces, rest) = in_pieces(body.clone());
@@ -131,7 +131,7 @@ mod tests {
         assert_eq!(gathered.take(piece(10), 25), Ok(None));
         let err = gathered.take(piece(10), 25).unwrap_err();
         assert!(err.contains("past 25 bytes (30)"), "{err}");
-        let line = message(Body::Input(WorkerInput { slots: vec![1], line: Bytes::from_static(b"{}"), deflated: false }));
+        let line = message(Body::Input(WorkerInput { slots: vec![1], message: Bytes::from_static(b"{}"), deflated: false }));
         assert_eq!(gathered.take(line.clone(), 25), Ok(Some(line.clone())), "nothing of the dropped pieces is kept");
         assert_eq!(gathered.take(piece(5), 25), Ok(None));
         let err = gathered.take(message(Body::Ping(Ping {})), 25).unwrap_err();

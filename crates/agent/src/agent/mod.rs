@@ -555,7 +555,7 @@ impl Node {
                     // Nobody to hear it; the next controller hears the worker itself.
                     return;
                 }
-                agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot, ev))
+                agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot, ev))
             }
             None => {
                 self.exited[slot] = true;
@@ -627,25 +627,14 @@ impl Node {
                 on_start(&ranks)?;
             }
             controller_message::Body::Input(i) => {
-                let inflated;
-                let line = match i.deflated {
-                    true => match inflate_message(&i.line) {
-                        Ok(text) => {
-                            inflated = text;
-                            inflated.as_str()
-                        }
-                        Err(e) => {
-                            tracing::warn!("agent: a compressed line for workers {:?} that is not one: {e}: dropped", i.slots);
-                            return Ok(None);
-                        }
-                    },
-                    false => match std::str::from_utf8(&i.line) {
-                        Ok(line) if !line.contains('\n') => line,
-                        _ => {
-                            tracing::warn!("agent: a line for workers {:?} that is not one line of UTF-8: dropped", i.slots);
-                            return Ok(None);
-                        }
-                    },
+                // Checked here, for every worker of the node at once, and handed to each as
+                // the line of the launcher protocol it reads.
+                let line = match worker_line(&i) {
+                    Ok(line) => line,
+                    Err(e) => {
+                        tracing::warn!("agent: a message for workers {:?} that is not one: {e}: dropped", i.slots);
+                        return Ok(None);
+                    }
                 };
                 let Some(job) = self.workers.as_mut() else { return Ok(None) };
                 for slot in i.slots.iter().map(|&s| s as usize).filter(|&s| s < self.gpus) {
@@ -661,7 +650,7 @@ impl Node {
                     // A worker standing by hears nothing until the move that takes it in.
                     self.standing_by = false;
                     // A worker that cannot be written to has exited: its exit is reported.
-                    let _ = job.write_line(slot, line);
+                    let _ = job.write_line(slot, &line);
                 }
             }
             controller_message::Body::Kill(k) => {
@@ -680,6 +669,21 @@ impl Node {
         }
         Ok(None)
     }
+}
+
+/// The line a worker reads for a message from the controller: decompressed, decoded and
+/// checked (`lazarus_protocol::relay::orders`), then written as the launcher protocol's JSON.
+fn worker_line(input: &proto::WorkerInput) -> Result<String, String> {
+    let inflated;
+    let bytes: &[u8] = match input.deflated {
+        true => {
+            inflated = lazarus_protocol::inflate_bytes(&input.message)?;
+            &inflated
+        }
+        false => &input.message,
+    };
+    let message = lazarus_protocol::relay::orders::decode(bytes).map_err(|e| e.to_string())?;
+    serde_json::to_string(&message).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

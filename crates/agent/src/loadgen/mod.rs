@@ -163,20 +163,24 @@ impl Shared {
     /// alike: it is read once for all of them (a thousand fakes parsing megabytes each would
     /// starve their own heartbeats on a small machine), compared byte for byte.
     fn read_line(&self, i: &proto::WorkerInput) -> Result<Arc<LauncherMessage>, String> {
-        let long = i.line.len() > 4096;
+        let long = i.message.len() > 4096;
         if long {
             let last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(message) = last.as_ref().filter(|(b, _)| *b == i.line).map(|(_, m)| m.clone()) {
+            if let Some(message) = last.as_ref().filter(|(b, _)| *b == i.message).map(|(_, m)| m.clone()) {
                 return Ok(message);
             }
         }
-        let text = match i.deflated {
-            true => lazarus_protocol::inflate_message(&i.line)?,
-            false => std::str::from_utf8(&i.line).map(str::to_string).map_err(|e| e.to_string())?,
+        let inflated;
+        let bytes: &[u8] = match i.deflated {
+            true => {
+                inflated = lazarus_protocol::inflate_bytes(&i.message)?;
+                &inflated
+            }
+            false => &i.message,
         };
-        let message = Arc::new(serde_json::from_str::<LauncherMessage>(&text).map_err(|e| e.to_string())?);
+        let message = Arc::new(lazarus_protocol::relay::orders::decode(bytes).map_err(|e| e.to_string())?);
         if long {
-            *self.last_line.lock().unwrap_or_else(|e| e.into_inner()) = Some((i.line.clone(), message.clone()));
+            *self.last_line.lock().unwrap_or_else(|e| e.into_inner()) = Some((i.message.clone(), message.clone()));
         }
         Ok(message)
     }
@@ -454,14 +458,14 @@ impl FakeAgent {
 
     fn report(&self, slot: usize, event: &WorkerEvent) {
         self.shared.reports.fetch_add(1, Relaxed);
-        self.up(self.slots[slot].epoch, agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot, event)));
+        self.up(self.slots[slot].epoch, agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot, event)));
     }
 
     fn heartbeat(&self) {
         self.up(0, agent_message::Body::Heartbeat(proto::AgentHeartbeat {}));
         self.shared.agent_heartbeats.fetch_add(1, Relaxed);
         for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.alive) {
-            self.up(s.epoch, agent_message::Body::Report(lazarus_protocol::reports::to_proto(i, &WorkerEvent::Heartbeat)));
+            self.up(s.epoch, agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(i, &WorkerEvent::Heartbeat)));
             self.shared.worker_heartbeats.fetch_add(1, Relaxed);
         }
     }

@@ -178,10 +178,10 @@ impl Fleet for RemoteFleet {
     /// The message is made once, and each agent is sent it once for all its workers among
     /// `ranks` (at a thousand nodes of eight, a rendezvous's addresses go 1,024 times, not 8,192).
     fn send_many(&mut self, ranks: &[usize], message: &LauncherMessage) -> Result<(), ControlError> {
-        let line = serde_json::to_vec(message)?;
-        // A long line (a move's change of the map) is compressed once for every agent.
-        let deflated = line.len() > lazarus_protocol::DEFLATE_LINES_OVER;
-        let line = prost::bytes::Bytes::from(if deflated { lazarus_protocol::deflate_message(&line) } else { line });
+        let bytes = lazarus_protocol::relay::orders::encode(message);
+        // A long message (a move's change of the map) is compressed once for every agent.
+        let deflated = bytes.len() > lazarus_protocol::DEFLATE_LINES_OVER;
+        let bytes = prost::bytes::Bytes::from(if deflated { lazarus_protocol::deflate_message(&bytes) } else { bytes });
         // Each agent's workers among them, by the epoch their messages are stamped with.
         let mut slots: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
         {
@@ -195,7 +195,7 @@ impl Fleet for RemoteFleet {
             }
         }
         for ((agent, epoch), slots) in slots {
-            self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slots, line: line.clone(), deflated }));
+            self.hub.send_to(agent, epoch, controller_message::Body::Input(proto::WorkerInput { slots, message: bytes.clone(), deflated }));
         }
         Ok(())
     }

@@ -374,7 +374,7 @@ impl AgentHub {
             agent_message::Body::Report(r) => {
                 let slot = r.slot as usize;
                 let rank = slot_rank(r.slot)?;
-                let event = match lazarus_protocol::reports::from_proto(r) {
+                let event = match lazarus_protocol::relay::reports::from_proto(r) {
                     Ok(ev) => ev,
                     Err(e) => {
                         tracing::warn!("agent {agent}: a report of worker {rank} that is not one ({e}): dropped");

@@ -42,7 +42,7 @@ fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
     AgentMessage {
         job_id: "job-7".into(),
         epoch,
-        body: Some(agent_message::Body::Report(lazarus_protocol::reports::to_proto(slot as usize, ev))),
+        body: Some(agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot as usize, ev))),
     }
 }
 
@@ -252,7 +252,8 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
             .map(|m| {
                 let m = m.unwrap();
                 let Some(controller_message::Body::Input(i)) = m.body else { panic!("{m:?}") };
-                (m.epoch, i.slots, String::from_utf8(i.line.to_vec()).unwrap())
+                let message = lazarus_protocol::relay::orders::decode(&i.message).unwrap();
+                (m.epoch, i.slots, serde_json::to_string(&message).unwrap())
             })
             .collect::<Vec<_>>()
     };
@@ -260,13 +261,14 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     assert_eq!(inputs(&mut agents[0]), vec![(102, vec![0, 1], line.clone())]);
     assert_eq!(inputs(&mut agents[1]), vec![(102, vec![1], line)]);
     assert_eq!(inputs(&mut agents[2]), vec![]);
-    // A long line goes compressed, once for each agent.
+    // A long message goes compressed, once for each agent.
     let long = LauncherMessage::Stop { reason: "x".repeat(lazarus_protocol::DEFLATE_LINES_OVER) };
     fleet.send_many(&[0, 2], &long).unwrap();
     for a in agents.iter_mut().take(2) {
         let Ok(Ok(ControllerMessage { body: Some(controller_message::Body::Input(i)), .. })) = a.try_recv() else { panic!() };
-        assert!(i.deflated && i.line.len() < 1000, "{} bytes", i.line.len());
-        assert_eq!(lazarus_protocol::inflate_message(&i.line).unwrap(), serde_json::to_string(&long).unwrap());
+        assert!(i.deflated && i.message.len() < 1000, "{} bytes", i.message.len());
+        let message = lazarus_protocol::relay::orders::decode(&lazarus_protocol::inflate_bytes(&i.message).unwrap()).unwrap();
+        assert_eq!(serde_json::to_string(&message).unwrap(), serde_json::to_string(&long).unwrap());
     }
     // Their reports of the epoch before are stale now; the others' are not.
     let ready = WorkerEvent::Ready { pid: 9, epoch: 100, moved: None };

@@ -15,17 +15,7 @@ use lazarus_runtime::SnapshotStepStats;
 use crate::messages::{CommittedStep, FailureKind, MoveStats, WorkerEvent};
 use crate::proto::{self, worker_report as wr};
 
-/// Why a report from an agent is not one.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("a worker report's {field}: {reason}")]
-pub struct BadReport {
-    pub field: &'static str,
-    pub reason: String,
-}
-
-fn bad(field: &'static str, reason: impl Into<String>) -> BadReport {
-    BadReport { field, reason: reason.into() }
-}
+use super::{bad, ids, word, BadMessage};
 
 /// What an agent sends for worker `slot`'s `event`.
 pub fn to_proto(slot: usize, event: &WorkerEvent) -> proto::WorkerReport {
@@ -76,7 +66,7 @@ pub fn to_proto(slot: usize, event: &WorkerEvent) -> proto::WorkerReport {
 }
 
 /// The worker's event a report from an agent carries, checked.
-pub fn from_proto(report: proto::WorkerReport) -> Result<WorkerEvent, BadReport> {
+pub fn from_proto(report: proto::WorkerReport) -> Result<WorkerEvent, BadMessage> {
     Ok(match report.event.ok_or_else(|| bad("event", "missing"))? {
         wr::Event::Listening(l) => WorkerEvent::Listening { addr: l.addr, epoch: l.epoch },
         wr::Event::Ready(r) => WorkerEvent::Ready { pid: r.pid, epoch: r.epoch, moved: r.moved.map(move_stats_of) },
@@ -122,16 +112,7 @@ fn path_of(bytes: Vec<u8>) -> PathBuf {
     PathBuf::from(std::ffi::OsString::from_vec(bytes))
 }
 
-/// A count from the wire as this machine's word.
-fn word(field: &'static str, n: u64) -> Result<usize, BadReport> {
-    usize::try_from(n).map_err(|_| bad(field, format!("{n} is beyond this machine's words")))
-}
-
-fn ids(list: &[usize]) -> proto::Ids {
-    proto::Ids { ids: list.iter().map(|&x| x as u64).collect() }
-}
-
-fn holds_of(layers: &[proto::Ids]) -> Result<Vec<Vec<usize>>, BadReport> {
+fn holds_of(layers: &[proto::Ids]) -> Result<Vec<Vec<usize>>, BadMessage> {
     layers.iter().map(|l| l.ids.iter().map(|&e| word("holds", e)).collect()).collect()
 }
 
@@ -145,7 +126,7 @@ fn failure_kind(kind: FailureKind) -> proto::FailureKind {
     }
 }
 
-fn failure_kind_of(kind: i32) -> Result<FailureKind, BadReport> {
+fn failure_kind_of(kind: i32) -> Result<FailureKind, BadMessage> {
     match proto::FailureKind::try_from(kind) {
         Ok(proto::FailureKind::PeerLost) => Ok(FailureKind::PeerLost),
         Ok(proto::FailureKind::Timeout) => Ok(FailureKind::Timeout),
@@ -179,7 +160,7 @@ fn snapshot_held(s: &SnapshotHeld) -> proto::SnapshotHeld {
     }
 }
 
-fn snapshot_held_of(s: &proto::SnapshotHeld) -> Result<SnapshotHeld, BadReport> {
+fn snapshot_held_of(s: &proto::SnapshotHeld) -> Result<SnapshotHeld, BadMessage> {
     Ok(SnapshotHeld {
         layer: word("snapshots.layer", s.layer)?,
         expert: word("snapshots.expert", s.expert)?,
@@ -202,7 +183,7 @@ fn step_report(r: &StepReport) -> proto::StepReport {
     }
 }
 
-fn step_report_of(r: proto::StepReport) -> Result<StepReport, BadReport> {
+fn step_report_of(r: proto::StepReport) -> Result<StepReport, BadMessage> {
     Ok(StepReport {
         step: r.step,
         loss: r.loss,
@@ -219,7 +200,7 @@ fn committed_step(c: &CommittedStep) -> proto::CommittedStep {
     proto::CommittedStep { report: Some(step_report(&c.report)), seconds: c.seconds }
 }
 
-fn committed_step_of(c: proto::CommittedStep) -> Result<CommittedStep, BadReport> {
+fn committed_step_of(c: proto::CommittedStep) -> Result<CommittedStep, BadMessage> {
     Ok(CommittedStep { report: step_report_of(c.report.ok_or_else(|| bad("last.report", "missing"))?)?, seconds: c.seconds })
 }
 
@@ -227,7 +208,7 @@ fn evaluation_of(e: &Evaluation) -> proto::Evaluation {
     proto::Evaluation { windows: e.windows as u64, tokens: e.tokens, loss: e.loss, perplexity: e.perplexity }
 }
 
-fn evaluation_from(e: proto::Evaluation) -> Result<Evaluation, BadReport> {
+fn evaluation_from(e: proto::Evaluation) -> Result<Evaluation, BadMessage> {
     Ok(Evaluation { windows: word("evaluation.windows", e.windows)?, tokens: e.tokens, loss: e.loss, perplexity: e.perplexity })
 }
 
@@ -247,7 +228,7 @@ fn snapshot_stats(s: &SnapshotStepStats) -> proto::SnapshotStepStats {
     }
 }
 
-fn snapshot_stats_of(s: proto::SnapshotStepStats) -> Result<SnapshotStepStats, BadReport> {
+fn snapshot_stats_of(s: proto::SnapshotStepStats) -> Result<SnapshotStepStats, BadMessage> {
     Ok(SnapshotStepStats {
         budget_bytes: s.budget_bytes,
         cap_bytes: s.cap_bytes,
