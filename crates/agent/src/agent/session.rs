@@ -95,19 +95,11 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     let (out, out_rx) = tokio::sync::mpsc::unbounded_channel::<AgentMessage>();
     let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx);
     // A port that takes the connection but never speaks gRPC is given up at the deadline.
-    let mut inbound = match tokio::time::timeout_at(deadline, client.attach(stream)).await {
-        Err(_) => return Err(Unreachable(silent_port())),
-        Ok(Err(e)) => {
-            return Err(Refused(ControlError::Launch(format!("the controller at {controller} refused this agent: {}", e.message()))))
-        }
-        Ok(Ok(reply)) => reply.into_inner(),
-    };
-    // The controller's challenge, this agent's hello that answers it, and the welcome that
-    // proves the controller knows the secret too: the secret itself never crosses the network.
     let answer_within = within.max(Duration::from_secs(1));
     let refusal = |why: String| Refused(ControlError::Launch(format!("the controller at {controller} refused this agent: {why}")));
     // A controller that says why it refuses refuses; a stream cut in the handshake (the
-    // controller lost on the way) is worth trying again.
+    // controller lost on the way, or a connection it closed among many under way from one
+    // address: it holds 32 handshakes per address) is worth trying again.
     let refused_or_cut = |e: tonic::Status| match e.code() {
         tonic::Code::PermissionDenied
         | tonic::Code::InvalidArgument
@@ -118,6 +110,13 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
             Unreachable(ControlError::Launch(format!("the controller at {controller} was lost while this agent attached: {}", e.message())))
         }
     };
+    let mut inbound = match tokio::time::timeout_at(deadline, client.attach(stream)).await {
+        Err(_) => return Err(Unreachable(silent_port())),
+        Ok(Err(e)) => return Err(refused_or_cut(e)),
+        Ok(Ok(reply)) => reply.into_inner(),
+    };
+    // The controller's challenge, this agent's hello that answers it, and the welcome that
+    // proves the controller knows the secret too: the secret itself never crosses the network.
     let silent = |what: &str| {
         Unreachable(ControlError::Launch(format!(
             "no {what} from the controller at {controller} within {} s (--connect-timeout)",

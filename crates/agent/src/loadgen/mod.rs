@@ -409,8 +409,19 @@ async fn run_agent(index: usize, shared: Arc<Shared>, mut orders: UnboundedRecei
         secret: shared.opts.secret,
         tls: ClientTls::Pinned(lazarus_protocol::tls::pin(shared.opts.secret)),
     };
-    let Session { out, mut inbound, job_id, welcome } =
-        session::open(&me, Duration::from_secs(120), None).await.map_err(|e| e.into_error().to_string())?;
+    // Like a real agent: a session cut while attaching is tried again (a thousand fakes attach
+    // at once from one address, beyond the controller's 32 handshakes under way per address).
+    let until = Instant::now() + Duration::from_secs(120);
+    let Session { out, mut inbound, job_id, welcome } = loop {
+        let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        match session::open(&me, left, None).await {
+            Err(session::SessionError::Unreachable(_)) if Instant::now() + Duration::from_millis(100) < until => {
+                // Spread the retries, so that the fakes cut together do not come back together.
+                tokio::time::sleep(Duration::from_millis(50 + (index as u64 * 37) % 200)).await
+            }
+            other => break other.map_err(|e| e.into_error().to_string())?,
+        }
+    };
     let heartbeat = Duration::from_secs_f64(welcome.heartbeat_s.clamp(0.01, 60.0));
     let mut agent = FakeAgent { index, shared: shared.clone(), out, job_id, slots: Vec::new() };
     let mut beat = tokio::time::interval(heartbeat);
