@@ -34,7 +34,9 @@ mod tests;
 pub mod words;
 
 pub use membership::MemberState;
-pub use messages::{Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReport};
+pub use messages::{
+    Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReason, StopReport,
+};
 pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict, Weighed, Weighing};
 pub use resume::{BadJobState, JobState};
 
@@ -107,7 +109,7 @@ enum Phase<S> {
     /// A job without recovery lost a rank: the others have until `until` to end on their own.
     Ending {
         until: Instant,
-        first: String,
+        first: StopReason,
     },
     Stopped,
     /// Every rank finished its work.
@@ -277,7 +279,7 @@ impl<S: StepRecord> Controller<S> {
         self.recent.push_back(what);
     }
 
-    fn stop(&mut self, reason: String, out: &mut Vec<Command<S>>) {
+    fn stop(&mut self, reason: StopReason, out: &mut Vec<Command<S>>) {
         self.note(format!("stopped: {reason}"));
         self.phase = Phase::Stopped;
         out.push(Command::Stop { reason });

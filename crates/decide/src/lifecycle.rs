@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use super::{Command, Controller, NodeId, OnLoss, Phase, StepRecord};
+use super::{Command, Controller, NodeId, OnLoss, Phase, StepRecord, StopReason};
 
 /// The lifecycle room's state: when the job began, whether it ever ran, who finished its work,
 /// and a stop asked for.
@@ -79,7 +79,7 @@ impl<S: StepRecord> Controller<S> {
             OnLoss::Recover => std::time::Duration::ZERO,
         };
         let now = self.members.last_decision.unwrap_or(self.life.begun);
-        let first = format!("worker {node} lost: {why}");
+        let first = StopReason::Lost { worker: node, why: why.to_string() };
         self.phase = Phase::Ending { until: now.checked_add(grace).unwrap_or(now), first };
     }
 
@@ -101,11 +101,7 @@ impl<S: StepRecord> Controller<S> {
                 Phase::Rendezvous { ready, .. } => ready.len(),
                 _ => 0,
             };
-            let reason = format!(
-                "the workers did not all start within {} s: {ready} of {} ready",
-                self.spec.start_within.as_secs(),
-                self.ranks.len()
-            );
+            let reason = StopReason::NotStarted { within_s: self.spec.start_within.as_secs(), ready, ranks: self.ranks.len() };
             self.stop(reason, out);
         }
     }

@@ -195,7 +195,7 @@ pub enum Command<S> {
     /// stopped: a planned move (workers joining) follows.
     Pause { epoch: u64, nodes: Vec<NodeId> },
     /// The job cannot go on.
-    Stop { reason: String },
+    Stop { reason: StopReason },
     /// Ask the ranks of `epoch` (`nodes`) to finish after the current step, with the final
     /// checkpoint (a stop was asked for; asked again at each new epoch).
     Finish { epoch: u64, nodes: Vec<NodeId> },
@@ -209,4 +209,45 @@ pub enum Command<S> {
     /// A committed step the log lacks (rank 0 was lost after its commit vote, before its report
     /// got out), from a survivor's copy: log it, so that every committed step is logged once.
     LogStep(S),
+}
+
+/// Why the controller stopped a job (what its `Stop` says, and the user reads).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// Every node is lost, and no worker waits to join.
+    EveryNodeLost,
+    /// The survivors have fewer expert slots than a layer has experts; `checkpoint`: the last
+    /// one, what the job resumes from with more nodes.
+    TooFewSlots { workers: usize, slots: usize, experts: usize, checkpoint: Option<u64> },
+    /// A node lost some of its workers but not all: plans have whole nodes.
+    PartialNode { gpus_per_node: usize },
+    /// The survivors' plan could not be made.
+    CannotPlan(String),
+    /// A job without live recovery lost a worker: its first loss, as it was seen.
+    Lost { worker: NodeId, why: String },
+    /// The workers were not all ready by the start deadline.
+    NotStarted { within_s: u64, ready: usize, ranks: usize },
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StopReason::EveryNodeLost => f.write_str("every node is lost"),
+            StopReason::TooFewSlots { workers, slots, experts, checkpoint } => {
+                write!(f, "the {workers} surviving workers have {slots} expert slots, fewer than the {experts} experts of a layer; ")?;
+                match checkpoint {
+                    Some(step) => write!(f, "the last checkpoint is of step {step}"),
+                    None => f.write_str("no checkpoint was written (--checkpoint-dir, --checkpoint-every)"),
+                }
+            }
+            StopReason::PartialNode { gpus_per_node } => {
+                write!(f, "a node has lost some of its {gpus_per_node} workers but not all (cannot plan partial nodes)")
+            }
+            StopReason::CannotPlan(e) => write!(f, "cannot plan the survivors: {e}"),
+            StopReason::Lost { worker, why } => write!(f, "worker {worker} lost: {why}"),
+            StopReason::NotStarted { within_s, ready, ranks } => {
+                write!(f, "the workers did not all start within {within_s} s: {ready} of {ranks} ready")
+            }
+        }
+    }
 }

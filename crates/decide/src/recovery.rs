@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use lazarus_plan::{plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, replan_model, ClusterShape, ModelPlan, NodeState};
 
-use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RestoredExpert, StepRecord, StopReport};
+use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RestoredExpert, StepRecord, StopReason, StopReport};
 
 /// The job as recovery sees it: who survives, who comes in and who leaves, and where each
 /// stopped.
@@ -68,7 +68,7 @@ impl<S: StepRecord> Controller<S> {
         // With every node lost, workers waiting to join still carry the job on: from the last
         // checkpoint (a rollback below: no expert survives).
         if self.members.alive.is_empty() && self.members.standby.is_empty() {
-            return self.stop("every node is lost".into(), out);
+            return self.stop(StopReason::EveryNodeLost, out);
         }
         let mut s = match self.survivors(reports, out) {
             Ok(s) => s,
@@ -78,14 +78,14 @@ impl<S: StepRecord> Controller<S> {
         let g = self.spec.gpus_per_node.max(1);
         let shape = match ClusterShape::new(s.nodes.len(), g, self.spec.slots_per_node / g) {
             Ok(shape) => shape,
-            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+            Err(e) => return self.stop(StopReason::CannotPlan(e.to_string()), out),
         };
         let consistent =
             s.reports.values().all(|r| r.steps_done == s.furthest || (r.steps_done + 1 == s.furthest && r.held == Some(s.furthest)));
         let restored = self.restore_from_snapshots(&mut s);
         let (new, order) = match self.survivors_plan(&s, shape) {
             Ok((p, order)) => (p.with_epoch(epoch), order),
-            Err(e) => return self.stop(format!("cannot plan the survivors: {e}"), out),
+            Err(e) => return self.stop(StopReason::CannotPlan(e.to_string()), out),
         };
         if consistent {
             if let Some(restored) = restored {
@@ -106,7 +106,7 @@ impl<S: StepRecord> Controller<S> {
     /// Who survives, who comes in and who leaves; the step all commit to (and the commit the
     /// log lacks, if a survivor has it); the survivors' nodes, whole. Err: why the job cannot
     /// go on.
-    fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> Result<Survivors<S>, String> {
+    fn survivors(&mut self, mut reports: BTreeMap<NodeId, StopReport<S>>, out: &mut Vec<Command<S>>) -> Result<Survivors<S>, StopReason> {
         let alive: Vec<NodeId> = self.members.alive.iter().copied().collect();
         let cause = self.planned.take().unwrap_or(if self.takeover.taken_back { MoveCause::Controller } else { MoveCause::Failure });
         let joiners: Vec<NodeId> = self.members.standby.keys().copied().collect();
@@ -126,16 +126,8 @@ impl<S: StepRecord> Controller<S> {
         let g = self.spec.gpus_per_node.max(1);
         let slots = members.len() * (self.spec.slots_per_node / g);
         if slots < self.spec.experts {
-            // What a user resumes from (with more nodes) once this job stops.
-            let resume = match self.checkpoint {
-                Some(step) => format!("the last checkpoint is of step {step}"),
-                None => "no checkpoint was written (--checkpoint-dir, --checkpoint-every)".to_string(),
-            };
-            return Err(format!(
-                "the {} surviving workers have {slots} expert slots, fewer than the {} experts of a layer; {resume}",
-                members.len(),
-                self.spec.experts
-            ));
+            // What a user resumes from (with more nodes) once this job stops: the last checkpoint.
+            return Err(StopReason::TooFewSlots { workers: members.len(), slots, experts: self.spec.experts, checkpoint: self.checkpoint });
         }
         // The surviving nodes, each with its workers (whole nodes: see `lose_whole_nodes`).
         let mut nodes: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
@@ -143,7 +135,7 @@ impl<S: StepRecord> Controller<S> {
             nodes.entry(self.node(w)).or_default().push(w);
         }
         if nodes.values().any(|ws| ws.len() != g) {
-            return Err(format!("a node has lost some of its {g} workers but not all (cannot plan partial nodes)"));
+            return Err(StopReason::PartialNode { gpus_per_node: g });
         }
         Ok(Survivors { cause, reports, alive, joiners, leavers, nodes, furthest })
     }

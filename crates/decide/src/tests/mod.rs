@@ -202,7 +202,7 @@ fn when_every_node_is_lost_the_workers_waiting_to_join_carry_the_job_on_from_the
     let mut c = running(2, 4, 3, t0);
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
     let out = c.decide(t0, Event::Exited { node: 11, status: "killed".into() });
-    assert!(matches!(out.last(), Some(Command::Stop { reason }) if reason.contains("every node is lost")), "{out:?}");
+    assert!(matches!(out.last(), Some(Command::Stop { reason: StopReason::EveryNodeLost })), "{out:?}");
 }
 
 #[test]
@@ -652,8 +652,10 @@ fn too_few_slots_for_every_expert_stops_with_the_reason() {
         Event::StepFailed { node: 10, epoch: 0, report: StopReport { steps_done: 1, held: None, holds, last: None, snapshots: vec![] } },
     );
     let [Command::Stop { reason }] = &out[..] else { panic!("{out:?}") };
-    assert!(reason.contains("2 expert slots") && reason.contains("4 experts"), "{reason}");
-    assert!(reason.contains("the last checkpoint is of step 1"), "the user is told what to resume from: {reason}");
+    assert_eq!(*reason, StopReason::TooFewSlots { workers: 1, slots: 2, experts: 4, checkpoint: Some(1) });
+    let said = reason.to_string();
+    assert!(said.contains("2 expert slots") && said.contains("4 experts"), "{said}");
+    assert!(said.contains("the last checkpoint is of step 1"), "the user is told what to resume from: {said}");
     assert!(c.stopped());
     assert!(c.decide(t0, Event::Tick).is_empty());
 }

@@ -313,7 +313,7 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
                 let checkpoint = rank0.and_then(|r| shell.done.get(&r).cloned()).flatten();
                 return Ok(Some(TrainOutcome::Completed { checkpoint }));
             }
-            Command::Stop { reason } => return Ok(Some(shell.stopped(ctl, reason))),
+            Command::Stop { reason } => return Ok(Some(shell.stopped(ctl, reason.to_string()))),
         }
         Ok(None)
     }
