@@ -42,40 +42,7 @@ pub struct AgentArgs {
     tls: crate::tls::TlsArgs,
 }
 
-/// The `[agent]` table of a `--config` file.
-#[derive(serde::Deserialize, Debug, Default)]
-#[serde(deny_unknown_fields)]
-struct AgentTable {
-    controller: Option<String>,
-    gpus: Option<usize>,
-    host: Option<IpAddr>,
-    secret_file: Option<PathBuf>,
-    connect_timeout: Option<f64>,
-    controller_grace: Option<f64>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    tls_ca: Option<PathBuf>,
-}
-
-/// `args` with what its `--config` file's `[agent]` table says where no flag did.
-fn with_config_table(args: &AgentArgs) -> Result<AgentArgs> {
-    let mut a = args.clone();
-    let Some(path) = &args.config else { return Ok(a) };
-    let Some(t) = crate::io::config_table::<AgentTable>(path, "agent")? else {
-        bail!("invalid --config {}: it has no [agent] table (the agent's settings)", path.display())
-    };
-    a.controller = a.controller.or(t.controller);
-    a.gpus = a.gpus.or(t.gpus);
-    a.host = a.host.or(t.host);
-    a.secret_file = a.secret_file.or(t.secret_file);
-    a.connect_timeout = a.connect_timeout.or(t.connect_timeout);
-    a.controller_grace = a.controller_grace.or(t.controller_grace);
-    a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
-    Ok(a)
-}
-
 pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
-    let args = &with_config_table(args)?;
     let Some(controller) = &args.controller else {
         bail!("lazarus agent needs --controller ADDR (or controller in the [agent] table of --config)")
     };
@@ -137,8 +104,12 @@ mod tests {
     #[test]
     fn the_deployment_example_configures_an_agent_and_flags_override_it() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/lazarus.toml");
-        let argv = ["agent", "--config", path.to_str().unwrap(), "--gpus", "8"];
-        let a = with_config_table(&Cli::try_parse_from(argv).unwrap().args).unwrap();
+        use clap::{CommandFactory, FromArgMatches};
+        let cmd = Cli::command().args_override_self(true);
+        let args: Vec<std::ffi::OsString> = ["--config", path.to_str().unwrap(), "--gpus", "8"].iter().map(Into::into).collect();
+        let flags = crate::config_flags::table_flags(&cmd, "agent", &args).unwrap();
+        let matches = cmd.try_get_matches_from(std::iter::once("agent".into()).chain(flags).chain(args)).unwrap();
+        let a = Cli::from_arg_matches(&matches).unwrap().args;
         assert_eq!((a.controller.as_deref(), a.gpus, a.connect_timeout), (Some("10.0.0.1:7070"), Some(8), Some(30.0)));
         assert_eq!(a.secret_file.as_deref(), Some(std::path::Path::new("/etc/lazarus/job.secret")));
     }

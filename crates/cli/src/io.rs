@@ -10,15 +10,6 @@ use anyhow::{bail, Context, Result};
 /// Largest JSON input (plans, loads, routing and load traces) read from a file.
 pub const MAX_JSON_BYTES: u64 = 64 << 20;
 
-/// The `[name]` table of the `--config` file at `path`, as `T` (None: the file has none). A
-/// deployment's one file holds a table per command; each reads its own.
-pub fn config_table<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> Result<Option<T>> {
-    let text = read_text("config", path, 1 << 20)?;
-    let mut file: toml::Table = toml::from_str(&text).with_context(|| format!("invalid --config {}", path.display()))?;
-    let Some(table) = file.remove(name) else { return Ok(None) };
-    table.try_into().map(Some).with_context(|| format!("invalid --config {}: in its [{name}] table", path.display()))
-}
-
 /// The one size check of everything that allocates a model or a layer (`train`, `bench train`,
 /// `bench moe-layer`): refuse `need` bytes beyond the memory this process may use — the
 /// machine's, or less where `ulimit -v` or a cgroup (a container, a Slurm job) sets a limit —

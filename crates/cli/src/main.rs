@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod config_flags;
 mod controller_bench;
 mod evaluate;
 mod export;
@@ -127,7 +128,18 @@ fn main() -> ExitCode {
     tune_allocator();
     init_logging();
     // The training flags' defaults shown in --help (they are options, read from one place).
-    let matches = train::args::show_defaults(<Cli as clap::CommandFactory>::command()).get_matches();
+    let command = train::args::show_defaults(<Cli as clap::CommandFactory>::command())
+        // A `--config` table's flags come first; the command line's own override them.
+        .mut_subcommand("controller", |c| c.args_override_self(true))
+        .mut_subcommand("agent", |c| c.args_override_self(true));
+    let argv = match config_flags::with_config_tables(&command, std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let matches = command.get_matches_from(argv);
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let printing_only = match &cli.command {
         Command::Plan(_)

@@ -40,11 +40,4 @@ impl TlsArgs {
             ca_pem: read("tls-ca", &self.tls_ca)?,
         })
     }
-
-    /// These flags where given, else the `--config` table's.
-    pub fn or(&mut self, cert: Option<PathBuf>, key: Option<PathBuf>, ca: Option<PathBuf>) {
-        self.tls_cert = self.tls_cert.take().or(cert);
-        self.tls_key = self.tls_key.take().or(key);
-        self.tls_ca = self.tls_ca.take().or(ca);
-    }
 }

@@ -48,104 +48,11 @@ pub struct ControllerArgs {
     pub train: TrainArgs,
 }
 
-/// The `[controller]` table of a `--config` file: the controller's own settings and the job's
-/// workers, as its flags name them (`max_workers` for `--max-workers`, …).
-#[derive(serde::Deserialize, Debug, Default)]
-#[serde(deny_unknown_fields)]
-struct ControllerTable {
-    listen: Option<String>,
-    secret_file: Option<PathBuf>,
-    wait_agents: Option<f64>,
-    max_workers: Option<usize>,
-    join_wait: Option<f64>,
-    workers: Option<usize>,
-    gpus_per_node: Option<usize>,
-    lease: Option<f64>,
-    heartbeat: Option<f64>,
-    comm_timeout: Option<f64>,
-    rebalance_every: Option<u64>,
-    metrics_listen: Option<SocketAddr>,
-    metrics_token_file: Option<PathBuf>,
-    device: Option<String>,
-    encrypt_data: Option<bool>,
-    json_log: Option<PathBuf>,
-    quiet: Option<bool>,
-    resume: Option<bool>,
-    resume_if_any: Option<bool>,
-    overwrite_checkpoints: Option<bool>,
-    placement_file: Option<PathBuf>,
-    slots_per_worker: Option<usize>,
-    max_imbalance: Option<f64>,
-    profile_steps: Option<usize>,
-    static_ep: Option<bool>,
-    deterministic: Option<bool>,
-    shard_sequences: Option<usize>,
-    recovery: Option<bool>,
-    snapshot_bandwidth: Option<f64>,
-    snapshot_ceiling: Option<f64>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    tls_ca: Option<PathBuf>,
-    resume_job: Option<bool>,
-}
-
-/// `args` with what its `--config` file's `[controller]` table says where no flag did.
+/// `args` (the `[controller]` table of `--config` already among them: `config_flags`), with the
+/// training settings told that the file's `[controller]` table is this command's.
 fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
     let mut a = args.clone();
     a.train.model.config_tables = &["controller"];
-    let Some(path) = &args.train.model.config else { return Ok(a) };
-    let Some(t) = crate::io::config_table::<ControllerTable>(path, "controller")? else { return Ok(a) };
-    fn or<T>(flag: &mut Option<T>, file: Option<T>) {
-        if flag.is_none() {
-            *flag = file;
-        }
-    }
-    or(&mut a.listen, t.listen);
-    or(&mut a.secret_file, t.secret_file);
-    or(&mut a.wait_agents, t.wait_agents);
-    or(&mut a.max_workers, t.max_workers);
-    or(&mut a.join_wait, t.join_wait);
-    or(&mut a.train.workers, t.workers);
-    or(&mut a.train.gpus_per_node, t.gpus_per_node);
-    or(&mut a.train.lease, t.lease);
-    or(&mut a.train.heartbeat, t.heartbeat);
-    or(&mut a.train.comm_timeout, t.comm_timeout);
-    or(&mut a.train.rebalance_every, t.rebalance_every);
-    or(&mut a.train.metrics_listen, t.metrics_listen);
-    or(&mut a.train.metrics_token_file, t.metrics_token_file);
-    or(&mut a.train.model.device, t.device);
-    or(&mut a.train.json_log, t.json_log);
-    or(&mut a.train.placement_file, t.placement_file);
-    or(&mut a.train.slots_per_worker, t.slots_per_worker);
-    or(&mut a.train.max_imbalance, t.max_imbalance);
-    or(&mut a.train.profile_steps, t.profile_steps);
-    or(&mut a.train.recovery, t.recovery);
-    or(&mut a.train.shard_sequences, t.shard_sequences);
-    // A switch given on the command line stays on; the file can turn it on too.
-    for (flag, file) in [
-        (&mut a.train.encrypt_data, t.encrypt_data),
-        (&mut a.train.quiet, t.quiet),
-        (&mut a.train.resume, t.resume),
-        (&mut a.train.resume_if_any, t.resume_if_any),
-        (&mut a.train.overwrite_checkpoints, t.overwrite_checkpoints),
-        (&mut a.train.static_ep, t.static_ep),
-        (&mut a.train.deterministic, t.deterministic),
-    ] {
-        *flag |= file.unwrap_or(false);
-    }
-    // The paced default's ceiling and a fixed budget are one setting: a flag replaces the file's.
-    if a.train.snapshot_bandwidth.is_none() && a.train.snapshot_ceiling.is_none() {
-        (a.train.snapshot_bandwidth, a.train.snapshot_ceiling) = (t.snapshot_bandwidth, t.snapshot_ceiling);
-    }
-    a.tls.or(t.tls_cert, t.tls_key, t.tls_ca);
-    a.resume_job |= t.resume_job.unwrap_or(false);
-    let one_of = |pairs: [(&str, bool); 2]| match pairs {
-        [(x, true), (y, true)] => bail!("invalid --config {}: {x} and {y} together (give one)", path.display()),
-        _ => Ok(()),
-    };
-    one_of([("resume", a.train.resume), ("resume_if_any", a.train.resume_if_any)])?;
-    one_of([("resume_if_any", a.train.resume_if_any), ("overwrite_checkpoints", a.train.overwrite_checkpoints)])?;
-    one_of([("snapshot_bandwidth", a.train.snapshot_bandwidth.is_some()), ("snapshot_ceiling", a.train.snapshot_ceiling.is_some())])?;
     Ok(a)
 }
 
@@ -290,60 +197,60 @@ mod tests {
         args: ControllerArgs,
     }
 
-    fn parse(argv: &[&str]) -> ControllerArgs {
-        Cli::try_parse_from(std::iter::once("controller").chain(argv.iter().copied())).unwrap().args
+    /// The arguments of `lazarus controller ARGV` as main parses them: the `[controller]` table
+    /// of `--config` first, the command line's own over it.
+    fn try_parse(argv: &[&str]) -> Result<ControllerArgs, String> {
+        use clap::{CommandFactory, FromArgMatches};
+        let cmd = Cli::command().args_override_self(true);
+        let args: Vec<std::ffi::OsString> = argv.iter().map(std::ffi::OsString::from).collect();
+        let flags = crate::config_flags::table_flags(&cmd, "controller", &args).map_err(|e| format!("{e:#}"))?;
+        let all = std::iter::once("controller".into()).chain(flags).chain(args);
+        let matches = cmd.try_get_matches_from(all).map_err(|e| e.to_string())?;
+        Ok(Cli::from_arg_matches(&matches).map_err(|e| e.to_string())?.args)
     }
 
-    /// Every flag of `lazarus controller` has its name in the file: the model's at the top (the
-    /// training settings), the run's and the workers' and the controller's own in `[controller]`.
-    #[test]
-    fn every_controller_flag_has_a_place_in_the_config_file() {
-        use clap::CommandFactory;
-        #[derive(Parser)]
-        struct Model {
-            #[command(flatten)]
-            args: crate::train::args::ModelArgs,
-        }
-        let longs = |c: clap::Command| c.get_arguments().filter_map(|a| a.get_long().map(String::from)).collect::<Vec<_>>();
-        let model = longs(Model::command());
-        // Refused by the controller (its local agents' replays, its status at --listen; the
-        // evaluation during training, single-process so far), the file itself, and the
-        // training settings at the file's top.
-        let elsewhere = [
-            "replay",
-            "replay-scale",
-            "replay-notice",
-            "status-listen",
-            "eval-data",
-            "eval-data-format",
-            "eval-every",
-            "eval-windows",
-            "config",
-            "steps",
-            "checkpoint-dir",
-            "checkpoint-every",
-            "keep-checkpoints",
-            "init-from",
-        ];
-        let mut checked = 0;
-        for flag in longs(Cli::command()) {
-            if model.contains(&flag) || elsewhere.contains(&flag.as_str()) {
-                continue;
-            }
-            let key = flag.replace('-', "_");
-            let e = toml::from_str::<ControllerTable>(&format!("{key} = 0")).err().map(|e| e.to_string()).unwrap_or_default();
-            assert!(!e.contains("unknown field"), "--{flag} has no `{key}` in [controller]: {e}");
-            checked += 1;
-        }
-        assert!(checked >= 25, "{checked} flags");
-        // Settings that exclude each other are refused from the file as from the flags.
-        let d = std::env::temp_dir().join(format!("lazarus-config-both-{}", std::process::id()));
+    fn parse(argv: &[&str]) -> ControllerArgs {
+        try_parse(argv).unwrap()
+    }
+
+    /// A file of `text` in a fresh directory, and the directory.
+    fn config_file(name: &str, text: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let d = std::env::temp_dir().join(format!("lazarus-config-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         let path = d.join("c.toml");
-        std::fs::write(&path, "[controller]\nresume = true\nresume_if_any = true\n").unwrap();
-        let e = format!("{:#}", with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap_err());
-        assert!(e.contains("resume and resume_if_any together"), "{e}");
+        std::fs::write(&path, text).unwrap();
+        (path, d)
+    }
+
+    /// Switches, options and settings that exclude each other, from the file as from flags.
+    #[test]
+    fn a_controller_table_is_the_controllers_flags() {
+        let (path, d) = config_file(
+            "flags",
+            "[controller]\nlisten = \"127.0.0.1:0\"\nworkers = 4\nlease = 2.5\nencrypt_data = true\ndeterministic = false\nrecovery = false\nsnapshot_bandwidth = 1e6\n",
+        );
+        let p = path.to_str().unwrap();
+        let a = parse(&["--config", p]);
+        assert_eq!((a.listen.as_deref(), a.train.workers, a.train.lease), (Some("127.0.0.1:0"), Some(4), Some(2.5)));
+        assert!(a.train.encrypt_data && !a.train.deterministic && a.train.recovery == Some(false));
+        assert_eq!(a.train.snapshot_bandwidth, Some(1e6));
+        // A switch the file leaves off stays as the command line says; a flag given wins.
+        let a = parse(&["--config", p, "--deterministic", "--workers", "8", "--snapshot-ceiling", "5e5"]);
+        assert!(a.train.deterministic);
+        assert_eq!(a.train.workers, Some(8));
+        // The paced default's ceiling and a fixed budget are one setting: the flag replaces the file's.
+        assert_eq!((a.train.snapshot_bandwidth, a.train.snapshot_ceiling), (None, Some(5e5)));
+        // Settings that exclude each other are refused from the file as from the flags.
+        let (both, _) = config_file("both", "[controller]\nresume = true\nresume_if_any = true\n");
+        let e = try_parse(&["--config", both.to_str().unwrap()]).unwrap_err();
+        assert!(e.contains("--resume") && e.contains("cannot be used with"), "{e}");
+        // A switch given a word, an option given a table: refused naming the key.
+        let (bad, _) = config_file("bad", "[controller]\nencrypt_data = \"yes\"\n");
+        let e = try_parse(&["--config", bad.to_str().unwrap()]).unwrap_err();
+        assert!(e.contains("[controller] encrypt_data") && e.contains("true or false"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
+        let _ = std::fs::remove_dir_all(both.parent().unwrap());
+        let _ = std::fs::remove_dir_all(bad.parent().unwrap());
     }
 
     fn deploy_file() -> std::path::PathBuf {
@@ -369,8 +276,8 @@ mod tests {
         std::fs::create_dir_all(&d).unwrap();
         let path = d.join("c.toml");
         std::fs::write(&path, "[controller]\nlisten = \"127.0.0.1:0\"\nmax_worker = 3\n").unwrap();
-        let e = format!("{:#}", with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap_err());
-        assert!(e.contains("[controller]") && e.contains("max_worker"), "{e}");
+        let e = try_parse(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(e.contains("[controller] has no setting `max_worker`"), "{e}");
         // `lazarus train` has no use for the table: refused, not ignored.
         let mut train = TrainArgs::default();
         train.model.config = Some(path.clone());
