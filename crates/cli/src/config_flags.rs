@@ -24,6 +24,10 @@ const ONE_SETTING: [&[&str]; 1] = [&["snapshot-bandwidth", "snapshot-ceiling"]];
 pub fn with_config_tables(cli: &clap::Command, argv: Vec<OsString>) -> Result<Vec<OsString>> {
     let Some(name) = argv.get(1).and_then(|s| s.to_str()).filter(|s| TABLES.contains(s)) else { return Ok(argv) };
     let Some(command) = cli.find_subcommand(name) else { return Ok(argv) };
+    // Help needs no file (a unit's command line is checked by asking for it).
+    if argv[2..].iter().any(|a| a == "--help" || a == "-h") {
+        return Ok(argv);
+    }
     let flags = table_flags(command, name, &argv[2..])?;
     let mut out = argv[..2].to_vec();
     out.extend(flags);
