@@ -14,6 +14,7 @@ mod collectives;
 pub mod cpu_time;
 mod error;
 pub mod exact;
+pub mod pinned;
 pub mod tags;
 mod tcp;
 

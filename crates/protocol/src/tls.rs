@@ -17,18 +17,17 @@
 //! The secret itself never crosses the network either way: agents and workers prove it by
 //! challenge-response (`lazarus_comm::auth`), inside the encrypted channel.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, SignatureScheme};
+use lazarus_comm::pinned::PinnedKey;
+use rustls::pki_types::CertificateDer;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::error::ControlError;
 
 /// An Ed25519 public key the controller's handshake must be signed with.
-pub type Pin = [u8; 32];
+pub use lazarus_comm::pinned::Pin;
 
 /// The name in the certificate a controller makes for itself (clients pinning its key do not
 /// check names: the key is the identity).
@@ -63,24 +62,12 @@ pub enum ClientTls {
     Ca { ca_pem: Vec<u8>, identity: Option<(Vec<u8>, Vec<u8>)> },
 }
 
-/// The seed of the controller's Ed25519 key for a job of `secret`.
-fn seed(secret: u128) -> [u8; 32] {
-    lazarus_comm::auth::prove(secret, b"lazarus controller tls key", &[], &[])
-}
-
-/// The controller's key as PKCS#8 (v1) DER: the fixed Ed25519 header, then the seed.
-fn key_pkcs8(secret: u128) -> Vec<u8> {
-    const ED25519_PKCS8_V1: [u8; 16] = [0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
-    let mut der = ED25519_PKCS8_V1.to_vec();
-    der.extend_from_slice(&seed(secret));
-    der
-}
+/// The context of the controller's key: one apart from the ranks'.
+const KEY_CONTEXT: &[u8] = b"lazarus controller tls key";
 
 /// The public key a controller of a job of `secret` signs its handshakes with.
 pub fn pin(secret: u128) -> Pin {
-    use ring::signature::KeyPair;
-    let pair = ring::signature::Ed25519KeyPair::from_seed_unchecked(&seed(secret)).expect("any 32 bytes are an Ed25519 seed");
-    pair.public_key().as_ref().try_into().expect("an Ed25519 public key is 32 bytes")
+    lazarus_comm::pinned::pin(secret, KEY_CONTEXT)
 }
 
 /// A pin as 64 hex digits (in the status token a controller prints).
@@ -107,22 +94,18 @@ impl ServerTls {
     /// that sends a byte and stops is dropped, not held.
     pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, ControlError> {
         use rustls::pki_types::pem::PemObject;
-        use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+        use rustls::pki_types::PrivateKeyDer;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| ControlError::Launch(format!("TLS: {e}")))?;
         let mut config = match self {
             ServerTls::FromSecret(secret) => {
-                let der = PrivatePkcs8KeyDer::from(key_pkcs8(*secret));
-                let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
-                    .map_err(|e| ControlError::Launch(format!("making the controller's TLS key: {e}")))?;
-                let cert = rcgen::CertificateParams::new(vec![SELF_SIGNED_NAME.to_string()])
-                    .and_then(|p| p.self_signed(&key))
-                    .map_err(|e| ControlError::Launch(format!("making the controller's certificate: {e}")))?;
+                let (cert, key) = lazarus_comm::pinned::self_signed(*secret, KEY_CONTEXT, SELF_SIGNED_NAME)
+                    .map_err(|e| ControlError::Launch(format!("the controller's certificate: {e}")))?;
                 builder
                     .with_no_client_auth()
-                    .with_single_cert(vec![cert.der().clone()], PrivateKeyDer::Pkcs8(der))
+                    .with_single_cert(vec![cert], key)
                     .map_err(|e| ControlError::Launch(format!("the controller's certificate: {e}")))?
             }
             ServerTls::Given { cert_pem, key_pem, client_ca_pem } => {
@@ -213,7 +196,10 @@ impl ClientTls {
         let config = ClientTlsConfig::new().assume_http2(true);
         match self {
             ClientTls::Pinned(key) => endpoint
-                .tls_config_with_verifier(config.domain_name(SELF_SIGNED_NAME), Arc::new(PinnedKey { key: *key, refused }))
+                .tls_config_with_verifier(
+                    config.domain_name(SELF_SIGNED_NAME),
+                    Arc::new(PinnedKey::new(*key, "the controller", Some(refused))),
+                )
                 .map_err(|e| ControlError::Launch(format!("TLS to the controller: {e}"))),
             ClientTls::Ca { ca_pem, identity } => {
                 check_certificates("--tls-ca", ca_pem)?;
@@ -248,63 +234,6 @@ fn check_key(flag: &'static str, pem: &[u8]) -> Result<(), ControlError> {
         .map_err(|e| ControlError::invalid(flag, format!("no private key in it (expected PEM: -----BEGIN PRIVATE KEY-----; {e})")))
 }
 
-/// Trust in a controller that signs the handshake with one known key (the certificate is the
-/// controller's own making and says nothing more).
-#[derive(Debug)]
-struct PinnedKey {
-    key: Pin,
-    refused: Arc<AtomicBool>,
-}
-
-impl PinnedKey {
-    fn check(&self, message: &[u8], dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let key = ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, &self.key);
-        if dss.scheme == SignatureScheme::ED25519 && key.verify(message, dss.signature()).is_ok() {
-            return Ok(HandshakeSignatureValid::assertion());
-        }
-        self.refused.store(true, Ordering::Relaxed);
-        Err(rustls::Error::General("the controller does not hold the key the job's secret gives".into()))
-    }
-}
-
-impl ServerCertVerifier for PinnedKey {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        // The identity is the key that signs the handshake (checked below), not the certificate.
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        // Every scheme, so that a server of another key type gets as far as signing and is
-        // told apart (refused) rather than failing the handshake without a word.
-        rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,7 +248,7 @@ mod tests {
         assert_eq!(parse_pin(&"zz".repeat(32)), None);
         assert_eq!(parse_pin(&format!("+{}", &pin_hex(&a)[1..])), None, "hex digits only");
         // The certificate made from the secret carries the pinned key.
-        let der = rustls::pki_types::PrivatePkcs8KeyDer::from(key_pkcs8(0x5eed));
+        let der = lazarus_comm::pinned::key_pkcs8(0x5eed, KEY_CONTEXT);
         let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519).unwrap();
         assert_eq!(rcgen::PublicKeyData::der_bytes(&key), &a[..]);
     }

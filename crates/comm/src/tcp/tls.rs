@@ -14,12 +14,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
-use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::{ConnectionTrafficSecrets, DigitallySignedStruct, DistinguishedName, SignatureScheme};
+use rustls::pki_types::ServerName;
+use rustls::ConnectionTrafficSecrets;
 
 use super::seal::{self, Opener, Sealer, RECORD_HEADER};
+use crate::pinned::{self, PinnedKey};
 
 /// The name in the certificate a rank makes for itself (the key is the identity).
 const NAME: &str = "lazarus-rank";
@@ -32,23 +31,14 @@ pub(super) struct DataTls {
     server: Arc<rustls::ServerConfig>,
 }
 
-/// The seed of the ranks' Ed25519 key for a job of `secret`.
-fn seed(secret: u128) -> [u8; 32] {
-    crate::auth::prove(secret, b"lazarus data plane tls key", &[], &[])
-}
+/// The context of the ranks' key: one apart from the controller's.
+const KEY_CONTEXT: &[u8] = b"lazarus data plane tls key";
 
 impl DataTls {
     pub(super) fn new(secret: u128) -> Result<Self, String> {
-        const ED25519_PKCS8_V1: [u8; 16] = [0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
-        let mut der = ED25519_PKCS8_V1.to_vec();
-        der.extend_from_slice(&seed(secret));
-        let der = PrivatePkcs8KeyDer::from(der);
-        let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519).map_err(|e| format!("the TLS key: {e}"))?;
-        let cert = rcgen::CertificateParams::new(vec![NAME.to_string()])
-            .and_then(|p| p.self_signed(&key))
-            .map_err(|e| format!("the TLS certificate: {e}"))?;
-        let chain = vec![cert.der().clone()];
-        let pinned = Arc::new(Pinned(pin(secret)));
+        let (cert, key) = pinned::self_signed(secret, KEY_CONTEXT, NAME)?;
+        let chain = vec![cert];
+        let pinned = Arc::new(PinnedKey::new(pinned::pin(secret, KEY_CONTEXT), "the peer", None));
         let mut provider = rustls::crypto::ring::default_provider();
         provider.cipher_suites = vec![rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384];
         let provider = Arc::new(provider);
@@ -58,14 +48,14 @@ impl DataTls {
             .map_err(tls)?
             .dangerous()
             .with_custom_certificate_verifier(pinned.clone())
-            .with_client_auth_cert(chain.clone(), PrivateKeyDer::Pkcs8(der.clone_key()))
+            .with_client_auth_cert(chain.clone(), key.clone_key())
             .map_err(tls)?;
         client.enable_secret_extraction = true;
         let mut server = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls)?
             .with_client_cert_verifier(pinned)
-            .with_single_cert(chain, PrivateKeyDer::Pkcs8(der))
+            .with_single_cert(chain, key)
             .map_err(tls)?;
         server.enable_secret_extraction = true;
         // No session tickets: they would be records of the server's direction before the data.
@@ -85,13 +75,6 @@ impl DataTls {
         let conn = rustls::ServerConnection::new(self.server.clone()).map_err(|e| format!("TLS: {e}"))?;
         handshake(rustls::Connection::Server(conn), stream, deadline)
     }
-}
-
-/// The public key of the ranks of a job of `secret`.
-fn pin(secret: u128) -> [u8; 32] {
-    use ring::signature::KeyPair;
-    let pair = ring::signature::Ed25519KeyPair::from_seed_unchecked(&seed(secret)).expect("any 32 bytes are an Ed25519 seed");
-    pair.public_key().as_ref().try_into().expect("an Ed25519 public key is 32 bytes")
 }
 
 /// Run `conn`'s handshake over `stream`, one whole record read at a time, then take its
@@ -162,94 +145,6 @@ pub(super) fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: In
         }
     }
     Ok(())
-}
-
-/// Trust in a peer that signs the handshake with the job's key (its certificate is its own
-/// making and says nothing more).
-#[derive(Debug)]
-struct Pinned([u8; 32]);
-
-impl Pinned {
-    fn check(&self, message: &[u8], dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let key = ring::signature::UnparsedPublicKey::new(&ring::signature::ED25519, &self.0);
-        if dss.scheme == SignatureScheme::ED25519 && key.verify(message, dss.signature()).is_ok() {
-            return Ok(HandshakeSignatureValid::assertion());
-        }
-        Err(rustls::Error::General("the peer does not hold the key the job's secret gives".into()))
-    }
-}
-
-impl ServerCertVerifier for Pinned {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        // The identity is the key that signs the handshake (checked below), not the certificate.
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.3 only".into()))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        vec![SignatureScheme::ED25519]
-    }
-}
-
-impl ClientCertVerifier for Pinned {
-    fn root_hint_subjects(&self) -> &[DistinguishedName] {
-        &[]
-    }
-
-    fn verify_client_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _now: UnixTime,
-    ) -> Result<ClientCertVerified, rustls::Error> {
-        Ok(ClientCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        _message: &[u8],
-        _cert: &CertificateDer<'_>,
-        _dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("TLS 1.3 only".into()))
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        vec![SignatureScheme::ED25519]
-    }
 }
 
 #[cfg(test)]
