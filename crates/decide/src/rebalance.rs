@@ -66,11 +66,11 @@ impl LoadMonitor {
     }
 
     /// `steps` steps of the current plan took `seconds` and routed `loads` (tokens per expert
-    /// per layer; a report of another shape adds nothing, a step time that cannot be true is
-    /// not counted).
-    pub(crate) fn record(&mut self, loads: &[Vec<u64>], steps: u64, seconds: f64) {
+    /// per layer; a report of another number of layers adds nothing, a step time that cannot be
+    /// true is not counted). Whether the report was of this plan's shape.
+    pub(crate) fn record(&mut self, loads: &[Vec<u64>], steps: u64, seconds: f64) -> bool {
         if loads.len() != self.loads.len() {
-            return;
+            return false;
         }
         for (acc, l) in self.loads.iter_mut().zip(loads) {
             if l.len() == acc.len() {
@@ -81,6 +81,7 @@ impl LoadMonitor {
             self.steps_since_plan = self.steps_since_plan.saturating_add(steps);
             self.step_seconds += seconds;
         }
+        true
     }
 
     /// A move was measured: its cost per byte and its fixed part become the next one's estimate
@@ -278,11 +279,8 @@ impl<S: StepRecord> Controller<S> {
     /// A step finished: the load monitor takes its expert loads (of the current epoch only),
     /// and a move's measured cost becomes the estimate of the next.
     pub(super) fn step_done(&mut self, epoch: u64, step: u64, steps: u64, loads: &[Vec<u64>], seconds: f64, moved: Option<MoveCost>) {
-        if epoch == self.epoch {
-            self.monitor.record(loads, steps, seconds);
-            if loads.len() == self.monitor.loads.len() {
-                self.last_step = self.last_step.max(step);
-            }
+        if epoch == self.epoch && self.monitor.record(loads, steps, seconds) {
+            self.last_step = self.last_step.max(step);
         }
         if let Some(m) = moved {
             self.monitor.learn(m);

@@ -6,7 +6,7 @@
 //!   node agents (and `lazarus status`);
 //! * [`pieces`] — long messages to an agent, sent in pieces;
 //! * [`relay`] — what agents relay between the controller and workers, typed, and checked once;
-//! * [`handshake`] — what each side of an agent's session proves with the job's secret;
+//! * [`handshake`] — what each side of an agent's attach proves with the job's secret;
 //! * [`tls`] — TLS on the control channel: a certificate the job's secret pins, or the operator's;
 //! * [`rpc`] — the gRPC runtime and error text every side shares;
 //! * [`stop_signal`] — SIGTERM and SIGINT end a run at a step boundary;

@@ -21,8 +21,8 @@
 //!   workers finish the step in flight and hand over what only they hold — and the workers leave;
 //!   the agent exits once they have (or after [`DRAIN_WITHIN`], or at a second SIGTERM).
 
+pub(crate) mod attach;
 mod serve;
-pub(crate) mod session;
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -32,12 +32,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::launcher::{start_processes_reporting, Confinement, Job};
+use attach::{Identity, Session, SessionError};
 use lazarus_protocol::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use lazarus_protocol::tls::ClientTls;
 use lazarus_protocol::ControlError;
 use lazarus_protocol::MAX_WORKERS_PER_HOST;
 use lazarus_protocol::{inflate_message, secret_hex, LauncherMessage, WorkerEvent};
-use session::{Identity, Session, SessionError};
 
 /// How an agent is started.
 #[derive(Debug, Clone)]
@@ -196,17 +196,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     };
     let runtime = lazarus_protocol::rpc::runtime(1, "lazarus-agent")?;
     // Until --connect-timeout: a controller lost while this agent attaches is tried again.
-    let first = runtime.block_on(async {
-        let until = Instant::now() + opts.connect_within;
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            match session::open(&me, left.max(Duration::from_millis(1)), None).await {
-                Err(SessionError::Unreachable(e)) if Instant::now() + Duration::from_millis(100) >= until => return Err(e),
-                Err(SessionError::Unreachable(_)) => tokio::time::sleep(Duration::from_millis(100)).await,
-                other => return other.map_err(SessionError::into_error),
-            }
-        }
-    })?;
+    let first = runtime.block_on(attach::open_retrying(&me, opts.connect_within, Duration::from_millis(100)))?;
     tracing::info!(
         "agent {}: attached to job {} at {controller} with {} workers listening on {host}",
         first.welcome.agent,
@@ -468,7 +458,7 @@ impl Node {
                 if left.is_zero() {
                     return;
                 }
-                match session::open(&me, left.min(Duration::from_secs(5)), claim.clone().map(|c| (c, since))).await {
+                match attach::open(&me, left.min(Duration::from_secs(5)), claim.clone().map(|c| (c, since))).await {
                     Ok(s) => {
                         let _ = tx.send(Inbound::Reattached(round, Box::new(s)));
                         return;
@@ -671,18 +661,10 @@ impl Node {
     }
 }
 
-/// The line a worker reads for a message from the controller: decompressed, decoded and
-/// checked (`lazarus_protocol::relay::orders`), then written as the launcher protocol's JSON.
+/// The line a worker reads for a message from the controller: checked
+/// (`lazarus_protocol::relay::orders`), then written as the launcher protocol's JSON.
 fn worker_line(input: &proto::WorkerInput) -> Result<String, String> {
-    let inflated;
-    let bytes: &[u8] = match input.deflated {
-        true => {
-            inflated = lazarus_protocol::inflate_bytes(&input.message)?;
-            &inflated
-        }
-        false => &input.message,
-    };
-    let message = lazarus_protocol::relay::orders::decode(bytes).map_err(|e| e.to_string())?;
+    let message = lazarus_protocol::relay::orders::decode_input(input).map_err(|e| e.to_string())?;
     serde_json::to_string(&message).map_err(|e| e.to_string())
 }
 

@@ -24,7 +24,7 @@ use lazarus_plan::{PlanUpdate, ReplicaMap};
 use serde::Deserialize;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::agent::session::{self, Identity, Session};
+use crate::agent::attach::{self, Identity, Session};
 use lazarus_protocol::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use lazarus_protocol::tls::ClientTls;
 use lazarus_protocol::ControlError;
@@ -170,15 +170,7 @@ impl Shared {
                 return Ok(message);
             }
         }
-        let inflated;
-        let bytes: &[u8] = match i.deflated {
-            true => {
-                inflated = lazarus_protocol::inflate_bytes(&i.message)?;
-                &inflated
-            }
-            false => &i.message,
-        };
-        let message = Arc::new(lazarus_protocol::relay::orders::decode(bytes).map_err(|e| e.to_string())?);
+        let message = Arc::new(lazarus_protocol::relay::orders::decode_input(i).map_err(|e| e.to_string())?);
         if long {
             *self.last_line.lock().unwrap_or_else(|e| e.into_inner()) = Some((i.message.clone(), message.clone()));
         }
@@ -409,19 +401,12 @@ async fn run_agent(index: usize, shared: Arc<Shared>, mut orders: UnboundedRecei
         secret: shared.opts.secret,
         tls: ClientTls::Pinned(lazarus_protocol::tls::pin(shared.opts.secret)),
     };
-    // Like a real agent: a session cut while attaching is tried again (a thousand fakes attach
-    // at once from one address, beyond the controller's 32 handshakes under way per address).
-    let until = Instant::now() + Duration::from_secs(120);
-    let Session { out, mut inbound, job_id, welcome } = loop {
-        let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        match session::open(&me, left, None).await {
-            Err(session::SessionError::Unreachable(_)) if Instant::now() + Duration::from_millis(100) < until => {
-                // Spread the retries, so that the fakes cut together do not come back together.
-                tokio::time::sleep(Duration::from_millis(50 + (index as u64 * 37) % 200)).await
-            }
-            other => break other.map_err(|e| e.into_error().to_string())?,
-        }
-    };
+    // Like a real agent: an attach cut is tried again (a thousand fakes attach at once from one
+    // address, beyond the controller's 32 handshakes under way per address), the fakes' tries
+    // spread so that those cut together do not come back together.
+    let pause = Duration::from_millis(50 + (index as u64 * 37) % 200);
+    let Session { out, mut inbound, job_id, welcome } =
+        attach::open_retrying(&me, Duration::from_secs(120), pause).await.map_err(|e| e.to_string())?;
     let heartbeat = Duration::from_secs_f64(welcome.heartbeat_s.clamp(0.01, 60.0));
     let mut agent = FakeAgent { index, shared: shared.clone(), out, job_id, slots: Vec::new() };
     let mut beat = tokio::time::interval(heartbeat);

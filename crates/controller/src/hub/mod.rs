@@ -109,6 +109,28 @@ struct Link {
     refused: u64,
 }
 
+impl Link {
+    /// An agent just admitted, heard now: its `gpus` workers, from `first_rank` if it re-attached.
+    fn admitted(
+        hello: &AgentHello,
+        gpus: usize,
+        tx: UnboundedSender<Result<ControllerMessage, Status>>,
+        first_rank: Option<usize>,
+    ) -> Self {
+        Link {
+            gpus,
+            host: hello.host.clone(),
+            peer: None,
+            pid: hello.pid,
+            tx,
+            last_heard: Instant::now(),
+            first_rank,
+            gone: None,
+            refused: 0,
+        }
+    }
+}
+
 #[derive(Default)]
 struct HubState {
     agents: BTreeMap<u64, Link>,
@@ -237,21 +259,7 @@ impl AgentHub {
         }
         let agent = st.next_agent;
         st.next_agent += 1;
-        let now = Instant::now();
-        st.agents.insert(
-            agent,
-            Link {
-                gpus,
-                host: hello.host.clone(),
-                peer: None,
-                pid: hello.pid,
-                tx,
-                last_heard: now,
-                first_rank: None,
-                gone: None,
-                refused: 0,
-            },
-        );
+        st.agents.insert(agent, Link::admitted(hello, gpus, tx, None));
         Ok(agent)
     }
 
@@ -305,21 +313,7 @@ impl AgentHub {
         }
         st.next_agent = st.next_agent.max(claim.agent + 1);
         st.longest_orphaned_ms = st.longest_orphaned_ms.max(claim.orphaned_ms);
-        let now = Instant::now();
-        st.agents.insert(
-            claim.agent,
-            Link {
-                gpus,
-                host: hello.host.clone(),
-                peer: None,
-                pid: hello.pid,
-                tx,
-                last_heard: now,
-                first_rank: Some(first),
-                gone: None,
-                refused: 0,
-            },
-        );
+        st.agents.insert(claim.agent, Link::admitted(hello, gpus, tx, Some(first)));
         tracing::info!(
             "agent {} at {} re-attached with workers {} after {:.1} s without a controller",
             claim.agent,

@@ -23,6 +23,14 @@ pub fn decode(bytes: &[u8]) -> Result<LauncherMessage, BadMessage> {
     from_proto(message)
 }
 
+/// The message a `WorkerInput` carries: decompressed if it came so, decoded and checked.
+pub fn decode_input(input: &proto::WorkerInput) -> Result<LauncherMessage, BadMessage> {
+    if !input.deflated {
+        return decode(&input.message);
+    }
+    decode(&crate::inflate_bytes(&input.message).map_err(|e| bad("message", e))?)
+}
+
 pub fn to_proto(message: &LauncherMessage) -> proto::LauncherMessage {
     let message = match message {
         LauncherMessage::Addrs { epoch, addrs } => lm::Message::Addrs(lm::Addrs { epoch: *epoch, addrs: addrs.clone() }),

@@ -1,7 +1,7 @@
-//! One session of an agent with its controller: connect (retrying until a deadline), the
-//! challenge, the hello that proves the job's secret, the welcome that proves it back. The
-//! first session of an agent and each re-attach after its controller was lost are opened the
-//! same way; a re-attach's hello carries the agent's place in the job ([`proto::Rejoin`]).
+//! An agent attaching to its controller: connect (retrying until a deadline), the challenge,
+//! the hello that proves the job's secret, the welcome that proves it back. The first attach of
+//! an agent and each re-attach after its controller was lost go the same way; a re-attach's
+//! hello carries the agent's place in the job ([`proto::Rejoin`]).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,6 +49,19 @@ impl SessionError {
     pub fn into_error(self) -> ControlError {
         match self {
             SessionError::Unreachable(e) | SessionError::Refused(e) => e,
+        }
+    }
+}
+
+/// [`open`] tried again while the controller is unreachable (none listening yet, or the attach
+/// cut among many under way from one address) until `within` has passed, `pause` between tries.
+pub(crate) async fn open_retrying(me: &Identity, within: Duration, pause: Duration) -> Result<Session, ControlError> {
+    let until = Instant::now() + within;
+    loop {
+        let left = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        match open(me, left, None).await {
+            Err(SessionError::Unreachable(_)) if Instant::now() + pause < until => tokio::time::sleep(pause).await,
+            other => return other.map_err(SessionError::into_error),
         }
     }
 }
