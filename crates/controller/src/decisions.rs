@@ -5,7 +5,7 @@
 /// Lists of ids as people read them (`0, 2, 4–9`).
 pub use lazarus_decide::words;
 pub use lazarus_decide::{
-    BadJobState, JobSpec, JobState, LayerCase, MemberState, Move, MoveCause, MoveCost, NodeId, OnLoss, RankTransfer, RebalanceCase,
+    BadJobState, JobSpec, JobState, LayerCase, MemberState, MoveCause, MoveCost, MoveDecision, NodeId, OnLoss, RankTransfer, RebalanceCase,
     RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, Weighed, Weighing,
 };
 

@@ -191,10 +191,10 @@ fn bench(c: &mut Criterion) {
     };
     // What each worker is sent of the move's plan: the map whole, or the change from the one
     // it has (the ranks renumbered, the experts whose holders changed).
-    let whole = serde_json::to_vec(&m.plan).map_or(0, |v| v.len());
+    let whole = serde_json::to_vec(&m.change.plan).map_or(0, |v| v.len());
     let old_map = job.plan().expect("a plan").replica_map();
     let renumber: Vec<Option<usize>> = job.ranks().iter().map(|w| m.ranks.iter().position(|x| x == w)).collect();
-    let change = old_map.change_to(&m.plan, renumber).expect("a change");
+    let change = old_map.change_to(&m.change.plan, renumber).expect("a change");
     let changed = serde_json::to_vec(&change).map_or(0, |v| v.len());
     eprintln!(
         "the move's replica map, as sent to each of its {} workers: {:.1} MB of JSON whole, {:.3} MB as the change from the map they have ({} experts changed)",
@@ -206,8 +206,8 @@ fn bench(c: &mut Criterion) {
     let replicas = (NODES - 1) * GPUS * SLOTS * LAYERS;
     eprintln!(
         "the move: {} expert states sent of {replicas} replicas ({:.2}%; the lost node held {})",
-        m.transfers.len(),
-        100.0 * m.transfers.len() as f64 / replicas as f64,
+        m.change.transfers.len(),
+        100.0 * m.change.transfers.len() as f64 / replicas as f64,
         GPUS * SLOTS * LAYERS
     );
     let everyone = all_reports(&job);
@@ -220,7 +220,7 @@ fn bench(c: &mut Criterion) {
     eprintln!(
         "a join of 64 nodes: {:.1} ms from the joins to the move, {} expert states sent (the joiners' slots: {})",
         t.elapsed().as_secs_f64() * 1e3,
-        m.transfers.len(),
+        m.change.transfers.len(),
         64 * GPUS * SLOTS * LAYERS
     );
     // What a worker is sent of a move: the replica map alone, as JSON (every rank needs all of

@@ -35,7 +35,7 @@ pub mod words;
 
 pub use membership::MemberState;
 pub use messages::{
-    Command, Event, Move, MoveCause, MoveCost, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReason, StopReport,
+    Command, Event, MoveCause, MoveCost, MoveDecision, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReason, StopReport,
 };
 pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict, Weighed, Weighing};
 pub use resume::{BadJobState, JobState};

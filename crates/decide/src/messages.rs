@@ -95,30 +95,23 @@ pub enum Event<S> {
     Tick,
 }
 
-/// The transfers and renumbering of a move to a new plan.
+/// A move to a new plan as the controller decides it: the move itself
+/// ([`lazarus_plan::Move`], the one shape it keeps down to each worker), the node worker of each
+/// rank, and what the controller keeps of it (where survivors commit, why, what snapshots
+/// restored).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Move {
-    pub epoch: u64,
-    /// The node of each rank of the new world.
+pub struct MoveDecision {
+    /// The worker of each rank of the new world.
     pub ranks: Vec<NodeId>,
-    /// Replicas of each expert on each rank.
-    pub plan: lazarus_plan::ReplicaMap,
+    #[serde(flatten)]
+    pub change: lazarus_plan::Move,
     /// Every survivor commits up to this step (one behind commits its held step; one at it drops
     /// what it holds).
     pub commit_to: u64,
-    pub transfers: Vec<RankTransfer>,
-    /// Ranks of the new world that join the job with it (they take the replicated state from
-    /// the others).
-    pub joining: Vec<usize>,
-    /// Ranks of the new world that only send what they alone hold, then leave (a drained node);
-    /// the plan gives them nothing.
-    pub leaving: Vec<usize>,
-    /// Train nothing after the move: the controller moves the job again at once (without the
-    /// leaving ranks).
-    pub hold: bool,
     /// Why the job moves.
     pub cause: MoveCause,
-    /// Experts restored from snapshots in this move (their live replicas all lost).
+    /// Experts restored from snapshots in this move (their live replicas all lost); the move's
+    /// `catch_up` lists those that lost tokens.
     pub restored: Vec<RestoredExpert>,
     /// Steps of every worker a rollback to the last checkpoint would have run again (what
     /// restoring from snapshots saved; 0 when nothing was restored).
@@ -176,10 +169,10 @@ pub enum Command<S> {
     /// tell), or another worker of its node was lost (None: it failed with that one).
     Kill { node: NodeId, reason: String, silent_since: Option<std::time::Instant> },
     /// Survivors move to a new plan without losing state.
-    Reconfigure(Move),
+    Reconfigure(MoveDecision),
     /// An expert lost every replica: every survivor reloads the checkpoint of step `to_step`
     /// (`None`: the job's initial state) under the move's plan, without transfers.
-    Rollback { to: Move, to_step: Option<u64> },
+    Rollback { to: MoveDecision, to_step: Option<u64> },
     /// Send the rendezvous addresses of `epoch`, in rank order, to its ranks.
     Addresses { epoch: u64, addrs: Vec<String> },
     /// A rank of `epoch` was lost during its rendezvous or move: tell the survivors (`nodes`)

@@ -5,9 +5,11 @@
 
 use std::collections::BTreeMap;
 
-use lazarus_plan::{plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, replan_model, ClusterShape, ModelPlan, NodeState};
+use lazarus_plan::{
+    plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, replan_model, ClusterShape, ModelPlan, Move, NodeState,
+};
 
-use super::{Command, Controller, Move, MoveCause, NodeId, Phase, RestoredExpert, StepRecord, StopReason, StopReport};
+use super::{Command, Controller, MoveCause, MoveDecision, NodeId, Phase, RestoredExpert, StepRecord, StopReason, StopReport};
 
 /// The job as recovery sees it: who survives, who comes in and who leaves, and where each
 /// stopped.
@@ -92,7 +94,7 @@ impl<S: StepRecord> Controller<S> {
                 if let Some(m) = self.move_with_every_state(&s, &new, order.as_deref(), restored) {
                     self.note_move(&m, s.nodes.len());
                     // A drain's hand-over (it holds after it) and its leaving are one move.
-                    self.reconfigurations += u64::from(!m.hold);
+                    self.reconfigurations += u64::from(!m.change.hold);
                     self.adopt(new, m.ranks.clone());
                     out.push(Command::Reconfigure(m));
                     return free_reports(s);
@@ -255,7 +257,7 @@ impl<S: StepRecord> Controller<S> {
         new: &ModelPlan,
         order: Option<&[u64]>,
         restored: Vec<RestoredExpert>,
-    ) -> Option<Move> {
+    ) -> Option<MoveDecision> {
         // What each node holds (its workers' experts), nodes on every core.
         let nodes: Vec<(u64, Vec<&[Vec<usize>]>)> =
             s.nodes.iter().map(|(&node, ws)| (node, ws.iter().map(|w| s.reports[w].holds.as_slice()).collect())).collect();
@@ -288,24 +290,19 @@ impl<S: StepRecord> Controller<S> {
         let leaving: Vec<usize> = (ranks.len() - s.leavers.len()..ranks.len()).collect();
         lazarus_plan::parallel::drop_elsewhere(live, nodes.len() > FREE_ELSEWHERE_FROM);
         let rollback_avoided = if restored.is_empty() { 0 } else { s.furthest - self.checkpoint.unwrap_or(0) };
-        Some(Move {
-            epoch: new.epoch(),
-            ranks,
-            plan: map,
-            commit_to: s.furthest,
-            transfers,
-            joining,
-            hold: !leaving.is_empty(),
-            leaving,
-            cause: s.cause,
-            restored,
-            rollback_avoided,
-        })
+        let catch_up = restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect();
+        let change = Move { catch_up, joining, hold: !leaving.is_empty(), leaving, ..Move::new(new.epoch(), map, transfers) };
+        Some(MoveDecision { ranks, change, commit_to: s.furthest, cause: s.cause, restored, rollback_avoided })
     }
 
-    fn note_move(&mut self, m: &Move, nodes: usize) {
-        let epoch = self.job_epoch(m.epoch);
-        self.note(format!("epoch {epoch}: {} to {nodes} nodes at step {}, {} expert transfers", m.cause, m.commit_to, m.transfers.len()));
+    fn note_move(&mut self, m: &MoveDecision, nodes: usize) {
+        let epoch = self.job_epoch(m.change.epoch);
+        self.note(format!(
+            "epoch {epoch}: {} to {nodes} nodes at step {}, {} expert transfers",
+            m.cause,
+            m.commit_to,
+            m.change.transfers.len()
+        ));
         for x in &m.restored {
             self.note(format!(
                 "epoch {epoch}: layer {} expert {} lost every replica: restored from its snapshot of step {} in worker {}'s memory ({} steps stale, {} tokens lost; a rollback would have re-run {} steps)",
@@ -321,22 +318,17 @@ impl<S: StepRecord> Controller<S> {
         let to_step = self.checkpoint;
         self.last_step = to_step.unwrap_or(0);
         let ranks: Vec<NodeId> = s.nodes.values().flatten().copied().collect();
-        let m = Move {
-            epoch: new.epoch(),
+        let m = MoveDecision {
             ranks: ranks.clone(),
-            plan: new.replica_map(),
+            change: Move::new(new.epoch(), new.replica_map(), Vec::new()),
             commit_to: s.furthest,
-            transfers: Vec::new(),
-            joining: Vec::new(),
-            leaving: Vec::new(),
-            hold: false,
             cause: MoveCause::Rollback,
             restored: Vec::new(),
             rollback_avoided: 0,
         };
         self.note(format!(
             "epoch {}: an expert lost every replica; roll back to {}",
-            self.job_epoch(m.epoch),
+            self.job_epoch(m.change.epoch),
             to_step.map_or("the start".into(), |s| format!("step {s}"))
         ));
         self.reconfigurations += 1;

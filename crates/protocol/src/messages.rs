@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use lazarus_comm::CommError;
 use lazarus_model::{StepReport, TrainConfig};
-use lazarus_plan::{PlanUpdate, ReplicaMap};
+use lazarus_plan::{Move, PlanUpdate, ReplicaMap};
 use lazarus_runtime::{Reconfiguration, RuntimeError};
 use serde::{Deserialize, Serialize};
 
@@ -241,7 +241,7 @@ impl LauncherMessage {
             | LauncherMessage::Pause { epoch }
             | LauncherMessage::Finish { epoch }
             | LauncherMessage::Transfers { epoch, .. } => Some(*epoch),
-            LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.epoch),
+            LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => Some(to.change.epoch),
             LauncherMessage::Stop { .. } => None,
         }
     }
@@ -254,22 +254,13 @@ impl LauncherMessage {
 /// its worker id and keeps the transfers it sends or receives ([`MoveOrder::for_worker`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoveOrder {
-    /// The new plan epoch.
-    pub epoch: u64,
     /// The worker (its id: the rank of its spec) of each rank of the new epoch.
     pub workers: Vec<u64>,
-    pub plan: PlanUpdate,
-    /// Transfers of the move listed with the order itself (the controller sends none here: each
-    /// node gets its own in a [`LauncherMessage::Transfers`] before the order).
-    pub transfers: Vec<lazarus_plan::RankTransfer>,
-    #[serde(default)]
-    pub catch_up: Vec<(usize, usize, u64)>,
-    #[serde(default)]
-    pub joining: Vec<usize>,
-    #[serde(default)]
-    pub leaving: Vec<usize>,
-    #[serde(default)]
-    pub hold: bool,
+    /// The move, its plan as it travels. Its transfers are those listed with the order itself
+    /// (the controller sends none here: each node gets its own in a
+    /// [`LauncherMessage::Transfers`] before the order).
+    #[serde(flatten)]
+    pub change: Move<PlanUpdate>,
 }
 
 /// A node's transfers of the next move ([`LauncherMessage::Transfers`]), kept by a worker until
@@ -291,8 +282,8 @@ impl TransfersAhead {
     /// `order` with the transfers kept for its move added; nothing is kept after it.
     pub fn complete(&mut self, mut order: MoveOrder) -> MoveOrder {
         let kept = std::mem::take(&mut self.transfers);
-        if order.epoch == self.epoch {
-            order.transfers.extend(kept);
+        if order.change.epoch == self.epoch {
+            order.change.transfers.extend(kept);
         }
         order
     }
@@ -302,25 +293,16 @@ impl MoveOrder {
     /// What worker `id` does in this move: its rank, its transfers (`Err`: it is not in the
     /// move, or the order is malformed, said in words).
     pub fn for_worker(self, id: u64) -> Result<Reconfiguration<PlanUpdate>, String> {
-        let world = self.workers.len();
+        let (world, epoch) = (self.workers.len(), self.change.epoch);
         let Some(rank) = self.workers.iter().position(|&w| w == id) else {
-            return Err(format!("worker {id} is not among the {world} workers of the move to epoch {}", self.epoch));
+            return Err(format!("worker {id} is not among the {world} workers of the move to epoch {epoch}"));
         };
-        let out_of_world = |r: &usize| *r >= world;
-        if self.joining.iter().chain(&self.leaving).any(out_of_world) || self.transfers.iter().any(|t| t.from >= world || t.to >= world) {
-            return Err(format!("the move to epoch {} names a rank beyond its {world} workers", self.epoch));
+        if let Some(r) = self.change.rank_beyond(world) {
+            return Err(format!("the move to epoch {epoch} names rank {r}, beyond its {world} workers"));
         }
-        Ok(Reconfiguration {
-            epoch: self.epoch,
-            rank,
-            world,
-            plan: self.plan,
-            transfers: self.transfers.into_iter().filter(|t| t.from == rank || t.to == rank).collect(),
-            catch_up: self.catch_up,
-            joining: self.joining,
-            leaving: self.leaving,
-            hold: self.hold,
-        })
+        let mut change = self.change;
+        change.transfers.retain(|t| t.from == rank || t.to == rank);
+        Ok(Reconfiguration { rank, world, change })
     }
 }
 
@@ -549,27 +531,27 @@ mod tests {
         let map = ReplicaMap::new(4, vec![vec![vec![1, 1, 0], vec![0, 1, 1]]]).unwrap();
         let t = |from, to| RankTransfer { layer: 0, expert: 1, from, to };
         let order = MoveOrder {
-            epoch: 4,
             workers: vec![7, 9, 4],
-            plan: PlanUpdate::Whole { map: std::sync::Arc::new(map) },
-            transfers: vec![t(1, 2), t(0, 1), t(2, 0)],
-            catch_up: vec![(0, 1, 30)],
-            joining: vec![2],
-            leaving: vec![],
-            hold: false,
+            change: Move {
+                catch_up: vec![(0, 1, 30)],
+                joining: vec![2],
+                ..Move::new(4, PlanUpdate::Whole { map: std::sync::Arc::new(map) }, vec![t(1, 2), t(0, 1), t(2, 0)])
+            },
         };
         let line = serde_json::to_string(&LauncherMessage::Reconfigure { commit_to: 5, to: order.clone() }).unwrap();
         let LauncherMessage::Reconfigure { to: back, .. } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
         assert_eq!(back, order);
         let nine = order.clone().for_worker(9).unwrap();
-        assert_eq!((nine.rank, nine.world, nine.epoch), (1, 3, 4));
-        assert_eq!(nine.transfers, vec![t(1, 2), t(0, 1)]);
-        assert_eq!((nine.joining, nine.catch_up), (vec![2], vec![(0, 1, 30)]));
-        assert_eq!(order.clone().for_worker(4).unwrap().transfers, vec![t(1, 2), t(2, 0)]);
+        assert_eq!((nine.rank, nine.world, nine.change.epoch), (1, 3, 4));
+        assert_eq!(nine.change.transfers, vec![t(1, 2), t(0, 1)]);
+        assert_eq!((nine.change.joining, nine.change.catch_up), (vec![2], vec![(0, 1, 30)]));
+        assert_eq!(order.clone().for_worker(4).unwrap().change.transfers, vec![t(1, 2), t(2, 0)]);
         assert!(order.clone().for_worker(8).unwrap_err().contains("worker 8 is not among the 3 workers"));
-        let beyond = MoveOrder { transfers: vec![t(0, 3)], ..order.clone() };
-        assert!(beyond.for_worker(7).unwrap_err().contains("beyond"));
-        let leaver = MoveOrder { leaving: vec![5], ..order };
+        let mut beyond = order.clone();
+        beyond.change.transfers = vec![t(0, 3)];
+        assert!(beyond.for_worker(7).unwrap_err().contains("names rank 3, beyond"));
+        let mut leaver = order;
+        leaver.change.leaving = vec![5];
         assert!(leaver.for_worker(7).is_err());
     }
 
@@ -584,20 +566,15 @@ mod tests {
         let transfers = vec![t(1, 1, 2), t(0, 0, 1), t(1, 5, 0), t(0, 3, 4), t(1, 2, 3), t(0, 4, 5)];
         let node_of_rank = [30, 30, 10, 10, 20, 20];
         let whole = MoveOrder {
-            epoch: 8,
             workers: vec![7, 9, 4, 3, 11, 12],
-            plan: PlanUpdate::Whole { map: std::sync::Arc::new(map) },
-            transfers: transfers.clone(),
-            catch_up: vec![],
-            joining: vec![],
-            leaving: vec![],
-            hold: false,
+            change: Move::new(8, PlanUpdate::Whole { map: std::sync::Arc::new(map) }, transfers.clone()),
         };
         let by_node = transfers_by_node(&transfers, &node_of_rank);
         assert_eq!(by_node.keys().copied().collect::<Vec<_>>(), vec![10, 20, 30]);
         assert_eq!(by_node[&10], vec![t(1, 1, 2), t(0, 3, 4), t(1, 2, 3)], "a transfer inside a node is listed once, in order");
         assert_eq!(by_node.values().map(Vec::len).sum::<usize>(), 9, "3 between nodes (twice), 3 within (once)");
-        let shared = MoveOrder { transfers: vec![], ..whole.clone() };
+        let mut shared = whole.clone();
+        shared.change.transfers.clear();
         for (rank, &id) in whole.workers.iter().enumerate() {
             let part = by_node[&node_of_rank[rank]].clone();
             let line = serde_json::to_string(&LauncherMessage::Transfers { epoch: 8, transfers: part }).unwrap();
@@ -609,7 +586,7 @@ mod tests {
             ahead.add(epoch, part[..half].to_vec());
             ahead.add(epoch, part[half..].to_vec());
             assert_eq!(ahead.complete(shared.clone()).for_worker(id).unwrap(), whole.clone().for_worker(id).unwrap(), "rank {rank}");
-            assert!(ahead.complete(shared.clone()).transfers.is_empty(), "nothing kept after its order");
+            assert!(ahead.complete(shared.clone()).change.transfers.is_empty(), "nothing kept after its order");
         }
         // A rank beyond the nodes named: its transfer goes to the node it names only.
         assert_eq!(transfers_by_node(&[t(0, 0, 9)], &node_of_rank), BTreeMap::from([(30, vec![t(0, 0, 9)])]));

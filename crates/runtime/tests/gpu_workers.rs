@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{RankTransfer, ReplicaMap};
+use lazarus_plan::{Move, RankTransfer, ReplicaMap};
 use lazarus_runtime::{DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const MOVES: u64 = 5;
@@ -65,15 +65,9 @@ fn two_workers_on_one_gpu_swap_their_experts_five_times_without_growing_its_memo
                 for (epoch, mut t) in mine.into_iter().enumerate() {
                     if epoch > 0 {
                         let r = Reconfiguration {
-                            epoch: epoch as u64,
                             rank,
                             world: 2,
-                            plan: plan(epoch as u64, epoch % 2),
-                            transfers: transfers(epoch),
-                            joining: vec![],
-                            leaving: vec![],
-                            hold: false,
-                            catch_up: vec![],
+                            change: Move::new(epoch as u64, plan(epoch as u64, epoch % 2), transfers(epoch)),
                         };
                         group = Group::world(2);
                         let moved = w.reconfigure(&r, &mut t as &mut dyn Transport, &mut group).unwrap();

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy, RankTransfer};
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, Move, NodeState, PlanPolicy, RankTransfer};
 use lazarus_runtime::{pause_signal, DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const STEPS: u64 = 8;
@@ -60,15 +60,9 @@ fn a_worker_joins_at_a_pause_and_every_rank_goes_on_with_the_same_mathematics() 
     let joiner = new_rank(2);
     assert!(transfers.iter().any(|t| t.to == joiner), "the joiner is given experts");
     let to = |node: u64| Reconfiguration {
-        epoch: 1,
         rank: new_rank(node),
         world: 3,
-        plan: new.replica_map(),
-        transfers: transfers.clone(),
-        joining: vec![joiner],
-        leaving: vec![],
-        hold: false,
-        catch_up: vec![],
+        change: Move { joining: vec![joiner], ..Move::new(1, new.replica_map(), transfers.clone()) },
     };
     let transports = TcpTransport::local_group(2, 0).unwrap();
     let mut fresh: Vec<Option<TcpTransport>> = TcpTransport::local_group(3, 1).unwrap().into_iter().map(Some).collect();

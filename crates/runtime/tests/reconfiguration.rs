@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
 use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, NodeState, PlanPolicy, RankTransfer};
+use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, Move, NodeState, PlanPolicy, RankTransfer};
 use lazarus_runtime::{DispatchMode, Reconfiguration, Worker, WorkerOptions};
 
 const STEPS: u64 = 8;
@@ -70,17 +70,7 @@ fn survivors_of_a_dead_worker_go_on_with_the_same_mathematics() {
                 device: candle_core::Device::Cpu,
             };
             let next = new_rank.iter().find(|(o, _)| *o == rank).map(|&(_, q)| {
-                let r = Reconfiguration {
-                    epoch: 1,
-                    rank: q,
-                    world: 2,
-                    plan: new.replica_map(),
-                    transfers: transfers.clone(),
-                    joining: vec![],
-                    leaving: vec![],
-                    hold: false,
-                    catch_up: vec![],
-                };
+                let r = Reconfiguration { rank: q, world: 2, change: Move::new(1, new.replica_map(), transfers.clone()) };
                 (r, spares[q].take().unwrap())
             });
             std::thread::spawn(move || {

@@ -220,7 +220,7 @@ impl<'a> TrainingWorker<'a> {
                 LauncherMessage::Transfers { epoch, transfers } => ahead.add(epoch, transfers),
                 LauncherMessage::Reconfigure { commit_to, to } => {
                     let to = ahead.complete(to).for_worker(self.me).map_err(|e| ControlError::invalid("reconfiguration", e))?;
-                    if to.joining.contains(&to.rank) {
+                    if to.change.joining.contains(&to.rank) {
                         // It takes the job's state in the move; nothing of its own to commit.
                         return Ok((to, None));
                     }
@@ -268,9 +268,9 @@ impl<'a> TrainingWorker<'a> {
     fn carry_out(&mut self, to: Reconfiguration<PlanUpdate>, rollback: Option<Option<u64>>) -> Result<Outcome, ControlError> {
         // The plan as it came (whole, or changed from the one this worker has).
         let to = to.map_plan(|p| p.resolve(self.last_map.as_ref())).map_err(|e| ControlError::invalid("reconfiguration", e.to_string()))?;
-        self.last_map = Some(to.plan.clone());
+        self.last_map = Some(to.change.plan.clone());
         // From here on this worker is in the new epoch, whether the move completes or not.
-        self.epoch = to.epoch;
+        self.epoch = to.change.epoch;
         let started = Instant::now();
         if let Some(to_step) = rollback {
             // The checkpoint of exactly that step (not whatever is newest), or the job's start.
@@ -278,7 +278,8 @@ impl<'a> TrainingWorker<'a> {
                 (Some(s), Some(dir)) => Some(dir.join(format!("step-{s:08}"))),
                 _ => self.job.resume.clone(),
             };
-            let options = WorkerOptions { plan: to.plan.clone(), mode: self.mode, timeout: self.timeout, device: self.device.clone() };
+            let options =
+                WorkerOptions { plan: to.change.plan.clone(), mode: self.mode, timeout: self.timeout, device: self.device.clone() };
             self.worker = Worker::new(self.cfg.clone(), options, to.rank, to.world, from.as_deref())?;
             self.fit_worker();
         }
@@ -286,7 +287,7 @@ impl<'a> TrainingWorker<'a> {
             f(FaultPoint::Rendezvous, self.worker.steps_done());
         }
         let net = Net { timeout: self.timeout, secret: self.secret, bind: self.bind, encrypt: self.encrypt, hold: listen_hold() };
-        let fresh = match rendezvous(self.sink, &self.inbox, to.rank, to.world, to.epoch, net) {
+        let fresh = match rendezvous(self.sink, &self.inbox, to.rank, to.world, to.change.epoch, net) {
             Ok(fresh) => fresh,
             Err(e) => return Ok(Err(e)),
         };
@@ -307,12 +308,12 @@ impl<'a> TrainingWorker<'a> {
             gpu_used_bytes: lazarus_model::device::gpu_memory(self.worker.trainer.model.device()).map(|m| m.used),
         };
         self.sink.send(WorkerEvent::Ready { pid: std::process::id(), epoch: self.epoch, moved: Some(stats) });
-        if to.leaving.contains(&to.rank) {
+        if to.change.leaving.contains(&to.rank) {
             // Drained: what only this node held went to the others in the move.
             t.shutdown();
             return Ok(Ok(Ended::Left));
         }
-        Ok(if to.hold { Ok(Ended::Paused) } else { self.train() })
+        Ok(if to.change.hold { Ok(Ended::Paused) } else { self.train() })
     }
 }
 

@@ -629,12 +629,12 @@ impl FakeAgent {
                 }
             }
             LauncherMessage::Reconfigure { to, .. } | LauncherMessage::Rollback { to, .. } => {
-                self.shared.mark_at(received, Mark::Ordered { agent: self.index, epoch: to.epoch });
+                self.shared.mark_at(received, Mark::Ordered { agent: self.index, epoch: to.change.epoch });
                 {
                     let mut p = self.shared.plane();
-                    if p.epoch < to.epoch {
+                    if p.epoch < to.change.epoch {
                         *p = Plane {
-                            epoch: to.epoch,
+                            epoch: to.change.epoch,
                             workers: to.workers.clone(),
                             ready: 0,
                             training: false,
@@ -645,13 +645,13 @@ impl FakeAgent {
                 }
                 for &i in &slots {
                     let Some(rank) = to.workers.iter().position(|&w| w == self.slots[i].id) else { continue };
-                    if let Err(e) = self.shared.place(to.epoch, &to.plan, self.slots[i].map_epoch) {
+                    if let Err(e) = self.shared.place(to.change.epoch, &to.change.plan, self.slots[i].map_epoch) {
                         self.shared.trouble(format!("agent {}: {e}", self.index));
                         continue;
                     }
                     let s = &mut self.slots[i];
-                    (s.rank, s.epoch, s.map_epoch, s.moved) = (Some(rank), to.epoch, Some(to.epoch), true);
-                    let event = WorkerEvent::Listening { addr: format!("127.0.0.1:{}", 20000 + i), epoch: to.epoch };
+                    (s.rank, s.epoch, s.map_epoch, s.moved) = (Some(rank), to.change.epoch, Some(to.change.epoch), true);
+                    let event = WorkerEvent::Listening { addr: format!("127.0.0.1:{}", 20000 + i), epoch: to.change.epoch };
                     self.report(i, &event);
                 }
             }

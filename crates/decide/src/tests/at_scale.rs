@@ -24,7 +24,7 @@ fn job(policy: PlanPolicy, t0: Instant) -> Controller {
 
 /// Node 7 (workers 14 and 15) is lost; every survivor reports what it holds. The move, and what
 /// each rank holds before it.
-fn lose_node_7(c: &mut Controller, t0: Instant) -> (Move, Vec<Vec<Vec<usize>>>) {
+fn lose_node_7(c: &mut Controller, t0: Instant) -> (MoveDecision, Vec<Vec<Vec<usize>>>) {
     let before: BTreeMap<NodeId, Vec<Vec<usize>>> = c.ranks().iter().map(|&w| (w, c.planned_holdings(w).unwrap())).collect();
     c.decide(t0, Event::Exited { node: 14, status: "killed by signal 9".into() });
     let mut out = Vec::new();
@@ -38,15 +38,15 @@ fn lose_node_7(c: &mut Controller, t0: Instant) -> (Move, Vec<Vec<Vec<usize>>>) 
 }
 
 /// After the move's transfers every rank holds what the new plan places on it.
-fn assert_complete(m: &Move, mut held: Vec<Vec<Vec<usize>>>) {
-    for t in &m.transfers {
+fn assert_complete(m: &MoveDecision, mut held: Vec<Vec<Vec<usize>>>) {
+    for t in &m.change.transfers {
         assert!(held[t.from][t.layer].contains(&t.expert), "{t:?} from a rank without it");
         held[t.to][t.layer].push(t.expert);
     }
     for (r, h) in held.iter().enumerate() {
-        for l in 0..m.plan.layer_count() {
+        for l in 0..m.change.plan.layer_count() {
             for e in 0..EXPERTS {
-                assert!(m.plan.replicas_on(l, e, r) == 0 || h[l].contains(&e), "rank {r} lacks expert {e} of layer {l}");
+                assert!(m.change.plan.replicas_on(l, e, r) == 0 || h[l].contains(&e), "rank {r} lacks expert {e} of layer {l}");
             }
         }
     }
@@ -61,7 +61,7 @@ fn a_node_lost_among_many_costs_about_what_it_held_not_a_new_layout() {
     assert_complete(&repaired, held);
     // The lost node held 2 layers × 4 slots; nothing else needs to move.
     let lost_held = 2 * GPUS * SLOTS;
-    assert!(repaired.transfers.len() <= lost_held, "{} transfers: {:?}", repaired.transfers.len(), repaired.transfers);
+    assert!(repaired.change.transfers.len() <= lost_held, "{} transfers: {:?}", repaired.change.transfers.len(), repaired.change.transfers);
     // Every survivor keeps its place: ranks in the running plan's order, node 7's left out.
     let expect: Vec<NodeId> = (0..(NODES * GPUS) as u64).filter(|w| !(14..16).contains(w)).collect();
     assert_eq!(repaired.ranks, expect);
@@ -71,9 +71,9 @@ fn a_node_lost_among_many_costs_about_what_it_held_not_a_new_layout() {
     let (fresh, held) = lose_node_7(&mut job(afresh, t0), t0);
     assert_complete(&fresh, held);
     assert!(
-        fresh.transfers.len() > 2 * repaired.transfers.len(),
+        fresh.change.transfers.len() > 2 * repaired.change.transfers.len(),
         "afresh {} vs repaired {}",
-        fresh.transfers.len(),
-        repaired.transfers.len()
+        fresh.change.transfers.len(),
+        repaired.change.transfers.len()
     );
 }

@@ -117,15 +117,15 @@ fn a_dead_worker_moves_the_survivors_to_a_new_plan_at_the_furthest_step() {
     assert!(c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, 6, None) }).is_empty());
     let out = c.decide(t0, Event::StepFailed { node: 13, epoch: 0, report: r(&c, 13, 5, Some(6)) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.epoch, m.commit_to), (1, 6));
+    assert_eq!((m.change.epoch, m.commit_to), (1, 6));
     let mut ranks = m.ranks.clone();
     ranks.sort_unstable();
     assert_eq!(ranks, vec![10, 11, 13]);
-    assert_eq!(m.plan.ranks(), 3);
+    assert_eq!(m.change.plan.ranks(), 3);
     // Every transfer goes to a rank that now holds the expert from one that held it before.
     let old = running(4, 4, 3, t0);
-    for t in &m.transfers {
-        assert!(m.plan.replicas_on(t.layer, t.expert, t.to) > 0);
+    for t in &m.change.transfers {
+        assert!(m.change.plan.replicas_on(t.layer, t.expert, t.to) > 0);
         let from_node = m.ranks[t.from];
         let old_rank = old.ranks().iter().position(|&n| n == from_node).unwrap();
         assert!(old.plan().unwrap().replica_map().replicas_on(t.layer, t.expert, old_rank) > 0, "{t:?}");
@@ -171,14 +171,14 @@ fn joiners_wait_then_every_rank_pauses_and_they_are_taken_in_with_the_job_state(
     assert!(c.decide(t, Event::StepFailed { node: 10, epoch: 0, report: r(&c, 10) }).is_empty());
     let out = c.decide(t, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.epoch, m.commit_to, m.cause, m.ranks.len()), (1, 6, MoveCause::Join, 3));
+    assert_eq!((m.change.epoch, m.commit_to, m.cause, m.ranks.len()), (1, 6, MoveCause::Join, 3));
     let joiner = m.ranks.iter().position(|&n| n == 20).unwrap();
-    assert_eq!(m.joining, vec![joiner]);
-    assert!(m.transfers.iter().any(|x| x.to == joiner), "the joiner is given experts");
-    assert!(m.transfers.iter().all(|x| x.from != joiner), "and is no source");
+    assert_eq!(m.change.joining, vec![joiner]);
+    assert!(m.change.transfers.iter().any(|x| x.to == joiner), "the joiner is given experts");
+    assert!(m.change.transfers.iter().all(|x| x.from != joiner), "and is no source");
     for l in 0..2 {
         for e in 0..4 {
-            assert!((0..3).any(|q| m.plan.replicas_on(l, e, q) > 0), "every expert placed");
+            assert!((0..3).any(|q| m.change.plan.replicas_on(l, e, q) > 0), "every expert placed");
         }
     }
     assert!(c.alive().contains(&20) && c.standby().next().is_none());
@@ -240,7 +240,7 @@ fn a_failure_takes_the_waiting_joiners_in_at_once() {
     let mut ranks = m.ranks.clone();
     ranks.sort_unstable();
     assert_eq!(ranks, vec![10, 11, 20], "the joiner takes the lost worker's place");
-    assert_eq!(m.joining, vec![m.ranks.iter().position(|&n| n == 20).unwrap()]);
+    assert_eq!(m.change.joining, vec![m.ranks.iter().position(|&n| n == 20).unwrap()]);
 }
 
 /// A running job of 3 nodes planned for loads 1..4 that rebalances every 4 steps; `seconds` a
@@ -286,10 +286,10 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.cause, m.commit_to, m.ranks.len(), m.transfers.len()), (MoveCause::Rebalance, 4, 3, d.transfers));
+    assert_eq!((m.cause, m.commit_to, m.ranks.len(), m.change.transfers.len()), (MoveCause::Rebalance, 4, 3, d.transfers));
     // The hot expert has more replicas than before.
     let hot = |p: &lazarus_plan::ReplicaMap| (0..p.ranks()).map(|q| p.replicas_on(0, 0, q)).sum::<u32>();
-    assert!(hot(&m.plan) > hot(&running(3, 4, 2, t0).plan().unwrap().replica_map()));
+    assert!(hot(&m.change.plan) > hot(&running(3, 4, 2, t0).plan().unwrap().replica_map()));
 }
 
 /// Popularity drifted in the first MoE layer only; the second's candidate differs a little and
@@ -315,8 +315,8 @@ fn a_rebalance_moves_only_the_layers_that_repay_their_move() {
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.cause, m.transfers.len()), (MoveCause::Rebalance, d.transfers));
-    assert!(m.transfers.iter().all(|t| t.layer == 0), "{:?}", m.transfers);
+    assert_eq!((m.cause, m.change.transfers.len()), (MoveCause::Rebalance, d.transfers));
+    assert!(m.change.transfers.iter().all(|t| t.layer == 0), "{:?}", m.change.transfers);
     assert_eq!(c.plan().unwrap().layers()[1], before.layers()[1], "the second layer stays where it was");
     assert_ne!(c.plan().unwrap().layers()[0], before.layers()[0]);
 }
@@ -415,13 +415,13 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, 7) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
     // The leaver is the last rank, given nothing, and sends what only it held.
-    assert_eq!((m.cause, m.hold, m.leaving.clone(), m.ranks[2]), (MoveCause::Drain, true, vec![2], 11));
+    assert_eq!((m.cause, m.change.hold, m.change.leaving.clone(), m.ranks[2]), (MoveCause::Drain, true, vec![2], 11));
     for l in 0..2 {
         for e in 0..4 {
-            assert_eq!(m.plan.replicas_on(l, e, 2), 0);
+            assert_eq!(m.change.plan.replicas_on(l, e, 2), 0);
             let only_leaver = old.replicas_on(l, e, 1) > 0 && old.replicas_on(l, e, 0) == 0 && old.replicas_on(l, e, 2) == 0;
             if only_leaver {
-                assert!(m.transfers.iter().any(|t| t.layer == l && t.expert == e && t.from == 2), "layer {l} expert {e}: {m:?}");
+                assert!(m.change.transfers.iter().any(|t| t.layer == l && t.expert == e && t.from == 2), "layer {l} expert {e}: {m:?}");
             }
         }
     }
@@ -439,8 +439,8 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
     let second = m.ranks[1];
     let out = c.decide(t0, Event::StepFailed { node: second, epoch: 1, report: r(&c, second, 7) });
     let [Command::Reconfigure(m2)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m2.cause, m2.hold, m2.commit_to, m2.ranks.len()), (MoveCause::Drain, false, 7, 2));
-    assert!(m2.transfers.is_empty() && m2.leaving.is_empty(), "{m2:?}");
+    assert_eq!((m2.cause, m2.change.hold, m2.commit_to, m2.ranks.len()), (MoveCause::Drain, false, 7, 2));
+    assert!(m2.change.transfers.is_empty() && m2.change.leaving.is_empty(), "{m2:?}");
     assert!(!c.alive().contains(&11));
     assert_eq!(c.member_state(11), MemberState::Drained, "a worker that left on notice was not lost");
     assert_eq!((c.job_epoch(c.epoch()), c.reconfigurations()), (2, 1), "two epochs, one reconfiguration");
@@ -636,8 +636,8 @@ fn both_holders_lost_roll_back_to_step_4(written: bool) {
     }
     let [Command::Rollback { to, to_step }] = &out[..] else { panic!("{out:?}") };
     assert_eq!(*to_step, Some(4));
-    assert!(to.transfers.is_empty());
-    assert_eq!(to.plan.ranks(), 2);
+    assert!(to.change.transfers.is_empty());
+    assert_eq!(to.change.plan.ranks(), 2);
 }
 
 #[test]
@@ -681,7 +681,7 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
         );
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!(m.epoch, 1);
+    assert_eq!(m.change.epoch, 1);
     // Two of the survivors listen; then the third dies before it does.
     c.decide(t0, Event::Listening { node: 10, epoch: 1, addr: "a".into() });
     c.decide(t0, Event::Listening { node: 11, epoch: 1, addr: "b".into() });
@@ -707,8 +707,8 @@ fn a_loss_during_a_move_calls_the_rendezvous_off_and_replans_from_what_survivors
         },
     );
     let [Command::Reconfigure(m)] = &out[..] else { panic!("with node 10 holding every expert nothing is lost: {out:?}") };
-    assert_eq!((m.epoch, m.ranks.len(), m.commit_to), (2, 2, 3));
-    for t in &m.transfers {
+    assert_eq!((m.change.epoch, m.ranks.len(), m.commit_to), (2, 2, 3));
+    for t in &m.change.transfers {
         assert_eq!(m.ranks[t.from], 10, "only node 10 can give what 11 lacks: {t:?}");
     }
 }
@@ -822,20 +822,20 @@ proptest! {
                     Command::Reconfigure(m) | Command::Rollback { to: m, .. } => {
                         prop_assert!(recover, "a job without recovery moved");
                         prop_assert!(m.ranks.iter().all(|r| c.alive().contains(r)), "{:?} names a lost node", m.ranks);
-                        prop_assert!(m.leaving.iter().all(|&r| r < m.ranks.len()));
-                        prop_assert_eq!(m.plan.ranks(), m.ranks.len());
-                        prop_assert!(serde_json::from_str::<lazarus_plan::ReplicaMap>(&serde_json::to_string(&m.plan).unwrap()).is_ok());
-                        prop_assert_eq!(m.epoch, c.epoch());
+                        prop_assert!(m.change.leaving.iter().all(|&r| r < m.ranks.len()));
+                        prop_assert_eq!(m.change.plan.ranks(), m.ranks.len());
+                        prop_assert!(serde_json::from_str::<lazarus_plan::ReplicaMap>(&serde_json::to_string(&m.change.plan).unwrap()).is_ok());
+                        prop_assert_eq!(m.change.epoch, c.epoch());
                         // Joiners hold nothing: they are never a transfer's source.
-                        prop_assert!(m.transfers.iter().all(|t| !m.joining.contains(&t.from)));
-                        prop_assert!(m.joining.iter().all(|&r| r < m.ranks.len()));
-                        for t in &m.transfers {
+                        prop_assert!(m.change.transfers.iter().all(|t| !m.change.joining.contains(&t.from)));
+                        prop_assert!(m.change.joining.iter().all(|&r| r < m.ranks.len()));
+                        for t in &m.change.transfers {
                             prop_assert!(t.from < m.ranks.len() && t.to < m.ranks.len() && t.from != t.to);
                         }
                         // The cause says which command it is: a rollback moves nothing.
                         let rollback = matches!(cmd, Command::Rollback { .. });
                         prop_assert_eq!(m.cause == MoveCause::Rollback, rollback);
-                        prop_assert!(!rollback || (m.transfers.is_empty() && m.restored.is_empty()));
+                        prop_assert!(!rollback || (m.change.transfers.is_empty() && m.restored.is_empty()));
                     }
                     Command::Fence { epoch, ranks, nodes } => {
                         prop_assert!(*epoch <= c.epoch() && !ranks.is_empty());
@@ -910,19 +910,19 @@ fn a_node_of_several_workers_is_lost_whole_and_replanned_whole() {
     }
     let [Command::Reconfigure(m)] = &out[..] else { panic!("every expert had a replica on another node: {out:?}") };
     assert_eq!(c.plan().unwrap().shape().gpus_per_node, 2);
-    assert_eq!(m.plan.ranks(), 4);
+    assert_eq!(m.change.plan.ranks(), 4);
     // Ranks 2q and 2q+1 are the two workers of one node.
     for q in 0..2 {
         assert_eq!(m.ranks[2 * q] / 2, m.ranks[2 * q + 1] / 2, "{:?}", m.ranks);
     }
     let mut held: Vec<Vec<Vec<usize>>> = m.ranks.iter().map(|w| before[w].clone()).collect();
-    for t in &m.transfers {
+    for t in &m.change.transfers {
         assert!(held[t.from][t.layer].contains(&t.expert), "{t:?} from a rank without it");
         held[t.to][t.layer].push(t.expert);
     }
     for (r, h) in held.iter().enumerate() {
-        for l in 0..m.plan.layer_count() {
-            for (e, row) in m.plan.dense_layer(l).iter().enumerate() {
+        for l in 0..m.change.plan.layer_count() {
+            for (e, row) in m.change.plan.dense_layer(l).iter().enumerate() {
                 assert!(row[r] == 0 || h[l].contains(&e), "rank {r} lacks expert {e} of layer {l} after the move");
             }
         }
@@ -998,10 +998,10 @@ fn an_expert_that_lost_every_replica_comes_back_from_the_freshest_snapshot_inste
     // Each is placed somewhere: sent from the keeper's rank, or kept there.
     let keeper_rank = m.ranks.iter().position(|&n| n == keeper).unwrap();
     for &(layer, expert) in &only {
-        let placed: Vec<usize> = (0..m.ranks.len()).filter(|&q| m.plan.replicas_on(layer, expert, q) > 0).collect();
+        let placed: Vec<usize> = (0..m.ranks.len()).filter(|&q| m.change.plan.replicas_on(layer, expert, q) > 0).collect();
         assert!(!placed.is_empty());
         for q in placed.into_iter().filter(|&q| q != keeper_rank) {
-            assert!(m.transfers.iter().any(|x| (x.layer, x.expert, x.to, x.from) == (layer, expert, q, keeper_rank)), "{m:?}");
+            assert!(m.change.transfers.iter().any(|x| (x.layer, x.expert, x.to, x.from) == (layer, expert, q, keeper_rank)), "{m:?}");
         }
     }
     // Without snapshots: the rollback to the checkpoint.
@@ -1035,7 +1035,10 @@ fn a_rendezvous_that_lost_every_member_is_not_called_off_to_nobody() {
     }
     assert_eq!(c.epoch(), 2);
     assert!(!last.iter().any(|cmd| matches!(cmd, Command::Abandon { .. })), "{last:?}");
-    assert!(last.iter().any(|cmd| matches!(cmd, Command::Rollback { to, .. } if to.epoch == 2 && to.ranks == vec![16, 14])), "{last:?}");
+    assert!(
+        last.iter().any(|cmd| matches!(cmd, Command::Rollback { to, .. } if to.change.epoch == 2 && to.ranks == vec![16, 14])),
+        "{last:?}"
+    );
 }
 
 /// What a user reads counts epochs from the job's start, whatever number the job's first plan

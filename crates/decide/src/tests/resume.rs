@@ -41,8 +41,8 @@ fn a_new_controller_keeps_the_plan_and_moves_every_member_to_the_next_epoch_with
     }
     let out = c.decide(t1 + 5 * SEC, Event::Paused { node: 13, epoch: 0, report: paused(&old, 13, 8) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.epoch, m.commit_to, m.cause), (1, 8, MoveCause::Controller));
-    assert!(m.transfers.is_empty(), "every member holds what it held: {:?}", m.transfers);
+    assert_eq!((m.change.epoch, m.commit_to, m.cause), (1, 8, MoveCause::Controller));
+    assert!(m.change.transfers.is_empty(), "every member holds what it held: {:?}", m.change.transfers);
     let mut ranks = m.ranks.clone();
     ranks.sort_unstable();
     assert_eq!(ranks, vec![10, 11, 12, 13]);
@@ -69,7 +69,7 @@ fn a_member_that_never_comes_back_is_lost_at_the_end_of_the_window_and_the_job_r
     }
     assert!(out.iter().any(|x| matches!(x, Command::Kill { node: 12, .. })), "{out:?}");
     let Some(Command::Reconfigure(m)) = out.iter().find(|x| matches!(x, Command::Reconfigure(_))) else { panic!("{out:?}") };
-    assert_eq!((m.epoch, m.commit_to, m.ranks.len()), (1, 7, 3));
+    assert_eq!((m.change.epoch, m.commit_to, m.ranks.len()), (1, 7, 3));
     assert!(!m.ranks.contains(&12));
 }
 
@@ -98,7 +98,7 @@ fn reports_of_the_epoch_before_the_saved_one_count_and_a_half_committed_move_com
     assert!(c.decide(t0 + 6 * SEC, Event::StepFailed { node: 12, epoch: 9, report: r(12, 7, Some(8)) }).is_empty());
     let out = c.decide(t0 + 6 * SEC, Event::StepFailed { node: 12, epoch: 0, report: r(12, 7, Some(8)) });
     let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
-    assert_eq!((m.epoch, m.commit_to), (2, 8), "the held step is committed, not run twice");
+    assert_eq!((m.change.epoch, m.commit_to), (2, 8), "the held step is committed, not run twice");
 }
 
 #[test]

@@ -8,8 +8,10 @@
 //! holder that has been asked for the fewest bytes so far, most constrained fetches first, so
 //! the transfer time is spread over all holders.
 
+mod moves;
 mod ranks;
 
+pub use moves::Move;
 pub use ranks::{rank_transfers, RankTransfer};
 
 use std::borrow::Cow;

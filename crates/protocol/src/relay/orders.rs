@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use lazarus_plan::{ExpertChange, PlanUpdate, RankTransfer, ReplicaMap, ReplicaMapChange};
+use lazarus_plan::{ExpertChange, Move, PlanUpdate, RankTransfer, ReplicaMap, ReplicaMapChange};
 use prost::Message;
 
 use super::{bad, word, words, BadMessage};
@@ -70,9 +70,10 @@ pub fn from_proto(message: proto::LauncherMessage) -> Result<LauncherMessage, Ba
 }
 
 fn move_order(m: &MoveOrder) -> proto::MoveOrder {
+    let (workers, m) = (&m.workers, &m.change);
     proto::MoveOrder {
         epoch: m.epoch,
-        workers: m.workers.clone(),
+        workers: workers.clone(),
         plan: Some(match &m.plan {
             PlanUpdate::Whole { map } => proto::move_order::Plan::Whole(replica_map(map)),
             PlanUpdate::Changed { change } => proto::move_order::Plan::Changed(map_change(change)),
@@ -90,9 +91,8 @@ fn move_order_of(m: proto::MoveOrder) -> Result<MoveOrder, BadMessage> {
         proto::move_order::Plan::Whole(map) => PlanUpdate::Whole { map: Arc::new(replica_map_of(map)?) },
         proto::move_order::Plan::Changed(change) => PlanUpdate::Changed { change: Arc::new(map_change_of(change)?) },
     };
-    Ok(MoveOrder {
+    let change = Move {
         epoch: m.epoch,
-        workers: m.workers,
         plan,
         transfers: m.transfers.iter().map(rank_transfer_of).collect::<Result<_, _>>()?,
         catch_up: m
@@ -103,7 +103,8 @@ fn move_order_of(m: proto::MoveOrder) -> Result<MoveOrder, BadMessage> {
         joining: words("joining", &m.joining)?,
         leaving: words("leaving", &m.leaving)?,
         hold: m.hold,
-    })
+    };
+    Ok(MoveOrder { workers: m.workers, change })
 }
 
 fn rank_transfer(t: &RankTransfer) -> proto::RankTransfer {
@@ -208,15 +209,10 @@ mod tests {
     }
 
     fn order(plan: PlanUpdate) -> MoveOrder {
+        let transfers = vec![RankTransfer { layer: 1, expert: 2, from: 0, to: 3 }];
         MoveOrder {
-            epoch: 9,
             workers: vec![4, 5, 7, 8],
-            plan,
-            transfers: vec![RankTransfer { layer: 1, expert: 2, from: 0, to: 3 }],
-            catch_up: vec![(0, 1, 300)],
-            joining: vec![3],
-            leaving: vec![],
-            hold: true,
+            change: Move { catch_up: vec![(0, 1, 300)], joining: vec![3], hold: true, ..Move::new(9, plan, transfers) },
         }
     }
 

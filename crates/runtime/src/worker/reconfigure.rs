@@ -6,7 +6,7 @@
 
 use lazarus_comm::tags::{expert_transfer, TransferKind};
 use lazarus_comm::{barrier, deadline_after, Group, Transport};
-use lazarus_plan::{RankTransfer, ReplicaMap};
+use lazarus_plan::{Move, ReplicaMap};
 use serde::{Deserialize, Serialize};
 
 use super::{build_layers, check_plan, FaultPoint, Worker};
@@ -14,61 +14,30 @@ use crate::error::RuntimeError;
 use crate::expert_state::ExpertState;
 use crate::shared_state::SharedState;
 
-/// Everything a surviving worker is told to move to the new plan. `P` is how the plan comes:
-/// a [`ReplicaMap`] (what the worker moves with), or as it travels, whole or as changed from
-/// the map the worker has ([`lazarus_plan::PlanUpdate`]).
+/// Everything a surviving worker is told to move to the new plan: the move
+/// ([`lazarus_plan::Move`], the one shape a move has from the decision on) and this worker's
+/// place in its world. `P` is how the plan comes: a [`ReplicaMap`] (what the worker moves with),
+/// or as it travels, whole or as changed from the map the worker has
+/// ([`lazarus_plan::PlanUpdate`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reconfiguration<P = ReplicaMap> {
-    /// The new plan epoch (the new transport's).
-    pub epoch: u64,
     /// This worker's rank in the new world.
     pub rank: usize,
     pub world: usize,
-    pub plan: P,
-    /// Every transfer of the reconfiguration (each rank does its own part).
-    pub transfers: Vec<RankTransfer>,
-    /// Experts restored from a stale snapshot in this move: (layer, expert, tokens it lost).
-    /// Each catches up on them through the router (MoEtion §6) until about that many extra
-    /// tokens were routed to it; a later move replaces the list (every rank the same).
-    #[serde(default)]
-    pub catch_up: Vec<(usize, usize, u64)>,
-    /// Ranks of the new world that join the job now (they hold nothing of it yet): each takes
-    /// the replicated state ([`crate::SharedState`]) from one of the other ranks, the `i`-th
-    /// joiner from the `i mod n`-th of those `n`, spreading the copies over them.
-    #[serde(default)]
-    pub joining: Vec<usize>,
-    /// Ranks that leave the job after this move (a node drained before it is taken away): they
-    /// send what only they hold and hold nothing of the plan (its rows are 0 for them).
-    #[serde(default)]
-    pub leaving: Vec<usize>,
-    /// After the move, train nothing and say where you stopped: the controller moves the job
-    /// again (without the leaving ranks) at once.
-    #[serde(default)]
-    pub hold: bool,
+    #[serde(flatten)]
+    pub change: Move<P>,
 }
 
 impl<P> Reconfiguration<P> {
     /// The same move with its plan as `f` makes it of this one's (e.g. a change resolved).
     pub fn map_plan<Q, E>(self, f: impl FnOnce(P) -> Result<Q, E>) -> Result<Reconfiguration<Q>, E> {
-        Ok(Reconfiguration {
-            epoch: self.epoch,
-            rank: self.rank,
-            world: self.world,
-            plan: f(self.plan)?,
-            transfers: self.transfers,
-            catch_up: self.catch_up,
-            joining: self.joining,
-            leaving: self.leaving,
-            hold: self.hold,
-        })
+        Ok(Reconfiguration { rank: self.rank, world: self.world, change: self.change.map_plan(f)? })
     }
 
     /// The rank that sends joiner `rank` the replicated state (None: `rank` does not join, or
     /// nobody can send it).
     pub fn shared_source(&self, rank: usize) -> Option<usize> {
-        let i = self.joining.iter().position(|&j| j == rank)?;
-        let sources: Vec<usize> = (0..self.world).filter(|r| !self.joining.contains(r)).collect();
-        (!sources.is_empty()).then(|| sources[i % sources.len()])
+        self.change.shared_source(rank, self.world)
     }
 }
 
@@ -97,7 +66,7 @@ impl Worker {
         if self.held.is_some() {
             return Err(bad("a held step must be committed or dropped first".into()));
         }
-        if (t.rank(), t.world(), t.epoch()) != (r.rank, r.world, r.epoch) {
+        if (t.rank(), t.world(), t.epoch()) != (r.rank, r.world, r.change.epoch) {
             return Err(bad(format!(
                 "the transport is rank {} of {} at epoch {}, the reconfiguration rank {} of {} at epoch {}",
                 t.rank(),
@@ -105,12 +74,12 @@ impl Worker {
                 t.epoch(),
                 r.rank,
                 r.world,
-                r.epoch
+                r.change.epoch
             )));
         }
         let mc = self.trainer.model.config().clone();
-        check_plan(&r.plan, mc.moe_layers(), mc.n_experts, r.world, self.mode)?;
-        for x in &r.transfers {
+        check_plan(&r.change.plan, mc.moe_layers(), mc.n_experts, r.world, self.mode)?;
+        for x in &r.change.transfers {
             if x.layer >= mc.moe_layers() || x.expert >= mc.n_experts || x.from >= r.world || x.to >= r.world || x.from == x.to {
                 return Err(bad(format!(
                     "transfer {x:?} does not fit {} layers x {} experts over {} ranks",
@@ -119,19 +88,19 @@ impl Worker {
                     r.world
                 )));
             }
-            if r.plan.replicas_on(x.layer, x.expert, x.to) == 0 {
+            if r.change.plan.replicas_on(x.layer, x.expert, x.to) == 0 {
                 return Err(bad(format!("transfer {x:?} sends layer {} expert {} to a rank the plan does not give it", x.layer, x.expert)));
             }
         }
-        for &j in &r.joining {
+        for &j in &r.change.joining {
             if j >= r.world || r.shared_source(j).is_none() {
                 return Err(bad(format!("joiner {j} of a world of {} has no rank to take the job's state from", r.world)));
             }
         }
-        if r.transfers.iter().any(|x| r.joining.contains(&x.from)) {
+        if r.change.transfers.iter().any(|x| r.change.joining.contains(&x.from)) {
             return Err(bad("a joining rank cannot be the source of a transfer".into()));
         }
-        let mut transfers = r.transfers.clone();
+        let mut transfers = r.change.transfers.clone();
         transfers.sort_by_key(|x| (x.layer, x.expert, x.to));
         let timeout = self.timeout;
         let deadline = || deadline_after(timeout);
@@ -139,7 +108,7 @@ impl Worker {
         // Sends first: the transport never blocks a send on a peer that is sending too. The
         // replicated state to the joiners this rank serves, then expert states.
         let shared_tag = expert_transfer(TransferKind::SharedState, 0, 0)?;
-        let served: Vec<usize> = r.joining.iter().copied().filter(|&j| r.shared_source(j) == Some(r.rank)).collect();
+        let served: Vec<usize> = r.change.joining.iter().copied().filter(|&j| r.shared_source(j) == Some(r.rank)).collect();
         if !served.is_empty() {
             let bytes = self.export_shared()?.encode();
             for j in served {
@@ -181,7 +150,7 @@ impl Worker {
         // from a snapshot this rank keeps (its live replicas all lost).
         for l in 0..mc.moe_layers() {
             for e in 0..mc.n_experts {
-                if r.plan.replicas_on(l, e, r.rank) > 0 && !self.trainer.model.expert_resident(l, e)? {
+                if r.change.plan.replicas_on(l, e, r.rank) > 0 && !self.trainer.model.expert_resident(l, e)? {
                     if let Some(state) = self.snapshot_state(l, e)? {
                         self.install_expert(&state)?;
                         continue;
@@ -194,13 +163,18 @@ impl Worker {
         // lost before this point leaves every survivor on its old plan, holding all it held
         // and what it received ([`Worker::resident_experts`]) — a state the next move starts from.
         barrier(t, world, self.timeout)?;
-        self.plan = r.plan.clone();
+        self.plan = r.change.plan.clone();
         self.rank = r.rank;
         self.world = r.world;
         self.release_remote_experts()?;
         self.layers = build_layers(&self.trainer, &self.plan, self.rank, self.mode, self.timeout)?;
-        self.catch_up =
-            r.catch_up.iter().filter(|c| c.0 < mc.moe_layers() && c.1 < mc.n_experts && c.2 > 0).map(|c| ((c.0, c.1), c.2)).collect();
+        self.catch_up = r
+            .change
+            .catch_up
+            .iter()
+            .filter(|c| c.0 < mc.moe_layers() && c.1 < mc.n_experts && c.2 > 0)
+            .map(|c| ((c.0, c.1), c.2))
+            .collect();
         Ok(report)
     }
 }

@@ -386,30 +386,21 @@ fn workers(nodes: &[u64]) -> Vec<usize> {
 }
 
 /// Move `m` as its workers that are sent `plan` are told it (each finds its rank in it).
-fn move_order(m: &crate::decisions::Move, plan: PlanUpdate) -> MoveOrder {
-    MoveOrder {
-        epoch: m.epoch,
-        workers: m.ranks.clone(),
-        plan,
-        // Sent apart, each node its own (`send_transfers`).
-        transfers: Vec::new(),
-        joining: m.joining.clone(),
-        leaving: m.leaving.clone(),
-        hold: m.hold,
-        catch_up: m.restored.iter().filter(|x| x.tokens_lost > 0).map(|x| (x.layer, x.expert, x.tokens_lost)).collect(),
-    }
+fn move_order(m: &crate::decisions::MoveDecision, plan: PlanUpdate) -> MoveOrder {
+    // The transfers are sent apart, each node its own (`send_transfers`).
+    MoveOrder { workers: m.ranks.clone(), change: m.change.without_transfers(plan) }
 }
 
 /// Each node of a move is sent the transfers its workers send or receive, before the order all
 /// nodes share: a rebalance among a thousand nodes moves hundreds of thousands of expert states,
 /// which every agent would otherwise be sent whole.
-fn send_transfers(fleet: &mut dyn Fleet, ctl: &Controller, m: &crate::decisions::Move) {
+fn send_transfers(fleet: &mut dyn Fleet, ctl: &Controller, m: &crate::decisions::MoveDecision) {
     let node_of_rank: Vec<u64> = m.ranks.iter().map(|&w| ctl.node(w)).collect();
     let mut workers_of: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     for (&w, &node) in m.ranks.iter().zip(&node_of_rank) {
         workers_of.entry(node).or_default().push(w as usize);
     }
-    for (node, transfers) in lazarus_protocol::transfers_by_node(&m.transfers, &node_of_rank) {
-        let _ = fleet.send_many(&workers_of[&node], &LauncherMessage::Transfers { epoch: m.epoch, transfers });
+    for (node, transfers) in lazarus_protocol::transfers_by_node(&m.change.transfers, &node_of_rank) {
+        let _ = fleet.send_many(&workers_of[&node], &LauncherMessage::Transfers { epoch: m.change.epoch, transfers });
     }
 }

@@ -92,21 +92,21 @@ impl Shell {
     /// The plan of move `m` as each of its ranks is sent it: the change from the map the
     /// worker was sent last, else the whole map (a joiner, a job just taken back). Then `m`'s
     /// map is the one each was sent.
-    pub(super) fn plan_updates(&mut self, m: &crate::decisions::Move) -> Vec<PlanUpdate> {
+    pub(super) fn plan_updates(&mut self, m: &crate::decisions::MoveDecision) -> Vec<PlanUpdate> {
         let new_rank: HashMap<u64, usize> = m.ranks.iter().enumerate().map(|(r, &w)| (w, r)).collect();
         // Each change computed once (per map a worker may have), the whole map copied once.
         let mut changes: BTreeMap<u64, Option<Arc<lazarus_plan::ReplicaMapChange>>> = BTreeMap::new();
-        let whole = Arc::new(m.plan.clone());
+        let whole = Arc::new(m.change.plan.clone());
         let updates = m
             .ranks
             .iter()
             .enumerate()
             .map(|(rank, w)| {
-                let from = self.sent_at.get(w).filter(|_| !m.joining.contains(&rank));
+                let from = self.sent_at.get(w).filter(|_| !m.change.joining.contains(&rank));
                 let change = from.and_then(|&e| {
                     let (map, ranks) = self.sent_maps.get(&e)?;
                     let renumber = || ranks.iter().map(|w| new_rank.get(w).copied()).collect();
-                    changes.entry(e).or_insert_with(|| map.change_to(&m.plan, renumber()).map(Arc::new)).clone()
+                    changes.entry(e).or_insert_with(|| map.change_to(&m.change.plan, renumber()).map(Arc::new)).clone()
                 });
                 match change {
                     Some(change) => PlanUpdate::Changed { change },
@@ -115,14 +115,14 @@ impl Shell {
             })
             .collect();
         // Every worker of the move has its map now; a worker not in it is gone (or standing by).
-        self.sent_at = m.ranks.iter().map(|&w| (w, m.epoch)).collect();
-        self.sent_maps = BTreeMap::from([(m.epoch, (m.plan.clone(), m.ranks.clone()))]);
+        self.sent_at = m.ranks.iter().map(|&w| (w, m.change.epoch)).collect();
+        self.sent_maps = BTreeMap::from([(m.change.epoch, (m.change.plan.clone(), m.ranks.clone()))]);
         updates
     }
 
     /// The plan of move `m` as its workers are sent it ([`Shell::plan_updates`]), with the
     /// workers each goes to: those that have the same map share one message.
-    pub(super) fn plan_groups(&mut self, m: &crate::decisions::Move) -> Vec<(PlanUpdate, Vec<usize>)> {
+    pub(super) fn plan_groups(&mut self, m: &crate::decisions::MoveDecision) -> Vec<(PlanUpdate, Vec<usize>)> {
         let mut groups: Vec<(PlanUpdate, Vec<usize>)> = Vec::new();
         for (&node, update) in m.ranks.iter().zip(self.plan_updates(m)) {
             match groups.iter_mut().find(|(u, _)| same_update(u, &update)) {
@@ -202,14 +202,14 @@ impl Shell {
         }
     }
 
-    pub(super) fn begin_move(&mut self, m: &crate::decisions::Move, plan_s: f64, first_epoch: u64) {
+    pub(super) fn begin_move(&mut self, m: &crate::decisions::MoveDecision, plan_s: f64, first_epoch: u64) {
         self.failure_seen();
         if let Some(r) = &mut self.recovering {
             r.cause = m.cause;
             // A move that failed half-way and the one after it: the last one's restores count.
             r.restored = m.restored.clone();
             r.rollback_avoided = m.rollback_avoided;
-            r.epoch = m.epoch - first_epoch;
+            r.epoch = m.change.epoch - first_epoch;
             r.step = m.commit_to;
             r.detect_s = r.started.elapsed().as_secs_f64() - plan_s;
             r.plan_s = plan_s;
@@ -233,7 +233,7 @@ impl Shell {
             if !r.keep_moved {
                 r.moved.clear();
             }
-            r.keep_moved = m.hold;
+            r.keep_moved = m.change.hold;
             r.resumed = false;
             r.ready.clear();
         }
@@ -355,7 +355,7 @@ impl Shell {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decisions::Move;
+    use crate::decisions::MoveDecision;
 
     fn shell(map: ReplicaMap, ranks: Vec<u64>) -> Shell {
         Shell {
@@ -374,16 +374,11 @@ mod tests {
         }
     }
 
-    fn a_move(epoch: u64, ranks: Vec<u64>, plan: ReplicaMap, joining: Vec<usize>) -> Move {
-        Move {
-            epoch,
+    fn a_move(epoch: u64, ranks: Vec<u64>, plan: ReplicaMap, joining: Vec<usize>) -> MoveDecision {
+        MoveDecision {
             ranks,
-            plan,
+            change: lazarus_plan::Move { joining, ..lazarus_plan::Move::new(epoch, plan, Vec::new()) },
             commit_to: 5,
-            transfers: Vec::new(),
-            joining,
-            leaving: Vec::new(),
-            hold: false,
             cause: MoveCause::Failure,
             restored: Vec::new(),
             rollback_avoided: 0,

@@ -18,7 +18,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use lazarus_decide::{Command, Controller, Event, JobSpec, Move, MoveCost, NodeId, OnLoss, StepRecord, StopReport};
+use lazarus_decide::{Command, Controller, Event, JobSpec, MoveCost, MoveDecision, NodeId, OnLoss, StepRecord, StopReport};
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
 
 use super::FailurePolicy;
@@ -274,12 +274,12 @@ impl Shell {
 
     /// The bytes of a move's transfers between nodes (copies inside a node cost none): the
     /// busiest node's sent or received, and all of them.
-    fn transfer_bytes(&self, m: &Move) -> (f64, u64) {
+    fn transfer_bytes(&self, m: &MoveDecision) -> (f64, u64) {
         let bytes = self.expert_bytes;
         let node = |r: usize| &self.workers.node_of[&m.ranks[r]];
         let (mut sent, mut received): (BTreeMap<&String, f64>, BTreeMap<&String, f64>) = Default::default();
         let mut all = 0u64;
-        for t in &m.transfers {
+        for t in &m.change.transfers {
             let (from, to) = (node(t.from), node(t.to));
             if from != to {
                 *sent.entry(from).or_default() += bytes as f64;
