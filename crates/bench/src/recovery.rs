@@ -179,6 +179,7 @@ pub fn run_recovery_bench(
     mut progress: impl FnMut(&str),
 ) -> Result<RecoveryBenchReport, ControlError> {
     check_spec(spec)?;
+    let workers = lazarus_controller::Workers::new(spec.workers, 1, lazarus_controller::Reach::OneMachine)?;
     let mut cfg = config.clone();
     cfg.steps = spec.steps;
     cfg.checkpoint_dir = None;
@@ -189,7 +190,7 @@ pub fn run_recovery_bench(
         let mut trainer = Trainer::new(cfg.clone())?;
         let source =
             PlanSource::Measured { profile_steps: 2, slots_per_worker: None, max_imbalance: Some(lazarus_plan::DEFAULT_MAX_IMBALANCE) };
-        let plan = plan_job(&mut trainer, spec.workers, 1, &source)?;
+        let plan = plan_job(&mut trainer, workers, &source)?;
         let faults = kill.phase.hook().map(|p| format!("{}:{p}:{}", kill.worker, kill.step)).unwrap_or_default();
         let job = TrainJob {
             encrypt_data: false,
@@ -211,7 +212,7 @@ pub fn run_recovery_bench(
         let outcome = run_training(
             &job,
             plan.placement.as_ref(),
-            spec.workers,
+            workers,
             spec.comm_timeout_s,
             Some(spec.recovery),
             &Hosts::Local { status_listen: None },

@@ -26,7 +26,7 @@ pub mod metrics;
 pub mod service;
 
 pub use control_loop::{
-    plan_job, run_local_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource, ReconfigurationRecord,
-    Recovery, TrainEvent, TrainOutcome,
+    plan_job, recovery_off, run_local_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource,
+    ReconfigurationRecord, Recovery, RecoveryOff, TrainEvent, TrainOutcome,
 };
-pub use lazarus_protocol::ControlError;
+pub use lazarus_protocol::{ControlError, Reach, Workers};

@@ -17,6 +17,7 @@
 
 mod error;
 pub mod handshake;
+pub mod layout;
 pub mod messages;
 pub mod pieces;
 pub mod proto;
@@ -27,4 +28,5 @@ pub mod tls;
 pub mod when;
 
 pub use error::ControlError;
+pub use layout::{node_gpus, Reach, Workers, MAX_WORKERS, MAX_WORKERS_PER_HOST};
 pub use messages::*;

@@ -135,13 +135,6 @@ fn cpu_device() -> String {
     "cpu".into()
 }
 
-/// Most workers of one job, over all its nodes (1,024 nodes of 16 GPUs).
-pub const MAX_WORKERS: usize = 16_384;
-
-/// Most worker processes one machine starts: a node agent's slots (its GPUs), or every worker
-/// of a job whose workers all run where it is launched (`train --workers N`).
-pub const MAX_WORKERS_PER_HOST: usize = 64;
-
 /// The largest message of the control protocol a client takes from the controller (a node's
 /// start with the job's replica map, a status with every member and the plan): bounded, and
 /// far above what 16,384 workers need.

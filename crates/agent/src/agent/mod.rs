@@ -36,7 +36,6 @@ use attach::{Identity, Session, SessionError};
 use lazarus_protocol::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
 use lazarus_protocol::tls::ClientTls;
 use lazarus_protocol::ControlError;
-use lazarus_protocol::MAX_WORKERS_PER_HOST;
 use lazarus_protocol::{inflate_message, secret_hex, LauncherMessage, WorkerEvent};
 
 /// How an agent is started.
@@ -170,9 +169,7 @@ fn local_address_towards(controller: SocketAddr) -> Result<IpAddr, ControlError>
 /// Run one agent until its part in the job ends. `on_start(ranks)` is told the workers' ranks
 /// once they are started.
 pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result<(), ControlError>) -> Result<AgentEnd, ControlError> {
-    if opts.gpus == 0 || opts.gpus > MAX_WORKERS_PER_HOST {
-        return Err(ControlError::invalid("--gpus", format!("{} (expected 1 to {MAX_WORKERS_PER_HOST})", opts.gpus)));
-    }
+    lazarus_protocol::node_gpus("--gpus", opts.gpus)?;
     let controller: SocketAddr =
         opts.controller.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
             ControlError::invalid("--controller", format!("{:?} (expected host:port, e.g. 10.0.0.1:7070)", opts.controller))

@@ -224,9 +224,7 @@ pub struct SyntheticFleet {
 impl SyntheticFleet {
     /// A fleet with no agent yet, and the stepper of rank 0.
     pub fn new(opts: LoadOptions, threads: usize) -> Result<Self, ControlError> {
-        if opts.gpus == 0 || opts.gpus > lazarus_protocol::MAX_WORKERS_PER_HOST {
-            return Err(ControlError::invalid("gpus", opts.gpus.to_string()));
-        }
+        lazarus_protocol::node_gpus("gpus", opts.gpus)?;
         let runtime = lazarus_protocol::rpc::runtime(threads.max(1), "lazarus-loadgen")?;
         let shared = Arc::new(Shared {
             opts,

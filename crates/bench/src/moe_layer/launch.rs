@@ -19,7 +19,8 @@ pub fn run_moe_layer_bench_workers(
     confine: Confinement,
     observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<Vec<BenchResult>, ControlError> {
-    let results = run_local_job(RANK_SUBCOMMAND, world, spec.timeout_s, spec, confine, observe)
+    let workers = lazarus_controller::Workers::new(world, 1, lazarus_controller::Reach::OneMachine)?;
+    let results = run_local_job(RANK_SUBCOMMAND, workers, spec.timeout_s, spec, confine, observe)
         .map_err(|e| ControlError::Launch(format!("bench moe-layer failed: {e}")))?;
     let results = results.ok_or_else(|| ControlError::Launch("bench moe-layer: rank 0 sent no results".into()))?;
     serde_json::from_value(results).map_err(|e| ControlError::Launch(format!("bench moe-layer: rank 0's results unreadable: {e}")))

@@ -363,9 +363,7 @@ fn check(args: &ControllerBenchArgs) -> Result<()> {
     if args.nodes < 2 {
         bail!("invalid --nodes: {} (expected at least 2: one is lost)", args.nodes);
     }
-    if args.gpus_per_node == 0 || args.gpus_per_node > lazarus_protocol::MAX_WORKERS_PER_HOST {
-        bail!("invalid --gpus-per-node: {} (expected 1 to {})", args.gpus_per_node, lazarus_protocol::MAX_WORKERS_PER_HOST);
-    }
+    lazarus_protocol::node_gpus("--gpus-per-node", args.gpus_per_node)?;
     if (args.nodes + args.joins).saturating_mul(args.gpus_per_node) > MOST_WORKERS {
         bail!("invalid --nodes/--joins: {} nodes of {} (at most {MOST_WORKERS} workers)", args.nodes + args.joins, args.gpus_per_node);
     }

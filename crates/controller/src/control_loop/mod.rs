@@ -24,14 +24,14 @@ use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatu
 use drive::drive;
 use lazarus_agent::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
 use lazarus_protocol::tls::ServerTls;
-use lazarus_protocol::ControlError;
 use lazarus_protocol::{deflate_message, fresh_secret, TrainJob, WorkerSpec};
 use lazarus_protocol::{heartbeat_within, lease_without_recovery};
+use lazarus_protocol::{ControlError, Workers};
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{NodeChange, NodeSchedule};
 
 pub use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
-pub use lazarus_protocol::{MAX_WORKERS, MAX_WORKERS_PER_HOST};
+pub use lazarus_protocol::{Reach, MAX_WORKERS, MAX_WORKERS_PER_HOST};
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
 pub const DEFAULT_JOIN_WAIT: Duration = Duration::from_secs(120);
@@ -74,17 +74,10 @@ pub struct JobPlan {
     pub placement: Option<ModelPlan>,
 }
 
-/// The plan `world` workers, `gpus_per_node` to a node, train `trainer`'s model with. `trainer`
-/// is the launcher's copy of the job (fresh or resumed); profiling reads its next batches without
-/// moving its cursor.
-pub fn plan_job(trainer: &mut Trainer, world: usize, gpus_per_node: usize, source: &PlanSource) -> Result<JobPlan, ControlError> {
-    if world == 0 || world > MAX_WORKERS {
-        return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS})")));
-    }
-    if gpus_per_node == 0 || !world.is_multiple_of(gpus_per_node) {
-        return Err(ControlError::invalid("--gpus-per-node", format!("{gpus_per_node} (expected a divisor of --workers {world})")));
-    }
-    let nodes = world / gpus_per_node;
+/// The plan `workers` train `trainer`'s model with. `trainer` is the launcher's copy of the job
+/// (fresh or resumed); profiling reads its next batches without moving its cursor.
+pub fn plan_job(trainer: &mut Trainer, workers: Workers, source: &PlanSource) -> Result<JobPlan, ControlError> {
+    let (world, gpus_per_node, nodes) = (workers.world(), workers.gpus_per_node(), workers.nodes());
     let cfg = trainer.config.clone();
     validate_worker_config(&cfg, world)?;
     let (layers, experts) = (cfg.model.moe_layers(), cfg.model.n_experts);
@@ -128,6 +121,38 @@ pub fn plan_job(trainer: &mut Trainer, world: usize, gpus_per_node: usize, sourc
     };
     check_plan(&plan.map, layers, experts, world, source.dispatch_mode())?;
     Ok(plan)
+}
+
+/// Why a job's controller cannot move it to a new plan when a worker is lost (its first loss
+/// ends it), though recovery is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RecoveryOff {
+    #[error("static expert parallelism restarts on failures, as DeepSpeed-MoE does (--static-ep)")]
+    StaticEp,
+    #[error("the job has no placement to re-plan from")]
+    NoPlacement,
+    /// The controller re-plans whole nodes of G workers: the plan's nodes must be the hosts'.
+    #[error("the plan's nodes have {plan} GPUs, the hosts' {hosts} (--gpus-per-node)")]
+    NodesDiffer { plan: usize, hosts: usize },
+    #[error("the plan has {plan} ranks for {workers} workers")]
+    RanksDiffer { plan: usize, workers: usize },
+}
+
+/// Whether a job of `workers` on `plan` can be recovered live (None), or why not: the one
+/// answer the launcher reports and the controller acts on.
+pub fn recovery_off(static_ep: bool, plan: Option<&ModelPlan>, workers: Workers) -> Option<RecoveryOff> {
+    let p = match plan {
+        _ if static_ep => return Some(RecoveryOff::StaticEp),
+        None => return Some(RecoveryOff::NoPlacement),
+        Some(p) => p,
+    };
+    if p.shape().gpus_per_node != workers.gpus_per_node() {
+        Some(RecoveryOff::NodesDiffer { plan: p.shape().gpus_per_node, hosts: workers.gpus_per_node() })
+    } else if p.shape().ranks() != workers.world() {
+        Some(RecoveryOff::RanksDiffer { plan: p.shape().ranks(), workers: workers.world() })
+    } else {
+        None
+    }
 }
 
 /// How failures are handled: found out by heartbeats within `lease`, then recovered from.
@@ -237,7 +262,7 @@ pub struct ResumeJob {
 pub fn run_training(
     job: &TrainJob,
     plan: Option<&ModelPlan>,
-    world: usize,
+    workers: Workers,
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
     hosts: &Hosts,
@@ -245,20 +270,11 @@ pub fn run_training(
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
-    // The controller re-plans whole nodes of G workers: the plan's nodes must be the hosts'.
-    let g = match hosts {
-        Hosts::Local { .. } => 1,
-        Hosts::Agents(a) => a.gpus_per_node,
-    };
-    let recoverable = match (plan, recovery) {
-        (Some(p), Some(r)) if !job.static_ep && p.shape().gpus_per_node == g && p.shape().ranks() == world => Some(r),
-        _ => None,
-    };
+    let (world, g) = (workers.world(), workers.gpus_per_node());
+    let recoverable = recovery.filter(|_| recovery_off(job.static_ep, plan, workers).is_none());
     if recoverable.is_none() && matches!(hosts, Hosts::Agents(_)) {
-        return Err(ControlError::invalid(
-            "--recovery",
-            "node agents run jobs with live recovery only (not --recovery off or --static-ep, and a plan with as many GPUs per node as the agents)",
-        ));
+        let why = recovery_off(job.static_ep, plan, workers).map_or("it was turned off (--recovery off)".into(), |off| off.to_string());
+        return Err(ControlError::invalid("--recovery", format!("node agents run jobs with live recovery only, and here {why}")));
     }
     let lifecycle = Lifecycle::new(comm_timeout_s, recoverable);
     let mut job = job.clone();
@@ -498,16 +514,14 @@ fn job_saver(path: PathBuf, hub: &Arc<AgentHub>, job_id: &str, job: &TrainJob, g
 /// it. Rank 0's results (None: it sent none). Every event goes to `observe`.
 pub fn run_local_job<J: Serialize>(
     subcommand: &str,
-    world: usize,
+    workers: Workers,
     timeout_s: f64,
     spec: &J,
     confine: Confinement,
     observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<Option<serde_json::Value>, ControlError> {
     let timeout_s = check_comm_timeout(timeout_s)?;
-    if world == 0 || world > MAX_WORKERS_PER_HOST {
-        return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {MAX_WORKERS_PER_HOST})")));
-    }
+    let world = workers.world();
     let epoch = fresh_epoch();
     let mut processes = launch(subcommand, world, timeout_s, spec, confine, epoch, false)?;
     let ctl = Controller::unplanned(Lifecycle::new(timeout_s, None).spec(), epoch, (0..world as u64).collect(), Instant::now());

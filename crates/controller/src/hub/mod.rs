@@ -33,7 +33,6 @@ use lazarus_protocol::handshake::{hello_context, welcome_context};
 use lazarus_protocol::proto::{self, agent_message, controller_message, AgentHello, AgentMessage, ControllerMessage};
 use lazarus_protocol::ControlError;
 use lazarus_protocol::WorkerEvent;
-use lazarus_protocol::MAX_WORKERS_PER_HOST;
 
 /// How long an agent has to say hello once connected.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -230,9 +229,7 @@ impl AgentHub {
             ));
         }
         let gpus = hello.gpus as usize;
-        if gpus == 0 || gpus > MAX_WORKERS_PER_HOST {
-            return Err(Status::invalid_argument(format!("gpus: {gpus} (expected 1 to {MAX_WORKERS_PER_HOST})")));
-        }
+        lazarus_protocol::node_gpus("gpus", gpus).map_err(|e| Status::invalid_argument(e.to_string()))?;
         if gpus != self.gpus_per_node {
             return Err(Status::invalid_argument(format!(
                 "gpus: {gpus} (this job's nodes have {} each: lazarus controller --gpus-per-node)",

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lazarus_controller::control_loop::saved_job::SavedJob;
-use lazarus_controller::{AgentsSpec, Hosts};
+use lazarus_controller::{AgentsSpec, Hosts, Reach, Workers};
 use lazarus_protocol::tls::ServerTls;
 
 use super::super::args::TrainArgs;
@@ -125,17 +125,9 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         (Some(_), None) => format!("{agent_command} --tls-ca CA.pem"),
         (Some(_), Some(_)) => format!("{agent_command} --tls-ca CA.pem --tls-cert AGENT.pem --tls-key AGENT-KEY.pem"),
     };
-    let world = args.train.workers.unwrap_or(1);
-    let g = args.train.gpus_per_node.unwrap_or(1);
-    if g == 0 || !world.is_multiple_of(g) {
-        bail!("invalid --gpus-per-node: {g} (expected a divisor of --workers {world}; every agent brings that many)");
-    }
+    let workers = Workers::new(args.train.workers.unwrap_or(1), args.train.gpus_per_node.unwrap_or(1), Reach::Agents)?;
     let wait = Duration::from_secs_f64(wait);
-    let max_workers = args.max_workers.unwrap_or(world);
-    let most = lazarus_protocol::MAX_WORKERS;
-    if max_workers < world || max_workers > most || !max_workers.is_multiple_of(g) {
-        bail!("invalid --max-workers: {max_workers} (expected from --workers {world} to {most}, a multiple of --gpus-per-node {g})");
-    }
+    let max_workers = workers.most_workers(args.max_workers)?;
     let join_wait = args.join_wait.unwrap_or(lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64());
     if !join_wait.is_finite() || !(0.0..=MAX_WAIT_AGENTS_S).contains(&join_wait) {
         bail!("invalid --join-wait: {join_wait} (expected seconds from 0 to {MAX_WAIT_AGENTS_S})");
@@ -147,7 +139,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         secret,
         tls,
         local_agents: 0,
-        gpus_per_node: g,
+        gpus_per_node: workers.gpus_per_node(),
         wait,
         max_workers,
         join_wait,
@@ -183,7 +175,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         }
         (train.resume, train.resume_if_any) = (true, false);
     }
-    run_job(&train, hosts, Some(agent_command), None, resume_job)
+    run_job(&train, hosts, workers, Some(agent_command), None, resume_job)
 }
 
 #[cfg(test)]

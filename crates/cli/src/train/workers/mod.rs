@@ -12,7 +12,7 @@ use lazarus_controller::{plan_job, run_training, AgentsSpec, Hosts, NodeChange, 
 use lazarus_model::Trainer;
 use lazarus_plan::ModelPlan;
 use lazarus_protocol::tls::ServerTls;
-use lazarus_protocol::{ControlError, TrainJob};
+use lazarus_protocol::{ControlError, Reach, TrainJob, Workers};
 
 use super::args::{check_resumed_config, resume_steps, setup_run, TrainArgs, DEFAULT_COMM_TIMEOUT_S};
 use super::job_view::JobView;
@@ -127,12 +127,10 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
         bail!("--replay needs --gpus-per-node G: nodes come and go as local agents");
     }
     let mut replayed = None;
+    let workers = Workers::new(world, args.gpus_per_node.unwrap_or(1), Reach::OneMachine)?;
     let hosts = match args.gpus_per_node {
         None => Hosts::Local { status_listen: None },
         Some(g) => {
-            if g == 0 || !world.is_multiple_of(g) {
-                bail!("invalid --gpus-per-node: {g} (expected a divisor of --workers {world})");
-            }
             let listen = match args.status_listen.as_deref() {
                 Some("off") => bail!("--status-listen off: the local agents attach to the controller there (give an address)"),
                 given => given.unwrap_or("127.0.0.1:0"),
@@ -140,7 +138,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             let listen: SocketAddr =
                 listen.parse().map_err(|_| anyhow::anyhow!("invalid --status-listen: {listen:?} (expected host:port or off)"))?;
             let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
-            let nodes = world / g;
+            let nodes = workers.nodes();
             let (schedule, most_nodes, scale) = match &args.replay {
                 Some(source) => {
                     let (s, most, scale, trace) = node_schedule(source, nodes, args.replay_scale, args.replay_notice)?;
@@ -172,7 +170,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             }))
         }
     };
-    run_job(args, hosts, None, replayed, false)
+    run_job(args, hosts, workers, None, replayed, false)
 }
 
 /// Most held-out tokens a job's workers take: they travel in the job's spec.
@@ -192,19 +190,22 @@ fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> R
     Ok(held_out)
 }
 
-/// A job of `--workers N` run where `hosts` says; `agent_command` is how to start an agent of
+/// A job of `workers` run where `hosts` says; `agent_command` is how to start an agent of
 /// another host (`{addr}`: the controller's address), shown once the controller listens. A
 /// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
 fn run_job(
     args: &TrainArgs,
     mut hosts: Hosts,
+    mut workers: Workers,
     agent_command: Option<String>,
     mut replayed: Option<RunShape>,
     resume_job: bool,
 ) -> Result<()> {
     let args = &super::args::settle_resume(args)?;
     let comm_timeout = lazarus_agent::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
-    let (mut world, local) = workers_here(args, &hosts)?;
+    // Every worker of a job on one machine is started here; none of a controller of other
+    // hosts' agents.
+    let local = if matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0) { 0 } else { workers.world() };
     // The launcher builds the model once to plan, and every worker here builds it whole before
     // it releases the experts it does not hold.
     let (mut trainer, resume) = start_trainer(args, 1 + local as u128, resume_job)?;
@@ -218,15 +219,12 @@ fn run_job(
             bail!("invalid --max-workers: {} (a batch of {} sequences cannot be split over more workers)", a.max_workers, cfg.batch_size);
         }
     }
-    let g = match &hosts {
-        Hosts::Agents(a) => a.gpus_per_node,
-        Hosts::Local { .. } => 1,
-    };
+    let g = workers.gpus_per_node();
     let mut first_step = trainer.step;
     let plan = match (&mut hosts, resume_job) {
         (Hosts::Agents(a), true) => {
             let (plan, taken) = saved_job_to_take_back(args, &cfg, g)?;
-            world = plan.map.ranks();
+            workers = Workers::new(plan.map.ranks(), g, Reach::Agents)?;
             first_step = taken.last_logged.unwrap_or(taken.saved.state.last_step);
             a.resume = Some(Box::new(taken));
             plan
@@ -236,9 +234,10 @@ fn run_job(
                 bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
             }
             let source = plan_source(args, cfg.steps - trainer.step)?;
-            plan_job(&mut trainer, world, g, &source)?
+            plan_job(&mut trainer, workers, &source)?
         }
     };
+    let world = workers.world();
     let how = format!("{world} workers, {}", if args.static_ep { "static expert parallelism" } else { "lazarus dispatch" });
     print_banner(&trainer, &how, args.model.device.as_deref().unwrap_or("cpu"));
     print_placement(&plan.map, world);
@@ -247,18 +246,11 @@ fn run_job(
         r.slots_per_gpu = plan.placement.as_ref().map_or(1, |p| p.shape().slots_per_gpu);
         r.rebalance_every = recovery.as_ref().map_or(0, |r| r.rebalance_every);
     }
-    let unrecoverable = args.static_ep || plan.placement.as_ref().is_some_and(|p| p.shape().gpus_per_node != g);
-    if recovery.is_some() && unrecoverable {
-        tracing::info!(
-            "recovery: off ({})",
-            if args.static_ep {
-                "static expert parallelism restarts on failures, as DeepSpeed-MoE does"
-            } else {
-                "the plan's GPUs per node are not the hosts' (--gpus-per-node)"
-            }
-        );
+    let off = recovery.as_ref().and(lazarus_controller::recovery_off(args.static_ep, plan.placement.as_ref(), workers));
+    if let Some(off) = off {
+        tracing::info!("recovery: off ({off})");
     }
-    let live = recovery.is_some() && !unrecoverable;
+    let live = recovery.is_some() && off.is_none();
     // The log file is opened (and checked) before any worker starts.
     let reporter = Reporter::new(args, &cfg, first_step)?;
     let snapshots = snapshot_settings(args, live, g)?;
@@ -280,12 +272,9 @@ fn run_job(
         device: args.model.device.clone().unwrap_or_else(|| "cpu".into()),
         held_out: held_out_for_workers(args, &cfg)?,
     };
-    match &mut hosts {
-        Hosts::Local { status_listen } => *status_listen = local_status_listen(args, live)?,
-        Hosts::Agents(_) if !live => {
-            bail!("node agents run jobs with live recovery only: drop --recovery off / --static-ep, or a plan with several GPUs per node")
-        }
-        Hosts::Agents(_) => {}
+    // (A job of node agents without live recovery is refused by the controller, first thing.)
+    if let Hosts::Local { status_listen } = &mut hosts {
+        *status_listen = local_status_listen(args, live)?;
     }
     let remote = matches!(&hosts, Hosts::Agents(a) if a.local_agents == 0);
     // SIGTERM / Ctrl-C from here on: every worker finishes after the same step, with a checkpoint.
@@ -294,7 +283,7 @@ fn run_job(
     let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g, seq_len: cfg.seq_len };
     let metrics_at = metrics_endpoint(args)?;
     let mut report_error: Option<anyhow::Error> = None;
-    let outcome = run_training(&job, plan.placement.as_ref(), world, comm_timeout, recovery, &hosts, metrics_at.as_ref(), |event| {
+    let outcome = run_training(&job, plan.placement.as_ref(), workers, comm_timeout, recovery, &hosts, metrics_at.as_ref(), |event| {
         let shown = view.show(event);
         shown.map_err(|e| {
             let message = format!("{e:#}");
@@ -307,22 +296,6 @@ fn run_job(
     }
     let ran = RanJob { cfg: &cfg, first_step, unigram_entropy: trainer.unigram_entropy(), replayed: replayed.as_ref() };
     ran.finish(outcome, &mut view)
-}
-
-/// The job's workers (`--workers`), checked against where they run, and how many of them this
-/// machine starts: every one of a local job, none of a controller of other hosts' agents.
-fn workers_here(args: &TrainArgs, hosts: &Hosts) -> Result<(usize, usize)> {
-    let world = args.workers.unwrap_or(1);
-    let local = match hosts {
-        Hosts::Local { .. } => world,
-        Hosts::Agents(a) => a.local_agents * a.gpus_per_node,
-    };
-    let most = if local > 0 { lazarus_protocol::MAX_WORKERS_PER_HOST } else { lazarus_protocol::MAX_WORKERS };
-    if world == 0 || world > most {
-        let on = if local > 0 { " on one machine" } else { "" };
-        bail!("invalid --workers: {world} (expected 1 to {most}{on})");
-    }
-    Ok((world, local))
 }
 
 /// The trainer the job starts from (its settings, the model to plan with; `copies` processes
