@@ -216,33 +216,17 @@ fn trace_of(args: &SimArgs, duration_ms: u64) -> Result<Trace> {
 /// The cost model: its defaults, with what the flags set.
 fn cost_model(args: &SimArgs) -> Result<CostModel> {
     let mut cost = CostModel::default();
-    if let Some(g) = args.gpus_per_node {
-        cost.gpus_per_node = g;
-    }
-    if let Some(c) = args.slots_per_gpu {
-        cost.slots_per_gpu = c;
-    }
+    override_with(&mut cost.gpus_per_node, args.gpus_per_node);
+    override_with(&mut cost.slots_per_gpu, args.slots_per_gpu);
     if let Some(w) = &args.scale_up_wait {
         cost.scale_up_wait_s = dur("scale-up-wait", w)? as f64 / 1000.0;
     }
-    if let Some(k) = args.checkpoint_every_ds {
-        cost.checkpoint_every_ds = k;
-    }
-    if let Some(k) = args.checkpoint_every_ft {
-        cost.checkpoint_every_ds_ft = k;
-    }
-    if let Some(k) = args.checkpoint_every_lazarus {
-        cost.checkpoint_every_lazarus = k;
-    }
-    if let Some(k) = args.rebalance_every {
-        cost.rebalance_every = k;
-    }
-    if let Some(f) = args.min_replicas {
-        cost.min_replicas = f;
-    }
-    if let Some(r) = args.restart_s {
-        cost.restart_s = r;
-    }
+    override_with(&mut cost.checkpoint_every_ds, args.checkpoint_every_ds);
+    override_with(&mut cost.checkpoint_every_ds_ft, args.checkpoint_every_ft);
+    override_with(&mut cost.checkpoint_every_lazarus, args.checkpoint_every_lazarus);
+    override_with(&mut cost.rebalance_every, args.rebalance_every);
+    override_with(&mut cost.min_replicas, args.min_replicas);
+    override_with(&mut cost.restart_s, args.restart_s);
     Ok(cost)
 }
 
@@ -381,6 +365,13 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
 /// `ms` as minutes, as the trace's length is said.
 fn minutes(ms: u64) -> String {
     format!("{:.1} min", ms as f64 / 60_000.0)
+}
+
+/// `setting` as given, if it was (a flag left out keeps the default).
+fn override_with<T>(setting: &mut T, given: Option<T>) {
+    if let Some(v) = given {
+        *setting = v;
+    }
 }
 
 #[cfg(test)]

@@ -80,6 +80,26 @@ impl PinnedKey {
     }
 }
 
+type SignatureVerdict = Result<HandshakeSignatureValid, rustls::Error>;
+
+/// The handshake-signature checks a server's and a client's verifier share: both pin the key
+/// that signs the handshake ([`PinnedKey::check`]), in TLS 1.2 and 1.3 alike.
+macro_rules! signature_checks {
+    () => {
+        fn verify_tls12_signature(&self, message: &[u8], _: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> SignatureVerdict {
+            self.check(message, dss)
+        }
+
+        fn verify_tls13_signature(&self, message: &[u8], _: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> SignatureVerdict {
+            self.check(message, dss)
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            Self::schemes()
+        }
+    };
+}
+
 impl ServerCertVerifier for PinnedKey {
     fn verify_server_cert(
         &self,
@@ -93,27 +113,7 @@ impl ServerCertVerifier for PinnedKey {
         Ok(ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        Self::schemes()
-    }
+    signature_checks!();
 }
 
 impl ClientCertVerifier for PinnedKey {
@@ -130,25 +130,5 @@ impl ClientCertVerifier for PinnedKey {
         Ok(ClientCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        _cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.check(message, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        Self::schemes()
-    }
+    signature_checks!();
 }

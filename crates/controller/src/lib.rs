@@ -23,6 +23,7 @@ pub mod events;
 pub mod fleet;
 pub mod hub;
 pub mod metrics;
+mod server_thread;
 pub mod service;
 
 pub use control_loop::{

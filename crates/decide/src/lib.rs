@@ -21,6 +21,17 @@
 //!   step), completion (every rank done), and a job without recovery (static expert
 //!   parallelism, `--recovery off`, benchmarks), which the first loss ends.
 
+/// `Display` for an enum with an `as_str(self)`: the name it has in records and messages.
+macro_rules! displayed_as_str {
+    ($t:ty) => {
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
 mod lifecycle;
 mod membership;
 mod messages;

@@ -141,11 +141,7 @@ impl MemberState {
     }
 }
 
-impl std::fmt::Display for MemberState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+displayed_as_str!(MemberState);
 
 impl<S: StepRecord> Controller<S> {
     /// What `worker` is to the job.

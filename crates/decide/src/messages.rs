@@ -155,11 +155,7 @@ impl MoveCause {
     }
 }
 
-impl std::fmt::Display for MoveCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+displayed_as_str!(MoveCause);
 
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq)]

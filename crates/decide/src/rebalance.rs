@@ -202,11 +202,7 @@ impl RebalanceVerdict {
     }
 }
 
-impl std::fmt::Display for RebalanceVerdict {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+displayed_as_str!(RebalanceVerdict);
 
 impl RebalanceCase {
     /// Seconds saved over the horizon if `layers` ran on the candidate's placement instead of

@@ -78,27 +78,35 @@ __device__ __forceinline__ A warp_max(A v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024; every thread calls it; every
-// thread gets the sum). `scratch` holds 32 values; it may be reused after the call returns.
-template <class A>
-__device__ __forceinline__ A block_sum(A v, A* scratch) {
+struct WarpSum {
+    template <class A>
+    __device__ __forceinline__ A operator()(A v) const { return warp_sum(v); }
+};
+struct WarpMax {
+    template <class A>
+    __device__ __forceinline__ A operator()(A v) const { return warp_max(v); }
+};
+
+// `warp` (WarpSum, WarpMax) over the block (blockDim.x a multiple of 32, at most 1024; every
+// thread calls it; every thread gets the result): each warp's, then the warps'. `none` is the
+// value that changes nothing (0 for a sum). `scratch` holds 32 values; it may be reused after
+// the call returns.
+template <class A, class Warp>
+__device__ __forceinline__ A block_reduce(A v, A* scratch, A none, Warp warp_op) {
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    v = warp_sum(v);
+    v = warp_op(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    A total = lane < warps ? scratch[lane] : (A)0;
-    return warp_sum(total);
+    return warp_op(lane < warps ? scratch[lane] : none);
+}
+template <class A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+    return block_reduce(v, scratch, (A)0, WarpSum());
 }
 template <class A>
 __device__ __forceinline__ A block_max(A v, A* scratch) {
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    A total = lane < warps ? scratch[lane] : neg_inf<A>();
-    return warp_max(total);
+    return block_reduce(v, scratch, neg_inf<A>(), WarpMax());
 }
 
 // A grid-stride loop over n elements.

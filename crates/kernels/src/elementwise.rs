@@ -1,17 +1,12 @@
 //! Launches of the elementwise kernels (`cuda/elementwise.cuh`): GELU, SwiGLU, the grouped FFNs'
 //! bias epilogues, casts, AdamW and the sums of squares.
 
-use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{args, launch, row_launch, size_u32, stride_launch, Arg, Dtype, KernelError, Launch, THREADS};
 
 const FAMILY: &str = "elementwise";
 
 fn map(kernel: &str, dt: Dtype, x: u64, y: u64, n: usize) -> Launch {
-    launch(
-        format!("lazarus_{kernel}_{}", dt.suffix()),
-        [blocks_for(n as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)],
-    )
+    stride_launch(format!("lazarus_{kernel}_{}", dt.suffix()), n as u64, args(&[x, y], [Arg::U64(n as u64)]))
 }
 
 /// y = gelu(x) (tanh form), n elements.
@@ -89,39 +84,29 @@ pub fn bias_activation_fwd(
         Activation::Swiglu => "bias_swiglu_fwd",
     };
     let f_arg = hidden_width(activation, f)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_{kernel}_{}", bias_suffix(dt)),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(f_arg), 1, 1],
-        vec![
-            Arg::Ptr(h),
-            Arg::Ptr(act),
-            Arg::Ptr(bias),
-            Arg::Ptr(segments),
-            Arg::U32(segments_arg(segments, groups)?),
-            Arg::U64(rows as u64),
-            Arg::U32(f_arg),
-        ],
+        rows,
+        f_arg,
+        args(&[h, act, bias, segments], [Arg::U32(segments_arg(segments, groups)?), Arg::U64(rows as u64), Arg::U32(f_arg)]),
     ))
 }
 
 /// a [rows, f] = SiLU(gate) ⊙ up from h [rows, 2f] = [gate | up].
 pub fn swiglu(dt: Dtype, h: u64, a: u64, rows: usize, f: usize) -> Result<Launch, KernelError> {
-    Ok(launch(
+    Ok(stride_launch(
         format!("lazarus_swiglu_fwd_{}", dt.suffix()),
-        [blocks_for((rows * f) as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![Arg::Ptr(h), Arg::Ptr(a), Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)],
+        (rows * f) as u64,
+        args(&[h, a], [Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)]),
     ))
 }
 
 /// SwiGLU's backward: gh [rows, 2f] from ga [rows, f] and the pre-activation h [rows, 2f].
 pub fn swiglu_bwd(dt: Dtype, h: u64, ga: u64, gh: u64, rows: usize, f: usize) -> Result<Launch, KernelError> {
-    Ok(launch(
+    Ok(stride_launch(
         format!("lazarus_swiglu_bwd_{}", dt.suffix()),
-        [blocks_for((rows * f) as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![Arg::Ptr(h), Arg::Ptr(ga), Arg::Ptr(gh), Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)],
+        (rows * f) as u64,
+        args(&[h, ga, gh], [Arg::U64(rows as u64), Arg::U32(hidden_width(Activation::Swiglu, f)?)]),
     ))
 }
 
@@ -129,18 +114,14 @@ pub fn swiglu_bwd(dt: Dtype, h: u64, ga: u64, gh: u64, rows: usize, f: usize) ->
 /// address is 0 is left as it is).
 #[allow(clippy::too_many_arguments)]
 pub fn bias_add_rows(dt: Dtype, y: u64, bias: u64, segments: u64, groups: usize, rows: usize, d: usize) -> Result<Launch, KernelError> {
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_bias_add_rows_{}", bias_suffix(dt)),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
-        vec![
-            Arg::Ptr(y),
-            Arg::Ptr(bias),
-            Arg::Ptr(segments),
-            Arg::U32(segments_arg(segments, groups)?),
-            Arg::U64(rows as u64),
-            Arg::U32(size_u32(FAMILY, "width", d)?),
-        ],
+        rows,
+        size_u32(FAMILY, "width", d)?,
+        args(
+            &[y, bias, segments],
+            [Arg::U32(segments_arg(segments, groups)?), Arg::U64(rows as u64), Arg::U32(size_u32(FAMILY, "width", d)?)],
+        ),
     ))
 }
 
@@ -151,12 +132,7 @@ pub fn cast(from: Dtype, to: Dtype, x: u64, y: u64, n: usize) -> Result<Launch, 
         (Dtype::Bf16, Dtype::F32) => "bf16_f32",
         _ => return Err(KernelError::Types { family: FAMILY, what: format!("a cast from {from:?} to {to:?}") }),
     };
-    Ok(launch(
-        format!("lazarus_cast_{name}"),
-        [blocks_for(n as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(n as u64)],
-    ))
+    Ok(stride_launch(format!("lazarus_cast_{name}"), n as u64, args(&[x, y], [Arg::U64(n as u64)])))
 }
 
 /// The AdamW coefficients of one tensor's update, in the kernel's argument order:
@@ -167,7 +143,7 @@ pub type AdamWScalars = [f32; 7];
 /// elements each); `copy` (0: none) gets the new parameter rounded to bf16, the working copy a
 /// bf16 matrix product reads.
 pub fn adamw(p: u64, g: u64, m: u64, v: u64, copy: u64, n: usize, k: AdamWScalars) -> Launch {
-    let mut args = vec![Arg::Ptr(p), Arg::Ptr(g), Arg::Ptr(m), Arg::Ptr(v), Arg::Ptr(copy), Arg::U64(n as u64)];
+    let mut args = args(&[p, g, m, v, copy], [Arg::U64(n as u64)]);
     args.extend(k.iter().map(|&x| Arg::F32(x)));
     launch("lazarus_adamw_f32".into(), [(n as u64).div_ceil(THREADS as u64).clamp(1, 4096) as u32, 1, 1], [THREADS, 1, 1], args)
 }
@@ -251,6 +227,6 @@ pub fn sum_parts(parts: u64, starts: u64, out: u64, tensors: usize) -> Launch {
         "lazarus_sum_parts".into(),
         [tensors.clamp(1, 1 << 16) as u32, 1, 1],
         [THREADS, 1, 1],
-        vec![Arg::Ptr(parts), Arg::Ptr(starts), Arg::Ptr(out), Arg::U32(tensors as u32)],
+        args(&[parts, starts, out], [Arg::U32(tensors as u32)]),
     )
 }

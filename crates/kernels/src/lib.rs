@@ -174,6 +174,21 @@ fn launch(kernel: String, grid: [u32; 3], block: [u32; 3], args: Vec<Arg>) -> La
     Launch { kernel, grid, block, shared_bytes: 0, args }
 }
 
+/// A launch of one block per row of `rows`, each as wide as a row of `width` wants.
+fn row_launch(kernel: String, rows: usize, width: u32, args: Vec<Arg>) -> Launch {
+    launch(kernel, [row_blocks(rows as u64), 1, 1], [row_threads(width), 1, 1], args)
+}
+
+/// A launch of a grid-stride loop over `n` elements.
+fn stride_launch(kernel: String, n: u64, args: Vec<Arg>) -> Launch {
+    launch(kernel, [blocks_for(n), 1, 1], [THREADS, 1, 1], args)
+}
+
+/// A kernel's arguments as its C signature lists them: device pointers first, then the rest.
+fn args<const N: usize>(pointers: &[u64], rest: [Arg; N]) -> Vec<Arg> {
+    pointers.iter().map(|&p| Arg::Ptr(p)).chain(rest).collect()
+}
+
 /// A u32 size argument, or an error naming it.
 fn size_u32(family: &'static str, what: &str, v: usize) -> Result<u32, KernelError> {
     u32::try_from(v).map_err(|_| KernelError::Size { family, what: format!("{what} {v} does not fit 32 bits") })

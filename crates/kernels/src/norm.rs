@@ -1,7 +1,7 @@
 //! Launches of the row-statistics kernels (`cuda/norm.cuh`): LayerNorm, RMSNorm, softmax, cross-entropy,
 //! and the column sums that reduce a parameter's gradient over rows in a fixed order.
 
-use crate::{blocks_for, launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{args, launch, row_launch, size_u32, stride_launch, Arg, Dtype, KernelError, Launch, THREADS};
 
 const FAMILY: &str = "norm";
 
@@ -39,21 +39,11 @@ pub fn layer_norm_fwd(
 ) -> Result<Launch, KernelError> {
     let suffix = norm_suffix(x_dt, y_dt)?;
     let d32 = size_u32(FAMILY, "width", d)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_layer_norm_fwd_{suffix}"),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(d32), 1, 1],
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(w),
-            Arg::Ptr(b),
-            Arg::Ptr(y),
-            Arg::Ptr(mean),
-            Arg::Ptr(rstd),
-            Arg::U64(rows as u64),
-            Arg::U32(d32),
-            Arg::F64(eps),
-        ],
+        rows,
+        d32,
+        args(&[x, w, b, y, mean, rstd], [Arg::U64(rows as u64), Arg::U32(d32), Arg::F64(eps)]),
     ))
 }
 
@@ -85,10 +75,10 @@ pub fn layer_norm_bwd(
     let [partials, totals] =
         weight_sums(format!("lazarus_gamma_beta_partials_{suffix}"), vec![x, g, mean, rstd], x_dt, workspace, dwdb, 2, rows, d32)?;
     Ok(vec![
-        launch(
+        row_launch(
             format!("lazarus_layer_norm_bwd_{suffix}"),
-            [row_blocks(rows as u64), 1, 1],
-            [row_threads(d32), 1, 1],
+            rows,
+            d32,
             vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(mean), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
         ),
         partials,
@@ -112,15 +102,14 @@ fn weight_sums(
 ) -> Result<[Launch; 2], KernelError> {
     let parts = parts_for(rows);
     let part = rows.div_ceil(parts).max(1);
-    let mut args: Vec<Arg> = inputs.into_iter().map(Arg::Ptr).collect();
-    args.extend([Arg::Ptr(workspace), Arg::U64(rows as u64), Arg::U32(d32), Arg::U32(size_u32(FAMILY, "part", part)?)]);
+    let mut partial_args: Vec<Arg> = inputs.into_iter().map(Arg::Ptr).collect();
+    partial_args.extend([Arg::Ptr(workspace), Arg::U64(rows as u64), Arg::U32(d32), Arg::U32(size_u32(FAMILY, "part", part)?)]);
     Ok([
-        launch(partials, [d32.div_ceil(32).max(1), parts as u32, 1], [32, 8, 1], args),
-        launch(
+        launch(partials, [d32.div_ceil(32).max(1), parts as u32, 1], [32, 8, 1], partial_args),
+        stride_launch(
             format!("lazarus_column_totals_{}", x_dt.suffix()),
-            [blocks_for(sums as u64 * d32 as u64), 1, 1],
-            [THREADS, 1, 1],
-            vec![Arg::Ptr(workspace), Arg::Ptr(out), Arg::U32(sums), Arg::U32(parts as u32), Arg::U32(d32)],
+            sums as u64 * d32 as u64,
+            args(&[workspace, out], [Arg::U32(sums), Arg::U32(parts as u32), Arg::U32(d32)]),
         ),
     ])
 }
@@ -141,11 +130,11 @@ pub fn rms_norm_fwd(
 ) -> Result<Launch, KernelError> {
     let suffix = norm_suffix(x_dt, y_dt)?;
     let d32 = size_u32(FAMILY, "width", d)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_rms_norm_fwd_{suffix}"),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(d32), 1, 1],
-        vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(y), Arg::Ptr(rstd), Arg::U64(rows as u64), Arg::U32(d32), Arg::F64(eps)],
+        rows,
+        d32,
+        args(&[x, w, y, rstd], [Arg::U64(rows as u64), Arg::U32(d32), Arg::F64(eps)]),
     ))
 }
 
@@ -176,10 +165,10 @@ pub fn rms_norm_bwd(
     let [partials, totals] =
         weight_sums(format!("lazarus_rms_weight_partials_{suffix}"), vec![x, g, rstd], x_dt, workspace, dw, 1, rows, d32)?;
     Ok(vec![
-        launch(
+        row_launch(
             format!("lazarus_rms_norm_bwd_{suffix}"),
-            [row_blocks(rows as u64), 1, 1],
-            [row_threads(d32), 1, 1],
+            rows,
+            d32,
             vec![Arg::Ptr(x), Arg::Ptr(w), Arg::Ptr(g), Arg::Ptr(rstd), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(d32)],
         ),
         partials,
@@ -232,10 +221,9 @@ pub fn column_sums(
                 Arg::U32(size_u32(FAMILY, "part", part)?),
             ],
         ),
-        launch(
+        stride_launch(
             format!("lazarus_column_totals_{}", dt.acc().suffix()),
-            [blocks_for((groups * d) as u64), 1, 1],
-            [THREADS, 1, 1],
+            (groups * d) as u64,
             vec![Arg::Ptr(workspace), Arg::Ptr(out), Arg::U32(groups32), Arg::U32(parts as u32), Arg::U32(d32)],
         ),
     ])
@@ -251,22 +239,22 @@ fn float_suffix(family: &'static str, dt: Dtype) -> Result<&'static str, KernelE
 /// y = softmax(x) over rows of v (f32 or f64).
 pub fn softmax_fwd(dt: Dtype, x: u64, y: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
     let v32 = size_u32(FAMILY, "width", v)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_softmax_fwd_{}", float_suffix(FAMILY, dt)?),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(v32), 1, 1],
-        vec![Arg::Ptr(x), Arg::Ptr(y), Arg::U64(rows as u64), Arg::U32(v32)],
+        rows,
+        v32,
+        args(&[x, y], [Arg::U64(rows as u64), Arg::U32(v32)]),
     ))
 }
 
 /// dx = y ⊙ (g − Σ g·y) over rows of v.
 pub fn softmax_bwd(dt: Dtype, y: u64, g: u64, dx: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
     let v32 = size_u32(FAMILY, "width", v)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_softmax_bwd_{}", float_suffix(FAMILY, dt)?),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(v32), 1, 1],
-        vec![Arg::Ptr(y), Arg::Ptr(g), Arg::Ptr(dx), Arg::U64(rows as u64), Arg::U32(v32)],
+        rows,
+        v32,
+        args(&[y, g, dx], [Arg::U64(rows as u64), Arg::U32(v32)]),
     ))
 }
 
@@ -286,10 +274,10 @@ pub fn cross_entropy_fwd(
     let suffix = float_suffix(FAMILY, dt)?;
     let v32 = size_u32(FAMILY, "classes", v)?;
     Ok(vec![
-        launch(
+        row_launch(
             format!("lazarus_cross_entropy_fwd_{suffix}"),
-            [row_blocks(rows as u64), 1, 1],
-            [row_threads(v32), 1, 1],
+            rows,
+            v32,
             vec![Arg::Ptr(x), Arg::Ptr(targets), Arg::Ptr(row_loss), Arg::Ptr(lse), Arg::U64(rows as u64), Arg::U32(v32)],
         ),
         launch(
@@ -305,18 +293,9 @@ pub fn cross_entropy_fwd(
 /// device).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_bwd(dt: Dtype, x: u64, targets: u64, lse: u64, g: u64, dx: u64, rows: usize, v: usize) -> Result<Launch, KernelError> {
-    Ok(launch(
+    Ok(stride_launch(
         format!("lazarus_cross_entropy_bwd_{}", float_suffix(FAMILY, dt)?),
-        [blocks_for((rows * v) as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(targets),
-            Arg::Ptr(lse),
-            Arg::Ptr(g),
-            Arg::Ptr(dx),
-            Arg::U64(rows as u64),
-            Arg::U32(size_u32(FAMILY, "classes", v)?),
-        ],
+        (rows * v) as u64,
+        args(&[x, targets, lse, g, dx], [Arg::U64(rows as u64), Arg::U32(size_u32(FAMILY, "classes", v)?)]),
     ))
 }

@@ -1,7 +1,7 @@
 //! Launches of the rotary-position kernels (`cuda/rope.cuh`): the cos/sin tables of a sequence
 //! length, and the turn of the queries and keys of a packed projection.
 
-use crate::{blocks_for, launch, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{args, size_u32, stride_launch, Arg, Dtype, KernelError, Launch};
 
 const FAMILY: &str = "rope";
 
@@ -21,11 +21,10 @@ pub fn rope_tables(acc: Dtype, cos: u64, sin: u64, t: usize, head: usize, theta:
     if acc == Dtype::Bf16 {
         return Err(KernelError::Types { family: FAMILY, what: "bf16 tables (f32 or f64)".into() });
     }
-    Ok(launch(
+    Ok(stride_launch(
         format!("lazarus_rope_tables_{}", acc.suffix()),
-        [blocks_for((t * head / 2) as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![Arg::Ptr(cos), Arg::Ptr(sin), Arg::U32(t32), Arg::U32(head32 / 2), Arg::U32(head32), Arg::F64(theta)],
+        (t * head / 2) as u64,
+        args(&[cos, sin], [Arg::U32(t32), Arg::U32(head32 / 2), Arg::U32(head32), Arg::F64(theta)]),
     ))
 }
 
@@ -46,20 +45,9 @@ pub fn rope(
     inverse: bool,
 ) -> Result<Launch, KernelError> {
     let (t32, d32, head32) = sizes(t, d, head)?;
-    Ok(launch(
+    Ok(stride_launch(
         format!("lazarus_rope_{}", dt.suffix()),
-        [blocks_for((rows * 3 * d) as u64), 1, 1],
-        [THREADS, 1, 1],
-        vec![
-            Arg::Ptr(x),
-            Arg::Ptr(y),
-            Arg::Ptr(cos),
-            Arg::Ptr(sin),
-            Arg::U64(rows as u64),
-            Arg::U32(t32),
-            Arg::U32(d32),
-            Arg::U32(head32),
-            Arg::U32(u32::from(inverse)),
-        ],
+        (rows * 3 * d) as u64,
+        args(&[x, y, cos, sin], [Arg::U64(rows as u64), Arg::U32(t32), Arg::U32(d32), Arg::U32(head32), Arg::U32(u32::from(inverse))]),
     ))
 }

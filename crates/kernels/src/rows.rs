@@ -1,7 +1,7 @@
 //! Launches of the row kernels (`cuda/rows.cuh`): gathers, sums of listed rows, the combine's
 //! backward and the embedding; and the row lists those sums read.
 
-use crate::{launch, row_blocks, row_threads, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
+use crate::{args, launch, row_launch, size_u32, Arg, Dtype, KernelError, Launch, THREADS};
 
 const FAMILY: &str = "rows";
 
@@ -42,30 +42,25 @@ pub fn lists_by_key(keys: &[u32], n: usize) -> Result<RowLists, KernelError> {
 /// out[r, :] = src[idx[r], :] for r < rows; src and out of `dt`, d columns, idx u32 [rows].
 pub fn gather_rows(dt: Dtype, src: u64, idx: u64, out: u64, rows: usize, d: usize) -> Result<Launch, KernelError> {
     let d32 = size_u32(FAMILY, "width", d)?;
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_gather_rows_{}", dt.suffix()),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(d32), 1, 1],
-        vec![Arg::Ptr(src), Arg::Ptr(idx), Arg::Ptr(out), Arg::U64(rows as u64), Arg::U32(d32)],
+        rows,
+        d32,
+        args(&[src, idx, out], [Arg::U64(rows as u64), Arg::U32(d32)]),
     ))
 }
 
 /// out[r, :] = tok[ids[r], :] + pos[r mod t, :] for r < rows (tok [V, d], pos [≥ t, d], ids u32).
 #[allow(clippy::too_many_arguments)]
 pub fn embed_fwd(dt: Dtype, tok: u64, pos: u64, ids: u64, out: u64, rows: usize, t: usize, d: usize) -> Result<Launch, KernelError> {
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_embed_fwd_{}", dt.suffix()),
-        [row_blocks(rows as u64), 1, 1],
-        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
-        vec![
-            Arg::Ptr(tok),
-            Arg::Ptr(pos),
-            Arg::Ptr(ids),
-            Arg::Ptr(out),
-            Arg::U64(rows as u64),
-            Arg::U32(size_u32(FAMILY, "sequence length", t)?),
-            Arg::U32(size_u32(FAMILY, "width", d)?),
-        ],
+        rows,
+        size_u32(FAMILY, "width", d)?,
+        args(
+            &[tok, pos, ids, out],
+            [Arg::U64(rows as u64), Arg::U32(size_u32(FAMILY, "sequence length", t)?), Arg::U32(size_u32(FAMILY, "width", d)?)],
+        ),
     ))
 }
 
@@ -93,20 +88,11 @@ pub fn sum_listed_rows(
         (Dtype::Bf16, Dtype::F32) => "bf16_f32",
         _ => return Err(KernelError::Types { family: FAMILY, what: format!("a sum of {input:?} rows into {output:?}") }),
     };
-    Ok(launch(
+    Ok(row_launch(
         format!("lazarus_sum_listed_rows_{suffix}"),
-        [row_blocks(n as u64), 1, 1],
-        [row_threads(size_u32(FAMILY, "width", d)?), 1, 1],
-        vec![
-            Arg::Ptr(src),
-            Arg::Ptr(w),
-            Arg::Ptr(wslot),
-            Arg::Ptr(offsets),
-            Arg::Ptr(list),
-            Arg::Ptr(out),
-            Arg::U64(n as u64),
-            Arg::U32(size_u32(FAMILY, "width", d)?),
-        ],
+        n,
+        size_u32(FAMILY, "width", d)?,
+        args(&[src, w, wslot, offsets, list, out], [Arg::U64(n as u64), Arg::U32(size_u32(FAMILY, "width", d)?)]),
     ))
 }
 
@@ -139,17 +125,7 @@ pub fn combine_rows_bwd(
         format!("lazarus_combine_rows_bwd_{suffix}"),
         [blocks, 1, 1],
         [THREADS, 1, 1],
-        vec![
-            Arg::Ptr(y),
-            Arg::Ptr(w),
-            Arg::Ptr(wslot),
-            Arg::Ptr(g),
-            Arg::Ptr(tokens),
-            Arg::Ptr(dy),
-            Arg::Ptr(dw),
-            Arg::U64(rows as u64),
-            Arg::U32(size_u32(FAMILY, "width", d)?),
-        ],
+        args(&[y, w, wslot, g, tokens, dy, dw], [Arg::U64(rows as u64), Arg::U32(size_u32(FAMILY, "width", d)?)]),
     ))
 }
 

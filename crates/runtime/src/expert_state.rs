@@ -8,7 +8,7 @@
 //! cannot make it allocate more than one expert.
 
 use crate::error::RuntimeError;
-use crate::tensor_wire::{put_table, put_values, tensors_len, Reader, TensorTrainState};
+use crate::tensor_wire::{put_table, put_values, shapes_of, tensors_len, Reader, TensorTrainState};
 
 const MAGIC: u32 = 0x4c5a_5831; // "LZX1"
 /// The most tensors an expert has: W1 [d, f₁], b1 [f₁], W2 [f, d], b2 [d]
@@ -36,9 +36,8 @@ impl ExpertState {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let shapes: Vec<Vec<usize>> = self.tensors.iter().map(|t| t.shape.clone()).collect();
         let steps: Vec<u64> = self.tensors.iter().map(|t| t.step).collect();
-        let mut out = Self::wire_header(self.layer, self.expert, &shapes, &steps);
+        let mut out = Self::wire_header(self.layer, self.expert, &shapes_of(&self.tensors), &steps);
         for t in &self.tensors {
             for part in [&t.weight, &t.m, &t.v] {
                 put_values(&mut out, part);
@@ -79,15 +78,9 @@ impl ExpertState {
     /// kept in memory is checked on arrival and decoded only if it is ever restored). Returns each
     /// tensor's AdamW step and where the values begin.
     pub fn check(bytes: &[u8], layer: usize, expert: usize, shapes: &[Vec<usize>]) -> Result<(Vec<u64>, usize), RuntimeError> {
-        let want = Self::encoded_len(shapes);
-        if bytes.len() != want {
-            return Err(bad(format!("layer {layer} expert {expert}: {} bytes, expected {want}", bytes.len())));
-        }
-        let mut r = Reader::new(bytes, 0);
-        let (magic, l, e) = (r.u32(), r.u32(), r.u32());
-        if magic != MAGIC {
-            return Err(bad(format!("bad magic {magic:#x}")));
-        }
+        let bad_here = |reason: String| bad(format!("layer {layer} expert {expert}: {reason}"));
+        let mut r = Reader::checked(bytes, Self::encoded_len(shapes), MAGIC, bad_here)?;
+        let (l, e) = (r.u32(), r.u32());
         if (l as usize, e as usize) != (layer, expert) {
             return Err(bad(format!("carries layer {l} expert {e}, expected layer {layer} expert {expert}")));
         }
@@ -99,31 +92,17 @@ impl ExpertState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor_wire::testing::{counting, damaged_never_panic};
 
     fn sample() -> ExpertState {
-        let shapes = [vec![3, 2], vec![2], vec![2, 3], vec![3]];
-        let mut x = 0.0f32;
-        let mut next = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    x += 0.25;
-                    x
-                })
-                .collect()
-        };
-        let tensors = (0..shapes.len())
-            .map(|k| {
-                let n = shapes[k].iter().product();
-                TensorTrainState { shape: shapes[k].clone(), weight: next(n), m: next(n), v: next(n), step: 7 + k as u64 }
-            })
-            .collect();
+        let tensors = counting(&[vec![3, 2], vec![2], vec![2, 3], vec![3]], 0.25, 7);
         ExpertState { layer: 2, expert: 5, tensors }
     }
 
     #[test]
     fn round_trips_and_checks_what_it_reads() {
         let s = sample();
-        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
+        let shapes = shapes_of(&s.tensors);
         let bytes = s.encode();
         assert_eq!(bytes.len(), ExpertState::encoded_len(&shapes));
         assert_eq!(ExpertState::decode(&bytes, 2, 5, &shapes).unwrap(), s);
@@ -143,15 +122,7 @@ mod tests {
     #[test]
     fn damaged_bytes_are_an_error_never_a_panic() {
         let s = sample();
-        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
-        let bytes = s.encode();
-        for i in 0..bytes.len() {
-            for flip in [1u8, 0x80, 0xff] {
-                let mut b = bytes.clone();
-                b[i] ^= flip;
-                let _ = ExpertState::decode(&b, 2, 5, &shapes);
-            }
-            let _ = ExpertState::decode(&bytes[..i], 2, 5, &shapes);
-        }
+        let shapes = shapes_of(&s.tensors);
+        damaged_never_panic(&s.encode(), |b| drop(ExpertState::decode(b, 2, 5, &shapes)));
     }
 }

@@ -10,7 +10,7 @@
 //! cannot make it allocate more than one model's replicated state.
 
 use crate::error::RuntimeError;
-use crate::tensor_wire::{put_tensors, tensors_len, Reader, TensorTrainState};
+use crate::tensor_wire::{put_tensors, shapes_of, tensors_len, Reader, TensorTrainState};
 
 const MAGIC: u32 = 0x4c5a_4431; // "LZD1"
 
@@ -36,8 +36,7 @@ impl SharedState {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let shapes: Vec<Vec<usize>> = self.tensors.iter().map(|t| t.shape.clone()).collect();
-        let mut out = Vec::with_capacity(Self::encoded_len(&shapes));
+        let mut out = Vec::with_capacity(Self::encoded_len(&shapes_of(&self.tensors)));
         out.extend_from_slice(&MAGIC.to_le_bytes());
         out.extend_from_slice(&self.step.to_le_bytes());
         out.extend_from_slice(&self.cursor.to_le_bytes());
@@ -48,15 +47,7 @@ impl SharedState {
 
     /// Decode a state whose tensors must have `shapes`.
     pub fn decode(bytes: &[u8], shapes: &[Vec<usize>]) -> Result<Self, RuntimeError> {
-        let want = Self::encoded_len(shapes);
-        if bytes.len() != want {
-            return Err(bad(format!("{} bytes, expected {want}", bytes.len())));
-        }
-        let mut r = Reader::new(bytes, 0);
-        let magic = r.u32();
-        if magic != MAGIC {
-            return Err(bad(format!("bad magic {magic:#x}")));
-        }
+        let mut r = Reader::checked(bytes, Self::encoded_len(shapes), MAGIC, bad)?;
         let (step, cursor) = (r.u64(), r.u64());
         let count = r.u32() as usize;
         if count != shapes.len() {
@@ -71,33 +62,16 @@ impl SharedState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor_wire::testing::{counting, damaged_never_panic};
 
     fn sample() -> SharedState {
-        let shapes = [vec![4, 2], vec![2], vec![]];
-        let mut x = 0.0f32;
-        let tensors = shapes
-            .iter()
-            .enumerate()
-            .map(|(k, s)| {
-                let n: usize = s.iter().product();
-                let mut next = || {
-                    (0..n)
-                        .map(|_| {
-                            x += 0.5;
-                            x
-                        })
-                        .collect::<Vec<f32>>()
-                };
-                TensorTrainState { shape: s.clone(), weight: next(), m: next(), v: next(), step: 3 + k as u64 }
-            })
-            .collect();
-        SharedState { step: 11, cursor: 88, tensors }
+        SharedState { step: 11, cursor: 88, tensors: counting(&[vec![4, 2], vec![2], vec![]], 0.5, 3) }
     }
 
     #[test]
     fn round_trips_and_checks_what_it_reads() {
         let s = sample();
-        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
+        let shapes = shapes_of(&s.tensors);
         let bytes = s.encode();
         assert_eq!(bytes.len(), SharedState::encoded_len(&shapes));
         assert_eq!(SharedState::decode(&bytes, &shapes).unwrap(), s);
@@ -115,15 +89,7 @@ mod tests {
     #[test]
     fn damaged_bytes_are_an_error_never_a_panic() {
         let s = sample();
-        let shapes: Vec<Vec<usize>> = s.tensors.iter().map(|t| t.shape.clone()).collect();
-        let bytes = s.encode();
-        for i in 0..bytes.len() {
-            for flip in [1u8, 0x80, 0xff] {
-                let mut b = bytes.clone();
-                b[i] ^= flip;
-                let _ = SharedState::decode(&b, &shapes);
-            }
-            let _ = SharedState::decode(&bytes[..i], &shapes);
-        }
+        let shapes = shapes_of(&s.tensors);
+        damaged_never_panic(&s.encode(), |b| drop(SharedState::decode(b, &shapes)));
     }
 }

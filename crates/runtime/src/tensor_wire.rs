@@ -18,6 +18,11 @@ pub struct TensorTrainState {
     pub step: u64,
 }
 
+/// The shape of each of `tensors`.
+pub(crate) fn shapes_of(tensors: &[TensorTrainState]) -> Vec<Vec<usize>> {
+    tensors.iter().map(|t| t.shape.clone()).collect()
+}
+
 /// Bytes of the table and values of tensors of these shapes.
 pub(crate) fn tensors_len(shapes: &[Vec<usize>]) -> usize {
     shapes.iter().map(|s| 4 + 8 * s.len() + 8 + 3 * 4 * s.iter().product::<usize>()).sum()
@@ -59,6 +64,19 @@ pub(crate) struct Reader<'a> {
 impl<'a> Reader<'a> {
     pub(crate) fn new(bytes: &'a [u8], at: usize) -> Self {
         Reader { bytes, at }
+    }
+
+    /// A reader of `bytes` past their magic, once they are `want` bytes long (what the shapes
+    /// expected make) and begin with `magic`; `bad` says what is wrong otherwise.
+    pub(crate) fn checked(bytes: &'a [u8], want: usize, magic: u32, bad: impl Fn(String) -> RuntimeError) -> Result<Self, RuntimeError> {
+        if bytes.len() != want {
+            return Err(bad(format!("{} bytes, expected {want}", bytes.len())));
+        }
+        let mut r = Reader::new(bytes, 0);
+        match r.u32() {
+            m if m == magic => Ok(r),
+            m => Err(bad(format!("bad magic {m:#x}"))),
+        }
     }
 
     /// Where the next read begins.
@@ -115,5 +133,44 @@ impl<'a> Reader<'a> {
                 TensorTrainState { shape: shape.clone(), weight, m, v, step }
             })
             .collect()
+    }
+}
+
+/// What the tests of both wire forms make and check.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::TensorTrainState;
+
+    /// Tensors of `shapes` whose values count up by `by` from it (weights, then m, then v, tensor
+    /// by tensor), the k-th at AdamW step `first_step + k`.
+    pub(crate) fn counting(shapes: &[Vec<usize>], by: f32, first_step: u64) -> Vec<TensorTrainState> {
+        let mut x = 0.0f32;
+        let mut next = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x += by;
+                    x
+                })
+                .collect()
+        };
+        (0..shapes.len())
+            .map(|k| {
+                let n = shapes[k].iter().product();
+                TensorTrainState { shape: shapes[k].clone(), weight: next(n), m: next(n), v: next(n), step: first_step + k as u64 }
+            })
+            .collect()
+    }
+
+    /// `decode` given every byte of `bytes` flipped three ways, and every prefix: it must return
+    /// (an error, never a panic).
+    pub(crate) fn damaged_never_panic(bytes: &[u8], decode: impl Fn(&[u8])) {
+        for i in 0..bytes.len() {
+            for flip in [1u8, 0x80, 0xff] {
+                let mut b = bytes.to_vec();
+                b[i] ^= flip;
+                decode(&b);
+            }
+            decode(&bytes[..i]);
+        }
     }
 }

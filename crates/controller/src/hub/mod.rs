@@ -520,13 +520,23 @@ impl AgentHub {
         mut on_join: impl FnMut(&AgentInfo, usize, usize) -> Result<(), ControlError>,
     ) -> Result<(), ControlError> {
         let mut shown = 0;
-        let mut joined = |agent: u64, shown: &mut usize| -> Result<(), ControlError> {
-            match self.agents().into_iter().find(|a| a.agent == agent) {
-                Some(info) => {
-                    *shown += info.gpus;
-                    on_join(&info, *shown, self.world)
+        // What the hub said while the job waits: an arrival is told of, a departure said.
+        let mut heard = |got: Result<HubInput, RecvTimeoutError>, shown: &mut usize| -> Result<(), ControlError> {
+            match got {
+                Ok(HubInput::Joined { agent }) => match self.agents().into_iter().find(|a| a.agent == agent) {
+                    Some(info) => {
+                        *shown += info.gpus;
+                        on_join(&info, *shown, self.world)
+                    }
+                    None => Ok(()),
+                },
+                Ok(HubInput::Gone { agent, why }) => {
+                    tracing::warn!("agent {agent} left before the job started: {why}");
+                    *shown = self.attached_workers();
+                    Ok(())
                 }
-                None => Ok(()),
+                Ok(_) | Err(RecvTimeoutError::Timeout) => Ok(()),
+                Err(RecvTimeoutError::Disconnected) => Err(ControlError::Launch("the agent hub stopped".into())),
             }
         };
         // Since when every worker is attached: an agent is counted when it is admitted, a moment
@@ -541,15 +551,7 @@ impl AgentHub {
                 if shown >= attached || left.is_zero() {
                     return Ok(());
                 }
-                match inputs.recv_timeout(left) {
-                    Ok(HubInput::Joined { agent }) => joined(agent, &mut shown)?,
-                    Ok(HubInput::Gone { agent, why }) => {
-                        tracing::warn!("agent {agent} left before the job started: {why}");
-                        shown = self.attached_workers();
-                    }
-                    Ok(_) | Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return Err(ControlError::Launch("the agent hub stopped".into())),
-                }
+                heard(inputs.recv_timeout(left), &mut shown)?;
                 continue;
             }
             complete_since = None;
@@ -578,15 +580,7 @@ impl AgentHub {
             for a in silent {
                 self.drop_agent(a, &format!("silent for over {} ms before the job started", self.lease.as_millis()));
             }
-            match inputs.recv_timeout((deadline - now).min(self.heartbeat)) {
-                Ok(HubInput::Joined { agent }) => joined(agent, &mut shown)?,
-                Ok(HubInput::Gone { agent, why }) => {
-                    tracing::warn!("agent {agent} left before the job started: {why}");
-                    shown = self.attached_workers();
-                }
-                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return Err(ControlError::Launch("the agent hub stopped".into())),
-            }
+            heard(inputs.recv_timeout((deadline - now).min(self.heartbeat)), &mut shown)?;
         }
     }
 

@@ -14,7 +14,6 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -45,9 +44,7 @@ pub struct MetricsEndpoint {
 
 /// The HTTP endpoint Prometheus scrapes; stops when dropped.
 pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::watch::Sender<bool>>,
-    thread: Option<JoinHandle<()>>,
+    server: crate::server_thread::ServerThread,
 }
 
 impl MetricsServer {
@@ -93,22 +90,11 @@ impl MetricsServer {
                 });
             })
             .map_err(|e| ControlError::io("starting the metrics server", e))?;
-        Ok(MetricsServer { addr, stop: Some(stop), thread: Some(thread) })
+        Ok(MetricsServer { server: crate::server_thread::ServerThread::new(addr, stop, thread) })
     }
 
     pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(true);
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.server.addr()
     }
 }
 

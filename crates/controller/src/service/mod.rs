@@ -6,7 +6,6 @@
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::decisions::{Controller, MemberState};
@@ -167,9 +166,7 @@ impl Control for Service {
 /// The gRPC service of a running controller (status, and the agents' sessions when it has a
 /// hub); stops when dropped.
 pub struct GrpcServer {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::watch::Sender<bool>>,
-    thread: Option<JoinHandle<()>>,
+    server: crate::server_thread::ServerThread,
 }
 
 impl GrpcServer {
@@ -225,22 +222,11 @@ impl GrpcServer {
                 });
             })
             .map_err(|e| ControlError::io("starting the status server", e))?;
-        Ok(GrpcServer { addr, stop: Some(stop), thread: Some(thread) })
+        Ok(GrpcServer { server: crate::server_thread::ServerThread::new(addr, stop, thread) })
     }
 
     pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for GrpcServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(true);
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.server.addr()
     }
 }
 

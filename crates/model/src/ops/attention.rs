@@ -16,7 +16,7 @@ use super::gemm::gemm_strided;
 use super::host::{contiguous_slice, host_f64, with_host_f32, Unfilled};
 use super::parallel::{for_each_parallel, SharedMut};
 use super::simd::{softmax_row_f32, softmax_row_f64};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// Query rows (or key columns) per block of the causal products: small enough to skip most of
 /// the masked half, large enough to keep the GEMM micro-kernel busy.
@@ -193,13 +193,10 @@ macro_rules! attention_impl {
 attention_impl!(attention_fwd_f32, attention_bwd_f32, attention_probs_f32, softmax_row_f32, f32);
 attention_impl!(attention_fwd_f64, attention_bwd_f64, attention_probs_f64, softmax_row_f64, f64);
 
-impl CustomOp1 for CausalAttention {
-    fn name(&self) -> &'static str {
-        "lazarus-causal-attention"
-    }
+custom_op!(CausalAttention: CustomOp1 "lazarus-causal-attention", cpu, "causal-attention");
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("causal-attention.fwd");
+impl CausalAttention {
+    fn cpu(&self, [(storage, layout)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, t, d3) = layout.shape().dims3()?;
         let d = d3 / 3;
         if d3 % 3 != 0 || d % self.heads != 0 {
@@ -213,8 +210,7 @@ impl CustomOp1 for CausalAttention {
         Ok((out, Shape::from((b, t, d))))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("causal-attention.bwd");
+    fn grads(&self, [arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let (b, t, d3) = arg.dims3()?;
         let d = d3 / 3;
         let dqkv = match arg.dtype() {

@@ -75,13 +75,10 @@ impl CrossEntropy {
     }
 }
 
-impl candle_core::CustomOp1 for CrossEntropy {
-    fn name(&self) -> &'static str {
-        "lazarus-cross-entropy"
-    }
+custom_op!(CrossEntropy: CustomOp1 "lazarus-cross-entropy", cpu, "cross-entropy");
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("cross-entropy.fwd");
+impl CrossEntropy {
+    fn cpu(&self, [(s, l)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, v) = l.shape().dims2()?;
         self.check(n, v)?;
         let out = match s {
@@ -92,8 +89,7 @@ impl candle_core::CustomOp1 for CrossEntropy {
         Ok((out, Shape::from(())))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("cross-entropy.bwd");
+    fn grads(&self, [arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let (_, v) = arg.dims2()?;
         let g = grad.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         let gx = match arg.dtype() {

@@ -119,18 +119,14 @@ fn gelu_grad_values_f64(out: &mut [f64], x: &[f64]) {
 struct Gelu;
 struct GeluGrad;
 
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "lazarus-gelu"
-    }
+custom_op!(Gelu: CustomOp1 "lazarus-gelu", cpu, "gelu");
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("gelu.fwd");
+impl Gelu {
+    fn cpu(&self, [(storage, layout)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         apply(storage, layout, gelu_slice_f32, gelu_slice_f64)
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("gelu.bwd");
+    fn grads(&self, [arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let d = arg.contiguous()?.apply_op1_no_bwd(&GeluGrad)?;
         Ok(Some(grad.mul(&d)?))
     }

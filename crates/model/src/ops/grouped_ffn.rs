@@ -136,21 +136,10 @@ macro_rules! grouped_ffn_impl {
 grouped_ffn_impl!(grouped_fwd_f32, grouped_bwd_f32, ffn_fwd_f32, ffn_bwd_f32, f32, F32);
 grouped_ffn_impl!(grouped_fwd_f64, grouped_bwd_f64, ffn_fwd_f64, ffn_bwd_f64, f64, F64);
 
-impl candle_core::CustomOp3 for GroupedExpertFfn {
-    fn name(&self) -> &'static str {
-        "lazarus-grouped-expert-ffn"
-    }
+custom_op!(GroupedExpertFfn: CustomOp3 "lazarus-grouped-expert-ffn", cpu, "grouped-expert-ffn");
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("grouped-expert-ffn.fwd");
+impl GroupedExpertFfn {
+    fn cpu(&self, [(s1, l1), (s2, l2), (s3, l3)]: [(&CpuStorage, &Layout); 3]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, d) = l1.shape().dims2()?;
         let (e, d1, f1) = l2.shape().dims3()?;
         let f = l3.shape().dims3()?.1.saturating_sub(1);
@@ -187,15 +176,7 @@ impl candle_core::CustomOp3 for GroupedExpertFfn {
         Ok((out, Shape::from((rows, d))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w1s: &Tensor,
-        w2s: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("grouped-expert-ffn.bwd");
+    fn grads(&self, [x, w1s, w2s]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads3> {
         let (_, d) = x.dims2()?;
         let (f1, f) = (w1s.dim(2)?, w2s.dim(1)? - 1);
         let dev = x.device();
@@ -382,13 +363,10 @@ fn by_expert<'a, T>(flat: &[Option<&'a [T]>]) -> Vec<[&'a [T]; 4]> {
     flat.chunks(4).map(|c| std::array::from_fn(|i| c[i].unwrap_or_default())).collect()
 }
 
-impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
-    fn name(&self) -> &'static str {
-        "lazarus-grouped-expert-ffn-to-sink"
-    }
+custom_op!(GroupedExpertFfnToSink: CustomOp1 "lazarus-grouped-expert-ffn-to-sink", cpu, "grouped-expert-ffn-to-sink");
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("grouped-expert-ffn-to-sink.fwd");
+impl GroupedExpertFfnToSink {
+    fn cpu(&self, [(storage, layout)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, d) = layout.shape().dims2()?;
         let f = self.f();
         let f1 = self.act.first_width(f);
@@ -428,8 +406,7 @@ impl candle_core::CustomOp1 for GroupedExpertFfnToSink {
         Ok((out, Shape::from((rows, d))))
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("grouped-expert-ffn-to-sink.bwd");
+    fn grads(&self, [x]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let (_, d) = x.dims2()?;
         let f = self.f();
         let dev = x.device();

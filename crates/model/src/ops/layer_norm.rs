@@ -84,21 +84,10 @@ macro_rules! layer_norm_impl {
 layer_norm_impl!(layer_norm_fwd_f32, layer_norm_bwd_f32, f32);
 layer_norm_impl!(layer_norm_fwd_f64, layer_norm_bwd_f64, f64);
 
-impl candle_core::CustomOp3 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "lazarus-layer-norm"
-    }
+custom_op!(LayerNorm: CustomOp3 "lazarus-layer-norm", cpu, "layer-norm");
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("layer-norm.fwd");
+impl LayerNorm {
+    fn cpu(&self, [(s1, l1), (s2, l2), (s3, l3)]: [(&CpuStorage, &Layout); 3]) -> candle_core::Result<(CpuStorage, Shape)> {
         let width = l1.shape().dims().last().copied().unwrap_or(1);
         if l2.shape().elem_count() != width || l3.shape().elem_count() != width {
             candle_core::bail!("layer norm: weight {:?} / bias {:?} do not match input {:?}", l2.shape(), l3.shape(), l1.shape());
@@ -115,15 +104,7 @@ impl candle_core::CustomOp3 for LayerNorm {
         Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("layer-norm.bwd");
+    fn grads(&self, [x, w, _b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads3> {
         let dev = x.device();
         let (dx, dw, db) = match x.dtype() {
             candle_core::DType::F32 => {
@@ -167,7 +148,7 @@ pub fn layer_norm_to(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, out: candle_c
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{data, max_diff};
+    use super::super::testing::{assert_same_with_gradients, data};
     use super::*;
     use candle_core::{Device, Var};
 
@@ -181,15 +162,9 @@ mod tests {
         let x = Var::from_vec(data(rows * width, seed), (rows, width), &Device::Cpu).unwrap();
         let w = Var::from_vec(data(width, seed + 1), width, &Device::Cpu).unwrap();
         let b = Var::from_vec(data(width, seed + 2), width, &Device::Cpu).unwrap();
-        let probe = Tensor::from_vec(data(rows * width, seed + 3), (rows, width), &Device::Cpu).unwrap();
         let ours = layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
         let theirs = composite(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5);
-        assert!(max_diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        for v in [&x, &w, &b] {
-            assert!(max_diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
-        }
+        assert_same_with_gradients(&[&x, &w, &b], &ours, &theirs, seed + 3, 1e-12, 1e-10);
     }
 
     #[test]

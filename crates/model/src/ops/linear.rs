@@ -88,21 +88,10 @@ fn add_row_sums_by_columns<T: Copy + Send + Sync + std::ops::AddAssign>(acc: &mu
 linear_impl!(linear_fwd_f32, linear_bwd_f32, f32);
 linear_impl!(linear_fwd_f64, linear_bwd_f64, f64);
 
-impl candle_core::CustomOp3 for LinearOp {
-    fn name(&self) -> &'static str {
-        "lazarus-linear"
-    }
+custom_op!(LinearOp: CustomOp3 "lazarus-linear", cpu, "linear");
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("linear.fwd");
+impl LinearOp {
+    fn cpu(&self, [(s1, l1), (s2, l2), (s3, l3)]: [(&CpuStorage, &Layout); 3]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, din) = l1.shape().dims2()?;
         let (din2, dout) = l2.shape().dims2()?;
         if din2 != din || l3.shape().dims1()? != dout {
@@ -120,15 +109,7 @@ impl candle_core::CustomOp3 for LinearOp {
         Ok((out, Shape::from((n, dout))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("linear.bwd");
+    fn grads(&self, [x, w, _b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads3> {
         let (n, din) = x.dims2()?;
         let dout = w.dim(1)?;
         let dev = x.device();

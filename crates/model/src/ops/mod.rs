@@ -29,6 +29,66 @@
 //! - [`gather_rows`] / [`combine_rows`]: an MoE layer's token rows into expert order, and the
 //!   expert outputs, weighted, back onto their tokens.
 //! - [`residual_add`]: a + b on the residual stream, over the cores.
+//!
+//! Each op, here and on the GPU (`cuda/`), gets candle's custom-op trait from [`custom_op!`]:
+//! the op writes its forward (`cpu` or `cuda`) and its backward (`grads`) with the inputs as
+//! arrays, and the macro fills in the rest of the trait the same way for all of them.
+
+/// candle's custom-op trait (`CustomOp1`, `2` or `3`) for one of our ops, from its own methods
+/// with the inputs as arrays: its forward on the device it runs on —
+/// `cpu(&self, [(&CpuStorage, &Layout); N])` or `cuda(&self, [(&CudaStorage, &Layout); N])`
+/// (a GPU op's CPU forward is an error: its public function sends CPU tensors elsewhere) — and
+/// its backward, `grads(&self, [&Tensor; N], result, grad)` giving [`Grads1`], `2` or `3`;
+/// each timed under the op's profile name (`.fwd`, `.bwd`: [`crate::profile`]).
+macro_rules! custom_op {
+    ($op:ty: CustomOp1 $name:literal, $dev:ident, $profile:literal) => {
+        custom_op!(@impl $op, CustomOp1, $name, $dev, $profile, [a al], crate::ops::Grads1);
+    };
+    ($op:ty: CustomOp2 $name:literal, $dev:ident, $profile:literal) => {
+        custom_op!(@impl $op, CustomOp2, $name, $dev, $profile, [a al, b bl], crate::ops::Grads2);
+    };
+    ($op:ty: CustomOp3 $name:literal, $dev:ident, $profile:literal) => {
+        custom_op!(@impl $op, CustomOp3, $name, $dev, $profile, [a al, b bl, c cl], crate::ops::Grads3);
+    };
+    (@impl $op:ty, $trait:ident, $name:literal, $dev:ident, $profile:literal, [$($s:ident $l:ident),+], $grads:ty) => {
+        impl candle_core::$trait for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            custom_op!(@forward $dev, $name, $profile, $($s $l),+);
+
+            fn bwd(&self, $($s: &candle_core::Tensor,)+ res: &candle_core::Tensor, grad: &candle_core::Tensor) -> candle_core::Result<$grads> {
+                let _profile = crate::profile::kernel(concat!($profile, ".bwd"));
+                self.grads([$($s),+], res, grad)
+            }
+        }
+    };
+    (@forward cpu, $name:literal, $profile:literal, $($s:ident $l:ident),+) => {
+        fn cpu_fwd(&self, $($s: &candle_core::CpuStorage, $l: &candle_core::Layout),+) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            let _profile = crate::profile::kernel(concat!($profile, ".fwd"));
+            self.cpu([$(($s, $l)),+])
+        }
+    };
+    (@forward cuda, $name:literal, $profile:literal, $($s:ident $l:ident),+) => {
+        fn cpu_fwd(&self, $($s: &candle_core::CpuStorage, $l: &candle_core::Layout),+) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            let _ = ($($s, $l),+);
+            crate::ops::cuda::not_on_cpu($name)
+        }
+
+        fn cuda_fwd(&self, $($s: &candle_core::CudaStorage, $l: &candle_core::Layout),+) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            let _profile = crate::profile::kernel(concat!($profile, ".fwd"));
+            self.cuda([$(($s, $l)),+])
+        }
+    };
+}
+
+/// The gradient of a one-input op's input (None: it has none).
+pub(crate) type Grads1 = Option<candle_core::Tensor>;
+/// The gradients of a two-input op's inputs.
+pub(crate) type Grads2 = (Option<candle_core::Tensor>, Option<candle_core::Tensor>);
+/// The gradients of a three-input op's inputs.
+pub(crate) type Grads3 = (Option<candle_core::Tensor>, Option<candle_core::Tensor>, Option<candle_core::Tensor>);
 
 mod attention;
 mod composite;

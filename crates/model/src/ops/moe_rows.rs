@@ -115,13 +115,10 @@ struct CombineRows {
     n: usize,
 }
 
-impl candle_core::CustomOp1 for GatherRows {
-    fn name(&self) -> &'static str {
-        "lazarus-gather-rows"
-    }
+custom_op!(GatherRows: CustomOp1 "lazarus-gather-rows", cpu, "gather-rows");
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("gather-rows.fwd");
+impl GatherRows {
+    fn cpu(&self, [(s, l)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (n, d) = l.shape().dims2()?;
         if n != self.n {
             candle_core::bail!("gather rows: {n} token rows, expected {}", self.n);
@@ -134,8 +131,7 @@ impl candle_core::CustomOp1 for GatherRows {
         Ok((out, Shape::from((self.tokens.len(), d))))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("gather-rows.bwd");
+    fn grads(&self, [arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let (n, d) = arg.dims2()?;
         let rows_of = rows_of_tokens(&self.tokens, n)?;
         let g = match arg.dtype() {
@@ -148,13 +144,10 @@ impl candle_core::CustomOp1 for GatherRows {
     }
 }
 
-impl candle_core::CustomOp2 for CombineRows {
-    fn name(&self) -> &'static str {
-        "lazarus-combine-rows"
-    }
+custom_op!(CombineRows: CustomOp2 "lazarus-combine-rows", cpu, "combine-rows");
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("combine-rows.fwd");
+impl CombineRows {
+    fn cpu(&self, [(s1, l1), (s2, l2)]: [(&CpuStorage, &Layout); 2]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (r, d) = l1.shape().dims2()?;
         if r != self.tokens.len() || l2.shape().dims1()? != r {
             candle_core::bail!("combine rows: shapes {:?} {:?} for {} rows", l1.shape(), l2.shape(), self.tokens.len());
@@ -172,8 +165,7 @@ impl candle_core::CustomOp2 for CombineRows {
         Ok((out, Shape::from((self.n, d))))
     }
 
-    fn bwd(&self, y: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("combine-rows.bwd");
+    fn grads(&self, [y, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let (r, d) = y.dims2()?;
         let dev = y.device();
         let (gy, gw) = match y.dtype() {

@@ -8,7 +8,7 @@
 
 use super::host::{contiguous_slice, Unfilled};
 use super::parallel::{part_len, run_parallel, ELEMENTWISE_MIN};
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 fn add_parts<T: Copy + Send + Sync + Default + std::ops::Add<Output = T>>(a: &[T], b: &[T]) -> Vec<T> {
     assert_eq!(a.len(), b.len());
@@ -25,13 +25,10 @@ fn add_parts<T: Copy + Send + Sync + Default + std::ops::Add<Output = T>>(a: &[T
 
 struct ResidualAdd;
 
-impl CustomOp2 for ResidualAdd {
-    fn name(&self) -> &'static str {
-        "lazarus-residual-add"
-    }
+custom_op!(ResidualAdd: CustomOp2 "lazarus-residual-add", cpu, "residual-add");
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("residual-add.fwd");
+impl ResidualAdd {
+    fn cpu(&self, [(s1, l1), (s2, l2)]: [(&CpuStorage, &Layout); 2]) -> candle_core::Result<(CpuStorage, Shape)> {
         if l1.shape() != l2.shape() {
             candle_core::bail!("residual add: shapes {:?} and {:?} differ", l1.shape(), l2.shape());
         }
@@ -43,8 +40,7 @@ impl CustomOp2 for ResidualAdd {
         Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, _a: &Tensor, _b: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("residual-add.bwd");
+    fn grads(&self, [_a, _b]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         Ok((Some(grad.clone()), Some(grad.clone())))
     }
 }

@@ -75,13 +75,10 @@ macro_rules! rms_norm_impl {
 rms_norm_impl!(rms_norm_fwd_f32, rms_norm_bwd_f32, f32);
 rms_norm_impl!(rms_norm_fwd_f64, rms_norm_bwd_f64, f64);
 
-impl candle_core::CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "lazarus-rms-norm"
-    }
+custom_op!(RmsNorm: CustomOp2 "lazarus-rms-norm", cpu, "rms-norm");
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("rms-norm.fwd");
+impl RmsNorm {
+    fn cpu(&self, [(s1, l1), (s2, l2)]: [(&CpuStorage, &Layout); 2]) -> candle_core::Result<(CpuStorage, Shape)> {
         let width = l1.shape().dims().last().copied().unwrap_or(1);
         if l2.shape().elem_count() != width || width == 0 {
             candle_core::bail!("rms norm: weight {:?} does not match input {:?}", l2.shape(), l1.shape());
@@ -98,8 +95,7 @@ impl candle_core::CustomOp2 for RmsNorm {
         Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _profile = crate::profile::kernel("rms-norm.bwd");
+    fn grads(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let dev = x.device();
         let (dx, dw) = match x.dtype() {
             candle_core::DType::F32 => {
@@ -139,7 +135,7 @@ pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f64, out: candle_core::DType) ->
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{data, max_diff};
+    use super::super::testing::{assert_same_with_gradients, data, max_diff};
     use super::*;
     use candle_core::{Device, Var};
 
@@ -147,15 +143,9 @@ mod tests {
     fn check(rows: usize, width: usize, seed: u64) {
         let x = Var::from_vec(data(rows * width, seed), (rows, width), &Device::Cpu).unwrap();
         let w = Var::from_vec(data(width, seed + 1), width, &Device::Cpu).unwrap();
-        let probe = Tensor::from_vec(data(rows * width, seed + 3), (rows, width), &Device::Cpu).unwrap();
         let ours = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
         let theirs = super::super::composite::rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
-        assert!(max_diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        for v in [&x, &w] {
-            assert!(max_diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap()) < 1e-10);
-        }
+        assert_same_with_gradients(&[&x, &w], &ours, &theirs, seed + 3, 1e-12, 1e-10);
         // f32 against the f64 result.
         let x32 = x.as_tensor().to_dtype(candle_core::DType::F32).unwrap();
         let w32 = w.as_tensor().to_dtype(candle_core::DType::F32).unwrap();

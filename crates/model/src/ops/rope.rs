@@ -9,7 +9,7 @@
 
 use super::host::{contiguous_slice, host_f64, with_host_f32, write_copy, Unfilled};
 use super::parallel::{part_len, run_parallel, ROWWISE_MIN};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// The autograd node of [`rope`]: qkv [B, T, 3d] → the same shape.
 struct Rope {
@@ -58,13 +58,10 @@ macro_rules! rope_impl {
 rope_impl!(rope_f32, f32);
 rope_impl!(rope_f64, f64);
 
-impl CustomOp1 for Rope {
-    fn name(&self) -> &'static str {
-        "lazarus-rope"
-    }
+custom_op!(Rope: CustomOp1 "lazarus-rope", cpu, "rope");
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("rope");
+impl Rope {
+    fn cpu(&self, [(storage, layout)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let (_, t, d3) = layout.shape().dims3()?;
         let d = d3 / 3;
         let (cos, sin) = super::composite::rope_tables(t, d / self.heads, self.theta);
@@ -76,9 +73,7 @@ impl CustomOp1 for Rope {
         Ok((out, layout.shape().clone()))
     }
 
-    /// The gradient turned back by the opposite angles, straight from its buffer.
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("rope.bwd");
+    fn grads(&self, [_arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let (_, t, d3) = grad.dims3()?;
         let d = d3 / 3;
         let (cos, sin) = super::composite::rope_tables(t, d / self.heads, self.theta);

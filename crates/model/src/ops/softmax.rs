@@ -9,19 +9,16 @@ use super::parallel::rows_parallel;
 /// Softmax rows go over the cores from this many elements: an `exp` each (the router's
 /// probabilities, [tokens, experts], are small but were a serial millisecond a step on 16 cores).
 const SOFTMAX_PARALLEL_MIN: usize = 1 << 11;
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 /// Softmax over the last dimension in one pass per row; backward
 /// dx = s ⊙ (g − Σ g·s) in one pass.
 struct SoftmaxLast;
 
-impl CustomOp1 for SoftmaxLast {
-    fn name(&self) -> &'static str {
-        "lazarus-softmax-last"
-    }
+custom_op!(SoftmaxLast: CustomOp1 "lazarus-softmax-last", cpu, "softmax-last");
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let _profile = crate::profile::kernel("softmax-last.fwd");
+impl SoftmaxLast {
+    fn cpu(&self, [(storage, layout)]: [(&CpuStorage, &Layout); 1]) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = storage_f64(storage, layout)?;
         let width = layout.shape().dims().last().copied().unwrap_or(1);
         let out = rows_parallel(&x, width, SOFTMAX_PARALLEL_MIN, |input, out| {
@@ -38,8 +35,7 @@ impl CustomOp1 for SoftmaxLast {
         Ok((storage_like(storage, out), layout.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _profile = crate::profile::kernel("softmax-last.bwd");
+    fn grads(&self, [_arg]: [&Tensor; 1], res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let width = res.dims().last().copied().unwrap_or(1);
         let s = host_f64(res)?;
         let g = host_f64(grad)?;
@@ -76,7 +72,7 @@ pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{data, max_diff};
+    use super::super::testing::{assert_same_with_gradients, data};
     use super::*;
     use candle_core::{Device, Var};
 
@@ -85,29 +81,23 @@ mod tests {
         super::super::composite::softmax_last(x).unwrap()
     }
 
-    #[test]
-    fn softmax_matches_composite_with_gradient() {
-        let x = Var::from_vec(data(6 * 70, 1), (6, 70), &Device::Cpu).unwrap();
-        let probe = Tensor::from_vec(data(6 * 70, 2), (6, 70), &Device::Cpu).unwrap();
+    /// Ours against the composite on `rows` rows of `width`, values and gradient (of a
+    /// product with a probe), from data of `seed`.
+    fn matches_composite(rows: usize, width: usize, seed: u64) {
+        let x = Var::from_vec(data(rows * width, seed), (rows, width), &Device::Cpu).unwrap();
         let ours = softmax_last(x.as_tensor()).unwrap();
         let theirs = composite(x.as_tensor());
-        assert!(max_diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < 1e-12);
+        assert_same_with_gradients(&[&x], &ours, &theirs, seed + 1, 1e-12, 1e-12);
+    }
+
+    #[test]
+    fn softmax_matches_composite_with_gradient() {
+        matches_composite(6, 70, 1);
     }
 
     /// Large enough (≥ 2^15 elements, an odd row count) for the rows to be split over the cores.
     #[test]
     fn softmax_split_over_cores_matches_composite_with_gradient() {
-        let (rows, width) = (301, 129);
-        let x = Var::from_vec(data(rows * width, 3), (rows, width), &Device::Cpu).unwrap();
-        let probe = Tensor::from_vec(data(rows * width, 4), (rows, width), &Device::Cpu).unwrap();
-        let ours = softmax_last(x.as_tensor()).unwrap();
-        let theirs = composite(x.as_tensor());
-        assert!(max_diff(&ours, &theirs) < 1e-12);
-        let g1 = (&ours * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (&theirs * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < 1e-12);
+        matches_composite(301, 129, 3);
     }
 }

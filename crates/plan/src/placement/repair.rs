@@ -154,24 +154,7 @@ fn add_missing(
             // until then, and handing them back each time made a hot expert's hundreds of
             // replicas pass over each other's nodes again and again (quadratic: at 1,024 nodes a
             // rebalance's repair took seconds).
-            let mut pick = None;
-            while let Some(top) = open.pop() {
-                if holds(top.1 .0) {
-                    passed.push(top);
-                } else {
-                    pick = Some(top);
-                    break;
-                }
-            }
-            let pick = match pick {
-                Some(p) => p,
-                None => {
-                    // Every GPU with a free slot is on a node that holds it: the least loaded.
-                    passed.sort();
-                    passed.pop()?
-                }
-            };
-            let r = pick.1 .0;
+            let r = pick_gpu(&mut open, &mut passed, holds)?.1 .0;
             let k = free[r].pop()?;
             let n = r / g;
             slots[n][k] = Some(e);
@@ -184,6 +167,20 @@ fn add_missing(
         open.extend(passed.drain(..));
     }
     Some(())
+}
+
+/// The least loaded GPU of `open` on a node without the expert (`holds(rank)`: its node has
+/// it), the GPUs popped on the way left in `passed`; if every open GPU's node holds it, the least
+/// loaded of those passed over. None: no GPU is open.
+fn pick_gpu(open: &mut std::collections::BinaryHeap<OpenGpu>, passed: &mut Vec<OpenGpu>, holds: impl Fn(usize) -> bool) -> Option<OpenGpu> {
+    while let Some(top) = open.pop() {
+        if !holds(top.1 .0) {
+            return Some(top);
+        }
+        passed.push(top);
+    }
+    passed.sort();
+    passed.pop()
 }
 
 /// A GPU with a free slot, ordered so that the least loaded comes first from a max-heap (a load
@@ -286,24 +283,8 @@ mod tests {
         let order = addition_order(count, replicas, loads, share);
         for e in order {
             for _ in count[e]..replicas[e] {
-                let holds = |r: usize, slots: &[Vec<Option<ExpertId>>]| slots[r / g].contains(&Some(e));
                 let mut passed = Vec::new();
-                let mut pick = None;
-                while let Some(top) = open.pop() {
-                    if holds(top.1 .0, slots) {
-                        passed.push(top);
-                    } else {
-                        pick = Some(top);
-                        break;
-                    }
-                }
-                let pick = match pick {
-                    Some(p) => p,
-                    None => {
-                        passed.sort();
-                        passed.pop()?
-                    }
-                };
+                let pick = pick_gpu(&mut open, &mut passed, |r| slots[r / g].contains(&Some(e)))?;
                 open.extend(passed.drain(..));
                 let r = pick.1 .0;
                 let k = free[r].pop()?;

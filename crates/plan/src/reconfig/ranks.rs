@@ -79,18 +79,22 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
     let mut out = Vec::new();
     for (l, (missing, holders)) in found.into_iter().enumerate() {
         for (e, r) in missing {
-            let holding = &holders[e];
-            let here = rank_node[r];
-            let sender = sender_node.get(&(l, e, here)).copied();
-            let pick = |want: &dyn Fn(usize) -> bool| holding.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
-            let from = pick(&|s| rank_node[s] == here)
-                .or_else(|| sender.and_then(|n| pick(&|s| rank_node[s] == n)))
-                .or_else(|| pick(&|_| true))?;
+            let sender = sender_node.get(&(l, e, rank_node[r])).copied();
+            let from = choose_sender(&holders[e], &sends, rank_node, r, sender)?;
             sends[from] += 1;
             out.push(RankTransfer { layer: l, expert: e, from, to: r });
         }
     }
     Some(out)
+}
+
+/// The rank that sends rank `to` a state it needs, among its `holders`: one on `to`'s node,
+/// else one on the node the node-level plan names as the sender (`sender_node`), else any — of
+/// those, the one that has sent least so far (`sends`), ties to the lowest rank.
+fn choose_sender(holders: &[usize], sends: &[usize], rank_node: &[u64], to: usize, sender_node: Option<u64>) -> Option<usize> {
+    let pick = |want: &dyn Fn(usize) -> bool| holders.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
+    let here = rank_node[to];
+    pick(&|s| rank_node[s] == here).or_else(|| sender_node.and_then(|n| pick(&|s| rank_node[s] == n))).or_else(|| pick(&|_| true))
 }
 
 #[cfg(test)]
@@ -116,13 +120,12 @@ mod tests {
                     if count == 0 || holds_it(r, l, e) {
                         continue;
                     }
+                    // Every rank asked, the node-level plan scanned; the choice among them is the
+                    // rule's own.
                     let here = rank_node[r];
                     let sender_node = node_transfers.iter().find(|t| t.layer == l && t.expert == e && t.to == here).map(|t| t.from);
                     let holders: Vec<usize> = (0..ranks).filter(|&s| s != r && holds_it(s, l, e)).collect();
-                    let pick = |want: &dyn Fn(usize) -> bool| holders.iter().copied().filter(|&s| want(s)).min_by_key(|&s| (sends[s], s));
-                    let from = pick(&|s| rank_node[s] == here)
-                        .or_else(|| sender_node.and_then(|n| pick(&|s| rank_node[s] == n)))
-                        .or_else(|| pick(&|_| true))?;
+                    let from = choose_sender(&holders, &sends, rank_node, r, sender_node)?;
                     sends[from] += 1;
                     out.push(RankTransfer { layer: l, expert: e, from, to: r });
                 }

@@ -5,10 +5,10 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
 use lazarus_kernels::{ops, AttentionKernels};
 
-use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
+use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
 
 /// The attention kernels of this process: on the tensor cores where they apply, unless
 /// `LAZARUS_ATTENTION=simt` (the "before" of the benchmarks; read once).
@@ -26,17 +26,10 @@ struct GpuAttention {
     lse: Mutex<Option<CudaBuf>>,
 }
 
-impl CustomOp1 for GpuAttention {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-attention"
-    }
+custom_op!(GpuAttention: CustomOp1 "lazarus-gpu-attention", cuda, "causal-attention");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("causal-attention.fwd");
+impl GpuAttention {
+    fn cuda(&self, [(qkv, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(qkv);
         let (b, t, d3) = l.shape().dims3()?;
         let d = d3 / 3;
@@ -48,8 +41,7 @@ impl CustomOp1 for GpuAttention {
         Ok((gpu.storage(y)?, Shape::from((b, t, d))))
     }
 
-    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("causal-attention.bwd");
+    fn grads(&self, [qkv]: [&Tensor; 1], res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(qkv)?;
         let (b, t, d3) = qkv.dims3()?;
         let d = d3 / 3;
@@ -98,25 +90,16 @@ impl GpuRope {
     }
 }
 
-impl CustomOp1 for GpuRope {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-rope"
-    }
+custom_op!(GpuRope: CustomOp1 "lazarus-gpu-rope", cuda, "rope");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, qkv: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("rope");
+impl GpuRope {
+    fn cuda(&self, [(qkv, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(qkv);
         let y = self.turn(&gpu, qkv.dtype(), storage_addr(qkv, l)?, l.shape(), false)?;
         Ok((gpu.storage(y)?, l.shape().clone()))
     }
 
-    /// The gradient turned back by the opposite angles (the turn is orthogonal).
-    fn bwd(&self, _qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("rope.bwd");
+    fn grads(&self, [_qkv]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(grad)?;
         let g = grad.contiguous()?;
         let dx = self.turn(&gpu, g.dtype(), addr(&g)?, g.shape(), true)?;

@@ -9,28 +9,22 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops::{self, ExpertAddrs, GroupedFfnSaved};
 use lazarus_kernels::Device as _;
 
 use crate::config::Activation;
 
-use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
+use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
 use crate::ops::WeightGradSink;
 
 /// GELU, elementwise.
 struct GpuGelu;
 
-impl CustomOp1 for GpuGelu {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-gelu"
-    }
+custom_op!(GpuGelu: CustomOp1 "lazarus-gpu-gelu", cuda, "gelu");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+impl GpuGelu {
+    fn cuda(&self, [(x, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let dt = dtype_of(x.dtype())?;
         let n = l.shape().elem_count();
@@ -40,7 +34,7 @@ impl CustomOp1 for GpuGelu {
         Ok((gpu.storage(y)?, l.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn grads(&self, [x]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(x)?;
         let x = x.contiguous()?;
         let dt = dtype_of(x.dtype())?;
@@ -60,17 +54,10 @@ pub fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
 /// SwiGLU over rows h [.., 2f] = [gate | up] → [.., f].
 struct GpuSwiglu;
 
-impl CustomOp1 for GpuSwiglu {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-swiglu"
-    }
+custom_op!(GpuSwiglu: CustomOp1 "lazarus-gpu-swiglu", cuda, "swiglu");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, h: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("swiglu");
+impl GpuSwiglu {
+    fn cuda(&self, [(h, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(h);
         let (rows, f) = swiglu_sizes(l.shape())?;
         let a = ops::swiglu_fwd(&gpu, dtype_of(h.dtype())?, storage_addr(h, l)?, rows, f)?;
@@ -79,8 +66,7 @@ impl CustomOp1 for GpuSwiglu {
         Ok((gpu.storage(a)?, Shape::from(dims)))
     }
 
-    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("swiglu.bwd");
+    fn grads(&self, [h]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(h)?;
         let (rows, f) = swiglu_sizes(h.shape())?;
         let (h, g) = (h.contiguous()?, grad.contiguous()?);
@@ -127,7 +113,6 @@ impl GpuLinear {
         wl: &Layout,
         b: Option<(&CudaStorage, &Layout)>,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("linear.fwd");
         let gpu = Gpu::of_storage(x);
         let (din, dout) = wl.shape().dims2()?;
         let dims = xl.shape().dims();
@@ -157,7 +142,6 @@ impl GpuLinear {
 
     /// (dx, dW, db) from the output's gradient.
     fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor, with_bias: bool) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
-        let _p = crate::profile::kernel("linear.bwd");
         let gpu = Gpu::of(x)?;
         let (din, dout) = w.dims2()?;
         let n = x.elem_count() / din.max(1);
@@ -181,43 +165,14 @@ impl GpuLinear {
 struct GpuLinearBias(GpuLinear);
 struct GpuLinearNoBias(GpuLinear);
 
-impl CustomOp3 for GpuLinearBias {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-linear"
-    }
+custom_op!(GpuLinearBias: CustomOp3 "lazarus-gpu-linear", cuda, "linear");
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
+impl GpuLinearBias {
+    fn cuda(&self, [(x, xl), (w, wl), (b, bl)]: [(&CudaStorage, &Layout); 3]) -> candle_core::Result<(CudaStorage, Shape)> {
         self.0.forward(x, xl, w, wl, Some((b, bl)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn grads(&self, [x, w, b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads3> {
         let (dx, dw, db) = self.0.backward(x, w, grad, true)?;
         let db = match db {
             Some(db) => Some(db.to_dtype(b.dtype())?),
@@ -227,20 +182,14 @@ impl CustomOp3 for GpuLinearBias {
     }
 }
 
-impl CustomOp2 for GpuLinearNoBias {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-linear-no-bias"
-    }
+custom_op!(GpuLinearNoBias: CustomOp2 "lazarus-gpu-linear-no-bias", cuda, "linear");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+impl GpuLinearNoBias {
+    fn cuda(&self, [(x, xl), (w, wl)]: [(&CudaStorage, &Layout); 2]) -> candle_core::Result<(CudaStorage, Shape)> {
         self.0.forward(x, xl, w, wl, None)
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn grads(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let (dx, dw, _) = self.0.backward(x, w, grad, false)?;
         Ok((Some(dx), Some(dw)))
     }
@@ -292,17 +241,10 @@ impl GpuGroupedFfn {
     }
 }
 
-impl CustomOp1 for GpuGroupedFfn {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-grouped-expert-ffn"
-    }
+custom_op!(GpuGroupedFfn: CustomOp1 "lazarus-gpu-grouped-expert-ffn", cuda, "grouped-expert-ffn");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("grouped-expert-ffn.fwd");
+impl GpuGroupedFfn {
+    fn cuda(&self, [(x, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let (rows, d) = l.shape().dims2()?;
         if self.counts.iter().sum::<usize>() != rows {
@@ -317,8 +259,7 @@ impl CustomOp1 for GpuGroupedFfn {
         Ok((gpu.storage(y)?, l.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("grouped-expert-ffn.bwd");
+    fn grads(&self, [x]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(x)?;
         let (_, d) = x.dims2()?;
         let f = self.f();

@@ -3,10 +3,10 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops::{self, CrossEntropySaved, LayerNormSaved, RmsNormSaved};
 
-use super::{addr, dtype_of, not_on_cpu, storage_addr, CudaBuf, Gpu};
+use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
 
 /// LayerNorm whose output may be narrower than its input (f32 in, bf16 out for a bf16 product).
 struct GpuLayerNorm {
@@ -15,33 +15,10 @@ struct GpuLayerNorm {
     saved: Mutex<Option<LayerNormSaved<CudaBuf>>>,
 }
 
-impl CustomOp3 for GpuLayerNorm {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-layer-norm"
-    }
+custom_op!(GpuLayerNorm: CustomOp3 "lazarus-gpu-layer-norm", cuda, "layer-norm");
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("layer-norm.fwd");
+impl GpuLayerNorm {
+    fn cuda(&self, [(x, xl), (w, wl), (b, bl)]: [(&CudaStorage, &Layout); 3]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let d = xl.shape().dims().last().copied().unwrap_or(1);
         let rows = xl.shape().elem_count() / d.max(1);
@@ -54,15 +31,7 @@ impl CustomOp3 for GpuLayerNorm {
         Ok((gpu.storage(y)?, xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::kernel("layer-norm.bwd");
+    fn grads(&self, [x, w, _b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads3> {
         let gpu = Gpu::of(x)?;
         let d = x.dims().last().copied().unwrap_or(1);
         let rows = x.elem_count() / d.max(1);
@@ -91,17 +60,10 @@ struct GpuRmsNorm {
     saved: Mutex<Option<RmsNormSaved<CudaBuf>>>,
 }
 
-impl CustomOp2 for GpuRmsNorm {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-rms-norm"
-    }
+custom_op!(GpuRmsNorm: CustomOp2 "lazarus-gpu-rms-norm", cuda, "rms-norm");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("rms-norm.fwd");
+impl GpuRmsNorm {
+    fn cuda(&self, [(x, xl), (w, wl)]: [(&CudaStorage, &Layout); 2]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let d = xl.shape().dims().last().copied().unwrap_or(1);
         if wl.shape().elem_count() != d {
@@ -116,8 +78,7 @@ impl CustomOp2 for GpuRmsNorm {
         Ok((gpu.storage(y)?, xl.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::kernel("rms-norm.bwd");
+    fn grads(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let gpu = Gpu::of(x)?;
         let d = x.dims().last().copied().unwrap_or(1);
         let rows = x.elem_count() / d.max(1);
@@ -140,17 +101,10 @@ pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f64, out: DType) -> candle_core:
 /// Softmax over the last dimension (f32 or f64).
 struct GpuSoftmax;
 
-impl CustomOp1 for GpuSoftmax {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-softmax"
-    }
+custom_op!(GpuSoftmax: CustomOp1 "lazarus-gpu-softmax", cuda, "softmax");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("softmax.fwd");
+impl GpuSoftmax {
+    fn cuda(&self, [(x, xl)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let v = xl.shape().dims().last().copied().unwrap_or(1);
         let rows = xl.shape().elem_count() / v.max(1);
@@ -158,8 +112,7 @@ impl CustomOp1 for GpuSoftmax {
         Ok((gpu.storage(y)?, xl.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("softmax.bwd");
+    fn grads(&self, [_x]: [&Tensor; 1], res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(res)?;
         let v = res.dims().last().copied().unwrap_or(1);
         let rows = res.elem_count() / v.max(1);
@@ -180,17 +133,10 @@ struct GpuCrossEntropy {
     saved: Mutex<Option<CrossEntropySaved<CudaBuf>>>,
 }
 
-impl CustomOp1 for GpuCrossEntropy {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-cross-entropy"
-    }
+custom_op!(GpuCrossEntropy: CustomOp1 "lazarus-gpu-cross-entropy", cuda, "cross-entropy");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("cross-entropy.fwd");
+impl GpuCrossEntropy {
+    fn cuda(&self, [(x, xl)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(x);
         let (n, v) = xl.shape().dims2()?;
         if n != self.targets.len() {
@@ -203,8 +149,7 @@ impl CustomOp1 for GpuCrossEntropy {
         Ok((gpu.storage(loss)?, Shape::from(())))
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("cross-entropy.bwd");
+    fn grads(&self, [x]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(x)?;
         let (n, v) = x.dims2()?;
         let (x, g) = (x.contiguous()?, grad.to_dtype(x.dtype())?.contiguous()?);

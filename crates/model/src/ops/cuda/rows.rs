@@ -2,35 +2,27 @@
 //! backward (no atomics, no candle index_add: see `lazarus-kernels`' rows kernels).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
 use lazarus_kernels::ops;
 
-use super::{addr, dtype_of, not_on_cpu, storage_addr, Gpu};
+use super::{addr, dtype_of, storage_addr, Gpu};
 
 /// src [n, d] → [R, d], row r = src[tokens[r]].
 struct GpuGatherRows {
     tokens: Vec<u32>,
 }
 
-impl CustomOp1 for GpuGatherRows {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-gather-rows"
-    }
+custom_op!(GpuGatherRows: CustomOp1 "lazarus-gpu-gather-rows", cuda, "gather-rows");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, src: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("gather-rows.fwd");
+impl GpuGatherRows {
+    fn cuda(&self, [(src, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(src);
         let (n, d) = l.shape().dims2()?;
         let out = ops::gather_rows_fwd(&gpu, dtype_of(src.dtype())?, storage_addr(src, l)?, &self.tokens, n, d)?;
         Ok((gpu.storage(out)?, Shape::from((self.tokens.len(), d))))
     }
 
-    fn bwd(&self, src: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let _p = crate::profile::kernel("gather-rows.bwd");
+    fn grads(&self, [src]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(src)?;
         let (n, d) = src.dims2()?;
         let g = grad.contiguous()?;
@@ -59,17 +51,10 @@ impl GpuCombineRows {
     }
 }
 
-impl CustomOp2 for GpuCombineRows {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-combine-rows"
-    }
+custom_op!(GpuCombineRows: CustomOp2 "lazarus-gpu-combine-rows", cuda, "combine-rows");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, y: &CudaStorage, yl: &Layout, w: &CudaStorage, wl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("combine-rows.fwd");
+impl GpuCombineRows {
+    fn cuda(&self, [(y, yl), (w, wl)]: [(&CudaStorage, &Layout); 2]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(y);
         let (r, d) = yl.shape().dims2()?;
         if r != self.tokens.len() || (self.slots.is_none() && wl.shape().elem_count() != r) {
@@ -84,8 +69,7 @@ impl CustomOp2 for GpuCombineRows {
         Ok((gpu.storage(out)?, Shape::from((self.n, d))))
     }
 
-    fn bwd(&self, y: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::kernel("combine-rows.bwd");
+    fn grads(&self, [y, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let gpu = Gpu::of(y)?;
         let (r, d) = y.dims2()?;
         let (y, w, g) = (y.contiguous()?, w.contiguous()?, grad.contiguous()?);
@@ -110,17 +94,10 @@ struct GpuEmbed {
     t: usize,
 }
 
-impl CustomOp2 for GpuEmbed {
-    fn name(&self) -> &'static str {
-        "lazarus-gpu-embed"
-    }
+custom_op!(GpuEmbed: CustomOp2 "lazarus-gpu-embed", cuda, "embedding");
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        not_on_cpu(self.name())
-    }
-
-    fn cuda_fwd(&self, tok: &CudaStorage, tl: &Layout, pos: &CudaStorage, pl: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let _p = crate::profile::kernel("embedding.fwd");
+impl GpuEmbed {
+    fn cuda(&self, [(tok, tl), (pos, pl)]: [(&CudaStorage, &Layout); 2]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(tok);
         let (vocab, d) = tl.shape().dims2()?;
         if pl.shape().dims2()? != (self.t, d) {
@@ -131,8 +108,7 @@ impl CustomOp2 for GpuEmbed {
         Ok((gpu.storage(out)?, Shape::from((self.ids.len(), d))))
     }
 
-    fn bwd(&self, tok: &Tensor, _pos: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let _p = crate::profile::kernel("embedding.bwd");
+    fn grads(&self, [tok, _pos]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads2> {
         let gpu = Gpu::of(tok)?;
         let (vocab, d) = tok.dims2()?;
         let g = grad.contiguous()?;
