@@ -277,10 +277,7 @@ fn default_model_learns_well_below_unigram_entropy() {
 /// to the same next step. Skipped, with the reason, where no GPU can be opened.
 #[test]
 fn a_run_on_a_gpu_follows_the_cpu_run_and_its_checkpoint_resumes_anywhere() {
-    let gpu = match lazarus_model::device::parse("cuda:0") {
-        Ok(d) => d,
-        Err(e) => return eprintln!("skipped (no GPU): {e}"),
-    };
+    let Some(gpu) = the_gpu() else { return };
     let config = TrainConfig { steps: 12, ..small() };
     let mut cpu_run = Trainer::new(config.clone()).unwrap();
     let mut gpu_run = Trainer::new_on(config, &gpu).unwrap();
@@ -289,12 +286,7 @@ fn a_run_on_a_gpu_follows_the_cpu_run_and_its_checkpoint_resumes_anywhere() {
         assert!((a.loss - b.loss).abs() <= 1e-3 * a.loss, "step {}: cpu {} gpu {}", a.step, a.loss, b.loss);
         assert_eq!(a.expert_load.len(), b.expert_load.len());
     }
-    let dir = temp_dir("gpu-resume");
-    gpu_run.save_checkpoint(&dir).unwrap();
-    let mut resumed = Trainer::resume(&dir, None).unwrap();
-    let (a, b) = (gpu_run.step().unwrap(), resumed.step().unwrap());
-    assert!((a.loss - b.loss).abs() <= 1e-4 * a.loss, "gpu {} vs resumed on cpu {}", a.loss, b.loss);
-    let _ = std::fs::remove_dir_all(&dir);
+    resumes_on_the_cpu_to_the_same_step(&mut gpu_run, "gpu-resume");
 }
 
 /// bf16 mixed precision: refused on the CPU with the reason; on a GPU, 10 steps follow the f32
@@ -305,10 +297,7 @@ fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
     let bf16 = TrainConfig { steps: 12, dtype: lazarus_model::Precision::Bf16, ..small() };
     let err = Trainer::new(bf16.clone()).err().expect("bf16 on the CPU").to_string();
     assert!(err.contains("dtype") && err.contains("GPU"), "{err}");
-    let gpu = match lazarus_model::device::parse("cuda:0") {
-        Ok(d) => d,
-        Err(e) => return eprintln!("skipped (no GPU): {e}"),
-    };
+    let Some(gpu) = the_gpu() else { return };
     let mut full = Trainer::new_on(TrainConfig { steps: 12, ..small() }, &gpu).unwrap();
     let mut mixed = Trainer::new_on(bf16, &gpu).unwrap();
     for _ in 0..10 {
@@ -333,10 +322,7 @@ fn bf16_mixed_precision_follows_f32_on_a_gpu_and_is_refused_on_the_cpu() {
 /// to the same next step.
 #[test]
 fn a_mixtral_run_on_a_gpu_follows_the_cpu_run_in_f32_and_bf16() {
-    let gpu = match lazarus_model::device::parse("cuda:0") {
-        Ok(d) => d,
-        Err(e) => return eprintln!("skipped (no GPU): {e}"),
-    };
+    let Some(gpu) = the_gpu() else { return };
     let base = small();
     let model = ModelConfig { shared_experts: 1, moe_every: 2, n_heads: 4, ..base.model.clone().mixtral() };
     let config = TrainConfig { steps: 12, model, ..base };
@@ -349,12 +335,7 @@ fn a_mixtral_run_on_a_gpu_follows_the_cpu_run_in_f32_and_bf16() {
         assert!((a.loss - b.loss).abs() <= 1e-3 * a.loss, "step {}: cpu {} gpu {}", a.step, a.loss, b.loss);
         assert!((b.loss - c.loss).abs() <= 0.02 * b.loss, "step {}: f32 {} bf16 {}", b.step, b.loss, c.loss);
     }
-    let dir = temp_dir("gpu-mixtral");
-    gpu_run.save_checkpoint(&dir).unwrap();
-    let mut resumed = Trainer::resume(&dir, None).unwrap();
-    let (a, b) = (gpu_run.step().unwrap(), resumed.step().unwrap());
-    assert!((a.loss - b.loss).abs() <= 1e-4 * a.loss, "gpu {} vs resumed on cpu {}", a.loss, b.loss);
-    let _ = std::fs::remove_dir_all(&dir);
+    resumes_on_the_cpu_to_the_same_step(&mut gpu_run, "gpu-mixtral");
 }
 
 /// The loads a plan is made from are measured a few sequences at a time (a thousand nodes'
@@ -377,4 +358,20 @@ fn loads_measured_in_pieces_are_those_of_one_forward_of_the_batch() {
     // The cursor did not move: the first step is a fresh trainer's.
     let mut fresh = Trainer::new(cfg).unwrap();
     assert_eq!(t.step().unwrap().loss.to_bits(), fresh.step().unwrap().loss.to_bits());
+}
+
+/// The test machine's GPU (None, said on stderr: the GPU tests are skipped).
+fn the_gpu() -> Option<candle_core::Device> {
+    lazarus_model::device::parse("cuda:0").map_err(|e| eprintln!("skipped (no GPU): {e}")).ok()
+}
+
+/// `run`'s checkpoint (written to a directory named for `what`) resumed on the CPU takes the
+/// same next step as `run` itself, to 1e-4.
+fn resumes_on_the_cpu_to_the_same_step(run: &mut Trainer, what: &str) {
+    let dir = temp_dir(what);
+    run.save_checkpoint(&dir).unwrap();
+    let mut resumed = Trainer::resume(&dir, None).unwrap();
+    let (a, b) = (run.step().unwrap(), resumed.step().unwrap());
+    assert!((a.loss - b.loss).abs() <= 1e-4 * a.loss, "gpu {} vs resumed on cpu {}", a.loss, b.loss);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,28 +6,21 @@
 //! step (1e-4 relative) on every rank and end with the same parameters and data position.
 
 mod common;
+#[path = "common/moves.rs"]
+mod moves;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
-use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, Move, NodeState, PlanPolicy, RankTransfer};
+use lazarus_model::Trainer;
+use lazarus_plan::{plan_reconfiguration, Move, NodeState, RankTransfer};
 use lazarus_runtime::{pause_signal, DispatchMode, Reconfiguration, Worker, WorkerOptions};
+use moves::{config, plan_for, STEPS};
 
-const STEPS: u64 = 8;
 /// Rank 0 is asked to pause once it has committed this many steps; all stop one step later.
 const ASK_AT: u64 = 3;
-
-fn config() -> TrainConfig {
-    common::tiny_config(2, STEPS, 6, 11, (5, 30_000))
-}
-
-fn plan_for(nodes: usize, previous: Option<&ModelPlan>) -> ModelPlan {
-    let loads = vec![vec![4.0, 3.0, 2.0, 1.0]; config().model.moe_layers()];
-    plan_model(&loads, ClusterShape::new(nodes, 1, 3).unwrap(), &PlanPolicy::trainer(nodes, None), previous).unwrap()
-}
 
 fn params(w: &Trainer) -> BTreeMap<String, Vec<f32>> {
     w.model

@@ -6,29 +6,21 @@
 //! with the same parameters, having consumed exactly the same windows of data.
 
 mod common;
+#[path = "common/moves.rs"]
+mod moves;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lazarus_comm::{Group, TcpTransport, Transport};
-use lazarus_model::{TrainConfig, Trainer};
-use lazarus_plan::{plan_model, plan_reconfiguration, ClusterShape, ModelPlan, Move, NodeState, PlanPolicy, RankTransfer};
+use lazarus_model::Trainer;
+use lazarus_plan::{plan_reconfiguration, ModelPlan, Move, NodeState, RankTransfer};
 use lazarus_runtime::{DispatchMode, Reconfiguration, Worker, WorkerOptions};
+use moves::{config, plan_for, STEPS};
 
-const STEPS: u64 = 8;
 /// Steps committed before rank `DEAD` dies in the next one.
 const FAIL_AT: u64 = 3;
 const DEAD: usize = 2;
-
-fn config() -> TrainConfig {
-    common::tiny_config(2, STEPS, 6, 11, (5, 30_000))
-}
-
-/// The plan of three single-GPU nodes with three slots each, every expert at least twice.
-fn plan_for(nodes: usize, previous: Option<&ModelPlan>) -> ModelPlan {
-    let loads = vec![vec![4.0, 3.0, 2.0, 1.0]; config().model.moe_layers()];
-    plan_model(&loads, ClusterShape::new(nodes, 1, 3).unwrap(), &PlanPolicy::trainer(nodes, None), previous).unwrap()
-}
 
 /// What the controller will compute: the survivors (old ranks) mapped onto the new plan's nodes,
 /// and the state transfers between them, in new ranks.

@@ -166,19 +166,27 @@ impl Default for CostModel {
     }
 }
 
+/// The first of `fields` that is 0, refused for `why`.
+fn none_zero<T: Copy + Default + PartialEq + std::fmt::Display, const N: usize>(
+    fields: [(&'static str, T); N],
+    why: &str,
+) -> Result<(), SimError> {
+    match fields.into_iter().find(|&(_, v)| v == T::default()) {
+        Some((field, v)) => Err(SimError::invalid(field, v, why)),
+        None => Ok(()),
+    }
+}
+
 impl CostModel {
     pub fn validate(&self) -> Result<(), SimError> {
-        for (field, v) in [
+        let counts = [
             ("gpus_per_node", self.gpus_per_node),
             ("slots_per_gpu", self.slots_per_gpu),
             ("samples_per_gpu", self.samples_per_gpu),
             // Every expert has a replica: a floor of 0 would mean nothing.
             ("min_replicas", self.min_replicas),
-        ] {
-            if v == 0 {
-                return Err(SimError::invalid(field, v, "must be ≥ 1"));
-            }
-        }
+        ];
+        none_zero(counts, "must be ≥ 1")?;
         if self.gpus_per_node.saturating_mul(self.slots_per_gpu) > MAX_NODE_SLOTS {
             return Err(SimError::invalid(
                 "gpus_per_node × slots_per_gpu",
@@ -210,17 +218,13 @@ impl CostModel {
                 return Err(SimError::invalid(field, v, "must be finite and ≥ 0"));
             }
         }
-        for (field, v) in [
+        let periods = [
             ("checkpoint_every_ds", self.checkpoint_every_ds),
             ("checkpoint_every_ds_ft", self.checkpoint_every_ds_ft),
             ("checkpoint_every_lazarus", self.checkpoint_every_lazarus),
             ("rebalance_every", self.rebalance_every),
-        ] {
-            if v == 0 {
-                return Err(SimError::invalid(field, v, "must be ≥ 1 step"));
-            }
-        }
-        Ok(())
+        ];
+        none_zero(periods, "must be ≥ 1 step")
     }
 
     /// Seconds to write (or read) the whole model state to (from) remote storage.

@@ -63,6 +63,11 @@ fn stopped_at(steps_done: u64, c: &Controller, node: NodeId) -> StopReport {
     StopReport { steps_done, held: None, holds: c.planned_holdings(node).unwrap(), last: None, snapshots: vec![] }
 }
 
+/// Step `step` of epoch 0 done in 0.1 s, every expert of both layers as loaded as the others.
+fn even_step(step: u64) -> Event {
+    Event::StepDone { epoch: 0, step, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None }
+}
+
 fn running(n: usize, experts: usize, slots: usize, t0: Instant) -> Controller {
     let loads = vec![(0..experts).map(|e| (e + 1) as f64).collect::<Vec<_>>(); 2];
     let plan = plan_model(&loads, ClusterShape::new(n, 1, slots).unwrap(), &PlanPolicy::trainer(n, None), None).unwrap();
@@ -332,6 +337,13 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
     assert!(c.running() && c.epoch() == 0);
 }
 
+/// The commands of `steps` done at `epoch`, 2 s each, with two layers' loads all but on expert
+/// 0 (a skew a rebalance repays).
+fn skewed_steps(c: &mut Controller, t0: Instant, epoch: u64, steps: std::ops::RangeInclusive<u64>) -> Vec<Command> {
+    let done = |step| Event::StepDone { epoch, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None };
+    steps.flat_map(|step| c.decide(t0, done(step))).collect()
+}
+
 /// The weighing runs beside the decisions: asked for once (no second while one is out, however
 /// many steps pass), and its verdict acted on when it comes back — here the same verdict as
 /// weighed at once.
@@ -341,11 +353,7 @@ fn a_rebalance_is_weighed_beside_the_decisions_and_acted_on_when_its_verdict_com
     let (_, at_once) = drifted(2.0, t0);
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
-    let mut asked = Vec::new();
-    for step in 1..=12 {
-        let loads = vec![vec![97, 1, 1, 1]; 2];
-        asked.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
-    }
+    let asked = skewed_steps(&mut c, t0, 0, 1..=12);
     let [Command::Weigh(request)] = &asked[..] else { panic!("one weighing asked for in 12 steps: {asked:?}") };
     assert_eq!((request.epoch, request.step), (0, 4));
     assert!(c.running(), "nothing paused while it is weighed");
@@ -361,11 +369,7 @@ fn a_weighing_whose_job_moved_meanwhile_is_dropped() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 2, t0);
     c.spec.rebalance_every = 4;
-    let mut asked = Vec::new();
-    for step in 1..=4 {
-        let loads = vec![vec![97, 1, 1, 1]; 2];
-        asked.extend(c.decide(t0, Event::StepDone { epoch: 0, step, steps: 1, loads, seconds: 2.0, moved: None }));
-    }
+    let asked = skewed_steps(&mut c, t0, 0, 1..=4);
     let [Command::Weigh(request)] = &asked[..] else { panic!("{asked:?}") };
     // Node 12 dies; the survivors say where they stopped; the job moves to epoch 1.
     c.decide(t0, Event::Exited { node: 12, status: "killed".into() });
@@ -386,10 +390,7 @@ fn a_weighing_whose_job_moved_meanwhile_is_dropped() {
     assert!(c.running(), "nothing paused");
     assert!(c.recent().any(|e| e.contains("dropped: the job moved meanwhile")), "{:?}", c.recent().collect::<Vec<_>>());
     // The next weighing is asked for after another 4 steps.
-    let mut next = Vec::new();
-    for step in 5..=8 {
-        next.extend(c.decide(t0, Event::StepDone { epoch, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None }));
-    }
+    let next = skewed_steps(&mut c, t0, epoch, 5..=8);
     assert!(matches!(&next[..], [Command::Weigh(w)] if w.epoch == epoch), "{next:?}");
 }
 
@@ -453,7 +454,7 @@ fn a_node_on_notice_hands_over_what_only_it_holds_then_leaves_without_a_rollback
 fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 6, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, even_step(6));
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
     let r = |c: &Controller, node| StopReport {
         steps_done: 5,
@@ -468,7 +469,7 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
     assert_eq!(m.commit_to, 6);
     // Without rank 0's report the step is re-run (nobody has logged it).
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, even_step(5));
     c.decide(t0, Event::Exited { node: 10, status: "killed".into() });
     c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11) });
     let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12) });
@@ -483,7 +484,7 @@ fn a_step_rank_0_reported_before_it_died_is_committed_by_the_survivors() {
 fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their_copy() {
     let t0 = Instant::now();
     let mut c = running(3, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, even_step(5));
     c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
     let report = Logged { step: 6, loss: 2.5, seconds: 0.02 };
     let copy = Some(report.clone());
@@ -502,7 +503,7 @@ fn a_step_the_survivors_committed_but_rank_0_never_reported_is_logged_from_their
     // logged (the step re-runs, or is logged already).
     for copy in [Logged { step: 4, ..report }, Logged { loss: f64::NAN, ..report }, Logged { seconds: -1.0, ..report }] {
         let mut c = running(3, 4, 3, t0);
-        c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+        c.decide(t0, even_step(5));
         c.decide(t0, Event::Exited { node: 10, status: "no heartbeat".into() });
         c.decide(t0, Event::StepFailed { node: 11, epoch: 0, report: r(&c, 11, Some(copy.clone())) });
         let out = c.decide(t0, Event::StepFailed { node: 12, epoch: 0, report: r(&c, 12, None) });

@@ -6,7 +6,7 @@ use super::*;
 /// A job of 4 single-worker nodes after a few steps, and its saved state.
 fn saved(t0: Instant) -> (Controller, JobState) {
     let mut c = running(4, 4, 3, t0);
-    c.decide(t0, Event::StepDone { epoch: 0, step: 7, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    c.decide(t0, even_step(7));
     c.decide(t0, Event::Checkpointed { step: 5 });
     let state = c.job_state().expect("a planned job");
     (c, state)
@@ -14,6 +14,14 @@ fn saved(t0: Instant) -> (Controller, JobState) {
 
 fn paused(c: &Controller, node: NodeId, steps_done: u64) -> StopReport {
     StopReport { steps_done, held: None, holds: c.planned_holdings(node).unwrap(), last: None, snapshots: vec![] }
+}
+
+/// The job [`saved`] at `t0` and a new controller that takes it back 30 s later (with step
+/// `last_logged` in the log it found), with that time.
+fn taken_back(t0: Instant, last_logged: Option<u64>) -> (Controller, Controller, Instant) {
+    let (old, state) = saved(t0);
+    let t1 = t0 + 30 * SEC;
+    (old, Controller::resumed(spec(4, 3), state, last_logged, t1, 10 * SEC).unwrap(), t1)
 }
 
 #[test]
@@ -28,9 +36,7 @@ fn the_saved_state_round_trips_through_json() {
 #[test]
 fn a_new_controller_keeps_the_plan_and_moves_every_member_to_the_next_epoch_without_transfers() {
     let t0 = Instant::now();
-    let (old, state) = saved(t0);
-    let t1 = t0 + 30 * SEC;
-    let mut c = Controller::resumed(spec(4, 3), state, Some(8), t1, 10 * SEC).unwrap();
+    let (old, mut c, t1) = taken_back(t0, Some(8));
     assert!(c.resuming() && c.phase_name() == "collecting");
     assert_eq!((c.last_step(), c.checkpoint(), c.epoch()), (8, Some(5), 0));
     // Silence within the re-attach window loses nobody.
@@ -53,9 +59,7 @@ fn a_new_controller_keeps_the_plan_and_moves_every_member_to_the_next_epoch_with
 #[test]
 fn a_member_that_never_comes_back_is_lost_at_the_end_of_the_window_and_the_job_replans_without_it() {
     let t0 = Instant::now();
-    let (old, state) = saved(t0);
-    let t1 = t0 + 30 * SEC;
-    let mut c = Controller::resumed(spec(4, 3), state, None, t1, 10 * SEC).unwrap();
+    let (old, mut c, t1) = taken_back(t0, None);
     for n in [10, 11, 13] {
         c.decide(t1 + SEC, Event::Paused { node: n, epoch: 0, report: paused(&old, n, 7) });
     }
@@ -80,7 +84,7 @@ fn reports_of_the_epoch_before_the_saved_one_count_and_a_half_committed_move_com
     // before node 12 heard of it: 10 and 11 committed step 8 and stopped in epoch 1's
     // rendezvous, 12 still holds step 8 uncommitted in epoch 0.
     let mut old = running(4, 4, 3, t0);
-    old.decide(t0, Event::StepDone { epoch: 0, step: 8, steps: 1, loads: vec![vec![1, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    old.decide(t0, even_step(8));
     old.decide(t0, Event::Exited { node: 13, status: "killed".into() });
     for n in [10, 11, 12] {
         let r = StopReport { steps_done: 7, held: Some(8), holds: old.planned_holdings(n).unwrap(), last: None, snapshots: vec![] };
@@ -121,9 +125,7 @@ fn a_saved_state_that_does_not_fit_the_job_is_refused_naming_the_field() {
 #[test]
 fn a_member_heard_from_after_the_takeover_is_lost_by_its_usual_lease() {
     let t0 = Instant::now();
-    let (old, state) = saved(t0);
-    let t1 = t0 + 30 * SEC;
-    let mut c = Controller::resumed(spec(4, 3), state, Some(8), t1, 10 * SEC).unwrap();
+    let (old, mut c, t1) = taken_back(t0, Some(8));
     c.decide(t1, Event::Tick);
     for n in [10, 11, 12, 13] {
         c.decide(t1, Event::Paused { node: n, epoch: 0, report: paused(&old, n, 8) });

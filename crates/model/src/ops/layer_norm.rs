@@ -167,15 +167,12 @@ mod tests {
         assert_same_with_gradients(&[&x, &w, &b], &ours, &theirs, seed + 3, 1e-12, 1e-10);
     }
 
+    /// Small, and large enough (≥ 2^15 elements, an odd row count) for the rows — and the sums
+    /// over them — to be split over the cores.
     #[test]
     fn layer_norm_matches_composite_with_gradients() {
-        check(5, 40, 3);
-    }
-
-    /// Large enough (≥ 2^15 elements, an odd row count) for the rows, and so the weight and bias
-    /// gradient sums, to be split over the cores.
-    #[test]
-    fn layer_norm_split_over_cores_matches_composite_with_gradients() {
-        check(301, 129, 7);
+        for (rows, width, seed) in [(5, 40, 3), (301, 129, 7)] {
+            check(rows, width, seed);
+        }
     }
 }

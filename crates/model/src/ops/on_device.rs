@@ -93,10 +93,16 @@ fn every_kernel_on_a_gpu_matches_the_fused_cpu_kernel_with_gradients() {
 /// candle's kernels and autograd) in f64: forward and every gradient.
 #[test]
 fn every_gpu_kernel_matches_its_composite_on_the_gpu() {
-    let Some(gpu) = gpu() else { return };
     #[cfg(feature = "cuda")]
-    kernels_against_composites(&gpu);
-    let _ = gpu;
+    on_the_gpu(kernels_against_composites);
+}
+
+/// `check` on the tests' GPU, when there is one.
+#[cfg(feature = "cuda")]
+fn on_the_gpu(check: fn(&Device)) {
+    if let Some(gpu) = gpu() {
+        check(&gpu);
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -162,10 +168,8 @@ fn kernels_against_composites(gpu: &Device) {
 /// and attention, and the grouped experts with their weights' gradients through the sink.
 #[test]
 fn the_bf16_paths_on_a_gpu_are_the_f64_results_to_bf16_rounding() {
-    let Some(gpu) = gpu() else { return };
     #[cfg(feature = "cuda")]
-    bf16_paths(&gpu);
-    let _ = gpu;
+    on_the_gpu(bf16_paths);
 }
 
 #[cfg(feature = "cuda")]
@@ -302,10 +306,8 @@ fn grouped_experts_on_the_gpu(gpu: &Device, act: crate::config::Activation, bias
 /// several, of one element; with and without working copies; different coefficients each.
 #[test]
 fn adamw_over_a_list_on_a_gpu_is_the_per_tensor_kernel_bit_for_bit() {
-    let Some(gpu) = gpu() else { return };
     #[cfg(feature = "cuda")]
-    adamw_list_on(&gpu);
-    let _ = gpu;
+    on_the_gpu(adamw_list_on);
 }
 
 #[cfg(feature = "cuda")]

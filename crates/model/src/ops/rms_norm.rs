@@ -153,15 +153,12 @@ mod tests {
         assert!(max_diff(&y32, &theirs) < 1e-5);
     }
 
+    /// Small, and large enough (≥ 2^15 elements, an odd row count) for the rows — and the sums
+    /// over them — to be split over the cores.
     #[test]
     fn rms_norm_matches_composite_with_gradients() {
-        check(5, 40, 3);
-    }
-
-    /// Large enough (≥ 2^15 elements, an odd row count) for the rows, and so the weight gradient
-    /// sums, to be split over the cores.
-    #[test]
-    fn rms_norm_split_over_cores_matches_composite_with_gradients() {
-        check(301, 129, 7);
+        for (rows, width, seed) in [(5, 40, 3), (301, 129, 7)] {
+            check(rows, width, seed);
+        }
     }
 }

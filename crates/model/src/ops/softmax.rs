@@ -90,14 +90,12 @@ mod tests {
         assert_same_with_gradients(&[&x], &ours, &theirs, seed + 1, 1e-12, 1e-12);
     }
 
+    /// Small, and large enough (≥ 2^15 elements, an odd row count) for the rows — and the sums
+    /// over them — to be split over the cores.
     #[test]
     fn softmax_matches_composite_with_gradient() {
-        matches_composite(6, 70, 1);
-    }
-
-    /// Large enough (≥ 2^15 elements, an odd row count) for the rows to be split over the cores.
-    #[test]
-    fn softmax_split_over_cores_matches_composite_with_gradient() {
-        matches_composite(301, 129, 3);
+        for (rows, width, seed) in [(6, 70, 1), (301, 129, 3)] {
+            matches_composite(rows, width, seed);
+        }
     }
 }
