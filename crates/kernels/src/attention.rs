@@ -23,6 +23,31 @@ pub enum AttentionKernels {
     TensorCores,
 }
 
+/// The shape of a packed qkv [batch, seq, 3·heads·head_dim] and of its attention's output
+/// [batch, seq, heads·head_dim].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens of each.
+    pub seq: usize,
+    pub heads: usize,
+    /// Columns of each head.
+    pub head_dim: usize,
+}
+
+impl Heads {
+    /// Elements of the output (and of each of q, k and v).
+    pub fn elements(&self) -> usize {
+        self.batch * self.seq * self.heads * self.head_dim
+    }
+
+    /// (sequence, head) pairs: one log-sum-exp row of `seq` each.
+    pub fn rows(&self) -> usize {
+        self.batch * self.heads * self.seq
+    }
+}
+
 /// Whether the tensor-core kernels take this problem: bf16 heads of 64 columns, every buffer
 /// 16-byte aligned (their vector loads).
 fn tensor_cores_take(kernels: AttentionKernels, dt: Dtype, dh: usize, buffers: &[u64]) -> bool {
@@ -44,7 +69,8 @@ pub fn attention_supported(dh: usize) -> bool {
     half_for(dh).is_some()
 }
 
-fn checked(b: usize, t: usize, heads: usize, dh: usize) -> Result<(usize, [Arg; 4]), KernelError> {
+fn checked(h: Heads) -> Result<(usize, [Arg; 4]), KernelError> {
+    let Heads { batch: b, seq: t, heads, head_dim: dh } = h;
     let half = half_for(dh)
         .ok_or_else(|| KernelError::Size { family: FAMILY, what: format!("heads of {dh} columns (1 to {ATTENTION_MAX_HEAD_DIM})") })?;
     if b * heads > 65_535 {
@@ -64,19 +90,9 @@ fn checked(b: usize, t: usize, heads: usize, dh: usize) -> Result<(usize, [Arg; 
 
 /// y [b, t, heads·dh] = causal softmax(Q·Kᵀ/√dh)·V from the packed qkv [b, t, 3·heads·dh]; `lse`
 /// gets each (sequence, head, query)'s log-sum-exp (b·heads·t of the accumulator type).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_fwd(
-    kernels: AttentionKernels,
-    dt: Dtype,
-    qkv: u64,
-    y: u64,
-    lse: u64,
-    b: usize,
-    t: usize,
-    heads: usize,
-    dh: usize,
-) -> Result<Launch, KernelError> {
-    let (half, [t_, h_, dh_, scale]) = checked(b, t, heads, dh)?;
+pub fn attention_fwd(kernels: AttentionKernels, dt: Dtype, qkv: u64, y: u64, lse: u64, h: Heads) -> Result<Launch, KernelError> {
+    let (half, [t_, h_, dh_, scale]) = checked(h)?;
+    let Heads { batch: b, seq: t, heads, head_dim: dh } = h;
     let name = match tensor_cores_take(kernels, dt, dh, &[qkv, y]) {
         true => "lazarus_attn_mma_fwd_bf16_64".to_string(),
         false => format!("lazarus_attn_fwd_{}_{half}", dt.suffix()),
@@ -102,13 +118,11 @@ pub fn attention_bwd(
     lse: u64,
     dvec: u64,
     dqkv: u64,
-    b: usize,
-    t: usize,
-    heads: usize,
-    dh: usize,
+    h: Heads,
 ) -> Result<Vec<Launch>, KernelError> {
-    let (half, [t_, h_, dh_, scale]) = checked(b, t, heads, dh)?;
-    let rows = (b * heads * t) as u64;
+    let (half, [t_, h_, dh_, scale]) = checked(h)?;
+    let Heads { batch: b, seq: t, heads, head_dim: dh } = h;
+    let rows = h.rows() as u64;
     let grid = [t.div_ceil(ROWS).max(1) as u32, (b * heads).max(1) as u32, 1];
     let s = dt.suffix();
     let (dq, dkv) = match tensor_cores_take(kernels, dt, dh, &[qkv, y, dy, dqkv]) {

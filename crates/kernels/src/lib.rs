@@ -26,7 +26,7 @@ pub mod ops;
 mod rope;
 mod rows;
 
-pub use attention::{attention_bwd, attention_fwd, attention_supported, AttentionKernels, ATTENTION_MAX_HEAD_DIM};
+pub use attention::{attention_bwd, attention_fwd, attention_supported, AttentionKernels, Heads, ATTENTION_MAX_HEAD_DIM};
 pub use device::{Device, Elem, Gemm};
 pub use elementwise::{
     adamw, adamw_list, adamw_table, bias_activation_fwd, bias_add_rows, cast, gelu, gelu_bwd_inplace, gelu_grad, squares_parts, sum_parts,

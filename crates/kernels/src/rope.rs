@@ -1,7 +1,7 @@
 //! Launches of the rotary-position kernels (`cuda/rope.cuh`): the cos/sin tables of a sequence
 //! length, and the turn of the queries and keys of a packed projection.
 
-use crate::{args, size_u32, stride_launch, Arg, Dtype, KernelError, Launch};
+use crate::{args, size_u32, stride_launch, Arg, Dtype, Heads, KernelError, Launch};
 
 const FAMILY: &str = "rope";
 
@@ -28,23 +28,12 @@ pub fn rope_tables(acc: Dtype, cos: u64, sin: u64, t: usize, head: usize, theta:
     ))
 }
 
-/// y = qkv [rows, 3d] (rows of `t` positions each) with q and k turned by the tables' angles
-/// (the opposite ones with `inverse`: the backward), v copied; x and y of `dt`, the tables of its
+/// y = qkv [batch·seq, 3·heads·head_dim] with q and k turned by the tables' angles (the
+/// opposite ones with `inverse`: the backward), v copied; x and y of `dt`, the tables of its
 /// accumulator type.
-#[allow(clippy::too_many_arguments)]
-pub fn rope(
-    dt: Dtype,
-    x: u64,
-    y: u64,
-    cos: u64,
-    sin: u64,
-    rows: usize,
-    t: usize,
-    d: usize,
-    head: usize,
-    inverse: bool,
-) -> Result<Launch, KernelError> {
-    let (t32, d32, head32) = sizes(t, d, head)?;
+pub fn rope(dt: Dtype, x: u64, y: u64, cos: u64, sin: u64, h: Heads, inverse: bool) -> Result<Launch, KernelError> {
+    let (rows, d) = (h.batch * h.seq, h.heads * h.head_dim);
+    let (t32, d32, head32) = sizes(h.seq, d, h.head_dim)?;
     Ok(stride_launch(
         format!("lazarus_rope_{}", dt.suffix()),
         (rows * 3 * d) as u64,

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use lazarus_kernels::emulator::{Emulator, HostBuffer};
-use lazarus_kernels::{ops, AttentionKernels, Device as _, Dtype};
+use lazarus_kernels::{ops, AttentionKernels, Device as _, Dtype, Heads};
 
 use super::testing;
 
@@ -102,9 +102,9 @@ fn rope_forward_and_gradients() {
             for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 2e-2)] {
                 let (qb, pb) = (buf(qkv.as_tensor(), dt), buf(probe.as_tensor(), dt));
                 let what = format!("rope {dt:?} b{b} t{t} h{heads} dh{dh}");
-                let yb = ops::rope(&e, dt, qb.addr(), b, t, heads, dh, theta, false).unwrap();
+                let yb = ops::rope(&e, dt, qb.addr(), Heads { batch: b, seq: t, heads, head_dim: dh }, theta, false).unwrap();
                 close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[b, t, 3 * d]), tol);
-                let gb = ops::rope(&e, dt, pb.addr(), b, t, heads, dh, theta, true).unwrap();
+                let gb = ops::rope(&e, dt, pb.addr(), Heads { batch: b, seq: t, heads, head_dim: dh }, theta, true).unwrap();
                 close(&format!("{what} gradient"), &g[0], &tensor(&gb, dt, &[b, t, 3 * d]), tol);
             }
         }
@@ -112,7 +112,8 @@ fn rope_forward_and_gradients() {
     // A head of an odd width has no pairs to turn: refused before any launch.
     let e = ORDERS[0];
     let qb = HostBuffer::from_f64(Dtype::F32, &[0.0; 9]);
-    let err = ops::rope(&e, Dtype::F32, qb.addr(), 1, 1, 1, 3, 1e4, false).err().unwrap().to_string();
+    let err =
+        ops::rope(&e, Dtype::F32, qb.addr(), Heads { batch: 1, seq: 1, heads: 1, head_dim: 3 }, 1e4, false).err().unwrap().to_string();
     assert!(err.contains("heads of 3"), "{err}");
 }
 
@@ -173,9 +174,25 @@ fn attention_forward_and_gradients() {
 #[test]
 fn attention_on_tensor_cores_forward_and_gradients() {
     // These shapes do take the tensor-core kernels (and unaligned buffers do not).
-    let l = lazarus_kernels::attention_fwd(AttentionKernels::TensorCores, Dtype::Bf16, 0x1000, 0x2000, 0x3000, 2, 150, 2, 64).unwrap();
+    let l = lazarus_kernels::attention_fwd(
+        AttentionKernels::TensorCores,
+        Dtype::Bf16,
+        0x1000,
+        0x2000,
+        0x3000,
+        Heads { batch: 2, seq: 150, heads: 2, head_dim: 64 },
+    )
+    .unwrap();
     assert_eq!(l.kernel, "lazarus_attn_mma_fwd_bf16_64");
-    let l = lazarus_kernels::attention_fwd(AttentionKernels::TensorCores, Dtype::Bf16, 0x1008, 0x2000, 0x3000, 2, 150, 2, 64).unwrap();
+    let l = lazarus_kernels::attention_fwd(
+        AttentionKernels::TensorCores,
+        Dtype::Bf16,
+        0x1008,
+        0x2000,
+        0x3000,
+        Heads { batch: 2, seq: 150, heads: 2, head_dim: 64 },
+    )
+    .unwrap();
     assert_eq!(l.kernel, "lazarus_attn_fwd_bf16_32");
     attention_against_the_cpu(AttentionKernels::TensorCores, &[(1, 20, 1, 64), (2, 150, 2, 64)]);
 }
@@ -183,7 +200,7 @@ fn attention_on_tensor_cores_forward_and_gradients() {
 fn attention_against_the_cpu(kernels: AttentionKernels, shapes: &[(usize, usize, usize, usize)]) {
     // One tile and a partial one, several tiles, and the model's head width over two query tiles.
     for &(b, t, heads, dh) in shapes {
-        let d = heads * dh;
+        let (d, shape) = (heads * dh, Heads { batch: b, seq: t, heads, head_dim: dh });
         let mut var = testing::vars(7, 1.0);
         let (qkv, probe) = (var(&[b, t, 3 * d]), var(&[b, t, d]));
         let (y, g) = reference(std::slice::from_ref(&qkv), probe.as_tensor(), |x| super::causal_attention(&x[0], heads).unwrap());
@@ -191,10 +208,10 @@ fn attention_against_the_cpu(kernels: AttentionKernels, shapes: &[(usize, usize,
         for &e in orders {
             for (dt, tol) in [(Dtype::F64, 1e-10), (Dtype::F32, 2e-5), (Dtype::Bf16, 3e-2)] {
                 let (qb, pb) = (buf(qkv.as_tensor(), dt), buf(probe.as_tensor(), dt));
-                let (yb, lse) = ops::attention_fwd(&e, kernels, dt, qb.addr(), b, t, heads, dh).unwrap();
+                let (yb, lse) = ops::attention_fwd(&e, kernels, dt, qb.addr(), shape).unwrap();
                 let what = format!("attention {dt:?} b{b} t{t} h{heads} dh{dh}");
                 close(&format!("{what} forward"), &y, &tensor(&yb, dt, &[b, t, d]), tol);
-                let dq = ops::attention_bwd(&e, kernels, dt, qb.addr(), yb.addr(), pb.addr(), lse.addr(), b, t, heads, dh).unwrap();
+                let dq = ops::attention_bwd(&e, kernels, dt, qb.addr(), yb.addr(), pb.addr(), lse.addr(), shape).unwrap();
                 close(&format!("{what} gradient"), &g[0], &tensor(&dq, dt, &[b, t, 3 * d]), tol * 4.0);
             }
         }

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Layout, Shape, Tensor};
-use lazarus_kernels::{ops, AttentionKernels};
+use lazarus_kernels::{ops, AttentionKernels, Heads};
 
 use super::{addr, dtype_of, storage_addr, CudaBuf, Gpu};
 
@@ -31,39 +31,30 @@ custom_op!(GpuAttention: CustomOp1 "lazarus-gpu-attention", cuda, "causal-attent
 impl GpuAttention {
     fn cuda(&self, [(qkv, l)]: [(&CudaStorage, &Layout); 1]) -> candle_core::Result<(CudaStorage, Shape)> {
         let gpu = Gpu::of_storage(qkv);
-        let (b, t, d3) = l.shape().dims3()?;
-        let d = d3 / 3;
-        let (y, lse) =
-            ops::attention_fwd(&gpu, kernels(), dtype_of(qkv.dtype())?, storage_addr(qkv, l)?, b, t, self.heads, d / self.heads)?;
+        let h = packed_heads(l.shape(), self.heads)?;
+        let (y, lse) = ops::attention_fwd(&gpu, kernels(), dtype_of(qkv.dtype())?, storage_addr(qkv, l)?, h)?;
         if let Ok(mut s) = self.lse.lock() {
             *s = Some(lse);
         }
-        Ok((gpu.storage(y)?, Shape::from((b, t, d))))
+        Ok((gpu.storage(y)?, Shape::from((h.batch, h.seq, h.heads * h.head_dim))))
     }
 
     fn grads(&self, [qkv]: [&Tensor; 1], res: &Tensor, grad: &Tensor) -> candle_core::Result<crate::ops::Grads1> {
         let gpu = Gpu::of(qkv)?;
-        let (b, t, d3) = qkv.dims3()?;
-        let d = d3 / 3;
+        let h = packed_heads(qkv.shape(), self.heads)?;
         let (qkv, y, g) = (qkv.contiguous()?, res.contiguous()?, grad.contiguous()?);
         let lse = self.lse.lock().map_err(|_| candle_core::Error::Msg("attention: poisoned".into()))?;
         let Some(lse) = lse.as_ref() else { candle_core::bail!("attention: backward before forward") };
         let lse_addr = lazarus_kernels::Device::addr(&gpu, lse);
-        let dqkv = ops::attention_bwd(
-            &gpu,
-            kernels(),
-            dtype_of(qkv.dtype())?,
-            addr(&qkv)?,
-            addr(&y)?,
-            addr(&g)?,
-            lse_addr,
-            b,
-            t,
-            self.heads,
-            d / self.heads,
-        )?;
+        let dqkv = ops::attention_bwd(&gpu, kernels(), dtype_of(qkv.dtype())?, addr(&qkv)?, addr(&y)?, addr(&g)?, lse_addr, h)?;
         Ok(Some(gpu.tensor(dqkv, qkv.shape())?))
     }
+}
+
+/// The heads of a packed qkv of `shape` [batch, seq, 3·heads·head_dim] split into `heads`.
+fn packed_heads(shape: &Shape, heads: usize) -> candle_core::Result<Heads> {
+    let (batch, seq, d3) = shape.dims3()?;
+    Ok(Heads { batch, seq, heads, head_dim: d3 / 3 / heads.max(1) })
 }
 
 /// Whether the GPU kernel takes `heads` heads of a packed width `d3` (the head width in range).
@@ -84,9 +75,7 @@ struct GpuRope {
 
 impl GpuRope {
     fn turn(&self, gpu: &Gpu, dt: DType, x: u64, shape: &Shape, inverse: bool) -> candle_core::Result<CudaBuf> {
-        let (b, t, d3) = shape.dims3()?;
-        let dh = d3 / 3 / self.heads;
-        Ok(ops::rope(gpu, dtype_of(dt)?, x, b, t, self.heads, dh, self.theta, inverse)?)
+        Ok(ops::rope(gpu, dtype_of(dt)?, x, packed_heads(shape, self.heads)?, self.theta, inverse)?)
     }
 }
 
