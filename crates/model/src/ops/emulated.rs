@@ -174,26 +174,11 @@ fn attention_forward_and_gradients() {
 #[test]
 fn attention_on_tensor_cores_forward_and_gradients() {
     // These shapes do take the tensor-core kernels (and unaligned buffers do not).
-    let l = lazarus_kernels::attention_fwd(
-        AttentionKernels::TensorCores,
-        Dtype::Bf16,
-        0x1000,
-        0x2000,
-        0x3000,
-        Heads { batch: 2, seq: 150, heads: 2, head_dim: 64 },
-    )
-    .unwrap();
-    assert_eq!(l.kernel, "lazarus_attn_mma_fwd_bf16_64");
-    let l = lazarus_kernels::attention_fwd(
-        AttentionKernels::TensorCores,
-        Dtype::Bf16,
-        0x1008,
-        0x2000,
-        0x3000,
-        Heads { batch: 2, seq: 150, heads: 2, head_dim: 64 },
-    )
-    .unwrap();
-    assert_eq!(l.kernel, "lazarus_attn_fwd_bf16_32");
+    let h = Heads { batch: 2, seq: 150, heads: 2, head_dim: 64 };
+    let kernel =
+        |qkv: u64| lazarus_kernels::attention_fwd(AttentionKernels::TensorCores, Dtype::Bf16, qkv, 0x2000, 0x3000, h).unwrap().kernel;
+    assert_eq!(kernel(0x1000), "lazarus_attn_mma_fwd_bf16_64");
+    assert_eq!(kernel(0x1008), "lazarus_attn_fwd_bf16_32");
     attention_against_the_cpu(AttentionKernels::TensorCores, &[(1, 20, 1, 64), (2, 150, 2, 64)]);
 }
 
