@@ -158,8 +158,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => planning::run_plan(&args),
         Command::Prob(args) => planning::run_prob(&args),
-        Command::Train(args) if args.uses_workers() => train::workers::run_train_workers(&args),
-        Command::Train(args) => train::run_train(&args),
+        Command::Train(args) => train::run(&args),
         Command::Bench(BenchCommand::Train(args)) => train::bench::run_bench_train(&args),
         Command::Bench(BenchCommand::MoeLayer(args)) => moe_bench::run_moe_layer_bench(&args),
         Command::Bench(BenchCommand::Recovery(args)) => train::recovery_bench::run_recovery_bench_cli(&args),

@@ -182,7 +182,7 @@ fn half_open_connections_do_not_starve_the_controller() {
     let mut args = vec!["controller", "--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
     args.extend(tiny());
     args.extend(["--steps", "10", "--json-log", &log_s]);
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    let mut cmd = common::lazarus_command();
     cmd.args(&args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
     // SAFETY: only setrlimit between fork and exec.
     unsafe {

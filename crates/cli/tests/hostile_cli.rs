@@ -49,7 +49,7 @@ fn strangers_at_the_workers_ports_neither_stall_nor_end_the_job() {
 fn controller_with_fd_limit(args: &[&str], fds: u64) -> (std::process::Child, std::sync::mpsc::Receiver<String>, String) {
     use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    let mut cmd = common::lazarus_command();
     cmd.arg("controller").args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
     // SAFETY: only setrlimit between fork and exec.
     unsafe {

@@ -193,7 +193,7 @@ fn sizes_beyond_the_planning_core_and_a_full_stdout_are_errors() {
     // Output that cannot be written is an error naming stdout, not a panic.
     let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
     if let Ok(full) = full {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"))
+        let out = common::lazarus_command()
             .args(["plan", "--loads", "1,2", "--nodes", "2", "--slots", "2", "--json"])
             .stdout(full)
             .output()

@@ -121,8 +121,11 @@ fn bad_settings_are_named() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("experts") && err.contains("bad.toml"), "{err}");
-    let out = lazarus(&["train", "--resume"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--checkpoint-dir"));
+    // No run to go on with (none under an empty runs directory).
+    let mut resume = common::lazarus_command();
+    resume.env("LAZARUS_RUNS_DIR", d.join("no-runs")).args(["train", "--resume"]);
+    let out = common::output_within(resume, "lazarus train --resume");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume: no run under"), "{}", String::from_utf8_lossy(&out.stderr));
     let missing = d.join("nope.txt");
     let mut args = vec!["train", "--data", missing.to_str().unwrap()];
     args.extend(tiny());
@@ -157,7 +160,7 @@ fn no_flag_is_silently_ignored_and_bad_sizes_are_named_before_allocation() {
         (vec!["--config", text_cfg.to_str().unwrap(), "--synthetic-bytes", "5000"], "--synthetic-bytes"),
         (vec!["--data", corpus.to_str().unwrap(), "--synthetic-bytes", "5000"], "--synthetic-bytes"),
         (vec!["--data-format", "u16"], "--data-format u16 needs --data"),
-        (vec!["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (vec!["--checkpoint-every", "5", "--no-save"], "--checkpoint-every"),
         (vec!["--checkpoint-dir", a_file.to_str().unwrap()], "is not a directory"),
         (vec!["--experts", "100000000"], "n_experts"),
         (vec!["--d-model", "16384", "--heads", "1", "--d-ff", "131072"], "GiB"),
@@ -390,10 +393,10 @@ fn only_the_newest_checkpoints_are_kept() {
         .collect();
     kept.sort();
     assert_eq!(kept, vec!["step-00000004", "step-00000005"]);
-    let mut args = vec!["train", "--steps", "5", "--keep-checkpoints", "2"];
+    let mut args = vec!["train", "--steps", "5", "--keep-checkpoints", "2", "--no-save"];
     args.extend(tiny());
     let out = lazarus(&args);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--keep-checkpoints needs --checkpoint-dir"));
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--keep-checkpoints"));
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -964,5 +967,77 @@ fn resume_if_any_goes_on_from_the_newest_checkpoint_when_latest_is_missing() {
     assert!(err.contains("holds a run (step-00000006 (no `latest`)): going on with it"), "{err}");
     let steps: Vec<u64> = log_of(&log).0.iter().map(|s| s.0).collect();
     assert_eq!(steps, (1..=8).collect::<Vec<u64>>(), "went on from step 6, each step logged once");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A run not told where keeps what it makes in a directory of its own, `runs/DATE-TIME/` in the
+/// working directory: its checkpoint, the settings it ran with, its log and its tokenizer. The
+/// summary names it; `eval` and `generate` take it; `--resume` goes on with the newest run;
+/// its settings file starts a run like it in a new directory; a run that fails before it
+/// trains leaves nothing behind; `--no-save` keeps nothing.
+#[test]
+fn a_run_keeps_its_model_in_a_directory_of_its_own() {
+    let d = dir("run-dir");
+    let tok = d.join("tokenizer.json");
+    let out =
+        lazarus(&["tokenizer", "--data", "synthetic", "--synthetic-bytes", "50000", "--vocab-size", "300", "--out", tok.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // From `d`, as a user runs it: no LAZARUS_RUNS_DIR, so runs/ under the working directory.
+    let run = |args: &[&str]| {
+        let mut cmd = common::lazarus_command();
+        cmd.current_dir(&d).env_remove("LAZARUS_RUNS_DIR").args(args);
+        let out = common::output_within(cmd, &format!("lazarus {}", args.join(" ")));
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    };
+    let runs = || -> Vec<std::path::PathBuf> {
+        let mut r: Vec<_> = std::fs::read_dir(d.join("runs")).map(|e| e.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        r.sort();
+        r
+    };
+    let train = |extra: &[&str]| {
+        let mut a = vec!["train", "--steps", "3", "--tokenizer", tok.to_str().unwrap()];
+        a.extend(tiny());
+        a.extend(extra);
+        run(&a)
+    };
+    let (ok, text) = train(&[]);
+    assert!(ok, "{text}");
+    let [first] = &runs()[..] else { panic!("one run directory: {:?}", runs()) };
+    let name = first.file_name().unwrap().to_str().unwrap().to_string();
+    assert!(name.len() == 15 && name.as_bytes()[8] == b'-' && name.replace('-', "").bytes().all(|b| b.is_ascii_digit()), "{name}");
+    for kept in ["latest", "step-00000003", "config.toml", "log.jsonl", "tokenizer.json"] {
+        assert!(first.join(kept).exists(), "{kept} in {}", first.display());
+    }
+    assert_eq!(log_of(&first.join("log.jsonl")).0.len(), 3);
+    assert!(text.contains(&format!("checkpoint      runs/{name}/step-00000003")), "{text}");
+    assert!(text.contains(&format!("lazarus generate --checkpoint runs/{name} ")), "{text}");
+    let first_s = first.to_str().unwrap();
+    let (ok, text) = run(&["generate", "--checkpoint", first_s, "--prompt", "the ", "--tokens", "4"]);
+    assert!(ok && text.starts_with("the "), "{text}");
+    let held = d.join("held.txt");
+    std::fs::write(&held, "the quick brown fox jumps over the lazy dog. ".repeat(20)).unwrap();
+    let (ok, text) = run(&["eval", "--checkpoint", first_s, "--data", held.to_str().unwrap()]);
+    assert!(ok, "{text}");
+    // --resume alone: the newest run, its log and checkpoints going on in its directory.
+    let mut more = vec!["train", "--resume", "--steps", "5"];
+    more.extend(tiny());
+    let (ok, text) = run(&more);
+    assert!(ok, "{text}");
+    assert_eq!(runs().len(), 1, "no new directory for a resumed run");
+    assert_eq!(log_of(&first.join("log.jsonl")).0.len(), 5);
+    assert_eq!(std::fs::read_to_string(first.join("latest")).unwrap().trim(), "step-00000005");
+    // The settings file starts a run like it, in a directory of its own.
+    let (ok, text) = run(&["train", "--config", first.join("config.toml").to_str().unwrap()]);
+    assert!(ok, "{text}");
+    let now = runs();
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert_eq!(log_of(&now[1].join("log.jsonl")).0.len(), 3, "the first run's 3 steps");
+    // A run that fails once its directory is made (too large for this machine) leaves none.
+    let (ok, text) = run(&["train", "--d-model", "16384", "--heads", "1", "--d-ff", "131072"]);
+    assert!(!ok && text.contains("GiB"), "{text}");
+    let (ok, text) = train(&["--no-save"]);
+    assert!(ok && text.contains("nothing was saved"), "{text}");
+    assert_eq!(runs().len(), 2, "neither a failed run nor --no-save kept a directory");
     let _ = std::fs::remove_dir_all(&d);
 }

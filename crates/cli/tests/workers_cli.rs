@@ -5,7 +5,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -113,7 +113,7 @@ fn a_token_once_per_worker_trains_as_a_row_per_slot_with_fewer_bytes() {
         let log = d.join(format!("{name}.jsonl"));
         let mut args = vec!["train", "--steps", "6", "--workers", "3", "--quiet", "--json-log", log.to_str().unwrap()];
         args.extend(tiny());
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lazarus"));
+        let mut cmd = common::lazarus_command();
         cmd.args(&args).env_remove("LAZARUS_DISPATCH");
         if per_slot {
             cmd.env("LAZARUS_DISPATCH", "per-slot");
@@ -213,7 +213,7 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
         "off",
     ];
     args.extend(tiny());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_lazarus")).args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = common::lazarus_command().args(&args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let (tx, rx) = mpsc::channel::<(Instant, String)>();
     let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {

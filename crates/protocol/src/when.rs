@@ -1,12 +1,28 @@
 //! Times as people read them: a moment as a UTC date and time, not milliseconds since the Unix
 //! epoch (what the state file and the status messages carry).
 
+/// Milliseconds since 1970-01-01 UTC now (0 on a clock before it).
+pub fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 /// `unix_ms` (milliseconds since 1970-01-01 UTC) as `YYYY-MM-DD HH:MM:SS UTC`.
 pub fn utc_text(unix_ms: u64) -> String {
+    let ((y, m, d), (h, min, s)) = utc_parts(unix_ms);
+    format!("{y:04}-{m:02}-{d:02} {h:02}:{min:02}:{s:02} UTC")
+}
+
+/// `unix_ms` as a name that sorts as the moments do, `20261129-075812` (UTC): a run directory's.
+pub fn utc_stamp(unix_ms: u64) -> String {
+    let ((y, m, d), (h, min, s)) = utc_parts(unix_ms);
+    format!("{y:04}{m:02}{d:02}-{h:02}{min:02}{s:02}")
+}
+
+/// The UTC date and time of day of `unix_ms`.
+fn utc_parts(unix_ms: u64) -> ((i64, u32, u32), (u64, u64, u64)) {
     let secs = unix_ms / 1000;
     let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", rem / 3600, rem % 3600 / 60, rem % 60)
+    (civil_from_days(days), (rem / 3600, rem % 3600 / 60, rem % 60))
 }
 
 /// The proleptic Gregorian date of day `days` since 1970-01-01 (H. Hinnant's `civil_from_days`:
@@ -40,6 +56,7 @@ mod tests {
         ] {
             assert_eq!(utc_text(ms), want);
         }
+        assert_eq!(utc_stamp(1_795_903_524_999), "20261128-220524");
     }
 
     /// Day after day, the dates count up by one: month and year ends roll over, never skip, and

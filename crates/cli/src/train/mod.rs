@@ -21,7 +21,22 @@ use args::{check_resumed_config, resume_steps};
 pub use args::{setup_run, TrainArgs};
 use report::{print_banner, Reporter};
 
-pub fn run_train(args: &TrainArgs) -> Result<()> {
+/// `lazarus train`: in one process, or on `--workers N`; in a directory of the run's own
+/// (`runs/DATE-TIME/`) unless told where, or told to keep nothing.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let (args, run_dir) = args::with_run_dir(args)?;
+    let ran = match args.uses_workers() {
+        true => workers::run_train_workers(&args, run_dir.as_deref()),
+        false => run_train(&args, run_dir.as_deref()),
+    };
+    if let (Err(_), Some(dir)) = (&ran, &run_dir) {
+        args::discard_if_unused(dir);
+    }
+    ran
+}
+
+/// The single-process trainer; `run_dir`: the directory of the run's own it was given.
+fn run_train(args: &TrainArgs, run_dir: Option<&std::path::Path>) -> Result<()> {
     let args = &args::settle_resume(args)?;
     let device = lazarus_model::device::parse(args.model.device.as_deref().unwrap_or("cpu"))?;
     let mut trainer = if args.resume {
@@ -35,7 +50,11 @@ pub fn run_train(args: &TrainArgs) -> Result<()> {
         tracing::info!("resumed from {} at step {}", dir.display(), t.step);
         t
     } else {
-        Trainer::new_on(setup_run(args, 1)?, &device)?
+        let t = Trainer::new_on(setup_run(args, 1)?, &device)?;
+        if let Some(dir) = run_dir {
+            args::keep_run_files(dir, &t.config)?;
+        }
+        t
     };
     let cfg = trainer.config.clone();
     if trainer.done() {

@@ -414,7 +414,16 @@ impl Reporter {
         }
         match checkpoint {
             Some(p) => {
-                let _ = writeln!(out, "  checkpoint      {}", p.display());
+                // Paths under the working directory as the user would type them.
+                let here = std::env::current_dir().ok();
+                let shown = |p: &std::path::Path| here.as_deref().and_then(|h| p.strip_prefix(h).ok()).unwrap_or(p).display().to_string();
+                let _ = writeln!(out, "  checkpoint      {}", shown(p));
+                let run = shown(&lazarus_model::checkpoint::run_dir_of(p));
+                let _ = writeln!(
+                    out,
+                    "  use it          lazarus generate --checkpoint {run} --prompt TEXT; lazarus eval --checkpoint {run} --data FILE; \
+                     lazarus train --resume --checkpoint-dir {run} --steps N"
+                );
             }
             None => {
                 let _ = writeln!(out, "  checkpoint      none: nothing was saved (--checkpoint-dir DIR keeps the model)");

@@ -6,6 +6,20 @@ pub mod wait;
 
 use std::process::{Command, Output};
 
+/// The `lazarus` binary built for these tests, as a command: the runs a test does not give a
+/// directory of their own go under the build's scratch space (`LAZARUS_RUNS_DIR`), not into
+/// the working tree.
+pub fn lazarus_command() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    cmd.env("LAZARUS_RUNS_DIR", runs_dir());
+    cmd
+}
+
+/// Where the tests' runs without a directory of their own go.
+pub fn runs_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("runs")
+}
+
 /// Run the `lazarus` binary built for these tests, to its end: a command that runs past
 /// [`COMMAND_LIMIT`] is killed and the test fails naming it (a hang is a failure with a name,
 /// not a CI run that never ends).
@@ -15,7 +29,7 @@ pub fn lazarus(args: &[&str]) -> Output {
 
 /// [`lazarus`] with another bound: a long job run by hand (the soak at scale's reference run).
 pub fn lazarus_within(args: &[&str], limit: std::time::Duration) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    let mut cmd = lazarus_command();
     cmd.args(args).env_remove("LAZARUS_STATUS_TOKEN");
     output_limited(cmd, &format!("lazarus {}", args.join(" ")), limit)
 }
@@ -61,12 +75,7 @@ pub fn output_limited(mut cmd: Command, what: &str, limit: std::time::Duration) 
 /// `lazarus status --controller ADDR ARGS…` proving `token` (as the controller printed it).
 #[allow(dead_code)] // not every test file asks a controller
 pub fn status_with_token(addr: &str, token: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lazarus"))
-        .args(["status", "--controller", addr])
-        .args(args)
-        .env("LAZARUS_STATUS_TOKEN", token)
-        .output()
-        .expect("run lazarus")
+    lazarus_command().args(["status", "--controller", addr]).args(args).env("LAZARUS_STATUS_TOKEN", token).output().expect("run lazarus")
 }
 
 /// A fresh, empty scratch directory for one test (the process id keeps test binaries apart).
@@ -117,7 +126,7 @@ pub fn paced(ms: u32) -> [(&'static str, &'static str); 1] {
 pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    let mut cmd = lazarus_command();
     cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
     // A test run started in the background by a non-interactive shell inherits SIGINT and
     // SIGQUIT ignored; the tests that send them need the default disposition back.
@@ -317,7 +326,7 @@ pub enum Limit {
 #[allow(dead_code)]
 pub fn lazarus_limited(args: &[&str], limit: Limit, what: &str) -> Output {
     use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lazarus"));
+    let mut cmd = lazarus_command();
     cmd.args(args);
     // SAFETY: signal and setrlimit are async-signal-safe; nothing else runs before exec.
     unsafe {

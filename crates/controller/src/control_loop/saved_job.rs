@@ -50,7 +50,7 @@ pub struct SavedJob {
 
 impl SavedJob {
     pub fn new(job_id: &str, gpus_per_node: usize, agents: u64, state: JobState) -> Self {
-        let saved_unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let saved_unix_ms = lazarus_protocol::when::unix_ms_now();
         SavedJob {
             format: SAVED_JOB_FORMAT.into(),
             job_id: job_id.into(),

@@ -89,7 +89,7 @@ pub fn parse_status_token(token: &str) -> Option<(u128, Option<lazarus_protocol:
 }
 
 fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    lazarus_protocol::when::unix_ms_now()
 }
 
 /// A status request proving `key`: the clock, a fresh nonce, the proof.

@@ -10,11 +10,13 @@ use lazarus_model::{DataSource, TokenWidth, TrainConfig};
 
 mod config;
 mod run;
+mod run_dir;
 #[cfg(test)]
 mod tests;
 
 pub use config::*;
 pub use run::*;
+pub use run_dir::{discard_if_unused, keep_run_files, with_run_dir};
 
 /// The model, its data and its optimiser: what every command that builds the model takes
 /// (`train`, `controller`, `bench train`, `bench recovery`), defaults first, then a TOML file,
@@ -148,8 +150,13 @@ pub struct TrainArgs {
     #[arg(long)]
     pub(crate) steps: Option<u64>,
     /// Directory for checkpoints (written at the end and every --checkpoint-every steps).
+    /// Default: a directory of the run's own, runs/DATE-TIME/ (under $LAZARUS_RUNS_DIR if set),
+    /// with its settings (config.toml), its JSON log and its tokenizer beside them.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<PathBuf>,
+    /// Keep nothing: no run directory, no checkpoint (a run that only shows its progress).
+    #[arg(long, conflicts_with_all = ["checkpoint_dir", "resume", "resume_if_any", "checkpoint_every", "keep_checkpoints"])]
+    pub no_save: bool,
     /// Start from the weights of a Hugging Face Mixtral directory (config.json +
     /// model.safetensors, as `lazarus export --format hf` writes): the model's shape and options
     /// are its; a model flag that says otherwise is an error naming it.
@@ -161,7 +168,8 @@ pub struct TrainArgs {
     /// Keep the newest N checkpoints in --checkpoint-dir (0: every one; default 3).
     #[arg(long, value_name = "N")]
     keep_checkpoints: Option<usize>,
-    /// Continue from the latest checkpoint in --checkpoint-dir.
+    /// Continue from the latest checkpoint in --checkpoint-dir (without it: the newest run under
+    /// runs/).
     #[arg(long)]
     pub(crate) resume: bool,
     /// --resume if --checkpoint-dir holds a run's checkpoints, else start a new run there: for a

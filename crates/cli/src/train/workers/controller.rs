@@ -175,7 +175,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         }
         (train.resume, train.resume_if_any) = (true, false);
     }
-    run_job(&train, hosts, workers, Some(agent_command), None, resume_job)
+    run_job(&train, hosts, workers, Some(agent_command), None, resume_job, None)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lazarus_controller::control_loop::saved_job::SavedJob;
@@ -120,8 +120,9 @@ fn node_schedule(source: &str, nodes: usize, scale: Option<f64>, notice: bool) -
     Ok((NodeSchedule { initial, changes, notice }, most, scale, trace))
 }
 
-/// The launcher side of `lazarus train --workers N`.
-pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
+/// The launcher side of `lazarus train --workers N`; `run_dir`: the directory of the run's own it
+/// was given.
+pub fn run_train_workers(args: &TrainArgs, run_dir: Option<&Path>) -> Result<()> {
     let world = args.workers.unwrap_or(1);
     if args.gpus_per_node.is_none() && (args.replay.is_some() || args.replay_scale.is_some() || args.replay_notice) {
         bail!("--replay needs --gpus-per-node G: nodes come and go as local agents");
@@ -170,7 +171,7 @@ pub fn run_train_workers(args: &TrainArgs) -> Result<()> {
             }))
         }
     };
-    run_job(args, hosts, workers, None, replayed, false)
+    run_job(args, hosts, workers, None, replayed, false, run_dir)
 }
 
 /// Most held-out tokens a job's workers take: they travel in the job's spec.
@@ -193,6 +194,8 @@ fn held_out_for_workers(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> R
 /// A job of `workers` run where `hosts` says; `agent_command` is how to start an agent of
 /// another host (`{addr}`: the controller's address), shown once the controller listens. A
 /// replayed trace (`replayed`) is run through the simulator too, calibrated to the run.
+/// `resume_job`: the job a lost controller ran, taken back; `run_dir`: the directory of the
+/// run's own a new run was given.
 fn run_job(
     args: &TrainArgs,
     mut hosts: Hosts,
@@ -200,6 +203,7 @@ fn run_job(
     agent_command: Option<String>,
     mut replayed: Option<RunShape>,
     resume_job: bool,
+    run_dir: Option<&Path>,
 ) -> Result<()> {
     let args = &super::args::settle_resume(args)?;
     let comm_timeout = lazarus_agent::launcher::check_comm_timeout(args.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S))?;
@@ -210,6 +214,9 @@ fn run_job(
     // it releases the experts it does not hold.
     let (mut trainer, resume) = start_trainer(args, 1 + local as u128, resume_job)?;
     let cfg = trainer.config.clone();
+    if let Some(dir) = run_dir.filter(|_| resume.is_none()) {
+        super::args::keep_run_files(dir, &cfg)?;
+    }
     if let Hosts::Agents(a) = &mut hosts {
         // A controller of other hosts' agents saves what a new one needs to take the job back.
         if a.local_agents == 0 {
