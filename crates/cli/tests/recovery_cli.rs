@@ -93,12 +93,23 @@ fn a_hung_worker_is_found_out_within_the_lease_and_training_goes_on() {
 #[test]
 fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
     let d = dir("recover-phases");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
+    let (path, ck, tb) = (d.join("log.jsonl"), d.join("ck"), d.join("tb"));
     let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
     let (want, want_cursor) = uninterrupted_with_cursor("24", &d);
     let (child, lines, _) = start_with_faults(
         4,
-        &["--steps", "24", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--slots-per-worker", "4"],
+        &[
+            "--steps",
+            "24",
+            "--json-log",
+            &log_s,
+            "--checkpoint-dir",
+            &ck_s,
+            "--slots-per-worker",
+            "4",
+            "--tensorboard",
+            tb.to_str().unwrap(),
+        ],
         "1:forward:8,3:all_reduce:16",
     );
     let text = finish(child, lines, &path);
@@ -115,6 +126,18 @@ fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
         text.join("\n")
     );
     assert_eq!(cursor(&ck), want_cursor, "the same data consumed, nothing lost or repeated");
+    // TensorBoard's file has every step's loss, as logged, and each recovery's time.
+    let [events] = &std::fs::read_dir(&tb).unwrap().flatten().map(|e| e.path()).collect::<Vec<_>>()[..] else { panic!("one event file") };
+    let (_, scalars) = lazarus_tensorboard::read_events(events).unwrap();
+    let series = |tag: &str| -> Vec<(i64, f32)> {
+        scalars.iter().flat_map(|s| s.scalars.iter().filter(|x| x.tag == tag).map(move |x| (s.step, x.value))).collect()
+    };
+    let losses: Vec<(i64, f32)> = steps.iter().map(|&(s, l)| (s as i64, l as f32)).collect();
+    assert_eq!(series("train/loss"), losses);
+    let recoveries = series("moves/reconfigure_s");
+    assert_eq!(recoveries.iter().map(|r| r.0).collect::<Vec<_>>(), vec![7, 15], "{recoveries:?}");
+    assert!(recoveries.iter().all(|r| r.1 > 0.0 && r.1 < 30.0), "{recoveries:?}");
+    assert_eq!(series("expert_load/layer0/expert0").len(), 24);
     resumes_in_one_process(&ck, "26", &d);
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -86,6 +86,8 @@ pub struct Reporter {
     eval: Option<(u64, lazarus_model::eval::Evaluation)>,
     /// Runs on workers: the job's moves, for the summary (None for one process).
     moves: Option<Vec<Moved>>,
+    /// The TensorBoard event file (`--tensorboard`), until a write to it fails.
+    tensorboard: Option<lazarus_tensorboard::EventWriter>,
 }
 
 /// One move of a job on workers, as the summary counts it.
@@ -179,6 +181,10 @@ impl Reporter {
             moe_wire: None,
             eval: None,
             moves: args.uses_workers().then(Vec::new),
+            tensorboard: match &args.tensorboard {
+                Some(dir) => Some(tensorboard_file(dir)?),
+                None => None,
+            },
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
         // step is logged once.
@@ -228,6 +234,7 @@ impl Reporter {
         if self.recent.len() > 20 {
             self.recent.remove(0);
         }
+        self.tensorboard_step(r, tps, moe_wire_bytes);
         if let Some((path, w)) = self.log.as_mut() {
             let line = LogLine {
                 step: r.step,
@@ -267,6 +274,40 @@ impl Reporter {
         Ok(())
     }
 
+    /// A step's scalars in the TensorBoard file: the losses, learning rate, gradient norm,
+    /// tokens/s, each expert's share of its layer's tokens, the MoE bytes between workers.
+    fn tensorboard_step(&mut self, r: &StepReport, tokens_per_s: f64, moe_wire_bytes: Option<u64>) {
+        if self.tensorboard.is_none() {
+            return;
+        }
+        let mut scalars: Vec<(String, f64)> = vec![
+            ("train/loss".into(), r.loss),
+            ("train/aux_loss".into(), r.aux_loss),
+            ("train/learning_rate".into(), r.lr),
+            ("train/grad_norm".into(), r.grad_norm),
+            ("train/tokens_per_s".into(), tokens_per_s),
+        ];
+        for (l, load) in r.expert_load.iter().enumerate() {
+            let total = load.iter().sum::<u64>().max(1) as f64;
+            scalars.extend(load.iter().enumerate().map(|(e, &n)| (format!("expert_load/layer{l}/expert{e}"), n as f64 / total)));
+        }
+        if let Some(bytes) = moe_wire_bytes {
+            scalars.push(("train/moe_wire_bytes".into(), bytes as f64));
+        }
+        self.tensorboard_write(r.step, &scalars);
+    }
+
+    /// `scalars` at `step` in the TensorBoard file; a failed write is said once and ends the
+    /// file, not the run.
+    fn tensorboard_write(&mut self, step: u64, scalars: &[(String, f64)]) {
+        let Some(w) = self.tensorboard.as_mut() else { return };
+        let refs: Vec<(&str, f64)> = scalars.iter().map(|(t, v)| (t.as_str(), *v)).collect();
+        if let Err(e) = w.scalars(step, unix_s(), &refs) {
+            tracing::warn!("--tensorboard: {e}; no more events are written");
+            self.tensorboard = None;
+        }
+    }
+
     /// One more JSON object in the `--json-log`, beside the step lines (a reconfiguration).
     pub fn record(&mut self, value: &impl Serialize) -> Result<()> {
         if let Some((path, w)) = self.log.as_mut() {
@@ -296,6 +337,8 @@ impl Reporter {
         let lost = if r.cause == MoveCause::Drain { 0 } else { r.lost.len() };
         let m = Moved { cause: r.cause, lost, recovery_s: r.recovery_s, restored: r.restored.len() };
         self.moves.get_or_insert_with(Vec::new).push(m);
+        let tag = format!("moves/{}_s", r.cause.as_str());
+        self.tensorboard_write(r.step, &[(tag, r.recovery_s), ("moves/workers_lost".into(), lost as f64)]);
     }
 
     /// Training went back to the checkpoint of `step` (a rollback): cut the `--json-log` back
@@ -338,6 +381,7 @@ impl Reporter {
             "event": "eval", "step": step, "loss": e.loss, "perplexity": e.perplexity, "windows": e.windows, "tokens": e.tokens,
         }))?;
         self.eval = Some((step, *e));
+        self.tensorboard_write(step, &[("eval/loss".into(), e.loss), ("eval/perplexity".into(), e.perplexity)]);
         Ok(())
     }
 
@@ -431,6 +475,18 @@ impl Reporter {
         }
         crate::io::print(&out)
     }
+}
+
+/// A new TensorBoard event file in `dir`, named as TensorBoard's writers name theirs.
+fn tensorboard_file(dir: &std::path::Path) -> Result<lazarus_tensorboard::EventWriter> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name = lazarus_tensorboard::event_file_name(unix_s() as u64, host.trim(), std::process::id());
+    lazarus_tensorboard::EventWriter::create(dir, &name, unix_s()).with_context(|| format!("--tensorboard {}", dir.display()))
+}
+
+/// Seconds since the Unix epoch: an event's wall time.
+fn unix_s() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// `[12 s, ETA 48 s]` of a plain progress line: the time since the run began, and the time

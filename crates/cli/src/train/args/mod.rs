@@ -183,6 +183,12 @@ pub struct TrainArgs {
     /// Append one JSON object per step to this file.
     #[arg(long, value_name = "FILE")]
     pub(super) json_log: Option<PathBuf>,
+    /// Write TensorBoard event files into DIR (`tensorboard --logdir DIR`): loss, eval loss,
+    /// tokens/s, learning rate, gradient norm, each expert's share of its layer's tokens, the MoE
+    /// bytes between workers and each recovery's time. Default: the run's own directory, when
+    /// it has one (`tensorboard --logdir runs` shows every run).
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// No progress bar or per-step lines, only the summary.
     #[arg(long)]
     pub quiet: bool,

@@ -40,6 +40,9 @@ pub fn with_run_dir(args: &TrainArgs) -> Result<(TrainArgs, Option<PathBuf>)> {
     if a.json_log.is_none() {
         a.json_log = Some(dir.join(RUN_LOG));
     }
+    if a.tensorboard.is_none() {
+        a.tensorboard = Some(dir.clone());
+    }
     Ok((a, Some(dir)))
 }
 
