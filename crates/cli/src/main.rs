@@ -13,6 +13,7 @@ mod generate;
 mod io;
 mod moe_bench;
 mod planning;
+mod report;
 mod simulate;
 mod status;
 mod tls;
@@ -55,6 +56,9 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// A checkpoint's model as a Hugging Face directory (Mixtral's options).
     Export(Box<export::ExportArgs>),
+    /// One self-contained HTML page of a run from its directory: loss, tokens/s and expert-load
+    /// plots, every move of the job with what it cost, its settings.
+    Report(Box<report::ReportArgs>),
     /// Learn a byte-level BPE tokenizer (Hugging Face tokenizer.json) from text.
     Tokenizer(Box<tokenizer::TokenizerArgs>),
     /// Simulate a training job on a failure or spot trace: Lazarus vs DeepSpeed-MoE baselines.
@@ -148,6 +152,7 @@ fn main() -> ExitCode {
         | Command::Eval(_)
         | Command::Generate(_)
         | Command::Export(_)
+        | Command::Report(_)
         | Command::Bench(BenchCommand::Train(_)) => true,
         Command::Train(args) => !args.uses_workers(),
         _ => false,
@@ -167,6 +172,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => evaluate::run_eval(&args),
         Command::Generate(args) => generate::run_generate(&args),
         Command::Export(args) => export::run_export(&args),
+        Command::Report(args) => report::run_report(&args),
         Command::Tokenizer(args) => tokenizer::run_tokenizer(&args),
         Command::Status(args) => status::run_status(&args),
         Command::Controller(args) => train::workers::run_controller(&args),

@@ -138,6 +138,21 @@ fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
     assert_eq!(recoveries.iter().map(|r| r.0).collect::<Vec<_>>(), vec![7, 15], "{recoveries:?}");
     assert!(recoveries.iter().all(|r| r.1 > 0.0 && r.1 < 30.0), "{recoveries:?}");
     assert_eq!(series("expert_load/layer0/expert0").len(), 24);
+    // The run's report: both recoveries in its events, as a real browser shows it.
+    let html = d.join("report.html");
+    let out = lazarus(&["report", &ck_s, "--log", &log_s, "--out", html.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("24 steps, 0 evaluations, 2 moves"), "{}", String::from_utf8_lossy(&out.stdout));
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert_eq!(page.matches("<td class=\"l\">reconfigure</td>").count(), 2);
+    if let Some(chrome) = common::browser::chromium() {
+        let shot = common::runs_dir().with_file_name("report-of-a-run-with-two-recoveries.png");
+        let url = format!("file://{}", html.display());
+        let loaded = common::browser::load(&chrome, &url, &d, Some((&shot, 1000, 2400)));
+        assert!(loaded.console.is_empty(), "the page logged: {:?}", loaded.console);
+        assert_eq!(loaded.dom.matches(">reconfigure</td>").count(), 2, "the browser's page has both recoveries");
+        assert!(loaded.dom.contains("<svg") && loaded.dom.contains("MoE layer 1"), "the charts");
+    }
     resumes_in_one_process(&ck, "26", &d);
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -1,5 +1,7 @@
 //! Helpers shared by the CLI tests (each test file is its own crate and pulls this in).
 
+#[allow(dead_code)] // only the tests of pages load them
+pub mod browser;
 pub mod hosts;
 pub mod stranger;
 pub mod wait;

@@ -16,7 +16,7 @@ mod tests;
 
 pub use config::*;
 pub use run::*;
-pub use run_dir::{discard_if_unused, keep_run_files, with_run_dir};
+pub use run_dir::{discard_if_unused, keep_run_files, with_run_dir, RUN_CONFIG, RUN_LOG};
 
 /// The model, its data and its optimiser: what every command that builds the model takes
 /// (`train`, `controller`, `bench train`, `bench recovery`), defaults first, then a TOML file,
