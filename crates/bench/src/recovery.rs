@@ -216,7 +216,7 @@ pub fn run_recovery_bench(
             spec.comm_timeout_s,
             Some(spec.recovery),
             &Hosts::Local { status_listen: None },
-            None,
+            &lazarus_controller::HttpEndpoints::default(),
             |event| {
                 match event {
                     TrainEvent::Ready { rank, pid } => {

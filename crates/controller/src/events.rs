@@ -113,6 +113,10 @@ pub enum TrainEvent {
     Metrics {
         addr: SocketAddr,
     },
+    /// The job's live dashboard, for a browser: its address with the status token in it.
+    Dashboard {
+        url: String,
+    },
     /// An agent attached: its number, the address its workers listen on (as it claims) and where
     /// its connection came from, its workers, and the workers attached so far.
     AgentJoined {

@@ -18,6 +18,7 @@
 //! ([`run_local_job`]).
 
 pub mod control_loop;
+pub mod dashboard;
 pub mod decisions;
 pub mod events;
 pub mod fleet;
@@ -27,7 +28,7 @@ mod server_thread;
 pub mod service;
 
 pub use control_loop::{
-    plan_job, recovery_off, run_local_job, run_training, AgentsSpec, Hosts, JobPlan, NodeChange, NodeSchedule, PlanSource,
+    plan_job, recovery_off, run_local_job, run_training, AgentsSpec, Hosts, HttpEndpoints, JobPlan, NodeChange, NodeSchedule, PlanSource,
     ReconfigurationRecord, Recovery, RecoveryOff, TrainEvent, TrainOutcome,
 };
 pub use lazarus_protocol::{ControlError, Reach, Workers};

@@ -59,6 +59,10 @@ impl JobView {
                 tracing::info!("metrics for Prometheus: http://{addr}/metrics");
                 Ok(())
             }
+            TrainEvent::Dashboard { url } => {
+                tracing::info!("dashboard: {url}");
+                Ok(())
+            }
             TrainEvent::Serving { addr, status_token } => {
                 self.serving(addr, &status_token);
                 Ok(())

@@ -27,7 +27,10 @@ pub struct Loaded {
 /// `width` x `height` written to `screenshot` if given.
 pub fn load(chrome: &Path, url: &str, scratch: &Path, screenshot: Option<(&Path, u32, u32)>) -> Loaded {
     let base = |cmd: &mut Command| {
-        cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0"])
+        // The DOM is read (or the picture taken) once the page has had 400 ms of its own time:
+        // its scripts have run and a stream it opened has delivered (its time stands still while
+        // a stream is open: a load lasts as long as the page's first stream).
+        cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=400"])
             .arg(format!("--user-data-dir={}", scratch.join("chromium-profile").display()));
     };
     let mut dump = Command::new(chrome);

@@ -17,6 +17,7 @@ use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy, ReplicaMap};
 use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
 use serde::Serialize;
 
+use crate::dashboard::{Dashboard, DASHBOARD_PATH};
 use crate::decisions::{Controller, JobSpec, OnLoss};
 use crate::hub::{AgentHub, Joiner};
 use crate::metrics::{JobMetrics, MetricsEndpoint, MetricsServer};
@@ -266,7 +267,7 @@ pub fn run_training(
     comm_timeout_s: f64,
     recovery: Option<Recovery>,
     hosts: &Hosts,
-    metrics_at: Option<&MetricsEndpoint>,
+    http: &HttpEndpoints,
     mut observe: impl FnMut(TrainEvent) -> Result<(), ControlError>,
 ) -> Result<TrainOutcome, ControlError> {
     let comm_timeout_s = check_comm_timeout(comm_timeout_s)?;
@@ -314,7 +315,7 @@ pub fn run_training(
     let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
     let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
     let metrics = Arc::new(JobMetrics::new());
-    let _metrics_server = match metrics_at {
+    let _metrics_server = match &http.metrics {
         Some(at) => {
             let server = MetricsServer::start(at, metrics.clone(), Some(shared.clone()))?;
             observe(TrainEvent::Metrics { addr: server.addr() })?;
@@ -322,11 +323,35 @@ pub fn run_training(
         }
         None => None,
     };
+    // Who may ask about the job: holders of its status key (derived from the job's secret when
+    // agents run it; from a secret of the launcher's own for local workers, whose secret is
+    // theirs alone).
+    let status_access = match hosts {
+        Hosts::Agents(a) => StatusAccess { key: status_key(a.secret), tls: a.tls.clone() },
+        Hosts::Local { .. } => {
+            let own = fresh_secret().map_err(|e| ControlError::io("drawing the status secret from /dev/urandom", e))?;
+            StatusAccess { key: status_key(own), tls: ServerTls::FromSecret(own) }
+        }
+    };
+    let dashboard = http.dashboard.map(|_| Arc::new(Dashboard::new(shared.clone(), status_access.key)));
+    let _dashboard_server = match (http.dashboard, &dashboard) {
+        (Some(listen), Some(d)) => {
+            let server = MetricsServer::start_dashboard(listen, d.clone())?;
+            let token = status_token(status_access.key, &status_access.tls);
+            observe(TrainEvent::Dashboard { url: format!("http://{}{DASHBOARD_PATH}?token={token}", server.addr()) })?;
+            Some(server)
+        }
+        _ => None,
+    };
     let mut observe = |event: TrainEvent| {
         metrics.record(&event);
+        if let Some(d) = &dashboard {
+            d.record(&event);
+        }
         observe(event)
     };
-    let job_run = JobRun { job: &job, job_id: &job_id, epoch, world, comm_timeout_s, shared };
+    let publish = dashboard.is_some();
+    let job_run = JobRun { job: &job, job_id: &job_id, epoch, world, comm_timeout_s, shared, status_access, publish };
     let ended = match hosts {
         Hosts::Local { status_listen } => job_run.on_local_workers(*status_listen, controller, &mut observe),
         Hosts::Agents(a) => job_run.on_agents(a, lifecycle, controller, &mut observe),
@@ -369,8 +394,25 @@ struct JobRun<'a> {
     epoch: u64,
     world: usize,
     comm_timeout_s: f64,
-    /// The status served to `lazarus status`.
+    /// The status served to `lazarus status` (and the dashboard).
     shared: SharedStatus,
+    /// The key `lazarus status` and the dashboard's viewers prove, and the TLS its server uses.
+    status_access: StatusAccess,
+    /// Publish the status even with no status server (the dashboard reads it).
+    publish: bool,
+}
+
+/// The job's status key and the TLS its status server speaks.
+struct StatusAccess {
+    key: u128,
+    tls: ServerTls,
+}
+
+/// Where the job's HTTP servers listen: the metrics Prometheus scrapes, the dashboard.
+#[derive(Debug, Clone, Default)]
+pub struct HttpEndpoints {
+    pub metrics: Option<MetricsEndpoint>,
+    pub dashboard: Option<SocketAddr>,
 }
 
 type Observe<'o> = &'o mut dyn FnMut(TrainEvent) -> Result<(), ControlError>;
@@ -388,16 +430,14 @@ impl JobRun<'_> {
         let mut processes = launch("worker", self.world, self.comm_timeout_s, job, Confinement::Shared, self.epoch, job.encrypt_data)?;
         let _server = match status_listen {
             Some(addr) => {
-                // A secret of its own: the workers' is theirs alone.
-                let own = fresh_secret().map_err(|e| ControlError::io("drawing the status secret from /dev/urandom", e))?;
-                let (key, tls) = (status_key(own), ServerTls::FromSecret(own));
-                let server = GrpcServer::start(addr, self.shared.clone(), None, key, &tls)?;
-                observe(TrainEvent::Serving { addr: server.addr(), status_token: status_token(key, &tls) })?;
+                let StatusAccess { key, tls } = &self.status_access;
+                let server = GrpcServer::start(addr, self.shared.clone(), None, *key, tls)?;
+                observe(TrainEvent::Serving { addr: server.addr(), status_token: status_token(*key, tls) })?;
                 Some(server)
             }
             None => None,
         };
-        let shared = status_listen.map(|_| self.shared);
+        let shared = (status_listen.is_some() || self.publish).then_some(self.shared);
         drive(&mut processes, controller(Instant::now())?, self.job_id, shared, None, observe)
     }
 
@@ -418,7 +458,7 @@ impl JobRun<'_> {
             let members: Vec<usize> = r.saved.state.ranks.iter().map(|&w| w as usize).collect();
             hub.take_back(&members, r.saved.workers(), r.saved.agents);
         }
-        let key = status_key(a.secret);
+        let key = self.status_access.key;
         let server = GrpcServer::start(a.listen, self.shared.clone(), Some(hub.clone()), key, &a.tls)?;
         let addr = server.addr();
         observe(TrainEvent::Serving { addr, status_token: status_token(key, &a.tls) })?;

@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use crate::events::TrainEvent;
 use crate::service::SharedStatus;
 
-mod server;
+pub(crate) mod server;
 pub use server::{MetricsEndpoint, MetricsServer};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -16,12 +16,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt as _, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 
 use super::JobMetrics;
+use crate::dashboard::{Dashboard, DASHBOARD_PATH};
 use crate::service::SharedStatus;
 use lazarus_protocol::ControlError;
 
@@ -50,21 +52,29 @@ pub struct MetricsServer {
 impl MetricsServer {
     /// Serve `metrics` (and `status`'s members and epoch) at `at.listen`, `GET /metrics`.
     pub fn start(at: &MetricsEndpoint, metrics: Arc<JobMetrics>, status: Option<SharedStatus>) -> Result<Self, ControlError> {
-        let listen = at.listen;
-        let listener =
-            std::net::TcpListener::bind(listen).map_err(|e| ControlError::io(format!("--metrics-listen: binding {listen}"), e))?;
-        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the metrics address", e))?;
-        listener.set_nonblocking(true).map_err(|e| ControlError::io("the metrics listener", e))?;
-        let runtime = lazarus_protocol::rpc::runtime(1, "lazarus-metrics")?;
+        let page = Page { metrics: Some(Metrics { metrics, status, token: at.token.clone() }), dashboard: None };
+        Self::serve_at(at.listen, "--metrics-listen", page)
+    }
+
+    /// Serve `dashboard` at `listen`, `GET /dashboard?token=…` (and its stream).
+    pub fn start_dashboard(listen: SocketAddr, dashboard: Arc<Dashboard>) -> Result<Self, ControlError> {
+        Self::serve_at(listen, "--dashboard-listen", Page { metrics: None, dashboard: Some(dashboard) })
+    }
+
+    fn serve_at(listen: SocketAddr, flag: &str, page: Page) -> Result<Self, ControlError> {
+        let listener = std::net::TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
+        let addr = listener.local_addr().map_err(|e| ControlError::io("reading the HTTP server's address", e))?;
+        listener.set_nonblocking(true).map_err(|e| ControlError::io("the HTTP listener", e))?;
+        let runtime = lazarus_protocol::rpc::runtime(1, "lazarus-http")?;
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let page = Arc::new(Page { metrics, status, token: at.token.clone() });
+        let page = Arc::new(page);
         let thread = std::thread::Builder::new()
-            .name("lazarus-metrics".into())
+            .name("lazarus-http".into())
             .spawn(move || {
                 runtime.block_on(async move {
                     let listener = match tokio::net::TcpListener::from_std(listener) {
                         Ok(l) => l,
-                        Err(e) => return tracing::warn!("metrics server: {e}"),
+                        Err(e) => return tracing::warn!("HTTP server: {e}"),
                     };
                     let mut open: VecDeque<tokio::task::JoinHandle<()>> = VecDeque::new();
                     loop {
@@ -72,7 +82,7 @@ impl MetricsServer {
                             accepted = listener.accept() => match accepted {
                                 Ok((stream, _)) => stream,
                                 Err(e) => {
-                                    tracing::debug!("metrics: accept: {e}");
+                                    tracing::debug!("HTTP server: accept: {e}");
                                     tokio::time::sleep(Duration::from_millis(50)).await;
                                     continue;
                                 }
@@ -89,7 +99,7 @@ impl MetricsServer {
                     }
                 });
             })
-            .map_err(|e| ControlError::io("starting the metrics server", e))?;
+            .map_err(|e| ControlError::io("starting the HTTP server", e))?;
         Ok(MetricsServer { server: crate::server_thread::ServerThread::new(addr, stop, thread) })
     }
 
@@ -98,12 +108,20 @@ impl MetricsServer {
     }
 }
 
-/// What a scrape reads, and who may.
+/// What a server answers: the metrics a scrape reads, or the dashboard.
 struct Page {
+    metrics: Option<Metrics>,
+    dashboard: Option<Arc<Dashboard>>,
+}
+
+/// What a scrape reads, and who may.
+struct Metrics {
     metrics: Arc<JobMetrics>,
     status: Option<SharedStatus>,
     token: Option<String>,
 }
+
+type Body = BoxBody<Bytes, Infallible>;
 
 /// One connection: HTTP/1.1, its head within [`HEAD_WITHIN`], all of it within
 /// [`CONNECTION_WITHIN`].
@@ -122,35 +140,75 @@ async fn serve(stream: tokio::net::TcpStream, page: Arc<Page>) {
     let _ = tokio::time::timeout(CONNECTION_WITHIN, conn).await;
 }
 
-/// `GET /metrics` gets the text format (with the token, where one is set), anything else a 404.
-fn answer(req: &Request<Incoming>, page: &Page) -> Response<Full<Bytes>> {
-    let reply = |code: StatusCode, kind: &str, body: String| {
-        let mut r = Response::new(Full::new(Bytes::from(body)));
-        *r.status_mut() = code;
-        if let Ok(v) = kind.parse() {
-            r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-        }
-        r
+fn reply(code: StatusCode, kind: &str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
+    *r.status_mut() = code;
+    if let Ok(v) = kind.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+/// `GET /metrics` gets the text format (with the token, where one is set); `GET /dashboard`,
+/// its state and its stream go to holders of the status token; anything else a 404.
+fn answer(req: &Request<Incoming>, page: &Page) -> Response<Body> {
+    let path = req.uri().path();
+    let what = match (&page.metrics, &page.dashboard) {
+        (Some(_), _) => "lazarus: metrics are at GET /metrics\n",
+        (None, _) => "lazarus: the dashboard is at GET /dashboard?token=STATUS_TOKEN\n",
     };
-    if req.uri().path() != "/metrics" {
-        return reply(StatusCode::NOT_FOUND, "text/plain", "lazarus: metrics are at GET /metrics\n".into());
-    }
     if req.method() != hyper::Method::GET {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "lazarus: metrics are at GET /metrics\n".into());
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", what);
     }
-    if let Some(token) = &page.token {
+    match (path, &page.metrics, &page.dashboard) {
+        ("/metrics", Some(m), _) => metrics(req, m),
+        (p, _, Some(d)) if p == DASHBOARD_PATH || p.starts_with("/dashboard/") => dashboard(req, d),
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", what),
+    }
+}
+
+fn metrics(req: &Request<Incoming>, m: &Metrics) -> Response<Body> {
+    if let Some(token) = &m.token {
         let given = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         if !given.is_some_and(|g| same(g.trim().as_bytes(), token.as_bytes())) {
-            let mut r = reply(StatusCode::UNAUTHORIZED, "text/plain", "lazarus: this job's metrics need its bearer token\n".into());
+            let mut r = reply(StatusCode::UNAUTHORIZED, "text/plain", "lazarus: this job's metrics need its bearer token\n");
             r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
             return r;
         }
     }
-    reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", page.metrics.encode(page.status.as_ref()))
+    reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", m.metrics.encode(m.status.as_ref()))
+}
+
+/// The page, its state (`/dashboard/state`) and its stream (`/dashboard/events`), to holders
+/// of the job's status token.
+fn dashboard(req: &Request<Incoming>, d: &Arc<Dashboard>) -> Response<Body> {
+    if !d.admits(req.uri().query()) {
+        return reply(
+            StatusCode::UNAUTHORIZED,
+            "text/plain",
+            "lazarus: the dashboard needs the job's status token: /dashboard?token=TOKEN (as printed when the job starts)\n",
+        );
+    }
+    let mut r = match req.uri().path() {
+        DASHBOARD_PATH => reply(StatusCode::OK, "text/html; charset=utf-8", d.page()),
+        "/dashboard/state" => reply(StatusCode::OK, "application/json", d.state().0),
+        "/dashboard/events" => {
+            let mut r = Response::new(d.stream().boxed());
+            r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));
+            r
+        }
+        _ => return reply(StatusCode::NOT_FOUND, "text/plain", "lazarus: the dashboard is at GET /dashboard?token=STATUS_TOKEN\n"),
+    };
+    // Read-only and the job's own: never kept by a cache, never framed by another site.
+    let headers = r.headers_mut();
+    headers.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-store"));
+    headers.insert(hyper::header::X_FRAME_OPTIONS, hyper::header::HeaderValue::from_static("DENY"));
+    headers.insert(hyper::header::REFERRER_POLICY, hyper::header::HeaderValue::from_static("no-referrer"));
+    r
 }
 
 /// Equal, in a time that does not depend on where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 

@@ -302,6 +302,11 @@ pub struct TrainArgs {
     /// anyone who reaches ADDR may scrape.
     #[arg(long, value_name = "FILE")]
     pub metrics_token_file: Option<PathBuf>,
+    /// With --workers: serve the job's live dashboard at http://ADDR/dashboard?token=TOKEN
+    /// (members, placement and loads, loss and throughput curves, the timeline of failures and
+    /// recoveries), for holders of the job's status token: the address is printed with it.
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard_listen: Option<SocketAddr>,
     /// With --workers: encrypt the workers' connections to each other (TLS 1.3 by rustls,
     /// AES-256-GCM, both ends pinned to a key the job's secret gives). Without it they are
     /// authenticated at the rendezvous and travel in clear.
@@ -334,8 +339,9 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 23] = [
+        let given: [(&'static str, bool); 24] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
+            ("--dashboard-listen", self.dashboard_listen.is_some()),
             ("--metrics-token-file", self.metrics_token_file.is_some()),
             ("--encrypt-data", self.encrypt_data),
             ("--rebalance-every", self.rebalance_every.is_some()),

@@ -288,9 +288,9 @@ fn run_job(
     lazarus_protocol::stop_signal::install();
     let figures = RunFigures { loads: vec![vec![0.0; cfg.model.n_experts]; cfg.model.moe_layers()], ..RunFigures::default() };
     let mut view = JobView { reporter, figures, started: None, remote, agent_command, world, gpus_per_node: g, seq_len: cfg.seq_len };
-    let metrics_at = metrics_endpoint(args)?;
+    let http = lazarus_controller::HttpEndpoints { metrics: metrics_endpoint(args)?, dashboard: args.dashboard_listen };
     let mut report_error: Option<anyhow::Error> = None;
-    let outcome = run_training(&job, plan.placement.as_ref(), workers, comm_timeout, recovery, &hosts, metrics_at.as_ref(), |event| {
+    let outcome = run_training(&job, plan.placement.as_ref(), workers, comm_timeout, recovery, &hosts, &http, |event| {
         let shown = view.show(event);
         shown.map_err(|e| {
             let message = format!("{e:#}");
