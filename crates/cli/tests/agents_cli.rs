@@ -367,8 +367,9 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "2"];
     args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5", "--rebalance-every", "0"]);
     args.extend(tiny());
-    args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
-    let (mut controller, ctl_lines, addr) = start_controller(&args, None);
+    args.extend(["--steps", steps, "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--dashboard-listen", "127.0.0.1:0"]);
+    let (mut controller, ctl_lines, addr, before) = common::hosts::start_controller_keeping(&args, None);
+    let dashboard = before.iter().find_map(|l| l.split("dashboard: http://").nth(1)).expect("the dashboard's address").trim().to_string();
     // Paced (every step 15 ms or more): the job outlasts a join, a loss and a second join on
     // any machine.
     let agent = || start_agent_with_env(&addr, "2", &secret, None, "0", &common::paced(15));
@@ -384,6 +385,25 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     let lost = wait_for_records(&path, 2);
     assert_eq!((lost[1]["cause"].as_str(), lost[1]["workers"].as_u64()), (Some("reconfigure"), Some(2)), "{}", lost[1]);
     assert_eq!(lost[1]["lost"], serde_json::json!([0, 1]));
+    // The controller's dashboard has the join and the loss on its timeline, the lost members.
+    let (host, path_q) = dashboard.split_at(dashboard.find('/').unwrap());
+    let state_path = path_q.replacen("/dashboard?", "/dashboard/state?", 1);
+    let state = wait::until("the loss on the dashboard", Duration::from_secs(30), || {
+        let mut s = std::net::TcpStream::connect(host).map_err(|e| e.to_string())?;
+        use std::io::{Read, Write};
+        s.write_all(format!("GET {state_path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes()).map_err(|e| e.to_string())?;
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        let v: serde_json::Value = serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap_or("")).unwrap_or_default();
+        let kinds: Vec<&str> = v["timeline"].as_array().into_iter().flatten().filter_map(|e| e["kind"].as_str()).collect();
+        if kinds.contains(&"reconfigure") && kinds.contains(&"join") {
+            Ok(v.clone())
+        } else {
+            Err(answer)
+        }
+    });
+    let lost_members = state["members"].as_array().unwrap().iter().filter(|m| m["state"] == "lost").count();
+    assert_eq!(lost_members, 2, "the killed node's two workers: {state}");
     let _third = agent();
     let text = wait::job_success(&mut controller, &ctl_lines, &path, "the job completes");
     let (steps_seen, records) = log(&path);

@@ -25,9 +25,35 @@ use lazarus_protocol::proto::StatusReply;
 const MOST_POINTS: usize = 2048;
 /// The most timeline entries kept (the newest).
 const MOST_EVENTS: usize = 500;
-/// The most GPUs and experts a layer's placement is drawn with; above, neighbouring GPUs are
-/// drawn as one column (a thousand nodes of eight fit on no screen).
+/// The most GPUs and experts a layer's placement is drawn with; above, neighbouring GPUs (or
+/// experts) are drawn as one column (row): a thousand nodes of eight fit on no screen, and a
+/// page's state stays a few hundred kilobytes for the largest models.
 const MOST_COLUMNS: usize = 128;
+const MOST_ROWS: usize = 64;
+
+/// Each layer of `placement` (the replicas of each expert on each GPU) as the page draws it:
+/// neighbouring GPUs summed into at most [`MOST_COLUMNS`] columns, experts into at most
+/// [`MOST_ROWS`] rows.
+pub fn drawn_placement(placement: &[Vec<Vec<u32>>]) -> Value {
+    let layers: Vec<Value> = placement
+        .iter()
+        .enumerate()
+        .map(|(l, experts)| {
+            let ranks = experts.first().map_or(0, Vec::len);
+            let (gpus, per_row) = (ranks.div_ceil(MOST_COLUMNS).max(1), experts.len().div_ceil(MOST_ROWS).max(1));
+            let replicas: Vec<Vec<u32>> = experts
+                .chunks(per_row)
+                .map(|rows| {
+                    (0..ranks.div_ceil(gpus))
+                        .map(|c| rows.iter().map(|row| row[c * gpus..(c * gpus + gpus).min(ranks)].iter().sum::<u32>()).sum())
+                        .collect()
+                })
+                .collect();
+            json!({"layer": l, "gpus_per_column": gpus, "experts_per_row": per_row, "replicas": replicas})
+        })
+        .collect();
+    Value::Array(layers)
+}
 
 /// One curve over steps, thinned evenly as it grows so that it keeps at most [`MOST_POINTS`].
 #[derive(Debug, Default, Clone)]
@@ -154,23 +180,14 @@ impl History {
         self.version
     }
 
-    /// The page's JSON: this history with the controller's last published `status` and the
-    /// placement its plan gives (`placement`: per layer, the replicas of each expert on each GPU).
-    pub fn state(&self, status: &StatusReply, placement: &[Vec<Vec<u32>>]) -> Value {
+    /// The page's JSON: this history with the controller's last published `status`, and the
+    /// placement its plan gives as [`drawn_placement`] draws it (None: the page keeps the one
+    /// it has — a stream sends it when the plan changes, not every time).
+    pub fn state(&self, status: &StatusReply, placement: Option<Value>) -> Value {
         let members: Vec<Value> = status
             .members
             .iter()
             .map(|m| json!({"node": m.node, "rank": m.rank, "state": m.state, "alive": m.alive, "silent_s": m.silent_s, "epoch": m.epoch}))
-            .collect();
-        let layers: Vec<Value> = placement
-            .iter()
-            .enumerate()
-            .map(|(l, experts)| {
-                let ranks = experts.first().map_or(0, Vec::len);
-                let bin = ranks.div_ceil(MOST_COLUMNS).max(1);
-                let replicas: Vec<Vec<u32>> = experts.iter().map(|row| row.chunks(bin).map(|c| c.iter().sum()).collect()).collect();
-                json!({"layer": l, "gpus_per_column": bin, "replicas": replicas, "loads": self.last_loads.get(l)})
-            })
             .collect();
         json!({
             "job_id": status.job_id,
@@ -179,7 +196,8 @@ impl History {
             "step": status.step,
             "last_checkpoint": status.last_checkpoint,
             "members": members,
-            "placement": layers,
+            "placement": placement,
+            "loads": self.last_loads,
             "loss": self.loss.json(),
             "eval_loss": self.eval_loss.json(),
             "tokens_per_s": self.tokens_per_s.json(),
@@ -238,7 +256,7 @@ mod tests {
         };
         // One layer, 2 experts over 200 GPUs: drawn as 100 columns of 2.
         let placement = vec![vec![vec![1u32; 200], vec![0u32; 200]]];
-        let s = h.state(&status, &placement);
+        let s = h.state(&status, Some(drawn_placement(&placement)));
         assert_eq!(s["job_id"], "job-7");
         assert_eq!(s["members"][0]["state"], "member");
         assert_eq!(s["loss"], json!([[1, 5.0], [2, 4.0]]));
@@ -247,7 +265,16 @@ mod tests {
         assert_eq!(s["placement"][0]["gpus_per_column"], 2);
         assert_eq!(s["placement"][0]["replicas"][0].as_array().unwrap().len(), 100);
         assert_eq!(s["placement"][0]["replicas"][0][0], 2);
-        assert_eq!(s["placement"][0]["loads"], json!([3, 1]));
+        assert_eq!(s["loads"], json!([[3, 1]]));
+        assert!(h.state(&status, None)["placement"].is_null(), "kept by the page");
+        // 200 experts over 1,000 GPUs: 50 rows of 4 experts, 125 columns of 8 GPUs; every
+        // replica counted once.
+        let big = vec![(0..200).map(|e| (0..1000).map(|g| u32::from((e + g) % 7 == 0)).collect()).collect::<Vec<Vec<u32>>>()];
+        let drawn = drawn_placement(&big);
+        let rows = drawn[0]["replicas"].as_array().unwrap();
+        assert_eq!((rows.len(), rows[0].as_array().unwrap().len(), drawn[0]["gpus_per_column"].as_u64()), (50, 125, Some(8)));
+        let total: u64 = rows.iter().flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_u64().unwrap())).sum();
+        assert_eq!(total, big[0].iter().flatten().map(|&v| u64::from(v)).sum::<u64>());
         assert_eq!(s["timeline"][0]["kind"], "lost", "newest first");
         assert_eq!(s["timeline"][1]["kind"], "started");
     }

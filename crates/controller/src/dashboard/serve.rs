@@ -32,15 +32,21 @@ pub struct Dashboard {
     history: Mutex<History>,
     status: SharedStatus,
     key: u128,
-    /// The placement drawn from the status's plan, and which plan it was drawn from.
-    placement: Mutex<(String, Vec<Vec<Vec<u32>>>)>,
+    /// The placement drawn from the status's plan: the plan it was drawn from, how many plans
+    /// have been drawn, the drawing.
+    placement: Mutex<(String, u64, serde_json::Value)>,
 }
 
 impl Dashboard {
     /// The dashboard of the job whose status is published in `status`, for holders of `key`
     /// (the job's status key).
     pub fn new(status: SharedStatus, key: u128) -> Self {
-        Dashboard { history: Mutex::new(History::default()), status, key, placement: Mutex::new((String::new(), Vec::new())) }
+        Dashboard {
+            history: Mutex::new(History::default()),
+            status,
+            key,
+            placement: Mutex::new((String::new(), 0, serde_json::Value::Null)),
+        }
     }
 
     /// Take in one of the job's events.
@@ -56,31 +62,30 @@ impl Dashboard {
         crate::metrics::server::same(&key.to_le_bytes(), &self.key.to_le_bytes())
     }
 
-    /// The page's state, as JSON, and the history's version it was made at.
-    pub(crate) fn state(&self) -> (String, u64) {
-        let status = self.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let placement = {
-            let mut cached = self.placement.lock().unwrap_or_else(|e| e.into_inner());
-            if cached.0 != status.plan_json {
-                let drawn = lazarus_plan::ModelPlan::from_json(&status.plan_json)
-                    .map(|p| {
-                        let map = p.replica_map();
-                        (0..map.layer_count()).map(|l| map.dense_layer(l)).collect()
-                    })
-                    .unwrap_or_default();
-                *cached = (status.plan_json.clone(), drawn);
-            }
-            cached.1.clone()
-        };
+    /// The page's state as JSON, with the history's version and the plan's it was made at;
+    /// the placement left out (`null`) where the viewer has that plan's already (`has_plan`).
+    pub(crate) fn state(&self, has_plan: Option<u64>) -> (String, u64, u64) {
+        let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        let mut drawn = self.placement.lock().unwrap_or_else(|e| e.into_inner());
+        if drawn.0 != status.plan_json {
+            let layers: Vec<Vec<Vec<u32>>> = lazarus_plan::ModelPlan::from_json(&status.plan_json)
+                .map(|p| {
+                    let map = p.replica_map();
+                    (0..map.layer_count()).map(|l| map.dense_layer(l)).collect()
+                })
+                .unwrap_or_default();
+            *drawn = (status.plan_json.clone(), drawn.1 + 1, super::drawn_placement(&layers));
+        }
+        let placement = (has_plan != Some(drawn.1)).then(|| drawn.2.clone());
         let history = self.history.lock().unwrap_or_else(|e| e.into_inner());
-        (history.state(&status, &placement).to_string(), history.version())
+        (history.state(&status, placement).to_string(), history.version(), drawn.1)
     }
 
     /// The page, its state as of now written in (so that it shows the job at once, before its
     /// stream's first event).
     pub(crate) fn page(&self) -> String {
         // `</` in a string inside a script would end it: JSON allows `<\/`.
-        PAGE.replace("/*STATE*/null", &self.state().0.replace("</", "<\\/"))
+        PAGE.replace("/*STATE*/null", &self.state(None).0.replace("</", "<\\/"))
     }
 
     /// A stream of the state as server-sent events: at once, then whenever the history moves
@@ -90,12 +95,13 @@ impl Dashboard {
         let dashboard = self.clone();
         tokio::spawn(async move {
             let until = tokio::time::Instant::now() + STREAM_FOR;
-            let (mut sent_version, mut sent_at) = (None, tokio::time::Instant::now());
+            let (mut sent_version, mut sent_at, mut plan) = (None, tokio::time::Instant::now(), None);
             let mut first = true;
             while tokio::time::Instant::now() < until {
                 let version = dashboard.history.lock().unwrap_or_else(|e| e.into_inner()).version();
                 if sent_version != Some(version) || sent_at.elapsed() >= STREAM_AT_LEAST {
-                    let (state, version) = dashboard.state();
+                    let (state, version, plan_drawn) = dashboard.state(plan);
+                    plan = Some(plan_drawn);
                     let retry = if first { "retry: 500\n" } else { "" };
                     if tx.send(Bytes::from(format!("{retry}data: {state}\n\n"))).await.is_err() {
                         return;

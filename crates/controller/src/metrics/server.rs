@@ -191,7 +191,7 @@ fn dashboard(req: &Request<Incoming>, d: &Arc<Dashboard>) -> Response<Body> {
     }
     let mut r = match req.uri().path() {
         DASHBOARD_PATH => reply(StatusCode::OK, "text/html; charset=utf-8", d.page()),
-        "/dashboard/state" => reply(StatusCode::OK, "application/json", d.state().0),
+        "/dashboard/state" => reply(StatusCode::OK, "application/json", d.state(None).0),
         "/dashboard/events" => {
             let mut r = Response::new(d.stream().boxed());
             r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));

@@ -63,45 +63,8 @@ impl Worker {
         world: &mut Group,
     ) -> Result<ReconfigureReport, RuntimeError> {
         let bad = |reason: String| RuntimeError::Invalid { field: "reconfiguration", reason };
-        if self.held.is_some() {
-            return Err(bad("a held step must be committed or dropped first".into()));
-        }
-        if (t.rank(), t.world(), t.epoch()) != (r.rank, r.world, r.change.epoch) {
-            return Err(bad(format!(
-                "the transport is rank {} of {} at epoch {}, the reconfiguration rank {} of {} at epoch {}",
-                t.rank(),
-                t.world(),
-                t.epoch(),
-                r.rank,
-                r.world,
-                r.change.epoch
-            )));
-        }
         let mc = self.trainer.model.config().clone();
-        check_plan(&r.change.plan, mc.moe_layers(), mc.n_experts, r.world, self.mode)?;
-        for x in &r.change.transfers {
-            if x.layer >= mc.moe_layers() || x.expert >= mc.n_experts || x.from >= r.world || x.to >= r.world || x.from == x.to {
-                return Err(bad(format!(
-                    "transfer {x:?} does not fit {} layers x {} experts over {} ranks",
-                    mc.moe_layers(),
-                    mc.n_experts,
-                    r.world
-                )));
-            }
-            if r.change.plan.replicas_on(x.layer, x.expert, x.to) == 0 {
-                return Err(bad(format!("transfer {x:?} sends layer {} expert {} to a rank the plan does not give it", x.layer, x.expert)));
-            }
-        }
-        for &j in &r.change.joining {
-            if j >= r.world || r.shared_source(j).is_none() {
-                return Err(bad(format!("joiner {j} of a world of {} has no rank to take the job's state from", r.world)));
-            }
-        }
-        if r.change.transfers.iter().any(|x| r.change.joining.contains(&x.from)) {
-            return Err(bad("a joining rank cannot be the source of a transfer".into()));
-        }
-        let mut transfers = r.change.transfers.clone();
-        transfers.sort_by_key(|x| (x.layer, x.expert, x.to));
+        let transfers = self.checked_move(r, t)?;
         let timeout = self.timeout;
         let deadline = || deadline_after(timeout);
         let mut report = ReconfigureReport::default();
@@ -176,5 +139,52 @@ impl Worker {
             .map(|c| ((c.0, c.1), c.2))
             .collect();
         Ok(report)
+    }
+
+    /// Whether this rank can carry out `r` over `t`: nothing held, the transport the move's, the
+    /// plan and every transfer and joiner within the model and the world. The move's transfers,
+    /// in the order every rank carries them out.
+    fn checked_move(&self, r: &Reconfiguration, t: &dyn Transport) -> Result<Vec<lazarus_plan::RankTransfer>, RuntimeError> {
+        let bad = |reason: String| RuntimeError::Invalid { field: "reconfiguration", reason };
+        if self.held.is_some() {
+            return Err(bad("a held step must be committed or dropped first".into()));
+        }
+        if (t.rank(), t.world(), t.epoch()) != (r.rank, r.world, r.change.epoch) {
+            return Err(bad(format!(
+                "the transport is rank {} of {} at epoch {}, the reconfiguration rank {} of {} at epoch {}",
+                t.rank(),
+                t.world(),
+                t.epoch(),
+                r.rank,
+                r.world,
+                r.change.epoch
+            )));
+        }
+        let mc = self.trainer.model.config();
+        check_plan(&r.change.plan, mc.moe_layers(), mc.n_experts, r.world, self.mode)?;
+        for x in &r.change.transfers {
+            if x.layer >= mc.moe_layers() || x.expert >= mc.n_experts || x.from >= r.world || x.to >= r.world || x.from == x.to {
+                return Err(bad(format!(
+                    "transfer {x:?} does not fit {} layers x {} experts over {} ranks",
+                    mc.moe_layers(),
+                    mc.n_experts,
+                    r.world
+                )));
+            }
+            if r.change.plan.replicas_on(x.layer, x.expert, x.to) == 0 {
+                return Err(bad(format!("transfer {x:?} sends layer {} expert {} to a rank the plan does not give it", x.layer, x.expert)));
+            }
+        }
+        for &j in &r.change.joining {
+            if j >= r.world || r.shared_source(j).is_none() {
+                return Err(bad(format!("joiner {j} of a world of {} has no rank to take the job's state from", r.world)));
+            }
+        }
+        if r.change.transfers.iter().any(|x| r.change.joining.contains(&x.from)) {
+            return Err(bad("a joining rank cannot be the source of a transfer".into()));
+        }
+        let mut transfers = r.change.transfers.clone();
+        transfers.sort_by_key(|x| (x.layer, x.expert, x.to));
+        Ok(transfers)
     }
 }
