@@ -259,6 +259,8 @@ struct PolicyJson<'a> {
     policy: &'static str,
     trained_samples: f64,
     avg_samples_per_s: f64,
+    /// Effective training time ratio: time on steps that count over the wall time.
+    ettr: f64,
     steps: u64,
     restarts: u64,
     reconfigurations: u64,
@@ -297,6 +299,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
                     policy: r.policy.name(),
                     trained_samples: r.trained_samples,
                     avg_samples_per_s: r.avg_samples_per_s,
+                    ettr: r.ettr,
                     steps: r.steps,
                     restarts: r.restarts,
                     reconfigurations: r.reconfigurations,
@@ -328,18 +331,19 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "{:<8} {:>12} {:>9} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
-        "policy", "samples", "samples/s", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
+        "{:<8} {:>12} {:>9} {:>6} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "policy", "samples", "samples/s", "ETTR", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
     );
     let pct = |x: f64| format!("{:.0}%", 100.0 * x / scenario.duration_s);
     for r in &reports {
         let b = &r.breakdown;
         let _ = writeln!(
             out,
-            "{:<8} {:>12.0} {:>9.2} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+            "{:<8} {:>12.0} {:>9.2} {:>6.3} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
             r.policy.name(),
             r.trained_samples,
             r.avg_samples_per_s,
+            r.ettr,
             r.restarts,
             r.reconfigurations,
             pct(b.compute_s),

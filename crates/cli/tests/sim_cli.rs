@@ -24,7 +24,11 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
             .map(|k| b[k].as_f64().unwrap())
             .sum();
         assert!((total - 1800.0).abs() < 1e-3, "{}: {total}", p["policy"]);
+        let ettr = p["ettr"].as_f64().unwrap();
+        assert!((ettr - b["compute_s"].as_f64().unwrap() / total).abs() < 1e-9 && ettr > 0.0 && ettr < 1.0, "{}: ETTR {ettr}", p["policy"]);
     }
+    let ettr = |i: usize| policies[i]["ettr"].as_f64().unwrap();
+    assert!(ettr(0) > ettr(1), "Lazarus loses less time than a restart per failure: {} against {}", ettr(0), ettr(1));
     assert_eq!(policies[0]["restarts"], 0, "single failures never cost Lazarus a restart");
     assert!(policies[0]["trained_samples"].as_f64().unwrap() > policies[1]["trained_samples"].as_f64().unwrap());
     let svg = std::fs::read_to_string(&svg).unwrap();

@@ -27,6 +27,17 @@ impl Breakdown {
     pub fn total(&self) -> f64 {
         self.compute_s + self.checkpoint_s + self.restart_s + self.lost_work_s + self.reconfig_s + self.rebalance_s + self.idle_s
     }
+
+    /// The effective training time ratio: the time spent on steps that count over the wall time
+    /// (what the field now judges resilient training by: MoEvement, ByteRobust). 0 for no time.
+    pub fn ettr(&self) -> f64 {
+        let total = self.total();
+        if total > 0.0 {
+            self.compute_s / total
+        } else {
+            0.0
+        }
+    }
 }
 
 /// One point of the throughput / progress curves.
@@ -42,6 +53,8 @@ pub struct PolicyReport {
     pub policy: Policy,
     pub trained_samples: f64,
     pub avg_samples_per_s: f64,
+    /// Effective training time ratio ([`Breakdown::ettr`]).
+    pub ettr: f64,
     pub steps: u64,
     pub restarts: u64,
     pub reconfigurations: u64,
@@ -111,6 +124,7 @@ impl<P: FailurePolicy> Run<'_, P> {
             policy: self.policy,
             trained_samples: self.samples,
             avg_samples_per_s: self.samples / d,
+            ettr: t.time.ettr(),
             steps: self.step,
             restarts: t.restarts,
             reconfigurations: t.reconfigurations,
