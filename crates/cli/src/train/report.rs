@@ -88,6 +88,8 @@ pub struct Reporter {
     moves: Option<Vec<Moved>>,
     /// The TensorBoard event file (`--tensorboard`), until a write to it fails.
     tensorboard: Option<lazarus_tensorboard::EventWriter>,
+    /// Each expert's tag in that file, per MoE layer (made once, not every step).
+    expert_tags: Vec<Vec<String>>,
 }
 
 /// One move of a job on workers, as the summary counts it.
@@ -185,6 +187,9 @@ impl Reporter {
                 Some(dir) => Some(tensorboard_file(dir)?),
                 None => None,
             },
+            expert_tags: (0..cfg.model.moe_layers())
+                .map(|l| (0..cfg.model.n_experts).map(|e| format!("expert_load/layer{l}/expert{e}")).collect())
+                .collect(),
         };
         // On --resume the steps after the checkpoint run again: their old lines go, so that every
         // step is logged once.
@@ -280,32 +285,21 @@ impl Reporter {
         if self.tensorboard.is_none() {
             return;
         }
-        let mut scalars: Vec<(String, f64)> = vec![
-            ("train/loss".into(), r.loss),
-            ("train/aux_loss".into(), r.aux_loss),
-            ("train/learning_rate".into(), r.lr),
-            ("train/grad_norm".into(), r.grad_norm),
-            ("train/tokens_per_s".into(), tokens_per_s),
+        let mut scalars: Vec<(&str, f64)> = vec![
+            ("train/loss", r.loss),
+            ("train/aux_loss", r.aux_loss),
+            ("train/learning_rate", r.lr),
+            ("train/grad_norm", r.grad_norm),
+            ("train/tokens_per_s", tokens_per_s),
         ];
-        for (l, load) in r.expert_load.iter().enumerate() {
+        for (load, tags) in r.expert_load.iter().zip(&self.expert_tags) {
             let total = load.iter().sum::<u64>().max(1) as f64;
-            scalars.extend(load.iter().enumerate().map(|(e, &n)| (format!("expert_load/layer{l}/expert{e}"), n as f64 / total)));
+            scalars.extend(load.iter().zip(tags).map(|(&n, tag)| (tag.as_str(), n as f64 / total)));
         }
         if let Some(bytes) = moe_wire_bytes {
-            scalars.push(("train/moe_wire_bytes".into(), bytes as f64));
+            scalars.push(("train/moe_wire_bytes", bytes as f64));
         }
-        self.tensorboard_write(r.step, &scalars);
-    }
-
-    /// `scalars` at `step` in the TensorBoard file; a failed write is said once and ends the
-    /// file, not the run.
-    fn tensorboard_write(&mut self, step: u64, scalars: &[(String, f64)]) {
-        let Some(w) = self.tensorboard.as_mut() else { return };
-        let refs: Vec<(&str, f64)> = scalars.iter().map(|(t, v)| (t.as_str(), *v)).collect();
-        if let Err(e) = w.scalars(step, unix_s(), &refs) {
-            tracing::warn!("--tensorboard: {e}; no more events are written");
-            self.tensorboard = None;
-        }
+        tensorboard_write(&mut self.tensorboard, r.step, &scalars);
     }
 
     /// One more JSON object in the `--json-log`, beside the step lines (a reconfiguration).
@@ -338,7 +332,7 @@ impl Reporter {
         let m = Moved { cause: r.cause, lost, recovery_s: r.recovery_s, restored: r.restored.len() };
         self.moves.get_or_insert_with(Vec::new).push(m);
         let tag = format!("moves/{}_s", r.cause.as_str());
-        self.tensorboard_write(r.step, &[(tag, r.recovery_s), ("moves/workers_lost".into(), lost as f64)]);
+        tensorboard_write(&mut self.tensorboard, r.step, &[(&tag, r.recovery_s), ("moves/workers_lost", lost as f64)]);
     }
 
     /// Training went back to the checkpoint of `step` (a rollback): cut the `--json-log` back
@@ -381,7 +375,7 @@ impl Reporter {
             "event": "eval", "step": step, "loss": e.loss, "perplexity": e.perplexity, "windows": e.windows, "tokens": e.tokens,
         }))?;
         self.eval = Some((step, *e));
-        self.tensorboard_write(step, &[("eval/loss".into(), e.loss), ("eval/perplexity".into(), e.perplexity)]);
+        tensorboard_write(&mut self.tensorboard, step, &[("eval/loss", e.loss), ("eval/perplexity", e.perplexity)]);
         Ok(())
     }
 
@@ -477,6 +471,16 @@ impl Reporter {
     }
 }
 
+/// `scalars` at `step` in the TensorBoard file `tb`; a failed write is said once and ends the
+/// file, not the run.
+fn tensorboard_write(tb: &mut Option<lazarus_tensorboard::EventWriter>, step: u64, scalars: &[(&str, f64)]) {
+    let Some(w) = tb.as_mut() else { return };
+    if let Err(e) = w.scalars(step, unix_s(), scalars) {
+        tracing::warn!("--tensorboard: {e}; no more events are written");
+        *tb = None;
+    }
+}
+
 /// A new TensorBoard event file in `dir`, named as TensorBoard's writers name theirs.
 fn tensorboard_file(dir: &std::path::Path) -> Result<lazarus_tensorboard::EventWriter> {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -486,7 +490,7 @@ fn tensorboard_file(dir: &std::path::Path) -> Result<lazarus_tensorboard::EventW
 
 /// Seconds since the Unix epoch: an event's wall time.
 fn unix_s() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    lazarus_protocol::when::unix_ms_now() as f64 / 1000.0
 }
 
 /// `[12 s, ETA 48 s]` of a plain progress line: the time since the run began, and the time
