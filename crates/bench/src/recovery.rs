@@ -9,6 +9,7 @@
 //! NCCL time-outs, is what this measures against.
 
 use lazarus_model::{TrainConfig, Trainer};
+use lazarus_setting::Setting;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -158,15 +159,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn check_spec(spec: &RecoveryBenchSpec) -> Result<(), ControlError> {
     if spec.workers < 2 || spec.workers > lazarus_protocol::MAX_WORKERS_PER_HOST {
         return Err(ControlError::invalid(
-            "--workers",
+            Setting::Workers,
             format!("{} (expected 2 to {})", spec.workers, lazarus_protocol::MAX_WORKERS_PER_HOST),
         ));
     }
     if spec.kills == 0 || spec.kills > MAX_KILLS {
-        return Err(ControlError::invalid("--kills", format!("{} (expected 1 to {MAX_KILLS})", spec.kills)));
+        return Err(ControlError::invalid(Setting::Kills, format!("{} (expected 1 to {MAX_KILLS})", spec.kills)));
     }
     if spec.steps < 6 || spec.steps > MAX_STEPS {
-        return Err(ControlError::invalid("--steps", format!("{} (expected 6 to {MAX_STEPS})", spec.steps)));
+        return Err(ControlError::invalid(Setting::Steps, format!("{} (expected 6 to {MAX_STEPS})", spec.steps)));
     }
     Ok(())
 }
@@ -312,13 +313,13 @@ mod tests {
     #[test]
     fn bad_specs_name_the_flag() {
         for (s, flag) in [
-            (RecoveryBenchSpec { workers: 1, ..spec(5, 0) }, "--workers"),
-            (RecoveryBenchSpec { kills: 0, ..spec(5, 0) }, "--kills"),
-            (RecoveryBenchSpec { steps: 5, ..spec(5, 0) }, "--steps"),
-            (RecoveryBenchSpec { steps: u64::MAX, ..spec(5, 0) }, "--steps"),
+            (RecoveryBenchSpec { workers: 1, ..spec(5, 0) }, Setting::Workers),
+            (RecoveryBenchSpec { kills: 0, ..spec(5, 0) }, Setting::Kills),
+            (RecoveryBenchSpec { steps: 5, ..spec(5, 0) }, Setting::Steps),
+            (RecoveryBenchSpec { steps: u64::MAX, ..spec(5, 0) }, Setting::Steps),
         ] {
             let e = check_spec(&s).unwrap_err().to_string();
-            assert!(e.contains(flag), "{e}");
+            assert!(e.contains(&flag.to_string()), "{e}");
         }
         assert!(Recovery::from_flags(Some(0.0), Some(0.1)).is_err());
         assert!(Recovery::from_flags(Some(1.0), Some(1.0)).is_err());

@@ -10,6 +10,13 @@ use clap::Args;
 use lazarus_agent::agent::{run_agent, AgentEnd, AgentOptions};
 use lazarus_protocol::tls::ClientTls;
 
+/// The command line of an agent that `train --workers N --gpus-per-node G` starts on this host
+/// for its controller at `controller`: `gpus` GPUs, and no grace for a lost controller (it goes
+/// with the process that runs the controller).
+pub fn local_agent_command_line(controller: std::net::SocketAddr, gpus: usize) -> Vec<String> {
+    ["agent", "--controller", &controller.to_string(), "--gpus", &gpus.to_string(), "--controller-grace", "0"].map(String::from).to_vec()
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct AgentArgs {
     /// TOML file whose `[agent]` table holds any of the settings below, named as the flags are

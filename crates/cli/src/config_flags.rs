@@ -9,6 +9,14 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use lazarus_setting::Setting;
+
+/// A setting as this command line spells it: its long flag, the key with `-` for `_` (what
+/// every library's messages show once `main` says so; `every_setting_is_a_flag` holds each
+/// to a flag some command has).
+pub fn flag(setting: Setting) -> String {
+    format!("--{}", setting.key().replace('_', "-"))
+}
 
 /// The commands that read a table of their own from `--config`.
 const TABLES: [&str; 2] = ["controller", "agent"];
@@ -94,4 +102,25 @@ fn config_path(args: &[OsString]) -> Option<PathBuf> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn long_flags(command: &clap::Command, into: &mut std::collections::BTreeSet<String>) {
+        into.extend(command.get_arguments().filter_map(|a| a.get_long()).map(|l| format!("--{l}")));
+        for sub in command.get_subcommands() {
+            long_flags(sub, into);
+        }
+    }
+
+    #[test]
+    fn every_setting_is_a_flag_of_some_command() {
+        let mut flags = std::collections::BTreeSet::new();
+        long_flags(&<crate::Cli as clap::CommandFactory>::command(), &mut flags);
+        let strays: Vec<String> = Setting::ALL.iter().map(|&s| flag(s)).filter(|f| !flags.contains(f)).collect();
+        assert!(strays.is_empty(), "settings that no command takes: {strays:?}");
+        assert_eq!(flag(Setting::GpusPerNode), "--gpus-per-node");
+    }
 }

@@ -131,6 +131,8 @@ fn init_logging() {
 fn main() -> ExitCode {
     tune_allocator();
     init_logging();
+    // Every library's messages name a setting as its flag.
+    lazarus_setting::spell_settings_as(config_flags::flag);
     // The training flags' defaults shown in --help (they are options, read from one place).
     let command = train::args::show_defaults(<Cli as clap::CommandFactory>::command())
         // A `--config` table's flags come first; the command line's own override them.

@@ -156,7 +156,7 @@ fn malformed_input_names_the_field_and_value() {
     assert!(e.contains("expert 1"), "{e}");
     let bare = temp_file("bare.json", "[[0, 1, 2], [0, 1, 2]]");
     let e = fails(&["prob", "--placement-file", bare.to_str().unwrap(), "--failed", "1"]);
-    assert!(e.contains("placement-file") && e.contains("lazarus plan --json"), "{e}");
+    assert!(e.contains("placement-file") && e.contains("as `lazarus plan` prints it in JSON"), "{e}");
 }
 
 #[test]

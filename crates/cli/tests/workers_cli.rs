@@ -164,7 +164,7 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "2", "--placement-file", bad.to_str().unwrap()], "MoE layers"),
         (vec!["--workers", "2", "--placement-file", huge.to_str().unwrap()], "expert 18446744073709551615"),
         (vec!["--workers", "2", "--placement-file", five.to_str().unwrap()], "the model has 4"),
-        (vec!["--workers", "2", "--placement-file", bare.to_str().unwrap()], "lazarus plan --json"),
+        (vec!["--workers", "2", "--placement-file", bare.to_str().unwrap()], "as `lazarus plan` prints it in JSON"),
         (vec!["--workers", "9"], "batch_size"),
         (vec!["--workers", "2", "--capacity-factor", "1.0"], "capacity_factor"),
         (vec!["--workers", "2", "--max-imbalance", "0.9"], "--max-imbalance"),

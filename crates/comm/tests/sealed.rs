@@ -127,7 +127,9 @@ fn a_byte_altered_on_the_way_closes_the_connection_instead_of_delivering() {
 fn a_rank_that_seals_meets_one_that_does_not_with_an_error_naming_the_flag() {
     let (got, _) = pair([false, true], None);
     match got {
-        Err(CommError::Rendezvous(msg)) => assert!(msg.contains("--encrypt-data") || msg.contains("seal"), "{msg}"),
+        Err(CommError::Rendezvous(msg)) => {
+            assert!(msg.contains(&lazarus_setting::Setting::EncryptData.to_string()) || msg.contains("seal"), "{msg}")
+        }
         other => panic!("mismatched ranks must not connect: {:?}", other.map(|_| ())),
     }
 }

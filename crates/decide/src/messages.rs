@@ -1,6 +1,7 @@
 //! What the controller is told ([`Event`]), what it tells its shell to do ([`Command`]), and the
 //! plain values those carry: where a survivor stopped, a move to a new plan and why it moves.
 
+use lazarus_setting::Setting;
 use serde::{Deserialize, Serialize};
 
 use super::{NodeId, RebalanceDecision, Weighed, Weighing};
@@ -226,7 +227,7 @@ impl std::fmt::Display for StopReason {
                 write!(f, "the {workers} surviving workers have {slots} expert slots, fewer than the {experts} experts of a layer; ")?;
                 match checkpoint {
                     Some(step) => write!(f, "the last checkpoint is of step {step}"),
-                    None => f.write_str("no checkpoint was written (--checkpoint-dir, --checkpoint-every)"),
+                    None => write!(f, "no checkpoint was written ({}, {})", Setting::CheckpointDir, Setting::CheckpointEvery),
                 }
             }
             StopReason::PartialNode { gpus_per_node } => {

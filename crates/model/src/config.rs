@@ -383,8 +383,8 @@ impl ModelConfig {
 }
 
 /// A setting that is a number or off: a number, `"off"` (TOML has no null) or null (JSON).
-/// `capacity_factor = "off"` and `grad_clip = "off"` read as the flags `--capacity-factor off`
-/// and `--grad-clip off` do.
+/// `capacity_factor = "off"` and `grad_clip = "off"` turn the setting off, as the command line's
+/// `off` does.
 pub(crate) fn number_or_off<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<f64>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]

@@ -1,5 +1,6 @@
 //! Errors of the model crate. Configuration and data errors name the field and the value.
 
+use lazarus_setting::Setting;
 use std::path::PathBuf;
 
 use thiserror::Error;
@@ -16,7 +17,10 @@ pub enum ModelError {
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
     /// A non-finite loss or gradient: the step is not applied, and the run stops.
-    #[error("training diverged at step {step}: the {what} is {value} (not applied; lower --lr, or resume from the last checkpoint)")]
+    #[error(
+        "training diverged at step {step}: the {what} is {value} (not applied; lower {}, or resume from the last checkpoint)",
+        Setting::Lr
+    )]
     Diverged { step: u64, what: &'static str, value: f64 },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -19,6 +19,7 @@
 //! the configuration's, a tensor with no place in the model (another architecture's, or a typo
 //! in a hand-made file), and a weight that is NaN or infinite are each named.
 
+use lazarus_setting::Setting;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -45,11 +46,11 @@ const BUFFERS: [&str; 1] = ["rotary_emb.inv_freq"];
 /// The first option of `cfg` that Mixtral does not have, as (field, what it would need).
 pub fn mixtral_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     let checks: [(bool, &'static str, String); 9] = [
-        (cfg.norm == NormKind::Rms, "norm", "Mixtral's norm is RMSNorm (--norm rms)".into()),
-        (cfg.positions == Positions::Rope, "positions", "Mixtral has rotary positions (--positions rope)".into()),
-        (cfg.expert_act == Activation::Swiglu, "expert_act", "Mixtral's experts are SwiGLU (--expert-act swiglu)".into()),
-        (!cfg.attn_bias, "attn_bias", "Mixtral's attention has no biases (--attn-bias false)".into()),
-        (!cfg.ffn_bias, "ffn_bias", "Mixtral's experts have no biases (--ffn-bias false)".into()),
+        (cfg.norm == NormKind::Rms, "norm", format!("Mixtral's norm is RMSNorm ({} rms)", Setting::Norm)),
+        (cfg.positions == Positions::Rope, "positions", format!("Mixtral has rotary positions ({} rope)", Setting::Positions)),
+        (cfg.expert_act == Activation::Swiglu, "expert_act", format!("Mixtral's experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
+        (!cfg.attn_bias, "attn_bias", format!("Mixtral's attention has no biases ({} false)", Setting::AttnBias)),
+        (!cfg.ffn_bias, "ffn_bias", format!("Mixtral's experts have no biases ({} false)", Setting::FfnBias)),
         (cfg.shared_experts == 0, "shared_experts", format!("{}: Mixtral has no shared experts", cfg.shared_experts)),
         (cfg.moe_every == 1, "moe_every", format!("{}: Mixtral has an MoE layer in every block", cfg.moe_every)),
         (

@@ -1,6 +1,7 @@
 //! The single-process trainer: sampler → forward → backward → clip → AdamW, with checkpoints
 //! that resume bit-exactly.
 
+use lazarus_setting::Setting;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -281,7 +282,11 @@ impl Trainer {
         };
         config.validate()?;
         if config.dtype == Precision::Bf16 && device.is_cpu() {
-            return Err(ModelError::config("dtype", "bf16", "needs a GPU (--device cuda): candle's CPU matrix product has no bf16"));
+            return Err(ModelError::config(
+                "dtype",
+                "bf16",
+                format!("needs a GPU ({} cuda): candle's CPU matrix product has no bf16", Setting::Device),
+            ));
         }
         let tokenizer = crate::tokenizer::TextTokenizer::open(config.tokenizer.as_deref())?;
         let tokens = config.data.load_with(config.model.vocab_size, &tokenizer)?;

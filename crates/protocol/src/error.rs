@@ -1,11 +1,15 @@
+use lazarus_setting::Setting;
 use thiserror::Error;
 
 /// Why the control plane could not start, run or finish a job.
 #[derive(Debug, Error)]
 pub enum ControlError {
-    /// A setting that cannot work; `field` is what the user wrote (a flag, e.g. `--cpus-per-worker`).
-    #[error("invalid {field}: {reason}")]
-    Invalid { field: &'static str, reason: String },
+    /// A setting that cannot work (shown as the front end spells it: the CLI's flag).
+    #[error("invalid {setting}: {reason}")]
+    Invalid { setting: Setting, reason: String },
+    /// A message from the launcher or a peer that breaks the protocol (`what` names it).
+    #[error("invalid {what}: {reason}")]
+    BadMessage { what: &'static str, reason: String },
     /// An operating-system call failed.
     #[error("{what}: {error}")]
     Io { what: String, error: std::io::Error },
@@ -25,8 +29,12 @@ pub enum ControlError {
 }
 
 impl ControlError {
-    pub fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
-        ControlError::Invalid { field, reason: reason.into() }
+    pub fn invalid(setting: Setting, reason: impl Into<String>) -> Self {
+        ControlError::Invalid { setting, reason: reason.into() }
+    }
+
+    pub fn bad_message(what: &'static str, reason: impl Into<String>) -> Self {
+        ControlError::BadMessage { what, reason: reason.into() }
     }
 
     pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {

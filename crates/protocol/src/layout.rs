@@ -3,6 +3,7 @@
 //! them again: the planner, the controller and the launcher take the type, not two numbers.
 
 use crate::error::ControlError;
+use lazarus_setting::Setting;
 
 /// Most workers of one job, over all its nodes (1,024 nodes of 16 GPUs).
 pub const MAX_WORKERS: usize = 16_384;
@@ -47,15 +48,15 @@ impl Workers {
         let most = reach.most();
         if world == 0 || world > most {
             let on = if reach == Reach::OneMachine { " on one machine" } else { "" };
-            return Err(ControlError::invalid("--workers", format!("{world} (expected 1 to {most}{on})")));
+            return Err(ControlError::invalid(Setting::Workers, format!("{world} (expected 1 to {most}{on})")));
         }
         if gpus_per_node == 0 || !world.is_multiple_of(gpus_per_node) {
             return Err(ControlError::invalid(
-                "--gpus-per-node",
-                format!("{gpus_per_node} (expected a divisor of --workers {world}; every agent brings that many)"),
+                Setting::GpusPerNode,
+                format!("{gpus_per_node} (expected a divisor of {} {world}; every agent brings that many)", Setting::Workers),
             ));
         }
-        Ok(Workers { world, gpus_per_node: node_gpus("--gpus-per-node", gpus_per_node)? })
+        Ok(Workers { world, gpus_per_node: node_gpus(Setting::GpusPerNode, gpus_per_node)? })
     }
 
     /// Every worker of the job.
@@ -79,8 +80,8 @@ impl Workers {
         let max = max.unwrap_or(world);
         if max < world || max > MAX_WORKERS || !max.is_multiple_of(g) {
             return Err(ControlError::invalid(
-                "--max-workers",
-                format!("{max} (expected from --workers {world} to {MAX_WORKERS}, a multiple of --gpus-per-node {g})"),
+                Setting::MaxWorkers,
+                format!("{max} (expected from {} {world} to {MAX_WORKERS}, a multiple of {} {g})", Setting::Workers, Setting::GpusPerNode),
             ));
         }
         Ok(max)
@@ -89,7 +90,7 @@ impl Workers {
 
 /// `gpus` checked as the workers (GPUs) of one node: 1 to [`MAX_WORKERS_PER_HOST`]; `field` is
 /// the setting that gave it (an agent's `--gpus`, a job's `--gpus-per-node`).
-pub fn node_gpus(field: &'static str, gpus: usize) -> Result<usize, ControlError> {
+pub fn node_gpus(field: Setting, gpus: usize) -> Result<usize, ControlError> {
     if gpus == 0 || gpus > MAX_WORKERS_PER_HOST {
         return Err(ControlError::invalid(field, format!("{gpus} (expected 1 to {MAX_WORKERS_PER_HOST})")));
     }
@@ -100,9 +101,9 @@ pub fn node_gpus(field: &'static str, gpus: usize) -> Result<usize, ControlError
 mod tests {
     use super::*;
 
-    fn refused(r: Result<impl std::fmt::Debug, ControlError>, field: &str) -> String {
+    fn refused(r: Result<impl std::fmt::Debug, ControlError>, field: Setting) -> String {
         match r {
-            Err(ControlError::Invalid { field: f, reason }) if f == field => reason,
+            Err(ControlError::Invalid { setting, reason }) if setting == field => reason,
             other => panic!("expected {field} refused, got {other:?}"),
         }
     }
@@ -111,13 +112,15 @@ mod tests {
     fn workers_are_bounded_by_where_they_run_and_make_whole_nodes() {
         let w = Workers::new(12, 4, Reach::OneMachine).unwrap();
         assert_eq!((w.world(), w.gpus_per_node(), w.nodes()), (12, 4, 3));
-        assert!(refused(Workers::new(0, 1, Reach::Agents), "--workers").contains("expected 1 to 16384"));
-        assert!(refused(Workers::new(65, 1, Reach::OneMachine), "--workers").contains("expected 1 to 64 on one machine"));
+        assert!(refused(Workers::new(0, 1, Reach::Agents), Setting::Workers).contains("expected 1 to 16384"));
+        assert!(refused(Workers::new(65, 1, Reach::OneMachine), Setting::Workers).contains("expected 1 to 64 on one machine"));
         assert_eq!(Workers::new(MAX_WORKERS, 16, Reach::Agents).unwrap().nodes(), 1024);
-        assert!(refused(Workers::new(MAX_WORKERS + 1, 1, Reach::Agents), "--workers").contains("16384"));
-        assert!(refused(Workers::new(12, 5, Reach::Agents), "--gpus-per-node").contains("a divisor of --workers 12"));
-        assert!(refused(Workers::new(12, 0, Reach::Agents), "--gpus-per-node").contains("0 (expected a divisor"));
-        assert!(refused(Workers::new(256, 128, Reach::Agents), "--gpus-per-node").contains("expected 1 to 64"));
+        assert!(refused(Workers::new(MAX_WORKERS + 1, 1, Reach::Agents), Setting::Workers).contains("16384"));
+        assert!(
+            refused(Workers::new(12, 5, Reach::Agents), Setting::GpusPerNode).contains(&format!("a divisor of {} 12", Setting::Workers))
+        );
+        assert!(refused(Workers::new(12, 0, Reach::Agents), Setting::GpusPerNode).contains("0 (expected a divisor"));
+        assert!(refused(Workers::new(256, 128, Reach::Agents), Setting::GpusPerNode).contains("expected 1 to 64"));
     }
 
     #[test]
@@ -126,8 +129,11 @@ mod tests {
         assert_eq!(w.most_workers(None).unwrap(), 8);
         assert_eq!(w.most_workers(Some(16)).unwrap(), 16);
         for bad in [4, 10, MAX_WORKERS + 4] {
-            assert!(refused(w.most_workers(Some(bad)), "--max-workers").contains("a multiple of --gpus-per-node 4"), "{bad}");
+            assert!(
+                refused(w.most_workers(Some(bad)), Setting::MaxWorkers).contains(&format!("a multiple of {} 4", Setting::GpusPerNode)),
+                "{bad}"
+            );
         }
-        assert_eq!(refused(node_gpus("--gpus", 65), "--gpus"), "65 (expected 1 to 64)");
+        assert_eq!(refused(node_gpus(Setting::Gpus, 65), Setting::Gpus), "65 (expected 1 to 64)");
     }
 }

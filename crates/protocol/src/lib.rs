@@ -29,4 +29,5 @@ pub mod when;
 
 pub use error::ControlError;
 pub use layout::{node_gpus, Reach, Workers, MAX_WORKERS, MAX_WORKERS_PER_HOST};
+pub use lazarus_setting::Setting;
 pub use messages::*;

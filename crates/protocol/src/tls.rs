@@ -25,6 +25,7 @@ use rustls::pki_types::CertificateDer;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::error::ControlError;
+use lazarus_setting::Setting;
 
 /// An Ed25519 public key the controller's handshake must be signed with.
 pub use lazarus_comm::pinned::Pin;
@@ -109,31 +110,31 @@ impl ServerTls {
                     .map_err(|e| ControlError::Launch(format!("the controller's certificate: {e}")))?
             }
             ServerTls::Given { cert_pem, key_pem, client_ca_pem } => {
-                check_certificates("--tls-cert", cert_pem)?;
-                check_key("--tls-key", key_pem)?;
+                check_certificates(Setting::TlsCert, cert_pem)?;
+                check_key(Setting::TlsKey, key_pem)?;
                 let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
                     .collect::<Result<_, _>>()
-                    .map_err(|e| ControlError::invalid("--tls-cert", format!("not a PEM certificate ({e})")))?;
+                    .map_err(|e| ControlError::invalid(Setting::TlsCert, format!("not a PEM certificate ({e})")))?;
                 let key = PrivateKeyDer::from_pem_slice(key_pem)
-                    .map_err(|e| ControlError::invalid("--tls-key", format!("no private key in it ({e})")))?;
+                    .map_err(|e| ControlError::invalid(Setting::TlsKey, format!("no private key in it ({e})")))?;
                 let builder = match client_ca_pem {
                     None => builder.with_no_client_auth(),
                     Some(ca) => {
-                        check_certificates("--tls-ca", ca)?;
+                        check_certificates(Setting::TlsCa, ca)?;
                         let mut roots = rustls::RootCertStore::empty();
                         for c in CertificateDer::pem_slice_iter(ca) {
-                            let c = c.map_err(|e| ControlError::invalid("--tls-ca", format!("not a PEM certificate ({e})")))?;
-                            roots.add(c).map_err(|e| ControlError::invalid("--tls-ca", format!("not a CA certificate ({e})")))?;
+                            let c = c.map_err(|e| ControlError::invalid(Setting::TlsCa, format!("not a PEM certificate ({e})")))?;
+                            roots.add(c).map_err(|e| ControlError::invalid(Setting::TlsCa, format!("not a CA certificate ({e})")))?;
                         }
                         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                             .build()
-                            .map_err(|e| ControlError::invalid("--tls-ca", format!("cannot check clients with it ({e})")))?;
+                            .map_err(|e| ControlError::invalid(Setting::TlsCa, format!("cannot check clients with it ({e})")))?;
                         builder.with_client_cert_verifier(verifier)
                     }
                 };
-                builder
-                    .with_single_cert(chain, key)
-                    .map_err(|e| ControlError::invalid("--tls-cert", format!("the certificate and key do not make a TLS server: {e}")))?
+                builder.with_single_cert(chain, key).map_err(|e| {
+                    ControlError::invalid(Setting::TlsCert, format!("the certificate and key do not make a TLS server: {e}"))
+                })?
             }
         };
         config.alpn_protocols = vec![b"h2".to_vec()];
@@ -156,10 +157,13 @@ impl ServerTls {
             TlsFiles { cert_pem: Some(cert_pem), key_pem: Some(key_pem), ca_pem } => {
                 Ok(ServerTls::Given { cert_pem, key_pem, client_ca_pem: ca_pem })
             }
-            TlsFiles { cert_pem: None, .. } => {
-                Err(ControlError::invalid("--tls-cert", "missing: --tls-key and --tls-ca go with the controller's certificate"))
+            TlsFiles { cert_pem: None, .. } => Err(ControlError::invalid(
+                Setting::TlsCert,
+                format!("missing: {} and {} go with the controller's certificate", Setting::TlsKey, Setting::TlsCa),
+            )),
+            TlsFiles { key_pem: None, .. } => {
+                Err(ControlError::invalid(Setting::TlsKey, format!("missing: the key of {} is needed", Setting::TlsCert)))
             }
-            TlsFiles { key_pem: None, .. } => Err(ControlError::invalid("--tls-key", "missing: the key of --tls-cert is needed")),
         }
     }
 }
@@ -173,16 +177,26 @@ impl ClientTls {
                 Ok(ClientTls::Ca { ca_pem, identity: Some((cert, key)) })
             }
             TlsFiles { ca_pem: Some(ca_pem), cert_pem: None, key_pem: None } => Ok(ClientTls::Ca { ca_pem, identity: None }),
-            TlsFiles { ca_pem: Some(_), cert_pem: None, .. } => {
-                Err(ControlError::invalid("--tls-cert", "missing: --tls-key is this client's key, for its certificate"))
+            TlsFiles { ca_pem: Some(_), cert_pem: None, .. } => Err(ControlError::invalid(
+                Setting::TlsCert,
+                format!("missing: {} is this client's key, for its certificate", Setting::TlsKey),
+            )),
+            TlsFiles { ca_pem: Some(_), .. } => {
+                Err(ControlError::invalid(Setting::TlsKey, format!("missing: the key of {} is needed", Setting::TlsCert)))
             }
-            TlsFiles { ca_pem: Some(_), .. } => Err(ControlError::invalid("--tls-key", "missing: the key of --tls-cert is needed")),
             TlsFiles { ca_pem: None, cert_pem: None, key_pem: None } => pinned.map(ClientTls::Pinned).ok_or_else(|| {
-                ControlError::invalid("--tls-ca", "missing: the controller serves an operator's certificate, give the CA that signed it")
+                ControlError::invalid(
+                    Setting::TlsCa,
+                    "missing: the controller serves an operator's certificate, give the CA that signed it",
+                )
             }),
             TlsFiles { ca_pem: None, .. } => Err(ControlError::invalid(
-                "--tls-ca",
-                "missing: a client certificate (--tls-cert/--tls-key) is for a controller with the operator's CA",
+                Setting::TlsCa,
+                format!(
+                    "missing: a client certificate ({}/{}) is for a controller with the operator's CA",
+                    Setting::TlsCert,
+                    Setting::TlsKey
+                ),
             )),
         }
     }
@@ -192,7 +206,7 @@ impl ClientTls {
     /// retrying.
     pub fn endpoint(&self, addr: &str, refused: Arc<AtomicBool>) -> Result<Endpoint, ControlError> {
         let endpoint =
-            Endpoint::from_shared(format!("https://{addr}")).map_err(|e| ControlError::invalid("--controller", e.to_string()))?;
+            Endpoint::from_shared(format!("https://{addr}")).map_err(|e| ControlError::invalid(Setting::Controller, e.to_string()))?;
         let config = ClientTlsConfig::new().assume_http2(true);
         match self {
             ClientTls::Pinned(key) => endpoint
@@ -202,11 +216,11 @@ impl ClientTls {
                 )
                 .map_err(|e| ControlError::Launch(format!("TLS to the controller: {e}"))),
             ClientTls::Ca { ca_pem, identity } => {
-                check_certificates("--tls-ca", ca_pem)?;
+                check_certificates(Setting::TlsCa, ca_pem)?;
                 let mut config = config.ca_certificate(Certificate::from_pem(ca_pem));
                 if let Some((cert, key)) = identity {
-                    check_certificates("--tls-cert", cert)?;
-                    check_key("--tls-key", key)?;
+                    check_certificates(Setting::TlsCert, cert)?;
+                    check_key(Setting::TlsKey, key)?;
                     config = config.identity(Identity::from_pem(cert, key));
                 }
                 endpoint.tls_config(config).map_err(|e| ControlError::Launch(format!("TLS to the controller: {e}")))
@@ -216,7 +230,7 @@ impl ClientTls {
 }
 
 /// That `pem` holds at least one certificate, and nothing unreadable.
-fn check_certificates(flag: &'static str, pem: &[u8]) -> Result<(), ControlError> {
+fn check_certificates(flag: Setting, pem: &[u8]) -> Result<(), ControlError> {
     use rustls::pki_types::pem::PemObject;
     let certs: Result<Vec<CertificateDer>, _> = CertificateDer::pem_slice_iter(pem).collect();
     match certs {
@@ -227,7 +241,7 @@ fn check_certificates(flag: &'static str, pem: &[u8]) -> Result<(), ControlError
 }
 
 /// That `pem` holds a private key.
-fn check_key(flag: &'static str, pem: &[u8]) -> Result<(), ControlError> {
+fn check_key(flag: Setting, pem: &[u8]) -> Result<(), ControlError> {
     use rustls::pki_types::pem::PemObject;
     rustls::pki_types::PrivateKeyDer::from_pem_slice(pem)
         .map(|_| ())
@@ -263,7 +277,8 @@ mod tests {
         };
         assert!(matches!(ServerTls::new(1, files(false, false, false)), Ok(ServerTls::FromSecret(1))));
         assert!(matches!(ServerTls::new(1, files(true, true, true)), Ok(ServerTls::Given { client_ca_pem: Some(_), .. })));
-        for (c, k, ca, flag) in [(false, true, false, "--tls-cert"), (true, false, false, "--tls-key"), (false, false, true, "--tls-cert")]
+        for (c, k, ca, flag) in
+            [(false, true, false, Setting::TlsCert), (true, false, false, Setting::TlsKey), (false, false, true, Setting::TlsCert)]
         {
             let e = ServerTls::new(1, files(c, k, ca)).unwrap_err().to_string();
             assert!(e.starts_with(&format!("invalid {flag}")), "{e}");
@@ -271,16 +286,16 @@ mod tests {
         assert!(matches!(ClientTls::new(Some([1; 32]), files(false, false, false)), Ok(ClientTls::Pinned(_))));
         assert!(matches!(ClientTls::new(None, files(false, false, true)), Ok(ClientTls::Ca { identity: None, .. })));
         for (c, k, ca, pinned, flag) in [
-            (false, false, false, false, "--tls-ca"),
-            (true, true, false, true, "--tls-ca"),
-            (false, true, true, true, "--tls-cert"),
-            (true, false, true, true, "--tls-key"),
+            (false, false, false, false, Setting::TlsCa),
+            (true, true, false, true, Setting::TlsCa),
+            (false, true, true, true, Setting::TlsCert),
+            (true, false, true, true, Setting::TlsKey),
         ] {
             let e = ClientTls::new(pinned.then_some([1; 32]), files(c, k, ca)).unwrap_err().to_string();
             assert!(e.starts_with(&format!("invalid {flag}")), "{e}");
         }
         // Files that are not what they should be are named.
         let bad = ServerTls::Given { cert_pem: b"hello".to_vec(), key_pem: b"x".to_vec(), client_ca_pem: None };
-        assert!(bad.acceptor().map(|_| ()).unwrap_err().to_string().starts_with("invalid --tls-cert"));
+        assert!(bad.acceptor().map(|_| ()).unwrap_err().to_string().starts_with(&format!("invalid {}", Setting::TlsCert)));
     }
 }

@@ -111,7 +111,7 @@ fn read_line<T: DeserializeOwned>(input: &mut impl BufRead, what: &str) -> Resul
     if n == 0 {
         return Err(ControlError::Launch(format!("the launcher closed stdin before sending the {what}")));
     }
-    serde_json::from_str(line.trim()).map_err(|e| ControlError::invalid("worker spec", format!("bad {what} from the launcher: {e}")))
+    serde_json::from_str(line.trim()).map_err(|e| ControlError::bad_message("worker spec", format!("bad {what} from the launcher: {e}")))
 }
 
 /// What the launcher says after the spec, read on a thread of its own: stdin closing means the
@@ -237,16 +237,16 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
                 LauncherMessage::Abandon { .. } | LauncherMessage::Pause { .. } | LauncherMessage::Finish { .. } => continue,
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 other => {
-                    return Err(ControlError::invalid("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
+                    return Err(ControlError::bad_message("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
                 }
             }
         };
         if addrs.len() != world {
-            return Err(ControlError::invalid("address list", format!("{} addresses for a world of {world}", addrs.len())));
+            return Err(ControlError::bad_message("address list", format!("{} addresses for a world of {world}", addrs.len())));
         }
         let addrs: Vec<SocketAddr> = addrs
             .iter()
-            .map(|a| a.parse().map_err(|_| ControlError::invalid("address list", format!("invalid peer address {a:?}"))))
+            .map(|a| a.parse().map_err(|_| ControlError::bad_message("address list", format!("invalid peer address {a:?}"))))
             .collect::<Result<_, _>>()?;
         std::thread::sleep(hold);
         let r = Rendezvous { rank, addrs, epoch, timeout, secret, cancel: Some(cancel.clone()), encrypt };
@@ -279,9 +279,13 @@ fn join_unless<J: DeserializeOwned>(
     let spec: WorkerSpec<J> = read_line(&mut stdin, "worker spec")?;
     on_spec(&spec);
     if spec.rank >= spec.world || !spec.timeout_s.is_finite() || spec.timeout_s <= 0.0 || spec.timeout_s > 1e6 {
-        return Err(ControlError::invalid("worker spec", format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s)));
+        return Err(ControlError::bad_message(
+            "worker spec",
+            format!("rank {} of {}, timeout {} s", spec.rank, spec.world, spec.timeout_s),
+        ));
     }
-    let secret = parse_secret(&spec.secret).ok_or_else(|| ControlError::invalid("worker spec", "the job secret is not 32 hex digits"))?;
+    let secret =
+        parse_secret(&spec.secret).ok_or_else(|| ControlError::bad_message("worker spec", "the job secret is not 32 hex digits"))?;
     let bind = bind_ip(spec.bind.as_deref())?;
     let inbox = Inbox::start(stdin, spec.rank)?;
     if standing_by(&spec) {
@@ -302,7 +306,7 @@ fn join_unless<J: DeserializeOwned>(
 fn bind_ip(bind: Option<&str>) -> Result<IpAddr, ControlError> {
     match bind {
         None => Ok(IpAddr::from([127, 0, 0, 1])),
-        Some(b) => b.parse().map_err(|_| ControlError::invalid("worker spec", format!("bind address {b:?} is not an IP address"))),
+        Some(b) => b.parse().map_err(|_| ControlError::bad_message("worker spec", format!("bind address {b:?} is not an IP address"))),
     }
 }
 
@@ -310,7 +314,11 @@ fn bind_ip(bind: Option<&str>) -> Result<IpAddr, ControlError> {
 fn failure_kind(e: &ControlError) -> FailureKind {
     match e {
         ControlError::Runtime(r) => FailureKind::of_runtime(r),
-        ControlError::Invalid { .. } | ControlError::Plan(_) | ControlError::Model(_) | ControlError::Json(_) => FailureKind::Config,
+        ControlError::Invalid { .. }
+        | ControlError::BadMessage { .. }
+        | ControlError::Plan(_)
+        | ControlError::Model(_)
+        | ControlError::Json(_) => FailureKind::Config,
         _ => FailureKind::Error,
     }
 }
@@ -383,7 +391,7 @@ fn fault_hook(rank: usize, from_job: &str) -> Result<Option<FaultHook>, ControlE
     let mut pace: Option<Duration> = None;
     for item in spec.split(',').filter(|s| !s.is_empty()) {
         let bad = || {
-            ControlError::invalid(
+            ControlError::bad_message(
                 "LAZARUS_FAULT",
                 format!(
                     "{item:?} (expected RANK:PHASE:STEP, PHASE forward|all_reduce|vote|transfer|rendezvous|snapshot, pace:MS or listen:MS up to 10000)"

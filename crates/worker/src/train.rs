@@ -122,7 +122,8 @@ impl<'a> TrainingWorker<'a> {
         // This process's GPU (or the CPU): its index among the workers its launcher started
         // picks it.
         let local = std::env::var(lazarus_protocol::LOCAL_WORKER_ENV).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(spec.rank);
-        let device = lazarus_model::device::for_worker(&job.device, local).map_err(|e| ControlError::invalid("device", e.to_string()))?;
+        let device = lazarus_model::device::for_worker(&job.device, local)
+            .map_err(|e| ControlError::invalid(lazarus_protocol::Setting::Device, e.to_string()))?;
         let timeout = Duration::from_secs_f64(spec.timeout_s);
         let worker = if job.standby {
             Worker::standby(job.config.clone(), mode, timeout, device.clone())?
@@ -219,19 +220,25 @@ impl<'a> TrainingWorker<'a> {
             match self.inbox.next(Duration::from_secs(3600))? {
                 LauncherMessage::Transfers { epoch, transfers } => ahead.add(epoch, transfers),
                 LauncherMessage::Reconfigure { commit_to, to } => {
-                    let to = ahead.complete(to).for_worker(self.me).map_err(|e| ControlError::invalid("reconfiguration", e))?;
+                    let to = ahead.complete(to).for_worker(self.me).map_err(|e| ControlError::bad_message("reconfiguration", e))?;
                     if to.change.joining.contains(&to.rank) {
                         // It takes the job's state in the move; nothing of its own to commit.
                         return Ok((to, None));
                     }
                     if joining {
-                        return Err(ControlError::invalid("reconfiguration", "a worker standing by is not among the joiners of the move"));
+                        return Err(ControlError::bad_message(
+                            "reconfiguration",
+                            "a worker standing by is not among the joiners of the move",
+                        ));
                     }
                     self.commit_to(commit_to)?;
                     return Ok((to, None));
                 }
                 LauncherMessage::Rollback { to_step, to } => {
-                    return Ok((ahead.complete(to).for_worker(self.me).map_err(|e| ControlError::invalid("rollback", e))?, Some(to_step)))
+                    return Ok((
+                        ahead.complete(to).for_worker(self.me).map_err(|e| ControlError::bad_message("rollback", e))?,
+                        Some(to_step),
+                    ))
                 }
                 LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.
@@ -252,7 +259,7 @@ impl<'a> TrainingWorker<'a> {
             self.worker.drop_held();
         }
         if self.worker.steps_done() != commit_to {
-            return Err(ControlError::invalid(
+            return Err(ControlError::bad_message(
                 "reconfiguration",
                 format!("commit to step {commit_to}, this worker is at {}", self.worker.steps_done()),
             ));
@@ -267,7 +274,8 @@ impl<'a> TrainingWorker<'a> {
     /// worker.
     fn carry_out(&mut self, to: Reconfiguration<PlanUpdate>, rollback: Option<Option<u64>>) -> Result<Outcome, ControlError> {
         // The plan as it came (whole, or changed from the one this worker has).
-        let to = to.map_plan(|p| p.resolve(self.last_map.as_ref())).map_err(|e| ControlError::invalid("reconfiguration", e.to_string()))?;
+        let to =
+            to.map_plan(|p| p.resolve(self.last_map.as_ref())).map_err(|e| ControlError::bad_message("reconfiguration", e.to_string()))?;
         self.last_map = Some(to.change.plan.clone());
         // From here on this worker is in the new epoch, whether the move completes or not.
         self.epoch = to.change.epoch;

@@ -3,6 +3,7 @@
 //! an agent and each re-attach after its controller was lost go the same way; a re-attach's
 //! hello carries the agent's place in the job ([`proto::Rejoin`]).
 
+use lazarus_setting::Setting;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -77,8 +78,9 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     let deadline = tokio::time::Instant::now() + within;
     let silent_port = || {
         ControlError::Launch(format!(
-            "the controller at {controller} did not answer within {} s (--connect-timeout): is it a Lazarus controller?",
-            within.as_secs_f64()
+            "the controller at {controller} did not answer within {} s ({}): is it a Lazarus controller?",
+            within.as_secs_f64(),
+            Setting::ConnectTimeout
         ))
     };
     let channel = loop {
@@ -91,7 +93,7 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
         };
         if refused.load(Ordering::Relaxed) {
             return Err(Refused(ControlError::Launch(format!(
-                "the server at {controller} is not this job's controller: it does not hold the key the job's secret gives (another job's, or a different --secret-file; a controller serving an operator's certificate needs --tls-ca)"
+                "the server at {controller} is not this job's controller: it does not hold the key the job's secret gives (another job's, or a different {}; a controller serving an operator's certificate needs {})", Setting::SecretFile, Setting::TlsCa
             ))));
         }
         if tokio::time::Instant::now() >= deadline {
@@ -132,8 +134,9 @@ pub(crate) async fn open(me: &Identity, within: Duration, rejoin: Option<(proto:
     // proves the controller knows the secret too: the secret itself never crosses the network.
     let silent = |what: &str| {
         Unreachable(ControlError::Launch(format!(
-            "no {what} from the controller at {controller} within {} s (--connect-timeout)",
-            answer_within.as_secs_f64()
+            "no {what} from the controller at {controller} within {} s ({})",
+            answer_within.as_secs_f64(),
+            Setting::ConnectTimeout
         )))
     };
     let challenge = match tokio::time::timeout(answer_within, inbound.message()).await {

@@ -24,6 +24,7 @@
 pub(crate) mod attach;
 mod serve;
 
+use lazarus_setting::Setting;
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::mpsc::{self};
@@ -169,11 +170,10 @@ fn local_address_towards(controller: SocketAddr) -> Result<IpAddr, ControlError>
 /// Run one agent until its part in the job ends. `on_start(ranks)` is told the workers' ranks
 /// once they are started.
 pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result<(), ControlError>) -> Result<AgentEnd, ControlError> {
-    lazarus_protocol::node_gpus("--gpus", opts.gpus)?;
-    let controller: SocketAddr =
-        opts.controller.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
-            ControlError::invalid("--controller", format!("{:?} (expected host:port, e.g. 10.0.0.1:7070)", opts.controller))
-        })?;
+    lazarus_protocol::node_gpus(Setting::Gpus, opts.gpus)?;
+    let controller: SocketAddr = opts.controller.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
+        ControlError::invalid(Setting::Controller, format!("{:?} (expected host:port, e.g. 10.0.0.1:7070)", opts.controller))
+    })?;
     let host = match opts.host {
         Some(h) => h,
         None => local_address_towards(controller)?,
@@ -181,7 +181,7 @@ pub fn run_agent(opts: &AgentOptions, mut on_start: impl FnMut(&[u32]) -> Result
     // Its workers will listen there: an address this node does not have would fail their first
     // rendezvous — and the job's start with it — so it is refused here, before attaching.
     if let Err(e) = std::net::TcpListener::bind((host, 0)) {
-        return Err(ControlError::invalid("--host", format!("{host}: this node cannot listen on it ({e}), so its workers could not")));
+        return Err(ControlError::invalid(Setting::Host, format!("{host}: this node cannot listen on it ({e}), so its workers could not")));
     }
     let me = Identity {
         controller,
@@ -393,9 +393,10 @@ impl Node {
     /// back on it ([`Node::heard_again`]).
     fn orphan(&mut self, why: String, session_open: bool) {
         tracing::warn!(
-            "agent {}: {why}; its workers pause after the step in flight and wait up to {:.0} s for a controller to take the job back (--controller-grace)",
+            "agent {}: {why}; its workers pause after the step in flight and wait up to {:.0} s for a controller to take the job back ({})",
             self.agent,
-            self.grace.as_secs_f64()
+            self.grace.as_secs_f64(),
+            Setting::ControllerGrace
         );
         if !session_open {
             self.session.close();

@@ -2,6 +2,7 @@
 //! workers' reports and exits, SIGTERM, a session ending or coming back) in, relayed or acted
 //! on, until the job ends for this node — completed, drained, or stopped with a reason.
 
+use lazarus_setting::Setting;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -118,8 +119,9 @@ impl Node {
         if let Some((since, why)) = &self.orphaned {
             if since.elapsed() >= self.grace {
                 return Some(AgentEnd::Stopped(format!(
-                    "{why}, and no controller took the job back within {:.0} s (--controller-grace): this node's workers are stopped",
-                    self.grace.as_secs_f64()
+                    "{why}, and no controller took the job back within {:.0} s ({}): this node's workers are stopped",
+                    self.grace.as_secs_f64(),
+                    Setting::ControllerGrace
                 )));
             }
         }

@@ -1,6 +1,7 @@
 //! How much of the machine each worker process gets, so that a worker stands for one
 //! accelerator of its own: pinned to cores, or capped by a cgroup CPU quota.
 
+use lazarus_setting::Setting;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -44,7 +45,7 @@ impl QuotaGroups {
             (PathBuf::from("/sys/fs/cgroup"), true)
         } else {
             return Err(ControlError::invalid(
-                "--cpus-per-worker",
+                Setting::CpusPerWorker,
                 "no writable cgroup cpu controller (cgroup v1 /sys/fs/cgroup/cpu or v2 with cpu in /sys/fs/cgroup/cgroup.subtree_control)",
             ));
         };
@@ -52,11 +53,12 @@ impl QuotaGroups {
         for rank in 0..world {
             let dir = base.join(format!("lazarus-{}-{rank}", std::process::id()));
             std::fs::create_dir_all(&dir)
-                .map_err(|e| ControlError::io(format!("--cpus-per-worker: cannot create cgroup {}", dir.display()), e))?;
+                .map_err(|e| ControlError::io(format!("{}: cannot create cgroup {}", Setting::CpusPerWorker, dir.display()), e))?;
             groups.dirs.push(dir.clone());
             let write = |file: &str, value: String| {
-                std::fs::write(dir.join(file), &value)
-                    .map_err(|e| ControlError::io(format!("--cpus-per-worker: cannot write {value:?} to {}", dir.join(file).display()), e))
+                std::fs::write(dir.join(file), &value).map_err(|e| {
+                    ControlError::io(format!("{}: cannot write {value:?} to {}", Setting::CpusPerWorker, dir.join(file).display()), e)
+                })
             };
             if v2 {
                 write("cpu.max", format!("{quota} {PERIOD_US}"))?;
@@ -76,7 +78,7 @@ pub(crate) fn join_cgroup(cmd: &mut Command, procs: &Path) -> Result<(), Control
         use std::os::unix::ffi::OsStrExt;
         use std::os::unix::process::CommandExt;
         let path = std::ffi::CString::new(procs.as_os_str().as_bytes())
-            .map_err(|_| ControlError::invalid("--cpus-per-worker", "cgroup path holds a NUL byte"))?;
+            .map_err(|_| ControlError::invalid(Setting::CpusPerWorker, "cgroup path holds a NUL byte"))?;
         // SAFETY: between fork and exec the closure only calls open, write and close on a path
         // built before the fork — all async-signal-safe. Writing "0" moves the calling process.
         unsafe {

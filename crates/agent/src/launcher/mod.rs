@@ -11,6 +11,7 @@ mod confine;
 
 pub use confine::{allowed_cpus, memory_available, physical_memory, Confinement, MemoryBound, QuotaGroups};
 
+use lazarus_setting::Setting;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -94,18 +95,21 @@ fn spawn_processes<T: Send + 'static>(
         Confinement::Cores(c) => {
             let have = allowed_cpus().len();
             if c == 0 {
-                return Err(ControlError::invalid("--cores-per-worker", "0 (every worker needs at least one core)"));
+                return Err(ControlError::invalid(Setting::CoresPerWorker, "0 (every worker needs at least one core)"));
             }
             if c.saturating_mul(world) > have {
                 return Err(ControlError::invalid(
-                    "--cores-per-worker",
+                    Setting::CoresPerWorker,
                     format!("{c} x {world} workers needs {} cores, this process may use {have}", c.saturating_mul(world)),
                 ));
             }
         }
         Confinement::CpuQuota(f) => {
             if !f.is_finite() || !(0.01..=1024.0).contains(&f) {
-                return Err(ControlError::invalid("--cpus-per-worker", format!("{f} (expected a number of CPUs between 0.01 and 1024)")));
+                return Err(ControlError::invalid(
+                    Setting::CpusPerWorker,
+                    format!("{f} (expected a number of CPUs between 0.01 and 1024)"),
+                ));
             }
             quota = Some(QuotaGroups::create(world, f)?);
         }
@@ -213,7 +217,7 @@ pub const MAX_COMM_TIMEOUT_S: f64 = 86_400.0;
 pub fn check_comm_timeout(secs: f64) -> Result<f64, ControlError> {
     if !secs.is_finite() || secs <= 0.0 || secs > MAX_COMM_TIMEOUT_S {
         return Err(ControlError::invalid(
-            "--comm-timeout",
+            Setting::CommTimeout,
             format!("{secs} (expected seconds, more than 0 and at most {MAX_COMM_TIMEOUT_S})"),
         ));
     }

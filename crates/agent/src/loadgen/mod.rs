@@ -13,6 +13,7 @@
 //! Everything the fakes see is timed ([`Mark`]), so that a benchmark can say when the
 //! controller's commands reached the agents, not only when the controller decided.
 
+use lazarus_setting::Setting;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -224,7 +225,7 @@ pub struct SyntheticFleet {
 impl SyntheticFleet {
     /// A fleet with no agent yet, and the stepper of rank 0.
     pub fn new(opts: LoadOptions, threads: usize) -> Result<Self, ControlError> {
-        lazarus_protocol::node_gpus("gpus", opts.gpus)?;
+        lazarus_protocol::node_gpus(Setting::Gpus, opts.gpus)?;
         let runtime = lazarus_protocol::rpc::runtime(threads.max(1), "lazarus-loadgen")?;
         let shared = Arc::new(Shared {
             opts,

@@ -363,7 +363,7 @@ fn check(args: &ControllerBenchArgs) -> Result<()> {
     if args.nodes < 2 {
         bail!("invalid --nodes: {} (expected at least 2: one is lost)", args.nodes);
     }
-    lazarus_protocol::node_gpus("--gpus-per-node", args.gpus_per_node)?;
+    lazarus_protocol::node_gpus(lazarus_setting::Setting::GpusPerNode, args.gpus_per_node)?;
     if (args.nodes + args.joins).saturating_mul(args.gpus_per_node) > MOST_WORKERS {
         bail!("invalid --nodes/--joins: {} nodes of {} (at most {MOST_WORKERS} workers)", args.nodes + args.joins, args.gpus_per_node);
     }

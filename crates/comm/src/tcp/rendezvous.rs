@@ -25,6 +25,7 @@
 //! it. The connecting side retries a peer that closed the connection before answering (it
 //! may have been evicted under a flood) until the rendezvous deadline.
 
+use lazarus_setting::Setting;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -190,7 +191,7 @@ pub(super) fn check_hello(header: &[u8; HEADER], r: &Rendezvous, taken: impl Fn(
     let world = r.addrs.len() as u64;
     if (magic == HELLO || magic == HELLO_SEALED) && magic != r.hello_magic() {
         let (they, we) = if r.encrypt { ("does not seal", "seals") } else { ("seals", "does not seal") };
-        return Err(format!("rank {peer} {they} its frames and this rank {we} (--encrypt-data must be the job's)"));
+        return Err(format!("rank {peer} {they} its frames and this rank {we} ({} must be the job's)", Setting::EncryptData));
     }
     if (magic != HELLO && magic != HELLO_SEALED) || len != HELLO_BODY || peer <= r.rank as u64 || peer >= world || taken(peer as usize) {
         return Err(format!("unexpected hello (magic {magic:#x}, rank {peer}, {len} bytes)"));
@@ -471,7 +472,7 @@ mod tests {
             }
         }
         let sealed = check_hello(&header(HELLO_SEALED, 5, 2, HELLO_BODY), &me, |_| false).unwrap_err();
-        assert!(sealed.contains("--encrypt-data"), "{sealed}");
+        assert!(sealed.contains(&Setting::EncryptData.to_string()), "{sealed}");
         let stale = check_hello(&header(HELLO, 4, 2, HELLO_BODY), &me, |_| false).unwrap_err();
         assert!(stale.contains("epoch 4, current epoch 5"), "{stale}");
         assert_eq!(check_hello(&header(HELLO_SEALED, 5, 2, HELLO_BODY), &r(1, 4, true), |_| false), Ok(2));

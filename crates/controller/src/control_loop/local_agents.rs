@@ -1,6 +1,7 @@
 //! The node agents `train --workers N --gpus-per-node G` starts on this host, on loopback — and,
 //! with a node schedule (a failure trace replayed), the ones it kills and starts on schedule.
 
+use lazarus_setting::Setting;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,7 +37,13 @@ pub(super) struct LocalAgents {
     controller: SocketAddr,
     gpus: usize,
     secret: u128,
+    command_line: AgentCommandLine,
 }
+
+/// The arguments that start an agent of `gpus` GPUs for the controller at the address, with no
+/// grace for a lost controller (local agents go with the process that runs their controller):
+/// the front end's (the CLI's `agent` subcommand and its flags).
+pub type AgentCommandLine = fn(SocketAddr, usize) -> Vec<String>;
 
 impl LocalAgents {
     pub(super) fn reap_within(&mut self, within: Duration) {
@@ -54,7 +61,7 @@ impl LocalAgents {
     fn start(&mut self, name: &str) -> Result<(), ControlError> {
         let mut cmd = std::process::Command::new(&self.exe);
         // Local agents go with the process that runs their controller: nothing to wait for.
-        cmd.args(["agent", "--controller", &self.controller.to_string(), "--gpus", &self.gpus.to_string(), "--controller-grace", "0"])
+        cmd.args((self.command_line)(self.controller, self.gpus))
             .env("LAZARUS_SECRET", secret_hex(self.secret))
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
@@ -98,15 +105,28 @@ impl Drop for LocalAgents {
 
 pub(super) fn start_local_agents(a: &AgentsSpec, controller: SocketAddr) -> Result<LocalAgents, ControlError> {
     let exe = std::env::current_exe().map_err(|e| ControlError::io("locating the lazarus binary", e))?;
-    let mut agents = LocalAgents { children: Vec::with_capacity(a.local_agents), exe, controller, gpus: a.gpus_per_node, secret: a.secret };
+    let mut agents = LocalAgents {
+        children: Vec::with_capacity(a.local_agents),
+        exe,
+        controller,
+        gpus: a.gpus_per_node,
+        secret: a.secret,
+        command_line: a.agent_command_line,
+    };
     let names: Vec<String> = match &a.schedule {
         Some(s) => s.initial.clone(),
         None => (0..a.local_agents).map(|i| format!("n{i}")).collect(),
     };
     if names.len() != a.local_agents {
         return Err(ControlError::invalid(
-            "--replay",
-            format!("{} nodes at the trace's start, but --workers / --gpus-per-node is {}", names.len(), a.local_agents),
+            Setting::Replay,
+            format!(
+                "{} nodes at the trace's start, but {} / {} is {}",
+                names.len(),
+                Setting::Workers,
+                Setting::GpusPerNode,
+                a.local_agents
+            ),
         ));
     }
     for name in &names {

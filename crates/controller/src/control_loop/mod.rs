@@ -7,6 +7,7 @@ mod drive;
 mod local_agents;
 pub mod saved_job;
 
+use lazarus_setting::Setting;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,7 @@ use lazarus_protocol::{deflate_message, fresh_secret, TrainJob, WorkerSpec};
 use lazarus_protocol::{heartbeat_within, lease_without_recovery};
 use lazarus_protocol::{ControlError, Workers};
 use local_agents::{replay, start_local_agents};
-pub use local_agents::{NodeChange, NodeSchedule};
+pub use local_agents::{AgentCommandLine, NodeChange, NodeSchedule};
 
 pub use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
 pub use lazarus_protocol::{Reach, MAX_WORKERS, MAX_WORKERS_PER_HOST};
@@ -46,7 +47,7 @@ pub const MAX_PROFILE_STEPS: usize = 1000;
 pub enum PlanSource {
     /// DeepSpeed-MoE's static expert parallelism: experts split evenly, one replica each.
     StaticEp,
-    /// A plan file (`lazarus plan --json`), one rank per GPU slot of the plan.
+    /// A plan file (as `lazarus plan` prints it in JSON), one rank per GPU slot of the plan.
     File(ModelPlan),
     /// Planned by the scheduler from the router loads of the first `profile_steps` batches.
     Measured {
@@ -87,12 +88,13 @@ pub fn plan_job(trainer: &mut Trainer, workers: Workers, source: &PlanSource) ->
         PlanSource::File(plan) => {
             if plan.shape().ranks() != world {
                 return Err(ControlError::invalid(
-                    "--placement-file",
+                    Setting::PlacementFile,
                     format!(
-                        "the plan has {} ranks ({} nodes x {} GPUs), but --workers is {world}",
+                        "the plan has {} ranks ({} nodes x {} GPUs), but {} is {world}",
                         plan.shape().ranks(),
                         plan.shape().nodes,
-                        plan.shape().gpus_per_node
+                        plan.shape().gpus_per_node,
+                        Setting::Workers
                     ),
                 ));
             }
@@ -102,19 +104,20 @@ pub fn plan_job(trainer: &mut Trainer, workers: Workers, source: &PlanSource) ->
             let steps_left = cfg.steps.saturating_sub(trainer.step);
             if *profile_steps == 0 || *profile_steps > MAX_PROFILE_STEPS || *profile_steps as u64 > steps_left.max(1) {
                 return Err(ControlError::invalid(
-                    "--profile-steps",
+                    Setting::ProfileSteps,
                     format!(
-                        "{profile_steps} (expected 1 to {}, at most the {steps_left} steps to train; or give --placement-file)",
-                        MAX_PROFILE_STEPS
+                        "{profile_steps} (expected 1 to {}, at most the {steps_left} steps to train; or give {})",
+                        MAX_PROFILE_STEPS,
+                        Setting::PlacementFile
                     ),
                 ));
             }
             let slots = slots_per_worker.unwrap_or_else(|| (2 * experts).div_ceil(world).max(1));
             if slots.saturating_mul(world) < experts {
-                return Err(ControlError::invalid("--slots-per-worker", format!("{slots} x {world} workers < {experts} experts")));
+                return Err(ControlError::invalid(Setting::SlotsPerWorker, format!("{slots} x {world} workers < {experts} experts")));
             }
-            let shape =
-                ClusterShape::new(nodes, gpus_per_node, slots).map_err(|e| ControlError::invalid("--slots-per-worker", e.to_string()))?;
+            let shape = ClusterShape::new(nodes, gpus_per_node, slots)
+                .map_err(|e| ControlError::invalid(Setting::SlotsPerWorker, e.to_string()))?;
             let loads = trainer.measure_loads(*profile_steps)?;
             let plan = plan_model(&loads, shape, &PlanPolicy::trainer(nodes, *max_imbalance), None)?;
             JobPlan { map: plan.replica_map(), placement: Some(plan) }
@@ -128,12 +131,12 @@ pub fn plan_job(trainer: &mut Trainer, workers: Workers, source: &PlanSource) ->
 /// ends it), though recovery is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum RecoveryOff {
-    #[error("static expert parallelism restarts on failures, as DeepSpeed-MoE does (--static-ep)")]
+    #[error("static expert parallelism restarts on failures, as DeepSpeed-MoE does ({})", Setting::StaticEp)]
     StaticEp,
     #[error("the job has no placement to re-plan from")]
     NoPlacement,
     /// The controller re-plans whole nodes of G workers: the plan's nodes must be the hosts'.
-    #[error("the plan's nodes have {plan} GPUs, the hosts' {hosts} (--gpus-per-node)")]
+    #[error("the plan's nodes have {plan} GPUs, the hosts' {hosts} ({})", Setting::GpusPerNode)]
     NodesDiffer { plan: usize, hosts: usize },
     #[error("the plan has {plan} ranks for {workers} workers")]
     RanksDiffer { plan: usize, workers: usize },
@@ -175,14 +178,14 @@ impl Recovery {
         let mut r = Recovery::default();
         if let Some(l) = lease_s {
             if !l.is_finite() || !(0.05..=600.0).contains(&l) {
-                return Err(ControlError::invalid("--lease", format!("{l} (expected seconds between 0.05 and 600)")));
+                return Err(ControlError::invalid(Setting::Lease, format!("{l} (expected seconds between 0.05 and 600)")));
             }
             r.lease = Duration::from_secs_f64(l);
         }
         if let Some(h) = heartbeat_s {
             if !h.is_finite() || h <= 0.0 || h >= r.lease.as_secs_f64() {
                 return Err(ControlError::invalid(
-                    "--heartbeat",
+                    Setting::Heartbeat,
                     format!("{h} (expected seconds, more than 0 and less than the lease, {} s)", r.lease.as_secs_f64()),
                 ));
             }
@@ -224,6 +227,8 @@ pub struct AgentsSpec {
     /// Agents to start on this host, on loopback (the `train --workers N --gpus-per-node G`
     /// case); 0: agents of other hosts attach.
     pub local_agents: usize,
+    /// How to start one of those agents.
+    pub agent_command_line: local_agents::AgentCommandLine,
     /// Workers of every agent (its node's GPUs): a node is the unit of failure.
     pub gpus_per_node: usize,
     /// How long to wait for agents to bring every worker.
@@ -274,8 +279,9 @@ pub fn run_training(
     let (world, g) = (workers.world(), workers.gpus_per_node());
     let recoverable = recovery.filter(|_| recovery_off(job.static_ep, plan, workers).is_none());
     if recoverable.is_none() && matches!(hosts, Hosts::Agents(_)) {
-        let why = recovery_off(job.static_ep, plan, workers).map_or("it was turned off (--recovery off)".into(), |off| off.to_string());
-        return Err(ControlError::invalid("--recovery", format!("node agents run jobs with live recovery only, and here {why}")));
+        let why = recovery_off(job.static_ep, plan, workers)
+            .map_or(format!("it was turned off ({} off)", Setting::Recovery), |off| off.to_string());
+        return Err(ControlError::invalid(Setting::Recovery, format!("node agents run jobs with live recovery only, and here {why}")));
     }
     let lifecycle = Lifecycle::new(comm_timeout_s, recoverable);
     let mut job = job.clone();
@@ -302,7 +308,7 @@ pub fn run_training(
         let nodes: Vec<u64> = (0..world as u64).collect();
         Ok(match (&taking_back, plan) {
             (Some(r), _) => Controller::resumed(spec.clone(), r.saved.state.clone(), r.last_logged, now, r.rejoin_within)
-                .map_err(|e| ControlError::invalid("--resume-job", format!("the saved job does not fit this one: {e}")))?,
+                .map_err(|e| ControlError::invalid(Setting::ResumeJob, format!("the saved job does not fit this one: {e}")))?,
             // Static expert parallelism runs its own split of the experts, not the plan's.
             (None, Some(p)) if !static_ep => {
                 Controller::new(spec.clone(), p.clone().with_epoch(epoch), nodes, now).with_checkpoint(start_checkpoint)

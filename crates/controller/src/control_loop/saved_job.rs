@@ -13,6 +13,7 @@
 //! flag that would change it (or another job's state found in the directory); the loads for
 //! the next rebalance are measured anew.
 
+use lazarus_setting::Setting;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -80,11 +81,12 @@ impl SavedJob {
 
     /// Read and check the state file at `path`.
     pub fn read(path: &Path) -> Result<Self, ControlError> {
-        let bad = |reason: String| ControlError::invalid("--resume-job", format!("{}: {reason}", path.display()));
+        let bad = |reason: String| ControlError::invalid(Setting::ResumeJob, format!("{}: {reason}", path.display()));
         let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                bad("no saved job here: the job completed, never ran with node agents, or checkpoints into another --checkpoint-dir".into())
-            }
+            std::io::ErrorKind::NotFound => bad(format!(
+                "no saved job here: the job completed, never ran with node agents, or checkpoints into another {}",
+                Setting::CheckpointDir
+            )),
             _ => bad(e.to_string()),
         })?;
         if meta.len() > MOST_BYTES {
@@ -156,7 +158,7 @@ mod tests {
         for (text, why) in [("{", "not a saved job"), (r#"{"format":"x"}"#, "not a saved job")] {
             std::fs::write(&path, text).unwrap();
             let e = SavedJob::read(&path).unwrap_err().to_string();
-            assert!(e.contains("--resume-job") && e.contains(why), "{e}");
+            assert!(e.contains(&Setting::ResumeJob.to_string()) && e.contains(why), "{e}");
         }
         let mut other = serde_json::to_value(&saved).unwrap();
         other["format"] = "lazarus-job-state/9".into();

@@ -17,6 +17,7 @@ mod tests;
 pub(crate) use fleet::Joiner;
 pub use fleet::RemoteFleet;
 
+use lazarus_setting::Setting;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -224,16 +225,18 @@ impl AgentHub {
     /// size, room for it. Returns its number.
     fn admit(&self, hello: &AgentHello, challenge: &[u8], tx: UnboundedSender<Result<ControllerMessage, Status>>) -> Result<u64, Status> {
         if hello.nonce.len() != auth::NONCE || !auth::verify(self.secret, &hello_context(hello), challenge, &hello.nonce, &hello.proof) {
-            return Err(Status::permission_denied(
-                "wrong job secret: the hello does not prove it (give the controller's with --secret-file or LAZARUS_SECRET)",
-            ));
+            return Err(Status::permission_denied(format!(
+                "wrong job secret: the hello does not prove it (give the controller's with {} or LAZARUS_SECRET)",
+                Setting::SecretFile
+            )));
         }
         let gpus = hello.gpus as usize;
-        lazarus_protocol::node_gpus("gpus", gpus).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        lazarus_protocol::node_gpus(Setting::Gpus, gpus).map_err(|e| Status::invalid_argument(e.to_string()))?;
         if gpus != self.gpus_per_node {
             return Err(Status::invalid_argument(format!(
-                "gpus: {gpus} (this job's nodes have {} each: lazarus controller --gpus-per-node)",
-                self.gpus_per_node
+                "gpus: {gpus} (this job's nodes have {} each: lazarus controller {})",
+                self.gpus_per_node,
+                Setting::GpusPerNode
             )));
         }
         if hello.host.parse::<IpAddr>().is_err() {
@@ -248,7 +251,7 @@ impl AgentHub {
         let room = if st.started { self.max_workers } else { self.world };
         let taken: usize = st.agents.values().filter(|a| a.gone.is_none()).map(|a| a.gpus).sum();
         if taken + gpus > room {
-            let more = if st.started { " (lazarus controller --max-workers raises that)" } else { "" };
+            let more = if st.started { format!(" (lazarus controller {} raises that)", Setting::MaxWorkers) } else { String::new() };
             return Err(Status::resource_exhausted(format!(
                 "the job has room for {} more workers{more}, this agent brings {gpus}",
                 room.saturating_sub(taken)
@@ -284,8 +287,9 @@ impl AgentHub {
         let workers = first..first.saturating_add(gpus);
         if !st.taking_back {
             return Err(Status::failed_precondition(format!(
-                "rejoin: this controller did not take job {:?} back (start it with --resume-job to take over a running job)",
-                self.job_id
+                "rejoin: this controller did not take job {:?} back (start it with {} to take over a running job)",
+                self.job_id,
+                Setting::ResumeJob
             )));
         }
         if workers.clone().any(|w| !st.rejoinable.contains(&w)) {

@@ -2,6 +2,7 @@ use super::*;
 use crate::fleet::{Fleet, FleetEvent};
 use lazarus_protocol::handshake::hello_context;
 use lazarus_protocol::LauncherMessage;
+use lazarus_setting::Setting;
 
 const SECRET: u128 = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
 
@@ -83,7 +84,7 @@ fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by
     assert_eq!(fleet.ranks_of(0), vec![0, 1]);
     assert_eq!(fleet.ranks_of(1), vec![2, 3]);
     let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), &CHALLENGE, link()).unwrap_err();
-    assert!(late.code() == tonic::Code::ResourceExhausted && late.message().contains("--max-workers"), "{late:?}");
+    assert!(late.code() == tonic::Code::ResourceExhausted && late.message().contains(&Setting::MaxWorkers.to_string()), "{late:?}");
 }
 
 #[test]
@@ -199,7 +200,7 @@ fn a_controller_that_took_a_job_back_readmits_its_members_once_and_no_one_else()
     // A controller that did not take a job back refuses every claim.
     let (h, _rx) = hub(4, 2);
     let e = h.admit(&rejoin("job-7", 0, 0, vec![100, 100]), &CHALLENGE, link()).unwrap_err();
-    assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains("--resume-job"), "{e:?}");
+    assert!(e.code() == tonic::Code::FailedPrecondition && e.message().contains(&Setting::ResumeJob.to_string()), "{e:?}");
     // One that did: members 0..4 of job-7 (workers 4 and 5 were lost before), 3 agents so far.
     let (h, rx) = hub(4, 2);
     h.take_back(&[0, 1, 2, 3], 6, 3);

@@ -10,6 +10,7 @@
 //! With a token (`--metrics-token-file`), a scrape must carry `Authorization: Bearer TOKEN`
 //! (Prometheus: `authorization: {credentials_file: …}`); without one it gets 401.
 
+use lazarus_setting::Setting;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -53,15 +54,15 @@ impl MetricsServer {
     /// Serve `metrics` (and `status`'s members and epoch) at `at.listen`, `GET /metrics`.
     pub fn start(at: &MetricsEndpoint, metrics: Arc<JobMetrics>, status: Option<SharedStatus>) -> Result<Self, ControlError> {
         let page = Page { metrics: Some(Metrics { metrics, status, token: at.token.clone() }), dashboard: None };
-        Self::serve_at(at.listen, "--metrics-listen", page)
+        Self::serve_at(at.listen, Setting::MetricsListen, page)
     }
 
     /// Serve `dashboard` at `listen`, `GET /dashboard?token=…` (and its stream).
     pub fn start_dashboard(listen: SocketAddr, dashboard: Arc<Dashboard>) -> Result<Self, ControlError> {
-        Self::serve_at(listen, "--dashboard-listen", Page { metrics: None, dashboard: Some(dashboard) })
+        Self::serve_at(listen, Setting::DashboardListen, Page { metrics: None, dashboard: Some(dashboard) })
     }
 
-    fn serve_at(listen: SocketAddr, flag: &str, page: Page) -> Result<Self, ControlError> {
+    fn serve_at(listen: SocketAddr, flag: Setting, page: Page) -> Result<Self, ControlError> {
         let listener = std::net::TcpListener::bind(listen).map_err(|e| ControlError::io(format!("{flag}: binding {listen}"), e))?;
         let addr = listener.local_addr().map_err(|e| ControlError::io("reading the HTTP server's address", e))?;
         listener.set_nonblocking(true).map_err(|e| ControlError::io("the HTTP listener", e))?;

@@ -4,6 +4,7 @@
 //! controller's loop publishes a [`snapshot`] after each decision; the server only hands out
 //! the latest. [`query`] is the client side of `lazarus status`.
 
+use lazarus_setting::Setting;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -111,10 +112,10 @@ fn status_request_ok(
     if r.nonce.len() != lazarus_comm::auth::NONCE
         || !lazarus_comm::auth::verify(key, b"lazarus status request", &r.unix_ms.to_le_bytes(), &r.nonce, &r.proof)
     {
-        return Err(
-            "the request does not prove the job's status key (give --secret-file, or LAZARUS_STATUS_TOKEN as the controller printed it)"
-                .into(),
-        );
+        return Err(format!(
+            "the request does not prove the job's status key (give {}, or LAZARUS_STATUS_TOKEN as the controller printed it)",
+            Setting::SecretFile
+        ));
     }
     if r.unix_ms.abs_diff(now_ms) > STATUS_WINDOW_MS {
         return Err(format!("the request's clock is {} s from the controller's (at most 300)", r.unix_ms.abs_diff(now_ms) / 1000));
@@ -153,9 +154,11 @@ impl Control for Service {
         request: tonic::Request<tonic::Streaming<proto::AgentMessage>>,
     ) -> Result<tonic::Response<Self::AttachStream>, tonic::Status> {
         let Some(hub) = &self.hub else {
-            return Err(tonic::Status::failed_precondition(
-                "this controller starts its workers itself (train --workers without --gpus-per-node): it takes no agents",
-            ));
+            return Err(tonic::Status::failed_precondition(format!(
+                "this controller starts its workers itself (train {} without {}): it takes no agents",
+                Setting::Workers,
+                Setting::GpusPerNode
+            )));
         };
         let peer = request.remote_addr();
         let stream = hub.clone().attach(peer, request.into_inner()).await?;
@@ -180,7 +183,7 @@ impl GrpcServer {
         status_key: u128,
         tls: &ServerTls,
     ) -> Result<Self, ControlError> {
-        let flag = if hub.is_some() { "--listen" } else { "--status-listen" };
+        let flag = if hub.is_some() { Setting::Listen } else { Setting::StatusListen };
         // TLS is the guard's (`guard::incoming`): its handshake has a deadline.
         let builder = tonic::transport::Server::builder();
         let acceptor = tls.acceptor()?;
@@ -238,7 +241,7 @@ pub fn query(addr: &str, timeout: Duration, key: u128, tls: &ClientTls) -> Resul
         .to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| ControlError::invalid("--controller", format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
+        .ok_or_else(|| ControlError::invalid(Setting::Controller, format!("{addr:?} (expected host:port, e.g. 127.0.0.1:7070)")))?;
     let refused = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let endpoint = tls.endpoint(addr, refused.clone())?.connect_timeout(timeout).timeout(timeout);
     let runtime =
@@ -247,7 +250,7 @@ pub fn query(addr: &str, timeout: Duration, key: u128, tls: &ClientTls) -> Resul
         let asked = async {
             let channel = endpoint.connect().await.map_err(|e| {
                 if refused.load(std::sync::atomic::Ordering::Relaxed) {
-                    ControlError::Launch(format!("the server at {parsed} is not this job's controller: it does not hold the key the job's secret (or the status token) gives; a controller serving an operator's certificate needs --tls-ca"))
+                    ControlError::Launch(format!("the server at {parsed} is not this job's controller: it does not hold the key the job's secret (or the status token) gives; a controller serving an operator's certificate needs {}", Setting::TlsCa))
                 } else {
                     ControlError::Launch(format!("cannot reach the controller at {parsed} over TLS: {}", error_chain(&e)))
                 }
@@ -261,8 +264,12 @@ pub fn query(addr: &str, timeout: Duration, key: u128, tls: &ClientTls) -> Resul
                     // A controller of mutual TLS closes the connection of a client it does not
                     // take, and that is all the client sees.
                     let hint = match tls {
-                        ClientTls::Ca { .. } => "; a controller that asks for client certificates takes only those its CA signed (--tls-cert/--tls-key)",
-                        ClientTls::Pinned(_) => "",
+                        ClientTls::Ca { .. } => format!(
+                            "; a controller that asks for client certificates takes only those its CA signed ({}/{})",
+                            Setting::TlsCert,
+                            Setting::TlsKey
+                        ),
+                        ClientTls::Pinned(_) => String::new(),
                     };
                     ControlError::Launch(format!("the controller at {parsed} did not answer: {}{hint}", status_error(&e)))
                 })?;

@@ -1,4 +1,4 @@
-//! The one file format of a plan: what `lazarus plan --json` prints, and what `lazarus prob
+//! The one file format of a plan: what `lazarus plan` prints in JSON, and what `lazarus prob
 //! --placement-file`, `lazarus train --placement-file` and the controller's messages read.
 //!
 //! ```json
@@ -128,7 +128,7 @@ impl ModelPlan {
             PlanError::invalid(
                 "plan file",
                 format!("line {} column {}", e.line(), e.column()),
-                format!("{e}; expected the JSON of `lazarus plan --json`: {{\"format\":\"{PLAN_FORMAT}\",\"epoch\":…,\"shape\":{{…}},\"experts\":…,\"layers\":[{{\"placement\":[[expert ids] per node]}}]}}"),
+                format!("{e}; expected a plan file, as `lazarus plan` prints it in JSON: {{\"format\":\"{PLAN_FORMAT}\",\"epoch\":…,\"shape\":{{…}},\"experts\":…,\"layers\":[{{\"placement\":[[expert ids] per node]}}]}}"),
             )
         })?;
         ModelPlan::from_file(&file)

@@ -208,7 +208,7 @@ fn plan_files_round_trip_and_bad_ones_name_the_problem() {
     assert!(e.contains("colour"), "{e}");
     // Not a plan file at all: the old bare placement array.
     let e = ModelPlan::from_json("[[0,1],[1,0]]").unwrap_err().to_string();
-    assert!(e.contains("plan file") && e.contains("lazarus plan --json"), "{e}");
+    assert!(e.contains("plan file") && e.contains("as `lazarus plan` prints it in JSON"), "{e}");
 }
 
 proptest! {

@@ -139,6 +139,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         secret,
         tls,
         local_agents: 0,
+        agent_command_line: crate::agent::local_agent_command_line,
         gpus_per_node: workers.gpus_per_node(),
         wait,
         max_workers,

@@ -161,6 +161,7 @@ pub fn run_train_workers(args: &TrainArgs, run_dir: Option<&Path>) -> Result<()>
                 secret,
                 tls: ServerTls::FromSecret(secret),
                 local_agents: nodes,
+                agent_command_line: crate::agent::local_agent_command_line,
                 gpus_per_node: g,
                 wait: LOCAL_AGENTS_WITHIN,
                 max_workers: most_nodes * g,

@@ -2,6 +2,7 @@
 //! when every worker is done, the record of each reconfiguration, and each move's plan as each
 //! worker is sent it (the change from the map it has).
 
+use lazarus_setting::Setting;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -155,8 +156,10 @@ impl Shell {
         // Where to go on from: the user's next command, not only a step number.
         if let Some(dir) = self.last_checkpoint.as_ref().and_then(|p| p.parent()) {
             reason.push_str(&format!(
-                "; to go on from it, start the job again on enough workers with --checkpoint-dir {} --resume",
-                dir.display()
+                "; to go on from it, start the job again on enough workers with {} {} {}",
+                Setting::CheckpointDir,
+                dir.display(),
+                Setting::Resume
             ));
         }
         let ends = ctl.nodes().map(|n| {
