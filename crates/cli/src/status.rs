@@ -3,11 +3,11 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_controller::decisions::words::id_list;
 use lazarus_controller::service::query;
-use lazarus_plan::ModelPlan;
+use lazarus_protocol::status_plan::plan_from_proto;
 use lazarus_protocol::tls::{ClientTls, Pin};
 
 #[derive(Args, Debug)]
@@ -58,13 +58,18 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
     let (key, pin) = status_key(args)?;
     let tls = ClientTls::new(pin, args.tls.files()?)?;
     let s = query(&args.controller, Duration::from_secs_f64(args.timeout), key, &tls)?;
+    // The controller's plan, checked as a plan file is.
+    let plan = s.plan.as_ref().map(plan_from_proto).transpose().context("the controller's status: its plan")?;
     if args.json {
         let members: Vec<serde_json::Value> = s
             .members
             .iter()
             .map(|m| serde_json::json!({"node": m.node, "alive": m.alive, "state": m.state, "rank": m.rank, "silent_s": m.silent_s, "epoch": m.epoch}))
             .collect();
-        let plan: serde_json::Value = serde_json::from_str(&s.plan_json).unwrap_or(serde_json::Value::Null);
+        let plan = match &plan {
+            Some(p) => serde_json::to_value(p.to_file())?,
+            None => serde_json::Value::Null,
+        };
         let v = serde_json::json!({
             "job_id": s.job_id, "epoch": s.epoch, "phase": s.phase, "step": s.step, "members": members,
             "plan": plan, "recent": s.recent, "last_checkpoint": s.last_checkpoint, "lease_s": s.lease_s,
@@ -87,7 +92,7 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
         let rank = m.rank.map_or("-".to_string(), |r| r.to_string());
         let _ = writeln!(out, "  worker {:>3}  rank {:>3}  epoch {:>3}  {}", m.node, rank, m.epoch, member_state(m));
     }
-    if let Ok(plan) = ModelPlan::from_json(&s.plan_json) {
+    if let Some(plan) = plan {
         let _ = writeln!(out, "plan       the experts each rank holds, layer by layer");
         for (l, layer) in plan.layers().iter().enumerate() {
             let ranks: Vec<String> = layer

@@ -23,6 +23,7 @@ pub mod pieces;
 pub mod proto;
 pub mod relay;
 pub mod rpc;
+pub mod status_plan;
 pub mod stop_signal;
 pub mod tls;
 pub mod when;

@@ -104,7 +104,11 @@ mod tests {
             let bytes = Bytes::from((0..len).map(|i| (i * 31 % 251) as u8).collect::<Vec<_>>());
             for body in [
                 Body::Input(WorkerInput { slots: vec![0, 2], message: bytes.clone(), deflated: true }),
-                Body::Start(StartWorkers { specs: vec!["{}".into()], job: bytes.clone(), standby: false }),
+                Body::Start(StartWorkers {
+                    workers: vec![crate::relay::start::slot_to_proto(0, 1, 0, 1.0, "", false)],
+                    job: bytes.clone(),
+                    standby: false,
+                }),
             ] {
                 let (pieces, rest) = in_pieces(body.clone());
                 assert_eq!(pieces.len(), len.saturating_sub(1) / PIECE_BYTES, "{len} bytes");

@@ -35,9 +35,10 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::launcher::{start_processes_reporting, Confinement, Job};
 use attach::{Identity, Session, SessionError};
 use lazarus_protocol::proto::{self, agent_message, controller_message, AgentMessage, ControllerMessage};
+use lazarus_protocol::relay::start;
 use lazarus_protocol::tls::ClientTls;
 use lazarus_protocol::ControlError;
-use lazarus_protocol::{inflate_message, secret_hex, LauncherMessage, WorkerEvent};
+use lazarus_protocol::{LauncherMessage, WorkerEvent};
 
 /// How an agent is started.
 #[derive(Debug, Clone)]
@@ -75,28 +76,6 @@ pub enum AgentEnd {
     /// This node gave notice and the job moved off it: its workers handed over their state and
     /// left.
     Drained,
-}
-
-/// A worker's spec line (the worker protocol's JSON) as its worker reads it: the spec the
-/// controller sent, with the job's secret filled in, and with `job` — the job of every worker of
-/// the node, sent once for them all — as its job where one came.
-fn completed_spec(spec: &str, secret: u128, job: Option<&str>) -> Result<String, ControlError> {
-    let mut v: serde_json::Value = serde_json::from_str(spec)?;
-    let Some(o) = v.as_object_mut() else {
-        return Err(ControlError::Launch(format!("a worker spec that is not a JSON object: {spec:.80}")));
-    };
-    o.insert("secret".into(), serde_json::Value::String(secret_hex(secret)));
-    let Some(job) = job else { return Ok(serde_json::to_string(&v)?) };
-    // The job is spliced in as it came (megabytes at a thousand nodes: not parsed into a tree).
-    o.remove("job");
-    let mut line = serde_json::to_string(&v)?;
-    // `{…,"secret":"…"}` becomes `{…,"secret":"…","job":JOB}`.
-    line.pop();
-    line.push(',');
-    line.push_str("\"job\":");
-    line.push_str(job);
-    line.push('}');
-    Ok(line)
 }
 
 /// What the agent waits on: its sessions with the controller, and its workers' reports.
@@ -586,27 +565,17 @@ impl Node {
                     tracing::warn!("agent: a second start of the workers: dropped");
                     return Ok(None);
                 }
-                if s.specs.len() != self.gpus {
+                if s.workers.len() != self.gpus {
                     return Err(ControlError::Launch(format!(
-                        "the controller sent {} worker specs for {} slots",
-                        s.specs.len(),
+                        "the controller sent {} worker slots for {} GPUs",
+                        s.workers.len(),
                         self.gpus
                     )));
                 }
-                let ranks: Vec<u32> = s
-                    .specs
-                    .iter()
-                    .map(|spec| {
-                        serde_json::from_str::<serde_json::Value>(spec).ok().and_then(|v| v["rank"].as_u64()).unwrap_or(u64::MAX) as u32
-                    })
-                    .collect();
-                // The job once for every worker of the node, compressed (or in each spec).
-                let job = match s.job.is_empty() {
-                    true => None,
-                    false => Some(inflate_message(&s.job).map_err(|e| ControlError::Launch(format!("the controller's start: {e}")))?),
-                };
-                // The specs come without the job's secret: this agent adds the one it proved.
-                let specs = s.specs.iter().map(|spec| completed_spec(spec, self.secret, job.as_deref())).collect::<Result<Vec<_>, _>>()?;
+                let bad_start = |e: lazarus_protocol::relay::BadMessage| ControlError::Launch(format!("the controller's start: {e}"));
+                let ranks: Vec<u32> = start::ranks(&s).map_err(bad_start)?.into_iter().map(|r| r as u32).collect();
+                // The slots come without the job's secret: this agent adds the one it proved.
+                let specs = start::spec_lines(&s, self.secret).map_err(bad_start)?;
                 let reports = self.reports.clone();
                 self.workers = Some(start_processes_reporting(WORKER_SUBCOMMAND, &specs, Confinement::Shared, reports, Inbound::Worker)?);
                 self.slot_epoch = vec![m.epoch; self.gpus];
@@ -664,28 +633,4 @@ impl Node {
 fn worker_line(input: &proto::WorkerInput) -> Result<String, String> {
     let message = lazarus_protocol::relay::orders::decode_input(input).map_err(|e| e.to_string())?;
     serde_json::to_string(&message).map_err(|e| e.to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A worker's spec line is the controller's with the agent's secret and the node's job in
-    /// it, one JSON object on one line, whether the job came once for the node or in the spec.
-    #[test]
-    fn a_spec_is_completed_with_the_secret_and_the_node_s_job() {
-        let secret = 0x0123_4567_89ab_cdef_0011_2233_4455_6677;
-        let job = r#"{"standby":true,"plan":{"epoch":3}}"#;
-        let line = completed_spec(r#"{"rank":5,"secret":"","job":null}"#, secret, Some(job)).unwrap();
-        assert!(!line.contains('\n'));
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!(v["rank"], 5);
-        assert_eq!(v["secret"], secret_hex(secret));
-        assert_eq!(v["job"], serde_json::from_str::<serde_json::Value>(job).unwrap());
-        let inline = completed_spec(r#"{"rank":5,"job":{"standby":false}}"#, secret, None).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&inline).unwrap();
-        assert_eq!((v["job"]["standby"].as_bool(), v["secret"].as_str()), (Some(false), Some(secret_hex(secret).as_str())));
-        assert!(completed_spec("[1,2]", secret, Some(job)).is_err());
-        assert!(completed_spec("{", secret, None).is_err());
-    }
 }

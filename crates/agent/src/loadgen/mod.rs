@@ -376,13 +376,6 @@ pub struct PlaneView {
     pub steps_done: u64,
 }
 
-/// The part of a worker spec a fake reads.
-#[derive(Deserialize)]
-struct SpecHead {
-    rank: usize,
-    epoch: u64,
-}
-
 /// The part of a job a fake reads: its map.
 #[derive(Deserialize)]
 struct JobHead {
@@ -563,19 +556,19 @@ impl FakeAgent {
             }
         };
         let mut epoch = None;
-        for spec in &s.specs {
-            let Ok(head) = serde_json::from_str::<SpecHead>(spec) else {
-                self.shared.trouble(format!("agent {}: a spec without a rank: {spec:.80}", self.index));
+        for w in &s.workers {
+            let Ok(rank) = usize::try_from(w.rank) else {
+                self.shared.trouble(format!("agent {}: a slot's rank beyond this machine's words: {}", self.index, w.rank));
                 return;
             };
-            let id = head.rank as u64;
-            epoch = Some(head.epoch);
+            let id = w.rank;
+            epoch = Some(w.epoch);
             self.shared.agent_of.lock().unwrap_or_else(|e| e.into_inner()).insert(id, self.index);
             self.slots.push(Slot {
                 id,
-                rank: (!standby).then_some(head.rank),
-                epoch: head.epoch,
-                map_epoch: first.as_ref().map(|_| head.epoch),
+                rank: (!standby).then_some(rank),
+                epoch: w.epoch,
+                map_epoch: first.as_ref().map(|_| w.epoch),
                 moved: false,
                 alive: true,
             });

@@ -25,8 +25,9 @@ use crate::metrics::{JobMetrics, MetricsEndpoint, MetricsServer};
 use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
 use drive::drive;
 use lazarus_agent::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
+use lazarus_protocol::relay::start::slot_to_proto;
 use lazarus_protocol::tls::ServerTls;
-use lazarus_protocol::{deflate_message, fresh_secret, TrainJob, WorkerSpec};
+use lazarus_protocol::{deflate_message, fresh_secret, TrainJob};
 use lazarus_protocol::{heartbeat_within, lease_without_recovery};
 use lazarus_protocol::{ControlError, Workers};
 use local_agents::{replay, start_local_agents};
@@ -318,8 +319,8 @@ pub fn run_training(
     };
     let begun = Instant::now();
     let waiting = controller(begun)?;
-    let plan_json = waiting.plan().map(|p| p.to_json()).unwrap_or_default();
-    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, &plan_json)));
+    let plan = waiting.plan().map(lazarus_protocol::status_plan::plan_to_proto);
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, plan.as_ref())));
     let metrics = Arc::new(JobMetrics::new());
     let _metrics_server = match &http.metrics {
         Some(at) => {
@@ -472,15 +473,12 @@ impl JobRun<'_> {
         let launched = a.resume.as_deref().and_then(|r| r.saved.launched_workers).unwrap_or(world);
         let mut save = a.state_file.clone().map(|path| job_saver(path, &hub, job_id, job, g, launched));
         let save = save.as_mut().map(|f| f as &mut dyn FnMut(&Controller, bool));
-        // The specs go to the agents without the secret (each agent proved it knows it and
+        // The slots go to the agents without the secret (each agent proved it knows it and
         // adds its own, so it never crosses the network) and without the job, which each
         // agent is sent once for its workers.
         let (encrypt, comm_timeout_s) = (job.encrypt_data, self.comm_timeout_s);
-        let line = move |rank: usize, world: usize, epoch: u64, host: &str| {
-            let bind = Some(host.to_string());
-            let spec = WorkerSpec { rank, world, epoch, timeout_s: comm_timeout_s, secret: String::new(), bind, encrypt, job: () };
-            Ok::<_, ControlError>(serde_json::to_string(&spec)?)
-        };
+        let slot =
+            move |rank: usize, world: usize, epoch: u64, host: &str| slot_to_proto(rank, world, epoch, comm_timeout_s, host, encrypt);
         // A worker that joins later stands by (its spec's rank is its worker id) and is sent
         // its map whole in the move that takes it in.
         let joiner = || -> Result<Joiner, ControlError> {
@@ -488,7 +486,7 @@ impl JobRun<'_> {
             let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
             let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
             let job = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&standby)?));
-            Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| line(id, id + 1, epoch, host)) })
+            Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| slot(id, id + 1, epoch, host)) })
         };
         if let Some(r) = a.resume.as_deref() {
             let mut fleet = hub.taken_back(inputs, r.saved.workers(), joiner()?);
@@ -507,7 +505,7 @@ impl JobRun<'_> {
         });
         let run = attached.and_then(|_| {
             let whole = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(job)?));
-            let mut fleet = hub.start(inputs, whole, |rank, host| line(rank, world, epoch, host), joiner()?)?;
+            let mut fleet = hub.start(inputs, whole, |rank, host| slot(rank, world, epoch, host), joiner()?)?;
             // The schedule's clock starts with the workers.
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let replaying = match (&agents, &a.schedule) {

@@ -34,19 +34,14 @@ pub struct Dashboard {
     key: u128,
     /// The placement drawn from the status's plan: the plan it was drawn from, how many plans
     /// have been drawn, the drawing.
-    placement: Mutex<(String, u64, serde_json::Value)>,
+    placement: Mutex<(Option<lazarus_protocol::proto::Plan>, u64, serde_json::Value)>,
 }
 
 impl Dashboard {
     /// The dashboard of the job whose status is published in `status`, for holders of `key`
     /// (the job's status key).
     pub fn new(status: SharedStatus, key: u128) -> Self {
-        Dashboard {
-            history: Mutex::new(History::default()),
-            status,
-            key,
-            placement: Mutex::new((String::new(), 0, serde_json::Value::Null)),
-        }
+        Dashboard { history: Mutex::new(History::default()), status, key, placement: Mutex::new((None, 0, serde_json::Value::Null)) }
     }
 
     /// Take in one of the job's events.
@@ -67,14 +62,15 @@ impl Dashboard {
     pub(crate) fn state(&self, has_plan: Option<u64>) -> (String, u64, u64) {
         let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         let mut drawn = self.placement.lock().unwrap_or_else(|e| e.into_inner());
-        if drawn.0 != status.plan_json {
-            let layers: Vec<Vec<Vec<u32>>> = lazarus_plan::ModelPlan::from_json(&status.plan_json)
+        if drawn.0 != status.plan {
+            let layers: Vec<Vec<Vec<u32>>> = (status.plan.as_ref())
+                .and_then(|p| lazarus_protocol::status_plan::plan_from_proto(p).ok())
                 .map(|p| {
                     let map = p.replica_map();
                     (0..map.layer_count()).map(|l| map.dense_layer(l)).collect()
                 })
                 .unwrap_or_default();
-            *drawn = (status.plan_json.clone(), drawn.1 + 1, super::drawn_placement(&layers));
+            *drawn = (status.plan.clone(), drawn.1 + 1, super::drawn_placement(&layers));
         }
         let placement = (has_plan != Some(drawn.1)).then(|| drawn.2.clone());
         let history = self.history.lock().unwrap_or_else(|e| e.into_inner());

@@ -13,12 +13,11 @@ use lazarus_protocol::proto::{self, controller_message};
 use lazarus_protocol::ControlError;
 use lazarus_protocol::LauncherMessage;
 
-/// The spec line, without its job, of a worker that joins the running job: `(worker id, host,
-/// epoch)`.
-pub(crate) type JoinerSpec = Box<dyn Fn(usize, &str, u64) -> Result<String, ControlError> + Send>;
+/// The slot of a worker that joins the running job: `(worker id, host, epoch)`.
+pub(crate) type JoinerSpec = Box<dyn Fn(usize, &str, u64) -> proto::WorkerSlot + Send>;
 
 /// How the workers of an agent that joins the running job are started: the job they run (its
-/// JSON compressed, sent once to the agent) and each one's spec line.
+/// JSON compressed, sent once to the agent) and each one's slot.
 pub(crate) struct Joiner {
     pub job: prost::bytes::Bytes,
     pub spec: JoinerSpec,
@@ -85,18 +84,13 @@ impl RemoteFleet {
         let first = self.owners.len();
         let Some((gpus, host)) = self.hub.assign(agent, first) else { return };
         let epoch = self.hub.epoch();
-        let specs: Result<Vec<String>, ControlError> = (first..first + gpus).map(|id| (self.joiner.spec)(id, &host, epoch)).collect();
-        match specs {
-            Ok(specs) => {
-                for slot in 0..gpus {
-                    self.own(first + slot, agent, slot);
-                }
-                let job = self.joiner.job.clone();
-                self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job, standby: true }));
-                self.joined.push_back((first..first + gpus).collect());
-            }
-            Err(e) => self.hub.drop_agent(agent, &format!("its workers' specs could not be made: {e}")),
+        let workers = (first..first + gpus).map(|id| (self.joiner.spec)(id, &host, epoch)).collect();
+        for slot in 0..gpus {
+            self.own(first + slot, agent, slot);
         }
+        let job = self.joiner.job.clone();
+        self.hub.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { workers, job, standby: true }));
+        self.joined.push_back((first..first + gpus).collect());
     }
 
     /// The agents and their workers' ranks, for the user.

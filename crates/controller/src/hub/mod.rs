@@ -588,15 +588,15 @@ impl AgentHub {
         }
     }
 
-    /// Number the attached agents' workers (in order of arrival) and send each agent the specs
-    /// of its workers: `spec(rank, host)` is worker `rank`'s spec line, listening on `host`,
-    /// without its job; `job` is the job every worker runs (its JSON compressed:
-    /// [`lazarus_protocol::deflate_message`]), sent once to each agent.
+    /// Number the attached agents' workers (in order of arrival) and send each agent the slots
+    /// of its workers: `spec(rank, host)` is worker `rank`'s slot, listening on `host`; `job` is
+    /// the job every worker runs (its JSON compressed: [`lazarus_protocol::deflate_message`]),
+    /// sent once to each agent.
     pub(crate) fn start(
         self: &Arc<Self>,
         inputs: Receiver<HubInput>,
         job: prost::bytes::Bytes,
-        spec: impl Fn(usize, &str) -> Result<String, ControlError>,
+        spec: impl Fn(usize, &str) -> proto::WorkerSlot,
         joiner: Joiner,
     ) -> Result<RemoteFleet, ControlError> {
         let mut owners = Vec::with_capacity(self.world);
@@ -608,19 +608,19 @@ impl AgentHub {
             let mut next = 0;
             for (&agent, link) in st.agents.iter_mut().filter(|(_, l)| l.gone.is_none()) {
                 link.first_rank = Some(next);
-                let specs = (next..next + link.gpus).map(|r| spec(r, &link.host)).collect::<Result<Vec<_>, _>>()?;
+                let workers: Vec<proto::WorkerSlot> = (next..next + link.gpus).map(|r| spec(r, &link.host)).collect();
                 for slot in 0..link.gpus {
                     owners.push((agent, slot));
                 }
                 next += link.gpus;
-                sends.push((agent, epoch, specs));
+                sends.push((agent, epoch, workers));
             }
             if next != self.world {
                 return Err(ControlError::Launch(format!("agents bring {next} workers, the job has {}", self.world)));
             }
         }
-        for (agent, epoch, specs) in sends {
-            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { specs, job: job.clone(), standby: false }));
+        for (agent, epoch, workers) in sends {
+            self.send_to(agent, epoch, controller_message::Body::Start(proto::StartWorkers { workers, job: job.clone(), standby: false }));
         }
         Ok(RemoteFleet::new(self.clone(), inputs, owners, joiner))
     }

@@ -1,6 +1,7 @@
 use super::*;
 use crate::fleet::{Fleet, FleetEvent};
 use lazarus_protocol::handshake::hello_context;
+use lazarus_protocol::relay::start::slot_to_proto;
 use lazarus_protocol::LauncherMessage;
 use lazarus_setting::Setting;
 
@@ -16,7 +17,7 @@ fn elastic_hub(world: usize, g: usize, max_workers: usize) -> (Arc<AgentHub>, Re
 
 /// Joiners' spec lines name their worker id and host; their job is "standby".
 fn joiner() -> Joiner {
-    Joiner { job: "standby".into(), spec: Box::new(|id, host, epoch| Ok(format!("standby {id}@{host} epoch {epoch}"))) }
+    Joiner { job: "standby".into(), spec: Box::new(|id, host, epoch| slot_to_proto(id, id + 1, epoch, 1.0, host, false)) }
 }
 
 /// The job every worker of these tests runs.
@@ -80,7 +81,7 @@ fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
-    let fleet = h.start(rx, job(), |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
+    let fleet = h.start(rx, job(), |rank, host| slot_to_proto(rank, 4, 0, 1.0, host, false), joiner()).unwrap();
     assert_eq!(fleet.ranks_of(0), vec![0, 1]);
     assert_eq!(fleet.ranks_of(1), vec![2, 3]);
     let late = h.admit(&hello(SECRET, 2, "10.0.0.4"), &CHALLENGE, link()).unwrap_err();
@@ -91,7 +92,7 @@ fn a_started_job_at_its_most_workers_takes_no_more_agents_and_numbers_workers_by
 fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs() {
     let (h, rx) = elastic_hub(2, 2, 4);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, job(), |rank, host| Ok(format!("{rank}@{host}")), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, host| slot_to_proto(rank, 4, 0, 1.0, host, false), joiner()).unwrap();
     // Room for one more node of 2 after the start, not two.
     let (tx, mut from_controller) = tokio::sync::mpsc::unbounded_channel();
     let agent = h.admit(&hello(SECRET, 2, "10.0.0.9"), &CHALLENGE, tx).unwrap();
@@ -103,7 +104,8 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
     assert_eq!(fleet.ranks_of(agent), vec![2, 3]);
     let Ok(Ok(m)) = from_controller.try_recv() else { panic!("the agent is sent its workers' specs") };
     let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };
-    assert_eq!(start.specs, vec!["standby 2@10.0.0.9 epoch 100", "standby 3@10.0.0.9 epoch 100"]);
+    let slots: Vec<(u64, u64, &str, u64)> = start.workers.iter().map(|w| (w.rank, w.world, w.bind.as_str(), w.epoch)).collect();
+    assert_eq!(slots, vec![(2, 3, "10.0.0.9", 100), (3, 4, "10.0.0.9", 100)], "standby workers numbered after every worker so far");
     assert_eq!((start.job.as_ref(), start.standby), (&b"standby"[..], true), "the joiners' job, once for the node");
     // Its workers' reports reach the loop under their ids.
     assert!(matches!(h.take(agent, report(100, 1, &WorkerEvent::Heartbeat)), Some(HubInput::Report { slot: 1, .. })));
@@ -113,7 +115,7 @@ fn an_agent_that_attaches_to_a_running_job_gets_new_worker_ids_and_standby_specs
 fn reports_are_checked_before_the_controller_sees_them() {
     let (h, rx) = hub(2, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, _| slot_to_proto(rank, 4, 0, 1.0, "", false), joiner()).unwrap();
     let beat = WorkerEvent::Heartbeat;
     // A slot the agent does not have, and a line that is not a report: dropped.
     assert!(h.take(0, report(100, 2, &beat)).is_none());
@@ -158,7 +160,7 @@ fn an_agent_that_is_gone_takes_all_its_workers_with_it() {
     let (h, rx) = hub(4, 2);
     h.admit(&hello(SECRET, 2, "10.0.0.2"), &CHALLENGE, link()).unwrap();
     h.admit(&hello(SECRET, 2, "10.0.0.3"), &CHALLENGE, link()).unwrap();
-    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, _| slot_to_proto(rank, 4, 0, 1.0, "", false), joiner()).unwrap();
     h.drop_agent(1, "its stream ended");
     let mut exits: Vec<usize> = (0..2)
         .filter_map(|_| fleet.next_event(Duration::from_millis(200)))
@@ -240,7 +242,7 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
         h.admit(&hello(SECRET, 2, host), &CHALLENGE, tx).unwrap();
         agents.push(from_controller);
     }
-    let mut fleet = h.start(rx, job(), |rank, _| Ok(rank.to_string()), joiner()).unwrap();
+    let mut fleet = h.start(rx, job(), |rank, _| slot_to_proto(rank, 4, 0, 1.0, "", false), joiner()).unwrap();
     for a in &mut agents {
         let Ok(Ok(m)) = a.try_recv() else { panic!("the start") };
         let Some(controller_message::Body::Start(start)) = m.body else { panic!("{m:?}") };

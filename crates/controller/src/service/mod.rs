@@ -27,8 +27,8 @@ const STOP_GRACE: Duration = Duration::from_secs(1);
 pub type SharedStatus = Arc<Mutex<StatusReply>>;
 
 /// What `ctl` knows at `now`, for job `job_id` that started at epoch `first_epoch`; its plan
-/// as `plan_json` (the caller keeps it from one epoch to the next: it changes only with one).
-pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan_json: &str) -> StatusReply {
+/// as `plan` (the caller keeps it from one epoch to the next: it changes only with one).
+pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan: Option<&proto::Plan>) -> StatusReply {
     let rank_of: std::collections::HashMap<u64, u64> = ctl.ranks().iter().enumerate().map(|(r, &n)| (n, r as u64)).collect();
     let members = ctl
         .nodes()
@@ -48,7 +48,7 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
         phase: ctl.phase_name().to_string(),
         step: ctl.last_step(),
         members,
-        plan_json: plan_json.to_string(),
+        plan: plan.cloned(),
         recent: ctl.recent().cloned().collect(),
         last_checkpoint: ctl.checkpoint(),
         lease_s: ctl.lease().as_secs_f64(),

@@ -6,6 +6,7 @@
 
 pub mod orders;
 pub mod reports;
+pub mod start;
 
 /// Why a message relayed by an agent is not one.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -70,7 +70,7 @@ struct Driver<'a, 's, O> {
     /// any worker hears of a new epoch.
     saved_epoch: Option<u64>,
     /// The plan as `lazarus status` shows it (its epoch counted from the job's start), by epoch.
-    plan_json: (u64, String),
+    plan: (u64, Option<lazarus_protocol::proto::Plan>),
     /// When the status was last published, and what it showed.
     status_at: Option<(Instant, StatusKey)>,
     /// A rebalance being weighed on a thread of its own (at a thousand nodes it plans a model:
@@ -84,8 +84,8 @@ struct Driver<'a, 's, O> {
 type StatusKey = (u64, &'static str, u64, usize);
 
 /// The plan as `lazarus status` shows it: its epoch counted from the job's start.
-fn shown_plan(ctl: &Controller) -> String {
-    ctl.plan().map(|p| p.clone().with_epoch(ctl.job_epoch(ctl.epoch())).to_json()).unwrap_or_default()
+fn shown_plan(ctl: &Controller) -> Option<lazarus_protocol::proto::Plan> {
+    ctl.plan().map(|p| lazarus_protocol::status_plan::plan_to_proto(&p.clone().with_epoch(ctl.job_epoch(ctl.epoch()))))
 }
 
 impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O> {
@@ -123,7 +123,7 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
             first_epoch: ctl.epoch() - ctl.job_epoch(ctl.epoch()),
             replayed_until: ctl.resuming().then(|| ctl.last_step()),
             saved_epoch: None,
-            plan_json: (ctl.epoch(), shown_plan(&ctl)),
+            plan: (ctl.epoch(), shown_plan(&ctl)),
             status_at: None,
             weighing: false,
             weighed_tx,
@@ -232,10 +232,10 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
         if self.status_at.as_ref().is_some_and(|(at, k)| *k == key && decided.duration_since(*at) < STATUS_EVERY) {
             return;
         }
-        if self.plan_json.0 != ctl.epoch() {
-            self.plan_json = (ctl.epoch(), shown_plan(ctl));
+        if self.plan.0 != ctl.epoch() {
+            self.plan = (ctl.epoch(), shown_plan(ctl));
         }
-        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(ctl, decided, self.job_id, self.first_epoch, &self.plan_json.1);
+        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(ctl, decided, self.job_id, self.first_epoch, self.plan.1.as_ref());
         self.status_at = Some((decided, key));
     }
 
