@@ -15,7 +15,7 @@ use common::hosts::{
     agent_pids, children, placement, start_agent, start_agent_with_env, start_agent_with_grace, start_controller, start_controller_keeping,
     wait_for_records, Hosts,
 };
-use common::{alive, assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, uninterrupted, wait, wait_for_steps};
+use common::{alive, assert_same_losses, dir, files, lazarus, log, signal, spawn_lazarus, uninterrupted, wait, wait_for_steps};
 use serde_json::Value;
 
 fn tiny() -> [&'static str; 16] {
@@ -36,8 +36,7 @@ fn all_gone(pids: &[i32], within: Duration) -> bool {
 #[test]
 fn an_agent_killed_with_its_workers_does_not_stop_training() {
     let d = dir("agents-kill");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let want = uninterrupted("60", &d);
     let mut args = vec!["train", "--workers", "4", "--gpus-per-node", "2"];
     args.extend(tiny());
@@ -61,7 +60,6 @@ fn an_agent_killed_with_its_workers_does_not_stop_training() {
     assert!(text.iter().any(|l| l.contains("its agent") && l.contains("is gone")), "{}", text.join("\n"));
     // The final checkpoint resumes in one process.
     common::resumes_in_one_process(&ck, "62", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -121,7 +119,6 @@ fn agents_of_a_controller_refuse_strangers_and_stop_cleanly_when_it_is_gone() {
     let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
     let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
     common::resumes_in_one_process(&ck, &(step + 2).to_string(), &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// An agent facing a port that accepts connections but never answers (not a controller, or one
@@ -146,7 +143,6 @@ fn a_controller_waiting_for_agents_stops_at_sigterm() {
         "{}",
         wait::tail(&text)
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -166,7 +162,6 @@ fn an_agent_facing_a_silent_port_gives_up_after_its_connect_timeout() {
     assert!(started.elapsed() < Duration::from_secs(15), "gave up after {:?}", started.elapsed());
     assert!(text.iter().any(|l| l.contains("--connect-timeout")), "{}", text.join("\n"));
     drop(held);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Connections that cannot hurt: 300 connections that never begin their handshake, made to a
@@ -177,8 +172,7 @@ fn half_open_connections_do_not_starve_the_controller() {
     use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
     let d = dir("agents-half-open");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let mut args = vec!["controller", "--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
     args.extend(tiny());
     args.extend(["--steps", "10", "--json-log", &log_s]);
@@ -226,7 +220,6 @@ fn half_open_connections_do_not_starve_the_controller() {
     }
     assert_eq!(log(&path).0.len(), 10);
     drop(silent);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A job configured from one file: the controller's settings and the job's workers from its
@@ -255,7 +248,6 @@ fn a_controller_and_its_agents_run_from_one_config_file() {
         wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
     assert_eq!(log(&path).0.len(), 8, "the file's steps, on the file's two workers");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A TCP proxy on loopback to `to` that records every byte both ways.
@@ -293,8 +285,7 @@ fn recording_proxy(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u
 #[test]
 fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
     let d = dir("agents-wire");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2"];
     args.extend(tiny());
     args.extend(["--steps", "20", "--json-log", &log_s]);
@@ -317,7 +308,6 @@ fn the_job_secret_never_crosses_the_wire_between_controller_and_agents() {
     // inside TLS, whose records begin the session (a handshake record, 0x16, TLS 1.x).
     assert_eq!(&bytes[..2], &[0x16, 0x03], "the session starts with a TLS handshake");
     assert!(!bytes.windows(9).any(|w| w == b"\"d_model\""), "a worker's spec crossed the wire in clear");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// SIGTERM to the controller of agents: every worker finishes after the same step with the
@@ -347,7 +337,6 @@ fn a_controller_stopped_by_sigterm_ends_every_node_at_a_step_boundary_and_says_s
         let said = format!("asked to stop (SIGTERM): every worker finished after step {last}");
         assert!(text.iter().any(|l| l.contains(&said)), "{said:?} in {}", text.join("\n"));
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Elastic scale-up: a job started on one node of two workers takes in a second node that
@@ -414,7 +403,6 @@ fn nodes_that_attach_to_a_running_job_are_taken_in_and_replace_a_lost_one() {
     assert_same_losses(&steps_seen, &want, "joins, a node lost, a node joining again");
     assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data, none lost or repeated");
     common::resumes_in_one_process(&ck, "362", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A preemption notice: SIGTERM to the agent of a node that holds the only replica of an
@@ -460,7 +448,6 @@ fn a_node_that_gives_notice_hands_over_its_last_replicas_before_it_leaves() {
     assert!(text.iter().any(|l| l.contains(&format!("workers {victim} leave on notice"))), "{}", text.join("\n"));
     assert_same_losses(&steps, &want, "a node drained on notice");
     assert_eq!(common::cursor(&ck), want_cursor, "the same windows of data");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A failure trace replayed on local agents (`train --workers 4 --gpus-per-node 2 --replay`): a
@@ -497,7 +484,6 @@ fn a_replayed_trace_kills_and_starts_local_agents_on_schedule() {
     let ratio = sim["ratio"].as_f64().unwrap();
     assert!(ratio > 0.5 && ratio < 1.5, "predicted / measured samples {ratio}: {sim}");
     assert!(sim["predicted_reconfigurations"].as_u64().unwrap() >= 1, "the simulator saw the failure: {sim}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Three hosts as network namespaces: the controller on one, an agent of two workers on each of
@@ -514,8 +500,7 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
         return;
     };
     let d = dir("agents-partition");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let want = uninterrupted("60", &d);
     let mut args =
         vec!["--listen", "10.231.0.1:7070", "--secret-file", &secret_s, "--workers", "4", "--gpus-per-node", "2", "--lease", "0.5"];
@@ -547,13 +532,12 @@ fn a_node_cut_off_by_a_partition_is_lost_by_its_lease_and_stops_its_own_workers(
     let recovery_s = reconf[0]["recovery_s"].as_f64().unwrap();
     assert!(recovery_s < 10.0, "found out by the lease and fenced, not at the 30 s deadline: {recovery_s} s");
     wait::success(&mut kept.0, &kept.1, "the agent on the other host", Duration::from_secs(30));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A job of 2 agents × 2 workers whose controller saves its state, on a port of its own (outside
 /// the kernel's ephemeral range: no other test's listener takes it while there is no controller).
 struct RestartableJob {
-    d: std::path::PathBuf,
+    d: common::Scratch,
     path: std::path::PathBuf,
     ck: std::path::PathBuf,
     secret: std::path::PathBuf,
@@ -672,7 +656,6 @@ fn a_controller_killed_mid_run_and_started_again_takes_the_job_back_with_nothing
         assert!(text.iter().any(|l| l.contains("taken back by the controller")), "{}", text.join("\n"));
     }
     assert!(!ck.join("controller-state.json").exists(), "a completed job leaves nothing to take back");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A worker SIGKILLed while there is no controller: its agent tells the new controller of its
@@ -711,7 +694,6 @@ fn a_worker_lost_while_there_is_no_controller_is_recovered_from_by_the_new_one()
     let [(kept, kept_lines), (lost, lost_lines)] = &mut agents[..] else { unreachable!() };
     wait::success(kept, kept_lines, "the agent of the node kept", Duration::from_secs(30));
     wait::exit(lost, lost_lines, "the agent of the lost node", Duration::from_secs(30));
-    let _ = std::fs::remove_dir_all(&job.d);
 }
 
 /// The controller SIGKILLed and every node lost with it (both agents and their workers killed):
@@ -765,7 +747,6 @@ fn a_job_none_of_whose_nodes_come_back_goes_on_from_its_last_checkpoint_with_new
     for (child, lines) in &mut fresh {
         wait::success(child, lines, "an agent at the job's end", Duration::from_secs(30));
     }
-    let _ = std::fs::remove_dir_all(&job.d);
 }
 
 /// The controller SIGKILLed at chosen instants around a worker's loss — while the loss is found
@@ -805,7 +786,6 @@ fn a_controller_killed_during_a_recovery_is_taken_over_at_every_phase() {
         for (child, lines) in &mut agents {
             wait::exit(child, lines, format!("{what}: an agent"), Duration::from_secs(30));
         }
-        let _ = std::fs::remove_dir_all(&job.d);
     }
 }
 
@@ -856,7 +836,6 @@ fn a_partition_after_a_takeover_loses_no_step() {
     for (child, lines) in &mut agents {
         wait::exit(child, lines, "an agent", Duration::from_secs(40));
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The controller SIGKILLed while a node that joined stands by to be taken in. Whatever the race
@@ -910,7 +889,6 @@ fn a_node_standing_by_when_the_controller_is_lost_joins_the_job_taken_back() {
     for (i, (child, lines)) in agents[..2].iter_mut().enumerate() {
         wait::success(child, lines, format!("the agent of node {i}"), Duration::from_secs(30));
     }
-    let _ = std::fs::remove_dir_all(&job.d);
 }
 
 /// `lazarus bench controller` drives a real controller process with synthetic agents over the
@@ -996,8 +974,7 @@ fn bench_controller_drives_a_real_controller_through_a_node_loss_a_join_and_a_re
 #[test]
 fn an_agent_with_a_host_it_cannot_listen_on_is_refused_before_it_attaches() {
     let d = dir("agents-bad-host");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
     args.extend(tiny());
     args.extend(["--steps", "10", "--json-log", &log_s]);
@@ -1018,7 +995,6 @@ fn an_agent_with_a_host_it_cannot_listen_on_is_refused_before_it_attaches() {
         attached.iter().all(|l| l.contains("attached from 127.0.0.1:") && l.contains("its workers listening on 127.0.0.1")),
         "where it came from, and what it claims: {attached:?}"
     );
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The controller SIGSTOPped mid-job for 1, 3 and then 20 s (a stall: a long GC-like pause, a
@@ -1057,7 +1033,6 @@ fn a_controller_stalled_for_1_3_and_20_seconds_keeps_its_job() {
             said.iter().filter(|l| l.contains("spoke again") || l.contains("silent")).cloned().collect::<Vec<_>>().join(" | ")
         );
     }
-    let _ = std::fs::remove_dir_all(&job.d);
 }
 
 /// A node that attached to a running job and stood by, never taken in before the job completed
@@ -1066,8 +1041,7 @@ fn a_controller_stalled_for_1_3_and_20_seconds_keeps_its_job() {
 #[test]
 fn a_node_still_standing_by_when_the_job_completes_exits_0() {
     let d = dir("agents-standby-end");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
     args.extend(["--max-workers", "3", "--join-wait", "3600"]);
     args.extend(tiny());
@@ -1087,5 +1061,4 @@ fn a_node_still_standing_by_when_the_job_completes_exits_0() {
         wait::success(child, lines, "a member's agent", Duration::from_secs(30));
     }
     assert_eq!(log(&path).1.len(), 0, "nobody was taken in");
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -61,7 +61,6 @@ fn one_to_four_workers_train_the_same_bits() {
         checkpoint_bytes(&ck)
     };
     assert_ne!(default("1", "default-1"), default("3", "default-3"), "the default mode was expected to differ in its last bits");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Shards of three sequences (`--shard-sequences 3`: 4 a step): 1 and 3 workers — 4 shards
@@ -76,7 +75,6 @@ fn shards_of_several_sequences_give_the_same_bits_on_any_number_of_workers() {
     // Another shard size is another (still deterministic) computation.
     let (other, _) = run(&d, "sequence", 1, "20", &[]);
     assert!(other != want, "shards of one sequence gave the bits of shards of three");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A worker SIGKILLed from outside mid-run: the survivors move to a new plan, re-run the step,
@@ -89,17 +87,12 @@ fn a_worker_killed_from_outside_leaves_the_bits_of_an_uninterrupted_run() {
     let mut args = vec!["train", "--workers", "4", "--deterministic", "--steps", "40"];
     args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
     args.extend(tiny());
-    let (mut child, lines) = spawn_lazarus(&args, &[]);
-    let pids = worker_pids(&lines, 4, |_| {});
-    wait_for_steps(&path, 10);
-    signal(pids[2], libc::SIGKILL);
-    wait::job_success(&mut child, &lines, &path, "the run after a worker's SIGKILL");
+    common::run_killing_one(&args, &path, (4, 2), 10, "the run after a worker's SIGKILL");
     let (_, moves) = log(&path);
     assert_eq!(moves.len(), 1, "one move: {moves:?}");
     assert_eq!(moves[0]["cause"].as_str(), Some("reconfigure"), "{moves:?}");
     assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Workers killed at chosen phases (the fault hook: SIGKILL to itself) — in the forward pass of
@@ -112,7 +105,6 @@ fn workers_killed_in_forward_and_in_the_all_reduce_leave_the_same_bits() {
     let (ck, got_losses) = faulty(&d, "phases", &["--steps", "24", "--slots-per-worker", "4"], "1:forward:8,3:all_reduce:16", 2);
     assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Both holders of an expert killed at the commit vote of step 13: the job rolls back to its
@@ -134,7 +126,6 @@ fn a_rollback_leaves_the_same_bits() {
     assert_eq!(moves[0]["cause"].as_str(), Some("rollback"), "{moves:?}");
     assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// `train --workers 4 --deterministic` with `LAZARUS_FAULT=faults`, run to its end with `moves`
@@ -186,7 +177,6 @@ fn a_join_and_a_drain_leave_the_same_bits() {
     assert_eq!(moves.len(), 2, "a join and a drain, no rollback: {moves:?}");
     assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The lone holder of some experts (5 workers of one slot) killed at the commit vote of step 13,
@@ -221,7 +211,6 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
     assert!(!back.is_empty() && back.iter().all(|x| x["stale_steps"].as_u64() == Some(0)), "{back:?}");
     assert!(loss_bits(&path) == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A rebalance applied at a step boundary (3 workers, the plan weighed every 50 steps against
@@ -237,5 +226,4 @@ fn a_rebalance_leaves_the_same_bits() {
     assert!(!moves.is_empty() && moves.iter().all(|m| m["cause"] == "rebalance"), "a rebalance applied: {moves:?}");
     assert!(losses == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(got == want, "the final checkpoint's tensors are those of the uninterrupted run");
-    let _ = std::fs::remove_dir_all(&d);
 }

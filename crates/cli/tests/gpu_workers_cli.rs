@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::hosts::{agent_pids, start_agent, start_controller, wait_for_records};
-use common::{assert_same_losses, dir, lazarus, log, signal, spawn_lazarus, wait, wait_for_steps, worker_pids};
+use common::{assert_same_losses, dir, files, lazarus, log, signal, wait, wait_for_steps};
 
 /// Whether a GPU can be opened here (else why not, printed).
 fn gpu() -> bool {
@@ -58,7 +58,6 @@ fn one_two_and_four_workers_sharing_a_gpu_reproduce_the_single_gpu_losses() {
         let (steps, _) = log(&path);
         assert_same_losses(&steps, &want, &format!("{workers} workers on one GPU"));
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -68,15 +67,10 @@ fn a_gpu_worker_killed_from_outside_does_not_stop_training() {
     }
     let d = dir("gpu-kill");
     let want = one_gpu("60", &d);
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let mut args = vec!["train", "--workers", "4", "--steps", "60", "--json-log", &log_s, "--checkpoint-dir", &ck_s];
     args.extend(on_gpu());
-    let (mut child, lines) = spawn_lazarus(&args, &[]);
-    let pids = worker_pids(&lines, 4, |_| {});
-    wait_for_steps(&path, 10);
-    signal(pids[2], libc::SIGKILL);
-    wait::job_success(&mut child, &lines, &path, "the run after a GPU worker's SIGKILL");
+    common::run_killing_one(&args, &path, (4, 2), 10, "the run after a GPU worker's SIGKILL");
     let (steps, reconf) = log(&path);
     assert_same_losses(&steps, &want, "4 GPU workers, one killed");
     assert_eq!(reconf.len(), 1, "one move, no rollback: {reconf:?}");
@@ -88,7 +82,6 @@ fn a_gpu_worker_killed_from_outside_does_not_stop_training() {
     assert!(r["gpu_used_bytes"].as_array().is_some_and(|a| !a.is_empty()), "the survivors report their GPU memory: {r}");
     // The GPU job's checkpoint resumes on the CPU.
     common::resumes_in_one_process(&ck, "62", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A controller with GPU workers: a third node attaches (taken in at a step boundary), then a
@@ -128,5 +121,4 @@ fn gpu_workers_take_in_a_joining_node_and_let_a_draining_one_go() {
     assert_eq!(records.len(), 2, "a join and a drain, no rollback: {records:?}");
     assert_eq!((records[1]["cause"].as_str(), records[1]["workers"].as_u64()), (Some("drain"), Some(2)), "{}", records[1]);
     assert_same_losses(&steps, &want, "GPU workers: a join, then a drain");
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::stranger::{Plan, Stranger};
-use common::{assert_same_losses, dir, log, signal, spawn_lazarus, uninterrupted, wait, wait_for_steps, worker_pids};
+use common::{assert_same_losses, dir, files, log, signal, spawn_lazarus, uninterrupted, wait, wait_for_steps, worker_pids};
 
 /// A stranger at every worker port as it opens — at the start and at the rendezvous of the
 /// move after a worker's SIGKILL — with 20 silent connections, one of garbage, one TLS byte and one that
@@ -41,13 +41,20 @@ fn strangers_at_the_workers_ports_neither_stall_nor_end_the_job() {
     eprintln!("the stranger found {ports} ports and got {got_in} connections in while they listened");
     // Each of the 3 accepting ports of the start and the 2 of the move: 23 connections.
     assert!(got_in >= 5 * 23, "the stranger got {got_in} connections in while ranks listened, of 115: it missed a rendezvous");
-    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The flags of a `lazarus controller` job of two nodes of one GPU, `steps` steps of the tiny
+/// model, with its secret file and log.
+fn two_nodes_of_one<'a>(secret_s: &'a str, log_s: &'a str, steps: &'a str) -> Vec<&'a str> {
+    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", secret_s, "--workers", "2", "--gpus-per-node", "1"];
+    args.extend(common::tiny_model("8"));
+    args.extend(["--steps", steps, "--json-log", log_s]);
+    args
 }
 
 /// `lazarus controller ARGS` with at most `fds` open files (so that half of them, the most
 /// connections it keeps, is reached by a test's strangers); its stderr lines and address.
 fn controller_with_fd_limit(args: &[&str], fds: u64) -> (std::process::Child, std::sync::mpsc::Receiver<String>, String) {
-    use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
     let mut cmd = common::lazarus_command();
     cmd.arg("controller").args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
@@ -60,13 +67,7 @@ fn controller_with_fd_limit(args: &[&str], fds: u64) -> (std::process::Child, st
         });
     }
     let mut child = cmd.spawn().unwrap();
-    let (tx, lines) = std::sync::mpsc::channel();
-    let stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let lines = common::stderr_lines(&mut child);
     let line = wait::line(&lines, "the controller to listen", Duration::from_secs(60), &mut Vec::new(), |l| {
         l.starts_with("controller listening on ")
     });
@@ -102,11 +103,8 @@ fn closed_by(s: &mut TcpStream, until: std::time::Instant) -> bool {
 #[test]
 fn connections_that_send_one_byte_and_stop_are_dropped_and_lock_nobody_out() {
     let d = dir("hostile-one-byte");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
-    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
-    args.extend(common::tiny_model("8"));
-    args.extend(["--steps", "20", "--json-log", &log_s]);
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
+    let args = two_nodes_of_one(&secret_s, &log_s, "20");
     let (mut controller, ctl_lines, addr) = controller_with_fd_limit(&args, 256);
     let mut strangers: Vec<TcpStream> = (0..130)
         .filter_map(|_| {
@@ -131,7 +129,6 @@ fn connections_that_send_one_byte_and_stop_are_dropped_and_lock_nobody_out() {
         wait::success(child, lines, "an agent", Duration::from_secs(30));
     }
     assert_eq!(log(&path).0.len(), 20);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// 40 silent connections from one address (beyond the 32 handshakes a peer may have under
@@ -141,11 +138,8 @@ fn connections_that_send_one_byte_and_stop_are_dropped_and_lock_nobody_out() {
 #[test]
 fn a_peers_silent_connections_do_not_lock_out_its_status_requests() {
     let d = dir("hostile-per-peer");
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
-    let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "1"];
-    args.extend(common::tiny_model("8"));
-    args.extend(["--steps", "10", "--json-log", &log_s]);
+    let [(path, log_s), (secret, secret_s)] = files(&d, ["log.jsonl", "secret"]);
+    let args = two_nodes_of_one(&secret_s, &log_s, "10");
     let (mut controller, ctl_lines, addr) = common::hosts::start_controller(&args, None);
     let silent: Vec<TcpStream> = (0..40).filter_map(|_| TcpStream::connect(&addr).ok()).collect();
     assert_eq!(silent.len(), 40);
@@ -159,7 +153,6 @@ fn a_peers_silent_connections_do_not_lock_out_its_status_requests() {
         wait::success(child, lines, "an agent", Duration::from_secs(30));
     }
     drop(silent);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A secret or token "file" that is not one — `/dev/zero` (endless), a FIFO (whose open waits
@@ -195,5 +188,4 @@ fn secret_and_token_files_that_are_not_small_regular_files_are_refused_at_once()
     assert!(!out.status.success() && err.contains("16 or more"), "{err}");
     let out = common::lazarus(&["train", "--workers", "2", "--metrics-token-file", short_s]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--metrics-listen"));
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_same_losses, cursor, dir, lazarus, log, lone_holder, resumes_in_one_process, signal, spawn_lazarus, status_with_token,
+    assert_same_losses, cursor, dir, files, lazarus, log, lone_holder, resumes_in_one_process, signal, spawn_lazarus, status_with_token,
     twin_holders, uninterrupted, uninterrupted_with_cursor, wait, wait_for_steps, worker_pids,
 };
 use serde_json::Value;
@@ -44,8 +44,7 @@ fn finish(mut child: Child, lines: mpsc::Receiver<String>, log: &Path) -> Vec<St
 #[test]
 fn a_worker_killed_from_outside_does_not_stop_training() {
     let d = dir("recover-kill");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let want = uninterrupted("60", &d);
     let (mut child, lines, pids) = start(4, &["--steps", "60", "--json-log", &log_s, "--checkpoint-dir", &ck_s]);
     wait_for_steps(&path, 10);
@@ -62,7 +61,6 @@ fn a_worker_killed_from_outside_does_not_stop_training() {
     assert!(text.iter().any(|l| l.starts_with("reconfigured: epoch 1")), "{}", text.join("\n"));
     // The final checkpoint resumes in one process.
     resumes_in_one_process(&ck, "62", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -83,7 +81,6 @@ fn a_hung_worker_is_found_out_within_the_lease_and_training_goes_on() {
     assert_eq!(r["lost"], serde_json::json!([1]));
     // Found out by its silence, long before the 60 s collective deadline.
     assert!(r["recovery_s"].as_f64().unwrap() < 5.0 && stopped_at.elapsed() < Duration::from_secs(50), "{r}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Workers killed at chosen phases (the fault-injection hook: SIGKILL to itself) — one in the
@@ -154,7 +151,6 @@ fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
         assert!(loaded.dom.contains("<svg") && loaded.dom.contains("MoE layer 1"), "the charts");
     }
     resumes_in_one_process(&ck, "26", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A worker killed while the survivors of an earlier failure move to their new plan — during
@@ -164,8 +160,7 @@ fn workers_killed_in_forward_and_in_the_all_reduce_do_not_stop_training() {
 fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
     for phase in ["transfer", "rendezvous"] {
         let d = dir(&format!("recover-{phase}"));
-        let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-        let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+        let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
         let (want, want_cursor) = uninterrupted_with_cursor("20", &d);
         // Worker 1 dies at the commit vote of step 8 (every survivor holds step 8 and drops it);
         // worker 2 dies in the move that follows, at 7 steps committed.
@@ -182,7 +177,6 @@ fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
         assert!(r["recovery_s"].as_f64().unwrap() < 5.0, "{phase}: {r}");
         assert_eq!(cursor(&ck), want_cursor, "{phase}");
         resumes_in_one_process(&ck, "22", &d);
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -192,8 +186,7 @@ fn a_worker_killed_during_the_rendezvous_or_the_state_transfer_of_a_recovery() {
 #[test]
 fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
     let d = dir("recover-rollback");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     // Find the twins of this job's placement (the plan is deterministic).
     let mut probe = vec!["train", "--workers", "4", "--steps", "1"];
     probe.extend(tiny());
@@ -244,7 +237,6 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
         assert!((got - want).abs() <= 1e-4 * want.abs(), "step {s}: {got} after the rollback, {want} resumed by hand");
     }
     assert_eq!(cursor(&ck), cursor(&by_hand));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Too few survivors for one replica of every expert (2 workers of 2 slots, 4 experts, one
@@ -253,8 +245,7 @@ fn both_holders_of_an_expert_killed_roll_back_to_the_last_checkpoint() {
 #[test]
 fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
     let d = dir("recover-too-few");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let args = ["--steps", "5000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "4", "--slots-per-worker", "2"];
     let (mut child, lines, pids) = start(2, &args);
     wait_for_steps(&path, 6);
@@ -293,7 +284,6 @@ fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let numbers: Vec<u64> = log(&more).0.iter().map(|s| s.0).collect();
     assert_eq!(numbers, vec![step + 1, step + 2, step + 3]);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Rebalancing from the load monitor: a job planned unbalanced on purpose (`--max-imbalance inf`
@@ -303,8 +293,7 @@ fn too_few_survivors_stop_and_name_the_checkpoint_to_go_on_from() {
 #[test]
 fn a_rebalance_that_repays_its_move_is_applied_at_a_step_boundary_and_changes_no_loss() {
     let d = dir("recover-rebalance");
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let (want, want_cursor) = uninterrupted_with_cursor("150", &d);
     let args = [
         "--steps",
@@ -347,7 +336,6 @@ fn a_rebalance_that_repays_its_move_is_applied_at_a_step_boundary_and_changes_no
     assert!(text.iter().any(|l| l.starts_with("rebalance at step 50: apply")), "{}", text.join("\n"));
     assert_same_losses(&seen, &want, "3 workers rebalanced");
     assert_eq!(cursor(&ck), want_cursor, "the same windows of data");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// `lazarus bench recovery --json`: five kills, one in each phase (forward, all-reduce, vote,
@@ -459,7 +447,6 @@ fn status_shows_members_epoch_plan_and_recent_events() {
     );
     let bad = status_with_token("nowhere", &token, &[]);
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--controller"));
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// The only holder of some expert killed, with snapshots on (a bandwidth that carries every
@@ -562,7 +549,6 @@ fn an_expert_whose_only_holder_is_killed_comes_back_from_a_snapshot_without_a_ro
     let got: Vec<f64> = steps.iter().map(|s| s.1).collect();
     let (g, w) = (mean(&got[12..]), mean(&want[12..]));
     assert!((g - w).abs() <= 0.01 * w, "paced: mean loss {g} vs {w} uninterrupted");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// With no bandwidth given, the snapshot budget paces itself by what the last round cost: every
@@ -608,7 +594,6 @@ fn the_default_snapshot_budget_paces_itself_by_what_the_last_round_cost() {
     assert!(snap.iter().any(|s| s["cpu_share"].as_f64() > Some(0.0) && s["snapshot_cpu_s"].as_f64() > Some(0.0)), "{snap:?}");
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(summary.contains("at risk") && summary.contains("of the workers' CPU"), "the summary says what snapshots cost: {summary}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// `--snapshot-ceiling` bounds the paced budget (a ceiling of 1 B/s leaves no room for any
@@ -652,7 +637,6 @@ fn the_snapshot_ceiling_bounds_the_paced_budget_and_is_checked() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{bad:?}: {err}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Mixtral's blocks (RMSNorm, rotary positions, SwiGLU experts without biases, whose state is
@@ -671,8 +655,7 @@ fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert"));
     let want: Vec<f64> = log(&reference).0.into_iter().map(|(_, l)| l).collect();
-    let (path, ck) = (d.join("log.jsonl"), d.join("ck"));
-    let (log_s, ck_s) = (path.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+    let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let mut extra = vec!["--json-log", log_s.as_str(), "--checkpoint-dir", ck_s.as_str()];
     extra.extend(blocks);
     let (child, lines, pids) = start(4, &extra);
@@ -684,5 +667,4 @@ fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     assert_eq!(reconf[0]["lost"], serde_json::json!([1]));
     resumes_in_one_process(&ck, "32", &d);
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{dir, lazarus};
+use common::{dir, lazarus, written};
 
 #[test]
 fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
@@ -33,7 +33,6 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
     assert!(policies[0]["trained_samples"].as_f64().unwrap() > policies[1]["trained_samples"].as_f64().unwrap());
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 6, "two panels x three policies");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A trace is simulated whole by default (to its last event, not 30 minutes of it), and a
@@ -41,10 +40,8 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
 #[test]
 fn a_trace_is_simulated_whole_unless_told_otherwise() {
     let d = dir("whole");
-    let trace = d.join("t.csv");
     // Offsets in milliseconds: the last event at 90 minutes.
-    std::fs::write(&trace, "0,add,a\n0,add,b\n0,add,c\n600000,remove,a\n5400000,remove,b\n").unwrap();
-    let t = trace.to_str().unwrap();
+    let t = &written(&d, "t.csv", "0,add,a\n0,add,b\n0,add,c\n600000,remove,a\n5400000,remove,b\n");
     let run = |extra: &[&str]| {
         let mut a = vec!["sim", "--trace", t, "--max-nodes", "3", "--json"];
         a.extend(extra);
@@ -60,15 +57,12 @@ fn a_trace_is_simulated_whole_unless_told_otherwise() {
     assert_eq!(run(&["--window", "0:30m"]).0, 1800.0);
     let (_, said) = run(&["--window", "100m:130m"]);
     assert!(said.contains("no event of the trace falls in --window 100m:130m: it ends at 90.0 min"), "{said}");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn bad_traces_and_flags_are_named() {
     let d = dir("bad");
-    let trace = d.join("t.csv");
-    std::fs::write(&trace, "0,add,a\n0,add,b\n60000,explode,a\n").unwrap();
-    let out = lazarus(&["sim", "--trace", trace.to_str().unwrap()]);
+    let out = lazarus(&["sim", "--trace", &written(&d, "t.csv", "0,add,a\n0,add,b\n60000,explode,a\n")]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("line 3") && err.contains("explode"), "{err}");
     let empty = d.join("empty.csv");
@@ -95,7 +89,6 @@ fn bad_traces_and_flags_are_named() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(expect) && !err.contains("panicked"), "{args:?}: {err}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]

@@ -635,7 +635,6 @@ fn soak(tag: &str, plan: &Plan) -> Outcome {
     step_times.sort_by(f64::total_cmp);
     let step_s = step_times[step_times.len() / 2];
     let refused = controller_text.iter().filter(|l| l.contains("its messages are refused")).count();
-    let _ = std::fs::remove_dir_all(&d);
     Outcome {
         made,
         kills: s.kills,

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::hosts::start_controller;
-use common::{dir, lazarus, log, spawn_lazarus, wait};
+use common::{dir, files, lazarus, log, spawn_lazarus, wait, written};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
 /// A certificate and its key written as `name.pem` and `name-key.pem` in `d`.
@@ -49,8 +49,7 @@ fn with_the_operators_certificates_only_clients_its_ca_signed_get_in() {
     let (_, theirs) = pki(&d, "other-ca", &[("stranger", &[])]);
     let ca = ca.to_str().unwrap().to_string();
     let ((cert, key), (agent_cert, agent_key), (their_cert, their_key)) = (&ours[0], &ours[1], &theirs[0]);
-    let (path, secret) = (d.join("log.jsonl"), d.join("secret"));
-    let (log_s, secret_s) = (path.to_str().unwrap().to_string(), secret.to_str().unwrap().to_string());
+    let [(path, log_s), (_, secret_s)] = files(&d, ["log.jsonl", "secret"]);
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", &secret_s, "--workers", "2", "--gpus-per-node", "2"];
     args.extend(common::tiny_model("4"));
     args.extend(["--steps", "10", "--json-log", &log_s, "--tls-cert", cert, "--tls-key", key, "--tls-ca", &ca]);
@@ -107,7 +106,6 @@ fn with_the_operators_certificates_only_clients_its_ca_signed_get_in() {
     wait::job_success(&mut controller, &ctl_lines, &path, "the job of the CA's agent");
     wait::success(&mut ours, &lines, "the CA's agent", Duration::from_secs(30));
     assert_eq!(log(&path).0.len(), 10, "every step ran");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Files that are not certificates, flags that do not go together: refused before anything
@@ -115,12 +113,8 @@ fn with_the_operators_certificates_only_clients_its_ca_signed_get_in() {
 #[test]
 fn tls_flags_that_cannot_work_are_refused_naming_the_flag() {
     let d = dir("tls-flags");
-    let junk = d.join("junk.pem");
-    std::fs::write(&junk, "not a certificate\n").unwrap();
-    let junk = junk.to_str().unwrap();
-    let secret = d.join("secret");
-    std::fs::write(&secret, "7f3a9c2e5b8d1f4a6c0e9b2d7a5f3c81\n").unwrap();
-    let secret = secret.to_str().unwrap();
+    let junk = &written(&d, "junk.pem", "not a certificate\n");
+    let secret = &written(&d, "secret", "7f3a9c2e5b8d1f4a6c0e9b2d7a5f3c81\n");
     let base = ["controller", "--listen", "127.0.0.1:0", "--workers", "2", "--secret-file", secret];
     for (extra, flag) in [
         (vec!["--tls-cert", junk, "--tls-key", junk], "--tls-cert"),
@@ -137,5 +131,4 @@ fn tls_flags_that_cannot_work_are_refused_naming_the_flag() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid --tls-ca"), "{}", String::from_utf8_lossy(&out.stderr));
     let out = lazarus(&["agent", "--controller", "127.0.0.1:9", "--gpus", "1", "--secret-file", secret, "--tls-ca", junk]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid --tls-ca"), "{}", String::from_utf8_lossy(&out.stderr));
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -9,7 +9,7 @@ use std::process::{Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{alive, dir, lazarus, spawn_lazarus, wait, worker_pids};
+use common::{alive, dir, files, lazarus, spawn_lazarus, wait, worker_pids};
 
 /// The tiny model of these tests.
 fn tiny() -> [&'static str; 16] {
@@ -100,7 +100,6 @@ fn worker_processes_match_one_process_and_their_checkpoint_resumes() {
     for (a, b) in more.iter().zip(&long[6..]) {
         assert!((a - b).abs() <= 1e-4 * b, "resumed {a} vs uninterrupted {b}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A token once to each worker its top-2 choices are on (the holder combines), against a row per
@@ -135,7 +134,6 @@ fn a_token_once_per_worker_trains_as_a_row_per_slot_with_fewer_bytes() {
         assert!((a.0 - b.0).abs() <= 1e-4 * b.0.abs(), "step {}: loss {} vs {}", step + 1, a.0, b.0);
         assert!(a.1 < b.1, "step {}: {} bytes against {} a row per slot", step + 1, a.1, b.1);
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -192,7 +190,6 @@ fn bad_worker_settings_are_named() {
         assert!(!out.status.success(), "{extra:?} should fail");
         assert!(stderr.contains(expect) && !stderr.contains("panicked"), "{extra:?}: {stderr}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
@@ -262,7 +259,6 @@ fn a_killed_worker_stops_every_other_worker_with_peer_lost_within_two_seconds() 
         eprintln!("worker {rank}: PeerLost reported {} ms after the kill", after.as_millis());
         assert!(*after < Duration::from_secs(2), "worker {rank} took {after:?}: {text}");
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// Top-8 of 64 SwiGLU experts, the fine-grained routing of OLMoE and Qwen-MoE: every routed
@@ -440,8 +436,7 @@ fn lines_in(path: &std::path::Path) -> usize {
 fn workers_die_with_their_launcher_whatever_signal_ends_it() {
     for (signal, name) in [(libc::SIGKILL, "SIGKILL"), (libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
         let d = dir(&format!("orphans-{name}"));
-        let (log, ck) = (d.join("log.jsonl"), d.join("ck"));
-        let (log_s, ck_s) = (log.to_str().unwrap().to_string(), ck.to_str().unwrap().to_string());
+        let [(log, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
         let (mut launcher, lines, pids) =
             start_workers(&["--steps", "100000", "--json-log", &log_s, "--checkpoint-dir", &ck_s, "--checkpoint-every", "2"]);
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -474,7 +469,6 @@ fn workers_die_with_their_launcher_whatever_signal_ends_it() {
         let before = listing(&ck);
         std::thread::sleep(Duration::from_millis(500));
         assert_eq!(listing(&ck), before, "{name}: checkpoints written after the launcher died");
-        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
@@ -505,5 +499,4 @@ fn a_paused_launcher_does_not_stop_training() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, (1..=600).collect::<Vec<u64>>(), "every step reported once, in order");
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -281,19 +281,26 @@ fn a_deadline_beyond_what_a_clock_can_hold_is_no_panic() {
     handles.into_iter().for_each(|h| h.join().unwrap());
 }
 
+/// Two listeners on loopback and the rendezvous of epoch 3 between them: `with(rank, secret)`.
+fn two_ranks(timeout: Duration) -> (std::net::TcpListener, std::net::TcpListener, impl Fn(usize, u128) -> lazarus_comm::Rendezvous) {
+    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let with = move |rank, secret| {
+        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 3, timeout);
+        r.secret = secret;
+        r
+    };
+    (l0, l1, with)
+}
+
 /// A process without the job's secret cannot take a rank: its hello is refused, the rendezvous
 /// goes on and the real rank joins; without the real one it fails, naming the refused hello.
 #[test]
 fn a_hello_without_the_job_secret_is_refused() {
     let secret = 0x5eed_u128 << 64 | 42;
-    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
-    let with = |rank, secret| {
-        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 3, Duration::from_secs(3));
-        r.secret = secret;
-        r
-    };
+    let (l0, l1, with) = two_ranks(Duration::from_secs(3));
+    let addrs = [l0.local_addr().unwrap()];
     // An intruder that knows the protocol, the rank and the epoch, but not the secret.
     let (impostor, real) = (with(1, 7), with(1, secret));
     let spare = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -315,14 +322,7 @@ fn a_hello_without_the_job_secret_is_refused() {
 /// something posing as one): the acceptor must prove the secret too.
 #[test]
 fn a_peer_that_cannot_prove_the_secret_is_not_connected_to() {
-    let l0 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let l1 = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
-    let with = |rank, secret| {
-        let mut r = lazarus_comm::Rendezvous::new(rank, addrs.clone(), 3, Duration::from_secs(2));
-        r.secret = secret;
-        r
-    };
+    let (l0, l1, with) = two_ranks(Duration::from_secs(2));
     let r0 = with(0, 7);
     let fake = std::thread::spawn(move || TcpTransport::connect(l0, r0));
     let got = TcpTransport::connect(l1, with(1, 99));

@@ -14,6 +14,16 @@ fn small() -> TrainConfig {
     }
 }
 
+/// A trainer of [`small`] after one step, its checkpoint saved in a fresh directory named for
+/// `name`: (the directory, the trainer, the checkpoint).
+fn saved_after_a_step(name: &str) -> (std::path::PathBuf, Trainer, std::path::PathBuf) {
+    let dir = temp_dir(name);
+    let mut t = Trainer::new(small()).unwrap();
+    t.step().unwrap();
+    let saved = t.save_checkpoint(&dir).unwrap();
+    (dir, t, saved)
+}
+
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("lazarus-train-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -53,10 +63,7 @@ fn checkpoint_then_resume_gives_the_identical_next_step() {
 
 #[test]
 fn a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one() {
-    let dir = temp_dir("corrupt");
-    let mut t = Trainer::new(small()).unwrap();
-    t.step().unwrap();
-    let first = t.save_checkpoint(&dir).unwrap();
+    let (dir, mut t, first) = saved_after_a_step("corrupt");
     t.step().unwrap();
     let second = t.save_checkpoint(&dir).unwrap();
     std::fs::write(second.join("model.safetensors"), b"garbage").unwrap();
@@ -150,10 +157,7 @@ fn a_resume_writes_in_its_runs_directory() {
 /// One flipped bit inside a tensor still parses as safetensors: only the checksum finds it.
 #[test]
 fn a_flipped_byte_inside_a_tensor_is_found_on_load() {
-    let dir = temp_dir("flip");
-    let mut t = Trainer::new(small()).unwrap();
-    t.step().unwrap();
-    let saved = t.save_checkpoint(&dir).unwrap();
+    let (_, _, saved) = saved_after_a_step("flip");
     let path = saved.join("model.safetensors");
     let mut bytes = std::fs::read(&path).unwrap();
     let at = bytes.len() - 100;
@@ -165,10 +169,7 @@ fn a_flipped_byte_inside_a_tensor_is_found_on_load() {
 
 #[test]
 fn a_non_finite_weight_is_never_saved_and_stale_temporaries_are_cleaned() {
-    let dir = temp_dir("nan");
-    let mut t = Trainer::new(small()).unwrap();
-    t.step().unwrap();
-    t.save_checkpoint(&dir).unwrap();
+    let (dir, mut t, _) = saved_after_a_step("nan");
     // A write a killed process left behind (its pid cannot be alive: above pid_max).
     let stale = dir.join(".tmp-step-00000009-4999999");
     std::fs::create_dir_all(&stale).unwrap();

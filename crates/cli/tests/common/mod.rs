@@ -80,13 +80,57 @@ pub fn status_with_token(addr: &str, token: &str, args: &[&str]) -> Output {
     lazarus_command().args(["status", "--controller", addr]).args(args).env("LAZARUS_STATUS_TOKEN", token).output().expect("run lazarus")
 }
 
-/// A fresh, empty scratch directory for one test (the process id keeps test binaries apart).
+/// A fresh, empty scratch directory for one test (the process id keeps test binaries apart),
+/// removed when the test is done with it — kept when the test fails, to be looked at.
 #[allow(dead_code)] // not every test file writes files
-pub fn dir(name: &str) -> std::path::PathBuf {
+pub fn dir(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("lazarus-cli-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
+}
+
+/// Files `names` in `d`, each as its path and as text for a flag:
+/// `let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);`.
+#[allow(dead_code)] // not every test file writes files
+pub fn files<const N: usize>(d: &std::path::Path, names: [&str; N]) -> [(std::path::PathBuf, String); N] {
+    names.map(|name| {
+        let path = d.join(name);
+        let text = path.to_str().expect("a UTF-8 path").to_string();
+        (path, text)
+    })
+}
+
+/// File `name` in `d` written with `text`; its path as text, for a flag.
+#[allow(dead_code)] // not every test file writes files
+pub fn written(d: &std::path::Path, name: &str, text: &str) -> String {
+    let path = d.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().expect("a UTF-8 path").to_string()
+}
+
+/// A test's scratch directory ([`dir`]): a path, removed on drop unless the test panicked.
+pub struct Scratch(std::path::PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Scratch {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 /// Flags of a model small enough for tests (2 blocks of d_model 32, 4 experts of d_ff 32,
@@ -126,7 +170,6 @@ pub fn paced(ms: u32) -> [(&'static str, &'static str); 1] {
 /// lines as they come (stdout is piped too: the summary is small).
 #[allow(dead_code)] // only the tests of worker processes start them
 pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    use std::io::{BufRead, BufReader};
     use std::process::Stdio;
     let mut cmd = lazarus_command();
     cmd.args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -142,6 +185,25 @@ pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Chil
         });
     }
     let mut child = cmd.spawn().unwrap();
+    let lines = stderr_lines(&mut child);
+    (child, lines)
+}
+
+/// Run `lazarus ARGS`, a job of `workers.0` worker processes whose `--json-log` is `log`;
+/// SIGKILL worker `workers.1` from outside once `after` steps are logged, and wait for the job
+/// to succeed all the same (`what` names it if it does not). Its lines.
+#[allow(dead_code)] // only the tests of worker processes kill them
+pub fn run_killing_one(args: &[&str], log: &std::path::Path, workers: (usize, usize), after: usize, what: &str) -> Vec<String> {
+    let (mut child, lines) = spawn_lazarus(args, &[]);
+    let pids = worker_pids(&lines, workers.0, |_| {});
+    wait_for_steps(log, after);
+    signal(pids[workers.1], libc::SIGKILL);
+    wait::job_success(&mut child, &lines, log, what)
+}
+
+/// The lines of a child's piped stderr, as they come.
+pub fn stderr_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::{BufRead, BufReader};
     let (tx, rx) = std::sync::mpsc::channel();
     let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {
@@ -149,7 +211,7 @@ pub fn spawn_lazarus(args: &[&str], env: &[(&str, &str)]) -> (std::process::Chil
             let _ = tx.send(line);
         }
     });
-    (child, rx)
+    rx
 }
 
 /// Read `lines` until each of `n` workers has said `worker R: pid P ready`; their pids by rank.

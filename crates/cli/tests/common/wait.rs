@@ -93,24 +93,9 @@ pub fn steps(path: &Path, n: usize) {
 /// out it is killed and the test fails, naming `what`.
 pub fn exit(child: &mut Child, lines: &Receiver<String>, what: impl Display, within: Duration) -> (ExitStatus, Vec<String>) {
     let until = Instant::now() + within;
-    let mut text = Vec::new();
-    loop {
-        text.extend(lines.try_iter());
-        if let Some(s) = child.try_wait().unwrap() {
-            return (s, drain(lines, text));
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            text.extend(lines.try_iter());
-            panic!(
-                "waited {:.1} s for {what} to exit; it was still running (killed). Its last lines:\n{}",
-                within.as_secs_f64(),
-                tail(&text)
-            );
-        }
-        std::thread::sleep(POLL);
-    }
+    exit_unless(child, lines, || {
+        (Instant::now() >= until).then(|| format!("waited {:.1} s for {what} to exit; it was still running", within.as_secs_f64()))
+    })
 }
 
 /// Wait for a training job's process (`child`, whose `--json-log` is `log`) to exit, for as
@@ -118,26 +103,31 @@ pub fn exit(child: &mut Child, lines: &Receiver<String>, what: impl Display, wit
 /// when no line was added to the log for [`STALL`]. Its status and every line it wrote.
 pub fn job_exit(child: &mut Child, lines: &Receiver<String>, log: &Path, what: impl Display) -> (ExitStatus, Vec<String>) {
     let mut at = (logged(log), Instant::now());
+    exit_unless(child, lines, || {
+        let now = logged(log);
+        if now != at.0 {
+            at = (now, Instant::now());
+        }
+        (at.1.elapsed() >= STALL).then(|| {
+            format!("{what}: the job logged nothing for {:.0} s (at line {now} of {}) and did not exit", STALL.as_secs_f64(), log.display())
+        })
+    })
+}
+
+/// Wait for `child` to exit while `give_up` has nothing to say; once it says why, the child is
+/// killed and the test fails with that and the child's last lines.
+fn exit_unless(child: &mut Child, lines: &Receiver<String>, mut give_up: impl FnMut() -> Option<String>) -> (ExitStatus, Vec<String>) {
     let mut text = Vec::new();
     loop {
         text.extend(lines.try_iter());
         if let Some(s) = child.try_wait().unwrap() {
             return (s, drain(lines, text));
         }
-        let now = logged(log);
-        if now != at.0 {
-            at = (now, Instant::now());
-        }
-        if at.1.elapsed() >= STALL {
+        if let Some(why) = give_up() {
             let _ = child.kill();
             let _ = child.wait();
             text.extend(lines.try_iter());
-            panic!(
-                "{what}: the job logged nothing for {:.0} s (at line {now} of {}) and did not exit (killed). Its last lines:\n{}",
-                STALL.as_secs_f64(),
-                log.display(),
-                tail(&text)
-            );
+            panic!("{why} (killed). Its last lines:\n{}", tail(&text));
         }
         std::thread::sleep(POLL);
     }
