@@ -44,6 +44,10 @@ pub struct SimArgs {
     /// Override the model's experts per layer.
     #[arg(long)]
     experts: Option<usize>,
+    /// lazarus; the baselines ds (DeepSpeed-MoE: restart from storage), ds-ft (DS with
+    /// Lazarus's reconfiguration), gemini (in-memory checkpoints, whole-job restart), moevement
+    /// (per-expert snapshots, no job-wide rollback), torchft (replica groups leave and rejoin);
+    /// or all.
     #[arg(long, default_value = "all")]
     policy: String,
     /// Use at most this many nodes; extra live nodes are spares.
@@ -156,11 +160,14 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         None => LoadModel::Skewed { seed: args.seed, skew: 1.0, drift: 0.3 },
     };
     let policies = match args.policy.as_str() {
-        "all" => vec![Policy::Lazarus, Policy::Ds, Policy::DsFt],
-        "lazarus" => vec![Policy::Lazarus],
-        "ds" => vec![Policy::Ds],
-        "ds-ft" => vec![Policy::DsFt],
-        other => bail!("invalid --policy: {other:?} (expected lazarus, ds, ds-ft or all)"),
+        "all" => Policy::ALL.to_vec(),
+        name => match Policy::ALL.into_iter().find(|p| p.name() == name) {
+            Some(p) => vec![p],
+            None => {
+                let names: Vec<&str> = Policy::ALL.iter().map(|p| p.name()).collect();
+                bail!("invalid --policy: {name:?} (expected {} or all)", names.join(", "))
+            }
+        },
     };
     if args.floor.is_some() && args.fail_every.is_none() {
         bail!("--floor is where --fail-every stops: it means nothing without it");
@@ -331,7 +338,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "{:<8} {:>12} {:>9} {:>6} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "{:<9} {:>11} {:>9} {:>6} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
         "policy", "samples", "samples/s", "ETTR", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
     );
     let pct = |x: f64| format!("{:.0}%", 100.0 * x / scenario.duration_s);
@@ -339,7 +346,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         let b = &r.breakdown;
         let _ = writeln!(
             out,
-            "{:<8} {:>12.0} {:>9.2} {:>6.3} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+            "{:<9} {:>11.0} {:>9.2} {:>6.3} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
             r.policy.name(),
             r.trained_samples,
             r.avg_samples_per_s,
@@ -357,7 +364,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     }
     let get = |p: Policy| reports.iter().find(|r| r.policy == p).map(|r| r.trained_samples);
     if let Some(l) = get(Policy::Lazarus) {
-        for p in [Policy::Ds, Policy::DsFt] {
+        for p in Policy::ALL.into_iter().filter(|&p| p != Policy::Lazarus) {
             if let Some(x) = get(p) {
                 let _ = writeln!(out, "lazarus / {}: {:.2}x samples", p.name(), l / x.max(1e-9));
             }

@@ -13,7 +13,7 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let policies = v["policies"].as_array().unwrap();
     let names: Vec<&str> = policies.iter().map(|p| p["policy"].as_str().unwrap()).collect();
-    assert_eq!(names, ["lazarus", "ds", "ds-ft"]);
+    assert_eq!(names, ["lazarus", "ds", "ds-ft", "gemini", "moevement", "torchft"]);
     for p in policies {
         for key in ["trained_samples", "avg_samples_per_s", "restarts", "reconfigurations"] {
             assert!(p[key].is_number(), "{key} in {p}");
@@ -32,7 +32,7 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
     assert_eq!(policies[0]["restarts"], 0, "single failures never cost Lazarus a restart");
     assert!(policies[0]["trained_samples"].as_f64().unwrap() > policies[1]["trained_samples"].as_f64().unwrap());
     let svg = std::fs::read_to_string(&svg).unwrap();
-    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 6, "two panels x three policies");
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 12, "two panels x six policies");
 }
 
 /// A trace is simulated whole by default (to its last event, not 30 minutes of it), and a

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use crate::engine::PolicyReport;
 
-const COLORS: [&str; 3] = ["#d62728", "#1f77b4", "#2ca02c"];
+const COLORS: [&str; 6] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
 
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
@@ -13,7 +13,7 @@ fn escape(s: &str) -> String {
 
 /// Render the reports (all over the same duration) with a title.
 pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String {
-    let (w, h, left, right, top, gap, panel) = (900.0, 620.0, 70.0, 20.0, 40.0, 60.0, 240.0);
+    let (w, h, left, right, top, gap, panel) = (900.0, 640.0, 70.0, 20.0, 40.0, 60.0, 240.0);
     let plot_w = w - left - right;
     let x = |t: f64| left + plot_w * (t / duration_s.max(1e-9));
     let mut out = String::new();
@@ -52,8 +52,9 @@ pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String 
         let _ = writeln!(out, r#"<text x="{}" y="{axis_y}" text-anchor="middle">{:.0} min</text>"#, x(t), t / 60.0);
     }
     for (i, (r, color)) in reports.iter().zip(COLORS.iter().cycle()).enumerate() {
-        let lx = left + 10.0 + 190.0 * i as f64;
-        let ly = h - 14.0;
+        // Three to a row.
+        let lx = left + 10.0 + 260.0 * (i % 3) as f64;
+        let ly = h - 30.0 + 16.0 * (i / 3) as f64;
         let _ = writeln!(out, r#"<rect x="{lx}" y="{}" width="14" height="4" fill="{color}"/>"#, ly - 5.0);
         let _ = writeln!(out, r#"<text x="{}" y="{ly}">{} ({:.0} samples)</text>"#, lx + 20.0, r.policy.name(), r.trained_samples);
     }

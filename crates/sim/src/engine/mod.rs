@@ -24,7 +24,7 @@ use crate::error::SimError;
 use crate::loads::{LoadCursor, LoadModel};
 use crate::trace::{Change, Trace, MAX_NODES};
 pub use policy::Policy;
-use policy::{Ds, DsFt, FailurePolicy, Lazarus};
+use policy::{Ds, DsFt, FailurePolicy, Gemini, Lazarus, MoEvement, TorchFt};
 use report::Tally;
 pub use report::{Breakdown, PolicyReport, SeriesPoint};
 
@@ -161,6 +161,9 @@ pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, Sim
         Policy::Lazarus => Run::new(scenario, policy, &Lazarus::new()).drive(),
         Policy::Ds => Run::new(scenario, policy, &Ds::new(scenario)).drive(),
         Policy::DsFt => Run::new(scenario, policy, &DsFt::new(scenario)).drive(),
+        Policy::Gemini => Run::new(scenario, policy, &Gemini::new(scenario)).drive(),
+        Policy::MoEvement => Run::new(scenario, policy, &MoEvement::new(scenario)).drive(),
+        Policy::TorchFt => Run::new(scenario, policy, &TorchFt::new(scenario)).drive(),
     }
 }
 
@@ -442,7 +445,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
                 // Checkpoint right after the rebalance: both are due at this step.
                 self.ckpt.pending = true;
             } else {
-                self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+                self.begin(Busy::Checkpoint, self.p.checkpoint_s(self));
             }
         }
         Ok(())
@@ -470,7 +473,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             }
             Busy::Rebalance | Busy::Reconfig if self.ckpt.pending => {
                 self.ckpt.pending = false;
-                self.begin(Busy::Checkpoint, self.cost().checkpoint_s(&self.s.model));
+                self.begin(Busy::Checkpoint, self.p.checkpoint_s(self));
             }
             _ => {}
         }
@@ -543,8 +546,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         self.retired.clear();
         self.fresh_config()?;
         if self.config.is_some() {
-            let c = self.cost();
-            let t = c.failure_timeout_s + c.restart_s + c.checkpoint_s(&self.s.model);
+            let t = self.p.restart_s(self);
             self.begin(Busy::Restart, t);
         }
         Ok(())

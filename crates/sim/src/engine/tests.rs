@@ -12,7 +12,7 @@ fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
 }
 
 fn all(s: &Scenario) -> Vec<PolicyReport> {
-    [Policy::Lazarus, Policy::Ds, Policy::DsFt].iter().map(|&p| simulate(s, p).unwrap()).collect()
+    Policy::ALL.iter().map(|&p| simulate(s, p).unwrap()).collect()
 }
 
 /// The EC2 P3 spot trace the repository carries (traces/).
@@ -51,7 +51,7 @@ fn ds_only_ever_trains_on_a_multiple_of_its_ep_size() {
         traces.push(t.window(0, 4_800_000));
     }
     for t in traces {
-        for p in [Policy::Ds, Policy::DsFt] {
+        for p in [Policy::Ds, Policy::DsFt, Policy::Gemini, Policy::MoEvement, Policy::TorchFt] {
             let r = simulate(&scenario("gpt-l", t.clone(), 90.0), p).unwrap();
             assert!(r.nodes_in_use.iter().all(|&(_, n)| n % 4 == 0), "{p:?}: {:?}", r.nodes_in_use);
             assert!(r.nodes_in_use.iter().any(|&(_, n)| n == 8), "{p:?} uses 8 of 10 nodes at the start");
@@ -225,4 +225,57 @@ fn runs_with_too_many_boundaries_are_refused() {
         Policy::Ds,
     );
     assert!(e.contains("load epochs") && e.contains("4096 layers × 1024 experts"), "{e}");
+}
+
+/// Gemini-style: a whole-job restart on every failure of a node in use, as DS, but from
+/// checkpoints in peers' memory taken every few steps without a stall: far less time lost.
+#[test]
+fn gemini_restarts_on_every_failure_from_memory_and_loses_far_less_than_ds() {
+    let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+    let (g, ds) = (simulate(&s, Policy::Gemini).unwrap(), simulate(&s, Policy::Ds).unwrap());
+    assert!(g.restarts >= 3 && g.reconfigurations == 0, "restarts only: {} restarts", g.restarts);
+    assert_eq!(g.breakdown.checkpoint_s, 0.0, "the copies to peers run beside training");
+    assert!(g.checkpoints > 10 * ds.checkpoints, "{} in-memory checkpoints against DS's {}", g.checkpoints, ds.checkpoints);
+    let wasted = |r: &PolicyReport| r.breakdown.lost_work_s + r.breakdown.restart_s;
+    assert!(wasted(&g) < 0.6 * wasted(&ds), "gemini wastes {} s, ds {} s", wasted(&g), wasted(&ds));
+    assert!(g.ettr > ds.ettr && g.trained_samples > ds.trained_samples);
+}
+
+/// MoEvement-style: after a failure the survivors regroup and the lost blocks come back from
+/// snapshots — no restart while an EP group survives, and nothing lost but the steps in flight.
+#[test]
+fn moevement_restores_from_snapshots_without_a_rollback() {
+    let s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+    let (r, ds) = (simulate(&s, Policy::MoEvement).unwrap(), simulate(&s, Policy::Ds).unwrap());
+    assert_eq!(r.restarts, 0);
+    assert!(r.reconfigurations >= 3, "{} moves", r.reconfigurations);
+    assert!(
+        r.breakdown.lost_work_s < 0.1 * ds.breakdown.lost_work_s,
+        "{} s lost against DS's {}",
+        r.breakdown.lost_work_s,
+        ds.breakdown.lost_work_s
+    );
+    // Not one EP group left (GPT-L: groups of 4 nodes, 3 survive): back to storage.
+    let r = simulate(&scenario("gpt-l", Trace::fail_at_once(10, 7, 600_000, 1).unwrap(), 20.0), Policy::MoEvement).unwrap();
+    assert_eq!(r.restarts, 1);
+}
+
+/// torchft-style: the failed node's replica group leaves the quorum, the other trains on, and
+/// the group is back — with a spare in place of the lost node — at the next step boundary;
+/// DS-FT, which never takes back the nodes it dropped, stays on one group.
+#[test]
+fn torchft_drops_the_failed_group_and_takes_it_back_whole() {
+    let mut text = String::new();
+    for n in 0..9 {
+        text.push_str(&format!("0,add,n{n}\n"));
+    }
+    text.push_str("300000,remove,n2\n");
+    let s = scenario("gpt-l", Trace::parse_bamboo(&text, "t").unwrap(), 20.0);
+    let in_use = |r: &PolicyReport| r.nodes_in_use.iter().map(|x| x.1).collect::<Vec<_>>();
+    let r = simulate(&s, Policy::TorchFt).unwrap();
+    assert_eq!(r.restarts, 0);
+    assert_eq!(in_use(&r), [8, 4, 8], "GPT-L's EP groups are 4 nodes");
+    assert!(r.breakdown.lost_work_s < 10.0 * s.model.balanced_step_s);
+    let ft = simulate(&s, Policy::DsFt).unwrap();
+    assert_eq!(in_use(&ft).last(), Some(&4), "{:?}", in_use(&ft));
 }

@@ -2,9 +2,11 @@
 //! of nodes, frequent checkpoints to remote storage, a restart from the last checkpoint on every
 //! failure, and a checkpoint-and-relaunch to take joiners.
 
+use std::collections::{HashMap, HashSet};
+
 use super::FailurePolicy;
 use crate::cost::CostModel;
-use crate::engine::{Run, Scenario};
+use crate::engine::{Busy, Run, Scenario};
 use crate::error::SimError;
 
 /// Static expert parallelism: groups of `ep_nodes` nodes, node i holds block i % ep_nodes.
@@ -76,4 +78,64 @@ pub(super) fn ep_imbalance(cost: &CostModel, config: &EpConfig, loads: &[Vec<f64
         imbalance += worst * gpus as f64;
     }
     imbalance / loads.len().max(1) as f64
+}
+
+/// Regroup `nodes` into complete EP groups of layout `ep`, keeping each node on its expert block
+/// where it can; nodes whose block changes fetch it. The move takes `fixed_s` plus that fetch.
+/// `retire`: the live nodes left out are not taken back before a restart (DS-FT, §6.2). A restart
+/// when not one whole group can be made.
+pub(super) fn regroup<P: FailurePolicy<Config = EpConfig>>(
+    run: &mut Run<'_, P>,
+    ep: EpConfig,
+    nodes: Vec<String>,
+    retire: bool,
+    fixed_s: f64,
+) -> Result<(), SimError> {
+    let size = ep.ep_nodes;
+    let groups = nodes.len() / size;
+    if groups == 0 {
+        return run.restart();
+    }
+    let index: HashMap<&str, usize> = run.used.iter().enumerate().map(|(i, u)| (u.as_str(), i)).collect();
+    let block_of = |name: &String| index.get(name.as_str()).map(|i| i % size);
+    let mut slots: Vec<Vec<String>> = vec![Vec::new(); size];
+    let mut movers: Vec<String> = Vec::new();
+    for n in &nodes {
+        match block_of(n) {
+            Some(b) if slots[b].len() < groups => slots[b].push(n.clone()),
+            _ => movers.push(n.clone()),
+        }
+    }
+    let mut fetch = false;
+    for slot in slots.iter_mut() {
+        while slot.len() < groups {
+            match movers.pop() {
+                Some(m) => {
+                    slot.push(m);
+                    fetch = true;
+                }
+                None => break,
+            }
+        }
+    }
+    let mut used = Vec::with_capacity(groups * size);
+    for g in 0..groups {
+        for slot in &slots {
+            if let Some(n) = slot.get(g) {
+                used.push(n.clone());
+            }
+        }
+    }
+    if used.len() != groups * size {
+        return run.restart();
+    }
+    if retire {
+        let kept: HashSet<&String> = used.iter().collect();
+        run.retired.extend(nodes.iter().filter(|n| !kept.contains(n)).cloned());
+    }
+    let c = run.cost();
+    let transfer =
+        if fetch { c.transfer_s(ep.experts_per_node as f64 * run.s.model.layers as f64 * run.s.model.expert_state_bytes) } else { 0.0 };
+    run.switch(used, ep, Busy::Reconfig, fixed_s + transfer);
+    Ok(())
 }

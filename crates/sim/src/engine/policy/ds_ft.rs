@@ -3,12 +3,10 @@
 //! experts survives among the nodes in use (restarting otherwise), checkpoints as rarely as
 //! Lazarus, and takes joiners by the same regrouping.
 
-use std::collections::{HashMap, HashSet};
-
-use super::ds::{ep_imbalance, Ds, EpConfig};
+use super::ds::{ep_imbalance, regroup, Ds, EpConfig};
 use super::FailurePolicy;
 use crate::cost::CostModel;
-use crate::engine::{Busy, Run, Scenario};
+use crate::engine::{Run, Scenario};
 use crate::error::SimError;
 
 #[derive(Debug, Clone, Copy)]
@@ -21,60 +19,12 @@ impl DsFt {
         DsFt { ds: Ds::new(s) }
     }
 
-    /// Regroup `nodes` into complete EP groups; nodes whose expert block changes fetch it.
-    /// Live nodes left out after a failure are retired: DS-FT never takes them back (§6.2).
+    /// Regroup `nodes` into complete EP groups ([`regroup`]). Live nodes left out after a
+    /// failure are retired: DS-FT never takes them back (§6.2).
     fn regroup(&self, run: &mut Run<'_, Self>, nodes: Vec<String>, after_failure: bool) -> Result<(), SimError> {
-        let ep = self.ds.ep.ep_nodes;
-        let groups = nodes.len() / ep;
-        if groups == 0 {
-            return run.restart();
-        }
-        let index: HashMap<&str, usize> = run.used.iter().enumerate().map(|(i, u)| (u.as_str(), i)).collect();
-        let block_of = |name: &String| index.get(name.as_str()).map(|i| i % ep);
-        let mut slots: Vec<Vec<String>> = vec![Vec::new(); ep];
-        let mut movers: Vec<String> = Vec::new();
-        for n in &nodes {
-            match block_of(n) {
-                Some(b) if slots[b].len() < groups => slots[b].push(n.clone()),
-                _ => movers.push(n.clone()),
-            }
-        }
-        let mut fetch = false;
-        for slot in slots.iter_mut() {
-            while slot.len() < groups {
-                match movers.pop() {
-                    Some(m) => {
-                        slot.push(m);
-                        fetch = true;
-                    }
-                    None => break,
-                }
-            }
-        }
-        let mut used = Vec::with_capacity(groups * ep);
-        for g in 0..groups {
-            for slot in &slots {
-                if let Some(n) = slot.get(g) {
-                    used.push(n.clone());
-                }
-            }
-        }
-        if used.len() != groups * ep {
-            return run.restart();
-        }
-        if after_failure {
-            let kept: HashSet<&String> = used.iter().collect();
-            run.retired.extend(nodes.iter().filter(|n| !kept.contains(n)).cloned());
-        }
         let c = run.cost();
-        let transfer = if fetch {
-            c.transfer_s(self.ds.ep.experts_per_node as f64 * run.s.model.layers as f64 * run.s.model.expert_state_bytes)
-        } else {
-            0.0
-        };
-        let t = c.group_rebuild_s + if after_failure { c.failure_timeout_s } else { 0.0 } + transfer;
-        run.switch(used, self.ds.ep, Busy::Reconfig, t);
-        Ok(())
+        let fixed = c.group_rebuild_s + if after_failure { c.failure_timeout_s } else { 0.0 };
+        regroup(run, self.ds.ep, nodes, after_failure, fixed)
     }
 }
 

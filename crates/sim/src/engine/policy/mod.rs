@@ -1,4 +1,5 @@
-//! The policies the simulator compares (§6.1 baselines), each one file behind
+//! The policies the simulator compares (§6.1's baselines and the systems users pick today),
+//! each one file behind
 //! [`FailurePolicy`]: what the simulated system does about failures and joins. The engine
 //! ([`super::Run`]) keeps time, membership, training progress, checkpoints and restarts; a policy
 //! only decides.
@@ -8,7 +9,10 @@
 
 mod ds;
 mod ds_ft;
+mod gemini;
 mod lazarus;
+mod moevement;
+mod torchft;
 
 use serde::Serialize;
 
@@ -18,7 +22,10 @@ use crate::engine::Scenario;
 use crate::error::SimError;
 pub(super) use ds::Ds;
 pub(super) use ds_ft::DsFt;
+pub(super) use gemini::Gemini;
 pub(super) use lazarus::Lazarus;
+pub(super) use moevement::MoEvement;
+pub(super) use torchft::TorchFt;
 
 /// What the simulated system does about failures (§6.1 baselines).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -33,6 +40,15 @@ pub enum Policy {
     /// DeepSpeed-MoE with Lazarus's reconfiguration: reconfigure while a full copy of the experts
     /// survives among the nodes in use, restart otherwise.
     DsFt,
+    /// In-memory checkpoints in peers' CPU memory, a whole-job restart from them (Gemini).
+    Gemini,
+    /// Sparse per-expert snapshots every step, the lost state restored without a job-wide
+    /// rollback (MoEvement/MoEtion).
+    #[serde(rename = "moevement")]
+    MoEvement,
+    /// Replica groups that leave the quorum on a failure and come back healed (torchft).
+    #[serde(rename = "torchft")]
+    TorchFt,
 }
 
 impl Policy {
@@ -41,8 +57,14 @@ impl Policy {
             Policy::Lazarus => "lazarus",
             Policy::Ds => "ds",
             Policy::DsFt => "ds-ft",
+            Policy::Gemini => "gemini",
+            Policy::MoEvement => "moevement",
+            Policy::TorchFt => "torchft",
         }
     }
+
+    /// Every policy, Lazarus first.
+    pub const ALL: [Policy; 6] = [Policy::Lazarus, Policy::Ds, Policy::DsFt, Policy::Gemini, Policy::MoEvement, Policy::TorchFt];
 }
 
 /// Every decision that differs between the simulated systems.
@@ -64,6 +86,18 @@ pub(super) trait FailurePolicy: Sized {
 
     /// Steps between checkpoints.
     fn checkpoint_every(&self, cost: &CostModel) -> u64;
+
+    /// Seconds the job stalls for one checkpoint: by default a whole save to remote storage.
+    fn checkpoint_s(&self, run: &Run<'_, Self>) -> f64 {
+        run.cost().checkpoint_s(&run.s.model)
+    }
+
+    /// Seconds from a failure to training again when the job restarts from its last
+    /// checkpoint: by default the failure time-out, the relaunch and a whole load from storage.
+    fn restart_s(&self, run: &Run<'_, Self>) -> f64 {
+        let c = run.cost();
+        c.failure_timeout_s + c.restart_s + c.checkpoint_s(&run.s.model)
+    }
 
     /// Steps between rebalances, if it rebalances at all.
     fn rebalance_every(&self, _cost: &CostModel) -> Option<u64> {
