@@ -100,3 +100,39 @@ fn replays_the_p3_spot_trace() {
     let samples = |i: usize| v["policies"][i]["trained_samples"].as_f64().unwrap();
     assert!(samples(0) > samples(2) && samples(2) > samples(1), "lazarus > ds-ft > ds on the spot trace");
 }
+
+/// `--sweep`: the scenario once per value, every policy's ETTR at each, in JSON and a chart; a
+/// failure every 30 minutes costs Lazarus less of its time than one every 2 minutes.
+#[test]
+fn a_sweep_compares_every_policy_at_every_value() {
+    let d = dir("sweep");
+    let svg = d.join("sweep.svg");
+    let out = lazarus(&[
+        "sim",
+        "--sweep",
+        "fail-every=2m,30m",
+        "--model",
+        "gpt-l",
+        "--duration",
+        "1h",
+        "--json",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["sweep"], "fail-every");
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.iter().map(|p| p["value"].as_str().unwrap()).collect::<Vec<_>>(), ["2m", "30m"]);
+    let ettr = |p: usize, policy: &str| {
+        let ps = points[p]["policies"].as_array().unwrap();
+        assert_eq!(ps.len(), 6, "every policy");
+        ps.iter().find(|x| x["policy"] == policy).unwrap()["ettr"].as_f64().unwrap()
+    };
+    assert!(ettr(1, "lazarus") > ettr(0, "lazarus"), "{} at 30m against {} at 2m", ettr(1, "lazarus"), ettr(0, "lazarus"));
+    assert!((0..2).all(|p| ettr(p, "ds") < ettr(p, "lazarus")), "a restart per failure costs DS more of its time");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 6, "a line per policy");
+    let out = lazarus(&["sim", "--sweep", "floor=1,2"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no setting a sweep varies"));
+}

@@ -67,3 +67,40 @@ pub fn render(reports: &[PolicyReport], duration_s: f64, title: &str) -> String 
     out.push_str("</svg>\n");
     out
 }
+
+/// A sweep's chart: ETTR (0 to 1) of each policy at each value of the swept setting, the values
+/// evenly spaced in the order given. `series` holds a policy's name and its ETTR per value.
+pub fn render_sweep(setting: &str, values: &[String], series: &[(&str, Vec<f64>)], title: &str) -> String {
+    let (w, h, left, right, top, plot_h) = (900.0, 420.0, 70.0, 20.0, 40.0, 300.0);
+    let plot_w = w - left - right;
+    let x = |i: usize| left + plot_w * (i as f64 + 0.5) / values.len().max(1) as f64;
+    // ETTR from the lowest shown (rounded down to a tenth) to 1.
+    let low = series.iter().flat_map(|(_, v)| v.iter().copied()).fold(1.0f64, f64::min).clamp(0.0, 1.0);
+    let floor = (low * 10.0).floor() / 10.0;
+    let floor = if floor >= 1.0 { 0.9 } else { floor };
+    let y = |v: f64| top + plot_h - plot_h * ((v - floor) / (1.0 - floor)).clamp(0.0, 1.0);
+    let mut out = String::new();
+    let _ = writeln!(out, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
+    let _ = writeln!(out, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+    let _ = writeln!(out, r#"<text x="{left}" y="22" font-size="15">{}</text>"#, escape(title));
+    let _ = writeln!(out, r##"<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>"##);
+    let _ = writeln!(out, r#"<text x="8" y="{}">ETTR</text>"#, top + 14.0);
+    for i in 0..=4 {
+        let v = floor + (1.0 - floor) * i as f64 / 4.0;
+        let _ = writeln!(out, r##"<text x="{}" y="{}" text-anchor="end" fill="#444">{v:.2}</text>"##, left - 4.0, y(v) + 4.0);
+    }
+    for (i, v) in values.iter().enumerate() {
+        let _ = writeln!(out, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, x(i), top + plot_h + 18.0, escape(v));
+    }
+    let _ =
+        writeln!(out, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, left + plot_w / 2.0, top + plot_h + 36.0, escape(setting));
+    for (k, ((name, ettr), color)) in series.iter().zip(COLORS.iter().cycle()).enumerate() {
+        let pts: Vec<String> = ettr.iter().enumerate().map(|(i, &v)| format!("{:.1},{:.1}", x(i), y(v))).collect();
+        let _ = writeln!(out, r#"<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{}"/>"#, pts.join(" "));
+        let lx = left + 10.0 + 140.0 * k as f64;
+        let _ = writeln!(out, r#"<rect x="{lx}" y="{}" width="14" height="4" fill="{color}"/>"#, h - 19.0);
+        let _ = writeln!(out, r#"<text x="{}" y="{}">{}</text>"#, lx + 20.0, h - 14.0, escape(name));
+    }
+    out.push_str("</svg>\n");
+    out
+}

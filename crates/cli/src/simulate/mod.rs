@@ -10,7 +10,9 @@ use clap::Args;
 use lazarus_sim::{parse_duration_ms, simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace};
 use serde::Serialize;
 
-#[derive(Args, Debug)]
+mod sweep;
+
+#[derive(Args, Debug, Clone)]
 pub struct SimArgs {
     /// Node trace in Bamboo's format (`ms_offset,add|remove,node_name` per line).
     #[arg(long, value_name = "FILE")]
@@ -88,9 +90,15 @@ pub struct SimArgs {
     seed: u64,
     #[arg(long)]
     json: bool,
-    /// Write an SVG of throughput and trained samples over time.
+    /// Write an SVG of throughput and trained samples over time (with --sweep: of ETTR per
+    /// value).
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
+    /// Run the scenario once per value of one setting and compare the policies' ETTR:
+    /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, max-nodes, slots-per-gpu,
+    /// min-replicas, checkpoint-every-lazarus, rebalance-every (at most 16 values).
+    #[arg(long, value_name = "KEY=V1,V2,...")]
+    sweep: Option<String>,
 }
 
 fn dur(field: &str, s: &str) -> Result<u64> {
@@ -289,6 +297,9 @@ struct Report<'a> {
 }
 
 pub fn run_sim(args: &SimArgs) -> Result<()> {
+    if let Some(sweep) = &args.sweep {
+        return sweep::run_sweep(args, sweep);
+    }
     let (scenario, policies) = build(args)?;
     let start = Instant::now();
     let reports: Vec<PolicyReport> = policies.iter().map(|&p| simulate(&scenario, p)).collect::<Result<_, _>>().map_err(named_flag)?;
