@@ -107,18 +107,8 @@ fn replays_the_p3_spot_trace() {
 fn a_sweep_compares_every_policy_at_every_value() {
     let d = dir("sweep");
     let svg = d.join("sweep.svg");
-    let out = lazarus(&[
-        "sim",
-        "--sweep",
-        "fail-every=2m,30m",
-        "--model",
-        "gpt-l",
-        "--duration",
-        "1h",
-        "--json",
-        "--plot",
-        svg.to_str().unwrap(),
-    ]);
+    let plot = svg.to_str().unwrap();
+    let out = lazarus(&["sim", "--sweep", "fail-every=2m,30m", "--model", "gpt-l", "--duration", "1h", "--json", "--plot", plot]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["sweep"], "fail-every");

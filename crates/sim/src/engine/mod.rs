@@ -24,7 +24,7 @@ use crate::error::SimError;
 use crate::loads::{LoadCursor, LoadModel};
 use crate::trace::{Change, Trace, MAX_NODES};
 pub use policy::Policy;
-use policy::{Ds, DsFt, FailurePolicy, Gemini, Lazarus, MoEvement, TorchFt};
+use policy::{Ds, DsFt, FailurePolicy, Gemini, Lazarus, MoEvement, StaticEp, TorchFt};
 use report::Tally;
 pub use report::{Breakdown, PolicyReport, SeriesPoint};
 
@@ -159,11 +159,11 @@ pub fn simulate(scenario: &Scenario, policy: Policy) -> Result<PolicyReport, Sim
     scenario.validate()?;
     match policy {
         Policy::Lazarus => Run::new(scenario, policy, &Lazarus::new()).drive(),
-        Policy::Ds => Run::new(scenario, policy, &Ds::new(scenario)).drive(),
-        Policy::DsFt => Run::new(scenario, policy, &DsFt::new(scenario)).drive(),
-        Policy::Gemini => Run::new(scenario, policy, &Gemini::new(scenario)).drive(),
-        Policy::MoEvement => Run::new(scenario, policy, &MoEvement::new(scenario)).drive(),
-        Policy::TorchFt => Run::new(scenario, policy, &TorchFt::new(scenario)).drive(),
+        Policy::Ds => Run::new(scenario, policy, &StaticEp::new(scenario, Ds)).drive(),
+        Policy::DsFt => Run::new(scenario, policy, &StaticEp::new(scenario, DsFt)).drive(),
+        Policy::Gemini => Run::new(scenario, policy, &StaticEp::new(scenario, Gemini::new(scenario))).drive(),
+        Policy::MoEvement => Run::new(scenario, policy, &StaticEp::new(scenario, MoEvement)).drive(),
+        Policy::TorchFt => Run::new(scenario, policy, &StaticEp::new(scenario, TorchFt)).drive(),
     }
 }
 

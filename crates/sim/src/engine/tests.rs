@@ -15,6 +15,12 @@ fn all(s: &Scenario) -> Vec<PolicyReport> {
     Policy::ALL.iter().map(|&p| simulate(s, p).unwrap()).collect()
 }
 
+/// `n` nodes (n0, n1, …) at the start, then `changes` (Bamboo lines, `ms,add|remove,node`).
+fn nodes_then(n: usize, changes: &str) -> Trace {
+    let start: String = (0..n).map(|i| format!("0,add,n{i}\n")).collect();
+    Trace::parse_bamboo(&(start + changes), "t").unwrap()
+}
+
 /// The EC2 P3 spot trace the repository carries (traces/).
 fn p3() -> Option<Trace> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/p3-trace.csv");
@@ -106,12 +112,7 @@ fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
     // also a checkpoint boundary. One node fails at 30 s (the checkpoint in flight is lost)
     // and the run ends during a checkpoint; a spare joins at 40 s. Every other step must
     // have its checkpoint, the scale-up's included.
-    let mut text = String::new();
-    for n in 0..10 {
-        text.push_str(&format!("0,add,n{n}\n"));
-    }
-    text.push_str("30000,remove,n3\n40000,add,spare\n");
-    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 2.0);
+    let mut s = scenario("gpt-s", nodes_then(10, "30000,remove,n3\n40000,add,spare\n"), 2.0);
     s.cost.checkpoint_every_lazarus = 1;
     s.cost.scale_up_wait_s = 0.0;
     let r = simulate(&s, Policy::Lazarus).unwrap();
@@ -121,12 +122,7 @@ fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
     // Exact timing: 0.5 s steps (no imbalance), near-free checkpoints every 4 steps, no
     // rebalance. A spare joins at 3.7 s, so it is taken at the 4.0 s boundary — step 8, a
     // checkpoint step. That checkpoint must follow the scale-up: one per 4 steps, exactly.
-    let mut text = String::new();
-    for n in 0..4 {
-        text.push_str(&format!("0,add,n{n}\n"));
-    }
-    text.push_str("3700,add,spare\n");
-    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 0.5);
+    let mut s = scenario("gpt-s", nodes_then(4, "3700,add,spare\n"), 0.5);
     s.model.expert_fraction = 0.0;
     s.model.params = 1e3;
     s.cost.checkpoint_every_lazarus = 4;
@@ -142,12 +138,7 @@ fn a_checkpoint_due_when_a_joiner_is_taken_is_still_taken() {
 /// a worker id it has seen).
 #[test]
 fn a_node_that_comes_back_is_taken_in_again() {
-    let mut text = String::new();
-    for n in 0..4 {
-        text.push_str(&format!("0,add,n{n}\n"));
-    }
-    text.push_str("60000,remove,n1\n120000,add,n1\n240000,remove,n1\n300000,add,n1\n");
-    let mut s = scenario("gpt-s", Trace::parse_bamboo(&text, "t").unwrap(), 10.0);
+    let mut s = scenario("gpt-s", nodes_then(4, "60000,remove,n1\n120000,add,n1\n240000,remove,n1\n300000,add,n1\n"), 10.0);
     s.cost.scale_up_wait_s = 0.0;
     let r = simulate(&s, Policy::Lazarus).unwrap();
     assert_eq!((r.restarts, r.reconfigurations), (0, 4), "two failures, two joins: {:?}", r.nodes_in_use);
@@ -265,12 +256,7 @@ fn moevement_restores_from_snapshots_without_a_rollback() {
 /// DS-FT, which never takes back the nodes it dropped, stays on one group.
 #[test]
 fn torchft_drops_the_failed_group_and_takes_it_back_whole() {
-    let mut text = String::new();
-    for n in 0..9 {
-        text.push_str(&format!("0,add,n{n}\n"));
-    }
-    text.push_str("300000,remove,n2\n");
-    let s = scenario("gpt-l", Trace::parse_bamboo(&text, "t").unwrap(), 20.0);
+    let s = scenario("gpt-l", nodes_then(9, "300000,remove,n2\n"), 20.0);
     let in_use = |r: &PolicyReport| r.nodes_in_use.iter().map(|x| x.1).collect::<Vec<_>>();
     let r = simulate(&s, Policy::TorchFt).unwrap();
     assert_eq!(r.restarts, 0);

@@ -13,15 +13,13 @@
 //! memory. One simplification favours it: a failure that takes a node and the peer holding its
 //! copy still restores from memory (Gemini would fall back to storage).
 
-use super::ds::{ep_imbalance, Ds, EpConfig};
-use super::FailurePolicy;
+use super::static_ep::{EpConfig, EpRun, OnStaticEp};
 use crate::cost::CostModel;
-use crate::engine::{Run, Scenario};
+use crate::engine::Scenario;
 use crate::error::SimError;
 
 #[derive(Debug, Clone, Copy)]
 pub(in crate::engine) struct Gemini {
-    ds: Ds,
     /// Bytes of one node's shard of the training state.
     shard_bytes: f64,
     /// Steps between in-memory checkpoints.
@@ -30,57 +28,43 @@ pub(in crate::engine) struct Gemini {
 
 impl Gemini {
     pub(in crate::engine) fn new(s: &Scenario) -> Self {
-        let ds = Ds::new(s);
+        let ep = EpConfig::of(s);
         let m = &s.model;
         let experts_bytes = m.layers as f64 * m.experts as f64 * m.expert_state_bytes;
         let dense_bytes = (m.params * s.cost.bytes_per_param - experts_bytes).max(0.0);
         let nodes = s.max_nodes.max(1) as f64;
-        let shard_bytes = ds.ep.experts_per_node as f64 * m.layers as f64 * m.expert_state_bytes + dense_bytes / nodes;
+        let shard_bytes = ep.experts_per_node as f64 * m.layers as f64 * m.expert_state_bytes + dense_bytes / nodes;
         let every = (s.cost.transfer_s(shard_bytes) / m.balanced_step_s).ceil().max(1.0) as u64;
-        Gemini { ds, shard_bytes, every }
+        Gemini { shard_bytes, every }
     }
 }
 
-impl FailurePolicy for Gemini {
-    type Config = EpConfig;
-
-    fn nodes_usable(&self, s: &Scenario, n: usize) -> usize {
-        self.ds.nodes_usable(s, n)
-    }
-
-    fn fresh_config(&self, _run: &Run<'_, Self>, _n: usize) -> Result<EpConfig, SimError> {
-        Ok(self.ds.ep)
-    }
-
+impl OnStaticEp for Gemini {
     fn checkpoint_every(&self, _cost: &CostModel) -> u64 {
         self.every
     }
 
     /// The copy to a peer runs beside training.
-    fn checkpoint_s(&self, _run: &Run<'_, Self>) -> f64 {
+    fn checkpoint_s(&self, _run: &EpRun<'_, Self>) -> f64 {
         0.0
     }
 
     /// The time-out, the relaunch, and every node's shard read back from its peer.
-    fn restart_s(&self, run: &Run<'_, Self>) -> f64 {
+    fn restart_s(&self, run: &EpRun<'_, Self>) -> f64 {
         let c = run.cost();
         c.failure_timeout_s + c.restart_s + c.transfer_s(self.shard_bytes)
     }
 
-    fn on_failure(&self, run: &mut Run<'_, Self>, _failed: &[String], _survivors: Vec<String>) -> Result<(), SimError> {
+    fn on_failure(&self, run: &mut EpRun<'_, Self>, _: EpConfig, _: &[String], _: Vec<String>) -> Result<(), SimError> {
         run.restart()
     }
 
     /// A checkpoint in memory, a relaunch on more nodes, the shards read back: nothing is
     /// rolled back.
-    fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError> {
+    fn scale_up(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, nodes: Vec<String>) -> Result<(), SimError> {
         let c = run.cost();
         let t = c.restart_s + 2.0 * c.transfer_s(self.shard_bytes);
-        run.relaunch_with_checkpoint(nodes, self.ds.ep, t);
+        run.relaunch_with_checkpoint(nodes, ep, t);
         Ok(())
-    }
-
-    fn imbalance(&self, cost: &CostModel, config: &EpConfig, loads: &[Vec<f64>]) -> f64 {
-        ep_imbalance(cost, config, loads)
     }
 }

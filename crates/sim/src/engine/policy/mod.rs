@@ -12,6 +12,7 @@ mod ds_ft;
 mod gemini;
 mod lazarus;
 mod moevement;
+mod static_ep;
 mod torchft;
 
 use serde::Serialize;
@@ -25,6 +26,7 @@ pub(super) use ds_ft::DsFt;
 pub(super) use gemini::Gemini;
 pub(super) use lazarus::Lazarus;
 pub(super) use moevement::MoEvement;
+pub(super) use static_ep::StaticEp;
 pub(super) use torchft::TorchFt;
 
 /// What the simulated system does about failures (§6.1 baselines).

@@ -12,61 +12,26 @@
 //! checkpoints, for the failure that leaves not one EP group, are written beside training as
 //! MoEtion does (at DS-FT's interval) and are what a restart goes back to.
 
-use super::ds::{ep_imbalance, regroup, Ds, EpConfig};
-use super::FailurePolicy;
-use crate::cost::CostModel;
-use crate::engine::{Run, Scenario};
+use super::static_ep::{regroup, EpConfig, EpRun, OnStaticEp};
 use crate::error::SimError;
 
 #[derive(Debug, Clone, Copy)]
-pub(in crate::engine) struct MoEvement {
-    ds: Ds,
-}
+pub(in crate::engine) struct MoEvement;
 
-impl MoEvement {
-    pub(in crate::engine) fn new(s: &Scenario) -> Self {
-        MoEvement { ds: Ds::new(s) }
-    }
-}
-
-impl FailurePolicy for MoEvement {
-    type Config = EpConfig;
-
-    fn nodes_usable(&self, s: &Scenario, n: usize) -> usize {
-        self.ds.nodes_usable(s, n)
-    }
-
-    fn fresh_config(&self, _run: &Run<'_, Self>, _n: usize) -> Result<EpConfig, SimError> {
-        Ok(self.ds.ep)
-    }
-
-    fn checkpoint_every(&self, cost: &CostModel) -> u64 {
-        cost.checkpoint_every_ds_ft
-    }
-
+impl OnStaticEp for MoEvement {
     /// Persisted beside training, off the critical path.
-    fn checkpoint_s(&self, _run: &Run<'_, Self>) -> f64 {
+    fn checkpoint_s(&self, _run: &EpRun<'_, Self>) -> f64 {
         0.0
     }
 
     /// The survivors and the waiting nodes regroup and the lost blocks come back from
     /// snapshots, while they make one whole EP group; a restart from storage otherwise.
-    fn on_failure(&self, run: &mut Run<'_, Self>, _failed: &[String], survivors: Vec<String>) -> Result<(), SimError> {
+    fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, _: &[String], survivors: Vec<String>) -> Result<(), SimError> {
         let nodes = run.with_joiners(survivors);
-        if nodes.len() < self.ds.ep.ep_nodes {
+        if nodes.len() < ep.ep_nodes {
             return run.restart();
         }
         let c = run.cost();
-        let fixed = c.failure_timeout_s + c.group_rebuild_s;
-        regroup(run, self.ds.ep, nodes, false, fixed)
-    }
-
-    fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError> {
-        let fixed = run.cost().group_rebuild_s;
-        regroup(run, self.ds.ep, nodes, false, fixed)
-    }
-
-    fn imbalance(&self, cost: &CostModel, config: &EpConfig, loads: &[Vec<f64>]) -> f64 {
-        ep_imbalance(cost, config, loads)
+        regroup(run, ep, nodes, false, c.failure_timeout_s + c.group_rebuild_s)
     }
 }

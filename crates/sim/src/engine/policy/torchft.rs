@@ -11,60 +11,30 @@
 //! not charged to them: a simplification in its favour). Storage checkpoints as DS-FT's, for the
 //! failure that leaves no group.
 
-use super::ds::{ep_imbalance, Ds, EpConfig};
-use super::FailurePolicy;
-use crate::cost::CostModel;
-use crate::engine::{Busy, Run, Scenario};
+use super::static_ep::{EpConfig, EpRun, OnStaticEp};
+use crate::engine::Busy;
 use crate::error::SimError;
 
 #[derive(Debug, Clone, Copy)]
-pub(in crate::engine) struct TorchFt {
-    ds: Ds,
-}
+pub(in crate::engine) struct TorchFt;
 
-impl TorchFt {
-    pub(in crate::engine) fn new(s: &Scenario) -> Self {
-        TorchFt { ds: Ds::new(s) }
-    }
-}
-
-impl FailurePolicy for TorchFt {
-    type Config = EpConfig;
-
-    fn nodes_usable(&self, s: &Scenario, n: usize) -> usize {
-        self.ds.nodes_usable(s, n)
-    }
-
-    fn fresh_config(&self, _run: &Run<'_, Self>, _n: usize) -> Result<EpConfig, SimError> {
-        Ok(self.ds.ep)
-    }
-
-    fn checkpoint_every(&self, cost: &CostModel) -> u64 {
-        cost.checkpoint_every_ds_ft
-    }
-
+impl OnStaticEp for TorchFt {
     /// The groups without a failed node go on; a restart when none is left.
-    fn on_failure(&self, run: &mut Run<'_, Self>, failed: &[String], _survivors: Vec<String>) -> Result<(), SimError> {
-        let size = self.ds.ep.ep_nodes;
+    fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, failed: &[String], _: Vec<String>) -> Result<(), SimError> {
         let kept: Vec<String> =
-            run.used.chunks(size).filter(|group| group.iter().all(|n| !failed.contains(n))).flatten().cloned().collect();
+            run.used.chunks(ep.ep_nodes).filter(|group| group.iter().all(|n| !failed.contains(n))).flatten().cloned().collect();
         if kept.is_empty() {
             return run.restart();
         }
         let c = run.cost();
-        let t = c.failure_timeout_s + c.group_rebuild_s;
-        run.switch(kept, self.ds.ep, Busy::Reconfig, t);
+        run.switch(kept, ep, Busy::Reconfig, c.failure_timeout_s + c.group_rebuild_s);
         Ok(())
     }
 
     /// Whole groups join the quorum at a step boundary.
-    fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError> {
+    fn scale_up(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, nodes: Vec<String>) -> Result<(), SimError> {
         let t = run.cost().group_rebuild_s;
-        run.switch(nodes, self.ds.ep, Busy::Reconfig, t);
+        run.switch(nodes, ep, Busy::Reconfig, t);
         Ok(())
-    }
-
-    fn imbalance(&self, cost: &CostModel, config: &EpConfig, loads: &[Vec<f64>]) -> f64 {
-        ep_imbalance(cost, config, loads)
     }
 }
