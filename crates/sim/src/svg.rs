@@ -84,7 +84,7 @@ pub fn render_sweep(setting: &str, values: &[String], series: &[(&str, Vec<f64>)
     let _ = writeln!(out, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
     let _ = writeln!(out, r#"<text x="{left}" y="22" font-size="15">{}</text>"#, escape(title));
     let _ = writeln!(out, r##"<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#888"/>"##);
-    let _ = writeln!(out, r#"<text x="8" y="{}">ETTR</text>"#, top + 14.0);
+    let _ = writeln!(out, r#"<text x="8" y="{}">ETTR</text>"#, top - 8.0);
     for i in 0..=4 {
         let v = floor + (1.0 - floor) * i as f64 / 4.0;
         let _ = writeln!(out, r##"<text x="{}" y="{}" text-anchor="end" fill="#444">{v:.2}</text>"##, left - 4.0, y(v) + 4.0);
