@@ -11,7 +11,9 @@ pub mod svg;
 pub mod trace;
 
 pub use cost::{CostModel, ModelSpec};
-pub use engine::{simulate, Breakdown, Policy, PolicyReport, Scenario, SeriesPoint, MAX_BOUNDARIES, MAX_DURATION_S, MAX_LOAD_DRAWS};
+pub use engine::{
+    simulate, Breakdown, Notices, Policy, PolicyReport, Scenario, SeriesPoint, MAX_BOUNDARIES, MAX_DURATION_S, MAX_LOAD_DRAWS,
+};
 pub use error::SimError;
 pub use loads::LoadModel;
 pub use trace::{parse_duration_ms, Change, Trace, TraceEvent, MAX_EVENTS, MAX_NODES};

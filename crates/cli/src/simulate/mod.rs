@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_sim::{parse_duration_ms, simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace};
+use lazarus_sim::{parse_duration_ms, simulate, CostModel, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace};
 use serde::Serialize;
 
 mod sweep;
@@ -66,6 +66,13 @@ pub struct SimArgs {
     /// else 30m).
     #[arg(long, value_name = "DUR")]
     duration: Option<String>,
+    /// The share (0 to 1) of the trace's removals told beforehand — a spot instance's warning, a
+    /// host's maintenance — drawn with --seed; a node in use that gives notice is drained.
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    notice_share: f64,
+    /// How long before its removal a notice comes.
+    #[arg(long, value_name = "DUR", default_value = "2m")]
+    notice_lead: String,
     /// Joined nodes are used after this wait.
     #[arg(long, value_name = "DUR")]
     scale_up_wait: Option<String>,
@@ -95,8 +102,8 @@ pub struct SimArgs {
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
     /// Run the scenario once per value of one setting and compare the policies' ETTR:
-    /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, max-nodes, slots-per-gpu,
-    /// min-replicas, checkpoint-every-lazarus, rebalance-every (at most 16 values).
+    /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, notice-share, max-nodes,
+    /// slots-per-gpu, min-replicas, checkpoint-every-lazarus, rebalance-every (at most 16 values).
     #[arg(long, value_name = "KEY=V1,V2,...")]
     sweep: Option<String>,
 }
@@ -180,7 +187,8 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
     if args.floor.is_some() && args.fail_every.is_none() {
         bail!("--floor is where --fail-every stops: it means nothing without it");
     }
-    let scenario = Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0 };
+    let notices = Notices { share: args.notice_share, lead_s: dur("notice-lead", &args.notice_lead)? as f64 / 1000.0, seed: args.seed };
+    let scenario = Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0, notices };
     scenario.validate().map_err(named_flag)?;
     Ok((scenario, policies))
 }
@@ -264,6 +272,8 @@ fn named_flag(e: lazarus_sim::SimError) -> anyhow::Error {
         "model.layers" => "--layers",
         "model.experts" => "--experts",
         "duration" => "--duration",
+        "notices.share" => "--notice-share",
+        "notices.lead_s" => "--notice-lead",
         _ => return e.into(),
     };
     anyhow::anyhow!("invalid {flag}: {value} ({reason})")
@@ -280,6 +290,7 @@ struct PolicyJson<'a> {
     restarts: u64,
     reconfigurations: u64,
     rebalances: u64,
+    drains: u64,
     checkpoints: u64,
     breakdown: &'a lazarus_sim::Breakdown,
     nodes_in_use: &'a [(f64, usize)],
@@ -322,6 +333,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
                     restarts: r.restarts,
                     reconfigurations: r.reconfigurations,
                     rebalances: r.rebalances,
+                    drains: r.drains,
                     checkpoints: r.checkpoints,
                     breakdown: &r.breakdown,
                     nodes_in_use: &r.nodes_in_use,

@@ -11,8 +11,17 @@ use serde::Serialize;
 use super::{build, named_flag, SimArgs};
 
 /// The settings a sweep may vary.
-const KEYS: [&str; 8] =
-    ["fail-every", "poisson-mtbf", "repair", "max-nodes", "slots-per-gpu", "min-replicas", "checkpoint-every-lazarus", "rebalance-every"];
+const KEYS: [&str; 9] = [
+    "fail-every",
+    "poisson-mtbf",
+    "repair",
+    "notice-share",
+    "max-nodes",
+    "slots-per-gpu",
+    "min-replicas",
+    "checkpoint-every-lazarus",
+    "rebalance-every",
+];
 /// Most values of one sweep (each a whole simulation of every policy).
 const MAX_VALUES: usize = 16;
 
@@ -26,6 +35,9 @@ fn with_value(args: &SimArgs, key: &str, value: &str) -> Result<SimArgs> {
         "fail-every" => a.fail_every = Some(value.to_string()),
         "poisson-mtbf" => a.poisson_mtbf = Some(value.to_string()),
         "repair" => a.repair = value.to_string(),
+        "notice-share" => {
+            a.notice_share = value.parse().with_context(|| format!("invalid --sweep {key}: {value:?} is not a share from 0 to 1"))?
+        }
         "max-nodes" => a.max_nodes = number("a number of nodes")? as usize,
         "slots-per-gpu" => a.slots_per_gpu = Some(number("a number of slots")? as usize),
         "min-replicas" => a.min_replicas = Some(number("a number of replicas")? as usize),

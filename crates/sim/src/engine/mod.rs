@@ -38,6 +38,42 @@ pub struct Scenario {
     /// At most this many nodes are used (extra live nodes wait as spares).
     pub max_nodes: usize,
     pub duration_s: f64,
+    /// Which removals of the trace come with a notice, and how long before.
+    pub notices: Notices,
+}
+
+/// Preemption notices (a spot instance's two-minute warning, a host's planned maintenance): a
+/// `share` of the trace's removals, drawn with `seed`, are told `lead_s` before they happen. A
+/// node in use that gave notice is drained at the end of the step in flight — no time-out, no
+/// step lost — if the policy can; one whose removal comes first fails as any other.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Notices {
+    pub share: f64,
+    pub lead_s: f64,
+    pub seed: u64,
+}
+
+impl Default for Notices {
+    /// None.
+    fn default() -> Self {
+        Notices { share: 0.0, lead_s: 120.0, seed: 0 }
+    }
+}
+
+impl Notices {
+    /// Whether the removal of `node` at `ms` was told beforehand (a pure function of the
+    /// seed, the node and the time, so every policy sees the same notices).
+    fn gives_notice(&self, node: &str, ms: u64) -> bool {
+        if self.share <= 0.0 {
+            return false;
+        }
+        let mut h = self.seed ^ ms.rotate_left(17);
+        for b in node.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        let draw = (lazarus_plan::rng::SplitMix64::new(h).next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        draw < self.share
+    }
 }
 
 impl Scenario {
@@ -54,6 +90,13 @@ impl Scenario {
         }
         if !self.duration_s.is_finite() || self.duration_s <= 0.0 {
             return Err(SimError::invalid("duration", self.duration_s, "must be > 0 s"));
+        }
+        let n = &self.notices;
+        if !(0.0..=1.0).contains(&n.share) {
+            return Err(SimError::invalid("notices.share", n.share, "must be from 0 to 1"));
+        }
+        if !n.lead_s.is_finite() || !(0.0..=86_400.0).contains(&n.lead_s) {
+            return Err(SimError::invalid("notices.lead_s", n.lead_s, "must be 0 to 86400 s"));
         }
         if self.duration_s > MAX_DURATION_S {
             return Err(SimError::invalid("duration", format!("{} s", self.duration_s), format!("at most {MAX_DURATION_S} s (30 days)")));
@@ -143,7 +186,16 @@ struct Run<'a, P: FailurePolicy> {
     /// Live nodes the policy dropped and will not take back until a restart (DS-FT after a
     /// failure: §6.2, "it does not use previously dropped nodes").
     retired: Vec<String>,
+    /// Live nodes that gave notice: drained at the end of the step in flight, never used again.
+    leaving: Vec<String>,
     loads: std::cell::RefCell<LoadCursor>,
+}
+
+/// What happens at an instant of the event list: the trace's change, or a notice of removal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Happening {
+    Trace(Change),
+    Notice,
 }
 
 /// Longest simulated duration: 30 days.
@@ -185,6 +237,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             busy: None,
             tally: Tally::default(),
             retired: Vec::new(),
+            leaving: Vec::new(),
             loads: std::cell::RefCell::new(LoadCursor::new(s.loads.clone(), s.model.layers, s.model.experts)),
         }
     }
@@ -194,16 +247,24 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         let scenario = self.s;
         scenario.check_work(self.checkpoint_every())?;
         let run = &mut self;
-        // Group trace events by time.
-        let mut groups: Vec<(f64, Vec<(Change, String)>)> = Vec::new();
+        // The trace's events and the notices before removals, grouped by time.
+        let mut timed: Vec<(f64, Happening, String)> = Vec::new();
         for ev in &scenario.trace.events {
             let t = ev.ms as f64 / 1000.0;
             if t >= scenario.duration_s {
                 break;
             }
+            if ev.change == Change::Remove && scenario.notices.gives_notice(&ev.node, ev.ms) {
+                timed.push(((t - scenario.notices.lead_s).max(0.0), Happening::Notice, ev.node.clone()));
+            }
+            timed.push((t, Happening::Trace(ev.change), ev.node.clone()));
+        }
+        timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut groups: Vec<(f64, Vec<(Happening, String)>)> = Vec::new();
+        for (t, what, node) in timed {
             match groups.last_mut() {
-                Some((gt, v)) if *gt == t => v.push((ev.change, ev.node.clone())),
-                _ => groups.push((t, vec![(ev.change, ev.node.clone())])),
+                Some((gt, v)) if *gt == t => v.push((what, node)),
+                _ => groups.push((t, vec![(what, node)])),
             }
         }
         let mut gi = 0;
@@ -211,7 +272,10 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         if let Some((t, v)) = groups.first() {
             if *t == 0.0 {
                 for (c, n) in v {
-                    run.membership(*c, n, true);
+                    match c {
+                        Happening::Trace(c) => run.membership(*c, n, true),
+                        Happening::Notice => run.leaving.push(n.clone()),
+                    }
                 }
                 gi = 1;
             }
@@ -252,13 +316,15 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             let step_s = run.step_time()?;
             let to_boundary = run.steps_to_boundary();
             let t_boundary = run.now + to_boundary as f64 * step_s - run.partial_s;
-            // Joiners are taken at the first step boundary after they are ready.
+            // Joiners are taken at the first step boundary after they are ready; nodes that gave
+            // notice leave at the end of the step in flight.
             let t_scale_boundary = if t_scale.is_finite() {
                 let wait = (t_scale - run.now).max(0.0) + run.partial_s;
                 run.now + (wait / step_s).ceil() * step_s - run.partial_s
             } else {
                 f64::INFINITY
             };
+            let t_scale_boundary = if run.draining() { t_scale_boundary.min(run.step_end(step_s)) } else { t_scale_boundary };
             let t = t_event.min(end).min(t_boundary).min(t_scale_boundary);
             run.train_until(t, step_s);
             // At a checkpoint/rebalance boundary: joiners due by now are taken first (their
@@ -269,7 +335,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
                 if t_scale_boundary <= t_boundary {
                     // A scale-up that relaunches from a checkpoint of its own clears this again.
                     run.ckpt.pending = run.step.is_multiple_of(run.checkpoint_every());
-                    run.scale_up()?;
+                    run.reshape()?;
                     if run.busy.is_none() {
                         run.ckpt.pending = false;
                         run.at_boundary()?;
@@ -282,7 +348,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
                 gi += 1;
                 run.apply_events(&v)?;
             } else if t == t_scale_boundary {
-                run.scale_up()?;
+                run.reshape()?;
             }
         }
         // A step still running at the end never finished.
@@ -313,6 +379,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             Change::Remove => {
                 self.alive.retain(|(n, _)| n != node);
                 self.retired.retain(|n| n != node);
+                self.leaving.retain(|n| n != node);
             }
         }
     }
@@ -321,7 +388,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     fn usable(&self) -> Vec<String> {
         self.alive
             .iter()
-            .filter(|(n, ready)| *ready <= self.now && !self.retired.contains(n))
+            .filter(|(n, ready)| *ready <= self.now && !self.retired.contains(n) && !self.leaving.contains(n))
             .map(|(n, _)| n.clone())
             .take(self.s.max_nodes)
             .collect()
@@ -341,7 +408,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     /// When waiting joiners would let the policy use more nodes (∞ if never).
     fn scale_up_time(&self) -> f64 {
         let in_use = self.used.len();
-        let taken: HashSet<&str> = self.used.iter().chain(&self.retired).map(String::as_str).collect();
+        let taken: HashSet<&str> = self.used.iter().chain(&self.retired).chain(&self.leaving).map(String::as_str).collect();
         let mut ready: Vec<f64> = self.alive.iter().filter(|(n, _)| !taken.contains(n.as_str())).map(|(_, r)| *r).collect();
         ready.sort_by(f64::total_cmp);
         for (k, &r) in ready.iter().enumerate() {
@@ -512,13 +579,22 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         Ok(())
     }
 
-    fn apply_events(&mut self, events: &[(Change, String)]) -> Result<(), SimError> {
+    fn apply_events(&mut self, events: &[(Happening, String)]) -> Result<(), SimError> {
         let mut failed = Vec::new();
-        for (c, n) in events {
-            if *c == Change::Remove && self.used.contains(n) {
-                failed.push(n.clone());
+        for (what, n) in events {
+            match what {
+                Happening::Notice => {
+                    if self.alive.iter().any(|(a, _)| a == n) && !self.leaving.contains(n) {
+                        self.leaving.push(n.clone());
+                    }
+                }
+                Happening::Trace(c) => {
+                    if *c == Change::Remove && self.used.contains(n) {
+                        failed.push(n.clone());
+                    }
+                    self.membership(*c, n, false);
+                }
             }
-            self.membership(*c, n, false);
         }
         if failed.is_empty() {
             return Ok(());
@@ -578,6 +654,32 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         self.config = Some(config);
         self.step_s = None;
         self.begin(Busy::Restart, seconds);
+    }
+
+    /// Whether a node in use gave notice.
+    fn draining(&self) -> bool {
+        self.config.is_some() && self.used.iter().any(|n| self.leaving.contains(n))
+    }
+
+    /// When the step in flight ends (now, between steps).
+    fn step_end(&self, step_s: f64) -> f64 {
+        if self.partial_s > 0.0 {
+            self.now + step_s - self.partial_s
+        } else {
+            self.now
+        }
+    }
+
+    /// At a step boundary: drain the nodes in use that gave notice, else take waiting joiners.
+    fn reshape(&mut self) -> Result<(), SimError> {
+        let leaving: Vec<String> = self.used.iter().filter(|n| self.leaving.contains(n)).cloned().collect();
+        if leaving.is_empty() {
+            return self.scale_up();
+        }
+        self.tally.drains += 1;
+        let staying: Vec<String> = self.used.iter().filter(|n| !leaving.contains(n)).cloned().collect();
+        let p = self.p;
+        p.on_notice(self, &leaving, staying)
     }
 
     /// Take waiting joiners at a step boundary.

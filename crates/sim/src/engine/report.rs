@@ -59,6 +59,8 @@ pub struct PolicyReport {
     pub restarts: u64,
     pub reconfigurations: u64,
     pub rebalances: u64,
+    /// Drains after a notice.
+    pub drains: u64,
     pub checkpoints: u64,
     pub breakdown: Breakdown,
     /// Binned curves for plots.
@@ -78,6 +80,8 @@ pub(super) struct Tally {
     pub reconfigurations: u64,
     pub rebalances: u64,
     pub checkpoints: u64,
+    /// Nodes in use drained after a notice (each drain once, whatever it cost).
+    pub drains: u64,
     /// (t0, t1, samples completed) of every training stretch, for the curves.
     pub stretches: Vec<(f64, f64, f64)>,
     /// (t, samples rolled back).
@@ -129,6 +133,7 @@ impl<P: FailurePolicy> Run<'_, P> {
             restarts: t.restarts,
             reconfigurations: t.reconfigurations,
             rebalances: t.rebalances,
+            drains: t.drains,
             checkpoints: t.checkpoints,
             breakdown: t.time.clone(),
             series,

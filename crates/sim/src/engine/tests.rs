@@ -8,6 +8,7 @@ fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
         loads: LoadModel::default(),
         max_nodes: 10,
         duration_s: minutes * 60.0,
+        notices: Notices::default(),
     }
 }
 
@@ -264,4 +265,55 @@ fn torchft_drops_the_failed_group_and_takes_it_back_whole() {
     assert!(r.breakdown.lost_work_s < 10.0 * s.model.balanced_step_s);
     let ft = simulate(&s, Policy::DsFt).unwrap();
     assert_eq!(in_use(&ft).last(), Some(&4), "{:?}", in_use(&ft));
+}
+
+/// Every removal told two minutes ahead: Lazarus drains each node at the end of a step — no
+/// time-out, no step lost — where without notices each costs the time-out and the step in
+/// flight; the baselines drain too (DS by a checkpoint and relaunch, no rollback), and every
+/// breakdown still adds up.
+#[test]
+fn nodes_that_give_notice_are_drained_with_no_step_lost() {
+    let told = |share: f64| {
+        let mut s = scenario("gpt-l", Trace::fail_every(10, 300_000, 5, 1).unwrap(), 30.0);
+        s.notices = Notices { share, lead_s: 120.0, seed: 3 };
+        s
+    };
+    let (without, with) = (simulate(&told(0.0), Policy::Lazarus).unwrap(), simulate(&told(1.0), Policy::Lazarus).unwrap());
+    assert_eq!((with.drains, with.restarts), (5, 0), "five nodes leave, each drained");
+    // Only the step still running when the simulated time ends is lost.
+    let step_s = told(1.0).model.balanced_step_s;
+    assert!(
+        with.breakdown.lost_work_s < 3.0 * step_s && with.breakdown.lost_work_s < without.breakdown.lost_work_s,
+        "{} s lost",
+        with.breakdown.lost_work_s
+    );
+    assert!(
+        with.breakdown.reconfig_s < without.breakdown.reconfig_s,
+        "no time-out: {} s against {} s",
+        with.breakdown.reconfig_s,
+        without.breakdown.reconfig_s
+    );
+    assert!(with.ettr > without.ettr);
+    for p in Policy::ALL {
+        let r = simulate(&told(1.0), p).unwrap();
+        assert!((r.breakdown.total() - 1800.0).abs() < 1e-6, "{p:?}");
+        assert!(r.drains > 0, "{p:?} drains");
+        if p == Policy::Ds {
+            assert!(r.breakdown.lost_work_s < 3.0 * step_s, "DS saves and relaunches: nothing rolled back");
+        }
+    }
+    // A drained node that comes back brings new workers, and is taken in again.
+    let mut back = scenario("gpt-s", nodes_then(4, "300000,remove,n1\n420000,add,n1\n"), 15.0);
+    back.notices = Notices { share: 1.0, lead_s: 60.0, seed: 0 };
+    back.cost.scale_up_wait_s = 0.0;
+    let r = simulate(&back, Policy::Lazarus).unwrap();
+    let in_use: Vec<usize> = r.nodes_in_use.iter().map(|x| x.1).collect();
+    assert_eq!((r.drains, r.restarts, in_use), (1, 0, vec![4, 3, 4]));
+    // Half of them told: the same draws for every policy, and some still fail.
+    let half = simulate(&told(0.5), Policy::Lazarus).unwrap();
+    assert!(half.drains > 0 && half.drains < 5, "{} drains", half.drains);
+    assert!(Notices { share: 1.5, lead_s: 1.0, seed: 0 } != Notices::default());
+    let mut bad = told(1.0);
+    bad.notices.share = 1.5;
+    assert!(simulate(&bad, Policy::Lazarus).unwrap_err().to_string().contains("notices.share"));
 }

@@ -2,7 +2,7 @@
 //! of nodes ([`super::static_ep`]), frequent checkpoints to remote storage, a restart from the
 //! last checkpoint on every failure, and a checkpoint-and-relaunch to take joiners.
 
-use super::static_ep::{EpConfig, EpRun, OnStaticEp};
+use super::static_ep::{relaunch_without, EpConfig, EpRun, OnStaticEp};
 use crate::cost::CostModel;
 use crate::error::SimError;
 
@@ -16,6 +16,13 @@ impl OnStaticEp for Ds {
 
     fn on_failure(&self, run: &mut EpRun<'_, Self>, _: EpConfig, _: &[String], _: Vec<String>) -> Result<(), SimError> {
         run.restart()
+    }
+
+    /// Save, relaunch without the nodes that leave, load: nothing is rolled back.
+    fn on_notice(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, _: &[String], staying: Vec<String>) -> Result<(), SimError> {
+        let c = run.cost();
+        let t = 2.0 * c.checkpoint_s(&run.s.model) + c.restart_s;
+        relaunch_without(run, ep, staying, t)
     }
 
     /// Save, relaunch on more nodes, load: nothing is rolled back.

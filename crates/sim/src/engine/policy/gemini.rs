@@ -13,7 +13,7 @@
 //! memory. One simplification favours it: a failure that takes a node and the peer holding its
 //! copy still restores from memory (Gemini would fall back to storage).
 
-use super::static_ep::{EpConfig, EpRun, OnStaticEp};
+use super::static_ep::{relaunch_without, EpConfig, EpRun, OnStaticEp};
 use crate::cost::CostModel;
 use crate::engine::Scenario;
 use crate::error::SimError;
@@ -57,6 +57,12 @@ impl OnStaticEp for Gemini {
 
     fn on_failure(&self, run: &mut EpRun<'_, Self>, _: EpConfig, _: &[String], _: Vec<String>) -> Result<(), SimError> {
         run.restart()
+    }
+
+    /// A checkpoint in memory, a relaunch without the nodes that leave, the shards read back.
+    fn on_notice(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, _: &[String], staying: Vec<String>) -> Result<(), SimError> {
+        let t = run.cost().restart_s + 2.0 * run.cost().transfer_s(self.shard_bytes);
+        relaunch_without(run, ep, staying, t)
     }
 
     /// A checkpoint in memory, a relaunch on more nodes, the shards read back: nothing is

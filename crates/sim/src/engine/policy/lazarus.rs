@@ -10,8 +10,8 @@
 //! what it holds, that it is ready), reports the steps trained with the loads of their epoch,
 //! and charges each move to the engine: the failure time-out and group rebuild of the cost
 //! model, and the transfers of the busiest node. What it does not model: the snapshot tier (no
-//! survivor reports snapshots, so an expert that lost every replica means a restart), notices
-//! (the traces have none), and a rollback in place (the engine's restart relaunches the job on
+//! survivor reports snapshots, so an expert that lost every replica means a restart), and a
+//! rollback in place (the engine's restart relaunches the job on
 //! the usable nodes, as it does for every policy).
 
 use std::cell::RefCell;
@@ -229,6 +229,13 @@ impl Shell {
         self.ctl.decide_inline(now, Event::Joined { workers })
     }
 
+    /// `node` gave notice: its workers are drained (the controller pauses the job at this step's
+    /// end and moves it off them).
+    fn drain(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
+        let workers = self.workers.of(node);
+        self.ctl.decide_inline(now, Event::Drain { workers, reason: "a notice in the trace".into() })
+    }
+
     /// The trace removed `node`: its workers exit (if it comes back, it brings new ones).
     fn remove(&mut self, now: Instant, node: &str) -> Vec<Command<NoRecord>> {
         let workers = self.workers.of_node.remove(node).unwrap_or_default();
@@ -266,8 +273,24 @@ impl Shell {
                 let (worst_bytes, bytes) = self.transfer_bytes(m);
                 let g = self.workers.gpus_per_node;
                 let nodes = m.ranks.chunks(g).map(|ws| self.workers.node_of[&ws[0]].clone()).collect();
+                let (hold, leavers): (bool, Vec<NodeId>) = (m.change.hold, m.change.leaving.iter().map(|&r| m.ranks[r]).collect());
                 self.rendezvous(now);
-                Outcome::Moved { nodes, worst_bytes, bytes }
+                if !hold {
+                    return Outcome::Moved { nodes, worst_bytes, bytes };
+                }
+                // A drain: the leaving nodes handed over what only they held and exit; every
+                // other rank says where it stopped and the controller moves the job again.
+                let mut again = Vec::new();
+                for node in leavers {
+                    again.extend(self.ctl.decide_inline(now, Event::Exited { node, status: "drained".into() }));
+                }
+                again.extend(self.say_where_stopped(now, self.reported_step));
+                match self.outcome(now, &again) {
+                    Outcome::Moved { nodes, worst_bytes: w, bytes: b } => {
+                        Outcome::Moved { nodes, worst_bytes: worst_bytes + w, bytes: bytes + b }
+                    }
+                    other => other,
+                }
             }
         }
     }
@@ -355,6 +378,42 @@ impl FailurePolicy for Lazarus {
         });
         let c = run.cost();
         let fixed = c.group_rebuild_s + c.failure_timeout_s;
+        match outcome {
+            Some(Outcome::Stay) | None => {
+                *self.shell.borrow_mut() = None;
+                run.restart()
+            }
+            Some(o) => self.carry_out(run, o, Busy::Reconfig, fixed),
+        }
+    }
+
+    /// The leaving nodes' workers are drained: the controller pauses the job at this step's end
+    /// and moves it off them (onto the rest and any joiners), with no time-out and no step lost.
+    fn on_notice(&self, run: &mut Run<'_, Self>, leaving: &[String], staying: Vec<String>) -> Result<(), SimError> {
+        if self.shell.borrow().is_none() {
+            return run.restart();
+        }
+        let mut out = self.report_steps(run)?;
+        let joiners: Vec<String> = run.with_joiners(staying.clone()).split_off(staying.len());
+        let (now, step) = (self.at(run.now), run.step);
+        let outcome = self.with_shell(|sh| {
+            for n in &joiners {
+                out.extend(sh.join(now, n));
+            }
+            for n in leaving {
+                out.extend(sh.drain(now, n));
+            }
+            if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
+                out.extend(sh.say_where_stopped(now, step));
+            }
+            let outcome = sh.outcome(now, &out);
+            // Their workers are gone: a node that comes back brings new ones.
+            for n in leaving {
+                sh.workers.of_node.remove(n);
+            }
+            outcome
+        });
+        let fixed = run.cost().group_rebuild_s;
         match outcome {
             Some(Outcome::Stay) | None => {
                 *self.shell.borrow_mut() = None;

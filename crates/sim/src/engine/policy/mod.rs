@@ -115,6 +115,10 @@ pub(super) trait FailurePolicy: Sized {
     /// rest of the nodes in use, in order. The step in flight is already counted as lost.
     fn on_failure(&self, run: &mut Run<'_, Self>, failed: &[String], survivors: Vec<String>) -> Result<(), SimError>;
 
+    /// Nodes in use gave notice: at the end of the step in flight, move off `leaving` onto
+    /// `staying` (the rest of the nodes in use) and any usable joiners, before they go.
+    fn on_notice(&self, run: &mut Run<'_, Self>, leaving: &[String], staying: Vec<String>) -> Result<(), SimError>;
+
     /// Take more nodes at a step boundary: `nodes` are the nodes in use followed by the joiners,
     /// `nodes_usable` of them (more than are in use).
     fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError>;

@@ -53,6 +53,15 @@ pub(in crate::engine) trait OnStaticEp: Sized {
 
     fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, failed: &[String], survivors: Vec<String>) -> Result<(), SimError>;
 
+    /// Nodes in use gave notice (default: the rest and any joiners regroup into whole EP
+    /// groups at the end of the step in flight, as after a failure but with no time-out and no
+    /// step lost).
+    fn on_notice(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, _leaving: &[String], staying: Vec<String>) -> Result<(), SimError> {
+        let nodes = run.with_joiners(staying);
+        let fixed = run.cost().group_rebuild_s;
+        regroup(run, ep, nodes, false, fixed)
+    }
+
     /// Take joiners at a step boundary (default: regroup into whole EP groups, each node that
     /// changes block fetching it, in a group rebuild).
     fn scale_up(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, nodes: Vec<String>) -> Result<(), SimError> {
@@ -100,6 +109,10 @@ impl<R: OnStaticEp> FailurePolicy for StaticEp<R> {
 
     fn on_failure(&self, run: &mut Run<'_, Self>, failed: &[String], survivors: Vec<String>) -> Result<(), SimError> {
         self.on.on_failure(run, self.ep, failed, survivors)
+    }
+
+    fn on_notice(&self, run: &mut Run<'_, Self>, leaving: &[String], staying: Vec<String>) -> Result<(), SimError> {
+        self.on.on_notice(run, self.ep, leaving, staying)
     }
 
     fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError> {
@@ -181,5 +194,23 @@ pub(super) fn regroup<P: FailurePolicy<Config = EpConfig>>(
     let transfer =
         if fetch { c.transfer_s(ep.experts_per_node as f64 * run.s.model.layers as f64 * run.s.model.expert_state_bytes) } else { 0.0 };
     run.switch(used, ep, Busy::Reconfig, fixed_s + transfer);
+    Ok(())
+}
+
+/// Save a checkpoint and relaunch without the nodes that gave notice, on the rest and any
+/// joiners (whole groups), taking `seconds`: nothing is rolled back. A restart when not one group
+/// is left.
+pub(super) fn relaunch_without<R: OnStaticEp>(
+    run: &mut EpRun<'_, R>,
+    ep: EpConfig,
+    staying: Vec<String>,
+    seconds: f64,
+) -> Result<(), SimError> {
+    let mut nodes = run.with_joiners(staying);
+    nodes.truncate((nodes.len() / ep.ep_nodes) * ep.ep_nodes);
+    if nodes.is_empty() {
+        return run.restart();
+    }
+    run.relaunch_with_checkpoint(nodes, ep, seconds);
     Ok(())
 }

@@ -21,14 +21,14 @@ pub(in crate::engine) struct TorchFt;
 impl OnStaticEp for TorchFt {
     /// The groups without a failed node go on; a restart when none is left.
     fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, failed: &[String], _: Vec<String>) -> Result<(), SimError> {
-        let kept: Vec<String> =
-            run.used.chunks(ep.ep_nodes).filter(|group| group.iter().all(|n| !failed.contains(n))).flatten().cloned().collect();
-        if kept.is_empty() {
-            return run.restart();
-        }
         let c = run.cost();
-        run.switch(kept, ep, Busy::Reconfig, c.failure_timeout_s + c.group_rebuild_s);
-        Ok(())
+        leave_quorum(run, ep, failed, c.failure_timeout_s + c.group_rebuild_s)
+    }
+
+    /// The groups of the nodes that leave step out of the quorum at the step's end.
+    fn on_notice(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, leaving: &[String], _: Vec<String>) -> Result<(), SimError> {
+        let t = run.cost().group_rebuild_s;
+        leave_quorum(run, ep, leaving, t)
     }
 
     /// Whole groups join the quorum at a step boundary.
@@ -37,4 +37,16 @@ impl OnStaticEp for TorchFt {
         run.switch(nodes, ep, Busy::Reconfig, t);
         Ok(())
     }
+}
+
+/// The replica groups holding any of `gone` leave the quorum; the others go on after
+/// `seconds`. A restart when none is left.
+fn leave_quorum(run: &mut EpRun<'_, TorchFt>, ep: EpConfig, gone: &[String], seconds: f64) -> Result<(), SimError> {
+    let kept: Vec<String> =
+        run.used.chunks(ep.ep_nodes).filter(|group| group.iter().all(|n| !gone.contains(n))).flatten().cloned().collect();
+    if kept.is_empty() {
+        return run.restart();
+    }
+    run.switch(kept, ep, Busy::Reconfig, seconds);
+    Ok(())
 }
