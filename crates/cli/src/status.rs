@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use lazarus_controller::decisions::words::id_list;
 use lazarus_controller::service::query;
@@ -58,8 +58,10 @@ pub fn run_status(args: &StatusArgs) -> Result<()> {
     let (key, pin) = status_key(args)?;
     let tls = ClientTls::new(pin, args.tls.files()?)?;
     let s = query(&args.controller, Duration::from_secs_f64(args.timeout), key, &tls)?;
-    // The controller's plan, checked as a plan file is.
-    let plan = s.plan.as_ref().map(plan_from_proto).transpose().context("the controller's status: its plan")?;
+    // The controller's plan, checked as a plan file is; one that is not is left out, said.
+    let plan = s.plan.as_ref().and_then(|p| {
+        plan_from_proto(p).map_err(|e| eprintln!("warning: the controller's status holds a plan that is not one ({e}): left out")).ok()
+    });
     if args.json {
         let members: Vec<serde_json::Value> = s
             .members

@@ -573,7 +573,7 @@ impl Node {
                     )));
                 }
                 let bad_start = |e: lazarus_protocol::relay::BadMessage| ControlError::Launch(format!("the controller's start: {e}"));
-                let ranks: Vec<u32> = start::ranks(&s).map_err(bad_start)?.into_iter().map(|r| r as u32).collect();
+                let ranks: Vec<u32> = start::ranks(&s).map_err(bad_start)?;
                 // The slots come without the job's secret: this agent adds the one it proved.
                 let specs = start::spec_lines(&s, self.secret).map_err(bad_start)?;
                 let reports = self.reports.clone();

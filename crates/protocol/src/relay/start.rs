@@ -15,9 +15,18 @@ pub fn slot_to_proto(rank: usize, world: usize, epoch: u64, timeout_s: f64, bind
     proto::WorkerSlot { rank: rank as u64, world: world as u64, epoch, timeout_s, bind: bind.to_string(), encrypt }
 }
 
-/// The ranks (worker ids, for workers that stand by) of a start's slots, in slot order.
-pub fn ranks(start: &proto::StartWorkers) -> Result<Vec<usize>, BadMessage> {
-    start.workers.iter().map(|w| word("rank", w.rank)).collect()
+/// The ranks (worker ids, for workers that stand by) of a start's slots, in slot order: each
+/// below [`crate::MAX_WORKERS`] (a worker id counts every worker the job ever had, so it may
+/// pass the most at once; not a word a peer may stretch).
+pub fn ranks(start: &proto::StartWorkers) -> Result<Vec<u32>, BadMessage> {
+    start.workers.iter().map(|w| id("rank", w.rank)).collect()
+}
+
+/// A rank or world from the wire: at most `MAX_WORKERS` × 1,024 (the workers of a long job's
+/// joins and returns included).
+fn id(field: &'static str, n: u64) -> Result<u32, BadMessage> {
+    let most = crate::MAX_WORKERS as u64 * 1024;
+    u32::try_from(n).ok().filter(|&x| u64::from(x) <= most).ok_or_else(|| bad(field, format!("{n} (expected at most {most})")))
 }
 
 /// Each worker's spec line (one JSON object, the launcher protocol's first line) for the
@@ -31,9 +40,15 @@ pub fn spec_lines(start: &proto::StartWorkers, secret: u128) -> Result<Vec<Strin
         .workers
         .iter()
         .map(|w| {
-            let (rank, world) = (word("rank", w.rank)?, word("world", w.world)?);
+            let (rank, world) = (word("rank", u64::from(id("rank", w.rank)?))?, word("world", u64::from(id("world", w.world)?))?);
             if rank >= world {
                 return Err(bad("rank", format!("{rank} (expected below the world, {world})")));
+            }
+            if !w.timeout_s.is_finite() || w.timeout_s <= 0.0 || w.timeout_s > 1e6 {
+                return Err(bad("timeout_s", format!("{} (expected seconds above 0, at most 1e6)", w.timeout_s)));
+            }
+            if !w.bind.is_empty() && w.bind.parse::<std::net::IpAddr>().is_err() {
+                return Err(bad("bind", format!("{:?} (expected an IP address)", w.bind)));
             }
             let bind = (!w.bind.is_empty()).then(|| w.bind.clone());
             let spec = WorkerSpec {
@@ -64,7 +79,7 @@ mod tests {
         let secret = 0x0123_4567_89ab_cdef_0123_4567_89ab_cdef_u128;
         let job = r#"{"standby":false,"plan":{"layers":[[0,1]]}}"#;
         let s = start(job, vec![slot_to_proto(4, 8, 3, 30.0, "10.0.0.2", true), slot_to_proto(5, 8, 3, 30.0, "", false)]);
-        assert_eq!(ranks(&s).unwrap(), vec![4, 5]);
+        assert_eq!(ranks(&s).unwrap(), vec![4u32, 5]);
         let lines = spec_lines(&s, secret).unwrap();
         let first: WorkerSpec<serde_json::Value> = serde_json::from_str(&lines[0]).unwrap();
         assert_eq!((first.rank, first.world, first.epoch, first.timeout_s, first.encrypt), (4, 8, 3, 30.0, true));
@@ -81,6 +96,12 @@ mod tests {
     fn a_start_that_is_not_one_is_refused_naming_the_field() {
         let field = |s: &proto::StartWorkers| spec_lines(s, 7).unwrap_err().field;
         assert_eq!(field(&start("{}", vec![slot_to_proto(8, 8, 0, 1.0, "", false)])), "rank");
+        assert_eq!(field(&start("{}", vec![slot_to_proto(0, 1 << 40, 0, 1.0, "", false)])), "world");
+        assert_eq!(field(&start("{}", vec![slot_to_proto(0, 1, 0, f64::NAN, "", false)])), "timeout_s");
+        assert_eq!(field(&start("{}", vec![slot_to_proto(0, 1, 0, 1.0, "host; rm -rf", false)])), "bind");
+        let mut huge = start("{}", vec![slot_to_proto(0, 1, 0, 1.0, "", false)]);
+        huge.workers[0].rank = u64::MAX;
+        assert_eq!(ranks(&huge).unwrap_err().field, "rank");
         assert_eq!(field(&start("[1, 2]", vec![slot_to_proto(0, 1, 0, 1.0, "", false)])), "job");
         assert_eq!(field(&start("{\"a\":\n1}", vec![])), "job");
         let mut not_zlib = start("{}", vec![]);

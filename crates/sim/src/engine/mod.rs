@@ -251,13 +251,14 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         let mut timed: Vec<(f64, Happening, String)> = Vec::new();
         for ev in &scenario.trace.events {
             let t = ev.ms as f64 / 1000.0;
-            if t >= scenario.duration_s {
-                break;
+            let told = (t - scenario.notices.lead_s).max(0.0);
+            // A removal past the end may still be told within it.
+            if ev.change == Change::Remove && told < scenario.duration_s && scenario.notices.gives_notice(&ev.node, ev.ms) {
+                timed.push((told, Happening::Notice, ev.node.clone()));
             }
-            if ev.change == Change::Remove && scenario.notices.gives_notice(&ev.node, ev.ms) {
-                timed.push(((t - scenario.notices.lead_s).max(0.0), Happening::Notice, ev.node.clone()));
+            if t < scenario.duration_s {
+                timed.push((t, Happening::Trace(ev.change), ev.node.clone()));
             }
-            timed.push((t, Happening::Trace(ev.change), ev.node.clone()));
         }
         timed.sort_by(|a, b| a.0.total_cmp(&b.0));
         let mut groups: Vec<(f64, Vec<(Happening, String)>)> = Vec::new();
@@ -336,7 +337,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
                     // A scale-up that relaunches from a checkpoint of its own clears this again.
                     run.ckpt.pending = run.step.is_multiple_of(run.checkpoint_every());
                     run.reshape()?;
-                    if run.busy.is_none() {
+                    if run.busy.is_none() && run.config.is_some() {
                         run.ckpt.pending = false;
                         run.at_boundary()?;
                     }
@@ -572,8 +573,8 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     fn start_fresh_after_idle(&mut self) -> Result<(), SimError> {
         self.fresh_config()?;
         if self.config.is_some() {
-            let c = self.cost();
-            let t = c.restart_s + c.checkpoint_s(&self.s.model);
+            // The policy's restart, less the time-out: nothing failed just now.
+            let t = (self.p.restart_s(self) - self.cost().failure_timeout_s).max(0.0);
             self.begin(Busy::Restart, t);
         }
         Ok(())
@@ -583,8 +584,9 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         let mut failed = Vec::new();
         for (what, n) in events {
             match what {
+                // Told before it is even added (a short stay): it is never used.
                 Happening::Notice => {
-                    if self.alive.iter().any(|(a, _)| a == n) && !self.leaving.contains(n) {
+                    if !self.leaving.contains(n) {
                         self.leaving.push(n.clone());
                     }
                 }
@@ -612,6 +614,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
 
     /// Roll back to the last checkpoint and relaunch on the usable nodes.
     fn restart(&mut self) -> Result<(), SimError> {
+        self.ckpt.pending = false;
         self.tally.time.lost_work_s += self.ckpt.compute_since_s;
         self.tally.time.compute_s -= self.ckpt.compute_since_s;
         self.ckpt.compute_since_s = 0.0;

@@ -309,6 +309,13 @@ fn nodes_that_give_notice_are_drained_with_no_step_lost() {
     let r = simulate(&back, Policy::Lazarus).unwrap();
     let in_use: Vec<usize> = r.nodes_in_use.iter().map(|x| x.1).collect();
     assert_eq!((r.drains, r.restarts, in_use), (1, 0, vec![4, 3, 4]));
+    // With a spare waiting, the drain takes it in: no rollback, four nodes in use again.
+    let mut spare = scenario("gpt-s", nodes_then(5, "300000,remove,n1\n"), 10.0);
+    spare.max_nodes = 4;
+    spare.notices = Notices { share: 1.0, lead_s: 60.0, seed: 0 };
+    let r = simulate(&spare, Policy::Lazarus).unwrap();
+    assert_eq!((r.drains, r.restarts), (1, 0), "{:?}", r.nodes_in_use);
+    assert_eq!(r.nodes_in_use.last().map(|x| x.1), Some(4));
     // Half of them told: the same draws for every policy, and some still fail.
     let half = simulate(&told(0.5), Policy::Lazarus).unwrap();
     assert!(half.drains > 0 && half.drains < 5, "{} drains", half.drains);

@@ -198,15 +198,18 @@ impl Shell {
         sh
     }
 
-    /// Every rank of the epoch listens, then is ready: training runs.
-    fn rendezvous(&mut self, now: Instant) {
+    /// Every rank of the epoch listens, then is ready: training runs. What the controller
+    /// decided on the way (a pause it had waiting, for a drain or joiners).
+    fn rendezvous(&mut self, now: Instant) -> Vec<Command<NoRecord>> {
         let (epoch, ranks) = (self.ctl.epoch(), self.ctl.ranks().to_vec());
+        let mut out = Vec::new();
         for (i, &node) in ranks.iter().enumerate() {
-            self.ctl.decide_inline(now, Event::Listening { node, epoch, addr: format!("rank {i}") });
+            out.extend(self.ctl.decide_inline(now, Event::Listening { node, epoch, addr: format!("rank {i}") }));
         }
         for &node in &ranks {
-            self.ctl.decide_inline(now, Event::Ready { node, epoch });
+            out.extend(self.ctl.decide_inline(now, Event::Ready { node, epoch }));
         }
+        out
     }
 
     /// The steps trained since the controller last heard of any (at the job's step `step`).
@@ -259,8 +262,15 @@ impl Shell {
         out
     }
 
-    /// What the commands of one decision come to. A move's rendezvous is done at once.
+    /// What the commands of one decision come to. A move's rendezvous is done at once; a move
+    /// that holds (a drain's hand-over) or a pause the controller had waiting is followed by the
+    /// move after it, and the transfers add up.
     fn outcome(&mut self, now: Instant, out: &[Command<NoRecord>]) -> Outcome {
+        self.outcome_within(now, out, 4)
+    }
+
+    /// [`Shell::outcome`], following at most `depth` moves after the first.
+    fn outcome_within(&mut self, now: Instant, out: &[Command<NoRecord>], depth: usize) -> Outcome {
         let decided = out.iter().rev().find_map(|c| match c {
             Command::Reconfigure(m) => Some(Some(m)),
             Command::Rollback { .. } | Command::Stop { .. } => Some(None),
@@ -274,18 +284,20 @@ impl Shell {
                 let g = self.workers.gpus_per_node;
                 let nodes = m.ranks.chunks(g).map(|ws| self.workers.node_of[&ws[0]].clone()).collect();
                 let (hold, leavers): (bool, Vec<NodeId>) = (m.change.hold, m.change.leaving.iter().map(|&r| m.ranks[r]).collect());
-                self.rendezvous(now);
-                if !hold {
+                let waiting = self.rendezvous(now);
+                let paused = waiting.iter().any(|c| matches!(c, Command::Pause { .. }));
+                if (!hold && !paused) || depth == 0 {
                     return Outcome::Moved { nodes, worst_bytes, bytes };
                 }
-                // A drain: the leaving nodes handed over what only they held and exit; every
-                // other rank says where it stopped and the controller moves the job again.
+                // A drain's hand-over: the leaving nodes sent what only they held and exit. Then
+                // (or on the pause the controller had waiting) every rank says where it stopped
+                // and the controller moves the job again.
                 let mut again = Vec::new();
-                for node in leavers {
+                for node in leavers.into_iter().filter(|_| hold) {
                     again.extend(self.ctl.decide_inline(now, Event::Exited { node, status: "drained".into() }));
                 }
                 again.extend(self.say_where_stopped(now, self.reported_step));
-                match self.outcome(now, &again) {
+                match self.outcome_within(now, &again, depth - 1) {
                     Outcome::Moved { nodes, worst_bytes: w, bytes: b } => {
                         Outcome::Moved { nodes, worst_bytes: worst_bytes + w, bytes: bytes + b }
                     }
@@ -397,19 +409,23 @@ impl FailurePolicy for Lazarus {
         let joiners: Vec<String> = run.with_joiners(staying.clone()).split_off(staying.len());
         let (now, step) = (self.at(run.now), run.step);
         let outcome = self.with_shell(|sh| {
-            for n in &joiners {
-                out.extend(sh.join(now, n));
-            }
+            // The drain first: it pauses at once, and the joiners ride along in its move.
             for n in leaving {
                 out.extend(sh.drain(now, n));
+            }
+            for n in &joiners {
+                out.extend(sh.join(now, n));
             }
             if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
                 out.extend(sh.say_where_stopped(now, step));
             }
             let outcome = sh.outcome(now, &out);
-            // Their workers are gone: a node that comes back brings new ones.
-            for n in leaving {
-                sh.workers.of_node.remove(n);
+            // The workers of a node the job moved off are gone: if it comes back, it brings new
+            // ones. (One still in the job keeps its own, for its exit to be told.)
+            if let Outcome::Moved { nodes, .. } = &outcome {
+                for n in leaving.iter().filter(|n| !nodes.contains(n)) {
+                    sh.workers.of_node.remove(n);
+                }
             }
             outcome
         });
