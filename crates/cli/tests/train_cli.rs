@@ -63,7 +63,7 @@ fn json_log_checkpoint_and_resume() {
     let out = lazarus(&trace);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["policies"].as_array().unwrap().len(), 3);
+    assert_eq!(v["policies"].as_array().unwrap().len(), 6, "every policy");
     let mut wrong = trace.to_vec();
     wrong[8] = "3";
     let out = lazarus(&wrong);
