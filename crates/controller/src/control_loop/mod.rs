@@ -320,7 +320,7 @@ pub fn run_training(
     let begun = Instant::now();
     let waiting = controller(begun)?;
     let plan = waiting.plan().map(lazarus_protocol::status_plan::plan_to_proto);
-    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, plan.as_ref())));
+    let shared: SharedStatus = Arc::new(Mutex::new(snapshot(&waiting, begun, &job_id, epoch, plan)));
     let metrics = Arc::new(JobMetrics::new());
     let _metrics_server = match &http.metrics {
         Some(at) => {

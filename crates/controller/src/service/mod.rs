@@ -28,7 +28,7 @@ pub type SharedStatus = Arc<Mutex<StatusReply>>;
 
 /// What `ctl` knows at `now`, for job `job_id` that started at epoch `first_epoch`; its plan
 /// as `plan` (the caller keeps it from one epoch to the next: it changes only with one).
-pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan: Option<&proto::Plan>) -> StatusReply {
+pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, plan: Option<proto::Plan>) -> StatusReply {
     let rank_of: std::collections::HashMap<u64, u64> = ctl.ranks().iter().enumerate().map(|(r, &n)| (n, r as u64)).collect();
     let members = ctl
         .nodes()
@@ -48,7 +48,7 @@ pub fn snapshot(ctl: &Controller, now: Instant, job_id: &str, first_epoch: u64, 
         phase: ctl.phase_name().to_string(),
         step: ctl.last_step(),
         members,
-        plan: plan.cloned(),
+        plan,
         recent: ctl.recent().cloned().collect(),
         last_checkpoint: ctl.checkpoint(),
         lease_s: ctl.lease().as_secs_f64(),

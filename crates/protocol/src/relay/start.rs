@@ -6,7 +6,7 @@
 
 use serde_json::value::RawValue;
 
-use super::{bad, word, BadMessage};
+use super::{bad, BadMessage};
 use crate::messages::{secret_hex, WorkerSpec};
 use crate::proto;
 
@@ -40,7 +40,7 @@ pub fn spec_lines(start: &proto::StartWorkers, secret: u128) -> Result<Vec<Strin
         .workers
         .iter()
         .map(|w| {
-            let (rank, world) = (word("rank", u64::from(id("rank", w.rank)?))?, word("world", u64::from(id("world", w.world)?))?);
+            let (rank, world) = (id("rank", w.rank)? as usize, id("world", w.world)? as usize);
             if rank >= world {
                 return Err(bad("rank", format!("{rank} (expected below the world, {world})")));
             }

@@ -71,8 +71,7 @@ impl Notices {
         for b in node.bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
-        let draw = (lazarus_plan::rng::SplitMix64::new(h).next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-        draw < self.share
+        lazarus_plan::rng::SplitMix64::new(h).uniform() < self.share
     }
 }
 

@@ -70,7 +70,8 @@ struct Driver<'a, 's, O> {
     /// any worker hears of a new epoch.
     saved_epoch: Option<u64>,
     /// The plan as `lazarus status` shows it (its epoch counted from the job's start), by epoch.
-    plan: (u64, Option<lazarus_protocol::proto::Plan>),
+    /// The epoch of the plan in the shared status (made again only when the epoch changes).
+    plan_epoch: Option<u64>,
     /// When the status was last published, and what it showed.
     status_at: Option<(Instant, StatusKey)>,
     /// A rebalance being weighed on a thread of its own (at a thousand nodes it plans a model:
@@ -123,7 +124,7 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
             first_epoch: ctl.epoch() - ctl.job_epoch(ctl.epoch()),
             replayed_until: ctl.resuming().then(|| ctl.last_step()),
             saved_epoch: None,
-            plan: (ctl.epoch(), shown_plan(&ctl)),
+            plan_epoch: None,
             status_at: None,
             weighing: false,
             weighed_tx,
@@ -232,10 +233,12 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
         if self.status_at.as_ref().is_some_and(|(at, k)| *k == key && decided.duration_since(*at) < STATUS_EVERY) {
             return;
         }
-        if self.plan.0 != ctl.epoch() {
-            self.plan = (ctl.epoch(), shown_plan(ctl));
-        }
-        *shared.lock().unwrap_or_else(|e| e.into_inner()) = snapshot(ctl, decided, self.job_id, self.first_epoch, self.plan.1.as_ref());
+        let mut shared = shared.lock().unwrap_or_else(|e| e.into_inner());
+        // The plan stays where it is until the epoch changes: at a thousand nodes it is tens of
+        // thousands of lists, not to be copied every publication.
+        let plan = if self.plan_epoch == Some(ctl.epoch()) { shared.plan.take() } else { shown_plan(ctl) };
+        self.plan_epoch = Some(ctl.epoch());
+        *shared = snapshot(ctl, decided, self.job_id, self.first_epoch, plan);
         self.status_at = Some((decided, key));
     }
 
