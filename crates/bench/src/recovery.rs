@@ -244,7 +244,7 @@ pub fn run_recovery_bench(
         );
         let error = match outcome {
             Ok(TrainOutcome::Completed { .. }) => None,
-            Ok(TrainOutcome::Failed { reason, .. }) => Some(reason),
+            Ok(TrainOutcome::Failed { reason, .. }) => Some(reason.to_string()),
             Err(e) => Some(e.to_string()),
         };
         let line = match (&record, &error) {

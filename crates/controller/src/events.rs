@@ -138,7 +138,37 @@ pub enum TrainOutcome {
     },
     /// The job could not go on: why, and how each worker ended (original ranks).
     Failed {
-        reason: String,
+        reason: JobStopped,
         workers: Vec<String>,
     },
+}
+
+/// Why a job stopped before its end, as its user reads it: the controller's reason, the first
+/// failure a worker reported (in its words), and where a new start goes on from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStopped {
+    pub reason: lazarus_decide::StopReason,
+    pub first_failure: Option<String>,
+    /// The directory of the job's last checkpoint.
+    pub resume_from: Option<PathBuf>,
+}
+
+impl std::fmt::Display for JobStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.reason)?;
+        if let Some(first) = &self.first_failure {
+            write!(f, " (first failure: {first})")?;
+        }
+        if let Some(dir) = &self.resume_from {
+            // Where to go on from: the user's next command, not only a step number.
+            write!(
+                f,
+                "; to go on from it, start the job again on enough workers with {} {} {}",
+                lazarus_setting::Setting::CheckpointDir,
+                dir.display(),
+                lazarus_setting::Setting::Resume
+            )?;
+        }
+        Ok(())
+    }
 }

@@ -28,7 +28,7 @@ mod server_thread;
 pub mod service;
 
 pub use control_loop::{
-    plan_job, recovery_off, run_local_job, run_training, AgentsSpec, Hosts, HttpEndpoints, JobPlan, NodeChange, NodeSchedule, PlanSource,
-    ReconfigurationRecord, Recovery, RecoveryOff, TrainEvent, TrainOutcome,
+    plan_job, recovery_off, run_local_job, run_training, AgentsSpec, Hosts, HttpEndpoints, JobPlan, JobStopped, NodeChange, NodeSchedule,
+    PlanSource, ReconfigurationRecord, Recovery, RecoveryOff, TrainEvent, TrainOutcome,
 };
 pub use lazarus_protocol::{ControlError, Reach, Workers};

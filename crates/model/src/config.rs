@@ -107,7 +107,7 @@ pub struct ModelConfig {
     pub aux_loss_coef: f64,
     /// Tokens an expert may take per step, as a multiple of the even share N·k/E; `None` =
     /// dropless (`"off"` in a TOML file).
-    #[serde(deserialize_with = "number_or_off")]
+    #[serde(deserialize_with = "number_or_off", serialize_with = "off_when_none")]
     pub capacity_factor: Option<f64>,
     /// Standard deviation of the initial weights.
     pub init_std: f64,
@@ -400,6 +400,15 @@ pub(crate) fn number_or_off<'de, D: serde::Deserializer<'de>>(d: D) -> std::resu
     }
 }
 
+/// A setting that is a number or off as [`number_or_off`] reads it back: off as `"off"`, not
+/// left out (TOML has no null, and a setting left out reads as its default, which may be on).
+pub(crate) fn off_when_none<S: serde::Serializer>(x: &Option<f64>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match x {
+        Some(x) => s.serialize_f64(*x),
+        None => s.serialize_str("off"),
+    }
+}
+
 #[cfg(test)]
 mod number_or_off_tests {
     use crate::TrainConfig;
@@ -417,5 +426,16 @@ mod number_or_off_tests {
         assert!(e.contains("'none' (expected a number or \"off\")"), "{e}");
         let json = serde_json::to_string(&TrainConfig { grad_clip: None, ..TrainConfig::default() }).unwrap();
         assert_eq!(serde_json::from_str::<TrainConfig>(&json).unwrap().grad_clip, None);
+    }
+
+    /// Off is written as off: a setting that is off by default's opposite reads back off.
+    #[test]
+    fn off_settings_read_back_off_from_the_toml_they_are_written_as() {
+        let mut c = TrainConfig { grad_clip: None, ..TrainConfig::default() };
+        c.model.capacity_factor = None;
+        assert!(TrainConfig::default().grad_clip.is_some(), "the test needs a setting on by default");
+        let back = TrainConfig::from_toml(&c.to_toml().unwrap()).unwrap();
+        assert_eq!((back.grad_clip, back.model.capacity_factor), (None, None));
+        assert_eq!(back, c);
     }
 }

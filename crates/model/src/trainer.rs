@@ -68,7 +68,7 @@ pub struct TrainConfig {
     pub min_lr: f64,
     pub warmup_steps: u64,
     /// Clip the global gradient norm to this (None = no clipping: `"off"` in a TOML file).
-    #[serde(deserialize_with = "crate::config::number_or_off")]
+    #[serde(deserialize_with = "crate::config::number_or_off", serialize_with = "crate::config::off_when_none")]
     pub grad_clip: Option<f64>,
     /// Seed of the weights and of the sampling order.
     pub seed: u64,
@@ -121,6 +121,19 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// These settings in the shape of a `--config` file: what [`TrainConfig::from_toml`] reads
+    /// back as they are (a setting that is off is written `"off"`, not left out).
+    pub fn to_toml(&self) -> Result<String> {
+        let table = toml::Table::try_from(self).map_err(|e| ModelError::config("settings", "TOML", e.to_string()))?;
+        toml::to_string(&table).map_err(|e| ModelError::config("settings", "TOML", e.to_string()))
+    }
+
+    /// Settings from a `--config` file's text; an unknown key or a value of the wrong kind is
+    /// refused naming the key. Not validated ([`TrainConfig::validate`]).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| ModelError::config("settings", "TOML", e.to_string()))
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
         if self.steps == 0 {

@@ -28,6 +28,12 @@ pub enum ControlError {
     Json(#[from] serde_json::Error),
 }
 
+impl From<crate::relay::BadMessage> for ControlError {
+    fn from(e: crate::relay::BadMessage) -> Self {
+        ControlError::BadMessage { what: e.field, reason: e.reason }
+    }
+}
+
 impl ControlError {
     pub fn invalid(setting: Setting, reason: impl Into<String>) -> Self {
         ControlError::Invalid { setting, reason: reason.into() }

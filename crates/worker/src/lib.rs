@@ -235,7 +235,6 @@ fn rendezvous(sink: &EventSink, inbox: &Inbox, rank: usize, world: usize, epoch:
                 LauncherMessage::Addrs { .. } => continue, // another epoch's: stale
                 LauncherMessage::Abandon { epoch: e } if e == epoch => return Err(called_off(epoch)),
                 LauncherMessage::Abandon { .. } | LauncherMessage::Pause { .. } | LauncherMessage::Finish { .. } => continue,
-                LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 other => {
                     return Err(ControlError::bad_message("launcher message", format!("{other:?} during the rendezvous of epoch {epoch}")))
                 }

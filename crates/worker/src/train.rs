@@ -240,7 +240,6 @@ impl<'a> TrainingWorker<'a> {
                         Some(to_step),
                     ))
                 }
-                LauncherMessage::Stop { reason } => return Err(ControlError::Launch(format!("stopped by the launcher: {reason}"))),
                 // A rendezvous given up, or one called off: nothing to do while waiting.
                 LauncherMessage::Addrs { .. }
                 | LauncherMessage::Abandon { .. }

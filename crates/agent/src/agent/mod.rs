@@ -522,7 +522,17 @@ impl Node {
                     // Nobody to hear it; the next controller hears the worker itself.
                     return;
                 }
-                agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot, ev))
+                match lazarus_protocol::relay::reports::to_proto(slot, ev) {
+                    Ok(report) => agent_message::Body::Report(report),
+                    // Said as the worker's failure: the controller hears of it, typed.
+                    Err(e) => agent_message::Body::Report(proto::WorkerReport {
+                        slot: slot as u32,
+                        event: Some(proto::worker_report::Event::Failed(proto::worker_report::Failed {
+                            kind: proto::FailureKind::Error as i32,
+                            message: format!("worker {slot} sent what no agent carries: {e}"),
+                        })),
+                    }),
+                }
             }
             None => {
                 self.exited[slot] = true;

@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use lazarus_model::StepReport;
 use lazarus_plan::{PlanUpdate, ReplicaMap};
-use serde::Deserialize;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::agent::attach::{self, Identity, Session};
@@ -376,12 +375,6 @@ pub struct PlaneView {
     pub steps_done: u64,
 }
 
-/// The part of a job a fake reads: its map.
-#[derive(Deserialize)]
-struct JobHead {
-    plan: ReplicaMap,
-}
-
 /// One synthetic agent: attach, then answer the controller and the orchestrator until told to
 /// die or the session ends.
 async fn run_agent(index: usize, shared: Arc<Shared>, mut orders: UnboundedReceiver<Order>) -> Result<(), String> {
@@ -446,14 +439,14 @@ impl FakeAgent {
 
     fn report(&self, slot: usize, event: &WorkerEvent) {
         self.shared.reports.fetch_add(1, Relaxed);
-        self.up(self.slots[slot].epoch, agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot, event)));
+        self.up(self.slots[slot].epoch, agent_message::Body::Report(fake_report(slot, event)));
     }
 
     fn heartbeat(&self) {
         self.up(0, agent_message::Body::Heartbeat(proto::AgentHeartbeat {}));
         self.shared.agent_heartbeats.fetch_add(1, Relaxed);
         for (i, s) in self.slots.iter().enumerate().filter(|(_, s)| s.alive) {
-            self.up(s.epoch, agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(i, &WorkerEvent::Heartbeat)));
+            self.up(s.epoch, agent_message::Body::Report(fake_report(i, &WorkerEvent::Heartbeat)));
             self.shared.worker_heartbeats.fetch_add(1, Relaxed);
         }
     }
@@ -525,7 +518,7 @@ impl FakeAgent {
                         return true;
                     }
                 };
-                self.input(&i.slots, &message, m.epoch, received);
+                self.input(&i.slots, &message, received);
             }
             controller_message::Body::Kill(k) => {
                 if let Some(s) = self.slots.get_mut(k.slot as usize) {
@@ -590,7 +583,7 @@ impl FakeAgent {
         }
     }
 
-    fn input(&mut self, slots: &[u32], message: &LauncherMessage, stamp: u64, received: Instant) {
+    fn input(&mut self, slots: &[u32], message: &LauncherMessage, received: Instant) {
         let slots: Vec<usize> = slots.iter().map(|&s| s as usize).filter(|&s| s < self.slots.len()).collect();
         match message {
             LauncherMessage::Addrs { epoch, .. } => {
@@ -681,21 +674,20 @@ impl FakeAgent {
                     self.report(i, &event);
                 }
             }
-            LauncherMessage::Stop { .. } => {
-                for &i in &slots {
-                    self.slots[i].alive = false;
-                    self.up(stamp, agent_message::Body::Exited(proto::WorkerExited { slot: i as u32, status: "stopped".into() }));
-                }
-            }
             // Fakes move no state: a node's part of a move's transfers is only read.
             LauncherMessage::Fence { .. } | LauncherMessage::Transfers { .. } => {}
         }
     }
 }
 
+/// What a fake sends for its worker's event (a fake's workers train: they have no benchmark
+/// results, the one event agents do not carry).
+fn fake_report(slot: usize, event: &WorkerEvent) -> proto::WorkerReport {
+    lazarus_protocol::relay::reports::to_proto(slot, event).unwrap_or_default()
+}
+
 /// The job's first map, from the job every first agent is sent.
 fn first_map(job: &[u8], tokens_per_replica: u64) -> Result<Arc<Placed>, String> {
-    let job = lazarus_protocol::inflate_message(job)?;
-    let head: JobHead = serde_json::from_str(&job).map_err(|e| format!("the job's plan: {e}"))?;
-    Ok(Arc::new(Placed::new(head.plan, tokens_per_replica)))
+    let job = lazarus_protocol::relay::start::decode_job(job).map_err(|e| e.to_string())?;
+    Ok(Arc::new(Placed::new(job.plan, tokens_per_replica)))
 }

@@ -25,15 +25,16 @@ use crate::metrics::{JobMetrics, MetricsEndpoint, MetricsServer};
 use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
 use drive::drive;
 use lazarus_agent::launcher::{check_comm_timeout, fresh_epoch, launch, Confinement};
+use lazarus_protocol::relay::start::encode_job;
 use lazarus_protocol::relay::start::slot_to_proto;
 use lazarus_protocol::tls::ServerTls;
-use lazarus_protocol::{deflate_message, fresh_secret, TrainJob};
+use lazarus_protocol::{fresh_secret, TrainJob};
 use lazarus_protocol::{heartbeat_within, lease_without_recovery};
 use lazarus_protocol::{ControlError, Workers};
 use local_agents::{replay, start_local_agents};
 pub use local_agents::{AgentCommandLine, NodeChange, NodeSchedule};
 
-pub use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
+pub use crate::events::{JobStopped, ReconfigurationRecord, TrainEvent, TrainOutcome};
 pub use lazarus_protocol::{Reach, MAX_WORKERS, MAX_WORKERS_PER_HOST};
 /// How long workers that join a running job wait to be taken in, by default (the paper's 2
 /// minutes, §4.3: arrivals within it share one move).
@@ -485,7 +486,7 @@ impl JobRun<'_> {
             let layers = job.config.model.moe_layers().max(1);
             let placeholder = ReplicaMap::static_ep(0, layers, job.config.model.n_experts.max(1), 1)?;
             let standby = TrainJob { standby: true, plan: placeholder, ..job.clone() };
-            let job = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(&standby)?));
+            let job = prost::bytes::Bytes::from(encode_job(&standby)?);
             Ok(Joiner { job, spec: Box::new(move |id: usize, host: &str, epoch: u64| slot(id, id + 1, epoch, host)) })
         };
         if let Some(r) = a.resume.as_deref() {
@@ -504,7 +505,7 @@ impl JobRun<'_> {
             })
         });
         let run = attached.and_then(|_| {
-            let whole = prost::bytes::Bytes::from(deflate_message(&serde_json::to_vec(job)?));
+            let whole = prost::bytes::Bytes::from(encode_job(job)?);
             let mut fleet = hub.start(inputs, whole, |rank, host| slot(rank, world, epoch, host), joiner()?)?;
             // The schedule's clock starts with the workers.
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -182,7 +182,7 @@ impl Fleet for RemoteFleet {
             let mut st = self.hub.state();
             for &rank in ranks {
                 let (Some(&(agent, slot)), Some(&at)) = (self.owners.get(rank), st.rank_epoch.get(rank)) else { continue };
-                let epoch = message.epoch().map_or(at, |e| at.max(e));
+                let epoch = at.max(message.epoch());
                 st.rank_epoch[rank] = epoch;
                 st.epoch = st.epoch.max(epoch);
                 slots.entry((agent, epoch)).or_default().push(slot as u32);

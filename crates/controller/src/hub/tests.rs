@@ -44,7 +44,7 @@ fn report(epoch: u64, slot: u32, ev: &WorkerEvent) -> AgentMessage {
     AgentMessage {
         job_id: "job-7".into(),
         epoch,
-        body: Some(agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot as usize, ev))),
+        body: Some(agent_message::Body::Report(lazarus_protocol::relay::reports::to_proto(slot as usize, ev).unwrap())),
     }
 }
 
@@ -264,8 +264,8 @@ fn a_message_to_many_workers_goes_once_to_each_of_their_agents() {
     assert_eq!(inputs(&mut agents[0]), vec![(102, vec![0, 1], line.clone())]);
     assert_eq!(inputs(&mut agents[1]), vec![(102, vec![1], line)]);
     assert_eq!(inputs(&mut agents[2]), vec![]);
-    // A long message goes compressed, once for each agent.
-    let long = LauncherMessage::Stop { reason: "x".repeat(lazarus_protocol::DEFLATE_LINES_OVER) };
+    // A long message goes compressed, once for each agent (stamped with the epoch each worker is at).
+    let long = LauncherMessage::Addrs { epoch: 100, addrs: vec!["10.0.0.1:7000".into(); lazarus_protocol::DEFLATE_LINES_OVER / 8] };
     fleet.send_many(&[0, 2], &long).unwrap();
     for a in agents.iter_mut().take(2) {
         let Ok(Ok(ControllerMessage { body: Some(controller_message::Body::Input(i)), .. })) = a.try_recv() else { panic!() };

@@ -47,7 +47,6 @@ pub fn to_proto(message: &LauncherMessage) -> proto::LauncherMessage {
         }
         LauncherMessage::Pause { epoch } => lm::Message::Pause(*epoch),
         LauncherMessage::Finish { epoch } => lm::Message::Finish(*epoch),
-        LauncherMessage::Stop { reason } => lm::Message::Stop(reason.clone()),
     };
     proto::LauncherMessage { message: Some(message) }
 }
@@ -65,7 +64,6 @@ pub fn from_proto(message: proto::LauncherMessage) -> Result<LauncherMessage, Ba
         lm::Message::Fence(f) => LauncherMessage::Fence { epoch: f.epoch, ranks: words("ranks", &f.ranks)? },
         lm::Message::Pause(epoch) => LauncherMessage::Pause { epoch },
         lm::Message::Finish(epoch) => LauncherMessage::Finish { epoch },
-        lm::Message::Stop(reason) => LauncherMessage::Stop { reason },
     })
 }
 
@@ -131,7 +129,7 @@ fn holders_of(field: &'static str, h: &proto::Holders) -> Result<Vec<(usize, u32
     h.ranks.iter().zip(&h.replicas).map(|(&r, &n)| Ok((word(field, r)?, n))).collect()
 }
 
-fn replica_map(map: &ReplicaMap) -> proto::ReplicaMap {
+pub(super) fn replica_map(map: &ReplicaMap) -> proto::ReplicaMap {
     proto::ReplicaMap {
         epoch: map.epoch(),
         ranks: map.ranks() as u64,
@@ -142,7 +140,7 @@ fn replica_map(map: &ReplicaMap) -> proto::ReplicaMap {
 }
 
 /// A replica map, checked as every map is on construction ([`ReplicaMap::from_holders`]).
-fn replica_map_of(map: proto::ReplicaMap) -> Result<ReplicaMap, BadMessage> {
+pub(super) fn replica_map_of(map: proto::ReplicaMap) -> Result<ReplicaMap, BadMessage> {
     let layers = map
         .layers
         .iter()
@@ -232,7 +230,6 @@ mod tests {
             LauncherMessage::Fence { epoch: 4, ranks: vec![1, 3] },
             LauncherMessage::Pause { epoch: 5 },
             LauncherMessage::Finish { epoch: 6 },
-            LauncherMessage::Stop { reason: "the job is over".into() },
         ]
     }
 

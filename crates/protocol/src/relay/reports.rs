@@ -17,8 +17,9 @@ use crate::proto::{self, worker_report as wr};
 
 use super::{bad, ids, word, BadMessage};
 
-/// What an agent sends for worker `slot`'s `event`.
-pub fn to_proto(slot: usize, event: &WorkerEvent) -> proto::WorkerReport {
+/// What an agent sends for worker `slot`'s `event`. Refused: a benchmark's results, which stay
+/// on the machine that ran it (a training job's workers, the only ones agents start, have none).
+pub fn to_proto(slot: usize, event: &WorkerEvent) -> Result<proto::WorkerReport, BadMessage> {
     let event = match event {
         WorkerEvent::Listening { addr, epoch } => wr::Event::Listening(wr::Listening { addr: addr.clone(), epoch: *epoch }),
         WorkerEvent::Ready { pid, epoch, moved } => wr::Event::Ready(wr::Ready { pid: *pid, epoch: *epoch, moved: moved.map(move_stats) }),
@@ -57,12 +58,12 @@ pub fn to_proto(slot: usize, event: &WorkerEvent) -> proto::WorkerReport {
         WorkerEvent::Done { checkpoint } => {
             wr::Event::Done(wr::Done { checkpoint: checkpoint.as_ref().map(|p| p.as_os_str().as_bytes().to_vec()) })
         }
-        WorkerEvent::Results { results } => wr::Event::Results(wr::Results { json: results.to_string() }),
+        WorkerEvent::Results { .. } => return Err(bad("results", "a benchmark's results are not carried by node agents")),
         WorkerEvent::Failed { kind, message } => {
             wr::Event::Failed(wr::Failed { kind: failure_kind(*kind) as i32, message: message.clone() })
         }
     };
-    proto::WorkerReport { slot: slot as u32, event: Some(event) }
+    Ok(proto::WorkerReport { slot: slot as u32, event: Some(event) })
 }
 
 /// The worker's event a report from an agent carries, checked.
@@ -101,9 +102,6 @@ pub fn from_proto(report: proto::WorkerReport) -> Result<WorkerEvent, BadMessage
             snapshot: s.snapshot.map(snapshot_stats_of).transpose()?,
         },
         wr::Event::Done(d) => WorkerEvent::Done { checkpoint: d.checkpoint.map(path_of) },
-        wr::Event::Results(r) => {
-            WorkerEvent::Results { results: serde_json::from_str(&r.json).map_err(|e| bad("results", format!("not JSON ({e})")))? }
-        }
         wr::Event::Failed(f) => WorkerEvent::Failed { kind: failure_kind_of(f.kind)?, message: f.message },
     })
 }
@@ -304,7 +302,6 @@ mod tests {
             WorkerEvent::Step { report: report(52), seconds: 0.31, wire_bytes: 0, dropped: 0, snapshot: None },
             WorkerEvent::Done { checkpoint: Some(PathBuf::from(std::ffi::OsString::from_vec(b"/ck/\xff".to_vec()))) },
             WorkerEvent::Done { checkpoint: None },
-            WorkerEvent::Results { results: serde_json::json!({"tokens_per_s": 1234.5, "ranks": [0, 1]}) },
             WorkerEvent::Failed { kind: FailureKind::Config, message: "no such file".into() },
         ]
     }
@@ -312,13 +309,15 @@ mod tests {
     #[test]
     fn every_report_comes_back_as_it_was_sent() {
         for event in every_event() {
-            let sent = to_proto(3, &event);
+            let sent = to_proto(3, &event).unwrap();
             assert_eq!(sent.slot, 3);
             let bytes = prost::Message::encode_to_vec(&sent);
             let got = from_proto(prost::Message::decode(&bytes[..]).unwrap()).unwrap();
             // WorkerEvent has no PartialEq (its results are JSON): compare what they show.
             assert_eq!(format!("{got:?}"), format!("{event:?}"));
         }
+        let results = WorkerEvent::Results { results: serde_json::json!({"tokens_per_s": 1234.5}) };
+        assert_eq!(to_proto(3, &results).unwrap_err().field, "results", "a benchmark's results stay on its machine");
     }
 
     #[test]
@@ -330,8 +329,6 @@ mod tests {
         assert_eq!(refused(proto::WorkerReport { slot: 0, event: Some(failed(99)) }), "kind");
         let step = wr::Event::Step(wr::Step { report: None, ..Default::default() });
         assert_eq!(refused(proto::WorkerReport { slot: 0, event: Some(step) }), "report");
-        let results = wr::Event::Results(wr::Results { json: "{".into() });
-        assert_eq!(refused(proto::WorkerReport { slot: 0, event: Some(results) }), "results");
         let evaluated = wr::Event::Evaluated(wr::Evaluated { step: 1, evaluation: None });
         assert_eq!(refused(proto::WorkerReport { slot: 0, event: Some(evaluated) }), "evaluation");
     }

@@ -148,11 +148,12 @@ mod tests {
     fn a_runs_settings_read_back_as_a_config_for_a_new_run() {
         let dir = temp("settings");
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = TrainConfig { steps: 7, checkpoint_dir: Some(dir.clone()), run: Some("abc".into()), ..TrainConfig::default() };
+        let cfg =
+            TrainConfig { steps: 7, grad_clip: None, checkpoint_dir: Some(dir.clone()), run: Some("abc".into()), ..TrainConfig::default() };
         keep_run_files(&dir, &cfg).unwrap();
         let text = std::fs::read_to_string(dir.join(RUN_CONFIG)).unwrap();
         let back: TrainConfig = toml::from_str(&text).unwrap();
-        assert_eq!((back.steps, back.checkpoint_dir, back.run), (7, None, None));
+        assert_eq!((back.steps, back.grad_clip, back.checkpoint_dir, back.run), (7, None, None, None), "clipping off stays off");
         assert_eq!(back.model, cfg.model);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -316,7 +316,7 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
                 let checkpoint = rank0.and_then(|r| shell.done.get(&r).cloned()).flatten();
                 return Ok(Some(TrainOutcome::Completed { checkpoint }));
             }
-            Command::Stop { reason } => return Ok(Some(shell.stopped(ctl, reason.to_string()))),
+            Command::Stop { reason } => return Ok(Some(shell.stopped(ctl, reason.clone()))),
         }
         Ok(None)
     }
@@ -359,8 +359,9 @@ impl<'a, 's, O: FnMut(TrainEvent) -> Result<(), ControlError>> Driver<'a, 's, O>
                 self.fleet.finish(&how);
             }
             Ok(TrainOutcome::Failed { reason, .. }) => {
-                self.fleet.kill_all(reason);
-                self.fleet.finish(reason);
+                let reason = reason.to_string();
+                self.fleet.kill_all(&reason);
+                self.fleet.finish(&reason);
             }
             Err(e) => {
                 self.fleet.kill_all(&e.to_string());

@@ -2,16 +2,16 @@
 //! when every worker is done, the record of each reconfiguration, and each move's plan as each
 //! worker is sent it (the change from the map it has).
 
-use lazarus_setting::Setting;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use lazarus_plan::{PlanUpdate, ReplicaMap};
 
 use crate::decisions::{Controller, Event, MoveCause, MoveCost, StopReport};
-use crate::events::{ReconfigurationRecord, TrainEvent, TrainOutcome};
+use crate::events::{JobStopped, ReconfigurationRecord, TrainEvent, TrainOutcome};
+use lazarus_decide::StopReason;
 use lazarus_protocol::ControlError;
 use lazarus_protocol::{MoveStats, WorkerEvent};
 
@@ -148,20 +148,12 @@ impl Shell {
 
     /// The job stopped: why (with the first failure a worker reported, and how to go on from
     /// the last checkpoint), and how each worker ended.
-    pub(super) fn stopped(&self, ctl: &Controller, reason: String) -> TrainOutcome {
-        let mut reason = match &self.first_error {
-            Some(first) => format!("{reason} (first failure: {first})"),
-            None => reason,
+    pub(super) fn stopped(&self, ctl: &Controller, reason: StopReason) -> TrainOutcome {
+        let reason = JobStopped {
+            reason,
+            first_failure: self.first_error.clone(),
+            resume_from: self.last_checkpoint.as_ref().and_then(|p| p.parent()).map(Path::to_path_buf),
         };
-        // Where to go on from: the user's next command, not only a step number.
-        if let Some(dir) = self.last_checkpoint.as_ref().and_then(|p| p.parent()) {
-            reason.push_str(&format!(
-                "; to go on from it, start the job again on enough workers with {} {} {}",
-                Setting::CheckpointDir,
-                dir.display(),
-                Setting::Resume
-            ));
-        }
         let ends = ctl.nodes().map(|n| {
             let w = n as usize;
             let how = match self.ends.get(&w) {
