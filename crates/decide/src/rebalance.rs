@@ -36,6 +36,9 @@ pub(super) const MAPPED_FROM_NODES: usize = 256;
 pub(crate) struct LoadMonitor {
     /// Σ expert loads per layer since the plan was made.
     pub(crate) loads: Vec<Vec<f64>>,
+    /// The loads measured under an earlier plan (the last that measured any): what a plan made
+    /// before the running one measured anything is made from.
+    pub(crate) earlier: Vec<Vec<f64>>,
     /// Steps done since the plan was made (or the last weighing), and their seconds.
     pub(crate) steps_since_plan: u64,
     pub(crate) step_seconds: f64,
@@ -55,6 +58,7 @@ impl LoadMonitor {
     pub(crate) fn new(layers: usize, experts: usize) -> Self {
         LoadMonitor {
             loads: vec![vec![0.0; experts]; layers],
+            earlier: Vec::new(),
             steps_since_plan: 0,
             step_seconds: 0.0,
             seconds_per_byte: DEFAULT_SECONDS_PER_BYTE,
@@ -95,10 +99,30 @@ impl LoadMonitor {
         }
     }
 
-    /// A new plan runs: nothing measured of it yet.
+    /// A new plan runs: nothing measured of it yet (what the plan before it measured is kept).
     pub(crate) fn restart(&mut self) {
-        self.loads.iter_mut().flatten().for_each(|x| *x = 0.0);
+        if self.measured() {
+            std::mem::swap(&mut self.loads, &mut self.earlier);
+            self.loads.resize_with(self.earlier.len(), Vec::new);
+            for (l, e) in self.loads.iter_mut().zip(&self.earlier) {
+                l.clear();
+                l.resize(e.len(), 0.0);
+            }
+        }
         self.restart_steps();
+    }
+
+    /// The loads to plan from: those measured under the running plan, else those measured
+    /// under an earlier one — a loss right after a move has measured nothing of its plan yet,
+    /// and a plan from even loads then would forget what the job routes (at 1,024 GPUs with
+    /// one slot each, a hot expert with a quarter of its replicas: steps 15× longer until the
+    /// next rebalance) — else None.
+    pub(crate) fn plan_loads(&self) -> Option<&Vec<Vec<f64>>> {
+        if self.measured() {
+            Some(&self.loads)
+        } else {
+            Some(&self.earlier).filter(|e| e.iter().flatten().any(|&x| x > 0.0))
+        }
     }
 
     /// The step count and time start again (a weighing was asked for; the loads keep adding up).
@@ -536,6 +560,14 @@ mod tests {
         assert!(m.measured() && m.step_s().is_none(), "a weighing restarts the steps, not the loads");
         m.restart();
         assert!(!m.measured() && m.loads == vec![vec![0.0; 3]; 2]);
+        let measured = vec![vec![2.0, 3.0, 4.0], vec![0.0, 0.0, 4.0]];
+        assert_eq!(m.plan_loads(), Some(&measured), "a plan that measured nothing yet is made from the loads before it");
+        m.restart();
+        assert_eq!(m.plan_loads(), Some(&measured), "and still after a move that measured nothing");
+        m.record(&[vec![0, 0, 1], vec![1, 0, 0]], 1, 1.0);
+        m.restart();
+        assert_eq!(m.plan_loads(), Some(&vec![vec![0.0, 0.0, 1.0], vec![1.0, 0.0, 0.0]]), "the latest measured");
+        assert_eq!(LoadMonitor::new(2, 3).plan_loads(), None);
     }
 
     #[test]

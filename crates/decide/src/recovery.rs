@@ -352,12 +352,14 @@ impl<S: StepRecord> Controller<S> {
         report
     }
 
-    /// Loads to plan from: those measured since the plan was made, or even loads before any.
+    /// Loads to plan from: those measured ([`LoadMonitor::plan_loads`]), or even loads
+    /// before any.
+    ///
+    /// [`LoadMonitor::plan_loads`]: super::rebalance::LoadMonitor::plan_loads
     fn plan_loads(&self) -> Vec<Vec<f64>> {
-        if self.monitor.measured() {
-            self.monitor.loads.clone()
-        } else {
-            vec![vec![1.0; self.spec.experts]; self.spec.layers]
+        match self.monitor.plan_loads() {
+            Some(loads) => loads.clone(),
+            None => vec![vec![1.0; self.spec.experts]; self.spec.layers],
         }
     }
 }

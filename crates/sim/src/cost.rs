@@ -52,7 +52,12 @@ impl ModelSpec {
             "gpt-s" => (12, 768, 8, 521e6, 63.0, 0.5),
             "gpt-m" => (12, 1024, 12, 1.3e9, 112.0, 0.75),
             "gpt-l" => (12, 1024, 16, 1.7e9, 112.0, 0.75),
-            other => return Err(SimError::invalid("model", other, "expected gpt-s, gpt-m or gpt-l")),
+            // DeepSeek-V3 (its technical report, 2024): 58 MoE layers of 61, 256 routed experts
+            // of 3 × 7168 × 2048 weights each (16 bytes of state per weight: 705 MB), 671 B
+            // parameters. Its step is our assumption: 4 sequences of 4,096 tokens per GPU at
+            // the report's 1,543 tokens per GPU-second (14.8 T tokens in 2.664 M GPU-hours).
+            "deepseek-v3" => (58, 7168, 256, 671e9, 3.0 * 7168.0 * 2048.0 * 16.0 / 1e6, 4.0 * 4096.0 / 1543.0),
+            other => return Err(SimError::invalid("model", other, "expected gpt-s, gpt-m, gpt-l or deepseek-v3")),
         };
         Ok(ModelSpec {
             name: name.to_string(),
@@ -123,8 +128,13 @@ pub struct CostModel {
     pub storage_gbps: f64,
     /// Bytes of checkpointed state per parameter (fp16 weights + fp32 master + two moments).
     pub bytes_per_param: f64,
-    /// Waiting for the collective time-out after a failure (paper: 10–20 s).
+    /// Waiting for the collective time-out after a failure found out by silence (paper: 10–20 s).
     pub failure_timeout_s: f64,
+    /// Finding out a failure by its process's exit (a failure mix's [`crate::mix::Seen::Exit`]):
+    /// the launcher on its host sees the exit and the survivors abort their collectives. Our
+    /// agents take ~0.1 s on CPU workers (docs/results.md); 1 s allows for aborting NCCL
+    /// communicators.
+    pub exit_detect_s: f64,
     /// Rebuilding communication groups for a new configuration (paper: 5–15 s).
     pub group_rebuild_s: f64,
     /// Relaunching every process and initialising, before the checkpoint is read.
@@ -153,6 +163,7 @@ impl Default for CostModel {
             storage_gbps: 10.0,
             bytes_per_param: 16.0,
             failure_timeout_s: 15.0,
+            exit_detect_s: 1.0,
             group_rebuild_s: 10.0,
             restart_s: 60.0,
             rebalance_s: 2.0,
@@ -209,6 +220,7 @@ impl CostModel {
         }
         for (field, v) in [
             ("failure_timeout_s", self.failure_timeout_s),
+            ("exit_detect_s", self.exit_detect_s),
             ("group_rebuild_s", self.group_rebuild_s),
             ("restart_s", self.restart_s),
             ("rebalance_s", self.rebalance_s),

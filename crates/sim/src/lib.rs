@@ -7,6 +7,7 @@ pub mod cost;
 pub mod engine;
 mod error;
 pub mod loads;
+pub mod mix;
 pub mod svg;
 pub mod trace;
 
@@ -16,4 +17,5 @@ pub use engine::{
 };
 pub use error::SimError;
 pub use loads::LoadModel;
+pub use mix::{Cause, FailureMix, Seen};
 pub use trace::{parse_duration_ms, Change, Trace, TraceEvent, MAX_EVENTS, MAX_NODES};

@@ -259,7 +259,7 @@ proptest! {
         let trace = Trace::parse_bamboo(&text, "gen").unwrap();
         let mut cost = CostModel { scale_up_wait_s: wait_s, rebalance_every, ..CostModel::default() };
         (cost.checkpoint_every_ds, cost.checkpoint_every_ds_ft, cost.checkpoint_every_lazarus) = (checkpoint_every, checkpoint_every, checkpoint_every);
-        let s = Scenario { trace, model: ModelSpec::preset(model).unwrap(), cost, loads: LoadModel::default(), max_nodes, duration_s: minutes * 60.0, notices: Default::default() };
+        let s = Scenario { trace, model: ModelSpec::preset(model).unwrap(), cost, loads: LoadModel::default(), max_nodes, duration_s: minutes * 60.0, notices: Default::default(), mix: None, seed: 0 };
         for p in [Policy::Lazarus, Policy::Ds, Policy::DsFt] {
             let r = simulate(&s, p).unwrap();
             let total = r.breakdown.total();

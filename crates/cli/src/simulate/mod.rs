@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_sim::{parse_duration_ms, simulate, CostModel, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace};
+use lazarus_sim::{
+    parse_duration_ms, simulate, CostModel, FailureMix, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace,
+};
 use serde::Serialize;
 
 mod sweep;
@@ -32,12 +34,28 @@ pub struct SimArgs {
     poisson_mtbf: Option<String>,
     #[arg(long, value_name = "DUR", default_value = "10m")]
     repair: String,
+    /// The causes of the failures, from a published report (llama3: Llama 3 405B's 419
+    /// interruptions in 54 days on 16,384 GPUs): each failure is found out by its process's exit
+    /// (--exit-detect) or by a time-out, as its cause is. Alone, it also sets the failure rate:
+    /// each node fails as often as the report's GPUs did, times --gpus-per-node.
+    #[arg(long, value_name = "NAME")]
+    failure_mix: Option<String>,
+    /// Seconds from a process's exit to its survivors aborting their collectives (with
+    /// --failure-mix; default 1 s).
+    #[arg(long, value_name = "DUR")]
+    exit_detect: Option<String>,
+    /// Seconds a failure found out by silence costs: the lease or collective time-out (default
+    /// 15 s, the paper's).
+    #[arg(long, value_name = "DUR")]
+    failure_timeout: Option<String>,
     /// Nodes at the start of a generated pattern.
     #[arg(long, default_value_t = 10)]
     nodes: usize,
     /// --fail-every stops at this many nodes (default: half of --nodes).
     #[arg(long)]
     floor: Option<usize>,
+    /// gpt-s, gpt-m, gpt-l (the paper's) or deepseek-v3 (58 MoE layers of 256 experts, 671 B
+    /// parameters).
     #[arg(long, default_value = "gpt-s")]
     model: String,
     /// Override the model's MoE layers (e.g. 58 for a DeepSeek-V3-like shape).
@@ -57,6 +75,12 @@ pub struct SimArgs {
     max_nodes: usize,
     #[arg(long)]
     gpus_per_node: Option<usize>,
+    /// The storage's bandwidth for checkpoints, all nodes together (default 10, the paper's NFS).
+    #[arg(long, value_name = "GBPS")]
+    storage_gbps: Option<f64>,
+    /// One node's network bandwidth (default 100).
+    #[arg(long, value_name = "GBPS")]
+    network_gbps: Option<f64>,
     #[arg(long)]
     slots_per_gpu: Option<usize>,
     /// Replay only [A, B) of the trace, e.g. 0:80m.
@@ -121,7 +145,8 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         args.poisson_mtbf.is_some(),
     ];
     match sources.iter().filter(|&&b| b).count() {
-        0 => bail!("give one of --trace, --availability, --fail-every, --fail-at-once or --poisson-mtbf"),
+        0 if args.failure_mix.is_some() => {}
+        0 => bail!("give one of --trace, --availability, --fail-every, --fail-at-once, --poisson-mtbf or --failure-mix"),
         1 => {}
         _ => bail!("give only one of --trace, --availability, --fail-every, --fail-at-once and --poisson-mtbf"),
     }
@@ -188,7 +213,9 @@ fn build(args: &SimArgs) -> Result<(Scenario, Vec<Policy>)> {
         bail!("--floor is where --fail-every stops: it means nothing without it");
     }
     let notices = Notices { share: args.notice_share, lead_s: dur("notice-lead", &args.notice_lead)? as f64 / 1000.0, seed: args.seed };
-    let scenario = Scenario { trace, model, cost, loads, max_nodes: args.max_nodes, duration_s: duration_ms as f64 / 1000.0, notices };
+    let mix = args.failure_mix.as_deref().map(FailureMix::preset).transpose().context("invalid --failure-mix")?;
+    let (max_nodes, duration_s, seed) = (args.max_nodes, duration_ms as f64 / 1000.0, args.seed);
+    let scenario = Scenario { trace, model, cost, loads, max_nodes, duration_s, notices, mix, seed };
     scenario.validate().map_err(named_flag)?;
     Ok((scenario, policies))
 }
@@ -227,12 +254,17 @@ fn trace_of(args: &SimArgs, duration_ms: u64) -> Result<Trace> {
         let Some((k, t)) = k.split_once('@') else { bail!("invalid --fail-at-once: {k:?} (expected K@T, e.g. 4@10m)") };
         let k: usize = k.parse().map_err(|_| anyhow::anyhow!("invalid --fail-at-once: count {k:?}"))?;
         Trace::fail_at_once(args.nodes, k, dur("fail-at-once", t)?, args.seed)?
-    } else {
-        let mtbf = dur("poisson-mtbf", args.poisson_mtbf.as_deref().unwrap_or_default())?;
+    } else if let Some(mtbf) = &args.poisson_mtbf {
+        let mtbf = dur("poisson-mtbf", mtbf)?;
         if mtbf == 0 {
             bail!("invalid --poisson-mtbf: 0 (must be > 0)");
         }
         Trace::poisson(args.nodes, mtbf as f64, dur("repair", &args.repair)?, duration_ms, args.seed)?
+    } else {
+        // A failure mix alone: each node fails at the report's rate per GPU.
+        let mix = FailureMix::preset(args.failure_mix.as_deref().unwrap_or_default()).context("invalid --failure-mix")?;
+        let mtbf = mix.node_mtbf_ms(args.gpus_per_node.unwrap_or(CostModel::default().gpus_per_node));
+        Trace::poisson(args.nodes, mtbf, dur("repair", &args.repair)?, duration_ms, args.seed)?
     })
 }
 
@@ -250,6 +282,14 @@ fn cost_model(args: &SimArgs) -> Result<CostModel> {
     override_with(&mut cost.rebalance_every, args.rebalance_every);
     override_with(&mut cost.min_replicas, args.min_replicas);
     override_with(&mut cost.restart_s, args.restart_s);
+    override_with(&mut cost.storage_gbps, args.storage_gbps);
+    override_with(&mut cost.network_gbps, args.network_gbps);
+    if let Some(d) = &args.exit_detect {
+        cost.exit_detect_s = dur("exit-detect", d)? as f64 / 1000.0;
+    }
+    if let Some(d) = &args.failure_timeout {
+        cost.failure_timeout_s = dur("failure-timeout", d)? as f64 / 1000.0;
+    }
     Ok(cost)
 }
 
@@ -263,6 +303,8 @@ fn named_flag(e: lazarus_sim::SimError) -> anyhow::Error {
         "max_nodes" => "--max-nodes",
         "min_replicas" => "--min-replicas",
         "restart_s" => "--restart-s",
+        "storage_gbps" => "--storage-gbps",
+        "network_gbps" => "--network-gbps",
         "scale_up_wait_s" => "--scale-up-wait",
         "checkpoint_every_ds" => "--checkpoint-every-ds",
         "checkpoint_every_ds_ft" => "--checkpoint-every-ft",
@@ -292,6 +334,9 @@ struct PolicyJson<'a> {
     rebalances: u64,
     drains: u64,
     checkpoints: u64,
+    /// Failures of nodes in use, and those found out by an exit.
+    failures: usize,
+    failures_seen_by_exit: u64,
     breakdown: &'a lazarus_sim::Breakdown,
     nodes_in_use: &'a [(f64, usize)],
 }
@@ -301,6 +346,7 @@ struct Report<'a> {
     policies: Vec<PolicyJson<'a>>,
     model: &'a ModelSpec,
     cost: &'a CostModel,
+    failure_mix: Option<&'a FailureMix>,
     duration_s: f64,
     trace_events: usize,
     /// Seconds the simulation itself took.
@@ -335,12 +381,15 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
                     rebalances: r.rebalances,
                     drains: r.drains,
                     checkpoints: r.checkpoints,
+                    failures: r.failures_s.len(),
+                    failures_seen_by_exit: r.failures_seen_by_exit,
                     breakdown: &r.breakdown,
                     nodes_in_use: &r.nodes_in_use,
                 })
                 .collect(),
             model: &scenario.model,
             cost: &scenario.cost,
+            failure_mix: scenario.mix.as_ref(),
             duration_s: scenario.duration_s,
             trace_events: scenario.trace.events.len(),
             sim_wall_s,
@@ -384,6 +433,11 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             pct(b.rebalance_s),
             pct(b.idle_s)
         );
+    }
+    if let Some(mix) = &scenario.mix {
+        let seen: Vec<String> =
+            reports.iter().map(|r| format!("{} {}/{}", r.policy.name(), r.failures_seen_by_exit, r.failures_s.len())).collect();
+        let _ = writeln!(out, "failures found out by an exit ({} mix; the rest by a time-out): {}", mix.name, seen.join(", "));
     }
     let get = |p: Policy| reports.iter().find(|r| r.policy == p).map(|r| r.trained_samples);
     if let Some(l) = get(Policy::Lazarus) {

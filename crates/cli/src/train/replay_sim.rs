@@ -122,7 +122,17 @@ pub fn scenario(cfg: &TrainConfig, shape: &RunShape, cal: &Calibration, f: &RunF
         ..CostModel::default()
     };
     let loads = if f.loads.iter().flatten().any(|&x| x > 0.0) { LoadModel::Trace(vec![f.loads.clone()]) } else { LoadModel::default() };
-    Scenario { trace, model, cost, loads, max_nodes: shape.most_nodes.max(1), duration_s: f.wall_s, notices: Default::default() }
+    Scenario {
+        trace,
+        model,
+        cost,
+        loads,
+        max_nodes: shape.most_nodes.max(1),
+        duration_s: f.wall_s,
+        notices: Default::default(),
+        mix: None,
+        seed: 0,
+    }
 }
 
 /// Predicted against measured, as the `--json-log` records it.

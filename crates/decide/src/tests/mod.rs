@@ -297,6 +297,38 @@ fn a_rebalance_that_repays_its_move_pauses_the_job_and_moves_it_to_the_measured_
     assert!(hot(&m.change.plan) > hot(&running(3, 4, 2, t0).plan().unwrap().replica_map()));
 }
 
+/// A loss right after a move, before a step of the new plan, plans from the loads measured
+/// before it (one hot expert), not from even loads that would give it a quarter of its replicas.
+#[test]
+fn a_loss_before_the_new_plan_measured_anything_plans_from_the_loads_measured_before() {
+    let t0 = Instant::now();
+    let mut c = running(5, 4, 6, t0);
+    c.decide(t0, Event::StepDone { epoch: 0, step: 5, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 0.1, moved: None });
+    let lose = |c: &mut Controller, node: NodeId, epoch: u64| {
+        c.decide(t0, Event::Exited { node, status: "killed by signal 9".into() });
+        let mut out = Vec::new();
+        for n in c.ranks().to_vec().into_iter().filter(|&n| n != node) {
+            out.extend(c.decide(t0, Event::StepFailed { node: n, epoch, report: stopped_at(5, c, n) }));
+        }
+        let [Command::Reconfigure(m)] = &out[..] else { panic!("{out:?}") };
+        for (i, &n) in m.ranks.iter().enumerate() {
+            c.decide(t0, Event::Listening { node: n, epoch: m.change.epoch, addr: format!("b{i}") });
+        }
+        for &n in &m.ranks {
+            c.decide(t0, Event::Ready { node: n, epoch: m.change.epoch });
+        }
+        m.change.plan.clone()
+    };
+    let replicas = |p: &lazarus_plan::ReplicaMap, e: usize| (0..p.ranks()).map(|q| p.replicas_on(0, e, q)).sum::<u32>();
+    let first = lose(&mut c, 14, 0);
+    // Nothing is measured in epoch 1 before the next loss.
+    let second = lose(&mut c, 13, 1);
+    for plan in [&first, &second] {
+        let (hot, cold) = (replicas(plan, 0), replicas(plan, 1));
+        assert!(hot > cold + 1, "the hot expert keeps the most replicas: {hot} against {cold}");
+    }
+}
+
 /// Popularity drifted in the first MoE layer only; the second's candidate differs a little and
 /// gains next to nothing. With moves slow enough (10 MB/s) the first layer repays its move and
 /// the second does not: the job moves the first layer only, and the second keeps its placement.

@@ -22,6 +22,7 @@ use std::collections::HashSet;
 use crate::cost::{CostModel, ModelSpec};
 use crate::error::SimError;
 use crate::loads::{LoadCursor, LoadModel};
+use crate::mix::{FailureMix, Seen};
 use crate::trace::{Change, Trace, MAX_NODES};
 pub use policy::Policy;
 use policy::{Ds, DsFt, FailurePolicy, Gemini, Lazarus, MoEvement, StaticEp, TorchFt};
@@ -40,6 +41,10 @@ pub struct Scenario {
     pub duration_s: f64,
     /// Which removals of the trace come with a notice, and how long before.
     pub notices: Notices,
+    /// The causes of the removals, and so how each is found out (None: every one by silence).
+    pub mix: Option<FailureMix>,
+    /// Seed of the causes' draws.
+    pub seed: u64,
 }
 
 /// Preemption notices (a spot instance's two-minute warning, a host's planned maintenance): a
@@ -76,6 +81,20 @@ impl Notices {
 }
 
 impl Scenario {
+    /// How the failure of `node` at `at_s` is found out: its cause's way ([`crate::mix`]), by
+    /// silence without a mix.
+    fn seen(&self, node: &str, at_s: f64) -> Seen {
+        self.mix.as_ref().map_or(Seen::Silence, |m| m.cause_of(self.seed, node, (at_s * 1000.0).round() as u64).seen)
+    }
+
+    /// Seconds until a failure seen so is found out.
+    fn detect_s(&self, seen: Seen) -> f64 {
+        match seen {
+            Seen::Exit => self.cost.exit_detect_s,
+            Seen::Silence => self.cost.failure_timeout_s,
+        }
+    }
+
     /// Everything [`simulate`] needs bounded: the model, the costs, the loads against the model,
     /// the trace ([`Trace::validate`]), `max_nodes` (1 to [`MAX_NODES`]) and the duration (> 0,
     /// at most [`MAX_DURATION_S`]). The per-policy work bound ([`MAX_BOUNDARIES`]) is checked by
@@ -187,6 +206,8 @@ struct Run<'a, P: FailurePolicy> {
     retired: Vec<String>,
     /// Live nodes that gave notice: drained at the end of the step in flight, never used again.
     leaving: Vec<String>,
+    /// How long the last failure took to be found out ([`Scenario::detect_s`]).
+    detect_s: f64,
     loads: std::cell::RefCell<LoadCursor>,
 }
 
@@ -237,6 +258,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             tally: Tally::default(),
             retired: Vec::new(),
             leaving: Vec::new(),
+            detect_s: s.cost.failure_timeout_s,
             loads: std::cell::RefCell::new(LoadCursor::new(s.loads.clone(), s.model.layers, s.model.experts)),
         }
     }
@@ -573,7 +595,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         self.fresh_config()?;
         if self.config.is_some() {
             // The policy's restart, less the time-out: nothing failed just now.
-            let t = (self.p.restart_s(self) - self.cost().failure_timeout_s).max(0.0);
+            let t = (self.p.restart_s(self) - self.detect_s).max(0.0);
             self.begin(Busy::Restart, t);
         }
         Ok(())
@@ -601,6 +623,12 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             return Ok(());
         }
         self.tally.failures.push(self.now);
+        // Found out when the last of them is (an exit at once, a silence by its time-out).
+        let seen: Vec<Seen> = failed.iter().map(|n| self.s.seen(n, self.now)).collect();
+        self.detect_s = seen.iter().map(|&s| self.s.detect_s(s)).fold(0.0, f64::max);
+        if seen.iter().all(|&s| s == Seen::Exit) {
+            self.tally.seen_by_exit += 1;
+        }
         // The step in flight is abandoned everywhere; a checkpoint being written never completes.
         self.tally.time.lost_work_s += self.partial_s;
         self.partial_s = 0.0;

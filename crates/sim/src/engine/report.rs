@@ -67,6 +67,9 @@ pub struct PolicyReport {
     pub series: Vec<SeriesPoint>,
     /// Times (s) at which nodes in use failed.
     pub failures_s: Vec<f64>,
+    /// Of those failures, the ones every failed node of which was found out by its process's
+    /// exit (with a failure mix; the others by a time-out).
+    pub failures_seen_by_exit: u64,
     /// (time s, nodes in use) at every configuration change (0 = none usable).
     pub nodes_in_use: Vec<(f64, usize)>,
 }
@@ -88,6 +91,7 @@ pub(super) struct Tally {
     pub rollbacks: Vec<(f64, f64)>,
     /// Times at which nodes in use failed.
     pub failures: Vec<f64>,
+    pub seen_by_exit: u64,
     /// (t, nodes in use) at every configuration change.
     pub nodes_in_use: Vec<(f64, usize)>,
 }
@@ -138,6 +142,7 @@ impl<P: FailurePolicy> Run<'_, P> {
             breakdown: t.time.clone(),
             series,
             failures_s: t.failures.clone(),
+            failures_seen_by_exit: t.seen_by_exit,
             nodes_in_use: t.nodes_in_use.clone(),
         }
     }

@@ -9,6 +9,8 @@ fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
         max_nodes: 10,
         duration_s: minutes * 60.0,
         notices: Notices::default(),
+        mix: None,
+        seed: 0,
     }
 }
 
@@ -323,4 +325,29 @@ fn nodes_that_give_notice_are_drained_with_no_step_lost() {
     let mut bad = told(1.0);
     bad.notices.share = 1.5;
     assert!(simulate(&bad, Policy::Lazarus).unwrap_err().to_string().contains("notices.share"));
+}
+
+/// With a failure mix, a failure its process's exit gives away costs the exit's detection
+/// instead of the time-out, for every policy alike; the same trace without a mix is found out by
+/// silence throughout.
+#[test]
+fn failures_seen_by_an_exit_cost_less_than_those_found_by_a_time_out() {
+    let silent = scenario("gpt-s", Trace::fail_every(10, 120_000, 5, 1).unwrap(), 12.0);
+    let mixed = Scenario { mix: Some(crate::FailureMix::preset("llama3").unwrap()), seed: 4, ..silent.clone() };
+    let (before, after) = (all(&silent), all(&mixed));
+    let failures = before[0].failures_s.len() as u64;
+    assert!(failures >= 4, "{failures}");
+    let exits = after[0].failures_seen_by_exit;
+    assert!(exits > 0 && exits < failures, "a mix of both ways among {failures} failures: {exits} by an exit");
+    for (b, a) in before.iter().zip(&after) {
+        assert_eq!(b.failures_seen_by_exit, 0, "{:?}: without a mix every failure is found out by silence", b.policy);
+        // (A policy that uses fewer nodes meets fewer of the failures.)
+        assert!(a.failures_seen_by_exit <= a.failures_s.len() as u64, "{:?}", a.policy);
+        let waited = |r: &PolicyReport| r.breakdown.reconfig_s + r.breakdown.restart_s;
+        assert!(waited(a) < waited(b), "{:?}: {} s waited with exits seen, {} s without", a.policy, waited(a), waited(b));
+    }
+    let lazarus = |r: &[PolicyReport]| r.iter().find(|r| r.policy == Policy::Lazarus).unwrap().breakdown.reconfig_s;
+    let saved = lazarus(&before) - lazarus(&after);
+    let expected = exits as f64 * (mixed.cost.failure_timeout_s - mixed.cost.exit_detect_s);
+    assert!((saved - expected).abs() < 1e-6, "Lazarus saves the time-out less the exit's detection per exit: {saved} s, {expected} s");
 }

@@ -20,6 +20,6 @@ impl OnStaticEp for DsFt {
             return run.restart();
         }
         let c = run.cost();
-        regroup(run, ep, survivors, true, c.group_rebuild_s + c.failure_timeout_s)
+        regroup(run, ep, survivors, true, c.group_rebuild_s + run.detect_s)
     }
 }

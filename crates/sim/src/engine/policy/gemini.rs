@@ -52,7 +52,7 @@ impl OnStaticEp for Gemini {
     /// The time-out, the relaunch, and every node's shard read back from its peer.
     fn restart_s(&self, run: &EpRun<'_, Self>) -> f64 {
         let c = run.cost();
-        c.failure_timeout_s + c.restart_s + c.transfer_s(self.shard_bytes)
+        run.detect_s + c.restart_s + c.transfer_s(self.shard_bytes)
     }
 
     fn on_failure(&self, run: &mut EpRun<'_, Self>, _: EpConfig, _: &[String], _: Vec<String>) -> Result<(), SimError> {

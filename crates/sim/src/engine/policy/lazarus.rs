@@ -389,7 +389,7 @@ impl FailurePolicy for Lazarus {
             sh.outcome(now, &out)
         });
         let c = run.cost();
-        let fixed = c.group_rebuild_s + c.failure_timeout_s;
+        let fixed = c.group_rebuild_s + run.detect_s;
         match outcome {
             Some(Outcome::Stay) | None => {
                 *self.shell.borrow_mut() = None;

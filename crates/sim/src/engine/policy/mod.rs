@@ -98,7 +98,7 @@ pub(super) trait FailurePolicy: Sized {
     /// checkpoint: by default the failure time-out, the relaunch and a whole load from storage.
     fn restart_s(&self, run: &Run<'_, Self>) -> f64 {
         let c = run.cost();
-        c.failure_timeout_s + c.restart_s + c.checkpoint_s(&run.s.model)
+        run.detect_s + c.restart_s + c.checkpoint_s(&run.s.model)
     }
 
     /// Steps between rebalances, if it rebalances at all.

@@ -32,6 +32,6 @@ impl OnStaticEp for MoEvement {
             return run.restart();
         }
         let c = run.cost();
-        regroup(run, ep, nodes, false, c.failure_timeout_s + c.group_rebuild_s)
+        regroup(run, ep, nodes, false, run.detect_s + c.group_rebuild_s)
     }
 }

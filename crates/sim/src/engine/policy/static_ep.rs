@@ -45,10 +45,10 @@ pub(in crate::engine) trait OnStaticEp: Sized {
     }
 
     /// Seconds from a failure to training again after a restart (default: the time-out, the
-    /// relaunch and a whole load from storage).
+    /// relaunch and a whole load from storage); the time-out is how the failure was found out.
     fn restart_s(&self, run: &EpRun<'_, Self>) -> f64 {
         let c = run.cost();
-        c.failure_timeout_s + c.restart_s + c.checkpoint_s(&run.s.model)
+        run.detect_s + c.restart_s + c.checkpoint_s(&run.s.model)
     }
 
     fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, failed: &[String], survivors: Vec<String>) -> Result<(), SimError>;

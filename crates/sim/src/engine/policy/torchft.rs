@@ -22,7 +22,7 @@ impl OnStaticEp for TorchFt {
     /// The groups without a failed node go on; a restart when none is left.
     fn on_failure(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, failed: &[String], _: Vec<String>) -> Result<(), SimError> {
         let c = run.cost();
-        leave_quorum(run, ep, failed, c.failure_timeout_s + c.group_rebuild_s)
+        leave_quorum(run, ep, failed, run.detect_s + c.group_rebuild_s)
     }
 
     /// The groups of the nodes that leave step out of the quorum at the step's end.
