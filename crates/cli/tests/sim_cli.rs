@@ -126,3 +126,78 @@ fn a_sweep_compares_every_policy_at_every_value() {
     let out = lazarus(&["sim", "--sweep", "floor=1,2"]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no setting a sweep varies"));
 }
+
+/// A failure mix from a published report: each failure found out by an exit or a time-out, as
+/// its cause is, said in the text and the JSON; a report's mix alone sets the rate too; with
+/// experts on one node, the snapshot tier's restores are said.
+#[test]
+fn a_failure_mix_and_the_snapshot_tier_are_reported() {
+    let out = lazarus(&[
+        "sim",
+        "--fail-every",
+        "3m",
+        "--nodes",
+        "8",
+        "--max-nodes",
+        "8",
+        "--duration",
+        "30m",
+        "--failure-mix",
+        "llama3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["failure_mix"]["name"], "llama3");
+    assert_eq!(v["failure_mix"]["causes"].as_array().unwrap().len(), 18);
+    for p in v["policies"].as_array().unwrap() {
+        let (failures, exits) = (p["failures"].as_u64().unwrap(), p["failures_seen_by_exit"].as_u64().unwrap());
+        assert!(failures > 0 && exits <= failures, "{p}");
+    }
+    let out = lazarus(&[
+        "sim",
+        "--fail-every",
+        "5m",
+        "--nodes",
+        "8",
+        "--max-nodes",
+        "8",
+        "--slots-per-gpu",
+        "2",
+        "--min-replicas",
+        "1",
+        "--duration",
+        "30m",
+        "--policy",
+        "lazarus",
+        "--failure-mix",
+        "llama3",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("failures found out by an exit (llama3 mix; the rest by a time-out): lazarus "), "{text}");
+    assert!(text.contains("experts from snapshots instead of a rollback"), "{text}");
+    // The report's rate alone: 1,024 GPUs for a month meet about fifteen interruptions.
+    let out = lazarus(&[
+        "sim",
+        "--failure-mix",
+        "llama3",
+        "--nodes",
+        "128",
+        "--max-nodes",
+        "128",
+        "--gpus-per-node",
+        "8",
+        "--duration",
+        "720h",
+        "--policy",
+        "ds",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let failures = v["policies"][0]["failures"].as_u64().unwrap();
+    assert!((5..=30).contains(&failures), "{failures} failures in a month of 1,024 GPUs at Llama 3's rate (about 14.5 expected)");
+    let out = lazarus(&["sim", "--failure-mix", "meta", "--fail-every", "5m"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("expected llama3"));
+}

@@ -150,6 +150,10 @@ pub struct CostModel {
     pub scale_up_wait_s: f64,
     /// Lazarus's fault-tolerance floor f (replicas per expert), lowered when slots run short.
     pub min_replicas: usize,
+    /// Bytes per second of the links given to Lazarus's expert snapshots, the job's together
+    /// (each step sends this times the step time; 0: no snapshot tier). Default: the workers'
+    /// ceiling, 625e6 (5 Gb/s).
+    pub snapshot_bandwidth: f64,
 }
 
 impl Default for CostModel {
@@ -173,6 +177,7 @@ impl Default for CostModel {
             rebalance_every: 200,
             scale_up_wait_s: 120.0,
             min_replicas: 2,
+            snapshot_bandwidth: 625e6,
         }
     }
 }
@@ -225,6 +230,7 @@ impl CostModel {
             ("restart_s", self.restart_s),
             ("rebalance_s", self.rebalance_s),
             ("scale_up_wait_s", self.scale_up_wait_s),
+            ("snapshot_bandwidth", self.snapshot_bandwidth),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(SimError::invalid(field, v, "must be finite and ≥ 0"));

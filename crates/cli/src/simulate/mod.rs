@@ -81,6 +81,10 @@ pub struct SimArgs {
     /// One node's network bandwidth (default 100).
     #[arg(long, value_name = "GBPS")]
     network_gbps: Option<f64>,
+    /// Lazarus's snapshot tier: bytes per second of the links given to expert snapshots, the
+    /// job's together (default 625e6, the workers' ceiling; 0: no snapshots).
+    #[arg(long, value_name = "BYTES_PER_S")]
+    snapshot_bandwidth: Option<f64>,
     #[arg(long)]
     slots_per_gpu: Option<usize>,
     /// Replay only [A, B) of the trace, e.g. 0:80m.
@@ -127,7 +131,8 @@ pub struct SimArgs {
     plot: Option<PathBuf>,
     /// Run the scenario once per value of one setting and compare the policies' ETTR:
     /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, notice-share, max-nodes,
-    /// slots-per-gpu, min-replicas, checkpoint-every-lazarus, rebalance-every (at most 16 values).
+    /// slots-per-gpu, min-replicas, checkpoint-every-lazarus, rebalance-every,
+    /// snapshot-bandwidth, exit-detect, failure-timeout (at most 16 values).
     #[arg(long, value_name = "KEY=V1,V2,...")]
     sweep: Option<String>,
 }
@@ -284,6 +289,7 @@ fn cost_model(args: &SimArgs) -> Result<CostModel> {
     override_with(&mut cost.restart_s, args.restart_s);
     override_with(&mut cost.storage_gbps, args.storage_gbps);
     override_with(&mut cost.network_gbps, args.network_gbps);
+    override_with(&mut cost.snapshot_bandwidth, args.snapshot_bandwidth);
     if let Some(d) = &args.exit_detect {
         cost.exit_detect_s = dur("exit-detect", d)? as f64 / 1000.0;
     }
@@ -305,6 +311,7 @@ fn named_flag(e: lazarus_sim::SimError) -> anyhow::Error {
         "restart_s" => "--restart-s",
         "storage_gbps" => "--storage-gbps",
         "network_gbps" => "--network-gbps",
+        "snapshot_bandwidth" => "--snapshot-bandwidth",
         "scale_up_wait_s" => "--scale-up-wait",
         "checkpoint_every_ds" => "--checkpoint-every-ds",
         "checkpoint_every_ds_ft" => "--checkpoint-every-ft",
@@ -337,6 +344,11 @@ struct PolicyJson<'a> {
     /// Failures of nodes in use, and those found out by an exit.
     failures: usize,
     failures_seen_by_exit: u64,
+    /// Moves that restored experts from snapshots instead of a rollback (Lazarus), the experts,
+    /// and their steps behind the job, summed.
+    snapshot_restores: u64,
+    experts_restored: u64,
+    restored_stale_steps: u64,
     breakdown: &'a lazarus_sim::Breakdown,
     nodes_in_use: &'a [(f64, usize)],
 }
@@ -383,6 +395,9 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
                     checkpoints: r.checkpoints,
                     failures: r.failures_s.len(),
                     failures_seen_by_exit: r.failures_seen_by_exit,
+                    snapshot_restores: r.snapshot_restores,
+                    experts_restored: r.experts_restored,
+                    restored_stale_steps: r.restored_stale_steps,
                     breakdown: &r.breakdown,
                     nodes_in_use: &r.nodes_in_use,
                 })
@@ -438,6 +453,16 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         let seen: Vec<String> =
             reports.iter().map(|r| format!("{} {}/{}", r.policy.name(), r.failures_seen_by_exit, r.failures_s.len())).collect();
         let _ = writeln!(out, "failures found out by an exit ({} mix; the rest by a time-out): {}", mix.name, seen.join(", "));
+    }
+    for r in reports.iter().filter(|r| r.snapshot_restores > 0) {
+        let _ = writeln!(
+            out,
+            "{}: {} failures restored {} experts from snapshots instead of a rollback ({:.1} steps stale on average)",
+            r.policy.name(),
+            r.snapshot_restores,
+            r.experts_restored,
+            r.restored_stale_steps as f64 / r.experts_restored.max(1) as f64
+        );
     }
     let get = |p: Policy| reports.iter().find(|r| r.policy == p).map(|r| r.trained_samples);
     if let Some(l) = get(Policy::Lazarus) {

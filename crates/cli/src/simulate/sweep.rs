@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::{build, named_flag, SimArgs};
 
 /// The settings a sweep may vary.
-const KEYS: [&str; 9] = [
+const KEYS: [&str; 12] = [
     "fail-every",
     "poisson-mtbf",
     "repair",
@@ -21,6 +21,9 @@ const KEYS: [&str; 9] = [
     "min-replicas",
     "checkpoint-every-lazarus",
     "rebalance-every",
+    "snapshot-bandwidth",
+    "exit-detect",
+    "failure-timeout",
 ];
 /// Most values of one sweep (each a whole simulation of every policy).
 const MAX_VALUES: usize = 16;
@@ -43,6 +46,11 @@ fn with_value(args: &SimArgs, key: &str, value: &str) -> Result<SimArgs> {
         "min-replicas" => a.min_replicas = Some(number("a number of replicas")? as usize),
         "checkpoint-every-lazarus" => a.checkpoint_every_lazarus = Some(number("a number of steps")?),
         "rebalance-every" => a.rebalance_every = Some(number("a number of steps")?),
+        "snapshot-bandwidth" => {
+            a.snapshot_bandwidth = Some(value.parse().with_context(|| format!("invalid --sweep {key}: {value:?} is not bytes per second"))?)
+        }
+        "exit-detect" => a.exit_detect = Some(value.to_string()),
+        "failure-timeout" => a.failure_timeout = Some(value.to_string()),
         _ => bail!("invalid --sweep: {key:?} is no setting a sweep varies (one of {})", KEYS.join(", ")),
     }
     Ok(a)

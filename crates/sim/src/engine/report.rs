@@ -70,6 +70,11 @@ pub struct PolicyReport {
     /// Of those failures, the ones every failed node of which was found out by its process's
     /// exit (with a failure mix; the others by a time-out).
     pub failures_seen_by_exit: u64,
+    /// Lazarus's snapshot tier: moves that restored experts from snapshots instead of a
+    /// rollback, the experts restored, and their steps behind the job, summed.
+    pub snapshot_restores: u64,
+    pub experts_restored: u64,
+    pub restored_stale_steps: u64,
     /// (time s, nodes in use) at every configuration change (0 = none usable).
     pub nodes_in_use: Vec<(f64, usize)>,
 }
@@ -92,6 +97,9 @@ pub(super) struct Tally {
     /// Times at which nodes in use failed.
     pub failures: Vec<f64>,
     pub seen_by_exit: u64,
+    pub snapshot_restores: u64,
+    pub experts_restored: u64,
+    pub restored_stale_steps: u64,
     /// (t, nodes in use) at every configuration change.
     pub nodes_in_use: Vec<(f64, usize)>,
 }
@@ -143,6 +151,9 @@ impl<P: FailurePolicy> Run<'_, P> {
             series,
             failures_s: t.failures.clone(),
             failures_seen_by_exit: t.seen_by_exit,
+            snapshot_restores: t.snapshot_restores,
+            experts_restored: t.experts_restored,
+            restored_stale_steps: t.restored_stale_steps,
             nodes_in_use: t.nodes_in_use.clone(),
         }
     }

@@ -351,3 +351,24 @@ fn failures_seen_by_an_exit_cost_less_than_those_found_by_a_time_out() {
     let expected = exits as f64 * (mixed.cost.failure_timeout_s - mixed.cost.exit_detect_s);
     assert!((saved - expected).abs() < 1e-6, "Lazarus saves the time-out less the exit's detection per exit: {saved} s, {expected} s");
 }
+
+/// With replicas short (a floor of one), a failure takes the only replica of some experts:
+/// without snapshots the job rolls back to its checkpoint, with them the controller restores
+/// those experts from the survivors' memory and goes on.
+#[test]
+fn snapshots_turn_the_rollbacks_of_experts_on_one_node_into_restores() {
+    let mut s = scenario("gpt-s", Trace::fail_every(8, 300_000, 4, 0).unwrap(), 30.0);
+    (s.max_nodes, s.cost.slots_per_gpu, s.cost.min_replicas) = (8, 2, 1);
+    let without =
+        simulate(&Scenario { cost: CostModel { snapshot_bandwidth: 0.0, ..s.cost.clone() }, ..s.clone() }, Policy::Lazarus).unwrap();
+    let with = simulate(&s, Policy::Lazarus).unwrap();
+    assert!(without.restarts > 0 && without.snapshot_restores == 0, "{} restarts without snapshots", without.restarts);
+    assert!(
+        with.snapshot_restores > 0 && with.restarts < without.restarts,
+        "{} restores, {} restarts",
+        with.snapshot_restores,
+        with.restarts
+    );
+    assert!(with.experts_restored >= with.snapshot_restores && with.restored_stale_steps > 0);
+    assert!(with.trained_samples > without.trained_samples, "{} against {}", with.trained_samples, without.trained_samples);
+}

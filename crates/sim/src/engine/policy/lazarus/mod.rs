@@ -9,13 +9,18 @@
 //! the controller's events at simulated instants, answers for the workers (where each stopped,
 //! what it holds, that it is ready), reports the steps trained with the loads of their epoch,
 //! and charges each move to the engine: the failure time-out and group rebuild of the cost
-//! model, and the transfers of the busiest node. What it does not model: the snapshot tier (no
-//! survivor reports snapshots, so an expert that lost every replica means a restart), and a
-//! rollback in place (the engine's restart relaunches the job on
-//! the usable nodes, as it does for every policy).
+//! model, and the transfers of the busiest node. The survivors report the expert snapshots
+//! they keep ([`snapshots`]: the snapshot tier's rounds in their steady state), so an expert
+//! that lost every replica comes back from one when a survivor keeps it; a restart otherwise.
+//! What it does not model: a rollback in place (the engine's restart relaunches the job on the
+//! usable nodes, as it does for every policy).
+
+mod snapshots;
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+
+use lazarus_decide::SnapshotHeld;
 use std::time::{Duration, Instant};
 
 use lazarus_decide::{Command, Controller, Event, JobSpec, MoveCost, MoveDecision, NodeId, OnLoss, StepRecord, StopReport};
@@ -62,6 +67,8 @@ struct Shell {
     expert_bytes: u64,
     /// Steps the load monitor has been told of.
     reported_step: u64,
+    /// The step the running plan began at (the snapshot tier's rounds start again with a plan).
+    plan_step: u64,
     /// What the last move cost, told with the next steps (as a worker's first report after a
     /// move tells it).
     moved: Option<MoveCost>,
@@ -78,12 +85,27 @@ struct Workers {
 /// What the controller made of a failure, a join or a rebalance.
 enum Outcome {
     /// The job moves to the controller's new plan over `nodes`, its busiest node sending or
-    /// receiving `worst_bytes` of expert states, `bytes` in all.
-    Moved { nodes: Vec<String>, worst_bytes: f64, bytes: u64 },
+    /// receiving `worst_bytes` of expert states, `bytes` in all, restoring `restored` experts
+    /// from snapshots.
+    Moved { nodes: Vec<String>, worst_bytes: f64, bytes: u64, restored: Restored },
     /// An expert lost every replica, or the survivors cannot hold every expert.
     Restart,
     /// Nothing moves (a rebalance that would not repay its move).
     Stay,
+}
+
+/// Experts a move restored from snapshots, and their steps behind the job, summed.
+#[derive(Debug, Clone, Copy, Default)]
+struct Restored {
+    experts: u64,
+    stale_steps: u64,
+}
+
+impl std::ops::Add for Restored {
+    type Output = Restored;
+    fn add(self, o: Restored) -> Restored {
+        Restored { experts: self.experts + o.experts, stale_steps: self.stale_steps + o.stale_steps }
+    }
 }
 
 impl Lazarus {
@@ -112,15 +134,21 @@ impl Lazarus {
     /// `kind`; a restart is the engine's.
     fn carry_out(&self, run: &mut Run<'_, Self>, outcome: Outcome, kind: Busy, fixed: f64) -> Result<(), SimError> {
         match outcome {
-            Outcome::Moved { nodes, worst_bytes, bytes } => {
+            Outcome::Moved { nodes, worst_bytes, bytes, restored } => {
                 let transfer_s = run.cost().transfer_s(worst_bytes);
                 let step = run.step;
+                if restored.experts > 0 {
+                    run.tally.snapshot_restores += 1;
+                    run.tally.experts_restored += restored.experts;
+                    run.tally.restored_stale_steps += restored.stale_steps;
+                }
                 // What the controller measures of a move: its transfers and its rendezvous
                 // (not the failure time-out before it).
                 let rebuild_s = if kind == Busy::Rebalance { run.cost().rebalance_s } else { run.cost().group_rebuild_s };
                 let plan = self.with_shell(|sh| {
                     sh.moved = Some(MoveCost { bytes, transfer_s, rebuild_s });
                     sh.reported_step = step;
+                    sh.plan_step = step;
                     sh.ctl.plan().cloned()
                 });
                 let now = run.now;
@@ -134,6 +162,34 @@ impl Lazarus {
             }
             Outcome::Stay => Ok(()),
         }
+    }
+
+    /// The expert snapshots each worker keeps now ([`snapshots`]), by worker: none without a
+    /// snapshot bandwidth.
+    fn snapshots_held(&self, run: &mut Run<'_, Self>) -> Result<HashMap<NodeId, Vec<SnapshotHeld>>, SimError> {
+        let c = run.cost();
+        if c.snapshot_bandwidth <= 0.0 {
+            return Ok(HashMap::new());
+        }
+        let step_s = run.step_time()?;
+        let loads = run.loads(run.epoch());
+        let budget_experts = c.snapshot_bandwidth * step_s / run.s.model.expert_state_bytes;
+        let (g, step) = (c.gpus_per_node, run.step);
+        let held = self.with_shell(|sh| {
+            let map = sh.ctl.plan()?.replica_map();
+            let rounds = snapshots::Rounds {
+                map: &map,
+                ranks: sh.ctl.ranks(),
+                gpus_per_node: g,
+                loads: &loads,
+                tokens_per_step: TOKENS_PER_STEP,
+                budget_experts,
+                since_step: sh.plan_step,
+                step,
+            };
+            Some(rounds.held())
+        });
+        Ok(held.flatten().unwrap_or_default())
     }
 
     /// The steps trained since the controller last heard, with the loads of the current epoch.
@@ -193,7 +249,14 @@ impl Shell {
         // one (as if it had measured one expert's transfer and a rebalance's pause).
         let moved =
             Some(MoveCost { bytes: expert_bytes.max(1), transfer_s: c.transfer_s(expert_bytes.max(1) as f64), rebuild_s: c.rebalance_s });
-        let mut sh = Shell { ctl: Controller::new(spec, plan, ranks, now), workers, expert_bytes, reported_step: run.step, moved };
+        let mut sh = Shell {
+            ctl: Controller::new(spec, plan, ranks, now),
+            workers,
+            expert_bytes,
+            reported_step: run.step,
+            plan_step: run.step,
+            moved,
+        };
         sh.rendezvous(now);
         sh
     }
@@ -248,15 +311,17 @@ impl Shell {
             .collect()
     }
 
-    /// Every surviving rank says where it stopped (all at `step`, the job's committed step) and
-    /// what its plan gave it; the last report brings the controller's decision.
-    fn say_where_stopped(&mut self, now: Instant, step: u64) -> Vec<Command<NoRecord>> {
+    /// Every surviving rank says where it stopped (all at `step`, the job's committed step), what
+    /// its plan gave it and the snapshots it keeps (`held`); the last report brings the
+    /// controller's decision.
+    fn say_where_stopped(&mut self, now: Instant, step: u64, held: &mut HashMap<NodeId, Vec<SnapshotHeld>>) -> Vec<Command<NoRecord>> {
         let epoch = self.ctl.epoch();
         let ranks: Vec<NodeId> = self.ctl.ranks().iter().copied().filter(|w| self.ctl.alive().contains(w)).collect();
         let mut out = Vec::new();
         for node in ranks {
             let holds = self.ctl.planned_holdings(node).unwrap_or_default();
-            let report = StopReport { steps_done: step, held: None, holds, last: None, snapshots: Vec::new() };
+            let snapshots = held.remove(&node).unwrap_or_default();
+            let report = StopReport { steps_done: step, held: None, holds, last: None, snapshots };
             out.extend(self.ctl.decide_inline(now, Event::StepFailed { node, epoch, report }));
         }
         out
@@ -281,13 +346,14 @@ impl Shell {
             Some(None) => Outcome::Restart,
             Some(Some(m)) => {
                 let (worst_bytes, bytes) = self.transfer_bytes(m);
+                let restored = Restored { experts: m.restored.len() as u64, stale_steps: m.restored.iter().map(|x| x.stale_steps).sum() };
                 let g = self.workers.gpus_per_node;
                 let nodes = m.ranks.chunks(g).map(|ws| self.workers.node_of[&ws[0]].clone()).collect();
                 let (hold, leavers): (bool, Vec<NodeId>) = (m.change.hold, m.change.leaving.iter().map(|&r| m.ranks[r]).collect());
                 let waiting = self.rendezvous(now);
                 let paused = waiting.iter().any(|c| matches!(c, Command::Pause { .. }));
                 if (!hold && !paused) || depth == 0 {
-                    return Outcome::Moved { nodes, worst_bytes, bytes };
+                    return Outcome::Moved { nodes, worst_bytes, bytes, restored };
                 }
                 // A drain's hand-over: the leaving nodes sent what only they held and exit. Then
                 // (or on the pause the controller had waiting) every rank says where it stopped
@@ -296,10 +362,10 @@ impl Shell {
                 for node in leavers.into_iter().filter(|_| hold) {
                     again.extend(self.ctl.decide_inline(now, Event::Exited { node, status: "drained".into() }));
                 }
-                again.extend(self.say_where_stopped(now, self.reported_step));
+                again.extend(self.say_where_stopped(now, self.reported_step, &mut HashMap::new()));
                 match self.outcome_within(now, &again, depth - 1) {
-                    Outcome::Moved { nodes, worst_bytes: w, bytes: b } => {
-                        Outcome::Moved { nodes, worst_bytes: worst_bytes + w, bytes: bytes + b }
+                    Outcome::Moved { nodes, worst_bytes: w, bytes: b, restored: r } => {
+                        Outcome::Moved { nodes, worst_bytes: worst_bytes + w, bytes: bytes + b, restored: restored + r }
                     }
                     other => other,
                 }
@@ -360,7 +426,7 @@ impl FailurePolicy for Lazarus {
         let (now, step) = (self.at(run.now), run.step);
         let outcome = self.with_shell(|sh| {
             if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
-                out.extend(sh.say_where_stopped(now, step));
+                out.extend(sh.say_where_stopped(now, step, &mut HashMap::new()));
             }
             sh.outcome(now, &out)
         });
@@ -376,6 +442,7 @@ impl FailurePolicy for Lazarus {
             return run.restart();
         }
         let mut out = self.report_steps(run)?;
+        let mut held = self.snapshots_held(run)?;
         let joiners: Vec<String> = run.with_joiners(survivors.clone()).split_off(survivors.len());
         let (now, step) = (self.at(run.now), run.step);
         let outcome = self.with_shell(|sh| {
@@ -385,7 +452,7 @@ impl FailurePolicy for Lazarus {
             for n in failed {
                 out.extend(sh.remove(now, n));
             }
-            out.extend(sh.say_where_stopped(now, step));
+            out.extend(sh.say_where_stopped(now, step, &mut held));
             sh.outcome(now, &out)
         });
         let c = run.cost();
@@ -417,7 +484,7 @@ impl FailurePolicy for Lazarus {
                 out.extend(sh.join(now, n));
             }
             if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
-                out.extend(sh.say_where_stopped(now, step));
+                out.extend(sh.say_where_stopped(now, step, &mut HashMap::new()));
             }
             let outcome = sh.outcome(now, &out);
             // The workers of a node the job moved off are gone: if it comes back, it brings new
@@ -450,7 +517,7 @@ impl FailurePolicy for Lazarus {
                 out.extend(sh.join(now, n));
             }
             if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
-                out.extend(sh.say_where_stopped(now, step));
+                out.extend(sh.say_where_stopped(now, step, &mut HashMap::new()));
             }
             sh.outcome(now, &out)
         });
