@@ -19,10 +19,11 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
             assert!(p[key].is_number(), "{key} in {p}");
         }
         let b = &p["breakdown"];
-        let total: f64 = ["compute_s", "checkpoint_s", "restart_s", "lost_work_s", "reconfig_s", "rebalance_s", "idle_s"]
-            .iter()
-            .map(|k| b[k].as_f64().unwrap())
-            .sum();
+        let total: f64 =
+            ["compute_s", "checkpoint_s", "restart_s", "lost_work_s", "detect_s", "reconfig_s", "transfer_s", "rebalance_s", "idle_s"]
+                .iter()
+                .map(|k| b[k].as_f64().unwrap())
+                .sum();
         assert!((total - 1800.0).abs() < 1e-3, "{}: {total}", p["policy"]);
         let ettr = p["ettr"].as_f64().unwrap();
         assert!((ettr - b["compute_s"].as_f64().unwrap() / total).abs() < 1e-9 && ettr > 0.0 && ettr < 1.0, "{}: ETTR {ettr}", p["policy"]);
@@ -30,6 +31,10 @@ fn json_report_has_every_policy_and_a_breakdown_that_adds_up() {
     let ettr = |i: usize| policies[i]["ettr"].as_f64().unwrap();
     assert!(ettr(0) > ettr(1), "Lazarus loses less time than a restart per failure: {} against {}", ettr(0), ettr(1));
     assert_eq!(policies[0]["restarts"], 0, "single failures never cost Lazarus a restart");
+    let lazarus = &policies[0]["breakdown"];
+    let failures = policies[0]["failures"].as_f64().unwrap();
+    assert_eq!(lazarus["detect_s"].as_f64().unwrap(), failures * 15.0, "each failure found out by the 15 s time-out");
+    assert!(lazarus["transfer_s"].as_f64().unwrap() > 0.0, "the survivors fetch what the lost node held");
     assert!(policies[0]["trained_samples"].as_f64().unwrap() > policies[1]["trained_samples"].as_f64().unwrap());
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 12, "two panels x six policies");

@@ -425,15 +425,29 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
     );
     let _ = writeln!(
         out,
-        "{:<9} {:>11} {:>9} {:>6} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
-        "policy", "samples", "samples/s", "ETTR", "restarts", "reconfigs", "compute", "ckpt", "restart", "lost", "reconf", "rebal", "idle"
+        "{:<9} {:>11} {:>9} {:>6} {:>8} {:>9}   {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6}",
+        "policy",
+        "samples",
+        "samples/s",
+        "ETTR",
+        "restarts",
+        "reconfigs",
+        "compute",
+        "ckpt",
+        "restart",
+        "lost",
+        "detect",
+        "reconf",
+        "xfer",
+        "rebal",
+        "idle"
     );
-    let pct = |x: f64| format!("{:.0}%", 100.0 * x / scenario.duration_s);
+    let pct = |x: f64| format!("{:.1}%", 100.0 * x / scenario.duration_s);
     for r in &reports {
         let b = &r.breakdown;
         let _ = writeln!(
             out,
-            "{:<9} {:>11.0} {:>9.2} {:>6.3} {:>8} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}",
+            "{:<9} {:>11.0} {:>9.2} {:>6.3} {:>8} {:>9}   {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6}",
             r.policy.name(),
             r.trained_samples,
             r.avg_samples_per_s,
@@ -444,7 +458,9 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             pct(b.checkpoint_s),
             pct(b.restart_s),
             pct(b.lost_work_s),
+            pct(b.detect_s),
             pct(b.reconfig_s),
+            pct(b.transfer_s),
             pct(b.rebalance_s),
             pct(b.idle_s)
         );

@@ -166,6 +166,14 @@ enum Busy {
     Rebalance,
 }
 
+/// The parts of a busy period, in seconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct BusyParts {
+    detect: f64,
+    own: f64,
+    transfer: f64,
+}
+
 /// The job's last checkpoint: what a restart rolls back to.
 #[derive(Debug, Default)]
 struct LastCheckpoint {
@@ -199,6 +207,9 @@ struct Run<'a, P: FailurePolicy> {
     /// The last checkpoint, and what a restart would roll back to it.
     ckpt: LastCheckpoint,
     busy: Option<(Busy, f64)>,
+    /// What is left of the busy period's parts, charged in this order: finding out the failure
+    /// that began it, its own work, the expert states it sends.
+    busy_left: BusyParts,
     /// What the run counts and records as it goes, for its report.
     tally: Tally,
     /// Live nodes the policy dropped and will not take back until a restart (DS-FT after a
@@ -208,6 +219,8 @@ struct Run<'a, P: FailurePolicy> {
     leaving: Vec<String>,
     /// How long the last failure took to be found out ([`Scenario::detect_s`]).
     detect_s: f64,
+    /// The part of it the busy period the failure begins is charged to detection.
+    detect_left: f64,
     loads: std::cell::RefCell<LoadCursor>,
 }
 
@@ -255,10 +268,12 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             samples: 0.0,
             ckpt: LastCheckpoint::default(),
             busy: None,
+            busy_left: BusyParts::default(),
             tally: Tally::default(),
             retired: Vec::new(),
             leaving: Vec::new(),
             detect_s: s.cost.failure_timeout_s,
+            detect_left: 0.0,
             loads: std::cell::RefCell::new(LoadCursor::new(s.loads.clone(), s.model.layers, s.model.experts)),
         }
     }
@@ -383,12 +398,26 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         &self.s.cost
     }
 
+    /// `dt` seconds of the busy period of `kind`: its detection first, then its own work, then
+    /// its transfers (a rebalance's count as the rebalance's).
     fn charge(&mut self, kind: Busy, dt: f64) {
+        let left = &mut self.busy_left;
+        let detect = dt.min(left.detect);
+        left.detect -= detect;
+        let own = (dt - detect).min(left.own);
+        left.own -= own;
+        let transfer = dt - detect - own;
+        left.transfer = (left.transfer - transfer).max(0.0);
+        let t = &mut self.tally.time;
+        t.detect_s += detect;
         match kind {
-            Busy::Checkpoint => self.tally.time.checkpoint_s += dt,
-            Busy::Restart => self.tally.time.restart_s += dt,
-            Busy::Reconfig => self.tally.time.reconfig_s += dt,
-            Busy::Rebalance => self.tally.time.rebalance_s += dt,
+            Busy::Checkpoint => t.checkpoint_s += own + transfer,
+            Busy::Restart => t.restart_s += own + transfer,
+            Busy::Reconfig => {
+                t.reconfig_s += own;
+                t.transfer_s += transfer;
+            }
+            Busy::Rebalance => t.rebalance_s += own + transfer,
         }
     }
 
@@ -541,6 +570,15 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     }
 
     fn begin(&mut self, kind: Busy, seconds: f64) {
+        self.begin_with_transfer(kind, seconds, 0.0);
+    }
+
+    /// A busy period of `seconds`, the last `transfer_s` of them sending expert states; the first
+    /// ones finding out the failure that began it, if one did.
+    fn begin_with_transfer(&mut self, kind: Busy, seconds: f64, transfer_s: f64) {
+        let detect = std::mem::take(&mut self.detect_left).min(seconds);
+        let transfer = transfer_s.clamp(0.0, seconds - detect);
+        self.busy_left = BusyParts { detect, own: seconds - detect - transfer, transfer };
         self.busy = Some((kind, self.now + seconds));
         self.note_nodes();
     }
@@ -636,7 +674,11 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         self.ckpt.pending = false;
         let survivors: Vec<String> = self.used.iter().filter(|n| !failed.contains(n)).cloned().collect();
         let p = self.p;
-        p.on_failure(self, &failed, survivors)
+        self.detect_left = self.detect_s;
+        let decided = p.on_failure(self, &failed, survivors);
+        // (Unspent when the policy began nothing: the job is idle.)
+        self.detect_left = 0.0;
+        decided
     }
 
     /// Roll back to the last checkpoint and relaunch on the usable nodes.
@@ -659,8 +701,9 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
     }
 
     /// Move to `config` over `used` without a restart: a reconfiguration (`Busy::Reconfig`) or a
-    /// rebalance (`Busy::Rebalance`) taking `seconds`.
-    fn switch(&mut self, used: Vec<String>, config: P::Config, kind: Busy, seconds: f64) {
+    /// rebalance (`Busy::Rebalance`) taking `seconds`, the last `transfer_s` of them sending
+    /// expert states.
+    fn switch(&mut self, used: Vec<String>, config: P::Config, kind: Busy, seconds: f64, transfer_s: f64) {
         self.used = used;
         self.config = Some(config);
         self.step_s = None;
@@ -668,7 +711,7 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
             Busy::Rebalance => self.tally.rebalances += 1,
             _ => self.tally.reconfigurations += 1,
         }
-        self.begin(kind, seconds);
+        self.begin_with_transfer(kind, seconds, transfer_s);
     }
 
     /// Save a checkpoint at the current step and relaunch with `config` over `used`, taking

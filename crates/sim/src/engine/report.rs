@@ -12,12 +12,18 @@ pub struct Breakdown {
     /// Steps that count (not rolled back).
     pub compute_s: f64,
     pub checkpoint_s: f64,
-    /// Relaunch and checkpoint loading (and the failure time-out before it).
+    /// Relaunch and checkpoint loading.
     pub restart_s: f64,
     /// Steps later rolled back by a restart, and steps a failure interrupted.
     pub lost_work_s: f64,
-    /// Failure time-out, group rebuild and state transfers of reconfigurations and scale-ups.
+    /// Finding out failures: a time-out, or a process's exit seen (before a reconfiguration or
+    /// a restart).
+    pub detect_s: f64,
+    /// Group rebuilds of reconfigurations and scale-ups.
     pub reconfig_s: f64,
+    /// Expert states sent in reconfigurations and scale-ups (and their rebalances' part in
+    /// `rebalance_s`).
+    pub transfer_s: f64,
     pub rebalance_s: f64,
     /// No usable configuration (too few nodes).
     pub idle_s: f64,
@@ -25,7 +31,15 @@ pub struct Breakdown {
 
 impl Breakdown {
     pub fn total(&self) -> f64 {
-        self.compute_s + self.checkpoint_s + self.restart_s + self.lost_work_s + self.reconfig_s + self.rebalance_s + self.idle_s
+        self.compute_s
+            + self.checkpoint_s
+            + self.restart_s
+            + self.lost_work_s
+            + self.detect_s
+            + self.reconfig_s
+            + self.transfer_s
+            + self.rebalance_s
+            + self.idle_s
     }
 
     /// The effective training time ratio: the time spent on steps that count over the wall time

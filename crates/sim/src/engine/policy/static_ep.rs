@@ -193,7 +193,7 @@ pub(super) fn regroup<P: FailurePolicy<Config = EpConfig>>(
     let c = run.cost();
     let transfer =
         if fetch { c.transfer_s(ep.experts_per_node as f64 * run.s.model.layers as f64 * run.s.model.expert_state_bytes) } else { 0.0 };
-    run.switch(used, ep, Busy::Reconfig, fixed_s + transfer);
+    run.switch(used, ep, Busy::Reconfig, fixed_s + transfer, transfer);
     Ok(())
 }
 

@@ -34,7 +34,7 @@ impl OnStaticEp for TorchFt {
     /// Whole groups join the quorum at a step boundary.
     fn scale_up(&self, run: &mut EpRun<'_, Self>, ep: EpConfig, nodes: Vec<String>) -> Result<(), SimError> {
         let t = run.cost().group_rebuild_s;
-        run.switch(nodes, ep, Busy::Reconfig, t);
+        run.switch(nodes, ep, Busy::Reconfig, t, 0.0);
         Ok(())
     }
 }
@@ -47,6 +47,6 @@ fn leave_quorum(run: &mut EpRun<'_, TorchFt>, ep: EpConfig, gone: &[String], sec
     if kept.is_empty() {
         return run.restart();
     }
-    run.switch(kept, ep, Busy::Reconfig, seconds);
+    run.switch(kept, ep, Busy::Reconfig, seconds, 0.0);
     Ok(())
 }

@@ -153,7 +153,7 @@ impl Lazarus {
                 });
                 let now = run.now;
                 let plan = plan.flatten().ok_or_else(|| SimError::Controller { at_s: now, what: "moved a job it does not run".into() })?;
-                run.switch(nodes, plan, kind, fixed + transfer_s);
+                run.switch(nodes, plan, kind, fixed + transfer_s, transfer_s);
                 Ok(())
             }
             Outcome::Restart => {
