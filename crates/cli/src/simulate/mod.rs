@@ -48,6 +48,10 @@ pub struct SimArgs {
     /// 15 s, the paper's).
     #[arg(long, value_name = "DUR")]
     failure_timeout: Option<String>,
+    /// Rebuilding the communication groups of a new configuration (default 10 s, the paper's
+    /// NCCL figure).
+    #[arg(long, value_name = "DUR")]
+    group_rebuild: Option<String>,
     /// Nodes at the start of a generated pattern.
     #[arg(long, default_value_t = 10)]
     nodes: usize,
@@ -132,7 +136,7 @@ pub struct SimArgs {
     /// Run the scenario once per value of one setting and compare the policies' ETTR:
     /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, notice-share, max-nodes,
     /// slots-per-gpu, min-replicas, checkpoint-every-lazarus, rebalance-every,
-    /// snapshot-bandwidth, exit-detect, failure-timeout (at most 16 values).
+    /// snapshot-bandwidth, exit-detect, failure-timeout, group-rebuild (at most 16 values).
     #[arg(long, value_name = "KEY=V1,V2,...")]
     sweep: Option<String>,
 }
@@ -295,6 +299,9 @@ fn cost_model(args: &SimArgs) -> Result<CostModel> {
     }
     if let Some(d) = &args.failure_timeout {
         cost.failure_timeout_s = dur("failure-timeout", d)? as f64 / 1000.0;
+    }
+    if let Some(d) = &args.group_rebuild {
+        cost.group_rebuild_s = dur("group-rebuild", d)? as f64 / 1000.0;
     }
     Ok(cost)
 }

@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::{build, named_flag, SimArgs};
 
 /// The settings a sweep may vary.
-const KEYS: [&str; 12] = [
+const KEYS: [&str; 13] = [
     "fail-every",
     "poisson-mtbf",
     "repair",
@@ -24,6 +24,7 @@ const KEYS: [&str; 12] = [
     "snapshot-bandwidth",
     "exit-detect",
     "failure-timeout",
+    "group-rebuild",
 ];
 /// Most values of one sweep (each a whole simulation of every policy).
 const MAX_VALUES: usize = 16;
@@ -51,6 +52,7 @@ fn with_value(args: &SimArgs, key: &str, value: &str) -> Result<SimArgs> {
         }
         "exit-detect" => a.exit_detect = Some(value.to_string()),
         "failure-timeout" => a.failure_timeout = Some(value.to_string()),
+        "group-rebuild" => a.group_rebuild = Some(value.to_string()),
         _ => bail!("invalid --sweep: {key:?} is no setting a sweep varies (one of {})", KEYS.join(", ")),
     }
     Ok(a)
