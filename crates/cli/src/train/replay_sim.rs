@@ -16,7 +16,7 @@
 use lazarus_controller::control_loop::ReconfigurationRecord;
 use lazarus_controller::decisions::MoveCause;
 use lazarus_model::TrainConfig;
-use lazarus_sim::{simulate, CostModel, LoadModel, ModelSpec, Policy, PolicyReport, Scenario, Trace, TraceEvent};
+use lazarus_sim::{simulate, CostModel, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace, TraceEvent};
 use serde::Serialize;
 
 /// What a replayed run measured.
@@ -81,6 +81,8 @@ pub struct RunShape {
     pub join_wait_s: f64,
     /// 0: never.
     pub rebalance_every: u64,
+    /// A node that goes was given notice (drained) instead of killed (`--replay-notice`).
+    pub notice: bool,
 }
 
 /// The simulated job: the scaled trace, this model, the calibrated costs.
@@ -122,17 +124,10 @@ pub fn scenario(cfg: &TrainConfig, shape: &RunShape, cal: &Calibration, f: &RunF
         ..CostModel::default()
     };
     let loads = if f.loads.iter().flatten().any(|&x| x > 0.0) { LoadModel::Trace(vec![f.loads.clone()]) } else { LoadModel::default() };
-    Scenario {
-        trace,
-        model,
-        cost,
-        loads,
-        max_nodes: shape.most_nodes.max(1),
-        duration_s: f.wall_s,
-        notices: Default::default(),
-        mix: None,
-        seed: 0,
-    }
+    // A node told to go drains and leaves after its step in flight: in the simulator, every
+    // removal told two steps ahead.
+    let notices = if shape.notice { Notices { share: 1.0, lead_s: 2.0 * cal.step_s, seed: 0 } } else { Notices::default() };
+    Scenario { trace, model, cost, loads, max_nodes: shape.most_nodes.max(1), duration_s: f.wall_s, notices, mix: None, seed: 0 }
 }
 
 /// Predicted against measured, as the `--json-log` records it.
@@ -147,8 +142,11 @@ pub struct ReplayVsSim {
     pub measured_reconfigurations: usize,
     pub measured_rollbacks: usize,
     pub measured_joins: usize,
+    /// Nodes drained after a notice (`--replay-notice`), in the run and in the simulation.
+    pub measured_drains: usize,
     pub predicted_reconfigurations: u64,
     pub predicted_restarts: u64,
+    pub predicted_drains: u64,
     pub calibration: Calibration,
 }
 
@@ -171,8 +169,10 @@ pub fn compare(cfg: &TrainConfig, shape: &RunShape, f: &RunFigures, steps: u64) 
         measured_reconfigurations: count(MoveCause::Failure) + count(MoveCause::Drain),
         measured_rollbacks: count(MoveCause::Rollback),
         measured_joins: count(MoveCause::Join),
+        measured_drains: count(MoveCause::Drain),
         predicted_reconfigurations: r.reconfigurations,
         predicted_restarts: r.restarts,
+        predicted_drains: r.drains,
         calibration: cal,
     }))
 }
@@ -230,8 +230,16 @@ mod tests {
     fn a_quiet_trace_predicts_the_steps_the_median_allows() {
         let cfg = TrainConfig { batch_size: 12, checkpoint_every: 0, ..TrainConfig::default() };
         let trace = Trace { events: (0..2).map(|i| TraceEvent { ms: 0, change: Change::Add, node: format!("n{i}") }).collect() };
-        let shape =
-            RunShape { trace, scale: 0.01, gpus_per_node: 2, slots_per_gpu: 2, most_nodes: 2, join_wait_s: 1.2, rebalance_every: 0 };
+        let shape = RunShape {
+            trace,
+            scale: 0.01,
+            gpus_per_node: 2,
+            slots_per_gpu: 2,
+            most_nodes: 2,
+            join_wait_s: 1.2,
+            rebalance_every: 0,
+            notice: false,
+        };
         let f = RunFigures { wall_s: 10.0, step_s: vec![0.05; 200], moves: vec![], loads: vec![] };
         let c = compare(&cfg, &shape, &f, 200).unwrap().unwrap();
         assert_eq!(c.measured_samples, 2400.0);

@@ -151,6 +151,7 @@ pub fn run_train_workers(args: &TrainArgs, run_dir: Option<&Path>) -> Result<()>
                         most_nodes: most,
                         join_wait_s: lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.as_secs_f64() * scale,
                         rebalance_every: 0,
+                        notice: args.replay_notice,
                     });
                     (Some(s), most, scale)
                 }
