@@ -386,38 +386,47 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             .with_context(|| format!("--plot: cannot write {}", path.display()))?;
     }
     if args.json {
-        let report = Report {
-            policies: reports
-                .iter()
-                .map(|r| PolicyJson {
-                    policy: r.policy.name(),
-                    trained_samples: r.trained_samples,
-                    avg_samples_per_s: r.avg_samples_per_s,
-                    ettr: r.ettr,
-                    steps: r.steps,
-                    restarts: r.restarts,
-                    reconfigurations: r.reconfigurations,
-                    rebalances: r.rebalances,
-                    drains: r.drains,
-                    checkpoints: r.checkpoints,
-                    failures: r.failures_s.len(),
-                    failures_seen_by_exit: r.failures_seen_by_exit,
-                    snapshot_restores: r.snapshot_restores,
-                    experts_restored: r.experts_restored,
-                    restored_stale_steps: r.restored_stale_steps,
-                    breakdown: &r.breakdown,
-                    nodes_in_use: &r.nodes_in_use,
-                })
-                .collect(),
-            model: &scenario.model,
-            cost: &scenario.cost,
-            failure_mix: scenario.mix.as_ref(),
-            duration_s: scenario.duration_s,
-            trace_events: scenario.trace.events.len(),
-            sim_wall_s,
-        };
-        return crate::io::println(&serde_json::to_string(&report)?);
+        return crate::io::println(&serde_json::to_string(&json_report(&scenario, &reports, sim_wall_s))?);
     }
+    crate::io::print(&text_report(&scenario, &reports, sim_wall_s))
+}
+
+/// The report as `--json` prints it.
+fn json_report<'a>(scenario: &'a Scenario, reports: &'a [PolicyReport], sim_wall_s: f64) -> Report<'a> {
+    Report {
+        policies: reports
+            .iter()
+            .map(|r| PolicyJson {
+                policy: r.policy.name(),
+                trained_samples: r.trained_samples,
+                avg_samples_per_s: r.avg_samples_per_s,
+                ettr: r.ettr,
+                steps: r.steps,
+                restarts: r.restarts,
+                reconfigurations: r.reconfigurations,
+                rebalances: r.rebalances,
+                drains: r.drains,
+                checkpoints: r.checkpoints,
+                failures: r.failures_s.len(),
+                failures_seen_by_exit: r.failures_seen_by_exit,
+                snapshot_restores: r.snapshot_restores,
+                experts_restored: r.experts_restored,
+                restored_stale_steps: r.restored_stale_steps,
+                breakdown: &r.breakdown,
+                nodes_in_use: &r.nodes_in_use,
+            })
+            .collect(),
+        model: &scenario.model,
+        cost: &scenario.cost,
+        failure_mix: scenario.mix.as_ref(),
+        duration_s: scenario.duration_s,
+        trace_events: scenario.trace.events.len(),
+        sim_wall_s,
+    }
+}
+
+/// The report as a table and the lines under it.
+fn text_report(scenario: &Scenario, reports: &[PolicyReport], sim_wall_s: f64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -450,7 +459,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         "idle"
     );
     let pct = |x: f64| format!("{:.1}%", 100.0 * x / scenario.duration_s);
-    for r in &reports {
+    for r in reports {
         let b = &r.breakdown;
         let _ = writeln!(
             out,
@@ -495,7 +504,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             }
         }
     }
-    crate::io::print(&out)
+    out
 }
 
 /// `ms` as minutes, as the trace's length is said.
