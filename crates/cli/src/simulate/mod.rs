@@ -40,16 +40,16 @@ pub struct SimArgs {
     /// each node fails as often as the report's GPUs did, times --gpus-per-node.
     #[arg(long, value_name = "NAME")]
     failure_mix: Option<String>,
-    /// Seconds from a process's exit to its survivors aborting their collectives (with
-    /// --failure-mix; default 1 s).
+    /// How long from a process's exit to its survivors aborting their collectives (with
+    /// --failure-mix; default 1s).
     #[arg(long, value_name = "DUR")]
     exit_detect: Option<String>,
-    /// Seconds a failure found out by silence costs: the lease or collective time-out (default
-    /// 15 s, the paper's).
+    /// How long a failure found out by silence costs: the lease or collective time-out (default
+    /// 15s, the paper's).
     #[arg(long, value_name = "DUR")]
     failure_timeout: Option<String>,
-    /// Rebuilding the communication groups of a new configuration (default 10 s, the paper's
-    /// NCCL figure).
+    /// How long rebuilding the communication groups of a new configuration takes (default 10s,
+    /// the paper's NCCL figure).
     #[arg(long, value_name = "DUR")]
     group_rebuild: Option<String>,
     /// Nodes at the start of a generated pattern.
@@ -77,6 +77,7 @@ pub struct SimArgs {
     /// Use at most this many nodes; extra live nodes are spares.
     #[arg(long, default_value_t = 10)]
     max_nodes: usize,
+    /// GPUs of a node (default 1, the paper's testbed); a node fails and joins whole.
     #[arg(long)]
     gpus_per_node: Option<usize>,
     /// The storage's bandwidth for checkpoints, all nodes together (default 10, the paper's NFS).
@@ -89,6 +90,7 @@ pub struct SimArgs {
     /// job's together (default 625e6, the workers' ceiling; 0: no snapshots).
     #[arg(long, value_name = "BYTES_PER_S")]
     snapshot_bandwidth: Option<f64>,
+    /// Expert slots a GPU holds (default 6, the paper's testbed).
     #[arg(long)]
     slots_per_gpu: Option<usize>,
     /// Replay only [A, B) of the trace, e.g. 0:80m.
@@ -108,15 +110,20 @@ pub struct SimArgs {
     /// Joined nodes are used after this wait.
     #[arg(long, value_name = "DUR")]
     scale_up_wait: Option<String>,
-    #[arg(long)]
+    /// Steps between DeepSpeed-MoE's storage checkpoints (default 50, the paper's).
+    #[arg(long, value_name = "STEPS")]
     checkpoint_every_ds: Option<u64>,
-    #[arg(long)]
+    /// Steps between the storage checkpoints of ds-ft, moevement and torchft (default 250).
+    #[arg(long, value_name = "STEPS")]
     checkpoint_every_ft: Option<u64>,
-    #[arg(long)]
+    /// Steps between Lazarus's storage checkpoints (default 250).
+    #[arg(long, value_name = "STEPS")]
     checkpoint_every_lazarus: Option<u64>,
-    #[arg(long)]
+    /// Steps between Lazarus's rebalance weighings (default 200).
+    #[arg(long, value_name = "STEPS")]
     rebalance_every: Option<u64>,
-    #[arg(long)]
+    /// Lazarus's floor: replicas of every expert, on distinct nodes where it can (default 2).
+    #[arg(long, value_name = "N")]
     min_replicas: Option<usize>,
     /// Seconds to relaunch and initialise after a failure, before reading the checkpoint.
     #[arg(long, allow_hyphen_values = true)]
@@ -127,6 +134,7 @@ pub struct SimArgs {
     loads_trace: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// One JSON object: each policy's samples, ETTR, counts and breakdown, the model and costs.
     #[arg(long)]
     json: bool,
     /// Write an SVG of throughput and trained samples over time (with --sweep: of ETTR per
