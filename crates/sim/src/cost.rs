@@ -114,6 +114,18 @@ impl ModelSpec {
     }
 }
 
+/// How Lazarus's dispatcher spreads an expert's tokens over its replicas, which sets how long a
+/// step takes on a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dispatch {
+    /// As our dispatcher does (`DispatchSchedule::compute_balanced`): the busiest GPU at its
+    /// least, λ* — what the controller's rebalance weighs.
+    Balanced,
+    /// Evenly over the replicas (the per-replica shares of the paper's Algorithm 1).
+    EvenSplit,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CostModel {
     pub gpus_per_node: usize,
@@ -150,6 +162,8 @@ pub struct CostModel {
     pub scale_up_wait_s: f64,
     /// Lazarus's fault-tolerance floor f (replicas per expert), lowered when slots run short.
     pub min_replicas: usize,
+    /// How Lazarus's dispatcher spreads tokens over replicas.
+    pub dispatch: Dispatch,
     /// Bytes per second of the links given to Lazarus's expert snapshots, the job's together
     /// (each step sends this times the step time; 0: no snapshot tier). Default: the workers'
     /// ceiling, 625e6 (5 Gb/s).
@@ -177,6 +191,7 @@ impl Default for CostModel {
             rebalance_every: 200,
             scale_up_wait_s: 120.0,
             min_replicas: 2,
+            dispatch: Dispatch::Balanced,
             snapshot_bandwidth: 625e6,
         }
     }

@@ -11,7 +11,7 @@ pub mod mix;
 pub mod svg;
 pub mod trace;
 
-pub use cost::{CostModel, ModelSpec};
+pub use cost::{CostModel, Dispatch, ModelSpec};
 pub use engine::{
     simulate, Breakdown, Notices, Policy, PolicyReport, Scenario, SeriesPoint, MAX_BOUNDARIES, MAX_DURATION_S, MAX_LOAD_DRAWS,
 };

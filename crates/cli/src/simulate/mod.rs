@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use lazarus_sim::{
-    parse_duration_ms, simulate, CostModel, FailureMix, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace,
+    parse_duration_ms, simulate, CostModel, Dispatch, FailureMix, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace,
 };
 use serde::Serialize;
 
@@ -90,6 +90,11 @@ pub struct SimArgs {
     /// job's together (default 625e6, the workers' ceiling; 0: no snapshots).
     #[arg(long, value_name = "BYTES_PER_S")]
     snapshot_bandwidth: Option<f64>,
+    /// How Lazarus's dispatcher spreads an expert's tokens over its replicas, which sets its
+    /// step: balanced (as ours does: the busiest GPU at its least) or even-split (the paper's
+    /// per-replica shares).
+    #[arg(long, value_name = "HOW", default_value = "balanced")]
+    dispatch: String,
     /// Expert slots a GPU holds (default 6, the paper's testbed).
     #[arg(long)]
     slots_per_gpu: Option<usize>,
@@ -302,6 +307,11 @@ fn cost_model(args: &SimArgs) -> Result<CostModel> {
     override_with(&mut cost.storage_gbps, args.storage_gbps);
     override_with(&mut cost.network_gbps, args.network_gbps);
     override_with(&mut cost.snapshot_bandwidth, args.snapshot_bandwidth);
+    cost.dispatch = match args.dispatch.as_str() {
+        "balanced" => Dispatch::Balanced,
+        "even-split" => Dispatch::EvenSplit,
+        other => bail!("invalid --dispatch: {other:?} (expected balanced or even-split)"),
+    };
     if let Some(d) = &args.exit_detect {
         cost.exit_detect_s = dur("exit-detect", d)? as f64 / 1000.0;
     }

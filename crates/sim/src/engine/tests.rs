@@ -372,3 +372,17 @@ fn snapshots_turn_the_rollbacks_of_experts_on_one_node_into_restores() {
     assert!(with.experts_restored >= with.snapshot_restores && with.restored_stale_steps > 0);
     assert!(with.trained_samples > without.trained_samples, "{} against {}", with.trained_samples, without.trained_samples);
 }
+
+/// The step on a plan as the dispatcher spreads tokens: the balanced dispatcher's busiest GPU
+/// (λ*) is never busier than the even split's, and both are at least the mean.
+#[test]
+fn the_balanced_dispatchers_step_is_never_longer_than_the_even_splits() {
+    use super::policy::{FailurePolicy, Lazarus};
+    let loads = vec![vec![0.5, 0.2, 0.1, 0.1, 0.05, 0.05]; 3];
+    let shape = lazarus_plan::ClusterShape::new(4, 2, 2).unwrap();
+    let plan = lazarus_plan::plan_model(&loads, shape, &lazarus_plan::PlanPolicy::unguarded(2), None).unwrap();
+    let cost = |dispatch| CostModel { gpus_per_node: 2, slots_per_gpu: 2, dispatch, ..CostModel::default() };
+    let balanced = Lazarus::new().imbalance(&cost(crate::Dispatch::Balanced), &plan, &loads);
+    let even = Lazarus::new().imbalance(&cost(crate::Dispatch::EvenSplit), &plan, &loads);
+    assert!((1.0..=even + 1e-9).contains(&balanced), "λ*/mean {balanced}, even split {even}");
+}

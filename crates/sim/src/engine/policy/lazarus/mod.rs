@@ -27,7 +27,7 @@ use lazarus_decide::{Command, Controller, Event, JobSpec, MoveCost, MoveDecision
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
 
 use super::FailurePolicy;
-use crate::cost::CostModel;
+use crate::cost::{CostModel, Dispatch};
 use crate::engine::{Busy, Run, Scenario};
 use crate::error::SimError;
 
@@ -530,9 +530,15 @@ impl FailurePolicy for Lazarus {
         }
     }
 
-    /// Per-replica shares (Algorithm 1): each replica of expert e takes `load[e] / replicas[e]`;
-    /// the most loaded GPU of each layer, times the number of GPUs.
+    /// The busiest GPU of each layer over the mean, as the dispatcher spreads tokens
+    /// ([`Dispatch`]): at its least, λ* (a max-flow a layer, made once a plan and load epoch),
+    /// or by per-replica shares (Algorithm 1: each replica of expert e takes
+    /// `load[e] / replicas[e]`).
     fn imbalance(&self, cost: &CostModel, plan: &ModelPlan, loads: &[Vec<f64>]) -> f64 {
+        if cost.dispatch == Dispatch::Balanced {
+            let sum: f64 = plan.layers().iter().zip(loads).map(|(p, l)| p.load_balance(l).map_or(1.0, |b| b.imbalance())).sum();
+            return sum / loads.len().max(1) as f64;
+        }
         let g = cost.gpus_per_node;
         let mut imbalance = 0.0;
         for (p, l) in plan.layers().iter().zip(loads) {
