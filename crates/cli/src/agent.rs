@@ -55,7 +55,7 @@ pub fn run_agent_cli(args: &AgentArgs) -> Result<()> {
     };
     let Some(gpus) = args.gpus else { bail!("lazarus agent needs --gpus G (or gpus in the [agent] table of --config)") };
     let secret = match (&args.secret_file, std::env::var("LAZARUS_SECRET")) {
-        (Some(path), _) => crate::train::workers::secret_from_file(path, false)?,
+        (Some(path), _) => crate::io::secret_from_file(path, false)?,
         (None, Ok(hex)) => lazarus_protocol::parse_secret(hex.trim())
             .ok_or_else(|| anyhow::anyhow!("invalid LAZARUS_SECRET: expected 32 hex digits drawn at random (at least 6 different ones)"))?,
         (None, Err(_)) => bail!("the job's secret is needed: --secret-file FILE or LAZARUS_SECRET (the controller printed how)"),

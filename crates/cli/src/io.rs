@@ -72,3 +72,30 @@ pub fn print(text: &str) -> Result<()> {
 pub fn println(text: &str) -> Result<()> {
     print(&format!("{text}\n"))
 }
+
+/// The job's secret from `path` (32 hex digits), or a fresh one written there (mode 0600).
+pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
+            let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
+            let mut options = std::fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+            let mut f = options.open(path).with_context(|| format!("creating --secret-file {}", path.display()))?;
+            use std::io::Write;
+            writeln!(f, "{}", lazarus_protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
+            Ok(secret)
+        }
+        _ => {
+            // A regular file of a line (a FIFO or /dev/zero is refused, not read without end).
+            let text = read_text("secret-file", path, 4096)?;
+            lazarus_protocol::parse_secret(text.trim()).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)",
+                    path.display()
+                )
+            })
+        }
+    }
+}

@@ -36,7 +36,7 @@ fn status_key(args: &StatusArgs) -> Result<(u128, Option<Pin>)> {
     use lazarus_protocol::parse_secret;
     let from_secret = |secret: u128| (status_key(secret), Some(lazarus_protocol::tls::pin(secret)));
     if let Some(path) = &args.secret_file {
-        return Ok(from_secret(crate::train::workers::secret_from_file(path, false)?));
+        return Ok(from_secret(crate::io::secret_from_file(path, false)?));
     }
     if let Ok(token) = std::env::var("LAZARUS_STATUS_TOKEN") {
         return parse_status_token(token.trim()).ok_or_else(|| {

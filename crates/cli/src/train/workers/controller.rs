@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use lazarus_controller::control_loop::saved_job::SavedJob;
@@ -59,33 +59,6 @@ fn with_config_table(args: &ControllerArgs) -> Result<ControllerArgs> {
 /// Most seconds `lazarus controller --wait-agents` may wait.
 const MAX_WAIT_AGENTS_S: f64 = 86_400.0;
 
-/// The job's secret from `path` (32 hex digits), or a fresh one written there (mode 0600).
-pub fn secret_from_file(path: &Path, create: bool) -> Result<u128> {
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
-            let secret = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
-            let mut options = std::fs::OpenOptions::new();
-            options.write(true).create_new(true);
-            #[cfg(unix)]
-            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-            let mut f = options.open(path).with_context(|| format!("creating --secret-file {}", path.display()))?;
-            use std::io::Write;
-            writeln!(f, "{}", lazarus_protocol::secret_hex(secret)).with_context(|| format!("writing {}", path.display()))?;
-            Ok(secret)
-        }
-        _ => {
-            // A regular file of a line (a FIFO or /dev/zero is refused, not read without end).
-            let text = crate::io::read_text("secret-file", path, 4096)?;
-            lazarus_protocol::parse_secret(text.trim()).ok_or_else(|| {
-                anyhow::anyhow!(
-                    "invalid --secret-file {}: expected 32 hex digits drawn at random (at least 6 different ones)",
-                    path.display()
-                )
-            })
-        }
-    }
-}
-
 /// `lazarus controller --listen ADDR --workers N …`.
 pub fn run_controller(args: &ControllerArgs) -> Result<()> {
     let args = &with_config_table(args)?;
@@ -110,9 +83,10 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         bail!("invalid --wait-agents: {wait} (expected seconds, more than 0 and at most {MAX_WAIT_AGENTS_S})");
     }
     let (secret, agent_command) = match &args.secret_file {
-        Some(path) => {
-            (secret_from_file(path, true)?, format!("lazarus agent --controller {{addr}} --gpus G --secret-file {}", path.display()))
-        }
+        Some(path) => (
+            crate::io::secret_from_file(path, true)?,
+            format!("lazarus agent --controller {{addr}} --gpus G --secret-file {}", path.display()),
+        ),
         None => {
             let s = lazarus_protocol::fresh_secret().context("drawing the job secret")?;
             (s, format!("LAZARUS_SECRET={} lazarus agent --controller {{addr}} --gpus G", lazarus_protocol::secret_hex(s)))

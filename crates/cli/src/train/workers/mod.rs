@@ -23,7 +23,7 @@ use crate::io::{read_text, MAX_JSON_BYTES};
 mod controller;
 mod take_back;
 
-pub use controller::{run_controller, secret_from_file, ControllerArgs};
+pub use controller::{run_controller, ControllerArgs};
 use take_back::{saved_job_settings, saved_job_to_take_back};
 
 /// Steps profiled for the measured-load plan when `--profile-steps` is not given (fewer when
