@@ -33,18 +33,38 @@ pub fn load(chrome: &Path, url: &str, scratch: &Path, screenshot: Option<(&Path,
         cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=400"])
             .arg(format!("--user-data-dir={}", scratch.join("chromium-profile").display()));
     };
-    let mut dump = Command::new(chrome);
-    base(&mut dump);
-    dump.args(["--dump-dom", url]);
-    let out = super::output_within(dump, &format!("chromium --dump-dom {url}"));
+    let out = headless(&format!("chromium --dump-dom {url}"), || {
+        let mut dump = Command::new(chrome);
+        base(&mut dump);
+        dump.args(["--dump-dom", url]);
+        dump
+    });
     assert!(out.status.success(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
     let console = String::from_utf8_lossy(&out.stderr).lines().filter(|l| l.contains(":CONSOLE")).map(str::to_string).collect();
     if let Some((path, w, h)) = screenshot {
-        let mut shot = Command::new(chrome);
-        base(&mut shot);
-        shot.arg(format!("--screenshot={}", path.display())).arg(format!("--window-size={w},{h}")).arg(url);
-        let out = super::output_within(shot, "chromium --screenshot");
+        let out = headless("chromium --screenshot", || {
+            let mut shot = Command::new(chrome);
+            base(&mut shot);
+            shot.arg(format!("--screenshot={}", path.display())).arg(format!("--window-size={w},{h}")).arg(url);
+            shot
+        });
         assert!(out.status.success() && path.exists(), "chromium: {}", String::from_utf8_lossy(&out.stderr));
     }
     Loaded { dom: String::from_utf8_lossy(&out.stdout).into_owned(), console }
+}
+
+/// What a headless chromium run of `cmd()` printed. Chromium now and then never ends a load
+/// whose page holds a stream open (its virtual time waits on it): such a run is killed after
+/// two minutes and made again, three times at most, before the test fails naming it.
+fn headless(what: &str, cmd: impl Fn() -> Command) -> std::process::Output {
+    const TRIES: u32 = 3;
+    let limit = std::time::Duration::from_secs(120);
+    for attempt in 1..=TRIES {
+        match super::output_or_stderr(cmd(), limit) {
+            Ok(out) => return out,
+            Err(err) if attempt == TRIES => panic!("`{what}` ran past {} s {TRIES} times (killed). Its stderr:\n{err}", limit.as_secs()),
+            Err(_) => eprintln!("`{what}` ran past {} s: killed, made again", limit.as_secs()),
+        }
+    }
+    unreachable!("the last try returns or panics")
 }

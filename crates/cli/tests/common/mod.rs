@@ -46,7 +46,15 @@ pub fn output_within(cmd: Command, what: &str) -> Output {
 }
 
 /// `cmd`'s output within `limit`.
-pub fn output_limited(mut cmd: Command, what: &str, limit: std::time::Duration) -> Output {
+pub fn output_limited(cmd: Command, what: &str, limit: std::time::Duration) -> Output {
+    match output_or_stderr(cmd, limit) {
+        Ok(out) => out,
+        Err(err) => panic!("`{what}` ran past {} s (killed). Its stderr:\n{err}", limit.as_secs()),
+    }
+}
+
+/// `cmd`'s output within `limit`, or (killed past it) what it wrote to stderr.
+pub fn output_or_stderr(mut cmd: Command, limit: std::time::Duration) -> Result<Output, String> {
     use std::io::Read;
     use std::process::Stdio;
     let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run lazarus");
@@ -66,12 +74,11 @@ pub fn output_limited(mut cmd: Command, what: &str, limit: std::time::Duration) 
         if std::time::Instant::now() >= until {
             let _ = child.kill();
             let _ = child.wait();
-            let err = String::from_utf8_lossy(&err.join().unwrap()).into_owned();
-            panic!("`{what}` ran past {} s (killed). Its stderr:\n{err}", limit.as_secs());
+            return Err(String::from_utf8_lossy(&err.join().unwrap()).into_owned());
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() }
+    Ok(Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() })
 }
 
 /// `lazarus status --controller ADDR ARGS…` proving `token` (as the controller printed it).
