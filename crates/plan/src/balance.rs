@@ -41,40 +41,53 @@ pub fn min_max_load(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> Resul
     if holders.len() != loads.len() {
         return Err(PlanError::Length { field: "loads", got: loads.len(), expected: holders.len() });
     }
+    if let Some(&b) = holders.iter().flatten().find(|&&b| b >= bins) {
+        return Err(PlanError::invalid("placement", format!("bin {b}"), format!("only {bins} bins")));
+    }
+    min_max_load_of_pairs(&pairs_of(holders), loads, bins)
+}
+
+/// Every (expert, bin) of `holders`, expert by expert.
+fn pairs_of(holders: &[Vec<usize>]) -> Vec<(u32, u32)> {
+    holders.iter().enumerate().flat_map(|(e, h)| h.iter().map(move |&b| (e as u32, b as u32))).collect()
+}
+
+/// [`min_max_load`] for replicas given as (expert, bin) pairs, every bin below `bins` and every
+/// expert below `loads.len()` (a placement's slots, without a list per expert).
+pub(crate) fn min_max_load_of_pairs(pairs: &[(u32, u32)], loads: &[f64], bins: usize) -> Result<LoadBalance, PlanError> {
     if bins == 0 {
         return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));
     }
     if let Some((e, x)) = loads.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
         return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
     }
-    if let Some((e, _)) = holders.iter().enumerate().find(|(e, h)| loads[*e] > 0.0 && h.is_empty()) {
+    let mut net = FlowNet::new(pairs, loads, bins);
+    if let Some(e) = (0..loads.len()).find(|&e| loads[e] > 0.0 && net.degree(e) == 0) {
         return Err(PlanError::invalid("placement", format!("expert {e}"), "an expert with tokens has no replica"));
-    }
-    if let Some(&b) = holders.iter().flatten().find(|&&b| b >= bins) {
-        return Err(PlanError::invalid("placement", format!("bin {b}"), format!("only {bins} bins")));
     }
     let total: f64 = loads.iter().sum();
     let mean = total / bins as f64;
     if total <= 0.0 {
         return Ok(LoadBalance { bottleneck: 0.0, mean });
     }
-    let mut net = FlowNet::new(holders, loads, bins);
     // Dinkelbach on the ratio: start at a lower bound; while the flow cannot place every token, the
     // min cut's expert side X is a set with t(X)/|N(X)| > λ, and that ratio is the next λ. Each
     // step strictly raises λ and there are finitely many cuts, so it ends (in practice in 1–3).
     // No λ below one expert's tokens over its own bins (Hall's condition for X = {e}) is
-    // feasible: starting there often needs one flow, not two or three.
-    let mut lambda =
-        (0..holders.len()).map(|e| loads[e] / (net.bin_edge_start[e + 1] - net.bin_edge_start[e]).max(1) as f64).fold(mean, f64::max);
-    for _ in 0..=holders.len() {
-        let (flow, cut_load, cut_bins) = net.max_flow(lambda);
-        if flow >= total * (1.0 - 1e-9) || cut_bins == 0 {
+    // feasible: starting there often needs one flow, not two or three. Raising λ only adds room,
+    // so each step goes on from the flow the last one left.
+    let mut lambda = (0..loads.len()).map(|e| loads[e] / net.degree(e).max(1) as f64).fold(mean, f64::max);
+    net.start(lambda);
+    for _ in 0..=loads.len() {
+        let cut = net.max_flow();
+        if net.placed >= total * (1.0 - 1e-9) || cut.bins == 0 {
             break;
         }
-        let next = cut_load / cut_bins as f64;
+        let next = cut.load / cut.bins as f64;
         if next <= lambda * (1.0 + 1e-12) {
             break;
         }
+        net.raise(next - lambda);
         lambda = next;
     }
     Ok(LoadBalance { bottleneck: lambda, mean })
@@ -85,13 +98,13 @@ pub fn min_max_load(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> Resul
 /// t(X) > λ·|N(X)|; empty when nothing overflows). Inputs as for [`min_max_load`], already
 /// validated by the caller.
 pub(crate) fn overflow(holders: &[Vec<usize>], loads: &[f64], bins: usize, lambda: f64) -> Overflow {
-    let mut net = FlowNet::new(holders, loads, bins);
-    let (flow, _, _) = net.max_flow(lambda);
-    let experts = holders.len();
+    let mut net = FlowNet::new(&pairs_of(holders), loads, bins);
+    net.start(lambda);
+    net.max_flow();
     Overflow {
-        tokens: (loads.iter().sum::<f64>() - flow).max(0.0),
-        bins: (0..bins).map(|b| net.reached[1 + experts + b]).collect(),
-        experts: (0..experts).map(|e| net.reached[1 + e]).collect(),
+        tokens: (loads.iter().sum::<f64>() - net.placed).max(0.0),
+        bins: net.bin_level.iter().map(|&l| l != UNREACHED).collect(),
+        experts: net.expert_level.iter().map(|&l| l != UNREACHED).collect(),
     }
 }
 
@@ -102,199 +115,269 @@ pub(crate) struct Overflow {
     pub experts: Vec<bool>,
 }
 
-/// Source → expert (t_e) → bin (unbounded) → sink (λ), Dinic's algorithm on f64 capacities.
-/// Edges in pairs (forward `2k`, reverse `2k + 1`); each vertex's edges in one flat list (built
-/// once per network: at a thousand bins a list per vertex was most of a weighing's allocations).
-struct FlowNet {
-    /// Vertex ids: 0 source, 1..=E experts, E+1..=E+B bins, E+B+1 sink. Vertex a's edges are
-    /// `adj[adj_start[a]..adj_start[a + 1]]`, in the order they were made.
-    adj_start: Vec<usize>,
-    adj: Vec<usize>,
-    to: Vec<usize>,
-    cap: Vec<f64>,
-    base: Vec<f64>,
-    /// The bin → sink edges, whose capacity is λ.
-    sink_edges: Vec<usize>,
-    /// The source → expert edges, and each expert's edges to its bins
-    /// (`bin_edges[bin_edge_start[e]..bin_edge_start[e + 1]]`).
-    source_edges: Vec<usize>,
-    bin_edge_start: Vec<usize>,
-    bin_edges: Vec<usize>,
-    experts: usize,
+/// The min cut's source side after a max flow: its experts' tokens and how many bins it has.
+struct Cut {
+    load: f64,
     bins: usize,
-    loads: Vec<f64>,
-    /// After [`FlowNet::max_flow`]: the vertices the source still reaches (the min cut's side).
-    reached: Vec<bool>,
 }
 
 const EPS: f64 = 1e-12;
+const UNREACHED: u32 = u32::MAX;
+
+/// The flow network source → expert (t_e) → bin (unbounded) → sink (λ), kept as what it is: a
+/// bipartite graph of experts and the bins holding them, with a flow on each expert–bin edge,
+/// each expert's tokens not yet placed (the source edge's residual) and each bin's room (the
+/// sink edge's). Max flow by Dinic's phases, with the source and sink implicit: a phase's
+/// search starts from every expert with tokens left and ends at the first level with room.
+///
+/// Why not a general flow network: at a thousand bins a λ* is made tens of thousands of times
+/// in a simulated day (every plan and load epoch, every weighing), and the general form's
+/// per-edge pairs, its copies of every capacity and its whole-graph searches were most of the
+/// simulator's time.
+struct FlowNet {
+    /// Expert e's distinct bins: edges `edge_start[e]..edge_start[e + 1]`, edge k to bin
+    /// `edge_bin[k]` carrying `flow[k]`.
+    edge_start: Vec<u32>,
+    edge_bin: Vec<u32>,
+    flow: Vec<f64>,
+    /// Bin b's edges: `bin_edges[bin_start[b]..bin_start[b + 1]]`, each from expert `edge_expert[k]`.
+    bin_start: Vec<u32>,
+    bin_edges: Vec<u32>,
+    edge_expert: Vec<u32>,
+    loads: Vec<f64>,
+    /// Tokens of each expert not yet placed; room left on each bin under λ.
+    left: Vec<f64>,
+    room: Vec<f64>,
+    /// Tokens placed in all.
+    placed: f64,
+    /// The last search's levels (experts even, bins odd; [`UNREACHED`] if not reached): after a
+    /// max flow, what the experts with tokens left still reach — the min cut's source side.
+    expert_level: Vec<u32>,
+    bin_level: Vec<u32>,
+    /// Each vertex's next edge to try in a phase (Dinic's current-arc pointers).
+    expert_next: Vec<u32>,
+    bin_next: Vec<u32>,
+    /// The level of the bins with room a phase's search reached first.
+    sink_level: u32,
+}
 
 impl FlowNet {
-    fn new(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> Self {
-        let experts = holders.len();
-        let v = experts + bins + 2;
-        let edges = experts + holders.iter().map(Vec::len).sum::<usize>() + bins;
-        let mut net = FlowNet {
-            adj_start: Vec::new(),
-            adj: Vec::new(),
-            to: Vec::with_capacity(2 * edges),
-            cap: Vec::with_capacity(2 * edges),
-            base: Vec::with_capacity(2 * edges),
-            sink_edges: Vec::with_capacity(bins),
-            source_edges: Vec::with_capacity(experts),
-            bin_edge_start: Vec::with_capacity(experts + 1),
-            bin_edges: Vec::with_capacity(edges),
-            experts,
-            bins,
-            loads: loads.to_vec(),
-            reached: Vec::new(),
-        };
-        // Each edge's tail, in the order the edges are made.
-        let mut from = Vec::with_capacity(2 * edges);
-        let mut seen = Vec::new();
-        for (e, h) in holders.iter().enumerate() {
-            net.source_edges.push(net.to.len());
-            net.edge(&mut from, 0, 1 + e, loads[e]);
-            seen.clear();
-            seen.extend_from_slice(h);
-            seen.sort_unstable();
-            seen.dedup();
-            net.bin_edge_start.push(net.bin_edges.len());
-            for &b in &seen {
-                net.bin_edges.push(net.to.len());
-                net.edge(&mut from, 1 + e, 1 + experts + b, f64::INFINITY);
+    /// The network of `pairs` (expert, bin), each expert's bins in the order given, a bin
+    /// repeated for an expert kept once.
+    fn new(pairs: &[(u32, u32)], loads: &[f64], bins: usize) -> Self {
+        let experts = loads.len();
+        // Each expert's bins, by a counting sort on the expert.
+        let mut edge_start = vec![0u32; experts + 1];
+        for &(e, _) in pairs {
+            edge_start[e as usize + 1] += 1;
+        }
+        for e in 0..experts {
+            edge_start[e + 1] += edge_start[e];
+        }
+        let mut fill = edge_start.clone();
+        let mut sorted = vec![0u32; pairs.len()];
+        for &(e, b) in pairs {
+            sorted[fill[e as usize] as usize] = b;
+            fill[e as usize] += 1;
+        }
+        // A bin repeated in an expert's list is one edge: `last[b]` is the last expert seen on b.
+        let mut last = vec![u32::MAX; bins];
+        let mut count = vec![0u32; bins + 1];
+        let mut edge_bin = Vec::with_capacity(pairs.len());
+        let mut edge_expert = Vec::with_capacity(pairs.len());
+        for e in 0..experts {
+            let (from, to) = (edge_start[e] as usize, edge_start[e + 1] as usize);
+            edge_start[e] = edge_bin.len() as u32;
+            for &b in &sorted[from..to] {
+                if last[b as usize] != e as u32 {
+                    last[b as usize] = e as u32;
+                    edge_bin.push(b);
+                    edge_expert.push(e as u32);
+                    count[b as usize + 1] += 1;
+                }
             }
         }
-        net.bin_edge_start.push(net.bin_edges.len());
+        edge_start[experts] = edge_bin.len() as u32;
+        // Each bin's edges, by a counting sort on the bin.
         for b in 0..bins {
-            net.sink_edges.push(net.to.len());
-            net.edge(&mut from, 1 + experts + b, v - 1, 0.0);
+            count[b + 1] += count[b];
         }
-        // The flat adjacency: a stable counting sort of the edges by tail.
-        let mut start = vec![0usize; v + 1];
-        for &a in &from {
-            start[a + 1] += 1;
+        let mut fill = count.clone();
+        let mut bin_edges = vec![0u32; edge_bin.len()];
+        for (k, &b) in edge_bin.iter().enumerate() {
+            bin_edges[fill[b as usize] as usize] = k as u32;
+            fill[b as usize] += 1;
         }
-        for a in 0..v {
-            start[a + 1] += start[a];
-        }
-        let mut next = start.clone();
-        net.adj = vec![0; from.len()];
-        for (id, &a) in from.iter().enumerate() {
-            net.adj[next[a]] = id;
-            next[a] += 1;
-        }
-        net.adj_start = start;
-        net
-    }
-
-    /// An edge a → b of capacity c and its reverse; `from` takes their tails.
-    fn edge(&mut self, from: &mut Vec<usize>, a: usize, b: usize, c: f64) {
-        for (tail, head, cap) in [(a, b, c), (b, a, 0.0)] {
-            from.push(tail);
-            self.to.push(head);
-            self.cap.push(cap);
-            self.base.push(cap);
+        FlowNet {
+            flow: vec![0.0; edge_bin.len()],
+            edge_start,
+            edge_bin,
+            bin_start: count,
+            bin_edges,
+            edge_expert,
+            loads: loads.to_vec(),
+            left: loads.to_vec(),
+            room: vec![0.0; bins],
+            placed: 0.0,
+            expert_level: vec![UNREACHED; experts],
+            bin_level: vec![UNREACHED; bins],
+            expert_next: vec![0; experts],
+            bin_next: vec![0; bins],
+            sink_level: UNREACHED,
         }
     }
 
-    /// Max flow with every bin capped at `lambda`; also the min cut's source side: the tokens of
-    /// its experts and how many bins it has.
-    fn max_flow(&mut self, lambda: f64) -> (f64, f64, usize) {
-        let sink = self.experts + self.bins + 1;
-        self.cap.copy_from_slice(&self.base);
-        for &id in &self.sink_edges {
-            self.cap[id] = lambda;
+    /// How many distinct bins hold expert `e`.
+    fn degree(&self, e: usize) -> usize {
+        (self.edge_start[e + 1] - self.edge_start[e]) as usize
+    }
+
+    fn edges(&self, e: usize) -> std::ops::Range<usize> {
+        self.edge_start[e] as usize..self.edge_start[e + 1] as usize
+    }
+
+    /// Every bin's room set to `lambda`, and a first flow: each expert's tokens to its bins'
+    /// room in turn. One pass over the edges that leaves Dinic's phases (which find the max flow
+    /// from any flow) only what this could not place — at a thousand bins most of the tokens,
+    /// in a fraction of the time.
+    fn start(&mut self, lambda: f64) {
+        self.room.iter_mut().for_each(|r| *r = lambda);
+        for e in 0..self.loads.len() {
+            for k in self.edges(e) {
+                if self.left[e] <= EPS {
+                    break;
+                }
+                let b = self.edge_bin[k] as usize;
+                let push = self.left[e].min(self.room[b]);
+                if push > EPS {
+                    self.flow[k] += push;
+                    self.left[e] -= push;
+                    self.room[b] -= push;
+                    self.placed += push;
+                }
+            }
         }
-        let mut flow = self.greedy_flow();
-        let v = self.adj_start.len() - 1;
-        let mut level = vec![usize::MAX; v];
-        let mut it = vec![0usize; v];
-        loop {
-            level.iter_mut().for_each(|l| *l = usize::MAX);
-            level[0] = 0;
-            let mut queue = std::collections::VecDeque::from([0usize]);
-            while let Some(a) = queue.pop_front() {
-                for &id in &self.adj[self.adj_start[a]..self.adj_start[a + 1]] {
-                    let b = self.to[id];
-                    if self.cap[id] > EPS && level[b] == usize::MAX {
-                        level[b] = level[a] + 1;
-                        queue.push_back(b);
+    }
+
+    /// λ raised by `by`: every bin gains that much room; the flow stays as it is.
+    fn raise(&mut self, by: f64) {
+        self.room.iter_mut().for_each(|r| *r += by);
+    }
+
+    /// The max flow from the current one; then the min cut's source side (the experts with
+    /// tokens left and what they reach), its tokens and bins.
+    fn max_flow(&mut self) -> Cut {
+        while self.search() {
+            self.expert_next.iter_mut().for_each(|i| *i = 0);
+            self.bin_next.iter_mut().for_each(|i| *i = 0);
+            for e in 0..self.loads.len() {
+                if self.expert_level[e] == 0 && self.left[e] > EPS {
+                    let got = self.push_expert(e, self.left[e]);
+                    self.left[e] -= got;
+                    self.placed += got;
+                }
+            }
+        }
+        let load = (0..self.loads.len()).filter(|&e| self.expert_level[e] != UNREACHED).map(|e| self.loads[e]).sum();
+        Cut { load, bins: self.bin_level.iter().filter(|&&l| l != UNREACHED).count() }
+    }
+
+    /// A phase's breadth-first search in the residual graph, from every expert with tokens left
+    /// (level 0) over expert → bin edges (unbounded) and bin → expert edges that carry flow (to
+    /// send it elsewhere), to the first level holding a bin with room. False when no bin with
+    /// room is reached: the flow is a max flow and the levels mark the min cut's source side.
+    fn search(&mut self) -> bool {
+        self.expert_level.iter_mut().for_each(|l| *l = UNREACHED);
+        self.bin_level.iter_mut().for_each(|l| *l = UNREACHED);
+        self.sink_level = UNREACHED;
+        // Experts and bins in order of level; a bin is stored as `experts + b`.
+        let experts = self.loads.len();
+        let mut queue: Vec<u32> = (0..experts as u32).filter(|&e| self.left[e as usize] > EPS).collect();
+        queue.iter().for_each(|&e| self.expert_level[e as usize] = 0);
+        let mut head = 0;
+        while head < queue.len() {
+            let v = queue[head] as usize;
+            head += 1;
+            if v < experts {
+                let next = self.expert_level[v] + 1;
+                for k in self.edges(v) {
+                    let b = self.edge_bin[k] as usize;
+                    if self.bin_level[b] == UNREACHED {
+                        self.bin_level[b] = next;
+                        if self.room[b] > EPS {
+                            self.sink_level = self.sink_level.min(next);
+                        } else if self.sink_level == UNREACHED {
+                            queue.push((experts + b) as u32);
+                        }
+                    }
+                }
+            } else if self.sink_level == UNREACHED {
+                let b = v - experts;
+                let next = self.bin_level[b] + 1;
+                for &k in &self.bin_edges[self.bin_start[b] as usize..self.bin_start[b + 1] as usize] {
+                    let e = self.edge_expert[k as usize] as usize;
+                    if self.flow[k as usize] > EPS && self.expert_level[e] == UNREACHED {
+                        self.expert_level[e] = next;
+                        queue.push(e as u32);
                     }
                 }
             }
-            if level[sink] == usize::MAX {
-                break;
-            }
-            it.iter_mut().for_each(|i| *i = 0);
-            loop {
-                let pushed = self.augment(0, sink, f64::INFINITY, &level, &mut it);
-                if pushed <= EPS {
-                    break;
-                }
-                flow += pushed;
-            }
         }
-        // `level` now marks what the source still reaches: the min cut's source side.
-        self.reached = level.iter().map(|&l| l != usize::MAX).collect();
-        let cut_load: f64 = (0..self.experts).filter(|&e| level[1 + e] != usize::MAX).map(|e| self.loads[e]).sum();
-        let cut_bins = (0..self.bins).filter(|&b| level[1 + self.experts + b] != usize::MAX).count();
-        (flow, cut_load, cut_bins)
+        self.sink_level != UNREACHED
     }
 
-    /// A first flow, each expert's tokens to its bins' free room in turn: one pass over the
-    /// edges that leaves Dinic's phases (which find the max flow from any flow) only what this
-    /// could not place — at a thousand bins most of the tokens, in a fraction of the time.
-    fn greedy_flow(&mut self) -> f64 {
-        let mut flow = 0.0;
-        for e in 0..self.experts {
-            let source = self.source_edges[e];
-            for k in self.bin_edge_start[e]..self.bin_edge_start[e + 1] {
-                let id = self.bin_edges[k];
-                let left = self.cap[source];
-                if left <= EPS {
-                    break;
-                }
-                let sink_edge = self.sink_edges[self.to[id] - 1 - self.experts];
-                let push = left.min(self.cap[sink_edge]);
-                if push <= EPS {
-                    continue;
-                }
-                for edge in [source, id, sink_edge] {
-                    self.cap[edge] -= push;
-                    self.cap[edge ^ 1] += push;
-                }
-                flow += push;
-            }
-        }
-        flow
-    }
-
-    /// Push up to `limit` from `a` towards the sink along level-increasing edges, through as many
-    /// edges as it takes (one call per blocking-flow round from the source, not one per path: the
-    /// source's edges to 256 experts would otherwise each start their own descent). An edge is
-    /// passed over once it is saturated or what lies behind it took less than it was offered.
-    fn augment(&mut self, a: usize, sink: usize, limit: f64, level: &[usize], it: &mut [usize]) -> f64 {
-        if a == sink {
-            return limit;
-        }
+    /// Push up to `limit` of expert `e`'s tokens along level-increasing edges (Dinic's blocking
+    /// flow); an edge is passed over once what lies behind it took less than it was offered.
+    fn push_expert(&mut self, e: usize, limit: f64) -> f64 {
         let mut pushed = 0.0;
-        let (first, end) = (self.adj_start[a], self.adj_start[a + 1]);
-        while first + it[a] < end {
-            let id = self.adj[first + it[a]];
-            let b = self.to[id];
-            if self.cap[id] > EPS && level[b] == level[a] + 1 {
-                let got = self.augment(b, sink, (limit - pushed).min(self.cap[id]), level, it);
+        let level = self.expert_level[e] + 1;
+        let first = self.edge_start[e];
+        while first + self.expert_next[e] < self.edge_start[e + 1] {
+            let k = (first + self.expert_next[e]) as usize;
+            let b = self.edge_bin[k] as usize;
+            if self.bin_level[b] == level {
+                let got = self.push_bin(b, limit - pushed);
                 if got > EPS {
-                    self.cap[id] -= got;
-                    self.cap[id ^ 1] += got;
+                    self.flow[k] += got;
                     pushed += got;
                     if limit - pushed <= EPS {
                         return pushed;
                     }
                 }
             }
-            it[a] += 1;
+            self.expert_next[e] += 1;
+        }
+        pushed
+    }
+
+    /// Take up to `limit` into bin `b`: into its room if it is at the search's last level, else
+    /// by sending on flow that reaches it from experts one level further.
+    fn push_bin(&mut self, b: usize, limit: f64) -> f64 {
+        let level = self.bin_level[b];
+        if level == self.sink_level {
+            let take = limit.min(self.room[b]);
+            if take <= EPS {
+                return 0.0;
+            }
+            self.room[b] -= take;
+            return take;
+        }
+        let mut pushed = 0.0;
+        let first = self.bin_start[b];
+        while first + self.bin_next[b] < self.bin_start[b + 1] {
+            let k = self.bin_edges[(first + self.bin_next[b]) as usize] as usize;
+            let e = self.edge_expert[k] as usize;
+            if self.expert_level[e] == level + 1 && self.flow[k] > EPS {
+                let got = self.push_expert(e, (limit - pushed).min(self.flow[k]));
+                if got > EPS {
+                    self.flow[k] -= got;
+                    pushed += got;
+                    if limit - pushed <= EPS {
+                        return pushed;
+                    }
+                }
+            }
+            self.bin_next[b] += 1;
         }
         pushed
     }

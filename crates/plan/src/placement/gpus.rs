@@ -24,9 +24,20 @@ pub(crate) fn gpu_holders(nodes: &[Vec<ExpertId>], shape: ClusterShape, experts:
     holders
 }
 
+/// (expert, GPU index) of every replica, node by node: what [`gpu_holders`] lists, without a
+/// list per expert (λ* is made tens of thousands of times in a simulated day).
+pub(crate) fn gpu_pairs(nodes: &[Vec<ExpertId>], shape: ClusterShape) -> Vec<(u32, u32)> {
+    let (g, c) = (shape.gpus_per_node, shape.slots_per_gpu);
+    let mut pairs = Vec::with_capacity(nodes.iter().map(Vec::len).sum());
+    for (n, node) in nodes.iter().enumerate() {
+        pairs.extend(node.iter().enumerate().map(|(k, &e)| (e as u32, (n * g + k / c) as u32)));
+    }
+    pairs
+}
+
 /// λ* over GPUs ([`crate::balance`]); inputs already validated.
 pub(crate) fn gpu_lambda(nodes: &[Vec<ExpertId>], shape: ClusterShape, loads: &[f64]) -> f64 {
-    crate::balance::min_max_load(&gpu_holders(nodes, shape, loads.len()), loads, shape.ranks()).map_or(f64::INFINITY, |b| b.bottleneck)
+    crate::balance::min_max_load_of_pairs(&gpu_pairs(nodes, shape), loads, shape.ranks()).map_or(f64::INFINITY, |b| b.bottleneck)
 }
 
 /// Most candidate swaps evaluated (one max-flow each) per accepted swap and in all: the

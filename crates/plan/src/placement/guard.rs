@@ -44,14 +44,9 @@ pub fn place_balanced(replicas: &[usize], shape: ClusterShape, loads: &[f64], ma
 
 /// λ* / mean over nodes for node lists (see [`crate::balance`]).
 pub(crate) fn node_imbalance(nodes: &[Vec<ExpertId>], loads: &[f64]) -> f64 {
-    let mut holders = vec![Vec::new(); loads.len()];
-    for (i, node) in nodes.iter().enumerate() {
-        for &e in node {
-            holders[e].push(i);
-        }
-    }
+    let pairs: Vec<(u32, u32)> = nodes.iter().enumerate().flat_map(|(i, node)| node.iter().map(move |&e| (e as u32, i as u32))).collect();
     // Inputs are validated and every expert is placed, so this cannot fail.
-    crate::balance::min_max_load(&holders, loads, nodes.len()).map_or(f64::INFINITY, |b| b.imbalance())
+    crate::balance::min_max_load_of_pairs(&pairs, loads, nodes.len()).map_or(f64::INFINITY, |b| b.imbalance())
 }
 
 /// Candidates within the guard whose recovery is compared on large clusters ([`guarded_nodes`]).

@@ -40,7 +40,7 @@ use crate::nodeset::NodeSet;
 use crate::recovery::{self, RecoveryEstimate};
 use crate::ExpertId;
 
-pub(crate) use gpus::{balance_gpus, gpu_holders};
+pub(crate) use gpus::balance_gpus;
 pub use guard::{place_balanced, DEFAULT_MAX_IMBALANCE};
 #[cfg(test)]
 pub(crate) use mro::mro_truncates;
@@ -210,7 +210,8 @@ impl Placement {
     /// λ* per GPU under the balanced dispatcher for these loads ([`crate::balance`]): how much
     /// longer than perfectly balanced the experts' step takes on this plan.
     pub fn load_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
-        crate::balance::min_max_load(&gpu_holders(&self.nodes, self.shape, self.experts), loads, self.shape.ranks())
+        validate_loads(loads, self.experts)?;
+        crate::balance::min_max_load_of_pairs(&gpus::gpu_pairs(&self.nodes, self.shape), loads, self.shape.ranks())
     }
 
     /// The GPUs' tokens when each expert's tokens are split evenly over its replicas: one

@@ -24,7 +24,7 @@ use lazarus_decide::SnapshotHeld;
 use std::time::{Duration, Instant};
 
 use lazarus_decide::{Command, Controller, Event, JobSpec, MoveCost, MoveDecision, NodeId, OnLoss, StepRecord, StopReport};
-use lazarus_plan::{plan_model, ClusterShape, ModelPlan, PlanPolicy};
+use lazarus_plan::{plan_model, ClusterShape, ModelPlan, Placement, PlanPolicy};
 
 use super::FailurePolicy;
 use crate::cost::{CostModel, Dispatch};
@@ -536,8 +536,12 @@ impl FailurePolicy for Lazarus {
     /// `load[e] / replicas[e]`).
     fn imbalance(&self, cost: &CostModel, plan: &ModelPlan, loads: &[Vec<f64>]) -> f64 {
         if cost.dispatch == Dispatch::Balanced {
-            let sum: f64 = plan.layers().iter().zip(loads).map(|(p, l)| p.load_balance(l).map_or(1.0, |b| b.imbalance())).sum();
-            return sum / loads.len().max(1) as f64;
+            // Layers on every core (a max-flow each); summed in layer order.
+            let jobs: Vec<(&Placement, &Vec<f64>)> = plan.layers().iter().zip(loads).collect();
+            let Ok(each) = lazarus_plan::parallel::map_in_order(&jobs, |(p, l)| {
+                Ok::<_, std::convert::Infallible>(p.load_balance(l).map_or(1.0, |b| b.imbalance()))
+            });
+            return each.iter().sum::<f64>() / loads.len().max(1) as f64;
         }
         let g = cost.gpus_per_node;
         let mut imbalance = 0.0;
