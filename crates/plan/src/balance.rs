@@ -392,7 +392,7 @@ impl FlowNet {
 mod tests {
     use super::*;
     use crate::rng::SplitMix64;
-    use proptest::prelude::{any, prop_assert, proptest, ProptestConfig};
+    use proptest::prelude::{any, prop_assert, prop_assert_eq, proptest, ProptestConfig};
 
     /// The Hall formula evaluated over every expert subset: the oracle for small instances.
     fn brute(holders: &[Vec<usize>], loads: &[f64], bins: usize) -> f64 {
@@ -447,6 +447,36 @@ mod tests {
             let got = min_max_load(&holders, &loads, bins).unwrap().bottleneck;
             let want = brute(&holders, &loads, bins);
             prop_assert!((got - want).abs() <= 1e-6 * want.max(1.0), "{:?} {:?}: {} vs {}", holders, loads, got, want);
+        }
+
+        /// The tokens left over at a given λ are the largest t(X) − λ·|N(X)| over expert sets
+        /// (max-flow min-cut), and the experts and bins of the cut are such a set and its bins.
+        #[test]
+        fn overflow_is_the_worst_sets_excess(bins in 1usize..6, experts in 1usize..8, seed in any::<u64>(), share in 0.2f64..1.5) {
+            let mut rng = SplitMix64::new(seed);
+            let holders: Vec<Vec<usize>> = (0..experts)
+                .map(|_| (0..1 + rng.below(3)).map(|_| rng.below(bins)).collect())
+                .collect();
+            let loads: Vec<f64> = (0..experts).map(|_| if rng.below(4) == 0 { 0.0 } else { rng.below(1000) as f64 }).collect();
+            let lambda = share * loads.iter().sum::<f64>() / bins as f64;
+            let excess = |x: u32| {
+                let mut nb = 0u64;
+                let mut t = 0.0;
+                for (i, h) in holders.iter().enumerate().filter(|(i, _)| x & (1 << i) != 0) {
+                    t += loads[i];
+                    h.iter().for_each(|&b| nb |= 1 << b);
+                }
+                (t - lambda * nb.count_ones() as f64, nb)
+            };
+            let want = (0u32..(1 << experts)).map(|x| excess(x).0).fold(0.0, f64::max);
+            let got = overflow(&holders, &loads, bins, lambda);
+            prop_assert!((got.tokens - want).abs() <= 1e-6 * lambda.max(1.0), "{} vs {}", got.tokens, want);
+            let x: u32 = (0..experts).filter(|&e| got.experts[e]).map(|e| 1 << e).sum();
+            let (cut_excess, cut_bins) = excess(x);
+            prop_assert!((cut_excess.max(0.0) - want).abs() <= 1e-6 * lambda.max(1.0), "the cut's excess {} vs {}", cut_excess, want);
+            for b in 0..bins {
+                prop_assert_eq!(got.bins[b], cut_bins & (1 << b) != 0, "bin {} of the cut", b);
+            }
         }
     }
 }
