@@ -211,7 +211,7 @@ pub fn train_benchmark(
         trainer.step()?;
     }
     // The expert token counts of one real forward pass fix the expert shapes.
-    let probe = trainer.sampler.peek_batch(b);
+    let probe = trainer.sampler.peek_batch(b)?;
     let x = Tensor::from_vec(probe.inputs, (b, t), &device)?;
     let y = Tensor::from_vec(probe.targets, (b, t), &device)?;
     let loads: Vec<Vec<u64>> = trainer.model.forward(&x, &y, None)?.moe.iter().map(|m| m.load.clone()).collect();

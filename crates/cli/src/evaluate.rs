@@ -14,10 +14,11 @@ pub struct EvalArgs {
     /// checkpoint's own directory.
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
-    /// The held-out data: a text file, or comma-separated token shards in --data-format.
+    /// The held-out data: a text file, JSON lines, comma-separated token shards or Megatron
+    /// dataset prefixes, in --data-format.
     #[arg(long, value_name = "FILE")]
     data: String,
-    /// Format of --data: text, u16 or u32 (default text).
+    /// Format of --data: text, jsonl, u16, u32 or megatron (default text).
     #[arg(long)]
     data_format: Option<String>,
     /// Windows evaluated, from the start (default: every whole window the data holds, at most

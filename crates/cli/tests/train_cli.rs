@@ -1021,3 +1021,53 @@ fn a_run_keeps_its_model_in_a_directory_of_its_own() {
     assert!(ok && text.contains("nothing was saved"), "{text}");
     assert_eq!(runs().len(), 2, "neither a failed run nor --no-save kept a directory");
 }
+
+/// Megatron indexed datasets (`.bin` + `.idx`, here by our writer) train a window at a time: a
+/// run stopped and resumed reads the windows the uninterrupted run reads (the same losses), a
+/// job of worker processes opens them too, and a malformed index is refused naming its byte.
+#[test]
+fn megatron_datasets_stream_resume_exactly_and_a_bad_index_is_named() {
+    use lazarus_model::data::indexed::{write_indexed, TokenType};
+    let d = dir("megatron");
+    let tokens: Vec<u32> = (0..6000u32).map(|i| (i * 37 + i / 11) % 1000).collect();
+    let docs = |part: &[u32]| part.chunks(123).map(<[u32]>::to_vec).collect::<Vec<_>>();
+    write_indexed(&d.join("part-a"), &docs(&tokens[..2500]), TokenType::U16).unwrap();
+    write_indexed(&d.join("part-b"), &docs(&tokens[2500..]), TokenType::I32).unwrap();
+    let data = format!("{},{}", d.join("part-a").display(), d.join("part-b.idx").display());
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--data", &data, "--data-format", "megatron", "--vocab-size", "1000"];
+        args.extend(&common::tiny_model("2")[..12]);
+        args.extend(extra);
+        lazarus(&args)
+    };
+    let (whole, part, ck) = (d.join("whole.jsonl"), d.join("part.jsonl"), d.join("ck"));
+    let out = train(&["--steps", "4", "--no-save", "--json-log", whole.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2 Megatron dataset(s)"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = train(&["--steps", "2", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        lazarus(&["train", "--resume", "--steps", "4", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (log_of(&whole).0, log_of(&part).0);
+    assert_eq!(a.iter().map(|s| s.0).collect::<Vec<_>>(), b.iter().map(|s| s.0).collect::<Vec<_>>());
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} uninterrupted, {y} resumed");
+    }
+    // Worker processes each open the datasets.
+    let out = train(&["--steps", "2", "--no-save", "--workers", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // An index cut short, and ids past the vocabulary.
+    let idx = d.join("part-a.idx");
+    let bytes = std::fs::read(&idx).unwrap();
+    std::fs::write(&idx, &bytes[..bytes.len() - 3]).unwrap();
+    let out = train(&["--steps", "1", "--no-save"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("part-a.idx") && err.contains("byte 18"), "{err}");
+    std::fs::write(&idx, &bytes).unwrap();
+    let mut args = vec!["train", "--data", &data, "--data-format", "megatron", "--vocab-size", "500", "--steps", "3", "--no-save"];
+    args.extend(&common::tiny_model("2")[..12]);
+    let out = lazarus(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("outside the vocabulary of 500") && err.contains(".bin"), "{err}");
+}

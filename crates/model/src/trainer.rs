@@ -212,6 +212,8 @@ impl TrainConfig {
             DataSource::Synthetic { bytes, .. } => *bytes as u128 * 5,
             DataSource::Text { path } | DataSource::JsonLines { path } => std::fs::metadata(path).map_or(0, |x| x.len() as u128 * 5),
             DataSource::Shards { paths, .. } => paths.iter().map(|p| std::fs::metadata(p).map_or(0, |x| x.len() as u128 * 2)).sum(),
+            // Read a window at a time; only the first tokens' frequencies are counted at once.
+            DataSource::Megatron { .. } => crate::data::ENTROPY_SAMPLE_TOKENS as u128 * 4,
         };
         params + activations + data
     }
@@ -302,8 +304,8 @@ impl Trainer {
             ));
         }
         let tokenizer = crate::tokenizer::TextTokenizer::open(config.tokenizer.as_deref())?;
-        let tokens = config.data.load_with(config.model.vocab_size, &tokenizer)?;
-        let unigram_entropy = crate::data::unigram_entropy(&tokens);
+        let tokens = config.data.open(config.model.vocab_size, &tokenizer)?;
+        let unigram_entropy = tokens.unigram_entropy()?;
         let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
         let mut model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;
         if let (Some(dir), Start::Fresh) = (&config.init_from, start) {
@@ -330,7 +332,7 @@ impl Trainer {
         let (b, t) = (self.config.batch_size, self.config.seq_len);
         let (inputs, targets) = {
             let _profile = crate::profile::phase("batch");
-            let batch = self.sampler.next_batch(b);
+            let batch = self.sampler.next_batch(b)?;
             let device = self.model.device().clone();
             (Tensor::from_vec(batch.inputs, (b, t), &device)?, Tensor::from_vec(batch.targets, (b, t), &device)?)
         };
@@ -388,7 +390,7 @@ impl Trainer {
         const PROFILE_SEQUENCES: usize = 256;
         let (b, t) = (self.config.batch_size, self.config.seq_len);
         let mut loads = vec![vec![0.0; self.config.model.n_experts]; self.config.model.moe_layers()];
-        let batches = self.sampler.peek_batch(b * steps);
+        let batches = self.sampler.peek_batch(b * steps)?;
         let device = self.model.device().clone();
         // A few sequences at a time: each token's route is its own, and the forward of a whole
         // batch of a thousand nodes' job (17,408 sequences) held gigabytes of activations.

@@ -347,7 +347,7 @@ fn loads_measured_in_pieces_are_those_of_one_forward_of_the_batch() {
     let cfg = TrainConfig { batch_size: 300, seq_len: 4, ..small() };
     let mut t = Trainer::new(cfg.clone()).unwrap();
     let loads = t.measure_loads(1).unwrap();
-    let batch = t.sampler.peek_batch(300);
+    let batch = t.sampler.peek_batch(300).unwrap();
     let device = t.model.device().clone();
     let x = candle_core::Tensor::from_vec(batch.inputs.clone(), (300, 4), &device).unwrap();
     let y = candle_core::Tensor::from_vec(batch.targets.clone(), (300, 4), &device).unwrap();

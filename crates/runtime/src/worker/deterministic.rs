@@ -62,7 +62,7 @@ impl Worker {
             });
         }
         let shards = b / per;
-        let batch = self.trainer.sampler.peek_batch(b);
+        let batch = self.trainer.sampler.peek_batch(b)?;
         let (lo, hi) = batch_share(shards, self.world, self.rank);
         let passes = shards.div_ceil(self.world.max(1));
         let device = self.trainer.model.device().clone();

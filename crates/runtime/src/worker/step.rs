@@ -122,7 +122,7 @@ impl Worker {
         }
         let cfg = self.trainer.config.clone();
         let (b, tl) = (cfg.batch_size, cfg.seq_len);
-        let batch = self.trainer.sampler.peek_batch(b);
+        let batch = self.trainer.sampler.peek_batch(b)?;
         let (lo, hi) = batch_share(b, self.world, self.rank);
         let rows = hi - lo;
         let model = &self.trainer.model;

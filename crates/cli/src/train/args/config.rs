@@ -110,7 +110,7 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
 /// it on other ids without a word. Without one, text data is refused unless the model's
 /// vocabulary is the bytes' own.
 pub(super) fn adopt_model_tokenizer(c: &mut TrainConfig, dir: &Path) -> Result<()> {
-    if c.tokenizer.is_some() || matches!(c.data, DataSource::Shards { .. }) {
+    if c.tokenizer.is_some() || c.data.is_tokens() {
         return Ok(());
     }
     let theirs = dir.join("tokenizer.json");
@@ -297,8 +297,9 @@ pub fn eval_data_format(args: &TrainArgs) -> Option<&str> {
     }
 }
 
-/// The data `--{flag} PATH` names (a text file, or comma-separated token shards) in `format`
-/// (`--data-format`: text, u16 or u32; default text).
+/// The data `--{flag} PATH` names (a text file, comma-separated token shards, or
+/// comma-separated Megatron dataset prefixes) in `format` (`--data-format`: text, jsonl, u16,
+/// u32 or megatron; default text).
 pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSource> {
     let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
     if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
@@ -311,6 +312,7 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
         "jsonl" => bail!("invalid --{flag}: '{path}' (a JSON-lines source is one file)"),
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
-        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16 or u32)"),
+        "megatron" => DataSource::Megatron { prefixes: paths },
+        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32 or megatron)"),
     })
 }

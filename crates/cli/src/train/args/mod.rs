@@ -117,10 +117,11 @@ pub struct ModelArgs {
     /// Seed of the weights and the sampling order.
     #[arg(long)]
     pub(crate) seed: Option<u64>,
-    /// "synthetic" (built-in corpus), a UTF-8 text file, or token shards (comma-separated .bin).
+    /// "synthetic" (built-in corpus), a UTF-8 text file, token shards (comma-separated .bin), or
+    /// Megatron indexed datasets (comma-separated prefixes of .bin + .idx pairs, streamed).
     #[arg(long)]
     pub(crate) data: Option<String>,
-    /// Format of --data files: text, jsonl ({"text": …} a line), u16 or u32.
+    /// Format of --data files: text, jsonl ({"text": …} a line), u16, u32 or megatron.
     #[arg(long)]
     pub(crate) data_format: Option<String>,
     /// Size of the synthetic corpus in bytes.
@@ -192,13 +193,13 @@ pub struct TrainArgs {
     /// No progress bar or per-step lines, only the summary.
     #[arg(long)]
     pub quiet: bool,
-    /// Held-out data to evaluate the model on (a text file, JSON lines or token shards; see
-    /// --eval-data-format): its loss and perplexity over windows taken in order, in the
-    /// progress, the --json-log and the summary.
+    /// Held-out data to evaluate the model on (a text file, JSON lines, token shards or Megatron
+    /// datasets; see --eval-data-format): its loss and perplexity over windows taken in order,
+    /// in the progress, the --json-log and the summary.
     #[arg(long, value_name = "FILE")]
     pub eval_data: Option<String>,
-    /// Format of --eval-data: text, jsonl, u16 or u32 (default: jsonl for a .jsonl file, text
-    /// for a .txt file, else --data-format's).
+    /// Format of --eval-data: text, jsonl, u16, u32 or megatron (default: jsonl for a .jsonl
+    /// file, text for a .txt file, else --data-format's).
     #[arg(long, value_name = "FORMAT")]
     pub eval_data_format: Option<String>,
     /// With --eval-data: evaluate every this many steps (default: at the end only).

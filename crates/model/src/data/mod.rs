@@ -1,5 +1,5 @@
-//! Training data: text files, JSON lines, token shards, a built-in synthetic corpus, and a
-//! deterministic sampler whose cursor resumes exactly.
+//! Training data: text files, JSON lines, token shards, Megatron indexed datasets (streamed), a
+//! built-in synthetic corpus, and a deterministic sampler whose cursor resumes exactly.
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +9,12 @@ use crate::error::{ModelError, Result};
 use crate::files::read_bounded;
 use crate::rng::SplitMix64;
 
+pub mod indexed;
+mod sampler;
+
 pub use crate::tokenizer::ByteTokenizer;
+pub use indexed::{IndexedFile, TokenType};
+pub use sampler::{Batch, Cursor, Sampler, TokenStream, ENTROPY_SAMPLE_TOKENS};
 
 /// Where training tokens come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -25,6 +30,9 @@ pub enum DataSource {
     /// documents' texts byte-tokenized, each followed by a blank line (`\n\n`) so that a window
     /// that spans two of them sees where one ends.
     JsonLines { path: PathBuf },
+    /// Megatron indexed datasets (`PREFIX.bin` + `PREFIX.idx`), one after another: tokens
+    /// already, read a window at a time ([`indexed`]).
+    Megatron { prefixes: Vec<PathBuf> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +43,58 @@ pub enum TokenWidth {
 }
 
 impl DataSource {
+    /// The training tokens: a Megatron dataset opened and its index checked (read later, a
+    /// window at a time), anything else loaded ([`DataSource::load_with`]).
+    pub fn open(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<TokenStream> {
+        let DataSource::Megatron { prefixes } = self else {
+            return Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?));
+        };
+        Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab))
+    }
+
+    /// Each Megatron dataset of `prefixes`, opened and its index checked.
+    fn open_indexed(&self, prefixes: &[PathBuf], tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<IndexedFile>> {
+        self.refuse_a_tokenizer(tokenizer)?;
+        self.named(prefixes, "Megatron datasets")?.iter().map(|p| IndexedFile::open(p)).collect()
+    }
+
+    /// Whether the source holds token ids already (no tokenizer applies).
+    pub fn is_tokens(&self) -> bool {
+        matches!(self, DataSource::Shards { .. } | DataSource::Megatron { .. })
+    }
+
+    fn refuse_a_tokenizer(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<()> {
+        if matches!(tokenizer, crate::tokenizer::TextTokenizer::Hf(_)) {
+            return Err(ModelError::Data {
+                path: self.describe().into(),
+                reason: format!(
+                    "{} are tokens already: they take no tokenizer",
+                    if matches!(self, DataSource::Megatron { .. }) { "Megatron datasets" } else { "token shards" }
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// `paths`, refused when there are none or one has an empty name.
+    fn named<'a>(&self, paths: &'a [PathBuf], what: &str) -> Result<&'a [PathBuf]> {
+        if paths.is_empty() {
+            return Err(ModelError::Data { path: PathBuf::new(), reason: format!("no {what} named") });
+        }
+        if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
+            return Err(ModelError::Data {
+                path: self.describe().into(),
+                reason: format!(
+                    "{} {} of {} has an empty name",
+                    if what == "token shards" { "shard" } else { "dataset" },
+                    i + 1,
+                    paths.len()
+                ),
+            });
+        }
+        Ok(paths)
+    }
+
     /// Load all tokens, byte-tokenizing text, checking each is below `vocab`.
     pub fn load(&self, vocab: usize) -> Result<Vec<u32>> {
         self.load_with(vocab, &crate::tokenizer::TextTokenizer::Bytes)
@@ -63,24 +123,27 @@ impl DataSource {
             }
             DataSource::JsonLines { path } => tokenizer.encode(&json_lines_text(path)?)?,
             DataSource::Shards { paths, width } => {
-                if matches!(tokenizer, crate::tokenizer::TextTokenizer::Hf(_)) {
-                    return Err(ModelError::Data {
-                        path: self.describe().into(),
-                        reason: "token shards are tokens already: they take no tokenizer".into(),
-                    });
-                }
-                if paths.is_empty() {
-                    return Err(ModelError::Data { path: PathBuf::new(), reason: "no token shards named".into() });
-                }
-                if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
-                    return Err(ModelError::Data {
-                        path: self.describe().into(),
-                        reason: format!("shard {} of {} has an empty name", i + 1, paths.len()),
-                    });
-                }
+                self.refuse_a_tokenizer(tokenizer)?;
                 let mut all = Vec::new();
-                for p in paths {
+                for p in self.named(paths, "token shards")? {
                     all.extend(read_shard(p, *width)?);
+                }
+                all
+            }
+            // Held-out data is read whole (windows in order, a few of them): bounded as a shard.
+            DataSource::Megatron { prefixes } => {
+                let files = self.open_indexed(prefixes, tokenizer)?;
+                let mut all = Vec::new();
+                for (f, p) in files.iter().zip(prefixes) {
+                    if f.tokens().saturating_mul(4) > MAX_DATA_BYTES {
+                        return Err(ModelError::Data {
+                            path: p.clone(),
+                            reason: format!("{} tokens are more than is read whole ({MAX_DATA_BYTES} bytes)", f.tokens()),
+                        });
+                    }
+                    let start = all.len();
+                    all.resize(start + f.tokens() as usize, 0);
+                    f.read(0, &mut all[start..], vocab)?;
                 }
                 all
             }
@@ -101,6 +164,13 @@ impl DataSource {
             DataSource::JsonLines { path } => format!("{} (JSON lines)", path.display()),
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
+            }
+            DataSource::Megatron { prefixes } => {
+                format!(
+                    "{} Megatron dataset(s), first {}",
+                    prefixes.len(),
+                    prefixes.first().map_or("-".into(), |p| p.display().to_string())
+                )
             }
         }
     }
@@ -223,130 +293,6 @@ pub fn synthetic_corpus(seed: u64, bytes: usize) -> String {
     out
 }
 
-/// Position in the stream of training windows; saved in checkpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub struct Cursor {
-    /// Windows handed out so far.
-    pub windows: u64,
-}
-
-/// Cuts the token stream into non-overlapping windows of `seq_len + 1` tokens (inputs and
-/// shifted targets) and hands them out in a seeded random order, a fresh permutation each
-/// epoch. Within an epoch no window repeats; across a resume from a saved [`Cursor`] nothing is
-/// repeated or skipped.
-pub struct Sampler {
-    tokens: Vec<u32>,
-    seq_len: usize,
-    seed: u64,
-    cursor: Cursor,
-    epoch: u64,
-    order: Vec<u32>,
-}
-
-/// One batch: `inputs` and `targets` are [batch × seq_len] row-major.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Batch {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub inputs: Vec<u32>,
-    pub targets: Vec<u32>,
-    /// Index of each window in the stream (for tests and logs).
-    pub windows: Vec<u64>,
-}
-
-impl Sampler {
-    pub fn new(tokens: Vec<u32>, seq_len: usize, seed: u64, cursor: Cursor) -> Result<Self> {
-        if seq_len == 0 {
-            return Err(ModelError::config("seq_len", 0, "must be at least 1"));
-        }
-        if tokens.len() < seq_len + 1 {
-            return Err(ModelError::config(
-                "seq_len",
-                seq_len,
-                format!("the data has only {} tokens; need at least seq_len + 1", tokens.len()),
-            ));
-        }
-        let mut s = Sampler { tokens, seq_len, seed, cursor, epoch: u64::MAX, order: Vec::new() };
-        s.prepare_epoch();
-        Ok(s)
-    }
-
-    /// Windows per epoch.
-    pub fn windows_per_epoch(&self) -> u64 {
-        ((self.tokens.len() - 1) / self.seq_len) as u64
-    }
-
-    pub fn cursor(&self) -> Cursor {
-        self.cursor
-    }
-
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    fn prepare_epoch(&mut self) {
-        self.prepare_epoch_of(self.cursor.windows / self.windows_per_epoch());
-    }
-
-    /// Make `order` the permutation of epoch `epoch`.
-    fn prepare_epoch_of(&mut self, epoch: u64) {
-        let per = self.windows_per_epoch();
-        if epoch == self.epoch {
-            return;
-        }
-        let mut rng = SplitMix64::new(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut order: Vec<u32> = (0..per as u32).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i + 1));
-        }
-        self.order = order;
-        self.epoch = epoch;
-    }
-
-    /// The next `batch` windows, and the cursor moves past them.
-    pub fn next_batch(&mut self, batch: usize) -> Batch {
-        let out = self.peek_batch(batch);
-        self.advance(batch);
-        out
-    }
-
-    /// The next `batch` windows without moving the cursor: a distributed step reads its batch
-    /// here and moves the cursor only when it commits ([`Sampler::advance`]), so an abandoned
-    /// step leaves the data position untouched and its re-run reads the same batch. (Only the
-    /// cached permutation of the epoch may change, and that is a function of the cursor.)
-    pub fn peek_batch(&mut self, batch: usize) -> Batch {
-        let mut out = Batch {
-            batch,
-            seq_len: self.seq_len,
-            inputs: Vec::with_capacity(batch * self.seq_len),
-            targets: Vec::with_capacity(batch * self.seq_len),
-            windows: Vec::with_capacity(batch),
-        };
-        let per = self.windows_per_epoch();
-        for k in 0..batch as u64 {
-            let index = self.cursor.windows + k;
-            self.prepare_epoch_of(index / per);
-            let w = self.order[(index % per) as usize] as usize;
-            let start = w * self.seq_len;
-            out.inputs.extend_from_slice(&self.tokens[start..start + self.seq_len]);
-            out.targets.extend_from_slice(&self.tokens[start + 1..start + self.seq_len + 1]);
-            out.windows.push(index);
-        }
-        out
-    }
-
-    /// Put the cursor at `cursor` (a worker that joins a running job takes its peers').
-    pub fn seek(&mut self, cursor: Cursor) {
-        self.cursor = cursor;
-        self.prepare_epoch();
-    }
-
-    /// Move the cursor past `batch` windows (a committed step).
-    pub fn advance(&mut self, batch: usize) {
-        self.cursor.windows += batch as u64;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,50 +308,6 @@ mod tests {
         }
         let h = unigram_entropy(&ByteTokenizer::encode(&a));
         assert!(h > 2.0 && h < 5.0, "{h}");
-    }
-
-    #[test]
-    fn a_peeked_batch_moves_nothing_until_advanced() {
-        let tokens: Vec<u32> = (0..1000).map(|i| i % 256).collect();
-        let mut plain = Sampler::new(tokens.clone(), 10, 7, Cursor::default()).unwrap();
-        let mut peeking = Sampler::new(tokens, 10, 7, Cursor::default()).unwrap();
-        // 13 batches of 7 windows cross the 99-window epochs, one batch straddling a boundary.
-        for _ in 0..30 {
-            let before = peeking.cursor();
-            let a = peeking.peek_batch(7);
-            assert_eq!(peeking.cursor(), before, "a peek moves no cursor");
-            assert_eq!(peeking.peek_batch(7), a, "a re-run reads the same batch");
-            peeking.advance(7);
-            assert_eq!(plain.next_batch(7), a);
-            assert_eq!(peeking.cursor(), plain.cursor());
-        }
-    }
-
-    #[test]
-    fn sampler_never_repeats_or_skips_across_a_resume() {
-        let tokens: Vec<u32> = (0..1000).map(|i| i % 256).collect();
-        let mut whole = Sampler::new(tokens.clone(), 10, 7, Cursor::default()).unwrap();
-        let per = whole.windows_per_epoch();
-        let uninterrupted: Vec<Batch> = (0..40).map(|_| whole.next_batch(6)).collect();
-
-        let mut first = Sampler::new(tokens.clone(), 10, 7, Cursor::default()).unwrap();
-        let mut resumed_run: Vec<Batch> = (0..17).map(|_| first.next_batch(6)).collect();
-        let saved = first.cursor();
-        let mut second = Sampler::new(tokens, 10, 7, saved).unwrap();
-        resumed_run.extend((17..40).map(|_| second.next_batch(6)));
-        assert_eq!(uninterrupted, resumed_run);
-
-        // Within each epoch every window appears exactly once.
-        let starts: Vec<u32> = uninterrupted.iter().flat_map(|b| b.inputs.chunks(10).map(|c| c[0])).collect();
-        for epoch in starts.chunks(per as usize).filter(|c| c.len() == per as usize) {
-            let mut e = epoch.to_vec();
-            e.sort();
-            e.dedup();
-            assert_eq!(e.len(), per as usize);
-        }
-        // Targets are inputs shifted by one.
-        let b = &uninterrupted[3];
-        assert_eq!(&b.inputs[1..10], &b.targets[..9]);
     }
 
     #[test]
