@@ -1071,3 +1071,46 @@ fn megatron_datasets_stream_resume_exactly_and_a_bad_index_is_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("outside the vocabulary of 500") && err.contains(".bin"), "{err}");
 }
+
+/// `--data-weights` blends Megatron datasets: a run stopped and resumed draws the windows the
+/// uninterrupted run draws; weights that do not fit the data are refused naming the flag.
+#[test]
+fn blended_megatron_datasets_resume_exactly_and_bad_weights_are_named() {
+    use lazarus_model::data::indexed::{write_indexed, TokenType};
+    let d = dir("megatron-blend");
+    let docs = |n: u32, base: u32| (0..n).map(|i| (0..50).map(|t| (base + i * 7 + t) % 1000).collect()).collect::<Vec<Vec<u32>>>();
+    write_indexed(&d.join("web"), &docs(60, 0), TokenType::U16).unwrap();
+    write_indexed(&d.join("code"), &docs(20, 500), TokenType::U16).unwrap();
+    let data = format!("{},{}", d.join("web").display(), d.join("code").display());
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--data", &data, "--data-format", "megatron", "--vocab-size", "1000"];
+        args.extend(&common::tiny_model("2")[..12]);
+        args.extend(extra);
+        lazarus(&args)
+    };
+    let (whole, part, ck) = (d.join("whole.jsonl"), d.join("part.jsonl"), d.join("ck"));
+    let out = train(&["--data-weights", "3,1", "--steps", "4", "--no-save", "--json-log", whole.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("blended by weight"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        train(&["--data-weights", "3,1", "--steps", "2", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        lazarus(&["train", "--resume", "--steps", "4", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (log_of(&whole).0, log_of(&part).0);
+    assert_eq!(a.len(), 4);
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} uninterrupted, {y} resumed");
+    }
+    for (weights, why) in [("3", "1 weights for 2 datasets"), ("3,0", "positive numbers"), ("3,x", "positive numbers")] {
+        let out = train(&["--data-weights", weights, "--steps", "1", "--no-save"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--data-weights") && err.contains(why), "{weights}: {err}");
+    }
+    let mut args = vec!["train", "--data-weights", "1,1", "--steps", "1", "--no-save"];
+    args.extend(common::tiny_model("2"));
+    let out = lazarus(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--data-weights blends Megatron datasets"), "{err}");
+}

@@ -304,9 +304,9 @@ impl Trainer {
             ));
         }
         let tokenizer = crate::tokenizer::TextTokenizer::open(config.tokenizer.as_deref())?;
-        let tokens = config.data.open(config.model.vocab_size, &tokenizer)?;
-        let unigram_entropy = tokens.unigram_entropy()?;
-        let sampler = Sampler::new(tokens, config.seq_len, config.seed, cursor)?;
+        let parts = config.data.open_parts(config.model.vocab_size, &tokenizer)?;
+        let unigram_entropy = crate::data::sampler::unigram_entropy(&parts)?;
+        let sampler = Sampler::blend(parts, config.seq_len, config.seed, cursor)?;
         let mut model = MoeModel::new(&config.model, config.seed, DType::F32, device)?.with_compute_dtype(config.dtype.compute_dtype())?;
         if let (Some(dir), Start::Fresh) = (&config.init_from, start) {
             init_from_hf(&mut model, dir)?;

@@ -10,7 +10,7 @@ use crate::files::read_bounded;
 use crate::rng::SplitMix64;
 
 pub mod indexed;
-mod sampler;
+pub mod sampler;
 
 pub use crate::tokenizer::ByteTokenizer;
 pub use indexed::{IndexedFile, TokenType};
@@ -30,9 +30,14 @@ pub enum DataSource {
     /// documents' texts byte-tokenized, each followed by a blank line (`\n\n`) so that a window
     /// that spans two of them sees where one ends.
     JsonLines { path: PathBuf },
-    /// Megatron indexed datasets (`PREFIX.bin` + `PREFIX.idx`), one after another: tokens
-    /// already, read a window at a time ([`indexed`]).
-    Megatron { prefixes: Vec<PathBuf> },
+    /// Megatron indexed datasets (`PREFIX.bin` + `PREFIX.idx`): tokens already, read a window
+    /// at a time ([`indexed`]); one after another, or with `weights` (one a prefix) a blend
+    /// drawing each window from one of them by weight ([`Sampler::blend`]).
+    Megatron {
+        prefixes: Vec<PathBuf>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        weights: Option<Vec<f64>>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,10 +51,30 @@ impl DataSource {
     /// The training tokens: a Megatron dataset opened and its index checked (read later, a
     /// window at a time), anything else loaded ([`DataSource::load_with`]).
     pub fn open(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<TokenStream> {
-        let DataSource::Megatron { prefixes } = self else {
+        let DataSource::Megatron { prefixes, .. } = self else {
             return Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?));
         };
         Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab))
+    }
+
+    /// The streams a sampler draws from, with their weights: a weighted Megatron source's
+    /// datasets each on its own, anything else one stream ([`DataSource::open`]).
+    pub fn open_parts(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<(TokenStream, f64)>> {
+        let DataSource::Megatron { prefixes, weights: Some(weights) } = self else {
+            return Ok(vec![(self.open(vocab, tokenizer)?, 1.0)]);
+        };
+        if weights.len() != prefixes.len() {
+            return Err(ModelError::config(
+                "data.weights",
+                format!("{weights:?}"),
+                format!("one weight a dataset: {} weights for {} datasets", weights.len(), prefixes.len()),
+            ));
+        }
+        if let Some(w) = weights.iter().find(|w| !w.is_finite() || **w <= 0.0) {
+            return Err(ModelError::config("data.weights", w, "weights must be finite and > 0"));
+        }
+        let files = self.open_indexed(prefixes, tokenizer)?;
+        Ok(files.into_iter().zip(weights).map(|(f, &w)| (TokenStream::indexed(vec![f], vocab), w)).collect())
     }
 
     /// Each Megatron dataset of `prefixes`, opened and its index checked.
@@ -131,7 +156,7 @@ impl DataSource {
                 all
             }
             // Held-out data is read whole (windows in order, a few of them): bounded as a shard.
-            DataSource::Megatron { prefixes } => {
+            DataSource::Megatron { prefixes, .. } => {
                 let files = self.open_indexed(prefixes, tokenizer)?;
                 let mut all = Vec::new();
                 for (f, p) in files.iter().zip(prefixes) {
@@ -165,13 +190,12 @@ impl DataSource {
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
             }
-            DataSource::Megatron { prefixes } => {
-                format!(
-                    "{} Megatron dataset(s), first {}",
-                    prefixes.len(),
-                    prefixes.first().map_or("-".into(), |p| p.display().to_string())
-                )
-            }
+            DataSource::Megatron { prefixes, weights } => format!(
+                "{} Megatron dataset(s){}, first {}",
+                prefixes.len(),
+                if weights.is_some() { " blended by weight" } else { "" },
+                prefixes.first().map_or("-".into(), |p| p.display().to_string())
+            ),
         }
     }
 }

@@ -74,18 +74,27 @@ impl TokenStream {
         }
     }
 
-    /// Entropy of the token frequencies (nats): of every token in memory, of the first
-    /// [`ENTROPY_SAMPLE_TOKENS`] of a streamed dataset.
-    pub fn unigram_entropy(&self) -> Result<f64> {
-        match self {
-            TokenStream::Memory(t) => Ok(super::unigram_entropy(t)),
-            TokenStream::Indexed { .. } => {
-                let mut head = vec![0u32; (self.len() as usize).min(ENTROPY_SAMPLE_TOKENS)];
-                self.read(0, &mut head)?;
-                Ok(super::unigram_entropy(&head))
-            }
-        }
+    /// The first `n` tokens (all of them if fewer).
+    fn head(&self, n: usize) -> Result<Vec<u32>> {
+        let mut head = vec![0u32; (self.len() as usize).min(n)];
+        self.read(0, &mut head)?;
+        Ok(head)
     }
+}
+
+/// Entropy of the token frequencies (nats) of what a sampler of `parts` draws: of every token
+/// of one stream in memory; else of the first [`ENTROPY_SAMPLE_TOKENS`] tokens, taken from the
+/// parts by their weights.
+pub fn unigram_entropy(parts: &[(TokenStream, f64)]) -> Result<f64> {
+    if let [(TokenStream::Memory(t), _)] = parts {
+        return Ok(super::unigram_entropy(t));
+    }
+    let total: f64 = parts.iter().map(|p| p.1).sum();
+    let mut sample = Vec::new();
+    for (tokens, w) in parts {
+        sample.extend(tokens.head((ENTROPY_SAMPLE_TOKENS as f64 * w / total).ceil() as usize)?);
+    }
+    Ok(super::unigram_entropy(&sample))
 }
 
 /// Position in the stream of training windows; saved in checkpoints.
@@ -99,11 +108,26 @@ pub struct Cursor {
 /// shifted targets) and hands them out in a seeded random order, a fresh permutation each
 /// epoch. Within an epoch no window repeats; across a resume from a saved [`Cursor`] nothing is
 /// repeated or skipped.
+///
+/// A blend of several streams ([`Sampler::blend`]) draws each window from one of them by
+/// weight, as Megatron's blended datasets do: window k comes from the stream furthest behind its
+/// share, `argmax_d w_d·(k + 1) − drawn_d` (ties to the first), and is that stream's next window
+/// in its own epochs. The draws are a function of k alone: a resume replays them from the cursor.
 pub struct Sampler {
-    tokens: TokenStream,
+    parts: Vec<Part>,
     seq_len: usize,
     seed: u64,
     cursor: Cursor,
+    /// Windows drawn from each part before the cursor.
+    drawn: Vec<u64>,
+}
+
+/// One stream of a sampler: its tokens, its share (weights summing to 1), its windows an epoch,
+/// and the order of the epoch it is in.
+struct Part {
+    tokens: TokenStream,
+    weight: f64,
+    per: u64,
     epoch: u64,
     order: Order,
 }
@@ -167,73 +191,80 @@ pub struct Batch {
 
 impl Sampler {
     pub fn new(tokens: impl Into<TokenStream>, seq_len: usize, seed: u64, cursor: Cursor) -> Result<Self> {
-        let tokens = tokens.into();
+        Sampler::blend(vec![(tokens.into(), 1.0)], seq_len, seed, cursor)
+    }
+
+    /// Windows drawn from `parts` by their weights (any positive numbers: shares of their sum).
+    pub fn blend(parts: Vec<(TokenStream, f64)>, seq_len: usize, seed: u64, cursor: Cursor) -> Result<Self> {
         if seq_len == 0 {
             return Err(ModelError::config("seq_len", 0, "must be at least 1"));
         }
-        if tokens.len() < seq_len as u64 + 1 {
-            return Err(ModelError::config(
-                "seq_len",
-                seq_len,
-                format!("the data has only {} tokens; need at least seq_len + 1", tokens.len()),
-            ));
+        if parts.is_empty() {
+            return Err(ModelError::config("data", "[]", "no token stream to sample"));
         }
-        // An epoch's order in memory is a list of u32 window numbers.
-        if matches!(tokens, TokenStream::Memory(_)) && (tokens.len() - 1) / seq_len as u64 > u32::MAX as u64 {
-            return Err(ModelError::config(
-                "seq_len",
-                seq_len,
-                format!("{} tokens make more than 2^32 windows of it: train on part of the data, or longer windows", tokens.len()),
-            ));
+        if let Some((d, w)) = parts.iter().map(|p| p.1).enumerate().find(|(_, w)| !w.is_finite() || *w <= 0.0) {
+            return Err(ModelError::config("data weights", w, format!("weight {} must be finite and > 0", d + 1)));
         }
-        let mut s = Sampler { tokens, seq_len, seed, cursor, epoch: u64::MAX, order: Order::Listed(Vec::new()) };
-        s.prepare_epoch();
+        let total: f64 = parts.iter().map(|p| p.1).sum();
+        let named = |d: usize| if parts.len() > 1 { format!("the data's part {}", d + 1) } else { "the data".into() };
+        for (d, (tokens, _)) in parts.iter().enumerate() {
+            if tokens.len() < seq_len as u64 + 1 {
+                return Err(ModelError::config(
+                    "seq_len",
+                    seq_len,
+                    format!("{} has only {} tokens; need at least seq_len + 1", named(d), tokens.len()),
+                ));
+            }
+            // An epoch's order in memory is a list of u32 window numbers.
+            if matches!(tokens, TokenStream::Memory(_)) && (tokens.len() - 1) / seq_len as u64 > u32::MAX as u64 {
+                return Err(ModelError::config(
+                    "seq_len",
+                    seq_len,
+                    format!("{} tokens make more than 2^32 windows of it: train on part of the data, or longer windows", tokens.len()),
+                ));
+            }
+        }
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .map(|(tokens, w)| Part {
+                per: (tokens.len() - 1) / seq_len as u64,
+                tokens,
+                weight: w / total,
+                epoch: u64::MAX,
+                order: Order::Listed(Vec::new()),
+            })
+            .collect();
+        let mut s = Sampler { drawn: vec![0; parts.len()], parts, seq_len, seed, cursor: Cursor::default() };
+        s.seek(cursor);
         Ok(s)
     }
 
-    /// Windows per epoch.
+    /// Windows per epoch (of all the parts together).
     pub fn windows_per_epoch(&self) -> u64 {
-        (self.tokens.len() - 1) / self.seq_len as u64
+        self.parts.iter().map(|p| p.per).sum()
     }
 
     pub fn cursor(&self) -> Cursor {
         self.cursor
     }
 
-    pub fn tokens(&self) -> &TokenStream {
-        &self.tokens
+    /// The part window `k` comes from, `drawn` being what each part gave before it.
+    fn choose(&self, k: u64, drawn: &[u64]) -> usize {
+        if self.parts.len() == 1 {
+            return 0;
+        }
+        let behind = |d: usize| self.parts[d].weight * (k + 1) as f64 - drawn[d] as f64;
+        (1..self.parts.len()).fold(0, |best, d| if behind(d) > behind(best) { d } else { best })
     }
 
-    fn prepare_epoch(&mut self) {
-        self.prepare_epoch_of(self.cursor.windows / self.windows_per_epoch());
-    }
-
-    /// Make `order` the permutation of epoch `epoch`.
-    fn prepare_epoch_of(&mut self, epoch: u64) {
-        let per = self.windows_per_epoch();
-        if epoch == self.epoch {
+    /// Draw windows `from .. to` into `drawn`.
+    fn draw(&self, from: u64, to: u64, drawn: &mut [u64]) {
+        if self.parts.len() == 1 {
+            drawn[0] += to - from;
             return;
         }
-        let key = self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.order = match self.tokens {
-            TokenStream::Memory(_) => {
-                let mut rng = SplitMix64::new(key);
-                let mut order: Vec<u32> = (0..per as u32).collect();
-                for i in (1..order.len()).rev() {
-                    order.swap(i, rng.below(i + 1));
-                }
-                Order::Listed(order)
-            }
-            TokenStream::Indexed { .. } => Order::Keyed(Permutation::new(per, key)),
-        };
-        self.epoch = epoch;
-    }
-
-    /// The window at place `i` of the current epoch's order.
-    fn window_at(&self, i: u64) -> u64 {
-        match &self.order {
-            Order::Listed(order) => order[i as usize] as u64,
-            Order::Keyed(p) => p.at(i),
+        for k in from..to {
+            drawn[self.choose(k, drawn)] += 1;
         }
     }
 
@@ -247,7 +278,7 @@ impl Sampler {
     /// The next `batch` windows without moving the cursor: a distributed step reads its batch
     /// here and moves the cursor only when it commits ([`Sampler::advance`]), so an abandoned
     /// step leaves the data position untouched and its re-run reads the same batch. (Only the
-    /// cached permutation of the epoch may change, and that is a function of the cursor.)
+    /// cached permutations of the epochs may change, and they are a function of the cursor.)
     /// A streamed dataset's read that fails (or a token outside the vocabulary) is an error
     /// naming the file and where.
     pub fn peek_batch(&mut self, batch: usize) -> Result<Batch> {
@@ -258,13 +289,18 @@ impl Sampler {
             targets: Vec::with_capacity(batch * self.seq_len),
             windows: Vec::with_capacity(batch),
         };
-        let per = self.windows_per_epoch();
+        let mut drawn = self.drawn.clone();
         let mut window = vec![0u32; self.seq_len + 1];
         for k in 0..batch as u64 {
             let index = self.cursor.windows + k;
-            self.prepare_epoch_of(index / per);
-            let w = self.window_at(index % per);
-            self.tokens.read(w * self.seq_len as u64, &mut window)?;
+            let d = self.choose(index, &drawn);
+            let j = drawn[d];
+            drawn[d] += 1;
+            let key = self.seed ^ (d as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            let part = &mut self.parts[d];
+            part.prepare_epoch(j / part.per, key);
+            let w = part.window_at(j % part.per);
+            part.tokens.read(w * self.seq_len as u64, &mut window)?;
             out.inputs.extend_from_slice(&window[..self.seq_len]);
             out.targets.extend_from_slice(&window[1..]);
             out.windows.push(index);
@@ -272,15 +308,51 @@ impl Sampler {
         Ok(out)
     }
 
-    /// Put the cursor at `cursor` (a worker that joins a running job takes its peers').
+    /// Put the cursor at `cursor` (a worker that joins a running job takes its peers'): a
+    /// blend's draws before it are replayed (a few operations a window).
     pub fn seek(&mut self, cursor: Cursor) {
+        let mut drawn = vec![0; self.parts.len()];
+        self.draw(0, cursor.windows, &mut drawn);
+        self.drawn = drawn;
         self.cursor = cursor;
-        self.prepare_epoch();
     }
 
     /// Move the cursor past `batch` windows (a committed step).
     pub fn advance(&mut self, batch: usize) {
+        let mut drawn = std::mem::take(&mut self.drawn);
+        self.draw(self.cursor.windows, self.cursor.windows + batch as u64, &mut drawn);
+        self.drawn = drawn;
         self.cursor.windows += batch as u64;
+    }
+}
+
+impl Part {
+    /// Make `order` the permutation of epoch `epoch` (`key`: the sampler's seed for this part).
+    fn prepare_epoch(&mut self, epoch: u64, key: u64) {
+        if epoch == self.epoch {
+            return;
+        }
+        let key = key ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.order = match self.tokens {
+            TokenStream::Memory(_) => {
+                let mut rng = SplitMix64::new(key);
+                let mut order: Vec<u32> = (0..self.per as u32).collect();
+                for i in (1..order.len()).rev() {
+                    order.swap(i, rng.below(i + 1));
+                }
+                Order::Listed(order)
+            }
+            TokenStream::Indexed { .. } => Order::Keyed(Permutation::new(self.per, key)),
+        };
+        self.epoch = epoch;
+    }
+
+    /// The window at place `i` of the current epoch's order.
+    fn window_at(&self, i: u64) -> u64 {
+        match &self.order {
+            Order::Listed(order) => order[i as usize] as u64,
+            Order::Keyed(p) => p.at(i),
+        }
     }
 }
 
@@ -335,6 +407,50 @@ mod tests {
     }
 
     #[test]
+    fn a_blend_draws_by_weight_each_part_in_its_own_epochs_and_resumes() {
+        // Part 0: tokens 0..; part 1: tokens 10,000.. (every window says where it came from).
+        let a: Vec<u32> = (0..401).collect();
+        let b: Vec<u32> = (10_000..10_201).collect();
+        let parts = || vec![(TokenStream::from(a.clone()), 3.0), (TokenStream::from(b.clone()), 1.0)];
+        let mut s = Sampler::blend(parts(), 10, 5, Cursor::default()).unwrap();
+        assert_eq!(s.windows_per_epoch(), 40 + 20);
+        let batches: Vec<Batch> = (0..20).map(|_| s.next_batch(8).unwrap()).collect();
+        let firsts: Vec<u32> = batches.iter().flat_map(|b| b.inputs.chunks(10).map(|w| w[0])).collect();
+        // Every 4 windows: 3 of part 0, 1 of part 1, exactly.
+        for (k, four) in firsts.chunks(4).enumerate() {
+            assert_eq!(four.iter().filter(|&&t| t >= 10_000).count(), 1, "windows {}..{}: {four:?}", 4 * k, 4 * k + 4);
+        }
+        // Each part's windows: each of its epoch once before any repeats (part 0: 120 drawn, 40 an
+        // epoch; part 1: 40 drawn, 20 an epoch).
+        for (from, per) in [(0u32, 40usize), (10_000, 20)] {
+            let mine: Vec<u32> = firsts.iter().copied().filter(|&t| (t >= 10_000) == (from == 10_000)).collect();
+            for epoch in mine.chunks(per) {
+                let mut e = epoch.to_vec();
+                e.sort_unstable();
+                e.dedup();
+                assert_eq!(e.len(), per, "part from {from}");
+            }
+        }
+        // A resume anywhere goes on with the same windows.
+        for at in [0usize, 1, 7, 13] {
+            let mut r = Sampler::blend(parts(), 10, 5, Cursor { windows: 8 * at as u64 }).unwrap();
+            for b in &batches[at..] {
+                assert_eq!(&r.next_batch(8).unwrap(), b, "resumed at batch {at}");
+            }
+        }
+        // One part of weight 1 is the plain sampler.
+        let mut one = Sampler::blend(vec![(TokenStream::from(a.clone()), 2.5)], 10, 5, Cursor::default()).unwrap();
+        let mut plain = Sampler::new(a.clone(), 10, 5, Cursor::default()).unwrap();
+        assert_eq!(one.next_batch(50).unwrap(), plain.next_batch(50).unwrap());
+        for w in [0.0, -1.0, f64::NAN] {
+            let e = Sampler::blend(vec![(TokenStream::from(a.clone()), 1.0), (TokenStream::from(b.clone()), w)], 10, 5, Cursor::default());
+            assert!(e.err().expect("refused").to_string().contains("weight 2"), "{w}");
+        }
+        let e = Sampler::blend(vec![(TokenStream::from(a.clone()), 1.0), (TokenStream::from(vec![1, 2]), 1.0)], 10, 5, Cursor::default());
+        assert!(e.err().expect("refused").to_string().contains("part 2 has only 2 tokens"));
+    }
+
+    #[test]
     fn a_keyed_permutation_takes_every_window_once() {
         for n in [1u64, 2, 3, 5, 64, 100, 1000, 4097] {
             for key in [0u64, 7, u64::MAX] {
@@ -360,7 +476,7 @@ mod tests {
         let docs = |part: &[u32]| part.chunks(37).map(<[u32]>::to_vec).collect::<Vec<_>>();
         write_indexed(&dir.join("a"), &docs(&tokens[..613]), TokenType::U16).unwrap();
         write_indexed(&dir.join("b"), &docs(&tokens[613..]), TokenType::I32).unwrap();
-        let source = DataSource::Megatron { prefixes: vec![dir.join("a"), dir.join("b.idx")] };
+        let source = DataSource::Megatron { prefixes: vec![dir.join("a"), dir.join("b.idx")], weights: None };
         let bytes = crate::tokenizer::TextTokenizer::Bytes;
         let stream = source.open(500, &bytes).unwrap();
         assert!(matches!(stream, TokenStream::Indexed { .. }));

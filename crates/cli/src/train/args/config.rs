@@ -273,6 +273,20 @@ pub(super) fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         }
         (Some(path), fmt) => c.data = data_file("data", path, fmt)?,
     }
+    if let Some(w) = &args.model.data_weights {
+        let DataSource::Megatron { prefixes, weights } = &mut c.data else {
+            bail!("--data-weights blends Megatron datasets, but the data is {}: give --data-format megatron", c.data.describe());
+        };
+        let parsed = w
+            .split(',')
+            .map(|x| x.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0))
+            .collect::<Option<Vec<f64>>>()
+            .with_context(|| format!("invalid --data-weights: '{w}' (positive numbers, comma-separated)"))?;
+        if parsed.len() != prefixes.len() {
+            bail!("invalid --data-weights: '{w}' ({} weights for {} datasets: one a dataset)", parsed.len(), prefixes.len());
+        }
+        *weights = Some(parsed);
+    }
     if args.model.synthetic_bytes.is_some() && args.model.data.as_deref().is_some_and(|d| d != "synthetic") {
         bail!(
             "--synthetic-bytes sizes the synthetic corpus; --data {} reads a file instead: drop one of them",
@@ -312,7 +326,7 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
         "jsonl" => bail!("invalid --{flag}: '{path}' (a JSON-lines source is one file)"),
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
-        "megatron" => DataSource::Megatron { prefixes: paths },
+        "megatron" => DataSource::Megatron { prefixes: paths, weights: None },
         other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32 or megatron)"),
     })
 }

@@ -124,6 +124,10 @@ pub struct ModelArgs {
     /// Format of --data files: text, jsonl ({"text": …} a line), u16, u32 or megatron.
     #[arg(long)]
     pub(crate) data_format: Option<String>,
+    /// Blend the Megatron datasets of --data by these weights, one a dataset (e.g. 0.7,0.3):
+    /// each window comes from one of them, in proportion (default: one after another).
+    #[arg(long, value_name = "W,W,…")]
+    pub(crate) data_weights: Option<String>,
     /// Size of the synthetic corpus in bytes.
     #[arg(long)]
     pub(crate) synthetic_bytes: Option<usize>,
