@@ -1022,6 +1022,14 @@ fn a_run_keeps_its_model_in_a_directory_of_its_own() {
     assert_eq!(runs().len(), 2, "neither a failed run nor --no-save kept a directory");
 }
 
+/// `lazarus train` of the tiny model on the Megatron datasets `data` (ids below 1,000).
+fn train_megatron(data: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["train", "--data", data, "--data-format", "megatron", "--vocab-size", "1000"];
+    args.extend(&common::tiny_model("2")[..12]);
+    args.extend(extra);
+    lazarus(&args)
+}
+
 /// Megatron indexed datasets (`.bin` + `.idx`, here by our writer) train a window at a time: a
 /// run stopped and resumed reads the windows the uninterrupted run reads (the same losses), a
 /// job of worker processes opens them too, and a malformed index is refused naming its byte.
@@ -1034,12 +1042,7 @@ fn megatron_datasets_stream_resume_exactly_and_a_bad_index_is_named() {
     write_indexed(&d.join("part-a"), &docs(&tokens[..2500]), TokenType::U16).unwrap();
     write_indexed(&d.join("part-b"), &docs(&tokens[2500..]), TokenType::I32).unwrap();
     let data = format!("{},{}", d.join("part-a").display(), d.join("part-b.idx").display());
-    let train = |extra: &[&str]| {
-        let mut args = vec!["train", "--data", &data, "--data-format", "megatron", "--vocab-size", "1000"];
-        args.extend(&common::tiny_model("2")[..12]);
-        args.extend(extra);
-        lazarus(&args)
-    };
+    let train = |extra: &[&str]| train_megatron(&data, extra);
     let (whole, part, ck) = (d.join("whole.jsonl"), d.join("part.jsonl"), d.join("ck"));
     let out = train(&["--steps", "4", "--no-save", "--json-log", whole.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -1082,12 +1085,7 @@ fn blended_megatron_datasets_resume_exactly_and_bad_weights_are_named() {
     write_indexed(&d.join("web"), &docs(60, 0), TokenType::U16).unwrap();
     write_indexed(&d.join("code"), &docs(20, 500), TokenType::U16).unwrap();
     let data = format!("{},{}", d.join("web").display(), d.join("code").display());
-    let train = |extra: &[&str]| {
-        let mut args = vec!["train", "--data", &data, "--data-format", "megatron", "--vocab-size", "1000"];
-        args.extend(&common::tiny_model("2")[..12]);
-        args.extend(extra);
-        lazarus(&args)
-    };
+    let train = |extra: &[&str]| train_megatron(&data, extra);
     let (whole, part, ck) = (d.join("whole.jsonl"), d.join("part.jsonl"), d.join("ck"));
     let out = train(&["--data-weights", "3,1", "--steps", "4", "--no-save", "--json-log", whole.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
