@@ -80,7 +80,7 @@ impl DataSource {
     /// Each Megatron dataset of `prefixes`, opened and its index checked.
     fn open_indexed(&self, prefixes: &[PathBuf], tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<IndexedFile>> {
         self.refuse_a_tokenizer(tokenizer)?;
-        self.named(prefixes, "Megatron datasets")?.iter().map(|p| IndexedFile::open(p)).collect()
+        self.named(prefixes, ("Megatron datasets", "dataset"))?.iter().map(|p| IndexedFile::open(p)).collect()
     }
 
     /// Whether the source holds token ids already (no tokenizer applies).
@@ -101,20 +101,16 @@ impl DataSource {
         Ok(())
     }
 
-    /// `paths`, refused when there are none or one has an empty name.
-    fn named<'a>(&self, paths: &'a [PathBuf], what: &str) -> Result<&'a [PathBuf]> {
+    /// `paths`, refused when there are none or one has an empty name (`(what, one)`: what the
+    /// files are, and one of them).
+    fn named<'a>(&self, paths: &'a [PathBuf], (what, one): (&str, &str)) -> Result<&'a [PathBuf]> {
         if paths.is_empty() {
             return Err(ModelError::Data { path: PathBuf::new(), reason: format!("no {what} named") });
         }
         if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
             return Err(ModelError::Data {
                 path: self.describe().into(),
-                reason: format!(
-                    "{} {} of {} has an empty name",
-                    if what == "token shards" { "shard" } else { "dataset" },
-                    i + 1,
-                    paths.len()
-                ),
+                reason: format!("{one} {} of {} has an empty name", i + 1, paths.len()),
             });
         }
         Ok(paths)
@@ -150,7 +146,7 @@ impl DataSource {
             DataSource::Shards { paths, width } => {
                 self.refuse_a_tokenizer(tokenizer)?;
                 let mut all = Vec::new();
-                for p in self.named(paths, "token shards")? {
+                for p in self.named(paths, ("token shards", "shard"))? {
                     all.extend(read_shard(p, *width)?);
                 }
                 all
