@@ -84,7 +84,8 @@ pub(crate) fn refine_gpu_swaps(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShap
         // tolerance is far below that and far above the flow's rounding.
         let target = lambda * (1.0 - 1e-6);
         let tol = 1e-9 * lambda;
-        let cut = crate::balance::overflow(&gpu_holders(&nodes, shape, experts), loads, bins, target);
+        let holders = gpu_holders(&nodes, shape, experts);
+        let cut = crate::balance::overflow(&holders, loads, bins, target);
         if cut.tokens <= tol {
             let next = lambda_of(&nodes);
             if next >= lambda * (1.0 - 1e-9) {
@@ -93,7 +94,6 @@ pub(crate) fn refine_gpu_swaps(mut nodes: Vec<Vec<ExpertId>>, shape: ClusterShap
             lambda = next;
             continue;
         }
-        let holders = gpu_holders(&nodes, shape, experts);
         let mut moved = None;
         let mut tries = 0;
         'search: for (ni, node) in nodes.iter().enumerate() {
