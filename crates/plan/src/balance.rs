@@ -58,13 +58,26 @@ pub(crate) fn min_max_load_of_pairs(pairs: &[(u32, u32)], loads: &[f64], bins: u
     if bins == 0 {
         return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));
     }
+    min_max_load_on(&Bipartite::of_pairs(pairs, loads.len(), bins), loads)
+}
+
+/// [`min_max_load`] on a graph already made (a placement keeps its own, [`crate::Placement`]);
+/// `loads` has one entry per expert of it.
+pub(crate) fn min_max_load_on(graph: &Bipartite, loads: &[f64]) -> Result<LoadBalance, PlanError> {
+    if graph.bins == 0 {
+        return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));
+    }
+    if loads.len() != graph.experts {
+        return Err(PlanError::Length { field: "loads", got: loads.len(), expected: graph.experts });
+    }
     if let Some((e, x)) = loads.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
         return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
     }
-    let mut net = FlowNet::new(pairs, loads, bins);
-    if let Some(e) = (0..loads.len()).find(|&e| loads[e] > 0.0 && net.degree(e) == 0) {
+    if let Some(e) = (0..loads.len()).find(|&e| loads[e] > 0.0 && graph.degree(e) == 0) {
         return Err(PlanError::invalid("placement", format!("expert {e}"), "an expert with tokens has no replica"));
     }
+    let bins = graph.bins;
+    let mut net = FlowNet::new(graph, loads);
     let total: f64 = loads.iter().sum();
     let mean = total / bins as f64;
     if total <= 0.0 {
@@ -76,7 +89,7 @@ pub(crate) fn min_max_load_of_pairs(pairs: &[(u32, u32)], loads: &[f64], bins: u
     // No λ below one expert's tokens over its own bins (Hall's condition for X = {e}) is
     // feasible: starting there often needs one flow, not two or three. Raising λ only adds room,
     // so each step goes on from the flow the last one left.
-    let mut lambda = (0..loads.len()).map(|e| loads[e] / net.degree(e).max(1) as f64).fold(mean, f64::max);
+    let mut lambda = (0..loads.len()).map(|e| loads[e] / graph.degree(e).max(1) as f64).fold(mean, f64::max);
     net.start(lambda);
     for _ in 0..=loads.len() {
         let cut = net.max_flow();
@@ -98,7 +111,8 @@ pub(crate) fn min_max_load_of_pairs(pairs: &[(u32, u32)], loads: &[f64], bins: u
 /// t(X) > λ·|N(X)|; empty when nothing overflows). Inputs as for [`min_max_load`], already
 /// validated by the caller.
 pub(crate) fn overflow(holders: &[Vec<usize>], loads: &[f64], bins: usize, lambda: f64) -> Overflow {
-    let mut net = FlowNet::new(&pairs_of(holders), loads, bins);
+    let graph = Bipartite::of_pairs(&pairs_of(holders), loads.len(), bins);
+    let mut net = FlowNet::new(&graph, loads);
     net.start(lambda);
     net.max_flow();
     Overflow {
@@ -124,48 +138,31 @@ struct Cut {
 const EPS: f64 = 1e-12;
 const UNREACHED: u32 = u32::MAX;
 
-/// The flow network source → expert (t_e) → bin (unbounded) → sink (λ), kept as what it is: a
-/// bipartite graph of experts and the bins holding them, with a flow on each expert–bin edge,
-/// each expert's tokens not yet placed (the source edge's residual) and each bin's room (the
-/// sink edge's). Max flow by Dinic's phases, with the source and sink implicit: a phase's
-/// search starts from every expert with tokens left and ends at the first level with room.
+/// The experts and the bins holding them: the graph of every flow below, made once for a
+/// placement (a placement keeps it, and every λ* of it under new loads starts from it).
 ///
-/// Why not a general flow network: at a thousand bins a λ* is made tens of thousands of times
-/// in a simulated day (every plan and load epoch, every weighing), and the general form's
-/// per-edge pairs, its copies of every capacity and its whole-graph searches were most of the
-/// simulator's time.
-struct FlowNet {
+/// Why kept apart from the flow: in a simulated day at a thousand bins a placement's λ* is made
+/// under many load epochs, and building this graph was as much work as the flow itself.
+#[derive(Debug)]
+pub(crate) struct Bipartite {
+    experts: usize,
+    bins: usize,
     /// Expert e's distinct bins: edges `edge_start[e]..edge_start[e + 1]`, edge k to bin
-    /// `edge_bin[k]` carrying `flow[k]`.
+    /// `edge_bin[k]`, in the order the pairs gave them.
     edge_start: Vec<u32>,
     edge_bin: Vec<u32>,
-    flow: Vec<f64>,
     /// Bin b's edges: `bin_edges[bin_start[b]..bin_start[b + 1]]`, each from expert `edge_expert[k]`.
     bin_start: Vec<u32>,
     bin_edges: Vec<u32>,
     edge_expert: Vec<u32>,
-    loads: Vec<f64>,
-    /// Tokens of each expert not yet placed; room left on each bin under λ.
-    left: Vec<f64>,
-    room: Vec<f64>,
-    /// Tokens placed in all.
-    placed: f64,
-    /// The last search's levels (experts even, bins odd; [`UNREACHED`] if not reached): after a
-    /// max flow, what the experts with tokens left still reach — the min cut's source side.
-    expert_level: Vec<u32>,
-    bin_level: Vec<u32>,
-    /// Each vertex's next edge to try in a phase (Dinic's current-arc pointers).
-    expert_next: Vec<u32>,
-    bin_next: Vec<u32>,
-    /// The level of the bins with room a phase's search reached first.
-    sink_level: u32,
+    /// The experts by ascending degree (ties by id): the first flow's order ([`FlowNet::start`]).
+    by_degree: Vec<u32>,
 }
 
-impl FlowNet {
-    /// The network of `pairs` (expert, bin), each expert's bins in the order given, a bin
-    /// repeated for an expert kept once.
-    fn new(pairs: &[(u32, u32)], loads: &[f64], bins: usize) -> Self {
-        let experts = loads.len();
+impl Bipartite {
+    /// The graph of `pairs` (expert, bin), each expert's bins in the order given, a bin repeated
+    /// for an expert kept once; every expert below `experts`, every bin below `bins`.
+    pub(crate) fn of_pairs(pairs: &[(u32, u32)], experts: usize, bins: usize) -> Self {
         // Each expert's bins, by a counting sort on the expert.
         let mut edge_start = vec![0u32; experts + 1];
         for &(e, _) in pairs {
@@ -208,23 +205,9 @@ impl FlowNet {
             bin_edges[fill[b as usize] as usize] = k as u32;
             fill[b as usize] += 1;
         }
-        FlowNet {
-            flow: vec![0.0; edge_bin.len()],
-            edge_start,
-            edge_bin,
-            bin_start: count,
-            bin_edges,
-            edge_expert,
-            loads: loads.to_vec(),
-            left: loads.to_vec(),
-            room: vec![0.0; bins],
-            placed: 0.0,
-            expert_level: vec![UNREACHED; experts],
-            bin_level: vec![UNREACHED; bins],
-            expert_next: vec![0; experts],
-            bin_next: vec![0; bins],
-            sink_level: UNREACHED,
-        }
+        let mut by_degree: Vec<u32> = (0..experts as u32).collect();
+        by_degree.sort_by_key(|&e| (edge_start[e as usize + 1] - edge_start[e as usize], e));
+        Bipartite { experts, bins, edge_start, edge_bin, bin_start: count, bin_edges, edge_expert, by_degree }
     }
 
     /// How many distinct bins hold expert `e`.
@@ -234,6 +217,58 @@ impl FlowNet {
 
     fn edges(&self, e: usize) -> std::ops::Range<usize> {
         self.edge_start[e] as usize..self.edge_start[e + 1] as usize
+    }
+}
+
+/// A flow on a [`Bipartite`] graph, source → expert (t_e) → bin (unbounded) → sink (λ), kept as
+/// what it is: a flow on each expert–bin edge, each expert's tokens not yet placed (the source
+/// edge's residual) and each bin's room (the sink edge's). Max flow by Dinic's phases, with the
+/// source and sink implicit: a phase's search starts from every expert with tokens left and ends
+/// at the first level with room.
+///
+/// Why not a general flow network: at a thousand bins a λ* is made tens of thousands of times
+/// in a simulated day (every plan and load epoch, every weighing), and the general form's
+/// per-edge pairs, its copies of every capacity and its whole-graph searches were most of the
+/// simulator's time.
+struct FlowNet<'a> {
+    g: &'a Bipartite,
+    loads: &'a [f64],
+    flow: Vec<f64>,
+    /// Tokens of each expert not yet placed; room left on each bin under λ.
+    left: Vec<f64>,
+    room: Vec<f64>,
+    /// Tokens placed in all.
+    placed: f64,
+    /// The last search's levels (experts even, bins odd; [`UNREACHED`] if not reached): after a
+    /// max flow, what the experts with tokens left still reach — the min cut's source side.
+    expert_level: Vec<u32>,
+    bin_level: Vec<u32>,
+    /// Each vertex's next edge to try in a phase (Dinic's current-arc pointers).
+    expert_next: Vec<u32>,
+    bin_next: Vec<u32>,
+    /// The level of the bins with room a phase's search reached first.
+    sink_level: u32,
+    /// The search's queue, kept from phase to phase.
+    queue: Vec<u32>,
+}
+
+impl<'a> FlowNet<'a> {
+    /// No flow yet on `g` with these loads (one per expert of it).
+    fn new(g: &'a Bipartite, loads: &'a [f64]) -> Self {
+        FlowNet {
+            g,
+            loads,
+            flow: vec![0.0; g.edge_bin.len()],
+            left: loads.to_vec(),
+            room: vec![0.0; g.bins],
+            placed: 0.0,
+            expert_level: vec![UNREACHED; g.experts],
+            bin_level: vec![UNREACHED; g.bins],
+            expert_next: vec![0; g.experts],
+            bin_next: vec![0; g.bins],
+            sink_level: UNREACHED,
+            queue: Vec::with_capacity(g.experts + g.bins),
+        }
     }
 
     /// Every bin's room set to `lambda`, and a first flow: each expert's tokens to its bins'
@@ -245,14 +280,14 @@ impl FlowNet {
         // The most constrained experts first: an expert on two bins takes them before a hot one
         // on sixty fills them, which leaves the phases a third less to reroute (the max flow and
         // its cut are the same whatever the order).
-        let mut order: Vec<usize> = (0..self.loads.len()).collect();
-        order.sort_by_key(|&e| (self.degree(e), e));
-        for e in order {
-            for k in self.edges(e) {
+        let g = self.g;
+        for &e in &g.by_degree {
+            let e = e as usize;
+            for k in g.edges(e) {
                 if self.left[e] <= EPS {
                     break;
                 }
-                let b = self.edge_bin[k] as usize;
+                let b = g.edge_bin[k] as usize;
                 let push = self.left[e].min(self.room[b]);
                 if push > EPS {
                     self.flow[k] += push;
@@ -297,7 +332,9 @@ impl FlowNet {
         self.sink_level = UNREACHED;
         // Experts and bins in order of level; a bin is stored as `experts + b`.
         let experts = self.loads.len();
-        let mut queue: Vec<u32> = (0..experts as u32).filter(|&e| self.left[e as usize] > EPS).collect();
+        let mut queue = std::mem::take(&mut self.queue);
+        queue.clear();
+        queue.extend((0..experts as u32).filter(|&e| self.left[e as usize] > EPS));
         queue.iter().for_each(|&e| self.expert_level[e as usize] = 0);
         let mut head = 0;
         while head < queue.len() {
@@ -305,8 +342,8 @@ impl FlowNet {
             head += 1;
             if v < experts {
                 let next = self.expert_level[v] + 1;
-                for k in self.edges(v) {
-                    let b = self.edge_bin[k] as usize;
+                for k in self.g.edges(v) {
+                    let b = self.g.edge_bin[k] as usize;
                     if self.bin_level[b] == UNREACHED {
                         self.bin_level[b] = next;
                         if self.room[b] > EPS {
@@ -319,8 +356,8 @@ impl FlowNet {
             } else if self.sink_level == UNREACHED {
                 let b = v - experts;
                 let next = self.bin_level[b] + 1;
-                for &k in &self.bin_edges[self.bin_start[b] as usize..self.bin_start[b + 1] as usize] {
-                    let e = self.edge_expert[k as usize] as usize;
+                for &k in &self.g.bin_edges[self.g.bin_start[b] as usize..self.g.bin_start[b + 1] as usize] {
+                    let e = self.g.edge_expert[k as usize] as usize;
                     if self.flow[k as usize] > EPS && self.expert_level[e] == UNREACHED {
                         self.expert_level[e] = next;
                         queue.push(e as u32);
@@ -328,6 +365,7 @@ impl FlowNet {
                 }
             }
         }
+        self.queue = queue;
         self.sink_level != UNREACHED
     }
 
@@ -336,10 +374,10 @@ impl FlowNet {
     fn push_expert(&mut self, e: usize, limit: f64) -> f64 {
         let mut pushed = 0.0;
         let level = self.expert_level[e] + 1;
-        let first = self.edge_start[e];
-        while first + self.expert_next[e] < self.edge_start[e + 1] {
+        let first = self.g.edge_start[e];
+        while first + self.expert_next[e] < self.g.edge_start[e + 1] {
             let k = (first + self.expert_next[e]) as usize;
-            let b = self.edge_bin[k] as usize;
+            let b = self.g.edge_bin[k] as usize;
             if self.bin_level[b] == level {
                 let got = self.push_bin(b, limit - pushed);
                 if got > EPS {
@@ -368,10 +406,10 @@ impl FlowNet {
             return take;
         }
         let mut pushed = 0.0;
-        let first = self.bin_start[b];
-        while first + self.bin_next[b] < self.bin_start[b + 1] {
-            let k = self.bin_edges[(first + self.bin_next[b]) as usize] as usize;
-            let e = self.edge_expert[k] as usize;
+        let first = self.g.bin_start[b];
+        while first + self.bin_next[b] < self.g.bin_start[b + 1] {
+            let k = self.g.bin_edges[(first + self.bin_next[b]) as usize] as usize;
+            let e = self.g.edge_expert[k] as usize;
             if self.expert_level[e] == level + 1 && self.flow[k] > EPS {
                 let got = self.push_expert(e, (limit - pushed).min(self.flow[k]));
                 if got > EPS {

@@ -39,7 +39,7 @@ pub fn place_balanced(replicas: &[usize], shape: ClusterShape, loads: &[f64], ma
     let nodes = guarded_nodes(replicas, shape.nodes, shape.slots_per_node(), loads, max_imbalance);
     let nodes = balance_gpus(nodes, replicas, shape, Some(loads));
     let nodes = refine_gpus(nodes, shape, loads);
-    Ok(Placement { shape, experts: replicas.len(), nodes })
+    Ok(Placement::made(shape, replicas.len(), nodes))
 }
 
 /// λ* / mean over nodes for node lists (see [`crate::balance`]).

@@ -32,6 +32,7 @@ mod tests;
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -150,6 +151,31 @@ pub struct Placement {
     shape: ClusterShape,
     experts: usize,
     nodes: Vec<Vec<ExpertId>>,
+    /// The experts–GPUs graph of λ* ([`Placement::load_balance`]), made on first use.
+    #[serde(skip)]
+    gpu_graph: GpuGraph,
+}
+
+/// A placement's experts–GPUs graph ([`crate::balance::Bipartite`]), made on first use and
+/// shared by the placement's clones: a placement's slots never change once made, and its λ* is
+/// asked under every load epoch it runs through (in a simulated day at a thousand GPUs, making
+/// the graph each time was as much work as the flow). Not part of what a placement is: any two
+/// are equal here, and it is not written.
+#[derive(Clone, Default)]
+struct GpuGraph(Arc<OnceLock<crate::balance::Bipartite>>);
+
+impl PartialEq for GpuGraph {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for GpuGraph {}
+
+impl fmt::Debug for GpuGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.get().is_some() { "made" } else { "not made" })
+    }
 }
 
 impl Placement {
@@ -185,7 +211,12 @@ impl Placement {
         if let Some(e) = seen.iter().position(|&s| !s) {
             return Err(PlanError::invalid("placement", format!("expert {e}"), "has no replica on any node"));
         }
-        Ok(Placement { shape, experts, nodes })
+        Ok(Placement::made(shape, experts, nodes))
+    }
+
+    /// A placement of slots already checked (by [`Placement::from_nodes`] or made by a planner).
+    pub(crate) fn made(shape: ClusterShape, experts: usize, nodes: Vec<Vec<ExpertId>>) -> Self {
+        Placement { shape, experts, nodes, gpu_graph: GpuGraph::default() }
     }
 
     pub fn shape(&self) -> ClusterShape {
@@ -211,7 +242,10 @@ impl Placement {
     /// longer than perfectly balanced the experts' step takes on this plan.
     pub fn load_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
         validate_loads(loads, self.experts)?;
-        crate::balance::min_max_load_of_pairs(&gpus::gpu_pairs(&self.nodes, self.shape), loads, self.shape.ranks())
+        let graph = self.gpu_graph.0.get_or_init(|| {
+            crate::balance::Bipartite::of_pairs(&gpus::gpu_pairs(&self.nodes, self.shape), self.experts, self.shape.ranks())
+        });
+        crate::balance::min_max_load_on(graph, loads)
     }
 
     /// The GPUs' tokens when each expert's tokens are split evenly over its replicas: one
@@ -301,7 +335,7 @@ pub fn place(replicas: &[usize], shape: ClusterShape, strategy: Strategy, loads:
         Strategy::Lazarus => lazarus_nodes(replicas, n, s),
     };
     let nodes = balance_gpus(nodes, replicas, shape, loads);
-    Ok(Placement { shape, experts: replicas.len(), nodes })
+    Ok(Placement::made(shape, replicas.len(), nodes))
 }
 
 pub(crate) fn validate_loads(loads: &[f64], experts: usize) -> Result<(), PlanError> {

@@ -8,6 +8,7 @@
 //! holder that has been asked for the fewest bytes so far, most constrained fetches first, so
 //! the transfer time is spread over all holders.
 
+mod lists;
 mod moves;
 mod ranks;
 
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
 use crate::placement::Placement;
+use lists::Lists;
 use crate::ExpertId;
 
 /// What one live physical node holds before the change: for each layer, the experts it has a
@@ -100,27 +102,35 @@ fn plan_move(
     // sets took most of a move's planning); a list given sorted is used as it is.
     let held: Vec<Vec<Cow<'_, [ExpertId]>>> =
         live.iter().map(|s| (0..layers).map(|l| s.experts.get(l).map_or(Cow::Borrowed(&[][..]), |v| sorted(v))).collect()).collect();
-    // holders[layer][e]: the live nodes holding e, in order — of every expert (`needed`: None)
-    // or of those needed.
-    let holders_of = |needed: Option<&[Vec<bool>]>| -> Vec<Vec<Vec<usize>>> {
+    // holders[layer].get(e): the live nodes holding e, in order — of every expert (`needed`:
+    // None) or of those needed.
+    let holders_of = |needed: Option<&[Vec<bool>]>| -> Vec<Lists> {
         (0..layers)
             .map(|l| {
                 let experts = new_layers[l].experts();
-                let mut h = vec![Vec::new(); experts];
+                let mut pairs = Vec::new();
                 for (p, held) in held.iter().enumerate() {
-                    for &e in held[l].iter().filter(|&&e| e < experts && needed.is_none_or(|x| x[l][e])) {
-                        h[e].push(p);
-                    }
+                    pairs.extend(held[l].iter().filter(|&&e| e < experts && needed.is_none_or(|x| x[l][e])).map(|&e| (e, p)));
                 }
-                h
+                Lists::grouped(experts, &pairs)
             })
             .collect()
     };
     let (node_to_plan, all_holders) = match mapped {
         Some(m) => (m.to_vec(), None),
         None => {
-            let wanted: Vec<Vec<Vec<ExpertId>>> =
-                (0..n).map(|q| (0..layers).map(|l| sorted(&new_layers[l].nodes()[q]).into_owned()).collect()).collect();
+            // What plan node q wants of layer l: list q·layers + l, its distinct experts.
+            let mut wanted = Lists::default();
+            let mut set = Vec::new();
+            for q in 0..n {
+                for p in new_layers {
+                    set.clear();
+                    set.extend_from_slice(&p.nodes()[q]);
+                    set.sort_unstable();
+                    set.dedup();
+                    wanted.push(&set);
+                }
+            }
             let holders = holders_of(None);
             let cost = missing_bytes(&wanted, &holders, expert_bytes);
             let mapping = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
@@ -195,21 +205,21 @@ fn check_move_inputs(live: &[NodeState], new_layers: &[Placement], expert_bytes:
 #[allow(clippy::type_complexity)]
 fn assign_senders(
     missing: Vec<(usize, ExpertId, usize)>,
-    holders: &[Vec<Vec<usize>>],
+    holders: &[Lists],
     live: &[NodeState],
     expert_bytes: &[u64],
 ) -> (Vec<StateTransfer>, Vec<(usize, ExpertId)>, BTreeMap<u64, u64>) {
     let n = live.len();
-    struct Fetch {
+    struct Fetch<'h> {
         layer: usize,
         expert: ExpertId,
         to: usize,
-        holders: Vec<usize>,
+        holders: &'h [usize],
     }
     let mut fetches = Vec::new();
     let mut lost = BTreeSet::new();
     for (l, e, p) in missing {
-        let holders = holders[l].get(e).cloned().unwrap_or_default();
+        let holders = holders[l].get(e);
         if holders.is_empty() {
             lost.insert((l, e));
         } else {
@@ -241,22 +251,25 @@ fn assign_senders(
 /// difference per (p, q) pair (128 nodes × 58 layers: 3.8 M steps instead of 950 k differences).
 /// Each plan node's column is made as one contiguous row (it stays in the first-level cache
 /// while every holder of every wanted expert is taken off it), plan nodes on every core.
-fn missing_bytes(wanted: &[Vec<Vec<ExpertId>>], holders: &[Vec<Vec<usize>>], expert_bytes: &[u64]) -> Vec<Vec<i64>> {
-    let n = wanted.len();
-    let column = |wanted: &Vec<Vec<ExpertId>>| -> Result<Vec<i64>, std::convert::Infallible> {
-        let all: i64 = wanted.iter().zip(expert_bytes).map(|(w, &b)| (w.len() as u64 * b) as i64).sum();
+fn missing_bytes(wanted: &Lists, holders: &[Lists], expert_bytes: &[u64]) -> Vec<Vec<i64>> {
+    let layers = expert_bytes.len();
+    let n = wanted.len() / layers.max(1);
+    let plan_nodes: Vec<usize> = (0..n).collect();
+    let column = |&q: &usize| -> Result<Vec<i64>, std::convert::Infallible> {
+        let wants = |l: usize| wanted.get(q * layers + l);
+        let all: i64 = (0..layers).map(|l| (wants(l).len() as u64 * expert_bytes[l]) as i64).sum();
         let mut column = vec![all; n];
-        for (l, w) in wanted.iter().enumerate() {
+        for l in 0..layers {
             let b = expert_bytes[l] as i64;
-            for &e in w {
-                for &p in holders[l].get(e).map_or(&[][..], Vec::as_slice) {
+            for &e in wants(l) {
+                for &p in holders[l].get(e) {
                     column[p] -= b;
                 }
             }
         }
         Ok(column)
     };
-    let Ok(columns) = if n < 64 { wanted.iter().map(column).collect() } else { crate::parallel::map_in_order(wanted, column) };
+    let Ok(columns) = if n < 64 { plan_nodes.iter().map(column).collect() } else { crate::parallel::map_in_order(&plan_nodes, column) };
     (0..n).map(|p| columns.iter().map(|c| c[p]).collect()).collect()
 }
 
@@ -362,12 +375,17 @@ mod tests {
         ) {
             let n = held.len().min(wanted_lists.len());
             let (held, wanted) = (&held[..n], &wanted_lists[..n]);
-            let holders: Vec<Vec<Vec<usize>>> =
-                (0..2).map(|l| (0..6).map(|e| (0..n).filter(|&p| held[p][l].contains(&e)).collect()).collect()).collect();
+            let holders: Vec<Lists> = (0..2)
+                .map(|l| {
+                    let h: Vec<Vec<usize>> = (0..6).map(|e| (0..n).filter(|&p| held[p][l].contains(&e)).collect()).collect();
+                    Lists::of(h.iter().map(Vec::as_slice))
+                })
+                .collect();
             let plain: Vec<Vec<i64>> = (0..n)
                 .map(|p| (0..n).map(|q| (0..2).map(|l| (wanted[q][l].difference(&held[p][l]).count() as u64 * bytes[l]) as i64).sum()).collect())
                 .collect();
-            let wanted: Vec<Vec<Vec<ExpertId>>> = wanted.iter().map(|w| w.iter().map(|x| x.iter().copied().collect()).collect()).collect();
+            let wanted: Vec<Vec<ExpertId>> = wanted.iter().flat_map(|w| w.iter().map(|x| x.iter().copied().collect())).collect();
+            let wanted = Lists::of(wanted.iter().map(Vec::as_slice));
             prop_assert_eq!(missing_bytes(&wanted, &holders, &bytes), plain);
         }
     }
