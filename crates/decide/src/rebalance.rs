@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use lazarus_plan::{plan_reconfiguration, replan_model, ModelPlan, NodeState, Placement};
+use lazarus_plan::{replan_model, size_of_move, ModelPlan, NodeState, Placement};
 use serde::Serialize;
 
 use super::{Command, Controller, MoveCause, MoveCost, StepRecord};
@@ -443,24 +443,23 @@ impl Weighing {
             (candidate.layers().to_vec(), count.into_iter().map(|c| (c, c as u64 * bytes)).collect())
         } else {
             let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
-            let rp = plan_reconfiguration(&live, candidate.layers(), &vec![bytes; layers]).ok()?;
-            let plan_index: BTreeMap<u64, usize> = rp.plan_to_node.iter().enumerate().map(|(q, &n)| (n, q)).collect();
+            let size = size_of_move(&live, candidate.layers(), &vec![bytes; layers]).ok()?;
+            let plan_index: BTreeMap<u64, usize> = size.plan_to_node.iter().enumerate().map(|(q, &n)| (n, q)).collect();
+            // (Mapped where they are, the candidate's layers are it, shared.)
+            let kept = position_node.iter().enumerate().all(|(n, node)| plan_index.get(node) == Some(&n));
             let aligned = candidate
                 .layers()
                 .iter()
                 .map(|p| {
+                    if kept {
+                        return Some(p.clone());
+                    }
                     let nodes =
                         position_node.iter().map(|n| plan_index.get(n).map(|&q| p.nodes()[q].clone())).collect::<Option<Vec<_>>>()?;
                     Placement::from_nodes(p.shape(), p.experts(), nodes).ok()
                 })
                 .collect::<Option<_>>()?;
-            let mut fetches = vec![(0usize, 0u64); layers];
-            for t in &rp.transfers {
-                if let Some(f) = fetches.get_mut(t.layer) {
-                    f.0 += 1;
-                    f.1 += t.bytes;
-                }
-            }
+            let fetches = size.per_layer;
             (aligned, fetches)
         };
         // λ* of every layer now and under the candidate, layers on every core (a max-flow each:

@@ -150,7 +150,10 @@ impl FromStr for Strategy {
 pub struct Placement {
     shape: ClusterShape,
     experts: usize,
-    nodes: Vec<Vec<ExpertId>>,
+    /// Shared by the placement's clones: a placement never changes once made, and at a thousand
+    /// nodes a model's plan is a quarter of a million slots in seven thousand lists, copied by
+    /// every weighing and move that keeps a layer as it is.
+    nodes: Arc<Vec<Vec<ExpertId>>>,
     /// The experts–GPUs graph of λ* ([`Placement::load_balance`]), made on first use.
     #[serde(skip)]
     gpu_graph: GpuGraph,
@@ -216,7 +219,7 @@ impl Placement {
 
     /// A placement of slots already checked (by [`Placement::from_nodes`] or made by a planner).
     pub(crate) fn made(shape: ClusterShape, experts: usize, nodes: Vec<Vec<ExpertId>>) -> Self {
-        Placement { shape, experts, nodes, gpu_graph: GpuGraph::default() }
+        Placement { shape, experts, nodes: Arc::new(nodes), gpu_graph: GpuGraph::default() }
     }
 
     pub fn shape(&self) -> ClusterShape {

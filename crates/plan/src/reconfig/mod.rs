@@ -90,12 +90,51 @@ pub fn plan_reconfiguration_mapped(
     plan_move(live, new_layers, expert_bytes, Some(node_to_plan))
 }
 
+/// What a move onto `new_layers` would fetch, without choosing who sends: the mapping of
+/// [`plan_reconfiguration`] (`plan_to_node[q]` takes plan node q) and, per layer, the expert
+/// states fetched and their bytes (the transfers it would plan, counted). A rebalance is
+/// weighed on this; the senders are chosen only for the move made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoveSize {
+    pub plan_to_node: Vec<u64>,
+    pub per_layer: Vec<(usize, u64)>,
+}
+
+/// [`MoveSize`] of the move [`plan_reconfiguration`] would plan.
+pub fn size_of_move(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64]) -> Result<MoveSize, PlanError> {
+    let f = fetches(live, new_layers, expert_bytes, None)?;
+    let mut per_layer = vec![(0usize, 0u64); new_layers.len()];
+    for &(l, e, _) in &f.missing {
+        if !f.holders[l].get(e).is_empty() {
+            per_layer[l].0 += 1;
+            per_layer[l].1 += expert_bytes[l];
+        }
+    }
+    Ok(MoveSize { plan_to_node: f.plan_to_node, per_layer })
+}
+
 fn plan_move(
     live: &[NodeState],
     new_layers: &[Placement],
     expert_bytes: &[u64],
     mapped: Option<&[usize]>,
 ) -> Result<ReconfigurationPlan, PlanError> {
+    let Fetches { plan_to_node, missing, holders } = fetches(live, new_layers, expert_bytes, mapped)?;
+    let (transfers, lost, bytes_per_sender) = assign_senders(missing, &holders, live, expert_bytes);
+    Ok(ReconfigurationPlan { plan_to_node, transfers, lost, bytes_per_sender })
+}
+
+/// A move's fetches before any sender is chosen: the mapping, every (layer, expert, live node)
+/// missing where it goes, and the live holders of (at least) each missing expert, per layer.
+struct Fetches {
+    plan_to_node: Vec<u64>,
+    missing: Vec<(usize, ExpertId, usize)>,
+    holders: Vec<Lists>,
+}
+
+/// [`Fetches`] of a move onto `new_layers`, with the mapping given (`mapped`) or the one that
+/// fetches least.
+fn fetches(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64], mapped: Option<&[usize]>) -> Result<Fetches, PlanError> {
     check_move_inputs(live, new_layers, expert_bytes)?;
     let (layers, n) = (new_layers.len(), live.len());
     // held[p][layer]: sets of experts, as sorted lists (at a thousand nodes of 58 layers, tree
@@ -169,8 +208,7 @@ fn plan_move(
         missing.iter().for_each(|&(l, e, _)| needed[l][e] = true);
         holders_of(Some(&needed))
     });
-    let (transfers, lost, bytes_per_sender) = assign_senders(missing, &holders, live, expert_bytes);
-    Ok(ReconfigurationPlan { plan_to_node, transfers, lost, bytes_per_sender })
+    Ok(Fetches { plan_to_node, missing, holders })
 }
 
 /// The inputs of a move, checked: a plan of as many nodes as are live for every layer, an
@@ -488,6 +526,36 @@ mod tests {
     }
 
     proptest! {
+        /// The size a rebalance is weighed on is the move's own: the same mapping, and per layer
+        /// the transfers it plans and their bytes (nodes holding anything, fresh ones, losses).
+        #[test]
+        fn a_moves_size_counts_its_planned_transfers(n in 1usize..6, layers in 1usize..4, seed in any::<u64>()) {
+            let mut rng = SplitMix64::new(seed);
+            let shape = ClusterShape::new(n, 1 + rng.below(2), 1 + rng.below(3)).unwrap();
+            let experts = 1 + rng.below(shape.total_slots());
+            let new: Vec<Placement> = (0..layers)
+                .map(|_| {
+                    let mut replicas = vec![1; experts];
+                    (experts..shape.total_slots()).for_each(|_| replicas[rng.below(experts)] += 1);
+                    place(&replicas, shape, Strategy::Spread, None).unwrap()
+                })
+                .collect();
+            let live: Vec<NodeState> = (0..n)
+                .map(|i| NodeState {
+                    node: 10 + i as u64,
+                    experts: if rng.below(4) == 0 { vec![] } else { (0..layers).map(|_| (0..rng.below(4)).map(|_| rng.below(experts + 1)).collect()).collect() },
+                })
+                .collect();
+            let bytes: Vec<u64> = (0..layers).map(|_| 1 + rng.below(100) as u64).collect();
+            let plan = plan_reconfiguration(&live, &new, &bytes).unwrap();
+            let size = size_of_move(&live, &new, &bytes).unwrap();
+            prop_assert_eq!(&size.plan_to_node, &plan.plan_to_node);
+            for l in 0..layers {
+                let planned: Vec<&StateTransfer> = plan.transfers.iter().filter(|t| t.layer == l).collect();
+                prop_assert_eq!(size.per_layer[l], (planned.len(), planned.iter().map(|t| t.bytes).sum::<u64>()), "layer {}", l);
+            }
+        }
+
         #[test]
         fn assignment_is_one_to_one_and_optimal(n in 1usize..7, seed in any::<u64>()) {
             let mut rng = SplitMix64::new(seed);
