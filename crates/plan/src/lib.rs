@@ -37,8 +37,8 @@ pub use placement::{
     place, place_balanced, recovery_curve, recovery_probability, ClusterShape, Placement, Strategy, DEFAULT_MAX_IMBALANCE,
 };
 pub use reconfig::{
-    plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, size_of_move, Move, MoveSize, NodeState, RankTransfer, ReconfigurationPlan,
-    StateTransfer,
+    plan_reconfiguration, plan_reconfiguration_mapped, rank_transfers, size_of_move, Move, MoveSize, NodeState, RankTransfer,
+    ReconfigurationPlan, StateTransfer,
 };
 pub use recovery::{curve_of_sets, probability_of_sets, RecoveryEstimate, RecoveryMethod};
 pub use scheduler::{

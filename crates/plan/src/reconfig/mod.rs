@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
 use crate::placement::Placement;
-use lists::Lists;
 use crate::ExpertId;
+use lists::Lists;
 
 /// What one live physical node holds before the change: for each layer, the experts it has a
 /// replica of. A node that just joined holds nothing (empty `experts`).
