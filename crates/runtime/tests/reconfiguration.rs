@@ -78,6 +78,15 @@ fn survivors_of_a_dead_worker_go_on_with_the_same_mathematics() {
                     match w.step(transport.as_mut(), &mut group) {
                         Ok(r) => losses.push(r.report.loss),
                         Err(e) => {
+                            // The dead rank committed the failure step, so every rank computed
+                            // it; a survivor that heard of the loss from a peer before its own
+                            // commit vote ended holds it, and commits it as the controller's
+                            // `commit_to` tells it in a job.
+                            if w.held_step() == Some(FAIL_AT) {
+                                if let Some(r) = w.commit_held().unwrap() {
+                                    losses.push(r.report.loss);
+                                }
+                            }
                             assert_eq!(w.steps_done(), FAIL_AT, "rank {rank}: {e}");
                             w.drop_held();
                             let (r, fresh) = next.take().expect("one failure");
