@@ -423,16 +423,13 @@ impl Weighing {
         // Past MAPPED_FROM_NODES, plan node q stays on the node at position q: no search for the
         // mapping that moves least.
         let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
-        // What each node holds now: its plan position's experts.
-        let held: BTreeMap<u64, Vec<Vec<usize>>> = self
-            .position_node
-            .iter()
-            .enumerate()
-            .map(|(q, &node)| {
-                let experts = current.layers().iter().map(|p| p.nodes().get(q).map(|e| distinct(e)).unwrap_or_default()).collect();
-                (node, experts)
-            })
-            .collect();
+        // What each node holds now: its plan position's experts (positions on every core).
+        let positions: Vec<(usize, u64)> = self.position_node.iter().copied().enumerate().collect();
+        let Ok(held) = lazarus_plan::parallel::map_in_order(&positions, |&(q, node)| {
+            let experts = current.layers().iter().map(|p| p.nodes().get(q).map(|e| distinct(e)).unwrap_or_default()).collect();
+            Ok::<_, std::convert::Infallible>((node, experts))
+        });
+        let held: BTreeMap<u64, Vec<Vec<usize>>> = held.into_iter().collect();
         let position_node = &self.position_node;
         let bytes = self.expert_bytes;
         // The candidate with its nodes where the mapping puts them (plan position n on the node
