@@ -18,6 +18,7 @@ pub mod allocation;
 pub mod balance;
 pub mod dispatch;
 mod error;
+mod fasthash;
 pub mod load_trace;
 pub mod nodeset;
 pub mod parallel;

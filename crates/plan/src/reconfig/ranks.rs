@@ -5,11 +5,10 @@
 //! another GPU than the new plan's is a copy inside the node. With one GPU per node these are
 //! exactly `plan_reconfiguration`'s transfers.
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 
 use super::StateTransfer;
+use crate::fasthash::FastMap;
 use crate::scheduler::ReplicaMap;
 use crate::ExpertId;
 
@@ -43,7 +42,7 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
     }
     let holds = |r: usize, l: usize| rank_holds[r].as_ref().get(l).map_or(&[][..], Vec::as_slice);
     // The node-level plan's sender of each expert a node newly needs (its first line for it).
-    let mut sender_node: HashMap<(usize, ExpertId, u64), u64> = HashMap::with_capacity(node_transfers.len());
+    let mut sender_node: FastMap<(usize, ExpertId, u64), u64> = FastMap::with_capacity_and_hasher(node_transfers.len(), Default::default());
     for t in node_transfers {
         sender_node.entry((t.layer, t.expert, t.to)).or_insert(t.from);
     }
@@ -81,7 +80,7 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
         // A widely replicated expert's holders by node, made the first time it is asked for: a
         // joining node's every replica would otherwise scan its hundreds of holders up to three
         // times (at 1,024 GPUs a tenth of a simulated day).
-        let mut by_node: HashMap<ExpertId, HashMap<u64, Vec<usize>>> = HashMap::new();
+        let mut by_node: FastMap<ExpertId, FastMap<u64, Vec<usize>>> = FastMap::default();
         for (e, r) in missing {
             let sender = sender_node.get(&(l, e, rank_node[r])).copied();
             let from = if holders[e].len() > BY_NODE_FROM {
@@ -101,8 +100,8 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
 const BY_NODE_FROM: usize = 32;
 
 /// `holders` by their node, each node's in the order given.
-fn group_by_node(holders: &[usize], rank_node: &[u64]) -> HashMap<u64, Vec<usize>> {
-    let mut by: HashMap<u64, Vec<usize>> = HashMap::new();
+fn group_by_node(holders: &[usize], rank_node: &[u64]) -> FastMap<u64, Vec<usize>> {
+    let mut by: FastMap<u64, Vec<usize>> = FastMap::default();
     for &s in holders {
         by.entry(rank_node[s]).or_default().push(s);
     }
@@ -111,7 +110,7 @@ fn group_by_node(holders: &[usize], rank_node: &[u64]) -> HashMap<u64, Vec<usize
 
 /// [`choose_sender`] with the holders grouped by node: the same choice.
 fn choose_sender_grouped(
-    by_node: &HashMap<u64, Vec<usize>>,
+    by_node: &FastMap<u64, Vec<usize>>,
     holders: &[usize],
     sends: &[usize],
     rank_node: &[u64],
