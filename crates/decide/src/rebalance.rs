@@ -472,7 +472,7 @@ impl Weighing {
         .ok()?;
         let mut cases = Vec::new();
         let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
-        for (l, (before, after)) in balances.into_iter().enumerate() {
+        for (l, &(before, after)) in balances.iter().enumerate() {
             imbalance_before += before.imbalance();
             imbalance_after += after.imbalance();
             cases.push(LayerCase {
@@ -499,7 +499,12 @@ impl Weighing {
             (0..layers).map(|l| if d.layers.contains(&l) { aligned[l].clone() } else { current.layers()[l].clone() }).collect();
         let target = ModelPlan::new(current.epoch(), mixed).ok()?;
         if d.decision == RebalanceVerdict::Shrink {
-            let sum: f64 = target.layers().iter().zip(&self.loads).filter_map(|(p, w)| p.load_balance(w).ok()).map(|b| b.imbalance()).sum();
+            // Each layer of the target is one weighed above (a moving layer the candidate's).
+            let sum: f64 = balances
+                .iter()
+                .enumerate()
+                .map(|(l, (before, after))| if d.layers.contains(&l) { after } else { before }.imbalance())
+                .sum();
             d.imbalance_after = sum / n;
         }
         Some((d, target))
