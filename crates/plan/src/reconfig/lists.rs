@@ -7,7 +7,7 @@
 /// their allocations took as long as the planning itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Lists {
-    start: Vec<u32>,
+    start: Vec<usize>,
     items: Vec<usize>,
 }
 
@@ -32,7 +32,7 @@ impl Lists {
     /// Lists `0..count` of `(list, item)` pairs, each list's items in the pairs' order (a
     /// counting sort on the list).
     pub(crate) fn grouped(count: usize, pairs: &[(usize, usize)]) -> Self {
-        let mut start = vec![0u32; count + 1];
+        let mut start = vec![0usize; count + 1];
         for &(i, _) in pairs {
             start[i + 1] += 1;
         }
@@ -42,7 +42,7 @@ impl Lists {
         let mut fill = start.clone();
         let mut items = vec![0; pairs.len()];
         for &(i, x) in pairs {
-            items[fill[i] as usize] = x;
+            items[fill[i]] = x;
             fill[i] += 1;
         }
         Lists { start, items }
@@ -51,7 +51,7 @@ impl Lists {
     /// `list` as the next list.
     pub(crate) fn push(&mut self, list: &[usize]) {
         self.items.extend_from_slice(list);
-        self.start.push(self.items.len() as u32);
+        self.start.push(self.items.len());
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -61,7 +61,7 @@ impl Lists {
     /// List `i` (empty past the last).
     pub(crate) fn get(&self, i: usize) -> &[usize] {
         match (self.start.get(i), self.start.get(i + 1)) {
-            (Some(&a), Some(&b)) => &self.items[a as usize..b as usize],
+            (Some(&a), Some(&b)) => &self.items[a..b],
             _ => &[],
         }
     }

@@ -381,8 +381,8 @@ impl Shell {
     /// busiest node's sent or received, and all of them.
     fn transfer_bytes(&self, m: &MoveDecision) -> (f64, u64) {
         let bytes = self.expert_bytes;
-        // Each rank's node, as an index (a move at a thousand GPUs has tens of thousands of
-        // transfers: a name looked up and compared for each took a tenth of a second a move).
+        // Each rank's node, as an index: a move at a thousand GPUs has tens of thousands of
+        // transfers (a name looked up and compared for each was 2 ms a move).
         let mut index: HashMap<&String, usize> = HashMap::new();
         let node: Vec<usize> = m
             .ranks
