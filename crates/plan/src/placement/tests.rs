@@ -26,6 +26,29 @@ fn mro_builds_the_theorem_1_groups() {
     assert!(p.nodes()[2..].iter().all(|n| !n.contains(&0)));
 }
 
+/// λ* from the graph a placement keeps is the λ* of its slots: the same for its clones (which
+/// share the graph), for a copy read back from JSON (which makes its own), and for the loads of
+/// every later epoch; the graph is not part of equality or of what is written.
+#[test]
+fn a_placements_kept_graph_gives_the_lambda_of_its_slots() {
+    let mut rng = SplitMix64::new(7);
+    let shape = ClusterShape::new(6, 4, 3).unwrap();
+    let replicas = random_replicas(&mut rng, 20, shape.total_slots());
+    let p = place(&replicas, shape, Strategy::Lazarus, None).unwrap();
+    let json = serde_json::to_string(&p).unwrap();
+    let twin = p.clone();
+    for epoch in 0..5 {
+        let loads: Vec<f64> = (0..20).map(|_| rng.below(1000) as f64).collect();
+        let fresh = crate::balance::min_max_load_of_pairs(&gpus::gpu_pairs(p.nodes(), shape), &loads, shape.ranks()).unwrap();
+        assert_eq!(p.load_balance(&loads).unwrap(), fresh, "epoch {epoch}");
+        assert_eq!(twin.load_balance(&loads).unwrap(), fresh, "a clone, epoch {epoch}");
+        let read: Placement = serde_json::from_str(&json).unwrap();
+        assert_eq!(read, p);
+        assert_eq!(read.load_balance(&loads).unwrap(), fresh, "read back, epoch {epoch}");
+    }
+    assert_eq!(serde_json::to_string(&p).unwrap(), json, "the graph made is not written");
+}
+
 #[test]
 fn non_finite_or_negative_loads_are_an_error() {
     let shape = ClusterShape::new(1, 2, 2).unwrap();
