@@ -1,5 +1,6 @@
-//! Independent jobs (a model's layers, §4.1) over the machine's cores: contiguous chunks, one
-//! scoped thread each, results in the jobs' order — so a result never depends on the core count.
+//! Independent jobs (a model's layers, §4.1) over the machine's cores: contiguous chunks, the
+//! first on the calling thread and one scoped thread for each other, results in the jobs' order —
+//! so a result never depends on the core count.
 
 /// `f` of every job, in order, on up to all cores (on the calling thread when there is one core
 /// or one job); the first error in job order, if any.
@@ -10,9 +11,14 @@ pub fn map_in_order<T: Sync, R: Send, E: Send>(jobs: &[T], f: impl Fn(&T) -> Res
     }
     let chunk = jobs.len().div_ceil(threads);
     let f = &f;
+    // The first chunk on the calling thread (it would only wait), the others on threads of
+    // their own.
+    let mut chunks = jobs.chunks(chunk);
+    let first = chunks.next().unwrap_or_default();
     let parts: Vec<Result<Vec<R>, E>> = std::thread::scope(|s| {
-        let handles: Vec<_> = jobs.chunks(chunk).map(|part| s.spawn(move || part.iter().map(f).collect())).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+        let handles: Vec<_> = chunks.map(|part| s.spawn(move || part.iter().map(f).collect())).collect();
+        let mine: Result<Vec<R>, E> = first.iter().map(f).collect();
+        std::iter::once(mine).chain(handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))).collect()
     });
     let mut out = Vec::with_capacity(jobs.len());
     for p in parts {
