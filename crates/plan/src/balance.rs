@@ -55,9 +55,6 @@ fn pairs_of(holders: &[Vec<usize>]) -> Vec<(u32, u32)> {
 /// [`min_max_load`] for replicas given as (expert, bin) pairs, every bin below `bins` and every
 /// expert below `loads.len()` (a placement's slots, without a list per expert).
 pub(crate) fn min_max_load_of_pairs(pairs: &[(u32, u32)], loads: &[f64], bins: usize) -> Result<LoadBalance, PlanError> {
-    if bins == 0 {
-        return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));
-    }
     min_max_load_on(&Bipartite::of_pairs(pairs, loads.len(), bins), loads)
 }
 
@@ -67,12 +64,7 @@ pub(crate) fn min_max_load_on(graph: &Bipartite, loads: &[f64]) -> Result<LoadBa
     if graph.bins == 0 {
         return Err(PlanError::invalid("bins", 0, "at least one bin is needed"));
     }
-    if loads.len() != graph.experts {
-        return Err(PlanError::Length { field: "loads", got: loads.len(), expected: graph.experts });
-    }
-    if let Some((e, x)) = loads.iter().enumerate().find(|(_, x)| !x.is_finite() || **x < 0.0) {
-        return Err(PlanError::invalid("loads", format!("{x} (expert {e})"), "loads must be finite and ≥ 0"));
-    }
+    crate::placement::validate_loads(loads, graph.experts)?;
     if let Some(e) = (0..loads.len()).find(|&e| loads[e] > 0.0 && graph.degree(e) == 0) {
         return Err(PlanError::invalid("placement", format!("expert {e}"), "an expert with tokens has no replica"));
     }
