@@ -103,8 +103,14 @@ pub struct ModelConfig {
     /// An MoE feed-forward in every `moe_every`-th block (1 = every block, 2 = every other,
     /// starting with block 0); the others have a dense FFN.
     pub moe_every: usize,
-    /// Switch-style load-balancing loss coefficient.
+    /// Switch-style load-balancing loss coefficient (in the loss when `balance` is aux or both).
     pub aux_loss_coef: f64,
+    /// How the routed experts' loads are kept even: the auxiliary loss, DeepSeek-V3's
+    /// loss-free routing bias, or both.
+    pub balance: Balance,
+    /// γ of the loss-free bias: how far each expert's routing bias moves after a step, up for
+    /// an expert below the mean load, down for one above (DeepSeek-V3 uses 0.001).
+    pub bias_update_rate: f64,
     /// Tokens an expert may take per step, as a multiple of the even share N·k/E; `None` =
     /// dropless (`"off"` in a TOML file).
     #[serde(deserialize_with = "number_or_off", serialize_with = "off_when_none")]
@@ -135,9 +141,40 @@ impl Default for ModelConfig {
             ffn_bias: true,
             moe_every: 1,
             aux_loss_coef: 0.01,
+            balance: Balance::Aux,
+            bias_update_rate: 0.001,
             capacity_factor: None,
             init_std: 0.02,
         }
+    }
+}
+
+/// How an MoE layer's loads are kept even ([`ModelConfig::balance`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Balance {
+    /// Switch Transformer's auxiliary loss, weighted by `aux_loss_coef`, added to the loss.
+    #[default]
+    Aux,
+    /// DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free
+    /// Load Balancing Strategy for Mixture-of-Experts"): a bias per expert, added to the router's
+    /// scores only to choose the top-k (the weights stay the router's), and moved after each
+    /// step by `bias_update_rate` toward the mean load. No gradient interferes with the language
+    /// loss; the auxiliary loss is reported but not trained on.
+    Bias,
+    /// The bias, and the auxiliary loss in the loss.
+    Both,
+}
+
+impl Balance {
+    /// Whether the auxiliary loss is part of what is differentiated.
+    pub fn uses_aux(self) -> bool {
+        matches!(self, Balance::Aux | Balance::Both)
+    }
+
+    /// Whether each MoE layer keeps a routing bias.
+    pub fn uses_bias(self) -> bool {
+        matches!(self, Balance::Bias | Balance::Both)
     }
 }
 
@@ -315,6 +352,9 @@ impl ModelConfig {
         if !self.aux_loss_coef.is_finite() || self.aux_loss_coef < 0.0 {
             return Err(ModelError::config("aux_loss_coef", self.aux_loss_coef, "must be finite and ≥ 0"));
         }
+        if !self.bias_update_rate.is_finite() || !(0.0..=1.0).contains(&self.bias_update_rate) {
+            return Err(ModelError::config("bias_update_rate", self.bias_update_rate, "must be between 0 and 1"));
+        }
         if let Some(cf) = self.capacity_factor {
             if !cf.is_finite() || cf <= 0.0 {
                 return Err(ModelError::config("capacity_factor", cf, "must be finite and > 0"));
@@ -324,6 +364,16 @@ impl ModelConfig {
             return Err(ModelError::config("init_std", self.init_std, "must be finite and > 0"));
         }
         Ok(())
+    }
+
+    /// The auxiliary loss's weight in what is differentiated: `aux_loss_coef` where `balance`
+    /// trains on it, else 0 (it is still reported).
+    pub fn aux_weight(&self) -> f64 {
+        if self.balance.uses_aux() {
+            self.aux_loss_coef
+        } else {
+            0.0
+        }
     }
 
     /// Whether block `i` has an MoE feed-forward.

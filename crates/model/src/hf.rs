@@ -72,6 +72,18 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
     if let Some((field, why)) = mixtral_mismatch(cfg) {
         return Err(ModelError::config(field, why, "not a Mixtral model: no Hugging Face export"));
     }
+    // (Read in, a Mixtral starts the bias at zero: fine-tuning it with loss-free balancing is
+    // fine; written out, transformers' Mixtral would route without it.)
+    if cfg.balance.uses_bias() {
+        return Err(ModelError::config(
+            "balance",
+            format!("{:?}", cfg.balance).to_lowercase(),
+            format!(
+                "Mixtral's router has no routing bias: transformers would choose other experts than this model ({} aux trains without one)",
+                Setting::Balance
+            ),
+        ));
+    }
     Ok(json!({
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -131,6 +143,8 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                     }
                     ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
                     ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.gate.weight")),
+                    // The loss-free balancing's bias: Mixtral has none (it starts at zero).
+                    ["moe", "gate", "bias"] => continue,
                     ["moe", "experts", e, "fc1", "w"] => {
                         Layout::Columns(["w1", "w3"].iter().map(|x| format!("{p}.block_sparse_moe.experts.{e}.{x}.weight")).collect())
                     }
@@ -528,6 +542,13 @@ mod tests {
         assert!(export(&dense, &dir).unwrap_err().to_string().contains("moe_every"));
         assert!(!dir.exists());
         assert!(set_weights(&dense, &tensors, &dir).unwrap_err().to_string().contains("moe_every"));
+        // A Mixtral fine-tuned with loss-free balancing takes every weight; its bias starts at
+        // zero (transformers' Mixtral has none), and it is not written back as a Mixtral.
+        let biased = MoeModel::new(&ModelConfig { balance: crate::config::Balance::Bias, ..cfg }, 4, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&biased, &tensors, &dir).unwrap();
+        assert_eq!(biased.route_bias(1).unwrap().unwrap().as_tensor().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
+        assert_eq!(biased.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap(), m.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap());
+        assert!(export(&biased, &dir).unwrap_err().to_string().contains("balance"));
     }
 
     /// The fused expert layout of newer transformers reads as the legacy one.
@@ -572,6 +593,7 @@ mod tests {
             (ModelConfig { ffn_bias: true, ..tiny() }, "ffn_bias"),
             (ModelConfig { normalize_top_k: false, ..tiny() }, "top_k"),
             (ModelConfig { top_k: 1, ..tiny() }, "top_k"),
+            (ModelConfig { balance: crate::config::Balance::Both, ..tiny() }, "balance"),
         ];
         for (cfg, field) in cases {
             let e = config_json(&cfg).unwrap_err().to_string();

@@ -32,6 +32,40 @@ pub fn top_k_rows(probs: &[f64], width: usize, k: usize) -> Vec<usize> {
     probs.par_chunks(width.max(1)).with_min_len(256).flat_map_iter(|row| top_k(row, k)).collect()
 }
 
+/// [`top_k_rows`] of the scores plus each expert's routing bias (`bias`, one per expert) when
+/// there is one: the loss-free balancing's choice (the bias picks the experts, the weights stay
+/// the router's, [`combine_weights`]). The one home of this rule: the single-process layer and
+/// the distributed one both choose by it.
+pub fn top_k_rows_biased(probs: &[f64], width: usize, k: usize, bias: Option<&[f64]>) -> Vec<usize> {
+    match bias {
+        Some(b) if b.len() == width && b.iter().any(|&x| x != 0.0) => {
+            let biased: Vec<f64> = probs.chunks(width.max(1)).flat_map(|row| row.iter().zip(b).map(|(p, x)| p + x)).collect();
+            top_k_rows(&biased, width, k)
+        }
+        _ => top_k_rows(probs, width, k),
+    }
+}
+
+/// DeepSeek-V3's bias update after a step (Wang et al. 2024): each expert's bias moves by
+/// `rate` toward the mean load, b_e += rate · sign(mean − load_e), from the step's loads over
+/// the whole global batch (so every process that saw them moves the same bias the same way).
+/// A step with no tokens leaves it as it is.
+pub fn update_route_bias(bias: &mut [f64], load: &[u64], rate: f64) {
+    let total: u64 = load.iter().sum();
+    if total == 0 || bias.len() != load.len() {
+        return;
+    }
+    let mean = total as f64 / load.len() as f64;
+    for (b, &l) in bias.iter_mut().zip(load) {
+        let l = l as f64;
+        if l < mean {
+            *b += rate;
+        } else if l > mean {
+            *b -= rate;
+        }
+    }
+}
+
 /// Trace-driven routing (as in the paper's experiments): assign `n` tokens k experts each so
 /// that the number of assignments of each expert follows `loads` (apportioned by largest
 /// remainder, at most `n` per expert so no token gets an expert twice). Returns n·k expert ids,
@@ -115,5 +149,26 @@ mod tests {
         }
         assert!(assign_from_loads(&[1.0, f64::NAN], 4, 1).is_err());
         assert!(assign_from_loads(&[1.0], 4, 2).is_err());
+    }
+}
+
+#[cfg(test)]
+mod bias_tests {
+    use super::*;
+
+    #[test]
+    fn the_bias_moves_toward_the_mean_and_only_picks() {
+        let mut bias = vec![0.0; 4];
+        // Mean 3: expert 0 over, 1 and 2 under, 3 at the mean.
+        update_route_bias(&mut bias, &[6, 2, 1, 3], 0.5);
+        assert_eq!(bias, vec![-0.5, 0.5, 0.5, 0.0]);
+        update_route_bias(&mut bias, &[0, 0, 0, 0], 0.5);
+        assert_eq!(bias, vec![-0.5, 0.5, 0.5, 0.0], "a step without tokens changes nothing");
+        // Two tokens over four experts: the bias turns token 0's choice from expert 0 to 1, token
+        // 1's from 3 to 2.
+        let probs = [0.4, 0.3, 0.2, 0.1, 0.1, 0.2, 0.3, 0.4];
+        assert_eq!(top_k_rows_biased(&probs, 4, 1, None), vec![0, 3]);
+        assert_eq!(top_k_rows_biased(&probs, 4, 1, Some(&bias)), vec![1, 2]);
+        assert_eq!(top_k_rows_biased(&probs, 4, 2, Some(&[0.0; 4])), top_k_rows(&probs, 4, 2));
     }
 }

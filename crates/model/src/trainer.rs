@@ -362,6 +362,11 @@ impl Trainer {
             let scale = clip_scale(norm, self.config.grad_clip);
             self.optimizer.step_with_copies(self.model.params(), &grads, lr, scale, self.model.working_copies())?;
         }
+        // The loss-free balancing's bias follows the loads this step routed (not a trace's).
+        if forced.is_none() {
+            let loads: Vec<Vec<u64>> = out.moe.iter().map(|m| m.load.clone()).collect();
+            self.model.update_route_biases(&loads)?;
+        }
         self.step += 1;
         let scalar = |x: &Tensor| -> Result<f64> { Ok(x.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
         let report = StepReport {

@@ -61,6 +61,58 @@ fn checkpoint_then_resume_gives_the_identical_next_step() {
     }
 }
 
+/// Loss-free balancing (`balance = bias`): the routing bias moves with the loads of the steps
+/// that trained (toward the mean: the busiest expert's goes down), the auxiliary loss is left
+/// out of the loss, and a checkpoint keeps the bias, so the resumed run routes as the first one.
+#[test]
+fn the_routing_bias_follows_the_loads_and_a_resume_keeps_it() {
+    use lazarus_model::config::Balance;
+    let config = |balance| {
+        let mut c = small();
+        c.model.balance = balance;
+        c.model.bias_update_rate = 0.01;
+        c
+    };
+    let dir = temp_dir("route-bias");
+    let mut a = Trainer::new(config(Balance::Bias)).unwrap();
+    let bias = |t: &Trainer, l: usize| -> Vec<f32> { t.model.route_bias(l).unwrap().unwrap().as_tensor().to_vec1().unwrap() };
+    assert_eq!(bias(&a, 0), vec![0.0; 4], "the choice starts as the router's own");
+    let first = a.step().unwrap();
+    for (l, load) in first.expert_load.iter().enumerate() {
+        let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
+        let expected: Vec<f32> = load
+            .iter()
+            .map(|&x| {
+                if (x as f64) < mean {
+                    0.01
+                } else if (x as f64) > mean {
+                    -0.01
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        assert_eq!(bias(&a, l), expected, "layer {l}: loads {load:?}");
+    }
+    // The loss differentiated is the language model's alone: an aux-trained model's first
+    // step reports the same losses but moves the router otherwise.
+    let mut aux = Trainer::new(config(Balance::Aux)).unwrap();
+    let aux_first = aux.step().unwrap();
+    assert_eq!((first.loss.to_bits(), first.aux_loss.to_bits()), (aux_first.loss.to_bits(), aux_first.aux_loss.to_bits()));
+    let gate = |t: &Trainer| -> Vec<f32> { t.model.gate(0).unwrap().as_tensor().flatten_all().unwrap().to_vec1().unwrap() };
+    assert_ne!(gate(&a), gate(&aux), "the auxiliary loss's gradient reached the router of the bias run");
+    a.step().unwrap();
+    a.save_checkpoint(&dir).unwrap();
+    let next_a = a.step().unwrap();
+    let mut b = Trainer::resume(&dir, None).unwrap();
+    assert_eq!(b.config.model.balance, Balance::Bias);
+    let next_b = b.step().unwrap();
+    assert_eq!(next_a.expert_load, next_b.expert_load);
+    assert_eq!(next_a.loss.to_bits(), next_b.loss.to_bits());
+    assert_eq!(bias(&a, 1), bias(&b, 1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one() {
     let (dir, mut t, first) = saved_after_a_step("corrupt");

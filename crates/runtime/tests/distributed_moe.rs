@@ -115,6 +115,7 @@ fn run_rank(
     }
     let moe = DistributedMoe {
         gate: var(&w.gate, &[D, E]),
+        route_bias: None,
         experts,
         replicas: replicas.to_vec(),
         top_k: K,
@@ -259,6 +260,7 @@ fn static_mode_rejects_replicated_experts() {
     let mut t = LocalTransport::new(1);
     let moe = DistributedMoe {
         gate: var(&w.gate, &[D, E]),
+        route_bias: None,
         experts: (0..E).map(|e| (e, expert_vars(&w.experts[e]))).collect(),
         replicas: vec![vec![2]; E],
         top_k: K,

@@ -2,8 +2,8 @@
 //! and 4 workers (loopback TCP, one thread per rank) with uneven replica placements reproduce the
 //! single-process trainer's per-step loss within 1e-4 relative over 20 steps, and its final
 //! parameters within 1e-4; so do 1 and 4 workers with Mixtral's blocks, top-4 of 16 experts and a
-//! shared expert; a checkpoint the workers write resumes in the single-process trainer with the
-//! same parameters.
+//! shared expert; so do 1 and 3 workers with loss-free balancing's routing bias; a checkpoint
+//! the workers write resumes in the single-process trainer with the same parameters.
 
 mod common;
 
@@ -166,6 +166,26 @@ fn one_to_four_workers_reproduce_the_single_process_trainer() {
     }
     let run = distributed(3, uneven(3, layers, 4), DispatchMode::Balanced, None);
     assert_matches(&run, &reference, "3 workers, rank-balanced dispatch");
+}
+
+/// Loss-free balancing: each rank routes its share by the same bias and moves it by the step's
+/// global loads, so 1 and 3 workers keep the single process's bias (a dense tensor every rank
+/// holds) and its losses.
+#[test]
+fn loss_free_balancing_on_workers_reproduces_the_single_process_trainer() {
+    let mut c = config();
+    c.model.balance = lazarus_model::config::Balance::Bias;
+    c.model.bias_update_rate = 0.01;
+    let reference = single(c.clone());
+    let bias = &reference.1["blocks.0.moe.gate.bias"];
+    assert!(bias.iter().any(|&b| b != 0.0), "the bias moved: {bias:?}");
+    let layers = c.model.moe_layers();
+    for world in [1, 3] {
+        let run = distributed_with(c.clone(), world, uneven(world, layers, 4), DispatchMode::Flexible, None);
+        assert_matches(&run, &reference, &format!("loss-free balancing on {world} workers"));
+    }
+    let run = distributed_with(c.clone(), 3, uneven(3, layers, 4), DispatchMode::Deterministic, None);
+    assert_matches(&run, &reference, "loss-free balancing on 3 workers, deterministic");
 }
 
 #[test]

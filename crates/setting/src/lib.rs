@@ -56,6 +56,7 @@ settings! {
     ExpertAct => "expert_act",
     AttnBias => "attn_bias",
     FfnBias => "ffn_bias",
+    Balance => "balance",
     // The controller and its endpoints.
     Controller => "controller",
     Listen => "listen",

@@ -305,6 +305,7 @@ fn set_up_cases(spec: &MoeLayerBenchSpec, rank: usize, ranks: usize) -> Result<V
             (0..e_count).filter(|&e| replicas[e][rank] > 0).map(|e| (e, all_experts[e].clone())).collect();
         let layer = DistributedMoe {
             gate: gate.clone(),
+            route_bias: None,
             experts,
             replicas: replicas.clone(),
             top_k: spec.top_k,

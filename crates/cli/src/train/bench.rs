@@ -198,6 +198,7 @@ fn torch_mismatch(config: &TrainConfig) -> Option<String> {
         (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
         (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
         (m.aux_loss_coef == 0.01, format!("aux loss coefficient {} (the peer uses 0.01)", m.aux_loss_coef)),
+        (m.balance == lazarus_model::config::Balance::Aux, "loss-free balancing (the peer trains on the auxiliary loss)".to_string()),
     ];
     checks.into_iter().find(|(ok, _)| !ok).map(|(_, why)| format!("the PyTorch peer cannot match {why}"))
 }

@@ -44,7 +44,7 @@ pub fn print_banner(trainer: &Trainer, how: &str, device: &str) {
     let params = trainer.model.params().num_elements();
     let expert_params = cfg.model.expert_params() * cfg.model.n_experts * cfg.model.moe_layers();
     tracing::info!(
-        "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}; {}), data {}, {} steps of {} x {} tokens",
+        "lazarus train ({how}, {}, {}): {:.2}M parameters ({:.2}M in {} experts x {} MoE layers, top-{}{}; {}), data {}, {} steps of {} x {} tokens",
         device,
         match cfg.dtype {
             lazarus_model::Precision::F32 => "f32",
@@ -55,6 +55,11 @@ pub fn print_banner(trainer: &Trainer, how: &str, device: &str) {
         cfg.model.n_experts,
         cfg.model.moe_layers(),
         cfg.model.top_k,
+        match cfg.model.balance {
+            lazarus_model::config::Balance::Aux => String::new(),
+            lazarus_model::config::Balance::Bias => format!(", loss-free routing bias γ={}", cfg.model.bias_update_rate),
+            lazarus_model::config::Balance::Both => format!(", loss-free routing bias γ={} and aux loss", cfg.model.bias_update_rate),
+        },
         cfg.model.describe_blocks(),
         cfg.data.describe(),
         cfg.steps,

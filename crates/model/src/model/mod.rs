@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::config::{Activation, ModelConfig, NormKind, Positions};
 use crate::error::{ModelError, Result};
 use crate::params::{Init, ParamStore};
-use crate::routing::{assign_from_loads, top_k_rows};
+use crate::routing::assign_from_loads;
 
 mod moe_layer;
 
@@ -177,7 +177,8 @@ pub struct ForwardOutput {
     pub ce_loss: Tensor,
     /// Mean over MoE layers of the load-balancing loss.
     pub aux_loss: Tensor,
-    /// ce_loss + aux_loss_coef · aux_loss: what [`ForwardOutput::backward`] differentiates.
+    /// ce_loss + aux_weight · aux_loss ([`ModelConfig::aux_weight`]): what
+    /// [`ForwardOutput::backward`] differentiates.
     pub loss: Tensor,
     /// Per MoE layer.
     pub moe: Vec<MoeStats>,
@@ -254,6 +255,11 @@ impl MoeModel {
             let ff = if cfg.is_moe(b) {
                 moe_blocks.push(b);
                 let gate = ps.add(format!("{p}.moe.gate.w"), init.normal(&[d, cfg.n_experts], std)?)?;
+                // (Zero at first: the choice starts as the router's own.)
+                let route_bias = match cfg.balance.uses_bias() {
+                    true => Some(ps.add(format!("{p}.moe.gate.bias"), init.constant(&[cfg.n_experts], 0.0)?)?),
+                    false => None,
+                };
                 let experts = (0..cfg.n_experts)
                     .map(|e| Ffn::new(&mut ps, &mut init, &format!("{p}.moe.experts.{e}"), &cfg, cfg.d_ff))
                     .collect::<Result<Vec<_>>>()?;
@@ -263,6 +269,7 @@ impl MoeModel {
                 };
                 FeedForward::Moe(MoeLayer {
                     gate,
+                    route_bias,
                     experts,
                     shared,
                     top_k: cfg.top_k,
@@ -459,6 +466,14 @@ impl MoeModel {
         }
     }
 
+    /// The routing bias of MoE layer `layer` (None without loss-free balancing).
+    pub fn route_bias(&self, layer: usize) -> Result<Option<&Var>> {
+        match self.moe_blocks.get(layer).map(|&b| &self.blocks[b].ff) {
+            Some(FeedForward::Moe(m)) => Ok(m.route_bias.as_ref()),
+            _ => Err(ModelError::config("moe layer", layer, format!("the model has {} MoE layers", self.moe_blocks.len()))),
+        }
+    }
+
     /// The tensors of one expert of MoE layer `layer`, in [`MoeModel::expert_param_names`]
     /// order: (W1, b1, W2, b2), or (W1, W2) without FFN biases.
     pub fn expert_vars(&self, layer: usize, expert: usize) -> Result<Vec<Var>> {
@@ -548,6 +563,24 @@ impl MoeModel {
     }
 
     /// Block index of each MoE layer.
+    /// The loss-free balancing's step ([`crate::routing::update_route_bias`]): each MoE layer's
+    /// routing bias moved toward its mean load, `loads` one list per MoE layer (the step's whole
+    /// global batch). Nothing without the bias.
+    pub fn update_route_biases(&self, loads: &[Vec<u64>]) -> Result<()> {
+        let rate = self.config.bias_update_rate;
+        let layers = self.blocks.iter().filter_map(|b| match &b.ff {
+            FeedForward::Moe(m) => Some(m),
+            FeedForward::Dense(_) => None,
+        });
+        for (m, load) in layers.zip(loads) {
+            let Some(var) = &m.route_bias else { continue };
+            let mut bias: Vec<f64> = var.as_tensor().to_dtype(DType::F64)?.to_vec1()?;
+            crate::routing::update_route_bias(&mut bias, load, rate);
+            var.set(&Tensor::from_vec(bias, load.len(), var.device())?.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
+    }
+
     pub fn moe_blocks(&self) -> &[usize] {
         &self.moe_blocks
     }
@@ -616,7 +649,7 @@ impl MoeModel {
             Some(a) => (a / moe.len() as f64)?,
             None => Tensor::zeros((), self.dtype, &self.device)?,
         };
-        let loss = (&ce_loss + (&aux_loss * cfg.aux_loss_coef)?)?;
+        let loss = (&ce_loss + (&aux_loss * cfg.aux_weight())?)?;
         Ok(ForwardOutput { ce_loss, aux_loss, loss, moe, logits, expert_grads })
     }
 }

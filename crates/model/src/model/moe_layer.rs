@@ -7,6 +7,10 @@ use super::*;
 /// Router plus experts of one MoE layer.
 pub struct MoeLayer {
     pub(super) gate: Var,
+    /// The loss-free balancing's bias per expert [E] (None without it): added to the router's
+    /// probabilities to choose the top-k, moved by [`MoeModel::update_route_biases`], never by a
+    /// gradient.
+    pub(super) route_bias: Option<Var>,
     pub experts: Vec<Ffn>,
     /// The always-on shared experts, as one FFN (None without).
     pub(super) shared: Option<Ffn>,
@@ -60,7 +64,10 @@ impl MoeLayer {
         let k = self.top_k;
         let choices: Vec<usize> = match forced {
             Some(loads) => assign_from_loads(loads, n, k)?,
-            None => top_k_rows(host, e_count, k),
+            None => {
+                let bias: Option<Vec<f64>> = self.route_bias.as_ref().map(|b| b.as_tensor().to_dtype(DType::F64)?.to_vec1()).transpose()?;
+                crate::routing::top_k_rows_biased(host, e_count, k, bias.as_deref())
+            }
         };
         let mut load = vec![0u64; e_count];
         choices.iter().for_each(|&c| load[c] += 1);

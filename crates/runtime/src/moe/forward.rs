@@ -4,7 +4,6 @@ use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
 use lazarus_model::ops::softmax_last;
 use lazarus_model::profile;
-use lazarus_model::routing::top_k;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
 use super::distinct::{add_by_token, decode_dispatch, decode_exact, sum_by_token, Arrival};
@@ -187,7 +186,10 @@ impl DistributedMoe {
                 c.to_vec()
             }
             None => {
-                let mut c: Vec<u32> = host.iter().flat_map(|row| top_k(row, k)).map(|c| c as u32).collect();
+                let bias: Option<Vec<f64>> = self.route_bias.as_ref().map(|b| b.as_tensor().to_dtype(DType::F64)?.to_vec1()).transpose()?;
+                let flat: Vec<f64> = host.concat();
+                let mut c: Vec<u32> =
+                    lazarus_model::routing::top_k_rows_biased(&flat, e_count, k, bias.as_deref()).into_iter().map(|c| c as u32).collect();
                 super::catch_up::boost_choices(&host, &mut c, k, &self.catching_up, super::catch_up::CATCH_UP_FRACTION);
                 c
             }

@@ -226,6 +226,7 @@ fn build_layers(
         }
         layers.push(DistributedMoe {
             gate: model.gate(l)?.clone(),
+            route_bias: model.route_bias(l)?.cloned(),
             experts,
             replicas,
             top_k: mc.top_k,

@@ -327,7 +327,7 @@ impl Worker {
         };
         let mut g = leaf_grad(&store, last)?;
         let moe_layers = self.layers.len().max(1) as f64;
-        let aux_coef = model.config().aux_loss_coef / moe_layers * aux_weight;
+        let aux_coef = model.config().aux_weight() / moe_layers * aux_weight;
         let mut aux = 0.0f64;
         let mut expert_grads: BTreeMap<(usize, usize), Vec<Tensor>> = BTreeMap::new();
         let mut exact_experts: BTreeMap<(usize, usize), Vec<Vec<f32>>> = BTreeMap::new();
@@ -408,6 +408,9 @@ impl Worker {
         let _phase = lazarus_model::profile::phase("update");
         self.trainer.optimizer.step_tensors(&params, &pending.grads, pending.lr, pending.grad_scale, &[])?;
         drop(_phase);
+        // The loss-free balancing's bias follows the step's global loads: the same on every rank
+        // and as in one process over the same batch.
+        self.trainer.model.update_route_biases(&pending.report.report.expert_load)?;
         self.trainer.sampler.advance(pending.batch);
         self.trainer.step += 1;
         // Counted here, not in the snapshot round: a held step committed after a failure

@@ -98,7 +98,14 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
     if let Some(clash) = clash {
         bail!("--init-from: the model is the directory's, but {clash}");
     }
-    c.model = lazarus_model::ModelConfig { aux_loss_coef: c.model.aux_loss_coef, capacity_factor: c.model.capacity_factor, ..theirs };
+    // The training options are the run's: how it balances, its capacity.
+    c.model = lazarus_model::ModelConfig {
+        aux_loss_coef: c.model.aux_loss_coef,
+        capacity_factor: c.model.capacity_factor,
+        balance: c.model.balance,
+        bias_update_rate: c.model.bias_update_rate,
+        ..theirs
+    };
     if args.model.seq_len.is_none() {
         c.seq_len = c.seq_len.min(c.model.max_seq_len);
     }
@@ -230,12 +237,16 @@ pub(super) fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
          model.warmup_steps => warmup_steps, model.vocab_size => model.vocab_size, model.d_model => model.d_model, model.layers => model.n_layers,
          model.heads => model.n_heads, model.experts => model.n_experts, model.top_k => model.top_k, model.d_ff => model.d_ff,
          model.moe_every => model.moe_every, model.aux_loss_coef => model.aux_loss_coef, model.seed => seed,
+         model.bias_update_rate => model.bias_update_rate,
          checkpoint_every => checkpoint_every, keep_checkpoints => keep_checkpoints);
     if let Some(v) = &args.model.grad_clip {
         c.grad_clip = off_or("grad-clip", v)?;
     }
     if let Some(v) = &args.model.capacity_factor {
         c.model.capacity_factor = off_or("capacity-factor", v)?;
+    }
+    if let Some(v) = &args.model.balance {
+        c.model.balance = choice("balance", v, "aux, bias or both")?;
     }
     if let Some(p) = &args.model.routing_trace {
         c.routing_trace = Some(p.clone());

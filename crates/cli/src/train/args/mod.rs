@@ -111,6 +111,14 @@ pub struct ModelArgs {
     /// Weight of the load-balancing loss (Switch Transformer's auxiliary loss).
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) aux_loss_coef: Option<f64>,
+    /// How the experts' loads are kept even: aux (the auxiliary loss, the default), bias
+    /// (DeepSeek-V3's loss-free balancing: a routing bias per expert, moved toward the mean
+    /// load after each step, no auxiliary loss trained on) or both.
+    #[arg(long, value_name = "aux|bias|both")]
+    pub(crate) balance: Option<String>,
+    /// How far each expert's routing bias moves after a step (γ; with --balance bias or both).
+    #[arg(long, allow_hyphen_values = true)]
+    pub(crate) bias_update_rate: Option<f64>,
     /// Expert capacity as a multiple of the even share ("off" = dropless, the default).
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) capacity_factor: Option<String>,
@@ -500,6 +508,8 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("attn_bias", m.attn_bias.to_string()),
         ("ffn_bias", m.ffn_bias.to_string()),
         ("aux_loss_coef", word(m.aux_loss_coef)),
+        ("balance", word(m.balance)),
+        ("bias_update_rate", word(m.bias_update_rate)),
         ("capacity_factor", word(m.capacity_factor)),
         ("data", "synthetic".into()),
         ("data_format", "text".into()),

@@ -60,6 +60,11 @@ fn the_arch_preset_and_the_block_options_come_from_flags_and_the_file() {
         assert!(e.contains(named), "{e}");
     }
     assert!(format!("{:#}", parse(&["--top-k", "9"]).unwrap_err()).contains("top_k"));
+    let m = parse(&["--balance", "bias", "--bias-update-rate", "0.01"]).unwrap().model;
+    assert_eq!((m.balance, m.bias_update_rate), (lazarus_model::config::Balance::Bias, 0.01));
+    assert_eq!(parse(&[]).unwrap().model.balance, lazarus_model::config::Balance::Aux, "the auxiliary loss unless asked");
+    assert!(format!("{:#}", parse(&["--balance", "loss-free"]).unwrap_err()).contains("--balance: 'loss-free'"));
+    assert!(format!("{:#}", parse(&["--bias-update-rate", "-1"]).unwrap_err()).contains("bias_update_rate"));
     let dir = std::env::temp_dir().join(format!("lazarus-arch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("arch.toml");
