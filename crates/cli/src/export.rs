@@ -1,6 +1,7 @@
 //! `lazarus export --checkpoint DIR --format hf OUT`: a checkpoint's model as a Hugging Face
-//! directory (`config.json` + `model.safetensors` with transformers' `MixtralForCausalLM` names),
-//! for a model whose options are Mixtral's ([`lazarus_model::hf`]); a model that is not is refused,
+//! directory (`config.json` + `model.safetensors` with transformers' `MixtralForCausalLM` or
+//! `Qwen3MoeForCausalLM` names), for a model whose options are one of those families'
+//! ([`lazarus_model::hf::Family`]); a model that is not is refused,
 //! naming the first option that differs. The run's tokenizer, if it had one, is copied beside
 //! them.
 
@@ -15,7 +16,8 @@ pub struct ExportArgs {
     /// checkpoint's own directory.
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
-    /// The format written: hf (Hugging Face transformers, Mixtral).
+    /// The format written: hf (Hugging Face transformers: Mixtral, or Qwen3-MoE for a model with
+    /// query and key norms).
     #[arg(long, default_value = "hf", value_name = "hf")]
     format: String,
     /// The directory written (created; must not hold a config.json or model.safetensors).
@@ -41,9 +43,10 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
         }
     }
     crate::io::println(&format!(
-        "{} (step {step}): {:.2}M parameters written to {} as a Hugging Face Mixtral model (config.json, model.safetensors{note})",
+        "{} (step {step}): {:.2}M parameters written to {} as a Hugging Face {} model (config.json, model.safetensors{note})",
         args.checkpoint.display(),
         model.params().num_elements() as f64 / 1e6,
-        args.out.display()
+        args.out.display(),
+        lazarus_model::hf::Family::of(model.config()).name()
     ))
 }

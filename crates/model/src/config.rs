@@ -98,6 +98,10 @@ pub struct ModelConfig {
     pub expert_act: Activation,
     /// Biases on the attention's projections.
     pub attn_bias: bool,
+    /// An RMSNorm over each head's queries and keys before the rotary positions (Qwen3-MoE,
+    /// OLMoE): two weights of the head's width, shared by the heads. It keeps the attention
+    /// logits' scale in check as the model grows.
+    pub qk_norm: bool,
     /// Biases on the FFNs (experts, shared experts, dense blocks).
     pub ffn_bias: bool,
     /// An MoE feed-forward in every `moe_every`-th block (1 = every block, 2 = every other,
@@ -138,6 +142,7 @@ impl Default for ModelConfig {
             rope_theta: 10_000.0,
             expert_act: Activation::Gelu,
             attn_bias: true,
+            qk_norm: false,
             ffn_bias: true,
             moe_every: 1,
             aux_loss_coef: 0.01,
@@ -186,6 +191,9 @@ pub enum Arch {
     Gpt,
     /// Mixtral's blocks: see [`ModelConfig::mixtral`].
     Mixtral,
+    /// Qwen3-MoE's blocks: see [`ModelConfig::qwen_moe`].
+    #[serde(rename = "qwen-moe")]
+    QwenMoe,
 }
 
 impl std::str::FromStr for Arch {
@@ -194,7 +202,8 @@ impl std::str::FromStr for Arch {
         match s {
             "gpt" => Ok(Arch::Gpt),
             "mixtral" => Ok(Arch::Mixtral),
-            other => Err(format!("unknown architecture {other:?}: expected gpt or mixtral")),
+            "qwen-moe" => Ok(Arch::QwenMoe),
+            other => Err(format!("unknown architecture {other:?}: expected gpt, mixtral or qwen-moe")),
         }
     }
 }
@@ -232,8 +241,15 @@ impl ModelConfig {
             normalize_top_k: true,
             shared_experts: 0,
             moe_every: 1,
+            qk_norm: false,
             ..self
         }
+    }
+
+    /// Qwen3-MoE's block options on this shape: Mixtral's, with an RMSNorm on each head's
+    /// queries and keys (Qwen3-30B-A3B also renormalises its top-8 weights, `norm_topk_prob`).
+    pub fn qwen_moe(self) -> Self {
+        ModelConfig { qk_norm: true, ..self.mixtral() }
     }
 
     /// This shape with the options of `arch`.
@@ -250,10 +266,12 @@ impl ModelConfig {
                     ffn_bias: d.ffn_bias,
                     normalize_top_k: d.normalize_top_k,
                     shared_experts: d.shared_experts,
+                    qk_norm: d.qk_norm,
                     ..self
                 }
             }
             Arch::Mixtral => self.mixtral(),
+            Arch::QwenMoe => self.qwen_moe(),
         }
     }
 
@@ -275,6 +293,9 @@ impl ModelConfig {
             (false, true) => parts.push("no attention biases".to_string()),
             (true, false) => parts.push("no FFN biases".to_string()),
             (true, true) => {}
+        }
+        if self.qk_norm {
+            parts.push("q/k norms".to_string());
         }
         if !self.normalize_top_k && self.top_k > 1 {
             parts.push("top-k weights unnormalised".to_string());

@@ -1,15 +1,17 @@
-//! Hugging Face interop for models with Mixtral's blocks: a directory of `config.json` and
-//! `model.safetensors` with transformers' `MixtralForCausalLM` parameter names, written from a
-//! model ([`export`]) and read into one ([`load`], [`set_weights`]).
+//! Hugging Face interop for models with Mixtral's or Qwen3-MoE's blocks ([`Family`]): a
+//! directory of `config.json` and `model.safetensors` with transformers' `MixtralForCausalLM` or
+//! `Qwen3MoeForCausalLM` parameter names, written from a model ([`export`]) and read into one
+//! ([`load`], [`set_weights`]).
 //!
 //! The tensors differ from ours only in layout: a transformers `Linear` holds its weight as
 //! [out, in] where ours is [in, out]; our packed attention projection [d, 3d] is their q, k and v
 //! projections side by side; our SwiGLU expert's first weight [d, 2f] is their `w1` (the gate)
-//! and `w3` (the up projection) side by side, and `w2` is the down projection. Rotary positions
+//! and `w3` (the up projection) side by side, and `w2` is the down projection (Qwen3-MoE's
+//! `gate_proj`, `up_proj`, `down_proj` under `mlp.`, with `q_norm` and `k_norm`). Rotary positions
 //! pair dimension i of a head with i + head/2, as their `rotate_half` does, so the weights apply
 //! unchanged. A model whose options are not Mixtral's (LayerNorm, learned positions, GELU,
 //! biases, shared experts, un-normalised top-k, dense blocks, a capacity factor) has no such
-//! directory: [`mixtral_mismatch`] names the first option that differs.
+//! directory: [`family_mismatch`] names the first option that differs.
 //!
 //! Reading accepts the legacy per-expert names (`block_sparse_moe.experts.{e}.w1`) and the fused
 //! ones of newer transformers (`mlp.experts.gate_up_proj` [E, 2f, d], `mlp.experts.down_proj`
@@ -43,50 +45,98 @@ const MAX_INDEX_BYTES: u64 = 16 << 20;
 /// Tensors transformers once saved that are buffers, not weights: read past.
 const BUFFERS: [&str; 1] = ["rotary_emb.inv_freq"];
 
-/// The first option of `cfg` that Mixtral does not have, as (field, what it would need).
-pub fn mixtral_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+/// The transformers families a model goes to and from: Mixtral, or Qwen3-MoE (Mixtral's blocks
+/// with query and key norms, top-k weights renormalised or not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Mixtral,
+    Qwen3Moe,
+}
+
+impl Family {
+    /// The family of a model's options: Qwen3-MoE's when it has query and key norms.
+    pub fn of(cfg: &ModelConfig) -> Family {
+        if cfg.qk_norm {
+            Family::Qwen3Moe
+        } else {
+            Family::Mixtral
+        }
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Mixtral => "Mixtral",
+            Family::Qwen3Moe => "Qwen3-MoE",
+        }
+    }
+
+    /// transformers' `model_type`.
+    fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// Where an MoE block's router and experts are: `{p}.{moe}.gate.weight` and
+    /// `{p}.{moe}.experts.{e}.{gate, up, down}`.
+    fn moe_names(self) -> (&'static str, [&'static str; 3]) {
+        match self {
+            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            Family::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
+    }
+}
+
+/// The first option of `cfg` that its family ([`Family::of`]) does not have, as (field, what it
+/// would need).
+pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    let family = Family::of(cfg);
+    let name = family.name();
     let checks: [(bool, &'static str, String); 9] = [
-        (cfg.norm == NormKind::Rms, "norm", format!("Mixtral's norm is RMSNorm ({} rms)", Setting::Norm)),
-        (cfg.positions == Positions::Rope, "positions", format!("Mixtral has rotary positions ({} rope)", Setting::Positions)),
-        (cfg.expert_act == Activation::Swiglu, "expert_act", format!("Mixtral's experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
-        (!cfg.attn_bias, "attn_bias", format!("Mixtral's attention has no biases ({} false)", Setting::AttnBias)),
-        (!cfg.ffn_bias, "ffn_bias", format!("Mixtral's experts have no biases ({} false)", Setting::FfnBias)),
-        (cfg.shared_experts == 0, "shared_experts", format!("{}: Mixtral has no shared experts", cfg.shared_experts)),
-        (cfg.moe_every == 1, "moe_every", format!("{}: Mixtral has an MoE layer in every block", cfg.moe_every)),
+        (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
+        (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
+        (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
+        (!cfg.attn_bias, "attn_bias", format!("{name}'s attention has no biases ({} false)", Setting::AttnBias)),
+        (!cfg.ffn_bias, "ffn_bias", format!("{name}'s experts have no biases ({} false)", Setting::FfnBias)),
+        (cfg.shared_experts == 0, "shared_experts", format!("{}: {name} has no shared experts", cfg.shared_experts)),
+        (cfg.moe_every == 1, "moe_every", format!("{}: {name} has an MoE layer in every block", cfg.moe_every)),
         (
-            cfg.top_k > 1 && cfg.normalize_top_k,
+            family == Family::Qwen3Moe || (cfg.top_k > 1 && cfg.normalize_top_k),
             "top_k",
             format!(
-                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights",
+                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights (Qwen3-MoE, with query and key norms, to any)",
                 cfg.top_k,
                 if cfg.normalize_top_k { "" } else { " unnormalised" }
             ),
         ),
-        (cfg.capacity_factor.is_none(), "capacity_factor", "Mixtral is dropless".into()),
+        (cfg.capacity_factor.is_none(), "capacity_factor", format!("{name} is dropless")),
     ];
     checks.into_iter().find(|(ok, _, _)| !ok).map(|(_, field, why)| (field, why))
 }
 
-/// `config.json` of `cfg` as transformers' `MixtralConfig` (f32 weights).
+/// `config.json` of `cfg` as transformers' `MixtralConfig` or `Qwen3MoeConfig` (f32 weights).
 pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
-    if let Some((field, why)) = mixtral_mismatch(cfg) {
-        return Err(ModelError::config(field, why, "not a Mixtral model: no Hugging Face export"));
+    let family = Family::of(cfg);
+    if let Some((field, why)) = family_mismatch(cfg) {
+        return Err(ModelError::config(field, why, format!("not a {} model: no Hugging Face export", family.name())));
     }
-    // (Read in, a Mixtral starts the bias at zero: fine-tuning it with loss-free balancing is
-    // fine; written out, transformers' Mixtral would route without it.)
+    // (Read in, a model starts the bias at zero: fine-tuning it with loss-free balancing is
+    // fine; written out, transformers would route without it.)
     if cfg.balance.uses_bias() {
         return Err(ModelError::config(
             "balance",
             format!("{:?}", cfg.balance).to_lowercase(),
             format!(
-                "Mixtral's router has no routing bias: transformers would choose other experts than this model ({} aux trains without one)",
+                "{}'s router has no routing bias: transformers would choose other experts than this model ({} aux trains without one)",
+                family.name(),
                 Setting::Balance
             ),
         ));
     }
-    Ok(json!({
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
+    let mut v = json!({
+        "model_type": family.model_type(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -99,7 +149,6 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
         "rms_norm_eps": NORM_EPS,
         "rope_theta": cfg.rope_theta,
         "sliding_window": null,
-        "num_local_experts": cfg.n_experts,
         "num_experts_per_tok": cfg.top_k,
         "router_aux_loss_coef": cfg.aux_loss_coef,
         "output_router_logits": false,
@@ -108,7 +157,24 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
         "initializer_range": cfg.init_std,
         "torch_dtype": "float32",
         "use_cache": true,
-    }))
+    });
+    let extra = match family {
+        Family::Mixtral => json!({ "architectures": ["MixtralForCausalLM"], "num_local_experts": cfg.n_experts }),
+        Family::Qwen3Moe => json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": cfg.n_experts,
+            "moe_intermediate_size": cfg.d_ff,
+            "norm_topk_prob": cfg.normalize_top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": false,
+            "use_sliding_window": false,
+        }),
+    };
+    if let (Some(map), Value::Object(more)) = (v.as_object_mut(), extra) {
+        map.extend(more);
+    }
+    Ok(v)
 }
 
 /// How one of our tensors is one or more of theirs.
@@ -122,11 +188,13 @@ enum Layout {
 }
 
 /// Where each of our parameters is among transformers' (legacy names), in our order; an error
-/// for a model that is not Mixtral's (whose parameters would not all have a place).
+/// for a model of no family (whose parameters would not all have a place).
 fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
-    if let Some((field, why)) = mixtral_mismatch(model.config()) {
-        return Err(ModelError::config(field, why, "not a Mixtral model: no Hugging Face layout"));
+    let family = Family::of(model.config());
+    if let Some((field, why)) = family_mismatch(model.config()) {
+        return Err(ModelError::config(field, why, format!("not a {} model: no Hugging Face layout", family.name())));
     }
+    let (moe, [gate, up, down]) = family.moe_names();
     let mut out = Vec::new();
     for (name, _) in model.params().iter() {
         let theirs = match name.split('.').collect::<Vec<_>>().as_slice() {
@@ -142,13 +210,15 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                         Layout::Columns(["q", "k", "v"].iter().map(|x| format!("{p}.self_attn.{x}_proj.weight")).collect())
                     }
                     ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
-                    ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.gate.weight")),
-                    // The loss-free balancing's bias: Mixtral has none (it starts at zero).
+                    ["attn", "q_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_norm.weight")),
+                    ["attn", "k_norm", "w"] => Layout::Same(format!("{p}.self_attn.k_norm.weight")),
+                    ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.{moe}.gate.weight")),
+                    // The loss-free balancing's bias: these families have none (it starts at zero).
                     ["moe", "gate", "bias"] => continue,
                     ["moe", "experts", e, "fc1", "w"] => {
-                        Layout::Columns(["w1", "w3"].iter().map(|x| format!("{p}.block_sparse_moe.experts.{e}.{x}.weight")).collect())
+                        Layout::Columns([gate, up].iter().map(|x| format!("{p}.{moe}.experts.{e}.{x}.weight")).collect())
                     }
-                    ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.block_sparse_moe.experts.{e}.w2.weight")),
+                    ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.experts.{e}.{down}.weight")),
                     _ => return Err(unmapped(name)),
                 }
             }
@@ -160,7 +230,7 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
 }
 
 fn unmapped(name: &str) -> ModelError {
-    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral")
+    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral or Qwen3-MoE")
 }
 
 /// Write `model` (every expert held here) as a Hugging Face Mixtral directory in `dir`, which
@@ -244,9 +314,13 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| bad(field, "missing or not a whole number".into()))
     };
     let num = |field: &str| v.get(field).and_then(Value::as_f64);
-    match v.get("model_type").and_then(Value::as_str) {
-        Some("mixtral") => {}
-        other => return Err(bad("model_type", format!("{other:?}: only Mixtral checkpoints are read"))),
+    let family = match v.get("model_type").and_then(Value::as_str) {
+        Some("mixtral") => Family::Mixtral,
+        Some("qwen3_moe") => Family::Qwen3Moe,
+        other => return Err(bad("model_type", format!("{other:?}: only Mixtral and Qwen3-MoE checkpoints are read"))),
+    };
+    if family == Family::Qwen3Moe {
+        qwen3_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
     }
     let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
     // transformers' MixtralConfig has 8 key/value heads unless it says otherwise.
@@ -291,23 +365,51 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         n_layers: int("num_hidden_layers")?,
         n_heads: heads,
         max_seq_len: max_pos,
-        n_experts: int("num_local_experts")?,
+        // (Qwen3-MoE's files say num_experts; transformers 5 writes num_local_experts for both.)
+        n_experts: match family {
+            Family::Qwen3Moe if v.get("num_experts").is_some() => int("num_experts")?,
+            _ => int("num_local_experts")?,
+        },
         top_k: int("num_experts_per_tok")?,
-        d_ff: int("intermediate_size")?,
-        // transformers' MixtralConfig default when the file does not say.
+        d_ff: int(if family == Family::Qwen3Moe { "moe_intermediate_size" } else { "intermediate_size" })?,
+        // transformers' MixtralConfig and Qwen3MoeConfig default when the file does not say.
         aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.001),
         init_std: num("initializer_range").unwrap_or(0.02),
         rope_theta: theta,
-        ..ModelConfig::default().mixtral()
+        ..match family {
+            Family::Mixtral => ModelConfig::default().mixtral(),
+            Family::Qwen3Moe => ModelConfig {
+                normalize_top_k: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+                ..ModelConfig::default().qwen_moe()
+            },
+        }
     };
     cfg.validate().map_err(|e| bad("config", e.to_string()))?;
-    if let Some((field, why)) = mixtral_mismatch(&cfg) {
+    if let Some((field, why)) = family_mismatch(&cfg) {
         return Err(bad(field, why));
     }
     Ok(cfg)
 }
 
-/// Our configuration of the Mixtral model in `dir` (its `config.json`).
+/// What a Qwen3-MoE `config.json` may say beyond Mixtral's fields: an MoE layer in every block,
+/// no attention biases, no sliding window; else (field, why).
+fn qwen3_moe_supported(v: &Value) -> std::result::Result<(), (&'static str, String)> {
+    if let Some(step) = v.get("decoder_sparse_step").and_then(Value::as_u64).filter(|&s| s != 1) {
+        return Err(("decoder_sparse_step", format!("{step}: only an MoE layer in every block is supported")));
+    }
+    if v.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|l| !l.is_empty()) {
+        return Err(("mlp_only_layers", "dense blocks among the MoE ones are not supported".into()));
+    }
+    if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(("attention_bias", "true: attention biases are not supported".into()));
+    }
+    if v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        return Err(("use_sliding_window", "true: sliding-window attention is not supported".into()));
+    }
+    Ok(())
+}
+
+/// Our configuration of the Mixtral or Qwen3-MoE model in `dir` (its `config.json`).
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let config_path = dir.join(CONFIG_FILE);
     let len = std::fs::metadata(&config_path).map_err(|e| ModelError::io(&config_path, e))?.len();
@@ -459,7 +561,7 @@ fn refuse_non_finite(tensors: &HashMap<String, Tensor>, dir: &Path) -> Result<()
 fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<(String, Result<Tensor>)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (b, rest) = rest.split_once('.')?;
-    let moe = rest.strip_prefix("block_sparse_moe.")?;
+    let moe = rest.strip_prefix("block_sparse_moe.").or_else(|| rest.strip_prefix("mlp."))?;
     let found = |source: String, pick: &dyn Fn(&Tensor) -> Result<Tensor>| {
         tensors.get(&source).map(|t| {
             let r = pick(t);
@@ -478,14 +580,14 @@ fn fused(tensors: &HashMap<String, Tensor>, name: &str) -> Option<(String, Resul
         }
         let one = t.get(e)?;
         Ok(match which {
-            "w1.weight" => one.narrow(0, 0, one.dim(0)? / 2)?,
-            "w3.weight" => one.narrow(0, one.dim(0)? / 2, one.dim(0)? / 2)?,
+            "w1.weight" | "gate_proj.weight" => one.narrow(0, 0, one.dim(0)? / 2)?,
+            "w3.weight" | "up_proj.weight" => one.narrow(0, one.dim(0)? / 2, one.dim(0)? / 2)?,
             _ => one,
         })
     };
     match which {
-        "w1.weight" | "w3.weight" => found(format!("{experts}.gate_up_proj"), &pick),
-        "w2.weight" => found(format!("{experts}.down_proj"), &pick),
+        "w1.weight" | "w3.weight" | "gate_proj.weight" | "up_proj.weight" => found(format!("{experts}.gate_up_proj"), &pick),
+        "w2.weight" | "down_proj.weight" => found(format!("{experts}.down_proj"), &pick),
         _ => None,
     }
 }
@@ -549,6 +651,43 @@ mod tests {
         assert_eq!(biased.route_bias(1).unwrap().unwrap().as_tensor().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
         assert_eq!(biased.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap(), m.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap());
         assert!(export(&biased, &dir).unwrap_err().to_string().contains("balance"));
+    }
+
+    /// A Qwen3-MoE (query and key norms, top-3 unnormalised) goes out under transformers'
+    /// Qwen3-MoE names and comes back the same model; its fused expert tensors read too.
+    #[test]
+    fn a_qwen3_moe_export_reads_back_into_the_same_model() {
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-qwen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = ModelConfig { top_k: 3, normalize_top_k: false, ..tiny().qwen_moe() };
+        let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+        export(&m, &dir).unwrap();
+        let (back_cfg, tensors) = load(&dir).unwrap();
+        assert_eq!(back_cfg, ModelConfig { aux_loss_coef: cfg.aux_loss_coef, ..cfg.clone() });
+        assert_eq!(tensors["model.layers.1.self_attn.k_norm.weight"].dims(), [8]);
+        assert_eq!(tensors["model.layers.0.mlp.experts.2.up_proj.weight"].dims(), [8, 16]);
+        assert!(tensors.keys().all(|n| !n.contains("block_sparse_moe")));
+        let back = MoeModel::new(&back_cfg, 99, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&back, &tensors, &dir).unwrap();
+        assert_same_weights(&m, &back);
+        // transformers 5's fused layout: gate and up rows stacked per expert, down per expert.
+        let mut fused_map: HashMap<String, Tensor> =
+            tensors.iter().filter(|(n, _)| !n.contains(".experts.")).map(|(n, t)| (n.clone(), t.clone())).collect();
+        for b in 0..2 {
+            let one = |e: usize, w: &str| tensors[&format!("model.layers.{b}.mlp.experts.{e}.{w}.weight")].clone();
+            let gate_up: Vec<Tensor> = (0..4).map(|e| Tensor::cat(&[one(e, "gate_proj"), one(e, "up_proj")], 0).unwrap()).collect();
+            let down: Vec<Tensor> = (0..4).map(|e| one(e, "down_proj")).collect();
+            fused_map.insert(format!("model.layers.{b}.mlp.experts.gate_up_proj"), Tensor::stack(&gate_up, 0).unwrap());
+            fused_map.insert(format!("model.layers.{b}.mlp.experts.down_proj"), Tensor::stack(&down, 0).unwrap());
+        }
+        let fused_back = MoeModel::new(&back_cfg, 7, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&fused_back, &fused_map, &dir).unwrap();
+        assert_same_weights(&m, &fused_back);
+        // A Qwen3-MoE config with what is not supported is named.
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
+        v["decoder_sparse_step"] = json!(2);
+        assert!(config_from_json(&v, &dir).unwrap_err().to_string().contains("decoder_sparse_step"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The fused expert layout of newer transformers reads as the legacy one.

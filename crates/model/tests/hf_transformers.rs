@@ -1,9 +1,10 @@
-//! Hugging Face interop against transformers itself: a tiny random `MixtralForCausalLM` made by
-//! transformers loads into Lazarus with the same logits (within 1e-4, f32), trains from those
-//! weights (`init_from`), exports, and the export loads back into transformers — no missing or
-//! unexpected tensors — with the same logits as the trained Lazarus model.
+//! Hugging Face interop against transformers itself: a tiny random `MixtralForCausalLM` and a
+//! `Qwen3MoeForCausalLM` made by transformers load into Lazarus with the same logits (within
+//! 1e-4, f32), train from those weights (`init_from`), export, and the export loads back into
+//! transformers — no missing or unexpected tensors — with the same logits as the trained
+//! Lazarus model.
 //!
-//! transformers' side is `scripts/hf_mixtral.py`, run by `LAZARUS_HF_PYTHON` (default `python3`).
+//! transformers' side is `scripts/hf_transformers.py`, run by `LAZARUS_HF_PYTHON` (default `python3`).
 //! Where that Python cannot import torch and transformers the test says so and checks nothing
 //! more (CI has neither); the export/import round trip without transformers is tested in
 //! `lazarus-model`'s `hf` module and the CLI's tests.
@@ -19,7 +20,7 @@ fn python() -> String {
 }
 
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_mixtral.py")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/hf_transformers.py")
 }
 
 /// Run the script; None (after saying why) when transformers cannot be imported.
@@ -29,7 +30,7 @@ fn run(args: &[&str]) -> Option<()> {
         eprintln!("skipped: {} ({})", String::from_utf8_lossy(&out.stderr).trim(), python());
         return None;
     }
-    assert!(out.status.success(), "hf_mixtral.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "hf_transformers.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     Some(())
 }
 
@@ -55,17 +56,29 @@ fn worst(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
 
 #[test]
 fn a_mixtral_from_transformers_loads_trains_exports_and_keeps_its_logits() {
-    let d = std::env::temp_dir().join(format!("lazarus-hf-transformers-{}", std::process::id()));
+    round_trip("mixtral", (32, 4, 2));
+}
+
+#[test]
+fn a_qwen3_moe_from_transformers_loads_trains_exports_and_keeps_its_logits() {
+    round_trip("qwen3_moe", (32, 8, 4));
+}
+
+/// A model of `family` made by transformers: loaded, trained 5 steps, exported, each time with
+/// transformers' logits; `shape` (d_model, experts, top-k) as read.
+fn round_trip(family: &str, shape: (usize, usize, usize)) {
+    let d = std::env::temp_dir().join(format!("lazarus-hf-transformers-{family}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     let theirs = d.join("theirs");
-    if run(&["make", theirs.to_str().unwrap()]).is_none() {
+    if run(&["make", theirs.to_str().unwrap(), family]).is_none() {
         return;
     }
     let ids: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 256).collect();
     // Loaded as it is: the same logits.
     let (model, config, _) = lazarus_model::trainer::load_model(&theirs, &Device::Cpu).unwrap();
-    assert_eq!((config.model.d_model, config.model.n_experts, config.model.top_k), (32, 4, 2));
+    assert_eq!((config.model.d_model, config.model.n_experts, config.model.top_k), shape);
+    assert_eq!(config.model.qk_norm, family == "qwen3_moe");
     let before = worst(&our_logits(&model, &ids), &their_logits(&theirs, &ids, &d));
     assert!(before <= 1e-4, "logits differ by {before} before training");
     // Trained from those weights, then exported: transformers reads it with our logits.
@@ -92,6 +105,6 @@ fn a_mixtral_from_transformers_loads_trains_exports_and_keeps_its_logits() {
     lazarus_model::hf::export(&t.model, &ours).unwrap();
     let after = worst(&trained, &their_logits(&ours, &ids, &d));
     assert!(after <= 1e-4, "logits differ by {after} after training and export");
-    eprintln!("transformers vs Lazarus logits: {before:.2e} before, {after:.2e} after training and export");
+    eprintln!("{family}: transformers vs Lazarus logits: {before:.2e} before, {after:.2e} after training and export");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -2,7 +2,8 @@
 //! and 4 workers (loopback TCP, one thread per rank) with uneven replica placements reproduce the
 //! single-process trainer's per-step loss within 1e-4 relative over 20 steps, and its final
 //! parameters within 1e-4; so do 1 and 4 workers with Mixtral's blocks, top-4 of 16 experts and a
-//! shared expert; so do 1 and 3 workers with loss-free balancing's routing bias; a checkpoint
+//! shared expert; so do 2 workers with Qwen3-MoE's query and key norms, and 1 and 3 workers
+//! with loss-free balancing's routing bias; a checkpoint
 //! the workers write resumes in the single-process trainer with the same parameters.
 
 mod common;
@@ -221,4 +222,17 @@ fn mixtral_blocks_with_top4_of_16_and_a_shared_expert_on_1_and_4_workers() {
         let run = distributed_with(modern(), world, uneven(world, layers, 16), DispatchMode::Flexible, None);
         assert_matches(&run, &reference, &format!("Mixtral blocks on {world} workers"));
     }
+}
+
+/// Qwen3-MoE's blocks (Mixtral's with an RMSNorm on each head's queries and keys), top-4 of 16
+/// unnormalised, on 2 workers: the norms' weights are replicated tensors like the others.
+#[test]
+fn qwen_moe_blocks_on_2_workers() {
+    let c = config();
+    let qwen = TrainConfig { model: ModelConfig { n_experts: 16, top_k: 4, normalize_top_k: false, ..c.model.qwen_moe() }, ..c };
+    let reference = single(qwen.clone());
+    assert!(reference.1.contains_key("blocks.0.attn.q_norm.w"));
+    let layers = qwen.model.moe_layers();
+    let run = distributed_with(qwen, 2, uneven(2, layers, 16), DispatchMode::Flexible, None);
+    assert_matches(&run, &reference, "Qwen3-MoE blocks on 2 workers");
 }

@@ -240,7 +240,8 @@ fn run_torch(python: &str, config: &TrainConfig, device: &str, threads: usize, i
     }
     let m = &config.model;
     // A model with Mixtral's options trains against transformers' own Mixtral when it imports.
-    let hf = lazarus_model::hf::mixtral_mismatch(m).is_none()
+    let hf = lazarus_model::hf::family_mismatch(m).is_none()
+        && lazarus_model::hf::Family::of(m) == lazarus_model::hf::Family::Mixtral
         && Command::new(python)
             .args(["-c", "import transformers"])
             .stdout(Stdio::null())

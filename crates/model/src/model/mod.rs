@@ -133,6 +133,8 @@ impl Ffn {
 struct Attention {
     qkv: Linear,
     out: Linear,
+    /// The RMSNorm weights [head width] of the queries and of the keys (`qk_norm`).
+    qk_norm: Option<(Var, Var)>,
     heads: usize,
     /// The rotary base θ with rotary positions.
     rope: Option<f64>,
@@ -143,10 +145,32 @@ impl Attention {
     /// model has them, then causal attention (fused kernels, see [`crate::ops::rope`] and
     /// [`crate::ops::causal_attention`]).
     fn attend(&self, qkv: &Tensor) -> Result<Tensor> {
+        let normed;
+        let qkv = match &self.qk_norm {
+            Some((q, k)) => {
+                normed = self.norm_queries_and_keys(qkv, q, k)?;
+                &normed
+            }
+            None => qkv,
+        };
         Ok(match self.rope {
             Some(theta) => crate::ops::causal_attention(&crate::ops::rope(qkv, self.heads, theta)?, self.heads)?,
             None => crate::ops::causal_attention(qkv, self.heads)?,
         })
+    }
+
+    /// qkv [B, T, 3d] with each head's queries and keys RMS-normed by `q` and `k` [d / heads]
+    /// (Qwen3-MoE's q_norm and k_norm, before the rotary positions), in the weights' type (f32
+    /// under bf16 products) and back to qkv's; the values as they are.
+    fn norm_queries_and_keys(&self, qkv: &Tensor, q: &Var, k: &Var) -> Result<Tensor> {
+        let (b, t, three_d) = qkv.dims3()?;
+        let d = three_d / 3;
+        let hd = d / self.heads;
+        let norm = |part: usize, w: &Var| -> Result<Tensor> {
+            let x = qkv.narrow(2, part * d, d)?.reshape((b, t, self.heads, hd))?.to_dtype(w.dtype())?;
+            Ok(crate::ops::rms_norm_to(&x, w.as_tensor(), NORM_EPS, qkv.dtype())?.reshape((b, t, d))?)
+        };
+        Ok(Tensor::cat(&[norm(0, q)?, norm(1, k)?, qkv.narrow(2, 2 * d, d)?], 2)?)
     }
 
     /// x: [B, T, d] → [B, T, d], causal; the products in `compute` (the softmax in f32 at
@@ -251,6 +275,16 @@ impl MoeModel {
             let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm)?;
             let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, 3 * d), std, attn_bias)?;
             let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (d, d), out_std, attn_bias)?;
+            let qk_norm = match cfg.qk_norm {
+                true => {
+                    let hd = d / cfg.n_heads;
+                    Some((
+                        ps.add(format!("{p}.attn.q_norm.w"), init.constant(&[hd], 1.0)?)?,
+                        ps.add(format!("{p}.attn.k_norm.w"), init.constant(&[hd], 1.0)?)?,
+                    ))
+                }
+                false => None,
+            };
             let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), d, norm)?;
             let ff = if cfg.is_moe(b) {
                 moe_blocks.push(b);
@@ -280,7 +314,7 @@ impl MoeModel {
             } else {
                 FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.d_ff)?)
             };
-            blocks.push(Block { ln1, attn: Attention { qkv, out, heads: cfg.n_heads, rope }, ln2, ff });
+            blocks.push(Block { ln1, attn: Attention { qkv, out, qk_norm, heads: cfg.n_heads, rope }, ln2, ff });
         }
         let ln_f = Norm::new(&mut ps, &init, "ln_f", d, norm)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;

@@ -52,6 +52,28 @@ fn gradients_of_the_modern_blocks_match_finite_differences() {
     finite_differences(&ModelConfig { normalize_top_k: true, moe_every: 1, ..tiny_modern() }, &Device::Cpu, 1e-4);
 }
 
+/// The same with Qwen3-MoE's query and key norms (each head's, before the rotary positions):
+/// their weights get the loss's gradient too.
+#[test]
+fn gradients_through_the_query_and_key_norms_match_finite_differences() {
+    let cfg = ModelConfig { qk_norm: true, ..tiny_modern() };
+    assert_eq!(
+        ModelConfig {
+            n_experts: 5,
+            top_k: 3,
+            normalize_top_k: false,
+            shared_experts: 1,
+            rope_theta: 100.0,
+            moe_every: 2,
+            ..tiny().qwen_moe()
+        },
+        cfg
+    );
+    let m = MoeModel::new(&cfg, 1, DType::F64, &Device::Cpu).unwrap();
+    assert_eq!(m.params().get("blocks.1.attn.k_norm.w").unwrap().dims(), [4]);
+    finite_differences(&cfg, &Device::Cpu, 1e-4);
+}
+
 /// The same on a GPU (skipped without one), at the looser tolerance first set when GELU's
 /// backward there was candle's (6-digit constants); not yet tightened on a GPU.
 #[test]

@@ -81,8 +81,9 @@ pub struct ModelArgs {
     pub(crate) shared_experts: Option<usize>,
     /// The blocks' options at once: gpt (LayerNorm, learned positions, GELU, biases: the
     /// default) or mixtral (RMSNorm, rotary positions θ = 10⁶, SwiGLU experts, no biases,
-    /// normalised top-k, no shared experts); the flags below and above change single options.
-    #[arg(long, value_name = "gpt|mixtral")]
+    /// normalised top-k, no shared experts) or qwen-moe (Mixtral's, with an RMSNorm on each
+    /// head's queries and keys, as Qwen3-MoE); the flags below and above change single options.
+    #[arg(long, value_name = "gpt|mixtral|qwen-moe")]
     pub(crate) arch: Option<String>,
     /// The blocks' norm.
     #[arg(long, value_name = "layer|rms")]
@@ -99,6 +100,9 @@ pub struct ModelArgs {
     /// Biases on the attention's projections.
     #[arg(long, value_name = "true|false")]
     pub(crate) attn_bias: Option<bool>,
+    /// An RMSNorm over each head's queries and keys (Qwen3-MoE, OLMoE).
+    #[arg(long, value_name = "true|false")]
+    pub(crate) qk_norm: Option<bool>,
     /// Biases on the FFNs (experts, shared experts, dense blocks).
     #[arg(long, value_name = "true|false")]
     pub(crate) ffn_bias: Option<bool>,
@@ -506,6 +510,7 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("positions", word(m.positions)),
         ("expert_act", word(m.expert_act)),
         ("attn_bias", m.attn_bias.to_string()),
+        ("qk_norm", m.qk_norm.to_string()),
         ("ffn_bias", m.ffn_bias.to_string()),
         ("aux_loss_coef", word(m.aux_loss_coef)),
         ("balance", word(m.balance)),

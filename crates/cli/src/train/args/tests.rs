@@ -60,6 +60,9 @@ fn the_arch_preset_and_the_block_options_come_from_flags_and_the_file() {
         assert!(e.contains(named), "{e}");
     }
     assert!(format!("{:#}", parse(&["--top-k", "9"]).unwrap_err()).contains("top_k"));
+    let m = parse(&["--arch", "qwen-moe", "--top-k", "8", "--experts", "64"]).unwrap().model;
+    assert_eq!((m.qk_norm, m.norm, m.expert_act, m.attn_bias), (true, NormKind::Rms, Activation::Swiglu, false));
+    assert!(!parse(&["--arch", "qwen-moe", "--qk-norm", "false"]).unwrap().model.qk_norm, "the flag overrides the preset");
     let m = parse(&["--balance", "bias", "--bias-update-rate", "0.01"]).unwrap().model;
     assert_eq!((m.balance, m.bias_update_rate), (lazarus_model::config::Balance::Bias, 0.01));
     assert_eq!(parse(&[]).unwrap().model.balance, lazarus_model::config::Balance::Aux, "the auxiliary loss unless asked");

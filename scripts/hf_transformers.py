@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Hugging Face transformers' side of Lazarus's interop test (crates/model/tests/hf_transformers.rs).
+
+  hf_transformers.py make OUT [FAMILY]  a tiny random MixtralForCausalLM (FAMILY mixtral, the default) or
+                                        Qwen3MoeForCausalLM (qwen3_moe: top-4 of 8 experts, weights not
+                                        renormalised, query and key norms with random weights), saved as
+                                        OUT/{config.json,model.safetensors}
+  hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
+                                    written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
+                                    not match the model transformers builds from its config.json (missing,
+                                    unexpected or mismatched tensors)
+
+Needs torch and transformers; exits with status 3 and says so when they cannot be imported.
+"""
+import json
+import sys
+
+try:
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+except ImportError as e:  # the test skips, saying why
+    print(f"transformers or torch cannot be imported: {e}", file=sys.stderr)
+    sys.exit(3)
+
+
+def make(out):
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    )
+    model = MixtralForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def make_qwen3_moe(out):
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    )
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    # The norms start at one: random weights so that a misplaced one shows.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.input_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def logits(directory, ids, out):
+    model, info = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        print(f"{directory} does not load cleanly: {bad}", file=sys.stderr)
+        sys.exit(1)
+    model.eval()
+    tokens = torch.tensor([[int(x) for x in ids.split(",")]])
+    with torch.no_grad():
+        result = model(input_ids=tokens).logits[0].to(torch.float64).tolist()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "make":
+        family = sys.argv[3] if len(sys.argv) == 4 else "mixtral"
+        if family not in ("mixtral", "qwen3_moe"):
+            print(f"unknown family {family!r}: expected mixtral or qwen3_moe", file=sys.stderr)
+            sys.exit(2)
+        (make if family == "mixtral" else make_qwen3_moe)(sys.argv[2])
+    elif len(sys.argv) == 5 and sys.argv[1] == "logits":
+        logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
