@@ -20,7 +20,11 @@ pub struct ExportArgs {
     /// query and key norms).
     #[arg(long, default_value = "hf", value_name = "hf")]
     format: String,
-    /// The directory written (created; must not hold a config.json or model.safetensors).
+    /// The largest shard of weights (5GB, 500MB, 2GiB or bytes): a model past it is written as
+    /// model-00001-of-0000N.safetensors… with model.safetensors.index.json, as transformers does.
+    #[arg(long, default_value = "5GB", value_name = "SIZE")]
+    max_shard_size: String,
+    /// The directory written (created; must not hold a config.json, model.safetensors or index).
     #[arg(value_name = "OUT")]
     out: PathBuf,
 }
@@ -29,9 +33,11 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
     if args.format != "hf" {
         bail!("invalid --format: '{}' (expected hf)", args.format);
     }
+    let max_shard = parse_size(&args.max_shard_size)
+        .with_context(|| format!("invalid --max-shard-size: '{}' (expected a size such as 5GB, 500MB or 2GiB)", args.max_shard_size))?;
     let (model, config, step) = lazarus_model::trainer::load_model(&args.checkpoint, &candle_core::Device::Cpu)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
-    lazarus_model::hf::export(&model, &args.out).with_context(|| format!("export to {}", args.out.display()))?;
+    lazarus_model::hf::export_sharded(&model, &args.out, max_shard).with_context(|| format!("export to {}", args.out.display()))?;
     let mut note = String::new();
     if let Some(tok) = &config.tokenizer {
         let to = args.out.join("tokenizer.json");
@@ -43,10 +49,62 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
         }
     }
     crate::io::println(&format!(
-        "{} (step {step}): {:.2}M parameters written to {} as a Hugging Face {} model (config.json, model.safetensors{note})",
+        "{} (step {step}): {:.2}M parameters written to {} as a Hugging Face {} model (config.json, {}{note})",
         args.checkpoint.display(),
         model.params().num_elements() as f64 / 1e6,
         args.out.display(),
-        lazarus_model::hf::Family::of(model.config()).name()
+        lazarus_model::hf::Family::of(model.config()).name(),
+        weights_written(&args.out)
     ))
+}
+
+/// A size as transformers' `max_shard_size` takes it: bytes, or a number with KB, MB, GB (powers
+/// of 1000) or KiB, MiB, GiB (of 1024); at least 1 byte.
+fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let unit_bytes: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => bail!("unknown unit '{other}'"),
+    };
+    let n: f64 = number.parse().with_context(|| format!("'{number}' is not a number"))?;
+    let bytes = n * unit_bytes;
+    if !(1.0..=1e15).contains(&bytes) {
+        bail!("{bytes} bytes is out of range (1 byte to 1 PB)");
+    }
+    Ok(bytes as u64)
+}
+
+/// What the weights were written as: one file, or N shards and their index.
+fn weights_written(dir: &std::path::Path) -> String {
+    let index = dir.join(lazarus_model::hf::INDEX_FILE);
+    if !index.exists() {
+        return lazarus_model::hf::WEIGHTS_FILE.into();
+    }
+    let shards = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with("model-")).count())
+        .unwrap_or(0);
+    format!("{shards} shards, {}", lazarus_model::hf::INDEX_FILE)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_read_as_transformers_writes_them() {
+        assert_eq!(super::parse_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(super::parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(super::parse_size("500 MB").unwrap(), 500_000_000);
+        assert_eq!(super::parse_size("4096").unwrap(), 4096);
+        for bad in ["", "0", "5XB", "GB", "-1GB", "1e400"] {
+            assert!(super::parse_size(bad).is_err(), "{bad}");
+        }
+    }
 }

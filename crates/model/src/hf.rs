@@ -233,12 +233,25 @@ fn unmapped(name: &str) -> ModelError {
     ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral or Qwen3-MoE")
 }
 
-/// Write `model` (every expert held here) as a Hugging Face Mixtral directory in `dir`, which
-/// must not hold a `config.json` or `model.safetensors` already.
+/// transformers' largest shard by default ("5GB" in transformers 4; the Hub counts decimal
+/// bytes): a model past it is written as shards with an index.
+pub const MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// Write `model` (every expert held here) as a Hugging Face directory of its family in `dir`,
+/// which must not hold a `config.json`, `model.safetensors` or index already; in shards of at
+/// most [`MAX_SHARD_BYTES`] ([`export_sharded`]).
 pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
+    export_sharded(model, dir, MAX_SHARD_BYTES)
+}
+
+/// [`export`] in shards of at most `max_shard_bytes` of tensor data each (a larger tensor alone
+/// in its own), as transformers writes them: one `model.safetensors` when the model fits in
+/// one, else `model-00001-of-0000N.safetensors`… and `model.safetensors.index.json` naming each
+/// tensor's file. Each shard is made and written in turn, so memory holds one shard's bytes.
+pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Result<()> {
     let config = config_json(model.config())?;
     let layouts = layouts(model)?;
-    for file in [CONFIG_FILE, WEIGHTS_FILE] {
+    for file in [CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE] {
         if dir.join(file).exists() {
             return Err(ModelError::io(
                 dir.join(file),
@@ -263,25 +276,75 @@ pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
             }
         }
     }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let text = serde_json::to_string_pretty(&config).map_err(|e| ModelError::config("config", e, "not serialisable"))?;
-    let mut sorted: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    sorted.sort_by(|a, b| a.0.cmp(b.0));
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(sorted, Some(meta))
-        .map_err(|e| ModelError::Checkpoint { path: dir.join(WEIGHTS_FILE), reason: e.to_string() })?;
-    // The weights first, the configuration last: a directory with a config.json is complete.
-    // An export that fails (a full disk) takes back what it wrote, so that it can be run again.
+    let sizes: Vec<u64> = tensors.iter().map(|(_, t)| (t.elem_count() * DType::F32.size_in_bytes()) as u64).collect();
+    let shards = shard_ranges(&sizes, max_shard_bytes);
+    let file_of = |i: usize| {
+        if shards.len() == 1 {
+            WEIGHTS_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
+        }
+    };
+    // The weights first, the index and the configuration last: a directory with a config.json
+    // is complete. An export that fails (a full disk) takes back what it wrote, so that it can
+    // be run again.
     let made_dir = !dir.exists();
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    let written = write_new(&dir.join(WEIGHTS_FILE), &bytes).and_then(|_| {
-        write_new(&dir.join(CONFIG_FILE), text.as_bytes()).inspect_err(|_| {
-            let _ = std::fs::remove_file(dir.join(WEIGHTS_FILE));
-        })
-    });
-    if written.is_err() && made_dir {
-        let _ = std::fs::remove_dir(dir); // only if empty
+    let mut written: Vec<std::path::PathBuf> = Vec::new();
+    let result = (|| -> Result<()> {
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        for (i, range) in shards.iter().enumerate() {
+            let path = dir.join(file_of(i));
+            let part: Vec<(&str, &Tensor)> = tensors[range.clone()].iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let bytes = safetensors::serialize(part, Some(meta.clone()))
+                .map_err(|e| ModelError::Checkpoint { path: path.clone(), reason: e.to_string() })?;
+            write_new(&path, &bytes)?;
+            written.push(path);
+        }
+        if shards.len() > 1 {
+            let weight_map: serde_json::Map<String, Value> = shards
+                .iter()
+                .enumerate()
+                .flat_map(|(i, r)| tensors[r.clone()].iter().map(move |(n, _)| (n.clone(), json!(file_of(i)))))
+                .collect();
+            let parameters: usize = tensors.iter().map(|(_, t)| t.elem_count()).sum();
+            let index = json!({
+                "metadata": { "total_size": sizes.iter().sum::<u64>(), "total_parameters": parameters },
+                "weight_map": weight_map,
+            });
+            write_new(&dir.join(INDEX_FILE), index.to_string().as_bytes())?;
+            written.push(dir.join(INDEX_FILE));
+        }
+        write_new(&dir.join(CONFIG_FILE), text.as_bytes())
+    })();
+    if result.is_err() {
+        written.iter().for_each(|p| {
+            let _ = std::fs::remove_file(p);
+        });
+        if made_dir {
+            let _ = std::fs::remove_dir(dir); // only if empty
+        }
     }
-    written
+    result
+}
+
+/// Tensors of `sizes` bytes (in file order) grouped into shards of at most `max` bytes, each
+/// tensor in the first shard it fits after the previous one's (huggingface_hub's rule): a
+/// tensor larger than `max` has a shard of its own; never an empty shard.
+fn shard_ranges(sizes: &[u64], max: u64) -> Vec<std::ops::Range<usize>> {
+    let mut shards = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, &s) in sizes.iter().enumerate() {
+        if i > start && bytes.saturating_add(s) > max {
+            shards.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes = bytes.saturating_add(s);
+    }
+    shards.push(start..sizes.len());
+    shards
 }
 
 /// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed); on
@@ -687,6 +750,45 @@ mod tests {
         let mut v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
         v["decoder_sparse_step"] = json!(2);
         assert!(config_from_json(&v, &dir).unwrap_err().to_string().contains("decoder_sparse_step"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Shards as huggingface_hub cuts them: in order, each up to the limit, a larger tensor
+    /// alone.
+    #[test]
+    fn shards_hold_at_most_the_limit_in_order() {
+        assert_eq!(shard_ranges(&[4, 4, 4], 8), vec![0..2, 2..3]);
+        assert_eq!(shard_ranges(&[10, 1, 1], 4), vec![0..1, 1..3]);
+        assert_eq!(shard_ranges(&[1, 1], 100), vec![0..2]);
+        assert_eq!(shard_ranges(&[5, 5], 1), vec![0..1, 1..2]);
+    }
+
+    /// Past the shard size the export is shards and an index, which read back as one file
+    /// would; the index's total is the tensors' bytes.
+    #[test]
+    fn a_sharded_export_reads_back_into_the_same_model() {
+        let dir = std::env::temp_dir().join(format!("lazarus-hf-export-shards-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let m = MoeModel::new(&tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+        export_sharded(&m, &dir, 4096).unwrap();
+        assert!(!dir.join(WEIGHTS_FILE).exists());
+        let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
+        let files: std::collections::BTreeSet<&str> =
+            index["weight_map"].as_object().unwrap().values().map(|f| f.as_str().unwrap()).collect();
+        let n = files.len();
+        assert!(n > 2, "{files:?}");
+        assert_eq!(files.iter().next().copied(), Some(format!("model-00001-of-{n:05}.safetensors").as_str()));
+        for f in &files {
+            let len = std::fs::metadata(dir.join(f)).unwrap().len();
+            // A shard's tensors fit the limit unless one alone is larger (the token embedding).
+            assert!(len <= 4096 + 1024 || f.contains("00001"), "{f}: {len} bytes");
+        }
+        assert_eq!(index["metadata"]["total_size"].as_u64().unwrap() as usize, m.params().num_elements() * 4);
+        let (cfg, tensors) = load(&dir).unwrap();
+        let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
+        set_weights(&back, &tensors, &dir).unwrap();
+        assert_same_weights(&m, &back);
+        assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,8 +1,8 @@
 //! Hugging Face interop against transformers itself: a tiny random `MixtralForCausalLM` and a
 //! `Qwen3MoeForCausalLM` made by transformers load into Lazarus with the same logits (within
 //! 1e-4, f32), train from those weights (`init_from`), export, and the export loads back into
-//! transformers — no missing or unexpected tensors — with the same logits as the trained
-//! Lazarus model.
+//! transformers — no missing or unexpected tensors, in one file or in shards with an index —
+//! with the same logits as the trained Lazarus model.
 //!
 //! transformers' side is `scripts/hf_transformers.py`, run by `LAZARUS_HF_PYTHON` (default `python3`).
 //! Where that Python cannot import torch and transformers the test says so and checks nothing
@@ -105,6 +105,12 @@ fn round_trip(family: &str, shape: (usize, usize, usize)) {
     lazarus_model::hf::export(&t.model, &ours).unwrap();
     let after = worst(&trained, &their_logits(&ours, &ids, &d));
     assert!(after <= 1e-4, "logits differ by {after} after training and export");
+    // In shards with an index, as transformers writes a large model: the same.
+    let sharded = d.join("sharded");
+    lazarus_model::hf::export_sharded(&t.model, &sharded, 16 << 10).unwrap();
+    assert!(sharded.join(lazarus_model::hf::INDEX_FILE).is_file());
+    let from_shards = worst(&trained, &their_logits(&sharded, &ids, &d));
+    assert!(from_shards <= 1e-4, "logits differ by {from_shards} from the shards");
     eprintln!("{family}: transformers vs Lazarus logits: {before:.2e} before, {after:.2e} after training and export");
     let _ = std::fs::remove_dir_all(&d);
 }
