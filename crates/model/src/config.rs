@@ -83,6 +83,17 @@ pub struct ModelConfig {
     pub normalize_top_k: bool,
     /// Hidden width of one expert, and of the dense FFN of non-MoE blocks.
     pub d_ff: usize,
+    /// How the router scores the experts: a softmax over them (Mixtral, Qwen) or a sigmoid each
+    /// (DeepSeek-V3), whose chosen scores are then renormalised if `normalize_top_k`.
+    pub router: RouterScore,
+    /// The routed experts' weights times this (DeepSeek-V3's `routed_scaling_factor`, 2.5 there).
+    pub routed_scaling: f64,
+    /// Group-limited routing (DeepSeek-V3's `n_group`, `topk_group`): the experts in
+    /// `expert_groups` equal groups, a token's top-k taken only among the `top_groups` groups
+    /// whose two best scores sum highest. 1 and 1: no limit.
+    pub expert_groups: usize,
+    /// Groups a token's experts may come from (see `expert_groups`).
+    pub top_groups: usize,
     /// Always-on experts beside the routed ones in every MoE block (DeepSeek-MoE's shared
     /// experts): every token goes through them, unweighted. They are held as one FFN of hidden
     /// width `shared_experts · d_ff` (the sum of S experts is such an FFN), replicated on every
@@ -135,6 +146,10 @@ impl Default for ModelConfig {
             n_experts: 8,
             top_k: 2,
             normalize_top_k: true,
+            router: RouterScore::Softmax,
+            routed_scaling: 1.0,
+            expert_groups: 1,
+            top_groups: 1,
             d_ff: 512,
             shared_experts: 0,
             norm: NormKind::Layer,
@@ -183,6 +198,17 @@ impl Balance {
     }
 }
 
+/// The router's scores ([`ModelConfig::router`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RouterScore {
+    /// A softmax over the experts.
+    #[default]
+    Softmax,
+    /// A sigmoid of each expert's logit, independent of the others (DeepSeek-V3).
+    Sigmoid,
+}
+
 /// The presets `--arch` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -194,6 +220,9 @@ pub enum Arch {
     /// Qwen3-MoE's blocks: see [`ModelConfig::qwen_moe`].
     #[serde(rename = "qwen-moe")]
     QwenMoe,
+    /// DeepSeek-MoE's routing on Mixtral's blocks: see [`ModelConfig::deepseek_moe`].
+    #[serde(rename = "deepseek-moe")]
+    DeepseekMoe,
 }
 
 impl std::str::FromStr for Arch {
@@ -203,7 +232,8 @@ impl std::str::FromStr for Arch {
             "gpt" => Ok(Arch::Gpt),
             "mixtral" => Ok(Arch::Mixtral),
             "qwen-moe" => Ok(Arch::QwenMoe),
-            other => Err(format!("unknown architecture {other:?}: expected gpt, mixtral or qwen-moe")),
+            "deepseek-moe" => Ok(Arch::DeepseekMoe),
+            other => Err(format!("unknown architecture {other:?}: expected gpt, mixtral, qwen-moe or deepseek-moe")),
         }
     }
 }
@@ -242,6 +272,7 @@ impl ModelConfig {
             shared_experts: 0,
             moe_every: 1,
             qk_norm: false,
+            router: RouterScore::Softmax,
             ..self
         }
     }
@@ -250,6 +281,14 @@ impl ModelConfig {
     /// queries and keys (Qwen3-30B-A3B also renormalises its top-8 weights, `norm_topk_prob`).
     pub fn qwen_moe(self) -> Self {
         ModelConfig { qk_norm: true, ..self.mixtral() }
+    }
+
+    /// DeepSeek-MoE's routing on Mixtral's blocks (multi-head attention, not DeepSeek-V3's
+    /// latent attention): one shared expert, a sigmoid router whose chosen scores are
+    /// renormalised (DeepSeek-V3). Group-limited routing and the routed scaling factor are
+    /// their own options (`expert_groups`, `top_groups`, `routed_scaling`).
+    pub fn deepseek_moe(self) -> Self {
+        ModelConfig { shared_experts: 1, router: RouterScore::Sigmoid, normalize_top_k: true, ..self.mixtral() }
     }
 
     /// This shape with the options of `arch`.
@@ -267,11 +306,13 @@ impl ModelConfig {
                     normalize_top_k: d.normalize_top_k,
                     shared_experts: d.shared_experts,
                     qk_norm: d.qk_norm,
+                    router: d.router,
                     ..self
                 }
             }
             Arch::Mixtral => self.mixtral(),
             Arch::QwenMoe => self.qwen_moe(),
+            Arch::DeepseekMoe => self.deepseek_moe(),
         }
     }
 
@@ -296,6 +337,15 @@ impl ModelConfig {
         }
         if self.qk_norm {
             parts.push("q/k norms".to_string());
+        }
+        if self.router == RouterScore::Sigmoid {
+            parts.push("sigmoid router".to_string());
+        }
+        if self.expert_groups > 1 {
+            parts.push(format!("top-{} of {} expert groups", self.top_groups, self.expert_groups));
+        }
+        if self.routed_scaling != 1.0 {
+            parts.push(format!("routed weights ×{}", self.routed_scaling));
         }
         if !self.normalize_top_k && self.top_k > 1 {
             parts.push("top-k weights unnormalised".to_string());
@@ -373,6 +423,30 @@ impl ModelConfig {
         if !self.aux_loss_coef.is_finite() || self.aux_loss_coef < 0.0 {
             return Err(ModelError::config("aux_loss_coef", self.aux_loss_coef, "must be finite and ≥ 0"));
         }
+        if !self.routed_scaling.is_finite() || self.routed_scaling <= 0.0 || self.routed_scaling > 1e3 {
+            return Err(ModelError::config("routed_scaling", self.routed_scaling, "must be finite, > 0 and ≤ 1000"));
+        }
+        if self.expert_groups == 0 || !self.n_experts.is_multiple_of(self.expert_groups) {
+            return Err(ModelError::config("expert_groups", self.expert_groups, format!("must divide n_experts ({})", self.n_experts)));
+        }
+        if self.top_groups == 0 || self.top_groups > self.expert_groups {
+            return Err(ModelError::config("top_groups", self.top_groups, format!("must be 1 to expert_groups ({})", self.expert_groups)));
+        }
+        let reachable = self.top_groups * (self.n_experts / self.expert_groups);
+        if self.top_k > reachable {
+            return Err(ModelError::config(
+                "top_k",
+                self.top_k,
+                format!("exceeds the {reachable} experts in top_groups ({}) of the expert groups", self.top_groups),
+            ));
+        }
+        if self.expert_groups > 1 && self.n_experts / self.expert_groups < 2 {
+            return Err(ModelError::config(
+                "expert_groups",
+                self.expert_groups,
+                "a group's score is its two best experts': groups need two or more",
+            ));
+        }
         if !self.bias_update_rate.is_finite() || !(0.0..=1.0).contains(&self.bias_update_rate) {
             return Err(ModelError::config("bias_update_rate", self.bias_update_rate, "must be between 0 and 1"));
         }
@@ -394,6 +468,17 @@ impl ModelConfig {
             self.aux_loss_coef
         } else {
             0.0
+        }
+    }
+
+    /// How the router scores and picks ([`crate::routing::Router`]).
+    pub fn router(&self) -> crate::routing::Router {
+        crate::routing::Router {
+            score: self.router,
+            normalize: self.normalize_top_k,
+            scale: self.routed_scaling,
+            groups: self.expert_groups,
+            top_groups: self.top_groups,
         }
     }
 

@@ -94,7 +94,7 @@ impl Family {
 pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     let family = Family::of(cfg);
     let name = family.name();
-    let checks: [(bool, &'static str, String); 9] = [
+    let checks: [(bool, &'static str, String); 12] = [
         (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
         (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
         (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
@@ -112,6 +112,9 @@ pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
             ),
         ),
         (cfg.capacity_factor.is_none(), "capacity_factor", format!("{name} is dropless")),
+        (cfg.router == crate::config::RouterScore::Softmax, "router", format!("sigmoid: {name}'s router is a softmax")),
+        (cfg.expert_groups == 1, "expert_groups", format!("{}: {name} routes without expert groups", cfg.expert_groups)),
+        (cfg.routed_scaling == 1.0, "routed_scaling", format!("{}: {name} does not scale its routed weights", cfg.routed_scaling)),
     ];
     checks.into_iter().find(|(ok, _, _)| !ok).map(|(_, field, why)| (field, why))
 }

@@ -3,16 +3,89 @@
 use crate::error::{ModelError, Result};
 use candle_core::Tensor;
 
-/// The weight of each of a token's k choices [n, k], in the graph of `probs` [n, E] (the router's
-/// softmax over all experts): the chosen probabilities, divided by their sum when `normalize` and
-/// k > 1 (Mixtral, GShard), as they are otherwise (Qwen-MoE's default, OLMoE; a single choice
-/// always, so that the loss reaches the router). The one home of this rule: the single-process
-/// layer and the distributed one both weight by it.
-pub fn combine_weights(probs: &Tensor, choices: &[u32], n: usize, k: usize, normalize: bool) -> candle_core::Result<Tensor> {
-    let idx = Tensor::from_vec(choices.to_vec(), (n, k), probs.device())?;
-    let w = probs.gather(&idx, 1)?;
-    if normalize && k > 1 {
-        return w.broadcast_div(&w.sum_keepdim(1)?);
+/// How a router scores the experts and picks a token's k of them: the one home of these rules,
+/// read by the single-process layer and the distributed one alike.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Router {
+    /// Softmax over the experts, or a sigmoid each (DeepSeek-V3).
+    pub score: crate::config::RouterScore,
+    /// Whether a token's k > 1 weights are renormalised to sum to 1.
+    pub normalize: bool,
+    /// The routed weights times this (DeepSeek-V3's routed scaling factor).
+    pub scale: f64,
+    /// Group-limited routing: `groups` equal groups of experts, the top-k taken among the
+    /// `top_groups` best (1, 1: no limit).
+    pub groups: usize,
+    pub top_groups: usize,
+}
+
+impl Default for Router {
+    fn default() -> Self {
+        Router { score: crate::config::RouterScore::Softmax, normalize: true, scale: 1.0, groups: 1, top_groups: 1 }
+    }
+}
+
+impl Router {
+    /// The router's scores [n, E] from its logits, in their graph, and the probabilities the
+    /// load-balancing loss reads: the softmax both times; for a sigmoid router each token's
+    /// scores over their sum (DeepSeek-V3's balance loss).
+    pub fn scores(&self, logits: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        match self.score {
+            crate::config::RouterScore::Softmax => {
+                let p = crate::ops::softmax_last(logits)?;
+                Ok((p.clone(), p))
+            }
+            crate::config::RouterScore::Sigmoid => {
+                let s = (logits.neg()?.exp()? + 1.0)?.recip()?;
+                let p = s.broadcast_div(&s.sum_keepdim(1)?)?;
+                Ok((s, p))
+            }
+        }
+    }
+
+    /// Each token's k experts from its scores (host, token-major, `width` a row) plus the
+    /// loss-free balancing's bias when there is one, within its best groups when routing is
+    /// group-limited (a group's score: its two best experts', DeepSeek-V3); n·k ids.
+    pub fn choose(&self, scores: &[f64], width: usize, k: usize, bias: Option<&[f64]>) -> Vec<usize> {
+        if self.groups <= 1 {
+            return top_k_rows_biased(scores, width, k, bias);
+        }
+        let biased: Vec<f64> = match bias {
+            Some(b) if b.len() == width => scores.chunks(width.max(1)).flat_map(|row| row.iter().zip(b).map(|(p, x)| p + x)).collect(),
+            _ => scores.to_vec(),
+        };
+        let per = width / self.groups;
+        let masked: Vec<f64> = biased
+            .chunks(width.max(1))
+            .flat_map(|row| {
+                let group_score: Vec<f64> = row
+                    .chunks(per)
+                    .map(|g| {
+                        let best = top_k(g, 2);
+                        best.iter().map(|&i| g[i]).sum()
+                    })
+                    .collect();
+                let kept = top_k(&group_score, self.top_groups);
+                row.iter().enumerate().map(move |(e, &x)| if kept.contains(&(e / per)) { x } else { f64::NEG_INFINITY }).collect::<Vec<_>>()
+            })
+            .collect();
+        top_k_rows(&masked, width, k)
+    }
+}
+
+/// The weight of each of a token's k choices [n, k], in the graph of `scores` (the router's
+/// scores over all experts, [`Router::scores`]): the chosen scores, divided by their sum when
+/// the router normalises and k > 1 (Mixtral, GShard, DeepSeek-V3), as they are otherwise
+/// (Qwen-MoE's default, OLMoE; a single softmax choice always, so that the loss reaches the
+/// router), times the routed scaling. The single-process layer and the distributed one both
+/// weight by it.
+pub fn combine_weights(scores: &Tensor, choices: &[u32], n: usize, k: usize, router: &Router) -> candle_core::Result<Tensor> {
+    let idx = Tensor::from_vec(choices.to_vec(), (n, k), scores.device())?;
+    let w = scores.gather(&idx, 1)?;
+    let sigmoid = router.score == crate::config::RouterScore::Sigmoid;
+    let w = if router.normalize && (k > 1 || sigmoid) { w.broadcast_div(&w.sum_keepdim(1)?)? } else { w };
+    if router.scale != 1.0 {
+        return w * router.scale;
     }
     Ok(w)
 }
@@ -170,5 +243,66 @@ mod bias_tests {
         assert_eq!(top_k_rows_biased(&probs, 4, 1, None), vec![0, 3]);
         assert_eq!(top_k_rows_biased(&probs, 4, 1, Some(&bias)), vec![1, 2]);
         assert_eq!(top_k_rows_biased(&probs, 4, 2, Some(&[0.0; 4])), top_k_rows(&probs, 4, 2));
+    }
+}
+
+#[cfg(test)]
+mod router_tests {
+    use super::*;
+    use crate::config::RouterScore;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Group-limited choice against its definition: the groups ranked by the sum of their
+        /// two best (biased) scores, the best `top_groups` kept, the top-k of their experts.
+        #[test]
+        fn group_limited_choice_takes_the_best_experts_of_the_best_groups(
+            groups in 1usize..5, per in 2usize..5, seed in any::<u64>(), top in 1usize..5, k in 1usize..5,
+        ) {
+            let top_groups = top.min(groups);
+            let width = groups * per;
+            let k = k.min(top_groups * per);
+            let mut rng = crate::rng::SplitMix64::new(seed);
+            let rows = 3;
+            let scores: Vec<f64> = (0..rows * width).map(|_| rng.below(1000) as f64 / 1000.0).collect();
+            let bias: Vec<f64> = (0..width).map(|_| rng.below(100) as f64 / 1000.0 - 0.05).collect();
+            let router = Router { score: RouterScore::Sigmoid, normalize: true, scale: 1.0, groups, top_groups };
+            let chosen = router.choose(&scores, width, k, Some(&bias));
+            for t in 0..rows {
+                let row: Vec<f64> = (0..width).map(|e| scores[t * width + e] + bias[e]).collect();
+                let mut group_score: Vec<(f64, usize)> = (0..groups)
+                    .map(|g| {
+                        let mut v: Vec<f64> = row[g * per..(g + 1) * per].to_vec();
+                        v.sort_by(|a, b| b.total_cmp(a));
+                        (v[0] + v[1], g)
+                    })
+                    .collect();
+                group_score.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                let kept: Vec<usize> = group_score[..top_groups].iter().map(|x| x.1).collect();
+                let mut experts: Vec<usize> = (0..width).filter(|e| kept.contains(&(e / per))).collect();
+                experts.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+                prop_assert_eq!(&chosen[t * k..(t + 1) * k], &experts[..k]);
+            }
+        }
+    }
+
+    /// A sigmoid router's weights: the chosen scores over their sum, times the scaling; its
+    /// balance probabilities sum to one per token.
+    #[test]
+    fn a_sigmoid_routers_weights_are_its_chosen_scores_renormalised_and_scaled() {
+        let router = Router { score: RouterScore::Sigmoid, normalize: true, scale: 2.5, groups: 1, top_groups: 1 };
+        let logits = Tensor::new(&[[0.0f64, 1.0, -1.0, 2.0]], &candle_core::Device::Cpu).unwrap();
+        let (s, p) = router.scores(&logits).unwrap();
+        let s: Vec<f64> = s.flatten_all().unwrap().to_vec1().unwrap();
+        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+        for (got, x) in s.iter().zip([0.0, 1.0, -1.0, 2.0]) {
+            assert!((got - sig(x)).abs() < 1e-12);
+        }
+        let p: Vec<f64> = p.flatten_all().unwrap().to_vec1().unwrap();
+        assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        let scores = Tensor::from_vec(s.clone(), (1, 4), &candle_core::Device::Cpu).unwrap();
+        let w: Vec<f64> = combine_weights(&scores, &[3, 1], 1, 2, &router).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let sum = sig(2.0) + sig(1.0);
+        assert!((w[0] - 2.5 * sig(2.0) / sum).abs() < 1e-12 && (w[1] - 2.5 * sig(1.0) / sum).abs() < 1e-12, "{w:?}");
     }
 }

@@ -2,7 +2,8 @@
 //! and 4 workers (loopback TCP, one thread per rank) with uneven replica placements reproduce the
 //! single-process trainer's per-step loss within 1e-4 relative over 20 steps, and its final
 //! parameters within 1e-4; so do 1 and 4 workers with Mixtral's blocks, top-4 of 16 experts and a
-//! shared expert; so do 2 workers with Qwen3-MoE's query and key norms, and 1 and 3 workers
+//! shared expert; so do 2 workers with Qwen3-MoE's query and key norms, 3 with DeepSeek-MoE's
+//! sigmoid, group-limited routing, and 1 and 3 workers
 //! with loss-free balancing's routing bias; a checkpoint
 //! the workers write resumes in the single-process trainer with the same parameters.
 
@@ -235,4 +236,20 @@ fn qwen_moe_blocks_on_2_workers() {
     let layers = qwen.model.moe_layers();
     let run = distributed_with(qwen, 2, uneven(2, layers, 16), DispatchMode::Flexible, None);
     assert_matches(&run, &reference, "Qwen3-MoE blocks on 2 workers");
+}
+
+/// DeepSeek-MoE's routing (a sigmoid router, renormalised and scaled, top-2 from the best 2 of 4
+/// expert groups, a shared expert) with loss-free balancing, on 3 workers.
+#[test]
+fn deepseek_moe_routing_on_3_workers() {
+    let c = config();
+    let mut model = ModelConfig { n_experts: 8, top_k: 2, expert_groups: 4, top_groups: 2, routed_scaling: 2.5, ..c.model.deepseek_moe() };
+    model.balance = lazarus_model::config::Balance::Bias;
+    model.bias_update_rate = 0.01;
+    let deepseek = TrainConfig { model, ..c };
+    let reference = single(deepseek.clone());
+    assert!(reference.0[STEPS as usize - 1] < reference.0[0], "the reference run learns");
+    let layers = deepseek.model.moe_layers();
+    let run = distributed_with(deepseek, 3, uneven(3, layers, 8), DispatchMode::Flexible, None);
+    assert_matches(&run, &reference, "DeepSeek-MoE routing on 3 workers");
 }

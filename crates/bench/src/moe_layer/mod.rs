@@ -309,7 +309,7 @@ fn set_up_cases(spec: &MoeLayerBenchSpec, rank: usize, ranks: usize) -> Result<V
             experts,
             replicas: replicas.clone(),
             top_k: spec.top_k,
-            normalize_top_k: true,
+            router: lazarus_model::routing::Router::default(),
             timeout: Duration::from_secs_f64(spec.timeout_s),
             mode: match case.system {
                 BenchSystem::Lazarus | BenchSystem::LazarusUnguarded => DispatchMode::Balanced,

@@ -307,7 +307,7 @@ impl MoeModel {
                     experts,
                     shared,
                     top_k: cfg.top_k,
-                    normalize_top_k: cfg.normalize_top_k,
+                    router: cfg.router(),
                     act: cfg.expert_act,
                     capacity_factor: cfg.capacity_factor,
                 })
@@ -699,11 +699,6 @@ fn gpu_kernels(device: &Device) -> bool {
         let _ = device;
         false
     }
-}
-
-/// Softmax over the last dimension (fused kernel, see [`crate::ops`]).
-pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    Ok(crate::ops::softmax_last(x)?)
 }
 
 /// Mean cross-entropy of logits [N, V] against targets [N] (u32): one fused node (see

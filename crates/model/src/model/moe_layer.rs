@@ -15,7 +15,8 @@ pub struct MoeLayer {
     /// The always-on shared experts, as one FFN (None without).
     pub(super) shared: Option<Ffn>,
     pub(super) top_k: usize,
-    pub(super) normalize_top_k: bool,
+    /// How the router scores and picks ([`crate::routing::Router`]).
+    pub(super) router: crate::routing::Router,
     pub(super) act: Activation,
     pub(super) capacity_factor: Option<f64>,
 }
@@ -66,7 +67,7 @@ impl MoeLayer {
             Some(loads) => assign_from_loads(loads, n, k)?,
             None => {
                 let bias: Option<Vec<f64>> = self.route_bias.as_ref().map(|b| b.as_tensor().to_dtype(DType::F64)?.to_vec1()).transpose()?;
-                crate::routing::top_k_rows_biased(host, e_count, k, bias.as_deref())
+                self.router.choose(host, e_count, k, bias.as_deref())
             }
         };
         let mut load = vec![0u64; e_count];
@@ -88,20 +89,20 @@ impl MoeLayer {
         Ok(Routing { choices, load, dropped, tokens, slots })
     }
 
-    /// From the router's logits [n, E]: its probabilities (in the logits' graph), the routing,
-    /// and each (token, choice)'s normalised weight [n·k].
+    /// From the router's logits [n, E]: the probabilities the balance loss reads (in the
+    /// logits' graph), the routing, and each (token, choice)'s weight [n·k].
     pub(super) fn route_logits(&self, logits: &Tensor, n: usize, forced: Option<&[f64]>) -> Result<(Tensor, Routing, Tensor)> {
-        let probs = softmax_last(logits)?;
-        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let (scores, probs) = self.router.scores(logits)?;
+        let host: Vec<f64> = scores.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let r = self.route(&host, n, forced)?;
-        let w = self.combine_weights(&probs, &r.choices, n)?;
+        let w = self.combine_weights(&scores, &r.choices, n)?;
         Ok((probs, r, w))
     }
 
     /// The router weight of each (token, choice) [n·k], in the router's graph.
-    pub(super) fn combine_weights(&self, probs: &Tensor, choices: &[usize], n: usize) -> Result<Tensor> {
+    pub(super) fn combine_weights(&self, scores: &Tensor, choices: &[usize], n: usize) -> Result<Tensor> {
         let choices: Vec<u32> = choices.iter().map(|&c| c as u32).collect();
-        Ok(crate::routing::combine_weights(probs, &choices, n, self.top_k, self.normalize_top_k)?.flatten_all()?)
+        Ok(crate::routing::combine_weights(scores, &choices, n, self.top_k, &self.router)?.flatten_all()?)
     }
 
     /// Switch load-balancing loss: E · Σ_e f_e · P_e, f_e the share of assignments (constant),

@@ -52,6 +52,16 @@ fn gradients_of_the_modern_blocks_match_finite_differences() {
     finite_differences(&ModelConfig { normalize_top_k: true, moe_every: 1, ..tiny_modern() }, &Device::Cpu, 1e-4);
 }
 
+/// The same with DeepSeek-MoE's routing: a sigmoid router whose chosen scores are renormalised
+/// and scaled, group-limited to the best 2 of 3 groups, a shared expert.
+#[test]
+fn gradients_through_a_sigmoid_router_with_groups_match_finite_differences() {
+    let cfg =
+        ModelConfig { n_experts: 6, top_k: 2, expert_groups: 3, top_groups: 2, routed_scaling: 2.5, moe_every: 1, ..tiny().deepseek_moe() };
+    assert_eq!((cfg.router, cfg.shared_experts, cfg.normalize_top_k), (crate::config::RouterScore::Sigmoid, 1, true));
+    finite_differences(&cfg, &Device::Cpu, 1e-4);
+}
+
 /// The same with Qwen3-MoE's query and key norms (each head's, before the rotary positions):
 /// their weights get the loss's gradient too.
 #[test]

@@ -2,7 +2,6 @@
 
 use candle_core::{DType, Tensor, Var};
 use lazarus_comm::{all_gather, all_to_all_v, f32_to_bytes, Group, Transport};
-use lazarus_model::ops::softmax_last;
 use lazarus_model::profile;
 use lazarus_plan::{DispatchSchedule, RankLayout};
 
@@ -58,7 +57,7 @@ impl DistributedMoe {
     ) -> Result<MoeForward, RuntimeError> {
         let (n, d) = h.dims2()?;
         let (k, me) = (self.top_k, t.rank());
-        let Routing { probs, choices, local_load } = self.route(h, choices)?;
+        let Routing { scores, probs, choices, local_load } = self.route(h, choices)?;
         let tokens = {
             let _p = profile::kernel("transport");
             self.gather_token_counts(t, world, &local_load)?
@@ -78,7 +77,7 @@ impl DistributedMoe {
             remote.send_distinct(&layout, k, d);
         }
         // The combine weights w[t, j] (in h's graph), and on the host where a holder combines.
-        let w = lazarus_model::routing::combine_weights(&probs, &choices, n, k, self.normalize_top_k)?;
+        let w = lazarus_model::routing::combine_weights(&scores, &choices, n, k, &self.router)?;
         let combine = w.detach().to_dtype(DType::F32)?.reshape((n, k))?;
         // Dispatch.
         let sends = self.pack_dispatch(h, &layout, &remote, &combine, d)?;
@@ -173,8 +172,8 @@ impl DistributedMoe {
     fn route(&self, h: &Tensor, choices: Option<&[u32]>) -> Result<Routing, RuntimeError> {
         let _router = profile::kernel("router");
         let (n, k, e_count) = (h.dims2()?.0, self.top_k, self.experts_count());
-        let probs = softmax_last(&h.matmul(self.gate.as_tensor())?)?;
-        let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
+        let (scores, probs) = self.router.scores(&h.matmul(self.gate.as_tensor())?)?;
+        let host: Vec<Vec<f64>> = scores.to_dtype(DType::F64)?.to_vec2()?;
         let choices: Vec<u32> = match choices {
             Some(c) => {
                 if c.len() != n * k || c.iter().any(|&e| e as usize >= e_count) {
@@ -188,15 +187,14 @@ impl DistributedMoe {
             None => {
                 let bias: Option<Vec<f64>> = self.route_bias.as_ref().map(|b| b.as_tensor().to_dtype(DType::F64)?.to_vec1()).transpose()?;
                 let flat: Vec<f64> = host.concat();
-                let mut c: Vec<u32> =
-                    lazarus_model::routing::top_k_rows_biased(&flat, e_count, k, bias.as_deref()).into_iter().map(|c| c as u32).collect();
+                let mut c: Vec<u32> = self.router.choose(&flat, e_count, k, bias.as_deref()).into_iter().map(|c| c as u32).collect();
                 super::catch_up::boost_choices(&host, &mut c, k, &self.catching_up, super::catch_up::CATCH_UP_FRACTION);
                 c
             }
         };
         let mut local_load = vec![0u64; e_count];
         choices.iter().for_each(|&c| local_load[c as usize] += 1);
-        Ok(Routing { probs, choices, local_load })
+        Ok(Routing { scores, probs, choices, local_load })
     }
 
     /// T[e][rank]: every rank's tokens for each expert (an all-gather of `local_load`).
@@ -375,7 +373,9 @@ impl DistributedMoe {
 
 /// The router's decision for this rank's tokens.
 struct Routing {
-    /// Softmax over the experts [n, E], in h's graph.
+    /// The router's scores [n, E], in h's graph ([`lazarus_model::routing::Router::scores`]).
+    scores: Tensor,
+    /// The probabilities the balance loss reads (the softmax, or sigmoid scores over their sum).
     probs: Tensor,
     /// Token-major, n·k expert ids.
     choices: Vec<u32>,

@@ -115,8 +115,9 @@ pub struct DistributedMoe {
     /// R[e][rank] of the current placement.
     pub replicas: Vec<Vec<u32>>,
     pub top_k: usize,
-    /// Whether the k > 1 combine weights are renormalised ([`lazarus_model::ModelConfig::normalize_top_k`]).
-    pub normalize_top_k: bool,
+    /// How the router scores and picks, and weights a token's choices
+    /// ([`lazarus_model::routing::Router`], from the model's configuration).
+    pub router: lazarus_model::routing::Router,
     pub timeout: Duration,
     pub mode: DispatchMode,
     /// Largest replica-gradient all-reduce bucket ([`DEFAULT_BUCKET_BYTES`]).

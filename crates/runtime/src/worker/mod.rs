@@ -230,7 +230,7 @@ fn build_layers(
             experts,
             replicas,
             top_k: mc.top_k,
-            normalize_top_k: mc.normalize_top_k,
+            router: mc.router(),
             timeout,
             mode,
             bucket_bytes: DEFAULT_BUCKET_BYTES,

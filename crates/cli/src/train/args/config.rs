@@ -94,7 +94,8 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
         positions => "positions" if blocks || m.positions.is_some(), expert_act => "expert-act" if blocks || m.expert_act.is_some(),
         attn_bias => "attn-bias" if blocks || m.attn_bias.is_some(), ffn_bias => "ffn-bias" if blocks || m.ffn_bias.is_some(),
         normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some(),
-        rope_theta => "rope-theta" if blocks || m.rope_theta.is_some(), qk_norm => "qk-norm" if blocks || m.qk_norm.is_some());
+        rope_theta => "rope-theta" if blocks || m.rope_theta.is_some(), qk_norm => "qk-norm" if blocks || m.qk_norm.is_some(),
+        router => "router" if blocks || m.router.is_some());
     if let Some(clash) = clash {
         bail!("--init-from: the model is the directory's, but {clash}");
     }
@@ -145,9 +146,9 @@ pub(super) fn take_arch(table: &mut toml::Table) -> Result<Option<(lazarus_model
     let Some(toml::Value::Table(model)) = table.get_mut("model") else { return Ok(None) };
     let Some(arch) = model.remove("arch") else { return Ok(None) };
     let arch = match arch {
-        toml::Value::String(a) => choice("arch", &a, "gpt, mixtral or qwen-moe")
-            .map_err(|_| anyhow::anyhow!("model.arch = '{a}' (expected gpt, mixtral or qwen-moe)"))?,
-        other => bail!("model.arch = {other} (expected \"gpt\", \"mixtral\" or \"qwen-moe\")"),
+        toml::Value::String(a) => choice("arch", &a, "gpt, mixtral, qwen-moe or deepseek-moe")
+            .map_err(|_| anyhow::anyhow!("model.arch = '{a}' (expected gpt, mixtral, qwen-moe or deepseek-moe)"))?,
+        other => bail!("model.arch = {other} (expected \"gpt\", \"mixtral\", \"qwen-moe\" or \"deepseek-moe\")"),
     };
     Ok(Some((arch, model.keys().cloned().collect())))
 }
@@ -165,7 +166,7 @@ pub(super) fn with_arch_under(
             $(if !said.iter().any(|k| k == stringify!($field)) { m.$field = preset.$field.clone(); })*
         };
     }
-    unless_said!(norm, positions, rope_theta, expert_act, attn_bias, ffn_bias, normalize_top_k, shared_experts, moe_every, qk_norm);
+    unless_said!(norm, positions, rope_theta, expert_act, attn_bias, ffn_bias, normalize_top_k, shared_experts, moe_every, qk_norm, router);
     m
 }
 
@@ -203,7 +204,7 @@ pub(super) fn choice<T: serde::de::DeserializeOwned>(flag: &str, value: &str, ch
 /// The block options flags set, on top of `m`: `--arch` first, then each option's own flag.
 pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelConfig) -> Result<()> {
     if let Some(a) = &args.arch {
-        let arch: lazarus_model::config::Arch = choice("arch", a, "gpt, mixtral or qwen-moe")?;
+        let arch: lazarus_model::config::Arch = choice("arch", a, "gpt, mixtral, qwen-moe or deepseek-moe")?;
         *m = m.clone().with_arch(arch);
     }
     if let Some(v) = &args.norm {
@@ -215,12 +216,15 @@ pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelCo
     if let Some(v) = &args.expert_act {
         m.expert_act = choice("expert-act", v, "gelu or swiglu")?;
     }
+    if let Some(v) = &args.router {
+        m.router = choice("router", v, "softmax or sigmoid")?;
+    }
     macro_rules! set {
         ($($flag:ident),*) => {
             $(if let Some(v) = args.$flag { m.$flag = v; })*
         };
     }
-    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias, qk_norm);
+    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias, qk_norm, routed_scaling, expert_groups, top_groups);
     Ok(())
 }
 

@@ -76,14 +76,30 @@ pub struct ModelArgs {
     /// Mixtral; false keeps each softmax probability, as Qwen-MoE and OLMoE).
     #[arg(long, value_name = "true|false")]
     pub(crate) normalize_top_k: Option<bool>,
+    /// The router's scores: softmax over the experts (default), or a sigmoid each (DeepSeek-V3;
+    /// the chosen scores renormalised with --normalize-top-k true).
+    #[arg(long, value_name = "softmax|sigmoid")]
+    pub(crate) router: Option<String>,
+    /// The routed experts' weights times this (DeepSeek-V3's routed scaling factor; 1 = none).
+    #[arg(long)]
+    pub(crate) routed_scaling: Option<f64>,
+    /// Group-limited routing (DeepSeek-V3's n_group): the experts in this many equal groups, a
+    /// token's top-k only from the --top-groups groups whose two best scores sum highest.
+    #[arg(long)]
+    pub(crate) expert_groups: Option<usize>,
+    /// Groups a token's experts may come from (with --expert-groups; DeepSeek-V3's topk_group).
+    #[arg(long)]
+    pub(crate) top_groups: Option<usize>,
     /// Always-on shared experts beside the routed ones in every MoE block (DeepSeek-MoE).
     #[arg(long)]
     pub(crate) shared_experts: Option<usize>,
     /// The blocks' options at once: gpt (LayerNorm, learned positions, GELU, biases: the
     /// default) or mixtral (RMSNorm, rotary positions θ = 10⁶, SwiGLU experts, no biases,
     /// normalised top-k, no shared experts) or qwen-moe (Mixtral's, with an RMSNorm on each
-    /// head's queries and keys, as Qwen3-MoE); the flags below and above change single options.
-    #[arg(long, value_name = "gpt|mixtral|qwen-moe")]
+    /// head's queries and keys, as Qwen3-MoE) or deepseek-moe (Mixtral's with a shared expert
+    /// and a sigmoid router, DeepSeek-MoE's routing); the flags below and above change single
+    /// options.
+    #[arg(long, value_name = "gpt|mixtral|qwen-moe|deepseek-moe")]
     pub(crate) arch: Option<String>,
     /// The blocks' norm.
     #[arg(long, value_name = "layer|rms")]
@@ -511,6 +527,10 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("expert_act", word(m.expert_act)),
         ("attn_bias", m.attn_bias.to_string()),
         ("qk_norm", m.qk_norm.to_string()),
+        ("router", word(m.router)),
+        ("routed_scaling", word(m.routed_scaling)),
+        ("expert_groups", m.expert_groups.to_string()),
+        ("top_groups", m.top_groups.to_string()),
         ("ffn_bias", m.ffn_bias.to_string()),
         ("aux_loss_coef", word(m.aux_loss_coef)),
         ("balance", word(m.balance)),

@@ -63,6 +63,15 @@ fn the_arch_preset_and_the_block_options_come_from_flags_and_the_file() {
     let m = parse(&["--arch", "qwen-moe", "--top-k", "8", "--experts", "64"]).unwrap().model;
     assert_eq!((m.qk_norm, m.norm, m.expert_act, m.attn_bias), (true, NormKind::Rms, Activation::Swiglu, false));
     assert!(!parse(&["--arch", "qwen-moe", "--qk-norm", "false"]).unwrap().model.qk_norm, "the flag overrides the preset");
+    let m = parse(&["--arch", "deepseek-moe", "--experts", "16", "--expert-groups", "4", "--top-groups", "2", "--routed-scaling", "2.5"])
+        .unwrap()
+        .model;
+    assert_eq!(
+        (m.router, m.shared_experts, m.expert_groups, m.top_groups, m.routed_scaling),
+        (lazarus_model::config::RouterScore::Sigmoid, 1, 4, 2, 2.5)
+    );
+    assert!(format!("{:#}", parse(&["--router", "relu"]).unwrap_err()).contains("--router: 'relu'"));
+    assert!(format!("{:#}", parse(&["--expert-groups", "3"]).unwrap_err()).contains("expert_groups"));
     let m = parse(&["--balance", "bias", "--bias-update-rate", "0.01"]).unwrap().model;
     assert_eq!((m.balance, m.bias_update_rate), (lazarus_model::config::Balance::Bias, 0.01));
     assert_eq!(parse(&[]).unwrap().model.balance, lazarus_model::config::Balance::Aux, "the auxiliary loss unless asked");
