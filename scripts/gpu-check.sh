@@ -159,9 +159,9 @@ switches() {
 # ORDER says which checks run, first to last; each is skipped when the budget has too little left,
 # so a run cut short keeps what comes first. The default: everything, the headline figures first.
 # What no GPU has run yet (Mixtral's GPU kernels, AdamW in one launch, a worker's own rows kept on
-# the device) comes first with ORDER="tests-model tests-training bench-mixtral switches workers
-# workers-large".
-for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli workers-eval switches workers workers-large recovery bench-mixtral}; do
+# the device, the Qwen3-MoE and DeepSeek-MoE options) comes first with ORDER="tests-model
+# tests-training bench-mixtral bench-families switches workers workers-large".
+for check in ${ORDER:-bench-large bench-default tests-model tests-training tests-workers tests-cli workers-eval switches workers workers-large recovery bench-mixtral bench-families}; do
   case $check in
     bench-large) bench large-f32 120 "" $large --iters 5 --profile
                  bench large-bf16 120 "" $large --iters 5 --dtype bf16 --profile ;;
@@ -171,6 +171,11 @@ for check in ${ORDER:-bench-large bench-default tests-model tests-training tests
     bench-mixtral) bench default-mixtral-f32 60 "" --arch mixtral --profile
                    bench default-mixtral-bf16 60 "" --arch mixtral --dtype bf16 --profile
                    bench large-mixtral-bf16 120 "" $large --arch mixtral --iters 5 --dtype bf16 --profile ;;
+    # The other families on the GPU ops: Qwen3-MoE's query and key norms (an RMSNorm per head in
+    # f32 between the bf16 projection and rotary positions), DeepSeek-MoE's sigmoid router with
+    # groups, a shared expert and the loss-free bias.
+    bench-families) bench default-qwen-bf16 60 "" --arch qwen-moe --dtype bf16 --profile
+                    bench default-deepseek-bf16 60 "" --arch deepseek-moe --experts 16 --top-k 4 --expert-groups 4 --top-groups 2 --balance bias --dtype bf16 --profile ;;
     tests-model) run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt ;;
     tests-training) run_tests training 60 model-training --test-threads 1 gpu ;;
     tests-workers) run_tests runtime-workers 60 runtime-gpu-workers --test-threads 1 ;;
