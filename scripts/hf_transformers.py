@@ -23,24 +23,24 @@ except ImportError as e:  # the test skips, saying why
     sys.exit(3)
 
 
+# The shape both tiny models share.
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+
 def make(out):
     torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        sliding_window=None,
-    )
+    config = MixtralConfig(**SHAPE, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     model = MixtralForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
 
@@ -48,24 +48,15 @@ def make(out):
 def make_qwen3_moe(out):
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=32,
+        **SHAPE,
         intermediate_size=48,
         moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         head_dim=8,
         num_experts=8,
         num_experts_per_tok=4,
         norm_topk_prob=False,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
         use_sliding_window=False,
     )
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()

@@ -44,27 +44,24 @@ impl Router {
     }
 
     /// Each token's k experts from its scores (host, token-major, `width` a row) plus the
-    /// loss-free balancing's bias when there is one, within its best groups when routing is
+    /// loss-free balancing's bias when there is one (the bias picks the experts, the weights
+    /// stay the router's, [`combine_weights`]), within its best groups when routing is
     /// group-limited (a group's score: its two best experts', DeepSeek-V3); n·k ids.
     pub fn choose(&self, scores: &[f64], width: usize, k: usize, bias: Option<&[f64]>) -> Vec<usize> {
-        if self.groups <= 1 {
-            return top_k_rows_biased(scores, width, k, bias);
-        }
-        let biased: Vec<f64> = match bias {
-            Some(b) if b.len() == width => scores.chunks(width.max(1)).flat_map(|row| row.iter().zip(b).map(|(p, x)| p + x)).collect(),
-            _ => scores.to_vec(),
+        let biased: std::borrow::Cow<'_, [f64]> = match bias {
+            Some(b) if b.len() == width && b.iter().any(|&x| x != 0.0) => {
+                scores.chunks(width.max(1)).flat_map(|row| row.iter().zip(b).map(|(p, x)| p + x)).collect::<Vec<_>>().into()
+            }
+            _ => scores.into(),
         };
+        if self.groups <= 1 {
+            return top_k_rows(&biased, width, k);
+        }
         let per = width / self.groups;
         let masked: Vec<f64> = biased
             .chunks(width.max(1))
             .flat_map(|row| {
-                let group_score: Vec<f64> = row
-                    .chunks(per)
-                    .map(|g| {
-                        let best = top_k(g, 2);
-                        best.iter().map(|&i| g[i]).sum()
-                    })
-                    .collect();
+                let group_score: Vec<f64> = row.chunks(per).map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum()).collect();
                 let kept = top_k(&group_score, self.top_groups);
                 row.iter().enumerate().map(move |(e, &x)| if kept.contains(&(e / per)) { x } else { f64::NEG_INFINITY }).collect::<Vec<_>>()
             })
@@ -103,20 +100,6 @@ pub fn top_k(row: &[f64], k: usize) -> Vec<usize> {
 pub fn top_k_rows(probs: &[f64], width: usize, k: usize) -> Vec<usize> {
     use rayon::prelude::*;
     probs.par_chunks(width.max(1)).with_min_len(256).flat_map_iter(|row| top_k(row, k)).collect()
-}
-
-/// [`top_k_rows`] of the scores plus each expert's routing bias (`bias`, one per expert) when
-/// there is one: the loss-free balancing's choice (the bias picks the experts, the weights stay
-/// the router's, [`combine_weights`]). The one home of this rule: the single-process layer and
-/// the distributed one both choose by it.
-pub fn top_k_rows_biased(probs: &[f64], width: usize, k: usize, bias: Option<&[f64]>) -> Vec<usize> {
-    match bias {
-        Some(b) if b.len() == width && b.iter().any(|&x| x != 0.0) => {
-            let biased: Vec<f64> = probs.chunks(width.max(1)).flat_map(|row| row.iter().zip(b).map(|(p, x)| p + x)).collect();
-            top_k_rows(&biased, width, k)
-        }
-        _ => top_k_rows(probs, width, k),
-    }
 }
 
 /// DeepSeek-V3's bias update after a step (Wang et al. 2024): each expert's bias moves by
@@ -240,9 +223,10 @@ mod bias_tests {
         // Two tokens over four experts: the bias turns token 0's choice from expert 0 to 1, token
         // 1's from 3 to 2.
         let probs = [0.4, 0.3, 0.2, 0.1, 0.1, 0.2, 0.3, 0.4];
-        assert_eq!(top_k_rows_biased(&probs, 4, 1, None), vec![0, 3]);
-        assert_eq!(top_k_rows_biased(&probs, 4, 1, Some(&bias)), vec![1, 2]);
-        assert_eq!(top_k_rows_biased(&probs, 4, 2, Some(&[0.0; 4])), top_k_rows(&probs, 4, 2));
+        let router = Router::default();
+        assert_eq!(router.choose(&probs, 4, 1, None), vec![0, 3]);
+        assert_eq!(router.choose(&probs, 4, 1, Some(&bias)), vec![1, 2]);
+        assert_eq!(router.choose(&probs, 4, 2, Some(&[0.0; 4])), top_k_rows(&probs, 4, 2));
     }
 }
 

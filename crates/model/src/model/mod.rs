@@ -596,7 +596,6 @@ impl MoeModel {
         Ok(())
     }
 
-    /// Block index of each MoE layer.
     /// The loss-free balancing's step ([`crate::routing::update_route_bias`]): each MoE layer's
     /// routing bias moved toward its mean load, `loads` one list per MoE layer (the step's whole
     /// global batch). Nothing without the bias.
@@ -615,6 +614,7 @@ impl MoeModel {
         Ok(())
     }
 
+    /// Block index of each MoE layer.
     pub fn moe_blocks(&self) -> &[usize] {
         &self.moe_blocks
     }

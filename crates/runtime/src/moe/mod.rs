@@ -108,7 +108,7 @@ pub struct DistributedMoe {
     pub gate: Var,
     /// The loss-free balancing's routing bias [E], shared with the model's parameter of it
     /// (None without it): it picks the top-k, the weights stay the router's
-    /// ([`lazarus_model::routing::top_k_rows_biased`]).
+    /// ([`lazarus_model::routing::Router::choose`]).
     pub route_bias: Option<Var>,
     /// Experts with at least one replica on this rank.
     pub experts: BTreeMap<usize, ExpertWeights>,
