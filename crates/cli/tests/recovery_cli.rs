@@ -645,15 +645,31 @@ fn the_snapshot_ceiling_bounds_the_paced_budget_and_is_checked() {
 /// checkpoint resumes in one process.
 #[test]
 fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
-    let d = dir("recover-mixtral");
     let blocks = ["--arch", "mixtral", "--shared-experts", "1", "--steps", "30"];
+    family_survives_a_killed_worker("mixtral", &blocks, "RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert");
+}
+
+/// The other families' options at once — Qwen3-MoE's query and key norms, DeepSeek-MoE's sigmoid
+/// router and shared expert, and loss-free balancing's routing bias (which the survivors keep and
+/// move as the uninterrupted run does).
+#[test]
+fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
+    let blocks = ["--arch", "deepseek-moe", "--qk-norm", "true", "--balance", "bias", "--bias-update-rate", "0.01", "--steps", "30"];
+    family_survives_a_killed_worker("deepseek", &blocks, "q/k norms, sigmoid router, 1 shared expert");
+}
+
+/// A run of `blocks` on 4 workers, one SIGKILLed after step 8: every step once with the losses
+/// of the uninterrupted run (whose first line names its blocks with `described`), one
+/// reconfiguration, and its checkpoint resumes in one process.
+fn family_survives_a_killed_worker(name: &str, blocks: &[&str], described: &str) {
+    let d = dir(&format!("recover-{name}"));
     let reference = d.join("reference.jsonl");
     let mut args = vec!["train", "--json-log", reference.to_str().unwrap()];
     args.extend(tiny());
     args.extend(blocks);
     let out = lazarus(&args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(described), "{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<f64> = log(&reference).0.into_iter().map(|(_, l)| l).collect();
     let [(path, log_s), (ck, ck_s)] = files(&d, ["log.jsonl", "ck"]);
     let mut extra = vec!["--json-log", log_s.as_str(), "--checkpoint-dir", ck_s.as_str()];
@@ -663,7 +679,7 @@ fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
     signal(pids[1], libc::SIGKILL);
     finish(child, lines, &path);
     let (steps, reconf) = log(&path);
-    assert_same_losses(&steps, &want, "Mixtral blocks on 4 workers, one killed");
+    assert_same_losses(&steps, &want, &format!("{name} blocks on 4 workers, one killed"));
     assert_eq!(reconf.len(), 1, "{reconf:?}");
     assert_eq!(reconf[0]["lost"], serde_json::json!([1]));
     resumes_in_one_process(&ck, "32", &d);
