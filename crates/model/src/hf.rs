@@ -487,7 +487,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     config_from_json(&v, &config_path)
 }
 
-/// A Hugging Face Mixtral directory: our configuration of it and its tensors (f32, on the CPU),
+/// A Hugging Face Mixtral or Qwen3-MoE directory: our configuration of it and its tensors (f32, on the CPU),
 /// from its one weights file or from every shard its index names.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let cfg = read_config(dir)?;
