@@ -13,11 +13,19 @@
 Needs torch and transformers; exits with status 3 and says so when they cannot be imported.
 """
 import json
+import os
 import sys
 
 try:
     import torch
-    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 except ImportError as e:  # the test skips, saying why
     print(f"transformers or torch cannot be imported: {e}", file=sys.stderr)
     sys.exit(3)
@@ -75,6 +83,9 @@ def logits(directory, ids, out):
         print(f"{directory} does not load cleanly: {bad}", file=sys.stderr)
         sys.exit(1)
     model.eval()
+    # A generation config beside the model must be one transformers takes.
+    if os.path.exists(os.path.join(directory, "generation_config.json")):
+        GenerationConfig.from_pretrained(directory).validate(strict=True)
     tokens = torch.tensor([[int(x) for x in ids.split(",")]])
     with torch.no_grad():
         result = model(input_ids=tokens).logits[0].to(torch.float64).tolist()

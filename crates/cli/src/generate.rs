@@ -18,15 +18,15 @@ pub struct GenerateArgs {
     #[arg(long)]
     prompt: String,
     /// New tokens (bytes) to draw.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = Sampling::default().tokens)]
     tokens: usize,
     /// 0: the most likely token every time; higher: more varied.
-    #[arg(long, default_value_t = 0.8, allow_hyphen_values = true)]
+    #[arg(long, default_value_t = Sampling::default().temperature, allow_hyphen_values = true)]
     temperature: f64,
     /// Draw among this many most likely tokens (0: all).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = Sampling::default().top_k)]
     top_k: usize,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = Sampling::default().seed)]
     seed: u64,
     /// Where the model runs: cpu (default), or cuda / cuda:N.
     #[arg(long, value_name = "cpu|cuda[:N]")]

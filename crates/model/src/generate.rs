@@ -22,6 +22,14 @@ pub struct Sampling {
     pub seed: u64,
 }
 
+impl Default for Sampling {
+    /// `lazarus generate`'s defaults, which an export also writes as the model's
+    /// `generation_config.json` (so that transformers' `generate` draws as ours does).
+    fn default() -> Self {
+        Sampling { tokens: 200, temperature: 0.8, top_k: 40, seed: 0 }
+    }
+}
+
 /// Most tokens one call draws.
 pub const MAX_NEW_TOKENS: usize = 1 << 16;
 

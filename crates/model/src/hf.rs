@@ -36,6 +36,8 @@ use crate::model::{MoeModel, NORM_EPS};
 pub const CONFIG_FILE: &str = "config.json";
 /// Its weights in one file (what [`export`] writes).
 pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// How transformers' `generate` draws from the model: `lazarus generate`'s defaults.
+pub const GENERATION_FILE: &str = "generation_config.json";
 /// Or the index of a sharded checkpoint: `{"weight_map": {tensor: file, …}}`.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// Longest `config.json` read.
@@ -250,11 +252,12 @@ pub fn export(model: &MoeModel, dir: &Path) -> Result<()> {
 /// [`export`] in shards of at most `max_shard_bytes` of tensor data each (a larger tensor alone
 /// in its own), as transformers writes them: one `model.safetensors` when the model fits in
 /// one, else `model-00001-of-0000N.safetensors`… and `model.safetensors.index.json` naming each
-/// tensor's file. Each shard is made and written in turn, so memory holds one shard's bytes.
+/// tensor's file; beside them `generation_config.json` (`lazarus generate`'s sampling). Each
+/// shard is made and written in turn, so memory holds one shard's bytes.
 pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Result<()> {
     let config = config_json(model.config())?;
     let layouts = layouts(model)?;
-    for file in [CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE] {
+    for file in [CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, GENERATION_FILE] {
         if dir.join(file).exists() {
             return Err(ModelError::io(
                 dir.join(file),
@@ -320,6 +323,15 @@ pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Res
             write_new(&dir.join(INDEX_FILE), index.to_string().as_bytes())?;
             written.push(dir.join(INDEX_FILE));
         }
+        let sampling = crate::generate::Sampling::default();
+        let generation = json!({
+            "do_sample": sampling.temperature > 0.0,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "max_new_tokens": sampling.tokens,
+        });
+        write_new(&dir.join(GENERATION_FILE), generation.to_string().as_bytes())?;
+        written.push(dir.join(GENERATION_FILE));
         write_new(&dir.join(CONFIG_FILE), text.as_bytes())
     })();
     if result.is_err() {
@@ -697,6 +709,8 @@ mod tests {
         let (cfg, tensors) = load(&dir).unwrap();
         assert_eq!(cfg, ModelConfig { aux_loss_coef: tiny().aux_loss_coef, ..tiny() });
         assert!(tensors.contains_key("model.layers.1.block_sparse_moe.experts.3.w3.weight"));
+        let generation: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(GENERATION_FILE)).unwrap()).unwrap();
+        assert_eq!((generation["do_sample"].as_bool(), generation["top_k"].as_u64()), (Some(true), Some(40)));
         assert_eq!(tensors["model.layers.0.self_attn.q_proj.weight"].dims(), [16, 16]);
         assert_eq!(tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dims(), [8, 16]);
         let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
