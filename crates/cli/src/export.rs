@@ -37,7 +37,8 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
         .with_context(|| format!("invalid --max-shard-size: '{}' (expected a size such as 5GB, 500MB or 2GiB)", args.max_shard_size))?;
     let (model, config, step) = lazarus_model::trainer::load_model(&args.checkpoint, &candle_core::Device::Cpu)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
-    lazarus_model::hf::export_sharded(&model, &args.out, max_shard).with_context(|| format!("export to {}", args.out.display()))?;
+    let shards =
+        lazarus_model::hf::export_sharded(&model, &args.out, max_shard).with_context(|| format!("export to {}", args.out.display()))?;
     let mut note = String::new();
     if let Some(tok) = &config.tokenizer {
         let to = args.out.join("tokenizer.json");
@@ -54,7 +55,10 @@ pub fn run_export(args: &ExportArgs) -> Result<()> {
         model.params().num_elements() as f64 / 1e6,
         args.out.display(),
         lazarus_model::hf::Family::of(model.config()).name(),
-        weights_written(&args.out)
+        match shards {
+            1 => lazarus_model::hf::WEIGHTS_FILE.to_string(),
+            n => format!("{n} shards, {}", lazarus_model::hf::INDEX_FILE),
+        }
     ))
 }
 
@@ -81,18 +85,6 @@ fn parse_size(text: &str) -> Result<u64> {
         bail!("{bytes} bytes is out of range (1 byte to 1 PB)");
     }
     Ok(bytes as u64)
-}
-
-/// What the weights were written as: one file, or N shards and their index.
-fn weights_written(dir: &std::path::Path) -> String {
-    let index = dir.join(lazarus_model::hf::INDEX_FILE);
-    if !index.exists() {
-        return lazarus_model::hf::WEIGHTS_FILE.into();
-    }
-    let shards = std::fs::read_dir(dir)
-        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with("model-")).count())
-        .unwrap_or(0);
-    format!("{shards} shards, {}", lazarus_model::hf::INDEX_FILE)
 }
 
 #[cfg(test)]

@@ -1,0 +1,248 @@
+//! The transformers families ([`Family`]): which of our options each has, and its `config.json`
+//! both ways.
+
+use lazarus_setting::Setting;
+use serde_json::{json, Value};
+use std::path::Path;
+
+use crate::config::{Activation, ModelConfig, NormKind, Positions};
+use crate::error::{ModelError, Result};
+use crate::model::NORM_EPS;
+
+/// The transformers families a model goes to and from: Mixtral, or Qwen3-MoE (Mixtral's blocks
+/// with query and key norms, top-k weights renormalised or not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Mixtral,
+    Qwen3Moe,
+}
+
+impl Family {
+    /// The family of a model's options: Qwen3-MoE's when it has query and key norms.
+    pub fn of(cfg: &ModelConfig) -> Family {
+        if cfg.qk_norm {
+            Family::Qwen3Moe
+        } else {
+            Family::Mixtral
+        }
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Mixtral => "Mixtral",
+            Family::Qwen3Moe => "Qwen3-MoE",
+        }
+    }
+
+    /// transformers' `model_type`.
+    pub(super) fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// Where an MoE block's router and experts are: `{p}.{moe}.gate.weight` and
+    /// `{p}.{moe}.experts.{e}.{gate, up, down}`.
+    pub(super) fn moe_names(self) -> (&'static str, [&'static str; 3]) {
+        match self {
+            Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            Family::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
+    }
+}
+
+/// The first option of `cfg` that its family ([`Family::of`]) does not have, as (field, what it
+/// would need).
+pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
+    let family = Family::of(cfg);
+    let name = family.name();
+    let checks: [(bool, &'static str, String); 12] = [
+        (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
+        (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
+        (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
+        (!cfg.attn_bias, "attn_bias", format!("{name}'s attention has no biases ({} false)", Setting::AttnBias)),
+        (!cfg.ffn_bias, "ffn_bias", format!("{name}'s experts have no biases ({} false)", Setting::FfnBias)),
+        (cfg.shared_experts == 0, "shared_experts", format!("{}: {name} has no shared experts", cfg.shared_experts)),
+        (cfg.moe_every == 1, "moe_every", format!("{}: {name} has an MoE layer in every block", cfg.moe_every)),
+        (
+            family == Family::Qwen3Moe || (cfg.top_k > 1 && cfg.normalize_top_k),
+            "top_k",
+            format!(
+                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights (Qwen3-MoE, with query and key norms, to any)",
+                cfg.top_k,
+                if cfg.normalize_top_k { "" } else { " unnormalised" }
+            ),
+        ),
+        (cfg.capacity_factor.is_none(), "capacity_factor", format!("{name} is dropless")),
+        (cfg.router == crate::config::RouterScore::Softmax, "router", format!("sigmoid: {name}'s router is a softmax")),
+        (cfg.expert_groups == 1, "expert_groups", format!("{}: {name} routes without expert groups", cfg.expert_groups)),
+        (cfg.routed_scaling == 1.0, "routed_scaling", format!("{}: {name} does not scale its routed weights", cfg.routed_scaling)),
+    ];
+    checks.into_iter().find(|(ok, _, _)| !ok).map(|(_, field, why)| (field, why))
+}
+
+/// `config.json` of `cfg` as transformers' `MixtralConfig` or `Qwen3MoeConfig` (f32 weights).
+pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
+    let family = Family::of(cfg);
+    if let Some((field, why)) = family_mismatch(cfg) {
+        return Err(ModelError::config(field, why, format!("not a {} model: no Hugging Face export", family.name())));
+    }
+    // (Read in, a model starts the bias at zero: fine-tuning it with loss-free balancing is
+    // fine; written out, transformers would route without it.)
+    if cfg.balance.uses_bias() {
+        return Err(ModelError::config(
+            "balance",
+            format!("{:?}", cfg.balance).to_lowercase(),
+            format!(
+                "{}'s router has no routing bias: transformers would choose other experts than this model ({} aux trains without one)",
+                family.name(),
+                Setting::Balance
+            ),
+        ));
+    }
+    let mut v = json!({
+        "model_type": family.model_type(),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "head_dim": cfg.d_model / cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": NORM_EPS,
+        "rope_theta": cfg.rope_theta,
+        "sliding_window": null,
+        "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": false,
+        "tie_word_embeddings": false,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+        "use_cache": true,
+    });
+    let extra = match family {
+        Family::Mixtral => json!({ "architectures": ["MixtralForCausalLM"], "num_local_experts": cfg.n_experts }),
+        Family::Qwen3Moe => json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": cfg.n_experts,
+            "moe_intermediate_size": cfg.d_ff,
+            "norm_topk_prob": cfg.normalize_top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "attention_bias": false,
+            "use_sliding_window": false,
+        }),
+    };
+    if let (Some(map), Value::Object(more)) = (v.as_object_mut(), extra) {
+        map.extend(more);
+    }
+    Ok(v)
+}
+
+/// Our configuration of the Mixtral model described by `config.json` at `path`, or an error
+/// naming the first field we cannot follow.
+pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
+    let bad = |field: &str, reason: String| ModelError::Checkpoint { path: path.to_path_buf(), reason: format!("{field}: {reason}") };
+    let int = |field: &str| -> Result<usize> {
+        v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| bad(field, "missing or not a whole number".into()))
+    };
+    let num = |field: &str| v.get(field).and_then(Value::as_f64);
+    let family = match v.get("model_type").and_then(Value::as_str) {
+        Some("mixtral") => Family::Mixtral,
+        Some("qwen3_moe") => Family::Qwen3Moe,
+        other => return Err(bad("model_type", format!("{other:?}: only Mixtral and Qwen3-MoE checkpoints are read"))),
+    };
+    if family == Family::Qwen3Moe {
+        qwen3_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
+    }
+    let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
+    // transformers' MixtralConfig has 8 key/value heads unless it says otherwise.
+    let kv = v.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(8);
+    if kv as usize != heads {
+        return Err(bad("num_key_value_heads", format!("{kv} of {heads} heads: grouped-query attention is not supported")));
+    }
+    if let Some(hd) = v.get("head_dim").and_then(Value::as_u64) {
+        if heads == 0 || hd as usize * heads != d {
+            return Err(bad("head_dim", format!("{hd}: only hidden_size / num_attention_heads is supported")));
+        }
+    }
+    match v.get("hidden_act").and_then(Value::as_str) {
+        None | Some("silu") => {}
+        Some(other) => return Err(bad("hidden_act", format!("{other:?}: only silu (SwiGLU) is supported"))),
+    }
+    if v.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
+        return Err(bad("tie_word_embeddings", "true: tied embeddings are not supported".into()));
+    }
+    let max_pos = int("max_position_embeddings")?;
+    if let Some(w) = v.get("sliding_window").and_then(Value::as_u64) {
+        if (w as usize) < max_pos {
+            return Err(bad("sliding_window", format!("{w}: sliding-window attention is not supported")));
+        }
+    }
+    if let Some(eps) = num("rms_norm_eps") {
+        if (eps - NORM_EPS).abs() > 1e-12 {
+            return Err(bad("rms_norm_eps", format!("{eps}: only {NORM_EPS} is supported")));
+        }
+    }
+    // rope_theta at the top (transformers 4) or in rope_parameters (5), with the default type.
+    let rope = v.get("rope_parameters").or_else(|| v.get("rope_scaling")).filter(|r| !r.is_null());
+    if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str) {
+        if kind != "default" {
+            return Err(bad("rope_parameters", format!("rope_type {kind:?}: only the default rotary positions are supported")));
+        }
+    }
+    let theta = num("rope_theta").or_else(|| rope.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64)).unwrap_or(1e6);
+    let cfg = ModelConfig {
+        vocab_size: int("vocab_size")?,
+        d_model: d,
+        n_layers: int("num_hidden_layers")?,
+        n_heads: heads,
+        max_seq_len: max_pos,
+        // (Qwen3-MoE's files say num_experts; transformers 5 writes num_local_experts for both.)
+        n_experts: match family {
+            Family::Qwen3Moe if v.get("num_experts").is_some() => int("num_experts")?,
+            _ => int("num_local_experts")?,
+        },
+        top_k: int("num_experts_per_tok")?,
+        d_ff: int(if family == Family::Qwen3Moe { "moe_intermediate_size" } else { "intermediate_size" })?,
+        // transformers' MixtralConfig and Qwen3MoeConfig default when the file does not say.
+        aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.001),
+        init_std: num("initializer_range").unwrap_or(0.02),
+        rope_theta: theta,
+        ..match family {
+            Family::Mixtral => ModelConfig::default().mixtral(),
+            Family::Qwen3Moe => ModelConfig {
+                normalize_top_k: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+                ..ModelConfig::default().qwen_moe()
+            },
+        }
+    };
+    cfg.validate().map_err(|e| bad("config", e.to_string()))?;
+    if let Some((field, why)) = family_mismatch(&cfg) {
+        return Err(bad(field, why));
+    }
+    Ok(cfg)
+}
+
+/// What a Qwen3-MoE `config.json` may say beyond Mixtral's fields: an MoE layer in every block,
+/// no attention biases, no sliding window; else (field, why).
+fn qwen3_moe_supported(v: &Value) -> std::result::Result<(), (&'static str, String)> {
+    if let Some(step) = v.get("decoder_sparse_step").and_then(Value::as_u64).filter(|&s| s != 1) {
+        return Err(("decoder_sparse_step", format!("{step}: only an MoE layer in every block is supported")));
+    }
+    if v.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|l| !l.is_empty()) {
+        return Err(("mlp_only_layers", "dense blocks among the MoE ones are not supported".into()));
+    }
+    if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(("attention_bias", "true: attention biases are not supported".into()));
+    }
+    if v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        return Err(("use_sliding_window", "true: sliding-window attention is not supported".into()));
+    }
+    Ok(())
+}

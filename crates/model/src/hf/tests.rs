@@ -1,0 +1,324 @@
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+
+use super::export::shard_ranges;
+use super::*;
+use crate::config::ModelConfig;
+
+/// Every parameter of `a` and `b` the same, bit for bit (named when not).
+fn assert_same_weights(a: &MoeModel, b: &MoeModel) {
+    for ((name, x), (_, y)) in a.params().iter().zip(b.params().iter()) {
+        let (x, y): (Vec<f32>, Vec<f32>) =
+            (x.as_tensor().flatten_all().unwrap().to_vec1().unwrap(), y.as_tensor().flatten_all().unwrap().to_vec1().unwrap());
+        assert_eq!(x, y, "{name}");
+    }
+}
+
+fn tiny() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 19,
+        d_model: 16,
+        n_layers: 2,
+        n_heads: 2,
+        max_seq_len: 12,
+        n_experts: 4,
+        top_k: 2,
+        d_ff: 8,
+        ..ModelConfig::default().mixtral()
+    }
+}
+
+/// Export, then read back into a fresh model: every tensor the same, the configuration
+/// the same; the directory's names are transformers' legacy ones; a second export into the
+/// same directory is refused.
+#[test]
+fn an_export_reads_back_into_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let m = MoeModel::new(&tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+    export(&m, &dir).unwrap();
+    let (cfg, tensors) = load(&dir).unwrap();
+    assert_eq!(cfg, ModelConfig { aux_loss_coef: tiny().aux_loss_coef, ..tiny() });
+    assert!(tensors.contains_key("model.layers.1.block_sparse_moe.experts.3.w3.weight"));
+    let generation: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(GENERATION_FILE)).unwrap()).unwrap();
+    assert_eq!((generation["do_sample"].as_bool(), generation["top_k"].as_u64()), (Some(true), Some(40)));
+    assert_eq!(tensors["model.layers.0.self_attn.q_proj.weight"].dims(), [16, 16]);
+    assert_eq!(tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dims(), [8, 16]);
+    let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&back, &tensors, &dir).unwrap();
+    assert_same_weights(&m, &back);
+    assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A model that is not Mixtral's is refused before anything is written, and its weights
+    // cannot be set from a Mixtral's (its dense blocks would have no place).
+    let dense = MoeModel::new(&ModelConfig { moe_every: 2, ..tiny() }, 3, DType::F32, &Device::Cpu).unwrap();
+    assert!(export(&dense, &dir).unwrap_err().to_string().contains("moe_every"));
+    assert!(!dir.exists());
+    assert!(set_weights(&dense, &tensors, &dir).unwrap_err().to_string().contains("moe_every"));
+    // A Mixtral fine-tuned with loss-free balancing takes every weight; its bias starts at
+    // zero (transformers' Mixtral has none), and it is not written back as a Mixtral.
+    let biased = MoeModel::new(&ModelConfig { balance: crate::config::Balance::Bias, ..cfg }, 4, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&biased, &tensors, &dir).unwrap();
+    assert_eq!(biased.route_bias(1).unwrap().unwrap().as_tensor().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
+    assert_eq!(biased.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap(), m.gate(1).unwrap().as_tensor().to_vec2::<f32>().unwrap());
+    assert!(export(&biased, &dir).unwrap_err().to_string().contains("balance"));
+}
+
+/// A Qwen3-MoE (query and key norms, top-3 unnormalised) goes out under transformers'
+/// Qwen3-MoE names and comes back the same model; its fused expert tensors read too.
+#[test]
+fn a_qwen3_moe_export_reads_back_into_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-qwen-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = ModelConfig { top_k: 3, normalize_top_k: false, ..tiny().qwen_moe() };
+    let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+    export(&m, &dir).unwrap();
+    let (back_cfg, tensors) = load(&dir).unwrap();
+    assert_eq!(back_cfg, ModelConfig { aux_loss_coef: cfg.aux_loss_coef, ..cfg.clone() });
+    assert_eq!(tensors["model.layers.1.self_attn.k_norm.weight"].dims(), [8]);
+    assert_eq!(tensors["model.layers.0.mlp.experts.2.up_proj.weight"].dims(), [8, 16]);
+    assert!(tensors.keys().all(|n| !n.contains("block_sparse_moe")));
+    let back = MoeModel::new(&back_cfg, 99, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&back, &tensors, &dir).unwrap();
+    assert_same_weights(&m, &back);
+    // transformers 5's fused layout: gate and up rows stacked per expert, down per expert.
+    let mut fused_map: HashMap<String, Tensor> =
+        tensors.iter().filter(|(n, _)| !n.contains(".experts.")).map(|(n, t)| (n.clone(), t.clone())).collect();
+    for b in 0..2 {
+        let one = |e: usize, w: &str| tensors[&format!("model.layers.{b}.mlp.experts.{e}.{w}.weight")].clone();
+        let gate_up: Vec<Tensor> = (0..4).map(|e| Tensor::cat(&[one(e, "gate_proj"), one(e, "up_proj")], 0).unwrap()).collect();
+        let down: Vec<Tensor> = (0..4).map(|e| one(e, "down_proj")).collect();
+        fused_map.insert(format!("model.layers.{b}.mlp.experts.gate_up_proj"), Tensor::stack(&gate_up, 0).unwrap());
+        fused_map.insert(format!("model.layers.{b}.mlp.experts.down_proj"), Tensor::stack(&down, 0).unwrap());
+    }
+    let fused_back = MoeModel::new(&back_cfg, 7, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&fused_back, &fused_map, &dir).unwrap();
+    assert_same_weights(&m, &fused_back);
+    // A Qwen3-MoE config with what is not supported is named.
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
+    v["decoder_sparse_step"] = json!(2);
+    assert!(config_from_json(&v, &dir).unwrap_err().to_string().contains("decoder_sparse_step"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Shards as huggingface_hub cuts them: in order, each up to the limit, a larger tensor
+/// alone.
+#[test]
+fn shards_hold_at_most_the_limit_in_order() {
+    assert_eq!(shard_ranges(&[4, 4, 4], 8), vec![0..2, 2..3]);
+    assert_eq!(shard_ranges(&[10, 1, 1], 4), vec![0..1, 1..3]);
+    assert_eq!(shard_ranges(&[1, 1], 100), vec![0..2]);
+    assert_eq!(shard_ranges(&[5, 5], 1), vec![0..1, 1..2]);
+}
+
+/// Past the shard size the export is shards and an index, which read back as one file
+/// would; the index's total is the tensors' bytes.
+#[test]
+fn a_sharded_export_reads_back_into_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-export-shards-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let m = MoeModel::new(&tiny(), 3, DType::F32, &Device::Cpu).unwrap();
+    export_sharded(&m, &dir, 4096).unwrap();
+    assert!(!dir.join(WEIGHTS_FILE).exists());
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"].as_object().unwrap().values().map(|f| f.as_str().unwrap()).collect();
+    let n = files.len();
+    assert!(n > 2, "{files:?}");
+    assert_eq!(files.iter().next().copied(), Some(format!("model-00001-of-{n:05}.safetensors").as_str()));
+    for f in &files {
+        let len = std::fs::metadata(dir.join(f)).unwrap().len();
+        // A shard's tensors fit the limit unless one alone is larger (the token embedding).
+        assert!(len <= 4096 + 1024 || f.contains("00001"), "{f}: {len} bytes");
+    }
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap() as usize, m.params().num_elements() * 4);
+    let (cfg, tensors) = load(&dir).unwrap();
+    let back = MoeModel::new(&cfg, 99, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&back, &tensors, &dir).unwrap();
+    assert_same_weights(&m, &back);
+    assert!(export(&m, &dir).unwrap_err().to_string().contains("already exists"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The fused expert layout of newer transformers reads as the legacy one.
+#[test]
+fn fused_expert_tensors_read_as_the_legacy_ones() {
+    let m = MoeModel::new(&tiny(), 5, DType::F32, &Device::Cpu).unwrap();
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-fused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    export(&m, &dir).unwrap();
+    let (_, legacy) = load(&dir).unwrap();
+    let mut fused_map: HashMap<String, Tensor> = HashMap::new();
+    for (n, t) in &legacy {
+        if !n.contains("block_sparse_moe") {
+            fused_map.insert(n.clone(), t.clone());
+        }
+    }
+    for b in 0..2 {
+        let p = format!("model.layers.{b}.block_sparse_moe");
+        let stack = |f: &dyn Fn(usize) -> Tensor| Tensor::stack(&(0..4).map(f).collect::<Vec<_>>(), 0).unwrap();
+        let gate_up = stack(&|e| {
+            Tensor::cat(&[&legacy[&format!("{p}.experts.{e}.w1.weight")], &legacy[&format!("{p}.experts.{e}.w3.weight")]], 0).unwrap()
+        });
+        let down = stack(&|e| legacy[&format!("{p}.experts.{e}.w2.weight")].clone());
+        fused_map.insert(format!("model.layers.{b}.mlp.experts.gate_up_proj"), gate_up);
+        fused_map.insert(format!("model.layers.{b}.mlp.experts.down_proj"), down);
+        fused_map.insert(format!("model.layers.{b}.mlp.gate.weight"), legacy[&format!("{p}.gate.weight")].clone());
+    }
+    let a = MoeModel::new(&tiny(), 7, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&a, &legacy, &dir).unwrap();
+    let b = MoeModel::new(&tiny(), 8, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&b, &fused_map, &dir).unwrap();
+    assert_same_weights(&a, &b);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What is not Mixtral is named: in our configuration on export, in theirs on import.
+#[test]
+fn what_does_not_match_is_named() {
+    let cases = [
+        (ModelConfig::default(), "norm"),
+        (ModelConfig { shared_experts: 1, ..tiny() }, "shared_experts"),
+        (ModelConfig { ffn_bias: true, ..tiny() }, "ffn_bias"),
+        (ModelConfig { normalize_top_k: false, ..tiny() }, "top_k"),
+        (ModelConfig { top_k: 1, ..tiny() }, "top_k"),
+        (ModelConfig { balance: crate::config::Balance::Both, ..tiny() }, "balance"),
+    ];
+    for (cfg, field) in cases {
+        let e = config_json(&cfg).unwrap_err().to_string();
+        assert!(e.contains(field), "{e}");
+    }
+    let good = config_json(&tiny()).unwrap();
+    let path = Path::new("config.json");
+    assert_eq!(config_from_json(&good, path).unwrap().d_model, 16);
+    for (key, value, named) in [
+        ("model_type", json!("llama"), "model_type"),
+        ("num_key_value_heads", json!(1), "num_key_value_heads"),
+        ("hidden_act", json!("gelu"), "hidden_act"),
+        ("tie_word_embeddings", json!(true), "tie_word_embeddings"),
+        ("sliding_window", json!(4), "sliding_window"),
+        ("rms_norm_eps", json!(1e-6), "rms_norm_eps"),
+        ("num_experts_per_tok", json!(1), "top_k"),
+        ("hidden_size", json!("wide"), "hidden_size"),
+        ("num_local_experts", json!(100_000_000u64), "n_experts"),
+    ] {
+        let mut v = good.clone();
+        v[key] = value;
+        let e = config_from_json(&v, path).unwrap_err().to_string();
+        assert!(e.contains(named), "{key}: {e}");
+    }
+}
+
+/// A directory with `tensors` (and the configuration of `tiny()`), in one file or in two
+/// shards with an index.
+fn write_dir(name: &str, tensors: &HashMap<String, Tensor>, sharded: bool) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(CONFIG_FILE), serde_json::to_string(&config_json(&tiny()).unwrap()).unwrap()).unwrap();
+    if !sharded {
+        candle_core::safetensors::save(tensors, dir.join(WEIGHTS_FILE)).unwrap();
+        return dir;
+    }
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)] {
+        let shard: HashMap<String, Tensor> = part.iter().map(|n| ((*n).clone(), tensors[*n].clone())).collect();
+        candle_core::safetensors::save(&shard, dir.join(file)).unwrap();
+        for n in part {
+            map.insert((*n).clone(), json!(file));
+        }
+    }
+    std::fs::write(dir.join(INDEX_FILE), json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    dir
+}
+
+fn exported(seed: u64) -> (MoeModel, HashMap<String, Tensor>) {
+    let m = MoeModel::new(&tiny(), seed, DType::F32, &Device::Cpu).unwrap();
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-src-{seed}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    export(&m, &dir).unwrap();
+    let (_, tensors) = load(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    (m, tensors)
+}
+
+/// A sharded checkpoint (an index naming two files) reads as the one file would; an index
+/// that points outside the directory, or at a file without the tensor, is refused by name.
+#[test]
+fn a_sharded_directory_reads_as_one_file() {
+    let (m, tensors) = exported(11);
+    let dir = write_dir("sharded", &tensors, true);
+    assert!(is_hf_dir(&dir) && !dir.join(WEIGHTS_FILE).exists());
+    let (cfg, back) = load(&dir).unwrap();
+    assert_eq!(back.len(), tensors.len());
+    let into = MoeModel::new(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&into, &back, &dir).unwrap();
+    assert_same_weights(&m, &into);
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX_FILE)).unwrap()).unwrap();
+    for (file, named) in [("../model-00001-of-00002.safetensors", "not a file name"), ("model-00001-of-00002.safetensors", "does not")] {
+        let mut v = index.clone();
+        v["weight_map"]["model.norm.weight"] = json!(file);
+        std::fs::write(dir.join(INDEX_FILE), v.to_string()).unwrap();
+        let e = load(&dir).unwrap_err().to_string();
+        assert!(e.contains(named) && (e.contains("model.norm.weight") || e.contains("weight_map")), "{file}: {e}");
+    }
+    std::fs::write(dir.join(INDEX_FILE), "{\"weight_map\": 7}").unwrap();
+    assert!(load(&dir).unwrap_err().to_string().contains("weight_map"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What a directory must not hold is named, not guessed at: a tensor of the wrong shape
+/// (in the legacy and in the fused layout), a tensor with no place in the model, a NaN or
+/// an infinity. A buffer old transformers saved (`rotary_emb.inv_freq`) is read past.
+#[test]
+fn wrong_shapes_extra_tensors_and_non_finite_weights_are_named() {
+    let (_, good) = exported(12);
+    let model = MoeModel::new(&tiny(), 2, DType::F32, &Device::Cpu).unwrap();
+    let dir = Path::new("hf-dir");
+    let with = |name: &str, t: Tensor| {
+        let mut m = good.clone();
+        m.insert(name.to_string(), t);
+        m
+    };
+    let mut inv_freq = good.clone();
+    inv_freq.insert("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Tensor::ones(4, DType::F32, &Device::Cpu).unwrap());
+    set_weights(&model, &inv_freq, dir).unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let mut nan = good[q].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    nan[5] = f32::NAN;
+    let mut inf = nan.clone();
+    inf[5] = f32::INFINITY;
+    let as_q = |v: Vec<f32>| Tensor::from_vec(v, (16, 16), &Device::Cpu).unwrap();
+    let cases = [
+        (with(q, Tensor::zeros((16, 8), DType::F32, &Device::Cpu).unwrap()), format!("tensor {q} is [16, 8]")),
+        (with(q, Tensor::zeros(16, DType::F32, &Device::Cpu).unwrap()), format!("tensor {q} is [16]")),
+        (
+            with("model.layers.0.mlp.shared_expert.up_proj.weight", Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()),
+            "tensor model.layers.0.mlp.shared_expert.up_proj.weight has no place".into(),
+        ),
+        (with(q, as_q(nan)), format!("tensor {q} holds NaN (element 5 of 256)")),
+        (with(q, as_q(inf)), format!("tensor {q} holds inf (element 5")),
+    ];
+    for (tensors, want) in cases {
+        let e = set_weights(&model, &tensors, dir).unwrap_err().to_string();
+        assert!(e.contains(&want) && e.contains("hf-dir"), "want {want}: {e}");
+    }
+    let mut missing = good.clone();
+    missing.remove(q);
+    assert!(set_weights(&model, &missing, dir).unwrap_err().to_string().contains(&format!("missing tensor {q}")));
+    // The fused layout's stack of the wrong rank, or too few experts, names the fused tensor.
+    let mut fused_bad = good.clone();
+    for e in 0..4 {
+        for w in ["w1", "w3"] {
+            fused_bad.remove(&format!("model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"));
+        }
+    }
+    fused_bad.insert("model.layers.0.mlp.experts.gate_up_proj".into(), Tensor::zeros((2, 16, 16), DType::F32, &Device::Cpu).unwrap());
+    let e = set_weights(&model, &fused_bad, dir).unwrap_err().to_string();
+    assert!(e.contains("tensor model.layers.0.mlp.experts.gate_up_proj") && e.contains("expert 2"), "{e}");
+}
