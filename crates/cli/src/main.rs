@@ -4,6 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc, not the system's: the planner's moves and weighings at cluster scale make millions
+/// of short lists across threads, where glibc's allocator was a sixth of a simulated day's time
+/// (`lazarus sim` at 1,024 GPUs: 7% less wall time, same decisions).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod agent;
 mod config_flags;
 mod controller_bench;

@@ -51,7 +51,7 @@ pub use messages::{
 pub use rebalance::{LayerCase, RebalanceCase, RebalanceDecision, RebalanceVerdict, Weighed, Weighing};
 pub use resume::{BadJobState, JobState};
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use lazarus_plan::{ModelPlan, PlanPolicy};
@@ -140,6 +140,9 @@ pub struct Controller<S> {
     plan: Option<ModelPlan>,
     /// The node of each rank of the current plan.
     ranks: Vec<NodeId>,
+    /// The rank of each node of `ranks` (set with it, [`Controller::set_ranks`]): an event of a
+    /// thousand workers' rendezvous asks it of each (a scan of `ranks` made each quadratic).
+    rank_of: HashMap<NodeId, usize>,
     /// The epoch each node was last told to be in.
     node_epoch: BTreeMap<NodeId, u64>,
     phase: Phase<S>,
@@ -190,6 +193,7 @@ impl<S: StepRecord> Controller<S> {
             spec,
             epoch,
             first_epoch: epoch,
+            rank_of: rank_index(&nodes),
             ranks: nodes.clone(),
             node_epoch: nodes.iter().map(|&n| (n, epoch)).collect(),
             plan,
@@ -337,6 +341,17 @@ impl<S: StepRecord> Controller<S> {
         matches!(self.phase, Phase::Stopped | Phase::Completed)
     }
 
+    /// The rank of `node` in the current plan (None: not a rank of it).
+    pub(crate) fn rank(&self, node: NodeId) -> Option<usize> {
+        self.rank_of.get(&node).copied()
+    }
+
+    /// The ranks of a new plan, rank i on `ranks[i]`.
+    fn set_ranks(&mut self, ranks: Vec<NodeId>) {
+        self.rank_of = rank_index(&ranks);
+        self.ranks = ranks;
+    }
+
     /// Whether every rank of the epoch trains.
     pub fn running(&self) -> bool {
         self.phase == Phase::Running
@@ -346,7 +361,7 @@ impl<S: StepRecord> Controller<S> {
     /// rank of it). Read from the placements (rank q·G + i is GPU i of plan node q), not from
     /// the replica map: at 1,024 GPUs and 58 × 256 experts that map is 60 MB.
     pub fn planned_holdings(&self, node: NodeId) -> Option<Vec<Vec<usize>>> {
-        let i = self.ranks.iter().position(|&n| n == node)?;
+        let i = self.rank(node)?;
         let plan = self.plan.as_ref()?;
         let shape = plan.shape();
         let (q, gpu) = (i / shape.gpus_per_node, i % shape.gpus_per_node);
@@ -450,4 +465,9 @@ impl<S: StepRecord> Controller<S> {
         let leases = self.members.leases_checked_until.or_else(|| self.deadline());
         [join, leases, self.lifecycle_deadline()].into_iter().flatten().fold(cadence, Instant::min)
     }
+}
+
+/// The rank of each node, `ranks[i]` at i (a node listed twice: its first).
+fn rank_index(ranks: &[NodeId]) -> HashMap<NodeId, usize> {
+    ranks.iter().enumerate().rev().map(|(i, &n)| (n, i)).collect()
 }

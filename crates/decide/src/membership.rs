@@ -183,7 +183,7 @@ impl<S: StepRecord> Controller<S> {
     /// that sent what it alone held and now leaves.
     pub(super) fn is_leaver(&self, worker: NodeId) -> bool {
         let Some(plan) = &self.plan else { return false };
-        self.ranks.iter().position(|&n| n == worker).is_some_and(|i| i >= plan.shape().ranks())
+        self.rank(worker).is_some_and(|i| i >= plan.shape().ranks())
     }
 
     /// When the workers waiting to join are due to be taken in (None: none wait).
@@ -324,7 +324,7 @@ impl<S: StepRecord> Controller<S> {
     /// A node that leaves on notice: every rank stops after the step in flight and the job
     /// moves off it (before the joiners' wait or a rebalance: it cannot wait).
     pub(super) fn pause_for_a_drain(&mut self, out: &mut Vec<Command<S>>) {
-        if self.may_move_itself() && self.members.draining.iter().any(|&w| self.ranks.contains(&w) && !self.is_leaver(w)) {
+        if self.may_move_itself() && self.members.draining.iter().any(|&w| self.rank(w).is_some() && !self.is_leaver(w)) {
             self.note(format!(
                 "epoch {}: pause to move off workers {}",
                 self.job_epoch(self.epoch),

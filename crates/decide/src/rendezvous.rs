@@ -11,7 +11,7 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn listening(&mut self, now: Instant, node: NodeId, epoch: u64, addr: String, out: &mut Vec<Command<S>>) {
         self.members.last_seen.insert(node, now);
         let Phase::Rendezvous { addrs, .. } = &mut self.phase else { return };
-        if epoch != self.epoch || !self.ranks.contains(&node) {
+        if epoch != self.epoch || !self.rank_of.contains_key(&node) {
             return;
         }
         addrs.insert(node, addr);
@@ -24,7 +24,7 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn ready(&mut self, now: Instant, node: NodeId, epoch: u64, out: &mut Vec<Command<S>>) {
         self.members.last_seen.insert(node, now);
         let Phase::Rendezvous { ready, .. } = &mut self.phase else { return };
-        if epoch != self.epoch || !self.ranks.contains(&node) {
+        if epoch != self.epoch || !self.rank_of.contains_key(&node) {
             return;
         }
         ready.insert(node);
@@ -41,18 +41,18 @@ impl<S: StepRecord> Controller<S> {
     /// rank is called off (survivors may be waiting for addresses that will never come, or
     /// connecting to a rank that is gone) — unless no one is left to tell.
     pub(super) fn tell_survivors_of_the_loss(&mut self, was_rendezvous: bool, out: &mut Vec<Command<S>>) {
-        if self.members.lost_now.is_empty() && !was_rendezvous {
-            return;
-        }
-        let lost: std::collections::BTreeSet<NodeId> = self.members.lost_now.iter().copied().collect();
-        let lost_ranks: Vec<usize> = (0..self.ranks.len()).filter(|&r| lost.contains(&self.ranks[r])).collect();
-        if !was_rendezvous && !lost_ranks.is_empty() {
+        // (Asked after every event: one of a thousand workers' rendezvous, which loses nobody,
+        // must not look at every rank.)
+        let called_off = was_rendezvous && matches!(self.phase, Phase::Collecting { .. } | Phase::Ending { .. });
+        if !was_rendezvous && !self.members.lost_now.is_empty() {
+            let lost: std::collections::BTreeSet<NodeId> = self.members.lost_now.iter().copied().collect();
+            let lost_ranks: Vec<usize> = (0..self.ranks.len()).filter(|&r| lost.contains(&self.ranks[r])).collect();
             let nodes: Vec<NodeId> = self.ranks.iter().copied().filter(|n| self.members.alive.contains(n)).collect();
-            if !nodes.is_empty() {
+            if !lost_ranks.is_empty() && !nodes.is_empty() {
                 out.push(Command::Fence { epoch: self.epoch, ranks: lost_ranks, nodes });
             }
         }
-        if was_rendezvous && matches!(self.phase, Phase::Collecting { .. } | Phase::Ending { .. }) {
+        if called_off {
             let nodes: Vec<NodeId> = self.members.alive.iter().copied().collect();
             if !nodes.is_empty() {
                 out.push(Command::Abandon { epoch: self.epoch, nodes });
@@ -73,7 +73,7 @@ impl<S: StepRecord> Controller<S> {
             self.node_epoch.insert(*n, self.epoch);
         }
         self.plan = Some(plan);
-        self.ranks = ranks;
+        self.set_ranks(ranks);
         self.monitor.restart();
         self.phase = Phase::Rendezvous { addrs: BTreeMap::new(), ready: std::collections::BTreeSet::new() };
     }

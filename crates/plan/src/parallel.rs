@@ -27,6 +27,16 @@ pub fn map_in_order<T: Sync, R: Send, E: Send>(jobs: &[T], f: impl Fn(&T) -> Res
     Ok(out)
 }
 
+/// [`map_in_order`] when `parallel`, else on the calling thread: for jobs worth threads only
+/// past some size.
+pub fn map_in_order_if<T: Sync, R: Send, E: Send>(parallel: bool, jobs: &[T], f: impl Fn(&T) -> Result<R, E> + Sync) -> Result<Vec<R>, E> {
+    if parallel {
+        map_in_order(jobs, f)
+    } else {
+        jobs.iter().map(f).collect()
+    }
+}
+
 /// Frees `x` on a thread of its own: a decision at cluster scale leaves behind millions of
 /// small allocations (every worker's holdings after a node loss: ~20 ms of `free` on this 2-core
 /// VM), and its commands should not wait for them. Small values are dropped here.

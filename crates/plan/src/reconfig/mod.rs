@@ -17,6 +17,7 @@ pub use ranks::{rank_transfers, RankTransfer};
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::convert::Infallible;
 
 use serde::{Deserialize, Serialize};
 
@@ -137,39 +138,38 @@ struct Fetches {
 fn fetches(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64], mapped: Option<&[usize]>) -> Result<Fetches, PlanError> {
     check_move_inputs(live, new_layers, expert_bytes)?;
     let (layers, n) = (new_layers.len(), live.len());
+    // Past a few thousand (node, layer) lists, each list-making pass below runs on every core
+    // (at 128 nodes of 58 layers each was a serial part of every weighing and move).
+    let large = n * layers >= 1 << 12;
+    let each = |count: usize| -> Vec<usize> { (0..count).collect() };
     // held[p][layer]: sets of experts, as sorted lists (at a thousand nodes of 58 layers, tree
     // sets took most of a move's planning); a list given sorted is used as it is.
-    let held: Vec<Vec<Cow<'_, [ExpertId]>>> =
-        live.iter().map(|s| (0..layers).map(|l| s.experts.get(l).map_or(Cow::Borrowed(&[][..]), |v| sorted(v))).collect()).collect();
+    let nodes: Vec<&NodeState> = live.iter().collect();
+    let Ok(held) = crate::parallel::map_in_order_if(large, &nodes, |&s| {
+        Ok::<_, Infallible>((0..layers).map(|l| s.experts.get(l).map_or(Cow::Borrowed(&[][..]), |v| sorted(v))).collect::<Vec<_>>())
+    });
     // holders[layer].get(e): the live nodes holding e, in order — of every expert (`needed`:
     // None) or of those needed.
     let holders_of = |needed: Option<&[Vec<bool>]>| -> Vec<Lists> {
-        (0..layers)
-            .map(|l| {
-                let experts = new_layers[l].experts();
-                let mut pairs = Vec::new();
-                for (p, held) in held.iter().enumerate() {
-                    pairs.extend(held[l].iter().filter(|&&e| e < experts && needed.is_none_or(|x| x[l][e])).map(|&e| (e, p)));
-                }
-                Lists::grouped(experts, &pairs)
-            })
-            .collect()
+        let Ok(lists) = crate::parallel::map_in_order_if(large, &each(layers), |&l| {
+            let experts = new_layers[l].experts();
+            let mut pairs = Vec::new();
+            for (p, held) in held.iter().enumerate() {
+                pairs.extend(held[l].iter().filter(|&&e| e < experts && needed.is_none_or(|x| x[l][e])).map(|&e| (e, p)));
+            }
+            Ok::<_, Infallible>(Lists::grouped(experts, &pairs))
+        });
+        lists
     };
     let (node_to_plan, all_holders) = match mapped {
         Some(m) => (m.to_vec(), None),
         None => {
             // What plan node q wants of layer l: list q·layers + l, its distinct experts.
+            let Ok(wants) = crate::parallel::map_in_order_if(large, &each(n), |&q| {
+                Ok::<_, Infallible>(new_layers.iter().map(|p| sorted(&p.nodes()[q]).into_owned()).collect::<Vec<_>>())
+            });
             let mut wanted = Lists::default();
-            let mut set = Vec::new();
-            for q in 0..n {
-                for p in new_layers {
-                    set.clear();
-                    set.extend_from_slice(&p.nodes()[q]);
-                    set.sort_unstable();
-                    set.dedup();
-                    wanted.push(&set);
-                }
-            }
+            wants.iter().flatten().for_each(|set| wanted.push(set));
             let holders = holders_of(None);
             let cost = missing_bytes(&wanted, &holders, expert_bytes);
             let mapping = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
@@ -197,12 +197,8 @@ fn fetches(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64], m
         missing
     };
     let jobs: Vec<(usize, &usize)> = node_to_plan.iter().enumerate().collect();
-    let missing: Vec<(usize, ExpertId, usize)> = if n * layers < 1 << 12 {
-        jobs.iter().flat_map(|&j| missing_on(j)).collect()
-    } else {
-        let Ok(parts) = crate::parallel::map_in_order(&jobs, |&j| Ok::<_, std::convert::Infallible>(missing_on(j)));
-        parts.into_iter().flatten().collect()
-    };
+    let Ok(parts) = crate::parallel::map_in_order_if(large, &jobs, |&j| Ok::<_, Infallible>(missing_on(j)));
+    let missing: Vec<(usize, ExpertId, usize)> = parts.into_iter().flatten().collect();
     let holders = all_holders.unwrap_or_else(|| {
         let mut needed: Vec<Vec<bool>> = new_layers.iter().map(|p| vec![false; p.experts()]).collect();
         missing.iter().for_each(|&(l, e, _)| needed[l][e] = true);
@@ -331,26 +327,31 @@ pub(crate) fn min_cost_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
     let mut v = vec![0i64; n + 1];
     let mut p = vec![0usize; n + 1]; // p[col] = row (1-based), 0 = free
     let mut way = vec![0usize; n + 1];
+    let mut minv = vec![INF; n + 1];
+    let mut used = vec![false; n + 1];
     for i in 1..=n {
         p[0] = i;
         let mut j0 = 0;
-        let mut minv = vec![INF; n + 1];
-        let mut used = vec![false; n + 1];
+        minv.fill(INF);
+        used.fill(false);
         loop {
             used[j0] = true;
             let i0 = p[j0];
+            let (row, ui0) = (&cost[i0 - 1], u[i0]);
             let mut delta = INF;
             let mut j1 = 0;
-            for j in 1..=n {
-                if !used[j] {
-                    let cur = cost[i0 - 1][j - 1] - u[i0] - v[j];
-                    if cur < minv[j] {
-                        minv[j] = cur;
-                        way[j] = j0;
+            // Columns 1..=n, zipped (at 128 nodes, a weighing's mapping was mostly bounds checks).
+            let columns = row.iter().zip(&v[1..]).zip(&used[1..]).zip(minv[1..].iter_mut()).zip(way[1..].iter_mut());
+            for (k, ((((&c, &vj), &uj), mv), w)) in columns.enumerate() {
+                if !uj {
+                    let cur = c - ui0 - vj;
+                    if cur < *mv {
+                        *mv = cur;
+                        *w = j0;
                     }
-                    if minv[j] < delta {
-                        delta = minv[j];
-                        j1 = j;
+                    if *mv < delta {
+                        delta = *mv;
+                        j1 = k + 1;
                     }
                 }
             }
