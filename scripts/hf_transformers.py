@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Hugging Face transformers' side of Lazarus's interop test (crates/model/tests/hf_transformers.rs).
 
-  hf_transformers.py make OUT [FAMILY]  a tiny random MixtralForCausalLM (FAMILY mixtral, the default) or
+  hf_transformers.py make OUT [FAMILY]  a tiny random MixtralForCausalLM (FAMILY mixtral, the default: 2
+                                        key/value heads for 4 query heads, as Mixtral's 8 for 32) or
                                         Qwen3MoeForCausalLM (qwen3_moe: top-4 of 8 experts, weights not
-                                        renormalised, query and key norms with random weights), saved as
+                                        renormalised, query and key norms with random weights, one
+                                        key/value head, heads of 16 beside a width of 32, RMSNorm ε 1e-6,
+                                        as Qwen3-30B-A3B's 4 of 32 heads of 128 beside 2048), saved as
                                         OUT/{config.json,model.safetensors}
   hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
                                     written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
@@ -37,10 +40,8 @@ SHAPE = dict(
     hidden_size=32,
     num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=4,
     max_position_embeddings=64,
     rope_theta=10000.0,
-    rms_norm_eps=1e-5,
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
@@ -48,7 +49,15 @@ SHAPE = dict(
 
 def make(out):
     torch.manual_seed(0)
-    config = MixtralConfig(**SHAPE, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    config = MixtralConfig(
+        **SHAPE,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    )
     model = MixtralForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
 
@@ -59,7 +68,9 @@ def make_qwen3_moe(out):
         **SHAPE,
         intermediate_size=48,
         moe_intermediate_size=16,
-        head_dim=8,
+        num_key_value_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-6,
         num_experts=8,
         num_experts_per_tok=4,
         norm_topk_prob=False,

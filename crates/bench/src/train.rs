@@ -319,10 +319,11 @@ fn forward_matmuls(mc: &lazarus_model::ModelConfig, b: usize, t: usize) -> Vec<M
     let n_tok = b * t;
     let mut shapes: Vec<MatmulShape> = Vec::new();
     for block in 0..mc.n_layers {
-        shapes.push((1, n_tok, d, 3 * d));
-        shapes.push((b * h, t, d / h, t));
-        shapes.push((b * h, t, t, d / h));
-        shapes.push((1, n_tok, d, d));
+        let hd = mc.head_width();
+        shapes.push((1, n_tok, d, mc.qkv_width()));
+        shapes.push((b * h, t, hd, t));
+        shapes.push((b * h, t, t, hd));
+        shapes.push((1, n_tok, mc.attention_width(), d));
         if mc.is_moe(block) {
             shapes.push((1, n_tok, d, e));
         } else {

@@ -649,13 +649,32 @@ fn mixtral_blocks_with_a_shared_expert_survive_a_killed_worker() {
     family_survives_a_killed_worker("mixtral", &blocks, "RMSNorm, rotary θ=1000000, SwiGLU, no biases, 1 shared expert");
 }
 
-/// The other families' options at once — Qwen3-MoE's query and key norms, DeepSeek-MoE's sigmoid
-/// router and shared expert, and loss-free balancing's routing bias (which the survivors keep and
-/// move as the uninterrupted run does).
+/// The other families' options at once — Qwen3-MoE's attention (query and key norms, one
+/// key/value head for the query heads, heads wider than d_model / heads, RMSNorm ε 1e-6),
+/// DeepSeek-MoE's sigmoid router and shared expert, and loss-free balancing's routing bias (which
+/// the survivors keep and move as the uninterrupted run does).
 #[test]
 fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
-    let blocks = ["--arch", "deepseek-moe", "--qk-norm", "true", "--balance", "bias", "--bias-update-rate", "0.01", "--steps", "30"];
-    family_survives_a_killed_worker("deepseek", &blocks, "q/k norms, sigmoid router, 1 shared expert");
+    let blocks = [
+        "--arch",
+        "deepseek-moe",
+        "--qk-norm",
+        "true",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "12",
+        "--norm-eps",
+        "1e-6",
+        "--balance",
+        "bias",
+        "--bias-update-rate",
+        "0.01",
+        "--steps",
+        "30",
+    ];
+    let described = "norm ε 0.000001, 1 key/value head, heads of 12, q/k norms, sigmoid router, 1 shared expert";
+    family_survives_a_killed_worker("deepseek", &blocks, described);
 }
 
 /// A run of `blocks` on 4 workers, one SIGKILLed after step 8: every step once with the losses

@@ -71,6 +71,15 @@ pub struct ModelConfig {
     pub d_model: usize,
     pub n_layers: usize,
     pub n_heads: usize,
+    /// Key and value heads (grouped-query attention, Ainslie et al. 2023: Mixtral has 8 for 32
+    /// query heads, Qwen3-MoE 4): each serves `n_heads / n_kv_heads` query heads in a row, as
+    /// transformers' `repeat_kv` pairs them. None: one per query head.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// The width of a head (Qwen3-MoE's 128 with d_model 2048 and 32 heads). None:
+    /// `d_model / n_heads`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// Longest sequence the position table covers.
     pub max_seq_len: usize,
     /// Experts per MoE layer.
@@ -101,6 +110,8 @@ pub struct ModelConfig {
     pub shared_experts: usize,
     /// LayerNorm or RMSNorm.
     pub norm: NormKind,
+    /// The norms' ε (GPT-2's LayerNorm and Mixtral's RMSNorm 1e-5, Qwen3-MoE's 1e-6).
+    pub norm_eps: f64,
     /// Learned positions or rotary embeddings.
     pub positions: Positions,
     /// The rotary base θ (Llama 10 000, Mixtral 1 000 000); used with `positions = "rope"`.
@@ -142,6 +153,8 @@ impl Default for ModelConfig {
             d_model: 256,
             n_layers: 4,
             n_heads: 4,
+            n_kv_heads: None,
+            head_dim: None,
             max_seq_len: 256,
             n_experts: 8,
             top_k: 2,
@@ -153,6 +166,7 @@ impl Default for ModelConfig {
             d_ff: 512,
             shared_experts: 0,
             norm: NormKind::Layer,
+            norm_eps: 1e-5,
             positions: Positions::Learned,
             rope_theta: 10_000.0,
             expert_act: Activation::Gelu,
@@ -237,6 +251,9 @@ impl std::str::FromStr for Arch {
         }
     }
 }
+
+/// The widest head (transformers' models use 64 to 256).
+pub const MAX_HEAD_DIM: usize = 1 << 12;
 
 /// The most experts a token may be routed to (OLMoE and Qwen-MoE route to 8).
 pub const MAX_TOP_K: usize = 8;
@@ -335,6 +352,16 @@ impl ModelConfig {
             (true, false) => parts.push("no FFN biases".to_string()),
             (true, true) => {}
         }
+        if self.norm_eps != ModelConfig::default().norm_eps {
+            parts.push(format!("norm ε {}", self.norm_eps));
+        }
+        if self.kv_heads() != self.n_heads {
+            let kv = self.kv_heads();
+            parts.push(format!("{kv} key/value head{}", if kv == 1 { "" } else { "s" }));
+        }
+        if self.head_dim.is_some_and(|w| w * self.n_heads != self.d_model) {
+            parts.push(format!("heads of {}", self.head_width()));
+        }
         if self.qk_norm {
             parts.push("q/k norms".to_string());
         }
@@ -357,6 +384,28 @@ impl ModelConfig {
             return "GPT blocks".to_string();
         }
         parts.join(", ")
+    }
+
+    /// Key and value heads: `n_kv_heads`, or one per query head.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// A head's width: `head_dim`, or `d_model / n_heads`.
+    pub fn head_width(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// The attention's inner width, its heads side by side (`d_model` unless `head_dim` says
+    /// otherwise): what the output projection takes back to `d_model`.
+    pub fn attention_width(&self) -> usize {
+        self.n_heads * self.head_width()
+    }
+
+    /// The packed projection's width: the queries, then the keys and the values of the
+    /// `kv_heads` (3·d_model without grouped-query attention).
+    pub fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.kv_heads()) * self.head_width()
     }
 
     /// Rows of the learned position table (none with rotary positions).
@@ -399,18 +448,37 @@ impl ModelConfig {
                 return Err(ModelError::config(field, v, "must be at least 1"));
             }
         }
-        if !self.d_model.is_multiple_of(self.n_heads) {
-            return Err(ModelError::config("n_heads", self.n_heads, format!("must divide d_model ({})", self.d_model)));
+        match self.head_dim {
+            None if !self.d_model.is_multiple_of(self.n_heads) => {
+                return Err(ModelError::config(
+                    "n_heads",
+                    self.n_heads,
+                    format!("must divide d_model ({}), or head_dim be given", self.d_model),
+                ));
+            }
+            Some(w) if w == 0 || w > MAX_HEAD_DIM => {
+                return Err(ModelError::config("head_dim", w, format!("must be 1 to {MAX_HEAD_DIM}")));
+            }
+            _ => {}
+        }
+        if let Some(kv) = self.n_kv_heads {
+            if kv == 0 || !self.n_heads.is_multiple_of(kv) {
+                return Err(ModelError::config("n_kv_heads", kv, format!("must divide n_heads ({})", self.n_heads)));
+            }
         }
         if !(1..=MAX_TOP_K).contains(&self.top_k) {
             return Err(ModelError::config("top_k", self.top_k, format!("must be 1 to {MAX_TOP_K}")));
         }
         if self.positions == Positions::Rope {
-            if !(self.d_model / self.n_heads).is_multiple_of(2) {
+            if !self.head_width().is_multiple_of(2) {
+                let (field, value) = match self.head_dim {
+                    Some(w) => ("head_dim", w),
+                    None => ("n_heads", self.n_heads),
+                };
                 return Err(ModelError::config(
-                    "n_heads",
-                    self.n_heads,
-                    format!("rotary positions need an even head width, d_model / n_heads = {}", self.d_model / self.n_heads),
+                    field,
+                    value,
+                    format!("rotary positions need an even head width, not {}", self.head_width()),
                 ));
             }
             if !self.rope_theta.is_finite() || self.rope_theta <= 1.0 {
@@ -419,6 +487,9 @@ impl ModelConfig {
         }
         if self.top_k > self.n_experts {
             return Err(ModelError::config("top_k", self.top_k, format!("cannot exceed n_experts ({})", self.n_experts)));
+        }
+        if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 || self.norm_eps > 1e-2 {
+            return Err(ModelError::config("norm_eps", self.norm_eps, "must be finite, > 0 and ≤ 0.01"));
         }
         if !self.aux_loss_coef.is_finite() || self.aux_loss_coef < 0.0 {
             return Err(ModelError::config("aux_loss_coef", self.aux_loss_coef, "must be finite and ≥ 0"));
@@ -525,8 +596,10 @@ impl ModelConfig {
             NormKind::Layer => 2 * d,
             NormKind::Rms => d,
         };
-        let attn_bias = if self.attn_bias { 4 * d } else { 0 };
-        let per_block = 2 * norm + 4 * d * d + attn_bias;
+        let (packed, inner) = (self.qkv_width() as u128, self.attention_width() as u128);
+        let attn_bias = if self.attn_bias { packed + d } else { 0 };
+        let qk_norm = if self.qk_norm { 2 * self.head_width() as u128 } else { 0 };
+        let per_block = 2 * norm + d * packed + inner * d + attn_bias + qk_norm;
         let shared = if self.shared_experts > 0 { ffn(self.shared_experts * self.d_ff) } else { 0 };
         v * d
             + self.position_rows() as u128 * d

@@ -533,11 +533,14 @@ enum Start {
 fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
     let (cfg, tensors) = crate::hf::load(dir)?;
     let ours = model.config();
-    let pairs: [(&'static str, String, String); 9] = [
+    let pairs: [(&'static str, String, String); 12] = [
         ("vocab_size", ours.vocab_size.to_string(), cfg.vocab_size.to_string()),
         ("d_model", ours.d_model.to_string(), cfg.d_model.to_string()),
         ("n_layers", ours.n_layers.to_string(), cfg.n_layers.to_string()),
         ("n_heads", ours.n_heads.to_string(), cfg.n_heads.to_string()),
+        ("n_kv_heads", ours.kv_heads().to_string(), cfg.kv_heads().to_string()),
+        ("head_dim", ours.head_width().to_string(), cfg.head_width().to_string()),
+        ("norm_eps", ours.norm_eps.to_string(), cfg.norm_eps.to_string()),
         ("n_experts", ours.n_experts.to_string(), cfg.n_experts.to_string()),
         ("top_k", ours.top_k.to_string(), cfg.top_k.to_string()),
         ("d_ff", ours.d_ff.to_string(), cfg.d_ff.to_string()),

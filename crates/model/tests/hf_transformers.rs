@@ -56,17 +56,18 @@ fn worst(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
 
 #[test]
 fn a_mixtral_from_transformers_loads_trains_exports_and_keeps_its_logits() {
-    round_trip("mixtral", (32, 4, 2));
+    round_trip("mixtral", (32, 4, 2), (2, 8, 1e-5));
 }
 
 #[test]
 fn a_qwen3_moe_from_transformers_loads_trains_exports_and_keeps_its_logits() {
-    round_trip("qwen3_moe", (32, 8, 4));
+    round_trip("qwen3_moe", (32, 8, 4), (1, 16, 1e-6));
 }
 
 /// A model of `family` made by transformers: loaded, trained 5 steps, exported, each time with
-/// transformers' logits; `shape` (d_model, experts, top-k) as read.
-fn round_trip(family: &str, shape: (usize, usize, usize)) {
+/// transformers' logits; `shape` (d_model, experts, top-k) and `attention` (key/value heads, head
+/// width, norm ε) as read.
+fn round_trip(family: &str, shape: (usize, usize, usize), attention: (usize, usize, f64)) {
     let d = std::env::temp_dir().join(format!("lazarus-hf-transformers-{family}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -78,6 +79,7 @@ fn round_trip(family: &str, shape: (usize, usize, usize)) {
     // Loaded as it is: the same logits.
     let (model, config, _) = lazarus_model::trainer::load_model(&theirs, &Device::Cpu).unwrap();
     assert_eq!((config.model.d_model, config.model.n_experts, config.model.top_k), shape);
+    assert_eq!((config.model.kv_heads(), config.model.head_width(), config.model.norm_eps), attention);
     assert_eq!(config.model.qk_norm, family == "qwen3_moe");
     let before = worst(&our_logits(&model, &ids), &their_logits(&theirs, &ids, &d));
     assert!(before <= 1e-4, "logits differ by {before} before training");

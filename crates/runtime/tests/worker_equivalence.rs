@@ -225,12 +225,23 @@ fn mixtral_blocks_with_top4_of_16_and_a_shared_expert_on_1_and_4_workers() {
     }
 }
 
-/// Qwen3-MoE's blocks (Mixtral's with an RMSNorm on each head's queries and keys), top-4 of 16
-/// unnormalised, on 2 workers: the norms' weights are replicated tensors like the others.
+/// Qwen3-MoE's blocks (Mixtral's with an RMSNorm on each head's queries and keys) with its
+/// attention's shape (2 key/value heads for 4 query heads, heads of 12 beside a width of 32,
+/// RMSNorm ε 1e-6), top-4 of 16 unnormalised, on 2 workers: the norms' weights are replicated
+/// tensors like the others.
 #[test]
 fn qwen_moe_blocks_on_2_workers() {
     let c = config();
-    let qwen = TrainConfig { model: ModelConfig { n_experts: 16, top_k: 4, normalize_top_k: false, ..c.model.qwen_moe() }, ..c };
+    let model = ModelConfig {
+        n_experts: 16,
+        top_k: 4,
+        normalize_top_k: false,
+        n_kv_heads: Some(2),
+        head_dim: Some(12),
+        norm_eps: 1e-6,
+        ..c.model.qwen_moe()
+    };
+    let qwen = TrainConfig { model, ..c };
     let reference = single(qwen.clone());
     assert!(reference.1.contains_key("blocks.0.attn.q_norm.w"));
     let layers = qwen.model.moe_layers();

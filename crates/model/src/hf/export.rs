@@ -49,9 +49,10 @@ pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Res
             Layout::Same(n) => tensors.push((n, t)),
             Layout::Transposed(n) => tensors.push((n, t.t()?.contiguous()?)),
             Layout::Columns(names) => {
-                let width = t.dim(1)? / names.len();
-                for (i, n) in names.into_iter().enumerate() {
-                    tensors.push((n, t.narrow(1, i * width, width)?.t()?.contiguous()?));
+                let mut from = 0;
+                for (n, width) in names {
+                    tensors.push((n, t.narrow(1, from, width)?.t()?.contiguous()?));
+                    from += width;
                 }
             }
         }

@@ -7,7 +7,6 @@ use std::path::Path;
 
 use crate::config::{Activation, ModelConfig, NormKind, Positions};
 use crate::error::{ModelError, Result};
-use crate::model::NORM_EPS;
 
 /// The transformers families a model goes to and from: Mixtral, or Qwen3-MoE (Mixtral's blocks
 /// with query and key norms, top-k weights renormalised or not).
@@ -40,6 +39,23 @@ impl Family {
         match self {
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    /// transformers' key/value heads for a `config.json` that does not say (MixtralConfig's and
+    /// Qwen3MoeConfig's defaults).
+    fn default_kv_heads(self) -> usize {
+        match self {
+            Family::Mixtral => 8,
+            Family::Qwen3Moe => 4,
+        }
+    }
+
+    /// transformers' RMSNorm ε for a `config.json` that does not say.
+    fn default_norm_eps(self) -> f64 {
+        match self {
+            Family::Mixtral => 1e-5,
+            Family::Qwen3Moe => 1e-6,
         }
     }
 
@@ -109,11 +125,11 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
         "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,
-        "head_dim": cfg.d_model / cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads(),
+        "head_dim": cfg.head_width(),
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": NORM_EPS,
+        "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "sliding_window": null,
         "num_experts_per_tok": cfg.top_k,
@@ -161,16 +177,16 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         qwen3_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
     }
     let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
-    // transformers' MixtralConfig has 8 key/value heads unless it says otherwise.
-    let kv = v.get("num_key_value_heads").and_then(Value::as_u64).unwrap_or(8);
-    if kv as usize != heads {
-        return Err(bad("num_key_value_heads", format!("{kv} of {heads} heads: grouped-query attention is not supported")));
-    }
-    if let Some(hd) = v.get("head_dim").and_then(Value::as_u64) {
-        if heads == 0 || hd as usize * heads != d {
-            return Err(bad("head_dim", format!("{hd}: only hidden_size / num_attention_heads is supported")));
-        }
-    }
+    // transformers' defaults where the file does not say: MixtralConfig's 8 key/value heads,
+    // Qwen3MoeConfig's 4; a head of hidden_size / num_attention_heads.
+    let kv = match v.get("num_key_value_heads") {
+        Some(_) => int("num_key_value_heads")?,
+        None => family.default_kv_heads(),
+    };
+    let head_dim = match v.get("head_dim").filter(|x| !x.is_null()) {
+        Some(_) => Some(int("head_dim")?),
+        None => None,
+    };
     match v.get("hidden_act").and_then(Value::as_str) {
         None | Some("silu") => {}
         Some(other) => return Err(bad("hidden_act", format!("{other:?}: only silu (SwiGLU) is supported"))),
@@ -182,11 +198,6 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
     if let Some(w) = v.get("sliding_window").and_then(Value::as_u64) {
         if (w as usize) < max_pos {
             return Err(bad("sliding_window", format!("{w}: sliding-window attention is not supported")));
-        }
-    }
-    if let Some(eps) = num("rms_norm_eps") {
-        if (eps - NORM_EPS).abs() > 1e-12 {
-            return Err(bad("rms_norm_eps", format!("{eps}: only {NORM_EPS} is supported")));
         }
     }
     // rope_theta at the top (transformers 4) or in rope_parameters (5), with the default type.
@@ -202,6 +213,10 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         d_model: d,
         n_layers: int("num_hidden_layers")?,
         n_heads: heads,
+        // (Left out where they are the defaults: the configuration reads as one made here.)
+        n_kv_heads: Some(kv).filter(|&kv| kv != heads),
+        head_dim: head_dim.filter(|&w| heads == 0 || w * heads != d),
+        norm_eps: num("rms_norm_eps").unwrap_or(family.default_norm_eps()),
         max_seq_len: max_pos,
         // (Qwen3-MoE's files say num_experts; transformers 5 writes num_local_experts for both.)
         n_experts: match family {

@@ -4,8 +4,8 @@
 //! ([`load`], [`set_weights`]).
 //!
 //! The tensors differ from ours only in layout: a transformers `Linear` holds its weight as
-//! [out, in] where ours is [in, out]; our packed attention projection [d, 3d] is their q, k and v
-//! projections side by side; our SwiGLU expert's first weight [d, 2f] is their `w1` (the gate)
+//! [out, in] where ours is [in, out]; our packed attention projection [d, (H + 2·H_kv)·head_dim] is their
+//! q, k and v projections side by side (grouped-query attention: fewer key/value heads); our SwiGLU expert's first weight [d, 2f] is their `w1` (the gate)
 //! and `w3` (the up projection) side by side, and `w2` is the down projection (Qwen3-MoE's
 //! `gate_proj`, `up_proj`, `down_proj` under `mlp.`, with `q_norm` and `k_norm`). Rotary positions
 //! pair dimension i of a head with i + head/2, as their `rotate_half` does, so the weights apply
@@ -57,8 +57,9 @@ enum Layout {
     Same(String),
     /// Transposed ([in, out] here, [out, in] there).
     Transposed(String),
-    /// Side by side along our columns, each transposed: ours [in, Σ outs] = [t₁ᵀ | t₂ᵀ | …].
-    Columns(Vec<String>),
+    /// Side by side along our columns, each transposed: ours [in, Σ outs] = [t₁ᵀ | t₂ᵀ | …],
+    /// each (name, its width among our columns).
+    Columns(Vec<(String, usize)>),
 }
 
 /// Where each of our parameters is among transformers' (legacy names), in our order; an error
@@ -69,6 +70,8 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
         return Err(ModelError::config(field, why, format!("not a {} model: no Hugging Face layout", family.name())));
     }
     let (moe, [gate, up, down]) = family.moe_names();
+    let cfg = model.config();
+    let (q, kv) = (cfg.attention_width(), cfg.kv_heads() * cfg.head_width());
     let mut out = Vec::new();
     for (name, _) in model.params().iter() {
         let theirs = match name.split('.').collect::<Vec<_>>().as_slice() {
@@ -80,9 +83,9 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                 match rest {
                     ["ln1", "w"] => Layout::Same(format!("{p}.input_layernorm.weight")),
                     ["ln2", "w"] => Layout::Same(format!("{p}.post_attention_layernorm.weight")),
-                    ["attn", "qkv", "w"] => {
-                        Layout::Columns(["q", "k", "v"].iter().map(|x| format!("{p}.self_attn.{x}_proj.weight")).collect())
-                    }
+                    ["attn", "qkv", "w"] => Layout::Columns(
+                        [("q", q), ("k", kv), ("v", kv)].iter().map(|&(x, w)| (format!("{p}.self_attn.{x}_proj.weight"), w)).collect(),
+                    ),
                     ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
                     ["attn", "q_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_norm.weight")),
                     ["attn", "k_norm", "w"] => Layout::Same(format!("{p}.self_attn.k_norm.weight")),
@@ -90,7 +93,7 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                     // The loss-free balancing's bias: these families have none (it starts at zero).
                     ["moe", "gate", "bias"] => continue,
                     ["moe", "experts", e, "fc1", "w"] => {
-                        Layout::Columns([gate, up].iter().map(|x| format!("{p}.{moe}.experts.{e}.{x}.weight")).collect())
+                        Layout::Columns([gate, up].iter().map(|x| (format!("{p}.{moe}.experts.{e}.{x}.weight"), cfg.d_ff)).collect())
                     }
                     ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.experts.{e}.{down}.weight")),
                     _ => return Err(unmapped(name)),

@@ -118,8 +118,7 @@ pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, dir: &Pa
             Layout::Same(n) => fetch(&n, &dims)?,
             Layout::Transposed(n) => fetch(&n, &[dims[1], dims[0]])?.t()?.contiguous()?,
             Layout::Columns(names) => {
-                let want = [dims[1] / names.len(), dims[0]];
-                let parts = names.iter().map(|n| Ok(fetch(n, &want)?.t()?)).collect::<Result<Vec<_>>>()?;
+                let parts = names.iter().map(|(n, width)| Ok(fetch(n, &[*width, dims[0]])?.t()?)).collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 1)?
             }
         };

@@ -67,18 +67,30 @@ fn an_export_reads_back_into_the_same_model() {
     assert!(export(&biased, &dir).unwrap_err().to_string().contains("balance"));
 }
 
-/// A Qwen3-MoE (query and key norms, top-3 unnormalised) goes out under transformers'
-/// Qwen3-MoE names and comes back the same model; its fused expert tensors read too.
+/// A Qwen3-MoE (query and key norms, top-3 unnormalised, as Qwen3-30B-A3B's attention: one
+/// key/value head for 4 query heads, heads of 6 beside a width of 16, RMSNorm ε 1e-6) goes out
+/// under transformers' Qwen3-MoE names and comes back the same model; its fused expert tensors
+/// read too.
 #[test]
 fn a_qwen3_moe_export_reads_back_into_the_same_model() {
     let dir = std::env::temp_dir().join(format!("lazarus-hf-qwen-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let cfg = ModelConfig { top_k: 3, normalize_top_k: false, ..tiny().qwen_moe() };
+    let cfg = ModelConfig {
+        top_k: 3,
+        normalize_top_k: false,
+        n_heads: 4,
+        n_kv_heads: Some(1),
+        head_dim: Some(6),
+        norm_eps: 1e-6,
+        ..tiny().qwen_moe()
+    };
     let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
     export(&m, &dir).unwrap();
     let (back_cfg, tensors) = load(&dir).unwrap();
     assert_eq!(back_cfg, ModelConfig { aux_loss_coef: cfg.aux_loss_coef, ..cfg.clone() });
-    assert_eq!(tensors["model.layers.1.self_attn.k_norm.weight"].dims(), [8]);
+    let dims = |n: &str| tensors[&format!("model.layers.0.self_attn.{n}.weight")].dims().to_vec();
+    assert_eq!([dims("q_proj"), dims("k_proj"), dims("v_proj"), dims("o_proj")], [vec![24, 16], vec![6, 16], vec![6, 16], vec![16, 24]]);
+    assert_eq!(tensors["model.layers.1.self_attn.k_norm.weight"].dims(), [6]);
     assert_eq!(tensors["model.layers.0.mlp.experts.2.up_proj.weight"].dims(), [8, 16]);
     assert!(tensors.keys().all(|n| !n.contains("block_sparse_moe")));
     let back = MoeModel::new(&back_cfg, 99, DType::F32, &Device::Cpu).unwrap();
@@ -193,13 +205,22 @@ fn what_does_not_match_is_named() {
     let good = config_json(&tiny()).unwrap();
     let path = Path::new("config.json");
     assert_eq!(config_from_json(&good, path).unwrap().d_model, 16);
+    // What a file leaves out is transformers' default: Mixtral's 8 key/value heads (of 16 here),
+    // a head of hidden_size / heads.
+    let mut v = good.clone();
+    (v["hidden_size"], v["num_attention_heads"]) = (json!(32), json!(16));
+    let (kv, head) = (v.as_object_mut().unwrap().remove("num_key_value_heads"), v.as_object_mut().unwrap().remove("head_dim"));
+    assert!(kv.is_some() && head.is_some());
+    let read = config_from_json(&v, path).unwrap();
+    assert_eq!((read.kv_heads(), read.head_width(), read.n_kv_heads, read.head_dim), (8, 2, Some(8), None));
     for (key, value, named) in [
         ("model_type", json!("llama"), "model_type"),
-        ("num_key_value_heads", json!(1), "num_key_value_heads"),
+        ("num_key_value_heads", json!(3), "n_kv_heads"),
+        ("head_dim", json!(7), "head_dim"),
         ("hidden_act", json!("gelu"), "hidden_act"),
         ("tie_word_embeddings", json!(true), "tie_word_embeddings"),
         ("sliding_window", json!(4), "sliding_window"),
-        ("rms_norm_eps", json!(1e-6), "rms_norm_eps"),
+        ("rms_norm_eps", json!(0.5), "norm_eps"),
         ("num_experts_per_tok", json!(1), "top_k"),
         ("hidden_size", json!("wide"), "hidden_size"),
         ("num_local_experts", json!(100_000_000u64), "n_experts"),

@@ -50,16 +50,17 @@ struct Norm {
     w: Var,
     /// LayerNorm's bias; None: RMSNorm.
     b: Option<Var>,
+    eps: f64,
 }
 
 impl Norm {
-    fn new(ps: &mut ParamStore, init: &Init, name: &str, d: usize, kind: NormKind) -> Result<Self> {
+    fn new(ps: &mut ParamStore, init: &Init, name: &str, d: usize, kind: NormKind, eps: f64) -> Result<Self> {
         let w = ps.add(format!("{name}.w"), init.constant(&[d], 1.0)?)?;
         let b = match kind {
             NormKind::Layer => Some(ps.add(format!("{name}.b"), init.constant(&[d], 0.0)?)?),
             NormKind::Rms => None,
         };
-        Ok(Norm { w, b })
+        Ok(Norm { w, b, eps })
     }
 
     /// LayerNorm or RMSNorm over the last dimension (fused kernels, see [`crate::ops`]).
@@ -70,14 +71,11 @@ impl Norm {
     /// [`Norm::forward`] into `out` (bf16 for a bf16 product next: one kernel on a GPU).
     fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
         Ok(match &self.b {
-            Some(b) => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), NORM_EPS, out)?,
-            None => crate::ops::rms_norm_to(x, self.w.as_tensor(), NORM_EPS, out)?,
+            Some(b) => crate::ops::layer_norm_to(x, self.w.as_tensor(), b.as_tensor(), self.eps, out)?,
+            None => crate::ops::rms_norm_to(x, self.w.as_tensor(), self.eps, out)?,
         })
     }
 }
-
-/// The norms' epsilon (GPT-2's LayerNorm and Mixtral's RMSNorm both use 1e-5).
-pub const NORM_EPS: f64 = 1e-5;
 
 /// Linear–activation–Linear (GELU or SwiGLU). One expert, the shared experts of an MoE block,
 /// or the dense FFN of a non-MoE block.
@@ -131,19 +129,33 @@ impl Ffn {
 }
 
 struct Attention {
+    /// The packed projection [d, (heads + 2·kv_heads)·head_dim]: the queries, keys and values
+    /// side by side.
     qkv: Linear,
+    /// [heads·head_dim, d].
     out: Linear,
     /// The RMSNorm weights [head width] of the queries and of the keys (`qk_norm`).
     qk_norm: Option<(Var, Var)>,
     heads: usize,
+    /// Key and value heads, each serving `heads / kv_heads` query heads in a row.
+    kv_heads: usize,
+    head_dim: usize,
     /// The rotary base θ with rotary positions.
     rope: Option<f64>,
+    /// The q/k norms' ε (the model's norms').
+    norm_eps: f64,
 }
 
 impl Attention {
-    /// The packed projection qkv [B, T, 3d] → [B, T, d]: rotary positions on q and k if the
-    /// model has them, then causal attention (fused kernels, see [`crate::ops::rope`] and
-    /// [`crate::ops::causal_attention`]).
+    /// The widths of the queries (heads·head_dim) and of the keys, as of the values.
+    fn widths(&self) -> (usize, usize) {
+        (self.heads * self.head_dim, self.kv_heads * self.head_dim)
+    }
+
+    /// The packed projection qkv [B, T, (heads + 2·kv_heads)·head_dim] → [B, T, heads·head_dim]:
+    /// the queries' and keys' norms if the model has them, each key and value head shared by its
+    /// group of query heads, rotary positions on q and k if the model has them, then causal
+    /// attention (fused kernels, see [`crate::ops::rope`] and [`crate::ops::causal_attention`]).
     fn attend(&self, qkv: &Tensor) -> Result<Tensor> {
         let normed;
         let qkv = match &self.qk_norm {
@@ -153,32 +165,55 @@ impl Attention {
             }
             None => qkv,
         };
+        let shared;
+        let qkv = match self.kv_heads < self.heads {
+            true => {
+                shared = self.share_keys_and_values(qkv)?;
+                &shared
+            }
+            false => qkv,
+        };
         Ok(match self.rope {
             Some(theta) => crate::ops::causal_attention(&crate::ops::rope(qkv, self.heads, theta)?, self.heads)?,
             None => crate::ops::causal_attention(qkv, self.heads)?,
         })
     }
 
-    /// qkv [B, T, 3d] with each head's queries and keys RMS-normed by `q` and `k` [d / heads]
-    /// (Qwen3-MoE's q_norm and k_norm, before the rotary positions), in the weights' type (f32
-    /// under bf16 products) and back to qkv's; the values as they are.
+    /// qkv with each head's queries and keys RMS-normed by `q` and `k` [head width] (Qwen3-MoE's
+    /// q_norm and k_norm, before the rotary positions), in the weights' type (f32 under bf16
+    /// products) and back to qkv's; the values as they are.
     fn norm_queries_and_keys(&self, qkv: &Tensor, q: &Var, k: &Var) -> Result<Tensor> {
-        let (b, t, three_d) = qkv.dims3()?;
-        let d = three_d / 3;
-        let hd = d / self.heads;
-        let norm = |part: usize, w: &Var| -> Result<Tensor> {
-            let x = qkv.narrow(2, part * d, d)?.reshape((b, t, self.heads, hd))?.to_dtype(w.dtype())?;
-            Ok(crate::ops::rms_norm_to(&x, w.as_tensor(), NORM_EPS, qkv.dtype())?.reshape((b, t, d))?)
+        let (b, t, _) = qkv.dims3()?;
+        let ((qw, kvw), hd) = (self.widths(), self.head_dim);
+        let norm = |from: usize, width: usize, w: &Var| -> Result<Tensor> {
+            let x = qkv.narrow(2, from, width)?.reshape((b, t, width / hd, hd))?.to_dtype(w.dtype())?;
+            Ok(crate::ops::rms_norm_to(&x, w.as_tensor(), self.norm_eps, qkv.dtype())?.reshape((b, t, width))?)
         };
-        Ok(Tensor::cat(&[norm(0, q)?, norm(1, k)?, qkv.narrow(2, 2 * d, d)?], 2)?)
+        Ok(Tensor::cat(&[norm(0, qw, q)?, norm(qw, kvw, k)?, qkv.narrow(2, qw + kvw, kvw)?], 2)?)
+    }
+
+    /// Grouped-query attention's packed qkv as the fused kernels' [B, T, 3·heads·head_dim]: key
+    /// and value head j repeated for query heads j·g … j·g + g − 1 (g = heads / kv_heads, as
+    /// transformers' `repeat_kv`). The copies' gradients add up on the shared head (candle's
+    /// broadcast).
+    fn share_keys_and_values(&self, qkv: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = qkv.dims3()?;
+        let ((qw, kvw), hd) = (self.widths(), self.head_dim);
+        let g = self.heads / self.kv_heads;
+        let repeat = |from: usize| -> Result<Tensor> {
+            let x = qkv.narrow(2, from, kvw)?.reshape((b, t, self.kv_heads, 1, hd))?;
+            Ok(x.broadcast_as((b, t, self.kv_heads, g, hd))?.contiguous()?.reshape((b, t, qw))?)
+        };
+        Ok(Tensor::cat(&[qkv.narrow(2, 0, qw)?, repeat(qw)?, repeat(qw + kvw)?], 2)?)
     }
 
     /// x: [B, T, d] → [B, T, d], causal; the products in `compute` (the softmax in f32 at
     /// least), the result in x's dtype.
     fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let qkv = self.qkv.forward(&x.reshape((b * t, d))?.to_dtype(compute)?, compute)?.reshape((b, t, 3 * d))?;
-        let y = self.attend(&qkv)?.reshape((b * t, d))?;
+        let (qw, kvw) = self.widths();
+        let qkv = self.qkv.forward(&x.reshape((b * t, d))?.to_dtype(compute)?, compute)?.reshape((b, t, qw + 2 * kvw))?;
+        let y = self.attend(&qkv)?.reshape((b * t, qw))?;
         Ok(self.out.forward(&y, compute)?.to_dtype(x.dtype())?.reshape((b, t, d))?)
     }
 }
@@ -272,20 +307,18 @@ impl MoeModel {
         let mut moe_blocks = Vec::new();
         for b in 0..cfg.n_layers {
             let p = format!("blocks.{b}");
-            let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm)?;
-            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, 3 * d), std, attn_bias)?;
-            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (d, d), out_std, attn_bias)?;
+            let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm, cfg.norm_eps)?;
+            let (inner, hd) = (cfg.attention_width(), cfg.head_width());
+            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, cfg.qkv_width()), std, attn_bias)?;
+            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (inner, d), out_std, attn_bias)?;
             let qk_norm = match cfg.qk_norm {
-                true => {
-                    let hd = d / cfg.n_heads;
-                    Some((
-                        ps.add(format!("{p}.attn.q_norm.w"), init.constant(&[hd], 1.0)?)?,
-                        ps.add(format!("{p}.attn.k_norm.w"), init.constant(&[hd], 1.0)?)?,
-                    ))
-                }
+                true => Some((
+                    ps.add(format!("{p}.attn.q_norm.w"), init.constant(&[hd], 1.0)?)?,
+                    ps.add(format!("{p}.attn.k_norm.w"), init.constant(&[hd], 1.0)?)?,
+                )),
                 false => None,
             };
-            let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), d, norm)?;
+            let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), d, norm, cfg.norm_eps)?;
             let ff = if cfg.is_moe(b) {
                 moe_blocks.push(b);
                 let gate = ps.add(format!("{p}.moe.gate.w"), init.normal(&[d, cfg.n_experts], std)?)?;
@@ -314,9 +347,23 @@ impl MoeModel {
             } else {
                 FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.d_ff)?)
             };
-            blocks.push(Block { ln1, attn: Attention { qkv, out, qk_norm, heads: cfg.n_heads, rope }, ln2, ff });
+            blocks.push(Block {
+                ln1,
+                attn: Attention {
+                    qkv,
+                    out,
+                    qk_norm,
+                    heads: cfg.n_heads,
+                    kv_heads: cfg.kv_heads(),
+                    head_dim: hd,
+                    rope,
+                    norm_eps: cfg.norm_eps,
+                },
+                ln2,
+                ff,
+            });
         }
-        let ln_f = Norm::new(&mut ps, &init, "ln_f", d, norm)?;
+        let ln_f = Norm::new(&mut ps, &init, "ln_f", d, norm, cfg.norm_eps)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
         Ok(MoeModel {
             config: cfg,
@@ -454,8 +501,9 @@ impl MoeModel {
             // writes its type (f32 from bf16 operands): no cast node.
             let c = self.compute;
             let a = blk.ln1.forward_to(x, c)?.reshape((b * t, d))?;
-            let qkv = self.linear(&blk.attn.qkv, &a, c)?.reshape((b, t, 3 * d))?;
-            let y = blk.attn.attend(&qkv)?.reshape((b * t, d))?;
+            let (qw, kvw) = blk.attn.widths();
+            let qkv = self.linear(&blk.attn.qkv, &a, c)?.reshape((b, t, qw + 2 * kvw))?;
+            let y = blk.attn.attend(&qkv)?.reshape((b * t, qw))?;
             let o = self.linear(&blk.attn.out, &y, x.dtype())?.reshape((b, t, d))?;
             let x = crate::ops::residual_add(x, &o)?;
             let h = blk.ln2.forward_to(&x, c)?.reshape((b * t, d))?;

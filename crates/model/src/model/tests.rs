@@ -84,6 +84,49 @@ fn gradients_through_the_query_and_key_norms_match_finite_differences() {
     finite_differences(&cfg, &Device::Cpu, 1e-4);
 }
 
+/// The same with grouped-query attention (4 query heads sharing 2 key/value heads) and heads
+/// of 6 beside a width of 8 (so the output projection is [24, 8]), with Qwen3-MoE's norms on
+/// heads of that width: the shared keys' and values' gradients add up over their query heads.
+#[test]
+fn gradients_through_grouped_query_attention_match_finite_differences() {
+    let cfg = ModelConfig { n_heads: 4, n_kv_heads: Some(2), head_dim: Some(6), qk_norm: true, ..tiny_modern() };
+    let m = MoeModel::new(&cfg, 1, DType::F64, &Device::Cpu).unwrap();
+    assert_eq!(m.params().get("blocks.0.attn.qkv.w").unwrap().dims(), [8, (4 + 2 * 2) * 6]);
+    assert_eq!(m.params().get("blocks.0.attn.out.w").unwrap().dims(), [24, 8]);
+    assert_eq!(m.params().get("blocks.0.attn.k_norm.w").unwrap().dims(), [6]);
+    finite_differences(&cfg, &Device::Cpu, 1e-4);
+}
+
+/// Grouped-query attention is multi-head attention whose key and value heads are repeated: a
+/// model with 2 key/value heads for 4 query heads gives the same loss as one with 4, whose
+/// key and value projections are the first's, each head copied for its two query heads (head
+/// j serves query heads 2j and 2j + 1, as transformers' `repeat_kv`).
+#[test]
+fn grouped_query_attention_is_multi_head_attention_with_repeated_heads() {
+    let gqa = ModelConfig { n_heads: 4, n_kv_heads: Some(2), head_dim: Some(4), qk_norm: true, ..tiny_modern() };
+    let mha = ModelConfig { n_kv_heads: None, ..gqa.clone() };
+    let (g, m) = (MoeModel::new(&gqa, 5, DType::F64, &Device::Cpu).unwrap(), MoeModel::new(&mha, 6, DType::F64, &Device::Cpu).unwrap());
+    let hd = 4;
+    for (name, var) in m.params().iter() {
+        let theirs = g.params().get(name).unwrap();
+        let value = if name.ends_with("attn.qkv.w") {
+            // Columns: q (4 heads), then k and v (2 heads each) → k and v of 4 heads.
+            let part = |from: usize, heads: usize| theirs.narrow(1, from * hd, heads * hd).unwrap();
+            let repeat = |t: Tensor| {
+                let heads: Vec<Tensor> = (0..4).map(|h| t.narrow(1, (h / 2) * hd, hd).unwrap()).collect();
+                Tensor::cat(&heads, 1).unwrap()
+            };
+            Tensor::cat(&[part(0, 4), repeat(part(4, 2)), repeat(part(6, 2))], 1).unwrap()
+        } else {
+            theirs.as_tensor().clone()
+        };
+        var.set(&value).unwrap();
+    }
+    let (x, y) = batch(&gqa, 2, 5, 4);
+    let (a, b) = (loss(&g, &x, &y), loss(&m, &x, &y));
+    assert!((a - b).abs() < 1e-12, "grouped {a} vs repeated {b}");
+}
+
 /// The same on a GPU (skipped without one), at the looser tolerance first set when GELU's
 /// backward there was candle's (6-digit constants); not yet tightened on a GPU.
 #[test]
@@ -269,7 +312,9 @@ fn the_parameter_count_from_the_shape_is_the_models() {
         ModelConfig { moe_every: 9, ..small.clone() },
         modern.clone(),
         ModelConfig { moe_every: 2, ffn_bias: true, norm: NormKind::Layer, ..modern },
-        ModelConfig { shared_experts: 1, attn_bias: false, expert_act: Activation::Swiglu, ..small },
+        ModelConfig { shared_experts: 1, attn_bias: false, expert_act: Activation::Swiglu, ..small.clone() },
+        ModelConfig { n_heads: 4, n_kv_heads: Some(2), head_dim: Some(6), ..small.clone().qwen_moe() },
+        ModelConfig { n_kv_heads: Some(1), head_dim: Some(2), ..small },
     ] {
         let m = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(cfg.parameter_count(), m.params().num_elements() as u128, "{cfg:?}");
@@ -320,8 +365,29 @@ fn shapes_beyond_any_machine_are_errors_before_allocation() {
         (ModelConfig { n_experts: 100_000_000, ..ModelConfig::default() }, "n_experts"),
         (ModelConfig { d_model: 1 << 20, n_heads: 1, ..ModelConfig::default() }, "d_model"),
         (ModelConfig { vocab_size: usize::MAX, ..ModelConfig::default() }, "vocab_size"),
+        (ModelConfig { head_dim: Some(1 << 20), ..ModelConfig::default() }, "head_dim"),
     ] {
         let e = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).err().unwrap().to_string();
         assert!(e.contains(field), "{e}");
     }
+}
+
+/// The attention's shape is checked where it is given: key/value heads that do not divide the
+/// query heads, a head of no width, an odd head under rotary positions, ε out of range.
+#[test]
+fn attention_shapes_that_cannot_be_are_named() {
+    for (cfg, field) in [
+        (ModelConfig { n_kv_heads: Some(3), ..ModelConfig::default() }, "n_kv_heads"),
+        (ModelConfig { n_kv_heads: Some(0), ..ModelConfig::default() }, "n_kv_heads"),
+        (ModelConfig { head_dim: Some(0), ..ModelConfig::default() }, "head_dim"),
+        (ModelConfig { head_dim: Some(5), ..ModelConfig::default().mixtral() }, "head_dim"),
+        (ModelConfig { d_model: 10, n_heads: 4, ..ModelConfig::default() }, "n_heads"),
+        (ModelConfig { norm_eps: 0.0, ..ModelConfig::default() }, "norm_eps"),
+        (ModelConfig { norm_eps: f64::NAN, ..ModelConfig::default() }, "norm_eps"),
+    ] {
+        let e = cfg.validate().err().unwrap().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+    }
+    // Heads of their own width need not divide the model's.
+    ModelConfig { d_model: 10, n_heads: 4, head_dim: Some(4), ..ModelConfig::default() }.validate().unwrap();
 }

@@ -95,7 +95,18 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
         attn_bias => "attn-bias" if blocks || m.attn_bias.is_some(), ffn_bias => "ffn-bias" if blocks || m.ffn_bias.is_some(),
         normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some(),
         rope_theta => "rope-theta" if blocks || m.rope_theta.is_some(), qk_norm => "qk-norm" if blocks || m.qk_norm.is_some(),
-        router => "router" if blocks || m.router.is_some());
+        router => "router" if blocks || m.router.is_some(), norm_eps => "norm-eps" if m.norm_eps.is_some());
+    // The attention's shape as the model has it (a width left out is the default one).
+    let shape = [
+        ("kv-heads", m.kv_heads.is_some() || ours.n_kv_heads.is_some(), ours.kv_heads(), theirs.kv_heads()),
+        ("head-dim", m.head_dim.is_some() || ours.head_dim.is_some(), ours.head_width(), theirs.head_width()),
+    ];
+    let clash = clash.or_else(|| {
+        shape
+            .into_iter()
+            .find(|&(_, said, a, b)| said && a != b)
+            .map(|(flag, _, a, b)| format!("--{flag} {a} (the model in {} has {b})", dir.display()))
+    });
     if let Some(clash) = clash {
         bail!("--init-from: the model is the directory's, but {clash}");
     }
@@ -224,7 +235,13 @@ pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelCo
             $(if let Some(v) = args.$flag { m.$flag = v; })*
         };
     }
-    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias, qk_norm, routed_scaling, expert_groups, top_groups);
+    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias, qk_norm, routed_scaling, expert_groups, top_groups, norm_eps);
+    if let Some(v) = args.kv_heads {
+        m.n_kv_heads = Some(v);
+    }
+    if let Some(v) = args.head_dim {
+        m.head_dim = Some(v);
+    }
     Ok(())
 }
 

@@ -55,9 +55,17 @@ pub struct ModelArgs {
     /// Transformer blocks.
     #[arg(long)]
     pub(crate) layers: Option<usize>,
-    /// Attention heads (a divisor of --d-model).
+    /// Attention heads (a divisor of --d-model, unless --head-dim is given).
     #[arg(long)]
     pub(crate) heads: Option<usize>,
+    /// Key and value heads, a divisor of --heads: grouped-query attention, each serving its
+    /// group of query heads (Mixtral 8 of 32, Qwen3-MoE 4 of 32). Default: one per query head.
+    #[arg(long)]
+    pub(crate) kv_heads: Option<usize>,
+    /// The width of a head (Qwen3-MoE's 128 beside d_model 2048 and 32 heads). Default:
+    /// --d-model / --heads.
+    #[arg(long)]
+    pub(crate) head_dim: Option<usize>,
     /// Vocabulary size (default 256, the byte tokenizer's, or --tokenizer's; token shards may
     /// need more).
     #[arg(long)]
@@ -104,6 +112,9 @@ pub struct ModelArgs {
     /// The blocks' norm.
     #[arg(long, value_name = "layer|rms")]
     pub(crate) norm: Option<String>,
+    /// The norms' ε (Qwen3-MoE's 1e-6).
+    #[arg(long)]
+    pub(crate) norm_eps: Option<f64>,
     /// Learned position table, or rotary positions on the queries and keys.
     #[arg(long, value_name = "learned|rope")]
     pub(crate) positions: Option<String>,
@@ -523,6 +534,7 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("moe_every", m.moe_every.to_string()),
         ("shared_experts", m.shared_experts.to_string()),
         ("norm", word(m.norm)),
+        ("norm_eps", word(m.norm_eps)),
         ("positions", word(m.positions)),
         ("expert_act", word(m.expert_act)),
         ("attn_bias", m.attn_bias.to_string()),
