@@ -7,7 +7,9 @@
                                         renormalised, query and key norms with random weights, one
                                         key/value head, heads of 16 beside a width of 32, RMSNorm ε 1e-6,
                                         as Qwen3-30B-A3B's 4 of 32 heads of 128 beside 2048), saved as
-                                        OUT/{config.json,model.safetensors}
+                                        OUT/{config.json,model.safetensors}; or Qwen2MoeForCausalLM
+                                        (qwen2_moe: q/k/v biases, a shared expert twice a routed one's
+                                        width behind its sigmoid gate, 2 key/value heads, biases random)
   hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
                                     written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
                                     not match the model transformers builds from its config.json (missing,
@@ -26,6 +28,8 @@ try:
         GenerationConfig,
         MixtralConfig,
         MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -87,6 +91,35 @@ def make_qwen3_moe(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
+def make_qwen2_moe(out):
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        **SHAPE,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        qkv_bias=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+    )
+    model = Qwen2MoeForCausalLM(config).to(torch.float32).eval()
+    # Biases start at zero: random ones so that a misplaced one shows.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.uniform_(-0.5, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+MAKERS = {"mixtral": make, "qwen3_moe": make_qwen3_moe, "qwen2_moe": make_qwen2_moe}
+
+
 def logits(directory, ids, out):
     model, info = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32, output_loading_info=True)
     bad = {k: v for k, v in info.items() if v}
@@ -107,10 +140,10 @@ def logits(directory, ids, out):
 if __name__ == "__main__":
     if len(sys.argv) in (3, 4) and sys.argv[1] == "make":
         family = sys.argv[3] if len(sys.argv) == 4 else "mixtral"
-        if family not in ("mixtral", "qwen3_moe"):
-            print(f"unknown family {family!r}: expected mixtral or qwen3_moe", file=sys.stderr)
+        if family not in MAKERS:
+            print(f"unknown family {family!r}: expected one of {', '.join(MAKERS)}", file=sys.stderr)
             sys.exit(2)
-        (make if family == "mixtral" else make_qwen3_moe)(sys.argv[2])
+        MAKERS[family](sys.argv[2])
     elif len(sys.argv) == 5 and sys.argv[1] == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

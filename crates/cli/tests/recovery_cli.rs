@@ -677,6 +677,15 @@ fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
     family_survives_a_killed_worker("deepseek", &blocks, described);
 }
 
+/// Qwen2-MoE's blocks (q/k/v biases, a gated shared expert, grouped-query attention) on 4
+/// workers, one SIGKILLed.
+#[test]
+fn qwen2_moe_blocks_survive_a_killed_worker() {
+    let blocks = ["--arch", "qwen2-moe", "--kv-heads", "1", "--steps", "30"];
+    let described = "biases on q/k/v only, 1 key/value head, top-k weights unnormalised, 1 shared expert (gated)";
+    family_survives_a_killed_worker("qwen2", &blocks, described);
+}
+
 /// A run of `blocks` on 4 workers, one SIGKILLed after step 8: every step once with the losses
 /// of the uninterrupted run (whose first line names its blocks with `described`), one
 /// reconfiguration, and its checkpoint resumes in one process.

@@ -108,6 +108,9 @@ pub struct ModelConfig {
     /// width `shared_experts · d_ff` (the sum of S experts is such an FFN), replicated on every
     /// worker like the dense weights.
     pub shared_experts: usize,
+    /// The shared experts' output times a sigmoid gate of the token, σ(x·w) with w [d_model]
+    /// (Qwen2-MoE's `shared_expert_gate`): a token may turn them down.
+    pub shared_expert_gate: bool,
     /// LayerNorm or RMSNorm.
     pub norm: NormKind,
     /// The norms' ε (GPT-2's LayerNorm and Mixtral's RMSNorm 1e-5, Qwen3-MoE's 1e-6).
@@ -120,6 +123,9 @@ pub struct ModelConfig {
     pub expert_act: Activation,
     /// Biases on the attention's projections.
     pub attn_bias: bool,
+    /// Biases on the queries, keys and values only, not the output projection (Qwen2-MoE's
+    /// `qkv_bias`); `attn_bias` puts them on both.
+    pub qkv_bias: bool,
     /// An RMSNorm over each head's queries and keys before the rotary positions (Qwen3-MoE,
     /// OLMoE): two weights of the head's width, shared by the heads. It keeps the attention
     /// logits' scale in check as the model grows.
@@ -165,12 +171,14 @@ impl Default for ModelConfig {
             top_groups: 1,
             d_ff: 512,
             shared_experts: 0,
+            shared_expert_gate: false,
             norm: NormKind::Layer,
             norm_eps: 1e-5,
             positions: Positions::Learned,
             rope_theta: 10_000.0,
             expert_act: Activation::Gelu,
             attn_bias: true,
+            qkv_bias: false,
             qk_norm: false,
             ffn_bias: true,
             moe_every: 1,
@@ -234,6 +242,9 @@ pub enum Arch {
     /// Qwen3-MoE's blocks: see [`ModelConfig::qwen_moe`].
     #[serde(rename = "qwen-moe")]
     QwenMoe,
+    /// Qwen2-MoE's blocks: see [`ModelConfig::qwen2_moe`].
+    #[serde(rename = "qwen2-moe")]
+    Qwen2Moe,
     /// DeepSeek-MoE's routing on Mixtral's blocks: see [`ModelConfig::deepseek_moe`].
     #[serde(rename = "deepseek-moe")]
     DeepseekMoe,
@@ -246,8 +257,9 @@ impl std::str::FromStr for Arch {
             "gpt" => Ok(Arch::Gpt),
             "mixtral" => Ok(Arch::Mixtral),
             "qwen-moe" => Ok(Arch::QwenMoe),
+            "qwen2-moe" => Ok(Arch::Qwen2Moe),
             "deepseek-moe" => Ok(Arch::DeepseekMoe),
-            other => Err(format!("unknown architecture {other:?}: expected gpt, mixtral, qwen-moe or deepseek-moe")),
+            other => Err(format!("unknown architecture {other:?}: expected gpt, mixtral, qwen-moe, qwen2-moe or deepseek-moe")),
         }
     }
 }
@@ -284,9 +296,11 @@ impl ModelConfig {
             rope_theta: 1e6,
             expert_act: Activation::Swiglu,
             attn_bias: false,
+            qkv_bias: false,
             ffn_bias: false,
             normalize_top_k: true,
             shared_experts: 0,
+            shared_expert_gate: false,
             moe_every: 1,
             qk_norm: false,
             router: RouterScore::Softmax,
@@ -298,6 +312,13 @@ impl ModelConfig {
     /// queries and keys (Qwen3-30B-A3B also renormalises its top-8 weights, `norm_topk_prob`).
     pub fn qwen_moe(self) -> Self {
         ModelConfig { qk_norm: true, ..self.mixtral() }
+    }
+
+    /// Qwen2-MoE's (and Qwen1.5-MoE's) block options on this shape: Mixtral's, with biases on
+    /// the queries, keys and values, one shared expert behind a sigmoid gate, and top-k weights
+    /// left unnormalised (`norm_topk_prob` false, transformers' default).
+    pub fn qwen2_moe(self) -> Self {
+        ModelConfig { qkv_bias: true, shared_experts: 1, shared_expert_gate: true, normalize_top_k: false, ..self.mixtral() }
     }
 
     /// DeepSeek-MoE's routing on Mixtral's blocks (multi-head attention, not DeepSeek-V3's
@@ -319,6 +340,8 @@ impl ModelConfig {
                     rope_theta: d.rope_theta,
                     expert_act: d.expert_act,
                     attn_bias: d.attn_bias,
+                    qkv_bias: d.qkv_bias,
+                    shared_expert_gate: d.shared_expert_gate,
                     ffn_bias: d.ffn_bias,
                     normalize_top_k: d.normalize_top_k,
                     shared_experts: d.shared_experts,
@@ -329,6 +352,7 @@ impl ModelConfig {
             }
             Arch::Mixtral => self.mixtral(),
             Arch::QwenMoe => self.qwen_moe(),
+            Arch::Qwen2Moe => self.qwen2_moe(),
             Arch::DeepseekMoe => self.deepseek_moe(),
         }
     }
@@ -346,11 +370,13 @@ impl ModelConfig {
         if self.expert_act == Activation::Swiglu {
             parts.push("SwiGLU".to_string());
         }
-        match (self.attn_bias, self.ffn_bias) {
-            (false, false) => parts.push("no biases".to_string()),
-            (false, true) => parts.push("no attention biases".to_string()),
-            (true, false) => parts.push("no FFN biases".to_string()),
-            (true, true) => {}
+        match (self.attn_bias, self.qkv_bias && !self.attn_bias, self.ffn_bias) {
+            (false, false, false) => parts.push("no biases".to_string()),
+            (false, true, false) => parts.push("biases on q/k/v only".to_string()),
+            (false, false, true) => parts.push("no attention biases".to_string()),
+            (false, true, true) => parts.push("attention biases on q/k/v only".to_string()),
+            (true, _, false) => parts.push("no FFN biases".to_string()),
+            (true, _, true) => {}
         }
         if self.norm_eps != ModelConfig::default().norm_eps {
             parts.push(format!("norm ε {}", self.norm_eps));
@@ -378,7 +404,8 @@ impl ModelConfig {
             parts.push("top-k weights unnormalised".to_string());
         }
         if self.shared_experts > 0 {
-            parts.push(format!("{} shared expert{}", self.shared_experts, if self.shared_experts == 1 { "" } else { "s" }));
+            let gated = if self.shared_expert_gate { " (gated)" } else { "" };
+            parts.push(format!("{} shared expert{}{gated}", self.shared_experts, if self.shared_experts == 1 { "" } else { "s" }));
         }
         if parts.is_empty() {
             return "GPT blocks".to_string();
@@ -487,6 +514,9 @@ impl ModelConfig {
         }
         if self.top_k > self.n_experts {
             return Err(ModelError::config("top_k", self.top_k, format!("cannot exceed n_experts ({})", self.n_experts)));
+        }
+        if self.shared_expert_gate && self.shared_experts == 0 {
+            return Err(ModelError::config("shared_expert_gate", true, "gates the shared experts: shared_experts must be at least 1"));
         }
         if !self.norm_eps.is_finite() || self.norm_eps <= 0.0 || self.norm_eps > 1e-2 {
             return Err(ModelError::config("norm_eps", self.norm_eps, "must be finite, > 0 and ≤ 0.01"));
@@ -597,10 +627,15 @@ impl ModelConfig {
             NormKind::Rms => d,
         };
         let (packed, inner) = (self.qkv_width() as u128, self.attention_width() as u128);
-        let attn_bias = if self.attn_bias { packed + d } else { 0 };
+        let attn_bias = match (self.attn_bias, self.qkv_bias) {
+            (true, _) => packed + d,
+            (false, true) => packed,
+            (false, false) => 0,
+        };
         let qk_norm = if self.qk_norm { 2 * self.head_width() as u128 } else { 0 };
         let per_block = 2 * norm + d * packed + inner * d + attn_bias + qk_norm;
         let shared = if self.shared_experts > 0 { ffn(self.shared_experts * self.d_ff) } else { 0 };
+        let shared = shared + if self.shared_expert_gate { d } else { 0 };
         v * d
             + self.position_rows() as u128 * d
             + self.n_layers as u128 * per_block

@@ -64,6 +64,11 @@ fn a_qwen3_moe_from_transformers_loads_trains_exports_and_keeps_its_logits() {
     round_trip("qwen3_moe", (32, 8, 4), (1, 16, 1e-6));
 }
 
+#[test]
+fn a_qwen2_moe_from_transformers_loads_trains_exports_and_keeps_its_logits() {
+    round_trip("qwen2_moe", (32, 8, 4), (2, 8, 1e-6));
+}
+
 /// A model of `family` made by transformers: loaded, trained 5 steps, exported, each time with
 /// transformers' logits; `shape` (d_model, experts, top-k) and `attention` (key/value heads, head
 /// width, norm ε) as read.
@@ -81,6 +86,13 @@ fn round_trip(family: &str, shape: (usize, usize, usize), attention: (usize, usi
     assert_eq!((config.model.d_model, config.model.n_experts, config.model.top_k), shape);
     assert_eq!((config.model.kv_heads(), config.model.head_width(), config.model.norm_eps), attention);
     assert_eq!(config.model.qk_norm, family == "qwen3_moe");
+    assert_eq!(
+        (config.model.qkv_bias, config.model.shared_expert_gate, config.model.shared_experts),
+        match family {
+            "qwen2_moe" => (true, true, 2),
+            _ => (false, false, 0),
+        }
+    );
     let before = worst(&our_logits(&model, &ids), &their_logits(&theirs, &ids, &d));
     assert!(before <= 1e-4, "logits differ by {before} before training");
     // Trained from those weights, then exported: transformers reads it with our logits.

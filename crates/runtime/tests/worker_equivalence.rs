@@ -249,6 +249,19 @@ fn qwen_moe_blocks_on_2_workers() {
     assert_matches(&run, &reference, "Qwen3-MoE blocks on 2 workers");
 }
 
+/// Qwen2-MoE's blocks (q/k/v biases, a shared expert behind its gate: replicated tensors like
+/// the others), top-2 of 8 unnormalised, on 3 workers.
+#[test]
+fn qwen2_moe_blocks_on_3_workers() {
+    let c = config();
+    let qwen2 = TrainConfig { model: ModelConfig { n_experts: 8, top_k: 2, ..c.model.qwen2_moe() }, ..c };
+    let reference = single(qwen2.clone());
+    assert!(reference.1.contains_key("blocks.0.moe.shared_gate.w") && reference.1.contains_key("blocks.0.attn.qkv.b"));
+    let layers = qwen2.model.moe_layers();
+    let run = distributed_with(qwen2, 3, uneven(3, layers, 8), DispatchMode::Flexible, None);
+    assert_matches(&run, &reference, "Qwen2-MoE blocks on 3 workers");
+}
+
 /// DeepSeek-MoE's routing (a sigmoid router, renormalised and scaled, top-2 from the best 2 of 4
 /// expert groups, a shared expert) with loss-free balancing, on 3 workers.
 #[test]

@@ -55,6 +55,8 @@ settings! {
     Positions => "positions",
     ExpertAct => "expert_act",
     AttnBias => "attn_bias",
+    QkvBias => "qkv_bias",
+    SharedExpertGate => "shared_expert_gate",
     FfnBias => "ffn_bias",
     Balance => "balance",
     // The controller and its endpoints.

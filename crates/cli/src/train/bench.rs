@@ -195,6 +195,11 @@ fn torch_mismatch(config: &TrainConfig) -> Option<String> {
     let checks = [
         (m.vocab_size == 256, format!("vocab {} (the peer has 256)", m.vocab_size)),
         (m.attn_bias == m.ffn_bias, "biases on the attention but not the FFNs, or back (the peer has one switch)".to_string()),
+        (!m.qkv_bias || m.attn_bias, "biases on q/k/v only (the peer has one switch)".to_string()),
+        (!m.shared_expert_gate, "a gated shared expert (the peer's are ungated)".to_string()),
+        (m.kv_heads() == m.n_heads && m.head_dim.is_none(), "grouped-query attention or heads of their own width".to_string()),
+        (!m.qk_norm, "query and key norms".to_string()),
+        (m.norm_eps == 1e-5, format!("norm ε {} (the peer uses 1e-5)", m.norm_eps)),
         (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
         (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
         (m.aux_loss_coef == 0.01, format!("aux loss coefficient {} (the peer uses 0.01)", m.aux_loss_coef)),
@@ -295,6 +300,14 @@ mod tests {
         c.model = c.model.mixtral();
         assert_eq!(torch_mismatch(&c), None);
         assert_eq!(torch_block_args(&c.model).join(" "), "--top-k 2 --shared 0 --norm rms --rope 1000000 --act swiglu --no-bias");
+        for (model, named) in [
+            (lazarus_model::ModelConfig { n_kv_heads: Some(1), ..c.model.clone() }, "grouped-query"),
+            (c.model.clone().qwen_moe(), "query and key norms"),
+            (c.model.clone().qwen2_moe(), "q/k/v"),
+        ] {
+            let why = torch_mismatch(&TrainConfig { model, ..c.clone() }).unwrap();
+            assert!(why.contains(named), "{why}");
+        }
         let mut c = default;
         c.model.capacity_factor = Some(1.25);
         assert!(torch_mismatch(&c).unwrap().contains("capacity"));

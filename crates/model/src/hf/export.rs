@@ -55,6 +55,13 @@ pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Res
                     from += width;
                 }
             }
+            Layout::Pieces(names) => {
+                let mut from = 0;
+                for (n, len) in names {
+                    tensors.push((n, t.narrow(0, from, len)?.contiguous()?));
+                    from += len;
+                }
+            }
         }
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));

@@ -8,18 +8,23 @@ use std::path::Path;
 use crate::config::{Activation, ModelConfig, NormKind, Positions};
 use crate::error::{ModelError, Result};
 
-/// The transformers families a model goes to and from: Mixtral, or Qwen3-MoE (Mixtral's blocks
-/// with query and key norms, top-k weights renormalised or not).
+/// The transformers families a model goes to and from: Mixtral, Qwen3-MoE (Mixtral's blocks
+/// with query and key norms, top-k weights renormalised or not), or Qwen2-MoE (Mixtral's blocks
+/// with q/k/v biases and a gated shared expert; Qwen1.5-MoE's too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Mixtral,
     Qwen3Moe,
+    Qwen2Moe,
 }
 
 impl Family {
-    /// The family of a model's options: Qwen3-MoE's when it has query and key norms.
+    /// The family of a model's options: Qwen2-MoE's when it gates its shared experts, Qwen3-MoE's
+    /// when it has query and key norms, else Mixtral's.
     pub fn of(cfg: &ModelConfig) -> Family {
-        if cfg.qk_norm {
+        if cfg.shared_expert_gate {
+            Family::Qwen2Moe
+        } else if cfg.qk_norm {
             Family::Qwen3Moe
         } else {
             Family::Mixtral
@@ -31,6 +36,7 @@ impl Family {
         match self {
             Family::Mixtral => "Mixtral",
             Family::Qwen3Moe => "Qwen3-MoE",
+            Family::Qwen2Moe => "Qwen2-MoE",
         }
     }
 
@@ -39,6 +45,7 @@ impl Family {
         match self {
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
+            Family::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -48,6 +55,7 @@ impl Family {
         match self {
             Family::Mixtral => 8,
             Family::Qwen3Moe => 4,
+            Family::Qwen2Moe => 16,
         }
     }
 
@@ -55,7 +63,7 @@ impl Family {
     fn default_norm_eps(self) -> f64 {
         match self {
             Family::Mixtral => 1e-5,
-            Family::Qwen3Moe => 1e-6,
+            Family::Qwen3Moe | Family::Qwen2Moe => 1e-6,
         }
     }
 
@@ -64,7 +72,7 @@ impl Family {
     pub(super) fn moe_names(self) -> (&'static str, [&'static str; 3]) {
         match self {
             Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Family::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            Family::Qwen3Moe | Family::Qwen2Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         }
     }
 }
@@ -74,19 +82,22 @@ impl Family {
 pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     let family = Family::of(cfg);
     let name = family.name();
-    let checks: [(bool, &'static str, String); 12] = [
+    let qwen2 = family == Family::Qwen2Moe;
+    let checks: [(bool, &'static str, String); 14] = [
         (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
         (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
         (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
         (!cfg.attn_bias, "attn_bias", format!("{name}'s attention has no biases ({} false)", Setting::AttnBias)),
         (!cfg.ffn_bias, "ffn_bias", format!("{name}'s experts have no biases ({} false)", Setting::FfnBias)),
-        (cfg.shared_experts == 0, "shared_experts", format!("{}: {name} has no shared experts", cfg.shared_experts)),
+        (cfg.shared_experts == 0 || qwen2, "shared_experts", format!("{}: {name} has no shared experts", cfg.shared_experts)),
+        (!cfg.qkv_bias || qwen2, "qkv_bias", format!("{name} has no q/k/v biases ({} false)", Setting::QkvBias)),
+        (!(qwen2 && cfg.qk_norm), "qk_norm", format!("{name} has no query and key norms")),
         (cfg.moe_every == 1, "moe_every", format!("{}: {name} has an MoE layer in every block", cfg.moe_every)),
         (
-            family == Family::Qwen3Moe || (cfg.top_k > 1 && cfg.normalize_top_k),
+            family != Family::Mixtral || (cfg.top_k > 1 && cfg.normalize_top_k),
             "top_k",
             format!(
-                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights (Qwen3-MoE, with query and key norms, to any)",
+                "top-{}{}: Mixtral routes to k ≥ 2 experts with renormalised weights (Qwen3-MoE and Qwen2-MoE to any)",
                 cfg.top_k,
                 if cfg.normalize_top_k { "" } else { " unnormalised" }
             ),
@@ -153,6 +164,17 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
             "attention_bias": false,
             "use_sliding_window": false,
         }),
+        Family::Qwen2Moe => json!({
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "num_experts": cfg.n_experts,
+            "moe_intermediate_size": cfg.d_ff,
+            "shared_expert_intermediate_size": cfg.shared_experts * cfg.d_ff,
+            "norm_topk_prob": cfg.normalize_top_k,
+            "qkv_bias": cfg.qkv_bias,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": false,
+        }),
     };
     if let (Some(map), Value::Object(more)) = (v.as_object_mut(), extra) {
         map.extend(more);
@@ -171,11 +193,24 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
     let family = match v.get("model_type").and_then(Value::as_str) {
         Some("mixtral") => Family::Mixtral,
         Some("qwen3_moe") => Family::Qwen3Moe,
-        other => return Err(bad("model_type", format!("{other:?}: only Mixtral and Qwen3-MoE checkpoints are read"))),
+        Some("qwen2_moe") => Family::Qwen2Moe,
+        other => return Err(bad("model_type", format!("{other:?}: only Mixtral, Qwen3-MoE and Qwen2-MoE checkpoints are read"))),
     };
-    if family == Family::Qwen3Moe {
-        qwen3_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
+    if family != Family::Mixtral {
+        qwen_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
     }
+    // Qwen2-MoE's shared expert: a whole number of routed experts' widths.
+    let shared = match family {
+        Family::Qwen2Moe => {
+            let (width, f) = (int("shared_expert_intermediate_size")?, int("moe_intermediate_size")?);
+            if f == 0 || width == 0 || !width.is_multiple_of(f) {
+                let why = format!("{width}: only a multiple of moe_intermediate_size ({f}) is supported");
+                return Err(bad("shared_expert_intermediate_size", why));
+            }
+            width / f
+        }
+        _ => 0,
+    };
     let (d, heads) = (int("hidden_size")?, int("num_attention_heads")?);
     // transformers' defaults where the file does not say: MixtralConfig's 8 key/value heads,
     // Qwen3MoeConfig's 4; a head of hidden_size / num_attention_heads.
@@ -195,7 +230,10 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         return Err(bad("tie_word_embeddings", "true: tied embeddings are not supported".into()));
     }
     let max_pos = int("max_position_embeddings")?;
-    if let Some(w) = v.get("sliding_window").and_then(Value::as_u64) {
+    // (The Qwen families' window applies only with use_sliding_window, refused above; their
+    // files write 0 or 4096 without it.)
+    let window_used = v.get("use_sliding_window").and_then(Value::as_bool) != Some(false);
+    if let Some(w) = v.get("sliding_window").and_then(Value::as_u64).filter(|_| window_used) {
         if (w as usize) < max_pos {
             return Err(bad("sliding_window", format!("{w}: sliding-window attention is not supported")));
         }
@@ -218,13 +256,13 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         head_dim: head_dim.filter(|&w| heads == 0 || w * heads != d),
         norm_eps: num("rms_norm_eps").unwrap_or(family.default_norm_eps()),
         max_seq_len: max_pos,
-        // (Qwen3-MoE's files say num_experts; transformers 5 writes num_local_experts for both.)
+        // (The Qwen families' files say num_experts; transformers 5 writes num_local_experts.)
         n_experts: match family {
-            Family::Qwen3Moe if v.get("num_experts").is_some() => int("num_experts")?,
+            Family::Qwen3Moe | Family::Qwen2Moe if v.get("num_experts").is_some() => int("num_experts")?,
             _ => int("num_local_experts")?,
         },
         top_k: int("num_experts_per_tok")?,
-        d_ff: int(if family == Family::Qwen3Moe { "moe_intermediate_size" } else { "intermediate_size" })?,
+        d_ff: int(if family == Family::Mixtral { "intermediate_size" } else { "moe_intermediate_size" })?,
         // transformers' MixtralConfig and Qwen3MoeConfig default when the file does not say.
         aux_loss_coef: num("router_aux_loss_coef").unwrap_or(0.001),
         init_std: num("initializer_range").unwrap_or(0.02),
@@ -235,6 +273,12 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
                 normalize_top_k: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
                 ..ModelConfig::default().qwen_moe()
             },
+            Family::Qwen2Moe => ModelConfig {
+                normalize_top_k: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+                qkv_bias: v.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true),
+                shared_experts: shared,
+                ..ModelConfig::default().qwen2_moe()
+            },
         }
     };
     cfg.validate().map_err(|e| bad("config", e.to_string()))?;
@@ -244,9 +288,10 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
-/// What a Qwen3-MoE `config.json` may say beyond Mixtral's fields: an MoE layer in every block,
-/// no attention biases, no sliding window; else (field, why).
-fn qwen3_moe_supported(v: &Value) -> std::result::Result<(), (&'static str, String)> {
+/// What a Qwen3-MoE or Qwen2-MoE `config.json` may say beyond Mixtral's fields: an MoE layer in
+/// every block, no attention biases (Qwen3's; Qwen2's q/k/v biases are `qkv_bias`), no sliding
+/// window; else (field, why).
+fn qwen_moe_supported(v: &Value) -> std::result::Result<(), (&'static str, String)> {
     if let Some(step) = v.get("decoder_sparse_step").and_then(Value::as_u64).filter(|&s| s != 1) {
         return Err(("decoder_sparse_step", format!("{step}: only an MoE layer in every block is supported")));
     }

@@ -60,6 +60,8 @@ enum Layout {
     /// Side by side along our columns, each transposed: ours [in, Σ outs] = [t₁ᵀ | t₂ᵀ | …],
     /// each (name, its width among our columns).
     Columns(Vec<(String, usize)>),
+    /// A vector that is theirs end to end: ours [Σ lens] = [v₁ | v₂ | …], each (name, length).
+    Pieces(Vec<(String, usize)>),
 }
 
 /// Where each of our parameters is among transformers' (legacy names), in our order; an error
@@ -86,6 +88,9 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                     ["attn", "qkv", "w"] => Layout::Columns(
                         [("q", q), ("k", kv), ("v", kv)].iter().map(|&(x, w)| (format!("{p}.self_attn.{x}_proj.weight"), w)).collect(),
                     ),
+                    ["attn", "qkv", "b"] => Layout::Pieces(
+                        [("q", q), ("k", kv), ("v", kv)].iter().map(|&(x, w)| (format!("{p}.self_attn.{x}_proj.bias"), w)).collect(),
+                    ),
                     ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
                     ["attn", "q_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_norm.weight")),
                     ["attn", "k_norm", "w"] => Layout::Same(format!("{p}.self_attn.k_norm.weight")),
@@ -96,6 +101,12 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                         Layout::Columns([gate, up].iter().map(|x| (format!("{p}.{moe}.experts.{e}.{x}.weight"), cfg.d_ff)).collect())
                     }
                     ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.experts.{e}.{down}.weight")),
+                    // Qwen2-MoE's shared expert and its gate.
+                    ["moe", "shared", "fc1", "w"] => Layout::Columns(
+                        [gate, up].iter().map(|x| (format!("{p}.{moe}.shared_expert.{x}.weight"), cfg.shared_experts * cfg.d_ff)).collect(),
+                    ),
+                    ["moe", "shared", "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.shared_expert.{down}.weight")),
+                    ["moe", "shared_gate", "w"] => Layout::Transposed(format!("{p}.{moe}.shared_expert_gate.weight")),
                     _ => return Err(unmapped(name)),
                 }
             }
@@ -107,7 +118,7 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
 }
 
 fn unmapped(name: &str) -> ModelError {
-    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral or Qwen3-MoE")
+    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE")
 }
 
 /// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed); on

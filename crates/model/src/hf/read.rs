@@ -121,6 +121,10 @@ pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, dir: &Pa
                 let parts = names.iter().map(|(n, width)| Ok(fetch(n, &[*width, dims[0]])?.t()?)).collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 1)?
             }
+            Layout::Pieces(names) => {
+                let parts = names.iter().map(|(n, len)| fetch(n, &[*len])).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)?
+            }
         };
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }

@@ -116,6 +116,41 @@ fn a_qwen3_moe_export_reads_back_into_the_same_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A Qwen2-MoE (q/k/v biases, two routed experts' width of shared expert behind its gate,
+/// grouped-query attention) goes out under transformers' Qwen2-MoE names and comes back the same
+/// model; a shared expert that is no whole number of routed ones is named.
+#[test]
+fn a_qwen2_moe_export_reads_back_into_the_same_model() {
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-qwen2-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = ModelConfig { top_k: 3, shared_experts: 2, n_heads: 4, n_kv_heads: Some(2), norm_eps: 1e-6, ..tiny().qwen2_moe() };
+    let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+    export(&m, &dir).unwrap();
+    let (back_cfg, tensors) = load(&dir).unwrap();
+    assert_eq!(back_cfg, ModelConfig { aux_loss_coef: cfg.aux_loss_coef, ..cfg.clone() });
+    let dims = |n: &str| tensors[&format!("model.layers.1.{n}")].dims().to_vec();
+    assert_eq!(
+        [
+            dims("self_attn.q_proj.bias"),
+            dims("self_attn.k_proj.bias"),
+            dims("mlp.shared_expert.up_proj.weight"),
+            dims("mlp.shared_expert_gate.weight")
+        ],
+        [vec![16], vec![8], vec![16, 16], vec![1, 16]]
+    );
+    assert!(!tensors.contains_key("model.layers.0.self_attn.o_proj.bias"));
+    let back = MoeModel::new(&back_cfg, 99, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&back, &tensors, &dir).unwrap();
+    assert_same_weights(&m, &back);
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
+    assert_eq!((v["model_type"].as_str(), v["shared_expert_intermediate_size"].as_u64()), (Some("qwen2_moe"), Some(16)));
+    v["shared_expert_intermediate_size"] = json!(12);
+    assert!(config_from_json(&v, &dir).unwrap_err().to_string().contains("shared_expert_intermediate_size"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Mixtral and Qwen3-MoE have no q/k/v biases of their own.
+    assert!(config_json(&ModelConfig { qkv_bias: true, ..tiny() }).unwrap_err().to_string().contains("qkv_bias"));
+}
+
 /// Shards as huggingface_hub cuts them: in order, each up to the limit, a larger tensor
 /// alone.
 #[test]

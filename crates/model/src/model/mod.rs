@@ -309,7 +309,7 @@ impl MoeModel {
             let p = format!("blocks.{b}");
             let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm, cfg.norm_eps)?;
             let (inner, hd) = (cfg.attention_width(), cfg.head_width());
-            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, cfg.qkv_width()), std, attn_bias)?;
+            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, cfg.qkv_width()), std, attn_bias || cfg.qkv_bias)?;
             let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (inner, d), out_std, attn_bias)?;
             let qk_norm = match cfg.qk_norm {
                 true => Some((
@@ -334,11 +334,16 @@ impl MoeModel {
                     0 => None,
                     s => Some(Ffn::new(&mut ps, &mut init, &format!("{p}.moe.shared"), &cfg, s * cfg.d_ff)?),
                 };
+                let shared_gate = match cfg.shared_expert_gate {
+                    true => Some(ps.add(format!("{p}.moe.shared_gate.w"), init.normal(&[d, 1], std)?)?),
+                    false => None,
+                };
                 FeedForward::Moe(MoeLayer {
                     gate,
                     route_bias,
                     experts,
                     shared,
+                    shared_gate,
                     top_k: cfg.top_k,
                     router: cfg.router(),
                     act: cfg.expert_act,
@@ -526,7 +531,7 @@ impl MoeModel {
     /// worker adds to its distributed layer's output.
     pub fn block_shared_ffn(&self, block: usize, h: &Tensor) -> Result<Option<Tensor>> {
         match &self.block(block)?.ff {
-            FeedForward::Moe(MoeLayer { shared: Some(f), .. }) => Ok(Some(self.ffn_forward(f, h)?)),
+            FeedForward::Moe(layer @ MoeLayer { shared: Some(f), .. }) => Ok(Some(layer.gate_shared(h, self.ffn_forward(f, h)?)?)),
             _ => Ok(None),
         }
     }

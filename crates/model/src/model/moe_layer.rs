@@ -14,6 +14,8 @@ pub struct MoeLayer {
     pub experts: Vec<Ffn>,
     /// The always-on shared experts, as one FFN (None without).
     pub(super) shared: Option<Ffn>,
+    /// Their gate's weight [d, 1] (Qwen2-MoE's `shared_expert_gate`; None: ungated).
+    pub(super) shared_gate: Option<Var>,
     pub(super) top_k: usize,
     /// How the router scores and picks ([`crate::routing::Router`]).
     pub(super) router: crate::routing::Router,
@@ -58,6 +60,16 @@ impl Routing {
 }
 
 impl MoeLayer {
+    /// The shared experts' output `y` [N, d] for tokens h [N, d], times σ(h·w) per token when
+    /// the layer gates them (Qwen2-MoE), in the gate weight's type (f32 under bf16 products) and
+    /// back to y's.
+    pub(super) fn gate_shared(&self, h: &Tensor, y: Tensor) -> Result<Tensor> {
+        let Some(w) = &self.shared_gate else { return Ok(y) };
+        let logit = h.to_dtype(w.dtype())?.matmul(w.as_tensor())?;
+        let gate = (logit.neg()?.exp()? + 1.0)?.recip()?;
+        Ok(y.to_dtype(w.dtype())?.broadcast_mul(&gate)?.to_dtype(y.dtype())?)
+    }
+
     /// The routing of `n` tokens from their router probabilities (host copy, token-major), or
     /// from `forced` loads (trace-driven routing). The same on every device.
     pub(super) fn route(&self, host: &[f64], n: usize, forced: Option<&[f64]>) -> Result<Routing> {
@@ -144,7 +156,7 @@ impl MoeLayer {
             crate::ops::combine_rows(&y, &w.index_select(&s_idx, 0)?, &all_tokens, n)?
         };
         let out = match &self.shared {
-            Some(shared) => crate::ops::residual_add(&out, &shared.forward(h, compute)?)?,
+            Some(shared) => crate::ops::residual_add(&out, &self.gate_shared(h, shared.forward(h, compute)?)?)?,
             None => out,
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;
@@ -184,7 +196,7 @@ impl MoeLayer {
             crate::ops::cuda::combine_rows_to(&y, &w, Some(&all_slots), &all_tokens, n, stream)?
         };
         let out = match &self.shared {
-            Some(shared) => crate::ops::residual_add(&out, &shared.forward_gpu(model, h, stream)?)?,
+            Some(shared) => crate::ops::residual_add(&out, &self.gate_shared(h, shared.forward_gpu(model, h, stream)?)?)?,
             None => out,
         };
         let aux = self.aux_loss(&probs, &r.load, n)?;

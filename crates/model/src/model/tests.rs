@@ -97,6 +97,18 @@ fn gradients_through_grouped_query_attention_match_finite_differences() {
     finite_differences(&cfg, &Device::Cpu, 1e-4);
 }
 
+/// The same with Qwen2-MoE's blocks: biases on the queries, keys and values only, two shared
+/// experts' width behind a sigmoid gate of the token (the gate's weight gets the gradient too).
+#[test]
+fn gradients_through_qwen2_moe_blocks_match_finite_differences() {
+    let cfg = ModelConfig { shared_experts: 2, n_kv_heads: Some(1), moe_every: 1, ..tiny().qwen2_moe() };
+    let m = MoeModel::new(&cfg, 1, DType::F64, &Device::Cpu).unwrap();
+    assert_eq!(m.params().get("blocks.0.moe.shared_gate.w").unwrap().dims(), [8, 1]);
+    assert_eq!(m.params().get("blocks.0.attn.qkv.b").unwrap().dims(), [(2 + 2) * 4]);
+    assert!(m.params().get("blocks.0.attn.out.b").is_none());
+    finite_differences(&cfg, &Device::Cpu, 1e-4);
+}
+
 /// Grouped-query attention is multi-head attention whose key and value heads are repeated: a
 /// model with 2 key/value heads for 4 query heads gives the same loss as one with 4, whose
 /// key and value projections are the first's, each head copied for its two query heads (head
@@ -314,7 +326,8 @@ fn the_parameter_count_from_the_shape_is_the_models() {
         ModelConfig { moe_every: 2, ffn_bias: true, norm: NormKind::Layer, ..modern },
         ModelConfig { shared_experts: 1, attn_bias: false, expert_act: Activation::Swiglu, ..small.clone() },
         ModelConfig { n_heads: 4, n_kv_heads: Some(2), head_dim: Some(6), ..small.clone().qwen_moe() },
-        ModelConfig { n_kv_heads: Some(1), head_dim: Some(2), ..small },
+        ModelConfig { n_kv_heads: Some(1), head_dim: Some(2), ..small.clone() },
+        ModelConfig { shared_experts: 3, ..small.qwen2_moe() },
     ] {
         let m = MoeModel::new(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(cfg.parameter_count(), m.params().num_elements() as u128, "{cfg:?}");

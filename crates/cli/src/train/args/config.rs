@@ -95,7 +95,9 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
         attn_bias => "attn-bias" if blocks || m.attn_bias.is_some(), ffn_bias => "ffn-bias" if blocks || m.ffn_bias.is_some(),
         normalize_top_k => "normalize-top-k" if blocks || m.normalize_top_k.is_some(),
         rope_theta => "rope-theta" if blocks || m.rope_theta.is_some(), qk_norm => "qk-norm" if blocks || m.qk_norm.is_some(),
-        router => "router" if blocks || m.router.is_some(), norm_eps => "norm-eps" if m.norm_eps.is_some());
+        router => "router" if blocks || m.router.is_some(), norm_eps => "norm-eps" if m.norm_eps.is_some(),
+        qkv_bias => "qkv-bias" if blocks || m.qkv_bias.is_some(),
+        shared_expert_gate => "shared-expert-gate" if blocks || m.shared_expert_gate.is_some());
     // The attention's shape as the model has it (a width left out is the default one).
     let shape = [
         ("kv-heads", m.kv_heads.is_some() || ours.n_kv_heads.is_some(), ours.kv_heads(), theirs.kv_heads()),
@@ -157,7 +159,7 @@ pub(super) fn take_arch(table: &mut toml::Table) -> Result<Option<(lazarus_model
     let Some(toml::Value::Table(model)) = table.get_mut("model") else { return Ok(None) };
     let Some(arch) = model.remove("arch") else { return Ok(None) };
     let arch = match arch {
-        toml::Value::String(a) => choice("arch", &a, "gpt, mixtral, qwen-moe or deepseek-moe")
+        toml::Value::String(a) => choice("arch", &a, "gpt, mixtral, qwen-moe, qwen2-moe or deepseek-moe")
             .map_err(|_| anyhow::anyhow!("model.arch = '{a}' (expected gpt, mixtral, qwen-moe or deepseek-moe)"))?,
         other => bail!("model.arch = {other} (expected \"gpt\", \"mixtral\", \"qwen-moe\" or \"deepseek-moe\")"),
     };
@@ -177,7 +179,21 @@ pub(super) fn with_arch_under(
             $(if !said.iter().any(|k| k == stringify!($field)) { m.$field = preset.$field.clone(); })*
         };
     }
-    unless_said!(norm, positions, rope_theta, expert_act, attn_bias, ffn_bias, normalize_top_k, shared_experts, moe_every, qk_norm, router);
+    unless_said!(
+        norm,
+        positions,
+        rope_theta,
+        expert_act,
+        attn_bias,
+        qkv_bias,
+        ffn_bias,
+        normalize_top_k,
+        shared_experts,
+        shared_expert_gate,
+        moe_every,
+        qk_norm,
+        router
+    );
     m
 }
 
@@ -215,7 +231,7 @@ pub(super) fn choice<T: serde::de::DeserializeOwned>(flag: &str, value: &str, ch
 /// The block options flags set, on top of `m`: `--arch` first, then each option's own flag.
 pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelConfig) -> Result<()> {
     if let Some(a) = &args.arch {
-        let arch: lazarus_model::config::Arch = choice("arch", a, "gpt, mixtral, qwen-moe or deepseek-moe")?;
+        let arch: lazarus_model::config::Arch = choice("arch", a, "gpt, mixtral, qwen-moe, qwen2-moe or deepseek-moe")?;
         *m = m.clone().with_arch(arch);
     }
     if let Some(v) = &args.norm {
@@ -235,7 +251,20 @@ pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelCo
             $(if let Some(v) = args.$flag { m.$flag = v; })*
         };
     }
-    set!(rope_theta, normalize_top_k, shared_experts, attn_bias, ffn_bias, qk_norm, routed_scaling, expert_groups, top_groups, norm_eps);
+    set!(
+        rope_theta,
+        normalize_top_k,
+        shared_experts,
+        shared_expert_gate,
+        attn_bias,
+        qkv_bias,
+        ffn_bias,
+        qk_norm,
+        routed_scaling,
+        expert_groups,
+        top_groups,
+        norm_eps
+    );
     if let Some(v) = args.kv_heads {
         m.n_kv_heads = Some(v);
     }

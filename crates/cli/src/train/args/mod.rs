@@ -101,13 +101,17 @@ pub struct ModelArgs {
     /// Always-on shared experts beside the routed ones in every MoE block (DeepSeek-MoE).
     #[arg(long)]
     pub(crate) shared_experts: Option<usize>,
+    /// The shared experts' output times a sigmoid gate of the token (Qwen2-MoE).
+    #[arg(long, value_name = "true|false")]
+    pub(crate) shared_expert_gate: Option<bool>,
     /// The blocks' options at once: gpt (LayerNorm, learned positions, GELU, biases: the
     /// default) or mixtral (RMSNorm, rotary positions θ = 10⁶, SwiGLU experts, no biases,
     /// normalised top-k, no shared experts) or qwen-moe (Mixtral's, with an RMSNorm on each
-    /// head's queries and keys, as Qwen3-MoE) or deepseek-moe (Mixtral's with a shared expert
-    /// and a sigmoid router, DeepSeek-MoE's routing); the flags below and above change single
-    /// options.
-    #[arg(long, value_name = "gpt|mixtral|qwen-moe|deepseek-moe")]
+    /// head's queries and keys, as Qwen3-MoE) or qwen2-moe (Mixtral's with q/k/v biases, a gated
+    /// shared expert and unnormalised top-k, as Qwen2-MoE) or deepseek-moe (Mixtral's with a
+    /// shared expert and a sigmoid router, DeepSeek-MoE's routing); the flags below and above
+    /// change single options.
+    #[arg(long, value_name = "gpt|mixtral|qwen-moe|qwen2-moe|deepseek-moe")]
     pub(crate) arch: Option<String>,
     /// The blocks' norm.
     #[arg(long, value_name = "layer|rms")]
@@ -127,6 +131,9 @@ pub struct ModelArgs {
     /// Biases on the attention's projections.
     #[arg(long, value_name = "true|false")]
     pub(crate) attn_bias: Option<bool>,
+    /// Biases on the queries, keys and values only, not the output projection (Qwen2-MoE).
+    #[arg(long, value_name = "true|false")]
+    pub(crate) qkv_bias: Option<bool>,
     /// An RMSNorm over each head's queries and keys (Qwen3-MoE, OLMoE).
     #[arg(long, value_name = "true|false")]
     pub(crate) qk_norm: Option<bool>,
@@ -538,6 +545,8 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("positions", word(m.positions)),
         ("expert_act", word(m.expert_act)),
         ("attn_bias", m.attn_bias.to_string()),
+        ("qkv_bias", m.qkv_bias.to_string()),
+        ("shared_expert_gate", m.shared_expert_gate.to_string()),
         ("qk_norm", m.qk_norm.to_string()),
         ("router", word(m.router)),
         ("routed_scaling", word(m.routed_scaling)),
