@@ -1,4 +1,4 @@
-//! Hugging Face interop for models with Mixtral's or Qwen3-MoE's blocks ([`Family`]): a
+//! Hugging Face interop for models with Mixtral's, Qwen3-MoE's or Qwen2-MoE's blocks ([`Family`]): a
 //! directory of `config.json` and `model.safetensors` with transformers' `MixtralForCausalLM` or
 //! `Qwen3MoeForCausalLM` parameter names, written from a model ([`export`]) and read into one
 //! ([`load`], [`set_weights`]).

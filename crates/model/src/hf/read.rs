@@ -12,7 +12,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::model::MoeModel;
 
-/// Our configuration of the Mixtral or Qwen3-MoE model in `dir` (its `config.json`).
+/// Our configuration of the Mixtral, Qwen3-MoE or Qwen2-MoE model in `dir` (its `config.json`).
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let config_path = dir.join(CONFIG_FILE);
     let len = std::fs::metadata(&config_path).map_err(|e| ModelError::io(&config_path, e))?.len();
@@ -24,7 +24,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     config_from_json(&v, &config_path)
 }
 
-/// A Hugging Face Mixtral or Qwen3-MoE directory: our configuration of it and its tensors (f32, on the CPU),
+/// A Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory: our configuration of it and its tensors (f32, on the CPU),
 /// from its one weights file or from every shard its index names.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let cfg = read_config(dir)?;
