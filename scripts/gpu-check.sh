@@ -172,9 +172,12 @@ for check in ${ORDER:-bench-large bench-default tests-model tests-training tests
                    bench default-mixtral-bf16 60 "" --arch mixtral --dtype bf16 --profile
                    bench large-mixtral-bf16 120 "" $large --arch mixtral --iters 5 --dtype bf16 --profile ;;
     # The other families on the GPU ops: Qwen3-MoE's query and key norms (an RMSNorm per head in
-    # f32 between the bf16 projection and rotary positions), DeepSeek-MoE's sigmoid router with
-    # groups, a shared expert and the loss-free bias.
-    bench-families) bench default-qwen-bf16 60 "" --arch qwen-moe --dtype bf16 --profile
+    # f32 between the bf16 projection and rotary positions) with its attention's shape (grouped
+    # key/value heads, heads wider than d_model / heads), Qwen2-MoE's q/k/v biases and gated
+    # shared expert, DeepSeek-MoE's sigmoid router with groups, a shared expert and the loss-free
+    # bias.
+    bench-families) bench default-qwen-bf16 60 "" --arch qwen-moe --kv-heads 2 --head-dim 96 --norm-eps 1e-6 --dtype bf16 --profile
+                    bench default-qwen2-bf16 60 "" --arch qwen2-moe --kv-heads 2 --dtype bf16 --profile
                     bench default-deepseek-bf16 60 "" --arch deepseek-moe --experts 16 --top-k 4 --expert-groups 4 --top-groups 2 --balance bias --dtype bf16 --profile ;;
     tests-model) run_tests kernels-and-model 90 model-lib --test-threads 1 gpu mixed_precision cuda::lt ;;
     tests-training) run_tests training 60 model-training --test-threads 1 gpu ;;

@@ -146,6 +146,9 @@ fn gradients_on_a_gpu_match_finite_differences() {
     if let Some(gpu) = crate::ops::on_device_gpu() {
         finite_differences(&tiny(), &gpu, 1e-3);
         finite_differences(&tiny_modern(), &gpu, 1e-3);
+        // Grouped-query attention with wide heads and q/k norms; Qwen2-MoE's biases and gate.
+        finite_differences(&ModelConfig { n_heads: 4, n_kv_heads: Some(2), head_dim: Some(6), qk_norm: true, ..tiny_modern() }, &gpu, 1e-3);
+        finite_differences(&ModelConfig { shared_experts: 2, moe_every: 1, ..tiny().qwen2_moe() }, &gpu, 1e-3);
     }
 }
 
