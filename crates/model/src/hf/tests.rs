@@ -378,3 +378,44 @@ fn wrong_shapes_extra_tensors_and_non_finite_weights_are_named() {
     let e = set_weights(&model, &fused_bad, dir).unwrap_err().to_string();
     assert!(e.contains("tensor model.layers.0.mlp.experts.gate_up_proj") && e.contains("expert 2"), "{e}");
 }
+
+/// The `config.json` fields of three published checkpoints (Mixtral-8x7B-v0.1, Qwen3-30B-A3B,
+/// Qwen1.5-MoE-A2.7B; their values as published, written out here) read as models of the
+/// parameter counts their cards give — 46.7 B, 30.5 B, 14.3 B — which needs their grouped-query
+/// attention, Qwen3's heads of 128 and Qwen2-MoE's gated shared expert and q/k/v biases counted.
+#[test]
+fn the_published_configs_read_as_their_models() {
+    let mixtral = json!({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "sliding_window": null, "num_experts_per_tok": 2, "num_local_experts": 8, "router_aux_loss_coef": 0.02,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+    });
+    let qwen3 = json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_scaling": null, "attention_bias": false, "sliding_window": null,
+        "use_sliding_window": false, "max_window_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": false
+    });
+    let qwen15 = json!({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "sliding_window": 32768,
+        "use_sliding_window": false, "max_window_layers": 21, "num_experts": 60, "num_experts_per_tok": 4,
+        "norm_topk_prob": false, "decoder_sparse_step": 1, "tie_word_embeddings": false
+    });
+    let path = Path::new("config.json");
+    for (v, family, billions, kv, head) in
+        [(mixtral, Family::Mixtral, 46.70, 8, 128), (qwen3, Family::Qwen3Moe, 30.53, 4, 128), (qwen15, Family::Qwen2Moe, 14.32, 16, 128)]
+    {
+        let cfg = config_from_json(&v, path).unwrap();
+        assert_eq!(Family::of(&cfg), family);
+        assert_eq!((cfg.kv_heads(), cfg.head_width()), (kv, head), "{family:?}");
+        let b = cfg.parameter_count() as f64 / 1e9;
+        assert!((b - billions).abs() < 0.01, "{family:?}: {b} B parameters, not {billions}");
+    }
+}
