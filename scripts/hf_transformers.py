@@ -66,22 +66,24 @@ def make(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
+# What both Qwen families' tiny models share: top-4 of 8 small experts, weights not
+# renormalised, an MoE layer in every block, no sliding window, their RMSNorm ε.
+QWEN = dict(
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    rms_norm_eps=1e-6,
+    num_experts=8,
+    num_experts_per_tok=4,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    use_sliding_window=False,
+)
+
+
 def make_qwen3_moe(out):
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        **SHAPE,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_key_value_heads=1,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        num_experts=8,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        use_sliding_window=False,
-    )
+    config = Qwen3MoeConfig(**SHAPE, **QWEN, num_key_value_heads=1, head_dim=16)
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
     # The norms start at one: random weights so that a misplaced one shows.
     with torch.no_grad():
@@ -93,21 +95,7 @@ def make_qwen3_moe(out):
 
 def make_qwen2_moe(out):
     torch.manual_seed(0)
-    config = Qwen2MoeConfig(
-        **SHAPE,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=4,
-        norm_topk_prob=False,
-        qkv_bias=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        use_sliding_window=False,
-    )
+    config = Qwen2MoeConfig(**SHAPE, **QWEN, num_key_value_heads=2, shared_expert_intermediate_size=32, qkv_bias=True)
     model = Qwen2MoeForCausalLM(config).to(torch.float32).eval()
     # Biases start at zero: random ones so that a misplaced one shows.
     with torch.no_grad():
