@@ -260,7 +260,9 @@ fn assign_senders(
             fetches.push(Fetch { layer: l, expert: e, to: p, holders });
         }
     }
-    fetches.sort_by_key(|f| (f.holders.len(), std::cmp::Reverse(expert_bytes[f.layer]), f.layer, f.expert, f.to));
+    // (Each (layer, expert, node) is fetched once: the keys are distinct, so the unstable sort's
+    // order is the stable one's, without its buffer.)
+    fetches.sort_unstable_by_key(|f| (f.holders.len(), std::cmp::Reverse(expert_bytes[f.layer]), f.layer, f.expert, f.to));
     let mut sent = vec![0u64; n];
     let mut transfers = Vec::with_capacity(fetches.len());
     for f in fetches {
@@ -274,7 +276,7 @@ fn assign_senders(
             bytes: expert_bytes[f.layer],
         });
     }
-    transfers.sort_by_key(|t| (t.layer, t.expert, t.to));
+    transfers.sort_unstable_by_key(|t| (t.layer, t.expert, t.to));
     let bytes_per_sender = (0..n).filter(|&h| sent[h] > 0).map(|h| (live[h].node, sent[h])).collect();
     (transfers, lost.into_iter().collect(), bytes_per_sender)
 }
