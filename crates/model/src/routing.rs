@@ -36,7 +36,7 @@ impl Router {
                 Ok((p.clone(), p))
             }
             crate::config::RouterScore::Sigmoid => {
-                let s = (logits.neg()?.exp()? + 1.0)?.recip()?;
+                let s = crate::ops::sigmoid(logits)?;
                 let p = s.broadcast_div(&s.sum_keepdim(1)?)?;
                 Ok((s, p))
             }

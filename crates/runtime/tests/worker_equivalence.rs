@@ -241,12 +241,8 @@ fn qwen_moe_blocks_on_2_workers() {
         norm_eps: 1e-6,
         ..c.model.qwen_moe()
     };
-    let qwen = TrainConfig { model, ..c };
-    let reference = single(qwen.clone());
+    let reference = one_process_matched_on(TrainConfig { model, ..c }, 2, "Qwen3-MoE blocks on 2 workers");
     assert!(reference.1.contains_key("blocks.0.attn.q_norm.w"));
-    let layers = qwen.model.moe_layers();
-    let run = distributed_with(qwen, 2, uneven(2, layers, 16), DispatchMode::Flexible, None);
-    assert_matches(&run, &reference, "Qwen3-MoE blocks on 2 workers");
 }
 
 /// Qwen2-MoE's blocks (q/k/v biases, a shared expert behind its gate: replicated tensors like
@@ -255,11 +251,8 @@ fn qwen_moe_blocks_on_2_workers() {
 fn qwen2_moe_blocks_on_3_workers() {
     let c = config();
     let qwen2 = TrainConfig { model: ModelConfig { n_experts: 8, top_k: 2, ..c.model.qwen2_moe() }, ..c };
-    let reference = single(qwen2.clone());
+    let reference = one_process_matched_on(qwen2, 3, "Qwen2-MoE blocks on 3 workers");
     assert!(reference.1.contains_key("blocks.0.moe.shared_gate.w") && reference.1.contains_key("blocks.0.attn.qkv.b"));
-    let layers = qwen2.model.moe_layers();
-    let run = distributed_with(qwen2, 3, uneven(3, layers, 8), DispatchMode::Flexible, None);
-    assert_matches(&run, &reference, "Qwen2-MoE blocks on 3 workers");
 }
 
 /// DeepSeek-MoE's routing (a sigmoid router, renormalised and scaled, top-2 from the best 2 of 4
@@ -270,10 +263,16 @@ fn deepseek_moe_routing_on_3_workers() {
     let mut model = ModelConfig { n_experts: 8, top_k: 2, expert_groups: 4, top_groups: 2, routed_scaling: 2.5, ..c.model.deepseek_moe() };
     model.balance = lazarus_model::config::Balance::Bias;
     model.bias_update_rate = 0.01;
-    let deepseek = TrainConfig { model, ..c };
-    let reference = single(deepseek.clone());
+    let reference = one_process_matched_on(TrainConfig { model, ..c }, 3, "DeepSeek-MoE routing on 3 workers");
     assert!(reference.0[STEPS as usize - 1] < reference.0[0], "the reference run learns");
-    let layers = deepseek.model.moe_layers();
-    let run = distributed_with(deepseek, 3, uneven(3, layers, 8), DispatchMode::Flexible, None);
-    assert_matches(&run, &reference, "DeepSeek-MoE routing on 3 workers");
+}
+
+/// `config` on `world` workers ([`uneven`]'s placement of its experts) matches its run in one
+/// process, which is returned (losses, weights).
+fn one_process_matched_on(config: TrainConfig, world: usize, what: &str) -> (Vec<f64>, BTreeMap<String, Vec<f32>>) {
+    let reference = single(config.clone());
+    let (layers, experts) = (config.model.moe_layers(), config.model.n_experts);
+    let run = distributed_with(config, world, uneven(world, layers, experts), DispatchMode::Flexible, None);
+    assert_matches(&run, &reference, what);
+    reference
 }

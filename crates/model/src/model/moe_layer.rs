@@ -65,8 +65,7 @@ impl MoeLayer {
     /// back to y's.
     pub(super) fn gate_shared(&self, h: &Tensor, y: Tensor) -> Result<Tensor> {
         let Some(w) = &self.shared_gate else { return Ok(y) };
-        let logit = h.to_dtype(w.dtype())?.matmul(w.as_tensor())?;
-        let gate = (logit.neg()?.exp()? + 1.0)?.recip()?;
+        let gate = crate::ops::sigmoid(&h.to_dtype(w.dtype())?.matmul(w.as_tensor())?)?;
         Ok(y.to_dtype(w.dtype())?.broadcast_mul(&gate)?.to_dtype(y.dtype())?)
     }
 

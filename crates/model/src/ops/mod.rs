@@ -177,3 +177,9 @@ pub use residual::residual_add;
 pub use rms_norm::{rms_norm, rms_norm_to};
 pub use rope::rope;
 pub use softmax::softmax_last;
+
+/// σ(x) = 1 / (1 + e^−x), elementwise, from candle's ops (differentiable): a sigmoid router's
+/// scores, and the gate of Qwen2-MoE's shared expert.
+pub(crate) fn sigmoid(x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}

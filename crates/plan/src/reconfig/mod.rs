@@ -305,7 +305,7 @@ fn missing_bytes(wanted: &Lists, holders: &[Lists], expert_bytes: &[u64]) -> Vec
         }
         Ok(column)
     };
-    let Ok(columns) = if n < 64 { plan_nodes.iter().map(column).collect() } else { crate::parallel::map_in_order(&plan_nodes, column) };
+    let Ok(columns) = crate::parallel::map_in_order_if(n >= 64, &plan_nodes, column);
     (0..n).map(|p| columns.iter().map(|c| c[p]).collect()).collect()
 }
 

@@ -71,9 +71,7 @@ pub fn rank_transfers<H: AsRef<[Vec<ExpertId>]> + Sync>(
         Ok((missing, holders))
     };
     let layers: Vec<usize> = (0..map.layer_count()).collect();
-    let found =
-        if ranks * layers.len() < 1 << 12 { layers.iter().map(find).collect() } else { crate::parallel::map_in_order(&layers, find) };
-    let Ok(found) = found;
+    let Ok(found) = crate::parallel::map_in_order_if(ranks * layers.len() >= 1 << 12, &layers, find);
     let mut sends = vec![0usize; ranks];
     // (Tens of thousands of transfers after a rebalance at 1,024 GPUs: grown one by one, the
     // vector's copies were a sixth of this function.)
