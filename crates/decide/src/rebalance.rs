@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use lazarus_plan::distinct::{distinct_sorted, each_missing};
 use lazarus_plan::{replan_model, size_of_move, ModelPlan, NodeState, Placement};
 use serde::Serialize;
 
@@ -426,7 +427,7 @@ impl Weighing {
         // What each node holds now: its plan position's experts (positions on every core).
         let positions: Vec<(usize, u64)> = self.position_node.iter().copied().enumerate().collect();
         let Ok(held) = lazarus_plan::parallel::map_in_order(&positions, |&(q, node)| {
-            let experts = current.layers().iter().map(|p| p.nodes().get(q).map(|e| distinct(e)).unwrap_or_default()).collect();
+            let experts = current.layers().iter().map(|p| p.nodes().get(q).map(|e| distinct_sorted(e)).unwrap_or_default()).collect();
             Ok::<_, std::convert::Infallible>((node, experts))
         });
         let held: BTreeMap<u64, Vec<Vec<usize>>> = held.into_iter().collect();
@@ -511,13 +512,6 @@ impl Weighing {
     }
 }
 
-/// The distinct experts of a node's slots, in order.
-fn distinct(experts: &[usize]) -> Vec<usize> {
-    let mut e = experts.to_vec();
-    e.sort_unstable();
-    e.dedup();
-    e
-}
 
 impl<S: StepRecord> Controller<S> {
     /// The node of each plan position (the node of ranks q·G … q·G + G − 1).
@@ -534,10 +528,8 @@ fn fetches_in_place(held: &BTreeMap<u64, Vec<Vec<usize>>>, candidate: &ModelPlan
     for (q, node) in position_node.iter().enumerate() {
         let has = held.get(node)?;
         for (l, p) in candidate.layers().iter().enumerate() {
-            let mut new: Vec<usize> = p.nodes().get(q)?.clone();
-            new.sort_unstable();
-            new.dedup();
-            count[l] += new.iter().filter(|e| !has.get(l).is_some_and(|h| h.contains(e))).count();
+            let held = has.get(l).map_or(&[][..], |h| h.as_slice());
+            each_missing(held, p.nodes().get(q)?, |_| count[l] += 1);
         }
     }
     Some(count)

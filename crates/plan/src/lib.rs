@@ -17,6 +17,7 @@
 pub mod allocation;
 pub mod balance;
 pub mod dispatch;
+pub mod distinct;
 mod error;
 mod fasthash;
 pub mod load_trace;

@@ -49,9 +49,23 @@ impl Lists {
     }
 
     /// `list` as the next list.
+    #[cfg(test)]
     pub(crate) fn push(&mut self, list: &[usize]) {
         self.items.extend_from_slice(list);
         self.start.push(self.items.len());
+    }
+
+    /// The next list, made by `fill` appending its items.
+    pub(crate) fn push_with(&mut self, fill: impl FnOnce(&mut Vec<usize>)) {
+        fill(&mut self.items);
+        self.start.push(self.items.len());
+    }
+
+    /// Each list of `other`, in order, as the next lists.
+    pub(crate) fn append(&mut self, other: &Lists) {
+        let base = self.items.len();
+        self.items.extend_from_slice(&other.items);
+        self.start.extend(other.start[1..].iter().map(|s| base + s));
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -78,5 +92,9 @@ mod tests {
         assert_eq!((l.len(), l.get(0), l.get(1), l.get(2), l.get(3)), (3, &[3, 1][..], &[][..], &[2][..], &[][..]));
         let g = Lists::grouped(3, &[(2, 7), (0, 5), (2, 6)]);
         assert_eq!((g.len(), g.get(0), g.get(1), g.get(2)), (3, &[5][..], &[][..], &[7, 6][..]));
+        let mut a = Lists::of([&[1][..]]);
+        a.push_with(|items| items.extend([4, 2]));
+        a.append(&g);
+        assert_eq!((a.len(), a.get(0), a.get(1), a.get(2), a.get(3), a.get(4)), (5, &[1][..], &[4, 2][..], &[5][..], &[][..], &[7, 6][..]));
     }
 }

@@ -21,6 +21,7 @@ use std::convert::Infallible;
 
 use serde::{Deserialize, Serialize};
 
+use crate::distinct::{distinct_sorted, each_missing, extend_distinct_sorted};
 use crate::error::PlanError;
 use crate::placement::Placement;
 use crate::ExpertId;
@@ -166,10 +167,12 @@ fn fetches(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64], m
         None => {
             // What plan node q wants of layer l: list q·layers + l, its distinct experts.
             let Ok(wants) = crate::parallel::map_in_order_if(large, &each(n), |&q| {
-                Ok::<_, Infallible>(new_layers.iter().map(|p| sorted(&p.nodes()[q]).into_owned()).collect::<Vec<_>>())
+                let mut wants = Lists::default();
+                new_layers.iter().for_each(|p| wants.push_with(|items| extend_distinct_sorted(items, &p.nodes()[q])));
+                Ok::<_, Infallible>(wants)
             });
             let mut wanted = Lists::default();
-            wants.iter().flatten().for_each(|set| wanted.push(set));
+            wants.iter().for_each(|lists| wanted.append(lists));
             let holders = holders_of(None);
             let cost = missing_bytes(&wanted, &holders, expert_bytes);
             let mapping = if n <= EXACT_MAPPING_MAX_NODES { min_cost_assignment(&cost) } else { greedy_assignment(&cost) };
@@ -187,12 +190,7 @@ fn fetches(live: &[NodeState], new_layers: &[Placement], expert_bytes: &[u64], m
     let missing_on = |(p, &q): (usize, &usize)| -> Vec<(usize, ExpertId, usize)> {
         let mut missing = Vec::new();
         for l in 0..layers {
-            let first = missing.len();
-            for &e in &new_layers[l].nodes()[q] {
-                if held[p][l].binary_search(&e).is_err() && !missing[first..].iter().any(|m: &(usize, ExpertId, usize)| m.1 == e) {
-                    missing.push((l, e, p));
-                }
-            }
+            each_missing(&held[p][l], &new_layers[l].nodes()[q], |e| missing.push((l, e, p)));
         }
         missing
     };
@@ -314,10 +312,7 @@ fn sorted(v: &[ExpertId]) -> Cow<'_, [ExpertId]> {
     if v.windows(2).all(|w| w[0] < w[1]) {
         return Cow::Borrowed(v);
     }
-    let mut v = v.to_vec();
-    v.sort_unstable();
-    v.dedup();
-    Cow::Owned(v)
+    Cow::Owned(distinct_sorted(v))
 }
 
 /// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
