@@ -14,13 +14,17 @@ pub struct EvalArgs {
     /// checkpoint's own directory.
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
-    /// The held-out data: a text file, JSON lines, comma-separated token shards or Megatron
-    /// dataset prefixes, in --data-format.
+    /// The held-out data: a text file, JSON lines, comma-separated token shards, Megatron
+    /// dataset prefixes or Parquet files, in --data-format.
     #[arg(long, value_name = "FILE")]
     data: String,
-    /// Format of --data: text, jsonl, u16, u32 or megatron (default text).
+    /// Format of --data: text, jsonl, u16, u32, megatron or parquet (default: parquet for
+    /// .parquet files, else text).
     #[arg(long)]
     data_format: Option<String>,
+    /// The Parquet column to evaluate on (default: the first of text, input_ids, tokens).
+    #[arg(long, value_name = "NAME")]
+    data_column: Option<String>,
     /// Windows evaluated, from the start (default: every whole window the data holds, at most
     /// 1048576).
     #[arg(long, value_name = "N")]
@@ -49,7 +53,7 @@ pub fn run_eval(args: &EvalArgs) -> Result<()> {
     let device = lazarus_model::device::parse(args.device.as_deref().unwrap_or("cpu"))?;
     let (model, config, step) = lazarus_model::trainer::load_model(&args.checkpoint, &device)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
-    let source = crate::train::args::data_file("data", &args.data, args.data_format.as_deref())?;
+    let source = crate::train::args::data_file("data", &args.data, args.data_format.as_deref(), args.data_column.as_deref())?;
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(config.tokenizer.as_deref()).context("the run's tokenizer")?;
     let tokens = source.load_with(config.model.vocab_size, &tokenizer).context("--data")?;
     let batch = args.batch_size.unwrap_or(config.batch_size);

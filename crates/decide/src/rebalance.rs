@@ -512,7 +512,6 @@ impl Weighing {
     }
 }
 
-
 impl<S: StepRecord> Controller<S> {
     /// The node of each plan position (the node of ranks q·G … q·G + G − 1).
     pub(super) fn node_order(&self) -> Vec<u64> {

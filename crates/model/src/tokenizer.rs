@@ -47,6 +47,15 @@ impl TextTokenizer {
         Ok(TextTokenizer::Hf(Box::new(t)))
     }
 
+    /// What it is, as bytes: equal for tokenizers that tokenize alike (a token cache is named
+    /// by it).
+    pub fn identity(&self) -> Vec<u8> {
+        match self {
+            TextTokenizer::Bytes => b"bytes".to_vec(),
+            TextTokenizer::Hf(t) => t.to_string(false).map_or_else(|e| format!("unserialisable: {e}").into_bytes(), String::into_bytes),
+        }
+    }
+
     /// Its vocabulary's size (added tokens included).
     pub fn vocab_size(&self) -> usize {
         match self {

@@ -99,7 +99,8 @@ const EVAL_WINDOWS: usize = 64;
 /// The held-out data of `--eval-data`, and when to evaluate on it.
 pub(super) fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
     let Some(path) = &args.eval_data else { return Ok(None) };
-    let source = args::data_file("eval-data", path, args::eval_data_format(args))?;
+    let parquet = args::eval_data_format(args) == Some("parquet") || path.ends_with(".parquet");
+    let source = args::data_file("eval-data", path, args::eval_data_format(args), args.model.data_column.as_deref().filter(|_| parquet))?;
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(cfg.tokenizer.as_deref()).context("--tokenizer")?;
     let mut tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
     let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);

@@ -22,7 +22,7 @@
 //! `.bin` of another size than the index says.
 
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::{BufReader, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -261,6 +261,106 @@ impl IndexedFile {
     }
 }
 
+/// An indexed dataset written a document at a time: the tokens go to `.bin` as they come, each
+/// document's length to a scratch file beside it, and [`IndexedWriter::finish`] writes `.idx`
+/// from that file — what the writer holds does not grow with the data (a Parquet dataset of
+/// millions of rows is converted this way).
+pub struct IndexedWriter {
+    bin: std::io::BufWriter<File>,
+    lengths: std::io::BufWriter<File>,
+    bin_path: PathBuf,
+    idx_path: PathBuf,
+    lengths_path: PathBuf,
+    token_type: TokenType,
+    documents: u64,
+    buf: Vec<u8>,
+}
+
+impl IndexedWriter {
+    /// A dataset at `prefix` (`.bin`, `.idx`; and `.lengths` while it is written).
+    pub fn create(prefix: &Path, token_type: TokenType) -> Result<Self> {
+        let (bin_path, idx_path) = prefix_paths(prefix);
+        let lengths_path = bin_path.with_extension("lengths");
+        let create = |path: &Path| {
+            File::create(path)
+                .map(std::io::BufWriter::new)
+                .map_err(|e| ModelError::Data { path: path.to_path_buf(), reason: format!("cannot create: {e}") })
+        };
+        Ok(IndexedWriter {
+            bin: create(&bin_path)?,
+            lengths: create(&lengths_path)?,
+            bin_path,
+            idx_path,
+            lengths_path,
+            token_type,
+            documents: 0,
+            buf: Vec::new(),
+        })
+    }
+
+    /// `document` as the next sequence (one a document). A token the type cannot hold, or a
+    /// document past an index entry's 2^31 tokens, is an error.
+    pub fn push(&mut self, document: &[u32]) -> Result<()> {
+        let len = i32::try_from(document.len()).map_err(|_| ModelError::Data {
+            path: self.bin_path.clone(),
+            reason: format!("document {} has {} tokens; an index entry holds at most 2^31", self.documents, document.len()),
+        })?;
+        self.buf.clear();
+        for &t in document {
+            if t as u64 > self.token_type.max() {
+                return Err(ModelError::Data {
+                    path: self.bin_path.clone(),
+                    reason: format!("token {t} does not fit a {:?}", self.token_type),
+                });
+            }
+            self.token_type.encode(t, &mut self.buf);
+        }
+        let io = |path: &Path, e: std::io::Error| ModelError::Data { path: path.to_path_buf(), reason: e.to_string() };
+        self.bin.write_all(&self.buf).map_err(|e| io(&self.bin_path, e))?;
+        self.lengths.write_all(&len.to_le_bytes()).map_err(|e| io(&self.lengths_path, e))?;
+        self.documents += 1;
+        Ok(())
+    }
+
+    /// `.bin` flushed and `.idx` written (the lengths, each document's offset, the document
+    /// boundaries), read back from the scratch file in one pass each; the scratch file removed.
+    pub fn finish(self) -> Result<()> {
+        let IndexedWriter { bin, lengths, bin_path, idx_path, lengths_path, token_type, documents, .. } = self;
+        let io = |path: &Path, e: std::io::Error| ModelError::Data { path: path.to_path_buf(), reason: e.to_string() };
+        bin.into_inner().map_err(|e| io(&bin_path, e.into_error()))?.sync_all().map_err(|e| io(&bin_path, e))?;
+        lengths.into_inner().map_err(|e| io(&lengths_path, e.into_error()))?;
+        let mut idx = std::io::BufWriter::new(File::create(&idx_path).map_err(|e| io(&idx_path, e))?);
+        let mut put = |b: &[u8]| idx.write_all(b).map_err(|e| io(&idx_path, e));
+        put(MAGIC)?;
+        put(&1u64.to_le_bytes())?;
+        put(&[token_type.code()])?;
+        put(&documents.to_le_bytes())?;
+        put(&(documents + 1).to_le_bytes())?;
+        let each_length = |f: &mut dyn FnMut(i32) -> Result<()>| -> Result<()> {
+            let mut r = BufReader::new(File::open(&lengths_path).map_err(|e| io(&lengths_path, e))?);
+            let mut l = [0u8; 4];
+            for _ in 0..documents {
+                r.read_exact(&mut l).map_err(|e| io(&lengths_path, e))?;
+                f(i32::from_le_bytes(l))?;
+            }
+            Ok(())
+        };
+        each_length(&mut |len| put(&len.to_le_bytes()))?;
+        let mut pointer = 0i64;
+        each_length(&mut |len| {
+            put(&pointer.to_le_bytes())?;
+            pointer += len as i64 * token_type.size() as i64;
+            Ok(())
+        })?;
+        for j in 0..=documents as i64 {
+            put(&j.to_le_bytes())?;
+        }
+        idx.into_inner().map_err(|e| io(&idx_path, e.into_error()))?.sync_all().map_err(|e| io(&idx_path, e))?;
+        let _ = std::fs::remove_file(&lengths_path);
+        Ok(())
+    }
+}
+
 /// Write `documents` as an indexed dataset at `prefix` (`.bin` and `.idx`), one sequence a
 /// document, as Megatron's builder does. For tests and for converting token files.
 pub fn write_indexed(prefix: &Path, documents: &[Vec<u32>], token_type: TokenType) -> Result<()> {
@@ -325,6 +425,23 @@ mod tests {
                 assert!(f.read(3, &mut out, 7).unwrap_err().to_string().contains("past its 6 tokens"));
             }
         }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn the_streaming_writer_writes_what_the_whole_writer_does() {
+        let d = dir("writer");
+        let docs = vec![vec![1, 2, 3], vec![], vec![40_000, 5], vec![6]];
+        write_indexed(&d.join("whole"), &docs, TokenType::U16).unwrap();
+        let mut w = IndexedWriter::create(&d.join("streamed"), TokenType::U16).unwrap();
+        docs.iter().for_each(|doc| w.push(doc).unwrap());
+        w.finish().unwrap();
+        for ext in ["bin", "idx"] {
+            assert_eq!(std::fs::read(d.join(format!("whole.{ext}"))).unwrap(), std::fs::read(d.join(format!("streamed.{ext}"))).unwrap());
+        }
+        assert!(!d.join("streamed.lengths").exists(), "the scratch file is removed");
+        let mut w = IndexedWriter::create(&d.join("small"), TokenType::U8).unwrap();
+        assert!(w.push(&[300]).unwrap_err().to_string().contains("token 300 does not fit a U8"));
         let _ = std::fs::remove_dir_all(&d);
     }
 

@@ -1,5 +1,6 @@
-//! Training data: text files, JSON lines, token shards, Megatron indexed datasets (streamed), a
-//! built-in synthetic corpus, and a deterministic sampler whose cursor resumes exactly.
+//! Training data: text files, JSON lines, token shards, Megatron indexed datasets (streamed),
+//! Parquet files of Hugging Face datasets (through a token cache, streamed), a built-in synthetic
+//! corpus, and a deterministic sampler whose cursor resumes exactly.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +11,7 @@ use crate::files::read_bounded;
 use crate::rng::SplitMix64;
 
 pub mod indexed;
+pub mod parquet;
 pub mod sampler;
 
 pub use crate::tokenizer::ByteTokenizer;
@@ -38,6 +40,17 @@ pub enum DataSource {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         weights: Option<Vec<f64>>,
     },
+    /// Parquet files of a Hugging Face dataset, one after another ([`parquet`]): `column` (None:
+    /// the first of `text`, `input_ids`, `tokens` there is) — text tokenized, or lists of token
+    /// ids — read once into a token cache under `cache` (None: [`parquet::default_cache_dir`]),
+    /// then a window at a time from it.
+    Parquet {
+        paths: Vec<PathBuf>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        column: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cache: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,10 +64,35 @@ impl DataSource {
     /// The training tokens: a Megatron dataset opened and its index checked (read later, a
     /// window at a time), anything else loaded ([`DataSource::load_with`]).
     pub fn open(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<TokenStream> {
-        let DataSource::Megatron { prefixes, .. } = self else {
-            return Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?));
+        match self {
+            DataSource::Megatron { prefixes, .. } => Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab)),
+            DataSource::Parquet { .. } => Ok(TokenStream::indexed(vec![self.parquet_tokens(tokenizer)?], vocab)),
+            _ => Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?)),
+        }
+    }
+
+    /// A Parquet source's token cache, made first if it is not there (and said so).
+    fn parquet_tokens(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<IndexedFile> {
+        let DataSource::Parquet { paths, column, cache } = self else {
+            return Err(ModelError::config("data.kind", self.describe(), "not a Parquet source"));
         };
-        Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab))
+        let paths = self.named(paths, ("Parquet files", "file"))?;
+        let dir = cache.clone().unwrap_or_else(parquet::default_cache_dir);
+        let (prefix, made) = parquet::token_cache(paths, column.as_deref(), tokenizer, &dir)?;
+        let file = IndexedFile::open(&prefix)?;
+        match made {
+            Some(r) => tracing::info!(
+                "{}: {} rows of {} row groups read into {} tokens{}, cached at {}",
+                self.describe(),
+                r.rows,
+                r.row_groups,
+                r.tokens,
+                if r.null_rows > 0 { format!(" ({} null rows skipped)", r.null_rows) } else { String::new() },
+                prefix.display()
+            ),
+            None => tracing::info!("{}: {} tokens from the cache at {}", self.describe(), file.tokens(), prefix.display()),
+        }
+        Ok(file)
     }
 
     /// The streams a sampler draws from, with their weights: a weighted Megatron source's
@@ -83,9 +121,17 @@ impl DataSource {
         self.named(prefixes, ("Megatron datasets", "dataset"))?.iter().map(|p| IndexedFile::open(p)).collect()
     }
 
-    /// Whether the source holds token ids already (no tokenizer applies).
+    /// Whether the source holds token ids already (no tokenizer applies). A Parquet source's
+    /// first file is opened to see what its column holds (false when it cannot be read: the
+    /// error comes when the data is opened).
     pub fn is_tokens(&self) -> bool {
-        matches!(self, DataSource::Shards { .. } | DataSource::Megatron { .. })
+        match self {
+            DataSource::Shards { .. } | DataSource::Megatron { .. } => true,
+            DataSource::Parquet { paths, column, .. } => {
+                paths.first().and_then(|p| parquet::column_kind(p, column.as_deref()).ok()) == Some(parquet::ColumnKind::TokenIds)
+            }
+            _ => false,
+        }
     }
 
     fn refuse_a_tokenizer(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<()> {
@@ -152,8 +198,15 @@ impl DataSource {
                 all
             }
             // Held-out data is read whole (windows in order, a few of them): bounded as a shard.
-            DataSource::Megatron { prefixes, .. } => {
-                let files = self.open_indexed(prefixes, tokenizer)?;
+            DataSource::Megatron { .. } | DataSource::Parquet { .. } => {
+                let (files, prefixes) = match self {
+                    DataSource::Megatron { prefixes, .. } => (self.open_indexed(prefixes, tokenizer)?, prefixes.clone()),
+                    _ => {
+                        let f = self.parquet_tokens(tokenizer)?;
+                        let p = f.bin_path().to_path_buf();
+                        (vec![f], vec![p])
+                    }
+                };
                 let mut all = Vec::new();
                 for (f, p) in files.iter().zip(prefixes) {
                     if f.tokens().saturating_mul(4) > MAX_DATA_BYTES {
@@ -186,6 +239,12 @@ impl DataSource {
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
             }
+            DataSource::Parquet { paths, column, .. } => format!(
+                "{} Parquet file(s){}, first {}",
+                paths.len(),
+                column.as_ref().map_or(String::new(), |c| format!(" (column `{c}`)")),
+                paths.first().map_or("-".into(), |p| p.display().to_string())
+            ),
             DataSource::Megatron { prefixes, weights } => format!(
                 "{} Megatron dataset(s){}, first {}",
                 prefixes.len(),

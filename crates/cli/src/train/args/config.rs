@@ -331,7 +331,16 @@ pub(super) fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
                 c.data = DataSource::Synthetic { seed, bytes };
             }
         }
-        (Some(path), fmt) => c.data = data_file("data", path, fmt)?,
+        (Some(path), fmt) => c.data = data_file("data", path, fmt, args.model.data_column.as_deref())?,
+    }
+    match (&mut c.data, &args.model.data_column, &args.model.data_cache) {
+        (DataSource::Parquet { column, cache, .. }, col, dir) => {
+            *column = col.clone().or(column.take());
+            *cache = dir.clone().or(cache.take());
+        }
+        (_, Some(_), _) => bail!("--data-column names a column of Parquet files, but the data is {}", c.data.describe()),
+        (_, _, Some(_)) => bail!("--data-cache keeps Parquet files' token caches, but the data is {}", c.data.describe()),
+        _ => {}
     }
     if let Some(w) = &args.model.data_weights {
         let DataSource::Megatron { prefixes, weights } = &mut c.data else {
@@ -367,19 +376,29 @@ pub fn eval_data_format(args: &TrainArgs) -> Option<&str> {
     match Path::new(path).extension().and_then(|e| e.to_str()) {
         Some("jsonl") => Some("jsonl"),
         Some("txt") => Some("text"),
+        Some("parquet") => Some("parquet"),
         _ => args.model.data_format.as_deref(),
     }
 }
 
-/// The data `--{flag} PATH` names (a text file, comma-separated token shards, or
-/// comma-separated Megatron dataset prefixes) in `format` (`--data-format`: text, jsonl, u16,
-/// u32 or megatron; default text).
-pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSource> {
+/// The data `--{flag} PATH` names (a text file, comma-separated token shards, comma-separated
+/// Megatron dataset prefixes, or comma-separated Parquet files) in `format` (`--data-format`:
+/// text, jsonl, u16, u32, megatron or parquet; default parquet where every file ends in
+/// `.parquet`, else text); `column`, a Parquet source's column.
+pub fn data_file(flag: &str, path: &str, format: Option<&str>, column: Option<&str>) -> Result<DataSource> {
     let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
     if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
         bail!("invalid --{flag}: '{path}' (file {} of {} has an empty name)", i + 1, paths.len());
     }
-    Ok(match format.unwrap_or("text") {
+    let parquet_files = paths.iter().all(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")));
+    let format = format.unwrap_or(if parquet_files { "parquet" } else { "text" });
+    if column.is_some() && format != "parquet" {
+        bail!("--data-column names a column of Parquet files, but --{flag} is read as {format}");
+    }
+    if let Some(c) = column.filter(|c| c.is_empty()) {
+        bail!("invalid --data-column: '{c}' (a column's name)");
+    }
+    Ok(match format {
         "text" if paths.len() == 1 => DataSource::Text { path: paths[0].clone() },
         "text" => bail!("invalid --{flag}: '{path}' (a text source is one file)"),
         "jsonl" if paths.len() == 1 => DataSource::JsonLines { path: paths[0].clone() },
@@ -387,6 +406,7 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>) -> Result<DataSou
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
         "megatron" => DataSource::Megatron { prefixes: paths, weights: None },
-        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32 or megatron)"),
+        "parquet" => DataSource::Parquet { paths, column: column.map(str::to_string), cache: None },
+        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32, megatron or parquet)"),
     })
 }

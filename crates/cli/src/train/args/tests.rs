@@ -126,7 +126,7 @@ fn settings_that_would_do_nothing_are_refused_and_held_out_data_has_its_own_form
     ] {
         assert_eq!(eval_data_format(&args(extra)), want, "{extra:?}");
     }
-    let e = data_file("eval-data", "held", Some("csv")).unwrap_err().to_string();
+    let e = data_file("eval-data", "held", Some("csv"), None).unwrap_err().to_string();
     assert!(e.contains("invalid --eval-data-format: 'csv'"), "{e}");
 }
 

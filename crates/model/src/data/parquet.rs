@@ -1,0 +1,610 @@
+//! Parquet files of a Hugging Face dataset: a text column tokenized as it is read, or a column
+//! of token ids (`list<int32|int64>`, what `datasets.map(tokenize)` writes).
+//!
+//! Parquet is compressed in row groups and pages: a window cannot be read from it without
+//! decompressing and tokenizing everything before it in its row group, and the sampler draws
+//! windows in a shuffled order. So a source is read once, row group by row group and a batch of
+//! rows at a time, straight into a token cache — a Megatron indexed dataset ([`super::indexed`])
+//! written by [`IndexedWriter`], one document a row — and runs read their windows from the
+//! cache with positioned reads. Neither step holds more than a batch of rows (memory does not
+//! grow with the file), and a resume or a recovery reads the same cache, so the sampler's cursor
+//! continues exactly. The cache is named by a digest of what makes it: each file's path, size
+//! and modification time, the column, the tokenizer; a changed file is read again. It is
+//! written under a temporary name and renamed, so that processes converting at once (the workers
+//! of one job) or a conversion killed midway never leave a cache that is half written.
+//!
+//! Text rows are tokenized as JSON-lines documents are: each row's text followed by a blank
+//! line (`\n\n`), so that a window spanning two rows sees where one ends. Null rows are skipped.
+//! Token-id rows are taken as they are (their end-of-document tokens are the tokenizer's). A
+//! null inside a list, a negative id or one past 2^31, text that is not UTF-8, or a file the
+//! Parquet reader refuses is an error naming the file, the row group, the row and — for what the
+//! reader refuses — the column chunk's bytes.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use parquet::column::reader::ColumnReader;
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::schema::types::ColumnDescPtr;
+use sha2::{Digest, Sha256};
+
+use super::indexed::{IndexedFile, IndexedWriter, TokenType};
+use crate::error::{ModelError, Result};
+use crate::tokenizer::TextTokenizer;
+
+/// Rows read from the reader at once.
+const BATCH_ROWS: usize = 1024;
+/// The columns looked for, in order, when none is named.
+const DEFAULT_COLUMNS: [&str; 3] = ["text", "input_ids", "tokens"];
+/// Changes when the cache's content for the same inputs would change.
+const CACHE_VERSION: &str = "lazarus-parquet-tokens-1";
+
+/// What a column holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnKind {
+    /// Strings (or binary read as UTF-8), one document a row.
+    Text,
+    /// Lists of integer token ids, one document a row.
+    TokenIds,
+}
+
+/// What a conversion read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParquetRead {
+    pub files: usize,
+    pub row_groups: usize,
+    pub rows: u64,
+    /// Null rows, skipped.
+    pub null_rows: u64,
+    pub tokens: u64,
+}
+
+/// The Parquet source's column in one file: its index among the leaf columns, what it holds.
+struct Column {
+    index: usize,
+    kind: ColumnKind,
+    descr: ColumnDescPtr,
+}
+
+/// The token cache of `paths`' `column` (None: the first of `text`, `input_ids`, `tokens` the
+/// first file has) under `cache_dir`, made if it is not there yet: the prefix of a Megatron
+/// indexed dataset, and whether it was made now (with what was read).
+pub fn token_cache(
+    paths: &[PathBuf],
+    column: Option<&str>,
+    tokenizer: &TextTokenizer,
+    cache_dir: &Path,
+) -> Result<(PathBuf, Option<ParquetRead>)> {
+    let first = paths.first().ok_or_else(|| ModelError::Data { path: PathBuf::new(), reason: "no Parquet files named".into() })?;
+    let column = match column {
+        Some(c) => c.to_string(),
+        None => default_column(first)?,
+    };
+    let prefix = cache_dir.join(format!("{}-{}", file_stem(first), cache_key(paths, &column, tokenizer)?));
+    if IndexedFile::open(&prefix).is_ok() {
+        return Ok((prefix, None));
+    }
+    std::fs::create_dir_all(cache_dir)
+        .map_err(|e| ModelError::Data { path: cache_dir.to_path_buf(), reason: format!("cannot create the token cache's folder: {e}") })?;
+    // One process makes it (a job's workers open the data at once); the others wait for it and
+    // find it made. A maker killed midway lets go of the lock with its life.
+    let _lock = CacheLock::take(&PathBuf::from(format!("{}.lock", prefix.display())))?;
+    if IndexedFile::open(&prefix).is_ok() {
+        return Ok((prefix, None));
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let scratch = PathBuf::from(format!("{}.partial-{}-{nanos}", prefix.display(), std::process::id()));
+    let kind = column_of(first, &open(first)?, &column)?.kind;
+    // Text tokens fit u16 under a vocabulary of 65,536 (the byte tokenizer's 256 among them).
+    let token_type = if kind == ColumnKind::Text && tokenizer.vocab_size() <= 1 << 16 { TokenType::U16 } else { TokenType::I32 };
+    let mut writer = IndexedWriter::create(&scratch, token_type)?;
+    let read = read_rows(paths, &column, tokenizer, |doc| writer.push(doc));
+    let done = read.and_then(|read| writer.finish().map(|()| read));
+    let (scratch_bin, scratch_idx) = super::indexed::prefix_paths(&scratch);
+    let read = match done {
+        Ok(read) => read,
+        Err(e) => {
+            for p in [&scratch_bin, &scratch_idx, &scratch_bin.with_extension("lengths")] {
+                let _ = std::fs::remove_file(p);
+            }
+            return Err(e);
+        }
+    };
+    // The data first, then the index that makes it a dataset: a cache is found only whole.
+    let (bin, idx) = super::indexed::prefix_paths(&prefix);
+    let rename = |from: &Path, to: &Path| {
+        std::fs::rename(from, to)
+            .map_err(|e| ModelError::Data { path: to.to_path_buf(), reason: format!("cannot move the token cache in place: {e}") })
+    };
+    rename(&scratch_bin, &bin)?;
+    rename(&scratch_idx, &idx)?;
+    Ok((prefix, Some(read)))
+}
+
+/// An exclusive `flock` on a file beside the cache, held until dropped (the file with it).
+struct CacheLock(#[allow(dead_code)] File);
+
+impl CacheLock {
+    fn take(path: &Path) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        let f = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|e| ModelError::Data { path: path.to_path_buf(), reason: format!("cannot open the token cache's lock: {e}") })?;
+        // SAFETY: flock on a descriptor this process owns; it blocks until the lock is ours.
+        while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(ModelError::Data { path: path.to_path_buf(), reason: format!("cannot lock the token cache: {e}") });
+            }
+        }
+        Ok(CacheLock(f))
+    }
+}
+
+/// Each row of `column` of the files `paths`, in order, as its tokens, passed to `document`.
+pub fn read_rows(
+    paths: &[PathBuf],
+    column: &str,
+    tokenizer: &TextTokenizer,
+    mut document: impl FnMut(&[u32]) -> Result<()>,
+) -> Result<ParquetRead> {
+    let mut read = ParquetRead::default();
+    let mut kinds = None;
+    for path in paths {
+        let reader = open(path)?;
+        let col = column_of(path, &reader, column)?;
+        if *kinds.get_or_insert(col.kind) != col.kind {
+            return Err(ModelError::Data {
+                path: path.clone(),
+                reason: format!("column `{column}` holds {:?}, not {:?} as in the first file", col.kind, kinds.unwrap()),
+            });
+        }
+        if col.kind == ColumnKind::TokenIds && matches!(tokenizer, TextTokenizer::Hf(_)) {
+            return Err(ModelError::Data {
+                path: path.clone(),
+                reason: format!("column `{column}` holds token ids already: it takes no tokenizer"),
+            });
+        }
+        let meta = reader.metadata();
+        let file_first_row = read.rows;
+        for rg in 0..meta.num_row_groups() {
+            let (start, len) = meta.row_group(rg).column(col.index).byte_range();
+            let at = |e: String| ModelError::Data {
+                path: path.clone(),
+                reason: format!("row group {rg} (column `{column}`, bytes {start}..{}): {e}", start.saturating_add(len)),
+            };
+            let first_row = read.rows;
+            let reader = reader.get_row_group(rg).and_then(|g| g.get_column_reader(col.index)).map_err(|e| at(e.to_string()))?;
+            let rows = match col.kind {
+                ColumnKind::Text => text_rows(reader, &col, tokenizer, &mut read, &mut document),
+                ColumnKind::TokenIds => id_rows(reader, &col, &mut read, &mut document),
+            }
+            .map_err(|e| match e {
+                RowError::Reader(e) => at(e),
+                RowError::Row(i, why) => ModelError::Data {
+                    path: path.clone(),
+                    reason: format!("row {} (row group {rg}): {why}", first_row - file_first_row + i),
+                },
+                RowError::Out(e) => e,
+            })?;
+            let expected = meta.row_group(rg).num_rows();
+            if rows as i64 != expected {
+                return Err(at(format!("{rows} rows read, the footer says {expected}")));
+            }
+            read.row_groups += 1;
+        }
+        read.files += 1;
+    }
+    Ok(read)
+}
+
+/// Why a row group's rows could not be read: the reader refused its bytes, a row is not a
+/// document (its index in the row group), or the document's consumer failed.
+enum RowError {
+    Reader(String),
+    Row(u64, String),
+    Out(ModelError),
+}
+
+/// The rows of a text column: each non-null row's text and a blank line, tokenized.
+fn text_rows(
+    reader: ColumnReader,
+    col: &Column,
+    tokenizer: &TextTokenizer,
+    read: &mut ParquetRead,
+    document: &mut impl FnMut(&[u32]) -> Result<()>,
+) -> std::result::Result<u64, RowError> {
+    let ColumnReader::ByteArrayColumnReader(mut reader) = reader else { return Err(RowError::Reader("not a byte-array column".into())) };
+    let nullable = col.descr.max_def_level() > 0;
+    let (mut defs, mut values) = (Vec::new(), Vec::new());
+    let (mut rows, mut text) = (0u64, String::new());
+    loop {
+        defs.clear();
+        values.clear();
+        let (records, _, _) =
+            reader.read_records(BATCH_ROWS, Some(&mut defs), None, &mut values).map_err(|e| RowError::Reader(e.to_string()))?;
+        if records == 0 {
+            return Ok(rows);
+        }
+        let mut next = values.iter();
+        for r in 0..records {
+            let row = rows + r as u64;
+            read.rows += 1;
+            if nullable && defs[r] < col.descr.max_def_level() {
+                read.null_rows += 1;
+                continue;
+            }
+            let value = next.next().ok_or_else(|| RowError::Reader("fewer values than rows".into()))?;
+            let s = std::str::from_utf8(value.data()).map_err(|e| RowError::Row(row, format!("not UTF-8 at byte {}", e.valid_up_to())))?;
+            text.clear();
+            text.push_str(s);
+            text.push_str("\n\n");
+            let tokens = tokenizer.encode(&text).map_err(RowError::Out)?;
+            read.tokens += tokens.len() as u64;
+            document(&tokens).map_err(RowError::Out)?;
+        }
+        rows += records as u64;
+    }
+}
+
+/// The rows of a list-of-ids column: each row's ids, checked (no nulls inside, 0 ≤ id < 2^31).
+fn id_rows(
+    reader: ColumnReader,
+    col: &Column,
+    read: &mut ParquetRead,
+    document: &mut impl FnMut(&[u32]) -> Result<()>,
+) -> std::result::Result<u64, RowError> {
+    let max_def = col.descr.max_def_level();
+    // A def level one short of the leaf's is a null element when the element may be null.
+    let null_element = col.descr.self_type().is_optional().then_some(max_def - 1);
+    let (mut defs, mut reps, mut doc) = (Vec::new(), Vec::new(), Vec::<u32>::new());
+    let mut rows = 0u64;
+    let mut values = IdValues::of(reader)?;
+    loop {
+        defs.clear();
+        reps.clear();
+        let records = values.read(&mut defs, &mut reps)?;
+        if records == 0 {
+            return Ok(rows);
+        }
+        let mut v = 0usize;
+        let mut row = rows;
+        doc.clear();
+        for (k, (&d, &r)) in defs.iter().zip(&reps).enumerate() {
+            if r == 0 && k > 0 {
+                finish_row(&mut doc, read, document)?;
+                row += 1;
+            }
+            if d == max_def {
+                let id = values.get(v).ok_or_else(|| RowError::Reader("fewer values than levels".into()))?;
+                v += 1;
+                let t = u32::try_from(id).ok().filter(|&t| t <= i32::MAX as u32);
+                doc.push(t.ok_or_else(|| RowError::Row(row, format!("token id {id} is not in 0..2^31")))?);
+            } else if Some(d) == null_element {
+                return Err(RowError::Row(row, "a null inside the list of token ids".into()));
+            }
+        }
+        finish_row(&mut doc, read, document)?;
+        rows += records as u64;
+    }
+}
+
+fn finish_row(
+    doc: &mut Vec<u32>,
+    read: &mut ParquetRead,
+    document: &mut impl FnMut(&[u32]) -> Result<()>,
+) -> std::result::Result<(), RowError> {
+    read.rows += 1;
+    read.tokens += doc.len() as u64;
+    document(doc).map_err(RowError::Out)?;
+    doc.clear();
+    Ok(())
+}
+
+/// An int32 or int64 column's reader and the values of its last batch.
+enum IdValues {
+    I32(parquet::column::reader::ColumnReaderImpl<parquet::data_type::Int32Type>, Vec<i32>),
+    I64(parquet::column::reader::ColumnReaderImpl<parquet::data_type::Int64Type>, Vec<i64>),
+}
+
+impl IdValues {
+    fn of(reader: ColumnReader) -> std::result::Result<Self, RowError> {
+        match reader {
+            ColumnReader::Int32ColumnReader(r) => Ok(IdValues::I32(r, Vec::new())),
+            ColumnReader::Int64ColumnReader(r) => Ok(IdValues::I64(r, Vec::new())),
+            _ => Err(RowError::Reader("not an integer column".into())),
+        }
+    }
+
+    /// The next batch of rows: their levels into `defs`/`reps`, their values kept; the rows read.
+    fn read(&mut self, defs: &mut Vec<i16>, reps: &mut Vec<i16>) -> std::result::Result<usize, RowError> {
+        let got = match self {
+            IdValues::I32(r, v) => {
+                v.clear();
+                r.read_records(BATCH_ROWS, Some(defs), Some(reps), v)
+            }
+            IdValues::I64(r, v) => {
+                v.clear();
+                r.read_records(BATCH_ROWS, Some(defs), Some(reps), v)
+            }
+        };
+        got.map(|(records, _, _)| records).map_err(|e| RowError::Reader(e.to_string()))
+    }
+
+    fn get(&self, i: usize) -> Option<i64> {
+        match self {
+            IdValues::I32(_, v) => v.get(i).map(|&x| x as i64),
+            IdValues::I64(_, v) => v.get(i).copied(),
+        }
+    }
+}
+
+fn open(path: &Path) -> Result<SerializedFileReader<File>> {
+    let file = File::open(path).map_err(|e| ModelError::Data { path: path.to_path_buf(), reason: format!("cannot open: {e}") })?;
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    SerializedFileReader::new(file).map_err(|e| ModelError::Data {
+        path: path.to_path_buf(),
+        reason: format!("not a Parquet file its reader accepts (footer at bytes {}..{len}): {e}", len.saturating_sub(8)),
+    })
+}
+
+/// `name`'s leaf column in `reader`'s schema and what it holds; an error lists the columns
+/// there are when it is missing, and says why when it is not text or a list of integers.
+fn column_of(path: &Path, reader: &SerializedFileReader<File>, name: &str) -> Result<Column> {
+    let schema = reader.metadata().file_metadata().schema_descr();
+    let leaves: Vec<usize> =
+        (0..schema.num_columns()).filter(|&i| schema.column(i).path().parts().first().map(String::as_str) == Some(name)).collect();
+    let bad = |why: String| ModelError::Data { path: path.to_path_buf(), reason: why };
+    let index = match leaves[..] {
+        [i] => i,
+        [] => return Err(bad(format!("no column `{name}` (it has {})", top_level_names(reader).join(", ")))),
+        _ => return Err(bad(format!("column `{name}` is a structure of {} columns, not text or token ids", leaves.len()))),
+    };
+    let descr = schema.column(index);
+    use parquet::basic::Type as Physical;
+    let kind = match (descr.physical_type(), descr.max_rep_level()) {
+        (Physical::BYTE_ARRAY, 0) => ColumnKind::Text,
+        (Physical::INT32 | Physical::INT64, 1) => ColumnKind::TokenIds,
+        (t, reps) => {
+            return Err(bad(format!(
+                "column `{name}` is {t}{}: expected text (a string a row) or token ids (a list of int32 or int64 a row)",
+                if reps > 0 { format!(" nested {reps} deep") } else { String::new() }
+            )))
+        }
+    };
+    Ok(Column { index, kind, descr })
+}
+
+fn top_level_names(reader: &SerializedFileReader<File>) -> Vec<String> {
+    let schema = reader.metadata().file_metadata().schema_descr();
+    let mut names: Vec<String> = Vec::new();
+    for i in 0..schema.num_columns() {
+        if let Some(n) = schema.column(i).path().parts().first() {
+            if !names.contains(n) {
+                names.push(n.clone());
+            }
+        }
+    }
+    names
+}
+
+/// What `column` (None: the default one) of the Parquet file `path` holds.
+pub fn column_kind(path: &Path, column: Option<&str>) -> Result<ColumnKind> {
+    let name = match column {
+        Some(c) => c.to_string(),
+        None => default_column(path)?,
+    };
+    Ok(column_of(path, &open(path)?, &name)?.kind)
+}
+
+/// The first of [`DEFAULT_COLUMNS`] that `path` has.
+fn default_column(path: &Path) -> Result<String> {
+    let reader = open(path)?;
+    let names = top_level_names(&reader);
+    DEFAULT_COLUMNS.iter().find(|c| names.iter().any(|n| n == *c)).map(|c| c.to_string()).ok_or_else(|| ModelError::Data {
+        path: path.to_path_buf(),
+        reason: format!("none of the columns {} (it has {}): name one with --data-column", DEFAULT_COLUMNS.join(", "), names.join(", ")),
+    })
+}
+
+fn file_stem(path: &Path) -> String {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("data");
+    stem.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).take(40).collect()
+}
+
+/// A digest of what the cache's tokens are made of (16 hex digits).
+fn cache_key(paths: &[PathBuf], column: &str, tokenizer: &TextTokenizer) -> Result<String> {
+    let mut h = Sha256::new();
+    let mut put = |b: &[u8]| {
+        h.update((b.len() as u64).to_le_bytes());
+        h.update(b);
+    };
+    put(CACHE_VERSION.as_bytes());
+    put(column.as_bytes());
+    put(&tokenizer.identity());
+    for p in paths {
+        let meta = std::fs::metadata(p).map_err(|e| ModelError::Data { path: p.clone(), reason: format!("cannot read: {e}") })?;
+        let canonical = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        put(canonical.to_string_lossy().as_bytes());
+        put(&meta.len().to_le_bytes());
+        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
+        put(&mtime.to_le_bytes());
+    }
+    Ok(h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect())
+}
+
+/// The folder token caches go to: `LAZARUS_DATA_CACHE`, else `$XDG_CACHE_HOME/lazarus/data`,
+/// else `~/.cache/lazarus/data`, else the temporary folder's `lazarus-data`.
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("LAZARUS_DATA_CACHE").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("lazarus/data");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(h).join(".cache/lazarus/data");
+    }
+    std::env::temp_dir().join("lazarus-data")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{ByteTokenizer, DataSource};
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet").join(name)
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("lazarus-parquet-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn documents(path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, ParquetRead)> {
+        let mut docs = Vec::new();
+        let read = read_rows(&[path.to_path_buf()], column, &TextTokenizer::Bytes, |d| {
+            docs.push(d.to_vec());
+            Ok(())
+        })?;
+        Ok((docs, read))
+    }
+
+    /// Every fixture pyarrow wrote (`make.py`: snappy and zstd, dictionary and plain, pages v1
+    /// and v2, strings and large strings, lists of int32 and large lists of int64, nulls, empty
+    /// rows, several row groups) reads as pyarrow read it back (`expected.json`).
+    #[test]
+    fn files_pyarrow_wrote_read_as_pyarrow_reads_them() {
+        let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap();
+        for (name, column) in [
+            ("text.parquet", "text"),
+            ("large_text_zstd.parquet", "content"),
+            ("ids_int32.parquet", "input_ids"),
+            ("ids_int64.parquet", "tokens"),
+        ] {
+            let e = &expected[name];
+            let rows = e["columns"][column].as_array().unwrap();
+            let (docs, read) = documents(&fixture(name), column).unwrap();
+            assert_eq!(read.row_groups as u64, e["row_groups"].as_u64().unwrap(), "{name}");
+            assert_eq!(read.rows, e["rows"].as_u64().unwrap(), "{name}");
+            let want: Vec<Vec<u32>> = match rows.iter().find(|r| !r.is_null()) {
+                Some(serde_json::Value::String(_)) => {
+                    rows.iter().filter_map(|r| r.as_str()).map(|t| ByteTokenizer::encode(&format!("{t}\n\n"))).collect()
+                }
+                _ => rows
+                    .iter()
+                    .map(|r| r.as_array().map_or(vec![], |ids| ids.iter().map(|i| i.as_u64().unwrap() as u32).collect()))
+                    .collect(),
+            };
+            assert_eq!(read.null_rows, rows.iter().filter(|r| r.is_null()).count() as u64 * u64::from(want.len() < rows.len()), "{name}");
+            assert_eq!(docs, want, "{name}");
+            assert_eq!(read.tokens, want.iter().map(|d| d.len() as u64).sum::<u64>(), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_default_column_is_text_then_input_ids_then_tokens() {
+        assert_eq!(default_column(&fixture("text.parquet")).unwrap(), "text");
+        assert_eq!(default_column(&fixture("ids_int32.parquet")).unwrap(), "input_ids");
+        assert_eq!(default_column(&fixture("ids_int64.parquet")).unwrap(), "tokens");
+        let e = default_column(&fixture("large_text_zstd.parquet")).unwrap_err().to_string();
+        assert!(e.contains("none of the columns text, input_ids, tokens (it has content)") && e.contains("--data-column"), "{e}");
+        assert_eq!(column_kind(&fixture("ids_int64.parquet"), None).unwrap(), ColumnKind::TokenIds);
+    }
+
+    /// The cache is made once, read back as the same tokens, found again without reading the
+    /// file, and made anew when the file changes; byte-tokenized, a text column gives the
+    /// tokens the same documents give as JSON lines.
+    #[test]
+    fn the_token_cache_is_made_once_and_matches_json_lines() {
+        let dir = scratch("cache");
+        let data = dir.join("train.parquet");
+        std::fs::copy(fixture("text.parquet"), &data).unwrap();
+        let cache = dir.join("cache");
+        let (prefix, made) = token_cache(std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
+        assert_eq!(made.unwrap().rows, 7);
+        let (again, made) = token_cache(std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
+        assert_eq!((again.clone(), made), (prefix.clone(), None), "the second open finds the cache");
+        let source = DataSource::Parquet { paths: vec![data.clone()], column: None, cache: Some(cache.clone()) };
+        let tokens = source.load(256).unwrap();
+        let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap();
+        let jsonl: String = expected["text.parquet"]["columns"]["text"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|t| t.as_str())
+            .map(|t| serde_json::json!({ "text": t }).to_string() + "\n")
+            .collect();
+        std::fs::write(dir.join("train.jsonl"), jsonl).unwrap();
+        assert_eq!(tokens, DataSource::JsonLines { path: dir.join("train.jsonl") }.load(256).unwrap());
+        // A changed file (another length) is read again, into a cache of its own.
+        std::fs::copy(fixture("large_text_zstd.parquet"), &data).unwrap();
+        let (other, made) = token_cache(std::slice::from_ref(&data), Some("content"), &TextTokenizer::Bytes, &cache).unwrap();
+        assert!(other != prefix && made.is_some());
+        let leftovers: Vec<_> = std::fs::read_dir(&cache)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains("partial"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn what_is_not_a_document_is_refused_naming_the_file_and_row() {
+        let e = documents(&fixture("ids_null_element.parquet"), "input_ids").unwrap_err().to_string();
+        assert!(e.contains("ids_null_element.parquet") && e.contains("row 1 (row group 0): a null inside the list"), "{e}");
+        let e = documents(&fixture("ids_negative.parquet"), "input_ids").unwrap_err().to_string();
+        assert!(e.contains("row 1 (row group 0): token id -5 is not in 0..2^31"), "{e}");
+        let e = documents(&fixture("text.parquet"), "nope").unwrap_err().to_string();
+        assert!(e.contains("no column `nope` (it has id, text)"), "{e}");
+        let e = documents(&fixture("text.parquet"), "id").unwrap_err().to_string();
+        assert!(e.contains("column `id` is INT64: expected text"), "{e}");
+        let e = read_rows(
+            &[fixture("ids_int32.parquet")],
+            "input_ids",
+            &TextTokenizer::Hf(Box::new(tokenizers::Tokenizer::new(tokenizers::models::bpe::BPE::default()))),
+            |_| Ok(()),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("token ids already: it takes no tokenizer"), "{e}");
+    }
+
+    /// A truncated file, and one whose column chunk's bytes are damaged, are errors naming the
+    /// file and where; no cache is left behind.
+    #[test]
+    fn a_damaged_file_is_named_with_its_bytes_and_leaves_no_cache() {
+        let dir = scratch("damaged");
+        let good = std::fs::read(fixture("large_text_zstd.parquet")).unwrap();
+        let cut = dir.join("cut.parquet");
+        std::fs::write(&cut, &good[..good.len() - 20]).unwrap();
+        let e = documents(&cut, "content").unwrap_err().to_string();
+        assert!(e.contains("cut.parquet") && e.contains("not a Parquet file") && e.contains("footer at bytes"), "{e}");
+        // Scribble over the first row group's column chunk (after its page header).
+        let reader = open(&fixture("large_text_zstd.parquet")).unwrap();
+        let (start, len) = reader.metadata().row_group(0).column(0).byte_range();
+        let mut bad = good.clone();
+        for b in &mut bad[start as usize + 16..(start + len) as usize] {
+            *b = 0xA5;
+        }
+        let damaged = dir.join("damaged.parquet");
+        std::fs::write(&damaged, &bad).unwrap();
+        let e = documents(&damaged, "content").unwrap_err().to_string();
+        assert!(
+            e.contains("damaged.parquet") && e.contains(&format!("row group 0 (column `content`, bytes {start}..{})", start + len)),
+            "{e}"
+        );
+        let cache = dir.join("cache");
+        assert!(token_cache(&[damaged], Some("content"), &TextTokenizer::Bytes, &cache).is_err());
+        let left: Vec<_> = std::fs::read_dir(&cache).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+        assert!(left.iter().all(|n| n.to_string_lossy().ends_with(".lock")), "nothing but the lock is left: {left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
