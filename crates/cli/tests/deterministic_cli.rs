@@ -227,3 +227,43 @@ fn a_rebalance_leaves_the_same_bits() {
     assert!(losses == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(got == want, "the final checkpoint's tensors are those of the uninterrupted run");
 }
+
+/// Experts replicated over 4 workers (2 slots each for 4 experts: every expert on two workers)
+/// and the same job on one worker process export the same Hugging Face files, byte for byte —
+/// a Qwen2-MoE model with one key/value head, q/k/v biases and a gated shared expert.
+#[test]
+fn experts_replicated_over_four_workers_export_the_bytes_one_worker_exports() {
+    let d = dir("deterministic-export");
+    let export = |workers: usize, slots: &str| -> Vec<(String, Vec<u8>)> {
+        let (ck, hf) = (d.join(format!("w{workers}-ck")), d.join(format!("w{workers}-hf")));
+        let w = workers.to_string();
+        let mut args = vec!["train", "--workers", &w, "--deterministic", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap()];
+        args.extend(tiny());
+        args.extend(["--arch", "qwen2-moe", "--kv-heads", "1", "--slots-per-worker", slots]);
+        let out = lazarus(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{workers} workers: {err}");
+        let sets = common::placement_sets(&err);
+        if workers == 4 {
+            for e in 0..4 {
+                let holders = sets.iter().filter(|s| s.trim_matches(['[', ']']).split(',').any(|x| x.trim() == e.to_string())).count();
+                assert_eq!(holders, 2, "expert {e} on two workers: {sets:?}");
+            }
+        }
+        let out = lazarus(&["export", "--checkpoint", ck.to_str().unwrap(), "--format", "hf", hf.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&hf)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+            .collect();
+        files.sort();
+        files
+    };
+    let (one, four) = (export(1, "4"), export(4, "2"));
+    assert!(one.iter().any(|(n, _)| n.ends_with(".safetensors")), "{:?}", one.iter().map(|f| &f.0).collect::<Vec<_>>());
+    assert_eq!(one.iter().map(|f| &f.0).collect::<Vec<_>>(), four.iter().map(|f| &f.0).collect::<Vec<_>>());
+    for ((name, a), (_, b)) in one.iter().zip(&four) {
+        assert!(a == b, "{name} differs between one worker's export and four workers'");
+    }
+}
