@@ -96,3 +96,36 @@ fn a_parquet_column_that_is_not_there_or_not_data_is_refused_by_name() {
     let (ok, err) = run(&["--data-column", "input_ids", "--vocab-size", "1000", "--data-format", "text"]);
     assert!(!ok && err.contains("--data-column names a column of Parquet files"), "{err}");
 }
+
+/// `--data-weights` blends Parquet files as it blends Megatron datasets (a token cache each): a
+/// run stopped and resumed draws the windows the uninterrupted run draws.
+#[test]
+fn blended_parquet_files_resume_exactly() {
+    let d = dir("parquet-blend");
+    let cache = d.join("cache");
+    let data = format!("{},{}", fixture("train.parquet"), fixture("text.parquet"));
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--data", &data, "--data-weights", "3,1", "--data-cache", cache.to_str().unwrap()];
+        args.extend(&common::tiny_model("2")[..14]);
+        args.extend(extra);
+        lazarus(&args)
+    };
+    let (whole, part, ck) = (d.join("whole.jsonl"), d.join("part.jsonl"), d.join("ck"));
+    let out = train(&["--steps", "6", "--no-save", "--json-log", whole.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(out.status.success() && err.contains("2 Parquet file(s) blended by weight"), "{err}");
+    let caches =
+        std::fs::read_dir(&cache).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".idx")).count();
+    assert_eq!(caches, 2, "a cache for each file of a blend");
+    let out = train(&["--steps", "3", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out =
+        lazarus(&["train", "--resume", "--steps", "6", "--checkpoint-dir", ck.to_str().unwrap(), "--json-log", part.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (a, b) = (log_of(&whole).0, log_of(&part).0);
+    assert_eq!(a.len(), 6);
+    assert_eq!(a.iter().map(|s| s.0).collect::<Vec<_>>(), b.iter().map(|s| s.0).collect::<Vec<_>>());
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: {x} uninterrupted, {y} resumed");
+    }
+}

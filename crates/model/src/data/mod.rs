@@ -50,6 +50,9 @@ pub enum DataSource {
         column: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cache: Option<PathBuf>,
+        /// As a Megatron source's: one a file, each file a dataset of its own.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        weights: Option<Vec<f64>>,
     },
 }
 
@@ -66,14 +69,15 @@ impl DataSource {
     pub fn open(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<TokenStream> {
         match self {
             DataSource::Megatron { prefixes, .. } => Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab)),
-            DataSource::Parquet { .. } => Ok(TokenStream::indexed(vec![self.parquet_tokens(tokenizer)?], vocab)),
+            DataSource::Parquet { paths, .. } => Ok(TokenStream::indexed(vec![self.parquet_tokens(tokenizer, paths)?], vocab)),
             _ => Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?)),
         }
     }
 
-    /// A Parquet source's token cache, made first if it is not there (and said so).
-    fn parquet_tokens(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<IndexedFile> {
-        let DataSource::Parquet { paths, column, cache } = self else {
+    /// The token cache of a Parquet source's files `paths` (all of them, or one of a blend),
+    /// made first if it is not there (and said so).
+    fn parquet_tokens(&self, tokenizer: &crate::tokenizer::TextTokenizer, paths: &[PathBuf]) -> Result<IndexedFile> {
+        let DataSource::Parquet { column, cache, .. } = self else {
             return Err(ModelError::config("data.kind", self.describe(), "not a Parquet source"));
         };
         let paths = self.named(paths, ("Parquet files", "file"))?;
@@ -98,8 +102,10 @@ impl DataSource {
     /// The streams a sampler draws from, with their weights: a weighted Megatron source's
     /// datasets each on its own, anything else one stream ([`DataSource::open`]).
     pub fn open_parts(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<(TokenStream, f64)>> {
-        let DataSource::Megatron { prefixes, weights: Some(weights) } = self else {
-            return Ok(vec![(self.open(vocab, tokenizer)?, 1.0)]);
+        let (prefixes, weights) = match self {
+            DataSource::Megatron { prefixes, weights: Some(weights) } => (prefixes, weights),
+            DataSource::Parquet { paths, weights: Some(weights), .. } => (paths, weights),
+            _ => return Ok(vec![(self.open(vocab, tokenizer)?, 1.0)]),
         };
         if weights.len() != prefixes.len() {
             return Err(ModelError::config(
@@ -111,7 +117,13 @@ impl DataSource {
         if let Some(w) = weights.iter().find(|w| !w.is_finite() || **w <= 0.0) {
             return Err(ModelError::config("data.weights", w, "weights must be finite and > 0"));
         }
-        let files = self.open_indexed(prefixes, tokenizer)?;
+        let files = match self {
+            // Each Parquet file a dataset of its own: a token cache each.
+            DataSource::Parquet { .. } => {
+                prefixes.iter().map(|p| self.parquet_tokens(tokenizer, std::slice::from_ref(p))).collect::<Result<_>>()?
+            }
+            _ => self.open_indexed(prefixes, tokenizer)?,
+        };
         Ok(files.into_iter().zip(weights).map(|(f, &w)| (TokenStream::indexed(vec![f], vocab), w)).collect())
     }
 
@@ -198,29 +210,9 @@ impl DataSource {
                 all
             }
             // Held-out data is read whole (windows in order, a few of them): bounded as a shard.
-            DataSource::Megatron { .. } | DataSource::Parquet { .. } => {
-                let (files, prefixes) = match self {
-                    DataSource::Megatron { prefixes, .. } => (self.open_indexed(prefixes, tokenizer)?, prefixes.clone()),
-                    _ => {
-                        let f = self.parquet_tokens(tokenizer)?;
-                        let p = f.bin_path().to_path_buf();
-                        (vec![f], vec![p])
-                    }
-                };
-                let mut all = Vec::new();
-                for (f, p) in files.iter().zip(prefixes) {
-                    if f.tokens().saturating_mul(4) > MAX_DATA_BYTES {
-                        return Err(ModelError::Data {
-                            path: p.clone(),
-                            reason: format!("{} tokens are more than is read whole ({MAX_DATA_BYTES} bytes)", f.tokens()),
-                        });
-                    }
-                    let start = all.len();
-                    all.resize(start + f.tokens() as usize, 0);
-                    f.read(0, &mut all[start..], vocab)?;
-                }
-                all
-            }
+            DataSource::Megatron { prefixes, .. } => read_whole(&self.open_indexed(prefixes, tokenizer)?, vocab)?,
+            // (A blend's files one after another, in one cache.)
+            DataSource::Parquet { paths, .. } => read_whole(&[self.parquet_tokens(tokenizer, paths)?], vocab)?,
         };
         if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
             return Err(ModelError::Data {
@@ -239,10 +231,11 @@ impl DataSource {
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
             }
-            DataSource::Parquet { paths, column, .. } => format!(
-                "{} Parquet file(s){}, first {}",
+            DataSource::Parquet { paths, column, weights, .. } => format!(
+                "{} Parquet file(s){}{}, first {}",
                 paths.len(),
                 column.as_ref().map_or(String::new(), |c| format!(" (column `{c}`)")),
+                if weights.is_some() { " blended by weight" } else { "" },
                 paths.first().map_or("-".into(), |p| p.display().to_string())
             ),
             DataSource::Megatron { prefixes, weights } => format!(
@@ -253,6 +246,24 @@ impl DataSource {
             ),
         }
     }
+}
+
+/// Every token of indexed datasets `files`, one after another, each below `vocab` — held-out
+/// data (windows in order, a few of them), bounded as a shard.
+fn read_whole(files: &[IndexedFile], vocab: usize) -> Result<Vec<u32>> {
+    let mut all = Vec::new();
+    for f in files {
+        if f.tokens().saturating_mul(4) > MAX_DATA_BYTES {
+            return Err(ModelError::Data {
+                path: f.bin_path().to_path_buf(),
+                reason: format!("{} tokens are more than is read whole ({MAX_DATA_BYTES} bytes)", f.tokens()),
+            });
+        }
+        let start = all.len();
+        all.resize(start + f.tokens() as usize, 0);
+        f.read(0, &mut all[start..], vocab)?;
+    }
+    Ok(all)
 }
 
 /// The texts of a JSON-lines file's documents, each followed by a blank line. A line that is

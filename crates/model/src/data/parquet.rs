@@ -531,7 +531,7 @@ mod tests {
         assert_eq!(made.unwrap().rows, 7);
         let (again, made) = token_cache(std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
         assert_eq!((again.clone(), made), (prefix.clone(), None), "the second open finds the cache");
-        let source = DataSource::Parquet { paths: vec![data.clone()], column: None, cache: Some(cache.clone()) };
+        let source = DataSource::Parquet { paths: vec![data.clone()], column: None, cache: Some(cache.clone()), weights: None };
         let tokens = source.load(256).unwrap();
         let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap();
         let jsonl: String = expected["text.parquet"]["columns"]["text"]

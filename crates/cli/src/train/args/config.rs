@@ -343,8 +343,11 @@ pub(super) fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         _ => {}
     }
     if let Some(w) = &args.model.data_weights {
-        let DataSource::Megatron { prefixes, weights } = &mut c.data else {
-            bail!("--data-weights blends Megatron datasets, but the data is {}: give --data-format megatron", c.data.describe());
+        let (DataSource::Megatron { prefixes, weights } | DataSource::Parquet { paths: prefixes, weights, .. }) = &mut c.data else {
+            bail!(
+                "--data-weights blends Megatron datasets or Parquet files, but the data is {}: give --data-format megatron or parquet",
+                c.data.describe()
+            );
         };
         let parsed = w
             .split(',')
@@ -406,7 +409,7 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>, column: Option<&s
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
         "megatron" => DataSource::Megatron { prefixes: paths, weights: None },
-        "parquet" => DataSource::Parquet { paths, column: column.map(str::to_string), cache: None },
+        "parquet" => DataSource::Parquet { paths, column: column.map(str::to_string), cache: None, weights: None },
         other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32, megatron or parquet)"),
     })
 }

@@ -179,7 +179,7 @@ pub struct ModelArgs {
     /// ~/.cache/lazarus/data).
     #[arg(long, value_name = "DIR")]
     pub(crate) data_cache: Option<PathBuf>,
-    /// Blend the Megatron datasets of --data by these weights, one a dataset (e.g. 0.7,0.3):
+    /// Blend the Megatron datasets (or Parquet files) of --data by these weights, one a dataset (e.g. 0.7,0.3):
     /// each window comes from one of them, in proportion (default: one after another).
     #[arg(long, value_name = "W,W,…")]
     pub(crate) data_weights: Option<String>,
