@@ -364,36 +364,9 @@ impl IndexedWriter {
 /// Write `documents` as an indexed dataset at `prefix` (`.bin` and `.idx`), one sequence a
 /// document, as Megatron's builder does. For tests and for converting token files.
 pub fn write_indexed(prefix: &Path, documents: &[Vec<u32>], token_type: TokenType) -> Result<()> {
-    let (bin_path, idx_path) = prefix_paths(prefix);
-    let io = |path: &Path, e: std::io::Error| ModelError::Data { path: path.to_path_buf(), reason: e.to_string() };
-    let mut bin = Vec::new();
-    for d in documents {
-        for &t in d {
-            if t as u64 > token_type.max() {
-                return Err(ModelError::Data { path: bin_path, reason: format!("token {t} does not fit a {token_type:?}") });
-            }
-            token_type.encode(t, &mut bin);
-        }
-    }
-    let mut idx = Vec::new();
-    idx.extend_from_slice(MAGIC);
-    idx.extend_from_slice(&1u64.to_le_bytes());
-    idx.push(token_type.code());
-    idx.extend_from_slice(&(documents.len() as u64).to_le_bytes());
-    idx.extend_from_slice(&(documents.len() as u64 + 1).to_le_bytes());
-    for d in documents {
-        idx.extend_from_slice(&(d.len() as i32).to_le_bytes());
-    }
-    let mut pointer = 0i64;
-    for d in documents {
-        idx.extend_from_slice(&pointer.to_le_bytes());
-        pointer += (d.len() * token_type.size()) as i64;
-    }
-    for j in 0..=documents.len() as i64 {
-        idx.extend_from_slice(&j.to_le_bytes());
-    }
-    std::fs::write(&bin_path, bin).map_err(|e| io(&bin_path, e))?;
-    std::fs::write(&idx_path, idx).map_err(|e| io(&idx_path, e))
+    let mut writer = IndexedWriter::create(prefix, token_type)?;
+    documents.iter().try_for_each(|d| writer.push(d))?;
+    writer.finish()
 }
 
 #[cfg(test)]

@@ -76,10 +76,7 @@ pub fn token_cache(
     cache_dir: &Path,
 ) -> Result<(PathBuf, Option<ParquetRead>)> {
     let first = paths.first().ok_or_else(|| ModelError::Data { path: PathBuf::new(), reason: "no Parquet files named".into() })?;
-    let column = match column {
-        Some(c) => c.to_string(),
-        None => default_column(first)?,
-    };
+    let (column, kind) = named_column(first, column)?;
     let prefix = cache_dir.join(format!("{}-{}", file_stem(first), cache_key(paths, &column, tokenizer)?));
     if IndexedFile::open(&prefix).is_ok() {
         return Ok((prefix, None));
@@ -94,7 +91,6 @@ pub fn token_cache(
     }
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
     let scratch = PathBuf::from(format!("{}.partial-{}-{nanos}", prefix.display(), std::process::id()));
-    let kind = column_of(first, &open(first)?, &column)?.kind;
     // Text tokens fit u16 under a vocabulary of 65,536 (the byte tokenizer's 256 among them).
     let token_type = if kind == ColumnKind::Text && tokenizer.vocab_size() <= 1 << 16 { TokenType::U16 } else { TokenType::I32 };
     let mut writer = IndexedWriter::create(&scratch, token_type)?;
@@ -416,17 +412,24 @@ fn top_level_names(reader: &SerializedFileReader<File>) -> Vec<String> {
 
 /// What `column` (None: the default one) of the Parquet file `path` holds.
 pub fn column_kind(path: &Path, column: Option<&str>) -> Result<ColumnKind> {
-    let name = match column {
-        Some(c) => c.to_string(),
-        None => default_column(path)?,
-    };
-    Ok(column_of(path, &open(path)?, &name)?.kind)
+    Ok(named_column(path, column)?.1)
 }
 
-/// The first of [`DEFAULT_COLUMNS`] that `path` has.
-fn default_column(path: &Path) -> Result<String> {
+/// `column` (None: the default one) of the Parquet file `path`, named, and what it holds: the
+/// file's footer read once.
+fn named_column(path: &Path, column: Option<&str>) -> Result<(String, ColumnKind)> {
     let reader = open(path)?;
-    let names = top_level_names(&reader);
+    let name = match column {
+        Some(c) => c.to_string(),
+        None => default_column(path, &reader)?,
+    };
+    let kind = column_of(path, &reader, &name)?.kind;
+    Ok((name, kind))
+}
+
+/// The first of [`DEFAULT_COLUMNS`] that `path` (read by `reader`) has.
+fn default_column(path: &Path, reader: &SerializedFileReader<File>) -> Result<String> {
+    let names = top_level_names(reader);
     DEFAULT_COLUMNS.iter().find(|c| names.iter().any(|n| n == *c)).map(|c| c.to_string()).ok_or_else(|| ModelError::Data {
         path: path.to_path_buf(),
         reason: format!("none of the columns {} (it has {}): name one with --data-column", DEFAULT_COLUMNS.join(", "), names.join(", ")),
@@ -533,10 +536,10 @@ mod tests {
 
     #[test]
     fn the_default_column_is_text_then_input_ids_then_tokens() {
-        assert_eq!(default_column(&fixture("text.parquet")).unwrap(), "text");
-        assert_eq!(default_column(&fixture("ids_int32.parquet")).unwrap(), "input_ids");
-        assert_eq!(default_column(&fixture("ids_int64.parquet")).unwrap(), "tokens");
-        let e = default_column(&fixture("large_text_zstd.parquet")).unwrap_err().to_string();
+        assert_eq!(named_column(&fixture("text.parquet"), None).unwrap().0, "text");
+        assert_eq!(named_column(&fixture("ids_int32.parquet"), None).unwrap().0, "input_ids");
+        assert_eq!(named_column(&fixture("ids_int64.parquet"), None).unwrap().0, "tokens");
+        let e = named_column(&fixture("large_text_zstd.parquet"), None).unwrap_err().to_string();
         assert!(e.contains("none of the columns text, input_ids, tokens (it has content)") && e.contains("--data-column"), "{e}");
         assert_eq!(column_kind(&fixture("ids_int64.parquet"), None).unwrap(), ColumnKind::TokenIds);
     }
