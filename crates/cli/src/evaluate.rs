@@ -15,14 +15,15 @@ pub struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     checkpoint: PathBuf,
     /// The held-out data: a text file, JSON lines, comma-separated token shards, Megatron
-    /// dataset prefixes or Parquet files, in --data-format.
+    /// dataset prefixes, Parquet or Arrow files, in --data-format.
     #[arg(long, value_name = "FILE")]
     data: String,
-    /// Format of --data: text, jsonl, u16, u32, megatron or parquet (default: parquet for
-    /// .parquet files, else text).
+    /// Format of --data: text, jsonl, u16, u32, megatron, parquet or arrow (default: parquet
+    /// or arrow for .parquet or .arrow files, else text).
     #[arg(long)]
     data_format: Option<String>,
-    /// The Parquet column to evaluate on (default: the first of text, input_ids, tokens).
+    /// The Parquet or Arrow column to evaluate on (default: the first of text, input_ids,
+    /// tokens).
     #[arg(long, value_name = "NAME")]
     data_column: Option<String>,
     /// Windows evaluated, from the start (default: every whole window the data holds, at most

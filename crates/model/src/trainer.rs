@@ -184,7 +184,7 @@ impl TrainConfig {
         if self.tokenizer.is_none()
             && self.model.vocab_size < 256
             && (matches!(self.data, DataSource::Synthetic { .. } | DataSource::Text { .. } | DataSource::JsonLines { .. })
-                || matches!(self.data, DataSource::Parquet { .. }) && !self.data.is_tokens())
+                || self.data.table().is_some() && !self.data.is_tokens())
         {
             return Err(ModelError::config(
                 "model.vocab_size",
@@ -214,7 +214,7 @@ impl TrainConfig {
             DataSource::Text { path } | DataSource::JsonLines { path } => std::fs::metadata(path).map_or(0, |x| x.len() as u128 * 5),
             DataSource::Shards { paths, .. } => paths.iter().map(|p| std::fs::metadata(p).map_or(0, |x| x.len() as u128 * 2)).sum(),
             // Read a window at a time; only the first tokens' frequencies are counted at once.
-            DataSource::Megatron { .. } | DataSource::Parquet { .. } => crate::data::ENTROPY_SAMPLE_TOKENS as u128 * 4,
+            DataSource::Megatron { .. } | DataSource::Parquet(_) | DataSource::Arrow(_) => crate::data::ENTROPY_SAMPLE_TOKENS as u128 * 4,
         };
         params + activations + data
     }

@@ -99,8 +99,14 @@ const EVAL_WINDOWS: usize = 64;
 /// The held-out data of `--eval-data`, and when to evaluate on it.
 pub(super) fn held_out(args: &TrainArgs, cfg: &lazarus_model::TrainConfig) -> Result<Option<HeldOut>> {
     let Some(path) = &args.eval_data else { return Ok(None) };
-    let parquet = args::eval_data_format(args) == Some("parquet") || path.ends_with(".parquet");
-    let source = args::data_file("eval-data", path, args::eval_data_format(args), args.model.data_column.as_deref().filter(|_| parquet))?;
+    let table = matches!(args::eval_data_format(args), Some("parquet" | "arrow"))
+        || path.split(',').all(|p| lazarus_model::data::TableFormat::of_name(std::path::Path::new(p)).is_some());
+    let mut source = args::data_file("eval-data", path, args::eval_data_format(args), args.model.data_column.as_deref().filter(|_| table))?;
+    // Its token cache beside the training data's.
+    if let (lazarus_model::DataSource::Parquet(t) | lazarus_model::DataSource::Arrow(t), Some(dir)) = (&mut source, &args.model.data_cache)
+    {
+        t.cache = Some(dir.clone());
+    }
     let tokenizer = lazarus_model::tokenizer::TextTokenizer::open(cfg.tokenizer.as_deref()).context("--tokenizer")?;
     let mut tokens = source.load_with(cfg.model.vocab_size, &tokenizer).context("--eval-data")?;
     let windows = args.eval_windows.unwrap_or(EVAL_WINDOWS);

@@ -1,6 +1,6 @@
 //! Training data: text files, JSON lines, token shards, Megatron indexed datasets (streamed),
-//! Parquet files of Hugging Face datasets (through a token cache, streamed), a built-in synthetic
-//! corpus, and a deterministic sampler whose cursor resumes exactly.
+//! Parquet and Arrow files of Hugging Face datasets (through a token cache, streamed), a built-in
+//! synthetic corpus, and a deterministic sampler whose cursor resumes exactly.
 
 use std::path::{Path, PathBuf};
 
@@ -11,12 +11,13 @@ use crate::files::read_bounded;
 use crate::rng::SplitMix64;
 
 pub mod indexed;
-pub mod parquet;
 pub mod sampler;
+pub mod table;
 
 pub use crate::tokenizer::ByteTokenizer;
 pub use indexed::{IndexedFile, TokenType};
 pub use sampler::{Batch, Cursor, Sampler, TokenStream, ENTROPY_SAMPLE_TOKENS};
+pub use table::{TableFiles, TableFormat};
 
 /// Where training tokens come from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,20 +41,11 @@ pub enum DataSource {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         weights: Option<Vec<f64>>,
     },
-    /// Parquet files of a Hugging Face dataset, one after another ([`parquet`]): `column` (None:
-    /// the first of `text`, `input_ids`, `tokens` there is) — text tokenized, or lists of token
-    /// ids — read once into a token cache under `cache` (None: [`parquet::default_cache_dir`]),
-    /// then a window at a time from it.
-    Parquet {
-        paths: Vec<PathBuf>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        column: Option<String>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        cache: Option<PathBuf>,
-        /// As a Megatron source's: one a file, each file a dataset of its own.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        weights: Option<Vec<f64>>,
-    },
+    /// Parquet files of a Hugging Face dataset ([`table::parquet`]).
+    Parquet(TableFiles),
+    /// Arrow IPC files of a Hugging Face dataset ([`table::arrow`]): `datasets`' cache files
+    /// and what `save_to_disk` writes.
+    Arrow(TableFiles),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,27 +61,35 @@ impl DataSource {
     pub fn open(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<TokenStream> {
         match self {
             DataSource::Megatron { prefixes, .. } => Ok(TokenStream::indexed(self.open_indexed(prefixes, tokenizer)?, vocab)),
-            DataSource::Parquet { paths, .. } => Ok(TokenStream::indexed(vec![self.parquet_tokens(tokenizer, paths)?], vocab)),
+            DataSource::Parquet(t) | DataSource::Arrow(t) => Ok(TokenStream::indexed(vec![self.table_tokens(tokenizer, &t.paths)?], vocab)),
             _ => Ok(TokenStream::Memory(self.load_with(vocab, tokenizer)?)),
         }
     }
 
-    /// The token cache of a Parquet source's files `paths` (all of them, or one of a blend),
-    /// made first if it is not there (and said so).
-    fn parquet_tokens(&self, tokenizer: &crate::tokenizer::TextTokenizer, paths: &[PathBuf]) -> Result<IndexedFile> {
-        let DataSource::Parquet { column, cache, .. } = self else {
-            return Err(ModelError::config("data.kind", self.describe(), "not a Parquet source"));
+    /// A dataset's files (Parquet or Arrow) and their format; None for the other sources.
+    pub fn table(&self) -> Option<(TableFormat, &TableFiles)> {
+        match self {
+            DataSource::Parquet(t) => Some((TableFormat::Parquet, t)),
+            DataSource::Arrow(t) => Some((TableFormat::Arrow, t)),
+            _ => None,
+        }
+    }
+
+    /// The token cache of a dataset's files `paths` (all of them, or one of a blend), made first
+    /// if it is not there (and said so).
+    fn table_tokens(&self, tokenizer: &crate::tokenizer::TextTokenizer, paths: &[PathBuf]) -> Result<IndexedFile> {
+        let Some((format, t)) = self.table() else {
+            return Err(ModelError::config("data.kind", self.describe(), "not a Parquet or Arrow source"));
         };
-        let paths = self.named(paths, ("Parquet files", "file"))?;
-        let dir = cache.clone().unwrap_or_else(parquet::default_cache_dir);
-        let (prefix, made) = parquet::token_cache(paths, column.as_deref(), tokenizer, &dir)?;
+        let paths = self.named(paths, (&format!("{} files", format.name()), "file"))?;
+        let dir = t.cache.clone().unwrap_or_else(table::default_cache_dir);
+        let (prefix, made) = table::token_cache(format, paths, t.column.as_deref(), tokenizer, &dir)?;
         let file = IndexedFile::open(&prefix)?;
         match made {
             Some(r) => tracing::info!(
-                "{}: {} rows of {} row groups read into {} tokens{}, cached at {}",
+                "{}: {} read into {} tokens{}, cached at {}",
                 self.describe(),
-                r.rows,
-                r.row_groups,
+                r.describe(format),
                 r.tokens,
                 if r.null_rows > 0 { format!(" ({} null rows skipped)", r.null_rows) } else { String::new() },
                 prefix.display()
@@ -104,7 +104,8 @@ impl DataSource {
     pub fn open_parts(&self, vocab: usize, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<Vec<(TokenStream, f64)>> {
         let (prefixes, weights) = match self {
             DataSource::Megatron { prefixes, weights: Some(weights) } => (prefixes, weights),
-            DataSource::Parquet { paths, weights: Some(weights), .. } => (paths, weights),
+            DataSource::Parquet(TableFiles { paths, weights: Some(weights), .. })
+            | DataSource::Arrow(TableFiles { paths, weights: Some(weights), .. }) => (paths, weights),
             _ => return Ok(vec![(self.open(vocab, tokenizer)?, 1.0)]),
         };
         if weights.len() != prefixes.len() {
@@ -118,9 +119,9 @@ impl DataSource {
             return Err(ModelError::config("data.weights", w, "weights must be finite and > 0"));
         }
         let files = match self {
-            // Each Parquet file a dataset of its own: a token cache each.
-            DataSource::Parquet { .. } => {
-                prefixes.iter().map(|p| self.parquet_tokens(tokenizer, std::slice::from_ref(p))).collect::<Result<_>>()?
+            // Each Parquet or Arrow file a dataset of its own: a token cache each.
+            DataSource::Parquet(_) | DataSource::Arrow(_) => {
+                prefixes.iter().map(|p| self.table_tokens(tokenizer, std::slice::from_ref(p))).collect::<Result<_>>()?
             }
             _ => self.open_indexed(prefixes, tokenizer)?,
         };
@@ -133,17 +134,15 @@ impl DataSource {
         self.named(prefixes, ("Megatron datasets", "dataset"))?.iter().map(|p| IndexedFile::open(p)).collect()
     }
 
-    /// Whether the source holds token ids already (no tokenizer applies). A Parquet source's
-    /// first file is opened to see what its column holds (false when it cannot be read: the
-    /// error comes when the data is opened).
+    /// Whether the source holds token ids already (no tokenizer applies). A Parquet or Arrow
+    /// source's first file is opened to see what its column holds (false when it cannot be
+    /// read: the error comes when the data is opened).
     pub fn is_tokens(&self) -> bool {
-        match self {
-            DataSource::Shards { .. } | DataSource::Megatron { .. } => true,
-            DataSource::Parquet { paths, column, .. } => {
-                paths.first().and_then(|p| parquet::column_kind(p, column.as_deref()).ok()) == Some(parquet::ColumnKind::TokenIds)
-            }
-            _ => false,
+        if let Some((format, t)) = self.table() {
+            let kind = t.paths.first().and_then(|p| format.column(p, t.column.as_deref()).ok()).map(|(_, kind)| kind);
+            return kind == Some(table::ColumnKind::TokenIds);
         }
+        matches!(self, DataSource::Shards { .. } | DataSource::Megatron { .. })
     }
 
     fn refuse_a_tokenizer(&self, tokenizer: &crate::tokenizer::TextTokenizer) -> Result<()> {
@@ -212,7 +211,7 @@ impl DataSource {
             // Held-out data is read whole (windows in order, a few of them): bounded as a shard.
             DataSource::Megatron { prefixes, .. } => read_whole(&self.open_indexed(prefixes, tokenizer)?, vocab)?,
             // (A blend's files one after another, in one cache.)
-            DataSource::Parquet { paths, .. } => read_whole(&[self.parquet_tokens(tokenizer, paths)?], vocab)?,
+            DataSource::Parquet(t) | DataSource::Arrow(t) => read_whole(&[self.table_tokens(tokenizer, &t.paths)?], vocab)?,
         };
         if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
             return Err(ModelError::Data {
@@ -231,12 +230,13 @@ impl DataSource {
             DataSource::Shards { paths, .. } => {
                 format!("{} token shard(s), first {}", paths.len(), paths.first().map_or("-".into(), |p| p.display().to_string()))
             }
-            DataSource::Parquet { paths, column, weights, .. } => format!(
-                "{} Parquet file(s){}{}, first {}",
-                paths.len(),
-                column.as_ref().map_or(String::new(), |c| format!(" (column `{c}`)")),
-                if weights.is_some() { " blended by weight" } else { "" },
-                paths.first().map_or("-".into(), |p| p.display().to_string())
+            DataSource::Parquet(t) | DataSource::Arrow(t) => format!(
+                "{} {} file(s){}{}, first {}",
+                t.paths.len(),
+                if matches!(self, DataSource::Parquet(_)) { "Parquet" } else { "Arrow" },
+                t.column.as_ref().map_or(String::new(), |c| format!(" (column `{c}`)")),
+                if t.weights.is_some() { " blended by weight" } else { "" },
+                t.paths.first().map_or("-".into(), |p| p.display().to_string())
             ),
             DataSource::Megatron { prefixes, weights } => format!(
                 "{} Megatron dataset(s){}, first {}",

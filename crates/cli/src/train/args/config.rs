@@ -334,18 +334,21 @@ pub(super) fn apply_flags(args: &TrainArgs, c: &mut TrainConfig) -> Result<()> {
         (Some(path), fmt) => c.data = data_file("data", path, fmt, args.model.data_column.as_deref())?,
     }
     match (&mut c.data, &args.model.data_column, &args.model.data_cache) {
-        (DataSource::Parquet { column, cache, .. }, col, dir) => {
-            *column = col.clone().or(column.take());
-            *cache = dir.clone().or(cache.take());
+        (DataSource::Parquet(t) | DataSource::Arrow(t), col, dir) => {
+            t.column = col.clone().or(t.column.take());
+            t.cache = dir.clone().or(t.cache.take());
         }
-        (_, Some(_), _) => bail!("--data-column names a column of Parquet files, but the data is {}", c.data.describe()),
-        (_, _, Some(_)) => bail!("--data-cache keeps Parquet files' token caches, but the data is {}", c.data.describe()),
+        (_, Some(_), _) => bail!("--data-column names a column of Parquet or Arrow files, but the data is {}", c.data.describe()),
+        (_, _, Some(_)) => bail!("--data-cache keeps Parquet and Arrow files' token caches, but the data is {}", c.data.describe()),
         _ => {}
     }
     if let Some(w) = &args.model.data_weights {
-        let (DataSource::Megatron { prefixes, weights } | DataSource::Parquet { paths: prefixes, weights, .. }) = &mut c.data else {
+        let (DataSource::Megatron { prefixes, weights }
+        | DataSource::Parquet(TableFiles { paths: prefixes, weights, .. })
+        | DataSource::Arrow(TableFiles { paths: prefixes, weights, .. })) = &mut c.data
+        else {
             bail!(
-                "--data-weights blends Megatron datasets or Parquet files, but the data is {}: give --data-format megatron or parquet",
+                "--data-weights blends Megatron datasets, Parquet or Arrow files, but the data is {}: give --data-format megatron, parquet or arrow",
                 c.data.describe()
             );
         };
@@ -380,23 +383,30 @@ pub fn eval_data_format(args: &TrainArgs) -> Option<&str> {
         Some("jsonl") => Some("jsonl"),
         Some("txt") => Some("text"),
         Some("parquet") => Some("parquet"),
+        Some("arrow") => Some("arrow"),
         _ => args.model.data_format.as_deref(),
     }
 }
 
 /// The data `--{flag} PATH` names (a text file, comma-separated token shards, comma-separated
-/// Megatron dataset prefixes, or comma-separated Parquet files) in `format` (`--data-format`:
-/// text, jsonl, u16, u32, megatron or parquet; default parquet where every file ends in
-/// `.parquet`, else text); `column`, a Parquet source's column.
+/// Megatron dataset prefixes, or comma-separated Parquet or Arrow files) in `format`
+/// (`--data-format`: text, jsonl, u16, u32, megatron, parquet or arrow; default parquet or arrow
+/// where every file ends in `.parquet` or every one in `.arrow`, else text); `column`, a Parquet
+/// or Arrow source's column.
 pub fn data_file(flag: &str, path: &str, format: Option<&str>, column: Option<&str>) -> Result<DataSource> {
     let paths: Vec<PathBuf> = path.split(',').map(PathBuf::from).collect();
     if let Some(i) = paths.iter().position(|p| p.as_os_str().is_empty()) {
         bail!("invalid --{flag}: '{path}' (file {} of {} has an empty name)", i + 1, paths.len());
     }
-    let parquet_files = paths.iter().all(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")));
-    let format = format.unwrap_or(if parquet_files { "parquet" } else { "text" });
-    if column.is_some() && format != "parquet" {
-        bail!("--data-column names a column of Parquet files, but --{flag} is read as {format}");
+    // Parquet or Arrow when every file's name says so.
+    let names: Vec<Option<TableFormat>> = paths.iter().map(|p| TableFormat::of_name(p)).collect();
+    let named = names.iter().copied().reduce(|a, b| a.filter(|&a| Some(a) == b)).flatten();
+    if format.is_none() && named.is_none() && names.iter().all(Option::is_some) {
+        bail!("invalid --{flag}: '{path}' mixes Parquet and Arrow files (one format a source; blend them with --data-weights only within one)");
+    }
+    let format = format.unwrap_or(named.map_or("text", TableFormat::name));
+    if column.is_some() && !matches!(format, "parquet" | "arrow") {
+        bail!("--data-column names a column of Parquet or Arrow files, but --{flag} is read as {format}");
     }
     if let Some(c) = column.filter(|c| c.is_empty()) {
         bail!("invalid --data-column: '{c}' (a column's name)");
@@ -409,7 +419,8 @@ pub fn data_file(flag: &str, path: &str, format: Option<&str>, column: Option<&s
         "u16" => DataSource::Shards { paths, width: TokenWidth::U16 },
         "u32" => DataSource::Shards { paths, width: TokenWidth::U32 },
         "megatron" => DataSource::Megatron { prefixes: paths, weights: None },
-        "parquet" => DataSource::Parquet { paths, column: column.map(str::to_string), cache: None, weights: None },
-        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32, megatron or parquet)"),
+        "parquet" => DataSource::Parquet(TableFiles { column: column.map(str::to_string), ..TableFiles::of(paths) }),
+        "arrow" => DataSource::Arrow(TableFiles { column: column.map(str::to_string), ..TableFiles::of(paths) }),
+        other => bail!("invalid --{flag}-format: '{other}' (expected text, jsonl, u16, u32, megatron, parquet or arrow)"),
     })
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use lazarus_model::data::{TableFiles, TableFormat};
 use lazarus_model::{DataSource, TokenWidth, TrainConfig};
 
 mod config;
@@ -165,21 +166,23 @@ pub struct ModelArgs {
     pub(crate) seed: Option<u64>,
     /// "synthetic" (built-in corpus), a UTF-8 text file, token shards (comma-separated .bin),
     /// Megatron indexed datasets (comma-separated prefixes of .bin + .idx pairs, streamed), or
-    /// Parquet files of a Hugging Face dataset (comma-separated, read once into a token cache).
+    /// Parquet or Arrow files of a Hugging Face dataset (comma-separated, read once into a token
+    /// cache).
     #[arg(long)]
     pub(crate) data: Option<String>,
-    /// Format of --data files: text, jsonl ({"text": …} a line), u16, u32, megatron or parquet.
+    /// Format of --data files: text, jsonl ({"text": …} a line), u16, u32, megatron, parquet or
+    /// arrow (Arrow IPC: `datasets`' cache files and `save_to_disk`'s).
     #[arg(long)]
     pub(crate) data_format: Option<String>,
-    /// The Parquet column to train on: text (tokenized) or lists of token ids (default: the first
-    /// of text, input_ids, tokens the file has).
+    /// The Parquet or Arrow column to train on: text (tokenized) or lists of token ids (default:
+    /// the first of text, input_ids, tokens the file has).
     #[arg(long, value_name = "NAME")]
     pub(crate) data_column: Option<String>,
-    /// Where Parquet data's token caches are kept (default: $LAZARUS_DATA_CACHE, else
+    /// Where Parquet and Arrow data's token caches are kept (default: $LAZARUS_DATA_CACHE, else
     /// ~/.cache/lazarus/data).
     #[arg(long, value_name = "DIR")]
     pub(crate) data_cache: Option<PathBuf>,
-    /// Blend the Megatron datasets (or Parquet files) of --data by these weights, one a dataset (e.g. 0.7,0.3):
+    /// Blend the Megatron datasets (or Parquet or Arrow files) of --data by these weights, one a dataset (e.g. 0.7,0.3):
     /// each window comes from one of them, in proportion (default: one after another).
     #[arg(long, value_name = "W,W,…")]
     pub(crate) data_weights: Option<String>,
@@ -567,7 +570,7 @@ pub fn training_defaults() -> Vec<(&'static str, String)> {
         ("bias_update_rate", word(m.bias_update_rate)),
         ("capacity_factor", word(m.capacity_factor)),
         ("data", "synthetic".into()),
-        ("data_format", "parquet for .parquet files, else text".into()),
+        ("data_format", "parquet or arrow for .parquet or .arrow files, else text".into()),
         ("synthetic_bytes", synthetic),
         ("dtype", word(c.dtype)),
     ]

@@ -130,6 +130,20 @@ fn settings_that_would_do_nothing_are_refused_and_held_out_data_has_its_own_form
     assert!(e.contains("invalid --eval-data-format: 'csv'"), "{e}");
 }
 
+/// Parquet and Arrow files are found by their names (in any case), one format a source.
+#[test]
+fn a_dataset_s_format_is_found_from_its_files_names() {
+    use lazarus_model::data::{TableFiles, TableFormat};
+    let table = |path: &str| data_file("data", path, None, None).map(|s| s.table().map(|(f, t)| (f, t.paths.len())));
+    assert_eq!(table("a.parquet,b.PARQUET").unwrap(), Some((TableFormat::Parquet, 2)));
+    assert_eq!(table("cache-1f2e.arrow").unwrap(), Some((TableFormat::Arrow, 1)));
+    assert_eq!(table("notes.txt").unwrap(), None);
+    let e = table("a.parquet,b.arrow").unwrap_err().to_string();
+    assert!(e.contains("mixes Parquet and Arrow files"), "{e}");
+    let given = data_file("data", "shard.bin", Some("arrow"), Some("input_ids")).unwrap();
+    assert_eq!(given, DataSource::Arrow(TableFiles { column: Some("input_ids".into()), ..TableFiles::of(vec!["shard.bin".into()]) }));
+}
+
 /// `--help` tells every setting's default: the training settings' from `TrainConfig`, the
 /// others in their own words; a flag without one is one that names a file or turns
 /// something on.

@@ -1,24 +1,11 @@
-//! Parquet files of a Hugging Face dataset: a text column tokenized as it is read, or a column
-//! of token ids (`list<int32|int64>`, what `datasets.map(tokenize)` writes).
+//! Parquet files of a Hugging Face dataset, read with the `parquet` crate (no Arrow arrays):
+//! snappy and zstd, dictionary and plain encodings, pages v1 and v2, strings and large strings,
+//! lists and large lists of int32 or int64.
 //!
-//! Parquet is compressed in row groups and pages: a window cannot be read from it without
-//! decompressing and tokenizing everything before it in its row group, and the sampler draws
-//! windows in a shuffled order. So a source is read once, row group by row group and a batch of
-//! rows at a time, straight into a token cache — a Megatron indexed dataset ([`super::indexed`])
-//! written by [`IndexedWriter`], one document a row — and runs read their windows from the
-//! cache with positioned reads. Neither step holds more than a batch of rows (memory does not
-//! grow with the file), and a resume or a recovery reads the same cache, so the sampler's cursor
-//! continues exactly. The cache is named by a digest of what makes it: each file's path, size
-//! and modification time, the column, the tokenizer; a changed file is read again. It is
-//! written under a temporary name and renamed, so that processes converting at once (the workers
-//! of one job) or a conversion killed midway never leave a cache that is half written.
-//!
-//! Text rows are tokenized as JSON-lines documents are: each row's text followed by a blank
-//! line (`\n\n`), so that a window spanning two rows sees where one ends. Null rows are skipped.
-//! Token-id rows are taken as they are (their end-of-document tokens are the tokenizer's). A
-//! null inside a list, a negative id or one past 2^31, text that is not UTF-8, or a file the
-//! Parquet reader refuses is an error naming the file, the row group, the row and — for what the
-//! reader refuses — the column chunk's bytes.
+//! The reader asserts on some of what a damaged file breaks (a column chunk's range past the
+//! file, a dictionary-encoded page with no dictionary before it): the chunk's range is checked
+//! against the file before the reader sees it, and the reader's panics on a row group are
+//! caught and said as an error naming the chunk's bytes.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -26,38 +13,10 @@ use std::path::{Path, PathBuf};
 use parquet::column::reader::ColumnReader;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::schema::types::ColumnDescPtr;
-use sha2::{Digest, Sha256};
 
-use super::indexed::{IndexedFile, IndexedWriter, TokenType};
+use super::{caught, check_column, text_document, token_id, ColumnKind, RowError, TableFormat, TableRead, BATCH_ROWS};
 use crate::error::{ModelError, Result};
 use crate::tokenizer::TextTokenizer;
-
-/// Rows read from the reader at once.
-const BATCH_ROWS: usize = 1024;
-/// The columns looked for, in order, when none is named.
-const DEFAULT_COLUMNS: [&str; 3] = ["text", "input_ids", "tokens"];
-/// Changes when the cache's content for the same inputs would change.
-const CACHE_VERSION: &str = "lazarus-parquet-tokens-1";
-
-/// What a column holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ColumnKind {
-    /// Strings (or binary read as UTF-8), one document a row.
-    Text,
-    /// Lists of integer token ids, one document a row.
-    TokenIds,
-}
-
-/// What a conversion read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ParquetRead {
-    pub files: usize,
-    pub row_groups: usize,
-    pub rows: u64,
-    /// Null rows, skipped.
-    pub null_rows: u64,
-    pub tokens: u64,
-}
 
 /// The Parquet source's column in one file: its index among the leaf columns, what it holds.
 struct Column {
@@ -66,104 +25,19 @@ struct Column {
     descr: ColumnDescPtr,
 }
 
-/// The token cache of `paths`' `column` (None: the first of `text`, `input_ids`, `tokens` the
-/// first file has) under `cache_dir`, made if it is not there yet: the prefix of a Megatron
-/// indexed dataset, and whether it was made now (with what was read).
-pub fn token_cache(
-    paths: &[PathBuf],
-    column: Option<&str>,
-    tokenizer: &TextTokenizer,
-    cache_dir: &Path,
-) -> Result<(PathBuf, Option<ParquetRead>)> {
-    let first = paths.first().ok_or_else(|| ModelError::Data { path: PathBuf::new(), reason: "no Parquet files named".into() })?;
-    let (column, kind) = named_column(first, column)?;
-    let prefix = cache_dir.join(format!("{}-{}", file_stem(first), cache_key(paths, &column, tokenizer)?));
-    if IndexedFile::open(&prefix).is_ok() {
-        return Ok((prefix, None));
-    }
-    std::fs::create_dir_all(cache_dir)
-        .map_err(|e| ModelError::Data { path: cache_dir.to_path_buf(), reason: format!("cannot create the token cache's folder: {e}") })?;
-    // One process makes it (a job's workers open the data at once); the others wait for it and
-    // find it made. A maker killed midway lets go of the lock with its life.
-    let _lock = CacheLock::take(&PathBuf::from(format!("{}.lock", prefix.display())))?;
-    if IndexedFile::open(&prefix).is_ok() {
-        return Ok((prefix, None));
-    }
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let scratch = PathBuf::from(format!("{}.partial-{}-{nanos}", prefix.display(), std::process::id()));
-    // Text tokens fit u16 under a vocabulary of 65,536 (the byte tokenizer's 256 among them).
-    let token_type = if kind == ColumnKind::Text && tokenizer.vocab_size() <= 1 << 16 { TokenType::U16 } else { TokenType::I32 };
-    let mut writer = IndexedWriter::create(&scratch, token_type)?;
-    let read = read_rows(paths, &column, tokenizer, |doc| writer.push(doc));
-    let done = read.and_then(|read| writer.finish().map(|()| read));
-    let (scratch_bin, scratch_idx) = super::indexed::prefix_paths(&scratch);
-    let read = match done {
-        Ok(read) => read,
-        Err(e) => {
-            for p in [&scratch_bin, &scratch_idx, &scratch_bin.with_extension("lengths")] {
-                let _ = std::fs::remove_file(p);
-            }
-            return Err(e);
-        }
-    };
-    // The data first, then the index that makes it a dataset: a cache is found only whole.
-    let (bin, idx) = super::indexed::prefix_paths(&prefix);
-    let rename = |from: &Path, to: &Path| {
-        std::fs::rename(from, to)
-            .map_err(|e| ModelError::Data { path: to.to_path_buf(), reason: format!("cannot move the token cache in place: {e}") })
-    };
-    rename(&scratch_bin, &bin)?;
-    rename(&scratch_idx, &idx)?;
-    Ok((prefix, Some(read)))
-}
-
-/// An exclusive `flock` on a file beside the cache, held until dropped (the file with it).
-struct CacheLock(#[allow(dead_code)] File);
-
-impl CacheLock {
-    fn take(path: &Path) -> Result<Self> {
-        use std::os::fd::AsRawFd;
-        let f = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .map_err(|e| ModelError::Data { path: path.to_path_buf(), reason: format!("cannot open the token cache's lock: {e}") })?;
-        // SAFETY: flock on a descriptor this process owns; it blocks until the lock is ours.
-        while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(ModelError::Data { path: path.to_path_buf(), reason: format!("cannot lock the token cache: {e}") });
-            }
-        }
-        Ok(CacheLock(f))
-    }
-}
-
 /// Each row of `column` of the files `paths`, in order, as its tokens, passed to `document`.
-pub fn read_rows(
+pub(super) fn read_rows(
     paths: &[PathBuf],
     column: &str,
     tokenizer: &TextTokenizer,
     mut document: impl FnMut(&[u32]) -> Result<()>,
-) -> Result<ParquetRead> {
-    let mut read = ParquetRead::default();
+) -> Result<TableRead> {
+    let mut read = TableRead::default();
     let mut kinds = None;
     for path in paths {
         let reader = open(path)?;
         let col = column_of(path, &reader, column)?;
-        if *kinds.get_or_insert(col.kind) != col.kind {
-            return Err(ModelError::Data {
-                path: path.clone(),
-                reason: format!("column `{column}` holds {:?}, not {:?} as in the first file", col.kind, kinds.unwrap()),
-            });
-        }
-        if col.kind == ColumnKind::TokenIds && matches!(tokenizer, TextTokenizer::Hf(_)) {
-            return Err(ModelError::Data {
-                path: path.clone(),
-                reason: format!("column `{column}` holds token ids already: it takes no tokenizer"),
-            });
-        }
+        check_column(path, column, col.kind, &mut kinds, tokenizer)?;
         let meta = reader.metadata();
         let file_first_row = read.rows;
         let file_len = std::fs::metadata(path).map_or(0, |m| m.len());
@@ -178,18 +52,15 @@ pub fn read_rows(
             let first_row = read.rows;
             // The reader asserts some of what a damaged page may break (a dictionary-encoded
             // page with no dictionary before it): that too is an error naming the bytes.
-            let rows = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let rows = caught(TableFormat::Parquet, || {
                 let reader =
                     reader.get_row_group(rg).and_then(|g| g.get_column_reader(col.index)).map_err(|e| RowError::Reader(e.to_string()))?;
                 match col.kind {
                     ColumnKind::Text => text_rows(reader, &col, tokenizer, &mut read, &mut document),
                     ColumnKind::TokenIds => id_rows(reader, &col, &mut read, &mut document),
                 }
-            }))
-            .unwrap_or_else(|panic| {
-                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-                Err(RowError::Reader(format!("the Parquet reader failed on damaged data ({})", what.unwrap_or_default())))
             })
+            .unwrap_or_else(|panic| Err(RowError::Reader(panic)))
             .map_err(|e| match e {
                 RowError::Reader(e) => at(e),
                 RowError::Row(i, why) => ModelError::Data {
@@ -202,7 +73,7 @@ pub fn read_rows(
             if rows as i64 != expected {
                 return Err(at(format!("{rows} rows read, the footer says {expected}")));
             }
-            read.row_groups += 1;
+            read.chunks += 1;
         }
         read.files += 1;
     }
@@ -222,18 +93,12 @@ fn chunk_bytes(chunk: &parquet::file::metadata::ColumnChunkMetaData, file_len: u
 
 /// Why a row group's rows could not be read: the reader refused its bytes, a row is not a
 /// document (its index in the row group), or the document's consumer failed.
-enum RowError {
-    Reader(String),
-    Row(u64, String),
-    Out(ModelError),
-}
-
 /// The rows of a text column: each non-null row's text and a blank line, tokenized.
 fn text_rows(
     reader: ColumnReader,
     col: &Column,
     tokenizer: &TextTokenizer,
-    read: &mut ParquetRead,
+    read: &mut TableRead,
     document: &mut impl FnMut(&[u32]) -> Result<()>,
 ) -> std::result::Result<u64, RowError> {
     let ColumnReader::ByteArrayColumnReader(mut reader) = reader else { return Err(RowError::Reader("not a byte-array column".into())) };
@@ -258,10 +123,7 @@ fn text_rows(
             }
             let value = next.next().ok_or_else(|| RowError::Reader("fewer values than rows".into()))?;
             let s = std::str::from_utf8(value.data()).map_err(|e| RowError::Row(row, format!("not UTF-8 at byte {}", e.valid_up_to())))?;
-            text.clear();
-            text.push_str(s);
-            text.push_str("\n\n");
-            let tokens = tokenizer.encode(&text).map_err(RowError::Out)?;
+            let tokens = text_document(&mut text, s, tokenizer)?;
             read.tokens += tokens.len() as u64;
             document(&tokens).map_err(RowError::Out)?;
         }
@@ -273,7 +135,7 @@ fn text_rows(
 fn id_rows(
     reader: ColumnReader,
     col: &Column,
-    read: &mut ParquetRead,
+    read: &mut TableRead,
     document: &mut impl FnMut(&[u32]) -> Result<()>,
 ) -> std::result::Result<u64, RowError> {
     let max_def = col.descr.max_def_level();
@@ -300,8 +162,7 @@ fn id_rows(
             if d == max_def {
                 let id = values.get(v).ok_or_else(|| RowError::Reader("fewer values than levels".into()))?;
                 v += 1;
-                let t = u32::try_from(id).ok().filter(|&t| t <= i32::MAX as u32);
-                doc.push(t.ok_or_else(|| RowError::Row(row, format!("token id {id} is not in 0..2^31")))?);
+                doc.push(token_id(id.into(), row)?);
             } else if Some(d) == null_element {
                 return Err(RowError::Row(row, "a null inside the list of token ids".into()));
             }
@@ -313,7 +174,7 @@ fn id_rows(
 
 fn finish_row(
     doc: &mut Vec<u32>,
-    read: &mut ParquetRead,
+    read: &mut TableRead,
     document: &mut impl FnMut(&[u32]) -> Result<()>,
 ) -> std::result::Result<(), RowError> {
     read.rows += 1;
@@ -410,75 +271,21 @@ fn top_level_names(reader: &SerializedFileReader<File>) -> Vec<String> {
     names
 }
 
-/// What `column` (None: the default one) of the Parquet file `path` holds.
-pub fn column_kind(path: &Path, column: Option<&str>) -> Result<ColumnKind> {
-    Ok(named_column(path, column)?.1)
-}
-
 /// `column` (None: the default one) of the Parquet file `path`, named, and what it holds: the
 /// file's footer read once.
-fn named_column(path: &Path, column: Option<&str>) -> Result<(String, ColumnKind)> {
+pub(super) fn named_column(path: &Path, column: Option<&str>) -> Result<(String, ColumnKind)> {
     let reader = open(path)?;
     let name = match column {
         Some(c) => c.to_string(),
-        None => default_column(path, &reader)?,
+        None => super::default_column(path, &top_level_names(&reader))?,
     };
     let kind = column_of(path, &reader, &name)?.kind;
     Ok((name, kind))
 }
 
-/// The first of [`DEFAULT_COLUMNS`] that `path` (read by `reader`) has.
-fn default_column(path: &Path, reader: &SerializedFileReader<File>) -> Result<String> {
-    let names = top_level_names(reader);
-    DEFAULT_COLUMNS.iter().find(|c| names.iter().any(|n| n == *c)).map(|c| c.to_string()).ok_or_else(|| ModelError::Data {
-        path: path.to_path_buf(),
-        reason: format!("none of the columns {} (it has {}): name one with --data-column", DEFAULT_COLUMNS.join(", "), names.join(", ")),
-    })
-}
-
-fn file_stem(path: &Path) -> String {
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("data");
-    stem.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).take(40).collect()
-}
-
-/// A digest of what the cache's tokens are made of (16 hex digits).
-fn cache_key(paths: &[PathBuf], column: &str, tokenizer: &TextTokenizer) -> Result<String> {
-    let mut h = Sha256::new();
-    let mut put = |b: &[u8]| {
-        h.update((b.len() as u64).to_le_bytes());
-        h.update(b);
-    };
-    put(CACHE_VERSION.as_bytes());
-    put(column.as_bytes());
-    put(&tokenizer.identity());
-    for p in paths {
-        let meta = std::fs::metadata(p).map_err(|e| ModelError::Data { path: p.clone(), reason: format!("cannot read: {e}") })?;
-        let canonical = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
-        put(canonical.to_string_lossy().as_bytes());
-        put(&meta.len().to_le_bytes());
-        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
-        put(&mtime.to_le_bytes());
-    }
-    Ok(h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect())
-}
-
-/// The folder token caches go to: `LAZARUS_DATA_CACHE`, else `$XDG_CACHE_HOME/lazarus/data`,
-/// else `~/.cache/lazarus/data`, else the temporary folder's `lazarus-data`.
-pub fn default_cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("LAZARUS_DATA_CACHE").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("lazarus/data");
-    }
-    if let Some(h) = std::env::var_os("HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(h).join(".cache/lazarus/data");
-    }
-    std::env::temp_dir().join("lazarus-data")
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::token_cache;
     use super::*;
     use crate::data::{ByteTokenizer, DataSource};
 
@@ -493,7 +300,7 @@ mod tests {
         d
     }
 
-    fn documents(path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, ParquetRead)> {
+    fn documents(path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, TableRead)> {
         let mut docs = Vec::new();
         let read = read_rows(&[path.to_path_buf()], column, &TextTokenizer::Bytes, |d| {
             docs.push(d.to_vec());
@@ -517,7 +324,7 @@ mod tests {
             let e = &expected[name];
             let rows = e["columns"][column].as_array().unwrap();
             let (docs, read) = documents(&fixture(name), column).unwrap();
-            assert_eq!(read.row_groups as u64, e["row_groups"].as_u64().unwrap(), "{name}");
+            assert_eq!(read.chunks as u64, e["row_groups"].as_u64().unwrap(), "{name}");
             assert_eq!(read.rows, e["rows"].as_u64().unwrap(), "{name}");
             let want: Vec<Vec<u32>> = match rows.iter().find(|r| !r.is_null()) {
                 Some(serde_json::Value::String(_)) => {
@@ -541,7 +348,7 @@ mod tests {
         assert_eq!(named_column(&fixture("ids_int64.parquet"), None).unwrap().0, "tokens");
         let e = named_column(&fixture("large_text_zstd.parquet"), None).unwrap_err().to_string();
         assert!(e.contains("none of the columns text, input_ids, tokens (it has content)") && e.contains("--data-column"), "{e}");
-        assert_eq!(column_kind(&fixture("ids_int64.parquet"), None).unwrap(), ColumnKind::TokenIds);
+        assert_eq!(named_column(&fixture("ids_int64.parquet"), None).unwrap().1, ColumnKind::TokenIds);
     }
 
     /// The cache is made once, read back as the same tokens, found again without reading the
@@ -553,11 +360,12 @@ mod tests {
         let data = dir.join("train.parquet");
         std::fs::copy(fixture("text.parquet"), &data).unwrap();
         let cache = dir.join("cache");
-        let (prefix, made) = token_cache(std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
+        let (prefix, made) = token_cache(TableFormat::Parquet, std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
         assert_eq!(made.unwrap().rows, 7);
-        let (again, made) = token_cache(std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
+        let (again, made) = token_cache(TableFormat::Parquet, std::slice::from_ref(&data), None, &TextTokenizer::Bytes, &cache).unwrap();
         assert_eq!((again.clone(), made), (prefix.clone(), None), "the second open finds the cache");
-        let source = DataSource::Parquet { paths: vec![data.clone()], column: None, cache: Some(cache.clone()), weights: None };
+        let source =
+            DataSource::Parquet(crate::data::TableFiles { cache: Some(cache.clone()), ..crate::data::TableFiles::of(vec![data.clone()]) });
         let tokens = source.load(256).unwrap();
         let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap();
         let jsonl: String = expected["text.parquet"]["columns"]["text"]
@@ -571,7 +379,8 @@ mod tests {
         assert_eq!(tokens, DataSource::JsonLines { path: dir.join("train.jsonl") }.load(256).unwrap());
         // A changed file (another length) is read again, into a cache of its own.
         std::fs::copy(fixture("large_text_zstd.parquet"), &data).unwrap();
-        let (other, made) = token_cache(std::slice::from_ref(&data), Some("content"), &TextTokenizer::Bytes, &cache).unwrap();
+        let (other, made) =
+            token_cache(TableFormat::Parquet, std::slice::from_ref(&data), Some("content"), &TextTokenizer::Bytes, &cache).unwrap();
         assert!(other != prefix && made.is_some());
         let leftovers: Vec<_> = std::fs::read_dir(&cache)
             .unwrap()
@@ -628,7 +437,7 @@ mod tests {
             "{e}"
         );
         let cache = dir.join("cache");
-        assert!(token_cache(&[damaged], Some("content"), &TextTokenizer::Bytes, &cache).is_err());
+        assert!(token_cache(TableFormat::Parquet, &[damaged], Some("content"), &TextTokenizer::Bytes, &cache).is_err());
         let left: Vec<_> = std::fs::read_dir(&cache).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
         assert!(left.iter().all(|n| n.to_string_lossy().ends_with(".lock")), "nothing but the lock is left: {left:?}");
         let _ = std::fs::remove_dir_all(&dir);

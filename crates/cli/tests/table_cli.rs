@@ -1,5 +1,5 @@
-//! Parquet files of a Hugging Face dataset as training data, from the command line: pyarrow
-//! wrote the files (`crates/model/tests/fixtures/parquet/make.py`).
+//! Parquet and Arrow files of a Hugging Face dataset as training data, from the command line:
+//! pyarrow and `datasets` wrote the files (`crates/model/tests/fixtures/{parquet,arrow}/make.py`).
 
 mod common;
 
@@ -9,14 +9,16 @@ use std::process::Output;
 use common::{dir, lazarus, log as log_of};
 
 fn fixture(name: &str) -> String {
-    format!("{}/../model/tests/fixtures/parquet/{name}", env!("CARGO_MANIFEST_DIR"))
+    let format = if name.ends_with(".arrow") { "arrow" } else { "parquet" };
+    format!("{}/../model/tests/fixtures/{format}/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// `lazarus train` of the tiny model on the Parquet `data`, its token caches under `cache`.
+/// `lazarus train` of the tiny model on the Parquet or Arrow `data`, its token caches under
+/// `cache`.
 fn train_on(data: &str, cache: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--data", data, "--data-cache", cache.to_str().unwrap()];
     args.extend(&common::tiny_model("2")[..14]);
@@ -96,7 +98,7 @@ fn a_parquet_column_that_is_not_there_or_not_data_is_refused_by_name() {
     let (ok, err) = run(&["--data-column", "input_ids", "--vocab-size", "500"]);
     assert!(!ok && err.contains("outside the vocabulary of 500"), "{err}");
     let (ok, err) = run(&["--data-column", "input_ids", "--vocab-size", "1000", "--data-format", "text"]);
-    assert!(!ok && err.contains("--data-column names a column of Parquet files"), "{err}");
+    assert!(!ok && err.contains("--data-column names a column of Parquet or Arrow files"), "{err}");
 }
 
 /// `--data-weights` blends Parquet files as it blends Megatron datasets (a token cache each): a
@@ -113,4 +115,36 @@ fn blended_parquet_files_resume_exactly() {
     });
     assert!(first.contains("2 Parquet file(s) blended by weight"), "{first}");
     assert_eq!(caches(&cache), 2, "a cache for each file of a blend");
+}
+
+/// An Arrow stream (the format found from the extension) trains exactly as the Parquet file of
+/// the same rows — the same tokens, so the same losses step by step — resumes exactly, is cached
+/// once beside the Parquet file's cache, and `lazarus eval` reads `datasets`' own files; a
+/// Parquet file named as Arrow is refused saying so.
+#[test]
+fn an_arrow_dataset_trains_as_its_parquet_twin_and_resumes_exactly() {
+    let d = dir("arrow");
+    let cache = d.join("cache");
+    let data = fixture("train.arrow");
+    let (first, second) = resumes_exactly(&d, 4, |extra| train_on(&data, &cache, extra));
+    assert!(first.contains("1 Arrow file(s)") && first.contains("1200 rows of 3 record batches read into"), "{first}");
+    assert!(second.contains("from the cache"), "{second}");
+    let twin = d.join("twin.jsonl");
+    let out = train_on(&fixture("train.parquet"), &cache, &["--steps", "4", "--no-save", "--json-log", twin.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(log_of(&twin).0, log_of(&d.join("whole.jsonl")).0, "the same losses from the Parquet file of the same rows");
+    assert_eq!(caches(&cache), 2, "a cache for each format's file");
+    let ck = d.join("ck");
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let checkpoint = ck.join(latest.trim());
+    for (file, extra) in [("hf_saved_text.arrow", None), ("hf_map_ids.arrow", Some("input_ids"))] {
+        let path = fixture(file);
+        let mut args = vec!["eval", "--checkpoint", checkpoint.to_str().unwrap(), "--data", &path, "--windows", "1"];
+        args.extend(extra.iter().flat_map(|c| ["--data-column", c]));
+        let out = lazarus(&args);
+        assert!(out.status.success(), "{file}: {}", stderr(&out));
+    }
+    let out = train_on(&fixture("train.parquet"), &cache, &["--steps", "1", "--no-save", "--data-format", "arrow"]);
+    let err = stderr(&out);
+    assert!(!out.status.success() && err.contains("a Parquet file, not Arrow: read it with --data-format parquet"), "{err}");
 }
