@@ -16,7 +16,10 @@ use crate::error::{ModelError, Result};
 use crate::params::{Init, ParamStore};
 use crate::routing::assign_from_loads;
 
+mod attention;
 mod moe_layer;
+
+use attention::AttentionLayer;
 
 pub use moe_layer::{MoeLayer, MoeStats};
 
@@ -128,96 +131,6 @@ impl Ffn {
     }
 }
 
-struct Attention {
-    /// The packed projection [d, (heads + 2·kv_heads)·head_dim]: the queries, keys and values
-    /// side by side.
-    qkv: Linear,
-    /// [heads·head_dim, d].
-    out: Linear,
-    /// The RMSNorm weights [head width] of the queries and of the keys (`qk_norm`).
-    qk_norm: Option<(Var, Var)>,
-    heads: usize,
-    /// Key and value heads, each serving `heads / kv_heads` query heads in a row.
-    kv_heads: usize,
-    head_dim: usize,
-    /// The rotary base θ with rotary positions.
-    rope: Option<f64>,
-    /// The q/k norms' ε (the model's norms').
-    norm_eps: f64,
-}
-
-impl Attention {
-    /// The widths of the queries (heads·head_dim) and of the keys, as of the values.
-    fn widths(&self) -> (usize, usize) {
-        (self.heads * self.head_dim, self.kv_heads * self.head_dim)
-    }
-
-    /// The packed projection qkv [B, T, (heads + 2·kv_heads)·head_dim] → [B, T, heads·head_dim]:
-    /// the queries' and keys' norms if the model has them, each key and value head shared by its
-    /// group of query heads, rotary positions on q and k if the model has them, then causal
-    /// attention (fused kernels, see [`crate::ops::rope`] and [`crate::ops::causal_attention`]).
-    fn attend(&self, qkv: &Tensor) -> Result<Tensor> {
-        let normed;
-        let qkv = match &self.qk_norm {
-            Some((q, k)) => {
-                normed = self.norm_queries_and_keys(qkv, q, k)?;
-                &normed
-            }
-            None => qkv,
-        };
-        let shared;
-        let qkv = match self.kv_heads < self.heads {
-            true => {
-                shared = self.share_keys_and_values(qkv)?;
-                &shared
-            }
-            false => qkv,
-        };
-        Ok(match self.rope {
-            Some(theta) => crate::ops::causal_attention(&crate::ops::rope(qkv, self.heads, theta)?, self.heads)?,
-            None => crate::ops::causal_attention(qkv, self.heads)?,
-        })
-    }
-
-    /// qkv with each head's queries and keys RMS-normed by `q` and `k` [head width] (Qwen3-MoE's
-    /// q_norm and k_norm, before the rotary positions), in the weights' type (f32 under bf16
-    /// products) and back to qkv's; the values as they are.
-    fn norm_queries_and_keys(&self, qkv: &Tensor, q: &Var, k: &Var) -> Result<Tensor> {
-        let (b, t, _) = qkv.dims3()?;
-        let ((qw, kvw), hd) = (self.widths(), self.head_dim);
-        let norm = |from: usize, width: usize, w: &Var| -> Result<Tensor> {
-            let x = qkv.narrow(2, from, width)?.reshape((b, t, width / hd, hd))?.to_dtype(w.dtype())?;
-            Ok(crate::ops::rms_norm_to(&x, w.as_tensor(), self.norm_eps, qkv.dtype())?.reshape((b, t, width))?)
-        };
-        Ok(Tensor::cat(&[norm(0, qw, q)?, norm(qw, kvw, k)?, qkv.narrow(2, qw + kvw, kvw)?], 2)?)
-    }
-
-    /// Grouped-query attention's packed qkv as the fused kernels' [B, T, 3·heads·head_dim]: key
-    /// and value head j repeated for query heads j·g … j·g + g − 1 (g = heads / kv_heads, as
-    /// transformers' `repeat_kv`). The copies' gradients add up on the shared head (candle's
-    /// broadcast).
-    fn share_keys_and_values(&self, qkv: &Tensor) -> Result<Tensor> {
-        let (b, t, _) = qkv.dims3()?;
-        let ((qw, kvw), hd) = (self.widths(), self.head_dim);
-        let g = self.heads / self.kv_heads;
-        let repeat = |from: usize| -> Result<Tensor> {
-            let x = qkv.narrow(2, from, kvw)?.reshape((b, t, self.kv_heads, 1, hd))?;
-            Ok(x.broadcast_as((b, t, self.kv_heads, g, hd))?.contiguous()?.reshape((b, t, qw))?)
-        };
-        Ok(Tensor::cat(&[qkv.narrow(2, 0, qw)?, repeat(qw)?, repeat(qw + kvw)?], 2)?)
-    }
-
-    /// x: [B, T, d] → [B, T, d], causal; the products in `compute` (the softmax in f32 at
-    /// least), the result in x's dtype.
-    fn forward(&self, x: &Tensor, compute: DType) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let (qw, kvw) = self.widths();
-        let qkv = self.qkv.forward(&x.reshape((b * t, d))?.to_dtype(compute)?, compute)?.reshape((b, t, qw + 2 * kvw))?;
-        let y = self.attend(&qkv)?.reshape((b * t, qw))?;
-        Ok(self.out.forward(&y, compute)?.to_dtype(x.dtype())?.reshape((b, t, d))?)
-    }
-}
-
 enum FeedForward {
     Dense(Ffn),
     Moe(MoeLayer),
@@ -225,7 +138,7 @@ enum FeedForward {
 
 struct Block {
     ln1: Norm,
-    attn: Attention,
+    attn: AttentionLayer,
     ln2: Norm,
     ff: FeedForward,
 }
@@ -295,29 +208,18 @@ impl MoeModel {
         let mut ps = ParamStore::default();
         let mut init = Init::new(seed, dtype, device.clone());
         let std = cfg.init_std;
-        let out_std = std / (2.0 * cfg.n_layers as f64).sqrt();
         let tok_emb = ps.add("tok_emb".into(), init.normal(&[cfg.vocab_size, cfg.d_model], std)?)?;
         let pos_emb = match cfg.positions {
             Positions::Learned => Some(ps.add("pos_emb".into(), init.normal(&[cfg.max_seq_len, cfg.d_model], std)?)?),
             Positions::Rope => None,
         };
-        let rope = (cfg.positions == Positions::Rope).then_some(cfg.rope_theta);
-        let (d, norm, attn_bias) = (cfg.d_model, cfg.norm, cfg.attn_bias);
+        let (d, norm) = (cfg.d_model, cfg.norm);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         let mut moe_blocks = Vec::new();
         for b in 0..cfg.n_layers {
             let p = format!("blocks.{b}");
             let ln1 = Norm::new(&mut ps, &init, &format!("{p}.ln1"), d, norm, cfg.norm_eps)?;
-            let (inner, hd) = (cfg.attention_width(), cfg.head_width());
-            let qkv = Linear::new(&mut ps, &mut init, &format!("{p}.attn.qkv"), (d, cfg.qkv_width()), std, attn_bias || cfg.qkv_bias)?;
-            let out = Linear::new(&mut ps, &mut init, &format!("{p}.attn.out"), (inner, d), out_std, attn_bias)?;
-            let qk_norm = match cfg.qk_norm {
-                true => Some((
-                    ps.add(format!("{p}.attn.q_norm.w"), init.constant(&[hd], 1.0)?)?,
-                    ps.add(format!("{p}.attn.k_norm.w"), init.constant(&[hd], 1.0)?)?,
-                )),
-                false => None,
-            };
+            let attn = AttentionLayer::new(&mut ps, &mut init, &p, &cfg)?;
             let ln2 = Norm::new(&mut ps, &init, &format!("{p}.ln2"), d, norm, cfg.norm_eps)?;
             let ff = if cfg.is_moe(b) {
                 moe_blocks.push(b);
@@ -354,16 +256,7 @@ impl MoeModel {
             };
             blocks.push(Block {
                 ln1,
-                attn: Attention {
-                    qkv,
-                    out,
-                    qk_norm,
-                    heads: cfg.n_heads,
-                    kv_heads: cfg.kv_heads(),
-                    head_dim: hd,
-                    rope,
-                    norm_eps: cfg.norm_eps,
-                },
+                attn,
                 ln2,
                 ff,
             });
@@ -501,15 +394,15 @@ impl MoeModel {
     pub fn block_attention(&self, block: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let blk = self.block(block)?;
-        if self.gpu {
+        if let (true, AttentionLayer::Packed(attn)) = (self.gpu, &blk.attn) {
             // The norms write the products' type; the projection back onto the residual stream
             // writes its type (f32 from bf16 operands): no cast node.
             let c = self.compute;
             let a = blk.ln1.forward_to(x, c)?.reshape((b * t, d))?;
-            let (qw, kvw) = blk.attn.widths();
-            let qkv = self.linear(&blk.attn.qkv, &a, c)?.reshape((b, t, qw + 2 * kvw))?;
-            let y = blk.attn.attend(&qkv)?.reshape((b * t, qw))?;
-            let o = self.linear(&blk.attn.out, &y, x.dtype())?.reshape((b, t, d))?;
+            let (qw, kvw) = attn.widths();
+            let qkv = self.linear(&attn.qkv, &a, c)?.reshape((b, t, qw + 2 * kvw))?;
+            let y = attn.attend(&qkv)?.reshape((b * t, qw))?;
+            let o = self.linear(&attn.out, &y, x.dtype())?.reshape((b, t, d))?;
             let x = crate::ops::residual_add(x, &o)?;
             let h = blk.ln2.forward_to(&x, c)?.reshape((b * t, d))?;
             return Ok((x, h));

@@ -407,3 +407,44 @@ fn attention_shapes_that_cannot_be_are_named() {
     // Heads of their own width need not divide the model's.
     ModelConfig { d_model: 10, n_heads: 4, head_dim: Some(4), ..ModelConfig::default() }.validate().unwrap();
 }
+
+/// The same with DeepSeek's latent attention (keys and values from a latent of 3, queries
+/// directly or from a latent of 5, rotary parts of 4 beside heads of 6): every projection and
+/// both latents' norms get the loss's gradient, and the parameters are as many as the
+/// configuration counts.
+#[test]
+fn gradients_through_latent_attention_match_finite_differences() {
+    use crate::config::LatentAttention;
+    for q_rank in [None, Some(5)] {
+        let la = LatentAttention { kv_rank: 3, q_rank, rope_dim: 4 };
+        let cfg = ModelConfig { head_dim: Some(6), latent_attention: Some(la), moe_every: 1, ..tiny().deepseek_moe() };
+        let m = MoeModel::new(&cfg, 1, DType::F64, &Device::Cpu).unwrap();
+        assert_eq!(m.params().get("blocks.0.attn.kv_down.w").unwrap().dims(), [8, 3 + 4]);
+        assert_eq!(m.params().get("blocks.0.attn.kv_up.w").unwrap().dims(), [3, 2 * 2 * 6]);
+        assert_eq!(m.params().get("blocks.0.attn.out.w").unwrap().dims(), [12, 8]);
+        assert!(m.params().get("blocks.0.attn.qkv.w").is_none());
+        let count: usize = m.params().iter().map(|(_, v)| v.elem_count()).sum();
+        assert_eq!(count as u128, cfg.parameter_count(), "q_rank {q_rank:?}");
+        finite_differences(&cfg, &Device::Cpu, 1e-4);
+    }
+}
+
+/// What latent attention is built without is refused by name.
+#[test]
+fn latent_attention_without_what_it_needs_is_refused() {
+    use crate::config::LatentAttention;
+    let la = LatentAttention { kv_rank: 3, q_rank: None, rope_dim: 4 };
+    let base = ModelConfig { latent_attention: Some(la), ..tiny().deepseek_moe() };
+    base.validate().unwrap();
+    for (cfg, field) in [
+        (ModelConfig { positions: Positions::Learned, ..base.clone() }, "positions"),
+        (ModelConfig { n_kv_heads: Some(1), ..base.clone() }, "n_kv_heads"),
+        (ModelConfig { qk_norm: true, ..base.clone() }, "qk_norm"),
+        (ModelConfig { latent_attention: Some(LatentAttention { rope_dim: 3, ..la }), ..base.clone() }, "latent_attention.rope_dim"),
+        (ModelConfig { latent_attention: Some(LatentAttention { kv_rank: 0, ..la }), ..base.clone() }, "latent_attention.kv_rank"),
+        (ModelConfig { latent_attention: Some(LatentAttention { q_rank: Some(0), ..la }), ..base.clone() }, "latent_attention.q_rank"),
+    ] {
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+    }
+}

@@ -67,6 +67,18 @@ pub struct ModelArgs {
     /// --d-model / --heads.
     #[arg(long)]
     pub(crate) head_dim: Option<usize>,
+    /// DeepSeek's multi-head latent attention: each token's keys and values come out of a latent
+    /// this wide (DeepSeek-V3's kv_lora_rank, 512). Default: off (the packed projection).
+    #[arg(long, value_name = "N")]
+    pub(crate) kv_lora_rank: Option<usize>,
+    /// With latent attention: the queries too out of a latent this wide (DeepSeek-V3's
+    /// q_lora_rank, 1536). Default: the queries projected directly (DeepSeek-V2-Lite).
+    #[arg(long, value_name = "N")]
+    pub(crate) q_lora_rank: Option<usize>,
+    /// With latent attention: each head's rotary part of its queries and keys (DeepSeek-V3's
+    /// qk_rope_head_dim, 64). Default: half the head width.
+    #[arg(long, value_name = "N")]
+    pub(crate) rope_head_dim: Option<usize>,
     /// Vocabulary size (default 256, the byte tokenizer's, or --tokenizer's; token shards may
     /// need more).
     #[arg(long)]
