@@ -9,7 +9,12 @@
                                         as Qwen3-30B-A3B's 4 of 32 heads of 128 beside 2048), saved as
                                         OUT/{config.json,model.safetensors}; or Qwen2MoeForCausalLM
                                         (qwen2_moe: q/k/v biases, a shared expert twice a routed one's
-                                        width behind its sigmoid gate, 2 key/value heads, biases random)
+                                        width behind its sigmoid gate, 2 key/value heads, biases random);
+                                        or DeepseekV3ForCausalLM (deepseek_v3: latent attention with
+                                        queries from a latent of 24, keys and values from one of 16,
+                                        rotary parts of 8 beside heads of 16; top-2 of 8 experts in 4
+                                        groups, 2 of them kept, scaled by 2.5, two shared experts; a
+                                        random routing bias; every block an MoE one)
   hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
                                     written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
                                     not match the model transformers builds from its config.json (missing,
@@ -25,6 +30,8 @@ try:
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         GenerationConfig,
         MixtralConfig,
         MixtralForCausalLM,
@@ -105,7 +112,42 @@ def make_qwen2_moe(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
-MAKERS = {"mixtral": make, "qwen3_moe": make_qwen3_moe, "qwen2_moe": make_qwen2_moe}
+def make_deepseek_v3(out):
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        **SHAPE,
+        num_key_value_heads=4,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        n_shared_experts=2,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        rope_interleave=False,
+        rms_norm_eps=1e-6,
+        num_nextn_predict_layers=0,
+    )
+    model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    # The norms start at one and the routing bias at zero: random ones so that a misplaced one
+    # shows (the bias changes which experts are chosen, not their weights).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm, layer.input_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+MAKERS = {"mixtral": make, "qwen3_moe": make_qwen3_moe, "qwen2_moe": make_qwen2_moe, "deepseek_v3": make_deepseek_v3}
 
 
 def logits(directory, ids, out):

@@ -60,7 +60,7 @@ enum Command {
     Eval(Box<evaluate::EvalArgs>),
     /// Text sampled from a checkpoint's model, after a prompt (temperature, top-k, seed).
     Generate(Box<generate::GenerateArgs>),
-    /// A checkpoint's model as a Hugging Face directory (Mixtral, Qwen3-MoE or Qwen2-MoE).
+    /// A checkpoint's model as a Hugging Face directory (Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3).
     Export(Box<export::ExportArgs>),
     /// One self-contained HTML page of a run from its directory: loss, tokens/s and expert-load
     /// plots, every move of the job with what it cost, its settings.

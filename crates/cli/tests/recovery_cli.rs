@@ -677,6 +677,35 @@ fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
     family_survives_a_killed_worker("deepseek", &blocks, described);
 }
 
+/// DeepSeek-V3's blocks — latent attention (queries from their own latent), group-limited
+/// routing scaled by 2.5, the routing bias — on 4 workers, one SIGKILLed.
+#[test]
+fn deepseek_v3_blocks_with_latent_attention_survive_a_killed_worker() {
+    let blocks = [
+        "--arch",
+        "deepseek-moe",
+        "--kv-lora-rank",
+        "8",
+        "--q-lora-rank",
+        "12",
+        "--rope-head-dim",
+        "4",
+        "--expert-groups",
+        "2",
+        "--top-groups",
+        "1",
+        "--routed-scaling",
+        "2.5",
+        "--balance",
+        "bias",
+        "--steps",
+        "30",
+    ];
+    let described =
+        "latent attention (keys and values 8, queries 12, rotary 4), sigmoid router, top-1 of 2 expert groups, routed weights ×2.5";
+    family_survives_a_killed_worker("deepseek-v3", &blocks, described);
+}
+
 /// Qwen2-MoE's blocks (q/k/v biases, a gated shared expert, grouped-query attention) on 4
 /// workers, one SIGKILLed.
 #[test]

@@ -653,7 +653,12 @@ impl ModelConfig {
     fn validate_latent_attention(&self, la: &LatentAttention) -> Result<()> {
         let without = [
             (self.positions == Positions::Rope, "positions", "learned", "latent attention needs rotary positions (rope)"),
-            (self.kv_heads() == self.n_heads, "n_kv_heads", "fewer than the heads", "latent attention shares a latent, not key/value heads"),
+            (
+                self.kv_heads() == self.n_heads,
+                "n_kv_heads",
+                "fewer than the heads",
+                "latent attention shares a latent, not key/value heads",
+            ),
             (!self.qk_norm, "qk_norm", "true", "latent attention norms its latents, not its heads"),
             (!self.attn_bias && !self.qkv_bias, "attn_bias", "true", "latent attention has no biases (attn_bias and qkv_bias false)"),
         ];

@@ -88,7 +88,7 @@ pub struct TrainConfig {
     /// A Hugging Face `tokenizer.json` through which text data (and prompts, and held-out
     /// text) becomes tokens; None: bytes. The model's vocabulary must hold its tokens.
     pub tokenizer: Option<PathBuf>,
-    /// A Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory whose weights a fresh run starts from
+    /// A Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory whose weights a fresh run starts from
     /// (continued pre-training or fine-tuning, [`crate::hf`]); the model's options must be its.
     /// A resumed run takes its weights from its checkpoint instead.
     pub init_from: Option<PathBuf>,
@@ -529,7 +529,7 @@ enum Start {
     Resumed(Cursor),
 }
 
-/// `model`'s weights from the Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory `dir`, whose configuration must be
+/// `model`'s weights from the Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory `dir`, whose configuration must be
 /// the model's (the first option that differs is named).
 fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
     let (cfg, tensors) = crate::hf::load(dir)?;
@@ -561,7 +561,7 @@ fn init_from_hf(model: &mut MoeModel, dir: &Path) -> Result<()> {
 /// The model of the checkpoint in `dir` (or `dir/latest`, or the newest intact one) on
 /// `device`, with the run's configuration and the step it was saved at — the weights alone,
 /// without the optimizer's state or the run's data: what evaluation needs. On a CPU the model
-/// computes in f32 whatever the run's precision was. A Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory
+/// computes in f32 whatever the run's precision was. A Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory
 /// ([`crate::hf`]) loads too, as step 0 of a run with its model and the default settings.
 pub fn load_model(dir: &Path, device: &Device) -> Result<(MoeModel, TrainConfig, u64)> {
     if crate::hf::is_hf_dir(dir) {

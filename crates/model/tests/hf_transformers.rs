@@ -1,5 +1,6 @@
-//! Hugging Face interop against transformers itself: a tiny random `MixtralForCausalLM` and a
-//! `Qwen3MoeForCausalLM` made by transformers load into Lazarus with the same logits (within
+//! Hugging Face interop against transformers itself: a tiny random `MixtralForCausalLM`,
+//! `Qwen3MoeForCausalLM`, `Qwen2MoeForCausalLM` and `DeepseekV3ForCausalLM` made by transformers
+//! load into Lazarus with the same logits (within
 //! 1e-4, f32), train from those weights (`init_from`), export, and the export loads back into
 //! transformers — no missing or unexpected tensors, in one file or in shards with an index —
 //! with the same logits as the trained Lazarus model.
@@ -69,6 +70,11 @@ fn a_qwen2_moe_from_transformers_loads_trains_exports_and_keeps_its_logits() {
     round_trip("qwen2_moe", (32, 8, 4), (2, 8, 1e-6));
 }
 
+#[test]
+fn a_deepseek_v3_from_transformers_loads_trains_exports_and_keeps_its_logits() {
+    round_trip("deepseek_v3", (32, 8, 2), (4, 16, 1e-6));
+}
+
 /// A model of `family` made by transformers: loaded, trained 5 steps, exported, each time with
 /// transformers' logits; `shape` (d_model, experts, top-k) and `attention` (key/value heads, head
 /// width, norm ε) as read.
@@ -90,9 +96,15 @@ fn round_trip(family: &str, shape: (usize, usize, usize), attention: (usize, usi
         (config.model.qkv_bias, config.model.shared_expert_gate, config.model.shared_experts),
         match family {
             "qwen2_moe" => (true, true, 2),
+            "deepseek_v3" => (false, false, 2),
             _ => (false, false, 0),
         }
     );
+    if family == "deepseek_v3" {
+        let la = lazarus_model::config::LatentAttention { kv_rank: 16, q_rank: Some(24), rope_dim: 8 };
+        assert_eq!(config.model.latent_attention, Some(la));
+        assert_eq!((config.model.expert_groups, config.model.top_groups, config.model.routed_scaling), (4, 2, 2.5));
+    }
     let before = worst(&our_logits(&model, &ids), &their_logits(&theirs, &ids, &d));
     assert!(before <= 1e-4, "logits differ by {before} before training");
     // Trained from those weights, then exported: transformers reads it with our logits.

@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use super::{config_json, layouts, write_new, Layout, CONFIG_FILE, GENERATION_FILE, INDEX_FILE, WEIGHTS_FILE};
+use super::{config_json, layouts, write_new, Family, Layout, CONFIG_FILE, GENERATION_FILE, INDEX_FILE, ROUTING_BIAS, WEIGHTS_FILE};
 use crate::error::{ModelError, Result};
 use crate::model::MoeModel;
 
@@ -62,6 +62,15 @@ pub fn export_sharded(model: &MoeModel, dir: &Path, max_shard_bytes: u64) -> Res
                     from += len;
                 }
             }
+        }
+    }
+    // DeepSeek-V3 routes by its bias: zeros where this model keeps none (it routes as none).
+    if Family::of(model.config()) == Family::DeepseekV3 && !model.config().balance.uses_bias() {
+        for b in model.moe_block_indices() {
+            tensors.push((
+                format!("model.layers.{b}.mlp.gate.{ROUTING_BIAS}"),
+                Tensor::zeros(model.config().n_experts, DType::F32, &Device::Cpu)?,
+            ));
         }
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));

@@ -9,20 +9,25 @@ use crate::config::{Activation, ModelConfig, NormKind, Positions};
 use crate::error::{ModelError, Result};
 
 /// The transformers families a model goes to and from: Mixtral, Qwen3-MoE (Mixtral's blocks
-/// with query and key norms, top-k weights renormalised or not), or Qwen2-MoE (Mixtral's blocks
-/// with q/k/v biases and a gated shared expert; Qwen1.5-MoE's too).
+/// with query and key norms, top-k weights renormalised or not), Qwen2-MoE (Mixtral's blocks
+/// with q/k/v biases and a gated shared expert; Qwen1.5-MoE's too), or DeepSeek-V3 (latent
+/// attention, shared experts, a sigmoid router with its routing bias, group-limited and scaled;
+/// DeepSeek-V2's blocks too where their router is V3's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Mixtral,
     Qwen3Moe,
     Qwen2Moe,
+    DeepseekV3,
 }
 
 impl Family {
     /// The family of a model's options: Qwen2-MoE's when it gates its shared experts, Qwen3-MoE's
     /// when it has query and key norms, else Mixtral's.
     pub fn of(cfg: &ModelConfig) -> Family {
-        if cfg.shared_expert_gate {
+        if cfg.latent_attention.is_some() {
+            Family::DeepseekV3
+        } else if cfg.shared_expert_gate {
             Family::Qwen2Moe
         } else if cfg.qk_norm {
             Family::Qwen3Moe
@@ -37,6 +42,7 @@ impl Family {
             Family::Mixtral => "Mixtral",
             Family::Qwen3Moe => "Qwen3-MoE",
             Family::Qwen2Moe => "Qwen2-MoE",
+            Family::DeepseekV3 => "DeepSeek-V3",
         }
     }
 
@@ -46,16 +52,18 @@ impl Family {
             Family::Mixtral => "mixtral",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Qwen2Moe => "qwen2_moe",
+            Family::DeepseekV3 => "deepseek_v3",
         }
     }
 
     /// transformers' key/value heads for a `config.json` that does not say (MixtralConfig's and
-    /// Qwen3MoeConfig's defaults).
-    fn default_kv_heads(self) -> usize {
+    /// Qwen3MoeConfig's defaults; DeepSeek-V3's are its heads).
+    fn default_kv_heads(self, heads: usize) -> usize {
         match self {
             Family::Mixtral => 8,
             Family::Qwen3Moe => 4,
             Family::Qwen2Moe => 16,
+            Family::DeepseekV3 => heads,
         }
     }
 
@@ -63,7 +71,7 @@ impl Family {
     fn default_norm_eps(self) -> f64 {
         match self {
             Family::Mixtral => 1e-5,
-            Family::Qwen3Moe | Family::Qwen2Moe => 1e-6,
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => 1e-6,
         }
     }
 
@@ -72,7 +80,7 @@ impl Family {
     pub(super) fn moe_names(self) -> (&'static str, [&'static str; 3]) {
         match self {
             Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Family::Qwen3Moe | Family::Qwen2Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            Family::Qwen3Moe | Family::Qwen2Moe | Family::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
         }
     }
 }
@@ -83,13 +91,19 @@ pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     let family = Family::of(cfg);
     let name = family.name();
     let qwen2 = family == Family::Qwen2Moe;
-    let checks: [(bool, &'static str, String); 14] = [
+    let deepseek = family == Family::DeepseekV3;
+    let sigmoid = cfg.router == crate::config::RouterScore::Sigmoid;
+    let checks: [(bool, &'static str, String); 15] = [
         (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
         (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
         (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
         (!cfg.attn_bias, "attn_bias", format!("{name}'s attention has no biases ({} false)", Setting::AttnBias)),
         (!cfg.ffn_bias, "ffn_bias", format!("{name}'s experts have no biases ({} false)", Setting::FfnBias)),
-        (cfg.shared_experts == 0 || qwen2, "shared_experts", format!("{}: {name} has no shared experts", cfg.shared_experts)),
+        (
+            if deepseek { cfg.shared_experts >= 1 } else { cfg.shared_experts == 0 || qwen2 },
+            "shared_experts",
+            format!("{}: {name} has {}", cfg.shared_experts, if deepseek { "at least one shared expert" } else { "no shared experts" }),
+        ),
         (!cfg.qkv_bias || qwen2, "qkv_bias", format!("{name} has no q/k/v biases ({} false)", Setting::QkvBias)),
         (!(qwen2 && cfg.qk_norm), "qk_norm", format!("{name} has no query and key norms")),
         (cfg.moe_every == 1, "moe_every", format!("{}: {name} has an MoE layer in every block", cfg.moe_every)),
@@ -103,9 +117,26 @@ pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
             ),
         ),
         (cfg.capacity_factor.is_none(), "capacity_factor", format!("{name} is dropless")),
-        (cfg.router == crate::config::RouterScore::Softmax, "router", format!("sigmoid: {name}'s router is a softmax")),
-        (cfg.expert_groups == 1, "expert_groups", format!("{}: {name} routes without expert groups", cfg.expert_groups)),
-        (cfg.routed_scaling == 1.0, "routed_scaling", format!("{}: {name} does not scale its routed weights", cfg.routed_scaling)),
+        (
+            sigmoid == deepseek,
+            "router",
+            format!(
+                "{}: {name}'s router is a {}",
+                if sigmoid { "sigmoid" } else { "softmax" },
+                if deepseek { "sigmoid" } else { "softmax" }
+            ),
+        ),
+        (cfg.expert_groups == 1 || deepseek, "expert_groups", format!("{}: {name} routes without expert groups", cfg.expert_groups)),
+        (
+            cfg.expert_groups == 1 || cfg.n_experts / cfg.expert_groups.max(1) >= 2,
+            "expert_groups",
+            format!("{}: {name} scores a group by its two best experts (at least two a group)", cfg.expert_groups),
+        ),
+        (
+            cfg.routed_scaling == 1.0 || deepseek,
+            "routed_scaling",
+            format!("{}: {name} does not scale its routed weights", cfg.routed_scaling),
+        ),
     ];
     checks.into_iter().find(|(ok, _, _)| !ok).map(|(_, field, why)| (field, why))
 }
@@ -118,7 +149,7 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
     }
     // (Read in, a model starts the bias at zero: fine-tuning it with loss-free balancing is
     // fine; written out, transformers would route without it.)
-    if cfg.balance.uses_bias() {
+    if cfg.balance.uses_bias() && family != Family::DeepseekV3 {
         return Err(ModelError::config(
             "balance",
             format!("{:?}", cfg.balance).to_lowercase(),
@@ -164,6 +195,30 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
             "attention_bias": false,
             "use_sliding_window": false,
         }),
+        Family::DeepseekV3 => {
+            let la = cfg.latent_attention.expect("a DeepSeek-V3 model has latent attention");
+            json!({
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "n_routed_experts": cfg.n_experts,
+                "moe_intermediate_size": cfg.d_ff,
+                "n_shared_experts": cfg.shared_experts,
+                "first_k_dense_replace": 0,
+                "n_group": cfg.expert_groups,
+                "topk_group": cfg.top_groups,
+                "routed_scaling_factor": cfg.routed_scaling,
+                "norm_topk_prob": cfg.normalize_top_k,
+                "kv_lora_rank": la.kv_rank,
+                "q_lora_rank": la.q_rank,
+                "qk_rope_head_dim": la.rope_dim,
+                "qk_nope_head_dim": cfg.head_width(),
+                "v_head_dim": cfg.head_width(),
+                "head_dim": la.rope_dim,
+                // Each head's rotary part rotated as halves (rotate_half), as here.
+                "rope_interleave": false,
+                "attention_bias": false,
+                "num_nextn_predict_layers": 0,
+            })
+        }
         Family::Qwen2Moe => json!({
             "architectures": ["Qwen2MoeForCausalLM"],
             "num_experts": cfg.n_experts,
@@ -194,11 +249,18 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         Some("mixtral") => Family::Mixtral,
         Some("qwen3_moe") => Family::Qwen3Moe,
         Some("qwen2_moe") => Family::Qwen2Moe,
-        other => return Err(bad("model_type", format!("{other:?}: only Mixtral, Qwen3-MoE and Qwen2-MoE checkpoints are read"))),
+        Some("deepseek_v3") => Family::DeepseekV3,
+        other => {
+            return Err(bad("model_type", format!("{other:?}: only Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 checkpoints are read")))
+        }
     };
-    if family != Family::Mixtral {
+    if matches!(family, Family::Qwen3Moe | Family::Qwen2Moe) {
         qwen_moe_supported(v).map_err(|(field, reason)| bad(field, reason))?;
     }
+    let deepseek = match family {
+        Family::DeepseekV3 => Some(deepseek_supported(v).map_err(|(field, reason)| bad(field, reason))?),
+        _ => None,
+    };
     // Qwen2-MoE's shared expert: a whole number of routed experts' widths.
     let shared = match family {
         Family::Qwen2Moe => {
@@ -216,11 +278,13 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
     // Qwen3MoeConfig's 4; a head of hidden_size / num_attention_heads.
     let kv = match v.get("num_key_value_heads") {
         Some(_) => int("num_key_value_heads")?,
-        None => family.default_kv_heads(),
+        None => family.default_kv_heads(heads),
     };
-    let head_dim = match v.get("head_dim").filter(|x| !x.is_null()) {
-        Some(_) => Some(int("head_dim")?),
-        None => None,
+    let head_dim = match (&deepseek, v.get("head_dim").filter(|x| !x.is_null())) {
+        // (DeepSeek-V3's head_dim is its rotary part's.)
+        (Some((_, width)), _) => Some(*width),
+        (None, Some(_)) => Some(int("head_dim")?),
+        (None, None) => None,
     };
     match v.get("hidden_act").and_then(Value::as_str) {
         None | Some("silu") => {}
@@ -259,6 +323,7 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         // (The Qwen families' files say num_experts; transformers 5 writes num_local_experts.)
         n_experts: match family {
             Family::Qwen3Moe | Family::Qwen2Moe if v.get("num_experts").is_some() => int("num_experts")?,
+            Family::DeepseekV3 => int("n_routed_experts")?,
             _ => int("num_local_experts")?,
         },
         top_k: int("num_experts_per_tok")?,
@@ -279,6 +344,17 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
                 shared_experts: shared,
                 ..ModelConfig::default().qwen2_moe()
             },
+            // Trained as DeepSeek-V3 is: loss-free balancing, its routing bias read in.
+            Family::DeepseekV3 => ModelConfig {
+                latent_attention: deepseek.map(|(la, _)| la),
+                shared_experts: int("n_shared_experts")?,
+                expert_groups: v.get("n_group").map_or(Ok(1), |_| int("n_group"))?,
+                top_groups: v.get("topk_group").map_or(Ok(1), |_| int("topk_group"))?,
+                routed_scaling: num("routed_scaling_factor").unwrap_or(1.0),
+                normalize_top_k: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(true),
+                balance: crate::config::Balance::Bias,
+                ..ModelConfig::default().deepseek_moe()
+            },
         }
     };
     cfg.validate().map_err(|e| bad("config", e.to_string()))?;
@@ -286,6 +362,37 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
         return Err(bad(field, why));
     }
     Ok(cfg)
+}
+
+/// A DeepSeek-V3 `config.json`'s latent attention and head width, where it is what we build: an
+/// MoE layer in every block (`first_k_dense_replace` 0), keys' and values' head widths equal,
+/// the rotary part rotated as halves (`rope_interleave` false), no multi-token-prediction
+/// layers, no attention biases; else (field, why).
+fn deepseek_supported(v: &Value) -> std::result::Result<(crate::config::LatentAttention, usize), (&'static str, String)> {
+    let int = |field: &'static str| {
+        v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or((field, "missing or not a whole number".into()))
+    };
+    if let Some(k) = v.get("first_k_dense_replace").and_then(Value::as_u64).filter(|&k| k != 0) {
+        return Err(("first_k_dense_replace", format!("{k}: dense blocks before the MoE ones are not supported (only 0)")));
+    }
+    if v.get("rope_interleave").and_then(Value::as_bool) != Some(false) {
+        return Err(("rope_interleave", "true (or not said): only rotary parts rotated as halves (false) are supported".into()));
+    }
+    if let Some(n) = v.get("num_nextn_predict_layers").and_then(Value::as_u64).filter(|&n| n != 0) {
+        return Err(("num_nextn_predict_layers", format!("{n}: multi-token prediction is not supported")));
+    }
+    if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(("attention_bias", "true: attention biases are not supported".into()));
+    }
+    let (keys, values) = (int("qk_nope_head_dim")?, int("v_head_dim")?);
+    if keys != values {
+        return Err(("v_head_dim", format!("{values}: only values as wide as the keys' position-free part ({keys}) are supported")));
+    }
+    let q_rank = match v.get("q_lora_rank").filter(|q| !q.is_null()) {
+        Some(_) => Some(int("q_lora_rank")?),
+        None => None,
+    };
+    Ok((crate::config::LatentAttention { kv_rank: int("kv_lora_rank")?, q_rank, rope_dim: int("qk_rope_head_dim")? }, keys))
 }
 
 /// What a Qwen3-MoE or Qwen2-MoE `config.json` may say beyond Mixtral's fields: an MoE layer in

@@ -1,6 +1,6 @@
-//! Hugging Face interop for models with Mixtral's, Qwen3-MoE's or Qwen2-MoE's blocks ([`Family`]): a
-//! directory of `config.json` and `model.safetensors` with transformers' `MixtralForCausalLM` or
-//! `Qwen3MoeForCausalLM` parameter names, written from a model ([`export`]) and read into one
+//! Hugging Face interop for models with Mixtral's, Qwen3-MoE's, Qwen2-MoE's or DeepSeek-V3's blocks
+//! ([`Family`]): a directory of `config.json` and `model.safetensors` with transformers'
+//! `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, … parameter names, written from a model ([`export`]) and read into one
 //! ([`load`], [`set_weights`]).
 //!
 //! The tensors differ from ours only in layout: a transformers `Linear` holds its weight as
@@ -9,7 +9,9 @@
 //! and `w3` (the up projection) side by side, and `w2` is the down projection (Qwen3-MoE's
 //! `gate_proj`, `up_proj`, `down_proj` under `mlp.`, with `q_norm` and `k_norm`). Rotary positions
 //! pair dimension i of a head with i + head/2, as their `rotate_half` does, so the weights apply
-//! unchanged. A model whose options are not Mixtral's (LayerNorm, learned positions, GELU,
+//! unchanged (DeepSeek-V3's rotary parts too, written with `rope_interleave` false). Latent
+//! attention's projections are theirs transposed (`q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`,
+//! `kv_b_proj`, the latents' norms), its routing bias their `e_score_correction_bias`. A model whose options are not Mixtral's (LayerNorm, learned positions, GELU,
 //! biases, shared experts, un-normalised top-k, dense blocks, a capacity factor) has no such
 //! directory: [`family_mismatch`] names the first option that differs.
 //!
@@ -50,6 +52,9 @@ const MAX_CONFIG_BYTES: u64 = 1 << 20;
 const MAX_INDEX_BYTES: u64 = 16 << 20;
 /// Tensors transformers once saved that are buffers, not weights: read past.
 const BUFFERS: [&str; 1] = ["rotary_emb.inv_freq"];
+/// DeepSeek-V3's routing bias, `mlp.gate.{ROUTING_BIAS}` (ours: `moe.gate.bias`, kept with
+/// loss-free balancing): a model trained without one writes zeros, which route as none does.
+const ROUTING_BIAS: &str = "e_score_correction_bias";
 
 /// How one of our tensors is one or more of theirs.
 enum Layout {
@@ -74,6 +79,7 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
     let (moe, [gate, up, down]) = family.moe_names();
     let cfg = model.config();
     let (q, kv) = (cfg.attention_width(), cfg.kv_heads() * cfg.head_width());
+    let shared = if family == Family::DeepseekV3 { "shared_experts" } else { "shared_expert" };
     let mut out = Vec::new();
     for (name, _) in model.params().iter() {
         let theirs = match name.split('.').collect::<Vec<_>>().as_slice() {
@@ -92,20 +98,30 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                         [("q", q), ("k", kv), ("v", kv)].iter().map(|&(x, w)| (format!("{p}.self_attn.{x}_proj.bias"), w)).collect(),
                     ),
                     ["attn", "out", "w"] => Layout::Transposed(format!("{p}.self_attn.o_proj.weight")),
+                    // DeepSeek-V3's latent attention.
+                    ["attn", "q", "w"] => Layout::Transposed(format!("{p}.self_attn.q_proj.weight")),
+                    ["attn", "q_down", "w"] => Layout::Transposed(format!("{p}.self_attn.q_a_proj.weight")),
+                    ["attn", "q_down_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_a_layernorm.weight")),
+                    ["attn", "q_up", "w"] => Layout::Transposed(format!("{p}.self_attn.q_b_proj.weight")),
+                    ["attn", "kv_down", "w"] => Layout::Transposed(format!("{p}.self_attn.kv_a_proj_with_mqa.weight")),
+                    ["attn", "kv_down_norm", "w"] => Layout::Same(format!("{p}.self_attn.kv_a_layernorm.weight")),
+                    ["attn", "kv_up", "w"] => Layout::Transposed(format!("{p}.self_attn.kv_b_proj.weight")),
                     ["attn", "q_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_norm.weight")),
                     ["attn", "k_norm", "w"] => Layout::Same(format!("{p}.self_attn.k_norm.weight")),
                     ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.{moe}.gate.weight")),
-                    // The loss-free balancing's bias: these families have none (it starts at zero).
+                    // The loss-free balancing's bias: DeepSeek-V3's routing bias; the other families
+                    // have none (it starts at zero).
+                    ["moe", "gate", "bias"] if family == Family::DeepseekV3 => Layout::Same(format!("{p}.{moe}.gate.{ROUTING_BIAS}")),
                     ["moe", "gate", "bias"] => continue,
                     ["moe", "experts", e, "fc1", "w"] => {
                         Layout::Columns([gate, up].iter().map(|x| (format!("{p}.{moe}.experts.{e}.{x}.weight"), cfg.d_ff)).collect())
                     }
                     ["moe", "experts", e, "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.experts.{e}.{down}.weight")),
-                    // Qwen2-MoE's shared expert and its gate.
+                    // Qwen2-MoE's shared expert and its gate; DeepSeek-V3's shared experts.
                     ["moe", "shared", "fc1", "w"] => Layout::Columns(
-                        [gate, up].iter().map(|x| (format!("{p}.{moe}.shared_expert.{x}.weight"), cfg.shared_experts * cfg.d_ff)).collect(),
+                        [gate, up].iter().map(|x| (format!("{p}.{moe}.{shared}.{x}.weight"), cfg.shared_experts * cfg.d_ff)).collect(),
                     ),
-                    ["moe", "shared", "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.shared_expert.{down}.weight")),
+                    ["moe", "shared", "fc2", "w"] => Layout::Transposed(format!("{p}.{moe}.{shared}.{down}.weight")),
                     ["moe", "shared_gate", "w"] => Layout::Transposed(format!("{p}.{moe}.shared_expert_gate.weight")),
                     _ => return Err(unmapped(name)),
                 }
@@ -118,7 +134,7 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
 }
 
 fn unmapped(name: &str) -> ModelError {
-    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE")
+    ModelError::config("parameter", name, "has no place in a Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3")
 }
 
 /// Write `bytes` to a new file at `path` (through a temporary name, synced, then renamed); on

@@ -12,7 +12,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::model::MoeModel;
 
-/// Our configuration of the Mixtral, Qwen3-MoE or Qwen2-MoE model in `dir` (its `config.json`).
+/// Our configuration of the Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 model in `dir` (its `config.json`).
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let config_path = dir.join(CONFIG_FILE);
     let len = std::fs::metadata(&config_path).map_err(|e| ModelError::io(&config_path, e))?.len();
@@ -24,7 +24,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     config_from_json(&v, &config_path)
 }
 
-/// A Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory: our configuration of it and its tensors (f32, on the CPU),
+/// A Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory: our configuration of it and its tensors (f32, on the CPU),
 /// from its one weights file or from every shard its index names.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let cfg = read_config(dir)?;
@@ -128,12 +128,30 @@ pub fn set_weights(model: &MoeModel, tensors: &HashMap<String, Tensor>, dir: &Pa
         };
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
-    let mut extra: Vec<&String> = tensors.keys().filter(|n| !used.contains(*n) && !BUFFERS.iter().any(|b| n.ends_with(b))).collect();
+    // A routing bias of zeros where the model keeps none routes as none: read past it.
+    let zero_bias = |n: &str, t: &Tensor| {
+        n.ends_with(super::ROUTING_BIAS)
+            && t.abs()
+                .and_then(|a| a.max_all())
+                .and_then(|m| m.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>())
+                .is_ok_and(|m| m == 0.0)
+    };
+    let mut extra: Vec<&String> = tensors
+        .iter()
+        .filter(|(n, t)| !used.contains(*n) && !BUFFERS.iter().any(|b| n.ends_with(b)) && !zero_bias(n, t))
+        .map(|(n, _)| n)
+        .collect();
     extra.sort();
+    if let Some(first) = extra.iter().find(|n| n.ends_with(super::ROUTING_BIAS)) {
+        return Err(bad(format!(
+            "tensor {first} is a routing bias this model would not route by (it keeps none): train with --balance bias or both to keep it"
+        )));
+    }
     if let Some(first) = extra.first() {
         let more = if extra.len() > 1 { format!(" (and {} more)", extra.len() - 1) } else { String::new() };
         return Err(bad(format!(
-            "tensor {first}{more} has no place in a Mixtral model of its config.json: another architecture's weights, or a file not made for it"
+            "tensor {first}{more} has no place in a {} model of its config.json: another architecture's weights, or a file not made for it",
+            super::Family::of(model.config()).name()
         )));
     }
     Ok(())

@@ -419,3 +419,90 @@ fn the_published_configs_read_as_their_models() {
         assert!((b - billions).abs() < 0.01, "{family:?}: {b} B parameters, not {billions}");
     }
 }
+
+/// DeepSeek-V3's layout: latent attention (queries from their latent), two shared experts,
+/// group-limited scaled sigmoid routing and its routing bias read back into the same model; a
+/// model trained without the bias writes zeros, which a model without one reads past (and a
+/// bias that is not zero it refuses); what DeepSeek-V3's own files say that we do not build is
+/// named.
+#[test]
+fn a_deepseek_v3_export_reads_back_into_the_same_model() {
+    use crate::config::{Balance, LatentAttention};
+    let dir = std::env::temp_dir().join(format!("lazarus-hf-deepseek-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let la = LatentAttention { kv_rank: 6, q_rank: Some(10), rope_dim: 4 };
+    let cfg = ModelConfig {
+        latent_attention: Some(la),
+        shared_experts: 2,
+        expert_groups: 2,
+        top_groups: 1,
+        routed_scaling: 2.5,
+        norm_eps: 1e-6,
+        balance: Balance::Bias,
+        ..tiny().deepseek_moe()
+    };
+    let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+    let bias = m.params().get("blocks.1.moe.gate.bias").unwrap();
+    bias.set(&Tensor::new(&[0.1f32, -0.2, 0.3, 0.0], &Device::Cpu).unwrap()).unwrap();
+    export(&m, &dir).unwrap();
+    let (back_cfg, tensors) = load(&dir).unwrap();
+    assert_eq!(back_cfg, ModelConfig { aux_loss_coef: cfg.aux_loss_coef, ..cfg.clone() });
+    let dims = |n: &str| tensors[&format!("model.layers.1.{n}")].dims().to_vec();
+    assert_eq!(
+        [
+            dims("self_attn.q_a_proj.weight"),
+            dims("self_attn.q_b_proj.weight"),
+            dims("self_attn.kv_a_proj_with_mqa.weight"),
+            dims("self_attn.kv_b_proj.weight"),
+            dims("self_attn.o_proj.weight"),
+            dims("mlp.shared_experts.up_proj.weight"),
+            dims("mlp.gate.e_score_correction_bias"),
+        ],
+        [vec![10, 16], vec![2 * (8 + 4), 10], vec![6 + 4, 16], vec![2 * 2 * 8, 6], vec![16, 16], vec![16, 16], vec![4]]
+    );
+    let back = MoeModel::new(&back_cfg, 99, DType::F32, &Device::Cpu).unwrap();
+    set_weights(&back, &tensors, &dir).unwrap();
+    assert_same_weights(&m, &back);
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap()).unwrap();
+    assert_eq!(
+        (v["model_type"].as_str(), v["rope_interleave"].as_bool(), v["head_dim"].as_u64()),
+        (Some("deepseek_v3"), Some(false), Some(4))
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Trained without the bias: zeros written, read past by a model without one.
+    let aux = ModelConfig { balance: Balance::Aux, ..cfg.clone() };
+    let m = MoeModel::new(&aux, 3, DType::F32, &Device::Cpu).unwrap();
+    export(&m, &dir).unwrap();
+    let (_, mut tensors) = load(&dir).unwrap();
+    assert_eq!(tensors["model.layers.0.mlp.gate.e_score_correction_bias"].to_vec1::<f32>().unwrap(), [0.0; 4]);
+    set_weights(&MoeModel::new(&aux, 99, DType::F32, &Device::Cpu).unwrap(), &tensors, &dir).unwrap();
+    tensors.insert("model.layers.0.mlp.gate.e_score_correction_bias".into(), Tensor::new(&[0.5f32, 0.0, 0.0, 0.0], &Device::Cpu).unwrap());
+    let e = set_weights(&MoeModel::new(&aux, 99, DType::F32, &Device::Cpu).unwrap(), &tensors, &dir).unwrap_err().to_string();
+    assert!(e.contains("routing bias this model would not route by") && e.contains("--balance bias"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // DeepSeek-V3's published config: dense first blocks, interleaved rotary parts, a
+    // multi-token-prediction layer; and values of another width than the keys.
+    let mut v3 = json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": true, "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "attention_bias": false
+    });
+    let path = Path::new("config.json");
+    for (field, value) in [("first_k_dense_replace", json!(0)), ("rope_interleave", json!(false)), ("num_nextn_predict_layers", json!(0))] {
+        let e = config_from_json(&v3, path).unwrap_err().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+        v3[field] = value;
+    }
+    // What is left is V3's shape with an MoE layer in every block: 61 × 256 experts.
+    let read = config_from_json(&v3, path).unwrap();
+    assert_eq!(
+        (read.latent_attention, read.head_width(), read.balance),
+        (Some(LatentAttention { kv_rank: 512, q_rank: Some(1536), rope_dim: 64 }), 128, Balance::Bias)
+    );
+    v3["v_head_dim"] = json!(64);
+    assert!(config_from_json(&v3, path).unwrap_err().to_string().contains("v_head_dim"));
+}

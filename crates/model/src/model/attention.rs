@@ -23,7 +23,8 @@ impl AttentionLayer {
         let (d, inner, hd) = (cfg.d_model, cfg.attention_width(), cfg.head_width());
         let rope = (cfg.positions == crate::config::Positions::Rope).then_some(cfg.rope_theta);
         // (The weights drawn in the order a seed has always drawn them: the projection in, then out.)
-        let out = |ps: &mut ParamStore, init: &mut Init| Linear::new(ps, init, &format!("{p}.attn.out"), (inner, d), out_std, cfg.attn_bias);
+        let out =
+            |ps: &mut ParamStore, init: &mut Init| Linear::new(ps, init, &format!("{p}.attn.out"), (inner, d), out_std, cfg.attn_bias);
         if let Some(la) = &cfg.latent_attention {
             return Ok(AttentionLayer::Latent(Latent::new(ps, init, p, cfg, la, out)?));
         }
@@ -191,14 +192,14 @@ impl Latent {
             None => Queries::Direct(Linear::new(ps, init, &format!("{p}.attn.q"), (d, h * (hd + r)), std, false)?),
             Some(q) => Queries::Latent {
                 down: Linear::new(ps, init, &format!("{p}.attn.q_down"), (d, q), std, false)?,
-                norm: ps.add(format!("{p}.attn.q_norm.w"), init.constant(&[q], 1.0)?)?,
+                norm: ps.add(format!("{p}.attn.q_down_norm.w"), init.constant(&[q], 1.0)?)?,
                 up: Linear::new(ps, init, &format!("{p}.attn.q_up"), (q, h * (hd + r)), std, false)?,
             },
         };
         Ok(Latent {
             queries,
             kv_down: Linear::new(ps, init, &format!("{p}.attn.kv_down"), (d, la.kv_rank + r), std, false)?,
-            kv_norm: ps.add(format!("{p}.attn.kv_norm.w"), init.constant(&[la.kv_rank], 1.0)?)?,
+            kv_norm: ps.add(format!("{p}.attn.kv_down_norm.w"), init.constant(&[la.kv_rank], 1.0)?)?,
             kv_up: Linear::new(ps, init, &format!("{p}.attn.kv_up"), (la.kv_rank, h * 2 * hd), std, false)?,
             out: out(ps, init)?,
             heads: h,
@@ -230,7 +231,8 @@ impl Latent {
         let kv_up = kv_up.reshape((b, t, h, 2 * hd))?;
         // The rotary parts, the key's repeated for every head, rotated by the fused kernel as a
         // packed [queries | keys | (unused)].
-        let k_rot = kv.narrow(1, self.kv_rank, r)?.reshape((b, t, 1, r))?.broadcast_as((b, t, h, r))?.contiguous()?.reshape((b, t, h * r))?;
+        let k_rot =
+            kv.narrow(1, self.kv_rank, r)?.reshape((b, t, 1, r))?.broadcast_as((b, t, h, r))?.contiguous()?.reshape((b, t, h * r))?;
         let q_rot = q.narrow(3, hd, r)?.contiguous()?.reshape((b, t, h * r))?;
         let turned = crate::ops::rope(&Tensor::cat(&[&q_rot, &k_rot, &k_rot], 2)?, h, self.theta)?;
         let rotated = |at: usize| turned.narrow(2, at, h * r)?.reshape((b, t, h, r));
@@ -291,7 +293,8 @@ mod tests {
         // Rotation of the last dimension's halves by position · θ^(−2i/r).
         let half = r / 2;
         let angles: Vec<f64> = (0..t).flat_map(|p| (0..half).map(move |i| p as f64 * a.theta.powf(-2.0 * i as f64 / r as f64))).collect();
-        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|&x| f(x)).collect::<Vec<_>>(), (1, t, 1, half), &Device::Cpu).unwrap();
+        let table =
+            |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|&x| f(x)).collect::<Vec<_>>(), (1, t, 1, half), &Device::Cpu).unwrap();
         let (cos, sin) = (table(f64::cos), table(f64::sin));
         let turn = |x: &Tensor| {
             let (x1, x2) = (x.narrow(3, 0, half).unwrap(), x.narrow(3, half, half).unwrap());

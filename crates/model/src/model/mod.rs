@@ -254,12 +254,7 @@ impl MoeModel {
             } else {
                 FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.d_ff)?)
             };
-            blocks.push(Block {
-                ln1,
-                attn,
-                ln2,
-                ff,
-            });
+            blocks.push(Block { ln1, attn, ln2, ff });
         }
         let ln_f = Norm::new(&mut ps, &init, "ln_f", d, norm, cfg.norm_eps)?;
         let head = ps.add("head.w".into(), init.normal(&[cfg.d_model, cfg.vocab_size], std)?)?;
@@ -278,6 +273,11 @@ impl MoeModel {
             gpu: gpu_kernels(device),
             working: Vec::new(),
         })
+    }
+
+    /// The block of each MoE layer, in order.
+    pub fn moe_block_indices(&self) -> &[usize] {
+        &self.moe_blocks
     }
 
     /// Whether the layers run as Lazarus's GPU ops (see the field).

@@ -113,11 +113,13 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
     if let Some(clash) = clash {
         bail!("--init-from: the model is the directory's, but {clash}");
     }
-    // The training options are the run's: how it balances, its capacity.
+    // The training options are the run's: how it balances, its capacity — except that a model
+    // that routes by its bias (DeepSeek-V3's) keeps balancing by it unless told otherwise.
+    let balance_said = m.balance.is_some() || c.model.balance != default.balance;
     c.model = lazarus_model::ModelConfig {
         aux_loss_coef: c.model.aux_loss_coef,
         capacity_factor: c.model.capacity_factor,
-        balance: c.model.balance,
+        balance: if balance_said { c.model.balance } else { theirs.balance },
         bias_update_rate: c.model.bias_update_rate,
         ..theirs
     };

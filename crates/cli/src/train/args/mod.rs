@@ -232,7 +232,7 @@ pub struct TrainArgs {
     /// Keep nothing: no run directory, no checkpoint (a run that only shows its progress).
     #[arg(long, conflicts_with_all = ["checkpoint_dir", "resume", "resume_if_any", "checkpoint_every", "keep_checkpoints"])]
     pub no_save: bool,
-    /// Start from the weights of a Hugging Face Mixtral, Qwen3-MoE or Qwen2-MoE directory (config.json +
+    /// Start from the weights of a Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory (config.json +
     /// model.safetensors, as `lazarus export --format hf` writes): the model's shape and options
     /// are its; a model flag that says otherwise is an error naming it.
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
