@@ -14,7 +14,8 @@
                                         queries from a latent of 24, keys and values from one of 16,
                                         rotary parts of 8 beside heads of 16; top-2 of 8 experts in 4
                                         groups, 2 of them kept, scaled by 2.5, two shared experts; a
-                                        random routing bias; every block an MoE one)
+                                        random routing bias; every block an MoE one); deepseek_v3_interleaved:
+                                        the same with its rotary parts interleaved, as DeepSeek's own checkpoints
   hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
                                     written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
                                     not match the model transformers builds from its config.json (missing,
@@ -112,7 +113,7 @@ def make_qwen2_moe(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
-def make_deepseek_v3(out):
+def make_deepseek_v3(out, interleaved=False):
     torch.manual_seed(0)
     config = DeepseekV3Config(
         **SHAPE,
@@ -132,7 +133,7 @@ def make_deepseek_v3(out):
         qk_rope_head_dim=8,
         qk_nope_head_dim=16,
         v_head_dim=16,
-        rope_interleave=False,
+        rope_interleave=interleaved,
         rms_norm_eps=1e-6,
         num_nextn_predict_layers=0,
     )
@@ -147,7 +148,13 @@ def make_deepseek_v3(out):
     model.save_pretrained(out, safe_serialization=True)
 
 
-MAKERS = {"mixtral": make, "qwen3_moe": make_qwen3_moe, "qwen2_moe": make_qwen2_moe, "deepseek_v3": make_deepseek_v3}
+MAKERS = {
+    "mixtral": make,
+    "qwen3_moe": make_qwen3_moe,
+    "qwen2_moe": make_qwen2_moe,
+    "deepseek_v3": make_deepseek_v3,
+    "deepseek_v3_interleaved": lambda out: make_deepseek_v3(out, interleaved=True),
+}
 
 
 def logits(directory, ids, out):

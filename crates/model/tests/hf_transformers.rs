@@ -75,6 +75,13 @@ fn a_deepseek_v3_from_transformers_loads_trains_exports_and_keeps_its_logits() {
     round_trip("deepseek_v3", (32, 8, 2), (4, 16, 1e-6));
 }
 
+/// The same with its rotary parts interleaved, as DeepSeek's own checkpoints have them (read
+/// into our order; written as halves).
+#[test]
+fn a_deepseek_v3_with_interleaved_rotary_parts_keeps_its_logits() {
+    round_trip("deepseek_v3_interleaved", (32, 8, 2), (4, 16, 1e-6));
+}
+
 /// A model of `family` made by transformers: loaded, trained 5 steps, exported, each time with
 /// transformers' logits; `shape` (d_model, experts, top-k) and `attention` (key/value heads, head
 /// width, norm ε) as read.
@@ -96,11 +103,11 @@ fn round_trip(family: &str, shape: (usize, usize, usize), attention: (usize, usi
         (config.model.qkv_bias, config.model.shared_expert_gate, config.model.shared_experts),
         match family {
             "qwen2_moe" => (true, true, 2),
-            "deepseek_v3" => (false, false, 2),
+            "deepseek_v3" | "deepseek_v3_interleaved" => (false, false, 2),
             _ => (false, false, 0),
         }
     );
-    if family == "deepseek_v3" {
+    if family.starts_with("deepseek_v3") {
         let la = lazarus_model::config::LatentAttention { kv_rank: 16, q_rank: Some(24), rope_dim: 8 };
         assert_eq!(config.model.latent_attention, Some(la));
         assert_eq!((config.model.expert_groups, config.model.top_groups, config.model.routed_scaling), (4, 2, 2.5));

@@ -364,19 +364,22 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
+/// Whether a `config.json` is DeepSeek-V3's with interleaved rotary parts (`rope_interleave`,
+/// true unless it says false): its weights are read into our order ([`super::read`]).
+pub(super) fn interleaved_rotary(v: &Value) -> bool {
+    v.get("model_type").and_then(Value::as_str) == Some("deepseek_v3") && v.get("rope_interleave").and_then(Value::as_bool) != Some(false)
+}
+
 /// A DeepSeek-V3 `config.json`'s latent attention and head width, where it is what we build: an
-/// MoE layer in every block (`first_k_dense_replace` 0), keys' and values' head widths equal,
-/// the rotary part rotated as halves (`rope_interleave` false), no multi-token-prediction
-/// layers, no attention biases; else (field, why).
+/// MoE layer in every block (`first_k_dense_replace` 0), keys' and values' head widths equal, no
+/// multi-token-prediction layers, no attention biases; else (field, why). (Interleaved rotary
+/// parts are read into ours; ours are written as halves.)
 fn deepseek_supported(v: &Value) -> std::result::Result<(crate::config::LatentAttention, usize), (&'static str, String)> {
     let int = |field: &'static str| {
         v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or((field, "missing or not a whole number".into()))
     };
     if let Some(k) = v.get("first_k_dense_replace").and_then(Value::as_u64).filter(|&k| k != 0) {
         return Err(("first_k_dense_replace", format!("{k}: dense blocks before the MoE ones are not supported (only 0)")));
-    }
-    if v.get("rope_interleave").and_then(Value::as_bool) != Some(false) {
-        return Err(("rope_interleave", "true (or not said): only rotary parts rotated as halves (false) are supported".into()));
     }
     if let Some(n) = v.get("num_nextn_predict_layers").and_then(Value::as_u64).filter(|&n| n != 0) {
         return Err(("num_nextn_predict_layers", format!("{n}: multi-token prediction is not supported")));

@@ -14,20 +14,25 @@ use crate::model::MoeModel;
 
 /// Our configuration of the Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 model in `dir` (its `config.json`).
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    config_from_json(&read_json(dir)?, &dir.join(CONFIG_FILE))
+}
+
+/// `dir`'s `config.json`, bounded.
+fn read_json(dir: &Path) -> Result<Value> {
     let config_path = dir.join(CONFIG_FILE);
     let len = std::fs::metadata(&config_path).map_err(|e| ModelError::io(&config_path, e))?.len();
     if len > MAX_CONFIG_BYTES {
         return Err(ModelError::Checkpoint { path: config_path, reason: format!("{len} bytes: not a model configuration") });
     }
     let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
-    let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint { path: config_path.clone(), reason: e.to_string() })?;
-    config_from_json(&v, &config_path)
+    serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint { path: config_path.clone(), reason: e.to_string() })
 }
 
 /// A Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 directory: our configuration of it and its tensors (f32, on the CPU),
 /// from its one weights file or from every shard its index names.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
-    let cfg = read_config(dir)?;
+    let json = read_json(dir)?;
+    let cfg = config_from_json(&json, &dir.join(CONFIG_FILE))?;
     let mut tensors = HashMap::new();
     for (file, expected) in weight_files(dir)? {
         let read = candle_core::safetensors::load(&file, &Device::Cpu)
@@ -46,7 +51,48 @@ pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
             }
         }
     }
+    if super::family::interleaved_rotary(&json) {
+        deinterleave_rotary(&mut tensors, &cfg)?;
+    }
     Ok((cfg, tensors))
+}
+
+/// DeepSeek-V3's rotary parts as we rotate them: its checkpoints (`rope_interleave`, its
+/// default) pair a rotary part's dimensions 2i and 2i + 1, which transformers takes apart into
+/// the halves [0, 2, 4, … | 1, 3, 5, …] before rotating them as halves. The same order of the
+/// rows that make the queries' and the key's rotary parts gives the same rotation here; the
+/// attention scores are their dot products, unchanged by ordering both alike.
+fn deinterleave_rotary(tensors: &mut HashMap<String, Tensor>, cfg: &ModelConfig) -> Result<()> {
+    let Some(la) = cfg.latent_attention else { return Ok(()) };
+    let (h, hd, r, kv) = (cfg.n_heads, cfg.head_width(), la.rope_dim, la.kv_rank);
+    let halves: Vec<usize> = (0..r / 2).map(|i| 2 * i).chain((0..r / 2).map(|i| 2 * i + 1)).collect();
+    // Rows `first + halves[j]` for each part starting at `first`, every other row in place.
+    let reorder = |t: &Tensor, parts: &[usize]| -> Result<Tensor> {
+        let mut rows: Vec<u32> = (0..t.dim(0)? as u32).collect();
+        for &first in parts {
+            for (j, &from) in halves.iter().enumerate() {
+                rows[first + j] = (first + from) as u32;
+            }
+        }
+        Ok(t.index_select(&Tensor::from_vec(rows.clone(), rows.len(), t.device())?, 0)?)
+    };
+    for b in 0..cfg.n_layers {
+        let p = format!("model.layers.{b}.self_attn");
+        let queries = (0..h).map(|head| head * (hd + r) + hd).collect::<Vec<_>>();
+        for (name, parts) in [
+            (format!("{p}.q_b_proj.weight"), queries.clone()),
+            (format!("{p}.q_proj.weight"), queries),
+            (format!("{p}.kv_a_proj_with_mqa.weight"), vec![kv]),
+        ] {
+            if let Some(t) = tensors.get(&name) {
+                if t.rank() == 2 && parts.iter().all(|&f| f + r <= t.dims()[0]) {
+                    let t = reorder(t, &parts)?;
+                    tensors.insert(name, t);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The files holding `dir`'s weights, each with the tensors its index says it holds (empty for

@@ -480,8 +480,8 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
     let e = set_weights(&MoeModel::new(&aux, 99, DType::F32, &Device::Cpu).unwrap(), &tensors, &dir).unwrap_err().to_string();
     assert!(e.contains("routing bias this model would not route by") && e.contains("--balance bias"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
-    // DeepSeek-V3's published config: dense first blocks, interleaved rotary parts, a
-    // multi-token-prediction layer; and values of another width than the keys.
+    // DeepSeek-V3's published config: dense first blocks, a multi-token-prediction layer; and
+    // values of another width than the keys. (Its interleaved rotary parts are read.)
     let mut v3 = json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
@@ -492,7 +492,7 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
         "rope_theta": 10000, "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "attention_bias": false
     });
     let path = Path::new("config.json");
-    for (field, value) in [("first_k_dense_replace", json!(0)), ("rope_interleave", json!(false)), ("num_nextn_predict_layers", json!(0))] {
+    for (field, value) in [("first_k_dense_replace", json!(0)), ("num_nextn_predict_layers", json!(0))] {
         let e = config_from_json(&v3, path).unwrap_err().to_string();
         assert!(e.contains(field), "{field}: {e}");
         v3[field] = value;
