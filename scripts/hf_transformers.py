@@ -14,7 +14,7 @@
                                         queries from a latent of 24, keys and values from one of 16,
                                         rotary parts of 8 beside heads of 16; top-2 of 8 experts in 4
                                         groups, 2 of them kept, scaled by 2.5, two shared experts; a
-                                        random routing bias; every block an MoE one); deepseek_v3_interleaved:
+                                        random routing bias; the first block dense, 48 wide); deepseek_v3_interleaved:
                                         the same with its rotary parts interleaved, as DeepSeek's own checkpoints
   hf_transformers.py logits DIR IDS OUT  DIR's logits for the token ids IDS (comma-separated, one sequence), in f32,
                                     written to OUT as JSON [[V floats] per position]; fails if DIR's tensors do
@@ -127,7 +127,7 @@ def make_deepseek_v3(out, interleaved=False):
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         n_shared_experts=2,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,
         kv_lora_rank=16,
         q_lora_rank=24,
         qk_rope_head_dim=8,
@@ -144,7 +144,8 @@ def make_deepseek_v3(out, interleaved=False):
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_a_layernorm, layer.self_attn.kv_a_layernorm, layer.input_layernorm):
                 norm.weight.uniform_(0.5, 1.5)
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+            if hasattr(layer.mlp, "gate"):  # an MoE block
+                layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
     model.save_pretrained(out, safe_serialization=True)
 
 

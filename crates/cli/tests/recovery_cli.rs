@@ -677,13 +677,15 @@ fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
     family_survives_a_killed_worker("deepseek", &blocks, described);
 }
 
-/// DeepSeek-V3's blocks — latent attention (queries from their own latent), group-limited
-/// routing scaled by 2.5, the routing bias — on 4 workers, one SIGKILLed.
+/// DeepSeek-V3's blocks — a dense first block, latent attention (queries from their own
+/// latent), group-limited routing scaled by 2.5, the routing bias — on 4 workers, one SIGKILLed.
 #[test]
 fn deepseek_v3_blocks_with_latent_attention_survive_a_killed_worker() {
     let blocks = [
         "--arch",
         "deepseek-moe",
+        "--dense-first",
+        "1",
         "--kv-lora-rank",
         "8",
         "--q-lora-rank",

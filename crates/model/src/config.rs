@@ -138,6 +138,13 @@ pub struct ModelConfig {
     /// An MoE feed-forward in every `moe_every`-th block (1 = every block, 2 = every other,
     /// starting with block 0); the others have a dense FFN.
     pub moe_every: usize,
+    /// Dense blocks before the first MoE one (DeepSeek-V3's `first_k_dense_replace`: 3 of 61):
+    /// the first layers' tokens are spread too evenly over the experts to be worth routing.
+    pub dense_first: usize,
+    /// The dense blocks' FFN width (DeepSeek-V3's `intermediate_size`, 18,432 beside experts of
+    /// 2,048); None: `d_ff`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dense_d_ff: Option<usize>,
     /// Switch-style load-balancing loss coefficient (in the loss when `balance` is aux or both).
     pub aux_loss_coef: f64,
     /// How the routed experts' loads are kept even: the auxiliary loss, DeepSeek-V3's
@@ -186,6 +193,8 @@ impl Default for ModelConfig {
             ffn_bias: true,
             latent_attention: None,
             moe_every: 1,
+            dense_first: 0,
+            dense_d_ff: None,
             aux_loss_coef: 0.01,
             balance: Balance::Aux,
             bias_update_rate: 0.001,
@@ -289,6 +298,8 @@ impl std::str::FromStr for Arch {
 
 /// The widest head (transformers' models use 64 to 256).
 pub const MAX_HEAD_DIM: usize = 1 << 12;
+/// The widest dense FFN (DeepSeek-V3's is 18,432).
+pub const MAX_DENSE_D_FF: usize = 1 << 20;
 /// The widest latent of latent attention (DeepSeek-V3's are 512 and 1,536).
 pub const MAX_LATENT_RANK: usize = 1 << 14;
 
@@ -415,6 +426,12 @@ impl ModelConfig {
         }
         if self.qk_norm {
             parts.push("q/k norms".to_string());
+        }
+        if self.dense_first > 0 {
+            parts.push(format!("{} dense block{} first", self.dense_first, if self.dense_first == 1 { "" } else { "s" }));
+        }
+        if let Some(w) = self.dense_d_ff {
+            parts.push(format!("dense FFNs of {w}"));
         }
         if let Some(la) = &self.latent_attention {
             let q = la.q_rank.map_or(String::new(), |q| format!(", queries {q}"));
@@ -544,6 +561,13 @@ impl ModelConfig {
         if let Some(la) = &self.latent_attention {
             self.validate_latent_attention(la)?;
         }
+        if self.dense_first >= self.n_layers.max(1) {
+            let why = format!("must leave an MoE block among the {} (0 to {})", self.n_layers, self.n_layers.saturating_sub(1));
+            return Err(ModelError::config("dense_first", self.dense_first, why));
+        }
+        if let Some(w) = self.dense_d_ff.filter(|&w| w == 0 || w > MAX_DENSE_D_FF) {
+            return Err(ModelError::config("dense_d_ff", w, format!("must be 1 to {MAX_DENSE_D_FF}")));
+        }
         if self.top_k > self.n_experts {
             return Err(ModelError::config("top_k", self.top_k, format!("cannot exceed n_experts ({})", self.n_experts)));
         }
@@ -617,7 +641,12 @@ impl ModelConfig {
 
     /// Whether block `i` has an MoE feed-forward.
     pub fn is_moe(&self, block: usize) -> bool {
-        block.is_multiple_of(self.moe_every)
+        block >= self.dense_first && block.is_multiple_of(self.moe_every)
+    }
+
+    /// The dense blocks' FFN width (`dense_d_ff`, else `d_ff`).
+    pub fn dense_width(&self) -> usize {
+        self.dense_d_ff.unwrap_or(self.d_ff)
     }
 
     /// Number of MoE layers.
@@ -714,7 +743,7 @@ impl ModelConfig {
             + self.position_rows() as u128 * d
             + self.n_layers as u128 * per_block
             + moe * (d * e + e * ffn(self.d_ff) + shared)
-            + dense * ffn(self.d_ff)
+            + dense * ffn(self.dense_width())
             + norm
             + d * v
     }

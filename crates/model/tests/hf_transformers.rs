@@ -111,6 +111,7 @@ fn round_trip(family: &str, shape: (usize, usize, usize), attention: (usize, usi
         let la = lazarus_model::config::LatentAttention { kv_rank: 16, q_rank: Some(24), rope_dim: 8 };
         assert_eq!(config.model.latent_attention, Some(la));
         assert_eq!((config.model.expert_groups, config.model.top_groups, config.model.routed_scaling), (4, 2, 2.5));
+        assert_eq!((config.model.dense_first, config.model.dense_d_ff), (1, Some(48)));
     }
     let before = worst(&our_logits(&model, &ids), &their_logits(&theirs, &ids, &d));
     assert!(before <= 1e-4, "logits differ by {before} before training");

@@ -93,7 +93,7 @@ pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
     let qwen2 = family == Family::Qwen2Moe;
     let deepseek = family == Family::DeepseekV3;
     let sigmoid = cfg.router == crate::config::RouterScore::Sigmoid;
-    let checks: [(bool, &'static str, String); 15] = [
+    let checks: [(bool, &'static str, String); 17] = [
         (cfg.norm == NormKind::Rms, "norm", format!("{name}'s norm is RMSNorm ({} rms)", Setting::Norm)),
         (cfg.positions == Positions::Rope, "positions", format!("{name} has rotary positions ({} rope)", Setting::Positions)),
         (cfg.expert_act == Activation::Swiglu, "expert_act", format!("{name}'s experts are SwiGLU ({} swiglu)", Setting::ExpertAct)),
@@ -107,6 +107,8 @@ pub fn family_mismatch(cfg: &ModelConfig) -> Option<(&'static str, String)> {
         (!cfg.qkv_bias || qwen2, "qkv_bias", format!("{name} has no q/k/v biases ({} false)", Setting::QkvBias)),
         (!(qwen2 && cfg.qk_norm), "qk_norm", format!("{name} has no query and key norms")),
         (cfg.moe_every == 1, "moe_every", format!("{}: {name} has an MoE layer in every block", cfg.moe_every)),
+        (cfg.dense_first == 0 || deepseek, "dense_first", format!("{}: {name} has no dense blocks first", cfg.dense_first)),
+        (cfg.dense_d_ff.is_none() || deepseek, "dense_d_ff", format!("{name} has no dense FFNs")),
         (
             family != Family::Mixtral || (cfg.top_k > 1 && cfg.normalize_top_k),
             "top_k",
@@ -202,7 +204,8 @@ pub fn config_json(cfg: &ModelConfig) -> Result<Value> {
                 "n_routed_experts": cfg.n_experts,
                 "moe_intermediate_size": cfg.d_ff,
                 "n_shared_experts": cfg.shared_experts,
-                "first_k_dense_replace": 0,
+                "first_k_dense_replace": cfg.dense_first,
+                "intermediate_size": cfg.dense_width(),
                 "n_group": cfg.expert_groups,
                 "topk_group": cfg.top_groups,
                 "routed_scaling_factor": cfg.routed_scaling,
@@ -347,6 +350,9 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
             // Trained as DeepSeek-V3 is: loss-free balancing, its routing bias read in.
             Family::DeepseekV3 => ModelConfig {
                 latent_attention: deepseek.map(|(la, _)| la),
+                dense_first: v.get("first_k_dense_replace").map_or(Ok(0), |_| int("first_k_dense_replace"))?,
+                // (Left out where it is the experts' width: the configuration reads as one made here.)
+                dense_d_ff: v.get("intermediate_size").map_or(Ok(None), |_| int("intermediate_size").map(Some))?.filter(|&w| Some(w) != v.get("moe_intermediate_size").and_then(Value::as_u64).map(|f| f as usize)),
                 shared_experts: int("n_shared_experts")?,
                 expert_groups: v.get("n_group").map_or(Ok(1), |_| int("n_group"))?,
                 top_groups: v.get("topk_group").map_or(Ok(1), |_| int("topk_group"))?,
@@ -370,20 +376,14 @@ pub(super) fn interleaved_rotary(v: &Value) -> bool {
     v.get("model_type").and_then(Value::as_str) == Some("deepseek_v3") && v.get("rope_interleave").and_then(Value::as_bool) != Some(false)
 }
 
-/// A DeepSeek-V3 `config.json`'s latent attention and head width, where it is what we build: an
-/// MoE layer in every block (`first_k_dense_replace` 0), keys' and values' head widths equal, no
-/// multi-token-prediction layers, no attention biases; else (field, why). (Interleaved rotary
-/// parts are read into ours; ours are written as halves.)
+/// A DeepSeek-V3 `config.json`'s latent attention and head width, where it is what we build:
+/// keys' and values' head widths equal, no attention biases; else (field, why). (Interleaved
+/// rotary parts are read into ours, ours written as halves; multi-token-prediction layers are
+/// read past, as transformers does.)
 fn deepseek_supported(v: &Value) -> std::result::Result<(crate::config::LatentAttention, usize), (&'static str, String)> {
     let int = |field: &'static str| {
         v.get(field).and_then(Value::as_u64).map(|x| x as usize).ok_or((field, "missing or not a whole number".into()))
     };
-    if let Some(k) = v.get("first_k_dense_replace").and_then(Value::as_u64).filter(|&k| k != 0) {
-        return Err(("first_k_dense_replace", format!("{k}: dense blocks before the MoE ones are not supported (only 0)")));
-    }
-    if let Some(n) = v.get("num_nextn_predict_layers").and_then(Value::as_u64).filter(|&n| n != 0) {
-        return Err(("num_nextn_predict_layers", format!("{n}: multi-token prediction is not supported")));
-    }
     if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
         return Err(("attention_bias", "true: attention biases are not supported".into()));
     }

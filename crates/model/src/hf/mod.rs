@@ -109,6 +109,11 @@ fn layouts(model: &MoeModel) -> Result<Vec<(String, Layout)>> {
                     ["attn", "q_norm", "w"] => Layout::Same(format!("{p}.self_attn.q_norm.weight")),
                     ["attn", "k_norm", "w"] => Layout::Same(format!("{p}.self_attn.k_norm.weight")),
                     ["moe", "gate", "w"] => Layout::Transposed(format!("{p}.{moe}.gate.weight")),
+                    // DeepSeek-V3's dense first blocks.
+                    ["ffn", "fc1", "w"] => {
+                        Layout::Columns([gate, up].iter().map(|x| (format!("{p}.mlp.{x}.weight"), cfg.dense_width())).collect())
+                    }
+                    ["ffn", "fc2", "w"] => Layout::Transposed(format!("{p}.mlp.{down}.weight")),
                     // The loss-free balancing's bias: DeepSeek-V3's routing bias; the other families
                     // have none (it starts at zero).
                     ["moe", "gate", "bias"] if family == Family::DeepseekV3 => Layout::Same(format!("{p}.{moe}.gate.{ROUTING_BIAS}")),

@@ -420,7 +420,7 @@ fn the_published_configs_read_as_their_models() {
     }
 }
 
-/// DeepSeek-V3's layout: latent attention (queries from their latent), two shared experts,
+/// DeepSeek-V3's layout: a dense first block, latent attention (queries from their latent), two shared experts,
 /// group-limited scaled sigmoid routing and its routing bias read back into the same model; a
 /// model trained without the bias writes zeros, which a model without one reads past (and a
 /// bias that is not zero it refuses); what DeepSeek-V3's own files say that we do not build is
@@ -439,6 +439,8 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
         routed_scaling: 2.5,
         norm_eps: 1e-6,
         balance: Balance::Bias,
+        dense_first: 1,
+        dense_d_ff: Some(24),
         ..tiny().deepseek_moe()
     };
     let m = MoeModel::new(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
@@ -474,14 +476,14 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
     let m = MoeModel::new(&aux, 3, DType::F32, &Device::Cpu).unwrap();
     export(&m, &dir).unwrap();
     let (_, mut tensors) = load(&dir).unwrap();
-    assert_eq!(tensors["model.layers.0.mlp.gate.e_score_correction_bias"].to_vec1::<f32>().unwrap(), [0.0; 4]);
+    assert_eq!(tensors["model.layers.1.mlp.gate.e_score_correction_bias"].to_vec1::<f32>().unwrap(), [0.0; 4]);
     set_weights(&MoeModel::new(&aux, 99, DType::F32, &Device::Cpu).unwrap(), &tensors, &dir).unwrap();
-    tensors.insert("model.layers.0.mlp.gate.e_score_correction_bias".into(), Tensor::new(&[0.5f32, 0.0, 0.0, 0.0], &Device::Cpu).unwrap());
+    tensors.insert("model.layers.1.mlp.gate.e_score_correction_bias".into(), Tensor::new(&[0.5f32, 0.0, 0.0, 0.0], &Device::Cpu).unwrap());
     let e = set_weights(&MoeModel::new(&aux, 99, DType::F32, &Device::Cpu).unwrap(), &tensors, &dir).unwrap_err().to_string();
     assert!(e.contains("routing bias this model would not route by") && e.contains("--balance bias"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
-    // DeepSeek-V3's published config: dense first blocks, a multi-token-prediction layer; and
-    // values of another width than the keys. (Its interleaved rotary parts are read.)
+    // DeepSeek-V3's published config (dense first blocks, interleaved rotary parts, a
+    // multi-token-prediction layer read past): its 671 B parameters.
     let mut v3 = json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
@@ -492,17 +494,11 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
         "rope_theta": 10000, "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "attention_bias": false
     });
     let path = Path::new("config.json");
-    for (field, value) in [("first_k_dense_replace", json!(0)), ("num_nextn_predict_layers", json!(0))] {
-        let e = config_from_json(&v3, path).unwrap_err().to_string();
-        assert!(e.contains(field), "{field}: {e}");
-        v3[field] = value;
-    }
-    // What is left is V3's shape with an MoE layer in every block: 61 × 256 experts.
     let read = config_from_json(&v3, path).unwrap();
-    assert_eq!(
-        (read.latent_attention, read.head_width(), read.balance),
-        (Some(LatentAttention { kv_rank: 512, q_rank: Some(1536), rope_dim: 64 }), 128, Balance::Bias)
-    );
+    assert_eq!((read.latent_attention, read.head_width(), read.balance), (Some(LatentAttention { kv_rank: 512, q_rank: Some(1536), rope_dim: 64 }), 128, Balance::Bias));
+    assert_eq!((read.dense_first, read.dense_d_ff, read.moe_layers()), (3, Some(18432), 58));
+    let b = read.parameter_count() as f64 / 1e9;
+    assert!((b - 671.0).abs() < 1.0, "{b} B parameters, not 671");
     v3["v_head_dim"] = json!(64);
     assert!(config_from_json(&v3, path).unwrap_err().to_string().contains("v_head_dim"));
 }

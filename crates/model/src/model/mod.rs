@@ -252,7 +252,7 @@ impl MoeModel {
                     capacity_factor: cfg.capacity_factor,
                 })
             } else {
-                FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.d_ff)?)
+                FeedForward::Dense(Ffn::new(&mut ps, &mut init, &format!("{p}.ffn"), &cfg, cfg.dense_width())?)
             };
             blocks.push(Block { ln1, attn, ln2, ff });
         }

@@ -97,6 +97,7 @@ pub(super) fn apply_init_from(args: &TrainArgs, c: &mut TrainConfig) -> Result<(
         rope_theta => "rope-theta" if blocks || m.rope_theta.is_some(), qk_norm => "qk-norm" if blocks || m.qk_norm.is_some(),
         router => "router" if blocks || m.router.is_some(), norm_eps => "norm-eps" if m.norm_eps.is_some(),
         qkv_bias => "qkv-bias" if blocks || m.qkv_bias.is_some(),
+        dense_first => "dense-first" if m.dense_first.is_some(), dense_d_ff => "dense-d-ff" if m.dense_d_ff.is_some(),
         latent_attention => "kv-lora-rank" if m.kv_lora_rank.is_some() || m.q_lora_rank.is_some() || m.rope_head_dim.is_some(),
         shared_expert_gate => "shared-expert-gate" if blocks || m.shared_expert_gate.is_some());
     // The attention's shape as the model has it (a width left out is the default one).
@@ -273,6 +274,12 @@ pub(super) fn apply_block_flags(args: &ModelArgs, m: &mut lazarus_model::ModelCo
     }
     if let Some(v) = args.head_dim {
         m.head_dim = Some(v);
+    }
+    if let Some(v) = args.dense_first {
+        m.dense_first = v;
+    }
+    if let Some(v) = args.dense_d_ff {
+        m.dense_d_ff = Some(v);
     }
     if args.kv_lora_rank.is_some() || args.q_lora_rank.is_some() || args.rope_head_dim.is_some() {
         let was = m.latent_attention;

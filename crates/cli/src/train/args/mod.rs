@@ -159,6 +159,12 @@ pub struct ModelArgs {
     /// An MoE layer every this many blocks (1 = every block).
     #[arg(long)]
     pub(crate) moe_every: Option<usize>,
+    /// Dense blocks before the first MoE one (DeepSeek-V3's first_k_dense_replace, 3). Default: 0.
+    #[arg(long, value_name = "K")]
+    pub(crate) dense_first: Option<usize>,
+    /// The dense blocks' FFN width (DeepSeek-V3's intermediate_size, 18432). Default: --d-ff.
+    #[arg(long, value_name = "N")]
+    pub(crate) dense_d_ff: Option<usize>,
     /// Weight of the load-balancing loss (Switch Transformer's auxiliary loss).
     #[arg(long, allow_hyphen_values = true)]
     pub(crate) aux_loss_coef: Option<f64>,
