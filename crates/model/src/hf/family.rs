@@ -352,7 +352,10 @@ pub fn config_from_json(v: &Value, path: &Path) -> Result<ModelConfig> {
                 latent_attention: deepseek.map(|(la, _)| la),
                 dense_first: v.get("first_k_dense_replace").map_or(Ok(0), |_| int("first_k_dense_replace"))?,
                 // (Left out where it is the experts' width: the configuration reads as one made here.)
-                dense_d_ff: v.get("intermediate_size").map_or(Ok(None), |_| int("intermediate_size").map(Some))?.filter(|&w| Some(w) != v.get("moe_intermediate_size").and_then(Value::as_u64).map(|f| f as usize)),
+                dense_d_ff: match v.get("intermediate_size") {
+                    Some(_) => Some(int("intermediate_size")?).filter(|&w| w != int("moe_intermediate_size").unwrap_or(0)),
+                    None => None,
+                },
                 shared_experts: int("n_shared_experts")?,
                 expert_groups: v.get("n_group").map_or(Ok(1), |_| int("n_group"))?,
                 top_groups: v.get("topk_group").map_or(Ok(1), |_| int("topk_group"))?,

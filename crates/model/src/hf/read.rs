@@ -59,7 +59,10 @@ pub fn load(dir: &Path) -> Result<(ModelConfig, HashMap<String, Tensor>)> {
     let predict = json.get("num_nextn_predict_layers").and_then(Value::as_u64).unwrap_or(0) as usize;
     if predict > 0 {
         let past = |name: &str| {
-            name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|b| b.parse::<usize>().ok()).is_some_and(|b| (cfg.n_layers..cfg.n_layers + predict).contains(&b))
+            name.strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|b| b.parse::<usize>().ok())
+                .is_some_and(|b| (cfg.n_layers..cfg.n_layers + predict).contains(&b))
         };
         tensors.retain(|name, _| !past(name));
     }

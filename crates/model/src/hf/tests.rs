@@ -495,7 +495,10 @@ fn a_deepseek_v3_export_reads_back_into_the_same_model() {
     });
     let path = Path::new("config.json");
     let read = config_from_json(&v3, path).unwrap();
-    assert_eq!((read.latent_attention, read.head_width(), read.balance), (Some(LatentAttention { kv_rank: 512, q_rank: Some(1536), rope_dim: 64 }), 128, Balance::Bias));
+    assert_eq!(
+        (read.latent_attention, read.head_width(), read.balance),
+        (Some(LatentAttention { kv_rank: 512, q_rank: Some(1536), rope_dim: 64 }), 128, Balance::Bias)
+    );
     assert_eq!((read.dense_first, read.dense_d_ff, read.moe_layers()), (3, Some(18432), 58));
     let b = read.parameter_count() as f64 / 1e9;
     assert!((b - 671.0).abs() < 1.0, "{b} B parameters, not 671");
