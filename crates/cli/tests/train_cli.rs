@@ -1110,5 +1110,5 @@ fn blended_megatron_datasets_resume_exactly_and_bad_weights_are_named() {
     args.extend(common::tiny_model("2"));
     let out = lazarus(&args);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--data-weights blends Megatron datasets or Parquet files"), "{err}");
+    assert!(!out.status.success() && err.contains("--data-weights blends Megatron datasets, Parquet or Arrow files"), "{err}");
 }

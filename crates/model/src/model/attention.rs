@@ -65,15 +65,15 @@ pub(super) struct Attention {
     /// [heads·head_dim, d].
     pub(super) out: Linear,
     /// The RMSNorm weights [head width] of the queries and of the keys (`qk_norm`).
-    pub(super) qk_norm: Option<(Var, Var)>,
-    pub(super) heads: usize,
+    qk_norm: Option<(Var, Var)>,
+    heads: usize,
     /// Key and value heads, each serving `heads / kv_heads` query heads in a row.
-    pub(super) kv_heads: usize,
-    pub(super) head_dim: usize,
+    kv_heads: usize,
+    head_dim: usize,
     /// The rotary base θ with rotary positions.
-    pub(super) rope: Option<f64>,
+    rope: Option<f64>,
     /// The q/k norms' ε (the model's norms').
-    pub(super) norm_eps: f64,
+    norm_eps: f64,
 }
 
 impl Attention {
