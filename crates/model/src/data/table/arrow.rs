@@ -293,28 +293,17 @@ fn id_row(values: &ArrayRef, row: u64) -> std::result::Result<Vec<u32>, RowError
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{self, scratch};
     use super::super::token_cache;
     use super::*;
-    use crate::data::{ByteTokenizer, DataSource, TableFiles};
+    use crate::data::{DataSource, TableFiles};
 
     fn fixture(name: &str) -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow").join(name)
     }
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("lazarus-arrow-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     fn documents(path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, TableRead)> {
-        let mut docs = Vec::new();
-        let read = read_rows(&[path.to_path_buf()], column, &TextTokenizer::Bytes, |d| {
-            docs.push(d.to_vec());
-            Ok(())
-        })?;
-        Ok((docs, read))
+        testing::documents(TableFormat::Arrow, path, column)
     }
 
     /// Every fixture `datasets` and pyarrow wrote (`make.py`: `save_to_disk`'s shard, a `map`'s
@@ -338,12 +327,8 @@ mod tests {
             let (docs, read) = documents(&fixture(name), column).unwrap();
             assert_eq!(read.chunks as u64, e["batches"].as_u64().unwrap(), "{name}");
             assert_eq!(read.rows, e["rows"].as_u64().unwrap(), "{name}");
-            let want: Vec<Vec<u32>> = match rows.iter().find(|r| !r.is_null()) {
-                Some(serde_json::Value::String(_)) => {
-                    rows.iter().filter_map(|r| r.as_str()).map(|t| ByteTokenizer::encode(&format!("{t}\n\n"))).collect()
-                }
-                _ => rows.iter().filter_map(|r| r.as_array()).map(|ids| ids.iter().map(|i| i.as_u64().unwrap() as u32).collect()).collect(),
-            };
+            // (A null row is skipped, list or text.)
+            let want = testing::expected_documents(rows, None);
             assert_eq!(read.null_rows, rows.iter().filter(|r| r.is_null()).count() as u64, "{name}");
             assert_eq!(docs, want, "{name}");
             assert_eq!(read.tokens, want.iter().map(|d| d.len() as u64).sum::<u64>(), "{name}");
@@ -364,7 +349,7 @@ mod tests {
     /// file's cache.
     #[test]
     fn an_arrow_file_caches_the_tokens_its_parquet_twin_gives() {
-        let dir = scratch("cache");
+        let dir = scratch("arrow-cache");
         let cache = dir.join("cache");
         let arrow = DataSource::Arrow(TableFiles { cache: Some(cache.clone()), ..TableFiles::of(vec![fixture("train.arrow")]) });
         let parquet_fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet/train.parquet");
@@ -406,7 +391,7 @@ mod tests {
     /// that is not Arrow says what it starts with.
     #[test]
     fn a_stream_cut_short_or_with_bytes_after_it_is_refused() {
-        let dir = scratch("cut");
+        let dir = scratch("arrow-cut");
         let good = std::fs::read(fixture("large_text.arrow")).unwrap();
         assert!(good.ends_with(&END_OF_STREAM));
         let write = |name: &str, bytes: &[u8]| {
@@ -434,32 +419,13 @@ mod tests {
     /// the damage changes nothing that is read, the rows — never a panic.
     #[test]
     fn damage_anywhere_is_an_error_never_a_panic() {
-        let dir = scratch("fuzz");
-        let mut rng = crate::rng::SplitMix64::new(99);
-        let mut errors = 0;
-        for (name, column) in [
+        let files = [
             ("hf_saved_text.arrow", "text"),
             ("hf_map_ids.arrow", "input_ids"),
             ("ids_int64.arrow", "tokens"),
             ("text_file_zstd.arrow", "text"),
-        ] {
-            let good = std::fs::read(fixture(name)).unwrap();
-            for i in 0..1500 {
-                let mut bad = good.clone();
-                for _ in 0..1 + rng.below(4) {
-                    let at = rng.below(bad.len());
-                    bad[at] = rng.below(256) as u8;
-                }
-                let path = dir.join(format!("{i}-{name}"));
-                std::fs::write(&path, &bad).unwrap();
-                let read = std::panic::catch_unwind(|| documents(&path, column).map(|_| ()));
-                assert!(read.is_ok(), "{name}: damage {i} made the reader panic");
-                errors += usize::from(read.is_ok_and(|r| r.is_err()));
-                let _ = std::fs::remove_file(&path);
-            }
-        }
-        eprintln!("{errors} of 6000 damages found");
+        ];
+        let errors = testing::damages_found(TableFormat::Arrow, &files.map(|(f, c)| (fixture(f), c)));
         assert!(errors > 1500, "much damage is found: {errors} of 6000");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -340,6 +340,75 @@ pub fn default_cache_dir() -> PathBuf {
     std::env::temp_dir().join("lazarus-data")
 }
 
+/// What the Parquet and Arrow readers' tests share.
+#[cfg(test)]
+pub(super) mod testing {
+    use super::*;
+
+    /// A fresh folder for a test.
+    pub fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("lazarus-table-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Each document `format` reads from `column` of `path` (byte-tokenized), and what it read.
+    pub fn documents(format: TableFormat, path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, TableRead)> {
+        let mut docs = Vec::new();
+        let read = format.read_rows(&[path.to_path_buf()], column, &TextTokenizer::Bytes, |d| {
+            docs.push(d.to_vec());
+            Ok(())
+        })?;
+        Ok((docs, read))
+    }
+
+    /// The documents a column of `rows` (as pyarrow read them back: strings or lists of ids,
+    /// nulls among them) should give: each text and a blank line, byte-tokenized; each list as
+    /// it is (None: a null row, skipped, or an empty document).
+    pub fn expected_documents(rows: &[serde_json::Value], null_list: Option<Vec<u32>>) -> Vec<Vec<u32>> {
+        match rows.iter().find(|r| !r.is_null()) {
+            Some(serde_json::Value::String(_)) => {
+                rows.iter().filter_map(|r| r.as_str()).map(|t| crate::data::ByteTokenizer::encode(&format!("{t}\n\n"))).collect()
+            }
+            _ => rows
+                .iter()
+                .filter_map(|r| match r.as_array() {
+                    Some(ids) => Some(ids.iter().map(|i| i.as_u64().unwrap() as u32).collect()),
+                    None => null_list.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// `format`'s files `fixtures` (file, column) damaged 1,500 ways each (1–4 bytes, seeded):
+    /// never a panic; how many damages were errors.
+    pub fn damages_found(format: TableFormat, fixtures: &[(PathBuf, &str)]) -> usize {
+        let dir = scratch(&format!("fuzz-{}", format.name()));
+        let mut rng = crate::rng::SplitMix64::new(99);
+        let mut errors = 0;
+        for (file, column) in fixtures {
+            let good = std::fs::read(file).unwrap();
+            let name = file.file_name().unwrap().to_string_lossy();
+            for i in 0..1500 {
+                let mut bad = good.clone();
+                for _ in 0..1 + rng.below(4) {
+                    let at = rng.below(bad.len());
+                    bad[at] = rng.below(256) as u8;
+                }
+                let path = dir.join(format!("{i}-{name}"));
+                std::fs::write(&path, &bad).unwrap();
+                let read = std::panic::catch_unwind(|| documents(format, &path, column).map(|_| ()));
+                assert!(read.is_ok(), "{name}: damage {i} made the reader panic");
+                errors += usize::from(read.is_ok_and(|r| r.is_err()));
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        errors
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

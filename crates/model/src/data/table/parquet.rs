@@ -285,28 +285,17 @@ pub(super) fn named_column(path: &Path, column: Option<&str>) -> Result<(String,
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{self, scratch};
     use super::super::token_cache;
     use super::*;
-    use crate::data::{ByteTokenizer, DataSource};
+    use crate::data::DataSource;
 
     pub(super) fn fixture(name: &str) -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parquet").join(name)
     }
 
-    fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("lazarus-parquet-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     fn documents(path: &Path, column: &str) -> Result<(Vec<Vec<u32>>, TableRead)> {
-        let mut docs = Vec::new();
-        let read = read_rows(&[path.to_path_buf()], column, &TextTokenizer::Bytes, |d| {
-            docs.push(d.to_vec());
-            Ok(())
-        })?;
-        Ok((docs, read))
+        testing::documents(TableFormat::Parquet, path, column)
     }
 
     /// Every fixture pyarrow wrote (`make.py`: snappy and zstd, dictionary and plain, pages v1
@@ -326,15 +315,8 @@ mod tests {
             let (docs, read) = documents(&fixture(name), column).unwrap();
             assert_eq!(read.chunks as u64, e["row_groups"].as_u64().unwrap(), "{name}");
             assert_eq!(read.rows, e["rows"].as_u64().unwrap(), "{name}");
-            let want: Vec<Vec<u32>> = match rows.iter().find(|r| !r.is_null()) {
-                Some(serde_json::Value::String(_)) => {
-                    rows.iter().filter_map(|r| r.as_str()).map(|t| ByteTokenizer::encode(&format!("{t}\n\n"))).collect()
-                }
-                _ => rows
-                    .iter()
-                    .map(|r| r.as_array().map_or(vec![], |ids| ids.iter().map(|i| i.as_u64().unwrap() as u32).collect()))
-                    .collect(),
-            };
+            // (A null list is an empty document here.)
+            let want = testing::expected_documents(rows, Some(vec![]));
             assert_eq!(read.null_rows, rows.iter().filter(|r| r.is_null()).count() as u64 * u64::from(want.len() < rows.len()), "{name}");
             assert_eq!(docs, want, "{name}");
             assert_eq!(read.tokens, want.iter().map(|d| d.len() as u64).sum::<u64>(), "{name}");
@@ -356,7 +338,7 @@ mod tests {
     /// tokens the same documents give as JSON lines.
     #[test]
     fn the_token_cache_is_made_once_and_matches_json_lines() {
-        let dir = scratch("cache");
+        let dir = scratch("parquet-cache");
         let data = dir.join("train.parquet");
         std::fs::copy(fixture("text.parquet"), &data).unwrap();
         let cache = dir.join("cache");
@@ -416,7 +398,7 @@ mod tests {
     /// file and where; no cache is left behind.
     #[test]
     fn a_damaged_file_is_named_with_its_bytes_and_leaves_no_cache() {
-        let dir = scratch("damaged");
+        let dir = scratch("parquet-damaged");
         let good = std::fs::read(fixture("large_text_zstd.parquet")).unwrap();
         let cut = dir.join("cut.parquet");
         std::fs::write(&cut, &good[..good.len() - 20]).unwrap();
@@ -448,31 +430,13 @@ mod tests {
     /// read, the rows — never a panic.
     #[test]
     fn damage_anywhere_is_an_error_never_a_panic() {
-        let dir = scratch("fuzz");
-        let mut rng = crate::rng::SplitMix64::new(99);
-        let mut errors = 0;
-        for (name, column) in [
+        let files = [
             ("text.parquet", "text"),
             ("large_text_zstd.parquet", "content"),
             ("ids_int32.parquet", "input_ids"),
             ("ids_int64.parquet", "tokens"),
-        ] {
-            let good = std::fs::read(fixture(name)).unwrap();
-            for i in 0..1500 {
-                let mut bad = good.clone();
-                for _ in 0..1 + rng.below(4) {
-                    let at = rng.below(bad.len());
-                    bad[at] = rng.below(256) as u8;
-                }
-                let path = dir.join(format!("{i}-{name}"));
-                std::fs::write(&path, &bad).unwrap();
-                let read = std::panic::catch_unwind(|| documents(&path, column).map(|_| ()));
-                assert!(read.is_ok(), "{name}: damage {i} made the reader panic");
-                errors += usize::from(read.is_ok_and(|r| r.is_err()));
-                let _ = std::fs::remove_file(&path);
-            }
-        }
+        ];
+        let errors = testing::damages_found(TableFormat::Parquet, &files.map(|(f, c)| (fixture(f), c)));
         assert!(errors > 3000, "most damage is found: {errors} of 6000");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
