@@ -203,11 +203,12 @@ impl TrainConfig {
         let m = &self.model;
         let params = m.parameter_count() * 4 * 4;
         let tokens = (self.batch_size * self.seq_len) as u128;
-        let (d, f, v) = (m.d_model as u128, m.d_ff as u128, m.vocab_size as u128);
-        // Each token's rows through its k experts and the shared ones: pre-activation, activation
-        // and output.
-        let rows = (m.top_k + m.shared_experts) as u128;
-        let per_block = 12 * d + rows * (m.expert_act.first_width(m.d_ff) as u128 + 2 * f);
+        let (d, v) = (m.d_model as u128, m.vocab_size as u128);
+        // Each token's rows through its k experts and the shared ones, or through a dense block's
+        // FFN (DeepSeek-V3's is 9 experts wide): pre-activation, activation and output.
+        let ffn = |width: usize, rows: usize| (rows * (m.expert_act.first_width(width) + 2 * width)) as u128;
+        let dense = if m.moe_layers() < m.n_layers { ffn(m.dense_width(), 1) } else { 0 };
+        let per_block = 12 * d + ffn(m.d_ff, m.top_k + m.shared_experts).max(dense);
         let activations = tokens * (m.n_layers as u128 * per_block + 3 * v) * 4;
         let data = match &self.data {
             DataSource::Synthetic { bytes, .. } => *bytes as u128 * 5,
