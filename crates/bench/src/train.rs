@@ -315,18 +315,35 @@ fn expert_rows(loads: &[Vec<u64>], d: usize, f: usize, device: &Device) -> Resul
 /// Every matmul of one forward pass of model `mc` on a batch of `b` sequences of `t` tokens,
 /// the experts' aside.
 fn forward_matmuls(mc: &lazarus_model::ModelConfig, b: usize, t: usize) -> Vec<MatmulShape> {
-    let (d, f, e, v, h) = (mc.d_model, mc.d_ff, mc.n_experts, mc.vocab_size, mc.n_heads);
+    let (d, e, v, h) = (mc.d_model, mc.n_experts, mc.vocab_size, mc.n_heads);
     let n_tok = b * t;
     let mut shapes: Vec<MatmulShape> = Vec::new();
     for block in 0..mc.n_layers {
         let hd = mc.head_width();
-        shapes.push((1, n_tok, d, mc.qkv_width()));
-        shapes.push((b * h, t, hd, t));
-        shapes.push((b * h, t, t, hd));
+        // The projections in, then scores and values over heads of their width.
+        let head = match &mc.latent_attention {
+            None => {
+                shapes.push((1, n_tok, d, mc.qkv_width()));
+                hd
+            }
+            Some(la) => {
+                // Latent attention: heads of head width + rotary part (the values padded to it).
+                let qk = hd + la.rope_dim;
+                match la.q_rank {
+                    Some(q) => shapes.extend([(1, n_tok, d, q), (1, n_tok, q, h * qk)]),
+                    None => shapes.push((1, n_tok, d, h * qk)),
+                }
+                shapes.extend([(1, n_tok, d, la.kv_rank + la.rope_dim), (1, n_tok, la.kv_rank, h * 2 * hd)]);
+                qk
+            }
+        };
+        shapes.push((b * h, t, head, t));
+        shapes.push((b * h, t, t, head));
         shapes.push((1, n_tok, mc.attention_width(), d));
         if mc.is_moe(block) {
             shapes.push((1, n_tok, d, e));
         } else {
+            let f = mc.dense_width();
             shapes.push((1, n_tok, d, f));
             shapes.push((1, n_tok, f, d));
         }

@@ -199,6 +199,8 @@ fn torch_mismatch(config: &TrainConfig) -> Option<String> {
         (!m.shared_expert_gate, "a gated shared expert (the peer's are ungated)".to_string()),
         (m.kv_heads() == m.n_heads && m.head_dim.is_none(), "grouped-query attention or heads of their own width".to_string()),
         (!m.qk_norm, "query and key norms".to_string()),
+        (m.latent_attention.is_none(), "latent attention (the peer's is multi-head)".to_string()),
+        (m.dense_first == 0 && m.dense_d_ff.is_none(), "dense blocks first (the peer has an MoE in every block)".to_string()),
         (m.norm_eps == 1e-5, format!("norm ε {} (the peer uses 1e-5)", m.norm_eps)),
         (m.moe_every == 1, format!("an MoE every {} blocks (the peer has one in every block)", m.moe_every)),
         (m.capacity_factor.is_none(), "a capacity factor (the peer is dropless)".to_string()),
