@@ -8,6 +8,10 @@
 
 use serde::{Deserialize, Serialize};
 
+mod attention;
+
+pub use attention::{LatentAttention, MAX_LATENT_RANK};
+
 use crate::error::{ModelError, Result};
 
 /// The normalisation of each block's two inputs and of the final hidden state.
@@ -204,25 +208,6 @@ impl Default for ModelConfig {
     }
 }
 
-/// DeepSeek's multi-head latent attention (DeepSeek-V2 §2.1.2–2.1.3, kept by V3): each token's
-/// keys and values come out of one low-rank latent (`kv_rank` wide, RMS-normed) and, the
-/// queries too when `q_rank` is given; the rotary positions go on a part of their own
-/// (`rope_dim` wide a head, the key's part one for all heads), since a rotation would not commute
-/// with the latent's up-projection. A head's keys are its `head_dim` wide position-free part and
-/// the shared rotary part; its values are `head_dim` wide. Why: the latent is what a decoder
-/// caches — at V3's size 576 numbers a token and layer instead of 32,768.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LatentAttention {
-    /// The keys' and values' latent width (`kv_lora_rank`).
-    pub kv_rank: usize,
-    /// The queries' latent width (`q_lora_rank`); None: the queries are projected directly.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub q_rank: Option<usize>,
-    /// Each head's rotary part of its queries and keys (`qk_rope_head_dim`, even).
-    pub rope_dim: usize,
-}
-
 /// How an MoE layer's loads are kept even ([`ModelConfig::balance`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -300,8 +285,6 @@ impl std::str::FromStr for Arch {
 pub const MAX_HEAD_DIM: usize = 1 << 12;
 /// The widest dense FFN (DeepSeek-V3's is 18,432).
 pub const MAX_DENSE_D_FF: usize = 1 << 20;
-/// The widest latent of latent attention (DeepSeek-V3's are 512 and 1,536).
-pub const MAX_LATENT_RANK: usize = 1 << 14;
 
 /// The most experts a token may be routed to (OLMoE and Qwen-MoE route to 8).
 pub const MAX_TOP_K: usize = 8;
@@ -678,55 +661,6 @@ impl ModelConfig {
 
     /// Every parameter of the model, counted from the shape without building it (within
     /// [`ModelConfig::validate`]'s limits this cannot overflow).
-    /// Latent attention's widths, and what it is built without.
-    fn validate_latent_attention(&self, la: &LatentAttention) -> Result<()> {
-        let without = [
-            (self.positions == Positions::Rope, "positions", "learned", "latent attention needs rotary positions (rope)"),
-            (
-                self.kv_heads() == self.n_heads,
-                "n_kv_heads",
-                "fewer than the heads",
-                "latent attention shares a latent, not key/value heads",
-            ),
-            (!self.qk_norm, "qk_norm", "true", "latent attention norms its latents, not its heads"),
-            (!self.attn_bias && !self.qkv_bias, "attn_bias", "true", "latent attention has no biases (attn_bias and qkv_bias false)"),
-        ];
-        if let Some((_, field, value, why)) = without.into_iter().find(|(ok, ..)| !ok) {
-            return Err(ModelError::config(field, value, why));
-        }
-        if la.kv_rank == 0 || la.kv_rank > MAX_LATENT_RANK {
-            return Err(ModelError::config("latent_attention.kv_rank", la.kv_rank, format!("must be 1 to {MAX_LATENT_RANK}")));
-        }
-        if let Some(q) = la.q_rank.filter(|&q| q == 0 || q > MAX_LATENT_RANK) {
-            return Err(ModelError::config("latent_attention.q_rank", q, format!("must be 1 to {MAX_LATENT_RANK}")));
-        }
-        if la.rope_dim == 0 || !la.rope_dim.is_multiple_of(2) || la.rope_dim > MAX_HEAD_DIM {
-            return Err(ModelError::config("latent_attention.rope_dim", la.rope_dim, format!("must be even, 2 to {MAX_HEAD_DIM}")));
-        }
-        Ok(())
-    }
-
-    /// The attention's parameters in one block (without its norm).
-    fn attention_parameters(&self) -> u128 {
-        let (d, inner) = (self.d_model as u128, self.attention_width() as u128);
-        let Some(la) = &self.latent_attention else {
-            let packed = self.qkv_width() as u128;
-            let bias = match (self.attn_bias, self.qkv_bias) {
-                (true, _) => packed + d,
-                (false, true) => packed,
-                (false, false) => 0,
-            };
-            let qk_norm = if self.qk_norm { 2 * self.head_width() as u128 } else { 0 };
-            return d * packed + inner * d + bias + qk_norm;
-        };
-        let (h, hd, r, kv) = (self.n_heads as u128, self.head_width() as u128, la.rope_dim as u128, la.kv_rank as u128);
-        let queries = match la.q_rank {
-            Some(q) => d * q as u128 + q as u128 + q as u128 * h * (hd + r),
-            None => d * h * (hd + r),
-        };
-        queries + d * (kv + r) + kv + kv * h * 2 * hd + inner * d
-    }
-
     pub fn parameter_count(&self) -> u128 {
         let (v, d, e) = (self.vocab_size as u128, self.d_model as u128, self.n_experts as u128);
         let ffn = |f: usize| self.ffn_shapes(f).iter().map(|s| s.iter().map(|&x| x as u128).product::<u128>()).sum::<u128>();
