@@ -53,9 +53,9 @@ impl Batches {
         let bad = |why: String| ModelError::Data { path: path.to_path_buf(), reason: why };
         let mut file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
         let len = file.metadata().map_or(0, |m| m.len());
-        let mut head = [0u8; 8];
-        let got = read_up_to(&mut file, &mut head).map_err(|e| bad(format!("cannot read: {e}")))?;
-        let head = &head[..got];
+        let mut head = Vec::with_capacity(8);
+        (&mut file).take(8).read_to_end(&mut head).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let head = head.as_slice();
         if head.starts_with(b"PAR1") {
             return Err(bad("a Parquet file, not Arrow: read it with --data-format parquet".into()));
         }
@@ -67,7 +67,7 @@ impl Batches {
         if !(is_file || is_stream) {
             return Err(bad(format!("not an Arrow IPC file or stream (it starts with bytes {head:02x?})")));
         }
-        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+        std::io::Seek::rewind(&mut file).map_err(|e| bad(format!("cannot read: {e}")))?;
         let projection = projection.map(|c| vec![c]);
         let opened = caught(TableFormat::Arrow, || {
             if is_file {
@@ -123,18 +123,6 @@ impl Batches {
         }
         Err(format!("the stream ends at byte {len} without its end-of-stream marker: the file is cut short (a writer stopped midway?)"))
     }
-}
-
-/// Up to `buf.len()` bytes from the start of `r`: how many there were.
-fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf[got..])? {
-            0 => break,
-            n => got += n,
-        }
-    }
-    Ok(got)
 }
 
 /// `name`'s column in `schema`: its index and what it holds; an error lists the columns there
