@@ -1,5 +1,5 @@
-//! `train --workers N --deterministic`: the result of every step has the same bits whatever the
-//! number of workers and whatever failed on the way — compared as bytes (the final
+//! `train [--workers N] --deterministic`: the result of every step has the same bits in one
+//! process, whatever the number of workers and whatever failed on the way — compared as bytes (the final
 //! checkpoint's tensors) and as bits (every step's loss), never within a tolerance.
 
 mod common;
@@ -28,12 +28,15 @@ fn loss_bits(path: &Path) -> Vec<(u64, u64)> {
     log(path).0.into_iter().map(|(s, l)| (s, l.to_bits())).collect()
 }
 
-/// `train --workers N --deterministic` for `steps` steps in `d/name`: its checkpoint's bytes and
-/// its losses' bits.
+/// `train --workers N --deterministic` (N = 0: in one process, no `--workers`) for `steps`
+/// steps in `d/name`: its checkpoint's bytes and its losses' bits.
 fn run(d: &Path, name: &str, workers: usize, steps: &str, extra: &[&str]) -> (Vec<u8>, Vec<(u64, u64)>) {
     let (path, ck) = (d.join(format!("{name}.jsonl")), d.join(format!("{name}-ck")));
     let w = workers.to_string();
-    let mut args = vec!["train", "--workers", &w, "--deterministic", "--steps", steps, "--quiet"];
+    let mut args = vec!["train", "--deterministic", "--steps", steps, "--quiet"];
+    if workers > 0 {
+        args.extend(["--workers", &w]);
+    }
     args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
     args.extend(tiny());
     args.extend(extra);
@@ -43,14 +46,17 @@ fn run(d: &Path, name: &str, workers: usize, steps: &str, extra: &[&str]) -> (Ve
 }
 
 #[test]
-fn one_to_four_workers_train_the_same_bits() {
+fn one_process_and_one_to_four_workers_train_the_same_bits() {
     let d = dir("deterministic-workers");
     let (want, want_losses) = run(&d, "one", 1, "50", &[]);
     assert_eq!(want_losses.len(), 50);
-    for n in 2..=4 {
+    for n in 0..=4 {
+        if n == 1 {
+            continue;
+        }
         let (got, losses) = run(&d, &format!("w{n}"), n, "50", &[]);
-        assert!(losses == want_losses, "{n} workers: losses differ from one worker's: {losses:?} vs {want_losses:?}");
-        assert!(got == want, "{n} workers: the checkpoint's tensors differ from one worker's");
+        assert!(losses == want_losses, "{n} workers (0: one process): losses differ from one worker's: {losses:?} vs {want_losses:?}");
+        assert!(got == want, "{n} workers (0: one process): the checkpoint's tensors differ from one worker's");
     }
     // Without --deterministic, 1 and 3 workers differ in their last bits (what this mode is for).
     let default = |n: &str, name: &str| {
@@ -229,22 +235,25 @@ fn a_rebalance_leaves_the_same_bits() {
 }
 
 /// Experts replicated over 4 workers (2 slots each for 4 experts: every expert on two workers)
-/// and the same job on one worker process export the same Hugging Face files, byte for byte —
-/// a Qwen2-MoE model with one key/value head, q/k/v biases and a gated shared expert.
+/// and the same job in one process export the same Hugging Face files, byte for byte — a
+/// Qwen2-MoE model with one key/value head, q/k/v biases and a gated shared expert.
 #[test]
-fn experts_replicated_over_four_workers_export_the_bytes_one_worker_exports() {
+fn experts_replicated_over_four_workers_export_the_bytes_one_process_exports() {
     let d = dir("deterministic-export");
-    let export = |workers: usize, slots: &str| -> Vec<(String, Vec<u8>)> {
+    let export = |workers: usize| -> Vec<(String, Vec<u8>)> {
         let (ck, hf) = (d.join(format!("w{workers}-ck")), d.join(format!("w{workers}-hf")));
         let w = workers.to_string();
-        let mut args = vec!["train", "--workers", &w, "--deterministic", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap()];
+        let mut args = vec!["train", "--deterministic", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap()];
         args.extend(tiny());
-        args.extend(["--arch", "qwen2-moe", "--kv-heads", "1", "--slots-per-worker", slots]);
+        args.extend(["--arch", "qwen2-moe", "--kv-heads", "1"]);
+        if workers > 0 {
+            args.extend(["--workers", &w, "--slots-per-worker", "2"]);
+        }
         let out = lazarus(&args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{workers} workers: {err}");
-        let sets = common::placement_sets(&err);
         if workers == 4 {
+            let sets = common::placement_sets(&err);
             for e in 0..4 {
                 let holders = sets.iter().filter(|s| s.trim_matches(['[', ']']).split(',').any(|x| x.trim() == e.to_string())).count();
                 assert_eq!(holders, 2, "expert {e} on two workers: {sets:?}");
@@ -260,10 +269,40 @@ fn experts_replicated_over_four_workers_export_the_bytes_one_worker_exports() {
         files.sort();
         files
     };
-    let (one, four) = (export(1, "4"), export(4, "2"));
+    let (one, four) = (export(0), export(4));
     assert!(one.iter().any(|(n, _)| n.ends_with(".safetensors")), "{:?}", one.iter().map(|f| &f.0).collect::<Vec<_>>());
     assert_eq!(one.iter().map(|f| &f.0).collect::<Vec<_>>(), four.iter().map(|f| &f.0).collect::<Vec<_>>());
     for ((name, a), (_, b)) in one.iter().zip(&four) {
-        assert!(a == b, "{name} differs between one worker's export and four workers'");
+        assert!(a == b, "{name} differs between one process's export and four workers'");
+    }
+}
+
+/// In one process, a deterministic run stopped at step 4 and resumed writes the bytes of the
+/// uninterrupted run; what a deterministic step cannot run is refused by its flag.
+#[test]
+fn one_process_resumes_to_the_same_bits_and_refuses_what_it_cannot_run() {
+    let d = dir("deterministic-one-process");
+    let (want, want_losses) = run(&d, "straight", 0, "8", &[]);
+    let ck = d.join("stopped-ck");
+    let mut first = vec!["train", "--deterministic", "--steps", "4", "--quiet", "--checkpoint-dir", ck.to_str().unwrap()];
+    first.extend(tiny());
+    assert!(lazarus(&first).status.success());
+    let path = d.join("resumed.jsonl");
+    let resumed = ["train", "--resume", "--deterministic", "--steps", "8", "--quiet", "--checkpoint-dir", ck.to_str().unwrap()];
+    let out = lazarus(&[&resumed[..], &["--json-log", path.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(checkpoint_bytes(&ck) == want, "the resumed run's tensors are the uninterrupted run's");
+    assert_eq!(loss_bits(&path), want_losses[4..], "steps 5 to 8 with the uninterrupted run's loss bits");
+
+    for (flag, value, says) in [
+        ("--capacity-factor", "1.25", "--deterministic with --capacity-factor 1.25: deterministic steps are dropless"),
+        ("--shard-sequences", "5", "invalid --shard-sequences: 5 (a divisor of --batch-size 12"),
+    ] {
+        let mut args = vec!["train", "--deterministic", "--steps", "2", "--no-save", flag, value];
+        args.extend(tiny());
+        let out = lazarus(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{flag} {value}: {err}");
+        assert!(!err.contains("lazarus train ("), "refused before the run starts: {err}");
     }
 }

@@ -178,7 +178,6 @@ fn bad_worker_settings_are_named() {
         (vec!["--workers", "2", "--shard-sequences", "2"], "--shard-sequences needs --deterministic"),
         (vec!["--workers", "2", "--deterministic", "--shard-sequences", "3"], "invalid --shard-sequences: 3 (a divisor of --batch-size 5"),
         (vec!["--workers", "2", "--deterministic", "--shard-sequences", "0"], "invalid --shard-sequences: 0"),
-        (vec!["--deterministic"], "--deterministic needs --workers N"),
         (vec!["--workers", "65"], "invalid --workers: 65 (expected 1 to 64 on one machine)"),
         (vec!["--workers", "4", "--gpus-per-node", "3"], "invalid --gpus-per-node: 3 (expected a divisor of --workers 4"),
     ] {

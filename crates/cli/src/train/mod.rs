@@ -8,6 +8,7 @@ mod job_view;
 pub mod recovery_bench;
 pub mod replay_sim;
 pub mod report;
+mod solo;
 pub mod workers;
 
 use std::time::Instant;
@@ -20,6 +21,7 @@ use lazarus_protocol::HeldOut;
 use args::{check_resumed_config, resume_steps};
 pub use args::{setup_run, TrainArgs};
 use report::{print_banner, Reporter};
+use solo::SoloStep;
 
 /// `lazarus train`: in one process, or on `--workers N`; in a directory of the run's own
 /// (`runs/DATE-TIME/`) unless told where, or told to keep nothing.
@@ -39,7 +41,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
 fn run_train(args: &TrainArgs, run_dir: Option<&std::path::Path>) -> Result<()> {
     let args = &args::settle_resume(args)?;
     let device = lazarus_model::device::parse(args.model.device.as_deref().unwrap_or("cpu"))?;
-    let mut trainer = if args.resume {
+    let trainer = if args.resume {
         let config = setup_run(args, 1)?;
         let Some(dir) = config.checkpoint_dir.clone() else {
             bail!("--resume needs --checkpoint-dir (or checkpoint_dir in --config)");
@@ -60,17 +62,25 @@ fn run_train(args: &TrainArgs, run_dir: Option<&std::path::Path>) -> Result<()> 
     if trainer.done() {
         bail!("nothing to do: the run is at step {} of --steps {}", trainer.step, cfg.steps);
     }
-    print_banner(&trainer, "single process", &lazarus_model::device::name(trainer.model.device()));
-    let mut reporter = Reporter::new(args, &cfg, trainer.step)?;
+    let (first_step, shard) = (trainer.step, args.deterministic.then(|| args.shard_sequences.unwrap_or(1)));
+    let mut solo = SoloStep::new(trainer, shard)?;
+    let form = match shard {
+        Some(1) => "single process, deterministic (shards of 1 sequence)".to_string(),
+        Some(n) => format!("single process, deterministic (shards of {n} sequences)"),
+        None => "single process".to_string(),
+    };
+    print_banner(solo.trainer(), &form, &lazarus_model::device::name(solo.trainer().model.device()));
+    let mut reporter = Reporter::new(args, &cfg, first_step)?;
     let held_out = held_out(args, &cfg)?;
     stop_signal::install();
-    while !trainer.done() {
+    while !solo.trainer().done() {
         let t0 = Instant::now();
-        let r = trainer.step()?;
+        let r = solo.step()?;
+        let trainer = solo.trainer();
         reporter.step(&r, t0.elapsed().as_secs_f64())?;
         if let Some(h) = &held_out {
             if h.due(r.step, trainer.done()) {
-                reporter.eval(r.step, &evaluate_held_out(h, &trainer)?, cfg.seq_len)?;
+                reporter.eval(r.step, &evaluate_held_out(h, trainer)?, cfg.seq_len)?;
             }
         }
         if let Some(dir) = &cfg.checkpoint_dir {
@@ -80,9 +90,10 @@ fn run_train(args: &TrainArgs, run_dir: Option<&std::path::Path>) -> Result<()> 
             }
         }
         if let Some((sig, name)) = stop_signal::requested() {
-            return stop_early(&trainer, &reporter, sig, name);
+            return stop_early(trainer, &reporter, sig, name);
         }
     }
+    let trainer = solo.trainer();
     let saved = match &cfg.checkpoint_dir {
         Some(dir) => Some(trainer.save_checkpoint(dir)?),
         None => None,

@@ -257,6 +257,16 @@ impl Worker {
             Some(dir) => Trainer::resume_on(dir, Some(config.steps), &options.device)?,
             None => Trainer::new_on(config, &options.device)?,
         };
+        Self::with_trainer(trainer, options, rank, world)
+    }
+
+    /// A worker for rank `rank` of `world` around a trainer already built or resumed (on
+    /// `options.device`): the single-process trainer's deterministic step is a world of one.
+    pub fn with_trainer(trainer: Trainer, options: WorkerOptions, rank: usize, world: usize) -> Result<Self, RuntimeError> {
+        if rank >= world {
+            return Err(RuntimeError::Invalid { field: "rank", reason: format!("rank {rank} of a world of {world}") });
+        }
+        validate_worker_config(&trainer.config, world)?;
         let mc = trainer.model.config().clone();
         check_plan(&options.plan, mc.moe_layers(), mc.n_experts, world, options.mode)?;
         let model = &trainer.model;

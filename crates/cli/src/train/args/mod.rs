@@ -314,7 +314,7 @@ pub struct TrainArgs {
     /// over the workers, one replica each, all-to-all buffers padded to the largest load).
     #[arg(long)]
     pub static_ep: bool,
-    /// With --workers: every step's result has the same bits on any number of workers and
+    /// Every step's result has the same bits in one process and on any number of workers, and
     /// through any failure, join, drain or move (the batch in shards of one sequence, a
     /// shard's tokens whole to one expert replica, every gradient an exact sum); slower.
     #[arg(long)]
@@ -420,7 +420,7 @@ impl TrainArgs {
 
     /// Flags that only mean something with `--workers`, by name, when given.
     pub(super) fn worker_flags(&self) -> Vec<&'static str> {
-        let given: [(&'static str, bool); 24] = [
+        let given: [(&'static str, bool); 22] = [
             ("--metrics-listen", self.metrics_listen.is_some()),
             ("--dashboard-listen", self.dashboard_listen.is_some()),
             ("--metrics-token-file", self.metrics_token_file.is_some()),
@@ -441,8 +441,6 @@ impl TrainArgs {
             ("--max-imbalance", self.max_imbalance.is_some()),
             ("--profile-steps", self.profile_steps.is_some()),
             ("--static-ep", self.static_ep),
-            ("--deterministic", self.deterministic),
-            ("--shard-sequences", self.shard_sequences.is_some()),
             ("--comm-timeout", self.comm_timeout.is_some()),
             ("--workers", self.workers.is_some()),
         ];
