@@ -14,6 +14,36 @@ fn tiny() -> [&'static str; 16] {
     common::tiny_model("12")
 }
 
+/// DeepSeek-V3's blocks: a dense first block, latent attention with a query latent, a sigmoid
+/// router limited to the top one of two expert groups and scaled by 2.5, a shared expert, the
+/// loss-free balancing's routing bias (moved and restored with the rest).
+const DEEPSEEK_V3: &[&str] = &[
+    "--arch",
+    "deepseek-moe",
+    "--dense-first",
+    "1",
+    "--kv-lora-rank",
+    "8",
+    "--q-lora-rank",
+    "12",
+    "--rope-head-dim",
+    "4",
+    "--expert-groups",
+    "2",
+    "--top-groups",
+    "1",
+    "--routed-scaling",
+    "2.5",
+    "--balance",
+    "bias",
+    "--bias-update-rate",
+    "0.01",
+];
+
+/// Qwen3-MoE's blocks: query and key norms, one key/value head, heads wider than d_model /
+/// heads, top-k weights renormalised.
+const QWEN3_MOE: &[&str] = &["--arch", "qwen-moe", "--kv-heads", "1", "--head-dim", "12"];
+
 /// The bytes of the newest checkpoint's tensors in `ck` (model, then optimizer state).
 fn checkpoint_bytes(ck: &Path) -> Vec<u8> {
     let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
@@ -69,17 +99,17 @@ fn one_process_and_one_to_four_workers_train_the_same_bits() {
     assert_ne!(default("1", "default-1"), default("3", "default-3"), "the default mode was expected to differ in its last bits");
 }
 
-/// Shards of three sequences (`--shard-sequences 3`: 4 a step): 1 and 3 workers — 4 shards
-/// over 3 ranks, one of which runs a stand-in for its second pass — give the same bits.
+/// Shards of three sequences (`--shard-sequences 3`: 4 a step): one process and 3 workers — 4
+/// shards over 3 ranks, one of which runs a stand-in for its second pass — give the same bits.
 #[test]
 fn shards_of_several_sequences_give_the_same_bits_on_any_number_of_workers() {
     let d = dir("deterministic-shards");
-    let (want, want_losses) = run(&d, "one", 1, "20", &["--shard-sequences", "3"]);
+    let (want, want_losses) = run(&d, "one", 0, "20", &["--shard-sequences", "3"]);
     let (got, losses) = run(&d, "three", 3, "20", &["--shard-sequences", "3"]);
-    assert!(losses == want_losses, "3 workers: losses differ from one worker's");
-    assert!(got == want, "3 workers: the checkpoint's tensors differ from one worker's");
+    assert!(losses == want_losses, "3 workers: losses differ from one process's");
+    assert!(got == want, "3 workers: the checkpoint's tensors differ from one process's");
     // Another shard size is another (still deterministic) computation.
-    let (other, _) = run(&d, "sequence", 1, "20", &[]);
+    let (other, _) = run(&d, "sequence", 0, "20", &[]);
     assert!(other != want, "shards of one sequence gave the bits of shards of three");
 }
 
@@ -88,7 +118,7 @@ fn shards_of_several_sequences_give_the_same_bits_on_any_number_of_workers() {
 #[test]
 fn a_worker_killed_from_outside_leaves_the_bits_of_an_uninterrupted_run() {
     let d = dir("deterministic-kill");
-    let (want, want_losses) = run(&d, "uninterrupted", 1, "40", &[]);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, "40", &[]);
     let (path, ck) = (d.join("killed.jsonl"), d.join("killed-ck"));
     let mut args = vec!["train", "--workers", "4", "--deterministic", "--steps", "40"];
     args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
@@ -107,7 +137,7 @@ fn a_worker_killed_from_outside_leaves_the_bits_of_an_uninterrupted_run() {
 #[test]
 fn workers_killed_in_forward_and_in_the_all_reduce_leave_the_same_bits() {
     let d = dir("deterministic-phases");
-    let (want, want_losses) = run(&d, "uninterrupted", 1, "24", &[]);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, "24", &[]);
     let (ck, got_losses) = faulty(&d, "phases", &["--steps", "24", "--slots-per-worker", "4"], "1:forward:8,3:all_reduce:16", 2);
     assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
     assert!(checkpoint_bytes(&ck) == want, "the final checkpoint's tensors are those of the uninterrupted run");
@@ -118,16 +148,28 @@ fn workers_killed_in_forward_and_in_the_all_reduce_leave_the_same_bits() {
 /// never failed.
 #[test]
 fn a_rollback_leaves_the_same_bits() {
-    let d = dir("deterministic-rollback");
-    let (want, want_losses) = run(&d, "uninterrupted", 1, "20", &[]);
+    rollback("deterministic-rollback", &[]);
+}
+
+/// The same with Qwen3-MoE's blocks, and with DeepSeek-V3's.
+#[test]
+fn qwen3_and_deepseek_v3_blocks_roll_back_to_the_same_bits() {
+    rollback("deterministic-rollback-qwen3", QWEN3_MOE);
+    rollback("deterministic-rollback-deepseek-v3", DEEPSEEK_V3);
+}
+
+fn rollback(name: &str, blocks: &[&str]) {
+    let d = dir(name);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, "20", blocks);
     // The twins of this job's placement (the plan is deterministic).
     let mut probe = vec!["train", "--workers", "4", "--deterministic", "--steps", "1"];
     probe.extend(tiny());
+    probe.extend(blocks);
     let out = lazarus(&probe);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (a, b) = twin_holders(&String::from_utf8_lossy(&out.stderr));
     let faults = format!("{a}:vote:13,{b}:vote:13");
-    let (ck, got_losses) = faulty(&d, "rollback", &["--steps", "20", "--checkpoint-every", "5"], &faults, 1);
+    let (ck, got_losses) = faulty(&d, "rollback", &[&["--steps", "20", "--checkpoint-every", "5"], blocks].concat(), &faults, 1);
     let (_, moves) = log(&d.join("rollback.jsonl"));
     assert_eq!(moves[0]["cause"].as_str(), Some("rollback"), "{moves:?}");
     assert!(got_losses == want_losses, "every step once, with the uninterrupted run's loss bits");
@@ -152,19 +194,31 @@ fn faulty(d: &Path, name: &str, extra: &[&str], faults: &str, moves: usize) -> (
 
 /// Under a controller and node agents: a node attaches to the running job (2 → 4 workers),
 /// then the first node gives notice (SIGTERM to its agent) and leaves, handing over what only
-/// it holds — and the job ends with the bytes of a run on one worker that never changed.
+/// it holds — and the job ends with the bytes of the same job in one process.
 #[test]
 fn a_join_and_a_drain_leave_the_same_bits() {
+    join_and_drain("deterministic-agents", &[]);
+}
+
+/// The same with DeepSeek-V3's blocks: the joiner takes the routing bias and latent attention's
+/// projections with the rest of the replicated state.
+#[test]
+fn deepseek_v3_blocks_join_and_drain_to_the_same_bits() {
+    join_and_drain("deterministic-agents-deepseek-v3", DEEPSEEK_V3);
+}
+
+fn join_and_drain(name: &str, blocks: &[&str]) {
     use common::hosts::{start_agent_with_env, start_controller, wait_for_records};
     use std::time::Duration;
-    let d = dir("deterministic-agents");
+    let d = dir(name);
     let steps = "200";
-    let (want, want_losses) = run(&d, "uninterrupted", 1, steps, &[]);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, steps, blocks);
     let (path, ck, secret) = (d.join("agents.jsonl"), d.join("agents-ck"), d.join("secret"));
     let (log_s, ck_s, secret_s) = (path.to_str().unwrap(), ck.to_str().unwrap(), secret.to_str().unwrap());
     let mut args = vec!["--listen", "127.0.0.1:0", "--secret-file", secret_s, "--workers", "2", "--gpus-per-node", "2"];
     args.extend(["--max-workers", "4", "--join-wait", "0.2", "--lease", "0.5", "--rebalance-every", "0", "--deterministic"]);
     args.extend(tiny());
+    args.extend(blocks);
     args.extend(["--steps", steps, "--json-log", log_s, "--checkpoint-dir", ck_s]);
     let (mut controller, ctl_lines, addr) = start_controller(&args, None);
     // Paced (every step 10 ms or more): the job outlasts a join and a drain on any machine.
@@ -191,11 +245,24 @@ fn a_join_and_a_drain_leave_the_same_bits() {
 /// of a run that never failed.
 #[test]
 fn a_restore_from_snapshots_leaves_the_same_bits() {
-    let d = dir("deterministic-snapshot");
-    let (want, want_losses) = run(&d, "uninterrupted", 1, "20", &[]);
+    restore("deterministic-snapshot", &[]);
+}
+
+/// The same with Qwen3-MoE's blocks, and with DeepSeek-V3's (the restored experts' routing
+/// bias is the replicated state's, not the snapshot's).
+#[test]
+fn qwen3_and_deepseek_v3_blocks_restore_from_snapshots_to_the_same_bits() {
+    restore("deterministic-snapshot-qwen3", QWEN3_MOE);
+    restore("deterministic-snapshot-deepseek-v3", DEEPSEEK_V3);
+}
+
+fn restore(name: &str, blocks: &[&str]) {
+    let d = dir(name);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, "20", blocks);
     let slots = ["--slots-per-worker", "1"];
     let mut probe = vec!["train", "--workers", "5", "--deterministic", "--steps", "1"];
     probe.extend(tiny());
+    probe.extend(blocks);
     probe.extend(slots);
     let out = lazarus(&probe);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -205,6 +272,7 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
     let ck = d.join("snapshot-ck");
     args.extend(["--json-log", path.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "5"]);
     args.extend(tiny());
+    args.extend(blocks);
     args.extend(slots);
     let faults = format!("{victim}:vote:13");
     let (mut child, lines) = spawn_lazarus(&args, &[("LAZARUS_FAULT", faults.as_str())]);
@@ -220,13 +288,23 @@ fn a_restore_from_snapshots_leaves_the_same_bits() {
 }
 
 /// A rebalance applied at a step boundary (3 workers, the plan weighed every 50 steps against
-/// the loads measured): the experts move to the new plan and the job ends with the bytes of one
-/// worker that never moved anything.
+/// the loads measured): the experts move to the new plan and the job ends with the bytes of the
+/// same job in one process, which never moved anything.
 #[test]
 fn a_rebalance_leaves_the_same_bits() {
-    let d = dir("deterministic-rebalance");
-    let (want, want_losses) = run(&d, "uninterrupted", 1, "120", &[]);
-    let rebalance = ["--slots-per-worker", "2", "--max-imbalance", "inf", "--rebalance-every", "50"];
+    rebalance("deterministic-rebalance", &[]);
+}
+
+/// The same with DeepSeek-V3's blocks.
+#[test]
+fn deepseek_v3_blocks_rebalance_to_the_same_bits() {
+    rebalance("deterministic-rebalance-deepseek-v3", DEEPSEEK_V3);
+}
+
+fn rebalance(name: &str, blocks: &[&str]) {
+    let d = dir(name);
+    let (want, want_losses) = run(&d, "uninterrupted", 0, "120", blocks);
+    let rebalance = [&["--slots-per-worker", "2", "--max-imbalance", "inf", "--rebalance-every", "50"], blocks].concat();
     let (got, losses) = run(&d, "rebalanced", 3, "120", &rebalance);
     let (_, moves) = log(&d.join("rebalanced.jsonl"));
     assert!(!moves.is_empty() && moves.iter().all(|m| m["cause"] == "rebalance"), "a rebalance applied: {moves:?}");
