@@ -8,6 +8,7 @@
 //! holder that has been asked for the fewest bytes so far, most constrained fetches first, so
 //! the transfer time is spread over all holders.
 
+mod assignment;
 mod lists;
 mod moves;
 mod ranks;
@@ -25,6 +26,7 @@ use crate::distinct::{distinct_sorted, each_missing, extend_distinct_sorted};
 use crate::error::PlanError;
 use crate::placement::Placement;
 use crate::ExpertId;
+use assignment::{greedy_assignment, min_cost_assignment};
 use lists::Lists;
 
 /// What one live physical node holds before the change: for each layer, the experts it has a
@@ -315,85 +317,6 @@ fn sorted(v: &[ExpertId]) -> Cow<'_, [ExpertId]> {
     Cow::Owned(distinct_sorted(v))
 }
 
-/// Exact minimum-cost perfect matching of rows to columns (Hungarian algorithm with
-/// potentials). Returns `col[row]`.
-pub(crate) fn min_cost_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
-    let n = cost.len();
-    const INF: i64 = i64::MAX / 4;
-    let mut u = vec![0i64; n + 1];
-    let mut v = vec![0i64; n + 1];
-    let mut p = vec![0usize; n + 1]; // p[col] = row (1-based), 0 = free
-    let mut way = vec![0usize; n + 1];
-    let mut minv = vec![INF; n + 1];
-    let mut used = vec![false; n + 1];
-    for i in 1..=n {
-        p[0] = i;
-        let mut j0 = 0;
-        minv.fill(INF);
-        used.fill(false);
-        loop {
-            used[j0] = true;
-            let i0 = p[j0];
-            let (row, ui0) = (&cost[i0 - 1], u[i0]);
-            let mut delta = INF;
-            let mut j1 = 0;
-            // Columns 1..=n, zipped (at 128 nodes, a weighing's mapping was mostly bounds checks).
-            let columns = row.iter().zip(&v[1..]).zip(&used[1..]).zip(minv[1..].iter_mut()).zip(way[1..].iter_mut());
-            for (k, ((((&c, &vj), &uj), mv), w)) in columns.enumerate() {
-                if !uj {
-                    let cur = c - ui0 - vj;
-                    if cur < *mv {
-                        *mv = cur;
-                        *w = j0;
-                    }
-                    if *mv < delta {
-                        delta = *mv;
-                        j1 = k + 1;
-                    }
-                }
-            }
-            for j in 0..=n {
-                if used[j] {
-                    u[p[j]] += delta;
-                    v[j] -= delta;
-                } else {
-                    minv[j] -= delta;
-                }
-            }
-            j0 = j1;
-            if p[j0] == 0 {
-                break;
-            }
-        }
-        loop {
-            let j1 = way[j0];
-            p[j0] = p[j1];
-            j0 = j1;
-            if j0 == 0 {
-                break;
-            }
-        }
-    }
-    let mut col = vec![0usize; n];
-    for j in 1..=n {
-        col[p[j] - 1] = j - 1;
-    }
-    col
-}
-
-/// The paper's greedy: repeatedly take the cheapest (node, plan node) pair still free.
-pub(crate) fn greedy_assignment(cost: &[Vec<i64>]) -> Vec<usize> {
-    let n = cost.len();
-    let mut col = vec![usize::MAX; n];
-    let mut taken = vec![false; n];
-    for (row, c) in col.iter_mut().enumerate() {
-        let best = (0..n).filter(|&q| !taken[q]).min_by_key(|&q| (cost[row][q], q)).expect("free column");
-        taken[best] = true;
-        *c = best;
-    }
-    col
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,28 +347,6 @@ mod tests {
             let wanted = Lists::of(wanted.iter().map(Vec::as_slice));
             prop_assert_eq!(missing_bytes(&wanted, &holders, &bytes), plain);
         }
-    }
-
-    fn brute_min(cost: &[Vec<i64>]) -> i64 {
-        fn rec(cost: &[Vec<i64>], row: usize, used: &mut Vec<bool>) -> i64 {
-            if row == cost.len() {
-                return 0;
-            }
-            let mut best = i64::MAX;
-            for q in 0..cost.len() {
-                if !used[q] {
-                    used[q] = true;
-                    best = best.min(cost[row][q] + rec(cost, row + 1, used));
-                    used[q] = false;
-                }
-            }
-            best
-        }
-        rec(cost, 0, &mut vec![false; cost.len()])
-    }
-
-    fn assignment_cost(cost: &[Vec<i64>], col: &[usize]) -> i64 {
-        col.iter().enumerate().map(|(r, &c)| cost[r][c]).sum()
     }
 
     #[test]
@@ -554,16 +455,5 @@ mod tests {
             }
         }
 
-        #[test]
-        fn assignment_is_one_to_one_and_optimal(n in 1usize..7, seed in any::<u64>()) {
-            let mut rng = SplitMix64::new(seed);
-            let cost: Vec<Vec<i64>> = (0..n).map(|_| (0..n).map(|_| rng.below(20) as i64).collect()).collect();
-            let col = min_cost_assignment(&cost);
-            let mut seen = col.clone();
-            seen.sort();
-            prop_assert_eq!(seen, (0..n).collect::<Vec<_>>());
-            prop_assert_eq!(assignment_cost(&cost, &col), brute_min(&cost));
-            prop_assert!(assignment_cost(&cost, &greedy_assignment(&cost)) >= brute_min(&cost));
-        }
     }
 }
