@@ -436,12 +436,11 @@ impl Weighing {
         // The candidate with its nodes where the mapping puts them (plan position n on the node
         // now at position n): layers of it and of the current plan then mix without moving more;
         // and what each layer's move would fetch (expert states, bytes).
-        let mut live: Vec<NodeState> = Vec::new();
         let (aligned, fetches): (Vec<Placement>, Vec<(usize, u64)>) = if in_place {
             let count = fetches_in_place(&held, &candidate, position_node)?;
             (candidate.layers().to_vec(), count.into_iter().map(|c| (c, c as u64 * bytes)).collect())
         } else {
-            live = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
+            let live: Vec<NodeState> = held.into_iter().map(|(node, experts)| NodeState { node, experts }).collect();
             let size = size_of_move(&live, candidate.layers(), &vec![bytes; layers]).ok()?;
             let plan_index: BTreeMap<u64, usize> = size.plan_to_node.iter().enumerate().map(|(q, &n)| (n, q)).collect();
             // (Mapped where they are, the candidate's layers are it, shared.)
@@ -509,8 +508,6 @@ impl Weighing {
                 .sum();
             d.imbalance_after = sum / n;
         }
-        // What the weighing read, freed off its path (at 128 nodes of 58 layers, ~7% of it).
-        lazarus_plan::parallel::drop_elsewhere((live, candidate, aligned), current.shape().nodes * layers >= 1 << 12);
         Some((d, target))
     }
 }
