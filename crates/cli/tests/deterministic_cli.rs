@@ -6,39 +6,13 @@ mod common;
 
 use std::path::Path;
 
-use common::{dir, lazarus, log, lone_holder, signal, spawn_lazarus, twin_holders, wait, wait_for_steps, worker_pids};
+use common::{dir, lazarus, log, lone_holder, signal, spawn_lazarus, twin_holders, wait, wait_for_steps, worker_pids, DEEPSEEK_V3};
 
 /// The tiny model, 12 sequences a step (1, 2, 3 and 4 workers all divide the batch
 /// differently: 12, 6 + 6, 4 + 4 + 4, 3 × 4).
 fn tiny() -> [&'static str; 16] {
     common::tiny_model("12")
 }
-
-/// DeepSeek-V3's blocks: a dense first block, latent attention with a query latent, a sigmoid
-/// router limited to the top one of two expert groups and scaled by 2.5, a shared expert, the
-/// loss-free balancing's routing bias (moved and restored with the rest).
-const DEEPSEEK_V3: &[&str] = &[
-    "--arch",
-    "deepseek-moe",
-    "--dense-first",
-    "1",
-    "--kv-lora-rank",
-    "8",
-    "--q-lora-rank",
-    "12",
-    "--rope-head-dim",
-    "4",
-    "--expert-groups",
-    "2",
-    "--top-groups",
-    "1",
-    "--routed-scaling",
-    "2.5",
-    "--balance",
-    "bias",
-    "--bias-update-rate",
-    "0.01",
-];
 
 /// Qwen3-MoE's blocks: query and key norms, one key/value head, heads wider than d_model /
 /// heads, top-k weights renormalised.

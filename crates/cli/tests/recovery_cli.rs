@@ -681,28 +681,7 @@ fn qwen_and_deepseek_options_with_the_routing_bias_survive_a_killed_worker() {
 /// latent), group-limited routing scaled by 2.5, the routing bias — on 4 workers, one SIGKILLed.
 #[test]
 fn deepseek_v3_blocks_with_latent_attention_survive_a_killed_worker() {
-    let blocks = [
-        "--arch",
-        "deepseek-moe",
-        "--dense-first",
-        "1",
-        "--kv-lora-rank",
-        "8",
-        "--q-lora-rank",
-        "12",
-        "--rope-head-dim",
-        "4",
-        "--expert-groups",
-        "2",
-        "--top-groups",
-        "1",
-        "--routed-scaling",
-        "2.5",
-        "--balance",
-        "bias",
-        "--steps",
-        "30",
-    ];
+    let blocks = [common::DEEPSEEK_V3, &["--steps", "30"]].concat();
     let described =
         "latent attention (keys and values 8, queries 12, rotary 4), sigmoid router, top-1 of 2 expert groups, routed weights ×2.5";
     family_survives_a_killed_worker("deepseek-v3", &blocks, described);

@@ -140,6 +140,34 @@ impl Drop for Scratch {
     }
 }
 
+/// DeepSeek-V3's blocks on top of [`tiny_model`]: a dense first block, latent attention with a
+/// query latent (keys and values 8, queries 12, rotary 4), a sigmoid router limited to the top
+/// one of two expert groups and scaled by 2.5, a shared expert, the loss-free balancing's
+/// routing bias.
+#[allow(dead_code)] // not every test file trains DeepSeek-V3's blocks
+pub const DEEPSEEK_V3: &[&str] = &[
+    "--arch",
+    "deepseek-moe",
+    "--dense-first",
+    "1",
+    "--kv-lora-rank",
+    "8",
+    "--q-lora-rank",
+    "12",
+    "--rope-head-dim",
+    "4",
+    "--expert-groups",
+    "2",
+    "--top-groups",
+    "1",
+    "--routed-scaling",
+    "2.5",
+    "--balance",
+    "bias",
+    "--bias-update-rate",
+    "0.01",
+];
+
 /// Flags of a model small enough for tests (2 blocks of d_model 32, 4 experts of d_ff 32,
 /// 16-token sequences, a 20 kB synthetic corpus) with `batch` sequences a step.
 #[allow(dead_code)] // not every test file trains
