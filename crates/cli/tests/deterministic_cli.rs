@@ -14,6 +14,9 @@ fn tiny() -> [&'static str; 16] {
     common::tiny_model("12")
 }
 
+/// Qwen2-MoE's blocks: q/k/v biases, one key/value head, a shared expert behind a sigmoid gate.
+const QWEN2_MOE: &[&str] = &["--arch", "qwen2-moe", "--kv-heads", "1"];
+
 /// Qwen3-MoE's blocks: query and key norms, one key/value head, heads wider than d_model /
 /// heads, top-k weights renormalised.
 const QWEN3_MOE: &[&str] = &["--arch", "qwen-moe", "--kv-heads", "1", "--head-dim", "12"];
@@ -181,6 +184,12 @@ fn deepseek_v3_blocks_join_and_drain_to_the_same_bits() {
     join_and_drain("deterministic-agents-deepseek-v3", DEEPSEEK_V3);
 }
 
+/// The same with Qwen2-MoE's blocks (the shared expert's gate among the replicated state).
+#[test]
+fn qwen2_moe_blocks_join_and_drain_to_the_same_bits() {
+    join_and_drain("deterministic-agents-qwen2", QWEN2_MOE);
+}
+
 fn join_and_drain(name: &str, blocks: &[&str]) {
     use common::hosts::{start_agent_with_env, start_controller, wait_for_records};
     use std::time::Duration;
@@ -297,7 +306,7 @@ fn experts_replicated_over_four_workers_export_the_bytes_one_process_exports() {
         let w = workers.to_string();
         let mut args = vec!["train", "--deterministic", "--steps", "8", "--checkpoint-dir", ck.to_str().unwrap()];
         args.extend(tiny());
-        args.extend(["--arch", "qwen2-moe", "--kv-heads", "1"]);
+        args.extend(QWEN2_MOE);
         if workers > 0 {
             args.extend(["--workers", &w, "--slots-per-worker", "2"]);
         }
