@@ -78,8 +78,5 @@ fn check_deterministic(cfg: &lazarus_model::TrainConfig, sequences: usize) -> Re
     if cfg.routing_trace.is_some() {
         bail!("--deterministic with --routing-trace: deterministic steps route by the router");
     }
-    if sequences == 0 || !cfg.batch_size.is_multiple_of(sequences) {
-        bail!("invalid --shard-sequences: {sequences} (a divisor of --batch-size {}: whole shards a step)", cfg.batch_size);
-    }
-    Ok(())
+    super::args::check_shard_sequences(Some(sequences), cfg.batch_size)
 }

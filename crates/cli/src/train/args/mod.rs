@@ -505,6 +505,15 @@ impl TrainArgs {
     }
 }
 
+/// `--shard-sequences`, checked against the batch it cuts: a divisor of it (whole shards a step),
+/// in one process as on workers.
+pub(super) fn check_shard_sequences(shard: Option<usize>, batch_size: usize) -> Result<()> {
+    if let Some(s) = shard.filter(|&s| s == 0 || !batch_size.is_multiple_of(s)) {
+        bail!("invalid --shard-sequences: {s} (a divisor of --batch-size {batch_size}: whole shards a step)");
+    }
+    Ok(())
+}
+
 /// `cmd` with the default of every training setting in its help, for each subcommand that
 /// takes the training flags. The flags are options — given or not, so that a `--config` file's
 /// value stands where a flag is not given — and clap cannot show what they fall back to; the

@@ -263,9 +263,7 @@ fn run_job(
     // The log file is opened (and checked) before any worker starts.
     let reporter = Reporter::new(args, &cfg, first_step)?;
     let snapshots = snapshot_settings(args, live, g)?;
-    if let Some(s) = args.shard_sequences.filter(|&s| s == 0 || cfg.batch_size % s != 0) {
-        bail!("invalid --shard-sequences: {s} (a divisor of --batch-size {}: whole shards a step)", cfg.batch_size);
-    }
+    super::args::check_shard_sequences(args.shard_sequences, cfg.batch_size)?;
     let job = TrainJob {
         encrypt_data: args.encrypt_data,
         config: cfg.clone(),
