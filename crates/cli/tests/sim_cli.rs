@@ -132,6 +132,41 @@ fn a_sweep_compares_every_policy_at_every_value() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no setting a sweep varies"));
 }
 
+/// Nodes that come back ride along the next failure's move (`--join-rule repaid`) where
+/// failures come often (32 nodes, one every ~4 minutes): fewer moves, less time lost to them.
+#[test]
+fn joins_that_ride_along_make_fewer_moves() {
+    let out = lazarus(&[
+        "sim",
+        "--poisson-mtbf",
+        "2h",
+        "--repair",
+        "10m",
+        "--nodes",
+        "32",
+        "--max-nodes",
+        "32",
+        "--duration",
+        "2h",
+        "--policy",
+        "lazarus",
+        "--sweep",
+        "join-rule=wait,repaid",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let at = |i: usize, key: &str| v["points"][i]["policies"][0][key].as_f64().unwrap();
+    assert_eq!((v["points"][0]["value"].as_str(), v["points"][1]["value"].as_str()), (Some("wait"), Some("repaid")));
+    assert!(at(1, "reconfigurations") < at(0, "reconfigurations"), "{v}");
+    assert!(at(1, "ettr") > at(0, "ettr"), "{v}");
+    let out = lazarus(&["sim", "--fail-every", "5m", "--policy", "lazarus", "--join-rule", "repaid", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cost"]["join_rule"], "repaid", "the report says which rule ran");
+    let out = lazarus(&["sim", "--fail-every", "5m", "--sweep", "join-rule=wait,soon"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("join-rule: \"soon\""));
+}
+
 /// A failure mix from a published report: each failure found out by an exit or a time-out, as
 /// its cause is, said in the text and the JSON; a report's mix alone sets the rate too; with
 /// experts on one node, the snapshot tier's restores are said.

@@ -5,8 +5,8 @@
 /// Lists of ids as people read them (`0, 2, 4–9`).
 pub use lazarus_decide::words;
 pub use lazarus_decide::{
-    BadJobState, JobSpec, JobState, LayerCase, MemberState, MoveCause, MoveCost, MoveDecision, NodeId, OnLoss, RankTransfer, RebalanceCase,
-    RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, Weighed, Weighing,
+    BadJobState, JobSpec, JobState, JoinRule, LayerCase, MemberState, MoveCause, MoveCost, MoveDecision, NodeId, OnLoss, RankTransfer,
+    RebalanceCase, RebalanceDecision, RebalanceVerdict, RestoredExpert, SnapshotHeld, Weighed, Weighing, REPAID_JOIN_AT_MOST,
 };
 
 use lazarus_protocol::CommittedStep;

@@ -67,6 +67,7 @@ fn running_job(now: Instant, rebalance_every: u64) -> Controller<NoRecord> {
         expert_bytes: 616 << 20,
         lease: Duration::from_secs(3600),
         join_wait: Duration::ZERO,
+        join_rule: lazarus_decide::JoinRule::AfterWait,
         rebalance_every,
         total_steps: 1_000_000,
         on_loss: OnLoss::Recover,

@@ -32,6 +32,7 @@ macro_rules! displayed_as_str {
     };
 }
 
+mod joining;
 mod lifecycle;
 mod membership;
 mod messages;
@@ -44,6 +45,7 @@ mod resume;
 mod tests;
 pub mod words;
 
+pub use joining::{join_deferral, JoinCase, JoinRule, REPAID_JOIN_AT_MOST};
 pub use membership::MemberState;
 pub use messages::{
     Command, Event, MoveCause, MoveCost, MoveDecision, RankTransfer, RestoredExpert, SnapshotHeld, StepRecord, StopReason, StopReport,
@@ -82,6 +84,8 @@ pub struct JobSpec {
     /// boundary), so that several arrivals share one move (paper §4.3: 2 minutes). A recovery
     /// from a failure takes in every worker waiting at once.
     pub join_wait: Duration,
+    /// Whether joiners are due after `join_wait` or wait longer for a move to ride along.
+    pub join_rule: JoinRule,
     /// Every this many steps the controller weighs a new plan from the loads measured since the
     /// last one and applies it at a step boundary if it repays its move (0: never).
     pub rebalance_every: u64,
@@ -154,6 +158,9 @@ pub struct Controller<S> {
     planned: Option<MoveCause>,
     /// Moves to a new plan made (a drain's two halves count once).
     reconfigurations: u64,
+    /// Of them, those made for another reason than taking joiners in: how often a joiner may
+    /// expect a move to ride along (`joining`).
+    moves_for_others: u64,
     /// Who is in the job and whether each is alive: leases, joiners, notices (`membership`).
     members: membership::Members,
     /// The load monitor and the rebalance it weighs (`rebalance`).
@@ -203,6 +210,7 @@ impl<S: StepRecord> Controller<S> {
             recent: VecDeque::new(),
             planned: None,
             reconfigurations: 0,
+            moves_for_others: 0,
         }
     }
 

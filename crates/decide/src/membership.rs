@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use super::{Command, Controller, Event, MoveCause, NodeId, Phase, StepRecord};
+use super::{Command, Controller, Event, JoinRule, MoveCause, NodeId, Phase, StepRecord};
 
 /// How long a worker may take to say its first word, at most (its lease if longer; never past
 /// the start deadline): its spec has to reach it first ([`Controller::lease_of`]).
@@ -186,9 +186,41 @@ impl<S: StepRecord> Controller<S> {
         self.rank(worker).is_some_and(|i| i >= plan.shape().ranks())
     }
 
-    /// When the workers waiting to join are due to be taken in (None: none wait).
+    /// When the workers waiting to join are due to be taken in (None: none wait); the wait is
+    /// weighed as of the earliest arrival.
     pub(super) fn join_due(&self) -> Option<Instant> {
-        self.members.standby.values().min().map(|&t| t + self.spec.join_wait)
+        let first = *self.members.standby.values().min()?;
+        Some(first + self.join_wait_for(first, self.members.standby.len()))
+    }
+
+    /// How long `joining` workers standing by at `now` wait before the job pauses to take them
+    /// in: the join wait, or under [`JoinRule::WhenRepaid`] the wait for a move to ride along
+    /// ([`Controller::join_deferral`]) if that is longer.
+    pub fn join_wait_for(&self, now: Instant, joining: usize) -> Duration {
+        match self.spec.join_rule {
+            JoinRule::AfterWait => self.spec.join_wait,
+            JoinRule::WhenRepaid { at_most } => self.spec.join_wait.max(self.join_deferral(now, joining, at_most)),
+        }
+    }
+
+    /// [`crate::join_deferral`] for `joining` workers joining this job's members at `now`: the
+    /// last measured move's fixed part, and the moves made for other reasons since the job
+    /// began (what the simulator's joins wait under the rule too).
+    pub fn join_deferral(&self, now: Instant, joining: usize, at_most: Duration) -> Duration {
+        let elapsed = now.saturating_duration_since(self.life.begun).as_secs_f64();
+        let case = crate::JoinCase {
+            fixed_s: self.monitor.move_fixed_s,
+            joining,
+            in_job: self.members.alive.len(),
+            mean_between_moves_s: (self.moves_for_others > 0).then(|| elapsed / self.moves_for_others as f64),
+        };
+        crate::join_deferral(case, at_most)
+    }
+
+    /// Whether workers standing by ride along a rebalance that repays itself (else a weighing
+    /// waits until they are taken in: their move re-plans anyway).
+    pub(super) fn joiners_ride_along(&self) -> bool {
+        matches!(self.spec.join_rule, JoinRule::WhenRepaid { .. })
     }
 
     /// A controller that was not running (paused, descheduled, its host asleep) for more than

@@ -318,7 +318,7 @@ impl<S: StepRecord> Controller<S> {
         if !self.may_move_itself()
             || every == 0
             || self.monitor.steps_since_plan < every
-            || !self.members.standby.is_empty()
+            || (!self.members.standby.is_empty() && !self.joiners_ride_along())
             || self.monitor.weighing.is_some()
         {
             return;
@@ -336,7 +336,7 @@ impl<S: StepRecord> Controller<S> {
     pub(super) fn act_on_a_weighing(&mut self, out: &mut Vec<Command<S>>) {
         let Some(Weighed { epoch, outcome }) = self.monitor.weighed.take() else { return };
         let Some((d, target)) = outcome else { return };
-        if epoch != self.epoch || !self.may_move_itself() || !self.members.standby.is_empty() {
+        if epoch != self.epoch || !self.may_move_itself() || (!self.members.standby.is_empty() && !self.joiners_ride_along()) {
             let why = if epoch != self.epoch { "the job moved meanwhile" } else { "the job cannot move now" };
             self.note(format!("epoch {}: the rebalance weighed at step {} is dropped: {why}", self.job_epoch(self.epoch), d.step));
             return;
@@ -353,6 +353,13 @@ impl<S: StepRecord> Controller<S> {
         ));
         out.push(Command::Rebalance(d));
         if apply {
+            if !self.members.standby.is_empty() {
+                self.note(format!(
+                    "epoch {}: workers {} waiting to join ride along",
+                    self.job_epoch(self.epoch),
+                    crate::words::id_list(self.members.standby.keys().copied())
+                ));
+            }
             self.monitor.rebalance_to = Some(target);
             self.pause(MoveCause::Rebalance, out);
         }

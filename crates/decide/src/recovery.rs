@@ -95,6 +95,7 @@ impl<S: StepRecord> Controller<S> {
                     self.note_move(&m, s.nodes.len());
                     // A drain's hand-over (it holds after it) and its leaving are one move.
                     self.reconfigurations += u64::from(!m.change.hold);
+                    self.moves_for_others += u64::from(!m.change.hold && m.cause != MoveCause::Join);
                     self.adopt(new, m.ranks.clone());
                     out.push(Command::Reconfigure(m));
                     return free_reports(s);

@@ -4,7 +4,8 @@
 //! NCCL time-out, per-GPU batch 4 × 1024 tokens, checkpoints every 50 (DS) / 250 (DS-FT,
 //! Lazarus) steps, rebalancing every 200 steps.
 
-use serde::Serialize;
+use lazarus_decide::JoinRule;
+use serde::{Serialize, Serializer};
 
 use crate::error::SimError;
 
@@ -160,6 +161,11 @@ pub struct CostModel {
     pub rebalance_every: u64,
     /// Joined nodes are used only after this wait, to batch joins (§6.4: 2 minutes).
     pub scale_up_wait_s: f64,
+    /// When Lazarus takes in nodes standing by after that wait: at once (the paper's), or with
+    /// the next move it makes anyway unless waiting costs more than a move of their own
+    /// ([`JoinRule::WhenRepaid`]).
+    #[serde(serialize_with = "join_rule_name")]
+    pub join_rule: JoinRule,
     /// Lazarus's fault-tolerance floor f (replicas per expert), lowered when slots run short.
     pub min_replicas: usize,
     /// How Lazarus's dispatcher spreads tokens over replicas.
@@ -190,11 +196,20 @@ impl Default for CostModel {
             checkpoint_every_lazarus: 250,
             rebalance_every: 200,
             scale_up_wait_s: 120.0,
+            join_rule: JoinRule::AfterWait,
             min_replicas: 2,
             dispatch: Dispatch::Balanced,
             snapshot_bandwidth: 625e6,
         }
     }
+}
+
+/// A join rule as the report names it: `wait` or `repaid`.
+fn join_rule_name<S: Serializer>(rule: &JoinRule, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match rule {
+        JoinRule::AfterWait => "wait",
+        JoinRule::WhenRepaid { .. } => "repaid",
+    })
 }
 
 /// The first of `fields` that is 0, refused for `why`.

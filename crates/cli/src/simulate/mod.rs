@@ -7,12 +7,32 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use lazarus_controller::decisions::{JoinRule, REPAID_JOIN_AT_MOST};
 use lazarus_sim::{
     parse_duration_ms, simulate, CostModel, Dispatch, FailureMix, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace,
 };
 use serde::Serialize;
 
 mod sweep;
+
+/// When a running job takes in workers that joined (`--join-rule`, for `lazarus sim` and
+/// `lazarus controller`): the controller's [`JoinRule`].
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinChoice {
+    /// After the join wait (the paper's rule).
+    Wait,
+    /// With the next move the job makes anyway, or once waiting cost as much as a move.
+    Repaid,
+}
+
+impl JoinChoice {
+    pub fn rule(self) -> JoinRule {
+        match self {
+            JoinChoice::Wait => JoinRule::AfterWait,
+            JoinChoice::Repaid => JoinRule::WhenRepaid { at_most: REPAID_JOIN_AT_MOST },
+        }
+    }
+}
 
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
@@ -115,6 +135,12 @@ pub struct SimArgs {
     /// Joined nodes are used after this wait.
     #[arg(long, value_name = "DUR")]
     scale_up_wait: Option<String>,
+    /// When Lazarus takes in nodes that joined: wait, after --scale-up-wait (the paper's);
+    /// repaid, with the next move it makes anyway (a failure's, a drain's, a rebalance that
+    /// repays itself), or once their idling has cost the job as much as a move of their own
+    /// (rent or buy), at most 30 minutes later.
+    #[arg(long, value_enum, default_value_t = JoinChoice::Wait)]
+    join_rule: JoinChoice,
     /// Steps between DeepSpeed-MoE's storage checkpoints (default 50, the paper's).
     #[arg(long, value_name = "STEPS")]
     checkpoint_every_ds: Option<u64>,
@@ -149,7 +175,7 @@ pub struct SimArgs {
     /// Run the scenario once per value of one setting and compare the policies' ETTR:
     /// KEY=V1,V2,… with KEY one of fail-every, poisson-mtbf, repair, notice-share, max-nodes,
     /// slots-per-gpu, min-replicas, checkpoint-every-lazarus, rebalance-every,
-    /// snapshot-bandwidth, exit-detect, failure-timeout, group-rebuild (at most 16 values).
+    /// snapshot-bandwidth, exit-detect, failure-timeout, group-rebuild, join-rule (at most 16 values).
     #[arg(long, value_name = "KEY=V1,V2,...")]
     sweep: Option<String>,
 }
@@ -298,6 +324,7 @@ fn cost_model(args: &SimArgs) -> Result<CostModel> {
     if let Some(w) = &args.scale_up_wait {
         cost.scale_up_wait_s = dur("scale-up-wait", w)? as f64 / 1000.0;
     }
+    cost.join_rule = args.join_rule.rule();
     override_with(&mut cost.checkpoint_every_ds, args.checkpoint_every_ds);
     override_with(&mut cost.checkpoint_every_ds_ft, args.checkpoint_every_ft);
     override_with(&mut cost.checkpoint_every_lazarus, args.checkpoint_every_lazarus);

@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::{build, named_flag, SimArgs};
 
 /// The settings a sweep may vary.
-const KEYS: [&str; 13] = [
+const KEYS: [&str; 14] = [
     "fail-every",
     "poisson-mtbf",
     "repair",
@@ -25,6 +25,7 @@ const KEYS: [&str; 13] = [
     "exit-detect",
     "failure-timeout",
     "group-rebuild",
+    "join-rule",
 ];
 /// Most values of one sweep (each a whole simulation of every policy).
 const MAX_VALUES: usize = 16;
@@ -53,6 +54,10 @@ fn with_value(args: &SimArgs, key: &str, value: &str) -> Result<SimArgs> {
         "exit-detect" => a.exit_detect = Some(value.to_string()),
         "failure-timeout" => a.failure_timeout = Some(value.to_string()),
         "group-rebuild" => a.group_rebuild = Some(value.to_string()),
+        "join-rule" => {
+            a.join_rule = <super::JoinChoice as clap::ValueEnum>::from_str(value, false)
+                .map_err(|_| anyhow::anyhow!("invalid --sweep join-rule: {value:?} (expected wait or repaid)"))?
+        }
         _ => bail!("invalid --sweep: {key:?} is no setting a sweep varies (one of {})", KEYS.join(", ")),
     }
     Ok(a)
@@ -91,10 +96,14 @@ struct PolicyPoint {
 /// Run the sweep and print (or write) what it found.
 pub(super) fn run_sweep(args: &SimArgs, sweep: &str) -> Result<()> {
     let (key, values) = parse(sweep)?;
+    // Every value's scenario first: a bad value is refused before any simulation runs.
+    let built = values
+        .iter()
+        .map(|value| build(&with_value(args, key, value)?).with_context(|| format!("--sweep {key}={value}")))
+        .collect::<Result<Vec<_>>>()?;
     let mut points: Vec<Vec<PolicyReport>> = Vec::with_capacity(values.len());
-    for value in &values {
-        let (scenario, policies) = build(&with_value(args, key, value)?).with_context(|| format!("--sweep {key}={value}"))?;
-        let reports = policies.iter().map(|&p| simulate(&scenario, p)).collect::<Result<Vec<_>, _>>().map_err(named_flag)?;
+    for (scenario, policies) in &built {
+        let reports = policies.iter().map(|&p| simulate(scenario, p)).collect::<Result<Vec<_>, _>>().map_err(named_flag)?;
         points.push(reports);
     }
     let names: Vec<&'static str> = points.first().map(|r| r.iter().map(|r| r.policy.name()).collect()).unwrap_or_default();

@@ -19,7 +19,7 @@ use lazarus_runtime::{check_plan, validate_worker_config, DispatchMode};
 use serde::Serialize;
 
 use crate::dashboard::{Dashboard, DASHBOARD_PATH};
-use crate::decisions::{Controller, JobSpec, OnLoss};
+use crate::decisions::{Controller, JobSpec, JoinRule, OnLoss};
 use crate::hub::{AgentHub, Joiner};
 use crate::metrics::{JobMetrics, MetricsEndpoint, MetricsServer};
 use crate::service::{snapshot, status_key, status_token, GrpcServer, SharedStatus};
@@ -240,6 +240,8 @@ pub struct AgentsSpec {
     pub max_workers: usize,
     /// How long workers that join wait to be taken in (arrivals within it share one move).
     pub join_wait: Duration,
+    /// Whether they wait only that long, or for a move to ride along ([`JoinRule`]).
+    pub join_rule: JoinRule,
     /// With local agents: nodes to kill and start on schedule (a failure trace replayed).
     pub schedule: Option<NodeSchedule>,
     /// Where the controller saves what a new one needs to take the job back, at every epoch
@@ -388,6 +390,10 @@ fn job_spec(
         join_wait: match hosts {
             Hosts::Agents(a) => a.join_wait,
             Hosts::Local { .. } => DEFAULT_JOIN_WAIT,
+        },
+        join_rule: match hosts {
+            Hosts::Agents(a) => a.join_rule,
+            Hosts::Local { .. } => JoinRule::AfterWait,
         },
         rebalance_every: recoverable.map_or(0, |r| r.rebalance_every),
         total_steps: cfg.steps,
@@ -615,6 +621,7 @@ impl Lifecycle {
             expert_bytes: 0,
             lease: self.lease,
             join_wait: DEFAULT_JOIN_WAIT,
+            join_rule: JoinRule::AfterWait,
             rebalance_every: 0,
             total_steps: 0,
             on_loss: self.on_loss,

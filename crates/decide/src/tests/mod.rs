@@ -38,6 +38,7 @@ fn spec(experts: usize, slots: usize) -> JobSpec {
         expert_bytes: 1000,
         lease: SEC,
         join_wait: 2 * SEC,
+        join_rule: JoinRule::AfterWait,
         rebalance_every: 0,
         total_steps: 1000,
         on_loss: OnLoss::Recover,
@@ -1102,5 +1103,6 @@ fn notes_count_epochs_from_the_start_of_the_job() {
 }
 
 mod at_scale;
+mod joining;
 mod lifecycle;
 mod resume;

@@ -465,7 +465,11 @@ impl<'a, P: FailurePolicy> Run<'a, P> {
         for (k, &r) in ready.iter().enumerate() {
             let count = (in_use + k + 1).min(self.s.max_nodes);
             if self.nodes_usable(count) > in_use {
-                return r.max(self.now);
+                // A running job may let them wait longer for a move to ride along (its
+                // policy's rule, counted with every node standing by then).
+                let standing = ready.iter().filter(|&&x| x <= r.max(self.now)).count();
+                let deferral = if self.config.is_some() { self.p.join_deferral_s(self, standing, r) } else { 0.0 };
+                return (r + deferral).max(self.now);
             }
         }
         f64::INFINITY

@@ -1,4 +1,6 @@
 use super::*;
+use lazarus_decide::JoinRule;
+use std::time::Duration;
 
 fn scenario(model: &str, trace: Trace, minutes: f64) -> Scenario {
     Scenario {
@@ -385,4 +387,34 @@ fn the_balanced_dispatchers_step_is_never_longer_than_the_even_splits() {
     let balanced = Lazarus::new().imbalance(&cost(crate::Dispatch::Balanced), &plan, &loads);
     let even = Lazarus::new().imbalance(&cost(crate::Dispatch::EvenSplit), &plan, &loads);
     assert!((1.0..=even + 1e-9).contains(&balanced), "λ*/mean {balanced}, even split {even}");
+}
+
+/// Where moves come often (a failure in the first 2 minutes, against 30 s moves and one node
+/// joining 7: 240 s of idling to cost one), a node that comes back waits for the next move the
+/// job makes anyway (here a failure 30 s later) instead of a move of its own; with no move
+/// before then, it is taken in on its own once its idling has cost a move.
+#[test]
+fn under_rent_or_buy_a_returning_node_rides_along_the_next_failure() {
+    let run = |changes: &str, rule: JoinRule| {
+        let mut s = scenario("gpt-s", nodes_then(8, changes), 10.0);
+        (s.max_nodes, s.cost.scale_up_wait_s, s.cost.join_rule) = (8, 0.0, rule);
+        (s.cost.rebalance_s, s.cost.group_rebuild_s) = (30.0, 30.0);
+        let r = simulate(&s, Policy::Lazarus).unwrap();
+        assert!((r.breakdown.total() - s.duration_s).abs() < 1e-6 * s.duration_s, "{:?}", r.breakdown);
+        r
+    };
+    let repaid = JoinRule::WhenRepaid { at_most: Duration::from_secs(1800) };
+    let two_failures = "60000,remove,n1\n120000,add,n1\n150000,remove,n2\n";
+    let (wait, rent) = (run(two_failures, JoinRule::AfterWait), run(two_failures, repaid));
+    assert_eq!((wait.restarts, wait.reconfigurations), (0, 3), "two failures and a join: {:?}", wait.nodes_in_use);
+    assert_eq!((rent.restarts, rent.reconfigurations), (0, 2), "the join rode along: {:?}", rent.nodes_in_use);
+    assert_eq!(rent.nodes_in_use.last().map(|x| x.1), Some(7));
+    assert!(rent.ettr > wait.ettr, "{} vs {}", rent.ettr, wait.ettr);
+    // Nothing to ride along: taken in once waiting cost a move, not at once.
+    let one_failure = "60000,remove,n1\n120000,add,n1\n";
+    let (wait, rent) = (run(one_failure, JoinRule::AfterWait), run(one_failure, repaid));
+    let back = |r: &PolicyReport| r.nodes_in_use.iter().find(|&&(t, n)| t > 60.0 && n == 8).map(|x| x.0);
+    let (at_once, later) = (back(&wait).unwrap(), back(&rent).unwrap());
+    assert!(at_once < 125.0 && (360.0..375.0).contains(&later), "{at_once} {later}");
+    assert_eq!(rent.reconfigurations, 2);
 }

@@ -36,6 +36,12 @@ pub struct ControllerArgs {
     /// arrivals share one move (default 120, as in the paper; a failure takes it in at once).
     #[arg(long, value_name = "SECONDS")]
     pub join_wait: Option<f64>,
+    /// When a node that joins is taken in: `wait`, after --join-wait; `repaid`, with the next
+    /// move the job makes anyway (a failure's, a drain's, a rebalance that repays itself), or
+    /// once its idling has cost the job as much as a move of its own (the measured pause and
+    /// rendezvous), at most 30 minutes.
+    #[arg(long, value_enum, default_value_t = crate::simulate::JoinChoice::Wait)]
+    pub join_rule: crate::simulate::JoinChoice,
     /// Take back the running job a lost controller saved in --checkpoint-dir
     /// (controller-state.json): start this with the same flags, --listen and secret; the agents,
     /// waiting with their workers paused (lazarus agent --controller-grace), re-attach, and
@@ -118,6 +124,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
         wait,
         max_workers,
         join_wait,
+        join_rule: args.join_rule.rule(),
         schedule: None,
         state_file: None,
         resume: None,
@@ -157,6 +164,7 @@ pub fn run_controller(args: &ControllerArgs) -> Result<()> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use lazarus_controller::decisions::JoinRule;
 
     #[derive(Parser)]
     struct Cli {
@@ -231,10 +239,23 @@ mod tests {
         assert_eq!(a.listen.as_deref(), Some("0.0.0.0:7070"));
         assert_eq!((a.train.workers, a.train.gpus_per_node, a.max_workers), (Some(16), Some(4), Some(32)), "the flag wins");
         assert_eq!((a.join_wait, a.wait_agents, a.train.lease, a.train.heartbeat), (Some(120.0), Some(600.0), Some(1.0), Some(0.2)));
+        assert_eq!(a.join_rule.rule(), JoinRule::AfterWait, "the paper's rule unless asked");
         assert_eq!(a.secret_file.as_deref(), Some(std::path::Path::new("/etc/lazarus/job.secret")));
         // The training settings of the same file.
         let cfg = crate::train::args::build_config(&a.train).unwrap();
         assert_eq!((cfg.steps, cfg.model.n_experts, cfg.checkpoint_every), (2000, 16, 100));
+    }
+
+    #[test]
+    fn joiners_ride_along_moves_when_asked() {
+        let a = parse(&["--join-rule", "repaid"]);
+        assert_eq!(a.join_rule.rule(), JoinRule::WhenRepaid { at_most: lazarus_controller::decisions::REPAID_JOIN_AT_MOST });
+        let (path, d) = config_file("join-rule", "[controller]\njoin_rule = \"repaid\"\n");
+        let a = with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap();
+        assert_eq!(a.join_rule, crate::simulate::JoinChoice::Repaid);
+        let _ = std::fs::remove_dir_all(&d);
+        let e = try_parse(&["--join-rule", "later"]).unwrap_err();
+        assert!(e.contains("--join-rule") && e.contains("later") && e.contains("repaid"), "{e}");
     }
 
     #[test]

@@ -167,6 +167,7 @@ pub fn run_train_workers(args: &TrainArgs, run_dir: Option<&Path>) -> Result<()>
                 wait: LOCAL_AGENTS_WITHIN,
                 max_workers: most_nodes * g,
                 join_wait: lazarus_controller::control_loop::DEFAULT_JOIN_WAIT.mul_f64(scale),
+                join_rule: lazarus_controller::decisions::JoinRule::AfterWait,
                 schedule,
                 state_file: None,
                 resume: None,

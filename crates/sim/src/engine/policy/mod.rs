@@ -123,6 +123,13 @@ pub(super) trait FailurePolicy: Sized {
     /// `nodes_usable` of them (more than are in use).
     fn scale_up(&self, run: &mut Run<'_, Self>, nodes: Vec<String>) -> Result<(), SimError>;
 
+    /// Seconds nodes standing by since `ready_at` (`joining` of them) wait beyond the scale-up
+    /// wait before the job moves to take them in; a move made before then for another reason
+    /// takes them along (0: no longer than the scale-up wait).
+    fn join_deferral_s(&self, _run: &Run<'_, Self>, _joining: usize, _ready_at: f64) -> f64 {
+        0.0
+    }
+
     /// How much the most loaded GPU stretches the expert part of a step under `config`, averaged
     /// over layers: 1 is perfect balance (`loads[layer][expert]`, each layer summing to 1).
     fn imbalance(&self, cost: &CostModel, config: &Self::Config, loads: &[Vec<f64>]) -> f64;

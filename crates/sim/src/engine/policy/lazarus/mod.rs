@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use lazarus_decide::SnapshotHeld;
 use std::time::{Duration, Instant};
 
-use lazarus_decide::{Command, Controller, Event, JobSpec, MoveCost, MoveDecision, NodeId, OnLoss, StepRecord, StopReport};
+use lazarus_decide::{Command, Controller, Event, JobSpec, JoinRule, MoveCost, MoveDecision, NodeId, OnLoss, StepRecord, StopReport};
 use lazarus_plan::{plan_model, ClusterShape, ModelPlan, Placement, PlanPolicy};
 
 use super::FailurePolicy;
@@ -235,7 +235,10 @@ impl Shell {
             policy: policy(c),
             expert_bytes: m.expert_state_bytes as u64,
             lease: LEASE,
+            // The engine times the joins (its scale-up wait, and the rent-or-buy wait the
+            // controller works out: `join_deferral_s`): they are due when told.
             join_wait: Duration::ZERO,
+            join_rule: JoinRule::AfterWait,
             rebalance_every: c.rebalance_every,
             total_steps: (run.s.duration_s / m.balanced_step_s).ceil() as u64,
             on_loss: OnLoss::Recover,
@@ -434,18 +437,35 @@ impl FailurePolicy for Lazarus {
     }
 
     /// The controller weighs a plan from the loads measured since the last one; it pauses the
-    /// job and moves only if the move repays itself.
+    /// job and moves only if the move repays itself. Under [`JoinRule::WhenRepaid`] the nodes
+    /// standing by ride along (and the move rebuilds the groups, as a join's does).
     fn rebalance(&self, run: &mut Run<'_, Self>) -> Result<(), SimError> {
         let mut out = self.report_steps(run)?;
+        let ride_along = matches!(run.cost().join_rule, JoinRule::WhenRepaid { .. });
+        let joiners: Vec<String> = if ride_along { run.with_joiners(run.used.clone()).split_off(run.used.len()) } else { Vec::new() };
         let (now, step) = (self.at(run.now), run.step);
+        let mut joined = false;
         let outcome = self.with_shell(|sh| {
             if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
+                for n in &joiners {
+                    joined = true;
+                    out.extend(sh.join(now, n));
+                }
                 out.extend(sh.say_where_stopped(now, step, &mut HashMap::new()));
             }
             sh.outcome(now, &out)
         });
-        let fixed = run.cost().rebalance_s;
+        let c = run.cost();
+        let fixed = if joined { c.rebalance_s.max(c.group_rebuild_s) } else { c.rebalance_s };
         self.carry_out(run, outcome.unwrap_or(Outcome::Stay), Busy::Rebalance, fixed)
+    }
+
+    /// Under [`JoinRule::WhenRepaid`], the controller's own wait for a move to ride along, for
+    /// `joining` nodes' workers (the simulated job's join wait is the engine's scale-up wait).
+    fn join_deferral_s(&self, run: &Run<'_, Self>, joining: usize, ready_at: f64) -> f64 {
+        let JoinRule::WhenRepaid { at_most } = run.cost().join_rule else { return 0.0 };
+        let (workers, now) = (joining * run.cost().gpus_per_node, self.at(ready_at));
+        self.with_shell(|sh| sh.ctl.join_deferral(now, workers, at_most).as_secs_f64()).unwrap_or(0.0)
     }
 
     /// The failed nodes' workers exit, usable joiners stand by, the survivors say where they
