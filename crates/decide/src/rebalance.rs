@@ -203,6 +203,22 @@ pub struct RebalanceDecision {
     /// none from the decision core).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weigh_s: Option<f64>,
+    /// A skip whose gain could not repay even a move's fixed part: the move was not sized, so
+    /// `transfers` and `transfer_bytes` are 0 and the costs that fixed part only.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub not_sized: bool,
+}
+
+impl RebalanceDecision {
+    /// What the move costs, as people read it: its seconds and transfers, or — not sized — at
+    /// least its fixed part.
+    pub fn cost_said(&self) -> String {
+        if self.not_sized {
+            format!("a move of at least {:.2} s (not sized: the gain cannot pay even that)", self.cost_s)
+        } else {
+            format!("a move of {:.2} s ({} expert moves, {:.1} MB)", self.cost_s, self.transfers, self.transfer_bytes as f64 / 1e6)
+        }
+    }
 }
 
 /// What the controller does with a rebalance it weighed.
@@ -248,6 +264,12 @@ impl RebalanceCase {
         self.fixed_s + bytes as f64 * self.seconds_per_byte
     }
 
+    /// The most any set of layers could save: every changed layer that gains, whatever its
+    /// bytes. A move whose fixed part this does not exceed cannot repay itself.
+    pub fn most_gain_s(&self) -> f64 {
+        self.changed().into_iter().map(|l| self.gain_s(&[l])).sum()
+    }
+
     /// Every layer the candidate changes.
     pub fn changed(&self) -> Vec<usize> {
         (0..self.layers.len()).filter(|&l| self.layers[l].differs).collect()
@@ -291,6 +313,7 @@ impl RebalanceCase {
             transfer_bytes: shown.iter().map(|&l| self.layers[l].bytes).sum(),
             layers: moved,
             weigh_s: None,
+            not_sized: false,
         }
     }
 }
@@ -366,7 +389,7 @@ impl<S: StepRecord> Controller<S> {
     }
 
     /// What a weighing reads, taken now (None: no loads measured, or no plan).
-    fn weighing_request(&self) -> Option<Weighing> {
+    pub(crate) fn weighing_request(&self) -> Option<Weighing> {
         let step_s = self.monitor.step_s().filter(|_| self.monitor.measured())?;
         Some(Weighing {
             epoch: self.epoch,
@@ -422,6 +445,12 @@ impl Weighing {
     }
 
     fn decide(&self) -> Option<(RebalanceDecision, ModelPlan)> {
+        self.decide_sizing(false)
+    }
+
+    /// [`Weighing::decide`]; `always_size`: size the move even where its gain cannot repay its
+    /// fixed part (the oracle the skip without sizing is tested against).
+    pub(crate) fn decide_sizing(&self, always_size: bool) -> Option<(RebalanceDecision, ModelPlan)> {
         let current = &self.current;
         let layers = current.layers().len();
         // Past the exact search's size (a policy that keeps survivors) the running plan
@@ -431,6 +460,29 @@ impl Weighing {
         // Past MAPPED_FROM_NODES, plan node q stays on the node at position q: no search for the
         // mapping that moves least.
         let in_place = current.shape().nodes >= MAPPED_FROM_NODES;
+        // λ* of every layer now and under the candidate as planned, layers on every core (a
+        // max-flow each: at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is
+        // computed once. Where the nodes go does not change a λ*: if even the whole gain cannot
+        // repay a move's fixed part, the move is skipped without being sized (the mapping and
+        // the fetches: most of a weighing at a hundred nodes, and most weighings skip).
+        let jobs: Vec<usize> = (0..layers).collect();
+        let measured = &self.loads;
+        let planned = lazarus_plan::parallel::map_in_order(&jobs, |&l| {
+            let (now, loads) = (&current.layers()[l], &measured[l]);
+            let before = now.load_balance(loads)?;
+            let after = if candidate.layers()[l] == *now { before } else { candidate.layers()[l].load_balance(loads)? };
+            Ok::<_, lazarus_plan::PlanError>((before, after))
+        })
+        .ok()?;
+        if !in_place && !always_size {
+            let not_sized = |l: usize| (candidate.layers()[l] != current.layers()[l], 0, 0);
+            let case = self.case(&planned, not_sized);
+            if case.most_gain_s() <= self.fixed_s {
+                let mut d = case.decide(self.step);
+                d.not_sized = true;
+                return Some((d, current.clone()));
+            }
+        }
         // What each node holds now: its plan position's experts (positions on every core).
         let positions: Vec<(usize, u64)> = self.position_node.iter().copied().enumerate().collect();
         let Ok(held) = lazarus_plan::parallel::map_in_order(&positions, |&(q, node)| {
@@ -467,40 +519,22 @@ impl Weighing {
             let fetches = size.per_layer;
             (aligned, fetches)
         };
-        // λ* of every layer now and under the candidate, layers on every core (a max-flow each:
-        // at 1,024 GPUs the bulk of the weighing); a layer the candidate keeps is computed once.
-        let jobs: Vec<usize> = (0..layers).collect();
-        let measured = &self.loads;
+        // The aligned candidate's λ* (the same placements, their nodes where the mapping puts
+        // them): made again only for a layer that is not the candidate's own, so that a move's
+        // figures are those of the placements it moves to.
         let balances = lazarus_plan::parallel::map_in_order(&jobs, |&l| {
-            let (now, loads) = (&current.layers()[l], &measured[l]);
-            let before = now.load_balance(loads)?;
-            let after = if aligned[l] == *now { before } else { aligned[l].load_balance(loads)? };
+            let (before, after) = planned[l];
+            let after = if aligned[l] == current.layers()[l] {
+                before
+            } else if aligned[l] == candidate.layers()[l] {
+                after
+            } else {
+                aligned[l].load_balance(&measured[l])?
+            };
             Ok::<_, lazarus_plan::PlanError>((before, after))
         })
         .ok()?;
-        let mut cases = Vec::new();
-        let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
-        for (l, &(before, after)) in balances.iter().enumerate() {
-            imbalance_before += before.imbalance();
-            imbalance_after += after.imbalance();
-            cases.push(LayerCase {
-                differs: aligned[l] != current.layers()[l],
-                bottleneck_before: before.bottleneck,
-                bottleneck_after: after.bottleneck,
-                transfers: fetches[l].0,
-                bytes: fetches[l].1,
-            });
-        }
-        let n = layers.max(1) as f64;
-        let case = RebalanceCase {
-            step_s: self.step_s,
-            horizon_steps: self.horizon_steps,
-            layers: cases,
-            imbalance_before: imbalance_before / n,
-            imbalance_after: imbalance_after / n,
-            seconds_per_byte: self.seconds_per_byte,
-            fixed_s: self.fixed_s,
-        };
+        let case = self.case(&balances, |l| (aligned[l] != current.layers()[l], fetches[l].0, fetches[l].1));
         let mut d = case.decide(self.step);
         // The plan it moves to: the candidate's layers that move, the current plan's others.
         let mixed: Vec<Placement> =
@@ -513,9 +547,38 @@ impl Weighing {
                 .enumerate()
                 .map(|(l, (before, after))| if d.layers.contains(&l) { after } else { before }.imbalance())
                 .sum();
-            d.imbalance_after = sum / n;
+            d.imbalance_after = sum / layers.max(1) as f64;
         }
         Some((d, target))
+    }
+}
+
+impl Weighing {
+    /// The case of a move with these λ* (now, after) per layer, and per layer whether it
+    /// changes, its transfers and bytes (`moves`).
+    fn case(
+        &self,
+        balances: &[(lazarus_plan::LoadBalance, lazarus_plan::LoadBalance)],
+        moves: impl Fn(usize) -> (bool, usize, u64),
+    ) -> RebalanceCase {
+        let mut cases = Vec::new();
+        let (mut imbalance_before, mut imbalance_after) = (0.0, 0.0);
+        for (l, &(before, after)) in balances.iter().enumerate() {
+            imbalance_before += before.imbalance();
+            imbalance_after += after.imbalance();
+            let (differs, transfers, bytes) = moves(l);
+            cases.push(LayerCase { differs, bottleneck_before: before.bottleneck, bottleneck_after: after.bottleneck, transfers, bytes });
+        }
+        let n = balances.len().max(1) as f64;
+        RebalanceCase {
+            step_s: self.step_s,
+            horizon_steps: self.horizon_steps,
+            layers: cases,
+            imbalance_before: imbalance_before / n,
+            imbalance_after: imbalance_after / n,
+            seconds_per_byte: self.seconds_per_byte,
+            fixed_s: self.fixed_s,
+        }
     }
 }
 

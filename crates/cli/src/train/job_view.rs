@@ -144,15 +144,13 @@ impl JobView {
             other => other.as_str().to_string(),
         };
         tracing::info!(
-            "rebalance at step {}: {what} — imbalance {:.3} → {:.3}, {} expert moves ({:.1} MB); predicted gain {:.2} s over {} steps against a move of {:.2} s",
+            "rebalance at step {}: {what} — imbalance {:.3} → {:.3}; predicted gain {:.2} s over {} steps against {}",
             d.step,
             d.imbalance_before,
             d.imbalance_after,
-            d.transfers,
-            d.transfer_bytes as f64 / 1e6,
             d.gain_s,
             d.horizon_steps,
-            d.cost_s
+            d.cost_said()
         );
         self.reporter.record(d)
     }

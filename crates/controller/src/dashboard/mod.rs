@@ -155,8 +155,14 @@ impl History {
             }
             TrainEvent::Rebalance(d) => {
                 let text = format!(
-                    "rebalance weighed at step {}: {} (imbalance {:.2} → {:.2}; gain {:.3} s over {} steps against a move of {:.3} s, {} transfers)",
-                    d.step, d.decision, d.imbalance_before, d.imbalance_after, d.gain_s, d.horizon_steps, d.cost_s, d.transfers
+                    "rebalance weighed at step {}: {} (imbalance {:.2} → {:.2}; gain {:.3} s over {} steps against {})",
+                    d.step,
+                    d.decision,
+                    d.imbalance_before,
+                    d.imbalance_after,
+                    d.gain_s,
+                    d.horizon_steps,
+                    d.cost_said()
                 );
                 Some(said("weighed", Some(d.step), text, None))
             }

@@ -368,6 +368,54 @@ fn a_rebalance_that_would_not_repay_its_move_is_skipped_and_reported() {
     assert_eq!(d.decision, RebalanceVerdict::Skip, "{d:?}");
     assert!(d.gain_s < d.cost_s);
     assert!(c.running() && c.epoch() == 0);
+    // The gain does not pay even the move's fixed part (50 ms): the move is not sized.
+    assert!(d.not_sized && d.gain_s < 0.05 && d.cost_s == 0.05 && (d.transfers, d.transfer_bytes) == (0, 0), "{d:?}");
+    assert!(d.imbalance_after < d.imbalance_before, "the candidate's imbalance is still said: {d:?}");
+    // One that pays the fixed part but not its bytes (1 ms a byte) is sized, and says so.
+    let mut c = running(3, 4, 2, t0);
+    c.spec.rebalance_every = 4;
+    c.monitor.seconds_per_byte = 1e-3;
+    let out: Vec<Command> = (1..=4)
+        .flat_map(|step| {
+            c.decide_inline(t0, Event::StepDone { epoch: 0, step, steps: 1, loads: vec![vec![97, 1, 1, 1]; 2], seconds: 2.0, moved: None })
+        })
+        .collect();
+    let [Command::Rebalance(d)] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(d.decision, RebalanceVerdict::Skip, "{d:?}");
+    assert!(!d.not_sized && d.gain_s > 0.05 && d.transfers > 0 && d.cost_s == 0.05 + d.transfer_bytes as f64 * 1e-3, "{d:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// A weighing that skips without sizing the move decides what sizing it would have: the
+    /// same verdict and layers, whatever the loads, step time and costs.
+    #[test]
+    fn skipping_without_sizing_decides_as_sizing_would(
+        nodes in 2usize..6,
+        loads in prop::collection::vec(0u64..100, 8),
+        step_s in prop_oneof![Just(1e-6), 1e-3f64..10.0],
+        fixed_s in 0.0f64..5.0,
+        per_byte in prop_oneof![Just(0.0), 1e-9f64..1e-2],
+    ) {
+        let t0 = Instant::now();
+        let mut c = running(nodes, 4, 3, t0);
+        c.spec.rebalance_every = 1;
+        (c.monitor.move_fixed_s, c.monitor.seconds_per_byte) = (fixed_s, per_byte);
+        let loads = vec![loads[..4].to_vec(), loads[4..].to_vec()];
+        c.monitor.record(&loads, 1, step_s);
+        c.last_step = 1;
+        let w = c.weighing_request().unwrap();
+        let (quick, _) = w.decide_sizing(false).unwrap();
+        let (sized, _) = w.decide_sizing(true).unwrap();
+        prop_assert_eq!((quick.decision, &quick.layers), (sized.decision, &sized.layers));
+        prop_assert_eq!(quick.imbalance_before, sized.imbalance_before);
+        if quick.not_sized {
+            prop_assert_eq!(quick.decision, RebalanceVerdict::Skip);
+            prop_assert!(sized.gain_s - sized.cost_s <= 0.0);
+        } else {
+            prop_assert_eq!(quick, sized);
+        }
+    }
 }
 
 /// The commands of `steps` done at `epoch`, 2 s each, with two layers' loads all but on expert
