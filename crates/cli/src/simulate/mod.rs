@@ -21,7 +21,8 @@ mod sweep;
 pub enum JoinChoice {
     /// After the join wait (the paper's rule).
     Wait,
-    /// With the next move the job makes anyway, or once waiting cost as much as a move.
+    /// Where moves come often, with the next one the job makes anyway (at most until waiting
+    /// cost as much as a move).
     Repaid,
 }
 
@@ -136,9 +137,9 @@ pub struct SimArgs {
     #[arg(long, value_name = "DUR")]
     scale_up_wait: Option<String>,
     /// When Lazarus takes in nodes that joined: wait, after --scale-up-wait (the paper's);
-    /// repaid, with the next move it makes anyway (a failure's, a drain's, a rebalance that
-    /// repays itself), or once their idling has cost the job as much as a move of their own
-    /// (rent or buy), at most 30 minutes later.
+    /// repaid, where moves come often enough that waiting for one costs less than a move of
+    /// their own, with the next move it makes anyway (a failure's, a drain's, a rebalance that
+    /// repays itself) — at most until their idling has cost that much (rent or buy), 30 minutes.
     #[arg(long, value_enum, default_value_t = JoinChoice::Wait)]
     join_rule: JoinChoice,
     /// Steps between DeepSpeed-MoE's storage checkpoints (default 50, the paper's).

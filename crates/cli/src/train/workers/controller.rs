@@ -36,10 +36,10 @@ pub struct ControllerArgs {
     /// arrivals share one move (default 120, as in the paper; a failure takes it in at once).
     #[arg(long, value_name = "SECONDS")]
     pub join_wait: Option<f64>,
-    /// When a node that joins is taken in: `wait`, after --join-wait; `repaid`, with the next
-    /// move the job makes anyway (a failure's, a drain's, a rebalance that repays itself), or
-    /// once its idling has cost the job as much as a move of its own (the measured pause and
-    /// rendezvous), at most 30 minutes.
+    /// When a node that joins is taken in: `wait`, after --join-wait; `repaid`, where moves come
+    /// often enough that waiting for one costs less than a move of its own (the measured pause
+    /// and rendezvous), with the next move the job makes anyway (a failure's, a drain's, a
+    /// rebalance that repays itself) — at most until its idling has cost that much, 30 minutes.
     #[arg(long, value_enum, default_value_t = crate::simulate::JoinChoice::Wait)]
     pub join_rule: crate::simulate::JoinChoice,
     /// Take back the running job a lost controller saved in --checkpoint-dir
