@@ -154,30 +154,39 @@ pub struct Placement {
     /// nodes a model's plan is a quarter of a million slots in seven thousand lists, copied by
     /// every weighing and move that keeps a layer as it is.
     nodes: Arc<Vec<Vec<ExpertId>>>,
-    /// The experts–GPUs graph of λ* ([`Placement::load_balance`]), made on first use.
+    /// The experts–GPUs graph of λ* ([`Placement::load_balance`]) and the replica counts, made
+    /// on first use.
     #[serde(skip)]
-    gpu_graph: GpuGraph,
+    derived: Derived,
 }
 
-/// A placement's experts–GPUs graph ([`crate::balance::Bipartite`]), made on first use and
-/// shared by the placement's clones: a placement's slots never change once made, and its λ* is
-/// asked under every load epoch it runs through (in a simulated day at a thousand GPUs, making
-/// the graph each time was as much work as the flow). Not part of what a placement is: any two
-/// are equal here, and it is not written.
+/// What a placement's slots give, made on first use and shared by the placement's clones: a
+/// placement's slots never change once made. Its experts–GPUs graph
+/// ([`crate::balance::Bipartite`]): its λ* is asked under every load epoch it runs through (in
+/// a simulated day at a thousand GPUs, making the graph each time was as much work as the
+/// flow); its replica counts, asked by every re-plan of every layer (a pass over every slot
+/// each time was 3% of that day). Not part of what a placement is: any two are equal here, and
+/// it is not written.
 #[derive(Clone, Default)]
-struct GpuGraph(Arc<OnceLock<crate::balance::Bipartite>>);
+struct Derived(Arc<DerivedCells>);
 
-impl PartialEq for GpuGraph {
+#[derive(Default)]
+struct DerivedCells {
+    graph: OnceLock<crate::balance::Bipartite>,
+    counts: OnceLock<Vec<usize>>,
+}
+
+impl PartialEq for Derived {
     fn eq(&self, _: &Self) -> bool {
         true
     }
 }
 
-impl Eq for GpuGraph {}
+impl Eq for Derived {}
 
-impl fmt::Debug for GpuGraph {
+impl fmt::Debug for Derived {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.0.get().is_some() { "made" } else { "not made" })
+        f.write_str(if self.0.graph.get().is_some() { "made" } else { "not made" })
     }
 }
 
@@ -219,7 +228,7 @@ impl Placement {
 
     /// A placement of slots already checked (by [`Placement::from_nodes`] or made by a planner).
     pub(crate) fn made(shape: ClusterShape, experts: usize, nodes: Vec<Vec<ExpertId>>) -> Self {
-        Placement { shape, experts, nodes: Arc::new(nodes), gpu_graph: GpuGraph::default() }
+        Placement { shape, experts, nodes: Arc::new(nodes), derived: Derived::default() }
     }
 
     pub fn shape(&self) -> ClusterShape {
@@ -245,7 +254,7 @@ impl Placement {
     /// longer than perfectly balanced the experts' step takes on this plan.
     pub fn load_balance(&self, loads: &[f64]) -> Result<crate::balance::LoadBalance, PlanError> {
         validate_loads(loads, self.experts)?;
-        let graph = self.gpu_graph.0.get_or_init(|| {
+        let graph = self.derived.0.graph.get_or_init(|| {
             crate::balance::Bipartite::of_pairs(&gpus::gpu_pairs(&self.nodes, self.shape), self.experts, self.shape.ranks())
         });
         crate::balance::min_max_load_on(graph, loads)
@@ -270,9 +279,12 @@ impl Placement {
 
     /// r_e: replicas of each expert.
     pub fn replica_counts(&self) -> Vec<usize> {
-        let mut r = vec![0; self.experts];
-        self.nodes.iter().flatten().for_each(|&e| r[e] += 1);
-        r
+        let counts = self.derived.0.counts.get_or_init(|| {
+            let mut r = vec![0; self.experts];
+            self.nodes.iter().flatten().for_each(|&e| r[e] += 1);
+            r
+        });
+        counts.clone()
     }
 
     /// R[e][rank]: replicas of expert e on worker rank (node·G + gpu) — Algorithm 1's input.
