@@ -17,6 +17,7 @@ mod evaluate;
 mod export;
 mod generate;
 mod io;
+mod join_rule;
 mod moe_bench;
 mod planning;
 mod report;

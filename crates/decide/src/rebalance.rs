@@ -551,9 +551,7 @@ impl Weighing {
         }
         Some((d, target))
     }
-}
 
-impl Weighing {
     /// The case of a move with these λ* (now, after) per layer, and per layer whether it
     /// changes, its transfers and bytes (`moves`).
     fn case(

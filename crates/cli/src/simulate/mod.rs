@@ -5,35 +5,15 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::join_rule::JoinChoice;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use lazarus_controller::decisions::{JoinRule, REPAID_JOIN_AT_MOST};
 use lazarus_sim::{
     parse_duration_ms, simulate, CostModel, Dispatch, FailureMix, LoadModel, ModelSpec, Notices, Policy, PolicyReport, Scenario, Trace,
 };
 use serde::Serialize;
 
 mod sweep;
-
-/// When a running job takes in workers that joined (`--join-rule`, for `lazarus sim` and
-/// `lazarus controller`): the controller's [`JoinRule`].
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JoinChoice {
-    /// After the join wait (the paper's rule).
-    Wait,
-    /// Where moves come often, with the next one the job makes anyway (at most until waiting
-    /// cost as much as a move).
-    Repaid,
-}
-
-impl JoinChoice {
-    pub fn rule(self) -> JoinRule {
-        match self {
-            JoinChoice::Wait => JoinRule::AfterWait,
-            JoinChoice::Repaid => JoinRule::WhenRepaid { at_most: REPAID_JOIN_AT_MOST },
-        }
-    }
-}
 
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {

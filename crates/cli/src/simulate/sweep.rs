@@ -55,7 +55,7 @@ fn with_value(args: &SimArgs, key: &str, value: &str) -> Result<SimArgs> {
         "failure-timeout" => a.failure_timeout = Some(value.to_string()),
         "group-rebuild" => a.group_rebuild = Some(value.to_string()),
         "join-rule" => {
-            a.join_rule = <super::JoinChoice as clap::ValueEnum>::from_str(value, false)
+            a.join_rule = <crate::join_rule::JoinChoice as clap::ValueEnum>::from_str(value, false)
                 .map_err(|_| anyhow::anyhow!("invalid --sweep join-rule: {value:?} (expected wait or repaid)"))?
         }
         _ => bail!("invalid --sweep: {key:?} is no setting a sweep varies (one of {})", KEYS.join(", ")),

@@ -40,8 +40,8 @@ pub struct ControllerArgs {
     /// often enough that waiting for one costs less than a move of its own (the measured pause
     /// and rendezvous), with the next move the job makes anyway (a failure's, a drain's, a
     /// rebalance that repays itself) — at most until its idling has cost that much, 30 minutes.
-    #[arg(long, value_enum, default_value_t = crate::simulate::JoinChoice::Wait)]
-    pub join_rule: crate::simulate::JoinChoice,
+    #[arg(long, value_enum, default_value_t = crate::join_rule::JoinChoice::Wait)]
+    pub join_rule: crate::join_rule::JoinChoice,
     /// Take back the running job a lost controller saved in --checkpoint-dir
     /// (controller-state.json): start this with the same flags, --listen and secret; the agents,
     /// waiting with their workers paused (lazarus agent --controller-grace), re-attach, and
@@ -252,7 +252,7 @@ mod tests {
         assert_eq!(a.join_rule.rule(), JoinRule::WhenRepaid { at_most: lazarus_controller::decisions::REPAID_JOIN_AT_MOST });
         let (path, d) = config_file("join-rule", "[controller]\njoin_rule = \"repaid\"\n");
         let a = with_config_table(&parse(&["--config", path.to_str().unwrap()])).unwrap();
-        assert_eq!(a.join_rule, crate::simulate::JoinChoice::Repaid);
+        assert_eq!(a.join_rule, crate::join_rule::JoinChoice::Repaid);
         let _ = std::fs::remove_dir_all(&d);
         let e = try_parse(&["--join-rule", "later"]).unwrap_err();
         assert!(e.contains("--join-rule") && e.contains("later") && e.contains("repaid"), "{e}");

@@ -441,14 +441,13 @@ impl FailurePolicy for Lazarus {
     /// standing by ride along (and the move rebuilds the groups, as a join's does).
     fn rebalance(&self, run: &mut Run<'_, Self>) -> Result<(), SimError> {
         let mut out = self.report_steps(run)?;
-        let ride_along = matches!(run.cost().join_rule, JoinRule::WhenRepaid { .. });
+        let paused = out.iter().any(|c| matches!(c, Command::Pause { .. }));
+        let ride_along = paused && matches!(run.cost().join_rule, JoinRule::WhenRepaid { .. });
         let joiners: Vec<String> = if ride_along { run.with_joiners(run.used.clone()).split_off(run.used.len()) } else { Vec::new() };
         let (now, step) = (self.at(run.now), run.step);
-        let mut joined = false;
         let outcome = self.with_shell(|sh| {
-            if out.iter().any(|c| matches!(c, Command::Pause { .. })) {
+            if paused {
                 for n in &joiners {
-                    joined = true;
                     out.extend(sh.join(now, n));
                 }
                 out.extend(sh.say_where_stopped(now, step, &mut HashMap::new()));
@@ -456,7 +455,7 @@ impl FailurePolicy for Lazarus {
             sh.outcome(now, &out)
         });
         let c = run.cost();
-        let fixed = if joined { c.rebalance_s.max(c.group_rebuild_s) } else { c.rebalance_s };
+        let fixed = if joiners.is_empty() { c.rebalance_s } else { c.rebalance_s.max(c.group_rebuild_s) };
         self.carry_out(run, outcome.unwrap_or(Outcome::Stay), Busy::Rebalance, fixed)
     }
 
